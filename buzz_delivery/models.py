@@ -1,0 +1,318 @@
+"""Models of buzz_delivery (SPEC section 3).
+
+Every invariant that matters is enforced by PostgreSQL itself: the CHECK and
+UNIQUE constraints and partial indexes below, the tenant-consistent composite
+foreign keys and the write-fence function added by migration ``0002``, and the
+triggers declared in ``Meta.triggers`` (django-pgtrigger). The Python layer
+relies on them; it does not repeat them.
+
+Rows change state only through :mod:`buzz_delivery.services`.
+"""
+
+from __future__ import annotations
+
+import uuid_utils.compat as uuid_compat
+from django.db import models
+from django.db.models import F, Q
+from django.db.models.functions import Length, Now
+from django.db.models.lookups import Exact
+
+from buzz_delivery import triggers
+
+LIFECYCLE_ORDER = ("active", "quiescing", "fenced", "tombstone")
+
+
+def new_uuid7() -> object:
+    """A time-ordered UUIDv7 (the ``uuid-utils`` library), as a stdlib ``uuid.UUID``."""
+    return uuid_compat.uuid7()
+
+
+class DeletionState(models.TextChoices):
+    """A community's lifecycle state (SPEC section 5). Moves only forward, one step at a time.
+
+    - ``active``: normal; every write allowed.
+    - ``quiescing``: writes are fenced; moved on to ``fenced`` by an operator.
+    - ``fenced``: writes are fenced; only the purge executor may delete rows.
+    - ``tombstone``: permanent end state; the community row is never deleted.
+    """
+
+    ACTIVE = "active"
+    QUIESCING = "quiescing"
+    FENCED = "fenced"
+    TOMBSTONE = "tombstone"
+
+
+class DeliveryStatus(models.TextChoices):
+    """Status of a delivery. Who moves a row out of each status, and to where:
+
+    - ``pending``: waiting for a claim. ``claim_delivery`` -> ``claimed``; the reaper ->
+      ``expired`` once ``expires_at`` has passed.
+    - ``claimed``: leased to one holder. ``finish_delivery`` -> ``finished`` / ``failed`` /
+      ``pending`` (retry); the reaper, once the lease lapsed -> ``pending``, ``failed``
+      (attempts exhausted) or ``expired``; admin force-fail -> ``failed``.
+    - ``finished``, ``failed``, ``expired``: terminal. Only an operator's requeue (admin)
+      moves a ``failed``/``expired`` row back to ``pending``.
+    """
+
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    FINISHED = "finished"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+TERMINAL_STATUSES = (DeliveryStatus.FINISHED, DeliveryStatus.FAILED, DeliveryStatus.EXPIRED)
+
+
+class CauseKind(models.TextChoices):
+    """What triggered a workflow run (SPEC section 2): exactly one of these."""
+
+    EVENT = "event"
+    SCHEDULE = "schedule"
+    WEBHOOK = "webhook"
+
+
+def _len32(field: str) -> Exact:
+    return Exact(Length(field), 32)
+
+
+class Community(models.Model):
+    """The tenant. Rows are never deleted once they leave ``active``."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    name = models.CharField(max_length=200, blank=True, default="")
+    deletion_state = models.CharField(
+        max_length=16, choices=DeletionState.choices, default=DeletionState.ACTIVE, db_default="active"
+    )
+    # Bumped by the database on every lifecycle move; the purge executor names it.
+    fence_generation = models.BigIntegerField(default=0, db_default=0, editable=False)
+    state_changed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "buzz_delivery_community"
+        verbose_name_plural = "communities"
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(deletion_state__in=LIFECYCLE_ORDER), name="community_deletion_state_known"
+            ),
+            models.CheckConstraint(condition=Q(fence_generation__gte=0), name="community_fence_generation_gte_0"),
+        ]
+        triggers = [triggers.lifecycle_forward_only(), triggers.protect_retired_community()]
+
+    def __str__(self) -> str:
+        return self.name or str(self.id)
+
+
+class CommunityScoped(models.Model):
+    """Abstract base of every community-scoped table: carries the write fence trigger."""
+
+    community = models.ForeignKey(Community, on_delete=models.PROTECT, db_index=False)
+
+    class Meta:
+        abstract = True
+
+
+class Workflow(CommunityScoped):
+    """A community's workflow definition."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "buzz_delivery_workflow"
+        constraints = [models.UniqueConstraint(fields=["community", "id"], name="workflow_community_id_key")]
+        triggers = [triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class WorkflowRun(CommunityScoped):
+    """One execution of a workflow. Its workflow belongs to the same community (composite FK)."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    workflow = models.ForeignKey(
+        Workflow, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="runs"
+    )
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "buzz_delivery_workflow_run"
+        constraints = [models.UniqueConstraint(fields=["community", "id"], name="workflow_run_community_id_key")]
+        indexes = [models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx")]
+        triggers = [triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+class Event(CommunityScoped):
+    """A community-scoped message event. ``event_id`` and ``pubkey`` are exactly 32 bytes."""
+
+    event_id = models.BinaryField(max_length=32)
+    created_at = models.DateTimeField()
+    kind = models.IntegerField()
+    pubkey = models.BinaryField(max_length=32)
+    content = models.TextField(blank=True, default="")
+    tags = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        db_table = "buzz_delivery_event"
+        constraints = [
+            models.UniqueConstraint(fields=["community", "event_id"], name="event_community_event_id_key"),
+            models.CheckConstraint(condition=_len32("event_id"), name="event_event_id_32_bytes"),
+            models.CheckConstraint(condition=_len32("pubkey"), name="event_pubkey_32_bytes"),
+        ]
+        triggers = [triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return bytes(self.event_id).hex()[:16]
+
+
+class WorkflowAgentDelivery(CommunityScoped):
+    """One workflow message addressed to one agent (the target), with its lease.
+
+    Identity (the binding, SPEC section 2): community, workflow, run, ``step_id``,
+    ``target_pubkey``, ``definition_event_id``, ``message_event_id`` and the cause.
+    The lease columns, the policy columns (SPEC section 6) and ``status`` change only
+    through :mod:`buzz_delivery.services`.
+    """
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    workflow = models.ForeignKey(
+        Workflow, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="deliveries"
+    )
+    run = models.ForeignKey(
+        WorkflowRun, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="deliveries"
+    )
+    step_id = models.CharField(max_length=64)
+    target_pubkey = models.BinaryField(max_length=32)
+    definition_event_id = models.BinaryField(max_length=32)
+    # Points at Event(community, event_id) through a composite FK added in migration 0002.
+    message_event_id = models.BinaryField(max_length=32)
+
+    cause_kind = models.CharField(max_length=16, choices=CauseKind.choices)
+    cause_event_id = models.BinaryField(max_length=32, null=True, blank=True)
+    cause_scheduled_for = models.DateTimeField(null=True, blank=True)
+    cause_webhook_invocation_id = models.UUIDField(null=True, blank=True)
+
+    status = models.CharField(
+        max_length=16, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING, db_default="pending"
+    )
+    lease_generation = models.BigIntegerField(default=0, db_default=0)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+
+    # Policy (SPEC section 6).
+    attempt = models.IntegerField(default=0, db_default=0)
+    max_attempts = models.IntegerField(null=True, blank=True)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    failure_code = models.CharField(max_length=64, null=True, blank=True)
+    failure_message = models.TextField(null=True, blank=True)
+    execution_trace = models.JSONField(null=True, blank=True)
+    trigger_context = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        db_table = "buzz_delivery_delivery"
+        verbose_name = "delivery"
+        verbose_name_plural = "deliveries"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["community", "run", "step_id", "target_pubkey"], name="delivery_identity_key"
+            ),
+            models.CheckConstraint(
+                condition=(
+                    Q(cause_kind="event", cause_event_id__isnull=False, cause_scheduled_for__isnull=True,
+                      cause_webhook_invocation_id__isnull=True)
+                    | Q(cause_kind="schedule", cause_event_id__isnull=True, cause_scheduled_for__isnull=False,
+                        cause_webhook_invocation_id__isnull=True)
+                    | Q(cause_kind="webhook", cause_event_id__isnull=True, cause_scheduled_for__isnull=True,
+                        cause_webhook_invocation_id__isnull=False)
+                ),
+                name="delivery_cause_exactly_one",
+            ),
+            models.CheckConstraint(condition=Q(status__in=DeliveryStatus.values), name="delivery_status_known"),
+            models.CheckConstraint(
+                condition=(
+                    Q(status="claimed", lease_until__isnull=False, claimed_at__isnull=False)
+                    | (~Q(status="claimed") & Q(lease_until__isnull=True, claimed_at__isnull=True))
+                ),
+                name="delivery_claimed_iff_lease",
+            ),
+            models.CheckConstraint(
+                condition=(
+                    Q(status__in=[s.value for s in TERMINAL_STATUSES], finished_at__isnull=False)
+                    | (~Q(status__in=[s.value for s in TERMINAL_STATUSES]) & Q(finished_at__isnull=True))
+                ),
+                name="delivery_terminal_iff_finished_at",
+            ),
+            models.CheckConstraint(condition=_len32("target_pubkey"), name="delivery_target_pubkey_32_bytes"),
+            models.CheckConstraint(
+                condition=_len32("definition_event_id"), name="delivery_definition_event_id_32_bytes"
+            ),
+            models.CheckConstraint(condition=_len32("message_event_id"), name="delivery_message_event_id_32_bytes"),
+            models.CheckConstraint(
+                condition=Q(cause_event_id__isnull=True) | _len32("cause_event_id"),
+                name="delivery_cause_event_id_32_bytes",
+            ),
+            models.CheckConstraint(
+                condition=Q(step_id__regex=r"\S"), name="delivery_step_id_not_blank"
+            ),
+            models.CheckConstraint(condition=Q(lease_generation__gte=0), name="delivery_lease_generation_gte_0"),
+            models.CheckConstraint(condition=Q(attempt__gte=0), name="delivery_attempt_gte_0"),
+            models.CheckConstraint(
+                condition=Q(max_attempts__isnull=True) | Q(max_attempts__gte=1, attempt__lte=F("max_attempts")),
+                name="delivery_attempt_within_max",
+            ),
+            models.CheckConstraint(
+                condition=~Q(status="claimed") | Q(attempt__gte=1), name="delivery_claimed_has_attempt"
+            ),
+            models.CheckConstraint(
+                condition=Q(failure_code__isnull=True) | Q(status__in=["failed", "expired"]),
+                name="delivery_failure_code_only_when_failed",
+            ),
+        ]
+        indexes = [
+            # Polling: the claim query walks this in (created_at, id) order (SPEC section 3).
+            models.Index(
+                fields=["community", "target_pubkey", "created_at", "id"],
+                condition=Q(status="pending"),
+                name="delivery_pending_poll_idx",
+            ),
+            # Reaper: claimed rows by lease deadline.
+            models.Index(fields=["lease_until"], condition=Q(status="claimed"), name="delivery_claimed_lease_idx"),
+            # Reaper TTL pass: pending rows that carry a deadline.
+            models.Index(
+                fields=["expires_at"],
+                condition=Q(status="pending", expires_at__isnull=False),
+                name="delivery_pending_expiry_idx",
+            ),
+            # Pruner: terminal rows by age.
+            models.Index(
+                fields=["finished_at"],
+                condition=Q(status__in=["finished", "failed", "expired"]),
+                name="delivery_terminal_age_idx",
+            ),
+            # Cascades from workflow and message event; admin lists by age.
+            models.Index(fields=["community", "workflow"], name="delivery_workflow_idx"),
+            models.Index(fields=["community", "message_event_id"], name="delivery_message_event_idx"),
+            models.Index(fields=["created_at"], name="delivery_created_idx"),
+        ]
+        triggers = [triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return f"{self.step_id} -> {bytes(self.target_pubkey).hex()[:12]} ({self.status})"
+
+    @property
+    def target_hex(self) -> str:
+        """``target_pubkey`` as 64 lowercase hex characters."""
+        return bytes(self.target_pubkey).hex()
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES

@@ -1,0 +1,89 @@
+"""PostgreSQL triggers of buzz_delivery, declared with django-pgtrigger.
+
+- :func:`write_fence` goes on every community-scoped table (SPEC section 5): it
+  calls ``buzz_delivery_check_write_fence(community_id, op)`` (migration 0002),
+  which takes the community's fence advisory lock in shared mode and rejects
+  the write (SQLSTATE ``BD001``) unless the community is ``active`` or the
+  purge executor has identified itself for it.
+- :func:`lifecycle_forward_only` keeps ``Community.deletion_state`` moving one
+  step forward at a time and bumps ``fence_generation`` on each move (``BD002``).
+- :func:`protect_retired_community` refuses to delete a community that left ``active``.
+"""
+
+from __future__ import annotations
+
+import pgtrigger
+
+
+FENCE_SQLSTATE = "BD001"
+LIFECYCLE_SQLSTATE = "BD002"
+# First key of the two-int advisory locks; the second is hashtext(community id).
+FENCE_LOCK_NAMESPACE = 0x42440001
+IDENTITY_LOCK_NAMESPACE = 0x42440002
+
+
+def write_fence() -> pgtrigger.Trigger:
+    """The write fence: BEFORE INSERT/UPDATE/DELETE, one row at a time."""
+    return pgtrigger.Trigger(
+        name="community_write_fence",
+        when=pgtrigger.Before,
+        operation=pgtrigger.Insert | pgtrigger.Update | pgtrigger.Delete,
+        func="""
+            IF TG_OP = 'INSERT' THEN
+                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);
+                RETURN NEW;
+            END IF;
+            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);
+            IF TG_OP = 'DELETE' THEN
+                RETURN OLD;
+            END IF;
+            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN
+                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);
+            END IF;
+            RETURN NEW;
+        """,
+    )
+
+
+def lifecycle_forward_only() -> pgtrigger.Trigger:
+    """Community lifecycle moves: forward only, one step, each bumps ``fence_generation``."""
+    return pgtrigger.Trigger(
+        name="community_lifecycle_forward_only",
+        when=pgtrigger.Before,
+        operation=pgtrigger.Update,
+        declare=[("old_rank", "int"), ("new_rank", "int")],
+        func=f"""
+            IF NEW.id IS DISTINCT FROM OLD.id THEN
+                RAISE EXCEPTION USING ERRCODE = '{LIFECYCLE_SQLSTATE}',
+                    MESSAGE = 'buzz_delivery: a community id never changes';
+            END IF;
+            IF NEW.deletion_state IS DISTINCT FROM OLD.deletion_state THEN
+                old_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], OLD.deletion_state);
+                new_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], NEW.deletion_state);
+                IF new_rank IS DISTINCT FROM old_rank + 1 THEN
+                    RAISE EXCEPTION USING ERRCODE = '{LIFECYCLE_SQLSTATE}',
+                        MESSAGE = format('buzz_delivery: community %s cannot move from %s to %s '
+                                         '(states move forward one step at a time)',
+                                         OLD.id, OLD.deletion_state, NEW.deletion_state);
+                END IF;
+                NEW.fence_generation := OLD.fence_generation + 1;
+                NEW.state_changed_at := now();
+            ELSIF NEW.fence_generation IS DISTINCT FROM OLD.fence_generation THEN
+                RAISE EXCEPTION USING ERRCODE = '{LIFECYCLE_SQLSTATE}',
+                    MESSAGE = 'buzz_delivery: fence_generation changes only with a lifecycle move';
+            END IF;
+            RETURN NEW;
+        """,
+    )
+
+
+def protect_retired_community() -> pgtrigger.Protect:
+    """A community that left ``active`` is never deleted (its tombstone stays)."""
+    return pgtrigger.Protect(
+        name="community_protect_retired",
+        operation=pgtrigger.Delete,
+        condition=pgtrigger.Q(old__deletion_state__in=["quiescing", "fenced", "tombstone"]),
+    )
+
+
+
