@@ -1,0 +1,60 @@
+"""Database plumbing shared by the services: cursors and the mapping of
+PostgreSQL errors raised by our triggers and keys to domain errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import DatabaseError, IntegrityError, connection
+
+from buzz_delivery.exceptions import CommunityNotWritable, LifecycleError
+from buzz_delivery.triggers import FENCE_SQLSTATE, LIFECYCLE_SQLSTATE
+
+# Foreign keys and unique keys of the insert path, mapped to the binding field they judge.
+CONSTRAINT_FIELDS = {
+    "delivery_workflow_same_community": ("workflow_id", "no such workflow in this community"),
+    "delivery_run_same_community": ("run_id", "no such workflow run in this community"),
+    "delivery_message_event_same_community": ("message_event", "no such message event in this community"),
+    "buzz_delivery_delive_community_id_a6f14938_fk_buzz_deli": ("community_id", "no such community"),
+}
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    cause = exc.__cause__
+    return getattr(cause, "sqlstate", None)
+
+
+def _constraint(exc: BaseException) -> str | None:
+    diag = getattr(exc.__cause__, "diag", None)
+    return getattr(diag, "constraint_name", None)
+
+
+@contextmanager
+def translated_errors(field_prefix: str = "") -> Iterator[None]:
+    """Re-raise write-fence, lifecycle and known key violations as domain errors."""
+    try:
+        yield
+    except IntegrityError as exc:
+        name = _constraint(exc)
+        if name in CONSTRAINT_FIELDS:
+            field, message = CONSTRAINT_FIELDS[name]
+            key = f"{field_prefix}{field}"
+            raise ValidationError({key: [f"{key}: {message}"]}, code="invalid") from exc
+        raise
+    except DatabaseError as exc:
+        state = _sqlstate(exc)
+        if state == FENCE_SQLSTATE:
+            raise CommunityNotWritable(str(exc.__cause__).splitlines()[0]) from exc
+        if state == LIFECYCLE_SQLSTATE:
+            raise LifecycleError(str(exc.__cause__).splitlines()[0]) from exc
+        raise
+
+
+def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Run one statement on the default connection and return its rows."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall() if cursor.description else []

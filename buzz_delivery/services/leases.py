@@ -1,0 +1,234 @@
+"""The agent side (SPEC sections 4.3-4.5 and 4.7): claim, renew, finish, scoped read."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db import connection
+
+from buzz_delivery.conf import get_settings
+from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
+from buzz_delivery.services import sql
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.types import (
+    AlreadyTerminal,
+    Binding,
+    Claim,
+    FinishOutcome,
+    Lease,
+    LeaseLost,
+    Renewed,
+    RenewOutcome,
+    Settled,
+)
+
+MAX_CLAIM_BATCH = 1000
+OUTCOMES = ("finished", "failed", "retry")
+_CLAIM_SQL = {(i, b): sql.claim_oldest_pending(by_id=i, by_binding=b) for i in (False, True) for b in (False, True)}
+_ID_INDEX = sql.CLAIM_ATTNAMES.index("id")
+_GEN_INDEX = sql.CLAIM_ATTNAMES.index("lease_generation")
+_UNTIL_INDEX = sql.CLAIM_ATTNAMES.index("lease_until")
+_CREATED_INDEX = sql.CLAIM_ATTNAMES.index("created_at")
+
+
+def _claims(rows: list[tuple[Any, ...]], community: uuid.UUID, target: bytes) -> list[Claim]:
+    rows.sort(key=lambda r: (r[_CREATED_INDEX], r[_ID_INDEX]))
+    claims = []
+    for row in rows:
+        delivery = WorkflowAgentDelivery.from_db(connection.alias, sql.CLAIM_ATTNAMES, row)
+        lease = Lease(
+            community_id=community,
+            delivery_id=row[_ID_INDEX],
+            target_pubkey=target,
+            lease_generation=row[_GEN_INDEX],
+            lease_until=row[_UNTIL_INDEX],
+        )
+        claims.append(Claim(lease=lease, delivery=delivery))
+    return claims
+
+
+def _run_claim(
+    community: uuid.UUID,
+    target: bytes,
+    limit: int,
+    seconds: float,
+    delivery_id: uuid.UUID | None = None,
+    expected: Binding | None = None,
+) -> list[Claim]:
+    params: dict[str, Any] = {
+        "community_id": community,
+        "target_pubkey": target,
+        "limit": limit,
+        "lease_seconds": seconds,
+        "delivery_id": delivery_id,
+    }
+    if expected is not None:
+        params.update(
+            workflow_id=expected.workflow_id,
+            run_id=expected.run_id,
+            step_id=expected.step_id,
+            definition_event_id=expected.definition_event_id,
+            message_event_id=expected.message_event_id,
+            cause_kind=expected.cause.kind,
+            cause_event_id=expected.cause.event_id,
+            cause_scheduled_for=expected.cause.scheduled_for,
+            cause_webhook_invocation_id=expected.cause.webhook_invocation_id,
+        )
+    statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
+    with translated_errors():
+        rows = fetch_all(statement, params)
+    return _claims(rows, community, target)
+
+
+def claim_delivery(
+    community_id: uuid.UUID | str,
+    target_pubkey: bytes,
+    *,
+    delivery_id: uuid.UUID | str | None = None,
+    expected: Binding | None = None,
+    lease_seconds: float | None = None,
+) -> Claim | None:
+    """Claim the oldest claimable delivery of one community and target (SPEC section 4.3).
+
+    One statement: picks the row with ``FOR UPDATE SKIP LOCKED`` (concurrent claimers never
+    block on or share a row), then sets ``claimed``, generation + 1, attempt + 1,
+    ``claimed_at = now()``, ``lease_until = now() + lease_seconds`` (never past ``expires_at``).
+
+    ``delivery_id`` narrows the claim to that delivery (a wake hint). ``expected`` (a
+    :class:`Binding`) must match every field of the row; an ``expected`` whose community or
+    target differs from the call's is a miss before any SQL. ``lease_seconds``: seconds within
+    the configured bounds (default 15..300); None = ``LEASE_SECONDS``.
+
+    Returns a :class:`Claim`, or None on a miss (nothing claimable, a forged or stale hint, a
+    community that is not active). Raises ``ValidationError`` keyed by argument on bad input.
+    """
+    community = v.uuid_value(community_id, "community_id")
+    target = v.bytes32(target_pubkey, "target_pubkey")
+    wanted = v.uuid_value(delivery_id, "delivery_id") if delivery_id is not None else None
+    if expected is not None and not isinstance(expected, Binding):
+        raise v.invalid("expected", f"must be a Binding or None, not {type(expected).__name__}")
+    seconds = v.lease_seconds(lease_seconds)
+    if expected is not None and (expected.community_id != community or expected.target_pubkey != target):
+        return None
+    claims = _run_claim(community, target, 1, seconds, wanted, expected)
+    return claims[0] if claims else None
+
+
+def claim_deliveries(
+    community_id: uuid.UUID | str,
+    target_pubkey: bytes,
+    *,
+    limit: int,
+    lease_seconds: float | None = None,
+) -> list[Claim]:
+    """Claim up to ``limit`` (1..1000) of the oldest claimable deliveries in one round trip.
+
+    Each claim has its own lease (generation). Never more than ``limit``: the candidates are
+    picked in a MATERIALIZED CTE, so the LIMIT is applied once. Oldest first. SPEC section 9.
+    """
+    community = v.uuid_value(community_id, "community_id")
+    target = v.bytes32(target_pubkey, "target_pubkey")
+    count = v.int_in_range(limit, "limit", 1, MAX_CLAIM_BATCH)
+    seconds = v.lease_seconds(lease_seconds)
+    return _run_claim(community, target, count, seconds)
+
+
+def _lease_params(lease: Any) -> dict[str, Any]:
+    if not isinstance(lease, Lease):
+        raise v.invalid("lease", f"must be a Lease, not {type(lease).__name__}")
+    return {
+        "community_id": lease.community_id,
+        "delivery_id": lease.delivery_id,
+        "target_pubkey": lease.target_pubkey,
+        "lease_generation": lease.lease_generation,
+    }
+
+
+def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOutcome:
+    """Extend a current lease to ``now() + lease_seconds`` (SPEC section 4.4).
+
+    Only where community, id, target and generation match, the status is ``claimed`` and
+    ``lease_until >= now()`` (database clock). Never bumps the generation. Returns
+    :class:`Renewed` with the new lease, or :class:`LeaseLost`.
+    """
+    params = _lease_params(lease)
+    params["lease_seconds"] = v.lease_seconds(lease_seconds)
+    with translated_errors():
+        rows = fetch_all(sql.RENEW_IF_CURRENT_GENERATION, params)
+    if not rows:
+        return LeaseLost()
+    return Renewed(
+        lease=Lease(
+            community_id=lease.community_id,
+            delivery_id=lease.delivery_id,
+            target_pubkey=lease.target_pubkey,
+            lease_generation=lease.lease_generation,
+            lease_until=rows[0][0],
+        )
+    )
+
+
+def finish_delivery(
+    lease: Lease,
+    outcome: str,
+    *,
+    failure_code: str | None = None,
+    failure_message: str | None = None,
+) -> FinishOutcome:
+    """Settle a delivery once (SPEC sections 4.5 and 6).
+
+    ``outcome``: ``"finished"``, ``"failed"`` (``failure_code`` <= 64 chars and
+    ``failure_message`` allowed) or ``"retry"`` (back to ``pending`` after an exponential
+    backoff; on the last allowed attempt it ends ``failed``/``attempts_exhausted`` instead;
+    ``failure_message`` allowed).
+
+    Applies only where community, id, target and generation match, the status is ``claimed``
+    and ``lease_until >= now()``: returns :class:`Settled` with the recorded status. If nothing
+    matched, reads the row fenced by the same community, id, target and generation: if that row
+    is terminal, the caller settled it before and gets :class:`AlreadyTerminal` (the recorded
+    status never flips); otherwise :class:`LeaseLost` — so a stale holder never hears about a
+    newer holder's settlement.
+    """
+    params = _lease_params(lease)
+    if outcome not in OUTCOMES:
+        raise v.invalid("outcome", f"must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
+    code = v.optional_text(failure_code, "failure_code", 64)
+    message = v.optional_text(failure_message, "failure_message", 10_000)
+    if code is not None and outcome != "failed":
+        raise v.invalid("failure_code", f"is recorded only with outcome 'failed', not {outcome!r}")
+    if message is not None and outcome == "finished":
+        raise v.invalid("failure_message", "is not recorded with outcome 'finished'")
+    if outcome == "retry":
+        conf = get_settings()
+        statement = sql.RETRY_IF_CURRENT_GENERATION
+        params.update(
+            failure_message=message,
+            backoff_base=float(conf.retry_backoff_base_seconds),
+            backoff_cap=float(conf.retry_backoff_cap_seconds),
+        )
+    else:
+        statement = sql.FINISH_IF_CURRENT_GENERATION
+        params.update(status=outcome, failure_code=code, failure_message=message)
+    with translated_errors():
+        rows = fetch_all(statement, params)
+        if rows:
+            return Settled(status=rows[0][0])
+        fenced = fetch_all(sql.STATUS_AT_GENERATION, params)
+    if fenced and fenced[0][0] in TERMINAL_STATUSES:
+        return AlreadyTerminal(status=fenced[0][0])
+    return LeaseLost()
+
+
+def get_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) -> WorkflowAgentDelivery | None:
+    """The delivery with that id in that community, or None (SPEC section 4.7).
+
+    The JSON snapshots are deferred (loaded on first access)."""
+    community = v.uuid_value(community_id, "community_id")
+    wanted = v.uuid_value(delivery_id, "delivery_id")
+    return (
+        WorkflowAgentDelivery.objects.defer(*sql.SNAPSHOT_FIELDS)
+        .filter(community_id=community, id=wanted)
+        .first()
+    )

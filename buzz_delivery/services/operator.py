@@ -1,0 +1,54 @@
+"""Operator actions on single deliveries (SPEC section 8), used by the admin.
+
+Each bumps the generation, so whoever holds the delivery is fenced, and each returns
+an :class:`OperatorOutcome` instead of raising on a race.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from buzz_delivery.services import sql
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorOutcome:
+    """``done`` is True when the row moved; otherwise ``reason`` says why it was skipped."""
+
+    done: bool
+    reason: str = ""
+
+
+def requeue_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) -> OperatorOutcome:
+    """Move a ``failed`` or ``expired`` delivery back to ``pending`` with a fresh attempt count.
+
+    Clears the failure columns and a deadline that has already passed; bumps the generation.
+    Skipped (``done=False``) when the row is in another status, gone, or its community is
+    not active."""
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "delivery_id": v.uuid_value(delivery_id, "delivery_id"),
+    }
+    with translated_errors():
+        rows = fetch_all(sql.REQUEUE_IF_TERMINAL_FAILURE, params)
+    return OperatorOutcome(True) if rows else OperatorOutcome(False, "not failed/expired, or community not active")
+
+
+def force_fail_delivery(
+    community_id: uuid.UUID | str, delivery_id: uuid.UUID | str, *, failure_message: str | None = None
+) -> OperatorOutcome:
+    """End a ``claimed`` delivery as ``failed`` (``failure_code`` ``operator_force_failed``).
+
+    Bumps the generation: the current holder's renew and finish get ``LeaseLost``. Skipped
+    (``done=False``) when the row is not claimed, gone, or its community is not active."""
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "delivery_id": v.uuid_value(delivery_id, "delivery_id"),
+        "failure_message": v.optional_text(failure_message, "failure_message", 10_000),
+    }
+    with translated_errors():
+        rows = fetch_all(sql.FORCE_FAIL_IF_CLAIMED, params)
+    return OperatorOutcome(True) if rows else OperatorOutcome(False, "not claimed, or community not active")

@@ -1,0 +1,156 @@
+"""The producer side (SPEC section 4.1-4.2): identity lock and the only insert path."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import connection, transaction
+
+from buzz_delivery import signals
+from buzz_delivery.conf import get_settings
+from buzz_delivery.exceptions import NotInTransaction
+from buzz_delivery.models import Event, new_uuid7
+from buzz_delivery.services import sql
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.types import Binding
+from buzz_delivery.triggers import IDENTITY_LOCK_NAMESPACE
+
+MAX_BINDINGS_PER_COMMIT = 10_000
+MAX_SNAPSHOT_BYTES = 1_000_000
+
+
+def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | str, step_id: str) -> bool:
+    """Serialise producers of one (community, run, step) and say whether deliveries exist for it.
+
+    Takes a transaction-scoped advisory lock (released when the caller's transaction ends),
+    then reads, in a second statement so its snapshot sees every producer that committed
+    before the lock was granted. Returns True when at least one delivery already exists,
+    so a retrying producer can reuse its posted message instead of posting twice.
+
+    Must run inside ``transaction.atomic()``; raises :class:`NotInTransaction` otherwise.
+    Raises ``ValidationError`` (keyed by argument) on bad input. SPEC section 4.1.
+    """
+    community = v.uuid_value(community_id, "community_id")
+    run = v.uuid_value(run_id, "run_id")
+    step = v.step_id(step_id)
+    if not connection.in_atomic_block:
+        raise NotInTransaction("lock_delivery_identity needs the caller's transaction (transaction.atomic())")
+    key = f"{community}/{run}/{step}"
+    fetch_all(sql.LOCK_IDENTITY, {"namespace": IDENTITY_LOCK_NAMESPACE, "key": key})
+    rows = fetch_all(sql.IDENTITY_EXISTS, {"community_id": community, "run_id": run, "step_id": step})
+    return bool(rows[0][0])
+
+
+def _snapshot(value: Any, name: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        text = json.dumps(value, cls=DjangoJSONEncoder)
+    except (TypeError, ValueError) as exc:
+        raise v.invalid(name, f"must be JSON-serialisable: {exc}") from None
+    if len(text.encode()) > MAX_SNAPSHOT_BYTES:
+        raise v.invalid(name, f"must serialise to at most {MAX_SNAPSHOT_BYTES} bytes")
+    return text
+
+
+def commit_deliveries(
+    community_id: uuid.UUID | str,
+    message_event: Event,
+    bindings: Sequence[Binding],
+    *,
+    expires_at: Any = None,
+    execution_trace: Any = None,
+    trigger_context: Any = None,
+) -> list[uuid.UUID]:
+    """Commit one delivery per binding, all or none, in one statement (SPEC section 4.2).
+
+    ``message_event``: the saved :class:`~buzz_delivery.models.Event` the deliveries carry;
+    it must belong to ``community_id`` and every binding's ``message_event_id`` must be its
+    ``event_id``. ``bindings``: 1..10,000 :class:`Binding` of this community, no identity twice.
+    ``expires_at``: optional aware datetime (TTL, SPEC section 6). ``execution_trace`` /
+    ``trigger_context``: optional JSON values (<= 1,000,000 bytes each) stored immutably.
+
+    A binding whose identity (community, run, step, target) already exists is skipped
+    silently (a producer retry). Returns the ids actually created, in binding order (a retry
+    returns ``[]``). One wake hint per created delivery is published at commit (PostgreSQL
+    NOTIFY is transactional), and :data:`buzz_delivery.signals.deliveries_committed` is sent
+    after commit.
+
+    Raises ``ValidationError`` keyed by the argument (``bindings[3].step_id``, ``message_event``,
+    ``expires_at``...) before any SQL, or when a referenced workflow, run or event does not
+    exist in this community (nothing is written); :class:`CommunityNotWritable` when the
+    community is not active.
+    """
+    community = v.uuid_value(community_id, "community_id")
+    if not isinstance(message_event, Event) or message_event.pk is None:
+        raise v.invalid("message_event", "must be a saved buzz_delivery.models.Event")
+    if message_event.community_id != community:
+        raise v.invalid("message_event", "belongs to another community")
+    event_id = v.bytes32(message_event.event_id, "message_event.event_id")
+    if isinstance(bindings, str | bytes) or not isinstance(bindings, Sequence):
+        raise v.invalid("bindings", f"must be a list of Binding, not {type(bindings).__name__}")
+    if not bindings:
+        raise v.invalid("bindings", "must hold at least one Binding")
+    if len(bindings) > MAX_BINDINGS_PER_COMMIT:
+        raise v.invalid("bindings", f"must hold at most {MAX_BINDINGS_PER_COMMIT} bindings, got {len(bindings)}")
+    seen: set[tuple[Any, ...]] = set()
+    for i, binding in enumerate(bindings):
+        name = f"bindings[{i}]"
+        if not isinstance(binding, Binding):
+            raise v.invalid(name, f"must be a Binding, not {type(binding).__name__}")
+        if binding.community_id != community:
+            raise v.invalid(f"{name}.community_id", "differs from the call's community_id")
+        if binding.message_event_id != event_id:
+            raise v.invalid(f"{name}.message_event_id", "differs from message_event.event_id")
+        if binding.identity in seen:
+            raise v.invalid(name, "repeats the identity (run, step_id, target_pubkey) of an earlier binding")
+        seen.add(binding.identity)
+    if expires_at is not None:
+        v.aware_datetime(expires_at, "expires_at")
+    trace = _snapshot(execution_trace, "execution_trace")
+    context = _snapshot(trigger_context, "trigger_context")
+
+    params = {
+        "community_id": community,
+        "message_event_id": event_id,
+        "max_attempts": get_settings().max_attempts,
+        "expires_at": expires_at,
+        "execution_trace": trace,
+        "trigger_context": context,
+        "channel": get_settings().notify_channel,
+        "ids": [new_uuid7() for _ in bindings],
+        "workflow_ids": [b.workflow_id for b in bindings],
+        "run_ids": [b.run_id for b in bindings],
+        "step_ids": [b.step_id for b in bindings],
+        "target_pubkeys": [b.target_pubkey for b in bindings],
+        "definition_event_ids": [b.definition_event_id for b in bindings],
+        "cause_kinds": [b.cause.kind for b in bindings],
+        "cause_event_ids": [b.cause.event_id for b in bindings],
+        "cause_scheduled_fors": [b.cause.scheduled_for for b in bindings],
+        "cause_webhook_invocation_ids": [b.cause.webhook_invocation_id for b in bindings],
+    }
+    # One statement is atomic on its own; inside the caller's transaction a savepoint keeps
+    # a refused commit from breaking it.
+    with translated_errors("bindings."):
+        if connection.in_atomic_block:
+            with transaction.atomic():
+                rows = fetch_all(sql.INSERT_DELIVERIES_SKIP_EXISTING, params)
+        else:
+            rows = fetch_all(sql.INSERT_DELIVERIES_SKIP_EXISTING, params)
+    created_set = {row[0] for row in rows}
+    created = [i for i in params["ids"] if i in created_set]
+    if created:
+        transaction.on_commit(
+            lambda: signals.deliveries_committed.send(
+                sender=Binding,
+                community_id=community,
+                delivery_ids=created,
+                target_pubkeys=[b.target_pubkey for b, i in zip(bindings, params["ids"], strict=True) if i in created_set],
+            )
+        )
+    return created

@@ -1,0 +1,266 @@
+"""Every statement that changes delivery state, named for its guard.
+
+Lease arithmetic uses PostgreSQL ``now()`` only (SPEC section 4). Statements that
+pick rows lock them with ``FOR UPDATE ... SKIP LOCKED`` inside a MATERIALIZED CTE,
+so the LIMIT is applied exactly once, and every UPDATE re-checks its whole guard.
+Statements that act on a community also require it to be ``active`` inside the
+statement, so a fenced tenant is a miss rather than a write-fence error.
+"""
+
+from __future__ import annotations
+
+from buzz_delivery.models import WorkflowAgentDelivery
+
+DELIVERY = WorkflowAgentDelivery._meta.db_table
+COMMUNITY = "buzz_delivery_community"
+
+# Columns returned by claims: everything but the (possibly large) JSON snapshots.
+SNAPSHOT_FIELDS = ("execution_trace", "trigger_context")
+CLAIM_FIELDS = [f for f in WorkflowAgentDelivery._meta.concrete_fields if f.name not in SNAPSHOT_FIELDS]
+CLAIM_ATTNAMES = [f.attname for f in CLAIM_FIELDS]
+RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
+
+ACTIVE_COMMUNITY = (
+    f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
+)
+LEASE_END = "LEAST(now() + make_interval(secs => %(lease_seconds)s), d.expires_at)"
+CURRENT_LEASE = f"""
+    d.community_id = %(community_id)s
+    AND d.id = %(delivery_id)s
+    AND d.target_pubkey = %(target_pubkey)s
+    AND d.lease_generation = %(lease_generation)s
+    AND d.status = 'claimed'
+    AND d.lease_until >= now()
+    AND {ACTIVE_COMMUNITY}
+"""
+
+# --- producer ---------------------------------------------------------------
+
+LOCK_IDENTITY = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(key)s))"
+
+IDENTITY_EXISTS = f"""
+SELECT EXISTS (
+    SELECT 1 FROM {DELIVERY}
+    WHERE community_id = %(community_id)s AND run_id = %(run_id)s AND step_id = %(step_id)s
+)
+"""
+
+INSERT_DELIVERIES_SKIP_EXISTING = f"""
+WITH created AS (
+    INSERT INTO {DELIVERY} AS d (
+        id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
+        message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
+        max_attempts, expires_at, execution_trace, trigger_context
+    )
+    SELECT v.id, %(community_id)s, v.workflow_id, v.run_id, v.step_id, v.target_pubkey, v.definition_event_id,
+           %(message_event_id)s, v.cause_kind, v.cause_event_id, v.cause_scheduled_for, v.cause_webhook_invocation_id,
+           %(max_attempts)s, %(expires_at)s, %(execution_trace)s::jsonb, %(trigger_context)s::jsonb
+    FROM unnest(
+        %(ids)s::uuid[], %(workflow_ids)s::uuid[], %(run_ids)s::uuid[], %(step_ids)s::text[],
+        %(target_pubkeys)s::bytea[], %(definition_event_ids)s::bytea[], %(cause_kinds)s::text[],
+        %(cause_event_ids)s::bytea[], %(cause_scheduled_fors)s::timestamptz[],
+        %(cause_webhook_invocation_ids)s::uuid[]
+    ) WITH ORDINALITY AS v(
+        id, workflow_id, run_id, step_id, target_pubkey, definition_event_id, cause_kind,
+        cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, ord
+    )
+    ORDER BY v.ord
+    ON CONFLICT ON CONSTRAINT delivery_identity_key DO NOTHING
+    RETURNING d.id, d.target_pubkey
+)
+SELECT created.id,
+       pg_notify(%(channel)s, json_build_object(
+           'community', %(community_id)s::text,
+           'delivery', created.id::text,
+           'target', encode(created.target_pubkey, 'hex'))::text)
+FROM created
+"""
+
+# --- agent ------------------------------------------------------------------
+
+
+def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
+    """Claim up to ``%(limit)s`` of the oldest claimable deliveries of one community and target.
+
+    Claimable: ``pending``, past its retry gate, before its TTL, attempts left, community active.
+    The winner: ``claimed``, generation + 1, attempt + 1, lease from the database clock, never
+    past ``expires_at``.
+    """
+    extra = []
+    if by_id:
+        extra.append("AND d.id = %(delivery_id)s")
+    if by_binding:
+        extra.append(
+            """AND d.workflow_id = %(workflow_id)s AND d.run_id = %(run_id)s AND d.step_id = %(step_id)s
+            AND d.definition_event_id = %(definition_event_id)s AND d.message_event_id = %(message_event_id)s
+            AND d.cause_kind = %(cause_kind)s
+            AND d.cause_event_id IS NOT DISTINCT FROM %(cause_event_id)s::bytea
+            AND d.cause_scheduled_for IS NOT DISTINCT FROM %(cause_scheduled_for)s::timestamptz
+            AND d.cause_webhook_invocation_id IS NOT DISTINCT FROM %(cause_webhook_invocation_id)s::uuid"""
+        )
+    return f"""
+WITH candidate AS MATERIALIZED (
+    SELECT d.id
+    FROM {DELIVERY} AS d
+    WHERE d.community_id = %(community_id)s
+      AND d.target_pubkey = %(target_pubkey)s
+      AND d.status = 'pending'
+      AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= now())
+      AND (d.expires_at IS NULL OR d.expires_at > now())
+      AND (d.max_attempts IS NULL OR d.attempt < d.max_attempts)
+      {" ".join(extra)}
+      AND {ACTIVE_COMMUNITY}
+    ORDER BY d.created_at, d.id
+    LIMIT %(limit)s
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE {DELIVERY} AS d
+SET status = 'claimed',
+    lease_generation = d.lease_generation + 1,
+    attempt = d.attempt + 1,
+    claimed_at = now(),
+    lease_until = {LEASE_END},
+    next_attempt_at = NULL
+FROM candidate
+WHERE d.id = candidate.id AND d.status = 'pending'
+RETURNING {RETURNING_CLAIM_COLUMNS}
+"""
+
+
+RENEW_IF_CURRENT_GENERATION = f"""
+UPDATE {DELIVERY} AS d
+SET lease_until = {LEASE_END}
+WHERE {CURRENT_LEASE}
+RETURNING d.lease_until
+"""
+
+FINISH_IF_CURRENT_GENERATION = f"""
+UPDATE {DELIVERY} AS d
+SET status = %(status)s,
+    finished_at = now(),
+    lease_until = NULL,
+    claimed_at = NULL,
+    failure_code = %(failure_code)s,
+    failure_message = %(failure_message)s
+WHERE {CURRENT_LEASE}
+RETURNING d.status
+"""
+
+# A retry on the last allowed attempt ends ``failed`` / ``attempts_exhausted`` (SPEC section 6).
+_EXHAUSTED = "(d.max_attempts IS NOT NULL AND d.attempt >= d.max_attempts)"
+RETRY_IF_CURRENT_GENERATION = f"""
+UPDATE {DELIVERY} AS d
+SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
+    finished_at = CASE WHEN {_EXHAUSTED} THEN now() END,
+    failure_code = CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
+    failure_message = CASE WHEN {_EXHAUSTED} THEN %(failure_message)s END,
+    next_attempt_at = CASE WHEN {_EXHAUSTED} THEN NULL ELSE now() + make_interval(
+        secs => LEAST(%(backoff_base)s * power(2, GREATEST(d.attempt - 1, 0)), %(backoff_cap)s)) END,
+    lease_until = NULL,
+    claimed_at = NULL
+WHERE {CURRENT_LEASE}
+RETURNING d.status
+"""
+
+STATUS_AT_GENERATION = f"""
+SELECT d.status FROM {DELIVERY} AS d
+WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+  AND d.target_pubkey = %(target_pubkey)s AND d.lease_generation = %(lease_generation)s
+"""
+
+# --- reaper -----------------------------------------------------------------
+
+_PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= now())"
+REAP_LAPSED_LEASES = f"""
+WITH lapsed AS MATERIALIZED (
+    SELECT d.id FROM {DELIVERY} AS d
+    WHERE d.status = 'claimed' AND d.lease_until < now() AND {ACTIVE_COMMUNITY}
+    ORDER BY d.lease_until
+    LIMIT %(batch_size)s
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE {DELIVERY} AS d
+SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
+    finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN now() END,
+    failure_code = CASE WHEN {_PAST_TTL} THEN 'delivery_expired'
+                        WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
+    failure_message = CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed'
+                           WHEN {_EXHAUSTED} THEN 'lease lapsed on the last allowed attempt' END,
+    lease_generation = d.lease_generation + 1,
+    lease_until = NULL,
+    claimed_at = NULL
+FROM lapsed
+WHERE d.id = lapsed.id AND d.status = 'claimed' AND d.lease_until < now()
+RETURNING d.status
+"""
+
+EXPIRE_OVERDUE_PENDING = f"""
+WITH overdue AS MATERIALIZED (
+    SELECT d.id FROM {DELIVERY} AS d
+    WHERE d.status = 'pending' AND d.expires_at <= now() AND {ACTIVE_COMMUNITY}
+    ORDER BY d.expires_at
+    LIMIT %(batch_size)s
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE {DELIVERY} AS d
+SET status = 'expired',
+    finished_at = now(),
+    failure_code = 'delivery_expired',
+    failure_message = 'deadline passed before a claim',
+    lease_generation = d.lease_generation + 1,
+    next_attempt_at = NULL
+FROM overdue
+WHERE d.id = overdue.id AND d.status = 'pending' AND d.expires_at <= now()
+RETURNING d.status
+"""
+
+COUNT_REAPABLE = f"""
+SELECT
+    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND NOT {_EXHAUSTED} AND c.deletion_state = 'active'),
+    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND {_EXHAUSTED} AND c.deletion_state = 'active'),
+    count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL}) AND c.deletion_state = 'active'),
+    count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
+FROM (
+    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'claimed' AND d.lease_until < now()
+    UNION ALL
+    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'pending' AND d.expires_at <= now()
+) AS d
+JOIN {COMMUNITY} AS c ON c.id = d.community_id
+"""
+
+COUNT_FENCED_LAPSED = f"""
+SELECT count(*) FROM {DELIVERY} AS d
+JOIN {COMMUNITY} AS c ON c.id = d.community_id
+WHERE d.status = 'claimed' AND d.lease_until < now() AND c.deletion_state <> 'active'
+"""
+
+# --- operator actions (admin) --------------------------------------------------
+
+REQUEUE_IF_TERMINAL_FAILURE = f"""
+UPDATE {DELIVERY} AS d
+SET status = 'pending',
+    finished_at = NULL,
+    failure_code = NULL,
+    failure_message = NULL,
+    attempt = 0,
+    next_attempt_at = NULL,
+    expires_at = CASE WHEN d.expires_at <= now() THEN NULL ELSE d.expires_at END,
+    lease_generation = d.lease_generation + 1
+WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+  AND d.status IN ('failed', 'expired') AND {ACTIVE_COMMUNITY}
+RETURNING d.id
+"""
+
+FORCE_FAIL_IF_CLAIMED = f"""
+UPDATE {DELIVERY} AS d
+SET status = 'failed',
+    finished_at = now(),
+    lease_until = NULL,
+    claimed_at = NULL,
+    failure_code = 'operator_force_failed',
+    failure_message = %(failure_message)s,
+    lease_generation = d.lease_generation + 1
+WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+  AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
+RETURNING d.id
+"""

@@ -1,0 +1,70 @@
+"""Shared fixtures. Every test runs against a real PostgreSQL (DATABASE_URL or the embedded default)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection
+
+from buzz_delivery import models
+from buzz_delivery.testing import (
+    BindingFactory,
+    CommunityFactory,
+    EventFactory,
+    WorkflowRunFactory,
+)
+
+
+@pytest.fixture
+def community() -> models.Community:
+    return CommunityFactory()
+
+
+@pytest.fixture
+def run(community: models.Community) -> models.WorkflowRun:
+    return WorkflowRunFactory(community=community)
+
+
+@pytest.fixture
+def message_event(community: models.Community) -> models.Event:
+    return EventFactory(community=community)
+
+
+@pytest.fixture
+def make_binding(run: models.WorkflowRun, message_event: models.Event):
+    """Build bindings on the shared run and message event; override any field by keyword."""
+
+    def make(**overrides):
+        overrides.setdefault("run", run)
+        overrides.setdefault("message_event", message_event)
+        return BindingFactory(**overrides)
+
+    return make
+
+
+def backdate_lease(delivery_id, seconds: float = 3600) -> None:
+    """Stand-in for time passing: move a lease deadline into the past (raw SQL)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET lease_until = now() - make_interval(secs => %s),"
+            " claimed_at = claimed_at - make_interval(secs => %s) WHERE id = %s",
+            [seconds, seconds, delivery_id],
+        )
+
+
+@pytest.fixture
+def table_snapshot() -> Iterator[callable]:
+    """Return a function that snapshots every buzz_delivery table (for nothing-written checks)."""
+
+    def snap() -> dict[str, list[tuple]]:
+        out = {}
+        with connection.cursor() as cursor:
+            for model in (models.Community, models.Workflow, models.WorkflowRun, models.Event,
+                          models.WorkflowAgentDelivery):
+                table = model._meta.db_table
+                cursor.execute(f"SELECT * FROM {table} ORDER BY 1")
+                out[table] = cursor.fetchall()
+        return out
+
+    yield snap
