@@ -212,8 +212,8 @@ class WorkflowAgentDelivery(CommunityScoped):
     max_attempts = models.IntegerField(null=True, blank=True)
     next_attempt_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
-    failure_code = models.CharField(max_length=64, null=True, blank=True)
-    failure_message = models.TextField(null=True, blank=True)
+    failure_code = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001  (NULL = none; CHECKed)
+    failure_message = models.TextField(null=True, blank=True)  # noqa: DJ001
     execution_trace = models.JSONField(null=True, blank=True)
     trigger_context = models.JSONField(null=True, blank=True)
 
@@ -227,12 +227,24 @@ class WorkflowAgentDelivery(CommunityScoped):
             ),
             models.CheckConstraint(
                 condition=(
-                    Q(cause_kind="event", cause_event_id__isnull=False, cause_scheduled_for__isnull=True,
-                      cause_webhook_invocation_id__isnull=True)
-                    | Q(cause_kind="schedule", cause_event_id__isnull=True, cause_scheduled_for__isnull=False,
-                        cause_webhook_invocation_id__isnull=True)
-                    | Q(cause_kind="webhook", cause_event_id__isnull=True, cause_scheduled_for__isnull=True,
-                        cause_webhook_invocation_id__isnull=False)
+                    Q(
+                        cause_kind="event",
+                        cause_event_id__isnull=False,
+                        cause_scheduled_for__isnull=True,
+                        cause_webhook_invocation_id__isnull=True,
+                    )
+                    | Q(
+                        cause_kind="schedule",
+                        cause_event_id__isnull=True,
+                        cause_scheduled_for__isnull=False,
+                        cause_webhook_invocation_id__isnull=True,
+                    )
+                    | Q(
+                        cause_kind="webhook",
+                        cause_event_id__isnull=True,
+                        cause_scheduled_for__isnull=True,
+                        cause_webhook_invocation_id__isnull=False,
+                    )
                 ),
                 name="delivery_cause_exactly_one",
             ),
@@ -257,12 +269,10 @@ class WorkflowAgentDelivery(CommunityScoped):
             ),
             models.CheckConstraint(condition=_len32("message_event_id"), name="delivery_message_event_id_32_bytes"),
             models.CheckConstraint(
-                condition=Q(cause_event_id__isnull=True) | _len32("cause_event_id"),
+                condition=Q(cause_event_id__isnull=True) | Q(_len32("cause_event_id")),
                 name="delivery_cause_event_id_32_bytes",
             ),
-            models.CheckConstraint(
-                condition=Q(step_id__regex=r"\S"), name="delivery_step_id_not_blank"
-            ),
+            models.CheckConstraint(condition=Q(step_id__regex=r"\S"), name="delivery_step_id_not_blank"),
             models.CheckConstraint(condition=Q(lease_generation__gte=0), name="delivery_lease_generation_gte_0"),
             models.CheckConstraint(condition=Q(attempt__gte=0), name="delivery_attempt_gte_0"),
             models.CheckConstraint(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pgtrigger
 
-
 FENCE_SQLSTATE = "BD001"
 LIFECYCLE_SQLSTATE = "BD002"
 # First key of the two-int advisory locks; the second is hashtext(community id).
@@ -84,6 +83,3 @@ def protect_retired_community() -> pgtrigger.Protect:
         operation=pgtrigger.Delete,
         condition=pgtrigger.Q(old__deletion_state__in=["quiescing", "fenced", "tombstone"]),
     )
-
-
-

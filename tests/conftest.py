@@ -60,8 +60,13 @@ def table_snapshot() -> Iterator[callable]:
     def snap() -> dict[str, list[tuple]]:
         out = {}
         with connection.cursor() as cursor:
-            for model in (models.Community, models.Workflow, models.WorkflowRun, models.Event,
-                          models.WorkflowAgentDelivery):
+            for model in (
+                models.Community,
+                models.Workflow,
+                models.WorkflowRun,
+                models.Event,
+                models.WorkflowAgentDelivery,
+            ):
                 table = model._meta.db_table
                 cursor.execute(f"SELECT * FROM {table} ORDER BY 1")
                 out[table] = cursor.fetchall()

@@ -227,8 +227,4 @@ def get_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) ->
     The JSON snapshots are deferred (loaded on first access)."""
     community = v.uuid_value(community_id, "community_id")
     wanted = v.uuid_value(delivery_id, "delivery_id")
-    return (
-        WorkflowAgentDelivery.objects.defer(*sql.SNAPSHOT_FIELDS)
-        .filter(community_id=community, id=wanted)
-        .first()
-    )
+    return WorkflowAgentDelivery.objects.defer(*sql.SNAPSHOT_FIELDS).filter(community_id=community, id=wanted).first()

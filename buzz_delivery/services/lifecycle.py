@@ -20,7 +20,9 @@ def _lock_fence_exclusive(community: uuid.UUID) -> None:
     # Writers hold this lock in shared mode (the write fence trigger) until they commit: taking
     # it exclusively waits for them, and writers arriving later wait for this move to commit,
     # then see the new state and are refused.
-    fetch_all("SELECT pg_advisory_xact_lock(%(ns)s, hashtext(%(id)s::text))", {"ns": FENCE_LOCK_NAMESPACE, "id": community})
+    fetch_all(
+        "SELECT pg_advisory_xact_lock(%(ns)s, hashtext(%(id)s::text))", {"ns": FENCE_LOCK_NAMESPACE, "id": community}
+    )
 
 
 def _count_rows(community: uuid.UUID) -> dict[str, int]:
@@ -75,7 +77,9 @@ class PurgeResult:
         return sum(self.deleted.values())
 
 
-def purge_community(community_id: uuid.UUID | str, *, batch_size: int | None = None, dry_run: bool = False) -> PurgeResult:
+def purge_community(
+    community_id: uuid.UUID | str, *, batch_size: int | None = None, dry_run: bool = False
+) -> PurgeResult:
     """Delete a fenced community's rows in catalog order, then mark it ``tombstone``.
 
     Requires ``fenced``; a ``tombstone`` community is a no-op (a second purge deletes nothing).
@@ -95,7 +99,9 @@ def purge_community(community_id: uuid.UUID | str, *, batch_size: int | None = N
     if community.deletion_state == "tombstone":
         return PurgeResult(deleted={m._meta.label: 0 for m in catalog_models()}, tombstoned=True, dry_run=dry_run)
     if community.deletion_state != "fenced":
-        raise LifecycleError(f"community {community_uuid} is {community.deletion_state}; only a fenced community is purged")
+        raise LifecycleError(
+            f"community {community_uuid} is {community.deletion_state}; only a fenced community is purged"
+        )
     if dry_run:
         return PurgeResult(deleted=_count_rows(community_uuid), dry_run=True)
 

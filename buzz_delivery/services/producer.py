@@ -150,7 +150,9 @@ def commit_deliveries(
                 sender=Binding,
                 community_id=community,
                 delivery_ids=created,
-                target_pubkeys=[b.target_pubkey for b, i in zip(bindings, params["ids"], strict=True) if i in created_set],
+                target_pubkeys=[
+                    b.target_pubkey for b, i in zip(bindings, params["ids"], strict=True) if i in created_set
+                ],
             )
         )
     return created

@@ -70,7 +70,11 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
     if result.total or skipped:
         logger.info(
             "reaped %d deliveries: %d reclaimed, %d attempts exhausted, %d expired; %d skipped (community fenced)",
-            result.total, result.reclaimed, result.exhausted, result.expired, skipped,
+            result.total,
+            result.reclaimed,
+            result.exhausted,
+            result.expired,
+            skipped,
         )
     return result
 

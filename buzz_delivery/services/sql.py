@@ -20,9 +20,7 @@ CLAIM_FIELDS = [f for f in WorkflowAgentDelivery._meta.concrete_fields if f.name
 CLAIM_ATTNAMES = [f.attname for f in CLAIM_FIELDS]
 RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 
-ACTIVE_COMMUNITY = (
-    f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
-)
+ACTIVE_COMMUNITY = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
 LEASE_END = "LEAST(now() + make_interval(secs => %(lease_seconds)s), d.expires_at)"
 CURRENT_LEASE = f"""
     d.community_id = %(community_id)s
@@ -216,8 +214,10 @@ RETURNING d.status
 
 COUNT_REAPABLE = f"""
 SELECT
-    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND NOT {_EXHAUSTED} AND c.deletion_state = 'active'),
-    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND {_EXHAUSTED} AND c.deletion_state = 'active'),
+    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND NOT {_EXHAUSTED}
+                     AND c.deletion_state = 'active'),
+    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND {_EXHAUSTED}
+                     AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL}) AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
 FROM (
