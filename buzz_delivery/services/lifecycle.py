@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 from django.db import connection, transaction
 
@@ -15,13 +16,27 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
+MAX_PURGE_BATCH = 100_000
+
+# The purge executor names itself to the write fence (migration 0002) with these two
+# transaction-local settings, and clears them before its batch commits.
+IDENTIFY_PURGE_EXECUTOR = (
+    "SELECT set_config('buzz_delivery.purge_community', %(community_id)s, true), "
+    "set_config('buzz_delivery.purge_fence_generation', %(fence_generation)s, true)"
+)
+FORGET_PURGE_EXECUTOR = (
+    "SELECT set_config('buzz_delivery.purge_community', '', true), "
+    "set_config('buzz_delivery.purge_fence_generation', '', true)"
+)
+
 
 def _lock_fence_exclusive(community: uuid.UUID) -> None:
     # Writers hold this lock in shared mode (the write fence trigger) until they commit: taking
-    # it exclusively waits for them, and writers arriving later wait for this move to commit,
-    # then see the new state and are refused.
+    # it exclusively waits for them, and writers arriving later queue behind this move, then
+    # see the new state and are refused.
     fetch_all(
-        "SELECT pg_advisory_xact_lock(%(ns)s, hashtext(%(id)s::text))", {"ns": FENCE_LOCK_NAMESPACE, "id": community}
+        "SELECT pg_advisory_xact_lock(%(ns)s, hashtext(%(id)s::text))",
+        {"ns": FENCE_LOCK_NAMESPACE, "id": community},
     )
 
 
@@ -37,8 +52,9 @@ def advance_community(community_id: uuid.UUID | str, state: str) -> Community:
     move and refuses backward or skipping moves even from raw SQL. Moving to ``tombstone``
     requires the community to hold no rows (use :func:`purge_community`).
 
-    Returns the updated :class:`Community`. Raises ``ValidationError`` for an unknown state,
-    :class:`CommunityNotFound`, or :class:`LifecycleError` for a move that is not the next step.
+    Returns the updated :class:`Community`. Raises ``ValidationError`` keyed ``community_id`` or
+    ``state`` on bad input, :class:`CommunityNotFound`, or :class:`LifecycleError` for a move
+    that is not the next step.
     """
     community_uuid = v.uuid_value(community_id, "community_id")
     if state not in LIFECYCLE_ORDER:
@@ -66,15 +82,38 @@ def advance_community(community_id: uuid.UUID | str, state: str) -> Community:
 
 @dataclass
 class PurgeResult:
-    """Rows deleted (or, with ``dry_run``, present) per catalog model label, in catalog order."""
+    """What :func:`purge_community` did.
+
+    - ``deleted``: rows deleted (with ``dry_run``: rows present) per catalog model label
+      (``"buzz_delivery.Workflow"``), in catalog order, every catalog model present.
+    - ``tombstoned``: the community is ``tombstone`` at the end (False for a dry run).
+    - ``batches``: DELETE statements run, each in its own transaction (0 for a dry run).
+    """
 
     deleted: dict[str, int] = field(default_factory=dict)
     tombstoned: bool = False
     dry_run: bool = False
+    batches: int = 0
 
     @property
     def total(self) -> int:
+        """Rows over every table."""
         return sum(self.deleted.values())
+
+
+def _delete_batch(statement: str, community: Community, size: int) -> int:
+    with transaction.atomic(), translated_errors():
+        fetch_all(
+            IDENTIFY_PURGE_EXECUTOR,
+            {"community_id": str(community.id), "fence_generation": str(community.fence_generation)},
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(statement, {"community_id": community.id, "batch_size": size})
+            count = cursor.rowcount
+        # Commit and rollback end the settings anyway; clearing them also keeps them from
+        # outliving this batch when the caller wrapped the purge in its own transaction.
+        fetch_all(FORGET_PURGE_EXECUTOR, {})
+    return count
 
 
 def purge_community(
@@ -82,17 +121,22 @@ def purge_community(
 ) -> PurgeResult:
     """Delete a fenced community's rows in catalog order, then mark it ``tombstone``.
 
-    Requires ``fenced``; a ``tombstone`` community is a no-op (a second purge deletes nothing).
-    Each batch of ``batch_size`` rows (default ``BATCH_SIZE``) is its own transaction in which
-    the purge executor identifies itself to the write fence for this community and its current
-    fence generation only (``set_config(..., true)``: transaction-local). Other communities are
-    never touched. ``dry_run`` returns the row counts and writes nothing.
+    Requires ``fenced``; a ``tombstone`` community is a no-op (zero counts). Each table is
+    emptied by DELETE statements of at most ``batch_size`` rows (1..100,000; default
+    ``BATCH_SIZE``), each in its own transaction (a savepoint when the caller holds one), in
+    which the purge executor identifies itself to the write fence for this community and its
+    current fence generation only (``set_config(..., true)``: transaction-local, and cleared
+    again before the batch ends). Other communities are never touched. The community row is
+    kept. ``dry_run`` counts the rows and writes nothing.
 
-    Raises :class:`CommunityNotFound`, or :class:`LifecycleError` when the community is
-    ``active`` or ``quiescing``.
+    Returns a :class:`PurgeResult`. Raises ``ValidationError`` keyed ``community_id`` or
+    ``batch_size``, :class:`CommunityNotFound`, or :class:`LifecycleError` when the community
+    is ``active`` or ``quiescing``.
     """
     community_uuid = v.uuid_value(community_id, "community_id")
-    size = v.int_in_range(batch_size if batch_size is not None else get_settings().batch_size, "batch_size", 1, 100_000)
+    size = v.int_in_range(
+        batch_size if batch_size is not None else get_settings().batch_size, "batch_size", 1, MAX_PURGE_BATCH
+    )
     community = Community.objects.filter(id=community_uuid).first()
     if community is None:
         raise CommunityNotFound(f"no community {community_uuid}")
@@ -108,25 +152,24 @@ def purge_community(
     result = PurgeResult()
     for model in catalog_models():
         table = connection.ops.quote_name(model._meta.db_table)
+        pk = connection.ops.quote_name(cast(str, model._meta.pk.column))
         statement = (
-            f"DELETE FROM {table} WHERE id IN "
-            f"(SELECT id FROM {table} WHERE community_id = %(community_id)s LIMIT %(batch_size)s)"
+            f"DELETE FROM {table} WHERE {pk} IN "
+            f"(SELECT {pk} FROM {table} WHERE community_id = %(community_id)s LIMIT %(batch_size)s)"
         )
         deleted = 0
         while True:
-            with transaction.atomic(), translated_errors():
-                fetch_all(
-                    "SELECT set_config('buzz_delivery.purge_community', %(c)s, true), "
-                    "set_config('buzz_delivery.purge_fence_generation', %(g)s, true)",
-                    {"c": str(community_uuid), "g": str(community.fence_generation)},
-                )
-                with connection.cursor() as cursor:
-                    cursor.execute(statement, {"community_id": community_uuid, "batch_size": size})
-                    count = cursor.rowcount
+            count = _delete_batch(statement, community, size)
+            result.batches += 1
             deleted += count
             if count < size:
                 break
         result.deleted[model._meta.label] = deleted
-    advance_community(community_uuid, "tombstone")
+    try:
+        advance_community(community_uuid, "tombstone")
+    except LifecycleError:
+        # A concurrent purge of the same community finished first: the outcome is the same.
+        if Community.objects.get(id=community_uuid).deletion_state != "tombstone":
+            raise
     result.tombstoned = True
     return result

@@ -1,0 +1,132 @@
+"""Helpers for the lifecycle, write-fence and purge tests (SPEC section 5)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db import DatabaseError, connection, transaction
+
+from buzz_delivery import models
+from buzz_delivery.testing import (
+    BindingFactory,
+    DeliveryFactory,
+    EventFactory,
+    WorkflowFactory,
+    WorkflowRunFactory,
+)
+
+# Every community-scoped table, as named in the database.
+TABLES = {
+    "workflow": models.Workflow._meta.db_table,
+    "run": models.WorkflowRun._meta.db_table,
+    "event": models.Event._meta.db_table,
+    "delivery": models.WorkflowAgentDelivery._meta.db_table,
+}
+SCOPED_MODELS = (models.Workflow, models.WorkflowRun, models.Event, models.WorkflowAgentDelivery)
+
+_RANDOM32 = "decode(md5(random()::text) || md5(random()::text), 'hex')"
+
+# One raw-SQL write per table and operation, each touching rows of community %(c)s only.
+RAW_WRITES: dict[str, dict[str, str]] = {
+    "workflow": {
+        "insert": "INSERT INTO buzz_delivery_workflow (id, community_id, name) "
+        "VALUES (gen_random_uuid(), %(c)s, 'raw')",
+        "update": "UPDATE buzz_delivery_workflow SET name = name || '!' WHERE community_id = %(c)s",
+        "delete": "DELETE FROM buzz_delivery_workflow WHERE community_id = %(c)s",
+    },
+    "run": {
+        "insert": "INSERT INTO buzz_delivery_workflow_run (id, community_id, workflow_id) "
+        "SELECT gen_random_uuid(), community_id, id FROM buzz_delivery_workflow WHERE community_id = %(c)s "
+        "LIMIT 1",
+        "update": "UPDATE buzz_delivery_workflow_run SET created_at = created_at - interval '1 second' "
+        "WHERE community_id = %(c)s",
+        "delete": "DELETE FROM buzz_delivery_workflow_run WHERE community_id = %(c)s",
+    },
+    "event": {
+        "insert": "INSERT INTO buzz_delivery_event (community_id, event_id, created_at, kind, pubkey, content, tags) "
+        f"VALUES (%(c)s, {_RANDOM32}, now(), 1, {_RANDOM32}, 'raw', '[]')",
+        "update": "UPDATE buzz_delivery_event SET content = content || '!' WHERE community_id = %(c)s",
+        "delete": "DELETE FROM buzz_delivery_event WHERE community_id = %(c)s",
+    },
+    "delivery": {
+        "insert": "INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, "
+        "target_pubkey, definition_event_id, message_event_id, cause_kind, cause_event_id, "
+        "cause_scheduled_for, cause_webhook_invocation_id) "
+        "SELECT gen_random_uuid(), community_id, workflow_id, run_id, step_id || '-raw', target_pubkey, "
+        "definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for, "
+        "cause_webhook_invocation_id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1",
+        "update": "UPDATE buzz_delivery_delivery SET created_at = created_at - interval '1 second' "
+        "WHERE community_id = %(c)s",
+        "delete": "DELETE FROM buzz_delivery_delivery WHERE community_id = %(c)s",
+    },
+}
+
+
+def fill_community(community: models.Community, rows: int = 3) -> dict[str, int]:
+    """Give ``community`` ``rows`` workflows, runs and events and ``rows + 1`` deliveries.
+
+    Returns the row count per catalog model label."""
+    workflows = WorkflowFactory.create_batch(rows, community=community)
+    runs = [WorkflowRunFactory(community=community, workflow=w) for w in workflows]
+    events = EventFactory.create_batch(rows, community=community)
+    for i in range(rows + 1):
+        DeliveryFactory(binding=BindingFactory(run=runs[i % rows], message_event=events[i % rows]))
+    return {
+        "buzz_delivery.WorkflowAgentDelivery": rows + 1,
+        "buzz_delivery.WorkflowRun": rows,
+        "buzz_delivery.Event": rows,
+        "buzz_delivery.Workflow": rows,
+    }
+
+
+def count_rows(community_id: uuid.UUID) -> dict[str, int]:
+    """Rows of ``community_id`` per community-scoped model label."""
+    return {m._meta.label: m._base_manager.filter(community_id=community_id).count() for m in SCOPED_MODELS}
+
+
+def community_snapshot(community_id: uuid.UUID) -> dict[str, list[tuple[Any, ...]]]:
+    """Every column of every row of one community, the community row included."""
+    out = {}
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT * FROM buzz_delivery_community WHERE id = %s", [community_id])
+        out["buzz_delivery_community"] = cursor.fetchall()
+        for table in TABLES.values():
+            cursor.execute(f"SELECT * FROM {table} WHERE community_id = %s ORDER BY 1", [community_id])
+            out[table] = cursor.fetchall()
+    return out
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The PostgreSQL SQLSTATE behind a Django database error."""
+    return getattr(exc.__cause__, "sqlstate", None)
+
+
+def raw_write(sql: str, params: dict[str, Any]) -> str | None:
+    """Run one raw statement in a savepoint; return the SQLSTATE it failed with, or None."""
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(sql, params)
+    except DatabaseError as exc:
+        return sqlstate(exc) or "unknown"
+    return None
+
+
+def identify_as_purge_executor(community_id: uuid.UUID | str, fence_generation: int | str) -> None:
+    """Set the two transaction-local settings the write fence reads (as the purge executor does)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT set_config('buzz_delivery.purge_community', %s, true), "
+            "set_config('buzz_delivery.purge_fence_generation', %s, true)",
+            [str(community_id), str(fence_generation)],
+        )
+
+
+def purge_settings() -> tuple[str | None, str | None]:
+    """The purge executor settings as this connection sees them now."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT current_setting('buzz_delivery.purge_community', true), "
+            "current_setting('buzz_delivery.purge_fence_generation', true)"
+        )
+        return cursor.fetchone()
