@@ -314,6 +314,12 @@ class WorkflowAgentDelivery(CommunityScoped):
             models.Index(fields=["created_at"], name="delivery_created_idx"),
         ]
         triggers = [triggers.write_fence()]
+        # Operator actions in the admin (SPEC section 8), each gated by its own permission.
+        permissions = [
+            ("requeue_delivery", "Can requeue failed or expired deliveries"),
+            ("force_fail_delivery", "Can force-fail claimed deliveries"),
+            ("reap_deliveries", "Can reap expired leases now"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.step_id} -> {bytes(self.target_pubkey).hex()[:12]} ({self.status})"
@@ -326,3 +332,26 @@ class WorkflowAgentDelivery(CommunityScoped):
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+
+class MaintenanceLease(models.Model):
+    """A named, time-limited lease that keeps two maintenance runs (``reap_deliveries``,
+    ``prune_deliveries``) from overlapping (SPEC section 8).
+
+    One row per job name. A run takes it with a single ``INSERT ... ON CONFLICT DO UPDATE
+    ... WHERE lease_until < now()`` (database clock), renews it between batches and deletes it
+    when done; a crashed run's lease simply lapses. No session state is held between
+    transactions, so it works behind a transaction-pooling connection pooler. Not
+    community-scoped. Written only by :mod:`buzz_delivery.services.runlock`.
+    """
+
+    name = models.CharField(max_length=100, primary_key=True)
+    holder = models.TextField()
+    lease_until = models.DateTimeField()
+    acquired_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "buzz_delivery_maintenance_lease"
+
+    def __str__(self) -> str:
+        return f"{self.name} held by {self.holder}"

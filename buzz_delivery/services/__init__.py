@@ -15,7 +15,16 @@ from buzz_delivery.services.leases import (
 from buzz_delivery.services.lifecycle import PurgeResult, advance_community, purge_community
 from buzz_delivery.services.operator import OperatorOutcome, force_fail_delivery, requeue_delivery
 from buzz_delivery.services.producer import commit_deliveries, lock_delivery_identity
+from buzz_delivery.services.pruner import PruneResult, prune_deliveries
 from buzz_delivery.services.reaper import reap, reap_expired_deliveries
+from buzz_delivery.services.runlock import (
+    LeaseBusy,
+    RunLease,
+    acquire_run_lease,
+    release_run_lease,
+    renew_run_lease,
+    run_lease,
+)
 from buzz_delivery.services.types import (
     AlreadyTerminal,
     Binding,
@@ -34,12 +43,16 @@ __all__ = [
     "Cause",
     "Claim",
     "Lease",
+    "LeaseBusy",
     "LeaseLost",
     "OperatorOutcome",
+    "PruneResult",
     "PurgeResult",
     "ReapResult",
     "Renewed",
+    "RunLease",
     "Settled",
+    "acquire_run_lease",
     "advance_community",
     "claim_deliveries",
     "claim_delivery",
@@ -48,9 +61,13 @@ __all__ = [
     "force_fail_delivery",
     "get_delivery",
     "lock_delivery_identity",
+    "prune_deliveries",
     "purge_community",
     "reap",
     "reap_expired_deliveries",
+    "release_run_lease",
     "renew_delivery",
+    "renew_run_lease",
     "requeue_delivery",
+    "run_lease",
 ]

@@ -1,0 +1,16 @@
+"""The buzz_delivery admin (SPEC section 8): deliveries, communities, workflows, runs, events.
+
+Importing this package registers every ModelAdmin with ``django.contrib.admin.site``
+(Django's admin autodiscovery imports it). Modules:
+
+- :mod:`.deliveries`: the delivery list, detail page, operator actions and dashboard URL;
+- :mod:`.tenants`: communities (lifecycle action), workflows, runs, events;
+- :mod:`.base`: the read-only frame and the action report; :mod:`.paginators`: counts
+  without a full-table ``COUNT(*)``; :mod:`.changelist`: snapshot-free lists and a cheap
+  date drill-down; :mod:`.filters`, :mod:`.search`, :mod:`.display`, :mod:`.dashboard`.
+"""
+
+from buzz_delivery.admin.deliveries import DeliveryAdmin
+from buzz_delivery.admin.tenants import CommunityAdmin, EventAdmin, WorkflowAdmin, WorkflowRunAdmin
+
+__all__ = ["CommunityAdmin", "DeliveryAdmin", "EventAdmin", "WorkflowAdmin", "WorkflowRunAdmin"]

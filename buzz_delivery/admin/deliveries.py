@@ -1,0 +1,304 @@
+"""The delivery admin (SPEC section 8): a fast, read-only changelist and detail page, operator
+actions through the services, and the dashboard page.
+
+Permissions (declared in ``WorkflowAgentDelivery.Meta.permissions``, migration 0003):
+
+- ``buzz_delivery.view_workflowagentdelivery``: the list, detail page and dashboard;
+- ``buzz_delivery.requeue_delivery``: "Requeue failed/expired" (``services.requeue_delivery``);
+- ``buzz_delivery.force_fail_delivery``: "Force-fail claimed" (``services.force_fail_delivery``);
+- ``buzz_delivery.reap_deliveries``: "Reap expired leases now" (``services.reap``, fleet-wide,
+  under the same run lease as the ``reap_deliveries`` command).
+
+Each of these actions bumps the lease generation, so a current holder is fenced.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import BooleanField, Case, QuerySet, Value, When
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.html import format_html
+
+from buzz_delivery import services
+from buzz_delivery.admin import display, search
+from buzz_delivery.admin.base import MAX_ACTION_ROWS, ReadOnlyAdmin, logger, report, too_many
+from buzz_delivery.admin.changelist import SnapshotFreeChangeList
+from buzz_delivery.admin.dashboard import load_dashboard
+from buzz_delivery.admin.filters import CommunityFilter, LeaseExpiredFilter, lease_expired_q
+from buzz_delivery.exceptions import BuzzDeliveryError
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.services.runlock import LeaseBusy, run_lease
+
+REAP_LEASE_SECONDS = 120
+# Columns an action needs to call a service and write a LogEntry (``__str__``).
+ACTION_COLUMNS = ("id", "community_id", "step_id", "target_pubkey", "status", "lease_generation")
+
+
+@admin.register(WorkflowAgentDelivery)
+class DeliveryAdmin(ReadOnlyAdmin):
+    list_display = (
+        "short_id",
+        "status",
+        "community",
+        "target",
+        "workflow_run_step",
+        "generation",
+        "lease_deadline",
+        "attempts",
+        "created",
+    )
+    list_display_links = ("short_id",)
+    list_filter = ("status", "cause_kind", CommunityFilter, LeaseExpiredFilter)
+    list_select_related = ("community", "workflow")
+    date_hierarchy = "created_at"
+    # Served by delivery_created_idx (created_at); Django appends "-pk" as a tie-breaker.
+    ordering = ("-created_at",)
+    # The search box appears only with search_fields; get_search_results does the work.
+    search_fields = ("step_id",)
+    search_help_text = search.HELP_TEXT
+    actions = ("requeue_selected", "force_fail_selected", "reap_expired_now")
+    change_list_template = "admin/buzz_delivery/workflowagentdelivery/change_list.html"
+    identity_fields = (
+        "id",
+        "community",
+        "workflow",
+        "run",
+        "step_id",
+        "target_hex",
+        "definition_event_hex",
+        "message_event_hex",
+        "cause_kind",
+        "cause_value",
+    )
+    lease_fields = ("status", "lease_generation", "lease_deadline", "claimed_at", "finished_at", "created_at")
+    policy_fields = ("attempt", "max_attempts", "next_attempt_at", "expires_at", "failure_code", "failure_message")
+    snapshot_fields = ("execution_trace_json", "trigger_context_json")
+    fieldsets = (
+        ("Identity", {"fields": identity_fields}),
+        ("Lease", {"fields": lease_fields}),
+        ("Policy", {"fields": policy_fields}),
+        ("Snapshots", {"classes": ("collapse",), "fields": snapshot_fields}),
+    )
+    readonly_fields = identity_fields + lease_fields + policy_fields + snapshot_fields
+
+    # --- queryset, changelist, search -------------------------------------------------
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        # "lease expired" is judged by the database clock, in the same query.
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                lease_expired=Case(
+                    When(lease_expired_q(), then=Value(True)), default=Value(False), output_field=BooleanField()
+                )
+            )
+        )
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
+        return SnapshotFreeChangeList
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
+        q = search.delivery_search_q(search_term)
+        return (queryset if q is None else queryset.filter(q)), False
+
+    # --- columns ----------------------------------------------------------------------
+
+    @admin.display(description="delivery", ordering="id")
+    def short_id(self, obj: WorkflowAgentDelivery) -> str:
+        return display.short_uuid(obj.id)
+
+    @admin.display(description="target")
+    def target(self, obj: WorkflowAgentDelivery) -> str:
+        return display.short_hex(obj.target_pubkey)
+
+    @admin.display(description="workflow / run / step")
+    def workflow_run_step(self, obj: WorkflowAgentDelivery) -> str:
+        return format_html("{} / {} / {}", obj.workflow.name, display.short_uuid(obj.run_id), obj.step_id)
+
+    @admin.display(description="lease until", ordering="lease_until")
+    def lease_deadline(self, obj: WorkflowAgentDelivery) -> str:
+        if obj.lease_until is None:
+            return display.EMPTY
+        stamp = display.timestamp(obj.lease_until)
+        if getattr(obj, "lease_expired", False):
+            return format_html('{} <strong style="color: var(--error-fg, #ba2121)">expired</strong>', stamp)
+        return stamp
+
+    @admin.display(description="gen", ordering="lease_generation")
+    def generation(self, obj: WorkflowAgentDelivery) -> int:
+        return obj.lease_generation
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: WorkflowAgentDelivery) -> str:
+        return display.timestamp(obj.created_at)
+
+    @admin.display(description="attempts")
+    def attempts(self, obj: WorkflowAgentDelivery) -> str:
+        return f"{obj.attempt}/{obj.max_attempts}" if obj.max_attempts else str(obj.attempt)
+
+    # --- detail page ------------------------------------------------------------------
+
+    @admin.display(description="target public key")
+    def target_hex(self, obj: WorkflowAgentDelivery) -> str:
+        return display.full_hex(obj.target_pubkey)
+
+    @admin.display(description="definition event id")
+    def definition_event_hex(self, obj: WorkflowAgentDelivery) -> str:
+        return display.full_hex(obj.definition_event_id)
+
+    @admin.display(description="message event id")
+    def message_event_hex(self, obj: WorkflowAgentDelivery) -> str:
+        return display.full_hex(obj.message_event_id)
+
+    @admin.display(description="cause")
+    def cause_value(self, obj: WorkflowAgentDelivery) -> str:
+        if obj.cause_kind == "event":
+            return display.full_hex(obj.cause_event_id)
+        if obj.cause_kind == "schedule":
+            return display.timestamp(obj.cause_scheduled_for)
+        return str(obj.cause_webhook_invocation_id)
+
+    @admin.display(description="execution trace")
+    def execution_trace_json(self, obj: WorkflowAgentDelivery) -> str:
+        return display.pretty_json(obj.execution_trace)
+
+    @admin.display(description="trigger context")
+    def trigger_context_json(self, obj: WorkflowAgentDelivery) -> str:
+        return display.pretty_json(obj.trigger_context)
+
+    # --- permissions of the actions ---------------------------------------------------
+
+    def has_requeue_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("buzz_delivery.requeue_delivery")
+
+    def has_force_fail_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("buzz_delivery.force_fail_delivery")
+
+    def has_reap_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("buzz_delivery.reap_deliveries")
+
+    # --- actions ----------------------------------------------------------------------
+
+    def _each(self, request: HttpRequest, queryset: QuerySet, verb: str, message: str, call: Any) -> None:
+        rows = list(queryset.select_related(None).order_by().only(*ACTION_COLUMNS)[: MAX_ACTION_ROWS + 1])
+        if too_many(self, request, rows, verb):
+            return
+        done: list[WorkflowAgentDelivery] = []
+        skipped: Counter[str] = Counter()
+        for delivery in rows:
+            try:
+                outcome = call(delivery)
+            except (BuzzDeliveryError, ValidationError) as exc:
+                skipped[str(exc)] += 1
+                continue
+            if outcome.done:
+                done.append(delivery)
+            else:
+                skipped[outcome.reason] += 1
+        report(self, request, verb=verb, done=done, skipped=skipped, change_message=message)
+
+    @admin.action(permissions=["requeue"], description="Requeue selected failed/expired deliveries")
+    def requeue_selected(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._each(
+            request,
+            queryset,
+            "requeued",
+            "Requeued (failed/expired -> pending, generation bumped)",
+            lambda d: services.requeue_delivery(d.community_id, d.id),
+        )
+
+    @admin.action(permissions=["force_fail"], description="Force-fail selected claimed deliveries")
+    def force_fail_selected(self, request: HttpRequest, queryset: QuerySet) -> None:
+        user = request.user.get_username()
+        self._each(
+            request,
+            queryset,
+            "force-failed",
+            "Force-failed (claimed -> failed, generation bumped)",
+            lambda d: services.force_fail_delivery(d.community_id, d.id, failure_message=f"force-failed by {user}"),
+        )
+
+    @admin.action(permissions=["reap"], description="Reap expired leases now (all communities)")
+    def reap_expired_now(self, request: HttpRequest, queryset: QuerySet) -> None:
+        lapsed = dict(
+            queryset.filter(lease_expired_q()).order_by().values_list("id", "lease_generation")[:MAX_ACTION_ROWS]
+        )
+        result = self.reap_now(request)
+        if result is None:
+            return
+        moved = [
+            d
+            for d in WorkflowAgentDelivery.objects.filter(id__in=lapsed).only(*ACTION_COLUMNS)
+            if d.lease_generation > lapsed[d.id]
+        ]
+        if moved:
+            report(
+                self,
+                request,
+                verb="reaped",
+                done=moved,
+                skipped=Counter[str](),
+                change_message="Reaped by an operator (lease expired, generation bumped)",
+            )
+
+    def reap_now(self, request: HttpRequest) -> services.ReapResult | None:
+        """Run the fleet-wide reap under the ``reap_deliveries`` run lease and tell the operator."""
+        with run_lease("reap_deliveries", REAP_LEASE_SECONDS) as lease:
+            if isinstance(lease, LeaseBusy):
+                self.message_user(
+                    request,
+                    f"Skipped: a reap_deliveries run is active (holder {lease.holder}); try again later.",
+                    messages.WARNING,
+                )
+                return None
+            result = services.reap()
+        self.message_user(
+            request,
+            f"Reaped all communities: {result.reclaimed} reclaimed, {result.exhausted} attempts exhausted, "
+            f"{result.expired} expired; skipped {result.skipped_fenced} (community not active).",
+            messages.SUCCESS,
+        )
+        logger.info("admin reap now: user=%s %s", request.user.get_username(), result)
+        return result
+
+    # --- dashboard --------------------------------------------------------------------
+
+    def _url_name(self, view: str) -> str:
+        return f"{self.opts.app_label}_{self.opts.model_name}_{view}"
+
+    def get_urls(self) -> list[Any]:
+        return [
+            path("dashboard/", self.admin_site.admin_view(self.dashboard_view), name=self._url_name("dashboard")),
+            *super().get_urls(),
+        ]
+
+    def dashboard_view(self, request: HttpRequest) -> HttpResponse:
+        """GET: the figures of :func:`load_dashboard`. POST ``reap``: reap now (needs ``reap_deliveries``)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        url = reverse(f"admin:{self._url_name('dashboard')}")
+        if request.method == "POST":
+            if not self.has_reap_permission(request):
+                raise PermissionDenied
+            self.reap_now(request)
+            return HttpResponseRedirect(url)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Delivery dashboard",
+            "dashboard": load_dashboard(),
+            "can_reap": self.has_reap_permission(request),
+            "changelist_url": reverse(f"admin:{self._url_name('changelist')}"),
+        }
+        return TemplateResponse(request, "admin/buzz_delivery/dashboard.html", context)
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        extra = {"dashboard_url": reverse(f"admin:{self._url_name('dashboard')}"), **(extra_context or {})}
+        return super().changelist_view(request, extra)

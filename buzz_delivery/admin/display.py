@@ -1,0 +1,54 @@
+"""How the admin shows binary values and JSON snapshots (SPEC section 8).
+
+32-byte values (event ids, public keys) are lowercase hex: short in lists, full on detail
+pages. Nothing here runs a query.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from django.utils import timezone
+from django.utils.html import format_html
+
+SHORT_HEX_CHARS = 12
+EMPTY = "—"
+
+
+def full_hex(value: bytes | memoryview | None) -> str:
+    """All bytes as lowercase hex (64 characters for a 32-byte value), or an em dash."""
+    return bytes(value).hex() if value is not None else EMPTY
+
+
+def short_hex(value: bytes | memoryview | None, chars: int = SHORT_HEX_CHARS) -> str:
+    """The first ``chars`` hex characters and an ellipsis, with the full value as tooltip."""
+    if value is None:
+        return EMPTY
+    text = bytes(value).hex()
+    if len(text) <= chars:
+        return text
+    return format_html('<code title="{}" style="white-space: nowrap">{}…</code>', text, text[:chars])
+
+
+def short_uuid(value: Any) -> str:
+    """The last 12 hex characters of a UUID, with the full UUID as tooltip. (Our ids are
+    UUIDv7, whose leading characters are a timestamp shared by every row made that second.)"""
+    if value is None:
+        return EMPTY
+    return format_html('<code title="{}" style="white-space: nowrap">…{}</code>', value, str(value)[-12:])
+
+
+def timestamp(value: dt.datetime | None) -> str:
+    """A compact local ``YYYY-MM-DD HH:MM:SS`` for list columns."""
+    if value is None:
+        return EMPTY
+    return timezone.localtime(value).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def pretty_json(value: Any) -> str:
+    """Indented JSON in a ``<pre>`` block."""
+    if value is None:
+        return EMPTY
+    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', json.dumps(value, indent=2))

@@ -1,0 +1,262 @@
+"""``manage.py reap_deliveries``: the reaper for cron or as a long-lived process (SPEC section 8).
+
+Also defines :class:`MaintenanceCommand`, the cron-safe frame shared with ``prune_deliveries``:
+the overlap guard (a lease row, :mod:`buzz_delivery.services.runlock`), bounded batches with
+the lease renewed between chunks of them, ``--dry-run``, one machine-readable summary line,
+exit codes, ``--loop`` with graceful shutdown on SIGTERM/SIGINT, and ``-v 0..3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError, close_old_connections
+
+from buzz_delivery import services
+from buzz_delivery.exceptions import BuzzDeliveryError
+from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, release_run_lease, renew_run_lease
+
+logger = logging.getLogger("buzz_delivery.commands")
+
+# Exit codes besides 0 (done, or another run is active). Usage errors exit 2 (argparse).
+EXIT_FAILED = 1
+EXIT_LEASE_LOST = 3
+# Batches between two renewals of the run lease. Must exceed the number of statements one
+# service call runs when it finds nothing (reap: 2, prune: 3), or a chunk never looks finished.
+RENEW_EVERY_BATCHES = 10
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse ``type=``: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+class LeaseLostError(Exception):
+    """The run lease lapsed and another run took it over: this run must stop at once."""
+
+
+class MaintenanceCommand(BaseCommand):
+    """A cron-safe maintenance command. Subclasses set :attr:`job` and implement
+    :meth:`run_chunk` (one bounded call of their service) and :meth:`empty_counts`."""
+
+    job = ""
+    supports_loop = False
+    default_lease_seconds = 120.0
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--batch-size",
+            type=positive_int,
+            default=None,
+            help="Rows per statement, each its own short transaction (default: BUZZ_DELIVERY['BATCH_SIZE'], 1000).",
+        )
+        parser.add_argument(
+            "--max-batches",
+            type=positive_int,
+            default=None,
+            help="Stop after this many statements (default: until nothing is left).",
+        )
+        parser.add_argument("--dry-run", action="store_true", help="Count what would be done; write nothing.")
+        parser.add_argument("--json", action="store_true", help="Print the summary line as JSON instead of key=value.")
+        parser.add_argument(
+            "--lease-seconds",
+            type=positive_seconds,
+            default=self.default_lease_seconds,
+            help="How long the overlap guard holds if this run dies; renewed every "
+            f"{RENEW_EVERY_BATCHES} batches (default: %(default)s).",
+        )
+        if self.supports_loop:
+            parser.add_argument(
+                "--loop",
+                action="store_true",
+                help="Run forever, one pass every --interval seconds; SIGTERM/SIGINT stop it after the current batch.",
+            )
+            parser.add_argument(
+                "--interval",
+                type=positive_seconds,
+                default=30.0,
+                help="Seconds between passes with --loop (default: %(default)s).",
+            )
+
+    # --- to implement -----------------------------------------------------------
+
+    def empty_counts(self) -> dict[str, int]:
+        """The summary's counters, all zero, in print order."""
+        raise NotImplementedError
+
+    def run_chunk(self, options: dict[str, Any], max_batches: int | None, dry_run: bool) -> tuple[dict[str, int], int]:
+        """One bounded call of the service: (counts to add up, batches run)."""
+        raise NotImplementedError
+
+    # Counters that are a state of the database, not work done: the last chunk's value wins.
+    snapshot_counts: tuple[str, ...] = ("skipped_fenced",)
+
+    # --- frame ------------------------------------------------------------------------
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        self.verbosity = options["verbosity"]
+        if self.verbosity >= 3:
+            logging.getLogger("buzz_delivery").setLevel(logging.DEBUG)
+        self.stop = threading.Event()
+        if not options.get("loop"):
+            self.run_pass(options, raise_errors=True)
+            return
+        with self.stop_on_signals():
+            while not self.stop.is_set():
+                self.run_pass(options, raise_errors=False)
+                close_old_connections()
+                self.stop.wait(options["interval"])
+        self.progress(f"{self.job}: stopped on signal")
+
+    @contextmanager
+    def stop_on_signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT set :attr:`stop`; the loop finishes the current batch and exits 0."""
+
+        def request_stop(signum: int, frame: object) -> None:
+            self.progress(f"{self.job}: {signal.Signals(signum).name} received; stopping after the current batch")
+            self.stop.set()
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def run_pass(self, options: dict[str, Any], *, raise_errors: bool) -> None:
+        """One run: take the guard, work in chunks, release, print the summary line."""
+        started = time.monotonic()
+        try:
+            summary = self.guarded_run(options)
+        except LeaseLostError as exc:
+            logger.warning("%s: %s", self.job, exc)
+            self.emit({"outcome": "lease_lost"}, started, options)
+            if raise_errors:
+                raise CommandError(f"{self.job}: {exc}", returncode=EXIT_LEASE_LOST) from exc
+            return
+        except (DatabaseError, BuzzDeliveryError, ValidationError) as exc:
+            logger.exception("%s failed", self.job)
+            self.emit({"outcome": "error", "error": type(exc).__name__}, started, options)
+            if raise_errors:
+                raise CommandError(f"{self.job} failed: {exc}", returncode=EXIT_FAILED) from exc
+            return
+        self.emit(summary, started, options)
+
+    def guarded_run(self, options: dict[str, Any]) -> dict[str, Any]:
+        dry_run = options["dry_run"]
+        if dry_run:  # writes nothing, so it needs (and takes) no lease
+            counts, batches = self.run_chunk(options, options["max_batches"], True)
+            return {"outcome": "ok", **counts, "batches": batches, "dry_run": True}
+        lease = acquire_run_lease(self.job, options["lease_seconds"])
+        if isinstance(lease, LeaseBusy):
+            until = lease.lease_until.isoformat() if lease.lease_until else None
+            self.progress(f"{self.job}: another run is active (holder {lease.holder}, until {until}); nothing done")
+            return {"outcome": "busy", "reason": "another_run_active", "holder": lease.holder, "lease_until": until}
+        self.progress(f"{self.job}: took the run lease as {lease.holder}")
+        try:
+            counts, batches = self.work_in_chunks(options, lease)
+        finally:
+            if not release_run_lease(lease):
+                logger.warning("%s: the run lease had already been taken over at release", self.job)
+        return {"outcome": "stopped" if self.stop.is_set() else "ok", **counts, "batches": batches, "dry_run": False}
+
+    def work_in_chunks(self, options: dict[str, Any], lease: RunLease) -> tuple[dict[str, int], int]:
+        """Call :meth:`run_chunk` with at most :data:`RENEW_EVERY_BATCHES` batches at a time,
+        renewing the lease in between, until the service runs out of work, ``--max-batches``
+        is spent, or a stop was requested."""
+        totals = self.empty_counts()
+        batches = 0
+        limit = options["max_batches"]
+        while True:
+            budget = RENEW_EVERY_BATCHES if limit is None else min(RENEW_EVERY_BATCHES, limit - batches)
+            counts, ran = self.run_chunk(options, budget, False)
+            batches += ran
+            for key, value in counts.items():
+                totals[key] = value if key in self.snapshot_counts else totals[key] + value
+            self.progress(f"{self.job}: {ran} batches: " + " ".join(f"{k}={v}" for k, v in counts.items()), level=2)
+            if ran < budget or (limit is not None and batches >= limit) or self.stop.is_set():
+                return totals, batches
+            renewed = renew_run_lease(lease, options["lease_seconds"])
+            if renewed is None:
+                raise LeaseLostError("the run lease lapsed and was taken over; stopped to avoid overlapping runs")
+            lease = renewed
+
+    # --- output ---------------------------------------------------------------------
+
+    def progress(self, message: str, level: int = 2) -> None:
+        """A human line on stderr at verbosity >= ``level`` (stdout keeps the summary only)."""
+        if self.verbosity >= level:
+            self.stderr.write(message, style_func=lambda text: text)
+
+    def emit(self, summary: dict[str, Any], started: float, options: dict[str, Any]) -> None:
+        """Print the one summary line (key=value, or JSON with ``--json``) at verbosity >= 1."""
+        summary = {**summary, "duration_ms": round((time.monotonic() - started) * 1000)}
+        if self.verbosity < 1:
+            return
+        if options["json"]:
+            line = json.dumps(summary, separators=(",", ":"))
+        else:
+            line = " ".join(f"{key}={self.kv_value(value)}" for key, value in summary.items())
+        style = self.style.SUCCESS if summary["outcome"] in ("ok", "busy", "stopped") else self.style.ERROR
+        self.stdout.write(style(line))
+
+    @staticmethod
+    def kv_value(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if value is None:
+            return "none"
+        return shlex.quote(str(value))
+
+
+class Command(MaintenanceCommand):
+    help = (
+        "Reap lapsed leases fleet-wide: claimed deliveries whose lease ran out go back to pending "
+        "(or end failed/expired), in bounded batches. Safe to run every minute from cron: a run "
+        "that finds another one active prints outcome=busy and exits 0. Prints one summary line "
+        "(reclaimed, exhausted, expired, skipped_fenced, batches, dry_run, duration_ms). Exit codes: "
+        "0 done or busy, 1 failed, 2 bad arguments, 3 lease lost mid-run. SPEC section 8."
+    )
+    job = "reap_deliveries"
+    supports_loop = True
+
+    def empty_counts(self) -> dict[str, int]:
+        return {"reclaimed": 0, "exhausted": 0, "expired": 0, "skipped_fenced": 0}
+
+    def run_chunk(self, options: dict[str, Any], max_batches: int | None, dry_run: bool) -> tuple[dict[str, int], int]:
+        result = services.reap(batch_size=options["batch_size"], max_batches=max_batches, dry_run=dry_run)
+        counts = {
+            "reclaimed": result.reclaimed,
+            "exhausted": result.exhausted,
+            "expired": result.expired,
+            "skipped_fenced": result.skipped_fenced,
+        }
+        return counts, result.batches

@@ -1,0 +1,149 @@
+"""The pruner (SPEC section 8): deletes terminal deliveries older than a retention age.
+
+Only ``finished``, ``failed`` and ``expired`` rows are ever deleted, and only once their
+``finished_at`` is older than the retention given for their status, judged by the database
+clock. Each batch is one ``DELETE`` statement (its own short transaction in autocommit)
+that re-checks its whole guard. Rows of a community that is not ``active`` are filtered out
+inside the statement (the write fence would refuse them) and reported as skipped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from buzz_delivery.conf import get_settings
+from buzz_delivery.exceptions import CommunityNotWritable
+from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY
+
+logger = logging.getLogger("buzz_delivery.pruner")
+
+DELIVERY = WorkflowAgentDelivery._meta.db_table
+PRUNABLE_STATUSES: tuple[str, ...] = tuple(s.value for s in TERMINAL_STATUSES)
+
+_OLD_ENOUGH = "d.status = %(status)s AND d.finished_at < now() - make_interval(secs => %(age_seconds)s)"
+
+# Walks delivery_terminal_age_idx (finished_at, partial on terminal statuses) oldest first.
+DELETE_TERMINAL_OLDER_THAN = f"""
+WITH doomed AS MATERIALIZED (
+    SELECT d.id FROM {DELIVERY} AS d
+    WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY}
+    ORDER BY d.finished_at
+    LIMIT %(batch_size)s
+    FOR UPDATE OF d SKIP LOCKED
+)
+DELETE FROM {DELIVERY} AS d
+USING doomed
+WHERE d.id = doomed.id AND {_OLD_ENOUGH}
+RETURNING d.id
+"""
+
+COUNT_PRUNABLE = f"SELECT count(*) FROM {DELIVERY} AS d WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY}"
+
+# Starts from the (few) communities that are not active, so it never walks the whole table.
+COUNT_FENCED_OLD_ENOUGH = f"""
+SELECT count(*) FROM {COMMUNITY} AS c
+JOIN {DELIVERY} AS d ON d.community_id = c.id
+WHERE c.deletion_state <> 'active' AND {_OLD_ENOUGH}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    """What one prune did (or, with ``dry_run``, would do). Counts of deliveries.
+
+    - ``deleted``: per terminal status pruned, rows deleted (would be deleted);
+    - ``skipped_fenced``: old-enough terminal rows left alone because their community is not
+      ``active`` (the write fence; a fenced community is emptied by ``purge_community``);
+    - ``batches``: DELETE statements run (0 with ``dry_run``).
+    """
+
+    deleted: dict[str, int] = field(default_factory=dict)
+    skipped_fenced: int = 0
+    batches: int = 0
+    dry_run: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.deleted.values())
+
+
+def _retention(retention: Mapping[str, dt.timedelta]) -> dict[str, float]:
+    if not isinstance(retention, Mapping) or not retention:
+        raise v.invalid("retention", "must map at least one terminal status to a timedelta")
+    ages: dict[str, float] = {}
+    for status, age in retention.items():
+        if status not in PRUNABLE_STATUSES:
+            raise v.invalid("retention", f"{status!r} is not a terminal status ({', '.join(PRUNABLE_STATUSES)})")
+        if not isinstance(age, dt.timedelta) or age <= dt.timedelta(0):
+            raise v.invalid("retention", f"the age for {status!r} must be a positive timedelta, got {age!r}")
+        ages[status] = age.total_seconds()
+    return ages
+
+
+def _delete_batch(params: dict[str, object]) -> int:
+    # A community fenced between the statement's snapshot and its trigger makes the fence
+    # refuse the whole batch; the next statement's snapshot sees the new state.
+    for attempt in (1, 2):
+        try:
+            with translated_errors():
+                return len(fetch_all(DELETE_TERMINAL_OLDER_THAN, params))
+        except CommunityNotWritable:
+            if attempt == 2:
+                raise
+            logger.info("a community was fenced during a prune batch; retrying the batch")
+    return 0
+
+
+def prune_deliveries(
+    retention: Mapping[str, dt.timedelta],
+    *,
+    batch_size: int | None = None,
+    max_batches: int | None = None,
+    dry_run: bool = False,
+) -> PruneResult:
+    """Delete terminal deliveries whose ``finished_at`` is older than their status's retention.
+
+    ``retention``: terminal status (``finished``, ``failed``, ``expired``) -> minimum age
+    (a positive :class:`datetime.timedelta`); statuses not named are never pruned.
+    ``batch_size``: rows per DELETE (1..100,000; default ``BATCH_SIZE``), each its own short
+    transaction when called in autocommit. ``max_batches``: stop after that many statements
+    (None = until done). ``dry_run``: count what would be deleted, delete nothing.
+
+    Non-terminal rows are never deleted. Returns a :class:`PruneResult`; raises
+    ``ValidationError`` (``retention``, ``batch_size``, ``max_batches``) before any SQL.
+    """
+    ages = _retention(retention)
+    size = v.int_in_range(batch_size if batch_size is not None else get_settings().batch_size, "batch_size", 1, 100_000)
+    limit = v.int_in_range(max_batches, "max_batches", 1, 10**9) if max_batches is not None else None
+
+    deleted: dict[str, int] = {}
+    skipped = 0
+    batches = 0
+    for status, age_seconds in ages.items():
+        params: dict[str, object] = {"status": status, "age_seconds": age_seconds, "batch_size": size}
+        skipped += fetch_all(COUNT_FENCED_OLD_ENOUGH, params)[0][0]
+        if dry_run:
+            deleted[status] = fetch_all(COUNT_PRUNABLE, params)[0][0]
+            continue
+        deleted[status] = 0
+        while limit is None or batches < limit:
+            count = _delete_batch(params)
+            batches += 1
+            deleted[status] += count
+            if count < size:
+                break
+    result = PruneResult(deleted=deleted, skipped_fenced=skipped, batches=batches, dry_run=dry_run)
+    if not dry_run and (result.total or skipped):
+        logger.info(
+            "pruned %d terminal deliveries (%s); %d skipped (community not active)",
+            result.total,
+            ", ".join(f"{s} {n}" for s, n in deleted.items()),
+            skipped,
+        )
+    return result

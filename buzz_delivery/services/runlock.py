@@ -1,0 +1,129 @@
+"""The overlap guard of the maintenance commands (SPEC section 8): a named lease row.
+
+A run takes the lease for its job name with one statement, renews it between batches and
+releases it at the end. Every statement is its own short transaction and nothing is held
+on the database session between them (no session-level advisory lock), so the guard works
+behind a transaction-pooling connection pooler such as PgBouncer. A run that crashes does
+not release its lease; the lease lapses by itself ``ttl_seconds`` after its last renewal,
+judged by the database clock. Rows live in ``buzz_delivery_maintenance_lease``
+(:class:`buzz_delivery.models.MaintenanceLease`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import numbers
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from buzz_delivery.models import MaintenanceLease
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all
+
+LEASE_TABLE = MaintenanceLease._meta.db_table
+
+# Takes a free or lapsed lease; a live lease of another holder leaves the row alone and
+# returns nothing. ``now()`` is the database clock.
+ACQUIRE_IF_FREE_OR_LAPSED = f"""
+INSERT INTO {LEASE_TABLE} AS l (name, holder, lease_until, acquired_at)
+VALUES (%(name)s, %(holder)s, now() + make_interval(secs => %(ttl)s), now())
+ON CONFLICT (name) DO UPDATE
+    SET holder = EXCLUDED.holder, lease_until = EXCLUDED.lease_until, acquired_at = EXCLUDED.acquired_at
+    WHERE l.lease_until < now()
+RETURNING l.lease_until
+"""
+
+RENEW_IF_STILL_HELD = f"""
+UPDATE {LEASE_TABLE} AS l
+SET lease_until = now() + make_interval(secs => %(ttl)s)
+WHERE l.name = %(name)s AND l.holder = %(holder)s AND l.lease_until >= now()
+RETURNING l.lease_until
+"""
+
+RELEASE_IF_HELD = f"DELETE FROM {LEASE_TABLE} AS l WHERE l.name = %(name)s AND l.holder = %(holder)s RETURNING 1"
+
+CURRENT_HOLDER = f"SELECT l.holder, l.lease_until FROM {LEASE_TABLE} AS l WHERE l.name = %(name)s"
+
+
+@dataclass(frozen=True, slots=True)
+class RunLease:
+    """A held maintenance lease: job ``name``, this run's ``holder`` token and the deadline
+    ``lease_until`` (database clock) after which another run may take it over."""
+
+    name: str
+    holder: str
+    lease_until: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseBusy:
+    """Another run holds the lease: its ``holder`` token and ``lease_until`` (either may be
+    None when the row vanished between the attempt and the look-up)."""
+
+    name: str
+    holder: str | None
+    lease_until: dt.datetime | None
+
+
+def new_holder() -> str:
+    """A holder token unique to this run: ``host:pid:random``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+def _ttl(ttl_seconds: float) -> float:
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, numbers.Real):
+        raise v.invalid("ttl_seconds", f"must be a number of seconds, not {type(ttl_seconds).__name__}")
+    if not 1 <= ttl_seconds <= 86_400:
+        raise v.invalid("ttl_seconds", f"must be within 1..86400 seconds, got {ttl_seconds:g}")
+    return float(ttl_seconds)
+
+
+def acquire_run_lease(name: str, ttl_seconds: float, *, holder: str | None = None) -> RunLease | LeaseBusy:
+    """Take the lease ``name`` for ``ttl_seconds`` (1..86,400) if it is free or has lapsed.
+
+    Returns the :class:`RunLease` on success, or :class:`LeaseBusy` naming the current holder.
+    ``holder`` defaults to :func:`new_holder`. One statement, one transaction.
+    Raises ``ValidationError`` (field ``name`` / ``ttl_seconds``) before any SQL.
+    """
+    name = v.optional_text(name, "name", 100) or ""
+    if not name.strip():
+        raise v.invalid("name", "must not be blank")
+    token = holder or new_holder()
+    rows = fetch_all(ACQUIRE_IF_FREE_OR_LAPSED, {"name": name, "holder": token, "ttl": _ttl(ttl_seconds)})
+    if rows:
+        return RunLease(name=name, holder=token, lease_until=rows[0][0])
+    current = fetch_all(CURRENT_HOLDER, {"name": name})
+    if current:
+        return LeaseBusy(name=name, holder=current[0][0], lease_until=current[0][1])
+    return LeaseBusy(name=name, holder=None, lease_until=None)
+
+
+def renew_run_lease(lease: RunLease, ttl_seconds: float) -> RunLease | None:
+    """Extend a held lease to ``now() + ttl_seconds``. Returns the renewed :class:`RunLease`,
+    or None when the lease was lost (it lapsed and another run took it, or it was released):
+    the caller must then stop, because another run may be working."""
+    rows = fetch_all(RENEW_IF_STILL_HELD, {"name": lease.name, "holder": lease.holder, "ttl": _ttl(ttl_seconds)})
+    if not rows:
+        return None
+    return RunLease(name=lease.name, holder=lease.holder, lease_until=rows[0][0])
+
+
+def release_run_lease(lease: RunLease) -> bool:
+    """Give the lease back. True if this run still held it; False if it had been taken over."""
+    return bool(fetch_all(RELEASE_IF_HELD, {"name": lease.name, "holder": lease.holder}))
+
+
+@contextmanager
+def run_lease(name: str, ttl_seconds: float) -> Iterator[RunLease | LeaseBusy]:
+    """``with run_lease("reap_deliveries", 120) as lease:`` — yields :class:`RunLease` (and
+    releases it on exit, even on error) or :class:`LeaseBusy` (nothing to release)."""
+    lease = acquire_run_lease(name, ttl_seconds)
+    try:
+        yield lease
+    finally:
+        if isinstance(lease, RunLease):
+            release_run_lease(lease)

@@ -1,0 +1,97 @@
+"""Helpers for the operator-surface tests (commands, admin, browser): deliveries in a given
+state, made through the services, with time passing simulated by back-dating columns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from django.db import connection
+
+from buzz_delivery import models, services
+from buzz_delivery.testing import BindingFactory, DeliveryFactory, EventFactory, WorkflowRunFactory
+from tests.conftest import backdate_lease
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pending(community: models.Community, **binding: object) -> models.WorkflowAgentDelivery:
+    """A pending delivery of ``community`` on a fresh run and message event."""
+    run = WorkflowRunFactory(community=community)
+    event = EventFactory(community=community)
+    return DeliveryFactory(binding=BindingFactory(run=run, message_event=event, **binding))
+
+
+def claimed(community: models.Community, **binding: object) -> tuple[models.WorkflowAgentDelivery, services.Lease]:
+    """A claimed delivery and its lease."""
+    delivery = pending(community, **binding)
+    claim = services.claim_delivery(community.pk, bytes(delivery.target_pubkey), delivery_id=delivery.pk)
+    assert claim is not None
+    delivery.refresh_from_db()
+    return delivery, claim.lease
+
+
+def lapsed(community: models.Community, **binding: object) -> models.WorkflowAgentDelivery:
+    """A claimed delivery whose lease ran out an hour ago (not yet reaped)."""
+    delivery, _ = claimed(community, **binding)
+    backdate_lease(delivery.pk, 3600)
+    delivery.refresh_from_db()
+    return delivery
+
+
+def settled(
+    community: models.Community, outcome: str = "finished", *, age_seconds: float = 0
+) -> models.WorkflowAgentDelivery:
+    """A delivery settled with ``outcome`` (``finished`` / ``failed``) ``age_seconds`` ago."""
+    delivery, lease = claimed(community)
+    assert isinstance(services.finish_delivery(lease, outcome), services.Settled)
+    if age_seconds:
+        backdate_finished(delivery.pk, age_seconds)
+    delivery.refresh_from_db()
+    return delivery
+
+
+def backdate_finished(delivery_id: object, seconds: float) -> None:
+    """Stand-in for time passing: ``finished_at`` moves ``seconds`` into the past (raw SQL)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET finished_at = now() - make_interval(secs => %s),"
+            " created_at = created_at - make_interval(secs => %s) WHERE id = %s",
+            [seconds, seconds, delivery_id],
+        )
+
+
+def lease_rows() -> list[tuple[str, str]]:
+    """Every row of the maintenance lease table: (name, holder)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name, holder FROM buzz_delivery_maintenance_lease ORDER BY name")
+        return cursor.fetchall()
+
+
+def parse_kv(line: str) -> dict[str, str]:
+    """``"a=1 b=x"`` -> ``{"a": "1", "b": "x"}`` (values as printed)."""
+    return dict(part.split("=", 1) for part in line.split())
+
+
+def database_url() -> str:
+    """A DATABASE_URL for the test database the current connection uses (for subprocesses)."""
+    s = connection.settings_dict
+    user = s.get("USER") or "postgres"
+    auth = f"{user}:{s['PASSWORD']}" if s.get("PASSWORD") else user
+    return f"postgres://{auth}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
+
+
+def manage(*args: str, database: str | None = None, **kwargs: object) -> subprocess.Popen:
+    """Start ``manage.py <args>`` as a real process on the test database."""
+    env = {**os.environ, "DATABASE_URL": database or database_url(), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
