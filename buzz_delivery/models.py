@@ -12,6 +12,7 @@ Rows change state only through :mod:`buzz_delivery.services`.
 from __future__ import annotations
 
 import uuid_utils.compat as uuid_compat
+from django.contrib.postgres.functions import RandomUUID
 from django.db import models
 from django.db.models import F, Q
 from django.db.models.functions import Length, Now
@@ -180,7 +181,8 @@ class WorkflowAgentDelivery(CommunityScoped):
     through :mod:`buzz_delivery.services`.
     """
 
-    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    # UUIDv7 from Python (time-ordered); the database default serves raw-SQL producers.
+    id = models.UUIDField(primary_key=True, default=new_uuid7, db_default=RandomUUID(), editable=False)
     workflow = models.ForeignKey(
         Workflow, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="deliveries"
     )

@@ -19,6 +19,13 @@ LIFECYCLE_SQLSTATE = "BD002"
 # First key of the two-int advisory locks; the second is hashtext(community id).
 FENCE_LOCK_NAMESPACE = 0x42440001
 IDENTITY_LOCK_NAMESPACE = 0x42440002
+# Every community-scoped table (the deletion catalog's tables; a drift test keeps them equal).
+TENANT_TABLES = (
+    "buzz_delivery_delivery",
+    "buzz_delivery_workflow_run",
+    "buzz_delivery_event",
+    "buzz_delivery_workflow",
+)
 
 
 def write_fence() -> pgtrigger.Trigger:
@@ -44,6 +51,11 @@ def write_fence() -> pgtrigger.Trigger:
     )
 
 
+_ANY_ROWS_LEFT = " OR ".join(
+    f"EXISTS (SELECT 1 FROM {table} WHERE community_id = OLD.id)" for table in TENANT_TABLES
+)
+
+
 def lifecycle_forward_only() -> pgtrigger.Trigger:
     """Community lifecycle moves: forward only, one step, each bumps ``fence_generation``."""
     return pgtrigger.Trigger(
@@ -64,6 +76,11 @@ def lifecycle_forward_only() -> pgtrigger.Trigger:
                         MESSAGE = format('buzz_delivery: community %s cannot move from %s to %s '
                                          '(states move forward one step at a time)',
                                          OLD.id, OLD.deletion_state, NEW.deletion_state);
+                END IF;
+                IF NEW.deletion_state = 'tombstone' AND ({_ANY_ROWS_LEFT}) THEN
+                    RAISE EXCEPTION USING ERRCODE = '{LIFECYCLE_SQLSTATE}',
+                        MESSAGE = format('buzz_delivery: community %s still holds rows; '
+                                         'purge it before it becomes tombstone', OLD.id);
                 END IF;
                 NEW.fence_generation := OLD.fence_generation + 1;
                 NEW.state_changed_at := now();

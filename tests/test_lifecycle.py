@@ -123,11 +123,6 @@ def test_an_empty_fenced_community_moves_to_tombstone(community):
     assert services.advance_community(community.id, "tombstone").deletion_state == "tombstone"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lifecycle trigger does not check for rows left on fenced -> tombstone; "
-    "see the proposed patch to buzz_delivery/triggers.py in the issue 6 report",
-)
 def test_the_database_refuses_a_raw_move_to_tombstone_while_rows_are_left(community):
     fill_community(community, rows=1)
     advance_to(community, "fenced")
@@ -266,3 +261,10 @@ def test_the_order_check_fails_for_a_parent_listed_before_its_child():
 
 def test_catalog_models_follow_the_catalog_order():
     assert [m._meta.label for m in catalog_models()] == list(DELETION_CATALOG)
+
+
+def test_the_tombstone_trigger_checks_every_table_of_the_deletion_catalog():
+    from buzz_delivery.catalog import catalog_models
+    from buzz_delivery.triggers import TENANT_TABLES
+
+    assert sorted(TENANT_TABLES) == sorted(m._meta.db_table for m in catalog_models())
