@@ -1,0 +1,137 @@
+"""Wake hints (SPEC section 7): a thread that LISTENs on the NOTIFY channel and hands the
+dispatcher the ids of deliveries committed for its community and target.
+
+A hint carries only identifiers (``{"community", "delivery", "target"}``) and grants nothing:
+the dispatcher still claims through ``services.claim_delivery(..., delivery_id=...)``, and
+polls anyway, so a missed hint (or a lost LISTEN connection) only delays work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+logger = logging.getLogger("buzz_delivery.worker")
+
+HINT_KEYS = frozenset({"community", "delivery", "target"})
+MAX_QUEUED_HINTS = 10_000
+NOTIFY_WAIT_SECONDS = 0.5
+
+
+class HintInbox:
+    """Thread-safe hand-off from the listener to the dispatcher; wakes it on every put."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._ids: dict[uuid.UUID, None] = {}  # insertion-ordered set
+        self._poll = False
+
+    def put(self, delivery_id: uuid.UUID) -> None:
+        """Queue a hinted delivery id (beyond MAX_QUEUED_HINTS the dispatcher polls instead)."""
+        with self._lock:
+            if len(self._ids) < MAX_QUEUED_HINTS:
+                self._ids[delivery_id] = None
+            else:
+                self._poll = True
+        self._wake.set()
+
+    def request_poll(self) -> None:
+        """Ask for a poll (hints may have been missed, e.g. while LISTEN was reconnecting)."""
+        with self._lock:
+            self._poll = True
+        self._wake.set()
+
+    def drain(self) -> tuple[list[uuid.UUID], bool]:
+        """Take every queued id (oldest hint first) and whether a poll was requested."""
+        with self._lock:
+            ids, poll = list(self._ids), self._poll
+            self._ids.clear()
+            self._poll = False
+        return ids, poll
+
+
+def parse_hint(payload: str, community_id: uuid.UUID, target_hex: str) -> uuid.UUID | None:
+    """The delivery id of a well-formed hint for this community and target, else None."""
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or set(data) != HINT_KEYS:
+        return None
+    if data["community"] != str(community_id) or data["target"] != target_hex:
+        return None
+    try:
+        return uuid.UUID(str(data["delivery"]))
+    except ValueError:
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class HintListener(threading.Thread):
+    """LISTENs on ``channel`` over its own autocommit psycopg connection (``conn_params``: the
+    keyword arguments of ``psycopg.connect``, e.g. from Django's ``get_connection_params()``).
+
+    Matching hints go to ``inbox``; after a connection loss it reconnects on the next turn of
+    its loop (every ``retry_seconds``) and requests a poll. Stops when ``stop`` is set.
+    """
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        community_id: uuid.UUID,
+        target_pubkey: bytes,
+        inbox: HintInbox,
+        conn_params: dict[str, Any],
+        stop: threading.Event,
+        retry_seconds: float,
+    ) -> None:
+        super().__init__(name="buzz-delivery-listener", daemon=True)
+        self.channel = channel
+        self.community_id = community_id
+        self.target_hex = target_pubkey.hex()
+        self.inbox = inbox
+        self.conn_params = conn_params
+        self.stop = stop
+        self.retry_seconds = retry_seconds
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def _listen(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(**self.conn_params, autocommit=True)
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        logger.info("listening channel=%s community=%s target=%s", self.channel, self.community_id, self.target_hex)
+        return conn
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    if self._conn is None:
+                        self._conn = self._listen()
+                        self.inbox.request_poll()
+                    for notify in self._conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
+                        delivery_id = parse_hint(notify.payload, self.community_id, self.target_hex)
+                        if delivery_id is not None:
+                            self.inbox.put(delivery_id)
+                except psycopg.Error as exc:
+                    logger.warning("db_unavailable role=listener error=%s", _first_line(exc))
+                    self._close()
+                    self.stop.wait(self.retry_seconds)
+        finally:
+            self._close()

@@ -1,0 +1,71 @@
+"""Handlers used by tests/test_worker.py (run inside ``run_delivery_worker`` subprocesses).
+
+``scripted`` acts on the delivery's ``trigger_context``: ``{"sleep": seconds}`` sleeps first,
+``{"raise": "permanent" | "permanent_attr" | "ordinary"}`` raises. Each call appends JSON lines
+to the file named by ``BUZZ_TEST_HANDLER_LOG`` (if set): what it saw when it started, including
+how many other backends of this database sat idle in an open transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from django.db import connection
+
+from buzz_delivery.worker import PermanentFailure
+
+
+class BadPayload(PermanentFailure):
+    """A permanent failure by subclass."""
+
+
+class QuotaGone(RuntimeError):
+    """A permanent failure by class attribute, not by subclass."""
+
+    permanent = True
+
+
+def _record(event: str, delivery, **extra) -> None:
+    path = os.environ.get("BUZZ_TEST_HANDLER_LOG")
+    if not path:
+        return
+    line = {"event": event, "delivery": str(delivery.id), "time": time.time(), **extra}
+    with open(path, "a") as log:
+        log.write(json.dumps(line) + "\n")
+
+
+def _open_transactions_elsewhere() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%%'"
+        )
+        return cursor.fetchone()[0]
+
+
+def scripted(delivery) -> str:
+    """Sleep and/or raise as the delivery's trigger_context says."""
+    script = delivery.trigger_context or {}
+    _record(
+        "start",
+        delivery,
+        in_atomic_block=connection.in_atomic_block,
+        open_transactions_elsewhere=_open_transactions_elsewhere(),
+    )
+    time.sleep(script.get("sleep", 0))
+    _record("end", delivery)
+    kind = script.get("raise")
+    if kind == "permanent":
+        raise BadPayload("payload cannot be parsed")
+    if kind == "permanent_attr":
+        raise QuotaGone("quota is gone for good")
+    if kind == "ordinary":
+        raise ValueError("upstream timed out")
+    return "done"
+
+
+def finish(delivery) -> None:
+    """Return at once (settles ``finished``)."""
+    _record("start", delivery)
