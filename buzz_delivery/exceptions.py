@@ -25,3 +25,9 @@ class CommunityNotFound(BuzzDeliveryError):
 
 class NotInTransaction(BuzzDeliveryError):
     """The call needs the caller's open transaction (``transaction.atomic()``)."""
+
+
+class DeliveryWriteRefused(BuzzDeliveryError):
+    """A delivery was written outside :mod:`buzz_delivery.services` (``Model.save()``), or an
+    UPDATE tried to change its binding or snapshots or move its generation back (SQLSTATE
+    ``BD003``)."""

@@ -11,6 +11,8 @@ Rows change state only through :mod:`buzz_delivery.services`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import uuid_utils.compat as uuid_compat
 from django.contrib.postgres.functions import RandomUUID
 from django.db import models
@@ -19,6 +21,7 @@ from django.db.models.functions import Length, Now
 from django.db.models.lookups import Exact
 
 from buzz_delivery import triggers
+from buzz_delivery.exceptions import DeliveryWriteRefused
 
 LIFECYCLE_ORDER = ("active", "quiescing", "fenced", "tombstone")
 
@@ -315,7 +318,11 @@ class WorkflowAgentDelivery(CommunityScoped):
             models.Index(fields=["community", "message_event_id"], name="delivery_message_event_idx"),
             models.Index(fields=["created_at"], name="delivery_created_idx"),
         ]
-        triggers = [triggers.write_fence()]
+        triggers = [
+            triggers.write_fence(),
+            triggers.delivery_binding_immutable(),
+            triggers.delivery_generation_monotonic(),
+        ]
         # Operator actions in the admin (SPEC section 8), each gated by its own permission.
         permissions = [
             ("requeue_delivery", "Can requeue failed or expired deliveries"),
@@ -325,6 +332,16 @@ class WorkflowAgentDelivery(CommunityScoped):
 
     def __str__(self) -> str:
         return f"{self.step_id} -> {bytes(self.target_pubkey).hex()[:12]} ({self.status})"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: deliveries are written only through :mod:`buzz_delivery.services`.
+
+        Saving a claimed instance would write its claim-time snapshot back (an older generation,
+        lease and status); the database refuses that too (``delivery_generation_monotonic``)."""
+        raise DeliveryWriteRefused(
+            "WorkflowAgentDelivery.save() is refused: use buzz_delivery.services "
+            "(commit_deliveries, claim_delivery, finish_delivery...) to change deliveries"
+        )
 
     @property
     def target_hex(self) -> str:

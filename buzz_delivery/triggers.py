@@ -16,6 +16,7 @@ import pgtrigger
 
 FENCE_SQLSTATE = "BD001"
 LIFECYCLE_SQLSTATE = "BD002"
+HISTORY_SQLSTATE = "BD003"
 # First key of the two-int advisory locks; the second is hashtext(community id).
 FENCE_LOCK_NAMESPACE = 0x42440001
 IDENTITY_LOCK_NAMESPACE = 0x42440002
@@ -51,9 +52,7 @@ def write_fence() -> pgtrigger.Trigger:
     )
 
 
-_ANY_ROWS_LEFT = " OR ".join(
-    f"EXISTS (SELECT 1 FROM {table} WHERE community_id = OLD.id)" for table in TENANT_TABLES
-)
+_ANY_ROWS_LEFT = " OR ".join(f"EXISTS (SELECT 1 FROM {table} WHERE community_id = OLD.id)" for table in TENANT_TABLES)
 
 
 def lifecycle_forward_only() -> pgtrigger.Trigger:
@@ -99,4 +98,56 @@ def protect_retired_community() -> pgtrigger.Protect:
         name="community_protect_retired",
         operation=pgtrigger.Delete,
         condition=pgtrigger.Q(old__deletion_state__in=["quiescing", "fenced", "tombstone"]),
+    )
+
+
+# A delivery's binding and JSON snapshots never change after commit (SPEC sections 2, 6).
+IMMUTABLE_DELIVERY_COLUMNS = (
+    "id",
+    "community_id",
+    "workflow_id",
+    "run_id",
+    "step_id",
+    "target_pubkey",
+    "definition_event_id",
+    "message_event_id",
+    "cause_kind",
+    "cause_event_id",
+    "cause_scheduled_for",
+    "cause_webhook_invocation_id",
+    "execution_trace",
+    "trigger_context",
+)
+
+
+def delivery_binding_immutable() -> pgtrigger.Trigger:
+    """Refuse any UPDATE that names a binding or snapshot column (``BD003``).
+
+    ``UPDATE OF`` fires only when the statement's SET list names one of them, so the services'
+    updates (which never do) pay nothing, and large snapshots are never compared."""
+    return pgtrigger.Trigger(
+        name="delivery_binding_immutable",
+        when=pgtrigger.Before,
+        operation=pgtrigger.UpdateOf(*IMMUTABLE_DELIVERY_COLUMNS),
+        func=f"""
+            RAISE EXCEPTION USING ERRCODE = '{HISTORY_SQLSTATE}',
+                MESSAGE = format('buzz_delivery: delivery %s: its binding and snapshots never '
+                                 'change; state changes go through buzz_delivery.services', OLD.id);
+        """,
+    )
+
+
+def delivery_generation_monotonic() -> pgtrigger.Trigger:
+    """Refuse an UPDATE that moves ``lease_generation`` backwards (``BD003``): a fence token
+    must never be handed out twice (SPEC section 2)."""
+    return pgtrigger.Trigger(
+        name="delivery_generation_monotonic",
+        when=pgtrigger.Before,
+        operation=pgtrigger.Update,
+        condition=pgtrigger.Condition("NEW.lease_generation < OLD.lease_generation"),
+        func=f"""
+            RAISE EXCEPTION USING ERRCODE = '{HISTORY_SQLSTATE}',
+                MESSAGE = format('buzz_delivery: delivery %s: lease_generation cannot go back from %s to %s',
+                                 OLD.id, OLD.lease_generation, NEW.lease_generation);
+        """,
     )

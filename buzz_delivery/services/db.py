@@ -10,8 +10,8 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, connection
 
-from buzz_delivery.exceptions import CommunityNotWritable, LifecycleError
-from buzz_delivery.triggers import FENCE_SQLSTATE, LIFECYCLE_SQLSTATE
+from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused, LifecycleError
+from buzz_delivery.triggers import FENCE_SQLSTATE, HISTORY_SQLSTATE, LIFECYCLE_SQLSTATE
 
 # Foreign keys and unique keys of the insert path, mapped to the binding field they judge.
 CONSTRAINT_FIELDS = {
@@ -50,6 +50,8 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
             raise CommunityNotWritable(str(exc.__cause__).splitlines()[0]) from exc
         if state == LIFECYCLE_SQLSTATE:
             raise LifecycleError(str(exc.__cause__).splitlines()[0]) from exc
+        if state == HISTORY_SQLSTATE:
+            raise DeliveryWriteRefused(str(exc.__cause__).splitlines()[0]) from exc
         raise
 
 

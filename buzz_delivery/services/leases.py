@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from buzz_delivery.conf import get_settings
 from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
@@ -23,6 +23,7 @@ from buzz_delivery.services.types import (
     RenewOutcome,
     Settled,
 )
+from buzz_delivery.triggers import FENCE_SQLSTATE
 
 MAX_CLAIM_BATCH = 1000
 OUTCOMES = ("finished", "failed", "retry")
@@ -77,9 +78,24 @@ def _run_claim(
             cause_webhook_invocation_id=expected.cause.webhook_invocation_id,
         )
     statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
-    with translated_errors():
-        rows = fetch_all(statement, params)
+    rows = _fenced_as_nothing(statement, params)
     return _claims(rows, community, target)
+
+
+def _fenced_as_nothing(statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Run a statement that filters out non-active communities itself. A lifecycle move that
+    commits while it runs makes the write fence refuse it instead: in autocommit mode (how
+    agents call us) that is the same miss. Inside a caller's transaction the refusal has
+    already aborted it, so :class:`CommunityNotWritable` is raised there."""
+    with translated_errors():
+        if connection.in_atomic_block:
+            return fetch_all(statement, params)
+        try:
+            return fetch_all(statement, params)
+        except DatabaseError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == FENCE_SQLSTATE:
+                return []
+            raise
 
 
 def claim_delivery(
@@ -155,8 +171,7 @@ def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOut
     """
     params = _lease_params(lease)
     params["lease_seconds"] = v.lease_seconds(lease_seconds)
-    with translated_errors():
-        rows = fetch_all(sql.RENEW_IF_CURRENT_GENERATION, params)
+    rows = _fenced_as_nothing(sql.RENEW_IF_CURRENT_GENERATION, params)
     if not rows:
         return LeaseLost()
     return Renewed(
@@ -188,8 +203,9 @@ def finish_delivery(
     and ``lease_until >= now()``: returns :class:`Settled` with the recorded status. If nothing
     matched, reads the row fenced by the same community, id, target and generation: if that row
     is terminal, the caller settled it before and gets :class:`AlreadyTerminal` (the recorded
-    status never flips); otherwise :class:`LeaseLost` — so a stale holder never hears about a
-    newer holder's settlement.
+    status never flips); a repeated ``retry`` by the same holder gets ``Settled("pending")``
+    again; otherwise :class:`LeaseLost` — so a stale holder never hears about a newer
+    holder's settlement.
     """
     params = _lease_params(lease)
     if outcome not in OUTCOMES:
@@ -211,13 +227,17 @@ def finish_delivery(
     else:
         statement = sql.FINISH_IF_CURRENT_GENERATION
         params.update(status=outcome, failure_code=code, failure_message=message)
-    with translated_errors():
-        rows = fetch_all(statement, params)
-        if rows:
-            return Settled(status=rows[0][0])
-        fenced = fetch_all(sql.STATUS_AT_GENERATION, params)
-    if fenced and fenced[0][0] in TERMINAL_STATUSES:
-        return AlreadyTerminal(status=fenced[0][0])
+    rows = _fenced_as_nothing(statement, params)
+    if rows:
+        return Settled(status=rows[0][0])
+    fenced = fetch_all(sql.STATUS_AT_GENERATION, params)
+    recorded = fenced[0][0] if fenced else None
+    if recorded in TERMINAL_STATUSES:
+        return AlreadyTerminal(status=recorded)
+    if recorded == "pending" and outcome == "retry":
+        # Only this holder's own retry leaves the row pending at its generation (claims, reaps
+        # and operator moves all bump it): a repeated retry is idempotent, not a lost lease.
+        return Settled(status="pending")
     return LeaseLost()
 
 

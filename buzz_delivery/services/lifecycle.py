@@ -162,7 +162,9 @@ def purge_community(
             count = _delete_batch(statement, community, size)
             result.batches += 1
             deleted += count
-            if count < size:
+            # A short batch usually means the table is done, but a batch that waited on a
+            # concurrent purge's row locks can also come back short: check before moving on.
+            if count < size and not model._base_manager.filter(community_id=community_uuid).exists():
                 break
         result.deleted[model._meta.label] = deleted
     try:

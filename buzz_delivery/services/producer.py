@@ -32,7 +32,8 @@ def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | st
     before the lock was granted. Returns True when at least one delivery already exists,
     so a retrying producer can reuse its posted message instead of posting twice.
 
-    Must run inside ``transaction.atomic()``; raises :class:`NotInTransaction` otherwise.
+    Must run inside ``transaction.atomic()`` at READ COMMITTED (Django's default); raises
+    :class:`NotInTransaction` otherwise.
     Raises ``ValidationError`` (keyed by argument) on bad input. SPEC section 4.1.
     """
     community = v.uuid_value(community_id, "community_id")
@@ -40,6 +41,11 @@ def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | st
     step = v.step_id(step_id)
     if not connection.in_atomic_block:
         raise NotInTransaction("lock_delivery_identity needs the caller's transaction (transaction.atomic())")
+    isolation = fetch_all(sql.TRANSACTION_ISOLATION, {})[0][0]
+    if isolation != "read committed":
+        # Under REPEATABLE READ / SERIALIZABLE the snapshot predates the lock, so the read below
+        # could miss a producer that committed while this one waited.
+        raise NotInTransaction(f"lock_delivery_identity needs READ COMMITTED, not {isolation.upper()}")
     key = f"{community}/{run}/{step}"
     fetch_all(sql.LOCK_IDENTITY, {"namespace": IDENTITY_LOCK_NAMESPACE, "key": key})
     rows = fetch_all(sql.IDENTITY_EXISTS, {"community_id": community, "run_id": run, "step_id": step})

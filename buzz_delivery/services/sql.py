@@ -36,6 +36,8 @@ CURRENT_LEASE = f"""
 
 LOCK_IDENTITY = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(key)s))"
 
+TRANSACTION_ISOLATION = "SELECT current_setting('transaction_isolation')"
+
 IDENTITY_EXISTS = f"""
 SELECT EXISTS (
     SELECT 1 FROM {DELIVERY}
@@ -58,11 +60,13 @@ WITH created AS (
         %(target_pubkeys)s::bytea[], %(definition_event_ids)s::bytea[], %(cause_kinds)s::text[],
         %(cause_event_ids)s::bytea[], %(cause_scheduled_fors)s::timestamptz[],
         %(cause_webhook_invocation_ids)s::uuid[]
-    ) WITH ORDINALITY AS v(
+    ) AS v(
         id, workflow_id, run_id, step_id, target_pubkey, definition_event_id, cause_kind,
-        cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, ord
+        cause_event_id, cause_scheduled_for, cause_webhook_invocation_id
     )
-    ORDER BY v.ord
+    -- Identity order, not binding order: two producers committing the same identities in
+    -- different orders would otherwise deadlock on the unique index.
+    ORDER BY v.run_id, v.step_id, v.target_pubkey
     ON CONFLICT ON CONSTRAINT delivery_identity_key DO NOTHING
     RETURNING d.id, d.target_pubkey
 )
