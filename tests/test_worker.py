@@ -328,3 +328,19 @@ def test_bad_options_are_refused_naming_the_option(community, option, value):
     args[option] = value
     with pytest.raises(CommandError, match=option):
         call_command("run_delivery_worker", *[x for pair in args.items() for x in pair])
+
+
+def test_a_handler_raising_a_base_exception_settles_a_retry_and_stops_the_worker(make_binding, start_worker):
+    """Regression: a BaseException (CancelledError) used to kill the handler thread while the
+    dispatcher kept claiming and the renewer kept those leases alive, never handled."""
+    target = random32()
+    (first,) = commit(make_binding, target, **{"raise": "cancelled"})
+    rest = commit(make_binding, target, 2)
+    worker = start_worker(target, "--lease-seconds", "2", "--concurrency", "1")
+
+    worker.wait(timeout=15)
+
+    row = WorkflowAgentDelivery.objects.get(id=first)
+    assert (row.status, row.attempt) == ("pending", 1)
+    assert count_claimed([first, *rest]) == 0
+    assert "stopping" in worker.log()

@@ -8,6 +8,7 @@ how many other backends of this database sat idle in an open transaction.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -63,6 +64,8 @@ def scripted(delivery) -> str:
         raise QuotaGone("quota is gone for good")
     if kind == "ordinary":
         raise ValueError("upstream timed out")
+    if kind == "cancelled":  # a BaseException, not an Exception
+        raise asyncio.CancelledError("the event loop went away")
     return "done"
 
 

@@ -93,6 +93,12 @@ class LeaseRenewer(threading.Thread):
             with self._cond:
                 held.due = time.monotonic() + min(self.every, DB_RETRY_SECONDS)
             return
+        except Exception:
+            # Never let the renewer thread die: every held lease would lapse unnoticed.
+            logger.exception("worker_error role=renewer delivery=%s: renew raised", lease.delivery_id)
+            with self._cond:
+                held.due = time.monotonic() + min(self.every, DB_RETRY_SECONDS)
+            return
         with self._cond:
             if self._held.get(lease.delivery_id) is not held:
                 return  # released (settling) while we renewed: the settle decides

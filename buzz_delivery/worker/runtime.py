@@ -161,6 +161,19 @@ class Worker:
                 exc,
                 exc_info=args.outcome == "retry",
             )
+        except BaseException as exc:
+            # SystemExit, KeyboardInterrupt, CancelledError...: settle as a retry so the delivery
+            # is not left claimed and renewed but never handled, then stop the whole worker.
+            args = SettleArgs("retry", None, f"{type(exc).__name__}: {exc}"[:10_000])
+            logger.error(
+                "handler_error delivery=%s generation=%d outcome=retry error=%s: stopping the worker",
+                lease.delivery_id,
+                lease.lease_generation,
+                type(exc).__name__,
+            )
+            self.stop_reason = f"handler raised {type(exc).__name__}"
+            self.stop.set()
+            self.wake.set()
         finally:
             self.renewer.release(lease.delivery_id)
         self._settle(claim, args)
@@ -170,8 +183,12 @@ class Worker:
             while (claim := self.work.get()) is not None:
                 try:
                     self._handle(claim)
-                except Exception:
+                except BaseException:
+                    # Never let a handler thread die silently: claims would pile up unhandled.
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
+                    self.stop_reason = "worker_error"
+                    self.stop.set()
+                    self.wake.set()
                 finally:
                     with self._lock:
                         self.in_flight -= 1
