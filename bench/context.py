@@ -1,0 +1,47 @@
+"""What every scenario gets: the database, a controller connection, the run's knobs and its report."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psycopg
+
+from bench.report import Report
+
+
+@dataclass
+class Bench:
+    """``repeats``: runs per figure (the median is reported). ``duration``: seconds per timed
+    throughput run. ``workers``: the process counts of the throughput scenarios."""
+
+    url: str
+    conn: psycopg.Connection
+    report: Report
+    quick: bool
+    repeats: int
+    duration: float
+    workers: tuple[int, ...]
+
+    def scaled(self, full: int, quick: int) -> int:
+        """A size for this form of the run."""
+        return quick if self.quick else full
+
+
+FENCE_TRIGGER = """
+SELECT tgname FROM pg_trigger
+WHERE tgrelid = 'buzz_delivery_delivery'::regclass AND tgname LIKE 'pgtrigger_community_write_fence_%'
+"""
+
+
+@contextmanager
+def write_fence_disabled(conn: psycopg.Connection) -> Iterator[None]:
+    """COMPARISON ONLY: disable the write-fence trigger (only that one) on the delivery table of
+    the benchmark database for the block, and always re-enable it."""
+    (name,) = conn.execute(FENCE_TRIGGER).fetchone()
+    conn.execute(f'ALTER TABLE buzz_delivery_delivery DISABLE TRIGGER "{name}"')
+    try:
+        yield
+    finally:
+        conn.execute(f'ALTER TABLE buzz_delivery_delivery ENABLE TRIGGER "{name}"')
