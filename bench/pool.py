@@ -19,8 +19,9 @@ START_DELAY = 0.3  # seconds between sending a task and its common start instant
 
 @dataclass(frozen=True)
 class Task:
-    """One timed loop. ``mode``: ours_single | ours_batch | ours_batch_proto (services claim, PROTOTYPE
-    batch settle) | raw_single | raw_batch | raw_batch_each.
+    """One timed loop. ``mode``: ours_single | ours_batch (claim_deliveries + finish_deliveries) |
+    ours_batch_each (claim_deliveries + finish_delivery per claim) | raw_single | raw_batch |
+    raw_batch_each.
 
     ``batch``: claims per round trip (batched modes). ``duration``: seconds. ``stop_on_empty``:
     end the loop at the first empty claim (the queue drained). ``record``: keep each claim's
@@ -76,14 +77,13 @@ def _timed(task: Task, start_at: float, raw: Any, stop: Any) -> Result:
         elif task.mode == "ours_batch":
             claims = services.claim_deliveries(task.community_id, task.target_pubkey, limit=task.batch)
             done = time.monotonic()
-            for c in claims:
-                services.finish_delivery(c.lease, "finished")
-        elif task.mode == "ours_batch_proto":
-            from bench.prototype import finish_deliveries
-
+            if claims:
+                services.finish_deliveries([c.lease for c in claims])
+        elif task.mode == "ours_batch_each":
             claims = services.claim_deliveries(task.community_id, task.target_pubkey, limit=task.batch)
             done = time.monotonic()
-            finish_deliveries([c.lease for c in claims])
+            for c in claims:
+                services.finish_delivery(c.lease, "finished")
         elif task.mode == "raw_single":
             claims = raw.claim(1)
             done = time.monotonic()

@@ -5,6 +5,7 @@ Every lease comparison uses the database clock (PostgreSQL ``now()``). Bad argum
 runs; an expected race (a lost lease, a miss) is a typed outcome, not an exception.
 """
 
+from buzz_delivery.services.batch import finish_deliveries
 from buzz_delivery.services.leases import (
     claim_deliveries,
     claim_delivery,
@@ -57,6 +58,7 @@ __all__ = [
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
+    "finish_deliveries",
     "finish_delivery",
     "force_fail_delivery",
     "get_delivery",

@@ -148,6 +148,26 @@ WHERE {CURRENT_LEASE}
 RETURNING d.status
 """
 
+# The batch form: one row of (id, generation) per lease, all of one community and target.
+FINISH_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {DELIVERY} AS d
+SET status = %(status)s,
+    finished_at = now(),
+    lease_until = NULL,
+    claimed_at = NULL,
+    failure_code = %(failure_code)s,
+    failure_message = %(failure_message)s
+FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[]) AS f(id, generation)
+WHERE d.community_id = %(community_id)s
+  AND d.id = f.id
+  AND d.target_pubkey = %(target_pubkey)s
+  AND d.lease_generation = f.generation
+  AND d.status = 'claimed'
+  AND d.lease_until >= now()
+  AND {ACTIVE_COMMUNITY}
+RETURNING d.id, d.status
+"""
+
 # A retry on the last allowed attempt ends ``failed`` / ``attempts_exhausted`` (SPEC section 6).
 _EXHAUSTED = "(d.max_attempts IS NOT NULL AND d.attempt >= d.max_attempts)"
 RETRY_IF_CURRENT_GENERATION = f"""

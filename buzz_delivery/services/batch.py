@@ -1,0 +1,76 @@
+"""Batch settle (SPEC sections 4.5 and 9): many leases of one community and target at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from buzz_delivery.services import sql
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, finish_delivery
+from buzz_delivery.services.types import FinishOutcome, Lease, Settled
+
+BATCH_OUTCOMES = ("finished", "failed")
+
+
+def finish_deliveries(
+    leases: Sequence[Lease],
+    outcome: str = "finished",
+    *,
+    failure_code: str | None = None,
+    failure_message: str | None = None,
+) -> list[FinishOutcome]:
+    """Settle up to 1,000 leases of one community and target in one statement.
+
+    ``leases``: a non-empty list of :class:`Lease`, all of one community and target, no delivery
+    twice (the shape ``claim_deliveries`` returns). ``outcome``: ``"finished"`` or ``"failed"``
+    (with ``failure_code`` <= 64 chars and ``failure_message`` for every row); settle a
+    ``retry`` with :func:`finish_delivery`.
+
+    Returns one outcome per lease, in lease order, each exactly what :func:`finish_delivery`
+    would have returned: the guard is the same (community, id, target and generation match,
+    ``claimed``, ``lease_until >= now()``, community active). Only the leases the statement did
+    not settle pay the fenced read that tells :class:`AlreadyTerminal` from :class:`LeaseLost`.
+    Raises ``ValidationError`` keyed by argument (``leases[2].community_id``...) before any SQL.
+    """
+    if isinstance(leases, str | bytes) or not isinstance(leases, Sequence):
+        raise v.invalid("leases", f"must be a list of Lease, not {type(leases).__name__}")
+    if not leases:
+        raise v.invalid("leases", "must hold at least one Lease")
+    if len(leases) > MAX_CLAIM_BATCH:
+        raise v.invalid("leases", f"must hold at most {MAX_CLAIM_BATCH} leases, got {len(leases)}")
+    if outcome not in BATCH_OUTCOMES:
+        raise v.invalid("outcome", f"must be one of {', '.join(BATCH_OUTCOMES)}, got {outcome!r}")
+    code = v.optional_text(failure_code, "failure_code", 64)
+    message = v.optional_text(failure_message, "failure_message", 10_000)
+    if outcome == "finished" and (code is not None or message is not None):
+        raise v.invalid("failure_code" if code is not None else "failure_message", "is not recorded with 'finished'")
+    first = leases[0]
+    seen: set[Any] = set()
+    for i, lease in enumerate(leases):
+        if not isinstance(lease, Lease):
+            raise v.invalid(f"leases[{i}]", f"must be a Lease, not {type(lease).__name__}")
+        if lease.community_id != first.community_id:
+            raise v.invalid(f"leases[{i}].community_id", "differs from leases[0]: one community per batch")
+        if lease.target_pubkey != first.target_pubkey:
+            raise v.invalid(f"leases[{i}].target_pubkey", "differs from leases[0]: one target per batch")
+        if lease.delivery_id in seen:
+            raise v.invalid(f"leases[{i}].delivery_id", "appears twice in the batch")
+        seen.add(lease.delivery_id)
+
+    params = {
+        "community_id": first.community_id,
+        "target_pubkey": first.target_pubkey,
+        "delivery_ids": [lease.delivery_id for lease in leases],
+        "lease_generations": [lease.lease_generation for lease in leases],
+        "status": outcome,
+        "failure_code": code,
+        "failure_message": message,
+    }
+    settled = dict(_fenced_as_nothing(sql.FINISH_MANY_IF_CURRENT_GENERATION, params))
+    return [
+        Settled(status=settled[lease.delivery_id])
+        if lease.delivery_id in settled
+        else finish_delivery(lease, outcome, failure_code=code, failure_message=message)
+        for lease in leases
+    ]
