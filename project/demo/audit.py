@@ -1,0 +1,57 @@
+"""The demo's audit trigger: records every status or generation change of the deliveries of
+its own communities into :class:`~project.demo.models.StatusChange`, whoever makes it (the
+workers, the reaper). Installed for the run and dropped afterwards, so it costs nothing outside
+the demo. It only observes: it never changes a delivery. A demo killed before it could drop
+its trigger leaves it in place (named ``buzz_demo_audit_<run id hex>``; it still watches only
+that run's communities): ``DROP TRIGGER ... ON buzz_delivery_delivery`` removes it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+from django.db import connection
+
+TABLE = "buzz_delivery_delivery"
+
+
+def _name(run_id: uuid.UUID) -> str:
+    # One trigger and function per run, so two demos at once each keep their own record.
+    return f"buzz_demo_audit_{uuid.UUID(str(run_id)).hex}"
+
+
+def install(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> None:
+    """Create (or replace) the trigger for ``run_id``, watching ``community_ids`` only."""
+    # DDL takes no bind parameters; uuid.UUID renders as hex and dashes only.
+    ids = ",".join(str(uuid.UUID(str(c))) for c in community_ids)
+    run = str(uuid.UUID(str(run_id)))
+    name = _name(run_id)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.community_id = ANY ('{{{ids}}}'::uuid[]) THEN
+                    INSERT INTO buzz_demo_statuschange (run_id, delivery_id, community_id, old_status,
+                        new_status, old_generation, new_generation, attempt, failure_code, application_name, at)
+                    VALUES ('{run}', NEW.id, NEW.community_id, OLD.status, NEW.status,
+                        OLD.lease_generation, NEW.lease_generation, NEW.attempt, coalesce(NEW.failure_code, ''),
+                        left(current_setting('application_name'), 64), clock_timestamp());
+                END IF;
+                RETURN NULL;
+            END $$;
+            DROP TRIGGER IF EXISTS {name} ON {TABLE};
+            CREATE TRIGGER {name} AFTER UPDATE ON {TABLE} FOR EACH ROW
+                WHEN (OLD.status IS DISTINCT FROM NEW.status
+                      OR OLD.lease_generation IS DISTINCT FROM NEW.lease_generation)
+                EXECUTE FUNCTION {name}();
+            """
+        )
+
+
+def remove(run_id: uuid.UUID) -> None:
+    """Drop the run's trigger and function (no-op if absent)."""
+    name = _name(run_id)
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {TABLE}; DROP FUNCTION IF EXISTS {name}();")

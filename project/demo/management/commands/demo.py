@@ -1,0 +1,120 @@
+"""``manage.py demo``: a realistic run of buzz_delivery on this machine, with a report.
+
+Creates communities with agents and workflows, commits deliveries as workflow runs do, runs one
+real ``run_delivery_worker`` process per agent plus a stuck one that is killed with SIGKILL
+mid-lease, reaps every second, fences one community midway, stops the workers with SIGTERM and
+checks that every delivery of a healthy community was settled exactly once. The orchestration
+lives in :mod:`project.demo.scenario`; this command parses options and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+from typing import IO, Any
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+from rich.console import Console
+
+from project.demo.render import print_report
+from project.demo.scenario import DemoError, Scenario, ScenarioOptions
+
+
+def _at_least(low: float, kind: type = int) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+class Command(BaseCommand):
+    help = (
+        "Run buzz_delivery on a realistic workload with real worker processes, a killed worker, the "
+        "reaper and a fenced community, then print a report and check exactly-once settlement "
+        "(exit 1 if the check fails). Takes about a minute with the defaults."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--deliveries", type=_at_least(1), default=3000, help="Deliveries to commit (default 3000)."
+        )
+        parser.add_argument("--communities", type=_at_least(1), default=4, help="Communities (default 4).")
+        parser.add_argument(
+            "--agents", type=_at_least(1), default=3, help="Agents (targets) per community (default 3)."
+        )
+        parser.add_argument(
+            "--rate", type=_at_least(1.0, float), default=150.0, help="Deliveries committed per second (default 150)."
+        )
+        parser.add_argument(
+            "--concurrency", type=_at_least(1), default=2, help="Handler threads per worker (default 2)."
+        )
+        parser.add_argument(
+            "--lease-seconds", type=_at_least(1.0, float), default=4.0, help="Workers' lease length (default 4 s)."
+        )
+        parser.add_argument(
+            "--timeout",
+            type=_at_least(10.0, float),
+            default=180.0,
+            help="Give up after this many seconds (default 180).",
+        )
+        parser.add_argument("--seed", type=int, default=None, help="Seed of the workload's random choices.")
+        parser.add_argument(
+            "--create-superuser",
+            action="store_true",
+            help="Create the admin user 'admin' with a random password (printed) if it does not exist.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        # rich writes whole rendered lines itself: give it the stream under Django's OutputWrapper.
+        stream: IO[str] = getattr(self.stdout, "_out", sys.stdout)
+        terminal = bool(getattr(stream, "isatty", lambda: False)())
+        console = Console(file=stream, width=None if terminal else 120, highlight=False)
+        scenario = Scenario(
+            ScenarioOptions(
+                deliveries=options["deliveries"],
+                communities=options["communities"],
+                agents=options["agents"],
+                rate=options["rate"],
+                concurrency=options["concurrency"],
+                lease_seconds=options["lease_seconds"],
+                timeout=options["timeout"],
+                seed=options["seed"],
+            ),
+            console=console,
+            verbosity=options["verbosity"],
+        )
+        try:
+            report = scenario.run()
+        except DemoError as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        print_report(console, report)
+        self._admin_hint(console, options["create_superuser"])
+        if not report["passed"]:
+            failed = [c["name"] for c in report["checks"] if not c["passed"]]
+            raise CommandError(f"the exactly-once check failed: {'; '.join(failed)}", returncode=1)
+
+    def _admin_hint(self, console: Console, create: bool) -> None:
+        user_model = get_user_model()
+        console.print(
+            "\nBrowse the deliveries in the admin: run [bold]python manage.py runserver[/bold], then open "
+            "http://127.0.0.1:8000/admin/"
+        )
+        if create and not user_model._default_manager.filter(username="admin").exists():
+            password = secrets.token_urlsafe(12)
+            user_model._default_manager.create_superuser("admin", "", password)  # type: ignore[attr-defined]
+            console.print(f"Log in as [bold]admin[/bold] with password [bold]{password}[/bold] (shown once).")
+        elif create:
+            console.print("The user 'admin' exists already; log in with its password.")
+        else:
+            console.print(
+                "To log in, create a user: [bold]python manage.py createsuperuser[/bold] "
+                "(or run the demo with --create-superuser)."
+            )
