@@ -77,10 +77,9 @@ def parse_kv(line: str) -> dict[str, str]:
 
 def database_url() -> str:
     """A DATABASE_URL for the test database the current connection uses (for subprocesses)."""
-    s = connection.settings_dict
-    user = s.get("USER") or "postgres"
-    auth = f"{user}:{s['PASSWORD']}" if s.get("PASSWORD") else user
-    return f"postgres://{auth}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
+    from project.database_url import database_url as url_for
+
+    return url_for(connection.settings_dict)
 
 
 def manage(*args: str, database: str | None = None, **kwargs: object) -> subprocess.Popen:

@@ -23,6 +23,7 @@ from django.db import connection
 from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import DeliveryFactory, random32
+from project.database_url import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -65,10 +66,9 @@ def start_worker(tmp_path, community):
 
     def start(target: bytes, *options: str, handler: str = "tests.worker_handlers:scripted") -> WorkerRun:
         n = len(runs)
-        db = connection.settings_dict
         env = {
             **os.environ,
-            "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+            "DATABASE_URL": database_url(connection.settings_dict),
             "BUZZ_MIN_LEASE_SECONDS": "1",
             "BUZZ_TEST_HANDLER_LOG": str(tmp_path / f"handler-{n}.jsonl"),
             "LOG_LEVEL": "INFO",
