@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from buzz_delivery.triggers import IDENTITY_LOCK_NAMESPACE
 
 MAX_BINDINGS_PER_COMMIT = 10_000
 MAX_SNAPSHOT_BYTES = 1_000_000
+# "\u0000" in JSON text that is not itself an escaped backslash followed by "u0000".
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | str, step_id: str) -> bool:
@@ -56,9 +59,11 @@ def _snapshot(value: Any, name: str) -> str | None:
     if value is None:
         return None
     try:
-        text = json.dumps(value, cls=DjangoJSONEncoder)
-    except (TypeError, ValueError) as exc:
-        raise v.invalid(name, f"must be JSON-serialisable: {exc}") from None
+        text = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise v.invalid(name, f"must be JSON-serialisable (no NaN/Infinity, not nested too deep): {exc}") from None
+    if _JSON_NUL.search(text):
+        raise v.invalid(name, "must not contain NUL characters (PostgreSQL jsonb cannot store \\u0000)")
     if len(text.encode()) > MAX_SNAPSHOT_BYTES:
         raise v.invalid(name, f"must serialise to at most {MAX_SNAPSHOT_BYTES} bytes")
     return text

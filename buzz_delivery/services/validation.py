@@ -109,4 +109,6 @@ def optional_text(value: Any, name: str, max_chars: int) -> str | None:
         raise invalid(name, f"must be a str or None, not {type(value).__name__}")
     if len(value) > max_chars:
         raise invalid(name, f"must be at most {max_chars} characters, got {len(value)}")
+    if "\x00" in value:
+        raise invalid(name, "must not contain NUL characters (PostgreSQL text cannot store them)")
     return value

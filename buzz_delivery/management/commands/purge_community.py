@@ -13,11 +13,12 @@ import uuid
 from typing import Any
 
 from django.apps import apps
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from buzz_delivery import services
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
+from buzz_delivery.management.base import StrictOptionsCommand
 from buzz_delivery.models import Community
 from buzz_delivery.services.lifecycle import MAX_PURGE_BATCH
 
@@ -45,7 +46,7 @@ def batch_size(text: str) -> int:
     return value
 
 
-class Command(BaseCommand):
+class Command(StrictOptionsCommand):
     help = (
         "Delete every row of a fenced community, table by table in deletion-catalog order and in "
         "batches, then mark it tombstone (the community row is kept). Prints the rows per table."

@@ -20,11 +20,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, close_old_connections
 
 from buzz_delivery import services
 from buzz_delivery.exceptions import BuzzDeliveryError
+from buzz_delivery.management.base import StrictOptionsCommand
 from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, release_run_lease, renew_run_lease
 
 logger = logging.getLogger("buzz_delivery.commands")
@@ -63,7 +64,7 @@ class LeaseLostError(Exception):
     """The run lease lapsed and another run took it over: this run must stop at once."""
 
 
-class MaintenanceCommand(BaseCommand):
+class MaintenanceCommand(StrictOptionsCommand):
     """A cron-safe maintenance command. Subclasses set :attr:`job` and implement
     :meth:`run_chunk` (one bounded call of their service) and :meth:`empty_counts`."""
 

@@ -15,10 +15,11 @@ import uuid
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, DjangoHelpFormatter
+from django.core.management.base import CommandError, DjangoHelpFormatter
 from django.db import connection
 
 from buzz_delivery.conf import get_settings
+from buzz_delivery.management.base import StrictOptionsCommand
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import WorkerConfig, load_handler, run_worker, summary_line
 
@@ -92,7 +93,7 @@ class _HelpFormatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Django's option order, with the description's line breaks kept."""
 
 
-class Command(BaseCommand):
+class Command(StrictOptionsCommand):
     help = HELP
 
     def add_arguments(self, parser: Any) -> None:
