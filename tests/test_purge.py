@@ -264,8 +264,8 @@ def test_command_refuses_without_yes_when_stdin_is_not_a_terminal(fenced, table_
     ("args", "message", "returncode"),
     [
         (["not-a-uuid", "--yes"], "argument community_id: not a valid UUID: 'not-a-uuid'", 1),
-        (["{id}", "--yes", "--batch-size", "0"], "argument --batch-size: must be within 1..100000, got 0", 1),
-        (["{id}", "--yes", "--batch-size", "two"], "argument --batch-size: not a whole number: 'two'", 1),
+        (["{id}", "--yes", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0", 1),
+        (["{id}", "--yes", "--batch-size", "two"], "argument --batch-size: must be an integer, got 'two'", 1),
         (
             ["00000000-0000-0000-0000-000000000001", "--yes"],
             "no community with id 00000000-0000-0000-0000-000000000001",

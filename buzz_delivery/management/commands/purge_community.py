@@ -7,7 +7,6 @@ is not fenced; 5 no confirmation possible (stdin is not a terminal and ``--yes``
 
 from __future__ import annotations
 
-import argparse
 import sys
 import uuid
 from typing import Any
@@ -19,31 +18,13 @@ from buzz_delivery import services
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
 from buzz_delivery.management.base import StrictOptionsCommand
+from buzz_delivery.management.options import int_in, uuid_value
 from buzz_delivery.models import Community
 from buzz_delivery.services.lifecycle import MAX_PURGE_BATCH
 
 NOT_FOUND = 3
 NOT_FENCED = 4
 NO_CONFIRMATION = 5
-
-
-def community_uuid(text: str) -> uuid.UUID:
-    """argparse type: a community id."""
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a valid UUID: {text!r}") from None
-
-
-def batch_size(text: str) -> int:
-    """argparse type: rows per DELETE statement, 1..100,000."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= MAX_PURGE_BATCH:
-        raise argparse.ArgumentTypeError(f"must be within 1..{MAX_PURGE_BATCH}, got {value}")
-    return value
 
 
 class Command(StrictOptionsCommand):
@@ -54,12 +35,12 @@ class Command(StrictOptionsCommand):
     stealth_options = ("stdin",)
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("community_id", type=community_uuid, help="Id (UUID) of a fenced community.")
+        parser.add_argument("community_id", type=uuid_value, help="Id (UUID) of a fenced community.")
         parser.add_argument("--dry-run", action="store_true", help="Count the rows per table; delete nothing.")
         parser.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
         parser.add_argument(
             "--batch-size",
-            type=batch_size,
+            type=int_in(1, MAX_PURGE_BATCH),
             default=None,
             help=f"Rows per DELETE, each in its own transaction (1..{MAX_PURGE_BATCH}; "
             "default: BUZZ_DELIVERY['BATCH_SIZE'], 1000).",

@@ -8,7 +8,6 @@ exit codes, ``--loop`` with graceful shutdown on SIGTERM/SIGINT, and ``-v 0..3``
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shlex
@@ -26,6 +25,7 @@ from django.db import DatabaseError, close_old_connections
 from buzz_delivery import services
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.management.base import StrictOptionsCommand
+from buzz_delivery.management.options import positive_int, positive_seconds
 from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, release_run_lease, renew_run_lease
 
 logger = logging.getLogger("buzz_delivery.commands")
@@ -36,28 +36,6 @@ EXIT_LEASE_LOST = 3
 # Batches between two renewals of the run lease. Must exceed the number of statements one
 # service call runs when it finds nothing (reap: 2, prune: 3), or a chunk never looks finished.
 RENEW_EVERY_BATCHES = 10
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """argparse ``type=``: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
 
 
 class LeaseLostError(Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import uuid
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -20,6 +19,7 @@ from django.db import connection
 
 from buzz_delivery.conf import get_settings
 from buzz_delivery.management.base import StrictOptionsCommand
+from buzz_delivery.management.options import fraction, int_in, positive_int, positive_seconds, pubkey_hex, uuid_value
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import WorkerConfig, load_handler, run_worker, summary_line
 
@@ -33,62 +33,6 @@ SIGTERM/SIGINT: stop claiming, let in-flight handlers finish and settle, exit 0.
 JSON summary line: {"claimed","finished","failed","retried","lease_lost","renewed"}."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _int_up_to(high: int) -> Any:
-    def parse(text: str) -> int:
-        value = _positive_int(text)
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, got {text}")
-    return value
-
-
-def _community(text: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a UUID, got {text[:80]!r}") from None
-
-
-def _target(text: str) -> bytes:
-    if len(text) != 64:
-        raise argparse.ArgumentTypeError(f"must be 64 hex characters, got {len(text)}")
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be 64 hex characters") from None
-
-
 class _HelpFormatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Django's option order, with the description's line breaks kept."""
 
@@ -98,39 +42,39 @@ class Command(StrictOptionsCommand):
 
     def add_arguments(self, parser: Any) -> None:
         parser.formatter_class = _HelpFormatter
-        parser.add_argument("--community", required=True, type=_community, help="Community UUID.")
-        parser.add_argument("--target", required=True, type=_target, help="Target public key, 64 hex characters.")
+        parser.add_argument("--community", required=True, type=uuid_value, help="Community UUID.")
+        parser.add_argument("--target", required=True, type=pubkey_hex, help="Target public key, 64 hex characters.")
         parser.add_argument(
             "--handler", required=True, help="Dotted path of the handler, e.g. myapp.agents:handle_delivery."
         )
         parser.add_argument(
-            "--concurrency", type=_int_up_to(256), default=1, help="Handler threads (1..256; default 1)."
+            "--concurrency", type=int_in(1, 256), default=1, help="Handler threads (1..256; default 1)."
         )
         parser.add_argument(
             "--lease-seconds",
-            type=_positive_seconds,
+            type=positive_seconds,
             default=None,
             help="Lease length in seconds (default: BUZZ_DELIVERY['LEASE_SECONDS']; within the configured bounds).",
         )
         parser.add_argument(
             "--batch-size",
-            type=_int_up_to(1000),
+            type=int_in(1, 1000),
             default=None,
             help="Most deliveries claimed per round trip (1..1000; default: --concurrency). "
             "Never more than the idle handler threads.",
         )
         parser.add_argument(
-            "--poll-interval", type=_positive_seconds, default=1.0, help="Seconds between polls when idle (default 1)."
+            "--poll-interval", type=positive_seconds, default=1.0, help="Seconds between polls when idle (default 1)."
         )
         parser.add_argument(
-            "--max-deliveries", type=_positive_int, default=None, help="Stop after claiming and settling N deliveries."
+            "--max-deliveries", type=positive_int, default=None, help="Stop after claiming and settling N deliveries."
         )
         parser.add_argument(
-            "--idle-exit", type=_positive_seconds, default=None, help="Stop after S seconds with nothing to do."
+            "--idle-exit", type=positive_seconds, default=None, help="Stop after S seconds with nothing to do."
         )
         parser.add_argument(
             "--renew-fraction",
-            type=_fraction,
+            type=fraction,
             default=1 / 3,
             help="Renew each lease after this fraction of its length (0 < F < 1; default 1/3).",
         )
