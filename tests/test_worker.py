@@ -298,7 +298,8 @@ def test_a_worker_whose_database_connections_are_cut_reconnects_and_carries_on(m
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
-        assert cursor.fetchone()[0] >= 3  # dispatcher, listener, renewer, handler thread
+        # The dispatcher and the listener are connected by now; the handler and renewer soon after.
+        assert cursor.fetchone()[0] >= 2
     (later,) = commit(make_binding, target)
 
     assert worker.wait() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -15,3 +16,31 @@ class StrictOptionsCommand(BaseCommand):
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         return super().create_parser(prog_name, subcommand, allow_abbrev=False, **kwargs)
+
+
+class StopRequest:
+    """A stop flag that a signal handler may set.
+
+    ``threading.Event.set()`` takes a lock that the interrupted main thread may be holding (inside
+    ``Event.wait``), so calling it from a signal handler can deadlock the process; this sets a
+    plain attribute, and :meth:`wait` sleeps in short slices to notice it."""
+
+    SLICE_SECONDS = 0.1
+
+    def __init__(self) -> None:
+        self._requested = False
+        self.reason = ""
+
+    def set(self, reason: str = "") -> None:
+        self.reason = self.reason or reason
+        self._requested = True
+
+    def is_set(self) -> bool:
+        return self._requested
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, less if a stop is requested; returns :meth:`is_set`."""
+        deadline = time.monotonic() + timeout
+        while not self._requested and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, self.SLICE_SECONDS))
+        return self._requested

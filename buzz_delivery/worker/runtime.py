@@ -33,6 +33,8 @@ from buzz_delivery.worker.renewer import DB_UNAVAILABLE, LeaseRenewer
 
 logger = logging.getLogger("buzz_delivery.worker")
 
+# Longest the dispatcher sleeps before it looks at the signal flag again.
+SIGNAL_CHECK_SECONDS = 0.2
 SUMMARY_KEYS = ("claimed", "finished", "failed", "retried", "lease_lost", "renewed")
 
 
@@ -110,6 +112,7 @@ class Worker:
         self.claimed = 0
         self.last_busy = time.monotonic()
         self.stop_reason = "stopped"
+        self.signalled = False  # set by the signal handler (see run_worker)
 
     # --- handler threads -------------------------------------------------------------------
 
@@ -264,7 +267,7 @@ class Worker:
         Polls right away while the last poll came back full (a backlog: hints are then
         redundant and dropped), else every ``poll_interval``; a hint wakes it in between."""
         backlog, next_poll = True, 0.0
-        while not self.stop.is_set():
+        while not (self.stop.is_set() or self.signalled):
             self.wake.clear()
             if self._finished_quota():
                 return "max_deliveries"
@@ -280,7 +283,7 @@ class Worker:
                     logger.warning("db_unavailable role=claim error=%s", exc)
                     close_old_connections()
                     backlog = True
-                    self.stop.wait(self.config.poll_interval)
+                    self.stop.wait(min(self.config.poll_interval, SIGNAL_CHECK_SECONDS))
                     continue
                 if poll_due:
                     next_poll = time.monotonic() + self.config.poll_interval
@@ -289,7 +292,7 @@ class Worker:
             timeout = max(next_poll - time.monotonic(), 0.0) if room else self.config.poll_interval
             if self.config.idle_exit is not None:
                 timeout = min(timeout, self.config.idle_exit)
-            self.wake.wait(timeout)
+            self.wake.wait(min(timeout, SIGNAL_CHECK_SECONDS))
         return self.stop_reason
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, int]:
@@ -367,9 +370,10 @@ def run_worker(
     if handle_signals and threading.current_thread() is threading.main_thread():
 
         def on_signal(signum: int, frame: Any) -> None:
+            # Only set plain attributes: Event.set() takes a lock that the interrupted main thread
+            # may hold inside Event.wait(), which would deadlock. The dispatcher polls the flag.
             worker.stop_reason = signal.Signals(signum).name
-            stop.set()
-            worker.wake.set()
+            worker.signalled = True
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, on_signal)

@@ -12,7 +12,6 @@ import json
 import logging
 import shlex
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +23,7 @@ from django.db import DatabaseError, close_old_connections
 
 from buzz_delivery import services
 from buzz_delivery.exceptions import BuzzDeliveryError
-from buzz_delivery.management.base import StrictOptionsCommand
+from buzz_delivery.management.base import StopRequest, StrictOptionsCommand
 from buzz_delivery.management.options import positive_int, positive_seconds
 from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, release_run_lease, renew_run_lease
 
@@ -104,7 +103,7 @@ class MaintenanceCommand(StrictOptionsCommand):
         self.verbosity = options["verbosity"]
         if self.verbosity >= 3:
             logging.getLogger("buzz_delivery").setLevel(logging.DEBUG)
-        self.stop = threading.Event()
+        self.stop = StopRequest()
         if not options.get("loop"):
             self.run_pass(options, raise_errors=True)
             return
@@ -113,6 +112,7 @@ class MaintenanceCommand(StrictOptionsCommand):
                 self.run_pass(options, raise_errors=False)
                 close_old_connections()
                 self.stop.wait(options["interval"])
+        self.progress(f"{self.job}: {self.stop.reason} received; stopped after the current batch")
         self.progress(f"{self.job}: stopped on signal")
 
     @contextmanager
@@ -120,8 +120,8 @@ class MaintenanceCommand(StrictOptionsCommand):
         """SIGTERM and SIGINT set :attr:`stop`; the loop finishes the current batch and exits 0."""
 
         def request_stop(signum: int, frame: object) -> None:
-            self.progress(f"{self.job}: {signal.Signals(signum).name} received; stopping after the current batch")
-            self.stop.set()
+            # Only set a flag: writing or taking a lock here can deadlock the interrupted thread.
+            self.stop.set(signal.Signals(signum).name)
 
         previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
