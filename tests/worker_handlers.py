@@ -13,7 +13,7 @@ import json
 import os
 import time
 
-from django.db import connection
+from django.db import OperationalError, connection
 
 from buzz_delivery.worker import PermanentFailure
 
@@ -38,6 +38,15 @@ def _record(event: str, delivery, **extra) -> None:
 
 
 def _open_transactions_elsewhere() -> int:
+    try:
+        return _count_open_transactions_elsewhere()
+    except OperationalError:
+        # This thread's connection was cut (test_worker terminates backends): reconnect once.
+        connection.close()
+        return _count_open_transactions_elsewhere()
+
+
+def _count_open_transactions_elsewhere() -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
