@@ -289,8 +289,10 @@ def test_handler_threads_work_a_backlog_in_parallel_each_delivery_once_then_exit
 
 def test_a_worker_whose_database_connections_are_cut_reconnects_and_carries_on(make_binding, start_worker):
     target = random32()
-    (slow,) = commit(make_binding, target, sleep=1.5)
-    worker = start_worker(target, "--max-deliveries", "2", "--lease-seconds", "3")
+    (slow,) = commit(make_binding, target)
+    worker = start_worker(
+        target, "--max-deliveries", "2", "--lease-seconds", "3", handler="tests.worker_handlers:sleep_without_database"
+    )
     wait_until(lambda: count_claimed([slow]) == 1, what="the claim")
 
     with connection.cursor() as cursor:  # what a database restart does to every open connection

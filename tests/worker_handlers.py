@@ -81,3 +81,10 @@ def scripted(delivery) -> str:
 def finish(delivery) -> None:
     """Return at once (settles ``finished``)."""
     _record("start", delivery)
+
+
+def sleep_without_database(delivery) -> None:
+    """Sleep 1.5 s touching neither the database nor deferred fields (for the connection-cut test:
+    a handler that used this thread's cut connection would fail and be retried, by design)."""
+    _record("start", delivery)
+    time.sleep(1.5)

@@ -155,6 +155,10 @@ class Worker:
             args = FINISHED
         except Exception as exc:
             args = settle_args_for(exc)
+            if isinstance(exc, DB_UNAVAILABLE):
+                # The handler hit this thread's dead connection (a restart, a terminated backend):
+                # drop it so the next handler call on this thread reconnects.
+                connection.close()
             logger.warning(
                 "handler_error delivery=%s generation=%d outcome=%s error=%s: %s",
                 lease.delivery_id,
