@@ -136,28 +136,25 @@ WHERE {CURRENT_LEASE}
 RETURNING d.lease_until
 """
 
-FINISH_IF_CURRENT_GENERATION = f"""
-UPDATE {DELIVERY} AS d
-SET status = %(status)s,
+# What a settle writes; the single and the batch forms differ only in how they find the rows.
+_SETTLE = """SET status = %(status)s,
     finished_at = now(),
     lease_until = NULL,
     claimed_at = NULL,
     failure_code = %(failure_code)s,
     failure_message = %(failure_message)s
-WHERE {CURRENT_LEASE}
+"""
+
+FINISH_IF_CURRENT_GENERATION = f"""
+UPDATE {DELIVERY} AS d
+{_SETTLE}WHERE {CURRENT_LEASE}
 RETURNING d.status
 """
 
 # The batch form: one row of (id, generation) per lease, all of one community and target.
 FINISH_MANY_IF_CURRENT_GENERATION = f"""
 UPDATE {DELIVERY} AS d
-SET status = %(status)s,
-    finished_at = now(),
-    lease_until = NULL,
-    claimed_at = NULL,
-    failure_code = %(failure_code)s,
-    failure_message = %(failure_message)s
-FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[]) AS f(id, generation)
+{_SETTLE}FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[]) AS f(id, generation)
 WHERE d.community_id = %(community_id)s
   AND d.id = f.id
   AND d.target_pubkey = %(target_pubkey)s
