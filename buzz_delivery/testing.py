@@ -3,18 +3,23 @@
 factory-boy factories for every model, a :class:`BindingFactory` for the binding
 dataclass, a :class:`DeliveryFactory` that inserts through
 :func:`buzz_delivery.services.commit_deliveries` (the only insert path), and
-:func:`advance_to` to move a community through its lifecycle.
+:func:`advance_to` to move a community through its lifecycle, and :func:`frozen_db_clock` to
+make the services' database clock stand still inside a test's transaction.
 
 Needs ``factory-boy`` (the ``test`` extra).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import factory
+from django.db import connection, transaction
 from django.utils import timezone
 
 from buzz_delivery import models, services
@@ -117,3 +122,36 @@ def advance_to(community: models.Community | uuid.UUID | str, state: str) -> mod
         else:
             current = services.advance_community(community_id, following)
     return current
+
+
+_CLOCK_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION buzz_delivery_now() RETURNS timestamptz LANGUAGE sql STABLE PARALLEL SAFE AS $$ {} $$"
+)
+_STATEMENT_CLOCK = "SELECT statement_timestamp()"
+
+
+@contextmanager
+def frozen_db_clock(at: dt.datetime | None = None) -> Iterator[None]:
+    """Make the services' database clock (``buzz_delivery_now()``, migration 0006) stand still
+    at ``at`` (an aware datetime; default: ``now()``, the start of the current transaction)
+    for the rest of the block, so exact lease deadlines can be asserted. Only inside the
+    caller's transaction (``transaction.atomic()``, or a pytest-django test's): the change is
+    transactional DDL, invisible to other connections, undone at the end of the block or by a
+    rollback. Raises ``RuntimeError`` in autocommit, where it would change the clock of every
+    connection, and ``ValueError`` for a naive ``at``."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("frozen_db_clock needs the caller's transaction (transaction.atomic())")
+    if at is None:
+        body = "SELECT now()"
+    else:
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise ValueError("frozen_db_clock: at must be timezone-aware")
+        body = f"SELECT '{at.astimezone(dt.UTC).isoformat()}'::timestamptz"
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(_CLOCK_FUNCTION.format(body))
+    try:
+        yield
+    finally:
+        if not connection.needs_rollback:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(_CLOCK_FUNCTION.format(_STATEMENT_CLOCK))

@@ -14,6 +14,7 @@ from buzz_delivery.testing import (
     EventFactory,
     WorkflowRunFactory,
 )
+from tests.worker_support import start_worker  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
@@ -51,6 +52,14 @@ def backdate_lease(delivery_id, seconds: float = 3600) -> None:
             " claimed_at = claimed_at - make_interval(secs => %s) WHERE id = %s",
             [seconds, seconds, delivery_id],
         )
+
+
+def db_clock():
+    """The database server's clock right now (``clock_timestamp()``), to bracket a lease call:
+    the services judge by the clock of their own statement, which lies between two readings."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from buzz_delivery.testing import (
     advance_to,
     random32,
 )
+from tests.conftest import db_clock
 
 pytestmark = pytest.mark.django_db
 
@@ -51,25 +52,26 @@ def set_created_at(delivery_id: uuid.UUID, hours_ago: int) -> None:
 def test_a_claim_leases_the_delivery_from_the_database_clock(community, make_binding, django_assert_num_queries):
     binding = make_binding()
     (delivery_id,) = commit([binding])
-    now = db_now()
+    before = db_clock()
 
     with django_assert_num_queries(1):
         claim = services.claim_delivery(community.id, binding.target_pubkey, lease_seconds=45)
 
+    after = db_clock()
     assert claim is not None
+    stored = row(delivery_id)
+    assert before <= stored.claimed_at <= after  # the claim statement's database clock
     assert claim.lease == services.Lease(
         community_id=community.id,
         delivery_id=delivery_id,
         target_pubkey=binding.target_pubkey,
         lease_generation=1,
-        lease_until=now + dt.timedelta(seconds=45),
+        lease_until=stored.claimed_at + dt.timedelta(seconds=45),
     )
     assert claim.delivery.id == delivery_id
     assert claim.delivery.status == "claimed"
-    stored = row(delivery_id)
     assert (stored.status, stored.lease_generation, stored.attempt) == ("claimed", 1, 1)
-    assert stored.claimed_at == now
-    assert stored.lease_until == now + dt.timedelta(seconds=45)
+    assert stored.lease_until == stored.claimed_at + dt.timedelta(seconds=45)
 
 
 def test_a_claim_without_lease_seconds_uses_the_configured_default(community, make_binding, settings):
@@ -79,7 +81,7 @@ def test_a_claim_without_lease_seconds_uses_the_configured_default(community, ma
 
     claim = services.claim_delivery(community.id, binding.target_pubkey)
 
-    assert claim.lease.lease_until == db_now() + dt.timedelta(seconds=90)
+    assert claim.lease.lease_until == claim.delivery.claimed_at + dt.timedelta(seconds=90)
 
 
 def test_a_claimed_delivery_is_not_claimed_again(community, make_binding):

@@ -6,7 +6,8 @@ purge / operator requeue and force-fail / stale and forged lease use through bot
 the real services on PostgreSQL, and compares every outcome and every row after each step.
 
 Time: every example runs inside one transaction (a savepoint of the test's), so PostgreSQL's
-``now()`` stands still at ``T0``. Time passing is modelled by moving every stored deadline
+``now()`` stands still at ``T0``, and ``frozen_db_clock`` makes the services' statement clock
+stand still there too. Time passing is modelled by moving every stored deadline
 (``lease_until``, ``next_attempt_at``, ``expires_at``) of the example's rows back with raw SQL; the
 model keeps those deadlines as seconds relative to ``now`` and subtracts the same amount. The raw
 shift also reaches communities behind the write fence (time passes for them too), so it runs with
@@ -39,7 +40,7 @@ from hypothesis.stateful import (
 )
 
 from buzz_delivery import exceptions, services
-from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory, random32
+from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory, frozen_db_clock, random32
 
 pytestmark = pytest.mark.django_db
 
@@ -309,6 +310,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         STATS["examples"] += 1
         self._atomic = transaction.atomic()
         self._atomic.__enter__()
+        self._clock = frozen_db_clock()  # the services' clock stands still at now() too
+        self._clock.__enter__()
         self._policy = _policy(3)
         self._policy.enable()
         with connection.cursor() as cursor:
@@ -325,6 +328,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self._policy.disable()
+        self._clock.__exit__(None, None, None)
         transaction.set_rollback(True)
         self._atomic.__exit__(None, None, None)
 

@@ -8,13 +8,13 @@ import threading
 import uuid
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, connections
 from django.test import override_settings
 
 from buzz_delivery import models, services
 from buzz_delivery.services import Claim, Settled, sql
 from buzz_delivery.testing import BindingFactory, DeliveryFactory, random32
-from tests.conftest import backdate_lease
+from tests.conftest import backdate_lease, db_clock
 
 pytestmark = pytest.mark.django_db
 
@@ -86,12 +86,14 @@ def test_the_retry_backoff_doubles_with_each_attempt_up_to_the_cap(community, ta
     backoffs = []
     for _ in range(6):
         lease = claim(community, target).lease
-        with transaction.atomic():  # one transaction: the same now() for the retry and the read
-            assert services.finish_delivery(lease, "retry") == Settled("pending")
-            with connection.cursor() as cursor:
-                cursor.execute(f"SELECT extract(epoch FROM next_attempt_at - now()) FROM {DELIVERY} WHERE id = %s",
-                               [delivery_id])  # fmt: skip
-                backoffs.append(float(cursor.fetchone()[0]))
+        before = db_clock()
+        assert services.finish_delivery(lease, "retry") == Settled("pending")
+        after = db_clock()
+        waits = row(delivery_id).next_attempt_at - before, row(delivery_id).next_attempt_at - after
+        # The retry statement's clock lies between the two readings: the backoff is a whole
+        # number of seconds within that window.
+        backoffs.append(round(waits[1].total_seconds()))
+        assert waits[1].total_seconds() <= backoffs[-1] <= waits[0].total_seconds()
         unblock_retry(delivery_id)
     assert backoffs == [2, 4, 8, 10, 10, 10]
 

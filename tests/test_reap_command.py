@@ -47,6 +47,7 @@ def test_reap_prints_one_key_value_summary_line_and_reclaims_lapsed_leases(commu
         "exhausted",
         "expired",
         "skipped_fenced",
+        "skipped_busy",
         "batches",
         "dry_run",
         "duration_ms",

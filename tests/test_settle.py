@@ -12,8 +12,8 @@ from django.db import connection
 
 from buzz_delivery import models, services
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settled
-from buzz_delivery.testing import random32
-from tests.conftest import backdate_lease
+from buzz_delivery.testing import frozen_db_clock, random32
+from tests.conftest import backdate_lease, db_clock
 
 pytestmark = pytest.mark.django_db
 
@@ -93,15 +93,16 @@ def test_a_lease_naming_another_community_or_target_is_lease_lost(claimed, field
 
 def test_a_renew_extends_the_lease_from_the_database_clock_and_keeps_the_generation(claimed):
     lease = claimed()
-    now = db_now()
+    before = db_clock()
 
     renewed = services.renew_delivery(lease, lease_seconds=250)
 
+    after = db_clock()
     assert isinstance(renewed, Renewed)
-    assert renewed.lease_until == now + dt.timedelta(seconds=250)
-    assert renewed.lease == dataclasses.replace(lease, lease_until=now + dt.timedelta(seconds=250))
+    assert before + dt.timedelta(seconds=250) <= renewed.lease_until <= after + dt.timedelta(seconds=250)
+    assert renewed.lease == dataclasses.replace(lease, lease_until=renewed.lease_until)
     row = stored(lease)
-    assert row.lease_until == now + dt.timedelta(seconds=250)
+    assert row.lease_until == renewed.lease_until
     assert row.lease_generation == lease.lease_generation == 1
     assert row.attempt == 1
 
@@ -121,10 +122,12 @@ def test_repeated_renews_never_bump_the_generation(claimed):
 
 def test_a_renew_may_shorten_the_lease(claimed):
     lease = claimed()
-    now = db_now()
     services.renew_delivery(lease, lease_seconds=300)
+    before = db_clock()
 
-    assert services.renew_delivery(lease, lease_seconds=15).lease_until == now + dt.timedelta(seconds=15)
+    shortened = services.renew_delivery(lease, lease_seconds=15).lease_until
+
+    assert before + dt.timedelta(seconds=15) <= shortened <= db_clock() + dt.timedelta(seconds=15)
 
 
 def test_an_expired_but_unreaped_lease_can_neither_renew_nor_finish(claimed):
@@ -141,11 +144,12 @@ def test_an_expired_but_unreaped_lease_can_neither_renew_nor_finish(claimed):
 
 def test_a_lease_ending_exactly_at_the_database_now_is_still_current(claimed):
     lease = claimed()
-    backdate_lease(lease.delivery_id, seconds=0)  # lease_until = now()
+    with frozen_db_clock():  # two statements share a clock only when it stands still
+        backdate_lease(lease.delivery_id, seconds=0)  # lease_until = now()
 
-    assert isinstance(services.renew_delivery(lease), Renewed)
-    backdate_lease(lease.delivery_id, seconds=0)
-    assert services.finish_delivery(lease, "finished") == Settled(status="finished")
+        assert isinstance(services.renew_delivery(lease), Renewed)
+        backdate_lease(lease.delivery_id, seconds=0)
+        assert services.finish_delivery(lease, "finished") == Settled(status="finished")
 
 
 def test_the_reaper_fences_the_prior_holder_and_every_new_claim_bumps_the_generation_again(claimed):
@@ -198,7 +202,7 @@ def test_a_failed_finish_records_its_failure_code_and_message(claimed):
     assert outcome == Settled(status="failed")
     row = stored(lease)
     assert (row.status, row.failure_code, row.failure_message) == ("failed", "handler_crashed", "ValueError: boom")
-    assert row.finished_at == db_now()
+    assert db_now() <= row.finished_at <= db_clock()  # the settle statement's database clock
     # The idempotent retry does not overwrite what was recorded.
     assert services.finish_delivery(lease, "failed", failure_code="other") == AlreadyTerminal(status="failed")
     assert stored(lease).failure_code == "handler_crashed"

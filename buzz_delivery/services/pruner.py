@@ -4,7 +4,9 @@ Only ``finished``, ``failed`` and ``expired`` rows are ever deleted, and only on
 ``finished_at`` is older than the retention given for their status, judged by the database
 clock. Each batch is one ``DELETE`` statement (its own short transaction in autocommit)
 that re-checks its whole guard. Rows of a community that is not ``active`` are filtered out
-inside the statement (the write fence would refuse them) and reported as skipped.
+inside the statement (the write fence would refuse them) and reported as skipped; rows of a
+community whose write-fence lock a lifecycle move holds or waits for are left for the next
+batch or run, never waited on (SPEC section 4.6), so one tenant's move never stalls the pruner.
 """
 
 from __future__ import annotations
@@ -19,20 +21,20 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, FENCE_LOCK_FREE, MAINTENANCE_NOW
 
 logger = logging.getLogger("buzz_delivery.pruner")
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 PRUNABLE_STATUSES: tuple[str, ...] = tuple(s.value for s in TERMINAL_STATUSES)
 
-_OLD_ENOUGH = "d.status = %(status)s AND d.finished_at < now() - make_interval(secs => %(age_seconds)s)"
+_OLD_ENOUGH = f"d.status = %(status)s AND d.finished_at < {MAINTENANCE_NOW} - make_interval(secs => %(age_seconds)s)"
 
 # Walks delivery_terminal_age_idx (finished_at, partial on terminal statuses) oldest first.
 DELETE_TERMINAL_OLDER_THAN = f"""
 WITH doomed AS MATERIALIZED (
     SELECT d.id FROM {DELIVERY} AS d
-    WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY}
+    WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY} AND {FENCE_LOCK_FREE}
     ORDER BY d.finished_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED

@@ -37,7 +37,9 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
     allowed attempt, or ``expired``/``delivery_expired`` past ``expires_at``. Pending
     deliveries past ``expires_at`` end ``expired``. Every move bumps the generation, so the
     prior holder is fenced. Communities that are not active are filtered out inside each
-    statement, so one fenced tenant never aborts the reap of healthy ones.
+    statement, so one fenced tenant never aborts the reap of healthy ones; a community whose
+    write-fence lock is held or awaited by a lifecycle move is skipped for that batch and
+    counted in ``skipped_busy``, never waited on, so one tenant's move never stalls the others.
 
     ``batch_size``: rows per statement (1..100,000; default ``BATCH_SIZE``), each statement
     its own short transaction. ``max_batches``: stop after that many statements (None = until
@@ -60,21 +62,25 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
             if len(statuses) < size:
                 break
     skipped = fetch_all(sql.COUNT_FENCED_LAPSED, {})[0][0]
+    busy = fetch_all(sql.COUNT_BUSY_LAPSED, {})[0][0]
     result = ReapResult(
         reclaimed=counts["pending"],
         exhausted=counts["failed"],
         expired=counts["expired"],
         skipped_fenced=skipped,
+        skipped_busy=busy,
         batches=batches,
     )
-    if result.total or skipped:
+    if result.total or skipped or busy:
         logger.info(
-            "reaped %d deliveries: %d reclaimed, %d attempts exhausted, %d expired; %d skipped (community fenced)",
+            "reaped %d deliveries: %d reclaimed, %d attempts exhausted, %d expired; %d skipped (community fenced); "
+            "%d communities skipped (lifecycle move in progress)",
             result.total,
             result.reclaimed,
             result.exhausted,
             result.expired,
             skipped,
+            busy,
         )
     return result
 

@@ -1,9 +1,11 @@
 """The overlap guard of the maintenance commands (SPEC section 8): a named lease row.
 
-A run takes the lease for its job name with one statement, renews it between batches and
-releases it at the end. Every statement is its own short transaction and nothing is held
-on the database session between them (no session-level advisory lock), so the guard works
-behind a transaction-pooling connection pooler such as PgBouncer. A run that crashes does
+A run takes the lease for its job name with one statement, keeps it renewed on a timer from a
+background thread (:class:`RunLeaseKeeper`: every third of its length, so a batch that stalls
+does not let the lease lapse while this run is alive) and releases it at the end. Every
+statement is its own short transaction and nothing is held on the database session between
+them (no session-level advisory lock), so the guard works behind a transaction-pooling
+connection pooler such as PgBouncer. A run that crashes does
 not release its lease; the lease lapses by itself ``ttl_seconds`` after its last renewal,
 judged by the database clock. Rows live in ``buzz_delivery_maintenance_lease``
 (:class:`buzz_delivery.models.MaintenanceLease`).
@@ -12,17 +14,24 @@ judged by the database clock. Rows live in ``buzz_delivery_maintenance_lease``
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import numbers
 import os
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from django.db import close_old_connections, connections
+
 from buzz_delivery.models import MaintenanceLease
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
+
+logger = logging.getLogger("buzz_delivery.commands")
 
 LEASE_TABLE = MaintenanceLease._meta.db_table
 
@@ -117,13 +126,87 @@ def release_run_lease(lease: RunLease) -> bool:
     return bool(fetch_all(RELEASE_IF_HELD, {"name": lease.name, "holder": lease.holder}))
 
 
+class RunLeaseKeeper:
+    """Keeps a held :class:`RunLease` renewed on a timer: a daemon thread renews it every
+    ``ttl_seconds / 3`` seconds on its own database connection (one short statement each time,
+    so it works behind a transaction pooler) until :meth:`stop`.
+
+    :attr:`lost` becomes True when a renewal finds the lease gone (it lapsed and another run
+    took it, or it was released), or when no renewal succeeded for ``ttl_seconds`` (the
+    database was unreachable, so the lease must be presumed lapsed). The run must then stop.
+    """
+
+    def __init__(self, lease: RunLease, ttl_seconds: float) -> None:
+        self.ttl_seconds = _ttl(ttl_seconds)
+        self.every = self.ttl_seconds / 3
+        self._lease = lease
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"buzz-run-lease-{lease.name}", daemon=True)
+
+    @property
+    def lease(self) -> RunLease:
+        """The lease as last renewed."""
+        return self._lease
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is lost (see the class docstring)."""
+        return self._lost.is_set()
+
+    def mark_lost(self) -> None:
+        """Record that the run found its lease lost by itself."""
+        self._lost.set()
+
+    def start(self) -> RunLeaseKeeper:
+        """Start the renewing thread; returns ``self``."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop renewing and wait for the thread (at most one renewal's time)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        renewed_at = time.monotonic()
+        try:
+            while not self._stop.wait(self.every):
+                try:
+                    renewed = renew_run_lease(self._lease, self.ttl_seconds)
+                except Exception as exc:  # DatabaseError above all: retry until the lease would lapse
+                    logger.warning("%s: could not renew the run lease: %s", self._lease.name, exc)
+                    close_old_connections()
+                    if time.monotonic() - renewed_at >= self.ttl_seconds:
+                        logger.error(
+                            "%s: no renewal for %gs; presuming the run lease lost", self._lease.name, self.ttl_seconds
+                        )
+                        self._lost.set()
+                        return
+                    continue
+                if renewed is None:
+                    logger.error("%s: the run lease lapsed and was taken over", self._lease.name)
+                    self._lost.set()
+                    return
+                self._lease = renewed
+                renewed_at = time.monotonic()
+        finally:
+            connections.close_all()
+
+
 @contextmanager
 def run_lease(name: str, ttl_seconds: float) -> Iterator[RunLease | LeaseBusy]:
-    """``with run_lease("reap_deliveries", 120) as lease:`` — yields :class:`RunLease` (and
-    releases it on exit, even on error) or :class:`LeaseBusy` (nothing to release)."""
+    """``with run_lease("reap_deliveries", 120) as lease:`` — yields :class:`RunLease`, kept
+    renewed on a timer by a :class:`RunLeaseKeeper` while the block runs and released on exit
+    (even on error), or :class:`LeaseBusy` (nothing to release)."""
     lease = acquire_run_lease(name, ttl_seconds)
+    if not isinstance(lease, RunLease):
+        yield lease
+        return
+    keeper = RunLeaseKeeper(lease, ttl_seconds).start()
     try:
         yield lease
     finally:
-        if isinstance(lease, RunLease):
-            release_run_lease(lease)
+        keeper.stop()
+        release_run_lease(lease)

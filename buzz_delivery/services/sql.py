@@ -1,15 +1,23 @@
 """Every statement that changes delivery state, named for its guard.
 
-Lease arithmetic uses PostgreSQL ``now()`` only (SPEC section 4). Statements that
+Lease arithmetic uses the database clock only (SPEC section 4), read as
+``buzz_delivery_now()`` (:data:`DB_NOW`, migration 0006), which is ``statement_timestamp()``:
+the start of the statement, not of the transaction, so a lease call made inside a caller's long
+transaction still judges and grants leases by the time it runs (``now()`` would be the
+transaction's start). Statements that
 pick rows lock them with ``FOR UPDATE ... SKIP LOCKED`` inside a MATERIALIZED CTE,
 so the LIMIT is applied exactly once, and every UPDATE re-checks its whole guard.
 Statements that act on a community also require it to be ``active`` inside the
-statement, so a fenced tenant is a miss rather than a write-fence error.
+statement, so a fenced tenant is a miss rather than a write-fence error. Fleet-wide
+statements (reaper, pruner) also skip, for that batch, any community whose write-fence lock
+is not free at once (:data:`FENCE_LOCK_FREE`): a lifecycle move queued behind a writer of
+community X must never stall the maintenance of every other community (SPEC section 4.6).
 """
 
 from __future__ import annotations
 
 from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
@@ -20,15 +28,24 @@ CLAIM_FIELDS = [f for f in WorkflowAgentDelivery._meta.concrete_fields if f.name
 CLAIM_ATTNAMES = [f.attname for f in CLAIM_FIELDS]
 RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 
+# The database clock of every lease statement: the start of the current statement
+# (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
+DB_NOW = "buzz_delivery_now()"
+
 ACTIVE_COMMUNITY = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
-LEASE_END = "LEAST(now() + make_interval(secs => %(lease_seconds)s), d.expires_at)"
+# Takes the community's write-fence lock in shared mode only if that is possible at once: false
+# while a lifecycle move holds it or waits for it (PostgreSQL queues new shared requests behind
+# a waiting exclusive one). Taken, it is held to the end of the statement's transaction, so the
+# write-fence trigger of the same rows gets it again without waiting.
+FENCE_LOCK_FREE = f"pg_try_advisory_xact_lock_shared({FENCE_LOCK_NAMESPACE}, hashtext(d.community_id::text))"
+LEASE_END = f"LEAST({DB_NOW} + make_interval(secs => %(lease_seconds)s), d.expires_at)"
 CURRENT_LEASE = f"""
     d.community_id = %(community_id)s
     AND d.id = %(delivery_id)s
     AND d.target_pubkey = %(target_pubkey)s
     AND d.lease_generation = %(lease_generation)s
     AND d.status = 'claimed'
-    AND d.lease_until >= now()
+    AND d.lease_until >= {DB_NOW}
     AND {ACTIVE_COMMUNITY}
 """
 
@@ -107,8 +124,8 @@ WITH candidate AS MATERIALIZED (
     WHERE d.community_id = %(community_id)s
       AND d.target_pubkey = %(target_pubkey)s
       AND d.status = 'pending'
-      AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= now())
-      AND (d.expires_at IS NULL OR d.expires_at > now())
+      AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= {DB_NOW})
+      AND (d.expires_at IS NULL OR d.expires_at > {DB_NOW})
       AND (d.max_attempts IS NULL OR d.attempt < d.max_attempts)
       {" ".join(extra)}
       AND {ACTIVE_COMMUNITY}
@@ -120,7 +137,7 @@ UPDATE {DELIVERY} AS d
 SET status = 'claimed',
     lease_generation = d.lease_generation + 1,
     attempt = d.attempt + 1,
-    claimed_at = now(),
+    claimed_at = {DB_NOW},
     lease_until = {LEASE_END},
     next_attempt_at = NULL
 FROM candidate
@@ -137,8 +154,8 @@ RETURNING d.lease_until
 """
 
 # What a settle writes; the single and the batch forms differ only in how they find the rows.
-_SETTLE = """SET status = %(status)s,
-    finished_at = now(),
+_SETTLE = f"""SET status = %(status)s,
+    finished_at = {DB_NOW},
     lease_until = NULL,
     claimed_at = NULL,
     failure_code = %(failure_code)s,
@@ -160,21 +177,26 @@ WHERE d.community_id = %(community_id)s
   AND d.target_pubkey = %(target_pubkey)s
   AND d.lease_generation = f.generation
   AND d.status = 'claimed'
-  AND d.lease_until >= now()
+  AND d.lease_until >= {DB_NOW}
   AND {ACTIVE_COMMUNITY}
 RETURNING d.id, d.status
 """
 
 # A retry on the last allowed attempt ends ``failed`` / ``attempts_exhausted`` (SPEC section 6).
 _EXHAUSTED = "(d.max_attempts IS NOT NULL AND d.attempt >= d.max_attempts)"
+# base * 2**(attempt - 1), capped. The exponent is clamped before the power is taken: with
+# unlimited attempts, 2**1023 and beyond would overflow a double long after the cap applied.
+BACKOFF_MAX_EXPONENT = 62
+_BACKOFF_SECONDS = (
+    f"LEAST(%(backoff_base)s * power(2, LEAST(GREATEST(d.attempt - 1, 0), {BACKOFF_MAX_EXPONENT})), %(backoff_cap)s)"
+)
 RETRY_IF_CURRENT_GENERATION = f"""
 UPDATE {DELIVERY} AS d
 SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
-    finished_at = CASE WHEN {_EXHAUSTED} THEN now() END,
+    finished_at = CASE WHEN {_EXHAUSTED} THEN {DB_NOW} END,
     failure_code = CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
     failure_message = CASE WHEN {_EXHAUSTED} THEN %(failure_message)s END,
-    next_attempt_at = CASE WHEN {_EXHAUSTED} THEN NULL ELSE now() + make_interval(
-        secs => LEAST(%(backoff_base)s * power(2, GREATEST(d.attempt - 1, 0)), %(backoff_cap)s)) END,
+    next_attempt_at = CASE WHEN {_EXHAUSTED} THEN NULL ELSE {DB_NOW} + make_interval(secs => {_BACKOFF_SECONDS}) END,
     lease_until = NULL,
     claimed_at = NULL
 WHERE {CURRENT_LEASE}
@@ -189,18 +211,24 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 
 # --- reaper -----------------------------------------------------------------
 
-_PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= now())"
+# Fleet-wide maintenance judges by ``now()``: it runs in autocommit, where that is the
+# statement's start; called inside a caller's transaction, an older ``now()`` only makes it
+# do less (a lease that lapsed before the transaction began has surely lapsed), never reap a
+# live lease or expire a delivery early.
+MAINTENANCE_NOW = "now()"
+
+_PAST_TTL = f"(d.expires_at IS NOT NULL AND d.expires_at <= {MAINTENANCE_NOW})"
 REAP_LAPSED_LEASES = f"""
 WITH lapsed AS MATERIALIZED (
     SELECT d.id FROM {DELIVERY} AS d
-    WHERE d.status = 'claimed' AND d.lease_until < now() AND {ACTIVE_COMMUNITY}
+    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {FENCE_LOCK_FREE}
     ORDER BY d.lease_until
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
 UPDATE {DELIVERY} AS d
 SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
-    finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN now() END,
+    finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN {MAINTENANCE_NOW} END,
     failure_code = CASE WHEN {_PAST_TTL} THEN 'delivery_expired'
                         WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
     failure_message = CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed'
@@ -209,27 +237,27 @@ SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed
     lease_until = NULL,
     claimed_at = NULL
 FROM lapsed
-WHERE d.id = lapsed.id AND d.status = 'claimed' AND d.lease_until < now()
+WHERE d.id = lapsed.id AND d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
 RETURNING d.status
 """
 
 EXPIRE_OVERDUE_PENDING = f"""
 WITH overdue AS MATERIALIZED (
     SELECT d.id FROM {DELIVERY} AS d
-    WHERE d.status = 'pending' AND d.expires_at <= now() AND {ACTIVE_COMMUNITY}
+    WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {FENCE_LOCK_FREE}
     ORDER BY d.expires_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
 UPDATE {DELIVERY} AS d
 SET status = 'expired',
-    finished_at = now(),
+    finished_at = {MAINTENANCE_NOW},
     failure_code = 'delivery_expired',
     failure_message = 'deadline passed before a claim',
     lease_generation = d.lease_generation + 1,
     next_attempt_at = NULL
 FROM overdue
-WHERE d.id = overdue.id AND d.status = 'pending' AND d.expires_at <= now()
+WHERE d.id = overdue.id AND d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 RETURNING d.status
 """
 
@@ -242,9 +270,9 @@ SELECT
     count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL}) AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
 FROM (
-    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'claimed' AND d.lease_until < now()
+    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'pending' AND d.expires_at <= now()
+    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 """
@@ -252,7 +280,17 @@ JOIN {COMMUNITY} AS c ON c.id = d.community_id
 COUNT_FENCED_LAPSED = f"""
 SELECT count(*) FROM {DELIVERY} AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
-WHERE d.status = 'claimed' AND d.lease_until < now() AND c.deletion_state <> 'active'
+WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_state <> 'active'
+"""
+
+# Active communities with lapsed leases whose write-fence lock is not free right now (a lifecycle
+# move holds it or waits for it): the reap batches skipped them. Never waits: a try-lock only.
+COUNT_BUSY_LAPSED = f"""
+SELECT count(*) FROM (
+    SELECT DISTINCT d.community_id FROM {DELIVERY} AS d
+    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY}
+) AS d
+WHERE NOT {FENCE_LOCK_FREE}
 """
 
 # --- operator actions (admin) --------------------------------------------------
@@ -265,7 +303,7 @@ SET status = 'pending',
     failure_message = NULL,
     attempt = 0,
     next_attempt_at = NULL,
-    expires_at = CASE WHEN d.expires_at <= now() THEN NULL ELSE d.expires_at END,
+    expires_at = CASE WHEN d.expires_at <= {DB_NOW} THEN NULL ELSE d.expires_at END,
     lease_generation = d.lease_generation + 1
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status IN ('failed', 'expired') AND {ACTIVE_COMMUNITY}
@@ -275,7 +313,7 @@ RETURNING d.id
 FORCE_FAIL_IF_CLAIMED = f"""
 UPDATE {DELIVERY} AS d
 SET status = 'failed',
-    finished_at = now(),
+    finished_at = {DB_NOW},
     lease_until = NULL,
     claimed_at = NULL,
     failure_code = 'operator_force_failed',

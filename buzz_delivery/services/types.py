@@ -206,6 +206,8 @@ class ReapResult:
     - ``exhausted``: lapsed leases on their last allowed attempt, now ``failed``;
     - ``expired``: lapsed or pending deliveries past ``expires_at``, now ``expired``;
     - ``skipped_fenced``: lapsed leases left alone because their community is not active;
+    - ``skipped_busy``: communities whose lapsed leases were left for a later run because a
+      lifecycle move held or waited for their write-fence lock (never waited on; SPEC 4.6);
     - ``batches``: statements run.
     """
 
@@ -213,6 +215,7 @@ class ReapResult:
     exhausted: int = 0
     expired: int = 0
     skipped_fenced: int = 0
+    skipped_busy: int = 0
     batches: int = 0
     dry_run: bool = False
 

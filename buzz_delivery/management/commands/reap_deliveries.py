@@ -1,9 +1,9 @@
 """``manage.py reap_deliveries``: the reaper for cron or as a long-lived process (SPEC section 8).
 
 Also defines :class:`MaintenanceCommand`, the cron-safe frame shared with ``prune_deliveries``:
-the overlap guard (a lease row, :mod:`buzz_delivery.services.runlock`), bounded batches with
-the lease renewed between chunks of them, ``--dry-run``, one machine-readable summary line,
-exit codes, ``--loop`` with graceful shutdown on SIGTERM/SIGINT, and ``-v 0..3``.
+the overlap guard (a lease row, :mod:`buzz_delivery.services.runlock`, renewed on a timer by a
+background thread and checked between chunks of batches), bounded batches, ``--dry-run``, one
+machine-readable summary line, exit codes, ``--loop`` with graceful shutdown on SIGTERM/SIGINT, and ``-v 0..3``.
 """
 
 from __future__ import annotations
@@ -24,16 +24,23 @@ from django.db import DatabaseError, close_old_connections
 from buzz_delivery import services
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.management.base import StopRequest, StrictOptionsCommand
-from buzz_delivery.management.options import positive_int, positive_seconds
-from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, release_run_lease, renew_run_lease
+from buzz_delivery.management.options import positive_int, positive_seconds, run_lease_seconds
+from buzz_delivery.services.runlock import (
+    LeaseBusy,
+    RunLeaseKeeper,
+    acquire_run_lease,
+    release_run_lease,
+    renew_run_lease,
+)
 
 logger = logging.getLogger("buzz_delivery.commands")
 
 # Exit codes besides 0 (done, or another run is active). Usage errors exit 2 (argparse).
 EXIT_FAILED = 1
 EXIT_LEASE_LOST = 3
-# Batches between two renewals of the run lease. Must exceed the number of statements one
-# service call runs when it finds nothing (reap: 2, prune: 3), or a chunk never looks finished.
+# Batches between two checks of the run lease (it is renewed on a timer in between). Must exceed
+# the number of statements one service call runs when it finds nothing (reap: 2, prune: 3), or a
+# chunk never looks finished.
 RENEW_EVERY_BATCHES = 10
 
 
@@ -66,10 +73,10 @@ class MaintenanceCommand(StrictOptionsCommand):
         parser.add_argument("--json", action="store_true", help="Print the summary line as JSON instead of key=value.")
         parser.add_argument(
             "--lease-seconds",
-            type=positive_seconds,
+            type=run_lease_seconds,
             default=self.default_lease_seconds,
-            help="How long the overlap guard holds if this run dies; renewed every "
-            f"{RENEW_EVERY_BATCHES} batches (default: %(default)s).",
+            help="How long the overlap guard holds if this run dies (1..86400); renewed every third of it "
+            "while the run is alive (default: %(default)s).",
         )
         if self.supports_loop:
             parser.add_argument(
@@ -95,7 +102,7 @@ class MaintenanceCommand(StrictOptionsCommand):
         raise NotImplementedError
 
     # Counters that are a state of the database, not work done: the last chunk's value wins.
-    snapshot_counts: tuple[str, ...] = ("skipped_fenced",)
+    snapshot_counts: tuple[str, ...] = ("skipped_fenced", "skipped_busy")
 
     # --- frame ------------------------------------------------------------------------
 
@@ -160,17 +167,20 @@ class MaintenanceCommand(StrictOptionsCommand):
             self.progress(f"{self.job}: another run is active (holder {lease.holder}, until {until}); nothing done")
             return {"outcome": "busy", "reason": "another_run_active", "holder": lease.holder, "lease_until": until}
         self.progress(f"{self.job}: took the run lease as {lease.holder}")
+        keeper = RunLeaseKeeper(lease, options["lease_seconds"]).start()
         try:
-            counts, batches = self.work_in_chunks(options, lease)
+            counts, batches = self.work_in_chunks(options, keeper)
         finally:
+            keeper.stop()
             if not release_run_lease(lease):
                 logger.warning("%s: the run lease had already been taken over at release", self.job)
         return {"outcome": "stopped" if self.stop.is_set() else "ok", **counts, "batches": batches, "dry_run": False}
 
-    def work_in_chunks(self, options: dict[str, Any], lease: RunLease) -> tuple[dict[str, int], int]:
+    def work_in_chunks(self, options: dict[str, Any], keeper: RunLeaseKeeper) -> tuple[dict[str, int], int]:
         """Call :meth:`run_chunk` with at most :data:`RENEW_EVERY_BATCHES` batches at a time,
-        renewing the lease in between, until the service runs out of work, ``--max-batches``
-        is spent, or a stop was requested."""
+        checking (and renewing) the lease in between, until the service runs out of work,
+        ``--max-batches`` is spent, or a stop was requested. Raises :class:`LeaseLostError` when
+        the keeper or the check finds the lease lost."""
         totals = self.empty_counts()
         batches = 0
         limit = options["max_batches"]
@@ -181,12 +191,11 @@ class MaintenanceCommand(StrictOptionsCommand):
             for key, value in counts.items():
                 totals[key] = value if key in self.snapshot_counts else totals[key] + value
             self.progress(f"{self.job}: {ran} batches: " + " ".join(f"{k}={v}" for k, v in counts.items()), level=2)
+            if keeper.lost or renew_run_lease(keeper.lease, options["lease_seconds"]) is None:
+                keeper.mark_lost()
+                raise LeaseLostError("the run lease lapsed and was taken over; stopped to avoid overlapping runs")
             if ran < budget or (limit is not None and batches >= limit) or self.stop.is_set():
                 return totals, batches
-            renewed = renew_run_lease(lease, options["lease_seconds"])
-            if renewed is None:
-                raise LeaseLostError("the run lease lapsed and was taken over; stopped to avoid overlapping runs")
-            lease = renewed
 
     # --- output ---------------------------------------------------------------------
 
@@ -221,14 +230,14 @@ class Command(MaintenanceCommand):
         "Reap lapsed leases fleet-wide: claimed deliveries whose lease ran out go back to pending "
         "(or end failed/expired), in bounded batches. Safe to run every minute from cron: a run "
         "that finds another one active prints outcome=busy and exits 0. Prints one summary line "
-        "(reclaimed, exhausted, expired, skipped_fenced, batches, dry_run, duration_ms). Exit codes: "
+        "(reclaimed, exhausted, expired, skipped_fenced, skipped_busy, batches, dry_run, duration_ms). Exit codes: "
         "0 done or busy, 1 failed, 2 bad arguments, 3 lease lost mid-run. SPEC section 8."
     )
     job = "reap_deliveries"
     supports_loop = True
 
     def empty_counts(self) -> dict[str, int]:
-        return {"reclaimed": 0, "exhausted": 0, "expired": 0, "skipped_fenced": 0}
+        return {"reclaimed": 0, "exhausted": 0, "expired": 0, "skipped_fenced": 0, "skipped_busy": 0}
 
     def run_chunk(self, options: dict[str, Any], max_batches: int | None, dry_run: bool) -> tuple[dict[str, int], int]:
         result = services.reap(batch_size=options["batch_size"], max_batches=max_batches, dry_run=dry_run)
@@ -237,5 +246,6 @@ class Command(MaintenanceCommand):
             "exhausted": result.exhausted,
             "expired": result.expired,
             "skipped_fenced": result.skipped_fenced,
+            "skipped_busy": result.skipped_busy,
         }
         return counts, result.batches

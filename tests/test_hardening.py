@@ -1,0 +1,257 @@
+"""Defects a hostile review found in the services and the maintenance commands (issue 11,
+items 2, 4, 5 and 6), each against real PostgreSQL, with real threads, connections and processes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import signal
+import threading
+import time
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test import override_settings
+
+from buzz_delivery import models, services
+from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, run_lease
+from buzz_delivery.testing import CommunityFactory
+from tests.operator_support import claimed, lapsed, lease_rows, manage, pending, settled
+
+SHORT_LEASES = {"MIN_LEASE_SECONDS": 1, "MAX_ATTEMPTS": None}
+
+
+def _sql(statement: str, params: list | None = None) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params or [])
+        return cursor.fetchall() if cursor.description else []
+
+
+# --- item 2: backoff with unlimited attempts ----------------------------------------------
+
+
+@pytest.mark.django_db
+@override_settings(BUZZ_DELIVERY={"MAX_ATTEMPTS": None, "RETRY_BACKOFF_CAP_SECONDS": 300})
+def test_a_retry_on_the_2000th_attempt_waits_the_capped_backoff_instead_of_overflowing(community):
+    delivery = pending(community)
+    assert delivery.max_attempts is None
+    _sql("UPDATE buzz_delivery_delivery SET attempt = 1999 WHERE id = %s", [delivery.id])
+    claim = services.claim_delivery(community.id, bytes(delivery.target_pubkey))
+    assert claim is not None and claim.delivery.attempt == 2000
+
+    assert services.finish_delivery(claim.lease, "retry") == services.Settled("pending")
+
+    (wait,) = _sql(
+        "SELECT extract(epoch FROM next_attempt_at - statement_timestamp()) FROM buzz_delivery_delivery WHERE id = %s",
+        [delivery.id],
+    )[0]
+    assert 299 <= wait <= 300
+
+
+# --- item 6: lease calls inside a caller's transaction --------------------------------------
+
+
+@pytest.mark.django_db
+@override_settings(BUZZ_DELIVERY=SHORT_LEASES)
+def test_inside_a_transaction_a_renew_past_the_lease_is_lost_not_granted_in_the_past(community):
+    """The test runs inside a transaction (pytest-django's): ``now()`` is its start."""
+    assert connection.in_atomic_block
+    _, lease = claimed(community)
+    services.renew_delivery(lease, 1)
+    _sql("SELECT pg_sleep(1.3)")
+
+    assert services.renew_delivery(lease, 1) == services.LeaseLost()
+    assert services.finish_delivery(lease, "finished") == services.LeaseLost()
+
+
+@pytest.mark.django_db
+@override_settings(BUZZ_DELIVERY=SHORT_LEASES)
+def test_inside_a_transaction_a_renew_grants_a_lease_from_the_statements_clock(community):
+    _, lease = claimed(community)
+    _sql("SELECT pg_sleep(1.2)")
+    renewed = services.renew_delivery(lease, 5)
+
+    assert isinstance(renewed, services.Renewed)
+    (clock,) = _sql("SELECT statement_timestamp()")[0]
+    assert renewed.lease_until > clock  # with now() it would be the transaction start + 5 s... and
+    assert (renewed.lease_until - clock).total_seconds() > 4.5  # ...1.2 s of it already gone
+    assert isinstance(services.finish_delivery(renewed.lease, "finished"), services.Settled)
+
+
+# --- item 4: one tenant's lifecycle move never stalls the fleet-wide maintenance -----------
+
+
+class _HeldWriter:
+    """A transaction on community X that wrote a row and stays open (holds X's fence lock
+    shared), and a lifecycle move of X queued behind it (waits for the lock exclusively)."""
+
+    def __init__(self, community: models.Community) -> None:
+        self.community = community
+        self.wrote = threading.Event()
+        self.release = threading.Event()
+        self.moved = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def _writer(self) -> None:
+        try:
+            with transaction.atomic():
+                _sql("UPDATE buzz_delivery_workflow SET name = name WHERE community_id = %s", [self.community.id])
+                self.wrote.set()
+                self.release.wait(30)
+        except BaseException as exc:  # pragma: no cover - reported by the test
+            self.errors.append(exc)
+        finally:
+            connections.close_all()
+
+    def _mover(self) -> None:
+        try:
+            services.advance_community(self.community.id, "quiescing")
+            self.moved.set()
+        except BaseException as exc:  # pragma: no cover
+            self.errors.append(exc)
+        finally:
+            connections.close_all()
+
+    def __enter__(self) -> _HeldWriter:
+        self.threads = [threading.Thread(target=self._writer), threading.Thread(target=self._mover)]
+        self.threads[0].start()
+        assert self.wrote.wait(10)
+        self.threads[1].start()
+        deadline = time.monotonic() + 10
+        while not _exclusive_fence_lock_waiting():
+            assert time.monotonic() < deadline, "the lifecycle move never queued for the fence lock"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        for thread in self.threads:
+            thread.join(30)
+        assert not self.errors, self.errors
+        assert self.moved.is_set()
+
+
+def _exclusive_fence_lock_waiting() -> bool:
+    rows = _sql("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND NOT granted")
+    return rows[0][0] > 0
+
+
+@pytest.fixture
+def stall_guard():
+    """Fail (instead of hanging) when a statement waits on a lock for over 3 s."""
+    _sql("SET lock_timeout = '3s'")
+    yield
+    _sql("RESET lock_timeout")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lifecycle_move_queued_on_one_community_does_not_stall_the_reap_of_the_others(stall_guard):
+    stuck, healthy = CommunityFactory(), CommunityFactory()
+    stuck_lapsed = lapsed(stuck)
+    healthy_lapsed = [lapsed(healthy) for _ in range(3)]
+
+    with _HeldWriter(stuck):
+        started = time.monotonic()
+        result = services.reap(batch_size=2)
+        took = time.monotonic() - started
+
+    assert took < 2, f"the reap waited {took:.1f}s on another community's fence lock"
+    assert result.reclaimed == 3 and result.skipped_busy == 1
+    assert {d.status for d in models.WorkflowAgentDelivery.objects.filter(id__in=[d.id for d in healthy_lapsed])} == {
+        "pending"
+    }
+    assert models.WorkflowAgentDelivery.objects.get(id=stuck_lapsed.id).status == "claimed"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lifecycle_move_queued_on_one_community_does_not_stall_the_pruner(stall_guard):
+    stuck, healthy = CommunityFactory(), CommunityFactory()
+    kept = settled(stuck, age_seconds=86_400 * 40)
+    old = [settled(healthy, age_seconds=86_400 * 40) for _ in range(3)]
+
+    with _HeldWriter(stuck):
+        started = time.monotonic()
+        result = services.prune_deliveries({"finished": dt.timedelta(days=30)}, batch_size=2)
+        took = time.monotonic() - started
+
+    assert took < 2, f"the pruner waited {took:.1f}s on another community's fence lock"
+    assert result.deleted == {"finished": 3}
+    assert not models.WorkflowAgentDelivery.objects.filter(id__in=[d.id for d in old]).exists()
+    assert models.WorkflowAgentDelivery.objects.filter(id=kept.id).exists()
+
+
+# --- item 5: the run lease of the maintenance commands is renewed on a timer -----------------
+
+
+@pytest.fixture
+def slow_reap_updates():
+    """Every UPDATE of a delivery takes 1.5 s (a stalled batch)."""
+    _sql(
+        "CREATE FUNCTION test_slow_update() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "PERFORM pg_sleep(1.5); RETURN NULL; END $$;"
+        "CREATE TRIGGER test_slow_update AFTER UPDATE ON buzz_delivery_delivery "
+        "FOR EACH STATEMENT EXECUTE FUNCTION test_slow_update()"
+    )
+    yield
+    _sql("DROP TRIGGER IF EXISTS test_slow_update ON buzz_delivery_delivery")
+    _sql("DROP FUNCTION IF EXISTS test_slow_update()")
+
+
+def _summary(proc) -> tuple[int, dict]:
+    out, err = proc.communicate(timeout=60)
+    lines = out.strip().splitlines()
+    assert lines, err
+    return proc.returncode, json.loads(lines[-1])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stalled_reap_keeps_its_guard_so_a_second_run_stays_out(community, slow_reap_updates):
+    for _ in range(3):
+        lapsed(community)
+    first = manage("reap_deliveries", "--json", "--batch-size", "1", "--lease-seconds", "1.5")
+    deadline = time.monotonic() + 10
+    while not lease_rows():
+        assert time.monotonic() < deadline, "the first run never took its lease"
+        time.sleep(0.05)
+    time.sleep(2.5)  # past the guard's 1.5 s: only a timer renewal keeps it
+
+    second = manage("reap_deliveries", "--json", "--lease-seconds", "1.5")
+    code, summary = _summary(second)
+    assert (code, summary["outcome"]) == (0, "busy")
+
+    code, summary = _summary(first)
+    assert (code, summary["outcome"], summary["reclaimed"]) == (0, "ok", 3)
+    assert lease_rows() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_that_finds_its_guard_lost_after_a_pause_exits_3(community, slow_reap_updates):
+    for _ in range(3):
+        lapsed(community)
+    first = manage("reap_deliveries", "--json", "--batch-size", "1", "--lease-seconds", "1")
+    deadline = time.monotonic() + 10
+    while not lease_rows():
+        assert time.monotonic() < deadline, "the first run never took its lease"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGSTOP)  # paused past its guard: another run may take over
+    try:
+        time.sleep(1.5)
+        taken = acquire_run_lease("reap_deliveries", 3600, holder="the-other-run")
+        assert isinstance(taken, RunLease)
+    finally:
+        first.send_signal(signal.SIGCONT)
+
+    code, summary = _summary(first)
+    assert (code, summary["outcome"]) == (3, "lease_lost")
+    assert lease_rows() == [("reap_deliveries", "the-other-run")]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_lease_keeps_the_guard_renewed_while_its_block_runs():
+    """What the admin's "reap now" holds: renewed on a timer, released at the end."""
+    with run_lease("reap_deliveries", 1.2) as lease:
+        assert isinstance(lease, RunLease)
+        time.sleep(2.5)  # twice the guard's length
+        assert isinstance(acquire_run_lease("reap_deliveries", 60, holder="intruder"), LeaseBusy)
+    assert lease_rows() == []
