@@ -7,13 +7,8 @@ Leases are 1-2 s (``BUZZ_MIN_LEASE_SECONDS=1``); waits poll the database for a c
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,79 +18,10 @@ from django.db import connection
 from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import DeliveryFactory, random32
-from project.database_url import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class WorkerRun:
-    proc: subprocess.Popen
-    stdout: Path
-    stderr: Path
-    handler_log: Path
-
-    def wait(self, timeout: float = 20) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"worker did not exit within {timeout}s; stderr:\n{self.stderr.read_text()}")
-
-    def summary(self) -> dict[str, int]:
-        lines = self.stdout.read_text().splitlines()
-        assert len(lines) == 1, f"expected one summary line, got {lines!r}"
-        return json.loads(lines[0])
-
-    def log(self) -> str:
-        return self.stderr.read_text()
-
-    def handler_events(self) -> list[dict]:
-        if not self.handler_log.exists():
-            return []
-        return [json.loads(line) for line in self.handler_log.read_text().splitlines()]
-
-
-@pytest.fixture
-def start_worker(tmp_path, community):
-    """Start ``run_delivery_worker`` for ``community`` and a target; kills leftovers at teardown."""
-    runs: list[WorkerRun] = []
-
-    def start(target: bytes, *options: str, handler: str = "tests.worker_handlers:scripted") -> WorkerRun:
-        n = len(runs)
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url(connection.settings_dict),
-            "BUZZ_MIN_LEASE_SECONDS": "1",
-            "BUZZ_TEST_HANDLER_LOG": str(tmp_path / f"handler-{n}.jsonl"),
-            "LOG_LEVEL": "INFO",
-        }
-        run = WorkerRun(
-            proc=None,  # type: ignore[arg-type]
-            stdout=tmp_path / f"worker-{n}.out",
-            stderr=tmp_path / f"worker-{n}.err",
-            handler_log=tmp_path / f"handler-{n}.jsonl",
-        )
-        with open(run.stdout, "w") as out, open(run.stderr, "w") as err:
-            run.proc = subprocess.Popen(
-                [
-                    sys.executable, "manage.py", "run_delivery_worker",
-                    "--community", str(community.id), "--target", target.hex(), "--handler", handler,
-                    "--poll-interval", "0.2", *options,
-                ],
-                cwd=ROOT, env=env, stdout=out, stderr=err,
-            )  # fmt: skip
-        runs.append(run)
-        return run
-
-    yield start
-    for run in runs:
-        if run.proc.poll() is None:
-            run.proc.kill()
-            run.proc.wait()
 
 
 def wait_until(condition, timeout: float = 15, what: str = "condition") -> None:
@@ -202,7 +128,20 @@ def test_a_stop_signal_ends_claiming_lets_the_in_flight_delivery_settle_and_exit
     untouched = [r for r in rows.values() if r.status == "pending"]
     assert len(untouched) == 2 and all(r.lease_generation == 0 for r in untouched)
     summary = worker.summary()
-    assert list(summary) == ["claimed", "finished", "failed", "retried", "lease_lost", "renewed"]
+    assert list(summary) == [
+        "claimed",
+        "finished",
+        "failed",
+        "retried",
+        "lease_lost",
+        "renewed",
+        "timed_out",
+        "settle_errors",
+        "abandoned",
+        "reason",
+        "exit_code",
+    ]
+    assert (summary["reason"], summary["exit_code"]) == (signum.name, 0)
     assert (summary["claimed"], summary["finished"], summary["failed"], summary["lease_lost"]) == (1, 1, 0, 0)
     log = worker.log()
     stopping = f"stopping reason={signum.name}"

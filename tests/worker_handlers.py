@@ -75,7 +75,21 @@ def scripted(delivery) -> str:
         raise ValueError("upstream timed out")
     if kind == "cancelled":  # a BaseException, not an Exception
         raise asyncio.CancelledError("the event loop went away")
+    # Text PostgreSQL cannot store (JSON cannot carry it, so the handler builds it).
+    if kind == "nul_permanent":
+        raise BadPayload("byte \x00 in the payload " + "x" * 20_000)
+    if kind == "surrogate_ordinary":
+        raise ValueError("lone surrogate \ud800 from a decoder")
+    if kind == "unprintable":
+        raise Unprintable()
     return "done"
+
+
+class Unprintable(RuntimeError):
+    """An exception whose own ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
 
 
 def finish(delivery) -> None:

@@ -13,6 +13,26 @@ Use :func:`run_worker` with a :class:`WorkerConfig` to embed the runtime in othe
 """
 
 from buzz_delivery.worker.handlers import PermanentFailure, load_handler
-from buzz_delivery.worker.runtime import WorkerConfig, WorkerInTransaction, run_worker, summary_line
+from buzz_delivery.worker.runtime import (
+    EXIT_ABANDONED,
+    EXIT_ERROR,
+    EXIT_OK,
+    WorkerConfig,
+    WorkerInTransaction,
+    WorkerSummary,
+    run_worker,
+    summary_line,
+)
 
-__all__ = ["PermanentFailure", "WorkerConfig", "WorkerInTransaction", "load_handler", "run_worker", "summary_line"]
+__all__ = [
+    "EXIT_ABANDONED",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "PermanentFailure",
+    "WorkerConfig",
+    "WorkerInTransaction",
+    "WorkerSummary",
+    "load_handler",
+    "run_worker",
+    "summary_line",
+]

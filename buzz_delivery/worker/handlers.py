@@ -57,11 +57,32 @@ def is_permanent(exc: BaseException) -> bool:
     return isinstance(exc, PermanentFailure) or getattr(type(exc), "permanent", False) is True
 
 
-def settle_args_for(exc: Exception) -> SettleArgs:
-    """The settle outcome for a handler that raised ``exc`` (see the module docstring)."""
-    message = str(exc)[:FAILURE_MESSAGE_MAX_CHARS] or None
+def storable_text(text: str, max_chars: int) -> str:
+    """``text`` made storable in a PostgreSQL ``text`` column and bounded: NUL becomes the
+    visible escape ``\\x00``, a lone surrogate its ``\\udXXX`` escape, then the result is cut
+    to ``max_chars`` characters. Handler text is data, never a reason to stop a worker."""
+    text = text.replace("\x00", "\\x00")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[:max_chars]
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<unprintable {type(exc).__name__}>"
+
+
+def settle_args_for(exc: BaseException) -> SettleArgs:
+    """The settle outcome for a handler that raised ``exc`` (see the module docstring).
+
+    The failure text is always storable and bounded (:func:`storable_text`), whatever the
+    exception's message or class name holds."""
+    message = storable_text(describe(exc), FAILURE_MESSAGE_MAX_CHARS) or None
     if is_permanent(exc):
-        return SettleArgs("failed", type(exc).__name__[:FAILURE_CODE_MAX_CHARS], message)
+        code = storable_text(type(exc).__name__, FAILURE_CODE_MAX_CHARS) or PermanentFailure.__name__
+        return SettleArgs("failed", code, message)
     return SettleArgs("retry", None, message)
 
 

@@ -30,40 +30,70 @@ DB_UNAVAILABLE = (OperationalError, InterfaceError)
 
 @dataclass(slots=True)
 class HeldLease:
-    """A lease the worker holds: the current ``lease``, when to renew it next (monotonic
-    seconds) and whether it was lost."""
+    """A lease the worker holds: the current ``lease``, when to renew it next and its handler
+    ``deadline`` (monotonic seconds; None = none), whether it was lost, and whether its handler
+    ran past the deadline (``timed_out``: no longer renewed, the lease lapses)."""
 
     lease: Lease
     due: float
+    deadline: float | None = None
     lost: bool = False
+    timed_out: bool = False
     renewals: int = field(default=0)
+
+    @property
+    def renewing(self) -> bool:
+        return not (self.lost or self.timed_out)
+
+
+def _key(lease: Lease) -> tuple[uuid.UUID, int]:
+    return (lease.delivery_id, lease.lease_generation)
 
 
 class LeaseRenewer(threading.Thread):
     """Renews held leases every ``every`` seconds (monotonic clock; the database judges expiry)
     for ``lease_seconds``; calls ``on_renewed()`` after each renewal. Stops on :meth:`shutdown`."""
 
-    def __init__(self, *, lease_seconds: float, every: float, on_renewed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        *,
+        lease_seconds: float,
+        every: float,
+        on_renewed: Callable[[], None],
+        on_timed_out: Callable[[HeldLease], None] = lambda held: None,
+    ) -> None:
         super().__init__(name="buzz-delivery-renewer", daemon=True)
         self.lease_seconds = lease_seconds
         self.every = every
         self._on_renewed = on_renewed
-        self._held: dict[uuid.UUID, HeldLease] = {}
+        self._on_timed_out = on_timed_out
+        # Keyed by (delivery, generation): after an operator requeue the same worker may hold a
+        # newer lease on the same delivery while the old handler still runs; each holder
+        # releases only its own lease.
+        self._held: dict[tuple[uuid.UUID, int], HeldLease] = {}
         self._cond = threading.Condition()
         self._stopping = False
 
-    def hold(self, lease: Lease) -> HeldLease:
-        """Start renewing ``lease``."""
-        held = HeldLease(lease=lease, due=time.monotonic() + self.every)
+    def hold(self, lease: Lease, deadline: float | None = None) -> HeldLease:
+        """Start renewing ``lease`` (one entry per delivery and generation) until it is released
+        or, if given, until ``deadline`` (monotonic seconds) passes: then it is marked
+        ``timed_out``, ``on_timed_out(held)`` is called, and it is no longer renewed."""
+        held = HeldLease(lease=lease, due=time.monotonic() + self.every, deadline=deadline)
         with self._cond:
-            self._held[lease.delivery_id] = held
+            self._held[_key(lease)] = held
             self._cond.notify()
         return held
 
-    def release(self, delivery_id: uuid.UUID) -> HeldLease | None:
-        """Stop renewing; returns the final state (its ``lost`` flag is settled from then on)."""
+    def release(self, lease: Lease) -> HeldLease | None:
+        """Stop renewing ``lease`` (this delivery at this generation only; a newer lease of the
+        same delivery keeps being renewed). Returns the final state, or None if not held."""
         with self._cond:
-            return self._held.pop(delivery_id, None)
+            return self._held.pop(_key(lease), None)
+
+    def timed_out_count(self) -> int:
+        """Held leases whose handler is still running past its deadline (not renewed)."""
+        with self._cond:
+            return sum(1 for h in self._held.values() if h.timed_out)
 
     def shutdown(self) -> None:
         """Ask the thread to stop and wait for it."""
@@ -72,14 +102,18 @@ class LeaseRenewer(threading.Thread):
             self._cond.notify()
         self.join()
 
-    def _due(self) -> list[HeldLease] | None:
+    def _due(self) -> tuple[list[HeldLease], list[HeldLease]] | None:
+        """Wait for work: (leases to renew now, leases whose deadline just passed)."""
         with self._cond:
             while not self._stopping:
                 now = time.monotonic()
-                due = [h for h in self._held.values() if h.due <= now and not h.lost]
-                if due:
-                    return due
-                upcoming = [h.due for h in self._held.values() if not h.lost]
+                late = [h for h in self._held.values() if h.renewing and h.deadline is not None and h.deadline <= now]
+                for held in late:
+                    held.timed_out = True
+                due = [h for h in self._held.values() if h.renewing and h.due <= now]
+                if due or late:
+                    return due, late
+                upcoming = [min(h.due, h.deadline or h.due) for h in self._held.values() if h.renewing]
                 self._cond.wait(timeout=(min(upcoming) - now) if upcoming else None)
             return None
 
@@ -100,7 +134,7 @@ class LeaseRenewer(threading.Thread):
                 held.due = time.monotonic() + min(self.every, DB_RETRY_SECONDS)
             return
         with self._cond:
-            if self._held.get(lease.delivery_id) is not held:
+            if self._held.get(_key(lease)) is not held:
                 return  # released (settling) while we renewed: the settle decides
             if isinstance(outcome, LeaseLost):
                 held.lost = True
@@ -123,7 +157,18 @@ class LeaseRenewer(threading.Thread):
 
     def run(self) -> None:
         try:
-            while (due := self._due()) is not None:
+            while (work := self._due()) is not None:
+                due, late = work
+                for held in late:
+                    lease = held.lease
+                    logger.warning(
+                        "handler_timeout delivery=%s generation=%d: past its deadline; the lease is no longer "
+                        "renewed and lapses at %s, the result will be dropped",
+                        lease.delivery_id,
+                        lease.lease_generation,
+                        lease.lease_until.isoformat(),
+                    )
+                    self._on_timed_out(held)
                 for held in due:
                     self._renew(held)
         finally:

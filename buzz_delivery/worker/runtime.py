@@ -27,15 +27,43 @@ from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.services import AlreadyTerminal, Claim, LeaseLost
 from buzz_delivery.services import validation as v
-from buzz_delivery.worker.handlers import FINISHED, Handler, SettleArgs, settle_args_for
+from buzz_delivery.worker.handlers import (
+    FAILURE_MESSAGE_MAX_CHARS,
+    FINISHED,
+    Handler,
+    SettleArgs,
+    describe,
+    settle_args_for,
+    storable_text,
+)
 from buzz_delivery.worker.listener import HintInbox, HintListener
-from buzz_delivery.worker.renewer import DB_UNAVAILABLE, LeaseRenewer
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer
 
 logger = logging.getLogger("buzz_delivery.worker")
 
 # Longest the dispatcher sleeps before it looks at the signal flag again.
 SIGNAL_CHECK_SECONDS = 0.2
-SUMMARY_KEYS = ("claimed", "finished", "failed", "retried", "lease_lost", "renewed")
+SUMMARY_KEYS = (
+    "claimed",
+    "finished",
+    "failed",
+    "retried",
+    "lease_lost",
+    "renewed",
+    "timed_out",
+    "settle_errors",
+    "abandoned",
+)
+
+# Exit codes of ``run_delivery_worker`` (2 is argparse's bad arguments).
+EXIT_OK = 0
+EXIT_ERROR = 1  # stopped on an internal error (see the summary's ``reason``)
+EXIT_ABANDONED = 3  # stopped with in-flight leases given up (shutdown grace expired, or hung handlers)
+# Stop reasons that are a clean stop (exit 0 unless leases were given up).
+CLEAN_REASONS = frozenset({"SIGTERM", "SIGINT", "max_deliveries", "idle_exit", "stopped"})
+HANDLERS_HUNG = "handlers_hung"
+# Most characters of a handler's exception message in a log line (the row keeps up to 10,000).
+LOGGED_MESSAGE_CHARS = 500
 
 
 class WorkerInTransaction(BuzzDeliveryError):
@@ -54,6 +82,12 @@ class WorkerConfig:
     ``poll_interval``: seconds between polls when idle. ``max_deliveries``: stop after claiming
     and settling that many. ``idle_exit``: stop after that many seconds with nothing to do.
     ``renew_fraction``: renew each lease after this fraction of its length (0 < f < 1).
+    ``handler_timeout``: seconds a handler may run (None = no limit); a delivery with
+    ``expires_at`` gets no more than until then. Past its deadline the lease is no longer
+    renewed, so it lapses and the reaper applies attempts and retries; the handler's result is
+    dropped. When every handler thread is past its deadline the worker stops (exit 3).
+    ``shutdown_grace``: seconds a stopping worker waits for in-flight handlers before it gives
+    up their leases (no longer renewed) and stops (exit 3); a second SIGTERM/SIGINT gives up at once.
     """
 
     community_id: uuid.UUID
@@ -66,6 +100,8 @@ class WorkerConfig:
     max_deliveries: int | None = None
     idle_exit: float | None = None
     renew_fraction: float = 1 / 3
+    handler_timeout: float | None = 900.0
+    shutdown_grace: float = 30.0
 
 
 class Tally:
@@ -80,14 +116,41 @@ class Tally:
             self._counts[key] += n
 
     def summary(self) -> dict[str, int]:
-        """``{"claimed", "finished", "failed", "retried", "lease_lost", "renewed"}`` -> counts."""
+        """:data:`SUMMARY_KEYS` -> counts."""
         with self._lock:
             return {key: self._counts[key] for key in SUMMARY_KEYS}
 
 
+class WorkerSummary(dict[str, int]):
+    """The counts of one worker run (:data:`SUMMARY_KEYS` -> int), plus why it stopped.
+
+    ``reason``: ``SIGTERM``, ``SIGINT``, ``max_deliveries``, ``idle_exit`` or ``stopped`` (a clean
+    stop), or an internal error (``worker_error``, ``handler raised KeyboardInterrupt``,
+    ``handlers_hung``...). ``exit_code``: :data:`EXIT_OK` for a clean stop with nothing given
+    up, :data:`EXIT_ABANDONED` when in-flight leases were given up, else :data:`EXIT_ERROR`.
+    """
+
+    reason: str
+    exit_code: int
+
+    def __init__(self, counts: dict[str, int], reason: str) -> None:
+        super().__init__(counts)
+        self.reason = reason
+        if reason not in CLEAN_REASONS and reason != HANDLERS_HUNG:
+            self.exit_code = EXIT_ERROR
+        elif counts.get("abandoned") or reason == HANDLERS_HUNG:
+            self.exit_code = EXIT_ABANDONED
+        else:
+            self.exit_code = EXIT_OK
+
+
 def summary_line(summary: dict[str, int]) -> str:
-    """The one JSON line the command prints at exit."""
-    return json.dumps(summary, separators=(",", ":"))
+    """The one JSON line the command prints at exit: the counts, then ``reason`` and
+    ``exit_code`` when ``summary`` is a :class:`WorkerSummary`."""
+    line: dict[str, object] = dict(summary)
+    if isinstance(summary, WorkerSummary):
+        line.update(reason=summary.reason, exit_code=summary.exit_code)
+    return json.dumps(line, separators=(",", ":"))
 
 
 class Worker:
@@ -105,6 +168,7 @@ class Worker:
             lease_seconds=self.lease_seconds,
             every=self.lease_seconds * config.renew_fraction,
             on_renewed=lambda: self.tally.add("renewed"),
+            on_timed_out=self._timed_out,
         )
         self.work: queue.SimpleQueue[Claim | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -113,6 +177,8 @@ class Worker:
         self.last_busy = time.monotonic()
         self.stop_reason = "stopped"
         self.signalled = False  # set by the signal handler (see run_worker)
+        self.give_up = False  # a second signal: stop waiting for in-flight handlers
+        self.gave_up = False  # in-flight leases were given up: late results are dropped
 
     # --- handler threads -------------------------------------------------------------------
 
@@ -136,6 +202,17 @@ class Worker:
         except DB_UNAVAILABLE as exc:
             logger.error("db_unavailable role=settle delivery=%s gave up: %s", lease.delivery_id, exc)
             return
+        except Exception:
+            # Nothing about one delivery may stop the worker: its lease lapses and the reaper
+            # returns it (attempts and retries apply there).
+            logger.exception(
+                "settle_error delivery=%s generation=%d outcome=%s: left to lapse",
+                lease.delivery_id,
+                lease.lease_generation,
+                args.outcome,
+            )
+            self.tally.add("settle_errors")
+            return
         ids = f"delivery={lease.delivery_id} generation={lease.lease_generation}"
         if isinstance(outcome, LeaseLost):
             logger.warning("lease_lost %s during=settle outcome=%s result dropped", ids, args.outcome)
@@ -145,6 +222,10 @@ class Worker:
         again = " (already settled)" if isinstance(outcome, AlreadyTerminal) else ""
         logger.info("settled %s outcome=%s status=%s%s", ids, args.outcome, status, again)
         self.tally.add({"finished": "finished", "failed": "failed", "pending": "retried"}.get(status, status))
+
+    def _timed_out(self, held: HeldLease) -> None:
+        self.tally.add("timed_out")
+        self.wake.set()  # the dispatcher checks whether every handler thread is now hung
 
     def _handle(self, claim: Claim) -> None:
         lease = claim.lease
@@ -164,25 +245,42 @@ class Worker:
                 lease.delivery_id,
                 lease.lease_generation,
                 args.outcome,
-                type(exc).__name__,
-                exc,
+                args.failure_code or type(exc).__name__,
+                (args.failure_message or "")[:LOGGED_MESSAGE_CHARS],
                 exc_info=args.outcome == "retry",
             )
         except BaseException as exc:
             # SystemExit, KeyboardInterrupt, CancelledError...: settle as a retry so the delivery
             # is not left claimed and renewed but never handled, then stop the whole worker.
-            args = SettleArgs("retry", None, f"{type(exc).__name__}: {exc}"[:10_000])
+            name = type(exc).__name__
+            args = SettleArgs("retry", None, storable_text(f"{name}: {describe(exc)}", FAILURE_MESSAGE_MAX_CHARS))
             logger.error(
                 "handler_error delivery=%s generation=%d outcome=retry error=%s: stopping the worker",
                 lease.delivery_id,
                 lease.lease_generation,
-                type(exc).__name__,
+                name,
             )
-            self.stop_reason = f"handler raised {type(exc).__name__}"
+            self.stop_reason = f"handler raised {name}"
             self.stop.set()
             self.wake.set()
         finally:
-            self.renewer.release(lease.delivery_id)
+            held = self.renewer.release(lease)
+        if held is not None and held.timed_out:
+            logger.warning(
+                "result_dropped delivery=%s generation=%d outcome=%s: the handler returned after its deadline",
+                lease.delivery_id,
+                lease.lease_generation,
+                args.outcome,
+            )
+            return
+        if self.gave_up:
+            logger.warning(
+                "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
+                lease.delivery_id,
+                lease.lease_generation,
+                args.outcome,
+            )
+            return
         self._settle(claim, args)
 
     def _handler_thread(self) -> None:
@@ -252,8 +350,20 @@ class Worker:
                 lease.lease_until.isoformat(),
             )
             self.tally.add("claimed")
-            self.renewer.hold(lease)
+            self.renewer.hold(lease, self._deadline(claim))
             self.work.put(claim)
+
+    def _deadline(self, claim: Claim) -> float | None:
+        """Monotonic time after which this claim's handler is past its deadline: the worker's
+        ``handler_timeout``, and never past the delivery's ``expires_at`` (measured from the
+        claim on the database clock, so no clock of this host is compared with the server's)."""
+        limits = []
+        if self.config.handler_timeout is not None:
+            limits.append(self.config.handler_timeout)
+        delivery = claim.delivery
+        if delivery.expires_at is not None and delivery.claimed_at is not None:
+            limits.append(max((delivery.expires_at - delivery.claimed_at).total_seconds(), 0.0))
+        return time.monotonic() + min(limits) if limits else None
 
     def _finished_quota(self) -> bool:
         m = self.config.max_deliveries
@@ -277,6 +387,12 @@ class Worker:
                 return "max_deliveries"
             if self._idle_too_long():
                 return "idle_exit"
+            if self.renewer.timed_out_count() >= self.config.concurrency:
+                logger.error(
+                    "handlers_hung: all %d handler threads are past their deadline; stopping",
+                    self.config.concurrency,
+                )
+                return HANDLERS_HUNG
             room = self._room()
             hinted, poll_asked = self.inbox.drain() if room else ([], False)
             poll_due = backlog or poll_asked or time.monotonic() >= next_poll
@@ -299,8 +415,35 @@ class Worker:
             self.wake.wait(min(timeout, SIGNAL_CHECK_SECONDS))
         return self.stop_reason
 
-    def run(self, conn_params: dict[str, Any]) -> dict[str, int]:
-        """Run until stopped; drain in-flight work; return the summary counts."""
+    def drain(self, threads: list[threading.Thread]) -> int:
+        """Wait up to ``shutdown_grace`` seconds for in-flight handlers to finish and settle
+        (handlers already past their deadline are not waited for). Returns how many in-flight
+        leases were given up (0 when everything settled)."""
+        for _ in threads:
+            self.work.put(None)
+        give_up_at = time.monotonic() + self.config.shutdown_grace
+        while True:
+            with self._lock:
+                in_flight = self.in_flight
+            if in_flight == 0:
+                for thread in threads:
+                    thread.join()
+                return 0
+            waiting_for = in_flight - self.renewer.timed_out_count()
+            if waiting_for <= 0 or self.give_up or time.monotonic() >= give_up_at:
+                break
+            self.wake.wait(SIGNAL_CHECK_SECONDS)
+            self.wake.clear()
+        self.gave_up = True
+        logger.error(
+            "shutdown_gave_up in_flight=%d: their leases are no longer renewed and lapse; the reaper returns them",
+            in_flight,
+        )
+        self.tally.add("abandoned", in_flight)
+        return in_flight
+
+    def run(self, conn_params: dict[str, Any]) -> WorkerSummary:
+        """Run until stopped; drain in-flight work; return the :class:`WorkerSummary`."""
         c = self.config
         listener = HintListener(
             channel=get_settings().notify_channel,
@@ -327,14 +470,17 @@ class Worker:
             with self._lock:
                 in_flight = self.in_flight
             logger.info("stopping reason=%s in_flight=%d", reason, in_flight)
-            for _ in threads:
-                self.work.put(None)
-            for thread in threads:
-                thread.join()
+            self.drain(threads)
             self.renewer.shutdown()
             listener.join()
-        summary = self.tally.summary()
-        logger.info("stopped %s", " ".join(f"{k}={n}" for k, n in summary.items()))
+        summary = WorkerSummary(self.tally.summary(), reason)
+        log = logger.info if summary.exit_code == EXIT_OK else logger.error
+        log(
+            "stopped reason=%s exit_code=%d %s",
+            summary.reason,
+            summary.exit_code,
+            " ".join(f"{k}={n}" for k, n in summary.items()),
+        )
         return summary
 
 
@@ -350,7 +496,7 @@ def _reconnect(role: str) -> Any:
 
 def run_worker(
     config: WorkerConfig, *, stop: threading.Event | None = None, handle_signals: bool = True
-) -> dict[str, int]:
+) -> WorkerSummary:
     """Run the agent side for one community and target until stopped (SPEC section 7).
 
     Claims the oldest claimable deliveries (or a hinted one), calls ``config.handler(delivery)``
@@ -361,10 +507,13 @@ def run_worker(
     connection is closed; the worker carries on.
 
     Stops when ``stop`` is set, on SIGTERM/SIGINT (``handle_signals``, main thread only), after
-    ``max_deliveries`` or ``idle_exit``: no new claims, in-flight handlers finish and settle.
-    Returns the summary counts ``{"claimed", "finished", "failed", "retried", "lease_lost",
-    "renewed"}``. Raises ``ValidationError`` for a bad ``lease_seconds``;
-    :class:`WorkerInTransaction` inside ``transaction.atomic()``.
+    ``max_deliveries`` or ``idle_exit``: no new claims, in-flight handlers finish and settle
+    within ``shutdown_grace`` seconds, else their leases are given up (a second signal gives up
+    at once). Nothing about one delivery stops it: handler text is made storable, a settle that
+    raises leaves that lease to lapse. A handler past its deadline (``handler_timeout``,
+    ``expires_at``) is no longer renewed. Returns a :class:`WorkerSummary`: the counts of
+    :data:`SUMMARY_KEYS`, ``reason`` and ``exit_code``. Raises ``ValidationError`` for a bad
+    ``lease_seconds``; :class:`WorkerInTransaction` inside ``transaction.atomic()``.
     """
     if connection.in_atomic_block:
         raise WorkerInTransaction("run_worker must not run inside transaction.atomic()")
@@ -376,6 +525,9 @@ def run_worker(
         def on_signal(signum: int, frame: Any) -> None:
             # Only set plain attributes: Event.set() takes a lock that the interrupted main thread
             # may hold inside Event.wait(), which would deadlock. The dispatcher polls the flag.
+            if worker.signalled:
+                worker.give_up = True  # a second signal: give up in-flight leases now
+                return
             worker.stop_reason = signal.Signals(signum).name
             worker.signalled = True
 

@@ -51,12 +51,13 @@ class WorkerProcess:
         return self.process.pid
 
     def summary(self) -> dict[str, int] | None:
-        """The worker's JSON summary line, or None if it printed none (killed, crashed)."""
+        """The counts of the worker's JSON summary line (its ``reason`` text left out), or None
+        if it printed none (killed, crashed)."""
         for line in reversed(self.stdout_path.read_text().splitlines()):
             line = line.strip()
             if line.startswith("{"):
                 try:
-                    return {k: int(v) for k, v in json.loads(line).items()}
+                    return {k: v for k, v in json.loads(line).items() if isinstance(v, int)}
                 except (ValueError, AttributeError):
                     return None
         return None

@@ -1,7 +1,7 @@
 """``manage.py run_delivery_worker``: the agent side for one community and target (SPEC section 7).
 
 Prints one JSON summary line to stdout at exit:
-``{"claimed":N,"finished":N,"failed":N,"retried":N,"lease_lost":N,"renewed":N}``; logs every
+``{"claimed":N,...,"reason":"SIGTERM","exit_code":0}`` and exits with ``exit_code``; logs every
 transition on logger ``buzz_delivery.worker`` (first words ``claimed``, ``renewed``,
 ``settled``, ``lease_lost``, ``handler_error``, ``stopping``, ``stopped``; also ``listening``
 and ``db_unavailable``).
@@ -19,9 +19,17 @@ from django.db import connection
 
 from buzz_delivery.conf import get_settings
 from buzz_delivery.management.base import StrictOptionsCommand
-from buzz_delivery.management.options import fraction, int_in, positive_int, positive_seconds, pubkey_hex, uuid_value
+from buzz_delivery.management.options import (
+    fraction,
+    int_in,
+    lease_seconds_option,
+    positive_int,
+    positive_seconds,
+    pubkey_hex,
+    uuid_value,
+)
 from buzz_delivery.services import validation as v
-from buzz_delivery.worker import WorkerConfig, load_handler, run_worker, summary_line
+from buzz_delivery.worker import EXIT_OK, WorkerConfig, load_handler, run_worker, summary_line
 
 HELP = """Run the agent side for one community and target: claim the oldest pending deliveries
 (woken early by NOTIFY hints), call the handler, renew each lease in the background, settle.
@@ -29,8 +37,15 @@ HELP = """Run the agent side for one community and target: claim the oldest pend
 The handler is a dotted path to handler(delivery: WorkflowAgentDelivery) -> object. Return =
 finished; raise buzz_delivery.worker.PermanentFailure (or an exception class with
 permanent = True) = failed (failure_code = class name); any other exception = retry.
-SIGTERM/SIGINT: stop claiming, let in-flight handlers finish and settle, exit 0. Prints one
-JSON summary line: {"claimed","finished","failed","retried","lease_lost","renewed"}."""
+SIGTERM/SIGINT: stop claiming, let in-flight handlers finish and settle within
+--shutdown-grace seconds, exit 0; past the grace (or at a second signal) the in-flight leases
+are given up (no longer renewed, so they lapse) and the worker exits 3. A handler past
+--handler-timeout (or its delivery's expires_at) is no longer renewed and its result dropped.
+
+Prints one JSON summary line: {"claimed","finished","failed","retried","lease_lost","renewed",
+"timed_out","settle_errors","abandoned","reason","exit_code"}.
+Exit codes: 0 clean stop; 1 stopped on an internal error (reason says which); 2 bad
+arguments; 3 stopped with in-flight leases given up (shutdown grace, or every handler hung)."""
 
 
 class _HelpFormatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -52,9 +67,23 @@ class Command(StrictOptionsCommand):
         )
         parser.add_argument(
             "--lease-seconds",
-            type=positive_seconds,
+            type=lease_seconds_option,
             default=None,
             help="Lease length in seconds (default: BUZZ_DELIVERY['LEASE_SECONDS']; within the configured bounds).",
+        )
+        parser.add_argument(
+            "--handler-timeout",
+            type=positive_seconds,
+            default=900.0,
+            help="Seconds a handler may run before its lease is no longer renewed and its result is dropped "
+            "(default: %(default)s; never past the delivery's expires_at).",
+        )
+        parser.add_argument(
+            "--shutdown-grace",
+            type=positive_seconds,
+            default=30.0,
+            help="Seconds a stopping worker waits for in-flight handlers before it gives up their leases "
+            "and exits 3 (default: %(default)s).",
         )
         parser.add_argument(
             "--batch-size",
@@ -80,13 +109,14 @@ class Command(StrictOptionsCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
+        try:  # the option was checked when parsed; this checks the LEASE_SECONDS default
             lease_seconds = v.lease_seconds(options["lease_seconds"])
         except ValidationError as exc:
             conf = get_settings()
             raise CommandError(
-                f"--lease-seconds must be within {conf.min_lease_seconds:g}..{conf.max_lease_seconds:g} "
-                f"(BUZZ_DELIVERY bounds), got {options['lease_seconds'] or conf.lease_seconds:g}"
+                f"BUZZ_DELIVERY['LEASE_SECONDS'] must be within {conf.min_lease_seconds:g}.."
+                f"{conf.max_lease_seconds:g}, got {conf.lease_seconds!r}; run manage.py check",
+                returncode=2,
             ) from exc
         try:
             handler = load_handler(options["handler"])
@@ -106,9 +136,16 @@ class Command(StrictOptionsCommand):
             max_deliveries=options["max_deliveries"],
             idle_exit=options["idle_exit"],
             renew_fraction=options["renew_fraction"],
+            handler_timeout=options["handler_timeout"],
+            shutdown_grace=options["shutdown_grace"],
         )
         try:
             summary = run_worker(config)
         finally:
             connection.close()
         self.stdout.write(summary_line(summary))
+        if summary.exit_code != EXIT_OK:
+            raise CommandError(
+                f"worker stopped: reason={summary.reason} abandoned={summary['abandoned']}",
+                returncode=summary.exit_code,
+            )

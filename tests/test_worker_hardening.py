@@ -1,0 +1,230 @@
+"""The worker against hostile deliveries and handlers (issue 11, items 1, 3 and 8), as real processes.
+
+No property of one delivery may stop a worker; a worker that stops on an internal error, or
+that gives up leases, says so with its exit code; a handler that never returns cannot hold its
+delivery forever; a lease is (delivery, generation), and a holder releases only its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import time
+
+import pytest
+from django.db import connection
+
+from buzz_delivery import services
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import DeliveryFactory, random32
+from buzz_delivery.worker.handlers import PermanentFailure, settle_args_for, storable_text
+from tests.test_worker import commit, count_claimed, db_now, statuses, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def spawn(start_worker):
+    """``spawn(target, *options)`` starts ``run_delivery_worker`` (tests/test_worker.py)."""
+    return start_worker
+
+
+def _poison_trigger(message: str) -> None:
+    """A database that refuses one delivery's settle: an UPDATE writing ``message`` raises."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION test_refuse_settle() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF NEW.failure_message = '{message}' THEN RAISE EXCEPTION 'refused by a test trigger'; END IF; "
+            "RETURN NEW; END $$;"
+            "CREATE TRIGGER test_refuse_settle BEFORE UPDATE ON buzz_delivery_delivery "
+            "FOR EACH ROW EXECUTE FUNCTION test_refuse_settle()"
+        )
+
+
+@pytest.fixture
+def drop_test_triggers():
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TRIGGER IF EXISTS test_refuse_settle ON buzz_delivery_delivery")
+        cursor.execute("DROP FUNCTION IF EXISTS test_refuse_settle()")
+
+
+# --- item 1: text from handlers, and the exit code ---------------------------------------------
+
+
+def test_handler_text_is_made_storable_and_bounded():
+    class Bad(PermanentFailure):
+        pass
+
+    args = settle_args_for(Bad("a\x00b\ud800" + "x" * 20_000))
+    assert args.outcome == "failed" and args.failure_code == "Bad"
+    assert "\x00" not in args.failure_message and args.failure_message.startswith("a\\x00b\\ud800")
+    args.failure_message.encode("utf-8")  # storable: no lone surrogate is left
+    assert len(args.failure_message) == 10_000
+    assert storable_text("\udfff" * 100, 64).encode("utf-8") and len(storable_text("é" * 100, 64)) == 64
+
+
+def test_deliveries_whose_handler_text_postgresql_cannot_store_settle_and_the_worker_goes_on(make_binding, spawn):
+    target = random32()
+    nul = commit(make_binding, target, **{"raise": "nul_permanent"})[0]
+    surrogate = commit(make_binding, target, **{"raise": "surrogate_ordinary"})[0]
+    unprintable = commit(make_binding, target, **{"raise": "unprintable"})[0]
+    fine = commit(make_binding, target, 3)
+    worker = spawn(target, "--concurrency", "2", "--idle-exit", "1.5", "--lease-seconds", "5")
+
+    assert worker.wait() == 0, worker.log()
+
+    rows = {r.id: r for r in WorkflowAgentDelivery.objects.filter(id__in=[nul, surrogate, unprintable])}
+    assert rows[nul].status == "failed" and rows[nul].failure_code == "BadPayload"
+    assert (
+        rows[nul].failure_message.startswith("byte \\x00 in the payload") and len(rows[nul].failure_message) == 10_000
+    )
+    for retried in (surrogate, unprintable):  # retried: pending after its backoff, claimed once
+        assert (rows[retried].status, rows[retried].attempt) == ("pending", 1)
+    assert set(statuses(fine).values()) == {"finished"}
+    summary = worker.summary()
+    assert (summary["finished"], summary["failed"], summary["retried"]) == (3, 1, 2)
+    assert (summary["reason"], summary["exit_code"]) == ("idle_exit", 0)
+    assert "worker_error" not in worker.log()
+
+
+def test_a_settle_the_database_refuses_leaves_that_lease_to_lapse_and_the_worker_goes_on(
+    make_binding, spawn, drop_test_triggers
+):
+    """Same class of defect as item 1: anything one delivery's settle raises stays with it."""
+    target = random32()
+    _poison_trigger("payload cannot be parsed")
+    (poisoned,) = commit(make_binding, target, **{"raise": "permanent"})  # message "payload cannot be parsed"
+    fine = commit(make_binding, target, 2)
+    worker = spawn(target, "--idle-exit", "1.5", "--lease-seconds", "5")
+
+    assert worker.wait() == 0, worker.log()
+
+    assert WorkflowAgentDelivery.objects.get(id=poisoned).status == "claimed"  # left to lapse
+    assert set(statuses(fine).values()) == {"finished"}
+    summary = worker.summary()
+    assert (summary["settle_errors"], summary["finished"]) == (1, 2)
+    assert "settle_error delivery=" in worker.log()
+
+
+def test_a_worker_stopped_by_an_internal_error_exits_non_zero_and_says_why(make_binding, spawn):
+    target = random32()
+    commit(make_binding, target, **{"raise": "cancelled"})
+    worker = spawn(target, "--lease-seconds", "2")
+
+    assert worker.wait() == 1
+    summary = worker.summary()
+    assert summary["reason"] == "handler raised CancelledError" and summary["exit_code"] == 1
+    assert "stopped reason=handler raised CancelledError exit_code=1" in worker.log()
+
+
+# --- item 3: leases are (delivery, generation) ------------------------------------------------
+
+
+def test_a_delivery_requeued_and_claimed_again_by_the_same_worker_keeps_its_new_lease(community, make_binding, spawn):
+    target = random32()
+    (delivery_id,) = commit(make_binding, target, sleep=3)
+    worker = spawn(target, "--concurrency", "2", "--lease-seconds", "1.5", "--idle-exit", "2")
+    wait_until(lambda: count_claimed([delivery_id]) == 1, what="the first claim")
+
+    # An operator force-fails and requeues it while the first handler still runs; the same
+    # worker claims it again on its second handler thread.
+    assert services.force_fail_delivery(community.id, delivery_id).done
+    assert services.requeue_delivery(community.id, delivery_id).done
+    wait_until(lambda: count_claimed([delivery_id]) == 1, what="the second claim")
+    second_generation = WorkflowAgentDelivery.objects.get(id=delivery_id).lease_generation
+
+    assert worker.wait(timeout=30) == 0, worker.log()
+    row = WorkflowAgentDelivery.objects.get(id=delivery_id)
+    # The first handler's release must not have stopped the renewal of the second lease.
+    assert (row.status, row.lease_generation) == ("finished", second_generation)
+    summary = worker.summary()
+    assert (summary["claimed"], summary["finished"], summary["lease_lost"]) == (2, 1, 1)
+
+
+# --- item 8: deadlines and the shutdown grace ---------------------------------------------------
+
+
+def test_a_hung_handler_stops_being_renewed_at_its_deadline_so_attempts_apply_and_it_ends_failed(
+    make_binding, spawn
+):
+    target = random32()
+    (hung,) = commit(make_binding, target, sleep=60)
+    worker = spawn(target, "--concurrency", "4", "--lease-seconds", "1", "--handler-timeout", "1.5")
+    wait_until(lambda: count_claimed([hung]) == 1, what="the claim")
+
+    def reaped_to_the_end() -> bool:
+        services.reap()
+        return WorkflowAgentDelivery.objects.get(id=hung).status == "failed"
+
+    # Each claim's lease lapses after the deadline, the reaper takes it back, the worker claims it
+    # again: three attempts (MAX_ATTEMPTS), then it ends failed instead of being held forever.
+    wait_until(reaped_to_the_end, timeout=20, what="the hung delivery's attempts to run out")
+    row = WorkflowAgentDelivery.objects.get(id=hung)
+    assert (row.attempt, row.failure_code) == (3, "attempts_exhausted")
+    later = commit(make_binding, target, 2)  # the fourth handler thread still serves the others
+    wait_until(lambda: set(statuses(later).values()) == {"finished"}, what="the later deliveries")
+
+    started = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.wait() == 3  # the hung handlers' leases were given up
+    assert time.monotonic() - started < 5  # a handler past its deadline is not waited for
+    summary = worker.summary()
+    assert (summary["timed_out"], summary["abandoned"], summary["finished"]) == (3, 3, 2)
+    assert summary["reason"] == "SIGTERM"
+    assert "handler_timeout delivery=" in worker.log()
+
+
+def test_a_handler_past_the_deliverys_expires_at_is_no_longer_renewed(make_binding, spawn):
+    target = random32()
+    delivery = DeliveryFactory(
+        binding=make_binding(target_pubkey=target),
+        trigger_context={"sleep": 30},
+        expires_at=db_now() + dt.timedelta(seconds=2),
+    )
+    worker = spawn(target, "--concurrency", "2", "--lease-seconds", "1.5")
+
+    wait_until(lambda: services.reap().expired == 1, timeout=10, what="the delivery to expire")
+    assert WorkflowAgentDelivery.objects.get(id=delivery.id).failure_code == "delivery_expired"
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.wait() == 3
+    assert worker.summary()["timed_out"] == 1
+
+
+def test_a_worker_whose_every_handler_thread_hung_stops_with_exit_code_3(make_binding, spawn):
+    target = random32()
+    commit(make_binding, target, sleep=60)
+    worker = spawn(target, "--lease-seconds", "1", "--handler-timeout", "1")
+
+    assert worker.wait(timeout=10) == 3
+    assert worker.summary()["reason"] == "handlers_hung"
+
+
+def test_a_stopping_worker_gives_up_in_flight_leases_after_the_grace_and_exits_3(make_binding, spawn):
+    target = random32()
+    (slow,) = commit(make_binding, target, sleep=6)
+    worker = spawn(target, "--lease-seconds", "1", "--shutdown-grace", "1")
+    wait_until(lambda: count_claimed([slow]) == 1, what="the claim")
+
+    started = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.wait() == 3
+    assert time.monotonic() - started < 4  # not the 6 s the handler wants
+    summary = worker.summary()
+    assert (summary["abandoned"], summary["finished"], summary["reason"]) == (1, 0, "SIGTERM")
+    assert WorkflowAgentDelivery.objects.get(id=slow).status == "claimed"  # left to lapse, not settled
+    wait_until(lambda: services.reap().reclaimed == 1, timeout=5, what="the given-up lease to lapse")
+
+
+def test_a_second_signal_gives_up_at_once(make_binding, spawn):
+    target = random32()
+    (slow,) = commit(make_binding, target, sleep=20)
+    worker = spawn(target, "--lease-seconds", "1", "--shutdown-grace", "60")
+    wait_until(lambda: count_claimed([slow]) == 1, what="the claim")
+
+    worker.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert worker.proc.poll() is None  # still waiting within its grace
+    worker.proc.send_signal(signal.SIGINT)
+    assert worker.wait(timeout=5) == 3
+    assert worker.summary()["abandoned"] == 1

@@ -1,0 +1,86 @@
+"""The ``start_worker`` fixture: ``manage.py run_delivery_worker`` as a real subprocess on the
+test database (``transaction=True`` tests, so it sees committed rows); registered in conftest."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from project.database_url import database_url
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class WorkerRun:
+    proc: subprocess.Popen
+    stdout: Path
+    stderr: Path
+    handler_log: Path
+
+    def wait(self, timeout: float = 20) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"worker did not exit within {timeout}s; stderr:\n{self.stderr.read_text()}")
+
+    def summary(self) -> dict[str, int]:
+        lines = self.stdout.read_text().splitlines()
+        assert len(lines) == 1, f"expected one summary line, got {lines!r}"
+        return json.loads(lines[0])
+
+    def log(self) -> str:
+        return self.stderr.read_text()
+
+    def handler_events(self) -> list[dict]:
+        if not self.handler_log.exists():
+            return []
+        return [json.loads(line) for line in self.handler_log.read_text().splitlines()]
+
+
+@pytest.fixture
+def start_worker(tmp_path, community):
+    """Start ``run_delivery_worker`` for ``community`` and a target; kills leftovers at teardown."""
+    runs: list[WorkerRun] = []
+
+    def start(target: bytes, *options: str, handler: str = "tests.worker_handlers:scripted") -> WorkerRun:
+        n = len(runs)
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(connection.settings_dict),
+            "BUZZ_MIN_LEASE_SECONDS": "1",
+            "BUZZ_TEST_HANDLER_LOG": str(tmp_path / f"handler-{n}.jsonl"),
+            "LOG_LEVEL": "INFO",
+        }
+        run = WorkerRun(
+            proc=None,  # type: ignore[arg-type]
+            stdout=tmp_path / f"worker-{n}.out",
+            stderr=tmp_path / f"worker-{n}.err",
+            handler_log=tmp_path / f"handler-{n}.jsonl",
+        )
+        with open(run.stdout, "w") as out, open(run.stderr, "w") as err:
+            run.proc = subprocess.Popen(
+                [
+                    sys.executable, "manage.py", "run_delivery_worker",
+                    "--community", str(community.id), "--target", target.hex(), "--handler", handler,
+                    "--poll-interval", "0.2", *options,
+                ],
+                cwd=ROOT, env=env, stdout=out, stderr=err,
+            )  # fmt: skip
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
