@@ -123,9 +123,10 @@ def test_a_worker_stopped_by_an_internal_error_exits_non_zero_and_says_why(make_
 
 def test_a_delivery_requeued_and_claimed_again_by_the_same_worker_keeps_its_new_lease(community, make_binding, spawn):
     target = random32()
-    (delivery_id,) = commit(make_binding, target, sleep=3)
+    (delivery_id,) = commit(make_binding, target, sleep=4)
     worker = spawn(target, "--concurrency", "2", "--lease-seconds", "1.5", "--idle-exit", "2")
     wait_until(lambda: count_claimed([delivery_id]) == 1, what="the first claim")
+    time.sleep(2.5)  # the second run must outlive the first's release by more than a lease
 
     # An operator force-fails and requeues it while the first handler still runs; the same
     # worker claims it again on its second handler thread.
