@@ -8,10 +8,12 @@ snapshot of every buzz_delivery table taken before the call with one taken after
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
 from buzz_delivery import exceptions, models, services
+from buzz_delivery.management import options
 from buzz_delivery.testing import (
     BindingFactory,
     CommunityFactory,
@@ -36,6 +39,19 @@ AWARE = dt.datetime(2030, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 HUGE_LEASE = 10**12
 INT64_OVERFLOW = 2**63
 LONG_TEXT = "x" * 10_000
+HUGE_INT = 10**400  # too large for a float: float() raises OverflowError
+ENORMOUS_INT = 10**5000  # longer than Python's 4,300-digit limit: str() and f-strings raise ValueError
+LONE_HIGH = "\ud800"  # a lone surrogate: UTF-8 cannot encode it; json.dumps writes "\ud800", jsonb refuses that
+LONE_LOW = "\udfff"
+SPLIT_PAIR = "\ud83d\ude00"  # a surrogate pair as two code points: not text; json.dumps passes it off as an emoji
+ASTRAL = "\U0001f600"  # one real code point beyond the BMP: fine everywhere
+MICRO_OFFSET = dt.timezone(dt.timedelta(hours=1, microseconds=500))
+SECONDS_MICRO_OFFSET = dt.timezone(dt.timedelta(hours=-5, seconds=7, microseconds=1))
+EAST = dt.timezone(dt.timedelta(hours=1))
+WEST = dt.timezone(dt.timedelta(hours=-1))
+MIN_EAST = dt.datetime.min.replace(tzinfo=EAST)  # before year 1 in UTC
+MAX_WEST = dt.datetime.max.replace(microsecond=0, tzinfo=WEST)  # after year 9999 in UTC
+RETENTION = {"finished": dt.timedelta(days=30)}
 
 
 @dataclass
@@ -149,7 +165,54 @@ def target_of(w: World) -> bytes:
     return w.binding.target_pubkey
 
 
+def run_lease_of(name: str = "bad-input-matrix", holder: str = "matrix:1:x") -> services.RunLease:
+    """A run lease as a caller may rebuild one (no row needed: a refused call never reaches SQL)."""
+    return services.RunLease(name=name, holder=holder, lease_until=AWARE)
+
+
+def enter_run_lease(name: Any, ttl_seconds: Any) -> None:
+    with services.run_lease(name, ttl_seconds):
+        pass
+
+
 Call = Callable[[World], Any]
+
+# Cases of the tables below the services do not refuse yet: the check belongs in runlock.py or
+# pruner.py, whose own checks do not use the validation helpers yet. Each is a strict xfail, so
+# wiring the helper in shows up as XPASS (then drop the entry).
+_TTL = (
+    "runlock._ttl formats the value with :g before refusing it; needs v.seconds_in_range(ttl, 'ttl_seconds', 1, 86400)"
+)
+_HOLDER = "acquire_run_lease sends holder unchecked; needs v.optional_text(holder, 'holder', ...)"
+_RUN_LEASE = "renew_run_lease/release_run_lease use lease, lease.name, lease.holder unchecked"
+_RETENTION = "pruner._retention takes any positive timedelta; needs v.positive_timedelta_seconds(age, 'retention', ...)"
+KNOWN_GAPS: dict[str, str] = {
+    "acquire run lease ttl 10**400": _TTL,
+    "acquire run lease ttl -10**400": _TTL,
+    "acquire run lease ttl a Fraction too large for a float": _TTL,
+    "renew run lease ttl 10**400": _TTL,
+    "run_lease ttl 10**400": _TTL,
+    "acquire run lease holder lone surrogate": _HOLDER,
+    "acquire run lease holder an int": _HOLDER,
+    "acquire run lease holder bytes": _HOLDER,
+    "acquire run lease holder NUL": _HOLDER,
+    "renew run lease a str": _RUN_LEASE,
+    "release run lease None": _RUN_LEASE,
+    "renew run lease name lone surrogate": _RUN_LEASE,
+    "release run lease holder lone surrogate": _RUN_LEASE,
+    "prune retention timedelta.max": _RETENTION,
+    "prune retention 3,000,000 days": _RETENTION,
+}
+
+
+def _params(table: list[tuple[str, Call, Any]]) -> list[Any]:
+    return [
+        pytest.param(
+            c, k, id=i, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[i])] if i in KNOWN_GAPS else []
+        )
+        for i, c, k in table
+    ]
+
 
 # (case id, call, argument key the ValidationError must name)
 REFUSED: list[tuple[str, Call, str]] = [
@@ -444,16 +507,137 @@ REFUSED: list[tuple[str, Call, str]] = [
         lambda w: services.force_fail_delivery(w.a.id, w.lease.delivery_id, failure_message="m" * 10_001),
         "failure_message",
     ),
+    # --- values that pass the type checks, then fail in Python before any SQL (OverflowError from
+    # float(), ValueError from printing an int of more than 4,300 digits) or are wrongly accepted ---
+    # lone surrogates in text: UTF-8 cannot encode them, so the driver would fail on them later
+    (
+        "Binding step_id lone surrogate",
+        lambda w: services.Binding(**w.binding_fields(step_id="s" + LONE_HIGH)),
+        "step_id",
+    ),
+    (
+        "Binding step_id split surrogate pair",
+        lambda w: services.Binding(**w.binding_fields(step_id=SPLIT_PAIR)),
+        "step_id",
+    ),
+    # datetimes: the instant must be whole seconds in UTC, and representable in UTC
+    (
+        "Cause.schedule offset with microseconds",
+        lambda w: services.Cause.schedule(AWARE.replace(tzinfo=MICRO_OFFSET)),
+        "cause.scheduled_for",
+    ),
+    (
+        "Cause.schedule offset with seconds and microseconds",
+        lambda w: services.Cause.schedule(AWARE.replace(tzinfo=SECONDS_MICRO_OFFSET)),
+        "cause.scheduled_for",
+    ),
+    ("Cause.schedule datetime.min east of UTC", lambda w: services.Cause.schedule(MIN_EAST), "cause.scheduled_for"),
+    ("Cause.schedule datetime.max west of UTC", lambda w: services.Cause.schedule(MAX_WEST), "cause.scheduled_for"),
+    (
+        "Lease lease_until datetime.min east of UTC",
+        lambda w: services.Lease(**w.lease_fields(lease_until=MIN_EAST)),
+        "lease.lease_until",
+    ),
+    (
+        "Lease lease_until datetime.max west of UTC",
+        lambda w: services.Lease(**w.lease_fields(lease_until=MAX_WEST)),
+        "lease.lease_until",
+    ),
+    # ints no float can hold, ints no str() can print
+    (
+        "Lease generation 5001 digits",
+        lambda w: services.Lease(**w.lease_fields(lease_generation=ENORMOUS_INT)),
+        "lease.lease_generation",
+    ),
+    (
+        "Lease generation minus 5001 digits",
+        lambda w: services.Lease(**w.lease_fields(lease_generation=-ENORMOUS_INT)),
+        "lease.lease_generation",
+    ),
+    (
+        "claim lease 10**400",
+        lambda w: services.claim_delivery(w.a.id, target_of(w), lease_seconds=HUGE_INT),
+        "lease_seconds",
+    ),
+    (
+        "claim lease -10**400",
+        lambda w: services.claim_delivery(w.a.id, target_of(w), lease_seconds=-HUGE_INT),
+        "lease_seconds",
+    ),
+    (
+        "claim lease 5001 digits",
+        lambda w: services.claim_delivery(w.a.id, target_of(w), lease_seconds=ENORMOUS_INT),
+        "lease_seconds",
+    ),
+    (
+        "claim lease a Fraction too large for a float",
+        lambda w: services.claim_delivery(w.a.id, target_of(w), lease_seconds=Fraction(HUGE_INT, 3)),
+        "lease_seconds",
+    ),
+    (
+        "claim batch lease 10**400",
+        lambda w: services.claim_deliveries(w.a.id, target_of(w), limit=5, lease_seconds=HUGE_INT),
+        "lease_seconds",
+    ),
+    (
+        "claim batch limit 5001 digits",
+        lambda w: services.claim_deliveries(w.a.id, target_of(w), limit=ENORMOUS_INT),
+        "limit",
+    ),
+    ("renew lease 10**400", lambda w: services.renew_delivery(w.lease, HUGE_INT), "lease_seconds"),
+    ("renew lease -10**400", lambda w: services.renew_delivery(w.lease, -HUGE_INT), "lease_seconds"),
+    ("reap batch_size 5001 digits", lambda w: services.reap(batch_size=ENORMOUS_INT), "batch_size"),
+    ("reap max_batches 5001 digits", lambda w: services.reap(max_batches=ENORMOUS_INT), "max_batches"),
+    (
+        "reap_expired batch_size 5001 digits",
+        lambda w: services.reap_expired_deliveries(batch_size=ENORMOUS_INT),
+        "batch_size",
+    ),
+    (
+        "purge batch_size 5001 digits",
+        lambda w: services.purge_community(w.quiet.id, batch_size=ENORMOUS_INT),
+        "batch_size",
+    ),
+    (
+        "prune batch_size 5001 digits",
+        lambda w: services.prune_deliveries(RETENTION, batch_size=ENORMOUS_INT),
+        "batch_size",
+    ),
+    (
+        "prune max_batches minus 5001 digits",
+        lambda w: services.prune_deliveries(RETENTION, max_batches=-ENORMOUS_INT),
+        "max_batches",
+    ),
+    ("acquire run lease ttl 10**400", lambda w: services.acquire_run_lease("matrix", HUGE_INT), "ttl_seconds"),
+    ("acquire run lease ttl -10**400", lambda w: services.acquire_run_lease("matrix", -HUGE_INT), "ttl_seconds"),
+    (
+        "acquire run lease ttl a Fraction too large for a float",
+        lambda w: services.acquire_run_lease("matrix", Fraction(HUGE_INT, 7)),
+        "ttl_seconds",
+    ),
+    ("renew run lease ttl 10**400", lambda w: services.renew_run_lease(run_lease_of(), HUGE_INT), "ttl_seconds"),
+    ("run_lease ttl 10**400", lambda w: enter_run_lease("matrix", HUGE_INT), "ttl_seconds"),
+    # not the type expected at all
+    ("renew run lease a str", lambda w: services.renew_run_lease("matrix", 60), "lease"),
+    ("release run lease None", lambda w: services.release_run_lease(None), "lease"),
+    ("acquire run lease ttl a str", lambda w: services.acquire_run_lease("matrix", "60"), "ttl_seconds"),
+    ("acquire run lease name an int", lambda w: services.acquire_run_lease(7, 60), "name"),
+    ("prune retention a list", lambda w: services.prune_deliveries([("finished", dt.timedelta(days=1))]), "retention"),
+    (
+        "prune retention age a number of seconds",
+        lambda w: services.prune_deliveries({"finished": 86_400}),
+        "retention",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("call", "key"), [pytest.param(c, k, id=i) for i, c, k in REFUSED])
-def test_bad_argument_is_refused_by_name_and_writes_nothing(world, table_snapshot, call, key):
-    before = table_snapshot()
+@pytest.mark.parametrize(("call", "key"), _params(REFUSED))
+def test_bad_argument_is_refused_by_name_and_writes_nothing(world, call, key):
+    before = _every_app_table()
     with pytest.raises(ValidationError) as raised:
         call(world)
     assert key in raised.value.message_dict, raised.value.message_dict
-    assert table_snapshot() == before
+    assert _every_app_table() == before
 
 
 def _nested(depth: int) -> list:
@@ -463,9 +647,11 @@ def _nested(depth: int) -> list:
     return value
 
 
-# Regressions: values PostgreSQL cannot store (NaN/Infinity in jsonb, NUL in text or jsonb) and a
-# snapshot nested too deep for json.dumps used to fail with DataError / RecursionError instead of
-# a ValidationError naming the argument.
+# Regressions: values PostgreSQL or the driver cannot take (NaN/Infinity in jsonb; NUL or surrogate
+# code points in text or jsonb; datetimes UTC cannot represent; retention ages beyond interval
+# arithmetic) and a snapshot nested too deep for json.dumps used to fail with DataError,
+# UnicodeEncodeError or RecursionError (or be stored altered) instead of a ValidationError naming
+# the argument. Each is refused before any SQL runs.
 UNCHECKED_BEFORE_SQL: list[tuple[str, Call, str]] = [
     ("commit execution_trace NaN", lambda w: commit(w, execution_trace={"x": float("nan")}), "execution_trace"),
     ("commit execution_trace Infinity", lambda w: commit(w, execution_trace=[float("inf")]), "execution_trace"),
@@ -492,17 +678,125 @@ UNCHECKED_BEFORE_SQL: list[tuple[str, Call, str]] = [
         lambda w: services.force_fail_delivery(w.a.id, w.lease.delivery_id, failure_message="\x00"),
         "failure_message",
     ),
+    # lone surrogates: the driver cannot encode them as UTF-8, and jsonb refuses the "\ud800" escape
+    # json.dumps writes for one (the pair of escapes it writes for a real astral character is fine)
+    (
+        "commit execution_trace lone surrogate in a string",
+        lambda w: commit(w, execution_trace={"x": "a" + LONE_HIGH}),
+        "execution_trace",
+    ),
+    (
+        "commit execution_trace lone low surrogate in a list",
+        lambda w: commit(w, execution_trace=[LONE_LOW]),
+        "execution_trace",
+    ),
+    (
+        "commit trigger_context lone surrogate in a key",
+        lambda w: commit(w, trigger_context={LONE_HIGH: 1}),
+        "trigger_context",
+    ),
+    (
+        "commit trigger_context lone surrogate nested deep",
+        lambda w: commit(w, trigger_context={"a": [{"b": ["c", LONE_LOW]}]}),
+        "trigger_context",
+    ),
+    (
+        "commit trigger_context lone surrogate before text that looks like its pair",
+        lambda w: commit(w, trigger_context={"x": LONE_HIGH + "\\udc00"}),
+        "trigger_context",
+    ),
+    # two surrogate code points: json.dumps writes the escapes of an astral character, so jsonb would
+    # silently store another string than the one given
+    (
+        "commit execution_trace split surrogate pair",
+        lambda w: commit(w, execution_trace=[SPLIT_PAIR]),
+        "execution_trace",
+    ),
+    (
+        "lock step_id lone surrogate",
+        lambda w: services.lock_delivery_identity(w.a.id, w.run.id, "step-" + LONE_HIGH),
+        "step_id",
+    ),
+    (
+        "finish failure_message lone surrogate",
+        lambda w: services.finish_delivery(w.lease, "failed", failure_message="boom " + LONE_HIGH),
+        "failure_message",
+    ),
+    (
+        "finish failure_message split surrogate pair",
+        lambda w: services.finish_delivery(w.lease, "failed", failure_message=SPLIT_PAIR),
+        "failure_message",
+    ),
+    (
+        "finish failure_code lone surrogate",
+        lambda w: services.finish_delivery(w.lease, "failed", failure_code=LONE_LOW),
+        "failure_code",
+    ),
+    (
+        "retry failure_message lone surrogate",
+        lambda w: services.finish_delivery(w.lease, "retry", failure_message=LONE_HIGH),
+        "failure_message",
+    ),
+    (
+        "finish batch failure_message lone surrogate",
+        lambda w: services.finish_deliveries([w.lease], "failed", failure_message=LONE_HIGH),
+        "failure_message",
+    ),
+    (
+        "finish batch failure_code lone surrogate",
+        lambda w: services.finish_deliveries([w.lease], "failed", failure_code="code" + LONE_LOW),
+        "failure_code",
+    ),
+    (
+        "force-fail failure_message lone surrogate",
+        lambda w: services.force_fail_delivery(w.a.id, w.lease.delivery_id, failure_message=LONE_HIGH),
+        "failure_message",
+    ),
+    ("acquire run lease name lone surrogate", lambda w: services.acquire_run_lease("job" + LONE_HIGH, 60), "name"),
+    ("run_lease name lone surrogate", lambda w: enter_run_lease(LONE_LOW, 60), "name"),
+    (
+        "acquire run lease holder lone surrogate",
+        lambda w: services.acquire_run_lease("job", 60, holder=LONE_HIGH),
+        "holder",
+    ),
+    ("acquire run lease holder an int", lambda w: services.acquire_run_lease("job", 60, holder=42), "holder"),
+    ("acquire run lease holder bytes", lambda w: services.acquire_run_lease("job", 60, holder=b"me"), "holder"),
+    ("acquire run lease holder NUL", lambda w: services.acquire_run_lease("job", 60, holder="a\x00b"), "holder"),
+    (
+        "renew run lease name lone surrogate",
+        lambda w: services.renew_run_lease(run_lease_of(name=LONE_HIGH), 60),
+        "lease.name",
+    ),
+    (
+        "release run lease holder lone surrogate",
+        lambda w: services.release_run_lease(run_lease_of(holder=LONE_LOW)),
+        "lease.holder",
+    ),
+    # datetimes UTC cannot represent in Python: PostgreSQL stores them, nothing can read them back
+    ("commit expires_at datetime.min east of UTC", lambda w: commit(w, expires_at=MIN_EAST), "expires_at"),
+    ("commit expires_at datetime.max west of UTC", lambda w: commit(w, expires_at=MAX_WEST), "expires_at"),
+    # retention ages PostgreSQL's interval or timestamp arithmetic cannot take
+    (
+        "prune retention timedelta.max",
+        lambda w: services.prune_deliveries({"failed": dt.timedelta.max}),
+        "retention",
+    ),
+    (
+        "prune retention 3,000,000 days",
+        lambda w: services.prune_deliveries({"finished": dt.timedelta(days=3_000_000)}),
+        "retention",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("call", "key"), [pytest.param(c, k, id=i) for i, c, k in UNCHECKED_BEFORE_SQL])
-def test_text_and_json_postgresql_cannot_store_are_refused_by_name(world, table_snapshot, call, key):
-    before = table_snapshot()
-    # The savepoint keeps today's DataError from breaking the test's transaction.
-    with transaction.atomic(), pytest.raises(ValidationError) as raised:
+@pytest.mark.parametrize(("call", "key"), _params(UNCHECKED_BEFORE_SQL))
+def test_text_and_json_postgresql_cannot_store_are_refused_by_name(world, call, key, django_assert_num_queries):
+    before = _every_app_table()
+    # The savepoint keeps a regression's DataError from breaking the test's transaction.
+    with transaction.atomic(), django_assert_num_queries(0), pytest.raises(ValidationError) as raised:
         call(world)
     assert key in raised.value.message_dict, raised.value.message_dict
-    assert table_snapshot() == before
+    assert _every_app_table() == before
 
 
 def _lease_in_b_named_as_a(w: World) -> services.Lease:
@@ -681,6 +975,11 @@ COMMAND_OPTIONS: list[tuple[str, str, list[str]]] = [
         "run_delivery_worker",
         ["--community={a}", "--target=" + "zz" * 32, "--handler={handler}"],
     ),
+    (
+        "worker target 64 characters with spaces",
+        "run_delivery_worker",
+        ["--community={a}", "--target=00 " + "ab" * 30 + " ", "--handler={handler}"],
+    ),
     ("worker handler missing", "run_delivery_worker", ["--community={a}", "--target={target}"]),
     (
         "worker handler not importable",
@@ -781,3 +1080,117 @@ def w_id(community: models.Community) -> str:
 
 def never_called(delivery: Any) -> None:
     raise AssertionError("the handler of a refused worker command must never run")
+
+
+# --- argparse type= validators of buzz_delivery.management.options ---------------------------
+
+HEX64 = "ab" * 32
+
+# (case id, validator name in options, argument text): argparse.ArgumentTypeError expected
+OPTION_REFUSED: list[tuple[str, str, str]] = [
+    ("pubkey_hex a space inside", "pubkey_hex", "00 " + "ab" * 30 + " "),
+    ("pubkey_hex leading spaces", "pubkey_hex", "  " + "ab" * 31),
+    ("pubkey_hex a tab inside", "pubkey_hex", "ab" * 15 + "\t\t" + "ab" * 16),
+    ("pubkey_hex a trailing newline", "pubkey_hex", "ab" * 31 + "a\n"),
+    ("pubkey_hex 63 hex digits", "pubkey_hex", HEX64[:63]),
+    ("pubkey_hex 65 hex digits", "pubkey_hex", HEX64 + "a"),
+    ("pubkey_hex not hex", "pubkey_hex", "zz" * 32),
+    ("pubkey_hex non-ASCII digits", "pubkey_hex", "\u0661" * 64),
+    ("pubkey_hex a 0x prefix", "pubkey_hex", "0x" + "ab" * 31),
+    ("pubkey_hex empty", "pubkey_hex", ""),
+    ("lease_seconds_option 0", "lease_seconds_option", "0"),
+    ("lease_seconds_option negative", "lease_seconds_option", "-60"),
+    ("lease_seconds_option below the minimum", "lease_seconds_option", "14.9"),
+    ("lease_seconds_option above the maximum", "lease_seconds_option", "300.5"),
+    ("lease_seconds_option 10**12", "lease_seconds_option", "1000000000000"),
+    ("lease_seconds_option inf", "lease_seconds_option", "inf"),
+    ("lease_seconds_option -inf", "lease_seconds_option", "-inf"),
+    ("lease_seconds_option nan", "lease_seconds_option", "nan"),
+    ("lease_seconds_option 1e400", "lease_seconds_option", "1e400"),
+    ("lease_seconds_option 400 digits", "lease_seconds_option", "9" * 400),
+    ("lease_seconds_option 5000 digits", "lease_seconds_option", "9" * 5000),
+    ("lease_seconds_option text", "lease_seconds_option", "soon"),
+    ("lease_seconds_option with a unit", "lease_seconds_option", "60s"),
+    ("lease_seconds_option empty", "lease_seconds_option", ""),
+    ("run_lease_seconds 0", "run_lease_seconds", "0"),
+    ("run_lease_seconds below 1", "run_lease_seconds", "0.5"),
+    ("run_lease_seconds negative", "run_lease_seconds", "-1"),
+    ("run_lease_seconds above a day", "run_lease_seconds", "86401"),
+    ("run_lease_seconds inf", "run_lease_seconds", "inf"),
+    ("run_lease_seconds nan", "run_lease_seconds", "nan"),
+    ("run_lease_seconds 1e400", "run_lease_seconds", "1e400"),
+    ("run_lease_seconds 400 digits", "run_lease_seconds", "9" * 400),
+    ("run_lease_seconds text", "run_lease_seconds", "later"),
+    ("run_lease_seconds empty", "run_lease_seconds", ""),
+]
+
+
+@pytest.mark.parametrize(("validator", "text"), [pytest.param(n, t, id=i) for i, n, t in OPTION_REFUSED])
+def test_bad_option_text_is_refused_by_its_argparse_type(validator, text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        getattr(options, validator)(text)
+
+
+# (case id, validator name in options, argument text, the value it parses to)
+OPTION_ACCEPTED: list[tuple[str, str, str, Any]] = [
+    ("pubkey_hex lower case", "pubkey_hex", HEX64, bytes.fromhex(HEX64)),
+    ("pubkey_hex upper case", "pubkey_hex", HEX64.upper(), bytes.fromhex(HEX64)),
+    ("lease_seconds_option the minimum", "lease_seconds_option", "15", 15.0),
+    ("lease_seconds_option the maximum", "lease_seconds_option", "300", 300.0),
+    ("lease_seconds_option a fraction", "lease_seconds_option", "42.5", 42.5),
+    ("run_lease_seconds 1", "run_lease_seconds", "1", 1.0),
+    ("run_lease_seconds a day", "run_lease_seconds", "86400", 86_400.0),
+    ("run_lease_seconds a fraction", "run_lease_seconds", "2.5", 2.5),
+]
+
+
+@pytest.mark.parametrize(
+    ("validator", "text", "value"), [pytest.param(n, t, x, id=i) for i, n, t, x in OPTION_ACCEPTED]
+)
+def test_good_option_text_is_parsed_by_its_argparse_type(validator, text, value):
+    parsed = getattr(options, validator)(text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+def test_lease_seconds_option_reads_the_configured_bounds_when_it_parses(settings):
+    settings.BUZZ_DELIVERY = {"MIN_LEASE_SECONDS": 1, "MAX_LEASE_SECONDS": 30, "LEASE_SECONDS": 10}
+    assert options.lease_seconds_option("1") == 1.0
+    with pytest.raises(argparse.ArgumentTypeError, match=r"1\.\.30"):
+        options.lease_seconds_option("31")
+
+
+# --- edge values that are fine: accepted, stored as given, datetimes normalised to UTC ---------
+
+
+def test_real_astral_characters_are_accepted_in_text_and_json(world):
+    trace = {ASTRAL: [ASTRAL, {"k": "x" + ASTRAL}]}
+    binding = services.Binding(**world.binding_fields(step_id="step " + ASTRAL))
+    (created,) = commit(world, [binding], execution_trace=trace, trigger_context=ASTRAL)
+    delivery = services.get_delivery(world.a.id, created)
+    assert (delivery.step_id, delivery.execution_trace, delivery.trigger_context) == ("step " + ASTRAL, trace, ASTRAL)
+    assert services.finish_delivery(world.lease, "failed", failure_code=ASTRAL, failure_message=ASTRAL) == (
+        services.Settled("failed")
+    )
+    settled = models.WorkflowAgentDelivery.objects.get(id=world.lease.delivery_id)
+    assert (settled.failure_code, settled.failure_message) == (ASTRAL, ASTRAL)
+
+
+def test_aware_datetimes_are_normalised_to_utc(world):
+    india = dt.timezone(dt.timedelta(hours=5, minutes=30))
+    odd = dt.timezone(dt.timedelta(hours=2, seconds=30))  # whole seconds, not whole minutes
+    for given in (
+        AWARE.astimezone(india),
+        AWARE.replace(tzinfo=odd),
+        AWARE.replace(tzinfo=MICRO_OFFSET, microsecond=500),
+    ):
+        cause = services.Cause.schedule(given)
+        assert cause.scheduled_for == given and cause.scheduled_for.tzinfo is dt.UTC
+    lease = services.Lease(**world.lease_fields(lease_until=AWARE.astimezone(india)))
+    assert lease.lease_until == AWARE and lease.lease_until.tzinfo is dt.UTC
+
+    expires = dt.datetime(2031, 5, 6, 7, 8, 9, 123, tzinfo=MICRO_OFFSET)
+    scheduled = dt.datetime(2030, 1, 1, 13, 0, 0, tzinfo=odd)
+    binding = services.Binding(**world.binding_fields(cause=services.Cause.schedule(scheduled)))
+    (created,) = commit(world, [binding], expires_at=expires)
+    delivery = services.get_delivery(world.a.id, created)
+    assert (delivery.expires_at, delivery.cause_scheduled_for) == (expires, scheduled)

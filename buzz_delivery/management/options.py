@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import uuid
 from collections.abc import Callable
+
+from buzz_delivery.conf import get_settings
+
+# The bounds of ``ttl_seconds`` in :mod:`buzz_delivery.services.runlock` (its ``_ttl``).
+RUN_LEASE_MIN_SECONDS = 1
+RUN_LEASE_MAX_SECONDS = 86_400
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def int_in(low: int = 1, high: int | None = None) -> Callable[[str], int]:
@@ -63,10 +71,34 @@ def uuid_value(text: str) -> uuid.UUID:
 
 
 def pubkey_hex(text: str) -> bytes:
-    """A 32-byte public key as 64 hex characters."""
+    """A 32-byte public key as exactly 64 hex digits (0-9, a-f, A-F) and nothing else: no
+    whitespace, which ``bytes.fromhex`` would skip and so return fewer than 32 bytes."""
     if len(text) != 64:
         raise argparse.ArgumentTypeError(f"must be 64 hex characters, got {len(text)}")
+    if not _HEX64.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be 64 hex characters (0-9, a-f) and nothing else, got {text!r}")
+    return bytes.fromhex(text)
+
+
+def _seconds_within(text: str, low: float, high: float) -> float:
     try:
-        return bytes.fromhex(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError("must be 64 hex characters") from None
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text[:80]!r}") from None
+    if not low <= value <= high:  # NaN, the infinities and "1e400" fail this too
+        raise argparse.ArgumentTypeError(f"must be within {low:g}..{high:g} seconds, got {text[:80]}")
+    return value
+
+
+def lease_seconds_option(text: str) -> float:
+    """A delivery lease length in seconds within ``BUZZ_DELIVERY``'s ``MIN_LEASE_SECONDS`` ..
+    ``MAX_LEASE_SECONDS`` (inclusive; read when the option is parsed), the bounds
+    :func:`buzz_delivery.services.claim_delivery` and ``renew_delivery`` accept."""
+    conf = get_settings()
+    return _seconds_within(text, conf.min_lease_seconds, conf.max_lease_seconds)
+
+
+def run_lease_seconds(text: str) -> float:
+    """A maintenance run lease length in seconds, 1..86,400 (inclusive): the bounds of
+    ``ttl_seconds`` in :func:`buzz_delivery.services.acquire_run_lease` and ``renew_run_lease``."""
+    return _seconds_within(text, RUN_LEASE_MIN_SECONDS, RUN_LEASE_MAX_SECONDS)

@@ -25,6 +25,8 @@ MAX_BINDINGS_PER_COMMIT = 10_000
 MAX_SNAPSHOT_BYTES = 1_000_000
 # "\u0000" in JSON text that is not itself an escaped backslash followed by "u0000".
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# A surrogate escape "\ud800".."\udfff" in JSON text that is not an escaped backslash followed by "ud...".
+_JSON_SURROGATE = re.compile(r"(?<!\\)(?:\\\\)*\\u[dD][89abcdefABCDEF]")
 
 
 def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | str, step_id: str) -> bool:
@@ -64,6 +66,20 @@ def _snapshot(value: Any, name: str) -> str | None:
         raise v.invalid(name, f"must be JSON-serialisable (no NaN/Infinity, not nested too deep): {exc}") from None
     if _JSON_NUL.search(text):
         raise v.invalid(name, "must not contain NUL characters (PostgreSQL jsonb cannot store \\u0000)")
+    if _JSON_SURROGATE.search(text):
+        # json.dumps writes a real astral character as a valid pair of surrogate escapes (stored
+        # fine), a lone surrogate code point as an unpaired escape (jsonb refuses it) and a pair
+        # split into two code points as the very same valid pair (jsonb would store another string
+        # than the one given). Only the strings tell them apart: UTF-8 encodes every astral
+        # character and no surrogate code point.
+        try:
+            json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise v.invalid(
+                name,
+                f"must be valid Unicode: a string holds U+{ord(exc.object[exc.start]):04X}, a surrogate code "
+                "point, which UTF-8 text (and so PostgreSQL jsonb) cannot store",
+            ) from None
     if len(text.encode()) > MAX_SNAPSHOT_BYTES:
         raise v.invalid(name, f"must serialise to at most {MAX_SNAPSHOT_BYTES} bytes")
     return text
@@ -122,7 +138,7 @@ def commit_deliveries(
             raise v.invalid(name, "repeats the identity (run, step_id, target_pubkey) of an earlier binding")
         seen.add(binding.identity)
     if expires_at is not None:
-        v.aware_datetime(expires_at, "expires_at")
+        expires_at = v.aware_datetime(expires_at, "expires_at")  # in UTC
     trace = _snapshot(execution_trace, "execution_trace")
     context = _snapshot(trigger_context, "trigger_context")
 
