@@ -146,9 +146,7 @@ def test_a_delivery_requeued_and_claimed_again_by_the_same_worker_keeps_its_new_
 # --- item 8: deadlines and the shutdown grace ---------------------------------------------------
 
 
-def test_a_hung_handler_stops_being_renewed_at_its_deadline_so_attempts_apply_and_it_ends_failed(
-    make_binding, spawn
-):
+def test_a_hung_handler_stops_being_renewed_at_its_deadline_so_attempts_apply_and_it_ends_failed(make_binding, spawn):
     target = random32()
     (hung,) = commit(make_binding, target, sleep=60)
     worker = spawn(target, "--concurrency", "4", "--lease-seconds", "1", "--handler-timeout", "1.5")

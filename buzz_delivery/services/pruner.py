@@ -26,6 +26,9 @@ from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, FENCE_LOCK_F
 logger = logging.getLogger("buzz_delivery.pruner")
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
+# Longest retention accepted (the prune command's limit too): beyond it PostgreSQL's interval
+# and timestamp arithmetic wrap or overflow.
+MAX_RETENTION = dt.timedelta(days=36_500)
 PRUNABLE_STATUSES: tuple[str, ...] = tuple(s.value for s in TERMINAL_STATUSES)
 
 _OLD_ENOUGH = f"d.status = %(status)s AND d.finished_at < {MAINTENANCE_NOW} - make_interval(secs => %(age_seconds)s)"
@@ -82,9 +85,7 @@ def _retention(retention: Mapping[str, dt.timedelta]) -> dict[str, float]:
     for status, age in retention.items():
         if status not in PRUNABLE_STATUSES:
             raise v.invalid("retention", f"{status!r} is not a terminal status ({', '.join(PRUNABLE_STATUSES)})")
-        if not isinstance(age, dt.timedelta) or age <= dt.timedelta(0):
-            raise v.invalid("retention", f"the age for {status!r} must be a positive timedelta, got {age!r}")
-        ages[status] = age.total_seconds()
+        ages[status] = v.positive_timedelta_seconds(age, "retention", MAX_RETENTION)
     return ages
 
 

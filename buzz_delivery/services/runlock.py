@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import numbers
 import os
 import socket
 import threading
@@ -34,6 +33,7 @@ from buzz_delivery.services.db import fetch_all
 logger = logging.getLogger("buzz_delivery.commands")
 
 LEASE_TABLE = MaintenanceLease._meta.db_table
+HOLDER_MAX_CHARS = 200
 
 # Takes a free or lapsed lease; a live lease of another holder leaves the row alone and
 # returns nothing. ``now()`` is the database clock.
@@ -84,11 +84,22 @@ def new_holder() -> str:
 
 
 def _ttl(ttl_seconds: float) -> float:
-    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, numbers.Real):
-        raise v.invalid("ttl_seconds", f"must be a number of seconds, not {type(ttl_seconds).__name__}")
-    if not 1 <= ttl_seconds <= 86_400:
-        raise v.invalid("ttl_seconds", f"must be within 1..86400 seconds, got {ttl_seconds:g}")
-    return float(ttl_seconds)
+    return v.seconds_in_range(ttl_seconds, "ttl_seconds", 1, 86_400)
+
+
+def _name(name: object, field: str = "name") -> str:
+    text = v.optional_text(name, field, 100) or ""
+    if not text.strip():
+        raise v.invalid(field, "must not be blank")
+    return text
+
+
+def _held(lease: object) -> RunLease:
+    if not isinstance(lease, RunLease):
+        raise v.invalid("lease", f"must be a RunLease, not {type(lease).__name__}")
+    _name(lease.name, "lease.name")
+    v.optional_text(lease.holder, "lease.holder", HOLDER_MAX_CHARS)
+    return lease
 
 
 def acquire_run_lease(name: str, ttl_seconds: float, *, holder: str | None = None) -> RunLease | LeaseBusy:
@@ -98,10 +109,8 @@ def acquire_run_lease(name: str, ttl_seconds: float, *, holder: str | None = Non
     ``holder`` defaults to :func:`new_holder`. One statement, one transaction.
     Raises ``ValidationError`` (field ``name`` / ``ttl_seconds``) before any SQL.
     """
-    name = v.optional_text(name, "name", 100) or ""
-    if not name.strip():
-        raise v.invalid("name", "must not be blank")
-    token = holder or new_holder()
+    name = _name(name)
+    token = v.optional_text(holder, "holder", HOLDER_MAX_CHARS) or new_holder()
     rows = fetch_all(ACQUIRE_IF_FREE_OR_LAPSED, {"name": name, "holder": token, "ttl": _ttl(ttl_seconds)})
     if rows:
         return RunLease(name=name, holder=token, lease_until=rows[0][0])
@@ -115,6 +124,7 @@ def renew_run_lease(lease: RunLease, ttl_seconds: float) -> RunLease | None:
     """Extend a held lease to ``now() + ttl_seconds``. Returns the renewed :class:`RunLease`,
     or None when the lease was lost (it lapsed and another run took it, or it was released):
     the caller must then stop, because another run may be working."""
+    lease = _held(lease)
     rows = fetch_all(RENEW_IF_STILL_HELD, {"name": lease.name, "holder": lease.holder, "ttl": _ttl(ttl_seconds)})
     if not rows:
         return None
@@ -123,6 +133,7 @@ def renew_run_lease(lease: RunLease, ttl_seconds: float) -> RunLease | None:
 
 def release_run_lease(lease: RunLease) -> bool:
     """Give the lease back. True if this run still held it; False if it had been taken over."""
+    lease = _held(lease)
     return bool(fetch_all(RELEASE_IF_HELD, {"name": lease.name, "holder": lease.holder}))
 
 
