@@ -9,8 +9,10 @@ import json
 import signal
 import threading
 import time
+from io import StringIO
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connection, connections, transaction
 from django.test import override_settings
 
@@ -255,3 +257,27 @@ def test_run_lease_keeps_the_guard_renewed_while_its_block_runs():
         time.sleep(2.5)  # twice the guard's length
         assert isinstance(acquire_run_lease("reap_deliveries", 60, holder="intruder"), LeaseBusy)
     assert lease_rows() == []
+
+
+# --- item 7: a bad setting stops even a --loop run, with the usage exit code --------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("command", ["reap_deliveries", "prune_deliveries"])
+def test_a_loop_whose_settings_are_bad_exits_2_instead_of_failing_every_pass_forever(command, settings):
+    settings.BUZZ_DELIVERY = {"BATCH_SIZE": 0}
+    args = ["--loop", "--interval", "0.1"] if command == "reap_deliveries" else ["--older-than", "1d"]
+
+    def too_long(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{command} kept running on a setting that fails every pass")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.setitimer(signal.ITIMER_REAL, 10)
+    try:
+        with pytest.raises(CommandError) as failure:
+            call_command(command, *args, stdout=StringIO(), stderr=StringIO())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert failure.value.returncode == 2
+    assert "batch_size" in str(failure.value)

@@ -57,7 +57,7 @@ class Command(MaintenanceCommand):
         "--older-than (database clock), in batches, each its own short transaction. --status picks the "
         "statuses (default all), --retain STATUS=AGE gives one status its own age. Rows of a community "
         "that is not active are skipped and counted (skipped_fenced). Prints one summary line. "
-        "Exit codes: 0 done or another run active, 1 failed, 2 bad arguments, 3 lease lost mid-run."
+        "Exit codes: 0 done or another run active, 1 failed, 2 bad arguments or settings, 3 lease lost mid-run."
     )
     job = "prune_deliveries"
 

@@ -37,6 +37,7 @@ logger = logging.getLogger("buzz_delivery.commands")
 
 # Exit codes besides 0 (done, or another run is active). Usage errors exit 2 (argparse).
 EXIT_FAILED = 1
+EXIT_USAGE = 2  # bad arguments (argparse) or settings
 EXIT_LEASE_LOST = 3
 # Batches between two checks of the run lease (it is renewed on a timer in between). Must exceed
 # the number of statements one service call runs when it finds nothing (reap: 2, prune: 3), or a
@@ -148,7 +149,11 @@ class MaintenanceCommand(StrictOptionsCommand):
             if raise_errors:
                 raise CommandError(f"{self.job}: {exc}", returncode=EXIT_LEASE_LOST) from exc
             return
-        except (DatabaseError, BuzzDeliveryError, ValidationError) as exc:
+        except ValidationError as exc:
+            # Bad options or settings: every pass would fail the same way, so even --loop stops.
+            self.emit({"outcome": "error", "error": type(exc).__name__}, started, options)
+            raise CommandError(f"{self.job}: {'; '.join(exc.messages)}", returncode=EXIT_USAGE) from exc
+        except (DatabaseError, BuzzDeliveryError) as exc:
             logger.exception("%s failed", self.job)
             self.emit({"outcome": "error", "error": type(exc).__name__}, started, options)
             if raise_errors:
@@ -230,8 +235,9 @@ class Command(MaintenanceCommand):
         "Reap lapsed leases fleet-wide: claimed deliveries whose lease ran out go back to pending "
         "(or end failed/expired), in bounded batches. Safe to run every minute from cron: a run "
         "that finds another one active prints outcome=busy and exits 0. Prints one summary line "
-        "(reclaimed, exhausted, expired, skipped_fenced, skipped_busy, batches, dry_run, duration_ms). Exit codes: "
-        "0 done or busy, 1 failed, 2 bad arguments, 3 lease lost mid-run. SPEC section 8."
+        "(reclaimed, exhausted, expired, skipped_fenced, skipped_busy, batches, dry_run, duration_ms). "
+        "Exit codes: 0 done or busy, 1 failed, 2 bad arguments or settings (even with --loop), "
+        "3 lease lost mid-run. SPEC section 8."
     )
     job = "reap_deliveries"
     supports_loop = True
