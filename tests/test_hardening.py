@@ -18,7 +18,8 @@ from django.test import override_settings
 
 from buzz_delivery import models, services
 from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, run_lease
-from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.testing import CommunityFactory, advance_to
+from tests.conftest import backdate_lease
 from tests.operator_support import claimed, lapsed, lease_rows, manage, pending, settled
 
 SHORT_LEASES = {"MIN_LEASE_SECONDS": 1, "MAX_ATTEMPTS": None}
@@ -281,3 +282,26 @@ def test_a_loop_whose_settings_are_bad_exits_2_instead_of_failing_every_pass_for
         signal.signal(signal.SIGALRM, previous)
     assert failure.value.returncode == 2
     assert "batch_size" in str(failure.value)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_maintenance_batch_takes_fence_locks_only_for_the_communities_it_works_on():
+    """Regression: the try-lock once ran on every row scanned, one lock per community of any
+    state; with tens of thousands of retiring communities the lock table ran out and every reap
+    and prune failed. A batch now locks at most the communities of its own rows."""
+    for _ in range(25):  # scanned first: their leases lapsed earlier, their rows finished earlier
+        retiring = CommunityFactory()
+        backdate_lease(lapsed(retiring).pk, 7200)
+        settled(retiring, age_seconds=86_400 * 41)
+        advance_to(retiring, "quiescing")
+    healthy = CommunityFactory()
+    lapsed(healthy)
+    settled(healthy, age_seconds=86_400 * 40)
+
+    def advisory_locks_after(work) -> int:
+        with transaction.atomic():  # keeps the batch's transaction-scoped locks for the count
+            work()
+            return _sql("SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory'")[0][0]
+
+    assert advisory_locks_after(lambda: services.reap(batch_size=1, max_batches=1)) == 1
+    assert advisory_locks_after(lambda: services.prune_deliveries({"finished": dt.timedelta(days=30)})) == 1

@@ -21,7 +21,7 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, FENCE_LOCK_FREE, MAINTENANCE_NOW
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW, NOT_FENCE_BUSY, fleet_batch
 
 logger = logging.getLogger("buzz_delivery.pruner")
 
@@ -34,17 +34,16 @@ PRUNABLE_STATUSES: tuple[str, ...] = tuple(s.value for s in TERMINAL_STATUSES)
 _OLD_ENOUGH = f"d.status = %(status)s AND d.finished_at < {MAINTENANCE_NOW} - make_interval(secs => %(age_seconds)s)"
 
 # Walks delivery_terminal_age_idx (finished_at, partial on terminal statuses) oldest first.
-DELETE_TERMINAL_OLDER_THAN = f"""
-WITH doomed AS MATERIALIZED (
-    SELECT d.id FROM {DELIVERY} AS d
-    WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY} AND {FENCE_LOCK_FREE}
+_OLD_ENOUGH_CANDIDATES = f"""SELECT d.id, d.community_id FROM {DELIVERY} AS d
+    WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY} AND {NOT_FENCE_BUSY}
     ORDER BY d.finished_at
     LIMIT %(batch_size)s
-    FOR UPDATE OF d SKIP LOCKED
-)
+    FOR UPDATE OF d SKIP LOCKED"""
+DELETE_TERMINAL_OLDER_THAN = f"""
+WITH {fleet_batch(_OLD_ENOUGH_CANDIDATES)}
 DELETE FROM {DELIVERY} AS d
-USING doomed
-WHERE d.id = doomed.id AND {_OLD_ENOUGH}
+USING batch
+WHERE d.id = batch.id AND {_OLD_ENOUGH}
 RETURNING d.id
 """
 

@@ -39,7 +39,9 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
     prior holder is fenced. Communities that are not active are filtered out inside each
     statement, so one fenced tenant never aborts the reap of healthy ones; a community whose
     write-fence lock is held or awaited by a lifecycle move is skipped for that batch and
-    counted in ``skipped_busy``, never waited on, so one tenant's move never stalls the others.
+    counted in ``skipped_busy``, never waited on, so one tenant's move never stalls the others
+    (a move that queues during a batch can make that batch come back short, which ends the
+    run early; the next run picks the rest up).
 
     ``batch_size``: rows per statement (1..100,000; default ``BATCH_SIZE``), each statement
     its own short transaction. ``max_batches``: stop after that many statements (None = until

@@ -10,7 +10,7 @@ so the LIMIT is applied exactly once, and every UPDATE re-checks its whole guard
 Statements that act on a community also require it to be ``active`` inside the
 statement, so a fenced tenant is a miss rather than a write-fence error. Fleet-wide
 statements (reaper, pruner) also skip, for that batch, any community whose write-fence lock
-is not free at once (:data:`FENCE_LOCK_FREE`): a lifecycle move queued behind a writer of
+is not free at once (:func:`fleet_batch`): a lifecycle move queued behind a writer of
 community X must never stall the maintenance of every other community (SPEC section 4.6).
 """
 
@@ -33,11 +33,41 @@ RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 DB_NOW = "buzz_delivery_now()"
 
 ACTIVE_COMMUNITY = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
-# Takes the community's write-fence lock in shared mode only if that is possible at once: false
-# while a lifecycle move holds it or waits for it (PostgreSQL queues new shared requests behind
-# a waiting exclusive one). Taken, it is held to the end of the statement's transaction, so the
-# write-fence trigger of the same rows gets it again without waiting.
-FENCE_LOCK_FREE = f"pg_try_advisory_xact_lock_shared({FENCE_LOCK_NAMESPACE}, hashtext(d.community_id::text))"
+# Fleet-wide maintenance never waits on a community's write-fence lock: a lifecycle move that
+# holds it or waits for it (PostgreSQL queues new shared requests behind a waiting exclusive one)
+# would stall the batch, and with it every other community. Two guards, neither of which takes
+# a lock per row scanned (the lock table is bounded):
+# - FENCE_LOCK_BUSY: the fence-lock keys some session holds or awaits exclusively right now, read
+#   from pg_locks once per statement; candidate rows of those communities are left out before
+#   the LIMIT, so they never crowd healthy rows out of a batch;
+# - FENCE_LOCK_FREE: a try-lock, taken only for the distinct communities of a batch's candidates,
+#   closes the race with a move that queued after pg_locks was read. Taken, the lock is held to
+#   the end of the statement's transaction, so the write-fence trigger gets it again at once.
+FENCE_LOCK_BUSY = f"""(
+    SELECT l.objid FROM pg_locks AS l
+    WHERE l.locktype = 'advisory' AND l.mode = 'ExclusiveLock'
+      AND l.classid = {FENCE_LOCK_NAMESPACE}::oid AND l.objsubid = 2
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)"""
+NOT_FENCE_BUSY = f"hashtext(d.community_id::text)::oid NOT IN {FENCE_LOCK_BUSY}"
+FENCE_LOCK_FREE = f"pg_try_advisory_xact_lock_shared({FENCE_LOCK_NAMESPACE}, hashtext(c.community_id::text))"
+
+
+def fleet_batch(candidates: str) -> str:
+    """``candidates`` (a SELECT of ``d.id, d.community_id`` ... ``LIMIT ... FOR UPDATE SKIP
+    LOCKED`` that already leaves out :data:`NOT_FENCE_BUSY` communities), narrowed to the rows
+    whose community's fence lock this statement could take at once: the CTE ``batch(id)``."""
+    return f"""candidates AS MATERIALIZED (
+    {candidates}
+),
+free AS MATERIALIZED (
+    SELECT c.community_id FROM (SELECT DISTINCT community_id FROM candidates) AS c WHERE {FENCE_LOCK_FREE}
+),
+batch AS MATERIALIZED (
+    SELECT candidates.id FROM candidates JOIN free USING (community_id)
+)"""
+
+
 LEASE_END = f"LEAST({DB_NOW} + make_interval(secs => %(lease_seconds)s), d.expires_at)"
 CURRENT_LEASE = f"""
     d.community_id = %(community_id)s
@@ -218,14 +248,13 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 MAINTENANCE_NOW = "now()"
 
 _PAST_TTL = f"(d.expires_at IS NOT NULL AND d.expires_at <= {MAINTENANCE_NOW})"
-REAP_LAPSED_LEASES = f"""
-WITH lapsed AS MATERIALIZED (
-    SELECT d.id FROM {DELIVERY} AS d
-    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {FENCE_LOCK_FREE}
+_LAPSED_CANDIDATES = f"""SELECT d.id, d.community_id FROM {DELIVERY} AS d
+    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {NOT_FENCE_BUSY}
     ORDER BY d.lease_until
     LIMIT %(batch_size)s
-    FOR UPDATE OF d SKIP LOCKED
-)
+    FOR UPDATE OF d SKIP LOCKED"""
+REAP_LAPSED_LEASES = f"""
+WITH {fleet_batch(_LAPSED_CANDIDATES)}
 UPDATE {DELIVERY} AS d
 SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
     finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN {MAINTENANCE_NOW} END,
@@ -236,19 +265,18 @@ SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed
     lease_generation = d.lease_generation + 1,
     lease_until = NULL,
     claimed_at = NULL
-FROM lapsed
-WHERE d.id = lapsed.id AND d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
+FROM batch
+WHERE d.id = batch.id AND d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
 RETURNING d.status
 """
 
-EXPIRE_OVERDUE_PENDING = f"""
-WITH overdue AS MATERIALIZED (
-    SELECT d.id FROM {DELIVERY} AS d
-    WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {FENCE_LOCK_FREE}
+_OVERDUE_CANDIDATES = f"""SELECT d.id, d.community_id FROM {DELIVERY} AS d
+    WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {NOT_FENCE_BUSY}
     ORDER BY d.expires_at
     LIMIT %(batch_size)s
-    FOR UPDATE OF d SKIP LOCKED
-)
+    FOR UPDATE OF d SKIP LOCKED"""
+EXPIRE_OVERDUE_PENDING = f"""
+WITH {fleet_batch(_OVERDUE_CANDIDATES)}
 UPDATE {DELIVERY} AS d
 SET status = 'expired',
     finished_at = {MAINTENANCE_NOW},
@@ -256,8 +284,8 @@ SET status = 'expired',
     failure_message = 'deadline passed before a claim',
     lease_generation = d.lease_generation + 1,
     next_attempt_at = NULL
-FROM overdue
-WHERE d.id = overdue.id AND d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
+FROM batch
+WHERE d.id = batch.id AND d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 RETURNING d.status
 """
 
@@ -283,14 +311,12 @@ JOIN {COMMUNITY} AS c ON c.id = d.community_id
 WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_state <> 'active'
 """
 
-# Active communities with lapsed leases whose write-fence lock is not free right now (a lifecycle
-# move holds it or waits for it): the reap batches skipped them. Never waits: a try-lock only.
+# Active communities with lapsed leases whose write-fence lock a lifecycle move holds or awaits
+# right now: the reap batches skipped them. Reads pg_locks; takes no lock.
 COUNT_BUSY_LAPSED = f"""
-SELECT count(*) FROM (
-    SELECT DISTINCT d.community_id FROM {DELIVERY} AS d
-    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY}
-) AS d
-WHERE NOT {FENCE_LOCK_FREE}
+SELECT count(DISTINCT d.community_id) FROM {DELIVERY} AS d
+WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY}
+  AND NOT ({NOT_FENCE_BUSY})
 """
 
 # --- operator actions (admin) --------------------------------------------------
