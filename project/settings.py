@@ -87,6 +87,7 @@ STATIC_ROOT = BASE_DIR / "var" / "static"
 # buzz_delivery's settings; every key is optional (see README "Configuration").
 BUZZ_DELIVERY: dict[str, object] = {
     "MIN_LEASE_SECONDS": env.float("BUZZ_MIN_LEASE_SECONDS", default=15),
+    "RETRY_BACKOFF_BASE_SECONDS": env.float("BUZZ_RETRY_BACKOFF_BASE_SECONDS", default=5),
 }
 
 LOGGING = {

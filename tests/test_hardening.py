@@ -305,3 +305,18 @@ def test_a_maintenance_batch_takes_fence_locks_only_for_the_communities_it_works
 
     assert advisory_locks_after(lambda: services.reap(batch_size=1, max_batches=1)) == 1
     assert advisory_locks_after(lambda: services.prune_deliveries({"finished": dt.timedelta(days=30)})) == 1
+
+
+@pytest.mark.django_db
+def test_a_reap_inside_the_callers_transaction_keeps_its_guard(community, request):
+    """Review regression: the keeper renewed on its own connection, which cannot see a lease row
+    taken inside the caller's (uncommitted) transaction, so the run "lost" it and exited 3."""
+    assert connection.in_atomic_block  # pytest-django's test transaction
+    lapsed(community)
+    request.getfixturevalue("slow_reap_updates")  # from here on the run lasts past its guard's third
+    out = StringIO()
+
+    call_command("reap_deliveries", "--json", "--batch-size", "1", "--lease-seconds", "1.5", stdout=out)
+
+    summary = json.loads(out.getvalue())
+    assert (summary["outcome"], summary["reclaimed"]) == ("ok", 1)

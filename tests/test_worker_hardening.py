@@ -146,32 +146,128 @@ def test_a_delivery_requeued_and_claimed_again_by_the_same_worker_keeps_its_new_
 # --- item 8: deadlines and the shutdown grace ---------------------------------------------------
 
 
-def test_a_hung_handler_stops_being_renewed_at_its_deadline_so_attempts_apply_and_it_ends_failed(make_binding, spawn):
+FAST_BACKOFF = {"BUZZ_RETRY_BACKOFF_BASE_SECONDS": "0.2"}
+
+
+def test_a_hung_handler_hands_its_delivery_back_at_its_deadline_so_attempts_apply_and_it_ends_failed(
+    make_binding, spawn
+):
     target = random32()
     (hung,) = commit(make_binding, target, sleep=60)
-    worker = spawn(target, "--concurrency", "4", "--lease-seconds", "1", "--handler-timeout", "1.5")
-    wait_until(lambda: count_claimed([hung]) == 1, what="the claim")
+    worker = spawn(target, "--concurrency", "2", "--lease-seconds", "1", "--handler-timeout", "1.5", **FAST_BACKOFF)
 
-    def reaped_to_the_end() -> bool:
-        services.reap()
-        return WorkflowAgentDelivery.objects.get(id=hung).status == "failed"
-
-    # Each claim's lease lapses after the deadline, the reaper takes it back, the worker claims it
-    # again: three attempts (MAX_ATTEMPTS), then it ends failed instead of being held forever.
-    wait_until(reaped_to_the_end, timeout=20, what="the hung delivery's attempts to run out")
+    # At the deadline: a retry (attempt 1). Each later claim finds the first handler still
+    # hanging in this worker and is retried without running, until the attempts (3) run out.
+    wait_until(
+        lambda: WorkflowAgentDelivery.objects.get(id=hung).status == "failed",
+        timeout=15,
+        what="the hung delivery's attempts to run out",
+    )
     row = WorkflowAgentDelivery.objects.get(id=hung)
     assert (row.attempt, row.failure_code) == (3, "attempts_exhausted")
-    later = commit(make_binding, target, 2)  # the fourth handler thread still serves the others
+    later = commit(make_binding, target, 2)  # the other handler thread still serves the others
     wait_until(lambda: set(statuses(later).values()) == {"finished"}, what="the later deliveries")
+    assert services.reap().total == 0  # nothing was left for the reaper
 
     started = time.monotonic()
     worker.proc.send_signal(signal.SIGTERM)
-    assert worker.wait() == 3  # the hung handlers' leases were given up
+    assert worker.wait() == 3  # the hung handler's lease was given up
     assert time.monotonic() - started < 5  # a handler past its deadline is not waited for
     summary = worker.summary()
-    assert (summary["timed_out"], summary["abandoned"], summary["finished"]) == (3, 3, 2)
+    assert (summary["timed_out"], summary["abandoned"], summary["finished"]) == (1, 1, 2)
+    assert (summary["claimed"], summary["retried"], summary["failed"]) == (5, 2, 1)
     assert summary["reason"] == "SIGTERM"
     assert "handler_timeout delivery=" in worker.log()
+
+
+def test_a_delivery_that_always_hangs_never_takes_more_than_one_thread_with_unlimited_attempts(
+    settings, make_binding, spawn
+):
+    settings.BUZZ_DELIVERY = {**settings.BUZZ_DELIVERY, "MAX_ATTEMPTS": None}  # stored on the row at commit
+    target = random32()
+    (poison,) = commit(make_binding, target, sleep=600)
+    worker = spawn(target, "--concurrency", "2", "--lease-seconds", "1", "--handler-timeout", "1", **FAST_BACKOFF)
+    wait_until(lambda: WorkflowAgentDelivery.objects.get(id=poison).attempt >= 4, timeout=20, what="re-claims")
+
+    assert worker.proc.poll() is None  # still serving: one hung thread, the other free
+    later = commit(make_binding, target, 2)
+    wait_until(lambda: set(statuses(later).values()) == {"finished"}, what="the other deliveries")
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.wait() == 3
+    assert worker.summary()["timed_out"] == 1
+
+
+def test_a_hung_handler_whose_lease_was_lost_still_counts_as_hung(community, make_binding, spawn):
+    """Review regression: the deadline was only checked for leases still being renewed."""
+    target = random32()
+    (hung,) = commit(make_binding, target, sleep=120)
+    worker = spawn(target, "--lease-seconds", "2", "--handler-timeout", "2", "--shutdown-grace", "30")
+    wait_until(lambda: count_claimed([hung]) == 1, what="the claim")
+    assert services.force_fail_delivery(community.id, hung).done  # the renewer will find it lost
+
+    assert worker.wait(timeout=15) == 3  # its only thread hangs: it stops by itself
+    assert worker.summary()["reason"] == "handlers_hung"
+
+
+@pytest.mark.parametrize("option", [("--max-deliveries", "1"), ("--idle-exit", "1")])
+def test_a_hung_handler_does_not_keep_a_worker_from_its_quota_or_idle_exit(make_binding, spawn, option):
+    """Review regression: both exits waited for every handler, hung ones included."""
+    target = random32()
+    commit(make_binding, target, sleep=120)
+    worker = spawn(target, "--concurrency", "2", *option, "--lease-seconds", "2", "--handler-timeout", "1")
+
+    assert worker.wait(timeout=10) == 3  # stopped, and says the hung handler's lease was given up
+    summary = worker.summary()
+    assert (summary["timed_out"], summary["abandoned"]) == (1, 1)
+    assert summary["reason"] == ("max_deliveries" if option[0] == "--max-deliveries" else "idle_exit")
+
+
+def test_a_handler_error_during_the_drain_is_still_reported(make_binding, spawn):
+    """Review regression: the reason was taken before the drain, so this exited 0 as SIGTERM."""
+    target = random32()
+    (d,) = commit(make_binding, target, sleep=1.5, **{"raise": "cancelled"})
+    worker = spawn(target, "--lease-seconds", "2")
+    wait_until(lambda: count_claimed([d]) == 1, what="the claim")
+    worker.proc.send_signal(signal.SIGTERM)
+
+    assert worker.wait() == 1
+    assert worker.summary()["reason"] == "handler raised CancelledError"
+
+
+def test_a_signal_after_a_handler_error_does_not_hide_it(make_binding, spawn):
+    """Review regression: the signal handler overwrote the error reason with SIGTERM."""
+    target = random32()
+    (d,) = commit(make_binding, target, sleep=1.0, **{"raise": "cancelled"})
+    worker = spawn(target, "--lease-seconds", "5", "--concurrency", "2")
+    wait_until(lambda: count_claimed([d]) == 1, what="the claim")
+    with connection.cursor() as cursor:  # autocommit: a transaction of its own holds the lock
+        cursor.execute("BEGIN; LOCK TABLE buzz_delivery_delivery IN ACCESS EXCLUSIVE MODE")
+        time.sleep(2.0)  # the dispatcher's next poll waits on the lock; the handler raises meanwhile
+        worker.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        cursor.execute("COMMIT")
+
+    assert worker.wait() == 1
+    assert worker.summary()["reason"] == "handler raised CancelledError"
+
+
+def test_a_settle_under_way_at_the_give_up_is_not_counted_abandoned(make_binding, spawn):
+    """Review regression: the summary said abandoned=1 finished=0 while the row ended finished."""
+    target = random32()
+    (d,) = commit(make_binding, target, sleep=0.5)
+    worker = spawn(target, "--lease-seconds", "5", "--shutdown-grace", "2")
+    wait_until(lambda: count_claimed([d]) == 1, what="the claim")
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+        cursor.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [d])  # the settle waits
+        worker.proc.send_signal(signal.SIGTERM)
+        time.sleep(3)  # past the grace, the settle still waiting on the row
+        cursor.execute("COMMIT")
+
+    assert worker.wait() == 0  # nothing was given up: the settle under way finished
+    summary = worker.summary()
+    assert (summary["abandoned"], summary["finished"]) == (0, 1)
+    assert statuses([d])[d] == "finished"
 
 
 def test_a_handler_past_the_deliverys_expires_at_is_no_longer_renewed(make_binding, spawn):

@@ -52,7 +52,9 @@ def start_worker(tmp_path, community):
     """Start ``run_delivery_worker`` for ``community`` and a target; kills leftovers at teardown."""
     runs: list[WorkerRun] = []
 
-    def start(target: bytes, *options: str, handler: str = "tests.worker_handlers:scripted") -> WorkerRun:
+    def start(
+        target: bytes, *options: str, handler: str = "tests.worker_handlers:scripted", **extra_env: str
+    ) -> WorkerRun:
         n = len(runs)
         env = {
             **os.environ,
@@ -60,6 +62,7 @@ def start_worker(tmp_path, community):
             "BUZZ_MIN_LEASE_SECONDS": "1",
             "BUZZ_TEST_HANDLER_LOG": str(tmp_path / f"handler-{n}.jsonl"),
             "LOG_LEVEL": "INFO",
+            **extra_env,
         }
         run = WorkerRun(
             proc=None,  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from django.db import close_old_connections, connections
+from django.db import close_old_connections, connection, connections
 
 from buzz_delivery.models import MaintenanceLease
 from buzz_delivery.services import validation as v
@@ -170,7 +170,14 @@ class RunLeaseKeeper:
         self._lost.set()
 
     def start(self) -> RunLeaseKeeper:
-        """Start the renewing thread; returns ``self``."""
+        """Start the renewing thread; returns ``self``.
+
+        Inside the caller's transaction (``transaction.atomic()``) no thread starts: the lease row
+        is not visible to another connection until that transaction commits, so a thread could
+        only find it "lost". The caller then renews it itself between batches (as the
+        maintenance commands do), on its own connection."""
+        if connection.in_atomic_block:
+            return self
         self._thread.start()
         return self
 

@@ -70,7 +70,7 @@ def describe(exc: BaseException) -> str:
     """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
     try:
         return str(exc)
-    except Exception:
+    except BaseException:
         return f"<unprintable {type(exc).__name__}>"
 
 

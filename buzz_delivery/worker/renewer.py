@@ -95,6 +95,11 @@ class LeaseRenewer(threading.Thread):
         with self._cond:
             return sum(1 for h in self._held.values() if h.timed_out)
 
+    def timed_out_delivery_ids(self) -> set[uuid.UUID]:
+        """Deliveries whose handler in this process still runs past its deadline."""
+        with self._cond:
+            return {h.lease.delivery_id for h in self._held.values() if h.timed_out}
+
     def shutdown(self) -> None:
         """Ask the thread to stop and wait for it."""
         with self._cond:
@@ -107,13 +112,17 @@ class LeaseRenewer(threading.Thread):
         with self._cond:
             while not self._stopping:
                 now = time.monotonic()
-                late = [h for h in self._held.values() if h.renewing and h.deadline is not None and h.deadline <= now]
+                # A lost lease's handler can hang too: its deadline counts all the same.
+                late = [
+                    h for h in self._held.values() if not h.timed_out and h.deadline is not None and h.deadline <= now
+                ]
                 for held in late:
                     held.timed_out = True
                 due = [h for h in self._held.values() if h.renewing and h.due <= now]
                 if due or late:
                     return due, late
-                upcoming = [min(h.due, h.deadline or h.due) for h in self._held.values() if h.renewing]
+                upcoming = [h.due for h in self._held.values() if h.renewing]
+                upcoming += [h.deadline for h in self._held.values() if not h.timed_out and h.deadline is not None]
                 self._cond.wait(timeout=(min(upcoming) - now) if upcoming else None)
             return None
 
@@ -162,11 +171,10 @@ class LeaseRenewer(threading.Thread):
                 for held in late:
                     lease = held.lease
                     logger.warning(
-                        "handler_timeout delivery=%s generation=%d: past its deadline; the lease is no longer "
-                        "renewed and lapses at %s, the result will be dropped",
+                        "handler_timeout delivery=%s generation=%d: past its deadline; handing it back "
+                        "(retry), no longer renewed, its result will be dropped",
                         lease.delivery_id,
                         lease.lease_generation,
-                        lease.lease_until.isoformat(),
                     )
                     self._on_timed_out(held)
                 for held in due:

@@ -25,7 +25,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from buzz_delivery import services
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
-from buzz_delivery.services import AlreadyTerminal, Claim, LeaseLost
+from buzz_delivery.services import AlreadyTerminal, Claim, Lease, LeaseLost
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker.handlers import (
     FAILURE_MESSAGE_MAX_CHARS,
@@ -62,6 +62,7 @@ EXIT_ABANDONED = 3  # stopped with in-flight leases given up (shutdown grace exp
 # Stop reasons that are a clean stop (exit 0 unless leases were given up).
 CLEAN_REASONS = frozenset({"SIGTERM", "SIGINT", "max_deliveries", "idle_exit", "stopped"})
 HANDLERS_HUNG = "handlers_hung"
+_SETTLED_KEYS = {"finished": "finished", "failed": "failed", "pending": "retried"}
 # Most characters of a handler's exception message in a log line (the row keeps up to 10,000).
 LOGGED_MESSAGE_CHARS = 500
 
@@ -83,9 +84,12 @@ class WorkerConfig:
     and settling that many. ``idle_exit``: stop after that many seconds with nothing to do.
     ``renew_fraction``: renew each lease after this fraction of its length (0 < f < 1).
     ``handler_timeout``: seconds a handler may run (None = no limit); a delivery with
-    ``expires_at`` gets no more than until then. Past its deadline the lease is no longer
-    renewed, so it lapses and the reaper applies attempts and retries; the handler's result is
-    dropped. When every handler thread is past its deadline the worker stops (exit 3).
+    ``expires_at`` gets no more than until then. Past its deadline the delivery is settled
+    ``retry`` at once (attempts count, the backoff applies; on the last attempt it ends
+    ``failed``), its lease is no longer renewed and the handler's late result is dropped; a
+    later claim of that delivery while the hung handler still runs here is settled ``retry``
+    again without running it. When every handler thread is past its deadline the worker stops
+    (exit 3): only a new process gets rid of a hung thread.
     ``shutdown_grace``: seconds a stopping worker waits for in-flight handlers before it gives
     up their leases (no longer renewed) and stops (exit 3); a second SIGTERM/SIGINT gives up at once.
     """
@@ -175,15 +179,33 @@ class Worker:
         self.in_flight = 0
         self.claimed = 0
         self.last_busy = time.monotonic()
-        self.stop_reason = "stopped"
-        self.signalled = False  # set by the signal handler (see run_worker)
+        self.error_reason: str | None = None  # the first internal error (see _fail)
+        self.signal_name = ""  # set by the signal handler (see run_worker)
+        self.signalled = False
         self.give_up = False  # a second signal: stop waiting for in-flight handlers
-        self.gave_up = False  # in-flight leases were given up: late results are dropped
+        # Claims whose handler has not yet reached its settle decision; once ``gave_up`` is set
+        # (under ``_lock``) they are abandoned: none of them settles any more.
+        self.undecided: set[tuple[uuid.UUID, int]] = set()
+        self.gave_up = False
 
     # --- handler threads -------------------------------------------------------------------
 
-    def _settle(self, claim: Claim, args: SettleArgs) -> None:
-        lease = claim.lease
+    def _fail(self, reason: str) -> None:
+        """Stop the worker for an internal error; the first reason given is the one reported."""
+        with self._lock:
+            if self.error_reason is None:
+                self.error_reason = reason
+        self.stop.set()
+        self.wake.set()
+
+    def _decide(self, lease: Lease) -> bool:
+        """The settle decision of one claim: False when the worker already gave its leases up
+        (the claim counts as abandoned and must not settle), else True (it will settle)."""
+        with self._lock:
+            self.undecided.discard((lease.delivery_id, lease.lease_generation))
+            return not self.gave_up
+
+    def _settle(self, lease: Lease, args: SettleArgs) -> None:
         retrying = Retrying(
             retry=retry_if_exception_type(DB_UNAVAILABLE),
             stop=stop_after_delay(self.lease_seconds),
@@ -221,10 +243,34 @@ class Worker:
         status = outcome.status
         again = " (already settled)" if isinstance(outcome, AlreadyTerminal) else ""
         logger.info("settled %s outcome=%s status=%s%s", ids, args.outcome, status, again)
-        self.tally.add({"finished": "finished", "failed": "failed", "pending": "retried"}.get(status, status))
+        self.tally.add(_SETTLED_KEYS.get(status, status))
+
+    def _retry_now(self, lease: Lease, why: str) -> None:
+        """Settle ``retry`` at once (attempts count, the backoff applies): one statement, no
+        retries, never raises (it may run on the renewer or the dispatcher thread)."""
+        try:
+            outcome = services.finish_delivery(lease, "retry", failure_message=why)
+        except Exception as exc:
+            logger.warning("settle_error delivery=%s outcome=retry: %s; left to lapse", lease.delivery_id, exc)
+            close_old_connections()
+            return
+        if isinstance(outcome, LeaseLost):
+            self.tally.add("lease_lost")
+            return
+        logger.info(
+            "settled delivery=%s generation=%d outcome=retry status=%s (%s)",
+            lease.delivery_id,
+            lease.lease_generation,
+            outcome.status,
+            why,
+        )
+        self.tally.add(_SETTLED_KEYS.get(outcome.status, outcome.status))
 
     def _timed_out(self, held: HeldLease) -> None:
+        """The renewer found a handler past its deadline: hand the delivery back now (a retry,
+        so attempts count and the backoff applies) instead of letting its lease lapse."""
         self.tally.add("timed_out")
+        self._retry_now(held.lease, "handler_timeout: the handler ran past its deadline")
         self.wake.set()  # the dispatcher checks whether every handler thread is now hung
 
     def _handle(self, claim: Claim) -> None:
@@ -260,11 +306,17 @@ class Worker:
                 lease.lease_generation,
                 name,
             )
-            self.stop_reason = f"handler raised {name}"
-            self.stop.set()
-            self.wake.set()
+            self._fail(f"handler raised {name}")
         finally:
             held = self.renewer.release(lease)
+        if not self._decide(lease):
+            logger.warning(
+                "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
+                lease.delivery_id,
+                lease.lease_generation,
+                args.outcome,
+            )
+            return
         if held is not None and held.timed_out:
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the handler returned after its deadline",
@@ -273,15 +325,7 @@ class Worker:
                 args.outcome,
             )
             return
-        if self.gave_up:
-            logger.warning(
-                "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
-                lease.delivery_id,
-                lease.lease_generation,
-                args.outcome,
-            )
-            return
-        self._settle(claim, args)
+        self._settle(lease, args)
 
     def _handler_thread(self) -> None:
         try:
@@ -291,9 +335,7 @@ class Worker:
                 except BaseException:
                     # Never let a handler thread die silently: claims would pile up unhandled.
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
-                    self.stop_reason = "worker_error"
-                    self.stop.set()
-                    self.wake.set()
+                    self._fail("worker_error")
                 finally:
                     with self._lock:
                         self.in_flight -= 1
@@ -336,10 +378,18 @@ class Worker:
     def _start(self, claims: list[Claim]) -> None:
         if not claims:
             return
+        hung = self.renewer.timed_out_delivery_ids()
+        again = [c for c in claims if c.lease.delivery_id in hung]
+        claims = [c for c in claims if c.lease.delivery_id not in hung]
         with self._lock:
             self.in_flight += len(claims)
-            self.claimed += len(claims)
+            self.claimed += len(claims) + len(again)
             self.last_busy = time.monotonic()
+            self.undecided.update((c.lease.delivery_id, c.lease.lease_generation) for c in claims)
+        for claim in again:
+            # Never run a delivery twice at once in one process: its earlier handler still hangs here.
+            self.tally.add("claimed")
+            self._retry_now(claim.lease, "handler_timeout: an earlier attempt still runs in this worker")
         for claim in claims:
             lease = claim.lease
             logger.info(
@@ -365,15 +415,23 @@ class Worker:
             limits.append(max((delivery.expires_at - delivery.claimed_at).total_seconds(), 0.0))
         return time.monotonic() + min(limits) if limits else None
 
+    def _working(self) -> int:
+        """Handlers in flight that are not past their deadline."""
+        with self._lock:
+            in_flight = self.in_flight
+        return in_flight - self.renewer.timed_out_count()
+
     def _finished_quota(self) -> bool:
         m = self.config.max_deliveries
         with self._lock:
-            return m is not None and self.claimed >= m and self.in_flight == 0
+            claimed = self.claimed
+        return m is not None and claimed >= m and self._working() <= 0
 
     def _idle_too_long(self) -> bool:
         limit = self.config.idle_exit
         with self._lock:
-            return limit is not None and self.in_flight == 0 and time.monotonic() - self.last_busy >= limit
+            last_busy = self.last_busy
+        return limit is not None and self._working() <= 0 and time.monotonic() - last_busy >= limit
 
     def dispatch(self) -> str:
         """Claim until stopped, the quota is done or idle too long; returns why it stopped.
@@ -413,7 +471,7 @@ class Worker:
             if self.config.idle_exit is not None:
                 timeout = min(timeout, self.config.idle_exit)
             self.wake.wait(min(timeout, SIGNAL_CHECK_SECONDS))
-        return self.stop_reason
+        return self.signal_name if self.signalled else "stopped"
 
     def drain(self, threads: list[threading.Thread]) -> int:
         """Wait up to ``shutdown_grace`` seconds for in-flight handlers to finish and settle
@@ -429,18 +487,26 @@ class Worker:
                 for thread in threads:
                     thread.join()
                 return 0
-            waiting_for = in_flight - self.renewer.timed_out_count()
-            if waiting_for <= 0 or self.give_up or time.monotonic() >= give_up_at:
+            if self._working() <= 0 or self.give_up or time.monotonic() >= give_up_at:
                 break
             self.wake.wait(SIGNAL_CHECK_SECONDS)
             self.wake.clear()
-        self.gave_up = True
+        with self._lock:
+            self.gave_up = True
+            abandoned = len(self.undecided)
         logger.error(
-            "shutdown_gave_up in_flight=%d: their leases are no longer renewed and lapse; the reaper returns them",
-            in_flight,
+            "shutdown_gave_up abandoned=%d: their leases are no longer renewed and lapse; the reaper returns them",
+            abandoned,
         )
-        self.tally.add("abandoned", in_flight)
-        return in_flight
+        self.tally.add("abandoned", abandoned)
+        # Settles already under way finish (each retries for at most one lease length).
+        settles_done_by = time.monotonic() + self.lease_seconds + 5
+        while time.monotonic() < settles_done_by:
+            with self._lock:
+                if self.in_flight <= len(self.undecided):
+                    break
+            time.sleep(0.05)
+        return abandoned
 
     def run(self, conn_params: dict[str, Any]) -> WorkerSummary:
         """Run until stopped; drain in-flight work; return the :class:`WorkerSummary`."""
@@ -469,11 +535,12 @@ class Worker:
             self.stop.set()
             with self._lock:
                 in_flight = self.in_flight
-            logger.info("stopping reason=%s in_flight=%d", reason, in_flight)
+            logger.info("stopping reason=%s in_flight=%d", self.error_reason or reason, in_flight)
             self.drain(threads)
             self.renewer.shutdown()
             listener.join()
-        summary = WorkerSummary(self.tally.summary(), reason)
+        # An internal error wins over how the dispatcher stopped, even one raised while draining.
+        summary = WorkerSummary(self.tally.summary(), self.error_reason or reason)
         log = logger.info if summary.exit_code == EXIT_OK else logger.error
         log(
             "stopped reason=%s exit_code=%d %s",
@@ -528,7 +595,7 @@ def run_worker(
             if worker.signalled:
                 worker.give_up = True  # a second signal: give up in-flight leases now
                 return
-            worker.stop_reason = signal.Signals(signum).name
+            worker.signal_name = signal.Signals(signum).name
             worker.signalled = True
 
         for signum in (signal.SIGTERM, signal.SIGINT):
