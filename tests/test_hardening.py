@@ -208,15 +208,21 @@ def _summary(proc) -> tuple[int, dict]:
     return proc.returncode, json.loads(lines[-1])
 
 
+def _reap_holding_its_lease(lease_seconds: str):
+    """A ``reap_deliveries`` process (single-row batches), once it holds its run lease."""
+    proc = manage("reap_deliveries", "--json", "--batch-size", "1", "--lease-seconds", lease_seconds)
+    deadline = time.monotonic() + 10
+    while not lease_rows():
+        assert time.monotonic() < deadline, "the run never took its lease"
+        time.sleep(0.05)
+    return proc
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_stalled_reap_keeps_its_guard_so_a_second_run_stays_out(community, slow_reap_updates):
     for _ in range(3):
         lapsed(community)
-    first = manage("reap_deliveries", "--json", "--batch-size", "1", "--lease-seconds", "1.5")
-    deadline = time.monotonic() + 10
-    while not lease_rows():
-        assert time.monotonic() < deadline, "the first run never took its lease"
-        time.sleep(0.05)
+    first = _reap_holding_its_lease("1.5")
     time.sleep(2.5)  # past the guard's 1.5 s: only a timer renewal keeps it
 
     second = manage("reap_deliveries", "--json", "--lease-seconds", "1.5")
@@ -232,11 +238,7 @@ def test_a_stalled_reap_keeps_its_guard_so_a_second_run_stays_out(community, slo
 def test_a_run_that_finds_its_guard_lost_after_a_pause_exits_3(community, slow_reap_updates):
     for _ in range(3):
         lapsed(community)
-    first = manage("reap_deliveries", "--json", "--batch-size", "1", "--lease-seconds", "1")
-    deadline = time.monotonic() + 10
-    while not lease_rows():
-        assert time.monotonic() < deadline, "the first run never took its lease"
-        time.sleep(0.05)
+    first = _reap_holding_its_lease("1")
     first.send_signal(signal.SIGSTOP)  # paused past its guard: another run may take over
     try:
         time.sleep(1.5)
