@@ -129,9 +129,10 @@ class WorkerSummary(dict[str, int]):
     """The counts of one worker run (:data:`SUMMARY_KEYS` -> int), plus why it stopped.
 
     ``reason``: ``SIGTERM``, ``SIGINT``, ``max_deliveries``, ``idle_exit`` or ``stopped`` (a clean
-    stop), or an internal error (``worker_error``, ``handler raised KeyboardInterrupt``,
-    ``handlers_hung``...). ``exit_code``: :data:`EXIT_OK` for a clean stop with nothing given
-    up, :data:`EXIT_ABANDONED` when in-flight leases were given up, else :data:`EXIT_ERROR`.
+    stop), ``handlers_hung`` (every handler thread past its deadline), or an internal error
+    (``worker_error``, ``handler raised KeyboardInterrupt``...). ``exit_code``: :data:`EXIT_OK`
+    for a clean stop with nothing given up, :data:`EXIT_ABANDONED` when in-flight leases were
+    given up or every handler hung, :data:`EXIT_ERROR` for an internal error.
     """
 
     reason: str
