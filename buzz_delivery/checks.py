@@ -73,6 +73,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     batch = raw["BATCH_SIZE"]
     if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 100_000:
         errors.append(checks.Error("BUZZ_DELIVERY['BATCH_SIZE'] must be an int in 1..100000.", id="buzz_delivery.E007"))
+    listen = raw["LISTEN_DATABASE"]
+    if listen is not None and (not isinstance(listen, str) or listen not in connections.databases):
+        errors.append(
+            checks.Error(
+                f"BUZZ_DELIVERY['LISTEN_DATABASE'] must be None or an alias of DATABASES, got {listen!r}.",
+                hint=f"Aliases: {', '.join(connections.databases)}.",
+                id="buzz_delivery.E008",
+            )
+        )
     return errors
 
 

@@ -27,6 +27,10 @@ DEFAULTS: dict[str, Any] = {
     "NOTIFY_CHANNEL": "buzz_delivery",
     # Rows per reaper / pruner / purge statement.
     "BATCH_SIZE": 1000,
+    # Django database alias whose connection the worker LISTENs on for wake hints; None = the
+    # worker's own. Name a direct (or session-pooled) alias when workers connect through a
+    # transaction pooler, where a LISTEN hears nothing.
+    "LISTEN_DATABASE": None,
 }
 
 
@@ -42,6 +46,7 @@ class DeliverySettings:
     retry_backoff_cap_seconds: float
     notify_channel: str
     batch_size: int
+    listen_database: str | None
 
 
 def raw_settings() -> dict[str, Any]:
@@ -62,4 +67,5 @@ def get_settings() -> DeliverySettings:
         retry_backoff_cap_seconds=raw["RETRY_BACKOFF_CAP_SECONDS"],
         notify_channel=raw["NOTIFY_CHANNEL"],
         batch_size=raw["BATCH_SIZE"],
+        listen_database=raw["LISTEN_DATABASE"],
     )

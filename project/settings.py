@@ -89,6 +89,10 @@ BUZZ_DELIVERY: dict[str, object] = {
     "MIN_LEASE_SECONDS": env.float("BUZZ_MIN_LEASE_SECONDS", default=15),
     "RETRY_BACKOFF_BASE_SECONDS": env.float("BUZZ_RETRY_BACKOFF_BASE_SECONDS", default=5),
 }
+# Workers connected through a transaction pooler hear no NOTIFY: give their LISTEN a direct URL.
+if env.str("BUZZ_LISTEN_DATABASE_URL", default=""):
+    DATABASES["listen"] = env.db("BUZZ_LISTEN_DATABASE_URL")
+    BUZZ_DELIVERY["LISTEN_DATABASE"] = "listen"
 
 LOGGING = {
     "version": 1,

@@ -42,6 +42,8 @@ def test_the_project_settings_pass_every_check():
         ({"BATCH_SIZE": 0}, "buzz_delivery.E007"),
         ({"BATCH_SIZE": 100_001}, "buzz_delivery.E007"),
         ({"BATCH_SIZE": "1000"}, "buzz_delivery.E007"),
+        ({"LISTEN_DATABASE": "no_such_alias"}, "buzz_delivery.E008"),
+        ({"LISTEN_DATABASE": 1}, "buzz_delivery.E008"),
     ],
 )
 def test_a_bad_setting_is_reported_under_its_check_id(setting, expected):
@@ -57,6 +59,7 @@ def test_a_bad_setting_is_reported_under_its_check_id(setting, expected):
         {"LEASE_SECONDS": 15, "RETRY_BACKOFF_BASE_SECONDS": 300},
         {"NOTIFY_CHANNEL": "_hints_2"},
         {"BATCH_SIZE": 100_000},
+        {"LISTEN_DATABASE": "default"},
     ],
 )
 def test_edge_values_that_the_services_can_honour_pass(setting):

@@ -73,12 +73,13 @@ def manage(pgbouncer: PgBouncer, tmp_path: Path) -> Iterator[Any]:  # noqa: F811
     """Start ``manage.py <args>`` with DATABASE_URL through pgbouncer; kills leftovers at teardown."""
     started: list[Managed] = []
 
-    def start(name: str, *args: str) -> Managed:
+    def start(name: str, *args: str, **extra_env: str) -> Managed:
         env = {
             **os.environ,
             "DATABASE_URL": pgbouncer.url(application_name=name),
             "BUZZ_MIN_LEASE_SECONDS": "1",
             "LOG_LEVEL": "INFO",
+            **extra_env,
         }
         run = Managed(name, None, tmp_path / f"{name}.out", tmp_path / f"{name}.err")  # type: ignore[arg-type]
         with open(run.stdout, "w") as out, open(run.stderr, "w") as err:
@@ -364,3 +365,39 @@ def test_workers_through_pgbouncer_settle_each_delivery_once(manage, community):
     passes = reaper.lines()
     assert passes and all(p["outcome"] in ("ok", "stopped") for p in passes), passes
     assert sum(p.get("reclaimed", 0) + p.get("exhausted", 0) + p.get("expired", 0) for p in passes) == 0, passes
+
+
+@pytest.mark.parametrize("direct_listen", [False, True], ids=["listen-through-pgbouncer", "listen-direct"])
+def test_a_worker_behind_pgbouncer_hears_wake_hints_only_on_a_direct_listen_connection(
+    manage, community, direct_listen
+):
+    """Through a transaction pooler a LISTEN hears nothing; BUZZ_DELIVERY['LISTEN_DATABASE']
+    (here the project's BUZZ_LISTEN_DATABASE_URL) gives the listener a direct connection."""
+    from project.database_url import database_url
+
+    target = random32()
+    event = EventFactory(community=community)
+    run = WorkflowRunFactory(community=community)
+    extra = {"BUZZ_LISTEN_DATABASE_URL": database_url(connection.settings_dict)} if direct_listen else {}
+    worker = manage(
+        "listener",
+        "run_delivery_worker", "--community", str(community.id), "--target", target.hex(),
+        "--handler", "tests.worker_handlers:finish", "--poll-interval", "30", "--lease-seconds", "5",
+        **extra,
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while "listening channel=" not in worker.stderr.read_text():
+        assert time.monotonic() < deadline and worker.proc.poll() is None, worker.describe()
+        time.sleep(0.05)
+    time.sleep(1)  # past the worker's first poll: from here only a hint wakes it before 30 s
+
+    (delivery_id,) = services.commit_deliveries(
+        community.id, event, [BindingFactory(run=run, message_event=event, target_pubkey=target)]
+    )
+    deadline = time.monotonic() + 5
+    while WorkflowAgentDelivery.objects.get(id=delivery_id).status != "finished" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    heard = WorkflowAgentDelivery.objects.get(id=delivery_id).status == "finished"
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=20) == 0, worker.describe()
+    assert heard is direct_listen, worker.describe()

@@ -601,8 +601,9 @@ def run_worker(
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, on_signal)
+    listen_alias = get_settings().listen_database or connection.alias
     try:
-        return worker.run(connection.get_connection_params())
+        return worker.run(connections[listen_alias].get_connection_params())
     finally:
         for restored, previous_handler in previous.items():
             signal.signal(restored, previous_handler)
