@@ -126,7 +126,8 @@ class Workflow(CommunityScoped):
 
     class Meta:
         db_table = "buzz_delivery_workflow"
-        constraints = [models.UniqueConstraint(fields=["community", "id"], name="workflow_community_id_key")]
+        # The primary key is (community_id, id) in the database (migration 0007, SPEC 15).
+        indexes = [models.Index(fields=["id"], name="workflow_id_idx")]
         triggers = [triggers.write_fence()]
 
     def __str__(self) -> str:
@@ -144,8 +145,11 @@ class WorkflowRun(CommunityScoped):
 
     class Meta:
         db_table = "buzz_delivery_workflow_run"
-        constraints = [models.UniqueConstraint(fields=["community", "id"], name="workflow_run_community_id_key")]
-        indexes = [models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx")]
+        # The primary key is (community_id, id) in the database (migration 0007, SPEC 15).
+        indexes = [
+            models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx"),
+            models.Index(fields=["id"], name="workflow_run_id_idx"),
+        ]
         triggers = [triggers.write_fence()]
 
     def __str__(self) -> str:
@@ -164,6 +168,8 @@ class Event(CommunityScoped):
 
     class Meta:
         db_table = "buzz_delivery_event"
+        # The primary key is (community_id, id) in the database (migration 0007, SPEC 15).
+        indexes = [models.Index(fields=["id"], name="event_id_idx")]
         constraints = [
             models.UniqueConstraint(fields=["community", "event_id"], name="event_community_event_id_key"),
             models.CheckConstraint(condition=_len32("event_id"), name="event_event_id_32_bytes"),
@@ -299,17 +305,19 @@ class WorkflowAgentDelivery(CommunityScoped):
                 condition=Q(status="pending"),
                 name="delivery_pending_poll_idx",
             ),
-            # Reaper: claimed rows by lease deadline.
-            models.Index(fields=["lease_until"], condition=Q(status="claimed"), name="delivery_claimed_lease_idx"),
+            # Reaper, one community at a time (SPEC 15): claimed rows by lease deadline.
+            models.Index(
+                fields=["community", "lease_until"], condition=Q(status="claimed"), name="delivery_claimed_lease_idx"
+            ),
             # Reaper TTL pass: pending rows that carry a deadline.
             models.Index(
-                fields=["expires_at"],
+                fields=["community", "expires_at"],
                 condition=Q(status="pending", expires_at__isnull=False),
                 name="delivery_pending_expiry_idx",
             ),
             # Pruner: terminal rows by age.
             models.Index(
-                fields=["finished_at"],
+                fields=["community", "finished_at"],
                 condition=Q(status__in=["finished", "failed", "expired"]),
                 name="delivery_terminal_age_idx",
             ),
@@ -317,6 +325,8 @@ class WorkflowAgentDelivery(CommunityScoped):
             models.Index(fields=["community", "workflow"], name="delivery_workflow_idx"),
             models.Index(fields=["community", "message_event_id"], name="delivery_message_event_idx"),
             models.Index(fields=["created_at"], name="delivery_created_idx"),
+            # Lookups by id alone (the admin); the primary key is (community_id, id), migration 0007.
+            models.Index(fields=["id"], name="delivery_id_idx"),
         ]
         triggers = [
             triggers.write_fence(),

@@ -6,7 +6,9 @@
   the write (SQLSTATE ``BD001``) unless the community is ``active`` or the
   purge executor has identified itself for it.
 - :func:`lifecycle_forward_only` keeps ``Community.deletion_state`` moving one
-  step forward at a time and bumps ``fence_generation`` on each move (``BD002``).
+  step forward at a time and bumps ``fence_generation`` on each move (``BD002``); a move
+  takes the community's fence lock exclusively, so it waits for the writers inside a
+  transaction and queues the later ones behind it.
 - :func:`protect_retired_community` refuses to delete a community that left ``active``.
 """
 
@@ -68,6 +70,10 @@ def lifecycle_forward_only() -> pgtrigger.Trigger:
                     MESSAGE = 'buzz_delivery: a community id never changes';
             END IF;
             IF NEW.deletion_state IS DISTINCT FROM OLD.deletion_state THEN
+                -- The write fence's other side: writers hold this lock shared until they
+                -- commit; taken here, on the node that owns the community row, it waits for
+                -- them and queues later writers behind this move (SPEC sections 5, 15).
+                PERFORM pg_advisory_xact_lock({FENCE_LOCK_NAMESPACE}, hashtext(OLD.id::text));
                 old_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], OLD.deletion_state);
                 new_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], NEW.deletion_state);
                 IF new_rank IS DISTINCT FROM old_rank + 1 THEN

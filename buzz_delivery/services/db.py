@@ -3,6 +3,7 @@ PostgreSQL errors raised by our triggers and keys to domain errors."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,14 +23,34 @@ CONSTRAINT_FIELDS = {
 }
 
 
+# On Citus a constraint violated on a shard carries the shard's id as a suffix
+# (``delivery_run_same_community_102008``), and an error raised by a trigger on a worker can
+# reach the coordinator's client as XX000 with our message intact (SPEC section 15).
+_SHARD_SUFFIX = re.compile(r"_\d+$")
+_SQLSTATE_BY_MESSAGE = (
+    ("(write fence)", FENCE_SQLSTATE),
+    ("(states move forward one step at a time)", LIFECYCLE_SQLSTATE),
+)
+
+
 def _sqlstate(exc: BaseException) -> str | None:
     cause = exc.__cause__
-    return getattr(cause, "sqlstate", None)
+    state = getattr(cause, "sqlstate", None)
+    if state == "XX000":
+        text = str(cause)
+        for marker, ours in _SQLSTATE_BY_MESSAGE:
+            if text.startswith("buzz_delivery: ") and marker in text:
+                return ours
+    return state
 
 
-def _constraint(exc: BaseException) -> str | None:
+def constraint_name(exc: BaseException) -> str | None:
+    """The violated constraint's name from a wrapped psycopg error, without a Citus shard suffix."""
     diag = getattr(exc.__cause__, "diag", None)
-    return getattr(diag, "constraint_name", None)
+    name = getattr(diag, "constraint_name", None)
+    if name and name not in CONSTRAINT_FIELDS and _SHARD_SUFFIX.search(name):
+        return _SHARD_SUFFIX.sub("", name)
+    return name
 
 
 @contextmanager
@@ -38,7 +59,7 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
     try:
         yield
     except IntegrityError as exc:
-        name = _constraint(exc)
+        name = constraint_name(exc)
         if name in CONSTRAINT_FIELDS:
             field, message = CONSTRAINT_FIELDS[name]
             key = f"{field_prefix}{field}"

@@ -14,30 +14,36 @@ from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
 from buzz_delivery.models import LIFECYCLE_ORDER, Community
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 MAX_PURGE_BATCH = 100_000
 
-# The purge executor names itself to the write fence (migration 0002) with these two
-# transaction-local settings, and clears them before its batch commits.
-IDENTIFY_PURGE_EXECUTOR = (
-    "SELECT set_config('buzz_delivery.purge_community', %(community_id)s, true), "
-    "set_config('buzz_delivery.purge_fence_generation', %(fence_generation)s, true)"
-)
-FORGET_PURGE_EXECUTOR = (
-    "SELECT set_config('buzz_delivery.purge_community', '', true), "
-    "set_config('buzz_delivery.purge_fence_generation', '', true)"
-)
 
-
-def _lock_fence_exclusive(community: uuid.UUID) -> None:
-    # Writers hold this lock in shared mode (the write fence trigger) until they commit: taking
-    # it exclusively waits for them, and writers arriving later queue behind this move, then
-    # see the new state and are refused.
-    fetch_all(
-        "SELECT pg_advisory_xact_lock(%(ns)s, hashtext(%(id)s::text))",
-        {"ns": FENCE_LOCK_NAMESPACE, "id": community},
+# The purge executor names itself to the write fence (migrations 0002, 0005) with two
+# transaction-local settings, and clears them before its batch commits. ``SET LOCAL`` rather
+# than ``set_config()``: Citus propagates it to the nodes the transaction writes on
+# (``citus.propagate_set_commands = 'local'``), so the fence on a shard sees it (SPEC 15).
+# The values are a UUID and an integer formatted by us, never caller text.
+def _identify_purge_executor(community: Community) -> str:
+    return (
+        f"SET LOCAL buzz_delivery.purge_community = '{uuid.UUID(str(community.id))}'; "
+        f"SET LOCAL buzz_delivery.purge_fence_generation = '{int(community.fence_generation)}'"
     )
+
+
+FORGET_PURGE_EXECUTOR = (
+    "SET LOCAL buzz_delivery.purge_community = ''; SET LOCAL buzz_delivery.purge_fence_generation = ''"
+)
+# One batch of one catalog table; both DELETE and its subquery name the community (SPEC 15).
+PURGE_BATCH = (
+    "DELETE FROM {table} WHERE community_id = %(community_id)s AND {pk} IN "
+    "(SELECT {pk} FROM {table} WHERE community_id = %(community_id)s LIMIT %(batch_size)s)"
+)
+
+
+MOVE_IF_STATE = (
+    "UPDATE buzz_delivery_community SET deletion_state = %(state)s "
+    "WHERE id = %(id)s AND deletion_state = %(from)s RETURNING id"
+)
 
 
 def _count_rows(community: uuid.UUID) -> dict[str, int]:
@@ -48,7 +54,11 @@ def advance_community(community_id: uuid.UUID | str, state: str) -> Community:
     """Move a community one step forward: active -> quiescing -> fenced -> tombstone.
 
     Waits for writers already inside a transaction on that community, and lets no new writer
-    slip past (see the fence lock above). The database bumps ``fence_generation`` on each
+    slip past: the community row's lifecycle trigger takes the community's fence lock
+    exclusively, which writers hold in shared mode (the write-fence trigger) until they commit;
+    writers arriving later queue behind the move, then see the new state and are refused.
+    Both triggers run where the community's rows live, so the two sides meet on Citus too
+    (SPEC section 15). The database bumps ``fence_generation`` on each
     move and refuses backward or skipping moves even from raw SQL. Moving to ``tombstone``
     requires the community to hold no rows (use :func:`purge_community`).
 
@@ -60,8 +70,7 @@ def advance_community(community_id: uuid.UUID | str, state: str) -> Community:
     if state not in LIFECYCLE_ORDER:
         raise v.invalid("state", f"must be one of {', '.join(LIFECYCLE_ORDER)}, got {state!r}")
     with transaction.atomic():
-        _lock_fence_exclusive(community_uuid)
-        community = Community.objects.select_for_update().filter(id=community_uuid).first()
+        community = Community.objects.filter(id=community_uuid).first()
         if community is None:
             raise CommunityNotFound(f"no community {community_uuid}")
         current = LIFECYCLE_ORDER.index(community.deletion_state)
@@ -74,8 +83,16 @@ def advance_community(community_id: uuid.UUID | str, state: str) -> Community:
             left = {k: n for k, n in _count_rows(community_uuid).items() if n}
             if left:
                 raise LifecycleError(f"community {community_uuid} still holds rows {left}; purge it first")
+        # One statement, guarded by the state it moves from. Its trigger takes the community's
+        # fence lock exclusively (on the node that owns the community row, under Citus).
         with translated_errors():
-            Community.objects.filter(id=community_uuid).update(deletion_state=state)
+            moved = fetch_all(MOVE_IF_STATE, {"id": community_uuid, "state": state, "from": community.deletion_state})
+        if not moved:
+            now_in = Community.objects.get(id=community_uuid).deletion_state
+            raise LifecycleError(
+                f"community {community_uuid} cannot move from {now_in} to {state} "
+                "(states move forward one step at a time; another move came first)"
+            )
         community.refresh_from_db()
     return community
 
@@ -103,16 +120,15 @@ class PurgeResult:
 
 def _delete_batch(statement: str, community: Community, size: int) -> int:
     with transaction.atomic(), translated_errors():
-        fetch_all(
-            IDENTIFY_PURGE_EXECUTOR,
-            {"community_id": str(community.id), "fence_generation": str(community.fence_generation)},
-        )
+        with connection.cursor() as cursor:
+            cursor.execute(_identify_purge_executor(community))
         with connection.cursor() as cursor:
             cursor.execute(statement, {"community_id": community.id, "batch_size": size})
             count = cursor.rowcount
         # Commit and rollback end the settings anyway; clearing them also keeps them from
         # outliving this batch when the caller wrapped the purge in its own transaction.
-        fetch_all(FORGET_PURGE_EXECUTOR, {})
+        with connection.cursor() as cursor:
+            cursor.execute(FORGET_PURGE_EXECUTOR)
     return count
 
 
@@ -125,7 +141,7 @@ def purge_community(
     emptied by DELETE statements of at most ``batch_size`` rows (1..100,000; default
     ``BATCH_SIZE``), each in its own transaction (a savepoint when the caller holds one), in
     which the purge executor identifies itself to the write fence for this community and its
-    current fence generation only (``set_config(..., true)``: transaction-local, and cleared
+    current fence generation only (``SET LOCAL``: transaction-local, and cleared
     again before the batch ends). Other communities are never touched. The community row is
     kept. ``dry_run`` counts the rows and writes nothing.
 
@@ -153,10 +169,7 @@ def purge_community(
     for model in catalog_models():
         table = connection.ops.quote_name(model._meta.db_table)
         pk = connection.ops.quote_name(cast(str, model._meta.pk.column))
-        statement = (
-            f"DELETE FROM {table} WHERE {pk} IN "
-            f"(SELECT {pk} FROM {table} WHERE community_id = %(community_id)s LIMIT %(batch_size)s)"
-        )
+        statement = PURGE_BATCH.format(table=table, pk=pk)
         deleted = 0
         while True:
             count = _delete_batch(statement, community, size)

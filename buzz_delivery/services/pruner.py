@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW, NOT_FENCE_BUSY, fleet_batch
+from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.reaper import community_batch, walk_communities
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW
 
 logger = logging.getLogger("buzz_delivery.pruner")
 
@@ -31,19 +31,32 @@ DELIVERY = WorkflowAgentDelivery._meta.db_table
 MAX_RETENTION = dt.timedelta(days=36_500)
 PRUNABLE_STATUSES: tuple[str, ...] = tuple(s.value for s in TERMINAL_STATUSES)
 
+_OLD_ENOUGH_AT = (
+    "d.status = %(status)s AND d.finished_at < %(now)s::timestamptz - make_interval(secs => %(age_seconds)s)"
+)
 _OLD_ENOUGH = f"d.status = %(status)s AND d.finished_at < {MAINTENANCE_NOW} - make_interval(secs => %(age_seconds)s)"
 
-# Walks delivery_terminal_age_idx (finished_at, partial on terminal statuses) oldest first.
-_OLD_ENOUGH_CANDIDATES = f"""SELECT d.id, d.community_id FROM {DELIVERY} AS d
-    WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY} AND {NOT_FENCE_BUSY}
+# The walk: active communities holding old-enough rows of the status, in id order (one probe of
+# delivery_terminal_age_idx, which leads with community_id, per community).
+COMMUNITIES_TO_PRUNE = f"""
+SELECT c.id FROM {COMMUNITY} AS c
+WHERE c.deletion_state = 'active' AND c.id > %(after)s
+  AND EXISTS (SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND {_OLD_ENOUGH_AT})
+ORDER BY c.id
+LIMIT %(page)s
+"""
+# One community's batch, oldest first.
+DELETE_TERMINAL_OLDER_THAN = f"""
+WITH batch AS MATERIALIZED (
+    SELECT d.id FROM {DELIVERY} AS d
+    WHERE d.community_id = %(community_id)s AND {_OLD_ENOUGH_AT} AND {ACTIVE_COMMUNITY}
     ORDER BY d.finished_at
     LIMIT %(batch_size)s
-    FOR UPDATE OF d SKIP LOCKED"""
-DELETE_TERMINAL_OLDER_THAN = f"""
-WITH {fleet_batch(_OLD_ENOUGH_CANDIDATES)}
+    FOR UPDATE OF d SKIP LOCKED
+)
 DELETE FROM {DELIVERY} AS d
 USING batch
-WHERE d.id = batch.id AND {_OLD_ENOUGH}
+WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OLD_ENOUGH_AT}
 RETURNING d.id
 """
 
@@ -88,20 +101,6 @@ def _retention(retention: Mapping[str, dt.timedelta]) -> dict[str, float]:
     return ages
 
 
-def _delete_batch(params: dict[str, object]) -> int:
-    # A community fenced between the statement's snapshot and its trigger makes the fence
-    # refuse the whole batch; the next statement's snapshot sees the new state.
-    for attempt in (1, 2):
-        try:
-            with translated_errors():
-                return len(fetch_all(DELETE_TERMINAL_OLDER_THAN, params))
-        except CommunityNotWritable:
-            if attempt == 2:
-                raise
-            logger.info("a community was fenced during a prune batch; retrying the batch")
-    return 0
-
-
 def prune_deliveries(
     retention: Mapping[str, dt.timedelta],
     *,
@@ -114,7 +113,9 @@ def prune_deliveries(
     ``retention``: terminal status (``finished``, ``failed``, ``expired``) -> minimum age
     (a positive :class:`datetime.timedelta`); statuses not named are never pruned.
     ``batch_size``: rows per DELETE (1..100,000; default ``BATCH_SIZE``), each its own short
-    transaction when called in autocommit. ``max_batches``: stop after that many statements
+    transaction (a savepoint inside a caller's), one community at a time: the prune walks the
+    active communities that hold old-enough rows (SPEC section 15), and leaves one whose
+    write-fence lock a lifecycle move holds for a later run. ``max_batches``: stop after that many statements
     (None = until done). ``dry_run``: count what would be deleted, delete nothing.
 
     Non-terminal rows are never deleted. Returns a :class:`PruneResult`; raises
@@ -134,11 +135,17 @@ def prune_deliveries(
             deleted[status] = fetch_all(COUNT_PRUNABLE, params)[0][0]
             continue
         deleted[status] = 0
-        while limit is None or batches < limit:
-            count = _delete_batch(params)
-            batches += 1
-            deleted[status] += count
-            if count < size:
+        now = fetch_all("SELECT now()", {})[0][0]
+        for community in walk_communities(COMMUNITIES_TO_PRUNE, {**params, "now": now}):
+            while limit is None or batches < limit:
+                rows = community_batch(DELETE_TERMINAL_OLDER_THAN, {**params, "community_id": community})
+                batches += 1
+                if rows is None:  # its fence lock is busy (a lifecycle move): the next run
+                    break
+                deleted[status] += len(rows)
+                if len(rows) < size:
+                    break
+            if limit is not None and batches >= limit:
                 break
     result = PruneResult(deleted=deleted, skipped_fenced=skipped, batches=batches, dry_run=dry_run)
     if not dry_run and (result.total or skipped):

@@ -1,9 +1,15 @@
 """The reaper (SPEC sections 4.6 and 6): returns lapsed leases to ``pending`` and ends
-deliveries whose attempts or deadline ran out. Fleet-wide, in bounded batches."""
+deliveries whose attempts or deadline ran out. Fleet-wide, by walking communities in bounded
+batches (SPEC section 15)."""
 
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from django.db import OperationalError, transaction
 
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import CommunityNotWritable
@@ -14,38 +20,99 @@ from buzz_delivery.services.types import ReapResult
 
 logger = logging.getLogger("buzz_delivery.reaper")
 
+# How long one community's batch may wait for its write-fence lock before the walk moves on:
+# a lifecycle move holds it exclusively (or queues for it) while writers finish, and one
+# tenant's move must never stall the maintenance of the others (SPEC section 4.6).
+FENCE_WAIT_MS = 200
+# Communities read per page of the walk.
+WALK_PAGE = 500
+_NIL = uuid.UUID(int=0)
+LOCK_NOT_AVAILABLE = "55P03"
 
-def _run_batch(statement: str, batch_size: int) -> list[str]:
-    # A community fenced between the statement's snapshot and its trigger makes the
-    # fence refuse the whole batch; the next statement's snapshot sees the new state.
-    for attempt in (1, 2):
-        try:
+
+def walk_communities(statement: str, params: dict[str, object]) -> Iterator[uuid.UUID]:
+    """Yield the community ids ``statement`` selects, a page at a time in id order.
+
+    ``statement`` takes ``%(after)s`` (the last id seen) and ``%(page)s`` plus ``params``."""
+    after = _NIL
+    while True:
+        page = [row[0] for row in fetch_all(statement, {**params, "after": after, "page": WALK_PAGE})]
+        yield from page
+        if len(page) < WALK_PAGE:
+            return
+        after = page[-1]
+
+
+def community_batch(statement: str, params: dict[str, object]) -> list[tuple[object, ...]] | None:
+    """Run one community's maintenance batch in its own transaction (a savepoint inside a
+    caller's) and return its rows; ``None`` when the community's fence lock was not free within
+    :data:`FENCE_WAIT_MS` or the community stopped being writable meanwhile.
+
+    The transaction reads ``now()`` once and hands it to the statement as ``%(now)s``, and
+    bounds lock waits with ``SET LOCAL lock_timeout`` (which Citus propagates to the node that
+    owns the community with ``citus.propagate_set_commands = 'local'``); the caller's own
+    ``lock_timeout`` is put back before the batch ends."""
+    try:
+        with transaction.atomic():
+            previous, now = fetch_all("SELECT current_setting('lock_timeout'), now()", {})[0]
+            fetch_all(f"SET LOCAL lock_timeout = {int(FENCE_WAIT_MS)}", {})
             with translated_errors():
-                return [row[0] for row in fetch_all(statement, {"batch_size": batch_size})]
-        except CommunityNotWritable:
-            if attempt == 2:
-                raise
-            logger.info("a community was fenced during a reap batch; retrying the batch")
-    return []
+                rows = fetch_all(statement, {**params, "now": now})
+            fetch_all("SELECT set_config('lock_timeout', %(previous)s, true)", {"previous": previous})
+            return rows
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            return None
+        raise
+    except CommunityNotWritable:
+        return None
+
+
+@dataclass
+class _Tally:
+    counts: dict[str, int] = field(default_factory=lambda: {"pending": 0, "failed": 0, "expired": 0})
+    batches: int = 0
+    busy: set[uuid.UUID] = field(default_factory=set)
+
+
+def _reap_community(community: uuid.UUID, size: int, limit: int | None, tally: _Tally) -> bool:
+    """Reap one community until it is done or the batch budget ends; False when the budget ended."""
+    for statement in (sql.REAP_LAPSED_LEASES, sql.EXPIRE_OVERDUE_PENDING):
+        while True:
+            if limit is not None and tally.batches >= limit:
+                return False
+            rows = community_batch(statement, {"community_id": community, "batch_size": size})
+            tally.batches += 1
+            if rows is None:
+                tally.busy.add(community)
+                return True
+            for (status,) in rows:
+                tally.counts[status] += 1
+            if len(rows) < size:
+                break
+    return True
 
 
 def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False) -> ReapResult:
-    """Reap every community at once and return a :class:`ReapResult`.
+    """Reap every community and return a :class:`ReapResult`.
 
     Lapsed leases (``claimed`` with ``lease_until < now()``) of active communities go back to
     ``pending`` with generation + 1, or end ``failed``/``attempts_exhausted`` on their last
     allowed attempt, or ``expired``/``delivery_expired`` past ``expires_at``. Pending
     deliveries past ``expires_at`` end ``expired``. Every move bumps the generation, so the
-    prior holder is fenced. Communities that are not active are filtered out inside each
-    statement, so one fenced tenant never aborts the reap of healthy ones; a community whose
-    write-fence lock is held or awaited by a lifecycle move is skipped for that batch and
-    counted in ``skipped_busy``, never waited on, so one tenant's move never stalls the others
-    (a move that queues during a batch can make that batch come back short, which ends the
-    run early; the next run picks the rest up).
+    prior holder is fenced.
 
-    ``batch_size``: rows per statement (1..100,000; default ``BATCH_SIZE``), each statement
-    its own short transaction. ``max_batches``: stop after that many statements (None = until
-    done). ``dry_run``: count what would be done, write nothing.
+    The reap walks the active communities that have work (:data:`sql.COMMUNITIES_TO_REAP`),
+    and for each runs batches of at most ``batch_size`` rows, each one statement naming that
+    community, in its own short transaction. Communities that are not active are filtered out
+    inside each statement, so one fenced tenant never aborts the reap of healthy ones; a
+    community whose write-fence lock a lifecycle move holds or awaits is left after
+    :data:`FENCE_WAIT_MS` and counted in ``skipped_busy``, so one tenant's move never stalls
+    the others (the next run picks it up).
+
+    ``batch_size``: rows per statement (1..100,000; default ``BATCH_SIZE``). ``max_batches``:
+    stop after that many statements (None = until done). ``dry_run``: count what would be
+    done, write nothing. Raises ``ValidationError`` naming the argument.
     """
     size = v.int_in_range(batch_size if batch_size is not None else get_settings().batch_size, "batch_size", 1, 100_000)
     limit = v.int_in_range(max_batches, "max_batches", 1, 10**9) if max_batches is not None else None
@@ -53,27 +120,22 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
         row = fetch_all(sql.COUNT_REAPABLE, {})[0]
         return ReapResult(reclaimed=row[0], exhausted=row[1], expired=row[2], skipped_fenced=row[3], dry_run=True)
 
-    counts = {"pending": 0, "failed": 0, "expired": 0}
-    batches = 0
-    for statement in (sql.REAP_LAPSED_LEASES, sql.EXPIRE_OVERDUE_PENDING):
-        while limit is None or batches < limit:
-            statuses = _run_batch(statement, size)
-            batches += 1
-            for status in statuses:
-                counts[status] += 1
-            if len(statuses) < size:
-                break
+    tally = _Tally()
+    now = fetch_all("SELECT now()", {})[0][0]
+    for community in walk_communities(sql.COMMUNITIES_TO_REAP, {"now": now}):
+        if not _reap_community(community, size, limit, tally):
+            break
     skipped = fetch_all(sql.COUNT_FENCED_LAPSED, {})[0][0]
-    busy = fetch_all(sql.COUNT_BUSY_LAPSED, {})[0][0]
+    counts = tally.counts
     result = ReapResult(
         reclaimed=counts["pending"],
         exhausted=counts["failed"],
         expired=counts["expired"],
         skipped_fenced=skipped,
-        skipped_busy=busy,
-        batches=batches,
+        skipped_busy=len(tally.busy),
+        batches=tally.batches,
     )
-    if result.total or skipped or busy:
+    if result.total or skipped or tally.busy:
         logger.info(
             "reaped %d deliveries: %d reclaimed, %d attempts exhausted, %d expired; %d skipped (community fenced); "
             "%d communities skipped (lifecycle move in progress)",
@@ -82,7 +144,7 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
             result.exhausted,
             result.expired,
             skipped,
-            busy,
+            len(tally.busy),
         )
     return result
 

@@ -8,16 +8,20 @@ transaction's start). Statements that
 pick rows lock them with ``FOR UPDATE ... SKIP LOCKED`` inside a MATERIALIZED CTE,
 so the LIMIT is applied exactly once, and every UPDATE re-checks its whole guard.
 Statements that act on a community also require it to be ``active`` inside the
-statement, so a fenced tenant is a miss rather than a write-fence error. Fleet-wide
-statements (reaper, pruner) also skip, for that batch, any community whose write-fence lock
-is not free at once (:func:`fleet_batch`): a lifecycle move queued behind a writer of
-community X must never stall the maintenance of every other community (SPEC section 4.6).
+statement, so a fenced tenant is a miss rather than a write-fence error.
+
+Every statement keeps Citus's router form (SPEC section 15; ``tests/test_scale_out_rules.py``
+checks it): each UPDATE names ``community_id`` in its own WHERE, so it runs on the one node
+that owns the community; no CASE holds a non-immutable call (time comparisons inside one use
+:data:`buzz_delivery_when` or a ``%(now)s`` the caller read from the database clock), and time
+arithmetic on a column goes through the IMMUTABLE ``buzz_delivery_plus_seconds`` (migration
+0007). Fleet-wide maintenance walks communities, one community per statement
+(:data:`COMMUNITIES_TO_REAP`).
 """
 
 from __future__ import annotations
 
 from buzz_delivery.models import WorkflowAgentDelivery
-from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
@@ -33,41 +37,6 @@ RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 DB_NOW = "buzz_delivery_now()"
 
 ACTIVE_COMMUNITY = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
-# Fleet-wide maintenance never waits on a community's write-fence lock: a lifecycle move that
-# holds it or waits for it (PostgreSQL queues new shared requests behind a waiting exclusive one)
-# would stall the batch, and with it every other community. Two guards, neither of which takes
-# a lock per row scanned (the lock table is bounded):
-# - FENCE_LOCK_BUSY: the fence-lock keys some session holds or awaits exclusively right now, read
-#   from pg_locks once per statement; candidate rows of those communities are left out before
-#   the LIMIT, so they never crowd healthy rows out of a batch;
-# - FENCE_LOCK_FREE: a try-lock, taken only for the distinct communities of a batch's candidates,
-#   closes the race with a move that queued after pg_locks was read. Taken, the lock is held to
-#   the end of the statement's transaction, so the write-fence trigger gets it again at once.
-FENCE_LOCK_BUSY = f"""(
-    SELECT l.objid FROM pg_locks AS l
-    WHERE l.locktype = 'advisory' AND l.mode = 'ExclusiveLock'
-      AND l.classid = {FENCE_LOCK_NAMESPACE}::oid AND l.objsubid = 2
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-)"""
-NOT_FENCE_BUSY = f"hashtext(d.community_id::text)::oid NOT IN {FENCE_LOCK_BUSY}"
-FENCE_LOCK_FREE = f"pg_try_advisory_xact_lock_shared({FENCE_LOCK_NAMESPACE}, hashtext(c.community_id::text))"
-
-
-def fleet_batch(candidates: str) -> str:
-    """``candidates`` (a SELECT of ``d.id, d.community_id`` ... ``LIMIT ... FOR UPDATE SKIP
-    LOCKED`` that already leaves out :data:`NOT_FENCE_BUSY` communities), narrowed to the rows
-    whose community's fence lock this statement could take at once: the CTE ``batch(id)``."""
-    return f"""candidates AS MATERIALIZED (
-    {candidates}
-),
-free AS MATERIALIZED (
-    SELECT c.community_id FROM (SELECT DISTINCT community_id FROM candidates) AS c WHERE {FENCE_LOCK_FREE}
-),
-batch AS MATERIALIZED (
-    SELECT candidates.id FROM candidates JOIN free USING (community_id)
-)"""
-
-
 LEASE_END = f"LEAST({DB_NOW} + make_interval(secs => %(lease_seconds)s), d.expires_at)"
 CURRENT_LEASE = f"""
     d.community_id = %(community_id)s
@@ -171,7 +140,7 @@ SET status = 'claimed',
     lease_until = {LEASE_END},
     next_attempt_at = NULL
 FROM candidate
-WHERE d.id = candidate.id AND d.status = 'pending'
+WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
 RETURNING {RETURNING_CLAIM_COLUMNS}
 """
 
@@ -223,10 +192,10 @@ _BACKOFF_SECONDS = (
 RETRY_IF_CURRENT_GENERATION = f"""
 UPDATE {DELIVERY} AS d
 SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
-    finished_at = CASE WHEN {_EXHAUSTED} THEN {DB_NOW} END,
+    finished_at = buzz_delivery_when({_EXHAUSTED}, {DB_NOW}),
     failure_code = CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
     failure_message = CASE WHEN {_EXHAUSTED} THEN %(failure_message)s END,
-    next_attempt_at = CASE WHEN {_EXHAUSTED} THEN NULL ELSE {DB_NOW} + make_interval(secs => {_BACKOFF_SECONDS}) END,
+    next_attempt_at = buzz_delivery_when(NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_BACKOFF_SECONDS})),
     lease_until = NULL,
     claimed_at = NULL
 WHERE {CURRENT_LEASE}
@@ -241,23 +210,41 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 
 # --- reaper -----------------------------------------------------------------
 
-# Fleet-wide maintenance judges by ``now()``: it runs in autocommit, where that is the
-# statement's start; called inside a caller's transaction, an older ``now()`` only makes it
-# do less (a lease that lapsed before the transaction began has surely lapsed), never reap a
-# live lease or expire a delivery early.
+# Fleet-wide maintenance judges by ``now()``: it runs each batch in its own transaction and
+# reads ``now()`` (the transaction's start) once, passing it as ``%(now)s`` to the batch's
+# statement; an older time only makes it do less (a lease that lapsed before the transaction
+# began has surely lapsed), never reap a live lease or expire a delivery early.
 MAINTENANCE_NOW = "now()"
 
-_PAST_TTL = f"(d.expires_at IS NOT NULL AND d.expires_at <= {MAINTENANCE_NOW})"
-_LAPSED_CANDIDATES = f"""SELECT d.id, d.community_id FROM {DELIVERY} AS d
-    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {NOT_FENCE_BUSY}
+_LAPSED = "d.status = 'claimed' AND d.lease_until < %(now)s"
+_OVERDUE = "d.status = 'pending' AND d.expires_at <= %(now)s"
+_PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= %(now)s)"
+
+# The walk: active communities that have lapsed leases or overdue pending deliveries, in id
+# order after ``%(after)s``, a page at a time. One index probe per community (the partial
+# indexes lead with community_id); on Citus a pushed-down join of colocated tables.
+COMMUNITIES_TO_REAP = f"""
+SELECT c.id FROM {COMMUNITY} AS c
+WHERE c.deletion_state = 'active' AND c.id > %(after)s
+  AND (EXISTS (SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND {_LAPSED})
+       OR EXISTS (SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND {_OVERDUE}))
+ORDER BY c.id
+LIMIT %(page)s
+"""
+
+# One community's batch; its write-fence trigger takes the community's fence lock, which the
+# caller bounds with a lock timeout so a lifecycle move of this community never stalls the walk.
+REAP_LAPSED_LEASES = f"""
+WITH batch AS MATERIALIZED (
+    SELECT d.id FROM {DELIVERY} AS d
+    WHERE d.community_id = %(community_id)s AND {_LAPSED} AND {ACTIVE_COMMUNITY}
     ORDER BY d.lease_until
     LIMIT %(batch_size)s
-    FOR UPDATE OF d SKIP LOCKED"""
-REAP_LAPSED_LEASES = f"""
-WITH {fleet_batch(_LAPSED_CANDIDATES)}
+    FOR UPDATE OF d SKIP LOCKED
+)
 UPDATE {DELIVERY} AS d
 SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
-    finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN {MAINTENANCE_NOW} END,
+    finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN %(now)s::timestamptz END,
     failure_code = CASE WHEN {_PAST_TTL} THEN 'delivery_expired'
                         WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
     failure_message = CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed'
@@ -266,36 +253,38 @@ SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed
     lease_until = NULL,
     claimed_at = NULL
 FROM batch
-WHERE d.id = batch.id AND d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
+WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED}
 RETURNING d.status
 """
 
-_OVERDUE_CANDIDATES = f"""SELECT d.id, d.community_id FROM {DELIVERY} AS d
-    WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY} AND {NOT_FENCE_BUSY}
+EXPIRE_OVERDUE_PENDING = f"""
+WITH batch AS MATERIALIZED (
+    SELECT d.id FROM {DELIVERY} AS d
+    WHERE d.community_id = %(community_id)s AND {_OVERDUE} AND {ACTIVE_COMMUNITY}
     ORDER BY d.expires_at
     LIMIT %(batch_size)s
-    FOR UPDATE OF d SKIP LOCKED"""
-EXPIRE_OVERDUE_PENDING = f"""
-WITH {fleet_batch(_OVERDUE_CANDIDATES)}
+    FOR UPDATE OF d SKIP LOCKED
+)
 UPDATE {DELIVERY} AS d
 SET status = 'expired',
-    finished_at = {MAINTENANCE_NOW},
+    finished_at = %(now)s,
     failure_code = 'delivery_expired',
     failure_message = 'deadline passed before a claim',
     lease_generation = d.lease_generation + 1,
     next_attempt_at = NULL
 FROM batch
-WHERE d.id = batch.id AND d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
+WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OVERDUE}
 RETURNING d.status
 """
 
+_PAST_TTL_NOW = f"(d.expires_at IS NOT NULL AND d.expires_at <= {MAINTENANCE_NOW})"
 COUNT_REAPABLE = f"""
 SELECT
-    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND NOT {_EXHAUSTED}
+    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL_NOW} AND NOT {_EXHAUSTED}
                      AND c.deletion_state = 'active'),
-    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL} AND {_EXHAUSTED}
+    count(*) FILTER (WHERE d.status = 'claimed' AND NOT {_PAST_TTL_NOW} AND {_EXHAUSTED}
                      AND c.deletion_state = 'active'),
-    count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL}) AND c.deletion_state = 'active'),
+    count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL_NOW}) AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
 FROM (
     SELECT * FROM {DELIVERY} AS d WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
@@ -311,14 +300,6 @@ JOIN {COMMUNITY} AS c ON c.id = d.community_id
 WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_state <> 'active'
 """
 
-# Active communities with lapsed leases whose write-fence lock a lifecycle move holds or awaits
-# right now: the reap batches skipped them. Reads pg_locks; takes no lock.
-COUNT_BUSY_LAPSED = f"""
-SELECT count(DISTINCT d.community_id) FROM {DELIVERY} AS d
-WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND {ACTIVE_COMMUNITY}
-  AND NOT ({NOT_FENCE_BUSY})
-"""
-
 # --- operator actions (admin) --------------------------------------------------
 
 REQUEUE_IF_TERMINAL_FAILURE = f"""
@@ -329,7 +310,7 @@ SET status = 'pending',
     failure_message = NULL,
     attempt = 0,
     next_attempt_at = NULL,
-    expires_at = CASE WHEN d.expires_at <= {DB_NOW} THEN NULL ELSE d.expires_at END,
+    expires_at = buzz_delivery_when(d.expires_at > {DB_NOW}, d.expires_at),
     lease_generation = d.lease_generation + 1
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status IN ('failed', 'expired') AND {ACTIVE_COMMUNITY}
