@@ -48,9 +48,12 @@ def backdate_lease(delivery_id, seconds: float = 3600) -> None:
     """Stand-in for time passing: move a lease deadline into the past (raw SQL)."""
     with connection.cursor() as cursor:
         cursor.execute(
+            # Router form (SPEC 15): the community named, column arithmetic through the
+            # IMMUTABLE helper, so the same helper works on a Citus cluster.
             "UPDATE buzz_delivery_delivery SET lease_until = now() - make_interval(secs => %s),"
-            " claimed_at = claimed_at - make_interval(secs => %s) WHERE id = %s",
-            [seconds, seconds, delivery_id],
+            " claimed_at = buzz_delivery_plus_seconds(claimed_at, -%s)"
+            " WHERE community_id = (SELECT community_id FROM buzz_delivery_delivery WHERE id = %s) AND id = %s",
+            [seconds, seconds, delivery_id, delivery_id],
         )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery import models
+from buzz_delivery.services.db import sqlstate_of
 from buzz_delivery.testing import (
     BindingFactory,
     DeliveryFactory,
@@ -39,7 +40,7 @@ RAW_WRITES: dict[str, dict[str, str]] = {
         "insert": "INSERT INTO buzz_delivery_workflow_run (id, community_id, workflow_id) "
         "SELECT gen_random_uuid(), community_id, id FROM buzz_delivery_workflow WHERE community_id = %(c)s "
         "LIMIT 1",
-        "update": "UPDATE buzz_delivery_workflow_run SET created_at = created_at - interval '1 second' "
+        "update": "UPDATE buzz_delivery_workflow_run SET created_at = buzz_delivery_plus_seconds(created_at, -1) "
         "WHERE community_id = %(c)s",
         "delete": "DELETE FROM buzz_delivery_workflow_run WHERE community_id = %(c)s",
     },
@@ -56,7 +57,7 @@ RAW_WRITES: dict[str, dict[str, str]] = {
         "SELECT gen_random_uuid(), community_id, workflow_id, run_id, step_id || '-raw', target_pubkey, "
         "definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for, "
         "cause_webhook_invocation_id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1",
-        "update": "UPDATE buzz_delivery_delivery SET created_at = created_at - interval '1 second' "
+        "update": "UPDATE buzz_delivery_delivery SET created_at = buzz_delivery_plus_seconds(created_at, -1) "
         "WHERE community_id = %(c)s",
         "delete": "DELETE FROM buzz_delivery_delivery WHERE community_id = %(c)s",
     },
@@ -98,8 +99,9 @@ def community_snapshot(community_id: uuid.UUID) -> dict[str, list[tuple[Any, ...
 
 
 def sqlstate(exc: BaseException) -> str | None:
-    """The PostgreSQL SQLSTATE behind a Django database error."""
-    return getattr(exc.__cause__, "sqlstate", None)
+    """The PostgreSQL SQLSTATE behind a Django database error (ours, when Citus relayed a
+    trigger's error from a worker as XX000)."""
+    return sqlstate_of(exc)
 
 
 def raw_write(sql: str, params: dict[str, Any]) -> str | None:

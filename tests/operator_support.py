@@ -58,7 +58,7 @@ def backdate_finished(delivery_id: object, seconds: float) -> None:
     with connection.cursor() as cursor:
         cursor.execute(
             "UPDATE buzz_delivery_delivery SET finished_at = now() - make_interval(secs => %s),"
-            " created_at = created_at - make_interval(secs => %s) WHERE id = %s",
+            " created_at = buzz_delivery_plus_seconds(created_at, -%s) WHERE id = %s",
             [seconds, seconds, delivery_id],
         )
 

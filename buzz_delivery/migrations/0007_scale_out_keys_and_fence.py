@@ -20,6 +20,15 @@ from django.db import migrations, models
 _0002 = importlib.import_module("buzz_delivery.migrations.0002_tenant_keys_and_write_fence")
 KEYED_TABLES = ("buzz_delivery_workflow", "buzz_delivery_workflow_run", "buzz_delivery_event", "buzz_delivery_delivery")
 
+_0005 = importlib.import_module("buzz_delivery.migrations.0005_delivery_history_guards")
+# A move no longer locks the community row FOR UPDATE before its UPDATE (its trigger takes the
+# fence lock instead), and a non-key UPDATE does not conflict with FOR KEY SHARE: a writer whose
+# REPEATABLE READ snapshot predates the move must lock the row FOR SHARE to get its 40001.
+FENCE_FUNCTION = _0005.FENCE_FUNCTION_SNAPSHOT_SAFE.replace(
+    "WHERE id = cid FOR KEY SHARE;", "WHERE id = cid FOR SHARE;"
+)
+assert FENCE_FUNCTION != _0005.FENCE_FUNCTION_SNAPSHOT_SAFE
+
 HELPERS = """
 CREATE OR REPLACE FUNCTION buzz_delivery_when(cond boolean, value anyelement) RETURNS anyelement
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE WHEN cond THEN value END $$;
@@ -58,6 +67,7 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.RunSQL(sql=HELPERS, reverse_sql=DROP_HELPERS),
+        migrations.RunSQL(sql=FENCE_FUNCTION, reverse_sql=_0005.FENCE_FUNCTION_SNAPSHOT_SAFE),
         # Foreign keys first (they depend on the unique keys), then the keys, then back.
         migrations.RunSQL(sql=_drop_fks(), reverse_sql=_add_fks()),
         pgtrigger.migrations.RemoveTrigger(

@@ -33,7 +33,9 @@ _SQLSTATE_BY_MESSAGE = (
 )
 
 
-def _sqlstate(exc: BaseException) -> str | None:
+def sqlstate_of(exc: BaseException) -> str | None:
+    """The SQLSTATE behind a Django database error; ours (``BD001``...) again when Citus relayed
+    a trigger's error from a worker as ``XX000``."""
     cause = exc.__cause__
     state = getattr(cause, "sqlstate", None)
     if state == "XX000":
@@ -66,7 +68,7 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
             raise ValidationError({key: [f"{key}: {message}"]}, code="invalid") from exc
         raise
     except DatabaseError as exc:
-        state = _sqlstate(exc)
+        state = sqlstate_of(exc)
         if state == FENCE_SQLSTATE:
             raise CommunityNotWritable(str(exc.__cause__).splitlines()[0]) from exc
         if state == LIFECYCLE_SQLSTATE:
