@@ -27,6 +27,8 @@ import psycopg
 PG_BIN = Path(os.environ.get("BUZZ_PG_BIN", "/usr/lib/postgresql/15/bin"))
 BASE_PORT = int(os.environ.get("BUZZ_CITUS_BASE_PORT", "9700"))
 COORDINATOR_ENV = "BUZZ_CITUS_COORDINATOR_URL"
+# Set by ``python -m tests.citus_mode``: the suite runs on a distributed database.
+CITUS_MODE = os.environ.get("BUZZ_CITUS_MODE") == "1"
 
 
 def citus_installed() -> bool:

@@ -115,12 +115,12 @@ def raw_write(sql: str, params: dict[str, Any]) -> str | None:
 
 
 def identify_as_purge_executor(community_id: uuid.UUID | str, fence_generation: int | str) -> None:
-    """Set the two transaction-local settings the write fence reads (as the purge executor does)."""
+    """Set the two transaction-local settings the write fence reads (as the purge executor
+    does: ``SET LOCAL``, which Citus propagates to the workers)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT set_config('buzz_delivery.purge_community', %s, true), "
-            "set_config('buzz_delivery.purge_fence_generation', %s, true)",
-            [str(community_id), str(fence_generation)],
+            f"SET LOCAL buzz_delivery.purge_community = '{uuid.UUID(str(community_id))}'; "
+            f"SET LOCAL buzz_delivery.purge_fence_generation = '{int(fence_generation)}'"
         )
 
 

@@ -16,6 +16,7 @@ from buzz_delivery.models import Community, Event, WorkflowAgentDelivery, Workfl
 from buzz_delivery.services import LeaseLost
 from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, advance_to
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
+from tests.citus_support import CITUS_MODE
 from tests.conftest import backdate_lease
 from tests.lifecycle_support import (
     RAW_WRITES,
@@ -271,6 +272,7 @@ def _backend_pid() -> int:
         return cursor.fetchone()[0]
 
 
+@pytest.mark.skipif(CITUS_MODE, reason="reads pg_locks, which on Citus is on the workers: tests/test_citus.py")
 @pytest.mark.django_db(transaction=True)
 def test_a_move_waits_for_a_writer_inside_its_transaction_and_lets_no_later_writer_slip_past(community, make_binding):
     delivery = DeliveryFactory(binding=make_binding())

@@ -29,12 +29,24 @@ FENCE_FUNCTION = _0005.FENCE_FUNCTION_SNAPSHOT_SAFE.replace(
 )
 assert FENCE_FUNCTION != _0005.FENCE_FUNCTION_SNAPSHOT_SAFE
 
+# PL/pgSQL, not SQL: a SQL function would be inlined back into the CASE Citus refuses.
 HELPERS = """
 CREATE OR REPLACE FUNCTION buzz_delivery_when(cond boolean, value anyelement) RETURNS anyelement
-LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE WHEN cond THEN value END $$;
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+BEGIN
+    IF cond THEN
+        RETURN value;
+    END IF;
+    RETURN NULL;
+END;
+$$;
 -- Seconds only (no days or months), so the sum does not depend on the time zone: IMMUTABLE.
 CREATE OR REPLACE FUNCTION buzz_delivery_plus_seconds(ts timestamptz, secs double precision) RETURNS timestamptz
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$ SELECT ts + make_interval(secs => secs) $$;
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+BEGIN
+    RETURN ts + make_interval(secs => secs);
+END;
+$$;
 """
 DROP_HELPERS = """
 DROP FUNCTION buzz_delivery_when(boolean, anyelement);

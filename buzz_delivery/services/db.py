@@ -27,6 +27,7 @@ CONSTRAINT_FIELDS = {
 # (``delivery_run_same_community_102008``), and an error raised by a trigger on a worker can
 # reach the coordinator's client as XX000 with our message intact (SPEC section 15).
 _SHARD_SUFFIX = re.compile(r"_\d+$")
+_NAMED_CONSTRAINT = re.compile(r'violates (?:foreign key|unique|check) constraint "([^"]+)"')
 _SQLSTATE_BY_MESSAGE = (
     ("(write fence)", FENCE_SQLSTATE),
     ("(states move forward one step at a time)", LIFECYCLE_SQLSTATE),
@@ -50,6 +51,9 @@ def constraint_name(exc: BaseException) -> str | None:
     """The violated constraint's name from a wrapped psycopg error, without a Citus shard suffix."""
     diag = getattr(exc.__cause__, "diag", None)
     name = getattr(diag, "constraint_name", None)
+    if name is None:  # Citus relays a worker's error without its diagnostic fields
+        named = _NAMED_CONSTRAINT.search(str(exc.__cause__))
+        name = named.group(1) if named else None
     if name and name not in CONSTRAINT_FIELDS and _SHARD_SUFFIX.search(name):
         return _SHARD_SUFFIX.sub("", name)
     return name

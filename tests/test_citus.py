@@ -1,0 +1,162 @@
+"""On a Citus cluster (SPEC section 15): the statements stay on one node, the write fence
+still meets its writers, and concurrent claimers of different communities never queue behind
+each other. Runs only in the suite's Citus mode (``python -m tests.citus_mode``); the rest of
+the suite runs there too (see docs/scale-out.md for which modules)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.db import connection, transaction
+
+from buzz_delivery import scaleout, services
+from buzz_delivery.models import Community
+from buzz_delivery.services import sql
+from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, EventFactory, WorkflowRunFactory
+from tests.citus_support import CITUS_MODE
+from tests.lifecycle_support import RAW_WRITES, raw_write
+from tests.test_concurrency import commit_many, random32
+
+pytestmark = [
+    pytest.mark.skipif(not CITUS_MODE, reason="Citus mode only: python -m tests.citus_mode tests/test_citus.py"),
+    pytest.mark.django_db(transaction=True),
+]
+
+
+def _plan(statement: str, params: dict[str, object]) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (COSTS OFF) " + statement, params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+def test_every_table_is_distributed_and_colocated_with_the_community():
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT logicalrelid::regclass::text, colocationid FROM pg_dist_partition "
+            "WHERE logicalrelid::regclass::text LIKE 'buzz_delivery_%%'"
+        )
+        placed = dict(cursor.fetchall())
+    names = [t for t, _ in scaleout.tables()]
+    assert set(names) <= set(placed)
+    assert len({placed[t] for t in names}) == 1
+
+
+def test_distribute_tables_a_second_time_does_nothing():
+    again = scaleout.distribute_tables()
+    assert again.distributed == [] and again.foreign_keys == 0
+    assert sorted(again.already) == sorted(t for t, _ in scaleout.tables())
+
+
+def test_lease_statements_run_on_one_shard(community):
+    params = {
+        "community_id": community.id,
+        "target_pubkey": random32(),
+        "limit": 16,
+        "lease_seconds": 30,
+        "delivery_id": community.id,
+        "lease_generation": 1,
+        "status": "finished",
+        "failure_code": None,
+        "failure_message": None,
+        "backoff_base": 1.0,
+        "backoff_cap": 300.0,
+        "delivery_ids": [community.id],
+        "lease_generations": [1],
+    }
+    statements = {
+        "claim": sql.claim_oldest_pending(by_id=False, by_binding=False),
+        "renew": sql.RENEW_IF_CURRENT_GENERATION,
+        "finish": sql.FINISH_IF_CURRENT_GENERATION,
+        "finish many": sql.FINISH_MANY_IF_CURRENT_GENERATION,
+        "retry": sql.RETRY_IF_CURRENT_GENERATION,
+    }
+    for name, statement in statements.items():
+        plan = _plan(statement, params)
+        assert "Task Count: 1" in plan, f"{name} fans out:\n{plan}"
+
+
+def test_sixteen_claimers_of_sixteen_communities_never_wait_on_a_lock():
+    pairs = [(*commit_many(20, target), target) for target in (random32() for _ in range(16))]
+    start = threading.Barrier(16)
+    settled: list[int] = [0] * 16
+    errors: list[BaseException] = []
+
+    def claimer(slot: int) -> None:
+        community, _created, target = pairs[slot]
+        try:
+            start.wait()
+            while True:
+                with transaction.atomic():
+                    with connection.cursor() as cursor:  # SET LOCAL reaches the worker
+                        cursor.execute("SET LOCAL lock_timeout = '2s'")
+                    claim = services.claim_delivery(community.id, target, lease_seconds=300)
+                    if claim is None:
+                        return
+                    assert services.finish_delivery(claim.lease, "finished") == services.Settled("finished")
+                settled[slot] += 1
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(claimer, range(16)))
+    assert not errors, errors[:3]
+    assert settled == [20] * 16
+
+
+def test_a_move_waits_for_a_writer_and_no_later_writer_slips_past():
+    """The fence race, judged by behaviour (the locks live on the workers, out of sight of the
+    coordinator's pg_locks): the move waits for an open writer; a writer arriving during the
+    move waits too, and is refused once the move commits."""
+    community = CommunityFactory()
+    binding = BindingFactory(
+        run=WorkflowRunFactory(community=community), message_event=EventFactory(community=community)
+    )
+    delivery = DeliveryFactory(binding=binding)
+    target = bytes(delivery.target_pubkey)
+    wrote, release, moved = threading.Event(), threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def writer():
+        try:
+            with transaction.atomic():
+                outcome["claim"] = services.claim_delivery(community.id, target)
+                wrote.set()
+                assert release.wait(30)
+        finally:
+            connection.close()
+
+    def mover():
+        try:
+            services.advance_community(community.id, "quiescing")
+            moved.set()
+        finally:
+            connection.close()
+
+    def late_writer():
+        try:
+            outcome["late"] = raw_write(RAW_WRITES["workflow"]["insert"], {"c": community.id})
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        writing = pool.submit(writer)
+        assert wrote.wait(15)
+        moving = pool.submit(mover)
+        assert not moved.wait(1.0), "the move did not wait for the open writer"
+        late = pool.submit(late_writer)
+        time.sleep(1.0)
+        assert not late.done(), "a writer arriving during the move did not queue behind it"
+        assert Community.objects.get(id=community.id).deletion_state == "active"
+        release.set()
+        writing.result(30)
+        moving.result(30)
+        late.result(30)
+    assert outcome["claim"] is not None
+    assert outcome["late"] == "BD001"
+    assert Community.objects.get(id=community.id).deletion_state == "quiescing"
+    assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) == "BD001"
