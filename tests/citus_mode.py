@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
     env = {**os.environ, "DATABASE_URL": test_db}
     for command in (["migrate", "-v0"], ["distribute_tables"]):
         subprocess.run([sys.executable, "manage.py", *command], env=env, check=True)
+    citus_support.immediate_community_keys(test_db)
     env.update(DATABASE_URL=citus_support.with_database(coordinator, NAME), BUZZ_CITUS_MODE="1")
     return subprocess.run(
         [sys.executable, "-m", "pytest", "--reuse-db", "-p", "no:cacheprovider", *argv], env=env

@@ -165,6 +165,23 @@ def drop_database(coordinator_url: str, name: str, worker_ports: list[int] | Non
             pass
 
 
+def immediate_community_keys(url: str) -> None:
+    """Test mode only: make the foreign keys to the community table (Django creates them
+    DEFERRABLE INITIALLY DEFERRED) immediate. Django's flush between transactional tests
+    TRUNCATEs every table in one transaction, which Citus refuses on a shard with deferred
+    trigger events pending ("cannot TRUNCATE ... because it has pending trigger events"); the
+    services never TRUNCATE, so deployments keep Django's keys."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        keys = conn.execute(
+            "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE contype = 'f' AND confrelid = 'buzz_delivery_community'::regclass AND condeferrable"
+        ).fetchall()
+        for table, name, definition in keys:  # Citus has no ALTER CONSTRAINT: drop and add
+            immediate = definition.replace(" DEFERRABLE INITIALLY DEFERRED", "")
+            conn.execute(f'ALTER TABLE "{table}" DROP CONSTRAINT "{name}"')
+            conn.execute(f'ALTER TABLE "{table}" ADD CONSTRAINT "{name}" {immediate}')
+
+
 def wait_ready(url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -17,6 +17,7 @@ import pytest
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
 from buzz_delivery import models, services
+from buzz_delivery.services.db import constraint_name
 from buzz_delivery.testing import (
     CommunityFactory,
     EventFactory,
@@ -92,7 +93,8 @@ def raw_insert(columns: dict[str, Any]) -> None:
 
 
 def refused_by(exc: BaseException) -> str | None:
-    return exc.__cause__.diag.constraint_name
+    """The violated constraint (on Citus: read from the relayed message, shard suffix dropped)."""
+    return constraint_name(exc)
 
 
 NOW = "now"  # replaced by a timestamp read from the database

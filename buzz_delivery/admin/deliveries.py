@@ -55,7 +55,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
     )
     list_display_links = ("short_id",)
     list_filter = ("status", "cause_kind", CommunityFilter, LeaseExpiredFilter)
-    list_select_related = ("community", "workflow")
+    list_select_related = ("community",)
     date_hierarchy = "created_at"
     # Served by delivery_created_idx (created_at); Django appends "-pk" as a tie-breaker.
     ordering = ("-created_at",)
@@ -95,9 +95,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
             super()
             .get_queryset(request)
             .annotate(
+                workflow_name=display.workflow_name_of_row(),
                 lease_expired=Case(
                     When(lease_expired_q(), then=Value(True)), default=Value(False), output_field=BooleanField()
-                )
+                ),
             )
         )
 
@@ -120,7 +121,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="workflow / run / step")
     def workflow_run_step(self, obj: WorkflowAgentDelivery) -> str:
-        return format_html("{} / {} / {}", obj.workflow.name, display.short_uuid(obj.run_id), obj.step_id)
+        return format_html("{} / {} / {}", obj.workflow_name, display.short_uuid(obj.run_id), obj.step_id)
 
     @admin.display(description="lease until", ordering="lease_until")
     def lease_deadline(self, obj: WorkflowAgentDelivery) -> str:

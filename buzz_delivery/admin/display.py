@@ -10,6 +10,7 @@ import datetime as dt
 import json
 from typing import Any
 
+from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 from django.utils.html import format_html
 
@@ -52,3 +53,14 @@ def pretty_json(value: Any) -> str:
     if value is None:
         return EMPTY
     return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', json.dumps(value, indent=2))
+
+
+def workflow_name_of_row() -> Subquery:
+    """The row's workflow name, looked up on ``(community_id, id)``: one primary-key probe per
+    listed row, and on Citus a subquery inside one shard group, where a join on the workflow id
+    alone would need repartitioning (SPEC section 15)."""
+    from buzz_delivery.models import Workflow
+
+    return Subquery(
+        Workflow.objects.filter(community_id=OuterRef("community_id"), id=OuterRef("workflow_id")).values("name")[:1]
+    )

@@ -129,13 +129,16 @@ class WorkflowAdmin(ReadOnlyAdmin):
 
 @admin.register(WorkflowRun)
 class WorkflowRunAdmin(ReadOnlyAdmin):
-    list_display = ("short_id", "workflow", "community", "created_at")
-    list_select_related = ("community", "workflow")
+    list_display = ("short_id", "workflow_name", "community", "created_at")
+    list_select_related = ("community",)
     ordering = ("-id",)  # UUIDv7: newest first, served by the primary key
     search_fields = ("id",)
     search_help_text = "Run id (UUID)."
     fields = ("id", "community", "workflow", "created_at", "deliveries")
     readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        return super().get_queryset(request).annotate(workflow_name=display.workflow_name_of_row())
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
         if search_term.strip() and parse_uuid(search_term.strip()) is None:
@@ -145,6 +148,10 @@ class WorkflowRunAdmin(ReadOnlyAdmin):
     @admin.display(description="run", ordering="id")
     def short_id(self, obj: WorkflowRun) -> str:
         return display.short_uuid(obj.id)
+
+    @admin.display(description="workflow")
+    def workflow_name(self, obj: WorkflowRun) -> str:
+        return obj.workflow_name
 
     @admin.display(description="deliveries")
     def deliveries(self, obj: WorkflowRun) -> str:

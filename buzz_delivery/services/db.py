@@ -31,6 +31,9 @@ _NAMED_CONSTRAINT = re.compile(r'violates (?:foreign key|unique|check) constrain
 _SQLSTATE_BY_MESSAGE = (
     ("(write fence)", FENCE_SQLSTATE),
     ("(states move forward one step at a time)", LIFECYCLE_SQLSTATE),
+    ("still holds rows; purge it", LIFECYCLE_SQLSTATE),
+    ("its binding and snapshots never change", HISTORY_SQLSTATE),
+    ("lease_generation cannot go back", HISTORY_SQLSTATE),
 )
 
 
@@ -39,7 +42,7 @@ def sqlstate_of(exc: BaseException) -> str | None:
     a trigger's error from a worker as ``XX000``."""
     cause = exc.__cause__
     state = getattr(cause, "sqlstate", None)
-    if state == "XX000":
+    if state in (None, "XX000"):
         text = str(cause)
         for marker, ours in _SQLSTATE_BY_MESSAGE:
             if text.startswith("buzz_delivery: ") and marker in text:
