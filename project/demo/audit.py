@@ -40,8 +40,13 @@ def install(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> None:
                         left(current_setting('application_name'), 64), clock_timestamp());
                 END IF;
                 RETURN NULL;
-            END $$;
-            DROP TRIGGER IF EXISTS {name} ON {TABLE};
+            END $$
+            """
+        )
+        # One statement per execute: Citus propagates DDL statement by statement.
+        cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {TABLE}")
+        cursor.execute(
+            f"""
             CREATE TRIGGER {name} AFTER UPDATE ON {TABLE} FOR EACH ROW
                 WHEN (OLD.status IS DISTINCT FROM NEW.status
                       OR OLD.lease_generation IS DISTINCT FROM NEW.lease_generation)
@@ -54,4 +59,5 @@ def remove(run_id: uuid.UUID) -> None:
     """Drop the run's trigger and function (no-op if absent)."""
     name = _name(run_id)
     with connection.cursor() as cursor:
-        cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {TABLE}; DROP FUNCTION IF EXISTS {name}();")
+        cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {TABLE}")
+        cursor.execute(f"DROP FUNCTION IF EXISTS {name}()")
