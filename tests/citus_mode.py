@@ -66,9 +66,10 @@ def main(argv: list[str]) -> int:
         subprocess.run([sys.executable, "manage.py", *command], env=env, check=True)
     citus_support.immediate_community_keys(test_db)
     env.update(DATABASE_URL=citus_support.with_database(coordinator, NAME), BUZZ_CITUS_MODE="1")
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "--reuse-db", "-p", "no:cacheprovider", *argv], env=env
-    ).returncode
+    if not any(not arg.startswith("-") for arg in argv):
+        argv = [*argv, *DEFAULT_MODULES]
+    pytest = [sys.executable, "-m", "pytest", "--reuse-db", "-p", "no:cacheprovider", *argv]
+    return subprocess.run(pytest, env=env).returncode
 
 
 if __name__ == "__main__":
