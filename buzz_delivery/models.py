@@ -126,8 +126,7 @@ class Workflow(CommunityScoped):
 
     class Meta:
         db_table = "buzz_delivery_workflow"
-        # The primary key is (community_id, id) in the database (migration 0007, SPEC 15).
-        indexes = [models.Index(fields=["id"], name="workflow_id_idx")]
+        # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
         triggers = [triggers.write_fence()]
 
     def __str__(self) -> str:
@@ -145,11 +144,8 @@ class WorkflowRun(CommunityScoped):
 
     class Meta:
         db_table = "buzz_delivery_workflow_run"
-        # The primary key is (community_id, id) in the database (migration 0007, SPEC 15).
-        indexes = [
-            models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx"),
-            models.Index(fields=["id"], name="workflow_run_id_idx"),
-        ]
+        # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
+        indexes = [models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx")]
         triggers = [triggers.write_fence()]
 
     def __str__(self) -> str:
@@ -168,8 +164,7 @@ class Event(CommunityScoped):
 
     class Meta:
         db_table = "buzz_delivery_event"
-        # The primary key is (community_id, id) in the database (migration 0007, SPEC 15).
-        indexes = [models.Index(fields=["id"], name="event_id_idx")]
+        # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
         constraints = [
             models.UniqueConstraint(fields=["community", "event_id"], name="event_community_event_id_key"),
             models.CheckConstraint(condition=_len32("event_id"), name="event_event_id_32_bytes"),
@@ -325,9 +320,8 @@ class WorkflowAgentDelivery(CommunityScoped):
             models.Index(fields=["community", "workflow"], name="delivery_workflow_idx"),
             models.Index(fields=["community", "message_event_id"], name="delivery_message_event_idx"),
             models.Index(fields=["created_at"], name="delivery_created_idx"),
-            # Lookups by id alone (the admin); the primary key is (community_id, id), migration 0007.
-            models.Index(fields=["id"], name="delivery_id_idx"),
         ]
+        # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
         triggers = [
             triggers.write_fence(),
             triggers.delivery_binding_immutable(),

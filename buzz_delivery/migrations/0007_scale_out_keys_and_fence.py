@@ -1,9 +1,12 @@
 """Citus's router form for the core tables (SPEC section 15), on plain PostgreSQL too.
 
-- Primary keys lead with ``community_id``: ``(community_id, id)`` on workflow, workflow run,
-  event and delivery. The ``UNIQUE (community_id, id)`` keys the composite foreign keys used
-  are now the primary keys, so those keys are dropped and the foreign keys re-pointed. Django
-  still sees ``id`` as the primary key (lookups by id alone get a plain index).
+- Primary keys include ``community_id``: ``(id, community_id)`` on workflow, workflow run,
+  event and delivery, which Citus requires of a table distributed by ``community_id``. The
+  ``UNIQUE (community_id, id)`` keys the composite foreign keys used are now the primary keys,
+  so those keys are dropped and the foreign keys re-pointed. ``id`` comes first so that a
+  lookup by id alone (Django's, the admin's) stays a primary-key probe without a second index
+  on the hot path; lookups by ``(community_id, id)`` use it as well. Django still sees ``id``
+  as the primary key.
 - The maintenance indexes lead with ``community_id``: the reaper and pruner walk communities.
 - ``buzz_delivery_when`` and ``buzz_delivery_plus_seconds``: IMMUTABLE helpers that keep time
   out of CASE and column arithmetic out of STABLE operators in SET, which Citus refuses.
@@ -94,7 +97,7 @@ class Migration(migrations.Migration):
             model_name="workflowrun",
             name="workflow_run_community_id_key",
         ),
-        migrations.RunSQL(sql=_primary_keys("community_id, id"), reverse_sql=_primary_keys("id")),
+        migrations.RunSQL(sql=_primary_keys("id, community_id"), reverse_sql=_primary_keys("id")),
         migrations.RunSQL(sql=_add_fks(), reverse_sql=_drop_fks()),
         migrations.RemoveIndex(
             model_name="workflowagentdelivery",
@@ -107,14 +110,6 @@ class Migration(migrations.Migration):
         migrations.RemoveIndex(
             model_name="workflowagentdelivery",
             name="delivery_terminal_age_idx",
-        ),
-        migrations.AddIndex(
-            model_name="event",
-            index=models.Index(fields=["id"], name="event_id_idx"),
-        ),
-        migrations.AddIndex(
-            model_name="workflow",
-            index=models.Index(fields=["id"], name="workflow_id_idx"),
         ),
         migrations.AddIndex(
             model_name="workflowagentdelivery",
@@ -139,14 +134,6 @@ class Migration(migrations.Migration):
                 fields=["community", "finished_at"],
                 name="delivery_terminal_age_idx",
             ),
-        ),
-        migrations.AddIndex(
-            model_name="workflowagentdelivery",
-            index=models.Index(fields=["id"], name="delivery_id_idx"),
-        ),
-        migrations.AddIndex(
-            model_name="workflowrun",
-            index=models.Index(fields=["id"], name="workflow_run_id_idx"),
         ),
         pgtrigger.migrations.AddTrigger(
             model_name="community",

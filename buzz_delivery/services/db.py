@@ -26,7 +26,9 @@ CONSTRAINT_FIELDS = {
 # On Citus a constraint violated on a shard carries the shard's id as a suffix
 # (``delivery_run_same_community_102008``), and an error raised by a trigger on a worker can
 # reach the coordinator's client as XX000 with our message intact (SPEC section 15).
-_SHARD_SUFFIX = re.compile(r"_\d+$")
+# Shard ids start at 102008 and only grow; a short trailing number (``..._gte_0``) is part of
+# a constraint's own name.
+_SHARD_SUFFIX = re.compile(r"_\d{6,}$")
 _NAMED_CONSTRAINT = re.compile(r'violates (?:foreign key|unique|check) constraint "([^"]+)"')
 _SQLSTATE_BY_MESSAGE = (
     ("(write fence)", FENCE_SQLSTATE),
