@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from django.db import OperationalError, transaction
+from django.db import OperationalError, connection, transaction
 
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import CommunityNotWritable
@@ -50,15 +50,25 @@ def community_batch(statement: str, params: dict[str, object]) -> list[tuple[obj
 
     The transaction reads ``now()`` once and hands it to the statement as ``%(now)s``, and
     bounds lock waits with ``SET LOCAL lock_timeout`` (which Citus propagates to the node that
-    owns the community with ``citus.propagate_set_commands = 'local'``); the caller's own
-    ``lock_timeout`` is put back before the batch ends."""
+    owns the community with ``citus.propagate_set_commands = 'local'``), in one round trip;
+    inside a caller's transaction, the caller's own ``lock_timeout`` is put back before the
+    batch ends. In autocommit a batch costs four round trips: BEGIN, the bound and the clock,
+    the statement, COMMIT."""
+    nested = connection.in_atomic_block
     try:
         with transaction.atomic():
-            previous, now = fetch_all("SELECT current_setting('lock_timeout'), now()", {})[0]
-            fetch_all(f"SET LOCAL lock_timeout = {int(FENCE_WAIT_MS)}", {})
+            with connection.cursor() as cursor:
+                if nested:
+                    cursor.execute("SELECT current_setting('lock_timeout')")
+                    previous = cursor.fetchone()[0]
+                # One round trip: the bound and the clock of this batch's transaction.
+                cursor.execute(f"SET LOCAL lock_timeout = {int(FENCE_WAIT_MS)}; SELECT now()")
+                cursor.nextset()
+                now = cursor.fetchone()[0]
             with translated_errors():
                 rows = fetch_all(statement, {**params, "now": now})
-            fetch_all("SELECT set_config('lock_timeout', %(previous)s, true)", {"previous": previous})
+            if nested:  # the caller's transaction goes on: give it its own bound back
+                fetch_all("SELECT set_config('lock_timeout', %(previous)s, true)", {"previous": previous})
             return rows
     except OperationalError as exc:
         if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
