@@ -84,6 +84,16 @@ class LeaseRenewer(threading.Thread):
             self._cond.notify()
         return held
 
+    def set_deadline(self, lease: Lease, deadline: float | None) -> None:
+        """Give a held lease its handler deadline (monotonic seconds; None = none), set when
+        its handler starts: a claim waiting in the worker's local queue is renewed, but its
+        handler's time has not begun. No effect on a lease that is not held."""
+        with self._cond:
+            held = self._held.get(_key(lease))
+            if held is not None:
+                held.deadline = deadline
+                self._cond.notify()
+
     def release(self, lease: Lease) -> HeldLease | None:
         """Stop renewing ``lease`` (this delivery at this generation only; a newer lease of the
         same delivery keeps being renewed). Returns the final state, or None if not held."""
@@ -156,7 +166,7 @@ class LeaseRenewer(threading.Thread):
                 "lease_lost delivery=%s generation=%d during=renew", lease.delivery_id, lease.lease_generation
             )
         else:
-            logger.info(
+            logger.debug(
                 "renewed delivery=%s generation=%d lease_until=%s",
                 lease.delivery_id,
                 lease.lease_generation,
