@@ -12,7 +12,7 @@ Systems (``SYSTEMS``):
 - ``ours_single``: ``services.claim_delivery -> finish_delivery``;
 - ``ours_batch``: ``services.claim_deliveries(50) -> finish_deliveries``;
 - ``worker``: ``run_worker`` (what ``run_delivery_worker`` runs), no-op handler, concurrency 16,
-  batch 16; ``worker_before``: the same from another source tree (``BENCH_BEFORE_ROOT``);
+  batch 16 (``worker_batch50``: batch 50); ``worker_before``: the same from another source tree (``BENCH_BEFORE_ROOT``);
 - ``pgqueuer``: PgQueuer's ``QueueManager.run(mode=drain, batch_size=10)``, psycopg driver;
 - ``procrastinate``: procrastinate's ``run_worker(wait=False)``, concurrency 16;
 - ``django_tasks_db``: django-tasks-db's ``db_worker`` loop in batch mode.
@@ -111,7 +111,7 @@ def _ours(drain: Drain, batch: int) -> int:
         statements += 1
 
 
-def _worker(drain: Drain) -> tuple[int, dict[str, Any]]:
+def _worker(drain: Drain, batch: int = WORKER_BATCH) -> tuple[int, dict[str, Any]]:
     from bench.handlers import noop
     from buzz_delivery.worker import WorkerConfig, run_worker
 
@@ -121,7 +121,7 @@ def _worker(drain: Drain) -> tuple[int, dict[str, Any]]:
             target_pubkey=drain.target_pubkey,
             handler=noop,
             concurrency=WORKER_CONCURRENCY,
-            batch_size=WORKER_BATCH,
+            batch_size=batch,
             poll_interval=0.5,
             idle_exit=IDLE_EXIT,
         ),
@@ -206,6 +206,8 @@ def run_drain(drain: Drain, url: str) -> DrainResult:
             result.statements, result.extra = _worker(drain)
             if not result.statements:
                 result.statements = None  # an older worker does not count its statements
+        elif system == "worker_batch50":
+            result.statements, result.extra = _worker(drain, 50)
         elif system == "pgqueuer":
             _pgqueuer(url)
         elif system == "procrastinate":

@@ -50,14 +50,17 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Jobs per drain (full, quick): the slow peers get smaller queues so a run stays short; the
 # rate is per system, so sizes may differ.
 SIZES = {
-    "django_tasks_db": (2_000, 300),
-    "procrastinate": (4_000, 600),
-    "raw_single": (8_000, 1_500),
-    "ours_single": (8_000, 1_500),
-    "ours_single_prepared": (8_000, 1_500),
+    "django_tasks_db": (1_000, 200),
+    "procrastinate": (2_000, 400),
+    "raw_single": (4_000, 1_000),
+    "ours_single": (3_000, 800),
+    "ours_single_prepared": (3_000, 800),
+    "worker_before": (6_000, 2_000),
 }
-PREPARED = "_prepared"  # a system name ending so runs on a URL with ?prepare_threshold=5
 DEFAULT_SIZE = (12_000, 2_500)
+PREPARED = "_prepared"  # a system name ending so runs on a URL with ?prepare_threshold=5
+# --quick without --peers: the headline systems only (about a minute on 2 cores).
+QUICK_SYSTEMS = ("raw_batch", "raw_single", "worker", "pgqueuer", "procrastinate", "django_tasks_db")
 ALL_SYSTEMS = (
     "raw_batch",
     "raw_single",
@@ -80,6 +83,7 @@ LABELS = {
     "worker": "**run_worker** (run_delivery_worker; concurrency 16, batch 16)",
     "worker_before": "run_worker before (BENCH_BEFORE_ROOT)",
     "worker_prepared": "run_worker, prepare_threshold=5",
+    "worker_batch50": "run_worker, batch 50",
     "ours_batch_prepared": "claim_deliveries(50) -> finish_deliveries, prepare_threshold=5",
     "ours_single_prepared": "claim_delivery -> finish_delivery, prepare_threshold=5",
     "pgqueuer": "PgQueuer (batch 10, drain mode)",
@@ -394,7 +398,7 @@ def _with_prepare(url: str) -> str:
 
 
 def run(bench: Bench) -> None:
-    wanted = list(bench.peers or ALL_SYSTEMS)
+    wanted = list(bench.peers or (QUICK_SYSTEMS if bench.quick else ALL_SYSTEMS))
     systems = [s for s in wanted if _available(s)]
     for s in sorted(set(wanted) - set(systems)):
         print(f"peers: {s} is not installed (pip install -e '.[bench]') or not configured; left out", flush=True)
