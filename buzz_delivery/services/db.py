@@ -105,7 +105,8 @@ def _server_bound_cursor() -> Any:
     factory = psycopg.Cursor if prepares_statements() else _UnpreparedCursor
     with connection.wrap_database_errors:
         raw = factory(connection.connection)
-    return connection._prepare_cursor(raw)
+    # Django's own step of cursor(): the debug or plain wrapper (not in django-stubs).
+    return connection._prepare_cursor(raw)  # type: ignore[attr-defined]
 
 
 def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
