@@ -14,7 +14,8 @@ from bench.report import Report
 @dataclass
 class Bench:
     """``repeats``: runs per figure (the median is reported). ``duration``: seconds per timed
-    throughput run. ``workers``: the process counts of the throughput scenarios."""
+    throughput run. ``workers``: the process counts of the throughput scenarios. ``peers``: the systems
+    of the peers scenario."""
 
     url: str
     conn: psycopg.Connection
@@ -23,6 +24,7 @@ class Bench:
     repeats: int
     duration: float
     workers: tuple[int, ...]
+    peers: tuple[str, ...] | None = None  # systems of the peers scenario (None = all)
 
     def scaled(self, full: int, quick: int) -> int:
         """A size for this form of the run."""

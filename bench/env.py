@@ -14,6 +14,7 @@ import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/bench_f"
+NAME_PREFIXES = ("bench_f", "buzz_perf_bench")
 # Settings that move the figures; printed with every result.
 PG_SETTINGS = (
     "shared_buffers",
@@ -32,11 +33,12 @@ PG_SETTINGS = (
 def database_url() -> str:
     """The benchmark database URL: ``BENCH_DATABASE_URL`` or :data:`DEFAULT_URL`.
 
-    Refuses any database whose name does not start with ``bench_f`` (the bench truncates tables)."""
+    Refuses any database whose name does not start with one of :data:`NAME_PREFIXES` (the
+    bench truncates tables)."""
     url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
     name = urlsplit(url).path.lstrip("/")
-    if not name.startswith("bench_f"):
-        raise SystemExit(f"refusing to benchmark on database {name!r}: its name must start with 'bench_f'")
+    if not name.startswith(NAME_PREFIXES):
+        raise SystemExit(f"refusing to benchmark on database {name!r}: its name must start with {NAME_PREFIXES}")
     return url
 
 
@@ -54,9 +56,10 @@ def ensure_database(url: str) -> None:
 
 
 def setup_django(url: str) -> None:
-    """Configure this process for the example project on the benchmark database."""
+    """Configure this process for the example project (plus the peers' apps, :mod:`bench.settings`)
+    on the benchmark database."""
     os.environ["DATABASE_URL"] = url
-    os.environ["DJANGO_SETTINGS_MODULE"] = "project.settings"
+    os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
     os.environ.setdefault("LOG_LEVEL", "WARNING")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))

@@ -30,6 +30,7 @@ SCENARIOS = {
     "latency": "latency",
     "reap": "reap",
     "overhead": "overhead",
+    "peers": "peers",
 }
 
 
@@ -55,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["on", "off"],
         help="set synchronous_commit for every benchmark session (default: the server's setting); "
         "'off' takes WAL flush waits out of the figures to show CPU costs",
+    )
+    parser.add_argument(
+        "--peers",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        help="systems of the peers scenario, comma-separated (default: all; see bench/peers.py)",
     )
     parser.add_argument("--note", default="", help="a line to print with the results (e.g. 'busy machine')")
     parser.add_argument("--output", type=Path, help="where to write the markdown (default bench/results/latest.md)")
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=repeats,
         duration=args.duration or (1.0 if args.quick else 2.0),
         workers=args.workers or (1, 4, 16),
+        peers=args.peers,
     )
     for name, module in SCENARIOS.items():
         if args.only and name not in args.only:

@@ -55,7 +55,8 @@ def commit(make_binding, target: bytes, n: int = 1, **script) -> list:
 def test_a_handler_slower_than_its_lease_keeps_it_by_renewing_and_settles_finished_once(make_binding, start_worker):
     target = random32()
     (delivery_id,) = commit(make_binding, target, sleep=3.5)
-    worker = start_worker(target, "--lease-seconds", "1.5", "--max-deliveries", "1")
+    # -v 2: the per-delivery lines (DEBUG) are logged too
+    worker = start_worker(target, "--lease-seconds", "1.5", "--max-deliveries", "1", "-v", "2")
 
     wait_until(lambda: count_claimed([delivery_id]) == 1, what="the claim")
     time.sleep(2.5)  # past the first lease deadline: only renewals keep the lease
@@ -115,7 +116,7 @@ def test_a_killed_worker_leaves_claims_that_the_reaper_returns_and_a_second_work
 def test_a_stop_signal_ends_claiming_lets_the_in_flight_delivery_settle_and_exits_0(make_binding, start_worker, signum):
     target = random32()
     ids = commit(make_binding, target, 3, sleep=2)
-    worker = start_worker(target, "--lease-seconds", "2")
+    worker = start_worker(target, "--lease-seconds", "2", "-v", "2")  # -v 2: per-delivery lines too
     wait_until(lambda: count_claimed(ids) == 1, what="the first claim")
 
     signalled_at = db_now()
@@ -138,6 +139,8 @@ def test_a_stop_signal_ends_claiming_lets_the_in_flight_delivery_settle_and_exit
         "timed_out",
         "settle_errors",
         "abandoned",
+        "claim_statements",
+        "settle_statements",
         "reason",
         "exit_code",
     ]

@@ -10,6 +10,7 @@ Django connection and closes it when it stops.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -73,6 +74,16 @@ class LeaseRenewer(threading.Thread):
         self._held: dict[tuple[uuid.UUID, int], HeldLease] = {}
         self._cond = threading.Condition()
         self._stopping = False
+        # When the thread's wait ends (monotonic seconds; inf = it waits to be notified; -inf =
+        # it is not waiting): a new lease or deadline wakes it only if it is due before that, so
+        # a burst of claims does not wake it once per claim.
+        self._wakes_at = -math.inf
+
+    def _notify_if_before(self, when: float | None) -> None:
+        """Wake the thread if ``when`` comes before its current wait ends (call under ``_cond``)."""
+        if when is not None and when < self._wakes_at:
+            self._wakes_at = -math.inf
+            self._cond.notify()
 
     def hold(self, lease: Lease, deadline: float | None = None) -> HeldLease:
         """Start renewing ``lease`` (one entry per delivery and generation) until it is released
@@ -81,8 +92,18 @@ class LeaseRenewer(threading.Thread):
         held = HeldLease(lease=lease, due=time.monotonic() + self.every, deadline=deadline)
         with self._cond:
             self._held[_key(lease)] = held
-            self._cond.notify()
+            self._notify_if_before(min(held.due, deadline) if deadline is not None else held.due)
         return held
+
+    def set_deadline(self, lease: Lease, deadline: float | None) -> None:
+        """Give a held lease its handler deadline (monotonic seconds; None = none), set when
+        its handler starts: a claim waiting in the worker's local queue is renewed, but its
+        handler's time has not begun. No effect on a lease that is not held."""
+        with self._cond:
+            held = self._held.get(_key(lease))
+            if held is not None:
+                held.deadline = deadline
+                self._notify_if_before(deadline)
 
     def release(self, lease: Lease) -> HeldLease | None:
         """Stop renewing ``lease`` (this delivery at this generation only; a newer lease of the
@@ -104,6 +125,7 @@ class LeaseRenewer(threading.Thread):
         """Ask the thread to stop and wait for it."""
         with self._cond:
             self._stopping = True
+            self._wakes_at = -math.inf
             self._cond.notify()
         self.join()
 
@@ -123,7 +145,9 @@ class LeaseRenewer(threading.Thread):
                     return due, late
                 upcoming = [h.due for h in self._held.values() if h.renewing]
                 upcoming += [h.deadline for h in self._held.values() if not h.timed_out and h.deadline is not None]
-                self._cond.wait(timeout=(min(upcoming) - now) if upcoming else None)
+                self._wakes_at = min(upcoming) if upcoming else math.inf
+                self._cond.wait(timeout=(self._wakes_at - now) if upcoming else None)
+                self._wakes_at = -math.inf
             return None
 
     def _renew(self, held: HeldLease) -> None:
@@ -156,7 +180,7 @@ class LeaseRenewer(threading.Thread):
                 "lease_lost delivery=%s generation=%d during=renew", lease.delivery_id, lease.lease_generation
             )
         else:
-            logger.info(
+            logger.debug(
                 "renewed delivery=%s generation=%d lease_until=%s",
                 lease.delivery_id,
                 lease.lease_generation,

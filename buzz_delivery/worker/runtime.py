@@ -1,9 +1,17 @@
 """The agent runtime (SPEC section 7): claim, run the handler, renew in the background, settle.
 
-Threads: the caller's thread dispatches (claims), ``concurrency`` handler threads run the handler
-and settle, one renewer thread renews held leases, one listener thread LISTENs for wake hints.
-Every service call is its own autocommit statement: no transaction is open while a handler runs.
-Each thread the runtime starts uses its own Django connection and closes it when it exits.
+Threads: the caller's thread dispatches (claims, in batches, a little ahead of the handler
+threads), ``concurrency`` handler threads run the handler, one settler thread settles their
+results in batches (:mod:`buzz_delivery.worker.settler`), one renewer thread renews held
+leases, one listener thread LISTENs for wake hints. Every service call is its own autocommit
+statement: no transaction is open while a handler runs. The runtime itself holds four database
+connections whatever the concurrency (dispatcher, settler, renewer, listener); a handler thread
+opens one only if the handler uses the database. Each thread closes its connection when it
+exits.
+
+Logging: one INFO line per claim batch (``claimed n=...``) and per settle batch (``settled
+n=...``); one DEBUG line per delivery (``claimed delivery=...``, ``settled delivery=...``,
+``renewed delivery=...``); a WARNING or ERROR line for every delivery that went wrong.
 """
 
 from __future__ import annotations
@@ -20,12 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import close_old_connections, connection, connections
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from buzz_delivery import services
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
-from buzz_delivery.services import AlreadyTerminal, Claim, Lease, LeaseLost
+from buzz_delivery.services import Claim, Lease, LeaseLost
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker.handlers import (
     FAILURE_MESSAGE_MAX_CHARS,
@@ -38,6 +45,7 @@ from buzz_delivery.worker.handlers import (
 )
 from buzz_delivery.worker.listener import HintInbox, HintListener
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer
+from buzz_delivery.worker.settler import SETTLED_KEYS, SettleJob, Settler
 
 logger = logging.getLogger("buzz_delivery.worker")
 
@@ -53,7 +61,18 @@ SUMMARY_KEYS = (
     "timed_out",
     "settle_errors",
     "abandoned",
+    "claim_statements",
+    "settle_statements",
 )
+# Claiming ahead: a claim may wait in the local queue for a free handler thread, for at most
+# this fraction of the lease (and CLAIM_AHEAD_MAX_WAIT seconds) judged by the handlers' recent
+# run time; queued claims are renewed like running ones. Nothing is claimed ahead before the
+# first handler returned, nor while handlers run longer than that budget.
+CLAIM_AHEAD_LEASE_FRACTION = 0.1
+CLAIM_AHEAD_MAX_WAIT = 1.0
+RUN_TIME_WEIGHT = 0.2  # weight of the newest handler run time in its moving average
+# Seconds the settler waits for more results while a batch is short.
+SETTLE_LINGER = 0.002
 
 # Exit codes of ``run_delivery_worker`` (2 is argparse's bad arguments).
 EXIT_OK = 0
@@ -62,7 +81,6 @@ EXIT_ABANDONED = 3  # stopped with in-flight leases given up (shutdown grace exp
 # Stop reasons that are a clean stop (exit 0 unless leases were given up).
 CLEAN_REASONS = frozenset({"SIGTERM", "SIGINT", "max_deliveries", "idle_exit", "stopped"})
 HANDLERS_HUNG = "handlers_hung"
-_SETTLED_KEYS = {"finished": "finished", "failed": "failed", "pending": "retried"}
 # Most characters of a handler's exception message in a log line (the row keeps up to 10,000).
 LOGGED_MESSAGE_CHARS = 500
 
@@ -79,7 +97,9 @@ class WorkerConfig:
     ``community_id``/``target_pubkey`` (32 bytes): whose deliveries to claim. ``handler``: see
     :mod:`buzz_delivery.worker.handlers`. ``concurrency``: handler threads (1..256).
     ``lease_seconds``: None = ``LEASE_SECONDS``. ``batch_size``: most claims per round trip
-    (1..1000; None = ``concurrency``; never more than the free handler threads).
+    and most results per settle statement (1..1000; None = ``concurrency``). Claims go to free
+    handler threads, and up to ``batch_size`` more wait in a local queue when the handlers'
+    recent run times say they start within a tenth of the lease (at most a second).
     ``poll_interval``: seconds between polls when idle. ``max_deliveries``: stop after claiming
     and settling that many. ``idle_exit``: stop after that many seconds with nothing to do.
     ``renew_fraction``: renew each lease after this fraction of its length (0 < f < 1).
@@ -175,9 +195,19 @@ class Worker:
             on_renewed=lambda: self.tally.add("renewed"),
             on_timed_out=self._timed_out,
         )
-        self.work: queue.SimpleQueue[Claim | None] = queue.SimpleQueue()
+        self.settler = Settler(
+            max_batch=self.batch_size,
+            linger=SETTLE_LINGER,
+            lease_seconds=self.lease_seconds,
+            count=self.tally.add,
+            done=self._settled,
+        )
+        # (claim, monotonic instant of the claim)
+        self.work: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self.in_flight = 0
+        self.in_flight = 0  # claimed and not yet settled (or dropped)
+        self.handling = 0  # claimed and not yet handed to the settler: queued or running
+        self.run_time: float | None = None  # moving average of handler run time, seconds
         self.claimed = 0
         self.last_busy = time.monotonic()
         self.error_reason: str | None = None  # the first internal error (see _fail)
@@ -206,46 +236,6 @@ class Worker:
             self.undecided.discard((lease.delivery_id, lease.lease_generation))
             return not self.gave_up
 
-    def _settle(self, lease: Lease, args: SettleArgs) -> None:
-        retrying = Retrying(
-            retry=retry_if_exception_type(DB_UNAVAILABLE),
-            stop=stop_after_delay(self.lease_seconds),
-            wait=wait_exponential(multiplier=0.2, max=2.0),
-            before_sleep=_reconnect("settle"),
-            reraise=True,
-        )
-        try:
-            outcome = retrying(
-                services.finish_delivery,
-                lease,
-                args.outcome,
-                failure_code=args.failure_code,
-                failure_message=args.failure_message,
-            )
-        except DB_UNAVAILABLE as exc:
-            logger.error("db_unavailable role=settle delivery=%s gave up: %s", lease.delivery_id, exc)
-            return
-        except Exception:
-            # Nothing about one delivery may stop the worker: its lease lapses and the reaper
-            # returns it (attempts and retries apply there).
-            logger.exception(
-                "settle_error delivery=%s generation=%d outcome=%s: left to lapse",
-                lease.delivery_id,
-                lease.lease_generation,
-                args.outcome,
-            )
-            self.tally.add("settle_errors")
-            return
-        ids = f"delivery={lease.delivery_id} generation={lease.lease_generation}"
-        if isinstance(outcome, LeaseLost):
-            logger.warning("lease_lost %s during=settle outcome=%s result dropped", ids, args.outcome)
-            self.tally.add("lease_lost")
-            return
-        status = outcome.status
-        again = " (already settled)" if isinstance(outcome, AlreadyTerminal) else ""
-        logger.info("settled %s outcome=%s status=%s%s", ids, args.outcome, status, again)
-        self.tally.add(_SETTLED_KEYS.get(status, status))
-
     def _retry_now(self, lease: Lease, why: str) -> None:
         """Settle ``retry`` at once (attempts count, the backoff applies): one statement, no
         retries, never raises (it may run on the renewer or the dispatcher thread)."""
@@ -259,13 +249,13 @@ class Worker:
             self.tally.add("lease_lost")
             return
         logger.info(
-            "settled delivery=%s generation=%d outcome=retry status=%s (%s)",
+            "settled n=1 delivery=%s generation=%d outcome=retry status=%s (%s)",
             lease.delivery_id,
             lease.lease_generation,
             outcome.status,
             why,
         )
-        self.tally.add(_SETTLED_KEYS.get(outcome.status, outcome.status))
+        self.tally.add(SETTLED_KEYS.get(outcome.status, outcome.status))
 
     def _timed_out(self, held: HeldLease) -> None:
         """The renewer found a handler past its deadline: hand the delivery back now (a retry,
@@ -274,10 +264,18 @@ class Worker:
         self._retry_now(held.lease, "handler_timeout: the handler ran past its deadline")
         self.wake.set()  # the dispatcher checks whether every handler thread is now hung
 
-    def _handle(self, claim: Claim) -> None:
+    def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
+        """Run the handler for one claim; returns what to settle, or None (result dropped)."""
         lease = claim.lease
         if connection.in_atomic_block:  # never a transaction around a handler
             raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
+        with self._lock:
+            gave_up = self.gave_up
+        if gave_up:  # a claim still queued when the worker gave its leases up: not run
+            self.renewer.release(lease)
+            return None
+        started = time.monotonic()
+        self.renewer.set_deadline(lease, self._deadline(claim, claimed_at, started))
         try:
             self.config.handler(claim.delivery)
             args = FINISHED
@@ -310,6 +308,7 @@ class Worker:
             self._fail(f"handler raised {name}")
         finally:
             held = self.renewer.release(lease)
+            self._ran(time.monotonic() - started)
         if not self._decide(lease):
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
@@ -317,7 +316,7 @@ class Worker:
                 lease.lease_generation,
                 args.outcome,
             )
-            return
+            return None
         if held is not None and held.timed_out:
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the handler returned after its deadline",
@@ -325,31 +324,66 @@ class Worker:
                 lease.lease_generation,
                 args.outcome,
             )
-            return
-        self._settle(lease, args)
+            return None
+        return SettleJob(lease, args)
+
+    def _ran(self, seconds: float) -> None:
+        """Fold one handler run time into the moving average the claim-ahead budget reads."""
+        with self._lock:
+            previous = self.run_time
+            self.run_time = seconds if previous is None else previous + RUN_TIME_WEIGHT * (seconds - previous)
+
+    def _settled(self, n: int) -> None:
+        """The settler is done with ``n`` results (settled or not): they are no longer in flight."""
+        with self._lock:
+            self.in_flight -= n
+            self.last_busy = time.monotonic()
+        self.wake.set()
 
     def _handler_thread(self) -> None:
         try:
-            while (claim := self.work.get()) is not None:
+            while (item := self.work.get()) is not None:
+                claim, claimed_at = item
+                job = None
                 try:
-                    self._handle(claim)
+                    job = self._handle(claim, claimed_at)
                 except BaseException:
                     # Never let a handler thread die silently: claims would pile up unhandled.
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
                     self._fail("worker_error")
                 finally:
                     with self._lock:
-                        self.in_flight -= 1
+                        self.handling -= 1
+                        if job is None:
+                            self.in_flight -= 1
                         self.last_busy = time.monotonic()
+                    if job is not None:
+                        self.settler.put(job)
                     self.wake.set()
         finally:
             connections.close_all()
 
     # --- dispatcher (the caller's thread) ------------------------------------------------------
 
-    def _room(self) -> int:
+    def _ahead(self) -> int:
+        """How many claims may wait in the local queue beyond the free handler threads: as many
+        as the working threads start, at their recent pace, within the claim-ahead budget
+        (:data:`CLAIM_AHEAD_LEASE_FRACTION`); at most ``batch_size``; 0 before any handler ran."""
         with self._lock:
-            free = self.config.concurrency - self.in_flight
+            run_time = self.run_time
+        if run_time is None:
+            return 0
+        working = self.config.concurrency - self.renewer.timed_out_count()
+        budget = min(self.lease_seconds * CLAIM_AHEAD_LEASE_FRACTION, CLAIM_AHEAD_MAX_WAIT)
+        pace = working / max(run_time, 1e-6)  # handler starts per second
+        return max(0, min(self.batch_size, int(budget * pace)))
+
+    def _room(self) -> int:
+        capacity = self.config.concurrency + self._ahead()
+        with self._lock:
+            # Results waiting for the settler hold no handler thread, but at most two batches
+            # of them count as room: a stalled settle slows the claims down.
+            free = min(capacity - self.handling, capacity + 2 * self.batch_size - self.in_flight)
         if self.config.max_deliveries is not None:
             free = min(free, self.config.max_deliveries - self.claimed)
         return max(free, 0)
@@ -366,24 +400,28 @@ class Worker:
                     c.community_id, c.target_pubkey, delivery_id=delivery_id, lease_seconds=self.lease_seconds
                 )
                 if claim is not None:
-                    self._start([claim])
+                    self._start([claim], "hint")
                     won += 1
+            self.tally.add("claim_statements", min(len(hinted), room))
             return won, len(hinted) > room
         limit = min(self.batch_size, room)
         claims = services.claim_deliveries(
             c.community_id, c.target_pubkey, limit=limit, lease_seconds=self.lease_seconds
         )
-        self._start(claims)
+        self.tally.add("claim_statements")
+        self._start(claims, "poll")
         return len(claims), len(claims) == limit
 
-    def _start(self, claims: list[Claim]) -> None:
+    def _start(self, claims: list[Claim], via: str) -> None:
         if not claims:
             return
+        claimed_at = time.monotonic()
         hung = self.renewer.timed_out_delivery_ids()
         again = [c for c in claims if c.lease.delivery_id in hung]
         claims = [c for c in claims if c.lease.delivery_id not in hung]
         with self._lock:
             self.in_flight += len(claims)
+            self.handling += len(claims)
             self.claimed += len(claims) + len(again)
             self.last_busy = time.monotonic()
             self.undecided.update((c.lease.delivery_id, c.lease.lease_generation) for c in claims)
@@ -391,30 +429,34 @@ class Worker:
             # Never run a delivery twice at once in one process: its earlier handler still hangs here.
             self.tally.add("claimed")
             self._retry_now(claim.lease, "handler_timeout: an earlier attempt still runs in this worker")
+        debug = logger.isEnabledFor(logging.DEBUG)
         for claim in claims:
             lease = claim.lease
-            logger.info(
-                "claimed delivery=%s generation=%d attempt=%d lease_until=%s",
-                lease.delivery_id,
-                lease.lease_generation,
-                claim.delivery.attempt,
-                lease.lease_until.isoformat(),
-            )
-            self.tally.add("claimed")
-            self.renewer.hold(lease, self._deadline(claim))
-            self.work.put(claim)
+            if debug:
+                logger.debug(
+                    "claimed delivery=%s generation=%d attempt=%d lease_until=%s",
+                    lease.delivery_id,
+                    lease.lease_generation,
+                    claim.delivery.attempt,
+                    lease.lease_until.isoformat(),
+                )
+            self.renewer.hold(lease)
+            self.work.put((claim, claimed_at))
+        self.tally.add("claimed", len(claims))
+        logger.info("claimed n=%d via=%s", len(claims), via)
 
-    def _deadline(self, claim: Claim) -> float | None:
+    def _deadline(self, claim: Claim, claimed_at: float, started: float) -> float | None:
         """Monotonic time after which this claim's handler is past its deadline: the worker's
-        ``handler_timeout``, and never past the delivery's ``expires_at`` (measured from the
-        claim on the database clock, so no clock of this host is compared with the server's)."""
+        ``handler_timeout`` from the handler's start (``started``), and never past the
+        delivery's ``expires_at`` (measured from the claim, ``claimed_at``, on the database
+        clock, so no clock of this host is compared with the server's)."""
         limits = []
         if self.config.handler_timeout is not None:
-            limits.append(self.config.handler_timeout)
+            limits.append(started + self.config.handler_timeout)
         delivery = claim.delivery
         if delivery.expires_at is not None and delivery.claimed_at is not None:
-            limits.append(max((delivery.expires_at - delivery.claimed_at).total_seconds(), 0.0))
-        return time.monotonic() + min(limits) if limits else None
+            limits.append(claimed_at + max((delivery.expires_at - delivery.claimed_at).total_seconds(), 0.0))
+        return min(limits) if limits else None
 
     def _working(self) -> int:
         """Handlers in flight that are not past their deadline."""
@@ -487,6 +529,8 @@ class Worker:
             if in_flight == 0:
                 for thread in threads:
                     thread.join()
+                self.settler.close()
+                self.settler.join()
                 return 0
             if self._working() <= 0 or self.give_up or time.monotonic() >= give_up_at:
                 break
@@ -507,6 +551,7 @@ class Worker:
                 if self.in_flight <= len(self.undecided):
                     break
             time.sleep(0.05)
+        self.settler.close()  # a daemon thread: a settle still stuck past that is not waited for
         return abandoned
 
     def run(self, conn_params: dict[str, Any]) -> WorkerSummary:
@@ -526,6 +571,7 @@ class Worker:
             for i in range(c.concurrency)
         ]
         self.renewer.start()
+        self.settler.start()
         listener.start()
         for thread in threads:
             thread.start()
@@ -550,16 +596,6 @@ class Worker:
             " ".join(f"{k}={n}" for k, n in summary.items()),
         )
         return summary
-
-
-def _reconnect(role: str) -> Any:
-    def before_sleep(state: Any) -> None:
-        logger.warning(
-            "db_unavailable role=%s attempt=%d error=%s", role, state.attempt_number, state.outcome.exception()
-        )
-        close_old_connections()
-
-    return before_sleep
 
 
 def run_worker(

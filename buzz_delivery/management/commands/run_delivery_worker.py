@@ -1,10 +1,12 @@
 """``manage.py run_delivery_worker``: the agent side for one community and target (SPEC section 7).
 
 Prints one JSON summary line to stdout at exit:
-``{"claimed":N,...,"reason":"SIGTERM","exit_code":0}`` and exits with ``exit_code``; logs every
-transition on logger ``buzz_delivery.worker`` (first words ``claimed``, ``renewed``,
-``settled``, ``lease_lost``, ``handler_error``, ``stopping``, ``stopped``; also ``listening``
-and ``db_unavailable``).
+``{"claimed":N,...,"reason":"SIGTERM","exit_code":0}`` and exits with ``exit_code``; logs on
+logger ``buzz_delivery.worker``: one INFO line per claim batch and per settle batch (``claimed
+n=``, ``settled n=``), one DEBUG line per delivery and transition with ``-v 2`` (``claimed
+delivery=``, ``renewed delivery=``, ``settled delivery=``), and always the lines of what went
+wrong (``lease_lost``, ``handler_error``, ``settle_error``, ``db_unavailable``), ``listening``,
+``stopping`` and ``stopped``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ are given up (no longer renewed, so they lapse) and the worker exits 3. A handle
 --handler-timeout (or its delivery's expires_at) is no longer renewed and its result dropped.
 
 Prints one JSON summary line: {"claimed","finished","failed","retried","lease_lost","renewed",
-"timed_out","settle_errors","abandoned","reason","exit_code"}.
+"timed_out","settle_errors","abandoned","claim_statements","settle_statements","reason",
+"exit_code"}. Logs one line per claim batch and per settle batch; -v 2 adds one per delivery.
 Exit codes: 0 clean stop; 1 stopped on an internal error (reason says which); 2 bad
 arguments; 3 stopped with in-flight leases given up (shutdown grace, or every handler hung)."""
 
@@ -89,8 +92,9 @@ class Command(StrictOptionsCommand):
             "--batch-size",
             type=int_in(1, 1000),
             default=None,
-            help="Most deliveries claimed per round trip (1..1000; default: --concurrency). "
-            "Never more than the idle handler threads.",
+            help="Most deliveries claimed per round trip, and most results settled per statement "
+            "(1..1000; default: --concurrency). Claims beyond the idle handler threads wait in a local "
+            "queue only while recent handler run times say they start within a tenth of the lease.",
         )
         parser.add_argument(
             "--poll-interval", type=positive_seconds, default=1.0, help="Seconds between polls when idle (default 1)."

@@ -1,0 +1,259 @@
+"""Batched settles (SPEC sections 4.5 and 7): one thread turns handler results into settle
+statements, many ``finished`` results per statement.
+
+Handler threads put a :class:`SettleJob` (a lease and its :class:`SettleArgs`) on the queue and
+move on to their next claim. The settler takes whatever is queued, waiting up to ``linger``
+seconds for more while fewer than ``max_batch`` are there, then settles the batch:
+
+- every ``finished`` result through one :func:`services.finish_deliveries` statement (one
+  ``UPDATE ... FROM unnest``), each row still fenced by its own (delivery, generation), and each
+  outcome judged by the rows the statement returned (a lease it did not settle pays the fenced
+  read that tells ``AlreadyTerminal`` from ``LeaseLost``, as a single settle would);
+- ``failed`` and ``retry`` results (their failure text differs per delivery) one statement each.
+
+A batch statement that the database refuses for a reason other than a lost connection is
+replayed one lease at a time, so that nothing about one delivery keeps the others of its batch
+from settling; a single settle that raises leaves that lease to lapse (``settle_errors``). A
+lost connection is retried (reconnecting) for up to one lease length. The thread uses its own
+Django connection and closes it when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.db import close_old_connections, connections
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from buzz_delivery import services
+from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Settled
+from buzz_delivery.services.types import FinishOutcome
+from buzz_delivery.worker.handlers import SettleArgs
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE
+
+logger = logging.getLogger("buzz_delivery.worker")
+
+# Summary key of each recorded status (``pending`` = a retry back in the queue).
+SETTLED_KEYS = {"finished": "finished", "failed": "failed", "pending": "retried"}
+
+
+@dataclass(frozen=True, slots=True)
+class SettleJob:
+    """One handler result to settle: the claim's ``lease`` and what to settle it with."""
+
+    lease: Lease
+    args: SettleArgs
+
+
+class Settler(threading.Thread):
+    """Settles queued :class:`SettleJob` s in batches of at most ``max_batch`` (1..1000).
+
+    ``linger``: seconds to wait for more results while a batch is short (0 = settle what is
+    there). ``lease_seconds``: how long a lost connection is retried. ``count(key, n)``: adds to
+    the worker's summary (``finished``, ``failed``, ``retried``, ``lease_lost``,
+    ``settle_errors``, ``settle_statements``). ``done(n)``: called after each
+    batch with how many jobs it took (settled or not). Stops after :meth:`close`, once every job
+    queued before it is settled."""
+
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        linger: float,
+        lease_seconds: float,
+        count: Callable[[str, int], None],
+        done: Callable[[int], None],
+    ) -> None:
+        super().__init__(name="buzz-delivery-settler", daemon=True)
+        self.max_batch = max_batch
+        self.linger = linger
+        self.lease_seconds = lease_seconds
+        self._count = count
+        self._done = done
+        self._queue: queue.SimpleQueue[SettleJob | None] = queue.SimpleQueue()
+
+    def put(self, job: SettleJob) -> None:
+        """Queue one result (thread-safe, never blocks)."""
+        self._queue.put(job)
+
+    def close(self) -> None:
+        """Settle what is queued, then stop (see :meth:`join`)."""
+        self._queue.put(None)
+
+    # --- the thread ----------------------------------------------------------------------------
+
+    def _next_batch(self) -> tuple[list[SettleJob], bool]:
+        """Block for one job, then gather more (up to ``max_batch``, ``linger`` seconds at most).
+        Returns (jobs, whether the close marker was seen)."""
+        first = self._queue.get()
+        if first is None:
+            return [], True
+        jobs = [first]
+        until = time.monotonic() + self.linger
+        while len(jobs) < self.max_batch:
+            left = until - time.monotonic()
+            try:
+                job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return jobs, True
+            jobs.append(job)
+        return jobs, False
+
+    def run(self) -> None:
+        try:
+            closing = False
+            while not closing:
+                jobs, closing = self._next_batch()
+                if not jobs:
+                    continue
+                try:
+                    self._settle_batch(jobs)
+                except BaseException:
+                    # Never let the settler die: every later result would stay unsettled.
+                    logger.exception("worker_error role=settler n=%d: batch settle raised; left to lapse", len(jobs))
+                    self._count("settle_errors", len(jobs))
+                finally:
+                    self._done(len(jobs))
+        finally:
+            connections.close_all()
+
+    # --- one batch -----------------------------------------------------------------------------
+
+    def _retrying(self) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception_type(DB_UNAVAILABLE),
+            stop=stop_after_delay(self.lease_seconds),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            before_sleep=_reconnect,
+            reraise=True,
+        )
+
+    def _settle_batch(self, jobs: list[SettleJob]) -> None:
+        finished: list[SettleJob] = []
+        seen: set[object] = set()
+        singles: list[SettleJob] = []
+        for job in jobs:
+            # One statement takes each delivery once: a second lease of the same delivery (a
+            # requeue while the old handler ran) settles on its own.
+            if job.args.outcome == "finished" and job.lease.delivery_id not in seen:
+                seen.add(job.lease.delivery_id)
+                finished.append(job)
+            else:
+                singles.append(job)
+        results: list[tuple[SettleJob, FinishOutcome]] = []
+        statements = 0
+        if len(finished) > 1:
+            batch, used = self._finish_many(finished)
+            statements += used
+            if batch is None:
+                singles = finished + singles
+            else:
+                results += batch
+        else:
+            singles = finished + singles
+        for job in singles:
+            outcome, used = self._settle_one(job)
+            statements += used
+            if outcome is not None:
+                results.append((job, outcome))
+        self._record(jobs, results, statements)
+
+    def _finish_many(self, jobs: list[SettleJob]) -> tuple[list[tuple[SettleJob, FinishOutcome]] | None, int]:
+        """Settle ``jobs`` (all ``finished``, distinct deliveries) in one statement. Returns
+        (the outcomes, statements run: 1 + one per lease the batch did not settle, roughly), or
+        (None, 0) when the statement must be replayed lease by lease."""
+        leases = [job.lease for job in jobs]
+        try:
+            outcomes = self._retrying()(services.finish_deliveries, leases, "finished")
+        except DB_UNAVAILABLE as exc:
+            logger.error("db_unavailable role=settle n=%d gave up: %s", len(jobs), exc)
+            return [], 1
+        except Exception as exc:
+            logger.warning("settle_error n=%d batch refused (%s): settling one by one", len(jobs), exc)
+            return None, 0
+        unsettled = sum(1 for o in outcomes if not isinstance(o, Settled))
+        return list(zip(jobs, outcomes, strict=True)), 1 + 2 * unsettled
+
+    def _settle_one(self, job: SettleJob) -> tuple[FinishOutcome | None, int]:
+        lease, args = job.lease, job.args
+        try:
+            outcome = self._retrying()(
+                services.finish_delivery,
+                lease,
+                args.outcome,
+                failure_code=args.failure_code,
+                failure_message=args.failure_message,
+            )
+        except DB_UNAVAILABLE as exc:
+            logger.error("db_unavailable role=settle delivery=%s gave up: %s", lease.delivery_id, exc)
+            return None, 1
+        except Exception:
+            # Nothing about one delivery may stop the worker: its lease lapses and the reaper
+            # returns it (attempts and retries apply there).
+            logger.exception(
+                "settle_error delivery=%s generation=%d outcome=%s: left to lapse",
+                lease.delivery_id,
+                lease.lease_generation,
+                args.outcome,
+            )
+            self._count("settle_errors", 1)
+            return None, 1
+        return outcome, 1 if isinstance(outcome, Settled) else 2
+
+    def _record(self, jobs: list[SettleJob], results: list[tuple[SettleJob, FinishOutcome]], statements: int) -> None:
+        """Count and log a settled batch: one INFO line per batch, one DEBUG line per delivery,
+        a WARNING per lost lease."""
+        counts = dict.fromkeys(("finished", "failed", "retried", "lease_lost", "already"), 0)
+        debug = logger.isEnabledFor(logging.DEBUG)
+        for job, outcome in results:
+            lease = job.lease
+            if isinstance(outcome, LeaseLost):
+                logger.warning(
+                    "lease_lost delivery=%s generation=%d during=settle outcome=%s result dropped",
+                    lease.delivery_id,
+                    lease.lease_generation,
+                    job.args.outcome,
+                )
+                counts["lease_lost"] += 1
+                continue
+            status = outcome.status
+            again = isinstance(outcome, AlreadyTerminal)
+            counts["already"] += again
+            key = SETTLED_KEYS.get(status, status)
+            counts[key] = counts.get(key, 0) + 1
+            if debug:
+                logger.debug(
+                    "settled delivery=%s generation=%d outcome=%s status=%s%s",
+                    lease.delivery_id,
+                    lease.lease_generation,
+                    job.args.outcome,
+                    status,
+                    " (already settled)" if again else "",
+                )
+        for key, n in counts.items():
+            if n and key != "already":
+                self._count(key, n)
+        self._count("settle_statements", statements)
+        logger.info(
+            "settled n=%d statements=%d %s",
+            len(jobs),
+            statements,
+            " ".join(f"{k}={n}" for k, n in counts.items()),
+        )
+
+
+def _reconnect(state: object) -> None:
+    outcome = getattr(state, "outcome", None)
+    logger.warning(
+        "db_unavailable role=settle attempt=%d error=%s",
+        getattr(state, "attempt_number", 0),
+        outcome.exception() if outcome is not None else None,
+    )
+    close_old_connections()

@@ -1,0 +1,74 @@
+"""The worker's batched settles and its bounded connections (issue 16), as real processes.
+
+Results settle through one fenced statement per batch: each lease is still judged by its own
+(delivery, generation), so a lease lost while its handler ran is reported lost and the rest of
+its batch settles. The runtime holds a fixed number of connections whatever its concurrency.
+Waits poll the database for a condition; nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from buzz_delivery import services
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import random32
+from tests.test_worker import commit, count_claimed, statuses, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# Dispatcher, settler, renewer, listener (the handlers used here touch no database).
+RUNTIME_CONNECTIONS = 4
+
+
+def other_backends() -> int:
+    """Sessions on the test database other than this test's own."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0]
+
+
+def test_a_lease_lost_inside_a_settle_batch_is_reported_lost_and_the_rest_of_the_batch_settles(
+    community, make_binding, start_worker
+):
+    target = random32()
+    ids = commit(make_binding, target, 4, sleep=2)
+    worker = start_worker(target, "--concurrency", "4", "--lease-seconds", "5", "--idle-exit", "1")
+    wait_until(lambda: count_claimed(ids) == 4, what="all four claims")
+    lost = ids[:2]
+    for delivery_id in lost:  # taken away while the handlers run: their settle must not apply
+        assert services.force_fail_delivery(community.id, delivery_id).done
+
+    assert worker.wait() == 0, worker.log()
+
+    rows = {r.id: r for r in WorkflowAgentDelivery.objects.filter(id__in=ids)}
+    assert {(rows[d].status, rows[d].failure_code) for d in lost} == {("failed", "operator_force_failed")}
+    assert {rows[d].status for d in ids[2:]} == {"finished"}
+    summary = worker.summary()
+    assert (summary["claimed"], summary["finished"], summary["lease_lost"]) == (4, 2, 2)
+    assert summary["settle_statements"] >= 1
+    assert worker.log().count("during=settle") == 2  # (the renewer may log its own lease_lost lines too)
+
+
+def test_a_worker_holds_a_fixed_number_of_connections_whatever_its_concurrency(make_binding, start_worker):
+    target = random32()
+    ids = commit(make_binding, target, 16)
+    baseline = other_backends()
+    worker = start_worker(
+        target,
+        *("--concurrency", "8", "--lease-seconds", "10", "--idle-exit", "1"),
+        handler="tests.worker_handlers:sleep_without_database",  # 1.5 s, no database
+    )
+    # The first results have settled (the settler is connected) while later claims still run.
+    wait_until(
+        lambda: list(statuses(ids).values()).count("finished") >= 1 and count_claimed(ids) > 0,
+        what="some settled, some still claimed",
+    )
+    held = other_backends() - baseline
+
+    assert worker.wait() == 0, worker.log()
+    assert 0 < held <= RUNTIME_CONNECTIONS
+    assert set(statuses(ids).values()) == {"finished"}
