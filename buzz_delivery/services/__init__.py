@@ -18,6 +18,7 @@ from buzz_delivery.services.operator import OperatorOutcome, force_fail_delivery
 from buzz_delivery.services.producer import commit_deliveries, lock_delivery_identity
 from buzz_delivery.services.pruner import PruneResult, prune_deliveries
 from buzz_delivery.services.reaper import reap, reap_expired_deliveries
+from buzz_delivery.services.runs import expire_run_deliveries
 from buzz_delivery.services.runlock import (
     LeaseBusy,
     RunLease,
@@ -58,6 +59,7 @@ __all__ = [
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
+    "expire_run_deliveries",
     "finish_deliveries",
     "finish_delivery",
     "force_fail_delivery",

@@ -15,3 +15,6 @@ class WorkflowsConfig(AppConfig):
         "buzz_workflows.Run",
         "buzz_workflows.DefinitionVersion",
     )
+
+    def ready(self) -> None:
+        from buzz_delivery.workflows import functions  # noqa: F401  (registers noop and echo)

@@ -195,6 +195,8 @@ class Step(CommunityScoped):
     max_attempts = models.IntegerField(default=1)
     attempts = models.IntegerField(default=0)
     timeout_seconds = models.IntegerField(null=True, blank=True)
+    backoff_base_seconds = models.FloatField(default=2)
+    backoff_cap_seconds = models.FloatField(default=300)
     lease_generation = models.BigIntegerField(default=0)
     lease_until = models.DateTimeField(null=True, blank=True)
     claimed_at = models.DateTimeField(null=True, blank=True)
@@ -259,7 +261,7 @@ class Step(CommunityScoped):
             ),
             models.CheckConstraint(condition=Q(tolerate_failures__gte=0), name="wf_step_tolerate_gte_0"),
             models.CheckConstraint(
-                condition=Q(failure_code__isnull=True) | Q(state__in=["failed", "ready"]),
+                condition=Q(failure_code__isnull=True) | Q(state__in=["failed", "ready", "running"]),
                 name="wf_step_failure_code_only_when_failed",
             ),
             models.CheckConstraint(

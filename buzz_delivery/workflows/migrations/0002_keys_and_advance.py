@@ -136,6 +136,7 @@ BEGIN
     ELSE
         UPDATE buzz_workflows_step SET state = 'ready', ready_at = buzz_delivery_now()
         WHERE community_id = cid AND id = sid AND state = 'pending';
+        PERFORM pg_notify('buzz_workflows', cid::text);
     END IF;
 END;
 $$;
