@@ -229,8 +229,12 @@ def test_every_community_scoped_model_is_in_the_deletion_catalog_and_every_entry
 def test_sibling_apps_register_their_tables_before_the_cores():
     catalog = deletion_catalog()
     assert catalog[-len(DELETION_CATALOG) :] == DELETION_CATALOG
-    assert {"buzz_workflows.Step", "buzz_workflows.Run", "buzz_workflows.DefinitionVersion",
-            "buzz_workflows.Approval"} <= set(catalog)
+    assert {
+        "buzz_workflows.Step",
+        "buzz_workflows.Run",
+        "buzz_workflows.DefinitionVersion",
+        "buzz_workflows.Approval",
+    } <= set(catalog)
     without_steps = tuple(label for label in catalog if label != "buzz_workflows.Step")
     assert catalog_drift(without_steps) == ["buzz_workflows.Step: community-scoped but not in DELETION_CATALOG"]
 
@@ -241,9 +245,7 @@ def test_the_drift_check_fails_for_a_missing_model_a_vanished_model_or_a_dropped
     assert catalog_drift(without_event) == ["buzz_delivery.Event: community-scoped but not in DELETION_CATALOG"]
     assert catalog_drift((*full, "buzz_delivery.Ghost")) == ["buzz_delivery.Ghost: no such model"]
     tables = [t for t in connection.introspection.table_names() if t != "buzz_delivery_workflow_run"]
-    assert catalog_drift(full, tables) == [
-        "buzz_delivery.WorkflowRun: table buzz_delivery_workflow_run does not exist"
-    ]
+    assert catalog_drift(full, tables) == ["buzz_delivery.WorkflowRun: table buzz_delivery_workflow_run does not exist"]
 
 
 def test_the_catalog_lists_children_before_the_parents_they_reference():
@@ -289,5 +291,7 @@ def test_the_tombstone_trigger_checks_every_table_of_the_deletion_catalog():
             """
         )
         guards = cursor.fetchone()[0]
-    missing = [m._meta.db_table for m in catalog_models() if f"FROM {m._meta.db_table} WHERE community_id" not in guards]
+    missing = [
+        m._meta.db_table for m in catalog_models() if f"FROM {m._meta.db_table} WHERE community_id" not in guards
+    ]
     assert missing == []

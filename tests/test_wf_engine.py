@@ -73,8 +73,12 @@ def test_a_false_condition_skips_the_step_and_its_dependents(workflow):
 
 
 def test_a_failing_function_is_retried_with_backoff_then_fails_the_run(workflow):
-    definition = {"steps": [function_step("a", "test.boom", retry={"max_attempts": 2, "base_seconds": 0}),
-                            function_step("b", "noop", depends_on=["a"])]}
+    definition = {
+        "steps": [
+            function_step("a", "test.boom", retry={"max_attempts": 2, "base_seconds": 0}),
+            function_step("b", "noop", depends_on=["a"]),
+        ]
+    }
     run = start(workflow, definition)
     [claim] = claim_steps(workflow.community_id, lease_seconds=30)
     assert executor.execute(claim) == Settled("ready")
@@ -99,19 +103,34 @@ def test_the_backoff_gate_holds_a_retried_step_back(workflow):
 
 @pytest.mark.parametrize(
     ("on_error", "dependent", "run_end"),
-    [("continue", "succeeded", "succeeded"), ("skip_dependents", "skipped", "succeeded"), ("fail_run", "canceled", "failed")],
+    [
+        ("continue", "succeeded", "succeeded"),
+        ("skip_dependents", "skipped", "succeeded"),
+        ("fail_run", "canceled", "failed"),
+    ],
 )
 def test_on_error_policies(workflow, on_error, dependent, run_end):
-    definition = {"steps": [function_step("a", "test.boom", retry={"max_attempts": 1}, on_error=on_error),
-                            function_step("b", "noop", depends_on=["a"]), function_step("c", "noop")]}
+    definition = {
+        "steps": [
+            function_step("a", "test.boom", retry={"max_attempts": 1}, on_error=on_error),
+            function_step("b", "noop", depends_on=["a"]),
+            function_step("c", "noop"),
+        ]
+    }
     run = start(workflow, definition)
     run_until_idle(workflow.community_id)
     assert states(run)["b"] == dependent
     assert run_state(run) == run_end
 
 
-@pytest.mark.parametrize(("function", "code"), [("test.huge", "output_too_large"), ("test.not_json", "output_not_json"),
-                                                ("missing.function", "function_not_registered")])
+@pytest.mark.parametrize(
+    ("function", "code"),
+    [
+        ("test.huge", "output_too_large"),
+        ("test.not_json", "output_not_json"),
+        ("missing.function", "function_not_registered"),
+    ],
+)
 def test_bad_output_or_a_missing_function_fails_the_step_with_a_code_not_the_worker(workflow, function, code):
     run = start(workflow, {"steps": [function_step("a", function, retry={"max_attempts": 3})]})
     run_until_idle(workflow.community_id)
@@ -173,8 +192,10 @@ def test_a_step_timeout_fails_the_running_step(workflow):
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE buzz_workflows_step SET claimed_at = claimed_at - interval '10 seconds' WHERE id = %s",
-                       [claim.lease.step_id])
+        cursor.execute(
+            "UPDATE buzz_workflows_step SET claimed_at = claimed_at - interval '10 seconds' WHERE id = %s",
+            [claim.lease.step_id],
+        )
     assert reap_workflow_steps().timed_out == 1
     step = get_run(workflow.community_id, run.pk).step("a")
     assert (step.state, step.failure_code) == ("failed", "step_timeout")
@@ -182,9 +203,14 @@ def test_a_step_timeout_fails_the_running_step(workflow):
 
 
 def test_restart_from_failure_keeps_succeeded_outputs_and_reruns_the_rest(workflow):
-    definition = {"steps": [function_step("a", "test.record"), function_step("b", "test.flag", depends_on=["a"]),
-                            function_step("c", "test.boom", depends_on=["b"], retry={"max_attempts": 1}),
-                            function_step("d", "noop", depends_on=["c"])]}
+    definition = {
+        "steps": [
+            function_step("a", "test.record"),
+            function_step("b", "test.flag", depends_on=["a"]),
+            function_step("c", "test.boom", depends_on=["b"], retry={"max_attempts": 1}),
+            function_step("d", "noop", depends_on=["c"]),
+        ]
+    }
     old = start(workflow, definition)
     run_until_idle(workflow.community_id)
     assert run_state(old) == "failed"
@@ -209,12 +235,19 @@ def test_sub_workflow_runs_a_child_and_resumes_the_parent_with_its_output(workfl
     child_wf = WorkflowFactory(community=workflow.community)
     from buzz_delivery.workflows.services import publish_definition
 
-    publish_definition(workflow.community_id, child_wf.id,
-                       {"steps": [function_step("inner", "test.record", input={"v": {"$ref": "input.v"}})]})
-    definition = {"steps": [{"key": "sub", "kind": "sub_workflow", "workflow": str(child_wf.id),
-                             "input": {"v": {"$ref": "input.v"}}},
-                            function_step("after", "test.record", depends_on=["sub"],
-                                          input={"got": {"$ref": "steps.sub.output.inner.v"}})]}
+    publish_definition(
+        workflow.community_id,
+        child_wf.id,
+        {"steps": [function_step("inner", "test.record", input={"v": {"$ref": "input.v"}})]},
+    )
+    definition = {
+        "steps": [
+            {"key": "sub", "kind": "sub_workflow", "workflow": str(child_wf.id), "input": {"v": {"$ref": "input.v"}}},
+            function_step(
+                "after", "test.record", depends_on=["sub"], input={"got": {"$ref": "steps.sub.output.inner.v"}}
+            ),
+        ]
+    }
     run = start(workflow, definition, {"v": 7})
     run_until_idle(workflow.community_id)
     view = get_run(workflow.community_id, run.pk)

@@ -13,7 +13,7 @@ from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.testing import CommunityFactory, WorkflowFactory, advance_to, random32
 from buzz_delivery.workflows import executor
-from buzz_delivery.workflows.models import Approval, Run, Step
+from buzz_delivery.workflows.models import Approval, Run
 from buzz_delivery.workflows.services import (
     AlreadyDecided,
     Canceled,
@@ -77,7 +77,11 @@ def test_each_settle_is_counted_and_the_last_one_advances_the_run(workflow):
         services.finish_delivery(claim.lease, "finished")
     step = get_run(workflow.community_id, run.pk).step("send")
     assert (step.state, step.delivered_terminal, step.delivered_failed, step.output) == (
-        "succeeded", 3, 0, {"delivered": 3, "failed": 0})
+        "succeeded",
+        3,
+        0,
+        {"delivered": 3, "failed": 0},
+    )
     assert states(run)["after"] == "ready"
     run_until_idle(workflow.community_id)
     assert run_state(run) == "succeeded"
@@ -103,7 +107,7 @@ def test_operator_force_fail_and_requeue_are_counted_both_ways(workflow):
     targets = [random32() for _ in range(2)]
     run = start(workflow, {"steps": [send_step("send", targets, tolerate_failures=2)]})
     run_until_idle(workflow.community_id)
-    a, b = deliveries(run)
+    a, _b = deliveries(run)
     claim = services.claim_delivery(a.community_id, bytes(a.target_pubkey), lease_seconds=30)
     assert services.force_fail_delivery(a.community_id, a.id).done
     step = get_run(workflow.community_id, run.pk).step("send")
@@ -126,8 +130,9 @@ def test_the_reaper_exhausting_a_delivery_is_counted(workflow):
         cursor.execute("UPDATE buzz_delivery_delivery SET max_attempts = 1 WHERE id = %s", [d.id])
     services.claim_delivery(d.community_id, target, lease_seconds=30)
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 hour' WHERE id = %s",
-                       [d.id])
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 hour' WHERE id = %s", [d.id]
+        )
     assert services.reap_expired_deliveries() >= 1
     step = get_run(workflow.community_id, run.pk).step("send")
     assert (step.state, step.delivered_failed) == ("succeeded", 1)
@@ -136,8 +141,16 @@ def test_the_reaper_exhausting_a_delivery_is_counted(workflow):
 
 def test_cancel_while_a_step_is_claimed_and_deliveries_are_pending(workflow):
     targets = [random32() for _ in range(3)]
-    run = start(workflow, {"steps": [send_step("send", targets), function_step("slow"),
-                                     function_step("after", depends_on=["send", "slow"])]})
+    run = start(
+        workflow,
+        {
+            "steps": [
+                send_step("send", targets),
+                function_step("slow"),
+                function_step("after", depends_on=["send", "slow"]),
+            ]
+        },
+    )
     claims = claim_steps(workflow.community_id, limit=10, lease_seconds=30)
     by_key = {c.step.key: c for c in claims}
     executor.execute(by_key["send"])
@@ -174,8 +187,15 @@ def test_cancel_reaches_child_runs(workflow):
 
 
 def approval_run(workflow, **fields):
-    run = start(workflow, {"steps": [{"key": "ok", "kind": "approval", "deadline_seconds": 600, "prompt": "ship?",
-                                      **fields}, function_step("after", depends_on=["ok"])]})
+    run = start(
+        workflow,
+        {
+            "steps": [
+                {"key": "ok", "kind": "approval", "deadline_seconds": 600, "prompt": "ship?", **fields},
+                function_step("after", depends_on=["ok"]),
+            ]
+        },
+    )
     run_until_idle(workflow.community_id)
     return run, Approval.objects.get(run_id=run.pk)
 
@@ -202,10 +222,15 @@ def test_a_rejection_fails_the_step(workflow):
 def test_an_expired_approval_cannot_be_decided(workflow):
     run, approval = approval_run(workflow)
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE buzz_workflows_approval SET deadline_at = requested_at + interval '1 second',"
-                       " requested_at = requested_at - interval '1 hour' WHERE id = %s", [approval.id])
-        cursor.execute("UPDATE buzz_workflows_approval SET deadline_at = requested_at + interval '1 second'"
-                       " WHERE id = %s", [approval.id])
+        cursor.execute(
+            "UPDATE buzz_workflows_approval SET deadline_at = requested_at + interval '1 second',"
+            " requested_at = requested_at - interval '1 hour' WHERE id = %s",
+            [approval.id],
+        )
+        cursor.execute(
+            "UPDATE buzz_workflows_approval SET deadline_at = requested_at + interval '1 second' WHERE id = %s",
+            [approval.id],
+        )
     assert isinstance(decide_approval(workflow.community_id, approval.id, "approved", "alice"), Expired)
     result = reap_workflow_steps()
     assert result.approvals_expired == 1
@@ -215,10 +240,18 @@ def test_an_expired_approval_cannot_be_decided(workflow):
 
 def test_bad_decisions_are_refused_by_name(workflow):
     _run, approval = approval_run(workflow)
-    for kwargs, field in (({"decision": "maybe"}, "decision"), ({"decided_by": " "}, "decided_by"),
-                          ({"approval_id": "nope"}, "approval_id")):
-        args = {"community_id": workflow.community_id, "approval_id": approval.id, "decision": "approved",
-                "decided_by": "alice", **kwargs}
+    for kwargs, field in (
+        ({"decision": "maybe"}, "decision"),
+        ({"decided_by": " "}, "decided_by"),
+        ({"approval_id": "nope"}, "approval_id"),
+    ):
+        args = {
+            "community_id": workflow.community_id,
+            "approval_id": approval.id,
+            "decision": "approved",
+            "decided_by": "alice",
+            **kwargs,
+        }
         with pytest.raises(ValidationError) as exc:
             decide_approval(**args)
         assert field in exc.value.message_dict
@@ -247,8 +280,9 @@ def test_a_fenced_community_does_not_advance_and_does_not_block_others(workflow)
 def test_purge_removes_every_engine_row_of_the_community_and_nothing_else(workflow):
     other = WorkflowFactory(community=CommunityFactory())
     for wf in (workflow, other):
-        start(wf, {"steps": [send_step("send", [random32()]), {"key": "ok", "kind": "approval",
-                                                              "deadline_seconds": 60}]})
+        start(
+            wf, {"steps": [send_step("send", [random32()]), {"key": "ok", "kind": "approval", "deadline_seconds": 60}]}
+        )
         run_until_idle(wf.community_id)
     before = {m: m._base_manager.filter(community_id=other.community_id).count() for m in ENGINE_MODELS}
     assert all(before.values())
@@ -265,17 +299,22 @@ def test_the_tombstone_move_is_refused_while_engine_rows_are_left(workflow):
     start(workflow, {"steps": [function_step("a")]})
     advance_to(workflow.community, "fenced")
     with connection.cursor() as cursor:
-        cursor.execute("SELECT set_config('buzz_delivery.purge_community', %s, true),"
-                       " set_config('buzz_delivery.purge_fence_generation', %s, true)",
-                       [str(workflow.community_id), str(workflow.community.__class__.objects.get(
-                           id=workflow.community_id).fence_generation)])
+        cursor.execute(
+            "SELECT set_config('buzz_delivery.purge_community', %s, true),"
+            " set_config('buzz_delivery.purge_fence_generation', %s, true)",
+            [
+                str(workflow.community_id),
+                str(workflow.community.__class__.objects.get(id=workflow.community_id).fence_generation),
+            ],
+        )
         for table in ("buzz_delivery_delivery", "buzz_delivery_event"):
             cursor.execute(f"DELETE FROM {table} WHERE community_id = %s", [workflow.community_id])
     from django.db import DatabaseError, transaction
 
     with pytest.raises(DatabaseError, match="workflow engine rows"), transaction.atomic(), connection.cursor() as c:
-        c.execute("UPDATE buzz_delivery_community SET deletion_state = 'tombstone' WHERE id = %s",
-                  [workflow.community_id])
+        c.execute(
+            "UPDATE buzz_delivery_community SET deletion_state = 'tombstone' WHERE id = %s", [workflow.community_id]
+        )
 
 
 def test_terminal_steps_and_runs_never_change_state_even_through_raw_sql(workflow):
@@ -283,19 +322,27 @@ def test_terminal_steps_and_runs_never_change_state_even_through_raw_sql(workflo
 
     run = start(workflow, {"steps": [function_step("a")]})
     run_until_idle(workflow.community_id)
-    for sql in ("UPDATE buzz_workflows_step SET state = 'ready', finished_at = NULL WHERE run_id = %s",
-                "UPDATE buzz_workflows_run SET state = 'running', finished_at = NULL WHERE run_id = %s"):
-        with pytest.raises(DatabaseError, match="terminal state never changes"), transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute(sql, [run.pk])
+    for sql in (
+        "UPDATE buzz_workflows_step SET state = 'ready', finished_at = NULL WHERE run_id = %s",
+        "UPDATE buzz_workflows_run SET state = 'running', finished_at = NULL WHERE run_id = %s",
+    ):
+        with (
+            pytest.raises(DatabaseError, match="terminal state never changes"),
+            transaction.atomic(),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(sql, [run.pk])
 
 
 def test_a_wait_timeout_ends_a_waiting_step(workflow):
     run = start(workflow, {"steps": [send_step("send", [random32()], wait_timeout_seconds=1)]})
     run_until_idle(workflow.community_id)
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE buzz_workflows_step SET wait_deadline = now() - interval '1 second',"
-                       " waiting_since = now() - interval '1 hour' WHERE run_id = %s", [run.pk])
+        cursor.execute(
+            "UPDATE buzz_workflows_step SET wait_deadline = now() - interval '1 second',"
+            " waiting_since = now() - interval '1 hour' WHERE run_id = %s",
+            [run.pk],
+        )
     assert reap_workflow_steps().wait_timed_out == 1
     assert get_run(workflow.community_id, run.pk).step("send").failure_code == "wait_timeout"
     assert run_state(run) == "failed"

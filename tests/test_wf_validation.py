@@ -34,41 +34,90 @@ BAD_DEFINITIONS = [
     ("field of another kind", {"steps": [{**OK, "targets": [T]}]}, "steps[0].targets", "'a'"),
     ("missing dependency", {"steps": [function_step("a", depends_on=["zz"])]}, "steps[0].depends_on", "'zz'"),
     ("self dependency", {"steps": [function_step("a", depends_on=["a"])]}, "steps[0].depends_on", "'a'"),
-    ("cycle", {"steps": [function_step("a", depends_on=["b"]), function_step("b", depends_on=["a"])]},
-     "depends_on", "cycle"),
+    (
+        "cycle",
+        {"steps": [function_step("a", depends_on=["b"]), function_step("b", depends_on=["a"])]},
+        "depends_on",
+        "cycle",
+    ),
     ("bad on_error", {"steps": [function_step("a", on_error="explode")]}, "steps[0].on_error", "'a'"),
     ("bad retry", {"steps": [function_step("a", retry={"max_attempts": 0})]}, "steps[0].retry.max_attempts", None),
-    ("cap below base", {"steps": [function_step("a", retry={"base_seconds": 5, "cap_seconds": 1})]},
-     "steps[0].retry.cap_seconds", None),
+    (
+        "cap below base",
+        {"steps": [function_step("a", retry={"base_seconds": 5, "cap_seconds": 1})]},
+        "steps[0].retry.cap_seconds",
+        None,
+    ),
     ("bad timeout", {"steps": [function_step("a", timeout_seconds=0)]}, "steps[0].timeout_seconds", None),
     ("bad function name", {"steps": [function_step("a", "no spaces allowed")]}, "steps[0].function", None),
-    ("input reference to a non-ancestor",
-     {"steps": [OK, function_step("b", input={"x": {"$ref": "steps.a.output"}})]}, "steps[1].input", "'b'"),
-    ("bad reference root", {"steps": [function_step("a", input={"x": {"$ref": "env.HOME"}})]},
-     "steps[0].input.x", None),
-    ("when on a non-ancestor", {"steps": [OK, function_step("b", when={"ref": "steps.a.output", "exists": True})]},
-     "steps[1].when.ref", "'b'"),
-    ("when with two operators", {"steps": [function_step("a", when={"ref": "input", "equals": 1, "exists": True})]},
-     "steps[0].when", None),
+    (
+        "input reference to a non-ancestor",
+        {"steps": [OK, function_step("b", input={"x": {"$ref": "steps.a.output"}})]},
+        "steps[1].input",
+        "'b'",
+    ),
+    (
+        "bad reference root",
+        {"steps": [function_step("a", input={"x": {"$ref": "env.HOME"}})]},
+        "steps[0].input.x",
+        None,
+    ),
+    (
+        "when on a non-ancestor",
+        {"steps": [OK, function_step("b", when={"ref": "steps.a.output", "exists": True})]},
+        "steps[1].when.ref",
+        "'b'",
+    ),
+    (
+        "when with two operators",
+        {"steps": [function_step("a", when={"ref": "input", "equals": 1, "exists": True})]},
+        "steps[0].when",
+        None,
+    ),
     ("no targets", {"steps": [{"key": "s", "kind": "send_message", "targets": []}]}, "steps[0].targets", "'s'"),
-    ("bad target", {"steps": [{"key": "s", "kind": "send_message", "targets": ["AB" * 32]}]},
-     "steps[0].targets[0]", None),
-    ("duplicate target", {"steps": [{"key": "s", "kind": "send_message", "targets": [T, T]}]},
-     "steps[0].targets", None),
-    ("agent_run not available", {"steps": [{"key": "s", "kind": "send_message", "targets": [T], "await": "agent_run"}]},
-     "steps[0].await", "buzz_delivery.agents"),
-    ("tolerance above targets",
-     {"steps": [{"key": "s", "kind": "send_message", "targets": [T], "tolerate_failures": 2}]},
-     "steps[0].tolerate_failures", None),
-    ("bad sub_workflow", {"steps": [{"key": "w", "kind": "sub_workflow", "workflow": "nope"}]},
-     "steps[0].workflow", None),
-    ("unknown sub_workflow", {"steps": [{"key": "w", "kind": "sub_workflow", "workflow": str(uuid.uuid4())}]},
-     "steps[0].workflow", "no such workflow"),
+    (
+        "bad target",
+        {"steps": [{"key": "s", "kind": "send_message", "targets": ["AB" * 32]}]},
+        "steps[0].targets[0]",
+        None,
+    ),
+    (
+        "duplicate target",
+        {"steps": [{"key": "s", "kind": "send_message", "targets": [T, T]}]},
+        "steps[0].targets",
+        None,
+    ),
+    (
+        "agent_run not available",
+        {"steps": [{"key": "s", "kind": "send_message", "targets": [T], "await": "agent_run"}]},
+        "steps[0].await",
+        "buzz_delivery.agents",
+    ),
+    (
+        "tolerance above targets",
+        {"steps": [{"key": "s", "kind": "send_message", "targets": [T], "tolerate_failures": 2}]},
+        "steps[0].tolerate_failures",
+        None,
+    ),
+    (
+        "bad sub_workflow",
+        {"steps": [{"key": "w", "kind": "sub_workflow", "workflow": "nope"}]},
+        "steps[0].workflow",
+        None,
+    ),
+    (
+        "unknown sub_workflow",
+        {"steps": [{"key": "w", "kind": "sub_workflow", "workflow": str(uuid.uuid4())}]},
+        "steps[0].workflow",
+        "no such workflow",
+    ),
     ("approval without deadline", {"steps": [{"key": "ok", "kind": "approval"}]}, "steps[0].deadline_seconds", None),
 ]
 
 
-@pytest.mark.parametrize(("case", "definition", "field", "mention"), BAD_DEFINITIONS, ids=[c[0] for c in BAD_DEFINITIONS])
+@pytest.mark.parametrize(
+    ("case", "definition", "field", "mention"), BAD_DEFINITIONS, ids=[c[0] for c in BAD_DEFINITIONS]
+)
 def test_a_bad_definition_names_the_step_and_field_and_writes_nothing(community, case, definition, field, mention):
     workflow = WorkflowFactory(community=community)
     before = counts()
@@ -126,8 +175,13 @@ def test_bad_start_arguments_are_refused_by_name_before_anything_is_written(comm
     workflow = WorkflowFactory(community=community)
     publish_definition(community.id, workflow.id, {"steps": [OK]})
     before = counts()
-    args = {"community_id": community.id, "workflow_id": workflow.id, "input": {}, "cause": Cause.event(random32()),
-            **kwargs}
+    args = {
+        "community_id": community.id,
+        "workflow_id": workflow.id,
+        "input": {},
+        "cause": Cause.event(random32()),
+        **kwargs,
+    }
     with pytest.raises(ValidationError) as exc:
         start_run(args.pop("community_id"), args.pop("workflow_id"), args.pop("input"), **args)
     assert field in exc.value.message_dict
@@ -147,8 +201,11 @@ def test_bad_step_arguments_are_refused_by_name(community):
     workflow = WorkflowFactory(community=community)
     start(workflow, {"steps": [OK]})
     [claim] = claim_steps(community.id, lease_seconds=30)
-    for kwargs, field in (({"lease": "x"}, "lease"), ({"failure_code": ""}, "failure_code"),
-                          ({"failure_code": "x" * 65}, "failure_code")):
+    for kwargs, field in (
+        ({"lease": "x"}, "lease"),
+        ({"failure_code": ""}, "failure_code"),
+        ({"failure_code": "x" * 65}, "failure_code"),
+    ):
         args = {"lease": claim.lease, "failure_code": "boom", **kwargs}
         with pytest.raises(ValidationError) as exc:
             fail_step(**args)

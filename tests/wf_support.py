@@ -19,14 +19,20 @@ def counts() -> dict[str, int]:
     """Rows per engine table (and the core's runs and deliveries)."""
     from buzz_delivery.models import Event, WorkflowAgentDelivery, WorkflowRun
 
-    return {m._meta.db_table: m._base_manager.count() for m in (*ENGINE_MODELS, WorkflowRun, WorkflowAgentDelivery, Event)}
+    return {
+        m._meta.db_table: m._base_manager.count() for m in (*ENGINE_MODELS, WorkflowRun, WorkflowAgentDelivery, Event)
+    }
 
 
-def start(workflow: Any, definition: dict[str, Any], input: dict | None = None, **kwargs: Any) -> Run:  # noqa: A002
+def start(workflow: Any, definition: dict[str, Any], input: dict | None = None, **kwargs: Any) -> Run:
     version = publish_definition(workflow.community_id, workflow.id, definition)
     return start_run(
-        workflow.community_id, workflow.id, input or {}, cause=kwargs.pop("cause", Cause.event(os.urandom(32))),
-        version=version.version, **kwargs,
+        workflow.community_id,
+        workflow.id,
+        input or {},
+        cause=kwargs.pop("cause", Cause.event(os.urandom(32))),
+        version=version.version,
+        **kwargs,
     )
 
 
@@ -51,26 +57,26 @@ CALLS: list[tuple[str, dict]] = []
 
 
 @workflow_function("test.record")
-def record(input: dict, context: Any) -> dict:  # noqa: A002
+def record(input: dict, context: Any) -> dict:
     CALLS.append((context.step_key, input))
     return {"key": context.step_key, **input}
 
 
 @workflow_function("test.boom")
-def boom(input: dict, context: Any) -> dict:  # noqa: A002
+def boom(input: dict, context: Any) -> dict:
     raise RuntimeError("boom")
 
 
 @workflow_function("test.huge")
-def huge(input: dict, context: Any) -> str:  # noqa: A002
+def huge(input: dict, context: Any) -> str:
     return "x" * 400_000
 
 
 @workflow_function("test.not_json")
-def not_json(input: dict, context: Any) -> object:  # noqa: A002
+def not_json(input: dict, context: Any) -> object:
     return object()
 
 
 @workflow_function("test.flag")
-def flag(input: dict, context: Any) -> dict:  # noqa: A002
+def flag(input: dict, context: Any) -> dict:
     return {"ok": input.get("ok", True)}

@@ -18,7 +18,6 @@ from buzz_delivery.services.operator import OperatorOutcome, force_fail_delivery
 from buzz_delivery.services.producer import commit_deliveries, lock_delivery_identity
 from buzz_delivery.services.pruner import PruneResult, prune_deliveries
 from buzz_delivery.services.reaper import reap, reap_expired_deliveries
-from buzz_delivery.services.runs import expire_run_deliveries
 from buzz_delivery.services.runlock import (
     LeaseBusy,
     RunLease,
@@ -27,6 +26,7 @@ from buzz_delivery.services.runlock import (
     renew_run_lease,
     run_lease,
 )
+from buzz_delivery.services.runs import expire_run_deliveries
 from buzz_delivery.services.types import (
     AlreadyTerminal,
     Binding,

@@ -296,7 +296,7 @@ def _check_acyclic(steps: list[dict[str, Any]], wrappers: list[_Step]) -> None:
         state[key] = 1
         for d in steps[index[key]]["depends_on"]:
             if state.get(d) == 1:
-                cycle = [*path[path.index(d):], d] if d in path else [key, d]
+                cycle = [*path[path.index(d) :], d] if d in path else [key, d]
                 raise wrappers[index[key]].invalid("depends_on", f"forms a cycle: {' -> '.join(cycle)}")
             if d not in state:
                 visit(d, [*path, d])

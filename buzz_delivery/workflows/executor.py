@@ -105,8 +105,9 @@ def _function(claim: StepClaim) -> StepOutcome:
     try:
         output = fn(step_input(claim), context)
     except PermanentStepFailure as exc:
-        return steps.fail_step(claim.lease, exc.failure_code[:64] or "function_failed",
-                               failure_message=str(exc)[:10_000], retryable=False)
+        return steps.fail_step(
+            claim.lease, exc.failure_code[:64] or "function_failed", failure_message=str(exc)[:10_000], retryable=False
+        )
     except Exception as exc:
         logger.info("step %s of run %s raised %s", claim.step.key, claim.lease.run_id, type(exc).__name__)
         return steps.fail_step(claim.lease, "function_error", failure_message=f"{type(exc).__name__}: {exc}"[:10_000])
@@ -155,9 +156,7 @@ def _send_message(claim: StepClaim) -> StepOutcome:
             for target in spec["targets"]
         ]
         core.commit_deliveries(community, event, bindings)
-        outcome = steps.park_step(
-            claim.lease, expected=len(bindings), wait_seconds=spec.get("wait_timeout_seconds")
-        )
+        outcome = steps.park_step(claim.lease, expected=len(bindings), wait_seconds=spec.get("wait_timeout_seconds"))
         if not isinstance(outcome, Settled):
             raise _Rollback(outcome)
     return outcome
@@ -168,16 +167,24 @@ def _sub_workflow(claim: StepClaim) -> StepOutcome:
     spec = claim.spec
     community = claim.lease.community_id
     if run.depth + 1 > get_settings().max_depth:
-        return steps.fail_step(claim.lease, "depth_exceeded", retryable=False,
-                               failure_message=f"nesting deeper than {get_settings().max_depth}")
+        return steps.fail_step(
+            claim.lease,
+            "depth_exceeded",
+            retryable=False,
+            failure_message=f"nesting deeper than {get_settings().max_depth}",
+        )
     version = (
         DefinitionVersion.objects.filter(community_id=community, workflow_id=spec["workflow"])
         .order_by("-version")
         .first()
     )
     if version is None:
-        return steps.fail_step(claim.lease, "no_definition", retryable=False,
-                               failure_message=f"workflow {spec['workflow']} has no published definition")
+        return steps.fail_step(
+            claim.lease,
+            "no_definition",
+            retryable=False,
+            failure_message=f"workflow {spec['workflow']} has no published definition",
+        )
     child_id = new_uuid7()
     with transaction.atomic():
         outcome = steps.park_step(claim.lease, child_run_id=child_id, wait_seconds=spec.get("wait_timeout_seconds"))
@@ -188,6 +195,12 @@ def _sub_workflow(claim: StepClaim) -> StepOutcome:
         )
         if parked_on.first() != child_id:
             return outcome  # the holder's repeat: its child run exists already
-        create_run(community, version, step_input(claim), cause_of(run), run_id=child_id,  # type: ignore[arg-type]
-                   parent=(run, claim.step.key))
+        create_run(
+            community,
+            version,
+            step_input(claim),
+            cause_of(run),
+            run_id=child_id,  # type: ignore[arg-type]
+            parent=(run, claim.step.key),
+        )
     return outcome

@@ -8,10 +8,10 @@ from buzz_delivery.workflows.registry import StepContext, workflow_function
 
 
 @workflow_function("noop")
-def noop(input: dict[str, Any], context: StepContext) -> dict[str, Any]:  # noqa: A002
+def noop(input: dict[str, Any], context: StepContext) -> dict[str, Any]:
     return {}
 
 
 @workflow_function("echo")
-def echo(input: dict[str, Any], context: StepContext) -> dict[str, Any]:  # noqa: A002
+def echo(input: dict[str, Any], context: StepContext) -> dict[str, Any]:
     return input

@@ -42,12 +42,24 @@ def _iff(condition: Q, columns: Q, negated: Q) -> Q:
 
 
 CAUSE_EXACTLY_ONE = (
-    Q(cause_kind="event", cause_event_id__isnull=False, cause_scheduled_for__isnull=True,
-      cause_webhook_invocation_id__isnull=True)
-    | Q(cause_kind="schedule", cause_event_id__isnull=True, cause_scheduled_for__isnull=False,
-        cause_webhook_invocation_id__isnull=True)
-    | Q(cause_kind="webhook", cause_event_id__isnull=True, cause_scheduled_for__isnull=True,
-        cause_webhook_invocation_id__isnull=False)
+    Q(
+        cause_kind="event",
+        cause_event_id__isnull=False,
+        cause_scheduled_for__isnull=True,
+        cause_webhook_invocation_id__isnull=True,
+    )
+    | Q(
+        cause_kind="schedule",
+        cause_event_id__isnull=True,
+        cause_scheduled_for__isnull=False,
+        cause_webhook_invocation_id__isnull=True,
+    )
+    | Q(
+        cause_kind="webhook",
+        cause_event_id__isnull=True,
+        cause_scheduled_for__isnull=True,
+        cause_webhook_invocation_id__isnull=False,
+    )
 )
 
 
@@ -107,12 +119,22 @@ class Run(CommunityScoped):
     cause_webhook_invocation_id = models.UUIDField(null=True, blank=True)
     idempotency_key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
     parent_run = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False,
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
         related_name="children",
     )
     parent_step_key = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
     restart_of = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False,
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
         related_name="restarts",
     )
     depth = models.IntegerField(default=0)
@@ -143,7 +165,8 @@ class Run(CommunityScoped):
             models.CheckConstraint(condition=Q(depth__gte=0, depth__lte=MAX_DEPTH), name="wf_run_depth_bounded"),
             models.CheckConstraint(
                 condition=_iff(
-                    Q(depth=0), Q(parent_run__isnull=True, parent_step_key__isnull=True),
+                    Q(depth=0),
+                    Q(parent_run__isnull=True, parent_step_key__isnull=True),
                     Q(parent_run__isnull=False, parent_step_key__isnull=False),
                 ),
                 name="wf_run_parent_iff_nested",
@@ -158,10 +181,14 @@ class Run(CommunityScoped):
         ]
         indexes = [
             models.Index(fields=["community", "workflow", "created_at"], name="wf_run_workflow_idx"),
-            models.Index(fields=["community", "parent_run"], condition=Q(parent_run__isnull=False),
-                         name="wf_run_parent_idx"),
-            models.Index(fields=["deadline_at"], condition=Q(state="running", deadline_at__isnull=False),
-                         name="wf_run_deadline_idx"),
+            models.Index(
+                fields=["community", "parent_run"], condition=Q(parent_run__isnull=False), name="wf_run_parent_idx"
+            ),
+            models.Index(
+                fields=["deadline_at"],
+                condition=Q(state="running", deadline_at__isnull=False),
+                name="wf_run_deadline_idx",
+            ),
         ]
         triggers = [triggers.write_fence(), wf_triggers.terminal_once("wf_run_terminal_once", RUN_TERMINAL)]
         permissions = [
@@ -179,8 +206,7 @@ class Step(CommunityScoped):
     the Advance trigger works on this table alone (``dependents``, ``deps_*`` counters)."""
 
     id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
-    run = models.ForeignKey(Run, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False,
-                            related_name="steps")
+    run = models.ForeignKey(Run, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="steps")
     key = models.CharField(max_length=64)
     kind = models.CharField(max_length=16, choices=StepKind.choices)
     state = models.CharField(max_length=16, choices=StepState.choices, default=StepState.PENDING)
@@ -226,8 +252,11 @@ class Step(CommunityScoped):
             models.CheckConstraint(condition=Q(on_error__in=OnError.values), name="wf_step_on_error_known"),
             models.CheckConstraint(condition=Q(key__regex=r"\S"), name="wf_step_key_not_blank"),
             models.CheckConstraint(
-                condition=_iff(Q(state="running"), Q(lease_until__isnull=False, claimed_at__isnull=False),
-                               Q(lease_until__isnull=True, claimed_at__isnull=True)),
+                condition=_iff(
+                    Q(state="running"),
+                    Q(lease_until__isnull=False, claimed_at__isnull=False),
+                    Q(lease_until__isnull=True, claimed_at__isnull=True),
+                ),
                 name="wf_step_running_iff_lease",
             ),
             models.CheckConstraint(
@@ -250,13 +279,18 @@ class Step(CommunityScoped):
                 condition=Q(max_attempts__gte=1, attempts__gte=0, attempts__lte=F("max_attempts")),
                 name="wf_step_attempts_within_max",
             ),
-            models.CheckConstraint(condition=~Q(state="running") | Q(attempts__gte=1),
-                                   name="wf_step_running_has_attempt"),
+            models.CheckConstraint(
+                condition=~Q(state="running") | Q(attempts__gte=1), name="wf_step_running_has_attempt"
+            ),
             models.CheckConstraint(condition=Q(lease_generation__gte=0), name="wf_step_generation_gte_0"),
             models.CheckConstraint(
                 condition=Q(expected__isnull=True, delivered_terminal=0, delivered_failed=0)
-                | Q(expected__gte=0, delivered_failed__gte=0, delivered_failed__lte=F("delivered_terminal"),
-                    delivered_terminal__lte=F("expected")),
+                | Q(
+                    expected__gte=0,
+                    delivered_failed__gte=0,
+                    delivered_failed__lte=F("delivered_terminal"),
+                    delivered_terminal__lte=F("expected"),
+                ),
                 name="wf_step_delivery_counters_within_bounds",
             ),
             models.CheckConstraint(condition=Q(tolerate_failures__gte=0), name="wf_step_tolerate_gte_0"),
@@ -272,8 +306,11 @@ class Step(CommunityScoped):
         indexes = [
             models.Index(fields=["community", "ready_at"], condition=Q(state="ready"), name="wf_step_ready_idx"),
             models.Index(fields=["lease_until"], condition=Q(state="running"), name="wf_step_running_lease_idx"),
-            models.Index(fields=["wait_deadline"], condition=Q(state="waiting", wait_deadline__isnull=False),
-                         name="wf_step_wait_deadline_idx"),
+            models.Index(
+                fields=["wait_deadline"],
+                condition=Q(state="waiting", wait_deadline__isnull=False),
+                name="wf_step_wait_deadline_idx",
+            ),
         ]
         triggers = [
             triggers.write_fence(),
@@ -294,10 +331,12 @@ class Approval(CommunityScoped):
     Requested once per step attempt (its lease generation), decided once, before its deadline."""
 
     id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
-    run = models.ForeignKey(Run, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False,
-                            related_name="approvals")
-    step = models.ForeignKey(Step, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False,
-                             related_name="approvals")
+    run = models.ForeignKey(
+        Run, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="approvals"
+    )
+    step = models.ForeignKey(
+        Step, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="approvals"
+    )
     step_generation = models.BigIntegerField()
     state = models.CharField(max_length=16, choices=ApprovalState.choices, default=ApprovalState.PENDING)
     prompt = models.TextField(blank=True, default="")
@@ -316,15 +355,17 @@ class Approval(CommunityScoped):
                 name="wf_approval_closed_iff_not_pending",
             ),
             models.CheckConstraint(
-                condition=_iff(Q(state__in=["approved", "rejected"]), Q(decided_by__isnull=False),
-                               Q(decided_by__isnull=True)),
+                condition=_iff(
+                    Q(state__in=["approved", "rejected"]), Q(decided_by__isnull=False), Q(decided_by__isnull=True)
+                ),
                 name="wf_approval_decided_iff_decider",
             ),
             models.CheckConstraint(condition=Q(deadline_at__gt=F("requested_at")), name="wf_approval_deadline_after"),
         ]
         indexes = [
-            models.Index(fields=["community", "requested_at"], condition=Q(state="pending"),
-                         name="wf_approval_pending_idx"),
+            models.Index(
+                fields=["community", "requested_at"], condition=Q(state="pending"), name="wf_approval_pending_idx"
+            ),
             models.Index(fields=["deadline_at"], condition=Q(state="pending"), name="wf_approval_deadline_idx"),
         ]
         triggers = [

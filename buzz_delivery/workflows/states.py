@@ -69,8 +69,8 @@ class OnError(models.TextChoices):
 
 class ApprovalState(models.TextChoices):
     """- ``pending``: awaiting a decision until ``deadline_at``. ``decide_approval`` ->
-      ``approved``/``rejected``; the maintenance, past the deadline -> ``expired``; a cancel
-      -> ``expired``. The other three are terminal, once."""
+    ``approved``/``rejected``; the maintenance, past the deadline -> ``expired``; a cancel
+    -> ``expired``. The other three are terminal, once."""
 
     PENDING = "pending"
     APPROVED = "approved"

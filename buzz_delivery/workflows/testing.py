@@ -68,7 +68,7 @@ class RunFactory(factory.Factory):
     cause = factory.LazyFunction(lambda: Cause.event(os.urandom(32)))
 
     @classmethod
-    def _create(cls, model_class: type, version: DefinitionVersion, input: Any, cause: Cause) -> Run:  # noqa: A002
+    def _create(cls, model_class: type, version: DefinitionVersion, input: Any, cause: Cause) -> Run:
         return start_run(version.community_id, version.workflow_id, input, cause=cause, version=version.version)
 
     _build = _create

@@ -39,9 +39,10 @@ def publish_definition(
     if not Workflow.objects.filter(community_id=community, id=workflow).exists():
         raise v.invalid("workflow_id", "no such workflow in this community")
     for i, step in enumerate(norm["steps"]):
-        if step["kind"] == "sub_workflow" and not Workflow.objects.filter(
-            community_id=community, id=step["workflow"]
-        ).exists():
+        if (
+            step["kind"] == "sub_workflow"
+            and not Workflow.objects.filter(community_id=community, id=step["workflow"]).exists()
+        ):
             raise v.invalid(f"steps[{i}].workflow", f"step {step['key']!r}: no such workflow in this community")
     digest = d.content_hash(norm)
     with transaction.atomic(), translated_errors():

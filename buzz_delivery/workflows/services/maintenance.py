@@ -151,8 +151,9 @@ def reap_workflow_steps(
     :class:`WorkflowReapResult`. Raises ``ValidationError`` keyed ``batch_size``/``max_batches``.
     SPEC section 11.
     """
-    size = v.int_in_range(batch_size if batch_size is not None else core_settings().batch_size, "batch_size", 1,
-                          100_000)
+    size = v.int_in_range(
+        batch_size if batch_size is not None else core_settings().batch_size, "batch_size", 1, 100_000
+    )
     if max_batches is not None:
         max_batches = v.int_in_range(max_batches, "max_batches", 1, 10**9)
     result = WorkflowReapResult(dry_run=dry_run)

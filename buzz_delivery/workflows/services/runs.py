@@ -117,7 +117,7 @@ def create_run(
 def start_run(
     community_id: uuid.UUID | str,
     workflow_id: uuid.UUID | str,
-    input: dict[str, Any],  # noqa: A002 (the SPEC's name)
+    input: dict[str, Any],
     *,
     cause: Cause,
     idempotency_key: str | None = None,
@@ -152,7 +152,9 @@ def start_run(
     pinned = _version(community, workflow, version)
 
     def existing() -> Run | None:
-        found = Run.objects.filter(community_id=community, workflow_id=workflow, idempotency_key=idempotency_key).first()
+        found = Run.objects.filter(
+            community_id=community, workflow_id=workflow, idempotency_key=idempotency_key
+        ).first()
         if found is not None and found.input != input_value:
             raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used with another input")
         return found
@@ -199,8 +201,9 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
             .exclude(state__in=RUN_TERMINAL)
             .values_list("run_id", flat=True)
         )
-        rows = fetch_all(sql.END_RUN_IF_ACTIVE, {**params, "state": "canceled", "failure_code": None,
-                                                  "failure_message": None})
+        rows = fetch_all(
+            sql.END_RUN_IF_ACTIVE, {**params, "state": "canceled", "failure_code": None, "failure_message": None}
+        )
         if not rows:
             raise CommunityNotWritable(f"community {community} is not active; its runs cannot be canceled")
         if not rows[0][0]:

@@ -58,7 +58,9 @@ def _missed(params: dict[str, Any], still_fine: str | None = None) -> StepOutcom
     return LeaseLost()
 
 
-def claim_steps(community_id: uuid.UUID | str, *, limit: int = 1, lease_seconds: float | None = None) -> list[StepClaim]:
+def claim_steps(
+    community_id: uuid.UUID | str, *, limit: int = 1, lease_seconds: float | None = None
+) -> list[StepClaim]:
     """Claim up to ``limit`` (1..1000) ready steps of one community, oldest ready first, past
     their backoff gate, with ``FOR UPDATE SKIP LOCKED`` (concurrent claimers never share or wait
     on a step). Each winner: ``running``, generation + 1, attempts + 1, lease ``lease_seconds``
