@@ -236,6 +236,8 @@ class Step(CommunityScoped):
     tolerate_failures = models.IntegerField(default=0)
     child_run_id = models.UUIDField(null=True, blank=True)
     output = models.JSONField(null=True, blank=True)
+    # The last failure: a failed step's own, or the previous attempt's (kept as history while
+    # the step retries, waits, or is canceled).
     failure_code = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
     failure_message = models.TextField(null=True, blank=True)  # noqa: DJ001
     skip_reason = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001
@@ -294,10 +296,6 @@ class Step(CommunityScoped):
                 name="wf_step_delivery_counters_within_bounds",
             ),
             models.CheckConstraint(condition=Q(tolerate_failures__gte=0), name="wf_step_tolerate_gte_0"),
-            models.CheckConstraint(
-                condition=Q(failure_code__isnull=True) | Q(state__in=["failed", "ready", "running"]),
-                name="wf_step_failure_code_only_when_failed",
-            ),
             models.CheckConstraint(
                 condition=Q(output__isnull=True) | Q(state__in=["succeeded", "failed"]),
                 name="wf_step_output_only_when_finished",

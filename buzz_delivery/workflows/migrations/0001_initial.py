@@ -292,10 +292,6 @@ class Migration(migrations.Migration):
         ),
         migrations.AddConstraint(
             model_name='step',
-            constraint=models.CheckConstraint(condition=models.Q(('failure_code__isnull', True), ('state__in', ['failed', 'ready', 'running']), _connector='OR'), name='wf_step_failure_code_only_when_failed'),
-        ),
-        migrations.AddConstraint(
-            model_name='step',
             constraint=models.CheckConstraint(condition=models.Q(('output__isnull', True), ('state__in', ['succeeded', 'failed']), _connector='OR'), name='wf_step_output_only_when_finished'),
         ),
         pgtrigger.migrations.AddTrigger(
