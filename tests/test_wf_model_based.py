@@ -90,9 +90,7 @@ class MRun:
             self.end("succeeded")
 
     def release(self, s: MStep) -> None:
-        if s.deps_blocked:
-            self.finish(s, "skipped")
-        elif s.when_flag is not None and s.when_flag != self.flag:
+        if s.deps_blocked or (s.when_flag is not None and s.when_flag != self.flag):
             self.finish(s, "skipped")
         else:
             s.state = "ready"
