@@ -346,3 +346,33 @@ def test_a_wait_timeout_ends_a_waiting_step(workflow):
     assert reap_workflow_steps().wait_timed_out == 1
     assert get_run(workflow.community_id, run.pk).step("send").failure_code == "wait_timeout"
     assert run_state(run) == "failed"
+
+
+def test_a_run_past_its_deadline_fails_and_its_pending_deliveries_expire(workflow):
+    from buzz_delivery.services import Cause
+    from buzz_delivery.workflows.services import publish_definition, start_run
+
+    publish_definition(workflow.community_id, workflow.id, {"steps": [send_step("send", [random32(), random32()])]})
+    run = start_run(workflow.community_id, workflow.id, {}, cause=Cause.event(random32()), deadline_seconds=60)
+    assert run.deadline_at is not None
+    run_until_idle(workflow.community_id)
+    assert reap_workflow_steps().runs_timed_out == 0
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_workflows_run SET deadline_at = now() - interval '1 second' WHERE run_id = %s", [run.pk]
+        )
+    assert reap_workflow_steps().runs_timed_out == 1
+    run.refresh_from_db()
+    assert (run.state, run.failure_code) == ("failed", "run_deadline")
+    assert states(run) == {"send": "canceled"}
+    assert [d.status for d in deliveries(run)] == ["expired", "expired"]
+
+
+def test_a_step_failing_the_run_expires_the_runs_pending_deliveries(workflow):
+    run = start(
+        workflow,
+        {"steps": [send_step("send", [random32()]), function_step("bad", "test.boom", retry={"max_attempts": 1})]},
+    )
+    run_until_idle(workflow.community_id)
+    assert run_state(run) == "failed"
+    assert [(d.status, d.failure_code) for d in deliveries(run)] == [("expired", "run_canceled")]

@@ -150,11 +150,14 @@ LANGUAGE plpgsql AS $$
 DECLARE
     r record;
     child uuid;
+    reason text;
+    code_ text;
 BEGIN
     PERFORM 1 FROM buzz_workflows_run WHERE community_id = cid AND run_id = rid FOR NO KEY UPDATE;
     IF st <> 'succeeded' THEN
+        reason := 'run_' || st;
         UPDATE buzz_workflows_step SET state = 'canceled', lease_generation = lease_generation + 1,
-            lease_until = NULL, claimed_at = NULL, wait_deadline = NULL, skip_reason = 'run_' || st,
+            lease_until = NULL, claimed_at = NULL, wait_deadline = NULL, skip_reason = reason,
             finished_at = buzz_delivery_now()
         WHERE community_id = cid AND run_id = rid AND state NOT IN {T};
         UPDATE buzz_workflows_approval SET state = 'expired', closed_at = buzz_delivery_now()
@@ -183,7 +186,8 @@ BEGIN
             WHERE community_id = cid AND run_id = r.parent_run_id AND key = r.parent_step_key
               AND state = 'waiting' AND child_run_id = rid;
         ELSE
-            UPDATE buzz_workflows_step SET state = 'failed', failure_code = 'child_run_' || st,
+            code_ := 'child_run_' || st;
+            UPDATE buzz_workflows_step SET state = 'failed', failure_code = code_,
                 failure_message = msg, wait_deadline = NULL, finished_at = buzz_delivery_now()
             WHERE community_id = cid AND run_id = r.parent_run_id AND key = r.parent_step_key
               AND state = 'waiting' AND child_run_id = rid;
@@ -241,6 +245,8 @@ DECLARE
     dt integer;
     df integer;
     s record;
+    summary jsonb;
+    message text;
 BEGIN
     IF NEW.status IN ('finished', 'failed', 'expired') THEN
         dt := 1;
@@ -263,16 +269,16 @@ BEGIN
     IF NOT FOUND OR s.delivered_terminal < s.expected THEN
         RETURN NULL;
     END IF;
+    -- Values computed first, so the SET clauses below apply no function to a column (SPEC 15).
+    summary := jsonb_build_object('delivered', s.expected - s.delivered_failed, 'failed', s.delivered_failed);
     IF s.delivered_failed > s.tolerate_failures THEN
+        message := format('%s of %s deliveries failed (%s tolerated)',
+                          s.delivered_failed, s.expected, s.tolerate_failures);
         UPDATE buzz_workflows_step SET state = 'failed', failure_code = 'deliveries_failed',
-            failure_message = format('%s of %s deliveries failed (%s tolerated)',
-                                     s.delivered_failed, s.expected, s.tolerate_failures),
-            output = jsonb_build_object('delivered', s.expected - s.delivered_failed, 'failed', s.delivered_failed),
-            wait_deadline = NULL, finished_at = buzz_delivery_now()
+            failure_message = message, output = summary, wait_deadline = NULL, finished_at = buzz_delivery_now()
         WHERE community_id = NEW.community_id AND id = s.id AND state = 'waiting';
     ELSE
-        UPDATE buzz_workflows_step SET state = 'succeeded',
-            output = jsonb_build_object('delivered', s.expected - s.delivered_failed, 'failed', s.delivered_failed),
+        UPDATE buzz_workflows_step SET state = 'succeeded', output = summary,
             wait_deadline = NULL, finished_at = buzz_delivery_now()
         WHERE community_id = NEW.community_id AND id = s.id AND state = 'waiting';
     END IF;

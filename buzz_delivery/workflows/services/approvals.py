@@ -16,6 +16,7 @@ from buzz_delivery.workflows.exceptions import ApprovalNotFound
 from buzz_delivery.workflows.models import Approval
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import community_active
+from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.steps import park_step_returning_deadline
 from buzz_delivery.workflows.services.types import (
     AlreadyDecided,
@@ -114,6 +115,7 @@ def decide_approval(
             }
             statement = sql.RESUME_STEP_APPROVED if params["decision"] == "approved" else sql.RESUME_STEP_REJECTED
             fetch_all(statement, resume)
+            expire_deliveries_of_ended_runs(community, [run[0][0]])
             return Decided(params["decision"], who, closed_at)
         state, by, closed_at, deadline_at = fetch_all(sql.APPROVAL_STATE, params)[0]
     if state in ("approved", "rejected"):

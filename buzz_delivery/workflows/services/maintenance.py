@@ -1,7 +1,8 @@
 """The engine's cron maintenance (SPEC section 11 "Orchestrator", "Retries and timeouts"):
 lapsed step leases reclaimed (an attempt spent: ``ready`` again, or ``failed`` with
 ``attempts_exhausted``), step timeouts (``step_timeout``), wait timeouts (``wait_timeout``),
-approval deadlines (``approval_expired``).
+approval deadlines (``approval_expired``), run deadlines (``run_deadline``); the pending
+deliveries of runs that ended in the batch are expired (core ``expire_run_deliveries``).
 
 Fleet-wide but walking communities (SPEC 15): one read picks candidate communities (active
 ones), then per community one short transaction: the community's write-fence lock is tried
@@ -23,7 +24,8 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
-from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, STEP
+from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
+from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP
 
 LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
 OVERRUN = (
@@ -32,6 +34,7 @@ OVERRUN = (
 )
 WAIT_OVER = f"s.state = 'waiting' AND s.wait_deadline < {DB_NOW}"
 APPROVAL_OVER = f"a.state = 'pending' AND a.deadline_at < {DB_NOW}"
+RUN_OVER = f"r.state = 'running' AND r.deadline_at < {DB_NOW}"
 
 CANDIDATE_COMMUNITIES = f"""
 SELECT c.id FROM {COMMUNITY} AS c
@@ -39,6 +42,7 @@ WHERE c.deletion_state = 'active' AND (
     EXISTS (SELECT 1 FROM {STEP} AS s WHERE s.community_id = c.id AND (({LAPSED}) OR ({WAIT_OVER})))
     OR EXISTS (SELECT 1 FROM {STEP} AS s WHERE s.community_id = c.id AND {OVERRUN})
     OR EXISTS (SELECT 1 FROM {APPROVAL} AS a WHERE a.community_id = c.id AND {APPROVAL_OVER})
+    OR EXISTS (SELECT 1 FROM {RUN} AS r WHERE r.community_id = c.id AND {RUN_OVER})
 )
 ORDER BY c.id
 LIMIT %(limit)s
@@ -55,6 +59,17 @@ WHERE a.community_id = %(community_id)s AND {APPROVAL_OVER}
 ORDER BY a.id LIMIT %(limit)s
 """
 _FENCE = "lease_generation = s.lease_generation + 1, lease_until = NULL, claimed_at = NULL"
+CANDIDATE_RUNS = f"""
+SELECT r.run_id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND {RUN_OVER}
+ORDER BY r.run_id LIMIT %(limit)s
+"""
+# One statement per overdue run: the run row is locked (FOR NO KEY UPDATE) inside end_run first.
+FAIL_OVERDUE_RUN = f"""
+SELECT buzz_workflows_end_run(%(community_id)s, r.run_id, 'failed', 'run_deadline', 'the run passed its deadline')
+FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s AND {RUN_OVER} AND {ACTIVE}
+"""
 FAIL_OVERRUN_STEPS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'step_timeout',
     failure_message = 'the step ran longer than its timeout_seconds', {_FENCE}, finished_at = {DB_NOW}
@@ -102,6 +117,7 @@ class WorkflowReapResult:
 
     reclaimed: int = 0
     exhausted: int = 0
+    runs_timed_out: int = 0
     timed_out: int = 0
     wait_timed_out: int = 0
     approvals_expired: int = 0
@@ -112,7 +128,14 @@ class WorkflowReapResult:
 
     @property
     def total(self) -> int:
-        return self.reclaimed + self.exhausted + self.timed_out + self.wait_timed_out + self.approvals_expired
+        return (
+            self.reclaimed
+            + self.exhausted
+            + self.timed_out
+            + self.wait_timed_out
+            + self.approvals_expired
+            + self.runs_timed_out
+        )
 
 
 def _one_community(community: object, limit: int, result: WorkflowReapResult) -> bool:
@@ -123,10 +146,14 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
             return False
         steps = fetch_all(CANDIDATE_STEPS, params)
         approvals = fetch_all(CANDIDATE_APPROVALS, params)
-        run_ids = sorted({row[1] for row in steps} | {row[1] for row in approvals})
+        overdue = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]
+        run_ids = sorted({row[1] for row in steps} | {row[1] for row in approvals} | set(overdue))
         if not run_ids:
             return True
         fetch_all(LOCK_RUNS, {**params, "run_ids": run_ids})
+        for run_id in overdue:
+            rows = fetch_all(FAIL_OVERDUE_RUN, {**params, "run_id": run_id})
+            result.runs_timed_out += sum(1 for row in rows if row[0])
         step_ids = [row[0] for row in steps]
         params["ids"] = step_ids
         result.timed_out += len(fetch_all(FAIL_OVERRUN_STEPS, params))
@@ -137,6 +164,7 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
         if expired:
             fetch_all(FAIL_STEPS_OF_EXPIRED_APPROVALS, {**params, "ids": [row[0] for row in expired]})
         result.wait_timed_out += len(fetch_all(FAIL_OVERDUE_WAITS, params))
+        expire_deliveries_of_ended_runs(community, run_ids)  # type: ignore[arg-type]
     return True
 
 

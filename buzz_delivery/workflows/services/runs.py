@@ -62,6 +62,7 @@ def create_run(
     idempotency_key: str | None = None,
     parent: tuple[Run, str] | None = None,
     restart_of: Run | None = None,
+    deadline_seconds: int | None = None,
 ) -> Run:
     """Insert the core run, the engine run and its steps, and release the root steps, in the
     caller's transaction. Internal: the public entry points validate first."""
@@ -110,8 +111,26 @@ def create_run(
             for i, s in enumerate(steps)
         ]
     )
+    if deadline_seconds is not None:
+        rows = fetch_all(
+            sql.SET_RUN_DEADLINE, {"community_id": community, "run_id": run_id, "deadline_seconds": deadline_seconds}
+        )
+        run.deadline_at = rows[0][0]
     fetch_all(sql.RELEASE_ROOT_STEPS, {"community_id": community, "run_id": run_id})
     return run
+
+
+def expire_deliveries_of_ended_runs(community: uuid.UUID, run_ids: list[Any]) -> int:
+    """Expire (core service) the pending deliveries of those runs that ended ``failed`` or
+    ``canceled``, and of their child runs, in the caller's transaction. Returns how many."""
+    if not run_ids:
+        return 0
+    ended = fetch_all(sql.ENDED_RUNS, {"community_id": community, "run_ids": list(run_ids)})
+    total = 0
+    for (rid,) in ended:
+        for (tree_id,) in fetch_all(sql.RUN_AND_DESCENDANTS, {"community_id": community, "run_id": rid}):
+            total += core.expire_run_deliveries(community, tree_id)
+    return total
 
 
 def start_run(
@@ -122,17 +141,20 @@ def start_run(
     cause: Cause,
     idempotency_key: str | None = None,
     version: int | None = None,
+    deadline_seconds: int | None = None,
 ) -> Run:
     """Start a run of the workflow's latest version (or ``version``), pinned to that version.
 
     ``input``: a JSON object (at most 1,000,000 bytes). ``cause``: a core :class:`Cause`.
     ``idempotency_key``: 1..200 characters; a second start with the same key returns the first
-    run when the input is equal, else raises :class:`IdempotencyConflict`. The root steps are
+    run when the input is equal, else raises :class:`IdempotencyConflict`. ``deadline_seconds``
+    (1..366 days, None = none): the maintenance fails the run (``run_deadline``) once it is
+    still running that long after its start (database clock). The root steps are
     ``ready`` (or ``skipped`` by their ``when``) when this returns; orchestrators are woken by a
     NOTIFY at commit. Returns the engine :class:`Run` (``run.pk`` is the core run's id).
 
     Raises ``ValidationError`` keyed ``community_id``, ``workflow_id``, ``input``, ``cause``,
-    ``idempotency_key`` or ``version`` before anything is written;
+    ``idempotency_key``, ``version`` or ``deadline_seconds`` before anything is written;
     :class:`~buzz_delivery.exceptions.CommunityNotWritable` when the community is not active.
     SPEC section 11.
     """
@@ -149,6 +171,8 @@ def start_run(
             raise v.invalid("idempotency_key", "must not be empty")
     if version is not None:
         version = v.int_in_range(version, "version", 1, 2**31 - 1)
+    if deadline_seconds is not None:
+        deadline_seconds = v.int_in_range(deadline_seconds, "deadline_seconds", 1, 366 * 86400)
     pinned = _version(community, workflow, version)
 
     def existing() -> Run | None:
@@ -163,7 +187,14 @@ def start_run(
         return found
     try:
         with transaction.atomic(), translated_errors():
-            return create_run(community, pinned, input_value, cause, idempotency_key=idempotency_key)
+            return create_run(
+                community,
+                pinned,
+                input_value,
+                cause,
+                idempotency_key=idempotency_key,
+                deadline_seconds=deadline_seconds,
+            )
     except IntegrityError:
         if idempotency_key is not None and (found := existing()) is not None:
             return found

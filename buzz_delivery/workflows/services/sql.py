@@ -130,6 +130,17 @@ SELECT buzz_workflows_end_run(%(community_id)s, %(run_id)s, %(state)s, %(failure
 FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active'
 """
 
+SET_RUN_DEADLINE = f"""
+UPDATE {RUN} AS r SET deadline_at = {DB_NOW} + make_interval(secs => %(deadline_seconds)s)
+WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s
+RETURNING r.deadline_at
+"""
+
+ENDED_RUNS = f"""
+SELECT r.run_id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s) AND r.state IN ('failed', 'canceled')
+"""
+
 RUN_AND_DESCENDANTS = f"""
 WITH RECURSIVE tree(run_id) AS (
     SELECT %(run_id)s::uuid

@@ -22,6 +22,7 @@ from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import BadJSON, json_text
+from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 from buzz_delivery.workflows.states import STEP_TERMINAL
 
@@ -190,6 +191,8 @@ def fail_step(
             params["failure_message"] = f"{code}: {message or ''}".strip()[:10_000]
         rows = fetch_all(sql.FAIL_IF_CURRENT_GENERATION, params)
         if rows:
+            # Under on_error fail_run the run has ended: its pending deliveries go too.
+            expire_deliveries_of_ended_runs(lease.community_id, [lease.run_id])
             return Settled(rows[0][0])
         return _missed(params)
 

@@ -15,7 +15,7 @@ class Command(MaintenanceCommand):
         "Reclaim lapsed workflow step leases and end overrun steps, waits and approvals, walking "
         "communities in bounded batches. Safe from cron: a run that finds another active prints "
         "outcome=busy and exits 0. Summary: reclaimed, exhausted, timed_out, wait_timed_out, "
-        "approvals_expired, skipped_busy, batches, dry_run, duration_ms. Exit codes: 0 done or busy, "
+        "approvals_expired, runs_timed_out, skipped_busy, batches, dry_run, duration_ms. Exit codes: 0 done or busy, "
         "1 failed, 2 bad arguments or settings, 3 lease lost mid-run."
     )
     job = "reap_workflow_steps"
@@ -29,6 +29,7 @@ class Command(MaintenanceCommand):
             "timed_out": 0,
             "wait_timed_out": 0,
             "approvals_expired": 0,
+            "runs_timed_out": 0,
             "skipped_busy": 0,
         }
 
