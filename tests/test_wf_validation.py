@@ -221,7 +221,8 @@ ENGINE_RAW_WRITES = {
     "run": "UPDATE buzz_workflows_run SET input = input WHERE community_id = %(c)s",
     "step": "UPDATE buzz_workflows_step SET position = position WHERE community_id = %(c)s",
     "approval": "UPDATE buzz_workflows_approval SET prompt = prompt WHERE community_id = %(c)s",
-    "delete step": "DELETE FROM buzz_workflows_approval WHERE community_id = %(c)s",
+    "schedule": "UPDATE buzz_workflows_schedule SET enabled = enabled WHERE community_id = %(c)s",
+    "delete approval": "DELETE FROM buzz_workflows_approval WHERE community_id = %(c)s",
 }
 
 

@@ -19,7 +19,7 @@ from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.services import AlreadyTerminal
 from buzz_delivery.workflows import dag
-from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Step
+from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Schedule, Step
 from buzz_delivery.workflows.services import AlreadyDecided, Decided, cancel_run, decide_approval, restart_run
 from buzz_delivery.workflows.states import RUN_TERMINAL
 
@@ -213,3 +213,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
     @admin.action(description="Reject selected approvals", permissions=["decide_approval"])
     def reject(self, request: HttpRequest, queryset: QuerySet[Approval]) -> None:
         self._decide(request, queryset, "rejected")
+
+
+@admin.register(Schedule)
+class ScheduleAdmin(ReadOnlyAdmin):
+    list_display = ("workflow", "cron", "missed", "enabled", "next_slot_at")
+    list_select_related = ("workflow",)
+    readonly_fields = ("workflow", "cron", "input", "missed", "enabled", "next_slot_at", "created_at")

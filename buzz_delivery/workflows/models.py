@@ -374,3 +374,43 @@ class Approval(CommunityScoped):
 
     def __str__(self) -> str:
         return f"approval {self.id} ({self.state})"
+
+
+class MissedSlots(models.TextChoices):
+    """What the maintenance does with cron slots that passed while it did not run:
+    ``latest`` starts only the most recent due slot (the others are counted as missed);
+    ``all`` starts every due slot (at most 100 per pass, oldest first)."""
+
+    LATEST = "latest"
+    ALL = "all"
+
+
+class Schedule(CommunityScoped):
+    """A cron schedule of a workflow (UTC). The maintenance starts one run per slot, with
+    ``Cause.schedule(slot)`` and an idempotency key naming the schedule and the slot, so a second
+    start of the same slot (two overlapping maintenance runs) returns the first run."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    workflow = models.ForeignKey(
+        Workflow, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="schedules"
+    )
+    cron = models.CharField(max_length=200)
+    input = models.JSONField(default=dict, blank=True)
+    missed = models.CharField(max_length=8, choices=MissedSlots.choices, default=MissedSlots.LATEST)
+    enabled = models.BooleanField(default=True)
+    next_slot_at = models.DateTimeField()
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "buzz_workflows_schedule"
+        constraints = [
+            models.CheckConstraint(condition=Q(missed__in=MissedSlots.values), name="wf_schedule_missed_known"),
+            models.CheckConstraint(condition=Q(cron__regex=r"\S"), name="wf_schedule_cron_not_blank"),
+        ]
+        indexes = [
+            models.Index(fields=["next_slot_at"], condition=Q(enabled=True), name="wf_schedule_due_idx"),
+        ]
+        triggers = [triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return f"{self.cron} -> {self.workflow_id}"

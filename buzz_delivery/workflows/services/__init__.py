@@ -6,6 +6,7 @@ from buzz_delivery.workflows.definition import validate_definition
 from buzz_delivery.workflows.services.approvals import decide_approval, request_approval
 from buzz_delivery.workflows.services.definitions import publish_definition
 from buzz_delivery.workflows.services.runs import cancel_run, get_run, restart_run, start_run
+from buzz_delivery.workflows.services.schedules import create_schedule, start_due_schedules
 from buzz_delivery.workflows.services.steps import (
     claim_steps,
     communities_with_ready_steps,
@@ -40,6 +41,7 @@ __all__ = [
     "claim_steps",
     "communities_with_ready_steps",
     "complete_step",
+    "create_schedule",
     "decide_approval",
     "fail_step",
     "get_run",
@@ -48,6 +50,7 @@ __all__ = [
     "renew_step",
     "request_approval",
     "restart_run",
+    "start_due_schedules",
     "start_run",
     "validate_definition",
 ]

@@ -1,7 +1,8 @@
 """The engine's cron maintenance (SPEC section 11 "Orchestrator", "Retries and timeouts"):
 lapsed step leases reclaimed (an attempt spent: ``ready`` again, or ``failed`` with
 ``attempts_exhausted``), step timeouts (``step_timeout``), wait timeouts (``wait_timeout``),
-approval deadlines (``approval_expired``), run deadlines (``run_deadline``); the pending
+approval deadlines (``approval_expired``), run deadlines (``run_deadline``), and the due slots
+of cron schedules started (:mod:`~buzz_delivery.workflows.services.schedules`); the pending
 deliveries of runs that ended in the batch are expired (core ``expire_run_deliveries``).
 
 Fleet-wide but walking communities (SPEC 15): one read picks candidate communities (active
@@ -25,6 +26,7 @@ from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
+from buzz_delivery.workflows.services.schedules import start_due_schedules
 from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP
 
 LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
@@ -118,6 +120,8 @@ class WorkflowReapResult:
     reclaimed: int = 0
     exhausted: int = 0
     runs_timed_out: int = 0
+    runs_scheduled: int = 0
+    slots_missed: int = 0
     timed_out: int = 0
     wait_timed_out: int = 0
     approvals_expired: int = 0
@@ -185,6 +189,10 @@ def reap_workflow_steps(
     if max_batches is not None:
         max_batches = v.int_in_range(max_batches, "max_batches", 1, 10**9)
     result = WorkflowReapResult(dry_run=dry_run)
+    if not dry_run:
+        scheduled = start_due_schedules()
+        result.runs_scheduled, result.slots_missed = scheduled.started, scheduled.missed
+        result.skipped_busy += scheduled.skipped_busy
     done: set[object] = set()
     while max_batches is None or result.batches < max_batches:
         communities = [row[0] for row in fetch_all(CANDIDATE_COMMUNITIES, {"limit": 100})]

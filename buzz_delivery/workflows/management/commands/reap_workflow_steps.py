@@ -30,6 +30,8 @@ class Command(MaintenanceCommand):
             "wait_timed_out": 0,
             "approvals_expired": 0,
             "runs_timed_out": 0,
+            "runs_scheduled": 0,
+            "slots_missed": 0,
             "skipped_busy": 0,
         }
 
