@@ -376,3 +376,22 @@ def test_a_step_failing_the_run_expires_the_runs_pending_deliveries(workflow):
     run_until_idle(workflow.community_id)
     assert run_state(run) == "failed"
     assert [(d.status, d.failure_code) for d in deliveries(run)] == [("expired", "run_canceled")]
+
+
+def test_deliveries_left_pending_by_a_run_failed_in_the_fan_in_trigger_are_expired_by_the_maintenance(workflow):
+    bad, other = random32(), random32()
+    run = start(workflow, {"steps": [send_step("a", [bad]), send_step("b", [other])]})
+    run_until_idle(workflow.community_id)
+    claim = services.claim_delivery(workflow.community_id, bad, lease_seconds=30)
+    services.finish_delivery(claim.lease, "failed")  # step a fails under fail_run inside the trigger
+    run.refresh_from_db()
+    assert (run.state, run.deliveries_to_expire) == ("failed", True)
+    left = WorkflowAgentDelivery.objects.get(run_id=run.pk, target_pubkey=other)
+    assert left.status == "pending"
+    result = reap_workflow_steps()
+    assert result.deliveries_expired == 1
+    left = WorkflowAgentDelivery.objects.get(run_id=run.pk, target_pubkey=other)
+    assert (left.status, left.failure_code) == ("expired", "run_canceled")
+    run.refresh_from_db()
+    assert run.deliveries_to_expire is False
+    assert reap_workflow_steps().deliveries_expired == 0

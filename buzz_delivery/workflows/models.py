@@ -141,6 +141,9 @@ class Run(CommunityScoped):
     steps_total = models.IntegerField()
     steps_left = models.IntegerField()
     deadline_at = models.DateTimeField(null=True, blank=True)
+    # Set when the run ends failed or canceled: its pending deliveries are still to be expired
+    # (through the core's service) by the path that ended it or by the next maintenance pass.
+    deliveries_to_expire = models.BooleanField(default=False)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     finished_at = models.DateTimeField(null=True, blank=True)
 
@@ -189,6 +192,7 @@ class Run(CommunityScoped):
                 condition=Q(state="running", deadline_at__isnull=False),
                 name="wf_run_deadline_idx",
             ),
+            models.Index(fields=["community"], condition=Q(deliveries_to_expire=True), name="wf_run_to_expire_idx"),
         ]
         triggers = [triggers.write_fence(), wf_triggers.terminal_once("wf_run_terminal_once", RUN_TERMINAL)]
         permissions = [

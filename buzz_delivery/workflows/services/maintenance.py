@@ -25,6 +25,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
+from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.schedules import start_due_schedules
 from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP
@@ -121,6 +122,7 @@ class WorkflowReapResult:
     exhausted: int = 0
     runs_timed_out: int = 0
     runs_scheduled: int = 0
+    deliveries_expired: int = 0
     slots_missed: int = 0
     timed_out: int = 0
     wait_timed_out: int = 0
@@ -172,6 +174,21 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
     return True
 
 
+def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
+    """Runs that ended failed or canceled where no Python path expired their pending deliveries
+    (the fan-in trigger failed them): expire those now, per community, through the core."""
+    for (community,) in fetch_all(sql.COMMUNITIES_WITH_DELIVERIES_TO_EXPIRE, {"limit": 100}):
+        with transaction.atomic(), translated_errors():
+            params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+            if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+                result.skipped_busy += 1
+                continue
+            runs = [row[0] for row in fetch_all(sql.RUNS_WITH_DELIVERIES_TO_EXPIRE, params)]
+            fetch_all(LOCK_RUNS, {**params, "run_ids": sorted(runs)})
+            result.deliveries_expired += expire_deliveries_of_ended_runs(community, runs)  # type: ignore[arg-type]
+        result.batches += 1
+
+
 def reap_workflow_steps(
     *, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False
 ) -> WorkflowReapResult:
@@ -193,6 +210,7 @@ def reap_workflow_steps(
         scheduled = start_due_schedules()
         result.runs_scheduled, result.slots_missed = scheduled.started, scheduled.missed
         result.skipped_busy += scheduled.skipped_busy
+        _expire_left_deliveries(size, result)
     done: set[object] = set()
     while max_batches is None or result.batches < max_batches:
         communities = [row[0] for row in fetch_all(CANDIDATE_COMMUNITIES, {"limit": 100})]

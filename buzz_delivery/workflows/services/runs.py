@@ -122,14 +122,17 @@ def create_run(
 
 def expire_deliveries_of_ended_runs(community: uuid.UUID, run_ids: list[Any]) -> int:
     """Expire (core service) the pending deliveries of those runs that ended ``failed`` or
-    ``canceled``, and of their child runs, in the caller's transaction. Returns how many."""
+    ``canceled`` and still carry ``deliveries_to_expire``, and of their child runs, in the
+    caller's transaction, and clear the mark. Returns how many deliveries were expired."""
     if not run_ids:
         return 0
-    ended = fetch_all(sql.ENDED_RUNS, {"community_id": community, "run_ids": list(run_ids)})
+    ended = [row[0] for row in fetch_all(sql.ENDED_RUNS, {"community_id": community, "run_ids": list(run_ids)})]
     total = 0
-    for (rid,) in ended:
+    for rid in ended:
         for (tree_id,) in fetch_all(sql.RUN_AND_DESCENDANTS, {"community_id": community, "run_id": rid}):
             total += core.expire_run_deliveries(community, tree_id)
+    if ended:
+        fetch_all(sql.DELIVERIES_EXPIRED, {"community_id": community, "run_ids": ended})
     return total
 
 
@@ -243,6 +246,7 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
                 raise RunNotFound(f"no workflow run {rid} in community {community}")
             return AlreadyTerminal(state)
         expired = sum(core.expire_run_deliveries(community, r) for r in live)
+        fetch_all(sql.DELIVERIES_EXPIRED, {"community_id": community, "run_ids": live})
     return Canceled(runs=len(live), deliveries=expired)
 
 

@@ -138,7 +138,25 @@ RETURNING r.deadline_at
 
 ENDED_RUNS = f"""
 SELECT r.run_id FROM {RUN} AS r
-WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s) AND r.state IN ('failed', 'canceled')
+WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s) AND r.deliveries_to_expire
+"""
+
+RUNS_WITH_DELIVERIES_TO_EXPIRE = f"""
+SELECT r.run_id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.deliveries_to_expire
+ORDER BY r.run_id LIMIT %(limit)s
+"""
+
+COMMUNITIES_WITH_DELIVERIES_TO_EXPIRE = f"""
+SELECT DISTINCT r.community_id FROM {RUN} AS r
+JOIN {COMMUNITY} AS c ON c.id = r.community_id AND c.deletion_state = 'active'
+WHERE r.deliveries_to_expire
+LIMIT %(limit)s
+"""
+
+DELIVERIES_EXPIRED = f"""
+UPDATE {RUN} AS r SET deliveries_to_expire = false
+WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s) AND r.deliveries_to_expire AND {ACTIVE}
 """
 
 RUN_AND_DESCENDANTS = f"""

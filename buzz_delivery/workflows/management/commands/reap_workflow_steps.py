@@ -32,6 +32,7 @@ class Command(MaintenanceCommand):
             "runs_timed_out": 0,
             "runs_scheduled": 0,
             "slots_missed": 0,
+            "deliveries_expired": 0,
             "skipped_busy": 0,
         }
 
