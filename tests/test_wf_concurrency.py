@@ -105,7 +105,10 @@ def test_two_operators_deciding_at_once_one_wins_and_the_step_resumes_once(commu
     step = Step.objects.get(run_id=run.pk, key="ok")
     assert step.state == ("succeeded" if winner.state == "approved" else "failed")
     after = Step.objects.get(run_id=run.pk, key="after")
-    assert after.deps_done == 1
+    if winner.state == "approved":
+        assert (after.state, after.deps_done) == ("ready", 1)  # resumed exactly once
+    else:  # a rejection fails the step; under on_error fail_run the run fails
+        assert after.state == "canceled" and Run.objects.get(pk=run.pk).state == "failed"
 
 
 def start_process(*args: str, stdout=subprocess.PIPE) -> subprocess.Popen:

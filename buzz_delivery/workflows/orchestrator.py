@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 from django.db import DatabaseError, close_old_connections, connection, connections
 
+from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
@@ -109,6 +110,7 @@ class Orchestrator:
         self.held: dict[uuid.UUID, StepLease] = {}
         self.in_flight = 0
         self.signal_name: str | None = None
+        self.renew_done = threading.Event()
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -150,7 +152,13 @@ class Orchestrator:
     def _renew_thread(self) -> None:
         every = self.config.lease_seconds / 3
         try:
-            while not self.stop.wait(every) or self.in_flight:
+            while True:
+                with self.lock:
+                    if self.stop.is_set() and not self.in_flight:
+                        return
+                self.renew_done.wait(every)  # set only when the step threads are gone
+                if self.renew_done.is_set():
+                    return
                 with self.lock:
                     leases = list(self.held.values())
                 for lease in leases:
@@ -158,13 +166,14 @@ class Orchestrator:
                         renewed = renew_step(lease, self.config.lease_seconds)
                     except DatabaseError:
                         close_old_connections()
+                        connection.close()
                         continue
                     with self.lock:
                         if isinstance(renewed, StepRenewed) and lease.step_id in self.held:
                             self.held[lease.step_id] = renewed.lease
                             self.counts["renewed"] += 1
-                if self.stop.is_set() and not self.in_flight:
-                    return
+                        elif isinstance(renewed, LeaseLost):
+                            self.held.pop(lease.step_id, None)  # its complete will be told LeaseLost
         finally:
             connection.close()
 
@@ -244,6 +253,7 @@ class Orchestrator:
             with self.lock:
                 self.counts["abandoned"] = self.in_flight
                 self.in_flight = 0
+            self.renew_done.set()
             renewer.join(5)
             listener.join(5)
         exit_code = EXIT_OK if reason in ("SIGTERM", "SIGINT", "stopped", "idle_exit", "max_steps") else EXIT_ERROR
@@ -268,8 +278,10 @@ def run_orchestrator(
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, on_signal)
+    # LISTEN on a direct connection when the default one goes through a transaction pooler.
+    listen_alias = core_settings().listen_database or connection.alias
     try:
-        return orchestrator.run(connections["default"].get_connection_params())
+        return orchestrator.run(connections[listen_alias].get_connection_params())
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
