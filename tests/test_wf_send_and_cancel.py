@@ -373,7 +373,9 @@ def test_a_step_failing_the_run_expires_the_runs_pending_deliveries(workflow):
         workflow,
         {"steps": [send_step("send", [random32()]), function_step("bad", "test.boom", retry={"max_attempts": 1})]},
     )
-    run_until_idle(workflow.community_id)
+    claims = {c.step.key: c for c in claim_steps(workflow.community_id, limit=10, lease_seconds=30)}
+    executor.execute(claims["send"])  # the deliveries are committed and pending
+    executor.execute(claims["bad"])  # fails the run
     assert run_state(run) == "failed"
     assert [(d.status, d.failure_code) for d in deliveries(run)] == [("expired", "run_canceled")]
 

@@ -9,6 +9,7 @@ checks the community is ``active`` inside the statement.
 from __future__ import annotations
 
 from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.workflows.models import Step
 
 STEP = "buzz_workflows_step"
 RUN = "buzz_workflows_run"
@@ -31,9 +32,10 @@ LOCK_RUN = f"SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_i
 LOCK_RUNS = f"""SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
 ORDER BY run_id FOR NO KEY UPDATE"""
 
-STEP_COLUMNS = "s.id"
 
-CLAIM_READY_STEPS = f"""
+# The claim returns whole step rows (built into model instances without a second query) and
+# the run's pinned definition id (definitions are immutable: cached per process).
+_CLAIM_READY_STEPS = f"""
 WITH candidate AS MATERIALIZED (
     SELECT s.id FROM {STEP} AS s
     WHERE s.community_id = %(community_id)s
@@ -52,10 +54,16 @@ SET state = 'running',
     started_at = {DB_NOW},
     lease_until = {LEASE_END},
     next_attempt_at = NULL
-FROM candidate
+FROM candidate, {RUN} AS r
 WHERE s.community_id = %(community_id)s AND s.id = candidate.id AND s.state = 'ready'
-RETURNING s.id
+  AND r.community_id = s.community_id AND r.run_id = s.run_id
+RETURNING {{step_columns}}, r.definition_id
 """
+
+STEP_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
+CLAIM_READY_STEPS = _CLAIM_READY_STEPS.format(
+    step_columns=", ".join(f"s.{f.column}" for f in Step._meta.concrete_fields)
+)
 
 COMMUNITIES_WITH_READY_STEPS = f"""
 SELECT DISTINCT s.community_id FROM {STEP} AS s

@@ -19,7 +19,7 @@ from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.workflows.conf import get_settings
-from buzz_delivery.workflows.models import Step
+from buzz_delivery.workflows.models import DefinitionVersion, Step
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
@@ -76,16 +76,13 @@ def claim_steps(
         "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
         "lease_seconds": _lease_seconds(lease_seconds),
     }
-    with transaction.atomic(), translated_errors():
-        ids = [row[0] for row in fetch_all(sql.CLAIM_READY_STEPS, params)]
-        steps = list(
-            Step.objects.filter(community_id=params["community_id"], id__in=ids)
-            .select_related("run__definition")
-            .order_by("ready_at", "id")
-        )
+    with translated_errors():
+        rows = fetch_all(sql.CLAIM_READY_STEPS, params)
     claims = []
-    for step in steps:
-        spec = next(s for s in step.run.definition.content["steps"] if s["key"] == step.key)
+    ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
+    for row in sorted(rows, key=lambda r: (r[ready_at], r[step_id])):
+        step = Step.from_db("default", sql.STEP_ATTNAMES, row[:-1])
+        spec = definition_steps(row[-1])[step.key]
         lease = StepLease(
             community_id=step.community_id,
             step_id=step.id,
@@ -96,6 +93,22 @@ def claim_steps(
         )
         claims.append(StepClaim(lease=lease, step=step, spec=spec))
     return claims
+
+
+_DEFINITIONS: dict[uuid.UUID, dict[str, dict[str, Any]]] = {}
+
+
+def definition_steps(definition_id: uuid.UUID) -> dict[str, dict[str, Any]]:
+    """The steps of a definition version by key; versions are immutable, so they are cached
+    per process (bounded: the cache is emptied beyond 10,000 versions)."""
+    found = _DEFINITIONS.get(definition_id)
+    if found is None:
+        content = DefinitionVersion.objects.values_list("content", flat=True).get(id=definition_id)
+        found = {s["key"]: s for s in content["steps"]}
+        if len(_DEFINITIONS) >= 10_000:
+            _DEFINITIONS.clear()
+        _DEFINITIONS[definition_id] = found
+    return found
 
 
 def communities_with_ready_steps(limit: int = 100) -> list[uuid.UUID]:
