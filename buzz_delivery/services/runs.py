@@ -62,6 +62,8 @@ def expire_run_deliveries(
         "failure_message": "the workflow run was canceled",
         "limit": v.int_in_range(batch_size, "batch_size", 1, 100_000),
     }
+    limit = params["limit"]
+    assert isinstance(limit, int)
     if not params["failure_code"]:
         raise v.invalid("failure_code", "must not be empty")
     total = 0
@@ -69,5 +71,5 @@ def expire_run_deliveries(
         with translated_errors():
             rows = fetch_all(EXPIRE_PENDING_OF_RUN, params)
         total += len(rows)
-        if len(rows) < params["limit"]:
+        if len(rows) < limit:
             return total

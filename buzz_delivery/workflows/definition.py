@@ -162,7 +162,7 @@ def _step(step: _Step) -> dict[str, Any]:
         ops = {"equals", "contains", "exists"} & set(cond) if isinstance(cond, dict) else set()
         if not isinstance(cond, dict) or "ref" not in cond or len(ops) != 1 or set(cond) - ops - {"ref", "not"}:
             raise step.invalid("when", "must be {ref, one of equals|contains|exists, optional not}")
-        norm = {"ref": parse_ref(cond["ref"], step, "when.ref")}
+        norm: dict[str, Any] = {"ref": parse_ref(cond["ref"], step, "when.ref")}
         op = ops.pop()
         if op == "exists" and not isinstance(cond[op], bool):
             raise step.invalid("when.exists", "must be true or false")

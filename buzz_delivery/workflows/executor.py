@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+import uuid
+from typing import Any, cast
 
 from django.db import transaction
 from django.utils import timezone
@@ -185,7 +186,7 @@ def _sub_workflow(claim: StepClaim) -> StepOutcome:
             retryable=False,
             failure_message=f"workflow {spec['workflow']} has no published definition",
         )
-    child_id = new_uuid7()
+    child_id = cast(uuid.UUID, new_uuid7())
     with transaction.atomic():
         outcome = steps.park_step(claim.lease, child_run_id=child_id, wait_seconds=spec.get("wait_timeout_seconds"))
         if not isinstance(outcome, Settled):

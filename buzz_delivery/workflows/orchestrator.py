@@ -276,8 +276,8 @@ def run_orchestrator(
         def on_signal(signum: int, frame: Any) -> None:
             orchestrator.signal_name = signal.Signals(signum).name  # a plain attribute: no locks here
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, on_signal)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
     # LISTEN on a direct connection when the default one goes through a transaction pooler.
     listen_alias = core_settings().listen_database or connection.alias
     try:

@@ -116,7 +116,7 @@ def decide_approval(
             statement = sql.RESUME_STEP_APPROVED if params["decision"] == "approved" else sql.RESUME_STEP_REJECTED
             fetch_all(statement, resume)
             expire_deliveries_of_ended_runs(community, [run[0][0]])
-            return Decided(params["decision"], who, closed_at)
+            return Decided(DECISIONS[decision], who, closed_at)
         state, by, closed_at, deadline_at = fetch_all(sql.APPROVAL_STATE, params)[0]
     if state in ("approved", "rejected"):
         return AlreadyDecided(state, by, closed_at)

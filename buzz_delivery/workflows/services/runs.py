@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from django.db import IntegrityError, transaction
 
@@ -68,7 +68,7 @@ def create_run(
     caller's transaction. Internal: the public entry points validate first."""
     steps = version.content["steps"]
     settings = get_settings()
-    run_id = run_id or new_uuid7()  # type: ignore[assignment]
+    run_id = run_id or cast(uuid.UUID, new_uuid7())
     WorkflowRun.objects.create(id=run_id, community_id=community, workflow_id=version.workflow_id)
     run = Run.objects.create(
         run_id=run_id,

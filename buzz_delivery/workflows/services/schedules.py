@@ -75,7 +75,7 @@ class ScheduleResult:
 
 def _slots_after(cron: str, after: dt.datetime, until: dt.datetime, limit: int) -> list[dt.datetime]:
     it = croniter(cron, after)
-    out = []
+    out: list[dt.datetime] = []
     while len(out) < limit:
         slot = it.get_next(dt.datetime)
         if slot > until:

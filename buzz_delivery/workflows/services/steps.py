@@ -10,8 +10,9 @@ When nothing matched, the step is read at the holder's generation: terminal ther
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from django.db import transaction
 
@@ -89,7 +90,7 @@ def claim_steps(
             run_id=step.run_id,
             lease_generation=step.lease_generation,
             attempts=step.attempts,
-            lease_until=step.lease_until,
+            lease_until=cast(dt.datetime, step.lease_until),
         )
         claims.append(StepClaim(lease=lease, step=step, spec=spec))
     return claims
