@@ -64,26 +64,45 @@ RAW_WRITES: dict[str, dict[str, str]] = {
 }
 
 
-def fill_community(community: models.Community, rows: int = 3) -> dict[str, int]:
-    """Give ``community`` ``rows`` workflows, runs and events and ``rows + 1`` deliveries.
+def fill_community(community: models.Community, rows: int = 3, *, engine: bool = False) -> dict[str, int]:
+    """Give ``community`` ``rows`` workflows, runs and events and ``rows + 1`` deliveries (with
+    ``engine``, also one workflow engine definition, run, step and approval per workflow).
 
-    Returns the row count per catalog model label."""
+    Returns the row count per catalog model label (every catalog model, zeros included)."""
     workflows = WorkflowFactory.create_batch(rows, community=community)
     runs = [WorkflowRunFactory(community=community, workflow=w) for w in workflows]
     events = EventFactory.create_batch(rows, community=community)
     for i in range(rows + 1):
         DeliveryFactory(binding=BindingFactory(run=runs[i % rows], message_event=events[i % rows]))
-    return {
-        "buzz_delivery.WorkflowAgentDelivery": rows + 1,
-        "buzz_delivery.WorkflowRun": rows,
-        "buzz_delivery.Event": rows,
-        "buzz_delivery.Workflow": rows,
-    }
+    if engine:
+        _fill_engine(community, workflows)
+    return count_rows(community.id)
+
+
+def _fill_engine(community: models.Community, workflows: list[models.Workflow]) -> None:
+    """One definition, run, step, approval and schedule of the workflow engine per workflow (each run is
+    a core run too), when ``buzz_delivery.workflows`` is installed."""
+    from django.apps import apps
+
+    if not apps.is_installed("buzz_delivery.workflows"):
+        return
+    from buzz_delivery.services import Cause
+    from buzz_delivery.testing import random32
+    from buzz_delivery.workflows.services import create_schedule, publish_definition, start_run
+    from buzz_delivery.workflows.testing import run_until_idle
+
+    for w in workflows:
+        publish_definition(community.id, w.id, {"steps": [{"key": "ok", "kind": "approval", "deadline_seconds": 60}]})
+        start_run(community.id, w.id, {}, cause=Cause.event(random32()))
+        create_schedule(community.id, w.id, "0 0 * * *")
+    run_until_idle(community.id)
 
 
 def count_rows(community_id: uuid.UUID) -> dict[str, int]:
-    """Rows of ``community_id`` per community-scoped model label."""
-    return {m._meta.label: m._base_manager.filter(community_id=community_id).count() for m in SCOPED_MODELS}
+    """Rows of ``community_id`` per catalog model label (sibling apps' included)."""
+    from buzz_delivery.catalog import catalog_models
+
+    return {m._meta.label: m._base_manager.filter(community_id=community_id).count() for m in catalog_models()}
 
 
 def community_snapshot(community_id: uuid.UUID) -> dict[str, list[tuple[Any, ...]]]:
@@ -92,7 +111,9 @@ def community_snapshot(community_id: uuid.UUID) -> dict[str, list[tuple[Any, ...
     with connection.cursor() as cursor:
         cursor.execute("SELECT * FROM buzz_delivery_community WHERE id = %s", [community_id])
         out["buzz_delivery_community"] = cursor.fetchall()
-        for table in TABLES.values():
+        from buzz_delivery.catalog import catalog_models
+
+        for table in [m._meta.db_table for m in catalog_models()]:
             cursor.execute(f"SELECT * FROM {table} WHERE community_id = %s ORDER BY 1", [community_id])
             out[table] = cursor.fetchall()
     return out

@@ -11,7 +11,7 @@ from django.core.exceptions import ValidationError
 from django.db import connection, models
 
 from buzz_delivery import services
-from buzz_delivery.catalog import DELETION_CATALOG, catalog_models
+from buzz_delivery.catalog import DELETION_CATALOG, catalog_models, deletion_catalog
 from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
 from buzz_delivery.models import Community
 from buzz_delivery.testing import CommunityFactory, advance_to
@@ -159,9 +159,10 @@ def test_moving_one_community_leaves_the_others_alone(community):
 
 
 def community_scoped_models() -> set[type[models.Model]]:
-    """Models of the app with a relation to Community (own or inherited fields)."""
+    """Models of every installed app with a relation to Community (own or inherited fields):
+    the core's and its sibling apps' (``buzz_delivery.workflows``...)."""
     scoped = set()
-    for model in apps.get_app_config("buzz_delivery").get_models():
+    for model in apps.get_models():
         for f in model._meta.get_fields(include_parents=True):
             forward = f.is_relation and (f.concrete or not f.auto_created)
             if forward and f.related_model is Community:
@@ -205,7 +206,7 @@ def foreign_key_edges(tables: list[str]) -> set[tuple[str, str, str]]:
         )
         edges = set(cursor.fetchall())
     for table in tables:
-        model = next(m for m in apps.get_app_config("buzz_delivery").get_models() if m._meta.db_table == table)
+        model = next(m for m in apps.get_models() if m._meta.db_table == table)
         for f in model._meta.get_fields(include_parents=True):
             if f.is_relation and f.concrete and f.related_model._meta.db_table in tables:
                 edges.add((f"{model.__name__}.{f.name}", table, f.related_model._meta.db_table))
@@ -224,17 +225,29 @@ def order_problems(catalog: tuple[str, ...]) -> list[str]:
 
 def test_every_community_scoped_model_is_in_the_deletion_catalog_and_every_entry_exists():
     assert community_scoped_models(), "the drift check found no community-scoped model at all"
-    assert catalog_drift(DELETION_CATALOG) == []
+    assert catalog_drift(deletion_catalog()) == []
+
+
+def test_sibling_apps_register_their_tables_before_the_cores():
+    catalog = deletion_catalog()
+    assert catalog[-len(DELETION_CATALOG) :] == DELETION_CATALOG
+    assert {
+        "buzz_workflows.Step",
+        "buzz_workflows.Run",
+        "buzz_workflows.DefinitionVersion",
+        "buzz_workflows.Approval",
+    } <= set(catalog)
+    without_steps = tuple(label for label in catalog if label != "buzz_workflows.Step")
+    assert catalog_drift(without_steps) == ["buzz_workflows.Step: community-scoped but not in DELETION_CATALOG"]
 
 
 def test_the_drift_check_fails_for_a_missing_model_a_vanished_model_or_a_dropped_table():
-    without_event = tuple(label for label in DELETION_CATALOG if label != "buzz_delivery.Event")
+    full = deletion_catalog()
+    without_event = tuple(label for label in full if label != "buzz_delivery.Event")
     assert catalog_drift(without_event) == ["buzz_delivery.Event: community-scoped but not in DELETION_CATALOG"]
-    assert catalog_drift((*DELETION_CATALOG, "buzz_delivery.Ghost")) == ["buzz_delivery.Ghost: no such model"]
+    assert catalog_drift((*full, "buzz_delivery.Ghost")) == ["buzz_delivery.Ghost: no such model"]
     tables = [t for t in connection.introspection.table_names() if t != "buzz_delivery_workflow_run"]
-    assert catalog_drift(DELETION_CATALOG, tables) == [
-        "buzz_delivery.WorkflowRun: table buzz_delivery_workflow_run does not exist"
-    ]
+    assert catalog_drift(full, tables) == ["buzz_delivery.WorkflowRun: table buzz_delivery_workflow_run does not exist"]
 
 
 def test_the_catalog_lists_children_before_the_parents_they_reference():
@@ -243,7 +256,7 @@ def test_the_catalog_lists_children_before_the_parents_they_reference():
     # The edge query sees the composite tenant keys of migration 0002 and Django's own keys.
     assert {name for _table, name, _cols, _ref in COMPOSITE_KEYS} <= seen
     assert {"WorkflowAgentDelivery.run", "WorkflowRun.workflow"} <= seen
-    assert order_problems(DELETION_CATALOG) == []
+    assert order_problems(deletion_catalog()) == []
 
 
 def test_the_order_check_fails_for_a_parent_listed_before_its_child():
@@ -262,11 +275,25 @@ def test_the_order_check_fails_for_a_parent_listed_before_its_child():
 
 
 def test_catalog_models_follow_the_catalog_order():
-    assert [m._meta.label for m in catalog_models()] == list(DELETION_CATALOG)
+    assert [m._meta.label for m in catalog_models()] == list(deletion_catalog())
 
 
 def test_the_tombstone_trigger_checks_every_table_of_the_deletion_catalog():
-    from buzz_delivery.catalog import catalog_models
     from buzz_delivery.triggers import TENANT_TABLES
 
-    assert sorted(TENANT_TABLES) == sorted(m._meta.db_table for m in catalog_models())
+    assert sorted(TENANT_TABLES) == sorted(apps.get_model(label)._meta.db_table for label in DELETION_CATALOG)
+    # Every catalog table, the sibling apps' too, is named by some BEFORE UPDATE trigger function
+    # on the community table that refuses the tombstone move (the core's, or a sibling's own).
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT string_agg(pg_get_functiondef(t.tgfoid), ' ')
+            FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+            WHERE c.relname = 'buzz_delivery_community' AND NOT t.tgisinternal
+            """
+        )
+        guards = cursor.fetchone()[0]
+    missing = [
+        m._meta.db_table for m in catalog_models() if f"FROM {m._meta.db_table} WHERE community_id" not in guards
+    ]
+    assert missing == []

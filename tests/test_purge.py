@@ -18,7 +18,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from buzz_delivery import services
-from buzz_delivery.catalog import DELETION_CATALOG, catalog_models
+from buzz_delivery.catalog import catalog_models, deletion_catalog
 from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
 from buzz_delivery.models import Community
 from buzz_delivery.testing import CommunityFactory, advance_to
@@ -32,7 +32,7 @@ from tests.lifecycle_support import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-ZERO = dict.fromkeys(DELETION_CATALOG, 0)
+ZERO = dict.fromkeys(deletion_catalog(), 0)
 
 
 @pytest.fixture
@@ -43,11 +43,18 @@ def fenced(community):
 
 
 @pytest.fixture
+def fenced_with_engine(community):
+    """Like ``fenced``, plus 3 workflow engine definitions, runs, steps and approvals."""
+    fill_community(community, rows=3, engine=True)
+    return advance_to(community, "fenced")
+
+
+@pytest.fixture
 def bystanders():
     """An active and a fenced community with rows, which no purge of another community may touch."""
     active, other_fenced = CommunityFactory(), CommunityFactory()
-    fill_community(active, rows=2)
-    fill_community(other_fenced, rows=2)
+    fill_community(active, rows=2, engine=True)
+    fill_community(other_fenced, rows=2, engine=True)
     advance_to(other_fenced, "fenced")
     return active, other_fenced
 
@@ -76,7 +83,10 @@ def test_purge_refuses_a_community_that_is_not_fenced(community, state, table_sn
 
 
 @pytest.mark.django_db
-def test_purge_empties_the_community_in_catalog_order_in_bounded_batches_then_tombstones_it(fenced, bystanders):
+def test_purge_empties_the_community_in_catalog_order_in_bounded_batches_then_tombstones_it(
+    fenced_with_engine, bystanders
+):
+    fenced = fenced_with_engine
     expected = count_rows(fenced.id)
     assert all(n > 2 for n in expected.values())
     others_before = snapshots(bystanders)
@@ -84,7 +94,7 @@ def test_purge_empties_the_community_in_catalog_order_in_bounded_batches_then_to
     with CaptureQueriesContext(connection) as ctx:
         result = services.purge_community(fenced.id, batch_size=2)
 
-    assert list(result.deleted) == list(DELETION_CATALOG)
+    assert list(result.deleted) == list(deletion_catalog())
     assert result.deleted == expected
     assert (result.tombstoned, result.dry_run) == (True, False)
     assert count_rows(fenced.id) == ZERO
@@ -225,7 +235,9 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
     output = run(str(fenced.id), "--yes", "--batch-size", "2")
     assert table_lines(output) == EXPECTED_TABLE
     assert output.strip().splitlines()[-1] == (
-        f"Purged community {fenced.id}: 13 rows deleted in 9 batches of at most 2; it is now tombstone."
+        # 9 batches for the core's 4 tables, one (empty) batch for each sibling app table (the engine's).
+        f"Purged community {fenced.id}: 13 rows deleted in {9 + len(deletion_catalog()) - 4} batches of at most 2; "
+        "it is now tombstone."
     )
     assert count_rows(fenced.id) == ZERO
     fenced.refresh_from_db()

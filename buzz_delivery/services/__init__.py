@@ -26,6 +26,7 @@ from buzz_delivery.services.runlock import (
     renew_run_lease,
     run_lease,
 )
+from buzz_delivery.services.runs import expire_run_deliveries
 from buzz_delivery.services.types import (
     AlreadyTerminal,
     Binding,
@@ -58,6 +59,7 @@ __all__ = [
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
+    "expire_run_deliveries",
     "finish_deliveries",
     "finish_delivery",
     "force_fail_delivery",

@@ -1,0 +1,75 @@
+"""Run-level actions on deliveries (SPEC section 11 "Cancel"): expiring a canceled run's
+pending deliveries. Used by ``buzz_delivery.workflows``; the core never imports it."""
+
+from __future__ import annotations
+
+import uuid
+
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, DELIVERY
+
+RUN_CANCELED = "run_canceled"
+
+# Pending rows only: a claimed delivery stays with its holder (whose settle still counts, or
+# is ignored by a run that has ended). SKIP LOCKED: a pending row locked right now is being
+# claimed or expired by the reaper, i.e. leaving pending anyway; never wait on it (a canceller
+# holds the run's rows, which the settling side locks after its delivery row).
+EXPIRE_PENDING_OF_RUN = f"""
+WITH candidate AS MATERIALIZED (
+    SELECT d.id FROM {DELIVERY} AS d
+    WHERE d.community_id = %(community_id)s AND d.run_id = %(run_id)s AND d.status = 'pending'
+      AND {ACTIVE_COMMUNITY}
+    ORDER BY d.id
+    LIMIT %(limit)s
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE {DELIVERY} AS d
+SET status = 'expired',
+    finished_at = {DB_NOW},
+    next_attempt_at = NULL,
+    failure_code = %(failure_code)s,
+    failure_message = %(failure_message)s
+FROM candidate
+WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
+RETURNING d.id
+"""
+
+
+def expire_run_deliveries(
+    community_id: uuid.UUID | str,
+    run_id: uuid.UUID | str,
+    *,
+    failure_code: str = RUN_CANCELED,
+    batch_size: int = 10_000,
+) -> int:
+    """Expire every ``pending`` delivery of one workflow run: status ``expired``,
+    ``finished_at`` from the database clock, ``failure_code`` (default ``run_canceled``).
+
+    One fenced statement per batch of at most ``batch_size`` (1..100,000) rows, in the caller's
+    transaction when it has one; the community must be ``active`` (checked inside the
+    statement: a fenced community's rows are left alone and 0 is returned). Claimed deliveries
+    are not touched; rows locked by a concurrent claim or reap are skipped (they are leaving
+    ``pending`` anyway). Returns how many were expired.
+
+    Raises ``ValidationError`` keyed ``community_id``, ``run_id``, ``failure_code`` or
+    ``batch_size`` before any SQL. SPEC sections 4 and 11.
+    """
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "run_id": v.uuid_value(run_id, "run_id"),
+        "failure_code": v.optional_text(failure_code, "failure_code", 64),
+        "failure_message": "the workflow run was canceled",
+        "limit": v.int_in_range(batch_size, "batch_size", 1, 100_000),
+    }
+    limit = params["limit"]
+    assert isinstance(limit, int)
+    if not params["failure_code"]:
+        raise v.invalid("failure_code", "must not be empty")
+    total = 0
+    while True:
+        with translated_errors():
+            rows = fetch_all(EXPIRE_PENDING_OF_RUN, params)
+        total += len(rows)
+        if len(rows) < limit:
+            return total

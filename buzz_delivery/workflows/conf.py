@@ -1,0 +1,59 @@
+"""Settings of the workflow engine: the ``BUZZ_WORKFLOWS`` dict (every key optional)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+# NOTIFY channel on which the database announces ready steps (payload: the community id).
+NOTIFY_CHANNEL = "buzz_workflows"
+
+DEFAULTS: dict[str, Any] = {
+    # Step lease length (seconds) when a caller passes none; bounds as the core's leases.
+    "LEASE_SECONDS": 60,
+    # Dotted paths of callables registered as function steps: {"name": "pkg.mod:func"}.
+    "FUNCTIONS": {},
+    # Largest JSON output a step may record (bytes of its JSON text).
+    "MAX_OUTPUT_BYTES": 256_000,
+    # Retry defaults of a step without "retry": attempts, backoff base and cap (seconds).
+    "MAX_ATTEMPTS": 3,
+    "BACKOFF_BASE_SECONDS": 2,
+    "BACKOFF_CAP_SECONDS": 300,
+    # Nesting depth bound of sub_workflow runs (at most 8, the database's CHECK).
+    "MAX_DEPTH": 8,
+    # The 32-byte author public key (64 hex) of the message events send_message steps post.
+    "AUTHOR_PUBKEY": "00" * 32,
+    # Kind number of those message events.
+    "MESSAGE_KIND": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowSettings:
+    lease_seconds: float
+    functions: dict[str, str]
+    max_output_bytes: int
+    max_attempts: int
+    backoff_base_seconds: float
+    backoff_cap_seconds: float
+    max_depth: int
+    author_pubkey: bytes
+    message_kind: int
+
+
+def get_settings() -> WorkflowSettings:
+    """The ``BUZZ_WORKFLOWS`` settings merged over :data:`DEFAULTS` (read on every call)."""
+    raw = {**DEFAULTS, **(getattr(settings, "BUZZ_WORKFLOWS", None) or {})}
+    return WorkflowSettings(
+        lease_seconds=raw["LEASE_SECONDS"],
+        functions=dict(raw["FUNCTIONS"]),
+        max_output_bytes=raw["MAX_OUTPUT_BYTES"],
+        max_attempts=raw["MAX_ATTEMPTS"],
+        backoff_base_seconds=raw["BACKOFF_BASE_SECONDS"],
+        backoff_cap_seconds=raw["BACKOFF_CAP_SECONDS"],
+        max_depth=min(int(raw["MAX_DEPTH"]), 8),
+        author_pubkey=bytes.fromhex(raw["AUTHOR_PUBKEY"]),
+        message_kind=raw["MESSAGE_KIND"],
+    )

@@ -1,0 +1,323 @@
+"""Definition validation (SPEC section 11 "Definition"): a pure function, no SQL.
+
+A definition is ``{"steps": [step, ...]}``; each step::
+
+    {"key": "fetch", "kind": "function", "depends_on": ["a"], "when": {...}, "input": {...},
+     "retry": {"max_attempts": 3, "base_seconds": 2, "cap_seconds": 60},
+     "on_error": "fail_run" | "continue" | "skip_dependents", "timeout_seconds": 30,
+     ...kind fields}
+
+Kind fields: ``function`` -> ``function`` (registered name); ``send_message`` -> ``targets``
+(64-hex keys), ``content`` (text), ``await`` (``delivered``; ``agent_run`` is refused until
+``buzz_delivery.agents`` exists), ``tolerate_failures`` (int >= 0), ``wait_timeout_seconds``;
+``sub_workflow`` -> ``workflow`` (UUID of a workflow of the same community, checked by
+``publish_definition``), ``wait_timeout_seconds``; ``approval`` -> ``deadline_seconds``, ``prompt``.
+
+References (in ``input`` values and ``when``) are ``{"$ref": "input.a.b"}`` /
+``{"$ref": "steps.<key>.output.a"}`` (or the same as a list of path parts, needed when a key
+holds a dot); a step may reference the run input and the outputs of its ancestors (the steps
+it depends on, directly or not). ``when``: ``{"ref": <reference>, "equals" | "contains" |
+"exists": value, "not": bool}``, evaluated in SQL when the step's dependencies are all terminal.
+
+Every problem raises ``ValidationError`` keyed ``steps[<i>].<field>`` (and naming the step's key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from typing import Any
+
+from django.core.exceptions import ValidationError
+
+from buzz_delivery.services import validation as v
+from buzz_delivery.workflows.states import OnError, StepKind
+
+MAX_STEPS = 500
+MAX_DEFINITION_BYTES = 1_000_000
+MAX_TARGETS = 10_000
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
+FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,199}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+COMMON = {"key", "kind", "depends_on", "when", "input", "retry", "on_error", "timeout_seconds"}
+KIND_FIELDS = {
+    "function": {"function"},
+    "send_message": {"targets", "content", "await", "tolerate_failures", "wait_timeout_seconds"},
+    "sub_workflow": {"workflow", "wait_timeout_seconds"},
+    "approval": {"deadline_seconds", "prompt"},
+}
+
+
+class _Step:
+    def __init__(self, index: int, raw: dict[str, Any]) -> None:
+        self.index = index
+        self.key = raw.get("key")
+        self.raw = raw
+
+    def invalid(self, field: str, message: str) -> ValidationError:
+        name = f"steps[{self.index}].{field}"
+        who = f"step {self.key!r}" if isinstance(self.key, str) else f"step #{self.index}"
+        return v.invalid(name, f"{who}: {message}")
+
+
+def parse_ref(value: Any, step: _Step, field: str) -> list[str]:
+    """A reference as its list of path parts: ``["input", ...]`` or ``["steps", key, "output", ...]``."""
+    if isinstance(value, str):
+        parts = value.split(".")
+    elif isinstance(value, list) and all(isinstance(p, str) for p in value):
+        parts = list(value)
+    else:
+        raise step.invalid(field, "a reference is a dotted string or a list of strings")
+    if not parts or any(p == "" for p in parts):
+        raise step.invalid(field, f"reference {value!r} has an empty part")
+    if parts[0] == "input":
+        return parts
+    if parts[0] == "steps" and len(parts) >= 3 and parts[2] == "output":
+        return parts
+    raise step.invalid(field, f"reference {value!r} must start with 'input' or 'steps.<key>.output'")
+
+
+def _refs_in(value: Any, step: _Step, field: str) -> Any:
+    """``value`` with every ``{"$ref": ...}`` normalised to a list reference (validated)."""
+    if isinstance(value, dict):
+        if "$ref" in value:
+            if len(value) != 1:
+                raise step.invalid(field, "a {'$ref': ...} object holds nothing else")
+            return {"$ref": parse_ref(value["$ref"], step, field)}
+        return {k: _refs_in(item, step, f"{field}.{k}") for k, item in value.items()}
+    if isinstance(value, list):
+        return [_refs_in(item, step, f"{field}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def collect_refs(value: Any) -> list[list[str]]:
+    """Every normalised reference inside an ``input`` value."""
+    if isinstance(value, dict):
+        if set(value) == {"$ref"}:
+            return [value["$ref"]]
+        return [r for item in value.values() for r in collect_refs(item)]
+    if isinstance(value, list):
+        return [r for item in value for r in collect_refs(item)]
+    return []
+
+
+def _int(step: _Step, field: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise step.invalid(field, f"must be an int within {low}..{high}, got {value!r}")
+    return value
+
+
+def _number(step: _Step, field: str, value: Any, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise step.invalid(field, f"must be a number within {low:g}..{high:g}, got {value!r}")
+    return float(value)
+
+
+def _step(step: _Step) -> dict[str, Any]:
+    raw = step.raw
+    key = raw.get("key")
+    try:
+        v.step_id(key)
+    except ValidationError as exc:
+        raise step.invalid("key", exc.messages[0].removeprefix("step_id: ")) from None
+    kind = raw.get("kind")
+    if kind not in StepKind.values:
+        raise step.invalid("kind", f"must be one of {', '.join(StepKind.values)}, got {kind!r}")
+    unknown = set(raw) - COMMON - KIND_FIELDS[kind]
+    if unknown:
+        raise step.invalid(sorted(unknown)[0], f"is not a field of a {kind} step")
+    out: dict[str, Any] = {"key": key, "kind": kind}
+    deps = raw.get("depends_on", [])
+    if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
+        raise step.invalid("depends_on", "must be a list of step keys")
+    if len(set(deps)) != len(deps):
+        raise step.invalid("depends_on", "names a step twice")
+    out["depends_on"] = list(deps)
+    on_error = raw.get("on_error", OnError.FAIL_RUN.value)
+    if on_error not in OnError.values:
+        raise step.invalid("on_error", f"must be one of {', '.join(OnError.values)}, got {on_error!r}")
+    out["on_error"] = on_error
+    retry = raw.get("retry", {})
+    if not isinstance(retry, dict) or set(retry) - {"max_attempts", "base_seconds", "cap_seconds"}:
+        raise step.invalid("retry", "must be {max_attempts, base_seconds, cap_seconds}")
+    out["retry"] = {}
+    if "max_attempts" in retry:
+        out["retry"]["max_attempts"] = _int(step, "retry.max_attempts", retry["max_attempts"], 1, 100)
+    if "base_seconds" in retry:
+        out["retry"]["base_seconds"] = _number(step, "retry.base_seconds", retry["base_seconds"], 0, 86400)
+    if "cap_seconds" in retry:
+        out["retry"]["cap_seconds"] = _number(step, "retry.cap_seconds", retry["cap_seconds"], 0, 86400)
+        if out["retry"]["cap_seconds"] < out["retry"].get("base_seconds", 0):
+            raise step.invalid("retry.cap_seconds", "must be at least base_seconds")
+    if "timeout_seconds" in raw:
+        out["timeout_seconds"] = _int(step, "timeout_seconds", raw["timeout_seconds"], 1, MAX_TIMEOUT_SECONDS)
+    if "input" in raw:
+        if not isinstance(raw["input"], dict):
+            raise step.invalid("input", "must be an object")
+        out["input"] = _refs_in(raw["input"], step, "input")
+    if "when" in raw:
+        cond = raw["when"]
+        ops = {"equals", "contains", "exists"} & set(cond) if isinstance(cond, dict) else set()
+        if not isinstance(cond, dict) or "ref" not in cond or len(ops) != 1 or set(cond) - ops - {"ref", "not"}:
+            raise step.invalid("when", "must be {ref, one of equals|contains|exists, optional not}")
+        norm: dict[str, Any] = {"ref": parse_ref(cond["ref"], step, "when.ref")}
+        op = ops.pop()
+        if op == "exists" and not isinstance(cond[op], bool):
+            raise step.invalid("when.exists", "must be true or false")
+        norm[op] = cond[op]
+        if "not" in cond:
+            if not isinstance(cond["not"], bool):
+                raise step.invalid("when.not", "must be true or false")
+            norm["not"] = cond["not"]
+        out["when"] = norm
+    out.update(_kind_fields(step, kind, raw))
+    return out
+
+
+def _kind_fields(step: _Step, kind: str, raw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if kind == "function":
+        name = raw.get("function")
+        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+            raise step.invalid("function", f"must be a registered function name, got {name!r}")
+        out["function"] = name
+    elif kind == "send_message":
+        targets = raw.get("targets")
+        if not isinstance(targets, list) or not 1 <= len(targets) <= MAX_TARGETS:
+            raise step.invalid("targets", f"must be a list of 1..{MAX_TARGETS} target keys")
+        for i, t in enumerate(targets):
+            if not isinstance(t, str) or not HEX64.match(t):
+                raise step.invalid(f"targets[{i}]", "must be 64 lowercase hex characters")
+        if len(set(targets)) != len(targets):
+            raise step.invalid("targets", "names a target twice")
+        out["targets"] = list(targets)
+        content = raw.get("content", "")
+        if not isinstance(content, str):
+            raise step.invalid("content", "must be a string")
+        out["content"] = v.storable_text(content, f"steps[{step.index}].content")
+        await_ = raw.get("await", "delivered")
+        if await_ == "agent_run":
+            raise step.invalid("await", "'agent_run' is not available until buzz_delivery.agents is installed")
+        if await_ != "delivered":
+            raise step.invalid("await", f"must be 'delivered' or 'agent_run', got {await_!r}")
+        out["await"] = await_
+        out["tolerate_failures"] = _int(step, "tolerate_failures", raw.get("tolerate_failures", 0), 0, len(targets))
+    elif kind == "sub_workflow":
+        try:
+            out["workflow"] = str(uuid.UUID(str(raw.get("workflow"))))
+        except ValueError:
+            raise step.invalid("workflow", f"must be a workflow UUID, got {raw.get('workflow')!r}") from None
+    elif kind == "approval":
+        out["deadline_seconds"] = _int(step, "deadline_seconds", raw.get("deadline_seconds"), 1, 30 * 86400)
+        prompt = raw.get("prompt", "")
+        if not isinstance(prompt, str) or len(prompt) > 10_000:
+            raise step.invalid("prompt", "must be a string of at most 10,000 characters")
+        out["prompt"] = prompt
+    if kind in ("send_message", "sub_workflow") and "wait_timeout_seconds" in raw:
+        out["wait_timeout_seconds"] = _int(
+            step, "wait_timeout_seconds", raw["wait_timeout_seconds"], 1, MAX_TIMEOUT_SECONDS
+        )
+    return out
+
+
+def _ancestors(steps: list[dict[str, Any]]) -> dict[str, set[str]]:
+    deps = {s["key"]: set(s["depends_on"]) for s in steps}
+    memo: dict[str, set[str]] = {}
+
+    def visit(key: str) -> set[str]:
+        if key not in memo:
+            memo[key] = set()
+            for d in deps[key]:
+                memo[key] |= {d} | visit(d)
+        return memo[key]
+
+    return {k: visit(k) for k in deps}
+
+
+def validate_definition(definition: Any) -> dict[str, Any]:
+    """Validate a definition and return its normalised form (references as path lists).
+
+    Checks: ``{"steps": [...]}`` with 1..500 steps; keys 1..64 characters, not blank, unique;
+    kinds and their fields known; dependencies exist; acyclic; every ``input`` reference and
+    ``when`` condition names the run input or an ancestor's output. No SQL runs.
+
+    Raises ``ValidationError`` keyed ``definition`` or ``steps[<i>].<field>``, naming the step.
+    SPEC section 11.
+    """
+    if not isinstance(definition, dict) or set(definition) != {"steps"}:
+        raise v.invalid("definition", "must be an object {'steps': [...]}")
+    try:
+        size = len(json.dumps(definition, allow_nan=False).encode())
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise v.invalid("definition", f"must be JSON: {exc}") from None
+    if size > MAX_DEFINITION_BYTES:
+        raise v.invalid("definition", f"must serialise to at most {MAX_DEFINITION_BYTES} bytes")
+    raw_steps = definition["steps"]
+    if not isinstance(raw_steps, list) or not 1 <= len(raw_steps) <= MAX_STEPS:
+        raise v.invalid("definition", f"steps must be a list of 1..{MAX_STEPS} steps")
+    steps: list[dict[str, Any]] = []
+    wrappers = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_steps):
+        wrapper = _Step(i, raw if isinstance(raw, dict) else {})
+        if not isinstance(raw, dict):
+            raise wrapper.invalid("key", "a step must be an object")
+        norm = _step(wrapper)
+        if norm["key"] in seen:
+            raise wrapper.invalid("key", "is used by an earlier step")
+        seen.add(norm["key"])
+        steps.append(norm)
+        wrappers.append(wrapper)
+    for wrapper, s in zip(wrappers, steps, strict=True):
+        for d in s["depends_on"]:
+            if d not in seen:
+                raise wrapper.invalid("depends_on", f"names {d!r}, which is not a step of this definition")
+            if d == s["key"]:
+                raise wrapper.invalid("depends_on", "a step cannot depend on itself")
+    _check_acyclic(steps, wrappers)
+    ancestors = _ancestors(steps)
+    for wrapper, s in zip(wrappers, steps, strict=True):
+        refs = [("input", r) for r in collect_refs(s.get("input", {}))]
+        if "when" in s:
+            refs.append(("when.ref", s["when"]["ref"]))
+        for field, ref in refs:
+            if ref[0] == "steps" and ref[1] not in ancestors[s["key"]]:
+                raise wrapper.invalid(field, f"references step {ref[1]!r}, which this step does not depend on")
+    return {"steps": steps}
+
+
+def _check_acyclic(steps: list[dict[str, Any]], wrappers: list[_Step]) -> None:
+    index = {s["key"]: i for i, s in enumerate(steps)}
+    state: dict[str, int] = {}
+
+    def visit(key: str, path: list[str]) -> None:
+        state[key] = 1
+        for d in steps[index[key]]["depends_on"]:
+            if state.get(d) == 1:
+                cycle = [*path[path.index(d) :], d] if d in path else [key, d]
+                raise wrappers[index[key]].invalid("depends_on", f"forms a cycle: {' -> '.join(cycle)}")
+            if d not in state:
+                visit(d, [*path, d])
+        state[key] = 2
+
+    for s in steps:
+        if s["key"] not in state:
+            visit(s["key"], [s["key"]])
+
+
+def canonical(definition: dict[str, Any]) -> bytes:
+    """The canonical JSON text of a normalised definition (sorted keys, no spaces)."""
+    return json.dumps(definition, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def content_hash(definition: dict[str, Any]) -> bytes:
+    """SHA-256 of :func:`canonical`: 32 bytes."""
+    return hashlib.sha256(canonical(definition)).digest()
+
+
+def definition_event_id(workflow_id: uuid.UUID, digest: bytes) -> bytes:
+    """The 32-byte ``definition_event_id`` a version's deliveries bind to: SHA-256 over the
+    workflow id and the content hash (stable for identical content of the same workflow)."""
+    return hashlib.sha256(b"buzz-workflows/definition/" + workflow_id.bytes + digest).digest()

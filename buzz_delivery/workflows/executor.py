@@ -1,0 +1,207 @@
+"""Running one claimed step (the orchestrator's unit of work; SPEC section 11).
+
+- ``function``: resolve the input, call the registered callable, record its output
+  (``complete_step``) or the failure (``fail_step``: retried with backoff unless permanent).
+  A missing function, an exception, or output that is not JSON within the size bound fail the
+  step with a failure code; nothing here raises to the worker.
+- ``send_message``: in one transaction, under the step's lease: ``lock_delivery_identity``, the
+  message event (reused when it exists), ``commit_deliveries`` for every target, and the step
+  parked ``waiting`` for that many deliveries (the fan-in trigger counts them as they settle).
+- ``sub_workflow``: in one transaction: the step parked ``waiting`` on a child run id, and the
+  child run started with it (its end moves the step, in the Advance trigger).
+- ``approval``: ``request_approval`` (the lease released, the approval created).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from typing import Any, cast
+
+from django.db import transaction
+from django.utils import timezone
+
+from buzz_delivery import services as core
+from buzz_delivery.models import Event, new_uuid7
+from buzz_delivery.services import Binding, Settled
+from buzz_delivery.workflows.conf import get_settings
+from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
+from buzz_delivery.workflows.registry import PermanentStepFailure, StepContext, get_function
+from buzz_delivery.workflows.services import approvals, steps
+from buzz_delivery.workflows.services.runs import cause_of, create_run
+from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
+
+logger = logging.getLogger("buzz_delivery.workflows")
+
+
+class _Rollback(Exception):
+    def __init__(self, outcome: StepOutcome) -> None:
+        self.outcome = outcome
+
+
+def resolve(value: Any, run: Run, outputs: dict[str, Any]) -> Any:
+    """``value`` with every ``{"$ref": [...]}`` replaced by what it names (None when absent)."""
+    if isinstance(value, dict):
+        if set(value) == {"$ref"}:
+            ref = value["$ref"]
+            if ref[0] == "input":
+                current, path = run.input, ref[1:]
+            else:
+                current, path = outputs.get(ref[1]), ref[3:]
+            for part in path:
+                if isinstance(current, dict):
+                    current = current.get(part)
+                elif isinstance(current, list) and part.isdigit() and int(part) < len(current):
+                    current = current[int(part)]
+                else:
+                    return None
+            return current
+        return {k: resolve(item, run, outputs) for k, item in value.items()}
+    if isinstance(value, list):
+        return [resolve(item, run, outputs) for item in value]
+    return value
+
+
+def step_input(claim: StepClaim) -> dict[str, Any]:
+    """The claimed step's ``input`` with references resolved against the run input and the
+    outputs of the run's steps."""
+    spec = claim.spec.get("input")
+    if not spec:
+        return {}
+    run = claim.step.run
+    outputs = dict(
+        Step.objects.filter(community_id=run.community_id, run_id=run.pk, state="succeeded").values_list(
+            "key", "output"
+        )
+    )
+    return resolve(spec, run, outputs)  # type: ignore[no-any-return]
+
+
+def execute(claim: StepClaim) -> StepOutcome:
+    """Run one claimed step to its next state; returns the outcome of its last transition."""
+    kind = claim.step.kind
+    try:
+        if kind == "function":
+            return _function(claim)
+        if kind == "send_message":
+            return _send_message(claim)
+        if kind == "sub_workflow":
+            return _sub_workflow(claim)
+        outcome = approvals.request_approval(
+            claim.lease, deadline_seconds=claim.spec["deadline_seconds"], prompt=claim.spec.get("prompt", "")
+        )
+        return Settled("waiting") if isinstance(outcome, approvals.ApprovalRequested) else outcome
+    except _Rollback as rollback:
+        return rollback.outcome
+
+
+def _function(claim: StepClaim) -> StepOutcome:
+    fn = get_function(claim.spec["function"])
+    if fn is None:
+        return steps.fail_step(
+            claim.lease, "function_not_registered", failure_message=claim.spec["function"], retryable=False
+        )
+    context = StepContext(claim.lease.community_id, claim.lease.run_id, claim.step.key, claim.lease.attempts)
+    try:
+        output = fn(step_input(claim), context)
+    except PermanentStepFailure as exc:
+        return steps.fail_step(
+            claim.lease, exc.failure_code[:64] or "function_failed", failure_message=str(exc)[:10_000], retryable=False
+        )
+    except Exception as exc:
+        logger.info("step %s of run %s raised %s", claim.step.key, claim.lease.run_id, type(exc).__name__)
+        return steps.fail_step(claim.lease, "function_error", failure_message=f"{type(exc).__name__}: {exc}"[:10_000])
+    return steps.complete_step(claim.lease, output)
+
+
+def message_event_id(run_id: Any, step_key: str) -> bytes:
+    """The 32-byte id of the message event a send_message step posts (stable per run and step)."""
+    return hashlib.sha256(f"buzz-workflows/message/{run_id}/{step_key}".encode()).digest()
+
+
+def _send_message(claim: StepClaim) -> StepOutcome:
+    run = claim.step.run
+    version: DefinitionVersion = run.definition
+    spec = claim.spec
+    community = claim.lease.community_id
+    settings = get_settings()
+    with transaction.atomic():
+        exists = core.lock_delivery_identity(community, run.pk, claim.step.key)
+        event_id = message_event_id(run.pk, claim.step.key)
+        event = Event.objects.filter(community_id=community, event_id=event_id).first() if exists else None
+        if event is None:
+            event, _ = Event.objects.get_or_create(
+                community_id=community,
+                event_id=event_id,
+                defaults={
+                    "created_at": timezone.now(),
+                    "kind": settings.message_kind,
+                    "pubkey": settings.author_pubkey,
+                    "content": spec.get("content", ""),
+                    "tags": [["step", claim.step.key]],
+                },
+            )
+        cause = cause_of(run)
+        bindings = [
+            Binding(
+                community_id=community,
+                workflow_id=run.workflow_id,
+                run_id=run.pk,
+                step_id=claim.step.key,
+                target_pubkey=bytes.fromhex(target),
+                definition_event_id=bytes(version.definition_event_id),
+                message_event_id=event_id,
+                cause=cause,
+            )
+            for target in spec["targets"]
+        ]
+        core.commit_deliveries(community, event, bindings)
+        outcome = steps.park_step(claim.lease, expected=len(bindings), wait_seconds=spec.get("wait_timeout_seconds"))
+        if not isinstance(outcome, Settled):
+            raise _Rollback(outcome)
+    return outcome
+
+
+def _sub_workflow(claim: StepClaim) -> StepOutcome:
+    run = claim.step.run
+    spec = claim.spec
+    community = claim.lease.community_id
+    if run.depth + 1 > get_settings().max_depth:
+        return steps.fail_step(
+            claim.lease,
+            "depth_exceeded",
+            retryable=False,
+            failure_message=f"nesting deeper than {get_settings().max_depth}",
+        )
+    version = (
+        DefinitionVersion.objects.filter(community_id=community, workflow_id=spec["workflow"])
+        .order_by("-version")
+        .first()
+    )
+    if version is None:
+        return steps.fail_step(
+            claim.lease,
+            "no_definition",
+            retryable=False,
+            failure_message=f"workflow {spec['workflow']} has no published definition",
+        )
+    child_id = cast(uuid.UUID, new_uuid7())
+    with transaction.atomic():
+        outcome = steps.park_step(claim.lease, child_run_id=child_id, wait_seconds=spec.get("wait_timeout_seconds"))
+        if not isinstance(outcome, Settled):
+            raise _Rollback(outcome)
+        parked_on = Step.objects.filter(community_id=community, id=claim.lease.step_id).values_list(
+            "child_run_id", flat=True
+        )
+        if parked_on.first() != child_id:
+            return outcome  # the holder's repeat: its child run exists already
+        create_run(
+            community,
+            version,
+            step_input(claim),
+            cause_of(run),
+            run_id=child_id,  # type: ignore[arg-type]
+            parent=(run, claim.step.key),
+        )
+    return outcome

@@ -1,0 +1,75 @@
+"""``manage.py run_workflow_worker``: the workflow orchestrator (SPEC section 11).
+
+Claims ready steps of one community (``--community``) or of all (``--all``), runs them with
+lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Prints one
+JSON summary line at exit: ``{"claimed","succeeded","failed","retried","waiting","lease_lost",
+"already_terminal","renewed","errors","abandoned","reason","exit_code"}``. Exit codes: 0 clean
+stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.core.management.base import CommandError
+from django.db import connection
+
+from buzz_delivery.management.base import StrictOptionsCommand
+from buzz_delivery.management.options import int_in, lease_seconds_option, positive_int, positive_seconds, uuid_value
+from buzz_delivery.services import validation as v
+from buzz_delivery.workflows.conf import get_settings
+from buzz_delivery.workflows.orchestrator import EXIT_OK, OrchestratorConfig, run_orchestrator, summary_line
+
+
+class Command(StrictOptionsCommand):
+    help = __doc__
+
+    def add_arguments(self, parser: Any) -> None:
+        scope = parser.add_mutually_exclusive_group(required=True)
+        scope.add_argument("--community", type=uuid_value, help="Run the steps of this community only.")
+        scope.add_argument("--all", action="store_true", help="Run the steps of every community.")
+        parser.add_argument("--concurrency", type=int_in(1, 256), default=4, help="Step threads (default 4).")
+        parser.add_argument(
+            "--lease-seconds",
+            type=lease_seconds_option,
+            default=None,
+            help="Step lease length (default BUZZ_WORKFLOWS['LEASE_SECONDS']).",
+        )
+        parser.add_argument(
+            "--poll-interval", type=positive_seconds, default=1.0, help="Seconds between polls when idle (default 1)."
+        )
+        parser.add_argument(
+            "--idle-exit", type=positive_seconds, default=None, help="Stop after S seconds with nothing to do."
+        )
+        parser.add_argument("--max-steps", type=positive_int, default=None, help="Stop after claiming N steps.")
+        parser.add_argument(
+            "--shutdown-grace",
+            type=positive_seconds,
+            default=30.0,
+            help="Seconds to let in-flight steps finish when stopping (default 30).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        lease = options["lease_seconds"]
+        lease = v.lease_seconds(get_settings().lease_seconds if lease is None else lease)
+        if options["verbosity"] != 1:
+            logging.getLogger("buzz_delivery.workflows").setLevel(
+                logging.WARNING if options["verbosity"] == 0 else logging.DEBUG
+            )
+        config = OrchestratorConfig(
+            community_id=options["community"],
+            concurrency=options["concurrency"],
+            lease_seconds=lease,
+            poll_interval=options["poll_interval"],
+            idle_exit=options["idle_exit"],
+            max_steps=options["max_steps"],
+            shutdown_grace=options["shutdown_grace"],
+        )
+        try:
+            summary = run_orchestrator(config)
+        finally:
+            connection.close()
+        self.stdout.write(summary_line(summary))
+        if summary["exit_code"] != EXIT_OK:
+            raise CommandError(f"workflow worker stopped: reason={summary['reason']}", returncode=summary["exit_code"])

@@ -1,0 +1,56 @@
+"""Public services of the workflow engine (SPEC section 11). Tests outside the project call
+these names; every one validates its arguments (``ValidationError`` keyed by the argument)
+before any SQL, uses the database clock, and returns typed outcomes for expected races."""
+
+from buzz_delivery.workflows.definition import validate_definition
+from buzz_delivery.workflows.services.approvals import decide_approval, request_approval
+from buzz_delivery.workflows.services.definitions import publish_definition
+from buzz_delivery.workflows.services.runs import cancel_run, get_run, restart_run, start_run
+from buzz_delivery.workflows.services.schedules import create_schedule, start_due_schedules
+from buzz_delivery.workflows.services.steps import (
+    claim_steps,
+    communities_with_ready_steps,
+    complete_step,
+    fail_step,
+    park_step,
+    renew_step,
+)
+from buzz_delivery.workflows.services.types import (
+    AlreadyDecided,
+    ApprovalRequested,
+    Canceled,
+    Decided,
+    Expired,
+    RunView,
+    StepClaim,
+    StepLease,
+    StepRenewed,
+)
+
+__all__ = [
+    "AlreadyDecided",
+    "ApprovalRequested",
+    "Canceled",
+    "Decided",
+    "Expired",
+    "RunView",
+    "StepClaim",
+    "StepLease",
+    "StepRenewed",
+    "cancel_run",
+    "claim_steps",
+    "communities_with_ready_steps",
+    "complete_step",
+    "create_schedule",
+    "decide_approval",
+    "fail_step",
+    "get_run",
+    "park_step",
+    "publish_definition",
+    "renew_step",
+    "request_approval",
+    "restart_run",
+    "start_due_schedules",
+    "start_run",
+    "validate_definition",
+]

@@ -1,0 +1,56 @@
+"""Shared helpers of the engine's services: JSON values, outcome reads, settings."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all
+
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+MAX_INPUT_BYTES = 1_000_000
+
+
+class BadJSON(ValueError):
+    """A value is not storable JSON (``code`` says why: ``output_not_json``/``output_too_large``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def json_text(value: Any, max_bytes: int) -> str:
+    """``value`` as JSON text jsonb can store, at most ``max_bytes``; raises :class:`BadJSON`."""
+    try:
+        text = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise BadJSON("output_not_json", f"not JSON-serialisable: {exc}") from None
+    if _JSON_NUL.search(text):
+        raise BadJSON("output_not_json", "holds a NUL character, which jsonb cannot store")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadJSON("output_not_json", "holds a lone surrogate code point") from None
+    if len(text.encode()) > max_bytes:
+        raise BadJSON("output_too_large", f"serialises to more than {max_bytes} bytes")
+    return text
+
+
+def json_argument(value: Any, name: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
+    """Like :func:`json_text` for an argument: raises ``ValidationError`` keyed ``name``."""
+    try:
+        return json_text(value, max_bytes)
+    except BadJSON as exc:
+        raise v.invalid(name, str(exc)) from None
+
+
+def community_active(community_id: uuid.UUID) -> bool:
+    rows = fetch_all(
+        "SELECT deletion_state = 'active' FROM buzz_delivery_community WHERE id = %(id)s", {"id": community_id}
+    )
+    return bool(rows and rows[0][0])

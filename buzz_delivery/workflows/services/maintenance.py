@@ -1,0 +1,235 @@
+"""The engine's cron maintenance (SPEC section 11 "Orchestrator", "Retries and timeouts"):
+lapsed step leases reclaimed (an attempt spent: ``ready`` again, or ``failed`` with
+``attempts_exhausted``), step timeouts (``step_timeout``), wait timeouts (``wait_timeout``),
+approval deadlines (``approval_expired``), run deadlines (``run_deadline``), and the due slots
+of cron schedules started (:mod:`~buzz_delivery.workflows.services.schedules`); the pending
+deliveries of runs that ended in the batch are expired (core ``expire_run_deliveries``).
+
+Fleet-wide but walking communities (SPEC 15): one read picks candidate communities (active
+ones), then per community one short transaction: the community's write-fence lock is tried
+(never waited on: a community being fenced is skipped as busy), at most ``batch_size``
+candidate steps are read, their runs locked (the engine's lock order: run, then steps), and
+one fenced UPDATE per kind re-checks the whole condition on the database clock, with
+``community_id`` in its own WHERE. Every path bumps the generation, so the old holder is fenced;
+Advance runs in the same transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db import transaction
+
+from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
+from buzz_delivery.workflows.services import sql
+from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
+from buzz_delivery.workflows.services.schedules import start_due_schedules
+from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP
+
+LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
+OVERRUN = (
+    f"s.state = 'running' AND s.timeout_seconds IS NOT NULL"
+    f" AND s.claimed_at + make_interval(secs => s.timeout_seconds) < {DB_NOW}"
+)
+WAIT_OVER = f"s.state = 'waiting' AND s.wait_deadline < {DB_NOW}"
+APPROVAL_OVER = f"a.state = 'pending' AND a.deadline_at < {DB_NOW}"
+RUN_OVER = f"r.state = 'running' AND r.deadline_at < {DB_NOW}"
+
+CANDIDATE_COMMUNITIES = f"""
+SELECT c.id FROM {COMMUNITY} AS c
+WHERE c.deletion_state = 'active' AND (
+    EXISTS (SELECT 1 FROM {STEP} AS s WHERE s.community_id = c.id AND (({LAPSED}) OR ({WAIT_OVER})))
+    OR EXISTS (SELECT 1 FROM {STEP} AS s WHERE s.community_id = c.id AND {OVERRUN})
+    OR EXISTS (SELECT 1 FROM {APPROVAL} AS a WHERE a.community_id = c.id AND {APPROVAL_OVER})
+    OR EXISTS (SELECT 1 FROM {RUN} AS r WHERE r.community_id = c.id AND {RUN_OVER})
+)
+ORDER BY c.id
+LIMIT %(limit)s
+"""
+TRY_FENCE_LOCK = "SELECT pg_try_advisory_xact_lock_shared(%(ns)s, hashtext(%(community_id)s::text))"
+CANDIDATE_STEPS = f"""
+SELECT s.id, s.run_id FROM {STEP} AS s
+WHERE s.community_id = %(community_id)s AND (({LAPSED}) OR ({WAIT_OVER}) OR ({OVERRUN}))
+ORDER BY s.id LIMIT %(limit)s
+"""
+CANDIDATE_APPROVALS = f"""
+SELECT a.id, a.run_id FROM {APPROVAL} AS a
+WHERE a.community_id = %(community_id)s AND {APPROVAL_OVER}
+ORDER BY a.id LIMIT %(limit)s
+"""
+_FENCE = "lease_generation = s.lease_generation + 1, lease_until = NULL, claimed_at = NULL"
+CANDIDATE_RUNS = f"""
+SELECT r.run_id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND {RUN_OVER}
+ORDER BY r.run_id LIMIT %(limit)s
+"""
+# One statement per overdue run: the run row is locked (FOR NO KEY UPDATE) inside end_run first.
+FAIL_OVERDUE_RUN = f"""
+SELECT buzz_workflows_end_run(%(community_id)s, r.run_id, 'failed', 'run_deadline', 'the run passed its deadline')
+FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s AND {RUN_OVER} AND {ACTIVE}
+"""
+FAIL_OVERRUN_STEPS = f"""
+UPDATE {STEP} AS s SET state = 'failed', failure_code = 'step_timeout',
+    failure_message = 'the step ran longer than its timeout_seconds', {_FENCE}, finished_at = {DB_NOW}
+WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {OVERRUN} AND {ACTIVE}
+RETURNING s.id
+"""
+RECLAIM_LAPSED_STEPS = f"""
+UPDATE {STEP} AS s SET state = 'ready', failure_code = 'lease_lapsed', failure_message = NULL, {_FENCE},
+    ready_at = {DB_NOW}, next_attempt_at = NULL
+WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {LAPSED}
+  AND s.attempts < s.max_attempts AND {ACTIVE}
+RETURNING s.id
+"""
+EXHAUST_LAPSED_STEPS = f"""
+UPDATE {STEP} AS s SET state = 'failed', failure_code = 'attempts_exhausted',
+    failure_message = 'the last attempt''s lease lapsed', {_FENCE}, finished_at = {DB_NOW}
+WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {LAPSED}
+  AND s.attempts >= s.max_attempts AND {ACTIVE}
+RETURNING s.id
+"""
+EXPIRE_OVERDUE_APPROVALS = f"""
+UPDATE {APPROVAL} AS a SET state = 'expired', closed_at = {DB_NOW}
+WHERE a.community_id = %(community_id)s AND a.id = ANY(%(ids)s) AND {APPROVAL_OVER} AND {ACTIVE}
+RETURNING a.step_id, a.step_generation
+"""
+FAIL_STEPS_OF_EXPIRED_APPROVALS = f"""
+UPDATE {STEP} AS s SET state = 'failed', failure_code = 'approval_expired',
+    failure_message = 'no decision before the approval deadline', wait_deadline = NULL, finished_at = {DB_NOW}
+WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND s.state = 'waiting' AND {ACTIVE}
+RETURNING s.id
+"""
+FAIL_OVERDUE_WAITS = f"""
+UPDATE {STEP} AS s SET state = 'failed', failure_code = 'wait_timeout',
+    failure_message = 'the wait ran past its wait_timeout_seconds', wait_deadline = NULL, finished_at = {DB_NOW}
+WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {WAIT_OVER} AND {ACTIVE}
+RETURNING s.id
+"""
+
+
+@dataclass
+class WorkflowReapResult:
+    """What one maintenance pass did (counts of steps/approvals; ``communities`` visited;
+    ``skipped_busy``: communities left for a later pass because their fence lock was taken;
+    ``batches``: per-community transactions run)."""
+
+    reclaimed: int = 0
+    exhausted: int = 0
+    runs_timed_out: int = 0
+    runs_scheduled: int = 0
+    deliveries_expired: int = 0
+    slots_missed: int = 0
+    timed_out: int = 0
+    wait_timed_out: int = 0
+    approvals_expired: int = 0
+    skipped_busy: int = 0
+    communities: int = 0
+    batches: int = 0
+    dry_run: bool = False
+
+    @property
+    def total(self) -> int:
+        return (
+            self.reclaimed
+            + self.exhausted
+            + self.timed_out
+            + self.wait_timed_out
+            + self.approvals_expired
+            + self.runs_timed_out
+        )
+
+
+def _one_community(community: object, limit: int, result: WorkflowReapResult) -> bool:
+    """One bounded batch of one community; False when its fence lock was busy."""
+    params: dict[str, object] = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+    with transaction.atomic(), translated_errors():
+        if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+            return False
+        steps = fetch_all(CANDIDATE_STEPS, params)
+        approvals = fetch_all(CANDIDATE_APPROVALS, params)
+        overdue = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]
+        run_ids = sorted({row[1] for row in steps} | {row[1] for row in approvals} | set(overdue))
+        if not run_ids:
+            return True
+        fetch_all(LOCK_RUNS, {**params, "run_ids": run_ids})
+        for run_id in overdue:
+            rows = fetch_all(FAIL_OVERDUE_RUN, {**params, "run_id": run_id})
+            result.runs_timed_out += sum(1 for row in rows if row[0])
+        step_ids = [row[0] for row in steps]
+        params["ids"] = step_ids
+        result.timed_out += len(fetch_all(FAIL_OVERRUN_STEPS, params))
+        result.reclaimed += len(fetch_all(RECLAIM_LAPSED_STEPS, params))
+        result.exhausted += len(fetch_all(EXHAUST_LAPSED_STEPS, params))
+        expired = fetch_all(EXPIRE_OVERDUE_APPROVALS, {**params, "ids": [row[0] for row in approvals]})
+        result.approvals_expired += len(expired)
+        if expired:
+            fetch_all(FAIL_STEPS_OF_EXPIRED_APPROVALS, {**params, "ids": [row[0] for row in expired]})
+        result.wait_timed_out += len(fetch_all(FAIL_OVERDUE_WAITS, params))
+        expire_deliveries_of_ended_runs(community, run_ids)  # type: ignore[arg-type]
+    return True
+
+
+def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
+    """Runs that ended failed or canceled where no Python path expired their pending deliveries
+    (the fan-in trigger failed them): expire those now, per community, through the core."""
+    for (community,) in fetch_all(sql.COMMUNITIES_WITH_DELIVERIES_TO_EXPIRE, {"limit": 100}):
+        with transaction.atomic(), translated_errors():
+            params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+            if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+                result.skipped_busy += 1
+                continue
+            runs = [row[0] for row in fetch_all(sql.RUNS_WITH_DELIVERIES_TO_EXPIRE, params)]
+            fetch_all(LOCK_RUNS, {**params, "run_ids": sorted(runs)})
+            result.deliveries_expired += expire_deliveries_of_ended_runs(community, runs)  # type: ignore[arg-type]
+        result.batches += 1
+
+
+def reap_workflow_steps(
+    *, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False
+) -> WorkflowReapResult:
+    """One maintenance pass over every active community with work (see the module docstring).
+
+    ``batch_size``: steps per community transaction (1..100,000; default the core's
+    ``BATCH_SIZE``); ``max_batches``: stop after that many transactions (None = until done).
+    ``dry_run``: count candidate communities only, write nothing. Returns a
+    :class:`WorkflowReapResult`. Raises ``ValidationError`` keyed ``batch_size``/``max_batches``.
+    SPEC section 11.
+    """
+    size = v.int_in_range(
+        batch_size if batch_size is not None else core_settings().batch_size, "batch_size", 1, 100_000
+    )
+    if max_batches is not None:
+        max_batches = v.int_in_range(max_batches, "max_batches", 1, 10**9)
+    result = WorkflowReapResult(dry_run=dry_run)
+    if not dry_run:
+        scheduled = start_due_schedules()
+        result.runs_scheduled, result.slots_missed = scheduled.started, scheduled.missed
+        result.skipped_busy += scheduled.skipped_busy
+        _expire_left_deliveries(size, result)
+    done: set[object] = set()
+    while max_batches is None or result.batches < max_batches:
+        communities = [row[0] for row in fetch_all(CANDIDATE_COMMUNITIES, {"limit": 100})]
+        todo = [c for c in communities if c not in done]
+        if dry_run:
+            result.communities = len(communities)
+            return result
+        if not todo:
+            return result
+        for community in todo:
+            if max_batches is not None and result.batches >= max_batches:
+                return result
+            before = result.total
+            result.batches += 1
+            if not _one_community(community, size, result):
+                result.skipped_busy += 1
+                done.add(community)
+                continue
+            result.communities += 1
+            if result.total - before < size:
+                done.add(community)  # a short batch: nothing more there for this pass
+    return result

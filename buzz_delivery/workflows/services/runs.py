@@ -1,0 +1,306 @@
+"""Runs: start, read, cancel, restart (SPEC section 11 "Run", "Cancel", "Restart")."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, cast
+
+from django.db import IntegrityError, transaction
+
+from buzz_delivery import services as core
+from buzz_delivery.exceptions import CommunityNotWritable
+from buzz_delivery.models import WorkflowRun, new_uuid7
+from buzz_delivery.services import AlreadyTerminal, Cause
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.workflows.conf import get_settings
+from buzz_delivery.workflows.exceptions import IdempotencyConflict, RunNotFound, RunNotRestartable
+from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
+from buzz_delivery.workflows.services import sql
+from buzz_delivery.workflows.services.common import json_argument
+from buzz_delivery.workflows.services.types import Canceled, RunView
+from buzz_delivery.workflows.states import RUN_TERMINAL
+
+
+def _version(community: uuid.UUID, workflow: uuid.UUID, version: int | None) -> DefinitionVersion:
+    versions = DefinitionVersion.objects.filter(community_id=community, workflow_id=workflow)
+    found = versions.filter(version=version).first() if version is not None else versions.order_by("-version").first()
+    if found is None:
+        if version is not None:
+            raise v.invalid("version", f"workflow has no version {version}")
+        raise v.invalid("workflow_id", "no published definition for this workflow in this community")
+    return found
+
+
+def _cause_columns(cause: Cause) -> dict[str, Any]:
+    return {
+        "cause_kind": cause.kind,
+        "cause_event_id": cause.event_id,
+        "cause_scheduled_for": cause.scheduled_for,
+        "cause_webhook_invocation_id": cause.webhook_invocation_id,
+    }
+
+
+def cause_of(run: Run) -> Cause:
+    """The :class:`Cause` a run was started with."""
+    return Cause(
+        kind=run.cause_kind,  # type: ignore[arg-type]
+        event_id=bytes(run.cause_event_id) if run.cause_event_id is not None else None,
+        scheduled_for=run.cause_scheduled_for,
+        webhook_invocation_id=run.cause_webhook_invocation_id,
+    )
+
+
+def create_run(
+    community: uuid.UUID,
+    version: DefinitionVersion,
+    input_value: dict[str, Any],
+    cause: Cause,
+    *,
+    run_id: uuid.UUID | None = None,
+    idempotency_key: str | None = None,
+    parent: tuple[Run, str] | None = None,
+    restart_of: Run | None = None,
+    deadline_seconds: int | None = None,
+) -> Run:
+    """Insert the core run, the engine run and its steps, and release the root steps, in the
+    caller's transaction. Internal: the public entry points validate first."""
+    steps = version.content["steps"]
+    settings = get_settings()
+    run_id = run_id or cast(uuid.UUID, new_uuid7())
+    WorkflowRun.objects.create(id=run_id, community_id=community, workflow_id=version.workflow_id)
+    run = Run.objects.create(
+        run_id=run_id,
+        community_id=community,
+        workflow_id=version.workflow_id,
+        definition=version,
+        input=input_value,
+        idempotency_key=idempotency_key,
+        parent_run=parent[0] if parent else None,
+        parent_step_key=parent[1] if parent else None,
+        depth=parent[0].depth + 1 if parent else 0,
+        restart_of=restart_of,
+        steps_total=len(steps),
+        steps_left=len(steps),
+        **_cause_columns(cause),
+    )
+    dependents: dict[str, list[str]] = {s["key"]: [] for s in steps}
+    for s in steps:
+        for dep in s["depends_on"]:
+            dependents[dep].append(s["key"])
+    Step.objects.bulk_create(
+        [
+            Step(
+                community_id=community,
+                run=run,
+                key=s["key"],
+                kind=s["kind"],
+                position=i,
+                depends_on=s["depends_on"],
+                dependents=dependents[s["key"]],
+                deps_total=len(s["depends_on"]),
+                on_error=s["on_error"],
+                when_cond=s.get("when"),
+                max_attempts=s["retry"].get("max_attempts", settings.max_attempts),
+                backoff_base_seconds=s["retry"].get("base_seconds", settings.backoff_base_seconds),
+                backoff_cap_seconds=s["retry"].get("cap_seconds", settings.backoff_cap_seconds),
+                timeout_seconds=s.get("timeout_seconds"),
+                tolerate_failures=s.get("tolerate_failures", 0),
+            )
+            for i, s in enumerate(steps)
+        ]
+    )
+    if deadline_seconds is not None:
+        rows = fetch_all(
+            sql.SET_RUN_DEADLINE, {"community_id": community, "run_id": run_id, "deadline_seconds": deadline_seconds}
+        )
+        run.deadline_at = rows[0][0]
+    fetch_all(sql.RELEASE_ROOT_STEPS, {"community_id": community, "run_id": run_id})
+    return run
+
+
+def expire_deliveries_of_ended_runs(community: uuid.UUID, run_ids: list[Any]) -> int:
+    """Expire (core service) the pending deliveries of those runs that ended ``failed`` or
+    ``canceled`` and still carry ``deliveries_to_expire``, and of their child runs, in the
+    caller's transaction, and clear the mark. Returns how many deliveries were expired."""
+    if not run_ids:
+        return 0
+    ended = [row[0] for row in fetch_all(sql.ENDED_RUNS, {"community_id": community, "run_ids": list(run_ids)})]
+    total = 0
+    for rid in ended:
+        for (tree_id,) in fetch_all(sql.RUN_AND_DESCENDANTS, {"community_id": community, "run_id": rid}):
+            total += core.expire_run_deliveries(community, tree_id)
+    if ended:
+        fetch_all(sql.DELIVERIES_EXPIRED, {"community_id": community, "run_ids": ended})
+    return total
+
+
+def start_run(
+    community_id: uuid.UUID | str,
+    workflow_id: uuid.UUID | str,
+    input: dict[str, Any],
+    *,
+    cause: Cause,
+    idempotency_key: str | None = None,
+    version: int | None = None,
+    deadline_seconds: int | None = None,
+) -> Run:
+    """Start a run of the workflow's latest version (or ``version``), pinned to that version.
+
+    ``input``: a JSON object (at most 1,000,000 bytes). ``cause``: a core :class:`Cause`.
+    ``idempotency_key``: 1..200 characters; a second start with the same key returns the first
+    run when the input is equal, else raises :class:`IdempotencyConflict`. ``deadline_seconds``
+    (1..366 days, None = none): the maintenance fails the run (``run_deadline``) once it is
+    still running that long after its start (database clock). The root steps are
+    ``ready`` (or ``skipped`` by their ``when``) when this returns; orchestrators are woken by a
+    NOTIFY at commit. Returns the engine :class:`Run` (``run.pk`` is the core run's id).
+
+    Raises ``ValidationError`` keyed ``community_id``, ``workflow_id``, ``input``, ``cause``,
+    ``idempotency_key``, ``version`` or ``deadline_seconds`` before anything is written;
+    :class:`~buzz_delivery.exceptions.CommunityNotWritable` when the community is not active.
+    SPEC section 11.
+    """
+    community = v.uuid_value(community_id, "community_id")
+    workflow = v.uuid_value(workflow_id, "workflow_id")
+    if not isinstance(input, dict):
+        raise v.invalid("input", f"must be a JSON object, not {type(input).__name__}")
+    input_value = json.loads(json_argument(input, "input"))
+    if not isinstance(cause, Cause):
+        raise v.invalid("cause", f"must be a Cause, not {type(cause).__name__}")
+    if idempotency_key is not None:
+        idempotency_key = v.optional_text(idempotency_key, "idempotency_key", 200)
+        if not idempotency_key:
+            raise v.invalid("idempotency_key", "must not be empty")
+    if version is not None:
+        version = v.int_in_range(version, "version", 1, 2**31 - 1)
+    if deadline_seconds is not None:
+        deadline_seconds = v.int_in_range(deadline_seconds, "deadline_seconds", 1, 366 * 86400)
+    pinned = _version(community, workflow, version)
+
+    def existing() -> Run | None:
+        found = Run.objects.filter(
+            community_id=community, workflow_id=workflow, idempotency_key=idempotency_key
+        ).first()
+        if found is not None and found.input != input_value:
+            raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used with another input")
+        return found
+
+    if idempotency_key is not None and (found := existing()) is not None:
+        return found
+    try:
+        with transaction.atomic(), translated_errors():
+            return create_run(
+                community,
+                pinned,
+                input_value,
+                cause,
+                idempotency_key=idempotency_key,
+                deadline_seconds=deadline_seconds,
+            )
+    except IntegrityError:
+        if idempotency_key is not None and (found := existing()) is not None:
+            return found
+        raise
+
+
+def get_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> RunView | None:
+    """The engine run and its steps (definition order), or None. Scoped read. SPEC section 11."""
+    community = v.uuid_value(community_id, "community_id")
+    rid = v.uuid_value(run_id, "run_id")
+    run = Run.objects.filter(community_id=community, run_id=rid).first()
+    if run is None:
+        return None
+    return RunView(run=run, steps=list(Step.objects.filter(community_id=community, run_id=rid).order_by("position")))
+
+
+def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Canceled | AlreadyTerminal:
+    """Cancel a running run in one transaction: the run becomes ``canceled``, every non-terminal
+    step ``canceled`` with generation + 1 (holders get ``LeaseLost`` at their next renew or
+    complete), pending approvals ``expired``, child runs canceled recursively, and the pending
+    deliveries of the run and its children ``expired`` through the core's fenced
+    :func:`buzz_delivery.services.expire_run_deliveries`. Nothing is left "cancelling".
+
+    Returns :class:`Canceled` (runs ended, deliveries expired) or ``AlreadyTerminal(state)``.
+    Raises ``ValidationError`` keyed ``community_id``/``run_id``, :class:`RunNotFound`, or
+    :class:`~buzz_delivery.exceptions.CommunityNotWritable`. SPEC section 11 "Cancel".
+    """
+    community = v.uuid_value(community_id, "community_id")
+    rid = v.uuid_value(run_id, "run_id")
+    params = {"community_id": community, "run_id": rid}
+    with transaction.atomic(), translated_errors():
+        tree = [row[0] for row in fetch_all(sql.RUN_AND_DESCENDANTS, params)]
+        live = list(
+            Run.objects.filter(community_id=community, run_id__in=tree)
+            .exclude(state__in=RUN_TERMINAL)
+            .values_list("run_id", flat=True)
+        )
+        rows = fetch_all(
+            sql.END_RUN_IF_ACTIVE, {**params, "state": "canceled", "failure_code": None, "failure_message": None}
+        )
+        if not rows:
+            raise CommunityNotWritable(f"community {community} is not active; its runs cannot be canceled")
+        if not rows[0][0]:
+            state = Run.objects.filter(community_id=community, run_id=rid).values_list("state", flat=True).first()
+            if state is None:
+                raise RunNotFound(f"no workflow run {rid} in community {community}")
+            return AlreadyTerminal(state)
+        expired = sum(core.expire_run_deliveries(community, r) for r in live)
+        fetch_all(sql.DELIVERIES_EXPIRED, {"community_id": community, "run_ids": live})
+    return Canceled(runs=len(live), deliveries=expired)
+
+
+def restart_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, from_failure: bool = True) -> Run:
+    """Start a new run of an ended run's pinned version, input and cause (``restart_of`` = it).
+
+    With ``from_failure`` the steps that succeeded in the old run, and whose ancestors all
+    succeeded, keep their outputs (recorded ``succeeded`` at once, in definition order; the
+    Advance trigger releases what follows); the rest run again. The old run is untouched.
+    Returns the new :class:`Run`. Raises ``ValidationError`` keyed ``community_id``/``run_id``,
+    :class:`RunNotFound`, :class:`RunNotRestartable` (the run has not ended), or
+    :class:`~buzz_delivery.exceptions.CommunityNotWritable`. SPEC section 11 "Restart".
+    """
+    community = v.uuid_value(community_id, "community_id")
+    rid = v.uuid_value(run_id, "run_id")
+    if not isinstance(from_failure, bool):
+        raise v.invalid("from_failure", "must be True or False")
+    old = Run.objects.filter(community_id=community, run_id=rid).select_related("definition").first()
+    if old is None:
+        raise RunNotFound(f"no workflow run {rid} in community {community}")
+    if old.state not in RUN_TERMINAL:
+        raise RunNotRestartable(f"run {rid} is {old.state}; only an ended run is restarted")
+    kept: dict[str, Any] = {}
+    order: list[str] = []
+    if from_failure:
+        old_steps = {s.key: s for s in Step.objects.filter(community_id=community, run_id=rid)}
+        order = _topological(old.definition.content["steps"])
+        for key in order:
+            step = old_steps.get(key)
+            if step and step.state == "succeeded" and all(dep in kept for dep in step.depends_on):
+                kept[key] = step.output
+    with transaction.atomic(), translated_errors():
+        new = create_run(community, old.definition, old.input, cause_of(old), restart_of=old)
+        for key in order:
+            if key in kept:
+                fetch_all(
+                    sql.KEEP_SUCCEEDED_STEP,
+                    {"community_id": community, "run_id": new.pk, "key": key, "output": json.dumps(kept[key])},
+                )
+    new.refresh_from_db()
+    return new
+
+
+def _topological(steps: list[dict[str, Any]]) -> list[str]:
+    done: list[str] = []
+    deps = {s["key"]: s["depends_on"] for s in steps}
+
+    def visit(key: str) -> None:
+        if key in done:
+            return
+        for dep in deps[key]:
+            visit(dep)
+        done.append(key)
+
+    for s in steps:
+        visit(s["key"])
+    return done

@@ -1,0 +1,219 @@
+"""Every statement of the engine that changes step, run or approval state, named for its guard.
+
+All times come from the database clock (``buzz_delivery_now()``); no CASE/COALESCE holds a
+clock or interval expression and no SET applies a STABLE function to a column (SPEC 15):
+intervals come from bind parameters. Every UPDATE names ``community_id`` in its own WHERE and
+checks the community is ``active`` inside the statement.
+"""
+
+from __future__ import annotations
+
+from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.workflows.models import Step
+
+STEP = "buzz_workflows_step"
+RUN = "buzz_workflows_run"
+APPROVAL = "buzz_workflows_approval"
+COMMUNITY = "buzz_delivery_community"
+
+ACTIVE = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active')"
+LEASE_END = f"{DB_NOW} + make_interval(secs => %(lease_seconds)s)"
+CLEAR_LEASE = "lease_until = NULL, claimed_at = NULL"
+CURRENT_STEP_LEASE = f"""
+    s.community_id = %(community_id)s
+    AND s.id = %(step_id)s
+    AND s.lease_generation = %(lease_generation)s
+    AND s.state = 'running'
+    AND s.lease_until >= {DB_NOW}
+    AND {ACTIVE}
+"""
+
+LOCK_RUN = f"SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = %(run_id)s FOR NO KEY UPDATE"
+LOCK_RUNS = f"""SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
+ORDER BY run_id FOR NO KEY UPDATE"""
+
+
+# The claim returns whole step rows (built into model instances without a second query) and
+# the run's pinned definition id (definitions are immutable: cached per process).
+_CLAIM_READY_STEPS = f"""
+WITH candidate AS MATERIALIZED (
+    SELECT s.id FROM {STEP} AS s
+    WHERE s.community_id = %(community_id)s
+      AND s.state = 'ready'
+      AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
+      AND {ACTIVE}
+    ORDER BY s.ready_at, s.id
+    LIMIT %(limit)s
+    FOR UPDATE OF s SKIP LOCKED
+)
+UPDATE {STEP} AS s
+SET state = 'running',
+    lease_generation = s.lease_generation + 1,
+    attempts = s.attempts + 1,
+    claimed_at = {DB_NOW},
+    started_at = {DB_NOW},
+    lease_until = {LEASE_END},
+    next_attempt_at = NULL
+FROM candidate, {RUN} AS r
+WHERE s.community_id = %(community_id)s AND s.id = candidate.id AND s.state = 'ready'
+  AND r.community_id = s.community_id AND r.run_id = s.run_id
+RETURNING {{step_columns}}, r.definition_id
+"""
+
+STEP_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
+CLAIM_READY_STEPS = _CLAIM_READY_STEPS.format(
+    step_columns=", ".join(f"s.{f.column}" for f in Step._meta.concrete_fields)
+)
+
+COMMUNITIES_WITH_READY_STEPS = f"""
+SELECT DISTINCT s.community_id FROM {STEP} AS s
+WHERE s.state = 'ready' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
+LIMIT %(limit)s
+"""
+
+RENEW_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s SET lease_until = {LEASE_END}
+WHERE {CURRENT_STEP_LEASE}
+RETURNING s.lease_until
+"""
+
+COMPLETE_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'succeeded', output = %(output)s::jsonb, failure_code = NULL, failure_message = NULL,
+    {CLEAR_LEASE}, finished_at = {DB_NOW}
+WHERE {CURRENT_STEP_LEASE}
+RETURNING s.state
+"""
+
+FAIL_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'failed', failure_code = %(failure_code)s, failure_message = %(failure_message)s,
+    {CLEAR_LEASE}, finished_at = {DB_NOW}
+WHERE {CURRENT_STEP_LEASE}
+RETURNING s.state
+"""
+
+RETRY_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'ready', failure_code = %(failure_code)s, failure_message = %(failure_message)s,
+    {CLEAR_LEASE}, ready_at = {DB_NOW}, next_attempt_at = {DB_NOW} + make_interval(secs => %(delay_seconds)s)
+WHERE {CURRENT_STEP_LEASE} AND s.attempts = %(attempts)s AND s.attempts < s.max_attempts
+RETURNING s.state
+"""
+
+PARK_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'waiting', {CLEAR_LEASE}, waiting_since = {DB_NOW},
+    wait_deadline = {DB_NOW} + make_interval(secs => %(wait_seconds)s),
+    expected = %(expected)s, child_run_id = %(child_run_id)s
+WHERE {CURRENT_STEP_LEASE}
+RETURNING s.state, s.wait_deadline
+"""
+
+STEP_AT_GENERATION = f"""
+SELECT s.state FROM {STEP} AS s
+WHERE s.community_id = %(community_id)s AND s.id = %(step_id)s AND s.lease_generation = %(lease_generation)s
+"""
+
+STEP_RETRY_POLICY = f"""
+SELECT s.attempts, s.max_attempts, s.backoff_base_seconds, s.backoff_cap_seconds FROM {STEP} AS s
+WHERE s.community_id = %(community_id)s AND s.id = %(step_id)s AND s.lease_generation = %(lease_generation)s
+"""
+
+RELEASE_ROOT_STEPS = f"""
+SELECT buzz_workflows_release(s.community_id, s.id) FROM {STEP} AS s
+WHERE s.community_id = %(community_id)s AND s.run_id = %(run_id)s AND s.deps_total = 0
+ORDER BY s.position
+"""
+
+KEEP_SUCCEEDED_STEP = f"""
+UPDATE {STEP} AS s
+SET state = 'succeeded', output = %(output)s::jsonb, finished_at = {DB_NOW}
+WHERE s.community_id = %(community_id)s AND s.run_id = %(run_id)s AND s.key = %(key)s AND s.state = 'ready'
+RETURNING s.id
+"""
+
+END_RUN_IF_ACTIVE = f"""
+SELECT buzz_workflows_end_run(%(community_id)s, %(run_id)s, %(state)s, %(failure_code)s, %(failure_message)s)
+FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active'
+"""
+
+SET_RUN_DEADLINE = f"""
+UPDATE {RUN} AS r SET deadline_at = {DB_NOW} + make_interval(secs => %(deadline_seconds)s)
+WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s
+RETURNING r.deadline_at
+"""
+
+ENDED_RUNS = f"""
+SELECT r.run_id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s) AND r.deliveries_to_expire
+"""
+
+RUNS_WITH_DELIVERIES_TO_EXPIRE = f"""
+SELECT r.run_id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.deliveries_to_expire
+ORDER BY r.run_id LIMIT %(limit)s
+"""
+
+COMMUNITIES_WITH_DELIVERIES_TO_EXPIRE = f"""
+SELECT DISTINCT r.community_id FROM {RUN} AS r
+JOIN {COMMUNITY} AS c ON c.id = r.community_id AND c.deletion_state = 'active'
+WHERE r.deliveries_to_expire
+LIMIT %(limit)s
+"""
+
+DELIVERIES_EXPIRED = f"""
+UPDATE {RUN} AS r SET deliveries_to_expire = false
+WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s) AND r.deliveries_to_expire AND {ACTIVE}
+"""
+
+RUN_AND_DESCENDANTS = f"""
+WITH RECURSIVE tree(run_id) AS (
+    SELECT %(run_id)s::uuid
+    UNION ALL
+    SELECT r.run_id FROM {RUN} AS r JOIN tree ON r.parent_run_id = tree.run_id
+    WHERE r.community_id = %(community_id)s
+)
+SELECT run_id FROM tree
+"""
+
+# --- approvals -----------------------------------------------------------------
+
+INSERT_APPROVAL = f"""
+INSERT INTO {APPROVAL} (id, community_id, run_id, step_id, step_generation, state, prompt,
+                        requested_at, deadline_at)
+VALUES (%(id)s, %(community_id)s, %(run_id)s, %(step_id)s, %(lease_generation)s, 'pending', %(prompt)s,
+        {DB_NOW}, %(wait_deadline)s)
+"""
+
+APPROVAL_RUN = f"SELECT run_id FROM {APPROVAL} WHERE community_id = %(community_id)s AND id = %(approval_id)s"
+
+DECIDE_IF_PENDING = f"""
+UPDATE {APPROVAL} AS a
+SET state = %(decision)s, decided_by = %(decided_by)s, closed_at = {DB_NOW}
+WHERE a.community_id = %(community_id)s AND a.id = %(approval_id)s AND a.state = 'pending'
+  AND a.deadline_at >= {DB_NOW} AND {ACTIVE}
+RETURNING a.step_id, a.step_generation, a.closed_at
+"""
+
+RESUME_STEP_APPROVED = f"""
+UPDATE {STEP} AS s
+SET state = 'succeeded', output = %(output)s::jsonb, wait_deadline = NULL, finished_at = {DB_NOW}
+WHERE s.community_id = %(community_id)s AND s.id = %(step_id)s AND s.state = 'waiting'
+  AND s.lease_generation = %(step_generation)s
+RETURNING s.id
+"""
+
+RESUME_STEP_REJECTED = f"""
+UPDATE {STEP} AS s
+SET state = 'failed', output = %(output)s::jsonb, failure_code = 'approval_rejected',
+    failure_message = %(failure_message)s, wait_deadline = NULL, finished_at = {DB_NOW}
+WHERE s.community_id = %(community_id)s AND s.id = %(step_id)s AND s.state = 'waiting'
+  AND s.lease_generation = %(step_generation)s
+RETURNING s.id
+"""
+
+APPROVAL_STATE = f"""
+SELECT a.state, a.decided_by, a.closed_at, a.deadline_at FROM {APPROVAL} AS a
+WHERE a.community_id = %(community_id)s AND a.id = %(approval_id)s
+"""

@@ -1,0 +1,241 @@
+"""Step leases (SPEC section 11 "Step"): claim, renew, complete, fail, park.
+
+Each transition is one fenced statement (community, step id, generation, ``running``,
+``lease_until >= now`` on the database clock, community active), judged by the rows it
+returns. A statement that can end a step first locks the step's run row (the engine's lock
+order: run, then steps), and the Advance trigger counts the step in the same transaction.
+When nothing matched, the step is read at the holder's generation: terminal there is
+``AlreadyTerminal`` (the true holder's retry), anything else ``LeaseLost``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any, cast
+
+from django.db import transaction
+
+from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.workflows.conf import get_settings
+from buzz_delivery.workflows.models import DefinitionVersion, Step
+from buzz_delivery.workflows.services import sql
+from buzz_delivery.workflows.services.common import BadJSON, json_text
+from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
+from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
+from buzz_delivery.workflows.states import STEP_TERMINAL
+
+MAX_CLAIM = 1000
+
+
+def _lease_seconds(value: float | None) -> float:
+    return v.lease_seconds(get_settings().lease_seconds if value is None else value)
+
+
+def _lease(value: Any) -> StepLease:
+    if not isinstance(value, StepLease):
+        raise v.invalid("lease", f"must be a StepLease, not {type(value).__name__}")
+    return value
+
+
+def _params(lease: StepLease, **extra: Any) -> dict[str, Any]:
+    return {
+        "community_id": lease.community_id,
+        "step_id": lease.step_id,
+        "run_id": lease.run_id,
+        "lease_generation": lease.lease_generation,
+        "attempts": lease.attempts,
+        **extra,
+    }
+
+
+def _missed(params: dict[str, Any], still_fine: str | None = None) -> StepOutcome:
+    rows = fetch_all(sql.STEP_AT_GENERATION, params)
+    if rows and rows[0][0] in STEP_TERMINAL:
+        return AlreadyTerminal(rows[0][0])
+    if rows and still_fine is not None and rows[0][0] == still_fine:
+        return Settled(still_fine)
+    return LeaseLost()
+
+
+def claim_steps(
+    community_id: uuid.UUID | str, *, limit: int = 1, lease_seconds: float | None = None
+) -> list[StepClaim]:
+    """Claim up to ``limit`` (1..1000) ready steps of one community, oldest ready first, past
+    their backoff gate, with ``FOR UPDATE SKIP LOCKED`` (concurrent claimers never share or wait
+    on a step). Each winner: ``running``, generation + 1, attempts + 1, lease ``lease_seconds``
+    (default ``BUZZ_WORKFLOWS['LEASE_SECONDS']``, within the core's lease bounds) from the
+    database clock. A community that is not active has nothing claimable.
+
+    Returns the claims (possibly none). Raises ``ValidationError`` keyed ``community_id``,
+    ``limit`` or ``lease_seconds`` before SQL. SPEC section 11.
+    """
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
+        "lease_seconds": _lease_seconds(lease_seconds),
+    }
+    with translated_errors():
+        rows = fetch_all(sql.CLAIM_READY_STEPS, params)
+    claims = []
+    ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
+    for row in sorted(rows, key=lambda r: (r[ready_at], r[step_id])):
+        step = Step.from_db("default", sql.STEP_ATTNAMES, row[:-1])
+        spec = definition_steps(row[-1])[step.key]
+        lease = StepLease(
+            community_id=step.community_id,
+            step_id=step.id,
+            run_id=step.run_id,
+            lease_generation=step.lease_generation,
+            attempts=step.attempts,
+            lease_until=cast(dt.datetime, step.lease_until),
+        )
+        claims.append(StepClaim(lease=lease, step=step, spec=spec))
+    return claims
+
+
+_DEFINITIONS: dict[uuid.UUID, dict[str, dict[str, Any]]] = {}
+
+
+def definition_steps(definition_id: uuid.UUID) -> dict[str, dict[str, Any]]:
+    """The steps of a definition version by key; versions are immutable, so they are cached
+    per process (bounded: the cache is emptied beyond 10,000 versions)."""
+    found = _DEFINITIONS.get(definition_id)
+    if found is None:
+        content = DefinitionVersion.objects.values_list("content", flat=True).get(id=definition_id)
+        found = {s["key"]: s for s in content["steps"]}
+        if len(_DEFINITIONS) >= 10_000:
+            _DEFINITIONS.clear()
+        _DEFINITIONS[definition_id] = found
+    return found
+
+
+def communities_with_ready_steps(limit: int = 100) -> list[uuid.UUID]:
+    """Communities that have claimable steps now (a plain read; orchestrators of "all"
+    communities walk them and claim per community)."""
+    return [row[0] for row in fetch_all(sql.COMMUNITIES_WITH_READY_STEPS, {"limit": limit})]
+
+
+def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRenewed | LeaseLost:
+    """Extend a current step lease to now + ``lease_seconds`` (database clock). Never bumps the
+    generation. Returns :class:`StepRenewed` or ``LeaseLost`` (expired, reclaimed, canceled,
+    community not active). Raises ``ValidationError`` keyed ``lease``/``lease_seconds``. SPEC 11."""
+    lease = _lease(lease)
+    params = _params(lease, lease_seconds=_lease_seconds(lease_seconds))
+    with translated_errors():
+        rows = fetch_all(sql.RENEW_IF_CURRENT_GENERATION, params)
+    if not rows:
+        return LeaseLost()
+    return StepRenewed(
+        StepLease(lease.community_id, lease.step_id, lease.run_id, lease.lease_generation, lease.attempts, rows[0][0])
+    )
+
+
+def complete_step(lease: StepLease, output: Any = None) -> StepOutcome:
+    """Record the step ``succeeded`` with ``output`` (JSON), if the lease is current; Advance
+    runs in the same transaction.
+
+    An output that is not storable JSON or larger than ``BUZZ_WORKFLOWS['MAX_OUTPUT_BYTES']``
+    does not raise: the step is recorded ``failed`` with failure code ``output_not_json`` or
+    ``output_too_large`` (no retry) and ``Settled("failed")`` is returned.
+
+    Returns ``Settled("succeeded")``, ``AlreadyTerminal(state)`` (the same holder already ended
+    it) or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``. SPEC section 11.
+    """
+    lease = _lease(lease)
+    try:
+        text = json_text(output, get_settings().max_output_bytes)
+    except BadJSON as exc:
+        return fail_step(lease, exc.code, failure_message=f"step output {exc}", retryable=False)
+    params = _params(lease, output=text)
+    with transaction.atomic(), translated_errors():
+        fetch_all(sql.LOCK_RUN, params)
+        rows = fetch_all(sql.COMPLETE_IF_CURRENT_GENERATION, params)
+        if rows:
+            return Settled(rows[0][0])
+        return _missed(params)
+
+
+def backoff_seconds(attempts: int, base: float, cap: float) -> float:
+    """Delay before the next attempt after attempt number ``attempts`` failed: base * 2**(n-1), capped."""
+    return float(min(cap, base * (2 ** min(attempts - 1, 30))))
+
+
+def fail_step(
+    lease: StepLease,
+    failure_code: str,
+    *,
+    failure_message: str | None = None,
+    retryable: bool = True,
+) -> StepOutcome:
+    """Record a failed attempt, if the lease is current. With attempts left and ``retryable``
+    the step returns to ``ready`` after its backoff (``Settled("ready")``; the backoff is
+    computed from the attempt the lease holds); otherwise it ends ``failed``
+    (``Settled("failed")``) with ``failure_code``, or ``attempts_exhausted`` when retries ran
+    out, and its ``on_error`` applies (Advance, same transaction).
+
+    ``failure_code``: 1..64 characters; ``failure_message``: at most 10,000. Returns also
+    ``AlreadyTerminal(state)`` or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``,
+    ``failure_code`` or ``failure_message`` before SQL. SPEC section 11 "Retries".
+    """
+    lease = _lease(lease)
+    code = v.optional_text(failure_code, "failure_code", 64)
+    if not code:
+        raise v.invalid("failure_code", "must not be empty")
+    message = v.optional_text(failure_message, "failure_message", 10_000)
+    if not isinstance(retryable, bool):
+        raise v.invalid("retryable", "must be True or False")
+    params = _params(lease, failure_code=code, failure_message=message)
+    with transaction.atomic(), translated_errors():
+        fetch_all(sql.LOCK_RUN, params)
+        policy = fetch_all(sql.STEP_RETRY_POLICY, params)
+        if not policy:
+            return LeaseLost()
+        _attempts, max_attempts, base, cap = policy[0]
+        if retryable and lease.attempts < max_attempts:
+            params["delay_seconds"] = backoff_seconds(lease.attempts, base, cap)
+            rows = fetch_all(sql.RETRY_IF_CURRENT_GENERATION, params)
+            if rows:
+                return Settled(rows[0][0])
+            return _missed(params, still_fine="ready")
+        if retryable:
+            params["failure_code"] = "attempts_exhausted"
+            params["failure_message"] = f"{code}: {message or ''}".strip()[:10_000]
+        rows = fetch_all(sql.FAIL_IF_CURRENT_GENERATION, params)
+        if rows:
+            # Under on_error fail_run the run has ended: its pending deliveries go too.
+            expire_deliveries_of_ended_runs(lease.community_id, [lease.run_id])
+            return Settled(rows[0][0])
+        return _missed(params)
+
+
+def park_step(
+    lease: StepLease,
+    *,
+    expected: int | None = None,
+    child_run_id: uuid.UUID | None = None,
+    wait_seconds: float | None = None,
+) -> StepOutcome:
+    """Release the lease and park the step ``waiting`` (on ``expected`` deliveries, a child run
+    or an approval), in the caller's transaction. ``wait_seconds``: the wait timeout (None =
+    none). Returns ``Settled("waiting")`` (also for the holder's repeat), ``AlreadyTerminal`` or
+    ``LeaseLost``. Internal to the executor; SPEC section 11 "send_message"."""
+    lease = _lease(lease)
+    params = _params(lease, expected=expected, child_run_id=child_run_id, wait_seconds=wait_seconds)
+    with translated_errors():
+        rows = fetch_all(sql.PARK_IF_CURRENT_GENERATION, params)
+    if rows:
+        return Settled(rows[0][0])
+    return _missed(params, still_fine="waiting")
+
+
+def park_step_returning_deadline(lease: StepLease, *, wait_seconds: float) -> tuple[StepOutcome, Any]:
+    """:func:`park_step` that also returns the wait deadline it set (database clock)."""
+    params = _params(lease, expected=None, child_run_id=None, wait_seconds=wait_seconds)
+    with translated_errors():
+        rows = fetch_all(sql.PARK_IF_CURRENT_GENERATION, params)
+    if rows:
+        return Settled(rows[0][0]), rows[0][1]
+    return _missed(params, still_fine="waiting"), None

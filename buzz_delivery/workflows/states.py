@@ -1,0 +1,78 @@
+"""States of engine runs, steps and approvals (SPEC section 11), with who moves a row out of each."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class RunState(models.TextChoices):
+    """State of an engine run.
+
+    - ``pending``: reserved (a run is created ``running``; nothing is left pending today).
+    - ``running``: its steps execute; the Advance trigger ends it when every step is terminal
+      (``succeeded``), at once when a step fails under ``on_error: fail_run`` (``failed``);
+      ``cancel_run`` -> ``canceled``; the maintenance -> ``failed`` (``run_deadline``).
+    - ``succeeded``, ``failed``, ``canceled``: terminal, once (a trigger refuses any change).
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+RUN_TERMINAL = ("succeeded", "failed", "canceled")
+
+
+class StepState(models.TextChoices):
+    """State of one step of one run.
+
+    - ``pending``: dependencies not all terminal. Advance -> ``ready`` or ``skipped``.
+    - ``ready``: claimable once ``next_attempt_at`` passed. ``claim_steps`` -> ``running``.
+    - ``running``: leased (lease columns set). ``complete_step`` -> ``succeeded``/``waiting``;
+      ``fail_step`` -> ``ready`` (retry) or ``failed``; the maintenance, once the lease lapsed,
+      -> ``ready`` or ``failed`` (``attempts_exhausted``), or -> ``failed`` (``step_timeout``).
+    - ``waiting``: parked on deliveries, a child run or an approval (no lease). Their settling
+      transaction -> ``succeeded``/``failed``; the maintenance -> ``failed`` (``wait_timeout``).
+    - ``succeeded``, ``failed``, ``skipped``, ``canceled``: terminal, once. ``cancel_run`` and a
+      failing run move every non-terminal step to ``canceled`` (generation + 1).
+    """
+
+    PENDING = "pending"
+    READY = "ready"
+    RUNNING = "running"
+    WAITING = "waiting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CANCELED = "canceled"
+
+
+STEP_TERMINAL = ("succeeded", "failed", "skipped", "canceled")
+
+
+class StepKind(models.TextChoices):
+    FUNCTION = "function"
+    SEND_MESSAGE = "send_message"
+    SUB_WORKFLOW = "sub_workflow"
+    APPROVAL = "approval"
+
+
+class OnError(models.TextChoices):
+    """What a failed step does to the rest of its run (SPEC section 11)."""
+
+    FAIL_RUN = "fail_run"
+    CONTINUE = "continue"
+    SKIP_DEPENDENTS = "skip_dependents"
+
+
+class ApprovalState(models.TextChoices):
+    """- ``pending``: awaiting a decision until ``deadline_at``. ``decide_approval`` ->
+    ``approved``/``rejected``; the maintenance, past the deadline -> ``expired``; a cancel
+    -> ``expired``. The other three are terminal, once."""
+
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    EXPIRED = "expired"

@@ -1,0 +1,110 @@
+"""The workflow engine's admin (SPEC section 11): read-only pages, the run page's DAG and
+"why not running" lines, and fenced actions behind their own permissions."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.urls import reverse
+
+from buzz_delivery.testing import WorkflowFactory, random32
+from buzz_delivery.workflows.models import Approval, Run
+from buzz_delivery.workflows.services import decide_approval
+from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
+from tests.wf_support import start
+
+pytestmark = pytest.mark.django_db
+
+
+def client_with(*perms: str) -> Client:
+    user = User.objects.create_user(f"u{User.objects.count()}", is_staff=True)
+    for codename in ("view_run", "view_step", "view_approval", "view_definitionversion", *perms):
+        user.user_permissions.add(Permission.objects.get(content_type__app_label="buzz_workflows", codename=codename))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def messages_of(response) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+@pytest.fixture
+def workflow(community):
+    return WorkflowFactory(community=community)
+
+
+def test_every_engine_page_renders_read_only(workflow):
+    run = start(
+        workflow,
+        {
+            "steps": [
+                send_step("send", [random32(), random32()]),
+                function_step("b", depends_on=["send"]),
+                {"key": "ok", "kind": "approval", "deadline_seconds": 60},
+            ]
+        },
+    )
+    run_until_idle(workflow.community_id)
+    client = client_with()
+    for name in ("run", "step", "approval", "definitionversion"):
+        response = client.get(reverse(f"admin:buzz_workflows_{name}_changelist"))
+        assert response.status_code == 200, name
+        assert reverse(f"admin:buzz_workflows_{name}_add").encode() not in response.content
+    page = client.get(reverse("admin:buzz_workflows_run_change", args=[run.pk]))
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "<svg" in html and "send" in html
+    assert "waiting for 2 of 2 deliveries, 0 failed" in html
+    assert "waiting for dependencies: 0 of 1 done" in html
+    assert "waiting for approval since" in html
+    assert client.post(reverse("admin:buzz_workflows_run_change", args=[run.pk]), {}).status_code == 403
+
+
+def test_cancel_needs_its_permission_and_goes_through_the_service(workflow):
+    run = start(workflow, {"steps": [function_step("a")]})
+    url = reverse("admin:buzz_workflows_run_changelist")
+    viewer = client_with()
+    assert "cancel_runs" not in viewer.get(url).content.decode()
+    response = viewer.post(url, {"action": "cancel_runs", "_selected_action": [run.pk]}, follow=True)
+    assert Run.objects.get(pk=run.pk).state == "running"
+    operator = client_with("cancel_engine_run")
+    response = operator.post(url, {"action": "cancel_runs", "_selected_action": [run.pk]}, follow=True)
+    assert Run.objects.get(pk=run.pk).state == "canceled"
+    assert any("Canceled 1" in m for m in messages_of(response))
+    response = operator.post(url, {"action": "cancel_runs", "_selected_action": [run.pk]}, follow=True)
+    assert any("already canceled" in m for m in messages_of(response))
+
+
+def test_restart_and_retry_failed_step_start_a_new_run(workflow):
+    run = start(
+        workflow,
+        {"steps": [function_step("a"), function_step("b", "test.boom", depends_on=["a"], retry={"max_attempts": 1})]},
+    )
+    run_until_idle(workflow.community_id)
+    operator = client_with("restart_engine_run", "retry_engine_step")
+    step = run.steps.get(key="b")
+    response = operator.post(
+        reverse("admin:buzz_workflows_step_changelist"),
+        {"action": "retry_failed_steps", "_selected_action": [step.pk]},
+        follow=True,
+    )
+    assert any("Retried 1" in m for m in messages_of(response))
+    restarted = Run.objects.get(restart_of_id=run.pk)
+    assert dict(restarted.steps.values_list("key", "state")) == {"a": "succeeded", "b": "ready"}
+
+
+def test_the_loser_of_an_approval_race_is_told_who_decided_first(workflow):
+    start(workflow, {"steps": [{"key": "ok", "kind": "approval", "deadline_seconds": 60}]})
+    run_until_idle(workflow.community_id)
+    approval = Approval.objects.get()
+    url = reverse("admin:buzz_workflows_approval_changelist")
+    client_with().post(url, {"action": "approve", "_selected_action": [approval.pk]}, follow=True)
+    assert Approval.objects.get().state == "pending"  # no decide_approval permission: nothing done
+    decide_approval(approval.community_id, approval.id, "approved", "alice")
+    response = client_with("decide_approval").post(
+        url, {"action": "reject", "_selected_action": [approval.pk]}, follow=True
+    )
+    assert any("already approved by alice" in m for m in messages_of(response))
+    assert Approval.objects.get().state == "approved"

@@ -1,0 +1,82 @@
+"""Helpers of the workflow engine tests."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from django.db import connection
+
+from buzz_delivery.services import Cause
+from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Step
+from buzz_delivery.workflows.registry import workflow_function
+from buzz_delivery.workflows.services import publish_definition, start_run
+
+ENGINE_MODELS = (Approval, Step, Run, DefinitionVersion)
+
+
+def counts() -> dict[str, int]:
+    """Rows per engine table (and the core's runs and deliveries)."""
+    from buzz_delivery.models import Event, WorkflowAgentDelivery, WorkflowRun
+
+    return {
+        m._meta.db_table: m._base_manager.count() for m in (*ENGINE_MODELS, WorkflowRun, WorkflowAgentDelivery, Event)
+    }
+
+
+def start(workflow: Any, definition: dict[str, Any], input: dict | None = None, **kwargs: Any) -> Run:
+    version = publish_definition(workflow.community_id, workflow.id, definition)
+    return start_run(
+        workflow.community_id,
+        workflow.id,
+        input or {},
+        cause=kwargs.pop("cause", Cause.event(os.urandom(32))),
+        version=version.version,
+        **kwargs,
+    )
+
+
+def states(run: Run) -> dict[str, str]:
+    return dict(Step.objects.filter(community_id=run.community_id, run_id=run.pk).values_list("key", "state"))
+
+
+def run_state(run: Run) -> str:
+    return Run.objects.get(pk=run.pk).state
+
+
+def backdate_step_lease(step_id: Any, seconds: float = 3600) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_workflows_step SET lease_until = now() - make_interval(secs => %s),"
+            " claimed_at = claimed_at - make_interval(secs => %s) WHERE id = %s",
+            [seconds, seconds, step_id],
+        )
+
+
+CALLS: list[tuple[str, dict]] = []
+
+
+@workflow_function("test.record")
+def record(input: dict, context: Any) -> dict:
+    CALLS.append((context.step_key, input))
+    return {"key": context.step_key, **input}
+
+
+@workflow_function("test.boom")
+def boom(input: dict, context: Any) -> dict:
+    raise RuntimeError("boom")
+
+
+@workflow_function("test.huge")
+def huge(input: dict, context: Any) -> str:
+    return "x" * 400_000
+
+
+@workflow_function("test.not_json")
+def not_json(input: dict, context: Any) -> object:
+    return object()
+
+
+@workflow_function("test.flag")
+def flag(input: dict, context: Any) -> dict:
+    return {"ok": input.get("ok", True)}
