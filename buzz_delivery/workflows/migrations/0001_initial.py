@@ -16,7 +16,7 @@ class Migration(migrations.Migration):
     initial = True
 
     dependencies = [
-        ('buzz_delivery', '0006_database_clock'),
+        ('buzz_delivery', '0007_scale_out_keys_and_fence'),
     ]
 
     operations = [
