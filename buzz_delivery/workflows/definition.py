@@ -8,8 +8,8 @@ A definition is ``{"steps": [step, ...]}``; each step::
      ...kind fields}
 
 Kind fields: ``function`` -> ``function`` (registered name); ``send_message`` -> ``targets``
-(64-hex keys), ``content`` (text), ``await`` (``delivered``; ``agent_run`` is refused unless
-``buzz_delivery.agents`` is installed, which then counts the agent runs), ``tolerate_failures`` (int >= 0), ``wait_timeout_seconds``;
+(64-hex keys), ``content`` (text), ``await`` (``delivered``; ``agent_run`` needs
+``buzz_delivery.agents`` installed), ``tolerate_failures`` (int >= 0), ``wait_timeout_seconds``;
 ``sub_workflow`` -> ``workflow`` (UUID of a workflow of the same community, checked by
 ``publish_definition``), ``wait_timeout_seconds``; ``approval`` -> ``deadline_seconds``, ``prompt``.
 
