@@ -4,6 +4,9 @@
 - composite, tenant-consistent foreign keys ``(community_id, x) REFERENCES t (community_id, id)``:
   journal, intake keys -> agent run (CASCADE); agent run -> the core workflow run it came from
   (CASCADE) and -> its engine approval (SET NULL of the approval column only); step waits ->
+  the engine step (CASCADE). Two are checked at commit (DEFERRABLE): an intake key is written
+  before its run (the key decides who creates the run) and a run parks before its approval row;
+  step waits ->
   the engine step (CASCADE);
 - the tombstone guard for these tables;
 - the journal sequence: an inserted entry's ``seq`` must be the run's ``tool_calls_used`` (bumped
@@ -38,7 +41,7 @@ FOREIGN_KEYS = [
         "buzz_agents_run",
         "ag_run_approval_same_community",
         "(community_id, approval_id)",
-        "buzz_workflows_approval (community_id, id) ON DELETE SET NULL (approval_id)",
+        "buzz_workflows_approval (community_id, id) ON DELETE SET NULL (approval_id) DEFERRABLE INITIALLY DEFERRED",
     ),
     (
         "buzz_agents_journal",
@@ -50,13 +53,13 @@ FOREIGN_KEYS = [
         "buzz_agents_journal",
         "ag_journal_approval_same_community",
         "(community_id, approval_id)",
-        "buzz_workflows_approval (community_id, id) ON DELETE SET NULL (approval_id)",
+        "buzz_workflows_approval (community_id, id) ON DELETE SET NULL (approval_id) DEFERRABLE INITIALLY DEFERRED",
     ),
     (
         "buzz_agents_intake_key",
         "ag_intake_run_same_community",
         "(community_id, run_id)",
-        "buzz_agents_run (community_id, id) ON DELETE CASCADE",
+        "buzz_agents_run (community_id, id) ON DELETE CASCADE DEFERRABLE INITIALLY DEFERRED",
     ),
     (
         "buzz_agents_step_wait",
