@@ -148,7 +148,7 @@ def _intake_children(community, event_id, payloads, start_at):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for p in payloads
     ]
     results = []
