@@ -235,8 +235,9 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
     output = run(str(fenced.id), "--yes", "--batch-size", "2")
     assert table_lines(output) == EXPECTED_TABLE
     assert output.strip().splitlines()[-1] == (
-        # 9 batches for the core's 4 tables, one (empty) batch for each of the workflow engine's 4.
-        f"Purged community {fenced.id}: 13 rows deleted in 13 batches of at most 2; it is now tombstone."
+        # 9 batches for the core's 4 tables, one (empty) batch for each of the workflow engine's 4
+        # and of the agent runs' 4.
+        f"Purged community {fenced.id}: 13 rows deleted in 17 batches of at most 2; it is now tombstone."
     )
     assert count_rows(fenced.id) == ZERO
     fenced.refresh_from_db()
