@@ -238,3 +238,48 @@ def test_sigterm_drains_the_in_flight_run_and_prints_the_summary(community, ledg
 
 def test_h_module_is_importable():
     assert callable(h.three_calls)
+
+
+def test_the_heartbeat_thread_renews_and_tells_a_cancelled_handler(community):
+    from buzz_delivery.agents.runtime import Context, Heartbeat
+    from buzz_delivery.agents.services import cancel_agent_run
+
+    run_id = new_run(community.id)
+    (claim,) = claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    ctx = Context(claim)
+    beat = Heartbeat(every=0.1, lease_seconds=30)
+    beat.hold(ctx)
+    beat.start()
+    try:
+        deadline = time.time() + 20
+        while beat.renewed < 2:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert AgentRun.objects.get(id=run_id).heartbeat_at > claim.run.heartbeat_at
+        cancel_agent_run(community.id, run_id)
+        while not ctx.cancelled:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert ctx.lost.is_set()
+    finally:
+        beat.stop.set()
+        beat.join(5)
+
+
+def test_reap_agent_runs_command_reclaims_and_prints_its_summary(community):
+    import io
+
+    from django.core.management import call_command
+
+    run_id = new_run(community.id)
+    claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    backdate_run_lease(run_id)
+    out = io.StringIO()
+    call_command("reap_agent_runs", stdout=out)
+    assert "reclaimed" in out.getvalue()
+    assert AgentRun.objects.get(id=run_id).state == "pending"
+
+
+def test_run_agent_worker_refuses_a_bad_handler_with_exit_2(community, ledger):
+    code, _, err = worker(community, "no_such_handler", ledger)
+    assert code == 2, err

@@ -500,3 +500,38 @@ def test_agent_keys_lead_with_community_id():
 
 def test_random32_is_not_the_default_agent():
     assert random32() != AGENT
+
+
+# --- bad input on the other services ---------------------------------------------------------------
+
+
+def test_the_other_services_refuse_bad_input_by_name_and_write_nothing(community):
+    run_id = new_run(community.id)
+    lease = claim(community.id, run_id)
+    before = counts()
+    cases = [
+        (lambda: claim_agent_runs(community.id, [], worker_id="w"), "agent_pubkeys"),
+        (lambda: claim_agent_runs(community.id, [b"x"], worker_id="w"), "agent_pubkeys[0]"),
+        (lambda: claim_agent_runs(community.id, [AGENT], worker_id=" "), "worker_id"),
+        (lambda: claim_agent_runs(community.id, [AGENT], worker_id="w", limit=0), "limit"),
+        (lambda: claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=0), "lease_seconds"),
+        (lambda: heartbeat(lease, lease_seconds=-1), "lease_seconds"),
+        (lambda: heartbeat(None), "lease"),
+        (lambda: record_call_result(lease, 0, ok=True), "seq"),
+        (lambda: record_call_result(lease, 1, ok="yes"), "ok"),
+        (lambda: record_call_result(lease, 1, ok=True, uncertain=True), "uncertain"),
+        (lambda: record_call_result(lease, 1, ok=True, latency_ms=-5), "latency_ms"),
+        (lambda: complete_run(lease, {"x": object()}), "output"),
+        (lambda: fail_run(lease, ""), "failure_code"),
+        (lambda: request_approval(lease, deadline_seconds=0), "deadline_seconds"),
+        (lambda: request_approval(lease, prompt=5), "prompt"),
+        (lambda: cancel_agent_run("nope", run_id), "community_id"),
+        (lambda: cancel_agent_run(community.id, "nope"), "run_id"),
+        (lambda: reap_agent_runs(batch_size=0), "batch_size"),
+    ]
+    for call, field in cases:
+        with pytest.raises(ValidationError) as info:
+            call()
+        assert field in info.value.message_dict, (field, info.value.message_dict)
+    assert counts() == before
+    assert run_of(run_id).state == "running"
