@@ -176,7 +176,7 @@ class Context:
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
             if entry.status == "succeeded":
                 self.replayed += 1
-                return dict(entry.output)
+                return dict(entry.output or {})
             if entry.status == "failed":
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")

@@ -197,20 +197,20 @@ def claim_agent_runs(
     SPEC 12 "States"."""
     if not isinstance(agent_pubkeys, (list, tuple)) or not agent_pubkeys:
         raise v.invalid("agent_pubkeys", "must be a non-empty list of 32-byte keys")
+    community = v.uuid_value(community_id, "community_id")
+    worker = _worker(worker_id)
     params = {
-        "community_id": v.uuid_value(community_id, "community_id"),
+        "community_id": community,
         "agents": [v.bytes32(k, f"agent_pubkeys[{i}]") for i, k in enumerate(agent_pubkeys)],
-        "worker_id": _worker(worker_id),
+        "worker_id": worker,
         "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
         "lease_seconds": v.lease_seconds(get_settings().lease_seconds if lease_seconds is None else lease_seconds),
     }
     with transaction.atomic(), translated_errors():
         rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
-        runs = {
-            r.id: r for r in AgentRun.objects.filter(community_id=params["community_id"], id__in=[x[0] for x in rows])
-        }
+        runs = {r.id: r for r in AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows])}
     return [
-        AgentClaim(AgentLease(params["community_id"], run_id, generation, until, params["worker_id"]), runs[run_id])
+        AgentClaim(AgentLease(community, run_id, generation, until, worker), runs[run_id])
         for run_id, generation, until in rows
     ]
 
@@ -279,15 +279,16 @@ def cancel_agent_run(
     refused). Compensations are not run. Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
     or :class:`NotFound`. Raises ``ValidationError`` keyed by the argument before SQL;
     ``CommunityNotWritable`` when the community is not active. SPEC 12 "States"."""
+    run = v.uuid_value(run_id, "run_id")
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
-        "run_id": v.uuid_value(run_id, "run_id"),
+        "run_id": run,
         "reason": v.optional_text(reason, "reason", 10_000),
     }
     with transaction.atomic(), translated_errors():
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
         if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
-            return Cancelled(params["run_id"])
+            return Cancelled(run)
         rows = fetch_all(sql.RUN_AT, {**params})
     if not rows:
         return NotFound()

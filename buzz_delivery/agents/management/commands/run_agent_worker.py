@@ -41,7 +41,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            handler = load_handler(options["handler"])
+            handler: Any = load_handler(options["handler"])
             lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
         except Exception as exc:
             raise CommandError(str(exc), returncode=2) from exc
