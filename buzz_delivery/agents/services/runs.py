@@ -84,7 +84,8 @@ def accept_delivery(
 
     Returns :class:`Accepted` (the run id), ``AlreadyTerminal(status)`` (the delivery was settled
     before: the true holder's retry) or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``,
-    ``input`` or a budget name before SQL. SPEC 12 "Start".
+    ``input`` or a budget name before SQL; inside a caller's transaction, a community that is
+    no longer active raises ``CommunityNotWritable`` (as ``finish_delivery`` does). SPEC 12 "Start".
     """
     if not isinstance(lease, Lease):
         raise v.invalid("lease", f"must be a delivery Lease, not {type(lease).__name__}")
