@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "pgtrigger",
     "buzz_delivery",
     "buzz_delivery.workflows",
+    "buzz_delivery.agents",
     "project.demo",
 ]
 

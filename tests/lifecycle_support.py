@@ -76,6 +76,7 @@ def fill_community(community: models.Community, rows: int = 3, *, engine: bool =
         DeliveryFactory(binding=BindingFactory(run=runs[i % rows], message_event=events[i % rows]))
     if engine:
         _fill_engine(community, workflows)
+        _fill_agents(community, workflows)
     return count_rows(community.id)
 
 
@@ -96,6 +97,30 @@ def _fill_engine(community: models.Community, workflows: list[models.Workflow]) 
         start_run(community.id, w.id, {}, cause=Cause.event(random32()))
         create_schedule(community.id, w.id, "0 0 * * *")
     run_until_idle(community.id)
+
+
+def _fill_agents(community: models.Community, workflows: list[models.Workflow]) -> None:
+    """Per workflow, when ``buzz_delivery.agents`` is installed: a run whose send_message step
+    awaits agent runs (a step wait), and an intake-started agent run with one journaled call."""
+    from django.apps import apps
+
+    if not apps.is_installed("buzz_delivery.agents"):
+        return
+    from buzz_delivery.agents.services import claim_agent_runs, intake_event, journal_call
+    from buzz_delivery.services import Cause
+    from buzz_delivery.testing import random32
+    from buzz_delivery.workflows.services import publish_definition, start_run
+    from buzz_delivery.workflows.testing import run_until_idle, send_step
+
+    agent = random32()
+    for w in workflows:
+        step = send_step("ask", [random32()], **{"await": "agent_run"})
+        version = publish_definition(community.id, w.id, {"steps": [step]})
+        start_run(community.id, w.id, {}, cause=Cause.event(random32()), version=version.version)
+        intake_event(community.id, "test", uuid.uuid4().hex, {}, agent)
+    run_until_idle(community.id)
+    for claim in claim_agent_runs(community.id, [agent], worker_id="fill", limit=100):
+        journal_call(claim.lease, "tool", {})
 
 
 def count_rows(community_id: uuid.UUID) -> dict[str, int]:

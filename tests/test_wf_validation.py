@@ -88,10 +88,10 @@ BAD_DEFINITIONS = [
         None,
     ),
     (
-        "agent_run not available",
-        {"steps": [{"key": "s", "kind": "send_message", "targets": [T], "await": "agent_run"}]},
+        "unknown await",
+        {"steps": [{"key": "s", "kind": "send_message", "targets": [T], "await": "agent_runs"}]},
         "steps[0].await",
-        "buzz_delivery.agents",
+        "'delivered' or 'agent_run'",
     ),
     (
         "tolerance above targets",

@@ -8,8 +8,8 @@ A definition is ``{"steps": [step, ...]}``; each step::
      ...kind fields}
 
 Kind fields: ``function`` -> ``function`` (registered name); ``send_message`` -> ``targets``
-(64-hex keys), ``content`` (text), ``await`` (``delivered``; ``agent_run`` is refused until
-``buzz_delivery.agents`` exists), ``tolerate_failures`` (int >= 0), ``wait_timeout_seconds``;
+(64-hex keys), ``content`` (text), ``await`` (``delivered``; ``agent_run`` needs
+``buzz_delivery.agents`` installed), ``tolerate_failures`` (int >= 0), ``wait_timeout_seconds``;
 ``sub_workflow`` -> ``workflow`` (UUID of a workflow of the same community, checked by
 ``publish_definition``), ``wait_timeout_seconds``; ``approval`` -> ``deadline_seconds``, ``prompt``.
 
@@ -30,6 +30,7 @@ import re
 import uuid
 from typing import Any
 
+from django.apps import apps
 from django.core.exceptions import ValidationError
 
 from buzz_delivery.services import validation as v
@@ -198,9 +199,9 @@ def _kind_fields(step: _Step, kind: str, raw: dict[str, Any]) -> dict[str, Any]:
             raise step.invalid("content", "must be a string")
         out["content"] = v.storable_text(content, f"steps[{step.index}].content")
         await_ = raw.get("await", "delivered")
-        if await_ == "agent_run":
+        if await_ == "agent_run" and not apps.is_installed("buzz_delivery.agents"):
             raise step.invalid("await", "'agent_run' is not available until buzz_delivery.agents is installed")
-        if await_ != "delivered":
+        if await_ not in ("delivered", "agent_run"):
             raise step.invalid("await", f"must be 'delivered' or 'agent_run', got {await_!r}")
         out["await"] = await_
         out["tolerate_failures"] = _int(step, "tolerate_failures", raw.get("tolerate_failures", 0), 0, len(targets))

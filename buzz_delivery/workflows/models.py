@@ -329,17 +329,19 @@ class Step(CommunityScoped):
 
 
 class Approval(CommunityScoped):
-    """A human decision a waiting step (or, later, an agent run) waits for (SPEC 11 "Approvals").
-    Requested once per step attempt (its lease generation), decided once, before its deadline."""
+    """A human decision a waiting step or an agent run waits for (SPEC 11 "Approvals").
+    Requested once per step attempt (its lease generation), decided once, before its deadline.
+    An agent run's approval (``buzz_delivery.agents``) has no run, step nor generation: the
+    agent run points at it, and a trigger of that app resumes the run when it is closed."""
 
     id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
     run = models.ForeignKey(
-        Run, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="approvals"
+        Run, null=True, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="approvals"
     )
     step = models.ForeignKey(
-        Step, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="approvals"
+        Step, null=True, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="approvals"
     )
-    step_generation = models.BigIntegerField()
+    step_generation = models.BigIntegerField(null=True)
     state = models.CharField(max_length=16, choices=ApprovalState.choices, default=ApprovalState.PENDING)
     prompt = models.TextField(blank=True, default="")
     requested_at = models.DateTimeField()
@@ -363,6 +365,11 @@ class Approval(CommunityScoped):
                 name="wf_approval_decided_iff_decider",
             ),
             models.CheckConstraint(condition=Q(deadline_at__gt=F("requested_at")), name="wf_approval_deadline_after"),
+            models.CheckConstraint(
+                condition=Q(run__isnull=False, step__isnull=False, step_generation__isnull=False)
+                | Q(run__isnull=True, step__isnull=True, step_generation__isnull=True),
+                name="wf_approval_step_or_none",
+            ),
         ]
         indexes = [
             models.Index(

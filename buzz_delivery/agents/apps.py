@@ -1,0 +1,17 @@
+from django.apps import AppConfig
+
+
+class AgentsConfig(AppConfig):
+    """The agent-run app. Its tables join the deletion catalog before the engine's and the
+    core's (:func:`buzz_delivery.catalog.deletion_catalog`), children first."""
+
+    name = "buzz_delivery.agents"
+    label = "buzz_agents"
+    verbose_name = "Buzz agent runs"
+    default_auto_field = "django.db.models.BigAutoField"
+    buzz_deletion_catalog = (
+        "buzz_agents.JournalEntry",
+        "buzz_agents.IntakeKey",
+        "buzz_agents.StepWait",
+        "buzz_agents.AgentRun",
+    )

@@ -1,0 +1,50 @@
+"""Exceptions of the agent runtime (the services return outcomes; these stop a handler)."""
+
+from __future__ import annotations
+
+from buzz_delivery.exceptions import BuzzDeliveryError
+
+
+class AgentError(BuzzDeliveryError):
+    """Base of the agent runtime's exceptions. ``failure_code`` is what the run records."""
+
+    failure_code = "handler_error"
+
+
+class RunAborted(AgentError):
+    """The run's lease was lost (reclaimed, cancelled, lapsed): the handler must stop; nothing
+    more is written for it by this holder."""
+
+    failure_code = "lease_lost"
+
+
+class ToolCallFailed(AgentError):
+    """A journaled tool call failed (its error is recorded on the journal entry)."""
+
+    failure_code = "tool_call_failed"
+
+
+class UncertainCall(AgentError):
+    """A call left pending by a crashed holder could not be reconciled (no reconcile hook): it
+    is marked uncertain, for compensation, and the run fails."""
+
+    failure_code = "uncertain_call"
+
+
+class BudgetExhausted(AgentError):
+    """A call past the run's tool-call or cost cap was refused (nothing journaled)."""
+
+    failure_code = "budget_exceeded"
+
+
+class ReplayMismatch(AgentError):
+    """On resume, the handler asked for another call than the journal recorded at this position
+    (tool name, kind or input hash differ): handlers must be deterministic."""
+
+    failure_code = "replay_mismatch"
+
+
+class ApprovalExpired(AgentError):
+    """The approval the run waited on expired without a decision."""
+
+    failure_code = "approval_expired"

@@ -1,0 +1,66 @@
+"""``manage.py run_agent_worker``: run agent handlers over claimed agent runs (SPEC 12 "Runtime").
+
+Prints one JSON summary line to stdout at exit: ``{"claimed","completed","failed",
+"compensated","compensation_failed","parked","lost","renewed","internal_errors"}``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from buzz_delivery.agents.conf import get_settings
+from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
+from buzz_delivery.management.options import positive_int, positive_seconds, pubkey_hex, uuid_value
+from buzz_delivery.services import validation as v
+from buzz_delivery.worker import load_handler
+
+
+class Command(BaseCommand):
+    help = (
+        "Claim agent runs of the given agents (--agent, repeatable) in the given communities "
+        "(--community, repeatable; none = every active community with claimable runs) and run "
+        "handler(ctx) -> output for each: ctx.call journals tool calls, ctx.request_approval parks "
+        "the run. Heartbeats in a background thread. SIGTERM/SIGINT: stop claiming, let in-flight "
+        "runs reach a resting point, exit 0. Exit codes: 0 clean stop, 1 internal error, 2 bad arguments."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--handler", required=True, help="Dotted path to handler(ctx) -> output.")
+        parser.add_argument("--agent", action="append", required=True, type=pubkey_hex, help="Agent key, 64 hex.")
+        parser.add_argument("--community", action="append", default=[], type=uuid_value, help="Community UUID.")
+        parser.add_argument("--concurrency", type=positive_int, default=1, help="Handler threads (default 1).")
+        parser.add_argument("--lease-seconds", type=positive_seconds, default=None, help="Run lease length.")
+        parser.add_argument("--poll-seconds", type=positive_seconds, default=1.0, help="Sleep between empty polls.")
+        parser.add_argument("--max-runs", type=positive_int, default=None, help="Stop after this many claims.")
+        parser.add_argument("--exit-when-idle", action="store_true", help="Stop when a poll finds nothing.")
+        parser.add_argument("--worker-id", default=None, help="Recorded on claims (default host:pid).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            handler: Any = load_handler(options["handler"])
+            lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
+        except Exception as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        worker = AgentWorker(
+            WorkerConfig(
+                handler=handler,
+                agents=options["agent"],
+                communities=options["community"],
+                concurrency=options["concurrency"],
+                lease_seconds=lease,
+                poll_seconds=options["poll_seconds"],
+                max_runs=options["max_runs"],
+                exit_when_idle=options["exit_when_idle"],
+                worker_id=options["worker_id"] or f"{socket.gethostname()}:{os.getpid()}",
+            )
+        )
+        signal.signal(signal.SIGTERM, worker.stop)
+        signal.signal(signal.SIGINT, worker.stop)
+        counts = worker.run()
+        self.stdout.write(worker.summary_line())
+        if counts.get("internal_errors"):
+            raise CommandError("stopped on an internal error", returncode=1)

@@ -1,0 +1,341 @@
+"""Models of agent runs (SPEC section 12).
+
+Every table is community-scoped (``community_id`` NOT NULL, the core write fence trigger, the
+deletion catalog). In the database every primary and unique key leads with ``community_id`` and
+every reference between community-scoped tables is a composite foreign key on
+``(community_id, ...)`` (migration ``0002``; the ORM's foreign keys carry no constraint). Every
+invariant is a CHECK or a trigger: legal states, terminal once, leased states <=> lease columns,
+budgets within their caps, a contiguous journal sequence per run. Rows change state only through
+:mod:`buzz_delivery.agents.services` and the triggers of migration ``0002``.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import F, Q
+from django.db.models.functions import Length, Now
+from django.db.models.lookups import Exact
+
+from buzz_delivery import triggers
+from buzz_delivery.agents import ag_triggers
+from buzz_delivery.agents.states import RUN_LEASED, RUN_TERMINAL, CallStatus, CompensationStatus, EntryKind, RunState
+from buzz_delivery.models import CommunityScoped, WorkflowRun, new_uuid7
+from buzz_delivery.workflows import wf_triggers
+from buzz_delivery.workflows.models import Approval, Step
+
+DEFAULT_MAX_TOOL_CALLS = 100
+DEFAULT_MAX_COST = 1_000_000
+
+
+def _len32(field: str) -> Exact:
+    return Exact(Length(field), 32)
+
+
+def _iff(condition: Q, columns: Q, negated: Q) -> Q:
+    return (condition & columns) | (~condition & negated)
+
+
+class AgentRun(CommunityScoped):
+    """One agent run: started from a delivery (``accept_delivery``; ``delivery_id``,
+    ``source_run_id``, ``source_step_key`` set) or from an inbound channel event
+    (``intake_event``). Budgets: ``max_tool_calls`` journal entries, ``max_cost`` cost units
+    (integers, the caller's unit), enforced by CHECKs on the ``*_used`` counters."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    agent_pubkey = models.BinaryField(max_length=32)
+    state = models.CharField(max_length=20, choices=RunState.choices, default=RunState.PENDING)
+    unwinding = models.BooleanField(default=False)
+    shadow = models.BooleanField(default=False)
+    input = models.JSONField(default=dict)
+    input_hash = models.BinaryField(max_length=32)
+    output = models.JSONField(null=True, blank=True)
+    output_hash = models.BinaryField(max_length=32, null=True, blank=True)
+    failure_code = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001 (NULL = none)
+    failure_message = models.TextField(null=True, blank=True)  # noqa: DJ001
+    delivery_id = models.UUIDField(null=True, blank=True)
+    source_run = models.ForeignKey(
+        WorkflowRun,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
+        related_name="agent_runs",
+    )
+    source_step_key = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
+    approval = models.ForeignKey(
+        Approval,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
+        related_name="agent_runs",
+    )
+    lease_generation = models.BigIntegerField(default=0)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    worker_id = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    attempts = models.IntegerField(default=0)
+    max_attempts = models.IntegerField(default=3)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    timeout_at = models.DateTimeField(null=True, blank=True)
+    max_tool_calls = models.IntegerField(default=DEFAULT_MAX_TOOL_CALLS)
+    tool_calls_used = models.IntegerField(default=0)
+    max_cost = models.BigIntegerField(default=DEFAULT_MAX_COST)
+    cost_used = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "buzz_agents_run"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["community", "delivery_id"],
+                condition=Q(delivery_id__isnull=False),
+                name="ag_run_one_per_delivery",
+            ),
+            models.CheckConstraint(condition=Q(state__in=RunState.values), name="ag_run_state_known"),
+            models.CheckConstraint(
+                condition=_iff(Q(state__in=RUN_TERMINAL), Q(finished_at__isnull=False), Q(finished_at__isnull=True)),
+                name="ag_run_terminal_iff_finished_at",
+            ),
+            models.CheckConstraint(
+                condition=_iff(
+                    Q(state__in=RUN_LEASED),
+                    Q(lease_until__isnull=False, claimed_at__isnull=False, worker_id__isnull=False),
+                    Q(lease_until__isnull=True, claimed_at__isnull=True),
+                ),
+                name="ag_run_leased_iff_lease",
+            ),
+            models.CheckConstraint(
+                condition=~Q(state="waiting_approval") | Q(approval__isnull=False),
+                name="ag_run_waiting_approval_has_approval",
+            ),
+            models.CheckConstraint(
+                condition=Q(delivery_id__isnull=True, source_run__isnull=True, source_step_key__isnull=True)
+                | Q(delivery_id__isnull=False, source_run__isnull=False, source_step_key__isnull=False),
+                name="ag_run_delivery_source_all_or_none",
+            ),
+            models.CheckConstraint(condition=_len32("agent_pubkey"), name="ag_run_agent_pubkey_32_bytes"),
+            models.CheckConstraint(condition=_len32("input_hash"), name="ag_run_input_hash_32_bytes"),
+            models.CheckConstraint(
+                condition=_iff(
+                    Q(state="completed"),
+                    Q(output_hash__isnull=False) & Q(_len32("output_hash")),
+                    Q(output_hash__isnull=True),
+                ),
+                name="ag_run_output_hash_iff_completed",
+            ),
+            models.CheckConstraint(condition=Q(lease_generation__gte=0), name="ag_run_generation_gte_0"),
+            models.CheckConstraint(
+                condition=Q(max_attempts__gte=1, attempts__gte=0, attempts__lte=F("max_attempts")),
+                name="ag_run_attempts_within_max",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_tool_calls__gte=0, tool_calls_used__gte=0, tool_calls_used__lte=F("max_tool_calls")),
+                name="ag_run_tool_calls_within_budget",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_cost__gte=0, cost_used__gte=0, cost_used__lte=F("max_cost")),
+                name="ag_run_cost_within_budget",
+            ),
+            models.CheckConstraint(
+                condition=Q(failure_code__isnull=True)
+                | Q(state__in=["failed", "cancelled", "timeout"])
+                | Q(unwinding=True),
+                name="ag_run_failure_code_only_when_failing",
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["community", "agent_pubkey", "created_at"],
+                condition=Q(state="pending"),
+                name="ag_run_pending_idx",
+            ),
+            models.Index(fields=["lease_until"], condition=Q(state__in=RUN_LEASED), name="ag_run_lease_idx"),
+            models.Index(
+                fields=["timeout_at"],
+                condition=Q(timeout_at__isnull=False) & ~Q(state__in=RUN_TERMINAL),
+                name="ag_run_timeout_idx",
+            ),
+            models.Index(
+                fields=["community", "source_run", "source_step_key"],
+                condition=Q(source_run__isnull=False),
+                name="ag_run_source_idx",
+            ),
+        ]
+        triggers = [
+            triggers.write_fence(),
+            wf_triggers.terminal_once("ag_run_terminal_once", RUN_TERMINAL),
+            wf_triggers.generation_monotonic("ag_run_generation_monotonic"),
+            ag_triggers.counters_step_by_one(),
+        ]
+        permissions = [("cancel_agent_run", "Can cancel agent runs")]
+
+    def __str__(self) -> str:
+        return f"agent run {self.pk} ({self.state})"
+
+
+class JournalEntry(CommunityScoped):
+    """One journaled tool call (or approval) of a run, written before the call is made
+    (SPEC 12 "Journal"). ``seq`` is contiguous per run from 1 (a trigger checks it against the
+    run's ``tool_calls_used``); ``idempotency_key`` is handed to the tool; ``generation`` is the
+    run lease generation that journaled it, ``result_generation`` the one that recorded the result."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    run = models.ForeignKey(
+        AgentRun, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="journal"
+    )
+    seq = models.IntegerField()
+    kind = models.CharField(max_length=16, choices=EntryKind.choices, default=EntryKind.TOOL)
+    tool_name = models.CharField(max_length=200)
+    idempotency_key = models.CharField(max_length=200)
+    input_hash = models.BinaryField(max_length=32)
+    args = models.JSONField(null=True, blank=True)
+    cost = models.BigIntegerField(default=0)
+    destructive = models.BooleanField(default=False)
+    compensation = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=CallStatus.choices, default=CallStatus.PENDING)
+    uncertain = models.BooleanField(default=False)
+    blocked_reason = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    error = models.TextField(null=True, blank=True)  # noqa: DJ001
+    output = models.JSONField(null=True, blank=True)
+    output_hash = models.BinaryField(max_length=32, null=True, blank=True)
+    latency_ms = models.IntegerField(null=True, blank=True)
+    approval = models.ForeignKey(
+        Approval,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
+        related_name="+",
+    )
+    generation = models.BigIntegerField()
+    result_generation = models.BigIntegerField(null=True, blank=True)
+    compensation_status = models.CharField(  # noqa: DJ001
+        max_length=24, choices=CompensationStatus.choices, null=True, blank=True
+    )
+    compensation_generation = models.BigIntegerField(null=True, blank=True)
+    compensation_error = models.TextField(null=True, blank=True)  # noqa: DJ001
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    compensated_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "buzz_agents_journal"
+        ordering = ["seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["community", "run", "seq"], name="ag_journal_seq_key"),
+            models.UniqueConstraint(fields=["community", "idempotency_key"], name="ag_journal_idempotency_key"),
+            models.CheckConstraint(condition=Q(seq__gte=1), name="ag_journal_seq_gte_1"),
+            models.CheckConstraint(condition=Q(status__in=CallStatus.values), name="ag_journal_status_known"),
+            models.CheckConstraint(condition=Q(kind__in=EntryKind.values), name="ag_journal_kind_known"),
+            models.CheckConstraint(condition=Q(tool_name__regex=r"\S"), name="ag_journal_tool_name_not_blank"),
+            models.CheckConstraint(condition=_len32("input_hash"), name="ag_journal_input_hash_32_bytes"),
+            models.CheckConstraint(
+                condition=Q(output_hash__isnull=True) | Q(_len32("output_hash")), name="ag_journal_output_hash_32_bytes"
+            ),
+            models.CheckConstraint(condition=Q(cost__gte=0), name="ag_journal_cost_gte_0"),
+            models.CheckConstraint(
+                condition=_iff(Q(status="pending"), Q(finished_at__isnull=True), Q(finished_at__isnull=False)),
+                name="ag_journal_finished_iff_answered",
+            ),
+            models.CheckConstraint(
+                condition=Q(compensation_status__isnull=True)
+                | (
+                    Q(compensation_status__in=CompensationStatus.values, compensation__isnull=False)
+                    & (Q(status="succeeded") | Q(status="failed", uncertain=True))
+                ),
+                name="ag_journal_compensation_of_done_call",
+            ),
+            models.CheckConstraint(
+                condition=_iff(
+                    Q(compensation_status__in=["compensated", "compensation_failed"]),
+                    Q(compensated_at__isnull=False),
+                    Q(compensated_at__isnull=True),
+                ),
+                name="ag_journal_compensated_iff_at",
+            ),
+            models.CheckConstraint(
+                condition=~Q(kind="approval") | Q(approval__isnull=False), name="ag_journal_approval_entry_has_approval"
+            ),
+        ]
+        triggers = [
+            triggers.write_fence(),
+            ag_triggers.status_once(),
+            ag_triggers.compensation_forward_only(),
+            ag_triggers.journal_identity_immutable(),
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.seq} {self.tool_name} ({self.status})"
+
+
+class IntakeKey(CommunityScoped):
+    """The idempotency key of an inbound channel event (SPEC 12 "Start"): one run per
+    (community, channel type, provider event id); ``payload_hash`` tells a retry from a conflict."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    channel_type = models.CharField(max_length=64)
+    provider_event_id = models.CharField(max_length=200)
+    payload_hash = models.BinaryField(max_length=32)
+    run = models.ForeignKey(
+        AgentRun, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="intake_keys"
+    )
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "buzz_agents_intake_key"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["community", "channel_type", "provider_event_id"], name="ag_intake_key_unique"
+            ),
+            models.CheckConstraint(condition=Q(channel_type__regex=r"\S"), name="ag_intake_channel_type_not_blank"),
+            models.CheckConstraint(
+                condition=Q(provider_event_id__regex=r"\S"), name="ag_intake_provider_event_id_not_blank"
+            ),
+            models.CheckConstraint(condition=_len32("payload_hash"), name="ag_intake_payload_hash_32_bytes"),
+        ]
+        triggers = [triggers.write_fence(), wf_triggers.immutable("ag_intake_key_immutable")]
+
+    def __str__(self) -> str:
+        return f"{self.channel_type}:{self.provider_event_id}"
+
+
+class StepWait(CommunityScoped):
+    """The fan-in of a ``send_message`` step with ``await: agent_run`` (SPEC 11/12 "Back to the
+    workflow"): created by a trigger when the step parks, counted by triggers when one of its
+    deliveries fails or expires (no run will come) and when an agent run started from one of
+    them becomes terminal; ``outputs`` keyed by target hex becomes the step's output."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    step = models.ForeignKey(
+        Step, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="agent_waits"
+    )
+    run_id = models.UUIDField()
+    step_key = models.CharField(max_length=64)
+    expected = models.IntegerField()
+    done = models.IntegerField(default=0)
+    failed = models.IntegerField(default=0)
+    tolerate_failures = models.IntegerField(default=0)
+    outputs = models.JSONField(default=dict)
+
+    class Meta:
+        db_table = "buzz_agents_step_wait"
+        constraints = [
+            models.UniqueConstraint(fields=["community", "run_id", "step_key"], name="ag_step_wait_step_key"),
+            models.UniqueConstraint(fields=["community", "step"], name="ag_step_wait_one_per_step"),
+            models.CheckConstraint(
+                condition=Q(
+                    expected__gte=0, done__gte=0, done__lte=F("expected"), failed__gte=0, failed__lte=F("done")
+                ),
+                name="ag_step_wait_counters_within_bounds",
+            ),
+        ]
+        triggers = [triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return f"{self.step_key}: {self.done}/{self.expected}"

@@ -1,0 +1,43 @@
+"""Public services of agent runs (SPEC section 12). Every one validates its arguments
+(``ValidationError`` keyed by the argument) before any SQL, uses the database clock, and
+returns typed outcomes (:mod:`buzz_delivery.agents.services.types`) for expected races."""
+
+from buzz_delivery.agents.services.approvals import request_approval
+from buzz_delivery.agents.services.journal import (
+    begin_compensation,
+    finish_compensation,
+    journal_call,
+    record_call_result,
+)
+from buzz_delivery.agents.services.maintenance import AgentReapResult, reap_agent_runs
+from buzz_delivery.agents.services.runs import (
+    accept_delivery,
+    cancel_agent_run,
+    claim_agent_runs,
+    complete_run,
+    fail_run,
+    get_agent_run,
+    heartbeat,
+    intake_event,
+)
+from buzz_delivery.agents.services.types import *  # noqa: F403
+from buzz_delivery.agents.services.types import __all__ as _types
+
+__all__ = [
+    *_types,
+    "AgentReapResult",
+    "accept_delivery",
+    "begin_compensation",
+    "cancel_agent_run",
+    "claim_agent_runs",
+    "complete_run",
+    "fail_run",
+    "finish_compensation",
+    "get_agent_run",
+    "heartbeat",
+    "intake_event",
+    "journal_call",
+    "reap_agent_runs",
+    "record_call_result",
+    "request_approval",
+]

@@ -1,0 +1,66 @@
+"""Helpers shared by the agent-run services: hashing, JSON, lease checks, outcome reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+
+from buzz_delivery.agents.services import sql
+from buzz_delivery.agents.services.types import AgentLease, AlreadyTerminal, LeaseLost
+from buzz_delivery.agents.states import RUN_TERMINAL
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all
+from buzz_delivery.workflows.services.common import BadJSON, json_text
+
+
+def canonical(value: Any) -> str:
+    """Canonical JSON text of ``value`` (sorted keys, no spaces): what hashes are taken of."""
+    return json.dumps(value, cls=DjangoJSONEncoder, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def sha256_json(value: Any) -> bytes:
+    """SHA-256 (32 bytes) of :func:`canonical` ``value``."""
+    return hashlib.sha256(canonical(value).encode()).digest()
+
+
+def json_value(value: Any, name: str, max_bytes: int) -> str:
+    """``value`` as storable JSON text, or ``ValidationError`` keyed ``name`` (before SQL)."""
+    try:
+        return json_text(value, max_bytes)
+    except BadJSON as exc:
+        raise v.invalid(name, str(exc)) from None
+
+
+def lease_value(value: Any) -> AgentLease:
+    if not isinstance(value, AgentLease):
+        raise v.invalid("lease", f"must be an AgentLease, not {type(value).__name__}")
+    return value
+
+
+def lease_params(lease: Any, **extra: Any) -> dict[str, Any]:
+    lease = lease_value(lease)
+    return {
+        "community_id": lease.community_id,
+        "run_id": lease.run_id,
+        "lease_generation": lease.lease_generation,
+        "worker_id": lease.worker_id,
+        **extra,
+    }
+
+
+def missed(params: dict[str, Any]) -> AlreadyTerminal | LeaseLost:
+    """Judge a fenced statement that matched nothing: the run at the holder's generation and
+    terminal is ``AlreadyTerminal`` (the true holder's retry); a cancel right after the holder's
+    generation is ``LeaseLost("cancelled")``; anything else ``LeaseLost``."""
+    rows = fetch_all(sql.RUN_AT, params)
+    if not rows:
+        return LeaseLost()
+    state, generation, worker, *_ = rows[0]
+    if generation == params["lease_generation"] and worker == params["worker_id"] and state in RUN_TERMINAL:
+        return AlreadyTerminal(state)
+    if state == "cancelled" and generation == params["lease_generation"] + 1:
+        return LeaseLost("cancelled")
+    return LeaseLost()

@@ -1,0 +1,306 @@
+"""Start, claim, heartbeat, complete, fail and cancel agent runs (SPEC section 12).
+
+Each holder transition is one fenced statement (community, run id, generation, holder,
+leased state, ``lease_until >= now`` on the database clock, community active), judged by the
+rows it returns; when nothing matched, :func:`~buzz_delivery.agents.services.common.missed`
+tells the true holder's retry (``AlreadyTerminal``) from a lost lease.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db import transaction
+
+from buzz_delivery.agents.conf import get_settings
+from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.services import sql
+from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
+from buzz_delivery.agents.services.types import (
+    Accepted,
+    AgentClaim,
+    AgentLease,
+    AlreadyTerminal,
+    Cancelled,
+    Created,
+    Duplicate,
+    Finished,
+    IdempotencyConflict,
+    LeaseLost,
+    NotFound,
+    Renewed,
+    Unwinding,
+)
+from buzz_delivery.exceptions import CommunityNotWritable
+from buzz_delivery.models import new_uuid7
+from buzz_delivery.services import Lease, Settled, finish_delivery
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+
+MAX_CLAIM = 100
+MAX_TIMEOUT_SECONDS = 30 * 86400
+MAX_INPUT_BYTES = 1_000_000
+
+
+def _budget_params(
+    *, shadow: Any, max_tool_calls: Any, max_cost: Any, max_attempts: Any, timeout_seconds: Any
+) -> dict[str, Any]:
+    conf = get_settings()
+    if not isinstance(shadow, bool):
+        raise v.invalid("shadow", f"must be a bool, not {type(shadow).__name__}")
+    return {
+        "shadow": shadow,
+        "max_tool_calls": v.int_in_range(
+            conf.max_tool_calls if max_tool_calls is None else max_tool_calls, "max_tool_calls", 0, 100_000
+        ),
+        "max_cost": v.int_in_range(conf.max_cost if max_cost is None else max_cost, "max_cost", 0, 2**62),
+        "max_attempts": v.int_in_range(
+            conf.max_attempts if max_attempts is None else max_attempts, "max_attempts", 1, 100
+        ),
+        "timeout_seconds": None
+        if timeout_seconds is None
+        else v.int_in_range(timeout_seconds, "timeout_seconds", 1, MAX_TIMEOUT_SECONDS),
+    }
+
+
+def accept_delivery(
+    lease: Lease,
+    *,
+    input: dict[str, Any] | None = None,
+    shadow: bool = False,
+    max_tool_calls: int | None = None,
+    max_cost: int | None = None,
+    max_attempts: int | None = None,
+    timeout_seconds: int | None = None,
+) -> Accepted | AlreadyTerminal | LeaseLost:
+    """Settle the delivery held by ``lease`` (the core's :class:`~buzz_delivery.services.Lease`)
+    ``finished`` through :func:`~buzz_delivery.services.finish_delivery` and create its agent
+    run, ``pending``, in one transaction: never a settled delivery without its run, never a run
+    for a delivery the caller no longer holds. The run's input is the message (``content``,
+    ids) merged with ``input``; budgets ``max_tool_calls`` (0..100000 entries), ``max_cost``
+    (cost units), ``max_attempts`` (1..100), ``timeout_seconds`` (1..30 days, absolute deadline
+    from now, database clock) default to ``BUZZ_AGENTS``; ``shadow`` blocks destructive calls.
+
+    Returns :class:`Accepted` (the run id), ``AlreadyTerminal(status)`` (the delivery was settled
+    before: the true holder's retry) or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``,
+    ``input`` or a budget name before SQL; inside a caller's transaction, a community that is
+    no longer active raises ``CommunityNotWritable`` (as ``finish_delivery`` does). SPEC 12 "Start".
+    """
+    if not isinstance(lease, Lease):
+        raise v.invalid("lease", f"must be a delivery Lease, not {type(lease).__name__}")
+    extra = {} if input is None else input
+    if not isinstance(extra, dict):
+        raise v.invalid("input", f"must be a dict, not {type(extra).__name__}")
+    params = {
+        **_budget_params(
+            shadow=shadow,
+            max_tool_calls=max_tool_calls,
+            max_cost=max_cost,
+            max_attempts=max_attempts,
+            timeout_seconds=timeout_seconds,
+        ),
+        "input": json_value(extra, "input", MAX_INPUT_BYTES),
+        "id": new_uuid7(),
+        "community_id": lease.community_id,
+        "delivery_id": lease.delivery_id,
+    }
+    with transaction.atomic(), translated_errors():
+        outcome = finish_delivery(lease, "finished")
+        if not isinstance(outcome, Settled):
+            return outcome
+        fetch_all(sql.INSERT_RUN_FROM_DELIVERY, {**params, "input_hash": b"\0" * 32})
+        run = AgentRun.objects.select_for_update().get(community_id=lease.community_id, delivery_id=lease.delivery_id)
+        run.input_hash = sha256_json(run.input)
+        AgentRun.objects.filter(community_id=run.community_id, id=run.id).update(input_hash=run.input_hash)
+    return Accepted(run.id)
+
+
+def intake_event(
+    community_id: uuid.UUID | str,
+    channel_type: str,
+    provider_event_id: str,
+    payload: Any,
+    agent_pubkey: bytes,
+    *,
+    shadow: bool = False,
+    max_tool_calls: int | None = None,
+    max_cost: int | None = None,
+    max_attempts: int | None = None,
+    timeout_seconds: int | None = None,
+) -> Created | Duplicate | IdempotencyConflict:
+    """Start a run for ``agent_pubkey`` (32 bytes) from an inbound channel event, once per
+    (community, ``channel_type`` 1..64 chars, ``provider_event_id`` 1..200 chars). ``payload``
+    (JSON) becomes the run input; its SHA-256 tells a retry from a conflict. Safe under
+    concurrent calls: the key is inserted first (``ON CONFLICT DO NOTHING``, judged by the rows
+    it returns) and only its winner creates the run, in the same transaction.
+
+    Returns :class:`Created`, :class:`Duplicate` (same key and payload) or
+    :class:`IdempotencyConflict` (same key, another payload; nothing written). Raises
+    ``ValidationError`` keyed by the argument before SQL; ``CommunityNotWritable`` when the
+    community is not active. SPEC 12 "Start".
+    """
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "channel_type": _key_text(channel_type, "channel_type", 64),
+        "provider_event_id": _key_text(provider_event_id, "provider_event_id", 200),
+        "agent_pubkey": v.bytes32(agent_pubkey, "agent_pubkey"),
+        "input": json_value(payload, "payload", MAX_INPUT_BYTES),
+        **_budget_params(
+            shadow=shadow,
+            max_tool_calls=max_tool_calls,
+            max_cost=max_cost,
+            max_attempts=max_attempts,
+            timeout_seconds=timeout_seconds,
+        ),
+    }
+    params.update(id=new_uuid7(), key_id=new_uuid7(), payload_hash=sha256_json(payload))
+    params["input_hash"] = params["payload_hash"]
+    with transaction.atomic(), translated_errors():
+        won = fetch_all(sql.INSERT_INTAKE_KEY, params)
+        if won:
+            fetch_all(sql.INSERT_RUN_FROM_INTAKE, params)
+            return Created(params["id"])
+        run_id, payload_hash = fetch_all(sql.INTAKE_KEY, params)[0]
+    if bytes(payload_hash) == params["payload_hash"]:
+        return Duplicate(run_id)
+    return IdempotencyConflict(run_id)
+
+
+def _key_text(value: Any, name: str, max_chars: int) -> str:
+    text = v.optional_text(value, name, max_chars)
+    if text is None or not text.strip():
+        raise v.invalid(name, "must be a non-blank string")
+    return text
+
+
+def _worker(value: Any) -> str:
+    text = v.optional_text(value, "worker_id", 200)
+    if text is None or not text.strip():
+        raise v.invalid("worker_id", "must name the worker (1..200 characters)")
+    return text
+
+
+def claim_agent_runs(
+    community_id: uuid.UUID | str,
+    agent_pubkeys: list[bytes],
+    *,
+    worker_id: str,
+    limit: int = 1,
+    lease_seconds: float | None = None,
+) -> list[AgentClaim]:
+    """Claim up to ``limit`` (1..100) pending runs of one community addressed to one of
+    ``agent_pubkeys`` (32 bytes each), oldest first, past their backoff gate, with
+    ``FOR UPDATE SKIP LOCKED``. Each winner: ``running``, generation + 1, lease
+    ``lease_seconds`` (default ``BUZZ_AGENTS['LEASE_SECONDS']``, within the core's lease bounds)
+    from the database clock, ``heartbeat_at`` now, ``worker_id`` recorded. A community that is
+    not active has nothing claimable. Raises ``ValidationError`` keyed by the argument before SQL.
+    SPEC 12 "States"."""
+    if not isinstance(agent_pubkeys, (list, tuple)) or not agent_pubkeys:
+        raise v.invalid("agent_pubkeys", "must be a non-empty list of 32-byte keys")
+    community = v.uuid_value(community_id, "community_id")
+    worker = _worker(worker_id)
+    params = {
+        "community_id": community,
+        "agents": [v.bytes32(k, f"agent_pubkeys[{i}]") for i, k in enumerate(agent_pubkeys)],
+        "worker_id": worker,
+        "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
+        "lease_seconds": v.lease_seconds(get_settings().lease_seconds if lease_seconds is None else lease_seconds),
+    }
+    with transaction.atomic(), translated_errors():
+        rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
+        runs = {r.id: r for r in AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows])}
+    return [
+        AgentClaim(AgentLease(community, run_id, generation, until, worker), runs[run_id])
+        for run_id, generation, until in rows
+    ]
+
+
+def heartbeat(lease: AgentLease, lease_seconds: float | None = None) -> Renewed | AlreadyTerminal | LeaseLost:
+    """Renew the holder's lease by ``lease_seconds`` from now (database clock) and record
+    ``heartbeat_at``; never bumps the generation. Returns :class:`Renewed`, ``AlreadyTerminal``
+    or ``LeaseLost`` (``reason="cancelled"`` when a cancel fenced this holder). SPEC 12."""
+    params = lease_params(
+        lease,
+        lease_seconds=v.lease_seconds(get_settings().lease_seconds if lease_seconds is None else lease_seconds),
+    )
+    with translated_errors():
+        rows = fetch_all(sql.HEARTBEAT_IF_CURRENT, params)
+        if rows:
+            return Renewed(
+                AgentLease(lease.community_id, lease.run_id, lease.lease_generation, rows[0][0], lease.worker_id)
+            )
+        return missed(params)
+
+
+def complete_run(lease: AgentLease, output: Any) -> Finished | AlreadyTerminal | LeaseLost:
+    """End the run ``completed`` with ``output`` (JSON, at most ``MAX_OUTPUT_BYTES``; its
+    SHA-256 recorded), releasing the lease. Refused (``LeaseLost``) while the run is unwinding.
+    In the same transaction a workflow step awaiting this run counts it (migration 0002).
+    Returns :class:`Finished`, ``AlreadyTerminal`` (the true holder's retry) or ``LeaseLost``.
+    Raises ``ValidationError`` keyed ``lease`` or ``output`` before SQL. SPEC 12."""
+    params = lease_params(
+        lease, output=json_value(output, "output", get_settings().max_output_bytes), output_hash=sha256_json(output)
+    )
+    with transaction.atomic(), translated_errors():
+        rows = fetch_all(sql.COMPLETE_IF_CURRENT, params)
+        if rows:
+            return Finished("completed")
+        return missed(params)
+
+
+def fail_run(
+    lease: AgentLease, failure_code: str, failure_message: str | None = None
+) -> Finished | Unwinding | AlreadyTerminal | LeaseLost:
+    """Fail the run. With succeeded (or uncertain) calls that carry a compensation not yet
+    undone, and none whose compensation failed, the run is marked ``unwinding`` (lease kept) and
+    :class:`Unwinding` lists the entries to compensate, highest ``seq`` first; call again once
+    they are done (or one failed). Otherwise the run ends ``failed`` (the first failure code
+    recorded wins) and :class:`Finished` is returned. ``failure_code``: 1..64 characters.
+    Raises ``ValidationError`` keyed ``lease``, ``failure_code`` or ``failure_message``. SPEC 12."""
+    code = v.optional_text(failure_code, "failure_code", 64)
+    if not code or not code.strip():
+        raise v.invalid("failure_code", "must be 1..64 characters")
+    params = lease_params(
+        lease, failure_code=code, failure_message=v.optional_text(failure_message, "failure_message", 10_000)
+    )
+    with transaction.atomic(), translated_errors():
+        if fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params):
+            return Finished("failed")
+        if fetch_all(sql.MARK_UNWINDING_IF_CURRENT, params):
+            return Unwinding(tuple(row[0] for row in fetch_all(sql.OUTSTANDING_SEQS, params)))
+        return missed(params)
+
+
+def cancel_agent_run(
+    community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, reason: str | None = None
+) -> Cancelled | AlreadyTerminal | NotFound:
+    """Cancel a run in one transaction: its pending approval expired, the run ``cancelled``
+    with generation + 1 (its holder learns it at its next heartbeat, journal or complete, all
+    refused). Compensations are not run. Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
+    or :class:`NotFound`. Raises ``ValidationError`` keyed by the argument before SQL;
+    ``CommunityNotWritable`` when the community is not active. SPEC 12 "States"."""
+    run = v.uuid_value(run_id, "run_id")
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "run_id": run,
+        "reason": v.optional_text(reason, "reason", 10_000),
+    }
+    with transaction.atomic(), translated_errors():
+        fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
+        if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
+            return Cancelled(run)
+        rows = fetch_all(sql.RUN_AT, {**params})
+    if not rows:
+        return NotFound()
+    state, *_, active = rows[0]
+    if not active:
+        raise CommunityNotWritable(f"community {params['community_id']} is not active; its runs cannot be cancelled")
+    return AlreadyTerminal(state)
+
+
+def get_agent_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> AgentRun | None:
+    """Scoped read of one run (None if absent)."""
+    return AgentRun.objects.filter(
+        community_id=v.uuid_value(community_id, "community_id"), id=v.uuid_value(run_id, "run_id")
+    ).first()

@@ -1,0 +1,251 @@
+"""Every statement of the agent runs that changes state, named for its guard (SPEC 12, 15).
+
+All times come from the database clock (``buzz_delivery_now()``); no CASE/COALESCE holds a clock
+or interval expression and no SET applies a STABLE function to a column: intervals come from
+bind parameters. Every UPDATE names ``community_id`` in its own WHERE, and every holder
+transition checks the whole fence inside the statement: generation, holder (``worker_id``),
+a leased state, ``lease_until >= now`` and the community ``active``.
+"""
+
+from __future__ import annotations
+
+from buzz_delivery.services.sql import DB_NOW
+
+RUN = "buzz_agents_run"
+JOURNAL = "buzz_agents_journal"
+INTAKE = "buzz_agents_intake_key"
+APPROVAL = "buzz_workflows_approval"
+COMMUNITY = "buzz_delivery_community"
+DELIVERY = "buzz_delivery_delivery"
+EVENT = "buzz_delivery_event"
+
+ACTIVE = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active')"
+LEASE_END = f"{DB_NOW} + make_interval(secs => %(lease_seconds)s)"
+TERMINAL = "('completed', 'failed', 'cancelled', 'timeout')"
+CURRENT_RUN_LEASE = f"""
+    r.community_id = %(community_id)s
+    AND r.id = %(run_id)s
+    AND r.lease_generation = %(lease_generation)s
+    AND r.worker_id = %(worker_id)s
+    AND r.state IN ('running', 'waiting_tool')
+    AND r.lease_until >= {DB_NOW}
+    AND {ACTIVE}
+"""
+COMPENSABLE = "j.compensation IS NOT NULL AND (j.status = 'succeeded' OR (j.status = 'failed' AND j.uncertain))"
+
+INSERT_RUN_FROM_DELIVERY = f"""
+INSERT INTO {RUN} (id, community_id, agent_pubkey, state, unwinding, shadow, input, input_hash,
+                   delivery_id, source_run_id, source_step_key, lease_generation, attempts, max_attempts,
+                   timeout_at, max_tool_calls, tool_calls_used, max_cost, cost_used)
+SELECT %(id)s, d.community_id, d.target_pubkey, 'pending', false, %(shadow)s,
+       jsonb_build_object('content', e.content, 'delivery_id', d.id::text, 'step_id', d.step_id,
+                          'workflow_run_id', d.run_id::text, 'message_event_id', encode(d.message_event_id, 'hex'))
+           || %(input)s::jsonb,
+       %(input_hash)s, d.id, d.run_id, d.step_id, 0, 0, %(max_attempts)s,
+       {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0, %(max_cost)s, 0
+FROM {DELIVERY} AS d
+LEFT JOIN {EVENT} AS e ON e.community_id = d.community_id AND e.event_id = d.message_event_id
+WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+ON CONFLICT (community_id, delivery_id) WHERE delivery_id IS NOT NULL DO NOTHING
+RETURNING id
+"""
+
+RUN_OF_DELIVERY = f"SELECT id FROM {RUN} WHERE community_id = %(community_id)s AND delivery_id = %(delivery_id)s"
+
+INSERT_INTAKE_KEY = f"""
+INSERT INTO {INTAKE} (id, community_id, channel_type, provider_event_id, payload_hash, run_id)
+VALUES (%(key_id)s, %(community_id)s, %(channel_type)s, %(provider_event_id)s, %(payload_hash)s, %(id)s)
+ON CONFLICT (community_id, channel_type, provider_event_id) DO NOTHING
+RETURNING run_id
+"""
+INTAKE_KEY = f"""
+SELECT run_id, payload_hash FROM {INTAKE}
+WHERE community_id = %(community_id)s AND channel_type = %(channel_type)s AND provider_event_id = %(provider_event_id)s
+"""
+INSERT_RUN_FROM_INTAKE = f"""
+INSERT INTO {RUN} (id, community_id, agent_pubkey, state, unwinding, shadow, input, input_hash,
+                   lease_generation, attempts, max_attempts, timeout_at, max_tool_calls, tool_calls_used,
+                   max_cost, cost_used)
+VALUES (%(id)s, %(community_id)s, %(agent_pubkey)s, 'pending', false, %(shadow)s, %(input)s::jsonb, %(input_hash)s,
+        0, 0, %(max_attempts)s, {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0,
+        %(max_cost)s, 0)
+"""
+
+CLAIM_PENDING_RUNS = f"""
+WITH candidate AS MATERIALIZED (
+    SELECT r.id FROM {RUN} AS r
+    WHERE r.community_id = %(community_id)s
+      AND r.agent_pubkey = ANY(%(agents)s)
+      AND r.state = 'pending'
+      AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {DB_NOW})
+      AND {ACTIVE}
+    ORDER BY r.created_at, r.id
+    LIMIT %(limit)s
+    FOR UPDATE OF r SKIP LOCKED
+)
+UPDATE {RUN} AS r
+SET state = 'running', lease_generation = r.lease_generation + 1, lease_until = {LEASE_END},
+    claimed_at = {DB_NOW}, heartbeat_at = {DB_NOW}, worker_id = %(worker_id)s, next_attempt_at = NULL
+FROM candidate
+WHERE r.community_id = %(community_id)s AND r.id = candidate.id AND r.state = 'pending'
+RETURNING r.id, r.lease_generation, r.lease_until
+"""
+
+HEARTBEAT_IF_CURRENT = f"""
+UPDATE {RUN} AS r SET lease_until = {LEASE_END}, heartbeat_at = {DB_NOW}
+WHERE {CURRENT_RUN_LEASE}
+RETURNING r.lease_until
+"""
+
+RUN_AT = f"""
+SELECT r.state, r.lease_generation, r.worker_id, r.tool_calls_used, r.max_tool_calls, r.cost_used, r.max_cost,
+       r.unwinding, (r.lease_until >= {DB_NOW}) AS lease_current, {ACTIVE} AS active
+FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s
+"""
+
+# One fenced statement spends one journal slot (and the call's cost) within the budgets.
+SPEND_CALL_IF_CURRENT_AND_WITHIN_BUDGET = f"""
+UPDATE {RUN} AS r
+SET tool_calls_used = r.tool_calls_used + 1, cost_used = r.cost_used + %(cost)s,
+    state = CASE WHEN r.shadow AND %(destructive)s THEN 'running' ELSE 'waiting_tool' END
+WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding
+  AND r.tool_calls_used < r.max_tool_calls AND r.cost_used + %(cost)s <= r.max_cost
+RETURNING r.tool_calls_used, r.shadow
+"""
+
+_INSERT_JOURNAL_ENTRY = """
+INSERT INTO {JOURNAL} (id, community_id, run_id, seq, kind, tool_name, idempotency_key, input_hash, args, cost,
+                       destructive, compensation, status, uncertain, blocked_reason, error, finished_at,
+                       approval_id, generation)
+VALUES (%(entry_id)s, %(community_id)s, %(run_id)s, %(seq)s, %(kind)s, %(tool_name)s, %(idempotency_key)s,
+        %(input_hash)s, %(args)s::jsonb, %(cost)s, %(destructive)s, %(compensation)s::jsonb, %(status)s, false,
+        %(blocked_reason)s, %(error)s, {finished_at}, %(approval_id)s, %(lease_generation)s)
+"""
+INSERT_PENDING_JOURNAL_ENTRY = _INSERT_JOURNAL_ENTRY.format(JOURNAL=JOURNAL, finished_at="NULL")
+INSERT_ANSWERED_JOURNAL_ENTRY = _INSERT_JOURNAL_ENTRY.format(JOURNAL=JOURNAL, finished_at=DB_NOW)
+
+RECORD_RESULT_IF_CURRENT = f"""
+WITH fenced AS (
+    UPDATE {RUN} AS r SET state = 'running'
+    WHERE {CURRENT_RUN_LEASE}
+    RETURNING r.id, r.lease_generation
+)
+UPDATE {JOURNAL} AS j
+SET status = %(status)s, uncertain = %(uncertain)s, output = %(output)s::jsonb, output_hash = %(output_hash)s,
+    error = %(error)s, latency_ms = %(latency_ms)s, result_generation = fenced.lease_generation,
+    finished_at = {DB_NOW}
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = %(seq)s AND j.status = 'pending'
+  AND j.kind = 'tool'
+RETURNING j.status
+"""
+
+ENTRY_STATUS = f"""
+SELECT j.status, j.compensation_status FROM {JOURNAL} AS j
+WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s AND j.seq = %(seq)s
+"""
+
+COMPLETE_IF_CURRENT = f"""
+UPDATE {RUN} AS r
+SET state = 'completed', output = %(output)s::jsonb, output_hash = %(output_hash)s, lease_until = NULL,
+    claimed_at = NULL, finished_at = {DB_NOW}
+WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding
+RETURNING r.state
+"""
+
+# Outstanding compensations of the run: compensable entries not yet compensated, unless one
+# already failed (a failed compensation stops the chain).
+OUTSTANDING = f"""
+    EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = r.community_id AND j.run_id = r.id
+            AND {COMPENSABLE} AND j.compensation_status IS DISTINCT FROM 'compensated')
+    AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = r.community_id AND j.run_id = r.id
+                    AND j.compensation_status = 'compensation_failed')
+"""
+
+FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO = f"""
+UPDATE {RUN} AS r
+SET state = 'failed', failure_code = coalesce(r.failure_code, %(failure_code)s),
+    failure_message = coalesce(r.failure_message, %(failure_message)s), lease_until = NULL, claimed_at = NULL,
+    finished_at = {DB_NOW}
+WHERE {CURRENT_RUN_LEASE} AND NOT ({OUTSTANDING})
+RETURNING r.state
+"""
+
+MARK_UNWINDING_IF_CURRENT = f"""
+UPDATE {RUN} AS r
+SET unwinding = true, state = 'running', failure_code = coalesce(r.failure_code, %(failure_code)s),
+    failure_message = coalesce(r.failure_message, %(failure_message)s)
+WHERE {CURRENT_RUN_LEASE}
+RETURNING r.id
+"""
+
+OUTSTANDING_SEQS = f"""
+SELECT j.seq FROM {JOURNAL} AS j
+WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s AND {COMPENSABLE}
+  AND j.compensation_status IS DISTINCT FROM 'compensated'
+ORDER BY j.seq DESC
+"""
+
+# Reverse order in the statement: only the highest compensable entry not yet compensated.
+BEGIN_COMPENSATION_IF_CURRENT_AND_LAST = f"""
+WITH fenced AS (
+    SELECT r.id, r.lease_generation FROM {RUN} AS r
+    WHERE {CURRENT_RUN_LEASE} AND r.unwinding
+    FOR NO KEY UPDATE
+)
+UPDATE {JOURNAL} AS j
+SET compensation_status = 'compensating', compensation_generation = fenced.lease_generation
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = %(seq)s AND {COMPENSABLE}
+  AND (j.compensation_status IS NULL OR j.compensation_status = 'compensating')
+  AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS k WHERE k.community_id = %(community_id)s AND k.run_id = fenced.id
+                  AND k.seq > j.seq AND k.compensation IS NOT NULL
+                  AND (k.status = 'succeeded' OR (k.status = 'failed' AND k.uncertain))
+                  AND k.compensation_status IS DISTINCT FROM 'compensated')
+RETURNING j.compensation, j.args, j.output, j.idempotency_key
+"""
+
+FINISH_COMPENSATION_IF_CURRENT = f"""
+WITH fenced AS (
+    SELECT r.id, r.lease_generation FROM {RUN} AS r
+    WHERE {CURRENT_RUN_LEASE} AND r.unwinding
+    FOR NO KEY UPDATE
+)
+UPDATE {JOURNAL} AS j
+SET compensation_status = %(compensation_status)s, compensation_error = %(error)s,
+    compensation_generation = fenced.lease_generation, compensated_at = {DB_NOW}
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = %(seq)s
+  AND j.compensation_status = 'compensating'
+RETURNING j.compensation_status
+"""
+
+PARK_FOR_APPROVAL_IF_CURRENT = f"""
+UPDATE {RUN} AS r
+SET state = 'waiting_approval', approval_id = %(approval_id)s, tool_calls_used = r.tool_calls_used + 1,
+    lease_until = NULL, claimed_at = NULL
+WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding AND r.tool_calls_used < r.max_tool_calls
+RETURNING r.tool_calls_used
+"""
+
+INSERT_AGENT_APPROVAL = f"""
+INSERT INTO {APPROVAL} (id, community_id, run_id, step_id, step_generation, state, prompt, requested_at, deadline_at)
+VALUES (%(approval_id)s, %(community_id)s, NULL, NULL, NULL, 'pending', %(prompt)s, {DB_NOW},
+        {DB_NOW} + make_interval(secs => %(deadline_seconds)s))
+"""
+
+EXPIRE_APPROVAL_OF_RUN = f"""
+UPDATE {APPROVAL} AS a SET state = 'expired', closed_at = {DB_NOW}
+WHERE a.community_id = %(community_id)s AND a.state = 'pending' AND a.step_id IS NULL AND {ACTIVE}
+  AND a.id = (SELECT r.approval_id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s
+              AND r.state = 'waiting_approval')
+RETURNING a.id
+"""
+
+CANCEL_IF_NOT_TERMINAL = f"""
+UPDATE {RUN} AS r
+SET state = 'cancelled', lease_generation = r.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+    unwinding = false, failure_code = 'cancelled', failure_message = %(reason)s, finished_at = {DB_NOW}
+WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s AND r.state NOT IN {TERMINAL} AND {ACTIVE}
+RETURNING r.id
+"""

@@ -1,0 +1,122 @@
+"""Agent handlers and tools of the agent tests, run in-process or by ``run_agent_worker``
+subprocesses. Side effects go to an append-only ledger file (``AGENT_LEDGER``), which survives a
+SIGKILL, so a test can count how often each call and compensation really happened.
+``AGENT_KILL``: ``<point>:<n>`` kills the process (SIGKILL) at that point of call ``n``, once
+(a marker file next to the ledger stops the next worker from dying there too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from buzz_delivery.agents.runtime import NOT_MADE
+
+
+def _ledger() -> Path:
+    return Path(os.environ["AGENT_LEDGER"])
+
+
+def ledger_lines() -> list[str]:
+    path = _ledger()
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _write(line: str) -> None:
+    with open(_ledger(), "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _maybe_die(point: str, n: int) -> None:
+    if os.environ.get("AGENT_KILL") != f"{point}:{n}":
+        return
+    marker = _ledger().with_suffix(".killed")
+    if marker.exists():
+        return
+    marker.write_text(point)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def effect(args: dict, key: str) -> dict:
+    """A tool whose effect is a ledger line ``call <key>`` (idempotent by key)."""
+    n = args["n"]
+    _maybe_die("inside_before_effect", n)
+    if f"call {key}" not in ledger_lines():
+        _write(f"call {key}")
+    _maybe_die("inside_after_effect", n)
+    return {"n": n}
+
+
+def reconcile(args: dict, key: str):
+    """Ask the 'tool' whether the call with this key happened."""
+    return {"n": args["n"]} if f"call {key}" in ledger_lines() else NOT_MADE
+
+
+def undo(args: dict, output, key: str) -> None:
+    """Compensation: a ledger line ``undo <key>``, once per key (idempotent)."""
+    if f"undo {key}" not in ledger_lines():
+        _write(f"undo {key}")
+    _maybe_die("undo", args["n"])
+
+
+def broken_undo(args: dict, output, key: str) -> None:
+    raise RuntimeError("the refund API is down")
+
+
+def three_calls(ctx):
+    total = 0
+    for n in (1, 2, 3):
+        _maybe_die("before", n)
+        total += ctx.call("effect", effect, {"n": n}, compensate=undo, reconcile=reconcile)["n"]
+        _maybe_die("after", n)
+    return {"sum": total, "agent": "three_calls"}
+
+
+def three_calls_no_reconcile(ctx):
+    total = 0
+    for n in (1, 2, 3):
+        total += ctx.call("effect", effect, {"n": n}, compensate=undo)["n"]
+    return {"sum": total}
+
+
+def four_calls_fail(ctx):
+    for n in (1, 2, 3):
+        ctx.call("effect", effect, {"n": n}, compensate=undo, reconcile=reconcile)
+    ctx.call("explode", _explode, {"n": 4})
+    return {"never": True}
+
+
+def _explode(args: dict, key: str) -> dict:
+    raise RuntimeError("call 4 failed")
+
+
+def approve_then_call(ctx):
+    first = ctx.call("effect", effect, {"n": 1}, compensate=undo, reconcile=reconcile)
+    decision = ctx.request_approval("may I?", 600)
+    _write(f"resumed {ctx.run.id}")
+    if decision["decision"] != "approved":
+        return {"decision": decision["decision"]}
+    second = ctx.call("effect", effect, {"n": 2}, compensate=undo, reconcile=reconcile)
+    return {"decision": "approved", "calls": [first["n"], second["n"]]}
+
+
+def noop_three(ctx):
+    for n in (1, 2, 3):
+        ctx.call("noop", _noop, {"n": n})
+    return {"ok": True}
+
+
+def _noop(args: dict, key: str) -> dict:
+    return args
+
+
+def by_agent(ctx):
+    """Dispatch on the run's input ``mode`` (the end-to-end test's three agents)."""
+    mode = ctx.input.get("mode") or os.environ.get("AGENT_MODE_" + bytes(ctx.run.agent_pubkey).hex()[:8], "calls")
+    if mode == "approval":
+        return approve_then_call(ctx)
+    if mode == "fail":
+        return four_calls_fail(ctx)
+    return three_calls(ctx)

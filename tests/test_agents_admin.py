@@ -1,0 +1,71 @@
+"""The agent runs' admin (SPEC 12): read-only pages, the journal timeline, the cancel action
+behind its own permission, agent approvals in the engine's queue."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.urls import reverse
+
+from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.runtime import run_claim
+from buzz_delivery.agents.services import claim_agent_runs
+from tests import agent_handlers as h
+from tests.agents_support import AGENT, new_run
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def ledger(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_LEDGER", str(tmp_path / "ledger.txt"))
+    monkeypatch.delenv("AGENT_KILL", raising=False)
+
+
+def client_with(*perms: str) -> Client:
+    user = User.objects.create_user(f"u{User.objects.count()}", is_staff=True)
+    for app, codename in (("buzz_agents", "view_agentrun"), ("buzz_workflows", "view_approval"), *perms):
+        user.user_permissions.add(Permission.objects.get(content_type__app_label=app, codename=codename))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_a_run_page_shows_its_journal_as_a_timeline_with_compensations(community):
+    run_id = new_run(community.id)
+    (claim,) = claim_agent_runs(community.id, [AGENT], worker_id="w")
+    run_claim(claim, h.four_calls_fail)
+    client = client_with()
+    listing = client.get(reverse("admin:buzz_agents_agentrun_changelist"))
+    assert listing.status_code == 200
+    assert reverse("admin:buzz_agents_agentrun_add").encode() not in listing.content
+    html = client.get(reverse("admin:buzz_agents_agentrun_change", args=[run_id])).content.decode()
+    assert "call effect" in html and "call explode" in html
+    assert html.count("compensation: compensated") == 3
+    assert "result: failed" in html
+
+
+def test_agent_approvals_are_listed_in_the_engine_queue(community):
+    run_id = new_run(community.id)
+    (claim,) = claim_agent_runs(community.id, [AGENT], worker_id="w")
+    assert run_claim(claim, h.approve_then_call) == "parked"
+    client = client_with()
+    assert client.get(reverse("admin:buzz_workflows_approval_changelist")).status_code == 200
+    approval = AgentRun.objects.get(id=run_id).approval_id
+    assert client.get(reverse("admin:buzz_workflows_approval_change", args=[approval])).status_code == 200
+    html = client.get(reverse("admin:buzz_agents_agentrun_change", args=[run_id])).content.decode()
+    assert "approval requested" in html
+
+
+def test_cancel_needs_its_own_permission_and_goes_through_the_service(community):
+    run_id = new_run(community.id)
+    url = reverse("admin:buzz_agents_agentrun_changelist")
+    data = {"action": "cancel_runs", "_selected_action": [str(run_id)]}
+    client_with().post(url, data)
+    assert AgentRun.objects.get(id=run_id).state == "pending"
+    response = client_with(("buzz_agents", "cancel_agent_run")).post(url, data, follow=True)
+    assert AgentRun.objects.get(id=run_id).state == "cancelled"
+    again = client_with(("buzz_agents", "cancel_agent_run")).post(url, data, follow=True)
+    assert any("already cancelled" in str(m) for m in again.context["messages"])
+    assert response.status_code == 200

@@ -1,0 +1,157 @@
+"""Back to the workflow (SPEC 11 "send_message", SPEC 12): a ``send_message`` step with
+``await: agent_run`` ends when the agent runs started from its deliveries are terminal, counted in
+the transaction that ended each, with their outputs keyed by target hex as its output."""
+
+from __future__ import annotations
+
+import pytest
+
+from buzz_delivery import services as core
+from buzz_delivery.agents.models import AgentRun, JournalEntry, StepWait
+from buzz_delivery.agents.runtime import run_claim
+from buzz_delivery.agents.services import Accepted, accept_delivery, cancel_agent_run, claim_agent_runs
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import WorkflowFactory, random32
+from buzz_delivery.workflows.models import Step
+from buzz_delivery.workflows.services import cancel_run, decide_approval, get_run
+from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
+from tests import agent_handlers as h
+from tests.wf_support import run_state, start, states
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def ledger(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_LEDGER", str(tmp_path / "ledger.txt"))
+    monkeypatch.delenv("AGENT_KILL", raising=False)
+
+
+@pytest.fixture
+def workflow(community):
+    return WorkflowFactory(community=community)
+
+
+def accept_all(run, modes):
+    """Each target's agent accepts its delivery (input ``mode`` picks its behaviour)."""
+    accepted = {}
+    for d in WorkflowAgentDelivery.objects.filter(run_id=run.pk):
+        target = bytes(d.target_pubkey)
+        claim = core.claim_delivery(d.community_id, target, delivery_id=d.id, lease_seconds=30)
+        outcome = accept_delivery(claim.lease, input={"mode": modes[target]})
+        assert isinstance(outcome, Accepted)
+        accepted[target] = outcome.run_id
+    return accepted
+
+
+def work(community, agents):
+    """Run every claimable agent run once; returns the results."""
+    results = []
+    for agent in agents:
+        for claim in claim_agent_runs(community.id, [agent], worker_id="w", limit=10):
+            results.append(run_claim(claim, h.by_agent))
+    return results
+
+
+def test_a_workflow_awaits_its_agents_calls_approval_and_compensation_and_gets_their_outputs(workflow):
+    calls, approver, failer = random32(), random32(), random32()
+    modes = {calls: "calls", approver: "approval", failer: "fail"}
+    run = start(
+        workflow,
+        {
+            "steps": [
+                send_step("ask", [calls, approver, failer], content="do it", **{"await": "agent_run"},
+                          tolerate_failures=1),
+                function_step("after", depends_on=["ask"]),
+            ]
+        },
+    )  # fmt: skip
+    run_until_idle(workflow.community_id)
+    agent_runs = accept_all(run, modes)
+    step = Step.objects.get(run_id=run.pk, key="ask")
+    assert step.state == "waiting"  # the deliveries are finished, but the agents have not run
+    assert StepWait.objects.get(step_id=step.id).done == 0
+    assert sorted(work(workflow.community, [calls, approver, failer])) == ["compensated", "completed", "parked"]
+    assert Step.objects.get(pk=step.pk).state == "waiting"  # the approver is still out
+    approval_id = AgentRun.objects.get(id=agent_runs[approver]).approval_id
+    decide_approval(workflow.community_id, approval_id, "approved", "alice")
+    assert work(workflow.community, [approver]) == ["completed"]
+    step.refresh_from_db()
+    assert step.state == "succeeded"
+    assert step.output[calls.hex()] == {"sum": 6, "agent": "three_calls"}
+    assert step.output[approver.hex()] == {"decision": "approved", "calls": [1, 2]}
+    assert step.output[failer.hex()] == {"state": "failed", "failure_code": "tool_call_failed"}
+    undone = JournalEntry.objects.filter(run_id=agent_runs[failer], compensation_status="compensated")
+    assert sorted(undone.values_list("seq", flat=True)) == [1, 2, 3]
+    run_until_idle(workflow.community_id)
+    assert states(run) == {"ask": "succeeded", "after": "succeeded"}
+    assert run_state(run) == "succeeded"
+
+
+def test_more_failed_agent_runs_than_tolerated_fail_the_step(workflow):
+    a, b = random32(), random32()
+    run = start(workflow, {"steps": [send_step("ask", [a, b], **{"await": "agent_run"})]})
+    run_until_idle(workflow.community_id)
+    accepted = accept_all(run, {a: "calls", b: "calls"})
+    assert cancel_agent_run(workflow.community_id, accepted[b], reason="no") is not None
+    assert Step.objects.get(run_id=run.pk, key="ask").state == "waiting"
+    work(workflow.community, [a])
+    step = Step.objects.get(run_id=run.pk, key="ask")
+    assert (step.state, step.failure_code) == ("failed", "agent_runs_failed")
+    assert step.output[b.hex()] == {"state": "cancelled", "failure_code": "cancelled"}
+    assert run_state(run) == "failed"
+
+
+def test_a_delivery_that_fails_before_any_agent_accepts_it_counts_as_a_failed_agent_run(workflow):
+    a, b = random32(), random32()
+    run = start(workflow, {"steps": [send_step("ask", [a, b], **{"await": "agent_run"}, tolerate_failures=1)]})
+    run_until_idle(workflow.community_id)
+    deliveries = {bytes(d.target_pubkey): d for d in WorkflowAgentDelivery.objects.filter(run_id=run.pk)}
+    claim = core.claim_delivery(workflow.community_id, b, delivery_id=deliveries[b].id, lease_seconds=30)
+    core.finish_delivery(claim.lease, "failed", failure_code="agent_refused")
+    claim = core.claim_delivery(workflow.community_id, a, delivery_id=deliveries[a].id, lease_seconds=30)
+    accept_delivery(claim.lease, input={"mode": "calls"})
+    assert Step.objects.get(run_id=run.pk, key="ask").state == "waiting"
+    work(workflow.community, [a])
+    step = Step.objects.get(run_id=run.pk, key="ask")
+    assert step.state == "succeeded"
+    assert step.output[b.hex()] == {"state": "delivery_failed", "failure_code": "agent_refused"}
+
+
+def test_await_delivered_steps_are_untouched_by_the_agents_app(workflow):
+    a = random32()
+    run = start(workflow, {"steps": [send_step("ask", [a])]})
+    run_until_idle(workflow.community_id)
+    d = WorkflowAgentDelivery.objects.get(run_id=run.pk)
+    claim = core.claim_delivery(workflow.community_id, a, delivery_id=d.id, lease_seconds=30)
+    accept_delivery(claim.lease)
+    assert not StepWait.objects.exists()
+    assert Step.objects.get(run_id=run.pk, key="ask").state == "succeeded"
+
+
+def test_cancelling_the_workflow_run_cancels_its_agent_runs(workflow):
+    a = random32()
+    run = start(workflow, {"steps": [send_step("ask", [a], **{"await": "agent_run"})]})
+    run_until_idle(workflow.community_id)
+    accepted = accept_all(run, {a: "calls"})
+    (claim,) = claim_agent_runs(workflow.community_id, [a], worker_id="w")
+    cancel_run(workflow.community_id, run.pk)
+    agent_run = AgentRun.objects.get(id=accepted[a])
+    assert (agent_run.state, agent_run.failure_code) == ("cancelled", "workflow_canceled")
+    assert agent_run.lease_generation == claim.lease.lease_generation + 1
+    assert get_run(workflow.community_id, run.pk).state == "canceled"
+
+
+def test_await_agent_run_is_refused_by_name_when_the_agents_app_is_not_installed(monkeypatch):
+    from django.apps import apps
+    from django.core.exceptions import ValidationError
+
+    from buzz_delivery.workflows.definition import validate_definition
+
+    definition = {"steps": [send_step("s", [random32()], **{"await": "agent_run"})]}
+    assert validate_definition(definition)["steps"][0]["await"] == "agent_run"
+    real = apps.is_installed
+    monkeypatch.setattr(apps, "is_installed", lambda name: name != "buzz_delivery.agents" and real(name))
+    with pytest.raises(ValidationError) as info:
+        validate_definition(definition)
+    assert list(info.value.message_dict) == ["steps[0].await"]
