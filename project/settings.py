@@ -35,6 +35,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "pgtrigger",
     "buzz_delivery",
+    "buzz_delivery.gateway",
     "project.demo",
 ]
 
