@@ -108,6 +108,45 @@ SCHEMAS: dict[str, Any] = {
     "MeResponse": _obj({"pubkey": HEX64, "communities": {"type": "array", "items": UUID}}),
 }
 
+_C, _D, _T = "0193a5a0-0000-7000-8000-00000000000c", "0193a5a0-0000-7000-8000-00000000000d", "2026-12-01T12:00:00Z"
+_LEASE = {"community_id": _C, "delivery_id": _D, "lease_generation": 1, "lease_until": "2026-12-01T12:01:00Z"}
+_DELIVERY = {
+    "id": _D, "community_id": _C, "workflow_id": "0193a5a0-0000-7000-8000-000000000001",
+    "run_id": "0193a5a0-0000-7000-8000-000000000002", "step_id": "send_message", "target_pubkey": "ab" * 32,
+    "definition_event_id": "cd" * 32, "message_event_id": "ef" * 32,
+    "cause": {"kind": "webhook", "value": "6f1c2d3e-0000-4000-8000-000000000000"}, "status": "claimed",
+    "attempt": 1, "max_attempts": 3, "lease_generation": 1, "created_at": _T, "claimed_at": _T,
+    "lease_until": "2026-12-01T12:01:00Z", "finished_at": None, "expires_at": None, "failure_code": None,
+    "failure_message": None,
+    "message": {"event_id": "ef" * 32, "kind": 1, "pubkey": "12" * 32, "created_at": _T, "content": "hello",
+                "tags": [["p", "ab" * 32]]},
+}  # fmt: skip
+# One example per schema; the tests validate each against its schema.
+EXAMPLES: dict[str, Any] = {
+    "ClaimRequest": {"limit": 10, "wait_seconds": 20, "lease_seconds": 60},
+    "RenewRequest": {"lease_generation": 1, "lease_seconds": 60},
+    "FinishRequest": {
+        "lease_generation": 1,
+        "outcome": "failed",
+        "failure_code": "BadPayload",
+        "failure_message": "no",
+    },
+    "ClaimResponse": {"claims": [{"delivery": _DELIVERY, "lease": _LEASE}]},
+    "DeliveryResponse": {"delivery": _DELIVERY},
+    "RenewResponse": {"lease": _LEASE},
+    "FinishResponse": {"outcome": "settled", "status": "failed"},
+    "MeResponse": {"pubkey": "ab" * 32, "communities": [_C]},
+    "Delivery": _DELIVERY,
+    "Message": _DELIVERY["message"],
+    "Lease": _LEASE,
+    "Error": {"code": "bad_request", "message": "limit: must be within 1..100", "field": "limit"},
+}
+
+
+def _content(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(name), "example": EXAMPLES[name]}}
+
+
 PATH_PARAMS = [
     {"name": "community_id", "in": "path", "required": True, "schema": UUID},
     {"name": "delivery_id", "in": "path", "required": True, "schema": UUID},
@@ -125,10 +164,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
         "413": "body too large",
         "503": "database unavailable",
     }
-    return {
-        s: {"description": descriptions[s], "content": {"application/json": {"schema": _ref("Error")}}}
-        for s in statuses
-    }
+    return {s: {"description": descriptions[s], "content": _content("Error")} for s in statuses}
 
 
 def _operation(
@@ -139,14 +175,14 @@ def _operation(
         "summary": summary,
         "security": [{"nip98": []}],
         "responses": {
-            "200": {"description": "OK", "content": {"application/json": {"schema": _ref(response)}}},
+            "200": {"description": "OK", "content": _content(response)},
             **_errors(*sorted({*AUTH_ERRORS, *extra_errors})),
         },
     }
     if params:
         op["parameters"] = PATH_PARAMS
     if body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+        op["requestBody"] = {"required": True, "content": _content(body)}
     return op
 
 
