@@ -17,7 +17,7 @@ from buzz_delivery.gateway.client import GatewayHTTPError, RemoteLease
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import CommunityFactory, advance_to
 from tests.conftest import backdate_lease
-from tests.gateway.support import deliver, delivery_state, enroll, new_agent, row_counts
+from tests.gateway.support import deliver, delivery_state, enroll, new_agent, row_counts, start_server, stop_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -233,20 +233,30 @@ def test_a_body_over_the_limit_is_413_before_anything_is_read_or_written(gateway
     assert row_counts() == before
 
 
-def test_a_long_poll_claim_is_woken_by_the_commit_of_a_delivery_to_that_agent(gateway_server):
-    community = CommunityFactory()
-    agent = new_agent(gateway_server)
-    enroll(agent, community)
-    got: list = []
-    started = time.monotonic()
-    waiter = threading.Thread(target=lambda: got.extend(agent.claim(wait_seconds=8)))
-    waiter.start()
-    time.sleep(1.5)
-    assert got == [] and waiter.is_alive()
-    (delivery,) = deliver(community, agent.pubkey)
-    waiter.join(10)
-    assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
-    assert time.monotonic() - started < 7, "the claim waited out its whole wait instead of being woken"
+def test_a_long_poll_claim_is_woken_by_the_wake_hint_of_a_commit_to_that_agent(tmp_path):
+    # A server of its own that polls only every 30 s: within the 8 s wait only a hint can wake it.
+    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_POLL_SECONDS": "30"})
+    try:
+        community = CommunityFactory()
+        agent = new_agent(server)
+        enroll(agent, community)
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(agent.claim(wait_seconds=8)))
+        waiter.start()
+        time.sleep(1.5)
+        assert got == [] and waiter.is_alive()
+        other = new_agent(server)
+        enroll(other, community)
+        deliver(community, other.pubkey)  # a hint for another target does not end the wait
+        time.sleep(0.5)
+        assert got == [] and waiter.is_alive()
+        (delivery,) = deliver(community, agent.pubkey)
+        committed = time.monotonic()
+        waiter.join(10)
+        assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
+        assert time.monotonic() - committed < 5, "the claim was not woken by the wake hint"
+    finally:
+        stop_server(server)
 
 
 def test_a_long_poll_that_finds_nothing_returns_empty_after_its_wait(gateway_server):
