@@ -76,7 +76,9 @@ def clear(community_id) -> None:
 
 
 def start_gunicorn(url: str, port: int, log) -> subprocess.Popen:
-    env = {**os.environ, "DATABASE_URL": url, "PYTHONPATH": str(ROOT), "LOG_LEVEL": "WARNING"}
+    # Persistent connections (Django's CONN_MAX_AGE, from the URL): each gthread thread keeps its
+    # own instead of opening one per request.
+    env = {**os.environ, "DATABASE_URL": f"{url}?conn_max_age=60", "PYTHONPATH": str(ROOT), "LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "project.wsgi:application", "--worker-class", "gthread",
          "--workers", "2", "--threads", "32", "--bind", f"127.0.0.1:{port}", "--chdir", str(ROOT),

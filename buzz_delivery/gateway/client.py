@@ -239,7 +239,9 @@ class RemoteWorker:
                 self._add("lease_lost")
             else:
                 self._add(
-                    {"finished": "finished", "failed": "failed", "pending": "retried"}.get(result.status, "failed")
+                    {"finished": "finished", "failed": "failed", "pending": "retried"}.get(
+                        result.status or "", "failed"
+                    )
                 )
             logger.info("settled delivery=%s outcome=%s result=%s", delivery_id, outcome, result.outcome)
         finally:

@@ -20,7 +20,7 @@ def rfc3339(value: dt.datetime | None) -> str | None:
 def cause_of(d: WorkflowAgentDelivery) -> dict[str, str]:
     """``{"kind", "value"}``: the event id as hex, the schedule instant, or the invocation UUID."""
     if d.cause_kind == "event":
-        value = bytes(d.cause_event_id).hex()
+        value = bytes(d.cause_event_id or b"").hex()
     elif d.cause_kind == "schedule":
         value = rfc3339(d.cause_scheduled_for) or ""
     else:

@@ -10,6 +10,7 @@ communities. The time window is judged by the database clock (``buzz_delivery_no
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from django.db import connection
 
@@ -64,7 +65,7 @@ def record_event_id(event_id: bytes, pubkey: bytes, created_at: int, *, window_s
     ts = v.int_in_range(created_at, "created_at", 0, MAX_EVENT_TIMESTAMP)
     if isinstance(window_seconds, bool) or not isinstance(window_seconds, int | float) or not window_seconds > 0:
         raise v.invalid("window_seconds", f"must be a number of seconds > 0, got {window_seconds!r}")
-    params = {"event_id": eid, "pubkey": key, "created_at": ts, "window": float(window_seconds)}
+    params: dict[str, Any] = {"event_id": eid, "pubkey": key, "created_at": ts, "window": float(window_seconds)}
     with connection.cursor() as cursor:
         cursor.execute(ADMIT_IF_FRESH_AND_UNSEEN, params)
         fresh, admitted = cursor.fetchone()

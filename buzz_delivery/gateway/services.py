@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import connection, transaction
 
@@ -81,7 +82,7 @@ class Revoked:
     revoked: int
 
 
-def _one(statement: str, params: dict[str, object]) -> tuple | None:
+def _one(statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone()
