@@ -164,11 +164,15 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
     if not communities:
         raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
     limit, lease_seconds, wait = data["limit"], data["lease_seconds"], float(data["wait_seconds"])
-    claims = _claim_round(communities, pubkey, limit, lease_seconds)
-    if not claims and wait > 0:
+    if wait <= 0:
+        claims = _claim_round(communities, pubkey, limit, lease_seconds)
+    else:
         deadline = time.monotonic() + wait
         poll = get_settings().poll_seconds
+        # The waiter is registered before the first claim: a delivery committed between an empty
+        # claim and the sleep still sets the event, so the sleep ends at once.
         with hub.waiter(pubkey.hex()) as woken:
+            claims = _claim_round(communities, pubkey, limit, lease_seconds)
             while not claims and communities:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
