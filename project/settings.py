@@ -37,6 +37,7 @@ INSTALLED_APPS = [
     "buzz_delivery",
     "buzz_delivery.workflows",
     "buzz_delivery.agents",
+    "buzz_delivery.gateway",
     "project.demo",
 ]
 
@@ -90,6 +91,14 @@ STATIC_ROOT = BASE_DIR / "var" / "static"
 BUZZ_DELIVERY: dict[str, object] = {
     "MIN_LEASE_SECONDS": env.float("BUZZ_MIN_LEASE_SECONDS", default=15),
     "RETRY_BACKOFF_BASE_SECONDS": env.float("BUZZ_RETRY_BACKOFF_BASE_SECONDS", default=5),
+}
+# The agent gateway (buzz_delivery.gateway, mounted at /gateway/v1/); every key is optional.
+BUZZ_GATEWAY: dict[str, object] = {
+    "AUTH_WINDOW_SECONDS": env.float("BUZZ_GATEWAY_AUTH_WINDOW_SECONDS", default=60),
+    "MAX_BODY_BYTES": env.int("BUZZ_GATEWAY_MAX_BODY_BYTES", default=64 * 1024),
+    "MAX_WAIT_SECONDS": env.float("BUZZ_GATEWAY_MAX_WAIT_SECONDS", default=30),
+    "POLL_SECONDS": env.float("BUZZ_GATEWAY_POLL_SECONDS", default=1.0),
+    "PUBLIC_BASE_URL": env.str("BUZZ_GATEWAY_PUBLIC_BASE_URL", default="") or None,
 }
 # Workers connected through a transaction pooler hear no NOTIFY: give their LISTEN a direct URL.
 if env.str("BUZZ_LISTEN_DATABASE_URL", default=""):

@@ -151,7 +151,7 @@ class WorkflowRunAdmin(ReadOnlyAdmin):
 
     @admin.display(description="workflow")
     def workflow_name(self, obj: WorkflowRun) -> str:
-        return obj.workflow_name
+        return getattr(obj, "workflow_name", "")
 
     @admin.display(description="deliveries")
     def deliveries(self, obj: WorkflowRun) -> str:

@@ -59,7 +59,7 @@ _NAMED_CONSTRAINT = re.compile(r'violates (?:foreign key|unique|check) constrain
 _SQLSTATE_BY_MESSAGE = (
     ("(write fence)", FENCE_SQLSTATE),
     ("(states move forward one step at a time)", LIFECYCLE_SQLSTATE),
-    ("still holds rows; purge it", LIFECYCLE_SQLSTATE),
+    ("purge it before it becomes tombstone", LIFECYCLE_SQLSTATE),
     ("its binding and snapshots never change", HISTORY_SQLSTATE),
     ("lease_generation cannot go back", HISTORY_SQLSTATE),
 )

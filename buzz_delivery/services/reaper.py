@@ -97,7 +97,7 @@ def _reap_community(community: uuid.UUID, size: int, limit: int | None, tally: _
                 tally.busy.add(community)
                 return True
             for (status,) in rows:
-                tally.counts[status] += 1
+                tally.counts[str(status)] += 1
             if len(rows) < size:
                 break
     return True

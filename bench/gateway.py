@@ -1,0 +1,220 @@
+"""The gateway benchmark: deliveries per second through the HTTP gateway with K = 1 and 4 remote
+workers (``python -m buzz_delivery.gateway.client work``), next to the in-process worker
+(``manage.py run_delivery_worker``) in the same run, and the long-poll wake latency.
+
+Run: ``BENCH_GATEWAY_DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_gw .venv/bin/python -m bench.gateway``
+(the database is created and migrated if missing; its deliveries are deleted). Prints figures;
+asserts nothing. Everything talks to 127.0.0.1 only, and every loop is bounded.
+
+- Throughput: N deliveries committed for one agent in one community, then drained; the rate is
+  the deliveries settled divided by the span of their ``finished_at`` (database clock).
+- Wake latency: a long-poll claim waits on an empty inbox; the bench commits one delivery and
+  times commit-returned -> claim-response-received, ``LATENCY_SAMPLES`` times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/bench_gw"
+LATENCY_SAMPLES = 20
+
+
+def setup_django(url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+    subprocess.run(["createdb", "-h", "127.0.0.1", "-U", "postgres", name], capture_output=True)
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def commit(community, target: bytes, n: int) -> None:
+    from buzz_delivery import services
+    from buzz_delivery.testing import BindingFactory, EventFactory, WorkflowRunFactory
+
+    run, event = WorkflowRunFactory(community=community), EventFactory(community=community)
+    for start in range(0, n, 500):
+        bindings = [
+            BindingFactory.build(run=run, message_event=event, target_pubkey=target) for _ in range(min(500, n - start))
+        ]
+        services.commit_deliveries(community.id, event, bindings)
+
+
+def rate(community_id) -> tuple[int, float]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*), extract(epoch FROM max(finished_at) - min(finished_at)) FROM buzz_delivery_delivery"
+            " WHERE community_id = %s AND status = 'finished'",
+            [community_id],
+        )
+        count, span = cursor.fetchone()
+    return count, count / float(span or 1e-9)
+
+
+def clear(community_id) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM buzz_delivery_delivery WHERE community_id = %s", [community_id])
+
+
+def start_gunicorn(url: str, port: int, log) -> subprocess.Popen:
+    # Persistent connections (Django's CONN_MAX_AGE, from the URL): each gthread thread keeps its
+    # own instead of opening one per request.
+    env = {**os.environ, "DATABASE_URL": f"{url}?conn_max_age=60", "PYTHONPATH": str(ROOT), "LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "project.wsgi:application", "--worker-class", "gthread",
+         "--workers", "2", "--threads", "32", "--bind", f"127.0.0.1:{port}", "--chdir", str(ROOT),
+         "--no-control-socket"],
+        env=env, stdout=log, stderr=log,
+    )  # fmt: skip
+    import httpx
+
+    for _ in range(300):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/gateway/v1/openapi.json", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("gunicorn did not start")
+
+
+def drain(procs: list[subprocess.Popen], timeout: float = 600) -> float:
+    started = time.monotonic()
+    for proc in procs:
+        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
+    return time.monotonic() - started
+
+
+def remote_workers(base: str, key_file: Path, k: int, concurrency: int, tmp: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "buzz_delivery.gateway.client",
+                "work",
+                "--url",
+                base,
+                "--key-file",
+                str(key_file),
+                "--handler",
+                "bench.handlers:noop",
+                "--concurrency",
+                str(concurrency),
+                "--idle-exit",
+                "2",
+                "--wait-seconds",
+                "1",
+            ],
+            env=env,
+            stdout=open(tmp / f"remote-{k}-{i}.out", "w"),
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(k)
+    ]
+
+
+def local_worker(url: str, community_id, target: bytes, concurrency: int) -> subprocess.Popen:
+    env = {**os.environ, "DATABASE_URL": url, "LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "run_delivery_worker", "--community", str(community_id),
+         "--target", target.hex(), "--handler", "bench.handlers:noop", "--concurrency", str(concurrency),
+         "--poll-interval", "0.5", "--idle-exit", "2", "-v", "0"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def wake_latency(base: str, key: bytes, community, target: bytes) -> list[float]:
+    from buzz_delivery.gateway.client import GatewayClient
+
+    client = GatewayClient(base, key)
+    samples = []
+    for _ in range(LATENCY_SAMPLES):
+        got: dict[str, float] = {}
+
+        def wait(got: dict[str, float] = got) -> None:
+            client.claim(wait_seconds=10)
+            got["t"] = time.monotonic()
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)  # let the claim find the inbox empty and start waiting
+        commit(community, target, 1)
+        committed = time.monotonic()
+        waiter.join(15)
+        samples.append(got["t"] - committed)
+    client.close()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--count", type=int, default=3000, help="deliveries per throughput run (default 3000)")
+    parser.add_argument("--concurrency", type=int, default=8, help="handler threads per worker process")
+    args = parser.parse_args()
+    url = os.environ.get("BENCH_GATEWAY_DATABASE_URL", DEFAULT_URL)
+    setup_django(url)
+    from buzz_delivery.gateway import nip98, services
+    from buzz_delivery.testing import CommunityFactory
+
+    key = os.urandom(32)
+    target = nip98.public_key_of(key)
+    community = CommunityFactory()
+    services.enroll(community.id, target, enrolled_by="bench")
+    with tempfile.TemporaryDirectory(prefix="bench_gw_") as tmp_name:
+        tmp = Path(tmp_name)
+        key_file = tmp / "agent.key"
+        key_file.write_text(key.hex())
+        port = 18000 + os.getpid() % 1000
+        base = f"http://127.0.0.1:{port}/gateway/v1"
+        with open(tmp / "gunicorn.log", "w") as log:
+            server = start_gunicorn(url, port, log)
+            try:
+                n = args.concurrency
+                for label, start in (
+                    ("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)]),
+                    ("gateway remote worker K=1", lambda: remote_workers(base, key_file, 1, n, tmp)),
+                    ("gateway remote workers K=4", lambda: remote_workers(base, key_file, 4, n, tmp)),
+                ):
+                    clear(community.id)
+                    commit(community, target, args.count)
+                    wall = drain(start())
+                    settled, per_second = rate(community.id)
+                    print(f"{label:40s} settled={settled:6d} rate={per_second:8.0f}/s wall={wall:6.1f}s", flush=True)
+                clear(community.id)
+                samples = wake_latency(base, key, community, target)
+                ms = sorted(s * 1000 for s in samples)
+                print(
+                    f"long-poll wake latency (commit -> claim response), n={len(ms)}: "
+                    f"median={statistics.median(ms):.1f} ms p95={ms[int(0.95 * (len(ms) - 1))]:.1f} ms "
+                    f"max={ms[-1]:.1f} ms",
+                    flush=True,
+                )
+            finally:
+                server.terminate()
+                server.wait(15)
+    clear(community.id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""A small signing client of the gateway, and a remote delivery worker built on it.
+
+Needs no Django: ``pip install buzz-delivery[gateway]`` on the agent's machine is enough.
+HTTP goes through ``httpx`` (a pooled keep-alive client with per-request timeouts, which a
+long-poll claim needs: its read timeout is the wait plus a margin).
+
+``python -m buzz_delivery.gateway.client work --url URL --key-file FILE --handler pkg.mod:func``
+behaves like ``manage.py run_delivery_worker`` over HTTP: it claims (long-poll) across every
+community the key is enrolled in, runs the handler in ``--concurrency`` threads, renews held
+leases in the background, settles by the handler's result, drains on SIGTERM/SIGINT and prints
+one JSON summary line. The handler gets the delivery as the API's JSON object (a dict); it
+returns -> ``finished``; raises an exception whose class has ``permanent = True`` (e.g.
+:class:`PermanentFailure`) -> ``failed`` with the class name as ``failure_code``; raises
+anything else -> ``retry``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pkgutil
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from buzz_delivery.gateway import nip98
+
+logger = logging.getLogger("buzz_delivery.gateway.client")
+
+SUMMARY_KEYS = ("claimed", "finished", "failed", "retried", "lease_lost", "renewed", "settle_errors", "abandoned")
+
+
+class PermanentFailure(Exception):
+    """Raise from a handler to settle ``failed`` instead of retrying (as in the core worker)."""
+
+    permanent = True
+
+
+class GatewayHTTPError(Exception):
+    """The gateway refused a request: ``status``, the stable ``code``, ``field`` for a 400."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.field = status, code, field
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteLease:
+    """A lease held through the gateway: send it back to renew or finish."""
+
+    community_id: str
+    delivery_id: str
+    lease_generation: int
+    lease_until: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteClaim:
+    """A won claim: the delivery (the API's JSON object) and its lease."""
+
+    delivery: dict[str, Any]
+    lease: RemoteLease
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOutcome:
+    """A renew or finish outcome: ``outcome`` is ``renewed``, ``settled``, ``already_terminal``
+    or ``lease_lost``; ``status`` the recorded status of a settle; ``lease`` a renewed lease."""
+
+    outcome: str
+    status: str | None = None
+    lease: RemoteLease | None = None
+
+
+def _lease(data: dict[str, Any]) -> RemoteLease:
+    return RemoteLease(data["community_id"], data["delivery_id"], data["lease_generation"], data["lease_until"])
+
+
+class GatewayClient:
+    """Signs every request with ``private_key`` (32 bytes) as a fresh NIP-98 event.
+
+    ``base_url``: the gateway's mount, e.g. ``http://127.0.0.1:8000/gateway/v1``. ``timeout``:
+    seconds for every request except a long-poll claim, which waits its ``wait_seconds`` more.
+    """
+
+    def __init__(self, base_url: str, private_key: bytes, *, timeout: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._key = private_key
+        self.pubkey = nip98.public_key_of(private_key)
+        self.timeout = timeout
+        self._http = httpx.Client(timeout=timeout)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def request(self, method: str, path: str, payload: Any = None, *, extra_timeout: float = 0) -> httpx.Response:
+        """Send one signed request (``payload`` as JSON, None = no body); returns the response as is."""
+        body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode("utf-8")
+        url = self.base_url + path
+        headers = {"Authorization": nip98.encode_header(nip98.sign_event(self._key, url, method, body))}
+        if body:
+            headers["Content-Type"] = "application/json"
+        return self._http.request(method, url, content=body, headers=headers, timeout=self.timeout + extra_timeout)
+
+    def _json(self, method: str, path: str, payload: Any = None, *, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
+        response = self.request(method, path, payload, **kw)
+        data = response.json()
+        if response.status_code not in ok:
+            raise GatewayHTTPError(
+                response.status_code, data.get("code", "?"), data.get("message", ""), data.get("field")
+            )
+        return data
+
+    def me(self) -> dict[str, Any]:
+        """``{"pubkey", "communities"}``: this key and where it is enrolled."""
+        return self._json("GET", "/me")
+
+    def claim(
+        self, limit: int = 1, *, wait_seconds: float = 0, lease_seconds: float | None = None
+    ) -> list[RemoteClaim]:
+        """Claim up to ``limit`` deliveries, long-polling up to ``wait_seconds`` for the first."""
+        data = self._json(
+            "POST",
+            "/deliveries/claim",
+            {"limit": limit, "wait_seconds": wait_seconds, "lease_seconds": lease_seconds},
+            extra_timeout=wait_seconds,
+        )
+        return [RemoteClaim(c["delivery"], _lease(c["lease"])) for c in data["claims"]]
+
+    def read(self, community_id: str, delivery_id: str) -> dict[str, Any]:
+        """One of this key's deliveries (raises ``GatewayHTTPError`` 404 otherwise)."""
+        return self._json("GET", f"/communities/{community_id}/deliveries/{delivery_id}")["delivery"]
+
+    def renew(self, lease: RemoteLease, lease_seconds: float | None = None) -> RemoteOutcome:
+        """Extend the lease: ``renewed`` with the new lease, or ``lease_lost``."""
+        path = f"/communities/{lease.community_id}/deliveries/{lease.delivery_id}/renew"
+        data = self._json(
+            "POST", path, {"lease_generation": lease.lease_generation, "lease_seconds": lease_seconds}, ok=(200, 409)
+        )
+        if "lease" in data:
+            return RemoteOutcome("renewed", lease=_lease(data["lease"]))
+        return RemoteOutcome("lease_lost")
+
+    def finish(
+        self, lease: RemoteLease, outcome: str, *, failure_code: str | None = None, failure_message: str | None = None
+    ) -> RemoteOutcome:
+        """Settle once: ``settled`` / ``already_terminal`` with the recorded status, or ``lease_lost``."""
+        path = f"/communities/{lease.community_id}/deliveries/{lease.delivery_id}/finish"
+        body = {
+            "lease_generation": lease.lease_generation,
+            "outcome": outcome,
+            "failure_code": failure_code,
+            "failure_message": failure_message,
+        }
+        data = self._json("POST", path, body, ok=(200, 409))
+        if data.get("code") == "lease_lost":
+            return RemoteOutcome("lease_lost")
+        return RemoteOutcome(data["outcome"], status=data["status"])
+
+
+# --- the remote worker ------------------------------------------------------------------------
+
+
+def settle_args(exc: BaseException | None) -> tuple[str, str | None, str | None]:
+    """(outcome, failure_code, failure_message) for a handler that returned (None) or raised."""
+    if exc is None:
+        return "finished", None, None
+    message = str(exc)[:10_000] or None
+    if getattr(type(exc), "permanent", False) is True:
+        return "failed", type(exc).__name__[:64], message
+    return "retry", None, message
+
+
+class RemoteWorker:
+    """The worker loop of ``work``: see the module docstring. ``run()`` returns the summary."""
+
+    def __init__(
+        self,
+        client: GatewayClient,
+        handler: Callable[[dict[str, Any]], object],
+        *,
+        concurrency: int = 1,
+        lease_seconds: float | None = None,
+        wait_seconds: float = 5.0,
+        renew_every: float = 10.0,
+        max_deliveries: int | None = None,
+        idle_exit: float | None = None,
+        shutdown_grace: float = 30.0,
+    ) -> None:
+        self.client, self.handler, self.concurrency = client, handler, concurrency
+        self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
+        self.max_deliveries, self.idle_exit, self.shutdown_grace = max_deliveries, idle_exit, shutdown_grace
+        self.stop = threading.Event()
+        self.reason = "stopped"
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._held: dict[str, RemoteLease] = {}
+        self._free = threading.Semaphore(concurrency)
+
+    def _add(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def request_stop(self, reason: str) -> None:
+        """Stop claiming; in-flight deliveries still settle (drain)."""
+        if not self.stop.is_set():
+            self.reason = reason
+            self.stop.set()
+
+    def _work(self, claim: RemoteClaim) -> None:
+        delivery_id = claim.lease.delivery_id
+        try:
+            error: BaseException | None = None
+            try:
+                self.handler(claim.delivery)
+            except Exception as exc:
+                error = exc
+            outcome, code, message = settle_args(error)
+            with self._lock:
+                lease = self._held.get(delivery_id, claim.lease)
+            try:
+                result = self.client.finish(lease, outcome, failure_code=code, failure_message=message)
+            except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
+                logger.warning("settle_error delivery=%s error=%s", delivery_id, exc)
+                self._add("settle_errors")
+                return
+            if result.outcome == "lease_lost":
+                self._add("lease_lost")
+            else:
+                self._add(
+                    {"finished": "finished", "failed": "failed", "pending": "retried"}.get(
+                        result.status or "", "failed"
+                    )
+                )
+            logger.info("settled delivery=%s outcome=%s result=%s", delivery_id, outcome, result.outcome)
+        finally:
+            with self._lock:
+                self._held.pop(delivery_id, None)
+            self._free.release()
+
+    def _renew_loop(self) -> None:
+        while not self._done.wait(self.renew_every):
+            with self._lock:
+                held = list(self._held.items())
+            for delivery_id, lease in held:
+                try:
+                    result = self.client.renew(lease, self.lease_seconds)
+                except (httpx.HTTPError, GatewayHTTPError) as exc:
+                    logger.warning("renew_error delivery=%s error=%s", delivery_id, exc)
+                    continue
+                with self._lock:
+                    if result.lease is not None and delivery_id in self._held:
+                        self._held[delivery_id] = result.lease
+                        self._counts["renewed"] += 1
+                    elif result.outcome == "lease_lost":
+                        logger.info("lease_lost delivery=%s (renew)", delivery_id)
+
+    def run(self) -> dict[str, Any]:
+        """Claim and work until stopped (signal, ``max_deliveries``, ``idle_exit``), then drain."""
+        self._done = threading.Event()
+        renewer = threading.Thread(target=self._renew_loop, name="gateway-renewer", daemon=True)
+        renewer.start()
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gateway-handler")
+        idle_since = time.monotonic()
+        claimed = 0
+        try:
+            while not self.stop.is_set():
+                if self.max_deliveries is not None and claimed >= self.max_deliveries:
+                    self.request_stop("max_deliveries")
+                    break
+                if not self._free.acquire(timeout=0.2):
+                    continue
+                if self.stop.is_set():
+                    self._free.release()
+                    break
+                free = 1
+                while free < self.concurrency and self._free.acquire(blocking=False):
+                    free += 1
+                if self.max_deliveries is not None:
+                    keep = min(free, self.max_deliveries - claimed)
+                    for _ in range(free - keep):
+                        self._free.release()
+                    free = keep
+                try:
+                    claims = self.client.claim(free, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
+                except (httpx.HTTPError, GatewayHTTPError) as exc:
+                    logger.warning("claim_error error=%s", exc)
+                    claims = []
+                    self.stop.wait(1.0)
+                for _ in range(free - len(claims)):
+                    self._free.release()
+                if not claims:
+                    if self.idle_exit is not None and time.monotonic() - idle_since >= self.idle_exit:
+                        self.request_stop("idle_exit")
+                    continue
+                idle_since = time.monotonic()
+                claimed += len(claims)
+                self._add("claimed", len(claims))
+                for claim in claims:
+                    with self._lock:
+                        self._held[claim.lease.delivery_id] = claim.lease
+                    pool.submit(self._work, claim)
+        finally:
+            pool.shutdown(wait=False)
+            deadline = time.monotonic() + self.shutdown_grace
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if not self._held:
+                        break
+                time.sleep(0.05)
+            with self._lock:
+                self._counts["abandoned"] += len(self._held)
+            self._done.set()
+        with self._lock:
+            summary: dict[str, Any] = {key: self._counts[key] for key in SUMMARY_KEYS}
+        summary["reason"] = self.reason
+        return summary
+
+
+def _load(path: str) -> Callable[[dict[str, Any]], object]:
+    handler = pkgutil.resolve_name(path)
+    if not callable(handler):
+        raise ValueError(f"{path!r} is not callable")
+    return handler  # type: ignore[no-any-return]
+
+
+def read_key_file(path: str) -> bytes:
+    """The 32-byte secret key in ``path``: 64 hex characters (surrounding whitespace ignored)."""
+    text = Path(path).read_text().strip()
+    key = bytes.fromhex(text)
+    if len(key) != 32:
+        raise ValueError("the key file must hold 64 hex characters (a 32-byte secret key)")
+    return key
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``work``: run a remote worker; exit 0 on a clean stop, 3 when leases were given up."""
+    parser = argparse.ArgumentParser(prog="python -m buzz_delivery.gateway.client")
+    sub = parser.add_subparsers(dest="command", required=True)
+    work = sub.add_parser("work", help="claim and work deliveries through the gateway")
+    work.add_argument("--url", required=True, help="the gateway's base URL, e.g. http://127.0.0.1:8000/gateway/v1")
+    work.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
+    work.add_argument("--handler", required=True, help="dotted path of handler(delivery: dict)")
+    work.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
+    work.add_argument("--lease-seconds", type=float, default=None, help="lease length (default: the server's)")
+    work.add_argument("--wait-seconds", type=float, default=5.0, help="long-poll per claim (default 5)")
+    work.add_argument("--renew-every", type=float, default=10.0, help="seconds between renewals (default 10)")
+    work.add_argument("--max-deliveries", type=int, default=None, help="stop after claiming this many")
+    work.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
+    work.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        handler = _load(args.handler)
+        key = read_key_file(args.key_file)
+    except (ValueError, ImportError, AttributeError, OSError) as exc:
+        parser.error(str(exc))
+    if not 1 <= args.concurrency <= 256:
+        parser.error("--concurrency must be within 1..256")
+    client = GatewayClient(args.url, key, timeout=10.0)
+    worker = RemoteWorker(
+        client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
+        wait_seconds=args.wait_seconds, renew_every=args.renew_every, max_deliveries=args.max_deliveries,
+        idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
+    )  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))
+    try:
+        summary = worker.run()
+    finally:
+        client.close()
+    print(json.dumps(summary), flush=True)
+    return 3 if summary["abandoned"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

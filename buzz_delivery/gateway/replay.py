@@ -1,0 +1,95 @@
+"""The NIP-98 replay store (SPEC section 14): each signed event id is usable once.
+
+Not community-scoped (see :class:`buzz_delivery.gateway.models.SeenEvent`): it is keyed by the
+event id alone and is written before the gateway knows which community a request concerns, so
+the community rules of SPEC 15 (which the static scanner applies to ``*.services`` modules) do
+not apply to it; on Citus it is a table of its own (reference or local), not colocated with the
+communities. The time window is judged by the database clock (``buzz_delivery_now()``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from django.db import connection
+
+from buzz_delivery.services import validation as v
+
+# Event timestamps beyond this are refused before SQL (year 5138; to_timestamp stays in range).
+MAX_EVENT_TIMESTAMP = 10**11
+
+# One statement: judge freshness by the database clock and record the id only if fresh; the
+# conflict on the primary key (a replay) shows as no row returned.
+ADMIT_IF_FRESH_AND_UNSEEN = """
+WITH clock AS (SELECT buzz_delivery_now() AS t),
+fresh AS (
+    SELECT t FROM clock WHERE abs(extract(epoch FROM t) - %(created_at)s) <= %(window)s
+),
+admitted AS (
+    INSERT INTO buzz_gateway_seen_event (event_id, pubkey, created_at, seen_at)
+    SELECT %(event_id)s, %(pubkey)s, to_timestamp(%(created_at)s), t FROM fresh
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM fresh), (SELECT count(*) FROM admitted)
+"""
+# Rows whose event is older than the window can never be admitted again: delete them in batches.
+DELETE_SEEN_BEFORE_WINDOW = """
+DELETE FROM buzz_gateway_seen_event WHERE event_id IN (
+    SELECT event_id FROM buzz_gateway_seen_event
+    WHERE created_at < buzz_delivery_plus_seconds(buzz_delivery_now(), -%(keep_seconds)s)
+    LIMIT %(batch_size)s
+)
+"""
+
+
+class Admission(enum.Enum):
+    """Outcome of :func:`record_event_id`."""
+
+    ADMITTED = "admitted"  # fresh and never seen: recorded now
+    STALE = "stale"  # created_at outside the window of the database clock: nothing recorded
+    REPLAYED = "replayed"  # fresh, but that event id was already recorded
+
+
+def record_event_id(event_id: bytes, pubkey: bytes, created_at: int, *, window_seconds: float) -> Admission:
+    """Record a NIP-98 event id once, if its ``created_at`` (Unix seconds) lies within
+    ``window_seconds`` of the database clock. ``INSERT ... ON CONFLICT DO NOTHING``, judged by
+    the rows it returns: one statement, one round trip, safe under concurrency (two requests
+    with the same id: exactly one is ADMITTED).
+
+    Raises ``ValidationError`` keyed by argument before SQL (32-byte ids, an int timestamp in
+    0..10**11, a window > 0)."""
+    eid = v.bytes32(event_id, "event_id")
+    key = v.bytes32(pubkey, "pubkey")
+    ts = v.int_in_range(created_at, "created_at", 0, MAX_EVENT_TIMESTAMP)
+    if isinstance(window_seconds, bool) or not isinstance(window_seconds, int | float) or not window_seconds > 0:
+        raise v.invalid("window_seconds", f"must be a number of seconds > 0, got {window_seconds!r}")
+    params: dict[str, Any] = {"event_id": eid, "pubkey": key, "created_at": ts, "window": float(window_seconds)}
+    with connection.cursor() as cursor:
+        cursor.execute(ADMIT_IF_FRESH_AND_UNSEEN, params)
+        fresh, admitted = cursor.fetchone()
+    if not fresh:
+        return Admission.STALE
+    return Admission.ADMITTED if admitted else Admission.REPLAYED
+
+
+def prune_seen_events(*, keep_seconds: float, batch_size: int = 1000, max_batches: int | None = None) -> int:
+    """Delete recorded event ids whose event is older than ``keep_seconds`` (database clock), in
+    batches of ``batch_size`` (1..100,000); returns how many were deleted. ``keep_seconds`` must
+    be at least the auth window, or a replay of a still-acceptable event would be admitted: the
+    caller (``prune_gateway_replays``) enforces that."""
+    if isinstance(keep_seconds, bool) or not isinstance(keep_seconds, int | float) or not keep_seconds > 0:
+        raise v.invalid("keep_seconds", f"must be a number of seconds > 0, got {keep_seconds!r}")
+    size = v.int_in_range(batch_size, "batch_size", 1, 100_000)
+    limit = None if max_batches is None else v.int_in_range(max_batches, "max_batches", 1, 2**31 - 1)
+    total = batches = 0
+    while limit is None or batches < limit:
+        with connection.cursor() as cursor:
+            cursor.execute(DELETE_SEEN_BEFORE_WINDOW, {"keep_seconds": float(keep_seconds), "batch_size": size})
+            deleted = cursor.rowcount
+        total += deleted
+        batches += 1
+        if deleted < size:
+            break
+    return total

@@ -1,0 +1,257 @@
+"""The gateway's HTTP endpoints (SPEC section 14): thin views over the core services.
+
+Every endpoint runs the same checks in the same order (:func:`endpoint`): method (405), body
+size (413), NIP-98 signature, time window and replay (401), path and body fields (400), then
+the view itself: enrollment (403), scope (404), lease (409). The signer's key is the target of
+every claim, renew, finish and read; no field can name another. A refused request writes
+nothing but its event id in the replay store (recorded as soon as the signature checks out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import InterfaceError, OperationalError
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from buzz_delivery import services as core
+from buzz_delivery.gateway import present
+from buzz_delivery.gateway import services as gateway
+from buzz_delivery.gateway.auth import authenticate
+from buzz_delivery.gateway.conf import get_settings
+from buzz_delivery.gateway.errors import GatewayError, bad_request
+from buzz_delivery.gateway.schema import CLAIM, FINISH, RENEW, Body
+from buzz_delivery.gateway.wake import hub
+from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settled
+
+logger = logging.getLogger("buzz_delivery.gateway")
+
+View = Callable[..., JsonResponse]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_body(request: HttpRequest) -> bytes:
+    """The raw body, refused with 413 when its declared length exceeds ``MAX_BODY_BYTES``
+    (before it is read)."""
+    limit = get_settings().max_body_bytes
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        declared = 0
+    if declared > limit:
+        raise GatewayError("payload_too_large", f"the body is larger than {limit} bytes")
+    body = request.body
+    if len(body) > limit:
+        raise GatewayError("payload_too_large", f"the body is larger than {limit} bytes")
+    return body
+
+
+def parse_json(raw: bytes, body: Body | None) -> dict[str, Any]:
+    """The request's JSON body validated against ``body`` (None: the body must be empty)."""
+    if body is None:
+        if raw:
+            raise bad_request("body", "this request takes no body")
+        return {}
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise bad_request("body", "is not valid JSON (UTF-8)") from None
+    return body.clean(data)
+
+
+def parse_uuid(name: str, value: str) -> uuid.UUID:
+    """A path segment that must be a UUID (400 naming it otherwise)."""
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise bad_request(name, "must be a UUID") from None
+
+
+def _field_of(exc: ValidationError) -> str:
+    if hasattr(exc, "error_dict"):
+        return next(iter(exc.error_dict))
+    return "body"
+
+
+def endpoint(method: str, body: Body | None = None) -> Callable[[View], Callable[..., HttpResponse]]:
+    """Wrap a view ``view(request, pubkey, data, **path_uuids)`` in the common checks."""
+
+    def decorate(view: View) -> Callable[..., HttpResponse]:
+        @csrf_exempt
+        @wraps(view)
+        def wrapper(request: HttpRequest, **path: str) -> HttpResponse:
+            try:
+                if request.method != method:
+                    error = GatewayError("method_not_allowed", f"use {method} for this route")
+                    response = error.response()
+                    response["Allow"] = method
+                    return response
+                raw = read_body(request)
+                pubkey = authenticate(request, raw)
+                ids = {name: parse_uuid(name, value) for name, value in path.items()}
+                data = parse_json(raw, body)
+                return view(request, pubkey, data, **ids)
+            except GatewayError as exc:
+                return exc.response()
+            except ValidationError as exc:
+                field = _field_of(exc)
+                return bad_request(field, "; ".join(exc.messages)).response()
+            except (OperationalError, InterfaceError) as exc:
+                logger.warning("gateway database unavailable: %s", str(exc).strip().splitlines()[:1])
+                return GatewayError("unavailable", "the database is unavailable; retry later").response()
+
+        return wrapper
+
+    return decorate
+
+
+def _require_enrolled(community_id: uuid.UUID, pubkey: bytes) -> None:
+    if not gateway.is_enrolled(community_id, pubkey):
+        raise GatewayError("not_enrolled", "this key is not enrolled in that community")
+
+
+def _not_found() -> GatewayError:
+    return GatewayError("not_found", "no such delivery for this key in that community")
+
+
+def _lost_or_not_found(community_id: uuid.UUID, delivery_id: uuid.UUID, pubkey: bytes) -> GatewayError:
+    """409 when the delivery is the caller's and the lease is simply no longer current; 404
+    when there is no such delivery for the caller (another key's looks the same)."""
+    delivery = core.get_delivery(community_id, delivery_id)
+    if delivery is None or bytes(delivery.target_pubkey) != pubkey:
+        return _not_found()
+    return GatewayError("lease_lost", "the lease is no longer current: drop the work", outcome="lease_lost")
+
+
+def _lease(community_id: uuid.UUID, delivery_id: uuid.UUID, pubkey: bytes, generation: int) -> Lease:
+    # lease_until is informational in a Lease (the database judges expiry by its own clock).
+    return Lease(community_id, delivery_id, pubkey, generation, timezone.now())
+
+
+def _claim_round(communities: list[uuid.UUID], pubkey: bytes, limit: int, lease: float | None) -> list[core.Claim]:
+    """Claim up to ``limit`` across the communities, starting at a random one (so no community
+    starves another), one statement per community until the limit is reached."""
+    order = list(communities)
+    random.shuffle(order)
+    claims: list[core.Claim] = []
+    for community in order:
+        claims += core.claim_deliveries(community, pubkey, limit=limit - len(claims), lease_seconds=lease)
+        if len(claims) >= limit:
+            break
+    return claims
+
+
+@endpoint("POST", CLAIM)
+def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
+    """Claim up to ``limit`` deliveries addressed to the signer, across every active community
+    it is enrolled in; with ``wait_seconds`` > 0, long-poll until one arrives (woken by the wake
+    hints) or the wait ends. 200 ``{"claims": [{"delivery", "lease"}]}`` (possibly empty);
+    403 when the key is enrolled nowhere."""
+    communities = gateway.enrolled_communities(pubkey)
+    if not communities:
+        raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
+    limit, lease_seconds, wait = data["limit"], data["lease_seconds"], float(data["wait_seconds"])
+    if wait <= 0:
+        claims = _claim_round(communities, pubkey, limit, lease_seconds)
+    else:
+        deadline = time.monotonic() + wait
+        poll = get_settings().poll_seconds
+        # The waiter is registered before the first claim: a delivery committed between an empty
+        # claim and the sleep still sets the event, so the sleep ends at once.
+        with hub.waiter(pubkey.hex()) as woken:
+            claims = _claim_round(communities, pubkey, limit, lease_seconds)
+            while not claims and communities:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                woken.wait(min(poll, remaining))
+                woken.clear()
+                communities = gateway.enrolled_communities(pubkey)
+                claims = _claim_round(communities, pubkey, limit, lease_seconds)
+    deliveries = [c.delivery for c in claims]
+    messages = present.messages_for(deliveries)
+    return JsonResponse(
+        {
+            "claims": [
+                {
+                    "delivery": present.delivery_of(
+                        c.delivery, messages.get((c.delivery.community_id, bytes(c.delivery.message_event_id)))
+                    ),
+                    "lease": present.lease_of(c.lease),
+                }
+                for c in claims
+            ]
+        }
+    )
+
+
+@endpoint("GET")
+def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
+    """One of the signer's deliveries. 200 ``{"delivery"}``; 403 not enrolled there; 404 when
+    there is no such delivery for this key."""
+    _require_enrolled(community_id, pubkey)
+    delivery = core.get_delivery(community_id, delivery_id)
+    if delivery is None or bytes(delivery.target_pubkey) != pubkey:
+        raise _not_found()
+    message = present.messages_for([delivery]).get((community_id, bytes(delivery.message_event_id)))
+    return JsonResponse({"delivery": present.delivery_of(delivery, message)})
+
+
+@endpoint("POST", RENEW)
+def renew(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
+    """Extend a current lease (``services.renew_delivery``). 200 ``{"lease"}``; 409 lease lost."""
+    _require_enrolled(community_id, pubkey)
+    lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
+    outcome = core.renew_delivery(lease, data["lease_seconds"])
+    if isinstance(outcome, Renewed):
+        return JsonResponse({"lease": present.lease_of(outcome.lease)})
+    assert isinstance(outcome, LeaseLost)
+    raise _lost_or_not_found(community_id, delivery_id, pubkey)
+
+
+@endpoint("POST", FINISH)
+def finish(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
+    """Settle once (``services.finish_delivery``). 200 ``{"outcome": "settled", "status"}``, or
+    200 ``{"outcome": "already_terminal", "status"}`` for the same holder's repeat (a retry after
+    a lost response is a success, and the recorded status never flips); 409 lease lost."""
+    _require_enrolled(community_id, pubkey)
+    lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
+    outcome = core.finish_delivery(
+        lease, data["outcome"], failure_code=data["failure_code"], failure_message=data["failure_message"]
+    )
+    if isinstance(outcome, Settled):
+        return JsonResponse({"outcome": "settled", "status": outcome.status})
+    if isinstance(outcome, AlreadyTerminal):
+        return JsonResponse({"outcome": "already_terminal", "status": outcome.status})
+    raise _lost_or_not_found(community_id, delivery_id, pubkey)
+
+
+@endpoint("GET")
+def me(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
+    """The signer's key and the active communities it is enrolled in. 200 ``{"pubkey", "communities"}``."""
+    return JsonResponse({"pubkey": pubkey.hex(), "communities": [str(c) for c in gateway.enrolled_communities(pubkey)]})
+
+
+def openapi(request: HttpRequest) -> HttpResponse:
+    """The OpenAPI 3.1 document of this API, for the URL it was fetched under (no auth)."""
+    from buzz_delivery.gateway.openapi import document
+
+    if request.method != "GET":
+        response = GatewayError("method_not_allowed", "use GET for this route").response()
+        response["Allow"] = "GET"
+        return response
+    prefix = request.path.rsplit("/", 1)[0]
+    return JsonResponse(document(server_url=prefix), json_dumps_params={"indent": 1})

@@ -1,0 +1,97 @@
+"""Long-poll wake-ups (SPEC sections 7 and 14): one LISTEN connection per server process.
+
+A claim that found nothing registers a waiter for its key and sleeps until a wake hint for that
+target arrives on the core's NOTIFY channel, or the poll interval passes (the fallback for a
+missed hint or a LISTEN connection that is down), then claims again. A hint grants nothing: it
+only ends the sleep, and the claim goes through ``services.claim_deliveries`` as always.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from django.db import connections
+from psycopg import sql
+
+from buzz_delivery.conf import get_settings as core_settings
+
+logger = logging.getLogger("buzz_delivery.gateway")
+
+NOTIFY_WAIT_SECONDS = 0.5
+RECONNECT_SECONDS = 2.0
+
+
+class WakeHub:
+    """Waiters keyed by target hex, woken by a daemon thread that LISTENs on the channel.
+
+    The thread starts on the first :meth:`waiter` and lives as long as the process. It opens its
+    own autocommit psycopg connection with the parameters of Django's ``LISTEN_DATABASE`` alias
+    (or ``default``), so it works behind a transaction pooler when that alias is direct.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._thread: threading.Thread | None = None
+        self.listening = threading.Event()
+
+    @contextmanager
+    def waiter(self, target_hex: str) -> Iterator[threading.Event]:
+        """An event set by every hint for ``target_hex`` while the block runs."""
+        self._ensure_started()
+        event = threading.Event()
+        with self._lock:
+            self._waiters.setdefault(target_hex, set()).add(event)
+        try:
+            yield event
+        finally:
+            with self._lock:
+                group = self._waiters.get(target_hex)
+                if group is not None:
+                    group.discard(event)
+                    if not group:
+                        del self._waiters[target_hex]
+
+    def wake(self, payload: str) -> None:
+        """Wake the waiters of the hint's target (malformed payloads are ignored)."""
+        try:
+            data = json.loads(payload)
+            target = data["target"]
+        except (ValueError, TypeError, KeyError):
+            return
+        with self._lock:
+            for event in self._waiters.get(target, ()):
+                event.set()
+
+    def _ensure_started(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                alias = core_settings().listen_database or "default"
+                params = connections[alias].get_connection_params()
+                self._thread = threading.Thread(target=self._run, args=(params,), name="buzz-gateway-wake", daemon=True)
+                self._thread.start()
+
+    def _run(self, params: dict[str, Any]) -> None:
+        channel = core_settings().notify_channel
+        while True:
+            try:
+                with psycopg.connect(**params, autocommit=True) as conn:
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    self.listening.set()
+                    logger.info("gateway listening channel=%s", channel)
+                    while True:
+                        for notify in conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
+                            self.wake(notify.payload)
+            except psycopg.Error as exc:
+                self.listening.clear()
+                logger.warning("gateway wake listener lost its connection: %s", str(exc).strip().splitlines()[:1])
+                threading.Event().wait(RECONNECT_SECONDS)
+
+
+hub = WakeHub()

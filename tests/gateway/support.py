@@ -1,0 +1,132 @@
+"""A real gateway server for the tests: gunicorn (gthread) as a subprocess on a local port,
+against the test database, plus helpers to make agents and their deliveries.
+
+Tests that use it are ``transaction=True``: the server's connections see only committed rows.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db import connection
+
+from buzz_delivery.gateway import services as gateway
+from buzz_delivery.gateway.client import GatewayClient
+from buzz_delivery.gateway.models import Enrollment, SeenEvent
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import DeliveryFactory, EventFactory, WorkflowRunFactory
+from project.database_url import database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base: str  # e.g. http://127.0.0.1:PORT/gateway/v1
+    proc: subprocess.Popen
+    log: Path
+
+
+def server_command(port: int, threads: int = 16, workers: int = 1) -> list[str]:
+    """The documented serving command (docs/gateway.md), on a local port."""
+    return [
+        sys.executable, "-m", "gunicorn", "project.wsgi:application",
+        "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
+        "--bind", f"127.0.0.1:{port}", "--timeout", "60", "--graceful-timeout", "5",
+        "--chdir", str(ROOT), "--no-control-socket",
+    ]  # fmt: skip
+
+
+def start_server(log: Path, env_extra: dict[str, str] | None = None, **kwargs: int) -> Server:
+    port = free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(connection.settings_dict, application_name="buzz-gateway-test"),
+        "BUZZ_MIN_LEASE_SECONDS": "1",
+        "BUZZ_GATEWAY_POLL_SECONDS": "0.5",
+        "BUZZ_GATEWAY_MAX_WAIT_SECONDS": "10",
+        "LOG_LEVEL": "INFO",
+        "PYTHONPATH": str(ROOT),
+        **(env_extra or {}),
+    }
+    out = open(log, "w")  # noqa: SIM115 (kept open for the server's life)
+    proc = subprocess.Popen(server_command(port, **kwargs), cwd=ROOT, env=env, stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}/gateway/v1"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gunicorn exited {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(base + "/openapi.json", timeout=1).status_code == 200:
+                return Server(base, proc, log)
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"gunicorn did not answer within 30 s:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def gateway_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Server]:
+    """One gunicorn for the session's gateway tests (stopped before the test database is dropped)."""
+    with django_db_blocker.unblock():
+        server = start_server(tmp_path_factory.mktemp("gateway") / "gunicorn.log")
+    yield server
+    stop_server(server)
+
+
+def new_agent(server: Server) -> GatewayClient:
+    return GatewayClient(server.base, os.urandom(32))
+
+
+def enroll(agent: GatewayClient, community) -> None:
+    gateway.enroll(community.id, agent.pubkey, enrolled_by="test")
+
+
+def deliver(community, target: bytes, n: int = 1, **kwargs) -> list[WorkflowAgentDelivery]:
+    """``n`` committed deliveries for ``target`` in ``community`` (one run, one message)."""
+    run = WorkflowRunFactory(community=community)
+    event = EventFactory(community=community)
+    return [DeliveryFactory(binding__run=run, binding__message_event=event, binding__target_pubkey=target, **kwargs)
+            for _ in range(n)]  # fmt: skip
+
+
+def row_counts() -> dict[str, int]:
+    """Rows per table the gateway could write, for nothing-written checks (SeenEvent apart)."""
+    return {
+        "enrollments": Enrollment.objects.count(),
+        "seen": SeenEvent.objects.count(),
+        "deliveries": WorkflowAgentDelivery.objects.count(),
+    }
+
+
+def delivery_state() -> list[tuple]:
+    """Every delivery's mutable state, to compare before and after a refusal."""
+    return list(
+        WorkflowAgentDelivery.objects.order_by("id").values_list(
+            "id", "status", "lease_generation", "lease_until", "attempt", "finished_at", "failure_code"
+        )
+    )

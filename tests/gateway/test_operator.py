@@ -1,0 +1,60 @@
+"""Operator surfaces of the gateway: the enrollment command and the admin screens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.urls import reverse
+
+from buzz_delivery.gateway import services
+from buzz_delivery.gateway.models import Enrollment
+from buzz_delivery.testing import random32
+
+pytestmark = pytest.mark.django_db
+
+
+def run(*args) -> dict:
+    from io import StringIO
+
+    out = StringIO()
+    call_command("gateway_enrollment", *args, stdout=out)
+    return json.loads(out.getvalue())
+
+
+def test_the_command_enrolls_lists_and_revokes(community):
+    key = random32().hex()
+    assert run("enroll", "--community", str(community.id), "--agent", key, "--by", "ops")["created"] is True
+    assert run("enroll", "--community", str(community.id), "--agent", key)["created"] is False
+    assert run("list", "--community", str(community.id)) == {"community": str(community.id), "agents": [key]}
+    assert run("revoke", "--community", str(community.id), "--agent", key) == {"revoked": 1}
+    assert run("list", "--community", str(community.id))["agents"] == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("enroll", "--community", "nope", "--agent", "ab" * 32),
+        ("enroll", "--community", "018f0000-0000-7000-8000-000000000000", "--agent", "ab" * 32),
+        ("revoke", "--community", "018f0000-0000-7000-8000-000000000000"),
+    ],
+)
+def test_the_command_refuses_bad_arguments_with_exit_2_and_writes_nothing(args):
+    with pytest.raises(CommandError) as info:
+        call_command("gateway_enrollment", *args)
+    assert info.value.returncode == 2
+    assert Enrollment.objects.count() == 0
+
+
+def test_the_admin_lists_enrollments_and_revokes_through_the_service(admin_client, community):
+    key = random32()
+    services.enroll(community.id, key, enrolled_by="ops")
+    url = reverse("admin:buzz_gateway_enrollment_changelist")
+    page = admin_client.get(url)
+    assert page.status_code == 200 and key.hex() in page.content.decode()
+    row = Enrollment.objects.get()
+    response = admin_client.post(url, {"action": "revoke", "_selected_action": [str(row.pk)]}, follow=True)
+    assert response.status_code == 200
+    assert not services.is_enrolled(community.id, key)
+    assert admin_client.get(reverse("admin:buzz_gateway_seenevent_changelist")).status_code == 200

@@ -1,0 +1,87 @@
+"""The remote worker over HTTP behaves like run_delivery_worker (SPEC sections 7 and 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import CommunityFactory, DeliveryFactory, EventFactory, WorkflowRunFactory
+from tests.gateway.support import ROOT, enroll, new_agent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def start(tmp_path, server, agent, *options, sleep: float = 0):
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_HANDLER_SLEEP": str(sleep),
+           "GATEWAY_HANDLER_LOG": str(tmp_path / "handled.log")}  # fmt: skip
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the remote worker needs no Django
+    out, err = open(tmp_path / "worker.out", "w"), open(tmp_path / "worker.err", "w")  # noqa: SIM115
+    return subprocess.Popen(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work", "--url", server.base,
+         "--key-file", str(key_file), "--handler", "tests.gateway.handlers:scripted", *options],
+        cwd=ROOT, env=env, stdout=out, stderr=err,
+    )  # fmt: skip
+
+
+def summary(tmp_path) -> dict:
+    lines = (tmp_path / "worker.out").read_text().splitlines()
+    assert len(lines) == 1, lines
+    return json.loads(lines[0])
+
+
+def deliveries(community, target, *step_ids):
+    run, event = WorkflowRunFactory(community=community), EventFactory(community=community)
+    return [
+        DeliveryFactory(
+            binding__run=run, binding__message_event=event, binding__target_pubkey=target, binding__step_id=s
+        )
+        for s in step_ids
+    ]
+
+
+def test_the_remote_worker_settles_by_the_handler_result(tmp_path, gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    ok, perm, retry = deliveries(community, agent.pubkey, "ok_1", "perm_1", "retry_1")
+    proc = start(tmp_path, gateway_server, agent, "--concurrency", "2", "--max-deliveries", "3", "--wait-seconds", "1")
+    assert proc.wait(timeout=30) == 0, (tmp_path / "worker.err").read_text()
+    assert summary(tmp_path) | {"reason": "max_deliveries"} == {
+        "claimed": 3, "finished": 1, "failed": 1, "retried": 1, "lease_lost": 0, "renewed": 0,
+        "settle_errors": 0, "abandoned": 0, "reason": "max_deliveries",
+    }  # fmt: skip
+    rows = {d.id: d for d in WorkflowAgentDelivery.objects.all()}
+    assert rows[ok.id].status == "finished"
+    assert (rows[perm.id].status, rows[perm.id].failure_code) == ("failed", "BadPayload")
+    assert rows[retry.id].status == "pending" and rows[retry.id].next_attempt_at is not None
+
+
+def test_sigterm_drains_in_flight_work_which_renewals_keep_alive(tmp_path, gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    (slow,) = deliveries(community, agent.pubkey, "ok_slow")
+    proc = start(
+        tmp_path, gateway_server, agent, "--lease-seconds", "2", "--renew-every", "0.5", "--wait-seconds", "1", sleep=4
+    )
+    log = tmp_path / "handled.log"
+    deadline = time.monotonic() + 15
+    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert log.read_text().strip() == str(slow.id)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, (tmp_path / "worker.err").read_text()
+    result = summary(tmp_path)
+    assert result["reason"] == "SIGTERM" and result["finished"] == 1 and result["abandoned"] == 0
+    assert result["renewed"] >= 3, "a 4 s handler on a 2 s lease must have been renewed"
+    row = WorkflowAgentDelivery.objects.get(id=slow.id)
+    assert row.status == "finished" and row.lease_generation == 1

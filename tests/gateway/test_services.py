@@ -1,0 +1,131 @@
+"""Gateway enrollments and the replay store (SPEC sections 14 and 15), on real PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.core.management import call_command
+from django.db import DatabaseError, connection, transaction
+
+from buzz_delivery.exceptions import CommunityNotWritable
+from buzz_delivery.gateway import CATALOG, services
+from buzz_delivery.gateway.models import Enrollment, SeenEvent
+from buzz_delivery.gateway.replay import Admission
+from buzz_delivery.testing import CommunityFactory, advance_to, random32
+
+pytestmark = pytest.mark.django_db
+
+
+def counts() -> tuple[int, int]:
+    return Enrollment.objects.count(), SeenEvent.objects.count()
+
+
+def test_enroll_is_idempotent_and_revoke_keeps_the_row_as_history(community):
+    key = random32()
+    first = services.enroll(community.id, key, enrolled_by="ops")
+    assert first.created
+    assert services.enroll(community.id, key) == services.Enrolled(first.enrollment_id, created=False)
+    assert services.is_enrolled(community.id, key)
+    assert services.revoke(community.id, key) == services.Revoked(1)
+    assert services.revoke(community.id, key) == services.Revoked(0)
+    assert not services.is_enrolled(community.id, key)
+    again = services.enroll(community.id, key)
+    assert again.created and again.enrollment_id != first.enrollment_id
+    assert Enrollment.objects.filter(community=community).count() == 2
+    row = Enrollment.objects.get(id=first.enrollment_id)
+    assert row.revoked_at is not None and row.enrolled_by == "ops" and row.revoked_at >= row.enrolled_at
+
+
+def test_enrolled_communities_lists_only_live_enrollments_in_active_communities():
+    key, other = random32(), random32()
+    a, b, c = CommunityFactory(), CommunityFactory(), CommunityFactory()
+    for community in (a, b, c):
+        services.enroll(community.id, key)
+    services.enroll(a.id, other)
+    services.revoke(b.id, key)
+    advance_to(c, "quiescing")
+    assert services.enrolled_communities(key) == [a.id]
+    assert not services.is_enrolled(c.id, key)
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda c: services.enroll("nope", random32()), "community_id"),
+        (lambda c: services.enroll(c.id, b"short"), "agent_pubkey"),
+        (lambda c: services.enroll(c.id, random32().hex()), "agent_pubkey"),
+        (lambda c: services.enroll(c.id, random32(), enrolled_by="x" * 201), "enrolled_by"),
+        (lambda c: services.enroll(c.id, random32(), enrolled_by=7), "enrolled_by"),
+        (lambda c: services.enroll(c.id, random32(), enrolled_by="a\x00b"), "enrolled_by"),
+        (lambda c: services.enroll("018f0000-0000-7000-8000-000000000000", random32()), "community_id"),
+        (lambda c: services.revoke(c.id, b"x" * 31), "agent_pubkey"),
+        (lambda c: services.is_enrolled(None, random32()), "community_id"),
+        (lambda c: services.enrolled_communities(b""), "agent_pubkey"),
+        (lambda c: services.record_event_id(b"x", random32(), 1, window_seconds=60), "event_id"),
+        (lambda c: services.record_event_id(random32(), random32(), -1, window_seconds=60), "created_at"),
+        (lambda c: services.record_event_id(random32(), random32(), 10**12, window_seconds=60), "created_at"),
+        (lambda c: services.record_event_id(random32(), random32(), True, window_seconds=60), "created_at"),
+        (lambda c: services.record_event_id(random32(), random32(), 1, window_seconds=0), "window_seconds"),
+        (lambda c: services.prune_seen_events(keep_seconds=-1), "keep_seconds"),
+        (lambda c: services.prune_seen_events(keep_seconds=60, batch_size=0), "batch_size"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_sql(community, call, field):
+    before = counts()
+    with pytest.raises(ValidationError) as info:
+        call(community)
+    assert field in info.value.message_dict
+    assert counts() == before
+
+
+def test_enrollment_in_a_fenced_community_is_refused_by_the_service_and_by_the_database(community):
+    key = random32()
+    services.enroll(community.id, key)
+    advance_to(community, "quiescing")
+    with pytest.raises(CommunityNotWritable):
+        services.enroll(community.id, random32())
+    with pytest.raises(CommunityNotWritable):
+        services.revoke(community.id, key)
+    with pytest.raises(DatabaseError, match="write fence"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO buzz_gateway_enrollment (id, community_id, agent_pubkey, enrolled_by)"
+            " VALUES (gen_random_uuid(), %s, %s, '')",
+            [community.id, random32()],
+        )
+    assert Enrollment.objects.filter(community=community).count() == 1
+
+
+def test_the_database_holds_the_enrollment_keys_spec_15_asks_for():
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE conrelid = 'buzz_gateway_enrollment'::regclass AND contype = 'p'"
+        )
+        assert cursor.fetchone() == ("PRIMARY KEY (community_id, id)",)
+        cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 'enrollment_one_live_per_key'")
+        assert "(community_id, agent_pubkey) WHERE (revoked_at IS NULL)" in cursor.fetchone()[0]
+    assert CATALOG == ("buzz_gateway.Enrollment",)
+
+
+def test_an_event_id_is_admitted_once_and_only_within_the_window_of_the_database_clock():
+    event_id, key, now = random32(), random32(), int(time.time())
+    assert services.record_event_id(event_id, key, now, window_seconds=60) is Admission.ADMITTED
+    assert services.record_event_id(event_id, key, now, window_seconds=60) is Admission.REPLAYED
+    assert services.record_event_id(random32(), key, now - 120, window_seconds=60) is Admission.STALE
+    assert services.record_event_id(random32(), key, now + 120, window_seconds=60) is Admission.STALE
+    assert SeenEvent.objects.count() == 1
+
+
+def test_pruning_deletes_only_ids_older_than_the_window(capsys):
+    key, now = random32(), int(time.time())
+    services.record_event_id(random32(), key, now, window_seconds=60)
+    old = random32()
+    services.record_event_id(old, key, now - 500, window_seconds=1000)
+    call_command("prune_gateway_replays")
+    assert '"deleted": 1' in capsys.readouterr().out
+    assert not SeenEvent.objects.filter(event_id=old).exists()
+    assert SeenEvent.objects.count() == 1
+    with pytest.raises(Exception, match="shorter than the auth window"):
+        call_command("prune_gateway_replays", "--older-than", "5")
