@@ -121,7 +121,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="workflow / run / step")
     def workflow_run_step(self, obj: WorkflowAgentDelivery) -> str:
-        return format_html("{} / {} / {}", getattr(obj, "workflow_name", ""), display.short_uuid(obj.run_id), obj.step_id)
+        return format_html(
+            "{} / {} / {}", getattr(obj, "workflow_name", ""), display.short_uuid(obj.run_id), obj.step_id
+        )
 
     @admin.display(description="lease until", ordering="lease_until")
     def lease_deadline(self, obj: WorkflowAgentDelivery) -> str:
