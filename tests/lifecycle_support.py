@@ -77,7 +77,21 @@ def fill_community(community: models.Community, rows: int = 3, *, engine: bool =
     if engine:
         _fill_engine(community, workflows)
         _fill_agents(community, workflows)
+        _fill_gateway(community, rows)
     return count_rows(community.id)
+
+
+def _fill_gateway(community: models.Community, rows: int) -> None:
+    """``rows`` gateway enrollments (one agent key each), when ``buzz_delivery.gateway`` is installed."""
+    from django.apps import apps
+
+    if not apps.is_installed("buzz_delivery.gateway"):
+        return
+    from buzz_delivery.gateway.services import enroll
+    from buzz_delivery.testing import random32
+
+    for _ in range(rows):
+        enroll(community.id, random32(), enrolled_by="fill_community")
 
 
 def _fill_engine(community: models.Community, workflows: list[models.Workflow]) -> None:
