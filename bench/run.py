@@ -31,6 +31,7 @@ SCENARIOS = {
     "reap": "reap",
     "overhead": "overhead",
     "peers": "peers",
+    "isolation": "isolation",
 }
 
 

@@ -100,3 +100,75 @@ def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list
                 )
             )
     return errors
+
+
+@checks.register(checks.Tags.compatibility)
+def check_tenant_isolation_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """The row-level security settings (SPEC section 13) have the right types."""
+    raw = raw_settings()
+    errors: list[checks.CheckMessage] = []
+    for key in ("TENANT_ROLE", "MAINTENANCE_ROLE"):
+        if not isinstance(raw[key], str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", raw[key]):
+            errors.append(
+                checks.Error(
+                    f"BUZZ_DELIVERY[{key!r}] must be a role name (an SQL identifier).", id="buzz_delivery.E011"
+                )
+            )
+    if not isinstance(raw["SWITCH_ROLES"], bool):
+        errors.append(checks.Error("BUZZ_DELIVERY['SWITCH_ROLES'] must be True or False.", id="buzz_delivery.E012"))
+    if not errors and raw["TENANT_ROLE"] == raw["MAINTENANCE_ROLE"]:
+        errors.append(
+            checks.Error(
+                "BUZZ_DELIVERY['TENANT_ROLE'] and ['MAINTENANCE_ROLE'] must be two roles.", id="buzz_delivery.E013"
+            )
+        )
+    return errors
+
+
+@checks.register(checks.Tags.compatibility)
+def check_runtime_role_obeys_rls(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Warn when enforcement is on but the role the tenant code runs as would bypass it: a
+    superuser, a BYPASSRLS role, or the tables' owner (with FORCE the owner obeys the policies,
+    but may switch them off). Skipped silently when the database cannot be reached."""
+    from django.db import DatabaseError, connection
+
+    from buzz_delivery import isolation
+
+    if check_tenant_isolation_settings() or connection.vendor != "postgresql":
+        return []
+    raw = raw_settings()
+    try:
+        with connection.cursor() as cursor:
+            if not isolation.enforced(cursor):
+                return []
+            cursor.execute("SELECT current_user")
+            runtime = raw["TENANT_ROLE"] if raw["SWITCH_ROLES"] else cursor.fetchone()[0]
+            cursor.execute(
+                "SELECT r.rolsuper, r.rolbypassrls, EXISTS (SELECT FROM pg_class c"
+                " WHERE c.oid = to_regclass('buzz_delivery_delivery') AND pg_has_role(r.oid, c.relowner, 'USAGE'))"
+                " FROM pg_roles r WHERE r.rolname = %s",
+                [runtime],
+            )
+            row = cursor.fetchone()
+    except DatabaseError:
+        return []
+    if row is None:
+        return [
+            checks.Warning(
+                f"Tenant isolation is on, but the role {runtime!r} does not exist.",
+                hint="Run `manage.py tenant_isolation sql` as a DBA, or set BUZZ_DELIVERY['TENANT_ROLE'].",
+                id="buzz_delivery.W020",
+            )
+        ]
+    why = [w for w, on in zip(("is a superuser", "has BYPASSRLS", "owns the tables"), row, strict=True) if on]
+    if not why:
+        return []
+    return [
+        checks.Warning(
+            f"Tenant isolation is on, but the tenant code's role {runtime!r} {' and '.join(why)}: "
+            "row-level security does not hold it.",
+            hint="Set BUZZ_DELIVERY['SWITCH_ROLES'] = True, or log in as a plain member of "
+            f"{raw['TENANT_ROLE']!r} (docs/tenant-isolation.md).",
+            id="buzz_delivery.W020",
+        )
+    ]

@@ -31,6 +31,12 @@ DEFAULTS: dict[str, Any] = {
     # worker's own. Name a direct (or session-pooled) alias when workers connect through a
     # transaction pooler, where a LISTEN hears nothing.
     "LISTEN_DATABASE": None,
+    # Row-level security (SPEC section 13, docs/tenant-isolation.md): the roles the policies name,
+    # and whether the services switch to them per transaction (``SET LOCAL ROLE``). Off: the
+    # services run as the login role, which should then be a member of one of them.
+    "TENANT_ROLE": "buzz_tenant",
+    "MAINTENANCE_ROLE": "buzz_maintenance",
+    "SWITCH_ROLES": False,
 }
 
 

@@ -93,6 +93,9 @@ STATIC_ROOT = BASE_DIR / "var" / "static"
 BUZZ_DELIVERY: dict[str, object] = {
     "MIN_LEASE_SECONDS": env.float("BUZZ_MIN_LEASE_SECONDS", default=15),
     "RETRY_BACKOFF_BASE_SECONDS": env.float("BUZZ_RETRY_BACKOFF_BASE_SECONDS", default=5),
+    # Row-level security (docs/tenant-isolation.md): the services run each call as the tenant or
+    # the maintenance role, so the policies hold even for this superuser login.
+    "SWITCH_ROLES": env.bool("BUZZ_SWITCH_ROLES", default=True),
 }
 # The agent gateway (buzz_delivery.gateway, mounted at /gateway/v1/); every key is optional.
 BUZZ_GATEWAY: dict[str, object] = {

@@ -40,6 +40,7 @@ from buzz_delivery.agents.exceptions import (
 )
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
+from buzz_delivery.services.tenancy import tenant_scoped
 
 logger = logging.getLogger("buzz_delivery.agents")
 
@@ -63,6 +64,7 @@ class Context:
     ``shadow``, :meth:`call`, :meth:`request_approval`, :attr:`cancelled`, and ``lease`` (the
     current :class:`~buzz_delivery.agents.services.AgentLease`, renewed in the background)."""
 
+    @tenant_scoped
     def __init__(self, claim: s.AgentClaim) -> None:
         self.run = claim.run
         self.lease = claim.lease
@@ -189,6 +191,7 @@ class Context:
         raise RunAborted(f"cannot request an approval: {outcome}")
 
 
+@tenant_scoped
 def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
     """Run the compensations ``seqs`` (highest first) under ``lease``, each once, stopping at the
     first that fails; then end the run ``failed``. Returns ``compensated``,
@@ -220,6 +223,7 @@ def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
     return result if isinstance(final, (s.Finished, s.AlreadyTerminal)) else "lost"
 
 
+@tenant_scoped
 def run_claim(claim: s.AgentClaim, handler: Callable[[Context], Any], ctx: Context | None = None) -> str:
     """Run one claimed run to its next resting point and say which: ``completed``, ``failed``,
     ``compensated``, ``compensation_failed``, ``parked`` (approval), ``lost`` (lease lost)."""

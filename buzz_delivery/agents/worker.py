@@ -24,6 +24,7 @@ from django.db import connections
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.runtime import Context, Heartbeat, run_claim
 from buzz_delivery.agents.services.sql import RUN
+from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.sql import DB_NOW
 
@@ -72,7 +73,8 @@ class AgentWorker:
     def _communities(self) -> list[uuid.UUID]:
         if self.config.communities:
             return list(self.config.communities)
-        return [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+        with tenancy.fleet():  # discovery reads every community's runs: a fleet read (SPEC 13)
+            return [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
 
     def _take_slot(self) -> bool:
         with self.lock:

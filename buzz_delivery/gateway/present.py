@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from buzz_delivery.models import Event, WorkflowAgentDelivery
-from buzz_delivery.services import Lease
+from buzz_delivery.services import Lease, tenancy
 
 
 def rfc3339(value: dt.datetime | None) -> str | None:
@@ -86,6 +86,8 @@ def messages_for(deliveries: list[WorkflowAgentDelivery]) -> dict[tuple[uuid.UUI
         wanted.setdefault(d.community_id, set()).add(bytes(d.message_event_id))
     found: dict[tuple[uuid.UUID, bytes], Event] = {}
     for community, ids in wanted.items():
-        for event in Event.objects.filter(community_id=community, event_id__in=list(ids)):
+        with tenancy.tenant(community):
+            events = list(Event.objects.filter(community_id=community, event_id__in=list(ids)))
+        for event in events:
             found[(community, bytes(event.event_id))] = event
     return found

@@ -15,6 +15,7 @@ from typing import Any
 from django.db import connection
 
 from buzz_delivery.services import validation as v
+from buzz_delivery.services.tenancy import fleet_scoped
 
 # Event timestamps beyond this are refused before SQL (year 5138; to_timestamp stays in range).
 MAX_EVENT_TIMESTAMP = 10**11
@@ -74,6 +75,7 @@ def record_event_id(event_id: bytes, pubkey: bytes, created_at: int, *, window_s
     return Admission.ADMITTED if admitted else Admission.REPLAYED
 
 
+@fleet_scoped
 def prune_seen_events(*, keep_seconds: float, batch_size: int = 1000, max_batches: int | None = None) -> int:
     """Delete recorded event ids whose event is older than ``keep_seconds`` (database clock), in
     batches of ``batch_size`` (1..100,000); returns how many were deleted. ``keep_seconds`` must

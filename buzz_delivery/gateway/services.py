@@ -21,6 +21,7 @@ from buzz_delivery.gateway.replay import Admission, prune_seen_events, record_ev
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import translated_errors
+from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 
 ENROLLED_BY_MAX_CHARS = 200
 
@@ -96,6 +97,7 @@ def _require_active(community: uuid.UUID) -> None:
         raise CommunityNotWritable(f"community {community} is {row[0]}: enrollments are fenced (write fence)")
 
 
+@tenant_scoped
 def enroll(community_id: uuid.UUID | str, agent_pubkey: bytes, *, enrolled_by: str = "") -> Enrolled:
     """Enroll an agent key in a community (SPEC section 14), idempotently.
 
@@ -123,6 +125,7 @@ def enroll(community_id: uuid.UUID | str, agent_pubkey: bytes, *, enrolled_by: s
         return Enrolled(enrollment_id=live[0], created=False)
 
 
+@tenant_scoped
 def revoke(community_id: uuid.UUID | str, agent_pubkey: bytes) -> Revoked:
     """Revoke the key's live enrollment in the community (``revoked_at = now()``, database clock).
 
@@ -139,6 +142,7 @@ def revoke(community_id: uuid.UUID | str, agent_pubkey: bytes) -> Revoked:
         return Revoked(revoked=len(cursor.fetchall()))
 
 
+@tenant_scoped
 def is_enrolled(community_id: uuid.UUID | str, agent_pubkey: bytes) -> bool:
     """True when the key holds a live enrollment in the community and the community is ``active``.
 
@@ -148,6 +152,7 @@ def is_enrolled(community_id: uuid.UUID | str, agent_pubkey: bytes) -> bool:
     return _one(LIVE_IN_ACTIVE_COMMUNITY, {"community_id": community, "agent_pubkey": key}) is not None
 
 
+@fleet_scoped
 def enrolled_communities(agent_pubkey: bytes) -> list[uuid.UUID]:
     """The ``active`` communities where the key holds a live enrollment, ordered by id (one query).
 

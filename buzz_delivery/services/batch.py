@@ -8,11 +8,13 @@ from typing import Any
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, finish_delivery
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import FinishOutcome, Lease, Settled
 
 BATCH_OUTCOMES = ("finished", "failed")
 
 
+@tenant_scoped
 def finish_deliveries(
     leases: Sequence[Lease],
     outcome: str = "finished",

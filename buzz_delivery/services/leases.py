@@ -12,6 +12,7 @@ from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import (
     AlreadyTerminal,
     Binding,
@@ -98,6 +99,7 @@ def _fenced_as_nothing(statement: str, params: dict[str, Any]) -> list[tuple[Any
             raise
 
 
+@tenant_scoped
 def claim_delivery(
     community_id: uuid.UUID | str,
     target_pubkey: bytes,
@@ -132,6 +134,7 @@ def claim_delivery(
     return claims[0] if claims else None
 
 
+@tenant_scoped
 def claim_deliveries(
     community_id: uuid.UUID | str,
     target_pubkey: bytes,
@@ -162,6 +165,7 @@ def _lease_params(lease: Any) -> dict[str, Any]:
     }
 
 
+@tenant_scoped
 def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOutcome:
     """Extend a current lease to ``now() + lease_seconds`` (SPEC section 4.4).
 
@@ -185,6 +189,7 @@ def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOut
     )
 
 
+@tenant_scoped
 def finish_delivery(
     lease: Lease,
     outcome: str,
@@ -241,6 +246,7 @@ def finish_delivery(
     return LeaseLost()
 
 
+@tenant_scoped
 def get_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) -> WorkflowAgentDelivery | None:
     """The delivery with that id in that community, or None (SPEC section 4.7).
 

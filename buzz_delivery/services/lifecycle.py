@@ -14,6 +14,7 @@ from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
 from buzz_delivery.models import LIFECYCLE_ORDER, Community
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import fleet_scoped
 
 MAX_PURGE_BATCH = 100_000
 
@@ -50,6 +51,7 @@ def _count_rows(community: uuid.UUID) -> dict[str, int]:
     return {m._meta.label: m._base_manager.filter(community_id=community).count() for m in catalog_models()}
 
 
+@fleet_scoped
 def advance_community(community_id: uuid.UUID | str, state: str) -> Community:
     """Move a community one step forward: active -> quiescing -> fenced -> tombstone.
 
@@ -132,6 +134,7 @@ def _delete_batch(statement: str, community: Community, size: int) -> int:
     return count
 
 
+@fleet_scoped
 def purge_community(
     community_id: uuid.UUID | str, *, batch_size: int | None = None, dry_run: bool = False
 ) -> PurgeResult:

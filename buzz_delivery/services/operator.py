@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import fleet_scoped
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,7 @@ class OperatorOutcome:
     reason: str = ""
 
 
+@fleet_scoped
 def requeue_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) -> OperatorOutcome:
     """Move a ``failed`` or ``expired`` delivery back to ``pending`` with a fresh attempt count.
 
@@ -37,6 +39,7 @@ def requeue_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str
     return OperatorOutcome(True) if rows else OperatorOutcome(False, "not failed/expired, or community not active")
 
 
+@fleet_scoped
 def force_fail_delivery(
     community_id: uuid.UUID | str, delivery_id: uuid.UUID | str, *, failure_message: str | None = None
 ) -> OperatorOutcome:

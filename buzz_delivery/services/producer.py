@@ -18,6 +18,7 @@ from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import Binding
 from buzz_delivery.triggers import IDENTITY_LOCK_NAMESPACE
 
@@ -29,6 +30,7 @@ _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 _JSON_SURROGATE = re.compile(r"(?<!\\)(?:\\\\)*\\u[dD][89abcdefABCDEF]")
 
 
+@tenant_scoped
 def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | str, step_id: str) -> bool:
     """Serialise producers of one (community, run, step) and say whether deliveries exist for it.
 
@@ -85,6 +87,7 @@ def _snapshot(value: Any, name: str) -> str | None:
     return text
 
 
+@tenant_scoped
 def commit_deliveries(
     community_id: uuid.UUID | str,
     message_event: Event,

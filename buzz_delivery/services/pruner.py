@@ -22,6 +22,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.reaper import community_batch, walk_communities
 from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW
+from buzz_delivery.services.tenancy import fleet_scoped
 
 logger = logging.getLogger("buzz_delivery.pruner")
 
@@ -101,6 +102,7 @@ def _retention(retention: Mapping[str, dt.timedelta]) -> dict[str, float]:
     return ages
 
 
+@fleet_scoped
 def prune_deliveries(
     retention: Mapping[str, dt.timedelta],
     *,

@@ -16,6 +16,7 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.services.types import ReapResult
 
 logger = logging.getLogger("buzz_delivery.reaper")
@@ -103,6 +104,7 @@ def _reap_community(community: uuid.UUID, size: int, limit: int | None, tally: _
     return True
 
 
+@fleet_scoped
 def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False) -> ReapResult:
     """Reap every community and return a :class:`ReapResult`.
 

@@ -8,6 +8,7 @@ import uuid
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, DELIVERY
+from buzz_delivery.services.tenancy import tenant_scoped
 
 RUN_CANCELED = "run_canceled"
 
@@ -36,6 +37,7 @@ RETURNING d.id
 """
 
 
+@tenant_scoped
 def expire_run_deliveries(
     community_id: uuid.UUID | str,
     run_id: uuid.UUID | str,

@@ -25,6 +25,7 @@ from django.utils import timezone
 from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import Binding, Settled
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
 from buzz_delivery.workflows.registry import PermanentStepFailure, StepContext, get_function
@@ -78,6 +79,7 @@ def step_input(claim: StepClaim) -> dict[str, Any]:
     return resolve(spec, run, outputs)  # type: ignore[no-any-return]
 
 
+@tenant_scoped
 def execute(claim: StepClaim) -> StepOutcome:
     """Run one claimed step to its next state; returns the outcome of its last transition."""
     kind = claim.step.kind

@@ -23,9 +23,11 @@ from buzz_delivery.agents.services.types import (
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.services.approvals import MAX_DEADLINE_SECONDS
 
 
+@tenant_scoped
 def request_approval(
     lease: AgentLease, *, prompt: str = "", deadline_seconds: int = 86400
 ) -> ApprovalRequested | BudgetExceeded | AlreadyTerminal | LeaseLost:

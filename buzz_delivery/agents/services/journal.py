@@ -31,6 +31,7 @@ from buzz_delivery.agents.services.types import (
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 
 SHADOW_REASON = "shadow mode: destructive call not made"
 MAX_ARGS_BYTES = 1_000_000
@@ -73,6 +74,7 @@ def budget_or_missed(params: dict[str, Any]) -> BudgetExceeded | AlreadyTerminal
     return missed(params)
 
 
+@tenant_scoped
 def journal_call(
     lease: AgentLease,
     tool_name: str,
@@ -123,6 +125,7 @@ def journal_call(
     return Journaled(seq, params["idempotency_key"])
 
 
+@tenant_scoped
 def record_call_result(
     lease: AgentLease,
     seq: int,
@@ -184,6 +187,7 @@ def _fence_holds(params: dict[str, Any]) -> bool:
     )
 
 
+@tenant_scoped
 def begin_compensation(lease: AgentLease, seq: int) -> dict[str, Any] | AlreadyTerminal | LeaseLost | None:
     """Begin (or, after a crash, resume) the compensation of entry ``seq`` of an unwinding run:
     allowed only for the highest compensable entry not yet compensated (reverse order, in the
@@ -206,6 +210,7 @@ def begin_compensation(lease: AgentLease, seq: int) -> dict[str, Any] | AlreadyT
         return missed(params)
 
 
+@tenant_scoped
 def finish_compensation(
     lease: AgentLease, seq: int, *, ok: bool, error: str | None = None
 ) -> Recorded | AlreadyRecorded | AlreadyTerminal | LeaseLost:

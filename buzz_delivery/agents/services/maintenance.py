@@ -23,6 +23,7 @@ from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
@@ -125,6 +126,7 @@ def _one_community(community: object, limit: int, result: AgentReapResult) -> bo
     return True
 
 
+@fleet_scoped
 def reap_agent_runs(
     *, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False
 ) -> AgentReapResult:

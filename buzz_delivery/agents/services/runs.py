@@ -37,6 +37,7 @@ from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import Lease, Settled, finish_delivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 
 MAX_CLAIM = 100
 MAX_TIMEOUT_SECONDS = 30 * 86400
@@ -64,6 +65,7 @@ def _budget_params(
     }
 
 
+@tenant_scoped
 def accept_delivery(
     lease: Lease,
     *,
@@ -116,6 +118,7 @@ def accept_delivery(
     return Accepted(run.id)
 
 
+@tenant_scoped
 def intake_event(
     community_id: uuid.UUID | str,
     channel_type: str,
@@ -181,6 +184,7 @@ def _worker(value: Any) -> str:
     return text
 
 
+@tenant_scoped
 def claim_agent_runs(
     community_id: uuid.UUID | str,
     agent_pubkeys: list[bytes],
@@ -216,6 +220,7 @@ def claim_agent_runs(
     ]
 
 
+@tenant_scoped
 def heartbeat(lease: AgentLease, lease_seconds: float | None = None) -> Renewed | AlreadyTerminal | LeaseLost:
     """Renew the holder's lease by ``lease_seconds`` from now (database clock) and record
     ``heartbeat_at``; never bumps the generation. Returns :class:`Renewed`, ``AlreadyTerminal``
@@ -233,6 +238,7 @@ def heartbeat(lease: AgentLease, lease_seconds: float | None = None) -> Renewed 
         return missed(params)
 
 
+@tenant_scoped
 def complete_run(lease: AgentLease, output: Any) -> Finished | AlreadyTerminal | LeaseLost:
     """End the run ``completed`` with ``output`` (JSON, at most ``MAX_OUTPUT_BYTES``; its
     SHA-256 recorded), releasing the lease. Refused (``LeaseLost``) while the run is unwinding.
@@ -249,6 +255,7 @@ def complete_run(lease: AgentLease, output: Any) -> Finished | AlreadyTerminal |
         return missed(params)
 
 
+@tenant_scoped
 def fail_run(
     lease: AgentLease, failure_code: str, failure_message: str | None = None
 ) -> Finished | Unwinding | AlreadyTerminal | LeaseLost:
@@ -272,6 +279,7 @@ def fail_run(
         return missed(params)
 
 
+@tenant_scoped
 def cancel_agent_run(
     community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, reason: str | None = None
 ) -> Cancelled | AlreadyTerminal | NotFound:
@@ -299,6 +307,7 @@ def cancel_agent_run(
     return AlreadyTerminal(state)
 
 
+@tenant_scoped
 def get_agent_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> AgentRun | None:
     """Scoped read of one run (None if absent)."""
     return AgentRun.objects.filter(

@@ -12,6 +12,7 @@ from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.exceptions import ApprovalNotFound
 from buzz_delivery.workflows.models import Approval
 from buzz_delivery.workflows.services import sql
@@ -31,6 +32,7 @@ DECISIONS = {"approved": "approved", "approve": "approved", "rejected": "rejecte
 MAX_DEADLINE_SECONDS = 30 * 86400
 
 
+@tenant_scoped
 def request_approval(
     lease: StepLease, *, deadline_seconds: int, prompt: str = ""
 ) -> ApprovalRequested | AlreadyTerminal | LeaseLost:
@@ -68,6 +70,7 @@ def request_approval(
     return ApprovalRequested(approval)
 
 
+@tenant_scoped
 def decide_approval(
     community_id: uuid.UUID | str, approval_id: uuid.UUID | str, decision: str, decided_by: str
 ) -> DecideOutcome:

@@ -11,6 +11,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.tenancy import tenant_scoped
 
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 MAX_INPUT_BYTES = 1_000_000
@@ -49,6 +50,7 @@ def json_argument(value: Any, name: str, max_bytes: int = MAX_INPUT_BYTES) -> st
         raise v.invalid(name, str(exc)) from None
 
 
+@tenant_scoped
 def community_active(community_id: uuid.UUID) -> bool:
     rows = fetch_all(
         "SELECT deletion_state = 'active' FROM buzz_delivery_community WHERE id = %(id)s", {"id": community_id}

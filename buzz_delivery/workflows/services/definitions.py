@@ -10,6 +10,7 @@ from django.db import transaction
 from buzz_delivery.models import Workflow
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows import definition as d
 from buzz_delivery.workflows.models import DefinitionVersion
 
@@ -17,6 +18,7 @@ LOCK_WORKFLOW = """SELECT 1 FROM buzz_delivery_workflow
 WHERE community_id = %(community_id)s AND id = %(workflow_id)s FOR NO KEY UPDATE"""
 
 
+@tenant_scoped
 def publish_definition(
     community_id: uuid.UUID | str, workflow_id: uuid.UUID | str, definition: dict[str, Any]
 ) -> DefinitionVersion:

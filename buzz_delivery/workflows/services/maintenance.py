@@ -24,6 +24,7 @@ from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
@@ -189,6 +190,7 @@ def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
         result.batches += 1
 
 
+@fleet_scoped
 def reap_workflow_steps(
     *, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False
 ) -> WorkflowReapResult:

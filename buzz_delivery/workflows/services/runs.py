@@ -14,6 +14,7 @@ from buzz_delivery.models import WorkflowRun, new_uuid7
 from buzz_delivery.services import AlreadyTerminal, Cause
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.exceptions import IdempotencyConflict, RunNotFound, RunNotRestartable
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
@@ -52,6 +53,7 @@ def cause_of(run: Run) -> Cause:
     )
 
 
+@tenant_scoped
 def create_run(
     community: uuid.UUID,
     version: DefinitionVersion,
@@ -120,6 +122,7 @@ def create_run(
     return run
 
 
+@tenant_scoped
 def expire_deliveries_of_ended_runs(community: uuid.UUID, run_ids: list[Any]) -> int:
     """Expire (core service) the pending deliveries of those runs that ended ``failed`` or
     ``canceled`` and still carry ``deliveries_to_expire``, and of their child runs, in the
@@ -136,6 +139,7 @@ def expire_deliveries_of_ended_runs(community: uuid.UUID, run_ids: list[Any]) ->
     return total
 
 
+@tenant_scoped
 def start_run(
     community_id: uuid.UUID | str,
     workflow_id: uuid.UUID | str,
@@ -204,6 +208,7 @@ def start_run(
         raise
 
 
+@tenant_scoped
 def get_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> RunView | None:
     """The engine run and its steps (definition order), or None. Scoped read. SPEC section 11."""
     community = v.uuid_value(community_id, "community_id")
@@ -214,6 +219,7 @@ def get_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> RunView |
     return RunView(run=run, steps=list(Step.objects.filter(community_id=community, run_id=rid).order_by("position")))
 
 
+@tenant_scoped
 def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Canceled | AlreadyTerminal:
     """Cancel a running run in one transaction: the run becomes ``canceled``, every non-terminal
     step ``canceled`` with generation + 1 (holders get ``LeaseLost`` at their next renew or
@@ -250,6 +256,7 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
     return Canceled(runs=len(live), deliveries=expired)
 
 
+@tenant_scoped
 def restart_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, from_failure: bool = True) -> Run:
     """Start a new run of an ended run's pinned version, input and cause (``restart_of`` = it).
 

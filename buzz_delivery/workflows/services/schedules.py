@@ -30,6 +30,7 @@ from buzz_delivery.services import Cause
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.models import MissedSlots, Schedule
 from buzz_delivery.workflows.services.common import json_argument
@@ -88,6 +89,7 @@ def _next_slot(cron: str, after: dt.datetime) -> dt.datetime:
     return croniter(cron, after).get_next(dt.datetime)  # type: ignore[no-any-return]
 
 
+@tenant_scoped
 def create_schedule(
     community_id: uuid.UUID | str,
     workflow_id: uuid.UUID | str,
@@ -168,6 +170,7 @@ def _one_community(community: Any, limit: int, result: ScheduleResult) -> None:
             )
 
 
+@fleet_scoped
 def start_due_schedules(*, batch_size: int = 100, max_communities: int = 100) -> ScheduleResult:
     """Start the runs of every due slot of every active community's enabled schedules, exactly
     once per slot (see the module docstring). ``batch_size``: schedules per community

@@ -19,6 +19,7 @@ from django.db import transaction
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Step
 from buzz_delivery.workflows.services import sql
@@ -60,6 +61,7 @@ def _missed(params: dict[str, Any], still_fine: str | None = None) -> StepOutcom
     return LeaseLost()
 
 
+@tenant_scoped
 def claim_steps(
     community_id: uuid.UUID | str, *, limit: int = 1, lease_seconds: float | None = None
 ) -> list[StepClaim]:
@@ -112,12 +114,14 @@ def definition_steps(definition_id: uuid.UUID) -> dict[str, dict[str, Any]]:
     return found
 
 
+@fleet_scoped
 def communities_with_ready_steps(limit: int = 100) -> list[uuid.UUID]:
     """Communities that have claimable steps now (a plain read; orchestrators of "all"
     communities walk them and claim per community)."""
     return [row[0] for row in fetch_all(sql.COMMUNITIES_WITH_READY_STEPS, {"limit": limit})]
 
 
+@tenant_scoped
 def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRenewed | LeaseLost:
     """Extend a current step lease to now + ``lease_seconds`` (database clock). Never bumps the
     generation. Returns :class:`StepRenewed` or ``LeaseLost`` (expired, reclaimed, canceled,
@@ -133,6 +137,7 @@ def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRene
     )
 
 
+@tenant_scoped
 def complete_step(lease: StepLease, output: Any = None) -> StepOutcome:
     """Record the step ``succeeded`` with ``output`` (JSON), if the lease is current; Advance
     runs in the same transaction.
@@ -163,6 +168,7 @@ def backoff_seconds(attempts: int, base: float, cap: float) -> float:
     return float(min(cap, base * (2 ** min(attempts - 1, 30))))
 
 
+@tenant_scoped
 def fail_step(
     lease: StepLease,
     failure_code: str,
@@ -211,6 +217,7 @@ def fail_step(
         return _missed(params)
 
 
+@tenant_scoped
 def park_step(
     lease: StepLease,
     *,
@@ -231,6 +238,7 @@ def park_step(
     return _missed(params, still_fine="waiting")
 
 
+@tenant_scoped
 def park_step_returning_deadline(lease: StepLease, *, wait_seconds: float) -> tuple[StepOutcome, Any]:
     """:func:`park_step` that also returns the wait deadline it set (database clock)."""
     params = _params(lease, expected=None, child_run_id=None, wait_seconds=wait_seconds)

@@ -1,0 +1,13 @@
+"""Row-level security for this app's community-scoped tables (SPEC section 13): grants to the
+two roles and the two policies on each, as in the core's 0008. Enforcement is switched by
+``manage.py tenant_isolation``."""
+
+from django.db import migrations
+
+from buzz_delivery import isolation
+
+
+class Migration(migrations.Migration):
+    dependencies = [("buzz_agents", "0002_keys_and_triggers"), ("buzz_delivery", "0008_row_level_security")]
+
+    operations = [isolation.migration_operation("buzz_agents")]

@@ -1,0 +1,299 @@
+"""Row-level security under every community-scoped table (SPEC section 13): the roles, grants
+and policies, and the switch that turns enforcement on and off.
+
+Two roles (names from ``BUZZ_DELIVERY["TENANT_ROLE"]`` and ``["MAINTENANCE_ROLE"]``, default
+``buzz_tenant`` and ``buzz_maintenance``), both ``NOLOGIN``, both granted DML on the apps'
+tables. Two permissive policies on every community-scoped table (a table with a
+``community_id`` column, and the community table itself by its ``id``):
+
+- ``buzz_tenant_rows``, for the tenant role: only the rows whose community is the
+  transaction-local setting ``buzz.community_id`` (:data:`CONTEXT_SETTING`). Unset or empty
+  means no rows at all, for reads and for writes (fail closed);
+- ``buzz_fleet_rows``, for the maintenance role: every row (the reaper, the pruner, the purge,
+  the orchestrator's maintenance, operators).
+
+Migrations create the roles where the migrating user may (a superuser, or ``CREATEROLE``) and
+install grants and policies once the roles exist; where it may not, they skip with a warning and
+``manage.py tenant_isolation sql`` prints the statements for a DBA (the settings then name the
+roles the DBA created). Enforcement itself (``ENABLE`` and ``FORCE ROW LEVEL SECURITY``) is
+switched by ``manage.py tenant_isolation enable | disable | status``, so an existing install can
+adopt it. Nothing here is session-level: behind a transaction pooler no tenant state leaks.
+
+Not supported on Citus in this version: a worker node does not see the coordinator's
+``set_config`` (``tenant_isolation enable`` refuses there).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import models
+
+from buzz_delivery.conf import raw_settings
+
+# The transaction-local setting that names the tenant (a community id, or '' for none).
+CONTEXT_SETTING = "buzz.community_id"
+TENANT_POLICY = "buzz_tenant_rows"
+FLEET_POLICY = "buzz_fleet_rows"
+COMMUNITY_TABLE = "buzz_delivery_community"
+# The apps whose tables the roles are granted and whose community-scoped tables get policies.
+APP_LABELS = ("buzz_delivery", "buzz_workflows", "buzz_agents", "buzz_gateway")
+
+CURRENT_COMMUNITY_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION buzz_delivery_current_community() RETURNS uuid
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT nullif(current_setting('{CONTEXT_SETTING}', true), '')::uuid
+$$;
+"""
+DROP_CURRENT_COMMUNITY_FUNCTION = "DROP FUNCTION IF EXISTS buzz_delivery_current_community()"
+
+
+class IsolationError(RuntimeError):
+    """Enforcement cannot be switched: roles missing, not the tables' owner, or Citus."""
+
+
+@dataclass(frozen=True, slots=True)
+class Roles:
+    """The role names the policies name: ``tenant`` and ``maintenance`` (str)."""
+
+    tenant: str
+    maintenance: str
+
+
+def roles() -> Roles:
+    """The configured role names (``BUZZ_DELIVERY["TENANT_ROLE"]``/``["MAINTENANCE_ROLE"]``)."""
+    raw = raw_settings()
+    return Roles(tenant=raw["TENANT_ROLE"], maintenance=raw["MAINTENANCE_ROLE"])
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def community_column(model: type[models.Model]) -> str | None:
+    """The column naming a row's community: ``id`` for the community table, ``community_id``
+    for a community-scoped table, None for any other table."""
+    if model._meta.db_table == COMMUNITY_TABLE:
+        return "id"
+    columns = {getattr(f, "column", None) for f in model._meta.concrete_fields}
+    return "community_id" if "community_id" in columns else None
+
+
+def app_tables(app_models: Iterable[type[models.Model]]) -> list[tuple[str, str | None]]:
+    """``(db_table, community column or None)`` for every concrete, managed model given."""
+    out = []
+    for model in app_models:
+        meta = model._meta
+        if meta.proxy or not meta.managed or meta.abstract:
+            continue
+        out.append((meta.db_table, community_column(model)))
+    return out
+
+
+def installed_tables() -> list[tuple[str, str | None]]:
+    """:func:`app_tables` over the installed apps of :data:`APP_LABELS`."""
+    from django.apps import apps
+
+    found: list[type[models.Model]] = []
+    for label in APP_LABELS:
+        if apps.is_installed(_APP_NAMES[label]):
+            found.extend(apps.get_app_config(label).get_models())
+    return app_tables(found)
+
+
+_APP_NAMES = {
+    "buzz_delivery": "buzz_delivery",
+    "buzz_workflows": "buzz_delivery.workflows",
+    "buzz_agents": "buzz_delivery.agents",
+    "buzz_gateway": "buzz_delivery.gateway",
+}
+
+
+def role_sql(names: Roles) -> list[str]:
+    """Statements that create the two roles where they are missing (a DBA's script)."""
+    return [
+        f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{name}') THEN "
+        f"CREATE ROLE {_ident(name)} NOLOGIN NOSUPERUSER NOBYPASSRLS; END IF; END $$"
+        for name in (names.tenant, names.maintenance)
+    ]
+
+
+def grant_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[str]:
+    """GRANT statements: schema usage, DML on every table, sequences, for both roles."""
+    both = f"{_ident(names.tenant)}, {_ident(names.maintenance)}"
+    out = [f"GRANT USAGE ON SCHEMA public TO {both}"]
+    for table, _column in tables:
+        out.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {_ident(table)} TO {both}")
+    out.append(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {both}")
+    return out
+
+
+def policy_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[str]:
+    """(Re)create the two policies on every community-scoped table of ``tables``."""
+    out = [CURRENT_COMMUNITY_FUNCTION.strip()]
+    for table, column in tables:
+        if column is None:
+            continue
+        mine = f"{_ident(column)} = buzz_delivery_current_community()"
+        out += [
+            f"DROP POLICY IF EXISTS {TENANT_POLICY} ON {_ident(table)}",
+            f"CREATE POLICY {TENANT_POLICY} ON {_ident(table)} AS PERMISSIVE FOR ALL "
+            f"TO {_ident(names.tenant)} USING ({mine}) WITH CHECK ({mine})",
+            f"DROP POLICY IF EXISTS {FLEET_POLICY} ON {_ident(table)}",
+            f"CREATE POLICY {FLEET_POLICY} ON {_ident(table)} AS PERMISSIVE FOR ALL "
+            f"TO {_ident(names.maintenance)} USING (true) WITH CHECK (true)",
+        ]
+    return out
+
+
+def switch_sql(tables: Sequence[tuple[str, str | None]], on: bool) -> list[str]:
+    """ENABLE + FORCE (``on``) or DISABLE + NO FORCE row-level security on the scoped tables."""
+    verb = (
+        "ENABLE ROW LEVEL SECURITY, FORCE ROW LEVEL SECURITY"
+        if on
+        else ("DISABLE ROW LEVEL SECURITY, NO FORCE ROW LEVEL SECURITY")
+    )
+    return [f"ALTER TABLE {_ident(table)} {verb}" for table, column in tables if column is not None]
+
+
+def _missing_roles(cursor: Any, names: Roles) -> list[str]:
+    cursor.execute(
+        "SELECT n FROM unnest(%s::text[]) n WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = n)",
+        [[names.tenant, names.maintenance]],
+    )
+    return [row[0] for row in cursor.fetchall()]
+
+
+def _may_create_roles(cursor: Any) -> bool:
+    cursor.execute("SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user")
+    row = cursor.fetchone()
+    return bool(row and row[0])
+
+
+def ensure_roles(cursor: Any, names: Roles) -> list[str]:
+    """Create the missing roles if the current user may, and make them settable by it (SET
+    ROLE needs membership unless superuser). Returns the roles still missing."""
+    missing = _missing_roles(cursor, names)
+    if missing and _may_create_roles(cursor):
+        for statement in role_sql(names):
+            cursor.execute(statement)
+        cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+        if not cursor.fetchone()[0]:
+            for name in (names.tenant, names.maintenance):
+                cursor.execute(f"GRANT {_ident(name)} TO CURRENT_USER")
+        missing = _missing_roles(cursor, names)
+    return missing
+
+
+def install(cursor: Any, tables: Sequence[tuple[str, str | None]]) -> bool:
+    """Roles (where possible), grants and policies for ``tables``; returns False (and warns)
+    when the roles are missing and the current user may not create them."""
+    names = roles()
+    missing = ensure_roles(cursor, names)
+    if missing:
+        warnings.warn(
+            f"buzz_delivery: roles {', '.join(missing)} do not exist and this user may not create them; "
+            "row-level security policies were not installed. Have a DBA run the output of "
+            "`manage.py tenant_isolation sql`, then `manage.py tenant_isolation enable`.",
+            stacklevel=2,
+        )
+        return False
+    for statement in (*grant_sql(tables, names), *policy_sql(tables, names)):
+        cursor.execute(statement)
+    return True
+
+
+def migration_operation(app_label: str) -> Any:
+    """A ``RunPython`` that installs grants and policies for ``app_label``'s tables as the
+    historical models of that migration state describe them (reversible: drops the policies)."""
+    from django.db import migrations
+
+    def forward(apps: Any, schema_editor: Any) -> None:
+        tables = app_tables(apps.get_app_config(app_label).get_models())
+        with schema_editor.connection.cursor() as cursor:
+            install(cursor, tables)
+
+    def backward(apps: Any, schema_editor: Any) -> None:
+        tables = app_tables(apps.get_app_config(app_label).get_models())
+        with schema_editor.connection.cursor() as cursor:
+            for statement in switch_sql(tables, on=False):
+                cursor.execute(statement)
+            for table, column in tables:
+                if column is not None:
+                    cursor.execute(f"DROP POLICY IF EXISTS {TENANT_POLICY} ON {_ident(table)}")
+                    cursor.execute(f"DROP POLICY IF EXISTS {FLEET_POLICY} ON {_ident(table)}")
+
+    return migrations.RunPython(forward, backward, elidable=False)
+
+
+@dataclass(frozen=True, slots=True)
+class TableState:
+    """One community-scoped table: ``enabled``/``forced`` RLS, policy names present."""
+
+    table: str
+    enabled: bool
+    forced: bool
+    policies: frozenset[str]
+
+    @property
+    def complete(self) -> bool:
+        return self.enabled and self.forced and {TENANT_POLICY, FLEET_POLICY} <= self.policies
+
+
+def table_states(cursor: Any, tables: Sequence[tuple[str, str | None]] | None = None) -> list[TableState]:
+    """The RLS state of every community-scoped table (default: the installed apps')."""
+    scoped = [t for t, c in (installed_tables() if tables is None else tables) if c is not None]
+    cursor.execute(
+        "SELECT c.relname, c.relrowsecurity, c.relforcerowsecurity,"
+        " coalesce(array_agg(p.polname) FILTER (WHERE p.polname IS NOT NULL), '{}')"
+        " FROM pg_class c LEFT JOIN pg_policy p ON p.polrelid = c.oid"
+        " WHERE c.oid = ANY (SELECT to_regclass(t) FROM unnest(%s::text[]) t)"
+        " GROUP BY 1, 2, 3 ORDER BY 1",
+        [scoped],
+    )
+    return [TableState(r[0], r[1], r[2], frozenset(r[3])) for r in cursor.fetchall()]
+
+
+def enforced(cursor: Any) -> bool:
+    """True when RLS is enabled and forced on the delivery table (how the services decide
+    whether to set a tenant context at all)."""
+    cursor.execute(
+        "SELECT coalesce(bool_and(relrowsecurity AND relforcerowsecurity), false) FROM pg_class"
+        " WHERE oid = to_regclass('buzz_delivery_delivery')"
+    )
+    return bool(cursor.fetchone()[0])
+
+
+def is_citus(cursor: Any) -> bool:
+    cursor.execute("SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')")
+    return bool(cursor.fetchone()[0])
+
+
+def switch(cursor: Any, on: bool) -> list[TableState]:
+    """Enable (installing any missing grants and policies first) or disable enforcement on every
+    installed community-scoped table, in the caller's transaction. Raises
+    :class:`IsolationError` when the roles are missing or on Citus."""
+    tables = installed_tables()
+    if on:
+        if is_citus(cursor):
+            raise IsolationError("tenant isolation is not supported on Citus in this version (SPEC section 13)")
+        if not install(cursor, tables):
+            raise IsolationError(
+                "the roles the policies name do not exist: run `manage.py tenant_isolation sql` as a DBA first"
+            )
+    for statement in switch_sql(tables, on):
+        cursor.execute(statement)
+    return table_states(cursor, tables)
+
+
+def dba_script() -> str:
+    """The SQL a DBA runs where the migrating user may not create roles: roles, grants,
+    policies, and the statement that enables enforcement (commented out)."""
+    tables = installed_tables()
+    names = roles()
+    lines = [*role_sql(names), *grant_sql(tables, names), *policy_sql(tables, names)]
+    lines.append("-- then, as the tables' owner: manage.py tenant_isolation enable")
+    return ";\n".join(line.rstrip(";") for line in lines[:-1]) + ";\n" + lines[-1] + "\n"

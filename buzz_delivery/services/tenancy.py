@@ -1,0 +1,247 @@
+"""The tenant context of every services call, for row-level security (SPEC section 13).
+
+Every public service that works on one community runs in a *tenant scope*
+(:func:`tenant_scoped`): each of its statements runs with the transaction-local setting
+``buzz.community_id`` naming that community, and, when ``BUZZ_DELIVERY["SWITCH_ROLES"]`` is on,
+as the tenant role (``SET LOCAL ROLE`` through ``set_config('role', ..., true)``). Fleet work
+(reaper, pruner, purge, lifecycle moves, operator actions, the engine's and the agents'
+maintenance, the workers' discovery of communities with work) runs in a *fleet scope*
+(:func:`fleet_scoped`): as the maintenance role when switching roles, else as the login role.
+
+How the context reaches the server, without a round trip of its own:
+
+- outside a transaction (autocommit, how agents and workers call the lease operations) each
+  statement of the scope is sent in one psycopg pipeline behind a small ``SELECT set_config(...)``:
+  both run in the implicit transaction that ends at the pipeline's Sync, so the setting holds for
+  exactly that statement and is gone after it (one network round trip, as before);
+- inside a caller's transaction the scope sets the context once, in the same pipeline as its
+  first statement, and puts the previous values back when it closes (one more round trip), so
+  a tenant call inside a test's or an operator's transaction leaves that transaction's role
+  and context as they were.
+
+Nothing is session-level: behind PgBouncer in transaction mode no tenant state outlives a
+transaction. When enforcement is off in the database (``manage.py tenant_isolation status``)
+the scopes do nothing at all; whether it is on is read once per database connection.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, connection
+
+from buzz_delivery import isolation
+from buzz_delivery.conf import raw_settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# One statement each; the setting is transaction-local (``is_local = true``).
+SET_CONTEXT = "SELECT set_config('buzz.community_id', %(community)s, true)"
+SET_ROLE_AND_CONTEXT = "SELECT set_config('role', %(role)s, true), set_config('buzz.community_id', %(community)s, true)"
+# Inside a transaction: set, and return what was there, to put back when the scope closes.
+SWAP = (
+    "SELECT o.r, o.c FROM (SELECT current_setting('role') AS r,"
+    " coalesce(current_setting('buzz.community_id', true), '') AS c OFFSET 0) o,"
+    " LATERAL (SELECT set_config('role', coalesce(%(role)s, o.r), true),"
+    " set_config('buzz.community_id', %(community)s, true)) s"
+)
+FLEET = ""  # the community context of a fleet scope: none
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a scope's statements run as: ``role`` (None = leave the role alone) and
+    ``community`` (a community id as text, or '' for none)."""
+
+    role: str | None
+    community: str
+
+
+@dataclass(slots=True)
+class _ConnectionState:
+    raw: Any
+    enforced: bool
+    stack: list[Target] = field(default_factory=list)
+
+
+def _state() -> _ConnectionState:
+    connection.ensure_connection()
+    raw = connection.connection
+    state: _ConnectionState | None = getattr(connection, "_buzz_tenancy", None)
+    if state is None or state.raw is not raw:
+        with connection.cursor() as cursor:
+            state = _ConnectionState(raw=raw, enforced=isolation.enforced(cursor))
+        connection._buzz_tenancy = state  # type: ignore[attr-defined]
+    return state
+
+
+def forget() -> None:
+    """Read the enforcement switch again on the next scope (after ``tenant_isolation``)."""
+    if hasattr(connection, "_buzz_tenancy"):
+        del connection._buzz_tenancy  # type: ignore[attr-defined]
+
+
+def enforcing() -> bool:
+    """True when row-level security is on for the default connection's database."""
+    return _state().enforced
+
+
+def _switching() -> bool:
+    return bool(raw_settings()["SWITCH_ROLES"])
+
+
+class _Prefix:
+    """An ``execute_wrapper`` that sends the scope's ``set_config`` in one pipeline ahead of a
+    statement: ahead of every statement when the scope opened outside a transaction, ahead of
+    the first one only when it opened inside one (where it also reads what to put back)."""
+
+    def __init__(self, state: _ConnectionState, target: Target, in_transaction: bool) -> None:
+        self.state = state
+        self.target = target
+        self.in_transaction = in_transaction
+        self.previous: tuple[str, str] | None = None  # read by the first statement in a transaction
+        self.params = {"role": target.role, "community": target.community}
+        if in_transaction:
+            self.sql = SWAP
+        else:
+            self.sql = SET_CONTEXT if target.role is None else SET_ROLE_AND_CONTEXT
+
+    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+        if (
+            not self.state.stack
+            or self.state.stack[-1] is not self.target
+            or (self.in_transaction and self.previous is not None)
+        ):
+            return execute(sql, params, many, context)  # an inner scope's, or already set
+        db = context["connection"]
+        raw = db.connection
+        with db.wrap_database_errors:
+            with raw.pipeline():
+                swap = raw.execute(self.sql, self.params, prepare=False)
+                result = execute(sql, params, many, context)
+            if self.in_transaction:
+                self.previous = swap.fetchone()
+        return result
+
+    def restore(self) -> None:
+        """Put back the role and context the transaction had before the scope set its own."""
+        if self.previous is None or connection.needs_rollback:
+            return
+        role, community = self.previous
+        try:
+            with connection.wrap_database_errors:
+                connection.connection.execute(
+                    SET_ROLE_AND_CONTEXT, {"role": role, "community": community}, prepare=False
+                )
+        except DatabaseError:
+            pass  # the transaction failed in the block: it rolls back anyway
+
+
+@contextmanager
+def scope(target: Target) -> Iterator[None]:
+    """Run the block's statements as ``target`` (see the module docstring for how). Sends
+    nothing until the block runs a statement."""
+    state = _state()
+    if not state.enforced or (state.stack and state.stack[-1] == target):
+        yield
+        return
+    prefix = _Prefix(state, target, connection.in_atomic_block)
+    state.stack.append(target)
+    try:
+        with connection.execute_wrapper(prefix):
+            yield
+    finally:
+        state.stack.pop()
+        if prefix.in_transaction:
+            prefix.restore()
+
+
+def tenant_target(community_id: uuid.UUID | str) -> Target:
+    """The target of a tenant scope for ``community_id``."""
+    role = raw_settings()["TENANT_ROLE"] if _switching() else None
+    return Target(role=role, community=str(community_id))
+
+
+def fleet_target() -> Target:
+    """The target of a fleet scope: the maintenance role when switching roles."""
+    return Target(role=raw_settings()["MAINTENANCE_ROLE"] if _switching() else None, community=FLEET)
+
+
+@contextmanager
+def tenant(community_id: uuid.UUID | str) -> Iterator[None]:
+    """A tenant scope for ``community_id`` (a UUID or its text). SPEC section 13."""
+    with scope(tenant_target(community_id)):
+        yield
+
+
+@contextmanager
+def fleet() -> Iterator[None]:
+    """A fleet scope (maintenance). Without role switching it does nothing: the login role's
+    own policies apply. SPEC section 13."""
+    if not _switching():
+        yield
+        return
+    with scope(fleet_target()):
+        yield
+
+
+_COMMUNITY_ARGUMENTS = ("community_id", "community", "lease", "leases", "claim")
+
+
+def _community_of(value: Any) -> uuid.UUID | None:
+    if isinstance(value, list | tuple):
+        value = value[0] if value else None
+    for attribute in ("community_id", "lease"):
+        inner = getattr(value, attribute, None)
+        if inner is not None and not isinstance(value, uuid.UUID | str):
+            return _community_of(inner)
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            return None
+    pk = getattr(value, "pk", None)  # a Community instance
+    return pk if isinstance(pk, uuid.UUID) else None
+
+
+def tenant_scoped(func: F) -> F:
+    """Decorate a service of one community: its statements run in :func:`tenant` for the
+    community named by its first argument among ``community_id``, ``community``, ``lease``,
+    ``leases`` (the first one's) or ``claim``. A value that names no community (bad input the
+    service itself rejects) runs the call without a scope: it then sees no rows (fail closed)."""
+    signature = inspect.signature(func)
+    names = list(signature.parameters)
+    found = [(names.index(n), n) for n in _COMMUNITY_ARGUMENTS if n in names]
+    if not found:
+        raise TypeError(f"{func.__qualname__} has no argument naming a community")
+    index, name = min(found)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        value = args[index] if len(args) > index else kwargs.get(name)
+        community = _community_of(value)
+        if community is None:
+            return func(*args, **kwargs)
+        with tenant(community):
+            return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def fleet_scoped(func: F) -> F:
+    """Decorate a fleet-wide service: it runs in :func:`fleet`."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with fleet():
+            return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
