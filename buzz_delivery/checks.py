@@ -125,15 +125,20 @@ def check_tenant_isolation_settings(app_configs: Any = None, **kwargs: Any) -> l
     return errors
 
 
-@checks.register(checks.Tags.compatibility)
-def check_runtime_role_obeys_rls(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+@checks.register(checks.Tags.database)
+def check_runtime_role_obeys_rls(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
     """Warn when enforcement is on but the role the tenant code runs as would bypass it: a
     superuser, a BYPASSRLS role, or the tables' owner (with FORCE the owner obeys the policies,
-    but may switch them off). Skipped silently when the database cannot be reached."""
+    but may switch them off). A database check, as Django's own: ``manage.py check --database
+    default`` and ``migrate`` run it. Skipped silently when the database cannot be reached."""
     from django.db import DatabaseError, connection
 
     from buzz_delivery import isolation
 
+    if not databases or "default" not in databases:
+        return []
     if check_tenant_isolation_settings() or connection.vendor != "postgresql":
         return []
     raw = raw_settings()

@@ -259,10 +259,18 @@ def test_check_warns_when_the_tenant_code_runs_as_a_superuser():
     from buzz_delivery.checks import check_runtime_role_obeys_rls
 
     with override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": False}):
-        warned = check_runtime_role_obeys_rls()
+        warned = check_runtime_role_obeys_rls(databases=["default"])
     assert [w.id for w in warned] == ["buzz_delivery.W020"] and "superuser" in warned[0].msg
     with override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": True}):
-        assert check_runtime_role_obeys_rls() == []
+        assert check_runtime_role_obeys_rls(databases=["default"]) == []
+
+
+def test_the_rls_check_is_a_database_check_that_manage_py_check_database_runs():
+    from django.core import checks as django_checks
+
+    with override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": False}):
+        assert "buzz_delivery.W020" not in {m.id for m in django_checks.run_checks()}
+        assert "buzz_delivery.W020" in {m.id for m in django_checks.run_checks(databases=["default"])}
 
 
 def test_check_warns_when_the_runtime_role_has_bypassrls(logins):
@@ -271,7 +279,7 @@ def test_check_warns_when_the_runtime_role_has_bypassrls(logins):
     _sql("CREATE ROLE buzz_test_bypass NOLOGIN BYPASSRLS")
     _sql("GRANT buzz_test_bypass TO CURRENT_USER")
     with override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": True, "TENANT_ROLE": "buzz_test_bypass"}):
-        warned = check_runtime_role_obeys_rls()
+        warned = check_runtime_role_obeys_rls(databases=["default"])
     assert [w.id for w in warned] == ["buzz_delivery.W020"] and "BYPASSRLS" in warned[0].msg
 
 
@@ -281,7 +289,7 @@ def test_behind_pgbouncer_in_transaction_mode_no_context_reaches_the_next_client
     pipeline); client B, handed the same server connection next (PgBouncer reuses the last
     released one), sees no role and no context."""
     names = isolation.roles()
-    with pgbouncer.connect(autocommit=True) as a, pgbouncer.connect(autocommit=True) as b:
+    with pgbouncer.connect() as a, pgbouncer.connect() as b:
         with a.pipeline():
             a.execute(tenancy.SET_ROLE_AND_CONTEXT, {"role": names.tenant, "community": str(community.id)})
             seen = a.execute("SELECT current_user, current_setting('buzz.community_id'), pg_backend_pid()")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connection
+from psycopg import sql as pgsql
 
 from buzz_delivery import isolation
 from buzz_delivery.conf import raw_settings
@@ -52,6 +53,11 @@ SWAP = (
     " set_config('buzz.community_id', %(community)s, true)) s"
 )
 FLEET = ""  # the community context of a fleet scope: none
+
+
+def _several_statements(sql: str) -> bool:
+    """True for a text that holds more than one statement (a ``;`` before its end)."""
+    return ";" in sql.rstrip().rstrip(";")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +127,8 @@ class _Prefix:
             return execute(sql, params, many, context)  # an inner scope's, or already set
         db = context["connection"]
         raw = db.connection
+        if _several_statements(sql):
+            return self._ahead_of_several(execute, sql, params, many, context)
         with db.wrap_database_errors:
             with raw.pipeline():
                 swap = raw.execute(self.sql, self.params, prepare=False)
@@ -128,6 +136,26 @@ class _Prefix:
             if self.in_transaction:
                 self.previous = swap.fetchone()
         return result
+
+    def _ahead_of_several(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+    ) -> Any:
+        """A text of several statements (``SET LOCAL ...; SELECT ...``) cannot go in a pipeline
+        (extended protocol): inside a transaction the ``set_config`` runs first on its own; in
+        autocommit it is put in front of the text, as literals, so that one simple query, one
+        implicit transaction, carries both."""
+        db = context["connection"]
+        if db.in_atomic_block:
+            with db.wrap_database_errors:
+                swap = db.connection.execute(self.sql, self.params, prepare=False)
+            if self.in_transaction:
+                self.previous = swap.fetchone()
+            return execute(sql, params, many, context)
+        literal = pgsql.SQL(self.sql.replace("%(role)s", "{role}").replace("%(community)s", "{community}")).format(
+            role=pgsql.Literal(self.target.role), community=pgsql.Literal(self.target.community)
+        )
+        prefix = literal.as_string(db.connection).replace("%", "%%")
+        return execute(f"{prefix}; {sql}", params, many, context)
 
     def restore(self) -> None:
         """Put back the role and context the transaction had before the scope set its own."""

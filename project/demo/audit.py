@@ -30,7 +30,8 @@ def install(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> None:
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
-            CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
+            CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql
+                SECURITY DEFINER SET search_path = pg_catalog, public AS $$
             BEGIN
                 IF NEW.community_id = ANY ('{{{ids}}}'::uuid[]) THEN
                     INSERT INTO buzz_demo_statuschange (run_id, delivery_id, community_id, old_status,
