@@ -26,6 +26,7 @@ from django.db import DatabaseError, IntegrityError, connection
 
 from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused, LifecycleError
 from buzz_delivery.services import sql as statements
+from buzz_delivery.services import tenancy
 from buzz_delivery.triggers import FENCE_SQLSTATE, HISTORY_SQLSTATE, LIFECYCLE_SQLSTATE
 
 # The agent side's hot statements (run once or twice per delivery): server-side binding.
@@ -145,8 +146,10 @@ def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     """Run one statement on the default connection and return its rows.
 
     A :data:`SERVER_BOUND` statement is bound on the server (and prepared when
-    :func:`prepares_statements`); any other is bound by the client, as Django does."""
-    if sql in SERVER_BOUND:
+    :func:`prepares_statements`); any other is bound by the client, as Django does. Inside a
+    tenant or fleet scope with enforcement on (:mod:`buzz_delivery.services.tenancy`) every
+    statement is bound by the client, so that its context travels in the same simple query."""
+    if sql in SERVER_BOUND and not tenancy.prefixing():
         with _server_bound_cursor() as cursor:
             cursor.execute(sql, params)
             return cursor.fetchall() if cursor.description else []

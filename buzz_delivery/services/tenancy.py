@@ -34,7 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, connection
+import psycopg
+from django.db import DatabaseError, connection, transaction
 from psycopg import sql as pgsql
 
 from buzz_delivery import isolation
@@ -103,9 +104,15 @@ def _switching() -> bool:
 
 
 class _Prefix:
-    """An ``execute_wrapper`` that sends the scope's ``set_config`` in one pipeline ahead of a
-    statement: ahead of every statement when the scope opened outside a transaction, ahead of
-    the first one only when it opened inside one (where it also reads what to put back)."""
+    """An ``execute_wrapper`` that sends the scope's ``set_config`` with a statement, in the same
+    round trip: ahead of every statement when the scope opened outside a transaction, ahead of
+    the first one only when it opened inside one (where it also reads what to put back).
+
+    With Django's client-side binding cursor (the default) the ``set_config`` goes in front of
+    the statement's text, as literals, and both travel as one simple query, which PostgreSQL
+    runs as one implicit transaction; the cursor is then moved on to the statement's own result.
+    Any other cursor gets a psycopg pipeline (the same effect, at a higher client cost), and an
+    ``executemany`` or a server-side cursor a statement of its own inside a transaction."""
 
     def __init__(self, state: _ConnectionState, target: Target, in_transaction: bool) -> None:
         self.state = state
@@ -117,6 +124,16 @@ class _Prefix:
             self.sql = SWAP
         else:
             self.sql = SET_CONTEXT if target.role is None else SET_ROLE_AND_CONTEXT
+        self._literal: str | None = None
+
+    def _text(self, raw: Any) -> str:
+        if self._literal is None:
+            template = self.sql.replace("%(role)s", "{role}").replace("%(community)s", "{community}")
+            composed = pgsql.SQL(template).format(  # type: ignore[arg-type]
+                role=pgsql.Literal(self.target.role), community=pgsql.Literal(self.target.community)
+            )
+            self._literal = composed.as_string(raw)
+        return self._literal
 
     def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
         if (
@@ -127,8 +144,20 @@ class _Prefix:
             return execute(sql, params, many, context)  # an inner scope's, or already set
         db = context["connection"]
         raw = db.connection
+        cursor = getattr(context["cursor"], "cursor", None)
+        if many or isinstance(cursor, psycopg.ServerCursor):
+            return self._on_its_own(execute, sql, params, many, context)
+        if isinstance(cursor, psycopg.ClientCursor):
+            prefix = self._text(raw)
+            text = f"{prefix.replace('%', '%%') if params is not None else prefix}; {sql}"
+            result = execute(text, params, many, context)
+            first = cursor.fetchone() if self.in_transaction else None
+            cursor.nextset()
+            if self.in_transaction:
+                self.previous = first
+            return result
         if _several_statements(sql):
-            return self._ahead_of_several(execute, sql, params, many, context)
+            return self._on_its_own(execute, sql, params, many, context)
         with db.wrap_database_errors:
             with raw.pipeline():
                 swap = raw.execute(self.sql, self.params, prepare=False)
@@ -137,25 +166,17 @@ class _Prefix:
                 self.previous = swap.fetchone()
         return result
 
-    def _ahead_of_several(
+    def _on_its_own(
         self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
     ) -> Any:
-        """A text of several statements (``SET LOCAL ...; SELECT ...``) cannot go in a pipeline
-        (extended protocol): inside a transaction the ``set_config`` runs first on its own; in
-        autocommit it is put in front of the text, as literals, so that one simple query, one
-        implicit transaction, carries both."""
+        """The ``set_config`` as a statement of its own, in a transaction with the statement."""
         db = context["connection"]
-        if db.in_atomic_block:
+        with transaction.atomic(using=db.alias):
             with db.wrap_database_errors:
                 swap = db.connection.execute(self.sql, self.params, prepare=False)
             if self.in_transaction:
                 self.previous = swap.fetchone()
             return execute(sql, params, many, context)
-        literal = pgsql.SQL(self.sql.replace("%(role)s", "{role}").replace("%(community)s", "{community}")).format(
-            role=pgsql.Literal(self.target.role), community=pgsql.Literal(self.target.community)
-        )
-        prefix = literal.as_string(db.connection).replace("%", "%%")
-        return execute(f"{prefix}; {sql}", params, many, context)
 
     def restore(self) -> None:
         """Put back the role and context the transaction had before the scope set its own."""
@@ -169,6 +190,13 @@ class _Prefix:
                 )
         except DatabaseError:
             pass  # the transaction failed in the block: it rolls back anyway
+
+
+def prefixing() -> bool:
+    """True inside a scope that sends a context with each statement (the services' cue to use a
+    client-side binding cursor, whose statements carry the context in the same simple query)."""
+    state: _ConnectionState | None = getattr(connection, "_buzz_tenancy", None)
+    return bool(state and state.enforced and state.stack and state.raw is connection.connection)
 
 
 @contextmanager

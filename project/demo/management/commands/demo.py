@@ -91,6 +91,7 @@ class Command(BaseCommand):
             console=console,
             verbosity=options["verbosity"],
         )
+        self._tenant_isolation_on(console)
         try:
             report = scenario.run()
         except DemoError as exc:
@@ -100,6 +101,22 @@ class Command(BaseCommand):
         if not report["passed"]:
             failed = [c["name"] for c in report["checks"] if not c["passed"]]
             raise CommandError(f"the exactly-once check failed: {'; '.join(failed)}", returncode=1)
+
+    def _tenant_isolation_on(self, console: Console) -> None:
+        """The demo runs with row-level security on (docs/tenant-isolation.md): switch it on if
+        it is off, except on Citus, where it is not supported."""
+        from django.db import connection, transaction
+
+        from buzz_delivery import isolation
+        from buzz_delivery.services import tenancy
+
+        with connection.cursor() as cursor:
+            if isolation.enforced(cursor) or isolation.is_citus(cursor):
+                return
+        with transaction.atomic(), connection.cursor() as cursor:
+            states = isolation.switch(cursor, on=True)
+        tenancy.forget()
+        console.print(f"tenant isolation: row-level security switched on for {len(states)} tables")
 
     def _admin_hint(self, console: Console, create: bool) -> None:
         user_model = get_user_model()
