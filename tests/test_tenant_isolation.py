@@ -301,3 +301,132 @@ def test_behind_pgbouncer_in_transaction_mode_no_context_reaches_the_next_client
         assert other_pid == pid, "PgBouncer gave client B another server connection: the test proves nothing"
         assert (user, context) == (connection.settings_dict["USER"] or user, "")
         assert user != names.tenant
+
+
+APP_LOGIN = "buzz_test_app_login"
+
+
+@pytest.fixture(scope="module")
+def app_login(django_db_setup, django_db_blocker) -> Iterator[str]:
+    """A production-shaped login: no superuser, no BYPASSRLS, not the owner, a NOINHERIT member
+    of both roles, so that a statement outside the services has no privilege at all and the
+    services switch to the tenant or maintenance role for each call (``SWITCH_ROLES``)."""
+    names = isolation.roles()
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{APP_LOGIN}') THEN "
+            f"CREATE ROLE {APP_LOGIN} LOGIN NOSUPERUSER NOBYPASSRLS NOINHERIT; END IF; END $$"
+        )
+        cursor.execute(f"GRANT {names.tenant}, {names.maintenance} TO {APP_LOGIN}")
+    yield APP_LOGIN
+
+
+def _env_as(role: str) -> dict[str, str]:
+    import os
+
+    from project.database_url import database_url
+
+    settings = {**connection.settings_dict, "USER": role, "PASSWORD": ""}
+    return {
+        **os.environ,
+        "DATABASE_URL": database_url(settings),
+        "BUZZ_SWITCH_ROLES": "true",
+        "BUZZ_MIN_LEASE_SECONDS": "1",
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bare_statement_of_the_app_login_is_refused(app_login):
+    with login(app_login) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute("SELECT count(*) FROM buzz_delivery_delivery")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_delivery_worker_drains_its_community_as_the_app_login(app_login, community, make_binding):
+    import subprocess
+    import sys
+
+    from tests.worker_support import ROOT
+
+    mine = [DeliveryFactory(binding=make_binding(target_pubkey=b"\x07" * 32)) for _ in range(5)]
+    DeliveryFactory(binding=BindingFactory(run__community=CommunityFactory(), target_pubkey=b"\x07" * 32))
+    done = subprocess.run(
+        [
+            sys.executable, "manage.py", "run_delivery_worker", "--community", str(community.id),
+            "--target", (b"\x07" * 32).hex(), "--handler", "tests.worker_handlers:scripted",
+            "--poll-interval", "0.2", "--idle-exit", "1",
+        ],
+        cwd=ROOT, env=_env_as(app_login), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    statuses = _sql("SELECT status, count(*) FROM buzz_delivery_delivery GROUP BY 1 ORDER BY 1")
+    assert statuses == [("finished", 5), ("pending", 1)], done.stderr[-3000:] + done.stdout
+    assert {d.id for d in mine} == {r[0] for r in _sql("SELECT id FROM buzz_delivery_delivery WHERE status = 'finished'")}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_orchestrator_runs_workflows_of_every_community_as_the_app_login(app_login, community):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from buzz_delivery.testing import WorkflowFactory
+    from buzz_delivery.workflows.models import Run
+    from buzz_delivery.workflows.testing import diamond
+    from tests.wf_support import start
+    from tests.worker_support import ROOT
+
+    runs = [start(WorkflowFactory(community=c), diamond()) for c in (community, CommunityFactory())]
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "run_workflow_worker", "--all", "--poll-interval", "0.2"],
+        cwd=ROOT, env=_env_as(app_login), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while set(Run.objects.filter(pk__in=[r.pk for r in runs]).values_list("state", flat=True)) != {"succeeded"}:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"runs did not finish: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["claimed"], summary["succeeded"], summary["errors"]) == (8, 8, 0)
+
+
+@override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": False})
+def test_the_pruner_and_the_purge_work_fleet_wide_as_a_maintenance_login(logins):
+    import datetime as dt
+
+    from buzz_delivery.services import finish_delivery, prune_deliveries, purge_community
+    from buzz_delivery.testing import advance_to
+
+    communities = [CommunityFactory(), CommunityFactory()]
+    for c in communities:
+        delivery = DeliveryFactory(binding=BindingFactory(run__community=c))
+        finish_delivery(claim_delivery(c.id, delivery.target_pubkey).lease, "finished")
+    _sql("UPDATE buzz_delivery_delivery SET finished_at = now() - interval '2 days' WHERE community_id = ANY(%s)",
+         [[c.id for c in communities]])  # fmt: skip
+    doomed = CommunityFactory()
+    fill_community(doomed)
+    advance_to(doomed, "fenced")
+    _as_login_role(FLEET_LOGIN)
+    pruned = prune_deliveries({"finished": dt.timedelta(days=1)})
+    assert pruned.total == 2
+    purged = purge_community(doomed.id)
+    assert sum(purged.deleted.values()) > 0
+    assert _sql("SELECT count(*) FROM buzz_delivery_delivery WHERE community_id = %s", [doomed.id]) == [(0,)]
+
+
+def test_the_admin_lists_every_community_deliveries_as_a_maintenance_login(logins, client, admin_user):
+    other = CommunityFactory()
+    DeliveryFactory(binding=BindingFactory(run__community=CommunityFactory()))
+    DeliveryFactory(binding=BindingFactory(run__community=other))
+    client.force_login(admin_user)
+    _sql(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {FLEET_LOGIN}")
+    _as_login_role(FLEET_LOGIN)
+    response = client.get("/admin/buzz_delivery/workflowagentdelivery/")
+    assert response.status_code == 200
+    assert response.context["cl"].result_count == 2

@@ -32,7 +32,7 @@ from django.db import close_old_connections, connection, connections
 from buzz_delivery import services
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
-from buzz_delivery.services import Claim, Lease, LeaseLost
+from buzz_delivery.services import Claim, Lease, LeaseLost, tenancy
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker.handlers import (
     FAILURE_MESSAGE_MAX_CHARS,
@@ -277,7 +277,10 @@ class Worker:
         started = time.monotonic()
         self.renewer.set_deadline(lease, self._deadline(claim, claimed_at, started))
         try:
-            self.config.handler(claim.delivery)
+            # In the delivery's tenant scope: what the handler reads through the ORM (a deferred
+            # field, a related row) is that community's, and only that (SPEC section 13).
+            with tenancy.tenant(lease.community_id):
+                self.config.handler(claim.delivery)
             args = FINISHED
         except Exception as exc:
             args = settle_args_for(exc)
