@@ -120,3 +120,8 @@ def by_agent(ctx):
     if mode == "fail":
         return four_calls_fail(ctx)
     return three_calls(ctx)
+
+
+def by_input(ctx):
+    """Run the handler of this module that the run's input names (``{"handler": "three_calls"}``)."""
+    return globals()[ctx.input["handler"]](ctx)

@@ -54,9 +54,7 @@ def logins(django_db_setup, django_db_blocker) -> Iterator[None]:
 def login(role: str) -> psycopg.Connection:
     """An autocommit connection to the test database as ``role`` (trust auth)."""
     s = connection.settings_dict
-    conn = psycopg.connect(
-        host=s["HOST"] or None, port=s["PORT"] or None, dbname=s["NAME"], user=role, autocommit=True
-    )
+    conn = psycopg.connect(host=s["HOST"] or None, port=s["PORT"] or None, dbname=s["NAME"], user=role, autocommit=True)
     attributes = conn.execute(
         "SELECT r.rolsuper, r.rolbypassrls, pg_has_role(r.oid, c.relowner, 'USAGE') FROM pg_roles r,"
         " pg_class c WHERE r.rolname = current_user AND c.oid = 'buzz_delivery_delivery'::regclass"
@@ -161,9 +159,7 @@ def test_a_forgetful_statement_inside_a_tenant_scope_sees_only_that_community(lo
 
 
 @override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": False})
-def test_the_services_work_as_a_tenant_login_and_never_claim_another_community_rows(
-    logins, make_binding, community
-):
+def test_the_services_work_as_a_tenant_login_and_never_claim_another_community_rows(logins, make_binding, community):
     other = CommunityFactory()
     theirs = DeliveryFactory(binding=BindingFactory(run__community=other))
     mine = DeliveryFactory(binding=make_binding())
@@ -361,7 +357,9 @@ def test_the_delivery_worker_drains_its_community_as_the_app_login(app_login, co
     assert done.returncode == 0, done.stderr
     statuses = _sql("SELECT status, count(*) FROM buzz_delivery_delivery GROUP BY 1 ORDER BY 1")
     assert statuses == [("finished", 5), ("pending", 1)], done.stderr[-3000:] + done.stdout
-    assert {d.id for d in mine} == {r[0] for r in _sql("SELECT id FROM buzz_delivery_delivery WHERE status = 'finished'")}
+    assert {d.id for d in mine} == {
+        r[0] for r in _sql("SELECT id FROM buzz_delivery_delivery WHERE status = 'finished'")
+    }
 
 
 @pytest.mark.django_db(transaction=True)
@@ -430,3 +428,35 @@ def test_the_admin_lists_every_community_deliveries_as_a_maintenance_login(login
     response = client.get("/admin/buzz_delivery/workflowagentdelivery/")
     assert response.status_code == 200
     assert response.context["cl"].result_count == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_worker_runs_journaled_calls_and_compensations_as_the_app_login(app_login, community, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from buzz_delivery.agents.models import AgentRun, JournalEntry
+    from buzz_delivery.agents.services import intake_event
+    from tests.agents_support import AGENT
+    from tests.worker_support import ROOT
+
+    def new(handler: str) -> uuid.UUID:
+        outcome = intake_event(community.id, "test", uuid.uuid4().hex, {"handler": handler}, AGENT)
+        return outcome.run_id
+
+    done_run, failed_run = new("three_calls"), new("four_calls_fail")
+    env = {**_env_as(app_login), "AGENT_LEDGER": str(tmp_path / "ledger")}
+    done = subprocess.run(
+        [
+            sys.executable, "manage.py", "run_agent_worker", "--handler", "tests.agent_handlers:by_input",
+            "--agent", AGENT.hex(), "--community", str(community.id), "--exit-when-idle",
+            "--poll-seconds", "0.2", "--lease-seconds", "15",
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = dict(AgentRun.objects.filter(community_id=community.id).values_list("id", "state"))
+    assert states[done_run] == "completed", done.stderr[-3000:]
+    assert states[failed_run] == "failed", done.stderr[-3000:]
+    assert JournalEntry.objects.filter(community_id=community.id, run_id=done_run).count() == 3
