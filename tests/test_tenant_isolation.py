@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection, transaction
+from django.db import connection
 from django.test import override_settings
 
 from buzz_delivery import isolation
@@ -432,7 +432,6 @@ def test_the_admin_lists_every_community_deliveries_as_a_maintenance_login(login
 
 @pytest.mark.django_db(transaction=True)
 def test_the_agent_worker_runs_journaled_calls_and_compensations_as_the_app_login(app_login, community, tmp_path):
-    import json
     import subprocess
     import sys
 
