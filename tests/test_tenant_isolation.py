@@ -106,15 +106,16 @@ def test_with_community_a_context_a_tenant_login_never_reads_writes_or_deletes_b
 @pytest.mark.django_db(transaction=True)
 def test_an_insert_of_b_row_under_a_context_is_refused(logins):
     a, b = CommunityFactory(), CommunityFactory()
-    with login(TENANT_LOGIN) as conn:
-        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
-            with conn.transaction():
-                conn.execute("SELECT set_config('buzz.community_id', %s, true)", [str(a.id)])
-                conn.execute(
-                    "INSERT INTO buzz_delivery_workflow (id, community_id, name, created_at)"
-                    " VALUES (%s, %s, 'x', now())",
-                    [uuid.uuid4(), b.id],
-                )
+    with (
+        login(TENANT_LOGIN) as conn,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"),
+        conn.transaction(),
+    ):
+        conn.execute("SELECT set_config('buzz.community_id', %s, true)", [str(a.id)])
+        conn.execute(
+            "INSERT INTO buzz_delivery_workflow (id, community_id, name, created_at) VALUES (%s, %s, 'x', now())",
+            [uuid.uuid4(), b.id],
+        )
     assert _sql("SELECT count(*) FROM buzz_delivery_workflow WHERE community_id = %s", [b.id]) == [(0,)]
 
 
@@ -243,10 +244,13 @@ def test_tenant_isolation_sql_prints_roles_grants_and_policies_for_a_dba():
 
 def test_install_without_the_right_to_create_roles_warns_and_installs_nothing(logins):
     _sql(f"SET LOCAL ROLE {TENANT_LOGIN}")
-    with override_settings(BUZZ_DELIVERY={"TENANT_ROLE": "buzz_no_such_role"}):
-        with warnings.catch_warnings(record=True) as caught, connection.cursor() as cursor:
-            warnings.simplefilter("always")
-            assert isolation.install(cursor, [("buzz_delivery_event", "community_id")]) is False
+    with (
+        override_settings(BUZZ_DELIVERY={"TENANT_ROLE": "buzz_no_such_role"}),
+        warnings.catch_warnings(record=True) as caught,
+        connection.cursor() as cursor,
+    ):
+        warnings.simplefilter("always")
+        assert isolation.install(cursor, [("buzz_delivery_event", "community_id")]) is False
     assert any("tenant_isolation sql" in str(w.message) for w in caught)
     assert _sql("SELECT count(*) FROM pg_roles WHERE rolname = 'buzz_no_such_role'") == [(0,)]
 
