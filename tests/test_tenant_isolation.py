@@ -353,7 +353,7 @@ def test_the_delivery_worker_drains_its_community_as_the_app_login(app_login, co
     done = subprocess.run(
         [
             sys.executable, "manage.py", "run_delivery_worker", "--community", str(community.id),
-            "--target", (b"\x07" * 32).hex(), "--handler", "tests.worker_handlers:scripted",
+            "--target", (b"\x07" * 32).hex(), "--handler", "bench.handlers:noop",
             "--poll-interval", "0.2", "--idle-exit", "1",
         ],
         cwd=ROOT, env=_env_as(app_login), capture_output=True, text=True, timeout=60,
@@ -463,3 +463,20 @@ def test_the_agent_worker_runs_journaled_calls_and_compensations_as_the_app_logi
     assert states[done_run] == "completed", done.stderr[-3000:]
     assert states[failed_run] == "failed", done.stderr[-3000:]
     assert JournalEntry.objects.filter(community_id=community.id, run_id=done_run).count() == 3
+
+
+def test_a_handler_scope_keeps_the_login_role_and_names_the_community(community):
+    """Handlers (user code) keep the login's grants on the project's tables, even inside a tenant
+    scope of the package's own, with their community as context."""
+    with tenancy.tenant(community.id), tenancy.handler(community.id):
+        assert _sql("SELECT current_user = session_user, current_setting('buzz.community_id')") == [
+            (True, str(community.id))
+        ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_in_autocommit_a_handler_scope_keeps_the_login_role(community):
+    with tenancy.tenant(community.id), tenancy.handler(community.id):
+        assert _sql("SELECT current_user = session_user, current_setting('buzz.community_id')") == [
+            (True, str(community.id))
+        ]

@@ -40,6 +40,7 @@ from buzz_delivery.agents.exceptions import (
 )
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
+from buzz_delivery.services import tenancy
 from buzz_delivery.services.tenancy import tenant_scoped
 
 logger = logging.getLogger("buzz_delivery.agents")
@@ -235,7 +236,8 @@ def run_claim(claim: s.AgentClaim, handler: Callable[[Context], Any], ctx: Conte
         return "failed" if isinstance(outcome, s.Finished) else "lost"
     ctx = ctx or Context(claim)
     try:
-        output = handler(ctx)
+        with tenancy.handler(lease.community_id):  # the user's code: the login's role (SPEC 13)
+            output = handler(ctx)
     except _Parked:
         return "parked"
     except RunAborted:

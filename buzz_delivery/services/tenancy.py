@@ -72,31 +72,40 @@ class Target:
 
 @dataclass(slots=True)
 class _ConnectionState:
-    raw: Any
-    enforced: bool
+    """Per Django connection (so per thread): the open scopes, and whether enforcement is on
+    for the psycopg connection ``raw`` (read on its first scoped statement)."""
+
     stack: list[Target] = field(default_factory=list)
+    raw: Any = None
+    enforced: bool = False
 
 
 def _state() -> _ConnectionState:
-    connection.ensure_connection()
-    raw = connection.connection
     state: _ConnectionState | None = getattr(connection, "_buzz_tenancy", None)
-    if state is None or state.raw is not raw:
-        with connection.cursor() as cursor:
-            state = _ConnectionState(raw=raw, enforced=isolation.enforced(cursor))
+    if state is None:
+        state = _ConnectionState()
         connection._buzz_tenancy = state  # type: ignore[attr-defined]
     return state
 
 
+def _enforced_on(state: _ConnectionState, raw: Any) -> bool:
+    """Whether RLS is on, read once per psycopg connection (one query, on its first use)."""
+    if state.raw is not raw:
+        with connection.wrap_database_errors:
+            enforced = isolation.enforced(raw.cursor())
+        state.raw, state.enforced = raw, enforced
+    return state.enforced
+
+
 def forget() -> None:
-    """Read the enforcement switch again on the next scope (after ``tenant_isolation``)."""
-    if hasattr(connection, "_buzz_tenancy"):
-        del connection._buzz_tenancy  # type: ignore[attr-defined]
+    """Read the enforcement switch again on the next scoped statement (after ``tenant_isolation``)."""
+    _state().raw = None
 
 
 def enforcing() -> bool:
-    """True when row-level security is on for the default connection's database."""
-    return _state().enforced
+    """True when row-level security is on for the default connection's database (connects)."""
+    connection.ensure_connection()
+    return _enforced_on(_state(), connection.connection)
 
 
 def _switching() -> bool:
@@ -144,6 +153,8 @@ class _Prefix:
             return execute(sql, params, many, context)  # an inner scope's, or already set
         db = context["connection"]
         raw = db.connection
+        if not _enforced_on(self.state, raw):
+            return execute(sql, params, many, context)
         cursor = getattr(context["cursor"], "cursor", None)
         if many or isinstance(cursor, psycopg.ServerCursor):
             return self._on_its_own(execute, sql, params, many, context)
@@ -196,15 +207,17 @@ def prefixing() -> bool:
     """True inside a scope that sends a context with each statement (the services' cue to use a
     client-side binding cursor, whose statements carry the context in the same simple query)."""
     state: _ConnectionState | None = getattr(connection, "_buzz_tenancy", None)
-    return bool(state and state.enforced and state.stack and state.raw is connection.connection)
+    if not (state and state.stack):
+        return False
+    return state.raw is not connection.connection or state.enforced  # unknown yet: as if on
 
 
 @contextmanager
 def scope(target: Target) -> Iterator[None]:
     """Run the block's statements as ``target`` (see the module docstring for how). Sends
-    nothing until the block runs a statement."""
+    nothing, and opens no connection, until the block runs a statement."""
     state = _state()
-    if not state.enforced or (state.stack and state.stack[-1] == target):
+    if state.stack and state.stack[-1] == target:
         yield
         return
     prefix = _Prefix(state, target, connection.in_atomic_block)
@@ -233,6 +246,16 @@ def fleet_target() -> Target:
 def tenant(community_id: uuid.UUID | str) -> Iterator[None]:
     """A tenant scope for ``community_id`` (a UUID or its text). SPEC section 13."""
     with scope(tenant_target(community_id)):
+        yield
+
+
+@contextmanager
+def handler(community_id: uuid.UUID | str) -> Iterator[None]:
+    """The scope of a user's handler (a delivery handler, a function step, an agent handler) for
+    ``community_id``: that community as context, as the login role (``SET LOCAL ROLE NONE`` when
+    switching roles), so the handler keeps the login's grants on the project's own tables while
+    what it reads of ours is its community's rows. SPEC section 13."""
+    with scope(Target(role="none" if _switching() else None, community=str(community_id))):
         yield
 
 

@@ -277,9 +277,10 @@ class Worker:
         started = time.monotonic()
         self.renewer.set_deadline(lease, self._deadline(claim, claimed_at, started))
         try:
-            # In the delivery's tenant scope: what the handler reads through the ORM (a deferred
-            # field, a related row) is that community's, and only that (SPEC section 13).
-            with tenancy.tenant(lease.community_id):
+            # With the delivery's community as context: what the handler reads of our tables
+            # through the ORM (a deferred field, a related row) is that community's, and only
+            # that; as the login role, which holds the grants on the project's own tables.
+            with tenancy.handler(lease.community_id):
                 self.config.handler(claim.delivery)
             args = FINISHED
         except Exception as exc:

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
-from buzz_delivery.services import Binding, Settled
+from buzz_delivery.services import Binding, Settled, tenancy
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
@@ -106,7 +106,8 @@ def _function(claim: StepClaim) -> StepOutcome:
         )
     context = StepContext(claim.lease.community_id, claim.lease.run_id, claim.step.key, claim.lease.attempts)
     try:
-        output = fn(step_input(claim), context)
+        with tenancy.handler(claim.lease.community_id):  # the user's code: the login's role (SPEC 13)
+            output = fn(step_input(claim), context)
     except PermanentStepFailure as exc:
         return steps.fail_step(
             claim.lease, exc.failure_code[:64] or "function_failed", failure_message=str(exc)[:10_000], retryable=False
