@@ -82,6 +82,41 @@ class RemoteOutcome:
     lease: RemoteLease | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteRunLease:
+    """An agent-run lease held through the gateway (``worker_id`` is part of the fence)."""
+
+    community_id: str
+    run_id: str
+    lease_generation: int
+    lease_until: str
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRunClaim:
+    """A won run claim: the run (the API's JSON object) and its lease."""
+
+    run: dict[str, Any]
+    lease: RemoteRunLease
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """An agent-run answer: ``outcome`` as the API names it (``lease_lost`` for a 409), the
+    whole JSON body in ``data``, and a renewed ``lease`` for ``renewed``."""
+
+    outcome: str
+    data: dict[str, Any]
+    lease: RemoteRunLease | None = None
+
+
+def _run_lease(data: dict[str, Any]) -> RemoteRunLease:
+    return RemoteRunLease(
+        data["community_id"], data["run_id"], data["lease_generation"], data["lease_until"], data["worker_id"]
+    )
+
+
 def _lease(data: dict[str, Any]) -> RemoteLease:
     return RemoteLease(data["community_id"], data["delivery_id"], data["lease_generation"], data["lease_until"])
 
@@ -167,6 +202,130 @@ class GatewayClient:
         if data.get("code") == "lease_lost":
             return RemoteOutcome("lease_lost")
         return RemoteOutcome(data["outcome"], status=data["status"])
+
+    def finish_many(
+        self,
+        leases: list[RemoteLease],
+        outcome: str = "finished",
+        *,
+        failure_code: str | None = None,
+        failure_message: str | None = None,
+    ) -> list[RemoteOutcome]:
+        """Settle many leases of one community in one request (``finished`` or ``failed``): one
+        outcome per lease, in order (``settled``/``already_terminal`` with the status,
+        ``lease_lost`` or ``not_found``)."""
+        if not leases:
+            return []
+        path = f"/communities/{leases[0].community_id}/deliveries/finish"
+        body = {
+            "deliveries": [{"delivery_id": x.delivery_id, "lease_generation": x.lease_generation} for x in leases],
+            "outcome": outcome,
+            "failure_code": failure_code,
+            "failure_message": failure_message,
+        }
+        data = self._json("POST", path, body)
+        return [RemoteOutcome(r["outcome"], status=r.get("status")) for r in data["results"]]
+
+    # --- agent runs (served when buzz_delivery.agents is installed) ---------------------------
+
+    def accept(self, lease: RemoteLease, **options: Any) -> RunOutcome:
+        """Settle the held delivery and start its agent run: ``accepted`` (``data["run_id"]``),
+        ``already_terminal`` or ``lease_lost``. ``options``: ``input``, ``shadow``,
+        ``max_tool_calls``, ``max_cost``, ``max_attempts``, ``timeout_seconds``."""
+        path = f"/communities/{lease.community_id}/deliveries/{lease.delivery_id}/accept"
+        return self._run_outcome(path, {"lease_generation": lease.lease_generation, **options})
+
+    def claim_runs(
+        self, limit: int = 1, *, lease_seconds: float | None = None, worker_id: str | None = None
+    ) -> list[RemoteRunClaim]:
+        """Claim up to ``limit`` of this key's pending agent runs across its communities."""
+        data = self._json(
+            "POST", "/runs/claim", {"limit": limit, "lease_seconds": lease_seconds, "worker_id": worker_id}
+        )
+        return [RemoteRunClaim(c["run"], _run_lease(c["lease"])) for c in data["claims"]]
+
+    def read_run(self, community_id: str, run_id: str) -> dict[str, Any]:
+        """``{"run", "journal"}`` of one of this key's runs (``GatewayHTTPError`` 404 otherwise)."""
+        return self._json("GET", f"/communities/{community_id}/runs/{run_id}")
+
+    def _run_outcome(self, path: str, body: dict[str, Any]) -> RunOutcome:
+        data = self._json("POST", path, body, ok=(200, 409))
+        if data.get("code") == "lease_lost":
+            return RunOutcome("lease_lost", data)
+        return RunOutcome(data["outcome"], data)
+
+    def _run_post(self, lease: RemoteRunLease, action: str, **body: Any) -> RunOutcome:
+        path = f"/communities/{lease.community_id}/runs/{lease.run_id}/{action}"
+        return self._run_outcome(
+            path, {"lease_generation": lease.lease_generation, "worker_id": lease.worker_id, **body}
+        )
+
+    def heartbeat(self, lease: RemoteRunLease, lease_seconds: float | None = None) -> RunOutcome:
+        """Renew the run lease: ``renewed`` (``lease`` the new one), ``already_terminal`` or
+        ``lease_lost`` (``data["reason"] == "cancelled"`` after a cancel)."""
+        outcome = self._run_post(lease, "heartbeat", lease_seconds=lease_seconds)
+        if outcome.outcome == "renewed":
+            return RunOutcome("renewed", outcome.data, lease=_run_lease(outcome.data["lease"]))
+        return outcome
+
+    def journal_call(
+        self,
+        lease: RemoteRunLease,
+        tool_name: str,
+        args: Any,
+        *,
+        cost: int = 0,
+        compensation: dict[str, Any] | None = None,
+        destructive: bool = False,
+    ) -> RunOutcome:
+        """Journal a call before making it: ``journaled`` (``seq``, ``idempotency_key``),
+        ``blocked``, ``budget_exceeded``, ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(
+            lease,
+            "calls",
+            tool_name=tool_name,
+            args=args,
+            cost=cost,
+            compensation=compensation,
+            destructive=destructive,
+        )
+
+    def record_result(
+        self,
+        lease: RemoteRunLease,
+        seq: int,
+        *,
+        ok: bool,
+        output: Any = None,
+        error: str | None = None,
+        latency_ms: int | None = None,
+        uncertain: bool = False,
+    ) -> RunOutcome:
+        """Answer journal entry ``seq``: ``recorded`` / ``already_recorded`` with the status."""
+        return self._run_post(
+            lease, "results", seq=seq, ok=ok, output=output, error=error, latency_ms=latency_ms, uncertain=uncertain
+        )
+
+    def request_approval(self, lease: RemoteRunLease, prompt: str = "", deadline_seconds: int = 86400) -> RunOutcome:
+        """Park the run on an approval: ``approval_requested`` (``approval_id``, ``seq``)."""
+        return self._run_post(lease, "approval", prompt=prompt, deadline_seconds=deadline_seconds)
+
+    def complete_run(self, lease: RemoteRunLease, output: Any) -> RunOutcome:
+        """End the run ``completed``: ``finished``, ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(lease, "complete", output=output)
+
+    def fail_run(self, lease: RemoteRunLease, failure_code: str, failure_message: str | None = None) -> RunOutcome:
+        """Fail the run: ``finished`` (state ``failed``), ``unwinding`` (``seqs`` to compensate),
+        ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(lease, "fail", failure_code=failure_code, failure_message=failure_message)
+
+    def begin_compensation(self, lease: RemoteRunLease, seq: int) -> RunOutcome:
+        """``begun`` (``compensation``, ``args``, ``output``, ``key``) or ``not_next``."""
+        return self._run_post(lease, "compensations/begin", seq=seq)
+
+    def finish_compensation(self, lease: RemoteRunLease, seq: int, *, ok: bool, error: str | None = None) -> RunOutcome:
+        """Record entry ``seq``'s compensation: ``recorded`` / ``already_recorded``."""
+        return self._run_post(lease, "compensations/finish", seq=seq, ok=ok, error=error)
 
 
 # --- the remote worker ------------------------------------------------------------------------
