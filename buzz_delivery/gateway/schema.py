@@ -231,7 +231,12 @@ RUN_LEASE_FIELDS = {
     ),
     "worker_id": WORKER_ID,
 }
-OPTIONAL_INT = {"kind": "integer", "nullable": True}
+
+
+def _optional_int(description: str) -> Field:
+    """A nullable integer the service bounds (its ``ValidationError`` names the field)."""
+    return Field("integer", description, nullable=True)
+
 
 ACCEPT = Body(
     "AcceptRequest",
@@ -239,10 +244,10 @@ ACCEPT = Body(
         "lease_generation": LEASE_GENERATION,
         "input": Field("json", "a JSON object merged over the message into the run's input, or null", default=None),
         "shadow": Field("boolean", "shadow mode: destructive calls are journaled but blocked", default=False),
-        "max_tool_calls": Field(description="journal entries cap (0..100000); null = server default", **OPTIONAL_INT),
-        "max_cost": Field(description="cost units cap; null = server default", **OPTIONAL_INT),
-        "max_attempts": Field(description="attempts (1..100); null = server default", **OPTIONAL_INT),
-        "timeout_seconds": Field(description="absolute deadline from now (1..2592000); null = none", **OPTIONAL_INT),
+        "max_tool_calls": _optional_int("journal entries cap (0..100000); null = server default"),
+        "max_cost": _optional_int("cost units cap; null = server default"),
+        "max_attempts": _optional_int("attempts (1..100); null = server default"),
+        "timeout_seconds": _optional_int("absolute deadline from now (1..2592000); null = none"),
     },
 )  # fmt: skip
 RUN_CLAIM = Body(
