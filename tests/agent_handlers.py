@@ -120,3 +120,9 @@ def by_agent(ctx):
     if mode == "fail":
         return four_calls_fail(ctx)
     return three_calls(ctx)
+
+
+def counted_undo(args: dict, output, key: str) -> None:
+    """Compensation that is NOT idempotent on purpose: a ledger line ``ran <key>`` every time it
+    runs, so a test sees a compensation made twice."""
+    _write(f"ran {key}")

@@ -255,8 +255,9 @@ def fail_run(
     """Fail the run. With succeeded (or uncertain) calls that carry a compensation not yet
     undone, and none whose compensation failed, the run is marked ``unwinding`` (lease kept) and
     :class:`Unwinding` lists the entries to compensate, highest ``seq`` first; call again once
-    they are done (or one failed). Otherwise the run ends ``failed`` (the first failure code
-    recorded wins) and :class:`Finished` is returned. ``failure_code``: 1..64 characters.
+    they are done (or one failed). Otherwise the run ends (the first failure code recorded wins)
+    and :class:`Finished` says how: ``failed``, or ``cancelled`` / ``timeout`` for a run that
+    unwound because a cancel or its ``timeout_at`` sent it to compensate. ``failure_code``: 1..64 characters.
     Raises ``ValidationError`` keyed ``lease``, ``failure_code`` or ``failure_message``. SPEC 12."""
     code = v.optional_text(failure_code, "failure_code", 64)
     if not code or not code.strip():
@@ -275,9 +276,14 @@ def fail_run(
 def cancel_agent_run(
     community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, reason: str | None = None
 ) -> Cancelled | AlreadyTerminal | NotFound:
-    """Cancel a run in one transaction: its pending approval expired, the run ``cancelled``
-    with generation + 1 (its holder learns it at its next heartbeat, journal or complete, all
-    refused). Compensations are not run. Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
+    """Cancel a run in one transaction: its pending approval expired, the holder fenced
+    (generation + 1: it learns it at its next heartbeat, journal or complete, all refused as
+    ``LeaseLost("cancelled")``). Without compensations outstanding the run ends ``cancelled``
+    at once; with some (succeeded or uncertain calls that carry one, none failed) it goes back to
+    ``pending`` unwinding with ``failure_code = "cancelled"``: a worker claims it, runs the
+    compensations in reverse order, each once, and ``fail_run`` ends it ``cancelled``. Cancelling
+    a run that already unwinds for a cancel changes nothing and answers ``Cancelled``.
+    Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
     or :class:`NotFound`. Raises ``ValidationError`` keyed by the argument before SQL;
     ``CommunityNotWritable`` when the community is not active. SPEC 12 "States"."""
     run = v.uuid_value(run_id, "run_id")
@@ -287,8 +293,13 @@ def cancel_agent_run(
         "reason": v.optional_text(reason, "reason", 10_000),
     }
     with transaction.atomic(), translated_errors():
+        fetch_all(sql.LOCK_RUN, params)
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
-        if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
+        if (
+            fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params)
+            or fetch_all(sql.CANCEL_TO_UNWIND_IF_OUTSTANDING, params)
+            or fetch_all(sql.RUN_UNWINDING_FOR_CANCEL, params)
+        ):
             return Cancelled(run)
         rows = fetch_all(sql.RUN_AT, {**params})
     if not rows:
