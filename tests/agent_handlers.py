@@ -126,3 +126,12 @@ def counted_undo(args: dict, output, key: str) -> None:
     """Compensation that is NOT idempotent on purpose: a ledger line ``ran <key>`` every time it
     runs, so a test sees a compensation made twice."""
     _write(f"ran {key}")
+
+
+def hangs(ctx):
+    """Writes ``entered <run id>`` to the ledger, then never returns on its own."""
+    _write(f"entered {ctx.lease.run_id}")
+    import time
+
+    while True:
+        time.sleep(0.1)

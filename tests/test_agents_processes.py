@@ -283,3 +283,25 @@ def test_reap_agent_runs_command_reclaims_and_prints_its_summary(community):
 def test_run_agent_worker_refuses_a_bad_handler_with_exit_2(community, ledger):
     code, _, err = worker(community, "no_such_handler", ledger)
     assert code == 2, err
+
+
+def test_sigterm_with_a_hung_handler_gives_the_run_up_at_the_end_of_the_grace_and_exits_3(community, ledger):
+    run_id = new_run(community.id)
+    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict), "AGENT_LEDGER": str(ledger)}
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "run_agent_worker", "--handler", "tests.agent_handlers:hangs",
+         "--agent", AGENT.hex(), "--community", str(community.id), "--poll-seconds", "0.1",
+         "--shutdown-grace", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 30
+    while f"entered {run_id}" not in h.ledger_lines():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.terminate()
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, err
+    assert time.monotonic() - started < 10
+    assert json.loads(out.splitlines()[-1])["abandoned"] == 1
+    assert AgentRun.objects.get(id=run_id).state == "running"  # its lease lapses; the reaper reclaims it

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from django.db import transaction
 
-from buzz_delivery.agents.conf import get_settings
-from buzz_delivery.agents.services.sql import ACTIVE, APPROVAL, COMMUNITY, OUTSTANDING, RUN, TERMINAL
+from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
+from buzz_delivery.agents.services.sql import ACTIVE, APPROVAL, COMMUNITY, NOTIFY_CLAIMABLE, OUTSTANDING, RUN, TERMINAL
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -159,11 +159,14 @@ def _one_community(community: object, limit: int, result: AgentReapResult) -> bo
         params["ids"] = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]
         if params["ids"]:
             result.approvals_expired += len(fetch_all(EXPIRE_APPROVALS_OF_OVERDUE_RUNS, params))
-            result.unwinding += len(fetch_all(TIME_OUT_TO_UNWIND, params))
+            unwinding = len(fetch_all(TIME_OUT_TO_UNWIND, params))
             result.timed_out += len(fetch_all(TIME_OUT_OVERDUE_RUNS, params))
             result.reclaimed += len(fetch_all(RECLAIM_LAPSED_RUNS, params))
-            result.unwinding += len(fetch_all(EXHAUST_TO_UNWIND, params))
+            unwinding += len(fetch_all(EXHAUST_TO_UNWIND, params))
             result.exhausted += len(fetch_all(EXHAUST_LAPSED_RUNS, params))
+            if unwinding:  # claimable at once: wake the workers (on commit)
+                fetch_all(NOTIFY_CLAIMABLE, {"channel": NOTIFY_CHANNEL, "community_id": community})
+            result.unwinding += unwinding
         result.approvals_expired += len(fetch_all(EXPIRE_OVERDUE_AGENT_APPROVALS, params))
     return True
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.db import transaction
 
-from buzz_delivery.agents.conf import get_settings
+from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
@@ -113,6 +113,7 @@ def accept_delivery(
         run = AgentRun.objects.select_for_update().get(community_id=lease.community_id, delivery_id=lease.delivery_id)
         run.input_hash = sha256_json(run.input)
         AgentRun.objects.filter(community_id=run.community_id, id=run.id).update(input_hash=run.input_hash)
+        notify_claimable(lease.community_id)
     return Accepted(run.id)
 
 
@@ -160,11 +161,18 @@ def intake_event(
         won = fetch_all(sql.INSERT_INTAKE_KEY, params)
         if won:
             fetch_all(sql.INSERT_RUN_FROM_INTAKE, params)
+            notify_claimable(params["community_id"])
             return Created(params["id"])
         run_id, payload_hash = fetch_all(sql.INTAKE_KEY, params)[0]
     if bytes(payload_hash) == params["payload_hash"]:
         return Duplicate(run_id)
     return IdempotencyConflict(run_id)
+
+
+def notify_claimable(community_id: uuid.UUID) -> None:
+    """Announce, in the caller's transaction, that ``community_id`` has a claimable run (a
+    wake hint on ``buzz_agents`` for ``run_agent_worker``; delivered only on commit)."""
+    fetch_all(sql.NOTIFY_CLAIMABLE, {"channel": NOTIFY_CHANNEL, "community_id": community_id})
 
 
 def _key_text(value: Any, name: str, max_chars: int) -> str:
@@ -295,11 +303,12 @@ def cancel_agent_run(
     with transaction.atomic(), translated_errors():
         fetch_all(sql.LOCK_RUN, params)
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
-        if (
-            fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params)
-            or fetch_all(sql.CANCEL_TO_UNWIND_IF_OUTSTANDING, params)
-            or fetch_all(sql.RUN_UNWINDING_FOR_CANCEL, params)
-        ):
+        if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
+            return Cancelled(run)
+        if fetch_all(sql.CANCEL_TO_UNWIND_IF_OUTSTANDING, params):
+            notify_claimable(params["community_id"])
+            return Cancelled(run)
+        if fetch_all(sql.RUN_UNWINDING_FOR_CANCEL, params):
             return Cancelled(run)
         rows = fetch_all(sql.RUN_AT, {**params})
     if not rows:

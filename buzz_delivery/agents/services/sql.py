@@ -285,3 +285,7 @@ WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s AND r.state NOT IN
 LOCK_RUN = (
     f"SELECT r.id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s FOR NO KEY UPDATE"
 )
+
+# A wake hint for run_agent_worker (SPEC 7's pattern): transactional, so it is delivered only if
+# the run it announces was committed; it carries the community id and grants nothing.
+NOTIFY_CLAIMABLE = "SELECT pg_notify(%(channel)s, %(community_id)s::text)"
