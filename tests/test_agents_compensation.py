@@ -17,6 +17,7 @@ from buzz_delivery.agents.runtime import run_claim
 from buzz_delivery.agents.services import (
     AlreadyTerminal,
     Cancelled,
+    Finished,
     LeaseLost,
     Recorded,
     begin_compensation,
@@ -92,6 +93,7 @@ def test_a_cancel_with_compensations_fences_the_holder_unwinds_once_and_ends_can
     assert complete_run(lease, {}) == LeaseLost("cancelled")
     assert begin_compensation(lease, 3) == LeaseLost("cancelled")
     # A second cancel changes nothing (it would only fence the compensating worker).
+    # (The final fail_run answers the state it wrote: see the timeout test.)
     assert cancel_agent_run(community.id, run_id) == Cancelled(run_id)
     assert run_of(run_id).lease_generation == 2
     assert ran(run_id) == []
@@ -141,7 +143,13 @@ def test_a_timeout_with_compensations_unwinds_once_and_ends_timeout(community):
     assert (row.state, row.unwinding, row.failure_code) == ("pending", True, "timeout")
     assert isinstance(heartbeat(lease), LeaseLost)
     assert reap_agent_runs().total == 0  # unwinding: the reaper leaves it to its compensator
-    assert unwind_with_a_worker(community) == "compensated"
+    (claimed,) = claim_agent_runs(community.id, [AGENT], worker_id="w2", lease_seconds=30)
+    assert fail_run(claimed.lease, "timeout").seqs == (2, 1)
+    for seq in (2, 1):
+        began = begin_compensation(claimed.lease, seq)
+        h.counted_undo(began["args"], began["output"], began["key"])
+        assert finish_compensation(claimed.lease, seq, ok=True) == Recorded("compensated")
+    assert fail_run(claimed.lease, "timeout") == Finished("timeout")  # the outcome names the state
     assert (run_of(lease.run_id).state, run_of(lease.run_id).failure_code) == ("timeout", "timeout")
     assert ran(lease.run_id) == [2, 1]
 

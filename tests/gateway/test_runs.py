@@ -341,3 +341,23 @@ def test_batch_finish_settles_many_and_answers_each_lease_like_the_one_by_one_fi
     )
     assert not_enrolled.status_code == 403
     assert dict(WorkflowAgentDelivery.objects.values_list("id", "status")) == status
+
+
+def test_a_cancelled_run_is_compensated_by_a_remote_agent_and_ends_cancelled(gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    lease = accepted_run(agent, community).lease
+    for n in (1, 2):
+        agent.journal_call(lease, f"t{n}", {"n": n}, compensation={"function": "m:undo"})
+        agent.record_result(lease, n, ok=True, output={"n": n})
+    assert isinstance(agents.cancel_agent_run(community.id, lease.run_id), agents.Cancelled)
+    assert agent.heartbeat(lease).data["reason"] == "cancelled"
+    (again,) = agent.claim_runs(worker_id="remote-2")
+    assert (again.run["unwinding"], again.run["failure_code"]) == (True, "cancelled")
+    assert agent.fail_run(again.lease, "cancelled").data == {"outcome": "unwinding", "seqs": [2, 1]}
+    for seq in (2, 1):
+        assert agent.begin_compensation(again.lease, seq).outcome == "begun"
+        assert agent.finish_compensation(again.lease, seq, ok=True).data["status"] == "compensated"
+    assert agent.fail_run(again.lease, "cancelled").data == {"outcome": "finished", "state": "cancelled"}
+    assert AgentRun.objects.get(id=lease.run_id).state == "cancelled"

@@ -274,8 +274,9 @@ def fail_run(
         lease, failure_code=code, failure_message=v.optional_text(failure_message, "failure_message", 10_000)
     )
     with transaction.atomic(), translated_errors():
-        if fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params):
-            return Finished("failed")
+        ended = fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params)
+        if ended:
+            return Finished(ended[0][0])
         if fetch_all(sql.MARK_UNWINDING_IF_CURRENT, params):
             return Unwinding(tuple(row[0] for row in fetch_all(sql.OUTSTANDING_SEQS, params)))
         return missed(params)
