@@ -236,12 +236,17 @@ class GatewayClient:
         return self._run_outcome(path, {"lease_generation": lease.lease_generation, **options})
 
     def claim_runs(
-        self, limit: int = 1, *, lease_seconds: float | None = None, worker_id: str | None = None
+        self,
+        limit: int = 1,
+        *,
+        wait_seconds: float = 0,
+        lease_seconds: float | None = None,
+        worker_id: str | None = None,
     ) -> list[RemoteRunClaim]:
-        """Claim up to ``limit`` of this key's pending agent runs across its communities."""
-        data = self._json(
-            "POST", "/runs/claim", {"limit": limit, "lease_seconds": lease_seconds, "worker_id": worker_id}
-        )
+        """Claim up to ``limit`` of this key's pending agent runs across its communities,
+        long-polling up to ``wait_seconds`` for the first."""
+        body = {"limit": limit, "wait_seconds": wait_seconds, "lease_seconds": lease_seconds, "worker_id": worker_id}
+        data = self._json("POST", "/runs/claim", body, extra_timeout=wait_seconds)
         return [RemoteRunClaim(c["run"], _run_lease(c["lease"])) for c in data["claims"]]
 
     def read_run(self, community_id: str, run_id: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ a request that leaves it null uses ``gateway:<first 16 hex digits of the key>``.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from typing import Any
 
@@ -24,6 +25,7 @@ from buzz_delivery.agents import services as agents
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.gateway import present
 from buzz_delivery.gateway import services as gateway
+from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import (
     ACCEPT,
@@ -38,6 +40,7 @@ from buzz_delivery.gateway.schema import (
     RUN_CLAIM,
 )
 from buzz_delivery.gateway.views import _lease, _lost_or_not_found, _require_enrolled, endpoint
+from buzz_delivery.gateway.wake import hub
 from buzz_delivery.services import AlreadyTerminal, LeaseLost
 
 
@@ -111,18 +114,11 @@ def accept(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     raise _lost_or_not_found(community_id, delivery_id, pubkey)
 
 
-@endpoint("POST", RUN_CLAIM)
-def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
-    """Claim up to ``limit`` pending runs of the signer across every active community it is
-    enrolled in (``agents.services.claim_agent_runs``, one statement per community, a random
-    community first). 200 ``{"claims": [{"run", "lease"}]}``; 403 when enrolled nowhere."""
-    worker = worker_of(pubkey, data["worker_id"])
-    communities = gateway.enrolled_communities(pubkey)
-    if not communities:
-        raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
-    random.shuffle(communities)
+def _claim_round(communities: list[uuid.UUID], pubkey: bytes, worker: str, data: dict[str, Any]) -> list[Any]:
+    order = list(communities)
+    random.shuffle(order)
     claims: list[agents.AgentClaim] = []
-    for community in communities:
+    for community in order:
         claims += agents.claim_agent_runs(
             community,
             [pubkey],
@@ -132,6 +128,40 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
         )
         if len(claims) >= data["limit"]:
             break
+    return claims
+
+
+@endpoint("POST", RUN_CLAIM)
+def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
+    """Claim up to ``limit`` pending runs of the signer across every active community it is
+    enrolled in (``agents.services.claim_agent_runs``, one statement per community, a random
+    community first); with ``wait_seconds`` > 0, long-poll until one is claimable (woken by the
+    ``buzz_agents`` hints of those communities, polling every ``POLL_SECONDS``) or the wait
+    ends. 200 ``{"claims": [{"run", "lease"}]}`` (possibly empty); 403 when enrolled nowhere."""
+    worker = worker_of(pubkey, data["worker_id"])
+    communities = gateway.enrolled_communities(pubkey)
+    if not communities:
+        raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
+    wait = float(data["wait_seconds"])
+    if wait <= 0:
+        claims = _claim_round(communities, pubkey, worker, data)
+    else:
+        deadline = time.monotonic() + wait
+        poll = get_settings().poll_seconds
+        # Registered before the first claim: a run committed between an empty claim and the
+        # sleep still sets the event, so the sleep ends at once.
+        with hub.waiter(*(f"runs:{c}" for c in communities)) as woken:
+            claims = _claim_round(communities, pubkey, worker, data)
+            while not claims:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                woken.wait(min(poll, remaining))
+                woken.clear()
+                communities = [c for c in gateway.enrolled_communities(pubkey) if c in communities]
+                if not communities:
+                    break
+                claims = _claim_round(communities, pubkey, worker, data)
     return JsonResponse(
         {"claims": [{"run": present.run_of(c.run), "lease": present.run_lease_of(c.lease)} for c in claims]}
     )

@@ -254,6 +254,9 @@ RUN_CLAIM = Body(
     "RunClaimRequest",
     {
         "limit": Field("integer", "most runs to claim", default=1, bounds=_run_limit),
+        "wait_seconds": Field(
+            "number", "long-poll: wait up to this long for a run when none is claimable", default=0, bounds=_wait
+        ),
         "lease_seconds": LEASE_SECONDS,
         "worker_id": WORKER_ID,
     },

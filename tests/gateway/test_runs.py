@@ -361,3 +361,35 @@ def test_a_cancelled_run_is_compensated_by_a_remote_agent_and_ends_cancelled(gat
         assert agent.finish_compensation(again.lease, seq, ok=True).data["status"] == "compensated"
     assert agent.fail_run(again.lease, "cancelled").data == {"outcome": "finished", "state": "cancelled"}
     assert AgentRun.objects.get(id=lease.run_id).state == "cancelled"
+
+
+def test_a_long_poll_run_claim_is_woken_by_the_notify_of_a_new_run_for_its_community(tmp_path):
+    import threading
+    import time
+
+    from tests.gateway.support import start_server, stop_server
+
+    # A server of its own that polls only every 30 s: within the 8 s wait only a hint can wake it.
+    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_POLL_SECONDS": "30"})
+    try:
+        community, elsewhere = CommunityFactory(), CommunityFactory()
+        agent = new_agent(server)
+        enroll(agent, community)
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(agent.claim_runs(wait_seconds=8)))
+        waiter.start()
+        time.sleep(1.5)
+        assert got == [] and waiter.is_alive()
+        new_run(elsewhere.id, agent.pubkey)  # a hint for a community it is not enrolled in
+        time.sleep(0.5)
+        assert got == [] and waiter.is_alive()
+        run_id = new_run(community.id, agent.pubkey)
+        committed = time.monotonic()
+        waiter.join(10)
+        assert [c.lease.run_id for c in got] == [str(run_id)]
+        assert time.monotonic() - committed < 5, "the run claim was not woken by the hint"
+        started = time.monotonic()
+        assert agent.claim_runs(wait_seconds=1.2) == []
+        assert 1.1 <= time.monotonic() - started < 5
+    finally:
+        stop_server(server)
