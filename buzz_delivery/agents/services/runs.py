@@ -296,8 +296,9 @@ def cancel_agent_run(
     or :class:`NotFound`. Raises ``ValidationError`` keyed by the argument before SQL;
     ``CommunityNotWritable`` when the community is not active. SPEC 12 "States"."""
     run = v.uuid_value(run_id, "run_id")
+    community = v.uuid_value(community_id, "community_id")
     params = {
-        "community_id": v.uuid_value(community_id, "community_id"),
+        "community_id": community,
         "run_id": run,
         "reason": v.optional_text(reason, "reason", 10_000),
     }
@@ -307,7 +308,7 @@ def cancel_agent_run(
         if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
             return Cancelled(run)
         if fetch_all(sql.CANCEL_TO_UNWIND_IF_OUTSTANDING, params):
-            notify_claimable(params["community_id"])
+            notify_claimable(community)
             return Cancelled(run)
         if fetch_all(sql.RUN_UNWINDING_FOR_CANCEL, params):
             return Cancelled(run)
