@@ -393,3 +393,31 @@ def test_a_long_poll_run_claim_is_woken_by_the_notify_of_a_new_run_for_its_commu
         assert 1.1 <= time.monotonic() - started < 5
     finally:
         stop_server(server)
+
+
+RUN_ACTIONS = ("heartbeat", "calls", "results", "approval", "complete", "fail", "compensations/begin",
+               "compensations/finish")  # fmt: skip
+
+
+def test_every_run_endpoint_refuses_bad_json_extra_fields_huge_bodies_and_wrong_methods(gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    lease = accepted_run(agent, community).lease
+    (delivery,) = deliver(community, agent.pubkey)
+    base = f"/communities/{community.id}/runs/{lease.run_id}"
+    posts = [f"{base}/{a}" for a in RUN_ACTIONS] + [
+        "/runs/claim",
+        f"/communities/{community.id}/deliveries/{delivery.id}/accept",
+        f"/communities/{community.id}/deliveries/finish",
+    ]
+    before, rows = run_state(), counts()
+    for path in posts:
+        for body, field in ((b"{", "body"), (b"[]", "body"), (b"\xff", "body"), ({"x": 1}, "x")):  # extra: named first
+            response = send(agent, "POST", path, body)
+            assert (response.status_code, response.json()["field"]) == (400, field), (path, body, response.text)
+        assert send(agent, "POST", path, b"{" + b" " * 70_000 + b"}").status_code == 413, path
+        wrong = send(agent, "GET", path, None)
+        assert (wrong.status_code, wrong.headers["Allow"]) == (405, "POST"), path
+    assert send(agent, "POST", base, None).status_code == 405
+    assert run_state() == before and counts() == rows
