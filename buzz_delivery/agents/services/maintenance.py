@@ -51,13 +51,19 @@ ORDER BY c.id
 LIMIT %(limit)s
 """
 TRY_FENCE_LOCK = "SELECT pg_try_advisory_xact_lock_shared(%(ns)s, hashtext(%(community_id)s::text))"
-# Locked before they are judged: a holder's result committed meanwhile is seen by the next
-# statements (fresh snapshots), so a timeout never misses a compensation; a row being written
-# right now is skipped until the next pass.
 CANDIDATE_RUNS = f"""
 SELECT r.id FROM {RUN} AS r
 WHERE r.community_id = %(community_id)s AND (({LAPSED}) OR ({OVERDUE}))
 ORDER BY r.id LIMIT %(limit)s
+"""
+# The candidates are locked before they are judged (after their approvals are expired: approval
+# then run, the order of decide_approval, so the two cannot deadlock): a holder's result
+# committed meanwhile is seen by the next statements (fresh snapshots), so a timeout never
+# misses a compensation; a row being written right now is skipped until the next pass.
+LOCK_CANDIDATE_RUNS = f"""
+SELECT r.id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s)
+ORDER BY r.id
 FOR NO KEY UPDATE OF r SKIP LOCKED
 """
 _FENCE = "lease_generation = r.lease_generation + 1, lease_until = NULL, claimed_at = NULL"
@@ -159,6 +165,7 @@ def _one_community(community: object, limit: int, result: AgentReapResult) -> bo
         params["ids"] = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]
         if params["ids"]:
             result.approvals_expired += len(fetch_all(EXPIRE_APPROVALS_OF_OVERDUE_RUNS, params))
+            params["ids"] = [row[0] for row in fetch_all(LOCK_CANDIDATE_RUNS, params)]
             unwinding = len(fetch_all(TIME_OUT_TO_UNWIND, params))
             result.timed_out += len(fetch_all(TIME_OUT_OVERDUE_RUNS, params))
             result.reclaimed += len(fetch_all(RECLAIM_LAPSED_RUNS, params))

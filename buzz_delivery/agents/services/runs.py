@@ -303,8 +303,10 @@ def cancel_agent_run(
         "reason": v.optional_text(reason, "reason", 10_000),
     }
     with transaction.atomic(), translated_errors():
-        fetch_all(sql.LOCK_RUN, params)
+        # Approval first, then the run: the order of decide_approval and the reaper (its trigger
+        # moves the run), so a cancel racing them cannot deadlock.
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
+        fetch_all(sql.LOCK_RUN, params)
         if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
             return Cancelled(run)
         if fetch_all(sql.CANCEL_TO_UNWIND_IF_OUTSTANDING, params):
