@@ -509,7 +509,8 @@ def read_key_file(path: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``work``: run a remote worker; exit 0 on a clean stop, 3 when leases were given up."""
+    """``work``: run a remote delivery worker; ``work-runs``: a remote agent-run worker
+    (:mod:`buzz_delivery.gateway.remote_runs`). Exit 0 on a clean stop, 3 when leases were given up."""
     parser = argparse.ArgumentParser(prog="python -m buzz_delivery.gateway.client")
     sub = parser.add_subparsers(dest="command", required=True)
     work = sub.add_parser("work", help="claim and work deliveries through the gateway")
@@ -523,6 +524,18 @@ def main(argv: list[str] | None = None) -> int:
     work.add_argument("--max-deliveries", type=int, default=None, help="stop after claiming this many")
     work.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
     work.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    runs = sub.add_parser("work-runs", help="claim and run agent runs through the gateway (remote_runs)")
+    runs.add_argument("--url", required=True, help="the gateway's base URL")
+    runs.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
+    runs.add_argument("--handler", required=True, help="dotted path of handler(ctx) -> output")
+    runs.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
+    runs.add_argument("--lease-seconds", type=float, default=None, help="run lease length (default: the server's)")
+    runs.add_argument("--wait-seconds", type=float, default=5.0, help="long-poll per claim (default 5)")
+    runs.add_argument("--renew-every", type=float, default=10.0, help="seconds between heartbeats (default 10)")
+    runs.add_argument("--worker-id", default=None, help="the holder's name (default: the gateway's)")
+    runs.add_argument("--max-runs", type=int, default=None, help="stop after claiming this many")
+    runs.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
+    runs.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
@@ -533,10 +546,30 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.concurrency <= 256:
         parser.error("--concurrency must be within 1..256")
     client = GatewayClient(args.url, key, timeout=10.0)
+    if args.command == "work-runs":
+        return _work_runs(client, handler, args)
     worker = RemoteWorker(
         client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
         wait_seconds=args.wait_seconds, renew_every=args.renew_every, max_deliveries=args.max_deliveries,
         idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
+    )  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))
+    try:
+        summary = worker.run()
+    finally:
+        client.close()
+    print(json.dumps(summary), flush=True)
+    return 3 if summary["abandoned"] else 0
+
+
+def _work_runs(client: GatewayClient, handler: Callable[..., Any], args: argparse.Namespace) -> int:
+    from buzz_delivery.gateway.remote_runs import RemoteRunWorker
+
+    worker = RemoteRunWorker(
+        client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
+        wait_seconds=args.wait_seconds, renew_every=args.renew_every, worker_id=args.worker_id,
+        max_runs=args.max_runs, idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
     )  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))
