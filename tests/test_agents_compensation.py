@@ -275,3 +275,22 @@ def test_a_failing_compensation_stops_the_chain_of_a_cancelled_run_and_stays_vis
     assert run_of(run_id).state == "cancelled"
     assert compensation_statuses(run_id) == [None, "compensation_failed"]
     assert ran(run_id) == []  # the chain stopped at 2: 1 was never undone
+
+
+@pytest.mark.django_db
+def test_a_run_waiting_for_an_approval_past_its_timeout_expires_it_compensates_and_ends_timeout(community):
+    from buzz_delivery.agents.services import request_approval
+    from buzz_delivery.workflows.models import Approval
+
+    lease = with_calls(community, 2, timeout_seconds=60)
+    approval = request_approval(lease, prompt="go?")
+    pass_timeout(lease.run_id)
+    result = reap_agent_runs()
+    assert (result.approvals_expired, result.unwinding) == (1, 1)
+    assert Approval.objects.get(id=approval.approval_id).state == "expired"
+    row = run_of(lease.run_id)
+    assert (row.state, row.unwinding, row.failure_code) == ("pending", True, "timeout")
+    assert reap_agent_runs().total == 0
+    assert unwind_with_a_worker(community) == "compensated"
+    assert run_of(lease.run_id).state == "timeout"
+    assert ran(lease.run_id) == [2, 1]

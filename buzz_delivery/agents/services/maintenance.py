@@ -32,8 +32,12 @@ from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
 # Past timeout_at, unless the run is already unwinding with compensations left: it ends once
-# they are undone (a timeout would only fence its compensating holder).
-OVERDUE = f"r.state NOT IN {TERMINAL} AND r.timeout_at < {DB_NOW} AND NOT (r.unwinding AND {OUTSTANDING})"
+# they are undone (a timeout would only fence its compensating holder). A run unwinding for an
+# expired approval (this very pass may have expired it) still times out, once, to end ``timeout``.
+OVERDUE = (
+    f"r.state NOT IN {TERMINAL} AND r.timeout_at < {DB_NOW}"
+    f" AND NOT (r.unwinding AND r.failure_code IS DISTINCT FROM 'approval_expired' AND {OUTSTANDING})"
+)
 # Exponential backoff of a reclaimed run: RETRY_DELAY_SECONDS * 2**attempts (the attempts
 # before this one), capped at RETRY_DELAY_MAX_SECONDS; the exponent is clamped first.
 BACKOFF_SECONDS = "LEAST(%(delay_seconds)s * power(2, LEAST(r.attempts, 62)), %(max_delay_seconds)s)"
