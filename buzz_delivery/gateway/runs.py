@@ -22,7 +22,7 @@ from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
 from buzz_delivery.agents import services as agents
-from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.gateway import present
 from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.conf import get_settings
@@ -172,7 +172,7 @@ def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
     """One of the signer's runs with its journal in ``seq`` order (what a resumed handler
     replays). 200 ``{"run", "journal"}``; 403; 404."""
     run = _own_run(community_id, run_id, pubkey)
-    journal = JournalEntry.objects.filter(community_id=community_id, run_id=run_id).order_by("seq")
+    journal = agents.get_journal(community_id, run_id)
     return JsonResponse({"run": present.run_of(run), "journal": [present.journal_entry_of(e) for e in journal]})
 
 

@@ -17,6 +17,7 @@ from buzz_delivery.agents.services.runs import (
     complete_run,
     fail_run,
     get_agent_run,
+    get_journal,
     heartbeat,
     intake_event,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "fail_run",
     "finish_compensation",
     "get_agent_run",
+    "get_journal",
     "heartbeat",
     "intake_event",
     "journal_call",

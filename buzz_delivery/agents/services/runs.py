@@ -14,7 +14,7 @@ from typing import Any
 from django.db import transaction
 
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
-from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
 from buzz_delivery.agents.services.types import (
@@ -328,3 +328,12 @@ def get_agent_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Age
     return AgentRun.objects.filter(
         community_id=v.uuid_value(community_id, "community_id"), id=v.uuid_value(run_id, "run_id")
     ).first()
+
+
+def get_journal(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> list[JournalEntry]:
+    """Scoped read of one run's journal entries in ``seq`` order (empty if the run is absent)."""
+    return list(
+        JournalEntry.objects.filter(
+            community_id=v.uuid_value(community_id, "community_id"), run_id=v.uuid_value(run_id, "run_id")
+        ).order_by("seq")
+    )
