@@ -40,6 +40,7 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL
 from buzz_delivery.agents.runtime import Context, Heartbeat, run_claim
 from buzz_delivery.agents.services.sql import RUN
+from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.sql import DB_NOW
 
@@ -221,11 +222,12 @@ class AgentWorker:
     def run(self, conn_params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run until stopped; returns the summary counts (also :meth:`summary_line`).
 
-        ``conn_params``: ``psycopg.connect`` keywords of the LISTEN connection (default: the
-        ``default`` database's)."""
+        ``conn_params``: ``psycopg.connect`` keywords of the LISTEN connection (default: those of
+        ``BUZZ_DELIVERY["LISTEN_DATABASE"]``, else of ``default``)."""
         self.heartbeat.start()
         if self.config.listen and not self.config.exit_when_idle:
-            params = conn_params if conn_params is not None else connections["default"].get_connection_params()
+            alias = core_settings().listen_database or "default"  # a direct connection behind a pooler
+            params = conn_params if conn_params is not None else connections[alias].get_connection_params()
             self.listener = RunListener(
                 waker=self.waker, communities=list(self.config.communities), conn_params=params, stop=self.stopping
             )
