@@ -294,3 +294,23 @@ def test_a_run_waiting_for_an_approval_past_its_timeout_expires_it_compensates_a
     assert unwind_with_a_worker(community) == "compensated"
     assert run_of(lease.run_id).state == "timeout"
     assert ran(lease.run_id) == [2, 1]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("end", ["cancel", "exhausted"])
+def test_a_call_pending_when_the_run_is_sent_to_unwind_is_marked_uncertain_and_compensated(community, end):
+    lease = with_calls(community, 1, max_attempts=1)
+    assert journal_call(lease, "effect", {"n": 2}, compensation=COUNTED).seq == 2  # the holder dies mid-call
+    if end == "cancel":
+        cancel_agent_run(community.id, lease.run_id)
+    else:
+        backdate_run_lease(lease.run_id)
+        assert reap_agent_runs().unwinding == 1
+    assert unwind_with_a_worker(community) == "compensated"
+    assert run_of(lease.run_id).state == ("cancelled" if end == "cancel" else "failed")
+    entries = JournalEntry.objects.filter(run_id=lease.run_id).order_by("seq")
+    assert [(e.status, e.uncertain, e.compensation_status) for e in entries] == [
+        ("succeeded", False, "compensated"),
+        ("failed", True, "compensated"),
+    ]
+    assert ran(lease.run_id) == [2, 1]

@@ -263,10 +263,13 @@ def fail_run(
     """Fail the run. With succeeded (or uncertain) calls that carry a compensation not yet
     undone, and none whose compensation failed, the run is marked ``unwinding`` (lease kept) and
     :class:`Unwinding` lists the entries to compensate, highest ``seq`` first; call again once
-    they are done (or one failed). Otherwise the run ends (the first failure code recorded wins)
-    and :class:`Finished` says how: ``failed``, or ``cancelled`` / ``timeout`` for a run that
-    unwound because a cancel or its ``timeout_at`` sent it to compensate. ``failure_code``: 1..64 characters.
-    Raises ``ValidationError`` keyed ``lease``, ``failure_code`` or ``failure_message``. SPEC 12."""
+    they are done (or one failed). On a run already unwinding, a call still ``pending`` (its
+    holder was fenced mid-call by a cancel, a timeout or a lapse) is first recorded ``failed``
+    and uncertain, so it is compensated like a succeeded one. Otherwise the run ends (the first
+    failure code recorded wins) and :class:`Finished` says how: ``failed``, or ``cancelled`` /
+    ``timeout`` for a run that unwound because a cancel or its ``timeout_at`` sent it to
+    compensate. ``failure_code``: 1..64 characters. Raises ``ValidationError`` keyed ``lease``,
+    ``failure_code`` or ``failure_message``. SPEC 12."""
     code = v.optional_text(failure_code, "failure_code", 64)
     if not code or not code.strip():
         raise v.invalid("failure_code", "must be 1..64 characters")
@@ -274,6 +277,7 @@ def fail_run(
         lease, failure_code=code, failure_message=v.optional_text(failure_message, "failure_message", 10_000)
     )
     with transaction.atomic(), translated_errors():
+        fetch_all(sql.MARK_PENDING_UNCERTAIN_IF_UNWINDING, params)
         ended = fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params)
         if ended:
             return Finished(ended[0][0])

@@ -178,6 +178,23 @@ WHERE {CURRENT_RUN_LEASE} AND NOT ({OUTSTANDING})
 RETURNING r.state
 """
 
+# An unwinding run (cancelled, timed out, exhausted: its handler is not run again) cannot end
+# with a call still pending: its holder was fenced mid-call, so the call is uncertain and, with
+# a compensation, is undone like a succeeded one. Fenced by the current lease.
+MARK_PENDING_UNCERTAIN_IF_UNWINDING = f"""
+WITH fenced AS (
+    SELECT r.id, r.lease_generation FROM {RUN} AS r
+    WHERE {CURRENT_RUN_LEASE} AND r.unwinding
+    FOR NO KEY UPDATE
+)
+UPDATE {JOURNAL} AS j
+SET status = 'failed', uncertain = true, error = 'uncertain: the run unwound while the call was pending',
+    result_generation = fenced.lease_generation, finished_at = {DB_NOW}
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.status = 'pending' AND j.kind = 'tool'
+RETURNING j.seq
+"""
+
 MARK_UNWINDING_IF_CURRENT = f"""
 UPDATE {RUN} AS r
 SET unwinding = true, state = 'running', failure_code = coalesce(r.failure_code, %(failure_code)s),
