@@ -305,3 +305,35 @@ def test_sigterm_with_a_hung_handler_gives_the_run_up_at_the_end_of_the_grace_an
     assert time.monotonic() - started < 10
     assert json.loads(out.splitlines()[-1])["abandoned"] == 1
     assert AgentRun.objects.get(id=run_id).state == "running"  # its lease lapses; the reaper reclaims it
+
+
+@pytest.mark.parametrize("end", ["cancel", "exhausted"])
+def test_a_cancelled_or_exhausted_run_is_compensated_3_2_1_once_each_across_a_killed_worker(community, ledger, end):
+    """Real worker processes: the first is killed (SIGKILL) right after undoing entry 2; the
+    next one takes over and finishes the undo; each compensation's effect happens once."""
+    from buzz_delivery.agents.services import cancel_agent_run
+
+    run_id = new_run(community.id, max_attempts=1)
+    code, _, err = worker(community, "three_calls", ledger, "--max-runs", "1", kill="after:3")
+    assert code == -9, err  # all three calls made and recorded, then the holder died
+    if end == "cancel":
+        cancel_agent_run(community.id, run_id)
+    else:
+        backdate_run_lease(run_id)
+        assert reap_agent_runs().unwinding == 1
+    ledger.with_suffix(".killed").unlink()  # arm the second kill
+    code, _, err = worker(community, "three_calls", ledger, kill="undo:2")
+    assert code == -9, err
+    statuses = dict(JournalEntry.objects.filter(run_id=run_id).values_list("seq", "compensation_status"))
+    assert statuses == {1: None, 2: "compensating", 3: "compensated"}
+    backdate_run_lease(run_id)
+    assert reap_agent_runs().reclaimed == 1  # an unwinding run is reclaimed whatever its attempts
+    make_claimable(run_id)
+    code, summary, err = worker(community, "three_calls", ledger)
+    assert code == 0 and summary["compensated"] == 1, err
+    assert [x for x in h_lines(ledger) if x.startswith("undo")] == [f"undo {run_id}:{n}:compensate" for n in (3, 2, 1)]
+    assert [x for x in h_lines(ledger) if x.startswith("call")] == [f"call {run_id}:{n}" for n in (1, 2, 3)]
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == (
+        ("cancelled", "cancelled") if end == "cancel" else ("failed", "attempts_exhausted")
+    )
