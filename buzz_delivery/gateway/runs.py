@@ -67,9 +67,16 @@ def _own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes) -> Agent
     return run
 
 
+def _require_own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes) -> None:
+    """As :func:`_own_run` with one narrow read (every holder request pays it)."""
+    _require_enrolled(community_id, pubkey)
+    if agents.get_run_agent(community_id, run_id) != pubkey:
+        raise _run_not_found()
+
+
 def _run_lease(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes, data: dict[str, Any]) -> agents.AgentLease:
     worker = worker_of(pubkey, data["worker_id"])
-    _own_run(community_id, run_id, pubkey)
+    _require_own_run(community_id, run_id, pubkey)
     # lease_until is informational (the database judges expiry by its own clock).
     return agents.AgentLease(community_id, run_id, data["lease_generation"], timezone.now(), worker)
 

@@ -18,6 +18,7 @@ from buzz_delivery.agents.services.runs import (
     fail_run,
     get_agent_run,
     get_journal,
+    get_run_agent,
     heartbeat,
     intake_event,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "finish_compensation",
     "get_agent_run",
     "get_journal",
+    "get_run_agent",
     "heartbeat",
     "intake_event",
     "journal_call",

@@ -341,3 +341,16 @@ def get_journal(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> list[
             community_id=v.uuid_value(community_id, "community_id"), run_id=v.uuid_value(run_id, "run_id")
         ).order_by("seq")
     )
+
+
+def get_run_agent(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> bytes | None:
+    """Scoped read of one run's agent key (None if absent): the narrow read a scope check needs
+    (a run's ``agent_pubkey`` never changes)."""
+    row = (
+        AgentRun.objects.filter(
+            community_id=v.uuid_value(community_id, "community_id"), id=v.uuid_value(run_id, "run_id")
+        )
+        .values_list("agent_pubkey", flat=True)
+        .first()
+    )
+    return None if row is None else bytes(row)
