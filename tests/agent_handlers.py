@@ -125,3 +125,18 @@ def by_agent(ctx):
 def by_input(ctx):
     """Run the handler of this module that the run's input names (``{"handler": "three_calls"}``)."""
     return globals()[ctx.input["handler"]](ctx)
+
+
+def counted_undo(args: dict, output, key: str) -> None:
+    """Compensation that is NOT idempotent on purpose: a ledger line ``ran <key>`` every time it
+    runs, so a test sees a compensation made twice."""
+    _write(f"ran {key}")
+
+
+def hangs(ctx):
+    """Writes ``entered <run id>`` to the ledger, then never returns on its own."""
+    _write(f"entered {ctx.lease.run_id}")
+    import time
+
+    while True:
+        time.sleep(0.1)

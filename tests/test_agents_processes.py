@@ -283,3 +283,57 @@ def test_reap_agent_runs_command_reclaims_and_prints_its_summary(community):
 def test_run_agent_worker_refuses_a_bad_handler_with_exit_2(community, ledger):
     code, _, err = worker(community, "no_such_handler", ledger)
     assert code == 2, err
+
+
+def test_sigterm_with_a_hung_handler_gives_the_run_up_at_the_end_of_the_grace_and_exits_3(community, ledger):
+    run_id = new_run(community.id)
+    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict), "AGENT_LEDGER": str(ledger)}
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "run_agent_worker", "--handler", "tests.agent_handlers:hangs",
+         "--agent", AGENT.hex(), "--community", str(community.id), "--poll-seconds", "0.1",
+         "--shutdown-grace", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 30
+    while f"entered {run_id}" not in h.ledger_lines():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.terminate()
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, err
+    assert time.monotonic() - started < 10
+    assert json.loads(out.splitlines()[-1])["abandoned"] == 1
+    assert AgentRun.objects.get(id=run_id).state == "running"  # its lease lapses; the reaper reclaims it
+
+
+@pytest.mark.parametrize("end", ["cancel", "exhausted"])
+def test_a_cancelled_or_exhausted_run_is_compensated_3_2_1_once_each_across_a_killed_worker(community, ledger, end):
+    """Real worker processes: the first is killed (SIGKILL) right after undoing entry 2; the
+    next one takes over and finishes the undo; each compensation's effect happens once."""
+    from buzz_delivery.agents.services import cancel_agent_run
+
+    run_id = new_run(community.id, max_attempts=1)
+    code, _, err = worker(community, "three_calls", ledger, "--max-runs", "1", kill="after:3")
+    assert code == -9, err  # all three calls made and recorded, then the holder died
+    if end == "cancel":
+        cancel_agent_run(community.id, run_id)
+    else:
+        backdate_run_lease(run_id)
+        assert reap_agent_runs().unwinding == 1
+    ledger.with_suffix(".killed").unlink()  # arm the second kill
+    code, _, err = worker(community, "three_calls", ledger, kill="undo:2")
+    assert code == -9, err
+    statuses = dict(JournalEntry.objects.filter(run_id=run_id).values_list("seq", "compensation_status"))
+    assert statuses == {1: None, 2: "compensating", 3: "compensated"}
+    backdate_run_lease(run_id)
+    assert reap_agent_runs().reclaimed == 1  # an unwinding run is reclaimed whatever its attempts
+    make_claimable(run_id)
+    code, summary, err = worker(community, "three_calls", ledger)
+    assert code == 0 and summary["compensated"] == 1, err
+    assert [x for x in h_lines(ledger) if x.startswith("undo")] == [f"undo {run_id}:{n}:compensate" for n in (3, 2, 1)]
+    assert [x for x in h_lines(ledger) if x.startswith("call")] == [f"call {run_id}:{n}" for n in (1, 2, 3)]
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == (
+        ("cancelled", "cancelled") if end == "cancel" else ("failed", "attempts_exhausted")
+    )

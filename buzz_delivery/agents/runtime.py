@@ -258,28 +258,66 @@ def run_claim(claim: s.AgentClaim, handler: Callable[[Context], Any], ctx: Conte
 
 class Heartbeat(threading.Thread):
     """Renews every held run lease each ``every`` seconds on its own connection; a renewal that
-    returns ``LeaseLost`` marks that context lost (and cancelled, if a cancel fenced it)."""
+    returns ``LeaseLost`` marks that context lost (and cancelled, if a cancel fenced it). With
+    ``handler_timeout``, a context held longer than that is marked lost (``timed_out``) and no
+    longer renewed: its lease lapses and the run is reclaimed elsewhere."""
 
-    def __init__(self, *, every: float, lease_seconds: float) -> None:
+    def __init__(self, *, every: float, lease_seconds: float, handler_timeout: float | None = None) -> None:
         super().__init__(name="agent-heartbeat", daemon=True)
         self.every = every
         self.lease_seconds = lease_seconds
+        self.handler_timeout = handler_timeout
         self.held: dict[Any, Context] = {}
+        self.since: dict[Any, float] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.renewed = 0
+        self.timed_out = 0
 
     def hold(self, ctx: Context) -> None:
+        """Renew ``ctx``'s lease from now on (its handler deadline starts now)."""
         with self.lock:
             self.held[ctx.lease.run_id] = ctx
+            self.since[ctx.lease.run_id] = time.monotonic()
 
     def release(self, ctx: Context) -> None:
+        """Stop renewing ``ctx``'s lease."""
         with self.lock:
             self.held.pop(ctx.lease.run_id, None)
+            self.since.pop(ctx.lease.run_id, None)
+
+    def release_all(self) -> list[Context]:
+        """Stop renewing every lease; returns the contexts that were held."""
+        with self.lock:
+            contexts = list(self.held.values())
+            self.held.clear()
+            self.since.clear()
+        return contexts
+
+    def _overdue(self) -> list[Context]:
+        if self.handler_timeout is None:
+            return []
+        now = time.monotonic()
+        with self.lock:
+            late = [rid for rid, t in self.since.items() if now - t > self.handler_timeout]
+            contexts = [self.held.pop(rid) for rid in late]
+            for rid in late:
+                self.since.pop(rid, None)
+        return contexts
 
     def run(self) -> None:
+        # Deadlines are checked every quarter second at most; leases renewed every ``every``.
+        tick = self.every if self.handler_timeout is None else min(self.every, 0.25)
+        next_renewal = time.monotonic() + self.every
         try:
-            while not self.stop.wait(self.every):
+            while not self.stop.wait(tick):
+                for ctx in self._overdue():
+                    logger.warning("handler_timeout run=%s: its lease is left to lapse", ctx.lease.run_id)
+                    ctx.mark_lost("timed_out")
+                    self.timed_out += 1
+                if time.monotonic() < next_renewal:
+                    continue
+                next_renewal = time.monotonic() + self.every
                 with self.lock:
                     contexts = list(self.held.values())
                 for ctx in contexts:

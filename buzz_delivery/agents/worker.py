@@ -5,7 +5,20 @@ process is given (or, with none given, the active communities that have claimabl
 agents), run the handler (:func:`~buzz_delivery.agents.runtime.run_claim`) and go on; one
 :class:`~buzz_delivery.agents.runtime.Heartbeat` thread renews every held lease on its own
 connection. :meth:`AgentWorker.stop` (SIGTERM/SIGINT) stops claiming and lets in-flight runs
-reach their resting point (drain).
+reach their resting point (drain) for up to ``shutdown_grace`` seconds; runs still in flight
+then are abandoned: their contexts are marked lost (the handler's next ``ctx.call`` raises and
+nothing more is written), their leases are no longer renewed and lapse, and the reaper
+reclaims them.
+
+Wake: a :class:`RunListener` thread LISTENs on ``buzz_agents`` (its own connection); the
+database announces a claimable run there (a new run, a cancel that sends one to compensate, an
+approval closed) with the community id, and idle threads claim at once instead of at their next
+poll. A hint grants nothing and polling goes on, so a missed one only delays work.
+
+Handler deadline: a handler running past ``handler_timeout`` seconds has its context marked
+lost and its lease no longer renewed (it lapses: the run is reclaimed and resumed from its
+journal elsewhere); Python cannot stop the thread, so that slot stays busy until the handler
+returns, and nothing it does afterwards is written.
 """
 
 from __future__ import annotations
@@ -13,18 +26,22 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from django.db import connections
 
 from buzz_delivery.agents import services as s
+from buzz_delivery.agents.conf import NOTIFY_CHANNEL
 from buzz_delivery.agents.runtime import Context, Heartbeat, run_claim
 from buzz_delivery.agents.services.sql import RUN
 from buzz_delivery.services import tenancy
+from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.sql import DB_NOW
 
@@ -54,6 +71,73 @@ class WorkerConfig:
     max_runs: int | None = None
     exit_when_idle: bool = False
     worker_id: str = ""
+    shutdown_grace: float = 30.0
+    handler_timeout: float | None = None
+    listen: bool = True
+
+
+class Waker:
+    """Wakes idle loop threads: :meth:`wait` returns as soon as :meth:`wake` was called after
+    the ``since`` token the thread took before its last (empty) poll, so a hint that lands
+    between that poll and the wait is not missed."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._seq = 0
+
+    def token(self) -> int:
+        """The current wake count (take it before polling)."""
+        with self._cond:
+            return self._seq
+
+    def wake(self) -> None:
+        """Wake every waiting thread."""
+        with self._cond:
+            self._seq += 1
+            self._cond.notify_all()
+
+    def wait(self, since: int, timeout: float) -> bool:
+        """Wait until a wake after ``since`` or ``timeout`` seconds; True when woken."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._seq != since, timeout)
+
+
+class RunListener(threading.Thread):
+    """LISTENs on ``buzz_agents`` over its own autocommit psycopg connection and wakes the loop
+    threads for hints naming one of ``communities`` (any community when that is empty).
+    Reconnects after a loss (every ``retry_seconds``) and wakes the threads then too."""
+
+    def __init__(
+        self, *, waker: Waker, communities: list[uuid.UUID], conn_params: dict[str, Any], stop: threading.Event
+    ) -> None:
+        super().__init__(name="agent-listener", daemon=True)
+        self.waker, self.stop, self.conn_params = waker, stop, conn_params
+        self.communities = {str(c) for c in communities}
+        self.retry_seconds = 1.0
+        self.hints = 0
+
+    def run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            while not self.stop.is_set():
+                try:
+                    if conn is None:
+                        conn = psycopg.connect(**self.conn_params, autocommit=True)
+                        conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                        self.waker.wake()  # hints may have been missed while not listening
+                    for notify in conn.notifies(timeout=0.5):
+                        if not self.communities or notify.payload in self.communities:
+                            self.hints += 1
+                            self.waker.wake()
+                except psycopg.Error as exc:
+                    logger.warning("db_unavailable role=agent-listener error=%s", str(exc).strip()[:200])
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    self.stop.wait(self.retry_seconds)
+        finally:
+            if conn is not None:
+                conn.close()
 
 
 class AgentWorker:
@@ -64,11 +148,18 @@ class AgentWorker:
         self.stopping = threading.Event()
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
-        self.heartbeat = Heartbeat(every=max(config.lease_seconds / 3, 0.2), lease_seconds=config.lease_seconds)
+        self.heartbeat = Heartbeat(
+            every=max(config.lease_seconds / 3, 0.2),
+            lease_seconds=config.lease_seconds,
+            handler_timeout=config.handler_timeout,
+        )
+        self.waker = Waker()
+        self.listener: RunListener | None = None
 
     def stop(self, *_: Any) -> None:
-        """Stop claiming; in-flight runs finish (drain)."""
+        """Stop claiming; in-flight runs finish (drain) within ``shutdown_grace``."""
         self.stopping.set()
+        self.waker.wake()
 
     def _communities(self) -> list[uuid.UUID]:
         if self.config.communities:
@@ -87,6 +178,7 @@ class AgentWorker:
     def _loop(self) -> None:
         try:
             while not self.stopping.is_set():
+                token = self.waker.token()
                 found = False
                 for community in self._communities():
                     if self.stopping.is_set() or not self._take_slot():
@@ -106,7 +198,9 @@ class AgentWorker:
                 if not found:
                     if self.config.exit_when_idle:
                         self.stopping.set()
-                    self.stopping.wait(self.config.poll_seconds)
+                    elif self.waker.wait(token, self.config.poll_seconds):
+                        with self.lock:
+                            self.counts["woken"] += 1
         except Exception:
             logger.exception("worker_error")
             with self.lock:
@@ -127,24 +221,54 @@ class AgentWorker:
         with self.lock:
             self.counts[result] += 1
 
-    def run(self) -> dict[str, Any]:
-        """Run until stopped; returns the summary counts (also :meth:`summary_line`)."""
+    def run(self, conn_params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run until stopped; returns the summary counts (also :meth:`summary_line`).
+
+        ``conn_params``: ``psycopg.connect`` keywords of the LISTEN connection (default: those of
+        ``BUZZ_DELIVERY["LISTEN_DATABASE"]``, else of ``default``)."""
         self.heartbeat.start()
+        if self.config.listen and not self.config.exit_when_idle:
+            alias = core_settings().listen_database or "default"  # a direct connection behind a pooler
+            params = conn_params if conn_params is not None else connections[alias].get_connection_params()
+            self.listener = RunListener(
+                waker=self.waker, communities=list(self.config.communities), conn_params=params, stop=self.stopping
+            )
+            self.listener.start()
         threads = [
             threading.Thread(target=self._loop, name=f"agent-{i}", daemon=True) for i in range(self.config.concurrency)
         ]
         for t in threads:
             t.start()
+        stopped_at: float | None = None
         while any(t.is_alive() for t in threads):
+            if self.stopping.is_set():
+                stopped_at = stopped_at if stopped_at is not None else time.monotonic()
+                if time.monotonic() - stopped_at > self.config.shutdown_grace:
+                    self._abandon()
+                    break
             for t in threads:
-                t.join(timeout=0.2)
+                t.join(timeout=0.1)
         self.heartbeat.stop.set()
         self.heartbeat.join(timeout=5)
+        if self.listener is not None:
+            self.listener.join(timeout=5)
         self.counts["renewed"] = self.heartbeat.renewed
+        self.counts["timed_out"] = self.heartbeat.timed_out
         return dict(self.counts)
 
+    def _abandon(self) -> None:
+        """The grace is over: every run still held is given up (its lease lapses)."""
+        for ctx in self.heartbeat.release_all():
+            ctx.mark_lost("abandoned")
+            logger.warning("abandoned run=%s (shutdown grace over)", ctx.lease.run_id)
+            with self.lock:
+                self.counts["abandoned"] += 1
+
     def summary_line(self) -> str:
-        keys = ("claimed", "completed", "failed", "compensated", "compensation_failed", "parked", "lost")
+        keys = (
+            "claimed", "completed", "failed", "compensated", "compensation_failed", "parked", "lost", "timed_out",
+            "abandoned", "woken",
+        )  # fmt: skip
         body = {k: self.counts.get(k, 0) for k in keys}
         body.update(renewed=self.counts.get("renewed", 0), internal_errors=self.counts.get("internal_errors", 0))
         return json.dumps(body, separators=(",", ":"))

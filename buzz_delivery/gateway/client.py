@@ -82,6 +82,41 @@ class RemoteOutcome:
     lease: RemoteLease | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteRunLease:
+    """An agent-run lease held through the gateway (``worker_id`` is part of the fence)."""
+
+    community_id: str
+    run_id: str
+    lease_generation: int
+    lease_until: str
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRunClaim:
+    """A won run claim: the run (the API's JSON object) and its lease."""
+
+    run: dict[str, Any]
+    lease: RemoteRunLease
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """An agent-run answer: ``outcome`` as the API names it (``lease_lost`` for a 409), the
+    whole JSON body in ``data``, and a renewed ``lease`` for ``renewed``."""
+
+    outcome: str
+    data: dict[str, Any]
+    lease: RemoteRunLease | None = None
+
+
+def _run_lease(data: dict[str, Any]) -> RemoteRunLease:
+    return RemoteRunLease(
+        data["community_id"], data["run_id"], data["lease_generation"], data["lease_until"], data["worker_id"]
+    )
+
+
 def _lease(data: dict[str, Any]) -> RemoteLease:
     return RemoteLease(data["community_id"], data["delivery_id"], data["lease_generation"], data["lease_until"])
 
@@ -167,6 +202,135 @@ class GatewayClient:
         if data.get("code") == "lease_lost":
             return RemoteOutcome("lease_lost")
         return RemoteOutcome(data["outcome"], status=data["status"])
+
+    def finish_many(
+        self,
+        leases: list[RemoteLease],
+        outcome: str = "finished",
+        *,
+        failure_code: str | None = None,
+        failure_message: str | None = None,
+    ) -> list[RemoteOutcome]:
+        """Settle many leases of one community in one request (``finished`` or ``failed``): one
+        outcome per lease, in order (``settled``/``already_terminal`` with the status,
+        ``lease_lost`` or ``not_found``)."""
+        if not leases:
+            return []
+        path = f"/communities/{leases[0].community_id}/deliveries/finish"
+        body = {
+            "deliveries": [{"delivery_id": x.delivery_id, "lease_generation": x.lease_generation} for x in leases],
+            "outcome": outcome,
+            "failure_code": failure_code,
+            "failure_message": failure_message,
+        }
+        data = self._json("POST", path, body)
+        return [RemoteOutcome(r["outcome"], status=r.get("status")) for r in data["results"]]
+
+    # --- agent runs (served when buzz_delivery.agents is installed) ---------------------------
+
+    def accept(self, lease: RemoteLease, **options: Any) -> RunOutcome:
+        """Settle the held delivery and start its agent run: ``accepted`` (``data["run_id"]``),
+        ``already_terminal`` or ``lease_lost``. ``options``: ``input``, ``shadow``,
+        ``max_tool_calls``, ``max_cost``, ``max_attempts``, ``timeout_seconds``."""
+        path = f"/communities/{lease.community_id}/deliveries/{lease.delivery_id}/accept"
+        return self._run_outcome(path, {"lease_generation": lease.lease_generation, **options})
+
+    def claim_runs(
+        self,
+        limit: int = 1,
+        *,
+        wait_seconds: float = 0,
+        lease_seconds: float | None = None,
+        worker_id: str | None = None,
+    ) -> list[RemoteRunClaim]:
+        """Claim up to ``limit`` of this key's pending agent runs across its communities,
+        long-polling up to ``wait_seconds`` for the first."""
+        body = {"limit": limit, "wait_seconds": wait_seconds, "lease_seconds": lease_seconds, "worker_id": worker_id}
+        data = self._json("POST", "/runs/claim", body, extra_timeout=wait_seconds)
+        return [RemoteRunClaim(c["run"], _run_lease(c["lease"])) for c in data["claims"]]
+
+    def read_run(self, community_id: str, run_id: str) -> dict[str, Any]:
+        """``{"run", "journal"}`` of one of this key's runs (``GatewayHTTPError`` 404 otherwise)."""
+        return self._json("GET", f"/communities/{community_id}/runs/{run_id}")
+
+    def _run_outcome(self, path: str, body: dict[str, Any]) -> RunOutcome:
+        data = self._json("POST", path, body, ok=(200, 409))
+        if data.get("code") == "lease_lost":
+            return RunOutcome("lease_lost", data)
+        return RunOutcome(data["outcome"], data)
+
+    def _run_post(self, lease: RemoteRunLease, action: str, **body: Any) -> RunOutcome:
+        path = f"/communities/{lease.community_id}/runs/{lease.run_id}/{action}"
+        return self._run_outcome(
+            path, {"lease_generation": lease.lease_generation, "worker_id": lease.worker_id, **body}
+        )
+
+    def heartbeat(self, lease: RemoteRunLease, lease_seconds: float | None = None) -> RunOutcome:
+        """Renew the run lease: ``renewed`` (``lease`` the new one), ``already_terminal`` or
+        ``lease_lost`` (``data["reason"] == "cancelled"`` after a cancel)."""
+        outcome = self._run_post(lease, "heartbeat", lease_seconds=lease_seconds)
+        if outcome.outcome == "renewed":
+            return RunOutcome("renewed", outcome.data, lease=_run_lease(outcome.data["lease"]))
+        return outcome
+
+    def journal_call(
+        self,
+        lease: RemoteRunLease,
+        tool_name: str,
+        args: Any,
+        *,
+        cost: int = 0,
+        compensation: dict[str, Any] | None = None,
+        destructive: bool = False,
+    ) -> RunOutcome:
+        """Journal a call before making it: ``journaled`` (``seq``, ``idempotency_key``),
+        ``blocked``, ``budget_exceeded``, ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(
+            lease,
+            "calls",
+            tool_name=tool_name,
+            args=args,
+            cost=cost,
+            compensation=compensation,
+            destructive=destructive,
+        )
+
+    def record_result(
+        self,
+        lease: RemoteRunLease,
+        seq: int,
+        *,
+        ok: bool,
+        output: Any = None,
+        error: str | None = None,
+        latency_ms: int | None = None,
+        uncertain: bool = False,
+    ) -> RunOutcome:
+        """Answer journal entry ``seq``: ``recorded`` / ``already_recorded`` with the status."""
+        return self._run_post(
+            lease, "results", seq=seq, ok=ok, output=output, error=error, latency_ms=latency_ms, uncertain=uncertain
+        )
+
+    def request_approval(self, lease: RemoteRunLease, prompt: str = "", deadline_seconds: int = 86400) -> RunOutcome:
+        """Park the run on an approval: ``approval_requested`` (``approval_id``, ``seq``)."""
+        return self._run_post(lease, "approval", prompt=prompt, deadline_seconds=deadline_seconds)
+
+    def complete_run(self, lease: RemoteRunLease, output: Any) -> RunOutcome:
+        """End the run ``completed``: ``finished``, ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(lease, "complete", output=output)
+
+    def fail_run(self, lease: RemoteRunLease, failure_code: str, failure_message: str | None = None) -> RunOutcome:
+        """Fail the run: ``finished`` (state ``failed``), ``unwinding`` (``seqs`` to compensate),
+        ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(lease, "fail", failure_code=failure_code, failure_message=failure_message)
+
+    def begin_compensation(self, lease: RemoteRunLease, seq: int) -> RunOutcome:
+        """``begun`` (``compensation``, ``args``, ``output``, ``key``) or ``not_next``."""
+        return self._run_post(lease, "compensations/begin", seq=seq)
+
+    def finish_compensation(self, lease: RemoteRunLease, seq: int, *, ok: bool, error: str | None = None) -> RunOutcome:
+        """Record entry ``seq``'s compensation: ``recorded`` / ``already_recorded``."""
+        return self._run_post(lease, "compensations/finish", seq=seq, ok=ok, error=error)
 
 
 # --- the remote worker ------------------------------------------------------------------------
@@ -345,7 +509,8 @@ def read_key_file(path: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``work``: run a remote worker; exit 0 on a clean stop, 3 when leases were given up."""
+    """``work``: run a remote delivery worker; ``work-runs``: a remote agent-run worker
+    (:mod:`buzz_delivery.gateway.remote_runs`). Exit 0 on a clean stop, 3 when leases were given up."""
     parser = argparse.ArgumentParser(prog="python -m buzz_delivery.gateway.client")
     sub = parser.add_subparsers(dest="command", required=True)
     work = sub.add_parser("work", help="claim and work deliveries through the gateway")
@@ -359,6 +524,18 @@ def main(argv: list[str] | None = None) -> int:
     work.add_argument("--max-deliveries", type=int, default=None, help="stop after claiming this many")
     work.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
     work.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    runs = sub.add_parser("work-runs", help="claim and run agent runs through the gateway (remote_runs)")
+    runs.add_argument("--url", required=True, help="the gateway's base URL")
+    runs.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
+    runs.add_argument("--handler", required=True, help="dotted path of handler(ctx) -> output")
+    runs.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
+    runs.add_argument("--lease-seconds", type=float, default=None, help="run lease length (default: the server's)")
+    runs.add_argument("--wait-seconds", type=float, default=5.0, help="long-poll per claim (default 5)")
+    runs.add_argument("--renew-every", type=float, default=10.0, help="seconds between heartbeats (default 10)")
+    runs.add_argument("--worker-id", default=None, help="the holder's name (default: the gateway's)")
+    runs.add_argument("--max-runs", type=int, default=None, help="stop after claiming this many")
+    runs.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
+    runs.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
@@ -369,10 +546,30 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.concurrency <= 256:
         parser.error("--concurrency must be within 1..256")
     client = GatewayClient(args.url, key, timeout=10.0)
+    if args.command == "work-runs":
+        return _work_runs(client, handler, args)
     worker = RemoteWorker(
         client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
         wait_seconds=args.wait_seconds, renew_every=args.renew_every, max_deliveries=args.max_deliveries,
         idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
+    )  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))
+    try:
+        summary = worker.run()
+    finally:
+        client.close()
+    print(json.dumps(summary), flush=True)
+    return 3 if summary["abandoned"] else 0
+
+
+def _work_runs(client: GatewayClient, handler: Callable[..., Any], args: argparse.Namespace) -> int:
+    from buzz_delivery.gateway.remote_runs import RemoteRunWorker
+
+    worker = RemoteRunWorker(
+        client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
+        wait_seconds=args.wait_seconds, renew_every=args.renew_every, worker_id=args.worker_id,
+        max_runs=args.max_runs, idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
     )  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))

@@ -1,8 +1,9 @@
 """The OpenAPI 3.1 document of the gateway, built from the same body declarations the views
 validate with (:mod:`buzz_delivery.gateway.schema`) and the settings in force.
 
-The agent-run endpoints (SPEC section 12, ``buzz_delivery.agents``) are not served yet; they
-will live under ``/communities/{community_id}/runs/...`` with the same auth and error shapes.
+The agent-run endpoints (SPEC section 12) are in the document exactly when they are served
+(``buzz_delivery.agents`` installed), under ``/runs/claim`` and
+``/communities/{community_id}/runs/{run_id}/...``, with the same auth and error shapes.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from buzz_delivery.gateway.errors import STATUS_OF_CODE
-from buzz_delivery.gateway.schema import BODIES
+from buzz_delivery.gateway.schema import BODIES, RUN_BODIES
 
 HEX64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 UUID = {"type": "string", "format": "uuid"}
@@ -38,6 +39,7 @@ SCHEMAS: dict[str, Any] = {
             "message": {"type": "string"},
             "field": {"type": "string", "description": "the offending field (400 only)"},
             "outcome": {"type": "string", "enum": ["lease_lost"], "description": "409 only"},
+            "reason": {"type": "string", "description": "409 of a run: cancelled when a cancel fenced the holder"},
         },
         required=["code", "message"],
     ),
@@ -106,7 +108,87 @@ SCHEMAS: dict[str, Any] = {
         }
     ),
     "MeResponse": _obj({"pubkey": HEX64, "communities": {"type": "array", "items": UUID}}),
+    "BatchFinishResponse": _obj(
+        {
+            "results": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "delivery_id": UUID,
+                        "outcome": {
+                            "type": "string",
+                            "enum": ["settled", "already_terminal", "lease_lost", "not_found"],
+                        },
+                        "status": {"type": "string", "enum": ["finished", "failed", "pending", "expired"]},
+                    },
+                    required=["delivery_id", "outcome"],
+                ),
+            }
+        }
+    ),
 }
+
+NULLABLE_TEXT = {"type": ["string", "null"]}
+RUN_STATES = ["pending", "running", "waiting_tool", "waiting_approval", "completed", "failed", "cancelled", "timeout"]
+RUN_SCHEMAS: dict[str, Any] = {
+    "Run": _obj(
+        {
+            "id": UUID, "community_id": UUID, "agent_pubkey": HEX64,
+            "state": {"type": "string", "enum": RUN_STATES},
+            "unwinding": {"type": "boolean"}, "shadow": {"type": "boolean"}, "input": {},
+            "input_hash": {"type": ["string", "null"]}, "output": {},
+            "failure_code": NULLABLE_TEXT, "failure_message": NULLABLE_TEXT,
+            "delivery_id": {"type": ["string", "null"], "format": "uuid"},
+            "lease_generation": {"type": "integer", "minimum": 0}, "lease_until": NULLABLE_TIME,
+            "heartbeat_at": NULLABLE_TIME, "worker_id": NULLABLE_TEXT,
+            "attempts": {"type": "integer", "minimum": 0}, "max_attempts": {"type": "integer", "minimum": 1},
+            "timeout_at": NULLABLE_TIME, "max_tool_calls": {"type": "integer"}, "tool_calls_used": {"type": "integer"},
+            "max_cost": {"type": "integer"}, "cost_used": {"type": "integer"}, "created_at": TIME,
+            "finished_at": NULLABLE_TIME,
+        }
+    ),
+    "JournalEntry": _obj(
+        {
+            "seq": {"type": "integer", "minimum": 1}, "kind": {"type": "string", "enum": ["tool", "approval"]},
+            "tool_name": {"type": "string"}, "idempotency_key": {"type": "string"}, "input_hash": HEX64,
+            "cost": {"type": "integer"}, "destructive": {"type": "boolean"}, "compensation": {},
+            "status": {"type": "string", "enum": ["pending", "succeeded", "failed"]},
+            "uncertain": {"type": "boolean"}, "blocked_reason": NULLABLE_TEXT, "error": NULLABLE_TEXT,
+            "output": {}, "latency_ms": {"type": ["integer", "null"]},
+            "compensation_status": {
+                "type": ["string", "null"], "enum": ["compensating", "compensated", "compensation_failed", None]
+            },
+            "created_at": TIME, "finished_at": NULLABLE_TIME,
+        }
+    ),
+    "RunLease": _obj(
+        {
+            "community_id": UUID, "run_id": UUID, "lease_generation": {"type": "integer", "minimum": 1},
+            "lease_until": TIME, "worker_id": {"type": "string"},
+        }
+    ),
+    "RunClaimResponse": _obj(
+        {"claims": {"type": "array", "items": _obj({"run": _ref("Run"), "lease": _ref("RunLease")})}}
+    ),
+    "RunResponse": _obj({"run": _ref("Run"), "journal": {"type": "array", "items": _ref("JournalEntry")}}),
+    "RunOutcome": _obj(
+        {
+            "outcome": {
+                "type": "string",
+                "enum": ["accepted", "already_terminal", "renewed", "journaled", "blocked", "budget_exceeded",
+                         "recorded", "already_recorded", "approval_requested", "finished", "unwinding", "begun",
+                         "not_next"],
+            },
+            "run_id": UUID, "state": {"type": "string", "enum": RUN_STATES}, "status": {"type": "string"},
+            "lease": _ref("RunLease"), "seq": {"type": "integer"}, "idempotency_key": {"type": "string"},
+            "reason": {"type": "string"}, "budget": {"type": "string", "enum": ["tool_calls", "cost"]},
+            "used": {"type": "integer"}, "cap": {"type": "integer"}, "approval_id": UUID,
+            "seqs": {"type": "array", "items": {"type": "integer"}}, "compensation": {}, "args": {}, "output": {},
+            "key": {"type": "string"},
+        },
+        required=["outcome"],
+    ),
+}  # fmt: skip
 
 _C, _D, _T = "0193a5a0-0000-7000-8000-00000000000c", "0193a5a0-0000-7000-8000-00000000000d", "2026-12-01T12:00:00Z"
 _LEASE = {"community_id": _C, "delivery_id": _D, "lease_generation": 1, "lease_until": "2026-12-01T12:01:00Z"}
@@ -140,17 +222,83 @@ EXAMPLES: dict[str, Any] = {
     "Message": _DELIVERY["message"],
     "Lease": _LEASE,
     "Error": {"code": "bad_request", "message": "limit: must be within 1..100", "field": "limit"},
+    "BatchFinishRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "outcome": "finished"},
+    "BatchFinishResponse": {"results": [{"delivery_id": _D, "outcome": "settled", "status": "finished"}]},
 }
+_R = "0193a5a0-0000-7000-8000-0000000000a1"
+_RUN_LEASE = {"community_id": _C, "run_id": _R, "lease_generation": 1, "lease_until": _T, "worker_id": "w1"}
+_RUN = {
+    "id": _R,
+    "community_id": _C,
+    "agent_pubkey": "ab" * 32,
+    "state": "running",
+    "unwinding": False,
+    "shadow": False,
+    "input": {"content": "hello"},
+    "input_hash": "01" * 32,
+    "output": None,
+    "failure_code": None,
+    "failure_message": None,
+    "delivery_id": _D,
+    "lease_generation": 1,
+    "lease_until": _T,
+    "heartbeat_at": _T,
+    "worker_id": "w1",
+    "attempts": 0,
+    "max_attempts": 3,
+    "timeout_at": None,
+    "max_tool_calls": 100,
+    "tool_calls_used": 1,
+    "max_cost": 1000000,
+    "cost_used": 0,
+    "created_at": _T,
+    "finished_at": None,
+}
+_ENTRY = {
+    "seq": 1,
+    "kind": "tool",
+    "tool_name": "search",
+    "idempotency_key": f"{_R}:1",
+    "input_hash": "02" * 32,
+    "cost": 0,
+    "destructive": False,
+    "compensation": None,
+    "status": "succeeded",
+    "uncertain": False,
+    "blocked_reason": None,
+    "error": None,
+    "output": {"hits": 3},
+    "latency_ms": 12,
+    "compensation_status": None,
+    "created_at": _T,
+    "finished_at": _T,
+}
+_RL = {"lease_generation": 1, "worker_id": "w1"}
+RUN_EXAMPLES: dict[str, Any] = {
+    "Run": _RUN, "JournalEntry": _ENTRY, "RunLease": _RUN_LEASE,
+    "RunClaimResponse": {"claims": [{"run": _RUN, "lease": _RUN_LEASE}]},
+    "RunResponse": {"run": _RUN, "journal": [_ENTRY]},
+    "RunOutcome": {"outcome": "journaled", "seq": 2, "idempotency_key": f"{_R}:2"},
+    "AcceptRequest": {"lease_generation": 1, "input": {"priority": "high"}, "max_tool_calls": 10},
+    "RunClaimRequest": {"limit": 4, "lease_seconds": 60, "worker_id": "w1"},
+    "HeartbeatRequest": {**_RL, "lease_seconds": 60},
+    "CallRequest": {**_RL, "tool_name": "search", "args": {"q": "buzz"}, "compensation": {"function": "m:undo"}},
+    "CallResultRequest": {**_RL, "seq": 1, "ok": True, "output": {"hits": 3}, "latency_ms": 12},
+    "ApprovalRequest": {**_RL, "prompt": "send the refund?", "deadline_seconds": 3600},
+    "CompleteRequest": {**_RL, "output": {"answer": 42}},
+    "FailRequest": {**_RL, "failure_code": "tool_error", "failure_message": "search is down"},
+    "CompensationBeginRequest": {**_RL, "seq": 1},
+    "CompensationFinishRequest": {**_RL, "seq": 1, "ok": True},
+}  # fmt: skip
 
 
 def _content(name: str) -> dict[str, Any]:
-    return {"application/json": {"schema": _ref(name), "example": EXAMPLES[name]}}
+    return {"application/json": {"schema": _ref(name), "example": {**EXAMPLES, **RUN_EXAMPLES}[name]}}
 
 
-PATH_PARAMS = [
-    {"name": "community_id", "in": "path", "required": True, "schema": UUID},
-    {"name": "delivery_id", "in": "path", "required": True, "schema": UUID},
-]
+COMMUNITY_PARAM = {"name": "community_id", "in": "path", "required": True, "schema": UUID}
+PATH_PARAMS = [COMMUNITY_PARAM, {"name": "delivery_id", "in": "path", "required": True, "schema": UUID}]
+RUN_PARAMS = [COMMUNITY_PARAM, {"name": "run_id", "in": "path", "required": True, "schema": UUID}]
 AUTH_ERRORS = ("400", "401", "413", "503")
 
 
@@ -159,7 +307,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
         "400": "a field is missing, extra, mistyped or out of range (``field`` names it)",
         "401": "missing, invalid, stale or replayed NIP-98 signature",
         "403": "the key is not enrolled there",
-        "404": "no such delivery for this key",
+        "404": "no such delivery (or run) for this key",
         "409": "lease lost",
         "413": "body too large",
         "503": "database unavailable",
@@ -168,7 +316,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
 
 
 def _operation(
-    op_id: str, summary: str, response: str, body: str | None, *extra_errors: str, params: bool = False
+    op_id: str, summary: str, response: str, body: str | None, *extra_errors: str, params: bool | list = False
 ) -> dict[str, Any]:
     op: dict[str, Any] = {
         "operationId": op_id,
@@ -180,27 +328,62 @@ def _operation(
         },
     }
     if params:
-        op["parameters"] = PATH_PARAMS
+        op["parameters"] = PATH_PARAMS if params is True else params
     if body is not None:
         op["requestBody"] = {"required": True, "content": _content(body)}
     return op
 
 
 DELIVERY = "/communities/{community_id}/deliveries/{delivery_id}"
+RUN = "/communities/{community_id}/runs/{run_id}"
+
+
+def _run_paths() -> dict[str, Any]:
+    def post(op_id: str, summary: str, body: str, response: str = "RunOutcome") -> dict[str, Any]:
+        return {"post": _operation(op_id, summary, response, body, "403", "404", "409", params=RUN_PARAMS)}
+
+    return {
+        f"{DELIVERY}/accept": {
+            "post": _operation(
+                "acceptDelivery", "Settle a held delivery and start its agent run", "RunOutcome", "AcceptRequest",
+                "403", "404", "409", params=True,
+            )
+        },
+        "/runs/claim": {
+            "post": _operation("claimRuns", "Claim the signer's pending agent runs", "RunClaimResponse",
+                               "RunClaimRequest", "403")
+        },
+        RUN: {"get": _operation("readRun", "A run and its journal", "RunResponse", None, "403", "404",
+                                params=RUN_PARAMS)},
+        f"{RUN}/heartbeat": post("heartbeatRun", "Renew the run lease", "HeartbeatRequest"),
+        f"{RUN}/calls": post("journalCall", "Journal a tool call before making it", "CallRequest"),
+        f"{RUN}/results": post("recordCallResult", "Record a call's result", "CallResultRequest"),
+        f"{RUN}/approval": post("requestApproval", "Park the run on an approval", "ApprovalRequest"),
+        f"{RUN}/complete": post("completeRun", "End the run completed", "CompleteRequest"),
+        f"{RUN}/fail": post("failRun", "Fail the run (or start unwinding)", "FailRequest"),
+        f"{RUN}/compensations/begin": post("beginCompensation", "Begin undoing an entry", "CompensationBeginRequest"),
+        f"{RUN}/compensations/finish": post(
+            "finishCompensation", "Record an entry's compensation", "CompensationFinishRequest"
+        ),
+    }  # fmt: skip
 
 
 def document(server_url: str = "/gateway/v1") -> dict[str, Any]:
     """The OpenAPI 3.1 document; ``server_url`` is the prefix the gateway is mounted under.
     Bounds that are settings (limits, lease lengths) are those in force now."""
-    schemas = dict(SCHEMAS)
-    for body in BODIES:
+    from buzz_delivery.gateway.urls import agents_installed
+
+    runs = agents_installed()
+    schemas = {**SCHEMAS, **(RUN_SCHEMAS if runs else {})}
+    for body in BODIES + (RUN_BODIES if runs else ()):
         schemas[body.name] = body.json_schema()
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "buzz_delivery agent gateway",
             "version": "1",
-            "description": "Remote agents claim, renew and settle their deliveries. Every request is signed "
+            "description": "Remote agents claim, renew and settle their deliveries and drive their agent runs. "
+            "Every request is signed "
             "with the agent's key as a NIP-98 event (kind 27235: u, method, payload tags); the signer is the "
             "lease scope. Times are RFC 3339 from the database clock. See docs/gateway.md.",
         },
@@ -250,5 +433,12 @@ def document(server_url: str = "/gateway/v1") -> dict[str, Any]:
                     params=True,
                 )
             },
+            "/communities/{community_id}/deliveries/finish": {
+                "post": _operation(
+                    "finishDeliveries", "Settle many leases of one community at once", "BatchFinishResponse",
+                    "BatchFinishRequest", "403", params=[COMMUNITY_PARAM],
+                )
+            },
+            **(_run_paths() if runs else {}),
         },
     }  # fmt: skip

@@ -91,3 +91,73 @@ def messages_for(deliveries: list[WorkflowAgentDelivery]) -> dict[tuple[uuid.UUI
         for event in events:
             found[(community, bytes(event.event_id))] = event
     return found
+
+
+def _hex(value: Any) -> str | None:
+    return None if value is None else bytes(value).hex()
+
+
+def run_of(r: Any) -> dict[str, Any]:
+    """An agent run (``buzz_delivery.agents.models.AgentRun``) as JSON."""
+    return {
+        "id": str(r.id),
+        "community_id": str(r.community_id),
+        "agent_pubkey": bytes(r.agent_pubkey).hex(),
+        "state": r.state,
+        "unwinding": r.unwinding,
+        "shadow": r.shadow,
+        "input": r.input,
+        "input_hash": _hex(r.input_hash),
+        "output": r.output,
+        "failure_code": r.failure_code,
+        "failure_message": r.failure_message,
+        "delivery_id": None if r.delivery_id is None else str(r.delivery_id),
+        "lease_generation": r.lease_generation,
+        "lease_until": rfc3339(r.lease_until),
+        "heartbeat_at": rfc3339(r.heartbeat_at),
+        "worker_id": r.worker_id,
+        "attempts": r.attempts,
+        "max_attempts": r.max_attempts,
+        "timeout_at": rfc3339(r.timeout_at),
+        "max_tool_calls": r.max_tool_calls,
+        "tool_calls_used": r.tool_calls_used,
+        "max_cost": r.max_cost,
+        "cost_used": r.cost_used,
+        "created_at": rfc3339(r.created_at),
+        "finished_at": rfc3339(r.finished_at),
+    }
+
+
+def journal_entry_of(e: Any) -> dict[str, Any]:
+    """A journal entry (``buzz_delivery.agents.models.JournalEntry``) as JSON: what a remote
+    handler needs to resume (replay succeeded calls, reconcile pending ones)."""
+    return {
+        "seq": e.seq,
+        "kind": e.kind,
+        "tool_name": e.tool_name,
+        "idempotency_key": e.idempotency_key,
+        "input_hash": _hex(e.input_hash),
+        "cost": e.cost,
+        "destructive": e.destructive,
+        "compensation": e.compensation,
+        "status": e.status,
+        "uncertain": e.uncertain,
+        "blocked_reason": e.blocked_reason,
+        "error": e.error,
+        "output": e.output,
+        "latency_ms": e.latency_ms,
+        "compensation_status": e.compensation_status,
+        "created_at": rfc3339(e.created_at),
+        "finished_at": rfc3339(e.finished_at),
+    }
+
+
+def run_lease_of(lease: Any) -> dict[str, Any]:
+    """An :class:`~buzz_delivery.agents.services.AgentLease` as the fields an agent sends back."""
+    return {
+        "community_id": str(lease.community_id),
+        "run_id": str(lease.run_id),
+        "lease_generation": lease.lease_generation,
+        "lease_until": rfc3339(lease.lease_until),
+        "worker_id": lease.worker_id,
+    }

@@ -21,8 +21,10 @@ INT64_MAX = 2**63 - 1
 
 @dataclass(frozen=True)
 class Field:
-    """One body field. ``kind``: ``integer``, ``number`` or ``string``. ``bounds`` returns
-    (minimum, maximum) for numbers or (0, maxLength) for strings, read at call time."""
+    """One body field. ``kind``: ``integer``, ``number``, ``string``, ``boolean``, ``json`` (any
+    JSON value, checked by the service it is handed to) or ``array`` (of ``items`` objects).
+    ``bounds`` returns (minimum, maximum) for numbers, (0, maxLength) for strings or (minItems,
+    maxItems) for arrays, read at call time."""
 
     kind: str
     description: str
@@ -31,14 +33,21 @@ class Field:
     nullable: bool = False
     bounds: Callable[[], tuple[float, float]] | None = None
     enum: tuple[str, ...] | None = None
+    items: Body | None = None
 
     def json_schema(self) -> dict[str, Any]:
         """This field as JSON Schema 2020-12."""
-        schema: dict[str, Any] = {"type": [self.kind, "null"] if self.nullable else self.kind}
+        schema: dict[str, Any] = {}
+        if self.kind != "json":
+            schema["type"] = [self.kind, "null"] if self.nullable else self.kind
+        if self.items is not None:
+            schema["items"] = self.items.json_schema()
         if self.bounds is not None:
             low, high = self.bounds()
             if self.kind == "string":
                 schema["maxLength"] = int(high)
+            elif self.kind == "array":
+                schema["minItems"], schema["maxItems"] = int(low), int(high)
             else:
                 schema["minimum"], schema["maximum"] = low, high
         if self.enum is not None:
@@ -50,10 +59,18 @@ class Field:
 
     def clean(self, name: str, value: Any) -> Any:
         """``value`` checked against this field; raises a 400 ``GatewayError`` naming ``name``."""
+        if self.kind == "json":
+            return value
         if value is None:
             if self.nullable:
                 return None
             raise bad_request(name, "must not be null")
+        if self.kind == "boolean":
+            if not isinstance(value, bool):
+                raise bad_request(name, "must be true or false")
+            return value
+        if self.kind == "array":
+            return self._clean_array(name, value)
         if self.kind in ("integer", "number"):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise bad_request(name, f"must be a{'n integer' if self.kind == 'integer' else ' number'}")
@@ -74,6 +91,16 @@ class Field:
             raise bad_request(name, f"must be one of {', '.join(self.enum)}")
         return value
 
+    def _clean_array(self, name: str, value: Any) -> list[Any]:
+        if not isinstance(value, list):
+            raise bad_request(name, "must be an array")
+        if self.bounds is not None:
+            low, high = self.bounds()
+            if not low <= len(value) <= high:
+                raise bad_request(name, f"must hold {int(low)}..{int(high)} items")
+        assert self.items is not None, "an array field declares its items"
+        return [self.items.clean(item, prefix=f"{name}[{i}].") for i, item in enumerate(value)]
+
 
 @dataclass(frozen=True)
 class Body:
@@ -91,21 +118,22 @@ class Body:
             "properties": {n: f.json_schema() for n, f in self.fields.items()},
         }
 
-    def clean(self, data: Any) -> dict[str, Any]:
-        """The validated body with defaults filled in; raises a 400 naming the first bad field."""
+    def clean(self, data: Any, *, prefix: str = "") -> dict[str, Any]:
+        """The validated body with defaults filled in; raises a 400 naming the first bad field
+        (``prefix`` + its name: ``deliveries[2].lease_generation`` inside an array)."""
         if not isinstance(data, dict):
-            raise bad_request("body", "must be a JSON object")
+            raise bad_request(prefix.rstrip(".") or "body", "must be a JSON object")
         for name in data:
             if name not in self.fields:
-                raise bad_request(name, "is not a field of this request")
+                raise bad_request(prefix + name, "is not a field of this request")
         out = {}
         for name, spec in self.fields.items():
             if name not in data:
                 if spec.required:
-                    raise bad_request(name, "is required")
+                    raise bad_request(prefix + name, "is required")
                 out[name] = spec.default
             else:
-                out[name] = spec.clean(name, data[name])
+                out[name] = spec.clean(prefix + name, data[name])
         return out
 
 
@@ -158,4 +186,137 @@ FINISH = Body(
         ),
     },
 )  # fmt: skip
-BODIES = (CLAIM, RENEW, FINISH)
+
+# --- batch finish of deliveries ------------------------------------------------------------------
+
+BATCH_ITEM = Body(
+    "BatchFinishItem",
+    {
+        "delivery_id": Field("string", "a delivery of the signer in this community (UUID)", required=True,
+                             bounds=lambda: (0, 36)),
+        "lease_generation": LEASE_GENERATION,
+    },
+)  # fmt: skip
+BATCH_FINISH = Body(
+    "BatchFinishRequest",
+    {
+        "deliveries": Field(
+            "array", "the leases to settle, no delivery twice", required=True, bounds=_claim_limit, items=BATCH_ITEM
+        ),
+        "outcome": Field("string", "finished or failed (settle a retry one by one)", required=True,
+                         enum=("finished", "failed")),
+        "failure_code": FINISH.fields["failure_code"],
+        "failure_message": FINISH.fields["failure_message"],
+    },
+)  # fmt: skip
+
+# --- agent runs (buzz_delivery.agents, SPEC section 12) -------------------------------------------
+
+
+def _run_limit() -> tuple[float, float]:
+    return 1, min(100, get_settings().max_claim_limit)
+
+
+def _seq() -> tuple[float, float]:
+    return 1, 10**9
+
+
+WORKER_ID = Field(
+    "string", "the holder's name (echo the claim's lease.worker_id); null = gateway:<first 16 hex of the key>",
+    nullable=True, bounds=lambda: (0, 200),
+)  # fmt: skip
+RUN_LEASE_FIELDS = {
+    "lease_generation": Field(
+        "integer", "the run lease's generation (fence token) from the claim", required=True, bounds=_generation
+    ),
+    "worker_id": WORKER_ID,
+}
+
+
+def _optional_int(description: str) -> Field:
+    """A nullable integer the service bounds (its ``ValidationError`` names the field)."""
+    return Field("integer", description, nullable=True)
+
+
+ACCEPT = Body(
+    "AcceptRequest",
+    {
+        "lease_generation": LEASE_GENERATION,
+        "input": Field("json", "a JSON object merged over the message into the run's input, or null", default=None),
+        "shadow": Field("boolean", "shadow mode: destructive calls are journaled but blocked", default=False),
+        "max_tool_calls": _optional_int("journal entries cap (0..100000); null = server default"),
+        "max_cost": _optional_int("cost units cap; null = server default"),
+        "max_attempts": _optional_int("attempts (1..100); null = server default"),
+        "timeout_seconds": _optional_int("absolute deadline from now (1..2592000); null = none"),
+    },
+)  # fmt: skip
+RUN_CLAIM = Body(
+    "RunClaimRequest",
+    {
+        "limit": Field("integer", "most runs to claim", default=1, bounds=_run_limit),
+        "wait_seconds": Field(
+            "number", "long-poll: wait up to this long for a run when none is claimable", default=0, bounds=_wait
+        ),
+        "lease_seconds": LEASE_SECONDS,
+        "worker_id": WORKER_ID,
+    },
+)
+HEARTBEAT = Body("HeartbeatRequest", {**RUN_LEASE_FIELDS, "lease_seconds": LEASE_SECONDS})
+CALL = Body(
+    "CallRequest",
+    {
+        **RUN_LEASE_FIELDS,
+        "tool_name": Field("string", "the tool (1..200 characters)", required=True, bounds=lambda: (0, 200)),
+        "args": Field("json", "the call's arguments (JSON; its SHA-256 is journaled)", required=True),
+        "cost": Field("integer", "cost units counted against max_cost", default=0, bounds=lambda: (0, 2**62)),
+        "compensation": Field("json", "compensation descriptor (a JSON object), or null", default=None),
+        "destructive": Field("boolean", "blocked in shadow mode", default=False),
+    },
+)
+RESULT = Body(
+    "CallResultRequest",
+    {
+        **RUN_LEASE_FIELDS,
+        "seq": Field("integer", "the journal entry", required=True, bounds=_seq),
+        "ok": Field("boolean", "true: succeeded with output; false: failed with error", required=True),
+        "output": Field("json", "the call's output (ok only)", default=None),
+        "error": Field("string", "what went wrong (failed only)", nullable=True, bounds=lambda: (0, 10_000)),
+        "latency_ms": Field("integer", "how long the call took", nullable=True, bounds=lambda: (0, 2**31 - 1)),
+        "uncertain": Field("boolean", "failed only: the effect is unknown (compensate it)", default=False),
+    },
+)
+APPROVAL = Body(
+    "ApprovalRequest",
+    {
+        **RUN_LEASE_FIELDS,
+        "prompt": Field("string", "what the human is asked", default="", bounds=lambda: (0, 10_000)),
+        "deadline_seconds": Field(
+            "integer", "the approval expires after this long", default=86400, bounds=lambda: (1, 30 * 86400)
+        ),
+    },
+)
+COMPLETE = Body("CompleteRequest", {**RUN_LEASE_FIELDS, "output": Field("json", "the run's output", required=True)})
+FAIL = Body(
+    "FailRequest",
+    {
+        **RUN_LEASE_FIELDS,
+        "failure_code": Field("string", "1..64 characters", required=True, bounds=lambda: (0, 64)),
+        "failure_message": FINISH.fields["failure_message"],
+    },
+)
+COMPENSATION_BEGIN = Body(
+    "CompensationBeginRequest",
+    {**RUN_LEASE_FIELDS, "seq": Field("integer", "entry to undo", required=True, bounds=_seq)},
+)
+COMPENSATION_FINISH = Body(
+    "CompensationFinishRequest",
+    {
+        **RUN_LEASE_FIELDS,
+        "seq": Field("integer", "the entry being undone", required=True, bounds=_seq),
+        "ok": Field("boolean", "true: compensated; false: compensation_failed (stops the chain)", required=True),
+        "error": Field("string", "what went wrong", nullable=True, bounds=lambda: (0, 10_000)),
+    },
+)
+RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, FAIL, COMPENSATION_BEGIN,
+              COMPENSATION_FINISH)  # fmt: skip
+BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)

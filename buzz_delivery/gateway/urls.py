@@ -1,20 +1,49 @@
 """URLs of the gateway. Mount under a versioned prefix, e.g. ``path("gateway/v1/", include(...))``.
 
-Reserved for the agent-run endpoints (``buzz_delivery.agents``, later):
-``communities/<community_id>/runs/...``.
+The agent-run routes (``runs/claim``, ``communities/<c>/runs/<r>/...`` and a delivery's
+``accept``) are served when ``buzz_delivery.agents`` is installed too.
 """
 
+from django.apps import apps
 from django.urls import path
 
 from buzz_delivery.gateway import views
 
 app_name = "buzz_gateway"
 
+D = "communities/<str:community_id>/deliveries/<str:delivery_id>"
+R = "communities/<str:community_id>/runs/<str:run_id>"
+
 urlpatterns = [
     path("openapi.json", views.openapi, name="openapi"),
     path("me", views.me, name="me"),
     path("deliveries/claim", views.claim, name="claim"),
-    path("communities/<str:community_id>/deliveries/<str:delivery_id>", views.read, name="delivery"),
-    path("communities/<str:community_id>/deliveries/<str:delivery_id>/renew", views.renew, name="renew"),
-    path("communities/<str:community_id>/deliveries/<str:delivery_id>/finish", views.finish, name="finish"),
+    # Before the read route: "finish" is not a delivery id.
+    path("communities/<str:community_id>/deliveries/finish", views.finish_batch, name="finish-batch"),
+    path(D, views.read, name="delivery"),
+    path(f"{D}/renew", views.renew, name="renew"),
+    path(f"{D}/finish", views.finish, name="finish"),
 ]
+
+
+def agents_installed() -> bool:
+    """True when the agent-run endpoints are served (``buzz_delivery.agents`` installed)."""
+    return apps.is_installed("buzz_delivery.agents")
+
+
+if agents_installed():
+    from buzz_delivery.gateway import runs
+
+    urlpatterns += [
+        path(f"{D}/accept", runs.accept, name="accept"),
+        path("runs/claim", runs.claim, name="run-claim"),
+        path(R, runs.read, name="run"),
+        path(f"{R}/heartbeat", runs.heartbeat, name="run-heartbeat"),
+        path(f"{R}/calls", runs.call, name="run-call"),
+        path(f"{R}/results", runs.result, name="run-result"),
+        path(f"{R}/approval", runs.approval, name="run-approval"),
+        path(f"{R}/complete", runs.complete, name="run-complete"),
+        path(f"{R}/fail", runs.fail, name="run-fail"),
+        path(f"{R}/compensations/begin", runs.compensation_begin, name="run-compensation-begin"),
+        path(f"{R}/compensations/finish", runs.compensation_finish, name="run-compensation-finish"),
+    ]

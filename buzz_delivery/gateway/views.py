@@ -30,7 +30,7 @@ from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.auth import authenticate
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
-from buzz_delivery.gateway.schema import CLAIM, FINISH, RENEW, Body
+from buzz_delivery.gateway.schema import BATCH_FINISH, CLAIM, FINISH, RENEW, Body
 from buzz_delivery.gateway.wake import hub
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settled
 
@@ -237,6 +237,42 @@ def finish(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     if isinstance(outcome, AlreadyTerminal):
         return JsonResponse({"outcome": "already_terminal", "status": outcome.status})
     raise _lost_or_not_found(community_id, delivery_id, pubkey)
+
+
+@endpoint("POST", BATCH_FINISH)
+def finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID) -> JsonResponse:
+    """Settle many of the signer's leases in one community at once
+    (``services.finish_deliveries``, one fenced statement). 200 ``{"results": [{"delivery_id",
+    "outcome", "status"?}]}`` in request order, each outcome what the one-by-one finish answers:
+    ``settled`` / ``already_terminal`` (with the status), ``lease_lost``, or ``not_found`` (no such
+    delivery for this key); 403 not enrolled there. ``retry`` is settled one by one."""
+    _require_enrolled(community_id, pubkey)
+    seen: set[uuid.UUID] = set()
+    leases = []
+    for i, item in enumerate(data["deliveries"]):
+        delivery_id = parse_uuid(f"deliveries[{i}].delivery_id", item["delivery_id"])
+        if delivery_id in seen:
+            raise bad_request(f"deliveries[{i}].delivery_id", "appears twice in the batch")
+        seen.add(delivery_id)
+        leases.append(_lease(community_id, delivery_id, pubkey, item["lease_generation"]))
+    try:
+        outcomes = core.finish_deliveries(
+            leases, data["outcome"], failure_code=data["failure_code"], failure_message=data["failure_message"]
+        )
+    except ValidationError as exc:  # combinations the core refuses (failure_code with finished...)
+        field = _field_of(exc)
+        raise bad_request(field, "; ".join(exc.messages)) from None
+    results: list[dict[str, Any]] = []
+    for lease, outcome in zip(leases, outcomes, strict=True):
+        row: dict[str, Any] = {"delivery_id": str(lease.delivery_id)}
+        if isinstance(outcome, Settled):
+            row.update(outcome="settled", status=outcome.status)
+        elif isinstance(outcome, AlreadyTerminal):
+            row.update(outcome="already_terminal", status=outcome.status)
+        else:
+            row["outcome"] = _lost_or_not_found(community_id, lease.delivery_id, pubkey).code
+        results.append(row)
+    return JsonResponse({"results": results})
 
 
 @endpoint("GET")

@@ -4,6 +4,10 @@ A claim that found nothing registers a waiter for its key and sleeps until a wak
 target arrives on the core's NOTIFY channel, or the poll interval passes (the fallback for a
 missed hint or a LISTEN connection that is down), then claims again. A hint grants nothing: it
 only ends the sleep, and the claim goes through ``services.claim_deliveries`` as always.
+
+With ``buzz_delivery.agents`` installed the same connection also LISTENs on ``buzz_agents``,
+whose hints name a community with a claimable agent run; a run claim waits on the keys
+``runs:<community id>`` of the communities it is enrolled in.
 """
 
 from __future__ import annotations
@@ -42,21 +46,29 @@ class WakeHub:
         self.listening = threading.Event()
 
     @contextmanager
-    def waiter(self, target_hex: str) -> Iterator[threading.Event]:
-        """An event set by every hint for ``target_hex`` while the block runs."""
+    def waiter(self, *keys: str) -> Iterator[threading.Event]:
+        """An event set by every hint for one of ``keys`` (a target's hex, or ``runs:<community
+        id>``) while the block runs."""
         self._ensure_started()
         event = threading.Event()
         with self._lock:
-            self._waiters.setdefault(target_hex, set()).add(event)
+            for key in keys:
+                self._waiters.setdefault(key, set()).add(event)
         try:
             yield event
         finally:
             with self._lock:
-                group = self._waiters.get(target_hex)
-                if group is not None:
-                    group.discard(event)
-                    if not group:
-                        del self._waiters[target_hex]
+                for key in keys:
+                    group = self._waiters.get(key)
+                    if group is not None:
+                        group.discard(event)
+                        if not group:
+                            del self._waiters[key]
+
+    def _set(self, key: str) -> None:
+        with self._lock:
+            for event in self._waiters.get(key, ()):
+                event.set()
 
     def wake(self, payload: str) -> None:
         """Wake the waiters of the hint's target (malformed payloads are ignored)."""
@@ -65,9 +77,12 @@ class WakeHub:
             target = data["target"]
         except (ValueError, TypeError, KeyError):
             return
-        with self._lock:
-            for event in self._waiters.get(target, ()):
-                event.set()
+        if isinstance(target, str):
+            self._set(target)
+
+    def wake_runs(self, payload: str) -> None:
+        """Wake the run claims waiting on the community a ``buzz_agents`` hint names."""
+        self._set(f"runs:{payload}")
 
     def _ensure_started(self) -> None:
         with self._lock:
@@ -79,19 +94,35 @@ class WakeHub:
 
     def _run(self, params: dict[str, Any]) -> None:
         channel = core_settings().notify_channel
+        runs_channel = agents_channel()
         while True:
             try:
                 with psycopg.connect(**params, autocommit=True) as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    for name in filter(None, (channel, runs_channel)):
+                        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(name)))
                     self.listening.set()
-                    logger.info("gateway listening channel=%s", channel)
+                    logger.info("gateway listening channel=%s runs_channel=%s", channel, runs_channel)
                     while True:
                         for notify in conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
-                            self.wake(notify.payload)
+                            if notify.channel == runs_channel:
+                                self.wake_runs(notify.payload)
+                            else:
+                                self.wake(notify.payload)
             except psycopg.Error as exc:
                 self.listening.clear()
                 logger.warning("gateway wake listener lost its connection: %s", str(exc).strip().splitlines()[:1])
                 threading.Event().wait(RECONNECT_SECONDS)
+
+
+def agents_channel() -> str | None:
+    """The agents' NOTIFY channel when ``buzz_delivery.agents`` is installed, else None."""
+    from django.apps import apps
+
+    if not apps.is_installed("buzz_delivery.agents"):
+        return None
+    from buzz_delivery.agents.conf import NOTIFY_CHANNEL
+
+    return NOTIFY_CHANNEL
 
 
 hub = WakeHub()

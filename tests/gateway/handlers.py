@@ -27,3 +27,42 @@ def scripted(delivery: dict) -> None:
         raise BadPayload("cannot parse")
     if delivery["step_id"].startswith("retry_"):
         raise RuntimeError("try again")
+
+
+# --- agent-run handlers of ``work-runs`` (remote_runs): side effects in GATEWAY_RUN_LEDGER -----
+
+
+def _ledger_lines() -> list[str]:
+    path = os.environ["GATEWAY_RUN_LEDGER"]
+    return open(path).read().splitlines() if os.path.exists(path) else []
+
+
+def _append(line: str) -> None:
+    with open(os.environ["GATEWAY_RUN_LEDGER"], "a") as out:
+        out.write(line + "\n")
+
+
+def effect(args: dict, key: str) -> dict:
+    """A tool whose effect is a ledger line ``call <key>`` (idempotent by key)."""
+    if f"call {key}" not in _ledger_lines():
+        _append(f"call {key}")
+    return {"n": args["n"]}
+
+
+def reconcile(args: dict, key: str):
+    from buzz_delivery.gateway.remote_runs import NOT_MADE
+
+    return {"n": args["n"]} if f"call {key}" in _ledger_lines() else NOT_MADE
+
+
+def undo(args: dict, output, key: str) -> None:
+    """Compensation: a ledger line ``undo <key>`` every time it runs."""
+    _append(f"undo {key}")
+
+
+def three_calls(ctx) -> dict:
+    """Three journaled calls; input ``{"fail": true}`` raises after them (so they are undone)."""
+    total = sum(ctx.call("effect", effect, {"n": n}, compensate=undo, reconcile=reconcile)["n"] for n in (1, 2, 3))
+    if ctx.input.get("fail"):
+        raise RuntimeError("the fourth step is broken")
+    return {"sum": total}

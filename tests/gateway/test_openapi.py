@@ -10,11 +10,11 @@ from django.urls import URLPattern, get_resolver
 from jsonschema import Draft202012Validator
 
 from buzz_delivery.gateway import urls as gateway_urls
-from buzz_delivery.gateway.openapi import EXAMPLES, document
+from buzz_delivery.gateway.openapi import EXAMPLES, RUN_EXAMPLES, document
 from buzz_delivery.testing import CommunityFactory
 from tests.gateway.support import deliver, enroll, new_agent
 
-METHOD_OF_VIEW = {"openapi": "get", "me": "get", "claim": "post", "read": "get", "renew": "post", "finish": "post"}
+GET_ROUTES = {"openapi", "me", "delivery", "run"}  # URL names; every other route is a POST
 
 
 def validator(doc: dict, name: str) -> Draft202012Validator:
@@ -27,7 +27,7 @@ def served_routes() -> set[tuple[str, str]]:
     for pattern in gateway_urls.urlpatterns:
         assert isinstance(pattern, URLPattern)
         route = "/" + re.sub(r"<str:(\w+)>", r"{\1}", str(pattern.pattern))
-        out.add((route, METHOD_OF_VIEW[pattern.callback.__name__]))
+        out.add((route, "get" if pattern.name in GET_ROUTES else "post"))
     return out
 
 
@@ -35,6 +35,9 @@ def test_every_route_served_is_in_the_document_and_nothing_else():
     doc = document()
     documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
     assert documented == served_routes()
+    # With buzz_delivery.agents installed (the example project), the run routes are served.
+    assert ("/runs/claim", "post") in documented
+    assert ("/communities/{community_id}/runs/{run_id}/compensations/finish", "post") in documented
     # The example project mounts it at /gateway/v1/.
     assert get_resolver().resolve("/gateway/v1/openapi.json").url_name == "openapi"
 
@@ -43,8 +46,9 @@ def test_the_document_is_a_valid_schema_set_and_every_example_validates():
     doc = document()
     for name, schema in doc["components"]["schemas"].items():
         Draft202012Validator.check_schema(schema)
-        assert name in EXAMPLES, f"no example for {name}"
-        validator(doc, name).validate(EXAMPLES[name])
+        examples = {**EXAMPLES, **RUN_EXAMPLES}
+        assert name in examples, f"no example for {name}"
+        validator(doc, name).validate(examples[name])
     for ops in doc["paths"].values():
         for op in ops.values():
             for response in op["responses"].values():
@@ -87,6 +91,37 @@ def test_served_document_and_real_responses_validate_against_it(gateway_server):
     validator(doc, "FinishResponse").validate(
         agent.request("POST", base + "/finish", {"lease_generation": generation, "outcome": "finished"}).json()
     )
+    # The batch finish and the agent-run path.
+    deliver(community, agent.pubkey, 2)
+    claims = agent.claim(limit=2)
+    batch = agent.request(
+        "POST",
+        f"/communities/{community.id}/deliveries/finish",
+        {"deliveries": [{"delivery_id": claims[0].lease.delivery_id, "lease_generation": 1}], "outcome": "finished"},
+    )
+    validator(doc, "BatchFinishResponse").validate(batch.json())
+    accepted = agent.request(
+        "POST",
+        f"/communities/{community.id}/deliveries/{claims[1].lease.delivery_id}/accept",
+        {"lease_generation": 1},
+    )
+    validator(doc, "RunOutcome").validate(accepted.json())
+    runs = agent.request("POST", "/runs/claim", {"limit": 1})
+    validator(doc, "RunClaimResponse").validate(runs.json())
+    lease = runs.json()["claims"][0]["lease"]
+    run_base = f"/communities/{community.id}/runs/{lease['run_id']}"
+    held = {"lease_generation": lease["lease_generation"], "worker_id": lease["worker_id"]}
+    for action, body in (
+        ("heartbeat", {}),
+        ("calls", {"tool_name": "t", "args": {"a": 1}}),
+        ("results", {"seq": 1, "ok": True, "output": [1]}),
+    ):
+        validator(doc, "RunOutcome").validate(agent.request("POST", f"{run_base}/{action}", {**held, **body}).json())
+    validator(doc, "RunResponse").validate(agent.request("GET", run_base).json())
+    validator(doc, "RunOutcome").validate(agent.request("POST", f"{run_base}/complete", {**held, "output": 1}).json())
+    lost = agent.request("POST", f"{run_base}/heartbeat", {**held, "lease_generation": 99})
+    assert lost.status_code == 409
+    validator(doc, "Error").validate(lost.json())
     for refused in (
         agent.request("POST", base + "/renew", {"lease_generation": generation}),  # 409
         agent.request("POST", base + "/renew", {"lease_generation": "x"}),  # 400

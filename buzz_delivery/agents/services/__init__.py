@@ -17,6 +17,8 @@ from buzz_delivery.agents.services.runs import (
     complete_run,
     fail_run,
     get_agent_run,
+    get_journal,
+    get_run_agent,
     heartbeat,
     intake_event,
 )
@@ -34,6 +36,8 @@ __all__ = [
     "fail_run",
     "finish_compensation",
     "get_agent_run",
+    "get_journal",
+    "get_run_agent",
     "heartbeat",
     "intake_event",
     "journal_call",

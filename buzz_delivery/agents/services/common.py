@@ -54,13 +54,16 @@ def lease_params(lease: Any, **extra: Any) -> dict[str, Any]:
 def missed(params: dict[str, Any]) -> AlreadyTerminal | LeaseLost:
     """Judge a fenced statement that matched nothing: the run at the holder's generation and
     terminal is ``AlreadyTerminal`` (the true holder's retry); a cancel right after the holder's
-    generation is ``LeaseLost("cancelled")``; anything else ``LeaseLost``."""
+    generation (the run ``cancelled``, or unwinding for the cancel) is ``LeaseLost("cancelled")``;
+    anything else ``LeaseLost``."""
     rows = fetch_all(sql.RUN_AT, params)
     if not rows:
         return LeaseLost()
     state, generation, worker, *_ = rows[0]
     if generation == params["lease_generation"] and worker == params["worker_id"] and state in RUN_TERMINAL:
         return AlreadyTerminal(state)
-    if state == "cancelled" and generation == params["lease_generation"] + 1:
+    if generation == params["lease_generation"] + 1 and (
+        state == "cancelled" or fetch_all(sql.RUN_UNWINDING_FOR_CANCEL, params)
+    ):
         return LeaseLost("cancelled")
     return LeaseLost()

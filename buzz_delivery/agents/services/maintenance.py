@@ -1,7 +1,12 @@
 """The agent runs' cron maintenance (SPEC 12 "States", "Approvals"): lapsed run leases
-reclaimed (an attempt counted: ``pending`` after ``RETRY_DELAY_SECONDS``, or ``failed`` with
-``attempts_exhausted``), ``timeout_at`` passed (``timeout``), agent approvals past their
-deadline (``expired``: the run unwinds, then ends ``failed``/``approval_expired``).
+reclaimed (an attempt counted: ``pending`` after an exponential backoff, ``RETRY_DELAY_SECONDS``
+* 2**attempts capped at ``RETRY_DELAY_MAX_SECONDS``, or ``failed`` with ``attempts_exhausted``),
+``timeout_at`` passed (``timeout``), agent approvals past their deadline (``expired``: the run
+unwinds, then ends ``failed``/``approval_expired``). A run that times out or exhausts its
+attempts with compensations outstanding is not ended at once: it goes back to ``pending``
+unwinding, a worker undoes its calls in reverse order, and ``fail_run`` ends it ``timeout`` or
+``failed``/``attempts_exhausted``; an unwinding run whose lease lapses is reclaimed whatever its
+attempts, so its compensations still run.
 
 Fleet-wide but walking communities (SPEC 15), like the engine's: one read picks candidate
 communities (active ones), then per community one short transaction: the community's fence lock
@@ -17,8 +22,8 @@ from dataclasses import dataclass
 
 from django.db import transaction
 
-from buzz_delivery.agents.conf import get_settings
-from buzz_delivery.agents.services.sql import ACTIVE, APPROVAL, COMMUNITY, RUN, TERMINAL
+from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
+from buzz_delivery.agents.services.sql import ACTIVE, APPROVAL, COMMUNITY, NOTIFY_CLAIMABLE, OUTSTANDING, RUN, TERMINAL
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -27,7 +32,17 @@ from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
-OVERDUE = f"r.state NOT IN {TERMINAL} AND r.timeout_at < {DB_NOW}"
+# Past timeout_at, unless the run is already unwinding with compensations left: it ends once
+# they are undone (a timeout would only fence its compensating holder). A run unwinding for an
+# expired approval (this very pass may have expired it) still times out, once, to end ``timeout``.
+OVERDUE = (
+    f"r.state NOT IN {TERMINAL} AND r.timeout_at < {DB_NOW}"
+    f" AND NOT (r.unwinding AND r.failure_code IS DISTINCT FROM 'approval_expired' AND {OUTSTANDING})"
+)
+# Exponential backoff of a reclaimed run: RETRY_DELAY_SECONDS * 2**attempts (the attempts
+# before this one), capped at RETRY_DELAY_MAX_SECONDS; the exponent is clamped first.
+BACKOFF_SECONDS = "LEAST(%(delay_seconds)s * power(2, LEAST(r.attempts, 62)), %(max_delay_seconds)s)"
+NEXT_ATTEMPT_AT = f"buzz_delivery_plus_seconds({DB_NOW}, {BACKOFF_SECONDS})"
 APPROVAL_OVER = f"a.state = 'pending' AND a.step_id IS NULL AND a.deadline_at < {DB_NOW}"
 
 CANDIDATE_COMMUNITIES = f"""
@@ -46,6 +61,16 @@ SELECT r.id FROM {RUN} AS r
 WHERE r.community_id = %(community_id)s AND (({LAPSED}) OR ({OVERDUE}))
 ORDER BY r.id LIMIT %(limit)s
 """
+# The candidates are locked before they are judged (after their approvals are expired: approval
+# then run, the order of decide_approval, so the two cannot deadlock): a holder's result
+# committed meanwhile is seen by the next statements (fresh snapshots), so a timeout never
+# misses a compensation; a row being written right now is skipped until the next pass.
+LOCK_CANDIDATE_RUNS = f"""
+SELECT r.id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s)
+ORDER BY r.id
+FOR NO KEY UPDATE OF r SKIP LOCKED
+"""
 _FENCE = "lease_generation = r.lease_generation + 1, lease_until = NULL, claimed_at = NULL"
 EXPIRE_APPROVALS_OF_OVERDUE_RUNS = f"""
 UPDATE {APPROVAL} AS a SET state = 'expired', closed_at = {DB_NOW}
@@ -54,24 +79,47 @@ WHERE a.community_id = %(community_id)s AND a.state = 'pending' AND a.step_id IS
                AND r.id = ANY(%(ids)s) AND r.state = 'waiting_approval' AND r.timeout_at < {DB_NOW})
 RETURNING a.id
 """
+# Overdue with compensations outstanding (and not unwinding already, unless for an expired
+# approval, which this pass may just have expired): fenced and back to pending unwinding, so a
+# worker undoes the calls and fail_run ends the run ``timeout``.
+TIME_OUT_TO_UNWIND = f"""
+UPDATE {RUN} AS r SET state = 'pending', {_FENCE}, unwinding = true, next_attempt_at = NULL,
+    failure_code = 'timeout', failure_message = 'the run passed its timeout_at'
+WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {OVERDUE} AND {ACTIVE}
+  AND {OUTSTANDING} AND (NOT r.unwinding OR r.failure_code = 'approval_expired')
+RETURNING r.id
+"""
 TIME_OUT_OVERDUE_RUNS = f"""
 UPDATE {RUN} AS r SET state = 'timeout', {_FENCE}, unwinding = false, failure_code = 'timeout',
     failure_message = 'the run passed its timeout_at', finished_at = {DB_NOW}
 WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {OVERDUE} AND {ACTIVE}
+  AND NOT ({OUTSTANDING})
 RETURNING r.id
 """
+# A lapsed run with attempts left, or one that was unwinding (its compensations must still run:
+# it is reclaimed whatever its attempts, attempts staying within max_attempts), goes back to
+# pending after an exponential backoff.
 RECLAIM_LAPSED_RUNS = f"""
-UPDATE {RUN} AS r SET state = 'pending', {_FENCE}, attempts = r.attempts + 1,
-    next_attempt_at = {DB_NOW} + make_interval(secs => %(delay_seconds)s)
+UPDATE {RUN} AS r SET state = 'pending', {_FENCE}, attempts = LEAST(r.attempts + 1, r.max_attempts),
+    next_attempt_at = {NEXT_ATTEMPT_AT}
 WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {LAPSED}
-  AND r.attempts + 1 < r.max_attempts AND {ACTIVE}
+  AND (r.attempts + 1 < r.max_attempts OR r.unwinding) AND {ACTIVE}
+RETURNING r.id
+"""
+# The last attempt lapsed with compensations outstanding: back to pending unwinding (at once),
+# a worker undoes the calls and fail_run ends the run failed / attempts_exhausted.
+EXHAUST_TO_UNWIND = f"""
+UPDATE {RUN} AS r SET state = 'pending', {_FENCE}, attempts = r.max_attempts, unwinding = true,
+    next_attempt_at = NULL, failure_code = 'attempts_exhausted', failure_message = 'the last attempt''s lease lapsed'
+WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {LAPSED}
+  AND r.attempts + 1 >= r.max_attempts AND NOT r.unwinding AND {OUTSTANDING} AND {ACTIVE}
 RETURNING r.id
 """
 EXHAUST_LAPSED_RUNS = f"""
 UPDATE {RUN} AS r SET state = 'failed', {_FENCE}, attempts = r.max_attempts, unwinding = false,
     failure_code = 'attempts_exhausted', failure_message = 'the last attempt''s lease lapsed', finished_at = {DB_NOW}
 WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {LAPSED}
-  AND r.attempts + 1 >= r.max_attempts AND {ACTIVE}
+  AND r.attempts + 1 >= r.max_attempts AND NOT r.unwinding AND NOT ({OUTSTANDING}) AND {ACTIVE}
 RETURNING r.id
 """
 EXPIRE_OVERDUE_AGENT_APPROVALS = f"""
@@ -88,13 +136,15 @@ RETURNING a.id
 
 @dataclass
 class AgentReapResult:
-    """What one maintenance pass did: runs ``reclaimed``, ``exhausted``, ``timed_out``;
+    """What one maintenance pass did: runs ``reclaimed``, ``exhausted``, ``timed_out``,
+    ``unwinding`` (timed out or exhausted with compensations outstanding: sent to compensate);
     ``approvals_expired``; ``communities`` visited; ``skipped_busy`` (fence lock taken);
     ``batches`` (per-community transactions)."""
 
     reclaimed: int = 0
     exhausted: int = 0
     timed_out: int = 0
+    unwinding: int = 0
     approvals_expired: int = 0
     skipped_busy: int = 0
     communities: int = 0
@@ -103,7 +153,7 @@ class AgentReapResult:
 
     @property
     def total(self) -> int:
-        return self.reclaimed + self.exhausted + self.timed_out + self.approvals_expired
+        return self.reclaimed + self.exhausted + self.timed_out + self.unwinding + self.approvals_expired
 
 
 def _one_community(community: object, limit: int, result: AgentReapResult) -> bool:
@@ -112,6 +162,7 @@ def _one_community(community: object, limit: int, result: AgentReapResult) -> bo
         "limit": limit,
         "ns": FENCE_LOCK_NAMESPACE,
         "delay_seconds": get_settings().retry_delay_seconds,
+        "max_delay_seconds": get_settings().retry_delay_max_seconds,
     }
     with transaction.atomic(), translated_errors():
         if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
@@ -119,9 +170,15 @@ def _one_community(community: object, limit: int, result: AgentReapResult) -> bo
         params["ids"] = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]
         if params["ids"]:
             result.approvals_expired += len(fetch_all(EXPIRE_APPROVALS_OF_OVERDUE_RUNS, params))
+            params["ids"] = [row[0] for row in fetch_all(LOCK_CANDIDATE_RUNS, params)]
+            unwinding = len(fetch_all(TIME_OUT_TO_UNWIND, params))
             result.timed_out += len(fetch_all(TIME_OUT_OVERDUE_RUNS, params))
             result.reclaimed += len(fetch_all(RECLAIM_LAPSED_RUNS, params))
+            unwinding += len(fetch_all(EXHAUST_TO_UNWIND, params))
             result.exhausted += len(fetch_all(EXHAUST_LAPSED_RUNS, params))
+            if unwinding:  # claimable at once: wake the workers (on commit)
+                fetch_all(NOTIFY_CLAIMABLE, {"channel": NOTIFY_CHANNEL, "community_id": community})
+            result.unwinding += unwinding
         result.approvals_expired += len(fetch_all(EXPIRE_OVERDUE_AGENT_APPROVALS, params))
     return True
 

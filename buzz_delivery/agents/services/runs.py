@@ -13,8 +13,8 @@ from typing import Any
 
 from django.db import transaction
 
-from buzz_delivery.agents.conf import get_settings
-from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
+from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
 from buzz_delivery.agents.services.types import (
@@ -115,6 +115,7 @@ def accept_delivery(
         run = AgentRun.objects.select_for_update().get(community_id=lease.community_id, delivery_id=lease.delivery_id)
         run.input_hash = sha256_json(run.input)
         AgentRun.objects.filter(community_id=run.community_id, id=run.id).update(input_hash=run.input_hash)
+        notify_claimable(lease.community_id)
     return Accepted(run.id)
 
 
@@ -163,11 +164,18 @@ def intake_event(
         won = fetch_all(sql.INSERT_INTAKE_KEY, params)
         if won:
             fetch_all(sql.INSERT_RUN_FROM_INTAKE, params)
+            notify_claimable(params["community_id"])
             return Created(params["id"])
         run_id, payload_hash = fetch_all(sql.INTAKE_KEY, params)[0]
     if bytes(payload_hash) == params["payload_hash"]:
         return Duplicate(run_id)
     return IdempotencyConflict(run_id)
+
+
+def notify_claimable(community_id: uuid.UUID) -> None:
+    """Announce, in the caller's transaction, that ``community_id`` has a claimable run (a
+    wake hint on ``buzz_agents`` for ``run_agent_worker``; delivered only on commit)."""
+    fetch_all(sql.NOTIFY_CLAIMABLE, {"channel": NOTIFY_CHANNEL, "community_id": community_id})
 
 
 def _key_text(value: Any, name: str, max_chars: int) -> str:
@@ -262,9 +270,13 @@ def fail_run(
     """Fail the run. With succeeded (or uncertain) calls that carry a compensation not yet
     undone, and none whose compensation failed, the run is marked ``unwinding`` (lease kept) and
     :class:`Unwinding` lists the entries to compensate, highest ``seq`` first; call again once
-    they are done (or one failed). Otherwise the run ends ``failed`` (the first failure code
-    recorded wins) and :class:`Finished` is returned. ``failure_code``: 1..64 characters.
-    Raises ``ValidationError`` keyed ``lease``, ``failure_code`` or ``failure_message``. SPEC 12."""
+    they are done (or one failed). On a run already unwinding, a call still ``pending`` (its
+    holder was fenced mid-call by a cancel, a timeout or a lapse) is first recorded ``failed``
+    and uncertain, so it is compensated like a succeeded one. Otherwise the run ends (the first
+    failure code recorded wins) and :class:`Finished` says how: ``failed``, or ``cancelled`` /
+    ``timeout`` for a run that unwound because a cancel or its ``timeout_at`` sent it to
+    compensate. ``failure_code``: 1..64 characters. Raises ``ValidationError`` keyed ``lease``,
+    ``failure_code`` or ``failure_message``. SPEC 12."""
     code = v.optional_text(failure_code, "failure_code", 64)
     if not code or not code.strip():
         raise v.invalid("failure_code", "must be 1..64 characters")
@@ -272,8 +284,10 @@ def fail_run(
         lease, failure_code=code, failure_message=v.optional_text(failure_message, "failure_message", 10_000)
     )
     with transaction.atomic(), translated_errors():
-        if fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params):
-            return Finished("failed")
+        fetch_all(sql.MARK_PENDING_UNCERTAIN_IF_UNWINDING, params)
+        ended = fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params)
+        if ended:
+            return Finished(ended[0][0])
         if fetch_all(sql.MARK_UNWINDING_IF_CURRENT, params):
             return Unwinding(tuple(row[0] for row in fetch_all(sql.OUTSTANDING_SEQS, params)))
         return missed(params)
@@ -283,20 +297,34 @@ def fail_run(
 def cancel_agent_run(
     community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, reason: str | None = None
 ) -> Cancelled | AlreadyTerminal | NotFound:
-    """Cancel a run in one transaction: its pending approval expired, the run ``cancelled``
-    with generation + 1 (its holder learns it at its next heartbeat, journal or complete, all
-    refused). Compensations are not run. Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
+    """Cancel a run in one transaction: its pending approval expired, the holder fenced
+    (generation + 1: it learns it at its next heartbeat, journal or complete, all refused as
+    ``LeaseLost("cancelled")``). Without compensations outstanding the run ends ``cancelled``
+    at once; with some (succeeded or uncertain calls that carry one, none failed) it goes back to
+    ``pending`` unwinding with ``failure_code = "cancelled"``: a worker claims it, runs the
+    compensations in reverse order, each once, and ``fail_run`` ends it ``cancelled``. Cancelling
+    a run that already unwinds for a cancel changes nothing and answers ``Cancelled``.
+    Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
     or :class:`NotFound`. Raises ``ValidationError`` keyed by the argument before SQL;
     ``CommunityNotWritable`` when the community is not active. SPEC 12 "States"."""
     run = v.uuid_value(run_id, "run_id")
+    community = v.uuid_value(community_id, "community_id")
     params = {
-        "community_id": v.uuid_value(community_id, "community_id"),
+        "community_id": community,
         "run_id": run,
         "reason": v.optional_text(reason, "reason", 10_000),
     }
     with transaction.atomic(), translated_errors():
+        # Approval first, then the run: the order of decide_approval and the reaper (its trigger
+        # moves the run), so a cancel racing them cannot deadlock.
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
+        fetch_all(sql.LOCK_RUN, params)
         if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
+            return Cancelled(run)
+        if fetch_all(sql.CANCEL_TO_UNWIND_IF_OUTSTANDING, params):
+            notify_claimable(community)
+            return Cancelled(run)
+        if fetch_all(sql.RUN_UNWINDING_FOR_CANCEL, params):
             return Cancelled(run)
         rows = fetch_all(sql.RUN_AT, {**params})
     if not rows:
@@ -313,3 +341,27 @@ def get_agent_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Age
     return AgentRun.objects.filter(
         community_id=v.uuid_value(community_id, "community_id"), id=v.uuid_value(run_id, "run_id")
     ).first()
+
+
+@tenant_scoped
+def get_journal(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> list[JournalEntry]:
+    """Scoped read of one run's journal entries in ``seq`` order (empty if the run is absent)."""
+    return list(
+        JournalEntry.objects.filter(
+            community_id=v.uuid_value(community_id, "community_id"), run_id=v.uuid_value(run_id, "run_id")
+        ).order_by("seq")
+    )
+
+
+@tenant_scoped
+def get_run_agent(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> bytes | None:
+    """Scoped read of one run's agent key (None if absent): the narrow read a scope check needs
+    (a run's ``agent_pubkey`` never changes)."""
+    row = (
+        AgentRun.objects.filter(
+            community_id=v.uuid_value(community_id, "community_id"), id=v.uuid_value(run_id, "run_id")
+        )
+        .values_list("agent_pubkey", flat=True)
+        .first()
+    )
+    return None if row is None else bytes(row)

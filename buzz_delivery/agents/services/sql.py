@@ -162,13 +162,37 @@ OUTSTANDING = f"""
                     AND j.compensation_status = 'compensation_failed')
 """
 
+# A run that unwinds because it was cancelled or timed out ends in that state once undone
+# (the system writes those two failure codes only with ``unwinding``); any other ends failed.
+END_STATE_OF_UNWOUND = (
+    "CASE WHEN r.unwinding AND r.failure_code = 'cancelled' THEN 'cancelled'"
+    " WHEN r.unwinding AND r.failure_code = 'timeout' THEN 'timeout' ELSE 'failed' END"
+)
+
 FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO = f"""
 UPDATE {RUN} AS r
-SET state = 'failed', failure_code = coalesce(r.failure_code, %(failure_code)s),
+SET state = {END_STATE_OF_UNWOUND}, failure_code = coalesce(r.failure_code, %(failure_code)s),
     failure_message = coalesce(r.failure_message, %(failure_message)s), lease_until = NULL, claimed_at = NULL,
     finished_at = {DB_NOW}
 WHERE {CURRENT_RUN_LEASE} AND NOT ({OUTSTANDING})
 RETURNING r.state
+"""
+
+# An unwinding run (cancelled, timed out, exhausted: its handler is not run again) cannot end
+# with a call still pending: its holder was fenced mid-call, so the call is uncertain and, with
+# a compensation, is undone like a succeeded one. Fenced by the current lease.
+MARK_PENDING_UNCERTAIN_IF_UNWINDING = f"""
+WITH fenced AS (
+    SELECT r.id, r.lease_generation FROM {RUN} AS r
+    WHERE {CURRENT_RUN_LEASE} AND r.unwinding
+    FOR NO KEY UPDATE
+)
+UPDATE {JOURNAL} AS j
+SET status = 'failed', uncertain = true, error = 'uncertain: the run unwound while the call was pending',
+    result_generation = fenced.lease_generation, finished_at = {DB_NOW}
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.status = 'pending' AND j.kind = 'tool'
+RETURNING j.seq
 """
 
 MARK_UNWINDING_IF_CURRENT = f"""
@@ -242,10 +266,43 @@ WHERE a.community_id = %(community_id)s AND a.state = 'pending' AND a.step_id IS
 RETURNING a.id
 """
 
+# A run unwinding for a cancel already: a second cancel changes nothing (it would only fence
+# the compensating holder again).
+UNWINDING_FOR_CANCEL = "r.unwinding AND r.failure_code = 'cancelled'"
+
 CANCEL_IF_NOT_TERMINAL = f"""
 UPDATE {RUN} AS r
 SET state = 'cancelled', lease_generation = r.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
     unwinding = false, failure_code = 'cancelled', failure_message = %(reason)s, finished_at = {DB_NOW}
 WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s AND r.state NOT IN {TERMINAL} AND {ACTIVE}
+  AND NOT ({OUTSTANDING})
 RETURNING r.id
 """
+
+# A cancel with compensations outstanding: the holder is fenced (generation + 1, lease
+# released) and the run goes back to ``pending`` unwinding, so a worker claims it, undoes its
+# calls in reverse order and ``fail_run`` ends it ``cancelled`` (END_STATE_OF_UNWOUND).
+CANCEL_TO_UNWIND_IF_OUTSTANDING = f"""
+UPDATE {RUN} AS r
+SET state = 'pending', unwinding = true, lease_generation = r.lease_generation + 1, lease_until = NULL,
+    claimed_at = NULL, next_attempt_at = NULL, failure_code = 'cancelled', failure_message = %(reason)s
+WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s AND r.state NOT IN {TERMINAL} AND {ACTIVE}
+  AND {OUTSTANDING} AND NOT ({UNWINDING_FOR_CANCEL})
+RETURNING r.id
+"""
+
+RUN_UNWINDING_FOR_CANCEL = f"""
+SELECT r.id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s AND r.state NOT IN {TERMINAL} AND {UNWINDING_FOR_CANCEL}
+  AND {ACTIVE}
+"""
+
+# Taken before a cancel judges the journal: a holder's result committed meanwhile is then seen
+# by the cancel's next statements (each reads a fresh snapshot), never missed.
+LOCK_RUN = (
+    f"SELECT r.id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s FOR NO KEY UPDATE"
+)
+
+# A wake hint for run_agent_worker (SPEC 7's pattern): transactional, so it is delivered only if
+# the run it announces was committed; it carries the community id and grants nothing.
+NOTIFY_CLAIMABLE = "SELECT pg_notify(%(channel)s, %(community_id)s::text)"

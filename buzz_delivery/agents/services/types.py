@@ -119,7 +119,8 @@ class Unwinding:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A run ended ``state`` (``completed`` or ``failed``) by this call."""
+    """A run ended ``state`` by this call: ``completed``, ``failed``, or ``cancelled`` / ``timeout``
+    when it unwound for a cancel or a timeout."""
 
     state: str
 

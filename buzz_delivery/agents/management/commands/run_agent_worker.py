@@ -1,7 +1,8 @@
 """``manage.py run_agent_worker``: run agent handlers over claimed agent runs (SPEC 12 "Runtime").
 
 Prints one JSON summary line to stdout at exit: ``{"claimed","completed","failed",
-"compensated","compensation_failed","parked","lost","renewed","internal_errors"}``."""
+"compensated","compensation_failed","parked","lost","timed_out","abandoned","woken","renewed",
+"internal_errors"}``."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ class Command(BaseCommand):
         "Claim agent runs of the given agents (--agent, repeatable) in the given communities "
         "(--community, repeatable; none = every active community with claimable runs) and run "
         "handler(ctx) -> output for each: ctx.call journals tool calls, ctx.request_approval parks "
-        "the run. Heartbeats in a background thread. SIGTERM/SIGINT: stop claiming, let in-flight "
-        "runs reach a resting point, exit 0. Exit codes: 0 clean stop, 1 internal error, 2 bad arguments."
+        "the run. Heartbeats in a background thread; LISTENs on buzz_agents to claim new runs at once. "
+        "SIGTERM/SIGINT: stop claiming, let in-flight runs reach a resting point within "
+        "--shutdown-grace, then give the rest up (their leases lapse). Exit codes: 0 clean stop, "
+        "1 internal error, 2 bad arguments, 3 runs abandoned at the end of the grace."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -38,6 +41,16 @@ class Command(BaseCommand):
         parser.add_argument("--max-runs", type=positive_int, default=None, help="Stop after this many claims.")
         parser.add_argument("--exit-when-idle", action="store_true", help="Stop when a poll finds nothing.")
         parser.add_argument("--worker-id", default=None, help="Recorded on claims (default host:pid).")
+        parser.add_argument(
+            "--shutdown-grace", type=positive_seconds, default=30.0, help="Drain time after SIGTERM (default 30)."
+        )
+        parser.add_argument(
+            "--handler-timeout",
+            type=positive_seconds,
+            default=None,
+            help="Give a run up (stop renewing its lease) when its handler runs longer (default: no limit).",
+        )
+        parser.add_argument("--no-listen", action="store_true", help="Poll only (no LISTEN connection).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -56,6 +69,9 @@ class Command(BaseCommand):
                 max_runs=options["max_runs"],
                 exit_when_idle=options["exit_when_idle"],
                 worker_id=options["worker_id"] or f"{socket.gethostname()}:{os.getpid()}",
+                shutdown_grace=options["shutdown_grace"],
+                handler_timeout=options["handler_timeout"],
+                listen=not options["no_listen"],
             )
         )
         signal.signal(signal.SIGTERM, worker.stop)
@@ -64,3 +80,5 @@ class Command(BaseCommand):
         self.stdout.write(worker.summary_line())
         if counts.get("internal_errors"):
             raise CommandError("stopped on an internal error", returncode=1)
+        if counts.get("abandoned"):
+            raise CommandError(f"{counts['abandoned']} runs abandoned at the end of the grace", returncode=3)

@@ -1,0 +1,416 @@
+"""A remote agent-run worker over the gateway: ``run_agent_worker``'s runtime over HTTP.
+
+Needs no Django. ``python -m buzz_delivery.gateway.client work-runs --url URL --key-file FILE
+--handler pkg.mod:handler`` claims the key's agent runs (long-poll) across its communities and
+runs ``handler(ctx) -> output`` for each, where ``ctx`` behaves like the in-process
+:class:`buzz_delivery.agents.runtime.Context`: ``ctx.call(tool_name, fn, args, *,
+compensate=None, reconcile=None, destructive=False, cost=0)`` journals the call through the API
+before making it and records its result; on resume (a run claimed again) succeeded calls
+return their recorded output from the journal and are not made again, a pending one is
+reconciled (``reconcile(args, key)``: its output, or :data:`NOT_MADE`) or recorded uncertain;
+``ctx.request_approval(prompt, deadline_seconds)`` parks the run; ``ctx.cancelled`` says a
+cancel fenced it. Returning completes the run; raising fails it, and the compensations
+(``compensate(args, output, key)``, a module-level function stored by dotted path) run in
+reverse order through the compensation endpoints. An unwinding run (cancelled, timed out,
+exhausted, or a failed one whose holder died) runs no handler: only its compensations.
+Held leases are renewed in the background; SIGTERM/SIGINT drain within ``--shutdown-grace``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pkgutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from buzz_delivery.gateway.client import GatewayClient, RemoteRunClaim, RemoteRunLease
+
+logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
+
+NOT_MADE = object()  # a reconcile hook's answer: the call never reached the tool
+SUMMARY_KEYS = ("claimed", "completed", "failed", "compensated", "compensation_failed", "parked", "lost", "renewed",
+                "errors", "abandoned")  # fmt: skip
+
+
+class RemoteRunError(Exception):
+    """Base of what stops a remote handler; ``failure_code`` is what the run records."""
+
+    failure_code = "handler_error"
+
+
+class RunAborted(RemoteRunError):
+    """The run lease is lost (reclaimed, cancelled, given up): stop; nothing more is written."""
+
+    failure_code = "lease_lost"
+
+
+class ToolCallFailed(RemoteRunError):
+    """A journaled call failed (its error is on the journal entry)."""
+
+    failure_code = "tool_call_failed"
+
+
+class UncertainCall(RemoteRunError):
+    """A call left pending by a dead holder had no reconcile hook: marked uncertain."""
+
+    failure_code = "uncertain_call"
+
+
+class BudgetExhausted(RemoteRunError):
+    """A call past the run's budget was refused (nothing journaled)."""
+
+    failure_code = "budget_exceeded"
+
+
+class ReplayMismatch(RemoteRunError):
+    """On resume the handler asked for another call than the journal holds at that position."""
+
+    failure_code = "replay_mismatch"
+
+
+class ApprovalExpired(RemoteRunError):
+    """The approval the run waited on expired without a decision."""
+
+    failure_code = "approval_expired"
+
+
+class _Parked(Exception):
+    """Internal: the run parked on an approval; the handler stops here."""
+
+
+def input_hash(args: Any) -> str:
+    """Hex SHA-256 of the canonical JSON of ``args``, as the server journals it."""
+    text = json.dumps(args, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def dotted(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a module-level function (a compensation descriptor's ``function``)."""
+    name = f"{fn.__module__}:{fn.__qualname__}"
+    if "<" in name:
+        raise ValueError(f"compensate must be a module-level function, not {name}")
+    return name
+
+
+class RemoteRunContext:
+    """What a remote handler gets for one claimed run: ``run`` (the API's JSON), ``input``,
+    ``lease`` (renewed in the background), :meth:`call`, :meth:`request_approval`,
+    :attr:`cancelled`."""
+
+    def __init__(self, client: GatewayClient, claim: RemoteRunClaim) -> None:
+        self.client = client
+        self.run = claim.run
+        self.lease = claim.lease
+        self.input = claim.run["input"]
+        self.lost = threading.Event()
+        self._cancelled = threading.Event()
+        self._pos = 0
+        journal = client.read_run(claim.lease.community_id, claim.lease.run_id)["journal"]
+        self._journal = {e["seq"]: e for e in journal}
+        self.replayed = 0
+
+    @property
+    def cancelled(self) -> bool:
+        """True once a heartbeat learnt the run was cancelled (the handler should stop)."""
+        return self._cancelled.is_set()
+
+    def mark_lost(self, reason: str | None) -> None:
+        """The lease is gone (``reason`` ``cancelled`` when a cancel fenced it)."""
+        self.lost.set()
+        if reason == "cancelled":
+            self._cancelled.set()
+
+    def _check(self) -> None:
+        if self.lost.is_set():
+            raise RunAborted("the run's lease was lost")
+
+    def _gone(self, outcome: Any, what: str) -> RunAborted:
+        self.mark_lost(outcome.data.get("reason"))
+        return RunAborted(f"cannot {what}: {outcome.outcome}")
+
+    def call(
+        self,
+        tool_name: str,
+        fn: Callable[[Any, str], Any],
+        args: Any,
+        *,
+        compensate: Callable[[Any, Any, str], Any] | None = None,
+        reconcile: Callable[[Any, str], Any] | None = None,
+        destructive: bool = False,
+        cost: int = 0,
+    ) -> Any:
+        """Journal, make and record one tool call (or replay it from the journal); returns its
+        output (None for a shadow-blocked call)."""
+        self._check()
+        self._pos += 1
+        entry = self._journal.get(self._pos)
+        if entry is not None:
+            return self._replay(entry, tool_name, fn, args, reconcile)
+        descriptor = None if compensate is None else {"function": dotted(compensate)}
+        outcome = self.client.journal_call(
+            self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+        )
+        if outcome.outcome == "blocked":
+            return None
+        if outcome.outcome == "budget_exceeded":
+            raise BudgetExhausted(f"{outcome.data['budget']} budget exhausted")
+        if outcome.outcome != "journaled":
+            raise self._gone(outcome, "journal")
+        return self._make(outcome.data["seq"], outcome.data["idempotency_key"], fn, args)
+
+    def _make(self, seq: int, key: str, fn: Callable[[Any, str], Any], args: Any) -> Any:
+        started = time.monotonic()
+        try:
+            output = fn(args, key)
+        except Exception as exc:
+            self._record(seq, started, ok=False, error=f"{type(exc).__name__}: {exc}"[:10_000])
+            raise ToolCallFailed(f"{seq}: {exc}") from exc
+        self._record(seq, started, ok=True, output=output)
+        return output
+
+    def _record(self, seq: int, started: float, **kwargs: Any) -> None:
+        latency = int((time.monotonic() - started) * 1000)
+        outcome = self.client.record_result(self.lease, seq, latency_ms=latency, **kwargs)
+        if outcome.outcome not in ("recorded", "already_recorded"):
+            raise self._gone(outcome, f"record call {seq}")
+
+    def _replay(self, entry: dict[str, Any], tool_name: str, fn: Any, args: Any, reconcile: Any) -> Any:
+        if entry["kind"] != "tool" or entry["tool_name"] != tool_name or entry["input_hash"] != input_hash(args):
+            raise ReplayMismatch(f"call {entry['seq']} was {entry['kind']} {entry['tool_name']!r}, now {tool_name!r}")
+        if entry["status"] == "succeeded":
+            self.replayed += 1
+            return entry["output"]
+        if entry["status"] == "failed":
+            if entry["blocked_reason"]:
+                return None
+            raise ToolCallFailed(f"{entry['seq']}: {entry['error']}")
+        if reconcile is None:
+            self._record(entry["seq"], time.monotonic(), ok=False, uncertain=True, error="uncertain: no reconcile hook")
+            raise UncertainCall(f"call {entry['seq']} ({tool_name}) may or may not have happened")
+        started = time.monotonic()
+        found = reconcile(args, entry["idempotency_key"])
+        if found is NOT_MADE:
+            return self._make(entry["seq"], entry["idempotency_key"], fn, args)
+        self._record(entry["seq"], started, ok=True, output=found)
+        return found
+
+    def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
+        """Park the run on an approval (the handler stops); when the run resumes, returns
+        ``{"decision", "decided_by"}``. Raises :class:`ApprovalExpired` if it expired."""
+        self._check()
+        self._pos += 1
+        entry = self._journal.get(self._pos)
+        if entry is not None:
+            if entry["kind"] != "approval":
+                raise ReplayMismatch(f"entry {entry['seq']} is a {entry['tool_name']!r} call, not an approval")
+            if entry["status"] == "succeeded":
+                self.replayed += 1
+                return dict(entry["output"] or {})
+            if entry["status"] == "failed":
+                raise ApprovalExpired("the approval expired without a decision")
+            raise RunAborted("the approval is still pending")
+        outcome = self.client.request_approval(self.lease, prompt, deadline_seconds)
+        if outcome.outcome == "approval_requested":
+            raise _Parked(outcome.data["approval_id"])
+        if outcome.outcome == "budget_exceeded":
+            raise BudgetExhausted("tool_calls budget exhausted")
+        raise self._gone(outcome, "request an approval")
+
+
+def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int]) -> str:
+    """Run the compensations ``seqs`` (highest first) through the API, stopping at the first that
+    fails, then fail the run again. Returns ``compensated``, ``compensation_failed`` or ``lost``."""
+    result = "compensated"
+    for seq in seqs:
+        began = client.begin_compensation(lease, seq)
+        if began.outcome == "not_next":
+            continue
+        if began.outcome != "begun":
+            return "lost"
+        try:
+            function = pkgutil.resolve_name(began.data["compensation"]["function"])
+            function(began.data["args"], began.data["output"], began.data["key"])
+        except Exception as exc:
+            logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
+            error = f"{type(exc).__name__}: {exc}"[:10_000]
+            if client.finish_compensation(lease, seq, ok=False, error=error).outcome not in (
+                "recorded",
+                "already_recorded",
+            ):
+                return "lost"
+            result = "compensation_failed"
+            break
+        if client.finish_compensation(lease, seq, ok=True).outcome not in ("recorded", "already_recorded"):
+            return "lost"
+    final = client.fail_run(lease, "compensated")
+    if final.outcome == "unwinding":
+        return unwind(client, lease, final.data["seqs"])
+    return result if final.outcome in ("finished", "already_terminal") else "lost"
+
+
+def run_remote_claim(
+    client: GatewayClient, claim: RemoteRunClaim, handler: Callable[[Any], Any], ctx: Any = None
+) -> str:
+    """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
+    ``compensation_failed``, ``parked`` or ``lost``."""
+    lease = claim.lease
+    if claim.run["unwinding"]:
+        outcome = client.fail_run(lease, claim.run["failure_code"] or "unwinding")
+        if outcome.outcome == "unwinding":
+            return unwind(client, lease, outcome.data["seqs"])
+        return "failed" if outcome.outcome == "finished" else "lost"
+    ctx = ctx or RemoteRunContext(client, claim)
+    try:
+        output = handler(ctx)
+    except _Parked:
+        return "parked"
+    except RunAborted:
+        return "lost"
+    except Exception as exc:
+        if ctx.lost.is_set():
+            return "lost"
+        code = exc.failure_code if isinstance(exc, RemoteRunError) else "handler_error"
+        failed = client.fail_run(ctx.lease, code, f"{type(exc).__name__}: {exc}"[:10_000])
+        if failed.outcome == "unwinding":
+            return unwind(client, ctx.lease, failed.data["seqs"])
+        return "failed" if failed.outcome == "finished" else "lost"
+    if ctx.lost.is_set():
+        return "lost"
+    done = client.complete_run(ctx.lease, output)
+    return "completed" if done.outcome == "finished" else "lost"
+
+
+class RemoteRunWorker:
+    """The loop of ``work-runs``: ``concurrency`` threads claim one run at a time (long-poll
+    ``wait_seconds``), one thread renews every held lease each ``renew_every`` seconds.
+    :meth:`request_stop` drains within ``shutdown_grace``; ``run()`` returns the summary."""
+
+    def __init__(
+        self,
+        client: GatewayClient,
+        handler: Callable[[Any], Any],
+        *,
+        concurrency: int = 1,
+        lease_seconds: float | None = None,
+        wait_seconds: float = 5.0,
+        renew_every: float = 10.0,
+        worker_id: str | None = None,
+        max_runs: int | None = None,
+        idle_exit: float | None = None,
+        shutdown_grace: float = 30.0,
+    ) -> None:
+        self.client, self.handler, self.concurrency = client, handler, concurrency
+        self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
+        self.worker_id, self.max_runs, self.idle_exit, self.shutdown_grace = (
+            worker_id,
+            max_runs,
+            idle_exit,
+            shutdown_grace,
+        )
+        self.stop = threading.Event()
+        self.reason = "stopped"
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._held: dict[str, RemoteRunContext] = {}
+        self._last_work = time.monotonic()
+
+    def request_stop(self, reason: str) -> None:
+        """Stop claiming; in-flight runs reach their resting point (drain)."""
+        if not self.stop.is_set():
+            self.reason = reason
+            self.stop.set()
+
+    def _take(self) -> bool:
+        with self._lock:
+            if self.max_runs is not None and self.counts["claimed"] >= self.max_runs:
+                self.request_stop("max_runs")
+                return False
+            return True
+
+    def _loop(self) -> None:
+        while not self.stop.is_set() and self._take():
+            try:
+                claims = self.client.claim_runs(
+                    1, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds, worker_id=self.worker_id
+                )
+            except Exception as exc:  # the gateway is unreachable or refused: retry later
+                logger.warning("claim_error: %s", exc)
+                with self._lock:
+                    self.counts["errors"] += 1
+                self.stop.wait(1.0)
+                continue
+            if not claims:
+                if self.idle_exit is not None and time.monotonic() - self._last_work > self.idle_exit:
+                    self.request_stop("idle")
+                continue
+            with self._lock:
+                self.counts["claimed"] += 1
+                self._last_work = time.monotonic()
+            self._work(claims[0])
+
+    def _work(self, claim: RemoteRunClaim) -> None:
+        try:
+            ctx = RemoteRunContext(self.client, claim)
+            with self._lock:
+                self._held[claim.lease.run_id] = ctx
+            try:
+                result = run_remote_claim(self.client, claim, self.handler, ctx)
+            finally:
+                with self._lock:
+                    self._held.pop(claim.lease.run_id, None)
+        except Exception as exc:
+            logger.warning("run_error run=%s: %s", claim.lease.run_id, exc)
+            result = "errors"
+        with self._lock:
+            self.counts[result] += 1
+            self._last_work = time.monotonic()
+
+    def _renew_loop(self, done: threading.Event) -> None:
+        while not done.wait(self.renew_every):
+            with self._lock:
+                held = list(self._held.values())
+            for ctx in held:
+                try:
+                    outcome = self.client.heartbeat(ctx.lease, self.lease_seconds)
+                except Exception as exc:
+                    logger.warning("heartbeat_error run=%s: %s", ctx.lease.run_id, exc)
+                    continue
+                if outcome.outcome == "renewed" and outcome.lease is not None:
+                    ctx.lease = outcome.lease
+                    with self._lock:
+                        self.counts["renewed"] += 1
+                elif outcome.outcome != "renewed":
+                    ctx.mark_lost(outcome.data.get("reason"))
+
+    def run(self) -> dict[str, Any]:
+        """Run until stopped; returns ``{key: count for SUMMARY_KEYS} | {"reason"}``."""
+        done = threading.Event()
+        renewer = threading.Thread(target=self._renew_loop, args=(done,), name="run-renewer", daemon=True)
+        renewer.start()
+        threads = [threading.Thread(target=self._loop, name=f"run-{i}", daemon=True) for i in range(self.concurrency)]
+        for t in threads:
+            t.start()
+        stopped_at: float | None = None
+        while any(t.is_alive() for t in threads):
+            if self.stop.is_set():
+                stopped_at = stopped_at if stopped_at is not None else time.monotonic()
+                if time.monotonic() - stopped_at > self.shutdown_grace:
+                    with self._lock:
+                        abandoned = list(self._held.values())
+                        self._held.clear()
+                        self.counts["abandoned"] += len(abandoned)
+                    for ctx in abandoned:
+                        ctx.mark_lost("abandoned")
+                    break
+            for t in threads:
+                t.join(timeout=0.1)
+        done.set()
+        renewer.join(timeout=5)
+        summary: dict[str, Any] = {k: self.counts.get(k, 0) for k in SUMMARY_KEYS}
+        summary["reason"] = self.reason
+        return summary

@@ -1,0 +1,313 @@
+"""The gateway's agent-run endpoints (SPEC sections 12 and 14): thin views over
+:mod:`buzz_delivery.agents.services`, mounted only when ``buzz_delivery.agents`` is installed.
+
+Same checks, in the same order, as the delivery endpoints (:func:`~buzz_delivery.gateway.views.endpoint`):
+405, 413, NIP-98 (401), fields (400), then enrollment (403) and scope (404: a run of another key
+looks exactly like a missing one, checked before any service is called: a run's
+``agent_pubkey`` never changes), then the service's typed outcome: a lost lease is 409
+``lease_lost`` (``reason: "cancelled"`` when a cancel fenced the holder); every other outcome is
+a 200 naming it (``already_terminal``, ``budget_exceeded``, ``unwinding``...). The signer's key is
+the only agent a claim serves. The holder's ``worker_id`` is part of the run lease (the fence);
+a request that leaves it null uses ``gateway:<first 16 hex digits of the key>``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any
+
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+
+from buzz_delivery.agents import services as agents
+from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.gateway import present
+from buzz_delivery.gateway import services as gateway
+from buzz_delivery.gateway.conf import get_settings
+from buzz_delivery.gateway.errors import GatewayError, bad_request
+from buzz_delivery.gateway.schema import (
+    ACCEPT,
+    APPROVAL,
+    CALL,
+    COMPENSATION_BEGIN,
+    COMPENSATION_FINISH,
+    COMPLETE,
+    FAIL,
+    HEARTBEAT,
+    RESULT,
+    RUN_CLAIM,
+)
+from buzz_delivery.gateway.views import _lease, _lost_or_not_found, _require_enrolled, endpoint
+from buzz_delivery.gateway.wake import hub
+from buzz_delivery.services import AlreadyTerminal, LeaseLost
+
+
+def worker_of(pubkey: bytes, worker_id: str | None) -> str:
+    """The holder name of a request: its ``worker_id``, or ``gateway:<16 hex of the key>`` when
+    null; a blank one is a 400 naming ``worker_id``."""
+    if worker_id is None:
+        return f"gateway:{pubkey.hex()[:16]}"
+    if not worker_id.strip() or "\x00" in worker_id:
+        raise bad_request("worker_id", "must name the holder (1..200 characters, not blank)")
+    return worker_id
+
+
+def _run_not_found() -> GatewayError:
+    return GatewayError("not_found", "no such agent run for this key in that community")
+
+
+def _own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes) -> AgentRun:
+    """The signer's run, after the enrollment check (403), or 404."""
+    _require_enrolled(community_id, pubkey)
+    run = agents.get_agent_run(community_id, run_id)
+    if run is None or bytes(run.agent_pubkey) != pubkey:
+        raise _run_not_found()
+    return run
+
+
+def _require_own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes) -> None:
+    """As :func:`_own_run` with one narrow read (every holder request pays it)."""
+    _require_enrolled(community_id, pubkey)
+    if agents.get_run_agent(community_id, run_id) != pubkey:
+        raise _run_not_found()
+
+
+def _run_lease(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes, data: dict[str, Any]) -> agents.AgentLease:
+    worker = worker_of(pubkey, data["worker_id"])
+    _require_own_run(community_id, run_id, pubkey)
+    # lease_until is informational (the database judges expiry by its own clock).
+    return agents.AgentLease(community_id, run_id, data["lease_generation"], timezone.now(), worker)
+
+
+def _common(outcome: Any) -> JsonResponse:
+    """The outcomes every holder transition shares: ``already_terminal`` (200) and 409."""
+    if isinstance(outcome, AlreadyTerminal):
+        return JsonResponse({"outcome": "already_terminal", "state": outcome.status})
+    assert isinstance(outcome, LeaseLost), outcome
+    raise GatewayError(
+        "lease_lost", "the run's lease is no longer current: drop the work", outcome="lease_lost", reason=outcome.reason
+    )
+
+
+def _budget(outcome: agents.BudgetExceeded) -> JsonResponse:
+    return JsonResponse(
+        {"outcome": "budget_exceeded", "budget": outcome.budget, "used": outcome.used, "cap": outcome.cap}
+    )
+
+
+@endpoint("POST", ACCEPT)
+def accept(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
+    """Settle a held delivery ``finished`` and create its agent run in one transaction
+    (``agents.services.accept_delivery``). 200 ``{"outcome": "accepted", "run_id"}``, or 200
+    ``{"outcome": "already_terminal", "status"}`` (the delivery was settled before); 403; 404 no
+    such delivery for this key; 409 lease lost."""
+    _require_enrolled(community_id, pubkey)
+    lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
+    outcome = agents.accept_delivery(
+        lease,
+        input=data["input"],
+        shadow=data["shadow"],
+        max_tool_calls=data["max_tool_calls"],
+        max_cost=data["max_cost"],
+        max_attempts=data["max_attempts"],
+        timeout_seconds=data["timeout_seconds"],
+    )
+    if isinstance(outcome, agents.Accepted):
+        return JsonResponse({"outcome": "accepted", "run_id": str(outcome.run_id)})
+    if isinstance(outcome, AlreadyTerminal):
+        return JsonResponse({"outcome": "already_terminal", "status": outcome.status})
+    raise _lost_or_not_found(community_id, delivery_id, pubkey)
+
+
+def _claim_round(communities: list[uuid.UUID], pubkey: bytes, worker: str, data: dict[str, Any]) -> list[Any]:
+    order = list(communities)
+    random.shuffle(order)
+    claims: list[agents.AgentClaim] = []
+    for community in order:
+        claims += agents.claim_agent_runs(
+            community,
+            [pubkey],
+            worker_id=worker,
+            limit=data["limit"] - len(claims),
+            lease_seconds=data["lease_seconds"],
+        )
+        if len(claims) >= data["limit"]:
+            break
+    return claims
+
+
+@endpoint("POST", RUN_CLAIM)
+def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
+    """Claim up to ``limit`` pending runs of the signer across every active community it is
+    enrolled in (``agents.services.claim_agent_runs``, one statement per community, a random
+    community first); with ``wait_seconds`` > 0, long-poll until one is claimable (woken by the
+    ``buzz_agents`` hints of those communities, polling every ``POLL_SECONDS``) or the wait
+    ends. 200 ``{"claims": [{"run", "lease"}]}`` (possibly empty); 403 when enrolled nowhere."""
+    worker = worker_of(pubkey, data["worker_id"])
+    communities = gateway.enrolled_communities(pubkey)
+    if not communities:
+        raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
+    wait = float(data["wait_seconds"])
+    if wait <= 0:
+        claims = _claim_round(communities, pubkey, worker, data)
+    else:
+        deadline = time.monotonic() + wait
+        poll = get_settings().poll_seconds
+        # Registered before the first claim: a run committed between an empty claim and the
+        # sleep still sets the event, so the sleep ends at once.
+        with hub.waiter(*(f"runs:{c}" for c in communities)) as woken:
+            claims = _claim_round(communities, pubkey, worker, data)
+            while not claims:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                woken.wait(min(poll, remaining))
+                woken.clear()
+                communities = [c for c in gateway.enrolled_communities(pubkey) if c in communities]
+                if not communities:
+                    break
+                claims = _claim_round(communities, pubkey, worker, data)
+    return JsonResponse(
+        {"claims": [{"run": present.run_of(c.run), "lease": present.run_lease_of(c.lease)} for c in claims]}
+    )
+
+
+@endpoint("GET")
+def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """One of the signer's runs with its journal in ``seq`` order (what a resumed handler
+    replays). 200 ``{"run", "journal"}``; 403; 404."""
+    run = _own_run(community_id, run_id, pubkey)
+    journal = agents.get_journal(community_id, run_id)
+    return JsonResponse({"run": present.run_of(run), "journal": [present.journal_entry_of(e) for e in journal]})
+
+
+@endpoint("POST", HEARTBEAT)
+def heartbeat(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """Renew the run lease (``agents.services.heartbeat``). 200 ``{"outcome": "renewed",
+    "lease"}`` / ``already_terminal``; 409 lease lost (``reason: "cancelled"`` after a cancel)."""
+    outcome = agents.heartbeat(_run_lease(community_id, run_id, pubkey, data), data["lease_seconds"])
+    if isinstance(outcome, agents.Renewed):
+        return JsonResponse({"outcome": "renewed", "lease": present.run_lease_of(outcome.lease)})
+    return _common(outcome)
+
+
+@endpoint("POST", CALL)
+def call(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """Journal a tool call before making it (``agents.services.journal_call``). 200
+    ``{"outcome": "journaled", "seq", "idempotency_key"}``, ``{"outcome": "blocked", "seq",
+    "reason"}`` (shadow mode: do not make it), ``{"outcome": "budget_exceeded", "budget", "used",
+    "cap"}`` (nothing journaled) or ``already_terminal``; 409 lease lost."""
+    lease = _run_lease(community_id, run_id, pubkey, data)
+    outcome = agents.journal_call(
+        lease,
+        data["tool_name"],
+        data["args"],
+        cost=data["cost"],
+        compensation=data["compensation"],
+        destructive=data["destructive"],
+    )
+    if isinstance(outcome, agents.Journaled):
+        return JsonResponse({"outcome": "journaled", "seq": outcome.seq, "idempotency_key": outcome.idempotency_key})
+    if isinstance(outcome, agents.Blocked):
+        return JsonResponse({"outcome": "blocked", "seq": outcome.seq, "reason": outcome.reason})
+    if isinstance(outcome, agents.BudgetExceeded):
+        return _budget(outcome)
+    return _common(outcome)
+
+
+def _recorded(outcome: Any) -> JsonResponse:
+    if isinstance(outcome, agents.Recorded):
+        return JsonResponse({"outcome": "recorded", "status": outcome.status})
+    if isinstance(outcome, agents.AlreadyRecorded):
+        return JsonResponse({"outcome": "already_recorded", "status": outcome.status})
+    return _common(outcome)
+
+
+@endpoint("POST", RESULT)
+def result(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """Record a journaled call's result (``agents.services.record_call_result``). 200
+    ``{"outcome": "recorded" | "already_recorded", "status"}`` (a retry gets the first answer) or
+    ``already_terminal``; 409 lease lost."""
+    lease = _run_lease(community_id, run_id, pubkey, data)
+    outcome = agents.record_call_result(
+        lease,
+        data["seq"],
+        ok=data["ok"],
+        output=data["output"],
+        error=data["error"],
+        latency_ms=data["latency_ms"],
+        uncertain=data["uncertain"],
+    )
+    return _recorded(outcome)
+
+
+@endpoint("POST", APPROVAL)
+def approval(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """Park the run on an engine approval (``agents.services.request_approval``): the lease is
+    released. 200 ``{"outcome": "approval_requested", "approval_id", "seq"}``,
+    ``budget_exceeded`` or ``already_terminal``; 409 lease lost. Once decided, claim the run
+    again: its journal entry ``seq`` holds the decision."""
+    lease = _run_lease(community_id, run_id, pubkey, data)
+    outcome = agents.request_approval(lease, prompt=data["prompt"], deadline_seconds=data["deadline_seconds"])
+    if isinstance(outcome, agents.ApprovalRequested):
+        return JsonResponse(
+            {"outcome": "approval_requested", "approval_id": str(outcome.approval_id), "seq": outcome.seq}
+        )
+    if isinstance(outcome, agents.BudgetExceeded):
+        return _budget(outcome)
+    return _common(outcome)
+
+
+@endpoint("POST", COMPLETE)
+def complete(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """End the run ``completed`` with ``output`` (``agents.services.complete_run``). 200
+    ``{"outcome": "finished", "state": "completed"}`` or ``already_terminal`` (the holder's
+    retry); 409 lease lost (also while the run is unwinding)."""
+    outcome = agents.complete_run(_run_lease(community_id, run_id, pubkey, data), data["output"])
+    if isinstance(outcome, agents.Finished):
+        return JsonResponse({"outcome": "finished", "state": outcome.state})
+    return _common(outcome)
+
+
+@endpoint("POST", FAIL)
+def fail(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """Fail the run (``agents.services.fail_run``). 200 ``{"outcome": "finished", "state":
+    "failed"}``, ``{"outcome": "unwinding", "seqs"}`` (compensate those entries, highest first,
+    through the compensation endpoints, then fail again) or ``already_terminal``; 409 lease lost."""
+    lease = _run_lease(community_id, run_id, pubkey, data)
+    outcome = agents.fail_run(lease, data["failure_code"], data["failure_message"])
+    if isinstance(outcome, agents.Finished):
+        return JsonResponse({"outcome": "finished", "state": outcome.state})
+    if isinstance(outcome, agents.Unwinding):
+        return JsonResponse({"outcome": "unwinding", "seqs": list(outcome.seqs)})
+    return _common(outcome)
+
+
+@endpoint("POST", COMPENSATION_BEGIN)
+def compensation_begin(
+    request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID
+):
+    """Begin (or resume) the compensation of entry ``seq`` of an unwinding run, allowed only for
+    the highest one not yet compensated (``agents.services.begin_compensation``). 200
+    ``{"outcome": "begun", "compensation", "args", "output", "key"}`` (``key``: the
+    compensation's own idempotency key), ``{"outcome": "not_next"}`` or ``already_terminal``;
+    409 lease lost."""
+    outcome = agents.begin_compensation(_run_lease(community_id, run_id, pubkey, data), data["seq"])
+    if outcome is None:
+        return JsonResponse({"outcome": "not_next"})
+    if isinstance(outcome, dict):
+        return JsonResponse({"outcome": "begun", **outcome})
+    return _common(outcome)
+
+
+@endpoint("POST", COMPENSATION_FINISH)
+def compensation_finish(
+    request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID
+):
+    """Record the compensation of entry ``seq``: ``compensated`` or ``compensation_failed``
+    (``agents.services.finish_compensation``). 200 ``{"outcome": "recorded" |
+    "already_recorded", "status"}`` or ``already_terminal``; 409 lease lost."""
+    lease = _run_lease(community_id, run_id, pubkey, data)
+    return _recorded(agents.finish_compensation(lease, data["seq"], ok=data["ok"], error=data["error"]))

@@ -1,0 +1,139 @@
+"""The remote agent-run worker over HTTP (``work-runs``, remote_runs) behaves like
+``run_agent_worker``: journal before each call, replay on resume, compensate in reverse order."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.services import Created, intake_event, reap_agent_runs
+from buzz_delivery.gateway.remote_runs import RemoteRunContext, run_remote_claim
+from buzz_delivery.testing import CommunityFactory
+from tests.agents_support import backdate_run_lease, make_claimable
+from tests.gateway import handlers
+from tests.gateway.support import ROOT, enroll, new_agent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def intake(community, agent, payload) -> uuid.UUID:
+    outcome = intake_event(community.id, "test", uuid.uuid4().hex, payload, agent.pubkey)
+    assert isinstance(outcome, Created)
+    return outcome.run_id
+
+
+def lines(ledger, verb: str, run_id) -> list[int]:
+    prefix = f"{verb} {run_id}:"
+    text = ledger.read_text().splitlines() if ledger.exists() else []
+    return [int(x[len(prefix) :].split(":")[0]) for x in text if x.startswith(prefix)]
+
+
+def test_work_runs_completes_one_run_and_compensates_a_failing_one_in_reverse_order(gateway_server, tmp_path):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    good, bad = intake(community, agent, {"fail": False}), intake(community, agent, {"fail": True})
+    key_file, ledger = tmp_path / "agent.key", tmp_path / "ledger.txt"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(ledger)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the remote worker needs no Django
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", gateway_server.base,
+         "--key-file", str(key_file), "--handler", "tests.gateway.handlers:three_calls", "--wait-seconds", "0.5",
+         "--idle-exit", "1.5", "--worker-id", "remote-w"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert (summary["claimed"], summary["completed"], summary["compensated"]) == (2, 1, 1), summary
+    assert summary["reason"] == "idle"
+    done, failed = AgentRun.objects.get(id=good), AgentRun.objects.get(id=bad)
+    assert (done.state, done.output, done.worker_id) == ("completed", {"sum": 6}, "remote-w")
+    assert (failed.state, failed.failure_code) == ("failed", "handler_error")
+    assert lines(ledger, "call", good) == [1, 2, 3] and lines(ledger, "undo", good) == []
+    assert lines(ledger, "call", bad) == [1, 2, 3] and lines(ledger, "undo", bad) == [3, 2, 1]
+    statuses = JournalEntry.objects.filter(run_id=bad).order_by("seq").values_list("compensation_status", flat=True)
+    assert list(statuses) == ["compensated"] * 3
+
+
+def test_a_resumed_remote_run_replays_succeeded_calls_and_reconciles_the_pending_one(
+    gateway_server, tmp_path, monkeypatch
+):
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("GATEWAY_RUN_LEDGER", str(ledger))
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    run_id = intake(community, agent, {"fail": False})
+    (first,) = agent.claim_runs(worker_id="dies")
+    # The first holder made call 1 and recorded it, made call 2 and died before recording it.
+    seq1 = agent.journal_call(first.lease, "effect", {"n": 1}, compensation={"function": "x:undo"}).data
+    handlers.effect({"n": 1}, seq1["idempotency_key"])
+    agent.record_result(first.lease, 1, ok=True, output={"n": 1})
+    seq2 = agent.journal_call(first.lease, "effect", {"n": 2}, compensation={"function": "x:undo"}).data
+    handlers.effect({"n": 2}, seq2["idempotency_key"])
+    backdate_run_lease(run_id)
+    assert reap_agent_runs().reclaimed == 1
+    make_claimable(run_id)
+    (second,) = agent.claim_runs(worker_id="resumes")
+    ctx = RemoteRunContext(agent, second)
+    assert run_remote_claim(agent, second, handlers.three_calls, ctx) == "completed"
+    assert ctx.replayed == 1  # call 1 from the journal; call 2 reconciled; call 3 made
+    assert lines(ledger, "call", run_id) == [1, 2, 3]  # no call made twice
+    assert AgentRun.objects.get(id=run_id).output == {"sum": 6}
+    entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    assert [(e.status, e.result_generation) for e in entries] == [
+        ("succeeded", 1),
+        ("succeeded", 3),
+        ("succeeded", 3),
+    ]  # reap +1, claim +1
+
+
+def test_a_replay_that_asks_for_another_call_fails_the_run_as_replay_mismatch(gateway_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("GATEWAY_RUN_LEDGER", str(tmp_path / "ledger.txt"))
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    run_id = intake(community, agent, {"fail": False})
+    (first,) = agent.claim_runs()
+    agent.journal_call(first.lease, "effect", {"n": 99})
+    agent.record_result(first.lease, 1, ok=True, output={"n": 99})
+    backdate_run_lease(run_id)
+    reap_agent_runs()
+    make_claimable(run_id)
+    (second,) = agent.claim_runs()
+    assert run_remote_claim(agent, second, handlers.three_calls) == "failed"
+    assert AgentRun.objects.get(id=run_id).failure_code == "replay_mismatch"
+
+
+def test_sigterm_drains_a_remote_run_worker(gateway_server, tmp_path):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(tmp_path / "ledger.txt")}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", gateway_server.base,
+         "--key-file", str(key_file), "--handler", "tests.gateway.handlers:three_calls", "--wait-seconds", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    run_id = intake(community, agent, {"fail": False})
+    deadline = time.monotonic() + 30
+    while AgentRun.objects.get(id=run_id).state != "completed":
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    summary = json.loads(out.splitlines()[-1])
+    assert (summary["completed"], summary["reason"]) == (1, "SIGTERM")
