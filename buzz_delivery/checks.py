@@ -150,11 +150,18 @@ def check_runtime_role_obeys_rls(
             runtime = raw["TENANT_ROLE"] if raw["SWITCH_ROLES"] else cursor.fetchone()[0]
             cursor.execute(
                 "SELECT r.rolsuper, r.rolbypassrls, EXISTS (SELECT FROM pg_class c"
-                " WHERE c.oid = to_regclass('buzz_delivery_delivery') AND pg_has_role(r.oid, c.relowner, 'USAGE'))"
+                " WHERE c.oid = to_regclass('buzz_delivery_delivery') AND pg_has_role(r.oid, c.relowner, 'USAGE')),"
+                " coalesce((SELECT pg_has_role(r.oid, m.oid, 'USAGE') FROM pg_roles m WHERE m.rolname = %s), false)"
                 " FROM pg_roles r WHERE r.rolname = %s",
-                [runtime],
+                [raw["MAINTENANCE_ROLE"], runtime],
             )
             row = cursor.fetchone()
+            cursor.execute(
+                "SELECT array_agg(n) FROM unnest(%s::text[]) n"
+                " WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = n) OR NOT pg_has_role(current_user, n, 'MEMBER')",
+                [[raw["TENANT_ROLE"], raw["MAINTENANCE_ROLE"]]],
+            )
+            unsettable = cursor.fetchone()[0] or [] if raw["SWITCH_ROLES"] else []
     except DatabaseError:
         return []
     if row is None:
@@ -165,15 +172,27 @@ def check_runtime_role_obeys_rls(
                 id="buzz_delivery.W020",
             )
         ]
-    why = [w for w, on in zip(("is a superuser", "has BYPASSRLS", "owns the tables"), row, strict=True) if on]
+    reasons = ("is a superuser", "has BYPASSRLS", "owns the tables", f"is a member of {raw['MAINTENANCE_ROLE']!r}")
+    why = [w for w, on in zip(reasons, row, strict=True) if on]
+    found: list[checks.CheckMessage] = []
+    if unsettable:
+        found.append(
+            checks.Warning(
+                f"SWITCH_ROLES is on, but the login may not SET ROLE to {', '.join(unsettable)}: "
+                "the services will fail.",
+                hint="GRANT those roles to the login (docs/tenant-isolation.md).",
+                id="buzz_delivery.W021",
+            )
+        )
     if not why:
-        return []
+        return found
     return [
+        *found,
         checks.Warning(
             f"Tenant isolation is on, but the tenant code's role {runtime!r} {' and '.join(why)}: "
             "row-level security does not hold it.",
             hint="Set BUZZ_DELIVERY['SWITCH_ROLES'] = True, or log in as a plain member of "
             f"{raw['TENANT_ROLE']!r} (docs/tenant-isolation.md).",
             id="buzz_delivery.W020",
-        )
+        ),
     ]

@@ -37,6 +37,7 @@ from buzz_delivery.conf import raw_settings
 # The transaction-local setting that names the tenant (a community id, or '' for none).
 CONTEXT_SETTING = "buzz.community_id"
 TENANT_POLICY = "buzz_tenant_rows"
+TENANT_READ_POLICY = "buzz_tenant_reads"  # the community table only
 FLEET_POLICY = "buzz_fleet_rows"
 COMMUNITY_TABLE = "buzz_delivery_community"
 # The apps whose tables the roles are granted and whose community-scoped tables get policies.
@@ -121,13 +122,28 @@ def role_sql(names: Roles) -> list[str]:
     ]
 
 
+# What the tenant role may do on a table without a community: the gateway's replay store takes
+# an INSERT ... ON CONFLICT (event_id) DO NOTHING from tenant-facing code; nothing else.
+TENANT_TABLE_GRANTS = {"buzz_gateway_seen_event": "INSERT, SELECT (event_id)"}
+
+
 def grant_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[str]:
-    """GRANT statements: schema usage, DML on every table, sequences, for both roles."""
-    both = f"{_ident(names.tenant)}, {_ident(names.maintenance)}"
-    out = [f"GRANT USAGE ON SCHEMA public TO {both}"]
-    for table, _column in tables:
-        out.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {_ident(table)} TO {both}")
-    out.append(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {both}")
+    """GRANT statements: schema usage for both roles; the maintenance role DML on every table;
+    the tenant role DML on the community-scoped tables only (the community table itself: read
+    and the row locks of the write fence, its policies refuse every write), plus
+    :data:`TENANT_TABLE_GRANTS`. Sequences for both."""
+    tenant, fleet = _ident(names.tenant), _ident(names.maintenance)
+    out = [f"GRANT USAGE ON SCHEMA public TO {tenant}, {fleet}"]
+    for table, column in tables:
+        out.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {_ident(table)} TO {fleet}")
+        out.append(f"REVOKE ALL ON {_ident(table)} FROM {tenant}")
+        if table == COMMUNITY_TABLE:
+            out.append(f"GRANT SELECT, UPDATE ON {_ident(table)} TO {tenant}")
+        elif column is not None:
+            out.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {_ident(table)} TO {tenant}")
+        elif table in TENANT_TABLE_GRANTS:
+            out.append(f"GRANT {TENANT_TABLE_GRANTS[table]} ON {_ident(table)} TO {tenant}")
+    out.append(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {tenant}, {fleet}")
     return out
 
 
@@ -138,10 +154,23 @@ def policy_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[s
         if column is None:
             continue
         mine = f"{_ident(column)} = buzz_delivery_current_community()"
+        # The community row: the tenant reads it and may lock it (the write fence's FOR SHARE
+        # needs an UPDATE policy whose USING passes) but never change it: lifecycle moves are
+        # fleet work. Every other table: its own community's rows, for every command.
+        check = "false" if table == COMMUNITY_TABLE else mine
+        command = "UPDATE" if table == COMMUNITY_TABLE else "ALL"
         out += [
             f"DROP POLICY IF EXISTS {TENANT_POLICY} ON {_ident(table)}",
-            f"CREATE POLICY {TENANT_POLICY} ON {_ident(table)} AS PERMISSIVE FOR ALL "
-            f"TO {_ident(names.tenant)} USING ({mine}) WITH CHECK ({mine})",
+            f"CREATE POLICY {TENANT_POLICY} ON {_ident(table)} AS PERMISSIVE FOR {command} "
+            f"TO {_ident(names.tenant)} USING ({mine}) WITH CHECK ({check})",
+            f"DROP POLICY IF EXISTS {TENANT_READ_POLICY} ON {_ident(table)}",
+        ]
+        if table == COMMUNITY_TABLE:
+            out.append(
+                f"CREATE POLICY {TENANT_READ_POLICY} ON {_ident(table)} AS PERMISSIVE FOR SELECT "
+                f"TO {_ident(names.tenant)} USING ({mine})"
+            )
+        out += [
             f"DROP POLICY IF EXISTS {FLEET_POLICY} ON {_ident(table)}",
             f"CREATE POLICY {FLEET_POLICY} ON {_ident(table)} AS PERMISSIVE FOR ALL "
             f"TO {_ident(names.maintenance)} USING (true) WITH CHECK (true)",
@@ -225,6 +254,7 @@ def migration_operation(app_label: str) -> Any:
                 if column is not None:
                     cursor.execute(f"DROP POLICY IF EXISTS {TENANT_POLICY} ON {_ident(table)}")
                     cursor.execute(f"DROP POLICY IF EXISTS {FLEET_POLICY} ON {_ident(table)}")
+                    cursor.execute(f"DROP POLICY IF EXISTS {TENANT_READ_POLICY} ON {_ident(table)}")
 
     return migrations.RunPython(forward, backward, elidable=False)
 
@@ -277,6 +307,13 @@ def switch(cursor: Any, on: bool) -> list[TableState]:
     installed community-scoped table, in the caller's transaction. Raises
     :class:`IsolationError` when the roles are missing or on Citus."""
     tables = installed_tables()
+    cursor.execute(
+        "SELECT coalesce(bool_and(pg_has_role(current_user, relowner, 'USAGE')), false) FROM pg_class"
+        " WHERE oid = ANY (SELECT to_regclass(t) FROM unnest(%s::text[]) t)",
+        [[t for t, _c in tables]],
+    )
+    if not cursor.fetchone()[0]:
+        raise IsolationError("only the tables' owner may switch row-level security: run it as the migrating user")
     if on:
         if is_citus(cursor):
             raise IsolationError("tenant isolation is not supported on Citus in this version (SPEC section 13)")

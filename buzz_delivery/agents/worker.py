@@ -40,8 +40,8 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL
 from buzz_delivery.agents.runtime import Context, Heartbeat, run_claim
 from buzz_delivery.agents.services.sql import RUN
-from buzz_delivery.services import tenancy
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.sql import DB_NOW
 

@@ -11,11 +11,12 @@ maintenance, the workers' discovery of communities with work) runs in a *fleet s
 How the context reaches the server, without a round trip of its own:
 
 - outside a transaction (autocommit, how agents and workers call the lease operations) each
-  statement of the scope is sent in one psycopg pipeline behind a small ``SELECT set_config(...)``:
-  both run in the implicit transaction that ends at the pipeline's Sync, so the setting holds for
-  exactly that statement and is gone after it (one network round trip, as before);
-- inside a caller's transaction the scope sets the context once, in the same pipeline as its
-  first statement, and puts the previous values back when it closes (one more round trip), so
+  statement of the scope is sent behind a small ``SELECT set_config(...)`` in one simple query
+  (see :class:`_Prefix`): both run in one implicit transaction, so the setting holds for exactly
+  that statement and is gone after it (one network round trip, as before);
+- inside a caller's transaction the scope sets the context with each statement (the first one
+  also reads what was there) and puts the previous values back when it closes (one more round
+  trip), so
   a tenant call inside a test's or an operator's transaction leaves that transaction's role
   and context as they were.
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, connection
 from psycopg import sql as pgsql
 
 from buzz_delivery import isolation
@@ -113,15 +114,16 @@ def _switching() -> bool:
 
 
 class _Prefix:
-    """An ``execute_wrapper`` that sends the scope's ``set_config`` with a statement, in the same
-    round trip: ahead of every statement when the scope opened outside a transaction, ahead of
-    the first one only when it opened inside one (where it also reads what to put back).
+    """An ``execute_wrapper`` that sends the scope's ``set_config`` with each statement, in the
+    same round trip. Inside a transaction the first one also reads what to put back (``SWAP``);
+    the later ones set the context again (cheap, and right after a savepoint rolled back).
 
     With Django's client-side binding cursor (the default) the ``set_config`` goes in front of
     the statement's text, as literals, and both travel as one simple query, which PostgreSQL
     runs as one implicit transaction; the cursor is then moved on to the statement's own result.
-    Any other cursor gets a psycopg pipeline (the same effect, at a higher client cost), and an
-    ``executemany`` or a server-side cursor a statement of its own inside a transaction."""
+    Any other cursor gets a psycopg pipeline (the same effect, at a higher client cost); an
+    ``executemany``, a server-side cursor or a text of several statements on such a cursor gets
+    the ``set_config`` as a statement of its own, in the same transaction."""
 
     def __init__(self, state: _ConnectionState, target: Target, in_transaction: bool) -> None:
         self.state = state
@@ -129,65 +131,68 @@ class _Prefix:
         self.in_transaction = in_transaction
         self.previous: tuple[str, str] | None = None  # read by the first statement in a transaction
         self.params = {"role": target.role, "community": target.community}
-        if in_transaction:
-            self.sql = SWAP
-        else:
-            self.sql = SET_CONTEXT if target.role is None else SET_ROLE_AND_CONTEXT
-        self._literal: str | None = None
+        self.set_sql = SET_CONTEXT if target.role is None else SET_ROLE_AND_CONTEXT
+        self._literals: dict[str, str] = {}
 
-    def _text(self, raw: Any) -> str:
-        if self._literal is None:
-            template = self.sql.replace("%(role)s", "{role}").replace("%(community)s", "{community}")
+    def _statement(self) -> str:
+        return SWAP if self.in_transaction and self.previous is None else self.set_sql
+
+    def _text(self, raw: Any, statement: str) -> str:
+        if statement not in self._literals:
+            template = statement.replace("%(role)s", "{role}").replace("%(community)s", "{community}")
             composed = pgsql.SQL(template).format(  # type: ignore[arg-type]
                 role=pgsql.Literal(self.target.role), community=pgsql.Literal(self.target.community)
             )
-            self._literal = composed.as_string(raw)
-        return self._literal
+            self._literals[statement] = composed.as_string(raw)
+        return self._literals[statement]
 
-    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
-        if (
-            not self.state.stack
-            or self.state.stack[-1] is not self.target
-            or (self.in_transaction and self.previous is not None)
-        ):
-            return execute(sql, params, many, context)  # an inner scope's, or already set
+    def _swapped(self, statement: str, row: Any) -> None:
+        if statement is SWAP and self.previous is None:
+            self.previous = row
+
+    def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: dict[str, Any]) -> Any:
+        if not self.state.stack or self.state.stack[-1] is not self.target:
+            return execute(sql, params, many, context)  # an inner scope's statement
         db = context["connection"]
         raw = db.connection
         if not _enforced_on(self.state, raw):
             return execute(sql, params, many, context)
+        if not isinstance(sql, str):  # a psycopg.sql.Composed
+            sql = sql.as_string(raw)
+        statement = self._statement()
         cursor = getattr(context["cursor"], "cursor", None)
         if many or isinstance(cursor, psycopg.ServerCursor):
-            return self._on_its_own(execute, sql, params, many, context)
+            return self._on_its_own(statement, execute, sql, params, many, context)
         if isinstance(cursor, psycopg.ClientCursor):
-            prefix = self._text(raw)
+            prefix = self._text(raw, statement)
             text = f"{prefix.replace('%', '%%') if params is not None else prefix}; {sql}"
             result = execute(text, params, many, context)
-            first = cursor.fetchone() if self.in_transaction else None
+            self._swapped(statement, cursor.fetchone() if statement is SWAP else None)
             cursor.nextset()
-            if self.in_transaction:
-                self.previous = first
             return result
         if _several_statements(sql):
-            return self._on_its_own(execute, sql, params, many, context)
+            return self._on_its_own(statement, execute, sql, params, many, context)
         with db.wrap_database_errors:
             with raw.pipeline():
-                swap = raw.execute(self.sql, self.params, prepare=False)
+                swap = raw.execute(statement, self.params, prepare=False)
                 result = execute(sql, params, many, context)
-            if self.in_transaction:
-                self.previous = swap.fetchone()
+            self._swapped(statement, swap.fetchone() if statement is SWAP else None)
         return result
 
     def _on_its_own(
-        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+        self, statement: str, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
     ) -> Any:
-        """The ``set_config`` as a statement of its own, in a transaction with the statement."""
+        """The ``set_config`` as a statement of its own (on the raw connection, so no wrapper
+        sees it), in the caller's transaction or in one of psycopg's around the two."""
         db = context["connection"]
-        with transaction.atomic(using=db.alias):
-            with db.wrap_database_errors:
-                swap = db.connection.execute(self.sql, self.params, prepare=False)
-            if self.in_transaction:
-                self.previous = swap.fetchone()
-            return execute(sql, params, many, context)
+        raw = db.connection
+        with db.wrap_database_errors:
+            if db.in_atomic_block or not db.get_autocommit():
+                self._swapped(statement, raw.execute(statement, self.params, prepare=False).fetchone())
+                return execute(sql, params, many, context)
+            with raw.transaction():
+                raw.execute(statement, self.params, prepare=False)
+                return execute(sql, params, many, context)
 
     def restore(self) -> None:
         """Put back the role and context the transaction had before the scope set its own."""
@@ -201,6 +206,16 @@ class _Prefix:
                 )
         except DatabaseError:
             pass  # the transaction failed in the block: it rolls back anyway
+
+
+def _in_transaction() -> bool:
+    """True inside a transaction of the caller's: an atomic block, or Django's manual
+    transaction mode (``set_autocommit(False)``, ``AUTOCOMMIT = False``). Opens no connection."""
+    if connection.in_atomic_block:
+        return True
+    if connection.connection is None:
+        return not connection.settings_dict.get("AUTOCOMMIT", True)
+    return not connection.autocommit
 
 
 def prefixing() -> bool:
@@ -220,7 +235,7 @@ def scope(target: Target) -> Iterator[None]:
     if state.stack and state.stack[-1] == target:
         yield
         return
-    prefix = _Prefix(state, target, connection.in_atomic_block)
+    prefix = _Prefix(state, target, _in_transaction())
     state.stack.append(target)
     try:
         with connection.execute_wrapper(prefix):

@@ -20,6 +20,7 @@ from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
 from buzz_delivery.management.base import StrictOptionsCommand
 from buzz_delivery.management.options import int_in, uuid_value
 from buzz_delivery.models import Community
+from buzz_delivery.services import tenancy
 from buzz_delivery.services.lifecycle import MAX_PURGE_BATCH
 
 NOT_FOUND = 3
@@ -51,7 +52,8 @@ class Command(StrictOptionsCommand):
         verbosity: int = options["verbosity"]
         stdin = options.get("stdin") or sys.stdin
 
-        community = Community.objects.filter(id=community_id).first()
+        with tenancy.fleet():  # an operator's read (SPEC 13)
+            community = Community.objects.filter(id=community_id).first()
         if community is None:
             raise CommandError(f"no community with id {community_id}", returncode=NOT_FOUND)
         if community.deletion_state == "tombstone":

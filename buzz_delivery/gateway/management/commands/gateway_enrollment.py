@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.gateway import services
 from buzz_delivery.gateway.models import Enrollment
+from buzz_delivery.services import tenancy
 
 
 def pubkey_hex(text: str) -> bytes:
@@ -34,9 +35,12 @@ class Command(BaseCommand):
         action, community, agent = options["action"], options["community"], options["agent"]
         try:
             if action == "list":
-                rows = Enrollment.objects.filter(community_id=community, revoked_at__isnull=True).order_by(
-                    "enrolled_at"
-                )
+                with tenancy.fleet():  # an operator's read (SPEC 13)
+                    rows = list(
+                        Enrollment.objects.filter(community_id=community, revoked_at__isnull=True).order_by(
+                            "enrolled_at"
+                        )
+                    )
                 out: dict[str, Any] = {"community": community, "agents": [r.agent_hex for r in rows]}
             elif agent is None:
                 raise CommandError(f"{action} needs --agent", returncode=2)
