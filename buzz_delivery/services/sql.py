@@ -44,12 +44,15 @@ RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 DB_NOW = "buzz_delivery_now()"
 
 
-def history_entry(event: str, generation: str, actor: str, *, at: str = DB_NOW, status: str, **extra: str) -> str:
-    """The SET assignment that appends one history entry; every argument is an SQL expression
-    over the row's old values (``d.``) and the statement's parameters."""
+def history_entry(
+    event: str, generation: str, actor: str, *, at: str = DB_NOW, status: str, alias: str = "d", **extra: str
+) -> str:
+    """The SET assignment that appends one history entry to the ``history`` of the row aliased
+    ``alias``; every argument is an SQL expression over the row's old values and the statement's
+    parameters. Shared by the workflow steps and agent runs (their own ``history`` columns)."""
     fields = {"event": event, "status": status, "generation": generation, "actor": actor, "at": at, **extra}
     pairs = ", ".join(f"'{key}', {value}" for key, value in fields.items())
-    return f"history = buzz_delivery_history_push(d.history, jsonb_build_object({pairs}))"
+    return f"history = buzz_delivery_history_push({alias}.history, jsonb_build_object({pairs}))"
 
 
 ACTIVE_COMMUNITY = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -34,7 +32,7 @@ from django.db import close_old_connections, connection, connections
 from buzz_delivery import services
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
-from buzz_delivery.models import HOLDER_MAX_CHARS
+from buzz_delivery.holders import holder_identity
 from buzz_delivery.services import Claim, Lease, LeaseLost
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker.handlers import (
@@ -132,13 +130,6 @@ class WorkerConfig:
     handler_timeout: float | None = 900.0
     shutdown_grace: float = 30.0
     name: str = "worker"
-
-
-def holder_identity(name: str) -> str:
-    """``host:pid:name``, cut to the 200 characters a holder may have (the host name gives way)."""
-    tail = f":{os.getpid()}:{name}"
-    host = socket.gethostname()[: max(HOLDER_MAX_CHARS - len(tail), 0)]
-    return (host + tail)[:HOLDER_MAX_CHARS]
 
 
 class Tally:

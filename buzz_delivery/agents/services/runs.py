@@ -33,7 +33,7 @@ from buzz_delivery.agents.services.types import (
     Unwinding,
 )
 from buzz_delivery.exceptions import CommunityNotWritable
-from buzz_delivery.models import new_uuid7
+from buzz_delivery.models import HOLDER_MAX_CHARS, new_uuid7
 from buzz_delivery.services import Lease, Settled, finish_delivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -209,7 +209,8 @@ def claim_agent_runs(
     }
     with transaction.atomic(), translated_errors():
         rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
-        runs = {r.id: r for r in AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows])}
+        found = AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows]).defer("history")
+        runs = {r.id: r for r in found}
     return [
         AgentClaim(AgentLease(community, run_id, generation, until, worker), runs[run_id])
         for run_id, generation, until in rows
@@ -273,18 +274,25 @@ def fail_run(
 
 
 def cancel_agent_run(
-    community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, reason: str | None = None
+    community_id: uuid.UUID | str,
+    run_id: uuid.UUID | str,
+    *,
+    reason: str | None = None,
+    actor: str | None = None,
 ) -> Cancelled | AlreadyTerminal | NotFound:
     """Cancel a run in one transaction: its pending approval expired, the run ``cancelled``
     with generation + 1 (its holder learns it at its next heartbeat, journal or complete, all
     refused). Compensations are not run. Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
-    or :class:`NotFound`. Raises ``ValidationError`` keyed by the argument before SQL;
-    ``CommunityNotWritable`` when the community is not active. SPEC 12 "States"."""
+    or :class:`NotFound`. ``actor``: who cancels (at most 200 characters, e.g.
+    ``operator:alice``), the actor of the history entry; None = ``"operator"``. Raises
+    ``ValidationError`` keyed by the argument before SQL; ``CommunityNotWritable`` when the
+    community is not active. SPEC 12 "States"."""
     run = v.uuid_value(run_id, "run_id")
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
         "run_id": run,
         "reason": v.optional_text(reason, "reason", 10_000),
+        "actor": v.optional_text(actor, "actor", HOLDER_MAX_CHARS) or "operator",
     }
     with transaction.atomic(), translated_errors():
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
