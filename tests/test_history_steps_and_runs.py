@@ -50,9 +50,8 @@ def brief(entries: list[dict]) -> list[tuple]:
 
 
 def refused(sql: str, params: list) -> None:
-    with pytest.raises(DatabaseError) as caught, transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(sql, params)
     assert getattr(caught.value.__cause__, "sqlstate", None) == HISTORY_SQLSTATE, caught.value
 
 
@@ -108,7 +107,6 @@ def test_a_bad_step_holder_is_refused_by_name_before_any_claim(workflow):
 def test_the_orchestrator_claims_as_host_pid_name(workflow):
     import os
     import socket
-
     import threading
 
     config = OrchestratorConfig(community_id=workflow.community_id, name="orch")
@@ -143,7 +141,7 @@ def test_an_agent_run_records_claim_heartbeats_and_completion(community):
 
 def test_an_agent_run_records_reaps_failure_and_cancel(community):
     reaped = new_run(community.id, max_attempts=3)
-    (first,) = claim_agent_runs(community.id, [AGENT], worker_id="w1", lease_seconds=30)
+    claim_agent_runs(community.id, [AGENT], worker_id="w1", lease_seconds=30)
     backdate_run_lease(reaped)
     assert reap_agent_runs().reclaimed == 1
     make_claimable(reaped)
