@@ -116,6 +116,11 @@ FROM created
 # --- agent ------------------------------------------------------------------
 
 
+_CLAIM_ENTRY = history_entry(
+    "'claim'", "d.lease_generation + 1", "%(holder)s::text", status="'claimed'", attempt="d.attempt + 1"
+)
+
+
 def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
     """Claim up to ``%(limit)s`` of the oldest claimable deliveries of one community and target.
 
@@ -160,11 +165,7 @@ SET status = 'claimed',
     next_attempt_at = NULL,
     claimed_by = %(holder)s,
     renewals = 0,
-    {
-        history_entry(
-            "'claim'", "d.lease_generation + 1", "%(holder)s::text", status="'claimed'", attempt="d.attempt + 1"
-        )
-    }
+    {_CLAIM_ENTRY}
 FROM candidate
 WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
 RETURNING {RETURNING_CLAIM_COLUMNS}
@@ -179,6 +180,9 @@ WHERE {CURRENT_LEASE}
 RETURNING d.lease_until
 """
 
+_SETTLE_ENTRY = history_entry(
+    "'settle'", "d.lease_generation", "d.claimed_by", status="%(status)s::varchar", renewals="d.renewals"
+)
 # What a settle writes; the single and the batch forms differ only in how they find the rows.
 _SETTLE = f"""SET status = %(status)s,
     finished_at = {DB_NOW},
@@ -186,9 +190,7 @@ _SETTLE = f"""SET status = %(status)s,
     claimed_at = NULL,
     failure_code = %(failure_code)s,
     failure_message = %(failure_message)s,
-    {
-    history_entry("'settle'", "d.lease_generation", "d.claimed_by", status="%(status)s::varchar", renewals="d.renewals")
-}
+    {_SETTLE_ENTRY}
 """
 
 FINISH_IF_CURRENT_GENERATION = f"""
@@ -219,6 +221,13 @@ BACKOFF_MAX_EXPONENT = 62
 _BACKOFF_SECONDS = (
     f"LEAST(%(backoff_base)s * power(2, LEAST(GREATEST(d.attempt - 1, 0), {BACKOFF_MAX_EXPONENT})), %(backoff_cap)s)"
 )
+_RETRY_ENTRY = history_entry(
+    "'retry'",
+    "d.lease_generation",
+    "d.claimed_by",
+    status=f"CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END",
+    renewals="d.renewals",
+)
 RETRY_IF_CURRENT_GENERATION = f"""
 UPDATE {DELIVERY} AS d
 SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
@@ -228,15 +237,7 @@ SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
     next_attempt_at = buzz_delivery_when(NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_BACKOFF_SECONDS})),
     lease_until = NULL,
     claimed_at = NULL,
-    {
-    history_entry(
-        "'retry'",
-        "d.lease_generation",
-        "d.claimed_by",
-        status=f"CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END",
-        renewals="d.renewals",
-    )
-}
+    {_RETRY_ENTRY}
 WHERE {CURRENT_LEASE}
 RETURNING d.status
 """
@@ -273,6 +274,14 @@ LIMIT %(page)s
 
 # One community's batch; its write-fence trigger takes the community's fence lock, which the
 # caller bounds with a lock timeout so a lifecycle move of this community never stalls the walk.
+_REAP_ENTRY = history_entry(
+    "'reap'",
+    "d.lease_generation + 1",
+    "'reaper'",
+    at="%(now)s::timestamptz",
+    status=f"CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END",
+    renewals="d.renewals",
+)
 REAP_LAPSED_LEASES = f"""
 WITH batch AS MATERIALIZED (
     SELECT d.id FROM {DELIVERY} AS d
@@ -291,16 +300,7 @@ SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed
     lease_generation = d.lease_generation + 1,
     lease_until = NULL,
     claimed_at = NULL,
-    {
-    history_entry(
-        "'reap'",
-        "d.lease_generation + 1",
-        "'reaper'",
-        at="%(now)s::timestamptz",
-        status=f"CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END",
-        renewals="d.renewals",
-    )
-}
+    {_REAP_ENTRY}
 FROM batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED}
 RETURNING d.status
@@ -368,6 +368,9 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 RETURNING d.id
 """
 
+_FORCE_FAIL_ENTRY = history_entry(
+    "'force_fail'", "d.lease_generation + 1", "%(actor)s::text", status="'failed'", renewals="d.renewals"
+)
 FORCE_FAIL_IF_CLAIMED = f"""
 UPDATE {DELIVERY} AS d
 SET status = 'failed',
@@ -377,9 +380,7 @@ SET status = 'failed',
     failure_code = 'operator_force_failed',
     failure_message = %(failure_message)s,
     lease_generation = d.lease_generation + 1,
-    {
-    history_entry("'force_fail'", "d.lease_generation + 1", "%(actor)s::text", status="'failed'", renewals="d.renewals")
-}
+    {_FORCE_FAIL_ENTRY}
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
 RETURNING d.id
