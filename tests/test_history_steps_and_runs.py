@@ -20,12 +20,12 @@ from buzz_delivery.agents.services import (
     heartbeat,
     reap_agent_runs,
 )
-from buzz_delivery.services import Settled
+from buzz_delivery.services import LeaseLost, Settled
 from buzz_delivery.testing import WorkflowFactory
 from buzz_delivery.triggers import HISTORY_SQLSTATE
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.orchestrator import Orchestrator, OrchestratorConfig
-from buzz_delivery.workflows.services import claim_steps, complete_step, fail_step, renew_step
+from buzz_delivery.workflows.services import cancel_run, claim_steps, complete_step, fail_step, renew_step
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.testing import function_step
 from tests.agents_support import AGENT, backdate_run_lease, make_claimable, new_run
@@ -93,6 +93,18 @@ def test_a_step_retry_and_its_reaps_are_recorded(workflow):
         ("claim", "running", 4, "orch-3"),
         ("reap", "failed", 5, "reaper"),
     ]
+
+
+def test_cancelling_a_run_records_the_cancel_on_each_open_step(workflow):
+    run = start(workflow, {"steps": [function_step("a"), function_step("b", depends_on=["a"])]})
+    [claim] = claim_steps(workflow.community_id, lease_seconds=30, holder="orch-1")
+    cancel_run(workflow.community_id, run.pk)
+    steps = {s.key: s for s in Step.objects.filter(run_id=run.pk)}
+    held = history("buzz_workflows_step", steps["a"].id)
+    assert brief(held) == [("claim", "running", 1, "orch-1"), ("cancel", "canceled", 2, "engine")]
+    assert held[-1]["reason"] == "run_canceled" and held[-1]["renewals"] == 0
+    assert brief(history("buzz_workflows_step", steps["b"].id)) == [("cancel", "canceled", 1, "engine")]
+    assert complete_step(claim.lease, {}) == LeaseLost()
 
 
 def test_a_bad_step_holder_is_refused_by_name_before_any_claim(workflow):
