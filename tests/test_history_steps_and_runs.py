@@ -19,13 +19,22 @@ from buzz_delivery.agents.services import (
     fail_run,
     heartbeat,
     reap_agent_runs,
+    request_approval,
 )
 from buzz_delivery.services import LeaseLost, Settled
 from buzz_delivery.testing import WorkflowFactory
 from buzz_delivery.triggers import HISTORY_SQLSTATE
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.orchestrator import Orchestrator, OrchestratorConfig
-from buzz_delivery.workflows.services import cancel_run, claim_steps, complete_step, fail_step, renew_step
+from buzz_delivery.workflows.services import (
+    Decided,
+    cancel_run,
+    claim_steps,
+    complete_step,
+    decide_approval,
+    fail_step,
+    renew_step,
+)
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.testing import function_step
 from tests.agents_support import AGENT, backdate_run_lease, make_claimable, new_run
@@ -169,6 +178,18 @@ def test_an_agent_run_records_reaps_failure_and_cancel(community):
     claim_agent_runs(community.id, [AGENT], worker_id="w3", lease_seconds=30)
     cancel_agent_run(community.id, cancelled, reason="stop", actor="operator:alice")
     assert brief(history("buzz_agents_run", cancelled))[-1] == ("cancel", "cancelled", 2, "operator:alice")
+
+
+def test_an_approval_decision_resumes_the_run_with_an_entry_naming_who_decided(community):
+    run_id = new_run(community.id)
+    (claimed,) = claim_agent_runs(community.id, [AGENT], worker_id="w1", lease_seconds=30)
+    requested = request_approval(claimed.lease, prompt="ship it?", deadline_seconds=600)
+    assert isinstance(decide_approval(community.id, requested.approval_id, "approved", "alice"), Decided)
+    assert brief(history("buzz_agents_run", run_id)) == [
+        ("claim", "running", 1, "w1"),
+        ("park", "waiting_approval", 1, "w1"),
+        ("approval", "pending", 1, "alice"),
+    ]
 
 
 def test_an_agent_run_history_cannot_be_rewritten(community):
