@@ -158,7 +158,8 @@ def check_runtime_role_obeys_rls(
             row = cursor.fetchone()
             cursor.execute(
                 "SELECT array_agg(n) FROM unnest(%s::text[]) n"
-                " WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = n) OR NOT pg_has_role(current_user, n, 'MEMBER')",
+                " WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = n)"
+                " OR NOT pg_has_role(current_user, n, 'MEMBER')",
                 [[raw["TENANT_ROLE"], raw["MAINTENANCE_ROLE"]]],
             )
             unsettable = cursor.fetchone()[0] or [] if raw["SWITCH_ROLES"] else []

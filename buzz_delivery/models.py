@@ -16,9 +16,9 @@ from typing import Any
 import uuid_utils.compat as uuid_compat
 from django.contrib.postgres.functions import RandomUUID
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Q, Value
 from django.db.models.functions import Length, Now
-from django.db.models.lookups import Exact
+from django.db.models.lookups import Exact, LessThanOrEqual
 
 from buzz_delivery import triggers
 from buzz_delivery.exceptions import DeliveryWriteRefused
@@ -78,6 +78,21 @@ class CauseKind(models.TextChoices):
 
 def _len32(field: str) -> Exact:
     return Exact(Length(field), 32)
+
+
+# Who holds a lease (``claimed_by`` of deliveries, steps and agent runs): at most this long.
+HOLDER_MAX_CHARS = 200
+# Entries kept in a row's ``history`` (deliveries, steps, agent runs): the append drops the
+# oldest past this, so a row that is retried forever stays bounded. Migration 0008's
+# ``buzz_delivery_history_push`` and the append-only trigger use the same number.
+HISTORY_LIMIT = 50
+
+
+def history_bounded(field: str) -> Q:
+    """CHECK of a ``history`` column: a JSON array of at most :data:`HISTORY_LIMIT` entries."""
+    typeof = models.Func(F(field), function="jsonb_typeof", output_field=models.TextField())
+    length = models.Func(F(field), function="jsonb_array_length", output_field=models.IntegerField())
+    return Q(Exact(typeof, "array"), LessThanOrEqual(length, HISTORY_LIMIT))
 
 
 class Community(models.Model):
@@ -223,6 +238,15 @@ class WorkflowAgentDelivery(CommunityScoped):
     execution_trace = models.JSONField(null=True, blank=True)
     trigger_context = models.JSONField(null=True, blank=True)
 
+    # Who holds (or last held) the lease: the claimer's ``holder`` (host:pid:worker, or the
+    # gateway's agent key), set by the claim statement and kept after the lease ends.
+    claimed_by = models.TextField(null=True, blank=True)  # noqa: DJ001  (NULL = never named)
+    # Renewals of the current (or last) lease: the claim sets 0, each renew adds 1.
+    renewals = models.IntegerField(default=0, db_default=0)
+    # The last HISTORY_LIMIT transitions, oldest first, each appended by the statement that made
+    # it (buzz_delivery.services.sql) and never edited (triggers.history_append_only).
+    history = models.JSONField(default=list, db_default=Value([], output_field=models.JSONField()), blank=True)
+
     class Meta:
         db_table = "buzz_delivery_delivery"
         verbose_name = "delivery"
@@ -292,6 +316,12 @@ class WorkflowAgentDelivery(CommunityScoped):
                 condition=Q(failure_code__isnull=True) | Q(status__in=["failed", "expired"]),
                 name="delivery_failure_code_only_when_failed",
             ),
+            models.CheckConstraint(
+                condition=Q(claimed_by__isnull=True) | Q(LessThanOrEqual(Length("claimed_by"), HOLDER_MAX_CHARS)),
+                name="delivery_claimed_by_length",
+            ),
+            models.CheckConstraint(condition=Q(renewals__gte=0), name="delivery_renewals_gte_0"),
+            models.CheckConstraint(condition=history_bounded("history"), name="delivery_history_bounded"),
         ]
         indexes = [
             # Polling: the claim query walks this in (created_at, id) order (SPEC section 3).
@@ -326,6 +356,7 @@ class WorkflowAgentDelivery(CommunityScoped):
             triggers.write_fence(),
             triggers.delivery_binding_immutable(),
             triggers.delivery_generation_monotonic(),
+            triggers.history_append_only("delivery"),
         ]
         # Operator actions in the admin (SPEC section 8), each gated by its own permission.
         permissions = [

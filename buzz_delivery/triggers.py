@@ -160,3 +160,33 @@ def delivery_generation_monotonic() -> pgtrigger.Trigger:
                                  OLD.id, OLD.lease_generation, NEW.lease_generation);
         """,
     )
+
+
+# Entries a row's ``history`` keeps (models.HISTORY_LIMIT; repeated here, triggers import nothing).
+HISTORY_LIMIT = 50
+
+
+def history_append_only(table: str) -> pgtrigger.Trigger:
+    """Refuse an UPDATE that rewrites a row's ``history`` (``BD003``): a statement may only
+    append one entry, dropping the oldest once :data:`HISTORY_LIMIT` are kept
+    (``buzz_delivery_history_push``, migration 0008). ``table`` names the trigger.
+
+    ``UPDATE OF history`` with a WHEN condition: PostgreSQL evaluates the condition in the
+    executor and calls the function only to raise, so an honest append pays two jsonb
+    comparisons of the row's (short) array and no PL/pgSQL call."""
+    return pgtrigger.Trigger(
+        name=f"{table}_history_append_only",
+        when=pgtrigger.Before,
+        operation=pgtrigger.UpdateOf("history"),
+        condition=pgtrigger.Condition(
+            "NEW.history IS DISTINCT FROM OLD.history AND NOT ("
+            "(NEW.history - (-1)) = OLD.history"
+            f" OR (jsonb_array_length(OLD.history) >= {HISTORY_LIMIT} AND (NEW.history - (-1)) = (OLD.history - 0))"
+            ")"
+        ),
+        func=f"""
+            RAISE EXCEPTION USING ERRCODE = '{HISTORY_SQLSTATE}',
+                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '
+                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);
+        """,
+    )

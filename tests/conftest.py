@@ -21,7 +21,7 @@ from tests.worker_support import start_worker  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="session")
-def django_db_setup(django_db_setup, django_db_blocker):  # noqa: F811 (pytest-django's, extended)
+def django_db_setup(django_db_setup, django_db_blocker):  # pytest-django's, extended
     """The suite runs with row-level security on (SPEC section 13), unless
     ``BUZZ_TENANT_ISOLATION=off``; on a Citus cluster, where it is not supported, it stays off."""
     if os.environ.get("BUZZ_TENANT_ISOLATION", "on") == "off":

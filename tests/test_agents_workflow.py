@@ -139,6 +139,9 @@ def test_cancelling_the_workflow_run_cancels_its_agent_runs(workflow):
     agent_run = AgentRun.objects.get(id=accepted[a])
     assert (agent_run.state, agent_run.failure_code) == ("cancelled", "workflow_canceled")
     assert agent_run.lease_generation == claim.lease.lease_generation + 1
+    cancelled = agent_run.history[-1]
+    assert (cancelled["event"], cancelled["status"], cancelled["actor"]) == ("cancel", "cancelled", "engine")
+    assert cancelled["generation"] == agent_run.lease_generation
     assert get_run(workflow.community_id, run.pk).state == "canceled"
 
 

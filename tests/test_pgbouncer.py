@@ -114,7 +114,8 @@ def update_audit() -> Iterator[None]:
                 lease_holder text,
                 at timestamptz NOT NULL
             );
-            CREATE FUNCTION test_delivery_update_audit() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+            CREATE FUNCTION test_delivery_update_audit() RETURNS trigger LANGUAGE plpgsql
+                SECURITY DEFINER SET search_path = pg_catalog, public AS $$
             BEGIN
                 INSERT INTO test_delivery_update_audit (delivery_id, old_status, new_status, old_generation,
                     new_generation, app, backend_pid, lease_holder, at)

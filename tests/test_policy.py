@@ -288,7 +288,7 @@ def test_the_claim_query_walks_the_pending_poll_index_among_many_terminal_rows(c
     )
     execute(f"ANALYZE {DELIVERY}", [])
     params = {"community_id": community.id, "target_pubkey": target, "limit": 1, "lease_seconds": 60.0,
-              "delivery_id": None}  # fmt: skip
+              "delivery_id": None, "holder": None}  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute("EXPLAIN " + sql.claim_oldest_pending(by_id=False, by_binding=False), params)
         plan = "\n".join(line for (line,) in cursor.fetchall())

@@ -20,7 +20,7 @@ from django.db.models import Max, Min
 from django.utils import formats, timezone
 from django.utils.text import capfirst
 
-SNAPSHOT_FIELDS = ("execution_trace", "trigger_context")
+SNAPSHOT_FIELDS = ("execution_trace", "trigger_context", "history")  # large JSON: deferred in lists
 
 
 class SnapshotFreeChangeList(ChangeList):

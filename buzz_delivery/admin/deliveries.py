@@ -49,6 +49,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "target",
         "workflow_run_step",
         "generation",
+        "holder",
         "lease_deadline",
         "attempts",
         "created",
@@ -76,16 +77,27 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "cause_kind",
         "cause_value",
     )
-    lease_fields = ("status", "lease_generation", "lease_deadline", "claimed_at", "finished_at", "created_at")
+    lease_fields = (
+        "status",
+        "lease_generation",
+        "claimed_by",
+        "renewals",
+        "lease_deadline",
+        "claimed_at",
+        "finished_at",
+        "created_at",
+    )
     policy_fields = ("attempt", "max_attempts", "next_attempt_at", "expires_at", "failure_code", "failure_message")
     snapshot_fields = ("execution_trace_json", "trigger_context_json")
+    history_fields = ("history_table",)
     fieldsets = (
         ("Identity", {"fields": identity_fields}),
         ("Lease", {"fields": lease_fields}),
         ("Policy", {"fields": policy_fields}),
+        ("History (last 50 transitions, written by the statements that made them)", {"fields": history_fields}),
         ("Snapshots", {"classes": ("collapse",), "fields": snapshot_fields}),
     )
-    readonly_fields = identity_fields + lease_fields + policy_fields + snapshot_fields
+    readonly_fields = identity_fields + lease_fields + policy_fields + history_fields + snapshot_fields
 
     # --- queryset, changelist, search -------------------------------------------------
 
@@ -138,6 +150,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def generation(self, obj: WorkflowAgentDelivery) -> int:
         return obj.lease_generation
 
+    @admin.display(description="holder")
+    def holder(self, obj: WorkflowAgentDelivery) -> str:
+        return obj.claimed_by or display.EMPTY
+
     @admin.display(description="created", ordering="created_at")
     def created(self, obj: WorkflowAgentDelivery) -> str:
         return display.timestamp(obj.created_at)
@@ -167,6 +183,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
         if obj.cause_kind == "schedule":
             return display.timestamp(obj.cause_scheduled_for)
         return str(obj.cause_webhook_invocation_id)
+
+    @admin.display(description="history")
+    def history_table(self, obj: WorkflowAgentDelivery) -> str:
+        return display.history_table(obj.history)
 
     @admin.display(description="execution trace")
     def execution_trace_json(self, obj: WorkflowAgentDelivery) -> str:
@@ -214,7 +234,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             queryset,
             "requeued",
             "Requeued (failed/expired -> pending, generation bumped)",
-            lambda d: services.requeue_delivery(d.community_id, d.id),
+            lambda d: services.requeue_delivery(d.community_id, d.id, actor=display.operator_actor(request)),
         )
 
     @admin.action(permissions=["force_fail"], description="Force-fail selected claimed deliveries")
@@ -225,7 +245,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
             queryset,
             "force-failed",
             "Force-failed (claimed -> failed, generation bumped)",
-            lambda d: services.force_fail_delivery(d.community_id, d.id, failure_message=f"force-failed by {user}"),
+            lambda d: services.force_fail_delivery(
+                d.community_id, d.id, failure_message=f"force-failed by {user}", actor=display.operator_actor(request)
+            ),
         )
 
     @admin.action(permissions=["reap"], description="Reap expired leases now (all communities)")

@@ -12,7 +12,7 @@ from typing import Any
 
 from django.db.models import OuterRef, Subquery
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 SHORT_HEX_CHARS = 12
 EMPTY = "—"
@@ -64,3 +64,40 @@ def workflow_name_of_row() -> Subquery:
     return Subquery(
         Workflow.objects.filter(community_id=OuterRef("community_id"), id=OuterRef("workflow_id")).values("name")[:1]
     )
+
+
+HISTORY_COLUMNS = ("at", "event", "status", "generation", "actor", "renewals", "attempt")
+ACTOR_MAX_CHARS = 200
+
+
+def _history_cell(key: str, value: Any) -> str:
+    if value is None:
+        return EMPTY
+    if key == "at":
+        try:
+            return timestamp(dt.datetime.fromisoformat(str(value)))
+        except ValueError:
+            return str(value)
+    return str(value)
+
+
+def history_table(entries: Any) -> str:
+    """A row's ``history`` (a list of entries, oldest first) as an HTML table, newest first."""
+    if not entries:
+        return EMPTY
+    head = format_html_join("", "<th>{}</th>", ((c,) for c in HISTORY_COLUMNS))
+    rows = format_html_join(
+        "",
+        "<tr>{}</tr>",
+        (
+            (format_html_join("", "<td>{}</td>", ((_history_cell(c, entry.get(c)),) for c in HISTORY_COLUMNS)),)
+            for entry in reversed(entries)
+            if isinstance(entry, dict)
+        ),
+    )
+    return format_html('<table class="buzz-history"><thead><tr>{}</tr></thead><tbody>{}</tbody></table>', head, rows)
+
+
+def operator_actor(request: Any) -> str:
+    """The history actor of an admin action: ``operator:<username>``, at most 200 characters."""
+    return f"operator:{request.user.get_username()}"[:ACTOR_MAX_CHARS]

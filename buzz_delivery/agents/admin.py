@@ -7,13 +7,16 @@ a lost race is a message, never a 500. Agent approvals appear in the engine's ap
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
 
+from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
+from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import AlreadyTerminal, NotFound, cancel_agent_run
 from buzz_delivery.exceptions import BuzzDeliveryError
@@ -47,7 +50,17 @@ def timeline_rows(run: AgentRun) -> list[tuple[str, ...]]:
 
 @admin.register(AgentRun)
 class AgentRunAdmin(ReadOnlyAdmin):
-    list_display = ("pk", "agent_hex", "state", "unwinding", "tool_calls_used", "attempts", "created_at", "finished_at")
+    list_display = (
+        "pk",
+        "agent_hex",
+        "state",
+        "holder",
+        "unwinding",
+        "tool_calls_used",
+        "attempts",
+        "created_at",
+        "finished_at",
+    )
     list_filter = ("state", "shadow")
     readonly_fields = (
         "id",
@@ -66,6 +79,7 @@ class AgentRunAdmin(ReadOnlyAdmin):
         "lease_until",
         "heartbeat_at",
         "worker_id",
+        "renewals",
         "attempts",
         "max_attempts",
         "next_attempt_at",
@@ -79,9 +93,13 @@ class AgentRunAdmin(ReadOnlyAdmin):
         "created_at",
         "finished_at",
         "timeline",
+        "history_table",
     )
     fields = readonly_fields
     actions = ["cancel_runs"]
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
+        return SnapshotFreeChangeList  # the list does not load the history
 
     def has_cancel_agent_run_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("buzz_agents.cancel_agent_run")
@@ -89,6 +107,14 @@ class AgentRunAdmin(ReadOnlyAdmin):
     @admin.display(description="agent")
     def agent_hex(self, obj: AgentRun) -> str:
         return bytes(obj.agent_pubkey).hex()[:16]
+
+    @admin.display(description="holder")
+    def holder(self, obj: AgentRun) -> str:
+        return obj.worker_id or display.EMPTY
+
+    @admin.display(description="history")
+    def history_table(self, obj: AgentRun) -> str:
+        return display.history_table(obj.history)
 
     @admin.display(description="journal")
     def timeline(self, obj: AgentRun) -> str:
@@ -110,7 +136,9 @@ class AgentRunAdmin(ReadOnlyAdmin):
         who = request.user.get_username() or f"user {request.user.pk}"
         for run in rows:
             try:
-                outcome = cancel_agent_run(run.community_id, run.pk, reason=f"cancelled by {who}")
+                outcome = cancel_agent_run(
+                    run.community_id, run.pk, reason=f"cancelled by {who}", actor=display.operator_actor(request)
+                )
             except BuzzDeliveryError as exc:
                 skipped[type(exc).__name__] += 1
                 continue

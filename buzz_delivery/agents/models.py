@@ -12,14 +12,14 @@ budgets within their caps, a contiguous journal sequence per run. Rows change st
 from __future__ import annotations
 
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Q, Value
 from django.db.models.functions import Length, Now
 from django.db.models.lookups import Exact
 
 from buzz_delivery import triggers
 from buzz_delivery.agents import ag_triggers
 from buzz_delivery.agents.states import RUN_LEASED, RUN_TERMINAL, CallStatus, CompensationStatus, EntryKind, RunState
-from buzz_delivery.models import CommunityScoped, WorkflowRun, new_uuid7
+from buzz_delivery.models import CommunityScoped, WorkflowRun, history_bounded, new_uuid7
 from buzz_delivery.workflows import wf_triggers
 from buzz_delivery.workflows.models import Approval, Step
 
@@ -87,6 +87,10 @@ class AgentRun(CommunityScoped):
     cost_used = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The holder is ``worker_id``; these count its lease's heartbeats and keep the run's last
+    # transitions (claim, complete, fail, park, cancel, reaps), as on deliveries (core 0008).
+    renewals = models.IntegerField(default=0, db_default=0)
+    history = models.JSONField(default=list, db_default=Value([], output_field=models.JSONField()), blank=True)
 
     class Meta:
         db_table = "buzz_agents_run"
@@ -147,6 +151,8 @@ class AgentRun(CommunityScoped):
                 | Q(unwinding=True),
                 name="ag_run_failure_code_only_when_failing",
             ),
+            models.CheckConstraint(condition=Q(renewals__gte=0), name="ag_run_renewals_gte_0"),
+            models.CheckConstraint(condition=history_bounded("history"), name="ag_run_history_bounded"),
         ]
         indexes = [
             models.Index(
@@ -171,6 +177,7 @@ class AgentRun(CommunityScoped):
             wf_triggers.terminal_once("ag_run_terminal_once", RUN_TERMINAL),
             wf_triggers.generation_monotonic("ag_run_generation_monotonic"),
             ag_triggers.counters_step_by_one(),
+            triggers.history_append_only("ag_run"),
         ]
         permissions = [("cancel_agent_run", "Can cancel agent runs")]
 

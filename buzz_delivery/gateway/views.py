@@ -141,6 +141,11 @@ def _lease(community_id: uuid.UUID, delivery_id: uuid.UUID, pubkey: bytes, gener
     return Lease(community_id, delivery_id, pubkey, generation, timezone.now())
 
 
+def gateway_holder(pubkey: bytes) -> str:
+    """The holder identity the gateway records for an agent's claims: ``gateway:<agent key hex>``."""
+    return f"gateway:{bytes(pubkey).hex()}"
+
+
 def _claim_round(communities: list[uuid.UUID], pubkey: bytes, limit: int, lease: float | None) -> list[core.Claim]:
     """Claim up to ``limit`` across the communities, starting at a random one (so no community
     starves another), one statement per community until the limit is reached."""
@@ -148,7 +153,9 @@ def _claim_round(communities: list[uuid.UUID], pubkey: bytes, limit: int, lease:
     random.shuffle(order)
     claims: list[core.Claim] = []
     for community in order:
-        claims += core.claim_deliveries(community, pubkey, limit=limit - len(claims), lease_seconds=lease)
+        claims += core.claim_deliveries(
+            community, pubkey, limit=limit - len(claims), lease_seconds=lease, holder=gateway_holder(pubkey)
+        )
         if len(claims) >= limit:
             break
     return claims

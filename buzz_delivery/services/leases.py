@@ -8,7 +8,7 @@ from typing import Any
 from django.db import DatabaseError, connection
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
+from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -58,6 +58,7 @@ def _run_claim(
     seconds: float,
     delivery_id: uuid.UUID | None = None,
     expected: Binding | None = None,
+    holder: str | None = None,
 ) -> list[Claim]:
     params: dict[str, Any] = {
         "community_id": community,
@@ -65,6 +66,7 @@ def _run_claim(
         "limit": limit,
         "lease_seconds": seconds,
         "delivery_id": delivery_id,
+        "holder": holder,
     }
     if expected is not None:
         params.update(
@@ -107,6 +109,7 @@ def claim_delivery(
     delivery_id: uuid.UUID | str | None = None,
     expected: Binding | None = None,
     lease_seconds: float | None = None,
+    holder: str | None = None,
 ) -> Claim | None:
     """Claim the oldest claimable delivery of one community and target (SPEC section 4.3).
 
@@ -117,7 +120,9 @@ def claim_delivery(
     ``delivery_id`` narrows the claim to that delivery (a wake hint). ``expected`` (a
     :class:`Binding`) must match every field of the row; an ``expected`` whose community or
     target differs from the call's is a miss before any SQL. ``lease_seconds``: seconds within
-    the configured bounds (default 15..300); None = ``LEASE_SECONDS``.
+    the configured bounds (default 15..300); None = ``LEASE_SECONDS``. ``holder``: who claims
+    (at most 200 characters, e.g. ``host:pid:worker``), recorded as ``claimed_by`` and as the
+    actor of the claim's history entry (and of the settle's); None = unnamed.
 
     Returns a :class:`Claim`, or None on a miss (nothing claimable, a forged or stale hint, a
     community that is not active). Raises ``ValidationError`` keyed by argument on bad input.
@@ -128,9 +133,10 @@ def claim_delivery(
     if expected is not None and not isinstance(expected, Binding):
         raise v.invalid("expected", f"must be a Binding or None, not {type(expected).__name__}")
     seconds = v.lease_seconds(lease_seconds)
+    who = v.optional_text(holder, "holder", HOLDER_MAX_CHARS)
     if expected is not None and (expected.community_id != community or expected.target_pubkey != target):
         return None
-    claims = _run_claim(community, target, 1, seconds, wanted, expected)
+    claims = _run_claim(community, target, 1, seconds, wanted, expected, who)
     return claims[0] if claims else None
 
 
@@ -141,17 +147,20 @@ def claim_deliveries(
     *,
     limit: int,
     lease_seconds: float | None = None,
+    holder: str | None = None,
 ) -> list[Claim]:
     """Claim up to ``limit`` (1..1000) of the oldest claimable deliveries in one round trip.
 
     Each claim has its own lease (generation). Never more than ``limit``: the candidates are
     picked in a MATERIALIZED CTE, so the LIMIT is applied once. Oldest first. SPEC section 9.
+    ``holder``: as for :func:`claim_delivery`.
     """
     community = v.uuid_value(community_id, "community_id")
     target = v.bytes32(target_pubkey, "target_pubkey")
     count = v.int_in_range(limit, "limit", 1, MAX_CLAIM_BATCH)
     seconds = v.lease_seconds(lease_seconds)
-    return _run_claim(community, target, count, seconds)
+    who = v.optional_text(holder, "holder", HOLDER_MAX_CHARS)
+    return _run_claim(community, target, count, seconds, holder=who)
 
 
 def _lease_params(lease: Any) -> dict[str, Any]:
@@ -170,7 +179,8 @@ def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOut
     """Extend a current lease to ``now() + lease_seconds`` (SPEC section 4.4).
 
     Only where community, id, target and generation match, the status is ``claimed`` and
-    ``lease_until >= now()`` (database clock). Never bumps the generation. Returns
+    ``lease_until >= now()`` (database clock). Never bumps the generation; counts the renewal
+    (``renewals``, reported by the lease's closing history entry). Returns
     :class:`Renewed` with the new lease, or :class:`LeaseLost`.
     """
     params = _lease_params(lease)
@@ -253,4 +263,4 @@ def get_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) ->
     The JSON snapshots are deferred (loaded on first access)."""
     community = v.uuid_value(community_id, "community_id")
     wanted = v.uuid_value(delivery_id, "delivery_id")
-    return WorkflowAgentDelivery.objects.defer(*sql.SNAPSHOT_FIELDS).filter(community_id=community, id=wanted).first()
+    return WorkflowAgentDelivery.objects.defer(*sql.DEFERRED_FIELDS).filter(community_id=community, id=wanted).first()

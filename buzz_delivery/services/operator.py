@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -23,16 +24,24 @@ class OperatorOutcome:
     reason: str = ""
 
 
+def _actor(actor: str | None) -> str:
+    return v.optional_text(actor, "actor", HOLDER_MAX_CHARS) or "operator"
+
+
 @fleet_scoped
-def requeue_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) -> OperatorOutcome:
+def requeue_delivery(
+    community_id: uuid.UUID | str, delivery_id: uuid.UUID | str, *, actor: str | None = None
+) -> OperatorOutcome:
     """Move a ``failed`` or ``expired`` delivery back to ``pending`` with a fresh attempt count.
 
     Clears the failure columns and a deadline that has already passed; bumps the generation.
     Skipped (``done=False``) when the row is in another status, gone, or its community is
-    not active."""
+    not active. ``actor``: who acts (at most 200 characters, e.g. ``operator:alice``), the
+    actor of the history entry; None = ``"operator"``."""
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
         "delivery_id": v.uuid_value(delivery_id, "delivery_id"),
+        "actor": _actor(actor),
     }
     with translated_errors():
         rows = fetch_all(sql.REQUEUE_IF_TERMINAL_FAILURE, params)
@@ -41,16 +50,22 @@ def requeue_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str
 
 @fleet_scoped
 def force_fail_delivery(
-    community_id: uuid.UUID | str, delivery_id: uuid.UUID | str, *, failure_message: str | None = None
+    community_id: uuid.UUID | str,
+    delivery_id: uuid.UUID | str,
+    *,
+    failure_message: str | None = None,
+    actor: str | None = None,
 ) -> OperatorOutcome:
     """End a ``claimed`` delivery as ``failed`` (``failure_code`` ``operator_force_failed``).
 
     Bumps the generation: the current holder's renew and finish get ``LeaseLost``. Skipped
-    (``done=False``) when the row is not claimed, gone, or its community is not active."""
+    (``done=False``) when the row is not claimed, gone, or its community is not active.
+    ``actor``: as for :func:`requeue_delivery`."""
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
         "delivery_id": v.uuid_value(delivery_id, "delivery_id"),
         "failure_message": v.optional_text(failure_message, "failure_message", 10_000),
+        "actor": _actor(actor),
     }
     with translated_errors():
         rows = fetch_all(sql.FORCE_FAIL_IF_CLAIMED, params)

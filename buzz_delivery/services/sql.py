@@ -17,6 +17,12 @@ that owns the community; no CASE holds a non-immutable call (time comparisons in
 arithmetic on a column goes through the IMMUTABLE ``buzz_delivery_plus_seconds`` (migration
 0007). Fleet-wide maintenance walks communities, one community per statement
 (:data:`COMMUNITIES_TO_REAP`).
+
+Every statement that moves a delivery also appends one entry to its ``history`` (issue 17) in
+the same SET list, through ``buzz_delivery_history_push`` (migration 0008: append, keep the last
+50): ``{"event", "status", "generation", "actor", "at"}`` plus ``renewals`` (the ending lease's
+renewal count) or ``attempt`` (a claim's). ``at`` is the database time of the change. A renew
+appends nothing: it only counts (``renewals``), so a long lease never floods the history.
 """
 
 from __future__ import annotations
@@ -26,15 +32,28 @@ from buzz_delivery.models import WorkflowAgentDelivery
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
 
-# Columns returned by claims: everything but the (possibly large) JSON snapshots.
+# Columns returned by claims: everything but the (possibly large) JSON snapshots and history.
 SNAPSHOT_FIELDS = ("execution_trace", "trigger_context")
-CLAIM_FIELDS = [f for f in WorkflowAgentDelivery._meta.concrete_fields if f.name not in SNAPSHOT_FIELDS]
+DEFERRED_FIELDS = (*SNAPSHOT_FIELDS, "history")
+CLAIM_FIELDS = [f for f in WorkflowAgentDelivery._meta.concrete_fields if f.name not in DEFERRED_FIELDS]
 CLAIM_ATTNAMES = [f.attname for f in CLAIM_FIELDS]
 RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 
 # The database clock of every lease statement: the start of the current statement
 # (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
 DB_NOW = "buzz_delivery_now()"
+
+
+def history_entry(
+    event: str, generation: str, actor: str, *, at: str = DB_NOW, status: str, alias: str = "d", **extra: str
+) -> str:
+    """The SET assignment that appends one history entry to the ``history`` of the row aliased
+    ``alias``; every argument is an SQL expression over the row's old values and the statement's
+    parameters. Shared by the workflow steps and agent runs (their own ``history`` columns)."""
+    fields = {"event": event, "status": status, "generation": generation, "actor": actor, "at": at, **extra}
+    pairs = ", ".join(f"'{key}', {value}" for key, value in fields.items())
+    return f"history = buzz_delivery_history_push({alias}.history, jsonb_build_object({pairs}))"
+
 
 ACTIVE_COMMUNITY = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
 LEASE_END = f"LEAST({DB_NOW} + make_interval(secs => %(lease_seconds)s), d.expires_at)"
@@ -97,6 +116,11 @@ FROM created
 # --- agent ------------------------------------------------------------------
 
 
+_CLAIM_ENTRY = history_entry(
+    "'claim'", "d.lease_generation + 1", "%(holder)s::text", status="'claimed'", attempt="d.attempt + 1"
+)
+
+
 def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
     """Claim up to ``%(limit)s`` of the oldest claimable deliveries of one community and target.
 
@@ -138,7 +162,10 @@ SET status = 'claimed',
     attempt = d.attempt + 1,
     claimed_at = {DB_NOW},
     lease_until = {LEASE_END},
-    next_attempt_at = NULL
+    next_attempt_at = NULL,
+    claimed_by = %(holder)s,
+    renewals = 0,
+    {_CLAIM_ENTRY}
 FROM candidate
 WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
 RETURNING {RETURNING_CLAIM_COLUMNS}
@@ -147,18 +174,23 @@ RETURNING {RETURNING_CLAIM_COLUMNS}
 
 RENEW_IF_CURRENT_GENERATION = f"""
 UPDATE {DELIVERY} AS d
-SET lease_until = {LEASE_END}
+SET lease_until = {LEASE_END},
+    renewals = d.renewals + 1
 WHERE {CURRENT_LEASE}
 RETURNING d.lease_until
 """
 
+_SETTLE_ENTRY = history_entry(
+    "'settle'", "d.lease_generation", "d.claimed_by", status="%(status)s::varchar", renewals="d.renewals"
+)
 # What a settle writes; the single and the batch forms differ only in how they find the rows.
 _SETTLE = f"""SET status = %(status)s,
     finished_at = {DB_NOW},
     lease_until = NULL,
     claimed_at = NULL,
     failure_code = %(failure_code)s,
-    failure_message = %(failure_message)s
+    failure_message = %(failure_message)s,
+    {_SETTLE_ENTRY}
 """
 
 FINISH_IF_CURRENT_GENERATION = f"""
@@ -189,6 +221,13 @@ BACKOFF_MAX_EXPONENT = 62
 _BACKOFF_SECONDS = (
     f"LEAST(%(backoff_base)s * power(2, LEAST(GREATEST(d.attempt - 1, 0), {BACKOFF_MAX_EXPONENT})), %(backoff_cap)s)"
 )
+_RETRY_ENTRY = history_entry(
+    "'retry'",
+    "d.lease_generation",
+    "d.claimed_by",
+    status=f"CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END",
+    renewals="d.renewals",
+)
 RETRY_IF_CURRENT_GENERATION = f"""
 UPDATE {DELIVERY} AS d
 SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
@@ -197,7 +236,8 @@ SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
     failure_message = CASE WHEN {_EXHAUSTED} THEN %(failure_message)s END,
     next_attempt_at = buzz_delivery_when(NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_BACKOFF_SECONDS})),
     lease_until = NULL,
-    claimed_at = NULL
+    claimed_at = NULL,
+    {_RETRY_ENTRY}
 WHERE {CURRENT_LEASE}
 RETURNING d.status
 """
@@ -234,6 +274,14 @@ LIMIT %(page)s
 
 # One community's batch; its write-fence trigger takes the community's fence lock, which the
 # caller bounds with a lock timeout so a lifecycle move of this community never stalls the walk.
+_REAP_ENTRY = history_entry(
+    "'reap'",
+    "d.lease_generation + 1",
+    "'reaper'",
+    at="%(now)s::timestamptz",
+    status=f"CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END",
+    renewals="d.renewals",
+)
 REAP_LAPSED_LEASES = f"""
 WITH batch AS MATERIALIZED (
     SELECT d.id FROM {DELIVERY} AS d
@@ -251,7 +299,8 @@ SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed
                            WHEN {_EXHAUSTED} THEN 'lease lapsed on the last allowed attempt' END,
     lease_generation = d.lease_generation + 1,
     lease_until = NULL,
-    claimed_at = NULL
+    claimed_at = NULL,
+    {_REAP_ENTRY}
 FROM batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED}
 RETURNING d.status
@@ -271,7 +320,8 @@ SET status = 'expired',
     failure_code = 'delivery_expired',
     failure_message = 'deadline passed before a claim',
     lease_generation = d.lease_generation + 1,
-    next_attempt_at = NULL
+    next_attempt_at = NULL,
+    {history_entry("'expire'", "d.lease_generation + 1", "'reaper'", at="%(now)s::timestamptz", status="'expired'")}
 FROM batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OVERDUE}
 RETURNING d.status
@@ -311,12 +361,16 @@ SET status = 'pending',
     attempt = 0,
     next_attempt_at = NULL,
     expires_at = buzz_delivery_when(d.expires_at > {DB_NOW}, d.expires_at),
-    lease_generation = d.lease_generation + 1
+    lease_generation = d.lease_generation + 1,
+    {history_entry("'requeue'", "d.lease_generation + 1", "%(actor)s::text", status="'pending'")}
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status IN ('failed', 'expired') AND {ACTIVE_COMMUNITY}
 RETURNING d.id
 """
 
+_FORCE_FAIL_ENTRY = history_entry(
+    "'force_fail'", "d.lease_generation + 1", "%(actor)s::text", status="'failed'", renewals="d.renewals"
+)
 FORCE_FAIL_IF_CLAIMED = f"""
 UPDATE {DELIVERY} AS d
 SET status = 'failed',
@@ -325,7 +379,8 @@ SET status = 'failed',
     claimed_at = NULL,
     failure_code = 'operator_force_failed',
     failure_message = %(failure_message)s,
-    lease_generation = d.lease_generation + 1
+    lease_generation = d.lease_generation + 1,
+    {_FORCE_FAIL_ENTRY}
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
 RETURNING d.id

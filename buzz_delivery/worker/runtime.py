@@ -32,6 +32,7 @@ from django.db import close_old_connections, connection, connections
 from buzz_delivery import services
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
+from buzz_delivery.holders import holder_identity
 from buzz_delivery.services import Claim, Lease, LeaseLost, tenancy
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker.handlers import (
@@ -112,6 +113,8 @@ class WorkerConfig:
     (exit 3): only a new process gets rid of a hung thread.
     ``shutdown_grace``: seconds a stopping worker waits for in-flight handlers before it gives
     up their leases (no longer renewed) and stops (exit 3); a second SIGTERM/SIGINT gives up at once.
+    ``name``: the worker's name in its holder identity ``host:pid:name`` (:func:`holder_identity`),
+    which every claim records as ``claimed_by`` and in the delivery's history.
     """
 
     community_id: uuid.UUID
@@ -126,6 +129,7 @@ class WorkerConfig:
     renew_fraction: float = 1 / 3
     handler_timeout: float | None = 900.0
     shutdown_grace: float = 30.0
+    name: str = "worker"
 
 
 class Tally:
@@ -185,6 +189,7 @@ class Worker:
         self.config = config
         self.lease_seconds = v.lease_seconds(config.lease_seconds)
         self.batch_size = config.batch_size or config.concurrency
+        self.holder = holder_identity(config.name)
         self.stop = stop
         self.wake = threading.Event()
         self.tally = Tally()
@@ -401,7 +406,11 @@ class Worker:
             won = 0
             for delivery_id in hinted[:room]:
                 claim = services.claim_delivery(
-                    c.community_id, c.target_pubkey, delivery_id=delivery_id, lease_seconds=self.lease_seconds
+                    c.community_id,
+                    c.target_pubkey,
+                    delivery_id=delivery_id,
+                    lease_seconds=self.lease_seconds,
+                    holder=self.holder,
                 )
                 if claim is not None:
                     self._start([claim], "hint")
@@ -410,7 +419,7 @@ class Worker:
             return won, len(hinted) > room
         limit = min(self.batch_size, room)
         claims = services.claim_deliveries(
-            c.community_id, c.target_pubkey, limit=limit, lease_seconds=self.lease_seconds
+            c.community_id, c.target_pubkey, limit=limit, lease_seconds=self.lease_seconds, holder=self.holder
         )
         self.tally.add("claim_statements")
         self._start(claims, "poll")

@@ -15,7 +15,9 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
+from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
+from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.services import AlreadyTerminal
 from buzz_delivery.workflows import dag
@@ -132,10 +134,22 @@ class RunAdmin(ReadOnlyAdmin):
 
 @admin.register(Step)
 class StepAdmin(ReadOnlyAdmin):
-    list_display = ("key", "run", "kind", "state", "attempts", "why", "finished_at")
+    list_display = ("key", "run", "kind", "state", "holder", "attempts", "why", "finished_at")
     list_filter = ("state", "kind")
-    readonly_fields = tuple(f.name for f in Step._meta.fields)
+    readonly_fields = (*(f.name for f in Step._meta.fields if f.name != "history"), "history_table")
+    exclude = ("history",)  # shown as a table (history_table)
     actions = ["retry_failed_steps"]
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
+        return SnapshotFreeChangeList  # the list does not load the history
+
+    @admin.display(description="holder")
+    def holder(self, obj: Step) -> str:
+        return obj.claimed_by or display.EMPTY
+
+    @admin.display(description="history")
+    def history_table(self, obj: Step) -> str:
+        return display.history_table(obj.history)
 
     has_retry_engine_step_permission = _perm("retry_engine_step")
 

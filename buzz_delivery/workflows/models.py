@@ -13,12 +13,20 @@ from __future__ import annotations
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Q, Value
 from django.db.models.functions import Length, Now
-from django.db.models.lookups import Exact
+from django.db.models.lookups import Exact, LessThanOrEqual
 
 from buzz_delivery import triggers
-from buzz_delivery.models import CauseKind, CommunityScoped, Workflow, WorkflowRun, new_uuid7
+from buzz_delivery.models import (
+    HOLDER_MAX_CHARS,
+    CauseKind,
+    CommunityScoped,
+    Workflow,
+    WorkflowRun,
+    history_bounded,
+    new_uuid7,
+)
 from buzz_delivery.workflows import wf_triggers
 from buzz_delivery.workflows.states import (
     RUN_TERMINAL,
@@ -248,6 +256,11 @@ class Step(CommunityScoped):
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Who holds (or last held) the lease, the renewals of that lease, and the step's last
+    # transitions (claim, settle, retry, park, approval, reaps), as on deliveries (core 0008).
+    claimed_by = models.TextField(null=True, blank=True)  # noqa: DJ001  (NULL = never named)
+    renewals = models.IntegerField(default=0, db_default=0)
+    history = models.JSONField(default=list, db_default=Value([], output_field=models.JSONField()), blank=True)
 
     class Meta:
         db_table = "buzz_workflows_step"
@@ -304,6 +317,12 @@ class Step(CommunityScoped):
                 condition=Q(output__isnull=True) | Q(state__in=["succeeded", "failed"]),
                 name="wf_step_output_only_when_finished",
             ),
+            models.CheckConstraint(
+                condition=Q(claimed_by__isnull=True) | Q(LessThanOrEqual(Length("claimed_by"), HOLDER_MAX_CHARS)),
+                name="wf_step_claimed_by_length",
+            ),
+            models.CheckConstraint(condition=Q(renewals__gte=0), name="wf_step_renewals_gte_0"),
+            models.CheckConstraint(condition=history_bounded("history"), name="wf_step_history_bounded"),
         ]
         indexes = [
             models.Index(fields=["community", "ready_at"], condition=Q(state="ready"), name="wf_step_ready_idx"),
@@ -318,6 +337,7 @@ class Step(CommunityScoped):
             triggers.write_fence(),
             wf_triggers.terminal_once("wf_step_terminal_once", STEP_TERMINAL),
             wf_triggers.generation_monotonic("wf_step_generation_monotonic"),
+            triggers.history_append_only("wf_step"),
         ]
 
     def __str__(self) -> str:

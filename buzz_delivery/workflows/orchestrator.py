@@ -28,6 +28,7 @@ import psycopg
 from django.db import DatabaseError, close_old_connections, connection, connections
 
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.holders import holder_identity
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
@@ -55,7 +56,8 @@ SUMMARY_KEYS = (
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    """``community_id``: one community, or None for all. Times in seconds."""
+    """``community_id``: one community, or None for all. Times in seconds. ``name``: the name in
+    the holder identity ``host:pid:name`` its step claims record (``claimed_by``)."""
 
     community_id: uuid.UUID | None
     concurrency: int = 4
@@ -64,6 +66,7 @@ class OrchestratorConfig:
     idle_exit: float | None = None
     max_steps: int | None = None
     shutdown_grace: float = 30.0
+    name: str = "orchestrator"
 
 
 class _Listener(threading.Thread):
@@ -102,6 +105,7 @@ class _Listener(threading.Thread):
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, stop: threading.Event) -> None:
         self.config = config
+        self.holder = holder_identity(config.name)
         self.stop = stop
         self.wake = threading.Event()
         self.work: queue.Queue[StepClaim | None] = queue.Queue()
@@ -182,12 +186,14 @@ class Orchestrator:
     def _claim(self, room: int) -> list[StepClaim]:
         c = self.config
         if c.community_id is not None:
-            return claim_steps(c.community_id, limit=room, lease_seconds=c.lease_seconds)
+            return claim_steps(c.community_id, limit=room, lease_seconds=c.lease_seconds, holder=self.holder)
         claims: list[StepClaim] = []
         for community in communities_with_ready_steps():
             if len(claims) >= room:
                 break
-            claims += claim_steps(community, limit=room - len(claims), lease_seconds=c.lease_seconds)
+            claims += claim_steps(
+                community, limit=room - len(claims), lease_seconds=c.lease_seconds, holder=self.holder
+            )
         return claims
 
     def dispatch(self) -> str:

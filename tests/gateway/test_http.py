@@ -57,6 +57,13 @@ def test_the_whole_delivery_path_claim_read_renew_finish(gateway_server):
     assert (again.outcome, again.status) == ("already_terminal", "finished")
     row = WorkflowAgentDelivery.objects.get(id=delivery.id)
     assert row.status == "finished" and row.lease_generation == 1
+    # The gateway claims as the agent: its key is the holder and the actor of the history.
+    holder = f"gateway:{agent.pubkey.hex()}"
+    assert row.claimed_by == holder
+    assert [(e["event"], e["actor"], e.get("renewals")) for e in row.history] == [
+        ("claim", holder, None),
+        ("settle", holder, 1),
+    ]
     assert agent.claim() == []
 
 

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 from django.db import transaction
 
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
-from buzz_delivery.agents.services.sql import ACTIVE, APPROVAL, COMMUNITY, NOTIFY_CLAIMABLE, OUTSTANDING, RUN, TERMINAL
+from buzz_delivery.agents.services.sql import (
+    ACTIVE,
+    APPROVAL,
+    COMMUNITY,
+    NOTIFY_CLAIMABLE,
+    OUTSTANDING,
+    RUN,
+    TERMINAL,
+    run_entry,
+)
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -91,7 +100,8 @@ RETURNING r.id
 """
 TIME_OUT_OVERDUE_RUNS = f"""
 UPDATE {RUN} AS r SET state = 'timeout', {_FENCE}, unwinding = false, failure_code = 'timeout',
-    failure_message = 'the run passed its timeout_at', finished_at = {DB_NOW}
+    failure_message = 'the run passed its timeout_at', finished_at = {DB_NOW},
+    {run_entry("'timeout'", "r.lease_generation + 1", "'reaper'", status="'timeout'", renewals="r.renewals")}
 WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {OVERDUE} AND {ACTIVE}
   AND NOT ({OUTSTANDING})
 RETURNING r.id
@@ -101,7 +111,8 @@ RETURNING r.id
 # pending after an exponential backoff.
 RECLAIM_LAPSED_RUNS = f"""
 UPDATE {RUN} AS r SET state = 'pending', {_FENCE}, attempts = LEAST(r.attempts + 1, r.max_attempts),
-    next_attempt_at = {NEXT_ATTEMPT_AT}
+    next_attempt_at = {NEXT_ATTEMPT_AT},
+    {run_entry("'reap'", "r.lease_generation + 1", "'reaper'", status="'pending'", renewals="r.renewals")}
 WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {LAPSED}
   AND (r.attempts + 1 < r.max_attempts OR r.unwinding) AND {ACTIVE}
 RETURNING r.id
@@ -117,7 +128,8 @@ RETURNING r.id
 """
 EXHAUST_LAPSED_RUNS = f"""
 UPDATE {RUN} AS r SET state = 'failed', {_FENCE}, attempts = r.max_attempts, unwinding = false,
-    failure_code = 'attempts_exhausted', failure_message = 'the last attempt''s lease lapsed', finished_at = {DB_NOW}
+    failure_code = 'attempts_exhausted', failure_message = 'the last attempt''s lease lapsed', finished_at = {DB_NOW},
+    {run_entry("'reap'", "r.lease_generation + 1", "'reaper'", status="'failed'", renewals="r.renewals")}
 WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND {LAPSED}
   AND r.attempts + 1 >= r.max_attempts AND NOT r.unwinding AND NOT ({OUTSTANDING}) AND {ACTIVE}
 RETURNING r.id

@@ -33,7 +33,7 @@ from buzz_delivery.agents.services.types import (
     Unwinding,
 )
 from buzz_delivery.exceptions import CommunityNotWritable
-from buzz_delivery.models import new_uuid7
+from buzz_delivery.models import HOLDER_MAX_CHARS, new_uuid7
 from buzz_delivery.services import Lease, Settled, finish_delivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -221,7 +221,8 @@ def claim_agent_runs(
     }
     with transaction.atomic(), translated_errors():
         rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
-        runs = {r.id: r for r in AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows])}
+        found = AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows]).defer("history")
+        runs = {r.id: r for r in found}
     return [
         AgentClaim(AgentLease(community, run_id, generation, until, worker), runs[run_id])
         for run_id, generation, until in rows
@@ -295,7 +296,11 @@ def fail_run(
 
 @tenant_scoped
 def cancel_agent_run(
-    community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, reason: str | None = None
+    community_id: uuid.UUID | str,
+    run_id: uuid.UUID | str,
+    *,
+    reason: str | None = None,
+    actor: str | None = None,
 ) -> Cancelled | AlreadyTerminal | NotFound:
     """Cancel a run in one transaction: its pending approval expired, the holder fenced
     (generation + 1: it learns it at its next heartbeat, journal or complete, all refused as
@@ -304,7 +309,8 @@ def cancel_agent_run(
     ``pending`` unwinding with ``failure_code = "cancelled"``: a worker claims it, runs the
     compensations in reverse order, each once, and ``fail_run`` ends it ``cancelled``. Cancelling
     a run that already unwinds for a cancel changes nothing and answers ``Cancelled``.
-    Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
+    ``actor``: who cancels (at most 200 characters, e.g. ``operator:alice``), the actor of the
+    history entry; None = ``"operator"``. Returns :class:`Cancelled`, ``AlreadyTerminal(state)``
     or :class:`NotFound`. Raises ``ValidationError`` keyed by the argument before SQL;
     ``CommunityNotWritable`` when the community is not active. SPEC 12 "States"."""
     run = v.uuid_value(run_id, "run_id")
@@ -313,6 +319,7 @@ def cancel_agent_run(
         "community_id": community,
         "run_id": run,
         "reason": v.optional_text(reason, "reason", 10_000),
+        "actor": v.optional_text(actor, "actor", HOLDER_MAX_CHARS) or "operator",
     }
     with transaction.atomic(), translated_errors():
         # Approval first, then the run: the order of decide_approval and the reaper (its trigger

@@ -5,11 +5,16 @@ or interval expression and no SET applies a STABLE function to a column: interva
 bind parameters. Every UPDATE names ``community_id`` in its own WHERE, and every holder
 transition checks the whole fence inside the statement: generation, holder (``worker_id``),
 a leased state, ``lease_until >= now`` and the community ``active``.
+
+The run's lease transitions (claim, complete, fail, park for approval, cancel, and the
+maintenance's timeout and reaps) append one entry to its ``history`` in their own SET list
+(:func:`buzz_delivery.services.sql.history_entry`), as the core's do for deliveries; a heartbeat
+only counts (``renewals``). Tool calls are not repeated there: the journal records them.
 """
 
 from __future__ import annotations
 
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import DB_NOW, history_entry
 
 RUN = "buzz_agents_run"
 JOURNAL = "buzz_agents_journal"
@@ -31,6 +36,13 @@ CURRENT_RUN_LEASE = f"""
     AND r.lease_until >= {DB_NOW}
     AND {ACTIVE}
 """
+
+
+def run_entry(event: str, generation: str, actor: str, *, status: str, **extra: str) -> str:
+    """The SET assignment appending one entry to an agent run's history (alias ``r``)."""
+    return history_entry(event, generation, actor, status=status, alias="r", **extra)
+
+
 COMPENSABLE = "j.compensation IS NOT NULL AND (j.status = 'succeeded' OR (j.status = 'failed' AND j.uncertain))"
 
 INSERT_RUN_FROM_DELIVERY = f"""
@@ -85,14 +97,16 @@ WITH candidate AS MATERIALIZED (
 )
 UPDATE {RUN} AS r
 SET state = 'running', lease_generation = r.lease_generation + 1, lease_until = {LEASE_END},
-    claimed_at = {DB_NOW}, heartbeat_at = {DB_NOW}, worker_id = %(worker_id)s, next_attempt_at = NULL
+    claimed_at = {DB_NOW}, heartbeat_at = {DB_NOW}, worker_id = %(worker_id)s, next_attempt_at = NULL,
+    renewals = 0,
+    {run_entry("'claim'", "r.lease_generation + 1", "%(worker_id)s::varchar", status="'running'")}
 FROM candidate
 WHERE r.community_id = %(community_id)s AND r.id = candidate.id AND r.state = 'pending'
 RETURNING r.id, r.lease_generation, r.lease_until
 """
 
 HEARTBEAT_IF_CURRENT = f"""
-UPDATE {RUN} AS r SET lease_until = {LEASE_END}, heartbeat_at = {DB_NOW}
+UPDATE {RUN} AS r SET lease_until = {LEASE_END}, heartbeat_at = {DB_NOW}, renewals = r.renewals + 1
 WHERE {CURRENT_RUN_LEASE}
 RETURNING r.lease_until
 """
@@ -148,7 +162,8 @@ WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s AND j.seq = %(
 COMPLETE_IF_CURRENT = f"""
 UPDATE {RUN} AS r
 SET state = 'completed', output = %(output)s::jsonb, output_hash = %(output_hash)s, lease_until = NULL,
-    claimed_at = NULL, finished_at = {DB_NOW}
+    claimed_at = NULL, finished_at = {DB_NOW},
+    {run_entry("'settle'", "r.lease_generation", "r.worker_id", status="'completed'", renewals="r.renewals")}
 WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding
 RETURNING r.state
 """
@@ -173,7 +188,8 @@ FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO = f"""
 UPDATE {RUN} AS r
 SET state = {END_STATE_OF_UNWOUND}, failure_code = coalesce(r.failure_code, %(failure_code)s),
     failure_message = coalesce(r.failure_message, %(failure_message)s), lease_until = NULL, claimed_at = NULL,
-    finished_at = {DB_NOW}
+    finished_at = {DB_NOW},
+    {run_entry("'settle'", "r.lease_generation", "r.worker_id", status="'failed'", renewals="r.renewals")}
 WHERE {CURRENT_RUN_LEASE} AND NOT ({OUTSTANDING})
 RETURNING r.state
 """
@@ -247,7 +263,8 @@ RETURNING j.compensation_status
 PARK_FOR_APPROVAL_IF_CURRENT = f"""
 UPDATE {RUN} AS r
 SET state = 'waiting_approval', approval_id = %(approval_id)s, tool_calls_used = r.tool_calls_used + 1,
-    lease_until = NULL, claimed_at = NULL
+    lease_until = NULL, claimed_at = NULL,
+    {run_entry("'park'", "r.lease_generation", "r.worker_id", status="'waiting_approval'", renewals="r.renewals")}
 WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding AND r.tool_calls_used < r.max_tool_calls
 RETURNING r.tool_calls_used
 """
@@ -273,7 +290,8 @@ UNWINDING_FOR_CANCEL = "r.unwinding AND r.failure_code = 'cancelled'"
 CANCEL_IF_NOT_TERMINAL = f"""
 UPDATE {RUN} AS r
 SET state = 'cancelled', lease_generation = r.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
-    unwinding = false, failure_code = 'cancelled', failure_message = %(reason)s, finished_at = {DB_NOW}
+    unwinding = false, failure_code = 'cancelled', failure_message = %(reason)s, finished_at = {DB_NOW},
+    {run_entry("'cancel'", "r.lease_generation + 1", "%(actor)s::text", status="'cancelled'", renewals="r.renewals")}
 WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s AND r.state NOT IN {TERMINAL} AND {ACTIVE}
   AND NOT ({OUTSTANDING})
 RETURNING r.id

@@ -82,6 +82,12 @@ class Command(StrictOptionsCommand):
             "(default: %(default)s; never past the delivery's expires_at).",
         )
         parser.add_argument(
+            "--name",
+            default="worker",
+            help="This worker's name in the holder identity host:pid:NAME that its claims record "
+            "(default: %(default)s).",
+        )
+        parser.add_argument(
             "--shutdown-grace",
             type=positive_seconds,
             default=30.0,
@@ -142,6 +148,7 @@ class Command(StrictOptionsCommand):
             renew_fraction=options["renew_fraction"],
             handler_timeout=options["handler_timeout"],
             shutdown_grace=options["shutdown_grace"],
+            name=options["name"],
         )
         try:
             summary = run_worker(config)

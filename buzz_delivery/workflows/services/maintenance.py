@@ -29,7 +29,7 @@ from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.schedules import start_due_schedules
-from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP
+from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP, step_entry
 
 LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
 OVERRUN = (
@@ -76,20 +76,23 @@ WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s AND {RUN_OVER}
 """
 FAIL_OVERRUN_STEPS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'step_timeout',
-    failure_message = 'the step ran longer than its timeout_seconds', {_FENCE}, finished_at = {DB_NOW}
+    failure_message = 'the step ran longer than its timeout_seconds', {_FENCE}, finished_at = {DB_NOW},
+    {step_entry("'timeout'", "s.lease_generation + 1", "'reaper'", status="'failed'", renewals="s.renewals")}
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {OVERRUN} AND {ACTIVE}
 RETURNING s.id
 """
 RECLAIM_LAPSED_STEPS = f"""
 UPDATE {STEP} AS s SET state = 'ready', failure_code = 'lease_lapsed', failure_message = NULL, {_FENCE},
-    ready_at = {DB_NOW}, next_attempt_at = NULL
+    ready_at = {DB_NOW}, next_attempt_at = NULL,
+    {step_entry("'reap'", "s.lease_generation + 1", "'reaper'", status="'ready'", renewals="s.renewals")}
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {LAPSED}
   AND s.attempts < s.max_attempts AND {ACTIVE}
 RETURNING s.id
 """
 EXHAUST_LAPSED_STEPS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'attempts_exhausted',
-    failure_message = 'the last attempt''s lease lapsed', {_FENCE}, finished_at = {DB_NOW}
+    failure_message = 'the last attempt''s lease lapsed', {_FENCE}, finished_at = {DB_NOW},
+    {step_entry("'reap'", "s.lease_generation + 1", "'reaper'", status="'failed'", renewals="s.renewals")}
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {LAPSED}
   AND s.attempts >= s.max_attempts AND {ACTIVE}
 RETURNING s.id
@@ -101,13 +104,15 @@ RETURNING a.step_id, a.step_generation
 """
 FAIL_STEPS_OF_EXPIRED_APPROVALS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'approval_expired',
-    failure_message = 'no decision before the approval deadline', wait_deadline = NULL, finished_at = {DB_NOW}
+    failure_message = 'no decision before the approval deadline', wait_deadline = NULL, finished_at = {DB_NOW},
+    {step_entry("'expire'", "s.lease_generation", "'reaper'", status="'failed'")}
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND s.state = 'waiting' AND {ACTIVE}
 RETURNING s.id
 """
 FAIL_OVERDUE_WAITS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'wait_timeout',
-    failure_message = 'the wait ran past its wait_timeout_seconds', wait_deadline = NULL, finished_at = {DB_NOW}
+    failure_message = 'the wait ran past its wait_timeout_seconds', wait_deadline = NULL, finished_at = {DB_NOW},
+    {step_entry("'expire'", "s.lease_generation", "'reaper'", status="'failed'")}
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {WAIT_OVER} AND {ACTIVE}
 RETURNING s.id
 """

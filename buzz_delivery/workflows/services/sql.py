@@ -4,17 +4,28 @@ All times come from the database clock (``buzz_delivery_now()``); no CASE/COALES
 clock or interval expression and no SET applies a STABLE function to a column (SPEC 15):
 intervals come from bind parameters. Every UPDATE names ``community_id`` in its own WHERE and
 checks the community is ``active`` inside the statement.
+
+The lease statements of a step (claim, complete, fail, retry, park, the approval's resume) and
+the maintenance's (``services.maintenance``) append one entry to its ``history`` in their own
+SET list (:func:`buzz_delivery.services.sql.history_entry`), as the core's do for deliveries;
+a renew only counts (``renewals``).
 """
 
 from __future__ import annotations
 
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import DB_NOW, history_entry
 from buzz_delivery.workflows.models import Step
 
 STEP = "buzz_workflows_step"
 RUN = "buzz_workflows_run"
 APPROVAL = "buzz_workflows_approval"
 COMMUNITY = "buzz_delivery_community"
+
+
+def step_entry(event: str, generation: str, actor: str, *, status: str, **extra: str) -> str:
+    """The SET assignment appending one entry to a step's history (alias ``s``)."""
+    return history_entry(event, generation, actor, status=status, alias="s", **extra)
+
 
 ACTIVE = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active')"
 LEASE_END = f"{DB_NOW} + make_interval(secs => %(lease_seconds)s)"
@@ -53,17 +64,20 @@ SET state = 'running',
     claimed_at = {DB_NOW},
     started_at = {DB_NOW},
     lease_until = {LEASE_END},
-    next_attempt_at = NULL
+    next_attempt_at = NULL,
+    claimed_by = %(holder)s,
+    renewals = 0,
+    {step_entry("'claim'", "s.lease_generation + 1", "%(holder)s::text", status="'running'", attempt="s.attempts + 1")}
 FROM candidate, {RUN} AS r
 WHERE s.community_id = %(community_id)s AND s.id = candidate.id AND s.state = 'ready'
   AND r.community_id = s.community_id AND r.run_id = s.run_id
 RETURNING {{step_columns}}, r.definition_id
 """
 
-STEP_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
-CLAIM_READY_STEPS = _CLAIM_READY_STEPS.format(
-    step_columns=", ".join(f"s.{f.column}" for f in Step._meta.concrete_fields)
-)
+# Everything but the history (deferred: read on the detail page only).
+_CLAIM_FIELDS = [f for f in Step._meta.concrete_fields if f.name != "history"]
+STEP_ATTNAMES = [f.attname for f in _CLAIM_FIELDS]
+CLAIM_READY_STEPS = _CLAIM_READY_STEPS.format(step_columns=", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS))
 
 COMMUNITIES_WITH_READY_STEPS = f"""
 SELECT DISTINCT s.community_id FROM {STEP} AS s
@@ -72,7 +86,7 @@ LIMIT %(limit)s
 """
 
 RENEW_IF_CURRENT_GENERATION = f"""
-UPDATE {STEP} AS s SET lease_until = {LEASE_END}
+UPDATE {STEP} AS s SET lease_until = {LEASE_END}, renewals = s.renewals + 1
 WHERE {CURRENT_STEP_LEASE}
 RETURNING s.lease_until
 """
@@ -80,7 +94,8 @@ RETURNING s.lease_until
 COMPLETE_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s
 SET state = 'succeeded', output = %(output)s::jsonb, failure_code = NULL, failure_message = NULL,
-    {CLEAR_LEASE}, finished_at = {DB_NOW}
+    {CLEAR_LEASE}, finished_at = {DB_NOW},
+    {step_entry("'settle'", "s.lease_generation", "s.claimed_by", status="'succeeded'", renewals="s.renewals")}
 WHERE {CURRENT_STEP_LEASE}
 RETURNING s.state
 """
@@ -88,7 +103,8 @@ RETURNING s.state
 FAIL_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s
 SET state = 'failed', failure_code = %(failure_code)s, failure_message = %(failure_message)s,
-    {CLEAR_LEASE}, finished_at = {DB_NOW}
+    {CLEAR_LEASE}, finished_at = {DB_NOW},
+    {step_entry("'settle'", "s.lease_generation", "s.claimed_by", status="'failed'", renewals="s.renewals")}
 WHERE {CURRENT_STEP_LEASE}
 RETURNING s.state
 """
@@ -96,7 +112,8 @@ RETURNING s.state
 RETRY_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s
 SET state = 'ready', failure_code = %(failure_code)s, failure_message = %(failure_message)s,
-    {CLEAR_LEASE}, ready_at = {DB_NOW}, next_attempt_at = {DB_NOW} + make_interval(secs => %(delay_seconds)s)
+    {CLEAR_LEASE}, ready_at = {DB_NOW}, next_attempt_at = {DB_NOW} + make_interval(secs => %(delay_seconds)s),
+    {step_entry("'retry'", "s.lease_generation", "s.claimed_by", status="'ready'", renewals="s.renewals")}
 WHERE {CURRENT_STEP_LEASE} AND s.attempts = %(attempts)s AND s.attempts < s.max_attempts
 RETURNING s.state
 """
@@ -105,7 +122,8 @@ PARK_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s
 SET state = 'waiting', {CLEAR_LEASE}, waiting_since = {DB_NOW},
     wait_deadline = {DB_NOW} + make_interval(secs => %(wait_seconds)s),
-    expected = %(expected)s, child_run_id = %(child_run_id)s
+    expected = %(expected)s, child_run_id = %(child_run_id)s,
+    {step_entry("'park'", "s.lease_generation", "s.claimed_by", status="'waiting'", renewals="s.renewals")}
 WHERE {CURRENT_STEP_LEASE}
 RETURNING s.state, s.wait_deadline
 """
@@ -198,7 +216,8 @@ RETURNING a.step_id, a.step_generation, a.closed_at
 
 RESUME_STEP_APPROVED = f"""
 UPDATE {STEP} AS s
-SET state = 'succeeded', output = %(output)s::jsonb, wait_deadline = NULL, finished_at = {DB_NOW}
+SET state = 'succeeded', output = %(output)s::jsonb, wait_deadline = NULL, finished_at = {DB_NOW},
+    {step_entry("'approval'", "s.lease_generation", "%(decided_by)s::text", status="'succeeded'")}
 WHERE s.community_id = %(community_id)s AND s.id = %(step_id)s AND s.state = 'waiting'
   AND s.lease_generation = %(step_generation)s
 RETURNING s.id
@@ -207,7 +226,8 @@ RETURNING s.id
 RESUME_STEP_REJECTED = f"""
 UPDATE {STEP} AS s
 SET state = 'failed', output = %(output)s::jsonb, failure_code = 'approval_rejected',
-    failure_message = %(failure_message)s, wait_deadline = NULL, finished_at = {DB_NOW}
+    failure_message = %(failure_message)s, wait_deadline = NULL, finished_at = {DB_NOW},
+    {step_entry("'approval'", "s.lease_generation", "%(decided_by)s::text", status="'failed'")}
 WHERE s.community_id = %(community_id)s AND s.id = %(step_id)s AND s.state = 'waiting'
   AND s.lease_generation = %(step_generation)s
 RETURNING s.id

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from django.db import transaction
 
+from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -63,21 +64,28 @@ def _missed(params: dict[str, Any], still_fine: str | None = None) -> StepOutcom
 
 @tenant_scoped
 def claim_steps(
-    community_id: uuid.UUID | str, *, limit: int = 1, lease_seconds: float | None = None
+    community_id: uuid.UUID | str,
+    *,
+    limit: int = 1,
+    lease_seconds: float | None = None,
+    holder: str | None = None,
 ) -> list[StepClaim]:
     """Claim up to ``limit`` (1..1000) ready steps of one community, oldest ready first, past
     their backoff gate, with ``FOR UPDATE SKIP LOCKED`` (concurrent claimers never share or wait
     on a step). Each winner: ``running``, generation + 1, attempts + 1, lease ``lease_seconds``
     (default ``BUZZ_WORKFLOWS['LEASE_SECONDS']``, within the core's lease bounds) from the
-    database clock. A community that is not active has nothing claimable.
+    database clock. A community that is not active has nothing claimable. ``holder``: who
+    claims (at most 200 characters, e.g. ``host:pid:orchestrator``), recorded as ``claimed_by``
+    and in the step's history; None = unnamed.
 
     Returns the claims (possibly none). Raises ``ValidationError`` keyed ``community_id``,
-    ``limit`` or ``lease_seconds`` before SQL. SPEC section 11.
+    ``limit``, ``lease_seconds`` or ``holder`` before SQL. SPEC section 11.
     """
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
         "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
         "lease_seconds": _lease_seconds(lease_seconds),
+        "holder": v.optional_text(holder, "holder", HOLDER_MAX_CHARS),
     }
     with translated_errors():
         rows = fetch_all(sql.CLAIM_READY_STEPS, params)

@@ -8,6 +8,6 @@ from buzz_delivery import isolation
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_workflows", "0005_approvals_for_agent_runs"), ("buzz_delivery", "0008_row_level_security")]
+    dependencies = [("buzz_agents", "0004_approval_and_cancel_in_history"), ("buzz_delivery", "0009_row_level_security")]
 
-    operations = [isolation.migration_operation("buzz_workflows")]
+    operations = [isolation.migration_operation("buzz_agents")]
