@@ -15,3 +15,18 @@ def test_the_admin_css_is_served_with_debug_off():
 
     assert response.status_code == 200
     assert b"".join(response.streaming_content if response.streaming else [response.content])
+
+
+def test_buzz_delivery_testing_without_factory_boy_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    import pytest
+
+    monkeypatch.setitem(sys.modules, "factory", None)  # as after a plain install: not importable
+    for name in ("buzz_delivery.testing", "buzz_delivery.workflows.testing"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    for name in ("buzz_delivery.testing", "buzz_delivery.workflows.testing"):
+        with pytest.raises(ImportError, match=r"pip install 'buzz-delivery\[testing\]'"):
+            importlib.import_module(name)
