@@ -130,7 +130,8 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
 
     ``batch_size``: rows per statement (1..100,000; default ``BATCH_SIZE``). ``max_batches``:
     stop after that many statements (None = until done). ``dry_run``: count what would be
-    done, and the batches it would take (:func:`planned_batches`), write nothing. Raises ``ValidationError`` naming the argument.
+    done, and the batches it would take (:func:`planned_batches`), write nothing. Raises
+    ``ValidationError`` naming the argument.
     """
     size = v.int_in_range(batch_size if batch_size is not None else get_settings().batch_size, "batch_size", 1, 100_000)
     limit = v.int_in_range(max_batches, "max_batches", 1, 10**9) if max_batches is not None else None
