@@ -27,6 +27,7 @@ from buzz_delivery.services.runlock import (
     run_lease,
 )
 from buzz_delivery.services.runs import expire_run_deliveries
+from buzz_delivery.services.stats import count_pending_retry
 from buzz_delivery.services.types import (
     AlreadyTerminal,
     Binding,
@@ -59,6 +60,7 @@ __all__ = [
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
+    "count_pending_retry",
     "expire_run_deliveries",
     "finish_deliveries",
     "finish_delivery",

@@ -14,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
+from buzz_delivery.management.base import ensure_console_logging
 from buzz_delivery.management.options import positive_int, positive_seconds, pubkey_hex, uuid_value
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import load_handler
@@ -40,6 +41,7 @@ class Command(BaseCommand):
         parser.add_argument("--worker-id", default=None, help="Recorded on claims (default host:pid).")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        ensure_console_logging()
         try:
             handler: Any = load_handler(options["handler"])
             lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
