@@ -378,3 +378,45 @@ class MaintenanceLease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} held by {self.holder}"
+
+
+class WorkerKind(models.TextChoices):
+    """What a registered worker process runs."""
+
+    DELIVERY = "delivery", "delivery worker"
+    WORKFLOW = "workflow", "workflow worker"
+    AGENT = "agent", "agent worker"
+
+
+class WorkerRegistration(models.Model):
+    """A live worker process (issue 17): who it is and when it last said so.
+
+    Each ``run_delivery_worker``, ``run_workflow_worker`` and ``run_agent_worker`` process
+    inserts its row at start, refreshes ``last_heartbeat`` (database clock) every few seconds
+    and deletes the row on a clean exit; a killed process leaves its row behind, shown as stale
+    once its heartbeat is old and pruned by the reaper later. Not community-scoped (one row per
+    process, whatever it works on; ``detail`` says what): a local table on a Citus coordinator,
+    like :class:`MaintenanceLease`. Written only by :mod:`buzz_delivery.services.workers`.
+    """
+
+    id = models.UUIDField(primary_key=True, editable=False)
+    kind = models.CharField(max_length=16, choices=WorkerKind.choices)
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    name = models.CharField(max_length=200)
+    detail = models.TextField(blank=True, default="")
+    started_at = models.DateTimeField(db_default=Now())
+    last_heartbeat = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "buzz_delivery_worker"
+        verbose_name = "live worker"
+        verbose_name_plural = "live workers"
+        constraints = [
+            models.CheckConstraint(condition=Q(kind__in=WorkerKind.values), name="worker_kind_known"),
+            models.CheckConstraint(condition=Q(pid__gt=0), name="worker_pid_positive"),
+        ]
+        indexes = [models.Index(fields=["last_heartbeat"], name="worker_heartbeat_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.name} on {self.host} (pid {self.pid})"

@@ -39,6 +39,12 @@ from buzz_delivery.services.types import (
     Renewed,
     Settled,
 )
+from buzz_delivery.services.workers import (
+    WorkerIdentity,
+    deregister_worker,
+    heartbeat_worker,
+    prune_stale_workers,
+)
 
 __all__ = [
     "AlreadyTerminal",
@@ -55,19 +61,23 @@ __all__ = [
     "Renewed",
     "RunLease",
     "Settled",
+    "WorkerIdentity",
     "acquire_run_lease",
     "advance_community",
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
     "count_pending_retry",
+    "deregister_worker",
     "expire_run_deliveries",
     "finish_deliveries",
     "finish_delivery",
     "force_fail_delivery",
     "get_delivery",
+    "heartbeat_worker",
     "lock_delivery_identity",
     "prune_deliveries",
+    "prune_stale_workers",
     "purge_community",
     "reap",
     "reap_expired_deliveries",

@@ -245,6 +245,16 @@ class Command(MaintenanceCommand):
     def empty_counts(self) -> dict[str, int]:
         return {"reclaimed": 0, "exhausted": 0, "expired": 0, "skipped_fenced": 0, "skipped_busy": 0}
 
+    def guarded_run(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The reap, then (a run that held the guard) the live workers registry's pruning: rows
+        of worker processes whose heartbeat stopped more than ``PRUNE_AFTER_SECONDS`` ago."""
+        summary = super().guarded_run(options)
+        if summary["outcome"] in ("ok", "stopped") and not options["dry_run"]:
+            pruned = services.prune_stale_workers()
+            if pruned:
+                logger.info("%s: pruned %d stale workers from the registry", self.job, pruned)
+        return summary
+
     def run_chunk(self, options: dict[str, Any], max_batches: int | None, dry_run: bool) -> tuple[dict[str, int], int]:
         result = services.reap(batch_size=options["batch_size"], max_batches=max_batches, dry_run=dry_run)
         counts = {

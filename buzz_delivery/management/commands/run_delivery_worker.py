@@ -31,8 +31,10 @@ from buzz_delivery.management.options import (
     pubkey_hex,
     uuid_value,
 )
+from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, load_handler, run_worker, summary_line
+from buzz_delivery.worker.registry import Heartbeat
 
 HELP = """Run the agent side for one community and target: claim the oldest pending deliveries
 (woken early by NOTIFY hints), call the handler, renew each lease in the background, settle.
@@ -147,8 +149,10 @@ class Command(StrictOptionsCommand):
             handler_timeout=options["handler_timeout"],
             shutdown_grace=options["shutdown_grace"],
         )
+        detail = f"community={config.community_id} target={config.target_pubkey.hex()} handler={options['handler']}"
         try:
-            summary = run_worker(config)
+            with Heartbeat(WorkerKind.DELIVERY, "run_delivery_worker", detail):
+                summary = run_worker(config)
         finally:
             connection.close()
         self.stdout.write(summary_line(summary))

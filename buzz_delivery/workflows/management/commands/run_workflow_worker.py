@@ -17,7 +17,9 @@ from django.db import connection
 
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
 from buzz_delivery.management.options import int_in, lease_seconds_option, positive_int, positive_seconds, uuid_value
+from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
+from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.orchestrator import EXIT_OK, OrchestratorConfig, run_orchestrator, summary_line
 
@@ -68,7 +70,8 @@ class Command(StrictOptionsCommand):
             shutdown_grace=options["shutdown_grace"],
         )
         try:
-            summary = run_orchestrator(config)
+            with Heartbeat(WorkerKind.WORKFLOW, "run_workflow_worker", f"community={config.community_id or 'all'}"):
+                summary = run_orchestrator(config)
         finally:
             connection.close()
         self.stdout.write(summary_line(summary))
