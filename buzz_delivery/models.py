@@ -300,6 +300,8 @@ class WorkflowAgentDelivery(CommunityScoped):
                 condition=Q(status="pending"),
                 name="delivery_pending_poll_idx",
             ),
+            # Metrics and the dashboard: the oldest pending delivery fleet-wide in one index probe.
+            models.Index(fields=["created_at"], condition=Q(status="pending"), name="delivery_pending_age_idx"),
             # Reaper, one community at a time (SPEC 15): claimed rows by lease deadline.
             models.Index(
                 fields=["community", "lease_until"], condition=Q(status="claimed"), name="delivery_claimed_lease_idx"

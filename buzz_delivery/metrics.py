@@ -1,0 +1,203 @@
+"""Prometheus metrics of the whole system (issue 17), for the monitoring people already run.
+
+:func:`metrics_view` serves the text exposition format (the ``prometheus-client`` library);
+mount it where your scraper looks, e.g. ``path("metrics", metrics_view)`` (the example project
+serves it at ``/metrics``). Each scrape runs :class:`BuzzCollector`, a custom collector that
+reads the database at that moment, cheaply at millions of rows:
+
+- ``buzz_deliveries{status}``, ``buzz_workflow_runs{state}``, ``buzz_workflow_steps{state}``,
+  ``buzz_agent_runs{state}``: rows per status. Exact while the table holds at most
+  :data:`EXACT_CAP` rows (by ``pg_class.reltuples``, or a count that stops past the cap when
+  the table was never analysed); above that the planner's estimate of each status (an
+  ``EXPLAIN``, nothing read), flagged by ``buzz_counts_estimated{table} 1``. The deliveries'
+  ``pending`` and ``claimed`` are always exact up to the cap, read from their partial indexes.
+- ``buzz_delivery_oldest_pending_age_seconds``: one probe of ``delivery_pending_age_idx``.
+- ``buzz_delivery_lapsed_leases``: claimed deliveries whose lease ran out, not yet reaped
+  (bounded by the live leases, through the claimed-lease partial index).
+- ``buzz_maintenance_run_active{job}``: 1 while a maintenance run (``reap_deliveries``,
+  ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard.
+- ``buzz_workers{kind,state}`` and ``buzz_worker_heartbeat_age_seconds{kind,host,pid,name}``:
+  the live workers registry (:mod:`buzz_delivery.services.workers`), ``state`` ``live`` or
+  ``stale``.
+
+The optional apps' families appear when those apps are installed. Every figure comes from the
+database clock. The view is not authenticated: expose it to your scraper only (a private
+network, or your proxy's access rules).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from django.apps import apps
+from django.db import connection
+from django.db.models import Count, Model
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.http import require_GET
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from buzz_delivery.models import DeliveryStatus, MaintenanceLease, WorkerRegistration, WorkflowAgentDelivery
+from buzz_delivery.services.workers import STALE_AFTER_SECONDS
+
+# Up to this many rows a table's statuses are counted exactly; above it they are estimated.
+EXACT_CAP = 100_000
+
+DELIVERY = WorkflowAgentDelivery._meta.db_table
+
+# Exact up to the cap through the partial indexes; the oldest pending row; lapsed leases.
+DELIVERY_LIVE = f"""
+SELECT
+    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
+    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
+    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < now()),
+    (SELECT greatest(extract(epoch FROM statement_timestamp() - min(created_at)), 0)
+     FROM {DELIVERY} WHERE status = 'pending')
+"""
+
+MAINTENANCE = f"SELECT name, lease_until >= now() FROM {MaintenanceLease._meta.db_table}"
+
+WORKERS = f"""
+SELECT kind, host, pid, name, extract(epoch FROM now() - last_heartbeat)
+FROM {WorkerRegistration._meta.db_table}
+ORDER BY kind, host, pid
+"""
+
+
+def _reltuples(model: type[Model]) -> float | None:
+    """``pg_class.reltuples`` of the model's table, or None when it was never analysed."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass", [model._meta.db_table])
+        row = cursor.fetchone()
+    return None if row is None or row[0] < 0 else float(row[0])
+
+
+def _planner_rows(model: type[Model], field: str, value: str) -> int:
+    """The planner's estimate of the rows with ``field = value`` (``EXPLAIN``, nothing run)."""
+    plan = json.loads(model._base_manager.filter(**{field: value}).order_by().explain(format="json"))
+    return int(plan[0]["Plan"]["Plan Rows"])
+
+
+def counts_by(model: type[Model], field: str, values: Iterable[str]) -> tuple[dict[str, int], bool]:
+    """Rows of ``model`` per value of ``field`` (every one of ``values``, 0 when absent), and
+    whether they are estimates: exact for a table of at most :data:`EXACT_CAP` rows, the
+    planner's estimates above."""
+    values = list(values)
+    size = _reltuples(model)
+    if size is None:  # never analysed: count, but stop past the cap
+        size = model._base_manager.order_by().values("pk")[: EXACT_CAP + 1].count()
+    if size > EXACT_CAP:
+        return {value: _planner_rows(model, field, value) for value in values}, True
+    counts = dict.fromkeys(values, 0)
+    rows = model._base_manager.order_by().values_list(field).annotate(n=Count("pk"))
+    counts.update({str(value): n for value, n in rows})
+    return counts, False
+
+
+class BuzzCollector(Collector):
+    """Reads the figures listed in this module's docstring at every scrape."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        estimated = GaugeMetricFamily(
+            "buzz_counts_estimated",
+            "1 when the rows-per-status figures of a table are planner estimates (the table is big), 0 when exact",
+            labels=["table"],
+        )
+        yield from self._deliveries(estimated)
+        if apps.is_installed("buzz_delivery.workflows"):
+            from buzz_delivery.workflows.models import Run, Step
+            from buzz_delivery.workflows.states import RunState, StepState
+
+            yield self._by_state("buzz_workflow_runs", "Workflow runs by state", Run, RunState.values, estimated)
+            yield self._by_state("buzz_workflow_steps", "Workflow steps by state", Step, StepState.values, estimated)
+        if apps.is_installed("buzz_delivery.agents"):
+            from buzz_delivery.agents.models import AgentRun
+            from buzz_delivery.agents.states import RunState as AgentRunState
+
+            yield self._by_state("buzz_agent_runs", "Agent runs by state", AgentRun, AgentRunState.values, estimated)
+        yield estimated
+        yield from self._maintenance()
+        yield from self._workers()
+
+    def _deliveries(self, estimated: GaugeMetricFamily) -> Iterator[GaugeMetricFamily]:
+        with connection.cursor() as cursor:
+            cursor.execute(DELIVERY_LIVE, {"cap": EXACT_CAP + 1})
+            pending, claimed, lapsed, oldest = cursor.fetchone()
+        counts, is_estimate = counts_by(WorkflowAgentDelivery, "status", DeliveryStatus.values)
+        if pending <= EXACT_CAP:
+            counts["pending"] = pending
+        if claimed <= EXACT_CAP:
+            counts["claimed"] = claimed
+        family = GaugeMetricFamily("buzz_deliveries", "Deliveries by status", labels=["status"])
+        for status, n in counts.items():
+            family.add_metric([status], n)
+        estimated.add_metric([DELIVERY], int(is_estimate))
+        yield family
+        yield GaugeMetricFamily(
+            "buzz_delivery_oldest_pending_age_seconds",
+            "Age of the oldest pending delivery (database clock); 0 when none is pending",
+            value=float(oldest or 0),
+        )
+        yield GaugeMetricFamily(
+            "buzz_delivery_lapsed_leases", "Claimed deliveries whose lease ran out, not yet reaped", value=lapsed
+        )
+
+    @staticmethod
+    def _by_state(
+        name: str, documentation: str, model: type[Model], values: list[Any], estimated: GaugeMetricFamily
+    ) -> GaugeMetricFamily:
+        counts, is_estimate = counts_by(model, "state", values)
+        family = GaugeMetricFamily(name, documentation, labels=["state"])
+        for state, n in counts.items():
+            family.add_metric([state], n)
+        estimated.add_metric([model._meta.db_table], int(is_estimate))
+        return family
+
+    @staticmethod
+    def _maintenance() -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "buzz_maintenance_run_active", "1 while a maintenance run holds its overlap guard", labels=["job"]
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(MAINTENANCE)
+            for job, active in cursor.fetchall():
+                family.add_metric([job], int(active))
+        yield family
+
+    @staticmethod
+    def _workers() -> Iterator[GaugeMetricFamily]:
+        with connection.cursor() as cursor:
+            cursor.execute(WORKERS)
+            rows = cursor.fetchall()
+        ages = GaugeMetricFamily(
+            "buzz_worker_heartbeat_age_seconds",
+            "Seconds since each registered worker process last beat (database clock)",
+            labels=["kind", "host", "pid", "name"],
+        )
+        by_state: dict[tuple[str, str], int] = {}
+        for kind, host, pid, name, age in rows:
+            ages.add_metric([kind, host, str(pid), name], float(age))
+            state = "stale" if age > STALE_AFTER_SECONDS else "live"
+            by_state[(kind, state)] = by_state.get((kind, state), 0) + 1
+        workers = GaugeMetricFamily(
+            "buzz_workers",
+            f"Registered worker processes; stale = no heartbeat for {STALE_AFTER_SECONDS:g} s",
+            labels=["kind", "state"],
+        )
+        for (kind, state), n in sorted(by_state.items()):
+            workers.add_metric([kind, state], n)
+        yield workers
+        yield ages
+
+
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(BuzzCollector())
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """The Prometheus text exposition of :class:`BuzzCollector` (GET; read-only)."""
+    return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
