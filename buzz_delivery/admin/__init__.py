@@ -11,9 +11,15 @@ Importing this package registers every ModelAdmin with ``django.contrib.admin.si
   date drill-down; :mod:`.filters`, :mod:`.search`, :mod:`.display`, :mod:`.dashboard`.
 """
 
+from django.contrib import admin
+
 from buzz_delivery.admin.deliveries import DeliveryAdmin
 from buzz_delivery.admin.tenants import CommunityAdmin, EventAdmin, WorkflowAdmin, WorkflowRunAdmin
 from buzz_delivery.admin.workers import WorkerRegistrationAdmin
+
+# The admin index links to the dashboard, unless the project set its own index template.
+if admin.site.index_template is None:
+    admin.site.index_template = "admin/buzz_delivery/index.html"
 
 __all__ = [
     "CommunityAdmin",
