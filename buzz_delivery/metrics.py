@@ -27,13 +27,12 @@ network, or your proxy's access rules).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from django.apps import apps
 from django.db import connection
-from django.db.models import Count, Model
+from django.db.models import Model
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -41,10 +40,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from buzz_delivery.models import DeliveryStatus, MaintenanceLease, WorkerRegistration, WorkflowAgentDelivery
+from buzz_delivery.services import stats
 from buzz_delivery.services.workers import STALE_AFTER_SECONDS
 
 # Up to this many rows a table's statuses are counted exactly; above it they are estimated.
-EXACT_CAP = 100_000
+EXACT_CAP = stats.EXACT_CAP
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 
@@ -65,36 +65,6 @@ SELECT kind, host, pid, name, extract(epoch FROM now() - last_heartbeat)
 FROM {WorkerRegistration._meta.db_table}
 ORDER BY kind, host, pid
 """
-
-
-def _reltuples(model: type[Model]) -> float | None:
-    """``pg_class.reltuples`` of the model's table, or None when it was never analysed."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass", [model._meta.db_table])
-        row = cursor.fetchone()
-    return None if row is None or row[0] < 0 else float(row[0])
-
-
-def _planner_rows(model: type[Model], field: str, value: str) -> int:
-    """The planner's estimate of the rows with ``field = value`` (``EXPLAIN``, nothing run)."""
-    plan = json.loads(model._base_manager.filter(**{field: value}).order_by().explain(format="json"))
-    return int(plan[0]["Plan"]["Plan Rows"])
-
-
-def counts_by(model: type[Model], field: str, values: Iterable[str]) -> tuple[dict[str, int], bool]:
-    """Rows of ``model`` per value of ``field`` (every one of ``values``, 0 when absent), and
-    whether they are estimates: exact for a table of at most :data:`EXACT_CAP` rows, the
-    planner's estimates above."""
-    values = list(values)
-    size = _reltuples(model)
-    if size is None:  # never analysed: count, but stop past the cap
-        size = model._base_manager.order_by().values("pk")[: EXACT_CAP + 1].count()
-    if size > EXACT_CAP:
-        return {value: _planner_rows(model, field, value) for value in values}, True
-    counts = dict.fromkeys(values, 0)
-    rows = model._base_manager.order_by().values_list(field).annotate(n=Count("pk"))
-    counts.update({str(value): n for value, n in rows})
-    return counts, False
 
 
 class BuzzCollector(Collector):
@@ -126,7 +96,7 @@ class BuzzCollector(Collector):
         with connection.cursor() as cursor:
             cursor.execute(DELIVERY_LIVE, {"cap": EXACT_CAP + 1})
             pending, claimed, lapsed, oldest = cursor.fetchone()
-        counts, is_estimate = counts_by(WorkflowAgentDelivery, "status", DeliveryStatus.values)
+        counts, is_estimate = stats.counts_by(WorkflowAgentDelivery, "status", DeliveryStatus.values, cap=EXACT_CAP)
         if pending <= EXACT_CAP:
             counts["pending"] = pending
         if claimed <= EXACT_CAP:
@@ -149,7 +119,7 @@ class BuzzCollector(Collector):
     def _by_state(
         name: str, documentation: str, model: type[Model], values: list[Any], estimated: GaugeMetricFamily
     ) -> GaugeMetricFamily:
-        counts, is_estimate = counts_by(model, "state", values)
+        counts, is_estimate = stats.counts_by(model, "state", values, cap=EXACT_CAP)
         family = GaugeMetricFamily(name, documentation, labels=["state"])
         for state, n in counts.items():
             family.add_metric([state], n)

@@ -106,3 +106,48 @@ def test_every_buzz_list_shows_times_with_seconds_in_one_format(admin_client, co
     for cell in cells:
         assert cell in ("—", "-") or re.fullmatch(STAMP, cell), cell
     assert "a.m." not in html and "p.m." not in html
+
+
+def test_the_dashboard_shows_every_layer_and_a_server_drawn_throughput_chart(admin_client, community):
+    from buzz_delivery.workflows.testing import RunFactory
+    from tests.agents_support import new_run
+    from tests.operator_support import settled
+
+    for _ in range(3):
+        settled(community)
+    RunFactory()
+    RunFactory()
+    new_run(community.id)
+
+    response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_dashboard"))
+
+    assert response.status_code == 200
+    board = response.context["dashboard"]
+    layers = {layer.title: layer for layer in board.states}
+    assert layers["Workflow runs"].counts["running"] == 2 and not layers["Workflow runs"].estimated
+    assert layers["Agent runs"].counts["pending"] == 1
+    assert sum(board.throughput["deliveries settled"]) == 3
+    assert sum(board.throughput["workflow runs started"]) == 2
+    assert sum(board.throughput["agent runs started"]) == 1
+    assert all(len(values) == 60 for values in board.throughput.values())
+    html = response.content.decode()
+    chart = html[html.index('id="bd-throughput"') :]
+    svg = chart[chart.index("<svg") : chart.index("</svg>")]
+    assert 'class="bd-chart"' in svg
+    assert re.search(r'<polyline points="[^"]+" [^>]*data-series="deliveries settled" data-total="3"', svg)
+    assert 'data-series="workflow runs started" data-total="2"' in svg
+    assert "<script" not in html.split('id="bd-throughput"')[1].split("</div>")[0]  # drawn on the server
+    assert "cdn" not in html.lower()
+
+
+def test_uuid7_floor_orders_before_every_id_made_from_that_millisecond():
+    import datetime as dt
+
+    from buzz_delivery.admin.dashboard import uuid7_floor
+    from buzz_delivery.models import new_uuid7
+
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(milliseconds=5)
+    made = new_uuid7()
+
+    assert uuid7_floor(before) < made
+    assert uuid7_floor(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)) > made
