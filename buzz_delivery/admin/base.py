@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.contrib import admin, messages
@@ -51,7 +51,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     list_per_page = 100
     list_max_show_all = 500
 
-    def get_list_display(self, request: HttpRequest) -> Sequence[Any]:
+    def get_list_display(self, request: HttpRequest) -> list[Any]:
         fields = {f.name: f for f in self.model._meta.concrete_fields if isinstance(f, DateTimeField)}
         return [
             timestamp_column(fields[name]) if isinstance(name, str) and name in fields else name
