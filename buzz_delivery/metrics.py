@@ -14,6 +14,8 @@ reads the database at that moment, cheaply at millions of rows:
 - ``buzz_delivery_oldest_pending_age_seconds``: one probe of ``delivery_pending_age_idx``.
 - ``buzz_delivery_lapsed_leases``: claimed deliveries whose lease ran out, not yet reaped
   (bounded by the live leases, through the claimed-lease partial index).
+- ``buzz_deliveries_settled_last_minute{status}``: the settle rate, deliveries that reached
+  each terminal status in the last 60 s (one probe of the terminal-age index per community).
 - ``buzz_maintenance_run_active{job}``: 1 while a maintenance run (``reap_deliveries``,
   ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard.
 - ``buzz_workers{kind,state}`` and ``buzz_worker_heartbeat_age_seconds{kind,host,pid,name}``:
@@ -39,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from buzz_delivery.models import DeliveryStatus, MaintenanceLease, WorkerRegistration, WorkflowAgentDelivery
+from buzz_delivery.models import Community, DeliveryStatus, MaintenanceLease, WorkerRegistration, WorkflowAgentDelivery
 from buzz_delivery.services import stats
 from buzz_delivery.services.workers import STALE_AFTER_SECONDS
 
@@ -57,6 +59,21 @@ SELECT
     (SELECT greatest(extract(epoch FROM statement_timestamp() - min(created_at)), 0)
      FROM {DELIVERY} WHERE status = 'pending')
 """
+
+# Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the
+# terminal-age partial index (community, finished_at) per community, so it stays bounded by the
+# recent rows whatever the table holds.
+SETTLED_RECENTLY = f"""
+SELECT d.status, count(*)
+FROM {Community._meta.db_table} AS c
+CROSS JOIN LATERAL (
+    SELECT t.status FROM {DELIVERY} AS t
+    WHERE t.community_id = c.id AND t.status IN ('finished', 'failed', 'expired')
+      AND t.finished_at >= now() - make_interval(secs => %(seconds)s)
+) AS d
+GROUP BY d.status
+"""
+SETTLE_WINDOW_SECONDS = 60
 
 MAINTENANCE = f"SELECT name, lease_until >= now() FROM {MaintenanceLease._meta.db_table}"
 
@@ -114,6 +131,17 @@ class BuzzCollector(Collector):
         yield GaugeMetricFamily(
             "buzz_delivery_lapsed_leases", "Claimed deliveries whose lease ran out, not yet reaped", value=lapsed
         )
+        with connection.cursor() as cursor:
+            cursor.execute(SETTLED_RECENTLY, {"seconds": SETTLE_WINDOW_SECONDS})
+            settled = dict(cursor.fetchall())
+        recent = GaugeMetricFamily(
+            "buzz_deliveries_settled_last_minute",
+            f"Deliveries that reached each terminal status in the last {SETTLE_WINDOW_SECONDS} s (database clock)",
+            labels=["status"],
+        )
+        for status in ("finished", "failed", "expired"):
+            recent.add_metric([status], settled.get(status, 0))
+        yield recent
 
     @staticmethod
     def _by_state(

@@ -137,3 +137,24 @@ def test_the_oldest_pending_age_is_one_probe_of_its_partial_index():
         plan = "\n".join(row[0] for row in cursor.fetchall())
 
     assert "delivery_pending_age_idx" in plan, plan
+
+
+def test_the_settle_rate_counts_the_last_minute_only(community):
+    from tests.operator_support import settled
+
+    settled(community)
+    settled(community, "failed")
+    settled(community, age_seconds=120)  # two minutes ago: outside the window
+
+    found = scrape()["buzz_deliveries_settled_last_minute"]
+
+    assert {dict(labels)["status"]: v for labels, v in found.items()} == {"finished": 1, "failed": 1, "expired": 0}
+
+
+def test_the_settle_rate_probes_the_terminal_age_index_per_community(community):
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned otherwise
+        cursor.execute("EXPLAIN " + metrics.SETTLED_RECENTLY, {"seconds": 60})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+
+    assert "delivery_terminal_age_idx" in plan, plan
