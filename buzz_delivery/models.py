@@ -302,6 +302,12 @@ class WorkflowAgentDelivery(CommunityScoped):
             ),
             # Metrics and the dashboard: the oldest pending delivery fleet-wide in one index probe.
             models.Index(fields=["created_at"], condition=Q(status="pending"), name="delivery_pending_age_idx"),
+            # The admin's failure-code filter, newest first; only failed and expired rows carry a code.
+            models.Index(
+                fields=["failure_code", "created_at"],
+                condition=Q(failure_code__isnull=False),
+                name="delivery_failure_code_idx",
+            ),
             # Reaper, one community at a time (SPEC 15): claimed rows by lease deadline.
             models.Index(
                 fields=["community", "lease_until"], condition=Q(status="claimed"), name="delivery_claimed_lease_idx"

@@ -151,3 +151,27 @@ def test_uuid7_floor_orders_before_every_id_made_from_that_millisecond():
 
     assert uuid7_floor(before) < made
     assert uuid7_floor(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)) > made
+
+
+def test_the_failure_code_filter_reads_its_partial_index_among_many_rows(community):
+    from buzz_delivery.models import WorkflowAgentDelivery
+
+    template, lease = claimed(community)
+    services.finish_delivery(lease, "failed", failure_code="bad_payload")
+    with connection.cursor() as cursor:  # many settled rows without a code, like a real table
+        cursor.execute(
+            """INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, target_pubkey,
+                   definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
+                   status, finished_at, attempt)
+               SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                      definition_event_id, message_event_id, 'webhook', gen_random_uuid(), 'finished', now(), 1
+               FROM buzz_delivery_delivery, generate_series(1, 20000) AS g WHERE id = %s""",
+            [template.id],
+        )
+        cursor.execute("ANALYZE buzz_delivery_delivery")
+    listed = WorkflowAgentDelivery.objects.filter(failure_code="bad_payload").order_by("-created_at", "-pk")[:100]
+
+    plan = listed.explain()
+
+    assert "delivery_failure_code_idx" in plan, plan
+    assert [d.id for d in listed] == [template.id]

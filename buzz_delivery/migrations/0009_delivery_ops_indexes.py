@@ -14,4 +14,8 @@ class Migration(migrations.Migration):
             model_name='workflowagentdelivery',
             index=models.Index(condition=models.Q(('status', 'pending')), fields=['created_at'], name='delivery_pending_age_idx'),
         ),
+        migrations.AddIndex(
+            model_name='workflowagentdelivery',
+            index=models.Index(condition=models.Q(('failure_code__isnull', False)), fields=['failure_code', 'created_at'], name='delivery_failure_code_idx'),
+        ),
     ]
