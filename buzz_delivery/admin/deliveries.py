@@ -50,9 +50,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "target",
         "workflow_run_step",
         "generation",
-        "lease_deadline",
         "in_status",
-        "next_attempt",
+        "due",
         "attempts",
         "failure",
         "created",
@@ -152,11 +151,15 @@ class DeliveryAdmin(ReadOnlyAdmin):
         since, now = getattr(obj, "status_since", None), getattr(obj, "db_now", None)
         return display.duration(now - since) if since is not None and now is not None else display.EMPTY
 
-    @admin.display(description="next attempt", ordering="next_attempt_at")
-    def next_attempt(self, obj: WorkflowAgentDelivery) -> str:
-        if obj.status != "pending" or obj.next_attempt_at is None:
-            return display.EMPTY
-        return display.timestamp(obj.next_attempt_at)
+    @admin.display(description="lease until / next attempt")
+    def due(self, obj: WorkflowAgentDelivery) -> str:
+        """One column for the row's next deadline (a list that fits the window): a claimed
+        row's lease end, a pending row's next attempt after a retry backoff."""
+        if obj.status == "claimed":
+            return self.lease_deadline(obj)
+        if obj.status == "pending" and obj.next_attempt_at is not None:
+            return format_html("next attempt {}", display.timestamp(obj.next_attempt_at))
+        return display.EMPTY
 
     @admin.display(description="failure code", ordering="failure_code")
     def failure(self, obj: WorkflowAgentDelivery) -> str:
