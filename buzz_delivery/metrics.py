@@ -17,7 +17,10 @@ reads the database at that moment, cheaply at millions of rows:
 - ``buzz_deliveries_settled_last_minute{status}``: the settle rate, deliveries that reached
   each terminal status in the last 60 s (one probe of the terminal-age index per community).
 - ``buzz_maintenance_run_active{job}``: 1 while a maintenance run (``reap_deliveries``,
-  ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard.
+  ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard;
+  ``buzz_maintenance_runs_total{job}``, ``buzz_maintenance_last_run_timestamp_seconds{job}`` and
+  ``buzz_maintenance_last_run_ok{job}``: the reaper runs (every pass of those commands, one row
+  per job in ``buzz_delivery_maintenance_run``).
 - ``buzz_workers{kind,state}`` and ``buzz_worker_heartbeat_age_seconds{kind,host,pid,name}``:
   the live workers registry (:mod:`buzz_delivery.services.workers`), ``state`` ``live`` or
   ``stale``.
@@ -38,10 +41,17 @@ from django.db.models import Model
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from buzz_delivery.models import Community, DeliveryStatus, MaintenanceLease, WorkerRegistration, WorkflowAgentDelivery
+from buzz_delivery.models import (
+    Community,
+    DeliveryStatus,
+    MaintenanceLease,
+    MaintenanceRun,
+    WorkerRegistration,
+    WorkflowAgentDelivery,
+)
 from buzz_delivery.services import stats
 from buzz_delivery.services.workers import STALE_AFTER_SECONDS
 
@@ -76,6 +86,11 @@ GROUP BY d.status
 SETTLE_WINDOW_SECONDS = 60
 
 MAINTENANCE = f"SELECT name, lease_until >= now() FROM {MaintenanceLease._meta.db_table}"
+MAINTENANCE_RUNS = f"""
+SELECT name, runs, last_outcome, extract(epoch FROM last_finished_at) FROM {MaintenanceRun._meta.db_table}
+"""
+# Outcomes of a pass that did its job (another run being active counts: the job was done).
+GOOD_OUTCOMES = ("ok", "busy", "stopped")
 
 WORKERS = f"""
 SELECT kind, host, pid, name, extract(epoch FROM now() - last_heartbeat)
@@ -87,7 +102,7 @@ ORDER BY kind, host, pid
 class BuzzCollector(Collector):
     """Reads the figures listed in this module's docstring at every scrape."""
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         estimated = GaugeMetricFamily(
             "buzz_counts_estimated",
             "1 when the rows-per-status figures of a table are planner estimates (the table is big), 0 when exact",
@@ -155,7 +170,7 @@ class BuzzCollector(Collector):
         return family
 
     @staticmethod
-    def _maintenance() -> Iterator[GaugeMetricFamily]:
+    def _maintenance() -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         family = GaugeMetricFamily(
             "buzz_maintenance_run_active", "1 while a maintenance run holds its overlap guard", labels=["job"]
         )
@@ -163,7 +178,29 @@ class BuzzCollector(Collector):
             cursor.execute(MAINTENANCE)
             for job, active in cursor.fetchall():
                 family.add_metric([job], int(active))
+            cursor.execute(MAINTENANCE_RUNS)
+            runs = cursor.fetchall()
         yield family
+        total = CounterMetricFamily(
+            "buzz_maintenance_runs", "Passes of each maintenance job (dry runs excepted)", labels=["job"]
+        )
+        last = GaugeMetricFamily(
+            "buzz_maintenance_last_run_timestamp_seconds",
+            "When the last pass of each maintenance job ended (Unix time, database clock)",
+            labels=["job"],
+        )
+        good = GaugeMetricFamily(
+            "buzz_maintenance_last_run_ok",
+            "1 when the last pass of the job ended ok, busy (another run did it) or stopped; 0 on an error",
+            labels=["job"],
+        )
+        for job, count, outcome, finished in runs:
+            total.add_metric([job], count)
+            last.add_metric([job], float(finished))
+            good.add_metric([job], int(outcome in GOOD_OUTCOMES))
+        yield total
+        yield last
+        yield good
 
     @staticmethod
     def _workers() -> Iterator[GaugeMetricFamily]:

@@ -428,3 +428,27 @@ class WorkerRegistration(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} on {self.host} (pid {self.pid})"
+
+
+class MaintenanceRun(models.Model):
+    """What the maintenance runs of one job did (issue 17): how many ran and how the last one
+    ended, for the metrics endpoint (``buzz_maintenance_runs_total`` and friends).
+
+    One row per job name (``reap_deliveries``, ``prune_deliveries``, the engine's and agents'
+    reapers), upserted by every pass of the command (dry runs excepted) when it prints its
+    summary; ``last_finished_at`` from the database clock. Not community-scoped (like
+    :class:`MaintenanceLease`). Written only by :mod:`buzz_delivery.services.workers`.
+    """
+
+    name = models.CharField(max_length=100, primary_key=True)
+    runs = models.BigIntegerField(default=0)
+    last_outcome = models.CharField(max_length=32)
+    last_summary = models.JSONField(default=dict)
+    last_finished_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "buzz_delivery_maintenance_run"
+        constraints = [models.CheckConstraint(condition=Q(runs__gte=1), name="maintenance_run_runs_gte_1")]
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.runs} runs, last {self.last_outcome}"

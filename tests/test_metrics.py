@@ -158,3 +158,23 @@ def test_the_settle_rate_probes_the_terminal_age_index_per_community(community):
         plan = "\n".join(row[0] for row in cursor.fetchall())
 
     assert "delivery_terminal_age_idx" in plan, plan
+
+
+def test_reaper_runs_are_counted_with_their_last_outcome_and_time():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    for _ in range(2):
+        call_command("reap_deliveries", stdout=StringIO())
+    call_command("reap_deliveries", "--dry-run", stdout=StringIO())  # a dry run is not a run
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT extract(epoch FROM now())")
+        (now,) = cursor.fetchone()
+
+    found = scrape()
+
+    job = (("job", "reap_deliveries"),)
+    assert found["buzz_maintenance_runs_total"] == {job: 2}
+    assert found["buzz_maintenance_last_run_ok"] == {job: 1}
+    assert found["buzz_maintenance_last_run_timestamp_seconds"][job] == pytest.approx(float(now), abs=1)

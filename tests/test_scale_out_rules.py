@@ -56,7 +56,7 @@ EXPRESSION_BOUNDARIES = {"AND", "OR", "NOT", "CASE", "WHEN", "THEN", "ELSE", "EN
 NON_COLUMN_WORDS = {"interval", "null", "true", "false", "distinct"} | TIME_CALLS
 COMMUNITY_TABLE = "buzz_delivery_community"
 # Not community-scoped: local tables on a Citus coordinator (docs/scale-out.md).
-EXEMPT_TABLES = {"buzz_delivery_maintenance_lease", "buzz_delivery_worker"}
+EXEMPT_TABLES = {"buzz_delivery_maintenance_lease", "buzz_delivery_maintenance_run", "buzz_delivery_worker"}
 
 
 @dataclass(frozen=True)

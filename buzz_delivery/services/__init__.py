@@ -44,6 +44,7 @@ from buzz_delivery.services.workers import (
     deregister_worker,
     heartbeat_worker,
     prune_stale_workers,
+    record_maintenance_run,
 )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "purge_community",
     "reap",
     "reap_expired_deliveries",
+    "record_maintenance_run",
     "release_run_lease",
     "renew_delivery",
     "renew_run_lease",

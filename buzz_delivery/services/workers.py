@@ -1,4 +1,5 @@
-"""The live workers registry (issue 17): each worker process says who it is and that it is alive.
+"""The live workers registry (issue 17): each worker process says who it is and that it is alive;
+and the tally of the maintenance runs (:func:`record_maintenance_run`).
 
 One row per process in ``buzz_delivery_worker`` (:class:`~buzz_delivery.models.WorkerRegistration`),
 keyed by a token the process draws at start. :func:`heartbeat_worker` inserts the row or, when
@@ -11,14 +12,17 @@ no community. Every statement is one short autocommit transaction; nothing is he
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from buzz_delivery.models import WorkerKind, WorkerRegistration
+from buzz_delivery.models import MaintenanceRun, WorkerKind, WorkerRegistration
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 
 WORKER = WorkerRegistration._meta.db_table
+MAINTENANCE_RUN = MaintenanceRun._meta.db_table
 
 # Seconds between heartbeats of a worker process; a row whose heartbeat is older than
 # STALE_AFTER_SECONDS is shown as stale, older than PRUNE_AFTER_SECONDS the reaper deletes it.
@@ -37,6 +41,15 @@ DEREGISTER = f"DELETE FROM {WORKER} AS w WHERE w.id = %(id)s RETURNING 1"
 
 PRUNE_STALE = f"""
 DELETE FROM {WORKER} AS w WHERE w.last_heartbeat < now() - make_interval(secs => %(older_than)s) RETURNING 1
+"""
+
+
+RECORD_MAINTENANCE_RUN = f"""
+INSERT INTO {MAINTENANCE_RUN} AS m (name, runs, last_outcome, last_summary, last_finished_at)
+VALUES (%(name)s, 1, %(outcome)s, %(summary)s::jsonb, now())
+ON CONFLICT (name) DO UPDATE
+    SET runs = m.runs + 1, last_outcome = EXCLUDED.last_outcome, last_summary = EXCLUDED.last_summary,
+        last_finished_at = EXCLUDED.last_finished_at
 """
 
 
@@ -89,3 +102,14 @@ def prune_stale_workers(older_than_seconds: float = PRUNE_AFTER_SECONDS) -> int:
     clock): processes that died without deregistering. Returns how many were deleted."""
     seconds = v.seconds_in_range(older_than_seconds, "older_than_seconds", 1.0, 10.0**7)
     return len(fetch_all(PRUNE_STALE, {"older_than": seconds}))
+
+
+def record_maintenance_run(job: str, summary: dict[str, Any]) -> None:
+    """Count one finished pass of maintenance ``job`` and keep its ``summary`` (the command's
+    summary line; its ``outcome`` key: ``ok``, ``busy``, ``stopped``, ``error``...) as the last
+    one, stamped with the database clock."""
+    name = v.optional_text(job, "job", 100)
+    if not name:
+        raise v.invalid("job", "must be a non-empty job name")
+    outcome = str(summary.get("outcome", ""))[:32]
+    fetch_all(RECORD_MAINTENANCE_RUN, {"name": name, "outcome": outcome, "summary": json.dumps(summary, default=str)})
