@@ -66,7 +66,7 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < now()),
-    (SELECT greatest(extract(epoch FROM statement_timestamp() - min(created_at)), 0)
+    (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - min(timezone('UTC', created_at))), 0)
      FROM {DELIVERY} WHERE status = 'pending')
 """
 

@@ -16,7 +16,7 @@ from typing import Any
 import uuid_utils.compat as uuid_compat
 from django.contrib.postgres.functions import RandomUUID
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Length, Now
 from django.db.models.lookups import Exact
 
@@ -301,7 +301,14 @@ class WorkflowAgentDelivery(CommunityScoped):
                 name="delivery_pending_poll_idx",
             ),
             # Metrics and the dashboard: the oldest pending delivery fleet-wide in one index probe.
-            models.Index(fields=["created_at"], condition=Q(status="pending"), name="delivery_pending_age_idx"),
+            # On an expression (UTC wall time; timezone() is IMMUTABLE) and not on created_at
+            # itself, so the claim query, which orders pending rows by created_at, never prefers
+            # it over the polling index.
+            models.Index(
+                Func(Value("UTC"), F("created_at"), function="timezone", output_field=models.DateTimeField()),
+                condition=Q(status="pending"),
+                name="delivery_pending_age_idx",
+            ),
             # The admin's failure-code filter, newest first; only failed and expired rows carry a code.
             models.Index(
                 fields=["failure_code", "created_at"],

@@ -46,7 +46,8 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < now()),
-    (SELECT now() - min(created_at) FROM {DELIVERY} WHERE status = 'pending'),
+    -- delivery_pending_age_idx (an index on the UTC wall time of pending rows): one probe
+    (SELECT timezone('UTC', now()) - min(timezone('UTC', created_at)) FROM {DELIVERY} WHERE status = 'pending'),
     now()
 """
 

@@ -12,7 +12,7 @@ class Migration(migrations.Migration):
     operations = [
         migrations.AddIndex(
             model_name='workflowagentdelivery',
-            index=models.Index(condition=models.Q(('status', 'pending')), fields=['created_at'], name='delivery_pending_age_idx'),
+            index=models.Index(models.Func(models.Value('UTC'), models.F('created_at'), function='timezone', output_field=models.DateTimeField()), condition=models.Q(('status', 'pending')), name='delivery_pending_age_idx'),
         ),
         migrations.AddIndex(
             model_name='workflowagentdelivery',
