@@ -110,7 +110,8 @@ def ensure_database(url: str) -> None:
 def load(url: str, rows: int) -> None:
     started = time.perf_counter()
     with psycopg.connect(url) as conn:
-        conn.execute("TRUNCATE " + ", ".join(TABLES))
+        # CASCADE: the optional apps' tables (workflow engine, agents) point at these
+        conn.execute("TRUNCATE " + ", ".join(TABLES) + " CASCADE")
         conn.execute("SET LOCAL session_replication_role = replica")
         for statement in LOAD:
             conn.execute(statement, {"c": COMMUNITIES, "r": RUNS_PER_COMMUNITY, "n": rows})
@@ -184,7 +185,10 @@ def main() -> None:
         ("status=pending, 1 community", base + f"?status__exact=pending&community={community}"),
         ("search target prefix (6 hex)", base + f"?q={target[:6]}"),
         ("detail page", None),
+        ("failure code filter", base + "?failure_code=attempts_exhausted"),
         ("dashboard", base + "dashboard/"),
+        ("live workers", "/admin/buzz_delivery/workerregistration/"),
+        ("/metrics (Prometheus)", "/metrics"),
     ]
     with psycopg.connect(url) as conn:
         some_id = conn.execute("SELECT id FROM buzz_delivery_delivery ORDER BY created_at DESC LIMIT 1").fetchone()[0]

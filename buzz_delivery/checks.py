@@ -95,7 +95,8 @@ def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list
             errors.append(
                 checks.Error(
                     f"buzz_delivery needs PostgreSQL, but database {alias!r} is {vendor!r}.",
-                    hint="Point DATABASE_URL (or DATABASES) at a PostgreSQL server.",
+                    hint=f"Set settings.DATABASES[{alias!r}]['ENGINE'] to 'django.db.backends.postgresql' "
+                    "and point it at a PostgreSQL server.",
                     id="buzz_delivery.E010",
                 )
             )

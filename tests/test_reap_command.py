@@ -76,9 +76,24 @@ def test_reap_dry_run_counts_and_writes_nothing(community, table_snapshot):
 
     summary = json.loads(reap("--dry-run", "--json"))
 
-    assert summary["reclaimed"] == 2 and summary["dry_run"] is True and summary["batches"] == 0
+    assert summary["reclaimed"] == 2 and summary["dry_run"] is True
     assert table_snapshot() == before
     assert lease_rows() == []  # a dry run takes no lease either
+
+
+@pytest.mark.parametrize("batch_size", ["1", "2", "1000"])
+def test_a_dry_run_counts_the_batches_the_run_then_takes(community, batch_size):
+    lapsed(community)
+    lapsed(community)
+    options = ("--json", "--batch-size", batch_size)
+
+    dry = json.loads(reap("--dry-run", *options))
+    done = json.loads(reap(*options))
+    nothing_left = (json.loads(reap("--dry-run", *options)), json.loads(reap(*options)))
+
+    assert done["reclaimed"] == dry["reclaimed"] == 2
+    assert done["batches"] == dry["batches"] > 0
+    assert [summary["batches"] for summary in nothing_left] == [0, 0]  # a no-op run and its dry run agree
 
 
 def test_reap_skips_a_fenced_community_and_reports_it(community):

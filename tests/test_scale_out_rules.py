@@ -55,7 +55,8 @@ COMPARISONS = {",", "=", "<", ">", "<=", ">=", "<>", "!="}
 EXPRESSION_BOUNDARIES = {"AND", "OR", "NOT", "CASE", "WHEN", "THEN", "ELSE", "END", "IS", "IN", "BETWEEN"} | CLAUSES
 NON_COLUMN_WORDS = {"interval", "null", "true", "false", "distinct"} | TIME_CALLS
 COMMUNITY_TABLE = "buzz_delivery_community"
-EXEMPT_TABLES = {"buzz_delivery_maintenance_lease"}  # not community-scoped
+# Not community-scoped: local tables on a Citus coordinator (docs/scale-out.md).
+EXEMPT_TABLES = {"buzz_delivery_maintenance_lease", "buzz_delivery_maintenance_run", "buzz_delivery_worker"}
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,27 @@ Importing this package registers every ModelAdmin with ``django.contrib.admin.si
 
 - :mod:`.deliveries`: the delivery list, detail page, operator actions and dashboard URL;
 - :mod:`.tenants`: communities (lifecycle action), workflows, runs, events;
+- :mod:`.workers`: the live workers registry (last heartbeat, stale flag);
 - :mod:`.base`: the read-only frame and the action report; :mod:`.paginators`: counts
   without a full-table ``COUNT(*)``; :mod:`.changelist`: snapshot-free lists and a cheap
   date drill-down; :mod:`.filters`, :mod:`.search`, :mod:`.display`, :mod:`.dashboard`.
 """
 
+from django.contrib import admin
+
 from buzz_delivery.admin.deliveries import DeliveryAdmin
 from buzz_delivery.admin.tenants import CommunityAdmin, EventAdmin, WorkflowAdmin, WorkflowRunAdmin
+from buzz_delivery.admin.workers import WorkerRegistrationAdmin
 
-__all__ = ["CommunityAdmin", "DeliveryAdmin", "EventAdmin", "WorkflowAdmin", "WorkflowRunAdmin"]
+# The admin index links to the dashboard, unless the project set its own index template.
+if admin.site.index_template is None:
+    admin.site.index_template = "admin/buzz_delivery/index.html"
+
+__all__ = [
+    "CommunityAdmin",
+    "DeliveryAdmin",
+    "EventAdmin",
+    "WorkerRegistrationAdmin",
+    "WorkflowAdmin",
+    "WorkflowRunAdmin",
+]

@@ -8,7 +8,14 @@ Every query is served by a partial index and reads only the rows that matter now
 - active work per community: pending (capped, polling index per community) and claimed /
   expired-lease rows (claimed-lease index, bounded by the number of live leases);
 - the oldest pending delivery's age; leases expired but not yet reaped;
-- settled deliveries per minute over the last hour (terminal-age index, last hour only).
+- settled deliveries per minute over the last hour (terminal-age index, last hour only);
+- workflow runs and agent runs per state (when those apps are installed): exact for a table of
+  at most :data:`EXACT_CAP` rows, the planner's estimates above
+  (:func:`buzz_delivery.services.stats.counts_by`);
+- runs and agent runs started per minute over the last hour: their ids are UUIDv7, so the rows
+  of the last hour are one range of the primary key;
+- the throughput chart (:mod:`buzz_delivery.admin.chart`): those per-minute series as an SVG
+  drawn on the server, no script, no CDN.
 
 All times come from the database clock.
 """
@@ -16,13 +23,18 @@ All times come from the database clock.
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from dataclasses import dataclass, field
 
+from django.apps import apps
 from django.db import connection
-from django.db.models import Count
+from django.db.models import Count, Model
+from django.utils.safestring import SafeString
 
+from buzz_delivery.admin.chart import Series, line_chart
 from buzz_delivery.admin.paginators import capped_count, planner_row_estimate, table_row_estimate
 from buzz_delivery.models import TERMINAL_STATUSES, Community, WorkflowAgentDelivery
+from buzz_delivery.services.stats import counts_by
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = Community._meta.db_table
@@ -34,7 +46,8 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < now()),
-    (SELECT now() - min(created_at) FROM {DELIVERY} WHERE status = 'pending'),
+    -- delivery_pending_age_idx (an index on the UTC wall time of pending rows): one probe
+    (SELECT timezone('UTC', now()) - min(timezone('UTC', created_at)) FROM {DELIVERY} WHERE status = 'pending'),
     now()
 """
 
@@ -60,6 +73,31 @@ WHERE status IN ('finished', 'failed', 'expired') AND finished_at >= now() - int
 GROUP BY 1, 2
 ORDER BY 1
 """
+
+
+# Rows of a UUIDv7-keyed table created since %(since)s, per minute: the id range bounds the scan
+# to the last hour's rows (primary key, id first); created_at keeps a non-v7 id out.
+STARTED_PER_MINUTE = """
+SELECT date_trunc('minute', created_at), count(*)
+FROM {table}
+WHERE {pk} >= %(floor)s AND created_at >= %(since)s
+GROUP BY 1
+"""
+
+
+def uuid7_floor(instant: dt.datetime) -> uuid.UUID:
+    """The smallest UUIDv7 of ``instant``'s millisecond: every v7 id made from then on sorts after it."""
+    return uuid.UUID(int=int(instant.timestamp() * 1000) << 80)
+
+
+@dataclass
+class StateCounts:
+    """Rows of one table per state (estimates when ``estimated``)."""
+
+    title: str
+    counts: dict[str, int]
+    estimated: bool
+    changelist_url: str = ""
 
 
 @dataclass
@@ -101,6 +139,19 @@ class Dashboard:
     communities: list[CommunityLoad] = field(default_factory=list)
     minutes: list[MinuteBucket] = field(default_factory=list)
     cap: int = EXACT_CAP
+    # Workflow runs and agent runs per state (installed apps only).
+    states: list[StateCounts] = field(default_factory=list)
+    # Per minute of the last hour, oldest first: series name -> counts (60 values).
+    throughput: dict[str, list[int]] = field(default_factory=dict)
+
+    def chart(self) -> SafeString:
+        """The throughput of the last hour as an inline SVG line chart."""
+        end = self.now.replace(second=0, microsecond=0)
+        return line_chart(
+            [Series(name, values) for name, values in self.throughput.items()],
+            first_minute=end - dt.timedelta(minutes=HOUR_MINUTES - 1),
+            title="Throughput per minute, last hour",
+        )
 
     @property
     def settled_last_hour(self) -> int:
@@ -139,8 +190,51 @@ class Dashboard:
         ]
 
 
+HOUR_MINUTES = 60
+
+
+def _per_minute(rows: list[tuple[dt.datetime, int]], first_minute: dt.datetime) -> list[int]:
+    """60 counts, one per minute from ``first_minute`` on (0 where no row)."""
+    values = [0] * HOUR_MINUTES
+    for minute, n in rows:
+        index = int((minute - first_minute).total_seconds() // 60)
+        if 0 <= index < HOUR_MINUTES:
+            values[index] += n
+    return values
+
+
+def _started_per_minute(model: type[Model], pk_column: str, now: dt.datetime) -> list[tuple[dt.datetime, int]]:
+    since = now - dt.timedelta(hours=1)
+    statement = STARTED_PER_MINUTE.format(table=connection.ops.quote_name(model._meta.db_table), pk=pk_column)
+    with connection.cursor() as cursor:
+        cursor.execute(statement, {"floor": uuid7_floor(since), "since": since})
+        return cursor.fetchall()
+
+
+def _other_layers(now: dt.datetime, first_minute: dt.datetime) -> tuple[list[StateCounts], dict[str, list[int]]]:
+    """Workflow runs and agent runs per state, and started per minute (installed apps only)."""
+    from django.urls import reverse
+
+    states: list[StateCounts] = []
+    throughput: dict[str, list[int]] = {}
+    layers: list[tuple[str, str, str, str, str]] = []
+    if apps.is_installed("buzz_delivery.workflows"):
+        layers.append(("buzz_workflows", "Run", "Workflow runs", "run_id", "workflow runs started"))
+    if apps.is_installed("buzz_delivery.agents"):
+        layers.append(("buzz_agents", "AgentRun", "Agent runs", "id", "agent runs started"))
+    for app_label, model_name, title, pk_column, series in layers:
+        model = apps.get_model(app_label, model_name)
+        values = [value for value, _ in model._meta.get_field("state").choices]
+        counts, estimated = counts_by(model, "state", values, cap=EXACT_CAP)
+        url = reverse(f"admin:{app_label}_{model._meta.model_name}_changelist")
+        states.append(StateCounts(title, counts, estimated, url))
+        throughput[series] = _per_minute(_started_per_minute(model, pk_column, now), first_minute)
+    return states, throughput
+
+
 def load_dashboard() -> Dashboard:
-    """Read the figures: five or six statements (an ``EXPLAIN`` per terminal status on a big table)."""
+    """Read the figures: five or six statements for the deliveries (an ``EXPLAIN`` per terminal
+    status on a big table), three or four more per installed layer (workflow runs, agent runs)."""
     with connection.cursor() as cursor:
         cursor.execute(STATUS_COUNTS, {"cap": EXACT_CAP + 1})
         pending, claimed, lapsed, oldest, now = cursor.fetchone()
@@ -168,6 +262,9 @@ def load_dashboard() -> Dashboard:
             .annotate(n=Count("pk"))
         )
         terminal.update(dict(rows))
+    first_minute = now.replace(second=0, microsecond=0) - dt.timedelta(minutes=HOUR_MINUTES - 1)
+    settled = _per_minute([(minute, sum(counts.values())) for minute, counts in buckets.items()], first_minute)
+    states, throughput = _other_layers(now, first_minute)
     return Dashboard(
         now=now,
         pending=pending,
@@ -178,4 +275,6 @@ def load_dashboard() -> Dashboard:
         terminal_estimated=estimated,
         communities=communities,
         minutes=[MinuteBucket(minute, counts) for minute, counts in sorted(buckets.items())],
+        states=states,
+        throughput={"deliveries settled": settled, **throughput},
     )

@@ -19,7 +19,8 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import BooleanField, Case, QuerySet, Value, When
+from django.db.models import BooleanField, Case, DateTimeField, F, QuerySet, Value, When
+from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -30,7 +31,7 @@ from buzz_delivery.admin import display, search
 from buzz_delivery.admin.base import MAX_ACTION_ROWS, ReadOnlyAdmin, logger, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.admin.dashboard import load_dashboard
-from buzz_delivery.admin.filters import CommunityFilter, LeaseExpiredFilter, lease_expired_q
+from buzz_delivery.admin.filters import CommunityFilter, FailureCodeFilter, LeaseExpiredFilter, lease_expired_q
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services.runlock import LeaseBusy, run_lease
@@ -50,12 +51,14 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "workflow_run_step",
         "generation",
         "holder",
-        "lease_deadline",
+        "in_status",
+        "due",
         "attempts",
+        "failure",
         "created",
     )
     list_display_links = ("short_id",)
-    list_filter = ("status", "cause_kind", CommunityFilter, LeaseExpiredFilter)
+    list_filter = ("status", FailureCodeFilter, "cause_kind", CommunityFilter, LeaseExpiredFilter)
     list_select_related = ("community",)
     date_hierarchy = "created_at"
     # Served by delivery_created_idx (created_at); Django appends "-pk" as a tie-breaker.
@@ -111,6 +114,15 @@ class DeliveryAdmin(ReadOnlyAdmin):
                 lease_expired=Case(
                     When(lease_expired_q(), then=Value(True)), default=Value(False), output_field=BooleanField()
                 ),
+                # When the row entered its status: claimed at its claim, terminal at its settle,
+                # pending at its commit (a retried delivery: its first commit). Database clock.
+                status_since=Case(
+                    When(status="claimed", then=F("claimed_at")),
+                    When(status="pending", then=F("created_at")),
+                    default=F("finished_at"),
+                    output_field=DateTimeField(),
+                ),
+                db_now=Now(),
             )
         )
 
@@ -145,6 +157,25 @@ class DeliveryAdmin(ReadOnlyAdmin):
         if getattr(obj, "lease_expired", False):
             return format_html('{} <strong style="color: var(--error-fg, #ba2121)">expired</strong>', stamp)
         return stamp
+
+    @admin.display(description="in status")
+    def in_status(self, obj: WorkflowAgentDelivery) -> str:
+        since, now = getattr(obj, "status_since", None), getattr(obj, "db_now", None)
+        return display.duration(now - since) if since is not None and now is not None else display.EMPTY
+
+    @admin.display(description="lease until / next attempt")
+    def due(self, obj: WorkflowAgentDelivery) -> str:
+        """One column for the row's next deadline (a list that fits the window): a claimed
+        row's lease end, a pending row's next attempt after a retry backoff."""
+        if obj.status == "claimed":
+            return self.lease_deadline(obj)
+        if obj.status == "pending" and obj.next_attempt_at is not None:
+            return format_html("next attempt {}", display.timestamp(obj.next_attempt_at))
+        return display.EMPTY
+
+    @admin.display(description="failure code", ordering="failure_code")
+    def failure(self, obj: WorkflowAgentDelivery) -> str:
+        return obj.failure_code or display.EMPTY
 
     @admin.display(description="gen", ordering="lease_generation")
     def generation(self, obj: WorkflowAgentDelivery) -> int:

@@ -48,6 +48,23 @@ def timestamp(value: dt.datetime | None) -> str:
     return timezone.localtime(value).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def duration(value: dt.timedelta | None) -> str:
+    """A compact duration with seconds: ``45 s``, ``3 min 05 s``, ``2 h 01 min 09 s``, ``4 d 02 h 01 min``."""
+    if value is None:
+        return EMPTY
+    seconds = max(int(value.total_seconds()), 0)
+    days, rest = divmod(seconds, 86_400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours:02d} h {minutes:02d} min"
+    if hours:
+        return f"{hours} h {minutes:02d} min {seconds:02d} s"
+    if minutes:
+        return f"{minutes} min {seconds:02d} s"
+    return f"{seconds} s"
+
+
 def pretty_json(value: Any) -> str:
     """Indented JSON in a ``<pre>`` block."""
     if value is None:

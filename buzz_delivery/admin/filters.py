@@ -10,7 +10,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest
 
-from buzz_delivery.models import Community
+from buzz_delivery.models import Community, WorkflowAgentDelivery
 
 # Communities are few; the filter still lists at most this many (by name). Any community can
 # be filtered on through the URL (``?community=<uuid>``) or the link on a community's page.
@@ -61,3 +61,31 @@ class LeaseExpiredFilter(admin.SimpleListFilter):
         if self.value() == "no":
             return queryset.filter(status="claimed", lease_until__gte=Now())
         return queryset
+
+
+# The codes the system itself writes (reaper, TTL, operator action); handlers add their own.
+SYSTEM_FAILURE_CODES = ("attempts_exhausted", "delivery_expired", "operator_force_failed")
+# The filter also offers the codes found among this many newest deliveries (one bounded read
+# of delivery_created_idx; a code seen only further back is still filterable by URL).
+RECENT_FAILURE_SCAN = 5000
+
+
+class FailureCodeFilter(admin.SimpleListFilter):
+    """By failure code: the system's own codes and those of the newest deliveries, no COUNT and
+    no ``DISTINCT`` over the table; any code works through the URL (``?failure_code=...``)."""
+
+    title = "failure code"
+    parameter_name = "failure_code"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple[str, str]]:
+        newest = WorkflowAgentDelivery.objects.order_by("-created_at").values("failure_code")[:RECENT_FAILURE_SCAN]
+        recent = {row["failure_code"] for row in newest if row["failure_code"]}
+        codes = sorted(set(SYSTEM_FAILURE_CODES) | recent)
+        value = self.value()
+        if value and value not in codes:
+            codes.append(value)
+        return [(code, code) for code in codes]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        value = self.value()
+        return queryset.filter(failure_code=value) if value else queryset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -44,3 +45,19 @@ class StopRequest:
         while not self._requested and (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, self.SLICE_SECONDS))
         return self._requested
+
+
+def ensure_console_logging(name: str = "buzz_delivery") -> None:
+    """Give logger ``name`` a stderr handler at INFO when no LOGGING config reaches it.
+
+    Without one Python prints only WARNING and above (its last-resort handler), so a worker
+    started in a project without ``LOGGING`` said nothing until something went wrong. A
+    project's own handlers (on this logger, a parent or the root) are left alone."""
+    logger = logging.getLogger(name)
+    if logger.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)

@@ -27,6 +27,7 @@ from buzz_delivery.services.runlock import (
     run_lease,
 )
 from buzz_delivery.services.runs import expire_run_deliveries
+from buzz_delivery.services.stats import count_pending_retry
 from buzz_delivery.services.types import (
     AlreadyTerminal,
     Binding,
@@ -37,6 +38,13 @@ from buzz_delivery.services.types import (
     ReapResult,
     Renewed,
     Settled,
+)
+from buzz_delivery.services.workers import (
+    WorkerIdentity,
+    deregister_worker,
+    heartbeat_worker,
+    prune_stale_workers,
+    record_maintenance_run,
 )
 
 __all__ = [
@@ -54,21 +62,27 @@ __all__ = [
     "Renewed",
     "RunLease",
     "Settled",
+    "WorkerIdentity",
     "acquire_run_lease",
     "advance_community",
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
+    "count_pending_retry",
+    "deregister_worker",
     "expire_run_deliveries",
     "finish_deliveries",
     "finish_delivery",
     "force_fail_delivery",
     "get_delivery",
+    "heartbeat_worker",
     "lock_delivery_identity",
     "prune_deliveries",
+    "prune_stale_workers",
     "purge_community",
     "reap",
     "reap_expired_deliveries",
+    "record_maintenance_run",
     "release_run_lease",
     "renew_delivery",
     "renew_run_lease",

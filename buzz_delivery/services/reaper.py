@@ -104,6 +104,14 @@ def _reap_community(community: uuid.UUID, size: int, limit: int | None, tally: _
     return True
 
 
+def planned_batches(plan: list[tuple[int, int]], size: int, limit: int | None) -> int:
+    """The statements :func:`reap` runs for communities with ``(lapsed, overdue)`` rows: per
+    community and statement, full batches until one comes back short (so ``n // size + 1``),
+    at most ``limit`` in all. What a dry run reports as ``batches``."""
+    total = sum(lapsed // size + 1 + overdue // size + 1 for lapsed, overdue in plan)
+    return total if limit is None else min(total, limit)
+
+
 @fleet_scoped
 def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False) -> ReapResult:
     """Reap every community and return a :class:`ReapResult`.
@@ -124,13 +132,22 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
 
     ``batch_size``: rows per statement (1..100,000; default ``BATCH_SIZE``). ``max_batches``:
     stop after that many statements (None = until done). ``dry_run``: count what would be
-    done, write nothing. Raises ``ValidationError`` naming the argument.
+    done, and the batches it would take (:func:`planned_batches`), write nothing. Raises
+    ``ValidationError`` naming the argument.
     """
     size = v.int_in_range(batch_size if batch_size is not None else get_settings().batch_size, "batch_size", 1, 100_000)
     limit = v.int_in_range(max_batches, "max_batches", 1, 10**9) if max_batches is not None else None
     if dry_run:
         row = fetch_all(sql.COUNT_REAPABLE, {})[0]
-        return ReapResult(reclaimed=row[0], exhausted=row[1], expired=row[2], skipped_fenced=row[3], dry_run=True)
+        plan = [(lapsed, overdue) for _, lapsed, overdue in fetch_all(sql.REAP_PLAN, {})]
+        return ReapResult(
+            reclaimed=row[0],
+            exhausted=row[1],
+            expired=row[2],
+            skipped_fenced=row[3],
+            batches=planned_batches(plan, size, limit),
+            dry_run=True,
+        )
 
     tally = _Tally()
     now = fetch_all("SELECT now()", {})[0][0]

@@ -344,6 +344,22 @@ FROM (
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 """
 
+# The dry run's batch plan: per active community with work, its lapsed leases and overdue
+# pending deliveries, so the dry run reports the batches the run would take (see reaper.reap).
+REAP_PLAN = f"""
+SELECT d.community_id, count(*) FILTER (WHERE d.status = 'claimed'), count(*) FILTER (WHERE d.status = 'pending')
+FROM (
+    SELECT d.community_id, d.status FROM {DELIVERY} AS d
+    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
+    UNION ALL
+    SELECT d.community_id, d.status FROM {DELIVERY} AS d
+    WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
+) AS d
+JOIN {COMMUNITY} AS c ON c.id = d.community_id
+WHERE c.deletion_state = 'active'
+GROUP BY d.community_id
+"""
+
 COUNT_FENCED_LAPSED = f"""
 SELECT count(*) FROM {DELIVERY} AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id

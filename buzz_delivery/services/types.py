@@ -208,7 +208,7 @@ class ReapResult:
     - ``skipped_fenced``: lapsed leases left alone because their community is not active;
     - ``skipped_busy``: communities whose lapsed leases were left for a later run because a
       lifecycle move held or waited for their write-fence lock (never waited on; SPEC 4.6);
-    - ``batches``: statements run.
+    - ``batches``: statements run (a dry run: the statements the run would take).
     """
 
     reclaimed: int = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import signal
 import threading
@@ -157,14 +158,19 @@ class WorkerSummary(dict[str, int]):
     (``worker_error``, ``handler raised KeyboardInterrupt``...). ``exit_code``: :data:`EXIT_OK`
     for a clean stop with nothing given up, :data:`EXIT_ABANDONED` when in-flight leases were
     given up or every handler hung, :data:`EXIT_ERROR` for an internal error.
+    ``pending_retry``: deliveries of this community and target left ``pending`` while they wait
+    out a retry backoff when the worker stopped (an ``idle_exit`` does not wait for them; the
+    next worker claims them once their ``next_attempt_at`` has passed).
     """
 
     reason: str
     exit_code: int
+    pending_retry: int
 
-    def __init__(self, counts: dict[str, int], reason: str) -> None:
+    def __init__(self, counts: dict[str, int], reason: str, pending_retry: int = 0) -> None:
         super().__init__(counts)
         self.reason = reason
+        self.pending_retry = pending_retry
         if reason not in CLEAN_REASONS and reason != HANDLERS_HUNG:
             self.exit_code = EXIT_ERROR
         elif counts.get("abandoned") or reason == HANDLERS_HUNG:
@@ -174,11 +180,11 @@ class WorkerSummary(dict[str, int]):
 
 
 def summary_line(summary: dict[str, int]) -> str:
-    """The one JSON line the command prints at exit: the counts, then ``reason`` and
-    ``exit_code`` when ``summary`` is a :class:`WorkerSummary`."""
+    """The one JSON line the command prints at exit: the counts, then ``pending_retry``,
+    ``reason`` and ``exit_code`` when ``summary`` is a :class:`WorkerSummary`."""
     line: dict[str, object] = dict(summary)
     if isinstance(summary, WorkerSummary):
-        line.update(reason=summary.reason, exit_code=summary.exit_code)
+        line.update(pending_retry=summary.pending_retry, reason=summary.reason, exit_code=summary.exit_code)
     return json.dumps(line, separators=(",", ":"))
 
 
@@ -301,7 +307,8 @@ class Worker:
                 args.outcome,
                 args.failure_code or type(exc).__name__,
                 (args.failure_message or "")[:LOGGED_MESSAGE_CHARS],
-                exc_info=args.outcome == "retry",
+                # An ordinary retry is one line; its traceback only at DEBUG (-v 2).
+                exc_info=logger.isEnabledFor(logging.DEBUG),
             )
         except BaseException as exc:
             # SystemExit, KeyboardInterrupt, CancelledError...: settle as a retry so the delivery
@@ -583,6 +590,16 @@ class Worker:
             threading.Thread(target=self._handler_thread, name=f"buzz-delivery-handler-{i}", daemon=True)
             for i in range(c.concurrency)
         ]
+        logger.info(
+            "started community=%s target=%s handler=%s concurrency=%d batch_size=%d lease_seconds=%g pid=%d",
+            c.community_id,
+            c.target_pubkey.hex(),
+            _handler_name(c.handler),
+            c.concurrency,
+            self.batch_size,
+            self.lease_seconds,
+            os.getpid(),
+        )
         self.renewer.start()
         self.settler.start()
         listener.start()
@@ -600,15 +617,34 @@ class Worker:
             self.renewer.shutdown()
             listener.join()
         # An internal error wins over how the dispatcher stopped, even one raised while draining.
-        summary = WorkerSummary(self.tally.summary(), self.error_reason or reason)
+        summary = WorkerSummary(self.tally.summary(), self.error_reason or reason, self._pending_retry())
         log = logger.info if summary.exit_code == EXIT_OK else logger.error
         log(
-            "stopped reason=%s exit_code=%d %s",
+            "stopped reason=%s exit_code=%d %s pending_retry=%d",
             summary.reason,
             summary.exit_code,
             " ".join(f"{k}={n}" for k, n in summary.items()),
+            summary.pending_retry,
         )
+        if summary.pending_retry:
+            logger.info(
+                "%d deliveries are pending a retry (waiting out their backoff); the next worker claims them",
+                summary.pending_retry,
+            )
         return summary
+
+    def _pending_retry(self) -> int:
+        """Deliveries of this community and target waiting out a retry backoff (0 if unknown)."""
+        try:
+            return services.count_pending_retry(self.config.community_id, self.config.target_pubkey)
+        except DB_UNAVAILABLE as exc:
+            logger.warning("db_unavailable role=summary error=%s", exc)
+            close_old_connections()
+            return 0
+
+
+def _handler_name(handler: Handler) -> str:
+    return f"{getattr(handler, '__module__', '?')}:{getattr(handler, '__qualname__', repr(handler))}"
 
 
 def run_worker(

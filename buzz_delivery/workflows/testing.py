@@ -1,14 +1,19 @@
 """Test helpers for projects that install ``buzz_delivery.workflows``: factories and helpers
 that go through the public services (definitions are published, runs started, steps claimed
 and completed by the real statements), plus :func:`run_until_idle`, a single-process
-orchestrator loop for tests. Needs ``factory-boy`` (the ``test`` extra)."""
+orchestrator loop for tests. Needs ``factory-boy`` (the ``testing`` extra)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-import factory
+try:
+    import factory
+except ImportError as exc:  # a plain install: say which extra brings it
+    raise ImportError(
+        "buzz_delivery.workflows.testing needs factory-boy: pip install 'buzz-delivery[testing]'", name=exc.name
+    ) from exc
 
 from buzz_delivery.services import Cause
 from buzz_delivery.testing import CommunityFactory, WorkflowFactory

@@ -8,6 +8,6 @@ from buzz_delivery import isolation
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_agents", "0004_approval_and_cancel_in_history"), ("buzz_delivery", "0009_row_level_security")]
+    dependencies = [("buzz_agents", "0004_approval_and_cancel_in_history"), ("buzz_delivery", "0011_row_level_security")]
 
     operations = [isolation.migration_operation("buzz_agents")]

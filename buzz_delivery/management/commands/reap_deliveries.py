@@ -212,6 +212,8 @@ class MaintenanceCommand(StrictOptionsCommand):
     def emit(self, summary: dict[str, Any], started: float, options: dict[str, Any]) -> None:
         """Print the one summary line (key=value, or JSON with ``--json``) at verbosity >= 1."""
         summary = {**summary, "duration_ms": round((time.monotonic() - started) * 1000)}
+        if not options["dry_run"]:
+            self.record_run(summary)
         if self.verbosity < 1:
             return
         if options["json"]:
@@ -220,6 +222,15 @@ class MaintenanceCommand(StrictOptionsCommand):
             line = " ".join(f"{key}={self.kv_value(value)}" for key, value in summary.items())
         style = self.style.SUCCESS if summary["outcome"] in ("ok", "busy", "stopped") else self.style.ERROR
         self.stdout.write(style(line))
+
+    def record_run(self, summary: dict[str, Any]) -> None:
+        """Tally this pass for the metrics (``buzz_maintenance_runs_total``); a failure to do so
+        is logged and never changes the run's outcome or exit code."""
+        try:
+            services.record_maintenance_run(self.job, summary)
+        except (DatabaseError, BuzzDeliveryError) as exc:
+            logger.warning("%s: could not record the run for the metrics: %s", self.job, exc)
+            close_old_connections()
 
     @staticmethod
     def kv_value(value: Any) -> str:
@@ -244,6 +255,16 @@ class Command(MaintenanceCommand):
 
     def empty_counts(self) -> dict[str, int]:
         return {"reclaimed": 0, "exhausted": 0, "expired": 0, "skipped_fenced": 0, "skipped_busy": 0}
+
+    def guarded_run(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The reap, then (a run that held the guard) the live workers registry's pruning: rows
+        of worker processes whose heartbeat stopped more than ``PRUNE_AFTER_SECONDS`` ago."""
+        summary = super().guarded_run(options)
+        if summary["outcome"] in ("ok", "stopped") and not options["dry_run"]:
+            pruned = services.prune_stale_workers()
+            if pruned:
+                logger.info("%s: pruned %d stale workers from the registry", self.job, pruned)
+        return summary
 
     def run_chunk(self, options: dict[str, Any], max_batches: int | None, dry_run: bool) -> tuple[dict[str, int], int]:
         result = services.reap(batch_size=options["batch_size"], max_batches=max_batches, dry_run=dry_run)

@@ -5,8 +5,9 @@ Prints one JSON summary line to stdout at exit:
 logger ``buzz_delivery.worker``: one INFO line per claim batch and per settle batch (``claimed
 n=``, ``settled n=``), one DEBUG line per delivery and transition with ``-v 2`` (``claimed
 delivery=``, ``renewed delivery=``, ``settled delivery=``), and always the lines of what went
-wrong (``lease_lost``, ``handler_error``, ``settle_error``, ``db_unavailable``), ``listening``,
-``stopping`` and ``stopped``.
+wrong (``lease_lost``, ``handler_error``, ``settle_error``, ``db_unavailable``), ``started``,
+``listening``, ``stopping`` and ``stopped``. Without a ``LOGGING`` config for ``buzz_delivery``
+these go to stderr at INFO (:func:`~buzz_delivery.management.base.ensure_console_logging`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from django.core.management.base import CommandError, DjangoHelpFormatter
 from django.db import connection
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.management.base import StrictOptionsCommand
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
 from buzz_delivery.management.options import (
     fraction,
     int_in,
@@ -30,8 +31,10 @@ from buzz_delivery.management.options import (
     pubkey_hex,
     uuid_value,
 )
+from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, load_handler, run_worker, summary_line
+from buzz_delivery.worker.registry import Heartbeat
 
 HELP = """Run the agent side for one community and target: claim the oldest pending deliveries
 (woken early by NOTIFY hints), call the handler, renew each lease in the background, settle.
@@ -45,8 +48,10 @@ are given up (no longer renewed, so they lapse) and the worker exits 3. A handle
 --handler-timeout (or its delivery's expires_at) is no longer renewed and its result dropped.
 
 Prints one JSON summary line: {"claimed","finished","failed","retried","lease_lost","renewed",
-"timed_out","settle_errors","abandoned","claim_statements","settle_statements","reason",
-"exit_code"}. Logs one line per claim batch and per settle batch; -v 2 adds one per delivery.
+"timed_out","settle_errors","abandoned","claim_statements","settle_statements","pending_retry",
+"reason","exit_code"} (pending_retry: deliveries waiting out a retry backoff at exit). Logs a
+started line, one line per claim batch and per settle batch (to stderr without a LOGGING
+config); -v 2 adds one per delivery and the traceback of each handler error.
 Exit codes: 0 clean stop; 1 stopped on an internal error (reason says which); 2 bad
 arguments; 3 stopped with in-flight leases given up (shutdown grace, or every handler hung)."""
 
@@ -133,6 +138,7 @@ class Command(StrictOptionsCommand):
         except ValueError as exc:
             raise CommandError(f"--handler: {exc}") from exc
         verbosity = options["verbosity"]
+        ensure_console_logging()
         if verbosity != 1:
             logging.getLogger("buzz_delivery.worker").setLevel(logging.WARNING if verbosity == 0 else logging.DEBUG)
         config = WorkerConfig(
@@ -150,8 +156,10 @@ class Command(StrictOptionsCommand):
             shutdown_grace=options["shutdown_grace"],
             name=options["name"],
         )
+        detail = f"community={config.community_id} target={config.target_pubkey.hex()} handler={options['handler']}"
         try:
-            summary = run_worker(config)
+            with Heartbeat(WorkerKind.DELIVERY, "run_delivery_worker", detail):
+                summary = run_worker(config)
         finally:
             connection.close()
         self.stdout.write(summary_line(summary))

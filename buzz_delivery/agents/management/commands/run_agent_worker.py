@@ -15,9 +15,12 @@ from django.core.management.base import BaseCommand, CommandError
 
 from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
+from buzz_delivery.management.base import ensure_console_logging
 from buzz_delivery.management.options import positive_int, positive_seconds, pubkey_hex, uuid_value
+from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import load_handler
+from buzz_delivery.worker.registry import Heartbeat
 
 
 class Command(BaseCommand):
@@ -53,6 +56,7 @@ class Command(BaseCommand):
         parser.add_argument("--no-listen", action="store_true", help="Poll only (no LISTEN connection).")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        ensure_console_logging()
         try:
             handler: Any = load_handler(options["handler"])
             lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
@@ -76,7 +80,10 @@ class Command(BaseCommand):
         )
         signal.signal(signal.SIGTERM, worker.stop)
         signal.signal(signal.SIGINT, worker.stop)
-        counts = worker.run()
+        communities = ",".join(str(c) for c in options["community"]) or "any"
+        detail = f"worker_id={worker.config.worker_id} agents={len(options['agent'])} communities={communities}"
+        with Heartbeat(WorkerKind.AGENT, "run_agent_worker", detail):
+            counts = worker.run()
         self.stdout.write(worker.summary_line())
         if counts.get("internal_errors"):
             raise CommandError("stopped on an internal error", returncode=1)

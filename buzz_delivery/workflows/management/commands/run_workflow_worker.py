@@ -15,9 +15,11 @@ from typing import Any
 from django.core.management.base import CommandError
 from django.db import connection
 
-from buzz_delivery.management.base import StrictOptionsCommand
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
 from buzz_delivery.management.options import int_in, lease_seconds_option, positive_int, positive_seconds, uuid_value
+from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
+from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.orchestrator import EXIT_OK, OrchestratorConfig, run_orchestrator, summary_line
 
@@ -53,6 +55,7 @@ class Command(StrictOptionsCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         lease = options["lease_seconds"]
         lease = v.lease_seconds(get_settings().lease_seconds if lease is None else lease)
+        ensure_console_logging()
         if options["verbosity"] != 1:
             logging.getLogger("buzz_delivery.workflows").setLevel(
                 logging.WARNING if options["verbosity"] == 0 else logging.DEBUG
@@ -67,7 +70,8 @@ class Command(StrictOptionsCommand):
             shutdown_grace=options["shutdown_grace"],
         )
         try:
-            summary = run_orchestrator(config)
+            with Heartbeat(WorkerKind.WORKFLOW, "run_workflow_worker", f"community={config.community_id or 'all'}"):
+                summary = run_orchestrator(config)
         finally:
             connection.close()
         self.stdout.write(summary_line(summary))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
+from pathlib import Path
 from typing import IO, Any
 
 from django.contrib.auth import get_user_model
@@ -20,6 +21,26 @@ from rich.console import Console
 
 from project.demo.render import print_report
 from project.demo.scenario import DemoError, Scenario, ScenarioOptions
+
+
+def python_command() -> str:
+    """How to run ``manage.py`` with this interpreter, as the user would type it: the path of
+    ``sys.executable`` relative to the current folder when it lies under it (the README's
+    ``.venv/bin/python``), else its absolute path."""
+    executable = Path(sys.executable)
+    try:
+        shown = str(executable.relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(executable)
+    return f"{shown} manage.py"
+
+
+def make_console(stream: IO[str]) -> Console:
+    """A rich console on ``stream``: the terminal's width on a terminal; elsewhere (a pipe, a
+    log file) tables 120 columns wide and text never wrapped, so no sentence breaks midway."""
+    if bool(getattr(stream, "isatty", lambda: False)()):
+        return Console(file=stream, highlight=False)
+    return Console(file=stream, width=120, soft_wrap=True, highlight=False)
 
 
 def _at_least(low: float, kind: type = int) -> Any:
@@ -75,8 +96,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         # rich writes whole rendered lines itself: give it the stream under Django's OutputWrapper.
         stream: IO[str] = getattr(self.stdout, "_out", sys.stdout)
-        terminal = bool(getattr(stream, "isatty", lambda: False)())
-        console = Console(file=stream, width=None if terminal else 120, highlight=False)
+        console = make_console(stream)
         scenario = Scenario(
             ScenarioOptions(
                 deliveries=options["deliveries"],
@@ -120,8 +140,9 @@ class Command(BaseCommand):
 
     def _admin_hint(self, console: Console, create: bool) -> None:
         user_model = get_user_model()
+        manage = python_command()
         console.print(
-            "\nBrowse the deliveries in the admin: run [bold]python manage.py runserver[/bold], then open "
+            f"\nBrowse the deliveries in the admin: run [bold]{manage} runserver[/bold], then open "
             "http://127.0.0.1:8000/admin/"
         )
         if create and not user_model._default_manager.filter(username="admin").exists():
@@ -132,6 +153,6 @@ class Command(BaseCommand):
             console.print("The user 'admin' exists already; log in with its password.")
         else:
             console.print(
-                "To log in, create a user: [bold]python manage.py createsuperuser[/bold] "
+                f"To log in, create a user: [bold]{manage} createsuperuser[/bold] "
                 "(or run the demo with --create-superuser)."
             )

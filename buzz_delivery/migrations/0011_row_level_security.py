@@ -10,7 +10,7 @@ from buzz_delivery import isolation
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_delivery", "0008_holder_and_history")]
+    dependencies = [("buzz_delivery", "0010_delivery_ops_indexes")]
 
     operations = [
         migrations.RunSQL(isolation.CURRENT_COMMUNITY_FUNCTION, isolation.DROP_CURRENT_COMMUNITY_FUNCTION),

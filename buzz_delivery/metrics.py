@@ -1,0 +1,240 @@
+"""Prometheus metrics of the whole system (issue 17), for the monitoring people already run.
+
+:func:`metrics_view` serves the text exposition format (the ``prometheus-client`` library);
+mount it where your scraper looks, e.g. ``path("metrics", metrics_view)`` (the example project
+serves it at ``/metrics``). Each scrape runs :class:`BuzzCollector`, a custom collector that
+reads the database at that moment, cheaply at millions of rows:
+
+- ``buzz_deliveries{status}``, ``buzz_workflow_runs{state}``, ``buzz_workflow_steps{state}``,
+  ``buzz_agent_runs{state}``: rows per status. Exact while the table holds at most
+  :data:`EXACT_CAP` rows (by ``pg_class.reltuples``, or a count that stops past the cap when
+  the table was never analysed); above that the planner's estimate of each status (an
+  ``EXPLAIN``, nothing read), flagged by ``buzz_counts_estimated{table} 1``. The deliveries'
+  ``pending`` and ``claimed`` are always exact up to the cap, read from their partial indexes.
+- ``buzz_delivery_oldest_pending_age_seconds``: one probe of ``delivery_pending_age_idx``.
+- ``buzz_delivery_lapsed_leases``: claimed deliveries whose lease ran out, not yet reaped
+  (bounded by the live leases, through the claimed-lease partial index).
+- ``buzz_deliveries_settled_last_minute{status}``: the settle rate, deliveries that reached
+  each terminal status in the last 60 s (one probe of the terminal-age index per community).
+- ``buzz_maintenance_run_active{job}``: 1 while a maintenance run (``reap_deliveries``,
+  ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard;
+  ``buzz_maintenance_runs_total{job}``, ``buzz_maintenance_last_run_timestamp_seconds{job}`` and
+  ``buzz_maintenance_last_run_ok{job}``: the reaper runs (every pass of those commands, one row
+  per job in ``buzz_delivery_maintenance_run``).
+- ``buzz_workers{kind,state}`` and ``buzz_worker_heartbeat_age_seconds{kind,host,pid,name}``:
+  the live workers registry (:mod:`buzz_delivery.services.workers`), ``state`` ``live`` or
+  ``stale``.
+
+The optional apps' families appear when those apps are installed. Every figure comes from the
+database clock. The view is not authenticated: expose it to your scraper only (a private
+network, or your proxy's access rules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from django.apps import apps
+from django.db import connection
+from django.db.models import Model
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.http import require_GET
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from buzz_delivery.models import (
+    Community,
+    DeliveryStatus,
+    MaintenanceLease,
+    MaintenanceRun,
+    WorkerRegistration,
+    WorkflowAgentDelivery,
+)
+from buzz_delivery.services import stats, tenancy
+from buzz_delivery.services.workers import STALE_AFTER_SECONDS
+
+# Up to this many rows a table's statuses are counted exactly; above it they are estimated.
+EXACT_CAP = stats.EXACT_CAP
+
+DELIVERY = WorkflowAgentDelivery._meta.db_table
+
+# Exact up to the cap through the partial indexes; the oldest pending row; lapsed leases.
+DELIVERY_LIVE = f"""
+SELECT
+    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
+    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
+    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < now()),
+    (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - min(timezone('UTC', created_at))), 0)
+     FROM {DELIVERY} WHERE status = 'pending')
+"""
+
+# Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the
+# terminal-age partial index (community, finished_at) per community, so it stays bounded by the
+# recent rows whatever the table holds.
+SETTLED_RECENTLY = f"""
+SELECT d.status, count(*)
+FROM {Community._meta.db_table} AS c
+CROSS JOIN LATERAL (
+    SELECT t.status FROM {DELIVERY} AS t
+    WHERE t.community_id = c.id AND t.status IN ('finished', 'failed', 'expired')
+      AND t.finished_at >= now() - make_interval(secs => %(seconds)s)
+) AS d
+GROUP BY d.status
+"""
+SETTLE_WINDOW_SECONDS = 60
+
+MAINTENANCE = f"SELECT name, lease_until >= now() FROM {MaintenanceLease._meta.db_table}"
+MAINTENANCE_RUNS = f"""
+SELECT name, runs, last_outcome, extract(epoch FROM last_finished_at) FROM {MaintenanceRun._meta.db_table}
+"""
+# Outcomes of a pass that did its job (another run being active counts: the job was done).
+GOOD_OUTCOMES = ("ok", "busy", "stopped")
+
+WORKERS = f"""
+SELECT kind, host, pid, name, extract(epoch FROM now() - last_heartbeat)
+FROM {WorkerRegistration._meta.db_table}
+ORDER BY kind, host, pid
+"""
+
+
+class BuzzCollector(Collector):
+    """Reads the figures listed in this module's docstring at every scrape."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        estimated = GaugeMetricFamily(
+            "buzz_counts_estimated",
+            "1 when the rows-per-status figures of a table are planner estimates (the table is big), 0 when exact",
+            labels=["table"],
+        )
+        yield from self._deliveries(estimated)
+        if apps.is_installed("buzz_delivery.workflows"):
+            from buzz_delivery.workflows.models import Run, Step
+            from buzz_delivery.workflows.states import RunState, StepState
+
+            yield self._by_state("buzz_workflow_runs", "Workflow runs by state", Run, RunState.values, estimated)
+            yield self._by_state("buzz_workflow_steps", "Workflow steps by state", Step, StepState.values, estimated)
+        if apps.is_installed("buzz_delivery.agents"):
+            from buzz_delivery.agents.models import AgentRun
+            from buzz_delivery.agents.states import RunState as AgentRunState
+
+            yield self._by_state("buzz_agent_runs", "Agent runs by state", AgentRun, AgentRunState.values, estimated)
+        yield estimated
+        yield from self._maintenance()
+        yield from self._workers()
+
+    def _deliveries(self, estimated: GaugeMetricFamily) -> Iterator[GaugeMetricFamily]:
+        with connection.cursor() as cursor:
+            cursor.execute(DELIVERY_LIVE, {"cap": EXACT_CAP + 1})
+            pending, claimed, lapsed, oldest = cursor.fetchone()
+        counts, is_estimate = stats.counts_by(WorkflowAgentDelivery, "status", DeliveryStatus.values, cap=EXACT_CAP)
+        if pending <= EXACT_CAP:
+            counts["pending"] = pending
+        if claimed <= EXACT_CAP:
+            counts["claimed"] = claimed
+        family = GaugeMetricFamily("buzz_deliveries", "Deliveries by status", labels=["status"])
+        for status, n in counts.items():
+            family.add_metric([status], n)
+        estimated.add_metric([DELIVERY], int(is_estimate))
+        yield family
+        yield GaugeMetricFamily(
+            "buzz_delivery_oldest_pending_age_seconds",
+            "Age of the oldest pending delivery (database clock); 0 when none is pending",
+            value=float(oldest or 0),
+        )
+        yield GaugeMetricFamily(
+            "buzz_delivery_lapsed_leases", "Claimed deliveries whose lease ran out, not yet reaped", value=lapsed
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(SETTLED_RECENTLY, {"seconds": SETTLE_WINDOW_SECONDS})
+            settled = dict(cursor.fetchall())
+        recent = GaugeMetricFamily(
+            "buzz_deliveries_settled_last_minute",
+            f"Deliveries that reached each terminal status in the last {SETTLE_WINDOW_SECONDS} s (database clock)",
+            labels=["status"],
+        )
+        for status in ("finished", "failed", "expired"):
+            recent.add_metric([status], settled.get(status, 0))
+        yield recent
+
+    @staticmethod
+    def _by_state(
+        name: str, documentation: str, model: type[Model], values: list[Any], estimated: GaugeMetricFamily
+    ) -> GaugeMetricFamily:
+        counts, is_estimate = stats.counts_by(model, "state", values, cap=EXACT_CAP)
+        family = GaugeMetricFamily(name, documentation, labels=["state"])
+        for state, n in counts.items():
+            family.add_metric([state], n)
+        estimated.add_metric([model._meta.db_table], int(is_estimate))
+        return family
+
+    @staticmethod
+    def _maintenance() -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        family = GaugeMetricFamily(
+            "buzz_maintenance_run_active", "1 while a maintenance run holds its overlap guard", labels=["job"]
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(MAINTENANCE)
+            for job, active in cursor.fetchall():
+                family.add_metric([job], int(active))
+            cursor.execute(MAINTENANCE_RUNS)
+            runs = cursor.fetchall()
+        yield family
+        total = CounterMetricFamily(
+            "buzz_maintenance_runs", "Passes of each maintenance job (dry runs excepted)", labels=["job"]
+        )
+        last = GaugeMetricFamily(
+            "buzz_maintenance_last_run_timestamp_seconds",
+            "When the last pass of each maintenance job ended (Unix time, database clock)",
+            labels=["job"],
+        )
+        good = GaugeMetricFamily(
+            "buzz_maintenance_last_run_ok",
+            "1 when the last pass of the job ended ok, busy (another run did it) or stopped; 0 on an error",
+            labels=["job"],
+        )
+        for job, count, outcome, finished in runs:
+            total.add_metric([job], count)
+            last.add_metric([job], float(finished))
+            good.add_metric([job], int(outcome in GOOD_OUTCOMES))
+        yield total
+        yield last
+        yield good
+
+    @staticmethod
+    def _workers() -> Iterator[GaugeMetricFamily]:
+        with connection.cursor() as cursor:
+            cursor.execute(WORKERS)
+            rows = cursor.fetchall()
+        ages = GaugeMetricFamily(
+            "buzz_worker_heartbeat_age_seconds",
+            "Seconds since each registered worker process last beat (database clock)",
+            labels=["kind", "host", "pid", "name"],
+        )
+        by_state: dict[tuple[str, str], int] = {}
+        for kind, host, pid, name, age in rows:
+            ages.add_metric([kind, host, str(pid), name], float(age))
+            state = "stale" if age > STALE_AFTER_SECONDS else "live"
+            by_state[(kind, state)] = by_state.get((kind, state), 0) + 1
+        workers = GaugeMetricFamily(
+            "buzz_workers",
+            f"Registered worker processes; stale = no heartbeat for {STALE_AFTER_SECONDS:g} s",
+            labels=["kind", "state"],
+        )
+        for (kind, state), n in sorted(by_state.items()):
+            workers.add_metric([kind, state], n)
+        yield workers
+        yield ages
+
+
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(BuzzCollector())
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """The Prometheus text exposition of :class:`BuzzCollector` (GET; read-only)."""
+    with tenancy.fleet():  # fleet-wide reads (SPEC 13)
+        body = generate_latest(REGISTRY)
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,120 @@
+"""The live workers registry (issue 17): each worker process says who it is and that it is alive;
+and the tally of the maintenance runs (:func:`record_maintenance_run`).
+
+One row per process in ``buzz_delivery_worker`` (:class:`~buzz_delivery.models.WorkerRegistration`),
+keyed by a token the process draws at start. :func:`heartbeat_worker` inserts the row or, when
+it exists, moves ``last_heartbeat`` to the database clock's ``now()``; :func:`deregister_worker`
+deletes it on a clean exit; :func:`prune_stale_workers` deletes the rows of processes that
+stopped beating (killed, or their host lost). The table is not community-scoped (SPEC section
+15: a local table on a Citus coordinator, like the maintenance lease), so these statements name
+no community. Every statement is one short autocommit transaction; nothing is held between them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from buzz_delivery.models import MaintenanceRun, WorkerKind, WorkerRegistration
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.tenancy import fleet_scoped
+
+WORKER = WorkerRegistration._meta.db_table
+MAINTENANCE_RUN = MaintenanceRun._meta.db_table
+
+# Seconds between heartbeats of a worker process; a row whose heartbeat is older than
+# STALE_AFTER_SECONDS is shown as stale, older than PRUNE_AFTER_SECONDS the reaper deletes it.
+HEARTBEAT_SECONDS = 10.0
+STALE_AFTER_SECONDS = 3 * HEARTBEAT_SECONDS
+PRUNE_AFTER_SECONDS = 600.0
+
+HEARTBEAT = f"""
+INSERT INTO {WORKER} AS w (id, kind, host, pid, name, detail, started_at, last_heartbeat)
+VALUES (%(id)s, %(kind)s, %(host)s, %(pid)s, %(name)s, %(detail)s, now(), now())
+ON CONFLICT (id) DO UPDATE SET last_heartbeat = now()
+RETURNING w.last_heartbeat
+"""
+
+DEREGISTER = f"DELETE FROM {WORKER} AS w WHERE w.id = %(id)s RETURNING 1"
+
+PRUNE_STALE = f"""
+DELETE FROM {WORKER} AS w WHERE w.last_heartbeat < now() - make_interval(secs => %(older_than)s) RETURNING 1
+"""
+
+
+RECORD_MAINTENANCE_RUN = f"""
+INSERT INTO {MAINTENANCE_RUN} AS m (name, runs, last_outcome, last_summary, last_finished_at)
+VALUES (%(name)s, 1, %(outcome)s, %(summary)s::jsonb, now())
+ON CONFLICT (name) DO UPDATE
+    SET runs = m.runs + 1, last_outcome = EXCLUDED.last_outcome, last_summary = EXCLUDED.last_summary,
+        last_finished_at = EXCLUDED.last_finished_at
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """Who a worker process is: its registry ``id`` (drawn at start), ``kind``
+    (:class:`~buzz_delivery.models.WorkerKind`), ``host``, ``pid``, a short ``name`` (the
+    command) and a ``detail`` line (what it works on)."""
+
+    id: uuid.UUID
+    kind: str
+    host: str
+    pid: int
+    name: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in WorkerKind.values:
+            raise v.invalid("kind", f"must be one of {', '.join(WorkerKind.values)}, not {self.kind!r}")
+        v.uuid_value(self.id, "id")
+        v.int_in_range(self.pid, "pid", 1, 2**31 - 1)
+        for field, value, most in (("host", self.host, 255), ("name", self.name, 200), ("detail", self.detail, 10_000)):
+            v.optional_text(value, field, most)
+
+
+@fleet_scoped
+def heartbeat_worker(worker: WorkerIdentity) -> None:
+    """Register ``worker`` or, if registered, set its ``last_heartbeat`` to the database clock's
+    ``now()``. A row pruned while its process was merely slow comes back (``started_at`` then
+    says when it came back)."""
+    fetch_all(
+        HEARTBEAT,
+        {
+            "id": worker.id,
+            "kind": worker.kind,
+            "host": worker.host,
+            "pid": worker.pid,
+            "name": worker.name,
+            "detail": worker.detail,
+        },
+    )
+
+
+@fleet_scoped
+def deregister_worker(worker_id: uuid.UUID) -> bool:
+    """Delete the row of a worker that exits cleanly; False when it was not there."""
+    return bool(fetch_all(DEREGISTER, {"id": v.uuid_value(worker_id, "worker_id")}))
+
+
+@fleet_scoped
+def prune_stale_workers(older_than_seconds: float = PRUNE_AFTER_SECONDS) -> int:
+    """Delete the rows whose last heartbeat is older than ``older_than_seconds`` (database
+    clock): processes that died without deregistering. Returns how many were deleted."""
+    seconds = v.seconds_in_range(older_than_seconds, "older_than_seconds", 1.0, 10.0**7)
+    return len(fetch_all(PRUNE_STALE, {"older_than": seconds}))
+
+
+@fleet_scoped
+def record_maintenance_run(job: str, summary: dict[str, Any]) -> None:
+    """Count one finished pass of maintenance ``job`` and keep its ``summary`` (the command's
+    summary line; its ``outcome`` key: ``ok``, ``busy``, ``stopped``, ``error``...) as the last
+    one, stamped with the database clock."""
+    name = v.optional_text(job, "job", 100)
+    if not name:
+        raise v.invalid("job", "must be a non-empty job name")
+    outcome = str(summary.get("outcome", ""))[:32]
+    fetch_all(RECORD_MAINTENANCE_RUN, {"name": name, "outcome": outcome, "summary": json.dumps(summary, default=str)})

@@ -1,0 +1,177 @@
+"""The operators' admin additions (issue 17): failure code as a column and a filter, time in
+status and next attempt in the delivery list, the dashboard linked from the admin index, and
+one time format with seconds in every buzz list."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+
+from buzz_delivery import services
+from tests.operator_support import backdate_finished, claimed, pending
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "admin:buzz_delivery_workflowagentdelivery_changelist"
+STAMP = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}"
+
+
+def rows_of(response) -> list[str]:
+    """The changelist's result rows, as HTML."""
+    return rows_of_html(response.content.decode())
+
+
+def rows_of_html(html: str) -> list[str]:
+    body = html[html.index("<tbody>") : html.index("</tbody>")]
+    return re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)
+
+
+def test_the_failure_code_is_a_column_and_a_filter(admin_client, community):
+    bad, lease = claimed(community)
+    services.finish_delivery(lease, "failed", failure_code="bad_payload")
+    _other, lease = claimed(community)
+    services.finish_delivery(lease, "failed", failure_code="quota_gone")
+    pending(community)
+
+    listing = admin_client.get(reverse(CHANGELIST))
+    filtered = admin_client.get(reverse(CHANGELIST), {"failure_code": "bad_payload"})
+
+    html = listing.content.decode()
+    assert "Failure code" in html and "bad_payload" in html and "quota_gone" in html
+    # the filter offers the codes seen and the system's own, without counting the table
+    assert "?failure_code=bad_payload" in html and "?failure_code=attempts_exhausted" in html
+    assert [str(bad.id)[-12:] in row for row in rows_of(filtered)] == [True]
+
+
+def test_time_in_status_and_next_attempt_are_in_the_list(admin_client, community):
+    done, lease = claimed(community)
+    services.finish_delivery(lease, "finished")
+    backdate_finished(done.id, 3723)  # settled 1 h 02 min 03 s ago
+    retried, lease = claimed(community)
+    services.finish_delivery(lease, "retry")
+    retried.refresh_from_db()
+
+    html = admin_client.get(reverse(CHANGELIST)).content.decode()
+
+    assert "In status" in html and "Lease until / next attempt" in html
+    (done_row,) = [row for row in rows_of_html(html) if str(done.id)[-12:] in row]
+    assert re.search(r"1 h 02 min 0[34] s", done_row), done_row
+    (retried_row,) = [row for row in rows_of_html(html) if str(retried.id)[-12:] in row]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT to_char(%s::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')", [retried.next_attempt_at]
+        )
+        (shown,) = cursor.fetchone()
+    assert f"next attempt {shown}" in retried_row
+
+
+def test_the_admin_index_links_to_the_dashboard_for_those_who_may_see_it(admin_client, db):
+    dashboard = reverse("admin:buzz_delivery_workflowagentdelivery_dashboard")
+    stranger = User.objects.create_user("stranger", password="pw", is_staff=True)
+    stranger.user_permissions.set(Permission.objects.filter(codename="view_user"))
+    other = Client()
+    other.force_login(stranger)
+
+    assert f'href="{dashboard}"' in admin_client.get(reverse("admin:index")).content.decode()
+    assert f'href="{dashboard}"' not in other.get(reverse("admin:index")).content.decode()
+
+
+@pytest.mark.parametrize(
+    "url_name",
+    [
+        "admin:buzz_delivery_community_changelist",
+        "admin:buzz_delivery_workflow_changelist",
+        "admin:buzz_delivery_event_changelist",
+        "admin:buzz_workflows_run_changelist",
+        "admin:buzz_agents_agentrun_changelist",
+    ],
+)
+def test_every_buzz_list_shows_times_with_seconds_in_one_format(admin_client, community, url_name):
+    from buzz_delivery.workflows.testing import RunFactory
+    from tests.agents_support import new_run
+
+    pending(community)  # a workflow, a run and an event of the community too
+    RunFactory()
+    new_run(community.id)
+
+    html = admin_client.get(reverse(url_name)).content.decode()
+
+    cells = re.findall(r'<td class="field-(?:created_at|state_changed_at|finished_at)[^"]*">(.*?)</td>', html)
+    assert cells, f"no time column found on {url_name}"
+    for cell in cells:
+        assert cell in ("—", "-") or re.fullmatch(STAMP, cell), cell
+    assert "a.m." not in html and "p.m." not in html
+
+
+def test_the_dashboard_shows_every_layer_and_a_server_drawn_throughput_chart(admin_client, community):
+    from buzz_delivery.workflows.testing import RunFactory
+    from tests.agents_support import new_run
+    from tests.operator_support import settled
+
+    for _ in range(3):
+        settled(community)
+    RunFactory()
+    RunFactory()
+    new_run(community.id)
+
+    response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_dashboard"))
+
+    assert response.status_code == 200
+    board = response.context["dashboard"]
+    layers = {layer.title: layer for layer in board.states}
+    assert layers["Workflow runs"].counts["running"] == 2 and not layers["Workflow runs"].estimated
+    assert layers["Agent runs"].counts["pending"] == 1
+    assert sum(board.throughput["deliveries settled"]) == 3
+    assert sum(board.throughput["workflow runs started"]) == 2
+    assert sum(board.throughput["agent runs started"]) == 1
+    assert all(len(values) == 60 for values in board.throughput.values())
+    html = response.content.decode()
+    chart = html[html.index('id="bd-throughput"') :]
+    svg = chart[chart.index("<svg") : chart.index("</svg>")]
+    assert 'class="bd-chart"' in svg
+    assert re.search(r'<polyline points="[^"]+" [^>]*data-series="deliveries settled" data-total="3"', svg)
+    assert 'data-series="workflow runs started" data-total="2"' in svg
+    assert "<script" not in html.split('id="bd-throughput"')[1].split("</div>")[0]  # drawn on the server
+    assert "cdn" not in html.lower()
+
+
+def test_uuid7_floor_orders_before_every_id_made_from_that_millisecond():
+    import datetime as dt
+
+    from buzz_delivery.admin.dashboard import uuid7_floor
+    from buzz_delivery.models import new_uuid7
+
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(milliseconds=5)
+    made = new_uuid7()
+
+    assert uuid7_floor(before) < made
+    assert uuid7_floor(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)) > made
+
+
+def test_the_failure_code_filter_reads_its_partial_index_among_many_rows(community):
+    from buzz_delivery.models import WorkflowAgentDelivery
+
+    template, lease = claimed(community)
+    services.finish_delivery(lease, "failed", failure_code="bad_payload")
+    with connection.cursor() as cursor:  # many settled rows without a code, like a real table
+        cursor.execute(
+            """INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, target_pubkey,
+                   definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
+                   status, finished_at, attempt)
+               SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                      definition_event_id, message_event_id, 'webhook', gen_random_uuid(), 'finished', now(), 1
+               FROM buzz_delivery_delivery, generate_series(1, 20000) AS g WHERE id = %s""",
+            [template.id],
+        )
+        cursor.execute("ANALYZE buzz_delivery_delivery")
+    listed = WorkflowAgentDelivery.objects.filter(failure_code="bad_payload").order_by("-created_at", "-pk")[:100]
+
+    plan = listed.explain()
+
+    assert "delivery_failure_code_idx" in plan, plan
+    assert [d.id for d in listed] == [template.id]

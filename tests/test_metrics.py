@@ -1,0 +1,180 @@
+"""The Prometheus endpoint (issue 17): ``/metrics`` of the example project, scraped with the
+test client and parsed with the Prometheus text parser; its figures match the rows made here."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.db import connection
+from django.test import Client
+from prometheus_client.parser import text_string_to_metric_families
+
+from buzz_delivery import metrics, services
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.services.runlock import acquire_run_lease
+from buzz_delivery.services.workers import STALE_AFTER_SECONDS
+from buzz_delivery.testing import DeliveryFactory, random32
+
+pytestmark = pytest.mark.django_db
+
+
+def scrape() -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """name -> {sorted labels -> value} of one GET /metrics."""
+    response = Client().get("/metrics")
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain")
+    found: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            found.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def test_deliveries_by_status_oldest_pending_and_lapsed_leases(make_binding, community):
+    target = random32()
+    ids = [DeliveryFactory(binding=make_binding(target_pubkey=target)).id for _ in range(5)]
+    with connection.cursor() as cursor:  # the oldest pending one was committed 90 s ago
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '90 seconds' WHERE id = %s", [ids[0]]
+        )
+    claims = services.claim_deliveries(community.id, target, limit=3, lease_seconds=30)
+    assert [c.lease.delivery_id for c in claims] == ids[:3]
+    services.finish_delivery(claims[0].lease, "finished")
+    services.finish_delivery(claims[1].lease, "failed", failure_code="bad_payload")
+    with connection.cursor() as cursor:  # the third lease lapsed (stand-in for time passing)
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 second' WHERE id = %s", [ids[2]]
+        )
+
+    found = scrape()
+
+    by_status = {dict(labels)["status"]: value for labels, value in found["buzz_deliveries"].items()}
+    assert by_status == {"pending": 2, "claimed": 1, "finished": 1, "failed": 1, "expired": 0}
+    assert found["buzz_delivery_lapsed_leases"][()] == 1
+    # the oldest *pending* one: ids[0] was claimed and finished, ids[3] is the oldest left
+    assert 0 <= found["buzz_delivery_oldest_pending_age_seconds"][()] < 90
+    assert found["buzz_counts_estimated"][(("table", "buzz_delivery_delivery"),)] == 0
+
+
+def test_the_oldest_pending_age_is_read_on_the_database_clock(make_binding):
+    (delivery,) = [DeliveryFactory(binding=make_binding())]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '90 seconds' WHERE id = %s", [delivery.id]
+        )
+
+    assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(90, abs=1)
+
+
+def test_workflow_runs_steps_and_agent_runs_by_state(community):
+    from buzz_delivery.agents.models import AgentRun
+    from buzz_delivery.workflows.models import Run, Step
+    from buzz_delivery.workflows.testing import RunFactory
+    from tests.agents_support import new_run
+
+    RunFactory()
+    RunFactory()
+    new_run(community.id)
+
+    found = scrape()
+
+    runs = {dict(labels)["state"]: v for labels, v in found["buzz_workflow_runs"].items()}
+    steps = {dict(labels)["state"]: v for labels, v in found["buzz_workflow_steps"].items()}
+    agent_runs = {dict(labels)["state"]: v for labels, v in found["buzz_agent_runs"].items()}
+    assert runs["running"] == Run.objects.filter(state="running").count() == 2
+    assert sum(runs.values()) == 2
+    assert steps["ready"] == Step.objects.filter(state="ready").count() == 2  # each diamond's root
+    assert steps["pending"] == 6 and sum(steps.values()) == 8
+    assert agent_runs["pending"] == AgentRun.objects.count() == 1
+
+
+def test_live_and_stale_workers_and_their_heartbeat_age():
+    live = services.WorkerIdentity(uuid.uuid4(), "delivery", "h1", 11, "run_delivery_worker")
+    stale = services.WorkerIdentity(uuid.uuid4(), "agent", "h2", 22, "run_agent_worker")
+    services.heartbeat_worker(live)
+    services.heartbeat_worker(stale)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_delivery_worker SET last_heartbeat = now() - make_interval(secs => %s) WHERE id = %s",
+            [STALE_AFTER_SECONDS + 10, stale.id],
+        )
+
+    found = scrape()
+
+    assert found["buzz_workers"] == {
+        (("kind", "agent"), ("state", "stale")): 1,
+        (("kind", "delivery"), ("state", "live")): 1,
+    }
+    ages = {dict(labels)["host"]: v for labels, v in found["buzz_worker_heartbeat_age_seconds"].items()}
+    assert ages["h1"] == 0 and ages["h2"] == pytest.approx(STALE_AFTER_SECONDS + 10)
+
+
+def test_a_maintenance_run_holding_its_guard_shows_as_active():
+    acquire_run_lease("reap_deliveries", 60)
+
+    assert scrape()["buzz_maintenance_run_active"] == {(("job", "reap_deliveries"),): 1}
+
+
+def test_above_the_cap_the_counts_are_the_planners_estimates(monkeypatch, make_binding):
+    for _ in range(3):
+        DeliveryFactory(binding=make_binding())
+    monkeypatch.setattr(metrics, "EXACT_CAP", 1)
+
+    found = scrape()
+
+    assert found["buzz_counts_estimated"][(("table", "buzz_delivery_delivery"),)] == 1
+    assert WorkflowAgentDelivery.objects.count() == 3
+    assert set(dict(labels)["status"] for labels in found["buzz_deliveries"]) == {
+        "pending", "claimed", "finished", "failed", "expired"
+    }  # fmt: skip
+
+
+def test_the_oldest_pending_age_is_one_probe_of_its_partial_index():
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned otherwise
+        cursor.execute("EXPLAIN " + metrics.DELIVERY_LIVE, {"cap": 10})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+
+    assert "delivery_pending_age_idx" in plan, plan
+
+
+def test_the_settle_rate_counts_the_last_minute_only(community):
+    from tests.operator_support import settled
+
+    settled(community)
+    settled(community, "failed")
+    settled(community, age_seconds=120)  # two minutes ago: outside the window
+
+    found = scrape()["buzz_deliveries_settled_last_minute"]
+
+    assert {dict(labels)["status"]: v for labels, v in found.items()} == {"finished": 1, "failed": 1, "expired": 0}
+
+
+def test_the_settle_rate_probes_the_terminal_age_index_per_community(community):
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned otherwise
+        cursor.execute("EXPLAIN " + metrics.SETTLED_RECENTLY, {"seconds": 60})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+
+    assert "delivery_terminal_age_idx" in plan, plan
+
+
+def test_reaper_runs_are_counted_with_their_last_outcome_and_time():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    for _ in range(2):
+        call_command("reap_deliveries", stdout=StringIO())
+    call_command("reap_deliveries", "--dry-run", stdout=StringIO())  # a dry run is not a run
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT extract(epoch FROM now())")
+        (now,) = cursor.fetchone()
+
+    found = scrape()
+
+    job = (("job", "reap_deliveries"),)
+    assert found["buzz_maintenance_runs_total"] == {job: 2}
+    assert found["buzz_maintenance_last_run_ok"] == {job: 1}
+    assert found["buzz_maintenance_last_run_timestamp_seconds"][job] == pytest.approx(float(now), abs=1)
