@@ -61,6 +61,14 @@ def make_binding(run: models.WorkflowRun, message_event: models.Event):
     return make
 
 
+def without_context(sql: str) -> str:
+    """A logged statement without the tenant context the services send in front of it
+    (``SELECT set_config(...); <statement>``, SPEC section 13)."""
+    if sql.startswith(("SELECT set_config(", "SELECT o.r, o.c FROM")):
+        return sql.split("; ", 1)[1]
+    return sql
+
+
 def backdate_lease(delivery_id, seconds: float = 3600) -> None:
     """Stand-in for time passing: move a lease deadline into the past (raw SQL)."""
     with connection.cursor() as cursor:

@@ -22,6 +22,7 @@ from buzz_delivery.catalog import catalog_models, deletion_catalog
 from buzz_delivery.exceptions import CommunityNotFound, LifecycleError
 from buzz_delivery.models import Community
 from buzz_delivery.testing import CommunityFactory, advance_to
+from tests.conftest import without_context
 from tests.lifecycle_support import (
     RAW_WRITES,
     community_snapshot,
@@ -65,7 +66,8 @@ def snapshots(communities) -> dict:
 
 def deletes_per_table(queries) -> list[str]:
     """The table of each DELETE statement, in the order they ran."""
-    return [re.match(r'DELETE FROM "?(\w+)"?', q["sql"]).group(1) for q in queries if q["sql"].startswith("DELETE")]
+    statements = [without_context(q["sql"]) for q in queries]
+    return [re.match(r'DELETE FROM "?(\w+)"?', sql).group(1) for sql in statements if sql.startswith("DELETE")]
 
 
 # --- the service -------------------------------------------------------------------

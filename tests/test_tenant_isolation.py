@@ -428,15 +428,17 @@ def test_the_pruner_and_the_purge_work_fleet_wide_as_a_maintenance_login(logins)
 
 
 def test_the_admin_lists_every_community_deliveries_as_a_maintenance_login(logins, client, admin_user):
-    other = CommunityFactory()
-    DeliveryFactory(binding=BindingFactory(run__community=CommunityFactory()))
-    DeliveryFactory(binding=BindingFactory(run__community=other))
+    mine = {
+        DeliveryFactory(binding=BindingFactory(run__community=CommunityFactory())).id,
+        DeliveryFactory(binding=BindingFactory(run__community=CommunityFactory())).id,
+    }
     client.force_login(admin_user)
     _sql(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {FLEET_LOGIN}")
     _as_login_role(FLEET_LOGIN)
     response = client.get("/admin/buzz_delivery/workflowagentdelivery/")
     assert response.status_code == 200
-    assert response.context["cl"].result_count == 2
+    # the listed rows (the count may be a planner estimate: the paginator's, at scale)
+    assert {d.id for d in response.context["cl"].result_list} == mine
 
 
 @pytest.mark.django_db(transaction=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +56,9 @@ SWAP = (
     " set_config('buzz.community_id', %(community)s, true)) s"
 )
 FLEET = ""  # the community context of a fleet scope: none
+
+
+_TRANSACTION_CONTROL = re.compile(r"\s*(SAVEPOINT|RELEASE|ROLLBACK|COMMIT|BEGIN|START\s+TRANSACTION)\b", re.I)
 
 
 def _several_statements(sql: str) -> bool:
@@ -159,6 +163,11 @@ class _Prefix:
             return execute(sql, params, many, context)
         if not isinstance(sql, str):  # a psycopg.sql.Composed
             sql = sql.as_string(raw)
+        if _TRANSACTION_CONTROL.match(sql):
+            # Django's SAVEPOINT / RELEASE / ROLLBACK TO: never delay them (after an error a
+            # set_config in front would fail and the rollback never run); the next statement
+            # sets the context again.
+            return execute(sql, params, many, context)
         statement = self._statement()
         cursor = getattr(context["cursor"], "cursor", None)
         if many or isinstance(cursor, psycopg.ServerCursor):
