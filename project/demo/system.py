@@ -33,6 +33,8 @@ from django.db import connection
 from buzz_delivery import services as core
 from buzz_delivery.agents import services as agents
 from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.gateway import nip98
+from buzz_delivery.gateway import services as gateway
 from buzz_delivery.models import TERMINAL_STATUSES, Community, Workflow, WorkflowAgentDelivery
 from buzz_delivery.services import Cause
 from buzz_delivery.workflows import services as engine
@@ -44,10 +46,14 @@ from project.demo.report import Check
 from project.demo.workers import application_name, worker_env
 
 AGENT_HANDLER = "project.demo.agent_handlers:handle"
+REMOTE_HANDLER = "project.demo.remote_agents:handle"
+REMOTE_DELIVERY_HANDLER = "project.demo.remote_agents:on_delivery"
 LEASE_SECONDS = 3.0
 TICK_SECONDS = 0.25
 REAP_EVERY_SECONDS = 1.0
 AGENT_NAMES = ("lookup", "refund", "provision", "charge")
+REMOTE_NAMES = ("remote", "courier")  # agent runs through `work-runs`; plain deliveries through `work`
+INBOX = ("lookup", "refund", "provision", "charge", "remote")  # whose deliveries the inbox accepts
 TERMINAL_RUN = {"succeeded", "failed", "canceled"}
 TERMINAL_STEP = {"succeeded", "failed", "skipped", "canceled"}
 TERMINAL_AGENT = {"completed", "failed", "cancelled", "timeout"}
@@ -79,6 +85,8 @@ class SystemFacts:
     second_decisions: dict[str, str] = field(default_factory=dict)  # approval id -> outcome of the retry
     after_cancel: dict[str, str] = field(default_factory=dict)  # the cancelled run's approval -> a late decision
     accepted: int = 0
+    gateway_url: str = ""
+    remote_agents: dict[str, str] = field(default_factory=dict)  # name -> pubkey hex
     accept_misses: int = 0
     killed: dict[str, str] = field(default_factory=dict)  # kind -> worker name
     kill_leases: dict[str, str] = field(default_factory=dict)  # kind -> what it held (step / agent run id)
@@ -135,6 +143,15 @@ def _definitions(keys: dict[str, bytes], child_id: uuid.UUID) -> dict[str, dict[
                 fn("close", "demo.summarize", depends_on=["bill"]),
             ]
         },
+        "remote help": {
+            "steps": [
+                fn("ask", "demo.summarize"),
+                send("look_up", "remote", "lookup remotely: the order history", depends_on=["ask"]),
+                {"key": "notify", "kind": "send_message", "targets": [keys["courier"].hex()],
+                 "content": "notify: your answer is ready", "await": "delivered", "depends_on": ["look_up"]},
+                fn("close", "demo.summarize", depends_on=["notify"]),
+            ]
+        },
         "file ticket": {"steps": [fn("file", "demo.file_ticket")]},
     }
 
@@ -150,6 +167,10 @@ class SystemScenario:
         self.timeout = timeout
         self.procs: list[Proc] = []
         self.keys = {name: os.urandom(32) for name in AGENT_NAMES}
+        # Agents served through the gateway: their secret keys stay with the remote worker.
+        self.secrets = {name: os.urandom(32) for name in REMOTE_NAMES}
+        self.keys.update({name: nip98.public_key_of(secret) for name, secret in self.secrets.items()})
+        self.effects_path = log_dir / "remote-effects.jsonl"
         self.env = {
             **worker_env(connection.settings_dict, run_id, min_lease_seconds=1.0),
             "BUZZ_MIN_LEASE_SECONDS": "1",
@@ -157,12 +178,16 @@ class SystemScenario:
 
     # -- processes ---------------------------------------------------------------------------
     def _start(self, name: str, args: list[str]) -> Proc:
+        return self._start_raw(name, [sys.executable, "-m", "django", *args])
+
+    def _start_raw(self, name: str, command: list[str]) -> Proc:
         out_path, err_path = self.log_dir / f"{name}.out", self.log_dir / f"{name}.log"
         out, err = out_path.open("w"), err_path.open("w")
         process = subprocess.Popen(
-            [sys.executable, "-m", "django", *args],
+            command,
             cwd=str(getattr(settings, "BASE_DIR", Path.cwd())),
-            env={**self.env, "PGAPPNAME": application_name(name)},
+            env={**self.env, "PGAPPNAME": application_name(name), "BUZZ_DEMO_EFFECTS": str(self.effects_path),
+                 "PYTHONPATH": str(getattr(settings, "BASE_DIR", Path.cwd()))},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
@@ -189,6 +214,46 @@ class SystemScenario:
         for community in communities:
             args += ["--community", str(community)]
         return self._start(name, args)
+
+    def _gateway(self) -> str:
+        """Serve the example project's gateway with gunicorn (docs/gateway.md) on a free local
+        port; returns its base URL once it answers."""
+        import socket
+
+        import httpx
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.env.update(BUZZ_GATEWAY_POLL_SECONDS="0.5", BUZZ_GATEWAY_MAX_WAIT_SECONDS="10")
+        proc = self._start_raw(
+            "gateway",
+            [sys.executable, "-m", "gunicorn", "project.wsgi:application", "--worker-class", "gthread",
+             "--workers", "1", "--threads", "8", "--bind", f"127.0.0.1:{port}", "--timeout", "60",
+             "--graceful-timeout", "5", "--no-control-socket"],
+        )
+        base = f"http://127.0.0.1:{port}/gateway/v1"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.process.poll() is not None:
+                raise RuntimeError(f"the gateway exited {proc.process.returncode}: see {self.log_dir}/gateway.log")
+            try:
+                if httpx.get(base + "/openapi.json", timeout=1).status_code == 200:
+                    return base
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(f"the gateway did not answer within 30 s: see {self.log_dir}/gateway.log")
+
+    def _remote_worker(self, name: str, mode: str, agent: str, handler: str, base: str) -> Proc:
+        key_file = self.log_dir / f"{agent}.key"
+        key_file.write_text(self.secrets[agent].hex())
+        key_file.chmod(0o600)
+        return self._start_raw(
+            name,
+            [sys.executable, "-m", "buzz_delivery.gateway.client", mode, "--url", base, "--key-file", str(key_file),
+             "--handler", handler, "--lease-seconds", "5", "--wait-seconds", "2", "--renew-every", "1",
+             "--shutdown-grace", "5"],
+        )
 
     def _kill(self, proc: Proc) -> None:
         os.kill(proc.pid, signal.SIGKILL)
@@ -244,17 +309,27 @@ class SystemScenario:
             for i, text in enumerate(("urgent: the site is down", "a question about invoices",
                                       "URGENT refund please", "thanks for the help")):
                 self._start_run(ops1 if i % 2 == 0 else ops2, "triage", {"text": text, "customer": f"c{i}"})
+            for secret_name in REMOTE_NAMES:
+                gateway.enroll(ops1.id, self.keys[secret_name], enrolled_by="demo")
+            base = self._gateway()
+            self._remote_worker("remote-work-runs", "work-runs", "remote", REMOTE_HANDLER, base)
+            self._remote_worker("remote-work", "work", "courier", REMOTE_DELIVERY_HANDLER, base)
+            self.facts.gateway_url = base
+            for n in (1, 2):
+                self._start_run(ops1, "remote help", {"n": n})
             refund_runs = [self._start_run(ops1, "refund", {"order": n}) for n in (7, 8)]
             self.facts.cancelled_run_id = refund_runs[1]
             self._start_run(ops1, "provision", {})
             self.say(
                 f"Second act: {len(self.facts.workflow_run_ids)} workflow runs in 2 communities; "
-                f"{len(self.procs)} workflow and agent worker processes (logs in {self.log_dir})"
+                f"{len(self.procs)} processes: workflow and agent workers, the gateway and its remote workers (logs in {self.log_dir})"
             )
             self._drive(crunch_run, wf_stuck, ag_stuck)
         finally:
             self._stop_all()
             audit.remove_states(self.run_id)
+            self._import_remote_effects()
+        self.facts.remote_agents = {name: self.keys[name].hex() for name in REMOTE_NAMES}
         self.facts.workers = [
             {"name": p.name, "pid": p.pid, "killed": p.killed, "returncode": p.process.returncode,
              "summary": _summary(p.stdout_path)}
@@ -306,6 +381,18 @@ class SystemScenario:
             time.sleep(TICK_SECONDS)
         self._reap()
 
+    def _import_remote_effects(self) -> None:
+        """The remote tools' effects (JSON lines) into :class:`ToolEffect`, for the checks."""
+        import json
+
+        if not self.effects_path.exists():
+            return
+        rows = [json.loads(line) for line in self.effects_path.read_text().splitlines() if line.strip()]
+        ToolEffect.objects.bulk_create(
+            ToolEffect(run_id=self.run_id, key=r["key"], kind=r["kind"], tool=r["tool"], worker_pid=r["pid"])
+            for r in rows
+        )
+
     def _reap(self) -> None:
         d = core.reap()
         w = reap_workflow_steps()
@@ -317,7 +404,8 @@ class SystemScenario:
     def _accept(self) -> None:
         """The inbox: claim each delivery to an agent and accept it (its agent run starts)."""
         for community in self.ops:
-            for name, key in self.keys.items():
+            for name in INBOX:
+                key = self.keys[name]
                 for claim in core.claim_deliveries(community.id, key, limit=10, lease_seconds=15,
                                                    holder="buzz-demo-inbox"):
                     outcome = agents.accept_delivery(claim.lease, input={"agent": name})
@@ -395,7 +483,7 @@ def _summary(path: Path) -> dict[str, Any] | None:
     import json
 
     for line in reversed(path.read_text().splitlines()):
-        if line.strip().startswith("{"):
+        if line.strip().startswith("{") and line.strip().endswith("}"):
             try:
                 return {k: v for k, v in json.loads(line).items() if isinstance(v, int)}
             except ValueError:
@@ -470,9 +558,12 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
     checks.append(Check("deliveries to agents: every one is terminal, settled once",
                         not open_d and not twice_d, f"{len(open_d)} open, {len(twice_d)} settled twice"))
     accepted_runs = AgentRun.objects.filter(community_id__in=ids, delivery_id__isnull=False).count()
+    courier_hex = facts.remote_agents.get("courier", "")
+    to_agents = [d for d in deliveries if bytes(d.target_pubkey).hex() != courier_hex]
+    finished = sum(1 for d in to_agents if d.status == "finished")
     checks.append(Check("deliveries to agents: each accepted delivery started exactly one agent run",
-                        accepted_runs == facts.accepted == delivery_states.get("finished", 0),
-                        f"{facts.accepted} accepted, {accepted_runs} runs, {delivery_states.get('finished', 0)} finished"))
+                        accepted_runs == facts.accepted == finished,
+                        f"{facts.accepted} accepted, {accepted_runs} runs, {finished} finished"))
 
     # Agent runs and their journal.
     agent_runs = list(AgentRun.objects.filter(community_id__in=ids))
@@ -539,9 +630,27 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
         f"{len(decided)} decided, {len(wrong_decider)} not by the operator's one decision, "
         f"{len(undecided)} left pending, second decisions {sorted(set(facts.second_decisions.values()))}"))
 
+    # The gateway: agent runs and deliveries worked by the remote worker over HTTP.
+    remote_key = bytes.fromhex(facts.remote_agents.get("remote", "00" * 32))
+    courier_key = bytes.fromhex(facts.remote_agents.get("courier", "00" * 32))
+    remote_runs = [r for r in agent_runs if bytes(r.agent_pubkey) == remote_key]
+    remote_calls = [e for e in tool_entries if e.run_id in {r.id for r in remote_runs}]
+    courier = [d for d in deliveries if bytes(d.target_pubkey) == courier_key]
+    courier_effects = sum(n for (k, kind), n in effects.items() if kind == "delivery")
+    layers["gateway"] = {
+        "remote_agent_runs": dict(Counter(r.state for r in remote_runs)), "remote_tool_calls": len(remote_calls),
+        "remote_deliveries": dict(Counter(d.status for d in courier)),
+    }
+    checks.append(Check(
+        "gateway: the remote worker's agent runs completed with their calls journaled, its deliveries finished once",
+        bool(remote_runs) and all(r.state == "completed" for r in remote_runs) and bool(remote_calls)
+        and bool(courier) and all(d.status == "finished" for d in courier) and courier_effects == len(courier),
+        f"{len(remote_runs)} remote runs, {len(remote_calls)} calls, {len(courier)} deliveries, "
+        f"{courier_effects} handled"))
+
     # Workers of the act.
     bad = [f"{w['name']} exited {w['returncode']}" for w in facts.workers
-           if not w["killed"] and (w["returncode"] != 0 or w["summary"] is None)]
+           if not w["killed"] and (w["returncode"] != 0 or (w["summary"] is None and w["name"] != "gateway"))]
     checks.append(Check("second act: each kind of worker killed with SIGKILL mid-lease; the others stopped cleanly",
                         set(facts.killed) == {"workflow", "agent"} and not bad,
                         "; ".join(bad) or f"killed {sorted(facts.killed.values())}"))
