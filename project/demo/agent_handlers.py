@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any
 
 from buzz_delivery.agents.runtime import NOT_MADE
@@ -28,10 +29,12 @@ class ProvisioningFailed(Exception):
     """The provisioning agent's failure (the run fails and is compensated)."""
 
 
+def _run_id() -> uuid.UUID:
+    return uuid.UUID(os.environ["BUZZ_DEMO_RUN"])
+
+
 def _effect(key: str, kind: str, tool: str) -> None:
-    ToolEffect.objects.create(
-        run_id=os.environ["BUZZ_DEMO_RUN"], key=key, kind=kind, tool=tool, worker_pid=os.getpid()
-    )
+    ToolEffect.objects.create(run_id=_run_id(), key=key, kind=kind, tool=tool, worker_pid=os.getpid())
 
 
 def search_kb(args: dict[str, Any], key: str) -> dict[str, Any]:
@@ -57,7 +60,7 @@ def reserve_machine(args: dict[str, Any], key: str) -> dict[str, Any]:
 
 def release_machine(args: dict[str, Any], output: Any, key: str) -> None:
     """The compensation of ``reserve_machine``: idempotent by its key."""
-    if not ToolEffect.objects.filter(run_id=os.environ["BUZZ_DEMO_RUN"], key=key).exists():
+    if not ToolEffect.objects.filter(run_id=_run_id(), key=key).exists():
         _effect(key, "compensate", "release_machine")
 
 
@@ -74,7 +77,7 @@ def charge(args: dict[str, Any], key: str) -> dict[str, Any]:
 
 def find_charge(args: dict[str, Any], key: str) -> Any:
     """``reconcile`` of the charge: did the tool already make it under this key?"""
-    if ToolEffect.objects.filter(run_id=os.environ["BUZZ_DEMO_RUN"], key=key, kind="call").exists():
+    if ToolEffect.objects.filter(run_id=_run_id(), key=key, kind="call").exists():
         return {"charged": args["amount"], "reconciled": True}
     return NOT_MADE
 

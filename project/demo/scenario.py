@@ -23,8 +23,8 @@ from buzz_delivery import services
 from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from project.demo import audit
 from project.demo.models import DemoRun, HandlerCall
-from project.demo.system import SystemScenario, build_system_checks, system_facts_json
 from project.demo.report import ReaperTally, RunFacts, WorkerOutcome, build_report
+from project.demo.system import SystemScenario, build_system_checks, system_facts_json
 from project.demo.workers import WorkerProcess, start_worker, stop_all, worker_env
 from project.demo.workload import Producer, Tenant, create_tenants
 

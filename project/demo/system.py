@@ -114,10 +114,19 @@ def _definitions(keys: dict[str, bytes], child_id: uuid.UUID) -> dict[str, dict[
         "triage": {
             "steps": [
                 fn("classify", "demo.classify", input={"text": {"$ref": "input.text"}}),
-                fn("enrich", "demo.enrich", depends_on=["classify"],
-                   input={"words": {"$ref": "steps.classify.output.words"}}),
-                send("escalate", "lookup", "lookup: the customer's last three orders", depends_on=["classify"],
-                     when={"ref": "steps.classify.output.urgent", "equals": True}),
+                fn(
+                    "enrich",
+                    "demo.enrich",
+                    depends_on=["classify"],
+                    input={"words": {"$ref": "steps.classify.output.words"}},
+                ),
+                send(
+                    "escalate",
+                    "lookup",
+                    "lookup: the customer's last three orders",
+                    depends_on=["classify"],
+                    when={"ref": "steps.classify.output.urgent", "equals": True},
+                ),
                 {"key": "file", "kind": "sub_workflow", "depends_on": ["enrich"], "workflow": str(child_id)},
             ]
         },
@@ -131,8 +140,9 @@ def _definitions(keys: dict[str, bytes], child_id: uuid.UUID) -> dict[str, dict[
         "provision": {
             "steps": [
                 fn("prepare", "demo.summarize"),
-                send("provision", "provision", "provision: a build machine", depends_on=["prepare"],
-                     on_error="continue"),
+                send(
+                    "provision", "provision", "provision: a build machine", depends_on=["prepare"], on_error="continue"
+                ),
                 fn("cleanup", "demo.summarize", depends_on=["provision"]),
             ]
         },
@@ -147,8 +157,14 @@ def _definitions(keys: dict[str, bytes], child_id: uuid.UUID) -> dict[str, dict[
             "steps": [
                 fn("ask", "demo.summarize"),
                 send("look_up", "remote", "lookup remotely: the order history", depends_on=["ask"]),
-                {"key": "notify", "kind": "send_message", "targets": [keys["courier"].hex()],
-                 "content": "notify: your answer is ready", "await": "delivered", "depends_on": ["look_up"]},
+                {
+                    "key": "notify",
+                    "kind": "send_message",
+                    "targets": [keys["courier"].hex()],
+                    "content": "notify: your answer is ready",
+                    "await": "delivered",
+                    "depends_on": ["look_up"],
+                },
                 fn("close", "demo.summarize", depends_on=["notify"]),
             ]
         },
@@ -186,8 +202,12 @@ class SystemScenario:
         process = subprocess.Popen(
             command,
             cwd=str(getattr(settings, "BASE_DIR", Path.cwd())),
-            env={**self.env, "PGAPPNAME": application_name(name), "BUZZ_DEMO_EFFECTS": str(self.effects_path),
-                 "PYTHONPATH": str(getattr(settings, "BASE_DIR", Path.cwd()))},
+            env={
+                **self.env,
+                "PGAPPNAME": application_name(name),
+                "BUZZ_DEMO_EFFECTS": str(self.effects_path),
+                "PYTHONPATH": str(getattr(settings, "BASE_DIR", Path.cwd())),
+            },
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
@@ -200,15 +220,39 @@ class SystemScenario:
     def _workflow_worker(self, name: str, community: uuid.UUID, concurrency: int) -> Proc:
         return self._start(
             name,
-            ["run_workflow_worker", "--community", str(community), "--concurrency", str(concurrency),
-             "--lease-seconds", f"{LEASE_SECONDS:g}", "--poll-interval", "0.5", "--shutdown-grace", "5",
-             "--idle-exit", f"{self.timeout + 60:g}"],
+            [
+                "run_workflow_worker",
+                "--community",
+                str(community),
+                "--concurrency",
+                str(concurrency),
+                "--lease-seconds",
+                f"{LEASE_SECONDS:g}",
+                "--poll-interval",
+                "0.5",
+                "--shutdown-grace",
+                "5",
+                "--idle-exit",
+                f"{self.timeout + 60:g}",
+            ],
         )
 
     def _agent_worker(self, name: str, agent_names: list[str], communities: list[uuid.UUID]) -> Proc:
-        args = ["run_agent_worker", "--handler", AGENT_HANDLER, "--concurrency", "2",
-                "--lease-seconds", f"{LEASE_SECONDS:g}", "--poll-seconds", "0.5", "--shutdown-grace", "5",
-                "--worker-id", application_name(name)]
+        args = [
+            "run_agent_worker",
+            "--handler",
+            AGENT_HANDLER,
+            "--concurrency",
+            "2",
+            "--lease-seconds",
+            f"{LEASE_SECONDS:g}",
+            "--poll-seconds",
+            "0.5",
+            "--shutdown-grace",
+            "5",
+            "--worker-id",
+            application_name(name),
+        ]
         for agent in agent_names:
             args += ["--agent", self.keys[agent].hex()]
         for community in communities:
@@ -228,9 +272,25 @@ class SystemScenario:
         self.env.update(BUZZ_GATEWAY_POLL_SECONDS="0.5", BUZZ_GATEWAY_MAX_WAIT_SECONDS="10")
         proc = self._start_raw(
             "gateway",
-            [sys.executable, "-m", "gunicorn", "project.wsgi:application", "--worker-class", "gthread",
-             "--workers", "1", "--threads", "8", "--bind", f"127.0.0.1:{port}", "--timeout", "60",
-             "--graceful-timeout", "5", "--no-control-socket"],
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "project.wsgi:application",
+                "--worker-class",
+                "gthread",
+                "--workers",
+                "1",
+                "--threads",
+                "8",
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--timeout",
+                "60",
+                "--graceful-timeout",
+                "5",
+                "--no-control-socket",
+            ],
         )
         base = f"http://127.0.0.1:{port}/gateway/v1"
         deadline = time.monotonic() + 30
@@ -250,9 +310,26 @@ class SystemScenario:
         key_file.chmod(0o600)
         return self._start_raw(
             name,
-            [sys.executable, "-m", "buzz_delivery.gateway.client", mode, "--url", base, "--key-file", str(key_file),
-             "--handler", handler, "--lease-seconds", "5", "--wait-seconds", "2", "--renew-every", "1",
-             "--shutdown-grace", "5"],
+            [
+                sys.executable,
+                "-m",
+                "buzz_delivery.gateway.client",
+                mode,
+                "--url",
+                base,
+                "--key-file",
+                str(key_file),
+                "--handler",
+                handler,
+                "--lease-seconds",
+                "5",
+                "--wait-seconds",
+                "2",
+                "--renew-every",
+                "1",
+                "--shutdown-grace",
+                "5",
+            ],
         )
 
     def _kill(self, proc: Proc) -> None:
@@ -306,8 +383,9 @@ class SystemScenario:
             ag_stuck = self._agent_worker("agent-charge-stuck", ["charge"], [ops2.id])
             self._workflow_worker("wf-ops1", ops1.id, 2)
             self._agent_worker("agent-main", ["lookup", "refund", "provision"], [ops1.id, ops2.id])
-            for i, text in enumerate(("urgent: the site is down", "a question about invoices",
-                                      "URGENT refund please", "thanks for the help")):
+            for i, text in enumerate(
+                ("urgent: the site is down", "a question about invoices", "URGENT refund please", "thanks for the help")
+            ):
                 self._start_run(ops1 if i % 2 == 0 else ops2, "triage", {"text": text, "customer": f"c{i}"})
             for secret_name in REMOTE_NAMES:
                 gateway.enroll(ops1.id, self.keys[secret_name], enrolled_by="demo")
@@ -322,7 +400,8 @@ class SystemScenario:
             self._start_run(ops1, "provision", {})
             self.say(
                 f"Second act: {len(self.facts.workflow_run_ids)} workflow runs in 2 communities; "
-                f"{len(self.procs)} processes: workflow and agent workers, the gateway and its remote workers (logs in {self.log_dir})"
+                f"{len(self.procs)} processes: workflow and agent workers, the gateway and its remote workers "
+                f"(logs in {self.log_dir})"
             )
             self._drive(crunch_run, wf_stuck, ag_stuck)
         finally:
@@ -331,8 +410,13 @@ class SystemScenario:
             self._import_remote_effects()
         self.facts.remote_agents = {name: self.keys[name].hex() for name in REMOTE_NAMES}
         self.facts.workers = [
-            {"name": p.name, "pid": p.pid, "killed": p.killed, "returncode": p.process.returncode,
-             "summary": _summary(p.stdout_path)}
+            {
+                "name": p.name,
+                "pid": p.pid,
+                "killed": p.killed,
+                "returncode": p.process.returncode,
+                "summary": _summary(p.stdout_path),
+            }
             for p in self.procs
         ]
         self.facts.seconds = round(time.monotonic() - started, 1)
@@ -340,7 +424,7 @@ class SystemScenario:
 
     def _drive(self, crunch_run: uuid.UUID, wf_stuck: Proc, ag_stuck: Proc) -> None:
         facts = self.facts
-        ops1, ops2 = self.ops
+        ops2 = self.ops[1]
         deadline = time.monotonic() + self.timeout
         next_reap = 0.0
         while True:
@@ -367,8 +451,7 @@ class SystemScenario:
                     facts.killed["agent"] = ag_stuck.name
                     facts.kill_leases["agent"] = str(held.id)
                     self.say(
-                        f"Killed agent worker {ag_stuck.name} with SIGKILL mid-call (the charge was made, "
-                        "not recorded)"
+                        f"Killed agent worker {ag_stuck.name} with SIGKILL mid-call (the charge was made, not recorded)"
                     )
                     self._agent_worker("agent-charge", ["charge"], [ops2.id])
             self._operate()
@@ -406,8 +489,9 @@ class SystemScenario:
         for community in self.ops:
             for name in INBOX:
                 key = self.keys[name]
-                for claim in core.claim_deliveries(community.id, key, limit=10, lease_seconds=15,
-                                                   holder="buzz-demo-inbox"):
+                for claim in core.claim_deliveries(
+                    community.id, key, limit=10, lease_seconds=15, holder="buzz-demo-inbox"
+                ):
                     outcome = agents.accept_delivery(claim.lease, input={"agent": name})
                     if isinstance(outcome, agents.Accepted):
                         self.facts.accepted += 1
@@ -421,12 +505,15 @@ class SystemScenario:
         ops1 = self.ops[0]
         queue = []
         for agent_run in AgentRun.objects.filter(community_id__in=facts.community_ids, state="waiting_approval"):
-            if agent_run.source_run_id == facts.cancelled_run_id and "cancel" not in facts.reaped:
-                outcome = engine.cancel_run(ops1.id, facts.cancelled_run_id)
+            target = facts.cancelled_run_id
+            if target is not None and agent_run.source_run_id == target and "cancel" not in facts.reaped:
+                cancelled = engine.cancel_run(ops1.id, target)
                 facts.reaped["cancel"] = 1
                 facts.after_cancel[str(agent_run.approval_id)] = ""
-                self.say(f"Cancelled workflow run {facts.cancelled_run_id} midway (its agent waited "
-                         f"for an approval): {type(outcome).__name__}")
+                self.say(
+                    f"Cancelled workflow run {target} midway (its agent waited "
+                    f"for an approval): {type(cancelled).__name__}"
+                )
             queue.append((agent_run.community_id, str(agent_run.approval_id)))
         for community_id, approval_id in queue:
             if approval_id in facts.decisions:
@@ -442,8 +529,10 @@ class SystemScenario:
                         "finding: the approval of the agent run that the workflow cancel ended stayed pending in "
                         "the queue, and the operator's decision on it was accepted (the agent run stayed cancelled)"
                     )
-            self.say(f"The operator approved approval {approval_id[:8]}: {type(outcome).__name__}; "
-                     f"a second decision: {type(again).__name__}")
+            self.say(
+                f"The operator approved approval {approval_id[:8]}: {type(outcome).__name__}; "
+                f"a second decision: {type(again).__name__}"
+            )
 
     def _all_done(self) -> bool:
         ids = self.facts.community_ids
@@ -503,6 +592,13 @@ def _moves_into_terminal(run_id: uuid.UUID) -> Counter[tuple[str, uuid.UUID]]:
     return counts
 
 
+def _settled_once_by_holder(history: list[dict[str, Any]]) -> bool:
+    """One ``settle`` entry in a delivery's history, made by the actor that claimed that generation."""
+    claims = {e.get("generation"): e.get("actor") for e in history if e.get("event") == "claim"}
+    settles = [e for e in history if e.get("event") == "settle"]
+    return len(settles) == 1 and claims.get(settles[0].get("generation")) == settles[0].get("actor")
+
+
 def _terminal_moves(history: list[dict[str, Any]], terminal: set[str]) -> int:
     """How many entries of a row's history moved it into a terminal state."""
     count = 0
@@ -530,40 +626,74 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
     twice = [s for s in steps if moves[("buzz_workflows_step", s.id)] > 1]
     silent = [s for s in steps if s.state in TERMINAL_STEP and moves[("buzz_workflows_step", s.id)] == 0]
     layers["workflows"] = {
-        "runs": dict(run_states), "sub_workflow_runs": sum(1 for r in runs if r.parent_run_id),
-        "steps": dict(step_states), "reclaimed_steps": facts.reaped.get("steps_reclaimed", 0),
+        "runs": dict(run_states),
+        "sub_workflow_runs": sum(1 for r in runs if r.parent_run_id),
+        "steps": dict(step_states),
+        "reclaimed_steps": facts.reaped.get("steps_reclaimed", 0),
     }
-    checks.append(Check("workflows: every run and every step is terminal", not open_runs and not open_steps,
-                        f"{len(open_runs)} runs, {len(open_steps)} steps not terminal"))
-    checks.append(Check("workflows: each step became terminal exactly once (the audit of its state)", not twice and not silent,
-                        f"{len(twice)} more than once, {len(silent)} terminal without a recorded move"))
+    checks.append(
+        Check(
+            "workflows: every run and every step is terminal",
+            not open_runs and not open_steps,
+            f"{len(open_runs)} runs, {len(open_steps)} steps not terminal",
+        )
+    )
+    checks.append(
+        Check(
+            "workflows: each step became terminal exactly once (the audit of its state)",
+            not twice and not silent,
+            f"{len(twice)} more than once, {len(silent)} terminal without a recorded move",
+        )
+    )
     cancelled = next((r for r in runs if r.pk == facts.cancelled_run_id), None)
-    checks.append(Check("workflows: the run cancelled midway ended canceled",
-                        cancelled is not None and cancelled.state == "canceled",
-                        f"state {cancelled.state if cancelled else None}"))
+    checks.append(
+        Check(
+            "workflows: the run cancelled midway ended canceled",
+            cancelled is not None and cancelled.state == "canceled",
+            f"state {cancelled.state if cancelled else None}",
+        )
+    )
     killed_step = next((s for s in steps if str(s.id) == facts.kill_leases.get("workflow")), None)
-    checks.append(Check(
-        "workflows: the step held by the killed workflow worker was reclaimed and succeeded on a later attempt",
-        killed_step is not None and killed_step.state == "succeeded" and killed_step.attempts >= 2,
-        f"state {killed_step.state if killed_step else None}, attempts {killed_step.attempts if killed_step else 0}"))
+    checks.append(
+        Check(
+            "workflows: the step held by the killed workflow worker was reclaimed and succeeded on a later attempt",
+            killed_step is not None and killed_step.state == "succeeded" and killed_step.attempts >= 2,
+            f"state {killed_step.state if killed_step else None}, "
+            f"attempts {killed_step.attempts if killed_step else 0}",
+        )
+    )
 
     # Deliveries of the second act: every one settled, each once.
     deliveries = list(WorkflowAgentDelivery.objects.filter(community_id__in=ids))
     delivery_states = Counter(d.status for d in deliveries)
     terminal = {str(s) for s in TERMINAL_STATUSES}
     open_d = [d for d in deliveries if d.status not in terminal]
-    twice_d = [d for d in deliveries if _terminal_moves(getattr(d, "history", None) or [], terminal) > 1]
-    layers["deliveries"] = {"status": dict(delivery_states), "accepted": facts.accepted,
-                            "accept_misses": facts.accept_misses}
-    checks.append(Check("deliveries to agents: every one is terminal, settled once",
-                        not open_d and not twice_d, f"{len(open_d)} open, {len(twice_d)} settled twice"))
+    twice_d = [d for d in deliveries if _terminal_moves(d.history or [], terminal) > 1]
+    not_by_holder = [d for d in deliveries if d.status == "finished" and not _settled_once_by_holder(d.history or [])]
+    layers["deliveries"] = {
+        "status": dict(delivery_states),
+        "accepted": facts.accepted,
+        "accept_misses": facts.accept_misses,
+    }
+    checks.append(
+        Check(
+            "deliveries of the second act: every one is terminal, settled once, by the holder of its lease",
+            not open_d and not twice_d and not not_by_holder,
+            f"{len(open_d)} open, {len(twice_d)} settled twice, {len(not_by_holder)} not by the lease's "
+            "claimer (the inbox, or the remote worker through the gateway)",
+        )
+    )
     accepted_runs = AgentRun.objects.filter(community_id__in=ids, delivery_id__isnull=False).count()
     courier_hex = facts.remote_agents.get("courier", "")
     to_agents = [d for d in deliveries if bytes(d.target_pubkey).hex() != courier_hex]
     finished = sum(1 for d in to_agents if d.status == "finished")
-    checks.append(Check("deliveries to agents: each accepted delivery started exactly one agent run",
-                        accepted_runs == facts.accepted == finished,
-                        f"{facts.accepted} accepted, {accepted_runs} runs, {finished} finished"))
+    checks.append(
+        Check(
+            "deliveries to agents: each accepted delivery started exactly one agent run",
+            accepted_runs == facts.accepted == finished,
+            f"{facts.accepted} accepted, {accepted_runs} runs, {finished} finished",
+        )
+    )
 
     # Agent runs and their journal.
     agent_runs = list(AgentRun.objects.filter(community_id__in=ids))
@@ -572,63 +702,107 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
     effects = Counter((e.key, e.kind) for e in ToolEffect.objects.filter(run_id=facts.run_id))
     tool_entries = [e for e in entries if e.kind == "tool"]
     made_twice = [e for e in tool_entries if effects[(e.idempotency_key, "call")] > 1]
-    unjournaled = [k for (k, kind), n in effects.items()
-                   if kind == "call" and k not in {e.idempotency_key for e in tool_entries}]
-    succeeded_without = [e for e in tool_entries if e.status == "succeeded" and effects[(e.idempotency_key, "call")] != 1]
+    unjournaled = [
+        k for (k, kind), n in effects.items() if kind == "call" and k not in {e.idempotency_key for e in tool_entries}
+    ]
+    succeeded_without = [
+        e for e in tool_entries if e.status == "succeeded" and effects[(e.idempotency_key, "call")] != 1
+    ]
     # A call recorded under another lease than the one that journaled it: a resumed run reconciled it.
     reconciled = [e for e in tool_entries if e.result_generation is not None and e.result_generation != e.generation]
     layers["agents"] = {
-        "runs": dict(agent_states), "tool_calls": len(tool_entries), "reconciled": len(reconciled),
+        "runs": dict(agent_states),
+        "tool_calls": len(tool_entries),
+        "reconciled": len(reconciled),
         "reclaimed_runs": facts.reaped.get("agent_runs_reclaimed", 0),
     }
     agent_twice = [r for r in agent_runs if moves[("buzz_agents_run", r.id)] != 1]
-    checks.append(Check("agents: every agent run is terminal, and became so exactly once",
-                        all(r.state in TERMINAL_AGENT for r in agent_runs) and bool(agent_runs) and not agent_twice,
-                        f"{sum(1 for r in agent_runs if r.state not in TERMINAL_AGENT)} of {len(agent_runs)} open, "
-                        f"{len(agent_twice)} not terminal exactly once"))
-    checks.append(Check(
-        "journal: every journaled call made its effect at most once (a resumed one reconciled, not made again)",
-        not made_twice and not unjournaled and not succeeded_without,
-        f"{len(tool_entries)} calls, {len(made_twice)} made twice, {len(unjournaled)} effects without an entry, "
-        f"{len(succeeded_without)} succeeded without exactly one effect, {len(reconciled)} reconciled"))
+    checks.append(
+        Check(
+            "agents: every agent run is terminal, and became so exactly once",
+            all(r.state in TERMINAL_AGENT for r in agent_runs) and bool(agent_runs) and not agent_twice,
+            f"{sum(1 for r in agent_runs if r.state not in TERMINAL_AGENT)} of {len(agent_runs)} open, "
+            f"{len(agent_twice)} not terminal exactly once",
+        )
+    )
+    checks.append(
+        Check(
+            "journal: every journaled call made its effect at most once (a resumed one reconciled, not made again)",
+            not made_twice and not unjournaled and not succeeded_without,
+            f"{len(tool_entries)} calls, {len(made_twice)} made twice, {len(unjournaled)} effects without an entry, "
+            f"{len(succeeded_without)} succeeded without exactly one effect, {len(reconciled)} reconciled",
+        )
+    )
     killed_run = next((r for r in agent_runs if str(r.id) == facts.kill_leases.get("agent")), None)
-    checks.append(Check(
-        "agents: the run held by the killed agent worker was reclaimed, resumed from its journal and completed",
-        killed_run is not None and killed_run.state == "completed"
-        and any(e.run_id == killed_run.id for e in reconciled),
-        f"state {killed_run.state if killed_run else None}, "
-        f"{sum(1 for e in reconciled if killed_run and e.run_id == killed_run.id)} of its calls reconciled"))
+    checks.append(
+        Check(
+            "agents: the run held by the killed agent worker was reclaimed, resumed from its journal and completed",
+            killed_run is not None
+            and killed_run.state == "completed"
+            and any(e.run_id == killed_run.id for e in reconciled),
+            f"state {killed_run.state if killed_run else None}, "
+            f"{sum(1 for e in reconciled if killed_run and e.run_id == killed_run.id)} of its calls reconciled",
+        )
+    )
 
     # Compensations.
     with_comp = [e for e in tool_entries if e.compensation]
     comp_done = [e for e in with_comp if e.compensation_status == "compensated"]
-    comp_wrong = [e for e in with_comp
-                  if effects[(f"{e.idempotency_key}:compensate", "compensate")] != (1 if e.compensation_status == "compensated" else 0)]
-    stray = [k for (k, kind), n in effects.items() if kind == "compensate"
-             and k.removesuffix(":compensate") not in {e.idempotency_key for e in with_comp}]
+    comp_wrong = [
+        e
+        for e in with_comp
+        if effects[(f"{e.idempotency_key}:compensate", "compensate")]
+        != (1 if e.compensation_status == "compensated" else 0)
+    ]
+    stray = [
+        k
+        for (k, kind), n in effects.items()
+        if kind == "compensate" and k.removesuffix(":compensate") not in {e.idempotency_key for e in with_comp}
+    ]
     failed_agent = [r for r in agent_runs if r.state == "failed" and r.failure_code != "approval_expired"]
-    layers["compensation"] = {"compensable_calls": len(with_comp), "compensated": len(comp_done),
-                              "failed_runs": len(failed_agent)}
-    checks.append(Check("compensation: the failed agent run's calls were compensated, each exactly once",
-                        bool(comp_done) and not comp_wrong and not stray,
-                        f"{len(comp_done)} compensated, {len(comp_wrong)} with another count of effects, {len(stray)} stray"))
+    layers["compensation"] = {
+        "compensable_calls": len(with_comp),
+        "compensated": len(comp_done),
+        "failed_runs": len(failed_agent),
+    }
+    checks.append(
+        Check(
+            "compensation: the failed agent run's calls were compensated, each exactly once",
+            bool(comp_done) and not comp_wrong and not stray,
+            f"{len(comp_done)} compensated, {len(comp_wrong)} with another count of effects, {len(stray)} stray",
+        )
+    )
 
     # Approvals.
     approvals = list(Approval.objects.filter(community_id__in=ids))
     approval_states = Counter(a.state for a in approvals)
     decided = [a for a in approvals if a.state in ("approved", "rejected")]
-    wrong_decider = [a for a in decided if a.decided_by != OPERATOR or facts.decisions.get(str(a.id)) != "Decided"
-                     or moves[("buzz_workflows_approval", a.id)] != 1]
+    wrong_decider = [
+        a
+        for a in decided
+        if a.decided_by != OPERATOR
+        or facts.decisions.get(str(a.id)) != "Decided"
+        or moves[("buzz_workflows_approval", a.id)] != 1
+    ]
     second_ok = all(facts.second_decisions.get(str(a.id)) == "AlreadyDecided" for a in decided)
     undecided = [a for a in approvals if a.state == "pending"]
-    layers["approvals"] = {"states": dict(approval_states), "decided": len(decided),
-                           "second_decisions_refused": sum(1 for v in facts.second_decisions.values() if v == "AlreadyDecided")}
-    checks.append(Check(
-        "approvals: every approval decided exactly once, by the operator's one decision (a second decision refused)",
-        bool(decided) and not wrong_decider and second_ok and not undecided
-        and len(facts.decisions) == len(decided),
-        f"{len(decided)} decided, {len(wrong_decider)} not by the operator's one decision, "
-        f"{len(undecided)} left pending, second decisions {sorted(set(facts.second_decisions.values()))}"))
+    layers["approvals"] = {
+        "states": dict(approval_states),
+        "decided": len(decided),
+        "second_decisions_refused": sum(1 for v in facts.second_decisions.values() if v == "AlreadyDecided"),
+    }
+    checks.append(
+        Check(
+            "approvals: every approval decided exactly once, by the operator's one decision (a second decision refused)",  # noqa: E501
+            bool(decided)
+            and not wrong_decider
+            and second_ok
+            and not undecided
+            and len(facts.decisions) == len(decided),
+            f"{len(decided)} decided, {len(wrong_decider)} not by the operator's one decision, "
+            f"{len(undecided)} left pending, second decisions {sorted(set(facts.second_decisions.values()))}",
+        )
+    )
 
     # The gateway: agent runs and deliveries worked by the remote worker over HTTP.
     remote_key = bytes.fromhex(facts.remote_agents.get("remote", "00" * 32))
@@ -638,20 +812,35 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
     courier = [d for d in deliveries if bytes(d.target_pubkey) == courier_key]
     courier_effects = sum(n for (k, kind), n in effects.items() if kind == "delivery")
     layers["gateway"] = {
-        "remote_agent_runs": dict(Counter(r.state for r in remote_runs)), "remote_tool_calls": len(remote_calls),
+        "remote_agent_runs": dict(Counter(r.state for r in remote_runs)),
+        "remote_tool_calls": len(remote_calls),
         "remote_deliveries": dict(Counter(d.status for d in courier)),
     }
-    checks.append(Check(
-        "gateway: the remote worker's agent runs completed with their calls journaled, its deliveries finished once",
-        bool(remote_runs) and all(r.state == "completed" for r in remote_runs) and bool(remote_calls)
-        and bool(courier) and all(d.status == "finished" for d in courier) and courier_effects == len(courier),
-        f"{len(remote_runs)} remote runs, {len(remote_calls)} calls, {len(courier)} deliveries, "
-        f"{courier_effects} handled"))
+    checks.append(
+        Check(
+            "gateway: the remote worker's agent runs completed with their calls journaled, its deliveries finished once",  # noqa: E501
+            bool(remote_runs)
+            and all(r.state == "completed" for r in remote_runs)
+            and bool(remote_calls)
+            and bool(courier)
+            and all(d.status == "finished" for d in courier)
+            and courier_effects == len(courier),
+            f"{len(remote_runs)} remote runs, {len(remote_calls)} calls, {len(courier)} deliveries, "
+            f"{courier_effects} handled",
+        )
+    )
 
     # Workers of the act.
-    bad = [f"{w['name']} exited {w['returncode']}" for w in facts.workers
-           if not w["killed"] and (w["returncode"] != 0 or (w["summary"] is None and w["name"] != "gateway"))]
-    checks.append(Check("second act: each kind of worker killed with SIGKILL mid-lease; the others stopped cleanly",
-                        set(facts.killed) == {"workflow", "agent"} and not bad,
-                        "; ".join(bad) or f"killed {sorted(facts.killed.values())}"))
+    bad = [
+        f"{w['name']} exited {w['returncode']}"
+        for w in facts.workers
+        if not w["killed"] and (w["returncode"] != 0 or (w["summary"] is None and w["name"] != "gateway"))
+    ]
+    checks.append(
+        Check(
+            "second act: each kind of worker killed with SIGKILL mid-lease; the others stopped cleanly",
+            set(facts.killed) == {"workflow", "agent"} and not bad,
+            "; ".join(bad) or f"killed {sorted(facts.killed.values())}",
+        )
+    )
     return layers, checks
