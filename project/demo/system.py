@@ -530,7 +530,7 @@ class SystemScenario:
                         "the queue, and the operator's decision on it was accepted (the agent run stayed cancelled)"
                     )
             self.say(
-                f"The operator approved approval {approval_id[:8]}: {type(outcome).__name__}; "
+                f"The operator approved approval …{approval_id[-8:]}: {type(outcome).__name__}; "
                 f"a second decision: {type(again).__name__}"
             )
 
