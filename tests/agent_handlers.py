@@ -140,3 +140,14 @@ def hangs(ctx):
 
     while True:
         time.sleep(0.1)
+
+
+def undo_as_login(args: dict, output, key: str) -> None:
+    """A compensation that records which role and community it runs as (SPEC 13: user code runs
+    as the login role, its community as context, like a handler)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_user = session_user, current_setting('buzz.community_id', true)")
+        as_login, community = cursor.fetchone()
+    _write(f"role {key}:{as_login}:{community}")

@@ -314,3 +314,15 @@ def test_a_call_pending_when_the_run_is_sent_to_unwind_is_marked_uncertain_and_c
         ("failed", True, "compensated"),
     ]
     assert ran(lease.run_id) == [2, 1]
+
+
+@pytest.mark.django_db
+def test_a_compensation_runs_as_the_login_role_with_its_community_like_a_handler(community):
+    """User code in a compensation keeps the login's grants on the project's own tables (it
+    could not write them as the tenant role: the demo's compensation was refused) and sees its
+    community as context, as a handler does."""
+    lease = with_calls(community, n=1, compensation={"function": "tests.agent_handlers:undo_as_login"})
+    assert cancel_agent_run(community.id, lease.run_id) == Cancelled(lease.run_id)
+    assert unwind_with_a_worker(community) == "compensated"
+    (line,) = [x for x in h.ledger_lines() if x.startswith("role ")]
+    assert line == f"role {lease.run_id}:1:compensate:True:{community.id}"

@@ -10,8 +10,9 @@ import uuid
 import pytest
 from django.core.management import call_command
 
-from project.demo.models import DemoRun, StatusChange
+from project.demo.models import DemoRun, StateChange, StatusChange, ToolEffect
 from project.demo.report import ReaperTally, RunFacts, WorkerOutcome, build_report
+from project.demo.system import build_system_checks, system_facts_from
 
 DELIVERIES = 150
 
@@ -122,3 +123,66 @@ def test_demo_check_fails_when_the_workers_and_the_database_disagree(demo_report
         "every settle was made by the worker holding that lease (same generation it claimed)",
         "each worker's own counts match the settles the database recorded for its leases",
     ]
+
+
+def test_demo_second_act_checks_each_layer_and_fails_when_the_database_disagrees(demo_report):
+    """The second act (workflows, agent runs, journal, compensation, approvals, the gateway):
+    every per-layer check passes on a small run, and each fails when its evidence is tampered with."""
+    report, output = demo_report
+    system = report["system"]
+    assert [c["name"] for c in system["checks"] if not c["passed"]] == []
+    assert "Exactly-once checks, per layer" in output
+    layers = system["layers"]
+    assert layers["workflows"]["runs"].get("canceled") == 1 and layers["workflows"]["sub_workflow_runs"] >= 1
+    assert layers["workflows"]["steps"].get("skipped", 0) >= 1  # the condition was false somewhere
+    assert layers["agents"]["reconciled"] >= 1 and layers["compensation"]["compensated"] >= 1
+    assert layers["approvals"]["decided"] >= 1
+    assert layers["gateway"]["remote_agent_runs"] == {"completed": 2}
+    facts = system_facts_from(system["facts"])
+    assert set(facts.killed) == {"workflow", "agent"}
+
+    def failed() -> list[str]:
+        _, checks = build_system_checks(facts)
+        return [c.name for c in checks if not c.passed]
+
+    assert failed() == []
+
+    # 1. A journaled call's tool made its effect twice (as a resume that did not reconcile would).
+    effect = ToolEffect.objects.filter(run_id=report["run"], kind="call", tool="search_kb").first()
+    duplicate = ToolEffect.objects.create(
+        run_id=effect.run_id, key=effect.key, kind="call", tool=effect.tool, worker_pid=effect.worker_pid
+    )
+    assert failed() == [
+        "journal: every journaled call made its effect at most once (a resumed one reconciled, not made again)"
+    ]
+    duplicate.delete()
+
+    # 2. A compensation ran twice.
+    undo = ToolEffect.objects.filter(run_id=report["run"], kind="compensate").first()
+    again = ToolEffect.objects.create(
+        run_id=undo.run_id, key=undo.key, kind="compensate", tool=undo.tool, worker_pid=undo.worker_pid
+    )
+    assert failed() == ["compensation: the failed agent run's calls were compensated, each exactly once"]
+    again.delete()
+
+    # 3. An approval recorded as decided a second time.
+    decided = StateChange.objects.filter(
+        run_id=report["run"], table="buzz_workflows_approval", new_state="approved"
+    ).first()
+    StateChange.objects.create(
+        run_id=decided.run_id, table=decided.table, row_id=decided.row_id, community_id=decided.community_id,
+        old_state="pending", new_state="approved", application_name="someone else", at=decided.at,
+    )  # fmt: skip
+    assert failed() == [
+        "approvals: every approval decided exactly once, by the operator's one decision (a second decision refused)"
+    ]
+
+    # 4. A step recorded as becoming terminal twice.
+    step_move = StateChange.objects.filter(
+        run_id=report["run"], table="buzz_workflows_step", new_state="succeeded"
+    ).first()
+    StateChange.objects.create(
+        run_id=step_move.run_id, table=step_move.table, row_id=step_move.row_id,
+        community_id=step_move.community_id, old_state="running", new_state="succeeded", at=step_move.at,
+    )  # fmt: skip
+    assert "workflows: each step became terminal exactly once (the audit of its state)" in failed()

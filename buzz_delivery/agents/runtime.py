@@ -206,7 +206,8 @@ def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
             return "lost"
         try:
             function = pkgutil.resolve_name(began["compensation"]["function"])
-            function(began["args"], began["output"], began["key"])
+            with tenancy.handler(lease.community_id):  # the user's code, as the handler's: the login's role
+                function(began["args"], began["output"], began["key"])
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
             if not isinstance(

@@ -62,3 +62,48 @@ def remove(run_id: uuid.UUID) -> None:
     with connection.cursor() as cursor:
         cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {TABLE}")
         cursor.execute(f"DROP FUNCTION IF EXISTS {name}()")
+
+
+STATE_TABLES = ("buzz_workflows_step", "buzz_agents_run", "buzz_workflows_approval")
+
+
+def _state_name(run_id: uuid.UUID) -> str:
+    return f"buzz_demo_states_{uuid.UUID(str(run_id)).hex}"
+
+
+def install_states(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> None:
+    """A trigger on the engine's steps and approvals and on agent runs recording every change
+    of ``state`` of ``community_ids``' rows into :class:`~project.demo.models.StateChange`."""
+    ids = ",".join(str(uuid.UUID(str(c))) for c in community_ids)
+    run = str(uuid.UUID(str(run_id)))
+    name = _state_name(run_id)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql
+                SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+            BEGIN
+                IF NEW.community_id = ANY ('{{{ids}}}'::uuid[]) THEN
+                    INSERT INTO buzz_demo_statechange (run_id, "table", row_id, community_id, old_state,
+                        new_state, application_name, at)
+                    VALUES ('{run}', TG_TABLE_NAME, NEW.id, NEW.community_id, OLD.state, NEW.state,
+                        left(current_setting('application_name'), 64), clock_timestamp());
+                END IF;
+                RETURN NULL;
+            END $$
+            """
+        )
+        for table in STATE_TABLES:
+            cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {table}")
+            cursor.execute(
+                f"CREATE TRIGGER {name} AFTER UPDATE ON {table} FOR EACH ROW "
+                f"WHEN (OLD.state IS DISTINCT FROM NEW.state) EXECUTE FUNCTION {name}()"
+            )
+
+
+def remove_states(run_id: uuid.UUID) -> None:
+    name = _state_name(run_id)
+    with connection.cursor() as cursor:
+        for table in STATE_TABLES:
+            cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {table}")
+        cursor.execute(f"DROP FUNCTION IF EXISTS {name}()")

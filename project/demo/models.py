@@ -75,3 +75,45 @@ class StatusChange(models.Model):
 
     def __str__(self) -> str:
         return f"{self.delivery_id}: {self.old_status} -> {self.new_status} ({self.application_name})"
+
+
+class ToolEffect(models.Model):
+    """One side effect of a demo agent's tool, written by the tool itself (``kind`` ``call``)
+    or by its compensation (``compensate``), keyed by the idempotency key the runtime handed
+    it (``<agent run>:<seq>`` / ``<agent run>:<seq>:compensate``). The report counts them per
+    key: a journaled call must have made its effect at most once, a compensation once."""
+
+    run = models.ForeignKey(DemoRun, on_delete=models.CASCADE, related_name="tool_effects")
+    key = models.CharField(max_length=120)
+    kind = models.CharField(max_length=16)
+    tool = models.CharField(max_length=64)
+    worker_pid = models.IntegerField()
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "key"], name="demo_effect_key_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.tool} {self.key}"
+
+
+class StateChange(models.Model):
+    """One change of state of a workflow step, an agent run or an approval of the demo's second
+    act, written by a trigger the demo installs for its run (``project.demo.audit``), whoever
+    makes it (a worker, a trigger, the maintenance, the operator): the report counts each row's
+    moves into a terminal state."""
+
+    run = models.ForeignKey(DemoRun, on_delete=models.CASCADE, related_name="state_changes")
+    table = models.CharField(max_length=64)
+    row_id = models.UUIDField()
+    community_id = models.UUIDField()
+    old_state = models.CharField(max_length=20)
+    new_state = models.CharField(max_length=20)
+    application_name = models.CharField(max_length=64, blank=True, default="")
+    at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "table", "row_id"], name="demo_state_row_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.table} {self.row_id}: {self.old_state} -> {self.new_state}"

@@ -59,5 +59,33 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     for check in report["checks"]:
         mark = "[green]passed[/green]" if check["passed"] else "[bold red]FAILED[/bold red]"
         console.print(f"  {mark}  {check['name']} ({check['detail']})", highlight=False)
+    system = report.get("system")
+    if system:
+        _print_system(console, system)
     verdict = "[bold green]passed[/bold green]" if report["passed"] else "[bold red]FAILED[/bold red]"
     console.print(f"Exactly-once check: {verdict}")
+
+
+def _print_system(console: Console, system: dict[str, Any]) -> None:
+    """The second act: what happened per layer, its workers, and its checks."""
+    facts, layers = system["facts"], system["layers"]
+    console.print(f"\n[bold]Second act: workflows, agent runs, approvals[/bold] (took {facts['seconds']:.1f} s)")
+    table = Table(title="What happened, per layer", title_justify="left")
+    table.add_column("layer")
+    table.add_column("what happened")
+    for layer, values in layers.items():
+        table.add_row(layer, ", ".join(f"{k} {v}" for k, v in values.items()))
+    console.print(table)
+    workers = Table(title="Workflow and agent workers", title_justify="left")
+    for name in ("worker", "pid", "exit", "summary"):
+        workers.add_column(name)
+    for w in facts["workers"]:
+        summary = ", ".join(f"{k} {v}" for k, v in (w["summary"] or {}).items() if v) or "-"
+        workers.add_row(w["name"], str(w["pid"]), "SIGKILL" if w["killed"] else str(w["returncode"]), summary)
+    console.print(workers)
+    for note in facts.get("notes", []):
+        console.print(f"  note: {note}", highlight=False)
+    console.print("[bold]Exactly-once checks, per layer[/bold]")
+    for check in system["checks"]:
+        mark = "[green]passed[/green]" if check["passed"] else "[bold red]FAILED[/bold red]"
+        console.print(f"  {mark}  {check['name']} ({check['detail']})", highlight=False)

@@ -24,6 +24,7 @@ from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from project.demo import audit
 from project.demo.models import DemoRun, HandlerCall
 from project.demo.report import ReaperTally, RunFacts, WorkerOutcome, build_report
+from project.demo.system import SystemScenario, build_system_checks, system_facts_json
 from project.demo.workers import WorkerProcess, start_worker, stop_all, worker_env
 from project.demo.workload import Producer, Tenant, create_tenants
 
@@ -53,6 +54,8 @@ class ScenarioOptions:
     lease_seconds: float = 4.0
     timeout: float = 180.0
     seed: int | None = None
+    system: bool = True  # the second act: workflows, agent runs, approvals (project.demo.system)
+    system_timeout: float = 120.0
 
 
 class Scenario:
@@ -157,11 +160,24 @@ class Scenario:
             notes=self.notes,
         )
         report = build_report(facts)
+        if o.system:
+            self._second_act(run, log_dir, report)
         run.report = report
         run.passed = report["passed"]
         run.finished_at = timezone.now()
         run.save(update_fields=["report", "passed", "finished_at"])
         return report
+
+    def _second_act(self, run: DemoRun, log_dir: Path, report: dict[str, Any]) -> None:
+        """Workflows, agent runs, approvals, a cancel and killed workers of the other two kinds
+        (:mod:`project.demo.system`); its per-layer summary and checks join the report."""
+        label = run.started_at.strftime("%H:%M:%S")
+        act = SystemScenario(run.id, label, log_dir / "system", self.say, timeout=self.options.system_timeout)
+        act.log_dir.mkdir(parents=True, exist_ok=True)
+        facts = act.run()
+        layers, checks = build_system_checks(facts)
+        report["system"] = {"facts": system_facts_json(facts), "layers": layers, "checks": [vars(c) for c in checks]}
+        report["passed"] = report["passed"] and all(c.passed for c in checks)
 
     def _start_workers(self, run_id: uuid.UUID, tenants: list[Tenant], log_dir: Path) -> None:
         o = self.options

@@ -1,0 +1,846 @@
+"""The demo's second act: the whole system on top of the inbox (workflows, agent runs, the
+journal, compensation, approvals, a cancel, killed workers of the two other kinds).
+
+Two communities run workflows in the engine's definition format: function steps (registered
+in :mod:`project.demo.steps`), a condition, a sub-workflow and ``send_message`` steps with
+``await: agent_run`` to the agents of :mod:`project.demo.agent_handlers`. A simulated inbox (the
+demo's acceptor) claims each delivery to an agent and accepts it (``accept_delivery``: the
+delivery settles and its agent run starts in one transaction); real ``run_workflow_worker``
+and ``run_agent_worker`` processes do the rest. Midway one workflow worker and one agent worker
+are killed with SIGKILL while they hold a lease (the maintenance reclaims, a replacement worker
+resumes), a simulated operator decides the approvals (and tries once more, to be told it was
+decided already), and one workflow run is cancelled while its agent waits for a human.
+
+:func:`build_system_checks` reads the database afterwards and checks each layer exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+
+from buzz_delivery import services as core
+from buzz_delivery.agents import services as agents
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.gateway import nip98
+from buzz_delivery.gateway import services as gateway
+from buzz_delivery.models import TERMINAL_STATUSES, Community, Workflow, WorkflowAgentDelivery
+from buzz_delivery.services import Cause
+from buzz_delivery.workflows import services as engine
+from buzz_delivery.workflows.models import Approval, Run, Step
+from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
+from project.demo import audit
+from project.demo.models import StateChange, ToolEffect
+from project.demo.report import Check
+from project.demo.workers import application_name, worker_env
+
+AGENT_HANDLER = "project.demo.agent_handlers:handle"
+REMOTE_HANDLER = "project.demo.remote_agents:handle"
+REMOTE_DELIVERY_HANDLER = "project.demo.remote_agents:on_delivery"
+LEASE_SECONDS = 3.0
+TICK_SECONDS = 0.25
+REAP_EVERY_SECONDS = 1.0
+AGENT_NAMES = ("lookup", "refund", "provision", "charge")
+REMOTE_NAMES = ("remote", "courier")  # agent runs through `work-runs`; plain deliveries through `work`
+INBOX = ("lookup", "refund", "provision", "charge", "remote")  # whose deliveries the inbox accepts
+TERMINAL_RUN = {"succeeded", "failed", "canceled"}
+TERMINAL_STEP = {"succeeded", "failed", "skipped", "canceled"}
+TERMINAL_AGENT = {"completed", "failed", "cancelled", "timeout"}
+OPERATOR = "operator (simulated)"
+
+
+@dataclass
+class Proc:
+    name: str
+    process: subprocess.Popen[str]
+    stdout_path: Path
+    files: list[Any] = field(default_factory=list)
+    killed: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass
+class SystemFacts:
+    """What the checks need besides the database (ids and what the driver saw)."""
+
+    run_id: uuid.UUID
+    community_ids: list[uuid.UUID]
+    workflow_run_ids: list[uuid.UUID]
+    cancelled_run_id: uuid.UUID | None = None
+    decisions: dict[str, str] = field(default_factory=dict)  # approval id -> first outcome
+    second_decisions: dict[str, str] = field(default_factory=dict)  # approval id -> outcome of the retry
+    after_cancel: dict[str, str] = field(default_factory=dict)  # the cancelled run's approval -> a late decision
+    accepted: int = 0
+    gateway_url: str = ""
+    remote_agents: dict[str, str] = field(default_factory=dict)  # name -> pubkey hex
+    accept_misses: int = 0
+    killed: dict[str, str] = field(default_factory=dict)  # kind -> worker name
+    kill_leases: dict[str, str] = field(default_factory=dict)  # kind -> what it held (step / agent run id)
+    reaped: Counter[str] = field(default_factory=Counter)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _definitions(keys: dict[str, bytes], child_id: uuid.UUID) -> dict[str, dict[str, Any]]:
+    def send(key: str, agent: str, content: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "key": key,
+            "kind": "send_message",
+            "targets": [keys[agent].hex()],
+            "content": content,
+            "await": "agent_run",
+            **extra,
+        }
+
+    def fn(key: str, function: str, **extra: Any) -> dict[str, Any]:
+        return {"key": key, "kind": "function", "function": function, **extra}
+
+    return {
+        "triage": {
+            "steps": [
+                fn("classify", "demo.classify", input={"text": {"$ref": "input.text"}}),
+                fn(
+                    "enrich",
+                    "demo.enrich",
+                    depends_on=["classify"],
+                    input={"words": {"$ref": "steps.classify.output.words"}},
+                ),
+                send(
+                    "escalate",
+                    "lookup",
+                    "lookup: the customer's last three orders",
+                    depends_on=["classify"],
+                    when={"ref": "steps.classify.output.urgent", "equals": True},
+                ),
+                {"key": "file", "kind": "sub_workflow", "depends_on": ["enrich"], "workflow": str(child_id)},
+            ]
+        },
+        "refund": {
+            "steps": [
+                fn("check", "demo.summarize"),
+                send("ask_agent", "refund", "refund: order 7 arrived broken", depends_on=["check"]),
+                fn("close", "demo.summarize", depends_on=["ask_agent"]),
+            ]
+        },
+        "provision": {
+            "steps": [
+                fn("prepare", "demo.summarize"),
+                send(
+                    "provision", "provision", "provision: a build machine", depends_on=["prepare"], on_error="continue"
+                ),
+                fn("cleanup", "demo.summarize", depends_on=["provision"]),
+            ]
+        },
+        "crunch": {
+            "steps": [
+                fn("crunch", "demo.crunch", retry={"max_attempts": 3, "base_seconds": 1, "cap_seconds": 2}),
+                send("bill", "charge", "charge: 12 EUR for the computation", depends_on=["crunch"]),
+                fn("close", "demo.summarize", depends_on=["bill"]),
+            ]
+        },
+        "remote help": {
+            "steps": [
+                fn("ask", "demo.summarize"),
+                send("look_up", "remote", "lookup remotely: the order history", depends_on=["ask"]),
+                {
+                    "key": "notify",
+                    "kind": "send_message",
+                    "targets": [keys["courier"].hex()],
+                    "content": "notify: your answer is ready",
+                    "await": "delivered",
+                    "depends_on": ["look_up"],
+                },
+                fn("close", "demo.summarize", depends_on=["notify"]),
+            ]
+        },
+        "file ticket": {"steps": [fn("file", "demo.file_ticket")]},
+    }
+
+
+class SystemScenario:
+    """One run of the second act; :meth:`run` returns :class:`SystemFacts`."""
+
+    def __init__(self, run_id: uuid.UUID, label: str, log_dir: Path, say: Any, timeout: float = 120.0) -> None:
+        self.run_id = run_id
+        self.label = label
+        self.log_dir = log_dir
+        self.say = say
+        self.timeout = timeout
+        self.procs: list[Proc] = []
+        self.keys = {name: os.urandom(32) for name in AGENT_NAMES}
+        # Agents served through the gateway: their secret keys stay with the remote worker.
+        self.secrets = {name: os.urandom(32) for name in REMOTE_NAMES}
+        self.keys.update({name: nip98.public_key_of(secret) for name, secret in self.secrets.items()})
+        self.effects_path = log_dir / "remote-effects.jsonl"
+        self.env = {
+            **worker_env(connection.settings_dict, run_id, min_lease_seconds=1.0),
+            "BUZZ_MIN_LEASE_SECONDS": "1",
+        }
+
+    # -- processes ---------------------------------------------------------------------------
+    def _start(self, name: str, args: list[str]) -> Proc:
+        return self._start_raw(name, [sys.executable, "-m", "django", *args])
+
+    def _start_raw(self, name: str, command: list[str]) -> Proc:
+        out_path, err_path = self.log_dir / f"{name}.out", self.log_dir / f"{name}.log"
+        out, err = out_path.open("w"), err_path.open("w")
+        process = subprocess.Popen(
+            command,
+            cwd=str(getattr(settings, "BASE_DIR", Path.cwd())),
+            env={
+                **self.env,
+                "PGAPPNAME": application_name(name),
+                "BUZZ_DEMO_EFFECTS": str(self.effects_path),
+                "PYTHONPATH": str(getattr(settings, "BASE_DIR", Path.cwd())),
+            },
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
+        proc = Proc(name, process, out_path, [out, err])
+        self.procs.append(proc)
+        return proc
+
+    def _workflow_worker(self, name: str, community: uuid.UUID, concurrency: int) -> Proc:
+        return self._start(
+            name,
+            [
+                "run_workflow_worker",
+                "--community",
+                str(community),
+                "--concurrency",
+                str(concurrency),
+                "--lease-seconds",
+                f"{LEASE_SECONDS:g}",
+                "--poll-interval",
+                "0.5",
+                "--shutdown-grace",
+                "5",
+                "--idle-exit",
+                f"{self.timeout + 60:g}",
+            ],
+        )
+
+    def _agent_worker(self, name: str, agent_names: list[str], communities: list[uuid.UUID]) -> Proc:
+        args = [
+            "run_agent_worker",
+            "--handler",
+            AGENT_HANDLER,
+            "--concurrency",
+            "2",
+            "--lease-seconds",
+            f"{LEASE_SECONDS:g}",
+            "--poll-seconds",
+            "0.5",
+            "--shutdown-grace",
+            "5",
+            "--worker-id",
+            application_name(name),
+        ]
+        for agent in agent_names:
+            args += ["--agent", self.keys[agent].hex()]
+        for community in communities:
+            args += ["--community", str(community)]
+        return self._start(name, args)
+
+    def _gateway(self) -> str:
+        """Serve the example project's gateway with gunicorn (docs/gateway.md) on a free local
+        port; returns its base URL once it answers."""
+        import socket
+
+        import httpx
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.env.update(BUZZ_GATEWAY_POLL_SECONDS="0.5", BUZZ_GATEWAY_MAX_WAIT_SECONDS="10")
+        proc = self._start_raw(
+            "gateway",
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "project.wsgi:application",
+                "--worker-class",
+                "gthread",
+                "--workers",
+                "1",
+                "--threads",
+                "8",
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--timeout",
+                "60",
+                "--graceful-timeout",
+                "5",
+                "--no-control-socket",
+            ],
+        )
+        base = f"http://127.0.0.1:{port}/gateway/v1"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.process.poll() is not None:
+                raise RuntimeError(f"the gateway exited {proc.process.returncode}: see {self.log_dir}/gateway.log")
+            try:
+                if httpx.get(base + "/openapi.json", timeout=1).status_code == 200:
+                    return base
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(f"the gateway did not answer within 30 s: see {self.log_dir}/gateway.log")
+
+    def _remote_worker(self, name: str, mode: str, agent: str, handler: str, base: str) -> Proc:
+        key_file = self.log_dir / f"{agent}.key"
+        key_file.write_text(self.secrets[agent].hex())
+        key_file.chmod(0o600)
+        return self._start_raw(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "buzz_delivery.gateway.client",
+                mode,
+                "--url",
+                base,
+                "--key-file",
+                str(key_file),
+                "--handler",
+                handler,
+                "--lease-seconds",
+                "5",
+                "--wait-seconds",
+                "2",
+                "--renew-every",
+                "1",
+                "--shutdown-grace",
+                "5",
+            ],
+        )
+
+    def _kill(self, proc: Proc) -> None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.process.wait()
+        proc.killed = True
+
+    def _stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.process.poll() is None:
+                proc.process.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.process.kill()
+                proc.process.wait()
+            for f in proc.files:
+                f.close()
+
+    # -- setup -------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        self.ops = [Community.objects.create(name=f"demo {self.label} ops #{i}") for i in (1, 2)]
+        self.workflows: dict[tuple[uuid.UUID, str], uuid.UUID] = {}
+        for community in self.ops:
+            child = Workflow.objects.create(community=community, name="file ticket")
+            definitions = _definitions(self.keys, child.id)
+            for name, definition in definitions.items():
+                workflow = child if name == "file ticket" else Workflow.objects.create(community=community, name=name)
+                engine.publish_definition(community.id, workflow.id, definition)
+                self.workflows[(community.id, name)] = workflow.id
+
+    def _start_run(self, community: Community, name: str, input: dict[str, Any]) -> uuid.UUID:
+        run = engine.start_run(
+            community.id, self.workflows[(community.id, name)], input, cause=Cause.event(os.urandom(32))
+        )
+        self.facts.workflow_run_ids.append(run.pk)
+        return run.pk
+
+    # -- the act -----------------------------------------------------------------------------
+    def run(self) -> SystemFacts:
+        started = time.monotonic()
+        self._setup()
+        ops1, ops2 = self.ops
+        self.facts = SystemFacts(self.run_id, [c.id for c in self.ops], [])
+        audit.install_states(self.run_id, self.facts.community_ids)
+        try:
+            # A workflow worker alone on ops #2, whose first step never ends on its first attempt.
+            crunch_run = self._start_run(ops2, "crunch", {})
+            wf_stuck = self._workflow_worker("wf-ops2-stuck", ops2.id, 1)
+            ag_stuck = self._agent_worker("agent-charge-stuck", ["charge"], [ops2.id])
+            self._workflow_worker("wf-ops1", ops1.id, 2)
+            self._agent_worker("agent-main", ["lookup", "refund", "provision"], [ops1.id, ops2.id])
+            for i, text in enumerate(
+                ("urgent: the site is down", "a question about invoices", "URGENT refund please", "thanks for the help")
+            ):
+                self._start_run(ops1 if i % 2 == 0 else ops2, "triage", {"text": text, "customer": f"c{i}"})
+            for secret_name in REMOTE_NAMES:
+                gateway.enroll(ops1.id, self.keys[secret_name], enrolled_by="demo")
+            base = self._gateway()
+            self._remote_worker("remote-work-runs", "work-runs", "remote", REMOTE_HANDLER, base)
+            self._remote_worker("remote-work", "work", "courier", REMOTE_DELIVERY_HANDLER, base)
+            self.facts.gateway_url = base
+            for n in (1, 2):
+                self._start_run(ops1, "remote help", {"n": n})
+            refund_runs = [self._start_run(ops1, "refund", {"order": n}) for n in (7, 8)]
+            self.facts.cancelled_run_id = refund_runs[1]
+            self._start_run(ops1, "provision", {})
+            self.say(
+                f"Second act: {len(self.facts.workflow_run_ids)} workflow runs in 2 communities; "
+                f"{len(self.procs)} processes: workflow and agent workers, the gateway and its remote workers "
+                f"(logs in {self.log_dir})"
+            )
+            self._drive(crunch_run, wf_stuck, ag_stuck)
+        finally:
+            self._stop_all()
+            audit.remove_states(self.run_id)
+            self._import_remote_effects()
+        self.facts.remote_agents = {name: self.keys[name].hex() for name in REMOTE_NAMES}
+        self.facts.workers = [
+            {
+                "name": p.name,
+                "pid": p.pid,
+                "killed": p.killed,
+                "returncode": p.process.returncode,
+                "summary": _summary(p.stdout_path),
+            }
+            for p in self.procs
+        ]
+        self.facts.seconds = round(time.monotonic() - started, 1)
+        return self.facts
+
+    def _drive(self, crunch_run: uuid.UUID, wf_stuck: Proc, ag_stuck: Proc) -> None:
+        facts = self.facts
+        ops2 = self.ops[1]
+        deadline = time.monotonic() + self.timeout
+        next_reap = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_reap:
+                self._reap()
+                next_reap = now + REAP_EVERY_SECONDS
+            self._accept()
+            if not wf_stuck.killed:
+                step = Step.objects.filter(community_id=ops2.id, run_id=crunch_run, key="crunch").first()
+                if step is not None and step.state == "running":
+                    time.sleep(0.5)
+                    self._kill(wf_stuck)
+                    facts.killed["workflow"] = wf_stuck.name
+                    facts.kill_leases["workflow"] = str(step.id)
+                    self.say(f"Killed workflow worker {wf_stuck.name} with SIGKILL while it ran step 'crunch'")
+                    self._workflow_worker("wf-ops2", ops2.id, 2)
+            if not ag_stuck.killed:
+                held = AgentRun.objects.filter(
+                    community_id=ops2.id, agent_pubkey=self.keys["charge"], state__in=("running", "waiting_tool")
+                ).first()
+                if held is not None and ToolEffect.objects.filter(run_id=self.run_id, tool="charge").exists():
+                    self._kill(ag_stuck)
+                    facts.killed["agent"] = ag_stuck.name
+                    facts.kill_leases["agent"] = str(held.id)
+                    self.say(
+                        f"Killed agent worker {ag_stuck.name} with SIGKILL mid-call (the charge was made, not recorded)"
+                    )
+                    self._agent_worker("agent-charge", ["charge"], [ops2.id])
+            self._operate()
+            if self._all_done():
+                break
+            if now >= deadline:
+                facts.notes.append(f"second act timed out after {self.timeout:g} s")
+                self.say("[yellow]Second act timed out[/yellow]")
+                break
+            time.sleep(TICK_SECONDS)
+        self._reap()
+
+    def _import_remote_effects(self) -> None:
+        """The remote tools' effects (JSON lines) into :class:`ToolEffect`, for the checks."""
+        import json
+
+        if not self.effects_path.exists():
+            return
+        rows = [json.loads(line) for line in self.effects_path.read_text().splitlines() if line.strip()]
+        ToolEffect.objects.bulk_create(
+            ToolEffect(run_id=self.run_id, key=r["key"], kind=r["kind"], tool=r["tool"], worker_pid=r["pid"])
+            for r in rows
+        )
+
+    def _reap(self) -> None:
+        d = core.reap()
+        w = reap_workflow_steps()
+        a = agents.reap_agent_runs()
+        self.facts.reaped["deliveries_reclaimed"] += d.reclaimed
+        self.facts.reaped["steps_reclaimed"] += w.reclaimed
+        self.facts.reaped["agent_runs_reclaimed"] += a.reclaimed
+
+    def _accept(self) -> None:
+        """The inbox: claim each delivery to an agent and accept it (its agent run starts)."""
+        for community in self.ops:
+            for name in INBOX:
+                key = self.keys[name]
+                for claim in core.claim_deliveries(
+                    community.id, key, limit=10, lease_seconds=15, holder="buzz-demo-inbox"
+                ):
+                    outcome = agents.accept_delivery(claim.lease, input={"agent": name})
+                    if isinstance(outcome, agents.Accepted):
+                        self.facts.accepted += 1
+                    else:
+                        self.facts.accept_misses += 1
+
+    def _operate(self) -> None:
+        """The simulated operator: cancel the chosen run once its agent waits for a human;
+        decide every approval in the queue once (approve), then try each once more."""
+        facts = self.facts
+        ops1 = self.ops[0]
+        queue = []
+        for agent_run in AgentRun.objects.filter(community_id__in=facts.community_ids, state="waiting_approval"):
+            target = facts.cancelled_run_id
+            if target is not None and agent_run.source_run_id == target and "cancel" not in facts.reaped:
+                cancelled = engine.cancel_run(ops1.id, target)
+                facts.reaped["cancel"] = 1
+                facts.after_cancel[str(agent_run.approval_id)] = ""
+                self.say(
+                    f"Cancelled workflow run {target} midway (its agent waited "
+                    f"for an approval): {type(cancelled).__name__}"
+                )
+            queue.append((agent_run.community_id, str(agent_run.approval_id)))
+        for community_id, approval_id in queue:
+            if approval_id in facts.decisions:
+                continue
+            outcome = engine.decide_approval(community_id, approval_id, "approved", OPERATOR)
+            facts.decisions[approval_id] = type(outcome).__name__
+            again = engine.decide_approval(community_id, approval_id, "rejected", "a second operator")
+            facts.second_decisions[approval_id] = type(again).__name__
+            if approval_id in facts.after_cancel:
+                facts.after_cancel[approval_id] = type(outcome).__name__
+                if isinstance(outcome, engine.Decided):
+                    facts.notes.append(
+                        "finding: the approval of the agent run that the workflow cancel ended stayed pending in "
+                        "the queue, and the operator's decision on it was accepted (the agent run stayed cancelled)"
+                    )
+            self.say(
+                f"The operator approved approval …{approval_id[-8:]}: {type(outcome).__name__}; "
+                f"a second decision: {type(again).__name__}"
+            )
+
+    def _all_done(self) -> bool:
+        ids = self.facts.community_ids
+        open_runs = Run.objects.filter(community_id__in=ids).exclude(state__in=TERMINAL_RUN).exists()
+        open_agents = AgentRun.objects.filter(community_id__in=ids).exclude(state__in=TERMINAL_AGENT).exists()
+        open_deliveries = (
+            WorkflowAgentDelivery.objects.filter(community_id__in=ids).exclude(status__in=TERMINAL_STATUSES).exists()
+        )
+        return not (open_runs or open_agents or open_deliveries) and len(self.facts.killed) == 2
+
+
+def system_facts_json(facts: SystemFacts) -> dict[str, Any]:
+    """``facts`` as JSON (stored in the run's report; :func:`system_facts_from` reads it back)."""
+    data = asdict(facts)
+    data["run_id"] = str(facts.run_id)
+    data["community_ids"] = [str(c) for c in facts.community_ids]
+    data["workflow_run_ids"] = [str(r) for r in facts.workflow_run_ids]
+    data["cancelled_run_id"] = str(facts.cancelled_run_id) if facts.cancelled_run_id else None
+    data["reaped"] = dict(facts.reaped)
+    return data
+
+
+def system_facts_from(data: dict[str, Any]) -> SystemFacts:
+    return SystemFacts(
+        **{
+            **data,
+            "run_id": uuid.UUID(data["run_id"]),
+            "community_ids": [uuid.UUID(c) for c in data["community_ids"]],
+            "workflow_run_ids": [uuid.UUID(r) for r in data["workflow_run_ids"]],
+            "cancelled_run_id": uuid.UUID(data["cancelled_run_id"]) if data["cancelled_run_id"] else None,
+            "reaped": Counter(data["reaped"]),
+        }
+    )
+
+
+def _summary(path: Path) -> dict[str, Any] | None:
+    import json
+
+    for line in reversed(path.read_text().splitlines()):
+        if line.strip().startswith("{") and line.strip().endswith("}"):
+            try:
+                return {k: v for k, v in json.loads(line).items() if isinstance(v, int)}
+            except ValueError:
+                return None
+    return None
+
+
+def _moves_into_terminal(run_id: uuid.UUID) -> Counter[tuple[str, uuid.UUID]]:
+    """Per (table, row): how many recorded state changes moved it from a live state into a terminal one."""
+    terminal = TERMINAL_STEP | TERMINAL_AGENT | {"approved", "rejected", "expired"}
+    counts: Counter[tuple[str, uuid.UUID]] = Counter()
+    for table, row_id, old, new in StateChange.objects.filter(run_id=run_id).values_list(
+        "table", "row_id", "old_state", "new_state"
+    ):
+        if new in terminal and old not in terminal:
+            counts[(table, row_id)] += 1
+    return counts
+
+
+def _settled_once_by_holder(history: list[dict[str, Any]]) -> bool:
+    """One ``settle`` entry in a delivery's history, made by the actor that claimed that generation."""
+    claims = {e.get("generation"): e.get("actor") for e in history if e.get("event") == "claim"}
+    settles = [e for e in history if e.get("event") == "settle"]
+    return len(settles) == 1 and claims.get(settles[0].get("generation")) == settles[0].get("actor")
+
+
+def _terminal_moves(history: list[dict[str, Any]], terminal: set[str]) -> int:
+    """How many entries of a row's history moved it into a terminal state."""
+    count = 0
+    for entry in history or []:
+        to = entry.get("to") or entry.get("state") or entry.get("status")
+        if to in terminal:
+            count += 1
+    return count
+
+
+def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]]:
+    """The per-layer summary and checks of the second act, read from the database."""
+    ids = facts.community_ids
+    checks: list[Check] = []
+    layers: dict[str, Any] = {}
+
+    # Workflows: every run and step terminal, each once.
+    runs = list(Run.objects.filter(community_id__in=ids))
+    steps = list(Step.objects.filter(community_id__in=ids))
+    run_states = Counter(r.state for r in runs)
+    step_states = Counter(s.state for s in steps)
+    open_runs = [r for r in runs if r.state not in TERMINAL_RUN]
+    open_steps = [s for s in steps if s.state not in TERMINAL_STEP]
+    moves = _moves_into_terminal(facts.run_id)
+    twice = [s for s in steps if moves[("buzz_workflows_step", s.id)] > 1]
+    silent = [s for s in steps if s.state in TERMINAL_STEP and moves[("buzz_workflows_step", s.id)] == 0]
+    layers["workflows"] = {
+        "runs": dict(run_states),
+        "sub_workflow_runs": sum(1 for r in runs if r.parent_run_id),
+        "steps": dict(step_states),
+        "reclaimed_steps": facts.reaped.get("steps_reclaimed", 0),
+    }
+    checks.append(
+        Check(
+            "workflows: every run and every step is terminal",
+            not open_runs and not open_steps,
+            f"{len(open_runs)} runs, {len(open_steps)} steps not terminal",
+        )
+    )
+    checks.append(
+        Check(
+            "workflows: each step became terminal exactly once (the audit of its state)",
+            not twice and not silent,
+            f"{len(twice)} more than once, {len(silent)} terminal without a recorded move",
+        )
+    )
+    cancelled = next((r for r in runs if r.pk == facts.cancelled_run_id), None)
+    checks.append(
+        Check(
+            "workflows: the run cancelled midway ended canceled",
+            cancelled is not None and cancelled.state == "canceled",
+            f"state {cancelled.state if cancelled else None}",
+        )
+    )
+    killed_step = next((s for s in steps if str(s.id) == facts.kill_leases.get("workflow")), None)
+    checks.append(
+        Check(
+            "workflows: the step held by the killed workflow worker was reclaimed and succeeded on a later attempt",
+            killed_step is not None and killed_step.state == "succeeded" and killed_step.attempts >= 2,
+            f"state {killed_step.state if killed_step else None}, "
+            f"attempts {killed_step.attempts if killed_step else 0}",
+        )
+    )
+
+    # Deliveries of the second act: every one settled, each once.
+    deliveries = list(WorkflowAgentDelivery.objects.filter(community_id__in=ids))
+    delivery_states = Counter(d.status for d in deliveries)
+    terminal = {str(s) for s in TERMINAL_STATUSES}
+    open_d = [d for d in deliveries if d.status not in terminal]
+    twice_d = [d for d in deliveries if _terminal_moves(d.history or [], terminal) > 1]
+    not_by_holder = [d for d in deliveries if d.status == "finished" and not _settled_once_by_holder(d.history or [])]
+    layers["deliveries"] = {
+        "status": dict(delivery_states),
+        "accepted": facts.accepted,
+        "accept_misses": facts.accept_misses,
+    }
+    checks.append(
+        Check(
+            "deliveries of the second act: every one is terminal, settled once, by the holder of its lease",
+            not open_d and not twice_d and not not_by_holder,
+            f"{len(open_d)} open, {len(twice_d)} settled twice, {len(not_by_holder)} not by the lease's "
+            "claimer (the inbox, or the remote worker through the gateway)",
+        )
+    )
+    accepted_runs = AgentRun.objects.filter(community_id__in=ids, delivery_id__isnull=False).count()
+    courier_hex = facts.remote_agents.get("courier", "")
+    to_agents = [d for d in deliveries if bytes(d.target_pubkey).hex() != courier_hex]
+    finished = sum(1 for d in to_agents if d.status == "finished")
+    checks.append(
+        Check(
+            "deliveries to agents: each accepted delivery started exactly one agent run",
+            accepted_runs == facts.accepted == finished,
+            f"{facts.accepted} accepted, {accepted_runs} runs, {finished} finished",
+        )
+    )
+
+    # Agent runs and their journal.
+    agent_runs = list(AgentRun.objects.filter(community_id__in=ids))
+    agent_states = Counter(r.state for r in agent_runs)
+    entries = list(JournalEntry.objects.filter(community_id__in=ids))
+    effects = Counter((e.key, e.kind) for e in ToolEffect.objects.filter(run_id=facts.run_id))
+    tool_entries = [e for e in entries if e.kind == "tool"]
+    made_twice = [e for e in tool_entries if effects[(e.idempotency_key, "call")] > 1]
+    unjournaled = [
+        k for (k, kind), n in effects.items() if kind == "call" and k not in {e.idempotency_key for e in tool_entries}
+    ]
+    succeeded_without = [
+        e for e in tool_entries if e.status == "succeeded" and effects[(e.idempotency_key, "call")] != 1
+    ]
+    # A call recorded under another lease than the one that journaled it: a resumed run reconciled it.
+    reconciled = [e for e in tool_entries if e.result_generation is not None and e.result_generation != e.generation]
+    layers["agents"] = {
+        "runs": dict(agent_states),
+        "tool_calls": len(tool_entries),
+        "reconciled": len(reconciled),
+        "reclaimed_runs": facts.reaped.get("agent_runs_reclaimed", 0),
+    }
+    agent_twice = [r for r in agent_runs if moves[("buzz_agents_run", r.id)] != 1]
+    checks.append(
+        Check(
+            "agents: every agent run is terminal, and became so exactly once",
+            all(r.state in TERMINAL_AGENT for r in agent_runs) and bool(agent_runs) and not agent_twice,
+            f"{sum(1 for r in agent_runs if r.state not in TERMINAL_AGENT)} of {len(agent_runs)} open, "
+            f"{len(agent_twice)} not terminal exactly once",
+        )
+    )
+    checks.append(
+        Check(
+            "journal: every journaled call made its effect at most once (a resumed one reconciled, not made again)",
+            not made_twice and not unjournaled and not succeeded_without,
+            f"{len(tool_entries)} calls, {len(made_twice)} made twice, {len(unjournaled)} effects without an entry, "
+            f"{len(succeeded_without)} succeeded without exactly one effect, {len(reconciled)} reconciled",
+        )
+    )
+    killed_run = next((r for r in agent_runs if str(r.id) == facts.kill_leases.get("agent")), None)
+    checks.append(
+        Check(
+            "agents: the run held by the killed agent worker was reclaimed, resumed from its journal and completed",
+            killed_run is not None
+            and killed_run.state == "completed"
+            and any(e.run_id == killed_run.id for e in reconciled),
+            f"state {killed_run.state if killed_run else None}, "
+            f"{sum(1 for e in reconciled if killed_run and e.run_id == killed_run.id)} of its calls reconciled",
+        )
+    )
+
+    # Compensations.
+    with_comp = [e for e in tool_entries if e.compensation]
+    comp_done = [e for e in with_comp if e.compensation_status == "compensated"]
+    comp_wrong = [
+        e
+        for e in with_comp
+        if effects[(f"{e.idempotency_key}:compensate", "compensate")]
+        != (1 if e.compensation_status == "compensated" else 0)
+    ]
+    stray = [
+        k
+        for (k, kind), n in effects.items()
+        if kind == "compensate" and k.removesuffix(":compensate") not in {e.idempotency_key for e in with_comp}
+    ]
+    failed_agent = [r for r in agent_runs if r.state == "failed" and r.failure_code != "approval_expired"]
+    layers["compensation"] = {
+        "compensable_calls": len(with_comp),
+        "compensated": len(comp_done),
+        "failed_runs": len(failed_agent),
+    }
+    checks.append(
+        Check(
+            "compensation: the failed agent run's calls were compensated, each exactly once",
+            bool(comp_done) and not comp_wrong and not stray,
+            f"{len(comp_done)} compensated, {len(comp_wrong)} with another count of effects, {len(stray)} stray",
+        )
+    )
+
+    # Approvals.
+    approvals = list(Approval.objects.filter(community_id__in=ids))
+    approval_states = Counter(a.state for a in approvals)
+    decided = [a for a in approvals if a.state in ("approved", "rejected")]
+    wrong_decider = [
+        a
+        for a in decided
+        if a.decided_by != OPERATOR
+        or facts.decisions.get(str(a.id)) != "Decided"
+        or moves[("buzz_workflows_approval", a.id)] != 1
+    ]
+    second_ok = all(facts.second_decisions.get(str(a.id)) == "AlreadyDecided" for a in decided)
+    undecided = [a for a in approvals if a.state == "pending"]
+    layers["approvals"] = {
+        "states": dict(approval_states),
+        "decided": len(decided),
+        "second_decisions_refused": sum(1 for v in facts.second_decisions.values() if v == "AlreadyDecided"),
+    }
+    checks.append(
+        Check(
+            "approvals: every approval decided exactly once, by the operator's one decision (a second decision refused)",  # noqa: E501
+            bool(decided)
+            and not wrong_decider
+            and second_ok
+            and not undecided
+            and len(facts.decisions) == len(decided),
+            f"{len(decided)} decided, {len(wrong_decider)} not by the operator's one decision, "
+            f"{len(undecided)} left pending, second decisions {sorted(set(facts.second_decisions.values()))}",
+        )
+    )
+
+    # The gateway: agent runs and deliveries worked by the remote worker over HTTP.
+    remote_key = bytes.fromhex(facts.remote_agents.get("remote", "00" * 32))
+    courier_key = bytes.fromhex(facts.remote_agents.get("courier", "00" * 32))
+    remote_runs = [r for r in agent_runs if bytes(r.agent_pubkey) == remote_key]
+    remote_calls = [e for e in tool_entries if e.run_id in {r.id for r in remote_runs}]
+    courier = [d for d in deliveries if bytes(d.target_pubkey) == courier_key]
+    courier_effects = sum(n for (k, kind), n in effects.items() if kind == "delivery")
+    layers["gateway"] = {
+        "remote_agent_runs": dict(Counter(r.state for r in remote_runs)),
+        "remote_tool_calls": len(remote_calls),
+        "remote_deliveries": dict(Counter(d.status for d in courier)),
+    }
+    checks.append(
+        Check(
+            "gateway: the remote worker's agent runs completed with their calls journaled, its deliveries finished once",  # noqa: E501
+            bool(remote_runs)
+            and all(r.state == "completed" for r in remote_runs)
+            and bool(remote_calls)
+            and bool(courier)
+            and all(d.status == "finished" for d in courier)
+            and courier_effects == len(courier),
+            f"{len(remote_runs)} remote runs, {len(remote_calls)} calls, {len(courier)} deliveries, "
+            f"{courier_effects} handled",
+        )
+    )
+
+    # Workers of the act.
+    bad = [
+        f"{w['name']} exited {w['returncode']}"
+        for w in facts.workers
+        if not w["killed"] and (w["returncode"] != 0 or (w["summary"] is None and w["name"] != "gateway"))
+    ]
+    checks.append(
+        Check(
+            "second act: each kind of worker killed with SIGKILL mid-lease; the others stopped cleanly",
+            set(facts.killed) == {"workflow", "agent"} and not bad,
+            "; ".join(bad) or f"killed {sorted(facts.killed.values())}",
+        )
+    )
+    return layers, checks
