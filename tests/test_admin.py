@@ -195,6 +195,19 @@ def test_detail_page_shows_full_hex_and_every_field_read_only(admin_client, comm
     assert [tag for tag in re.findall(r"<input[^>]*>", form) if "csrfmiddlewaretoken" not in tag] == []
 
 
+def test_detail_page_links_the_message_event_with_a_preview_of_its_content(admin_client, community):
+    delivery, _ = claimed(community)
+    event = models.Event.objects.get(community_id=community.id, event_id=delivery.message_event_id)
+    models.Event.objects.filter(community_id=community.id, event_id=event.event_id).update(
+        content="hello <b>" + "x" * 300
+    )
+    body = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_change", args=[delivery.pk])).content
+    body = body.decode()
+    assert f'href="{reverse("admin:buzz_delivery_event_change", args=[event.pk])}"' in body
+    assert "hello &lt;b&gt;" + "x" * 191 + "…" in body  # escaped, cut at 200 characters
+    assert "x" * 192 not in body
+
+
 # --- nothing can be added, changed or deleted -------------------------------------------
 
 

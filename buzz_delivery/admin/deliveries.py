@@ -33,12 +33,16 @@ from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.admin.dashboard import load_dashboard
 from buzz_delivery.admin.filters import CommunityFilter, FailureCodeFilter, LeaseExpiredFilter, lease_expired_q
 from buzz_delivery.exceptions import BuzzDeliveryError
-from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.models import Event, WorkflowAgentDelivery
 from buzz_delivery.services.runlock import LeaseBusy, run_lease
 
 REAP_LEASE_SECONDS = 120
 # Columns an action needs to call a service and write a LogEntry (``__str__``).
 ACTION_COLUMNS = ("id", "community_id", "step_id", "target_pubkey", "status", "lease_generation")
+
+
+# Characters of the message event's content shown on a delivery's page.
+PREVIEW_CHARS = 200
 
 
 @admin.register(WorkflowAgentDelivery)
@@ -203,9 +207,23 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def definition_event_hex(self, obj: WorkflowAgentDelivery) -> str:
         return display.full_hex(obj.definition_event_id)
 
-    @admin.display(description="message event id")
+    @admin.display(description="message event")
     def message_event_hex(self, obj: WorkflowAgentDelivery) -> str:
-        return display.full_hex(obj.message_event_id)
+        """The message event's full id, linked to its page, with the start of its content."""
+        event = (
+            Event.objects.filter(community_id=obj.community_id, event_id=obj.message_event_id)
+            .only("id", "content")
+            .first()
+        )
+        if event is None:
+            return display.full_hex(obj.message_event_id)
+        preview = event.content if len(event.content) <= PREVIEW_CHARS else event.content[:PREVIEW_CHARS] + "…"
+        return format_html(
+            '<a href="{}">{}</a><br><span class="help">{}</span>',
+            reverse("admin:buzz_delivery_event_change", args=[event.pk]),
+            display.full_hex(obj.message_event_id),
+            preview,
+        )
 
     @admin.display(description="cause")
     def cause_value(self, obj: WorkflowAgentDelivery) -> str:
