@@ -192,7 +192,11 @@ def test_detail_page_shows_full_hex_and_every_field_read_only(admin_client, comm
     assert bytes(delivery.definition_event_id).hex() in body
     form = body.split('id="content-main"')[1].split("</form>")[0]
     assert 'name="_save"' not in form and "<textarea" not in form and "<select" not in form
-    assert [tag for tag in re.findall(r"<input[^>]*>", form) if "csrfmiddlewaretoken" not in tag] == []
+    # nothing editable: only the hidden fields of the action buttons' own forms
+    visible = [
+        t for t in re.findall(r"<input[^>]*>", form) if "csrfmiddlewaretoken" not in t and 'type="hidden"' not in t
+    ]
+    assert visible == []
 
 
 def test_detail_page_links_the_message_event_with_a_preview_of_its_content(admin_client, community):
@@ -206,6 +210,24 @@ def test_detail_page_links_the_message_event_with_a_preview_of_its_content(admin
     assert f'href="{reverse("admin:buzz_delivery_event_change", args=[event.pk])}"' in body
     assert "hello &lt;b&gt;" + "x" * 191 + "…" in body  # escaped, cut at 200 characters
     assert "x" * 192 not in body
+
+
+def test_detail_page_buttons_take_the_action_that_applies_to_that_delivery_once(admin_client, viewer, community):
+    delivery, _ = claimed(community)
+    url = reverse("admin:buzz_delivery_workflowagentdelivery_change", args=[delivery.pk])
+    body = admin_client.get(url).content.decode()
+    assert 'value="force_fail_selected"' in body and 'value="requeue_selected"' not in body
+    assert 'value="force_fail_selected"' not in viewer.get(url).content.decode()  # no permission, no button
+    response = admin_client.post(
+        reverse("admin:buzz_delivery_workflowagentdelivery_changelist"),
+        {"action": "force_fail_selected", "_selected_action": [str(delivery.pk)], "index": "0"},
+        follow=True,
+    )
+    assert response.status_code == 200
+    delivery.refresh_from_db()
+    assert delivery.status == "failed"
+    body = admin_client.get(url).content.decode()
+    assert 'value="requeue_selected"' in body and 'value="force_fail_selected"' not in body
 
 
 # --- nothing can be added, changed or deleted -------------------------------------------

@@ -373,6 +373,28 @@ class DeliveryAdmin(ReadOnlyAdmin):
         }
         return TemplateResponse(request, "admin/buzz_delivery/dashboard.html", context)
 
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The detail page, with a button per operator action that applies to this delivery now
+        (requeue a failed or expired one, force-fail a claimed one) and that the user may take."""
+        status = WorkflowAgentDelivery.objects.filter(pk=object_id).values_list("status", flat=True).first()
+        buttons = []
+        if status in ("failed", "expired") and self.has_requeue_permission(request):
+            buttons.append(
+                {"name": "requeue_selected", "label": "Requeue", "help": "back to pending, generation bumped"}
+            )
+        if status == "claimed" and self.has_force_fail_permission(request):
+            buttons.append(
+                {"name": "force_fail_selected", "label": "Force-fail", "help": "claimed -> failed, generation bumped"}
+            )
+        extra = {
+            "buzz_actions": buttons,
+            "buzz_changelist_url": reverse(f"admin:{self._url_name('changelist')}"),
+            **(extra_context or {}),
+        }
+        return super().change_view(request, object_id, form_url, extra)
+
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         extra = {"dashboard_url": reverse(f"admin:{self._url_name('dashboard')}"), **(extra_context or {})}
         return super().changelist_view(request, extra)
