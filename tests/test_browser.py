@@ -1,6 +1,7 @@
 """The admin in a real headless Chromium (SPEC section 8): log in, filter the delivery list to
 claimed, force-fail one delivery; follow the admin index to the dashboard and its throughput chart,
-see the live workers list and the delivery list at 1400 pixels; save screenshots under
+see the live workers list and the delivery list at 1400 pixels; a workflow run's DAG, an agent
+run's journal, and the approvals queue deciding an approval once; save screenshots under
 ``artifacts/`` (git-ignored).
 
 Needs the Debian package ``chromium`` (``/usr/bin/chromium``) and the Python package
@@ -151,3 +152,75 @@ def test_the_dashboard_chart_live_workers_and_the_delivery_list_at_1400_pixels(l
     # while the navigation and filter sidebars are open (printed for the record).
     print(f"delivery table: {widths[0]} px in a {widths[1]} px box, page {widths[2]} px")
     assert widths[2] <= 1400
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_dag_an_agent_journal_and_the_approvals_queue_deciding_once(
+    live_server, sync_playwright, tmp_path, monkeypatch
+):
+    from buzz_delivery.agents.runtime import run_claim
+    from buzz_delivery.agents.services import claim_agent_runs
+    from buzz_delivery.testing import WorkflowFactory, random32
+    from buzz_delivery.workflows.models import Approval
+    from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
+    from tests import agent_handlers as h
+    from tests.agents_support import AGENT, new_run
+    from tests.wf_support import start
+
+    monkeypatch.setenv("AGENT_LEDGER", str(tmp_path / "ledger.txt"))
+    User.objects.create_superuser("operator", "operator@example.com", "correct horse battery")
+    community = CommunityFactory(name="acme")
+    run = start(
+        WorkflowFactory(community=community),
+        {
+            "steps": [
+                send_step("send", [random32()]),
+                function_step("after", depends_on=["send"]),
+                {"key": "ok", "kind": "approval", "deadline_seconds": 600},
+            ]
+        },
+    )
+    run_until_idle(community.id)
+    agent_run = new_run(community.id)
+    (claim,) = claim_agent_runs(community.id, [AGENT], worker_id="w")
+    run_claim(claim, h.four_calls_fail)
+    approval = Approval.objects.get(community_id=community.id)
+    ARTIFACTS.mkdir(exist_ok=True)
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+            page.fill("#id_username", "operator")
+            page.fill("#id_password", "correct horse battery")
+            page.click("input[type=submit]")
+            page.wait_for_url(f"{live_server.url}/admin/")
+
+            page.goto(f"{live_server.url}/admin/buzz_workflows/run/{run.pk}/change/")
+            dag = page.locator("svg[aria-label='workflow run DAG']").bounding_box()
+            dag_text = page.locator("svg[aria-label='workflow run DAG']").inner_html()
+            page.screenshot(path=str(ARTIFACTS / "admin_run_dag.png"), full_page=True)
+
+            page.goto(f"{live_server.url}/admin/buzz_agents/agentrun/{agent_run}/change/")
+            journal = page.locator("#content-main").inner_text()
+            page.screenshot(path=str(ARTIFACTS / "admin_agent_journal.png"), full_page=True)
+
+            queue = f"{live_server.url}/admin/buzz_workflows/approval/"
+            decisions = []
+            for _ in range(2):  # the second try finds it decided
+                page.goto(queue)
+                page.check(f"input[name=_selected_action][value='{approval.pk}']")
+                page.select_option("select[name=action]", "approve")
+                page.click("button[name=index]")
+                page.wait_for_load_state()
+                decisions.append(page.locator("ul.messagelist").inner_text())
+            page.screenshot(path=str(ARTIFACTS / "admin_approvals_decided.png"), full_page=True)
+        finally:
+            browser.close()
+
+    assert dag is not None and dag["width"] > 100 and "send" in dag_text and "after" in dag_text
+    assert "call effect" in journal and journal.count("compensation: compensated") == 3
+    decided = Approval.objects.get(pk=approval.pk)
+    assert (decided.state, decided.decided_by) == ("approved", "operator")
+    assert "Approved 1" in decisions[0] and "already approved by operator" in decisions[1], decisions
