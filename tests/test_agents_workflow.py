@@ -158,3 +158,27 @@ def test_await_agent_run_is_refused_by_name_when_the_agents_app_is_not_installed
     with pytest.raises(ValidationError) as info:
         validate_definition(definition)
     assert list(info.value.message_dict) == ["steps[0].await"]
+
+
+def test_cancelling_the_workflow_run_expires_the_approval_its_agent_run_waited_for(workflow, tmp_path, monkeypatch):
+    from buzz_delivery.workflows.models import Approval
+    from buzz_delivery.workflows.services import Expired
+
+    monkeypatch.setenv("AGENT_LEDGER", str(tmp_path / "ledger.txt"))
+    a = random32()
+    run = start(workflow, {"steps": [send_step("ask", [a], **{"await": "agent_run"})]})
+    run_until_idle(workflow.community_id)
+    accepted = accept_all(run, {a: "approve"})
+    (claim,) = claim_agent_runs(workflow.community_id, [a], worker_id="w")
+    assert run_claim(claim, h.approve_then_call) == "parked"
+    approval_id = AgentRun.objects.get(id=accepted[a]).approval_id
+    assert Approval.objects.get(id=approval_id).state == "pending"
+
+    cancel_run(workflow.community_id, run.pk)
+
+    approval = Approval.objects.get(id=approval_id)
+    assert approval.state == "expired" and approval.closed_at is not None
+    late = decide_approval(workflow.community_id, approval_id, "approved", "alice")
+    assert isinstance(late, Expired)  # a late decision is refused, not accepted for nothing
+    agent_run = AgentRun.objects.get(id=accepted[a])
+    assert (agent_run.state, agent_run.failure_code) == ("cancelled", "workflow_canceled")

@@ -519,16 +519,16 @@ class SystemScenario:
             if approval_id in facts.decisions:
                 continue
             outcome = engine.decide_approval(community_id, approval_id, "approved", OPERATOR)
+            if approval_id in facts.after_cancel:
+                # The workflow cancel expired it (agents migration 0006): a late decision is refused.
+                facts.after_cancel[approval_id] = type(outcome).__name__
+                self.say(
+                    f"The operator tried approval …{approval_id[-8:]} of the cancelled run: {type(outcome).__name__}"
+                )
+                continue
             facts.decisions[approval_id] = type(outcome).__name__
             again = engine.decide_approval(community_id, approval_id, "rejected", "a second operator")
             facts.second_decisions[approval_id] = type(again).__name__
-            if approval_id in facts.after_cancel:
-                facts.after_cancel[approval_id] = type(outcome).__name__
-                if isinstance(outcome, engine.Decided):
-                    facts.notes.append(
-                        "finding: the approval of the agent run that the workflow cancel ended stayed pending in "
-                        "the queue, and the operator's decision on it was accepted (the agent run stayed cancelled)"
-                    )
             self.say(
                 f"The operator approved approval …{approval_id[-8:]}: {type(outcome).__name__}; "
                 f"a second decision: {type(again).__name__}"
@@ -798,9 +798,11 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
             and not wrong_decider
             and second_ok
             and not undecided
-            and len(facts.decisions) == len(decided),
+            and len(facts.decisions) == len(decided)
+            and all(outcome == "Expired" for outcome in facts.after_cancel.values()),
             f"{len(decided)} decided, {len(wrong_decider)} not by the operator's one decision, "
-            f"{len(undecided)} left pending, second decisions {sorted(set(facts.second_decisions.values()))}",
+            f"{len(undecided)} left pending, second decisions {sorted(set(facts.second_decisions.values()))}, "
+            f"the cancelled run's approval: {sorted(set(facts.after_cancel.values())) or 'none'}",
         )
     )
 
