@@ -53,6 +53,7 @@ from buzz_delivery.models import (
     WorkflowAgentDelivery,
 )
 from buzz_delivery.services import stats, tenancy
+from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.workers import STALE_AFTER_SECONDS
 
 # Up to this many rows a table's statuses are counted exactly; above it they are estimated.
@@ -65,7 +66,7 @@ DELIVERY_LIVE = f"""
 SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
-    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < now()),
+    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
     (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - min(timezone('UTC', created_at))), 0)
      FROM {DELIVERY} WHERE status = 'pending')
 """
@@ -79,13 +80,13 @@ FROM {Community._meta.db_table} AS c
 CROSS JOIN LATERAL (
     SELECT t.status FROM {DELIVERY} AS t
     WHERE t.community_id = c.id AND t.status IN ('finished', 'failed', 'expired')
-      AND t.finished_at >= now() - make_interval(secs => %(seconds)s)
+      AND t.finished_at >= {DB_NOW} - make_interval(secs => %(seconds)s)
 ) AS d
 GROUP BY d.status
 """
 SETTLE_WINDOW_SECONDS = 60
 
-MAINTENANCE = f"SELECT name, lease_until >= now() FROM {MaintenanceLease._meta.db_table}"
+MAINTENANCE = f"SELECT name, lease_until >= {DB_NOW} FROM {MaintenanceLease._meta.db_table}"
 MAINTENANCE_RUNS = f"""
 SELECT name, runs, last_outcome, extract(epoch FROM last_finished_at) FROM {MaintenanceRun._meta.db_table}
 """
@@ -93,7 +94,7 @@ SELECT name, runs, last_outcome, extract(epoch FROM last_finished_at) FROM {Main
 GOOD_OUTCOMES = ("ok", "busy", "stopped")
 
 WORKERS = f"""
-SELECT kind, host, pid, name, extract(epoch FROM now() - last_heartbeat)
+SELECT kind, host, pid, name, extract(epoch FROM {DB_NOW} - last_heartbeat)
 FROM {WorkerRegistration._meta.db_table}
 ORDER BY kind, host, pid
 """

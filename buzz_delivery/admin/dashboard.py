@@ -34,6 +34,7 @@ from django.utils.safestring import SafeString
 from buzz_delivery.admin.chart import Series, line_chart
 from buzz_delivery.admin.paginators import capped_count, planner_row_estimate, table_row_estimate
 from buzz_delivery.models import TERMINAL_STATUSES, Community, WorkflowAgentDelivery
+from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.stats import counts_by
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
@@ -45,10 +46,10 @@ STATUS_COUNTS = f"""
 SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
-    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < now()),
+    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
     -- delivery_pending_age_idx (an index on the UTC wall time of pending rows): one probe
-    (SELECT timezone('UTC', now()) - min(timezone('UTC', created_at)) FROM {DELIVERY} WHERE status = 'pending'),
-    now()
+    (SELECT timezone('UTC', {DB_NOW}) - min(timezone('UTC', created_at)) FROM {DELIVERY} WHERE status = 'pending'),
+    {DB_NOW}
 """
 
 PER_COMMUNITY = f"""
@@ -59,7 +60,7 @@ SELECT c.id, c.name, c.deletion_state,
        coalesce(l.claimed, 0), coalesce(l.lapsed, 0)
 FROM {COMMUNITY} AS c
 LEFT JOIN (
-    SELECT d.community_id, count(*) AS claimed, count(*) FILTER (WHERE d.lease_until < now()) AS lapsed
+    SELECT d.community_id, count(*) AS claimed, count(*) FILTER (WHERE d.lease_until < {DB_NOW}) AS lapsed
     FROM {DELIVERY} AS d WHERE d.status = 'claimed' GROUP BY d.community_id
 ) AS l ON l.community_id = c.id
 ORDER BY c.name, c.id
@@ -69,7 +70,7 @@ LIMIT %(rows)s
 SETTLED_PER_MINUTE = f"""
 SELECT date_trunc('minute', finished_at) AS minute, status, count(*)
 FROM {DELIVERY}
-WHERE status IN ('finished', 'failed', 'expired') AND finished_at >= now() - interval '1 hour'
+WHERE status IN ('finished', 'failed', 'expired') AND finished_at >= {DB_NOW} - interval '1 hour'
 GROUP BY 1, 2
 ORDER BY 1
 """

@@ -3,7 +3,7 @@ and the tally of the maintenance runs (:func:`record_maintenance_run`).
 
 One row per process in ``buzz_delivery_worker`` (:class:`~buzz_delivery.models.WorkerRegistration`),
 keyed by a token the process draws at start. :func:`heartbeat_worker` inserts the row or, when
-it exists, moves ``last_heartbeat`` to the database clock's ``now()``; :func:`deregister_worker`
+it exists, moves ``last_heartbeat`` to the database clock (``buzz_delivery_now()``); :func:`deregister_worker`
 deletes it on a clean exit; :func:`prune_stale_workers` deletes the rows of processes that
 stopped beating (killed, or their host lost). The table is not community-scoped (SPEC section
 15: a local table on a Citus coordinator, like the maintenance lease), so these statements name
@@ -20,6 +20,7 @@ from typing import Any
 from buzz_delivery.models import MaintenanceRun, WorkerKind, WorkerRegistration
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.tenancy import fleet_scoped
 
 WORKER = WorkerRegistration._meta.db_table
@@ -33,21 +34,21 @@ PRUNE_AFTER_SECONDS = 600.0
 
 HEARTBEAT = f"""
 INSERT INTO {WORKER} AS w (id, kind, host, pid, name, detail, started_at, last_heartbeat)
-VALUES (%(id)s, %(kind)s, %(host)s, %(pid)s, %(name)s, %(detail)s, now(), now())
-ON CONFLICT (id) DO UPDATE SET last_heartbeat = now()
+VALUES (%(id)s, %(kind)s, %(host)s, %(pid)s, %(name)s, %(detail)s, {DB_NOW}, {DB_NOW})
+ON CONFLICT (id) DO UPDATE SET last_heartbeat = {DB_NOW}
 RETURNING w.last_heartbeat
 """
 
 DEREGISTER = f"DELETE FROM {WORKER} AS w WHERE w.id = %(id)s RETURNING 1"
 
 PRUNE_STALE = f"""
-DELETE FROM {WORKER} AS w WHERE w.last_heartbeat < now() - make_interval(secs => %(older_than)s) RETURNING 1
+DELETE FROM {WORKER} AS w WHERE w.last_heartbeat < {DB_NOW} - make_interval(secs => %(older_than)s) RETURNING 1
 """
 
 
 RECORD_MAINTENANCE_RUN = f"""
 INSERT INTO {MAINTENANCE_RUN} AS m (name, runs, last_outcome, last_summary, last_finished_at)
-VALUES (%(name)s, 1, %(outcome)s, %(summary)s::jsonb, now())
+VALUES (%(name)s, 1, %(outcome)s, %(summary)s::jsonb, {DB_NOW})
 ON CONFLICT (name) DO UPDATE
     SET runs = m.runs + 1, last_outcome = EXCLUDED.last_outcome, last_summary = EXCLUDED.last_summary,
         last_finished_at = EXCLUDED.last_finished_at
@@ -78,9 +79,9 @@ class WorkerIdentity:
 
 @fleet_scoped
 def heartbeat_worker(worker: WorkerIdentity) -> None:
-    """Register ``worker`` or, if registered, set its ``last_heartbeat`` to the database clock's
-    ``now()``. A row pruned while its process was merely slow comes back (``started_at`` then
-    says when it came back)."""
+    """Register ``worker`` or, if registered, set its ``last_heartbeat`` to the database clock
+    (``buzz_delivery_now()``). A row pruned while its process was merely slow comes back
+    (``started_at`` then says when it came back)."""
     fetch_all(
         HEARTBEAT,
         {
