@@ -61,6 +61,12 @@ def make_binding(run: models.WorkflowRun, message_event: models.Event):
     return make
 
 
+# Seconds a thread of a concurrency test waits at its start barrier: one thread that died before
+# it got there (e.g. no connection: the server's max_connections) breaks the barrier for all,
+# and the test fails with BrokenBarrierError instead of hanging.
+BARRIER_TIMEOUT = 60
+
+
 def without_context(sql: str) -> str:
     """A logged statement without the tenant context the services send in front of it
     (``SELECT set_config(...); <statement>``, SPEC section 13)."""

@@ -33,6 +33,7 @@ from buzz_delivery.agents.services import (
 )
 from tests import agent_handlers as h
 from tests.agents_support import AGENT, backdate_run_lease, claim, make_claimable, new_run
+from tests.conftest import BARRIER_TIMEOUT
 
 COUNTED = {"function": "tests.agent_handlers:counted_undo"}
 IDEMPOTENT = {"function": "tests.agent_handlers:undo"}
@@ -209,7 +210,7 @@ def test_two_concurrent_workers_run_each_compensation_exactly_once(community, en
     else:
         backdate_run_lease(lease.run_id)
         assert reap_agent_runs().unwinding == 1
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(2, timeout=BARRIER_TIMEOUT)
     outcomes: dict[str, list[str]] = {}
     errors: list[BaseException] = []
 

@@ -17,6 +17,7 @@ from buzz_delivery.models import Community
 from buzz_delivery.services import sql
 from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, EventFactory, WorkflowRunFactory
 from tests.citus_support import CITUS_MODE
+from tests.conftest import BARRIER_TIMEOUT
 from tests.lifecycle_support import RAW_WRITES, raw_write
 from tests.test_concurrency import commit_many, random32
 
@@ -80,7 +81,7 @@ def test_lease_statements_run_on_one_shard(community):
 
 def test_sixteen_claimers_of_sixteen_communities_never_wait_on_a_lock():
     pairs = [(*commit_many(20, target), target) for target in (random32() for _ in range(16))]
-    start = threading.Barrier(16)
+    start = threading.Barrier(16, timeout=BARRIER_TIMEOUT)
     settled: list[int] = [0] * 16
     errors: list[BaseException] = []
 

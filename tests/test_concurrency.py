@@ -16,6 +16,7 @@ from django.db import OperationalError, connection, connections
 from buzz_delivery import models, services
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
+from tests.conftest import BARRIER_TIMEOUT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,7 +38,7 @@ def commit_many(count: int, target: bytes) -> tuple[models.Community, list[uuid.
 def test_sixteen_claimers_take_a_thousand_deliveries_each_exactly_once_without_waiting_on_a_lock():
     target = random32()
     community, created = commit_many(DELIVERIES, target)
-    start = threading.Barrier(CLAIMERS)
+    start = threading.Barrier(CLAIMERS, timeout=BARRIER_TIMEOUT)
     claimed: list[list[uuid.UUID]] = [[] for _ in range(CLAIMERS)]
     durations: list[list[float]] = [[] for _ in range(CLAIMERS)]
     errors: list[BaseException] = []

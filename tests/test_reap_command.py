@@ -14,6 +14,7 @@ from django.db import connection
 from buzz_delivery import models, services
 from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease
 from buzz_delivery.testing import CommunityFactory, advance_to
+from tests.conftest import BARRIER_TIMEOUT
 from tests.operator_support import lapsed, lease_rows, manage, parse_kv, pending
 
 pytestmark = pytest.mark.django_db
@@ -212,7 +213,7 @@ def test_a_second_run_exits_0_saying_another_is_running_while_the_lease_is_held(
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_acquirers_get_the_lease_exactly_once():
     contenders = 6
-    barrier = threading.Barrier(contenders)
+    barrier = threading.Barrier(contenders, timeout=BARRIER_TIMEOUT)
     results: list[object] = []
     lock = threading.Lock()
 

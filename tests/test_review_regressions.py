@@ -19,6 +19,7 @@ from buzz_delivery import services
 from buzz_delivery.exceptions import DeliveryWriteRefused, NotInTransaction
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import DeliveryFactory, advance_to, random32
+from tests.conftest import BARRIER_TIMEOUT
 
 
 def _conninfo() -> str:
@@ -85,7 +86,7 @@ def test_producers_committing_the_same_identities_in_opposite_orders_do_not_dead
     bindings = [make_binding() for _ in range(400)]
     orders = [bindings, list(reversed(bindings))]
     results: dict[int, object] = {}
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(2, timeout=BARRIER_TIMEOUT)
 
     def produce(i: int) -> None:
         try:

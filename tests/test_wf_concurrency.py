@@ -23,6 +23,7 @@ from buzz_delivery.workflows.models import Approval, Run, Step
 from buzz_delivery.workflows.services import AlreadyDecided, Decided, decide_approval, get_run
 from buzz_delivery.workflows.testing import diamond, function_step, run_until_idle, send_step
 from project.database_url import database_url
+from tests.conftest import BARRIER_TIMEOUT
 from tests.wf_support import start
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def env() -> dict[str, str]:
 
 
 def in_threads(n: int, target) -> list:
-    barrier = threading.Barrier(n)
+    barrier = threading.Barrier(n, timeout=BARRIER_TIMEOUT)
     results: list = [None] * n
 
     def body(i: int) -> None:

@@ -14,6 +14,7 @@ from buzz_delivery.workflows.models import Run, Schedule
 from buzz_delivery.workflows.services import create_schedule, publish_definition, start_due_schedules
 from buzz_delivery.workflows.services.schedules import slot_key
 from buzz_delivery.workflows.testing import function_step
+from tests.conftest import BARRIER_TIMEOUT
 
 pytestmark = pytest.mark.django_db
 
@@ -78,7 +79,7 @@ def test_two_overlapping_maintenance_runs_start_each_slot_once(workflow):
     schedules = [create_schedule(workflow.community_id, workflow.id, "* * * * *", missed="all") for _ in range(5)]
     for s in schedules:
         due(s, 2)
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(2, timeout=BARRIER_TIMEOUT)
     results = []
 
     def body() -> None:
