@@ -166,8 +166,8 @@ SET status = 'claimed',
     claimed_by = %(holder)s,
     renewals = 0,
     {_CLAIM_ENTRY}
-FROM candidate
-WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
+WHERE d.community_id = %(community_id)s AND d.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
+  AND d.status = 'pending'
 RETURNING {RETURNING_CLAIM_COLUMNS}
 """
 
