@@ -45,7 +45,7 @@ from buzz_delivery.worker.handlers import (
     settle_args_for,
     storable_text,
 )
-from buzz_delivery.worker.listener import HintInbox, HintListener
+from buzz_delivery.worker.listener import HintInbox, HintListener, Pair
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer
 from buzz_delivery.worker.settler import SETTLED_KEYS, SettleJob, Settler
 
@@ -72,6 +72,11 @@ SUMMARY_KEYS = (
 # first handler returned, nor while handlers run longer than that budget.
 CLAIM_AHEAD_LEASE_FRACTION = 0.1
 CLAIM_AHEAD_MAX_WAIT = 1.0
+# Most claims per round trip and results per settle statement unless --batch-size says otherwise
+# (never fewer than the handler threads). 50, not the thread count: a batch of 50 takes about
+# 40% less server CPU per delivery than one of 16 (bench/results/peers-batch50.md), and the
+# claim-ahead budget above keeps slow handlers from holding leases they cannot start.
+DEFAULT_BATCH_SIZE = 50
 RUN_TIME_WEIGHT = 0.2  # weight of the newest handler run time in its moving average
 # Seconds the settler waits for more results while a batch is short.
 SETTLE_LINGER = 0.002
@@ -96,10 +101,13 @@ class WorkerInTransaction(BuzzDeliveryError):
 class WorkerConfig:
     """Options of one worker (see ``run_delivery_worker --help``).
 
-    ``community_id``/``target_pubkey`` (32 bytes): whose deliveries to claim. ``handler``: see
+    ``community_id``/``target_pubkey`` (32 bytes): whose deliveries to claim; ``extra_pairs``:
+    more (community, target) pairs the same process serves, with the same handler threads and
+    connections (a pair given twice counts once; see :attr:`pairs`). ``handler``: see
     :mod:`buzz_delivery.worker.handlers`. ``concurrency``: handler threads (1..256).
     ``lease_seconds``: None = ``LEASE_SECONDS``. ``batch_size``: most claims per round trip
-    and most results per settle statement (1..1000; None = ``concurrency``). Claims go to free
+    and most results per settle statement (1..1000; None = the larger of ``concurrency`` and
+    :data:`DEFAULT_BATCH_SIZE`). Claims go to free
     handler threads, and up to ``batch_size`` more wait in a local queue when the handlers'
     recent run times say they start within a tenth of the lease (at most a second).
     ``poll_interval``: seconds between polls when idle. ``max_deliveries``: stop after claiming
@@ -131,6 +139,12 @@ class WorkerConfig:
     handler_timeout: float | None = 900.0
     shutdown_grace: float = 30.0
     name: str = "worker"
+    extra_pairs: tuple[Pair, ...] = ()
+
+    @property
+    def pairs(self) -> tuple[Pair, ...]:
+        """Every (community, target) pair this worker serves, the first pair first, each once."""
+        return tuple(dict.fromkeys([(self.community_id, self.target_pubkey), *self.extra_pairs]))
 
 
 class Tally:
@@ -194,8 +208,10 @@ class Worker:
     def __init__(self, config: WorkerConfig, stop: threading.Event) -> None:
         self.config = config
         self.lease_seconds = v.lease_seconds(config.lease_seconds)
-        self.batch_size = config.batch_size or config.concurrency
+        self.batch_size = config.batch_size or max(config.concurrency, DEFAULT_BATCH_SIZE)
         self.holder = holder_identity(config.name)
+        self.pairs = config.pairs
+        self.next_pair = 0  # where the next poll of every pair starts (round robin)
         self.stop = stop
         self.wake = threading.Event()
         self.tally = Tally()
@@ -404,17 +420,19 @@ class Worker:
             free = min(free, self.config.max_deliveries - self.claimed)
         return max(free, 0)
 
-    def _claim(self, hinted: list[uuid.UUID], must_poll: bool, room: int) -> tuple[int, bool]:
+    def _claim(self, hinted: list[tuple[uuid.UUID, Pair]], must_poll: bool, room: int) -> tuple[int, bool]:
         """Claim hinted ids one by one (a single hint, or batch size 1) unless ``must_poll``;
-        otherwise poll for the oldest. Hands each claim to a handler thread as soon as it is won.
-        Returns how many were claimed and whether a backlog likely remains."""
-        c = self.config
+        otherwise poll for the oldest: the pairs of the hints, or (``must_poll``, no hints) every
+        pair in turn, one statement each, starting after the pair the last poll ended at. Hands
+        each claim to a handler thread as soon as it is won. Returns how many were claimed and
+        whether a backlog likely remains (a poll came back full, or room ran out before every
+        pair was polled)."""
         if hinted and not must_poll and (len(hinted) == 1 or self.batch_size == 1):
             won = 0
-            for delivery_id in hinted[:room]:
+            for delivery_id, (community_id, target_pubkey) in hinted[:room]:
                 claim = services.claim_delivery(
-                    c.community_id,
-                    c.target_pubkey,
+                    community_id,
+                    target_pubkey,
                     delivery_id=delivery_id,
                     lease_seconds=self.lease_seconds,
                     holder=self.holder,
@@ -424,13 +442,27 @@ class Worker:
                     won += 1
             self.tally.add("claim_statements", min(len(hinted), room))
             return won, len(hinted) > room
-        limit = min(self.batch_size, room)
-        claims = services.claim_deliveries(
-            c.community_id, c.target_pubkey, limit=limit, lease_seconds=self.lease_seconds, holder=self.holder
-        )
-        self.tally.add("claim_statements")
-        self._start(claims, "poll")
-        return len(claims), len(claims) == limit
+        if hinted and not must_poll:
+            pairs = list(dict.fromkeys(pair for _, pair in hinted))
+        else:
+            pairs = [self.pairs[(self.next_pair + i) % len(self.pairs)] for i in range(len(self.pairs))]
+        won, backlog, polled = 0, False, 0
+        for community_id, target_pubkey in pairs:
+            if won >= room:
+                backlog = True  # pairs left unpolled
+                break
+            limit = min(self.batch_size, room - won)
+            claims = services.claim_deliveries(
+                community_id, target_pubkey, limit=limit, lease_seconds=self.lease_seconds, holder=self.holder
+            )
+            polled += 1
+            self.tally.add("claim_statements")
+            self._start(claims, "poll")
+            won += len(claims)
+            backlog = backlog or len(claims) == limit
+        if not (hinted and not must_poll):
+            self.next_pair = (self.next_pair + polled) % len(self.pairs)
+        return won, backlog
 
     def _start(self, claims: list[Claim], via: str) -> None:
         if not claims:
@@ -579,8 +611,7 @@ class Worker:
         c = self.config
         listener = HintListener(
             channel=get_settings().notify_channel,
-            community_id=c.community_id,
-            target_pubkey=c.target_pubkey,
+            pairs=self.pairs,
             inbox=self.inbox,
             conn_params=conn_params,
             stop=self.stop,
@@ -591,9 +622,10 @@ class Worker:
             for i in range(c.concurrency)
         ]
         logger.info(
-            "started community=%s target=%s handler=%s concurrency=%d batch_size=%d lease_seconds=%g pid=%d",
+            "started community=%s target=%s%s handler=%s concurrency=%d batch_size=%d lease_seconds=%g pid=%d",
             c.community_id,
             c.target_pubkey.hex(),
+            f" pairs={len(self.pairs)}" if len(self.pairs) > 1 else "",
             _handler_name(c.handler),
             c.concurrency,
             self.batch_size,
@@ -634,9 +666,9 @@ class Worker:
         return summary
 
     def _pending_retry(self) -> int:
-        """Deliveries of this community and target waiting out a retry backoff (0 if unknown)."""
+        """Deliveries of this worker's pairs waiting out a retry backoff (0 if unknown)."""
         try:
-            return services.count_pending_retry(self.config.community_id, self.config.target_pubkey)
+            return sum(services.count_pending_retry(community_id, target) for community_id, target in self.pairs)
         except DB_UNAVAILABLE as exc:
             logger.warning("db_unavailable role=summary error=%s", exc)
             close_old_connections()
@@ -650,7 +682,8 @@ def _handler_name(handler: Handler) -> str:
 def run_worker(
     config: WorkerConfig, *, stop: threading.Event | None = None, handle_signals: bool = True
 ) -> WorkerSummary:
-    """Run the agent side for one community and target until stopped (SPEC section 7).
+    """Run the agent side for one community and target, or several pairs
+    (``config.extra_pairs``), until stopped (SPEC section 7).
 
     Claims the oldest claimable deliveries (or a hinted one), calls ``config.handler(delivery)``
     in a handler thread, renews each lease every ``renew_fraction`` of its length, and settles:

@@ -1,4 +1,5 @@
-"""``manage.py run_delivery_worker``: the agent side for one community and target (SPEC section 7).
+"""``manage.py run_delivery_worker``: the agent side for one community and target, or for
+several (community, target) pairs in one process (SPEC section 7).
 
 Prints one JSON summary line to stdout at exit:
 ``{"claimed":N,...,"reason":"SIGTERM","exit_code":0}`` and exits with ``exit_code``; logs on
@@ -23,6 +24,7 @@ from django.db import connection
 from buzz_delivery.conf import get_settings
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
 from buzz_delivery.management.options import (
+    community_target,
     fraction,
     int_in,
     lease_seconds_option,
@@ -38,6 +40,9 @@ from buzz_delivery.worker.registry import Heartbeat
 
 HELP = """Run the agent side for one community and target: claim the oldest pending deliveries
 (woken early by NOTIFY hints), call the handler, renew each lease in the background, settle.
+One process may serve several targets (--target given again) and pairs of other communities
+(--pair COMMUNITY:TARGET), with the same handler threads and the same connections: each poll
+claims from every pair in turn, one statement per pair.
 
 The handler is a dotted path to handler(delivery: WorkflowAgentDelivery) -> object. Return =
 finished; raise buzz_delivery.worker.PermanentFailure (or an exception class with
@@ -66,7 +71,21 @@ class Command(StrictOptionsCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.formatter_class = _HelpFormatter
         parser.add_argument("--community", required=True, type=uuid_value, help="Community UUID.")
-        parser.add_argument("--target", required=True, type=pubkey_hex, help="Target public key, 64 hex characters.")
+        parser.add_argument(
+            "--target",
+            required=True,
+            type=pubkey_hex,
+            action="append",
+            help="Target public key, 64 hex characters; give it again for more targets of --community.",
+        )
+        parser.add_argument(
+            "--pair",
+            type=community_target,
+            action="append",
+            default=[],
+            metavar="COMMUNITY:TARGET",
+            help="One more (community, target) pair to serve, COMMUNITY_UUID:TARGET_HEX (repeatable).",
+        )
         parser.add_argument(
             "--handler", required=True, help="Dotted path of the handler, e.g. myapp.agents:handle_delivery."
         )
@@ -104,8 +123,9 @@ class Command(StrictOptionsCommand):
             type=int_in(1, 1000),
             default=None,
             help="Most deliveries claimed per round trip, and most results settled per statement "
-            "(1..1000; default: --concurrency). Claims beyond the idle handler threads wait in a local "
-            "queue only while recent handler run times say they start within a tenth of the lease.",
+            "(1..1000; default: the larger of --concurrency and 50). Claims beyond the idle handler "
+            "threads wait in a local queue only while recent handler run times say they start within "
+            "a tenth of the lease.",
         )
         parser.add_argument(
             "--poll-interval", type=positive_seconds, default=1.0, help="Seconds between polls when idle (default 1)."
@@ -141,9 +161,11 @@ class Command(StrictOptionsCommand):
         ensure_console_logging()
         if verbosity != 1:
             logging.getLogger("buzz_delivery.worker").setLevel(logging.WARNING if verbosity == 0 else logging.DEBUG)
+        first, *more_targets = options["target"]
         config = WorkerConfig(
             community_id=options["community"],
-            target_pubkey=options["target"],
+            target_pubkey=first,
+            extra_pairs=tuple((options["community"], t) for t in more_targets) + tuple(options["pair"]),
             handler=handler,
             concurrency=options["concurrency"],
             lease_seconds=lease_seconds,
@@ -157,6 +179,8 @@ class Command(StrictOptionsCommand):
             name=options["name"],
         )
         detail = f"community={config.community_id} target={config.target_pubkey.hex()} handler={options['handler']}"
+        if len(config.pairs) > 1:
+            detail += f" pairs={len(config.pairs)}"
         try:
             with Heartbeat(WorkerKind.DELIVERY, "run_delivery_worker", detail):
                 summary = run_worker(config)
