@@ -19,7 +19,7 @@ from psycopg import sql
 from buzz_delivery import services, signals
 from buzz_delivery.conf import get_settings
 from buzz_delivery.testing import random32
-from buzz_delivery.worker.listener import parse_hint
+from buzz_delivery.worker.listener import hint_keys, parse_hint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -160,12 +160,16 @@ def test_no_signal_for_a_rollback_or_a_retry_that_created_nothing(
 COMMUNITY = uuid.UUID("01234567-89ab-7def-8123-456789abcdef")
 TARGET = random32().hex()
 DELIVERY = uuid.UUID("01234567-89ab-7def-8123-000000000001")
+OTHER_PAIR = (uuid.UUID("01234567-89ab-7def-8123-456789abcde0"), random32())
+WANTED = hint_keys([(COMMUNITY, bytes.fromhex(TARGET)), OTHER_PAIR])
 
 
 @pytest.mark.django_db(transaction=False)
-def test_the_worker_takes_the_delivery_id_of_a_hint_for_its_own_community_and_target():
+def test_the_worker_takes_the_delivery_id_and_pair_of_a_hint_for_one_of_its_pairs():
     payload = json.dumps({"community": str(COMMUNITY), "delivery": str(DELIVERY), "target": TARGET})
-    assert parse_hint(payload, COMMUNITY, TARGET) == DELIVERY
+    assert parse_hint(payload, WANTED) == (DELIVERY, (COMMUNITY, bytes.fromhex(TARGET)))
+    other = json.dumps({"community": str(OTHER_PAIR[0]), "delivery": str(DELIVERY), "target": OTHER_PAIR[1].hex()})
+    assert parse_hint(other, WANTED) == (DELIVERY, OTHER_PAIR)
 
 
 @pytest.mark.django_db(transaction=False)
@@ -174,13 +178,26 @@ def test_the_worker_takes_the_delivery_id_of_a_hint_for_its_own_community_and_ta
     [
         json.dumps({"community": str(uuid.uuid4()), "delivery": str(DELIVERY), "target": TARGET}),
         json.dumps({"community": str(COMMUNITY), "delivery": str(DELIVERY), "target": "00" * 32}),
+        # a community of one pair with the target of another: not a pair of this worker
+        json.dumps({"community": str(COMMUNITY), "delivery": str(DELIVERY), "target": OTHER_PAIR[1].hex()}),
+        json.dumps({"community": str(COMMUNITY), "delivery": str(DELIVERY), "target": ["x"]}),
         json.dumps({"community": str(COMMUNITY), "delivery": "not-a-uuid", "target": TARGET}),
         json.dumps({"community": str(COMMUNITY), "delivery": str(DELIVERY), "target": TARGET, "lease": 1}),
         json.dumps({"community": str(COMMUNITY), "delivery": str(DELIVERY)}),
         json.dumps([str(COMMUNITY), str(DELIVERY), TARGET]),
         "not json",
     ],
-    ids=["other-community", "other-target", "bad-id", "extra-key", "missing-key", "not-an-object", "not-json"],
+    ids=[
+        "other-community",
+        "other-target",
+        "crossed-pair",
+        "target-not-text",
+        "bad-id",
+        "extra-key",
+        "missing-key",
+        "not-an-object",
+        "not-json",
+    ],
 )
 def test_the_worker_ignores_hints_for_others_and_malformed_hints(payload):
-    assert parse_hint(payload, COMMUNITY, TARGET) is None
+    assert parse_hint(payload, WANTED) is None

@@ -80,6 +80,14 @@ def pubkey_hex(text: str) -> bytes:
     return bytes.fromhex(text)
 
 
+def community_target(text: str) -> tuple[uuid.UUID, bytes]:
+    """A (community, target) pair written ``COMMUNITY_UUID:TARGET_HEX`` (64 hex digits)."""
+    community, sep, target = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"must be COMMUNITY_UUID:TARGET_HEX, got {text[:120]!r}")
+    return uuid_value(community), pubkey_hex(target)
+
+
 def _seconds_within(text: str, low: float, high: float) -> float:
     try:
         value = float(text)

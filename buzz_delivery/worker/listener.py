@@ -1,5 +1,5 @@
 """Wake hints (SPEC section 7): a thread that LISTENs on the NOTIFY channel and hands the
-dispatcher the ids of deliveries committed for its community and target.
+dispatcher the ids of deliveries committed for its (community, target) pairs.
 
 A hint carries only identifiers (``{"community", "delivery", "target"}``) and grants nothing:
 the dispatcher still claims through ``services.claim_delivery(..., delivery_id=...)``, and
@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import psycopg
@@ -23,6 +24,9 @@ HINT_KEYS = frozenset({"community", "delivery", "target"})
 MAX_QUEUED_HINTS = 10_000
 NOTIFY_WAIT_SECONDS = 0.5
 
+# A worker's (community, target) pair: whose deliveries it claims.
+Pair = tuple[uuid.UUID, bytes]
+
 
 class HintInbox:
     """Thread-safe hand-off from the listener to the dispatcher; wakes it on every put."""
@@ -30,14 +34,15 @@ class HintInbox:
     def __init__(self, wake: threading.Event) -> None:
         self._wake = wake
         self._lock = threading.Lock()
-        self._ids: dict[uuid.UUID, None] = {}  # insertion-ordered set
+        self._ids: dict[uuid.UUID, Pair] = {}  # insertion-ordered: delivery id -> its pair
         self._poll = False
 
-    def put(self, delivery_id: uuid.UUID) -> None:
-        """Queue a hinted delivery id (beyond MAX_QUEUED_HINTS the dispatcher polls instead)."""
+    def put(self, delivery_id: uuid.UUID, pair: Pair) -> None:
+        """Queue a hinted delivery id of ``pair`` (beyond MAX_QUEUED_HINTS the dispatcher polls
+        instead)."""
         with self._lock:
             if len(self._ids) < MAX_QUEUED_HINTS:
-                self._ids[delivery_id] = None
+                self._ids[delivery_id] = pair
             else:
                 self._poll = True
         self._wake.set()
@@ -48,27 +53,36 @@ class HintInbox:
             self._poll = True
         self._wake.set()
 
-    def drain(self) -> tuple[list[uuid.UUID], bool]:
-        """Take every queued id (oldest hint first) and whether a poll was requested."""
+    def drain(self) -> tuple[list[tuple[uuid.UUID, Pair]], bool]:
+        """Take every queued (id, pair) (oldest hint first) and whether a poll was requested."""
         with self._lock:
-            ids, poll = list(self._ids), self._poll
+            ids, poll = list(self._ids.items()), self._poll
             self._ids.clear()
             self._poll = False
         return ids, poll
 
 
-def parse_hint(payload: str, community_id: uuid.UUID, target_hex: str) -> uuid.UUID | None:
-    """The delivery id of a well-formed hint for this community and target, else None."""
+def hint_keys(pairs: Iterable[Pair]) -> dict[tuple[str, str], Pair]:
+    """The lookup :func:`parse_hint` takes: (community as text, target as hex) -> pair."""
+    return {(str(community_id), target.hex()): (community_id, target) for community_id, target in pairs}
+
+
+def parse_hint(payload: str, wanted: dict[tuple[str, str], Pair]) -> tuple[uuid.UUID, Pair] | None:
+    """The delivery id and pair of a well-formed hint for one of the ``wanted`` pairs
+    (:func:`hint_keys`), else None."""
     try:
         data = json.loads(payload)
     except ValueError:
         return None
     if not isinstance(data, dict) or set(data) != HINT_KEYS:
         return None
-    if data["community"] != str(community_id) or data["target"] != target_hex:
+    if not isinstance(data["community"], str) or not isinstance(data["target"], str):
+        return None
+    pair = wanted.get((data["community"], data["target"]))
+    if pair is None:
         return None
     try:
-        return uuid.UUID(str(data["delivery"]))
+        return uuid.UUID(str(data["delivery"])), pair
     except ValueError:
         return None
 
@@ -82,7 +96,7 @@ class HintListener(threading.Thread):
     """LISTENs on ``channel`` over its own autocommit psycopg connection (``conn_params``: the
     keyword arguments of ``psycopg.connect``, e.g. from Django's ``get_connection_params()``).
 
-    Matching hints go to ``inbox``; after a connection loss it reconnects on the next turn of
+    Hints for one of ``pairs`` go to ``inbox``; after a connection loss it reconnects on the next turn of
     its loop (every ``retry_seconds``) and requests a poll. Stops when ``stop`` is set.
     """
 
@@ -90,8 +104,7 @@ class HintListener(threading.Thread):
         self,
         *,
         channel: str,
-        community_id: uuid.UUID,
-        target_pubkey: bytes,
+        pairs: Iterable[Pair],
         inbox: HintInbox,
         conn_params: dict[str, Any],
         stop: threading.Event,
@@ -99,8 +112,7 @@ class HintListener(threading.Thread):
     ) -> None:
         super().__init__(name="buzz-delivery-listener", daemon=True)
         self.channel = channel
-        self.community_id = community_id
-        self.target_hex = target_pubkey.hex()
+        self.wanted = hint_keys(pairs)
         self.inbox = inbox
         self.conn_params = conn_params
         self.stop = stop
@@ -110,7 +122,11 @@ class HintListener(threading.Thread):
     def _listen(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(**self.conn_params, autocommit=True)
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-        logger.info("listening channel=%s community=%s target=%s", self.channel, self.community_id, self.target_hex)
+        if len(self.wanted) == 1:
+            (community, target), *_ = self.wanted
+            logger.info("listening channel=%s community=%s target=%s", self.channel, community, target)
+        else:
+            logger.info("listening channel=%s pairs=%d", self.channel, len(self.wanted))
         return conn
 
     def _close(self) -> None:
@@ -126,9 +142,9 @@ class HintListener(threading.Thread):
                         self._conn = self._listen()
                         self.inbox.request_poll()
                     for notify in self._conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
-                        delivery_id = parse_hint(notify.payload, self.community_id, self.target_hex)
-                        if delivery_id is not None:
-                            self.inbox.put(delivery_id)
+                        hint = parse_hint(notify.payload, self.wanted)
+                        if hint is not None:
+                            self.inbox.put(*hint)
                 except psycopg.Error as exc:
                     logger.warning("db_unavailable role=listener error=%s", _first_line(exc))
                     self._close()

@@ -5,10 +5,11 @@ Handler threads put a :class:`SettleJob` (a lease and its :class:`SettleArgs`) o
 move on to their next claim. The settler takes whatever is queued, waiting up to ``linger``
 seconds for more while fewer than ``max_batch`` are there, then settles the batch:
 
-- every ``finished`` result through one :func:`services.finish_deliveries` statement (one
-  ``UPDATE ... FROM unnest``), each row still fenced by its own (delivery, generation), and each
-  outcome judged by the rows the statement returned (a lease it did not settle pays the fenced
-  read that tells ``AlreadyTerminal`` from ``LeaseLost``, as a single settle would);
+- every ``finished`` result of one (community, target) pair through one
+  :func:`services.finish_deliveries` statement (one ``UPDATE ... FROM unnest``), each row
+  still fenced by its own (delivery, generation), and each outcome judged by the rows the
+  statement returned (a lease it did not settle pays the fenced read that tells
+  ``AlreadyTerminal`` from ``LeaseLost``, as a single settle would);
 - ``failed`` and ``retry`` results (their failure text differs per delivery) one statement each.
 
 A batch statement that the database refuses for a reason other than a lost connection is
@@ -136,7 +137,8 @@ class Settler(threading.Thread):
         )
 
     def _settle_batch(self, jobs: list[SettleJob]) -> None:
-        finished: list[SettleJob] = []
+        # The batch statement takes the leases of one (community, target) pair: group by pair.
+        finished: dict[tuple[object, bytes], list[SettleJob]] = {}
         seen: set[object] = set()
         singles: list[SettleJob] = []
         for job in jobs:
@@ -144,20 +146,21 @@ class Settler(threading.Thread):
             # requeue while the old handler ran) settles on its own.
             if job.args.outcome == "finished" and job.lease.delivery_id not in seen:
                 seen.add(job.lease.delivery_id)
-                finished.append(job)
+                finished.setdefault((job.lease.community_id, job.lease.target_pubkey), []).append(job)
             else:
                 singles.append(job)
         results: list[tuple[SettleJob, FinishOutcome]] = []
         statements = 0
-        if len(finished) > 1:
-            batch, used = self._finish_many(finished)
-            statements += used
-            if batch is None:
-                singles = finished + singles
+        for group in finished.values():
+            if len(group) > 1:
+                batch, used = self._finish_many(group)
+                statements += used
+                if batch is None:
+                    singles = group + singles
+                else:
+                    results += batch
             else:
-                results += batch
-        else:
-            singles = finished + singles
+                singles = group + singles
         for job in singles:
             outcome, used = self._settle_one(job)
             statements += used
