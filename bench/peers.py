@@ -12,7 +12,9 @@ Systems (``SYSTEMS``):
 - ``ours_single``: ``services.claim_delivery -> finish_delivery``;
 - ``ours_batch``: ``services.claim_deliveries(50) -> finish_deliveries``;
 - ``worker``: ``run_worker`` (what ``run_delivery_worker`` runs), no-op handler, concurrency 16,
-  batch 16 (``worker_batch50``: batch 50); ``worker_before``: the same from another source tree (``BENCH_BEFORE_ROOT``);
+  the default batch size (50; ``worker_batch16``: batch 16, the default before issue 16's second
+  pass; ``worker_pairs50``: each process serves 50 targets, the queue spread over them);
+  ``worker_before``: the same from another source tree (``BENCH_BEFORE_ROOT``);
 - ``pgqueuer``: PgQueuer's ``QueueManager.run(mode=drain, batch_size=10)``, psycopg driver;
 - ``procrastinate``: procrastinate's ``run_worker(wait=False)``, concurrency 16;
 - ``django_tasks_db``: django-tasks-db's ``db_worker`` loop in batch mode.
@@ -32,10 +34,11 @@ from typing import Any
 
 START_DELAY = 0.3  # seconds between sending a drain and its common start instant
 WORKER_CONCURRENCY = 16
-WORKER_BATCH = 16
+WORKER_BATCH: int | None = None  # the worker's default (buzz_delivery.worker.runtime.DEFAULT_BATCH_SIZE)
 RAW_BATCH = 16
 OURS_BATCH = 50
 PGQUEUER_BATCH = 10
+PAIRS = 50  # worker_pairs50: (community, target) pairs served by each process
 PROCRASTINATE_CONCURRENCY = 16
 IDLE_EXIT = 0.3  # seconds our worker waits on an empty queue before it stops
 
@@ -111,10 +114,12 @@ def _ours(drain: Drain, batch: int) -> int:
         statements += 1
 
 
-def _worker(drain: Drain, batch: int = WORKER_BATCH) -> tuple[int, dict[str, Any]]:
+def _worker(drain: Drain, batch: int | None = WORKER_BATCH, pairs: int = 1) -> tuple[int, dict[str, Any]]:
+    from bench import data
     from bench.handlers import noop
     from buzz_delivery.worker import WorkerConfig, run_worker
 
+    more = {"extra_pairs": tuple((drain.community_id, data.target(i)) for i in range(1, pairs))} if pairs > 1 else {}
     summary = run_worker(
         WorkerConfig(
             community_id=drain.community_id,
@@ -124,6 +129,7 @@ def _worker(drain: Drain, batch: int = WORKER_BATCH) -> tuple[int, dict[str, Any
             batch_size=batch,
             poll_interval=0.5,
             idle_exit=IDLE_EXIT,
+            **more,  # type: ignore[arg-type]
         ),
         handle_signals=False,
     )
@@ -206,8 +212,10 @@ def run_drain(drain: Drain, url: str) -> DrainResult:
             result.statements, result.extra = _worker(drain)
             if not result.statements:
                 result.statements = None  # an older worker does not count its statements
-        elif system == "worker_batch50":
-            result.statements, result.extra = _worker(drain, 50)
+        elif system == "worker_batch16":
+            result.statements, result.extra = _worker(drain, 16)
+        elif system == "worker_pairs50":
+            result.statements, result.extra = _worker(drain, pairs=PAIRS)
         elif system == "pgqueuer":
             _pgqueuer(url)
         elif system == "procrastinate":

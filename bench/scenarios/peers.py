@@ -40,7 +40,7 @@ from tabulate import tabulate
 from bench import data, env
 from bench.baseline import TABLE as RAW_TABLE
 from bench.context import Bench
-from bench.peers import PeerPool
+from bench.peers import PAIRS, PeerPool
 
 KS = (1, 4)
 SAMPLE_SECONDS = 0.05
@@ -80,10 +80,11 @@ LABELS = {
     "raw_single": "raw psycopg one-row floor (claim + fenced finish)",
     "ours_batch": "claim_deliveries(50) -> finish_deliveries",
     "ours_single": "claim_delivery -> finish_delivery",
-    "worker": "**run_worker** (run_delivery_worker; concurrency 16, batch 16)",
+    "worker": "**run_worker** (run_delivery_worker defaults; concurrency 16, batch 50)",
     "worker_before": "run_worker before (BENCH_BEFORE_ROOT)",
     "worker_prepared": "run_worker, prepare_threshold=5",
-    "worker_batch50": "run_worker, batch 50",
+    "worker_batch16": "run_worker, batch 16",
+    "worker_pairs50": "run_worker, 50 (community, target) pairs per process",
     "ours_batch_prepared": "claim_deliveries(50) -> finish_deliveries, prepare_threshold=5",
     "ours_single_prepared": "claim_delivery -> finish_delivery, prepare_threshold=5",
     "pgqueuer": "PgQueuer (batch 10, drain mode)",
@@ -204,7 +205,8 @@ class Queues:
             conn.execute(f"VACUUM ANALYZE {self._tasks_table}")
         else:
             table = RAW_TABLE if system.startswith("raw") else data.OURS
-            data.load(conn, self.tenant, n, table=table)
+            targets = PAIRS if system == "worker_pairs50" else 1
+            data.load(conn, self.tenant, n, table=table, targets=targets)
             data.analyze(conn)
         conn.execute("CHECKPOINT")
 
