@@ -20,7 +20,10 @@ reads the database at that moment, cheaply at millions of rows:
   ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard;
   ``buzz_maintenance_runs_total{job}``, ``buzz_maintenance_last_run_timestamp_seconds{job}`` and
   ``buzz_maintenance_last_run_ok{job}``: the reaper runs (every pass of those commands, one row
-  per job in ``buzz_delivery_maintenance_run``).
+  per job in ``buzz_delivery_maintenance_run``). ``buzz_leases_reclaimed_total{job,outcome}``:
+  the lease losses the database saw, the lapsed leases each reaper took back (``retried`` or
+  ``exhausted``), and ``buzz_maintenance_items_total{job,item}``: every count of the jobs'
+  summaries, both summed over the passes in that row's ``totals`` (migration 0012).
 - ``buzz_workers{kind,state}`` and ``buzz_worker_heartbeat_age_seconds{kind,host,pid,name}``:
   the live workers registry (:mod:`buzz_delivery.services.workers`), ``state`` ``live`` or
   ``stale``.
@@ -32,6 +35,7 @@ network, or your proxy's access rules).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,7 +92,7 @@ SETTLE_WINDOW_SECONDS = 60
 
 MAINTENANCE = f"SELECT name, lease_until >= {DB_NOW} FROM {MaintenanceLease._meta.db_table}"
 MAINTENANCE_RUNS = f"""
-SELECT name, runs, last_outcome, extract(epoch FROM last_finished_at) FROM {MaintenanceRun._meta.db_table}
+SELECT name, runs, last_outcome, extract(epoch FROM last_finished_at), totals FROM {MaintenanceRun._meta.db_table}
 """
 # Outcomes of a pass that did its job (another run being active counts: the job was done).
 GOOD_OUTCOMES = ("ok", "busy", "stopped")
@@ -195,13 +199,35 @@ class BuzzCollector(Collector):
             "1 when the last pass of the job ended ok, busy (another run did it) or stopped; 0 on an error",
             labels=["job"],
         )
-        for job, count, outcome, finished in runs:
+        lost = CounterMetricFamily(
+            "buzz_leases_reclaimed",
+            "Lapsed leases each reaper took back from a holder that stopped renewing (lease losses seen by the "
+            "database), by what became of the work: retried (back to pending/ready) or exhausted (failed)",
+            labels=["job", "outcome"],
+        )
+        items = CounterMetricFamily(
+            "buzz_maintenance_items",
+            "Each count of the maintenance jobs' summaries (reclaimed, expired, deleted...), summed over their passes",
+            labels=["job", "item"],
+        )
+        for job, count, outcome, finished, totals in runs:
             total.add_metric([job], count)
             last.add_metric([job], float(finished))
             good.add_metric([job], int(outcome in GOOD_OUTCOMES))
+            totals = json.loads(totals) if isinstance(totals, str) else totals  # Django leaves jsonb unparsed
+            totals = totals if isinstance(totals, dict) else {}
+            # A reaper's lease losses: the lapsed leases it took back, ``reclaimed`` (another
+            # attempt) or ``exhausted`` (no attempt left: failed).
+            if "reclaimed" in totals:
+                lost.add_metric([job, "retried"], int(totals.get("reclaimed", 0)))
+                lost.add_metric([job, "exhausted"], int(totals.get("exhausted", 0)))
+            for item, n in sorted(totals.items()):
+                items.add_metric([job, item], int(n))
         yield total
         yield last
         yield good
+        yield lost
+        yield items
 
     @staticmethod
     def _workers() -> Iterator[GaugeMetricFamily]:

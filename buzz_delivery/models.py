@@ -474,8 +474,12 @@ class MaintenanceRun(models.Model):
 
     One row per job name (``reap_deliveries``, ``prune_deliveries``, the engine's and agents'
     reapers), upserted by every pass of the command (dry runs excepted) when it prints its
-    summary; ``last_finished_at`` from the database clock. Not community-scoped (like
-    :class:`MaintenanceLease`). Written only by :mod:`buzz_delivery.services.workers`.
+    summary; ``last_finished_at`` from the database clock. ``totals`` (migration 0012): the
+    cumulative sum, over every recorded pass, of each count of the summary (``{"reclaimed":
+    12, "exhausted": 1, ...}``), added by the same upsert that counts the pass; the reapers'
+    ``reclaimed`` and ``exhausted`` are the lease losses the database saw (exported as
+    ``buzz_leases_reclaimed_total``). Not community-scoped (like :class:`MaintenanceLease`).
+    Written only by :mod:`buzz_delivery.services.workers`.
     """
 
     name = models.CharField(max_length=100, primary_key=True)
@@ -483,10 +487,19 @@ class MaintenanceRun(models.Model):
     last_outcome = models.CharField(max_length=32)
     last_summary = models.JSONField(default=dict)
     last_finished_at = models.DateTimeField(db_default=Now())
+    totals = models.JSONField(default=dict, db_default=Value({}, output_field=models.JSONField()))
 
     class Meta:
         db_table = "buzz_delivery_maintenance_run"
-        constraints = [models.CheckConstraint(condition=Q(runs__gte=1), name="maintenance_run_runs_gte_1")]
+        constraints = [
+            models.CheckConstraint(condition=Q(runs__gte=1), name="maintenance_run_runs_gte_1"),
+            models.CheckConstraint(
+                condition=Q(
+                    Exact(Func(F("totals"), function="jsonb_typeof", output_field=models.TextField()), "object")
+                ),
+                name="maintenance_run_totals_object",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name}: {self.runs} runs, last {self.last_outcome}"

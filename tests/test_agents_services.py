@@ -535,3 +535,34 @@ def test_the_other_services_refuse_bad_input_by_name_and_write_nothing(community
         assert field in info.value.message_dict, (field, info.value.message_dict)
     assert counts() == before
     assert run_of(run_id).state == "running"
+
+
+def test_the_engine_reaper_leaves_an_overdue_agent_approval_to_the_agents_reaper(community):
+    """An agent's approval has no workflow run (``run_id`` and ``step_id`` NULL). The engine's
+    reaper once took it for one of its own and sorted its NULL run id with a real one: a
+    TypeError stopped every pass in that community (found by the demo, issue 17)."""
+    from buzz_delivery.testing import WorkflowFactory
+    from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
+    from buzz_delivery.workflows.testing import DefinitionVersionFactory, RunFactory
+
+    run_id, lease = three_compensable_calls(community)
+    requested = request_approval(lease, deadline_seconds=1)
+    workflow_run = RunFactory(version=DefinitionVersionFactory(workflow=WorkflowFactory(community=community)))
+    with connection.cursor() as cursor:  # both overdue: the agent's approval and the workflow run
+        cursor.execute(
+            "UPDATE buzz_workflows_approval SET requested_at = now() - interval '2 hours',"
+            " deadline_at = now() - interval '1 hour' WHERE id = %s",
+            [requested.approval_id],
+        )
+        cursor.execute(
+            "UPDATE buzz_workflows_run SET deadline_at = now() - interval '1 second' WHERE run_id = %s",
+            [workflow_run.pk],
+        )
+
+    engine = reap_workflow_steps()
+
+    assert engine.runs_timed_out == 1 and engine.approvals_expired == 0
+    assert Approval.objects.get(id=requested.approval_id).state == "pending"
+    assert reap_agent_runs().approvals_expired == 1
+    assert Approval.objects.get(id=requested.approval_id).state == "expired"
+    assert run_of(run_id).failure_code == "approval_expired"

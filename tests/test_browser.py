@@ -102,13 +102,26 @@ def test_the_dashboard_chart_live_workers_and_the_delivery_list_at_1400_pixels(l
 
     from buzz_delivery import services
     from buzz_delivery.workflows.testing import RunFactory
-    from tests.operator_support import settled
+    from tests.operator_support import pending, settled
 
     User.objects.create_superuser("operator", "operator@example.com", "correct horse battery")
-    community = CommunityFactory(name="acme")
+    community = CommunityFactory(name="acme support (production)")
     for outcome in ("finished", "finished", "failed"):
         settled(community, outcome)
     claimed(community, step_id="send_reply")
+    # Rows as wide as real ones get: a worker's holder name (host:pid:name), a long step id, a
+    # failure code, a retry waiting for its next attempt.
+    busy = pending(community, step_id="notify_customer_about_the_refund")
+    services.claim_delivery(
+        community.pk,
+        bytes(busy.target_pubkey),
+        delivery_id=busy.pk,
+        holder="worker-host-1.eu-west.internal:424242:run_delivery_worker",
+    )
+    _, lease = claimed(community, step_id="escalate_to_a_human")
+    services.finish_delivery(lease, "failed", failure_code="attempts_exhausted")
+    _, lease = claimed(community, step_id="send_summary")
+    services.finish_delivery(lease, "retry", failure_message="the mail server said try later")
     RunFactory()
     services.heartbeat_worker(
         services.WorkerIdentity(
@@ -136,21 +149,31 @@ def test_the_dashboard_chart_live_workers_and_the_delivery_list_at_1400_pixels(l
             page.screenshot(path=str(ARTIFACTS / "admin_live_workers.png"), full_page=True)
 
             page.goto(f"{live_server.url}/admin/buzz_delivery/workflowagentdelivery/")
-            # The table scrolls inside its own box (.results) when it is wider than the room it has.
+            # Both sidebars open: the navigation sidebar and the filters.
+            sidebars = page.evaluate(
+                "() => [document.querySelector('#nav-sidebar').getBoundingClientRect().width,"
+                " document.querySelector('#changelist-filter').getBoundingClientRect().width,"
+                " document.querySelector('#main').classList.contains('shifted')]"
+            )
+            # The table would scroll inside its own box (.results) if it were wider than that box.
             widths = page.evaluate(
                 "() => [document.querySelector('#result_list').scrollWidth,"
                 " document.querySelector('#changelist .results').clientWidth,"
                 " document.documentElement.scrollWidth]"
             )
+            rows = page.locator("#result_list tbody tr").count()
             page.screenshot(path=str(ARTIFACTS / "admin_deliveries_1400.png"), full_page=True)
         finally:
             browser.close()
 
     assert chart is not None and chart["width"] > 300 and chart["height"] > 100
     assert len(workers) == 1 and "worker-host-1" in workers[0] and "4242" in workers[0]
-    # The page itself never scrolls sideways at 1400 pixels; the table scrolls inside its box
-    # while the navigation and filter sidebars are open (printed for the record).
-    print(f"delivery table: {widths[0]} px in a {widths[1]} px box, page {widths[2]} px")
+    # With the navigation and filter sidebars open, the delivery table fits its box at 1400
+    # pixels (it does not scroll sideways), and neither does the page.
+    print(f"delivery table: {widths[0]} px in a {widths[1]} px box, page {widths[2]} px; sidebars {sidebars}")
+    assert sidebars[0] > 200 and sidebars[1] > 150 and sidebars[2] is True
+    assert rows == 7
+    assert widths[0] <= widths[1], f"the delivery table is {widths[0]} px wide in a {widths[1]} px box"
     assert widths[2] <= 1400
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import io
 import uuid
+from datetime import datetime, timedelta
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
 
+from buzz_delivery.workflows.models import Approval, Step
 from project.demo.models import DemoRun, StateChange, StatusChange, ToolEffect
 from project.demo.report import ReaperTally, RunFacts, WorkerOutcome, build_report
 from project.demo.system import build_system_checks, system_facts_from
@@ -139,7 +142,10 @@ def test_demo_second_act_checks_each_layer_and_fails_when_the_database_disagrees
     assert layers["approvals"]["decided"] >= 1
     assert layers["gateway"]["remote_agent_runs"] == {"completed": 2}
     facts = system_facts_from(system["facts"])
-    assert set(facts.killed) == {"workflow", "agent"}
+    assert set(facts.killed) == {"workflow", "agent", "remote"}
+    assert layers["approvals"]["workflow_approval_steps"] == 1
+    assert layers["fence"]["state"] == "fenced" and layers["fence"]["live_runs"] >= 1
+    assert facts.fenced_id not in facts.community_ids
 
     def failed() -> list[str]:
         _, checks = build_system_checks(facts)
@@ -166,23 +172,66 @@ def test_demo_second_act_checks_each_layer_and_fails_when_the_database_disagrees
     again.delete()
 
     # 3. An approval recorded as decided a second time.
+    agent_approvals = Approval.objects.filter(step__isnull=True).values_list("id", flat=True)
     decided = StateChange.objects.filter(
-        run_id=report["run"], table="buzz_workflows_approval", new_state="approved"
+        run_id=report["run"], table="buzz_workflows_approval", new_state="approved", row_id__in=list(agent_approvals)
     ).first()
-    StateChange.objects.create(
+    decided_twice = StateChange.objects.create(
         run_id=decided.run_id, table=decided.table, row_id=decided.row_id, community_id=decided.community_id,
         old_state="pending", new_state="approved", application_name="someone else", at=decided.at,
     )  # fmt: skip
     assert failed() == [
         "approvals: every approval decided exactly once, by the operator's one decision (a second decision refused)"
     ]
+    decided_twice.delete()
 
     # 4. A step recorded as becoming terminal twice.
     step_move = StateChange.objects.filter(
-        run_id=report["run"], table="buzz_workflows_step", new_state="succeeded"
-    ).first()
-    StateChange.objects.create(
+        run_id=report["run"], table="buzz_workflows_step", new_state="succeeded", community_id__in=facts.community_ids
+    ).first()  # (a step of the fenced community is the fence check's, below)
+    twice = StateChange.objects.create(
         run_id=step_move.run_id, table=step_move.table, row_id=step_move.row_id,
         community_id=step_move.community_id, old_state="running", new_state="succeeded", at=step_move.at,
     )  # fmt: skip
     assert "workflows: each step became terminal exactly once (the audit of its state)" in failed()
+    twice.delete()
+    assert failed() == []
+
+    # 5. A step of the fenced community moved after the fence (as a write the fence let through would).
+    fenced_step = Step.objects.filter(community_id=facts.fenced_id).first()
+    late = StateChange.objects.create(
+        run_id=report["run"], table="buzz_workflows_step", row_id=fenced_step.id, community_id=facts.fenced_id,
+        old_state="running", new_state="ready", at=datetime.fromisoformat(facts.fenced_at) + timedelta(seconds=1),
+    )  # fmt: skip
+    assert failed() == [
+        "fence: the community fenced midway stayed where the fence found it (no state change, no history "
+        "entry after it); the other communities' runs completed"
+    ]
+    late.delete()
+
+    # 6. The workflow's approval step resumed twice (left waiting a second time).
+    sign_off = Step.objects.get(run_id=facts.release_run_id, kind="approval")
+    again = StateChange.objects.create(
+        run_id=report["run"], table="buzz_workflows_step", row_id=sign_off.id, community_id=sign_off.community_id,
+        old_state="waiting", new_state="running", at=decided.at,
+    )  # fmt: skip
+    assert failed() == [
+        "approvals: the workflow's approval step was decided once by the operator and its step resumed once"
+    ]
+    again.delete()
+    assert failed() == []
+
+    # 7. The run the killed remote worker held is settled a second time, by the dead holder (appended
+    #    to its history the way the services append; a history never shrinks, so this one comes last).
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_agents_run SET history = buzz_delivery_history_push(history, jsonb_build_object("
+            "'event', 'settle', 'status', 'completed', 'generation', 1, 'actor', %s::text, 'at', now())) "
+            "WHERE id = %s",
+            [facts.kill_holders["remote"], facts.kill_leases["remote"]],
+        )
+    assert failed() == [
+        "gateway: the run held by the killed remote worker was reaped, then settled once by its new holder "
+        "(its first call replayed from the journal, made once)",
+        "agents: every completed agent run was settled once, by the holder of that lease (its history)",
+    ]

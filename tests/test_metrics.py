@@ -179,3 +179,50 @@ def test_reaper_runs_are_counted_with_their_last_outcome_and_time():
     assert found["buzz_maintenance_runs_total"] == {job: 2}
     assert found["buzz_maintenance_last_run_ok"] == {job: 1}
     assert found["buzz_maintenance_last_run_timestamp_seconds"][job] == pytest.approx(float(now), abs=1)
+
+
+def test_lease_losses_seen_by_the_reaper_are_counted_across_its_passes(make_binding, community):
+    """A lapsed lease the reaper takes back is a lease loss the database saw: each pass adds its
+    ``reclaimed`` and ``exhausted`` to the job's totals (in the upsert that counts the pass),
+    exported as a counter."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from buzz_delivery.models import MaintenanceRun
+
+    target = random32()
+    first, second = (DeliveryFactory(binding=make_binding(target_pubkey=target)).id for _ in range(2))
+    assert WorkflowAgentDelivery.objects.get(id=first).max_attempts == 3
+
+    def lapse_and_reap(n: int) -> None:
+        claims = services.claim_deliveries(community.id, target, limit=n, lease_seconds=30)
+        assert len(claims) == n
+        with connection.cursor() as cursor:  # the holders died: their leases lapsed, no backoff left
+            cursor.execute(
+                "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 second' WHERE id = ANY(%s)",
+                [[c.lease.delivery_id for c in claims]],
+            )
+        call_command("reap_deliveries", stdout=StringIO())
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE buzz_delivery_delivery SET next_attempt_at = NULL WHERE id = ANY(%s)", [[first, second]]
+            )
+
+    lapse_and_reap(2)  # both back to pending: 2 reclaimed
+    call_command("reap_deliveries", "--dry-run", stdout=StringIO())  # a dry run adds nothing
+    lapse_and_reap(1)  # the first one's second attempt: 1 reclaimed
+    lapse_and_reap(1)  # its third and last: exhausted
+    assert WorkflowAgentDelivery.objects.get(id=first).status == "failed"
+
+    found = scrape()
+
+    job = "reap_deliveries"
+    lost = {dict(k)["outcome"]: v for k, v in found["buzz_leases_reclaimed_total"].items() if dict(k)["job"] == job}
+    assert lost == {"retried": 3, "exhausted": 1}
+    assert found["buzz_maintenance_runs_total"][(("job", job),)] == 3
+    totals = MaintenanceRun.objects.get(name=job).totals
+    assert (totals["reclaimed"], totals["exhausted"], totals["expired"]) == (3, 1, 0)
+    assert "duration_ms" not in totals
+    items = {dict(k)["item"]: v for k, v in found["buzz_maintenance_items_total"].items() if dict(k)["job"] == job}
+    assert items["reclaimed"] == 3 and items["batches"] == totals["batches"] >= 3

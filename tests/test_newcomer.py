@@ -15,6 +15,10 @@ def test_the_admin_css_is_served_with_debug_off():
 
     assert response.status_code == 200
     assert b"".join(response.streaming_content if response.streaming else [response.content])
+    # and the app's own stylesheet (the delivery list that fits a 1400-pixel window)
+    ours = client.get("/static/buzz_delivery/admin/deliveries.css")
+    assert ours.status_code == 200
+    assert b"#result_list" in b"".join(ours.streaming_content if ours.streaming else [ours.content])
 
 
 def test_buzz_delivery_testing_without_factory_boy_names_the_extra(monkeypatch):

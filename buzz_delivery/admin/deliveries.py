@@ -41,6 +41,9 @@ REAP_LEASE_SECONDS = 120
 ACTION_COLUMNS = ("id", "community_id", "step_id", "target_pubkey", "status", "lease_generation")
 
 
+# Hex characters of the ids and keys shown in the delivery list (the full value is the tooltip).
+LIST_ID_CHARS = 8
+
 # Characters of the message event's content shown on a delivery's page.
 PREVIEW_CHARS = 200
 
@@ -50,16 +53,13 @@ class DeliveryAdmin(ReadOnlyAdmin):
     list_display = (
         "short_id",
         "status",
-        "community",
-        "target",
+        "community_target",
         "workflow_run_step",
-        "generation",
         "holder",
         "in_status",
         "due",
         "attempts",
         "failure",
-        "created",
     )
     list_display_links = ("short_id",)
     list_filter = ("status", FailureCodeFilter, "cause_kind", CommunityFilter, LeaseExpiredFilter)
@@ -72,6 +72,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
     search_help_text = search.HELP_TEXT
     actions = ("requeue_selected", "force_fail_selected", "reap_expired_now")
     change_list_template = "admin/buzz_delivery/workflowagentdelivery/change_list.html"
+
+    class Media:
+        # The list fits a 1400-pixel window with both sidebars open (wrapping headers and cells).
+        css = {"all": ("buzz_delivery/admin/deliveries.css",)}
+
     identity_fields = (
         "id",
         "community",
@@ -139,18 +144,34 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     # --- columns ----------------------------------------------------------------------
 
-    @admin.display(description="delivery", ordering="id")
-    def short_id(self, obj: WorkflowAgentDelivery) -> str:
-        return display.short_uuid(obj.id)
+    # The list's ids are shortened to LIST_ID_CHARS hex characters (the full value is each one's
+    # tooltip), and a delivery's creation time shares its cell: the list fits a 1400-pixel
+    # window with both sidebars open (issue 17; static/buzz_delivery/admin/deliveries.css).
 
-    @admin.display(description="target")
-    def target(self, obj: WorkflowAgentDelivery) -> str:
-        return display.short_hex(obj.target_pubkey)
+    @admin.display(description="delivery / created", ordering="created_at")
+    def short_id(self, obj: WorkflowAgentDelivery) -> str:
+        return format_html(
+            '{}<br><span class="bd-quiet">{}</span>',
+            display.short_uuid(obj.id, LIST_ID_CHARS),
+            display.timestamp(obj.created_at),
+        )
+
+    @admin.display(description="community / target", ordering="community")
+    def community_target(self, obj: WorkflowAgentDelivery) -> str:
+        """Whom the delivery is for: its community and, below it, the target agent's key."""
+        return format_html(
+            '{}<br><span class="bd-quiet">{}</span>',
+            obj.community.name,
+            display.short_hex(obj.target_pubkey, LIST_ID_CHARS),
+        )
 
     @admin.display(description="workflow / run / step")
     def workflow_run_step(self, obj: WorkflowAgentDelivery) -> str:
         return format_html(
-            "{} / {} / {}", getattr(obj, "workflow_name", ""), display.short_uuid(obj.run_id), obj.step_id
+            "{} / {} / {}",
+            getattr(obj, "workflow_name", ""),
+            display.short_uuid(obj.run_id, LIST_ID_CHARS),
+            obj.step_id,
         )
 
     @admin.display(description="lease until", ordering="lease_until")
@@ -181,21 +202,15 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def failure(self, obj: WorkflowAgentDelivery) -> str:
         return obj.failure_code or display.EMPTY
 
-    @admin.display(description="gen", ordering="lease_generation")
-    def generation(self, obj: WorkflowAgentDelivery) -> int:
-        return obj.lease_generation
-
     @admin.display(description="holder")
     def holder(self, obj: WorkflowAgentDelivery) -> str:
         return obj.claimed_by or display.EMPTY
 
-    @admin.display(description="created", ordering="created_at")
-    def created(self, obj: WorkflowAgentDelivery) -> str:
-        return display.timestamp(obj.created_at)
-
-    @admin.display(description="attempts")
+    @admin.display(description="attempt / gen", ordering="lease_generation")
     def attempts(self, obj: WorkflowAgentDelivery) -> str:
-        return f"{obj.attempt}/{obj.max_attempts}" if obj.max_attempts else str(obj.attempt)
+        """The attempt (of the most allowed) and, below it, the lease generation."""
+        attempt = f"{obj.attempt}/{obj.max_attempts}" if obj.max_attempts else str(obj.attempt)
+        return format_html('{}<br><span class="bd-quiet">gen {}</span>', attempt, obj.lease_generation)
 
     # --- detail page ------------------------------------------------------------------
 

@@ -33,12 +33,12 @@ def short_hex(value: bytes | memoryview | None, chars: int = SHORT_HEX_CHARS) ->
     return format_html('<code title="{}" style="white-space: nowrap">{}…</code>', text, text[:chars])
 
 
-def short_uuid(value: Any) -> str:
-    """The last 12 hex characters of a UUID, with the full UUID as tooltip. (Our ids are
+def short_uuid(value: Any, chars: int = 12) -> str:
+    """The last ``chars`` hex characters of a UUID, with the full UUID as tooltip. (Our ids are
     UUIDv7, whose leading characters are a timestamp shared by every row made that second.)"""
     if value is None:
         return EMPTY
-    return format_html('<code title="{}" style="white-space: nowrap">…{}</code>', value, str(value)[-12:])
+    return format_html('<code title="{}" style="white-space: nowrap">…{}</code>', value, str(value)[-chars:])
 
 
 def timestamp(value: dt.datetime | None) -> str:

@@ -46,13 +46,22 @@ DELETE FROM {WORKER} AS w WHERE w.last_heartbeat < {DB_NOW} - make_interval(secs
 """
 
 
+# One statement counts the pass, keeps its summary and adds its counts to the job's totals
+# (each key of either object: the old total plus this pass's count, missing = 0).
 RECORD_MAINTENANCE_RUN = f"""
-INSERT INTO {MAINTENANCE_RUN} AS m (name, runs, last_outcome, last_summary, last_finished_at)
-VALUES (%(name)s, 1, %(outcome)s, %(summary)s::jsonb, {DB_NOW})
+INSERT INTO {MAINTENANCE_RUN} AS m (name, runs, last_outcome, last_summary, totals, last_finished_at)
+VALUES (%(name)s, 1, %(outcome)s, %(summary)s::jsonb, %(counts)s::jsonb, {DB_NOW})
 ON CONFLICT (name) DO UPDATE
     SET runs = m.runs + 1, last_outcome = EXCLUDED.last_outcome, last_summary = EXCLUDED.last_summary,
-        last_finished_at = EXCLUDED.last_finished_at
+        last_finished_at = EXCLUDED.last_finished_at,
+        totals = (
+            SELECT coalesce(jsonb_object_agg(k, coalesce((m.totals ->> k)::bigint, 0)
+                                                + coalesce((EXCLUDED.totals ->> k)::bigint, 0)), '{{}}'::jsonb)
+            FROM jsonb_object_keys(m.totals || EXCLUDED.totals) AS k
+        )
 """
+# Summary values that are not counts of work done, left out of the totals.
+NOT_COUNTS = frozenset({"duration_ms"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +122,24 @@ def prune_stale_workers(older_than_seconds: float = PRUNE_AFTER_SECONDS) -> int:
 def record_maintenance_run(job: str, summary: dict[str, Any]) -> None:
     """Count one finished pass of maintenance ``job`` and keep its ``summary`` (the command's
     summary line; its ``outcome`` key: ``ok``, ``busy``, ``stopped``, ``error``...) as the last
-    one, stamped with the database clock."""
+    one, stamped with the database clock; add each count of the summary (a non-negative
+    integer other than ``duration_ms``: ``reclaimed``, ``exhausted``, ``batches``...) to the
+    job's ``totals``, in the same statement (``buzz_leases_reclaimed_total`` on ``/metrics``)."""
     name = v.optional_text(job, "job", 100)
     if not name:
         raise v.invalid("job", "must be a non-empty job name")
     outcome = str(summary.get("outcome", ""))[:32]
-    fetch_all(RECORD_MAINTENANCE_RUN, {"name": name, "outcome": outcome, "summary": json.dumps(summary, default=str)})
+    counts = {
+        key: value
+        for key, value in summary.items()
+        if type(value) is int and 0 <= value < 2**63 and key not in NOT_COUNTS
+    }
+    fetch_all(
+        RECORD_MAINTENANCE_RUN,
+        {
+            "name": name,
+            "outcome": outcome,
+            "summary": json.dumps(summary, default=str),
+            "counts": json.dumps(counts),
+        },
+    )

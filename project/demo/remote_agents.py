@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from typing import Any
 
 _lock = threading.Lock()
@@ -30,8 +31,14 @@ def send_summary(args: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def handle(ctx: Any) -> Any:
-    """An agent run served through the gateway: two journaled tool calls."""
+    """An agent run served through the gateway: two journaled tool calls. In the worker started
+    with ``BUZZ_DEMO_REMOTE_HANG`` set, the run stops after its first call (recorded in the
+    journal), holding its lease until the demo kills that worker with SIGKILL; the replacement
+    worker resumes it: the first call's result comes from the journal, it is not made again."""
     found = ctx.call("search_orders", search_orders, {"customer": str(ctx.input.get("content", ""))[:40]})
+    if os.environ.get("BUZZ_DEMO_REMOTE_HANG"):
+        while True:  # its heartbeats keep the lease alive until the SIGKILL
+            time.sleep(3600)
     ctx.call("send_summary", send_summary, {"orders": found["orders"]})
     return {"answered_remotely": True, "orders": found["orders"]}
 

@@ -40,3 +40,10 @@ def crunch(input: dict[str, Any], context: StepContext) -> dict[str, Any]:
         while True:
             time.sleep(3600)
     return {"crunched": context.attempt}
+
+
+@workflow_function("demo.tally")
+def tally(input: dict[str, Any], context: StepContext) -> dict[str, Any]:
+    """A slow step (2 s): the demo fences its community while a worker holds it."""
+    time.sleep(2.0)
+    return {"tallied": True}

@@ -1,5 +1,6 @@
 """The demo's second act: the whole system on top of the inbox (workflows, agent runs, the
-journal, compensation, approvals, a cancel, killed workers of the two other kinds).
+journal, compensation, approvals, a cancel, a fenced community, killed workers of the three
+other kinds: workflow, in-process agent, remote agent through the gateway).
 
 Two communities run workflows in the engine's definition format: function steps (registered
 in :mod:`project.demo.steps`), a condition, a sub-workflow and ``send_message`` steps with
@@ -8,8 +9,12 @@ demo's acceptor) claims each delivery to an agent and accepts it (``accept_deliv
 delivery settles and its agent run starts in one transaction); real ``run_workflow_worker``
 and ``run_agent_worker`` processes do the rest. Midway one workflow worker and one agent worker
 are killed with SIGKILL while they hold a lease (the maintenance reclaims, a replacement worker
-resumes), a simulated operator decides the approvals (and tries once more, to be told it was
-decided already), and one workflow run is cancelled while its agent waits for a human.
+resumes), and so is the remote ``work-runs`` worker after its run's first call (a replacement
+holder resumes that run from its journal through the gateway); a simulated operator decides the
+approvals, an agent's and a workflow's ``approval`` step alike (and tries once more, to be told
+it was decided already), and one workflow run is cancelled while its agent waits for a human. A
+third community is fenced (``advance_community``: active -> quiescing -> fenced) while its
+workflow worker holds a step: nothing of it may move after that, and the others still complete.
 
 :func:`build_system_checks` reads the database afterwards and checks each layer exactly once.
 """
@@ -90,6 +95,12 @@ class SystemFacts:
     accept_misses: int = 0
     killed: dict[str, str] = field(default_factory=dict)  # kind -> worker name
     kill_leases: dict[str, str] = field(default_factory=dict)  # kind -> what it held (step / agent run id)
+    kill_holders: dict[str, str] = field(default_factory=dict)  # kind -> the killed holder's name (its worker id)
+    fenced_id: uuid.UUID | None = None  # the community fenced midway (not in community_ids)
+    fenced_run_ids: list[uuid.UUID] = field(default_factory=list)
+    fenced_at: str | None = None  # database clock (ISO) once the fence was in place
+    fenced_snapshot: dict[str, str] = field(default_factory=dict)  # its run/step/agent run id -> state at the fence
+    release_run_id: uuid.UUID | None = None  # the run with the workflow-level approval step
     reaped: Counter[str] = field(default_factory=Counter)
     workers: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -169,6 +180,29 @@ def _definitions(keys: dict[str, bytes], child_id: uuid.UUID) -> dict[str, dict[
             ]
         },
         "file ticket": {"steps": [fn("file", "demo.file_ticket")]},
+        # A workflow-level approval step: the run waits for the operator, then ships.
+        "release": {
+            "steps": [
+                fn("build", "demo.summarize"),
+                {
+                    "key": "sign_off",
+                    "kind": "approval",
+                    "depends_on": ["build"],
+                    "deadline_seconds": 600,
+                    "prompt": "ship the release?",
+                },
+                fn("ship", "demo.summarize", depends_on=["sign_off"]),
+            ]
+        },
+        # The fenced community's work: a slow step the fence lands in, then an agent.
+        "ledger": {
+            "steps": [
+                fn("open", "demo.summarize"),
+                fn("tally", "demo.tally", depends_on=["open"]),
+                send("ask", "lookup", "lookup: the ledger's open items", depends_on=["tally"]),
+                fn("close", "demo.summarize", depends_on=["ask"]),
+            ]
+        },
     }
 
 
@@ -196,7 +230,7 @@ class SystemScenario:
     def _start(self, name: str, args: list[str]) -> Proc:
         return self._start_raw(name, [sys.executable, "-m", "django", *args])
 
-    def _start_raw(self, name: str, command: list[str]) -> Proc:
+    def _start_raw(self, name: str, command: list[str], extra_env: dict[str, str] | None = None) -> Proc:
         out_path, err_path = self.log_dir / f"{name}.out", self.log_dir / f"{name}.log"
         out, err = out_path.open("w"), err_path.open("w")
         process = subprocess.Popen(
@@ -207,6 +241,7 @@ class SystemScenario:
                 "PGAPPNAME": application_name(name),
                 "BUZZ_DEMO_EFFECTS": str(self.effects_path),
                 "PYTHONPATH": str(getattr(settings, "BASE_DIR", Path.cwd())),
+                **(extra_env or {}),
             },
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -304,10 +339,15 @@ class SystemScenario:
                 time.sleep(0.2)
         raise RuntimeError(f"the gateway did not answer within 30 s: see {self.log_dir}/gateway.log")
 
-    def _remote_worker(self, name: str, mode: str, agent: str, handler: str, base: str) -> Proc:
+    def _remote_worker(self, name: str, mode: str, agent: str, handler: str, base: str, *, hang: bool = False) -> Proc:
+        """A remote worker (``work`` or ``work-runs``) through the gateway. Its ``work-runs``
+        holder name is ``buzz-demo-<name>`` (``--worker-id``), so a run's history tells which
+        one held each lease. ``hang``: its agent runs stop after their first call (the demo kills
+        it with SIGKILL there, see :func:`project.demo.remote_agents.handle`)."""
         key_file = self.log_dir / f"{agent}.key"
         key_file.write_text(self.secrets[agent].hex())
         key_file.chmod(0o600)
+        holder = ["--worker-id", application_name(name)] if mode == "work-runs" else []
         return self._start_raw(
             name,
             [
@@ -329,7 +369,9 @@ class SystemScenario:
                 "1",
                 "--shutdown-grace",
                 "5",
+                *holder,
             ],
+            extra_env={"BUZZ_DEMO_REMOTE_HANG": "1"} if hang else None,
         )
 
     def _kill(self, proc: Proc) -> None:
@@ -353,8 +395,10 @@ class SystemScenario:
     # -- setup -------------------------------------------------------------------------------
     def _setup(self) -> None:
         self.ops = [Community.objects.create(name=f"demo {self.label} ops #{i}") for i in (1, 2)]
+        # A third community, fenced midway (active -> quiescing -> fenced, the core lifecycle).
+        self.doomed = Community.objects.create(name=f"demo {self.label} ops #3 (fenced midway)")
         self.workflows: dict[tuple[uuid.UUID, str], uuid.UUID] = {}
-        for community in self.ops:
+        for community in [*self.ops, self.doomed]:
             child = Workflow.objects.create(community=community, name="file ticket")
             definitions = _definitions(self.keys, child.id)
             for name, definition in definitions.items():
@@ -374,15 +418,18 @@ class SystemScenario:
         started = time.monotonic()
         self._setup()
         ops1, ops2 = self.ops
-        self.facts = SystemFacts(self.run_id, [c.id for c in self.ops], [])
-        audit.install_states(self.run_id, self.facts.community_ids)
+        self.facts = SystemFacts(self.run_id, [c.id for c in self.ops], [], fenced_id=self.doomed.id)
+        audit.install_states(self.run_id, [*self.facts.community_ids, self.doomed.id])
         try:
             # A workflow worker alone on ops #2, whose first step never ends on its first attempt.
             crunch_run = self._start_run(ops2, "crunch", {})
             wf_stuck = self._workflow_worker("wf-ops2-stuck", ops2.id, 1)
             ag_stuck = self._agent_worker("agent-charge-stuck", ["charge"], [ops2.id])
             self._workflow_worker("wf-ops1", ops1.id, 2)
-            self._agent_worker("agent-main", ["lookup", "refund", "provision"], [ops1.id, ops2.id])
+            self._workflow_worker("wf-ops3", self.doomed.id, 1)
+            self._agent_worker("agent-main", ["lookup", "refund", "provision"], [ops1.id, ops2.id, self.doomed.id])
+            self.facts.fenced_run_ids = [self._start_run(self.doomed, "ledger", {"book": n}) for n in (1, 2, 3)]
+            self.facts.workflow_run_ids = [r for r in self.facts.workflow_run_ids if r not in self.facts.fenced_run_ids]
             for i, text in enumerate(
                 ("urgent: the site is down", "a question about invoices", "URGENT refund please", "thanks for the help")
             ):
@@ -390,7 +437,10 @@ class SystemScenario:
             for secret_name in REMOTE_NAMES:
                 gateway.enroll(ops1.id, self.keys[secret_name], enrolled_by="demo")
             base = self._gateway()
-            self._remote_worker("remote-work-runs", "work-runs", "remote", REMOTE_HANDLER, base)
+            # This remote worker stops after its run's first call; it is killed there (SIGKILL).
+            remote_stuck = self._remote_worker(
+                "remote-work-runs-stuck", "work-runs", "remote", REMOTE_HANDLER, base, hang=True
+            )
             self._remote_worker("remote-work", "work", "courier", REMOTE_DELIVERY_HANDLER, base)
             self.facts.gateway_url = base
             for n in (1, 2):
@@ -398,12 +448,14 @@ class SystemScenario:
             refund_runs = [self._start_run(ops1, "refund", {"order": n}) for n in (7, 8)]
             self.facts.cancelled_run_id = refund_runs[1]
             self._start_run(ops1, "provision", {})
+            self.facts.release_run_id = self._start_run(ops1, "release", {"version": "1.0"})
             self.say(
-                f"Second act: {len(self.facts.workflow_run_ids)} workflow runs in 2 communities; "
+                f"Second act: {len(self.facts.workflow_run_ids) + len(self.facts.fenced_run_ids)} workflow runs "
+                "in 3 communities (one to be fenced midway); "
                 f"{len(self.procs)} processes: workflow and agent workers, the gateway and its remote workers "
                 f"(logs in {self.log_dir})"
             )
-            self._drive(crunch_run, wf_stuck, ag_stuck)
+            self._drive(crunch_run, wf_stuck, ag_stuck, remote_stuck, base)
         finally:
             self._stop_all()
             audit.remove_states(self.run_id)
@@ -422,9 +474,9 @@ class SystemScenario:
         self.facts.seconds = round(time.monotonic() - started, 1)
         return self.facts
 
-    def _drive(self, crunch_run: uuid.UUID, wf_stuck: Proc, ag_stuck: Proc) -> None:
+    def _drive(self, crunch_run: uuid.UUID, wf_stuck: Proc, ag_stuck: Proc, remote_stuck: Proc, base: str) -> None:
         facts = self.facts
-        ops2 = self.ops[1]
+        ops1, ops2 = self.ops
         deadline = time.monotonic() + self.timeout
         next_reap = 0.0
         while True:
@@ -454,6 +506,28 @@ class SystemScenario:
                         f"Killed agent worker {ag_stuck.name} with SIGKILL mid-call (the charge was made, not recorded)"
                     )
                     self._agent_worker("agent-charge", ["charge"], [ops2.id])
+            if not remote_stuck.killed:
+                holder = application_name(remote_stuck.name)
+                held = AgentRun.objects.filter(
+                    community_id=ops1.id, agent_pubkey=self.keys["remote"], worker_id=holder, state="running"
+                ).first()
+                if (
+                    held is not None
+                    and JournalEntry.objects.filter(
+                        community_id=ops1.id, run_id=held.id, kind="tool", status="succeeded"
+                    ).exists()
+                ):
+                    self._kill(remote_stuck)
+                    facts.killed["remote"] = remote_stuck.name
+                    facts.kill_leases["remote"] = str(held.id)
+                    facts.kill_holders["remote"] = holder
+                    self.say(
+                        f"Killed remote worker {remote_stuck.name} (gateway) with SIGKILL mid-lease, "
+                        "after its run's first call"
+                    )
+                    self._remote_worker("remote-work-runs", "work-runs", "remote", REMOTE_HANDLER, base)
+            if facts.fenced_at is None:
+                self._maybe_fence()
             self._operate()
             if self._all_done():
                 break
@@ -463,6 +537,26 @@ class SystemScenario:
                 break
             time.sleep(TICK_SECONDS)
         self._reap()
+
+    def _maybe_fence(self) -> None:
+        """Fence the third community once its work is midway: a step succeeded and its slow
+        ``tally`` step is held by the workflow worker. Records the database time the fence was
+        in place and a snapshot of its runs', steps' and agent runs' states, which must not move."""
+        doomed = self.doomed.id
+        steps = Step.objects.filter(community_id=doomed)
+        if not (steps.filter(state="succeeded").exists() and steps.filter(key="tally", state="running").exists()):
+            return
+        core.advance_community(doomed, "quiescing")
+        core.advance_community(doomed, "fenced")
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT clock_timestamp()")
+            self.facts.fenced_at = cursor.fetchone()[0].isoformat()
+        self.facts.fenced_snapshot = _states_of(doomed)
+        self.say(
+            f"Fenced community '{self.doomed.name}' midway (active -> quiescing -> fenced): "
+            f"{sum(1 for v in self.facts.fenced_snapshot.values() if v not in TERMINAL_STEP | TERMINAL_RUN)} "
+            "of its runs and steps were live; the database refuses their writes from now on"
+        )
 
     def _import_remote_effects(self) -> None:
         """The remote tools' effects (JSON lines) into :class:`ToolEffect`, for the checks."""
@@ -486,7 +580,8 @@ class SystemScenario:
 
     def _accept(self) -> None:
         """The inbox: claim each delivery to an agent and accept it (its agent run starts)."""
-        for community in self.ops:
+        live = self.ops if self.facts.fenced_at else [*self.ops, self.doomed]
+        for community in live:
             for name in INBOX:
                 key = self.keys[name]
                 for claim in core.claim_deliveries(
@@ -500,10 +595,11 @@ class SystemScenario:
 
     def _operate(self) -> None:
         """The simulated operator: cancel the chosen run once its agent waits for a human;
-        decide every approval in the queue once (approve), then try each once more."""
+        decide every approval in the queue once (approve), then try each once more: the agents'
+        approvals and the workflows' ``approval`` steps alike."""
         facts = self.facts
         ops1 = self.ops[0]
-        queue = []
+        queue: list[tuple[uuid.UUID, str]] = []
         for agent_run in AgentRun.objects.filter(community_id__in=facts.community_ids, state="waiting_approval"):
             target = facts.cancelled_run_id
             if target is not None and agent_run.source_run_id == target and "cancel" not in facts.reaped:
@@ -515,6 +611,11 @@ class SystemScenario:
                     f"for an approval): {type(cancelled).__name__}"
                 )
             queue.append((agent_run.community_id, str(agent_run.approval_id)))
+        # Workflow-level approval steps (``kind: approval``) wait in the same queue.
+        for community, approval in Approval.objects.filter(
+            community_id__in=facts.community_ids, state="pending", step__isnull=False
+        ).values_list("community_id", "id"):
+            queue.append((community, str(approval)))
         for community_id, approval_id in queue:
             if approval_id in facts.decisions:
                 continue
@@ -541,7 +642,11 @@ class SystemScenario:
         open_deliveries = (
             WorkflowAgentDelivery.objects.filter(community_id__in=ids).exclude(status__in=TERMINAL_STATUSES).exists()
         )
-        return not (open_runs or open_agents or open_deliveries) and len(self.facts.killed) == 2
+        return (
+            not (open_runs or open_agents or open_deliveries)
+            and len(self.facts.killed) == 3
+            and self.facts.fenced_at is not None
+        )
 
 
 def system_facts_json(facts: SystemFacts) -> dict[str, Any]:
@@ -551,6 +656,9 @@ def system_facts_json(facts: SystemFacts) -> dict[str, Any]:
     data["community_ids"] = [str(c) for c in facts.community_ids]
     data["workflow_run_ids"] = [str(r) for r in facts.workflow_run_ids]
     data["cancelled_run_id"] = str(facts.cancelled_run_id) if facts.cancelled_run_id else None
+    data["fenced_id"] = str(facts.fenced_id) if facts.fenced_id else None
+    data["fenced_run_ids"] = [str(r) for r in facts.fenced_run_ids]
+    data["release_run_id"] = str(facts.release_run_id) if facts.release_run_id else None
     data["reaped"] = dict(facts.reaped)
     return data
 
@@ -563,9 +671,22 @@ def system_facts_from(data: dict[str, Any]) -> SystemFacts:
             "community_ids": [uuid.UUID(c) for c in data["community_ids"]],
             "workflow_run_ids": [uuid.UUID(r) for r in data["workflow_run_ids"]],
             "cancelled_run_id": uuid.UUID(data["cancelled_run_id"]) if data["cancelled_run_id"] else None,
+            "fenced_id": uuid.UUID(data["fenced_id"]) if data.get("fenced_id") else None,
+            "fenced_run_ids": [uuid.UUID(r) for r in data.get("fenced_run_ids", [])],
+            "release_run_id": uuid.UUID(data["release_run_id"]) if data.get("release_run_id") else None,
             "reaped": Counter(data["reaped"]),
         }
     )
+
+
+def _states_of(community_id: uuid.UUID) -> dict[str, str]:
+    """The state of each workflow run, step and agent run of a community, by id."""
+    states = {str(i): st for i, st in Run.objects.filter(community_id=community_id).values_list("pk", "state")}
+    states.update((str(i), st) for i, st in Step.objects.filter(community_id=community_id).values_list("id", "state"))
+    states.update(
+        (str(i), st) for i, st in AgentRun.objects.filter(community_id=community_id).values_list("pk", "state")
+    )
+    return states
 
 
 def _summary(path: Path) -> dict[str, Any] | None:
@@ -607,6 +728,36 @@ def _terminal_moves(history: list[dict[str, Any]], terminal: set[str]) -> int:
         if to in terminal:
             count += 1
     return count
+
+
+def _fence_check(facts: SystemFacts) -> tuple[bool, dict[str, Any]]:
+    """Whether the fenced community's rows stayed as the fence found them, and the evidence:
+    its state now; states that differ from the snapshot taken at the fence; state changes the
+    audit recorded after the fence (database clock); history entries of its steps, agent runs
+    and deliveries stamped after it; and how many of its runs the fence left live."""
+    if facts.fenced_id is None or facts.fenced_at is None:
+        return False, {"fenced": "never"}
+    from datetime import datetime
+
+    at = datetime.fromisoformat(facts.fenced_at)
+    community = Community.objects.filter(id=facts.fenced_id).first()
+    now = _states_of(facts.fenced_id)
+    moved = {k for k in set(now) | set(facts.fenced_snapshot) if now.get(k) != facts.fenced_snapshot.get(k)}
+    audited = StateChange.objects.filter(run_id=facts.run_id, community_id=facts.fenced_id, at__gt=at).count()
+    stamped = 0
+    for model in (Step, AgentRun, WorkflowAgentDelivery):
+        for history in model.objects.filter(community_id=facts.fenced_id).values_list("history", flat=True):
+            stamped += sum(1 for e in history or [] if e.get("at") and datetime.fromisoformat(e["at"]) > at)
+    live = [r for r in facts.fenced_run_ids if now.get(str(r)) not in TERMINAL_RUN]
+    detail = {
+        "state": community.deletion_state if community else None,
+        "moved": len(moved),
+        "changes_after": audited,
+        "history_after": stamped,
+        "live_runs": len(live),
+    }
+    ok = detail["state"] == "fenced" and not moved and not audited and not stamped and bool(live)
+    return ok, detail
 
 
 def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]]:
@@ -832,6 +983,86 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
         )
     )
 
+    # The remote worker killed mid-lease: its run went back by the reaper, and the replacement's
+    # lease settled it, once; the call it had made was replayed from the journal, not made again.
+    remote_killed = next((r for r in agent_runs if str(r.id) == facts.kill_leases.get("remote")), None)
+    history = (remote_killed.history or []) if remote_killed else []
+    claims = {e.get("generation"): e.get("actor") for e in history if e.get("event") == "claim"}
+    settles = [e for e in history if e.get("event") == "settle"]
+    dead = facts.kill_holders.get("remote")
+    settler = claims.get(settles[0].get("generation")) if len(settles) == 1 else None
+    its_calls = [e for e in tool_entries if remote_killed and e.run_id == remote_killed.id]
+    checks.append(
+        Check(
+            "gateway: the run held by the killed remote worker was reaped, then settled once by its new holder "
+            "(its first call replayed from the journal, made once)",
+            remote_killed is not None
+            and remote_killed.state == "completed"
+            and dead in claims.values()
+            and any(e.get("event") == "reap" for e in history)
+            and len(settles) == 1
+            and settler == settles[0].get("actor")
+            and settler not in (None, dead)
+            and moves[("buzz_agents_run", remote_killed.id)] == 1
+            and bool(its_calls)
+            and all(effects[(e.idempotency_key, "call")] == 1 for e in its_calls),
+            f"state {remote_killed.state if remote_killed else None}, holders {sorted(set(claims.values()))}, "
+            f"{len(settles)} settles (by {[e.get('actor') for e in settles]}), "
+            f"effects per call {[effects[(e.idempotency_key, 'call')] for e in its_calls]}",
+        )
+    )
+    unsettled = [r for r in agent_runs if r.state == "completed" and not _settled_once_by_holder(r.history or [])]
+    checks.append(
+        Check(
+            "agents: every completed agent run was settled once, by the holder of that lease (its history)",
+            not unsettled,
+            f"{len(unsettled)} of {sum(1 for r in agent_runs if r.state == 'completed')} completed runs not",
+        )
+    )
+
+    # The workflow-level approval step: decided once by the operator, its step resumed once.
+    release_steps = [s for s in steps if s.run_id == facts.release_run_id]
+    sign_off = next((s for s in release_steps if s.kind == "approval"), None)
+    ship = next((s for s in release_steps if s.key == "ship"), None)
+    its_approvals = [a for a in approvals if sign_off is not None and a.step_id == sign_off.id]
+    resumed = Counter(
+        row_id
+        for row_id, old in StateChange.objects.filter(
+            run_id=facts.run_id, table="buzz_workflows_step", old_state="waiting"
+        ).values_list("row_id", "old_state")
+    )
+    layers["approvals"]["workflow_approval_steps"] = len(its_approvals)
+    checks.append(
+        Check(
+            "approvals: the workflow's approval step was decided once by the operator and its step resumed once",
+            sign_off is not None
+            and len(its_approvals) == 1
+            and its_approvals[0].state == "approved"
+            and its_approvals[0].decided_by == OPERATOR
+            and moves[("buzz_workflows_approval", its_approvals[0].id)] == 1
+            and sign_off.state == "succeeded"
+            and resumed[sign_off.id] == 1
+            and ship is not None
+            and ship.state == "succeeded"
+            and moves[("buzz_workflows_step", ship.id)] == 1,
+            f"{len(its_approvals)} approvals ({[a.state for a in its_approvals]}), step "
+            f"{sign_off.state if sign_off else None} resumed {resumed[sign_off.id] if sign_off else 0} times, "
+            f"next step {ship.state if ship else None}",
+        )
+    )
+
+    # The community fenced midway: nothing of it moved after the fence; the others completed.
+    fenced_ok, fenced_detail = _fence_check(facts)
+    layers["fence"] = fenced_detail
+    checks.append(
+        Check(
+            "fence: the community fenced midway stayed where the fence found it (no state change, no history "
+            "entry after it); the other communities' runs completed",
+            fenced_ok and not open_runs,
+            ", ".join(f"{k} {v}" for k, v in fenced_detail.items()) + f"; {len(open_runs)} other runs open",
+        )
+    )
+
     # Workers of the act.
     bad = [
         f"{w['name']} exited {w['returncode']}"
@@ -841,7 +1072,7 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
     checks.append(
         Check(
             "second act: each kind of worker killed with SIGKILL mid-lease; the others stopped cleanly",
-            set(facts.killed) == {"workflow", "agent"} and not bad,
+            set(facts.killed) == {"workflow", "agent", "remote"} and not bad,
             "; ".join(bad) or f"killed {sorted(facts.killed.values())}",
         )
     )

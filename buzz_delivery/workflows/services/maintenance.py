@@ -37,7 +37,8 @@ OVERRUN = (
     f" AND s.claimed_at + make_interval(secs => s.timeout_seconds) < {DB_NOW}"
 )
 WAIT_OVER = f"s.state = 'waiting' AND s.wait_deadline < {DB_NOW}"
-APPROVAL_OVER = f"a.state = 'pending' AND a.deadline_at < {DB_NOW}"
+# A step's approval (an agent's has no step: the agents' reaper expires those, in its own order).
+APPROVAL_OVER = f"a.state = 'pending' AND a.step_id IS NOT NULL AND a.deadline_at < {DB_NOW}"
 RUN_OVER = f"r.state = 'running' AND r.deadline_at < {DB_NOW}"
 
 CANDIDATE_COMMUNITIES = f"""

@@ -5,8 +5,8 @@ real ``run_delivery_worker`` process per agent plus a stuck one that is killed w
 mid-lease, reaps every second, fences one community midway, stops the workers with SIGTERM and
 checks that every delivery of a healthy community was settled exactly once. Then the second act
 (:mod:`project.demo.system`): workflows, agent runs, approvals, compensation, a cancel, the
-gateway, killed workflow and agent workers, with per-layer checks. The orchestration lives in
-:mod:`project.demo.scenario`; this command parses options and prints.
+gateway, killed workflow, agent and remote workers, a fenced community, with per-layer checks.
+The orchestration lives in :mod:`project.demo.scenario`; this command parses options and prints.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ class Command(BaseCommand):
     help = (
         "Run buzz_delivery on a realistic workload with real worker processes, a killed worker, the "
         "reaper and a fenced community; then workflows, agent runs (in-process and through the "
-        "gateway), an approval, a compensation, a cancel and killed workflow and agent workers; print "
-        "a report and check exactly-once per layer (exit 1 if a check fails). About two minutes."
+        "gateway), approvals, a compensation, a cancel, a fenced community and killed workflow, agent "
+        "and remote workers; print a report and check exactly-once per layer (exit 1 if a check "
+        "fails). About two minutes."
     )
 
     def add_arguments(self, parser: Any) -> None:
