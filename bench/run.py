@@ -32,6 +32,7 @@ SCENARIOS = {
     "overhead": "overhead",
     "peers": "peers",
     "isolation": "isolation",
+    "wake": "wake",
 }
 
 

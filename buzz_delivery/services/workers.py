@@ -3,8 +3,8 @@ and the tally of the maintenance runs (:func:`record_maintenance_run`).
 
 One row per process in ``buzz_delivery_worker`` (:class:`~buzz_delivery.models.WorkerRegistration`),
 keyed by a token the process draws at start. :func:`heartbeat_worker` inserts the row or, when
-it exists, moves ``last_heartbeat`` to the database clock (``buzz_delivery_now()``); :func:`deregister_worker`
-deletes it on a clean exit; :func:`prune_stale_workers` deletes the rows of processes that
+it exists, moves ``last_heartbeat`` to the database clock (``buzz_delivery_now()``);
+:func:`deregister_worker` deletes it on a clean exit; :func:`prune_stale_workers` deletes the rows of processes that
 stopped beating (killed, or their host lost). The table is not community-scoped (SPEC section
 15: a local table on a Citus coordinator, like the maintenance lease), so these statements name
 no community. Every statement is one short autocommit transaction; nothing is held between them.
