@@ -1,0 +1,179 @@
+"""Wake latency (issue 16): from the start of a commit to its handler's start, woken by NOTIFY,
+at 200 jobs/s offered one commit at a time, for our worker and for PgQueuer in the same run.
+
+The consumer of each system runs in its own process (:mod:`bench.wake_agents`: our ``run_worker``
+with 4 handler threads, PgQueuer's ``QueueManager`` with batch 10), both polling only every
+10 s, so a job starts because its hint woke the consumer. The controller commits one job at a
+time at the offered rate (ours: ``services.commit_deliveries`` of one binding; PgQueuer:
+``Queries.enqueue`` of one job) and notes when each commit began; the consumers note when each
+handler began, on the same host clock. Printed: p50 / p99 / max per system, the two systems
+interleaved over the repetitions; the figure's ratio is ours / PgQueuer of the p99 (target:
+no worse, <= 1.0x).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import data, env
+from bench.context import Bench
+from bench.report import Figure
+
+RATE = 200.0  # jobs offered per second
+START_SECONDS = 6.0  # a consumer's start-up (Django, LISTEN) before the first commit
+WAIT_SECONDS = 15.0  # the longest the controller waits for the last handler to start
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _start_consumer(kind: str, bench: Bench, out: Path, *args: str) -> subprocess.Popen[bytes]:
+    environ = {**os.environ, "LOG_LEVEL": "WARNING"}
+    command = [sys.executable, "-m", "bench.wake_agents", kind, bench.url, str(out), *args]
+    return subprocess.Popen(command, cwd=env.ROOT, env=environ, stdout=subprocess.DEVNULL)
+
+
+def _offer(commit_one, n: int) -> dict[str, float]:
+    """Call ``commit_one()`` (which returns the job's key) ``n`` times at :data:`RATE`; returns
+    key -> time the commit began."""
+    began: dict[str, float] = {}
+    first = time.monotonic()
+    for i in range(n):
+        pause = first + i / RATE - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        at = time.time()
+        began[commit_one()] = at
+    return began
+
+
+def _latencies(out: Path, began: dict[str, float], proc: subprocess.Popen[bytes]) -> list[float]:
+    deadline = time.monotonic() + WAIT_SECONDS
+    started: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        started = {}
+        for line in out.read_text().splitlines():
+            key, _, at = line.partition(" ")
+            started.setdefault(key, float(at))
+        if all(key in started for key in began):
+            break
+        time.sleep(0.2)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    missing = [key for key in began if key not in started]
+    if missing:
+        raise RuntimeError(f"wake: {len(missing)} of {len(began)} jobs never started")
+    return [(started[key] - began[key]) * 1000 for key in began]
+
+
+def _ours(bench: Bench, tenant: data.Tenant, n: int, tmp: Path) -> list[float]:
+    from buzz_delivery import services
+    from buzz_delivery.models import Event
+
+    data.clear_deliveries(bench.conn)
+    target = data.target(0)
+    event = Event.objects.get(pk=tenant.event_pk)
+    out = tmp / "ours.log"
+    out.write_text("")
+    proc = _start_consumer("ours", bench, out, str(tenant.community_id), target.hex())
+    time.sleep(START_SECONDS)
+    counter = iter(range(10**9))
+
+    def commit_one() -> str:
+        binding = services.Binding(
+            community_id=tenant.community_id,
+            workflow_id=tenant.workflow_id,
+            run_id=tenant.run_id,
+            step_id=f"wake-{next(counter)}-{os.urandom(4).hex()}",
+            target_pubkey=target,
+            definition_event_id=data.DEFINITION_EVENT_ID,
+            message_event_id=tenant.event_id,
+            cause=services.Cause.event(os.urandom(32)),
+        )
+        (delivery_id,) = services.commit_deliveries(tenant.community_id, event, [binding])
+        return str(delivery_id)
+
+    return _latencies(out, _offer(commit_one, n), proc)
+
+
+def _pgqueuer(bench: Bench, n: int, tmp: Path) -> list[float]:
+    import psycopg
+    from pgqueuer.db import PsycopgDriver
+    from pgqueuer.queries import Queries
+
+    async def install() -> None:
+        aconn = await psycopg.AsyncConnection.connect(bench.url, autocommit=True)
+        try:
+            if (await (await aconn.execute("SELECT to_regclass('pgqueuer')")).fetchone())[0] is None:  # type: ignore[index]
+                await Queries(PsycopgDriver(aconn)).install()
+            await aconn.execute("TRUNCATE pgqueuer, pgqueuer_log")
+        finally:
+            await aconn.close()
+
+    asyncio.run(install())
+    out = tmp / "pgqueuer.log"
+    out.write_text("")
+    proc = _start_consumer("pgqueuer", bench, out)
+    time.sleep(START_SECONDS)
+    loop = asyncio.new_event_loop()
+    aconn = loop.run_until_complete(psycopg.AsyncConnection.connect(bench.url, autocommit=True))
+    queries = Queries(PsycopgDriver(aconn))
+    counter = iter(range(10**9))
+
+    def commit_one() -> str:
+        key = f"job-{next(counter)}"
+        loop.run_until_complete(queries.enqueue("wake", key.encode(), 0))
+        return key
+
+    try:
+        return _latencies(out, _offer(commit_one, n), proc)
+    finally:
+        loop.run_until_complete(aconn.close())
+        loop.close()
+
+
+def run(bench: Bench) -> None:
+    try:
+        import pgqueuer  # noqa: F401
+    except ImportError:
+        print("wake: PgQueuer is not installed (pip install -e '.[bench]'); skipped")
+        return
+    n = bench.scaled(1_000, 400)
+    data.reset(bench.conn)
+    (tenant,) = data.create_tenants(1)
+    runs: dict[str, list[list[float]]] = {"ours": [], "pgqueuer": []}
+    with tempfile.TemporaryDirectory(prefix="bench_wake_") as tmp:
+        for _ in range(bench.repeats):  # interleaved
+            runs["ours"].append(_ours(bench, tenant, n, Path(tmp)))
+            runs["pgqueuer"].append(_pgqueuer(bench, n, Path(tmp)))
+            for system in runs:
+                latencies = runs[system][-1]
+                print(
+                    f"wake: {system} n={n} at {RATE:.0f}/s: p50 {_percentile(latencies, 0.5):.1f} ms"
+                    f" p99 {_percentile(latencies, 0.99):.1f} ms max {max(latencies):.1f} ms",
+                    flush=True,
+                )
+    for q, label in ((0.5, "p50"), (0.99, "p99")):
+        bench.report.add(
+            Figure(
+                figure=f"wake latency, commit -> handler start, {RATE:.0f}/s offered (NOTIFY)",
+                case=f"{label}: ours vs PgQueuer",
+                unit="ms",
+                ours_runs=[_percentile(r, q) for r in runs["ours"]],
+                raw_runs=[_percentile(r, q) for r in runs["pgqueuer"]],
+                target_ratio=1.0 if label == "p99" else None,
+                lower_is_better=True,
+                note="raw column = PgQueuer (batch 10) in the same run",
+            )
+        )
