@@ -108,3 +108,22 @@ def test_a_bad_pair_is_refused_naming_the_option_before_anything_runs(value, say
         )
     assert "--pair" in str(refused.value) and says in str(refused.value)
     assert not models.WorkerRegistration.objects.exists()  # it never started
+
+
+def test_a_pair_with_a_long_backlog_does_not_starve_a_hinted_pair(community, message_event, make_binding, start_worker):
+    busy, quiet = random32(), random32()
+    backlog = commit(make_binding, busy, 300, sleep=0.02)  # about 3 s of work on 2 threads
+    # Polls every 60 s: while the busy pair's polls come back full, only the hint can bring
+    # the quiet pair in.
+    worker = start_worker(
+        busy,
+        *("--target", quiet.hex(), "--concurrency", "2", "--poll-interval", "60", "--idle-exit", "1"),
+    )
+    wait_until(lambda: sum(1 for s in statuses(backlog).values() if s == "finished") >= 20, what="the drain")
+    (late,) = services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=quiet)])
+    wait_until(lambda: statuses([late]) == {late: "finished"}, what="the quiet pair's delivery")
+    still_pending = sum(1 for s in statuses(backlog).values() if s == "pending")
+
+    assert worker.wait(60) == 0, worker.log()
+    assert still_pending > 0  # it was served while the busy pair still had a backlog
+    assert set(statuses(backlog).values()) == {"finished"}

@@ -212,6 +212,7 @@ class Worker:
         self.holder = holder_identity(config.name)
         self.pairs = config.pairs
         self.next_pair = 0  # where the next poll of every pair starts (round robin)
+        self.backlogged: list[Pair] = []  # the pairs whose last poll came back full
         self.stop = stop
         self.wake = threading.Event()
         self.tally = Tally()
@@ -420,10 +421,14 @@ class Worker:
             free = min(free, self.config.max_deliveries - self.claimed)
         return max(free, 0)
 
-    def _claim(self, hinted: list[tuple[uuid.UUID, Pair]], must_poll: bool, room: int) -> tuple[int, bool]:
+    def _claim(
+        self, hinted: list[tuple[uuid.UUID, Pair]], must_poll: bool, room: int, *, backlog_only: bool = False
+    ) -> tuple[int, bool]:
         """Claim hinted ids one by one (a single hint, or batch size 1) unless ``must_poll``;
-        otherwise poll for the oldest: the pairs of the hints, or (``must_poll``, no hints) every
-        pair in turn, one statement each, starting after the pair the last poll ended at. Hands
+        otherwise poll for the oldest: the pairs of the hints; or (``must_poll``) every pair in
+        turn, one statement each, starting after the pair the last poll ended at, or only the
+        pairs whose last poll came back full and those of the hints (``backlog_only``, while
+        there are some). Hands
         each claim to a handler thread as soon as it is won. Returns how many were claimed and
         whether a backlog likely remains (a poll came back full, or room ran out before every
         pair was polled)."""
@@ -442,11 +447,15 @@ class Worker:
                     won += 1
             self.tally.add("claim_statements", min(len(hinted), room))
             return won, len(hinted) > room
+        every_pair = not (hinted and not must_poll) and not (backlog_only and self.backlogged)
         if hinted and not must_poll:
             pairs = list(dict.fromkeys(pair for _, pair in hinted))
+        elif not every_pair:  # any pair a hint named since, then the backlogged pairs
+            pairs = list(dict.fromkeys([*(pair for _, pair in hinted), *self.backlogged]))
         else:
             pairs = [self.pairs[(self.next_pair + i) % len(self.pairs)] for i in range(len(self.pairs))]
         won, backlog, polled = 0, False, 0
+        full: list[Pair] = []
         for community_id, target_pubkey in pairs:
             if won >= room:
                 backlog = True  # pairs left unpolled
@@ -459,9 +468,14 @@ class Worker:
             self.tally.add("claim_statements")
             self._start(claims, "poll")
             won += len(claims)
-            backlog = backlog or len(claims) == limit
-        if not (hinted and not must_poll):
+            if len(claims) == limit:
+                backlog = True
+                full.append((community_id, target_pubkey))
+        if every_pair:
             self.next_pair = (self.next_pair + polled) % len(self.pairs)
+        # Pairs not polled this time (room ran out) still count as backlogged, and go first next
+        # time: a pair that keeps filling the room does not starve the others.
+        self.backlogged = [pair for pair in pairs[polled:] if pair not in full] + full
         return won, backlog
 
     def _start(self, claims: list[Claim], via: str) -> None:
@@ -532,7 +546,9 @@ class Worker:
         """Claim until stopped, the quota is done or idle too long; returns why it stopped.
 
         Polls right away while the last poll came back full (a backlog: hints are then
-        redundant and dropped), else every ``poll_interval``; a hint wakes it in between."""
+        redundant and dropped; with several pairs, only the pairs that came back full are polled
+        again until the next full round), else every pair every ``poll_interval``; a hint wakes
+        it in between."""
         backlog, next_poll = True, 0.0
         while not (self.stop.is_set() or self.signalled):
             self.wake.clear()
@@ -548,17 +564,18 @@ class Worker:
                 return HANDLERS_HUNG
             room = self._room()
             hinted, poll_asked = self.inbox.drain() if room else ([], False)
-            poll_due = backlog or poll_asked or time.monotonic() >= next_poll
+            round_due = poll_asked or time.monotonic() >= next_poll
+            poll_due = backlog or round_due
             if room and (hinted or poll_due):
                 try:
-                    _, backlog = self._claim(hinted, poll_due, room)
+                    _, backlog = self._claim(hinted, poll_due, room, backlog_only=not round_due)
                 except DB_UNAVAILABLE as exc:
                     logger.warning("db_unavailable role=claim error=%s", exc)
                     close_old_connections()
                     backlog = True
                     self.stop.wait(min(self.config.poll_interval, SIGNAL_CHECK_SECONDS))
                     continue
-                if poll_due:
+                if round_due:  # a round of every pair: the next one is due in poll_interval
                     next_poll = time.monotonic() + self.config.poll_interval
                 if backlog:
                     continue
