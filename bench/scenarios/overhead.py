@@ -43,6 +43,7 @@ def _psycopg_pair(conn: psycopg.Connection, claim_sql: str, finish_sql: str, ten
         "limit": 1,
         "lease_seconds": LEASE_SECONDS,
         "delivery_id": None,
+        "holder": "bench",
     }
 
     def pair() -> None:
