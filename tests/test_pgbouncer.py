@@ -294,9 +294,14 @@ def test_looping_reapers_through_pgbouncer_take_turns_and_stop_on_sigterm(manage
         ]
         wait_until_waiting_on_the_lease_table(runs)
     # More leases lapse while the loops run: a fresh target each time, so rows already reaped
-    # back to pending are not claimed again.
-    deadline = time.monotonic() + 4
-    while time.monotonic() < deadline:
+    # back to pending are not claimed again. At least 4 s of it, and on until two of the runs
+    # have each reaped some (on a loaded machine one loop can win the lease for seconds on end;
+    # the hand-over is what this test is about), for 30 s at most.
+    names = {run.name for run in runs}
+    started = time.monotonic()
+    while time.monotonic() < started + 4 or (
+        len({r["app"] for r in audit_rows(names)} & names) < 2 and time.monotonic() < started + 30
+    ):
         lapsed += lapsed_deliveries(20)
         time.sleep(0.25)
     limit = time.monotonic() + 20
