@@ -298,13 +298,16 @@ def when_on(dep: dict[str, Any], child_sinks: list[str], draw: st.DrawFn) -> dic
 
 
 @st.composite
-def dags(draw: st.DrawFn, prefix: str, max_steps: int, kinds: list[str], child_sinks: list[str]) -> list[dict]:
-    n = draw(st.integers(min_value=1, max_value=max_steps))
+def dags(
+    draw: st.DrawFn, prefix: str, each: list[str], kinds: list[str], extra: int, child_sinks: list[str]
+) -> list[dict]:
+    """A random DAG with one step of each kind of ``each`` and up to ``extra`` more of
+    ``kinds``, in random order."""
+    chosen = draw(st.permutations(each + draw(st.lists(st.sampled_from(kinds), max_size=extra))))
     steps: list[dict[str, Any]] = []
-    for i in range(n):
+    for i, kind in enumerate(chosen):
         earlier = [s["key"] for s in steps]
         deps = draw(st.lists(st.sampled_from(earlier), unique=True, max_size=2)) if earlier else []
-        kind = draw(st.sampled_from(kinds))
         step: dict[str, Any] = {
             "key": f"{prefix}{i}",
             "kind": kind,
@@ -327,7 +330,9 @@ def dags(draw: st.DrawFn, prefix: str, max_steps: int, kinds: list[str], child_s
         else:
             step["workflow"] = "CHILD"
             step["input"] = {"flag": {"$ref": "input.flag"}}
-        choice = draw(st.sampled_from(["none", "none", "flag", "dep", "dep"]))
+            if draw(st.booleans()):
+                step["wait_timeout_seconds"] = 3600
+        choice = draw(st.sampled_from(["none", "none", "none", "flag", "dep", "dep"]))
         if choice == "flag":
             step["when"] = {"ref": "input.flag", "equals": draw(st.booleans())}
         elif choice == "dep" and deps:
@@ -340,9 +345,14 @@ def dags(draw: st.DrawFn, prefix: str, max_steps: int, kinds: list[str], child_s
 
 @st.composite
 def definitions(draw: st.DrawFn) -> tuple[list[dict], list[dict]]:
-    child = draw(dags("c", 3, ["function", "function", "send_message", "approval"], []))
+    child = draw(
+        dags(
+            "c", [draw(st.sampled_from(["send_message", "approval"]))], ["function", "send_message", "approval"], 2, []
+        )
+    )
     sinks = [s["key"] for s in child if not any(s["key"] in t["depends_on"] for t in child)]
-    main = draw(dags("s", 5, ["function", "send_message", "approval", "sub_workflow"], sinks))
+    kinds = ["function", "send_message", "approval", "sub_workflow"]
+    main = draw(dags("s", kinds, kinds, 2, sinks))
     return child, main
 
 
@@ -656,8 +666,11 @@ class KindsMachine(RuleBasedStateMachine):
         result = reap_workflow_steps()
         self._expire_left()
         assert result.wait_timed_out == 1
+        child = s.child
         run.finish(s, "failed", code="wait_timeout")
-        expire_ended([run])
+        if child is not None and child.end("canceled"):  # the parent gave up waiting for it
+            SEEN["child canceled by its parent's wait timeout"] += 1
+        expire_ended([run, *([child] if child else [])])
 
     @rule()
     def maintain(self) -> None:
@@ -847,6 +860,10 @@ class KindsMachine(RuleBasedStateMachine):
             assert (db_run.parent_run_id, db_run.parent_step_key) == (
                 (parent[0].run_id, parent[1]) if parent else (None, None)
             )
+            if db_run.parent_run_id is not None and db_run.state == "running":
+                # No orphan: a running child run has a parent step still waiting for it.
+                waiting_for = steps[(db_run.parent_run_id, db_run.parent_step_key)]
+                assert (waiting_for.state, waiting_for.child_run_id) == ("waiting", run.run_id)
             open_steps = 0
             for key, s in run.steps.items():
                 row = steps[(run.run_id, key)]
