@@ -532,23 +532,29 @@ class KindsMachine(RuleBasedStateMachine):
 
     PROGRESS = {
         "steps": st.lists(st.sampled_from(["work", "work", "work", "fail", "hold"]), max_size=6),
-        "agents": st.lists(st.sampled_from(["finished", "finished", "failed", "hold", "skip"]), max_size=6),
+        "agents": st.lists(
+            st.sampled_from(["finished", "finished", "failed", "hold", "skip", "expire", "force_fail"]), max_size=6
+        ),
         "decisions": st.lists(st.sampled_from(["approved", "approved", "rejected", "hold"]), min_size=1, max_size=3),
+        "requeue": st.booleans(),
         "v": st.booleans(),
     }
 
     @rule(**PROGRESS)
-    def progress_again(self, steps: list[str], agents: list[str], decisions: list[str], v: bool) -> None:
+    def progress_again(self, steps: list[str], agents: list[str], decisions: list[str], requeue: bool, v: bool) -> None:
         """:meth:`progress` twice over, so plain progress is the likeliest rule."""
-        self.progress(steps, agents, decisions, v)
+        self.progress(steps, agents, decisions, requeue, v)
 
     @rule(**PROGRESS)
-    def progress(self, steps: list[str], agents: list[str], decisions: list[str], v: bool) -> None:
+    def progress(self, steps: list[str], agents: list[str], decisions: list[str], requeue: bool, v: bool) -> None:
         """Everyone does some work at once: the orchestrator (claims and runs steps), agents
-        (claim and settle deliveries), operators (decide pending approvals)."""
+        (claim and settle deliveries), operators (requeue a failed delivery a step waits on,
+        decide pending approvals)."""
         self.claim_all(steps, v)
         if any(d.status == "pending" for d in self.deliveries):
             self.agents(agents)
+        if requeue and any(d.status in ("failed", "expired") for d in self.deliveries):
+            self.requeue_delivery(0, True)
         pending = [a for a in self.approvals if a.state == "pending"]
         for a, what in zip(pending, decisions, strict=False):
             if what != "hold":
@@ -570,7 +576,7 @@ class KindsMachine(RuleBasedStateMachine):
             for i, (d, lease) in enumerate(list(self.dleases)):
                 if d.status == "claimed" and d.gen == lease.lease_generation:
                     self._finish_delivery(i, "finished")
-            self.progress(["work"] * 100, ["finished"] * 100, ["approved" if approve else "rejected"] * 100, v)
+            self.progress(["work"] * 100, ["finished"] * 100, ["approved" if approve else "rejected"] * 100, False, v)
         raise AssertionError(
             "runs still running after the drain: "
             + ", ".join(
@@ -685,15 +691,19 @@ class KindsMachine(RuleBasedStateMachine):
             s.state == "waiting" and "wait_timeout_seconds" in s.spec for r in self.runs for s in r.steps.values()
         )
     )
-    @rule(i=st.integers(min_value=0, max_value=50))
-    def wait_times_out(self, i: int) -> None:
+    @rule(i=st.integers(min_value=0, max_value=50), live=st.booleans())
+    def wait_times_out(self, i: int, live: bool) -> None:
+        """A send_message or sub_workflow step waits past its ``wait_timeout_seconds``
+        (back-dated); with ``live``, preferably a sub_workflow step whose child still runs."""
         waiting = [
             (r, s)
             for r in self.runs
             for s in r.steps.values()
             if s.state == "waiting" and "wait_timeout_seconds" in s.spec
         ]
-        run, s = waiting[i % len(waiting)]
+        children = [(r, s) for r, s in waiting if s.child is not None and s.child.state == "running"]
+        pool = children if live and children else waiting
+        run, s = pool[i % len(pool)]
         with connection.cursor() as cursor:
             cursor.execute(
                 "UPDATE buzz_workflows_step SET wait_deadline = now() - interval '1 second',"
@@ -733,13 +743,19 @@ class KindsMachine(RuleBasedStateMachine):
 
     def agents(self, plan: list[str]) -> None:
         """Agents claim pending deliveries (oldest first) and finish or fail them at once, or
-        hold their leases; "skip" leaves one pending."""
+        hold their leases; "skip" leaves one pending, "expire" lets its TTL pass, "force_fail":
+        an operator fails the claimed delivery."""
         pending = [d for d in self.deliveries if d.status == "pending"]
         for d, what in zip(pending, plan, strict=False):
-            if what == "skip":
+            if what == "skip" or d.status != "pending":
+                continue
+            if what == "expire":
+                self._expire_delivery(d)
                 continue
             self._claim_delivery(d)
-            if what != "hold":
+            if what == "force_fail":
+                self._force_fail_delivery(d)
+            elif what != "hold":
                 self._finish_delivery(len(self.dleases) - 1, what)
 
     @precondition(lambda self: self.dleases)
@@ -776,8 +792,9 @@ class KindsMachine(RuleBasedStateMachine):
     @rule(i=st.integers(min_value=0, max_value=50), live=st.booleans())
     def expire_delivery(self, i: int, live: bool) -> None:
         """A pending delivery's TTL passes (back-dated) and the core reaper expires it."""
-        pending = [d for d in self.deliveries if d.status == "pending"]
-        d = self._pick(pending, i, live)
+        self._expire_delivery(self._pick([d for d in self.deliveries if d.status == "pending"], i, live))
+
+    def _expire_delivery(self, d: MDelivery) -> None:
         with connection.cursor() as cursor:
             cursor.execute(
                 "UPDATE buzz_delivery_delivery SET expires_at = now() - interval '1 second'"
@@ -791,8 +808,9 @@ class KindsMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(d.status == "claimed" for d in self.deliveries))
     @rule(i=st.integers(min_value=0, max_value=50), live=st.booleans())
     def force_fail_delivery(self, i: int, live: bool) -> None:
-        claimed = [d for d in self.deliveries if d.status == "claimed"]
-        d = self._pick(claimed, i, live)
+        self._force_fail_delivery(self._pick([d for d in self.deliveries if d.status == "claimed"], i, live))
+
+    def _force_fail_delivery(self, d: MDelivery) -> None:
         assert core.force_fail_delivery(self.cid, d.id).done
         d.gen += 1
         self._delivery_terminal(d, "claimed", "failed")
