@@ -537,19 +537,23 @@ class KindsMachine(RuleBasedStateMachine):
         ),
         "decisions": st.lists(st.sampled_from(["approved", "approved", "rejected", "hold"]), min_size=1, max_size=3),
         "requeue": st.booleans(),
+        "timeout": st.integers(min_value=0, max_value=3),
         "v": st.booleans(),
     }
 
     @rule(**PROGRESS)
-    def progress_again(self, steps: list[str], agents: list[str], decisions: list[str], requeue: bool, v: bool) -> None:
+    def progress_again(self, **kwargs: Any) -> None:
         """:meth:`progress` twice over, so plain progress is the likeliest rule."""
-        self.progress(steps, agents, decisions, requeue, v)
+        self.progress(**kwargs)
 
     @rule(**PROGRESS)
-    def progress(self, steps: list[str], agents: list[str], decisions: list[str], requeue: bool, v: bool) -> None:
+    def progress(
+        self, steps: list[str], agents: list[str], decisions: list[str], requeue: bool, timeout: int, v: bool
+    ) -> None:
         """Everyone does some work at once: the orchestrator (claims and runs steps), agents
         (claim and settle deliveries), operators (requeue a failed delivery a step waits on,
-        decide pending approvals)."""
+        decide pending approvals), and now and then a sub_workflow step's wait times out while
+        its child still runs."""
         self.claim_all(steps, v)
         if any(d.status == "pending" for d in self.deliveries):
             self.agents(agents)
@@ -559,6 +563,14 @@ class KindsMachine(RuleBasedStateMachine):
         for a, what in zip(pending, decisions, strict=False):
             if what != "hold":
                 self._decide(a, what == "approved", "carol")
+        live = [
+            s
+            for r in self.runs
+            for s in r.steps.values()
+            if s.state == "waiting" and "wait_timeout_seconds" in s.spec and s.child and s.child.state == "running"
+        ]
+        if timeout == 0 and live:
+            self.wait_times_out(0, True)
 
     @precondition(lambda self: any(r.state == "running" for r in self.runs))
     @rule(v=st.booleans(), approve=st.booleans())
@@ -576,7 +588,9 @@ class KindsMachine(RuleBasedStateMachine):
             for i, (d, lease) in enumerate(list(self.dleases)):
                 if d.status == "claimed" and d.gen == lease.lease_generation:
                     self._finish_delivery(i, "finished")
-            self.progress(["work"] * 100, ["finished"] * 100, ["approved" if approve else "rejected"] * 100, False, v)
+            self.progress(
+                ["work"] * 100, ["finished"] * 100, ["approved" if approve else "rejected"] * 100, False, 1, v
+            )
         raise AssertionError(
             "runs still running after the drain: "
             + ", ".join(
