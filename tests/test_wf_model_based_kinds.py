@@ -12,8 +12,16 @@ output and delivery-expiry mark; every step's state, counters, generation, outpu
 code and child run; every delivery's status, attempt and generation; every approval's state.
 Beyond the model: each step became terminal exactly once (an audit trigger counts every state
 change; the step's own history has at most one terminal entry), ``steps_left`` equals the
-non-terminal steps, and a waiting ``send_message`` step's fan-in counters equal its terminal
-deliveries in the core table."""
+non-terminal steps, a waiting ``send_message`` step's fan-in counters equal its terminal
+deliveries in the core table, and a running child run has a parent step waiting for it.
+
+It can fail: each of these local breaks was caught (the shallow ones in every run, the deep
+ones in two runs of three or more): the fan-in trigger not counting ``expired`` as a failure,
+or not taking a requeued delivery's count back; Advance ending the run under ``fail_run`` for
+``function`` steps only; ``decide_approval`` not expiring the deliveries of the run it failed;
+the maintenance not canceling a timed-out ``sub_workflow`` step's child run; the model not
+blocking the dependents of a ``skip_dependents`` failure. The printed line counts what the
+examples reached (each kind's transitions, decisions, run ends)."""
 
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
-from hypothesis import HealthCheck, Phase
+from hypothesis import HealthCheck
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -989,7 +997,6 @@ def _run(examples: int, steps: int) -> None:
             deadline=None,
             database=None,
             print_blob=True,
-            phases=[Phase.explicit, Phase.generate] if os.environ.get("NOSHRINK") else list(Phase),
             suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
         ),
     )
@@ -1001,7 +1008,7 @@ def _run(examples: int, steps: int) -> None:
 
 
 def test_the_engine_agrees_with_the_model_on_every_step_kind():
-    _run(examples=int(os.environ.get("KX", 60)), steps=int(os.environ.get("KS", 40)))
+    _run(examples=60, steps=40)
 
 
 @pytest.mark.slow
