@@ -397,3 +397,29 @@ def test_deliveries_left_pending_by_a_run_failed_in_the_fan_in_trigger_are_expir
     run.refresh_from_db()
     assert run.deliveries_to_expire is False
     assert reap_workflow_steps().deliveries_expired == 0
+
+
+def test_a_sub_workflow_step_that_times_out_cancels_its_child_run(workflow):
+    """The parent gave up waiting: its child run must not go on (sending, waiting for
+    approvals) under a run that no longer waits for it, nor outlive a parent that succeeded."""
+    from buzz_delivery.workflows.services import publish_definition
+
+    child_wf = WorkflowFactory(community=workflow.community)
+    publish_definition(workflow.community_id, child_wf.id, {"steps": [send_step("inner", [random32()])]})
+    sub = {"key": "sub", "kind": "sub_workflow", "workflow": str(child_wf.id), "wait_timeout_seconds": 60}
+    run = start(workflow, {"steps": [{**sub, "on_error": "continue"}]})
+    run_until_idle(workflow.community_id)
+    child = Run.objects.get(parent_run_id=run.pk)
+    assert states(child) == {"inner": "waiting"}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_workflows_step SET wait_deadline = now() - interval '1 second',"
+            " waiting_since = now() - interval '1 hour' WHERE run_id = %s",
+            [run.pk],
+        )
+    assert reap_workflow_steps().wait_timed_out == 1
+    assert get_run(workflow.community_id, run.pk).step("sub").failure_code == "wait_timeout"
+    assert run_state(run) == "succeeded"
+    child.refresh_from_db()
+    assert (child.state, states(child)) == ("canceled", {"inner": "canceled"})
+    assert [(d.status, d.failure_code) for d in deliveries(child)] == [("expired", "run_canceled")]

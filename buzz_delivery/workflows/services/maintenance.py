@@ -1,6 +1,7 @@
 """The engine's cron maintenance (SPEC section 11 "Orchestrator", "Retries and timeouts"):
 lapsed step leases reclaimed (an attempt spent: ``ready`` again, or ``failed`` with
-``attempts_exhausted``), step timeouts (``step_timeout``), wait timeouts (``wait_timeout``),
+``attempts_exhausted``), step timeouts (``step_timeout``), wait timeouts (``wait_timeout``; a
+timed-out ``sub_workflow`` step's child run is canceled with it),
 approval deadlines (``approval_expired``), run deadlines (``run_deadline``), and the due slots
 of cron schedules started (:mod:`~buzz_delivery.workflows.services.schedules`); the pending
 deliveries of runs that ended in the batch are expired (core ``expire_run_deliveries``).
@@ -115,7 +116,17 @@ UPDATE {STEP} AS s SET state = 'failed', failure_code = 'wait_timeout',
     failure_message = 'the wait ran past its wait_timeout_seconds', wait_deadline = NULL, finished_at = {DB_NOW},
     {step_entry("'expire'", "s.lease_generation", "'reaper'", status="'failed'")}
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {WAIT_OVER} AND {ACTIVE}
-RETURNING s.id
+RETURNING s.id, s.child_run_id
+"""
+# A sub_workflow step that gave up waiting cancels its child run (and, recursively, the child's
+# children): nothing goes on sending or waiting for approvals under a run that no longer waits
+# for it, nor outlives a parent that then succeeds. The child's run row is locked inside end_run,
+# after its parent's (the engine's lock order); its parent step has failed, so the child's end
+# moves nothing there.
+CANCEL_CHILD_OF_TIMED_OUT_STEP = f"""
+SELECT buzz_workflows_end_run(%(community_id)s, r.run_id, 'canceled', NULL, NULL)
+FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s AND r.state = 'running' AND {ACTIVE}
 """
 
 
@@ -176,8 +187,12 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
         result.approvals_expired += len(expired)
         if expired:
             fetch_all(FAIL_STEPS_OF_EXPIRED_APPROVALS, {**params, "ids": [row[0] for row in expired]})
-        result.wait_timed_out += len(fetch_all(FAIL_OVERDUE_WAITS, params))
-        expire_deliveries_of_ended_runs(community, run_ids)  # type: ignore[arg-type]
+        timed_out = fetch_all(FAIL_OVERDUE_WAITS, params)
+        result.wait_timed_out += len(timed_out)
+        children = [row[1] for row in timed_out if row[1] is not None]
+        for child in children:
+            fetch_all(CANCEL_CHILD_OF_TIMED_OUT_STEP, {**params, "run_id": child})
+        expire_deliveries_of_ended_runs(community, [*run_ids, *children])  # type: ignore[arg-type]
     return True
 
 
