@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from buzz_delivery.testing import WorkflowFactory, random32
-from buzz_delivery.workflows.models import Approval, Run
+from buzz_delivery.workflows.models import Approval, Run, Step
 from buzz_delivery.workflows.services import decide_approval
 from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
 from tests.wf_support import start
@@ -108,3 +110,62 @@ def test_the_loser_of_an_approval_race_is_told_who_decided_first(workflow):
     )
     assert any("already approved by alice" in m for m in messages_of(response))
     assert Approval.objects.get().state == "approved"
+
+
+def _plan(queryset) -> str:
+    """The plan of ``queryset`` with sequential scans and sorts priced out: the one the planner
+    takes on a big table (here every table is tiny, so a scan would always win)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("SET LOCAL enable_sort = off")
+    return queryset.explain()
+
+
+def _changelist(client: Client, name: str, **params: str):
+    response = client.get(reverse(f"admin:buzz_workflows_{name}_changelist"), params)
+    assert response.status_code == 200, name
+    return response
+
+
+def test_engine_lists_are_served_newest_first_by_an_index_on_the_id(workflow):
+    """At a million rows the lists sorted the whole table for each page (the primary keys lead
+    with community_id) and every listed step or approval fetched its run by scanning the runs
+    (14 s for the approvals list): wf_run_id_idx and wf_step_id_idx serve both."""
+    run = start(workflow, {"steps": [function_step("a"), {"key": "ok", "kind": "approval", "deadline_seconds": 60}]})
+    run_until_idle(workflow.community_id)
+    client = client_with()
+    runs = _changelist(client, "run").context["cl"]
+    assert runs.result_list[0].pk == run.pk
+    plan = _plan(runs.queryset[:100])
+    assert "Index Scan Backward using wf_run_id_idx" in plan and "Sort" not in plan, plan
+    steps = _changelist(client, "step").context["cl"]
+    plan = _plan(steps.queryset[:100])
+    assert "Index Scan Backward using wf_step_id_idx" in plan and "Sort" not in plan, plan
+    assert "wf_run_id_idx" in plan, plan  # each listed step's run (the "run" column), by its id
+    approvals = _changelist(client, "approval").context["cl"]
+    assert "wf_run_id_idx" in _plan(approvals.queryset[:100])
+    run_page = client.get(reverse("admin:buzz_workflows_run_change", args=[run.pk]))
+    assert run_page.status_code == 200
+    assert "wf_run_id_idx" in _plan(Run.objects.filter(pk=run.pk))
+
+
+def test_step_and_approval_lists_cost_no_statement_per_row(workflow):
+    approval_steps = [{"key": f"ok{i}", "kind": "approval", "deadline_seconds": 60} for i in range(3)]
+    start(workflow, {"steps": approval_steps[:1]})
+    run_until_idle(workflow.community_id)
+    client = client_with()
+    few = {}
+    for name in ("run", "step", "approval"):
+        with CaptureQueriesContext(connection) as ctx:
+            _changelist(client, name)
+        few[name] = len(ctx.captured_queries)
+    for _ in range(3):
+        start(workflow, {"steps": [function_step("a"), *approval_steps]})
+    run_until_idle(workflow.community_id)
+    assert Approval.objects.count() == 10 and Step.objects.count() == 13
+    for name in ("run", "step", "approval"):
+        with CaptureQueriesContext(connection) as ctx:
+            response = _changelist(client, name)
+        assert len(response.context["cl"].result_list) > 1
+        assert len(ctx.captured_queries) == few[name], (name, [q["sql"] for q in ctx.captured_queries])
+    assert "waiting for approval since" in _changelist(client, "step").content.decode()

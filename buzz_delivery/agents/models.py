@@ -155,6 +155,9 @@ class AgentRun(CommunityScoped):
             models.CheckConstraint(condition=history_bounded("history"), name="ag_run_history_bounded"),
         ]
         indexes = [
+            # The admin list's order (newest first, UUIDv7 ids) and lookups by id alone; the
+            # primary key leads with community_id.
+            models.Index(fields=["id"], name="ag_run_id_idx"),
             models.Index(
                 fields=["community", "agent_pubkey", "created_at"],
                 condition=Q(state="pending"),
