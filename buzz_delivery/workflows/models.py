@@ -332,6 +332,9 @@ class Step(CommunityScoped):
             # The admin list's order (newest first, UUIDv7 ids) and lookups by id alone; the
             # primary key leads with community_id.
             models.Index(fields=["id"], name="wf_step_id_idx"),
+            # The list's "failed" filter: a rare state spread over the whole table (its capped
+            # count read every row); only failed steps are in it, each written once.
+            models.Index(fields=["id"], condition=Q(state="failed"), name="wf_step_failed_idx"),
             models.Index(fields=["community", "ready_at"], condition=Q(state="ready"), name="wf_step_ready_idx"),
             models.Index(fields=["lease_until"], condition=Q(state="running"), name="wf_step_running_lease_idx"),
             models.Index(
