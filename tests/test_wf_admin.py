@@ -180,3 +180,14 @@ def test_the_failed_filter_of_the_steps_list_reads_only_failed_steps(workflow):
     assert [step.key for step in cl.result_list] == ["b"]
     assert "wf_step_failed_idx" in _plan(cl.queryset[:100])
     assert "wf_step_failed_idx" in _plan(cl.queryset.order_by().values("pk")[:10_001])  # the capped count
+
+
+def test_the_approvals_queue_lists_pending_first_then_oldest_first(workflow):
+    for _ in range(3):
+        start(workflow, {"steps": [{"key": "ok", "kind": "approval", "deadline_seconds": 60}]})
+    run_until_idle(workflow.community_id)
+    oldest = Approval.objects.order_by("requested_at", "-pk").first()
+    decide_approval(oldest.community_id, oldest.id, "approved", "alice")
+    pending = Approval.objects.filter(state="pending").order_by("requested_at", "-pk")  # -pk: the list's tie-break
+    cl = _changelist(client_with(), "approval").context["cl"]
+    assert [a.pk for a in cl.result_list] == [*(a.pk for a in pending), oldest.pk]

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.contrib import admin
 from django.db import connection
-from django.db.models import DateTimeField, Func, QuerySet
+from django.db.models import Case, DateTimeField, Func, QuerySet, Value, When
 from django.http import HttpRequest
 from django.utils.html import format_html
 
@@ -200,7 +200,8 @@ class ApprovalAdmin(ReadOnlyAdmin):
     list_display = ("id", "run", "state", "prompt_line", "requested_at", "deadline_at", "decided_by")
     list_filter = ("state",)
     list_select_related = ("run",)  # the "run" column: one join, not one query per row
-    ordering = ("state", "requested_at")
+    # Pending first (alphabetically "approved" came first), then oldest first.
+    ordering = (Case(When(state="pending", then=Value(0)), default=Value(1)).asc(), "requested_at")
     readonly_fields = ("run", "step", "state", "prompt", "requested_at", "deadline_at", "closed_at", "decided_by")
     exclude = ("step_generation",)
     actions = ["approve", "reject"]
