@@ -1,20 +1,31 @@
-"""Benchmark: the delivery admin at a million rows (SPEC section 8: the changelist stays fast).
+"""Benchmark: the admin lists at a million rows (SPEC section 8, issue 17: every list stays fast).
 
-Not a test: it loads ``--rows`` deliveries (default 1,000,000) into a separate database, then
-times admin pages through Django's test ``Client`` as a superuser and prints a table of
+Not a test: it loads ``--rows`` rows (default 1,000,000) per layer into a separate database,
+then times admin pages through Django's test ``Client`` as a superuser and prints a table of
 median timings and query counts. Figures from a shared 2-core machine are noisy: compare
 runs on the same machine only.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_admin .venv/bin/python bench/admin_changelist.py
+    ... bench/admin_changelist.py --layers deliveries          # only the delivery pages
 
 The database name must start with ``bench_admin`` (the script truncates its tables); it is
 created and migrated when missing. Rows are loaded once with set-based
 ``INSERT ... SELECT generate_series`` statements in one transaction with
 ``session_replication_role = replica`` (no trigger or foreign-key check per row: the rows are
 consistent by construction; every CHECK constraint still applies), then ``VACUUM ANALYZE``.
-A later run reuses them unless ``--reload``. Status mix: 90% finished, 4% failed, 1% expired,
-4% pending, 1% claimed (half of those with an expired lease), over 5 communities, 1,000 runs
-each, one delivery every 2 seconds of ``created_at`` up to now.
+A later run reuses them unless ``--reload`` or a chosen layer's row count differs (then every
+table is truncated and the chosen layers are loaded again). One row every 2 seconds of
+``created_at`` up to now, over 5 communities, ids UUIDv7 as the application makes them.
+
+- ``deliveries``: 90% finished, 4% failed, 1% expired, 4% pending, 1% claimed (half of those
+  with an expired lease), 1,000 core runs per community; the delivery list, dashboard, /metrics.
+- ``workflows``: engine runs (each with its core run): 90% succeeded, 4% failed, 2% canceled,
+  4% running; every ``--step-every``-th run (default 4: as many steps as runs) has 4 chained
+  steps whose states follow the run's, and one in five of those an approval step, approved.
+  The runs, steps and approvals lists.
+- ``agents``: agent runs: 88% completed, 4% failed, 2% cancelled, 1% timeout, 2% pending,
+  1% running, 1% waiting_tool, 1% waiting_approval (each with a pending approval; 1% of the
+  completed ones have an approved one), 0.5% shadow; no journal. The agent runs and approvals lists.
 """
 
 from __future__ import annotations
