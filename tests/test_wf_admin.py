@@ -171,15 +171,21 @@ def test_step_and_approval_lists_cost_no_statement_per_row(workflow):
     assert "waiting for approval since" in _changelist(client, "step").content.decode()
 
 
-def test_the_failed_filter_of_the_steps_list_reads_only_failed_steps(workflow):
-    """Failed steps are few and spread out: at a million steps the filter's capped count read
-    the whole table (0.35 s); wf_step_failed_idx holds only them."""
+def test_the_failed_filter_of_the_steps_and_runs_lists_reads_only_failed_rows(workflow):
+    """Failed steps and runs are few and spread out: at a million rows the filter's capped count
+    read the whole steps table (0.35 s) and a quarter of the runs'; wf_step_failed_idx and
+    wf_run_failed_idx hold only them."""
     start(workflow, {"steps": [function_step("a"), function_step("b", "test.boom", retry={"max_attempts": 1})]})
     run_until_idle(workflow.community_id)
-    cl = _changelist(client_with(), "step", state__exact="failed").context["cl"]
+    client = client_with()
+    cl = _changelist(client, "step", state__exact="failed").context["cl"]
     assert [step.key for step in cl.result_list] == ["b"]
     assert "wf_step_failed_idx" in _plan(cl.queryset[:100])
     assert "wf_step_failed_idx" in _plan(cl.queryset.order_by().values("pk")[:10_001])  # the capped count
+    cl = _changelist(client, "run", state__exact="failed").context["cl"]  # the same for the runs
+    assert len(cl.result_list) == 1
+    assert "wf_run_failed_idx" in _plan(cl.queryset[:100])
+    assert "wf_run_failed_idx" in _plan(cl.queryset.order_by().values("pk")[:10_001])
 
 
 def test_the_approvals_queue_lists_pending_first_then_oldest_first(workflow):
