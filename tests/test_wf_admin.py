@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from buzz_delivery.testing import WorkflowFactory, random32
-from buzz_delivery.workflows.models import Approval, Run
+from buzz_delivery.workflows.models import Approval, Run, Step
 from buzz_delivery.workflows.services import decide_approval
 from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
 from tests.wf_support import start
@@ -108,3 +110,90 @@ def test_the_loser_of_an_approval_race_is_told_who_decided_first(workflow):
     )
     assert any("already approved by alice" in m for m in messages_of(response))
     assert Approval.objects.get().state == "approved"
+
+
+def _plan(queryset) -> str:
+    """The plan of ``queryset`` with sequential scans and sorts priced out: the one the planner
+    takes on a big table (here every table is tiny, so a scan would always win)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("SET LOCAL enable_sort = off")
+    return queryset.explain()
+
+
+def _changelist(client: Client, name: str, **params: str):
+    response = client.get(reverse(f"admin:buzz_workflows_{name}_changelist"), params)
+    assert response.status_code == 200, name
+    return response
+
+
+def test_engine_lists_are_served_newest_first_by_an_index_on_the_id(workflow):
+    """At a million rows the lists sorted the whole table for each page (the primary keys lead
+    with community_id) and every listed step or approval fetched its run by scanning the runs
+    (14 s for the approvals list): wf_run_id_idx and wf_step_id_idx serve both."""
+    run = start(workflow, {"steps": [function_step("a"), {"key": "ok", "kind": "approval", "deadline_seconds": 60}]})
+    run_until_idle(workflow.community_id)
+    client = client_with()
+    runs = _changelist(client, "run").context["cl"]
+    assert runs.result_list[0].pk == run.pk
+    plan = _plan(runs.queryset[:100])
+    assert "Index Scan Backward using wf_run_id_idx" in plan and "Sort" not in plan, plan
+    steps = _changelist(client, "step").context["cl"]
+    plan = _plan(steps.queryset[:100])
+    assert "Index Scan Backward using wf_step_id_idx" in plan and "Sort" not in plan, plan
+    assert "wf_run_id_idx" in plan, plan  # each listed step's run (the "run" column), by its id
+    approvals = _changelist(client, "approval").context["cl"]
+    assert "wf_run_id_idx" in _plan(approvals.queryset[:100])
+    run_page = client.get(reverse("admin:buzz_workflows_run_change", args=[run.pk]))
+    assert run_page.status_code == 200
+    assert "wf_run_id_idx" in _plan(Run.objects.filter(pk=run.pk))
+
+
+def test_step_and_approval_lists_cost_no_statement_per_row(workflow):
+    approval_steps = [{"key": f"ok{i}", "kind": "approval", "deadline_seconds": 60} for i in range(3)]
+    start(workflow, {"steps": approval_steps[:1]})
+    run_until_idle(workflow.community_id)
+    client = client_with()
+    few = {}
+    for name in ("run", "step", "approval"):
+        with CaptureQueriesContext(connection) as ctx:
+            _changelist(client, name)
+        few[name] = len(ctx.captured_queries)
+    for _ in range(3):
+        start(workflow, {"steps": [function_step("a"), *approval_steps]})
+    run_until_idle(workflow.community_id)
+    assert Approval.objects.count() == 10 and Step.objects.count() == 13
+    for name in ("run", "step", "approval"):
+        with CaptureQueriesContext(connection) as ctx:
+            response = _changelist(client, name)
+        assert len(response.context["cl"].result_list) > 1
+        assert len(ctx.captured_queries) == few[name], (name, [q["sql"] for q in ctx.captured_queries])
+    assert "waiting for approval since" in _changelist(client, "step").content.decode()
+
+
+def test_the_failed_filter_of_the_steps_and_runs_lists_reads_only_failed_rows(workflow):
+    """Failed steps and runs are few and spread out: at a million rows the filter's capped count
+    read the whole steps table (0.35 s) and a quarter of the runs'; wf_step_failed_idx and
+    wf_run_failed_idx hold only them."""
+    start(workflow, {"steps": [function_step("a"), function_step("b", "test.boom", retry={"max_attempts": 1})]})
+    run_until_idle(workflow.community_id)
+    client = client_with()
+    cl = _changelist(client, "step", state__exact="failed").context["cl"]
+    assert [step.key for step in cl.result_list] == ["b"]
+    assert "wf_step_failed_idx" in _plan(cl.queryset[:100])
+    assert "wf_step_failed_idx" in _plan(cl.queryset.order_by().values("pk")[:10_001])  # the capped count
+    cl = _changelist(client, "run", state__exact="failed").context["cl"]  # the same for the runs
+    assert len(cl.result_list) == 1
+    assert "wf_run_failed_idx" in _plan(cl.queryset[:100])
+    assert "wf_run_failed_idx" in _plan(cl.queryset.order_by().values("pk")[:10_001])
+
+
+def test_the_approvals_queue_lists_pending_first_then_oldest_first(workflow):
+    for _ in range(3):
+        start(workflow, {"steps": [{"key": "ok", "kind": "approval", "deadline_seconds": 60}]})
+    run_until_idle(workflow.community_id)
+    oldest = Approval.objects.order_by("requested_at", "-pk").first()
+    decide_approval(oldest.community_id, oldest.id, "approved", "alice")
+    pending = Approval.objects.filter(state="pending").order_by("requested_at", "-pk")  # -pk: the list's tie-break
+    cl = _changelist(client_with(), "approval").context["cl"]
+    assert [a.pk for a in cl.result_list] == [*(a.pk for a in pending), oldest.pk]

@@ -155,6 +155,14 @@ class AgentRun(CommunityScoped):
             models.CheckConstraint(condition=history_bounded("history"), name="ag_run_history_bounded"),
         ]
         indexes = [
+            # The admin list's order (newest first, UUIDv7 ids) and lookups by id alone; the
+            # primary key leads with community_id.
+            models.Index(fields=["id"], name="ag_run_id_idx"),
+            # The list's filters on rare values spread over the whole table (a capped count read
+            # every row): only the runs in that state, or shadow runs, are in these.
+            models.Index(fields=["id"], condition=Q(state="failed"), name="ag_run_failed_idx"),
+            models.Index(fields=["id"], condition=Q(state="waiting_approval"), name="ag_run_waiting_approval_idx"),
+            models.Index(fields=["id"], condition=Q(shadow=True), name="ag_run_shadow_idx"),
             models.Index(
                 fields=["community", "agent_pubkey", "created_at"],
                 condition=Q(state="pending"),

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.contrib import admin
 from django.db import connection
-from django.db.models import QuerySet
+from django.db.models import Case, DateTimeField, Func, QuerySet, Value, When
 from django.http import HttpRequest
 from django.utils.html import format_html
 
@@ -136,12 +136,22 @@ class RunAdmin(ReadOnlyAdmin):
 class StepAdmin(ReadOnlyAdmin):
     list_display = ("key", "run", "kind", "state", "holder", "attempts", "why", "finished_at")
     list_filter = ("state", "kind")
+    list_select_related = ("run",)  # the "run" column: one join, not one query per row
     readonly_fields = (*(f.name for f in Step._meta.fields if f.name != "history"), "history_table")
     exclude = ("history",)  # shown as a table (history_table)
     actions = ["retry_failed_steps"]
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return SnapshotFreeChangeList  # the list does not load the history
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Step]:
+        # The database clock, read by the list's own query: "why not running" costs no
+        # statement per row.
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(db_now=Func(function="buzz_delivery_now", output_field=DateTimeField()))
+        )
 
     @admin.display(description="holder")
     def holder(self, obj: Step) -> str:
@@ -155,7 +165,7 @@ class StepAdmin(ReadOnlyAdmin):
 
     @admin.display(description="why not running")
     def why(self, obj: Step) -> str:
-        return dag.why_not_running(obj, _db_now())
+        return dag.why_not_running(obj, getattr(obj, "db_now", None) or _db_now())
 
     @admin.action(description="Retry failed steps (restart their run from failure)", permissions=["retry_engine_step"])
     def retry_failed_steps(self, request: HttpRequest, queryset: QuerySet[Step]) -> None:
@@ -189,7 +199,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     list_display = ("id", "run", "state", "prompt_line", "requested_at", "deadline_at", "decided_by")
     list_filter = ("state",)
-    ordering = ("state", "requested_at")
+    list_select_related = ("run",)  # the "run" column: one join, not one query per row
+    # Pending first (alphabetically "approved" came first), then oldest first.
+    ordering = (Case(When(state="pending", then=Value(0)), default=Value(1)).asc(), "requested_at")
     readonly_fields = ("run", "step", "state", "prompt", "requested_at", "deadline_at", "closed_at", "decided_by")
     exclude = ("step_generation",)
     actions = ["approve", "reject"]

@@ -191,6 +191,13 @@ class Run(CommunityScoped):
             ),
         ]
         indexes = [
+            # The primary key leads with community_id: this one serves the admin list's order
+            # (newest first: ids are UUIDv7) and the lookups by id alone (detail page, a step's
+            # or an approval's run) without a scan of the whole table.
+            models.Index(fields=["run"], name="wf_run_id_idx"),
+            # The list's "failed" filter (an incident's first question): its capped count read
+            # a quarter of the table at 1M runs; only failed runs are in it, each written once.
+            models.Index(fields=["run"], condition=Q(state="failed"), name="wf_run_failed_idx"),
             models.Index(fields=["community", "workflow", "created_at"], name="wf_run_workflow_idx"),
             models.Index(
                 fields=["community", "parent_run"], condition=Q(parent_run__isnull=False), name="wf_run_parent_idx"
@@ -325,6 +332,12 @@ class Step(CommunityScoped):
             models.CheckConstraint(condition=history_bounded("history"), name="wf_step_history_bounded"),
         ]
         indexes = [
+            # The admin list's order (newest first, UUIDv7 ids) and lookups by id alone; the
+            # primary key leads with community_id.
+            models.Index(fields=["id"], name="wf_step_id_idx"),
+            # The list's "failed" filter: a rare state spread over the whole table (its capped
+            # count read every row); only failed steps are in it, each written once.
+            models.Index(fields=["id"], condition=Q(state="failed"), name="wf_step_failed_idx"),
             models.Index(fields=["community", "ready_at"], condition=Q(state="ready"), name="wf_step_ready_idx"),
             models.Index(fields=["lease_until"], condition=Q(state="running"), name="wf_step_running_lease_idx"),
             models.Index(
