@@ -6,7 +6,9 @@ the start of the statement, not of the transaction, so a lease call made inside 
 transaction still judges and grants leases by the time it runs (``now()`` would be the
 transaction's start). Statements that
 pick rows lock them with ``FOR UPDATE ... SKIP LOCKED`` inside a MATERIALIZED CTE,
-so the LIMIT is applied exactly once, and every UPDATE re-checks its whole guard.
+so the LIMIT is applied exactly once, and every UPDATE re-checks its whole guard (a claim's is
+checked in its CTE, on the latest version of each row it locks, which nothing else can then
+change before the UPDATE).
 Statements that act on a community also require it to be ``active`` inside the
 statement, so a fenced tenant is a miss rather than a write-fence error.
 
@@ -166,8 +168,10 @@ SET status = 'claimed',
     claimed_by = %(holder)s,
     renewals = 0,
     {_CLAIM_ENTRY}
+-- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
+-- after re-checking its latest version, so nothing else changed it since), or with stale
+-- statistics the pending-only indexes win and every pending row is read (test_claim_plan_stale_stats).
 WHERE d.community_id = %(community_id)s AND d.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
-  AND d.status = 'pending'
 RETURNING {RETURNING_CLAIM_COLUMNS}
 """
 

@@ -1,0 +1,97 @@
+"""The batched claim's UPDATE finds its rows through the primary key even when the table's
+statistics say there is (almost) nothing pending (issue 16).
+
+The state is ordinary: the table was last analyzed after a drain (every row terminal), then a
+burst of deliveries arrived (autovacuum re-analyzes only after ~10% of the table changed). The
+planner then estimates one pending row for a community. With a ``status = 'pending'`` test in
+the UPDATE's own WHERE the pending partial indexes became usable there, and the planner
+preferred scanning every pending row of the community (delivery_pending_poll_idx on its
+community prefix, across all targets) or of the fleet (delivery_pending_age_idx), filtering
+``id = ANY``, over the primary-key probes: one claim of 50 read all 200,000 pending rows (1.1 s
+against 16 ms, EXPLAIN ANALYZE on PostgreSQL 15).
+
+Only the plan of the UPDATE's own scan is checked (the candidate CTE is out of scope here).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.db import connection
+
+from buzz_delivery import models, services
+from buzz_delivery.services import sql
+from buzz_delivery.testing import random32
+
+pytestmark = pytest.mark.django_db
+
+COLUMNS = (
+    "definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for, "
+    "cause_webhook_invocation_id, lease_generation, lease_until, claimed_at, attempt, max_attempts, "
+    "next_attempt_at, expires_at, failure_code, failure_message, execution_trace, trigger_context, "
+    "community_id, workflow_id, run_id, claimed_by, history, renewals"
+)
+
+
+def clone(seed_step: str, prefix: str, n: int, status: str, targets: int) -> None:
+    """``n`` copies of the seed delivery, spread over ``targets`` targets, in ``status``."""
+    finished_at = "now()" if status == "finished" else "NULL"
+    with connection.cursor() as cur:
+        cur.execute(
+            f"""INSERT INTO buzz_delivery_delivery
+                (id, step_id, target_pubkey, status, finished_at, created_at, {COLUMNS})
+            SELECT gen_random_uuid(), %s || g, decode(lpad(to_hex(g %% %s), 64, '0'), 'hex'),
+                   %s, {finished_at}, d.created_at + g * interval '1 ms', {COLUMNS}
+            FROM buzz_delivery_delivery d, generate_series(1, %s) g
+            WHERE d.step_id = %s""",
+            [prefix, targets, status, n, seed_step],
+        )
+
+
+def update_scan(plan: dict) -> dict:
+    """The node under the Update that scans the delivery table as ``d`` (not the CTE)."""
+    (update,) = [p for p in [plan["Plan"]] if p["Node Type"] == "ModifyTable"]
+    stack = [p for p in update.get("Plans", []) if p.get("Parent Relationship") == "Outer"]
+    while stack:
+        node = stack.pop()
+        if node.get("Relation Name") == "buzz_delivery_delivery" and node.get("Alias") == "d":
+            return node
+        stack += [p for p in node.get("Plans", []) if p.get("Parent Relationship") != "InitPlan"]
+    raise AssertionError(f"no scan of d under the Update: {json.dumps(plan)[:2000]}")
+
+
+def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics(community, make_binding):
+    binding = make_binding(target_pubkey=random32())
+    ev = models.Event.objects.get(community_id=community.id, event_id=binding.message_event_id)
+    services.commit_deliveries(community.id, ev, [binding])
+    seed_step = binding.step_id
+    # All in the test's transaction: autovacuum never sees these rows, the statistics stay stale.
+    clone(seed_step, "f", 30_000, "finished", 20)
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE buzz_delivery_delivery")  # after the drain: nothing pending
+    clone(seed_step, "p", 20_000, "pending", 20)  # the burst since
+
+    statement = sql.claim_oldest_pending(by_id=False, by_binding=False)
+    params = {
+        "community_id": community.id,
+        "target_pubkey": bytes.fromhex("00" * 31 + "01"),
+        "limit": 50,
+        "lease_seconds": 30,
+        "delivery_id": None,
+        "holder": "review16",
+    }
+    with connection.cursor() as cur:
+        cur.execute("EXPLAIN (FORMAT JSON) " + statement, params)
+        (plan,) = cur.fetchone()[0]
+    scan = update_scan(plan)
+    nodes, indexes = [scan], []
+    while nodes:  # the scan and, for a bitmap heap scan, its bitmap index scans
+        node = nodes.pop()
+        if "Index Name" in node:
+            indexes.append(node["Index Name"])
+        nodes += node.get("Plans", [])
+    assert indexes and set(indexes) == {"buzz_delivery_delivery_pkey"}, (
+        f"the UPDATE scans {scan['Node Type']} on {indexes} "
+        f"(cond {scan.get('Index Cond')}, filter {scan.get('Filter')}): every pending row, not the candidates"
+    )
