@@ -127,3 +127,20 @@ def test_a_pair_with_a_long_backlog_does_not_starve_a_hinted_pair(community, mes
     assert worker.wait(60) == 0, worker.log()
     assert still_pending > 0  # it was served while the busy pair still had a backlog
     assert set(statuses(backlog).values()) == {"finished"}
+
+
+def test_extra_pairs_given_as_text_or_bytearray_are_normalized_or_refused_naming_the_field():
+    from django.core.exceptions import ValidationError
+
+    from buzz_delivery.worker import WorkerConfig
+
+    community, target = uuid.uuid4(), random32()
+    config = WorkerConfig(
+        community_id=community,
+        target_pubkey=target,
+        handler=print,
+        extra_pairs=((str(community).upper(), bytearray(target)), (community.hex, target)),
+    )
+    assert config.pairs == ((community, target),)  # the same pair three ways: counted once
+    with pytest.raises(ValidationError, match=r"extra_pairs\[0\].target_pubkey"):
+        WorkerConfig(community_id=community, target_pubkey=target, handler=print, extra_pairs=((community, b"x"),))

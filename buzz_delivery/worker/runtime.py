@@ -141,6 +141,18 @@ class WorkerConfig:
     name: str = "worker"
     extra_pairs: tuple[Pair, ...] = ()
 
+    def __post_init__(self) -> None:
+        # A pair's community as text (any case, with or without hyphens) or its target as a
+        # bytearray would neither deduplicate nor match the hints' canonical ids.
+        pairs = tuple(
+            (
+                v.uuid_value(community, f"extra_pairs[{i}].community_id"),
+                v.bytes32(target, f"extra_pairs[{i}].target_pubkey"),
+            )
+            for i, (community, target) in enumerate(self.extra_pairs)
+        )
+        object.__setattr__(self, "extra_pairs", pairs)
+
     @property
     def pairs(self) -> tuple[Pair, ...]:
         """Every (community, target) pair this worker serves, the first pair first, each once."""
@@ -457,8 +469,8 @@ class Worker:
         won, backlog, polled = 0, False, 0
         full: list[Pair] = []
         for community_id, target_pubkey in pairs:
-            if won >= room:
-                backlog = True  # pairs left unpolled
+            if won >= room or self.stop.is_set() or self.signalled:
+                backlog = True  # pairs left unpolled (or stopping: no new claims)
                 break
             limit = min(self.batch_size, room - won)
             claims = services.claim_deliveries(
@@ -573,6 +585,7 @@ class Worker:
                     logger.warning("db_unavailable role=claim error=%s", exc)
                     close_old_connections()
                     backlog = True
+                    self.backlogged = list(self.pairs)  # the hints drained for this poll are gone
                     self.stop.wait(min(self.config.poll_interval, SIGNAL_CHECK_SECONDS))
                     continue
                 if round_due:  # a round of every pair: the next one is due in poll_interval

@@ -38,11 +38,12 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, load_handler, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
 
-HELP = """Run the agent side for one community and target: claim the oldest pending deliveries
+HELP = """Run the agent side for a community and target: claim the oldest pending deliveries
 (woken early by NOTIFY hints), call the handler, renew each lease in the background, settle.
 One process may serve several targets (--target given again) and pairs of other communities
-(--pair COMMUNITY:TARGET), with the same handler threads and the same connections: each poll
-claims from every pair in turn, one statement per pair.
+(--pair COMMUNITY:TARGET), with the same handler threads and the same connections: every
+--poll-interval a round claims from every pair in turn, one statement per pair; between rounds,
+while polls come back full, only those pairs and the pairs a hint named are polled again.
 
 The handler is a dotted path to handler(delivery: WorkflowAgentDelivery) -> object. Return =
 finished; raise buzz_delivery.worker.PermanentFailure (or an exception class with
@@ -59,6 +60,9 @@ started line, one line per claim batch and per settle batch (to stderr without a
 config); -v 2 adds one per delivery and the traceback of each handler error.
 Exit codes: 0 clean stop; 1 stopped on an internal error (reason says which); 2 bad
 arguments; 3 stopped with in-flight leases given up (shutdown grace, or every handler hung)."""
+
+
+MAX_LISTED_PAIRS = 10  # pairs named in the live workers registry's detail line
 
 
 class _HelpFormatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -179,8 +183,10 @@ class Command(StrictOptionsCommand):
             name=options["name"],
         )
         detail = f"community={config.community_id} target={config.target_pubkey.hex()} handler={options['handler']}"
-        if len(config.pairs) > 1:
-            detail += f" pairs={len(config.pairs)}"
+        if len(config.pairs) > 1:  # every pair, so an operator can find who serves a community
+            more = " ".join(f"{c}:{t.hex()[:16]}" for c, t in config.pairs[1:MAX_LISTED_PAIRS])
+            rest = len(config.pairs) - MAX_LISTED_PAIRS
+            detail += f" pairs={len(config.pairs)} also={more}" + (f" (+{rest} more)" if rest > 0 else "")
         try:
             with Heartbeat(WorkerKind.DELIVERY, "run_delivery_worker", detail):
                 summary = run_worker(config)
