@@ -72,7 +72,7 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
     (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - min(timezone('UTC', created_at))), 0)
-     FROM {DELIVERY} WHERE status = 'pending')
+     FROM {DELIVERY} WHERE status = 'pending' AND created_at IS NOT NULL)  -- delivery_pending_age_idx
 """
 
 # Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the

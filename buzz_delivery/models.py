@@ -331,12 +331,14 @@ class WorkflowAgentDelivery(CommunityScoped):
                 name="delivery_pending_poll_idx",
             ),
             # Metrics and the dashboard: the oldest pending delivery fleet-wide in one index probe.
-            # On an expression (UTC wall time; timezone() is IMMUTABLE) and not on created_at
-            # itself, so the claim query, which orders pending rows by created_at, never prefers
-            # it over the polling index.
+            # On an expression (UTC wall time; timezone() is IMMUTABLE), not on created_at itself,
+            # and its predicate also says ``created_at IS NOT NULL``, which the claim query's WHERE
+            # does not imply (the column's NOT NULL is not used in that proof): the claim can never
+            # scan it as "every pending row" and sort, which the planner did pick with few pending
+            # rows in its statistics. Its two readers add that condition to match it.
             models.Index(
                 Func(Value("UTC"), F("created_at"), function="timezone", output_field=models.DateTimeField()),
-                condition=Q(status="pending"),
+                condition=Q(status="pending", created_at__isnull=False),
                 name="delivery_pending_age_idx",
             ),
             # The admin's failure-code filter, newest first; only failed and expired rows carry a code.

@@ -272,6 +272,30 @@ def test_concurrent_batch_claims_never_exceed_their_limit_nor_share_a_row_and_ta
     ) == {1}
 
 
+def test_the_claim_query_cannot_scan_the_oldest_pending_age_index(community, target, commit_one):
+    # The metrics' index holds every pending row fleet-wide: with few pending rows in the
+    # statistics the planner chose it for the claim (scan them all, then sort) over the polling
+    # index (a CI run). Its predicate now says what the claim's WHERE does not imply. Without the
+    # polling index (dropped in this test's transaction) the claim must still not fall back to it.
+    commit_one()
+    execute(f"ANALYZE {DELIVERY}", [])
+    execute("DROP INDEX delivery_pending_poll_idx", [])
+    params = {"community_id": community.id, "target_pubkey": target, "limit": 1, "lease_seconds": 60.0,
+              "delivery_id": None, "holder": None}  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("EXPLAIN " + sql.claim_oldest_pending(by_id=False, by_binding=False), params)
+        plan = "\n".join(line for (line,) in cursor.fetchall())
+        cursor.execute(
+            "EXPLAIN SELECT min(timezone('UTC', created_at)) FROM buzz_delivery_delivery"
+            " WHERE status = 'pending' AND created_at IS NOT NULL"
+        )
+        oldest = "\n".join(line for (line,) in cursor.fetchall())
+
+    assert "delivery_pending_age_idx" not in plan, plan
+    assert "delivery_pending_age_idx" in oldest, oldest  # its readers (metrics, dashboard) still use it
+
+
 def test_the_claim_query_walks_the_pending_poll_index_among_many_terminal_rows(community, target, commit_one):
     for _ in range(3):
         commit_one()

@@ -48,7 +48,8 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
     -- delivery_pending_age_idx (an index on the UTC wall time of pending rows): one probe
-    (SELECT timezone('UTC', {DB_NOW}) - min(timezone('UTC', created_at)) FROM {DELIVERY} WHERE status = 'pending'),
+    (SELECT timezone('UTC', {DB_NOW}) - min(timezone('UTC', created_at)) FROM {DELIVERY}
+     WHERE status = 'pending' AND created_at IS NOT NULL),
     {DB_NOW}
 """
 
