@@ -119,7 +119,6 @@ def _worker(drain: Drain, batch: int | None = WORKER_BATCH, pairs: int = 1) -> t
     from bench.handlers import noop
     from buzz_delivery.worker import WorkerConfig, run_worker
 
-    more = {"extra_pairs": tuple((drain.community_id, data.target(i)) for i in range(1, pairs))} if pairs > 1 else {}
     summary = run_worker(
         WorkerConfig(
             community_id=drain.community_id,
@@ -129,7 +128,7 @@ def _worker(drain: Drain, batch: int | None = WORKER_BATCH, pairs: int = 1) -> t
             batch_size=batch,
             poll_interval=0.5,
             idle_exit=IDLE_EXIT,
-            **more,  # type: ignore[arg-type]
+            extra_pairs=tuple((drain.community_id, data.target(i)) for i in range(1, pairs)),
         ),
         handle_signals=False,
     )
