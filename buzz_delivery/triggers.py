@@ -1,10 +1,15 @@
 """PostgreSQL triggers of buzz_delivery, declared with django-pgtrigger.
 
-- :func:`write_fence` goes on every community-scoped table (SPEC section 5): it
-  calls ``buzz_delivery_check_write_fence(community_id, op)`` (migration 0002),
+- :func:`write_fence` goes on every community-scoped table (SPEC section 5): its trigger runs
+  ``buzz_delivery_write_fence_row()`` (migration 0014), which calls
+  ``buzz_delivery_check_write_fence(community_id, op)`` (migration 0002),
   which takes the community's fence advisory lock in shared mode and rejects
   the write (SQLSTATE ``BD001``) unless the community is ``active`` or the
-  purge executor has identified itself for it.
+  purge executor has identified itself for it. Once a transaction has found a community
+  ``active`` under that lock it remembers so in the transaction-local setting
+  ``buzz_delivery.fence_passed`` (the lock, held to the end of the transaction, keeps every
+  other transaction's move out), and its later rows of that community skip the lookup; a
+  lifecycle move clears the setting, so a move made by the same transaction is seen at once.
 - :func:`lifecycle_forward_only` keeps ``Community.deletion_state`` moving one
   step forward at a time and bumps ``fence_generation`` on each move (``BD002``); a move
   takes the community's fence lock exclusively, so it waits for the writers inside a
@@ -14,6 +19,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pgtrigger
 
 FENCE_SQLSTATE = "BD001"
@@ -22,6 +29,8 @@ HISTORY_SQLSTATE = "BD003"
 # First key of the two-int advisory locks; the second is hashtext(community id).
 FENCE_LOCK_NAMESPACE = 0x42440001
 IDENTITY_LOCK_NAMESPACE = 0x42440002
+# Transaction-local: the community this transaction found active under its fence lock.
+FENCE_PASSED_SETTING = "buzz_delivery.fence_passed"
 # Every community-scoped table of the core (the core's deletion catalog; a test keeps them equal).
 # Sibling apps refuse the tombstone move for their own tables with their own BEFORE UPDATE
 # trigger on buzz_delivery_community (e.g. buzz_delivery.workflows, migration 0001), so this
@@ -34,9 +43,25 @@ TENANT_TABLES = (
 )
 
 
+# The row function every write-fence trigger runs (migration 0014).
+WRITE_FENCE_ROW_FUNCTION = "buzz_delivery_write_fence_row"
+
+
+class _WriteFence(pgtrigger.Trigger):
+    """A trigger that runs the shared :data:`WRITE_FENCE_ROW_FUNCTION` directly, not the
+    per-table function pgtrigger generates around ``func``: that wrapper first asks
+    ``_pgtrigger_should_ignore``, whose exception block (a subtransaction, and a caught error
+    when ``pgtrigger.ignore`` is unset) cost more than the fence itself on every row. So
+    ``pgtrigger.ignore`` cannot switch the fence off; ``func`` stays as the same logic, unused."""
+
+    def render_execute(self, model: Any) -> str:
+        return f"{WRITE_FENCE_ROW_FUNCTION}()"
+
+
 def write_fence() -> pgtrigger.Trigger:
-    """The write fence: BEFORE INSERT/UPDATE/DELETE, one row at a time."""
-    return pgtrigger.Trigger(
+    """The write fence: BEFORE INSERT/UPDATE/DELETE, one row at a time (runs
+    :data:`WRITE_FENCE_ROW_FUNCTION`)."""
+    return _WriteFence(
         name="community_write_fence",
         when=pgtrigger.Before,
         operation=pgtrigger.Insert | pgtrigger.Update | pgtrigger.Delete,
@@ -77,6 +102,8 @@ def lifecycle_forward_only() -> pgtrigger.Trigger:
                 -- commit; taken here, on the node that owns the community row, it waits for
                 -- them and queues later writers behind this move (SPEC sections 5, 15).
                 PERFORM pg_advisory_xact_lock({FENCE_LOCK_NAMESPACE}, hashtext(OLD.id::text));
+                -- This transaction's writers judge the community again from now on.
+                PERFORM set_config('{FENCE_PASSED_SETTING}', '', true);
                 old_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], OLD.deletion_state);
                 new_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], NEW.deletion_state);
                 IF new_rank IS DISTINCT FROM old_rank + 1 THEN

@@ -347,3 +347,80 @@ def test_a_move_waits_for_a_writer_inside_its_transaction_and_lets_no_later_writ
     for operation in OPERATIONS:
         assert raw_write(RAW_WRITES["delivery"][operation], {"c": community.id}) == "BD001"
     assert WorkflowAgentDelivery.objects.filter(community=community).count() == 1
+
+
+# --- the fence remembers an active community for the rest of its transaction ----------------
+
+
+def _fence_passed() -> str | None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('buzz_delivery.fence_passed', true)")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db
+def test_a_transaction_that_passed_the_fence_is_refused_after_its_own_lifecycle_move(community):
+    fill_community(community, rows=1)
+    assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) is None
+    assert _fence_passed() == str(community.id)  # remembered for this transaction
+    advance_to(community, "quiescing")  # by this same transaction
+    assert _fence_passed() == ""
+    before = community_snapshot(community.id)
+    for table in TABLES:
+        assert raw_write(RAW_WRITES[table]["update"], {"c": community.id}) == "BD001", table
+    assert community_snapshot(community.id) == before
+
+
+@pytest.mark.django_db
+def test_the_purge_executors_delete_is_not_remembered_as_passing(community):
+    fill_community(community, rows=2)
+    fenced = advance_to(community, "fenced")
+    identify_as_purge_executor(fenced.id, fenced.fence_generation)
+    one = (
+        "DELETE FROM buzz_delivery_delivery WHERE id = "
+        "(SELECT id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1)"
+    )
+    assert raw_write(one, {"c": community.id}) is None
+    assert _fence_passed() != str(community.id)
+    assert WorkflowAgentDelivery.objects.filter(community=community).exists()
+    before = community_snapshot(community.id)
+    assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) == "BD001"
+    assert raw_write(RAW_WRITES["delivery"]["insert"], {"c": community.id}) == "BD001"
+    assert community_snapshot(community.id) == before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_the_fence_remembers_ends_with_its_transaction_or_savepoint(community):
+    fill_community(community, rows=1)
+    with transaction.atomic():
+        with transaction.atomic():
+            assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) is None
+            assert _fence_passed() == str(community.id)
+            transaction.set_rollback(True)
+        assert _fence_passed() in ("", None)  # the savepoint rolled back: judged again
+    assert _fence_passed() in ("", None)
+    with transaction.atomic():
+        assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) is None
+    # Moved by another transaction after that one committed: the next transaction judges again.
+    advance_to(community, "quiescing")
+    assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) == "BD001"
+
+
+@pytest.mark.django_db
+def test_every_write_fence_trigger_runs_the_shared_row_function():
+    """Every community-scoped table of every app has one BEFORE ROW INSERT/UPDATE/DELETE trigger
+    running ``buzz_delivery_write_fence_row()`` (not pgtrigger's per-table wrapper, issue 16)."""
+    from buzz_delivery.catalog import catalog_models
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT c.relname, p.proname, t.tgtype
+            FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_proc p ON p.oid = t.tgfoid
+            WHERE NOT t.tgisinternal AND t.tgname LIKE 'pgtrigger_community_write_fence_%%'
+            """
+        )
+        found = {table: (function, tgtype) for table, function, tgtype in cursor.fetchall()}
+    # tgtype bits: ROW 1, BEFORE 2, INSERT 4, DELETE 8, UPDATE 16.
+    expected = {m._meta.db_table: ("buzz_delivery_write_fence_row", 1 | 2 | 4 | 8 | 16) for m in catalog_models()}
+    assert found == expected
