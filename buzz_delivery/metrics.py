@@ -49,6 +49,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from buzz_delivery.models import (
+    CREATED_FLOOR_SQL,
     Community,
     DeliveryStatus,
     MaintenanceLease,
@@ -72,7 +73,7 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
     (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - min(timezone('UTC', created_at))), 0)
-     FROM {DELIVERY} WHERE status = 'pending' AND created_at IS NOT NULL)  -- delivery_pending_age_idx
+     FROM {DELIVERY} WHERE status = 'pending' AND {CREATED_FLOOR_SQL})  -- delivery_pending_age_idx
 """
 
 # Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the

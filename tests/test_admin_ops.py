@@ -175,3 +175,36 @@ def test_the_failure_code_filter_reads_its_partial_index_among_many_rows(communi
 
     assert "delivery_failure_code_idx" in plan, plan
     assert [d.id for d in listed] == [template.id]
+
+
+def test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_many_rows(community, rf):
+    # Its predicate (models.CREATED_FLOOR) keeps the claim off it; the admin states it.
+    from django.contrib import admin as django_admin
+    from django.test.utils import CaptureQueriesContext
+
+    from buzz_delivery.admin.filters import FailureCodeFilter
+    from buzz_delivery.models import WorkflowAgentDelivery
+
+    template, _lease = claimed(community)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, target_pubkey,
+                   definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
+                   status, finished_at, attempt)
+               SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                      definition_event_id, message_event_id, 'webhook', gen_random_uuid(), 'finished', now(), 1
+               FROM buzz_delivery_delivery, generate_series(1, 20000) AS g WHERE id = %s""",
+            [template.id],
+        )
+        cursor.execute("ANALYZE buzz_delivery_delivery")
+    model_admin = django_admin.site._registry[WorkflowAgentDelivery]
+    listed = model_admin.get_queryset(rf.get("/")).order_by("-created_at", "-pk")[:100]
+    with CaptureQueriesContext(connection) as queries:  # the filter reads the newest rows' codes
+        FailureCodeFilter(rf.get("/"), {}, WorkflowAgentDelivery, model_admin)
+    (newest,) = [q["sql"] for q in queries.captured_queries if "failure_code" in q["sql"]]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + newest)
+        filter_plan = "\n".join(line for (line,) in cursor.fetchall())
+
+    assert "delivery_created_idx" in listed.explain()
+    assert "delivery_created_idx" in filter_plan, filter_plan

@@ -272,7 +272,9 @@ def test_concurrent_batch_claims_never_exceed_their_limit_nor_share_a_row_and_ta
     ) == {1}
 
 
-def test_the_claim_query_cannot_scan_the_oldest_pending_age_index(community, target, commit_one):
+def test_the_claim_query_cannot_scan_the_oldest_pending_age_index_nor_the_admins_age_index(
+    community, target, commit_one
+):
     # The metrics' index holds every pending row fleet-wide: with few pending rows in the
     # statistics the planner chose it for the claim (scan them all, then sort) over the polling
     # index (a CI run). Its predicate now says what the claim's WHERE does not imply. Without the
@@ -288,12 +290,44 @@ def test_the_claim_query_cannot_scan_the_oldest_pending_age_index(community, tar
         plan = "\n".join(line for (line,) in cursor.fetchall())
         cursor.execute(
             "EXPLAIN SELECT min(timezone('UTC', created_at)) FROM buzz_delivery_delivery"
-            " WHERE status = 'pending' AND created_at IS NOT NULL"
+            f" WHERE status = 'pending' AND {models.CREATED_FLOOR_SQL}"
         )
         oldest = "\n".join(line for (line,) in cursor.fetchall())
 
     assert "delivery_pending_age_idx" not in plan, plan
+    assert "delivery_created_idx" not in plan, plan
     assert "delivery_pending_age_idx" in oldest, oldest  # its readers (metrics, dashboard) still use it
+
+
+def test_the_claim_walks_the_polling_index_with_statistics_from_when_every_row_was_pending(
+    community, target, commit_one
+):
+    # A worker's drain: statistics taken while 20,000 rows were pending, then half of them
+    # settled. With a plain index on created_at the planner walked it past every settled row
+    # (9 ms a claim of 50 instead of 2.4, issue 16); it must take the polling index.
+    template = commit_one()
+    execute(
+        f"""INSERT INTO {DELIVERY} (id, community_id, workflow_id, run_id, step_id, target_pubkey,
+               definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id)
+            SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                   definition_event_id, message_event_id, cause_kind, gen_random_uuid()
+            FROM {DELIVERY}, generate_series(1, 20000) AS g WHERE id = %s""",
+        [template],
+    )
+    execute(f"ANALYZE {DELIVERY}", [])
+    execute(
+        f"""UPDATE {DELIVERY} SET status = 'finished', finished_at = now(), attempt = 1
+            WHERE id IN (SELECT id FROM {DELIVERY} WHERE community_id = %s ORDER BY created_at, id LIMIT 10000)""",
+        [community.id],
+    )
+    params = {"community_id": community.id, "target_pubkey": target, "limit": 50, "lease_seconds": 60.0,
+              "delivery_id": None, "holder": None}  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + sql.claim_oldest_pending(by_id=False, by_binding=False), params)
+        plan = "\n".join(line for (line,) in cursor.fetchall())
+
+    assert "delivery_pending_poll_idx" in plan, plan
+    assert "delivery_created_idx" not in plan, plan
 
 
 def test_the_claim_query_walks_the_pending_poll_index_among_many_terminal_rows(community, target, commit_one):

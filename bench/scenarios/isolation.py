@@ -2,8 +2,8 @@
 and the ``run_delivery_worker`` drain, with enforcement off and on in the same run.
 
 Cases, each against "off" (RLS disabled on the tables: the scopes send nothing):
-- on, context only: RLS enabled and forced, the services set ``buzz.community_id`` in the same
-  pipeline as each statement and run as the login role (``SWITCH_ROLES`` off). The login here is a
+- on, context only: RLS enabled and forced, the services send ``buzz.community_id`` in front
+  of each statement, in the same simple query (one round trip), and run as the login role (``SWITCH_ROLES`` off). The login here is a
   superuser, which bypasses the policies, so this case prices the context alone;
 - on, context + role: the same with ``SWITCH_ROLES`` on, so every statement runs as the tenant
   role and the policies are evaluated (the example project's setting).

@@ -33,7 +33,7 @@ from django.utils.safestring import SafeString
 
 from buzz_delivery.admin.chart import Series, line_chart
 from buzz_delivery.admin.paginators import capped_count, planner_row_estimate, table_row_estimate
-from buzz_delivery.models import TERMINAL_STATUSES, Community, WorkflowAgentDelivery
+from buzz_delivery.models import CREATED_FLOOR_SQL, TERMINAL_STATUSES, Community, WorkflowAgentDelivery
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.stats import counts_by
 
@@ -49,7 +49,7 @@ SELECT
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
     -- delivery_pending_age_idx (an index on the UTC wall time of pending rows): one probe
     (SELECT timezone('UTC', {DB_NOW}) - min(timezone('UTC', created_at)) FROM {DELIVERY}
-     WHERE status = 'pending' AND created_at IS NOT NULL),
+     WHERE status = 'pending' AND {CREATED_FLOOR_SQL}),
     {DB_NOW}
 """
 

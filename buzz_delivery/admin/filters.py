@@ -10,7 +10,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest
 
-from buzz_delivery.models import Community, WorkflowAgentDelivery
+from buzz_delivery.models import CREATED_FLOOR, Community, WorkflowAgentDelivery
 
 # Communities are few; the filter still lists at most this many (by name). Any community can
 # be filtered on through the URL (``?community=<uuid>``) or the link on a community's page.
@@ -78,7 +78,11 @@ class FailureCodeFilter(admin.SimpleListFilter):
     parameter_name = "failure_code"
 
     def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple[str, str]]:
-        newest = WorkflowAgentDelivery.objects.order_by("-created_at").values("failure_code")[:RECENT_FAILURE_SCAN]
+        newest = (
+            WorkflowAgentDelivery.objects.filter(created_at__gt=CREATED_FLOOR)  # the index's predicate
+            .order_by("-created_at")
+            .values("failure_code")[:RECENT_FAILURE_SCAN]
+        )
         recent = {row["failure_code"] for row in newest if row["failure_code"]}
         codes = sorted(set(SYSTEM_FAILURE_CODES) | recent)
         value = self.value()

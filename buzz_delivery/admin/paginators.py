@@ -15,7 +15,7 @@ import json
 
 from django.core.paginator import Paginator
 from django.db import connection
-from django.db.models import Model, QuerySet
+from django.db.models import Model, Q, QuerySet
 from django.utils.functional import cached_property
 
 # On a Citus coordinator a distributed table's own pg_class row is an empty shell: its size is
@@ -71,13 +71,24 @@ class EstimatedCountPaginator(Paginator):
     """
 
     exact_count_cap = 10_000
+    # A condition true of every row that the ModelAdmin's queryset always carries (to match a
+    # partial index's predicate): a list filtered by it alone still counts as unfiltered.
+    always_true: Q | None = None
+
+    def _unfiltered(self, queryset: QuerySet) -> bool:
+        where = queryset.query.where
+        if not where:
+            return True
+        return (
+            self.always_true is not None and where == queryset.model._base_manager.filter(self.always_true).query.where
+        )
 
     @cached_property
     def count(self) -> int:
         queryset = self.object_list
         if not isinstance(queryset, QuerySet):
             return len(queryset)
-        if not queryset.query.where:
+        if self._unfiltered(queryset):
             estimate = table_row_estimate(queryset.model)
             if estimate is not None and estimate > self.exact_count_cap:
                 return estimate
