@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
+
 import pytest
 from django.core.exceptions import ValidationError
 
@@ -56,12 +59,12 @@ def test_bad_batches_are_refused_naming_the_argument_before_any_sql(
     community, message_event, make_binding, table_snapshot, django_assert_num_queries
 ):
     a, b = claims_for(community, message_event, make_binding, 2)
-    (other_target,) = claims_for(community, message_event, make_binding, 1)
+    other_community = dataclasses.replace(b.lease, community_id=uuid.uuid4())
     before = table_snapshot()
     cases = {
         "leases": [],
         "leases[1].delivery_id": [a.lease, a.lease],
-        "leases[1].target_pubkey": [a.lease, other_target.lease],
+        "leases[1].community_id": [a.lease, other_community],
         "leases[1]": [a.lease, "not a lease"],
     }
     for key, leases in cases.items():
@@ -75,3 +78,29 @@ def test_bad_batches_are_refused_naming_the_argument_before_any_sql(
         services.finish_deliveries([a.lease], "finished", failure_code="nope")
     assert "failure_code" in caught.value.message_dict
     assert table_snapshot() == before
+
+
+def test_leases_of_several_targets_of_one_community_settle_in_one_statement_each_fenced_by_its_target(
+    community, message_event, make_binding, django_assert_num_queries
+):
+    first = claims_for(community, message_event, make_binding, 2)
+    second = claims_for(community, message_event, make_binding, 2)
+    # A lease naming the wrong target for its delivery matches nothing, as in finish_delivery.
+    wrong = dataclasses.replace(second[1].lease, target_pubkey=first[0].lease.target_pubkey)
+    leases = [first[0].lease, second[0].lease, first[1].lease, wrong]
+
+    with django_assert_num_queries(3):  # the batch; for the one it missed, finish_delivery and its read
+        outcomes = services.finish_deliveries(leases)
+
+    assert outcomes == [services.Settled("finished")] * 3 + [services.LeaseLost()]
+    statuses = dict(
+        WorkflowAgentDelivery.objects.filter(id__in=[c.lease.delivery_id for c in first + second]).values_list(
+            "id", "status"
+        )
+    )
+    assert statuses == {
+        first[0].lease.delivery_id: "finished",
+        first[1].lease.delivery_id: "finished",
+        second[0].lease.delivery_id: "finished",
+        second[1].lease.delivery_id: "claimed",
+    }

@@ -412,6 +412,7 @@ def test_the_history_push_is_inlined_into_the_hot_statements(community):
                 **lease,
                 "delivery_ids": [uuid.uuid4()],
                 "lease_generations": [1],
+                "target_pubkeys": [b"\x00" * 32],
                 "status": "finished",
                 "failure_code": None,
                 "failure_message": None,

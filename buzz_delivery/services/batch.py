@@ -22,10 +22,10 @@ def finish_deliveries(
     failure_code: str | None = None,
     failure_message: str | None = None,
 ) -> list[FinishOutcome]:
-    """Settle up to 1,000 leases of one community and target in one statement.
+    """Settle up to 1,000 leases of one community in one statement.
 
-    ``leases``: a non-empty list of :class:`Lease`, all of one community and target, no delivery
-    twice (the shape ``claim_deliveries`` returns). ``outcome``: ``"finished"`` or ``"failed"``
+    ``leases``: a non-empty list of :class:`Lease`, all of one community (of one or many
+    targets: ``claim_deliveries`` returns one target's), no delivery twice. ``outcome``: ``"finished"`` or ``"failed"``
     (with ``failure_code`` <= 64 chars and ``failure_message`` for every row); settle a
     ``retry`` with :func:`finish_delivery`.
 
@@ -54,17 +54,15 @@ def finish_deliveries(
             raise v.invalid(f"leases[{i}]", f"must be a Lease, not {type(lease).__name__}")
         if lease.community_id != first.community_id:
             raise v.invalid(f"leases[{i}].community_id", "differs from leases[0]: one community per batch")
-        if lease.target_pubkey != first.target_pubkey:
-            raise v.invalid(f"leases[{i}].target_pubkey", "differs from leases[0]: one target per batch")
         if lease.delivery_id in seen:
             raise v.invalid(f"leases[{i}].delivery_id", "appears twice in the batch")
         seen.add(lease.delivery_id)
 
     params = {
         "community_id": first.community_id,
-        "target_pubkey": first.target_pubkey,
         "delivery_ids": [lease.delivery_id for lease in leases],
         "lease_generations": [lease.lease_generation for lease in leases],
+        "target_pubkeys": [lease.target_pubkey for lease in leases],
         "status": outcome,
         "failure_code": code,
         "failure_message": message,

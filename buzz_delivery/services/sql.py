@@ -203,13 +203,15 @@ UPDATE {DELIVERY} AS d
 RETURNING d.status
 """
 
-# The batch form: one row of (id, generation) per lease, all of one community and target.
+# The batch form: one row of (id, generation, target) per lease, all of one community (the
+# targets may differ: a worker serving many targets settles them in one statement).
 FINISH_MANY_IF_CURRENT_GENERATION = f"""
 UPDATE {DELIVERY} AS d
-{_SETTLE}FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[]) AS f(id, generation)
+{_SETTLE}FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[])
+    AS f(id, generation, target)
 WHERE d.community_id = %(community_id)s
   AND d.id = f.id
-  AND d.target_pubkey = %(target_pubkey)s
+  AND d.target_pubkey = f.target
   AND d.lease_generation = f.generation
   AND d.status = 'claimed'
   AND d.lease_until >= {DB_NOW}

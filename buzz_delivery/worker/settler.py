@@ -5,7 +5,7 @@ Handler threads put a :class:`SettleJob` (a lease and its :class:`SettleArgs`) o
 move on to their next claim. The settler takes whatever is queued, waiting up to ``linger``
 seconds for more while fewer than ``max_batch`` are there, then settles the batch:
 
-- every ``finished`` result of one (community, target) pair through one
+- every ``finished`` result of one community (whatever its target) through one
   :func:`services.finish_deliveries` statement (one ``UPDATE ... FROM unnest``), each row
   still fenced by its own (delivery, generation), and each outcome judged by the rows the
   statement returned (a lease it did not settle pays the fenced read that tells
@@ -137,8 +137,8 @@ class Settler(threading.Thread):
         )
 
     def _settle_batch(self, jobs: list[SettleJob]) -> None:
-        # The batch statement takes the leases of one (community, target) pair: group by pair.
-        finished: dict[tuple[object, bytes], list[SettleJob]] = {}
+        # The batch statement takes the leases of one community: group by community.
+        finished: dict[object, list[SettleJob]] = {}
         seen: set[object] = set()
         singles: list[SettleJob] = []
         for job in jobs:
@@ -146,7 +146,7 @@ class Settler(threading.Thread):
             # requeue while the old handler ran) settles on its own.
             if job.args.outcome == "finished" and job.lease.delivery_id not in seen:
                 seen.add(job.lease.delivery_id)
-                finished.setdefault((job.lease.community_id, job.lease.target_pubkey), []).append(job)
+                finished.setdefault(job.lease.community_id, []).append(job)
             else:
                 singles.append(job)
         results: list[tuple[SettleJob, FinishOutcome]] = []
