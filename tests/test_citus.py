@@ -66,6 +66,7 @@ def test_lease_statements_run_on_one_shard(community):
         "backoff_cap": 300.0,
         "delivery_ids": [community.id],
         "lease_generations": [1],
+        "target_pubkeys": [random32()],
     }
     statements = {
         "claim": sql.claim_oldest_pending(by_id=False, by_binding=False),
