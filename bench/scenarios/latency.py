@@ -32,6 +32,7 @@ def _explain(bench: Bench, tenant: data.Tenant) -> str:
         "limit": 1,
         "lease_seconds": LEASE_SECONDS,
         "delivery_id": None,
+        "holder": "bench",
     }
     with psycopg.connect(bench.url) as conn:  # a transaction, rolled back: the claims are not kept
         conn.execute(statement, params)  # warm this session's plan and PL/pgSQL caches first
