@@ -213,6 +213,38 @@ def test_a_request_not_covered_by_a_fresh_signature_of_the_caller_is_401_and_wri
     assert WorkflowAgentDelivery.objects.get(id=delivery.id).status == "pending"
 
 
+@pytest.mark.parametrize("tamper", ["body", "url", "method", "other_key"])
+def test_a_tampered_finish_is_refused_and_leaves_the_lease_as_it_was(gateway_server, tamper):
+    """On a write endpoint: the signed request says ``failed`` (or another delivery's URL, or
+    PUT, or another key's signature); what arrives is this agent's finish ``finished``."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    (delivery, other) = deliver(community, agent.pubkey, 2)
+    (claim,) = agent.claim()
+    path = f"/communities/{community.id}/deliveries/{claim.lease.delivery_id}/finish"
+    body = json.dumps({"lease_generation": claim.lease.lease_generation, "outcome": "finished"}).encode()
+    other_id = other.id if str(other.id) != claim.lease.delivery_id else delivery.id
+    sign = {
+        "body": {"body": json.dumps({"lease_generation": claim.lease.lease_generation, "outcome": "failed"}).encode()},
+        "url": {"url": agent.base_url + f"/communities/{community.id}/deliveries/{other_id}/finish"},
+        "method": {"method": "PUT"},
+        "other_key": {"key": os.urandom(32)},
+    }[tamper]
+    before, state = row_counts(), delivery_state()
+
+    response = signed(agent, "POST", path, body, **sign)
+
+    if tamper == "other_key":  # verifies, as a key enrolled nowhere
+        assert (response.status_code, response.json()["code"]) == (403, "not_enrolled")
+        assert row_counts() == {**before, "seen": before["seen"] + 1}
+    else:
+        assert (response.status_code, response.json()["code"]) == (401, "auth_invalid"), response.text
+        assert row_counts() == before
+    assert delivery_state() == state
+    assert WorkflowAgentDelivery.objects.get(id=claim.lease.delivery_id).status == "claimed"
+
+
 def test_a_replayed_event_is_refused_even_for_the_same_request(gateway_server):
     community = CommunityFactory()
     agent = new_agent(gateway_server)
