@@ -153,22 +153,27 @@ def test_uuid7_floor_orders_before_every_id_made_from_that_millisecond():
     assert uuid7_floor(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)) > made
 
 
-def test_the_failure_code_filter_reads_its_partial_index_among_many_rows(community):
-    from buzz_delivery.models import WorkflowAgentDelivery
-
-    template, lease = claimed(community)
-    services.finish_delivery(lease, "failed", failure_code="bad_payload")
-    with connection.cursor() as cursor:  # many settled rows without a code, like a real table
+def settled_copies(template_id, n: int = 20_000) -> None:
+    """``n`` finished copies of one delivery (no failure code), then ANALYZE: a table at scale."""
+    with connection.cursor() as cursor:
         cursor.execute(
             """INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, target_pubkey,
                    definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
                    status, finished_at, attempt)
                SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
                       definition_event_id, message_event_id, 'webhook', gen_random_uuid(), 'finished', now(), 1
-               FROM buzz_delivery_delivery, generate_series(1, 20000) AS g WHERE id = %s""",
-            [template.id],
+               FROM buzz_delivery_delivery, generate_series(1, %s) AS g WHERE id = %s""",
+            [n, template_id],
         )
         cursor.execute("ANALYZE buzz_delivery_delivery")
+
+
+def test_the_failure_code_filter_reads_its_partial_index_among_many_rows(community):
+    from buzz_delivery.models import WorkflowAgentDelivery
+
+    template, lease = claimed(community)
+    services.finish_delivery(lease, "failed", failure_code="bad_payload")
+    settled_copies(template.id)  # many settled rows without a code, like a real table
     listed = WorkflowAgentDelivery.objects.filter(failure_code="bad_payload").order_by("-created_at", "-pk")[:100]
 
     plan = listed.explain()
@@ -186,17 +191,7 @@ def test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_
     from buzz_delivery.models import WorkflowAgentDelivery
 
     template, _lease = claimed(community)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, target_pubkey,
-                   definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
-                   status, finished_at, attempt)
-               SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
-                      definition_event_id, message_event_id, 'webhook', gen_random_uuid(), 'finished', now(), 1
-               FROM buzz_delivery_delivery, generate_series(1, 20000) AS g WHERE id = %s""",
-            [template.id],
-        )
-        cursor.execute("ANALYZE buzz_delivery_delivery")
+    settled_copies(template.id)
     model_admin = django_admin.site._registry[WorkflowAgentDelivery]
     listed = model_admin.get_queryset(rf.get("/")).order_by("-created_at", "-pk")[:100]
     with CaptureQueriesContext(connection) as queries:  # the filter reads the newest rows' codes
