@@ -203,3 +203,23 @@ def test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_
 
     assert "delivery_created_idx" in listed.explain()
     assert "delivery_created_idx" in filter_plan, filter_plan
+
+
+def test_the_date_links_read_the_ends_of_the_age_index_among_many_rows(admin_client, community):
+    # The date hierarchy's MIN/MAX(created_at) must state the index's predicate too, or they
+    # scan the table (found in review after migration 0015).
+    from django.test.utils import CaptureQueriesContext
+    from django.urls import reverse
+
+    template, _lease = claimed(community)
+    settled_copies(template.id)
+    with CaptureQueriesContext(connection) as queries:
+        response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_changelist"))
+    assert response.status_code == 200
+    (probe,) = [q["sql"] for q in queries.captured_queries if "MIN(" in q["sql"].upper() and "MAX(" in q["sql"].upper()]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + probe)
+        plan = "\n".join(line for (line,) in cursor.fetchall())
+
+    assert "delivery_created_idx" in plan, plan
+    assert "Seq Scan" not in plan, plan

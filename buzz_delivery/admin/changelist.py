@@ -5,7 +5,8 @@
 - :meth:`SnapshotFreeChangeList.date_drilldown` builds the ``date_hierarchy`` links without
   Django's ``SELECT DISTINCT date_trunc(...)`` over the whole (filtered) table: the range comes
   from ``min``/``max`` of the indexed date column of the unfiltered table (two index
-  endpoint reads) and every year / month / day inside it is offered, whether or not it holds
+  endpoint reads; with the paginator's ``always_true``, the condition of a partial index on that
+  column) and every year / month / day inside it is offered, whether or not it holds
   rows. The changelist template renders it with ``admin/date_hierarchy.html``.
 """
 
@@ -88,7 +89,13 @@ class SnapshotFreeChangeList(ChangeList):
         }
 
     def _range(self) -> tuple[dt.datetime | None, dt.datetime | None]:
-        bounds = self.model._default_manager.aggregate(first=Min(self.date_hierarchy), last=Max(self.date_hierarchy))
+        rows = self.model._default_manager.all()
+        # The condition a partial index on the date column needs (DeliveryPaginator.always_true):
+        # without it MIN/MAX scan the whole table instead of reading the index's two ends.
+        always_true = getattr(self.model_admin.paginator, "always_true", None)
+        if always_true is not None:
+            rows = rows.filter(always_true)
+        bounds = rows.aggregate(first=Min(self.date_hierarchy), last=Max(self.date_hierarchy))
         first, last = bounds["first"], bounds["last"]
         if first is not None and timezone.is_aware(first):
             first, last = timezone.localtime(first), timezone.localtime(last)
