@@ -11,7 +11,9 @@
   other transaction's move out), and its later rows of that community skip the lookup; a
   lifecycle move clears the setting, so a move made by the same transaction is seen at once.
   Like the purge executor's two settings, the setting is trusted: SQL that sets it by hand
-  passes the fence for that community, which no code of ours does.
+  (any role can, a handler's too) passes the fence for that community. The fence guards against
+  stale and buggy writers, not against SQL written to get past it: before this, ``SET LOCAL
+  pgtrigger.ignore`` switched it off just as easily.
 - :func:`lifecycle_forward_only` keeps ``Community.deletion_state`` moving one
   step forward at a time and bumps ``fence_generation`` on each move (``BD002``); a move
   takes the community's fence lock exclusively, so it waits for the writers inside a
