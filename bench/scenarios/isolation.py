@@ -3,8 +3,9 @@ and the ``run_delivery_worker`` drain, with enforcement off and on in the same r
 
 Cases, each against "off" (RLS disabled on the tables: the scopes send nothing):
 - on, context only: RLS enabled and forced, the services send ``buzz.community_id`` in front
-  of each statement, in the same simple query (one round trip), and run as the login role (``SWITCH_ROLES`` off). The login here is a
-  superuser, which bypasses the policies, so this case prices the context alone;
+  of each statement, in the same simple query (one round trip), and run as the login role
+  (``SWITCH_ROLES`` off). The login here is a superuser, which bypasses the policies, so this
+  case prices the context alone;
 - on, context + role: the same with ``SWITCH_ROLES`` on, so every statement runs as the tenant
   role and the policies are evaluated (the example project's setting).
 Target: on costs at most 1.15x off.
