@@ -7,7 +7,7 @@ seconds for more while fewer than ``max_batch`` are there, then settles the batc
 
 - every ``finished`` result of one community (whatever its target) through one
   :func:`services.finish_deliveries` statement (one ``UPDATE ... FROM unnest``), each row
-  still fenced by its own (delivery, generation), and each outcome judged by the rows the
+  still fenced by its own (delivery, target, generation), and each outcome judged by the rows the
   statement returned (a lease it did not settle pays the fenced read that tells
   ``AlreadyTerminal`` from ``LeaseLost``, as a single settle would);
 - ``failed`` and ``retry`` results (their failure text differs per delivery) one statement each.
