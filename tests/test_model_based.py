@@ -27,8 +27,6 @@ import pytest
 from django.conf import settings
 from django.db import connection, transaction
 from django.test import override_settings
-from hypothesis import HealthCheck
-from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -36,11 +34,11 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from buzz_delivery import exceptions, services
 from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory, frozen_db_clock, random32
+from tests.model_support import run_machine
 
 pytestmark = pytest.mark.django_db
 
@@ -616,17 +614,7 @@ def _run(examples: int, steps: int) -> None:
     STATS.update(examples=0, steps=0)
     SEEN.clear()
     started = time.monotonic()
-    run_state_machine_as_test(
-        DeliveryMachine,
-        settings=hsettings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-        ),
-    )
+    run_machine(DeliveryMachine, examples, steps)
     print(
         f"\nmodel-based: {STATS['examples']} examples, {STATS['steps']} checked states, "
         f"{time.monotonic() - started:.1f} s"

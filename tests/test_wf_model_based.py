@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 import pytest
 from django.db import connection, transaction
-from hypothesis import HealthCheck
-from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -21,7 +19,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from buzz_delivery.services import AlreadyTerminal, Cause, LeaseLost, Settled
@@ -38,6 +35,7 @@ from buzz_delivery.workflows.services import (
     start_run,
 )
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
+from tests.model_support import run_machine
 
 pytestmark = pytest.mark.django_db
 TERMINAL = ("succeeded", "failed", "skipped", "canceled")
@@ -300,17 +298,7 @@ class EngineMachine(RuleBasedStateMachine):
 def _run(examples: int, steps: int) -> None:
     STATS.update(examples=0, steps=0)
     started = time.monotonic()
-    run_state_machine_as_test(
-        EngineMachine,
-        settings=hsettings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-        ),
-    )
+    run_machine(EngineMachine, examples, steps)
     print(
         f"\nengine model: {STATS['examples']} examples, {STATS['steps']} checked states, "
         f"{time.monotonic() - started:.1f} s"

@@ -33,8 +33,6 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
-from hypothesis import HealthCheck
-from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -42,7 +40,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from buzz_delivery import services as core
@@ -67,6 +64,7 @@ from buzz_delivery.workflows.services import (
 )
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from tests.conftest import backdate_lease
+from tests.model_support import run_machine
 
 pytestmark = pytest.mark.django_db
 TERMINAL = ("succeeded", "failed", "skipped", "canceled")
@@ -989,17 +987,7 @@ def _run(examples: int, steps: int) -> None:
     started = time.monotonic()
     with connection.cursor() as cursor:
         cursor.execute(AUDIT)
-    run_state_machine_as_test(
-        KindsMachine,
-        settings=hsettings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-        ),
-    )
+    run_machine(KindsMachine, examples, steps)
     print(
         f"\nengine model (every kind): {STATS['examples']} examples, {STATS['steps']} checked states, "
         f"{time.monotonic() - started:.1f} s"
