@@ -299,32 +299,45 @@ def test_the_claim_query_cannot_scan_the_oldest_pending_age_index_nor_the_admins
     assert "delivery_pending_age_idx" in oldest, oldest  # its readers (metrics, dashboard) still use it
 
 
+def copies(template: uuid.UUID, n: int, *, finished: bool) -> None:
+    """``n`` copies of one delivery (pending, or finished), then ANALYZE: a table at scale. Their
+    ``created_at`` are a millisecond apart, oldest first, as a producer's commits would be."""
+    settled = (", status, finished_at, attempt", ", 'finished', now(), 1") if finished else ("", "")
+    execute(
+        f"""INSERT INTO {DELIVERY} (id, community_id, workflow_id, run_id, step_id, target_pubkey,
+               definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
+               created_at{settled[0]})
+            SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                   definition_event_id, message_event_id, cause_kind, gen_random_uuid(),
+                   now() - make_interval(secs => (%s - g) / 1000.0){settled[1]}
+            FROM {DELIVERY}, generate_series(1, %s) AS g WHERE id = %s""",
+        [n, n, template],
+    )
+    execute(f"ANALYZE {DELIVERY}", [])
+
+
+def claim_plan(community: models.Community, target: bytes, *, limit: int) -> str:
+    """The planner's plan for a claim of ``limit`` of ``target``'s deliveries (EXPLAIN only)."""
+    params = {"community_id": community.id, "target_pubkey": target, "limit": limit, "lease_seconds": 60.0,
+              "delivery_id": None, "holder": None}  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + sql.claim_oldest_pending(by_id=False, by_binding=False), params)
+        return "\n".join(line for (line,) in cursor.fetchall())
+
+
 def test_the_claim_walks_the_polling_index_with_statistics_from_when_every_row_was_pending(
     community, target, commit_one
 ):
     # A worker's drain: statistics taken while 20,000 rows were pending, then half of them
     # settled. With a plain index on created_at the planner walked it past every settled row
     # (9 ms a claim of 50 instead of 2.4, issue 16); it must take the polling index.
-    template = commit_one()
-    execute(
-        f"""INSERT INTO {DELIVERY} (id, community_id, workflow_id, run_id, step_id, target_pubkey,
-               definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id)
-            SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
-                   definition_event_id, message_event_id, cause_kind, gen_random_uuid()
-            FROM {DELIVERY}, generate_series(1, 20000) AS g WHERE id = %s""",
-        [template],
-    )
-    execute(f"ANALYZE {DELIVERY}", [])
+    copies(commit_one(), 20000, finished=False)
     execute(
         f"""UPDATE {DELIVERY} SET status = 'finished', finished_at = now(), attempt = 1
             WHERE id IN (SELECT id FROM {DELIVERY} WHERE community_id = %s ORDER BY created_at, id LIMIT 10000)""",
         [community.id],
     )
-    params = {"community_id": community.id, "target_pubkey": target, "limit": 50, "lease_seconds": 60.0,
-              "delivery_id": None, "holder": None}  # fmt: skip
-    with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN " + sql.claim_oldest_pending(by_id=False, by_binding=False), params)
-        plan = "\n".join(line for (line,) in cursor.fetchall())
+    plan = claim_plan(community, target, limit=50)
 
     assert "delivery_pending_poll_idx" in plan, plan
     assert "delivery_created_idx" not in plan, plan
@@ -333,23 +346,8 @@ def test_the_claim_walks_the_polling_index_with_statistics_from_when_every_row_w
 def test_the_claim_query_walks_the_pending_poll_index_among_many_terminal_rows(community, target, commit_one):
     for _ in range(3):
         commit_one()
-    template = commit_one()
-    execute(
-        f"""INSERT INTO {DELIVERY} (id, community_id, workflow_id, run_id, step_id, target_pubkey,
-               definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
-               status, finished_at, attempt)
-            SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
-                   definition_event_id, message_event_id, cause_kind, gen_random_uuid(),
-                   'finished', now(), 1
-            FROM {DELIVERY}, generate_series(1, 20000) AS g WHERE id = %s""",
-        [template],
-    )
-    execute(f"ANALYZE {DELIVERY}", [])
-    params = {"community_id": community.id, "target_pubkey": target, "limit": 1, "lease_seconds": 60.0,
-              "delivery_id": None, "holder": None}  # fmt: skip
-    with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN " + sql.claim_oldest_pending(by_id=False, by_binding=False), params)
-        plan = "\n".join(line for (line,) in cursor.fetchall())
+    copies(commit_one(), 20000, finished=True)
+    plan = claim_plan(community, target, limit=1)
 
     assert "delivery_pending_poll_idx" in plan, plan
     assert "Seq Scan on buzz_delivery_delivery" not in plan, plan
