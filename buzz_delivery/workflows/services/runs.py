@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from contextlib import nullcontext
 from typing import Any, cast
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 
 from buzz_delivery import services as core
 from buzz_delivery.exceptions import CommunityNotWritable
-from buzz_delivery.models import WorkflowRun, new_uuid7
+from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import AlreadyTerminal, Cause
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -23,15 +24,56 @@ from buzz_delivery.workflows.services.common import json_argument
 from buzz_delivery.workflows.services.types import Canceled, RunView
 from buzz_delivery.workflows.states import RUN_TERMINAL
 
+# Definition versions are immutable: each is read once per process (bounded like the
+# orchestrator's cache of their steps); which version is the latest is read every time.
+_VERSIONS: dict[uuid.UUID, DefinitionVersion] = {}
+
 
 def _version(community: uuid.UUID, workflow: uuid.UUID, version: int | None) -> DefinitionVersion:
-    versions = DefinitionVersion.objects.filter(community_id=community, workflow_id=workflow)
-    found = versions.filter(version=version).first() if version is not None else versions.order_by("-version").first()
-    if found is None:
+    params = {"community_id": community, "workflow_id": workflow, "version": version}
+    rows = fetch_all(sql.PINNED_VERSION if version is not None else sql.LATEST_VERSION, params)
+    if not rows:
         if version is not None:
             raise v.invalid("version", f"workflow has no version {version}")
         raise v.invalid("workflow_id", "no published definition for this workflow in this community")
+    found = _VERSIONS.get(rows[0][0])
+    if found is None:
+        found = DefinitionVersion.objects.get(community_id=community, id=rows[0][0])
+        if len(_VERSIONS) >= 10_000:
+            _VERSIONS.clear()
+        _VERSIONS[found.pk] = found
     return found
+
+
+def _step_template(version: DefinitionVersion) -> tuple[list[dict[str, Any]], bool]:
+    """The step rows a run of ``version`` starts with (without ids), and whether a root step has
+    a ``when`` (it is released by ``buzz_workflows_release`` after the insert)."""
+    steps = version.content["steps"]
+    settings = get_settings()
+    dependents: dict[str, list[str]] = {s["key"]: [] for s in steps}
+    for s in steps:
+        for dep in s["depends_on"]:
+            dependents[dep].append(s["key"])
+    rows = [
+        {
+            "key": s["key"],
+            "kind": s["kind"],
+            "state": "pending" if s["depends_on"] or s.get("when") is not None else "ready",
+            "position": i,
+            "depends_on": s["depends_on"],
+            "dependents": dependents[s["key"]],
+            "deps_total": len(s["depends_on"]),
+            "on_error": s["on_error"],
+            "when_cond": s.get("when"),
+            "max_attempts": s["retry"].get("max_attempts", settings.max_attempts),
+            "backoff_base_seconds": s["retry"].get("base_seconds", settings.backoff_base_seconds),
+            "backoff_cap_seconds": s["retry"].get("cap_seconds", settings.backoff_cap_seconds),
+            "timeout_seconds": s.get("timeout_seconds"),
+            "tolerate_failures": s.get("tolerate_failures", 0),
+        }
+        for i, s in enumerate(steps)
+    ]
+    return rows, any(not s["depends_on"] and s.get("when") is not None for s in steps)
 
 
 def _cause_columns(cause: Cause) -> dict[str, Any]:
@@ -67,58 +109,35 @@ def create_run(
     deadline_seconds: int | None = None,
 ) -> Run:
     """Insert the core run, the engine run and its steps, and release the root steps, in the
-    caller's transaction. Internal: the public entry points validate first."""
-    steps = version.content["steps"]
-    settings = get_settings()
+    caller's transaction (one statement, plus the release of root steps that have a ``when``).
+    Internal: the public entry points validate first."""
+    template, release_roots = _step_template(version)
     run_id = run_id or cast(uuid.UUID, new_uuid7())
-    WorkflowRun.objects.create(id=run_id, community_id=community, workflow_id=version.workflow_id)
-    run = Run.objects.create(
-        run_id=run_id,
-        community_id=community,
-        workflow_id=version.workflow_id,
-        definition=version,
-        input=input_value,
-        idempotency_key=idempotency_key,
-        parent_run=parent[0] if parent else None,
-        parent_step_key=parent[1] if parent else None,
-        depth=parent[0].depth + 1 if parent else 0,
-        restart_of=restart_of,
-        steps_total=len(steps),
-        steps_left=len(steps),
+    steps = [{**row, "id": str(new_uuid7())} for row in template]
+    params = {
+        "run_id": run_id,
+        "community_id": community,
+        "workflow_id": version.workflow_id,
+        "definition_id": version.pk,
+        "input": json.dumps(input_value),
         **_cause_columns(cause),
-    )
-    dependents: dict[str, list[str]] = {s["key"]: [] for s in steps}
-    for s in steps:
-        for dep in s["depends_on"]:
-            dependents[dep].append(s["key"])
-    Step.objects.bulk_create(
-        [
-            Step(
-                community_id=community,
-                run=run,
-                key=s["key"],
-                kind=s["kind"],
-                position=i,
-                depends_on=s["depends_on"],
-                dependents=dependents[s["key"]],
-                deps_total=len(s["depends_on"]),
-                on_error=s["on_error"],
-                when_cond=s.get("when"),
-                max_attempts=s["retry"].get("max_attempts", settings.max_attempts),
-                backoff_base_seconds=s["retry"].get("base_seconds", settings.backoff_base_seconds),
-                backoff_cap_seconds=s["retry"].get("cap_seconds", settings.backoff_cap_seconds),
-                timeout_seconds=s.get("timeout_seconds"),
-                tolerate_failures=s.get("tolerate_failures", 0),
-            )
-            for i, s in enumerate(steps)
-        ]
-    )
-    if deadline_seconds is not None:
-        rows = fetch_all(
-            sql.SET_RUN_DEADLINE, {"community_id": community, "run_id": run_id, "deadline_seconds": deadline_seconds}
-        )
-        run.deadline_at = rows[0][0]
-    fetch_all(sql.RELEASE_ROOT_STEPS, {"community_id": community, "run_id": run_id})
+        "idempotency_key": idempotency_key,
+        "parent_run_id": parent[0].pk if parent else None,
+        "parent_step_key": parent[1] if parent else None,
+        "depth": parent[0].depth + 1 if parent else 0,
+        "restart_of_id": restart_of.pk if restart_of else None,
+        "steps_total": len(steps),
+        "deadline_seconds": deadline_seconds,
+        "steps": json.dumps(steps),
+    }
+    if release_roots:
+        with transaction.atomic():
+            rows = fetch_all(sql.CREATE_RUN, params)
+            fetch_all(sql.RELEASE_ROOT_STEPS, {"community_id": community, "run_id": run_id})
+    else:
+        rows = fetch_all(sql.CREATE_RUN, params)  # one statement: atomic on its own
+    run = Run.from_db(connection.alias, sql.RUN_ATTNAMES, rows[0][:-1])
+    run.definition = version
     return run
 
 
@@ -192,8 +211,10 @@ def start_run(
 
     if idempotency_key is not None and (found := existing()) is not None:
         return found
+    # In autocommit the insert is one statement, atomic on its own; inside the caller's
+    # transaction a savepoint keeps a duplicate key from aborting it (the lookup below).
     try:
-        with transaction.atomic(), translated_errors():
+        with transaction.atomic() if connection.in_atomic_block else nullcontext(), translated_errors():
             return create_run(
                 community,
                 pinned,

@@ -14,7 +14,7 @@ a renew only counts (``renewals``).
 from __future__ import annotations
 
 from buzz_delivery.services.sql import DB_NOW, history_entry
-from buzz_delivery.workflows.models import Step
+from buzz_delivery.workflows.models import Run, Step
 
 STEP = "buzz_workflows_step"
 RUN = "buzz_workflows_run"
@@ -137,6 +137,63 @@ STEP_RETRY_POLICY = f"""
 SELECT s.attempts, s.max_attempts, s.backoff_base_seconds, s.backoff_cap_seconds FROM {STEP} AS s
 WHERE s.community_id = %(community_id)s AND s.id = %(step_id)s AND s.lease_generation = %(lease_generation)s
 """
+
+# --- run creation (one statement: the core run, the engine run and its steps) -------------------
+
+LATEST_VERSION = """
+SELECT d.id FROM buzz_workflows_definition AS d
+WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s
+ORDER BY d.version DESC LIMIT 1
+"""
+
+PINNED_VERSION = """
+SELECT d.id FROM buzz_workflows_definition AS d
+WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s AND d.version = %(version)s
+"""
+
+_RUN_INSERT_COLUMNS = (
+    "run_id, community_id, workflow_id, definition_id, state, input, cause_kind, cause_event_id, "
+    "cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, "
+    "depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire"
+)
+_STEP_SHAPE = (
+    "id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], "
+    "deps_total integer, on_error text, when_cond jsonb, max_attempts integer, timeout_seconds integer, "
+    "backoff_base_seconds double precision, backoff_cap_seconds double precision, tolerate_failures integer"
+)
+_STEP_INSERT = f"""
+    INSERT INTO {STEP} (id, community_id, run_id, key, kind, state, position, depends_on, dependents,
+        deps_total, deps_done, deps_blocked, on_error, when_cond, max_attempts, attempts, timeout_seconds,
+        backoff_base_seconds, backoff_cap_seconds, lease_generation, ready_at, delivered_terminal,
+        delivered_failed, tolerate_failures)
+    SELECT x.id, %(community_id)s, %(run_id)s, x.key, x.kind, x.state, x.position, x.depends_on, x.dependents,
+        x.deps_total, 0, 0, x.on_error, x.when_cond, x.max_attempts, 0, x.timeout_seconds,
+        x.backoff_base_seconds, x.backoff_cap_seconds, 0, {{ready_at}}, 0, 0, x.tolerate_failures
+    FROM jsonb_to_recordset(%(steps)s::jsonb) AS x({_STEP_SHAPE})
+    WHERE x.state = {{state}}
+"""
+
+# The root steps without a `when` are inserted ``ready`` (what buzz_workflows_release would
+# make of them), the rest ``pending``; orchestrators are woken at commit. Every row passes
+# the write fence, and the foreign keys are checked at the end of the statement.
+CREATE_RUN = f"""
+WITH core AS (
+    INSERT INTO buzz_delivery_workflow_run (id, community_id, workflow_id)
+    VALUES (%(run_id)s, %(community_id)s, %(workflow_id)s)
+), run AS (
+    INSERT INTO {RUN} ({_RUN_INSERT_COLUMNS})
+    VALUES (%(run_id)s, %(community_id)s, %(workflow_id)s, %(definition_id)s, 'running', %(input)s::jsonb,
+            %(cause_kind)s, %(cause_event_id)s, %(cause_scheduled_for)s, %(cause_webhook_invocation_id)s,
+            %(idempotency_key)s, %(parent_run_id)s, %(parent_step_key)s, %(depth)s, %(restart_of_id)s,
+            %(steps_total)s, %(steps_total)s, {DB_NOW} + make_interval(secs => %(deadline_seconds)s), false)
+    RETURNING {{run_columns}}
+), ready AS ({_STEP_INSERT.format(ready_at=DB_NOW, state="'ready'")}
+), pending AS ({_STEP_INSERT.format(ready_at="NULL::timestamptz", state="'pending'")}
+)
+SELECT {{run_columns}}, pg_notify('buzz_workflows', %(community_id)s::text) FROM run
+"""
+RUN_ATTNAMES = [f.attname for f in Run._meta.concrete_fields]
+CREATE_RUN = CREATE_RUN.format(run_columns=", ".join(str(f.column) for f in Run._meta.concrete_fields))
 
 RELEASE_ROOT_STEPS = f"""
 SELECT buzz_workflows_release(s.community_id, s.id) FROM {STEP} AS s
