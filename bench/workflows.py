@@ -22,6 +22,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
         }
     publish_definition(community.id, workflow.id, definition)
     env = {**os.environ, "DATABASE_URL": OURS, "LOG_LEVEL": "WARNING"}
+    logs = Path(tempfile.mkdtemp(prefix="bench_wf_"))
     procs = [
         subprocess.Popen(
             [
@@ -116,10 +118,10 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
             ],
             cwd=ROOT,
             env=env,
-            stdout=subprocess.DEVNULL,
+            stdout=(logs / f"orchestrator-{i}.json").open("w"),
             stderr=subprocess.DEVNULL,
         )
-        for _ in range(k)
+        for i in range(k)
     ]
     if send:
         procs += [
@@ -166,6 +168,7 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
     connection.close()
     time.sleep(1.2)
     c1 = commits(OURS)
+    summaries = [json.loads(f.read_text().strip().splitlines()[-1]) for f in sorted(logs.glob("orchestrator-*.json"))]
     client = (s1 - s0) + sum(p1[pid] - p0.get(pid, 0) for pid in p1)
     server = sum(cpu - b0.get(pid, 0.0) for pid, cpu in b1.items())
     return {
@@ -173,6 +176,8 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
         "commits_per_run": (c1 - c0) / runs,
         "client_cpu_ms_per_run": 1000 * client / runs,
         "server_cpu_ms_per_run": 1000 * server / runs,
+        "claims_per_run": sum(x["claim_statements"] for x in summaries) / runs,
+        "completes_per_run": sum(x["complete_statements"] for x in summaries) / runs,
     }
 
 
@@ -199,6 +204,8 @@ def dbos(python: str, runs: int) -> dict[str, float] | None:
         "commits_per_run": r["commits"] / r["runs"],
         "client_cpu_ms_per_run": 1000 * r["cpu_seconds"] / r["runs"],
         "server_cpu_ms_per_run": float("nan"),
+        "claims_per_run": float("nan"),
+        "completes_per_run": float("nan"),
     }
 
 
@@ -219,11 +226,16 @@ def main() -> None:
         rows.append((f"(a) buzz workflows, K={k}", ours(k, args.runs, send=False)))
     for k in [int(x) for x in args.k.split(",")]:
         rows.append((f"(b) buzz workflows + send_message to 2, K={k}", ours(k, args.runs, send=True)))
-    print(f"{'figure':48} {'runs/s':>8} {'commits/run':>12} {'client ms/run':>14} {'server ms/run':>14}")
+    print(
+        f"{'figure':48} {'runs/s':>8} {'x DBOS':>7} {'commits/run':>12} {'client ms/run':>14} {'server ms/run':>14} "
+        f"{'claims/run':>11} {'completes/run':>14}"
+    )
+    base = rows[0][1]["runs_per_s"] if figure else float("nan")
     for name, f in rows:
         print(
-            f"{name:48} {f['runs_per_s']:8.1f} {f['commits_per_run']:12.1f} {f['client_cpu_ms_per_run']:14.1f} "
-            f"{f['server_cpu_ms_per_run']:14.1f}"
+            f"{name:48} {f['runs_per_s']:8.1f} {f['runs_per_s'] / base:7.2f} {f['commits_per_run']:12.1f} "
+            f"{f['client_cpu_ms_per_run']:14.1f} {f['server_cpu_ms_per_run']:14.1f} {f['claims_per_run']:11.2f} "
+            f"{f['completes_per_run']:14.2f}"
         )
     print(f"({args.runs} runs per figure; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
 

@@ -9,6 +9,8 @@ from django.conf import settings
 
 # NOTIFY channel on which the database announces ready steps (payload: the community id).
 NOTIFY_CHANNEL = "buzz_workflows"
+# Transaction-local setting: 'on' = releases leave the NOTIFY to the transaction (migration 0013).
+NOTIFY_DEFERRED_SETTING = "buzz_workflows.notify_deferred"
 
 DEFAULTS: dict[str, Any] = {
     # Step lease length (seconds) when a caller passes none; bounds as the core's leases.

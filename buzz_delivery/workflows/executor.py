@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any, cast
 
 from django.db import transaction
@@ -79,13 +80,26 @@ def step_input(claim: StepClaim) -> dict[str, Any]:
     return resolve(spec, run, outputs)  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What a ``function`` step returned, not yet recorded: the caller completes it
+    (:func:`~buzz_delivery.workflows.services.complete_steps`, many at once)."""
+
+    value: Any
+
+
 @tenant_scoped
-def execute(claim: StepClaim) -> StepOutcome:
-    """Run one claimed step to its next state; returns the outcome of its last transition."""
+def execute(claim: StepClaim, *, defer_output: bool = False) -> StepOutcome | Output:
+    """Run one claimed step to its next state; returns the outcome of its last transition.
+    With ``defer_output`` a ``function`` step that returned is not completed here: its
+    :class:`Output` is returned instead (failures are still recorded here)."""
     kind = claim.step.kind
     try:
         if kind == "function":
-            return _function(claim)
+            result = run_function(claim)
+            if isinstance(result, Output) and not defer_output:
+                return steps.complete_step(claim.lease, result.value)
+            return result
         if kind == "send_message":
             return _send_message(claim)
         if kind == "sub_workflow":
@@ -98,7 +112,11 @@ def execute(claim: StepClaim) -> StepOutcome:
         return rollback.outcome
 
 
-def _function(claim: StepClaim) -> StepOutcome:
+@tenant_scoped
+def run_function(claim: StepClaim) -> StepOutcome | Output:
+    """Call a ``function`` step's registered callable. Returns its :class:`Output`, or the
+    outcome of the failure recorded (missing function, an exception: retried unless
+    :class:`PermanentStepFailure`)."""
     fn = get_function(claim.spec["function"])
     if fn is None:
         return steps.fail_step(
@@ -115,7 +133,7 @@ def _function(claim: StepClaim) -> StepOutcome:
     except Exception as exc:
         logger.info("step %s of run %s raised %s", claim.step.key, claim.lease.run_id, type(exc).__name__)
         return steps.fail_step(claim.lease, "function_error", failure_message=f"{type(exc).__name__}: {exc}"[:10_000])
-    return steps.complete_step(claim.lease, output)
+    return Output(output)
 
 
 def message_event_id(run_id: Any, step_key: str) -> bytes:

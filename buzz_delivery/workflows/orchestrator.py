@@ -2,9 +2,13 @@
 
 Shaped like the delivery worker (:mod:`buzz_delivery.worker`): a dispatcher (the calling
 thread) claims ready steps of one community, or of every community with work (walking them,
-one claim statement per community), as many as there are idle step threads; step threads run
-:func:`buzz_delivery.workflows.executor.execute`; a renewer thread renews every held lease each
-third of its length; a listener thread LISTENs on ``buzz_workflows`` (the Advance trigger
+one claim statement per community), up to ``batch_size`` per statement: as many as there are
+idle step threads, and up to ``batch_size`` more in a local queue while the steps' recent run
+times say they start within a tenth of the lease. Step threads run
+:func:`buzz_delivery.workflows.executor.execute`; what a ``function`` step returns is recorded
+by the completer thread (:mod:`buzz_delivery.workflows.completer`), many steps per
+statement; a renewer thread renews every held lease each third of its length (queued and
+awaiting completion included); a listener thread LISTENs on ``buzz_workflows`` (the Advance trigger
 NOTIFYs it with the community id whenever a step becomes ready) and wakes the dispatcher,
 which polls every ``poll_interval`` anyway. SIGTERM/SIGINT: stop claiming, let in-flight steps
 finish within ``shutdown_grace`` seconds, then exit (leases still held lapse and are reclaimed
@@ -31,11 +35,20 @@ from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.workflows import executor
+from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
 from buzz_delivery.workflows.services import claim_steps, communities_with_ready_steps, renew_step
-from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepRenewed
+from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 
 logger = logging.getLogger("buzz_delivery.workflows")
+
+# Most claims and completions per statement unless --batch-size says otherwise.
+DEFAULT_BATCH_SIZE = 32
+# Seconds the completer waits for more outputs while a batch is short.
+COMPLETE_LINGER = 0.002
+# Claimed steps wait in the local queue only while they would start within this fraction of
+# the lease, judged by the recent run time of the steps.
+CLAIM_AHEAD_LEASE_FRACTION = 0.1
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -49,6 +62,9 @@ SUMMARY_KEYS = (
     "lease_lost",
     "already_terminal",
     "renewed",
+    "claim_statements",
+    "chained",
+    "complete_statements",
     "errors",
     "abandoned",
 )
@@ -56,11 +72,14 @@ SUMMARY_KEYS = (
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    """``community_id``: one community, or None for all. Times in seconds. ``name``: the name in
-    the holder identity ``host:pid:name`` its step claims record (``claimed_by``)."""
+    """``community_id``: one community, or None for all. Times in seconds. ``concurrency``:
+    step threads. ``batch_size``: most claims per statement and most completions per statement
+    (1..1000; None = the larger of ``concurrency`` and :data:`DEFAULT_BATCH_SIZE`). ``name``:
+    the name in the holder identity ``host:pid:name`` its step claims record (``claimed_by``)."""
 
     community_id: uuid.UUID | None
     concurrency: int = 4
+    batch_size: int | None = None
     lease_seconds: float = 60
     poll_interval: float = 1.0
     idle_exit: float | None = None
@@ -112,7 +131,20 @@ class Orchestrator:
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(SUMMARY_KEYS, 0)
         self.held: dict[uuid.UUID, StepLease] = {}
-        self.in_flight = 0
+        self.in_flight = 0  # claimed and not yet ended here: queued, running or being completed
+        self.starved = False  # the dispatcher waits for a place to come free
+        self.awaiting = 0  # of those, returned and waiting for the completer
+        self.step_seconds: float | None = None  # moving average of a step's run time
+        self.batch_size = config.batch_size or max(config.concurrency, DEFAULT_BATCH_SIZE)
+        self.completer = Completer(
+            max_batch=self.batch_size,
+            linger=COMPLETE_LINGER,
+            done=self._completed,
+            room=self._chain_room,
+            accept=self._accept,
+            lease_seconds=config.lease_seconds,
+            holder=self.holder,
+        )
         self.signal_name: str | None = None
         self.renew_done = threading.Event()
 
@@ -128,21 +160,53 @@ class Orchestrator:
                 claim = self.work.get()
                 if claim is None:
                     return
+                deferred = False
                 try:
-                    outcome = executor.execute(claim)
-                    self._count(outcome)
+                    started = time.monotonic()
+                    outcome = executor.execute(claim, defer_output=True)
+                    self._timed(time.monotonic() - started)
+                    if isinstance(outcome, executor.Output):
+                        with self.lock:
+                            self.awaiting += 1
+                        self.completer.put(claim, outcome.value)
+                        deferred = True
+                    else:
+                        self._count(outcome)
                 except Exception:
                     logger.exception("step_error step=%s run=%s", claim.step.key, claim.lease.run_id)
                     self.add("errors")
                     if connection.connection is not None and not connection.is_usable():
                         connection.close()
                 finally:
-                    with self.lock:
-                        self.held.pop(claim.lease.step_id, None)
-                        self.in_flight -= 1
-                    self.wake.set()
+                    if not deferred:
+                        self._ended(claim)
         finally:
             connection.close()
+
+    def _timed(self, seconds: float) -> None:
+        with self.lock:
+            previous = self.step_seconds
+            self.step_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def _ended(self, claim: StepClaim) -> None:
+        # Wake the dispatcher only when it waits for room: ready steps wake it by NOTIFY, and
+        # the completer claims what its completions released.
+        with self.lock:
+            self.held.pop(claim.lease.step_id, None)
+            self.in_flight -= 1
+            starved, self.starved = self.starved, False
+        if starved:
+            self.wake.set()
+
+    def _completed(self, claim: StepClaim, outcome: StepOutcome | None) -> None:
+        """The completer's ``done``: count the outcome and free the claim's place."""
+        if outcome is None:
+            self.add("errors")
+        else:
+            self._count(outcome)
+        with self.lock:
+            self.awaiting -= 1
+        self._ended(claim)
 
     def _count(self, outcome: object) -> None:
         if isinstance(outcome, Settled):
@@ -183,14 +247,49 @@ class Orchestrator:
 
     # --- dispatcher ---------------------------------------------------------------------
 
+    def _room(self, freed: int = 0) -> int:
+        """How many steps to claim now: idle step threads, plus up to ``batch_size`` to queue
+        while the recent step run time says a queued step starts within a tenth of the lease;
+        results waiting for the completer hold no thread, but at most two batches of them
+        count as free (a stalled completer slows the claims down). ``freed``: that many of the
+        awaiting results are being completed and count as gone."""
+        c = self.config
+        with self.lock:
+            ahead = 0
+            if self.step_seconds is not None:
+                budget = c.lease_seconds * CLAIM_AHEAD_LEASE_FRACTION
+                ahead = min(self.batch_size, int(budget / max(self.step_seconds, 1e-4) * c.concurrency))
+            awaiting = self.awaiting - freed
+            occupied = self.in_flight - freed - min(awaiting, 2 * self.batch_size)
+            return max(0, min(self.batch_size, c.concurrency + ahead - occupied))
+
+    def _chain_room(self, completing: int) -> int:
+        """The completer's ``room``: nothing once stopping or under ``max_steps`` (the
+        dispatcher counts those claims), else :meth:`_room` with the batch's places freed."""
+        if self.stop.is_set() or self.signal_name or self.config.max_steps is not None:
+            return 0
+        return self._room(freed=completing)
+
+    def _accept(self, claims: list[StepClaim]) -> None:
+        """Take claims made elsewhere (the completer's) into the held set and the work queue."""
+        for claim in claims:
+            with self.lock:
+                self.held[claim.lease.step_id] = claim.lease
+                self.in_flight += 1
+            self.work.put(claim)
+        self.add("claimed", len(claims))
+        self.add("chained", len(claims))
+
     def _claim(self, room: int) -> list[StepClaim]:
         c = self.config
         if c.community_id is not None:
+            self.add("claim_statements")
             return claim_steps(c.community_id, limit=room, lease_seconds=c.lease_seconds, holder=self.holder)
         claims: list[StepClaim] = []
         for community in communities_with_ready_steps():
             if len(claims) >= room:
                 break
+            self.add("claim_statements")
             claims += claim_steps(
                 community, limit=room - len(claims), lease_seconds=c.lease_seconds, holder=self.holder
             )
@@ -207,8 +306,7 @@ class Orchestrator:
                 return "stopped"
             if c.max_steps is not None and started >= c.max_steps:
                 return "max_steps"
-            with self.lock:
-                room = c.concurrency - self.in_flight
+            room = self._room()
             if c.max_steps is not None:
                 room = min(room, c.max_steps - started)
             claims: list[StepClaim] = []
@@ -233,7 +331,16 @@ class Orchestrator:
                 idle_since = time.monotonic()
             elif c.idle_exit is not None and time.monotonic() - idle_since >= c.idle_exit:
                 return "idle_exit"
-            if not claims or room - len(claims) <= 0:
+            if room - len(claims) <= 0:
+                # Out of room: a freed place wakes us (a NOTIFY meanwhile is moot: the claim
+                # after the wake reads what is ready).
+                self.wake.clear()
+                with self.lock:
+                    self.starved = True
+                if self._room() > 0:
+                    continue  # a place came free meanwhile
+                self.wake.wait(c.poll_interval)
+            elif not claims:
                 self.wake.wait(c.poll_interval)
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, Any]:
@@ -244,24 +351,35 @@ class Orchestrator:
         ]
         renewer = threading.Thread(target=self._renew_thread, name="buzz-workflows-renewer", daemon=True)
         listener = _Listener(conn_params, c.community_id, self.wake, self.stop, c.poll_interval)
-        for t in (*threads, renewer, listener):
+        for t in (*threads, self.completer, renewer, listener):
             t.start()
         reason = "error"
         try:
             reason = self.dispatch()
         finally:
             self.stop.set()
+            deadline = time.monotonic() + c.shutdown_grace
+            # Drain first: a claim the completer made just before the stop still reaches the
+            # work queue, ahead of the threads' stop markers.
+            while time.monotonic() < deadline:
+                with self.lock:
+                    if not self.in_flight:
+                        break
+                self.wake.wait(0.05)
+                self.wake.clear()
             for _ in threads:
                 self.work.put(None)
-            deadline = time.monotonic() + c.shutdown_grace
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
+            self.completer.close()
+            self.completer.join(max(0.0, deadline - time.monotonic()))
             with self.lock:
                 self.counts["abandoned"] = self.in_flight
                 self.in_flight = 0
             self.renew_done.set()
             renewer.join(5)
             listener.join(5)
+        self.counts["complete_statements"] = self.completer.statements
         exit_code = EXIT_OK if reason in ("SIGTERM", "SIGINT", "stopped", "idle_exit", "max_steps") else EXIT_ERROR
         if self.counts["abandoned"] and exit_code == EXIT_OK:
             exit_code = EXIT_ABANDONED

@@ -100,6 +100,35 @@ WHERE {CURRENT_STEP_LEASE}
 RETURNING s.state
 """
 
+# Many completions of one community in one statement, each row fenced by its own step id and
+# generation; the Advance trigger runs per row, in the same statement.
+COMPLETE_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'succeeded', output = u.output, failure_code = NULL, failure_message = NULL,
+    {CLEAR_LEASE}, finished_at = {DB_NOW},
+    {step_entry("'settle'", "s.lease_generation", "s.claimed_by", status="'succeeded'", renewals="s.renewals")}
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[], %(outputs)s::jsonb[]) AS u(id, generation, output)
+WHERE s.community_id = %(community_id)s
+  AND s.id = u.id
+  AND s.lease_generation = u.generation
+  AND s.state = 'running'
+  AND s.lease_until >= {DB_NOW}
+  AND {ACTIVE}
+RETURNING s.id
+"""
+
+DEFER_NOTIFY = "SELECT set_config('buzz_workflows.notify_deferred', 'on', true)"
+
+# After a completing transaction claimed what it could: wake the others when ready steps are left.
+NOTIFY_IF_READY_LEFT = f"""
+SELECT pg_notify('buzz_workflows', %(community_id)s::text)
+WHERE EXISTS (
+    SELECT 1 FROM {STEP} AS s
+    WHERE s.community_id = %(community_id)s AND s.state = 'ready'
+      AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
+)
+"""
+
 FAIL_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s
 SET state = 'failed', failure_code = %(failure_code)s, failure_message = %(failure_message)s,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Sequence
 from typing import Any, cast
 
 from django.db import transaction
@@ -26,7 +27,7 @@ from buzz_delivery.workflows.models import DefinitionVersion, Step
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
-from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
+from buzz_delivery.workflows.services.types import CompletedBatch, StepClaim, StepLease, StepOutcome, StepRenewed
 from buzz_delivery.workflows.states import STEP_TERMINAL
 
 MAX_CLAIM = 1000
@@ -89,6 +90,10 @@ def claim_steps(
     }
     with translated_errors():
         rows = fetch_all(sql.CLAIM_READY_STEPS, params)
+    return _claims_from_rows(rows)
+
+
+def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
     claims = []
     ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
     for row in sorted(rows, key=lambda r: (r[ready_at], r[step_id])):
@@ -169,6 +174,98 @@ def complete_step(lease: StepLease, output: Any = None) -> StepOutcome:
         if rows:
             return Settled(rows[0][0])
         return _missed(params)
+
+
+@tenant_scoped
+def complete_steps(community_id: uuid.UUID | str, completions: Sequence[tuple[StepLease, Any]]) -> list[StepOutcome]:
+    """:func:`complete_step` for many leases of one community in one transaction: the runs
+    locked in id order (the engine's lock order, so two batches never deadlock), then one
+    ``UPDATE ... FROM unnest`` fenced per row by (step id, generation), Advance per row.
+
+    ``completions``: 0..1000 (lease, output) pairs, each lease of ``community_id``, each step
+    at most once. Returns one outcome per pair, in order, as :func:`complete_step` would: an
+    output that is not storable JSON fails its step (``Settled("failed")``, through
+    :func:`fail_step`, after the batch); a lease the statement did not settle is judged by the
+    fenced read (``AlreadyTerminal`` or ``LeaseLost``). Raises ``ValidationError`` keyed
+    ``community_id``, ``completions`` or ``completions[i]`` before SQL. SPEC section 11.
+    """
+    return complete_and_claim_steps(community_id, completions).outcomes
+
+
+@tenant_scoped
+def complete_and_claim_steps(
+    community_id: uuid.UUID | str,
+    completions: Sequence[tuple[StepLease, Any]],
+    *,
+    claim_limit: int = 0,
+    lease_seconds: float | None = None,
+    holder: str | None = None,
+) -> CompletedBatch:
+    """:func:`complete_steps`, then, in the same transaction, :func:`claim_steps` of up to
+    ``claim_limit`` (0..1000) ready steps of the community: the steps the completions released
+    are claimed by their completer without a wake-up or a claim round trip of their own. With
+    ``claim_limit`` > 0 the releases in this transaction do not NOTIFY; the transaction NOTIFYs
+    once, at commit, when ready steps are left that it did not claim. ``lease_seconds`` and
+    ``holder`` as for :func:`claim_steps`.
+
+    Returns :class:`CompletedBatch` (outcomes as :func:`complete_steps`, and the claims).
+    Raises ``ValidationError`` keyed ``community_id``, ``completions``, ``completions[i]``,
+    ``claim_limit``, ``lease_seconds`` or ``holder`` before SQL. SPEC section 11.
+    """
+    community = v.uuid_value(community_id, "community_id")
+    if not isinstance(completions, Sequence) or len(completions) > MAX_CLAIM:
+        raise v.invalid("completions", f"must be a sequence of at most {MAX_CLAIM} (lease, output) pairs")
+    claim_params = {
+        "community_id": community,
+        "limit": v.int_in_range(claim_limit, "claim_limit", 0, MAX_CLAIM),
+        "lease_seconds": _lease_seconds(lease_seconds),
+        "holder": v.optional_text(holder, "holder", HOLDER_MAX_CHARS),
+    }
+    limit = get_settings().max_output_bytes
+    texts: list[str | BadJSON] = []
+    seen: set[uuid.UUID] = set()
+    for i, pair in enumerate(completions):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise v.invalid(f"completions[{i}]", "must be a (lease, output) pair")
+        lease = _lease(pair[0])
+        if lease.community_id != community:
+            raise v.invalid(f"completions[{i}]", "lease of another community")
+        if lease.step_id in seen:
+            raise v.invalid(f"completions[{i}]", "the same step twice")
+        seen.add(lease.step_id)
+        try:
+            texts.append(json_text(pair[1], limit))
+        except BadJSON as exc:
+            texts.append(exc)
+    good = [(pair[0], text) for pair, text in zip(completions, texts, strict=True) if isinstance(text, str)]
+    settled: set[uuid.UUID] = set()
+    claims: list[StepClaim] = []
+    if good or claim_params["limit"]:
+        params = {
+            "community_id": community,
+            "run_ids": sorted({lease.run_id for lease, _ in good}),
+            "step_ids": [lease.step_id for lease, _ in good],
+            "lease_generations": [lease.lease_generation for lease, _ in good],
+            "outputs": [text for _, text in good],
+        }
+        with transaction.atomic(), translated_errors():
+            if claim_params["limit"]:
+                fetch_all(sql.DEFER_NOTIFY, {})
+            if good:
+                fetch_all(sql.LOCK_RUNS, params)
+                settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
+            if claim_params["limit"]:
+                claims = _claims_from_rows(fetch_all(sql.CLAIM_READY_STEPS, claim_params))
+                fetch_all(sql.NOTIFY_IF_READY_LEFT, params)
+    outcomes: list[StepOutcome] = []
+    for (lease, _output), text in zip(completions, texts, strict=True):
+        if isinstance(text, BadJSON):
+            outcomes.append(fail_step(lease, text.code, failure_message=f"step output {text}", retryable=False))
+        elif lease.step_id in settled:
+            outcomes.append(Settled("succeeded"))
+        else:
+            outcomes.append(_missed(_params(lease)))
+    return CompletedBatch(outcomes, claims)
 
 
 def backoff_seconds(attempts: int, base: float, cap: float) -> float:

@@ -61,6 +61,16 @@ StepOutcome = Settled | AlreadyTerminal | LeaseLost
 
 
 @dataclass(frozen=True, slots=True)
+class CompletedBatch:
+    """What :func:`~buzz_delivery.workflows.services.complete_and_claim_steps` did:
+    ``outcomes`` (one per completion, in order) and ``claims`` (the ready steps it claimed in
+    the same transaction, oldest ready first)."""
+
+    outcomes: list[StepOutcome]
+    claims: list[StepClaim]
+
+
+@dataclass(frozen=True, slots=True)
 class ApprovalRequested:
     """``request_approval`` parked the step and created ``approval`` (deadline on the DB clock)."""
 

@@ -21,7 +21,13 @@ from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.workflows.conf import get_settings
-from buzz_delivery.workflows.orchestrator import EXIT_OK, OrchestratorConfig, run_orchestrator, summary_line
+from buzz_delivery.workflows.orchestrator import (
+    DEFAULT_BATCH_SIZE,
+    EXIT_OK,
+    OrchestratorConfig,
+    run_orchestrator,
+    summary_line,
+)
 
 
 class Command(StrictOptionsCommand):
@@ -32,6 +38,12 @@ class Command(StrictOptionsCommand):
         scope.add_argument("--community", type=uuid_value, help="Run the steps of this community only.")
         scope.add_argument("--all", action="store_true", help="Run the steps of every community.")
         parser.add_argument("--concurrency", type=int_in(1, 256), default=4, help="Step threads (default 4).")
+        parser.add_argument(
+            "--batch-size",
+            type=int_in(1, 1000),
+            default=None,
+            help=f"Most steps per claim and per completion statement (default max(concurrency, {DEFAULT_BATCH_SIZE})).",
+        )
         parser.add_argument(
             "--lease-seconds",
             type=lease_seconds_option,
@@ -63,6 +75,7 @@ class Command(StrictOptionsCommand):
         config = OrchestratorConfig(
             community_id=options["community"],
             concurrency=options["concurrency"],
+            batch_size=options["batch_size"],
             lease_seconds=lease,
             poll_interval=options["poll_interval"],
             idle_exit=options["idle_exit"],

@@ -1,0 +1,146 @@
+"""Batched completions of ``function`` steps (SPEC section 11 "Orchestrator").
+
+Step threads put each returned :class:`~buzz_delivery.workflows.executor.Output` here and move
+on to their next step. The completer takes whatever is queued (waiting up to ``linger``
+seconds for more while fewer than ``max_batch`` are there) and records the batch with one
+:func:`~buzz_delivery.workflows.services.complete_steps` transaction per community: the runs
+locked in id order, one fenced ``UPDATE ... FROM unnest``, Advance per row. Each step's
+outcome is handed to ``done``; a lease the statement did not settle is judged as a single
+completion would be (``AlreadyTerminal`` or ``LeaseLost``). In the same transaction it claims
+the steps those completions released (:func:`complete_and_claim_steps`), as many as
+``room(n)`` allows once its ``n`` completions have freed their places, and hands them to
+``accept``: a step that follows another runs without a wake-up or a claim of its own, and the
+other orchestrators are woken only for ready steps it left.
+
+A batch the database refuses is replayed one step at a time (:func:`complete_step`), so that
+nothing about one step keeps the others of its batch from completing; a single completion that
+raises is handed to ``done`` with ``None`` (counted as an error; its lease lapses and the
+maintenance reclaims the step). The thread uses its own Django connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from django.db import DatabaseError, close_old_connections, connection
+
+from buzz_delivery.workflows.services import complete_and_claim_steps, complete_step
+from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
+
+logger = logging.getLogger("buzz_delivery.workflows")
+
+Done = Callable[[StepClaim, StepOutcome | None], None]
+Room = Callable[[int], int]
+Accept = Callable[[list[StepClaim]], None]
+
+
+class Completer(threading.Thread):
+    """Completes queued (claim, output) pairs in batches of at most ``max_batch`` (1..1000),
+    calling ``done(claim, outcome)`` for each (``None``: the completion raised), and claims in
+    the same transaction up to ``room(n)`` ready steps (``n``: the completions of the batch),
+    handed to ``accept`` after every ``done`` of the batch; ``room`` returning 0 claims nothing.
+    ``lease_seconds`` and ``holder``: those of the claims. Stops after :meth:`close`, once
+    everything queued before it is completed."""
+
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        linger: float,
+        done: Done,
+        room: Room,
+        accept: Accept,
+        lease_seconds: float,
+        holder: str,
+    ) -> None:
+        super().__init__(name="buzz-workflows-completer", daemon=True)
+        self.max_batch = max_batch
+        self.linger = linger
+        self._done = done
+        self._room = room
+        self._accept = accept
+        self.lease_seconds = lease_seconds
+        self.holder = holder
+        self._queue: queue.SimpleQueue[tuple[StepClaim, Any] | None] = queue.SimpleQueue()
+        self.statements = 0
+
+    def put(self, claim: StepClaim, output: Any) -> None:
+        """Queue one output to record (thread-safe, never blocks)."""
+        self._queue.put((claim, output))
+
+    def close(self) -> None:
+        """Complete what is queued, then stop."""
+        self._queue.put(None)
+
+    def _next_batch(self) -> tuple[list[tuple[StepClaim, Any]], bool]:
+        first = self._queue.get()
+        if first is None:
+            return [], True
+        batch = [first]
+        until = time.monotonic() + self.linger
+        while len(batch) < self.max_batch:
+            left = until - time.monotonic()
+            try:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def run(self) -> None:
+        try:
+            closing = False
+            while not closing:
+                batch, closing = self._next_batch()
+                by_community: dict[uuid.UUID, list[tuple[StepClaim, Any]]] = {}
+                for claim, output in batch:
+                    by_community.setdefault(claim.lease.community_id, []).append((claim, output))
+                for community, items in by_community.items():
+                    self._complete(community, items)
+        finally:
+            connection.close()
+
+    def _complete(self, community: uuid.UUID, items: list[tuple[StepClaim, Any]]) -> None:
+        claimed: list[StepClaim] = []
+        try:
+            batch = complete_and_claim_steps(
+                community,
+                [(claim.lease, output) for claim, output in items],
+                claim_limit=self._room(len(items)),
+                lease_seconds=self.lease_seconds,
+                holder=self.holder,
+            )
+            outcomes: list[StepOutcome | None] = list(batch.outcomes)
+            claimed = batch.claims
+            self.statements += 1
+        except Exception as exc:
+            logger.warning("complete_batch_refused steps=%d error=%s", len(items), str(exc).splitlines()[:1])
+            self._reset_connection(exc)
+            outcomes = [self._one(claim, output) for claim, output in items]
+        for (claim, _), outcome in zip(items, outcomes, strict=True):
+            self._done(claim, outcome)
+        if claimed:
+            self._accept(claimed)
+
+    def _one(self, claim: StepClaim, output: Any) -> StepOutcome | None:
+        try:
+            self.statements += 1
+            return complete_step(claim.lease, output)
+        except Exception as exc:
+            logger.exception("complete_error step=%s run=%s", claim.step.key, claim.lease.run_id)
+            self._reset_connection(exc)
+            return None
+
+    @staticmethod
+    def _reset_connection(exc: Exception) -> None:
+        if isinstance(exc, DatabaseError) and (connection.connection is None or not connection.is_usable()):
+            close_old_connections()
+            connection.close()
