@@ -50,6 +50,11 @@ COMPLETE_LINGER = 0.002
 # the lease, judged by the recent run time of the steps.
 CLAIM_AHEAD_LEASE_FRACTION = 0.1
 
+# Seconds an orchestrator whose claims keep coming back empty gathers wakes before claiming
+# again (doubling per miss, at most MISS_GATHER_MAX).
+MISS_GATHER = 0.001
+MISS_GATHER_MAX = 0.02
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_ABANDONED = 3
@@ -299,6 +304,7 @@ class Orchestrator:
         c = self.config
         idle_since = time.monotonic()
         started = 0
+        misses = 0  # claims in a row that came back empty
         while True:
             if self.signal_name:
                 return self.signal_name
@@ -341,7 +347,15 @@ class Orchestrator:
                     continue  # a place came free meanwhile
                 self.wake.wait(c.poll_interval)
             elif not claims:
-                self.wake.wait(c.poll_interval)
+                # Woken for nothing: another orchestrator took the steps. After such misses,
+                # gather wakes a little before the next claim (a few ms, growing with the
+                # misses in a row), so that K orchestrators woken by every NOTIFY do not all
+                # claim for each; a claim that wins resets it.
+                misses += 1
+                if self.wake.wait(c.poll_interval) and misses > 1:
+                    self.stop.wait(min(MISS_GATHER_MAX, MISS_GATHER * 2 ** min(misses - 2, 8)))
+            else:
+                misses = 0
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, Any]:
         c = self.config
