@@ -13,7 +13,8 @@ the steps those completions released (:func:`complete_and_claim_steps`), as many
 other orchestrators are woken only for ready steps it left.
 
 A batch the database refuses is replayed one step at a time (:func:`complete_step`), so that
-nothing about one step keeps the others of its batch from completing; a single completion that
+nothing about one step keeps the others of its batch from completing, and so is a step whose
+run another transaction held locked (the batch never waits for a run lock); a single completion that
 raises is handed to ``done`` with ``None`` (counted as an error; its lease lapses and the
 maintenance reclaims the step). The thread uses its own Django connection.
 """
@@ -104,7 +105,10 @@ class Completer(threading.Thread):
                 for claim, output in batch:
                     by_community.setdefault(claim.lease.community_id, []).append((claim, output))
                 for community, items in by_community.items():
-                    self._complete(community, items)
+                    try:
+                        self._complete(community, items)
+                    except Exception:  # never let the completer die: later outputs would wait forever
+                        logger.exception("completer_error steps=%d", len(items))
         finally:
             connection.close()
 
@@ -124,11 +128,14 @@ class Completer(threading.Thread):
         except Exception as exc:
             logger.warning("complete_batch_refused steps=%d error=%s", len(items), str(exc).splitlines()[:1])
             self._reset_connection(exc)
-            outcomes = [self._one(claim, output) for claim, output in items]
-        for (claim, _), outcome in zip(items, outcomes, strict=True):
-            self._done(claim, outcome)
+            outcomes = [None] * len(items)
+        # The claims first: they are this process's from the commit on, and are queued before
+        # anything here can free the last place (the shutdown drain waits for them).
         if claimed:
             self._accept(claimed)
+        for (claim, output), outcome in zip(items, outcomes, strict=True):
+            # None: not attempted (its run was busy, or the batch was refused): one at a time.
+            self._done(claim, outcome if outcome is not None else self._one(claim, output))
 
     def _one(self, claim: StepClaim, output: Any) -> StepOutcome | None:
         try:

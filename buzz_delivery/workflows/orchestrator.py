@@ -4,7 +4,7 @@ Shaped like the delivery worker (:mod:`buzz_delivery.worker`): a dispatcher (the
 thread) claims ready steps of one community, or of every community with work (walking them,
 one claim statement per community), up to ``batch_size`` per statement: as many as there are
 idle step threads, and up to ``batch_size`` more in a local queue while the steps' recent run
-times say they start within a tenth of the lease. Step threads run
+times say they start within a tenth of the lease and within a second. Step threads run
 :func:`buzz_delivery.workflows.executor.execute`; what a ``function`` step returns is recorded
 by the completer thread (:mod:`buzz_delivery.workflows.completer`), many steps per
 statement; a renewer thread renews every held lease each third of its length (queued and
@@ -34,10 +34,12 @@ from django.db import DatabaseError, close_old_connections, connection, connecti
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
+from buzz_delivery.services import validation as v
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
 from buzz_delivery.workflows.services import claim_steps, communities_with_ready_steps, renew_step
+from buzz_delivery.workflows.services.steps import MAX_CLAIM
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 
 logger = logging.getLogger("buzz_delivery.workflows")
@@ -47,8 +49,10 @@ DEFAULT_BATCH_SIZE = 32
 # Seconds the completer waits for more outputs while a batch is short.
 COMPLETE_LINGER = 0.002
 # Claimed steps wait in the local queue only while they would start within this fraction of
-# the lease, judged by the recent run time of the steps.
+# the lease, and within CLAIM_AHEAD_MAX_SECONDS, judged by the recent run time of the steps (a
+# step's timeout counts from its claim, queue time included).
 CLAIM_AHEAD_LEASE_FRACTION = 0.1
+CLAIM_AHEAD_MAX_SECONDS = 1.0
 
 # Seconds an orchestrator whose claims keep coming back empty gathers wakes before claiming
 # again (doubling per miss, at most MISS_GATHER_MAX).
@@ -140,7 +144,11 @@ class Orchestrator:
         self.starved = False  # the dispatcher waits for a place to come free
         self.awaiting = 0  # of those, returned and waiting for the completer
         self.step_seconds: float | None = None  # moving average of a step's run time
-        self.batch_size = config.batch_size or max(config.concurrency, DEFAULT_BATCH_SIZE)
+        self.batch_size = (
+            max(config.concurrency, DEFAULT_BATCH_SIZE)
+            if config.batch_size is None
+            else v.int_in_range(config.batch_size, "batch_size", 1, MAX_CLAIM)
+        )
         self.completer = Completer(
             max_batch=self.batch_size,
             linger=COMPLETE_LINGER,
@@ -254,7 +262,8 @@ class Orchestrator:
 
     def _room(self, freed: int = 0) -> int:
         """How many steps to claim now: idle step threads, plus up to ``batch_size`` to queue
-        while the recent step run time says a queued step starts within a tenth of the lease;
+        while the recent step run time says a queued step starts within a tenth of the lease (and
+        within a second);
         results waiting for the completer hold no thread, but at most two batches of them
         count as free (a stalled completer slows the claims down). ``freed``: that many of the
         awaiting results are being completed and count as gone."""
@@ -262,7 +271,7 @@ class Orchestrator:
         with self.lock:
             ahead = 0
             if self.step_seconds is not None:
-                budget = c.lease_seconds * CLAIM_AHEAD_LEASE_FRACTION
+                budget = min(c.lease_seconds * CLAIM_AHEAD_LEASE_FRACTION, CLAIM_AHEAD_MAX_SECONDS)
                 ahead = min(self.batch_size, int(budget / max(self.step_seconds, 1e-4) * c.concurrency))
             awaiting = self.awaiting - freed
             occupied = self.in_flight - freed - min(awaiting, 2 * self.batch_size)

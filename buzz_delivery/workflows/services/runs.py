@@ -137,6 +137,7 @@ def create_run(
     else:
         rows = fetch_all(sql.CREATE_RUN, params)  # one statement: atomic on its own
     run = Run.from_db(connection.alias, sql.RUN_ATTNAMES, rows[0][:-1])
+    run.input = input_value  # the cursor gives jsonb as text; the model holds the value
     run.definition = version
     return run
 
@@ -214,7 +215,8 @@ def start_run(
     # In autocommit the insert is one statement, atomic on its own; inside the caller's
     # transaction a savepoint keeps a duplicate key from aborting it (the lookup below).
     try:
-        with transaction.atomic() if connection.in_atomic_block else nullcontext(), translated_errors():
+        in_transaction = connection.in_atomic_block or not connection.get_autocommit()
+        with transaction.atomic() if in_transaction else nullcontext(), translated_errors():
             return create_run(
                 community,
                 pinned,

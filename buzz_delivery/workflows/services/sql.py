@@ -42,6 +42,10 @@ CURRENT_STEP_LEASE = f"""
 LOCK_RUN = f"SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = %(run_id)s FOR NO KEY UPDATE"
 LOCK_RUNS = f"""SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
 ORDER BY run_id FOR NO KEY UPDATE"""
+# A batch completion takes the runs that are free now, in id order, and never waits for one:
+# a run locked by a cancel, a fan-in or another batch is completed on its own afterwards.
+LOCK_FREE_RUNS = f"""SELECT run_id FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
+ORDER BY run_id FOR NO KEY UPDATE SKIP LOCKED"""
 
 
 # The claim returns whole step rows (built into model instances without a second query) and
@@ -118,6 +122,7 @@ RETURNING s.id
 """
 
 DEFER_NOTIFY = "SELECT set_config('buzz_workflows.notify_deferred', 'on', true)"
+UNDEFER_NOTIFY = "SELECT set_config('buzz_workflows.notify_deferred', '', true)"
 
 # After a completing transaction claimed what it could: wake the others when ready steps are left.
 NOTIFY_IF_READY_LEFT = f"""

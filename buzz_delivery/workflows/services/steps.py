@@ -178,18 +178,24 @@ def complete_step(lease: StepLease, output: Any = None) -> StepOutcome:
 
 @tenant_scoped
 def complete_steps(community_id: uuid.UUID | str, completions: Sequence[tuple[StepLease, Any]]) -> list[StepOutcome]:
-    """:func:`complete_step` for many leases of one community in one transaction: the runs
-    locked in id order (the engine's lock order, so two batches never deadlock), then one
-    ``UPDATE ... FROM unnest`` fenced per row by (step id, generation), Advance per row.
+    """:func:`complete_step` for many leases of one community: one transaction takes the runs
+    that are free now (in id order, ``SKIP LOCKED``: it never waits for a run, so two batches,
+    a cancel or a fan-in cannot deadlock with it on those locks) and completes their steps with
+    one ``UPDATE ... FROM unnest`` fenced per row by (step id, generation), Advance per row; the
+    steps of runs that were locked are then completed one at a time (:func:`complete_step`).
 
     ``completions``: 0..1000 (lease, output) pairs, each lease of ``community_id``, each step
     at most once. Returns one outcome per pair, in order, as :func:`complete_step` would: an
     output that is not storable JSON fails its step (``Settled("failed")``, through
-    :func:`fail_step`, after the batch); a lease the statement did not settle is judged by the
+    :func:`fail_step`, before the batch); a lease the statement did not settle is judged by the
     fenced read (``AlreadyTerminal`` or ``LeaseLost``). Raises ``ValidationError`` keyed
-    ``community_id``, ``completions`` or ``completions[i]`` before SQL. SPEC section 11.
+    ``community_id``, ``completions``, ``completions[i]`` or ``lease`` before SQL. SPEC 11.
     """
-    return complete_and_claim_steps(community_id, completions).outcomes
+    batch = complete_and_claim_steps(community_id, completions)
+    return [
+        outcome if outcome is not None else complete_step(lease, output)
+        for (lease, output), outcome in zip(completions, batch.outcomes, strict=True)
+    ]
 
 
 @tenant_scoped
@@ -201,16 +207,19 @@ def complete_and_claim_steps(
     lease_seconds: float | None = None,
     holder: str | None = None,
 ) -> CompletedBatch:
-    """:func:`complete_steps`, then, in the same transaction, :func:`claim_steps` of up to
-    ``claim_limit`` (0..1000) ready steps of the community: the steps the completions released
-    are claimed by their completer without a wake-up or a claim round trip of their own. With
-    ``claim_limit`` > 0 the releases in this transaction do not NOTIFY; the transaction NOTIFYs
-    once, at commit, when ready steps are left that it did not claim. ``lease_seconds`` and
-    ``holder`` as for :func:`claim_steps`.
+    """The batch of :func:`complete_steps`, then, in the same transaction, :func:`claim_steps`
+    of up to ``claim_limit`` (0..1000) ready steps of the community, oldest ready first (the
+    steps the completions released among them): they are claimed by their completer without a
+    wake-up or a claim round trip of their own. With ``claim_limit`` > 0 the releases in this
+    transaction do not NOTIFY; the transaction NOTIFYs once, at commit, when ready steps are
+    left that it did not claim. ``lease_seconds`` and ``holder`` as for :func:`claim_steps`.
 
-    Returns :class:`CompletedBatch` (outcomes as :func:`complete_steps`, and the claims).
-    Raises ``ValidationError`` keyed ``community_id``, ``completions``, ``completions[i]``,
-    ``claim_limit``, ``lease_seconds`` or ``holder`` before SQL. SPEC section 11.
+    Returns :class:`CompletedBatch`: ``outcomes`` as :func:`complete_steps`, except ``None``
+    for a pair whose run another transaction held locked (not attempted: complete it again,
+    e.g. with :func:`complete_step`), and ``claims``. Nothing runs after the transaction's
+    commit, so a caller that gets no exception owns every claim. Raises ``ValidationError``
+    keyed ``community_id``, ``completions``, ``completions[i]``, ``lease``, ``claim_limit``,
+    ``lease_seconds`` or ``holder`` before SQL. SPEC section 11.
     """
     community = v.uuid_value(community_id, "community_id")
     if not isinstance(completions, Sequence) or len(completions) > MAX_CLAIM:
@@ -237,35 +246,41 @@ def complete_and_claim_steps(
             texts.append(json_text(pair[1], limit))
         except BadJSON as exc:
             texts.append(exc)
+    outcomes: dict[uuid.UUID, StepOutcome] = {}
+    # Outputs that are not storable fail their steps first, each on its own (its run's lock
+    # would break the batch's id order).
+    for (lease, _output), text in zip(completions, texts, strict=True):
+        if isinstance(text, BadJSON):
+            outcomes[lease.step_id] = fail_step(
+                lease, text.code, failure_message=f"step output {text}", retryable=False
+            )
     good = [(pair[0], text) for pair, text in zip(completions, texts, strict=True) if isinstance(text, str)]
-    settled: set[uuid.UUID] = set()
     claims: list[StepClaim] = []
     if good or claim_params["limit"]:
-        params = {
-            "community_id": community,
-            "run_ids": sorted({lease.run_id for lease, _ in good}),
-            "step_ids": [lease.step_id for lease, _ in good],
-            "lease_generations": [lease.lease_generation for lease, _ in good],
-            "outputs": [text for _, text in good],
-        }
         with transaction.atomic(), translated_errors():
             if claim_params["limit"]:
                 fetch_all(sql.DEFER_NOTIFY, {})
             if good:
-                fetch_all(sql.LOCK_RUNS, params)
+                run_ids = sorted({lease.run_id for lease, _ in good})
+                lock = {"community_id": community, "run_ids": run_ids}
+                free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, lock)}
+                batch = [(lease, text) for lease, text in good if lease.run_id in free]
+                params = {
+                    "community_id": community,
+                    "step_ids": [lease.step_id for lease, _ in batch],
+                    "lease_generations": [lease.lease_generation for lease, _ in batch],
+                    "outputs": [text for _, text in batch],
+                }
                 settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
+                for lease, _ in batch:
+                    outcomes[lease.step_id] = (
+                        Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
+                    )
             if claim_params["limit"]:
                 claims = _claims_from_rows(fetch_all(sql.CLAIM_READY_STEPS, claim_params))
-                fetch_all(sql.NOTIFY_IF_READY_LEFT, params)
-    outcomes: list[StepOutcome] = []
-    for (lease, _output), text in zip(completions, texts, strict=True):
-        if isinstance(text, BadJSON):
-            outcomes.append(fail_step(lease, text.code, failure_message=f"step output {text}", retryable=False))
-        elif lease.step_id in settled:
-            outcomes.append(Settled("succeeded"))
-        else:
-            outcomes.append(_missed(_params(lease)))
-    return CompletedBatch(outcomes, claims)
+                fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
+                fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
+    return CompletedBatch([outcomes.get(lease.step_id) for lease, _ in completions], claims)
 
 
 def backoff_seconds(attempts: int, base: float, cap: float) -> float:

@@ -63,10 +63,11 @@ StepOutcome = Settled | AlreadyTerminal | LeaseLost
 @dataclass(frozen=True, slots=True)
 class CompletedBatch:
     """What :func:`~buzz_delivery.workflows.services.complete_and_claim_steps` did:
-    ``outcomes`` (one per completion, in order) and ``claims`` (the ready steps it claimed in
-    the same transaction, oldest ready first)."""
+    ``outcomes`` (one per completion, in order; ``None``: not attempted, its run was locked by
+    another transaction) and ``claims`` (the ready steps it claimed in the same transaction,
+    oldest ready first)."""
 
-    outcomes: list[StepOutcome]
+    outcomes: list[StepOutcome | None]
     claims: list[StepClaim]
 
 
