@@ -28,6 +28,7 @@ from buzz_delivery.workflows.services import (
     Canceled,
     cancel_run,
     claim_steps,
+    complete_and_claim_steps,
     complete_step,
     fail_step,
     publish_definition,
@@ -172,7 +173,10 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule()
     def claim_all(self) -> None:
-        claims = claim_steps(self.community.id, limit=100, lease_seconds=60)
+        self._claimed(claim_steps(self.community.id, limit=100, lease_seconds=60))
+
+    def _claimed(self, claims: list) -> None:
+        """Every ready step of the model was claimed, and nothing else."""
         got = sorted((str(c.lease.run_id), c.step.key) for c in claims)
         expected = sorted((str(r.run_id), s.key) for r in self.runs for s in r.steps.values() if s.state == "ready")
         assert got == expected
@@ -204,6 +208,29 @@ class EngineMachine(RuleBasedStateMachine):
             expected = Settled("succeeded")
             run.finish(run.steps[key], "succeeded")
         assert outcome == expected
+
+    @precondition(lambda self: self.leases)
+    @rule(picks=st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=6), chain=st.booleans())
+    def complete_batch(self, picks: list[int], chain: bool) -> None:
+        """Several leases (current, stale or already ended; one per step) completed in one
+        statement; with ``chain`` every ready step is claimed in the same transaction."""
+        chosen: dict[object, tuple[MRun, str, object]] = {}
+        for i in picks:
+            run, key, lease = self.leases[i % len(self.leases)]
+            chosen.setdefault(lease.step_id, (run, key, lease))
+        items = list(chosen.values())
+        expected = [self._expected(run, key, lease) for run, key, lease in items]
+        batch = complete_and_claim_steps(
+            self.community.id, [(lease, {"k": key}) for _, key, lease in items], claim_limit=100 if chain else 0
+        )
+        for (run, key, _), want in zip(items, expected, strict=True):
+            if want is None:
+                run.finish(run.steps[key], "succeeded")
+        assert batch.outcomes == [want or Settled("succeeded") for want in expected]
+        if chain:
+            self._claimed(batch.claims)
+        else:
+            assert batch.claims == []
 
     @precondition(lambda self: self.leases)
     @rule(i=st.integers(min_value=0, max_value=50), retryable=st.booleans())
