@@ -45,7 +45,8 @@ class Completer(threading.Thread):
     """Completes queued (claim, output) pairs in batches of at most ``max_batch`` (1..1000),
     calling ``done(claim, outcome)`` for each (``None``: the completion raised), and claims in
     the same transaction up to ``room(n)`` ready steps (``n``: the completions of the batch),
-    handed to ``accept`` after every ``done`` of the batch; ``room`` returning 0 claims nothing.
+    handed to ``accept`` before the batch's ``done`` calls; ``room`` returning 0 claims
+    nothing; ``after()`` is called once each batch is through.
     ``lease_seconds`` and ``holder``: those of the claims. Stops after :meth:`close`, once
     everything queued before it is completed."""
 
@@ -57,6 +58,7 @@ class Completer(threading.Thread):
         done: Done,
         room: Room,
         accept: Accept,
+        after: Callable[[], None],
         lease_seconds: float,
         holder: str,
     ) -> None:
@@ -66,6 +68,7 @@ class Completer(threading.Thread):
         self._done = done
         self._room = room
         self._accept = accept
+        self._after = after
         self.lease_seconds = lease_seconds
         self.holder = holder
         self._queue: queue.SimpleQueue[tuple[StepClaim, Any] | None] = queue.SimpleQueue()
@@ -109,6 +112,7 @@ class Completer(threading.Thread):
                         self._complete(community, items)
                     except Exception:  # never let the completer die: later outputs would wait forever
                         logger.exception("completer_error steps=%d", len(items))
+                self._after()
         finally:
             connection.close()
 

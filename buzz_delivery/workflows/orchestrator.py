@@ -7,8 +7,10 @@ idle step threads, and up to ``batch_size`` more in a local queue while the step
 times say they start within a tenth of the lease and within a second. Step threads run
 :func:`buzz_delivery.workflows.executor.execute`; what a ``function`` step returns is recorded
 by the completer thread (:mod:`buzz_delivery.workflows.completer`), many steps per
-statement; a renewer thread renews every held lease each third of its length (queued and
-awaiting completion included); a listener thread LISTENs on ``buzz_workflows`` (the Advance trigger
+statement, and claims ready steps in the same transaction (a wake that comes while outputs
+wait for it is left to that batch; the dispatcher claims what the batch left); a renewer
+thread renews every held lease each third of its length (queued and awaiting completion
+included); a listener thread LISTENs on ``buzz_workflows`` (the Advance trigger
 NOTIFYs it with the community id whenever a step becomes ready) and wakes the dispatcher,
 which polls every ``poll_interval`` anyway. SIGTERM/SIGINT: stop claiming, let in-flight steps
 finish within ``shutdown_grace`` seconds, then exit (leases still held lapse and are reclaimed
@@ -142,6 +144,7 @@ class Orchestrator:
         self.held: dict[uuid.UUID, StepLease] = {}
         self.in_flight = 0  # claimed and not yet ended here: queued, running or being completed
         self.starved = False  # the dispatcher waits for a place to come free
+        self.deferred_wake = False  # the dispatcher left a claim to the completer's next batch
         self.awaiting = 0  # of those, returned and waiting for the completer
         self.step_seconds: float | None = None  # moving average of a step's run time
         self.batch_size = (
@@ -155,6 +158,7 @@ class Orchestrator:
             done=self._completed,
             room=self._chain_room,
             accept=self._accept,
+            after=self._after_batch,
             lease_seconds=config.lease_seconds,
             holder=self.holder,
         )
@@ -284,6 +288,13 @@ class Orchestrator:
             return 0
         return self._room(freed=completing)
 
+    def _after_batch(self) -> None:
+        """The completer's ``after``: a claim the dispatcher left to the batch is its again."""
+        with self.lock:
+            deferred, self.deferred_wake = self.deferred_wake, False
+        if deferred:
+            self.wake.set()
+
     def _accept(self, claims: list[StepClaim]) -> None:
         """Take claims made elsewhere (the completer's) into the held set and the work queue."""
         for claim in claims:
@@ -325,6 +336,15 @@ class Orchestrator:
             if c.max_steps is not None:
                 room = min(room, c.max_steps - started)
             claims: list[StepClaim] = []
+            with self.lock:
+                completing = self.awaiting > 0 and c.max_steps is None
+                self.deferred_wake = self.deferred_wake or (room > 0 and completing)
+            if room > 0 and completing:
+                # The completer is about to record a batch, and it claims the ready steps in that
+                # transaction; it wakes us after the batch, and we claim what it left.
+                self.wake.clear()
+                self.wake.wait(c.poll_interval)
+                continue
             if room > 0:
                 self.wake.clear()
                 try:
