@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from django.db import close_old_connections, connections
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -41,6 +42,30 @@ logger = logging.getLogger("buzz_delivery.worker")
 
 # Summary key of each recorded status (``pending`` = a retry back in the queue).
 SETTLED_KEYS = {"finished": "finished", "failed": "failed", "pending": "retried"}
+
+
+T = TypeVar("T")
+
+
+def next_batch(source: queue.SimpleQueue[T | None], max_batch: int, linger: float) -> tuple[list[T], bool]:
+    """Block for one item of ``source``, then gather more (up to ``max_batch``, for ``linger``
+    seconds at most). ``None`` in the queue is the close marker. Returns (items, whether the
+    close marker was seen). Shared by the settler and the workflow engine's completer."""
+    first = source.get()
+    if first is None:
+        return [], True
+    items = [first]
+    until = time.monotonic() + linger
+    while len(items) < max_batch:
+        left = until - time.monotonic()
+        try:
+            item = source.get(timeout=left) if left > 0 else source.get_nowait()
+        except queue.Empty:
+            break
+        if item is None:
+            return items, True
+        items.append(item)
+    return items, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,30 +113,11 @@ class Settler(threading.Thread):
 
     # --- the thread ----------------------------------------------------------------------------
 
-    def _next_batch(self) -> tuple[list[SettleJob], bool]:
-        """Block for one job, then gather more (up to ``max_batch``, ``linger`` seconds at most).
-        Returns (jobs, whether the close marker was seen)."""
-        first = self._queue.get()
-        if first is None:
-            return [], True
-        jobs = [first]
-        until = time.monotonic() + self.linger
-        while len(jobs) < self.max_batch:
-            left = until - time.monotonic()
-            try:
-                job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                return jobs, True
-            jobs.append(job)
-        return jobs, False
-
     def run(self) -> None:
         try:
             closing = False
             while not closing:
-                jobs, closing = self._next_batch()
+                jobs, closing = next_batch(self._queue, self.max_batch, self.linger)
                 if not jobs:
                     continue
                 try:

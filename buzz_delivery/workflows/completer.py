@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connection
 
+from buzz_delivery.worker.settler import next_batch
 from buzz_delivery.workflows.services import complete_and_claim_steps, complete_step
 from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
 
@@ -82,28 +82,11 @@ class Completer(threading.Thread):
         """Complete what is queued, then stop."""
         self._queue.put(None)
 
-    def _next_batch(self) -> tuple[list[tuple[StepClaim, Any]], bool]:
-        first = self._queue.get()
-        if first is None:
-            return [], True
-        batch = [first]
-        until = time.monotonic() + self.linger
-        while len(batch) < self.max_batch:
-            left = until - time.monotonic()
-            try:
-                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, True
-            batch.append(item)
-        return batch, False
-
     def run(self) -> None:
         try:
             closing = False
             while not closing:
-                batch, closing = self._next_batch()
+                batch, closing = next_batch(self._queue, self.max_batch, self.linger)
                 by_community: dict[uuid.UUID, list[tuple[StepClaim, Any]]] = {}
                 for claim, output in batch:
                     by_community.setdefault(claim.lease.community_id, []).append((claim, output))
