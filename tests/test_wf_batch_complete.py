@@ -288,8 +288,12 @@ def test_a_run_locked_elsewhere_is_left_out_of_the_batch_and_completed_on_its_ow
     busy, free = start(workflow, diamond()), start(workflow, diamond())
     claims = {c.lease.run_id: c for c in claim_all(workflow.community_id)}
     holder = psycopg.connect(database_url(connection.settings_dict))
+    # The lock goes in 2 s whatever happens: a batch that waited for it would complete both
+    # steps and fail the first assertion, rather than hang the test.
+    release = threading.Timer(2.0, holder.rollback)
     try:
         holder.execute("SELECT 1 FROM buzz_workflows_run WHERE run_id = %s FOR NO KEY UPDATE", [busy.pk])
+        release.start()
         batch = complete_and_claim_steps(
             workflow.community_id, [(claims[busy.pk].lease, 1), (claims[free.pk].lease, 2)], claim_limit=10
         )
@@ -297,10 +301,11 @@ def test_a_run_locked_elsewhere_is_left_out_of_the_batch_and_completed_on_its_ow
         assert sorted(c.step.key for c in batch.claims) == ["step2", "step3"]
         assert {c.lease.run_id for c in batch.claims} == {free.pk}
         assert states(busy)["step1"] == "running"
-        threading.Timer(0.5, holder.rollback).start()
         assert complete_steps(workflow.community_id, [(claims[busy.pk].lease, 1)]) == [Settled("succeeded")]
         assert states(busy) == {"step1": "succeeded", "step2": "ready", "step3": "ready", "step4": "pending"}
     finally:
+        if release.is_alive():
+            release.join()
         holder.close()
 
 
