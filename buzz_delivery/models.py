@@ -151,7 +151,7 @@ class Workflow(CommunityScoped):
     class Meta:
         db_table = "buzz_delivery_workflow"
         # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
-        triggers = [triggers.write_fence()]
+        triggers = [*triggers.write_fence()]
 
     def __str__(self) -> str:
         return self.name
@@ -170,7 +170,7 @@ class WorkflowRun(CommunityScoped):
         db_table = "buzz_delivery_workflow_run"
         # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
         indexes = [models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx")]
-        triggers = [triggers.write_fence()]
+        triggers = [*triggers.write_fence()]
 
     def __str__(self) -> str:
         return str(self.id)
@@ -194,7 +194,7 @@ class Event(CommunityScoped):
             models.CheckConstraint(condition=_len32("event_id"), name="event_event_id_32_bytes"),
             models.CheckConstraint(condition=_len32("pubkey"), name="event_pubkey_32_bytes"),
         ]
-        triggers = [triggers.write_fence()]
+        triggers = [*triggers.write_fence()]
 
     def __str__(self) -> str:
         return bytes(self.event_id).hex()[:16]
@@ -384,7 +384,7 @@ class WorkflowAgentDelivery(CommunityScoped):
         ]
         # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
         triggers = [
-            triggers.write_fence(),
+            *triggers.write_fence(),
             triggers.delivery_binding_immutable(),
             triggers.delivery_generation_monotonic(),
             triggers.history_append_only("delivery"),

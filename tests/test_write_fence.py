@@ -14,7 +14,7 @@ from buzz_delivery import services
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import Community, Event, WorkflowAgentDelivery, WorkflowRun
 from buzz_delivery.services import LeaseLost
-from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, advance_to
+from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, EventFactory, advance_to
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from tests.citus_support import CITUS_MODE
 from tests.conftest import backdate_lease
@@ -408,19 +408,74 @@ def test_what_the_fence_remembers_ends_with_its_transaction_or_savepoint(communi
 
 @pytest.mark.django_db
 def test_every_write_fence_trigger_runs_the_shared_row_function():
-    """Every community-scoped table of every app has one BEFORE ROW INSERT/UPDATE/DELETE trigger
-    running ``buzz_delivery_write_fence_row()`` (not pgtrigger's per-table wrapper, issue 16)."""
+    """Every community-scoped table of every app has the fence's three BEFORE ROW triggers, each
+    running ``buzz_delivery_write_fence_row()`` (not pgtrigger's per-table wrapper) under its
+    WHEN: INSERT or UPDATE and DELETE skip a community this transaction passed, and an UPDATE of
+    ``community_id`` that moves the row is always judged (issue 16)."""
     from buzz_delivery.catalog import catalog_models
 
     with connection.cursor() as cursor:
         cursor.execute(
             """
-            SELECT c.relname, p.proname, t.tgtype
+            SELECT c.relname, t.tgname, p.proname, t.tgtype,
+                   (SELECT array_agg(a.attname::text) FROM pg_attribute a
+                    WHERE a.attrelid = t.tgrelid AND a.attnum = ANY (t.tgattr)),
+                   pg_get_triggerdef(t.oid)
             FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_proc p ON p.oid = t.tgfoid
             WHERE NOT t.tgisinternal AND t.tgname LIKE 'pgtrigger_community_write_fence_%%'
             """
         )
-        found = {table: (function, tgtype) for table, function, tgtype in cursor.fetchall()}
+        rows = cursor.fetchall()
+    found: dict[str, set[tuple[str, int, tuple[str, ...] | None, str]]] = {}
+    for table, name, function, tgtype, columns, definition in rows:
+        assert function == "buzz_delivery_write_fence_row", name
+        when = definition.split(" WHEN ", 1)[1].split(" EXECUTE ", 1)[0]
+        kind = name.removeprefix("pgtrigger_").rsplit("_", 1)[0]
+        found.setdefault(table, set()).add((kind, tgtype, tuple(columns) if columns else None, when))
+    passed = "(current_setting('buzz_delivery.fence_passed'::text, true) IS DISTINCT FROM ({row}.community_id)::text)"
+    moved = "((old.community_id IS DISTINCT FROM new.community_id))"
     # tgtype bits: ROW 1, BEFORE 2, INSERT 4, DELETE 8, UPDATE 16.
-    expected = {m._meta.db_table: ("buzz_delivery_write_fence_row", 1 | 2 | 4 | 8 | 16) for m in catalog_models()}
-    assert found == expected
+    fence = {
+        ("community_write_fence", 1 | 2 | 4 | 16, None, f"({passed.format(row='new')})"),
+        ("community_write_fence_delete", 1 | 2 | 8, None, f"({passed.format(row='old')})"),
+        ("community_write_fence_move", 1 | 2 | 16, ("community_id",), moved),
+    }
+    assert found == {m._meta.db_table: fence for m in catalog_models()}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("state", NOT_ACTIVE)
+@pytest.mark.parametrize("table", list(TABLES))
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_a_community_passed_in_the_transaction_opens_no_other_community(community, state, table, operation):
+    """The WHEN that skips a passed community compares the row's own community: a transaction
+    that passed one community is still refused every write to another that left active."""
+    fill_community(community, rows=1)
+    other = CommunityFactory()
+    fill_community(other, rows=1)
+    advance_to(community, state)  # (a lifecycle move clears what the transaction passed)
+    assert raw_write(RAW_WRITES[table]["update"], {"c": other.id}) is None
+    assert _fence_passed() == str(other.id)
+    before = community_snapshot(community.id)
+    assert raw_write(RAW_WRITES[table][operation], {"c": community.id}) == "BD001"
+    assert community_snapshot(community.id) == before
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("state", NOT_ACTIVE)
+def test_moving_a_row_out_of_a_community_that_left_active_is_refused_into_a_passed_one(community, state):
+    """An UPDATE that moves a row from a community that left active into one this transaction
+    passed is judged on the old community (the ``_move`` trigger), not skipped by the new one's
+    pass. Also the reverse: out of a passed community into one that left active."""
+    other = CommunityFactory()
+    fill_community(other, rows=1)
+    mine = EventFactory(community=community)
+    advance_to(community, state)
+    assert raw_write(RAW_WRITES["event"]["update"], {"c": other.id}) is None
+    assert _fence_passed() == str(other.id)
+    move = "UPDATE buzz_delivery_event SET community_id = %(to)s WHERE id = %(id)s"
+    assert raw_write(move, {"to": other.id, "id": mine.pk}) == "BD001"
+    theirs = Event.objects.filter(community=other).first()
+    assert raw_write(move, {"to": community.id, "id": theirs.pk}) == "BD001"
+    assert Event.objects.get(pk=mine.pk).community_id == community.id
+    assert Event.objects.get(pk=theirs.pk).community_id == other.id

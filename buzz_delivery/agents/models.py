@@ -181,7 +181,7 @@ class AgentRun(CommunityScoped):
             ),
         ]
         triggers = [
-            triggers.write_fence(),
+            *triggers.write_fence(),
             wf_triggers.terminal_once("ag_run_terminal_once", RUN_TERMINAL),
             wf_triggers.generation_monotonic("ag_run_generation_monotonic"),
             ag_triggers.counters_step_by_one(),
@@ -279,7 +279,7 @@ class JournalEntry(CommunityScoped):
             ),
         ]
         triggers = [
-            triggers.write_fence(),
+            *triggers.write_fence(),
             ag_triggers.status_once(),
             ag_triggers.compensation_forward_only(),
             ag_triggers.journal_identity_immutable(),
@@ -314,7 +314,7 @@ class IntakeKey(CommunityScoped):
             ),
             models.CheckConstraint(condition=_len32("payload_hash"), name="ag_intake_payload_hash_32_bytes"),
         ]
-        triggers = [triggers.write_fence(), wf_triggers.immutable("ag_intake_key_immutable")]
+        triggers = [*triggers.write_fence(), wf_triggers.immutable("ag_intake_key_immutable")]
 
     def __str__(self) -> str:
         return f"{self.channel_type}:{self.provider_event_id}"
@@ -350,7 +350,7 @@ class StepWait(CommunityScoped):
                 name="ag_step_wait_counters_within_bounds",
             ),
         ]
-        triggers = [triggers.write_fence()]
+        triggers = [*triggers.write_fence()]
 
     def __str__(self) -> str:
         return f"{self.step_key}: {self.done}/{self.expected}"

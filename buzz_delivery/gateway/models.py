@@ -61,7 +61,7 @@ class Enrollment(CommunityScoped):
             # Lookups by id alone (the admin); the primary key is (community_id, id).
             models.Index(fields=["id"], name="enrollment_id_idx"),
         ]
-        triggers = [triggers.write_fence()]
+        triggers = [*triggers.write_fence()]
 
     def __str__(self) -> str:
         return f"{bytes(self.agent_pubkey).hex()[:12]} in {self.community_id}"

@@ -97,7 +97,7 @@ class DefinitionVersion(CommunityScoped):
             models.CheckConstraint(condition=_len32("content_hash"), name="wf_definition_hash_32_bytes"),
             models.CheckConstraint(condition=_len32("definition_event_id"), name="wf_definition_event_id_32_bytes"),
         ]
-        triggers = [triggers.write_fence(), wf_triggers.immutable("wf_definition_immutable")]
+        triggers = [*triggers.write_fence(), wf_triggers.immutable("wf_definition_immutable")]
 
     def __str__(self) -> str:
         return f"{self.workflow_id} v{self.version}"
@@ -209,7 +209,7 @@ class Run(CommunityScoped):
             ),
             models.Index(fields=["community"], condition=Q(deliveries_to_expire=True), name="wf_run_to_expire_idx"),
         ]
-        triggers = [triggers.write_fence(), wf_triggers.terminal_once("wf_run_terminal_once", RUN_TERMINAL)]
+        triggers = [*triggers.write_fence(), wf_triggers.terminal_once("wf_run_terminal_once", RUN_TERMINAL)]
         permissions = [
             ("cancel_engine_run", "Can cancel workflow runs"),
             ("restart_engine_run", "Can restart workflow runs from failure"),
@@ -347,7 +347,7 @@ class Step(CommunityScoped):
             ),
         ]
         triggers = [
-            triggers.write_fence(),
+            *triggers.write_fence(),
             wf_triggers.terminal_once("wf_step_terminal_once", STEP_TERMINAL),
             wf_triggers.generation_monotonic("wf_step_generation_monotonic"),
             triggers.history_append_only("wf_step"),
@@ -411,7 +411,7 @@ class Approval(CommunityScoped):
             models.Index(fields=["deadline_at"], condition=Q(state="pending"), name="wf_approval_deadline_idx"),
         ]
         triggers = [
-            triggers.write_fence(),
+            *triggers.write_fence(),
             wf_triggers.terminal_once("wf_approval_terminal_once", ("approved", "rejected", "expired")),
         ]
         permissions = [("decide_approval", "Can approve or reject workflow approvals")]
@@ -454,7 +454,7 @@ class Schedule(CommunityScoped):
         indexes = [
             models.Index(fields=["next_slot_at"], condition=Q(enabled=True), name="wf_schedule_due_idx"),
         ]
-        triggers = [triggers.write_fence()]
+        triggers = [*triggers.write_fence()]
 
     def __str__(self) -> str:
         return f"{self.cron} -> {self.workflow_id}"
