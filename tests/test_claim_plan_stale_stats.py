@@ -21,8 +21,9 @@ import pytest
 from django.db import connection
 
 from buzz_delivery import models, services
-from buzz_delivery.services import sql
+from buzz_delivery.services import cached, sql
 from buzz_delivery.testing import random32
+from tests.plan_support import generic_explain
 
 pytestmark = pytest.mark.django_db
 
@@ -61,7 +62,8 @@ def update_scan(plan: dict) -> dict:
     raise AssertionError(f"no scan of d under the Update: {json.dumps(plan)[:2000]}")
 
 
-def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics(community, make_binding):
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics(community, make_binding, generic):
     binding = make_binding(target_pubkey=random32())
     ev = models.Event.objects.get(community_id=community.id, event_id=binding.message_event_id)
     services.commit_deliveries(community.id, ev, [binding])
@@ -81,9 +83,13 @@ def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics
         "delivery_id": None,
         "holder": "review16",
     }
-    with connection.cursor() as cur:
-        cur.execute("EXPLAIN (FORMAT JSON) " + statement, params)
-        (plan,) = cur.fetchone()[0]
+    if generic:  # the plan the claim's PL/pgSQL function caches (services.cached)
+        ((plans,),) = generic_explain(cached.CLAIM, params, "FORMAT JSON")
+        (plan,) = plans
+    else:
+        with connection.cursor() as cur:
+            cur.execute("EXPLAIN (FORMAT JSON) " + statement, params)
+            (plan,) = cur.fetchone()[0]
     scan = update_scan(plan)
     nodes, indexes = [scan], []
     while nodes:  # the scan and, for a bitmap heap scan, its bitmap index scans

@@ -12,9 +12,10 @@ from django.db import connection, connections
 from django.test import override_settings
 
 from buzz_delivery import models, services
-from buzz_delivery.services import Claim, Settled, sql
+from buzz_delivery.services import Claim, Settled, cached, sql
 from buzz_delivery.testing import BindingFactory, DeliveryFactory, random32
 from tests.conftest import backdate_lease, db_clock
+from tests.plan_support import generic_explain
 
 pytestmark = pytest.mark.django_db
 
@@ -316,17 +317,21 @@ def copies(template: uuid.UUID, n: int, *, finished: bool) -> None:
     execute(f"ANALYZE {DELIVERY}", [])
 
 
-def claim_plan(community: models.Community, target: bytes, *, limit: int) -> str:
-    """The planner's plan for a claim of ``limit`` of ``target``'s deliveries (EXPLAIN only)."""
+def claim_plan(community: models.Community, target: bytes, *, limit: int, generic: bool = False) -> str:
+    """The planner's plan for a claim of ``limit`` of ``target``'s deliveries (EXPLAIN only);
+    ``generic``: the plan the claim's PL/pgSQL function caches (``services.cached``)."""
     params = {"community_id": community.id, "target_pubkey": target, "limit": limit, "lease_seconds": 60.0,
               "delivery_id": None, "holder": None}  # fmt: skip
+    if generic:
+        return "\n".join(line for (line,) in generic_explain(cached.CLAIM, params))
     with connection.cursor() as cursor:
         cursor.execute("EXPLAIN " + sql.claim_oldest_pending(by_id=False, by_binding=False), params)
         return "\n".join(line for (line,) in cursor.fetchall())
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_the_claim_walks_the_polling_index_with_statistics_from_when_every_row_was_pending(
-    community, target, commit_one
+    community, target, commit_one, generic
 ):
     # A worker's drain: statistics taken while 20,000 rows were pending, then half of them
     # settled. With a plain index on created_at the planner walked it past every settled row
@@ -337,17 +342,18 @@ def test_the_claim_walks_the_polling_index_with_statistics_from_when_every_row_w
             WHERE id IN (SELECT id FROM {DELIVERY} WHERE community_id = %s ORDER BY created_at, id LIMIT 10000)""",
         [community.id],
     )
-    plan = claim_plan(community, target, limit=50)
+    plan = claim_plan(community, target, limit=50, generic=generic)
 
     assert "delivery_pending_poll_idx" in plan, plan
     assert "delivery_created_idx" not in plan, plan
 
 
-def test_the_claim_query_walks_the_pending_poll_index_among_many_terminal_rows(community, target, commit_one):
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_the_claim_query_walks_the_pending_poll_index_among_many_terminal_rows(community, target, commit_one, generic):
     for _ in range(3):
         commit_one()
     copies(commit_one(), 20000, finished=True)
-    plan = claim_plan(community, target, limit=1)
+    plan = claim_plan(community, target, limit=1, generic=generic)
 
     assert "delivery_pending_poll_idx" in plan, plan
     assert "Seq Scan on buzz_delivery_delivery" not in plan, plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from buzz_delivery.services import sql
+from buzz_delivery.services import cached
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, finish_delivery
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -67,7 +67,7 @@ def finish_deliveries(
         "failure_code": code,
         "failure_message": message,
     }
-    settled = dict(_fenced_as_nothing(sql.FINISH_MANY_IF_CURRENT_GENERATION, params))
+    settled = dict(_fenced_as_nothing(cached.FINISH_MANY.call, params))
     return [
         Settled(status=settled[lease.delivery_id])
         if lease.delivery_id in settled

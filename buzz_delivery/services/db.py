@@ -25,8 +25,8 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, connection
 
 from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused, LifecycleError
+from buzz_delivery.services import cached, tenancy
 from buzz_delivery.services import sql as statements
-from buzz_delivery.services import tenancy
 from buzz_delivery.triggers import FENCE_SQLSTATE, HISTORY_SQLSTATE, LIFECYCLE_SQLSTATE
 
 # The agent side's hot statements (run once or twice per delivery): server-side binding.
@@ -38,6 +38,7 @@ SERVER_BOUND = frozenset(
         statements.FINISH_MANY_IF_CURRENT_GENERATION,
         statements.RETRY_IF_CURRENT_GENERATION,
         statements.STATUS_AT_GENERATION,
+        *(statement.call for statement in cached.ALL),
     }
 )
 

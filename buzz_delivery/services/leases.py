@@ -9,7 +9,7 @@ from django.db import DatabaseError, connection
 
 from buzz_delivery.conf import get_settings
 from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
-from buzz_delivery.services import sql
+from buzz_delivery.services import cached, sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -80,7 +80,10 @@ def _run_claim(
             cause_scheduled_for=expected.cause.scheduled_for,
             cause_webhook_invocation_id=expected.cause.webhook_invocation_id,
         )
-    statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
+    if delivery_id is None and expected is None:
+        statement = cached.CLAIM.call  # the hot form: planned once per backend
+    else:
+        statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
     rows = _fenced_as_nothing(statement, params)
     return _claims(rows, community, target)
 
@@ -240,7 +243,7 @@ def finish_delivery(
             backoff_cap=float(conf.retry_backoff_cap_seconds),
         )
     else:
-        statement = sql.FINISH_IF_CURRENT_GENERATION
+        statement = cached.FINISH.call
         params.update(status=outcome, failure_code=code, failure_message=message)
     rows = _fenced_as_nothing(statement, params)
     if rows:

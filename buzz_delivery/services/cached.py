@@ -1,0 +1,125 @@
+"""The hottest lease statements, each wrapped in a PL/pgSQL function so that every database
+backend plans it once (issue 16).
+
+A statement sent unprepared is parsed and planned on every run: for the claim and the settle,
+planning cost as much server CPU as the execution. psycopg's prepared statements avoid that,
+but they are a per-connection protocol feature that transaction-mode poolers break, and they
+cannot carry the tenant context that row-level security sends in front of each statement in
+the same simple query (:mod:`buzz_delivery.services.tenancy`). A PL/pgSQL function keeps its
+statements' plans in the backend that runs it, whatever the client, pooler or binding, so both
+modes gain. Each function runs ``SET plan_cache_mode = force_generic_plan``: the default would
+plan the claim anew on every call, because a generic plan with an unknown ``LIMIT`` looks
+costlier than the custom ones; ``tests/test_cached_statements.py`` pins the generic plans
+(the polling index and the primary key, with stale statistics too).
+
+The function bodies are the statements of :mod:`buzz_delivery.services.sql`, with each
+``%(name)s`` renamed ``p_name``. The migration that creates them (core ``0017``) holds a frozen
+copy; a test compares the database's bodies with :func:`CachedStatement.create_sql` of today's
+statements, so a changed statement without a new migration fails the suite.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from buzz_delivery.services import sql
+
+_PARAM = re.compile(r"%\((\w+)\)s")
+
+
+@dataclass(frozen=True)
+class CachedStatement:
+    """One statement of :mod:`~buzz_delivery.services.sql` behind a plan-caching function.
+
+    ``params``: ``(name, SQL type)`` in the function's argument order; every ``%(name)s`` of
+    the statement must be among them. ``returns``: the function's ``RETURNS`` clause.
+    ``columns``: what the call selects from the function's rows, in the order the callers read.
+    """
+
+    function: str
+    statement: str
+    params: tuple[tuple[str, str], ...]
+    returns: str
+    columns: str
+
+    def __post_init__(self) -> None:
+        used = set(_PARAM.findall(self.statement))
+        declared = {name for name, _ in self.params}
+        if used != declared:
+            raise ValueError(f"{self.function}: statement uses {sorted(used)}, declared {sorted(declared)}")
+
+    @property
+    def body(self) -> str:
+        """The PL/pgSQL body (``prosrc``)."""
+        query = _PARAM.sub(lambda m: f"p_{m.group(1)}", self.statement.strip())
+        return f"\n#variable_conflict use_column\nBEGIN\n    RETURN QUERY\n{query};\nEND\n"
+
+    @property
+    def call(self) -> str:
+        """The statement the services send: ``SELECT columns FROM function(%(name)s::type, ...)``;
+        the casts pick the function whatever the client binds."""
+        args = ", ".join(f"%({name})s::{kind}" for name, kind in self.params)
+        return f"SELECT {self.columns} FROM {self.function}({args}) AS d"
+
+    @property
+    def signature(self) -> str:
+        """The argument list, as ``pg_get_function_identity_arguments`` prints it."""
+        return ", ".join(f"p_{name} {kind}" for name, kind in self.params)
+
+    def create_sql(self) -> str:
+        """``CREATE OR REPLACE FUNCTION`` of this statement (what migration 0017 froze)."""
+        return (
+            f"CREATE OR REPLACE FUNCTION {self.function}({self.signature})\n"
+            f"RETURNS {self.returns} LANGUAGE plpgsql VOLATILE\n"
+            f"SET plan_cache_mode = force_generic_plan\nAS $fn${self.body}$fn$;"
+        )
+
+
+_SETTLE_PARAMS = (("status", "varchar"), ("failure_code", "varchar"), ("failure_message", "text"))
+
+CLAIM = CachedStatement(
+    function="buzz_delivery_claim_pending",
+    statement=sql.claim_oldest_pending(by_id=False, by_binding=False).replace(
+        f"RETURNING {sql.RETURNING_CLAIM_COLUMNS}", "RETURNING d.*"
+    ),
+    params=(
+        ("community_id", "uuid"),
+        ("target_pubkey", "bytea"),
+        ("limit", "bigint"),
+        ("lease_seconds", "float8"),
+        ("holder", "text"),
+    ),
+    returns=f"SETOF {sql.DELIVERY}",
+    columns=sql.RETURNING_CLAIM_COLUMNS,
+)
+
+FINISH = CachedStatement(
+    function="buzz_delivery_finish_lease",
+    statement=sql.FINISH_IF_CURRENT_GENERATION,
+    params=(
+        ("community_id", "uuid"),
+        ("delivery_id", "uuid"),
+        ("target_pubkey", "bytea"),
+        ("lease_generation", "bigint"),
+        *_SETTLE_PARAMS,
+    ),
+    returns="TABLE(status varchar)",
+    columns="d.status",
+)
+
+FINISH_MANY = CachedStatement(
+    function="buzz_delivery_finish_leases",
+    statement=sql.FINISH_MANY_IF_CURRENT_GENERATION,
+    params=(
+        ("community_id", "uuid"),
+        ("delivery_ids", "uuid[]"),
+        ("lease_generations", "bigint[]"),
+        ("target_pubkeys", "bytea[]"),
+        *_SETTLE_PARAMS,
+    ),
+    returns="TABLE(id uuid, status varchar)",
+    columns="d.id, d.status",
+)
+
+ALL = (CLAIM, FINISH, FINISH_MANY)

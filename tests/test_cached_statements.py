@@ -1,0 +1,67 @@
+"""The plan-cached lease statements (``buzz_delivery.services.cached``, issue 16): the functions
+in the database run today's statements, the services call them, and their cached plans stay
+with the backend that made them (so a pooler in between changes nothing)."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from buzz_delivery import services
+from buzz_delivery.services import cached
+from buzz_delivery.services.db import SERVER_BOUND
+from buzz_delivery.testing import random32
+
+pytestmark = pytest.mark.django_db
+
+
+def _function(name: str) -> tuple[str, str, list[str]]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT p.prosrc, pg_get_function_identity_arguments(p.oid), p.proconfig
+               FROM pg_proc p WHERE p.proname = %s""",
+            [name],
+        )
+        rows = cursor.fetchall()
+    assert len(rows) == 1, f"{name}: {len(rows)} functions of that name"
+    return rows[0]
+
+
+@pytest.mark.parametrize("statement", cached.ALL, ids=lambda s: s.function)
+def test_the_database_function_runs_todays_statement(statement):
+    """A statement of services/sql.py changed without a migration re-creating its function
+    fails here: add one that runs ``cached.<NAME>.create_sql()`` (frozen, as 0017 does)."""
+    body, arguments, config = _function(statement.function)
+    assert body == statement.body, f"{statement.function} is stale: write a migration with its create_sql()"
+    with connection.cursor() as cursor:  # the catalog prints each type's canonical name
+        cursor.execute("SELECT " + ", ".join(f"'{kind}'::regtype::text" for _, kind in statement.params))
+        kinds = cursor.fetchone()
+    assert arguments == ", ".join(f"p_{name} {kind}" for (name, _), kind in zip(statement.params, kinds, strict=True))
+    assert config == ["plan_cache_mode=force_generic_plan"]
+
+
+@pytest.mark.parametrize("statement", cached.ALL, ids=lambda s: s.function)
+def test_the_services_send_the_calls_bound_on_the_server(statement):
+    assert statement.call in SERVER_BOUND
+
+
+def test_the_claim_and_both_settles_go_through_the_functions(community, message_event, make_binding):
+    """The statements the services send, seen with Django's query log: each names its function."""
+    from django.test.utils import CaptureQueriesContext
+
+    target = random32()
+    services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=target) for _ in range(6)])
+    with CaptureQueriesContext(connection) as queries:
+        one = services.claim_delivery(community.id, target)
+        assert isinstance(services.finish_delivery(one.lease, "finished"), services.Settled)
+        rest = services.claim_deliveries(community.id, target, limit=5)
+        assert {type(o) for o in services.finish_deliveries([c.lease for c in rest])} == {services.Settled}
+    sent = " ".join(q["sql"] for q in queries.captured_queries)
+    assert sent.count(cached.CLAIM.function + "(") == 2
+    assert sent.count(cached.FINISH.function + "(") == 1
+    assert sent.count(cached.FINISH_MANY.function + "(") == 1
+
+
+def test_a_statement_whose_parameters_do_not_match_its_declaration_is_refused():
+    with pytest.raises(ValueError, match="declared"):
+        cached.CachedStatement("f", "SELECT %(a)s, %(b)s", (("a", "int"),), "TABLE(x int)", "d.x")
