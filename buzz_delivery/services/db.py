@@ -15,6 +15,7 @@ Parse/Bind/Execute/Sync exchange inside its own transaction.
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -152,8 +153,44 @@ def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     statement is bound by the client, so that its context travels in the same simple query."""
     if sql in SERVER_BOUND and not tenancy.prefixing():
         with _server_bound_cursor() as cursor:
+            _load_timestamps_in_c(cursor.cursor)
             cursor.execute(sql, params)
-            return cursor.fetchall() if cursor.description else []
+            return _rows(cursor)
     with connection.cursor() as cursor:
+        _load_timestamps_in_c(cursor.cursor)
         cursor.execute(sql, params)
-        return cursor.fetchall() if cursor.description else []
+        return _rows(cursor)
+
+
+def _rows(cursor: Any) -> list[tuple[Any, ...]]:
+    """The rows of the statement a Django cursor wrapper just ran, or [] if it returns none.
+    Reads the result's status rather than ``description``, which builds a column object per
+    column on every call (a claim returns 26)."""
+    result = cursor.cursor.pgresult
+    if result is None or result.status != TUPLES_OK:
+        return []
+    return cursor.fetchall()  # type: ignore[no-any-return]
+
+
+TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+_TIMESTAMPTZ = psycopg.postgres.types["timestamptz"].oid
+_TEXT = psycopg.pq.Format.TEXT
+# psycopg's own loader: C with psycopg[binary] or [c] (Django registers a Python subclass).
+_PSYCOPG_TIMESTAMPTZ_LOADER = psycopg.adapters.get_loader(_TIMESTAMPTZ, _TEXT)
+
+
+def _load_timestamps_in_c(cursor: psycopg.Cursor[Any]) -> None:
+    """Load ``timestamptz`` on this psycopg cursor with psycopg's own loader instead of
+    Django's, where the two give equal values: Django's (``USE_TZ = True``) parses in Python,
+    then sets ``tzinfo`` to ``datetime.timezone.utc``; psycopg's gives that same ``tzinfo`` when
+    the session's ``TimeZone`` is ``UTC``, which Django sets on every connection it opens with
+    ``USE_TZ = True``. A claimed row holds three timestamps: 0.5 µs each instead of 5 (a
+    claim of 50 rows: 0.7 ms less client CPU). Any other case is left to Django's loader.
+    (The loader of psycopg's C module cannot be subclassed, so it is registered per cursor.)"""
+    current = cursor.connection.adapters.get_loader(_TIMESTAMPTZ, _TEXT)
+    if (
+        current is not _PSYCOPG_TIMESTAMPTZ_LOADER
+        and getattr(current, "timezone", None) is datetime.UTC
+        and cursor.connection.info.parameter_status("TimeZone") == "UTC"
+    ):
+        cursor.adapters.register_loader(_TIMESTAMPTZ, _PSYCOPG_TIMESTAMPTZ_LOADER)  # type: ignore[arg-type]

@@ -149,6 +149,27 @@ class Lease:
         set_(self, "lease_generation", v.int_in_range(self.lease_generation, "lease.lease_generation", 1, 2**63 - 1))
         set_(self, "lease_until", v.aware_datetime(self.lease_until, "lease.lease_until"))
 
+    @classmethod
+    def from_database(
+        cls,
+        community_id: uuid.UUID,
+        delivery_id: uuid.UUID,
+        target_pubkey: bytes,
+        lease_generation: int,
+        lease_until: dt.datetime,
+    ) -> Lease:
+        """A lease from the row a claim or renew statement returned: the values are the
+        database's own (a uuid, 32 bytes, a generation >= 1, an aware timestamp), so they are
+        not validated again as a caller's input is."""
+        lease = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(lease, "community_id", community_id)
+        set_(lease, "delivery_id", delivery_id)
+        set_(lease, "target_pubkey", target_pubkey)
+        set_(lease, "lease_generation", lease_generation)
+        set_(lease, "lease_until", lease_until)
+        return lease
+
 
 @dataclass(frozen=True, slots=True)
 class Claim:

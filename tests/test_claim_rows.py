@@ -1,0 +1,121 @@
+"""What a claim builds from its rows (issue 16's client-side fast path): the delivery model
+instance and the lease, built without ``Model.__init__`` and without re-validating the
+database's own values, and timestamps loaded by psycopg's loader instead of Django's. Each must
+be indistinguishable from what the ORM builds for the same row."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.db import connection
+from django.db.models.signals import post_init
+
+from buzz_delivery import models, services
+from buzz_delivery.services import db as services_db
+from buzz_delivery.services import sql
+from buzz_delivery.testing import random32
+
+pytestmark = pytest.mark.django_db
+
+
+def commit(make_binding, n: int = 1) -> list:
+    """``n`` deliveries to one target."""
+    target = random32()
+    bindings = [make_binding(target_pubkey=target) for _ in range(n)]
+    first = bindings[0]
+    event = models.Event.objects.get(community_id=first.community_id, event_id=first.message_event_id)
+    return services.commit_deliveries(first.community_id, event, bindings)
+
+
+def test_a_claimed_delivery_equals_the_orm_row_field_by_field(community, make_binding):
+    commit(make_binding, 3)
+    target = models.WorkflowAgentDelivery.objects.first().target_pubkey
+    claims = services.claim_deliveries(community.id, target, limit=3)
+    assert len(claims) == 3
+    for claim in claims:
+        built = claim.delivery
+        stored = models.WorkflowAgentDelivery.objects.get(pk=built.pk)
+        for name in sql.CLAIM_ATTNAMES:
+            assert getattr(built, name) == getattr(stored, name), name
+            assert type(getattr(built, name)) is type(getattr(stored, name)), name
+        assert built._state.adding is False
+        assert built._state.db == connection.alias
+        assert built.get_deferred_fields() == set(sql.DEFERRED_FIELDS)
+        # The deferred JSON fields load on first access, as with Model.from_db.
+        assert built.history == stored.history and built.trigger_context == stored.trigger_context
+        assert built.community == community  # a related row through its foreign key
+        assert built == stored and hash(built) == hash(stored)
+
+
+def test_timestamps_of_a_claim_are_utc_aware_and_equal_to_the_orm_values(community, make_binding):
+    (delivery_id,) = commit(make_binding)
+    target = models.WorkflowAgentDelivery.objects.get(pk=delivery_id).target_pubkey
+    claim = services.claim_delivery(community.id, target)
+    stored = models.WorkflowAgentDelivery.objects.get(pk=delivery_id)
+    for name in ("created_at", "claimed_at", "lease_until"):
+        value = getattr(claim.delivery, name)
+        assert value.tzinfo is dt.UTC, name
+        assert value == getattr(stored, name), name
+    assert claim.lease.lease_until is claim.delivery.lease_until
+
+
+def test_the_claim_statement_loads_timestamps_with_psycopgs_loader_and_the_orm_keeps_djangos():
+    connection.ensure_connection()
+    raw = connection.connection
+    django_loader = raw.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT)
+    assert django_loader is not services_db._PSYCOPG_TIMESTAMPTZ_LOADER  # else this test shows nothing
+    cursor = raw.cursor()
+    services_db._load_timestamps_in_c(cursor)
+    assert cursor.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT) is (
+        services_db._PSYCOPG_TIMESTAMPTZ_LOADER
+    )
+    # Only that cursor: the connection's other cursors (the ORM's) keep Django's loader.
+    assert raw.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT) is django_loader
+
+
+def test_a_session_in_another_time_zone_keeps_djangos_loader():
+    with connection.cursor() as django_cursor:
+        django_cursor.execute("SET TIME ZONE 'Europe/Paris'")
+        try:
+            cursor = connection.connection.cursor()
+            services_db._load_timestamps_in_c(cursor)
+            assert cursor.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT) is not (
+                services_db._PSYCOPG_TIMESTAMPTZ_LOADER
+            )
+        finally:
+            django_cursor.execute("SET TIME ZONE 'UTC'")
+
+
+def test_post_init_receivers_still_hear_of_claimed_deliveries(community, make_binding):
+    commit(make_binding, 2)
+    heard = []
+
+    def receiver(sender, instance, **kwargs):
+        heard.append(instance.pk)
+
+    post_init.connect(receiver, sender=models.WorkflowAgentDelivery)
+    try:
+        target = models.WorkflowAgentDelivery.objects.first().target_pubkey
+        heard.clear()
+        claims = services.claim_deliveries(community.id, target, limit=2)
+    finally:
+        post_init.disconnect(receiver, sender=models.WorkflowAgentDelivery)
+    assert heard == [c.delivery.pk for c in claims] and len(heard) == 2
+
+
+def test_a_lease_from_a_claim_equals_one_built_and_validated_from_its_fields(community, make_binding):
+    (delivery_id,) = commit(make_binding)
+    target = models.WorkflowAgentDelivery.objects.get(pk=delivery_id).target_pubkey
+    lease = services.claim_delivery(community.id, target).lease
+    rebuilt = services.Lease(
+        community_id=str(lease.community_id),
+        delivery_id=str(lease.delivery_id),
+        target_pubkey=lease.target_pubkey,
+        lease_generation=lease.lease_generation,
+        lease_until=lease.lease_until,
+    )
+    assert rebuilt == lease and hash(rebuilt) == hash(lease)
+    renewed = services.renew_delivery(lease)
+    assert isinstance(renewed, services.Renewed)
+    assert renewed.lease.lease_until.tzinfo is dt.UTC and renewed.lease.lease_until >= lease.lease_until
