@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
-from django.db import DatabaseError, connection
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 from psycopg import sql as pgsql
 
 from buzz_delivery import isolation
@@ -85,11 +85,13 @@ class _ConnectionState:
     enforced: bool = False
 
 
-def _state() -> _ConnectionState:
-    state: _ConnectionState | None = getattr(connection, "_buzz_tenancy", None)
+def _state(db: Any = None) -> _ConnectionState:
+    """The scope state of Django connection ``db`` (default: this thread's default connection)."""
+    db = connections[DEFAULT_DB_ALIAS] if db is None else db
+    state: _ConnectionState | None = getattr(db, "_buzz_tenancy", None)
     if state is None:
         state = _ConnectionState()
-        connection._buzz_tenancy = state  # type: ignore[attr-defined]
+        db._buzz_tenancy = state
     return state
 
 
@@ -217,42 +219,62 @@ class _Prefix:
             pass  # the transaction failed in the block: it rolls back anyway
 
 
-def _in_transaction() -> bool:
+def _in_transaction(db: Any = None) -> bool:
     """True inside a transaction of the caller's: an atomic block, or Django's manual
     transaction mode (``set_autocommit(False)``, ``AUTOCOMMIT = False``). Opens no connection."""
-    if connection.in_atomic_block:
+    db = connections[DEFAULT_DB_ALIAS] if db is None else db
+    if db.in_atomic_block:
         return True
-    if connection.connection is None:
-        return not connection.settings_dict.get("AUTOCOMMIT", True)
-    return not connection.autocommit
+    if db.connection is None:
+        return not db.settings_dict.get("AUTOCOMMIT", True)
+    return not db.autocommit
 
 
 def prefixing() -> bool:
     """True inside a scope that sends a context with each statement (the services' cue to use a
     client-side binding cursor, whose statements carry the context in the same simple query)."""
-    state: _ConnectionState | None = getattr(connection, "_buzz_tenancy", None)
+    db = connections[DEFAULT_DB_ALIAS]
+    state: _ConnectionState | None = getattr(db, "_buzz_tenancy", None)
     if not (state and state.stack):
         return False
-    return state.raw is not connection.connection or state.enforced  # unknown yet: as if on
+    return state.raw is not db.connection or state.enforced  # unknown yet: as if on
 
 
-@contextmanager
-def scope(target: Target) -> Iterator[None]:
+class scope:
     """Run the block's statements as ``target`` (see the module docstring for how). Sends
-    nothing, and opens no connection, until the block runs a statement."""
-    state = _state()
-    if state.stack and state.stack[-1] == target:
-        yield
-        return
-    prefix = _Prefix(state, target, _in_transaction())
-    state.stack.append(target)
-    try:
-        with connection.execute_wrapper(prefix):
-            yield
-    finally:
-        state.stack.pop()
-        if prefix.in_transaction:
-            prefix.restore()
+    nothing, and opens no connection, until the block runs a statement.
+
+    A class rather than a generator context manager, and the connection looked up once: the
+    worker enters a scope for every delivery (its handler's) and every service call, where the
+    generator form and Django's per-thread connection proxy cost more than the work itself."""
+
+    __slots__ = ("_db", "_prefix", "_state", "_target")
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+        self._prefix: _Prefix | None = None
+
+    def __enter__(self) -> None:
+        db = connections[DEFAULT_DB_ALIAS]
+        state = _state(db)
+        if state.stack and state.stack[-1] == self._target:
+            return  # already in this scope: nothing to add
+        self._db, self._state = db, state
+        self._prefix = _Prefix(state, self._target, _in_transaction(db))
+        state.stack.append(self._target)
+        db.execute_wrappers.append(self._prefix)  # what connection.execute_wrapper() does
+
+    def __exit__(self, *exc: object) -> None:
+        prefix = self._prefix
+        if prefix is None:
+            return
+        self._prefix = None
+        try:
+            self._db.execute_wrappers.pop()
+        finally:
+            self._state.stack.pop()
+            if prefix.in_transaction:
+                prefix.restore()
 
 
 def tenant_target(community_id: uuid.UUID | str) -> Target:
@@ -266,21 +288,17 @@ def fleet_target() -> Target:
     return Target(role=raw_settings()["MAINTENANCE_ROLE"] if _switching() else None, community=FLEET)
 
 
-@contextmanager
-def tenant(community_id: uuid.UUID | str) -> Iterator[None]:
-    """A tenant scope for ``community_id`` (a UUID or its text). SPEC section 13."""
-    with scope(tenant_target(community_id)):
-        yield
+def tenant(community_id: uuid.UUID | str) -> scope:
+    """A tenant scope for ``community_id`` (a UUID or its text), for ``with``. SPEC section 13."""
+    return scope(tenant_target(community_id))
 
 
-@contextmanager
-def handler(community_id: uuid.UUID | str) -> Iterator[None]:
+def handler(community_id: uuid.UUID | str) -> scope:
     """The scope of a user's handler (a delivery handler, a function step, an agent handler) for
-    ``community_id``: that community as context, as the login role (``SET LOCAL ROLE NONE`` when
-    switching roles), so the handler keeps the login's grants on the project's own tables while
-    what it reads of ours is its community's rows. SPEC section 13."""
-    with scope(Target(role="none" if _switching() else None, community=str(community_id))):
-        yield
+    ``community_id``, for ``with``: that community as context, as the login role (``SET LOCAL
+    ROLE NONE`` when switching roles), so the handler keeps the login's grants on the project's
+    own tables while what it reads of ours is its community's rows. SPEC section 13."""
+    return scope(Target(role="none" if _switching() else None, community=str(community_id)))
 
 
 @contextmanager
