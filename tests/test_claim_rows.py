@@ -119,3 +119,14 @@ def test_a_lease_from_a_claim_equals_one_built_and_validated_from_its_fields(com
     renewed = services.renew_delivery(lease)
     assert isinstance(renewed, services.Renewed)
     assert renewed.lease.lease_until.tzinfo is dt.UTC and renewed.lease.lease_until >= lease.lease_until
+
+
+def test_with_use_tz_off_statements_keep_djangos_naive_timestamps(settings):
+    settings.USE_TZ = False
+    try:
+        (value,) = services_db.fetch_all("SELECT timestamptz '2026-01-02 03:04:05+00' AS t", {})[0]
+        assert value.tzinfo is None
+    finally:
+        settings.USE_TZ = True
+    (value,) = services_db.fetch_all("SELECT timestamptz '2026-01-02 03:04:05+00' AS t", {})[0]
+    assert value == dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC) and value.tzinfo is dt.UTC

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 from django.core.exceptions import ValidationError
-from django.db import DatabaseError, IntegrityError, connection
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections
 
 from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused, LifecycleError
 from buzz_delivery.services import cached, tenancy
@@ -116,11 +116,13 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
         raise
 
 
-def prepares_statements() -> bool:
+def prepares_statements(db: Any = None) -> bool:
     """True when the default database's ``OPTIONS`` set ``prepare_threshold`` to an int: the
     :data:`SERVER_BOUND` statements are then prepared by psycopg after that many runs on a
-    connection (see the module docstring for poolers)."""
-    threshold = connection.settings_dict.get("OPTIONS", {}).get("prepare_threshold")
+    connection (see the module docstring for poolers). ``db``: the Django connection, if the
+    caller has it."""
+    db = connections[DEFAULT_DB_ALIAS] if db is None else db
+    threshold = db.settings_dict.get("OPTIONS", {}).get("prepare_threshold")
     return isinstance(threshold, int) and not isinstance(threshold, bool)
 
 
@@ -133,15 +135,17 @@ class _UnpreparedCursor(psycopg.Cursor[Any]):
         return super().execute(query, params, prepare=False if prepare is None else prepare, binary=binary)
 
 
-def _server_bound_cursor() -> Any:
+def _server_bound_cursor(db: Any = None) -> Any:
     """A Django cursor wrapper (query logging, ``execute_wrapper`` hooks and error translation
-    as usual) around a psycopg server-side binding cursor of the default connection."""
-    connection.ensure_connection()
-    factory = psycopg.Cursor if prepares_statements() else _UnpreparedCursor
-    with connection.wrap_database_errors:
-        raw = factory(connection.connection)
+    as usual) around a psycopg server-side binding cursor of the default connection (``db``,
+    if the caller has it)."""
+    db = connections[DEFAULT_DB_ALIAS] if db is None else db
+    db.ensure_connection()
+    factory = psycopg.Cursor if prepares_statements(db) else _UnpreparedCursor
+    with db.wrap_database_errors:
+        raw = factory(db.connection)
     # Django's own step of cursor(): the debug or plain wrapper (not in django-stubs).
-    return connection._prepare_cursor(raw)  # type: ignore[attr-defined]
+    return db._prepare_cursor(raw)
 
 
 def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -151,12 +155,13 @@ def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     :func:`prepares_statements`); any other is bound by the client, as Django does. Inside a
     tenant or fleet scope with enforcement on (:mod:`buzz_delivery.services.tenancy`) every
     statement is bound by the client, so that its context travels in the same simple query."""
-    if sql in SERVER_BOUND and not tenancy.prefixing():
-        with _server_bound_cursor() as cursor:
+    db = connections[DEFAULT_DB_ALIAS]  # once: each use of django.db.connection looks it up again
+    if sql in SERVER_BOUND and not tenancy.prefixing(db):
+        with _server_bound_cursor(db) as cursor:
             _load_timestamps_in_c(cursor.cursor)
             cursor.execute(sql, params)
             return _rows(cursor)
-    with connection.cursor() as cursor:
+    with db.cursor() as cursor:
         _load_timestamps_in_c(cursor.cursor)
         cursor.execute(sql, params)
         return _rows(cursor)
@@ -187,7 +192,7 @@ def _load_timestamps_in_c(cursor: psycopg.Cursor[Any]) -> None:
     ``USE_TZ = True``. A claimed row holds three timestamps: 0.5 µs each instead of 5 (a
     claim of 50 rows: 0.7 ms less client CPU). Any other case is left to Django's loader.
     (The loader of psycopg's C module cannot be subclassed, so it is registered per cursor.)"""
-    current = cursor.connection.adapters.get_loader(_TIMESTAMPTZ, _TEXT)
+    current = cursor.adapters.get_loader(_TIMESTAMPTZ, _TEXT)  # Django may have set the cursor's own
     if (
         current is not _PSYCOPG_TIMESTAMPTZ_LOADER
         and getattr(current, "timezone", None) is datetime.UTC

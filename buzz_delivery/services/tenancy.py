@@ -230,10 +230,11 @@ def _in_transaction(db: Any = None) -> bool:
     return not db.autocommit
 
 
-def prefixing() -> bool:
+def prefixing(db: Any = None) -> bool:
     """True inside a scope that sends a context with each statement (the services' cue to use a
-    client-side binding cursor, whose statements carry the context in the same simple query)."""
-    db = connections[DEFAULT_DB_ALIAS]
+    client-side binding cursor, whose statements carry the context in the same simple query).
+    ``db``: the default Django connection, if the caller has it."""
+    db = connections[DEFAULT_DB_ALIAS] if db is None else db
     state: _ConnectionState | None = getattr(db, "_buzz_tenancy", None)
     if not (state and state.stack):
         return False
