@@ -45,7 +45,6 @@ def test_a_claimed_delivery_equals_the_orm_row_field_by_field(community, make_bi
         # The deferred JSON fields load on first access, as with Model.from_db.
         assert built.history == stored.history and built.trigger_context == stored.trigger_context
         assert built.community == community  # a related row through its foreign key
-        assert built == stored and hash(built) == hash(stored)
 
 
 def test_timestamps_of_a_claim_are_utc_aware_and_equal_to_the_orm_values(community, make_binding):
@@ -57,21 +56,36 @@ def test_timestamps_of_a_claim_are_utc_aware_and_equal_to_the_orm_values(communi
         value = getattr(claim.delivery, name)
         assert value.tzinfo is dt.UTC, name
         assert value == getattr(stored, name), name
-    assert claim.lease.lease_until is claim.delivery.lease_until
 
 
-def test_the_claim_statement_loads_timestamps_with_psycopgs_loader_and_the_orm_keeps_djangos():
+def _loaders_seen(calls: list[type]) -> object:
+    """An execute wrapper recording the timestamptz loader of each statement's psycopg cursor."""
+
+    def wrapper(execute, sql, params, many, context):
+        calls.append(context["cursor"].cursor.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT))
+        return execute(sql, params, many, context)
+
+    return wrapper
+
+
+def test_claim_and_settle_statements_load_timestamps_with_psycopgs_loader_and_the_orm_keeps_djangos(
+    community, make_binding
+):
+    (delivery_id,) = commit(make_binding)
+    target = models.WorkflowAgentDelivery.objects.get(pk=delivery_id).target_pubkey
     connection.ensure_connection()
-    raw = connection.connection
-    django_loader = raw.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT)
+    django_loader = connection.connection.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT)
     assert django_loader is not services_db._PSYCOPG_TIMESTAMPTZ_LOADER  # else this test shows nothing
-    cursor = raw.cursor()
-    services_db._load_timestamps_in_c(cursor)
-    assert cursor.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT) is (
-        services_db._PSYCOPG_TIMESTAMPTZ_LOADER
-    )
-    # Only that cursor: the connection's other cursors (the ORM's) keep Django's loader.
-    assert raw.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT) is django_loader
+    services_calls: list[type] = []
+    with connection.execute_wrapper(_loaders_seen(services_calls)):
+        claim = services.claim_delivery(community.id, target)
+        services.finish_delivery(claim.lease, "finished")
+    assert services_calls and all(loader is services_db._PSYCOPG_TIMESTAMPTZ_LOADER for loader in services_calls)
+    # The ORM's statements on the same connection keep Django's loader.
+    orm_calls: list[type] = []
+    with connection.execute_wrapper(_loaders_seen(orm_calls)):
+        models.WorkflowAgentDelivery.objects.get(pk=delivery_id)
+    assert orm_calls == [django_loader]
 
 
 def test_a_session_in_another_time_zone_keeps_djangos_loader():
@@ -130,3 +144,16 @@ def test_with_use_tz_off_statements_keep_djangos_naive_timestamps(settings):
         settings.USE_TZ = True
     (value,) = services_db.fetch_all("SELECT timestamptz '2026-01-02 03:04:05+00' AS t", {})[0]
     assert value == dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC) and value.tzinfo is dt.UTC
+
+
+def test_a_lease_from_the_database_is_converted_to_utc_or_refused_when_naive():
+    import uuid
+    from zoneinfo import ZoneInfo
+
+    from django.core.exceptions import ValidationError
+
+    paris = dt.datetime(2026, 1, 2, 4, 4, 5, tzinfo=ZoneInfo("Europe/Paris"))
+    lease = services.Lease.from_database(uuid.uuid4(), uuid.uuid4(), bytes(32), 1, paris)
+    assert lease.lease_until == paris and lease.lease_until.tzinfo is dt.UTC
+    with pytest.raises(ValidationError, match=r"lease\.lease_until"):
+        services.Lease.from_database(uuid.uuid4(), uuid.uuid4(), bytes(32), 1, dt.datetime(2026, 1, 2))

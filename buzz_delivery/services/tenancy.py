@@ -249,13 +249,17 @@ class scope:
     worker enters a scope for every delivery (its handler's) and every service call, where the
     generator form and Django's per-thread connection proxy cost more than the work itself."""
 
-    __slots__ = ("_db", "_prefix", "_state", "_target")
+    __slots__ = ("_db", "_open", "_prefix", "_state", "_target")
 
     def __init__(self, target: Target) -> None:
         self._target = target
         self._prefix: _Prefix | None = None
+        self._open = False
 
     def __enter__(self) -> None:
+        if self._open:  # its exit would undo the outer entry's context while that block still runs
+            raise RuntimeError("a tenancy scope is open already: enter a new one (tenant(), handler(), scope())")
+        self._open = True
         db = connections[DEFAULT_DB_ALIAS]
         state = _state(db)
         if state.stack and state.stack[-1] == self._target:
@@ -266,6 +270,7 @@ class scope:
         db.execute_wrappers.append(self._prefix)  # what connection.execute_wrapper() does
 
     def __exit__(self, *exc: object) -> None:
+        self._open = False
         prefix = self._prefix
         if prefix is None:
             return

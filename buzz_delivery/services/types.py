@@ -159,8 +159,12 @@ class Lease:
         lease_until: dt.datetime,
     ) -> Lease:
         """A lease from the row a claim or renew statement returned: the values are the
-        database's own (a uuid, 32 bytes, a generation >= 1, an aware timestamp), so they are
-        not validated again as a caller's input is."""
+        database's own (a uuid, 32 bytes, a generation >= 1), so they are not validated again
+        as a caller's input is; ``lease_until`` is, unless it is already in UTC (a database
+        ``TIME_ZONE`` or ``USE_TZ = False`` make it otherwise: then it is converted, or refused
+        if naive, as the constructor does)."""
+        if lease_until.tzinfo is not dt.UTC:
+            lease_until = v.aware_datetime(lease_until, "lease.lease_until")
         lease = object.__new__(cls)
         set_ = object.__setattr__
         set_(lease, "community_id", community_id)
