@@ -6,14 +6,17 @@ be indistinguishable from what the ORM builds for the same row."""
 from __future__ import annotations
 
 import datetime as dt
+import io
+from collections.abc import Iterator
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
 from django.db.models.signals import post_init
 
 from buzz_delivery import models, services
 from buzz_delivery.services import db as services_db
-from buzz_delivery.services import sql
+from buzz_delivery.services import sql, tenancy
 from buzz_delivery.testing import random32
 
 pytestmark = pytest.mark.django_db
@@ -58,29 +61,54 @@ def test_timestamps_of_a_claim_are_utc_aware_and_equal_to_the_orm_values(communi
         assert value == getattr(stored, name), name
 
 
-def _loaders_seen(calls: list[type]) -> object:
-    """An execute wrapper recording the timestamptz loader of each statement's psycopg cursor."""
+def _loaders_seen(calls: list[type], cursors: list[type] | None = None) -> object:
+    """An execute wrapper recording the timestamptz loader of each statement's psycopg cursor
+    (and, with ``cursors``, the cursor's class)."""
 
     def wrapper(execute, sql, params, many, context):
-        calls.append(context["cursor"].cursor.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT))
+        raw = context["cursor"].cursor
+        calls.append(raw.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT))
+        if cursors is not None:
+            cursors.append(type(raw))
         return execute(sql, params, many, context)
 
     return wrapper
 
 
+@pytest.fixture(params=["enforced", "not enforced"])
+def enforcement(request) -> Iterator[str]:
+    """Row-level security on (the services bind on the client, the context in front) or off
+    (the hot statements go to the server-bound cursor of ``services.db``)."""
+    if request.param == "enforced":
+        yield request.param
+        return
+    call_command("tenant_isolation", "disable", stdout=io.StringIO())
+    tenancy.forget()
+    try:
+        yield request.param
+    finally:
+        with connection.cursor() as cursor:  # fire the deferred key checks the test queued
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        call_command("tenant_isolation", "enable", stdout=io.StringIO())
+        tenancy.forget()
+
+
 def test_claim_and_settle_statements_load_timestamps_with_psycopgs_loader_and_the_orm_keeps_djangos(
-    community, make_binding
-):
+    enforcement, community, make_binding
+):  # enforcement first: it alters tables, which rows written in the transaction would prevent
     (delivery_id,) = commit(make_binding)
     target = models.WorkflowAgentDelivery.objects.get(pk=delivery_id).target_pubkey
     connection.ensure_connection()
     django_loader = connection.connection.adapters.get_loader(services_db._TIMESTAMPTZ, services_db._TEXT)
     assert django_loader is not services_db._PSYCOPG_TIMESTAMPTZ_LOADER  # else this test shows nothing
     services_calls: list[type] = []
-    with connection.execute_wrapper(_loaders_seen(services_calls)):
+    cursors: list[type] = []
+    with connection.execute_wrapper(_loaders_seen(services_calls, cursors)):
         claim = services.claim_delivery(community.id, target)
         services.finish_delivery(claim.lease, "finished")
     assert services_calls and all(loader is services_db._PSYCOPG_TIMESTAMPTZ_LOADER for loader in services_calls)
+    server_bound = [c is services_db._UnpreparedCursor for c in cursors]
+    assert server_bound == [enforcement == "not enforced"] * 2  # each path of fetch_all, as the fixture says
     # The ORM's statements on the same connection keep Django's loader.
     orm_calls: list[type] = []
     with connection.execute_wrapper(_loaders_seen(orm_calls)):
