@@ -422,3 +422,37 @@ def test_the_history_push_is_inlined_into_the_hot_statements(community):
     for plan in plans:
         assert "jsonb_path_query_array" in plan, plan
         assert "buzz_delivery_history_push" not in plan, plan
+
+
+@pytest.mark.parametrize("actor", ["host-a:4242:worker", 'a "quoted" \\ back\\slash', "ünïcødé ✓\nline", None])
+def test_the_immutable_history_object_is_the_object_jsonb_build_object_builds(actor):
+    """Every lease statement builds its entry with ``sql.history_object`` (IMMUTABLE over the
+    row's columns, as Citus requires, issue 30): the same JSON, key for key and type for type,
+    as ``jsonb_build_object`` of the same values, for any text an actor may hold."""
+    from buzz_delivery.services.sql import history_object
+
+    fields = {
+        "event": "'settle'",
+        "status": "%(status)s::varchar",
+        "generation": "%(generation)s::bigint",
+        "actor": "%(actor)s::text",
+        "at": "%(at)s::timestamptz",
+        "renewals": "%(renewals)s::integer",
+        "attempt": "%(attempt)s::integer + 1",
+        "reason": "NULL::text",
+    }
+    plain = ", ".join(f"'{key}', {value}" for key, value in fields.items())
+    params = {
+        "status": "finished",
+        "generation": 2**40,
+        "actor": actor,
+        "at": dt.datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=dt.UTC),
+        "renewals": 0,
+        "attempt": 7,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT ({history_object(fields)})::text, jsonb_build_object({plain})::text", params)
+        ours, theirs = cursor.fetchone()
+    assert json.loads(ours) == json.loads(theirs)
+    assert ours == theirs  # the same jsonb, printed the same
+    assert json.loads(ours)["generation"] == 2**40 and json.loads(ours)["actor"] == actor
