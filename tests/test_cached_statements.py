@@ -11,6 +11,7 @@ from buzz_delivery import services
 from buzz_delivery.services import cached
 from buzz_delivery.services.db import SERVER_BOUND
 from buzz_delivery.testing import random32
+from tests.citus_support import CITUS_MODE
 
 pytestmark = pytest.mark.django_db
 
@@ -37,7 +38,19 @@ def test_the_database_function_runs_todays_statement(statement):
         cursor.execute("SELECT " + ", ".join(f"'{kind}'::regtype::text" for _, kind in statement.params))
         kinds = cursor.fetchone()
     assert arguments == ", ".join(f"p_{name} {kind}" for (name, _), kind in zip(statement.params, kinds, strict=True))
-    assert config == ["plan_cache_mode=force_generic_plan"]
+    if not CITUS_MODE:
+        assert config == ["plan_cache_mode=force_generic_plan"]
+        return
+    # On Citus (manage.py distribute_tables): planned per call, on the worker its call is
+    # delegated to, whose community its first argument names.
+    assert config == ["plan_cache_mode=force_custom_plan"]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT distribution_argument_index, force_delegation FROM pg_dist_object"
+            " WHERE classid = 'pg_proc'::regclass AND objid = %s::regprocedure",
+            [f"{statement.function}({', '.join(kind for _, kind in statement.params)})"],
+        )
+        assert cursor.fetchall() == [(0, True)]
 
 
 @pytest.mark.parametrize("statement", cached.ALL, ids=lambda s: s.function)

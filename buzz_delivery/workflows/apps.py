@@ -16,6 +16,12 @@ class WorkflowsConfig(AppConfig):
         "buzz_workflows.Run",
         "buzz_workflows.DefinitionVersion",
     )
+    # Functions the services call as ``SELECT f(<community>, ...)``, delegated on Citus to the
+    # worker that holds the community named by the argument (buzz_delivery.scaleout).
+    buzz_delegated_functions = (
+        ("buzz_workflows_release_roots(uuid, uuid)", "cid"),
+        ("buzz_workflows_end_run_if_active(uuid, uuid, text, text, text)", "cid"),
+    )
 
     def ready(self) -> None:
         from buzz_delivery.workflows import functions  # noqa: F401  (registers noop and echo)

@@ -20,8 +20,9 @@ NO_CITUS = 3
 class Command(StrictOptionsCommand):
     help = (
         "On a Citus coordinator: distribute buzz_delivery_community by id and every "
-        "community-scoped table by community_id, colocated with it (one transaction; "
-        "running it again does nothing). Run it after migrate."
+        "community-scoped table by community_id, colocated with it, and delegate the plan-cached "
+        "lease functions to the community's worker (one transaction; running it again distributes "
+        "nothing twice). Run it after every migrate."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -42,7 +43,9 @@ class Command(StrictOptionsCommand):
             self.stdout.write(f"distributed {table}")
         for table in result.already:
             self.stdout.write(f"already distributed {table}")
+        for function in result.delegated:
+            self.stdout.write(f"delegated {function}")
         self.stdout.write(
             f"{len(result.distributed)} distributed now, {len(result.already)} already; "
-            f"{result.foreign_keys} foreign keys recreated"
+            f"{result.foreign_keys} foreign keys recreated; {len(result.delegated)} functions delegated"
         )

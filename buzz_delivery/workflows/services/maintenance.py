@@ -35,7 +35,9 @@ from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LO
 LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
 OVERRUN = (
     f"s.state = 'running' AND s.timeout_seconds IS NOT NULL"
-    f" AND s.claimed_at + make_interval(secs => s.timeout_seconds) < {DB_NOW}"
+    # (The IMMUTABLE helper: ``timestamptz + interval`` over a column is STABLE, which Citus
+    # refuses in an UPDATE's WHERE as in its SET, SPEC 15.)
+    f" AND buzz_delivery_plus_seconds(s.claimed_at, s.timeout_seconds) < {DB_NOW}"
 )
 WAIT_OVER = f"s.state = 'waiting' AND s.wait_deadline < {DB_NOW}"
 # A step's approval (an agent's has no step: the agents' reaper expires those, in its own order).
@@ -70,12 +72,14 @@ SELECT r.run_id FROM {RUN} AS r
 WHERE r.community_id = %(community_id)s AND {RUN_OVER}
 ORDER BY r.run_id LIMIT %(limit)s
 """
-# One statement per overdue run: the run row is locked (FOR NO KEY UPDATE) inside end_run first.
-FAIL_OVERDUE_RUN = f"""
-SELECT buzz_workflows_end_run(%(community_id)s, r.run_id, 'failed', 'run_deadline', 'the run passed its deadline')
-FROM {RUN} AS r
-WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s AND {RUN_OVER} AND {ACTIVE}
+# The overdue runs among the candidates, read again once their rows are locked (a deadline
+# extended in between is seen); each is then ended by one call (sql.END_RUN_IF_ACTIVE).
+OVERDUE_LOCKED_RUNS = f"""
+SELECT r.run_id FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s) AND {RUN_OVER}
+ORDER BY r.run_id
 """
+RUN_DEADLINE = {"state": "failed", "failure_code": "run_deadline", "failure_message": "the run passed its deadline"}
 FAIL_OVERRUN_STEPS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'step_timeout',
     failure_message = 'the step ran longer than its timeout_seconds', {_FENCE}, finished_at = {DB_NOW},
@@ -122,12 +126,8 @@ RETURNING s.id, s.child_run_id
 # children): nothing goes on sending or waiting for approvals under a run that no longer waits
 # for it, nor outlives a parent that then succeeds. The child's run row is locked inside end_run,
 # after its parent's (the engine's lock order); its parent step has failed, so the child's end
-# moves nothing there.
-CANCEL_CHILD_OF_TIMED_OUT_STEP = f"""
-SELECT buzz_workflows_end_run(%(community_id)s, r.run_id, 'canceled', NULL, NULL)
-FROM {RUN} AS r
-WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s AND r.state = 'running' AND {ACTIVE}
-"""
+# moves nothing there. (sql.END_RUN_IF_ACTIVE: a run no longer running is left as it is.)
+CANCELED = {"state": "canceled", "failure_code": None, "failure_message": None}
 
 
 @dataclass
@@ -175,9 +175,10 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
         if not run_ids:
             return True
         fetch_all(LOCK_RUNS, {**params, "run_ids": run_ids})
-        for run_id in overdue:
-            rows = fetch_all(FAIL_OVERDUE_RUN, {**params, "run_id": run_id})
-            result.runs_timed_out += sum(1 for row in rows if row[0])
+        if overdue:
+            for (run_id,) in fetch_all(OVERDUE_LOCKED_RUNS, {**params, "run_ids": overdue}):
+                rows = fetch_all(sql.END_RUN_IF_ACTIVE, {**params, **RUN_DEADLINE, "run_id": run_id})
+                result.runs_timed_out += sum(1 for row in rows if row[0])
         step_ids = [row[0] for row in steps]
         params["ids"] = step_ids
         result.timed_out += len(fetch_all(FAIL_OVERRUN_STEPS, params))
@@ -191,7 +192,7 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
         result.wait_timed_out += len(timed_out)
         children = [row[1] for row in timed_out if row[1] is not None]
         for child in children:
-            fetch_all(CANCEL_CHILD_OF_TIMED_OUT_STEP, {**params, "run_id": child})
+            fetch_all(sql.END_RUN_IF_ACTIVE, {**params, **CANCELED, "run_id": child})
         expire_deliveries_of_ended_runs(community, [*run_ids, *children])  # type: ignore[arg-type]
     return True
 

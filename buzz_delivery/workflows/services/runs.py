@@ -267,7 +267,7 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
         rows = fetch_all(
             sql.END_RUN_IF_ACTIVE, {**params, "state": "canceled", "failure_code": None, "failure_message": None}
         )
-        if not rows:
+        if rows[0][0] is None:
             raise CommunityNotWritable(f"community {community} is not active; its runs cannot be canceled")
         if not rows[0][0]:
             state = Run.objects.filter(community_id=community, run_id=rid).values_list("state", flat=True).first()
@@ -294,9 +294,12 @@ def restart_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str, *, from_
     rid = v.uuid_value(run_id, "run_id")
     if not isinstance(from_failure, bool):
         raise v.invalid("from_failure", "must be True or False")
-    old = Run.objects.filter(community_id=community, run_id=rid).select_related("definition").first()
+    old = Run.objects.filter(community_id=community, run_id=rid).first()
     if old is None:
         raise RunNotFound(f"no workflow run {rid} in community {community}")
+    # Looked up on (community_id, id), not joined on the definition's id alone (a join Citus
+    # would have to repartition, SPEC 15); a primary-key probe here.
+    old.definition = DefinitionVersion.objects.get(community_id=community, id=old.definition_id)
     if old.state not in RUN_TERMINAL:
         raise RunNotRestartable(f"run {rid} is {old.state}; only an ended run is restarted")
     kept: dict[str, Any] = {}

@@ -81,7 +81,8 @@ RETURNING {{step_columns}}, r.definition_id
 # Everything but the history (deferred: read on the detail page only).
 _CLAIM_FIELDS = [f for f in Step._meta.concrete_fields if f.name != "history"]
 STEP_ATTNAMES = [f.attname for f in _CLAIM_FIELDS]
-CLAIM_READY_STEPS = _CLAIM_READY_STEPS.format(step_columns=", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS))
+# (``replace``, not ``format``: the history entry holds braces of its own.)
+CLAIM_READY_STEPS = _CLAIM_READY_STEPS.replace("{step_columns}", ", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS))
 
 COMMUNITIES_WITH_READY_STEPS = f"""
 SELECT DISTINCT s.community_id FROM {STEP} AS s
@@ -229,11 +230,10 @@ SELECT {{run_columns}}, pg_notify('buzz_workflows', %(community_id)s::text) FROM
 RUN_ATTNAMES = [f.attname for f in Run._meta.concrete_fields]
 CREATE_RUN = CREATE_RUN.format(run_columns=", ".join(str(f.column) for f in Run._meta.concrete_fields))
 
-RELEASE_ROOT_STEPS = f"""
-SELECT buzz_workflows_release(s.community_id, s.id) FROM {STEP} AS s
-WHERE s.community_id = %(community_id)s AND s.run_id = %(run_id)s AND s.deps_total = 0
-ORDER BY s.position
-"""
+# Calls of the engine's functions name the community first and stand alone (``SELECT f(...)``,
+# never once per row of a query): on Citus such a call is delegated whole to the community's
+# worker (migration 0016, docs/scale-out.md).
+RELEASE_ROOT_STEPS = "SELECT buzz_workflows_release_roots(%(community_id)s::uuid, %(run_id)s::uuid)"
 
 KEEP_SUCCEEDED_STEP = f"""
 UPDATE {STEP} AS s
@@ -242,9 +242,10 @@ WHERE s.community_id = %(community_id)s AND s.run_id = %(run_id)s AND s.key = %(
 RETURNING s.id
 """
 
-END_RUN_IF_ACTIVE = f"""
-SELECT buzz_workflows_end_run(%(community_id)s, %(run_id)s, %(state)s, %(failure_code)s, %(failure_message)s)
-FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active'
+# True: ended; False: already terminal; NULL: the community is not active (nothing done).
+END_RUN_IF_ACTIVE = """
+SELECT buzz_workflows_end_run_if_active(%(community_id)s::uuid, %(run_id)s::uuid, %(state)s::text,
+                                        %(failure_code)s::text, %(failure_message)s::text)
 """
 
 SET_RUN_DEADLINE = f"""
