@@ -144,15 +144,20 @@ def frozen_db_clock(at: dt.datetime | None = None) -> Iterator[None]:
     caller's transaction (``transaction.atomic()``, or a pytest-django test's): the change is
     transactional DDL, invisible to other connections, undone at the end of the block or by a
     rollback. Raises ``RuntimeError`` in autocommit, where it would change the clock of every
-    connection, and ``ValueError`` for a naive ``at``."""
+    connection, and ``ValueError`` for a naive ``at``. On Citus the function is distributed and
+    Citus re-creates it on the workers in the same transaction, which it allows only when the
+    transaction runs its multi-shard statements over one connection per node from its start
+    (``citus.multi_shard_modify_mode = 'sequential'``, the default of the suite's Citus test
+    database)."""
     if not connection.in_atomic_block:
         raise RuntimeError("frozen_db_clock needs the caller's transaction (transaction.atomic())")
-    if at is None:
-        body = "SELECT now()"
-    else:
-        if at.tzinfo is None or at.utcoffset() is None:
-            raise ValueError("frozen_db_clock: at must be timezone-aware")
-        body = f"SELECT '{at.astimezone(dt.UTC).isoformat()}'::timestamptz"
+    if at is None:  # read here, not in the function: on Citus each node's now() is its own
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT now()")
+            at = cursor.fetchone()[0]
+    if at.tzinfo is None or at.utcoffset() is None:
+        raise ValueError("frozen_db_clock: at must be timezone-aware")
+    body = f"SELECT '{at.astimezone(dt.UTC).isoformat()}'::timestamptz"
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(_CLOCK_FUNCTION.format(body))
     try:

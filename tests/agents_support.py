@@ -42,7 +42,7 @@ def backdate_run_lease(run_id: Any, seconds: float = 3600) -> None:
     with connection.cursor() as cursor:
         cursor.execute(
             "UPDATE buzz_agents_run SET lease_until = now() - make_interval(secs => %s),"
-            " claimed_at = claimed_at - make_interval(secs => %s) WHERE id = %s",
+            " claimed_at = buzz_delivery_plus_seconds(claimed_at, -%s) WHERE id = %s",
             [seconds, seconds, run_id],
         )
 

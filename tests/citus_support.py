@@ -148,6 +148,10 @@ def create_database(coordinator_url: str, name: str, worker_ports: list[int] | N
             parts = urlsplit(url)
             conn.execute("SELECT citus_add_node(%s, %s)", [parts.hostname, parts.port or 5432])
         conn.execute(f"ALTER DATABASE \"{name}\" SET citus.propagate_set_commands = 'local'")
+        # Test mode: buzz_delivery.testing.frozen_db_clock re-creates a (distributed) function
+        # inside the test's transaction, which Citus allows only when the transaction has run
+        # its multi-shard statements over one connection per node from its start.
+        conn.execute(f"ALTER DATABASE \"{name}\" SET citus.multi_shard_modify_mode = 'sequential'")
     return target
 
 

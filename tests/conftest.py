@@ -34,6 +34,20 @@ def django_db_setup(django_db_setup, django_db_blocker):  # pytest-django's, ext
                 raise
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In the Citus mode, skip what ``tests/citus_mode.py`` lists, with its reason."""
+    from tests.citus_support import CITUS_MODE
+
+    if not CITUS_MODE:
+        return
+    from tests.citus_mode import skip_reason
+
+    for item in items:
+        reason = skip_reason(item.nodeid)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"Citus mode: {reason}"))
+
+
 @pytest.fixture
 def community() -> models.Community:
     return CommunityFactory()

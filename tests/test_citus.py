@@ -34,14 +34,16 @@ def _plan(statement: str, params: dict[str, object]) -> str:
 
 
 def test_every_table_is_distributed_and_colocated_with_the_community():
+    names = [t for t, _ in scaleout.tables()]
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT logicalrelid::regclass::text, colocationid FROM pg_dist_partition "
-            "WHERE logicalrelid::regclass::text LIKE 'buzz_delivery_%%'"
+            "WHERE logicalrelid::regclass::text = ANY(%s)",
+            [names],
         )
         placed = dict(cursor.fetchall())
-    names = [t for t, _ in scaleout.tables()]
-    assert set(names) <= set(placed)
+    assert {"buzz_workflows_step", "buzz_agents_run", "buzz_gateway_enrollment"} <= set(names)
+    assert set(names) == set(placed)
     assert len({placed[t] for t in names}) == 1
 
 
@@ -67,6 +69,7 @@ def test_lease_statements_run_on_one_shard(community):
         "delivery_ids": [community.id],
         "lease_generations": [1],
         "target_pubkeys": [random32()],
+        "holder": "host:1:worker",
     }
     statements = {
         "claim": sql.claim_oldest_pending(by_id=False, by_binding=False),

@@ -193,7 +193,7 @@ def test_a_step_timeout_fails_the_running_step(workflow):
 
     with connection.cursor() as cursor:
         cursor.execute(
-            "UPDATE buzz_workflows_step SET claimed_at = claimed_at - interval '10 seconds' WHERE id = %s",
+            "UPDATE buzz_workflows_step SET claimed_at = buzz_delivery_plus_seconds(claimed_at, -10) WHERE id = %s",
             [claim.lease.step_id],
         )
     assert reap_workflow_steps().timed_out == 1

@@ -352,9 +352,20 @@ def test_a_move_waits_for_a_writer_inside_its_transaction_and_lets_no_later_writ
 # --- the fence remembers an active community for the rest of its transaction ----------------
 
 
-def _fence_passed() -> str | None:
+# A row moved to another community: refused by the fence, or on Citus by Citus itself before
+# (it never changes a row's distribution column: "modifying the partition value of rows").
+MOVE_REFUSED = "0A000" if CITUS_MODE else "BD001"
+
+
+def _fence_passed(community: Community) -> str | None:
+    """What the fence remembers, read where the fence ran: on the node that holds ``community``
+    (a router read of its row; on Citus the coordinator's own session never sees the setting
+    the trigger set on the worker's shard)."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT current_setting('buzz_delivery.fence_passed', true)")
+        cursor.execute(
+            "SELECT current_setting('buzz_delivery.fence_passed', true) FROM buzz_delivery_community WHERE id = %s",
+            [community.id],
+        )
         return cursor.fetchone()[0]
 
 
@@ -362,9 +373,9 @@ def _fence_passed() -> str | None:
 def test_a_transaction_that_passed_the_fence_is_refused_after_its_own_lifecycle_move(community):
     fill_community(community, rows=1)
     assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) is None
-    assert _fence_passed() == str(community.id)  # remembered for this transaction
+    assert _fence_passed(community) == str(community.id)  # remembered for this transaction
     advance_to(community, "quiescing")  # by this same transaction
-    assert _fence_passed() == ""
+    assert _fence_passed(community) == ""
     before = community_snapshot(community.id)
     for table in TABLES:
         assert raw_write(RAW_WRITES[table]["update"], {"c": community.id}) == "BD001", table
@@ -381,7 +392,7 @@ def test_the_purge_executors_delete_is_not_remembered_as_passing(community):
         "(SELECT id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1)"
     )
     assert raw_write(one, {"c": community.id}) is None
-    assert _fence_passed() != str(community.id)
+    assert _fence_passed(community) != str(community.id)
     assert WorkflowAgentDelivery.objects.filter(community=community).exists()
     before = community_snapshot(community.id)
     assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) == "BD001"
@@ -395,10 +406,10 @@ def test_what_the_fence_remembers_ends_with_its_transaction_or_savepoint(communi
     with transaction.atomic():
         with transaction.atomic():
             assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) is None
-            assert _fence_passed() == str(community.id)
+            assert _fence_passed(community) == str(community.id)
             transaction.set_rollback(True)
-        assert _fence_passed() in ("", None)  # the savepoint rolled back: judged again
-    assert _fence_passed() in ("", None)
+        assert _fence_passed(community) in ("", None)  # the savepoint rolled back: judged again
+    assert _fence_passed(community) in ("", None)
     with transaction.atomic():
         assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) is None
     # Moved by another transaction after that one committed: the next transaction judges again.
@@ -455,7 +466,7 @@ def test_a_community_passed_in_the_transaction_opens_no_other_community(communit
     fill_community(other, rows=1)
     advance_to(community, state)  # (a lifecycle move clears what the transaction passed)
     assert raw_write(RAW_WRITES[table]["update"], {"c": other.id}) is None
-    assert _fence_passed() == str(other.id)
+    assert _fence_passed(other) == str(other.id)
     before = community_snapshot(community.id)
     assert raw_write(RAW_WRITES[table][operation], {"c": community.id}) == "BD001"
     assert community_snapshot(community.id) == before
@@ -472,10 +483,11 @@ def test_moving_a_row_out_of_a_community_that_left_active_is_refused_into_a_pass
     mine = EventFactory(community=community)
     advance_to(community, state)
     assert raw_write(RAW_WRITES["event"]["update"], {"c": other.id}) is None
-    assert _fence_passed() == str(other.id)
+    assert _fence_passed(other) == str(other.id)
     move = "UPDATE buzz_delivery_event SET community_id = %(to)s WHERE id = %(id)s"
-    assert raw_write(move, {"to": other.id, "id": mine.pk}) == "BD001"
+    # (On Citus no row ever changes its community, the distribution column: refused as 0A000.)
+    assert raw_write(move, {"to": other.id, "id": mine.pk}) == MOVE_REFUSED
     theirs = Event.objects.filter(community=other).first()
-    assert raw_write(move, {"to": community.id, "id": theirs.pk}) == "BD001"
+    assert raw_write(move, {"to": community.id, "id": theirs.pk}) == MOVE_REFUSED
     assert Event.objects.get(pk=mine.pk).community_id == community.id
     assert Event.objects.get(pk=theirs.pk).community_id == other.id

@@ -48,7 +48,7 @@ def backdate_step_lease(step_id: Any, seconds: float = 3600) -> None:
     with connection.cursor() as cursor:
         cursor.execute(
             "UPDATE buzz_workflows_step SET lease_until = now() - make_interval(secs => %s),"
-            " claimed_at = claimed_at - make_interval(secs => %s) WHERE id = %s",
+            " claimed_at = buzz_delivery_plus_seconds(claimed_at, -%s) WHERE id = %s",
             [seconds, seconds, step_id],
         )
 
