@@ -7,8 +7,9 @@ here) plus a look at the live schema:
 1. every UPDATE and DELETE names ``community_id`` (the community table: its ``id``) in its own
    WHERE, at the statement's own parenthesis depth, as an AND-ed equality;
 2. no CASE ... END or COALESCE(...) holds ``now()``-like calls or interval arithmetic;
-3. no SET assignment applies interval arithmetic to a column (``buzz_delivery_plus_seconds``
-   is the IMMUTABLE way), and no RETURNING holds a ``now()``-like call;
+3. no SET assignment, and no WHERE of an UPDATE or DELETE, applies interval arithmetic to a
+   column (``buzz_delivery_plus_seconds`` is the IMMUTABLE way), and no RETURNING holds a
+   ``now()``-like call;
 4. every primary key, unique constraint and unique index of a community-scoped table includes
    ``community_id`` (Citus's rule; the primary keys put ``id`` first so that lookups by id alone
    stay index probes, see migration 0007); foreign keys between such tables are composite on it.
@@ -26,6 +27,7 @@ import importlib.util
 import inspect
 import pkgutil
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -248,17 +250,21 @@ def rule2_violations(sql: str) -> list[str]:
 
 
 def rule3_violations(sql: str) -> list[str]:
-    """Interval arithmetic on a column in a SET assignment; a now()-like call in RETURNING."""
+    """Interval arithmetic on a column in a SET assignment or in the write's WHERE (``timestamptz
+    + interval`` is STABLE: Citus refuses it over a column in both); a now()-like call in
+    RETURNING."""
     out = []
     for w in find_writes(sql):
-        for assignment in split_top(w.clauses.get("SET", []), w.depth):
-            for m, t in enumerate(assignment):
-                if t.low not in INTERVAL_WORDS or "buzz_delivery_plus_seconds" in enclosing_calls(assignment, m):
+        parts = [("SET", a) for a in split_top(w.clauses.get("SET", []), w.depth)]
+        parts.append(("WHERE", w.clauses.get("WHERE", [])))
+        for clause, tokens in parts:
+            for m, t in enumerate(tokens):
+                if t.low not in INTERVAL_WORDS or "buzz_delivery_plus_seconds" in enclosing_calls(tokens, m):
                     continue
-                refs = column_refs(arithmetic_chain(assignment, m))
+                refs = column_refs(arithmetic_chain(tokens, m))
                 if refs:
-                    text = " ".join(a.text for a in assignment)
-                    out.append(f"SET {text[:100]}: {t.low} arithmetic on column(s) {', '.join(refs)}")
+                    text = " ".join(a.text for a in tokens)
+                    out.append(f"{clause} {text[:100]}: {t.low} arithmetic on column(s) {', '.join(refs)}")
         bad = sorted({t.low for t in w.clauses.get("RETURNING", []) if t.low in TIME_CALLS})
         if bad:
             out.append(f"{w.kind} {w.table}: RETURNING holds {', '.join(bad)}")
@@ -268,7 +274,7 @@ def rule3_violations(sql: str) -> list[str]:
 RULES = {
     "rule 1 (community_id in the statement's own WHERE)": rule1_violations,
     "rule 2 (no now()/interval inside CASE or COALESCE)": rule2_violations,
-    "rule 3 (no interval arithmetic on a column in SET; no now() in RETURNING)": rule3_violations,
+    "rule 3 (no interval arithmetic on a column in SET or WHERE; no now() in RETURNING)": rule3_violations,
 }
 
 # --- the collector --------------------------------------------------------------------------
@@ -301,9 +307,24 @@ def _has_write(sql: str) -> bool:
     return bool(find_writes(sql))
 
 
+def _values(value: object) -> list[tuple[object, object]]:
+    """(key, value) pairs of a module attribute: a dict's items, a sequence's items, a plan-cached
+    statement's own statement and the call the services send (``services.cached``), or itself."""
+    from buzz_delivery.services.cached import CachedStatement
+
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, list | tuple):
+        return list(enumerate(value))
+    if isinstance(value, CachedStatement):
+        return [("statement", value.statement), ("call", value.call)]
+    return [("", value)]
+
+
 @functools.cache
-def collect_statements() -> tuple[list[tuple[str, str]], list[str]]:
-    """(source name, SQL) of every write statement, and the unlisted SQL builders found."""
+def collect(predicate: Callable[[str], bool]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(source name, SQL) of every statement of the services for which ``predicate`` holds, and
+    the unlisted SQL builders found."""
     found: dict[str, str] = {}
     unlisted = []
     for (name, func), calls in BUILDERS.items():
@@ -318,23 +339,24 @@ def collect_statements() -> tuple[list[tuple[str, str]], list[str]]:
             for target in targets:
                 if not isinstance(target, ast.Name) or target.id.startswith("__"):
                     continue
-                value = getattr(module, target.id, None)
-                items = value.items() if isinstance(value, dict) else [("", value)]
-                if isinstance(value, list | tuple):
-                    items = enumerate(value)
-                for key, text in items:
-                    if isinstance(text, str) and _has_write(text):
+                for key, text in _values(getattr(module, target.id, None)):
+                    if isinstance(text, str) and predicate(text):
                         found.setdefault(text, f"{name}.{target.id}" + (f"[{key!r}]" if key != "" else ""))
         for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
             body = func.body[1:] if ast.get_docstring(func) else func.body
             for node in (n for stmt in body for n in ast.walk(stmt)):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) and _has_write(node.value):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and predicate(node.value):
                     found.setdefault(node.value, f"{name}.{func.name} (inline, line {node.lineno})")
                 elif isinstance(node, ast.JoinedStr) and (name, func.name) not in BUILDERS:
                     parts = [v.value if isinstance(v, ast.Constant) else "{x}" for v in node.values]
-                    if _has_write("".join(str(p) for p in parts)):
+                    if predicate("".join(str(p) for p in parts)):
                         unlisted.append(f"{name}.{func.name} (line {node.lineno}): add it to BUILDERS")
     return [(source, text) for text, source in found.items()], unlisted
+
+
+def collect_statements() -> tuple[list[tuple[str, str]], list[str]]:
+    """(source name, SQL) of every write statement, and the unlisted SQL builders found."""
+    return collect(_has_write)
 
 
 def test_collector_finds_the_statements():
@@ -385,6 +407,7 @@ BAD = {
         f"{D} SET a = 1, t = buzz_delivery_now() + make_interval(secs => d.backoff) WHERE d.community_id = %(c)s",
         f"{D} SET t = lease_until + %(s)s::interval WHERE d.community_id = %(c)s",
         f"{D} SET a = 1 WHERE d.community_id = %(c)s RETURNING d.id, clock_timestamp()",
+        f"{D} SET a = 1 WHERE d.community_id = %(c)s AND d.claimed_at + make_interval(secs => d.s) < %(now)s",
     ],
 }
 GOOD = [
@@ -398,6 +421,9 @@ GOOD = [
     " n = buzz_delivery_when(d.a < 3, buzz_delivery_plus_seconds(buzz_delivery_now(), d.a * 2))"
     " FROM unnest(%(ids)s::uuid[]) AS f(id) WHERE d.community_id = %(c)s AND d.id = f.id RETURNING d.l",
     "DELETE FROM buzz_delivery_maintenance_lease AS l WHERE l.name = %(n)s RETURNING 1",
+    f"{D} SET a = 1 WHERE d.community_id = %(c)s"
+    " AND d.finished_at < %(now)s::timestamptz - make_interval(secs => %(s)s)"
+    " AND buzz_delivery_plus_seconds(d.claimed_at, d.s) < buzz_delivery_now()",
     "SELECT 1 FROM t FOR UPDATE SKIP LOCKED",
 ]
 
