@@ -196,6 +196,17 @@ class WorkerPool:
         self._pending = (task, count, start_at)
         return start_at
 
+    def run_each(self, tasks: list[Task]) -> Measurement:
+        """Run ``tasks[i]`` on worker ``i``, all at once (e.g. one community per process)."""
+        if len(tasks) > self.n:
+            raise ValueError(f"{len(tasks)} tasks for {self.n} workers")
+        start_at = time.monotonic() + START_DELAY
+        self._stop.clear()
+        for q, task in zip(self._tasks, tasks, strict=False):
+            q.put((task, start_at))
+        self._pending = (max(tasks, key=lambda t: t.duration), len(tasks), start_at)
+        return self.gather()
+
     def stop(self) -> None:
         """Ask the running task to end now."""
         self._stop.set()

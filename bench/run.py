@@ -33,6 +33,7 @@ SCENARIOS = {
     "peers": "peers",
     "isolation": "isolation",
     "wake": "wake",
+    "citus": "citus",
 }
 
 
