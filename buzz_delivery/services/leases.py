@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from typing import Any
 
@@ -35,6 +36,14 @@ _ID_INDEX = sql.CLAIM_ATTNAMES.index("id")
 _GEN_INDEX = sql.CLAIM_ATTNAMES.index("lease_generation")
 _UNTIL_INDEX = sql.CLAIM_ATTNAMES.index("lease_until")
 _CREATED_INDEX = sql.CLAIM_ATTNAMES.index("created_at")
+# The fast path below copies what ``Model.from_db`` does on Django 5.2, 6.0 and 6.1: fields
+# into ``__dict__`` as ``Model.__init__`` puts them, a fresh ``ModelState`` with ``adding``
+# off and ``db`` set. Django 6.1 added a keyword ``fetch_mode`` (the state's default,
+# ``FETCH_ONE``, is what ``from_db`` leaves without it, and a bare ``ModelState`` has it too).
+# A Django whose ``from_db`` takes anything else may build instances otherwise: then every
+# claimed row goes through ``from_db`` itself (tests/test_claim_rows.py compares the two).
+_FROM_DB_KNOWN = {"db", "field_names", "values", "fetch_mode"}
+FAST_ROWS = set(inspect.signature(WorkflowAgentDelivery.from_db).parameters) <= _FROM_DB_KNOWN
 
 
 def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDelivery:
@@ -42,8 +51,10 @@ def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDeliver
     snapshots and history deferred), as ``Model.from_db`` builds it but without running
     ``Model.__init__`` per field (a tenth of its cost): every claimed attribute goes straight
     into the instance's ``__dict__``, where ``__init__`` would put it. With ``pre_init`` or
-    ``post_init`` receivers for the model, ``from_db`` runs as usual so they are sent."""
-    if pre_init.has_listeners(WorkflowAgentDelivery) or post_init.has_listeners(WorkflowAgentDelivery):
+    ``post_init`` receivers for the model, or on a Django whose ``from_db`` this path does not
+    know (:data:`FAST_ROWS`), ``from_db`` runs as usual."""
+    model = WorkflowAgentDelivery
+    if not FAST_ROWS or pre_init.has_listeners(model) or post_init.has_listeners(model):
         return WorkflowAgentDelivery.from_db(alias, sql.CLAIM_ATTNAMES, row)
     delivery: WorkflowAgentDelivery = WorkflowAgentDelivery.__new__(WorkflowAgentDelivery)
     delivery.__dict__.update(zip(sql.CLAIM_ATTNAMES, row, strict=True))
