@@ -96,6 +96,7 @@ def commit_deliveries(
     expires_at: Any = None,
     execution_trace: Any = None,
     trigger_context: Any = None,
+    not_before: Any = None,
 ) -> list[uuid.UUID]:
     """Commit one delivery per binding, all or none, in one statement (SPEC section 4.2).
 
@@ -104,6 +105,8 @@ def commit_deliveries(
     ``event_id``. ``bindings``: 1..10,000 :class:`Binding` of this community, no identity twice.
     ``expires_at``: optional aware datetime (TTL, SPEC section 6). ``execution_trace`` /
     ``trigger_context``: optional JSON values (<= 1,000,000 bytes each) stored immutably.
+    ``not_before``: optional aware datetime before which no claim takes the deliveries (it is
+    their retry gate, ``next_attempt_at``, from the start; django.tasks' ``run_after``).
 
     A binding whose identity (community, run, step, target) already exists is skipped
     silently (a producer retry). Returns the ids actually created, in binding order (a retry
@@ -142,6 +145,8 @@ def commit_deliveries(
         seen.add(binding.identity)
     if expires_at is not None:
         expires_at = v.aware_datetime(expires_at, "expires_at")  # in UTC
+    if not_before is not None:
+        not_before = v.aware_datetime(not_before, "not_before")  # in UTC
     trace = _snapshot(execution_trace, "execution_trace")
     context = _snapshot(trigger_context, "trigger_context")
 
@@ -150,6 +155,7 @@ def commit_deliveries(
         "message_event_id": event_id,
         "max_attempts": get_settings().max_attempts,
         "expires_at": expires_at,
+        "not_before": not_before,
         "execution_trace": trace,
         "trigger_context": context,
         "channel": get_settings().notify_channel,
