@@ -10,6 +10,7 @@ from django.db import DatabaseError, connection
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
+from buzz_delivery import tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import cached, sql
@@ -128,6 +129,7 @@ def _fenced_as_nothing(statement: str, params: dict[str, Any]) -> list[tuple[Any
             raise
 
 
+@tracing.traced("buzz.claim")
 @tenant_scoped
 def claim_delivery(
     community_id: uuid.UUID | str,
@@ -167,6 +169,7 @@ def claim_delivery(
     return claims[0] if claims else None
 
 
+@tracing.traced("buzz.claim")
 @tenant_scoped
 def claim_deliveries(
     community_id: uuid.UUID | str,
@@ -222,6 +225,7 @@ def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOut
     )
 
 
+@tracing.traced("buzz.settle")
 @tenant_scoped
 def finish_delivery(
     lease: Lease,
