@@ -42,11 +42,22 @@ _PLAN = (
     "the coordinator merges the shards (a Sort above the Citus scan by design); test_citus pins "
     "that every statement runs on one shard"
 )
+_TRIGGER_NOTIFY = (
+    "listens on the coordinator for a wake-up that a trigger (or a statement routed whole to a "
+    "shard) sends on the worker that holds the community, where the coordinator's listeners do "
+    "not hear it; the orchestrators poll (docs/scale-out.md, 'What you give up'), which the "
+    "engine's modules show on the cluster"
+)
 _POLICY = "tests/test_policy.py::test_the_claim_"
 SKIPPED: dict[str, str] = {
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
+    "tests/test_agents_admin.py::test_the_list_is_served_newest_first_by_an_index_on_the_id": _PLAN,
+    "tests/test_wf_batch_complete.py::test_a_completer_that_claims_every_released_step_wakes_nobody_else": (
+        _TRIGGER_NOTIFY
+    ),
+    "tests/test_wf_batch_complete.py::test_a_completer_that_leaves_ready_steps_wakes_the_others": _TRIGGER_NOTIFY,
 }
 
 

@@ -5,6 +5,7 @@ the suite runs there too (see docs/scale-out.md for which modules)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,38 @@ def test_lease_statements_run_on_one_shard(community):
     for name, statement in statements.items():
         plan = _plan(statement, params)
         assert "Task Count: 1" in plan, f"{name} fans out:\n{plan}"
+
+
+def _statements_naming_a_community() -> list[tuple[str, str]]:
+    """Every write of the services and every call of a delegated function (the static rules'
+    collectors), that names its community (a maintenance walk over communities does not)."""
+    from tests.test_scale_out_function_rules import _calls_ours
+    from tests.test_scale_out_rules import collect, collect_statements
+
+    writes, _ = collect_statements()
+    called, _ = collect(_calls_ours)
+    found = dict((sql, source) for source, sql in [*writes, *called])
+    return [(source, sql) for sql, source in found.items() if "%(community_id)s" in sql and "{" not in sql]
+
+
+def test_every_statement_that_names_its_community_runs_on_one_shard(community):
+    """Every lease statement (claim, renew, settle, retry, reap, expiry, operator action) of
+    every layer, and every delegated call, is planned as one task on the node of its community:
+    EXPLAIN with the community and every other parameter NULL."""
+    statements = _statements_naming_a_community()
+    names = {source for source, _ in statements}
+    for expected in ("sql.RETRY_IF_CURRENT_GENERATION", "sql.CLAIM_READY_STEPS", "sql.CLAIM_PENDING_RUNS",
+                     "cached.CLAIM['call']", "sql.END_RUN_IF_ACTIVE", "sql.REAP_LAPSED_LEASES"):  # fmt: skip
+        assert any(n.endswith(expected) for n in names), (expected, sorted(names))
+    fanned = []
+    for source, statement in statements:
+        params = {name: None for name in re.findall(r"%\((\w+)\)s", statement)}
+        params["community_id"] = community.id
+        with transaction.atomic():
+            plan = _plan(statement, params)
+        if "Task Count: 1" not in plan:
+            fanned.append(f"{source}:\n{plan}")
+    assert not fanned, "\n\n".join(fanned)
 
 
 def test_sixteen_claimers_of_sixteen_communities_never_wait_on_a_lock():

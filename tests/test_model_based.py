@@ -534,9 +534,10 @@ class DeliveryMachine(RuleBasedStateMachine):
             cursor.execute("SET LOCAL session_replication_role = replica")
             cursor.execute(
                 "UPDATE buzz_delivery_delivery SET"
-                " lease_until = lease_until - make_interval(secs => %(s)s),"
-                " next_attempt_at = next_attempt_at - make_interval(secs => %(s)s),"
-                " expires_at = expires_at - make_interval(secs => %(s)s)"
+                # (the IMMUTABLE helper: timestamptz - interval over a column is STABLE, SPEC 15)
+                " lease_until = buzz_delivery_plus_seconds(lease_until, -%(s)s),"
+                " next_attempt_at = buzz_delivery_plus_seconds(next_attempt_at, -%(s)s),"
+                " expires_at = buzz_delivery_plus_seconds(expires_at, -%(s)s)"
                 " WHERE community_id = ANY(%(ids)s)",
                 {"s": seconds, "ids": [c.id for c in self.communities]},
             )

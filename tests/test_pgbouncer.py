@@ -172,7 +172,7 @@ def lapsed_deliveries(n: int) -> list:
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {DELIVERY_TABLE} SET lease_until = now() - interval '1 hour',"
-            " claimed_at = claimed_at - interval '1 hour' WHERE id = ANY(%s)",
+            " claimed_at = buzz_delivery_plus_seconds(claimed_at, -3600) WHERE id = ANY(%s)",
             [ids],
         )
     return ids

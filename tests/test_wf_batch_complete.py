@@ -292,7 +292,10 @@ def test_a_run_locked_elsewhere_is_left_out_of_the_batch_and_completed_on_its_ow
     # steps and fail the first assertion, rather than hang the test.
     release = threading.Timer(2.0, holder.rollback)
     try:
-        holder.execute("SELECT 1 FROM buzz_workflows_run WHERE run_id = %s FOR NO KEY UPDATE", [busy.pk])
+        holder.execute(  # the community named: a row lock Citus can route (SPEC 15)
+            "SELECT 1 FROM buzz_workflows_run WHERE community_id = %s AND run_id = %s FOR NO KEY UPDATE",
+            [workflow.community_id, busy.pk],
+        )
         release.start()
         batch = complete_and_claim_steps(
             workflow.community_id, [(claims[busy.pk].lease, 1), (claims[free.pk].lease, 2)], claim_limit=10

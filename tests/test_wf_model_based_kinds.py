@@ -883,8 +883,8 @@ class KindsMachine(RuleBasedStateMachine):
         a = pending[i % len(pending)]
         with connection.cursor() as cursor:
             cursor.execute(
-                "UPDATE buzz_workflows_approval SET requested_at = requested_at - interval '1 hour',"
-                " deadline_at = requested_at - interval '1 hour' + interval '1 second'"
+                "UPDATE buzz_workflows_approval SET requested_at = buzz_delivery_plus_seconds(requested_at, -3600),"
+                " deadline_at = buzz_delivery_plus_seconds(requested_at, -3599)"
                 " WHERE community_id = %s AND id = %s",
                 [self.cid, a.id],
             )

@@ -223,12 +223,12 @@ def test_an_expired_approval_cannot_be_decided(workflow):
     run, approval = approval_run(workflow)
     with connection.cursor() as cursor:
         cursor.execute(
-            "UPDATE buzz_workflows_approval SET deadline_at = requested_at + interval '1 second',"
-            " requested_at = requested_at - interval '1 hour' WHERE id = %s",
+            "UPDATE buzz_workflows_approval SET deadline_at = buzz_delivery_plus_seconds(requested_at, 1),"
+            " requested_at = buzz_delivery_plus_seconds(requested_at, -3600) WHERE id = %s",
             [approval.id],
         )
         cursor.execute(
-            "UPDATE buzz_workflows_approval SET deadline_at = requested_at + interval '1 second' WHERE id = %s",
+            "UPDATE buzz_workflows_approval SET deadline_at = buzz_delivery_plus_seconds(requested_at, 1) WHERE id = %s",
             [approval.id],
         )
     assert isinstance(decide_approval(workflow.community_id, approval.id, "approved", "alice"), Expired)
