@@ -242,10 +242,12 @@ def test_two_concurrent_workers_run_each_compensation_exactly_once(community, en
 
 def next_attempt_in(run_id) -> float:
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT extract(epoch FROM next_attempt_at - now()) FROM buzz_agents_run WHERE id = %s", [run_id]
-        )
-        return float(cursor.fetchone()[0])
+        # now() read on its own: on Citus a read of a table is evaluated on the worker, whose
+        # transaction (and so its now()) started later than this one's.
+        cursor.execute("SELECT now()")
+        (now,) = cursor.fetchone()
+        cursor.execute("SELECT next_attempt_at FROM buzz_agents_run WHERE id = %s", [run_id])
+        return (cursor.fetchone()[0] - now).total_seconds()
 
 
 @pytest.mark.django_db

@@ -228,7 +228,8 @@ def test_an_expired_approval_cannot_be_decided(workflow):
             [approval.id],
         )
         cursor.execute(
-            "UPDATE buzz_workflows_approval SET deadline_at = buzz_delivery_plus_seconds(requested_at, 1) WHERE id = %s",
+            "UPDATE buzz_workflows_approval SET deadline_at = buzz_delivery_plus_seconds(requested_at, 1)"
+            " WHERE id = %s",
             [approval.id],
         )
     assert isinstance(decide_approval(workflow.community_id, approval.id, "approved", "alice"), Expired)

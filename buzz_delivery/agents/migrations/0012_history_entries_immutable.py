@@ -9,6 +9,7 @@ import importlib
 from django.db import migrations
 
 _0004 = importlib.import_module("buzz_delivery.agents.migrations.0004_approval_and_cancel_in_history")
+_0006 = importlib.import_module("buzz_delivery.agents.migrations.0006_workflow_cancel_expires_approvals")
 
 
 def _entry(event: str, status: str, generation: str, actor: str) -> tuple[str, str]:
@@ -38,7 +39,8 @@ RESUME = _rewrite(
     _entry("approval", "pending", "r.lease_generation", "coalesce(NEW.decided_by, 'expired')"),
     _entry("approval", "pending", "r.lease_generation", "NEW.decided_by"),
 )
-CANCELED = _rewrite(_0004.CANCELED, _entry("cancel", "cancelled", "r.lease_generation + 1", "'engine'"))
+# The cancel trigger as 0006 left it (it also expires the approvals the cancelled runs waited for).
+CANCELED = _rewrite(_0006.CANCELED, _entry("cancel", "cancelled", "r.lease_generation + 1", "'engine'"))
 
 
 class Migration(migrations.Migration):
@@ -46,5 +48,5 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.RunSQL(sql=RESUME, reverse_sql=_0004.RESUME),
-        migrations.RunSQL(sql=CANCELED, reverse_sql=_0004.CANCELED),
+        migrations.RunSQL(sql=CANCELED, reverse_sql=_0006.CANCELED),
     ]
