@@ -4,6 +4,11 @@ workers, the reaper). Installed for the run and dropped afterwards, so it costs 
 the demo. It only observes: it never changes a delivery. A demo killed before it could drop
 its trigger leaves it in place (named ``buzz_demo_audit_<run id hex>``; it still watches only
 that run's communities): ``DROP TRIGGER ... ON buzz_delivery_delivery`` removes it.
+
+On a Citus cluster the triggers run on the shards: the audit tables are distributed by
+``community_id`` with the community (:func:`distribute`), so each row is written in its
+community's shard group, and the session's ``application_name`` there is Citus's own
+(``citus_internal ...``): the report names the worker by the lease's ``holder`` instead.
 """
 
 from __future__ import annotations
@@ -14,6 +19,31 @@ from collections.abc import Iterable
 from django.db import connection
 
 TABLE = "buzz_delivery_delivery"
+
+
+AUDIT_TABLES = ("buzz_demo_statuschange", "buzz_demo_statechange")
+
+
+def distribute() -> None:
+    """On a Citus cluster, distribute the audit tables by ``community_id``, colocated with the
+    community (once): the audit triggers run on the shards, where they may write only their
+    community's shard group (docs/scale-out.md). Nothing to do on PostgreSQL."""
+    from buzz_delivery import isolation
+
+    with connection.cursor() as cursor:
+        if not isolation.is_citus(cursor):
+            return
+        cursor.execute(
+            "SELECT logicalrelid::regclass::text FROM pg_dist_partition WHERE logicalrelid::regclass::text = ANY(%s)",
+            [list(AUDIT_TABLES)],
+        )
+        done = {row[0] for row in cursor.fetchall()}
+        for table in AUDIT_TABLES:
+            if table not in done:
+                cursor.execute(
+                    "SELECT create_distributed_table(%s, 'community_id', colocate_with => 'buzz_delivery_community')",
+                    [table],
+                )
 
 
 def _name(run_id: uuid.UUID) -> str:
@@ -27,6 +57,7 @@ def install(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> None:
     ids = ",".join(str(uuid.UUID(str(c))) for c in community_ids)
     run = str(uuid.UUID(str(run_id)))
     name = _name(run_id)
+    distribute()
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
@@ -35,10 +66,12 @@ def install(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> None:
             BEGIN
                 IF NEW.community_id = ANY ('{{{ids}}}'::uuid[]) THEN
                     INSERT INTO buzz_demo_statuschange (run_id, delivery_id, community_id, old_status,
-                        new_status, old_generation, new_generation, attempt, failure_code, application_name, at)
+                        new_status, old_generation, new_generation, attempt, failure_code, application_name,
+                        holder, at)
                     VALUES ('{run}', NEW.id, NEW.community_id, OLD.status, NEW.status,
                         OLD.lease_generation, NEW.lease_generation, NEW.attempt, coalesce(NEW.failure_code, ''),
-                        left(current_setting('application_name'), 64), clock_timestamp());
+                        left(current_setting('application_name'), 64), coalesce(NEW.claimed_by, ''),
+                        clock_timestamp());
                 END IF;
                 RETURN NULL;
             END $$
@@ -77,6 +110,7 @@ def install_states(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> Non
     ids = ",".join(str(uuid.UUID(str(c))) for c in community_ids)
     run = str(uuid.UUID(str(run_id)))
     name = _state_name(run_id)
+    distribute()
     with connection.cursor() as cursor:
         cursor.execute(
             f"""

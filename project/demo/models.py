@@ -58,7 +58,8 @@ class StatusChange(models.Model):
     settle (generation kept), a claim and a reap (generation + 1) can be told apart;
     ``application_name`` is the session's, which names the worker (or the demo's reaper)."""
 
-    run = models.ForeignKey(DemoRun, on_delete=models.CASCADE, related_name="status_changes")
+    # No database key to the run: on Citus this table is distributed by community_id (audit.py).
+    run = models.ForeignKey(DemoRun, on_delete=models.CASCADE, related_name="status_changes", db_constraint=False)
     delivery_id = models.UUIDField()
     community_id = models.UUIDField()
     old_status = models.CharField(max_length=16)
@@ -68,6 +69,9 @@ class StatusChange(models.Model):
     attempt = models.IntegerField()
     failure_code = models.CharField(max_length=64, blank=True, default="")
     application_name = models.CharField(max_length=64, blank=True, default="")
+    # The lease's holder (claimed_by) after the change: names the worker where the session's
+    # application_name is Citus's own (a trigger on a shard).
+    holder = models.CharField(max_length=200, blank=True, default="")
     at = models.DateTimeField()
 
     class Meta:
@@ -103,7 +107,7 @@ class StateChange(models.Model):
     makes it (a worker, a trigger, the maintenance, the operator): the report counts each row's
     moves into a terminal state."""
 
-    run = models.ForeignKey(DemoRun, on_delete=models.CASCADE, related_name="state_changes")
+    run = models.ForeignKey(DemoRun, on_delete=models.CASCADE, related_name="state_changes", db_constraint=False)
     table = models.CharField(max_length=64)
     row_id = models.UUIDField()
     community_id = models.UUIDField()
