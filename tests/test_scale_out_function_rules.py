@@ -46,6 +46,7 @@ from tests.test_scale_out_rules import (
     column_refs,
     find_writes,
     scoped_tables,
+    set_and_where,
     split_top,
     tokenize,
 )
@@ -103,9 +104,7 @@ def rule5_violations(sql: str, volatility: dict[str, set[str]], params: frozense
     DELETE."""
     out = []
     for w in find_writes(sql):
-        parts = [("SET", a) for a in split_top(w.clauses.get("SET", []), w.depth)]
-        parts.append(("WHERE", w.clauses.get("WHERE", [])))
-        for clause, tokens in parts:
+        for clause, tokens in set_and_where(w):
             for name, at, end in calls(tokens):
                 kinds = volatility.get(name, set())
                 if "v" in kinds:  # Citus refuses a VOLATILE function there with or without columns

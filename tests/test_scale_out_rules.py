@@ -249,15 +249,21 @@ def rule2_violations(sql: str) -> list[str]:
     return out
 
 
+def set_and_where(w: Write) -> list[tuple[str, list[Token]]]:
+    """The parts of a write Citus judges for function volatility: each SET assignment, and its
+    WHERE (``("SET" | "WHERE", tokens)``)."""
+    parts = [("SET", a) for a in split_top(w.clauses.get("SET", []), w.depth)]
+    parts.append(("WHERE", w.clauses.get("WHERE", [])))
+    return parts
+
+
 def rule3_violations(sql: str) -> list[str]:
     """Interval arithmetic on a column in a SET assignment or in the write's WHERE (``timestamptz
     + interval`` is STABLE: Citus refuses it over a column in both); a now()-like call in
     RETURNING."""
     out = []
     for w in find_writes(sql):
-        parts = [("SET", a) for a in split_top(w.clauses.get("SET", []), w.depth)]
-        parts.append(("WHERE", w.clauses.get("WHERE", [])))
-        for clause, tokens in parts:
+        for clause, tokens in set_and_where(w):
             for m, t in enumerate(tokens):
                 if t.low not in INTERVAL_WORDS or "buzz_delivery_plus_seconds" in enclosing_calls(tokens, m):
                     continue
