@@ -12,7 +12,7 @@ with pytest's code, or 4 with a reason when no cluster can be had.
 Without test paths it runs the whole suite (``tests/``) but the modules of :data:`LEFT_OUT`;
 in every run, the tests of :data:`SKIPPED` are skipped with their reason (``tests/conftest.py``
 reads it). This module is the one place that says what the Citus mode does not run, and why:
-each entry names where its behaviour is shown instead. ``tests/test_citus.py`` checks that
+each entry names where its behaviour is shown instead. ``tests/test_scale_out.py`` checks that
 every entry still names a module or test that exists.
 """
 
