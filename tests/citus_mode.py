@@ -62,12 +62,32 @@ _NO_RLS = (
     "which is not on Citus in this version: docs/scale-out.md says why, for each table, and what "
     "protects it instead; on PostgreSQL the whole suite runs with it on"
 )
+_IGNORED_TRIGGERS = (
+    "switches the row's guard triggers off with pgtrigger.ignore, a session setting Citus does not carry "
+    "to the shards, so a guard refuses the raw write before the CHECK or key the test names (the write "
+    "is refused either way); the CHECKs and keys are shown on PostgreSQL"
+)
+_TWO_CLOCKS = (
+    "compares a time the test wrote from the coordinator's now() with one read from a shard's now() "
+    "in the same long test transaction (each node's transaction started when it was first reached: "
+    "seconds apart under load); shown on PostgreSQL"
+)
 _POLICY = "tests/test_policy.py::test_the_claim_"
 SKIPPED: dict[str, str] = {
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
     "tests/test_agents_admin.py::test_the_list_is_served_newest_first_by_an_index_on_the_id": _PLAN,
+    "tests/test_admin_ops.py::test_the_failure_code_filter_reads_its_partial_index_among_many_rows": _PLAN,
+    "tests/test_admin_ops.py::test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_many_rows": (
+        _PLAN
+    ),
+    "tests/test_admin_ops.py::test_the_date_links_read_the_ends_of_the_age_index_among_many_rows": _PLAN,
+    "tests/test_admin_ops.py::test_time_in_status_and_next_attempt_are_in_the_list": _TWO_CLOCKS,
+    "tests/test_constraints.py::test_a_raw_update_that_breaks_a_check_constraint_is_rejected": _IGNORED_TRIGGERS,
+    "tests/test_constraints.py::test_a_raw_update_moving_a_delivery_to_another_communitys_row_is_rejected": (
+        _IGNORED_TRIGGERS
+    ),
     "tests/test_demo.py::test_demo_second_act_checks_each_layer_and_fails_when_the_database_disagrees": (
         "NOT DONE on the cluster (issue 30): the demo's second act (workflow, agent and gateway workers "
         "in processes, killed mid-lease) does not finish within its timeout there, its cause not yet "
