@@ -72,6 +72,17 @@ _TWO_CLOCKS = (
     "in the same long test transaction (each node's transaction started when it was first reached: "
     "seconds apart under load); shown on PostgreSQL"
 )
+_TEST_TRIGGER = (
+    "installs a test-only trigger on the delivery table by one multi-statement DDL text (Citus "
+    "propagates DDL one statement at a time: 'cannot insert multiple commands into a prepared "
+    "statement'), some writing the coordinator's maintenance lease, which a shard's trigger cannot "
+    "reach; the guard and exit codes are shown on PostgreSQL, the maintenance's walk per community "
+    "on the cluster by test_reap, test_prune_command and the rest of test_reap_command"
+)
+_LOCKS_ON_WORKERS = (
+    "waits for the lifecycle move to queue by reading pg_locks, whose fence locks on Citus are on the "
+    "workers, out of the coordinator's sight; test_citus shows the fence race by behaviour"
+)
 _POLICY = "tests/test_policy.py::test_the_claim_"
 SKIPPED: dict[str, str] = {
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
@@ -85,6 +96,17 @@ SKIPPED: dict[str, str] = {
     "tests/test_admin_ops.py::test_the_date_links_read_the_ends_of_the_age_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_time_in_status_and_next_attempt_are_in_the_list": _TWO_CLOCKS,
     "tests/test_constraints.py::test_a_raw_update_that_breaks_a_check_constraint_is_rejected": _IGNORED_TRIGGERS,
+    "tests/test_reap_command.py::test_a_run_whose_lease_was_taken_over_stops_with_exit_code_3": _TEST_TRIGGER,
+    "tests/test_reap_command.py::test_a_failing_reap_exits_non_zero_and_releases_its_lease": _TEST_TRIGGER,
+    "tests/test_hardening.py::test_a_reap_inside_the_callers_transaction_keeps_its_guard": _TEST_TRIGGER,
+    "tests/test_hardening.py::test_a_stalled_reap_keeps_its_guard_so_a_second_run_stays_out": _TEST_TRIGGER,
+    "tests/test_hardening.py::test_a_run_that_finds_its_guard_lost_after_a_pause_exits_3": _TEST_TRIGGER,
+    "tests/test_hardening.py::test_a_lifecycle_move_queued_on_one_community_does_not_stall_the_reap_of_the_others": (
+        _LOCKS_ON_WORKERS
+    ),
+    "tests/test_hardening.py::test_a_lifecycle_move_queued_on_one_community_does_not_stall_the_pruner": (
+        _LOCKS_ON_WORKERS
+    ),
     "tests/test_constraints.py::test_a_raw_update_moving_a_delivery_to_another_communitys_row_is_rejected": (
         _IGNORED_TRIGGERS
     ),
