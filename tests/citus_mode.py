@@ -101,6 +101,11 @@ SKIPPED: dict[str, str] = {
     ),
     "tests/test_admin_ops.py::test_the_date_links_read_the_ends_of_the_age_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_time_in_status_and_next_attempt_are_in_the_list": _TWO_CLOCKS,
+    "tests/test_model_based.py::test_services_agree_with_the_spec_model_on_random_operation_sequences": (
+        "NOT DONE on the cluster (issue 30): " + _TWO_CLOCKS + "; here the reaper's dry-run counts (now() read "
+        "on the shards) against the model's clock, moved by raw updates inside the test's transaction; the "
+        "engine's model-based modules run on the cluster"
+    ),
     "tests/test_constraints.py::test_a_raw_update_that_breaks_a_check_constraint_is_rejected": _IGNORED_TRIGGERS,
     "tests/test_reap_command.py::test_a_run_whose_lease_was_taken_over_stops_with_exit_code_3": _TEST_TRIGGER,
     "tests/test_pgbouncer.py::test_two_concurrent_reap_runs_through_pgbouncer_never_both_run": _PGBOUNCER_AUDIT,

@@ -32,10 +32,13 @@ def spawn(start_worker):
 def _poison_trigger(message: str) -> None:
     """A database that refuses one delivery's settle: an UPDATE writing ``message`` raises."""
     with connection.cursor() as cursor:
+        # One statement per execute: Citus propagates DDL statement by statement.
         cursor.execute(
             "CREATE FUNCTION test_refuse_settle() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
             f"IF NEW.failure_message = '{message}' THEN RAISE EXCEPTION 'refused by a test trigger'; END IF; "
-            "RETURN NEW; END $$;"
+            "RETURN NEW; END $$"
+        )
+        cursor.execute(
             "CREATE TRIGGER test_refuse_settle BEFORE UPDATE ON buzz_delivery_delivery "
             "FOR EACH ROW EXECUTE FUNCTION test_refuse_settle()"
         )
@@ -258,8 +261,12 @@ def test_a_settle_under_way_at_the_give_up_is_not_counted_abandoned(make_binding
     worker = spawn(target, "--lease-seconds", "5", "--shutdown-grace", "2")
     wait_until(lambda: count_claimed([d]) == 1, what="the claim")
     with connection.cursor() as cursor:
+        cursor.execute("SELECT community_id FROM buzz_delivery_delivery WHERE id = %s", [d])
+        (community_id,) = cursor.fetchone()
         cursor.execute("BEGIN")
-        cursor.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [d])  # the settle waits
+        cursor.execute(  # the settle waits (the community named: a row lock Citus can route)
+            "SELECT 1 FROM buzz_delivery_delivery WHERE community_id = %s AND id = %s FOR UPDATE", [community_id, d]
+        )
         worker.proc.send_signal(signal.SIGTERM)
         time.sleep(3)  # past the grace, the settle still waiting on the row
         cursor.execute("COMMIT")
