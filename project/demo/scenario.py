@@ -245,7 +245,10 @@ class Scenario:
             while True:
                 now = time.monotonic()
                 if now >= next_reap:
-                    self.reaper.add(services.reap())
+                    reaped = services.reap()
+                    self.reaper.add(reaped)
+                    # Counted like a reap_deliveries pass (buzz_maintenance_runs_total on /metrics).
+                    services.record_maintenance_run("reap_deliveries", {"outcome": "ok", **asdict(reaped)})
                     next_reap = now + REAP_EVERY_SECONDS
                 if stuck.pid not in self.killed:
                     self._maybe_kill(run, stuck, now - production_started)
