@@ -122,7 +122,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
             filters.append(CommunityFilter)
         return filters
 
-    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> list[tuple[Any, dict[str, Any]]]:
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         return [
             (title, {**options, "fields": _shown(self.model, list(options["fields"]))})
             for title, options in super().get_fieldsets(request, obj)

@@ -399,10 +399,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
         """The detail page, with a button per operator action that applies to this delivery now
         (requeue a failed or expired one, force-fail a claimed one) and that the user may take, in
         an active community only: a fenced community's rows refuse both (its writes are fenced)."""
+        pk = search.parse_uuid(object_id)
         row = (
-            WorkflowAgentDelivery.objects.filter(pk=search.parse_uuid(object_id) or None)
-            .values_list("status", "community__deletion_state")
-            .first()
+            WorkflowAgentDelivery.objects.filter(pk=pk).values_list("status", "community__deletion_state").first()
+            if pk is not None
+            else None
         )
         status, community_state = row if row is not None else (None, None)
         if community_state != "active":

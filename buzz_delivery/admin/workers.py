@@ -16,6 +16,7 @@ from django.db.models import BooleanField, DurationField, ExpressionWrapper, F, 
 from django.db.models.functions import Now
 from django.http import HttpRequest
 from django.utils.html import format_html
+from django.utils.safestring import mark_safe
 
 from buzz_delivery.admin.base import ReadOnlyAdmin
 from buzz_delivery.admin.display import duration, timestamp
@@ -74,4 +75,4 @@ class WorkerRegistrationAdmin(ReadOnlyAdmin):
                 f"{STALE_AFTER_SECONDS:g}",
                 duration(getattr(obj, "silent_for", None)),
             )
-        return format_html('<span class="bd-ok">live</span>')
+        return mark_safe('<span class="bd-ok">live</span>')
