@@ -88,7 +88,7 @@ def holder(value: str | None) -> str:
     short = short_key_text(value)
     if short == value:
         return value
-    return format_html('<code title="{}" style="white-space: nowrap">{}</code>', value, short)
+    return format_html('<code title="{}">{}</code>', value, short)
 
 
 def duration(value: dt.timedelta | None) -> str:
@@ -214,6 +214,8 @@ def _history_cell(key: str, value: Any) -> str:
             return timestamp(dt.datetime.fromisoformat(str(value)))
         except ValueError:
             return str(value)
+    if key == "actor":
+        return holder(str(value))
     return str(value)
 
 

@@ -84,7 +84,7 @@ class DefinitionVersionAdmin(ReadOnlyAdmin):
 
 @admin.register(Run)
 class RunAdmin(ReadOnlyAdmin):
-    list_display = ("short_id", "workflow", "community", "state", "depth", "steps_left", "created_at", "finished_at")
+    list_display = ("short_id", "workflow", "community", "state", "progress", "finished_at")
     list_display_links = ("short_id",)
     list_filter = ("state",)
     list_select_related = ("workflow", "community")
@@ -115,9 +115,17 @@ class RunAdmin(ReadOnlyAdmin):
     has_cancel_engine_run_permission = _perm("cancel_engine_run")
     has_restart_engine_run_permission = _perm("restart_engine_run")
 
-    @admin.display(description="workflow run", ordering="run")
+    @admin.display(description="workflow run / created", ordering="run")
     def short_id(self, obj: Run) -> str:
-        return display.short_uuid(obj.pk)
+        return format_html(
+            '{}<br><span class="bd-quiet">{}</span>', display.short_uuid(obj.pk, 8), display.timestamp(obj.created_at)
+        )
+
+    @admin.display(description="steps left")
+    def progress(self, obj: Run) -> str:
+        """Steps left of the run's steps and, for a sub-workflow's run, its nesting depth."""
+        depth = format_html('<br><span class="bd-quiet">depth {}</span>', obj.depth) if obj.depth else ""
+        return format_html("{} of {}{}", obj.steps_left, obj.steps_total, depth)
 
     def refresh_seconds(self, request: HttpRequest, object_id: str) -> int | None:
         """A running run's page reloads itself every few seconds; a terminal one's does not."""
@@ -293,16 +301,7 @@ class StepAdmin(ReadOnlyAdmin):
 class ApprovalAdmin(ReadOnlyAdmin):
     """The approvals queue: pending first, oldest first; approve/reject need ``decide_approval``."""
 
-    list_display = (
-        "short_id",
-        "state",
-        "asked_by",
-        "community",
-        "prompt_line",
-        "requested_at",
-        "deadline_at",
-        "decided_by",
-    )
+    list_display = ("short_id", "state", "asked_by", "community", "prompt_line", "deadline_at", "decided_by")
     list_display_links = ("short_id",)
     list_filter = ("state",)
     list_select_related = ("run", "community")  # one join each, not one query per row
@@ -357,16 +356,18 @@ class ApprovalAdmin(ReadOnlyAdmin):
                 q |= Q(community_id=waited[0], pk=waited[1])
         return queryset.filter(q), False
 
-    @admin.display(description="approval", ordering="id")
+    @admin.display(description="approval / requested", ordering="requested_at")
     def short_id(self, obj: Approval) -> str:
-        return display.short_uuid(obj.pk)
+        return format_html(
+            '{}<br><span class="bd-quiet">{}</span>', display.short_uuid(obj.pk, 8), display.timestamp(obj.requested_at)
+        )
 
     @admin.display(description="asked by")
     def asked_by(self, obj: Approval) -> str:
         """What asked for the decision, linked: a workflow run's step, or an agent run."""
         if obj.run_id is not None:
             return format_html(
-                "{} · {}", run_link(obj.run_id), _link("buzz_workflows_step_change", obj.step_id, "step")
+                "{}<br>{}", run_link(obj.run_id), _link("buzz_workflows_step_change", obj.step_id, "its step")
             )
         agent_run = getattr(obj, "agent_run_id", None)
         if agent_run is not None:
