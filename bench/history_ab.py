@@ -5,7 +5,7 @@ columns (issue 30: ``jsonb_build_object`` over columns, which Citus refuses, rep
     python -m bench.history_ab [--pairs 2000] [--rounds 6]
 
 The claim and finish functions of core migration 0017 (before) are created next to today's
-(0018) under other names; each round drains ``--pairs`` claim -> finish pairs of one community
+(0019) under other names; each round drains ``--pairs`` claim -> finish pairs of one community
 through one and then the other (the order alternates), one pair at a time in autocommit, as an
 agent calls them. Prints the median microseconds per pair of each and the ratio after/before.
 """

@@ -232,7 +232,7 @@ CREATE_RUN = CREATE_RUN.format(run_columns=", ".join(str(f.column) for f in Run.
 
 # Calls of the engine's functions name the community first and stand alone (``SELECT f(...)``,
 # never once per row of a query): on Citus such a call is delegated whole to the community's
-# worker (migration 0016, docs/scale-out.md).
+# worker (migration 0017, docs/scale-out.md).
 RELEASE_ROOT_STEPS = "SELECT buzz_workflows_release_roots(%(community_id)s::uuid, %(run_id)s::uuid)"
 
 KEEP_SUCCEEDED_STEP = f"""

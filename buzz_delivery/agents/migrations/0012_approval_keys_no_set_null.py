@@ -29,6 +29,6 @@ def _rekey(table: str, name: str) -> migrations.RunSQL:
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_agents", "0010_write_fence_when_not_passed")]
+    dependencies = [("buzz_agents", "0011_approval_index")]
 
     operations = [_rekey(table, name) for table, name in KEYS]

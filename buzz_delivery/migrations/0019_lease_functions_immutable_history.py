@@ -114,7 +114,7 @@ $fn$;
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_delivery", "0017_lease_statements_as_functions")]
+    dependencies = [("buzz_delivery", "0018_delivery_run_name")]
 
     operations = [
         migrations.RunSQL(sql=CLAIM_PENDING, reverse_sql=_0017.CLAIM_PENDING),

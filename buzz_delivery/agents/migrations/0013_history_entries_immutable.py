@@ -44,7 +44,7 @@ CANCELED = _rewrite(_0006.CANCELED, _entry("cancel", "cancelled", "r.lease_gener
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_agents", "0011_approval_keys_no_set_null")]
+    dependencies = [("buzz_agents", "0012_approval_keys_no_set_null")]
 
     operations = [
         migrations.RunSQL(sql=RESUME, reverse_sql=_0004.RESUME),
