@@ -157,8 +157,8 @@ class RunAdmin(_WorkflowNameColumn, ReadOnlyAdmin):
     @admin.display(description="approvals")
     def approvals(self, obj: Run) -> str:
         """Each approval a step of this run asked for, linked (the queue decides them)."""
-        rows = Approval.objects.filter(community_id=obj.community_id, run_id=obj.pk)
-        rows = list(rows.only("id", "state", "step_id").order_by("requested_at")[:50])
+        queryset = Approval.objects.filter(community_id=obj.community_id, run_id=obj.pk)
+        rows = list(queryset.only("id", "state", "step_id").order_by("requested_at")[:50])
         if not rows:
             return display.EMPTY
         # The steps' keys on (community_id, run_id), not joined on the step's id alone (SPEC 15).

@@ -20,11 +20,18 @@ REFERENCE = "FOREIGN KEY (community_id, approval_id) REFERENCES buzz_workflows_a
 
 
 def _rekey(table: str, name: str) -> migrations.RunSQL:
+    # Two statements: on a Citus cluster already distributed, Citus refuses ADD CONSTRAINT
+    # together with another subcommand.
     return migrations.RunSQL(
-        sql=f"ALTER TABLE {table} DROP CONSTRAINT {name}, "
-        f"ADD CONSTRAINT {name} {REFERENCE} DEFERRABLE INITIALLY DEFERRED;",
-        reverse_sql=f"ALTER TABLE {table} DROP CONSTRAINT {name}, "
-        f"ADD CONSTRAINT {name} {REFERENCE} ON DELETE SET NULL (approval_id) DEFERRABLE INITIALLY DEFERRED;",
+        sql=[
+            f"ALTER TABLE {table} DROP CONSTRAINT {name}",
+            f"ALTER TABLE {table} ADD CONSTRAINT {name} {REFERENCE} DEFERRABLE INITIALLY DEFERRED",
+        ],
+        reverse_sql=[
+            f"ALTER TABLE {table} DROP CONSTRAINT {name}",
+            f"ALTER TABLE {table} ADD CONSTRAINT {name} {REFERENCE} ON DELETE SET NULL (approval_id)"
+            " DEFERRABLE INITIALLY DEFERRED",
+        ],
     )
 
 

@@ -13,9 +13,16 @@ TABLES = ("buzz_demo_statuschange", "buzz_demo_statechange")
 
 
 def _primary_key(table: str) -> migrations.RunSQL:
+    # Two statements each: Citus refuses ADD CONSTRAINT with another subcommand.
     return migrations.RunSQL(
-        sql=f"ALTER TABLE {table} DROP CONSTRAINT {table}_pkey, ADD CONSTRAINT {table}_pkey PRIMARY KEY (id, community_id);",
-        reverse_sql=f"ALTER TABLE {table} DROP CONSTRAINT {table}_pkey, ADD CONSTRAINT {table}_pkey PRIMARY KEY (id);",
+        sql=[
+            f"ALTER TABLE {table} DROP CONSTRAINT {table}_pkey",
+            f"ALTER TABLE {table} ADD CONSTRAINT {table}_pkey PRIMARY KEY (id, community_id)",
+        ],
+        reverse_sql=[
+            f"ALTER TABLE {table} DROP CONSTRAINT {table}_pkey",
+            f"ALTER TABLE {table} ADD CONSTRAINT {table}_pkey PRIMARY KEY (id)",
+        ],
     )
 
 
