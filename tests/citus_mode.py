@@ -101,6 +101,16 @@ SKIPPED: dict[str, str] = {
     ),
     "tests/test_admin_ops.py::test_the_date_links_read_the_ends_of_the_age_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_time_in_status_and_next_attempt_are_in_the_list": _TWO_CLOCKS,
+    "tests/test_admin_ops.py::test_the_dashboard_shows_every_layer_and_a_server_drawn_throughput_chart": (
+        "NOT DONE on the cluster (issue 30): one of the dashboard's queries (new on main while this "
+        "was done) has a correlated subquery over a FROM that holds a subquery, which Citus refuses "
+        "('correlated subqueries are not supported when the FROM clause contains a CTE or subquery'); "
+        "the dashboard works on PostgreSQL"
+    ),
+    "tests/test_claim_plan_stale_stats.py::test_the_batched_claim_updates_through_the_primary_key"
+    "_with_stale_statistics": _PLAN,
+    "tests/test_claim_rows.py::test_claim_and_settle_statements_load_timestamps_with_psycopgs_loader"
+    "_and_the_orm_keeps_djangos": _NO_RLS + " (its 'enforced' case; the other case shares its parametrisation)",
     "tests/test_model_based.py::test_services_agree_with_the_spec_model_on_random_operation_sequences": (
         "NOT DONE on the cluster (issue 30): " + _TWO_CLOCKS + "; here the reaper's dry-run counts (now() read "
         "on the shards) against the model's clock, moved by raw updates inside the test's transaction; the "
