@@ -101,6 +101,12 @@ SKIPPED: dict[str, str] = {
     ),
     "tests/test_admin_ops.py::test_the_date_links_read_the_ends_of_the_age_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_time_in_status_and_next_attempt_are_in_the_list": _TWO_CLOCKS,
+    "tests/test_wf_model_based_kinds.py::test_the_engine_agrees_with_the_model_on_every_step_kind": (
+        "audits every step's state change with a test-only trigger that writes a table local to the "
+        "coordinator (created by one multi-statement DDL text), which a trigger on a shard cannot reach; "
+        "the engine's model-based test over its function steps (test_wf_model_based) runs on the cluster, "
+        "and every step kind's own tests too"
+    ),
     "tests/test_admin_ops.py::test_the_dashboard_shows_every_layer_and_a_server_drawn_throughput_chart": (
         "NOT DONE on the cluster (issue 30): one of the dashboard's queries (new on main while this "
         "was done) has a correlated subquery over a FROM that holds a subquery, which Citus refuses "
