@@ -11,19 +11,30 @@ ones), then per community one short transaction: the community's write-fence loc
 (never waited on: a community being fenced is skipped as busy), at most ``batch_size``
 candidate steps are read, their runs locked (the engine's lock order: run, then steps), and
 one fenced UPDATE per kind re-checks the whole condition on the database clock, with
-``community_id`` in its own WHERE. Every path bumps the generation, so the old holder is fenced;
-Advance runs in the same transaction.
+``community_id`` in its own WHERE. Each of those transactions waits on a row lock at most
+``MAINTENANCE_LOCK_TIMEOUT_MS`` (``lock_timeout``): a run or step row that a stuck transaction
+holds (a worker's connection left in a transaction) skips that community for the pass,
+counted in ``skipped_busy``, and never stops the maintenance of the others. Every path bumps
+the generation, so the old holder is fenced; Advance runs in the same transaction.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from django.db import transaction
+from django.db import OperationalError, transaction
 
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import (
+    bound_lock_waits,
+    fetch_all,
+    lock_wait_timed_out,
+    retry_deadlocks,
+    translated_errors,
+)
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
@@ -31,6 +42,8 @@ from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.schedules import start_due_schedules
 from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP, step_entry
+
+logger = logging.getLogger("buzz_delivery.workflows")
 
 LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
 OVERRUN = (
@@ -133,7 +146,8 @@ WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s AND r.state = 
 @dataclass
 class WorkflowReapResult:
     """What one maintenance pass did (counts of steps/approvals; ``communities`` visited;
-    ``skipped_busy``: communities left for a later pass because their fence lock was taken;
+    ``skipped_busy``: communities left for a later pass because their fence lock was taken or a
+    row lock was held past the maintenance's ``lock_timeout``;
     ``batches``: per-community transactions run)."""
 
     reclaimed: int = 0
@@ -162,10 +176,44 @@ class WorkflowReapResult:
         )
 
 
+def bounded(batch: Callable[[], bool], community: object) -> bool:
+    """Run one community's batch (its own transaction, which bounds its lock waits with
+    :func:`~buzz_delivery.services.db.bound_lock_waits`); False when a row lock was not free
+    within the bound: that community is skipped for this pass, the others go on. SPEC 11."""
+    try:
+        return retry_deadlocks(batch)()  # a deadlock's victim runs again (a cancel or completion won)
+    except OperationalError as exc:
+        if not lock_wait_timed_out(exc):
+            raise
+        logger.warning("maintenance_lock_timeout community=%s: a row lock was held; skipped this pass", community)
+        return False
+
+
+_COUNTS = ("reclaimed", "exhausted", "runs_timed_out", "timed_out", "wait_timed_out", "approvals_expired")
+
+
 def _one_community(community: object, limit: int, result: WorkflowReapResult) -> bool:
-    """One bounded batch of one community; False when its fence lock was busy."""
+    """One bounded batch of one community; False when its fence lock was busy, or a row lock
+    was held past the maintenance's ``lock_timeout`` (nothing of the batch is kept or counted)."""
+    batches: list[WorkflowReapResult] = []
+
+    def attempt() -> bool:  # each try counts afresh: a rolled-back try's counts are dropped
+        batches[:] = [WorkflowReapResult()]
+        return _one_community_batch(community, limit, batches[0])
+
+    if not bounded(attempt, community):
+        return False
+    batch = batches[0]
+    for name in _COUNTS:
+        setattr(result, name, getattr(result, name) + getattr(batch, name))
+    result.deliveries_expired += batch.deliveries_expired
+    return True
+
+
+def _one_community_batch(community: object, limit: int, result: WorkflowReapResult) -> bool:
     params: dict[str, object] = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
     with transaction.atomic(), translated_errors():
+        bound_lock_waits()
         if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
             return False
         steps = fetch_all(CANDIDATE_STEPS, params)
@@ -200,14 +248,24 @@ def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
     """Runs that ended failed or canceled where no Python path expired their pending deliveries
     (the fan-in trigger failed them): expire those now, per community, through the core."""
     for (community,) in fetch_all(sql.COMMUNITIES_WITH_DELIVERIES_TO_EXPIRE, {"limit": 100}):
-        with transaction.atomic(), translated_errors():
-            params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
-            if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
-                result.skipped_busy += 1
-                continue
-            runs = [row[0] for row in fetch_all(sql.RUNS_WITH_DELIVERIES_TO_EXPIRE, params)]
-            fetch_all(LOCK_RUNS, {**params, "run_ids": sorted(runs)})
-            result.deliveries_expired += expire_deliveries_of_ended_runs(community, runs)  # type: ignore[arg-type]
+        expired: list[int] = []
+
+        def batch(community: object = community, expired: list[int] = expired) -> bool:
+            expired.clear()  # a rolled-back try's count is dropped
+            with transaction.atomic(), translated_errors():
+                bound_lock_waits()
+                params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+                if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+                    return False
+                runs = [row[0] for row in fetch_all(sql.RUNS_WITH_DELIVERIES_TO_EXPIRE, params)]
+                fetch_all(LOCK_RUNS, {**params, "run_ids": sorted(runs)})
+                expired.append(expire_deliveries_of_ended_runs(community, runs))  # type: ignore[arg-type]
+            return True
+
+        if not bounded(batch, community):
+            result.skipped_busy += 1
+            continue
+        result.deliveries_expired += sum(expired)
         result.batches += 1
 
 
