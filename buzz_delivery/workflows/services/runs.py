@@ -14,13 +14,13 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import AlreadyTerminal, Cause
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.exceptions import IdempotencyConflict, RunNotFound, RunNotRestartable
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
 from buzz_delivery.workflows.services import sql
-from buzz_delivery.workflows.services.common import json_argument
+from buzz_delivery.workflows.services.common import canonical_json, json_argument
 from buzz_delivery.workflows.services.types import Canceled, RunView
 from buzz_delivery.workflows.states import RUN_TERMINAL
 
@@ -206,7 +206,7 @@ def start_run(
         found = Run.objects.filter(
             community_id=community, workflow_id=workflow, idempotency_key=idempotency_key
         ).first()
-        if found is not None and found.input != input_value:
+        if found is not None and canonical_json(found.input) != canonical_json(input_value):
             raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used with another input")
         return found
 
@@ -242,6 +242,7 @@ def get_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> RunView |
     return RunView(run=run, steps=list(Step.objects.filter(community_id=community, run_id=rid).order_by("position")))
 
 
+@retry_deadlocks
 @tenant_scoped
 def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Canceled | AlreadyTerminal:
     """Cancel a running run in one transaction: the run becomes ``canceled``, every non-terminal
