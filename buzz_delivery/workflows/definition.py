@@ -116,8 +116,37 @@ def _number(step: _Step, field: str, value: Any, low: float, high: float) -> flo
     return float(value)
 
 
+def _unstorable(value: Any, path: str) -> tuple[str, str] | None:
+    """The first text in ``value`` (keys included) PostgreSQL cannot store, as (field path,
+    why), or None: a NUL (jsonb and text refuse it) or a lone surrogate (not UTF-8)."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return path, "holds a NUL character, which PostgreSQL cannot store"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path, "holds a lone surrogate code point, which is not UTF-8"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _unstorable(key, f"{path}.<key>" if path else "<key>") or _unstorable(
+                item, f"{path}.{key}" if path else str(key)
+            )
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := _unstorable(item, f"{path}[{i}]"):
+                return found
+    return None
+
+
 def _step(step: _Step) -> dict[str, Any]:
     raw = step.raw
+    found = _unstorable(raw, "")
+    if found is not None:
+        path, why = found
+        raise step.invalid(path, why)  # the path names keys already found storable
     key = raw.get("key")
     try:
         v.step_id(key)

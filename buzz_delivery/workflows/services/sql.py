@@ -95,6 +95,19 @@ WHERE {CURRENT_STEP_LEASE}
 RETURNING s.lease_until
 """
 
+# A claim its holder never started, handed back: ``ready`` again in its place (ready_at kept),
+# the attempt it took given back, the generation bumped (the old lease is fenced).
+RELEASE_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'ready', attempts = s.attempts - 1, lease_generation = s.lease_generation + 1, {CLEAR_LEASE},
+    next_attempt_at = NULL,
+    {step_entry("'release'", "s.lease_generation + 1", "s.claimed_by", status="'ready'", renewals="s.renewals")}
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[]) AS u(id, generation)
+WHERE s.community_id = %(community_id)s AND s.id = u.id AND s.lease_generation = u.generation
+  AND s.state = 'running' AND s.lease_until >= {DB_NOW} AND {ACTIVE}
+RETURNING s.id
+"""
+
 COMPLETE_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s
 SET state = 'succeeded', output = %(output)s::jsonb, failure_code = NULL, failure_message = NULL,

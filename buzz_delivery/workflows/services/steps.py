@@ -20,7 +20,7 @@ from django.db import transaction
 from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Step
@@ -150,6 +150,37 @@ def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRene
     )
 
 
+@retry_deadlocks
+@tenant_scoped
+def release_steps(community_id: uuid.UUID | str, leases: Sequence[StepLease]) -> int:
+    """Hand back claims of one community that their holder never started (an orchestrator's
+    local queue it cannot serve): each step whose lease is current goes back to ``ready`` in
+    its place in the queue, the attempt its claim took given back and its generation bumped
+    (the lease is fenced), in one statement; the other orchestrators are woken (NOTIFY).
+    ``leases``: 0..1000, each of ``community_id``. Returns how many were handed back (a lease
+    already lost is not). Raises ``ValidationError`` keyed ``community_id``, ``leases`` or
+    ``lease`` before SQL. SPEC section 11 "Orchestrator"."""
+    community = v.uuid_value(community_id, "community_id")
+    if not isinstance(leases, Sequence) or len(leases) > MAX_CLAIM:
+        raise v.invalid("leases", f"must be a sequence of at most {MAX_CLAIM} step leases")
+    checked = [_lease(lease) for lease in leases]
+    if any(lease.community_id != community for lease in checked):
+        raise v.invalid("leases", "a lease of another community")
+    if not checked:
+        return 0
+    params = {
+        "community_id": community,
+        "step_ids": [lease.step_id for lease in checked],
+        "lease_generations": [lease.lease_generation for lease in checked],
+    }
+    with transaction.atomic(), translated_errors():
+        released = len(fetch_all(sql.RELEASE_MANY_IF_CURRENT_GENERATION, params))
+        if released:
+            fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
+    return released
+
+
+@retry_deadlocks
 @tenant_scoped
 def complete_step(lease: StepLease, output: Any = None) -> StepOutcome:
     """Record the step ``succeeded`` with ``output`` (JSON), if the lease is current; Advance
@@ -198,6 +229,7 @@ def complete_steps(community_id: uuid.UUID | str, completions: Sequence[tuple[St
     ]
 
 
+@retry_deadlocks
 @tenant_scoped
 def complete_and_claim_steps(
     community_id: uuid.UUID | str,
@@ -288,6 +320,7 @@ def backoff_seconds(attempts: int, base: float, cap: float) -> float:
     return float(min(cap, base * (2 ** min(attempts - 1, 30))))
 
 
+@retry_deadlocks
 @tenant_scoped
 def fail_step(
     lease: StepLease,
