@@ -174,7 +174,7 @@ class WorkerSummary(dict[str, int]):
 
     ``reason``: ``SIGTERM``, ``SIGINT``, ``max_deliveries``, ``idle_exit`` or ``stopped`` (a clean
     stop), ``handlers_hung`` (every handler thread past its deadline), or an internal error
-    (``worker_error``, ``handler raised KeyboardInterrupt``...). ``exit_code``: :data:`EXIT_OK`
+    (``worker_error``, ``handler_thread_died``, ``settler_died``). ``exit_code``: :data:`EXIT_OK`
     for a clean stop with nothing given up, :data:`EXIT_ABANDONED` when in-flight leases were
     given up or every handler hung, :data:`EXIT_ERROR` for an internal error.
     ``pending_retry``: deliveries of this community and target left ``pending`` while they wait
@@ -756,9 +756,12 @@ def run_worker(
     Stops when ``stop`` is set, on SIGTERM/SIGINT (``handle_signals``, main thread only), after
     ``max_deliveries`` or ``idle_exit``: no new claims, in-flight handlers finish and settle
     within ``shutdown_grace`` seconds, else their leases are given up (a second signal gives up
-    at once). Nothing about one delivery stops it: handler text is made storable, a settle that
-    raises leaves that lease to lapse. A handler past its deadline (``handler_timeout``,
-    ``expires_at``) is no longer renewed. Returns a :class:`WorkerSummary`: the counts of
+    at once). Nothing about one delivery stops it: handler text is made storable, a handler's
+    ``BaseException`` fails that delivery (its class name as the code), a transaction the
+    handler leaves open is rolled back and fails it (``transaction_left_open``; see
+    :mod:`buzz_delivery.usercode`), a settle that raises leaves that lease to lapse. A handler
+    or settler thread that dies all the same stops the worker (exit 1). A handler past its
+    deadline (``handler_timeout``, ``expires_at``) is no longer renewed. Returns a :class:`WorkerSummary`: the counts of
     :data:`SUMMARY_KEYS`, ``reason`` and ``exit_code``. Raises ``ValidationError`` for a bad
     ``lease_seconds``; :class:`WorkerInTransaction` inside ``transaction.atomic()``.
     """
