@@ -229,7 +229,6 @@ def complete_steps(community_id: uuid.UUID | str, completions: Sequence[tuple[St
     ]
 
 
-@retry_deadlocks
 @tenant_scoped
 def complete_and_claim_steps(
     community_id: uuid.UUID | str,
@@ -289,30 +288,41 @@ def complete_and_claim_steps(
     good = [(pair[0], text) for pair, text in zip(completions, texts, strict=True) if isinstance(text, str)]
     claims: list[StepClaim] = []
     if good or claim_params["limit"]:
-        with transaction.atomic(), translated_errors():
-            if claim_params["limit"]:
-                fetch_all(sql.DEFER_NOTIFY, {})
-            if good:
-                run_ids = sorted({lease.run_id for lease, _ in good})
-                lock = {"community_id": community, "run_ids": run_ids}
-                free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, lock)}
-                batch = [(lease, text) for lease, text in good if lease.run_id in free]
-                params = {
-                    "community_id": community,
-                    "step_ids": [lease.step_id for lease, _ in batch],
-                    "lease_generations": [lease.lease_generation for lease, _ in batch],
-                    "outputs": [text for _, text in batch],
-                }
-                settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
-                for lease, _ in batch:
-                    outcomes[lease.step_id] = (
-                        Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
-                    )
-            if claim_params["limit"]:
-                claims = _claims_from_rows(fetch_all(sql.CLAIM_READY_STEPS, claim_params))
-                fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
-                fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
+        settled, claims = _complete_and_claim(community, good, claim_params)
+        outcomes.update(settled)
     return CompletedBatch([outcomes.get(lease.step_id) for lease, _ in completions], claims)
+
+
+@retry_deadlocks
+def _complete_and_claim(
+    community: uuid.UUID, good: list[tuple[StepLease, str]], claim_params: dict[str, Any]
+) -> tuple[dict[uuid.UUID, StepOutcome], list[StepClaim]]:
+    """The transaction of :func:`complete_and_claim_steps` (run again whole when PostgreSQL
+    aborts it as a deadlock's victim): the outcomes it settled, and its claims."""
+    outcomes: dict[uuid.UUID, StepOutcome] = {}
+    claims: list[StepClaim] = []
+    with transaction.atomic(), translated_errors():
+        if claim_params["limit"]:
+            fetch_all(sql.DEFER_NOTIFY, {})
+        if good:
+            run_ids = sorted({lease.run_id for lease, _ in good})
+            lock = {"community_id": community, "run_ids": run_ids}
+            free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, lock)}
+            batch = [(lease, text) for lease, text in good if lease.run_id in free]
+            params = {
+                "community_id": community,
+                "step_ids": [lease.step_id for lease, _ in batch],
+                "lease_generations": [lease.lease_generation for lease, _ in batch],
+                "outputs": [text for _, text in batch],
+            }
+            settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
+            for lease, _ in batch:
+                outcomes[lease.step_id] = Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
+        if claim_params["limit"]:
+            claims = _claims_from_rows(fetch_all(sql.CLAIM_READY_STEPS, claim_params))
+            fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
+            fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
+    return outcomes, claims
 
 
 def backoff_seconds(attempts: int, base: float, cap: float) -> float:
