@@ -410,6 +410,7 @@ class Orchestrator:
         started = 0
         misses = 0  # claims in a row that came back empty
         deferred_at: int | None = None  # the completer batch count when a claim was last left to it
+        deferred_until = 0.0  # ... and until when (monotonic) it is left to that batch
         while True:
             if self.signal_name:
                 return self.signal_name
@@ -429,14 +430,15 @@ class Orchestrator:
             with self.lock:
                 completing = self.awaiting > 0 and c.max_steps is None
                 self.deferred_wake = self.deferred_wake or (room > 0 and completing)
-            if room > 0 and completing and deferred_at != self.batches:
+            if room > 0 and completing and (deferred_at != self.batches or time.monotonic() < deferred_until):
                 # The completer is about to record a batch, and it claims the ready steps in that
-                # transaction; it wakes us after the batch, and we claim what it left. Once per
-                # batch: when no batch went through within the poll interval (a completer
-                # waiting on a run lock), we claim ourselves.
-                deferred_at = self.batches
+                # transaction; it wakes us after the batch, and we claim what it left. When no
+                # batch went through within the poll interval (a completer waiting on a run
+                # lock), we claim ourselves.
+                if deferred_at != self.batches:
+                    deferred_at, deferred_until = self.batches, time.monotonic() + c.poll_interval
                 self.wake.clear()
-                self.wake.wait(c.poll_interval)
+                self.wake.wait(max(0.0, deferred_until - time.monotonic()))
                 continue
             if room > 0:
                 self.wake.clear()
