@@ -30,7 +30,7 @@ from typing import Any
 
 from django.db import close_old_connections, connection, connections
 
-from buzz_delivery import services
+from buzz_delivery import services, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.holders import holder_identity
@@ -317,7 +317,7 @@ class Worker:
         # leaves open on this thread's connection is undone there (buzz_delivery.usercode).
         call = UserCode(lease.community_id)
         try:
-            with call:
+            with call, tracing.handler_span(claim.delivery):
                 self.config.handler(claim.delivery)
             args = FINISHED
         except Exception as exc:
