@@ -16,18 +16,21 @@ puts the connection back as the runtime expects it:
   fresh connection; :attr:`UserCode.left_open` says what was left, and the caller fails that one
   delivery or step with :data:`TRANSACTION_LEFT_OPEN`;
 - session state (``SET statement_timeout``, ``SET search_path``, ``SET ROLE``, temporary
-  tables, session advisory locks, ``LISTEN``): after a call that ran any statement through
-  Django, ``DISCARD ALL`` (what poolers run between clients) and Django's time zone again.
-  The call's own work stands (it committed); only the session is cleaned.
+  tables, session advisory locks, ``LISTEN``, prepared statements, cursors): after a call that
+  ran such a statement through Django (:data:`SESSION_STATEMENT`), ``DISCARD ALL`` (what poolers
+  run between clients) and Django's time zone again. The call's own work stands (it
+  committed); only the session is cleaned. (A statement sent on the raw psycopg connection,
+  past Django's cursor, is not seen: its transaction is still judged, its session is not.)
 
-A call that touched no connection costs nothing here (no round trip): the workers' no-op
-handlers and steps are measured that way in ``bench/``.
+A call that changed no session state costs nothing here (no round trip): the workers' no-op
+handlers and steps are measured that way in ``bench/``, and ordinary ORM work adds nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +44,11 @@ logger = logging.getLogger("buzz_delivery.usercode")
 
 # The failure code of a delivery or step whose code left a transaction open.
 TRANSACTION_LEFT_OPEN = "transaction_left_open"
+# A statement that may leave state on the session past its transaction (the ORM sends none).
+SESSION_STATEMENT = re.compile(
+    r"^\s*(SET|RESET|LISTEN|PREPARE|DECLARE|LOAD|CREATE\s+(GLOBAL\s+|LOCAL\s+)?TEMP(ORARY)?)\b|set_config\s*\(|advisory_lock",
+    re.IGNORECASE,
+)
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 _UNKNOWN = psycopg.pq.TransactionStatus.UNKNOWN
@@ -95,15 +103,16 @@ class UserCode:
     or what the call left open (its connection was discarded: see the module docstring).
     Exceptions from the call pass through unchanged, after the clean-up."""
 
-    __slots__ = ("_db", "_depth", "_in_transaction", "_mark", "_scope", "left_open", "statements")
+    __slots__ = ("_db", "_depth", "_in_transaction", "_mark", "_scope", "left_open", "session_touched")
 
     def __init__(self, community_id: uuid.UUID | str) -> None:
         self._scope = tenancy.handler(community_id)
-        self.statements = 0
+        self.session_touched = False
         self.left_open: str | None = None
 
-    def _count(self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any) -> Any:
-        self.statements += 1
+    def _watch(self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any) -> Any:
+        if not self.session_touched and SESSION_STATEMENT.search(sql if isinstance(sql, str) else str(sql)):
+            self.session_touched = True
         return execute(sql, params, many, context)
 
     def __enter__(self) -> UserCode:
@@ -114,7 +123,7 @@ class UserCode:
         # Called inside a caller's transaction (a test's, run_until_idle's): only what the call
         # adds to it can be judged and undone.
         self._in_transaction = db.in_atomic_block or not db.autocommit
-        db.execute_wrappers.append(self._count)
+        db.execute_wrappers.append(self._watch)
         self._scope.__enter__()
         return self
 
@@ -150,7 +159,7 @@ class UserCode:
         raw = db.connection
         if raw is not None and (raw.closed or raw.info.transaction_status == _UNKNOWN):
             discard_connection(db)  # terminated under the call: the next statement reconnects
-        elif raw is not None and self.statements:
+        elif raw is not None and self.session_touched:
             try:
                 raw.execute("DISCARD ALL", prepare=False)
                 db.ensure_timezone()
