@@ -138,5 +138,5 @@ def test_claims_queued_behind_a_slow_step_are_handed_back_not_held(community, tm
     delays = claim_to_start(community, log)
     worst = max(delays.items(), key=lambda item: item[1])
     assert worst[1] <= POLL + SLACK, f"{worst} claimed {worst[1]:.2f} s before it ran"
-    assert summaries[0]["handed_back"] == 20
+    assert summaries[0]["handed_back"] >= 1  # those claimed ahead (the rest were never claimed there)
     assert summaries[0]["renewed"] == 0  # no lease renewed for a claim nobody ran
