@@ -39,7 +39,7 @@ from buzz_delivery.services.db import bound_lock_waits, fetch_all, translated_er
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
-from buzz_delivery.workflows.services.maintenance import bounded
+from buzz_delivery.workflows.services.maintenance import add_bounded_batch
 
 LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
 # Past timeout_at, unless the run is already unwinding with compensations left: it ends once
@@ -172,18 +172,8 @@ class AgentReapResult:
 def _one_community(community: object, limit: int, result: AgentReapResult) -> bool:
     """One bounded batch of one community; False when its fence lock was busy, or a row lock
     was held past the maintenance's ``lock_timeout`` (nothing of the batch kept or counted)."""
-    batches: list[AgentReapResult] = []
-
-    def attempt() -> bool:  # each try counts afresh: a rolled-back try's counts are dropped
-        batches[:] = [AgentReapResult()]
-        return _one_community_batch(community, limit, batches[0])
-
-    if not bounded(attempt, community):
-        return False
-    batch = batches[0]
-    for name in ("reclaimed", "exhausted", "timed_out", "unwinding", "approvals_expired"):
-        setattr(result, name, getattr(result, name) + getattr(batch, name))
-    return True
+    counts = ("reclaimed", "exhausted", "timed_out", "unwinding", "approvals_expired")
+    return add_bounded_batch(community, result, lambda r: _one_community_batch(community, limit, r), counts)
 
 
 def _one_community_batch(community: object, limit: int, result: AgentReapResult) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from django.db import OperationalError, transaction
 
@@ -44,6 +45,7 @@ from buzz_delivery.workflows.services.schedules import start_due_schedules
 from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP, step_entry
 
 logger = logging.getLogger("buzz_delivery.workflows")
+R = TypeVar("R")
 
 LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
 OVERRUN = (
@@ -189,25 +191,43 @@ def bounded(batch: Callable[[], bool], community: object) -> bool:
         return False
 
 
-_COUNTS = ("reclaimed", "exhausted", "runs_timed_out", "timed_out", "wait_timed_out", "approvals_expired")
+def add_bounded_batch(
+    community: object,
+    result: R,
+    batch: Callable[[R], bool],
+    counts: tuple[str, ...],
+) -> bool:
+    """:func:`bounded` for a batch that counts into a result: each try counts into a fresh
+    ``type(result)()`` (a rolled-back try's counts are dropped), and the ``counts`` of the try
+    that committed are added to ``result``. False when the batch was skipped."""
+    tries: list[R] = []
+
+    def attempt() -> bool:
+        tries[:] = [type(result)()]
+        return batch(tries[0])
+
+    if not bounded(attempt, community):
+        return False
+    for name in counts:
+        setattr(result, name, getattr(result, name) + getattr(tries[0], name))
+    return True
+
+
+_COUNTS = (
+    "reclaimed",
+    "exhausted",
+    "runs_timed_out",
+    "timed_out",
+    "wait_timed_out",
+    "approvals_expired",
+    "deliveries_expired",
+)
 
 
 def _one_community(community: object, limit: int, result: WorkflowReapResult) -> bool:
     """One bounded batch of one community; False when its fence lock was busy, or a row lock
     was held past the maintenance's ``lock_timeout`` (nothing of the batch is kept or counted)."""
-    batches: list[WorkflowReapResult] = []
-
-    def attempt() -> bool:  # each try counts afresh: a rolled-back try's counts are dropped
-        batches[:] = [WorkflowReapResult()]
-        return _one_community_batch(community, limit, batches[0])
-
-    if not bounded(attempt, community):
-        return False
-    batch = batches[0]
-    for name in _COUNTS:
-        setattr(result, name, getattr(result, name) + getattr(batch, name))
-    result.deliveries_expired += batch.deliveries_expired
-    return True
+    return add_bounded_batch(community, result, lambda r: _one_community_batch(community, limit, r), _COUNTS)
 
 
 def _one_community_batch(community: object, limit: int, result: WorkflowReapResult) -> bool:
