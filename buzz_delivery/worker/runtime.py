@@ -613,14 +613,15 @@ class Worker:
             self.wake.wait(min(timeout, SIGNAL_CHECK_SECONDS))
         return self.signal_name if self.signalled else "stopped"
 
-    def _dead_thread(self) -> str | None:
+    def _dead_thread(self, *, settler: bool = True) -> str | None:
         """Why to stop when a thread the worker needs died (never expected: each one catches
-        what its work raises), else None."""
+        what its work raises), else None. ``settler``: judge the settler too (not once the
+        drain has closed it)."""
         with self._lock:
             exited = set(self.exited)
         if any(not thread.is_alive() and thread.ident not in exited for thread in self.threads):
             return "handler_thread_died"
-        if self.settler.ident is not None and not self.settler.is_alive():
+        if settler and self.settler.ident is not None and not self.settler.is_alive():
             return "settler_died"
         return None
 
@@ -642,7 +643,9 @@ class Worker:
                 return 0
             if self._working() <= 0 or self.give_up or time.monotonic() >= give_up_at:
                 break
-            if self._dead_thread() is not None:
+            dead = self._dead_thread()
+            if dead is not None:
+                self._fail(dead)  # reported whatever stopped the dispatcher (a signal, a quota)
                 break  # what a dead thread held never settles: give up now
             self.wake.wait(SIGNAL_CHECK_SECONDS)
             self.wake.clear()
@@ -707,6 +710,9 @@ class Worker:
                 in_flight = self.in_flight
             logger.info("stopping reason=%s in_flight=%d", self.error_reason or reason, in_flight)
             self.drain(threads)
+            dead = self._dead_thread(settler=False)  # a handler thread that died while draining
+            if dead is not None:
+                self._fail(dead)
             self.renewer.shutdown()
             listener.join()
         # An internal error wins over how the dispatcher stopped, even one raised while draining.
