@@ -19,3 +19,6 @@ class WorkflowsConfig(AppConfig):
 
     def ready(self) -> None:
         from buzz_delivery.workflows import functions  # noqa: F401  (registers noop and echo)
+        from buzz_delivery.workflows.registry import autodiscover
+
+        autodiscover()  # every installed app's workflows.py, and BUZZ_WORKFLOWS['MODULES']

@@ -17,6 +17,9 @@ DEFAULTS: dict[str, Any] = {
     "LEASE_SECONDS": 60,
     # Dotted paths of callables registered as function steps: {"name": "pkg.mod:func"}.
     "FUNCTIONS": {},
+    # Modules imported when the app is ready, for their @workflow_function registrations
+    # (besides the ``workflows`` module of every installed app): ["myproject.steps"].
+    "MODULES": [],
     # Largest JSON output a step may record (bytes of its JSON text).
     "MAX_OUTPUT_BYTES": 256_000,
     # Retry defaults of a step without "retry": attempts, backoff base and cap (seconds).
@@ -36,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
 class WorkflowSettings:
     lease_seconds: float
     functions: dict[str, str]
+    modules: tuple[str, ...]
     max_output_bytes: int
     max_attempts: int
     backoff_base_seconds: float
@@ -51,6 +55,7 @@ def get_settings() -> WorkflowSettings:
     return WorkflowSettings(
         lease_seconds=raw["LEASE_SECONDS"],
         functions=dict(raw["FUNCTIONS"]),
+        modules=tuple(raw["MODULES"]),
         max_output_bytes=raw["MAX_OUTPUT_BYTES"],
         max_attempts=raw["MAX_ATTEMPTS"],
         backoff_base_seconds=raw["BACKOFF_BASE_SECONDS"],

@@ -44,6 +44,8 @@ def why_not_running(step: Step, now: dt.datetime) -> str:
     if step.state == "skipped":
         return "condition false" if step.skip_reason == "condition_false" else "skipped: a dependency did not succeed"
     if step.state == "failed":
+        if step.failure_code == "function_not_registered":
+            return f"failed: {step.failure_message or 'its function is not registered in the worker that ran it'}"
         return f"failed: {step.failure_code}"
     if step.state == "canceled":
         return f"canceled ({step.skip_reason or 'run ended'})"

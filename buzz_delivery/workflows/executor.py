@@ -29,7 +29,13 @@ from buzz_delivery.services import Binding, Settled, tenancy
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
-from buzz_delivery.workflows.registry import PermanentStepFailure, StepContext, get_function
+from buzz_delivery.workflows.registry import (
+    PermanentStepFailure,
+    StepContext,
+    get_function,
+    missing_message,
+    note_missing,
+)
 from buzz_delivery.workflows.services import approvals, steps
 from buzz_delivery.workflows.services.runs import cause_of, create_run
 from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
@@ -117,11 +123,15 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
     """Call a ``function`` step's registered callable. Returns its :class:`Output`, or the
     outcome of the failure recorded (missing function, an exception: retried unless
     :class:`PermanentStepFailure`)."""
-    fn = get_function(claim.spec["function"])
+    name = claim.spec["function"]
+    fn = get_function(name)
     if fn is None:
-        return steps.fail_step(
-            claim.lease, "function_not_registered", failure_message=claim.spec["function"], retryable=False
+        note_missing(name)
+        message = missing_message(name)
+        logger.warning(
+            "function_not_registered step=%s run=%s function=%r: %s", claim.step.key, claim.lease.run_id, name, message
         )
+        return steps.fail_step(claim.lease, "function_not_registered", failure_message=message, retryable=False)
     context = StepContext(claim.lease.community_id, claim.lease.run_id, claim.step.key, claim.lease.attempts)
     try:
         with tenancy.handler(claim.lease.community_id):  # the user's code: the login's role (SPEC 13)

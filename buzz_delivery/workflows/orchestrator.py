@@ -40,6 +40,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
+from buzz_delivery.workflows.registry import missing_counts
 from buzz_delivery.workflows.services import claim_steps, communities_with_ready_steps, renew_step
 from buzz_delivery.workflows.services.steps import MAX_CLAIM
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
@@ -388,6 +389,7 @@ class Orchestrator:
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, Any]:
         c = self.config
+        missing_before = missing_counts()
         threads = [
             threading.Thread(target=self._step_thread, name=f"buzz-workflows-step-{i}", daemon=True)
             for i in range(c.concurrency)
@@ -426,7 +428,10 @@ class Orchestrator:
         exit_code = EXIT_OK if reason in ("SIGTERM", "SIGINT", "stopped", "idle_exit", "max_steps") else EXIT_ERROR
         if self.counts["abandoned"] and exit_code == EXIT_OK:
             exit_code = EXIT_ABANDONED
-        return {**self.counts, "reason": reason, "exit_code": exit_code}
+        # Steps that named a function this process does not have: {name: steps} (the log says how
+        # to register it; the step failed function_not_registered).
+        missing = dict(sorted((missing_counts() - missing_before).items()))
+        return {**self.counts, "not_registered": missing, "reason": reason, "exit_code": exit_code}
 
 
 def run_orchestrator(
