@@ -53,10 +53,28 @@ STEP_TERMINAL = ("succeeded", "failed", "skipped", "canceled")
 
 
 class StepKind(models.TextChoices):
+    """What a step does once claimed (SPEC sections 11 and 16 "Engine waits"): ``sleep`` and
+    ``wait_event`` park ``waiting`` without a lease (until a time, or until an event or their
+    timeout); ``map`` runs one element step per item of a runtime list and collects them."""
+
     FUNCTION = "function"
     SEND_MESSAGE = "send_message"
     SUB_WORKFLOW = "sub_workflow"
     APPROVAL = "approval"
+    SLEEP = "sleep"
+    WAIT_EVENT = "wait_event"
+    MAP = "map"
+
+
+class OnTimeout(models.TextChoices):
+    """What a ``wait_event`` step does when its wait times out: ``fail`` (``wait_timeout``, its
+    ``on_error`` applies), ``continue`` (succeeds with a null output), ``skip_dependents``
+    (``skipped``: its dependents are skipped, the run goes on). A ``sleep`` step is a wait
+    whose timeout is its wake time, under ``continue``."""
+
+    FAIL = "fail"
+    CONTINUE = "continue"
+    SKIP_DEPENDENTS = "skip_dependents"
 
 
 class OnError(models.TextChoices):
