@@ -10,6 +10,7 @@ class WorkflowsConfig(AppConfig):
     verbose_name = "Buzz workflows"
     default_auto_field = "django.db.models.BigAutoField"
     buzz_deletion_catalog = (
+        "buzz_workflows.SentEvent",
         "buzz_workflows.Schedule",
         "buzz_workflows.Approval",
         "buzz_workflows.Step",

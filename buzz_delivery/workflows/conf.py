@@ -32,6 +32,10 @@ DEFAULTS: dict[str, Any] = {
     "AUTHOR_PUBKEY": "00" * 32,
     # Kind number of those message events.
     "MESSAGE_KIND": 1,
+    # Seconds an event sent by send_event is kept for a wait_event step that starts after it.
+    "EVENT_RETENTION_SECONDS": 3600,
+    # Most items a map step runs (a longer list fails the step: map_too_large); at most 10,000.
+    "MAX_MAP_ITEMS": 1000,
 }
 
 
@@ -47,6 +51,8 @@ class WorkflowSettings:
     max_depth: int
     author_pubkey: bytes
     message_kind: int
+    event_retention_seconds: int
+    max_map_items: int
 
 
 def get_settings() -> WorkflowSettings:
@@ -63,4 +69,6 @@ def get_settings() -> WorkflowSettings:
         max_depth=min(int(raw["MAX_DEPTH"]), 8),
         author_pubkey=bytes.fromhex(raw["AUTHOR_PUBKEY"]),
         message_kind=raw["MESSAGE_KIND"],
+        event_retention_seconds=raw["EVENT_RETENTION_SECONDS"],
+        max_map_items=min(int(raw["MAX_MAP_ITEMS"]), 10_000),
     )

@@ -27,6 +27,7 @@ from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import Binding, Settled, tenancy
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.workflows import kinds, refs
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
 from buzz_delivery.workflows.registry import (
@@ -50,25 +51,7 @@ class _Rollback(Exception):
 
 def resolve(value: Any, run: Run, outputs: dict[str, Any]) -> Any:
     """``value`` with every ``{"$ref": [...]}`` replaced by what it names (None when absent)."""
-    if isinstance(value, dict):
-        if set(value) == {"$ref"}:
-            ref = value["$ref"]
-            if ref[0] == "input":
-                current, path = run.input, ref[1:]
-            else:
-                current, path = outputs.get(ref[1]), ref[3:]
-            for part in path:
-                if isinstance(current, dict):
-                    current = current.get(part)
-                elif isinstance(current, list) and part.isdigit() and int(part) < len(current):
-                    current = current[int(part)]
-                else:
-                    return None
-            return current
-        return {k: resolve(item, run, outputs) for k, item in value.items()}
-    if isinstance(value, list):
-        return [resolve(item, run, outputs) for item in value]
-    return value
+    return refs.resolve(value, run.input, outputs)
 
 
 def step_input(claim: StepClaim) -> dict[str, Any]:
@@ -77,13 +60,10 @@ def step_input(claim: StepClaim) -> dict[str, Any]:
     spec = claim.spec.get("input")
     if not spec:
         return {}
+    if claim.step.map_key is not None:
+        return spec  # type: ignore[no-any-return]  # a map element's input was resolved when the map expanded
     run = claim.step.run
-    outputs = dict(
-        Step.objects.filter(community_id=run.community_id, run_id=run.pk, state="succeeded").values_list(
-            "key", "output"
-        )
-    )
-    return resolve(spec, run, outputs)  # type: ignore[no-any-return]
+    return resolve(spec, run, kinds.run_outputs(run))  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +90,8 @@ def execute(claim: StepClaim, *, defer_output: bool = False) -> StepOutcome | Ou
             return _send_message(claim)
         if kind == "sub_workflow":
             return _sub_workflow(claim)
+        if kind in kinds.RUNNERS:  # sleep, wait_event, map (buzz_delivery.workflows.kinds)
+            return kinds.RUNNERS[kind](claim)
         outcome = approvals.request_approval(
             claim.lease, deadline_seconds=claim.spec["deadline_seconds"], prompt=claim.spec.get("prompt", "")
         )

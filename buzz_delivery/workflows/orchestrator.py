@@ -41,7 +41,13 @@ from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
 from buzz_delivery.workflows.registry import missing_counts
-from buzz_delivery.workflows.services import claim_steps, communities_with_ready_steps, renew_step
+from buzz_delivery.workflows.services import (
+    claim_steps,
+    communities_with_due_waits,
+    communities_with_ready_steps,
+    end_due_waits,
+    renew_step,
+)
 from buzz_delivery.workflows.services.steps import MAX_CLAIM
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 
@@ -165,6 +171,7 @@ class Orchestrator:
         )
         self.signal_name: str | None = None
         self.renew_done = threading.Event()
+        self.next_due_check = 0.0  # when the dispatcher next ends the due sleeps and waits
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -228,7 +235,13 @@ class Orchestrator:
 
     def _count(self, outcome: object) -> None:
         if isinstance(outcome, Settled):
-            key = {"succeeded": "succeeded", "failed": "failed", "ready": "retried", "waiting": "waiting"}
+            key = {
+                "succeeded": "succeeded",
+                "failed": "failed",
+                "ready": "retried",
+                "waiting": "waiting",
+                "pending": "waiting",
+            }
             self.add(key.get(outcome.status, "succeeded"))
         elif isinstance(outcome, AlreadyTerminal):
             self.add("already_terminal")
@@ -321,6 +334,22 @@ class Orchestrator:
             )
         return claims
 
+    def _end_due_waits(self) -> None:
+        """At most once a poll interval: sleeps and event waits whose time came end now
+        (``end_due_waits``), not at the next maintenance pass; what they release NOTIFYs."""
+        now = time.monotonic()
+        if now < self.next_due_check:
+            return
+        self.next_due_check = now + self.config.poll_interval
+        try:
+            c = self.config.community_id
+            for community in [c] if c is not None else communities_with_due_waits():
+                end_due_waits(community)
+        except DatabaseError as exc:
+            logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
+            close_old_connections()
+            connection.close()
+
     def dispatch(self) -> str:
         c = self.config
         idle_since = time.monotonic()
@@ -331,6 +360,7 @@ class Orchestrator:
                 return self.signal_name
             if self.stop.is_set():
                 return "stopped"
+            self._end_due_waits()
             if c.max_steps is not None and started >= c.max_steps:
                 return "max_steps"
             room = self._room()

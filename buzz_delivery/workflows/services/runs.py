@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from typing import Any, cast
 
 from django.db import IntegrityError, connection, transaction
+from django.db.models import F
 
 from buzz_delivery import services as core
 from buzz_delivery.exceptions import CommunityNotWritable
@@ -239,7 +240,8 @@ def get_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> RunView |
     run = Run.objects.filter(community_id=community, run_id=rid).first()
     if run is None:
         return None
-    return RunView(run=run, steps=list(Step.objects.filter(community_id=community, run_id=rid).order_by("position")))
+    rows = Step.objects.filter(community_id=community, run_id=rid)  # a map step before its items, in order
+    return RunView(run=run, steps=list(rows.order_by("position", F("item_index").asc(nulls_first=True))))
 
 
 @tenant_scoped

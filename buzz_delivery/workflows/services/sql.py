@@ -19,6 +19,7 @@ from buzz_delivery.workflows.models import Run, Step
 STEP = "buzz_workflows_step"
 RUN = "buzz_workflows_run"
 APPROVAL = "buzz_workflows_approval"
+SENT_EVENT = "buzz_workflows_sent_event"
 COMMUNITY = "buzz_delivery_community"
 
 
