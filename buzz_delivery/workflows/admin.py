@@ -20,7 +20,7 @@ from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.services import AlreadyTerminal
-from buzz_delivery.workflows import dag
+from buzz_delivery.workflows import dag, search
 from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Schedule, SentEvent, Step
 from buzz_delivery.workflows.services import (
     AlreadyDecided,
@@ -64,14 +64,18 @@ class DefinitionVersionAdmin(ReadOnlyAdmin):
 
 @admin.register(Run)
 class RunAdmin(ReadOnlyAdmin):
-    list_display = ("pk", "workflow", "state", "depth", "steps_left", "created_at", "finished_at")
+    list_display = ("pk", "workflow", "state", "tag_list", "depth", "steps_left", "created_at", "finished_at")
     list_filter = ("state",)
     list_select_related = ("workflow",)
+    # The search box: tags, input fields, id prefixes, state, workflow (buzz_delivery.workflows.search).
+    search_fields = ("=tags",)
+    search_help_text = search.HELP
     readonly_fields = (
         "run",
         "workflow",
         "definition",
         "state",
+        "tags",
         "failure_code",
         "failure_message",
         "input",
@@ -90,6 +94,13 @@ class RunAdmin(ReadOnlyAdmin):
 
     has_cancel_engine_run_permission = _perm("cancel_engine_run")
     has_restart_engine_run_permission = _perm("restart_engine_run")
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Run], search_term: str) -> Any:
+        return queryset.filter(search.run_search(search_term)), False
+
+    @admin.display(description="tags")
+    def tag_list(self, obj: Run) -> str:
+        return " ".join(obj.tags) or display.EMPTY
 
     def _steps(self, obj: Run) -> list[Step]:
         return list(Step.objects.filter(community_id=obj.community_id, run_id=obj.pk).order_by("position"))
