@@ -11,7 +11,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 
-from buzz_delivery import signals
+from buzz_delivery import signals, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import NotInTransaction
 from buzz_delivery.models import Event, new_uuid7
@@ -59,9 +59,28 @@ def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | st
     return bool(rows[0][0])
 
 
+# Deepest JSON nesting a snapshot may have. Python 3.11's json module stopped near 1,000 levels
+# on its recursion limit; 3.12 and later encode far deeper, so the limit is stated here.
+MAX_SNAPSHOT_DEPTH = 500
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether ``value`` nests lists/dicts deeper than :data:`MAX_SNAPSHOT_DEPTH` (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if depth > MAX_SNAPSHOT_DEPTH:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def _snapshot(value: Any, name: str) -> str | None:
     if value is None:
         return None
+    if isinstance(value, dict | list | tuple) and _too_deep(value):
+        raise v.invalid(name, f"must be JSON-serialisable (not nested too deep: at most {MAX_SNAPSHOT_DEPTH} levels)")
     try:
         text = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
@@ -87,6 +106,7 @@ def _snapshot(value: Any, name: str) -> str | None:
     return text
 
 
+@tracing.traced("buzz.commit")
 @tenant_scoped
 def commit_deliveries(
     community_id: uuid.UUID | str,
@@ -96,6 +116,7 @@ def commit_deliveries(
     expires_at: Any = None,
     execution_trace: Any = None,
     trigger_context: Any = None,
+    not_before: Any = None,
 ) -> list[uuid.UUID]:
     """Commit one delivery per binding, all or none, in one statement (SPEC section 4.2).
 
@@ -104,6 +125,8 @@ def commit_deliveries(
     ``event_id``. ``bindings``: 1..10,000 :class:`Binding` of this community, no identity twice.
     ``expires_at``: optional aware datetime (TTL, SPEC section 6). ``execution_trace`` /
     ``trigger_context``: optional JSON values (<= 1,000,000 bytes each) stored immutably.
+    ``not_before``: optional aware datetime before which no claim takes the deliveries (it is
+    their retry gate, ``next_attempt_at``, from the start; django.tasks' ``run_after``).
 
     A binding whose identity (community, run, step, target) already exists is skipped
     silently (a producer retry). Returns the ids actually created, in binding order (a retry
@@ -142,14 +165,17 @@ def commit_deliveries(
         seen.add(binding.identity)
     if expires_at is not None:
         expires_at = v.aware_datetime(expires_at, "expires_at")  # in UTC
+    if not_before is not None:
+        not_before = v.aware_datetime(not_before, "not_before")  # in UTC
     trace = _snapshot(execution_trace, "execution_trace")
-    context = _snapshot(trigger_context, "trigger_context")
+    context = _snapshot(tracing.with_trace(trigger_context), "trigger_context")
 
     params = {
         "community_id": community,
         "message_event_id": event_id,
         "max_attempts": get_settings().max_attempts,
         "expires_at": expires_at,
+        "not_before": not_before,
         "execution_trace": trace,
         "trigger_context": context,
         "channel": get_settings().notify_channel,
