@@ -28,13 +28,18 @@ RUN_TERMINAL = ("succeeded", "failed", "canceled")
 class StepState(models.TextChoices):
     """State of one step of one run.
 
-    - ``pending``: dependencies not all terminal. Advance -> ``ready`` or ``skipped``.
+    - ``pending``: dependencies not all terminal. Advance -> ``ready`` or ``skipped``. A ``map``
+      step comes back here once, from ``running``, when it expands into its items (one
+      dependency each; ``services.maps``).
     - ``ready``: claimable once ``next_attempt_at`` passed. ``claim_steps`` -> ``running``.
     - ``running``: leased (lease columns set). ``complete_step`` -> ``succeeded``/``waiting``;
       ``fail_step`` -> ``ready`` (retry) or ``failed``; the maintenance, once the lease lapsed,
       -> ``ready`` or ``failed`` (``attempts_exhausted``), or -> ``failed`` (``step_timeout``).
-    - ``waiting``: parked on deliveries, a child run or an approval (no lease). Their settling
-      transaction -> ``succeeded``/``failed``; the maintenance -> ``failed`` (``wait_timeout``).
+    - ``waiting``: parked on deliveries, a child run, an approval, a wake time (``sleep``) or an
+      event (``wait_event``), no lease. Their settling transaction (``send_event`` for an event)
+      -> ``succeeded``/``failed``; the maintenance or an orchestrator's poll, past
+      ``wait_deadline`` -> ``failed`` (``wait_timeout``), or as ``on_timeout`` says
+      (``succeeded`` with a null output: a sleep that is due; ``skipped``).
     - ``succeeded``, ``failed``, ``skipped``, ``canceled``: terminal, once. ``cancel_run`` and a
       failing run move every non-terminal step to ``canceled`` (generation + 1).
     """
