@@ -10,7 +10,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('buzz_delivery', '0017_lease_statements_as_functions'),
-        ('buzz_workflows', '0015_waits_events_maps'),
+        ('buzz_workflows', '0016_waits_events_maps'),
     ]
 
     operations = [

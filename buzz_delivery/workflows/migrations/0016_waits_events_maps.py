@@ -12,7 +12,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('buzz_delivery', '0017_lease_statements_as_functions'),
-        ('buzz_workflows', '0014_write_fence_when_not_passed'),
+        ('buzz_workflows', '0015_run_and_step_names'),
     ]
 
     operations = [
