@@ -1,7 +1,9 @@
 """The engine's cron maintenance (SPEC section 11 "Orchestrator", "Retries and timeouts"):
 lapsed step leases reclaimed (an attempt spent: ``ready`` again, or ``failed`` with
 ``attempts_exhausted``), step timeouts (``step_timeout``), wait timeouts (``wait_timeout``; a
-timed-out ``sub_workflow`` step's child run is canceled with it),
+timed-out ``sub_workflow`` step's child run is canceled with it), sleeps woken and
+``wait_event`` timeouts under their ``on_timeout`` (:mod:`~buzz_delivery.workflows.services.waits`),
+sent events past their keeping window deleted,
 approval deadlines (``approval_expired``), run deadlines (``run_deadline``), and the due slots
 of cron schedules started (:mod:`~buzz_delivery.workflows.services.schedules`); the pending
 deliveries of runs that ended in the batch are expired (core ``expire_run_deliveries``).
@@ -42,7 +44,17 @@ from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.schedules import start_due_schedules
-from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP, step_entry
+from buzz_delivery.workflows.services.sql import (
+    ACTIVE,
+    APPROVAL,
+    COMMUNITY,
+    LOCK_RUNS,
+    RUN,
+    SENT_EVENT,
+    STEP,
+    step_entry,
+)
+from buzz_delivery.workflows.services.waits import PRUNE_SENT_EVENTS, WAIT_OVER, DueWaits, end_due_waits_in
 
 logger = logging.getLogger("buzz_delivery.workflows")
 R = TypeVar("R")
@@ -52,7 +64,6 @@ OVERRUN = (
     f"s.state = 'running' AND s.timeout_seconds IS NOT NULL"
     f" AND s.claimed_at + make_interval(secs => s.timeout_seconds) < {DB_NOW}"
 )
-WAIT_OVER = f"s.state = 'waiting' AND s.wait_deadline < {DB_NOW}"
 # A step's approval (an agent's has no step: the agents' reaper expires those, in its own order).
 APPROVAL_OVER = f"a.state = 'pending' AND a.step_id IS NOT NULL AND a.deadline_at < {DB_NOW}"
 RUN_OVER = f"r.state = 'running' AND r.deadline_at < {DB_NOW}"
@@ -126,12 +137,19 @@ UPDATE {STEP} AS s SET state = 'failed', failure_code = 'approval_expired',
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND s.state = 'waiting' AND {ACTIVE}
 RETURNING s.id
 """
+# send_message and sub_workflow waits (sleep and wait_event steps carry on_timeout: services.waits).
 FAIL_OVERDUE_WAITS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'wait_timeout',
     failure_message = 'the wait ran past its wait_timeout_seconds', wait_deadline = NULL, finished_at = {DB_NOW},
     {step_entry("'expire'", "s.lease_generation", "'reaper'", status="'failed'")}
-WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {WAIT_OVER} AND {ACTIVE}
+WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {WAIT_OVER} AND s.on_timeout IS NULL AND {ACTIVE}
 RETURNING s.id, s.child_run_id
+"""
+COMMUNITIES_WITH_OLD_EVENTS = f"""
+SELECT DISTINCT e.community_id FROM {SENT_EVENT} AS e
+JOIN {COMMUNITY} AS c ON c.id = e.community_id AND c.deletion_state = 'active'
+WHERE e.expires_at IS NULL OR e.expires_at < {DB_NOW}
+LIMIT %(limit)s
 """
 # A sub_workflow step that gave up waiting cancels its child run (and, recursively, the child's
 # children): nothing goes on sending or waiting for approvals under a run that no longer waits
@@ -160,6 +178,8 @@ class WorkflowReapResult:
     slots_missed: int = 0
     timed_out: int = 0
     wait_timed_out: int = 0
+    woken: int = 0
+    events_pruned: int = 0
     approvals_expired: int = 0
     skipped_busy: int = 0
     communities: int = 0
@@ -173,6 +193,7 @@ class WorkflowReapResult:
             + self.exhausted
             + self.timed_out
             + self.wait_timed_out
+            + self.woken
             + self.approvals_expired
             + self.runs_timed_out
         )
@@ -221,6 +242,7 @@ _COUNTS = (
     "wait_timed_out",
     "approvals_expired",
     "deliveries_expired",
+    "woken",
 )
 
 
@@ -257,6 +279,10 @@ def _one_community_batch(community: object, limit: int, result: WorkflowReapResu
             fetch_all(FAIL_STEPS_OF_EXPIRED_APPROVALS, {**params, "ids": [row[0] for row in expired]})
         timed_out = fetch_all(FAIL_OVERDUE_WAITS, params)
         result.wait_timed_out += len(timed_out)
+        due = DueWaits()  # sleeps woken, wait_event timeouts under their on_timeout
+        end_due_waits_in({**params, "actor": "reaper"}, step_ids, due)
+        result.woken += due.woken
+        result.wait_timed_out += due.timed_out
         children = [row[1] for row in timed_out if row[1] is not None]
         for child in children:
             fetch_all(CANCEL_CHILD_OF_TIMED_OUT_STEP, {**params, "run_id": child})
@@ -289,6 +315,25 @@ def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
         result.batches += 1
 
 
+def _prune_sent_events(limit: int, result: WorkflowReapResult) -> None:
+    """Events past their keeping window, and the empty rows waits locked, deleted per community."""
+    for (community,) in fetch_all(COMMUNITIES_WITH_OLD_EVENTS, {"limit": 100}):
+
+        def batch(counts: WorkflowReapResult, community: object = community) -> bool:
+            with transaction.atomic(), translated_errors():
+                bound_lock_waits()
+                params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+                if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+                    return False
+                counts.events_pruned += len(fetch_all(PRUNE_SENT_EVENTS, params))
+            return True
+
+        if not add_bounded_batch(community, result, batch, ("events_pruned",)):
+            result.skipped_busy += 1
+            continue
+        result.batches += 1
+
+
 @fleet_scoped
 def reap_workflow_steps(
     *, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False
@@ -312,6 +357,7 @@ def reap_workflow_steps(
         result.runs_scheduled, result.slots_missed = scheduled.started, scheduled.missed
         result.skipped_busy += scheduled.skipped_busy
         _expire_left_deliveries(size, result)
+        _prune_sent_events(size, result)
     done: set[object] = set()
     while max_batches is None or result.batches < max_batches:
         communities = [row[0] for row in fetch_all(CANDIDATE_COMMUNITIES, {"limit": 100})]
