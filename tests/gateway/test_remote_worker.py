@@ -133,5 +133,6 @@ def test_the_remote_worker_poison_matrix_each_delivery_fails_alone_and_the_worke
     assert rows[poison["nul_1"].id].failure_message == "a NUL \\x00 and a lone surrogate \\ud800 in the message"
     assert {rows[d.id].status for d in fine} == {"finished"}
     result = summary(tmp_path)
-    assert (result["finished"], result["failed"], result["retried"]) == (3, 5, 1)
+    assert (result["finished"], result["failed"]) == (3, 5)
+    assert result["retried"] >= 1  # the unprintable one (again, when its backoff ends before the idle exit)
     assert (result["settle_errors"], result["errors"], result["exit_code"]) == (0, 0, 0)
