@@ -11,7 +11,12 @@ interpreter of ``--dbos-python``, which must have ``dbos`` installed).
 Printed per figure: runs/s, commits per run (``pg_stat_database.xact_commit`` of the database the
 figure uses), client CPU per run (the orchestrator and delivery worker processes and the starting
 process) and server CPU per run (the PostgreSQL backends of that database, from ``/proc``).
-Figures only; nothing is asserted. Databases: ``bench_fwf`` and ``bench_fwf_dbos`` (created).
+Figures, and two checks that fail the bench loudly (exit status 1, the reason printed): each
+batch of runs must finish within ``DRIVE_TIMEOUT`` seconds, and no step may stay claimed
+(``running``) longer than the poll interval plus ``LIVENESS_SLACK`` seconds (a liveness check:
+the steps are no-ops, so a claim that old is held by an orchestrator that does not run it; the
+``longest claim`` column prints the figure). Databases: ``bench_fwf`` (``BENCH_WF_DATABASE``
+names another) and the same name + ``_dbos`` (created).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,8 +37,15 @@ import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = os.environ.get("BENCH_WF_SERVER", "postgres://postgres@127.0.0.1:5432")
-OURS = f"{BASE}/bench_fwf"
-DBOS_DB = f"{BASE}/bench_fwf_dbos"
+# The databases (created): BENCH_WF_DATABASE names ours (its DBOS twin is that name + "_dbos").
+OURS = f"{BASE}/{os.environ.get('BENCH_WF_DATABASE', 'bench_fwf')}"
+DBOS_DB = f"{OURS}_dbos"
+# Poll interval of the orchestrators; a step claimed longer than this plus LIVENESS_SLACK
+# without having run (these steps are no-ops) is held by an orchestrator that does not run it.
+POLL_INTERVAL = 0.5
+LIVENESS_SLACK = 1.5
+# Seconds a batch of runs may take before the bench stops and says so.
+DRIVE_TIMEOUT = 120.0
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -67,6 +80,40 @@ def backend_cpu(url: str) -> dict[int, float]:
 def self_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+HELD = """
+SELECT s.claimed_by, s.key, round(extract(epoch FROM now() - s.claimed_at)::numeric, 2) AS held_s
+FROM buzz_workflows_step AS s WHERE s.state = 'running' ORDER BY s.claimed_at LIMIT %s
+"""
+
+
+def held_steps(url: str, limit: int = 5) -> list[tuple[str, str, float]]:
+    """The running steps claimed longest ago: (claimed_by, key, seconds)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return [(r[0], r[1], float(r[2])) for r in conn.execute(HELD, [limit])]
+
+
+class LivenessWatch(threading.Thread):
+    """Every 0.1 s, how long the oldest running step has been claimed (database clock): with
+    no-op steps a claim older than the poll interval and a little slack was held, not run."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.longest = 0.0
+        self.worst: list[tuple[str, str, float]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.1):
+            held = held_steps(self.url, 3)
+            if held and held[0][2] > self.longest:
+                self.longest, self.worst = held[0][2], held
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
 
 
 def setup_django() -> None:
@@ -113,7 +160,7 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
                 "--concurrency",
                 "4",
                 "--poll-interval",
-                "0.5",
+                str(POLL_INTERVAL),
                 "-v",
                 "0",
             ],
@@ -155,9 +202,19 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
 
     def drive(n: int) -> None:
         ids = [start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32))).pk for _ in range(n)]
+        deadline = time.monotonic() + DRIVE_TIMEOUT
         while Run.objects.filter(community_id=community.id, run_id__in=ids, state="succeeded").count() < n:
+            if time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(
+                    f"bench.workflows: K={k}: {n} runs not done within {DRIVE_TIMEOUT:.0f} s; "
+                    f"steps held longest: {held_steps(OURS)}"
+                )
             time.sleep(0.02)
 
+    watch = LivenessWatch(OURS)
+    watch.start()
     drive(20)  # warm up, as the DBOS side does
     with connection.cursor() as cursor:  # fresh tables have no statistics yet
         cursor.execute(
@@ -169,6 +226,7 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
     t0 = time.monotonic()
     drive(runs)
     t1 = time.monotonic()
+    watch.stop()
     s1, b1 = self_cpu(), backend_cpu(OURS)
     p1 = {p.pid: proc_cpu(p.pid) for p in procs}
     for p in procs:
@@ -181,7 +239,14 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
     summaries = [json.loads(f.read_text().strip().splitlines()[-1]) for f in sorted(logs.glob("orchestrator-*.json"))]
     client = (s1 - s0) + sum(p1[pid] - p0.get(pid, 0) for pid in p1)
     server = sum(cpu - b0.get(pid, 0.0) for pid, cpu in b1.items())
+    if watch.longest > POLL_INTERVAL + LIVENESS_SLACK:
+        print(
+            f"LIVENESS: K={k}: a step stayed claimed {watch.longest:.1f} s without finishing "
+            f"(no-op steps; the bound is the poll interval {POLL_INTERVAL} s + {LIVENESS_SLACK} s): {watch.worst}",
+            file=sys.stderr,
+        )
     return {
+        "longest_claim_s": watch.longest,
         "runs_per_s": runs / (t1 - t0),
         "commits_per_run": (c1 - c0) / runs,
         "client_cpu_ms_per_run": 1000 * client / runs,
@@ -216,6 +281,7 @@ def dbos(python: str, runs: int) -> dict[str, float] | None:
         "server_cpu_ms_per_run": float("nan"),
         "claims_per_run": float("nan"),
         "completes_per_run": float("nan"),
+        "longest_claim_s": float("nan"),
     }
 
 
@@ -238,16 +304,19 @@ def main() -> None:
         rows.append((f"(b) buzz workflows + send_message to 2, K={k}", ours(k, args.runs, send=True)))
     print(
         f"{'figure':48} {'runs/s':>8} {'x DBOS':>7} {'commits/run':>12} {'client ms/run':>14} {'server ms/run':>14} "
-        f"{'claims/run':>11} {'completes/run':>14}"
+        f"{'claims/run':>11} {'completes/run':>14} {'longest claim s':>16}"
     )
     base = rows[0][1]["runs_per_s"] if figure else float("nan")
     for name, f in rows:
         print(
             f"{name:48} {f['runs_per_s']:8.1f} {f['runs_per_s'] / base:7.2f} {f['commits_per_run']:12.1f} "
             f"{f['client_cpu_ms_per_run']:14.1f} {f['server_cpu_ms_per_run']:14.1f} {f['claims_per_run']:11.2f} "
-            f"{f['completes_per_run']:14.2f}"
+            f"{f['completes_per_run']:14.2f} {f['longest_claim_s']:16.2f}"
         )
     print(f"({args.runs} runs per figure; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
+    held = [name for name, f in rows if f["longest_claim_s"] > POLL_INTERVAL + LIVENESS_SLACK]
+    if held:
+        raise SystemExit(f"bench.workflows: liveness check failed for {', '.join(held)} (see LIVENESS above)")
 
 
 if __name__ == "__main__":

@@ -111,14 +111,17 @@ def test_a_settle_the_database_refuses_leaves_that_lease_to_lapse_and_the_worker
 
 
 def test_a_worker_stopped_by_an_internal_error_exits_non_zero_and_says_why(make_binding, spawn):
+    """Issue 28: a handler's BaseException is now that delivery's failure (test_worker_poison);
+    an internal error is one of the runtime's own threads dying, simulated by raising SystemExit
+    into a handler thread while the runtime's code runs there."""
     target = random32()
-    commit(make_binding, target, **{"raise": "cancelled"})
+    commit(make_binding, target, **{"raise": "kill_thread"})
     worker = spawn(target, "--lease-seconds", "2")
 
     assert worker.wait() == 1
     summary = worker.summary()
-    assert summary["reason"] == "handler raised CancelledError" and summary["exit_code"] == 1
-    assert "stopped reason=handler raised CancelledError exit_code=1" in worker.log()
+    assert summary["reason"] == "handler_thread_died" and summary["exit_code"] == 1
+    assert "stopped reason=handler_thread_died exit_code=1" in worker.log()
 
 
 # --- item 3: leases are (delivery, generation) ------------------------------------------------
@@ -225,22 +228,27 @@ def test_a_hung_handler_does_not_keep_a_worker_from_its_quota_or_idle_exit(make_
     assert summary["reason"] == ("max_deliveries" if option[0] == "--max-deliveries" else "idle_exit")
 
 
-def test_a_handler_error_during_the_drain_is_still_reported(make_binding, spawn):
-    """Review regression: the reason was taken before the drain, so this exited 0 as SIGTERM."""
+def test_a_handler_base_exception_during_the_drain_fails_that_delivery_and_the_stop_stays_clean(make_binding, spawn):
+    """Was: the drain's handler error reported as the reason (exit 1). Issue 28: a handler's
+    BaseException ends that delivery (failed, its class name as the code), never the worker."""
     target = random32()
     (d,) = commit(make_binding, target, sleep=1.5, **{"raise": "cancelled"})
     worker = spawn(target, "--lease-seconds", "2")
     wait_until(lambda: count_claimed([d]) == 1, what="the claim")
     worker.proc.send_signal(signal.SIGTERM)
 
-    assert worker.wait() == 1
-    assert worker.summary()["reason"] == "handler raised CancelledError"
+    assert worker.wait() == 0, worker.log()
+    summary = worker.summary()
+    assert (summary["reason"], summary["failed"]) == ("SIGTERM", 1)
+    row = WorkflowAgentDelivery.objects.get(id=d)
+    assert (row.status, row.failure_code) == ("failed", "CancelledError")
 
 
-def test_a_signal_after_a_handler_error_does_not_hide_it(make_binding, spawn):
-    """Review regression: the signal handler overwrote the error reason with SIGTERM."""
+def test_a_signal_after_an_internal_error_does_not_hide_it(make_binding, spawn):
+    """Review regression: the signal handler overwrote the error reason with SIGTERM. (Issue 28:
+    the internal error is now a handler thread dying, see above.)"""
     target = random32()
-    (d,) = commit(make_binding, target, sleep=1.0, **{"raise": "cancelled"})
+    (d,) = commit(make_binding, target, sleep=1.0, **{"raise": "kill_thread"})
     worker = spawn(target, "--lease-seconds", "5", "--concurrency", "2")
     wait_until(lambda: count_claimed([d]) == 1, what="the claim")
     with connection.cursor() as cursor:  # autocommit: a transaction of its own holds the lock
@@ -251,7 +259,7 @@ def test_a_signal_after_a_handler_error_does_not_hide_it(make_binding, spawn):
         cursor.execute("COMMIT")
 
     assert worker.wait() == 1
-    assert worker.summary()["reason"] == "handler raised CancelledError"
+    assert worker.summary()["reason"] == "handler_thread_died"
 
 
 def test_a_settle_under_way_at_the_give_up_is_not_counted_abandoned(make_binding, spawn):

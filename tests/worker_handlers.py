@@ -13,7 +13,7 @@ import json
 import os
 import time
 
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, transaction
 
 from buzz_delivery.worker import PermanentFailure
 
@@ -67,6 +67,41 @@ def scripted(delivery) -> str:
     time.sleep(script.get("sleep", 0))
     _record("end", delivery)
     kind = script.get("raise")
+    if kind == "kill_thread":  # the runtime's own thread dies after this handler (an internal error)
+        _kill_this_thread_soon()
+        return "done"
+    if kind == "system_exit":
+        raise SystemExit(4)
+    if kind == "keyboard_interrupt":
+        raise KeyboardInterrupt
+    if kind == "base_exception":
+        raise Stop("stop everything")
+    if kind == "long_code":
+        raise ThisExceptionClassHasANameMuchLongerThanSixtyFourCharactersWhichNoFailureCodeColumnCanHold("x")
+    if kind == "atomic_left_open":
+        transaction.atomic().__enter__()
+        _sql("SELECT 1")
+        return "done"
+    if kind == "raw_begin":
+        _sql("BEGIN")
+        _sql("SELECT 1 FROM buzz_delivery_delivery LIMIT 1 FOR UPDATE")
+        return "done"
+    if kind == "autocommit_off":
+        transaction.set_autocommit(False)
+        _sql("SELECT 1")
+        return "done"
+    if kind == "statement_timeout":
+        _sql("SET statement_timeout = 1")
+        return "done"
+    if kind == "terminate_self":
+        _sql("SELECT pg_terminate_backend(pg_backend_pid())")
+        return "done"
+    if kind == "sql":  # an ordinary handler that uses the database: it must work after any of the above
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_sleep(0.02), current_setting('statement_timeout')")
+            timeout = cursor.fetchone()[1]
+        _record("sql", delivery, statement_timeout=timeout, in_atomic_block=connection.in_atomic_block)
+        return "done"
     if kind == "permanent":
         raise BadPayload("payload cannot be parsed")
     if kind == "permanent_attr":
@@ -90,6 +125,31 @@ class Unprintable(RuntimeError):
 
     def __str__(self) -> str:
         raise RuntimeError("__str__ is broken")
+
+
+class Stop(BaseException):
+    """A BaseException that is neither SystemExit nor KeyboardInterrupt."""
+
+
+class ThisExceptionClassHasANameMuchLongerThanSixtyFourCharactersWhichNoFailureCodeColumnCanHold(PermanentFailure):
+    pass
+
+
+def _sql(text: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(text)
+
+
+def _kill_this_thread_soon() -> None:
+    """Make the runtime's own code fail on this handler thread right after the handler returns
+    (its hand-over to the settler raises SystemExit): how a worker thread dying of an internal
+    error looks."""
+    from buzz_delivery.worker.settler import Settler
+
+    def put(self: Settler, job: object) -> None:
+        raise SystemExit("the runtime's own code failed")
+
+    Settler.put = put  # type: ignore[method-assign]
 
 
 def finish(delivery) -> None:

@@ -10,8 +10,12 @@ community the key is enrolled in, runs the handler in ``--concurrency`` threads,
 leases in the background, settles by the handler's result, drains on SIGTERM/SIGINT and prints
 one JSON summary line. The handler gets the delivery as the API's JSON object (a dict); it
 returns -> ``finished``; raises an exception whose class has ``permanent = True`` (e.g.
-:class:`PermanentFailure`) -> ``failed`` with the class name as ``failure_code``; raises
-anything else -> ``retry``.
+:class:`PermanentFailure`), or a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
+``KeyboardInterrupt``) -> ``failed`` with the class name as ``failure_code``; raises anything
+else -> ``retry``. The failure text is made storable (NUL and lone surrogates escaped, an
+exception whose ``str()`` raises described); a settle the gateway refuses or cannot be sent
+leaves that lease to lapse (``settle_errors``). Nothing about one delivery stops the worker;
+an internal error does, with exit status 1.
 """
 
 from __future__ import annotations
@@ -37,7 +41,20 @@ from buzz_delivery.gateway import nip98
 
 logger = logging.getLogger("buzz_delivery.gateway.client")
 
-SUMMARY_KEYS = ("claimed", "finished", "failed", "retried", "lease_lost", "renewed", "settle_errors", "abandoned")
+SUMMARY_KEYS = (
+    "claimed",
+    "finished",
+    "failed",
+    "retried",
+    "lease_lost",
+    "renewed",
+    "settle_errors",
+    "errors",
+    "abandoned",
+)
+# Exit codes of ``work`` and ``work-runs``: a clean stop, an internal error (a thread that died,
+# an error of the loop itself: see the summary's ``reason``), leases given up at the stop.
+EXIT_OK, EXIT_ERROR, EXIT_ABANDONED = 0, 1, 3
 
 
 class PermanentFailure(Exception):
@@ -172,6 +189,10 @@ class GatewayClient:
             extra_timeout=wait_seconds,
         )
         return [RemoteClaim(c["delivery"], _lease(c["lease"])) for c in data["claims"]]
+
+    def send_event(self, community_id: str, name: str, key: str, payload: Any = None) -> dict[str, Any]:
+        """Send a workflow event (``buzz_delivery.workflows`` installed): ``{"resumed", "kept_until"}``."""
+        return self._json("POST", f"/communities/{community_id}/events", {"name": name, "key": key, "payload": payload})
 
     def read(self, community_id: str, delivery_id: str) -> dict[str, Any]:
         """One of this key's deliveries (raises ``GatewayHTTPError`` 404 otherwise)."""
@@ -336,13 +357,41 @@ class GatewayClient:
 # --- the remote worker ------------------------------------------------------------------------
 
 
+FAILURE_CODE_MAX_CHARS = 64
+FAILURE_MESSAGE_MAX_CHARS = 10_000
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
+    try:
+        return str(exc)
+    except BaseException:
+        return f"<unprintable {type(exc).__name__}>"
+
+
+def storable(text: str, max_chars: int) -> str:
+    """``text`` the server can store, bounded: NUL as ``\\x00``, a lone surrogate as its escape,
+    cut to ``max_chars`` (as the core worker does with handler text)."""
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[:max_chars]
+
+
+def failure_code(value: object, default: str) -> str:
+    """A failure code the server accepts (1..64 storable characters), else ``default``."""
+    code = storable(value, FAILURE_CODE_MAX_CHARS) if isinstance(value, str) else ""
+    return code if code.strip() else default
+
+
 def settle_args(exc: BaseException | None) -> tuple[str, str | None, str | None]:
-    """(outcome, failure_code, failure_message) for a handler that returned (None) or raised."""
+    """(outcome, failure_code, failure_message) for a handler that returned (None) or raised.
+    A ``BaseException`` that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``)
+    ends the delivery ``failed`` with its class name, as a permanent failure: the handler asked
+    to stop, which is that delivery's end, never the worker's. The text is always storable."""
     if exc is None:
         return "finished", None, None
-    message = str(exc)[:10_000] or None
-    if getattr(type(exc), "permanent", False) is True:
-        return "failed", type(exc).__name__[:64], message
+    message = storable(describe(exc), FAILURE_MESSAGE_MAX_CHARS) or None
+    if getattr(type(exc), "permanent", False) is True or not isinstance(exc, Exception):
+        return "failed", failure_code(type(exc).__name__, "PermanentFailure"), message
     return "retry", None, message
 
 
@@ -388,15 +437,15 @@ class RemoteWorker:
             error: BaseException | None = None
             try:
                 self.handler(claim.delivery)
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this delivery's end only
                 error = exc
             outcome, code, message = settle_args(error)
             with self._lock:
                 lease = self._held.get(delivery_id, claim.lease)
             try:
                 result = self.client.finish(lease, outcome, failure_code=code, failure_message=message)
-            except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
-                logger.warning("settle_error delivery=%s error=%s", delivery_id, exc)
+            except Exception as exc:  # refused or unreachable: that lease lapses, the worker goes on
+                logger.warning("settle_error delivery=%s error=%s", delivery_id, describe(exc))
                 self._add("settle_errors")
                 return
             if result.outcome == "lease_lost":
@@ -408,6 +457,9 @@ class RemoteWorker:
                     )
                 )
             logger.info("settled delivery=%s outcome=%s result=%s", delivery_id, outcome, result.outcome)
+        except BaseException:  # the loop's own error: counted; that lease lapses; the thread lives
+            logger.exception("worker_error delivery=%s", delivery_id)
+            self._add("errors")
         finally:
             with self._lock:
                 self._held.pop(delivery_id, None)
@@ -420,8 +472,8 @@ class RemoteWorker:
             for delivery_id, lease in held:
                 try:
                     result = self.client.renew(lease, self.lease_seconds)
-                except (httpx.HTTPError, GatewayHTTPError) as exc:
-                    logger.warning("renew_error delivery=%s error=%s", delivery_id, exc)
+                except Exception as exc:  # never let the renewer die: every lease would lapse
+                    logger.warning("renew_error delivery=%s error=%s", delivery_id, describe(exc))
                     continue
                 with self._lock:
                     if result.lease is not None and delivery_id in self._held:
@@ -438,6 +490,7 @@ class RemoteWorker:
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gateway-handler")
         idle_since = time.monotonic()
         claimed = 0
+        self.internal_error: str | None = None
         try:
             while not self.stop.is_set():
                 if self.max_deliveries is not None and claimed >= self.max_deliveries:
@@ -458,7 +511,7 @@ class RemoteWorker:
                     free = keep
                 try:
                     claims = self.client.claim(free, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
-                except (httpx.HTTPError, GatewayHTTPError) as exc:
+                except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
                     logger.warning("claim_error error=%s", exc)
                     claims = []
                     self.stop.wait(1.0)
@@ -475,6 +528,10 @@ class RemoteWorker:
                     with self._lock:
                         self._held[claim.lease.delivery_id] = claim.lease
                     pool.submit(self._work, claim)
+        except Exception as exc:  # the loop's own error: stop (exit 1), draining what is held
+            logger.exception("worker_error: the claim loop stopped")
+            self.internal_error = f"internal_error: {type(exc).__name__}"
+            self.reason = self.internal_error
         finally:
             pool.shutdown(wait=False)
             deadline = time.monotonic() + self.shutdown_grace
@@ -489,7 +546,16 @@ class RemoteWorker:
         with self._lock:
             summary: dict[str, Any] = {key: self._counts[key] for key in SUMMARY_KEYS}
         summary["reason"] = self.reason
+        summary["exit_code"] = exit_code(summary, self.internal_error is not None)
         return summary
+
+
+def exit_code(summary: dict[str, Any], internal_error: bool) -> int:
+    """:data:`EXIT_ERROR` after an internal error, :data:`EXIT_ABANDONED` when leases were
+    given up, else :data:`EXIT_OK`."""
+    if internal_error:
+        return EXIT_ERROR
+    return EXIT_ABANDONED if summary.get("abandoned") else EXIT_OK
 
 
 def _load(path: str) -> Callable[[dict[str, Any]], object]:
@@ -523,7 +589,9 @@ def configure_logging(verbosity: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``work``: run a remote delivery worker; ``work-runs``: a remote agent-run worker
-    (:mod:`buzz_delivery.gateway.remote_runs`). Exit 0 on a clean stop, 3 when leases were given up."""
+    (:mod:`buzz_delivery.gateway.remote_runs`). Exit 0 on a clean stop, 1 after an internal error
+    (a thread of the worker died, or its loop raised: the summary's ``reason`` says), 3 when
+    leases were given up."""
     parser = argparse.ArgumentParser(prog="python -m buzz_delivery.gateway.client")
     sub = parser.add_subparsers(dest="command", required=True)
     work = sub.add_parser("work", help="claim and work deliveries through the gateway")
@@ -582,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     print(json.dumps(summary), flush=True)
-    return 3 if summary["abandoned"] else 0
+    return int(summary["exit_code"])
 
 
 def _work_runs(client: GatewayClient, handler: Callable[..., Any], args: argparse.Namespace) -> int:
@@ -600,7 +668,7 @@ def _work_runs(client: GatewayClient, handler: Callable[..., Any], args: argpars
     finally:
         client.close()
     print(json.dumps(summary), flush=True)
-    return 3 if summary["abandoned"] else 0
+    return int(summary["exit_code"])
 
 
 if __name__ == "__main__":

@@ -28,7 +28,19 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from buzz_delivery.gateway.client import GatewayClient, RemoteRunClaim, RemoteRunLease
+from buzz_delivery.gateway.client import (
+    EXIT_ABANDONED,
+    EXIT_ERROR,
+    EXIT_OK,
+    FAILURE_MESSAGE_MAX_CHARS,
+    GatewayClient,
+    GatewayHTTPError,
+    RemoteRunClaim,
+    RemoteRunLease,
+    describe,
+    failure_code,
+    storable,
+)
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
 
@@ -271,18 +283,48 @@ def run_remote_claim(
         return "parked"
     except RunAborted:
         return "lost"
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this run's end, never the worker's
         if ctx.lost.is_set():
             return "lost"
-        code = exc.failure_code if isinstance(exc, RemoteRunError) else "handler_error"
-        failed = client.fail_run(ctx.lease, code, f"{type(exc).__name__}: {exc}"[:10_000])
-        if failed.outcome == "unwinding":
-            return unwind(client, ctx.lease, failed.data["seqs"])
-        return "failed" if failed.outcome == "finished" else "lost"
+        if isinstance(exc, RemoteRunError):
+            code = failure_code(exc.failure_code, "handler_error")
+        else:
+            code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
+        return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}")
     if ctx.lost.is_set():
         return "lost"
-    done = client.complete_run(ctx.lease, output)
+    problem = _unstorable_output(output)
+    if problem is not None:
+        return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}")
+    try:
+        done = client.complete_run(ctx.lease, output)
+    except GatewayHTTPError as exc:
+        if exc.status != 400:
+            raise
+        return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}")
     return "completed" if done.outcome == "finished" else "lost"
+
+
+def _fail(client: GatewayClient, lease: RemoteRunLease, code: str, message: str) -> str:
+    failed = client.fail_run(lease, code, storable(message, FAILURE_MESSAGE_MAX_CHARS))
+    if failed.outcome == "unwinding":
+        return unwind(client, lease, failed.data["seqs"])
+    return "failed" if failed.outcome == "finished" else "lost"
+
+
+def _unstorable_output(output: Any) -> str | None:
+    """Why the server could not store ``output`` as JSON, or None."""
+    try:
+        text = json.dumps(output, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return f"is not JSON: {describe(exc)}"
+    if "\\u0000" in text.replace("\\\\", ""):
+        return "holds a NUL character, which jsonb cannot store"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate code point"
+    return None
 
 
 class RemoteRunWorker:
@@ -318,6 +360,7 @@ class RemoteRunWorker:
         self._lock = threading.Lock()
         self._held: dict[str, RemoteRunContext] = {}
         self._last_work = time.monotonic()
+        self.internal_error: str | None = None
 
     def request_stop(self, reason: str) -> None:
         """Stop claiming; in-flight runs reach their resting point (drain)."""
@@ -333,6 +376,15 @@ class RemoteRunWorker:
             return True
 
     def _loop(self) -> None:
+        try:
+            self._claim_and_work()
+        except BaseException:  # never silent: the run stops with exit 1 (see run())
+            logger.exception("worker_error: a run thread stopped")
+            with self._lock:
+                self.internal_error = "internal_error: a run thread stopped"
+            self.request_stop("internal_error")
+
+    def _claim_and_work(self) -> None:
         while not self.stop.is_set() and self._take():
             try:
                 claims = self.client.claim_runs(
@@ -363,8 +415,8 @@ class RemoteRunWorker:
             finally:
                 with self._lock:
                     self._held.pop(claim.lease.run_id, None)
-        except Exception as exc:
-            logger.warning("run_error run=%s: %s", claim.lease.run_id, exc)
+        except BaseException as exc:  # the gateway unreachable mid-run, a refused request: that lease lapses
+            logger.warning("run_error run=%s: %s", claim.lease.run_id, describe(exc))
             result = "errors"
         with self._lock:
             self.counts[result] += 1
@@ -377,7 +429,7 @@ class RemoteRunWorker:
             for ctx in held:
                 try:
                     outcome = self.client.heartbeat(ctx.lease, self.lease_seconds)
-                except Exception as exc:
+                except Exception as exc:  # never let the renewer die: every lease would lapse
                     logger.warning("heartbeat_error run=%s: %s", ctx.lease.run_id, exc)
                     continue
                 if outcome.outcome == "renewed" and outcome.lease is not None:
@@ -412,5 +464,9 @@ class RemoteRunWorker:
         done.set()
         renewer.join(timeout=5)
         summary: dict[str, Any] = {k: self.counts.get(k, 0) for k in SUMMARY_KEYS}
-        summary["reason"] = self.reason
+        summary["reason"] = self.internal_error or self.reason
+        if self.internal_error:
+            summary["exit_code"] = EXIT_ERROR
+        else:
+            summary["exit_code"] = EXIT_ABANDONED if summary["abandoned"] else EXIT_OK
         return summary

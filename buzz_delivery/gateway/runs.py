@@ -101,8 +101,10 @@ def _budget(outcome: agents.BudgetExceeded) -> JsonResponse:
 def accept(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
     """Settle a held delivery ``finished`` and create its agent run in one transaction
     (``agents.services.accept_delivery``). 200 ``{"outcome": "accepted", "run_id"}``, or 200
-    ``{"outcome": "already_terminal", "status"}`` (the delivery was settled before); 403; 404 no
-    such delivery for this key; 409 lease lost."""
+    ``{"outcome": "already_terminal", "status"}`` (the delivery was settled before), or 200
+    ``{"outcome": "run_ended", "workflow_state"}`` (its workflow run was canceled or ended while it was
+    held: the delivery settled ``failed``, no run created); 403; 404 no such delivery for this
+    key; 409 lease lost."""
     _require_enrolled(community_id, pubkey)
     lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
     outcome = agents.accept_delivery(
@@ -116,6 +118,8 @@ def accept(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     )
     if isinstance(outcome, agents.Accepted):
         return JsonResponse({"outcome": "accepted", "run_id": str(outcome.run_id)})
+    if isinstance(outcome, agents.RunEnded):  # the delivery settled failed: no run was created
+        return JsonResponse({"outcome": "run_ended", "workflow_state": outcome.state})
     if isinstance(outcome, AlreadyTerminal):
         return JsonResponse({"outcome": "already_terminal", "status": outcome.status})
     raise _lost_or_not_found(community_id, delivery_id, pubkey)

@@ -16,10 +16,13 @@ Parse/Bind/Execute/Sync exchange inside its own transaction.
 from __future__ import annotations
 
 import datetime
+import functools
+import random
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from django.core.exceptions import ValidationError
@@ -29,6 +32,8 @@ from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused,
 from buzz_delivery.services import cached, tenancy
 from buzz_delivery.services import sql as statements
 from buzz_delivery.triggers import FENCE_SQLSTATE, HISTORY_SQLSTATE, LIFECYCLE_SQLSTATE
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # The agent side's hot statements (run once or twice per delivery): server-side binding.
 SERVER_BOUND = frozenset(
@@ -114,6 +119,56 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
         if state == HISTORY_SQLSTATE:
             raise DeliveryWriteRefused(str(exc.__cause__).splitlines()[0]) from exc
         raise
+
+
+# Maintenance transactions wait on a row lock at most this long (``lock_timeout``): a row held
+# by a transaction that never ends (a worker's stuck connection, an operator's open session)
+# costs that community one skipped batch, never the maintenance of every other community.
+MAINTENANCE_LOCK_TIMEOUT_MS = 2000
+LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout's SQLSTATE
+BOUND_LOCK_WAITS = "SELECT set_config('lock_timeout', %(lock_timeout)s, true)"
+
+
+def bound_lock_waits(milliseconds: int = MAINTENANCE_LOCK_TIMEOUT_MS) -> None:
+    """Bound the lock waits of the rest of the caller's transaction (``SET LOCAL lock_timeout``);
+    a wait past it raises an ``OperationalError`` that :func:`lock_wait_timed_out` recognises."""
+    fetch_all(BOUND_LOCK_WAITS, {"lock_timeout": f"{int(milliseconds)}ms"})
+
+
+def lock_wait_timed_out(exc: BaseException) -> bool:
+    """True for the error of a lock wait cut short by ``lock_timeout``."""
+    return sqlstate_of(exc) == LOCK_NOT_AVAILABLE
+
+
+DEADLOCK_DETECTED = "40P01"
+# Tries of a transaction that PostgreSQL chose as a deadlock's victim (see retry_deadlocks).
+DEADLOCK_TRIES = 5
+
+
+def retry_deadlocks(func: F) -> F:
+    """Decorate a service that runs its own transaction: when PostgreSQL aborts it as a
+    deadlock's victim (two transitions took the same rows in opposite orders: a cancel walking a
+    run tree down while a completion moves it up), it is run again from the start (at most
+    :data:`DEADLOCK_TRIES` times, after a short random pause), so its caller sees the typed
+    outcome of the retry (the other side won: ``LeaseLost``, ``AlreadyTerminal``...), never
+    ``deadlock detected``. Inside a caller's transaction it is not retried (the caller's
+    transaction is aborted; retrying is the caller's)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        db = connections[DEFAULT_DB_ALIAS]
+        for attempt in range(1, DEADLOCK_TRIES + 1):
+            if db.in_atomic_block:
+                return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except DatabaseError as exc:
+                if attempt == DEADLOCK_TRIES or sqlstate_of(exc) != DEADLOCK_DETECTED:
+                    raise
+            time.sleep(random.uniform(0.001, 0.01 * attempt))
+        raise AssertionError("unreachable")
+
+    return wrapper  # type: ignore[return-value]
 
 
 def prepares_statements(db: Any = None) -> bool:

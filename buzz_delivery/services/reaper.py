@@ -16,7 +16,7 @@ from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import LOCK_NOT_AVAILABLE, fetch_all, translated_errors
 from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.services.types import ReapResult
 
@@ -29,7 +29,6 @@ FENCE_WAIT_MS = 200
 # Communities read per page of the walk.
 WALK_PAGE = 500
 _NIL = uuid.UUID(int=0)
-LOCK_NOT_AVAILABLE = "55P03"
 
 
 def walk_communities(statement: str, params: dict[str, object]) -> Iterator[uuid.UUID]:

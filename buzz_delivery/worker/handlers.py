@@ -10,7 +10,15 @@ A handler is ``handler(delivery: WorkflowAgentDelivery) -> object``:
                                                 ``str(exc)`` (<= 10,000 chars);
 - it raises any other ``Exception``          -> ``retry`` (back to ``pending`` after the backoff,
                                                 or ``failed``/``attempts_exhausted`` on the last
-                                                allowed attempt; SPEC section 6).
+                                                allowed attempt; SPEC section 6);
+- it raises a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
+  ``KeyboardInterrupt``, ``asyncio.CancelledError``)
+                                             -> ``failed``, ``failure_code`` = its class name;
+                                                the worker goes on;
+- it leaves a transaction open on its connection
+                                             -> ``failed``, ``transaction_left_open`` (what it
+                                                wrote there is rolled back; see
+                                                :mod:`buzz_delivery.usercode`).
 """
 
 from __future__ import annotations
@@ -84,6 +92,16 @@ def settle_args_for(exc: BaseException) -> SettleArgs:
         code = storable_text(type(exc).__name__, FAILURE_CODE_MAX_CHARS) or PermanentFailure.__name__
         return SettleArgs("failed", code, message)
     return SettleArgs("retry", None, message)
+
+
+def aborted_args(exc: BaseException) -> SettleArgs:
+    """The settle outcome for a handler that raised a ``BaseException`` that is not an
+    ``Exception`` (``SystemExit``, ``KeyboardInterrupt``, ``asyncio.CancelledError``...): the
+    handler asked to stop, which ends that delivery ``failed`` (the class name as its code, not
+    retried), never the worker."""
+    name = type(exc).__name__
+    code = storable_text(name, FAILURE_CODE_MAX_CHARS) or "BaseException"
+    return SettleArgs("failed", code, storable_text(f"{name}: {describe(exc)}", FAILURE_MESSAGE_MAX_CHARS))
 
 
 def load_handler(path: str) -> Handler:

@@ -34,17 +34,10 @@ from buzz_delivery import services, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.holders import holder_identity
-from buzz_delivery.services import Claim, Lease, LeaseLost, tenancy
+from buzz_delivery.services import Claim, Lease, LeaseLost
 from buzz_delivery.services import validation as v
-from buzz_delivery.worker.handlers import (
-    FAILURE_MESSAGE_MAX_CHARS,
-    FINISHED,
-    Handler,
-    SettleArgs,
-    describe,
-    settle_args_for,
-    storable_text,
-)
+from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
+from buzz_delivery.worker.handlers import FINISHED, Handler, SettleArgs, aborted_args, settle_args_for
 from buzz_delivery.worker.listener import HintInbox, HintListener, Pair
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer
 from buzz_delivery.worker.settler import SETTLED_KEYS, SettleJob, Settler
@@ -181,7 +174,7 @@ class WorkerSummary(dict[str, int]):
 
     ``reason``: ``SIGTERM``, ``SIGINT``, ``max_deliveries``, ``idle_exit`` or ``stopped`` (a clean
     stop), ``handlers_hung`` (every handler thread past its deadline), or an internal error
-    (``worker_error``, ``handler raised KeyboardInterrupt``...). ``exit_code``: :data:`EXIT_OK`
+    (``worker_error``, ``handler_thread_died``, ``settler_died``). ``exit_code``: :data:`EXIT_OK`
     for a clean stop with nothing given up, :data:`EXIT_ABANDONED` when in-flight leases were
     given up or every handler hung, :data:`EXIT_ERROR` for an internal error.
     ``pending_retry``: deliveries of this community and target left ``pending`` while they wait
@@ -258,6 +251,8 @@ class Worker:
         # (under ``_lock``) they are abandoned: none of them settles any more.
         self.undecided: set[tuple[uuid.UUID, int]] = set()
         self.gave_up = False
+        self.threads: list[threading.Thread] = []
+        self.exited: set[int | None] = set()  # handler threads that stopped as told (a stop marker)
 
     # --- handler threads -------------------------------------------------------------------
 
@@ -316,11 +311,13 @@ class Worker:
             return None
         started = time.monotonic()
         self.renewer.set_deadline(lease, self._deadline(claim, claimed_at, started))
+        # With the delivery's community as context: what the handler reads of our tables
+        # through the ORM (a deferred field, a related row) is that community's, and only
+        # that; as the login role, which holds the grants on the project's own tables. What it
+        # leaves open on this thread's connection is undone there (buzz_delivery.usercode).
+        call = UserCode(lease.community_id)
         try:
-            # With the delivery's community as context: what the handler reads of our tables
-            # through the ORM (a deferred field, a related row) is that community's, and only
-            # that; as the login role, which holds the grants on the project's own tables.
-            with tenancy.handler(lease.community_id), tracing.handler_span(claim.delivery):
+            with call, tracing.handler_span(claim.delivery):
                 self.config.handler(claim.delivery)
             args = FINISHED
         except Exception as exc:
@@ -340,20 +337,31 @@ class Worker:
                 exc_info=logger.isEnabledFor(logging.DEBUG),
             )
         except BaseException as exc:
-            # SystemExit, KeyboardInterrupt, CancelledError...: settle as a retry so the delivery
-            # is not left claimed and renewed but never handled, then stop the whole worker.
-            name = type(exc).__name__
-            args = SettleArgs("retry", None, storable_text(f"{name}: {describe(exc)}", FAILURE_MESSAGE_MAX_CHARS))
-            logger.error(
-                "handler_error delivery=%s generation=%d outcome=retry error=%s: stopping the worker",
+            # SystemExit, KeyboardInterrupt, CancelledError...: the handler asked to stop, which
+            # ends this delivery (failed, the class name as its code), never the worker.
+            args = aborted_args(exc)
+            logger.warning(
+                "handler_error delivery=%s generation=%d outcome=failed error=%s: the handler raised a BaseException",
                 lease.delivery_id,
                 lease.lease_generation,
-                name,
+                args.failure_code,
             )
-            self._fail(f"handler raised {name}")
         finally:
             held = self.renewer.release(lease)
             self._ran(time.monotonic() - started)
+        if call.left_open is not None:
+            args = SettleArgs(
+                "failed",
+                TRANSACTION_LEFT_OPEN,
+                f"the handler left its database connection with {call.left_open}; nothing it wrote there is kept",
+            )
+            logger.warning(
+                "handler_error delivery=%s generation=%d outcome=failed error=%s: %s",
+                lease.delivery_id,
+                lease.lease_generation,
+                TRANSACTION_LEFT_OPEN,
+                call.left_open,
+            )
         if not self._decide(lease):
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
@@ -405,6 +413,8 @@ class Worker:
                     if job is not None:
                         self.settler.put(job)
                     self.wake.set()
+            with self._lock:
+                self.exited.add(threading.get_ident())
         finally:
             connections.close_all()
 
@@ -564,6 +574,11 @@ class Worker:
         backlog, next_poll = True, 0.0
         while not (self.stop.is_set() or self.signalled):
             self.wake.clear()
+            dead = self._dead_thread()
+            if dead is not None:  # never go on claiming (nor exit 0) for threads that are gone
+                logger.error("%s: stopping the worker", dead)
+                self._fail(dead)
+                break
             if self._finished_quota():
                 return "max_deliveries"
             if self._idle_too_long():
@@ -598,6 +613,18 @@ class Worker:
             self.wake.wait(min(timeout, SIGNAL_CHECK_SECONDS))
         return self.signal_name if self.signalled else "stopped"
 
+    def _dead_thread(self, *, settler: bool = True) -> str | None:
+        """Why to stop when a thread the worker needs died (never expected: each one catches
+        what its work raises), else None. ``settler``: judge the settler too (not once the
+        drain has closed it)."""
+        with self._lock:
+            exited = set(self.exited)
+        if any(not thread.is_alive() and thread.ident not in exited for thread in self.threads):
+            return "handler_thread_died"
+        if settler and self.settler.ident is not None and not self.settler.is_alive():
+            return "settler_died"
+        return None
+
     def drain(self, threads: list[threading.Thread]) -> int:
         """Wait up to ``shutdown_grace`` seconds for in-flight handlers to finish and settle
         (handlers already past their deadline are not waited for). Returns how many in-flight
@@ -616,6 +643,10 @@ class Worker:
                 return 0
             if self._working() <= 0 or self.give_up or time.monotonic() >= give_up_at:
                 break
+            dead = self._dead_thread()
+            if dead is not None:
+                self._fail(dead)  # reported whatever stopped the dispatcher (a signal, a quota)
+                break  # what a dead thread held never settles: give up now
             self.wake.wait(SIGNAL_CHECK_SECONDS)
             self.wake.clear()
         with self._lock:
@@ -628,7 +659,7 @@ class Worker:
         self.tally.add("abandoned", abandoned)
         # Settles already under way finish (each retries for at most one lease length).
         settles_done_by = time.monotonic() + self.lease_seconds + 5
-        while time.monotonic() < settles_done_by:
+        while time.monotonic() < settles_done_by and self._dead_thread() is None:
             with self._lock:
                 if self.in_flight <= len(self.undecided):
                     break
@@ -647,7 +678,7 @@ class Worker:
             stop=self.stop,
             retry_seconds=c.poll_interval,
         )
-        threads = [
+        threads = self.threads = [
             threading.Thread(target=self._handler_thread, name=f"buzz-delivery-handler-{i}", daemon=True)
             for i in range(c.concurrency)
         ]
@@ -670,12 +701,18 @@ class Worker:
         reason = "error"
         try:
             reason = self.dispatch()
+            dead = self._dead_thread()  # a signal may have ended the dispatch first: it does not hide this
+            if dead is not None:
+                self._fail(dead)
         finally:
             self.stop.set()
             with self._lock:
                 in_flight = self.in_flight
             logger.info("stopping reason=%s in_flight=%d", self.error_reason or reason, in_flight)
             self.drain(threads)
+            dead = self._dead_thread(settler=False)  # a handler thread that died while draining
+            if dead is not None:
+                self._fail(dead)
             self.renewer.shutdown()
             listener.join()
         # An internal error wins over how the dispatcher stopped, even one raised while draining.
@@ -725,9 +762,12 @@ def run_worker(
     Stops when ``stop`` is set, on SIGTERM/SIGINT (``handle_signals``, main thread only), after
     ``max_deliveries`` or ``idle_exit``: no new claims, in-flight handlers finish and settle
     within ``shutdown_grace`` seconds, else their leases are given up (a second signal gives up
-    at once). Nothing about one delivery stops it: handler text is made storable, a settle that
-    raises leaves that lease to lapse. A handler past its deadline (``handler_timeout``,
-    ``expires_at``) is no longer renewed. Returns a :class:`WorkerSummary`: the counts of
+    at once). Nothing about one delivery stops it: handler text is made storable, a handler's
+    ``BaseException`` fails that delivery (its class name as the code), a transaction the
+    handler leaves open is rolled back and fails it (``transaction_left_open``; see
+    :mod:`buzz_delivery.usercode`), a settle that raises leaves that lease to lapse. A handler
+    or settler thread that dies all the same stops the worker (exit 1). A handler past its
+    deadline (``handler_timeout``, ``expires_at``) is no longer renewed. Returns a :class:`WorkerSummary`: the counts of
     :data:`SUMMARY_KEYS`, ``reason`` and ``exit_code``. Raises ``ValidationError`` for a bad
     ``lease_seconds``; :class:`WorkerInTransaction` inside ``transaction.atomic()``.
     """

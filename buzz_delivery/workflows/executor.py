@@ -1,14 +1,22 @@
 """Running one claimed step (the orchestrator's unit of work; SPEC section 11).
 
 - ``function``: resolve the input, call the registered callable, record its output
-  (``complete_step``) or the failure (``fail_step``: retried with backoff unless permanent).
-  A missing function, an exception, or output that is not JSON within the size bound fail the
-  step with a failure code; nothing here raises to the worker.
+  (``complete_step``) or the failure (``fail_step``: retried with backoff unless permanent). A
+  missing function, an exception (``function_error``, retried while attempts are left), any
+  other ``BaseException`` such as ``SystemExit`` or ``KeyboardInterrupt`` (``function_aborted``,
+  not retried: the code asked to stop, which is this step's end, never the worker's), or output
+  that is not JSON within the size bound fail the step with a failure code; so does code that
+  leaves its database connection in a transaction (``transaction_left_open``, not retried: what
+  it wrote there is rolled back; see :mod:`buzz_delivery.usercode`, which also cleans the
+  session after any step that used the connection). An exception whose ``str()`` raises, or
+  whose text PostgreSQL cannot store, is described instead. Nothing here raises to the worker.
 - ``send_message``: in one transaction, under the step's lease: ``lock_delivery_identity``, the
   message event (reused when it exists), ``commit_deliveries`` for every target, and the step
   parked ``waiting`` for that many deliveries (the fan-in trigger counts them as they settle).
 - ``sub_workflow``: in one transaction: the step parked ``waiting`` on a child run id, and the
-  child run started with it (its end moves the step, in the Advance trigger).
+  child run started with it (its end moves the step, in the Advance trigger). The child's
+  input, built from references, is held to a run input's bound (1,000,000 bytes of JSON): a
+  larger one fails the step (``input_too_large``, not retried).
 - ``approval``: ``request_approval`` (the lease released, the approval created).
 """
 
@@ -20,21 +28,36 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, cast
 
-from django.db import transaction
-from django.utils import timezone
+from django.db import models, transaction
 
 from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
-from buzz_delivery.services import Binding, Settled, tenancy
+from buzz_delivery.services import Binding, Settled
+from buzz_delivery.services.db import retry_deadlocks
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
+from buzz_delivery.worker.handlers import describe, storable_text
+from buzz_delivery.workflows import kinds, refs
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
-from buzz_delivery.workflows.registry import PermanentStepFailure, StepContext, get_function
+from buzz_delivery.workflows.registry import (
+    PermanentStepFailure,
+    StepContext,
+    get_function,
+    missing_message,
+    note_missing,
+)
 from buzz_delivery.workflows.services import approvals, steps
+from buzz_delivery.workflows.services.common import MAX_INPUT_BYTES, BadJSON, json_text
 from buzz_delivery.workflows.services.runs import cause_of, create_run
 from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
 
 logger = logging.getLogger("buzz_delivery.workflows")
+
+FAILURE_CODE_MAX_CHARS = 64
+FAILURE_MESSAGE_MAX_CHARS = 10_000
+# The database clock of the lease statements (tests can freeze it), as an ORM expression.
+DB_NOW = models.Func(function="buzz_delivery_now", output_field=models.DateTimeField())
 
 
 class _Rollback(Exception):
@@ -44,25 +67,7 @@ class _Rollback(Exception):
 
 def resolve(value: Any, run: Run, outputs: dict[str, Any]) -> Any:
     """``value`` with every ``{"$ref": [...]}`` replaced by what it names (None when absent)."""
-    if isinstance(value, dict):
-        if set(value) == {"$ref"}:
-            ref = value["$ref"]
-            if ref[0] == "input":
-                current, path = run.input, ref[1:]
-            else:
-                current, path = outputs.get(ref[1]), ref[3:]
-            for part in path:
-                if isinstance(current, dict):
-                    current = current.get(part)
-                elif isinstance(current, list) and part.isdigit() and int(part) < len(current):
-                    current = current[int(part)]
-                else:
-                    return None
-            return current
-        return {k: resolve(item, run, outputs) for k, item in value.items()}
-    if isinstance(value, list):
-        return [resolve(item, run, outputs) for item in value]
-    return value
+    return refs.resolve(value, run.input, outputs)
 
 
 def step_input(claim: StepClaim) -> dict[str, Any]:
@@ -71,13 +76,10 @@ def step_input(claim: StepClaim) -> dict[str, Any]:
     spec = claim.spec.get("input")
     if not spec:
         return {}
+    if claim.step.map_key is not None:
+        return spec  # type: ignore[no-any-return]  # a map element's input was resolved when the map expanded
     run = claim.step.run
-    outputs = dict(
-        Step.objects.filter(community_id=run.community_id, run_id=run.pk, state="succeeded").values_list(
-            "key", "output"
-        )
-    )
-    return resolve(spec, run, outputs)  # type: ignore[no-any-return]
+    return resolve(spec, run, kinds.run_outputs(run))  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,8 @@ def execute(claim: StepClaim, *, defer_output: bool = False) -> StepOutcome | Ou
             return _send_message(claim)
         if kind == "sub_workflow":
             return _sub_workflow(claim)
+        if kind in kinds.RUNNERS:  # sleep, wait_event, map (buzz_delivery.workflows.kinds)
+            return kinds.RUNNERS[kind](claim)
         outcome = approvals.request_approval(
             claim.lease, deadline_seconds=claim.spec["deadline_seconds"], prompt=claim.spec.get("prompt", "")
         )
@@ -117,23 +121,46 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
     """Call a ``function`` step's registered callable. Returns its :class:`Output`, or the
     outcome of the failure recorded (missing function, an exception: retried unless
     :class:`PermanentStepFailure`)."""
-    fn = get_function(claim.spec["function"])
+    name = claim.spec["function"]
+    fn = get_function(name)
     if fn is None:
-        return steps.fail_step(
-            claim.lease, "function_not_registered", failure_message=claim.spec["function"], retryable=False
+        note_missing(name)
+        message = missing_message(name)
+        logger.warning(
+            "function_not_registered step=%s run=%s function=%r: %s", claim.step.key, claim.lease.run_id, name, message
         )
+        return steps.fail_step(claim.lease, "function_not_registered", failure_message=message, retryable=False)
     context = StepContext(claim.lease.community_id, claim.lease.run_id, claim.step.key, claim.lease.attempts)
+    arguments = step_input(claim)
+    # The user's code: the login's role (SPEC 13); what it leaves on the connection is cleaned.
+    call = UserCode(claim.lease.community_id)
+    failure: tuple[str, str, bool] | None = None  # (code, message, retryable)
     try:
-        with tenancy.handler(claim.lease.community_id):  # the user's code: the login's role (SPEC 13)
-            output = fn(step_input(claim), context)
+        with call:
+            output = fn(arguments, context)
     except PermanentStepFailure as exc:
-        return steps.fail_step(
-            claim.lease, exc.failure_code[:64] or "function_failed", failure_message=str(exc)[:10_000], retryable=False
-        )
-    except Exception as exc:
+        failure = (_failure_code(exc.failure_code), _message(describe(exc)), False)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this step's, never the worker's
+        code = "function_error" if isinstance(exc, Exception) else "function_aborted"
         logger.info("step %s of run %s raised %s", claim.step.key, claim.lease.run_id, type(exc).__name__)
-        return steps.fail_step(claim.lease, "function_error", failure_message=f"{type(exc).__name__}: {exc}"[:10_000])
+        failure = (code, _message(f"{type(exc).__name__}: {describe(exc)}"), code == "function_error")
+    if call.left_open is not None:
+        message = f"the step's code left its database connection with {call.left_open}; nothing it wrote there is kept"
+        return steps.fail_step(claim.lease, TRANSACTION_LEFT_OPEN, failure_message=message, retryable=False)
+    if failure is not None:
+        code, message, retryable = failure
+        return steps.fail_step(claim.lease, code, failure_message=message, retryable=retryable)
     return Output(output)
+
+
+def _failure_code(value: object) -> str:
+    """A step's own failure code made storable: 1..64 characters, else ``function_failed``."""
+    text = storable_text(value, FAILURE_CODE_MAX_CHARS) if isinstance(value, str) else ""
+    return text if text.strip() else "function_failed"
+
+
+def _message(text: str) -> str:
+    return storable_text(text, FAILURE_MESSAGE_MAX_CHARS)
 
 
 def message_event_id(run_id: Any, step_key: str) -> bytes:
@@ -141,6 +168,7 @@ def message_event_id(run_id: Any, step_key: str) -> bytes:
     return hashlib.sha256(f"buzz-workflows/message/{run_id}/{step_key}".encode()).digest()
 
 
+@retry_deadlocks
 def _send_message(claim: StepClaim) -> StepOutcome:
     run = claim.step.run
     version: DefinitionVersion = run.definition
@@ -156,7 +184,7 @@ def _send_message(claim: StepClaim) -> StepOutcome:
                 community_id=community,
                 event_id=event_id,
                 defaults={
-                    "created_at": timezone.now(),
+                    "created_at": DB_NOW,  # the database clock, never this host's
                     "kind": settings.message_kind,
                     "pubkey": settings.author_pubkey,
                     "content": spec.get("content", ""),
@@ -184,6 +212,7 @@ def _send_message(claim: StepClaim) -> StepOutcome:
     return outcome
 
 
+@retry_deadlocks
 def _sub_workflow(claim: StepClaim) -> StepOutcome:
     run = claim.step.run
     spec = claim.spec
@@ -207,6 +236,12 @@ def _sub_workflow(claim: StepClaim) -> StepOutcome:
             retryable=False,
             failure_message=f"workflow {spec['workflow']} has no published definition",
         )
+    child_input = step_input(claim)
+    try:
+        json_text(child_input, MAX_INPUT_BYTES)
+    except BadJSON as exc:
+        code = "input_too_large" if exc.code == "output_too_large" else "input_not_json"
+        return steps.fail_step(claim.lease, code, retryable=False, failure_message=f"the child run's input {exc}")
     child_id = cast(uuid.UUID, new_uuid7())
     with transaction.atomic():
         outcome = steps.park_step(claim.lease, child_run_id=child_id, wait_seconds=spec.get("wait_timeout_seconds"))
@@ -220,7 +255,7 @@ def _sub_workflow(claim: StepClaim) -> StepOutcome:
         create_run(
             community,
             version,
-            step_input(claim),
+            child_input,
             cause_of(run),
             run_id=child_id,  # type: ignore[arg-type]
             parent=(run, claim.step.key),

@@ -1,21 +1,29 @@
 """The orchestrator behind ``manage.py run_workflow_worker`` (SPEC section 11 "Orchestrator").
 
-Shaped like the delivery worker (:mod:`buzz_delivery.worker`): a dispatcher (the calling
-thread) claims ready steps of one community, or of every community with work (walking them,
-one claim statement per community), up to ``batch_size`` per statement: as many as there are
-idle step threads, and up to ``batch_size`` more in a local queue while the steps' recent run
-times say they start within a tenth of the lease and within a second. Step threads run
+Shaped like the delivery worker (:mod:`buzz_delivery.worker`): a dispatcher (the calling thread)
+claims ready steps of one community, or of every community with work (walking them, one claim
+statement per community), up to ``batch_size`` per statement: as many as there are idle step
+threads, and up to ``batch_size`` more in a local queue while the steps' recent run times say
+they start within a tenth of the lease, a second and the poll interval (threads on a step
+longer than that count for nothing). Step threads run
 :func:`buzz_delivery.workflows.executor.execute`; what a ``function`` step returns is recorded
-by the completer thread (:mod:`buzz_delivery.workflows.completer`), many steps per
-statement, and claims ready steps in the same transaction (a wake that comes while outputs
-wait for it is left to that batch; the dispatcher claims what the batch left); a renewer
-thread renews every held lease each third of its length (queued and awaiting completion
-included); a listener thread LISTENs on ``buzz_workflows`` (the Advance trigger
-NOTIFYs it with the community id whenever a step becomes ready) and wakes the dispatcher,
-which polls every ``poll_interval`` anyway. SIGTERM/SIGINT: stop claiming, let in-flight steps
-finish within ``shutdown_grace`` seconds, then exit (leases still held lapse and are reclaimed
-by the maintenance). Nothing about one step stops it: an exception is counted (``errors``) and
-its lease left to lapse.
+by the completer thread (:mod:`buzz_delivery.workflows.completer`), many steps per statement,
+and claims ready steps in the same transaction (a wake that comes while outputs wait for it is
+left to that batch, once per batch; the dispatcher claims what the batch left, or claims itself
+when no batch went through within the poll interval); a renewer thread renews each third of its
+length the leases of the steps a step thread took (running, or awaiting completion): a claim
+still in the local queue is not renewed, and one that no step thread took within
+``poll_interval`` is handed back (``release_steps``: ready again, its attempt given back), so a
+claimed step starts or goes back; a listener thread LISTENs on ``buzz_workflows`` (the Advance
+trigger NOTIFYs it with the community id whenever a step becomes ready) and wakes the
+dispatcher, which polls every ``poll_interval`` anyway. SIGTERM/SIGINT: stop claiming, let
+in-flight steps finish within ``shutdown_grace`` seconds, then exit (leases still held lapse and
+are reclaimed by the maintenance; what is still queued is handed back). Nothing about one step
+stops it: what a step's code raises (any ``BaseException``) or leaves open on its connection
+fails that step (:mod:`buzz_delivery.workflows.executor`); an error of the runtime's own is
+counted (``errors``) and that lease left to lapse; no step thread dies of either. Should a step
+thread or the completer die all the same, the orchestrator stops (exit 1) instead of claiming
+for threads that are gone.
 """
 
 from __future__ import annotations
@@ -40,8 +48,15 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
-from buzz_delivery.workflows.services import claim_steps, communities_with_ready_steps, renew_step
-from buzz_delivery.workflows.services.steps import MAX_CLAIM
+from buzz_delivery.workflows.registry import missing_counts
+from buzz_delivery.workflows.services import (
+    claim_steps,
+    communities_with_due_waits,
+    communities_with_ready_steps,
+    end_due_waits,
+    renew_step,
+)
+from buzz_delivery.workflows.services.steps import MAX_CLAIM, release_steps
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 
 logger = logging.getLogger("buzz_delivery.workflows")
@@ -77,6 +92,7 @@ SUMMARY_KEYS = (
     "chained",
     "complete_statements",
     "errors",
+    "handed_back",
     "abandoned",
 )
 
@@ -141,8 +157,16 @@ class Orchestrator:
         self.work: queue.Queue[StepClaim | None] = queue.Queue()
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(SUMMARY_KEYS, 0)
-        self.held: dict[uuid.UUID, StepLease] = {}
+        # Claims in the local queue, not yet taken by a step thread, with when they were queued
+        # (monotonic): never renewed; handed back when no thread took them within a poll
+        # interval. Keyed (step id, generation): a step claimed again is another claim.
+        self.queued: dict[tuple[uuid.UUID, int], tuple[StepClaim, float]] = {}
+        # Claims a step thread took (running, or their output waiting for the completer): renewed.
+        self.held: dict[tuple[uuid.UUID, int], StepLease] = {}
+        self.running: dict[tuple[uuid.UUID, int], float] = {}  # on a step thread since (monotonic)
         self.in_flight = 0  # claimed and not yet ended here: queued, running or being completed
+        self.batches = 0  # completer batches through (the dispatcher's deferral is judged by it)
+        self.threads: list[threading.Thread] = []
         self.starved = False  # the dispatcher waits for a place to come free
         self.deferred_wake = False  # the dispatcher left a claim to the completer's next batch
         self.awaiting = 0  # of those, returned and waiting for the completer
@@ -164,6 +188,7 @@ class Orchestrator:
         )
         self.signal_name: str | None = None
         self.renew_done = threading.Event()
+        self.next_due_check = 0.0  # when the dispatcher next ends the due sleeps and waits
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -177,28 +202,50 @@ class Orchestrator:
                 claim = self.work.get()
                 if claim is None:
                     return
-                deferred = False
+                if not self._take(claim):
+                    continue  # handed back while it waited
                 try:
-                    started = time.monotonic()
-                    outcome = executor.execute(claim, defer_output=True)
-                    self._timed(time.monotonic() - started)
-                    if isinstance(outcome, executor.Output):
-                        with self.lock:
-                            self.awaiting += 1
-                        self.completer.put(claim, outcome.value)
-                        deferred = True
-                    else:
-                        self._count(outcome)
-                except Exception:
-                    logger.exception("step_error step=%s run=%s", claim.step.key, claim.lease.run_id)
+                    self._run_step(claim)
+                except BaseException:  # never let a step thread die: the claims queued for it would wait
+                    logger.exception("step_thread_error step=%s run=%s", claim.step.key, claim.lease.run_id)
                     self.add("errors")
-                    if connection.connection is not None and not connection.is_usable():
-                        connection.close()
-                finally:
-                    if not deferred:
-                        self._ended(claim)
         finally:
             connection.close()
+
+    def _take(self, claim: StepClaim) -> bool:
+        """A step thread takes ``claim`` from the queue: held (renewed) from now on. False when
+        the dispatcher handed it back meanwhile."""
+        key = _key(claim.lease)
+        with self.lock:
+            if self.queued.pop(key, None) is None:
+                return False
+            self.held[key] = claim.lease
+            self.running[key] = time.monotonic()
+        return True
+
+    def _run_step(self, claim: StepClaim) -> None:
+        deferred = False
+        try:
+            started = time.monotonic()
+            outcome = executor.execute(claim, defer_output=True)  # what the step's code raises stays there
+            self._timed(time.monotonic() - started)
+            if isinstance(outcome, executor.Output):
+                with self.lock:
+                    self.awaiting += 1
+                self.completer.put(claim, outcome.value)
+                deferred = True
+            else:
+                self._count(outcome)
+        except BaseException:
+            logger.exception("step_error step=%s run=%s", claim.step.key, claim.lease.run_id)
+            self.add("errors")
+            if connection.connection is not None and not connection.is_usable():
+                connection.close()
+        finally:
+            with self.lock:
+                self.running.pop(_key(claim.lease), None)
+            if not deferred:
+                self._ended(claim)
 
     def _timed(self, seconds: float) -> None:
         with self.lock:
@@ -209,7 +256,7 @@ class Orchestrator:
         # Wake the dispatcher only when it waits for room: ready steps wake it by NOTIFY, and
         # the completer claims what its completions released.
         with self.lock:
-            self.held.pop(claim.lease.step_id, None)
+            self.held.pop(_key(claim.lease), None)
             self.in_flight -= 1
             starved, self.starved = self.starved, False
         if starved:
@@ -227,7 +274,13 @@ class Orchestrator:
 
     def _count(self, outcome: object) -> None:
         if isinstance(outcome, Settled):
-            key = {"succeeded": "succeeded", "failed": "failed", "ready": "retried", "waiting": "waiting"}
+            key = {
+                "succeeded": "succeeded",
+                "failed": "failed",
+                "ready": "retried",
+                "waiting": "waiting",
+                "pending": "waiting",
+            }
             self.add(key.get(outcome.status, "succeeded"))
         elif isinstance(outcome, AlreadyTerminal):
             self.add("already_terminal")
@@ -245,7 +298,7 @@ class Orchestrator:
                 if self.renew_done.is_set():
                     return
                 with self.lock:
-                    leases = list(self.held.values())
+                    leases = list(self.held.values())  # started or completing: queued claims are not renewed
                 for lease in leases:
                     try:
                         renewed = renew_step(lease, self.config.lease_seconds)
@@ -253,12 +306,13 @@ class Orchestrator:
                         close_old_connections()
                         connection.close()
                         continue
+                    key = _key(lease)
                     with self.lock:
-                        if isinstance(renewed, StepRenewed) and lease.step_id in self.held:
-                            self.held[lease.step_id] = renewed.lease
+                        if isinstance(renewed, StepRenewed) and key in self.held:
+                            self.held[key] = renewed.lease
                             self.counts["renewed"] += 1
                         elif isinstance(renewed, LeaseLost):
-                            self.held.pop(lease.step_id, None)  # its complete will be told LeaseLost
+                            self.held.pop(key, None)  # its complete will be told LeaseLost
         finally:
             connection.close()
 
@@ -272,11 +326,14 @@ class Orchestrator:
         count as free (a stalled completer slows the claims down). ``freed``: that many of the
         awaiting results are being completed and count as gone."""
         c = self.config
+        budget = min(c.lease_seconds * CLAIM_AHEAD_LEASE_FRACTION, CLAIM_AHEAD_MAX_SECONDS, c.poll_interval)
+        now = time.monotonic()
         with self.lock:
             ahead = 0
             if self.step_seconds is not None:
-                budget = min(c.lease_seconds * CLAIM_AHEAD_LEASE_FRACTION, CLAIM_AHEAD_MAX_SECONDS)
-                ahead = min(self.batch_size, int(budget / max(self.step_seconds, 1e-4) * c.concurrency))
+                # Threads on a step longer than the budget start nothing queued within it.
+                working = c.concurrency - sum(1 for since in self.running.values() if now - since > budget)
+                ahead = min(self.batch_size, int(budget / max(self.step_seconds, 1e-4) * max(working, 0)))
             awaiting = self.awaiting - freed
             occupied = self.in_flight - freed - min(awaiting, 2 * self.batch_size)
             return max(0, min(self.batch_size, c.concurrency + ahead - occupied))
@@ -291,19 +348,60 @@ class Orchestrator:
     def _after_batch(self) -> None:
         """The completer's ``after``: a claim the dispatcher left to the batch is its again."""
         with self.lock:
+            self.batches += 1
             deferred, self.deferred_wake = self.deferred_wake, False
         if deferred:
             self.wake.set()
 
     def _accept(self, claims: list[StepClaim]) -> None:
-        """Take claims made elsewhere (the completer's) into the held set and the work queue."""
-        for claim in claims:
-            with self.lock:
-                self.held[claim.lease.step_id] = claim.lease
-                self.in_flight += 1
-            self.work.put(claim)
+        """Take claims made elsewhere (the completer's) into the work queue."""
+        self._enqueue(claims)
         self.add("claimed", len(claims))
         self.add("chained", len(claims))
+
+    def _enqueue(self, claims: list[StepClaim]) -> None:
+        now = time.monotonic()
+        for claim in claims:
+            with self.lock:
+                self.queued[_key(claim.lease)] = (claim, now)
+                self.in_flight += 1
+            self.work.put(claim)
+
+    def _hand_back(self, waited: float) -> None:
+        """Hand back the claims that waited in the local queue ``waited`` seconds or more
+        without a step thread taking them (never, when the threads are alive and the claim-ahead
+        budget holds): :func:`release_steps`, so another orchestrator runs them now and no
+        lease is renewed for work nobody does. A release the database refuses leaves those
+        leases to lapse (they are not renewed)."""
+        now = time.monotonic()
+        with self.lock:
+            stale = [claim for claim, at in self.queued.values() if now - at >= waited]
+            for claim in stale:
+                del self.queued[_key(claim.lease)]
+            self.in_flight -= len(stale)
+        if not stale:
+            return
+        by_community: dict[uuid.UUID, list[StepLease]] = {}
+        for claim in stale:
+            by_community.setdefault(claim.lease.community_id, []).append(claim.lease)
+        for community, leases in by_community.items():
+            try:
+                released = release_steps(community, leases)
+            except DatabaseError as exc:
+                logger.warning("hand_back_refused steps=%d error=%s", len(leases), str(exc).splitlines()[:1])
+                close_old_connections()
+                connection.close()
+                continue
+            self.add("handed_back", released)
+            logger.warning("handed_back steps=%d: no step thread took them within %.1f s", released, waited)
+
+    def _dead_thread(self) -> str | None:
+        """The reason to stop when a thread the orchestrator needs is gone (never expected)."""
+        if any(not t.is_alive() for t in self.threads):
+            return "step_thread_died"
+        if self.completer.ident is not None and not self.completer.is_alive():
+            return "completer_died"
+        return None
 
     def _claim(self, room: int) -> list[StepClaim]:
         c = self.config
@@ -320,16 +418,40 @@ class Orchestrator:
             )
         return claims
 
+    def _end_due_waits(self) -> None:
+        """At most once a poll interval: sleeps and event waits whose time came end now
+        (``end_due_waits``), not at the next maintenance pass; what they release NOTIFYs."""
+        now = time.monotonic()
+        if now < self.next_due_check:
+            return
+        self.next_due_check = now + self.config.poll_interval
+        try:
+            c = self.config.community_id
+            for community in [c] if c is not None else communities_with_due_waits():
+                end_due_waits(community)
+        except DatabaseError as exc:
+            logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
+            close_old_connections()
+            connection.close()
+
     def dispatch(self) -> str:
         c = self.config
         idle_since = time.monotonic()
         started = 0
         misses = 0  # claims in a row that came back empty
+        deferred_at: int | None = None  # the completer batch count when a claim was last left to it
+        deferred_until = 0.0  # ... and until when (monotonic) it is left to that batch
         while True:
             if self.signal_name:
                 return self.signal_name
             if self.stop.is_set():
                 return "stopped"
+            dead = self._dead_thread()
+            if dead is not None:
+                logger.error("%s: stopping the orchestrator", dead)
+                return dead
+            self._hand_back(c.poll_interval)
+            self._end_due_waits()
             if c.max_steps is not None and started >= c.max_steps:
                 return "max_steps"
             room = self._room()
@@ -339,11 +461,15 @@ class Orchestrator:
             with self.lock:
                 completing = self.awaiting > 0 and c.max_steps is None
                 self.deferred_wake = self.deferred_wake or (room > 0 and completing)
-            if room > 0 and completing:
+            if room > 0 and completing and (deferred_at != self.batches or time.monotonic() < deferred_until):
                 # The completer is about to record a batch, and it claims the ready steps in that
-                # transaction; it wakes us after the batch, and we claim what it left.
+                # transaction; it wakes us after the batch, and we claim what it left. When no
+                # batch went through within the poll interval (a completer waiting on a run
+                # lock), we claim ourselves.
+                if deferred_at != self.batches:
+                    deferred_at, deferred_until = self.batches, time.monotonic() + c.poll_interval
                 self.wake.clear()
-                self.wake.wait(c.poll_interval)
+                self.wake.wait(max(0.0, deferred_until - time.monotonic()))
                 continue
             if room > 0:
                 self.wake.clear()
@@ -353,11 +479,7 @@ class Orchestrator:
                     logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
                     close_old_connections()
                     connection.close()
-            for claim in claims:
-                with self.lock:
-                    self.held[claim.lease.step_id] = claim.lease
-                    self.in_flight += 1
-                self.work.put(claim)
+            self._enqueue(claims)
             started += len(claims)
             self.add("claimed", len(claims))
             with self.lock:
@@ -388,7 +510,8 @@ class Orchestrator:
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, Any]:
         c = self.config
-        threads = [
+        missing_before = missing_counts()
+        threads = self.threads = [
             threading.Thread(target=self._step_thread, name=f"buzz-workflows-step-{i}", daemon=True)
             for i in range(c.concurrency)
         ]
@@ -408,8 +531,11 @@ class Orchestrator:
                 with self.lock:
                     if not self.in_flight:
                         break
+                if self._dead_thread() is not None:
+                    break  # queued claims will not be taken: hand them back now
                 self.wake.wait(0.05)
                 self.wake.clear()
+            self._hand_back(0.0)  # what no thread took is another orchestrator's to run
             for _ in threads:
                 self.work.put(None)
             for t in threads:
@@ -426,7 +552,14 @@ class Orchestrator:
         exit_code = EXIT_OK if reason in ("SIGTERM", "SIGINT", "stopped", "idle_exit", "max_steps") else EXIT_ERROR
         if self.counts["abandoned"] and exit_code == EXIT_OK:
             exit_code = EXIT_ABANDONED
-        return {**self.counts, "reason": reason, "exit_code": exit_code}
+        # Steps that named a function this process does not have: {name: steps} (the log says how
+        # to register it; the step failed function_not_registered).
+        missing = dict(sorted((missing_counts() - missing_before).items()))
+        return {**self.counts, "not_registered": missing, "reason": reason, "exit_code": exit_code}
+
+
+def _key(lease: StepLease) -> tuple[uuid.UUID, int]:
+    return (lease.step_id, lease.lease_generation)
 
 
 def run_orchestrator(

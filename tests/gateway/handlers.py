@@ -23,10 +23,37 @@ def scripted(delivery: dict) -> None:
         with open(log, "a") as out:
             out.write(delivery["id"] + "\n")
     time.sleep(float(os.environ.get("GATEWAY_HANDLER_SLEEP", "0")))
-    if delivery["step_id"].startswith("perm_"):
+    step = delivery["step_id"]
+    if step.startswith("perm_"):
         raise BadPayload("cannot parse")
-    if delivery["step_id"].startswith("retry_"):
+    if step.startswith("retry_"):
         raise RuntimeError("try again")
+    # The poison matrix (issue 28): each must end only its own delivery.
+    if step.startswith("exit_"):
+        raise SystemExit(5)
+    if step.startswith("kbd_"):
+        raise KeyboardInterrupt
+    if step.startswith("base_"):
+        raise Stop("stop everything")
+    if step.startswith("unprintable_"):
+        raise Unprintable()
+    if step.startswith("longcode_"):
+        raise ThisExceptionClassHasANameMuchLongerThanSixtyFourCharactersWhichNoFailureCodeColumnCanHold("x")
+    if step.startswith("nul_"):
+        raise BadPayload("a NUL \x00 and a lone surrogate \ud800 in the message")
+
+
+class Stop(BaseException):
+    """A BaseException that is neither SystemExit nor KeyboardInterrupt."""
+
+
+class Unprintable(RuntimeError):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+class ThisExceptionClassHasANameMuchLongerThanSixtyFourCharactersWhichNoFailureCodeColumnCanHold(PermanentFailure):
+    pass
 
 
 # --- agent-run handlers of ``work-runs`` (remote_runs): side effects in GATEWAY_RUN_LEDGER -----
@@ -66,3 +93,23 @@ def three_calls(ctx) -> dict:
     if ctx.input.get("fail"):
         raise RuntimeError("the fourth step is broken")
     return {"sum": total}
+
+
+def poison_run(ctx):
+    """``work-runs`` poison matrix: input ``kind`` picks how the handler misbehaves."""
+    from buzz_delivery.gateway.remote_runs import RemoteRunError
+
+    kind = ctx.input.get("kind")
+    if kind == "exit":
+        raise SystemExit(6)
+    if kind == "unprintable":
+        raise Unprintable()
+    if kind == "long_code":
+        error = RemoteRunError("a code too long")
+        error.failure_code = "c" * 100 + "\x00"
+        raise error
+    if kind == "not_json":
+        return {"value": object()}
+    if kind == "nul_output":
+        return {"text": "a\x00b"}
+    return {"ok": kind}

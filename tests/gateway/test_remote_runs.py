@@ -137,3 +137,43 @@ def test_sigterm_drains_a_remote_run_worker(gateway_server, tmp_path):
     assert proc.returncode == 0, err
     summary = json.loads(out.splitlines()[-1])
     assert (summary["completed"], summary["reason"]) == (1, "SIGTERM")
+
+
+def test_the_remote_run_worker_poison_matrix_each_run_fails_alone_and_the_worker_exits_0(gateway_server, tmp_path):
+    """Issue 28: on main a SystemExit killed the run thread (the worker then exited 0 with its
+    run claimed), a failure code of 100 characters or output that is not JSON left the run
+    held until its lease lapsed, counted as errors."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    kinds = ["exit", "unprintable", "long_code", "not_json", "nul_output"]
+    runs = {kind: intake(community, agent, {"kind": kind}) for kind in kinds}
+    fine = [intake(community, agent, {"kind": f"ok{i}"}) for i in range(3)]
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", gateway_server.base,
+         "--key-file", str(key_file), "--handler", "tests.gateway.handlers:poison_run", "--wait-seconds", "0.5",
+         "--idle-exit", "1.5", "--concurrency", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    expected = {
+        "exit": "handler_aborted",
+        "unprintable": "handler_error",
+        "long_code": "c" * 64,
+        "not_json": "output_not_json",
+        "nul_output": "output_not_json",
+    }
+    for kind, code in expected.items():
+        row = AgentRun.objects.get(id=runs[kind])
+        assert (row.state, row.failure_code) == ("failed", code), (kind, row.failure_message)
+    assert AgentRun.objects.get(id=runs["exit"]).failure_message == "SystemExit: 6"
+    assert AgentRun.objects.get(id=runs["unprintable"]).failure_message == "Unprintable: <unprintable Unprintable>"
+    assert {AgentRun.objects.get(id=r).state for r in fine} == {"completed"}
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert (summary["completed"], summary["failed"], summary["errors"]) == (3, 5, 0), summary
+    assert (summary["reason"], summary["exit_code"]) == ("idle", 0)

@@ -57,7 +57,7 @@ def test_the_remote_worker_settles_by_the_handler_result(tmp_path, gateway_serve
     assert proc.wait(timeout=30) == 0, (tmp_path / "worker.err").read_text()
     assert summary(tmp_path) | {"reason": "max_deliveries"} == {
         "claimed": 3, "finished": 1, "failed": 1, "retried": 1, "lease_lost": 0, "renewed": 0,
-        "settle_errors": 0, "abandoned": 0, "reason": "max_deliveries",
+        "settle_errors": 0, "errors": 0, "abandoned": 0, "reason": "max_deliveries", "exit_code": 0,
     }  # fmt: skip
     rows = {d.id: d for d in WorkflowAgentDelivery.objects.all()}
     assert rows[ok.id].status == "finished"
@@ -100,3 +100,39 @@ def test_sigterm_drains_in_flight_work_which_renewals_keep_alive(tmp_path, gatew
     assert result["renewed"] >= 3, "a 4 s handler on a 2 s lease must have been renewed"
     row = WorkflowAgentDelivery.objects.get(id=slow.id)
     assert row.status == "finished" and row.lease_generation == 1
+
+
+LONG = "ThisExceptionClassHasANameMuchLongerThanSixtyFourCharactersWhichNoFailureCodeColumnCanHold"
+
+
+def test_the_remote_worker_poison_matrix_each_delivery_fails_alone_and_the_worker_exits_0(tmp_path, gateway_server):
+    """Issue 28: on main a BaseException left its delivery unsettled (claimed until its lease
+    lapsed), uncounted, and an exception whose str() raised did the same."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    kinds = ["exit_1", "kbd_1", "base_1", "unprintable_1", "longcode_1", "nul_1"]
+    poison = dict(zip(kinds, deliveries(community, agent.pubkey, *kinds), strict=True))
+    fine = deliveries(community, agent.pubkey, "ok_1", "ok_2", "ok_3")
+    proc = start(tmp_path, gateway_server, agent, "--concurrency", "1", "--wait-seconds", "0.5", "--idle-exit", "2")
+
+    assert proc.wait(timeout=60) == 0, (tmp_path / "worker.err").read_text()
+    rows = {d.id: d for d in WorkflowAgentDelivery.objects.all()}
+    expected = {
+        "exit_1": ("failed", "SystemExit"),
+        "kbd_1": ("failed", "KeyboardInterrupt"),
+        "base_1": ("failed", "Stop"),
+        "unprintable_1": ("pending", None),  # an ordinary exception: retried
+        "longcode_1": ("failed", LONG[:64]),
+        "nul_1": ("failed", "BadPayload"),
+    }
+    for kind, (status, code) in expected.items():
+        row = rows[poison[kind].id]
+        assert (row.status, row.failure_code) == (status, code), (kind, row.failure_message)
+    assert rows[poison["exit_1"].id].failure_message == "5"
+    assert rows[poison["nul_1"].id].failure_message == "a NUL \\x00 and a lone surrogate \\ud800 in the message"
+    assert {rows[d.id].status for d in fine} == {"finished"}
+    result = summary(tmp_path)
+    assert (result["finished"], result["failed"]) == (3, 5)
+    assert result["retried"] >= 1  # the unprintable one (again, when its backoff ends before the idle exit)
+    assert (result["settle_errors"], result["errors"], result["exit_code"]) == (0, 0, 0)

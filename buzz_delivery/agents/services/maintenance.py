@@ -35,10 +35,11 @@ from buzz_delivery.agents.services.sql import (
 )
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import bound_lock_waits, fetch_all, translated_errors
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
+from buzz_delivery.workflows.services.maintenance import add_bounded_batch
 
 LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
 # Past timeout_at, unless the run is already unwinding with compensations left: it ends once
@@ -169,6 +170,13 @@ class AgentReapResult:
 
 
 def _one_community(community: object, limit: int, result: AgentReapResult) -> bool:
+    """One bounded batch of one community; False when its fence lock was busy, or a row lock
+    was held past the maintenance's ``lock_timeout`` (nothing of the batch kept or counted)."""
+    counts = ("reclaimed", "exhausted", "timed_out", "unwinding", "approvals_expired")
+    return add_bounded_batch(community, result, lambda r: _one_community_batch(community, limit, r), counts)
+
+
+def _one_community_batch(community: object, limit: int, result: AgentReapResult) -> bool:
     params: dict[str, object] = {
         "community_id": community,
         "limit": limit,
@@ -177,6 +185,7 @@ def _one_community(community: object, limit: int, result: AgentReapResult) -> bo
         "max_delay_seconds": get_settings().retry_delay_max_seconds,
     }
     with transaction.atomic(), translated_errors():
+        bound_lock_waits()
         if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
             return False
         params["ids"] = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]

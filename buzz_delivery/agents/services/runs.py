@@ -8,6 +8,7 @@ tells the true holder's retry (``AlreadyTerminal``) from a lost lease.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Any
 
@@ -30,18 +31,23 @@ from buzz_delivery.agents.services.types import (
     LeaseLost,
     NotFound,
     Renewed,
+    RunEnded,
     Unwinding,
 )
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import HOLDER_MAX_CHARS, new_uuid7
 from buzz_delivery.services import Lease, Settled, finish_delivery
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
+from buzz_delivery.services.runs import RUN_CANCELED
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.workflows.services.common import canonical_json
+from buzz_delivery.workflows.states import RUN_TERMINAL as WORKFLOW_RUN_TERMINAL
 
 MAX_CLAIM = 100
 MAX_TIMEOUT_SECONDS = 30 * 86400
 MAX_INPUT_BYTES = 1_000_000
+RUN_ENDED = "run_ended"  # a delivery refused because its workflow run ended other than canceled
 
 
 def _budget_params(
@@ -65,6 +71,7 @@ def _budget_params(
     }
 
 
+@retry_deadlocks
 @tenant_scoped
 def accept_delivery(
     lease: Lease,
@@ -75,7 +82,7 @@ def accept_delivery(
     max_cost: int | None = None,
     max_attempts: int | None = None,
     timeout_seconds: int | None = None,
-) -> Accepted | AlreadyTerminal | LeaseLost:
+) -> Accepted | RunEnded | AlreadyTerminal | LeaseLost:
     """Settle the delivery held by ``lease`` (the core's :class:`~buzz_delivery.services.Lease`)
     ``finished`` through :func:`~buzz_delivery.services.finish_delivery` and create its agent
     run, ``pending``, in one transaction: never a settled delivery without its run, never a run
@@ -84,8 +91,12 @@ def accept_delivery(
     (cost units), ``max_attempts`` (1..100), ``timeout_seconds`` (1..30 days, absolute deadline
     from now, database clock) default to ``BUZZ_AGENTS``; ``shadow`` blocks destructive calls.
 
-    Returns :class:`Accepted` (the run id), ``AlreadyTerminal(status)`` (the delivery was settled
-    before: the true holder's retry) or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``,
+    Returns :class:`Accepted` (the run id), :class:`RunEnded` (the delivery's workflow run was
+    canceled or ended while the delivery was held: no run is created, and the delivery is
+    settled ``failed`` with ``run_canceled`` / ``run_ended`` in the same transaction; the
+    workflow run's row is locked first, as a cancel locks it, so no agent run starts after its
+    workflow run's cancel), ``AlreadyTerminal(status)`` (the delivery was settled before: the
+    true holder's retry) or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``,
     ``input`` or a budget name before SQL; inside a caller's transaction, a community that is
     no longer active raises ``CommunityNotWritable`` (as ``finish_delivery`` does). SPEC 12 "Start".
     """
@@ -108,6 +119,16 @@ def accept_delivery(
         "delivery_id": lease.delivery_id,
     }
     with transaction.atomic(), translated_errors():
+        ended = fetch_all(sql.LOCK_WORKFLOW_RUN_OF_DELIVERY, params)
+        if ended and ended[0][0] in WORKFLOW_RUN_TERMINAL:
+            state = ended[0][0]
+            refused = finish_delivery(
+                lease,
+                "failed",
+                failure_code=RUN_CANCELED if state == "canceled" else RUN_ENDED,
+                failure_message=f"the workflow run ended ({state}) before its agent run could start",
+            )
+            return RunEnded(state) if isinstance(refused, Settled) else refused
         outcome = finish_delivery(lease, "finished")
         if not isinstance(outcome, Settled):
             return outcome
@@ -158,8 +179,9 @@ def intake_event(
             timeout_seconds=timeout_seconds,
         ),
     }
-    params.update(id=new_uuid7(), key_id=new_uuid7(), payload_hash=sha256_json(payload))
-    params["input_hash"] = params["payload_hash"]
+    # The same payload is judged as start_run judges the same input (canonical_json: 1 == 1.0).
+    payload_hash = hashlib.sha256(canonical_json(payload).encode()).digest()
+    params.update(id=new_uuid7(), key_id=new_uuid7(), payload_hash=payload_hash, input_hash=sha256_json(payload))
     with transaction.atomic(), translated_errors():
         won = fetch_all(sql.INSERT_INTAKE_KEY, params)
         if won:
@@ -247,6 +269,7 @@ def heartbeat(lease: AgentLease, lease_seconds: float | None = None) -> Renewed 
         return missed(params)
 
 
+@retry_deadlocks
 @tenant_scoped
 def complete_run(lease: AgentLease, output: Any) -> Finished | AlreadyTerminal | LeaseLost:
     """End the run ``completed`` with ``output`` (JSON, at most ``MAX_OUTPUT_BYTES``; its
@@ -264,6 +287,7 @@ def complete_run(lease: AgentLease, output: Any) -> Finished | AlreadyTerminal |
         return missed(params)
 
 
+@retry_deadlocks
 @tenant_scoped
 def fail_run(
     lease: AgentLease, failure_code: str, failure_message: str | None = None
@@ -294,6 +318,7 @@ def fail_run(
         return missed(params)
 
 
+@retry_deadlocks
 @tenant_scoped
 def cancel_agent_run(
     community_id: uuid.UUID | str,

@@ -324,3 +324,13 @@ LOCK_RUN = (
 # A wake hint for run_agent_worker (SPEC 7's pattern): transactional, so it is delivered only if
 # the run it announces was committed; it carries the community id and grants nothing.
 NOTIFY_CLAIMABLE = "SELECT pg_notify(%(channel)s, %(community_id)s::text)"
+
+# accept_delivery: the workflow run of the delivery, locked as a cancel or a completion locks
+# it (run first: the engine's lock order), so a cancel either ends the run before the agent run
+# exists (then the delivery is refused) or after (then the cancel sees the agent run).
+LOCK_WORKFLOW_RUN_OF_DELIVERY = """
+SELECT r.state FROM buzz_workflows_run AS r
+JOIN buzz_delivery_delivery AS d ON d.community_id = r.community_id AND d.run_id = r.run_id
+WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s AND r.community_id = %(community_id)s
+FOR NO KEY UPDATE OF r
+"""

@@ -41,6 +41,15 @@ class Accepted:
 
 
 @dataclass(frozen=True, slots=True)
+class RunEnded:
+    """``accept_delivery``: the delivery's workflow run has ended (``state``: ``canceled``,
+    ``failed`` or ``succeeded``) while the delivery was held: no agent run was created and the
+    delivery was settled ``failed`` (``run_canceled``, or ``run_ended`` for another end)."""
+
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
 class Created:
     """``intake_event``: a new run ``run_id`` was created for this key."""
 
@@ -165,5 +174,6 @@ __all__ = [
     "NotFound",
     "Recorded",
     "Renewed",
+    "RunEnded",
     "Unwinding",
 ]

@@ -42,6 +42,24 @@ def json_text(value: Any, max_bytes: int) -> str:
     return text
 
 
+def _by_value(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # 1.0 is the number 1, as jsonb compares numbers
+    if isinstance(value, dict):
+        return {str(k): _by_value(item) for k, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_by_value(item) for item in value]
+    return value
+
+
+def canonical_json(value: Any) -> str:
+    """The text two JSON values are compared by, wherever the services judge "the same input"
+    (``start_run``'s and ``intake_event``'s idempotency keys): sorted keys, no spaces, numbers
+    by value as jsonb compares them (``1`` and ``1.0`` are equal), and ``true`` is not ``1``
+    (as Python's ``==`` would have it)."""
+    return json.dumps(_by_value(value), cls=DjangoJSONEncoder, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def json_argument(value: Any, name: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
     """Like :func:`json_text` for an argument: raises ``ValidationError`` keyed ``name``."""
     try:

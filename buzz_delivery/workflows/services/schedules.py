@@ -23,12 +23,12 @@ from typing import Any
 
 from croniter import croniter
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import OperationalError, transaction
 
 from buzz_delivery.models import Workflow
 from buzz_delivery.services import Cause
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import bound_lock_waits, fetch_all, lock_wait_timed_out, translated_errors
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
@@ -134,7 +134,23 @@ def slot_key(schedule_id: Any, slot: dt.datetime) -> str:
 
 
 def _one_community(community: Any, limit: int, result: ScheduleResult) -> None:
+    batch = ScheduleResult()
+    try:
+        _one_community_batch(community, limit, batch)
+    except OperationalError as exc:  # a row held past the lock_timeout: this community waits a pass
+        if not lock_wait_timed_out(exc):
+            raise
+        result.skipped_busy += 1
+        return
+    result.started += batch.started
+    result.missed += batch.missed
+    result.failed += batch.failed
+    result.skipped_busy += batch.skipped_busy
+
+
+def _one_community_batch(community: Any, limit: int, result: ScheduleResult) -> None:
     with transaction.atomic(), translated_errors():
+        bound_lock_waits()
         if not fetch_all(TRY_FENCE_LOCK, {"ns": FENCE_LOCK_NAMESPACE, "community_id": community})[0][0]:
             result.skipped_busy += 1
             return

@@ -19,6 +19,7 @@ from buzz_delivery.workflows.models import Run, Step
 STEP = "buzz_workflows_step"
 RUN = "buzz_workflows_run"
 APPROVAL = "buzz_workflows_approval"
+SENT_EVENT = "buzz_workflows_sent_event"
 COMMUNITY = "buzz_delivery_community"
 
 
@@ -94,6 +95,19 @@ RENEW_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s SET lease_until = {LEASE_END}, renewals = s.renewals + 1
 WHERE {CURRENT_STEP_LEASE}
 RETURNING s.lease_until
+"""
+
+# A claim its holder never started, handed back: ``ready`` again in its place (ready_at kept),
+# the attempt it took given back, the generation bumped (the old lease is fenced).
+RELEASE_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'ready', attempts = s.attempts - 1, lease_generation = s.lease_generation + 1, {CLEAR_LEASE},
+    next_attempt_at = NULL,
+    {step_entry("'release'", "s.lease_generation + 1", "s.claimed_by", status="'ready'", renewals="s.renewals")}
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[]) AS u(id, generation)
+WHERE s.community_id = %(community_id)s AND s.id = u.id AND s.lease_generation = u.generation
+  AND s.state = 'running' AND s.lease_until >= {DB_NOW} AND {ACTIVE}
+RETURNING s.id
 """
 
 COMPLETE_IF_CURRENT_GENERATION = f"""
@@ -189,7 +203,7 @@ WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s AND 
 _RUN_INSERT_COLUMNS = (
     "run_id, community_id, workflow_id, definition_id, state, input, cause_kind, cause_event_id, "
     "cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, "
-    "depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire"
+    "depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire, tags"
 )
 _STEP_SHAPE = (
     "id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], "
@@ -220,7 +234,8 @@ WITH core AS (
     VALUES (%(run_id)s, %(community_id)s, %(workflow_id)s, %(definition_id)s, 'running', %(input)s::jsonb,
             %(cause_kind)s, %(cause_event_id)s, %(cause_scheduled_for)s, %(cause_webhook_invocation_id)s,
             %(idempotency_key)s, %(parent_run_id)s, %(parent_step_key)s, %(depth)s, %(restart_of_id)s,
-            %(steps_total)s, %(steps_total)s, {DB_NOW} + make_interval(secs => %(deadline_seconds)s), false)
+            %(steps_total)s, %(steps_total)s, {DB_NOW} + make_interval(secs => %(deadline_seconds)s), false,
+            %(tags)s::varchar(100)[])
     RETURNING {{run_columns}}
 ), ready AS ({_STEP_INSERT.format(ready_at=DB_NOW, state="'ready'")}
 ), pending AS ({_STEP_INSERT.format(ready_at="NULL::timestamptz", state="'pending'")}
@@ -232,7 +247,7 @@ CREATE_RUN = CREATE_RUN.format(run_columns=", ".join(str(f.column) for f in Run.
 
 # Calls of the engine's functions name the community first and stand alone (``SELECT f(...)``,
 # never once per row of a query): on Citus such a call is delegated whole to the community's
-# worker (migration 0017, docs/scale-out.md).
+# worker (migration 0019, docs/scale-out.md).
 RELEASE_ROOT_STEPS = "SELECT buzz_workflows_release_roots(%(community_id)s::uuid, %(run_id)s::uuid)"
 
 KEEP_SUCCEEDED_STEP = f"""

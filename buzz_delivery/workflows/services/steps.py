@@ -11,6 +11,7 @@ When nothing matched, the step is read at the holder's generation: terminal ther
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
@@ -20,7 +21,7 @@ from django.db import transaction
 from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Step
@@ -98,7 +99,11 @@ def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
     ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
     for row in sorted(rows, key=lambda r: (r[ready_at], r[step_id])):
         step = Step.from_db("default", sql.STEP_ATTNAMES, row[:-1])
-        spec = definition_steps(row[-1])[step.key]
+        # A map's element carries its own spec (jsonb, as text from the cursor); the definition's
+        # steps are cached per version.
+        if isinstance(step.spec, str):
+            step.spec = json.loads(step.spec)
+        spec = step.spec if step.spec is not None else definition_steps(row[-1])[step.key]
         lease = StepLease(
             community_id=step.community_id,
             step_id=step.id,
@@ -150,6 +155,37 @@ def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRene
     )
 
 
+@retry_deadlocks
+@tenant_scoped
+def release_steps(community_id: uuid.UUID | str, leases: Sequence[StepLease]) -> int:
+    """Hand back claims of one community that their holder never started (an orchestrator's
+    local queue it cannot serve): each step whose lease is current goes back to ``ready`` in
+    its place in the queue, the attempt its claim took given back and its generation bumped
+    (the lease is fenced), in one statement; the other orchestrators are woken (NOTIFY).
+    ``leases``: 0..1000, each of ``community_id``. Returns how many were handed back (a lease
+    already lost is not). Raises ``ValidationError`` keyed ``community_id``, ``leases`` or
+    ``lease`` before SQL. SPEC section 11 "Orchestrator"."""
+    community = v.uuid_value(community_id, "community_id")
+    if not isinstance(leases, Sequence) or len(leases) > MAX_CLAIM:
+        raise v.invalid("leases", f"must be a sequence of at most {MAX_CLAIM} step leases")
+    checked = [_lease(lease) for lease in leases]
+    if any(lease.community_id != community for lease in checked):
+        raise v.invalid("leases", "a lease of another community")
+    if not checked:
+        return 0
+    params = {
+        "community_id": community,
+        "step_ids": [lease.step_id for lease in checked],
+        "lease_generations": [lease.lease_generation for lease in checked],
+    }
+    with transaction.atomic(), translated_errors():
+        released = len(fetch_all(sql.RELEASE_MANY_IF_CURRENT_GENERATION, params))
+        if released:
+            fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
+    return released
+
+
+@retry_deadlocks
 @tenant_scoped
 def complete_step(lease: StepLease, output: Any = None) -> StepOutcome:
     """Record the step ``succeeded`` with ``output`` (JSON), if the lease is current; Advance
@@ -257,30 +293,41 @@ def complete_and_claim_steps(
     good = [(pair[0], text) for pair, text in zip(completions, texts, strict=True) if isinstance(text, str)]
     claims: list[StepClaim] = []
     if good or claim_params["limit"]:
-        with transaction.atomic(), translated_errors():
-            if claim_params["limit"]:
-                fetch_all(sql.DEFER_NOTIFY, {})
-            if good:
-                run_ids = sorted({lease.run_id for lease, _ in good})
-                lock = {"community_id": community, "run_ids": run_ids}
-                free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, lock)}
-                batch = [(lease, text) for lease, text in good if lease.run_id in free]
-                params = {
-                    "community_id": community,
-                    "step_ids": [lease.step_id for lease, _ in batch],
-                    "lease_generations": [lease.lease_generation for lease, _ in batch],
-                    "outputs": [text for _, text in batch],
-                }
-                settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
-                for lease, _ in batch:
-                    outcomes[lease.step_id] = (
-                        Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
-                    )
-            if claim_params["limit"]:
-                claims = _claims_from_rows(fetch_all(sql.CLAIM_READY_STEPS, claim_params))
-                fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
-                fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
+        settled, claims = _complete_and_claim(community, good, claim_params)
+        outcomes.update(settled)
     return CompletedBatch([outcomes.get(lease.step_id) for lease, _ in completions], claims)
+
+
+@retry_deadlocks
+def _complete_and_claim(
+    community: uuid.UUID, good: list[tuple[StepLease, str]], claim_params: dict[str, Any]
+) -> tuple[dict[uuid.UUID, StepOutcome], list[StepClaim]]:
+    """The transaction of :func:`complete_and_claim_steps` (run again whole when PostgreSQL
+    aborts it as a deadlock's victim): the outcomes it settled, and its claims."""
+    outcomes: dict[uuid.UUID, StepOutcome] = {}
+    claims: list[StepClaim] = []
+    with transaction.atomic(), translated_errors():
+        if claim_params["limit"]:
+            fetch_all(sql.DEFER_NOTIFY, {})
+        if good:
+            run_ids = sorted({lease.run_id for lease, _ in good})
+            lock = {"community_id": community, "run_ids": run_ids}
+            free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, lock)}
+            batch = [(lease, text) for lease, text in good if lease.run_id in free]
+            params = {
+                "community_id": community,
+                "step_ids": [lease.step_id for lease, _ in batch],
+                "lease_generations": [lease.lease_generation for lease, _ in batch],
+                "outputs": [text for _, text in batch],
+            }
+            settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
+            for lease, _ in batch:
+                outcomes[lease.step_id] = Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
+        if claim_params["limit"]:
+            claims = _claims_from_rows(fetch_all(sql.CLAIM_READY_STEPS, claim_params))
+            fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
+            fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
+    return outcomes, claims
 
 
 def backoff_seconds(attempts: int, base: float, cap: float) -> float:
@@ -288,6 +335,7 @@ def backoff_seconds(attempts: int, base: float, cap: float) -> float:
     return float(min(cap, base * (2 ** min(attempts - 1, 30))))
 
 
+@retry_deadlocks
 @tenant_scoped
 def fail_step(
     lease: StepLease,

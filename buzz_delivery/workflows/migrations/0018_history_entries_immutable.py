@@ -21,6 +21,6 @@ END_RUN = _0007.END_RUN.replace(_ENTRY, _IMMUTABLE_ENTRY)
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_workflows", "0015_run_and_step_names")]
+    dependencies = [("buzz_workflows", "0017_run_tags_and_search")]
 
     operations = [migrations.RunSQL(sql=END_RUN, reverse_sql=_0007.END_RUN)]

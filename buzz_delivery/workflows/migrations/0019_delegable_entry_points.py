@@ -50,6 +50,6 @@ DROP FUNCTION buzz_workflows_release_roots(uuid, uuid);
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_workflows", "0016_history_entries_immutable")]
+    dependencies = [("buzz_workflows", "0018_history_entries_immutable")]
 
     operations = [migrations.RunSQL(sql=ENTRY_POINTS, reverse_sql=DROP_ENTRY_POINTS)]

@@ -1,0 +1,168 @@
+"""Running a user's code (a delivery handler, a ``function`` step) on a runtime thread, so that
+nothing it leaves on the thread's database connection reaches the runtime's own statements
+or the next user call on that thread.
+
+The workers run user code on a thread whose Django connection the runtime may use right after
+(the engine's step threads record a failure, park a ``send_message`` step...), and the next
+delivery or step on that thread runs on it too. :class:`UserCode` wraps one call, in the
+handler's tenancy scope (:func:`~buzz_delivery.services.tenancy.handler`), and on the way out
+puts the connection back as the runtime expects it:
+
+- a transaction left open (an ``atomic()`` block not exited, autocommit turned off through
+  Django or psycopg, a raw ``BEGIN``, a failed transaction) cannot be trusted to commit what
+  the user meant: the ``atomic()`` blocks it left are exited as by an exception (rolled
+  back), and a connection still in a transaction after that is closed (the server rolls it
+  back) and Django's transaction state reset, so the next statement on the thread opens a
+  fresh connection; :attr:`UserCode.left_open` says what was left, and the caller fails that one
+  delivery or step with :data:`TRANSACTION_LEFT_OPEN`;
+- session state (``SET statement_timeout``, ``SET search_path``, ``SET ROLE``, temporary
+  tables, session advisory locks, ``LISTEN``, prepared statements, cursors): after a call that
+  ran such a statement through Django (:data:`SESSION_STATEMENT`), ``DISCARD ALL`` (what poolers
+  run between clients) and Django's time zone again. The call's own work stands (it
+  committed); only the session is cleaned. (A statement sent on the raw psycopg connection,
+  past Django's cursor, is not seen: its transaction is still judged, its session is not.)
+
+A call that changed no session state costs nothing here (no round trip): the workers' no-op
+handlers and steps are measured that way in ``bench/``, and ordinary ORM work adds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from buzz_delivery.services import tenancy
+
+logger = logging.getLogger("buzz_delivery.usercode")
+
+# The failure code of a delivery or step whose code left a transaction open.
+TRANSACTION_LEFT_OPEN = "transaction_left_open"
+# A statement that may leave state on the session past its transaction (the ORM sends none).
+SESSION_STATEMENT = re.compile(
+    r"^\s*(SET|RESET|LISTEN|PREPARE|DECLARE|LOAD|CREATE\s+(GLOBAL\s+|LOCAL\s+)?TEMP(ORARY)?)\b|set_config\s*\(|advisory_lock",
+    re.IGNORECASE,
+)
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+_UNKNOWN = psycopg.pq.TransactionStatus.UNKNOWN
+
+
+def discard_connection(db: Any = None) -> None:
+    """Close the thread's connection whatever state it is in, and reset Django's transaction
+    bookkeeping (an ``atomic()`` left open, autocommit off), so that the next statement on the
+    thread connects afresh. The server rolls back whatever the closed connection had open."""
+    db = connections[DEFAULT_DB_ALIAS] if db is None else db
+    raw = db.connection
+    db.connection = None
+    if raw is not None:
+        with contextlib.suppress(Exception):  # a broken connection may fail to close: gone either way
+            raw.close()
+    db.in_atomic_block = False
+    db.savepoint_ids = []
+    db.atomic_blocks = []
+    db.needs_rollback = False
+    db.closed_in_transaction = False
+    db.savepoint_state = 0
+    db.run_on_commit = []
+    db.autocommit = bool(db.settings_dict.get("AUTOCOMMIT", True))
+
+
+def left_open(db: Any) -> str | None:
+    """What transaction the connection ``db`` has open, as a sentence, or None (no round trip:
+    Django's flags and libpq's transaction status)."""
+    if db.in_atomic_block:
+        return "an atomic() block was left open"
+    if not db.autocommit:
+        return "autocommit was left off"
+    raw = db.connection
+    if raw is None or raw.closed:
+        return None
+    status = raw.info.transaction_status
+    if status == _UNKNOWN:
+        return None  # a broken connection: the call's own error says so; it is dropped below
+    if not raw.autocommit:
+        return "autocommit was left off on the psycopg connection"
+    if status != _IDLE:
+        return "a transaction was left open"
+    return None
+
+
+class TransactionLeftOpen(Exception):
+    """What the atomic blocks a user's code left open are exited with (so they roll back)."""
+
+
+class UserCode:
+    """``with UserCode(community_id) as call: handler(...)``; then ``call.left_open`` is None,
+    or what the call left open (its connection was discarded: see the module docstring).
+    Exceptions from the call pass through unchanged, after the clean-up."""
+
+    __slots__ = ("_db", "_depth", "_in_transaction", "_mark", "_scope", "left_open", "session_touched")
+
+    def __init__(self, community_id: uuid.UUID | str) -> None:
+        self._scope = tenancy.handler(community_id)
+        self.session_touched = False
+        self.left_open: str | None = None
+
+    def _watch(self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any) -> Any:
+        if not self.session_touched and SESSION_STATEMENT.search(sql if isinstance(sql, str) else str(sql)):
+            self.session_touched = True
+        return execute(sql, params, many, context)
+
+    def __enter__(self) -> UserCode:
+        db = connections[DEFAULT_DB_ALIAS]
+        self._db = db
+        self._mark = len(db.execute_wrappers)
+        self._depth = len(db.atomic_blocks)
+        # Called inside a caller's transaction (a test's, run_until_idle's): only what the call
+        # adds to it can be judged and undone.
+        self._in_transaction = db.in_atomic_block or not db.autocommit
+        db.execute_wrappers.append(self._watch)
+        self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        db = self._db
+        try:
+            self._scope.__exit__(*exc)
+        except Exception:  # restoring a context inside a transaction the call broke
+            pass
+        finally:
+            del db.execute_wrappers[self._mark :]  # ours, and any the call left behind
+            self.left_open = self._clean(db)
+
+    def _clean(self, db: Any) -> str | None:
+        problem = None
+        if len(db.atomic_blocks) > self._depth:
+            problem = "an atomic() block was left open"
+            try:
+                while len(db.atomic_blocks) > self._depth:  # exited as by an exception: rolled back
+                    db.atomic_blocks[-1].__exit__(TransactionLeftOpen, TransactionLeftOpen(problem), None)
+            except Exception:
+                if self._in_transaction:
+                    raise
+                discard_connection(db)
+                return problem
+        if self._in_transaction:
+            return problem
+        problem = problem or left_open(db)
+        if problem is not None:
+            logger.warning("user_code_left_open: %s; its connection is discarded", problem)
+            discard_connection(db)
+            return problem
+        raw = db.connection
+        if raw is not None and (raw.closed or raw.info.transaction_status == _UNKNOWN):
+            discard_connection(db)  # terminated under the call: the next statement reconnects
+        elif raw is not None and self.session_touched:
+            try:
+                raw.execute("DISCARD ALL", prepare=False)
+                db.ensure_timezone()
+            except Exception:
+                discard_connection(db)
+        return None
