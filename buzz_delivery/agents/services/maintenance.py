@@ -36,9 +36,8 @@ from buzz_delivery.agents.services.sql import (
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import DB_NOW, TRY_WRITE_FENCE
 from buzz_delivery.services.tenancy import fleet_scoped
-from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
 # Past timeout_at, unless the run is already unwinding with compensations left: it ends once
@@ -64,7 +63,6 @@ WHERE c.deletion_state = 'active' AND (
 ORDER BY c.id
 LIMIT %(limit)s
 """
-TRY_FENCE_LOCK = "SELECT pg_try_advisory_xact_lock_shared(%(ns)s, hashtext(%(community_id)s::text))"
 CANDIDATE_RUNS = f"""
 SELECT r.id FROM {RUN} AS r
 WHERE r.community_id = %(community_id)s AND (({LAPSED}) OR ({OVERDUE}))
@@ -172,12 +170,11 @@ def _one_community(community: object, limit: int, result: AgentReapResult) -> bo
     params: dict[str, object] = {
         "community_id": community,
         "limit": limit,
-        "ns": FENCE_LOCK_NAMESPACE,
         "delay_seconds": get_settings().retry_delay_seconds,
         "max_delay_seconds": get_settings().retry_delay_max_seconds,
     }
     with transaction.atomic(), translated_errors():
-        if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+        if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
             return False
         params["ids"] = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]
         if params["ids"]:

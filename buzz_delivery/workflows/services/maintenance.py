@@ -24,9 +24,8 @@ from django.db import transaction
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import DB_NOW, TRY_WRITE_FENCE
 from buzz_delivery.services.tenancy import fleet_scoped
-from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.schedules import start_due_schedules
@@ -53,7 +52,6 @@ WHERE c.deletion_state = 'active' AND (
 ORDER BY c.id
 LIMIT %(limit)s
 """
-TRY_FENCE_LOCK = "SELECT pg_try_advisory_xact_lock_shared(%(ns)s, hashtext(%(community_id)s::text))"
 CANDIDATE_STEPS = f"""
 SELECT s.id, s.run_id FROM {STEP} AS s
 WHERE s.community_id = %(community_id)s AND (({LAPSED}) OR ({WAIT_OVER}) OR ({OVERRUN}))
@@ -164,9 +162,9 @@ class WorkflowReapResult:
 
 def _one_community(community: object, limit: int, result: WorkflowReapResult) -> bool:
     """One bounded batch of one community; False when its fence lock was busy."""
-    params: dict[str, object] = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+    params: dict[str, object] = {"community_id": community, "limit": limit}
     with transaction.atomic(), translated_errors():
-        if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+        if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
             return False
         steps = fetch_all(CANDIDATE_STEPS, params)
         approvals = fetch_all(CANDIDATE_APPROVALS, params)
@@ -201,8 +199,8 @@ def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
     (the fan-in trigger failed them): expire those now, per community, through the core."""
     for (community,) in fetch_all(sql.COMMUNITIES_WITH_DELIVERIES_TO_EXPIRE, {"limit": 100}):
         with transaction.atomic(), translated_errors():
-            params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
-            if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+            params = {"community_id": community, "limit": limit}
+            if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
                 result.skipped_busy += 1
                 continue
             runs = [row[0] for row in fetch_all(sql.RUNS_WITH_DELIVERIES_TO_EXPIRE, params)]
