@@ -17,7 +17,7 @@ from django.utils.html import format_html, format_html_join
 from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
-from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.models import AgentPolicy, AgentRun, JournalEntry
 from buzz_delivery.agents.services import AlreadyTerminal, NotFound, cancel_agent_run
 from buzz_delivery.exceptions import BuzzDeliveryError
 
@@ -149,3 +149,28 @@ class AgentRunAdmin(ReadOnlyAdmin):
             else:
                 done.append(run)
         report(self, request, verb="cancelled", done=done, skipped=skipped, change_message="cancel_agent_run")
+
+
+@admin.register(AgentPolicy)
+class AgentPolicyAdmin(ReadOnlyAdmin):
+    """The operators' policies for agent runs, read-only here: ``manage.py agent_policy`` (or
+    :func:`~buzz_delivery.agents.services.policy.set_policy`) changes them."""
+
+    list_display = (
+        "community",
+        "scope",
+        "max_tool_calls",
+        "max_cost",
+        "max_attempts",
+        "max_timeout_seconds",
+        "max_lease_seconds",
+        "shadow",
+        "updated_by",
+        "updated_at",
+    )
+    readonly_fields = list_display
+    fields = readonly_fields
+
+    @admin.display(description="agent")
+    def scope(self, obj: AgentPolicy) -> str:
+        return "every agent" if obj.agent_pubkey is None else bytes(obj.agent_pubkey).hex()
