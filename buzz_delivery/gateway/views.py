@@ -9,7 +9,6 @@ nothing but its event id in the replay store (recorded as soon as the signature 
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -24,6 +23,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
+from buzz_delivery import jsonbounds
 from buzz_delivery import services as core
 from buzz_delivery.gateway import present
 from buzz_delivery.gateway import services as gateway
@@ -37,10 +37,6 @@ from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, S
 logger = logging.getLogger("buzz_delivery.gateway")
 
 View = Callable[..., JsonResponse]
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -66,9 +62,11 @@ def parse_json(raw: bytes, body: Body | None) -> dict[str, Any]:
             raise bad_request("body", "this request takes no body")
         return {}
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise bad_request("body", "is not valid JSON (UTF-8)") from None
+        # Each field's value is checked by its Field (depth, text PostgreSQL can store), so a
+        # refusal names it; a key twice, NaN or nesting the parser cannot take is the body's.
+        data = jsonbounds.loads(raw, max_depth=jsonbounds.MAX_DEPTH + 1, checked=False)
+    except jsonbounds.JSONRefused as exc:
+        raise bad_request("body", str(exc)) from None
     return body.clean(data)
 
 

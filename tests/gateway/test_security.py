@@ -1,0 +1,160 @@
+"""What a hostile review of the gateway found (issue 27), through a real gunicorn and a real HTTP
+client: every case is refused with the status that names what is wrong, writes nothing, and
+never answers 500; what a remote agent may ask for is bounded by the operator's policy."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+
+from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.services.policy import set_policy
+from buzz_delivery.gateway import nip98
+from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.workflows.services import decide_approval
+from tests.agents_support import counts
+from tests.gateway.support import deliver, enroll, new_agent, row_counts
+from tests.gateway.test_runs import accepted_run, run_state, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def nested(depth: int) -> object:
+    value: object = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_an_authorization_header_of_deeply_nested_json_is_401_and_writes_nothing(gateway_server):
+    """2.7 KB of ``[[[...]]]`` made the header parser raise RecursionError: a 500 for anyone."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    before = row_counts()
+    for token in ("[" * 1400 + "]" * 1400, '{"a":' * 700 + "1" + "}" * 700):
+        header = "Nostr " + base64.b64encode(token.encode()).decode()
+        response = httpx.get(agent.base_url + "/me", headers={"Authorization": header}, timeout=10)
+        assert (response.status_code, response.json()["code"]) == (401, "auth_invalid"), response.text
+    assert row_counts() == before
+
+
+def test_an_authorization_event_with_a_key_twice_is_401(gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    url = agent.base_url + "/me"
+    event = nip98.sign_event(agent._key, url, "GET")
+    text = json.dumps(event, separators=(",", ":"))
+    twice = text[:-1] + ',"content":""}'  # the same field again (even with the same value)
+    header = "Nostr " + base64.b64encode(twice.encode()).decode()
+    before = row_counts()
+    response = httpx.get(url, headers={"Authorization": header}, timeout=10)
+    assert (response.status_code, response.json()["code"]) == (401, "auth_invalid"), response.text
+    assert row_counts() == before
+
+
+def test_a_body_with_a_key_twice_is_400_and_writes_nothing(gateway_server):
+    """The last value used to win: {"outcome": "failed", "outcome": "finished"} finished."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    deliver(community, agent.pubkey)
+    (claim,) = agent.claim()
+    path = f"/communities/{community.id}/deliveries/{claim.lease.delivery_id}/finish"
+    raw = b'{"lease_generation": 1, "outcome": "failed", "outcome": "finished"}'
+    before = row_counts()
+    response = send(agent, "POST", path, raw)
+    assert response.status_code == 400, response.text
+    assert response.json()["field"] == "body" and "twice" in response.json()["message"]
+    assert row_counts() == {**before, "seen": before["seen"] + 1}
+    assert agent.read(str(community.id), claim.lease.delivery_id)["status"] == "claimed"
+
+
+# (action, body without the lease fields, the field a 400 must name)
+HOSTILE_RUN_BODIES = [
+    ("complete", {"output": nested(930)}, "output"),
+    ("results", {"seq": 1, "ok": True, "output": {"deep": nested(200)}}, "output"),
+    ("calls", {"tool_name": "t", "args": nested(500)}, "args"),
+    ("calls", {"tool_name": "t", "args": {"q": "\ud800"}}, "args"),
+    ("calls", {"tool_name": "t", "args": {"\udfff": 1}}, "args"),
+    ("calls", {"tool_name": "t", "args": {}, "compensation": {"function": "x\ud83d"}}, "compensation"),
+    ("calls", {"tool_name": "t\ud800", "args": {}}, "tool_name"),
+    ("results", {"seq": 1, "ok": True, "output": ["\udc00"]}, "output"),
+    ("results", {"seq": 1, "ok": False, "error": "\ud800"}, "error"),
+    ("complete", {"output": "\ud800"}, "output"),
+    ("fail", {"failure_code": "x", "failure_message": "\udfff"}, "failure_message"),
+    ("heartbeat", {"worker_id": "w\ud800"}, "worker_id"),
+    ("calls", {"tool_name": "t", "args": {}, "cost": 2**62}, "cost"),
+]
+
+
+def test_hostile_json_on_the_run_endpoints_is_400_naming_the_field_and_writes_nothing(gateway_server):
+    """Lone surrogates used to reach PostgreSQL (500), an output 930 lists deep was stored (and
+    then broke the admin), a cost near 2**62 overflowed the budget's bigint on the second call."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    lease = accepted_run(agent, community, max_cost=2**53 - 1).lease
+    assert agent.journal_call(lease, "t", {}).outcome == "journaled"  # entry 1, for "results"
+    base = f"/communities/{community.id}/runs/{lease.run_id}"
+    fence = {"lease_generation": lease.lease_generation, "worker_id": lease.worker_id}
+    before, rows = run_state(), counts()
+    for action, body, field in HOSTILE_RUN_BODIES:
+        response = send(agent, "POST", f"{base}/{action}", {**fence, **body})
+        assert response.status_code == 400, (action, field, response.status_code, response.text[:300])
+        assert response.json()["field"] == field, (action, response.json())
+    assert run_state() == before and counts() == rows
+
+
+def test_hostile_json_in_an_accept_is_400_and_creates_no_run(gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    deliver(community, agent.pubkey)
+    (claim,) = agent.claim()
+    path = f"/communities/{community.id}/deliveries/{claim.lease.delivery_id}/accept"
+    for body, field in (
+        ({"input": {"x": "\ud800"}}, "input"),
+        ({"input": {"x": nested(300)}}, "input"),
+        ({"max_cost": 2**62}, "max_cost"),
+    ):
+        response = send(agent, "POST", path, {"lease_generation": claim.lease.lease_generation, **body})
+        assert response.status_code == 400, (body, response.text[:300])
+        assert response.json()["field"] == field
+    assert not AgentRun.objects.exists()
+    assert agent.read(str(community.id), claim.lease.delivery_id)["status"] == "claimed"
+
+
+def test_a_remote_agent_gets_the_operators_policy_whatever_its_accept_asks_for(gateway_server):
+    """An agent used to set its own budgets and shadow mode when it accepted."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    set_policy(community.id, max_tool_calls=5, max_cost=10, shadow=True, max_lease_seconds=20)
+    lease = accepted_run(agent, community, max_tool_calls=100_000, max_cost=2**53 - 1, shadow=False).lease
+    run = agent.read_run(str(community.id), lease.run_id)["run"]
+    assert (run["max_tool_calls"], run["max_cost"], run["shadow"]) == (5, 10, True)
+    # accepted_run asked for a 30 s lease; the run's policy allows 20.
+    renewed = agent.heartbeat(lease, 300)
+    assert renewed.outcome == "renewed"
+    stored = AgentRun.objects.get(id=lease.run_id)
+    assert (stored.lease_until - stored.heartbeat_at).total_seconds() <= 20
+    blocked = agent.journal_call(lease, "rm", {}, destructive=True)
+    assert blocked.outcome == "blocked"
+
+
+def test_the_decision_a_remote_agent_reads_back_names_no_operator(gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    lease = accepted_run(agent, community).lease
+    requested = agent.request_approval(lease, "ship?", 600)
+    decide_approval(community.id, requested.data["approval_id"], "approved", "alice@example.com")
+    (again,) = agent.claim_runs(worker_id="remote-1")
+    (entry,) = agent.read_run(str(community.id), again.lease.run_id)["journal"]
+    assert entry["output"] == {"decision": "approved", "decided_by": "operator"}
+    assert "alice" not in json.dumps(agent.read_run(str(community.id), again.lease.run_id))
