@@ -16,10 +16,13 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE, LogEntry
-from django.db.models import DateTimeField, Model
-from django.http import HttpRequest
+from django.contrib.admin.views.main import ERROR_FLAG
+from django.core.exceptions import ValidationError
+from django.db.models import DateTimeField, ForeignObject, JSONField, Model
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 
-from buzz_delivery.admin.display import timestamp
+from buzz_delivery.admin.changelist import JSONFreeChangeList
+from buzz_delivery.admin.display import timestamp, with_json_as_text
 from buzz_delivery.admin.paginators import EstimatedCountPaginator
 
 logger = logging.getLogger("buzz_delivery.admin")
@@ -39,6 +42,21 @@ def timestamp_column(field: DateTimeField) -> Callable[[Model], str]:
     return column
 
 
+def _cache_related_without_json(obj: Model) -> None:
+    """Load the rows ``obj`` points to (shown as links on its page) without their JSON columns,
+    so a related row's stored value cannot fail this page either; what they show (``__str__``)
+    reads none."""
+    for field in obj._meta.concrete_fields:
+        target = field.related_model if field.is_relation else None
+        if target is None or isinstance(target, str) or getattr(obj, field.attname) is None:
+            continue
+        assert isinstance(field, ForeignObject), field  # a concrete relation: a ForeignKey or OneToOneField
+        heavy = [f.name for f in target._meta.concrete_fields if isinstance(f, JSONField)]
+        if heavy and not field.is_cached(obj):
+            related = target._base_manager.defer(*heavy).filter(pk=getattr(obj, field.attname)).first()
+            field.set_cached_value(obj, related)
+
+
 class ReadOnlyAdmin(admin.ModelAdmin):
     """View-only ModelAdmin for tables that can hold millions of rows.
 
@@ -50,6 +68,35 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     show_facets = admin.ShowFacets.NEVER
     list_per_page = 100
     list_max_show_all = 500
+    # JSON columns the detail page reads as text and shows through display.json_field (a value
+    # nested too deeply for Python's parser would otherwise fail the page; issue 27).
+    json_text_fields: tuple[str, ...] = ()
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: str | None = None) -> Any:
+        """Django's, with :attr:`json_text_fields` read as text; an id the key cannot hold (not a
+        UUID, a NUL) finds nothing, as a missing row does."""
+        queryset = with_json_as_text(self.get_queryset(request), self.json_text_fields)
+        model = queryset.model
+        field = model._meta.pk if from_field is None else model._meta.get_field(from_field)
+        try:
+            value = field.to_python(object_id)
+            if isinstance(value, str) and "\x00" in value:
+                return None
+            obj = queryset.get(**{field.name: value})
+        except (model.DoesNotExist, ValidationError, ValueError):
+            return None
+        _cache_related_without_json(obj)
+        return obj
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
+        return JSONFreeChangeList
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        """Django's, except that a query string holding a NUL (which PostgreSQL text cannot hold)
+        is treated as a bad lookup (Django's ``?e=1`` page), not sent to the database."""
+        if any("\x00" in key or any("\x00" in v for v in values) for key, values in request.GET.lists()):
+            return HttpResponseRedirect(f"{request.path}?{ERROR_FLAG}=1")
+        return super().changelist_view(request, extra_context)
 
     def get_list_display(self, request: HttpRequest) -> list[Any]:
         fields = {f.name: f for f in self.model._meta.concrete_fields if isinstance(f, DateTimeField)}

@@ -24,7 +24,18 @@ from django.utils.text import capfirst
 SNAPSHOT_FIELDS = ("execution_trace", "trigger_context", "history")  # large JSON: deferred in lists
 
 
-class SnapshotFreeChangeList(ChangeList):
+class JSONFreeChangeList(ChangeList):
+    """Every list of a :class:`~buzz_delivery.admin.base.ReadOnlyAdmin`: the admin's
+    ``json_text_fields`` are never loaded by a list page or an action (a stored value nested
+    too deeply for Python's parser would fail the page; issue 27)."""
+
+    def get_queryset(self, request: Any, exclude_parameters: Any = None) -> Any:
+        queryset = super().get_queryset(request, exclude_parameters)
+        deferred = tuple(getattr(self.model_admin, "json_text_fields", ()))
+        return queryset.defer(*deferred) if deferred else queryset
+
+
+class SnapshotFreeChangeList(JSONFreeChangeList):
     def get_queryset(self, request: Any, exclude_parameters: Any = None) -> Any:
         queryset = super().get_queryset(request, exclude_parameters)
         deferred = [name for name in SNAPSHOT_FIELDS if any(f.name == name for f in self.model._meta.fields)]

@@ -110,6 +110,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
     )
     policy_fields = ("attempt", "max_attempts", "next_attempt_at", "expires_at", "failure_code", "failure_message")
     snapshot_fields = ("execution_trace_json", "trigger_context_json")
+    json_text_fields = ("execution_trace", "trigger_context")
     history_fields = ("history_table",)
     fieldsets = (
         ("Identity", {"fields": identity_fields}),
@@ -266,11 +267,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="execution trace")
     def execution_trace_json(self, obj: WorkflowAgentDelivery) -> str:
-        return display.pretty_json(obj.execution_trace)
+        return display.json_field(obj, "execution_trace")
 
     @admin.display(description="trigger context")
     def trigger_context_json(self, obj: WorkflowAgentDelivery) -> str:
-        return display.pretty_json(obj.trigger_context)
+        return display.json_field(obj, "trigger_context")
 
     # --- permissions of the actions ---------------------------------------------------
 
@@ -405,7 +406,12 @@ class DeliveryAdmin(ReadOnlyAdmin):
     ) -> HttpResponse:
         """The detail page, with a button per operator action that applies to this delivery now
         (requeue a failed or expired one, force-fail a claimed one) and that the user may take."""
-        status = WorkflowAgentDelivery.objects.filter(pk=object_id).values_list("status", flat=True).first()
+        delivery_id = search.parse_uuid(object_id)  # anything else is no delivery (Django redirects)
+        status = (
+            None
+            if delivery_id is None
+            else WorkflowAgentDelivery.objects.filter(pk=delivery_id).values_list("status", flat=True).first()
+        )
         buttons = []
         if status in ("failed", "expired") and self.has_requeue_permission(request):
             buttons.append(

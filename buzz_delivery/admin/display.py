@@ -10,9 +10,12 @@ import datetime as dt
 import json
 from typing import Any
 
-from django.db.models import OuterRef, Subquery
+from django.db.models import Model, OuterRef, Subquery, TextField
+from django.db.models.functions import Cast
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+
+from buzz_delivery import jsonbounds
 
 SHORT_HEX_CHARS = 12
 EMPTY = "—"
@@ -66,10 +69,67 @@ def duration(value: dt.timedelta | None) -> str:
 
 
 def pretty_json(value: Any) -> str:
-    """Indented JSON in a ``<pre>`` block."""
+    """Indented JSON in a ``<pre>`` block (a value already loaded; see :func:`json_block` for
+    stored JSON read as text)."""
     if value is None:
         return EMPTY
+    try:
+        text = json.dumps(value, indent=2)
+    except (RecursionError, ValueError, TypeError):
+        return _raw_json(repr(value)[:RAW_JSON_CHARS])
+    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', text)
+
+
+# A stored JSON value the admin cannot show as a tree is shown as this much raw text.
+RAW_JSON_CHARS = 20_000
+
+
+def _raw_json(text: str, why: str = "not a tree the admin can show") -> str:
+    return format_html(
+        '<p class="bd-quiet">{} ({} characters); its first {}:</p>'
+        '<pre style="white-space: pre-wrap; margin: 0">{}</pre>',
+        why,
+        len(text),
+        min(len(text), RAW_JSON_CHARS),
+        text[:RAW_JSON_CHARS],
+    )
+
+
+def json_block(text: str | None) -> str:
+    """A stored JSON value, read as text (``jsonb::text``), indented in a ``<pre>`` block; a value
+    Python cannot load or print (nested deeper than :data:`~buzz_delivery.jsonbounds.MAX_DEPTH`
+    levels: stored before the bounds, or by hand) is shown as raw text instead of a 500."""
+    if text is None:
+        return EMPTY
+    try:
+        value = jsonbounds.loads(text)
+    except jsonbounds.JSONRefused as exc:
+        why = "too deeply nested to show as a tree" if "nested" in str(exc) else "not a value the admin can show"
+        return _raw_json(text, why)
     return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', json.dumps(value, indent=2))
+
+
+def json_text_name(field: str) -> str:
+    """The annotation that carries JSON column ``field`` as text (:func:`with_json_as_text`)."""
+    return f"{field}_as_text"
+
+
+def with_json_as_text(queryset: Any, fields: tuple[str, ...]) -> Any:
+    """``queryset`` with the JSON columns ``fields`` deferred and read as text instead: loading a
+    row then never parses them (Python's parser fails on a value nested deeply enough)."""
+    if not fields:
+        return queryset
+    return queryset.defer(*fields).annotate(**{json_text_name(f): Cast(f, TextField()) for f in fields})
+
+
+def json_field(obj: Model, field: str) -> str:
+    """JSON column ``field`` of ``obj`` as :func:`json_block`, from its text annotation (one more
+    query when the row was loaded without it)."""
+    name = json_text_name(field)
+    if hasattr(obj, name):
+        return json_block(getattr(obj, name))
+    rows = type(obj)._base_manager.filter(pk=obj.pk).annotate(**{name: Cast(field, TextField())})
+    return json_block(rows.values_list(name, flat=True).first())
 
 
 def workflow_name_of_row() -> Subquery:

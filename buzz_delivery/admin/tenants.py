@@ -168,6 +168,7 @@ class EventAdmin(ReadOnlyAdmin):
     search_help_text = "Event id: a hex prefix (1-64 hex characters)."
     fields = ("community", "event_id_hex", "created_at", "kind", "pubkey_hex", "content", "tags_json")
     readonly_fields = fields
+    json_text_fields = ("tags",)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         return (
@@ -204,7 +205,7 @@ class EventAdmin(ReadOnlyAdmin):
 
     @admin.display(description="tags")
     def tags_json(self, obj: Event) -> str:
-        return display.pretty_json(obj.tags)
+        return display.json_field(obj, "tags")
 
 
 def _is_list(request: HttpRequest) -> bool:

@@ -25,13 +25,17 @@ from buzz_delivery.exceptions import BuzzDeliveryError
 def timeline_rows(run: AgentRun) -> list[tuple[str, ...]]:
     """One row per event of the run's journal, in order: (when, seq, what, detail)."""
     rows: list[tuple[str, ...]] = []
-    entries = JournalEntry.objects.filter(community_id=run.community_id, run_id=run.id).order_by("seq")
+    entries = display.with_json_as_text(
+        JournalEntry.objects.filter(community_id=run.community_id, run_id=run.id).order_by("seq"),
+        ("args", "output", "compensation"),
+    )
     for e in entries:
         what = "approval requested" if e.kind == "approval" else f"call {e.tool_name}"
         flags = " (destructive)" if e.destructive else ""
         rows.append((str(e.created_at), str(e.seq), what + flags, f"generation {e.generation}"))
         if e.status != "pending":
-            detail = e.blocked_reason or e.error or ("output " + str(e.output)[:120])
+            output = getattr(e, display.json_text_name("output"))  # text: any stored value shows
+            detail = e.blocked_reason or e.error or ("output " + (output or "null")[:120])
             if e.uncertain:
                 detail = "uncertain: " + detail
             label = "decision" if e.kind == "approval" else "result"
@@ -88,8 +92,8 @@ class AgentRunAdmin(ReadOnlyAdmin):
         "max_tool_calls",
         "cost_used",
         "max_cost",
-        "input",
-        "output",
+        "input_json",
+        "output_json",
         "created_at",
         "finished_at",
         "timeline",
@@ -97,6 +101,7 @@ class AgentRunAdmin(ReadOnlyAdmin):
     )
     fields = readonly_fields
     actions = ["cancel_runs"]
+    json_text_fields = ("input", "output")
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return SnapshotFreeChangeList  # the list does not load the history
@@ -111,6 +116,14 @@ class AgentRunAdmin(ReadOnlyAdmin):
     @admin.display(description="holder")
     def holder(self, obj: AgentRun) -> str:
         return obj.worker_id or display.EMPTY
+
+    @admin.display(description="input")
+    def input_json(self, obj: AgentRun) -> str:
+        return display.json_field(obj, "input")
+
+    @admin.display(description="output")
+    def output_json(self, obj: AgentRun) -> str:
+        return display.json_field(obj, "output")
 
     @admin.display(description="history")
     def history_table(self, obj: AgentRun) -> str:

@@ -25,6 +25,9 @@ from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Sch
 from buzz_delivery.workflows.services import AlreadyDecided, Decided, cancel_run, decide_approval, restart_run
 from buzz_delivery.workflows.states import RUN_TERMINAL
 
+# The step's JSON columns (besides its history): the detail page reads them as text.
+STEP_JSON_FIELDS = ("when_cond", "output")
+
 
 def _db_now() -> Any:
     with connection.cursor() as cursor:
@@ -43,8 +46,13 @@ def _perm(codename: str):  # type: ignore[no-untyped-def]
 class DefinitionVersionAdmin(ReadOnlyAdmin):
     list_display = ("workflow", "version", "hash_hex", "created_at")
     list_select_related = ("workflow",)
-    readonly_fields = ("workflow", "version", "hash_hex", "definition_event_hex", "content", "created_at")
-    exclude = ("content_hash", "definition_event_id")
+    readonly_fields = ("workflow", "version", "hash_hex", "definition_event_hex", "content_json", "created_at")
+    exclude = ("content_hash", "definition_event_id", "content")
+    json_text_fields = ("content",)
+
+    @admin.display(description="content")
+    def content_json(self, obj: DefinitionVersion) -> str:
+        return display.json_field(obj, "content")
 
     @admin.display(description="content hash")
     def hash_hex(self, obj: DefinitionVersion) -> str:
@@ -67,8 +75,8 @@ class RunAdmin(ReadOnlyAdmin):
         "state",
         "failure_code",
         "failure_message",
-        "input",
-        "output",
+        "input_json",
+        "output_json",
         "parent_run",
         "parent_step_key",
         "restart_of",
@@ -80,12 +88,23 @@ class RunAdmin(ReadOnlyAdmin):
     )
     fields = readonly_fields
     actions = ["cancel_runs", "restart_runs"]
+    json_text_fields = ("input", "output")
 
     has_cancel_engine_run_permission = _perm("cancel_engine_run")
     has_restart_engine_run_permission = _perm("restart_engine_run")
 
     def _steps(self, obj: Run) -> list[Step]:
-        return list(Step.objects.filter(community_id=obj.community_id, run_id=obj.pk).order_by("position"))
+        # The drawing reads no JSON column: none is loaded (any stored value keeps the page up).
+        steps = Step.objects.filter(community_id=obj.community_id, run_id=obj.pk).order_by("position")
+        return list(steps.defer(*STEP_JSON_FIELDS, "history"))
+
+    @admin.display(description="input")
+    def input_json(self, obj: Run) -> str:
+        return display.json_field(obj, "input")
+
+    @admin.display(description="output")
+    def output_json(self, obj: Run) -> str:
+        return display.json_field(obj, "output")
 
     @admin.display(description="DAG")
     def dag(self, obj: Run) -> str:
@@ -136,10 +155,23 @@ class RunAdmin(ReadOnlyAdmin):
 class StepAdmin(ReadOnlyAdmin):
     list_display = ("key", "run", "kind", "state", "holder", "attempts", "why", "finished_at")
     list_filter = ("state", "kind")
-    list_select_related = ("run",)  # the "run" column: one join, not one query per row
-    readonly_fields = (*(f.name for f in Step._meta.fields if f.name != "history"), "history_table")
-    exclude = ("history",)  # shown as a table (history_table)
+    readonly_fields = (
+        *(f.name for f in Step._meta.fields if f.name != "history" and f.name not in STEP_JSON_FIELDS),
+        "when_json",
+        "output_json",
+        "history_table",
+    )
+    exclude = ("history", *STEP_JSON_FIELDS)  # history shown as a table, JSON read as text
     actions = ["retry_failed_steps"]
+    json_text_fields = STEP_JSON_FIELDS
+
+    @admin.display(description="when")
+    def when_json(self, obj: Step) -> str:
+        return display.json_field(obj, "when_cond")
+
+    @admin.display(description="output")
+    def output_json(self, obj: Step) -> str:
+        return display.json_field(obj, "output")
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return SnapshotFreeChangeList  # the list does not load the history
@@ -147,9 +179,12 @@ class StepAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Step]:
         # The database clock, read by the list's own query: "why not running" costs no
         # statement per row.
+        # The "run" column: one join, not one query per row, without the run's JSON columns.
         return (
             super()
             .get_queryset(request)
+            .select_related("run")
+            .defer("run__input", "run__output")
             .annotate(db_now=Func(function="buzz_delivery_now", output_field=DateTimeField()))
         )
 
@@ -245,4 +280,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
 class ScheduleAdmin(ReadOnlyAdmin):
     list_display = ("workflow", "cron", "missed", "enabled", "next_slot_at")
     list_select_related = ("workflow",)
-    readonly_fields = ("workflow", "cron", "input", "missed", "enabled", "next_slot_at", "created_at")
+    readonly_fields = ("workflow", "cron", "input_json", "missed", "enabled", "next_slot_at", "created_at")
+    exclude = ("input",)
+    json_text_fields = ("input",)
+
+    @admin.display(description="input")
+    def input_json(self, obj: Schedule) -> str:
+        return display.json_field(obj, "input")
