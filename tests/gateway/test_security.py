@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
+import time
 
 import httpx
 import pytest
+from django.db import connection
 
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services.policy import set_policy
@@ -158,3 +161,33 @@ def test_the_decision_a_remote_agent_reads_back_names_no_operator(gateway_server
     (entry,) = agent.read_run(str(community.id), again.lease.run_id)["journal"]
     assert entry["output"] == {"decision": "approved", "decided_by": "operator"}
     assert "alice" not in json.dumps(agent.read_run(str(community.id), again.lease.run_id))
+
+
+def test_a_long_poll_is_still_woken_after_hostile_notifications_on_the_wake_channel(tmp_path):
+    """A payload that was not the expected JSON killed the gateway's LISTEN thread: waiting
+    long-polls were no longer woken (until a later request started it again)."""
+    from buzz_delivery.conf import get_settings
+    from tests.gateway.support import start_server, stop_server
+    from tests.test_listeners import HOSTILE_PAYLOADS
+
+    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_POLL_SECONDS": "30"})
+    try:
+        community = CommunityFactory()
+        agent = new_agent(server)
+        enroll(agent, community)
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(agent.claim(wait_seconds=9)))
+        waiter.start()
+        time.sleep(1.5)
+        with connection.cursor() as cursor:
+            for payload in HOSTILE_PAYLOADS:
+                cursor.execute("SELECT pg_notify(%s, %s)", [get_settings().notify_channel, payload])
+        time.sleep(0.5)
+        assert got == [] and waiter.is_alive()
+        (delivery,) = deliver(community, agent.pubkey)
+        committed = time.monotonic()
+        waiter.join(12)
+        assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
+        assert time.monotonic() - committed < 5, "the long-poll was not woken: the wake listener died"
+    finally:
+        stop_server(server)
