@@ -25,7 +25,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from buzz_delivery import jsonbounds
 from buzz_delivery import services as core
-from buzz_delivery.gateway import present
+from buzz_delivery.gateway import limits, present
 from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.auth import authenticate
 from buzz_delivery.gateway.conf import get_settings
@@ -101,7 +101,8 @@ def endpoint(method: str, body: Body | None = None) -> Callable[[View], Callable
                 pubkey = authenticate(request, raw)
                 ids = {name: parse_uuid(name, value) for name, value in path.items()}
                 data = parse_json(raw, body)
-                return view(request, pubkey, data, **ids)
+                with limits.request(pubkey, ids.get("community_id")):
+                    return view(request, pubkey, data, **ids)
             except GatewayError as exc:
                 return exc.response()
             except ValidationError as exc:
@@ -176,7 +177,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
         poll = get_settings().poll_seconds
         # The waiter is registered before the first claim: a delivery committed between an empty
         # claim and the sleep still sets the event, so the sleep ends at once.
-        with hub.waiter(pubkey.hex()) as woken:
+        with limits.long_poll(pubkey, communities), hub.waiter(pubkey.hex()) as woken:
             claims = _claim_round(communities, pubkey, limit, lease_seconds)
             while not claims and communities:
                 remaining = deadline - time.monotonic()

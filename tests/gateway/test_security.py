@@ -191,3 +191,75 @@ def test_a_long_poll_is_still_woken_after_hostile_notifications_on_the_wake_chan
         assert time.monotonic() - committed < 5, "the long-poll was not woken: the wake listener died"
     finally:
         stop_server(server)
+
+
+def _long_polls(agent, n: int, seconds: float) -> tuple[list[threading.Thread], list[int]]:
+    statuses: list[int] = []
+
+    def poll() -> None:
+        response = agent.request("POST", "/deliveries/claim", {"wait_seconds": seconds}, extra_timeout=seconds)
+        statuses.append(response.status_code)
+
+    threads = [threading.Thread(target=poll) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, statuses
+
+
+def test_one_key_holding_every_thread_with_long_polls_no_longer_starves_another_community(tmp_path):
+    """With as many long-polls as the server has threads, another community's request used to
+    wait until a long-poll ended (about 10 s in the review); now the key gets at most
+    MAX_LONG_POLLS_PER_KEY waits and its others are 429 at once."""
+    from tests.gateway.support import start_server, stop_server
+
+    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_POLL_SECONDS": "30"}, threads=6)
+    try:
+        a, b = CommunityFactory(), CommunityFactory()
+        greedy, other = new_agent(server), new_agent(server)
+        enroll(greedy, a)
+        enroll(other, b)
+        threads, statuses = _long_polls(greedy, 6, 8)
+        time.sleep(1.5)
+        started = time.monotonic()
+        assert other.me()["communities"] == [str(b.id)]
+        assert time.monotonic() - started < 3, "another community's request waited for the long-polls"
+        for t in threads:
+            t.join(15)
+        assert sorted(statuses) == [200] * 4 + [429] * 2
+    finally:
+        stop_server(server)
+
+
+def test_the_agents_of_one_community_are_bounded_together_and_a_key_per_request(tmp_path):
+    from tests.gateway.support import start_server, stop_server
+
+    env = {
+        "BUZZ_GATEWAY_POLL_SECONDS": "30",
+        "BUZZ_GATEWAY_MAX_LONG_POLLS_PER_COMMUNITY": "2",
+        "BUZZ_GATEWAY_MAX_REQUESTS_PER_KEY": "2",
+    }
+    server = start_server(tmp_path / "gunicorn.log", env, threads=8)
+    try:
+        a, b = CommunityFactory(), CommunityFactory()
+        alice, bob, carol, dave = (new_agent(server) for _ in range(4))
+        for agent in (alice, bob, carol):
+            enroll(agent, a)
+        enroll(dave, b)
+        held = [_long_polls(agent, 1, 6) for agent in (alice, bob)]
+        time.sleep(1.5)
+        refused = carol.request("POST", "/deliveries/claim", {"wait_seconds": 5}, extra_timeout=5)
+        assert (refused.status_code, refused.json()["code"]) == (429, "too_many_requests")
+        assert refused.headers["Retry-After"] == "1"
+        assert carol.claim() == []  # a claim that does not wait is still served
+        assert dave.claim(wait_seconds=0.5) == []  # another community waits as usual
+        # A key's requests of any kind count together: with two long-polls dave has no third.
+        threads, statuses = _long_polls(dave, 2, 4)
+        time.sleep(1.0)
+        assert dave.request("GET", "/me").status_code == 429
+        for t in threads + [t for ts, _ in held for t in ts]:
+            t.join(15)
+        assert statuses == [200, 200]
+        assert [s for _, ss in held for s in ss] == [200, 200]
+        assert dave.me()["communities"] == [str(b.id)]
+    finally:
+        stop_server(server)
