@@ -6,8 +6,10 @@ docs/tenant-isolation.md recommends."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import uuid
 
 import psycopg
 import pytest
@@ -110,3 +112,46 @@ def test_a_move_still_waits_for_writers_and_refuses_them_after_it_while_a_tenant
 def _params() -> dict:
     s = connection.settings_dict
     return {"host": s["HOST"] or None, "port": s["PORT"] or None, "dbname": s["NAME"], "user": s["USER"]}
+
+
+def test_a_tenant_session_cannot_read_another_communitys_statements_in_flight():
+    """Every session of the shared tenant login could read the others' statements, the tenant
+    context and every literal included, in pg_stat_activity."""
+    secret = f"delivery-of-community-a-{uuid.uuid4()}"
+    with login(TENANT_LOGIN) as a, login(TENANT_LOGIN) as b:
+        running = threading.Thread(
+            target=lambda: a.execute(
+                f"SELECT set_config('buzz.community_id', '{uuid.uuid4()}', true), pg_sleep(3), '{secret}'"
+            )
+        )
+        running.start()
+        try:
+            time.sleep(0.5)
+            seen: list = []
+            for probe in (
+                "SELECT query FROM pg_stat_activity",
+                "SELECT pg_stat_get_backend_activity(i) FROM pg_stat_get_backend_idset() i",
+                "SELECT query FROM pg_stat_get_activity(NULL)",
+            ):
+                with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
+                    seen += [row[0] for row in b.execute(probe).fetchall()]
+            assert not [text for text in seen if text and secret in text], "another session's statement was readable"
+        finally:
+            running.join(10)
+    with connection.cursor() as cursor:  # the operators' monitoring (a superuser here) still sees it all
+        cursor.execute("SELECT count(*) FROM pg_stat_activity")
+        assert cursor.fetchone()[0] >= 1
+
+
+def test_a_tenant_login_has_no_right_on_the_host_projects_sequences_and_cannot_read_the_event_sequence():
+    with login(TENANT_LOGIN) as conn:
+        for statement in (
+            "SELECT nextval('auth_user_id_seq')",
+            "SELECT last_value FROM auth_user_id_seq",
+            "SELECT nextval('django_admin_log_id_seq')",
+            "SELECT last_value FROM buzz_delivery_event_id_seq",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege), conn.transaction():
+                conn.execute(statement)
+        # What the producer needs: a new event id.
+        assert conn.execute("SELECT nextval('buzz_delivery_event_id_seq')").fetchone()[0] > 0
