@@ -11,7 +11,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 
-from buzz_delivery import signals
+from buzz_delivery import jsonbounds, signals
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import NotInTransaction
 from buzz_delivery.models import Event, new_uuid7
@@ -62,6 +62,10 @@ def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | st
 def _snapshot(value: Any, name: str) -> str | None:
     if value is None:
         return None
+    try:
+        jsonbounds.check(value, strict=False)  # nesting every reader (the admin too) can load back
+    except jsonbounds.JSONRefused as exc:
+        raise v.invalid(name, str(exc)) from None
     try:
         text = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
