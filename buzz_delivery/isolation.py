@@ -41,7 +41,7 @@ TENANT_READ_POLICY = "buzz_tenant_reads"  # the community table only
 FLEET_POLICY = "buzz_fleet_rows"
 COMMUNITY_TABLE = "buzz_delivery_community"
 # The apps whose tables the roles are granted and whose community-scoped tables get policies.
-APP_LABELS = ("buzz_delivery", "buzz_workflows", "buzz_agents", "buzz_gateway")
+APP_LABELS = ("buzz_delivery", "buzz_workflows", "buzz_agents", "buzz_gateway", "buzz_tasks")
 
 CURRENT_COMMUNITY_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION buzz_delivery_current_community() RETURNS uuid
@@ -110,6 +110,7 @@ _APP_NAMES = {
     "buzz_workflows": "buzz_delivery.workflows",
     "buzz_agents": "buzz_delivery.agents",
     "buzz_gateway": "buzz_delivery.gateway",
+    "buzz_tasks": "buzz_delivery.tasks",
 }
 
 

@@ -40,6 +40,7 @@ INSTALLED_APPS = [
     "buzz_delivery.workflows",
     "buzz_delivery.agents",
     "buzz_delivery.gateway",
+    "buzz_delivery.tasks",
     "project.demo",
 ]
 
@@ -129,4 +130,14 @@ LOGGING = {
     "loggers": {
         "buzz_delivery": {"handlers": ["console"], "level": env("LOG_LEVEL"), "propagate": False},
     },
+}
+
+# django.tasks through the delivery inbox (buzz_delivery.tasks, docs/tasks.md). The community is
+# the tenant the tasks belong to; BUZZ_TASKS_COMMUNITY names one (the example's default is fixed).
+TASKS = {
+    "default": {
+        "BACKEND": "buzz_delivery.tasks.DeliveryBackend",
+        "QUEUES": ["default", "emails"],
+        "OPTIONS": {"COMMUNITY": env.str("BUZZ_TASKS_COMMUNITY", default="01900000-0000-7000-8000-00000000da5c")},
+    }
 }

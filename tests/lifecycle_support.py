@@ -78,7 +78,27 @@ def fill_community(community: models.Community, rows: int = 3, *, engine: bool =
         _fill_engine(community, workflows)
         _fill_agents(community, workflows)
         _fill_gateway(community, rows)
+        _fill_tasks(community, rows)
     return count_rows(community.id)
+
+
+def _fill_tasks(community: models.Community, rows: int) -> None:
+    """``rows`` django.tasks results (and their deliveries), when ``buzz_delivery.tasks`` is installed."""
+    from django.apps import apps
+
+    if not apps.is_installed("buzz_delivery.tasks"):
+        return
+    from buzz_delivery.tasks import services
+
+    for i in range(rows):
+        services.enqueue_task(
+            community.id,
+            backend="fill",
+            queue_name="default",
+            target_pubkey=services.queue_target("default"),
+            task_path="tests.fill.task",
+            args=[i],
+        )
 
 
 def _fill_gateway(community: models.Community, rows: int) -> None:

@@ -50,6 +50,58 @@ def test_a_claimed_delivery_equals_the_orm_row_field_by_field(community, make_bi
         assert built.community == community  # a related row through its foreign key
 
 
+def _instance_state(instance: models.WorkflowAgentDelivery) -> tuple[dict, dict]:
+    """What an instance holds: its ``__dict__`` but the state, and the state's own ``__dict__``
+    (descriptor defaults such as ``fields_cache`` and 6.1's ``fetch_mode`` appear once read, so
+    they are read first)."""
+    _ = instance._state.fields_cache
+    _ = getattr(instance._state, "fetch_mode", None)
+    values = {k: v for k, v in vars(instance).items() if k != "_state"}
+    return values, dict(vars(instance._state))
+
+
+def test_a_claimed_delivery_is_the_instance_model_from_db_builds_on_this_django(community, make_binding):
+    """The fast path must build exactly what ``Model.from_db`` builds from the same row, on
+    every Django the project supports (5.2, 6.0, 6.1: CI runs this module on 5.2 and 6.1)."""
+    from buzz_delivery.services import leases
+
+    assert leases.FAST_ROWS  # on a supported Django the claim takes the fast path
+    commit(make_binding, 2)
+    target = models.WorkflowAgentDelivery.objects.first().target_pubkey
+    for claim in services.claim_deliveries(community.id, target, limit=2):
+        built = claim.delivery
+        row = tuple(getattr(built, name) for name in sql.CLAIM_ATTNAMES)
+        reference = models.WorkflowAgentDelivery.from_db(connection.alias, sql.CLAIM_ATTNAMES, row)
+        assert _instance_state(built) == _instance_state(reference)
+        assert type(built._state) is type(reference._state)
+        if hasattr(reference._state, "fetch_mode"):  # Django 6.1: the default mode, as from_db leaves it
+            from django.db.models.fetch_modes import FETCH_ONE
+
+            assert built._state.fetch_mode is reference._state.fetch_mode is FETCH_ONE
+            assert built._state.peers == reference._state.peers == ()
+        # A deferred field loads the same way on both (one query, the stored value).
+        assert built.trigger_context == reference.trigger_context
+
+
+def test_a_django_whose_from_db_takes_unknown_arguments_gets_from_db_itself(community, make_binding, monkeypatch):
+    from buzz_delivery.services import leases
+
+    monkeypatch.setattr(leases, "FAST_ROWS", False)
+    built_by_from_db = []
+    original = models.WorkflowAgentDelivery.from_db.__func__
+
+    def spy(cls, db, field_names, values, **kwargs):
+        built_by_from_db.append(values[list(field_names).index("id")])
+        return original(cls, db, field_names, values, **kwargs)
+
+    monkeypatch.setattr(models.WorkflowAgentDelivery, "from_db", classmethod(spy))
+    commit(make_binding)
+    target = models.WorkflowAgentDelivery.objects.first().target_pubkey
+    built_by_from_db.clear()
+    claim = services.claim_delivery(community.id, target)
+    assert built_by_from_db == [claim.delivery.pk]
+
+
 def test_timestamps_of_a_claim_are_utc_aware_and_equal_to_the_orm_values(community, make_binding):
     (delivery_id,) = commit(make_binding)
     target = models.WorkflowAgentDelivery.objects.get(pk=delivery_id).target_pubkey

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from buzz_delivery import tracing
 from buzz_delivery.services import cached
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, finish_delivery
@@ -14,6 +15,7 @@ from buzz_delivery.services.types import FinishOutcome, Lease, Settled
 BATCH_OUTCOMES = ("finished", "failed")
 
 
+@tracing.traced("buzz.settle")
 @tenant_scoped
 def finish_deliveries(
     leases: Sequence[Lease],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from typing import Any
 
@@ -9,6 +10,7 @@ from django.db import DatabaseError, connection
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
+from buzz_delivery import tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import cached, sql
@@ -35,6 +37,14 @@ _ID_INDEX = sql.CLAIM_ATTNAMES.index("id")
 _GEN_INDEX = sql.CLAIM_ATTNAMES.index("lease_generation")
 _UNTIL_INDEX = sql.CLAIM_ATTNAMES.index("lease_until")
 _CREATED_INDEX = sql.CLAIM_ATTNAMES.index("created_at")
+# The fast path below copies what ``Model.from_db`` does on Django 5.2, 6.0 and 6.1: fields
+# into ``__dict__`` as ``Model.__init__`` puts them, a fresh ``ModelState`` with ``adding``
+# off and ``db`` set. Django 6.1 added a keyword ``fetch_mode`` (the state's default,
+# ``FETCH_ONE``, is what ``from_db`` leaves without it, and a bare ``ModelState`` has it too).
+# A Django whose ``from_db`` takes anything else may build instances otherwise: then every
+# claimed row goes through ``from_db`` itself (tests/test_claim_rows.py compares the two).
+_FROM_DB_KNOWN = {"db", "field_names", "values", "fetch_mode"}
+FAST_ROWS = set(inspect.signature(WorkflowAgentDelivery.from_db).parameters) <= _FROM_DB_KNOWN
 
 
 def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDelivery:
@@ -42,8 +52,10 @@ def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDeliver
     snapshots and history deferred), as ``Model.from_db`` builds it but without running
     ``Model.__init__`` per field (a tenth of its cost): every claimed attribute goes straight
     into the instance's ``__dict__``, where ``__init__`` would put it. With ``pre_init`` or
-    ``post_init`` receivers for the model, ``from_db`` runs as usual so they are sent."""
-    if pre_init.has_listeners(WorkflowAgentDelivery) or post_init.has_listeners(WorkflowAgentDelivery):
+    ``post_init`` receivers for the model, or on a Django whose ``from_db`` this path does not
+    know (:data:`FAST_ROWS`), ``from_db`` runs as usual."""
+    model = WorkflowAgentDelivery
+    if not FAST_ROWS or pre_init.has_listeners(model) or post_init.has_listeners(model):
         return WorkflowAgentDelivery.from_db(alias, sql.CLAIM_ATTNAMES, row)
     delivery: WorkflowAgentDelivery = WorkflowAgentDelivery.__new__(WorkflowAgentDelivery)
     delivery.__dict__.update(zip(sql.CLAIM_ATTNAMES, row, strict=True))
@@ -117,6 +129,7 @@ def _fenced_as_nothing(statement: str, params: dict[str, Any]) -> list[tuple[Any
             raise
 
 
+@tracing.traced("buzz.claim")
 @tenant_scoped
 def claim_delivery(
     community_id: uuid.UUID | str,
@@ -156,6 +169,7 @@ def claim_delivery(
     return claims[0] if claims else None
 
 
+@tracing.traced("buzz.claim")
 @tenant_scoped
 def claim_deliveries(
     community_id: uuid.UUID | str,
@@ -211,6 +225,7 @@ def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOut
     )
 
 
+@tracing.traced("buzz.settle")
 @tenant_scoped
 def finish_delivery(
     lease: Lease,

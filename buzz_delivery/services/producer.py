@@ -11,7 +11,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 
-from buzz_delivery import jsonbounds, signals
+from buzz_delivery import jsonbounds, signals, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import NotInTransaction
 from buzz_delivery.models import Event, new_uuid7
@@ -63,7 +63,9 @@ def _snapshot(value: Any, name: str) -> str | None:
     if value is None:
         return None
     try:
-        jsonbounds.check(value, strict=False)  # nesting every reader (the admin too) can load back
+        # Nesting every reader (the admin too) can load back, judged without recursion: Python
+        # 3.11's json stopped near 1,000 levels on its recursion limit, 3.12+ encodes far deeper.
+        jsonbounds.check(value, strict=False)
     except jsonbounds.JSONRefused as exc:
         raise v.invalid(name, str(exc)) from None
     try:
@@ -91,6 +93,7 @@ def _snapshot(value: Any, name: str) -> str | None:
     return text
 
 
+@tracing.traced("buzz.commit")
 @tenant_scoped
 def commit_deliveries(
     community_id: uuid.UUID | str,
@@ -100,6 +103,7 @@ def commit_deliveries(
     expires_at: Any = None,
     execution_trace: Any = None,
     trigger_context: Any = None,
+    not_before: Any = None,
 ) -> list[uuid.UUID]:
     """Commit one delivery per binding, all or none, in one statement (SPEC section 4.2).
 
@@ -108,6 +112,8 @@ def commit_deliveries(
     ``event_id``. ``bindings``: 1..10,000 :class:`Binding` of this community, no identity twice.
     ``expires_at``: optional aware datetime (TTL, SPEC section 6). ``execution_trace`` /
     ``trigger_context``: optional JSON values (<= 1,000,000 bytes each) stored immutably.
+    ``not_before``: optional aware datetime before which no claim takes the deliveries (it is
+    their retry gate, ``next_attempt_at``, from the start; django.tasks' ``run_after``).
 
     A binding whose identity (community, run, step, target) already exists is skipped
     silently (a producer retry). Returns the ids actually created, in binding order (a retry
@@ -146,14 +152,17 @@ def commit_deliveries(
         seen.add(binding.identity)
     if expires_at is not None:
         expires_at = v.aware_datetime(expires_at, "expires_at")  # in UTC
+    if not_before is not None:
+        not_before = v.aware_datetime(not_before, "not_before")  # in UTC
     trace = _snapshot(execution_trace, "execution_trace")
-    context = _snapshot(trigger_context, "trigger_context")
+    context = _snapshot(tracing.with_trace(trigger_context), "trigger_context")
 
     params = {
         "community_id": community,
         "message_event_id": event_id,
         "max_attempts": get_settings().max_attempts,
         "expires_at": expires_at,
+        "not_before": not_before,
         "execution_trace": trace,
         "trigger_context": context,
         "channel": get_settings().notify_channel,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from django.db import OperationalError, connection, transaction
 
+from buzz_delivery import tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.services import sql
@@ -112,6 +113,7 @@ def planned_batches(plan: list[tuple[int, int]], size: int, limit: int | None) -
     return total if limit is None else min(total, limit)
 
 
+@tracing.traced("buzz.reap")
 @fleet_scoped
 def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_run: bool = False) -> ReapResult:
     """Reap every community and return a :class:`ReapResult`.

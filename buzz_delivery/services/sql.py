@@ -97,11 +97,12 @@ WITH created AS (
     INSERT INTO {DELIVERY} AS d (
         id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
         message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
-        max_attempts, expires_at, execution_trace, trigger_context
+        max_attempts, expires_at, execution_trace, trigger_context, next_attempt_at
     )
     SELECT v.id, %(community_id)s, v.workflow_id, v.run_id, v.step_id, v.target_pubkey, v.definition_event_id,
            %(message_event_id)s, v.cause_kind, v.cause_event_id, v.cause_scheduled_for, v.cause_webhook_invocation_id,
-           %(max_attempts)s, %(expires_at)s, %(execution_trace)s::jsonb, %(trigger_context)s::jsonb
+           %(max_attempts)s, %(expires_at)s, %(execution_trace)s::jsonb, %(trigger_context)s::jsonb,
+           %(not_before)s::timestamptz
     FROM unnest(
         %(ids)s::uuid[], %(workflow_ids)s::uuid[], %(run_ids)s::uuid[], %(step_ids)s::text[],
         %(target_pubkeys)s::bytea[], %(definition_event_ids)s::bytea[], %(cause_kinds)s::text[],

@@ -30,7 +30,7 @@ from typing import Any
 
 from django.db import close_old_connections, connection, connections
 
-from buzz_delivery import services
+from buzz_delivery import services, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.holders import holder_identity
@@ -320,7 +320,7 @@ class Worker:
             # With the delivery's community as context: what the handler reads of our tables
             # through the ORM (a deferred field, a related row) is that community's, and only
             # that; as the login role, which holds the grants on the project's own tables.
-            with tenancy.handler(lease.community_id):
+            with tenancy.handler(lease.community_id), tracing.handler_span(claim.delivery):
                 self.config.handler(claim.delivery)
             args = FINISHED
         except Exception as exc:

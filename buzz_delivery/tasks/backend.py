@@ -1,0 +1,241 @@
+"""``DeliveryBackend``: Django's Tasks framework on the delivery inbox.
+
+Settings::
+
+    TASKS = {
+        "default": {
+            "BACKEND": "buzz_delivery.tasks.DeliveryBackend",
+            "QUEUES": ["default", "emails"],          # Django's own; [] = any name
+            "OPTIONS": {
+                "COMMUNITY": "0190c6f1-...",          # required: the tenant the tasks belong to
+                "TARGETS": {"emails": "ab12...64 hex"},  # optional: a queue's target key
+                "MODULES": ["myapp.jobs"],            # optional: more modules defining tasks
+            },
+        }
+    }
+
+``enqueue`` commits a delivery and its result row (:mod:`buzz_delivery.tasks.services`);
+``manage.py run_task_worker`` runs them. Priority is validated (-100..100) and stored with the
+task; claims still take the oldest ready task first: priority takes effect once the inbox's
+flow control (a ``priority`` column on deliveries, SPEC 16) lands.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured, ValidationError
+
+from buzz_delivery.tasks import compat, registry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SafeTaskError(compat.TaskError):  # type: ignore[misc,valid-type]
+    """A ``TaskError`` whose ``exception_class`` never imports the stored path: it is found
+    only among modules this process has already imported (builtins included), else ``ValueError``."""
+
+    @property
+    def exception_class(self) -> type[BaseException]:
+        module_name, _, name = self.exception_class_path.rpartition(".")
+        module = sys.modules.get(module_name or "builtins")
+        found = getattr(module, name, None) if module is not None else None
+        if not isinstance(found, type) or not issubclass(found, BaseException):
+            raise ValueError(f"{self.exception_class_path!r} does not name an exception class this process knows")
+        return found
+
+
+STATUS_OF_DELIVERY = {
+    "pending": compat.TaskResultStatus.READY,
+    "claimed": compat.TaskResultStatus.RUNNING,
+    "finished": compat.TaskResultStatus.SUCCESSFUL,
+    "failed": compat.TaskResultStatus.FAILED,
+    "expired": compat.TaskResultStatus.FAILED,
+}
+
+
+class TaskNotRegistered(LookupError):
+    """The stored task path names no task this process registered (it is never imported)."""
+
+
+class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
+    """A ``django.tasks`` backend whose tasks are deliveries of the inbox (see the module doc)."""
+
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True
+    supports_priority = True  # accepted, validated, stored; ordering awaits flow control
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self._community: uuid.UUID | None = None
+        self._targets: dict[str, bytes] | None = None
+
+    # --- configuration -------------------------------------------------------------------
+
+    @property
+    def community_id(self) -> uuid.UUID:
+        """``OPTIONS["COMMUNITY"]`` as a UUID (``ImproperlyConfigured`` if missing or bad)."""
+        if self._community is None:
+            raw = self.options.get("COMMUNITY")
+            try:
+                self._community = uuid.UUID(str(raw))
+            except ValueError as exc:
+                raise ImproperlyConfigured(
+                    f"TASKS[{self.alias!r}]['OPTIONS']['COMMUNITY'] must be a community UUID, got {raw!r}"
+                ) from exc
+        return self._community
+
+    def target_for(self, queue_name: str) -> bytes:
+        """The 32-byte target key of ``queue_name``: ``OPTIONS["TARGETS"][queue]`` (64 hex
+        characters) or a key derived from the queue's name."""
+        from buzz_delivery.tasks.services import queue_target
+
+        if self._targets is None:
+            targets = {}
+            for queue, key in (self.options.get("TARGETS") or {}).items():
+                try:
+                    value = bytes.fromhex(key)
+                except (TypeError, ValueError):
+                    value = b""
+                if len(value) != 32:
+                    raise ImproperlyConfigured(
+                        f"TASKS[{self.alias!r}]['OPTIONS']['TARGETS'][{queue!r}] must be 64 hex characters"
+                    )
+                targets[queue] = value
+            self._targets = targets
+        return self._targets.get(queue_name) or queue_target(queue_name)
+
+    def worker_queues(self) -> list[str]:
+        """The queues a worker serves when none is named: ``QUEUES``, else ``["default"]``."""
+        return sorted(self.queues) or [compat.DEFAULT_TASK_QUEUE_NAME]
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        errors = list(super().check(**kwargs))
+        try:
+            _ = self.community_id
+            for queue in self.worker_queues():
+                self.target_for(queue)
+        except ImproperlyConfigured as exc:
+            errors.append(checks.Error(str(exc), id="buzz_delivery.E101"))
+        return errors
+
+    # --- enqueue -------------------------------------------------------------------------
+
+    def validate_task(self, task: Any) -> None:
+        """Django's checks, then the task joins this process's registry: the only tasks a
+        worker will run (:mod:`buzz_delivery.tasks.registry`)."""
+        super().validate_task(task)
+        registry.register(task)
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        from buzz_delivery.tasks import services
+
+        self.validate_task(task)
+        json_args = _normalized(args, "args", list)
+        json_kwargs = _normalized(kwargs, "kwargs", dict)
+        try:
+            done = services.enqueue_task(
+                self.community_id,
+                backend=self.alias,
+                queue_name=task.queue_name,
+                target_pubkey=self.target_for(task.queue_name),
+                task_path=task.module_path,
+                priority=task.priority,
+                takes_context=task.takes_context,
+                args=json_args,
+                kwargs=json_kwargs,
+                run_after=task.run_after,
+                trace_context=_trace_context(),
+            )
+        except ValidationError as exc:
+            raise compat.InvalidTask(f"cannot enqueue {task.module_path}: {exc}") from exc
+        result = self._result(
+            task,
+            id=done.result_id,
+            status=compat.TaskResultStatus.READY,
+            enqueued_at=done.enqueued_at,
+            args=list(args),
+            kwargs=dict(kwargs),
+        )
+        compat.task_enqueued.send(type(self), task_result=result)
+        return result
+
+    async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        return await sync_to_async(self.enqueue, thread_sensitive=True)(task, args, kwargs)
+
+    # --- results -------------------------------------------------------------------------
+
+    def get_result(self, result_id: Any) -> Any:
+        from buzz_delivery.tasks import services
+
+        stored = services.read_task(self.community_id, result_id)
+        if stored is None or stored.backend != self.alias:
+            raise compat.TaskResultDoesNotExist(result_id)
+        return self.result_of(stored)
+
+    async def aget_result(self, result_id: Any) -> Any:
+        return await sync_to_async(self.get_result, thread_sensitive=True)(result_id)
+
+    def task_of(self, stored: Any) -> Any:
+        """The ``Task`` of a stored row: the registered one with the row's options. Raises
+        :class:`TaskNotRegistered` when no task of that path was registered in this process."""
+        task = registry.registered(stored.task_path)
+        if task is None:
+            registry.discover(self.options.get("MODULES") or ())
+            task = registry.registered(stored.task_path)
+        if task is None:
+            raise TaskNotRegistered(stored.task_path)
+        return task.using(priority=stored.priority, queue_name=stored.queue_name, backend=self.alias)
+
+    def result_of(self, stored: Any, *, status: Any = None, return_value: Any = None, errors: Any = None) -> Any:
+        """Django's ``TaskResult`` of a stored row (``status``... override what was read)."""
+        claims = stored.claims
+        result = self._result(
+            self.task_of(stored),
+            id=stored.id,
+            status=status or STATUS_OF_DELIVERY[stored.status],
+            enqueued_at=stored.enqueued_at,
+            started_at=claims[0][0] if claims else None,
+            last_attempted_at=claims[-1][0] if claims else None,
+            finished_at=stored.finished_at,
+            args=stored.args,
+            kwargs=stored.kwargs,
+            errors=[SafeTaskError(**e) for e in (stored.errors if errors is None else errors)],
+            worker_ids=[holder for _at, holder in claims],
+        )
+        value = stored.return_value if return_value is None else return_value
+        object.__setattr__(result, "_return_value", value)
+        return result
+
+    def _result(self, task: Any, **fields: Any) -> Any:
+        defaults: dict[str, Any] = {
+            "started_at": None,
+            "finished_at": None,
+            "last_attempted_at": None,
+            "errors": [],
+            "worker_ids": [],
+            "backend": self.alias,
+        }
+        defaults.update(fields)
+        defaults["id"] = str(defaults["id"])
+        return compat.TaskResult(task=task, **defaults)
+
+
+def _normalized(value: Any, name: str, kind: type) -> Any:
+    """``value`` in the JSON form Django's results hold, or ``InvalidTask`` naming ``name``."""
+    try:
+        return compat.normalize_json(kind(value))
+    except (TypeError, ValueError) as exc:
+        raise compat.InvalidTask(f"{name}: must be JSON-serialisable: {exc}") from exc
+
+
+def _trace_context() -> dict[str, str] | None:
+    """The current trace context to store with the task (None without tracing)."""
+    from buzz_delivery import tracing
+
+    return tracing.inject()

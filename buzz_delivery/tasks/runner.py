@@ -1,0 +1,97 @@
+"""What a task worker does with each claimed delivery: the handler given to the delivery worker
+(:func:`buzz_delivery.worker.run_worker`) by ``manage.py run_task_worker``.
+
+For a delivery of the tasks backend it reads the task's row, resolves the task among those this
+process registered (never by importing the stored path), sends ``task_started``, runs it (an
+``async def`` task on its own event loop, in the handler thread), writes the return value or
+the error fenced by the delivery's lease, sends ``task_finished``, and returns: the worker then
+settles the delivery ``finished``. A task that raised ends ``failed`` (Django's tasks are not
+retried on error; the error is in the result). A worker that dies mid-task leaves the lease to
+lapse: the reaper returns the delivery to ``pending`` and another worker runs the task again,
+until the delivery's ``max_attempts``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from buzz_delivery.tasks import compat
+from buzz_delivery.tasks.backend import DeliveryBackend, TaskNotRegistered
+from buzz_delivery.worker import PermanentFailure
+from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_text
+
+
+class TaskFailed(PermanentFailure):
+    """The task raised: its error is recorded in the task's result; the delivery ends failed."""
+
+
+class task_not_registered(PermanentFailure):
+    """The stored task path names no task registered in this worker process."""
+
+
+class NotATask(PermanentFailure):
+    """The delivery carries no task of this backend (no result row)."""
+
+
+class LeaseLostBeforeResult(Exception):
+    """The lease was lost before the result could be written: the delivery is not settled here."""
+
+
+def error_of(exc: BaseException) -> dict[str, str]:
+    """The stored form of an error: the exception class's path and the traceback text."""
+    kind = type(exc)
+    text = "".join(traceback.format_exception(exc))
+    return {
+        "exception_class_path": f"{kind.__module__}.{kind.__qualname__}",
+        "traceback": storable_text(text, FAILURE_MESSAGE_MAX_CHARS),
+    }
+
+
+class TaskRunner:
+    """``TaskRunner(backend)(delivery)``: run the task a delivery carries (see the module doc)."""
+
+    def __init__(self, backend: DeliveryBackend) -> None:
+        self.backend = backend
+
+    def __call__(self, delivery: Any) -> None:
+        from buzz_delivery.tasks import services
+
+        stored = services.read_task_of_delivery(delivery.community_id, delivery.id)
+        if stored is None or stored.backend != self.backend.alias:
+            raise NotATask(f"delivery {delivery.id} carries no task of backend {self.backend.alias!r}")
+        try:
+            task = self.backend.task_of(stored)
+        except TaskNotRegistered as exc:
+            self._record(delivery, error={"exception_class_path": "LookupError", "traceback": f"not registered: {exc}"})
+            raise task_not_registered(str(exc)) from None
+        running = self.backend.result_of(stored, status=compat.TaskResultStatus.RUNNING)
+        compat.task_started.send(type(self.backend), task_result=running)
+        try:
+            args = list(stored.args)
+            if task.takes_context:
+                args.insert(0, compat.TaskContext(task_result=running))
+            value = compat.normalize_json(task.call(*args, **stored.kwargs))
+        except BaseException as exc:  # the task's own failure, whatever it raised
+            error = error_of(exc)
+            self._record(delivery, error=error)
+            compat.task_finished.send(
+                type(self.backend),
+                task_result=self.backend.result_of(
+                    stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]
+                ),
+            )
+            raise TaskFailed(f"{error['exception_class_path']}: {describe(exc)}") from exc
+        self._record(delivery, return_value=value)
+        compat.task_finished.send(
+            type(self.backend),
+            task_result=self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
+        )
+
+    def _record(self, delivery: Any, *, return_value: Any = None, error: dict[str, str] | None = None) -> None:
+        from buzz_delivery.tasks import services
+
+        if not services.record_task_outcome(
+            delivery.community_id, delivery.id, delivery.lease_generation, return_value=return_value, error=error
+        ):
+            raise LeaseLostBeforeResult(f"delivery {delivery.id}: lease lost before the result was written")

@@ -1,0 +1,326 @@
+"""The only place task results change (and the task's delivery is committed).
+
+A task is one delivery of the community the backend serves (``OPTIONS["COMMUNITY"]``):
+
+- workflow: one per community, named ``django.tasks`` (a fixed id derived from the community);
+- run: one per (community, backend alias), the same way; ``step_id``: the result id, so each
+  task has its own delivery identity (community, run, step_id, target);
+- target: the queue's 32-byte key (:func:`queue_target`; ``OPTIONS["TARGETS"]`` may name it);
+- message event: one per task (kind :data:`TASK_EVENT_KIND`, tag ``["task", path]``), cause:
+  ``webhook`` with the result id as its invocation id;
+- ``run_after``: the delivery's retry gate (``not_before`` -> ``next_attempt_at``);
+- the task's path, arguments, priority and queue: the result row, committed in the same
+  transaction as the delivery.
+
+Every statement runs in the community's tenant scope and names ``community_id``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, cast
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models.functions import Now
+
+from buzz_delivery.models import Event, new_uuid7
+from buzz_delivery.services import commit_deliveries
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.services.types import Binding, Cause
+from buzz_delivery.tasks.models import NAME_MAX_CHARS, TASK_PATH_MAX_CHARS, TaskResult
+
+TASK_EVENT_KIND = 30_078  # an application's own data (NIP-78): the task's message event
+WORKFLOW_NAME = "django.tasks"
+MAX_ARGUMENT_BYTES = 1_000_000  # args and kwargs, as JSON, together
+_NAMESPACE = uuid.UUID("6d1a8a4e-5f0c-4f59-9a39-5c1f2f7a3b10")
+DEFINITION_EVENT_ID = hashlib.sha256(b"buzz_delivery.tasks definition").digest()
+PRODUCER_PUBKEY = hashlib.sha256(b"buzz_delivery.tasks producer").digest()
+
+RESULT = TaskResult._meta.db_table
+DELIVERY = "buzz_delivery_delivery"
+
+
+def queue_target(queue_name: str) -> bytes:
+    """The 32-byte target key of a queue when ``OPTIONS["TARGETS"]`` does not name one."""
+    return hashlib.sha256(f"buzz_delivery.tasks queue {queue_name}".encode()).digest()
+
+
+def tasks_workflow_id(community: uuid.UUID) -> uuid.UUID:
+    return uuid.uuid5(_NAMESPACE, f"{community}/workflow")
+
+
+def tasks_run_id(community: uuid.UUID, backend: str) -> uuid.UUID:
+    return uuid.uuid5(_NAMESPACE, f"{community}/{backend}/run")
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """What :func:`enqueue_task` wrote: the result id, its delivery, and when."""
+
+    result_id: uuid.UUID
+    delivery_id: uuid.UUID
+    enqueued_at: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTask:
+    """A result row with its delivery's status, times and holders (see :func:`read_task`)."""
+
+    id: uuid.UUID
+    community_id: uuid.UUID
+    delivery_id: uuid.UUID
+    backend: str
+    queue_name: str
+    task_path: str
+    priority: int
+    takes_context: bool
+    args: list[Any]
+    kwargs: dict[str, Any]
+    run_after: Any
+    enqueued_at: Any
+    return_value: Any
+    errors: list[dict[str, str]]
+    status: str  # the delivery's
+    finished_at: Any
+    claims: list[tuple[Any, str]]  # (at, holder) of each claim the delivery's history keeps
+
+
+def _json_arguments(args: Any, kwargs: Any) -> str:
+    if not isinstance(args, list | tuple):
+        raise v.invalid("args", f"must be a list, not {type(args).__name__}")
+    if not isinstance(kwargs, dict):
+        raise v.invalid("kwargs", f"must be a dict, not {type(kwargs).__name__}")
+    for name, value in (("args", args), ("kwargs", kwargs)):
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise v.invalid(name, f"must be JSON: {exc}") from exc
+    text = json.dumps({"args": list(args), "kwargs": kwargs}, allow_nan=False)
+    if len(text.encode()) > MAX_ARGUMENT_BYTES:
+        raise v.invalid("args", f"args and kwargs must serialise to at most {MAX_ARGUMENT_BYTES} bytes")
+    return text
+
+
+def _name(value: Any, name: str, max_chars: int = NAME_MAX_CHARS) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > max_chars or "\x00" in value:
+        raise v.invalid(name, f"must be 1..{max_chars} characters, not blank")
+    return value
+
+
+_ENSURE_WORKFLOW = """
+INSERT INTO buzz_delivery_workflow (id, community_id, name, created_at)
+VALUES (%(workflow_id)s, %(community_id)s, %(name)s, now()) ON CONFLICT DO NOTHING
+"""
+_ENSURE_RUN = """
+INSERT INTO buzz_delivery_workflow_run (id, community_id, workflow_id, created_at)
+VALUES (%(run_id)s, %(community_id)s, %(workflow_id)s, now()) ON CONFLICT DO NOTHING
+"""
+
+
+@tenant_scoped
+def enqueue_task(
+    community_id: uuid.UUID | str,
+    *,
+    backend: str,
+    queue_name: str,
+    target_pubkey: bytes,
+    task_path: str,
+    priority: int = 0,
+    takes_context: bool = False,
+    args: Any = (),
+    kwargs: Any = None,
+    run_after: Any = None,
+    trace_context: Any = None,
+) -> Enqueued:
+    """Commit one task: its delivery (to ``target_pubkey``) and its result row, together.
+
+    Bad input raises ``ValidationError`` naming the argument before any SQL; nothing is written.
+    A community that is not active raises :class:`~buzz_delivery.exceptions.CommunityNotWritable`."""
+    community = v.uuid_value(community_id, "community_id")
+    backend = _name(backend, "backend")
+    queue_name = _name(queue_name, "queue_name")
+    target = v.bytes32(target_pubkey, "target_pubkey")
+    task_path = _name(task_path, "task_path", TASK_PATH_MAX_CHARS)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -100 <= priority <= 100:
+        raise v.invalid("priority", "must be a whole number between -100 and 100")
+    if not isinstance(takes_context, bool):
+        raise v.invalid("takes_context", "must be a bool")
+    kwargs = {} if kwargs is None else kwargs
+    arguments = _json_arguments(args, kwargs)
+    if run_after is not None:
+        run_after = v.aware_datetime(run_after, "run_after")
+    result_id = cast(uuid.UUID, new_uuid7())
+    workflow_id = tasks_workflow_id(community)
+    run_id = tasks_run_id(community, backend)
+    params = {"community_id": community, "workflow_id": workflow_id, "run_id": run_id, "name": WORKFLOW_NAME}
+    context: dict[str, Any] = {"django_task": {"result_id": str(result_id), "path": task_path, "queue": queue_name}}
+    if trace_context:
+        context["trace"] = trace_context
+    with transaction.atomic():
+        fetch_all(_ENSURE_WORKFLOW, params)
+        fetch_all(_ENSURE_RUN, params)
+        event = Event.objects.create(
+            community_id=community,
+            event_id=hashlib.sha256(f"buzz_delivery.tasks {community} {result_id}".encode()).digest(),
+            created_at=Now(),
+            kind=TASK_EVENT_KIND,
+            pubkey=PRODUCER_PUBKEY,
+            content=arguments,
+            tags=[["task", task_path], ["queue", queue_name]],
+        )
+        binding = Binding(
+            community_id=community,
+            workflow_id=workflow_id,
+            run_id=run_id,
+            step_id=str(result_id),
+            target_pubkey=target,
+            definition_event_id=DEFINITION_EVENT_ID,
+            message_event_id=bytes(event.event_id),
+            cause=Cause.webhook(result_id),
+        )
+        (delivery_id,) = commit_deliveries(community, event, [binding], trigger_context=context, not_before=run_after)
+        decoded = json.loads(arguments)
+        row = TaskResult.objects.create(
+            community_id=community,
+            id=result_id,
+            delivery_id=delivery_id,
+            backend=backend,
+            queue_name=queue_name,
+            task_path=task_path,
+            priority=priority,
+            takes_context=takes_context,
+            args=decoded["args"],
+            kwargs=decoded["kwargs"],
+            run_after=run_after,
+        )
+        row.refresh_from_db(fields=["enqueued_at"])
+    return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=row.enqueued_at)
+
+
+_READ = f"""
+SELECT r.id, r.community_id, r.delivery_id, r.backend, r.queue_name, r.task_path, r.priority, r.takes_context,
+       r.args::text, r.kwargs::text, r.run_after, r.enqueued_at, r.return_value::text, r.errors::text,
+       d.status, d.finished_at,
+       (SELECT coalesce(jsonb_agg(jsonb_build_array(h->>'at', h->>'actor')), '[]'::jsonb)
+        FROM jsonb_array_elements(d.history) AS h WHERE h->>'event' = 'claim')::text
+FROM {RESULT} r
+JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
+WHERE r.community_id = %(community_id)s AND r.{{key}} = %(key)s
+"""
+_READ_BY_ID = _READ.format(key="id")
+_READ_BY_DELIVERY = _READ.format(key="delivery_id")
+
+
+def _stored(row: tuple[Any, ...]) -> StoredTask:
+    from django.utils.dateparse import parse_datetime
+
+    (
+        key,
+        community,
+        delivery,
+        backend,
+        queue,
+        path,
+        priority,
+        takes_context,
+        args,
+        kwargs,
+        run_after,
+        enqueued_at,
+        return_value,
+        errors,
+        status,
+        finished_at,
+        claims,
+    ) = row
+    return StoredTask(
+        key,
+        community,
+        delivery,
+        backend,
+        queue,
+        path,
+        priority,
+        takes_context,
+        json.loads(args),
+        json.loads(kwargs),
+        run_after,
+        enqueued_at,
+        None if return_value is None else json.loads(return_value),
+        json.loads(errors),
+        status,
+        finished_at,
+        claims=[(parse_datetime(at), actor) for at, actor in json.loads(claims)],
+    )
+
+
+@tenant_scoped
+def read_task(community_id: uuid.UUID | str, result_id: uuid.UUID | str) -> StoredTask | None:
+    """The result row ``result_id`` of this community with its delivery's state, or None."""
+    community = v.uuid_value(community_id, "community_id")
+    try:
+        key = v.uuid_value(result_id, "result_id")
+    except ValidationError:
+        return None
+    rows = fetch_all(_READ_BY_ID, {"community_id": community, "key": key})
+    return _stored(rows[0]) if rows else None
+
+
+@tenant_scoped
+def read_task_of_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID) -> StoredTask | None:
+    """The result row carried by delivery ``delivery_id``, or None (not a task's delivery)."""
+    community = v.uuid_value(community_id, "community_id")
+    rows = fetch_all(_READ_BY_DELIVERY, {"community_id": community, "key": v.uuid_value(delivery_id, "delivery_id")})
+    return _stored(rows[0]) if rows else None
+
+
+# Fenced by the delivery's lease as every settle is: the holder's generation, the row still
+# claimed and its lease not lapsed, by the database clock.
+_RECORD_OUTCOME = f"""
+UPDATE {RESULT} AS r
+SET return_value = %(return_value)s::jsonb,
+    errors = CASE WHEN %(error)s::jsonb IS NULL THEN r.errors ELSE r.errors || jsonb_build_array(%(error)s::jsonb) END
+WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
+  AND EXISTS (
+      SELECT 1 FROM {DELIVERY} d
+      WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+        AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
+  )
+RETURNING r.id
+"""
+
+
+@tenant_scoped
+def record_task_outcome(
+    community_id: uuid.UUID | str,
+    delivery_id: uuid.UUID,
+    lease_generation: int,
+    *,
+    return_value: Any = None,
+    error: dict[str, str] | None = None,
+) -> bool:
+    """Write the task's return value (or append its error) if ``lease_generation`` still holds
+    the delivery's current, unexpired lease; False (nothing written) otherwise. The holder then
+    settles the delivery (the worker does), so a result is shown once its delivery is settled."""
+    community = v.uuid_value(community_id, "community_id")
+    try:
+        value = json.dumps(return_value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise v.invalid("return_value", f"must be JSON: {exc}") from exc
+    rows = fetch_all(
+        _RECORD_OUTCOME,
+        {
+            "community_id": community,
+            "delivery_id": delivery_id,
+            "generation": lease_generation,
+            "return_value": value if error is None else None,
+            "error": json.dumps(error) if error is not None else None,
+        },
+    )
+    return bool(rows)

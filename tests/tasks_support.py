@@ -1,0 +1,44 @@
+"""Task functions of the django.tasks backend tests (registered when this module is imported)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from django.core.mail import send_mail
+
+from buzz_delivery.tasks.compat import TaskContext
+from buzz_delivery.tasks.compat import task_backends as _backends  # noqa: F401  (configured first)
+
+try:
+    from django.tasks import task
+except ImportError:  # Django 5.2: the backport
+    from django_tasks import task  # type: ignore[no-redef]
+
+COMMUNITY = "01900000-0000-7000-8000-00000000da5c"  # project/settings.py's TASKS default
+
+
+@task
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@task
+async def add_later(a: int, b: int) -> int:
+    await asyncio.sleep(0)
+    return a + b
+
+
+@task
+def explode(message: str) -> None:
+    raise ValueError(message)
+
+
+@task(takes_context=True)
+def who_am_i(context: TaskContext) -> dict:
+    return {"id": context.task_result.id, "attempt": context.attempt}
+
+
+@task(queue_name="emails", priority=10)
+def email_users(emails: list[str], subject: str, message: str) -> int:
+    """Django's documented example (docs/topics/tasks)."""
+    return send_mail(subject=subject, message=message, from_email=None, recipient_list=emails)
