@@ -4,7 +4,9 @@ Every endpoint runs the same checks in the same order (:func:`endpoint`): method
 size (413), NIP-98 signature, time window and replay (401), path and body fields (400), then
 the view itself: enrollment (403), scope (404), lease (409). The signer's key is the target of
 every claim, renew, finish and read; no field can name another. A refused request writes
-nothing but its event id in the replay store (recorded as soon as the signature checks out).
+nothing but its event id in the replay store (recorded as soon as the signature checks out, for
+a key enrolled in an active community); a key or community past its bound on requests in flight
+is a 429 (:mod:`buzz_delivery.gateway.limits`).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def parse_json(raw: bytes, body: Body | None) -> dict[str, Any]:
     try:
         # Each field's value is checked by its Field (depth, text PostgreSQL can store), so a
         # refusal names it; a key twice, NaN or nesting the parser cannot take is the body's.
-        data = jsonbounds.loads(raw, max_depth=jsonbounds.MAX_DEPTH + 1, checked=False)
+        data = jsonbounds.loads(raw, checked=False)
     except jsonbounds.JSONRefused as exc:
         raise bad_request("body", str(exc)) from None
     return body.clean(data)
