@@ -73,8 +73,9 @@ def reset(conn: psycopg.Connection) -> None:
 
 
 def clear_deliveries(conn: psycopg.Connection) -> None:
-    """Empty both delivery tables (tenants stay)."""
-    conn.execute(f"TRUNCATE {OURS}, {RAW_TABLE}")
+    """Empty both delivery tables (tenants stay), and what references a delivery (the tasks
+    backend's results)."""
+    conn.execute(f"TRUNCATE {OURS}, {RAW_TABLE} CASCADE")
 
 
 def create_tenants(count: int) -> list[Tenant]:
