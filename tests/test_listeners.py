@@ -19,6 +19,7 @@ from buzz_delivery.workflows.conf import NOTIFY_CHANNEL as WORKFLOWS_CHANNEL
 from buzz_delivery.workflows.orchestrator import _listener
 from tests.test_tenant_isolation import TENANT_LOGIN, login, logins  # noqa: F401 (fixture)
 from tests.test_worker import commit, wait_until
+from tests.worker_support import one_worker_listening
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("logins")]
 
@@ -93,15 +94,7 @@ def test_the_shared_listener_ignores_and_counts_what_its_handler_refuses_and_res
 def test_the_delivery_worker_is_woken_by_a_hint_after_any_number_of_hostile_ones(make_binding, start_worker):
     target = random32()
     worker = start_worker(target, "--poll-interval", "60", "--max-deliveries", "1", "--lease-seconds", "2")
-
-    def listening() -> bool:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%%'"
-            )
-            return cursor.fetchone()[0] == 1
-
-    wait_until(listening, what="the worker to LISTEN")
+    wait_until(one_worker_listening, what="the worker to LISTEN")
     time.sleep(0.5)  # let the start-up poll find nothing and go to sleep for 60 s
     notify_as_tenant(get_settings().notify_channel, HOSTILE_PAYLOADS)
     time.sleep(0.5)

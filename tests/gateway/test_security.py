@@ -19,7 +19,14 @@ from buzz_delivery.gateway import nip98
 from buzz_delivery.testing import CommunityFactory
 from buzz_delivery.workflows.services import decide_approval
 from tests.agents_support import counts
-from tests.gateway.support import deliver, enroll, new_agent, row_counts
+from tests.gateway.support import (
+    assert_woken_by_a_commit,
+    deliver,
+    enroll,
+    long_poll_in_background,
+    new_agent,
+    row_counts,
+)
 from tests.gateway.test_runs import accepted_run, run_state, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -175,20 +182,14 @@ def test_a_long_poll_is_still_woken_after_hostile_notifications_on_the_wake_chan
         community = CommunityFactory()
         agent = new_agent(server)
         enroll(agent, community)
-        got: list = []
-        waiter = threading.Thread(target=lambda: got.extend(agent.claim(wait_seconds=9)))
-        waiter.start()
+        waiter, got = long_poll_in_background(agent, 9)
         time.sleep(1.5)
         with connection.cursor() as cursor:
             for payload in HOSTILE_PAYLOADS:
                 cursor.execute("SELECT pg_notify(%s, %s)", [get_settings().notify_channel, payload])
         time.sleep(0.5)
         assert got == [] and waiter.is_alive()
-        (delivery,) = deliver(community, agent.pubkey)
-        committed = time.monotonic()
-        waiter.join(12)
-        assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
-        assert time.monotonic() - committed < 5, "the long-poll was not woken: the wake listener died"
+        assert_woken_by_a_commit(community, agent, waiter, got)  # the wake listener survived them
     finally:
         stop_server(server)
 

@@ -100,36 +100,49 @@ def _as_tuple(policy: RunPolicy) -> tuple[Any, ...]:
     return tuple(getattr(policy, name) for name in FIELDS)
 
 
-_HIGH = {"max_tool_calls": MAX_TOOL_CALLS, "max_cost": MAX_COST_UNITS, "max_attempts": MAX_ATTEMPTS}
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a caller asked for (None: nothing, the policy decides), each value checked against
+    its own range by :func:`ask`."""
+
+    shadow: bool
+    max_tool_calls: int | None
+    max_cost: int | None
+    max_attempts: int | None
+    timeout_seconds: int | None
 
 
-def _at_most(asked: Any, cap: int, name: str, low: int) -> int:
-    """What a caller asked (None: the cap itself), checked against its own range, never above
-    ``cap``."""
-    if asked is None:
-        return cap
-    return min(v.int_in_range(asked, name, low, _HIGH[name]), cap)
-
-
-def bounded(
-    policy: RunPolicy, *, shadow: Any, max_tool_calls: Any, max_cost: Any, max_attempts: Any, timeout_seconds: Any
-) -> dict[str, Any]:
-    """The run's values from what the caller asked for, within ``policy``: each budget the
-    smaller of the two (the policy's when the caller asked none), shadow when either says so,
-    the deadline the shorter (the policy's cap when the caller gave none). Raises
-    ``ValidationError`` keyed by the argument for a value out of its own range (before SQL)."""
+def ask(*, shadow: Any, max_tool_calls: Any, max_cost: Any, max_attempts: Any, timeout_seconds: Any) -> Ask:
+    """A caller's request, validated before any SQL: ``ValidationError`` keyed by the argument for
+    a value out of its own range (``max_tool_calls`` 0..100000, ``max_cost`` 0..2**53-1,
+    ``max_attempts`` 1..100, ``timeout_seconds`` 1..30 days, ``shadow`` a bool)."""
     if not isinstance(shadow, bool):
         raise v.invalid("shadow", f"must be a bool, not {type(shadow).__name__}")
-    timeout = (
-        None if timeout_seconds is None else v.int_in_range(timeout_seconds, "timeout_seconds", 1, MAX_TIMEOUT_SECONDS)
+    return Ask(
+        shadow=shadow,
+        max_tool_calls=_optional_int(max_tool_calls, "max_tool_calls", 0, MAX_TOOL_CALLS),
+        max_cost=_optional_int(max_cost, "max_cost", 0, MAX_COST_UNITS),
+        max_attempts=_optional_int(max_attempts, "max_attempts", 1, MAX_ATTEMPTS),
+        timeout_seconds=_optional_int(timeout_seconds, "timeout_seconds", 1, MAX_TIMEOUT_SECONDS),
     )
+
+
+def _at_most(asked: int | None, cap: int) -> int:
+    return cap if asked is None else min(asked, cap)
+
+
+def bounded(policy: RunPolicy, asked: Ask) -> dict[str, Any]:
+    """The run's values from what the caller asked for, within ``policy``: each budget the
+    smaller of the two (the policy's when the caller asked none), shadow when either says so,
+    the deadline the shorter (the policy's cap when the caller gave none), the policy's lease cap."""
+    timeout = asked.timeout_seconds
     if policy.max_timeout_seconds is not None:
         timeout = policy.max_timeout_seconds if timeout is None else min(timeout, policy.max_timeout_seconds)
     return {
-        "shadow": shadow or policy.shadow,
-        "max_tool_calls": _at_most(max_tool_calls, policy.max_tool_calls, "max_tool_calls", 0),
-        "max_cost": _at_most(max_cost, policy.max_cost, "max_cost", 0),
-        "max_attempts": _at_most(max_attempts, policy.max_attempts, "max_attempts", 1),
+        "shadow": asked.shadow or policy.shadow,
+        "max_tool_calls": _at_most(asked.max_tool_calls, policy.max_tool_calls),
+        "max_cost": _at_most(asked.max_cost, policy.max_cost),
+        "max_attempts": _at_most(asked.max_attempts, policy.max_attempts),
         "timeout_seconds": timeout,
         "max_lease_seconds": policy.max_lease_seconds,
     }

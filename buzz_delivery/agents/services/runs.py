@@ -17,8 +17,7 @@ from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
-from buzz_delivery.agents.services.policy import bounded, policy_of
-from buzz_delivery.agents.services.policy import settings_policy as policy_of_settings
+from buzz_delivery.agents.services.policy import ask, bounded, policy_of
 from buzz_delivery.agents.services.types import (
     Accepted,
     AgentClaim,
@@ -77,14 +76,13 @@ def accept_delivery(
     extra = {} if input is None else input
     if not isinstance(extra, dict):
         raise v.invalid("input", f"must be a dict, not {type(extra).__name__}")
-    asked = {
-        "shadow": shadow,
-        "max_tool_calls": max_tool_calls,
-        "max_cost": max_cost,
-        "max_attempts": max_attempts,
-        "timeout_seconds": timeout_seconds,
-    }
-    bounded(policy_of_settings(), **asked)  # the caller's own ranges, before SQL
+    asked = ask(
+        shadow=shadow,
+        max_tool_calls=max_tool_calls,
+        max_cost=max_cost,
+        max_attempts=max_attempts,
+        timeout_seconds=timeout_seconds,
+    )
     params = {
         "input": json_value(extra, "input", MAX_INPUT_BYTES),
         "id": new_uuid7(),
@@ -95,7 +93,7 @@ def accept_delivery(
         outcome = finish_delivery(lease, "finished")
         if not isinstance(outcome, Settled):
             return outcome
-        params.update(bounded(policy_of(lease.community_id, lease.target_pubkey), **asked))
+        params.update(bounded(policy_of(lease.community_id, lease.target_pubkey), asked))
         fetch_all(sql.INSERT_RUN_FROM_DELIVERY, {**params, "input_hash": b"\0" * 32})
         run = AgentRun.objects.select_for_update().get(community_id=lease.community_id, delivery_id=lease.delivery_id)
         run.input_hash = sha256_json(run.input)
@@ -137,20 +135,19 @@ def intake_event(
         "agent_pubkey": agent,
         "input": json_value(payload, "payload", MAX_INPUT_BYTES),
     }
-    asked = {
-        "shadow": shadow,
-        "max_tool_calls": max_tool_calls,
-        "max_cost": max_cost,
-        "max_attempts": max_attempts,
-        "timeout_seconds": timeout_seconds,
-    }
-    bounded(policy_of_settings(), **asked)  # the caller's own ranges, before SQL
+    asked = ask(
+        shadow=shadow,
+        max_tool_calls=max_tool_calls,
+        max_cost=max_cost,
+        max_attempts=max_attempts,
+        timeout_seconds=timeout_seconds,
+    )
     params.update(id=new_uuid7(), key_id=new_uuid7(), payload_hash=sha256_json(payload))
     params["input_hash"] = params["payload_hash"]
     with transaction.atomic(), translated_errors():
         won = fetch_all(sql.INSERT_INTAKE_KEY, params)
         if won:
-            params.update(bounded(policy_of(community, agent), **asked))
+            params.update(bounded(policy_of(community, agent), asked))
             fetch_all(sql.INSERT_RUN_FROM_INTAKE, params)
             notify_claimable(community)
             return Created(params["id"])
