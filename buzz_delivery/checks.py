@@ -213,3 +213,39 @@ def check_runtime_role_obeys_rls(
             id="buzz_delivery.W020",
         ),
     ]
+
+
+# A bearer token shorter than this is guessable; 32 random bytes as hex is 64 characters.
+METRICS_TOKEN_MIN_CHARS = 24
+
+
+@checks.register(checks.Tags.security)
+def check_metrics_token(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """``METRICS_TOKEN`` is None or a long printable string (buzz_delivery.metrics)."""
+    token = raw_settings().get("METRICS_TOKEN")
+    if token is None or (
+        isinstance(token, str) and len(token) >= METRICS_TOKEN_MIN_CHARS and token.isprintable() and token.isascii()
+    ):
+        return []
+    return [
+        checks.Error(
+            f"BUZZ_DELIVERY['METRICS_TOKEN'] must be None or a printable ASCII string of at least "
+            f"{METRICS_TOKEN_MIN_CHARS} characters (e.g. secrets.token_hex(32)).",
+            id="buzz_delivery.E030",
+        )
+    ]
+
+
+@checks.register(checks.Tags.security, deploy=True)
+def check_metrics_protected(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """``check --deploy``: say that ``/metrics`` is open while ``METRICS_TOKEN`` is unset."""
+    if raw_settings().get("METRICS_TOKEN"):
+        return []
+    return [
+        checks.Warning(
+            "The metrics view (buzz_delivery.metrics.metrics_view) answers anyone: set "
+            "BUZZ_DELIVERY['METRICS_TOKEN'] and give your scraper the token, or keep the URL off the "
+            "public network (your proxy's access rules).",
+            id="buzz_delivery.W030",
+        )
+    ]

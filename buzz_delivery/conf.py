@@ -37,6 +37,9 @@ DEFAULTS: dict[str, Any] = {
     "TENANT_ROLE": "buzz_tenant",
     "MAINTENANCE_ROLE": "buzz_maintenance",
     "SWITCH_ROLES": False,
+    # The bearer token /metrics asks for (buzz_delivery.metrics); None = open, as Prometheus
+    # exporters are (a staff login is accepted too once it is set).
+    "METRICS_TOKEN": None,
 }
 
 

@@ -11,7 +11,12 @@ reads the database at that moment, cheaply at millions of rows:
   the table was never analysed); above that the planner's estimate of each status (an
   ``EXPLAIN``, nothing read), flagged by ``buzz_counts_estimated{table} 1``. The deliveries'
   ``pending`` and ``claimed`` are always exact up to the cap, read from their partial indexes.
-- ``buzz_delivery_oldest_pending_age_seconds``: one probe of ``delivery_pending_age_idx``.
+- ``buzz_delivery_oldest_pending_age_seconds``: the oldest pending delivery of an *active*
+  community (a walk of ``delivery_pending_age_idx`` from its oldest end that passes over the rows a
+  fenced community left pending, :data:`OLDEST_ACTIVE_PENDING`), so an alert on it clears once the
+  active communities' backlog does; ``buzz_delivery_fenced_pending``: the rows left pending in
+  communities that are not active (no worker may claim them; the purge removes them), exact up to
+  :data:`EXACT_CAP`.
 - ``buzz_delivery_lapsed_leases``: claimed deliveries whose lease ran out, not yet reaped
   (bounded by the live leases, through the claimed-lease partial index).
 - ``buzz_deliveries_settled_last_minute{status}``: the settle rate, deliveries that reached
@@ -20,21 +25,31 @@ reads the database at that moment, cheaply at millions of rows:
   ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard;
   ``buzz_maintenance_runs_total{job}``, ``buzz_maintenance_last_run_timestamp_seconds{job}`` and
   ``buzz_maintenance_last_run_ok{job}``: the reaper runs (every pass of those commands, one row
-  per job in ``buzz_delivery_maintenance_run``). ``buzz_leases_reclaimed_total{job,outcome}``:
+  per job in ``buzz_delivery_maintenance_run``); every job of an installed app has a
+  ``buzz_maintenance_runs_total`` (and a reaper a ``buzz_leases_reclaimed_total``) sample, 0
+  before its first pass. ``buzz_leases_reclaimed_total{job,outcome}``:
   the lease losses the database saw, the lapsed leases each reaper took back (``retried`` or
   ``exhausted``), and ``buzz_maintenance_items_total{job,item}``: every count of the jobs'
   summaries, both summed over the passes in that row's ``totals`` (migration 0012).
 - ``buzz_workers{kind,state}`` and ``buzz_worker_heartbeat_age_seconds{kind,host,pid,name}``:
   the live workers registry (:mod:`buzz_delivery.services.workers`), ``state`` ``live`` or
-  ``stale``.
+  ``stale`` (no heartbeat for three intervals); a process silent for longer than
+  ``PRUNE_AFTER_SECONDS`` is gone and left out, whether or not the reaper deleted its row yet.
 
 The optional apps' families appear when those apps are installed. Every figure comes from the
-database clock. The view is not authenticated: expose it to your scraper only (a private
-network, or your proxy's access rules).
+database clock.
+
+Access: open by default, as Prometheus exporters are (the figures are counts, job names and
+worker host names: no tenant's data), so a scraper needs no setup; protect it with
+``BUZZ_DELIVERY["METRICS_TOKEN"]``: then a request must carry ``Authorization: Bearer <token>``
+(Prometheus: ``authorization: {credentials_file: ...}``) or come from a logged-in staff user,
+and anything else gets 401. ``manage.py check --deploy`` warns while the token is unset
+(``buzz_delivery.W030``).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +63,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from buzz_delivery.conf import raw_settings
 from buzz_delivery.models import (
     CREATED_FLOOR_SQL,
     Community,
@@ -59,21 +75,50 @@ from buzz_delivery.models import (
 )
 from buzz_delivery.services import stats, tenancy
 from buzz_delivery.services.sql import DB_NOW
-from buzz_delivery.services.workers import STALE_AFTER_SECONDS
+from buzz_delivery.services.workers import PRUNE_AFTER_SECONDS, STALE_AFTER_SECONDS
 
 # Up to this many rows a table's statuses are counted exactly; above it they are estimated.
 EXACT_CAP = stats.EXACT_CAP
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
+COMMUNITY = Community._meta.db_table
 
-# Exact up to the cap through the partial indexes; the oldest pending row; lapsed leases.
+# The UTC creation time of the oldest pending delivery of an active community: the age index
+# (delivery_pending_age_idx) walked from its oldest end, each row's community looked up by its
+# primary key, the first active one taken. The rows a fenced community left pending (no worker
+# may claim them until the purge removes them) are passed over, at most %(walk)s of them; past
+# that the oldest walked row stands for the answer (an over-estimate: say so in an alert's
+# runbook). Shared by the metrics and the dashboard.
+_WALK = f"""
+    SELECT d.community_id, timezone('UTC', d.created_at) AS at FROM {DELIVERY} AS d
+    WHERE d.status = 'pending' AND d.{CREATED_FLOOR_SQL}
+    ORDER BY timezone('UTC', d.created_at) LIMIT %(walk)s
+"""
+OLDEST_ACTIVE_PENDING = f"""
+SELECT coalesce(
+    (SELECT w.at FROM ({_WALK}) AS w
+     WHERE EXISTS (SELECT 1 FROM {COMMUNITY} AS c WHERE c.id = w.community_id AND c.deletion_state = 'active')
+     ORDER BY w.at LIMIT 1),
+    (SELECT CASE WHEN count(*) = %(walk)s THEN max(w.at) END FROM ({_WALK}) AS w)
+) AS at
+"""
+FENCED_WALK = 100_000
+
+# Exact up to the cap through the partial indexes; the oldest pending row of an active
+# community; lapsed leases; rows pending in fenced communities (the polling index, per community).
 DELIVERY_LIVE = f"""
 SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
-    (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - min(timezone('UTC', created_at))), 0)
-     FROM {DELIVERY} WHERE status = 'pending' AND {CREATED_FLOOR_SQL})  -- delivery_pending_age_idx
+    (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - o.at), 0)
+     FROM ({OLDEST_ACTIVE_PENDING}) AS o),
+    (SELECT count(*) FROM (
+        SELECT 1 FROM {COMMUNITY} AS c
+        CROSS JOIN LATERAL (
+            SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND d.status = 'pending' LIMIT %(cap)s
+        ) AS p
+        WHERE c.deletion_state <> 'active' LIMIT %(cap)s) AS f)
 """
 
 # Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the
@@ -95,12 +140,32 @@ MAINTENANCE = f"SELECT name, lease_until >= {DB_NOW} FROM {MaintenanceLease._met
 MAINTENANCE_RUNS = f"""
 SELECT name, runs, last_outcome, extract(epoch FROM last_finished_at), totals FROM {MaintenanceRun._meta.db_table}
 """
+# The maintenance jobs each installed app runs (the ``job`` of its command), so each has samples,
+# 0, before its first pass; the reapers (True) also take leases back (buzz_leases_reclaimed_total).
+JOBS = {
+    "buzz_delivery": {"reap_deliveries": True, "prune_deliveries": False},
+    "buzz_delivery.workflows": {"reap_workflow_steps": True},
+    "buzz_delivery.agents": {"reap_agent_runs": True},
+}
+
+
+def known_jobs() -> dict[str, bool]:
+    """The maintenance jobs of the installed apps: name -> whether it is a reaper."""
+    jobs: dict[str, bool] = {}
+    for app, names in JOBS.items():
+        if apps.is_installed(app):
+            jobs.update(names)
+    return jobs
+
+
 # Outcomes of a pass that did its job (another run being active counts: the job was done).
 GOOD_OUTCOMES = ("ok", "busy", "stopped")
 
+# Processes silent for longer than the prune age are gone, deleted by the reaper or not yet.
 WORKERS = f"""
 SELECT kind, host, pid, name, extract(epoch FROM {DB_NOW} - last_heartbeat)
 FROM {WorkerRegistration._meta.db_table}
+WHERE last_heartbeat >= {DB_NOW} - make_interval(secs => %(gone_after)s)
 ORDER BY kind, host, pid
 """
 
@@ -132,8 +197,8 @@ class BuzzCollector(Collector):
 
     def _deliveries(self, estimated: GaugeMetricFamily) -> Iterator[GaugeMetricFamily]:
         with connection.cursor() as cursor:
-            cursor.execute(DELIVERY_LIVE, {"cap": EXACT_CAP + 1})
-            pending, claimed, lapsed, oldest = cursor.fetchone()
+            cursor.execute(DELIVERY_LIVE, {"cap": EXACT_CAP + 1, "walk": FENCED_WALK})
+            pending, claimed, lapsed, oldest, fenced = cursor.fetchone()
         counts, is_estimate = stats.counts_by(WorkflowAgentDelivery, "status", DeliveryStatus.values, cap=EXACT_CAP)
         if pending <= EXACT_CAP:
             counts["pending"] = pending
@@ -146,8 +211,13 @@ class BuzzCollector(Collector):
         yield family
         yield GaugeMetricFamily(
             "buzz_delivery_oldest_pending_age_seconds",
-            "Age of the oldest pending delivery (database clock); 0 when none is pending",
+            "Age of the oldest pending delivery of an active community (database clock); 0 when none is pending",
             value=float(oldest or 0),
+        )
+        yield GaugeMetricFamily(
+            "buzz_delivery_fenced_pending",
+            "Deliveries left pending in communities that are not active (never claimed; the purge removes them)",
+            value=fenced,
         )
         yield GaugeMetricFamily(
             "buzz_delivery_lapsed_leases", "Claimed deliveries whose lease ran out, not yet reaped", value=lapsed
@@ -211,6 +281,12 @@ class BuzzCollector(Collector):
             "Each count of the maintenance jobs' summaries (reclaimed, expired, deleted...), summed over their passes",
             labels=["job", "item"],
         )
+        jobs = known_jobs()
+        for job in sorted(set(jobs) - {row[0] for row in runs}):  # no pass yet: zero samples
+            total.add_metric([job], 0)
+            if jobs[job]:
+                lost.add_metric([job, "retried"], 0)
+                lost.add_metric([job, "exhausted"], 0)
         for job, count, outcome, finished, totals in runs:
             total.add_metric([job], count)
             last.add_metric([job], float(finished))
@@ -219,7 +295,7 @@ class BuzzCollector(Collector):
             totals = totals if isinstance(totals, dict) else {}
             # A reaper's lease losses: the lapsed leases it took back, ``reclaimed`` (another
             # attempt) or ``exhausted`` (no attempt left: failed).
-            if "reclaimed" in totals:
+            if "reclaimed" in totals or jobs.get(job):
                 lost.add_metric([job, "retried"], int(totals.get("reclaimed", 0)))
                 lost.add_metric([job, "exhausted"], int(totals.get("exhausted", 0)))
             for item, n in sorted(totals.items()):
@@ -233,7 +309,7 @@ class BuzzCollector(Collector):
     @staticmethod
     def _workers() -> Iterator[GaugeMetricFamily]:
         with connection.cursor() as cursor:
-            cursor.execute(WORKERS)
+            cursor.execute(WORKERS, {"gone_after": PRUNE_AFTER_SECONDS})
             rows = cursor.fetchall()
         ages = GaugeMetricFamily(
             "buzz_worker_heartbeat_age_seconds",
@@ -260,9 +336,33 @@ REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(BuzzCollector())
 
 
+def metrics_token() -> str | None:
+    """``BUZZ_DELIVERY["METRICS_TOKEN"]``: the bearer token ``/metrics`` asks for, or None (open)."""
+    token = raw_settings().get("METRICS_TOKEN")
+    return token or None
+
+
+def allowed(request: HttpRequest) -> bool:
+    """Open without a token; with one: the right ``Authorization: Bearer`` header (compared in
+    constant time) or a logged-in staff user."""
+    token = metrics_token()
+    if token is None:
+        return True
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), token.encode()):
+        return True
+    user = getattr(request, "user", None)
+    return bool(user is not None and user.is_active and user.is_staff)
+
+
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """The Prometheus text exposition of :class:`BuzzCollector` (GET; read-only)."""
+    """The Prometheus text exposition of :class:`BuzzCollector` (GET; read-only); 401 when
+    ``METRICS_TOKEN`` is set and the request carries neither it nor a staff login."""
+    if not allowed(request):
+        response = HttpResponse("401 Unauthorized: a bearer token (METRICS_TOKEN) is required\n", status=401)
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
     with tenancy.fleet():  # fleet-wide reads (SPEC 13)
         body = generate_latest(REGISTRY)
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

@@ -168,6 +168,9 @@ class WorkflowRun(CommunityScoped):
 
     class Meta:
         db_table = "buzz_delivery_workflow_run"
+        # "Delivery runs": every run deliveries were committed for, started by the engine or not;
+        # the engine's state of a run is its "workflow run" (buzz_delivery.workflows, issue 36).
+        verbose_name = "delivery run"
         # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
         indexes = [models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx")]
         triggers = [*triggers.write_fence()]

@@ -53,7 +53,7 @@ def test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values(c
     )
     page = operator.get(reverse("admin:buzz_agents_agentrun_change", args=[run_id]))
     assert page.status_code == 200
-    assert "too deeply nested" in page.content.decode()
+    assert "Nested too deep" in page.content.decode()
     assert operator.get(reverse("admin:buzz_agents_agentrun_changelist")).status_code == 200
 
 

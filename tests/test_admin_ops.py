@@ -223,3 +223,25 @@ def test_the_date_links_read_the_ends_of_the_age_index_among_many_rows(admin_cli
 
     assert "delivery_created_idx" in plan, plan
     assert "Seq Scan" not in plan, plan
+
+
+def test_each_throughput_line_has_its_own_axis_so_a_few_runs_show_beside_many_deliveries():
+    """On one axis scaled to 5,000 deliveries a minute, 3 workflow runs drew a flat line at 0.
+    Each series gets its panel and its own axis: the small line reaches the top of its panel."""
+    import datetime as dt
+
+    from buzz_delivery.admin.chart import PANEL_HEIGHT, TOP, Series, line_chart
+
+    svg = line_chart(
+        [Series("deliveries settled", [5000] * 60), Series("workflow runs started", [0] * 59 + [3])],
+        first_minute=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+        title="t",
+    )
+
+    panels = re.findall(r'<g class="bd-panel" data-panel="([^"]+)" data-max="(\d+)">', svg)
+    assert panels == [("deliveries settled", "5000"), ("workflow runs started", "5")]
+    runs = re.search(r'<polyline points="([^"]+)"[^>]*data-series="workflow runs started"', svg)
+    assert runs is not None
+    ys = [float(point.split(",")[1]) for point in runs.group(1).split()]
+    top_of_panel, floor = PANEL_HEIGHT + TOP, 2 * PANEL_HEIGHT - 8
+    assert ys[-1] < floor - 0.5 * (floor - top_of_panel)  # 3 of 5: above the middle of its panel

@@ -43,7 +43,9 @@ def _failed_checks(report: dict) -> list[str]:
 
 
 @pytest.fixture
-def demo_report() -> tuple[dict, str]:
+def demo_report(monkeypatch, tmp_path) -> tuple[dict, str]:
+    # The workers' logs go to a temporary folder, not the checkout's var/demo/<run>.
+    monkeypatch.setenv("BUZZ_DEMO_LOG_DIR", str(tmp_path / "demo"))
     out = io.StringIO()
     call_command(
         "demo",
@@ -59,6 +61,7 @@ def demo_report() -> tuple[dict, str]:
     )
     run = DemoRun.objects.get()
     assert run.passed is True and run.finished_at is not None and run.report is not None
+    assert (tmp_path / "demo" / str(run.id)).is_dir()
     return run.report, out.getvalue()
 
 

@@ -15,6 +15,7 @@ from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services.runlock import acquire_run_lease
 from buzz_delivery.services.workers import STALE_AFTER_SECONDS
 from buzz_delivery.testing import DeliveryFactory, random32
+from tests.operator_support import pending
 
 pytestmark = pytest.mark.django_db
 
@@ -134,7 +135,7 @@ def test_above_the_cap_the_counts_are_the_planners_estimates(monkeypatch, make_b
 def test_the_oldest_pending_age_is_one_probe_of_its_partial_index():
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned otherwise
-        cursor.execute("EXPLAIN " + metrics.DELIVERY_LIVE, {"cap": 10})
+        cursor.execute("EXPLAIN " + metrics.DELIVERY_LIVE, {"cap": 10, "walk": 10})
         plan = "\n".join(row[0] for row in cursor.fetchall())
 
     assert "delivery_pending_age_idx" in plan, plan
@@ -176,7 +177,13 @@ def test_reaper_runs_are_counted_with_their_last_outcome_and_time():
     found = scrape()
 
     job = (("job", "reap_deliveries"),)
-    assert found["buzz_maintenance_runs_total"] == {job: 2}
+    # Every other job of the installed apps has its sample too, 0 before its first pass.
+    assert found["buzz_maintenance_runs_total"] == {
+        job: 2,
+        (("job", "prune_deliveries"),): 0,
+        (("job", "reap_workflow_steps"),): 0,
+        (("job", "reap_agent_runs"),): 0,
+    }
     assert found["buzz_maintenance_last_run_ok"] == {job: 1}
     assert found["buzz_maintenance_last_run_timestamp_seconds"][job] == pytest.approx(float(now), abs=1)
 
@@ -226,3 +233,83 @@ def test_lease_losses_seen_by_the_reaper_are_counted_across_its_passes(make_bind
     assert "duration_ms" not in totals
     items = {dict(k)["item"]: v for k, v in found["buzz_maintenance_items_total"].items() if dict(k)["job"] == job}
     assert items["reclaimed"] == 3 and items["batches"] == totals["batches"] >= 3
+
+
+def test_every_counter_has_samples_before_any_maintenance_pass():
+    """40 reaper runs that bypassed the command left ``buzz_maintenance_runs_total`` without a
+    sample, and an absent series alerts nobody: each job of the installed apps reads 0."""
+    found = scrape()
+
+    assert found["buzz_maintenance_runs_total"] == {
+        (("job", job),): 0 for job in ("reap_deliveries", "prune_deliveries", "reap_workflow_steps", "reap_agent_runs")
+    }
+    lost = found["buzz_leases_reclaimed_total"]
+    assert {dict(k)["job"] for k in lost} == {"reap_deliveries", "reap_workflow_steps", "reap_agent_runs"}
+    assert set(lost.values()) == {0}
+
+
+def test_the_oldest_pending_age_leaves_out_a_fenced_communitys_stranded_rows():
+    """A fenced community's pending rows are never claimed until the purge removes them: counted
+    in the oldest-pending age, an alert on it never cleared. They are passed over (and counted
+    apart), while an active community's rows are still seen."""
+    from buzz_delivery.testing import CommunityFactory
+
+    fenced, active = CommunityFactory(name="leaving"), CommunityFactory(name="staying")
+    stranded = [pending(fenced).id for _ in range(3)]
+    waiting = pending(active).id
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '3 hours' WHERE id = ANY(%s)", [stranded]
+        )
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '60 seconds' WHERE id = %s", [waiting]
+        )
+    assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(3 * 3600, abs=2)
+    services.advance_community(fenced.id, "quiescing")
+
+    found = scrape()
+
+    assert found["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(60, abs=2)
+    assert found["buzz_delivery_fenced_pending"][()] == 3
+    with connection.cursor() as cursor:  # the active backlog drained: the alert clears
+        cursor.execute("DELETE FROM buzz_delivery_delivery WHERE id = %s", [waiting])
+    assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == 0
+
+
+def test_the_oldest_pending_walk_is_bounded_past_a_fenced_communitys_rows(monkeypatch):
+    """Past FENCED_WALK stranded rows the walk stops: the newest walked row stands for the answer
+    (an over-estimate), so a scrape reads a bounded number of rows."""
+    from buzz_delivery.testing import CommunityFactory
+
+    monkeypatch.setattr(metrics, "FENCED_WALK", 2)
+    fenced, active = CommunityFactory(name="leaving"), CommunityFactory(name="staying")
+    stranded = [pending(fenced).id for _ in range(3)]
+    pending(active)
+    with connection.cursor() as cursor:
+        for minutes, row in zip((30, 20, 10), stranded, strict=True):
+            cursor.execute(
+                "UPDATE buzz_delivery_delivery SET created_at = now() - make_interval(mins => %s) WHERE id = %s",
+                [minutes, row],
+            )
+    services.advance_community(fenced.id, "quiescing")
+
+    assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(20 * 60, abs=2)
+
+
+def test_metrics_are_open_by_default_and_closed_by_a_token(settings, django_user_model):
+    token = "t" * 32
+    assert Client().get("/metrics").status_code == 200
+    settings.BUZZ_DELIVERY = {**settings.BUZZ_DELIVERY, "METRICS_TOKEN": token}
+
+    refused = Client().get("/metrics")
+    wrong = Client().get("/metrics", headers={"Authorization": "Bearer " + "x" * 32})
+    right = Client().get("/metrics", headers={"Authorization": f"Bearer {token}"})
+    staff, plain = Client(), Client()
+    staff.force_login(django_user_model.objects.create_user("ops", is_staff=True))
+    plain.force_login(django_user_model.objects.create_user("someone"))
+
+    assert (refused.status_code, refused["WWW-Authenticate"]) == (401, 'Bearer realm="metrics"')
+    assert b"buzz_deliveries" not in refused.content
+    assert wrong.status_code == 401 and plain.get("/metrics").status_code == 401
+    assert right.status_code == 200 and b"buzz_deliveries" in right.content
+    assert staff.get("/metrics").status_code == 200

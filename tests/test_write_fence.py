@@ -330,7 +330,7 @@ def test_a_move_waits_for_a_writer_inside_its_transaction_and_lets_no_later_writ
             late = pool.submit(late_writer)
             assert late_started.wait(15)
             # The fence lock is awaited by the move, so the late writer meets the move on the
-            # community row, which the move holds (migration 0018): it waits for the move.
+            # community row, which the move holds (migration 0019): it waits for the move.
             assert _wait_until(lambda: pids["mover"] in _blocking_pids(pids["late"]))
             assert not moved.is_set()
             assert Community.objects.get(id=community.id).deletion_state == "active"

@@ -6,6 +6,7 @@ Importing this package registers every ModelAdmin with ``django.contrib.admin.si
 - :mod:`.deliveries`: the delivery list, detail page, operator actions and dashboard URL;
 - :mod:`.tenants`: communities (lifecycle action), workflows, runs, events;
 - :mod:`.workers`: the live workers registry (last heartbeat, stale flag);
+- :mod:`.maintenance`: the maintenance jobs (passes, last outcome, totals);
 - :mod:`.base`: the read-only frame and the action report; :mod:`.paginators`: counts
   without a full-table ``COUNT(*)``; :mod:`.changelist`: snapshot-free lists and a cheap
   date drill-down; :mod:`.filters`, :mod:`.search`, :mod:`.display`, :mod:`.dashboard`.
@@ -14,6 +15,7 @@ Importing this package registers every ModelAdmin with ``django.contrib.admin.si
 from django.contrib import admin
 
 from buzz_delivery.admin.deliveries import DeliveryAdmin
+from buzz_delivery.admin.maintenance import MaintenanceRunAdmin
 from buzz_delivery.admin.tenants import CommunityAdmin, EventAdmin, WorkflowAdmin, WorkflowRunAdmin
 from buzz_delivery.admin.workers import WorkerRegistrationAdmin
 
@@ -25,6 +27,7 @@ __all__ = [
     "CommunityAdmin",
     "DeliveryAdmin",
     "EventAdmin",
+    "MaintenanceRunAdmin",
     "WorkerRegistrationAdmin",
     "WorkflowAdmin",
     "WorkflowRunAdmin",

@@ -9,6 +9,7 @@ and how many were skipped and why, writes ``LogEntry`` rows and logs through Pyt
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -18,11 +19,14 @@ from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ERROR_FLAG
 from django.core.exceptions import ValidationError
-from django.db.models import DateTimeField, ForeignObject, JSONField, Model
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.db.models import DateTimeField, Field, ForeignObject, JSONField, Model, TextField
+from django.db.models.functions import Cast, Left, Length
+from django.http import HttpRequest, HttpResponseRedirect
 
+from buzz_delivery.admin import display
 from buzz_delivery.admin.changelist import JSONFreeChangeList
-from buzz_delivery.admin.display import timestamp, with_json_as_text
+from buzz_delivery.admin.display import timestamp
+from buzz_delivery.admin.filters import CommunityFilter
 from buzz_delivery.admin.paginators import EstimatedCountPaginator
 
 logger = logging.getLogger("buzz_delivery.admin")
@@ -31,8 +35,10 @@ logger = logging.getLogger("buzz_delivery.admin")
 MAX_ACTION_ROWS = 1000
 
 
+@functools.cache
 def timestamp_column(field: DateTimeField) -> Callable[[Model], str]:
-    """A list column showing ``field`` as ``YYYY-MM-DD HH:MM:SS``, sortable by it."""
+    """A column (or detail line) showing ``field`` as ``YYYY-MM-DD HH:MM:SS``, sortable by it.
+    One function per field, so a detail page's fieldsets and read-only fields name the same one."""
 
     @admin.display(description=field.verbose_name, ordering=field.name)
     def column(obj: Model) -> str:
@@ -42,16 +48,60 @@ def timestamp_column(field: DateTimeField) -> Callable[[Model], str]:
     return column
 
 
+# The annotations a detail page reads a JSON field's stored text from (ReadOnlyAdmin.get_object).
+JSON_TEXT = "bd_json_text_{}"
+JSON_CHARS = "bd_json_chars_{}"
+
+
+@functools.cache
+def json_column(field: JSONField) -> Callable[[Model], str]:
+    """A detail line showing JSON ``field`` bounded (:func:`display.json_text`): from the text
+    the database rendered when :meth:`ReadOnlyAdmin.get_object` loaded the row so, else from
+    the loaded value."""
+
+    @admin.display(description=field.verbose_name)
+    def column(obj: Model) -> str:
+        if hasattr(obj, JSON_TEXT.format(field.attname)):
+            return display.json_text(
+                getattr(obj, JSON_TEXT.format(field.attname)), getattr(obj, JSON_CHARS.format(field.attname))
+            )
+        return display.pretty_json(getattr(obj, field.attname))
+
+    column.__name__ = field.name
+    return column
+
+
+def _shown(model: type[Model], name: Any) -> Any:
+    """What a detail page shows for ``name``: a date-time or JSON field through its column."""
+    if isinstance(name, list | tuple):
+        return type(name)(_shown(model, inner) for inner in name)
+    if not isinstance(name, str):
+        return name
+    try:
+        field = model._meta.get_field(name)
+    except Exception:  # an admin method's name
+        return name
+    if isinstance(field, DateTimeField) and field.concrete:
+        return timestamp_column(field)
+    if isinstance(field, JSONField):
+        return json_column(field)
+    return name
+
+
+def json_fields(model: type[Model]) -> list[Field]:
+    return [f for f in model._meta.concrete_fields if isinstance(f, JSONField)]
+
+
 def _cache_related_without_json(obj: Model) -> None:
-    """Load the rows ``obj`` points to (shown as links on its page) without their JSON columns,
+    """Load the rows ``obj`` points to (shown as links on its page) without their JSON fields,
     so a related row's stored value cannot fail this page either; what they show (``__str__``)
-    reads none."""
+    reads none (issue 27)."""
     for field in obj._meta.concrete_fields:
         target = field.related_model if field.is_relation else None
         if target is None or isinstance(target, str) or getattr(obj, field.attname) is None:
             continue
         assert isinstance(field, ForeignObject), field  # a concrete relation: a ForeignKey or OneToOneField
-        heavy = [f.name for f in target._meta.concrete_fields if isinstance(f, JSONField)]
+        heavy = [f.name for f in json_fields(target)]
         if heavy and not field.is_cached(obj):
             related = target._base_manager.defer(*heavy).filter(pk=getattr(obj, field.attname)).first()
             field.set_cached_value(obj, related)
@@ -60,27 +110,57 @@ def _cache_related_without_json(obj: Model) -> None:
 class ReadOnlyAdmin(admin.ModelAdmin):
     """View-only ModelAdmin for tables that can hold millions of rows.
 
-    Every date-time field named in ``list_display`` is shown as ``YYYY-MM-DD HH:MM:SS`` (local
-    time, with seconds), like the lists' own time columns, instead of the locale's format."""
+    Every date-time field, in lists and on detail pages, is ``YYYY-MM-DD HH:MM:SS`` in the current
+    time zone (:func:`display.timestamp`), which each page states once under its title; every
+    JSON field of a detail page is read as the text the database renders, at most
+    :data:`display.JSON_MAX_CHARS` characters of it, and shown indented (:func:`display.json_text`):
+    a stored value nested a thousand deep or a megabyte large renders, cut, with a note.
+    A community-scoped model's list has the community filter."""
 
     paginator = EstimatedCountPaginator
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     list_per_page = 100
     list_max_show_all = 500
-    # JSON columns the detail page reads as text and shows through display.json_field (a value
-    # nested too deeply for Python's parser would otherwise fail the page; issue 27).
-    json_text_fields: tuple[str, ...] = ()
+    change_list_template = "admin/buzz_delivery/bd_change_list.html"
+    change_form_template = "admin/buzz_delivery/bd_change_form.html"
+
+    def get_list_display(self, request: HttpRequest) -> list[Any]:
+        fields = {f.name: f for f in self.model._meta.concrete_fields if isinstance(f, DateTimeField)}
+        return [
+            timestamp_column(fields[name]) if isinstance(name, str) and name in fields else name
+            for name in super().get_list_display(request)
+        ]
+
+    def get_list_filter(self, request: HttpRequest) -> list[Any]:
+        filters = list(super().get_list_filter(request))
+        scoped = any(f.name == "community" for f in self.model._meta.concrete_fields)
+        if scoped and CommunityFilter not in filters:
+            filters.append(CommunityFilter)
+        return filters
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        return [
+            (title, {**options, "fields": _shown(self.model, list(options["fields"]))})
+            for title, options in super().get_fieldsets(request, obj)
+        ]
 
     def get_object(self, request: HttpRequest, object_id: str, from_field: str | None = None) -> Any:
-        """Django's, with :attr:`json_text_fields` read as text; an id the key cannot hold (not a
-        UUID, a NUL) finds nothing, as a missing row does."""
-        queryset = with_json_as_text(self.get_queryset(request), self.json_text_fields)
+        """The row of a detail page, its JSON fields not loaded but annotated with their text as
+        the database renders it (cut at :data:`display.JSON_MAX_CHARS` + 1 characters) and its
+        length: no value, however deep or large, goes through Python's recursive parser whole."""
+        queryset = self.get_queryset(request)
         model = queryset.model
+        names = [f.attname for f in json_fields(model)]
+        if names:
+            queryset = queryset.defer(*names).annotate(
+                **{JSON_TEXT.format(n): Left(Cast(n, TextField()), display.JSON_MAX_CHARS + 1) for n in names},
+                **{JSON_CHARS.format(n): Length(Cast(n, TextField())) for n in names},
+            )
         field = model._meta.pk if from_field is None else model._meta.get_field(from_field)
         try:
             value = field.to_python(object_id)
-            if isinstance(value, str) and "\x00" in value:
+            if isinstance(value, str) and "\x00" in value:  # PostgreSQL text cannot hold it: no such row
                 return None
             obj = queryset.get(**{field.name: value})
         except (model.DoesNotExist, ValidationError, ValueError):
@@ -91,19 +171,22 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return JSONFreeChangeList
 
-    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
         """Django's, except that a query string holding a NUL (which PostgreSQL text cannot hold)
-        is treated as a bad lookup (Django's ``?e=1`` page), not sent to the database."""
+        is treated as a bad lookup (Django's ``?e=1`` page), not sent to the database (issue 27)."""
         if any("\x00" in key or any("\x00" in v for v in values) for key, values in request.GET.lists()):
             return HttpResponseRedirect(f"{request.path}?{ERROR_FLAG}=1")
         return super().changelist_view(request, extra_context)
 
-    def get_list_display(self, request: HttpRequest) -> list[Any]:
-        fields = {f.name: f for f in self.model._meta.concrete_fields if isinstance(f, DateTimeField)}
-        return [
-            timestamp_column(fields[name]) if isinstance(name, str) and name in fields else name
-            for name in super().get_list_display(request)
-        ]
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> Any:
+        extra = {"buzz_refresh_seconds": self.refresh_seconds(request, object_id), **(extra_context or {})}
+        return super().change_view(request, object_id, form_url, extra)
+
+    def refresh_seconds(self, request: HttpRequest, object_id: str) -> int | None:
+        """Seconds after which the detail page reloads itself (a live run), or None."""
+        return None
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

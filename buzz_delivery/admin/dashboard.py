@@ -7,7 +7,9 @@ Every query is served by a partial index and reads only the rows that matter now
   once the table holds more than :data:`EXACT_CAP` rows, exact below that;
 - active work per community: pending (capped, polling index per community) and claimed /
   expired-lease rows (claimed-lease index, bounded by the number of live leases);
-- the oldest pending delivery's age; leases expired but not yet reaped;
+- the oldest pending delivery's age, among active communities (the rows a fenced community left
+  pending are never claimed: :data:`buzz_delivery.metrics.OLDEST_ACTIVE_PENDING`); leases
+  expired but not yet reaped;
 - settled deliveries per minute over the last hour (terminal-age index, last hour only);
 - workflow runs and agent runs per state (when those apps are installed): exact for a table of
   at most :data:`EXACT_CAP` rows, the planner's estimates above
@@ -33,7 +35,8 @@ from django.utils.safestring import SafeString
 
 from buzz_delivery.admin.chart import Series, line_chart
 from buzz_delivery.admin.paginators import capped_count, planner_row_estimate, table_row_estimate
-from buzz_delivery.models import CREATED_FLOOR_SQL, TERMINAL_STATUSES, Community, WorkflowAgentDelivery
+from buzz_delivery.metrics import FENCED_WALK, OLDEST_ACTIVE_PENDING
+from buzz_delivery.models import TERMINAL_STATUSES, Community, WorkflowAgentDelivery
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.stats import counts_by
 
@@ -47,9 +50,8 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
     (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
     (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
-    -- delivery_pending_age_idx (an index on the UTC wall time of pending rows): one probe
-    (SELECT timezone('UTC', {DB_NOW}) - min(timezone('UTC', created_at)) FROM {DELIVERY}
-     WHERE status = 'pending' AND {CREATED_FLOOR_SQL}),
+    -- delivery_pending_age_idx, walked past the rows fenced communities left pending
+    (SELECT timezone('UTC', {DB_NOW}) - o.at FROM ({OLDEST_ACTIVE_PENDING}) AS o),
     {DB_NOW}
 """
 
@@ -238,7 +240,7 @@ def load_dashboard() -> Dashboard:
     """Read the figures: five or six statements for the deliveries (an ``EXPLAIN`` per terminal
     status on a big table), three or four more per installed layer (workflow runs, agent runs)."""
     with connection.cursor() as cursor:
-        cursor.execute(STATUS_COUNTS, {"cap": EXACT_CAP + 1})
+        cursor.execute(STATUS_COUNTS, {"cap": EXACT_CAP + 1, "walk": FENCED_WALK})
         pending, claimed, lapsed, oldest, now = cursor.fetchone()
         cursor.execute(PER_COMMUNITY, {"cap": EXACT_CAP + 1, "rows": COMMUNITY_ROWS})
         communities = [CommunityLoad(str(row[0]), row[1], *row[2:]) for row in cursor.fetchall()]

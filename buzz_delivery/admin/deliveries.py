@@ -81,6 +81,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
     search_help_text = search.HELP_TEXT
     actions = ("requeue_selected", "force_fail_selected", "reap_expired_now")
     change_list_template = "admin/buzz_delivery/workflowagentdelivery/change_list.html"
+    change_form_template = "admin/buzz_delivery/workflowagentdelivery/change_form.html"
 
     class Media:
         # The list fits a 1400-pixel window with both sidebars open (wrapping headers and cells).
@@ -109,8 +110,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "created_at",
     )
     policy_fields = ("attempt", "max_attempts", "next_attempt_at", "expires_at", "failure_code", "failure_message")
-    snapshot_fields = ("execution_trace_json", "trigger_context_json")
-    json_text_fields = ("execution_trace", "trigger_context")
+    snapshot_fields = ("execution_trace", "trigger_context")  # bounded JSON (ReadOnlyAdmin)
     history_fields = ("history_table",)
     fieldsets = (
         ("Identity", {"fields": identity_fields}),
@@ -217,7 +217,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="holder")
     def holder(self, obj: WorkflowAgentDelivery) -> str:
-        return obj.claimed_by or display.EMPTY
+        return display.holder(obj.claimed_by)
 
     @admin.display(description="attempt / gen", ordering="lease_generation")
     def attempts(self, obj: WorkflowAgentDelivery) -> str:
@@ -264,14 +264,6 @@ class DeliveryAdmin(ReadOnlyAdmin):
     @admin.display(description="history")
     def history_table(self, obj: WorkflowAgentDelivery) -> str:
         return display.history_table(obj.history)
-
-    @admin.display(description="execution trace")
-    def execution_trace_json(self, obj: WorkflowAgentDelivery) -> str:
-        return display.json_field(obj, "execution_trace")
-
-    @admin.display(description="trigger context")
-    def trigger_context_json(self, obj: WorkflowAgentDelivery) -> str:
-        return display.json_field(obj, "trigger_context")
 
     # --- permissions of the actions ---------------------------------------------------
 
@@ -405,13 +397,17 @@ class DeliveryAdmin(ReadOnlyAdmin):
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
         """The detail page, with a button per operator action that applies to this delivery now
-        (requeue a failed or expired one, force-fail a claimed one) and that the user may take."""
-        delivery_id = search.parse_uuid(object_id)  # anything else is no delivery (Django redirects)
-        status = (
-            None
-            if delivery_id is None
-            else WorkflowAgentDelivery.objects.filter(pk=delivery_id).values_list("status", flat=True).first()
+        (requeue a failed or expired one, force-fail a claimed one) and that the user may take, in
+        an active community only: a fenced community's rows refuse both (its writes are fenced)."""
+        pk = search.parse_uuid(object_id)
+        row = (
+            WorkflowAgentDelivery.objects.filter(pk=pk).values_list("status", "community__deletion_state").first()
+            if pk is not None
+            else None
         )
+        status, community_state = row if row is not None else (None, None)
+        if community_state != "active":
+            status = None
         buttons = []
         if status in ("failed", "expired") and self.has_requeue_permission(request):
             buttons.append(

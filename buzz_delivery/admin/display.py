@@ -1,21 +1,29 @@
-"""How the admin shows binary values and JSON snapshots (SPEC section 8).
+"""How the admin shows binary values, times, holders and JSON (SPEC section 8, issue 36).
 
-32-byte values (event ids, public keys) are lowercase hex: short in lists, full on detail
-pages. Nothing here runs a query.
+One helper per kind of value, used by every app's admin:
+
+- 32-byte values (event ids, public keys) are lowercase hex: short in lists, full on detail pages;
+- times are :func:`timestamp` (``YYYY-MM-DD HH:MM:SS`` in the current time zone, which each page
+  states once: :func:`time_zone_name`);
+- a holder (``host:pid:worker``, ``gateway:<64 hex>``) is :func:`holder`, a 64-hex key inside it
+  shortened to its first 8 and last 4 characters with the full value as tooltip;
+- JSON is :func:`pretty_json` (a loaded value) or :func:`json_text` (the text the database
+  rendered): indented, escaped, bounded in depth and size, never a Python repr and never a 500,
+  however deep or large the stored value.
+
+Nothing here runs a query.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import Any
 
-from django.db.models import Model, OuterRef, Subquery, TextField
-from django.db.models.functions import Cast
+from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
-
-from buzz_delivery import jsonbounds
 
 SHORT_HEX_CHARS = 12
 EMPTY = "—"
@@ -44,11 +52,43 @@ def short_uuid(value: Any, chars: int = 12) -> str:
     return format_html('<code title="{}" style="white-space: nowrap">…{}</code>', value, str(value)[-chars:])
 
 
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
 def timestamp(value: dt.datetime | None) -> str:
-    """A compact local ``YYYY-MM-DD HH:MM:SS`` for list columns."""
+    """``YYYY-MM-DD HH:MM:SS`` in the current time zone (the project's ``TIME_ZONE`` unless a
+    middleware activated another): the one time format of every admin list and page."""
     if value is None:
         return EMPTY
-    return timezone.localtime(value).strftime("%Y-%m-%d %H:%M:%S")
+    if timezone.is_naive(value):
+        return value.strftime(TIME_FORMAT)
+    return timezone.localtime(value).strftime(TIME_FORMAT)
+
+
+def time_zone_name() -> str:
+    """The zone :func:`timestamp` writes in, as each page states it once."""
+    return timezone.get_current_timezone_name()
+
+
+# A 64-hex key (an agent's public key) inside a holder name.
+_KEY_IN_TEXT = re.compile(r"[0-9a-f]{64}")
+KEY_HEAD, KEY_TAIL = 8, 4
+
+
+def short_key_text(text: str) -> str:
+    """``text`` with every 64-hex key shortened to ``first 8…last 4``."""
+    return _KEY_IN_TEXT.sub(lambda m: f"{m.group()[:KEY_HEAD]}…{m.group()[-KEY_TAIL:]}", text)
+
+
+def holder(value: str | None) -> str:
+    """A lease holder for a list column: a gateway holder's 64-hex key shortened (first 8 and
+    last 4 characters) with the full holder as tooltip; a ``host:pid:worker`` name as it is."""
+    if not value:
+        return EMPTY
+    short = short_key_text(value)
+    if short == value:
+        return value
+    return format_html('<code title="{}">{}</code>', value, short)
 
 
 def duration(value: dt.timedelta | None) -> str:
@@ -68,68 +108,87 @@ def duration(value: dt.timedelta | None) -> str:
     return f"{seconds} s"
 
 
+# What a page shows of one JSON value: at most this many characters, nested this deep.
+JSON_MAX_CHARS = 20_000
+JSON_MAX_DEPTH = 40
+DEEPER = "…"  # stands for a value nested deeper than JSON_MAX_DEPTH
+
+
+def _clip(value: Any, depth: int = 0) -> tuple[Any, bool]:
+    """``value`` with every array or object nested deeper than :data:`JSON_MAX_DEPTH` replaced
+    by :data:`DEEPER`, and whether anything was. Recurses at most that deep."""
+    if not isinstance(value, dict | list | tuple):
+        return value, False
+    if depth >= JSON_MAX_DEPTH:
+        return DEEPER, True
+    clipped = False
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, inner in value.items():
+            out[str(key)], cut = _clip(inner, depth + 1)
+            clipped |= cut
+        return out, clipped
+    items = []
+    for inner in value:
+        item, cut = _clip(inner, depth + 1)
+        items.append(item)
+        clipped |= cut
+    return items, clipped
+
+
+def _json_block(text: str, notes: list[str]) -> str:
+    body = format_html('<pre class="bd-json">{}</pre>', text)
+    if not notes:
+        return body
+    return format_html('{}<p class="help bd-json-note">{}</p>', body, " ".join(notes))
+
+
+def _bounded_dumps(value: Any) -> tuple[str, list[str]]:
+    clipped, deep = _clip(value)
+    text = json.dumps(clipped, indent=2, ensure_ascii=False, default=str)
+    notes = [f"Nested deeper than {JSON_MAX_DEPTH} levels: shown as {DEEPER}."] if deep else []
+    if len(text) > JSON_MAX_CHARS:
+        notes.append(f"Truncated: the first {JSON_MAX_CHARS:,} of {len(text):,} characters.")
+        text = text[:JSON_MAX_CHARS] + "…"
+    return text, notes
+
+
 def pretty_json(value: Any) -> str:
-    """Indented JSON in a ``<pre>`` block (a value already loaded; see :func:`json_block` for
-    stored JSON read as text)."""
+    """A loaded JSON value, indented in a ``<pre>`` block (escaped), at most
+    :data:`JSON_MAX_DEPTH` levels and :data:`JSON_MAX_CHARS` characters, each cut said in a note."""
     if value is None:
         return EMPTY
-    try:
-        text = json.dumps(value, indent=2)
-    except (RecursionError, ValueError, TypeError):
-        return _raw_json(repr(value)[:RAW_JSON_CHARS])
-    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', text)
+    text, notes = _bounded_dumps(value)
+    return _json_block(text, notes)
 
 
-# A stored JSON value the admin cannot show as a tree is shown as this much raw text.
-RAW_JSON_CHARS = 20_000
-
-
-def _raw_json(text: str, why: str = "not a tree the admin can show") -> str:
-    return format_html(
-        '<p class="bd-quiet">{} ({} characters); its first {}:</p>'
-        '<pre style="white-space: pre-wrap; margin: 0">{}</pre>',
-        why,
-        len(text),
-        min(len(text), RAW_JSON_CHARS),
-        text[:RAW_JSON_CHARS],
+def json_text(text: str | None, total_chars: int | None = None) -> str:
+    """A JSON value from the text PostgreSQL rendered of it (``jsonb::text``, cut by the query at
+    :data:`JSON_MAX_CHARS` + 1 characters; ``total_chars`` the whole text's length): parsed and
+    indented when it is whole and Python can parse it, else the text as it is, cut, with a note.
+    Python's parser would raise ``RecursionError`` on a value nested about a thousand deep (and
+    so would loading such a row through the ORM): the text is never parsed past its bound."""
+    if text is None:
+        return EMPTY
+    total = total_chars if total_chars is not None else len(text)
+    if total <= JSON_MAX_CHARS:
+        try:
+            value = json.loads(text)
+        except (RecursionError, ValueError):
+            return _json_block(text, [f"Nested too deep to indent ({total:,} characters)."])
+        shown, notes = _bounded_dumps(value)
+        return _json_block(shown, notes)
+    return _json_block(
+        text[:JSON_MAX_CHARS] + "…",
+        [f"Truncated: the first {JSON_MAX_CHARS:,} of {total:,} characters, as stored (not indented)."],
     )
 
 
-def json_block(text: str | None) -> str:
-    """A stored JSON value, read as text (``jsonb::text``), indented in a ``<pre>`` block; a value
-    Python cannot load or print (nested deeper than :data:`~buzz_delivery.jsonbounds.MAX_DEPTH`
-    levels: stored before the bounds, or by hand) is shown as raw text instead of a 500."""
+def json_line(text: str | None, chars: int = 120) -> str:
+    """A JSON value's stored text on one line, cut at ``chars`` (a journal entry's output)."""
     if text is None:
-        return EMPTY
-    try:
-        value = jsonbounds.loads(text)
-    except jsonbounds.JSONRefused as exc:
-        why = "too deeply nested to show as a tree" if "nested" in str(exc) else "not a value the admin can show"
-        return _raw_json(text, why)
-    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', json.dumps(value, indent=2))
-
-
-def json_text_name(field: str) -> str:
-    """The annotation that carries JSON column ``field`` as text (:func:`with_json_as_text`)."""
-    return f"{field}_as_text"
-
-
-def with_json_as_text(queryset: Any, fields: tuple[str, ...]) -> Any:
-    """``queryset`` with the JSON columns ``fields`` deferred and read as text instead: loading a
-    row then never parses them (Python's parser fails on a value nested deeply enough)."""
-    if not fields:
-        return queryset
-    return queryset.defer(*fields).annotate(**{json_text_name(f): Cast(f, TextField()) for f in fields})
-
-
-def json_field(obj: Model, field: str) -> str:
-    """JSON column ``field`` of ``obj`` as :func:`json_block`, from its text annotation (one more
-    query when the row was loaded without it)."""
-    name = json_text_name(field)
-    if hasattr(obj, name):
-        return json_block(getattr(obj, name))
-    rows = type(obj)._base_manager.filter(pk=obj.pk).annotate(**{name: Cast(field, TextField())})
-    return json_block(rows.values_list(name, flat=True).first())
+        return "null"
+    return text if len(text) <= chars else text[:chars] + "…"
 
 
 def workflow_name_of_row() -> Subquery:
@@ -155,6 +214,8 @@ def _history_cell(key: str, value: Any) -> str:
             return timestamp(dt.datetime.fromisoformat(str(value)))
         except ValueError:
             return str(value)
+    if key == "actor":
+        return holder(str(value))
     return str(value)
 
 

@@ -166,9 +166,8 @@ class EventAdmin(ReadOnlyAdmin):
     ordering = ("-id",)  # served by the primary key
     search_fields = ("event_id",)
     search_help_text = "Event id: a hex prefix (1-64 hex characters)."
-    fields = ("community", "event_id_hex", "created_at", "kind", "pubkey_hex", "content", "tags_json")
+    fields = ("community", "event_id_hex", "created_at", "kind", "pubkey_hex", "content", "tags")
     readonly_fields = fields
-    json_text_fields = ("tags",)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         return (
@@ -202,10 +201,6 @@ class EventAdmin(ReadOnlyAdmin):
     @admin.display(description="author public key")
     def pubkey_hex(self, obj: Event) -> str:
         return display.full_hex(obj.pubkey)
-
-    @admin.display(description="tags")
-    def tags_json(self, obj: Event) -> str:
-        return display.json_field(obj, "tags")
 
 
 def _is_list(request: HttpRequest) -> bool:

@@ -10,40 +10,53 @@ from collections import Counter
 from typing import Any
 
 from django.contrib import admin
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet, TextField
+from django.db.models.functions import Cast, Left
 from django.http import HttpRequest
+from django.urls import reverse
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
 from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
-from buzz_delivery.agents.models import AgentPolicy, AgentRun, JournalEntry
+from buzz_delivery.admin.search import parse_uuid
+from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import AlreadyTerminal, NotFound, cancel_agent_run
+from buzz_delivery.agents.states import RUN_TERMINAL
 from buzz_delivery.exceptions import BuzzDeliveryError
+from buzz_delivery.models import WorkflowAgentDelivery, WorkflowRun
+
+# Characters of a journaled call's output shown on its timeline row (its stored JSON text).
+OUTPUT_CHARS = 120
+# Seconds between reloads of a live agent run's page.
+LIVE_REFRESH_SECONDS = 5
 
 
 def timeline_rows(run: AgentRun) -> list[tuple[str, ...]]:
-    """One row per event of the run's journal, in order: (when, seq, what, detail)."""
+    """One row per event of the run's journal, in order: (when, seq, what, detail). A call's
+    output is its stored JSON text, cut by the query (never loaded whole, never a Python repr)."""
     rows: list[tuple[str, ...]] = []
-    entries = display.with_json_as_text(
-        JournalEntry.objects.filter(community_id=run.community_id, run_id=run.id).order_by("seq"),
-        ("args", "output", "compensation"),
+    entries = (
+        JournalEntry.objects.filter(community_id=run.community_id, run_id=run.id)
+        .defer("args", "output", "compensation")
+        .annotate(output_text=Left(Cast("output", TextField()), OUTPUT_CHARS + 1))
+        .order_by("seq")
     )
     for e in entries:
         what = "approval requested" if e.kind == "approval" else f"call {e.tool_name}"
         flags = " (destructive)" if e.destructive else ""
-        rows.append((str(e.created_at), str(e.seq), what + flags, f"generation {e.generation}"))
+        rows.append((display.timestamp(e.created_at), str(e.seq), what + flags, f"generation {e.generation}"))
         if e.status != "pending":
-            output = getattr(e, display.json_text_name("output"))  # text: any stored value shows
-            detail = e.blocked_reason or e.error or ("output " + (output or "null")[:120])
+            detail = e.blocked_reason or e.error or ("output " + display.json_line(e.output_text, OUTPUT_CHARS))
             if e.uncertain:
                 detail = "uncertain: " + detail
             label = "decision" if e.kind == "approval" else "result"
-            rows.append((str(e.finished_at), str(e.seq), f"{label}: {e.status}", detail))
+            rows.append((display.timestamp(e.finished_at), str(e.seq), f"{label}: {e.status}", detail))
         if e.compensation_status:
             rows.append(
                 (
-                    str(e.compensated_at or ""),
+                    display.timestamp(e.compensated_at),
                     str(e.seq),
                     f"compensation: {e.compensation_status}",
                     e.compensation_error or "",
@@ -54,31 +67,26 @@ def timeline_rows(run: AgentRun) -> list[tuple[str, ...]]:
 
 @admin.register(AgentRun)
 class AgentRunAdmin(ReadOnlyAdmin):
-    list_display = (
-        "pk",
-        "agent_hex",
-        "state",
-        "holder",
-        "unwinding",
-        "tool_calls_used",
-        "attempts",
-        "created_at",
-        "finished_at",
-    )
+    # Two facts a cell where they belong together: the list fits a 1400-pixel window with both
+    # sidebars open (tests/test_browser.py).
+    list_display = ("short_id", "agent_holder", "community", "state_line", "usage", "finished_at")
+    list_display_links = ("short_id",)
     list_filter = ("state", "shadow")
+    list_select_related = ("community",)
+    search_fields = ("id",)  # the search box; get_search_results reads it
+    search_help_text = "Agent run id, its delivery's id or the workflow run that started it (UUID)."
     readonly_fields = (
         "id",
         "community",
-        "agent_hex",
+        "agent_key",
         "state",
-        "unwinding",
+        "compensations",
         "shadow",
         "failure_code",
         "failure_message",
-        "delivery_id",
-        "source_run",
-        "source_step_key",
-        "approval",
+        "delivery",
+        "source",
+        "approval_link",
         "lease_generation",
         "lease_until",
         "heartbeat_at",
@@ -92,8 +100,8 @@ class AgentRunAdmin(ReadOnlyAdmin):
         "max_tool_calls",
         "cost_used",
         "max_cost",
-        "input_json",
-        "output_json",
+        "input",
+        "output",
         "created_at",
         "finished_at",
         "timeline",
@@ -101,7 +109,6 @@ class AgentRunAdmin(ReadOnlyAdmin):
     )
     fields = readonly_fields
     actions = ["cancel_runs"]
-    json_text_fields = ("input", "output")
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return SnapshotFreeChangeList  # the list does not load the history
@@ -109,21 +116,106 @@ class AgentRunAdmin(ReadOnlyAdmin):
     def has_cancel_agent_run_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("buzz_agents.cancel_agent_run")
 
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
+        """A UUID: that run, the run of that delivery, or the runs a workflow run started (each
+        looked up within the community its own row names); anything else matches nothing."""
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        value = parse_uuid(term)
+        if value is None:
+            return queryset.none(), False
+        q = Q(pk=value)
+        delivery = WorkflowAgentDelivery.objects.filter(pk=value).values_list("community_id", flat=True).first()
+        if delivery is not None:
+            q |= Q(community_id=delivery, delivery_id=value)
+        source = WorkflowRun.objects.filter(pk=value).values_list("community_id", flat=True).first()
+        if source is not None:
+            q |= Q(community_id=source, source_run_id=value)
+        return queryset.filter(q), False
+
+    def refresh_seconds(self, request: HttpRequest, object_id: str) -> int | None:
+        """A live run's page reloads itself every few seconds; a terminal one's does not."""
+        pk = parse_uuid(object_id)
+        state = AgentRun.objects.filter(pk=pk).values_list("state", flat=True).first() if pk is not None else None
+        return LIVE_REFRESH_SECONDS if state is not None and state not in RUN_TERMINAL else None
+
+    @admin.display(description="agent run / created", ordering="id")
+    def short_id(self, obj: AgentRun) -> str:
+        return format_html(
+            '{}<br><span class="bd-quiet">{}</span>', display.short_uuid(obj.pk, 8), display.timestamp(obj.created_at)
+        )
+
+    @admin.display(description="agent / holder")
+    def agent_holder(self, obj: AgentRun) -> str:
+        return format_html('{}<br><span class="bd-quiet">{}</span>', self.agent_hex(obj), display.holder(obj.worker_id))
+
+    @admin.display(description="state", ordering="state")
+    def state_line(self, obj: AgentRun) -> str:
+        """The state and, below it, whether the run is undoing its calls."""
+        unwinding = self.compensations(obj)
+        if unwinding == display.EMPTY:
+            return obj.get_state_display()
+        return format_html("{}<br>{}", obj.get_state_display(), unwinding)
+
+    @admin.display(description="calls / attempts")
+    def usage(self, obj: AgentRun) -> str:
+        return format_html(
+            '{} of {}<br><span class="bd-quiet">attempt {} of {}</span>',
+            obj.tool_calls_used,
+            obj.max_tool_calls,
+            obj.attempts,
+            obj.max_attempts,
+        )
+
     @admin.display(description="agent")
     def agent_hex(self, obj: AgentRun) -> str:
-        return bytes(obj.agent_pubkey).hex()[:16]
+        return display.holder(bytes(obj.agent_pubkey).hex())
+
+    @admin.display(description="agent public key")
+    def agent_key(self, obj: AgentRun) -> str:
+        return display.full_hex(obj.agent_pubkey)
 
     @admin.display(description="holder")
     def holder(self, obj: AgentRun) -> str:
-        return obj.worker_id or display.EMPTY
+        return display.holder(obj.worker_id)
 
-    @admin.display(description="input")
-    def input_json(self, obj: AgentRun) -> str:
-        return display.json_field(obj, "input")
+    @admin.display(description="compensations")
+    def compensations(self, obj: AgentRun) -> str:
+        """Whether the run is undoing its calls: a live run still unwinding is a warning; a
+        terminal one has finished unwinding (its journal says how each compensation ended)."""
+        if not obj.unwinding:
+            return display.EMPTY
+        if obj.state in RUN_TERMINAL:
+            return mark_safe('<span title="the compensations ran; see the journal">unwound</span>')
+        return mark_safe('<span class="bd-warn">⟲ unwinding</span>')
 
-    @admin.display(description="output")
-    def output_json(self, obj: AgentRun) -> str:
-        return display.json_field(obj, "output")
+    @admin.display(description="delivery")
+    def delivery(self, obj: AgentRun) -> str:
+        if obj.delivery_id is None:
+            return display.EMPTY
+        url = reverse("admin:buzz_delivery_workflowagentdelivery_change", args=[obj.delivery_id])
+        return format_html('<a href="{}">{}</a>', url, obj.delivery_id)
+
+    @admin.display(description="started by")
+    def source(self, obj: AgentRun) -> str:
+        """The workflow run and step whose delivery started this run, linked."""
+        if obj.source_run_id is None:
+            return "an inbound channel event (intake)"
+        from buzz_delivery.workflows.models import Run
+
+        engine = Run.objects.filter(pk=obj.source_run_id).exists()  # else a producer's own run
+        view = "buzz_workflows_run_change" if engine else "buzz_delivery_workflowrun_change"
+        url = reverse(f"admin:{view}", args=[obj.source_run_id])
+        return format_html('<a href="{}">workflow run {}</a>, step {}', url, obj.source_run_id, obj.source_step_key)
+
+    @admin.display(description="approval")
+    def approval_link(self, obj: AgentRun) -> str:
+        """The approval the run asked for (waits on, when waiting_approval), linked."""
+        if obj.approval_id is None:
+            return display.EMPTY
+        url = reverse("admin:buzz_workflows_approval_change", args=[obj.approval_id])
+        return format_html('<a href="{}">approval {}</a>', url, obj.approval_id)
 
     @admin.display(description="history")
     def history_table(self, obj: AgentRun) -> str:
@@ -162,28 +254,3 @@ class AgentRunAdmin(ReadOnlyAdmin):
             else:
                 done.append(run)
         report(self, request, verb="cancelled", done=done, skipped=skipped, change_message="cancel_agent_run")
-
-
-@admin.register(AgentPolicy)
-class AgentPolicyAdmin(ReadOnlyAdmin):
-    """The operators' policies for agent runs, read-only here: ``manage.py agent_policy`` (or
-    :func:`~buzz_delivery.agents.services.policy.set_policy`) changes them."""
-
-    list_display = (
-        "community",
-        "scope",
-        "max_tool_calls",
-        "max_cost",
-        "max_attempts",
-        "max_timeout_seconds",
-        "max_lease_seconds",
-        "shadow",
-        "updated_by",
-        "updated_at",
-    )
-    readonly_fields = list_display
-    fields = readonly_fields
-
-    @admin.display(description="agent")
-    def scope(self, obj: AgentPolicy) -> str:
-        return "every agent" if obj.agent_pubkey is None else bytes(obj.agent_pubkey).hex()

@@ -182,6 +182,11 @@ class AgentRun(CommunityScoped):
                 condition=Q(source_run__isnull=False),
                 name="ag_run_source_idx",
             ),
+            # The run that asked for an approval (the approvals list's "asked by", the decision
+            # trigger's resume): a probe within the approval's community instead of a scan of it.
+            models.Index(
+                fields=["community", "approval"], condition=Q(approval__isnull=False), name="ag_run_approval_idx"
+            ),
         ]
         triggers = [
             *triggers.write_fence(),

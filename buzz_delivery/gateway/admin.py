@@ -12,6 +12,7 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.gateway import services
@@ -23,7 +24,7 @@ class EnrollmentAdmin(ReadOnlyAdmin):
     list_display = ("agent_hex", "community", "enrolled_at", "enrolled_by", "revoked_at")
     list_select_related = ("community",)
     ordering = ("-enrolled_at",)
-    fields = ("id", "community", "agent_hex", "enrolled_at", "enrolled_by", "revoked_at")
+    fields = ("id", "community", "agent_key", "enrolled_at", "enrolled_by", "revoked_at")
     readonly_fields = fields
     actions = ("revoke",)
     search_help_text = "Agent key hex prefix."
@@ -40,6 +41,11 @@ class EnrollmentAdmin(ReadOnlyAdmin):
 
     @admin.display(description="agent key")
     def agent_hex(self, obj: Enrollment) -> str:
+        """First 8 and last 4 hex characters, the whole key as tooltip (the detail page's in full)."""
+        return display.holder(obj.agent_hex)
+
+    @admin.display(description="agent public key")
+    def agent_key(self, obj: Enrollment) -> str:
         return obj.agent_hex
 
     @admin.action(description="Revoke the selected enrollments", permissions=["revoke"])
@@ -72,4 +78,4 @@ class SeenEventAdmin(ReadOnlyAdmin):
 
     @admin.display(description="event id")
     def event_hex(self, obj: SeenEvent) -> str:
-        return bytes(obj.event_id).hex()
+        return display.holder(bytes(obj.event_id).hex())

@@ -508,6 +508,19 @@ def read_key_file(path: str) -> bytes:
     return key
 
 
+# Libraries that log every HTTP request at INFO: quiet below verbosity 2.
+HTTP_LOGGERS = ("httpx", "httpcore")
+
+
+def configure_logging(verbosity: int) -> None:
+    """Logging of the ``work`` commands: WARNING at 0, INFO at 1 and 2, DEBUG at 3; the HTTP
+    libraries' per-request lines (``httpx`` logs each at INFO) only from 2 on."""
+    level = {0: logging.WARNING, 1: logging.INFO, 2: logging.INFO}.get(verbosity, logging.DEBUG)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(level if verbosity >= 2 else max(level, logging.WARNING))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``work``: run a remote delivery worker; ``work-runs``: a remote agent-run worker
     (:mod:`buzz_delivery.gateway.remote_runs`). Exit 0 on a clean stop, 3 when leases were given up."""
@@ -536,8 +549,17 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument("--max-runs", type=int, default=None, help="stop after claiming this many")
     runs.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
     runs.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    for command in (work, runs):
+        command.add_argument(
+            "-v",
+            "--verbosity",
+            type=int,
+            choices=[0, 1, 2, 3],
+            default=1,
+            help="0 warnings only, 1 the worker's own lines (default), 2 every HTTP request too, 3 debug",
+        )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.verbosity)
     try:
         handler = _load(args.handler)
         key = read_key_file(args.key_file)

@@ -72,7 +72,7 @@ CURRENT_LEASE = f"""
 
 # Maintenance tries a community's write fence before a batch and skips the community when a
 # lifecycle move holds it (never waits): the shared fence lock if it is free at once, else the
-# community row, which a move always holds while it runs (migration 0018). A session that merely
+# community row, which a move always holds while it runs (migration 0019). A session that merely
 # took the advisory lock no longer makes the walk skip that community (issue 27).
 TRY_WRITE_FENCE = f"""
 SELECT CASE WHEN pg_try_advisory_xact_lock_shared({FENCE_LOCK_NAMESPACE}, hashtext(%(community_id)s::text)) THEN true

@@ -9,15 +9,18 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from django.apps import apps
 from django.contrib import admin
 from django.db import connection
-from django.db.models import Case, DateTimeField, Func, QuerySet, Value, When
+from django.db.models import Case, DateTimeField, Func, OuterRef, Q, QuerySet, Subquery, UUIDField, Value, When
 from django.http import HttpRequest
-from django.utils.html import format_html
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
 
 from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
+from buzz_delivery.admin.search import parse_uuid
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.services import AlreadyTerminal
 from buzz_delivery.workflows import dag
@@ -25,14 +28,35 @@ from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Sch
 from buzz_delivery.workflows.services import AlreadyDecided, Decided, cancel_run, decide_approval, restart_run
 from buzz_delivery.workflows.states import RUN_TERMINAL
 
-# The step's JSON columns (besides its history): the detail page reads them as text.
-STEP_JSON_FIELDS = ("when_cond", "output")
-
 
 def _db_now() -> Any:
     with connection.cursor() as cursor:
         cursor.execute("SELECT buzz_delivery_now()")
         return cursor.fetchone()[0]
+
+
+# Seconds between reloads of a live run's page (ReadOnlyAdmin.refresh_seconds).
+LIVE_REFRESH_SECONDS = 5
+
+
+def _link(view: str, pk: Any, text: str) -> str:
+    return format_html('<a href="{}">{}</a>', reverse(f"admin:{view}", args=[pk]), text)
+
+
+def run_link(run_id: Any) -> str:
+    """The engine run's page, its id shortened (a list column: no query)."""
+    if run_id is None:
+        return display.EMPTY
+    return _link("buzz_workflows_run_change", run_id, f"run …{str(run_id)[-8:]}")
+
+
+def _run_q(value: Any, prefix: str = "") -> Q:
+    """Rows of the engine run ``value``, its community looked up first (by the run's id index),
+    so the probe is served by a key that leads with community_id."""
+    community_id = Run.objects.filter(pk=value).values_list("community_id", flat=True).first()
+    if community_id is None:
+        return Q(pk__in=[])
+    return Q(community_id=community_id, **{f"{prefix}run_id": value})
 
 
 def _perm(codename: str):  # type: ignore[no-untyped-def]
@@ -44,15 +68,10 @@ def _perm(codename: str):  # type: ignore[no-untyped-def]
 
 @admin.register(DefinitionVersion)
 class DefinitionVersionAdmin(ReadOnlyAdmin):
-    list_display = ("workflow", "version", "hash_hex", "created_at")
-    list_select_related = ("workflow",)
-    readonly_fields = ("workflow", "version", "hash_hex", "definition_event_hex", "content_json", "created_at")
-    exclude = ("content_hash", "definition_event_id", "content")
-    json_text_fields = ("content",)
-
-    @admin.display(description="content")
-    def content_json(self, obj: DefinitionVersion) -> str:
-        return display.json_field(obj, "content")
+    list_display = ("workflow", "version", "community", "hash_hex", "created_at")
+    list_select_related = ("workflow", "community")
+    readonly_fields = ("workflow", "version", "hash_hex", "definition_event_hex", "content", "created_at")
+    exclude = ("content_hash", "definition_event_id")
 
     @admin.display(description="content hash")
     def hash_hex(self, obj: DefinitionVersion) -> str:
@@ -65,18 +84,20 @@ class DefinitionVersionAdmin(ReadOnlyAdmin):
 
 @admin.register(Run)
 class RunAdmin(ReadOnlyAdmin):
-    list_display = ("pk", "workflow", "state", "depth", "steps_left", "created_at", "finished_at")
+    list_display = ("short_id", "workflow", "community", "state", "progress", "finished_at")
+    list_display_links = ("short_id",)
     list_filter = ("state",)
-    list_select_related = ("workflow",)
+    list_select_related = ("workflow", "community")
     readonly_fields = (
         "run",
+        "community",
         "workflow",
         "definition",
         "state",
         "failure_code",
         "failure_message",
-        "input_json",
-        "output_json",
+        "input",
+        "output",
         "parent_run",
         "parent_step_key",
         "restart_of",
@@ -85,26 +106,60 @@ class RunAdmin(ReadOnlyAdmin):
         "finished_at",
         "dag",
         "step_table",
+        "approvals",
+        "agent_runs",
     )
     fields = readonly_fields
     actions = ["cancel_runs", "restart_runs"]
-    json_text_fields = ("input", "output")
 
     has_cancel_engine_run_permission = _perm("cancel_engine_run")
     has_restart_engine_run_permission = _perm("restart_engine_run")
 
+    @admin.display(description="workflow run / created", ordering="run")
+    def short_id(self, obj: Run) -> str:
+        return format_html(
+            '{}<br><span class="bd-quiet">{}</span>', display.short_uuid(obj.pk, 8), display.timestamp(obj.created_at)
+        )
+
+    @admin.display(description="steps left")
+    def progress(self, obj: Run) -> str:
+        """Steps left of the run's steps and, for a sub-workflow's run, its nesting depth."""
+        depth = format_html('<br><span class="bd-quiet">depth {}</span>', obj.depth) if obj.depth else ""
+        return format_html("{} of {}{}", obj.steps_left, obj.steps_total, depth)
+
+    def refresh_seconds(self, request: HttpRequest, object_id: str) -> int | None:
+        """A running run's page reloads itself every few seconds; a terminal one's does not."""
+        pk = parse_uuid(object_id)
+        state = Run.objects.filter(pk=pk).values_list("state", flat=True).first() if pk is not None else None
+        return LIVE_REFRESH_SECONDS if state is not None and state not in RUN_TERMINAL else None
+
+    @admin.display(description="approvals")
+    def approvals(self, obj: Run) -> str:
+        """Each approval a step of this run asked for, linked (the queue decides them)."""
+        rows = Approval.objects.filter(community_id=obj.community_id, run_id=obj.pk).select_related("step")
+        rows = rows.only("id", "state", "step__key").order_by("requested_at")[:50]
+        if not rows:
+            return display.EMPTY
+        return format_html_join(
+            ", ",
+            "{} ({})",
+            ((_link("buzz_workflows_approval_change", a.pk, f"step {a.step.key}" if a.step else "approval"), a.state)
+             for a in rows),
+        )  # fmt: skip
+
+    @admin.display(description="agent runs")
+    def agent_runs(self, obj: Run) -> str:
+        """The agent runs its send_message steps' deliveries started (agents app installed)."""
+        if not apps.is_installed("buzz_delivery.agents"):
+            return display.EMPTY
+        url = reverse("admin:buzz_agents_agentrun_changelist")
+        return format_html('<a href="{}?q={}">Agent runs started by this run</a>', url, obj.pk)
+
     def _steps(self, obj: Run) -> list[Step]:
-        # The drawing reads no JSON column: none is loaded (any stored value keeps the page up).
+        # The drawing and the table read no JSON field: none is loaded (a step's stored output,
+        # however deep, cannot fail the run's page; issue 27).
         steps = Step.objects.filter(community_id=obj.community_id, run_id=obj.pk).order_by("position")
-        return list(steps.defer(*STEP_JSON_FIELDS, "history"))
-
-    @admin.display(description="input")
-    def input_json(self, obj: Run) -> str:
-        return display.json_field(obj, "input")
-
-    @admin.display(description="output")
-    def output_json(self, obj: Run) -> str:
-        return display.json_field(obj, "output")
+        return list(steps.defer("when_cond", "output", "history"))
 
     @admin.display(description="DAG")
     def dag(self, obj: Run) -> str:
@@ -153,25 +208,18 @@ class RunAdmin(ReadOnlyAdmin):
 
 @admin.register(Step)
 class StepAdmin(ReadOnlyAdmin):
-    list_display = ("key", "run", "kind", "state", "holder", "attempts", "why", "finished_at")
+    list_display = ("key", "run_column", "community", "kind", "state", "holder", "attempts", "why", "finished_at")
     list_filter = ("state", "kind")
+    list_select_related = ("run", "community")  # one join each, not one query per row
     readonly_fields = (
-        *(f.name for f in Step._meta.fields if f.name != "history" and f.name not in STEP_JSON_FIELDS),
-        "when_json",
-        "output_json",
+        *(f.name for f in Step._meta.fields if f.name != "history"),
+        "approvals",
         "history_table",
     )
-    exclude = ("history", *STEP_JSON_FIELDS)  # history shown as a table, JSON read as text
+    exclude = ("history",)  # shown as a table (history_table)
+    search_fields = ("key",)
+    search_help_text = "Step id or run id (UUID), or a step key prefix."
     actions = ["retry_failed_steps"]
-    json_text_fields = STEP_JSON_FIELDS
-
-    @admin.display(description="when")
-    def when_json(self, obj: Step) -> str:
-        return display.json_field(obj, "when_cond")
-
-    @admin.display(description="output")
-    def output_json(self, obj: Step) -> str:
-        return display.json_field(obj, "output")
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return SnapshotFreeChangeList  # the list does not load the history
@@ -179,22 +227,46 @@ class StepAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Step]:
         # The database clock, read by the list's own query: "why not running" costs no
         # statement per row.
-        # The "run" column: one join, not one query per row, without the run's JSON columns.
         return (
             super()
             .get_queryset(request)
-            .select_related("run")
-            .defer("run__input", "run__output")
             .annotate(db_now=Func(function="buzz_delivery_now", output_field=DateTimeField()))
         )
 
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
+        """A UUID: the step with that id or the steps of that run; other text: a key prefix."""
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        value = parse_uuid(term)
+        if value is None:
+            return queryset.filter(key__startswith=term), False
+        return queryset.filter(Q(pk=value) | _run_q(value)), False
+
+    @admin.display(description="run", ordering="run")
+    def run_column(self, obj: Step) -> str:
+        return run_link(obj.run_id)
+
     @admin.display(description="holder")
     def holder(self, obj: Step) -> str:
-        return obj.claimed_by or display.EMPTY
+        return display.holder(obj.claimed_by)
 
     @admin.display(description="history")
     def history_table(self, obj: Step) -> str:
         return display.history_table(obj.history)
+
+    @admin.display(description="approvals")
+    def approvals(self, obj: Step) -> str:
+        """The approvals this step asked for, one per attempt (its lease generation), linked."""
+        rows = Approval.objects.filter(community_id=obj.community_id, step_id=obj.pk).order_by("requested_at")
+        rows = rows.only("id", "state", "step_generation")[:50]
+        if not rows:
+            return display.EMPTY
+        return format_html_join(
+            ", ",
+            "{} ({})",
+            ((_link("buzz_workflows_approval_change", a.pk, f"attempt {a.step_generation}"), a.state) for a in rows),
+        )
 
     has_retry_engine_step_permission = _perm("retry_engine_step")
 
@@ -232,16 +304,78 @@ class StepAdmin(ReadOnlyAdmin):
 class ApprovalAdmin(ReadOnlyAdmin):
     """The approvals queue: pending first, oldest first; approve/reject need ``decide_approval``."""
 
-    list_display = ("id", "run", "state", "prompt_line", "requested_at", "deadline_at", "decided_by")
+    list_display = ("short_id", "state", "asked_by", "community", "prompt_line", "deadline_at", "decided_by")
+    list_display_links = ("short_id",)
     list_filter = ("state",)
-    list_select_related = ("run",)  # the "run" column: one join, not one query per row
+    list_select_related = ("run", "community")  # one join each, not one query per row
     # Pending first (alphabetically "approved" came first), then oldest first.
     ordering = (Case(When(state="pending", then=Value(0)), default=Value(1)).asc(), "requested_at")
-    readonly_fields = ("run", "step", "state", "prompt", "requested_at", "deadline_at", "closed_at", "decided_by")
-    exclude = ("step_generation",)
+    readonly_fields = (
+        "id",
+        "community",
+        "asked_by",
+        "run",
+        "step",
+        "state",
+        "prompt",
+        "requested_at",
+        "deadline_at",
+        "closed_at",
+        "decided_by",
+    )
+    fields = readonly_fields
     actions = ["approve", "reject"]
+    search_fields = ("id",)  # the search box; get_search_results reads it
+    search_help_text = "Approval id, workflow run id or agent run id (UUID)."
 
     has_decide_approval_permission = _perm("decide_approval")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Approval]:
+        queryset = super().get_queryset(request)
+        if not apps.is_installed("buzz_delivery.agents"):
+            return queryset
+        from buzz_delivery.agents.models import AgentRun
+
+        # The agent run waiting on (or that waited on) the approval: one probe of
+        # ag_run_approval_idx per listed row, inside the row's community.
+        asking = AgentRun.objects.filter(community_id=OuterRef("community_id"), approval_id=OuterRef("id"))
+        return queryset.annotate(agent_run_id=Subquery(asking.values("id")[:1], output_field=UUIDField()))
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
+        """A UUID: that approval, the approvals of that workflow run, or the one an agent run
+        waits (or waited) on; anything else matches nothing."""
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        value = parse_uuid(term)
+        if value is None:
+            return queryset.none(), False
+        q = Q(pk=value) | _run_q(value)
+        if apps.is_installed("buzz_delivery.agents"):
+            from buzz_delivery.agents.models import AgentRun
+
+            waited = AgentRun.objects.filter(pk=value).values_list("community_id", "approval_id").first()
+            if waited is not None and waited[1] is not None:
+                q |= Q(community_id=waited[0], pk=waited[1])
+        return queryset.filter(q), False
+
+    @admin.display(description="approval / requested", ordering="requested_at")
+    def short_id(self, obj: Approval) -> str:
+        return format_html(
+            '{}<br><span class="bd-quiet">{}</span>', display.short_uuid(obj.pk, 8), display.timestamp(obj.requested_at)
+        )
+
+    @admin.display(description="asked by")
+    def asked_by(self, obj: Approval) -> str:
+        """What asked for the decision, linked: a workflow run's step, or an agent run."""
+        if obj.run_id is not None:
+            return format_html(
+                "{}<br>{}", run_link(obj.run_id), _link("buzz_workflows_step_change", obj.step_id, "its step")
+            )
+        agent_run = getattr(obj, "agent_run_id", None)
+        if agent_run is not None:
+            return _link("buzz_agents_agentrun_change", agent_run, f"agent run …{str(agent_run)[-8:]}")
+        return display.EMPTY
 
     @admin.display(description="prompt")
     def prompt_line(self, obj: Approval) -> str:
@@ -278,12 +412,6 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
 @admin.register(Schedule)
 class ScheduleAdmin(ReadOnlyAdmin):
-    list_display = ("workflow", "cron", "missed", "enabled", "next_slot_at")
-    list_select_related = ("workflow",)
-    readonly_fields = ("workflow", "cron", "input_json", "missed", "enabled", "next_slot_at", "created_at")
-    exclude = ("input",)
-    json_text_fields = ("input",)
-
-    @admin.display(description="input")
-    def input_json(self, obj: Schedule) -> str:
-        return display.json_field(obj, "input")
+    list_display = ("workflow", "community", "cron", "missed", "enabled", "next_slot_at")
+    list_select_related = ("workflow", "community")
+    readonly_fields = ("workflow", "cron", "input", "missed", "enabled", "next_slot_at", "created_at")

@@ -104,7 +104,10 @@ def dag_svg(steps: Sequence[Step], now: dt.datetime) -> SafeString:
 
 
 def steps_table(steps: Sequence[Step], now: dt.datetime) -> SafeString:
-    """An HTML table of the steps: key, kind, state, attempts, timings, why not running."""
+    """An HTML table of the steps: key, kind, state, attempts, timings (the admin's one time
+    format), why not running."""
+    from buzz_delivery.admin.display import timestamp
+
     head = format_html(
         "<tr>{}</tr>",
         mark_safe(
@@ -119,8 +122,8 @@ def steps_table(steps: Sequence[Step], now: dt.datetime) -> SafeString:
             s.state,
             s.attempts,
             s.max_attempts,
-            f"{s.started_at:%H:%M:%S}" if s.started_at else "",
-            f"{s.finished_at:%H:%M:%S}" if s.finished_at else "",
+            timestamp(s.started_at) if s.started_at else "",
+            timestamp(s.finished_at) if s.finished_at else "",
             why_not_running(s, now),
         )
         for s in steps

@@ -157,6 +157,7 @@ class Run(CommunityScoped):
 
     class Meta:
         db_table = "buzz_workflows_run"
+        verbose_name = "workflow run"  # apart from the core's "delivery run" (same id)
         constraints = [
             models.UniqueConstraint(
                 fields=["community", "workflow", "idempotency_key"],
@@ -271,6 +272,7 @@ class Step(CommunityScoped):
 
     class Meta:
         db_table = "buzz_workflows_step"
+        verbose_name = "workflow step"
         constraints = [
             models.UniqueConstraint(fields=["community", "run", "key"], name="wf_step_key"),
             models.CheckConstraint(condition=Q(state__in=StepState.values), name="wf_step_state_known"),

@@ -119,7 +119,9 @@ class Scenario:
         tenants = create_tenants(o.communities, o.agents, label=run.started_at.strftime("%H:%M:%S"))
         audit.install(run.id, [t.id for t in tenants])
         producer = Producer(tenants, o.deliveries, o.rate, seed=self.seed)
-        log_dir = Path(getattr(settings, "BASE_DIR", Path.cwd())) / "var" / "demo" / str(run.id)
+        # $BUZZ_DEMO_LOG_DIR: where the workers' logs go (the tests give a temporary folder).
+        logs = os.environ.get("BUZZ_DEMO_LOG_DIR") or Path(getattr(settings, "BASE_DIR", Path.cwd())) / "var" / "demo"
+        log_dir = Path(logs) / str(run.id)
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._start_workers(run.id, tenants, log_dir)
@@ -245,7 +247,10 @@ class Scenario:
             while True:
                 now = time.monotonic()
                 if now >= next_reap:
-                    self.reaper.add(services.reap())
+                    reaped = services.reap()
+                    self.reaper.add(reaped)
+                    # Counted like a reap_deliveries pass (buzz_maintenance_runs_total on /metrics).
+                    services.record_maintenance_run("reap_deliveries", {"outcome": "ok", **asdict(reaped)})
                     next_reap = now + REAP_EVERY_SECONDS
                 if stuck.pid not in self.killed:
                     self._maybe_kill(run, stuck, now - production_started)

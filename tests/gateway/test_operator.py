@@ -58,3 +58,54 @@ def test_the_admin_lists_enrollments_and_revokes_through_the_service(admin_clien
     assert response.status_code == 200
     assert not services.is_enrolled(community.id, key)
     assert admin_client.get(reverse("admin:buzz_gateway_seenevent_changelist")).status_code == 200
+
+
+def test_gateway_key_new_writes_a_0600_secret_and_prints_the_key_to_enroll(tmp_path, community):
+    """A newcomer found the public key to enroll only through an undocumented attribute: the
+    command makes the pair, writes the secret only its owner can read, prints the key and the
+    commands that follow; the printed key is the one the gateway checks signatures against."""
+    import stat
+    from io import StringIO
+
+    from buzz_delivery.gateway.client import read_key_file
+    from buzz_delivery.gateway.nip98 import public_key_of
+
+    path = tmp_path / "agent.key"
+    out, err = StringIO(), StringIO()
+    call_command("gateway_key", "new", "--out", str(path), "--community", str(community.id), stdout=out, stderr=err)
+
+    public = out.getvalue().strip()
+    assert len(public) == 64 and bytes.fromhex(public)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert public_key_of(read_key_file(str(path))).hex() == public
+    assert f"gateway_enrollment enroll --community {community.id} --agent {public}" in err.getvalue()
+    assert f"--key-file {path}" in err.getvalue()
+    shown = StringIO()
+    call_command("gateway_key", "show", str(path), stdout=shown)
+    assert shown.getvalue().strip() == public
+    assert run("enroll", "--community", str(community.id), "--agent", public)["created"] is True
+
+
+def test_gateway_key_new_refuses_to_overwrite_unless_forced(tmp_path):
+    import stat
+    from io import StringIO
+
+    path = tmp_path / "agent.key"
+    path.write_text("keep me\n")
+    with pytest.raises(CommandError) as info:
+        call_command("gateway_key", "new", "--out", str(path), stdout=StringIO(), stderr=StringIO())
+    assert info.value.returncode == 1 and "--force" in str(info.value)
+    assert path.read_text() == "keep me\n"
+
+    out = StringIO()
+    call_command("gateway_key", "new", "--out", str(path), "--force", stdout=out, stderr=StringIO())
+    assert len(path.read_text().strip()) == 64 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["agent.key"]  # no temporary file left
+
+
+def test_gateway_key_show_refuses_a_file_without_a_key(tmp_path):
+    path = tmp_path / "not.key"
+    path.write_text("hello\n")
+    with pytest.raises(CommandError) as info:
+        call_command("gateway_key", "show", str(path))
+    assert info.value.returncode == 1

@@ -65,6 +65,21 @@ def test_the_remote_worker_settles_by_the_handler_result(tmp_path, gateway_serve
     assert rows[retry.id].status == "pending" and rows[retry.id].next_attempt_at is not None
 
 
+@pytest.mark.parametrize(("verbosity", "logged"), [(None, False), ("2", True)])
+def test_http_requests_are_logged_only_from_verbosity_2(tmp_path, gateway_server, verbosity, logged):
+    """httpx logs every request at INFO: at the default verbosity the worker's log held one line
+    per long poll. Its requests show from ``-v 2`` on."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    deliveries(community, agent.pubkey, "ok_1")
+    options = ["--max-deliveries", "1", "--wait-seconds", "1"] + (["-v", verbosity] if verbosity else [])
+    proc = start(tmp_path, gateway_server, agent, *options)
+    assert proc.wait(timeout=30) == 0, (tmp_path / "worker.err").read_text()
+    log = (tmp_path / "worker.err").read_text()
+    assert ("HTTP Request: POST" in log) is logged, log
+
+
 def test_sigterm_drains_in_flight_work_which_renewals_keep_alive(tmp_path, gateway_server):
     community = CommunityFactory()
     agent = new_agent(gateway_server)

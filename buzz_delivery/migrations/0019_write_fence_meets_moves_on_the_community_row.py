@@ -62,6 +62,6 @@ FENCE_FUNCTION = _0014.FENCE_FUNCTION.replace(
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_delivery", "0017_lease_statements_as_functions")]
+    dependencies = [("buzz_delivery", "0018_delivery_run_name")]
 
     operations = [migrations.RunSQL(sql=FENCE_FUNCTION, reverse_sql=_0014.FENCE_FUNCTION)]

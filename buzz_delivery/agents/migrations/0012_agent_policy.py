@@ -44,7 +44,7 @@ PRIMARY_KEY = (
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('buzz_agents', '0010_write_fence_when_not_passed'),
+        ('buzz_agents', '0011_approval_index'),
         ('buzz_delivery', '0017_lease_statements_as_functions'),
     ]
 

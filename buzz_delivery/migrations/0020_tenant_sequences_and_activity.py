@@ -42,6 +42,6 @@ def backward(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_delivery", "0018_write_fence_meets_moves_on_the_community_row")]
+    dependencies = [("buzz_delivery", "0019_write_fence_meets_moves_on_the_community_row")]
 
     operations = [migrations.RunPython(forward, backward, elidable=False)]
