@@ -7,6 +7,7 @@ runs on the same machine only.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_admin .venv/bin/python bench/admin_changelist.py
     ... bench/admin_changelist.py --layers deliveries          # only the delivery pages
+    ... bench/admin_changelist.py --layers workflows --explain # with the run search's query plans
 
 The database name must start with ``bench_admin`` (the script truncates its tables); it is
 created and migrated when missing. Rows are loaded once with set-based
@@ -111,7 +112,9 @@ _T = "now() - (%(n)s - i) * interval '2 seconds'"  # row i of n: one every 2 sec
 _RUN_ID = UUID7.format(t="t.created", seed="'wr' || i")
 
 # Workflow runs: 90% succeeded, 4% failed, 2% canceled, 4% running, each with its core
-# WorkflowRun (same id); every --step-every-th run has 4 steps in a chain (the run's state
+# WorkflowRun (same id), tags customer:<i mod 50,000> (20 runs each), batch:<i / 1000> (1,000 runs
+# each) and, one run in 100, vip (10,000 runs), input {i, order: {id: i}, region: eu|us|apac};
+# every --step-every-th run has 4 steps in a chain (the run's state
 # decides theirs); one in five of those has an approval step (approved, as its run succeeded).
 WORKFLOWS = [
     """INSERT INTO buzz_workflows_definition (id, community_id, workflow_id, version, content, content_hash,
@@ -125,14 +128,18 @@ WORKFLOWS = [
        FROM generate_series(1, %(n)s) AS i, LATERAL (SELECT {_T} AS created) AS t""",
     f"""INSERT INTO buzz_workflows_run (run_id, community_id, workflow_id, definition_id, state, input, output,
            failure_code, failure_message, cause_kind, cause_webhook_invocation_id, depth, steps_total, steps_left,
-           deliveries_to_expire, created_at, finished_at)
+           deliveries_to_expire, created_at, finished_at, tags)
        SELECT {_RUN_ID}, md5('c' || (i %% %(c)s))::uuid, md5('w' || (i %% %(c)s))::uuid,
-              md5('v' || (i %% %(c)s))::uuid, s.state, jsonb_build_object('i', i),
+              md5('v' || (i %% %(c)s))::uuid, s.state,
+              jsonb_build_object('i', i, 'order', jsonb_build_object('id', i),
+                                 'region', (ARRAY['eu', 'us', 'apac'])[i %% 3 + 1]),
               CASE WHEN s.state = 'succeeded' THEN '{{"ok": true}}'::jsonb END,
               CASE WHEN s.state = 'failed' THEN 'step_failed' END,
               CASE WHEN s.state = 'failed' THEN 'bench failure' END,
               'webhook', md5('h' || i)::uuid, 0, 4, CASE WHEN s.state = 'succeeded' THEN 0 ELSE 2 END,
-              false, t.created, CASE WHEN s.state <> 'running' THEN t.created + interval '40 seconds' END
+              false, t.created, CASE WHEN s.state <> 'running' THEN t.created + interval '40 seconds' END,
+              ARRAY['customer:' || (i %% 50000), 'batch:' || (i / 1000)]
+              || CASE WHEN i %% 100 = 0 THEN ARRAY['vip'] ELSE ARRAY[]::text[] END
        FROM generate_series(1, %(n)s) AS i,
             LATERAL (SELECT CASE WHEN i %% 100 < 90 THEN 'succeeded' WHEN i %% 100 < 94 THEN 'failed'
                                  WHEN i %% 100 < 96 THEN 'canceled' ELSE 'running' END AS state) AS s,
@@ -336,11 +343,52 @@ def workflow_pages(conn: psycopg.Connection) -> list[tuple[str, str]]:
         ("runs: state=failed", runs + "?state__exact=failed"),
         ("runs: state=running", runs + "?state__exact=running"),
         ("runs: detail (DAG, 4 steps)", f"{runs}{run_id}/change/"),
+        *run_search_pages(conn),
         ("steps: changelist", steps),
         ("steps: state=running", steps + "?state__exact=running"),
         ("steps: state=failed", steps + "?state__exact=failed"),
         ("steps: kind=approval", steps + "?kind__exact=approval"),
     ]
+
+
+def run_search_pages(conn: psycopg.Connection) -> list[tuple[str, str]]:
+    """The run search box (issue 33): by tag, input field, id prefix, state and workflow."""
+    runs = "/admin/buzz_workflows/run/?q="
+    some = str(
+        conn.execute("SELECT run_id FROM buzz_workflows_run ORDER BY run_id LIMIT 1 OFFSET 500000").fetchone()[0]
+    )
+    return [
+        ("runs: search tag (20 runs)", runs + "tag:customer:4242"),
+        ("runs: search tag (1,000 runs)", runs + "tag:batch:321"),
+        ("runs: search tag (10,000 runs)", runs + "tag:vip"),
+        ("runs: search input field (1 run)", runs + "input.order.id=654321"),
+        ("runs: search input field (1/3)", runs + "input.region=apac"),
+        ("runs: search id prefix (8 hex)", runs + some[:8]),
+        ("runs: search id prefix (13 chars)", runs + some[:13]),
+        ("runs: search workflow + state", runs + "workflow:workflow-1+state:failed"),
+        ("runs: search tag + input field", runs + "tag:batch:321+input.region=eu"),
+    ]
+
+
+def explain_searches(client, pages: list[tuple[str, str]]) -> None:
+    """EXPLAIN (ANALYZE, BUFFERS) of the run list's queries behind each search page."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    for name, path in pages:
+        if "search" not in name:
+            continue
+        with CaptureQueriesContext(connection) as ctx:
+            client.get(path)
+        print(f"\n--- {name}: {path}")
+        for query in ctx.captured_queries:
+            sql = query["sql"]
+            if 'FROM "buzz_workflows_run"' not in sql or not sql.startswith("SELECT"):
+                continue
+            with connection.cursor() as cursor:
+                cursor.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + sql)
+                plan = [row[0] for row in cursor.fetchall()]
+            print("\n".join(plan[:12]))
 
 
 def approval_pages() -> list[tuple[str, str]]:
@@ -377,6 +425,7 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=7, help="timed requests per page (default: %(default)s)")
     parser.add_argument("--reload", action="store_true", help="reload the rows even if the counts match")
+    parser.add_argument("--explain", action="store_true", help="print the plans of the run search's queries")
     args = parser.parse_args()
     layers = [name.strip() for name in args.layers.split(",") if name.strip()]
     if unknown := set(layers) - set(LAYERS):
@@ -432,6 +481,8 @@ def main() -> None:
     for name, path in pages:
         median, fastest, queries, slowest, status = measure(client, path, args.repeat)
         print(f"{name:<36} {median:>10.1f} {fastest:>8.1f} {queries:>8} {slowest:>15.1f} {status:>5}", flush=True)
+    if args.explain:
+        explain_searches(client, pages)
 
 
 if __name__ == "__main__":

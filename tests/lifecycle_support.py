@@ -115,21 +115,22 @@ def _fill_gateway(community: models.Community, rows: int) -> None:
 
 
 def _fill_engine(community: models.Community, workflows: list[models.Workflow]) -> None:
-    """One definition, run, step, approval and schedule of the workflow engine per workflow (each run is
-    a core run too), when ``buzz_delivery.workflows`` is installed."""
+    """One definition, run, step, approval, schedule and sent event of the workflow engine per
+    workflow (each run is a core run too), when ``buzz_delivery.workflows`` is installed."""
     from django.apps import apps
 
     if not apps.is_installed("buzz_delivery.workflows"):
         return
     from buzz_delivery.services import Cause
     from buzz_delivery.testing import random32
-    from buzz_delivery.workflows.services import create_schedule, publish_definition, start_run
+    from buzz_delivery.workflows.services import create_schedule, publish_definition, send_event, start_run
     from buzz_delivery.workflows.testing import run_until_idle
 
     for w in workflows:
         publish_definition(community.id, w.id, {"steps": [{"key": "ok", "kind": "approval", "deadline_seconds": 60}]})
         start_run(community.id, w.id, {}, cause=Cause.event(random32()))
         create_schedule(community.id, w.id, "0 0 * * *")
+        send_event(community.id, "fill", str(w.id), {"w": str(w.id)})
     run_until_idle(community.id)
 
 

@@ -197,3 +197,60 @@ def test_the_approvals_queue_lists_pending_first_then_oldest_first(workflow):
     pending = Approval.objects.filter(state="pending").order_by("requested_at", "-pk")  # -pk: the list's tie-break
     cl = _changelist(client_with(), "approval").context["cl"]
     assert [a.pk for a in cl.result_list] == [*(a.pk for a in pending), oldest.pk]
+
+
+def test_the_run_page_says_what_sleeps_waits_and_maps_wait_for(workflow):
+    run = start(
+        workflow,
+        {
+            "steps": [
+                {"key": "nap", "kind": "sleep", "seconds": 600},
+                {
+                    "key": "paid",
+                    "kind": "wait_event",
+                    "event": "payment",
+                    "event_key": "o-1",
+                    "wait_timeout_seconds": 60,
+                },
+                {
+                    "key": "each",
+                    "kind": "map",
+                    "over": {"$ref": "input.xs"},
+                    "do": {"kind": "function", "function": "noop"},
+                },
+            ]
+        },
+        {"xs": [1, 2]},
+    )
+    from buzz_delivery.workflows import executor
+    from buzz_delivery.workflows.services import claim_steps
+
+    for claim in claim_steps(workflow.community_id, limit=10):
+        executor.execute(claim)
+    html = client_with().get(reverse("admin:buzz_workflows_run_change", args=[run.pk])).content.decode()
+    assert "sleeping until" in html
+    assert "waiting for event &#x27;payment&#x27; key &#x27;o-1&#x27;" in html and "then fail" in html
+    assert "map: 0 of 2 items done" in html
+
+
+def test_sending_the_awaited_event_needs_its_permission_and_resumes_each_step_once(workflow):
+    runs = [
+        start(workflow, {"steps": [{"key": "paid", "kind": "wait_event", "event": "payment", "event_key": "o-1"}]})
+        for _ in range(2)
+    ]
+    other = start(workflow, {"steps": [function_step("a")]})
+    run_until_idle(workflow.community_id)
+    waiting = [Step.objects.get(run_id=r.pk, key="paid") for r in runs]
+    done = Step.objects.get(run_id=other.pk, key="a")
+    url = reverse("admin:buzz_workflows_step_changelist")
+    viewer = client_with()
+    viewer.post(url, {"action": "send_awaited_events", "_selected_action": [s.pk for s in waiting]}, follow=True)
+    assert {s.state for s in Step.objects.filter(pk__in=[s.pk for s in waiting])} == {"waiting"}
+    operator = client_with("send_workflow_event")
+    response = operator.post(
+        url, {"action": "send_awaited_events", "_selected_action": [*(s.pk for s in waiting), done.pk]}, follow=True
+    )
+    rows = Step.objects.filter(pk__in=[s.pk for s in waiting])
+    assert {(s.state, s.output["via"]) for s in rows} == {("succeeded", "admin")}
+    assert all([e["event"] for e in s.history].count("event") == 1 for s in rows)
+    assert any("Sent the event of 2" in m and "not waiting for an event" in m for m in messages_of(response))

@@ -112,6 +112,168 @@ BAD_DEFINITIONS = [
         "no such workflow",
     ),
     ("approval without deadline", {"steps": [{"key": "ok", "kind": "approval"}]}, "steps[0].deadline_seconds", None),
+    # sleep, wait_event, map (issue 33)
+    ("sleep without a time", {"steps": [{"key": "z", "kind": "sleep"}]}, "steps[0].seconds", "'z'"),
+    (
+        "sleep twice",
+        {"steps": [{"key": "z", "kind": "sleep", "seconds": 1, "until": "2030-01-01T00:00:00Z"}]},
+        "steps[0].seconds",
+        "exactly one",
+    ),
+    ("negative sleep", {"steps": [{"key": "z", "kind": "sleep", "seconds": -1}]}, "steps[0].seconds", "'z'"),
+    (
+        "naive until",
+        {"steps": [{"key": "z", "kind": "sleep", "until": "2030-01-01T00:00:00"}]},
+        "steps[0].until",
+        "UTC offset",
+    ),
+    ("until not a time", {"steps": [{"key": "z", "kind": "sleep", "until": "tomorrow"}]}, "steps[0].until", "'z'"),
+    (
+        "sleep on a non-ancestor",
+        {"steps": [OK, {"key": "z", "kind": "sleep", "seconds": {"$ref": "steps.a.output.s"}}]},
+        "steps[1].seconds",
+        "'z'",
+    ),
+    (
+        "event without a name",
+        {"steps": [{"key": "e", "kind": "wait_event", "event_key": "k"}]},
+        "steps[0].event",
+        "'e'",
+    ),
+    (
+        "event name with spaces",
+        {"steps": [{"key": "e", "kind": "wait_event", "event": "a b", "event_key": "k"}]},
+        "steps[0].event",
+        None,
+    ),
+    (
+        "event without a key",
+        {"steps": [{"key": "e", "kind": "wait_event", "event": "paid"}]},
+        "steps[0].event_key",
+        "'e'",
+    ),
+    (
+        "event key part of another type",
+        {"steps": [{"key": "e", "kind": "wait_event", "event": "paid", "event_key": ["order", 1.5]}]},
+        "steps[0].event_key[1]",
+        None,
+    ),
+    (
+        "unknown timeout policy",
+        {"steps": [{"key": "e", "kind": "wait_event", "event": "paid", "event_key": "k", "on_timeout": "retry"}]},
+        "steps[0].on_timeout",
+        "'e'",
+    ),
+    (
+        "event key from an item outside a map",
+        {"steps": [{"key": "e", "kind": "wait_event", "event": "paid", "event_key": {"$ref": "item.id"}}]},
+        "steps[0].event_key",
+        None,
+    ),
+    (
+        "map over a literal",
+        {"steps": [{"key": "m", "kind": "map", "over": [1, 2], "do": {"kind": "function", "function": "noop"}}]},
+        "steps[0].over",
+        "'m'",
+    ),
+    (
+        "map of an approval",
+        {"steps": [{"key": "m", "kind": "map", "over": {"$ref": "input.xs"}, "do": {"kind": "approval"}}]},
+        "steps[0].do",
+        "'m'",
+    ),
+    (
+        "map do with a step's own field",
+        {
+            "steps": [
+                {
+                    "key": "m",
+                    "kind": "map",
+                    "over": {"$ref": "input.xs"},
+                    "do": {"kind": "function", "function": "noop", "depends_on": []},
+                }
+            ]
+        },
+        "steps[0].do.depends_on",
+        None,
+    ),
+    (
+        "map do with a bad target",
+        {
+            "steps": [
+                {
+                    "key": "m",
+                    "kind": "map",
+                    "over": {"$ref": "input.xs"},
+                    "do": {"kind": "send_message", "targets": ["x"]},
+                }
+            ]
+        },
+        "steps[0].do.targets[0]",
+        None,
+    ),
+    (
+        "map do input on a non-ancestor",
+        {
+            "steps": [
+                OK,
+                {
+                    "key": "m",
+                    "kind": "map",
+                    "over": {"$ref": "input.xs"},
+                    "do": {"kind": "function", "function": "noop", "input": {"a": {"$ref": "steps.a.output"}}},
+                },
+            ]
+        },
+        "steps[1].do",
+        "'m'",
+    ),
+    (
+        "map key too long",
+        {
+            "steps": [
+                {
+                    "key": "m" * 60,
+                    "kind": "map",
+                    "over": {"$ref": "input.xs"},
+                    "do": {"kind": "function", "function": "noop"},
+                }
+            ]
+        },
+        "steps[0].key",
+        "room for",
+    ),
+    (
+        "a step keyed like a map's element",
+        {
+            "steps": [
+                {
+                    "key": "m",
+                    "kind": "map",
+                    "over": {"$ref": "input.xs"},
+                    "do": {"kind": "function", "function": "noop"},
+                },
+                function_step("m[3]"),
+            ]
+        },
+        "steps[1].key",
+        "element of map step 'm'",
+    ),
+    (
+        "map of an unknown workflow",
+        {
+            "steps": [
+                {
+                    "key": "m",
+                    "kind": "map",
+                    "over": {"$ref": "input.xs"},
+                    "do": {"kind": "sub_workflow", "workflow": str(uuid.uuid4())},
+                }
+            ]
+        },
+        "steps[0].do.workflow",
+        "no such workflow",
+    ),
 ]
 
 

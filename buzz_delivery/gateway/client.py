@@ -173,6 +173,10 @@ class GatewayClient:
         )
         return [RemoteClaim(c["delivery"], _lease(c["lease"])) for c in data["claims"]]
 
+    def send_event(self, community_id: str, name: str, key: str, payload: Any = None) -> dict[str, Any]:
+        """Send a workflow event (``buzz_delivery.workflows`` installed): ``{"resumed", "kept_until"}``."""
+        return self._json("POST", f"/communities/{community_id}/events", {"name": name, "key": key, "payload": payload})
+
     def read(self, community_id: str, delivery_id: str) -> dict[str, Any]:
         """One of this key's deliveries (raises ``GatewayHTTPError`` 404 otherwise)."""
         return self._json("GET", f"/communities/{community_id}/deliveries/{delivery_id}")["delivery"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from buzz_delivery.gateway.errors import STATUS_OF_CODE
-from buzz_delivery.gateway.schema import BODIES, RUN_BODIES
+from buzz_delivery.gateway.schema import BODIES, EVENT_BODIES, RUN_BODIES
 
 HEX64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 UUID = {"type": "string", "format": "uuid"}
@@ -108,6 +108,12 @@ SCHEMAS: dict[str, Any] = {
         }
     ),
     "MeResponse": _obj({"pubkey": HEX64, "communities": {"type": "array", "items": UUID}}),
+    "SendEventResponse": _obj(
+        {
+            "resumed": {"type": "integer", "minimum": 0, "description": "waiting steps it resumed, each once"},
+            "kept_until": {**TIME, "description": "until when a wait that starts later takes it"},
+        }
+    ),
     "BatchFinishResponse": _obj(
         {
             "results": {
@@ -224,6 +230,8 @@ EXAMPLES: dict[str, Any] = {
     "Error": {"code": "bad_request", "message": "limit: must be within 1..100", "field": "limit"},
     "BatchFinishRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "outcome": "finished"},
     "BatchFinishResponse": {"results": [{"delivery_id": _D, "outcome": "settled", "status": "finished"}]},
+    "SendEventRequest": {"name": "payment.received", "key": "order:42", "payload": {"amount": 1200}},
+    "SendEventResponse": {"resumed": 1, "kept_until": _T},
 }
 _R = "0193a5a0-0000-7000-8000-0000000000a1"
 _RUN_LEASE = {"community_id": _C, "run_id": _R, "lease_generation": 1, "lease_until": _T, "worker_id": "w1"}
@@ -372,11 +380,13 @@ def _run_paths() -> dict[str, Any]:
 def document(server_url: str = "/gateway/v1") -> dict[str, Any]:
     """The OpenAPI 3.1 document; ``server_url`` is the prefix the gateway is mounted under.
     Bounds that are settings (limits, lease lengths) are those in force now."""
-    from buzz_delivery.gateway.urls import agents_installed
+    from buzz_delivery.gateway.urls import agents_installed, workflows_installed
 
-    runs = agents_installed()
+    runs, events = agents_installed(), workflows_installed()
     schemas = {**SCHEMAS, **(RUN_SCHEMAS if runs else {})}
-    for body in BODIES + (RUN_BODIES if runs else ()):
+    if not events:
+        schemas.pop("SendEventResponse")
+    for body in BODIES + (RUN_BODIES if runs else ()) + (EVENT_BODIES if events else ()):
         schemas[body.name] = body.json_schema()
     return {
         "openapi": "3.1.0",
@@ -441,5 +451,17 @@ def document(server_url: str = "/gateway/v1") -> dict[str, Any]:
                 )
             },
             **(_run_paths() if runs else {}),
+            **(_event_paths() if events else {}),
+        },
+    }  # fmt: skip
+
+
+def _event_paths() -> dict[str, Any]:
+    return {
+        "/communities/{community_id}/events": {
+            "post": _operation(
+                "sendEvent", "Send a workflow event: resume the steps waiting for its name and key",
+                "SendEventResponse", "SendEventRequest", "403", params=[COMMUNITY_PARAM],
+            )
         },
     }  # fmt: skip

@@ -332,3 +332,17 @@ COMPENSATION_FINISH = Body(
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, FAIL, COMPENSATION_BEGIN,
               COMPENSATION_FINISH)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)
+
+# --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------
+
+SEND_EVENT = Body(
+    "SendEventRequest",
+    {
+        "name": Field("string", "the event's name (1..200 of A-Z a-z 0-9 _ . : / @ -)", required=True,
+                      bounds=lambda: (0, 200)),
+        "key": Field("string", "the key the waiting steps computed (1..500 characters)", required=True,
+                     bounds=lambda: (0, 500)),
+        "payload": Field("json", "any JSON value: the output of every step it resumes"),
+    },
+)  # fmt: skip
+EVENT_BODIES = (SEND_EVENT,)

@@ -1,7 +1,8 @@
 """URLs of the gateway. Mount under a versioned prefix, e.g. ``path("gateway/v1/", include(...))``.
 
 The agent-run routes (``runs/claim``, ``communities/<c>/runs/<r>/...`` and a delivery's
-``accept``) are served when ``buzz_delivery.agents`` is installed too.
+``accept``) are served when ``buzz_delivery.agents`` is installed too; the workflow events
+route (``communities/<c>/events``) when ``buzz_delivery.workflows`` is.
 """
 
 from django.apps import apps
@@ -24,6 +25,17 @@ urlpatterns = [
     path(f"{D}/renew", views.renew, name="renew"),
     path(f"{D}/finish", views.finish, name="finish"),
 ]
+
+
+def workflows_installed() -> bool:
+    """True when the workflow events endpoint is served (``buzz_delivery.workflows`` installed)."""
+    return apps.is_installed("buzz_delivery.workflows")
+
+
+if workflows_installed():
+    from buzz_delivery.gateway import events
+
+    urlpatterns += [path("communities/<str:community_id>/events", events.send, name="send-event")]
 
 
 def agents_installed() -> bool:

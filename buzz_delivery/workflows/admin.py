@@ -23,9 +23,16 @@ from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.admin.search import parse_uuid
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.services import AlreadyTerminal
-from buzz_delivery.workflows import dag
-from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Schedule, Step
-from buzz_delivery.workflows.services import AlreadyDecided, Decided, cancel_run, decide_approval, restart_run
+from buzz_delivery.workflows import dag, search
+from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Schedule, SentEvent, Step
+from buzz_delivery.workflows.services import (
+    AlreadyDecided,
+    Decided,
+    cancel_run,
+    decide_approval,
+    restart_run,
+    send_event,
+)
 from buzz_delivery.workflows.states import RUN_TERMINAL
 
 
@@ -88,12 +95,16 @@ class RunAdmin(ReadOnlyAdmin):
     list_display_links = ("short_id",)
     list_filter = ("state",)
     list_select_related = ("workflow", "community")
+    # The search box: tags, input fields, id prefixes, state, workflow (buzz_delivery.workflows.search).
+    search_fields = ("=tags",)
+    search_help_text = search.HELP
     readonly_fields = (
         "run",
         "community",
         "workflow",
         "definition",
         "state",
+        "tags",
         "failure_code",
         "failure_message",
         "input",
@@ -115,10 +126,18 @@ class RunAdmin(ReadOnlyAdmin):
     has_cancel_engine_run_permission = _perm("cancel_engine_run")
     has_restart_engine_run_permission = _perm("restart_engine_run")
 
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Run], search_term: str) -> Any:
+        return queryset.filter(search.run_search(search_term)), False
+
     @admin.display(description="workflow run / created", ordering="run")
     def short_id(self, obj: Run) -> str:
+        shown = " ".join(tag[:30] for tag in obj.tags[:3]) + (" ..." if len(obj.tags) > 3 else "")
+        tags = format_html('<br><span class="bd-quiet">{}</span>', shown) if obj.tags else ""
         return format_html(
-            '{}<br><span class="bd-quiet">{}</span>', display.short_uuid(obj.pk, 8), display.timestamp(obj.created_at)
+            '{}<br><span class="bd-quiet">{}</span>{}',
+            display.short_uuid(obj.pk, 8),
+            display.timestamp(obj.created_at),
+            tags,
         )
 
     @admin.display(description="steps left")
@@ -219,7 +238,7 @@ class StepAdmin(ReadOnlyAdmin):
     exclude = ("history",)  # shown as a table (history_table)
     search_fields = ("key",)
     search_help_text = "Step id or run id (UUID), or a step key prefix."
-    actions = ["retry_failed_steps"]
+    actions = ["retry_failed_steps", "send_awaited_events"]
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return SnapshotFreeChangeList  # the list does not load the history
@@ -273,6 +292,35 @@ class StepAdmin(ReadOnlyAdmin):
     @admin.display(description="why not running")
     def why(self, obj: Step) -> str:
         return dag.why_not_running(obj, getattr(obj, "db_now", None) or _db_now())
+
+    has_send_workflow_event_permission = _perm("send_workflow_event")
+
+    @admin.action(
+        description="Send the event these waiting steps wait for (payload: who sent it)",
+        permissions=["send_workflow_event"],
+    )
+    def send_awaited_events(self, request: HttpRequest, queryset: QuerySet[Step]) -> None:
+        """``send_event`` for the (name, key) each selected waiting ``wait_event`` step waits
+        for, once per (community, name, key): it resumes every step waiting for it."""
+        rows = list(queryset[:1001])
+        if too_many(self, request, rows, "sent"):
+            return
+        done, skipped, sent = [], Counter[str](), set()
+        who = request.user.get_username() or f"user {request.user.pk}"
+        for step in rows:
+            if step.state != "waiting" or step.event_name is None or step.event_key is None:
+                skipped[f"{step.state} {step.kind}, not waiting for an event"] += 1
+                continue
+            event = (step.community_id, step.event_name, step.event_key)
+            if event not in sent:
+                try:
+                    send_event(step.community_id, step.event_name, step.event_key, {"sent_by": who, "via": "admin"})
+                except BuzzDeliveryError as exc:
+                    skipped[type(exc).__name__] += 1
+                    continue
+                sent.add(event)
+            done.append(step)
+        report(self, request, verb="sent the event of", done=done, skipped=skipped, change_message="send_event")
 
     @admin.action(description="Retry failed steps (restart their run from failure)", permissions=["retry_engine_step"])
     def retry_failed_steps(self, request: HttpRequest, queryset: QuerySet[Step]) -> None:
@@ -408,6 +456,17 @@ class ApprovalAdmin(ReadOnlyAdmin):
     @admin.action(description="Reject selected approvals", permissions=["decide_approval"])
     def reject(self, request: HttpRequest, queryset: QuerySet[Approval]) -> None:
         self._decide(request, queryset, "rejected")
+
+
+@admin.register(SentEvent)
+class SentEventAdmin(ReadOnlyAdmin):
+    """Events kept for the waits that start after them (``send_event``); rows without ``sent_at``
+    are the locks of waits for which nothing was sent yet."""
+
+    list_display = ("name", "key", "community", "sent_at", "expires_at", "sends", "resumed")
+    list_select_related = ("community",)
+    readonly_fields = ("name", "key", "payload", "sent_at", "expires_at", "sends", "resumed", "created_at")
+    search_fields = ("=name", "=key")
 
 
 @admin.register(Schedule)

@@ -10,6 +10,7 @@ class WorkflowsConfig(AppConfig):
     verbose_name = "Buzz workflows"
     default_auto_field = "django.db.models.BigAutoField"
     buzz_deletion_catalog = (
+        "buzz_workflows.SentEvent",
         "buzz_workflows.Schedule",
         "buzz_workflows.Approval",
         "buzz_workflows.Step",
@@ -19,3 +20,6 @@ class WorkflowsConfig(AppConfig):
 
     def ready(self) -> None:
         from buzz_delivery.workflows import functions  # noqa: F401  (registers noop and echo)
+        from buzz_delivery.workflows.registry import autodiscover
+
+        autodiscover()  # every installed app's workflows.py, and BUZZ_WORKFLOWS['MODULES']

@@ -17,6 +17,9 @@ DEFAULTS: dict[str, Any] = {
     "LEASE_SECONDS": 60,
     # Dotted paths of callables registered as function steps: {"name": "pkg.mod:func"}.
     "FUNCTIONS": {},
+    # Modules imported when the app is ready, for their @workflow_function registrations
+    # (besides the ``workflows`` module of every installed app): ["myproject.steps"].
+    "MODULES": [],
     # Largest JSON output a step may record (bytes of its JSON text).
     "MAX_OUTPUT_BYTES": 256_000,
     # Retry defaults of a step without "retry": attempts, backoff base and cap (seconds).
@@ -29,6 +32,10 @@ DEFAULTS: dict[str, Any] = {
     "AUTHOR_PUBKEY": "00" * 32,
     # Kind number of those message events.
     "MESSAGE_KIND": 1,
+    # Seconds an event sent by send_event is kept for a wait_event step that starts after it.
+    "EVENT_RETENTION_SECONDS": 3600,
+    # Most items a map step runs (a longer list fails the step: map_too_large); at most 10,000.
+    "MAX_MAP_ITEMS": 1000,
 }
 
 
@@ -36,6 +43,7 @@ DEFAULTS: dict[str, Any] = {
 class WorkflowSettings:
     lease_seconds: float
     functions: dict[str, str]
+    modules: tuple[str, ...]
     max_output_bytes: int
     max_attempts: int
     backoff_base_seconds: float
@@ -43,6 +51,8 @@ class WorkflowSettings:
     max_depth: int
     author_pubkey: bytes
     message_kind: int
+    event_retention_seconds: int
+    max_map_items: int
 
 
 def get_settings() -> WorkflowSettings:
@@ -51,6 +61,7 @@ def get_settings() -> WorkflowSettings:
     return WorkflowSettings(
         lease_seconds=raw["LEASE_SECONDS"],
         functions=dict(raw["FUNCTIONS"]),
+        modules=tuple(raw["MODULES"]),
         max_output_bytes=raw["MAX_OUTPUT_BYTES"],
         max_attempts=raw["MAX_ATTEMPTS"],
         backoff_base_seconds=raw["BACKOFF_BASE_SECONDS"],
@@ -58,4 +69,6 @@ def get_settings() -> WorkflowSettings:
         max_depth=min(int(raw["MAX_DEPTH"]), 8),
         author_pubkey=bytes.fromhex(raw["AUTHOR_PUBKEY"]),
         message_kind=raw["MESSAGE_KIND"],
+        event_retention_seconds=raw["EVENT_RETENTION_SECONDS"],
+        max_map_items=min(int(raw["MAX_MAP_ITEMS"]), 10_000),
     )

@@ -27,6 +27,8 @@ NODE_W, NODE_H, GAP_X, GAP_Y = 160, 44, 60, 24
 def why_not_running(step: Step, now: dt.datetime) -> str:
     """One line saying what the step is doing or waiting for."""
     if step.state == "pending":
+        if step.kind == "map" and step.expected is not None:
+            return f"map: {step.deps_done} of {step.expected} items done"
         return f"waiting for dependencies: {step.deps_done} of {step.deps_total} done"
     if step.state == "ready":
         if step.next_attempt_at and step.next_attempt_at > now:
@@ -40,10 +42,21 @@ def why_not_running(step: Step, now: dt.datetime) -> str:
             return f"waiting for {left} of {step.expected} deliveries, {step.delivered_failed} failed"
         if step.kind == "approval":
             return f"waiting for approval since {step.waiting_since:%Y-%m-%d %H:%M:%S}"
+        if step.kind == "sleep":
+            return f"sleeping until {step.wait_deadline:%Y-%m-%d %H:%M:%S} (no lease held)"
+        if step.kind == "wait_event":
+            until = (
+                f"until {step.wait_deadline:%Y-%m-%d %H:%M:%S}, then {step.on_timeout}" if step.wait_deadline else ""
+            )
+            return f"waiting for event {step.event_name!r} key {step.event_key!r} {until}".strip()
         return f"waiting for child run {step.child_run_id}"
     if step.state == "skipped":
+        if step.skip_reason == "wait_timeout":
+            return "skipped: no event before its wait timeout (on_timeout: skip_dependents)"
         return "condition false" if step.skip_reason == "condition_false" else "skipped: a dependency did not succeed"
     if step.state == "failed":
+        if step.failure_code == "function_not_registered":
+            return f"failed: {step.failure_message or 'its function is not registered in the worker that ran it'}"
         return f"failed: {step.failure_code}"
     if step.state == "canceled":
         return f"canceled ({step.skip_reason or 'run ended'})"

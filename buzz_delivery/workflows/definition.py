@@ -11,7 +11,12 @@ Kind fields: ``function`` -> ``function`` (registered name); ``send_message`` ->
 (64-hex keys), ``content`` (text), ``await`` (``delivered``; ``agent_run`` needs
 ``buzz_delivery.agents`` installed), ``tolerate_failures`` (int >= 0), ``wait_timeout_seconds``;
 ``sub_workflow`` -> ``workflow`` (UUID of a workflow of the same community, checked by
-``publish_definition``), ``wait_timeout_seconds``; ``approval`` -> ``deadline_seconds``, ``prompt``.
+``publish_definition``), ``wait_timeout_seconds``; ``approval`` -> ``deadline_seconds``, ``prompt``;
+``sleep`` -> ``seconds`` or ``until`` (a value or a reference); ``wait_event`` -> ``event`` (name),
+``event_key`` (text, a reference, or a list of both joined by ``:``), ``wait_timeout_seconds``,
+``on_timeout`` (``fail``/``continue``/``skip_dependents``); ``map`` -> ``over`` (a reference to
+a list), ``do`` (a ``function``, ``sub_workflow`` or ``send_message`` run once per item, whose
+references may start with ``item``), ``tolerate_failures``.
 
 References (in ``input`` values and ``when``) are ``{"$ref": "input.a.b"}`` /
 ``{"$ref": "steps.<key>.output.a"}`` (or the same as a list of path parts, needed when a key
@@ -24,6 +29,7 @@ Every problem raises ``ValidationError`` keyed ``steps[<i>].<field>`` (and namin
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import re
@@ -35,7 +41,7 @@ from django.core.exceptions import ValidationError
 
 from buzz_delivery import jsonbounds
 from buzz_delivery.services import validation as v
-from buzz_delivery.workflows.states import OnError, StepKind
+from buzz_delivery.workflows.states import OnError, OnTimeout, StepKind
 
 MAX_STEPS = 500
 MAX_DEFINITION_BYTES = 1_000_000
@@ -43,12 +49,30 @@ MAX_TARGETS = 10_000
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
 FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,199}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Waits of sleep and wait_event steps may be longer than the other kinds' wait timeouts.
+MAX_WAIT_SECONDS = 366 * 86400
+EVENT_NAME = re.compile(r"^[A-Za-z0-9_.:/@-]{1,200}$")
+MAX_EVENT_KEY_CHARS = 500
+MAX_KEY_PARTS = 16
+# Element steps of a map are keyed "<map key>[<index>]": the map's key leaves room for the index
+# (MAX_MAP_ITEMS, at most 10,000: "[9999]").
+MAP_ITEMS_LIMIT = 10_000
+MAX_MAP_KEY_CHARS = 64 - len(f"[{MAP_ITEMS_LIMIT - 1}]")
 COMMON = {"key", "kind", "depends_on", "when", "input", "retry", "on_error", "timeout_seconds"}
 KIND_FIELDS = {
     "function": {"function"},
     "send_message": {"targets", "content", "await", "tolerate_failures", "wait_timeout_seconds"},
     "sub_workflow": {"workflow", "wait_timeout_seconds"},
     "approval": {"deadline_seconds", "prompt"},
+    "sleep": {"seconds", "until"},
+    "wait_event": {"event", "event_key", "wait_timeout_seconds", "on_timeout"},
+    "map": {"over", "do", "tolerate_failures"},
+}
+# What a map's "do" may run per item, and the fields it may carry.
+MAP_KINDS = {
+    "function": {"function", "input", "retry", "timeout_seconds"},
+    "sub_workflow": {"workflow", "input", "retry", "wait_timeout_seconds"},
+    "send_message": {"targets", "content", "await", "tolerate_failures", "wait_timeout_seconds", "retry"},
 }
 
 
@@ -64,8 +88,9 @@ class _Step:
         return v.invalid(name, f"{who}: {message}")
 
 
-def parse_ref(value: Any, step: _Step, field: str) -> list[str]:
-    """A reference as its list of path parts: ``["input", ...]`` or ``["steps", key, "output", ...]``."""
+def parse_ref(value: Any, step: _Step, field: str, *, item: bool = False) -> list[str]:
+    """A reference as its list of path parts: ``["input", ...]``, ``["steps", key, "output", ...]``
+    or, inside a map's ``do`` (``item``), ``["item", ...]`` (the element the step runs for)."""
     if isinstance(value, str):
         parts = value.split(".")
     elif isinstance(value, list) and all(isinstance(p, str) for p in value):
@@ -74,24 +99,30 @@ def parse_ref(value: Any, step: _Step, field: str) -> list[str]:
         raise step.invalid(field, "a reference is a dotted string or a list of strings")
     if not parts or any(p == "" for p in parts):
         raise step.invalid(field, f"reference {value!r} has an empty part")
-    if parts[0] == "input":
+    if parts[0] == "input" or (item and parts[0] == "item"):
         return parts
     if parts[0] == "steps" and len(parts) >= 3 and parts[2] == "output":
         return parts
-    raise step.invalid(field, f"reference {value!r} must start with 'input' or 'steps.<key>.output'")
+    roots = "'input', 'item'" if item else "'input'"
+    raise step.invalid(field, f"reference {value!r} must start with {roots} or 'steps.<key>.output'")
 
 
-def _refs_in(value: Any, step: _Step, field: str) -> Any:
+def _refs_in(value: Any, step: _Step, field: str, *, item: bool = False) -> Any:
     """``value`` with every ``{"$ref": ...}`` normalised to a list reference (validated)."""
     if isinstance(value, dict):
         if "$ref" in value:
             if len(value) != 1:
                 raise step.invalid(field, "a {'$ref': ...} object holds nothing else")
-            return {"$ref": parse_ref(value["$ref"], step, field)}
-        return {k: _refs_in(item, step, f"{field}.{k}") for k, item in value.items()}
+            return {"$ref": parse_ref(value["$ref"], step, field, item=item)}
+        return {k: _refs_in(v_, step, f"{field}.{k}", item=item) for k, v_ in value.items()}
     if isinstance(value, list):
-        return [_refs_in(item, step, f"{field}[{i}]") for i, item in enumerate(value)]
+        return [_refs_in(v_, step, f"{field}[{i}]", item=item) for i, v_ in enumerate(value)]
     return value
+
+
+def is_ref(value: Any) -> bool:
+    """True for a ``{"$ref": ...}`` object."""
+    return isinstance(value, dict) and set(value) == {"$ref"}
 
 
 def collect_refs(value: Any) -> list[list[str]]:
@@ -141,18 +172,7 @@ def _step(step: _Step) -> dict[str, Any]:
     if on_error not in OnError.values:
         raise step.invalid("on_error", f"must be one of {', '.join(OnError.values)}, got {on_error!r}")
     out["on_error"] = on_error
-    retry = raw.get("retry", {})
-    if not isinstance(retry, dict) or set(retry) - {"max_attempts", "base_seconds", "cap_seconds"}:
-        raise step.invalid("retry", "must be {max_attempts, base_seconds, cap_seconds}")
-    out["retry"] = {}
-    if "max_attempts" in retry:
-        out["retry"]["max_attempts"] = _int(step, "retry.max_attempts", retry["max_attempts"], 1, 100)
-    if "base_seconds" in retry:
-        out["retry"]["base_seconds"] = _number(step, "retry.base_seconds", retry["base_seconds"], 0, 86400)
-    if "cap_seconds" in retry:
-        out["retry"]["cap_seconds"] = _number(step, "retry.cap_seconds", retry["cap_seconds"], 0, 86400)
-        if out["retry"]["cap_seconds"] < out["retry"].get("base_seconds", 0):
-            raise step.invalid("retry.cap_seconds", "must be at least base_seconds")
+    out["retry"] = _retry(step, raw.get("retry", {}), "retry")
     if "timeout_seconds" in raw:
         out["timeout_seconds"] = _int(step, "timeout_seconds", raw["timeout_seconds"], 1, MAX_TIMEOUT_SECONDS)
     if "input" in raw:
@@ -178,7 +198,28 @@ def _step(step: _Step) -> dict[str, Any]:
     return out
 
 
+def _retry(step: _Step, retry: Any, field: str) -> dict[str, Any]:
+    if not isinstance(retry, dict) or set(retry) - {"max_attempts", "base_seconds", "cap_seconds"}:
+        raise step.invalid(field, "must be {max_attempts, base_seconds, cap_seconds}")
+    out: dict[str, Any] = {}
+    if "max_attempts" in retry:
+        out["max_attempts"] = _int(step, f"{field}.max_attempts", retry["max_attempts"], 1, 100)
+    if "base_seconds" in retry:
+        out["base_seconds"] = _number(step, f"{field}.base_seconds", retry["base_seconds"], 0, 86400)
+    if "cap_seconds" in retry:
+        out["cap_seconds"] = _number(step, f"{field}.cap_seconds", retry["cap_seconds"], 0, 86400)
+        if out["cap_seconds"] < out.get("base_seconds", 0):
+            raise step.invalid(f"{field}.cap_seconds", "must be at least base_seconds")
+    return out
+
+
 def _kind_fields(step: _Step, kind: str, raw: dict[str, Any]) -> dict[str, Any]:
+    if kind == "sleep":
+        return _sleep_fields(step, raw)
+    if kind == "wait_event":
+        return _wait_event_fields(step, raw)
+    if kind == "map":
+        return _map_fields(step, raw)
     out: dict[str, Any] = {}
     if kind == "function":
         name = raw.get("function")
@@ -222,6 +263,155 @@ def _kind_fields(step: _Step, kind: str, raw: dict[str, Any]) -> dict[str, Any]:
             step, "wait_timeout_seconds", raw["wait_timeout_seconds"], 1, MAX_TIMEOUT_SECONDS
         )
     return out
+
+
+def _sleep_fields(step: _Step, raw: dict[str, Any]) -> dict[str, Any]:
+    given = [f for f in ("seconds", "until") if f in raw]
+    if len(given) != 1:
+        raise step.invalid("seconds", "a sleep step has exactly one of 'seconds' (a duration) or 'until' (a time)")
+    field = given[0]
+    value = raw[field]
+    if is_ref(value):
+        return {field: _refs_in(value, step, field)}
+    if field == "seconds":
+        return {"seconds": _number(step, "seconds", value, 0, MAX_WAIT_SECONDS)}
+    return {"until": aware_time(value, step, "until").isoformat()}
+
+
+def aware_time(value: Any, step: _Step | None, field: str) -> dt.datetime:
+    """An ISO 8601 date-time with its UTC offset (``Z`` allowed) as an aware datetime."""
+    problem = None
+    if not isinstance(value, str) or len(value) > 64:
+        problem = f"must be an ISO 8601 date-time with a UTC offset, got {value!r}"
+    else:
+        try:
+            parsed = dt.datetime.fromisoformat(value)
+        except ValueError:
+            problem = f"must be an ISO 8601 date-time with a UTC offset, got {value!r}"
+        else:
+            if parsed.tzinfo is None or parsed.utcoffset() is None:
+                problem = f"needs a UTC offset (e.g. 'Z' or '+02:00'), got {value!r}"
+            else:
+                return parsed
+    if step is None:
+        raise v.invalid(field, problem)
+    raise step.invalid(field, problem)
+
+
+def _wait_event_fields(step: _Step, raw: dict[str, Any]) -> dict[str, Any]:
+    name = raw.get("event")
+    if not isinstance(name, str) or not EVENT_NAME.match(name):
+        raise step.invalid("event", f"must be an event name (1..200 of A-Z a-z 0-9 _ . : / @ -), got {name!r}")
+    out: dict[str, Any] = {"event": name}
+    key = raw.get("event_key")
+    if isinstance(key, list):
+        if not 1 <= len(key) <= MAX_KEY_PARTS:
+            raise step.invalid("event_key", f"as a list, holds 1..{MAX_KEY_PARTS} parts (joined by ':')")
+        out["event_key"] = [_key_part(step, f"event_key[{i}]", part) for i, part in enumerate(key)]
+    else:
+        out["event_key"] = _key_part(step, "event_key", key)
+    if "wait_timeout_seconds" in raw:
+        out["wait_timeout_seconds"] = _int(
+            step, "wait_timeout_seconds", raw["wait_timeout_seconds"], 1, MAX_WAIT_SECONDS
+        )
+    on_timeout = raw.get("on_timeout", OnTimeout.FAIL.value)
+    if on_timeout not in OnTimeout.values:
+        raise step.invalid("on_timeout", f"must be one of {', '.join(OnTimeout.values)}, got {on_timeout!r}")
+    out["on_timeout"] = on_timeout
+    return out
+
+
+def _key_part(step: _Step, field: str, value: Any) -> Any:
+    if is_ref(value):
+        return _refs_in(value, step, field)
+    if isinstance(value, bool) or not isinstance(value, str | int) or (isinstance(value, str) and not value):
+        raise step.invalid(field, "must be text, an integer or a {'$ref': ...} (the key is computed from the run)")
+    text = v.storable_text(str(value), f"steps[{step.index}].{field}")
+    if len(text) > MAX_EVENT_KEY_CHARS:
+        raise step.invalid(field, f"must be at most {MAX_EVENT_KEY_CHARS} characters")
+    return text
+
+
+def _map_fields(step: _Step, raw: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(step.key, str) and len(step.key) > MAX_MAP_KEY_CHARS:
+        raise step.invalid("key", f"a map step's key is at most {MAX_MAP_KEY_CHARS} characters (room for '[<index>]')")
+    over = raw.get("over")
+    if not is_ref(over):
+        raise step.invalid("over", "must be a {'$ref': ...} to a list (the run input or an ancestor's output)")
+    out: dict[str, Any] = {"over": _refs_in(over, step, "over")}
+    do = raw.get("do")
+    if not isinstance(do, dict) or do.get("kind") not in MAP_KINDS:
+        raise step.invalid("do", f"must be an object whose kind is one of {', '.join(MAP_KINDS)}")
+    unknown = set(do) - {"kind"} - MAP_KINDS[do["kind"]]
+    if unknown:
+        raise step.invalid(f"do.{sorted(unknown)[0]}", f"is not a field of a map's {do['kind']}")
+    out["do"] = _map_do(step, do)
+    out["tolerate_failures"] = _int(step, "tolerate_failures", raw.get("tolerate_failures", 0), 0, MAP_ITEMS_LIMIT)
+    return out
+
+
+def _map_do(step: _Step, do: dict[str, Any]) -> dict[str, Any]:
+    kind = do["kind"]
+    out: dict[str, Any] = {"kind": kind}
+    if "input" in do:
+        if not isinstance(do["input"], dict):
+            raise step.invalid("do.input", "must be an object")
+        out["input"] = _refs_in(do["input"], step, "do.input", item=True)
+    if "retry" in do:
+        out["retry"] = _retry(step, do["retry"], "do.retry")
+    if "timeout_seconds" in do:
+        out["timeout_seconds"] = _int(step, "do.timeout_seconds", do["timeout_seconds"], 1, MAX_TIMEOUT_SECONDS)
+    if "wait_timeout_seconds" in do:
+        out["wait_timeout_seconds"] = _int(
+            step, "do.wait_timeout_seconds", do["wait_timeout_seconds"], 1, MAX_TIMEOUT_SECONDS
+        )
+    if kind == "function":
+        name = do.get("function")
+        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+            raise step.invalid("do.function", f"must be a registered function name, got {name!r}")
+        out["function"] = name
+    elif kind == "sub_workflow":
+        try:
+            out["workflow"] = str(uuid.UUID(str(do.get("workflow"))))
+        except ValueError:
+            raise step.invalid("do.workflow", f"must be a workflow UUID, got {do.get('workflow')!r}") from None
+    else:
+        targets = do.get("targets")
+        if is_ref(targets):
+            out["targets"] = _refs_in(targets, step, "do.targets", item=True)
+        elif isinstance(targets, list) and 1 <= len(targets) <= MAX_TARGETS:
+            for i, t in enumerate(targets):
+                if not is_ref(t) and not (isinstance(t, str) and HEX64.match(t)):
+                    raise step.invalid(f"do.targets[{i}]", "must be 64 lowercase hex characters or a {'$ref': ...}")
+            out["targets"] = _refs_in(targets, step, "do.targets", item=True)
+        else:
+            raise step.invalid("do.targets", f"must be a {{'$ref': ...}} or a list of 1..{MAX_TARGETS} targets")
+        content = do.get("content", "")
+        if is_ref(content):
+            out["content"] = _refs_in(content, step, "do.content", item=True)
+        elif isinstance(content, str):
+            out["content"] = v.storable_text(content, f"steps[{step.index}].do.content")
+        else:
+            raise step.invalid("do.content", "must be a string or a {'$ref': ...}")
+        await_ = do.get("await", "delivered")
+        if await_ == "agent_run" and not apps.is_installed("buzz_delivery.agents"):
+            raise step.invalid("do.await", "'agent_run' is not available until buzz_delivery.agents is installed")
+        if await_ not in ("delivered", "agent_run"):
+            raise step.invalid("do.await", f"must be 'delivered' or 'agent_run', got {await_!r}")
+        out["await"] = await_
+        out["tolerate_failures"] = _int(step, "do.tolerate_failures", do.get("tolerate_failures", 0), 0, MAX_TARGETS)
+    return out
+
+
+def step_refs(s: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(field, reference) of every reference a normalised step holds, ``item`` ones excepted."""
+    refs = [("input", r) for r in collect_refs(s.get("input", {}))]
+    if "when" in s:
+        refs.append(("when.ref", s["when"]["ref"]))
+    for field in ("seconds", "until", "event_key", "over", "do"):
+        if field in s:
+            refs += [(field, r) for r in collect_refs(s[field]) if r[0] != "item"]
+    return refs
 
 
 def _ancestors(steps: list[dict[str, Any]]) -> dict[str, set[str]]:
@@ -284,11 +474,12 @@ def validate_definition(definition: Any) -> dict[str, Any]:
                 raise wrapper.invalid("depends_on", "a step cannot depend on itself")
     _check_acyclic(steps, wrappers)
     ancestors = _ancestors(steps)
+    maps = [s["key"] for s in steps if s["kind"] == "map"]
     for wrapper, s in zip(wrappers, steps, strict=True):
-        refs = [("input", r) for r in collect_refs(s.get("input", {}))]
-        if "when" in s:
-            refs.append(("when.ref", s["when"]["ref"]))
-        for field, ref in refs:
+        for m in maps:
+            if re.fullmatch(re.escape(m) + r"\[[0-9]+\]", s["key"]):
+                raise wrapper.invalid("key", f"is the key of an element of map step {m!r}")
+        for field, ref in step_refs(s):
             if ref[0] == "steps" and ref[1] not in ancestors[s["key"]]:
                 raise wrapper.invalid(field, f"references step {ref[1]!r}, which this step does not depend on")
     return {"steps": steps}

@@ -27,9 +27,16 @@ from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import Binding, Settled, tenancy
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.workflows import kinds, refs
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
-from buzz_delivery.workflows.registry import PermanentStepFailure, StepContext, get_function
+from buzz_delivery.workflows.registry import (
+    PermanentStepFailure,
+    StepContext,
+    get_function,
+    missing_message,
+    note_missing,
+)
 from buzz_delivery.workflows.services import approvals, steps
 from buzz_delivery.workflows.services.runs import cause_of, create_run
 from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
@@ -44,25 +51,7 @@ class _Rollback(Exception):
 
 def resolve(value: Any, run: Run, outputs: dict[str, Any]) -> Any:
     """``value`` with every ``{"$ref": [...]}`` replaced by what it names (None when absent)."""
-    if isinstance(value, dict):
-        if set(value) == {"$ref"}:
-            ref = value["$ref"]
-            if ref[0] == "input":
-                current, path = run.input, ref[1:]
-            else:
-                current, path = outputs.get(ref[1]), ref[3:]
-            for part in path:
-                if isinstance(current, dict):
-                    current = current.get(part)
-                elif isinstance(current, list) and part.isdigit() and int(part) < len(current):
-                    current = current[int(part)]
-                else:
-                    return None
-            return current
-        return {k: resolve(item, run, outputs) for k, item in value.items()}
-    if isinstance(value, list):
-        return [resolve(item, run, outputs) for item in value]
-    return value
+    return refs.resolve(value, run.input, outputs)
 
 
 def step_input(claim: StepClaim) -> dict[str, Any]:
@@ -71,13 +60,10 @@ def step_input(claim: StepClaim) -> dict[str, Any]:
     spec = claim.spec.get("input")
     if not spec:
         return {}
+    if claim.step.map_key is not None:
+        return spec  # type: ignore[no-any-return]  # a map element's input was resolved when the map expanded
     run = claim.step.run
-    outputs = dict(
-        Step.objects.filter(community_id=run.community_id, run_id=run.pk, state="succeeded").values_list(
-            "key", "output"
-        )
-    )
-    return resolve(spec, run, outputs)  # type: ignore[no-any-return]
+    return resolve(spec, run, kinds.run_outputs(run))  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +90,8 @@ def execute(claim: StepClaim, *, defer_output: bool = False) -> StepOutcome | Ou
             return _send_message(claim)
         if kind == "sub_workflow":
             return _sub_workflow(claim)
+        if kind in kinds.RUNNERS:  # sleep, wait_event, map (buzz_delivery.workflows.kinds)
+            return kinds.RUNNERS[kind](claim)
         outcome = approvals.request_approval(
             claim.lease, deadline_seconds=claim.spec["deadline_seconds"], prompt=claim.spec.get("prompt", "")
         )
@@ -117,11 +105,15 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
     """Call a ``function`` step's registered callable. Returns its :class:`Output`, or the
     outcome of the failure recorded (missing function, an exception: retried unless
     :class:`PermanentStepFailure`)."""
-    fn = get_function(claim.spec["function"])
+    name = claim.spec["function"]
+    fn = get_function(name)
     if fn is None:
-        return steps.fail_step(
-            claim.lease, "function_not_registered", failure_message=claim.spec["function"], retryable=False
+        note_missing(name)
+        message = missing_message(name)
+        logger.warning(
+            "function_not_registered step=%s run=%s function=%r: %s", claim.step.key, claim.lease.run_id, name, message
         )
+        return steps.fail_step(claim.lease, "function_not_registered", failure_message=message, retryable=False)
     context = StepContext(claim.lease.community_id, claim.lease.run_id, claim.step.key, claim.lease.attempts)
     try:
         with tenancy.handler(claim.lease.community_id):  # the user's code: the login's role (SPEC 13)

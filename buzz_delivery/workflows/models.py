@@ -12,8 +12,9 @@ columns, counters within bounds, nesting depth bounded. Rows change state only t
 from __future__ import annotations
 
 from django.contrib.postgres.fields import ArrayField
+from django.contrib.postgres.indexes import GinIndex
 from django.db import models
-from django.db.models import F, Q, Value
+from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Length, Now
 from django.db.models.lookups import Exact, LessThanOrEqual
 
@@ -33,12 +34,16 @@ from buzz_delivery.workflows.states import (
     STEP_TERMINAL,
     ApprovalState,
     OnError,
+    OnTimeout,
     RunState,
     StepKind,
     StepState,
 )
 
 MAX_DEPTH = 8
+TAG_MAX_CHARS = 100
+MAX_TAGS = 20
+INTEGER = models.IntegerField()
 
 
 def _len32(field: str) -> Exact:
@@ -119,6 +124,14 @@ class Run(CommunityScoped):
     state = models.CharField(max_length=16, choices=RunState.choices, default=RunState.RUNNING)
     input = models.JSONField(default=dict)
     output = models.JSONField(null=True, blank=True)
+    # The user's labels of the run (start_run(tags=...); a child run inherits its parent's), for
+    # the admin's search ("tag:customer:42"): at most 20, each 1..100 characters, no whitespace.
+    tags = ArrayField(
+        models.CharField(max_length=TAG_MAX_CHARS),
+        default=list,
+        blank=True,
+        db_default=Value([], output_field=ArrayField(models.CharField(max_length=TAG_MAX_CHARS))),
+    )
     failure_code = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001 (NULL = none)
     failure_message = models.TextField(null=True, blank=True)  # noqa: DJ001
     cause_kind = models.CharField(max_length=16, choices=CauseKind.choices)
@@ -190,6 +203,10 @@ class Run(CommunityScoped):
             models.CheckConstraint(
                 condition=Q(failure_code__isnull=True) | Q(state="failed"), name="wf_run_failure_code_only_when_failed"
             ),
+            models.CheckConstraint(
+                condition=Q(LessThanOrEqual(Func(F("tags"), function="cardinality", output_field=INTEGER), MAX_TAGS)),
+                name="wf_run_tags_bounded",
+            ),
         ]
         indexes = [
             # The primary key leads with community_id: this one serves the admin list's order
@@ -209,6 +226,11 @@ class Run(CommunityScoped):
                 name="wf_run_deadline_idx",
             ),
             models.Index(fields=["community"], condition=Q(deliveries_to_expire=True), name="wf_run_to_expire_idx"),
+            # The admin's run search (issue 33), fast at millions of runs: by tag, by a field of
+            # the input (jsonb containment), and a workflow's runs newest first.
+            GinIndex(fields=["tags"], name="wf_run_tags_idx"),
+            GinIndex(fields=["input"], opclasses=["jsonb_path_ops"], name="wf_run_input_idx"),
+            models.Index(fields=["workflow", "run"], name="wf_run_workflow_id_idx"),
         ]
         triggers = [*triggers.write_fence(), wf_triggers.terminal_once("wf_run_terminal_once", RUN_TERMINAL)]
         permissions = [
@@ -269,6 +291,16 @@ class Step(CommunityScoped):
     claimed_by = models.TextField(null=True, blank=True)  # noqa: DJ001  (NULL = never named)
     renewals = models.IntegerField(default=0, db_default=0)
     history = models.JSONField(default=list, db_default=Value([], output_field=models.JSONField()), blank=True)
+    # wait_event: the event it waits for (set when it parks), and what its timeout does; a
+    # sleep parks under on_timeout "continue" (its wake time is wait_deadline).
+    event_name = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    event_key = models.TextField(null=True, blank=True)  # noqa: DJ001
+    on_timeout = models.CharField(max_length=16, choices=OnTimeout.choices, null=True, blank=True)  # noqa: DJ001
+    # An element step of a map: the map step's key, the item's index, and its own (resolved)
+    # spec, which the definition does not hold. NULL for the definition's own steps.
+    map_key = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
+    item_index = models.IntegerField(null=True, blank=True)
+    spec = models.JSONField(null=True, blank=True)
 
     class Meta:
         db_table = "buzz_workflows_step"
@@ -332,6 +364,20 @@ class Step(CommunityScoped):
             ),
             models.CheckConstraint(condition=Q(renewals__gte=0), name="wf_step_renewals_gte_0"),
             models.CheckConstraint(condition=history_bounded("history"), name="wf_step_history_bounded"),
+            models.CheckConstraint(
+                condition=Q(on_timeout__isnull=True) | Q(on_timeout__in=OnTimeout.values),
+                name="wf_step_on_timeout_known",
+            ),
+            models.CheckConstraint(
+                condition=Q(event_name__isnull=True, event_key__isnull=True)
+                | Q(event_name__isnull=False, event_key__isnull=False, kind="wait_event"),
+                name="wf_step_event_pair",
+            ),
+            models.CheckConstraint(
+                condition=Q(map_key__isnull=True, item_index__isnull=True, spec__isnull=True)
+                | Q(map_key__isnull=False, item_index__gte=0, spec__isnull=False),
+                name="wf_step_map_element_fields",
+            ),
         ]
         indexes = [
             # The admin list's order (newest first, UUIDv7 ids) and lookups by id alone; the
@@ -346,6 +392,12 @@ class Step(CommunityScoped):
                 fields=["wait_deadline"],
                 condition=Q(state="waiting", wait_deadline__isnull=False),
                 name="wf_step_wait_deadline_idx",
+            ),
+            # send_event finds the steps waiting for (name, key) of a community.
+            models.Index(
+                fields=["community", "event_name", "event_key"],
+                condition=Q(state="waiting", event_name__isnull=False),
+                name="wf_step_event_wait_idx",
             ),
         ]
         triggers = [
@@ -460,3 +512,41 @@ class Schedule(CommunityScoped):
 
     def __str__(self) -> str:
         return f"{self.cron} -> {self.workflow_id}"
+
+
+class SentEvent(CommunityScoped):
+    """The last event sent under a (name, key) of a community (SPEC 16 "Engine waits"):
+    :func:`~buzz_delivery.workflows.services.send_event` writes it and, in the same transaction,
+    resumes every step waiting for it; a ``wait_event`` step that starts while it is kept
+    (``expires_at``, ``BUZZ_WORKFLOWS['EVENT_RETENTION_SECONDS']`` after it was sent) takes it
+    at once. The row is also the lock a send and a starting wait meet on (``sent_at`` NULL: a
+    wait created it, nothing was sent yet), so an event sent while a step parks is never lost.
+    The maintenance deletes rows past ``expires_at`` and the placeholders."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    name = models.CharField(max_length=200)
+    key = models.TextField()
+    payload = models.JSONField(null=True, blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    sends = models.IntegerField(default=0)
+    resumed = models.IntegerField(default=0)
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "buzz_workflows_sent_event"
+        constraints = [
+            models.UniqueConstraint(fields=["community", "name", "key"], name="wf_sent_event_key"),
+            models.CheckConstraint(
+                condition=Q(sent_at__isnull=True, payload__isnull=True, expires_at__isnull=True, sends=0)
+                | Q(sent_at__isnull=False, payload__isnull=False, expires_at__isnull=False, sends__gte=1),
+                name="wf_sent_event_sent_iff_payload",
+            ),
+            models.CheckConstraint(condition=Q(resumed__gte=0), name="wf_sent_event_resumed_gte_0"),
+        ]
+        indexes = [models.Index(fields=["expires_at"], name="wf_sent_event_expires_idx")]
+        triggers = [*triggers.write_fence()]
+        permissions = [("send_workflow_event", "Can send workflow events to waiting steps")]
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.key}"

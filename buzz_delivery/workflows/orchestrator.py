@@ -40,7 +40,14 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
-from buzz_delivery.workflows.services import claim_steps, communities_with_ready_steps, renew_step
+from buzz_delivery.workflows.registry import missing_counts
+from buzz_delivery.workflows.services import (
+    claim_steps,
+    communities_with_due_waits,
+    communities_with_ready_steps,
+    end_due_waits,
+    renew_step,
+)
 from buzz_delivery.workflows.services.steps import MAX_CLAIM
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 
@@ -159,6 +166,7 @@ class Orchestrator:
         )
         self.signal_name: str | None = None
         self.renew_done = threading.Event()
+        self.next_due_check = 0.0  # when the dispatcher next ends the due sleeps and waits
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -222,7 +230,13 @@ class Orchestrator:
 
     def _count(self, outcome: object) -> None:
         if isinstance(outcome, Settled):
-            key = {"succeeded": "succeeded", "failed": "failed", "ready": "retried", "waiting": "waiting"}
+            key = {
+                "succeeded": "succeeded",
+                "failed": "failed",
+                "ready": "retried",
+                "waiting": "waiting",
+                "pending": "waiting",
+            }
             self.add(key.get(outcome.status, "succeeded"))
         elif isinstance(outcome, AlreadyTerminal):
             self.add("already_terminal")
@@ -315,6 +329,22 @@ class Orchestrator:
             )
         return claims
 
+    def _end_due_waits(self) -> None:
+        """At most once a poll interval: sleeps and event waits whose time came end now
+        (``end_due_waits``), not at the next maintenance pass; what they release NOTIFYs."""
+        now = time.monotonic()
+        if now < self.next_due_check:
+            return
+        self.next_due_check = now + self.config.poll_interval
+        try:
+            c = self.config.community_id
+            for community in [c] if c is not None else communities_with_due_waits():
+                end_due_waits(community)
+        except DatabaseError as exc:
+            logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
+            close_old_connections()
+            connection.close()
+
     def dispatch(self) -> str:
         c = self.config
         idle_since = time.monotonic()
@@ -325,6 +355,7 @@ class Orchestrator:
                 return self.signal_name
             if self.stop.is_set():
                 return "stopped"
+            self._end_due_waits()
             if c.max_steps is not None and started >= c.max_steps:
                 return "max_steps"
             room = self._room()
@@ -383,6 +414,7 @@ class Orchestrator:
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, Any]:
         c = self.config
+        missing_before = missing_counts()
         threads = [
             threading.Thread(target=self._step_thread, name=f"buzz-workflows-step-{i}", daemon=True)
             for i in range(c.concurrency)
@@ -421,7 +453,10 @@ class Orchestrator:
         exit_code = EXIT_OK if reason in ("SIGTERM", "SIGINT", "stopped", "idle_exit", "max_steps") else EXIT_ERROR
         if self.counts["abandoned"] and exit_code == EXIT_OK:
             exit_code = EXIT_ABANDONED
-        return {**self.counts, "reason": reason, "exit_code": exit_code}
+        # Steps that named a function this process does not have: {name: steps} (the log says how
+        # to register it; the step failed function_not_registered).
+        missing = dict(sorted((missing_counts() - missing_before).items()))
+        return {**self.counts, "not_registered": missing, "reason": reason, "exit_code": exit_code}
 
 
 def run_orchestrator(

@@ -29,6 +29,13 @@ from buzz_delivery.workflows.services.types import (
     StepLease,
     StepRenewed,
 )
+from buzz_delivery.workflows.services.waits import (
+    DueWaits,
+    EventSent,
+    communities_with_due_waits,
+    end_due_waits,
+    send_event,
+)
 
 __all__ = [
     "AlreadyDecided",
@@ -36,6 +43,8 @@ __all__ = [
     "Canceled",
     "CompletedBatch",
     "Decided",
+    "DueWaits",
+    "EventSent",
     "Expired",
     "RunView",
     "StepClaim",
@@ -43,12 +52,14 @@ __all__ = [
     "StepRenewed",
     "cancel_run",
     "claim_steps",
+    "communities_with_due_waits",
     "communities_with_ready_steps",
     "complete_and_claim_steps",
     "complete_step",
     "complete_steps",
     "create_schedule",
     "decide_approval",
+    "end_due_waits",
     "fail_step",
     "get_run",
     "park_step",
@@ -56,6 +67,7 @@ __all__ = [
     "renew_step",
     "request_approval",
     "restart_run",
+    "send_event",
     "start_due_schedules",
     "start_run",
     "validate_definition",

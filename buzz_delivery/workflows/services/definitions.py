@@ -12,6 +12,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows import definition as d
+from buzz_delivery.workflows.builder import Definition
 from buzz_delivery.workflows.models import DefinitionVersion
 
 LOCK_WORKFLOW = """SELECT 1 FROM buzz_delivery_workflow
@@ -20,9 +21,10 @@ WHERE community_id = %(community_id)s AND id = %(workflow_id)s FOR NO KEY UPDATE
 
 @tenant_scoped
 def publish_definition(
-    community_id: uuid.UUID | str, workflow_id: uuid.UUID | str, definition: dict[str, Any]
+    community_id: uuid.UUID | str, workflow_id: uuid.UUID | str, definition: dict[str, Any] | Definition
 ) -> DefinitionVersion:
-    """Validate ``definition`` and store it as the workflow's next immutable version.
+    """Validate ``definition`` (JSON, or a code-first :class:`~buzz_delivery.workflows.builder.Definition`,
+    whose JSON it stores) and store it as the workflow's next immutable version.
 
     Identical content (same canonical JSON after normalisation) returns the existing version
     and writes nothing. Versions number 1, 2, ... per workflow; concurrent publishers of one
@@ -37,15 +39,14 @@ def publish_definition(
     """
     community = v.uuid_value(community_id, "community_id")
     workflow = v.uuid_value(workflow_id, "workflow_id")
-    norm = d.validate_definition(definition)
+    norm = d.validate_definition(definition.to_json() if isinstance(definition, Definition) else definition)
     if not Workflow.objects.filter(community_id=community, id=workflow).exists():
         raise v.invalid("workflow_id", "no such workflow in this community")
     for i, step in enumerate(norm["steps"]):
-        if (
-            step["kind"] == "sub_workflow"
-            and not Workflow.objects.filter(community_id=community, id=step["workflow"]).exists()
-        ):
-            raise v.invalid(f"steps[{i}].workflow", f"step {step['key']!r}: no such workflow in this community")
+        named = step if step["kind"] == "sub_workflow" else step.get("do", {})
+        field = "workflow" if step["kind"] == "sub_workflow" else "do.workflow"
+        if "workflow" in named and not Workflow.objects.filter(community_id=community, id=named["workflow"]).exists():
+            raise v.invalid(f"steps[{i}].{field}", f"step {step['key']!r}: no such workflow in this community")
     digest = d.content_hash(norm)
     with transaction.atomic(), translated_errors():
         fetch_all(LOCK_WORKFLOW, {"community_id": community, "workflow_id": workflow})

@@ -1,7 +1,9 @@
 """The engine's cron maintenance (SPEC section 11 "Orchestrator", "Retries and timeouts"):
 lapsed step leases reclaimed (an attempt spent: ``ready`` again, or ``failed`` with
 ``attempts_exhausted``), step timeouts (``step_timeout``), wait timeouts (``wait_timeout``; a
-timed-out ``sub_workflow`` step's child run is canceled with it),
+timed-out ``sub_workflow`` step's child run is canceled with it), sleeps woken and
+``wait_event`` timeouts under their ``on_timeout`` (:mod:`~buzz_delivery.workflows.services.waits`),
+sent events past their keeping window deleted,
 approval deadlines (``approval_expired``), run deadlines (``run_deadline``), and the due slots
 of cron schedules started (:mod:`~buzz_delivery.workflows.services.schedules`); the pending
 deliveries of runs that ended in the batch are expired (core ``expire_run_deliveries``).
@@ -29,14 +31,23 @@ from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.schedules import start_due_schedules
-from buzz_delivery.workflows.services.sql import ACTIVE, APPROVAL, COMMUNITY, LOCK_RUNS, RUN, STEP, step_entry
+from buzz_delivery.workflows.services.sql import (
+    ACTIVE,
+    APPROVAL,
+    COMMUNITY,
+    LOCK_RUNS,
+    RUN,
+    SENT_EVENT,
+    STEP,
+    step_entry,
+)
+from buzz_delivery.workflows.services.waits import PRUNE_SENT_EVENTS, WAIT_OVER, DueWaits, end_due_waits_in
 
 LAPSED = f"s.state = 'running' AND s.lease_until < {DB_NOW}"
 OVERRUN = (
     f"s.state = 'running' AND s.timeout_seconds IS NOT NULL"
     f" AND s.claimed_at + make_interval(secs => s.timeout_seconds) < {DB_NOW}"
 )
-WAIT_OVER = f"s.state = 'waiting' AND s.wait_deadline < {DB_NOW}"
 # A step's approval (an agent's has no step: the agents' reaper expires those, in its own order).
 APPROVAL_OVER = f"a.state = 'pending' AND a.step_id IS NOT NULL AND a.deadline_at < {DB_NOW}"
 RUN_OVER = f"r.state = 'running' AND r.deadline_at < {DB_NOW}"
@@ -109,12 +120,19 @@ UPDATE {STEP} AS s SET state = 'failed', failure_code = 'approval_expired',
 WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND s.state = 'waiting' AND {ACTIVE}
 RETURNING s.id
 """
+# send_message and sub_workflow waits (sleep and wait_event steps carry on_timeout: services.waits).
 FAIL_OVERDUE_WAITS = f"""
 UPDATE {STEP} AS s SET state = 'failed', failure_code = 'wait_timeout',
     failure_message = 'the wait ran past its wait_timeout_seconds', wait_deadline = NULL, finished_at = {DB_NOW},
     {step_entry("'expire'", "s.lease_generation", "'reaper'", status="'failed'")}
-WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {WAIT_OVER} AND {ACTIVE}
+WHERE s.community_id = %(community_id)s AND s.id = ANY(%(ids)s) AND {WAIT_OVER} AND s.on_timeout IS NULL AND {ACTIVE}
 RETURNING s.id, s.child_run_id
+"""
+COMMUNITIES_WITH_OLD_EVENTS = f"""
+SELECT DISTINCT e.community_id FROM {SENT_EVENT} AS e
+JOIN {COMMUNITY} AS c ON c.id = e.community_id AND c.deletion_state = 'active'
+WHERE e.expires_at IS NULL OR e.expires_at < {DB_NOW}
+LIMIT %(limit)s
 """
 # A sub_workflow step that gave up waiting cancels its child run (and, recursively, the child's
 # children): nothing goes on sending or waiting for approvals under a run that no longer waits
@@ -142,6 +160,8 @@ class WorkflowReapResult:
     slots_missed: int = 0
     timed_out: int = 0
     wait_timed_out: int = 0
+    woken: int = 0
+    events_pruned: int = 0
     approvals_expired: int = 0
     skipped_busy: int = 0
     communities: int = 0
@@ -155,6 +175,7 @@ class WorkflowReapResult:
             + self.exhausted
             + self.timed_out
             + self.wait_timed_out
+            + self.woken
             + self.approvals_expired
             + self.runs_timed_out
         )
@@ -187,6 +208,10 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
             fetch_all(FAIL_STEPS_OF_EXPIRED_APPROVALS, {**params, "ids": [row[0] for row in expired]})
         timed_out = fetch_all(FAIL_OVERDUE_WAITS, params)
         result.wait_timed_out += len(timed_out)
+        due = DueWaits()  # sleeps woken, wait_event timeouts under their on_timeout
+        end_due_waits_in({**params, "actor": "reaper"}, step_ids, due)
+        result.woken += due.woken
+        result.wait_timed_out += due.timed_out
         children = [row[1] for row in timed_out if row[1] is not None]
         for child in children:
             fetch_all(CANCEL_CHILD_OF_TIMED_OUT_STEP, {**params, "run_id": child})
@@ -206,6 +231,18 @@ def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
             runs = [row[0] for row in fetch_all(sql.RUNS_WITH_DELIVERIES_TO_EXPIRE, params)]
             fetch_all(LOCK_RUNS, {**params, "run_ids": sorted(runs)})
             result.deliveries_expired += expire_deliveries_of_ended_runs(community, runs)  # type: ignore[arg-type]
+        result.batches += 1
+
+
+def _prune_sent_events(limit: int, result: WorkflowReapResult) -> None:
+    """Events past their keeping window, and the empty rows waits locked, deleted per community."""
+    for (community,) in fetch_all(COMMUNITIES_WITH_OLD_EVENTS, {"limit": 100}):
+        with transaction.atomic(), translated_errors():
+            params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+            if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+                result.skipped_busy += 1
+                continue
+            result.events_pruned += len(fetch_all(PRUNE_SENT_EVENTS, params))
         result.batches += 1
 
 
@@ -232,6 +269,7 @@ def reap_workflow_steps(
         result.runs_scheduled, result.slots_missed = scheduled.started, scheduled.missed
         result.skipped_busy += scheduled.skipped_busy
         _expire_left_deliveries(size, result)
+        _prune_sent_events(size, result)
     done: set[object] = set()
     while max_batches is None or result.batches < max_batches:
         communities = [row[0] for row in fetch_all(CANDIDATE_COMMUNITIES, {"limit": 100})]

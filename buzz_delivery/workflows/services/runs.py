@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from typing import Any, cast
 
 from django.db import IntegrityError, connection, transaction
+from django.db.models import F
 
 from buzz_delivery import services as core
 from buzz_delivery.exceptions import CommunityNotWritable
@@ -18,7 +19,7 @@ from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.exceptions import IdempotencyConflict, RunNotFound, RunNotRestartable
-from buzz_delivery.workflows.models import DefinitionVersion, Run, Step
+from buzz_delivery.workflows.models import MAX_TAGS, TAG_MAX_CHARS, DefinitionVersion, Run, Step
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import json_argument
 from buzz_delivery.workflows.services.types import Canceled, RunView
@@ -107,10 +108,15 @@ def create_run(
     parent: tuple[Run, str] | None = None,
     restart_of: Run | None = None,
     deadline_seconds: int | None = None,
+    tags: list[str] | None = None,
 ) -> Run:
     """Insert the core run, the engine run and its steps, and release the root steps, in the
     caller's transaction (one statement, plus the release of root steps that have a ``when``).
-    Internal: the public entry points validate first."""
+    ``tags`` None: the parent's (a child run), the restarted run's, or none. Internal: the
+    public entry points validate first."""
+    if tags is None:
+        source = parent[0] if parent else restart_of
+        tags = list(source.tags) if source is not None else []
     template, release_roots = _step_template(version)
     run_id = run_id or cast(uuid.UUID, new_uuid7())
     steps = [{**row, "id": str(new_uuid7())} for row in template]
@@ -129,6 +135,7 @@ def create_run(
         "steps_total": len(steps),
         "deadline_seconds": deadline_seconds,
         "steps": json.dumps(steps),
+        "tags": tags,
     }
     if release_roots:
         with transaction.atomic():
@@ -159,6 +166,23 @@ def expire_deliveries_of_ended_runs(community: uuid.UUID, run_ids: list[Any]) ->
     return total
 
 
+def valid_tags(tags: Any) -> list[str]:
+    """``tags`` checked: a list of at most 20 distinct strings of 1..100 characters, none with
+    whitespace (the admin's search splits on it). Raises ``ValidationError`` keyed ``tags``."""
+    if tags is None:
+        return []
+    if not isinstance(tags, list | tuple) or len(tags) > MAX_TAGS:
+        raise v.invalid("tags", f"must be a list of at most {MAX_TAGS} strings")
+    out: list[str] = []
+    for i, tag in enumerate(tags):
+        if not isinstance(tag, str) or not 1 <= len(tag) <= TAG_MAX_CHARS or any(c.isspace() for c in tag):
+            raise v.invalid("tags", f"tags[{i}]: must be 1..{TAG_MAX_CHARS} characters without whitespace")
+        out.append(v.storable_text(tag, "tags"))
+    if len(set(out)) != len(out):
+        raise v.invalid("tags", "names a tag twice")
+    return out
+
+
 @tenant_scoped
 def start_run(
     community_id: uuid.UUID | str,
@@ -169,6 +193,7 @@ def start_run(
     idempotency_key: str | None = None,
     version: int | None = None,
     deadline_seconds: int | None = None,
+    tags: list[str] | None = None,
 ) -> Run:
     """Start a run of the workflow's latest version (or ``version``), pinned to that version.
 
@@ -176,12 +201,14 @@ def start_run(
     ``idempotency_key``: 1..200 characters; a second start with the same key returns the first
     run when the input is equal, else raises :class:`IdempotencyConflict`. ``deadline_seconds``
     (1..366 days, None = none): the maintenance fails the run (``run_deadline``) once it is
-    still running that long after its start (database clock). The root steps are
+    still running that long after its start (database clock). ``tags``: the run's labels for
+    search (at most 20 distinct strings of 1..100 characters without whitespace; its child runs
+    and restarts carry them too). The root steps are
     ``ready`` (or ``skipped`` by their ``when``) when this returns; orchestrators are woken by a
     NOTIFY at commit. Returns the engine :class:`Run` (``run.pk`` is the core run's id).
 
     Raises ``ValidationError`` keyed ``community_id``, ``workflow_id``, ``input``, ``cause``,
-    ``idempotency_key``, ``version`` or ``deadline_seconds`` before anything is written;
+    ``idempotency_key``, ``version``, ``deadline_seconds`` or ``tags`` before anything is written;
     :class:`~buzz_delivery.exceptions.CommunityNotWritable` when the community is not active.
     SPEC section 11.
     """
@@ -200,6 +227,7 @@ def start_run(
         version = v.int_in_range(version, "version", 1, 2**31 - 1)
     if deadline_seconds is not None:
         deadline_seconds = v.int_in_range(deadline_seconds, "deadline_seconds", 1, 366 * 86400)
+    run_tags = valid_tags(tags)
     pinned = _version(community, workflow, version)
 
     def existing() -> Run | None:
@@ -224,6 +252,7 @@ def start_run(
                 cause,
                 idempotency_key=idempotency_key,
                 deadline_seconds=deadline_seconds,
+                tags=run_tags,
             )
     except IntegrityError:
         if idempotency_key is not None and (found := existing()) is not None:
@@ -239,7 +268,8 @@ def get_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> RunView |
     run = Run.objects.filter(community_id=community, run_id=rid).first()
     if run is None:
         return None
-    return RunView(run=run, steps=list(Step.objects.filter(community_id=community, run_id=rid).order_by("position")))
+    rows = Step.objects.filter(community_id=community, run_id=rid)  # a map step before its items, in order
+    return RunView(run=run, steps=list(rows.order_by("position", F("item_index").asc(nulls_first=True))))
 
 
 @tenant_scoped

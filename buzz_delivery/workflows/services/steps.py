@@ -11,6 +11,7 @@ When nothing matched, the step is read at the holder's generation: terminal ther
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
@@ -98,7 +99,11 @@ def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
     ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
     for row in sorted(rows, key=lambda r: (r[ready_at], r[step_id])):
         step = Step.from_db("default", sql.STEP_ATTNAMES, row[:-1])
-        spec = definition_steps(row[-1])[step.key]
+        # A map's element carries its own spec (jsonb, as text from the cursor); the definition's
+        # steps are cached per version.
+        if isinstance(step.spec, str):
+            step.spec = json.loads(step.spec)
+        spec = step.spec if step.spec is not None else definition_steps(row[-1])[step.key]
         lease = StepLease(
             community_id=step.community_id,
             step_id=step.id,

@@ -1,9 +1,11 @@
 """``manage.py run_workflow_worker``: the workflow orchestrator (SPEC section 11).
 
 Claims ready steps of one community (``--community``) or of all (``--all``), runs them with
-lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Prints one
-JSON summary line at exit: ``{"claimed","succeeded","failed","retried","waiting","lease_lost",
-"already_terminal","renewed","errors","abandoned","reason","exit_code"}``. Exit codes: 0 clean
+lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Logs the
+function names it knows at start. Prints one JSON summary line at exit: ``{"claimed",
+"succeeded","failed","retried","waiting","lease_lost","already_terminal","renewed","errors",
+"abandoned","not_registered","reason","exit_code"}`` (``not_registered``: ``{function name:
+steps}`` that named a function this worker does not have). Exit codes: 0 clean
 stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace.
 """
 
@@ -28,6 +30,7 @@ from buzz_delivery.workflows.orchestrator import (
     run_orchestrator,
     summary_line,
 )
+from buzz_delivery.workflows.registry import registered_names
 
 
 class Command(StrictOptionsCommand):
@@ -72,6 +75,10 @@ class Command(StrictOptionsCommand):
             logging.getLogger("buzz_delivery.workflows").setLevel(
                 logging.WARNING if options["verbosity"] == 0 else logging.DEBUG
             )
+        names = registered_names()
+        logging.getLogger("buzz_delivery.workflows").info(
+            "functions_registered count=%d names=%s", len(names), ",".join(names[:50])
+        )
         config = OrchestratorConfig(
             community_id=options["community"],
             concurrency=options["concurrency"],
