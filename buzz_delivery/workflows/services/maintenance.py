@@ -238,8 +238,8 @@ def _prune_sent_events(limit: int, result: WorkflowReapResult) -> None:
     """Events past their keeping window, and the empty rows waits locked, deleted per community."""
     for (community,) in fetch_all(COMMUNITIES_WITH_OLD_EVENTS, {"limit": 100}):
         with transaction.atomic(), translated_errors():
-            params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
-            if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+            params = {"community_id": community, "limit": limit}
+            if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
                 result.skipped_busy += 1
                 continue
             result.events_pruned += len(fetch_all(PRUNE_SENT_EVENTS, params))
