@@ -73,7 +73,8 @@ def reset(conn: psycopg.Connection) -> None:
 
 
 def clear_deliveries(conn: psycopg.Connection) -> None:
-    """Empty both delivery tables (tenants stay; CASCADE: the tasks app's results point at deliveries)."""
+    """Empty both delivery tables (tenants stay), and what references a delivery (the tasks
+    backend's results)."""
     conn.execute(f"TRUNCATE {OURS}, {RAW_TABLE} CASCADE")
 
 

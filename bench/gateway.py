@@ -79,6 +79,9 @@ def start_gunicorn(url: str, port: int, log) -> subprocess.Popen:
     # Persistent connections (Django's CONN_MAX_AGE, from the URL): each gthread thread keeps its
     # own instead of opening one per request.
     env = {**os.environ, "DATABASE_URL": f"{url}?conn_max_age=60", "PYTHONPATH": str(ROOT), "LOG_LEVEL": "WARNING"}
+    # One agent drains the queue with K workers of 8 handler threads: its requests in flight may
+    # exceed the per-key bound the server keeps for a fleet of agents (docs/gateway.md).
+    env["BUZZ_GATEWAY_MAX_REQUESTS_PER_KEY"] = "64"
     proc = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "project.wsgi:application", "--worker-class", "gthread",
          "--workers", "2", "--threads", "32", "--bind", f"127.0.0.1:{port}", "--chdir", str(ROOT),

@@ -158,6 +158,11 @@ def check_runtime_role_obeys_rls(
             )
             row = cursor.fetchone()
             cursor.execute(
+                "SELECT has_function_privilege(r.oid, %s, 'EXECUTE') FROM pg_roles r WHERE r.rolname = %s",
+                [isolation.ACTIVITY_FUNCTIONS[0], runtime],
+            )
+            reads_activity = bool((cursor.fetchone() or [False])[0])
+            cursor.execute(
                 "SELECT array_agg(n) FROM unnest(%s::text[]) n"
                 " WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = n)"
                 " OR NOT pg_has_role(current_user, n, 'MEMBER')",
@@ -184,6 +189,16 @@ def check_runtime_role_obeys_rls(
                 "the services will fail.",
                 hint="GRANT those roles to the login (docs/tenant-isolation.md).",
                 id="buzz_delivery.W021",
+            )
+        )
+    if reads_activity and not row[0]:
+        found.append(
+            checks.Warning(
+                f"Tenant isolation is on, but the tenant code's role {runtime!r} may read pg_stat_activity: "
+                "every session of a shared tenant login sees the others' statements, values included.",
+                hint="Run the pg_stat_activity statements of `manage.py tenant_isolation sql` as a superuser "
+                "(docs/security.md).",
+                id="buzz_delivery.W022",
             )
         )
     if not why:

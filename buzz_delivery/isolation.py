@@ -128,11 +128,79 @@ def role_sql(names: Roles) -> list[str]:
 TENANT_TABLE_GRANTS = {"buzz_gateway_seen_event": "INSERT, SELECT (event_id)"}
 
 
+def sequence_sql(names: Roles) -> list[str]:
+    """Sequence rights (issue 27): none on any sequence of the schema (the host project's, such
+    as ``auth_user_id_seq``, included), then, on the sequences owned by the apps' own tables
+    (``<app label>_...``: today ``buzz_delivery_event_id_seq``), ``USAGE`` (``nextval``) to the
+    tenant role, which may not read the fleet-wide value (``SELECT``), and ``USAGE, SELECT`` to
+    the maintenance role. Judged by the database, so every app's migration can run it again."""
+    tenant, fleet = _ident(names.tenant), _ident(names.maintenance)
+    prefixes = ", ".join("'" + label.replace("_", "\\_") + "\\_%'" for label in APP_LABELS)
+    return [
+        f"REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM {tenant}, {fleet}",
+        f"""DO $$ DECLARE s regclass; BEGIN
+    FOR s IN SELECT q.oid::regclass FROM pg_class q
+             JOIN pg_namespace n ON n.oid = q.relnamespace AND n.nspname = 'public'
+             JOIN pg_depend d ON d.classid = 'pg_class'::regclass AND d.objid = q.oid AND d.deptype IN ('a', 'i')
+             JOIN pg_class t ON t.oid = d.refobjid
+             WHERE q.relkind = 'S' AND t.relname LIKE ANY (ARRAY[{prefixes}]) LOOP
+        EXECUTE format('GRANT USAGE ON SEQUENCE %s TO %s', s, {_literal(tenant)});
+        EXECUTE format('GRANT USAGE, SELECT ON SEQUENCE %s TO %s', s, {_literal(fleet)});
+    END LOOP;
+END $$""",
+    ]
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+# What shows another session's statement, literals included (pg_stat_activity.query): executable
+# by every role by default, and PostgreSQL shows a session's text to any session of the same
+# login; the documented tenant login is one login shared by every community's code.
+ACTIVITY_FUNCTIONS = ("pg_catalog.pg_stat_get_activity(integer)", "pg_catalog.pg_stat_get_backend_activity(integer)")
+ACTIVITY_VIEWS = ("pg_catalog.pg_stat_activity",)
+
+
+def activity_sql() -> list[str]:
+    """Statements that keep every role but superusers and ``pg_read_all_stats`` (``pg_monitor``)
+    from reading other sessions' statements in this database (issue 27): ``EXECUTE`` on the
+    functions behind ``pg_stat_activity`` (and the views built on it) revoked from ``PUBLIC``.
+    Only a superuser may run them (the functions are the bootstrap superuser's)."""
+    out = []
+    for view in ACTIVITY_VIEWS:
+        out += [f"REVOKE SELECT ON {view} FROM PUBLIC", f"GRANT SELECT ON {view} TO pg_read_all_stats"]
+    for function in ACTIVITY_FUNCTIONS:
+        out += [
+            f"REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC",
+            f"GRANT EXECUTE ON FUNCTION {function} TO pg_read_all_stats",
+        ]
+    return out
+
+
+def hide_activity(cursor: Any) -> bool:
+    """Run :func:`activity_sql` when the current user is a superuser; returns False (and warns)
+    when it is not (a DBA runs ``manage.py tenant_isolation sql``'s statements)."""
+    cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+    row = cursor.fetchone()
+    if not (row and row[0]):
+        warnings.warn(
+            "buzz_delivery: this user may not revoke other roles' access to pg_stat_activity; every session of "
+            "the shared tenant login can read the others' statements. Have a DBA run the statements of "
+            "`manage.py tenant_isolation sql` that revoke it.",
+            stacklevel=2,
+        )
+        return False
+    for statement in activity_sql():
+        cursor.execute(statement)
+    return True
+
+
 def grant_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[str]:
     """GRANT statements: schema usage for both roles; the maintenance role DML on every table;
     the tenant role DML on the community-scoped tables only (the community table itself: read
     and the row locks of the write fence, its policies refuse every write), plus
-    :data:`TENANT_TABLE_GRANTS`. Sequences for both."""
+    :data:`TENANT_TABLE_GRANTS`. Sequences: :func:`sequence_sql`."""
     tenant, fleet = _ident(names.tenant), _ident(names.maintenance)
     out = [f"GRANT USAGE ON SCHEMA public TO {tenant}, {fleet}"]
     for table, column in tables:
@@ -144,8 +212,7 @@ def grant_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[st
             out.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {_ident(table)} TO {tenant}")
         elif table in TENANT_TABLE_GRANTS:
             out.append(f"GRANT {TENANT_TABLE_GRANTS[table]} ON {_ident(table)} TO {tenant}")
-    out.append(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {tenant}, {fleet}")
-    return out
+    return out + sequence_sql(names)
 
 
 def policy_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[str]:
@@ -233,6 +300,7 @@ def install(cursor: Any, tables: Sequence[tuple[str, str | None]]) -> bool:
         return False
     for statement in (*grant_sql(tables, names), *policy_sql(tables, names)):
         cursor.execute(statement)
+    hide_activity(cursor)
     return True
 
 
@@ -332,6 +400,6 @@ def dba_script() -> str:
     policies, and the statement that enables enforcement (commented out)."""
     tables = installed_tables()
     names = roles()
-    lines = [*role_sql(names), *grant_sql(tables, names), *policy_sql(tables, names)]
+    lines = [*role_sql(names), *grant_sql(tables, names), *policy_sql(tables, names), *activity_sql()]
     lines.append("-- then, as the tables' owner: manage.py tenant_isolation enable")
     return ";\n".join(line.rstrip(";") for line in lines[:-1]) + ";\n" + lines[-1] + "\n"

@@ -2,8 +2,10 @@
 
 - :func:`write_fence` goes on every community-scoped table (SPEC section 5): its three
   triggers run ``buzz_delivery_write_fence_row()`` (migrations 0014 and 0016), which calls
-  ``buzz_delivery_check_write_fence(community_id, op)`` (migration 0002),
-  which takes the community's fence advisory lock in shared mode and rejects
+  ``buzz_delivery_check_write_fence(community_id, op)`` (migration 0002; 0019),
+  which tries the community's fence advisory lock in shared mode (or, when it is held or
+  awaited, meets a lifecycle move on the community row: any session may take an advisory lock,
+  and one that did must not freeze the community's writes) and rejects
   the write (SQLSTATE ``BD001``) unless the community is ``active`` or the
   purge executor has identified itself for it. Once a transaction has found a community
   ``active`` under that lock it remembers so in the transaction-local setting

@@ -112,6 +112,10 @@ BUZZ_GATEWAY: dict[str, object] = {
     "MAX_WAIT_SECONDS": env.float("BUZZ_GATEWAY_MAX_WAIT_SECONDS", default=30),
     "POLL_SECONDS": env.float("BUZZ_GATEWAY_POLL_SECONDS", default=1.0),
     "PUBLIC_BASE_URL": env.str("BUZZ_GATEWAY_PUBLIC_BASE_URL", default="") or None,
+    "MAX_REQUESTS_PER_KEY": env.int("BUZZ_GATEWAY_MAX_REQUESTS_PER_KEY", default=16),
+    "MAX_REQUESTS_PER_COMMUNITY": env.int("BUZZ_GATEWAY_MAX_REQUESTS_PER_COMMUNITY", default=24),
+    "MAX_LONG_POLLS_PER_KEY": env.int("BUZZ_GATEWAY_MAX_LONG_POLLS_PER_KEY", default=4),
+    "MAX_LONG_POLLS_PER_COMMUNITY": env.int("BUZZ_GATEWAY_MAX_LONG_POLLS_PER_COMMUNITY", default=12),
 }
 # Workers connected through a transaction pooler hear no NOTIFY: give their LISTEN a direct URL.
 if env.str("BUZZ_LISTEN_DATABASE_URL", default=""):

@@ -136,19 +136,23 @@ def _fill_engine(community: models.Community, workflows: list[models.Workflow]) 
 
 def _fill_agents(community: models.Community, workflows: list[models.Workflow]) -> None:
     """Per workflow, when ``buzz_delivery.agents`` is installed: a run whose send_message step
-    awaits agent runs (a step wait), and an intake-started agent run with one journaled call."""
+    awaits agent runs (a step wait), an intake-started agent run with one journaled call, and an
+    agent's policy (plus the community's own)."""
     from django.apps import apps
 
     if not apps.is_installed("buzz_delivery.agents"):
         return
     from buzz_delivery.agents.services import claim_agent_runs, intake_event, journal_call
+    from buzz_delivery.agents.services.policy import set_policy
     from buzz_delivery.services import Cause
     from buzz_delivery.testing import random32
     from buzz_delivery.workflows.services import publish_definition, start_run
     from buzz_delivery.workflows.testing import run_until_idle, send_step
 
     agent = random32()
+    set_policy(community.id, max_tool_calls=1000, updated_by="fill_community")
     for w in workflows:
+        set_policy(community.id, random32(), max_cost=10, updated_by="fill_community")
         step = send_step("ask", [random32()], **{"await": "agent_run"})
         version = publish_definition(community.id, w.id, {"steps": [step]})
         start_run(community.id, w.id, {}, cause=Cause.event(random32()), version=version.version)

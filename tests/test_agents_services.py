@@ -394,10 +394,11 @@ def test_a_run_waiting_for_approval_holds_no_lease_and_resumes_once_decided(comm
     assert (approval.state, approval.run_id, approval.step_id) == ("pending", None, None)
     assert isinstance(decide_approval(community.id, approval.id, "approved", "alice"), Decided)
     entry = JournalEntry.objects.get(run_id=run_id, seq=1)
+    # What the agent reads back names no operator (issue 27); the run's history, the operators', does.
     assert (entry.kind, entry.status, entry.output) == (
         "approval",
         "succeeded",
-        {"decision": "approved", "decided_by": "alice"},
+        {"decision": "approved", "decided_by": "operator"},
     )
     again = claim(community.id, run_id, "w2")
     assert again.lease_generation == lease.lease_generation + 1

@@ -626,6 +626,10 @@ UNCHECKED_BEFORE_SQL: list[tuple[str, Call, str]] = [
     ("commit execution_trace NUL in a string", lambda w: commit(w, execution_trace={"x": "a\x00b"}), "execution_trace"),
     ("commit trigger_context NUL in a key", lambda w: commit(w, trigger_context={"a\x00": 1}), "trigger_context"),
     ("commit execution_trace nested 5000 deep", lambda w: commit(w, execution_trace=_nested(5000)), "execution_trace"),
+    # Deep enough that a reader whose stack is already deep (a view, the admin) cannot load it
+    # back, shallow enough that json.dumps here passed it (issue 27): bounded at 100 levels.
+    ("commit execution_trace nested 200 deep", lambda w: commit(w, execution_trace=_nested(200)), "execution_trace"),
+    ("commit trigger_context nested 101 deep", lambda w: commit(w, trigger_context=_nested(101)), "trigger_context"),
     (
         "finish failure_message NUL",
         lambda w: services.finish_delivery(w.lease, "failed", failure_message="a\x00b"),

@@ -58,7 +58,11 @@ def test_one_trace_runs_from_the_producer_through_commit_claim_and_settle_to_the
         handled.set()
 
     config = WorkerConfig(
-        community_id=community.id, target_pubkey=target, handler=handler, max_deliveries=1, idle_exit=5.0,
+        community_id=community.id,
+        target_pubkey=target,
+        handler=handler,
+        max_deliveries=1,
+        idle_exit=5.0,
         poll_interval=0.2,
     )
     run_worker(config, handle_signals=False)

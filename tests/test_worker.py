@@ -18,6 +18,7 @@ from django.db import connection
 from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import DeliveryFactory, random32
+from tests.worker_support import one_worker_listening
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -193,15 +194,7 @@ def test_a_lease_taken_away_mid_handler_drops_the_result(community, make_binding
 def test_a_wake_hint_gets_a_new_delivery_claimed_long_before_the_next_poll(make_binding, start_worker):
     target = random32()
     worker = start_worker(target, "--poll-interval", "60", "--max-deliveries", "1", "--lease-seconds", "2")
-
-    def listening() -> bool:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%%'"
-            )
-            return cursor.fetchone()[0] == 1
-
-    wait_until(listening, what="the worker to LISTEN")
+    wait_until(one_worker_listening, what="the worker to LISTEN")
     time.sleep(0.5)  # let the start-up poll find nothing and go to sleep for 60 s
     (delivery_id,) = commit(make_binding, target)
 

@@ -257,6 +257,12 @@ def _held_fence_locks(community_id, pid: int) -> list[str]:
         return [row[0] for row in cursor.fetchall()]
 
 
+def _blocking_pids(pid: int) -> list[int]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_blocking_pids(%s)", [pid])
+        return cursor.fetchone()[0]
+
+
 def _wait_until(predicate, timeout: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -323,7 +329,9 @@ def test_a_move_waits_for_a_writer_inside_its_transaction_and_lets_no_later_writ
 
             late = pool.submit(late_writer)
             assert late_started.wait(15)
-            assert _wait_until(lambda: _fence_lock_waiters(community.id, pids["late"]) == ["ShareLock"])
+            # The fence lock is awaited by the move, so the late writer meets the move on the
+            # community row, which the move holds (migration 0020): it waits for the move.
+            assert _wait_until(lambda: pids["mover"] in _blocking_pids(pids["late"]))
             assert not moved.is_set()
             assert Community.objects.get(id=community.id).deletion_state == "active"
         finally:

@@ -87,3 +87,14 @@ def start_worker(tmp_path, community):
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
+
+
+def one_worker_listening() -> bool:
+    """True when exactly one session of the test database is LISTENing (the worker's listener),
+    leaving out the gateway test servers' (the session's gunicorn keeps one open)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%%'"
+            " AND coalesce(application_name, '') <> 'buzz-gateway-test'"
+        )
+        return cursor.fetchone()[0] == 1

@@ -17,12 +17,14 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.views.main import ERROR_FLAG
 from django.core.exceptions import ValidationError
-from django.db.models import DateTimeField, Field, JSONField, Model, TextField
+from django.db.models import DateTimeField, Field, ForeignObject, JSONField, Model, TextField
 from django.db.models.functions import Cast, Left, Length
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponseRedirect
 
 from buzz_delivery.admin import display
+from buzz_delivery.admin.changelist import JSONFreeChangeList
 from buzz_delivery.admin.display import timestamp
 from buzz_delivery.admin.filters import CommunityFilter
 from buzz_delivery.admin.paginators import EstimatedCountPaginator
@@ -90,6 +92,21 @@ def json_fields(model: type[Model]) -> list[Field]:
     return [f for f in model._meta.concrete_fields if isinstance(f, JSONField)]
 
 
+def _cache_related_without_json(obj: Model) -> None:
+    """Load the rows ``obj`` points to (shown as links on its page) without their JSON fields,
+    so a related row's stored value cannot fail this page either; what they show (``__str__``)
+    reads none (issue 27)."""
+    for field in obj._meta.concrete_fields:
+        target = field.related_model if field.is_relation else None
+        if target is None or isinstance(target, str) or getattr(obj, field.attname) is None:
+            continue
+        assert isinstance(field, ForeignObject), field  # a concrete relation: a ForeignKey or OneToOneField
+        heavy = [f.name for f in json_fields(target)]
+        if heavy and not field.is_cached(obj):
+            related = target._base_manager.defer(*heavy).filter(pk=getattr(obj, field.attname)).first()
+            field.set_cached_value(obj, related)
+
+
 class ReadOnlyAdmin(admin.ModelAdmin):
     """View-only ModelAdmin for tables that can hold millions of rows.
 
@@ -142,9 +159,24 @@ class ReadOnlyAdmin(admin.ModelAdmin):
             )
         field = model._meta.pk if from_field is None else model._meta.get_field(from_field)
         try:
-            return queryset.get(**{field.name: field.to_python(object_id)})
+            value = field.to_python(object_id)
+            if isinstance(value, str) and "\x00" in value:  # PostgreSQL text cannot hold it: no such row
+                return None
+            obj = queryset.get(**{field.name: value})
         except (model.DoesNotExist, ValidationError, ValueError):
             return None
+        _cache_related_without_json(obj)
+        return obj
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
+        return JSONFreeChangeList
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
+        """Django's, except that a query string holding a NUL (which PostgreSQL text cannot hold)
+        is treated as a bad lookup (Django's ``?e=1`` page), not sent to the database (issue 27)."""
+        if any("\x00" in key or any("\x00" in v for v in values) for key, values in request.GET.lists()):
+            return HttpResponseRedirect(f"{request.path}?{ERROR_FLAG}=1")
+        return super().changelist_view(request, extra_context)
 
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None

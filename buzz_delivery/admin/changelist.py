@@ -17,14 +17,34 @@ import datetime as dt
 from typing import Any
 
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import Max, Min
+from django.db.models import JSONField, Max, Min
 from django.utils import formats, timezone
 from django.utils.text import capfirst
 
 SNAPSHOT_FIELDS = ("execution_trace", "trigger_context", "history")  # large JSON: deferred in lists
 
 
-class SnapshotFreeChangeList(ChangeList):
+class JSONFreeChangeList(ChangeList):
+    """Every list of a :class:`~buzz_delivery.admin.base.ReadOnlyAdmin`: neither the model's JSON
+    fields nor those of the rows its ``list_select_related`` joins are loaded by a list page or
+    an action (a stored value nested too deeply for Python's parser failed the page; issue 27).
+    No list column shows a JSON field."""
+
+    def get_queryset(self, request: Any, exclude_parameters: Any = None) -> Any:
+        queryset = super().get_queryset(request, exclude_parameters)
+        deferred = [f.attname for f in _json_fields(self.model)]
+        joined = self.list_select_related if isinstance(self.list_select_related, list | tuple) else ()
+        for name in joined:
+            target = self.model._meta.get_field(name).related_model
+            deferred += [f"{name}__{f.name}" for f in _json_fields(target)]
+        return queryset.defer(*deferred) if deferred else queryset
+
+
+def _json_fields(model: Any) -> list[Any]:
+    return [f for f in model._meta.concrete_fields if isinstance(f, JSONField)]
+
+
+class SnapshotFreeChangeList(JSONFreeChangeList):
     def get_queryset(self, request: Any, exclude_parameters: Any = None) -> Any:
         queryset = super().get_queryset(request, exclude_parameters)
         deferred = [name for name in SNAPSHOT_FIELDS if any(f.name == name for f in self.model._meta.fields)]

@@ -14,4 +14,5 @@ class AgentsConfig(AppConfig):
         "buzz_agents.IntakeKey",
         "buzz_agents.StepWait",
         "buzz_agents.AgentRun",
+        "buzz_agents.AgentPolicy",
     )

@@ -85,6 +85,9 @@ class AgentRun(CommunityScoped):
     tool_calls_used = models.IntegerField(default=0)
     max_cost = models.BigIntegerField(default=DEFAULT_MAX_COST)
     cost_used = models.BigIntegerField(default=0)
+    # The operator's cap on this run's lease length (its policy when it was created; NULL = the
+    # core's MAX_LEASE_SECONDS): claims and heartbeats asking for more get this much.
+    max_lease_seconds = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     finished_at = models.DateTimeField(null=True, blank=True)
     # The holder is ``worker_id``; these count its lease's heartbeats and keep the run's last
@@ -359,3 +362,62 @@ class StepWait(CommunityScoped):
 
     def __str__(self) -> str:
         return f"{self.step_key}: {self.done}/{self.expected}"
+
+
+class AgentPolicy(CommunityScoped):
+    """The operator's policy for the agent runs of one community (``agent_pubkey`` NULL) or of
+    one agent key in it (issue 27, SPEC 16 "Trust"): caps on a run's budgets (``max_tool_calls``,
+    ``max_cost``), attempts, deadline (``max_timeout_seconds``) and lease length
+    (``max_lease_seconds``), and ``shadow`` (True forces shadow mode). NULL inherits: the agent's
+    row, then the community's, then the ``BUZZ_AGENTS`` settings. A caller (the gateway's accept,
+    ``accept_delivery``, ``intake_event``, a claim, a heartbeat) may ask for less, never for more:
+    see :mod:`buzz_delivery.agents.services.policy`, the only writer."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    agent_pubkey = models.BinaryField(max_length=32, null=True, blank=True)
+    max_tool_calls = models.IntegerField(null=True, blank=True)
+    max_cost = models.BigIntegerField(null=True, blank=True)
+    max_attempts = models.IntegerField(null=True, blank=True)
+    max_timeout_seconds = models.IntegerField(null=True, blank=True)
+    max_lease_seconds = models.FloatField(null=True, blank=True)
+    shadow = models.BooleanField(null=True, blank=True)
+    updated_at = models.DateTimeField(db_default=Now())
+    updated_by = models.CharField(max_length=200, default="", blank=True)
+
+    class Meta:
+        db_table = "buzz_agents_policy"
+        verbose_name_plural = "agent policies"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["community", "agent_pubkey"], nulls_distinct=False, name="ag_policy_one_per_scope"
+            ),
+            models.CheckConstraint(
+                condition=Q(agent_pubkey__isnull=True) | Q(_len32("agent_pubkey")), name="ag_policy_agent_32_bytes"
+            ),
+            models.CheckConstraint(
+                condition=Q(max_tool_calls__isnull=True) | Q(max_tool_calls__gte=0, max_tool_calls__lte=100_000),
+                name="ag_policy_max_tool_calls_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_cost__isnull=True) | Q(max_cost__gte=0, max_cost__lte=2**53 - 1),
+                name="ag_policy_max_cost_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_attempts__isnull=True) | Q(max_attempts__gte=1, max_attempts__lte=100),
+                name="ag_policy_max_attempts_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_timeout_seconds__isnull=True)
+                | Q(max_timeout_seconds__gte=1, max_timeout_seconds__lte=30 * 86400),
+                name="ag_policy_max_timeout_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_lease_seconds__isnull=True) | Q(max_lease_seconds__gt=0),
+                name="ag_policy_max_lease_positive",
+            ),
+        ]
+        triggers = [*triggers.write_fence()]
+
+    def __str__(self) -> str:
+        scope = bytes(self.agent_pubkey).hex()[:16] if self.agent_pubkey is not None else "every agent"
+        return f"policy of {scope}"

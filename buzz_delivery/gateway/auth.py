@@ -4,7 +4,8 @@ The verified event's pubkey is the caller's identity and the lease scope (the de
 ``target_pubkey``): no request field can name another target. Checks, cheapest first: header
 shape, event shape, id, BIP-340 signature, the ``u``/``method``/``payload`` tags against this
 request; then one statement judges ``created_at`` against the database clock and records the
-event id (a replay or a stale event is refused). Nothing else is written by a refused request.
+event id, for a key enrolled in an active community (a replay or a stale event is refused, a key
+enrolled nowhere is a 403 and writes nothing). Nothing else is written by a refused request.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def authenticate(request: HttpRequest, body: bytes) -> bytes:
     """The 32-byte pubkey that signed this request. Raises :class:`GatewayError` with a 401 code:
     ``auth_missing``, ``auth_invalid`` (shape, id, signature, or tags not covering this URL,
     method and ``body``), ``auth_stale`` (``created_at`` more than ``AUTH_WINDOW_SECONDS`` from
-    the database clock), ``auth_replayed`` (the event id was used before)."""
+    the database clock), ``auth_replayed`` (the event id was used before), or ``not_enrolled``
+    (403: the key held no live enrollment in an active community when it signed)."""
     try:
         event = nip98.verify_event(nip98.parse_header(request.headers.get("Authorization")))
         nip98.check_covers(event, url=request_url(request), method=request.method or "", body=body)
@@ -42,4 +44,6 @@ def authenticate(request: HttpRequest, body: bytes) -> bytes:
         raise GatewayError("auth_stale", f"the event's created_at is more than {window:g} s from the server's clock")
     if admission is Admission.REPLAYED:
         raise GatewayError("auth_replayed", "this event id was already used: sign every request afresh")
+    if admission is Admission.NOT_ENROLLED:
+        raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
     return event.pubkey

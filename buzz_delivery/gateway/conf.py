@@ -22,6 +22,14 @@ DEFAULTS: dict[str, Any] = {
     # While long-polling, claim again at least this often even without a wake hint (seconds):
     # the fallback when a hint was missed or the LISTEN connection is down.
     "POLL_SECONDS": 1.0,
+    # What one server process serves at once (issue 27; buzz_delivery.gateway.limits): requests
+    # of one agent key, requests into one community (its id in the path), long-poll claims of one
+    # key, and long-poll claims waiting on one community. Over a bound: 429, Retry-After. Keep
+    # them below gunicorn's --threads, so no key and no community can take every thread.
+    "MAX_REQUESTS_PER_KEY": 16,
+    "MAX_REQUESTS_PER_COMMUNITY": 24,
+    "MAX_LONG_POLLS_PER_KEY": 4,
+    "MAX_LONG_POLLS_PER_COMMUNITY": 12,
     # The scheme and host agents sign in the ``u`` tag, e.g. "https://api.example.com" (no
     # trailing slash), when a proxy in front rewrites them; None = ``request.build_absolute_uri()``.
     "PUBLIC_BASE_URL": None,
@@ -38,6 +46,10 @@ class GatewaySettings:
     max_claim_limit: int
     poll_seconds: float
     public_base_url: str | None
+    max_requests_per_key: int
+    max_requests_per_community: int
+    max_long_polls_per_key: int
+    max_long_polls_per_community: int
 
 
 def get_settings() -> GatewaySettings:
@@ -50,4 +62,8 @@ def get_settings() -> GatewaySettings:
         max_claim_limit=int(raw["MAX_CLAIM_LIMIT"]),
         poll_seconds=float(raw["POLL_SECONDS"]),
         public_base_url=raw["PUBLIC_BASE_URL"],
+        max_requests_per_key=int(raw["MAX_REQUESTS_PER_KEY"]),
+        max_requests_per_community=int(raw["MAX_REQUESTS_PER_COMMUNITY"]),
+        max_long_polls_per_key=int(raw["MAX_LONG_POLLS_PER_KEY"]),
+        max_long_polls_per_community=int(raw["MAX_LONG_POLLS_PER_COMMUNITY"]),
     )

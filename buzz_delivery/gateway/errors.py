@@ -20,6 +20,9 @@ method_not_allowed    405     wrong HTTP method for the route
 lease_lost            409     renew/finish with a lease that is no longer current
                               (``outcome``: ``lease_lost``)
 payload_too_large     413     body larger than ``BUZZ_GATEWAY['MAX_BODY_BYTES']``
+too_many_requests     429     this key (or community) already has as many requests or
+                              long-polls in flight on this server as its bound allows
+                              (``Retry-After`` says when to try again)
 unavailable           503     the database could not be reached; retry later
 ====================  ======  ==========================================================
 """
@@ -41,6 +44,7 @@ STATUS_OF_CODE: dict[str, int] = {
     "method_not_allowed": 405,
     "lease_lost": 409,
     "payload_too_large": 413,
+    "too_many_requests": 429,
     "unavailable": 503,
 }
 
@@ -65,6 +69,8 @@ class GatewayError(Exception):
         response = JsonResponse(body, status=self.status)
         if self.status == 401:
             response["WWW-Authenticate"] = "Nostr"
+        if "retry_after" in self.extra:
+            response["Retry-After"] = str(self.extra["retry_after"])
         return response
 
 

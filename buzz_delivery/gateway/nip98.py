@@ -25,12 +25,15 @@ from typing import Any
 
 import coincurve
 
+from buzz_delivery import jsonbounds
+
 KIND_HTTP_AUTH = 27235
 SCHEME = "Nostr"
 # Longest Authorization header accepted (characters); an honest event is well under 1 KiB.
 MAX_HEADER_CHARS = 8192
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _HEX128 = re.compile(r"[0-9a-f]{128}\Z")
+EVENT_MAX_DEPTH = 8
 EVENT_KEYS = frozenset({"id", "pubkey", "created_at", "kind", "tags", "content", "sig"})
 
 
@@ -120,9 +123,15 @@ def parse_header(value: str | None) -> dict[str, Any]:
     if scheme != SCHEME or not token:
         raise _invalid("the Authorization scheme must be 'Nostr' followed by a base64 event")
     try:
-        event = json.loads(base64.b64decode(token.strip(), validate=True).decode("utf-8"))
-    except (binascii.Error, UnicodeDecodeError, ValueError):
+        decoded = base64.b64decode(token.strip(), validate=True)
+    except (binascii.Error, ValueError):
         raise _invalid("the Authorization token is not base64 of a JSON event") from None
+    try:
+        # An event is three levels deep (tags: a list of lists of strings); a key twice would
+        # let the signed serialization and the fields read here disagree.
+        event = jsonbounds.loads(decoded, max_depth=EVENT_MAX_DEPTH)
+    except jsonbounds.JSONRefused as exc:
+        raise _invalid(f"the Authorization event is not acceptable JSON: {exc}") from None
     if not isinstance(event, dict):
         raise _invalid("the Authorization event must be a JSON object")
     return event

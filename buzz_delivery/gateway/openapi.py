@@ -307,7 +307,7 @@ def _content(name: str) -> dict[str, Any]:
 COMMUNITY_PARAM = {"name": "community_id", "in": "path", "required": True, "schema": UUID}
 PATH_PARAMS = [COMMUNITY_PARAM, {"name": "delivery_id", "in": "path", "required": True, "schema": UUID}]
 RUN_PARAMS = [COMMUNITY_PARAM, {"name": "run_id", "in": "path", "required": True, "schema": UUID}]
-AUTH_ERRORS = ("400", "401", "413", "503")
+AUTH_ERRORS = ("400", "401", "403", "413", "429", "503")
 
 
 def _errors(*statuses: str) -> dict[str, Any]:
@@ -318,6 +318,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
         "404": "no such delivery (or run) for this key",
         "409": "lease lost",
         "413": "body too large",
+        "429": "this key or community has as many requests or long-polls in flight as its bound allows (Retry-After)",
         "503": "database unavailable",
     }
     return {s: {"description": descriptions[s], "content": _content("Error")} for s in statuses}

@@ -10,8 +10,9 @@ return their recorded output from the journal and are not made again, a pending 
 reconciled (``reconcile(args, key)``: its output, or :data:`NOT_MADE`) or recorded uncertain;
 ``ctx.request_approval(prompt, deadline_seconds)`` parks the run; ``ctx.cancelled`` says a
 cancel fenced it. Returning completes the run; raising fails it, and the compensations
-(``compensate(args, output, key)``, a module-level function stored by dotted path) run in
-reverse order through the compensation endpoints. An unwinding run (cancelled, timed out,
+(``compensate(args, output, key)``, registered with :func:`compensation`; the journal keeps
+its name, which is looked up in this process's registry and never imported) run in reverse
+order through the compensation endpoints. An unwinding run (cancelled, timed out,
 exhausted, or a failed one whose holder died) runs no handler: only its compensations.
 Held leases are renewed in the background; SIGTERM/SIGINT drain within ``--shutdown-grace``.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import pkgutil
 import threading
 import time
 from collections import Counter
@@ -102,11 +102,55 @@ def input_hash(args: Any) -> str:
 
 
 def dotted(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a module-level function (a compensation descriptor's ``function``)."""
+    """``module:qualname`` of a module-level function (the default name it is registered under)."""
     name = f"{fn.__module__}:{fn.__qualname__}"
     if "<" in name:
         raise ValueError(f"compensate must be a module-level function, not {name}")
     return name
+
+
+# The compensations this process may run, by name (issue 27). A compensation descriptor comes
+# back from the server, where anyone holding the key (or an in-process worker of the same agent)
+# may have written it: its name is looked up here, never imported.
+_COMPENSATIONS: dict[str, Callable[[Any, Any, str], Any]] = {}
+UNREGISTERED = "unregistered_compensation"
+
+
+def compensation(fn: Callable[[Any, Any, str], Any] | None = None, *, name: str | None = None) -> Any:
+    """Register ``fn`` as a compensation this worker may run, under ``name`` (default:
+    ``module:qualname``), as ``@compensation`` or ``@compensation(name="undo_charge")`` in the
+    handler's module (imported when the worker starts, so a run unwound after a restart finds
+    it). ``ctx.call(..., compensate=fn)`` journals that name; a name that is not registered here
+    is never imported: its compensation is recorded ``compensation_failed``."""
+
+    def register(target: Callable[[Any, Any, str], Any]) -> Callable[[Any, Any, str], Any]:
+        key = dotted(target) if name is None else name
+        if not key or len(key) > 200:
+            raise ValueError(f"a compensation name is 1..200 characters, not {key!r}")
+        known = _COMPENSATIONS.get(key)
+        if known is not None and known is not target:
+            raise ValueError(f"another function is registered as compensation {key!r}")
+        _COMPENSATIONS[key] = target
+        return target
+
+    return register if fn is None else register(fn)
+
+
+def compensation_name(fn: Callable[..., Any]) -> str:
+    """The name ``fn`` is registered under; ``ValueError`` when it is not registered."""
+    for key, known in _COMPENSATIONS.items():
+        if known is fn:
+            return key
+    raise ValueError(
+        f"compensate={getattr(fn, '__qualname__', fn)!r} is not a registered compensation: decorate it with "
+        "@buzz_delivery.gateway.remote_runs.compensation in the handler's module"
+    )
+
+
+def registered_compensation(descriptor: Any) -> Callable[[Any, Any, str], Any] | None:
+    """The registered compensation a stored descriptor (``{"function": name}``) names, or None."""
+    name = descriptor.get("function") if isinstance(descriptor, dict) else None
+    return _COMPENSATIONS.get(name) if isinstance(name, str) else None
 
 
 class RemoteRunContext:
@@ -163,7 +207,7 @@ class RemoteRunContext:
         entry = self._journal.get(self._pos)
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
-        descriptor = None if compensate is None else {"function": dotted(compensate)}
+        descriptor = None if compensate is None else {"function": compensation_name(compensate)}
         outcome = self.client.journal_call(
             self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
         )
@@ -244,8 +288,13 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int]) -> str
             continue
         if began.outcome != "begun":
             return "lost"
+        function = registered_compensation(began.data.get("compensation"))
         try:
-            function = pkgutil.resolve_name(began.data["compensation"]["function"])
+            if function is None:
+                named = began.data.get("compensation")
+                raise LookupError(
+                    f"{UNREGISTERED}: {json.dumps(named)[:300]} is not a compensation this worker registered"
+                )
             function(began.data["args"], began.data["output"], began.data["key"])
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)

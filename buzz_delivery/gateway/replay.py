@@ -20,20 +20,30 @@ from buzz_delivery.services.tenancy import fleet_scoped
 # Event timestamps beyond this are refused before SQL (year 5138; to_timestamp stays in range).
 MAX_EVENT_TIMESTAMP = 10**11
 
-# One statement: judge freshness by the database clock and record the id only if fresh; the
-# conflict on the primary key (a replay) shows as no row returned.
-ADMIT_IF_FRESH_AND_UNSEEN = """
+# One statement: judge freshness by the database clock, then whether the key holds a live
+# enrollment in an active community that it had when it signed (an event signed before the key
+# was enrolled, which no one ever recorded, cannot be replayed after it), and record the id only
+# then: a key enrolled nowhere writes nothing (issue 27: any signed request used to add a row).
+# The conflict on the primary key (a replay) shows as no row returned.
+ADMIT_IF_FRESH_ENROLLED_AND_UNSEEN = """
 WITH clock AS (SELECT buzz_delivery_now() AS t),
 fresh AS (
     SELECT t FROM clock WHERE abs(extract(epoch FROM t) - %(created_at)s) <= %(window)s
 ),
+enrolled AS (
+    SELECT t FROM fresh WHERE EXISTS (
+        SELECT 1 FROM buzz_gateway_enrollment AS e JOIN buzz_delivery_community AS c ON c.id = e.community_id
+        WHERE e.agent_pubkey = %(pubkey)s AND e.revoked_at IS NULL AND c.deletion_state = 'active'
+          AND date_trunc('second', e.enrolled_at) <= to_timestamp(%(created_at)s)
+    )
+),
 admitted AS (
     INSERT INTO buzz_gateway_seen_event (event_id, pubkey, created_at, seen_at)
-    SELECT %(event_id)s, %(pubkey)s, to_timestamp(%(created_at)s), t FROM fresh
+    SELECT %(event_id)s, %(pubkey)s, to_timestamp(%(created_at)s), t FROM enrolled
     ON CONFLICT (event_id) DO NOTHING
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM fresh), (SELECT count(*) FROM admitted)
+SELECT (SELECT count(*) FROM fresh), (SELECT count(*) FROM enrolled), (SELECT count(*) FROM admitted)
 """
 # Rows whose event is older than the window can never be admitted again: delete them in batches.
 DELETE_SEEN_BEFORE_WINDOW = """
@@ -48,16 +58,20 @@ DELETE FROM buzz_gateway_seen_event WHERE event_id IN (
 class Admission(enum.Enum):
     """Outcome of :func:`record_event_id`."""
 
-    ADMITTED = "admitted"  # fresh and never seen: recorded now
+    ADMITTED = "admitted"  # fresh, from an enrolled key, never seen: recorded now
     STALE = "stale"  # created_at outside the window of the database clock: nothing recorded
+    NOT_ENROLLED = "not_enrolled"  # fresh, but the key held no live enrollment when it signed: nothing recorded
     REPLAYED = "replayed"  # fresh, but that event id was already recorded
 
 
+@fleet_scoped
 def record_event_id(event_id: bytes, pubkey: bytes, created_at: int, *, window_seconds: float) -> Admission:
     """Record a NIP-98 event id once, if its ``created_at`` (Unix seconds) lies within
-    ``window_seconds`` of the database clock. ``INSERT ... ON CONFLICT DO NOTHING``, judged by
-    the rows it returns: one statement, one round trip, safe under concurrency (two requests
-    with the same id: exactly one is ADMITTED).
+    ``window_seconds`` of the database clock and ``pubkey`` then held a live enrollment in an
+    active community (else nothing is written: ``NOT_ENROLLED``). ``INSERT ... ON CONFLICT DO
+    NOTHING``, judged by the rows it returns: one statement, one round trip, safe under
+    concurrency (two requests with the same id: exactly one is ADMITTED). A fleet read, like
+    :func:`~buzz_delivery.gateway.services.enrolled_communities`.
 
     Raises ``ValidationError`` keyed by argument before SQL (32-byte ids, an int timestamp in
     0..10**11, a window > 0)."""
@@ -68,10 +82,12 @@ def record_event_id(event_id: bytes, pubkey: bytes, created_at: int, *, window_s
         raise v.invalid("window_seconds", f"must be a number of seconds > 0, got {window_seconds!r}")
     params: dict[str, Any] = {"event_id": eid, "pubkey": key, "created_at": ts, "window": float(window_seconds)}
     with connection.cursor() as cursor:
-        cursor.execute(ADMIT_IF_FRESH_AND_UNSEEN, params)
-        fresh, admitted = cursor.fetchone()
+        cursor.execute(ADMIT_IF_FRESH_ENROLLED_AND_UNSEEN, params)
+        fresh, enrolled, admitted = cursor.fetchone()
     if not fresh:
         return Admission.STALE
+    if not enrolled:
+        return Admission.NOT_ENROLLED
     return Admission.ADMITTED if admitted else Admission.REPLAYED
 
 

@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from buzz_delivery.agents import services as agents
 from buzz_delivery.agents.models import AgentRun
-from buzz_delivery.gateway import present
+from buzz_delivery.gateway import limits, present
 from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
@@ -161,7 +161,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
         poll = get_settings().poll_seconds
         # Registered before the first claim: a run committed between an empty claim and the
         # sleep still sets the event, so the sleep ends at once.
-        with hub.waiter(*(f"runs:{c}" for c in communities)) as woken:
+        with limits.long_poll(pubkey, communities), hub.waiter(*(f"runs:{c}" for c in communities)) as woken:
             claims = _claim_round(communities, pubkey, worker, data)
             while not claims:
                 remaining = deadline - time.monotonic()

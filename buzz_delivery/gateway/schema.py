@@ -12,11 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from buzz_delivery import jsonbounds
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import bad_request
 
 INT64_MAX = 2**63 - 1
+# The agents' cost bound (buzz_delivery.agents.conf.MAX_COST_UNITS), repeated: the schema imports
+# nothing of the agents app, which may not be installed.
+MAX_COST_UNITS = 2**53 - 1
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,10 @@ class Field:
     def clean(self, name: str, value: Any) -> Any:
         """``value`` checked against this field; raises a 400 ``GatewayError`` naming ``name``."""
         if self.kind == "json":
+            try:
+                jsonbounds.check(value)
+            except jsonbounds.JSONRefused as exc:
+                raise bad_request(name, str(exc)) from None
             return value
         if value is None:
             if self.nullable:
@@ -78,8 +86,12 @@ class Field:
                 raise bad_request(name, "must be an integer")
             if isinstance(value, float) and not math.isfinite(value):
                 raise bad_request(name, "must be a finite number")
-        elif self.kind == "string" and not isinstance(value, str):
-            raise bad_request(name, "must be a string")
+        elif self.kind == "string":
+            if not isinstance(value, str):
+                raise bad_request(name, "must be a string")
+            why = jsonbounds.bad_text(value)
+            if why:
+                raise bad_request(name, why)
         if self.bounds is not None:
             low, high = self.bounds()
             if self.kind == "string":
@@ -268,7 +280,7 @@ CALL = Body(
         **RUN_LEASE_FIELDS,
         "tool_name": Field("string", "the tool (1..200 characters)", required=True, bounds=lambda: (0, 200)),
         "args": Field("json", "the call's arguments (JSON; its SHA-256 is journaled)", required=True),
-        "cost": Field("integer", "cost units counted against max_cost", default=0, bounds=lambda: (0, 2**62)),
+        "cost": Field("integer", "cost units counted against max_cost", default=0, bounds=lambda: (0, MAX_COST_UNITS)),
         "compensation": Field("json", "compensation descriptor (a JSON object), or null", default=None),
         "destructive": Field("boolean", "blocked in shadow mode", default=False),
     },

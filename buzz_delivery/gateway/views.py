@@ -4,12 +4,13 @@ Every endpoint runs the same checks in the same order (:func:`endpoint`): method
 size (413), NIP-98 signature, time window and replay (401), path and body fields (400), then
 the view itself: enrollment (403), scope (404), lease (409). The signer's key is the target of
 every claim, renew, finish and read; no field can name another. A refused request writes
-nothing but its event id in the replay store (recorded as soon as the signature checks out).
+nothing but its event id in the replay store (recorded as soon as the signature checks out, for
+a key enrolled in an active community); a key or community past its bound on requests in flight
+is a 429 (:mod:`buzz_delivery.gateway.limits`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -24,8 +25,9 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
+from buzz_delivery import jsonbounds
 from buzz_delivery import services as core
-from buzz_delivery.gateway import present
+from buzz_delivery.gateway import limits, present
 from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.auth import authenticate
 from buzz_delivery.gateway.conf import get_settings
@@ -37,10 +39,6 @@ from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, S
 logger = logging.getLogger("buzz_delivery.gateway")
 
 View = Callable[..., JsonResponse]
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -66,9 +64,11 @@ def parse_json(raw: bytes, body: Body | None) -> dict[str, Any]:
             raise bad_request("body", "this request takes no body")
         return {}
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise bad_request("body", "is not valid JSON (UTF-8)") from None
+        # Each field's value is checked by its Field (depth, text PostgreSQL can store), so a
+        # refusal names it; a key twice, NaN or nesting the parser cannot take is the body's.
+        data = jsonbounds.loads(raw, checked=False)
+    except jsonbounds.JSONRefused as exc:
+        raise bad_request("body", str(exc)) from None
     return body.clean(data)
 
 
@@ -103,7 +103,8 @@ def endpoint(method: str, body: Body | None = None) -> Callable[[View], Callable
                 pubkey = authenticate(request, raw)
                 ids = {name: parse_uuid(name, value) for name, value in path.items()}
                 data = parse_json(raw, body)
-                return view(request, pubkey, data, **ids)
+                with limits.request(pubkey, ids.get("community_id")):
+                    return view(request, pubkey, data, **ids)
             except GatewayError as exc:
                 return exc.response()
             except ValidationError as exc:
@@ -178,7 +179,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
         poll = get_settings().poll_seconds
         # The waiter is registered before the first claim: a delivery committed between an empty
         # claim and the sleep still sets the event, so the sleep ends at once.
-        with hub.waiter(pubkey.hex()) as woken:
+        with limits.long_poll(pubkey, communities), hub.waiter(pubkey.hex()) as woken:
             claims = _claim_round(communities, pubkey, limit, lease_seconds)
             while not claims and communities:
                 remaining = deadline - time.monotonic()

@@ -17,24 +17,22 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
-import psycopg
 from django.db import connections
-from psycopg import sql
 
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.listening import Listener
 
 logger = logging.getLogger("buzz_delivery.gateway")
 
-NOTIFY_WAIT_SECONDS = 0.5
 RECONNECT_SECONDS = 2.0
 
 
 class WakeHub:
     """Waiters keyed by target hex, woken by a daemon thread that LISTENs on the channel.
 
-    The thread starts on the first :meth:`waiter` and lives as long as the process. It opens its
+    The thread (a :class:`~buzz_delivery.listening.Listener`: any payload and any error are
+    survived) starts on the first :meth:`waiter` and lives as long as the process. It opens its
     own autocommit psycopg connection with the parameters of Django's ``LISTEN_DATABASE`` alias
     (or ``default``), so it works behind a transaction pooler when that alias is direct.
     """
@@ -42,7 +40,8 @@ class WakeHub:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[str, set[threading.Event]] = {}
-        self._thread: threading.Thread | None = None
+        self._thread: Listener | None = None
+        self._stop = threading.Event()  # never set: the thread lives as long as the process
         self.listening = threading.Event()
 
     @contextmanager
@@ -71,12 +70,9 @@ class WakeHub:
                 event.set()
 
     def wake(self, payload: str) -> None:
-        """Wake the waiters of the hint's target (malformed payloads are ignored)."""
-        try:
-            data = json.loads(payload)
-            target = data["target"]
-        except (ValueError, TypeError, KeyError):
-            return
+        """Wake the waiters of the hint's target (a payload of another shape is ignored)."""
+        data = json.loads(payload)
+        target = data.get("target") if isinstance(data, dict) else None
         if isinstance(target, str):
             self._set(target)
 
@@ -89,29 +85,30 @@ class WakeHub:
             if self._thread is None or not self._thread.is_alive():
                 alias = core_settings().listen_database or "default"
                 params = connections[alias].get_connection_params()
-                self._thread = threading.Thread(target=self._run, args=(params,), name="buzz-gateway-wake", daemon=True)
-                self._thread.start()
+                channel, runs_channel = core_settings().notify_channel, agents_channel()
 
-    def _run(self, params: dict[str, Any]) -> None:
-        channel = core_settings().notify_channel
-        runs_channel = agents_channel()
-        while True:
-            try:
-                with psycopg.connect(**params, autocommit=True) as conn:
-                    for name in filter(None, (channel, runs_channel)):
-                        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(name)))
+                def hint(notified: str, payload: str) -> None:
+                    if notified == runs_channel:
+                        self.wake_runs(payload)
+                    else:
+                        self.wake(payload)
+
+                def listening() -> None:
                     self.listening.set()
                     logger.info("gateway listening channel=%s runs_channel=%s", channel, runs_channel)
-                    while True:
-                        for notify in conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
-                            if notify.channel == runs_channel:
-                                self.wake_runs(notify.payload)
-                            else:
-                                self.wake(notify.payload)
-            except psycopg.Error as exc:
-                self.listening.clear()
-                logger.warning("gateway wake listener lost its connection: %s", str(exc).strip().splitlines()[:1])
-                threading.Event().wait(RECONNECT_SECONDS)
+
+                self._thread = Listener(
+                    name="buzz-gateway-wake",
+                    channels=[c for c in (channel, runs_channel) if c],
+                    conn_params=params,
+                    stop=self._stop,
+                    on_notify=hint,
+                    retry_seconds=RECONNECT_SECONDS,
+                    on_listen=listening,
+                    on_lost=self.listening.clear,
+                    logger=logger,
+                )
+                self._thread.start()
 
 
 def agents_channel() -> str | None:

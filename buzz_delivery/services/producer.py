@@ -11,7 +11,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 
-from buzz_delivery import signals, tracing
+from buzz_delivery import jsonbounds, signals, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import NotInTransaction
 from buzz_delivery.models import Event, new_uuid7
@@ -59,28 +59,15 @@ def lock_delivery_identity(community_id: uuid.UUID | str, run_id: uuid.UUID | st
     return bool(rows[0][0])
 
 
-# Deepest JSON nesting a snapshot may have. Python 3.11's json module stopped near 1,000 levels
-# on its recursion limit; 3.12 and later encode far deeper, so the limit is stated here.
-MAX_SNAPSHOT_DEPTH = 500
-
-
-def _too_deep(value: Any) -> bool:
-    """Whether ``value`` nests lists/dicts deeper than :data:`MAX_SNAPSHOT_DEPTH` (no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list | tuple):
-            if depth > MAX_SNAPSHOT_DEPTH:
-                return True
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return False
-
-
 def _snapshot(value: Any, name: str) -> str | None:
     if value is None:
         return None
-    if isinstance(value, dict | list | tuple) and _too_deep(value):
-        raise v.invalid(name, f"must be JSON-serialisable (not nested too deep: at most {MAX_SNAPSHOT_DEPTH} levels)")
+    try:
+        # Nesting every reader (the admin too) can load back, judged without recursion: Python
+        # 3.11's json stopped near 1,000 levels on its recursion limit, 3.12+ encodes far deeper.
+        jsonbounds.check(value, strict=False)
+    except jsonbounds.JSONRefused as exc:
+        raise v.invalid(name, str(exc)) from None
     try:
         text = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:

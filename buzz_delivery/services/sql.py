@@ -30,6 +30,7 @@ appends nothing: it only counts (``renewals``), so a long lease never floods the
 from __future__ import annotations
 
 from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
@@ -95,6 +96,15 @@ CURRENT_LEASE = f"""
     AND d.status = 'claimed'
     AND d.lease_until >= {DB_NOW}
     AND {ACTIVE_COMMUNITY}
+"""
+
+# Maintenance tries a community's write fence before a batch and skips the community when a
+# lifecycle move holds it (never waits): the shared fence lock if it is free at once, else the
+# community row, which a move always holds while it runs (migration 0020). A session that merely
+# took the advisory lock no longer makes the walk skip that community (issue 27).
+TRY_WRITE_FENCE = f"""
+SELECT CASE WHEN pg_try_advisory_xact_lock_shared({FENCE_LOCK_NAMESPACE}, hashtext(%(community_id)s::text)) THEN true
+            ELSE EXISTS (SELECT 1 FROM {COMMUNITY} AS c WHERE c.id = %(community_id)s FOR SHARE SKIP LOCKED) END
 """
 
 # --- producer ---------------------------------------------------------------

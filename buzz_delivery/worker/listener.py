@@ -15,14 +15,12 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-import psycopg
-from psycopg import sql
+from buzz_delivery.listening import Listener
 
 logger = logging.getLogger("buzz_delivery.worker")
 
 HINT_KEYS = frozenset({"community", "delivery", "target"})
 MAX_QUEUED_HINTS = 10_000
-NOTIFY_WAIT_SECONDS = 0.5
 
 # A worker's (community, target) pair: whose deliveries it claims.
 Pair = tuple[uuid.UUID, bytes]
@@ -69,10 +67,10 @@ def hint_keys(pairs: Iterable[Pair]) -> dict[tuple[str, str], Pair]:
 
 def parse_hint(payload: str, wanted: dict[tuple[str, str], Pair]) -> tuple[uuid.UUID, Pair] | None:
     """The delivery id and pair of a well-formed hint for one of the ``wanted`` pairs
-    (:func:`hint_keys`), else None."""
+    (:func:`hint_keys`), else None (whatever the payload: any role may NOTIFY anything)."""
     try:
         data = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or set(data) != HINT_KEYS:
         return None
@@ -87,18 +85,11 @@ def parse_hint(payload: str, wanted: dict[tuple[str, str], Pair]) -> tuple[uuid.
         return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-class HintListener(threading.Thread):
-    """LISTENs on ``channel`` over its own autocommit psycopg connection (``conn_params``: the
-    keyword arguments of ``psycopg.connect``, e.g. from Django's ``get_connection_params()``).
-
-    Hints for one of ``pairs`` go to ``inbox``; after a connection loss it reconnects on the next turn of
-    its loop (every ``retry_seconds``) and requests a poll. Stops when ``stop`` is set.
-    """
+class HintListener(Listener):
+    """LISTENs on ``channel`` (see :class:`~buzz_delivery.listening.Listener`: any payload is
+    survived, any error restarts it). Hints for one of ``pairs`` go to ``inbox``; after every
+    (re)connection it requests a poll (hints may have been missed meanwhile). Stops when
+    ``stop`` is set."""
 
     def __init__(
         self,
@@ -110,44 +101,29 @@ class HintListener(threading.Thread):
         stop: threading.Event,
         retry_seconds: float,
     ) -> None:
-        super().__init__(name="buzz-delivery-listener", daemon=True)
+        super().__init__(
+            name="buzz-delivery-listener",
+            channels=(channel,),
+            conn_params=conn_params,
+            stop=stop,
+            on_notify=self._hint,
+            retry_seconds=retry_seconds,
+            on_listen=self._listening,
+            logger=logger,
+        )
         self.channel = channel
         self.wanted = hint_keys(pairs)
         self.inbox = inbox
-        self.conn_params = conn_params
-        self.stop = stop
-        self.retry_seconds = retry_seconds
-        self._conn: psycopg.Connection[Any] | None = None
 
-    def _listen(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(**self.conn_params, autocommit=True)
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+    def _hint(self, channel: str, payload: str) -> None:
+        hint = parse_hint(payload, self.wanted)
+        if hint is not None:
+            self.inbox.put(*hint)
+
+    def _listening(self) -> None:
         if len(self.wanted) == 1:
             (community, target), *_ = self.wanted
             logger.info("listening channel=%s community=%s target=%s", self.channel, community, target)
         else:
             logger.info("listening channel=%s pairs=%d", self.channel, len(self.wanted))
-        return conn
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                try:
-                    if self._conn is None:
-                        self._conn = self._listen()
-                        self.inbox.request_poll()
-                    for notify in self._conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
-                        hint = parse_hint(notify.payload, self.wanted)
-                        if hint is not None:
-                            self.inbox.put(*hint)
-                except psycopg.Error as exc:
-                    logger.warning("db_unavailable role=listener error=%s", _first_line(exc))
-                    self._close()
-                    self.stop.wait(self.retry_seconds)
-        finally:
-            self._close()
+        self.inbox.request_poll()

@@ -199,7 +199,10 @@ class RunAdmin(_WorkflowNameColumn, ReadOnlyAdmin):
         return format_html('<a href="{}?q={}">Agent runs started by this run</a>', url, obj.pk)
 
     def _steps(self, obj: Run) -> list[Step]:
-        return list(Step.objects.filter(community_id=obj.community_id, run_id=obj.pk).order_by("position"))
+        # The drawing and the table read no JSON field: none is loaded (a step's stored output,
+        # however deep, cannot fail the run's page; issue 27).
+        steps = Step.objects.filter(community_id=obj.community_id, run_id=obj.pk).order_by("position")
+        return list(steps.defer("when_cond", "output", "history"))
 
     @admin.display(description="DAG")
     def dag(self, obj: Run) -> str:

@@ -39,6 +39,7 @@ from typing import Any
 from django.apps import apps
 from django.core.exceptions import ValidationError
 
+from buzz_delivery import jsonbounds
 from buzz_delivery.services import validation as v
 from buzz_delivery.workflows.states import OnError, OnTimeout, StepKind
 
@@ -468,6 +469,10 @@ def validate_definition(definition: Any) -> dict[str, Any]:
     """
     if not isinstance(definition, dict) or set(definition) != {"steps"}:
         raise v.invalid("definition", "must be an object {'steps': [...]}")
+    try:
+        jsonbounds.check(definition)  # nesting every reader can load back, text PostgreSQL stores
+    except jsonbounds.JSONRefused as exc:
+        raise v.invalid("definition", str(exc)) from None
     try:
         size = len(json.dumps(definition, allow_nan=False).encode())
     except (TypeError, ValueError, RecursionError) as exc:

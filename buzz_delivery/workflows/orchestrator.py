@@ -38,11 +38,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
 from django.db import DatabaseError, close_old_connections, connection, connections
 
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.holders import holder_identity
+from buzz_delivery.listening import Listener
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
 from buzz_delivery.workflows import executor
@@ -115,37 +115,32 @@ class OrchestratorConfig:
     name: str = "orchestrator"
 
 
-class _Listener(threading.Thread):
-    def __init__(
-        self,
-        conn_params: dict[str, Any],
-        community: uuid.UUID | None,
-        wake: threading.Event,
-        stop: threading.Event,
-        retry: float,
-    ) -> None:
-        super().__init__(name="buzz-workflows-listener", daemon=True)
-        self.conn_params, self.community, self.wake, self.stop, self.retry = conn_params, community, wake, stop, retry
+def _listener(
+    conn_params: dict[str, Any],
+    community: uuid.UUID | None,
+    wake: threading.Event,
+    stop: threading.Event,
+    retry: float,
+) -> Listener:
+    """The LISTEN thread on ``buzz_workflows``: a hint naming ``community`` (any, when None)
+    wakes the dispatcher, as does every (re)connection; any payload and any error are survived
+    (:class:`~buzz_delivery.listening.Listener`)."""
+    wanted = None if community is None else str(community)
 
-    def run(self) -> None:
-        conn = None
-        while not self.stop.is_set():
-            try:
-                if conn is None:
-                    conn = psycopg.connect(**self.conn_params, autocommit=True)
-                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    self.wake.set()
-                for notify in conn.notifies(timeout=0.5):
-                    if self.community is None or notify.payload == str(self.community):
-                        self.wake.set()
-            except psycopg.Error as exc:
-                logger.warning("db_unavailable role=listener error=%s", str(exc).splitlines()[:1])
-                if conn is not None:
-                    conn.close()
-                conn = None
-                self.stop.wait(self.retry)
-        if conn is not None:
-            conn.close()
+    def hint(channel: str, payload: str) -> None:
+        if wanted is None or payload == wanted:
+            wake.set()
+
+    return Listener(
+        name="buzz-workflows-listener",
+        channels=(NOTIFY_CHANNEL,),
+        conn_params=conn_params,
+        stop=stop,
+        on_notify=hint,
+        retry_seconds=retry,
+        on_listen=wake.set,
+        logger=logger,
+    )
 
 
 class Orchestrator:
@@ -516,7 +511,7 @@ class Orchestrator:
             for i in range(c.concurrency)
         ]
         renewer = threading.Thread(target=self._renew_thread, name="buzz-workflows-renewer", daemon=True)
-        listener = _Listener(conn_params, c.community_id, self.wake, self.stop, c.poll_interval)
+        listener = _listener(conn_params, c.community_id, self.wake, self.stop, c.poll_interval)
         for t in (*threads, self.completer, renewer, listener):
             t.start()
         reason = "error"

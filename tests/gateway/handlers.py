@@ -11,6 +11,7 @@ import os
 import time
 
 from buzz_delivery.gateway.client import PermanentFailure
+from buzz_delivery.gateway.remote_runs import compensation
 
 
 class BadPayload(PermanentFailure):
@@ -82,9 +83,15 @@ def reconcile(args: dict, key: str):
     return {"n": args["n"]} if f"call {key}" in _ledger_lines() else NOT_MADE
 
 
+@compensation
 def undo(args: dict, output, key: str) -> None:
     """Compensation: a ledger line ``undo <key>`` every time it runs."""
     _append(f"undo {key}")
+
+
+def forbidden(args, output, key: str) -> None:
+    """Importable, never registered: a compensation descriptor naming it must never run it."""
+    _append(f"forbidden {key}")
 
 
 def three_calls(ctx) -> dict:

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -130,3 +131,21 @@ def delivery_state() -> list[tuple]:
             "id", "status", "lease_generation", "lease_until", "attempt", "finished_at", "failure_code"
         )
     )
+
+
+def long_poll_in_background(agent: GatewayClient, wait_seconds: float) -> tuple[threading.Thread, list]:
+    """A thread long-polling ``agent``'s claim; the list receives its claims when it returns."""
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(agent.claim(wait_seconds=wait_seconds)))
+    waiter.start()
+    return waiter, got
+
+
+def assert_woken_by_a_commit(community, agent: GatewayClient, waiter: threading.Thread, got: list) -> None:
+    """Commit a delivery to ``agent`` and assert the waiting long-poll returns it within 5 s (on a
+    server that polls only every 30 s, only a wake hint can do that)."""
+    (delivery,) = deliver(community, agent.pubkey)
+    committed = time.monotonic()
+    waiter.join(15)
+    assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
+    assert time.monotonic() - committed < 5, "the long-poll was not woken by the wake hint"

@@ -177,3 +177,48 @@ def test_the_remote_run_worker_poison_matrix_each_run_fails_alone_and_the_worker
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert (summary["completed"], summary["failed"], summary["errors"]) == (3, 5, 0), summary
     assert (summary["reason"], summary["exit_code"]) == ("idle", 0)
+
+
+def test_a_stored_compensation_name_is_looked_up_never_imported(gateway_server, tmp_path):
+    """Issue 27: a journal entry's compensation descriptor is data anyone holding the key can
+    write; the remote worker used to import and call whatever ``module:callable`` it named."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    run_id = intake(community, agent, {})
+    (claim,) = agent.claim_runs(worker_id="hostile")
+    lease = claim.lease
+    for n, function in ((1, "tests.gateway.handlers:forbidden"), (2, "tests.gateway.handlers:undo")):
+        journaled = agent.journal_call(lease, "effect", {"n": n}, compensation={"function": function})
+        assert agent.record_result(lease, journaled.data["seq"], ok=True, output={"n": n}).outcome == "recorded"
+    assert agent.fail_run(lease, "give_up").outcome == "unwinding"  # ... and walk away from it
+    backdate_run_lease(run_id)
+    reap_agent_runs()
+    make_claimable(run_id)
+    key_file, ledger = tmp_path / "agent.key", tmp_path / "ledger.txt"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(ledger)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", gateway_server.base,
+         "--key-file", str(key_file), "--handler", "tests.gateway.handlers:three_calls", "--wait-seconds", "0.5",
+         "--idle-exit", "1.5"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert lines(ledger, "forbidden", run_id) == []  # never imported, never called
+    assert lines(ledger, "undo", run_id) == [2]  # the registered one ran
+    entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    assert [(e.seq, e.compensation_status) for e in entries] == [(1, "compensation_failed"), (2, "compensated")]
+    assert "unregistered_compensation" in entries[0].compensation_error
+    assert AgentRun.objects.get(id=run_id).state == "failed"
+
+
+def test_a_remote_handler_may_only_name_a_registered_compensation(gateway_server):
+    from buzz_delivery.gateway.remote_runs import compensation, compensation_name
+
+    with pytest.raises(ValueError, match="not a registered compensation"):
+        compensation_name(handlers.forbidden)
+    assert compensation_name(handlers.undo) == "tests.gateway.handlers:undo"
+    with pytest.raises(ValueError, match="another function"):
+        compensation(name="tests.gateway.handlers:undo")(handlers.forbidden)

@@ -109,8 +109,20 @@ def test_the_database_holds_the_enrollment_keys_spec_15_asks_for():
     assert CATALOG == ("buzz_gateway.Enrollment",)
 
 
-def test_an_event_id_is_admitted_once_and_only_within_the_window_of_the_database_clock():
-    event_id, key, now = random32(), random32(), int(time.time())
+def _enrolled_key(community, seconds_ago: int = 0) -> bytes:
+    key = random32()
+    services.enroll(community.id, key)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_gateway_enrollment SET enrolled_at = enrolled_at - make_interval(secs => %s)"
+            " WHERE community_id = %s AND agent_pubkey = %s",
+            [seconds_ago, community.id, key],
+        )
+    return key
+
+
+def test_an_event_id_is_admitted_once_and_only_within_the_window_of_the_database_clock(community):
+    event_id, key, now = random32(), _enrolled_key(community, 600), int(time.time())
     assert services.record_event_id(event_id, key, now, window_seconds=60) is Admission.ADMITTED
     assert services.record_event_id(event_id, key, now, window_seconds=60) is Admission.REPLAYED
     assert services.record_event_id(random32(), key, now - 120, window_seconds=60) is Admission.STALE
@@ -118,8 +130,23 @@ def test_an_event_id_is_admitted_once_and_only_within_the_window_of_the_database
     assert SeenEvent.objects.count() == 1
 
 
-def test_pruning_deletes_only_ids_older_than_the_window(capsys):
-    key, now = random32(), int(time.time())
+def test_a_key_enrolled_nowhere_or_not_yet_when_it_signed_records_nothing(community):
+    """Issue 27: any correctly signed request used to add a replay-store row (a disk filler for
+    anyone who can make a key); and an event signed before the key's enrollment, never recorded,
+    could have been replayed once it was enrolled."""
+    now = int(time.time())
+    assert services.record_event_id(random32(), random32(), now, window_seconds=60) is Admission.NOT_ENROLLED
+    revoked = _enrolled_key(community, 600)
+    services.revoke(community.id, revoked)
+    assert services.record_event_id(random32(), revoked, now, window_seconds=60) is Admission.NOT_ENROLLED
+    late = _enrolled_key(community)
+    assert services.record_event_id(random32(), late, now - 30, window_seconds=60) is Admission.NOT_ENROLLED
+    assert SeenEvent.objects.count() == 0
+    assert services.record_event_id(random32(), late, now, window_seconds=60) is Admission.ADMITTED
+
+
+def test_pruning_deletes_only_ids_older_than_the_window(capsys, community):
+    key, now = _enrolled_key(community, 900), int(time.time())
     services.record_event_id(random32(), key, now, window_seconds=60)
     old = random32()
     services.record_event_id(old, key, now - 500, window_seconds=1000)

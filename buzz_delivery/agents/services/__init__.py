@@ -10,6 +10,7 @@ from buzz_delivery.agents.services.journal import (
     record_call_result,
 )
 from buzz_delivery.agents.services.maintenance import AgentReapResult, reap_agent_runs
+from buzz_delivery.agents.services.policy import RunPolicy, clear_policy, get_policy, set_policy
 from buzz_delivery.agents.services.runs import (
     accept_delivery,
     cancel_agent_run,
@@ -28,15 +29,18 @@ from buzz_delivery.agents.services.types import __all__ as _types
 __all__ = [
     *_types,
     "AgentReapResult",
+    "RunPolicy",
     "accept_delivery",
     "begin_compensation",
     "cancel_agent_run",
     "claim_agent_runs",
+    "clear_policy",
     "complete_run",
     "fail_run",
     "finish_compensation",
     "get_agent_run",
     "get_journal",
+    "get_policy",
     "get_run_agent",
     "heartbeat",
     "intake_event",
@@ -44,4 +48,5 @@ __all__ = [
     "reap_agent_runs",
     "record_call_result",
     "request_approval",
+    "set_policy",
 ]

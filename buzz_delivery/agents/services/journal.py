@@ -15,7 +15,7 @@ from typing import Any
 
 from django.db import transaction
 
-from buzz_delivery.agents.conf import get_settings
+from buzz_delivery.agents.conf import MAX_COST_UNITS, get_settings
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
 from buzz_delivery.agents.services.types import (
@@ -103,7 +103,7 @@ def journal_call(
         tool_name=_tool_name(tool_name),
         args=json_value(args, "args", MAX_ARGS_BYTES),
         input_hash=sha256_json(args),
-        cost=v.int_in_range(cost, "cost", 0, 2**62),
+        cost=v.int_in_range(cost, "cost", 0, MAX_COST_UNITS),
         compensation=None if compensation is None else json_value(compensation, "compensation", 100_000),
         destructive=destructive,
         kind="tool",

@@ -36,9 +36,8 @@ from buzz_delivery.agents.services.sql import (
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import bound_lock_waits, fetch_all, translated_errors
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import DB_NOW, TRY_WRITE_FENCE
 from buzz_delivery.services.tenancy import fleet_scoped
-from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.services.maintenance import add_bounded_batch
 
 LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
@@ -65,7 +64,6 @@ WHERE c.deletion_state = 'active' AND (
 ORDER BY c.id
 LIMIT %(limit)s
 """
-TRY_FENCE_LOCK = "SELECT pg_try_advisory_xact_lock_shared(%(ns)s, hashtext(%(community_id)s::text))"
 CANDIDATE_RUNS = f"""
 SELECT r.id FROM {RUN} AS r
 WHERE r.community_id = %(community_id)s AND (({LAPSED}) OR ({OVERDUE}))
@@ -180,13 +178,12 @@ def _one_community_batch(community: object, limit: int, result: AgentReapResult)
     params: dict[str, object] = {
         "community_id": community,
         "limit": limit,
-        "ns": FENCE_LOCK_NAMESPACE,
         "delay_seconds": get_settings().retry_delay_seconds,
         "max_delay_seconds": get_settings().retry_delay_max_seconds,
     }
     with transaction.atomic(), translated_errors():
         bound_lock_waits()
-        if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+        if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
             return False
         params["ids"] = [row[0] for row in fetch_all(CANDIDATE_RUNS, params)]
         if params["ids"]:

@@ -18,6 +18,7 @@ from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
+from buzz_delivery.agents.services.policy import ask, bounded, policy_of
 from buzz_delivery.agents.services.types import (
     Accepted,
     AgentClaim,
@@ -45,30 +46,8 @@ from buzz_delivery.workflows.services.common import canonical_json
 from buzz_delivery.workflows.states import RUN_TERMINAL as WORKFLOW_RUN_TERMINAL
 
 MAX_CLAIM = 100
-MAX_TIMEOUT_SECONDS = 30 * 86400
 MAX_INPUT_BYTES = 1_000_000
 RUN_ENDED = "run_ended"  # a delivery refused because its workflow run ended other than canceled
-
-
-def _budget_params(
-    *, shadow: Any, max_tool_calls: Any, max_cost: Any, max_attempts: Any, timeout_seconds: Any
-) -> dict[str, Any]:
-    conf = get_settings()
-    if not isinstance(shadow, bool):
-        raise v.invalid("shadow", f"must be a bool, not {type(shadow).__name__}")
-    return {
-        "shadow": shadow,
-        "max_tool_calls": v.int_in_range(
-            conf.max_tool_calls if max_tool_calls is None else max_tool_calls, "max_tool_calls", 0, 100_000
-        ),
-        "max_cost": v.int_in_range(conf.max_cost if max_cost is None else max_cost, "max_cost", 0, 2**62),
-        "max_attempts": v.int_in_range(
-            conf.max_attempts if max_attempts is None else max_attempts, "max_attempts", 1, 100
-        ),
-        "timeout_seconds": None
-        if timeout_seconds is None
-        else v.int_in_range(timeout_seconds, "timeout_seconds", 1, MAX_TIMEOUT_SECONDS),
-    }
 
 
 @retry_deadlocks
@@ -87,9 +66,12 @@ def accept_delivery(
     ``finished`` through :func:`~buzz_delivery.services.finish_delivery` and create its agent
     run, ``pending``, in one transaction: never a settled delivery without its run, never a run
     for a delivery the caller no longer holds. The run's input is the message (``content``,
-    ids) merged with ``input``; budgets ``max_tool_calls`` (0..100000 entries), ``max_cost``
-    (cost units), ``max_attempts`` (1..100), ``timeout_seconds`` (1..30 days, absolute deadline
-    from now, database clock) default to ``BUZZ_AGENTS``; ``shadow`` blocks destructive calls.
+    ids) merged with ``input``. Budgets ``max_tool_calls`` (0..100000 entries), ``max_cost``
+    (cost units, up to 2**53 - 1), ``max_attempts`` (1..100), ``timeout_seconds`` (1..30 days,
+    absolute deadline from now, database clock) and ``shadow`` (destructive calls blocked) are
+    what the caller asks for: the run gets them within the operator's policy for the delivery's
+    agent (:mod:`~buzz_delivery.agents.services.policy`), never more (None: the policy's value);
+    the policy's lease cap goes with the run.
 
     Returns :class:`Accepted` (the run id), :class:`RunEnded` (the delivery's workflow run was
     canceled or ended while the delivery was held: no run is created, and the delivery is
@@ -105,14 +87,14 @@ def accept_delivery(
     extra = {} if input is None else input
     if not isinstance(extra, dict):
         raise v.invalid("input", f"must be a dict, not {type(extra).__name__}")
+    asked = ask(
+        shadow=shadow,
+        max_tool_calls=max_tool_calls,
+        max_cost=max_cost,
+        max_attempts=max_attempts,
+        timeout_seconds=timeout_seconds,
+    )
     params = {
-        **_budget_params(
-            shadow=shadow,
-            max_tool_calls=max_tool_calls,
-            max_cost=max_cost,
-            max_attempts=max_attempts,
-            timeout_seconds=timeout_seconds,
-        ),
         "input": json_value(extra, "input", MAX_INPUT_BYTES),
         "id": new_uuid7(),
         "community_id": lease.community_id,
@@ -132,6 +114,7 @@ def accept_delivery(
         outcome = finish_delivery(lease, "finished")
         if not isinstance(outcome, Settled):
             return outcome
+        params.update(bounded(policy_of(lease.community_id, lease.target_pubkey), asked))
         fetch_all(sql.INSERT_RUN_FROM_DELIVERY, {**params, "input_hash": b"\0" * 32})
         run = AgentRun.objects.select_for_update().get(community_id=lease.community_id, delivery_id=lease.delivery_id)
         run.input_hash = sha256_json(run.input)
@@ -165,33 +148,35 @@ def intake_event(
     ``ValidationError`` keyed by the argument before SQL; ``CommunityNotWritable`` when the
     community is not active. SPEC 12 "Start".
     """
-    params = {
-        "community_id": v.uuid_value(community_id, "community_id"),
+    community, agent = v.uuid_value(community_id, "community_id"), v.bytes32(agent_pubkey, "agent_pubkey")
+    params: dict[str, Any] = {
+        "community_id": community,
         "channel_type": _key_text(channel_type, "channel_type", 64),
         "provider_event_id": _key_text(provider_event_id, "provider_event_id", 200),
-        "agent_pubkey": v.bytes32(agent_pubkey, "agent_pubkey"),
+        "agent_pubkey": agent,
         "input": json_value(payload, "payload", MAX_INPUT_BYTES),
-        **_budget_params(
-            shadow=shadow,
-            max_tool_calls=max_tool_calls,
-            max_cost=max_cost,
-            max_attempts=max_attempts,
-            timeout_seconds=timeout_seconds,
-        ),
     }
+    asked = ask(
+        shadow=shadow,
+        max_tool_calls=max_tool_calls,
+        max_cost=max_cost,
+        max_attempts=max_attempts,
+        timeout_seconds=timeout_seconds,
+    )
     # The same payload is judged as start_run judges the same input (canonical_json: 1 == 1.0).
     payload_hash = hashlib.sha256(canonical_json(payload).encode()).digest()
     params.update(id=new_uuid7(), key_id=new_uuid7(), payload_hash=payload_hash, input_hash=sha256_json(payload))
     with transaction.atomic(), translated_errors():
         won = fetch_all(sql.INSERT_INTAKE_KEY, params)
         if won:
+            params.update(bounded(policy_of(community, agent), asked))
             fetch_all(sql.INSERT_RUN_FROM_INTAKE, params)
-            notify_claimable(params["community_id"])
+            notify_claimable(community)
             return Created(params["id"])
-        run_id, payload_hash = fetch_all(sql.INTAKE_KEY, params)[0]
+        existing, payload_hash = fetch_all(sql.INTAKE_KEY, params)[0]
     if bytes(payload_hash) == params["payload_hash"]:
-        return Duplicate(run_id)
-    return IdempotencyConflict(run_id)
+        return Duplicate(existing)
+    return IdempotencyConflict(existing)
 
 
 def notify_claimable(community_id: uuid.UUID) -> None:

@@ -25,7 +25,11 @@ DELIVERY = "buzz_delivery_delivery"
 EVENT = "buzz_delivery_event"
 
 ACTIVE = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active')"
-LEASE_END = f"{DB_NOW} + make_interval(secs => %(lease_seconds)s)"
+# A run lease's end: what the holder asked for, never beyond the run's lease cap (the operator's
+# policy when the run was created, issue 27). IMMUTABLE arithmetic over the column (SPEC 15).
+RUN_LEASE_END = (
+    f"buzz_delivery_plus_seconds({DB_NOW}, least(%(lease_seconds)s, coalesce(r.max_lease_seconds, %(lease_seconds)s)))"
+)
 TERMINAL = "('completed', 'failed', 'cancelled', 'timeout')"
 CURRENT_RUN_LEASE = f"""
     r.community_id = %(community_id)s
@@ -48,13 +52,14 @@ COMPENSABLE = "j.compensation IS NOT NULL AND (j.status = 'succeeded' OR (j.stat
 INSERT_RUN_FROM_DELIVERY = f"""
 INSERT INTO {RUN} (id, community_id, agent_pubkey, state, unwinding, shadow, input, input_hash,
                    delivery_id, source_run_id, source_step_key, lease_generation, attempts, max_attempts,
-                   timeout_at, max_tool_calls, tool_calls_used, max_cost, cost_used)
+                   timeout_at, max_tool_calls, tool_calls_used, max_cost, cost_used, max_lease_seconds)
 SELECT %(id)s, d.community_id, d.target_pubkey, 'pending', false, %(shadow)s,
        jsonb_build_object('content', e.content, 'delivery_id', d.id::text, 'step_id', d.step_id,
                           'workflow_run_id', d.run_id::text, 'message_event_id', encode(d.message_event_id, 'hex'))
            || %(input)s::jsonb,
        %(input_hash)s, d.id, d.run_id, d.step_id, 0, 0, %(max_attempts)s,
-       {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0, %(max_cost)s, 0
+       {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0, %(max_cost)s, 0,
+       %(max_lease_seconds)s
 FROM {DELIVERY} AS d
 LEFT JOIN {EVENT} AS e ON e.community_id = d.community_id AND e.event_id = d.message_event_id
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
@@ -77,10 +82,10 @@ WHERE community_id = %(community_id)s AND channel_type = %(channel_type)s AND pr
 INSERT_RUN_FROM_INTAKE = f"""
 INSERT INTO {RUN} (id, community_id, agent_pubkey, state, unwinding, shadow, input, input_hash,
                    lease_generation, attempts, max_attempts, timeout_at, max_tool_calls, tool_calls_used,
-                   max_cost, cost_used)
+                   max_cost, cost_used, max_lease_seconds)
 VALUES (%(id)s, %(community_id)s, %(agent_pubkey)s, 'pending', false, %(shadow)s, %(input)s::jsonb, %(input_hash)s,
         0, 0, %(max_attempts)s, {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0,
-        %(max_cost)s, 0)
+        %(max_cost)s, 0, %(max_lease_seconds)s)
 """
 
 CLAIM_PENDING_RUNS = f"""
@@ -96,7 +101,7 @@ WITH candidate AS MATERIALIZED (
     FOR UPDATE OF r SKIP LOCKED
 )
 UPDATE {RUN} AS r
-SET state = 'running', lease_generation = r.lease_generation + 1, lease_until = {LEASE_END},
+SET state = 'running', lease_generation = r.lease_generation + 1, lease_until = {RUN_LEASE_END},
     claimed_at = {DB_NOW}, heartbeat_at = {DB_NOW}, worker_id = %(worker_id)s, next_attempt_at = NULL,
     renewals = 0,
     {run_entry("'claim'", "r.lease_generation + 1", "%(worker_id)s::varchar", status="'running'")}
@@ -106,7 +111,7 @@ RETURNING r.id, r.lease_generation, r.lease_until
 """
 
 HEARTBEAT_IF_CURRENT = f"""
-UPDATE {RUN} AS r SET lease_until = {LEASE_END}, heartbeat_at = {DB_NOW}, renewals = r.renewals + 1
+UPDATE {RUN} AS r SET lease_until = {RUN_LEASE_END}, heartbeat_at = {DB_NOW}, renewals = r.renewals + 1
 WHERE {CURRENT_RUN_LEASE}
 RETURNING r.lease_until
 """

@@ -9,6 +9,7 @@ from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
+from buzz_delivery import jsonbounds
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -26,7 +27,13 @@ class BadJSON(ValueError):
 
 
 def json_text(value: Any, max_bytes: int) -> str:
-    """``value`` as JSON text jsonb can store, at most ``max_bytes``; raises :class:`BadJSON`."""
+    """``value`` as JSON text jsonb can store, at most ``max_bytes`` and nested at most
+    :data:`~buzz_delivery.jsonbounds.MAX_DEPTH` levels (so every reader, the admin's included,
+    can load it back); raises :class:`BadJSON`."""
+    try:
+        jsonbounds.check(value, strict=False)
+    except jsonbounds.JSONRefused as exc:
+        raise BadJSON("output_not_json", str(exc)) from None
     try:
         text = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:

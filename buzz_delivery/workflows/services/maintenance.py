@@ -38,9 +38,8 @@ from buzz_delivery.services.db import (
     retry_deadlocks,
     translated_errors,
 )
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import DB_NOW, TRY_WRITE_FENCE
 from buzz_delivery.services.tenancy import fleet_scoped
-from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.schedules import start_due_schedules
@@ -81,7 +80,6 @@ WHERE c.deletion_state = 'active' AND (
 ORDER BY c.id
 LIMIT %(limit)s
 """
-TRY_FENCE_LOCK = "SELECT pg_try_advisory_xact_lock_shared(%(ns)s, hashtext(%(community_id)s::text))"
 CANDIDATE_STEPS = f"""
 SELECT s.id, s.run_id FROM {STEP} AS s
 WHERE s.community_id = %(community_id)s AND (({LAPSED}) OR ({WAIT_OVER}) OR ({OVERRUN}))
@@ -253,10 +251,10 @@ def _one_community(community: object, limit: int, result: WorkflowReapResult) ->
 
 
 def _one_community_batch(community: object, limit: int, result: WorkflowReapResult) -> bool:
-    params: dict[str, object] = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
+    params: dict[str, object] = {"community_id": community, "limit": limit}
     with transaction.atomic(), translated_errors():
         bound_lock_waits()
-        if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+        if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
             return False
         steps = fetch_all(CANDIDATE_STEPS, params)
         approvals = fetch_all(CANDIDATE_APPROVALS, params)
@@ -301,8 +299,8 @@ def _expire_left_deliveries(limit: int, result: WorkflowReapResult) -> None:
             expired.clear()  # a rolled-back try's count is dropped
             with transaction.atomic(), translated_errors():
                 bound_lock_waits()
-                params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
-                if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+                params = {"community_id": community, "limit": limit}
+                if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
                     return False
                 runs = [row[0] for row in fetch_all(sql.RUNS_WITH_DELIVERIES_TO_EXPIRE, params)]
                 fetch_all(LOCK_RUNS, {**params, "run_ids": sorted(runs)})
@@ -323,8 +321,8 @@ def _prune_sent_events(limit: int, result: WorkflowReapResult) -> None:
         def batch(counts: WorkflowReapResult, community: object = community) -> bool:
             with transaction.atomic(), translated_errors():
                 bound_lock_waits()
-                params = {"community_id": community, "limit": limit, "ns": FENCE_LOCK_NAMESPACE}
-                if not fetch_all(TRY_FENCE_LOCK, params)[0][0]:
+                params = {"community_id": community, "limit": limit}
+                if not fetch_all(TRY_WRITE_FENCE, params)[0][0]:
                     return False
                 counts.events_pruned += len(fetch_all(PRUNE_SENT_EVENTS, params))
             return True

@@ -29,9 +29,8 @@ from buzz_delivery.models import Workflow
 from buzz_delivery.services import Cause
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import bound_lock_waits, fetch_all, lock_wait_timed_out, translated_errors
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import DB_NOW, TRY_WRITE_FENCE
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
-from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from buzz_delivery.workflows.models import MissedSlots, Schedule
 from buzz_delivery.workflows.services.common import json_argument
 from buzz_delivery.workflows.services.runs import start_run
@@ -48,7 +47,6 @@ WHERE c.deletion_state = 'active' AND EXISTS (
 )
 ORDER BY c.id LIMIT %(limit)s
 """
-TRY_FENCE_LOCK = "SELECT pg_try_advisory_xact_lock_shared(%(ns)s, hashtext(%(community_id)s::text))"
 LOCK_DUE_SCHEDULES = f"""
 SELECT s.id, s.workflow_id, s.cron, s.input, s.missed, s.next_slot_at FROM {SCHEDULE} AS s
 WHERE s.community_id = %(community_id)s AND s.enabled AND s.next_slot_at <= {DB_NOW}
@@ -151,7 +149,7 @@ def _one_community(community: Any, limit: int, result: ScheduleResult) -> None:
 def _one_community_batch(community: Any, limit: int, result: ScheduleResult) -> None:
     with transaction.atomic(), translated_errors():
         bound_lock_waits()
-        if not fetch_all(TRY_FENCE_LOCK, {"ns": FENCE_LOCK_NAMESPACE, "community_id": community})[0][0]:
+        if not fetch_all(TRY_WRITE_FENCE, {"community_id": community})[0][0]:
             result.skipped_busy += 1
             return
         now = fetch_all(DB_CLOCK, {})[0][0]
