@@ -21,6 +21,7 @@ from buzz_delivery import isolation
 
 _0002 = importlib.import_module("buzz_delivery.agents.migrations.0002_keys_and_triggers")
 _0004 = importlib.import_module("buzz_delivery.agents.migrations.0004_approval_and_cancel_in_history")
+_0013 = importlib.import_module("buzz_delivery.agents.migrations.0013_history_entries_immutable")
 
 _GUARD = _0004._function(_0002.TOMBSTONE_GUARD, "buzz_agents_refuse_tombstone")
 _LAST_TABLE = "       OR EXISTS (SELECT 1 FROM buzz_agents_run WHERE community_id = OLD.id) THEN"
@@ -31,8 +32,9 @@ GUARD = _GUARD.replace(
     "       OR EXISTS (SELECT 1 FROM buzz_agents_policy WHERE community_id = OLD.id) THEN",
 )
 _DECIDED_BY = "'decided_by', NEW.decided_by)"
-assert _0004.RESUME.count(_DECIDED_BY) == 1
-RESUME = _0004.RESUME.replace(
+# From 0013's function (its history entries built immutably, for Citus), not 0004's.
+assert _0013.RESUME.count(_DECIDED_BY) == 1
+RESUME = _0013.RESUME.replace(
     _DECIDED_BY, "'decided_by', CASE WHEN NEW.decided_by IS NULL THEN NULL ELSE 'operator' END)"
 )
 PRIMARY_KEY = (
@@ -95,6 +97,6 @@ class Migration(migrations.Migration):
             ),
         ),
         migrations.RunSQL(sql=GUARD, reverse_sql=_GUARD),
-        migrations.RunSQL(sql=RESUME, reverse_sql=_0004.RESUME),
+        migrations.RunSQL(sql=RESUME, reverse_sql=_0013.RESUME),
         isolation.migration_operation("buzz_agents"),
     ]
