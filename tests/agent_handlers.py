@@ -10,6 +10,7 @@ import os
 import signal
 from pathlib import Path
 
+from buzz_delivery.agents.compensations import compensation
 from buzz_delivery.agents.runtime import NOT_MADE
 
 
@@ -54,6 +55,7 @@ def reconcile(args: dict, key: str):
     return {"n": args["n"]} if f"call {key}" in ledger_lines() else NOT_MADE
 
 
+@compensation
 def undo(args: dict, output, key: str) -> None:
     """Compensation: a ledger line ``undo <key>``, once per key (idempotent)."""
     if f"undo {key}" not in ledger_lines():
@@ -61,6 +63,7 @@ def undo(args: dict, output, key: str) -> None:
     _maybe_die("undo", args["n"])
 
 
+@compensation
 def broken_undo(args: dict, output, key: str) -> None:
     raise RuntimeError("the refund API is down")
 
@@ -127,6 +130,7 @@ def by_input(ctx):
     return globals()[ctx.input["handler"]](ctx)
 
 
+@compensation
 def counted_undo(args: dict, output, key: str) -> None:
     """Compensation that is NOT idempotent on purpose: a ledger line ``ran <key>`` every time it
     runs, so a test sees a compensation made twice."""
@@ -142,6 +146,7 @@ def hangs(ctx):
         time.sleep(0.1)
 
 
+@compensation
 def undo_as_login(args: dict, output, key: str) -> None:
     """A compensation that records which role and community it runs as (SPEC 13: user code runs
     as the login role, its community as context, like a handler)."""
@@ -151,3 +156,9 @@ def undo_as_login(args: dict, output, key: str) -> None:
         cursor.execute("SELECT current_user = session_user, current_setting('buzz.community_id', true)")
         as_login, community = cursor.fetchone()
     _write(f"role {key}:{as_login}:{community}")
+
+
+def not_a_compensation(args, output, key: str) -> None:
+    """Importable, callable with a compensation's arguments, and registered by nobody: a stored
+    descriptor naming it must never run it (issue 27). Writes ``forbidden <key>`` if it runs."""
+    _write(f"forbidden {key}")

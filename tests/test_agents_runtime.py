@@ -167,3 +167,61 @@ def test_a_handler_that_changes_its_calls_on_replay_fails_the_run(community):
 
     assert run_claim(claim_one(community), other) == "compensated"
     assert AgentRun.objects.get(id=run_id).failure_code == "replay_mismatch"
+
+
+def test_a_stored_compensation_name_is_looked_up_never_imported(community, tmp_path):
+    """Issue 27 (critical): a descriptor is data anyone holding the agent's gateway key may have
+    journaled. The in-process worker that unwinds the run looks its name up in the registry this
+    process declared; an importable but unregistered callable (here ``shutil:rmtree``, which
+    takes a compensation's three arguments) is never called: that one compensation fails with
+    ``unregistered_compensation``, visibly, and the registered compensation after it still ran."""
+    from buzz_delivery.agents.services import fail_run, record_call_result
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("still here")
+    run_id = new_run(community.id)
+    lease = claim_one(community).lease
+    journal_call(lease, "effect", str(victim), compensation={"function": "shutil:rmtree"})
+    record_call_result(lease, 1, ok=True, output=None)
+    journal_call(lease, "effect", {"n": 2}, compensation={"function": "tests.agent_handlers:not_a_compensation"})
+    record_call_result(lease, 2, ok=True, output={"n": 2})
+    journal_call(lease, "effect", {"n": 3}, compensation={"function": "tests.agent_handlers:undo"})
+    record_call_result(lease, 3, ok=True, output={"n": 3})
+    fail_run(lease, "tool_call_failed")  # as a hostile remote holder would, then abandons the lease
+    backdate_run_lease(run_id)
+    reap_agent_runs()
+    make_claimable(run_id)
+
+    assert run_claim(claim_one(community, "in-process"), h.three_calls) == "compensation_failed"
+    assert (victim / "keep.txt").read_text() == "still here"
+    assert not any(line.startswith("forbidden") for line in h.ledger_lines())
+    assert h.ledger_lines() == [f"undo {run_id}:3:compensate"]  # the registered one ran first
+    assert journal(run_id) == [
+        (1, "succeeded", None),
+        (2, "succeeded", "compensation_failed"),
+        (3, "succeeded", "compensated"),
+    ]
+    entry = JournalEntry.objects.get(run_id=run_id, seq=2)
+    assert entry.compensation_error.startswith("LookupError: unregistered_compensation: ")
+    assert "not_a_compensation" in entry.compensation_error
+    assert AgentRun.objects.get(id=run_id).state == "failed"
+
+    # The worker goes on: the community's next run is claimed and completes.
+    next_id = new_run(community.id)
+    assert run_claim(claim_one(community, "in-process"), h.three_calls) == "completed"
+    assert AgentRun.objects.get(id=next_id).state == "completed"
+
+
+def test_an_unregistered_compensate_is_refused_before_anything_is_journaled(community):
+    run_id = new_run(community.id)
+
+    def handler(ctx):
+        return ctx.call("effect", h.effect, {"n": 1}, compensate=h.not_a_compensation)
+
+    assert run_claim(claim_one(community), handler) == "failed"
+    run = AgentRun.objects.get(id=run_id)
+    assert run.failure_code == "handler_error"
+    assert "is not a registered compensation" in run.failure_message
+    assert journal(run_id) == []
+    assert h.ledger_lines() == []

@@ -13,14 +13,15 @@ journaling) is reconciled with ``reconcile(args, key)`` (its output, or :data:`N
 the call now with the same key), else marked uncertain and the run fails, compensating it too.
 
 Tools: ``fn(args, key) -> output`` (JSON), ``key`` the journal's idempotency key.
-Compensations: ``compensate(args, output, key)``, a module-level function (stored in the
-journal by dotted path so another process can run it); run in reverse order on failure.
+Compensations: ``compensate(args, output, key)``, a function registered with
+:func:`buzz_delivery.agents.compensations.compensation` (the journal stores its registered name;
+the worker that unwinds looks the name up in its own registry and never imports it); run in
+reverse order on failure.
 """
 
 from __future__ import annotations
 
 import logging
-import pkgutil
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from typing import Any
 
 from django.db import connections
 
+from buzz_delivery.agents import compensations
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.exceptions import (
     AgentError,
@@ -50,14 +52,6 @@ NOT_MADE = object()  # a reconcile hook's answer: the call never reached the too
 
 class _Parked(Exception):
     """Internal: the run parked on an approval; the handler stops here."""
-
-
-def dotted(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a module-level function (what a compensation descriptor stores)."""
-    name = f"{fn.__module__}:{fn.__qualname__}"
-    if "<" in name:
-        raise ValueError(f"compensate must be a module-level function, not {name}")
-    return name
 
 
 class Context:
@@ -113,7 +107,7 @@ class Context:
         entry = self._journal.get(self._pos)
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
-        descriptor = None if compensate is None else {"function": dotted(compensate)}
+        descriptor = compensations.descriptor(compensate)  # ValueError when not registered
         outcome = s.journal_call(
             self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
         )
@@ -204,8 +198,12 @@ def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
             continue
         if not isinstance(began, dict):
             return "lost"
+        # The descriptor is data anyone holding the agent's key may have written: its name is
+        # looked up in this process's registry, never imported (issue 27).
+        function = compensations.resolve(began["compensation"])
         try:
-            function = pkgutil.resolve_name(began["compensation"]["function"])
+            if function is None:
+                raise LookupError(compensations.unregistered_error(began["compensation"]))
             with tenancy.handler(lease.community_id):  # the user's code, as the handler's: the login's role
                 function(began["args"], began["output"], began["key"])
         except Exception as exc:

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from buzz_delivery.agents import compensations
 from buzz_delivery.gateway.client import (
     EXIT_ABANDONED,
     EXIT_ERROR,
@@ -101,56 +102,15 @@ def input_hash(args: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def dotted(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a module-level function (the default name it is registered under)."""
-    name = f"{fn.__module__}:{fn.__qualname__}"
-    if "<" in name:
-        raise ValueError(f"compensate must be a module-level function, not {name}")
-    return name
-
-
-# The compensations this process may run, by name (issue 27). A compensation descriptor comes
-# back from the server, where anyone holding the key (or an in-process worker of the same agent)
-# may have written it: its name is looked up here, never imported.
-_COMPENSATIONS: dict[str, Callable[[Any, Any, str], Any]] = {}
-UNREGISTERED = "unregistered_compensation"
-
-
-def compensation(fn: Callable[[Any, Any, str], Any] | None = None, *, name: str | None = None) -> Any:
-    """Register ``fn`` as a compensation this worker may run, under ``name`` (default:
-    ``module:qualname``), as ``@compensation`` or ``@compensation(name="undo_charge")`` in the
-    handler's module (imported when the worker starts, so a run unwound after a restart finds
-    it). ``ctx.call(..., compensate=fn)`` journals that name; a name that is not registered here
-    is never imported: its compensation is recorded ``compensation_failed``."""
-
-    def register(target: Callable[[Any, Any, str], Any]) -> Callable[[Any, Any, str], Any]:
-        key = dotted(target) if name is None else name
-        if not key or len(key) > 200:
-            raise ValueError(f"a compensation name is 1..200 characters, not {key!r}")
-        known = _COMPENSATIONS.get(key)
-        if known is not None and known is not target:
-            raise ValueError(f"another function is registered as compensation {key!r}")
-        _COMPENSATIONS[key] = target
-        return target
-
-    return register if fn is None else register(fn)
-
-
-def compensation_name(fn: Callable[..., Any]) -> str:
-    """The name ``fn`` is registered under; ``ValueError`` when it is not registered."""
-    for key, known in _COMPENSATIONS.items():
-        if known is fn:
-            return key
-    raise ValueError(
-        f"compensate={getattr(fn, '__qualname__', fn)!r} is not a registered compensation: decorate it with "
-        "@buzz_delivery.gateway.remote_runs.compensation in the handler's module"
-    )
-
-
-def registered_compensation(descriptor: Any) -> Callable[[Any, Any, str], Any] | None:
-    """The registered compensation a stored descriptor (``{"function": name}``) names, or None."""
-    name = descriptor.get("function") if isinstance(descriptor, dict) else None
-    return _COMPENSATIONS.get(name) if isinstance(name, str) else None
+# The compensations this process may run, by name (issue 27): one registry with the in-process
+# runtime's (buzz_delivery.agents.compensations), so a handler module serves both workers. A
+# descriptor comes back from the server, where anyone holding the key may have written it: its
+# name is looked up there, never imported.
+compensation = compensations.compensation
+compensation_name = compensations.name_of
+registered_compensation = compensations.resolve
+dotted = compensations.dotted
+UNREGISTERED = compensations.UNREGISTERED
 
 
 class RemoteRunContext:
@@ -207,7 +167,7 @@ class RemoteRunContext:
         entry = self._journal.get(self._pos)
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
-        descriptor = None if compensate is None else {"function": compensation_name(compensate)}
+        descriptor = compensations.descriptor(compensate)
         outcome = self.client.journal_call(
             self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
         )
@@ -291,10 +251,7 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int]) -> str
         function = registered_compensation(began.data.get("compensation"))
         try:
             if function is None:
-                named = began.data.get("compensation")
-                raise LookupError(
-                    f"{UNREGISTERED}: {json.dumps(named)[:300]} is not a compensation this worker registered"
-                )
+                raise LookupError(compensations.unregistered_error(began.data.get("compensation")))
             function(began.data["args"], began.data["output"], began.data["key"])
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
