@@ -5,6 +5,11 @@ and makes nothing twice; an approval-requiring tool parks the run; budgets stop 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+from pathlib import Path
+
 import pytest
 
 from buzz_delivery.agents.models import AgentRun, JournalEntry
@@ -151,3 +156,18 @@ def test_a_worker_killed_mid_run_is_resumed_by_another_process_that_replays_and_
     assert sorted(mine) == sorted(
         [f"call {run_id}:{seq}" for seq in (2, 4, 6)] + [f"model {run_id}:{seq}" for seq in (1, 3, 5, 7)]
     )  # each model request and each effect made once
+
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "pydantic-ai.md"
+BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+
+
+@pytest.mark.django_db
+def test_the_docs_example_runs_as_written_and_completes_with_one_charge(ledger):
+    (code,) = BLOCK.findall(DOC.read_text())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(DOC), "exec"), {"__name__": "pydantic_ai_doc"})
+    assert out.getvalue().split() == ["completed", "1"]
+    run = AgentRun.objects.get(output="charged: ch_1")
+    assert [e[2] for e in entries(run.id)] == ["model:billing", "charge", "model:billing"]
