@@ -149,7 +149,7 @@ def main() -> None:
         " calls, and Pydantic AI's DBOS integration on the same agent",
         "",
         "| runs in flight | Pydantic AI on the journal, runs/s | plain, 3 calls, runs/s | plain, 7 calls, runs/s"
-        " | DBOSAgent, runs/s | Pydantic AI / plain 7 |",
+        " | Pydantic AI on DBOS (DBOSDurability), runs/s | Pydantic AI / plain 7 |",
         "|---|---|---|---|---|---|",
         *[
             f"| {k} | {cell(f['pydantic_ai'])} | {cell(f['plain3'])} | {cell(f['plain7'])} | {cell(f['dbos'])}"
@@ -157,6 +157,7 @@ def main() -> None:
             for k, f in rows
         ],
     ]
+    lines += ["", f"Load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}"]
     text = "\n".join(lines) + "\n"
     print(text)
     (ROOT / "bench" / "results" / "pydantic-ai.md").write_text(text)
