@@ -171,3 +171,27 @@ def test_the_docs_example_runs_as_written_and_completes_with_one_charge(ledger):
     assert out.getvalue().split() == ["completed", "1"]
     run = AgentRun.objects.get(output="charged: ch_1")
     assert [e[2] for e in entries(run.id)] == ["model:billing", "charge", "model:billing"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_under_the_event_loop_worker_handler_run_awaits_ctx_call_directly(community, ledger):
+    """When the event-loop worker (issue 29, ``buzz_delivery.agents.loop_worker``) is there:
+    ``DurableAgent.run`` is an async handler whose journaled calls are ``await ctx.call(...)``
+    on the worker's own loop (no thread bridge), with the same journal and effects."""
+    loop_worker = pytest.importorskip("buzz_delivery.agents.loop_worker", reason="the event-loop worker is not here")
+    run_ids = [new_run(community.id) for _ in range(3)]
+    config = loop_worker.AsyncWorkerConfig(
+        handler=ph.three_effects.run,
+        agents=[AGENT],
+        communities=[community.id],
+        exit_when_idle=True,
+        poll_seconds=0.1,
+        lease_seconds=15,
+        worker_id="aio-pydantic-ai",
+    )
+    counts = loop_worker.AsyncAgentWorker(config).run()
+    assert counts["completed"] == 3, counts
+    for run_id in run_ids:
+        assert AgentRun.objects.get(id=run_id).output == "sum=6 keys=3"
+        assert entries(run_id) == THREE_EFFECTS
+        assert [x for x in lines(ledger, "call") if str(run_id) in x] == [f"call {run_id}:{seq}" for seq in (2, 4, 6)]
