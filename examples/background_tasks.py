@@ -6,8 +6,10 @@ settings already point ``TASKS`` at ``buzz_delivery.tasks.DeliveryBackend``::
     python examples/background_tasks.py            # the embedded server under var/pgdata
     DATABASE_URL=postgres://... python examples/background_tasks.py
 
-In your project the ``@task`` functions go in an app's ``tasks.py`` (the worker imports those at
-start; a stored task path is never imported). Docs: docs/tasks.md.
+On Django 5.2 it needs the ``tasks`` extra (the ``django-tasks`` backport; Django 6 has
+``django.tasks``): ``.venv/bin/pip install -e '.[tasks]'`` (the ``test`` extra includes it). In your
+project the ``@task`` functions go in an app's ``tasks.py`` (the worker imports those at start; a
+stored task path is never imported). Docs: docs/tasks.md.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from django.conf import settings
 from django.core.management import call_command
 
 from buzz_delivery.models import Community
-from buzz_delivery.tasks.compat import task_backends  # noqa: F401  (Django 6's django.tasks, or the backport)
+
+try:
+    from buzz_delivery.tasks.compat import task_backends  # noqa: F401  (Django 6's django.tasks, or the backport)
+except ImportError as missing:
+    sys.exit(f"{missing}: on Django 5.2 install the tasks extra: pip install -e '.[tasks]'")
 
 try:
     from django.tasks import task

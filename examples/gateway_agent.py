@@ -90,7 +90,8 @@ def work(key_file: Path) -> dict[str, Any]:
     agent = GatewayClient(base_url, read_key_file(str(key_file)))  # every request signed (NIP-98)
     try:
         print(f"the gateway knows the agent in {len(agent.me()['communities'])} community")
-        (claim,) = agent.claim(limit=1, wait_seconds=5)  # a long poll: returns as soon as one is there
+        # wait_seconds > 0 makes it a long poll, answered as soon as a delivery is there
+        (claim,) = agent.claim(limit=1)
         print(f"claimed over HTTP: {claim.delivery['step_id']!r}")
         settled = agent.finish(claim.lease, "finished")
         print(f"settled: {settled.outcome} {settled.status}")

@@ -22,6 +22,7 @@ if __name__ == "__main__":  # a standalone script: set Django up (a project's ow
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     os.environ.setdefault("BUZZ_MIN_LEASE_SECONDS", "1")  # the example project's knob: a 1 s lease below
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
     import django
 
     django.setup()
