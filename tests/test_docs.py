@@ -99,7 +99,7 @@ def app_of(words_before: str, page: Page) -> str:
 def test_the_pages_are_found():
     # Guards the readers below: a moved README or docs folder must not leave them nothing to check.
     assert {"README.md", "workflows.md", "gateway.md", "agents.md"} <= {p.name for p in PAGES}
-    assert set(migrations()) == {"buzz_delivery", "buzz_workflows", "buzz_agents", "buzz_gateway", "buzz_tasks"}
+    assert set(migrations()) >= {"buzz_delivery", "buzz_workflows", "buzz_agents", "buzz_gateway", "buzz_tasks"}
 
 
 def test_every_migration_a_page_names_exists():
