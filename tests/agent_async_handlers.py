@@ -14,10 +14,12 @@ from tests.agent_handlers import _maybe_die, _write, ledger_lines
 
 
 async def effect(args: dict, key: str) -> dict:
-    """An async tool whose effect is a ledger line ``call <key>`` (idempotent by key)."""
+    """An async tool whose effect is a ledger line ``call <key>`` (idempotent by key); every
+    invocation also writes ``made <key>``, so a test sees a call made twice."""
     n = args["n"]
     _maybe_die("inside_before_effect", n)
     await asyncio.sleep(float(os.environ.get("AGENT_CALL_SECONDS", "0.01")))
+    _write(f"made {key}")
     if f"call {key}" not in ledger_lines():
         _write(f"call {key}")
     _maybe_die("inside_after_effect", n)

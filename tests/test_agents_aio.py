@@ -85,3 +85,127 @@ def test_an_async_handler_that_fails_is_compensated_by_an_async_compensation_and
     assert run.state == "failed" and run.failure_code == "handler_error"
     undone = [line for line in h.ledger_lines() if line.startswith("undo ")]
     assert undone == [f"undo {bad}:2:compensate", f"undo {bad}:1:compensate"]
+
+
+def env_for(ledger, application_name, **extra):
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(connection.settings_dict, application_name=application_name),
+        "BUZZ_MIN_LEASE_SECONDS": "1",
+        "AGENT_LEDGER": str(ledger),
+        **extra,
+    }
+    if "AGENT_KILL" not in extra:
+        env.pop("AGENT_KILL", None)
+    return env
+
+
+def async_worker_args(community, handler, *options):
+    return [
+        sys.executable, "manage.py", "run_agent_worker", "--async", "--handler", f"tests.agent_async_handlers:{handler}",
+        "--agent", AGENT.hex(), "--community", str(community.id), "--exit-when-idle", "--poll-seconds", "0.2",
+        "--lease-seconds", "15", *options,
+    ]  # fmt: skip
+
+
+def sample(stop, application_name, community_id, peaks):
+    """Every 20 ms until ``stop``: the sessions named ``application_name`` and the runs leased."""
+    params = connection.settings_dict
+    with psycopg.connect(database_url(params), autocommit=True) as conn:
+        while not stop.is_set():
+            sessions = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [application_name]
+            ).fetchone()[0]
+            leased = conn.execute(
+                "SELECT count(*) FROM buzz_agents_run WHERE community_id = %s AND state IN ('running', 'waiting_tool')",
+                [community_id],
+            ).fetchone()[0]
+            peaks["sessions"] = max(peaks["sessions"], sessions)
+            peaks["leased"] = max(peaks["leased"], leased)
+            time.sleep(0.02)
+
+
+def test_1000_runs_in_flight_in_one_process_never_exceed_the_connection_budget(community, ledger):
+    run_ids = [new_run(community.id) for _ in range(1000)]
+    name = f"aio-budget-{os.getpid()}"
+    peaks = {"sessions": 0, "leased": 0}
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample, args=(stop, name, community.id, peaks))
+    sampler.start()
+    try:
+        proc = subprocess.run(
+            async_worker_args(community, "three_sleepy_calls", "--in-flight", "1000", "--connections", "4"),
+            cwd=ROOT, env=env_for(ledger, name, AGENT_CALL_SECONDS="0.4"), capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        sampler.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["claimed"] == summary["completed"] == 1000, summary
+    assert states(run_ids) == ["completed"] * 1000
+    assert JournalEntry.objects.filter(run_id__in=run_ids, status="succeeded").count() == 3000
+    # The whole process, registry included, on its 4 connections; all 1,000 runs leased at once.
+    assert 1 <= peaks["sessions"] <= 4, peaks
+    assert peaks["leased"] == 1000, peaks
+    assert summary["batched_items"] >= 10 * summary["batches"], summary  # the writes went in batches
+
+
+def reclaim_all(run_ids):
+    """Time passing for a dead holder: its leases lapse, the reaper reclaims, the backoff ends."""
+    held = [r for r in run_ids if AgentRun.objects.get(id=r).state in ("running", "waiting_tool")]
+    for run_id in held:
+        backdate_run_lease(run_id)
+    assert reap_agent_runs().reclaimed == len(held)
+    for run_id in held:
+        make_claimable(run_id)
+    return held
+
+
+def test_a_sigkilled_async_worker_runs_resume_elsewhere_from_the_journal_with_no_call_made_twice(community, ledger):
+    run_ids = [new_run(community.id) for _ in range(6)]
+    first = subprocess.run(
+        async_worker_args(community, "three_calls", "--in-flight", "10", "--connections", "2"),
+        cwd=ROOT, env=env_for(ledger, "aio-killed", AGENT_KILL="inside_after_effect:2", AGENT_CALL_SECONDS="0.05"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert reclaim_all(run_ids), "the kill left no run held"
+    pending = JournalEntry.objects.filter(run_id__in=run_ids, status="pending").count()
+    assert pending >= 1  # at least the call the kill interrupted after its effect
+    second = subprocess.run(
+        async_worker_args(community, "three_calls", "--in-flight", "10", "--connections", "2"),
+        cwd=ROOT, env=env_for(ledger, "aio-second"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert states(run_ids) == ["completed"] * 6
+    made = [line.split()[1] for line in h.ledger_lines() if line.startswith("made ")]
+    assert sorted(made) == sorted(f"{r}:{n}" for r in run_ids for n in (1, 2, 3))  # each call once, none twice
+    assert JournalEntry.objects.filter(run_id__in=run_ids, status="succeeded").count() == 18
+
+
+def test_a_cancelled_runs_async_handler_stops_making_calls(community, ledger):
+    run_id = new_run(community.id)
+    result = {}
+
+    def work():
+        result["worker"], result["counts"] = in_process(community, ah.until_cancelled, in_flight=4, connections=2)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len([x for x in h.ledger_lines() if x.startswith("tick ")]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cancel_agent_run(community.id, run_id, reason="stop").__class__.__name__ == "Cancelled"
+        at_cancel = len([x for x in h.ledger_lines() if x.startswith("tick ")])
+    finally:
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    time.sleep(0.3)
+    ticks = [x for x in h.ledger_lines() if x.startswith("tick ")]
+    assert at_cancel >= 3 and len(ticks) <= at_cancel + 1, (at_cancel, len(ticks))  # at most the call in flight
+    assert result["counts"]["lost"] == 1, result["counts"]
+    assert AgentRun.objects.get(id=run_id).state == "cancelled"
+    journaled = JournalEntry.objects.filter(run_id=run_id).count()
+    assert journaled <= at_cancel + 1
