@@ -58,7 +58,7 @@ def states(run_ids):
 
 def test_async_handlers_run_to_completion_with_their_calls_journaled_once(community, ledger):
     run_ids = [new_run(community.id) for _ in range(12)]
-    worker, counts = in_process(community, ah.three_calls, in_flight=50, connections=2)
+    _, counts = in_process(community, ah.three_calls, in_flight=50, connections=2)
     assert counts["completed"] == 12, counts
     assert states(run_ids) == ["completed"] * 12
     entries = JournalEntry.objects.filter(run_id__in=run_ids)
@@ -102,7 +102,8 @@ def env_for(ledger, application_name, **extra):
 
 def async_worker_args(community, handler, *options):
     return [
-        sys.executable, "manage.py", "run_agent_worker", "--async", "--handler", f"tests.agent_async_handlers:{handler}",
+        sys.executable, "manage.py", "run_agent_worker", "--async",
+        "--handler", f"tests.agent_async_handlers:{handler}",
         "--agent", AGENT.hex(), "--community", str(community.id), "--exit-when-idle", "--poll-seconds", "0.2",
         "--lease-seconds", "15", *options,
     ]  # fmt: skip

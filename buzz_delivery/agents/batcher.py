@@ -151,7 +151,9 @@ class Batcher:
     def _take(self) -> tuple[tuple[str, uuid.UUID], list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]]:
         key = next(iter(self._pending))
         queued = self._pending.pop(key)
-        taken, later, seen = [], [], set()
+        taken: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
+        later: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
+        seen: set[uuid.UUID] = set()
         for entry in queued:  # each run at most once a batch, at most max_batch items
             if len(taken) < self.max_batch and entry[1] not in seen:
                 seen.add(entry[1])

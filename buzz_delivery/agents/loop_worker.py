@@ -20,12 +20,14 @@ or a plain ``def handler(ctx)`` run on a thread (at most ``in_flight`` threads).
 failure, however it fails, ends that run only.
 
     >>> from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig  # doctest: +SKIP
-    >>> AsyncAgentWorker(AsyncWorkerConfig(handler=h, agents=[key], in_flight=1000, connections=4)).run()  # doctest: +SKIP
+    >>> config = AsyncWorkerConfig(handler=h, agents=[key], in_flight=1000, connections=4)  # doctest: +SKIP
+    >>> AsyncAgentWorker(config).run()  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -112,10 +114,8 @@ class AsyncAgentWorker:
         """Stop claiming (thread- and signal-safe); in-flight runs drain within the grace."""
         self.stopping.set()
         if self._loop is not None and self._wake is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
                 self._loop.call_soon_threadsafe(self._wake.set)
-            except RuntimeError:  # the loop is closed
-                pass
 
     def run(self, conn_params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run until stopped; returns the summary counts (also :meth:`summary_line`)."""
