@@ -24,6 +24,8 @@ from project.database_url import database_url
 from tests import agent_async_handlers as ah
 from tests import agent_handlers as h
 from tests.agents_support import AGENT, backdate_run_lease, make_claimable, new_run
+from tests.pgbouncer_support import pgbouncer  # noqa: F401  (the fixture)
+from tests.test_pgbouncer import manage  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -210,3 +212,20 @@ def test_a_cancelled_runs_async_handler_stops_making_calls(community, ledger):
     assert AgentRun.objects.get(id=run_id).state == "cancelled"
     journaled = JournalEntry.objects.filter(run_id=run_id).count()
     assert journaled <= at_cancel + 1
+
+
+def test_async_workers_behind_pgbouncer_in_transaction_mode_run_each_call_once(manage, community, ledger):  # noqa: F811
+    run_ids = [new_run(community.id) for _ in range(120)]
+    args = [
+        "run_agent_worker", "--async", "--handler", "tests.agent_async_handlers:three_calls", "--agent", AGENT.hex(),
+        "--community", str(community.id), "--exit-when-idle", "--poll-seconds", "0.2", "--lease-seconds", "5",
+        "--in-flight", "100", "--connections", "3",
+    ]  # fmt: skip
+    workers = [manage(f"aio-bouncer-{i}", *args, AGENT_LEDGER=str(ledger), AGENT_CALL_SECONDS="0.05") for i in (0, 1)]
+    codes = [w.wait(timeout=120) for w in workers]
+    assert codes == [0, 0], "\n".join(w.describe() for w in workers)
+    summaries = [w.lines()[-1] for w in workers]
+    assert sum(s["completed"] for s in summaries) == sum(s["claimed"] for s in summaries) == 120, summaries
+    assert states(run_ids) == ["completed"] * 120
+    made = [line.split()[1] for line in h.ledger_lines() if line.startswith("made ")]
+    assert sorted(made) == sorted(f"{r}:{n}" for r in run_ids for n in (1, 2, 3))
