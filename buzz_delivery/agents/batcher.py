@@ -187,6 +187,8 @@ class Batcher:
         items = [e[0] for e in entries]
         try:
             results = await self.pool.run(self._many_or_replay, op, key[1], items)
+        except Exception as exc:  # the pool itself failed (closing): every submitter hears it
+            results = [_Raised(exc)] * len(items)
         finally:
             self._slots.release()
         self.batches += 1

@@ -294,6 +294,8 @@ class AsyncAgentWorker:
                 ctx.lease = outcome.lease
             self.counts["renewed"] += 1
             return
+        if isinstance(outcome, s.AlreadyTerminal) or (ctx.task is not None and ctx.task.done()):
+            return  # this holder ended the run meanwhile (its completion went first): nothing to stop
         reason = getattr(outcome, "reason", "") or "lost"
         logger.info("lease_lost run=%s reason=%s", ctx.lease.run_id, reason)
         self._give_up(ctx, reason)
