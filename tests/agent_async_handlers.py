@@ -79,3 +79,11 @@ async def fails_then_compensates(ctx):
     for n in (1, 2):
         await ctx.call("effect", effect, {"n": n}, compensate=async_undo, reconcile=reconcile)
     raise RuntimeError("the model said no")
+
+
+async def poison_or_calls(ctx):
+    """A run whose input says ``poison`` raises SystemExit (and a plain one does in a thread
+    when it says ``sync_poison``); the others make their 3 calls."""
+    if ctx.input.get("poison"):
+        raise SystemExit("a handler must not stop the worker")
+    return await three_calls(ctx)

@@ -19,7 +19,7 @@ from django.db import connection
 
 from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
 from buzz_delivery.agents.models import AgentRun, JournalEntry
-from buzz_delivery.agents.services import cancel_agent_run, reap_agent_runs
+from buzz_delivery.agents.services import cancel_agent_run, intake_event, reap_agent_runs
 from project.database_url import database_url
 from tests import agent_async_handlers as ah
 from tests import agent_handlers as h
@@ -87,6 +87,17 @@ def test_an_async_handler_that_fails_is_compensated_by_an_async_compensation_and
     assert run.state == "failed" and run.failure_code == "handler_error"
     undone = [line for line in h.ledger_lines() if line.startswith("undo ")]
     assert undone == [f"undo {bad}:2:compensate", f"undo {bad}:1:compensate"]
+
+
+def test_a_poison_run_fails_alone_and_the_worker_goes_on(community, ledger):
+    good = [new_run(community.id) for _ in range(3)]
+    poison = intake_event(community.id, "test", "poison", {"poison": True}, AGENT).run_id
+    _, counts = in_process(community, ah.poison_or_calls, in_flight=10, connections=2)
+    assert counts["completed"] == 3 and counts["failed"] == 1 and not counts.get("internal_errors"), counts
+    assert states(good) == ["completed"] * 3
+    failed = AgentRun.objects.get(id=poison)
+    assert (failed.state, failed.failure_code) == ("failed", "handler_error")
+    assert "SystemExit" in failed.failure_message
 
 
 def env_for(ledger, application_name, **extra):

@@ -330,7 +330,7 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         return "parked"
     except (RunAborted, asyncio.CancelledError):
         return "lost"
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt... from user code: this run fails alone
         code = exc.failure_code if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
             return "lost"
