@@ -250,6 +250,7 @@ def record_results(community_id: uuid.UUID | str, results: Sequence[PreparedResu
         output_hashes=[r.params["output_hash"] for r in results],
         errors=[r.params["error"] for r in results],
         latencies=[r.params["latency_ms"] for r in results],
+        keys=[journal.idempotency_key(r.lease.run_id, r.params["seq"]) for r in results],
     )
     if not results:
         return []

@@ -347,8 +347,11 @@ FOR NO KEY UPDATE OF r
 # success; a run it did not return is judged on its own, exactly as the single form judges a miss
 # (services/batch.py). A run appears at most once per statement.
 BATCH_LEASES = "unnest(%(run_ids)s::uuid[], %(generations)s::bigint[])"
+# ``r.id = ANY(run_ids)`` as well as the join: the runs are found by their key (community_id, id)
+# whatever the planner thinks of the unnest, never by a scan of the community's runs.
 CURRENT_RUN_LEASE_OF_ROW = f"""
     r.community_id = %(community_id)s
+    AND r.id = ANY(%(run_ids)s::uuid[])
     AND r.id = u.run_id
     AND r.lease_generation = u.generation
     AND r.worker_id = %(worker_id)s
@@ -392,12 +395,14 @@ FROM spent JOIN u ON u.run_id = spent.id
 RETURNING run_id, seq, idempotency_key
 """
 
+# Each entry is found by its unique key (community_id, idempotency_key = "<run id>:<seq>"), one
+# index probe per row whatever the planner thinks of the CTEs.
 RECORD_MANY_IF_CURRENT = f"""
 WITH u AS MATERIALIZED (
     SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(seqs)s::integer[], %(statuses)s::text[],
                          %(uncertains)s::boolean[], %(outputs)s::jsonb[], %(output_hashes)s::bytea[],
-                         %(errors)s::text[], %(latencies)s::integer[])
-        AS u(run_id, generation, seq, status, uncertain, output, output_hash, error, latency_ms)
+                         %(errors)s::text[], %(latencies)s::integer[], %(keys)s::text[])
+        AS u(run_id, generation, seq, status, uncertain, output, output_hash, error, latency_ms, key)
 ), fenced AS (
     UPDATE {RUN} AS r SET state = 'running'
     FROM u
@@ -409,8 +414,8 @@ SET status = u.status, uncertain = u.uncertain, output = u.output, output_hash =
     error = u.error, latency_ms = u.latency_ms, result_generation = fenced.lease_generation,
     finished_at = {DB_NOW}
 FROM fenced JOIN u ON u.run_id = fenced.id
-WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = u.seq AND j.status = 'pending'
-  AND j.kind = 'tool'
+WHERE j.community_id = %(community_id)s AND j.idempotency_key = u.key AND j.run_id = fenced.id AND j.seq = u.seq
+  AND j.status = 'pending' AND j.kind = 'tool'
 RETURNING j.run_id, j.status
 """
 
