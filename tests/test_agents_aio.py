@@ -100,6 +100,21 @@ def test_a_poison_run_fails_alone_and_the_worker_goes_on(community, ledger):
     assert "SystemExit" in failed.failure_message
 
 
+def test_the_accept_hook_runs_before_each_claim_round_and_its_errors_never_stop_the_worker(community, ledger):
+    seen = []
+
+    def accept(communities):
+        seen.append(list(communities))
+        if len(seen) == 1:  # the hook's runs are claimed in the same round
+            new_run(community.id)
+        else:
+            raise RuntimeError("the inbox is down")
+
+    _, counts = in_process(community, ah.three_calls, in_flight=4, connections=1, accept=accept)
+    assert seen == [[community.id], [community.id]], seen
+    assert counts["accept_errors"] == 1 and counts["completed"] == 1, counts
+
+
 def env_for(ledger, application_name, **extra):
     env = {
         **os.environ,

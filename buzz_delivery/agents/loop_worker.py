@@ -80,6 +80,9 @@ class AsyncWorkerConfig:
     max_batch: int = 200
     linger: float = 0.0
     registry: WorkerIdentity | None = None  # kept live in the workers registry through the pool
+    # Called on a pool connection with each round's communities before claiming: the hook of
+    # built-in acceptance (deliveries to ``agents`` accepted into runs); errors are logged only.
+    accept: Callable[[list[uuid.UUID]], Any] | None = None
 
 
 class _LoopWaker(Waker):
@@ -199,7 +202,14 @@ class AsyncAgentWorker:
                 continue
             self._wake.clear()
             found = False
-            for community in await runtime.pool.run(self._communities):
+            communities = await runtime.pool.run(self._communities)
+            if cfg.accept is not None:
+                try:
+                    await runtime.pool.run(cfg.accept, communities)
+                except Exception:  # acceptance never stops the worker
+                    logger.exception("accept_error")
+                    self.counts["accept_errors"] += 1
+            for community in communities:
                 room = self._room(tasks)
                 if self.stopping.is_set() or room <= 0:
                     break
