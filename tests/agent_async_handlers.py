@@ -55,7 +55,12 @@ async def _sleep_call(args: dict, key: str) -> dict:
 
 
 async def three_sleepy_calls(ctx):
-    """3 journaled calls that each await asyncio.sleep (no ledger: the connection-budget test)."""
+    """3 journaled calls that each await asyncio.sleep (no ledger: the connection-budget test).
+    With ``AGENT_GATE`` (a path), the run first waits until that file exists, so a test can hold
+    every run in flight at once whatever the machine's speed."""
+    gate = os.environ.get("AGENT_GATE")
+    while gate and not os.path.exists(gate):
+        await asyncio.sleep(0.1)
     for n in (1, 2, 3):
         await ctx.call("sleep", _sleep_call, {"n": n})
     return {"ok": True}

@@ -137,8 +137,9 @@ def async_worker_args(community, handler, *options):
     ]  # fmt: skip
 
 
-def sample(stop, application_name, community_id, peaks):
-    """Every 20 ms until ``stop``: the sessions named ``application_name`` and the runs leased."""
+def sample(stop, application_name, community_id, peaks, gate=None):
+    """Every 20 ms until ``stop``: the sessions named ``application_name`` and the runs leased;
+    ``gate`` (a path) is created once 1,000 runs are leased at once."""
     params = connection.settings_dict
     with psycopg.connect(database_url(params), autocommit=True) as conn:
         while not stop.is_set():
@@ -151,6 +152,8 @@ def sample(stop, application_name, community_id, peaks):
             ).fetchone()[0]
             peaks["sessions"] = max(peaks["sessions"], sessions)
             peaks["leased"] = max(peaks["leased"], leased)
+            if gate is not None and leased >= 1000 and not gate.exists():
+                gate.write_text("open")
             time.sleep(0.02)
 
 
@@ -159,12 +162,14 @@ def test_1000_runs_in_flight_in_one_process_never_exceed_the_connection_budget(c
     name = f"aio-budget-{os.getpid()}"
     peaks = {"sessions": 0, "leased": 0}
     stop = threading.Event()
-    sampler = threading.Thread(target=sample, args=(stop, name, community.id, peaks))
+    gate = ledger.with_suffix(".gate")  # the runs wait for it: all 1,000 are held at once first
+    sampler = threading.Thread(target=sample, args=(stop, name, community.id, peaks, gate))
     sampler.start()
     try:
         proc = subprocess.run(
             async_worker_args(community, "three_sleepy_calls", "--in-flight", "1000", "--connections", "4"),
-            cwd=ROOT, env=env_for(ledger, name, AGENT_CALL_SECONDS="0.4"), capture_output=True, text=True, timeout=240,
+            cwd=ROOT, env=env_for(ledger, name, AGENT_CALL_SECONDS="0.2", AGENT_GATE=str(gate)),
+            capture_output=True, text=True, timeout=240,
         )  # fmt: skip
     finally:
         stop.set()
