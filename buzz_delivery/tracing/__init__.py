@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -44,12 +45,25 @@ def use_tracer_provider(provider: Any) -> None:
     _explicit = provider
 
 
+# The API's global provider is read from its module attribute (None until set_tracer_provider):
+# get_tracer_provider() looks the OTEL_PYTHON_TRACER_PROVIDER variable up in os.environ on every
+# call while none is set (several microseconds per hook). It is called instead when that
+# variable names a provider, or should a later API lose the attribute.
+_FAST_GLOBAL = (
+    _trace is not None and hasattr(_trace, "_TRACER_PROVIDER") and "OTEL_PYTHON_TRACER_PROVIDER" not in os.environ
+)
+
+
 def tracer() -> Any:
     """This package's tracer, or None when tracing is not installed or not configured."""
     global _cached
     if _trace is None:
         return None
-    provider = _explicit or _trace.get_tracer_provider()
+    provider = _explicit
+    if provider is None:
+        provider = _trace._TRACER_PROVIDER if _FAST_GLOBAL else _trace.get_tracer_provider()
+        if provider is None:  # no provider set: nothing would be recorded
+            return None
     if isinstance(provider, _Proxy):  # no SDK provider set: nothing would be recorded
         return None
     if _cached[0] is not provider:
