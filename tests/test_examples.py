@@ -34,7 +34,14 @@ def run_example(path: Path) -> str:
 
 
 # The examples with a test of their own below; any other runs in the catch-all test.
-TESTED = {"order_fulfilment.py", "inbox.py", "agent_run.py", "gateway_agent.py", "background_tasks.py"}
+TESTED = {
+    "order_fulfilment.py",
+    "inbox.py",
+    "agent_run.py",
+    "gateway_agent.py",
+    "background_tasks.py",
+    "traced_agent.py",
+}
 
 
 def test_the_examples_tested_by_name_exist():
@@ -95,3 +102,25 @@ def test_the_tasks_example_runs_its_tasks_on_the_inbox():
     assert "enqueued: READY, READY" in out
     assert "add(2, 3): SUCCESSFUL -> 5" in out
     assert "welcome: SUCCESSFUL -> 'sent a welcome to ada@example.com'" in out
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_tracing_example_prints_one_trace_from_the_producer_to_the_tool_calls():
+    """examples/traced_agent.py (quoted in docs/tracing.md) sets the SDK's provider globally, as
+    a project does, and prints the spans of its one trace (issue 34)."""
+    out = run_example(EXAMPLES / "traced_agent.py")
+    expected = """POST /orders
+  buzz.workflow.run
+    buzz.workflow.step
+      buzz.commit
+        buzz.agent.accept
+          buzz.settle
+          buzz.agent.run
+            buzz.agent.call (lookup)
+            buzz.agent.call (notify)"""
+    assert out.strip() == expected
+    docs = (ROOT / "docs" / "tracing.md").read_text()
+    assert expected in docs  # the docs show what it prints
+    source = (EXAMPLES / "traced_agent.py").read_text()
+    quoted = source[source.index("def lookup(") : source.index("\n\n\ndef main(")]
+    assert quoted in docs, "docs/tracing.md does not quote examples/traced_agent.py's tools and handler"

@@ -88,6 +88,9 @@ class AgentRun(CommunityScoped):
     # The operator's cap on this run's lease length (its policy when it was created; NULL = the
     # core's MAX_LEASE_SECONDS): claims and heartbeats asking for more get this much.
     max_lease_seconds = models.FloatField(null=True, blank=True)
+    # The trace context the run was accepted in (W3C headers; NULL without tracing): its
+    # handler's spans are its children (buzz_delivery.tracing.work).
+    trace_context = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     finished_at = models.DateTimeField(null=True, blank=True)
     # The holder is ``worker_id``; these count its lease's heartbeats and keep the run's last

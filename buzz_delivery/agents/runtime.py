@@ -44,6 +44,7 @@ from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.tracing import work as tracing_work
 
 logger = logging.getLogger("buzz_delivery.agents")
 
@@ -88,6 +89,7 @@ class Context:
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
+    @tracing_work.tool_call_span
     def call(
         self,
         tool_name: str,
@@ -204,7 +206,8 @@ def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
         try:
             if function is None:
                 raise LookupError(compensations.unregistered_error(began["compensation"]))
-            with tenancy.handler(lease.community_id):  # the user's code, as the handler's: the login's role
+            # The user's code, as the handler's: the login's role.
+            with tenancy.handler(lease.community_id), tracing_work.compensation_span(lease, seq):
                 function(began["args"], began["output"], began["key"])
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
@@ -224,6 +227,7 @@ def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
 
 
 @tenant_scoped
+@tracing_work.agent_run_span
 def run_claim(claim: s.AgentClaim, handler: Callable[[Context], Any], ctx: Context | None = None) -> str:
     """Run one claimed run to its next resting point and say which: ``completed``, ``failed``,
     ``compensated``, ``compensation_failed``, ``parked`` (approval), ``lost`` (lease lost)."""

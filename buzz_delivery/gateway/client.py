@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from buzz_delivery.gateway import nip98
+from buzz_delivery.tracing import http as tracing_http
 
 logger = logging.getLogger("buzz_delivery.gateway.client")
 
@@ -163,7 +164,13 @@ class GatewayClient:
         headers = {"Authorization": nip98.encode_header(nip98.sign_event(self._key, url, method, body))}
         if body:
             headers["Content-Type"] = "application/json"
-        return self._http.request(method, url, content=body, headers=headers, timeout=self.timeout + extra_timeout)
+        timeout = self.timeout + extra_timeout
+
+        def send() -> httpx.Response:
+            return self._http.request(method, url, content=body, headers=headers, timeout=timeout)
+
+        # Tracing: a client span whose traceparent the headers carry; else send() itself.
+        return tracing_http.client_request(method, path, headers, send)  # type: ignore[no-any-return]
 
     def _json(self, method: str, path: str, payload: Any = None, *, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
         response = self.request(method, path, payload, **kw)

@@ -35,6 +35,7 @@ from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import BATCH_FINISH, CLAIM, FINISH, RENEW, Body
 from buzz_delivery.gateway.wake import hub
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settled
+from buzz_delivery.tracing import http as tracing_http
 
 logger = logging.getLogger("buzz_delivery.gateway")
 
@@ -92,6 +93,7 @@ def endpoint(method: str, body: Body | None = None) -> Callable[[View], Callable
     def decorate(view: View) -> Callable[..., HttpResponse]:
         @csrf_exempt
         @wraps(view)
+        @tracing_http.server_span  # one span per request, child of its traceparent (when tracing)
         def wrapper(request: HttpRequest, **path: str) -> HttpResponse:
             try:
                 if request.method != method:

@@ -35,6 +35,7 @@ from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import Binding, Settled
 from buzz_delivery.services.db import retry_deadlocks
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
 from buzz_delivery.worker.handlers import describe, storable_text
 from buzz_delivery.workflows import kinds, refs
@@ -95,6 +96,11 @@ def execute(claim: StepClaim, *, defer_output: bool = False) -> StepOutcome | Ou
     """Run one claimed step to its next state; returns the outcome of its last transition.
     With ``defer_output`` a ``function`` step that returned is not completed here: its
     :class:`Output` is returned instead (failures are still recorded here)."""
+    with tracing_work.step_span(claim):  # child of the run's stored trace context
+        return _execute(claim, defer_output)
+
+
+def _execute(claim: StepClaim, defer_output: bool) -> StepOutcome | Output:
     kind = claim.step.kind
     try:
         if kind == "function":
@@ -205,7 +211,9 @@ def _send_message(claim: StepClaim) -> StepOutcome:
             )
             for target in spec["targets"]
         ]
-        core.commit_deliveries(community, event, bindings)
+        # Inside the step's span the commit stores its own trace context with each delivery;
+        # without tracing here, the run's stored one is carried on.
+        core.commit_deliveries(community, event, bindings, trigger_context=tracing_work.carried(run.trace_context))
         outcome = steps.park_step(claim.lease, expected=len(bindings), wait_seconds=spec.get("wait_timeout_seconds"))
         if not isinstance(outcome, Settled):
             raise _Rollback(outcome)

@@ -165,6 +165,9 @@ class Run(CommunityScoped):
     # Set when the run ends failed or canceled: its pending deliveries are still to be expired
     # (through the core's service) by the path that ended it or by the next maintenance pass.
     deliveries_to_expire = models.BooleanField(default=False)
+    # The trace context the run was started in (W3C headers; NULL without tracing): its steps'
+    # spans are its children (buzz_delivery.tracing.work).
+    trace_context = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     finished_at = models.DateTimeField(null=True, blank=True)
 

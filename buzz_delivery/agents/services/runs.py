@@ -14,6 +14,7 @@ from typing import Any
 
 from django.db import transaction
 
+from buzz_delivery import tracing
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import sql
@@ -42,6 +43,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.runs import RUN_CANCELED
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.workflows.services.common import canonical_json
 from buzz_delivery.workflows.states import RUN_TERMINAL as WORKFLOW_RUN_TERMINAL
 
@@ -52,6 +54,7 @@ RUN_ENDED = "run_ended"  # a delivery refused because its workflow run ended oth
 
 @retry_deadlocks
 @tenant_scoped
+@tracing_work.accept_span
 def accept_delivery(
     lease: Lease,
     *,
@@ -99,6 +102,8 @@ def accept_delivery(
         "id": new_uuid7(),
         "community_id": lease.community_id,
         "delivery_id": lease.delivery_id,
+        # The accept span's context (else the delivery's stored one, in the statement).
+        "trace_context": tracing.json_or_none(tracing.inject()),
     }
     with transaction.atomic(), translated_errors():
         ended = fetch_all(sql.LOCK_WORKFLOW_RUN_OF_DELIVERY, params)
@@ -200,6 +205,7 @@ def _worker(value: Any) -> str:
 
 
 @tenant_scoped
+@tracing.traced("buzz.agent.claim")
 def claim_agent_runs(
     community_id: uuid.UUID | str,
     agent_pubkeys: list[bytes],

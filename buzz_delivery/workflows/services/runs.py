@@ -11,12 +11,14 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 
 from buzz_delivery import services as core
+from buzz_delivery import tracing
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import AlreadyTerminal, Cause
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.exceptions import IdempotencyConflict, RunNotFound, RunNotRestartable
 from buzz_delivery.workflows.models import MAX_TAGS, TAG_MAX_CHARS, DefinitionVersion, Run, Step
@@ -117,8 +119,41 @@ def create_run(
     if tags is None:
         source = parent[0] if parent else restart_of
         tags = list(source.tags) if source is not None else []
-    template, release_roots = _step_template(version)
     run_id = run_id or cast(uuid.UUID, new_uuid7())
+    with tracing_work.workflow_run_span(community, version.workflow_id, run_id, parent[0].pk if parent else None):
+        # The context of its creation (a child run's: the parent's step span, or the parent's
+        # stored context carried on where this process does not trace).
+        trace = tracing.current_or(parent[0].trace_context if parent else None)
+        return _insert_run(
+            community,
+            version,
+            input_value,
+            cause,
+            run_id=run_id,
+            trace=trace,
+            idempotency_key=idempotency_key,
+            parent=parent,
+            restart_of=restart_of,
+            deadline_seconds=deadline_seconds,
+            tags=tags,
+        )
+
+
+def _insert_run(
+    community: uuid.UUID,
+    version: DefinitionVersion,
+    input_value: dict[str, Any],
+    cause: Cause,
+    *,
+    run_id: uuid.UUID,
+    trace: dict[str, str] | None,
+    idempotency_key: str | None,
+    parent: tuple[Run, str] | None,
+    restart_of: Run | None,
+    deadline_seconds: int | None,
+    tags: list[str],
+) -> Run:
+    template, release_roots = _step_template(version)
     steps = [{**row, "id": str(new_uuid7())} for row in template]
     params = {
         "run_id": run_id,
@@ -136,6 +171,7 @@ def create_run(
         "deadline_seconds": deadline_seconds,
         "steps": json.dumps(steps),
         "tags": tags,
+        "trace_context": json.dumps(trace) if trace else None,
     }
     if release_roots:
         with transaction.atomic():
@@ -145,6 +181,7 @@ def create_run(
         rows = fetch_all(sql.CREATE_RUN, params)  # one statement: atomic on its own
     run = Run.from_db(connection.alias, sql.RUN_ATTNAMES, rows[0][:-1])
     run.input = input_value  # the cursor gives jsonb as text; the model holds the value
+    run.trace_context = trace
     run.definition = version
     return run
 

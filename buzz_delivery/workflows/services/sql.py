@@ -203,7 +203,7 @@ WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s AND 
 _RUN_INSERT_COLUMNS = (
     "run_id, community_id, workflow_id, definition_id, state, input, cause_kind, cause_event_id, "
     "cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, "
-    "depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire, tags"
+    "depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire, tags, trace_context"
 )
 _STEP_SHAPE = (
     "id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], "
@@ -235,7 +235,7 @@ WITH core AS (
             %(cause_kind)s, %(cause_event_id)s, %(cause_scheduled_for)s, %(cause_webhook_invocation_id)s,
             %(idempotency_key)s, %(parent_run_id)s, %(parent_step_key)s, %(depth)s, %(restart_of_id)s,
             %(steps_total)s, %(steps_total)s, {DB_NOW} + make_interval(secs => %(deadline_seconds)s), false,
-            %(tags)s::varchar(100)[])
+            %(tags)s::varchar(100)[], %(trace_context)s::jsonb)
     RETURNING {{run_columns}}
 ), ready AS ({_STEP_INSERT.format(ready_at=DB_NOW, state="'ready'")}
 ), pending AS ({_STEP_INSERT.format(ready_at="NULL::timestamptz", state="'pending'")}
