@@ -126,12 +126,13 @@ SELECT r.state, r.lease_generation, r.worker_id, r.tool_calls_used, r.max_tool_c
 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s
 """
 
-# One fenced statement spends one journal slot (and the call's cost) within the budgets.
+# One fenced statement spends one journal slot (and the call's cost) within the budgets. A run
+# already ``waiting_tool`` may journal another call: threads of one holder call tools at once.
 SPEND_CALL_IF_CURRENT_AND_WITHIN_BUDGET = f"""
 UPDATE {RUN} AS r
 SET tool_calls_used = r.tool_calls_used + 1, cost_used = r.cost_used + %(cost)s,
-    state = CASE WHEN r.shadow AND %(destructive)s THEN 'running' ELSE 'waiting_tool' END
-WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding
+    state = CASE WHEN r.shadow AND %(destructive)s THEN r.state ELSE 'waiting_tool' END
+WHERE {CURRENT_RUN_LEASE} AND NOT r.unwinding
   AND r.tool_calls_used < r.max_tool_calls AND r.cost_used + %(cost)s <= r.max_cost
 RETURNING r.tool_calls_used, r.shadow
 """
