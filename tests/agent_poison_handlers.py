@@ -129,7 +129,7 @@ def atomic_left_open(ctx: Any) -> dict:
 
 def raw_begin(ctx: Any) -> dict:
     _sql("BEGIN")
-    _sql("SELECT 1 FROM buzz_agents_run LIMIT 1 FOR UPDATE")
+    _sql("SELECT pg_advisory_xact_lock(28)")  # a lock a leaked transaction would keep holding
     _call(ctx)
     return {}
 
