@@ -31,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -166,3 +167,77 @@ class UserCode:
             except Exception:
                 discard_connection(db)
         return None
+
+
+def in_transaction(db: Any) -> bool:
+    """True when Django connection ``db`` is inside a caller's transaction (an ``atomic()``
+    block, or autocommit off). Opens no connection."""
+    if db.in_atomic_block:
+        return True
+    if db.connection is None:
+        return not db.settings_dict.get("AUTOCOMMIT", True)
+    return not db.autocommit
+
+
+class UserConnection:
+    """A second Django connection of one thread, for user code, so that user code never shares a
+    session or a transaction with the runtime's own statements (an agent handler calls back
+    into the runtime, ``ctx.call``, from the middle of its own code)::
+
+        lane = UserConnection()
+        with lane:                  # the thread's default connection is the user's in here
+            with lane.runtime():    # and the runtime's again in here (its journal, its leases)
+                ...
+        lane.close()                # when the thread is done with it
+
+    A handler that leaves a transaction open, turns autocommit off, sets ``statement_timeout`` or
+    has its connection terminated does it to its own connection: the runtime's statements
+    commit (or fail) on theirs. Called inside a caller's transaction (a test's), user code runs
+    on the caller's connection, as before: a second connection would not see that transaction's
+    rows. Only the thread that entered the lane swaps connections; :meth:`runtime` from another
+    thread (a handler's own threads) is a no-op: that thread's statements use its own connection.
+    """
+
+    __slots__ = ("_owner", "_runtime_db", "_swapped", "_user_db")
+
+    def __init__(self) -> None:
+        self._user_db: Any = None
+        self._runtime_db: Any = None
+        self._swapped = False
+        self._owner: int | None = None
+
+    def __enter__(self) -> UserConnection:
+        if self._swapped:
+            raise RuntimeError("this UserConnection is entered already")
+        runtime = connections[DEFAULT_DB_ALIAS]
+        if runtime is self._user_db or in_transaction(runtime):
+            return self  # shared: see the class docstring
+        if self._user_db is None:
+            self._user_db = connections.create_connection(DEFAULT_DB_ALIAS)
+        self._runtime_db, self._owner, self._swapped = runtime, threading.get_ident(), True
+        connections[DEFAULT_DB_ALIAS] = self._user_db
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._swapped:
+            self._swapped = False
+            connections[DEFAULT_DB_ALIAS] = self._runtime_db
+
+    @contextlib.contextmanager
+    def runtime(self) -> Iterator[None]:
+        """The runtime's connection as the thread's default for the block (inside the lane)."""
+        if not self._swapped or threading.get_ident() != self._owner:
+            yield
+            return
+        user = connections[DEFAULT_DB_ALIAS]
+        connections[DEFAULT_DB_ALIAS] = self._runtime_db
+        try:
+            yield
+        finally:
+            connections[DEFAULT_DB_ALIAS] = user
+
+    def close(self) -> None:
+        """Close the user's connection (whatever its state); the lane opens a new one if entered again."""
+        user, self._user_db = self._user_db, None
+        if user is not None:
+            discard_connection(user)

@@ -17,20 +17,35 @@ Compensations: ``compensate(args, output, key)``, a function registered with
 :func:`buzz_delivery.agents.compensations.compensation` (the journal stores its registered name;
 the worker that unwinds looks the name up in its own registry and never imports it); run in
 reverse order on failure.
+
+User code (the handler, its tools, reconcile hooks and compensations) runs on a connection of
+its own (:class:`~buzz_delivery.usercode.UserConnection`), never the one the runtime journals and
+settles on: a handler that leaves a transaction open, turns autocommit off, sets a session
+``statement_timeout`` or has its connection terminated cannot make a journal entry or a
+completion wait in (or vanish with) its transaction; what it left open is rolled back and the
+run fails with ``transaction_left_open``. Whatever the handler raises (a ``BaseException``
+included: ``handler_aborted``) or returns (output that is not storable JSON:
+``output_not_json``/``output_too_large``) ends that run with a storable failure code, never the
+worker. A runtime statement whose connection fails leaves the run to its lease (``lost``: the
+reaper reclaims it and it resumes from its journal). Several threads of one handler may call
+``ctx.call`` at once (their entries are journaled one at a time, in position order).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from django.db import connections
+from django.core.exceptions import ValidationError
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connections
 
 from buzz_delivery.agents import compensations
 from buzz_delivery.agents import services as s
+from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.exceptions import (
     AgentError,
     ApprovalExpired,
@@ -42,13 +57,43 @@ from buzz_delivery.agents.exceptions import (
 )
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
-from buzz_delivery.services import tenancy
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
+from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode, UserConnection, discard_connection, in_transaction
+from buzz_delivery.worker.handlers import describe, storable_text
+from buzz_delivery.workflows.services.common import BadJSON, json_text
 
 logger = logging.getLogger("buzz_delivery.agents")
 
 NOT_MADE = object()  # a reconcile hook's answer: the call never reached the tool
+
+FAILURE_CODE_MAX_CHARS = 64
+FAILURE_MESSAGE_MAX_CHARS = 10_000
+HANDLER_ABORTED = "handler_aborted"  # the handler raised a BaseException (SystemExit, ...)
+
+
+def failure_code_of(exc: BaseException) -> str:
+    """The failure code a run records for a handler that raised ``exc``: an
+    :class:`AgentError`'s own ``failure_code`` made storable (1..64 characters), else
+    ``handler_error`` (``handler_aborted`` for a ``BaseException`` that is not an ``Exception``)."""
+    default = "handler_error" if isinstance(exc, Exception) else HANDLER_ABORTED
+    if not isinstance(exc, AgentError):
+        return default
+    try:
+        code = exc.failure_code
+    except BaseException:
+        return default
+    text = storable_text(code, FAILURE_CODE_MAX_CHARS) if isinstance(code, str) else ""
+    return text if text.strip() else default
+
+
+def failure_message_of(exc: BaseException) -> str:
+    """``Type: text`` of ``exc``, storable and bounded, even when its ``str()`` raises."""
+    return storable_text(f"{type(exc).__name__}: {describe(exc)}", FAILURE_MESSAGE_MAX_CHARS)
+
+
+def _messages(exc: ValidationError) -> str:
+    return "; ".join(str(m) for m in exc.messages)
 
 
 class _Parked(Exception):
@@ -74,6 +119,24 @@ class Context:
             for e in JournalEntry.objects.filter(community_id=claim.lease.community_id, run_id=claim.lease.run_id)
         }
         self.replayed = 0
+        self.lane: UserConnection | None = None  # set by run_claim: the user's connection
+        self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
+
+    @contextlib.contextmanager
+    def _runtime(self) -> Iterator[None]:
+        """The block's statements are the runtime's: on its own connection, never the user's. One
+        whose connection fails marks the run lost (its lease lapses; it resumes from the journal)."""
+        with self.lane.runtime() if self.lane is not None else contextlib.nullcontext():
+            try:
+                yield
+            except DatabaseError as exc:
+                db = connections[DEFAULT_DB_ALIAS]
+                if in_transaction(db):
+                    raise  # a caller's transaction (a test's): not ours to judge
+                logger.warning("db_error run=%s: %s; the run is left to its lease", self.run.id, describe(exc))
+                discard_connection(db)
+                self.mark_lost("db_error")
+                raise RunAborted(f"the runtime's database connection failed: {describe(exc)}") from exc
 
     @property
     def cancelled(self) -> bool:
@@ -105,14 +168,17 @@ class Context:
         a shadow-blocked call). Raises :class:`ToolCallFailed`, :class:`BudgetExhausted`,
         :class:`UncertainCall`, :class:`ReplayMismatch` or :class:`RunAborted`."""
         self._check()
-        self._pos += 1
-        entry = self._journal.get(self._pos)
+        with self._journaling:
+            self._pos += 1
+            entry = self._journal.get(self._pos)
+            if entry is None:
+                descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+                with self._runtime():
+                    outcome = s.journal_call(
+                        self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+                    )
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
-        descriptor = compensations.descriptor(compensate)  # ValueError when not registered
-        outcome = s.journal_call(
-            self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
-        )
         if isinstance(outcome, s.Blocked):
             return None
         if isinstance(outcome, s.BudgetExceeded):
@@ -127,14 +193,25 @@ class Context:
         try:
             output = fn(args, key)
         except Exception as exc:
-            self._record(seq, ok=False, error=f"{type(exc).__name__}: {exc}", started=started)
-            raise ToolCallFailed(f"{seq}: {exc}") from exc
-        self._record(seq, ok=True, output=output, started=started)
+            self._record(seq, ok=False, error=failure_message_of(exc), started=started)
+            raise ToolCallFailed(f"{seq}: {describe(exc)}") from exc
+        return self._record_output(seq, output, started)
+
+    def _record_output(self, seq: int, output: Any, started: float) -> Any:
+        """Record call ``seq`` succeeded with ``output``; an output that cannot be stored records
+        the call failed and uncertain (it was made: it is compensated like a succeeded one)."""
+        try:
+            self._record(seq, ok=True, output=output, started=started)
+        except ValidationError as exc:
+            error = f"uncertain: the tool's output cannot be stored: {_messages(exc)}"
+            self._record(seq, ok=False, uncertain=True, error=storable_text(error, 10_000), started=started)
+            raise ToolCallFailed(f"{seq}: {error}") from None
         return output
 
     def _record(self, seq: int, *, started: float, **kwargs: Any) -> None:
         latency = int((time.monotonic() - started) * 1000)
-        outcome = s.record_call_result(self.lease, seq, latency_ms=latency, **kwargs)
+        with self._runtime():
+            outcome = s.record_call_result(self.lease, seq, latency_ms=latency, **kwargs)
         if not isinstance(outcome, (s.Recorded, s.AlreadyRecorded)):
             self.lost.set()
             raise RunAborted(f"cannot record call {seq}: {outcome}")
@@ -156,11 +233,15 @@ class Context:
             )
             raise UncertainCall(f"call {entry.seq} ({tool_name}) may or may not have happened")
         started = time.monotonic()
-        found = reconcile(args, entry.idempotency_key)
+        try:
+            found = reconcile(args, entry.idempotency_key)
+        except Exception as exc:  # cannot tell: uncertain, compensated with the others
+            error = storable_text(f"uncertain: the reconcile hook raised {failure_message_of(exc)}", 10_000)
+            self._record(entry.seq, ok=False, uncertain=True, error=error, started=started)
+            raise UncertainCall(f"call {entry.seq} ({tool_name}): {error}") from exc
         if found is NOT_MADE:
             return self._make(entry.seq, entry.idempotency_key, fn, args)
-        self._record(entry.seq, ok=True, output=found, started=started)
-        return found
+        return self._record_output(entry.seq, found, started)
 
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """Ask a human (the engine's approvals queue). The first time, parks the run and stops
@@ -179,7 +260,8 @@ class Context:
             if entry.status == "failed":
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
-        outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
+        with self._runtime():
+            outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
         if isinstance(outcome, s.ApprovalRequested):
             raise _Parked(outcome.approval_id)
         if isinstance(outcome, s.BudgetExceeded):
@@ -189,10 +271,17 @@ class Context:
 
 
 @tenant_scoped
-def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
+def unwind(lease: s.AgentLease, seqs: tuple[int, ...], lane: UserConnection | None = None) -> str:
     """Run the compensations ``seqs`` (highest first) under ``lease``, each once, stopping at the
     first that fails; then end the run ``failed``. Returns ``compensated``,
-    ``compensation_failed`` or ``lost``."""
+    ``compensation_failed`` or ``lost``. Each compensation is user code: it runs on ``lane``
+    (the user's connection), and one that raises (anything) or leaves a transaction open fails."""
+    if lane is None:
+        lane = UserConnection()
+        try:
+            return unwind(lease, seqs, lane)
+        finally:
+            lane.close()
     result = "compensated"
     for seq in seqs:
         began = s.begin_compensation(lease, seq)
@@ -203,16 +292,21 @@ def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
         # The descriptor is data anyone holding the agent's key may have written: its name is
         # looked up in this process's registry, never imported (issue 27).
         function = compensations.resolve(began["compensation"])
+        error: str | None = None
+        call = UserCode(lease.community_id)  # the user's code, as the handler's: the login's role
         try:
             if function is None:
                 raise LookupError(compensations.unregistered_error(began["compensation"]))
-            # The user's code, as the handler's: the login's role.
-            with tenancy.handler(lease.community_id), tracing_work.compensation_span(lease, seq):
+            with lane, call, tracing_work.compensation_span(lease, seq):
                 function(began["args"], began["output"], began["key"])
-        except Exception as exc:
-            logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
+        except BaseException as exc:  # SystemExit included: this compensation's failure, never the worker's
+            error = failure_message_of(exc)
+        if call.left_open is not None:
+            error = f"{TRANSACTION_LEFT_OPEN}: the compensation left its connection with {call.left_open}"
+        if error is not None:
+            logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, error)
             if not isinstance(
-                s.finish_compensation(lease, seq, ok=False, error=f"{type(exc).__name__}: {exc}"),
+                s.finish_compensation(lease, seq, ok=False, error=error),
                 (s.Recorded, s.AlreadyRecorded),
             ):
                 return "lost"
@@ -222,41 +316,109 @@ def unwind(lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
             return "lost"
     final = s.fail_run(lease, "compensated")
     if isinstance(final, s.Unwinding):  # a compensation was left by someone else: go again
-        return unwind(lease, final.seqs)
+        return unwind(lease, final.seqs, lane)
     return result if isinstance(final, (s.Finished, s.AlreadyTerminal)) else "lost"
 
 
 @tenant_scoped
 @tracing_work.agent_run_span
-def run_claim(claim: s.AgentClaim, handler: Callable[[Context], Any], ctx: Context | None = None) -> str:
+def run_claim(
+    claim: s.AgentClaim,
+    handler: Callable[[Context], Any],
+    ctx: Context | None = None,
+    lane: UserConnection | None = None,
+) -> str:
     """Run one claimed run to its next resting point and say which: ``completed``, ``failed``,
-    ``compensated``, ``compensation_failed``, ``parked`` (approval), ``lost`` (lease lost)."""
+    ``compensated``, ``compensation_failed``, ``parked`` (approval), ``lost`` (lease lost, or a
+    runtime statement's connection failed: the lease is left to lapse). ``lane``: the thread's
+    :class:`~buzz_delivery.usercode.UserConnection` (a worker keeps one per thread; without it,
+    one is opened for this call and closed after)."""
+    own = lane is None
+    lane = lane or UserConnection()
+    try:
+        return _run_claim(claim, handler, ctx, lane)
+    except DatabaseError as exc:
+        db = connections[DEFAULT_DB_ALIAS]
+        if in_transaction(db):
+            raise
+        logger.warning("db_error run=%s: %s; the run is left to its lease", claim.lease.run_id, describe(exc))
+        discard_connection(db)
+        return "lost"
+    finally:
+        if own:
+            lane.close()
+
+
+def _run_claim(
+    claim: s.AgentClaim, handler: Callable[[Context], Any], ctx: Context | None, lane: UserConnection
+) -> str:
     lease = claim.lease
     if claim.run.unwinding:
         outcome = s.fail_run(lease, claim.run.failure_code or "unwinding")
         if isinstance(outcome, s.Unwinding):
-            return unwind(lease, outcome.seqs)
+            return unwind(lease, outcome.seqs, lane)
         return "failed" if isinstance(outcome, s.Finished) else "lost"
     ctx = ctx or Context(claim)
+    ctx.lane = lane
+    call = UserCode(lease.community_id)  # the user's code: the login's role (SPEC 13), its own connection
+    failure: tuple[str, str] | None = None
+    output: Any = None
     try:
-        with tenancy.handler(lease.community_id):  # the user's code: the login's role (SPEC 13)
+        with lane, call:
             output = handler(ctx)
     except _Parked:
         return "parked"
     except RunAborted:
         return "lost"
-    except Exception as exc:
-        code = exc.failure_code if isinstance(exc, AgentError) else "handler_error"
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt, CancelledError...: this run's end
         if ctx.lost.is_set():
             return "lost"
-        failed = s.fail_run(ctx.lease, code, f"{type(exc).__name__}: {exc}"[:10_000])
-        if isinstance(failed, s.Unwinding):
-            return unwind(ctx.lease, failed.seqs)
-        return "failed" if isinstance(failed, s.Finished) else "lost"
+        failure = (failure_code_of(exc), failure_message_of(exc))
     if ctx.lost.is_set():
         return "lost"
-    done = s.complete_run(ctx.lease, output)
-    return "completed" if isinstance(done, s.Finished) else "lost"
+    if call.left_open is not None:
+        failure = (
+            TRANSACTION_LEFT_OPEN,
+            f"the handler left its database connection with {call.left_open}; nothing it wrote there is kept",
+        )
+    if failure is None:
+        try:
+            done = _settle(s.complete_run, ctx.lease, output)
+        except ValidationError as exc:  # not storable JSON: this run's failure, never the worker's
+            failure = _unstorable(output, exc)
+        else:
+            return "completed" if isinstance(done, s.Finished) else "lost"
+    code, message = failure
+    failed = _settle(s.fail_run, ctx.lease, code, message)
+    if isinstance(failed, s.Unwinding):
+        return unwind(ctx.lease, failed.seqs, lane)
+    return "failed" if isinstance(failed, s.Finished) else "lost"
+
+
+def _settle(service: Callable[..., Any], *args: Any) -> Any:
+    """``complete_run``/``fail_run`` (fenced, and answered ``AlreadyTerminal`` to the true
+    holder's retry), tried once more on a fresh connection when the runtime's was lost under it
+    (a restart, a terminated backend)."""
+    try:
+        return service(*args)
+    except (OperationalError, InterfaceError) as exc:
+        db = connections[DEFAULT_DB_ALIAS]
+        if in_transaction(db):
+            raise
+        logger.warning("db_error: %s; reconnecting once", describe(exc))
+        discard_connection(db)
+        return service(*args)
+
+
+def _unstorable(output: Any, exc: ValidationError) -> tuple[str, str]:
+    """(failure code, message) of a handler output ``complete_run`` refused."""
+    try:
+        json_text(output, get_settings().max_output_bytes)
+    except BadJSON as bad:
+        return bad.code, storable_text(f"the handler's output {bad}", FAILURE_MESSAGE_MAX_CHARS)
+    except BaseException:
+        pass
+    return "output_not_json", storable_text(f"the handler's output was refused: {_messages(exc)}", 10_000)
 
 
 class Heartbeat(threading.Thread):

@@ -44,6 +44,9 @@ from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.usercode import UserConnection, discard_connection
+from buzz_delivery.worker.handlers import describe
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 
 logger = logging.getLogger("buzz_delivery.agents")
 
@@ -176,45 +179,67 @@ class AgentWorker:
             return True
 
     def _loop(self) -> None:
+        lane = UserConnection()  # this thread's connection for user code (buzz_delivery.usercode)
         try:
             while not self.stopping.is_set():
                 token = self.waker.token()
-                found = False
-                for community in self._communities():
-                    if self.stopping.is_set() or not self._take_slot():
-                        break
-                    claims = s.claim_agent_runs(
-                        community,
-                        self.config.agents,
-                        worker_id=self.config.worker_id,
-                        lease_seconds=self.config.lease_seconds,
-                    )
-                    if not claims:
-                        with self.lock:
-                            self.counts["claimed"] -= 1
-                        continue
-                    found = True
-                    self._run(claims[0])
+                try:
+                    found = self._poll(lane)
+                except DB_UNAVAILABLE as exc:  # a restart, a terminated backend: reconnect next poll
+                    logger.warning("db_unavailable role=agent-worker error=%s", describe(exc).strip()[:200])
+                    discard_connection()
+                    with self.lock:
+                        self.counts["db_errors"] += 1
+                    self.stopping.wait(self.config.poll_seconds)
+                    continue
                 if not found:
                     if self.config.exit_when_idle:
                         self.stopping.set()
                     elif self.waker.wait(token, self.config.poll_seconds):
                         with self.lock:
                             self.counts["woken"] += 1
-        except Exception:
+        except BaseException:
+            # Never a silent death: the run it held is left to its lease, and the summary and the
+            # exit code say the worker failed.
             logger.exception("worker_error")
             with self.lock:
                 self.counts["internal_errors"] += 1
             self.stopping.set()
         finally:
+            lane.close()
             connections.close_all()
 
-    def _run(self, claim: s.AgentClaim) -> None:
+    def _poll(self, lane: UserConnection) -> bool:
+        """One round over the communities, a run claimed and run in each that has one."""
+        found = False
+        for community in self._communities():
+            if self.stopping.is_set() or not self._take_slot():
+                break
+            try:
+                claims = s.claim_agent_runs(
+                    community,
+                    self.config.agents,
+                    worker_id=self.config.worker_id,
+                    lease_seconds=self.config.lease_seconds,
+                )
+            except BaseException:
+                with self.lock:
+                    self.counts["claimed"] -= 1
+                raise
+            if not claims:
+                with self.lock:
+                    self.counts["claimed"] -= 1
+                continue
+            found = True
+            self._run(claims[0], lane)
+        return found
+
+    def _run(self, claim: s.AgentClaim, lane: UserConnection) -> None:
         logger.info("claimed run=%s generation=%s", claim.lease.run_id, claim.lease.lease_generation)
         ctx = Context(claim)
         self.heartbeat.hold(ctx)
         try:
-            result = run_claim(claim, self.config.handler, ctx)
+            result = run_claim(claim, self.config.handler, ctx, lane)
         finally:
             self.heartbeat.release(ctx)
         logger.info("%s run=%s", result, claim.lease.run_id)
@@ -270,5 +295,9 @@ class AgentWorker:
             "abandoned", "woken",
         )  # fmt: skip
         body = {k: self.counts.get(k, 0) for k in keys}
-        body.update(renewed=self.counts.get("renewed", 0), internal_errors=self.counts.get("internal_errors", 0))
+        body.update(
+            renewed=self.counts.get("renewed", 0),
+            db_errors=self.counts.get("db_errors", 0),
+            internal_errors=self.counts.get("internal_errors", 0),
+        )
         return json.dumps(body, separators=(",", ":"))

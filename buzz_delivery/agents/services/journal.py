@@ -62,7 +62,7 @@ def budget_or_missed(params: dict[str, Any]) -> BudgetExceeded | AlreadyTerminal
         holds = (
             generation == params["lease_generation"]
             and worker == params["worker_id"]
-            and state == "running"
+            and state in ("running", "waiting_tool")  # another call of the holder's may be in flight
             and current
             and active
             and not unwinding

@@ -26,6 +26,7 @@ from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.services.sql import (
     ACTIVE,
     APPROVAL,
+    CLOSE_PENDING_CALLS_OF_ENDED_RUNS,
     COMMUNITY,
     NOTIFY_CLAIMABLE,
     OUTSTANDING,
@@ -190,10 +191,14 @@ def _one_community_batch(community: object, limit: int, result: AgentReapResult)
             result.approvals_expired += len(fetch_all(EXPIRE_APPROVALS_OF_OVERDUE_RUNS, params))
             params["ids"] = [row[0] for row in fetch_all(LOCK_CANDIDATE_RUNS, params)]
             unwinding = len(fetch_all(TIME_OUT_TO_UNWIND, params))
-            result.timed_out += len(fetch_all(TIME_OUT_OVERDUE_RUNS, params))
+            ended = [row[0] for row in fetch_all(TIME_OUT_OVERDUE_RUNS, params)]
+            result.timed_out += len(ended)
             result.reclaimed += len(fetch_all(RECLAIM_LAPSED_RUNS, params))
             unwinding += len(fetch_all(EXHAUST_TO_UNWIND, params))
-            result.exhausted += len(fetch_all(EXHAUST_LAPSED_RUNS, params))
+            exhausted = [row[0] for row in fetch_all(EXHAUST_LAPSED_RUNS, params)]
+            result.exhausted += len(exhausted)
+            if ended or exhausted:  # a pending call without a compensation ends with its run
+                fetch_all(CLOSE_PENDING_CALLS_OF_ENDED_RUNS, {**params, "ended": ended + exhausted})
             if unwinding:  # claimable at once: wake the workers (on commit)
                 fetch_all(NOTIFY_CLAIMABLE, {"channel": NOTIFY_CHANNEL, "community_id": community})
             result.unwinding += unwinding

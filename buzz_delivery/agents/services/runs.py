@@ -286,9 +286,10 @@ def fail_run(
     """Fail the run. With succeeded (or uncertain) calls that carry a compensation not yet
     undone, and none whose compensation failed, the run is marked ``unwinding`` (lease kept) and
     :class:`Unwinding` lists the entries to compensate, highest ``seq`` first; call again once
-    they are done (or one failed). On a run already unwinding, a call still ``pending`` (its
-    holder was fenced mid-call by a cancel, a timeout or a lapse) is first recorded ``failed``
-    and uncertain, so it is compensated like a succeeded one. Otherwise the run ends (the first
+    they are done (or one failed). A call still ``pending`` (the handler gave up mid-call, or
+    its holder was fenced mid-call by a cancel, a timeout or a lapse) is first recorded
+    ``failed`` and uncertain, so it is compensated like a succeeded one, before the calls under
+    it. Otherwise the run ends (the first
     failure code recorded wins) and :class:`Finished` says how: ``failed``, or ``cancelled`` /
     ``timeout`` for a run that unwound because a cancel or its ``timeout_at`` sent it to
     compensate. ``failure_code``: 1..64 characters. Raises ``ValidationError`` keyed ``lease``,
@@ -300,7 +301,7 @@ def fail_run(
         lease, failure_code=code, failure_message=v.optional_text(failure_message, "failure_message", 10_000)
     )
     with transaction.atomic(), translated_errors():
-        fetch_all(sql.MARK_PENDING_UNCERTAIN_IF_UNWINDING, params)
+        fetch_all(sql.MARK_PENDING_UNCERTAIN, params)
         ended = fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params)
         if ended:
             return Finished(ended[0][0])
@@ -343,6 +344,7 @@ def cancel_agent_run(
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
         fetch_all(sql.LOCK_RUN, params)
         if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
+            fetch_all(sql.CLOSE_PENDING_CALLS_OF_ENDED_RUNS, {**params, "ended": [run]})
             return Cancelled(run)
         if fetch_all(sql.CANCEL_TO_UNWIND_IF_OUTSTANDING, params):
             notify_claimable(community)

@@ -48,6 +48,10 @@ def run_entry(event: str, generation: str, actor: str, *, status: str, **extra: 
 
 
 COMPENSABLE = "j.compensation IS NOT NULL AND (j.status = 'succeeded' OR (j.status = 'failed' AND j.uncertain))"
+# A call still pending (its holder was fenced, or its handler gave up, mid-call) may have had its
+# effect: a run with one is never ended as if there were nothing to undo (issue 28). It is marked
+# failed and uncertain by the next fail_run, then compensated like a succeeded one, in seq order.
+PENDING_WITH_COMPENSATION = "j.compensation IS NOT NULL AND j.status = 'pending' AND j.kind = 'tool'"
 
 INSERT_RUN_FROM_DELIVERY = f"""
 INSERT INTO {RUN} (id, community_id, agent_pubkey, state, unwinding, shadow, input, input_hash,
@@ -123,12 +127,13 @@ SELECT r.state, r.lease_generation, r.worker_id, r.tool_calls_used, r.max_tool_c
 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s
 """
 
-# One fenced statement spends one journal slot (and the call's cost) within the budgets.
+# One fenced statement spends one journal slot (and the call's cost) within the budgets. A run
+# already ``waiting_tool`` may journal another call: threads of one holder call tools at once.
 SPEND_CALL_IF_CURRENT_AND_WITHIN_BUDGET = f"""
 UPDATE {RUN} AS r
 SET tool_calls_used = r.tool_calls_used + 1, cost_used = r.cost_used + %(cost)s,
-    state = CASE WHEN r.shadow AND %(destructive)s THEN 'running' ELSE 'waiting_tool' END
-WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding
+    state = CASE WHEN r.shadow AND %(destructive)s THEN r.state ELSE 'waiting_tool' END
+WHERE {CURRENT_RUN_LEASE} AND NOT r.unwinding
   AND r.tool_calls_used < r.max_tool_calls AND r.cost_used + %(cost)s <= r.max_cost
 RETURNING r.tool_calls_used, r.shadow
 """
@@ -178,7 +183,8 @@ RETURNING r.state
 # already failed (a failed compensation stops the chain).
 OUTSTANDING = f"""
     EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = r.community_id AND j.run_id = r.id
-            AND {COMPENSABLE} AND j.compensation_status IS DISTINCT FROM 'compensated')
+            AND (({COMPENSABLE}) OR ({PENDING_WITH_COMPENSATION}))
+            AND j.compensation_status IS DISTINCT FROM 'compensated')
     AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = r.community_id AND j.run_id = r.id
                     AND j.compensation_status = 'compensation_failed')
 """
@@ -200,20 +206,33 @@ WHERE {CURRENT_RUN_LEASE} AND NOT ({OUTSTANDING})
 RETURNING r.state
 """
 
-# An unwinding run (cancelled, timed out, exhausted: its handler is not run again) cannot end
-# with a call still pending: its holder was fenced mid-call, so the call is uncertain and, with
-# a compensation, is undone like a succeeded one. Fenced by the current lease.
-MARK_PENDING_UNCERTAIN_IF_UNWINDING = f"""
+# A failing run (its handler gave up, or it unwinds after a cancel, a timeout or exhausted
+# attempts: its handler is not run again) cannot end with a call still pending: the call's
+# outcome is unknown, so it is uncertain and, with a compensation, undone like a succeeded one
+# (before the calls under it: reverse order). Fenced by the current lease.
+MARK_PENDING_UNCERTAIN = f"""
 WITH fenced AS (
     SELECT r.id, r.lease_generation FROM {RUN} AS r
-    WHERE {CURRENT_RUN_LEASE} AND r.unwinding
+    WHERE {CURRENT_RUN_LEASE}
     FOR NO KEY UPDATE
 )
 UPDATE {JOURNAL} AS j
-SET status = 'failed', uncertain = true, error = 'uncertain: the run unwound while the call was pending',
+SET status = 'failed', uncertain = true, error = 'uncertain: the run failed while the call was pending',
     result_generation = fenced.lease_generation, finished_at = {DB_NOW}
 FROM fenced
 WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.status = 'pending' AND j.kind = 'tool'
+RETURNING j.seq
+"""
+
+# A run ended by a cancel or the maintenance with nothing to undo may still hold a pending call
+# without a compensation: it is closed (failed, uncertain) with the run, never left pending.
+CLOSE_PENDING_CALLS_OF_ENDED_RUNS = f"""
+UPDATE {JOURNAL} AS j
+SET status = 'failed', uncertain = true, error = 'uncertain: the run ended while the call was pending',
+    result_generation = r.lease_generation, finished_at = {DB_NOW}
+FROM {RUN} AS r
+WHERE j.community_id = %(community_id)s AND j.run_id = ANY(%(ended)s) AND j.status = 'pending' AND j.kind = 'tool'
+  AND r.community_id = %(community_id)s AND r.id = j.run_id AND r.state IN {TERMINAL}
 RETURNING j.seq
 """
 

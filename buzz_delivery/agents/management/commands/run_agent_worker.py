@@ -2,7 +2,10 @@
 
 Prints one JSON summary line to stdout at exit: ``{"claimed","completed","failed",
 "compensated","compensation_failed","parked","lost","timed_out","abandoned","woken","renewed",
-"internal_errors"}``."""
+"db_errors","internal_errors"}``. A run's handler never stops the worker: whatever it raises
+(``SystemExit`` included), returns or leaves on its connection ends that run (a failure code
+on the run); ``db_errors`` counts polls the database failed (the worker reconnects and goes on);
+``internal_errors`` (exit 1) counts loop threads the worker itself lost."""
 
 from __future__ import annotations
 
