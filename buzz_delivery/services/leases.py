@@ -37,6 +37,7 @@ _ID_INDEX = sql.CLAIM_ATTNAMES.index("id")
 _GEN_INDEX = sql.CLAIM_ATTNAMES.index("lease_generation")
 _UNTIL_INDEX = sql.CLAIM_ATTNAMES.index("lease_until")
 _CREATED_INDEX = sql.CLAIM_ATTNAMES.index("created_at")
+_PRIORITY_INDEX = sql.CLAIM_ATTNAMES.index("priority")
 # The fast path below copies what ``Model.from_db`` does on Django 5.2, 6.0 and 6.1: fields
 # into ``__dict__`` as ``Model.__init__`` puts them, a fresh ``ModelState`` with ``adding``
 # off and ``db`` set. Django 6.1 added a keyword ``fetch_mode`` (the state's default,
@@ -67,7 +68,7 @@ def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDeliver
 
 
 def _claims(rows: list[tuple[Any, ...]], community: uuid.UUID, target: bytes) -> list[Claim]:
-    rows.sort(key=lambda r: (r[_CREATED_INDEX], r[_ID_INDEX]))
+    rows.sort(key=lambda r: (-r[_PRIORITY_INDEX], r[_CREATED_INDEX], r[_ID_INDEX]))
     alias = connection.alias
     claims = []
     for row in rows:
@@ -140,7 +141,8 @@ def claim_delivery(
     lease_seconds: float | None = None,
     holder: str | None = None,
 ) -> Claim | None:
-    """Claim the oldest claimable delivery of one community and target (SPEC section 4.3).
+    """Claim the first claimable delivery of one community and target (SPEC section 4.3):
+    the highest ``priority``, the oldest within it (issue 32).
 
     One statement: picks the row with ``FOR UPDATE SKIP LOCKED`` (concurrent claimers never
     block on or share a row), then sets ``claimed``, generation + 1, attempt + 1,
@@ -179,10 +181,11 @@ def claim_deliveries(
     lease_seconds: float | None = None,
     holder: str | None = None,
 ) -> list[Claim]:
-    """Claim up to ``limit`` (1..1000) of the oldest claimable deliveries in one round trip.
+    """Claim up to ``limit`` (1..1000) of the claimable deliveries in one round trip, highest
+    ``priority`` first, oldest first within it.
 
     Each claim has its own lease (generation). Never more than ``limit``: the candidates are
-    picked in a MATERIALIZED CTE, so the LIMIT is applied once. Oldest first. SPEC section 9.
+    picked in a MATERIALIZED CTE, so the LIMIT is applied once. SPEC section 9.
     ``holder``: as for :func:`claim_delivery`.
     """
     community = v.uuid_value(community_id, "community_id")
