@@ -247,6 +247,11 @@ class WorkflowAgentDelivery(CommunityScoped):
     # Flow control (issue 32, docs/flow-control.md): higher first, oldest first within it;
     # set at commit (PRIORITY_MIN..PRIORITY_MAX, CHECKed).
     priority = models.SmallIntegerField(default=0, db_default=0)
+    # Concurrency limits by key (services/flow.py): the slot this claim holds under each declared
+    # limit's key (0..N-1), unique among the claimed deliveries of that key; NULL = no limit.
+    slot_community = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_target = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_workflow = models.SmallIntegerField(null=True, blank=True, editable=False)
 
     # Policy (SPEC section 6).
     attempt = models.IntegerField(default=0, db_default=0)
@@ -344,6 +349,26 @@ class WorkflowAgentDelivery(CommunityScoped):
             models.CheckConstraint(condition=history_bounded("history"), name="delivery_history_bounded"),
             models.CheckConstraint(
                 condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX), name="delivery_priority_range"
+            ),
+            *(
+                models.CheckConstraint(
+                    condition=Q(**{f"{column}__isnull": True}) | Q(**{f"{column}__gte": 0, f"{column}__lt": 1000}),
+                    name=f"delivery_{column}_range",
+                )
+                for column in ("slot_community", "slot_target", "slot_workflow")
+            ),
+            # At most N claimed at once per key: N slots, none held twice (services/flow.py).
+            *(
+                models.UniqueConstraint(
+                    fields=["community", *key, column],
+                    condition=Q(status="claimed", **{f"{column}__isnull": False}),
+                    name=f"delivery_{column}_key",
+                )
+                for column, key in (
+                    ("slot_community", ()),
+                    ("slot_target", ("target_pubkey",)),
+                    ("slot_workflow", ("workflow",)),
+                )
             ),
         ]
         indexes = [

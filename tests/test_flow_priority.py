@@ -43,9 +43,7 @@ def test_claims_take_higher_priorities_first_and_the_oldest_first_within_one(com
     assert [c.delivery.priority for c in batch] == [7, 7, 7, 0]
 
 
-def test_a_retried_delivery_keeps_its_priority_and_goes_before_older_lower_ones(
-    community, make_binding, message_event
-):
+def test_a_retried_delivery_keeps_its_priority_and_goes_before_older_lower_ones(community, make_binding, message_event):
     target = random32()
     (old,) = commit(make_binding, message_event, target, 0)
     (urgent,) = commit(make_binding, message_event, target, 5)

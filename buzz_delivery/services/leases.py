@@ -6,14 +6,14 @@ import inspect
 import uuid
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
 from buzz_delivery import tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
-from buzz_delivery.services import cached, sql
+from buzz_delivery.services import cached, flow, sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -106,12 +106,39 @@ def _run_claim(
             cause_scheduled_for=expected.cause.scheduled_for,
             cause_webhook_invocation_id=expected.cause.webhook_invocation_id,
         )
-    if delivery_id is None and expected is None:
+    limits = flow.declared_limits()
+    if limits:
+        statement = flow.LIMITED_CLAIMS[(tuple(limits), delivery_id is not None, expected is not None)]
+        params.update(flow.limit_params(limits))
+        rows = _claim_under_limits(statement, params)
+    elif delivery_id is None and expected is None:
         statement = cached.CLAIM.call  # the hot form: planned once per backend
+        rows = _fenced_as_nothing(statement, params)
     else:
         statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
-    rows = _fenced_as_nothing(statement, params)
+        rows = _fenced_as_nothing(statement, params)
     return _claims(rows, community, target)
+
+
+# Tries of a claim under limits that lost a slot to a concurrent claim (the unique index refused
+# it, nothing was written); the community's claim lock makes that rare.
+SLOT_TRIES = 3
+
+
+def _claim_under_limits(statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """A claim under the operator's concurrency limits (:mod:`~buzz_delivery.services.flow`):
+    the community's claim lock, then the claim that picks free slots, in one transaction (a
+    savepoint inside the caller's). A claim the slot indexes refused is tried again."""
+    lock = {"namespace": flow.LIMITED_CLAIM_LOCK_NAMESPACE, "community_id": params["community_id"]}
+    for _ in range(SLOT_TRIES):
+        try:
+            with transaction.atomic():
+                fetch_all(flow.LOCK_COMMUNITY_CLAIMS, lock)
+                return _fenced_as_nothing(statement, params)
+        except IntegrityError as exc:
+            if not flow.lost_a_slot(exc):
+                raise
+    return []
 
 
 def _fenced_as_nothing(statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:

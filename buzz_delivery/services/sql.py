@@ -207,6 +207,9 @@ SET status = 'claimed',
     next_attempt_at = NULL,
     claimed_by = %(holder)s,
     renewals = 0,
+    slot_community = NULL,
+    slot_target = NULL,
+    slot_workflow = NULL,
     {_CLAIM_ENTRY}
 -- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
 -- after re-checking its latest version, so nothing else changed it since), or with stale
