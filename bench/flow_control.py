@@ -1,7 +1,7 @@
 """The worker's drain with priorities, with a concurrency limit on and off, in one run (issue 32):
 
     BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5433/bench_flow python -m bench.flow_control \\
-        [--deliveries 5000] [--processes 2] [--rounds 4] [--limits '{"community": 64, "target": 32}']
+        [--deliveries 5000] [--processes 2] [--rounds 4] [--limits '{"community": 100, "target": 100}']
 
 Each round loads ``--deliveries`` pending deliveries of one community and target with priorities
 spread over -10..10, then drains them with ``--processes`` ``run_worker`` processes (16 handler
@@ -59,7 +59,7 @@ def _child(url: str, community_id: uuid.UUID, target: bytes, limits: dict[str, i
                 handler=noop,
                 concurrency=16,
                 poll_interval=0.5,
-                idle_exit=0.3,
+                idle_exit=1.0,
             ),
             handle_signals=False,
         )
@@ -100,7 +100,7 @@ def drain(url: str, conn: Any, tenant: data.Tenant, args: argparse.Namespace, li
     with conn.transaction():
         conn.execute("SET LOCAL session_replication_role = replica")
         conn.execute(
-            "UPDATE buzz_delivery_delivery SET priority = (hashtext(id::text) %% 21)::int WHERE community_id = %s",
+            "UPDATE buzz_delivery_delivery SET priority = (abs(hashtext(id::text) %% 21) - 10)::int WHERE community_id = %s",
             [tenant.community_id],
         )
     data.analyze(conn)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deliveries", type=int, default=5000)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--limits", type=json.loads, default={"community": 64, "target": 32})
+    parser.add_argument("--limits", type=json.loads, default={"community": 100, "target": 100})
     args = parser.parse_args(argv)
     url = env.database_url()
     env.ensure_database(url)

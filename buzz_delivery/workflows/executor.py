@@ -205,7 +205,7 @@ def _send_message(claim: StepClaim) -> StepOutcome:
             )
             for target in spec["targets"]
         ]
-        core.commit_deliveries(community, event, bindings)
+        core.commit_deliveries(community, event, bindings, priority=run.priority)
         outcome = steps.park_step(claim.lease, expected=len(bindings), wait_seconds=spec.get("wait_timeout_seconds"))
         if not isinstance(outcome, Settled):
             raise _Rollback(outcome)
