@@ -165,3 +165,12 @@ def test_the_claim_under_limits_keeps_citus_router_form():
     assert len(flow.LIMITED_CLAIMS) == 28
     for statement in flow.LIMITED_CLAIMS.values():
         assert not rule1_violations(statement) + rule2_violations(statement) + rule3_violations(statement)
+
+
+def test_a_claim_by_id_honours_the_limit_too(community, make_binding, message_event):
+    target = random32()
+    first, second = commit(make_binding, message_event, target, 2)
+    with limits(target=1):
+        assert services.claim_delivery(community.id, target, delivery_id=first) is not None
+        assert services.claim_delivery(community.id, target, delivery_id=second) is None
+    assert claimed(community, target_pubkey=target) == 1

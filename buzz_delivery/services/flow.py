@@ -31,7 +31,6 @@ from django.core.exceptions import ImproperlyConfigured
 
 from buzz_delivery.conf import raw_settings
 from buzz_delivery.services import sql
-from buzz_delivery.services.db import constraint_name
 
 # The kinds of key a limit may name: (column of the delivery that holds the slot, the columns
 # beside community_id that make the key).
@@ -45,6 +44,10 @@ SETTING = "CONCURRENCY_LIMITS"
 # Advisory-lock namespace of the claims under limits (one lock per community, transaction-scoped).
 LIMITED_CLAIM_LOCK_NAMESPACE = 0x62756C31  # "bul1"
 LOCK_COMMUNITY_CLAIMS = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(community_id)s::text))"
+# The same lock as the first statement of the plan-cached claim under limits (a PL/pgSQL body).
+LOCK_IN_FUNCTION = (
+    f"    PERFORM pg_advisory_xact_lock({LIMITED_CLAIM_LOCK_NAMESPACE}, hashtext(p_community_id::text));\n"
+)
 
 
 def parse_limits(value: Any) -> dict[str, int]:
@@ -136,8 +139,26 @@ def declared_limits() -> dict[str, int]:
 
 def lost_a_slot(exc: BaseException) -> bool:
     """Whether ``exc`` is a slot index refusing a claim (a concurrent claim took that slot)."""
+    from buzz_delivery.services.db import constraint_name  # (db imports the plan-cached statements)
+
     name = constraint_name(exc) or ""
     return any(name.startswith(f"delivery_{column}_key") for column, _ in KINDS.values())
+
+
+def claim_under_any_limits() -> str:
+    """The claim of :func:`claim_with_limits` for every kind at once, each kind's maximum a
+    parameter that may be NULL (no limit of that kind: no slot taken, ``slot_<kind>`` NULL):
+    the one text behind the plan-cached function (:data:`~buzz_delivery.services.cached.CLAIM_LIMITED`),
+    which takes the community's claim lock before it in the same call."""
+    text = claim_with_limits(tuple(KINDS), by_id=False, by_binding=False)
+    for kind, (_, key) in KINDS.items():
+        join = f"JOIN {kind}_free ON {kind}_free.rank = r.{kind}_rank" + "".join(
+            f" AND {kind}_free.{c} = r.{c}" for c in key
+        )
+        text = text.replace(f"    {join}", f"    LEFT JOIN {kind}_free ON {join.split(' ON ', 1)[1]}", 1)
+    conditions = " AND ".join(f"(%(cap_{kind})s IS NULL OR {kind}_free.slot IS NOT NULL)" for kind in KINDS)
+    text = text.replace("\n)\nUPDATE ", f"\n    WHERE {conditions}\n)\nUPDATE ", 1)
+    return text
 
 
 def limit_params(limits: Mapping[str, int]) -> dict[str, Any]:

@@ -107,7 +107,11 @@ def _run_claim(
             cause_webhook_invocation_id=expected.cause.webhook_invocation_id,
         )
     limits = flow.declared_limits()
-    if limits:
+    if limits and delivery_id is None and expected is None:
+        # The hot form under limits: one call (the claim lock, then the claim), planned once.
+        params.update({f"cap_{kind}": limits.get(kind) for kind in flow.KINDS})
+        rows = _claim_under_limits(cached.CLAIM_LIMITED.call, params, locked=True)
+    elif limits:
         statement = flow.LIMITED_CLAIMS[(tuple(limits), delivery_id is not None, expected is not None)]
         params.update(flow.limit_params(limits))
         rows = _claim_under_limits(statement, params)
@@ -125,15 +129,19 @@ def _run_claim(
 SLOT_TRIES = 3
 
 
-def _claim_under_limits(statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+def _claim_under_limits(statement: str, params: dict[str, Any], *, locked: bool = False) -> list[tuple[Any, ...]]:
     """A claim under the operator's concurrency limits (:mod:`~buzz_delivery.services.flow`):
     the community's claim lock, then the claim that picks free slots, in one transaction (a
-    savepoint inside the caller's). A claim the slot indexes refused is tried again."""
+    savepoint inside the caller's); ``locked``: the statement takes the lock itself (the
+    plan-cached function), one call in autocommit. A claim the slot indexes refused is tried again."""
     lock = {"namespace": flow.LIMITED_CLAIM_LOCK_NAMESPACE, "community_id": params["community_id"]}
     for _ in range(SLOT_TRIES):
         try:
+            if locked and not connection.in_atomic_block:
+                return _fenced_as_nothing(statement, params)
             with transaction.atomic():
-                fetch_all(flow.LOCK_COMMUNITY_CLAIMS, lock)
+                if not locked:
+                    fetch_all(flow.LOCK_COMMUNITY_CLAIMS, lock)
                 return _fenced_as_nothing(statement, params)
         except IntegrityError as exc:
             if not flow.lost_a_slot(exc):
