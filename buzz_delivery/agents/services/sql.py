@@ -339,3 +339,93 @@ JOIN buzz_delivery_delivery AS d ON d.community_id = r.community_id AND d.run_id
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s AND r.community_id = %(community_id)s
 FOR NO KEY UPDATE OF r
 """
+
+# -- Batched forms (the event-loop worker, agents/loop_worker.py): one statement for many runs of
+# ONE community (Citus router form: ``community_id = %(community_id)s`` in every WHERE), each row
+# fenced as its single form above is: its own run id and generation, the holder, a leased state,
+# ``lease_until >= now`` and the community active. Every row the statement returns is that run's
+# success; a run it did not return is judged on its own, exactly as the single form judges a miss
+# (services/batch.py). A run appears at most once per statement.
+BATCH_LEASES = "unnest(%(run_ids)s::uuid[], %(generations)s::bigint[])"
+# ``r.id = ANY(run_ids)`` as well as the join: the runs are found by their key (community_id, id)
+# whatever the planner thinks of the unnest, never by a scan of the community's runs.
+CURRENT_RUN_LEASE_OF_ROW = f"""
+    r.community_id = %(community_id)s
+    AND r.id = ANY(%(run_ids)s::uuid[])
+    AND r.id = u.run_id
+    AND r.lease_generation = u.generation
+    AND r.worker_id = %(worker_id)s
+    AND r.state IN ('running', 'waiting_tool')
+    AND r.lease_until >= {DB_NOW}
+    AND {ACTIVE}
+"""
+
+HEARTBEAT_MANY_IF_CURRENT = f"""
+UPDATE {RUN} AS r SET lease_until = {RUN_LEASE_END}, heartbeat_at = {DB_NOW}, renewals = r.renewals + 1
+FROM {BATCH_LEASES} AS u(run_id, generation)
+WHERE {CURRENT_RUN_LEASE_OF_ROW}
+RETURNING r.id, r.lease_until
+"""
+
+# journal_call for many runs: spend one slot each (within its budgets), then insert each entry
+# ``pending`` with seq = the run's new tool_calls_used. A shadow run's destructive call is never
+# batched (it is journaled ``failed`` by journal_call itself): such a row matches nothing here.
+JOURNAL_MANY_IF_CURRENT_AND_WITHIN_BUDGET = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(entry_ids)s::uuid[],
+                         %(tool_names)s::text[], %(input_hashes)s::bytea[], %(args)s::jsonb[], %(costs)s::bigint[],
+                         %(destructives)s::boolean[], %(compensations)s::jsonb[])
+        AS u(run_id, generation, entry_id, tool_name, input_hash, args, cost, destructive, compensation)
+), spent AS (
+    UPDATE {RUN} AS r
+    SET tool_calls_used = r.tool_calls_used + 1, cost_used = r.cost_used + u.cost, state = 'waiting_tool'
+    FROM u
+    WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.state = 'running' AND NOT r.unwinding
+      AND NOT (r.shadow AND u.destructive)
+      AND r.tool_calls_used < r.max_tool_calls AND r.cost_used + u.cost <= r.max_cost
+    RETURNING r.id, r.tool_calls_used, r.lease_generation
+)
+INSERT INTO {JOURNAL} (id, community_id, run_id, seq, kind, tool_name, idempotency_key, input_hash, args, cost,
+                       destructive, compensation, status, uncertain, blocked_reason, error, finished_at,
+                       approval_id, generation)
+SELECT u.entry_id, %(community_id)s, spent.id, spent.tool_calls_used, 'tool', u.tool_name,
+       spent.id::text || ':' || spent.tool_calls_used::text, u.input_hash, u.args, u.cost, u.destructive,
+       u.compensation, 'pending', false, NULL, NULL, NULL, NULL, spent.lease_generation
+FROM spent JOIN u ON u.run_id = spent.id
+RETURNING run_id, seq, idempotency_key
+"""
+
+# Each entry is found by its unique key (community_id, idempotency_key = "<run id>:<seq>"), one
+# index probe per row whatever the planner thinks of the CTEs.
+RECORD_MANY_IF_CURRENT = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(seqs)s::integer[], %(statuses)s::text[],
+                         %(uncertains)s::boolean[], %(outputs)s::jsonb[], %(output_hashes)s::bytea[],
+                         %(errors)s::text[], %(latencies)s::integer[], %(keys)s::text[])
+        AS u(run_id, generation, seq, status, uncertain, output, output_hash, error, latency_ms, key)
+), fenced AS (
+    UPDATE {RUN} AS r SET state = 'running'
+    FROM u
+    WHERE {CURRENT_RUN_LEASE_OF_ROW}
+    RETURNING r.id, r.lease_generation
+)
+UPDATE {JOURNAL} AS j
+SET status = u.status, uncertain = u.uncertain, output = u.output, output_hash = u.output_hash,
+    error = u.error, latency_ms = u.latency_ms, result_generation = fenced.lease_generation,
+    finished_at = {DB_NOW}
+FROM fenced JOIN u ON u.run_id = fenced.id
+WHERE j.community_id = %(community_id)s AND j.idempotency_key = u.key AND j.run_id = fenced.id AND j.seq = u.seq
+  AND j.status = 'pending' AND j.kind = 'tool'
+RETURNING j.run_id, j.status
+"""
+
+COMPLETE_MANY_IF_CURRENT = f"""
+UPDATE {RUN} AS r
+SET state = 'completed', output = u.output, output_hash = u.output_hash, lease_until = NULL,
+    claimed_at = NULL, finished_at = {DB_NOW},
+    {run_entry("'settle'", "r.lease_generation", "r.worker_id", status="'completed'", renewals="r.renewals")}
+FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(output_hashes)s::bytea[])
+    AS u(run_id, generation, output, output_hash)
+WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.state = 'running' AND NOT r.unwinding
+RETURNING r.id
+"""

@@ -6,6 +6,7 @@ Prints one JSON summary line to stdout at exit: ``{"claimed","completed","failed
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -14,6 +15,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from buzz_delivery.agents.conf import get_settings
+from buzz_delivery.agents.loop_worker import (
+    DEFAULT_CONNECTIONS,
+    DEFAULT_IN_FLIGHT,
+    AsyncAgentWorker,
+    AsyncWorkerConfig,
+)
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
 from buzz_delivery.management.base import ensure_console_logging
 from buzz_delivery.management.options import positive_int, positive_seconds, pubkey_hex, uuid_value
@@ -54,6 +61,19 @@ class Command(BaseCommand):
             help="Give a run up (stop renewing its lease) when its handler runs longer (default: no limit).",
         )
         parser.add_argument("--no-listen", action="store_true", help="Poll only (no LISTEN connection).")
+        parser.add_argument(
+            "--async",
+            dest="use_async",
+            action="store_true",
+            help="The event-loop worker: async def handlers (plain ones run on threads), --in-flight runs "
+            "at once on --connections database connections, journal writes batched per community.",
+        )
+        parser.add_argument(
+            "--in-flight", type=positive_int, default=None, help="--async: runs held at once (default 1000)."
+        )
+        parser.add_argument(
+            "--connections", type=positive_int, default=None, help="--async: the runtime's DB connections (default 4)."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         ensure_console_logging()
@@ -62,28 +82,56 @@ class Command(BaseCommand):
             lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
         except Exception as exc:
             raise CommandError(str(exc), returncode=2) from exc
-        worker = AgentWorker(
-            WorkerConfig(
-                handler=handler,
-                agents=options["agent"],
-                communities=options["community"],
-                concurrency=options["concurrency"],
-                lease_seconds=lease,
-                poll_seconds=options["poll_seconds"],
-                max_runs=options["max_runs"],
-                exit_when_idle=options["exit_when_idle"],
-                worker_id=options["worker_id"] or f"{socket.gethostname()}:{os.getpid()}",
-                shutdown_grace=options["shutdown_grace"],
-                handler_timeout=options["handler_timeout"],
-                listen=not options["no_listen"],
+        registry = Heartbeat(WorkerKind.AGENT, "run_agent_worker", "")
+        if options["use_async"]:
+            worker: Any = AsyncAgentWorker(
+                AsyncWorkerConfig(
+                    handler=handler,
+                    agents=options["agent"],
+                    communities=options["community"],
+                    in_flight=options["in_flight"] or DEFAULT_IN_FLIGHT,
+                    connections=options["connections"] or DEFAULT_CONNECTIONS,
+                    lease_seconds=lease,
+                    poll_seconds=options["poll_seconds"],
+                    max_runs=options["max_runs"],
+                    exit_when_idle=options["exit_when_idle"],
+                    worker_id=options["worker_id"] or f"{socket.gethostname()}:{os.getpid()}",
+                    shutdown_grace=options["shutdown_grace"],
+                    handler_timeout=options["handler_timeout"],
+                    listen=not options["no_listen"],
+                    registry=registry.identity,
+                )
             )
-        )
+        elif options["in_flight"] or options["connections"]:
+            raise CommandError("--in-flight and --connections go with --async", returncode=2)
+        else:
+            worker = AgentWorker(
+                WorkerConfig(
+                    handler=handler,
+                    agents=options["agent"],
+                    communities=options["community"],
+                    concurrency=options["concurrency"],
+                    lease_seconds=lease,
+                    poll_seconds=options["poll_seconds"],
+                    max_runs=options["max_runs"],
+                    exit_when_idle=options["exit_when_idle"],
+                    worker_id=options["worker_id"] or f"{socket.gethostname()}:{os.getpid()}",
+                    shutdown_grace=options["shutdown_grace"],
+                    handler_timeout=options["handler_timeout"],
+                    listen=not options["no_listen"],
+                )
+            )
         signal.signal(signal.SIGTERM, worker.stop)
         signal.signal(signal.SIGINT, worker.stop)
         communities = ",".join(str(c) for c in options["community"]) or "any"
         detail = f"worker_id={worker.config.worker_id} agents={len(options['agent'])} communities={communities}"
-        with Heartbeat(WorkerKind.AGENT, "run_agent_worker", detail):
+        if options["use_async"]:  # registered through the worker's own connections (its budget)
+            registry.identity = dataclasses.replace(registry.identity, detail=detail)
+            worker.config.registry = registry.identity
             counts = worker.run()
+        else:
+            with Heartbeat(WorkerKind.AGENT, "run_agent_worker", detail):
+                counts = worker.run()
         self.stdout.write(worker.summary_line())
         if counts.get("internal_errors"):
             raise CommandError("stopped on an internal error", returncode=1)

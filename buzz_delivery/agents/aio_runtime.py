@@ -1,0 +1,351 @@
+"""The agent runtime on an event loop (SPEC 12 "Runtime"): ``async def`` handlers, tools,
+reconcile hooks and compensations, with the journal's guarantees of the threaded runtime
+(:mod:`buzz_delivery.agents.runtime`).
+
+:class:`AsyncContext` mirrors :class:`~buzz_delivery.agents.runtime.Context`:
+``await ctx.call(tool_name, fn, args, *, compensate=None, reconcile=None, destructive=False,
+cost=0)`` journals the call before making it and records its result; ``await
+ctx.request_approval(prompt, deadline_seconds)`` parks the run; ``ctx.cancelled`` is True once a
+cancel fenced the run (the worker also cancels the handler's task, so an ``await`` in flight
+raises ``CancelledError`` and no further call is made). ``fn``, ``reconcile`` and compensations
+may be ``async def`` (awaited on the loop) or plain functions (run on a thread, in the user's
+tenant scope, so they may use the ORM on their own connection). Calls of one run are made one at
+a time (positions in the journal are the order of the calls).
+
+No statement of the runtime runs on a connection of the user's code: the journal, results,
+renewals and completions go through the worker's :class:`~buzz_delivery.agents.batcher.Batcher`
+(batched per community over a fixed pool of connections), and the rare transitions (fail,
+unwind, compensations, approvals) through the same pool one at a time.
+
+    async def handler(ctx):
+        page = await ctx.call("fetch", fetch_page, {"url": ctx.input["url"]})
+        summary = await ctx.call("llm", summarize, {"text": page["text"]}, cost=3)
+        return {"summary": summary}
+
+A plain ``def handler(ctx)`` works too: it runs on a thread and gets a :class:`SyncBridge`,
+whose ``call`` / ``request_approval`` block that thread on the loop's coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from buzz_delivery.agents import compensations
+from buzz_delivery.agents import services as s
+from buzz_delivery.agents.batcher import Batcher, DbPool, UsedConnections
+from buzz_delivery.agents.exceptions import (
+    AgentError,
+    ApprovalExpired,
+    BudgetExhausted,
+    ReplayMismatch,
+    RunAborted,
+    ToolCallFailed,
+    UncertainCall,
+)
+from buzz_delivery.agents.models import JournalEntry
+from buzz_delivery.agents.runtime import NOT_MADE
+from buzz_delivery.agents.services import batch
+from buzz_delivery.agents.services.common import sha256_json
+from buzz_delivery.services import tenancy
+
+logger = logging.getLogger("buzz_delivery.agents")
+
+
+class _Parked(Exception):
+    """Internal: the run parked on an approval; the handler stops here."""
+
+
+class Runtime:
+    """What every context of one worker shares: the pool, the batcher, the loop, and the
+    executor that runs the user's plain (sync) functions."""
+
+    def __init__(self, pool: DbPool, batcher: Batcher, user_executor: Executor) -> None:
+        self.pool = pool
+        self.batcher = batcher
+        self.user_executor = user_executor
+        self.loop = asyncio.get_running_loop()
+        self.user_connections = UsedConnections()  # opened by the user's plain code, closed at exit
+
+    async def user_code(self, community_id: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call the user's ``fn(*args)``: awaited when it is a coroutine function, else on a
+        thread in the user's tenant scope (the login's role, the run's community)."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+
+        def in_scope() -> Any:
+            self.user_connections.note()
+            with tenancy.handler(community_id):
+                return fn(*args)
+
+        result = await self.loop.run_in_executor(self.user_executor, in_scope)
+        if inspect.isawaitable(result):  # a plain function that returned a coroutine
+            return await result
+        return result
+
+
+class AsyncContext:
+    """What an async handler gets for one claimed run: ``run``, ``input``, ``shadow``, ``lease``
+    (renewed by the worker), :meth:`call`, :meth:`request_approval`, :attr:`cancelled`."""
+
+    def __init__(self, claim: s.AgentClaim, journal: list[JournalEntry], runtime: Runtime) -> None:
+        self.run = claim.run
+        self.lease = claim.lease
+        self.input = claim.run.input
+        self.shadow = claim.run.shadow
+        self.runtime = runtime
+        self.lost = threading.Event()
+        self._cancelled = threading.Event()
+        self.reason = ""
+        self._pos = 0
+        self._journal = {e.seq: e for e in journal}
+        self._lock = asyncio.Lock()
+        self.replayed = 0
+        self.task: asyncio.Task[Any] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the worker learnt the run was cancelled (the handler should stop)."""
+        return self._cancelled.is_set()
+
+    def mark_lost(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self.lost.set()
+        if reason == "cancelled":
+            self._cancelled.set()
+
+    def _check(self) -> None:
+        if self.lost.is_set():
+            raise RunAborted("the run's lease was lost")
+
+    async def _submit(self, op: str, item: Any) -> Any:
+        return await self.runtime.batcher.submit(op, self.lease.community_id, self.lease.run_id, item)
+
+    async def call(
+        self,
+        tool_name: str,
+        fn: Callable[..., Any],
+        args: Any,
+        *,
+        compensate: Callable[..., Any] | None = None,
+        reconcile: Callable[..., Any] | None = None,
+        destructive: bool = False,
+        cost: int = 0,
+    ) -> Any:
+        """Journal, make and record one tool call (or replay it); returns its output (None for
+        a shadow-blocked call). ``fn(args, key)`` and ``reconcile(args, key)`` may be async.
+        Raises :class:`ToolCallFailed`, :class:`BudgetExhausted`, :class:`UncertainCall`,
+        :class:`ReplayMismatch` or :class:`RunAborted`."""
+        async with self._lock:
+            self._check()
+            self._pos += 1
+            entry = self._journal.get(self._pos)
+            if entry is not None:
+                return await self._replay(entry, tool_name, fn, args, reconcile)
+            descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+            prepared = batch.prepare_call(
+                self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+            )
+            outcome = await self._submit("journal", prepared)
+            self._check()
+            if isinstance(outcome, s.Blocked):
+                return None
+            if isinstance(outcome, s.BudgetExceeded):
+                raise BudgetExhausted(f"{outcome.budget} budget exhausted ({outcome.used}/{outcome.cap})")
+            if not isinstance(outcome, s.Journaled):
+                self.mark_lost(getattr(outcome, "reason", "") or "lost")
+                raise RunAborted(f"cannot journal: {outcome}")
+            return await self._make(outcome.seq, outcome.idempotency_key, fn, args)
+
+    async def _make(self, seq: int, key: str, fn: Callable[..., Any], args: Any) -> Any:
+        started = time.monotonic()
+        try:
+            output = await self.runtime.user_code(self.lease.community_id, fn, args, key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._record(seq, ok=False, error=f"{type(exc).__name__}: {exc}", started=started)
+            raise ToolCallFailed(f"{seq}: {exc}") from exc
+        await self._record(seq, ok=True, output=output, started=started)
+        return output
+
+    async def _record(self, seq: int, *, started: float, **kwargs: Any) -> None:
+        latency = int((time.monotonic() - started) * 1000)
+        prepared = batch.prepare_result(self.lease, seq, latency_ms=latency, **kwargs)
+        outcome = await self._submit("record", prepared)
+        if not isinstance(outcome, (s.Recorded, s.AlreadyRecorded)):
+            self.mark_lost(getattr(outcome, "reason", "") or "lost")
+            raise RunAborted(f"cannot record call {seq}: {outcome}")
+
+    async def _replay(self, entry: JournalEntry, tool_name: str, fn: Any, args: Any, reconcile: Any) -> Any:
+        if entry.kind != "tool" or entry.tool_name != tool_name or bytes(entry.input_hash) != sha256_json(args):
+            raise ReplayMismatch(f"call {entry.seq} was {entry.kind} {entry.tool_name!r}, now {tool_name!r}")
+        if entry.status == "succeeded":
+            self.replayed += 1
+            return entry.output
+        if entry.status == "failed":
+            if entry.blocked_reason:
+                return None
+            raise ToolCallFailed(f"{entry.seq}: {entry.error}")
+        # pending: its holder crashed between journaling and recording.
+        if reconcile is None:
+            await self._record(
+                entry.seq, ok=False, uncertain=True, error="uncertain: no reconcile hook", started=time.monotonic()
+            )
+            raise UncertainCall(f"call {entry.seq} ({tool_name}) may or may not have happened")
+        started = time.monotonic()
+        found = await self.runtime.user_code(self.lease.community_id, reconcile, args, entry.idempotency_key)
+        if found is NOT_MADE:
+            return await self._make(entry.seq, entry.idempotency_key, fn, args)
+        await self._record(entry.seq, ok=True, output=found, started=started)
+        return found
+
+    async def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
+        """As :meth:`Context.request_approval <buzz_delivery.agents.runtime.Context.request_approval>`:
+        parks the run the first time; returns the decision when the run is resumed."""
+        async with self._lock:
+            self._check()
+            self._pos += 1
+            entry = self._journal.get(self._pos)
+            if entry is not None:
+                if entry.kind != "approval":
+                    raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
+                if entry.status == "succeeded":
+                    self.replayed += 1
+                    return dict(entry.output or {})
+                if entry.status == "failed":
+                    raise ApprovalExpired("the approval expired without a decision")
+                raise RunAborted("the approval is still pending")
+            outcome = await self.runtime.pool.run(
+                s.request_approval, self.lease, prompt=prompt, deadline_seconds=deadline_seconds
+            )
+            if isinstance(outcome, s.ApprovalRequested):
+                raise _Parked(outcome.approval_id)
+            if isinstance(outcome, s.BudgetExceeded):
+                raise BudgetExhausted(f"{outcome.budget} budget exhausted")
+            self.mark_lost(getattr(outcome, "reason", "") or "lost")
+            raise RunAborted(f"cannot request an approval: {outcome}")
+
+
+class SyncBridge:
+    """What a plain ``def handler(ctx)`` gets in the event-loop worker: the
+    :class:`AsyncContext`'s calls, blocking the handler's thread (never the loop)."""
+
+    def __init__(self, actx: AsyncContext) -> None:
+        self._actx = actx
+        self.run, self.input, self.shadow = actx.run, actx.input, actx.shadow
+
+    @property
+    def lease(self) -> s.AgentLease:
+        return self._actx.lease
+
+    @property
+    def lost(self) -> threading.Event:
+        return self._actx.lost
+
+    @property
+    def cancelled(self) -> bool:
+        return self._actx.cancelled
+
+    @property
+    def replayed(self) -> int:
+        return self._actx.replayed
+
+    def _wait(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._actx.runtime.loop).result()
+
+    def call(self, tool_name: str, fn: Callable[..., Any], args: Any, **kwargs: Any) -> Any:
+        """As :meth:`AsyncContext.call` (``fn`` runs on another thread of the user's executor)."""
+        return self._wait(self._actx.call(tool_name, fn, args, **kwargs))
+
+    def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
+        """As :meth:`AsyncContext.request_approval`."""
+        return self._wait(self._actx.request_approval(prompt, deadline_seconds))
+
+
+async def unwind(runtime: Runtime, lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
+    """As :func:`buzz_delivery.agents.runtime.unwind`, with async or plain compensations:
+    ``compensated``, ``compensation_failed`` or ``lost``."""
+    pool = runtime.pool
+    result = "compensated"
+    for seq in seqs:
+        began = await pool.run(s.begin_compensation, lease, seq)
+        if began is None:
+            continue
+        if not isinstance(began, dict):
+            return "lost"
+        # A stored name is looked up in this process's registry, never imported (issue 27).
+        function = compensations.resolve(began["compensation"])
+        try:
+            if function is None:
+                raise LookupError(compensations.unregistered_error(began["compensation"]))
+            await runtime.user_code(lease.community_id, function, began["args"], began["output"], began["key"])
+        except Exception as exc:
+            logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
+            failed = await pool.run(s.finish_compensation, lease, seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+            if not isinstance(failed, (s.Recorded, s.AlreadyRecorded)):
+                return "lost"
+            result = "compensation_failed"
+            break
+        if not isinstance(await pool.run(s.finish_compensation, lease, seq, ok=True), (s.Recorded, s.AlreadyRecorded)):
+            return "lost"
+    final = await pool.run(s.fail_run, lease, "compensated")
+    if isinstance(final, s.Unwinding):
+        return await unwind(runtime, lease, final.seqs)
+    return result if isinstance(final, (s.Finished, s.AlreadyTerminal)) else "lost"
+
+
+async def _invoke(handler: Callable[..., Any], ctx: AsyncContext) -> Any:
+    if inspect.iscoroutinefunction(handler):
+        return await handler(ctx)
+    bridge = SyncBridge(ctx)
+
+    def in_scope() -> Any:
+        ctx.runtime.user_connections.note()
+        with tenancy.handler(ctx.lease.community_id):
+            return handler(bridge)
+
+    result = await ctx.runtime.loop.run_in_executor(ctx.runtime.user_executor, in_scope)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., Any]) -> str:
+    """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
+    ``compensation_failed``, ``parked``, ``lost``. The handler raising fails this run only."""
+    pool = runtime.pool
+    if ctx.run.unwinding:
+        outcome = await pool.run(s.fail_run, ctx.lease, ctx.run.failure_code or "unwinding")
+        if isinstance(outcome, s.Unwinding):
+            return await unwind(runtime, ctx.lease, outcome.seqs)
+        return "failed" if isinstance(outcome, s.Finished) else "lost"
+    try:
+        output = await _invoke(handler, ctx)
+    except _Parked:
+        return "parked"
+    except (RunAborted, asyncio.CancelledError):
+        return "lost"
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt... from user code: this run fails alone
+        code = exc.failure_code if isinstance(exc, AgentError) else "handler_error"
+        if ctx.lost.is_set():
+            return "lost"
+        failed = await pool.run(s.fail_run, ctx.lease, code, f"{type(exc).__name__}: {exc}"[:10_000])
+        if isinstance(failed, s.Unwinding):
+            return await unwind(runtime, ctx.lease, failed.seqs)
+        return "failed" if isinstance(failed, s.Finished) else "lost"
+    if ctx.lost.is_set():
+        return "lost"
+    try:
+        prepared = batch.prepare_completion(ctx.lease, output)
+    except Exception as exc:  # an output that cannot be stored fails this run
+        failed = await pool.run(s.fail_run, ctx.lease, "handler_error", f"{type(exc).__name__}: {exc}"[:10_000])
+        if isinstance(failed, s.Unwinding):
+            return await unwind(runtime, ctx.lease, failed.seqs)
+        return "failed" if isinstance(failed, s.Finished) else "lost"
+    done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
+    return "completed" if isinstance(done, s.Finished) else "lost"

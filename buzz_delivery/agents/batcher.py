@@ -1,0 +1,233 @@
+"""The event-loop worker's database side: a fixed number of connections, and batches.
+
+:class:`DbPool` runs blocking database work on exactly ``connections`` threads, each with its
+own Django connection (so the services' SQL, tenancy scopes and validation are the ones every
+other caller uses): however many runs are in flight, the runtime holds at most that many
+connections. :class:`Batcher` gathers the holder operations that coroutines submit (journal a
+call, record a result, renew a lease, complete a run), groups them by operation and community,
+and sends each group as one batched statement
+(:mod:`~buzz_delivery.agents.services.batch`) when a connection is free: the busier the pool,
+the bigger the batches. Each submitter awaits its own typed outcome. A batch the database
+refuses is replayed one item at a time with the single forms, so one bad run fails alone; an
+item whose single form raises gets that exception, and the others are untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection
+from django.db import connections as db_connections
+
+from buzz_delivery.agents.services import batch
+
+logger = logging.getLogger("buzz_delivery.agents")
+
+T = TypeVar("T")
+
+
+class DbPool:
+    """``connections`` threads, each holding at most one Django connection; :meth:`run` awaits a
+    blocking callable on one of them. :meth:`close` closes every thread's connection."""
+
+    def __init__(self, connections: int) -> None:
+        if connections < 1:
+            raise ValueError("connections must be >= 1")
+        self.size = connections
+        self._executor = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="agent-db")
+        self.used = UsedConnections()
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self.used.note()
+        try:
+            return fn(*args, **kwargs)
+        except DatabaseError:
+            if connection.connection is not None and not connection.is_usable():
+                connection.close()  # the next call on this thread connects again
+            raise
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on a pool thread and return (or raise) its result."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: self._call(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """Stop the threads, then close each thread's connection."""
+        self._executor.shutdown(wait=True)
+        self.used.close_all()
+
+
+class UsedConnections:
+    """The Django connections that threads of an executor opened (:meth:`note` on the thread),
+    to close from the thread that shuts the executor down (:meth:`close_all`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wrappers: dict[int, Any] = {}
+
+    def note(self) -> None:
+        wrapper = db_connections[DEFAULT_DB_ALIAS]
+        with self._lock:
+            self._wrappers[id(wrapper)] = wrapper
+
+    def close_all(self) -> None:
+        with self._lock:
+            wrappers, self._wrappers = list(self._wrappers.values()), {}
+        for wrapper in wrappers:
+            try:
+                wrapper.inc_thread_sharing()
+                try:
+                    wrapper.close()
+                finally:
+                    wrapper.dec_thread_sharing()
+            except Exception as exc:  # best effort: the process is ending
+                logger.warning("connection_close_failed error=%s", exc)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A batched operation: ``many(community, items) -> outcomes`` and ``one(item) -> outcome``
+    (the single form, for replays)."""
+
+    name: str
+    many: Callable[[uuid.UUID, list[Any]], Sequence[Any]]
+    one: Callable[[Any], Any]
+
+
+def _heartbeat_many(lease_seconds: float) -> Callable[[uuid.UUID, list[Any]], Sequence[Any]]:
+    return lambda community, leases: batch.heartbeat_runs(community, leases, lease_seconds)
+
+
+def operations(lease_seconds: float) -> dict[str, Operation]:
+    """The holder operations the runtime batches."""
+    from buzz_delivery.agents import services as s
+
+    return {
+        "journal": Operation("journal", batch.journal_calls, batch.replay_call),
+        "record": Operation("record", batch.record_results, batch.replay_result),
+        "complete": Operation("complete", batch.complete_runs, batch.replay_completion),
+        "heartbeat": Operation(
+            "heartbeat", _heartbeat_many(lease_seconds), lambda lease: s.heartbeat(lease, lease_seconds)
+        ),
+    }
+
+
+class Batcher:
+    """Submit holder operations from coroutines; they go to PostgreSQL in batches of at most
+    ``max_batch`` items of one operation and one community, one batch per free connection.
+    ``linger``: seconds to wait for more items once the first arrives (0: go at once)."""
+
+    def __init__(self, pool: DbPool, ops: dict[str, Operation], *, max_batch: int = 200, linger: float = 0.0) -> None:
+        self.pool = pool
+        self.ops = ops
+        self.max_batch = min(max_batch, batch.MAX_BATCH)
+        self.linger = linger
+        self._pending: dict[tuple[str, uuid.UUID], list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]] = {}
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(pool.size)
+        self._task: asyncio.Task[None] | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+        self.batches = 0
+        self.items = 0
+        self.replays = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="agent-batcher")
+
+    async def submit(self, op: str, community: uuid.UUID, run_id: uuid.UUID, item: Any) -> Any:
+        """Queue ``item`` (of run ``run_id``) for operation ``op``; returns its outcome."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault((op, community), []).append((item, run_id, future))
+        self._wake.set()
+        return await future
+
+    def _take(self) -> tuple[tuple[str, uuid.UUID], list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]]:
+        key = next(iter(self._pending))
+        queued = self._pending.pop(key)
+        taken: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
+        later: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
+        seen: set[uuid.UUID] = set()
+        for entry in queued:  # each run at most once a batch, at most max_batch items
+            if len(taken) < self.max_batch and entry[1] not in seen:
+                seen.add(entry[1])
+                taken.append(entry)
+            else:
+                later.append(entry)
+        if later:
+            self._pending[key] = later  # goes to the back: other groups get their turn
+        return key, taken
+
+    async def _dispatch(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.linger:
+                await asyncio.sleep(self.linger)
+            while self._pending:
+                await self._slots.acquire()
+                if not self._pending:
+                    self._slots.release()
+                    break
+                key, entries = self._take()
+                task = asyncio.get_running_loop().create_task(self._flush(key, entries))
+                self._flushes.add(task)
+                task.add_done_callback(self._flushes.discard)
+
+    async def _flush(
+        self, key: tuple[str, uuid.UUID], entries: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]
+    ) -> None:
+        op = self.ops[key[0]]
+        items = [e[0] for e in entries]
+        try:
+            results = await self.pool.run(self._many_or_replay, op, key[1], items)
+        except Exception as exc:  # the pool itself failed (closing): every submitter hears it
+            results = [_Raised(exc)] * len(items)
+        finally:
+            self._slots.release()
+        self.batches += 1
+        self.items += len(items)
+        for (_, _, future), result in zip(entries, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, _Raised):
+                future.set_exception(result.exc)
+            else:
+                future.set_result(result)
+
+    def _many_or_replay(self, op: Operation, community: uuid.UUID, items: list[Any]) -> list[Any]:
+        """On a pool thread: the batch, or, when the database refuses it, each item alone."""
+        try:
+            return list(op.many(community, items))
+        except Exception as exc:
+            logger.warning("agent_batch_refused op=%s runs=%d error=%s", op.name, len(items), str(exc)[:200])
+            if isinstance(exc, DatabaseError) and connection.connection is not None and not connection.is_usable():
+                connection.close()
+        out: list[Any] = []
+        for item in items:
+            self.replays += 1
+            try:
+                out.append(op.one(item))
+            except Exception as exc:  # this item only
+                if isinstance(exc, DatabaseError) and connection.connection is not None and not connection.is_usable():
+                    connection.close()
+                out.append(_Raised(exc))
+        return out
+
+    async def close(self) -> None:
+        """Stop dispatching once what was queued is sent."""
+        while self._pending or self._flushes:
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+
+
+@dataclass(frozen=True)
+class _Raised:
+    exc: BaseException

@@ -1,0 +1,361 @@
+"""The event-loop agent worker behind ``manage.py run_agent_worker --async`` (SPEC 12 "Runtime").
+
+One asyncio loop holds up to ``in_flight`` runs at once (each handler a task) on a fixed
+``connections`` database connections (:class:`~buzz_delivery.agents.batcher.DbPool`), however
+many runs are in flight: claims take up to the free room (at most 100 a statement) per
+community; journal entries, results, renewals and completions of many runs go to PostgreSQL in
+batches per community, each row fenced by its own lease
+(:class:`~buzz_delivery.agents.batcher.Batcher`). One more connection LISTENs for wake hints
+unless ``listen`` is off.
+
+The renewal task renews every held lease each ``lease_seconds / 3`` (one statement per
+community and batch); a run whose renewal is refused is marked lost and its handler task is
+cancelled (a cancel fenced it, or its lease lapsed): the handler makes no further call. With
+``handler_timeout``, a run held longer is given up the same way (its lease lapses and the run is
+resumed from its journal elsewhere). :meth:`AsyncAgentWorker.stop` (SIGTERM/SIGINT) stops
+claiming and drains in-flight runs for ``shutdown_grace`` seconds; the rest are abandoned.
+
+A handler is ``async def handler(ctx)`` (an :class:`~buzz_delivery.agents.aio_runtime.AsyncContext`)
+or a plain ``def handler(ctx)`` run on a thread (at most ``in_flight`` threads). One run's
+failure, however it fails, ends that run only.
+
+    >>> from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig  # doctest: +SKIP
+    >>> config = AsyncWorkerConfig(handler=h, agents=[key], in_flight=1000, connections=4)  # doctest: +SKIP
+    >>> AsyncAgentWorker(config).run()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connections
+
+from buzz_delivery.agents import services as s
+from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, run_claim
+from buzz_delivery.agents.batcher import Batcher, DbPool, operations
+from buzz_delivery.agents.services import batch
+from buzz_delivery.agents.services.runs import MAX_CLAIM
+from buzz_delivery.agents.worker import COMMUNITIES_WITH_CLAIMABLE_RUNS, RunListener, Waker
+from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.services import tenancy
+from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.workers import HEARTBEAT_SECONDS, WorkerIdentity, deregister_worker, heartbeat_worker
+
+logger = logging.getLogger("buzz_delivery.agents")
+
+DEFAULT_CONNECTIONS = 4
+DEFAULT_IN_FLIGHT = 1000
+
+
+@dataclass
+class AsyncWorkerConfig:
+    """As :class:`~buzz_delivery.agents.worker.WorkerConfig`, with ``in_flight`` (runs held at
+    once) and ``connections`` (the runtime's database connections) instead of ``concurrency``;
+    ``max_batch``: items of one batched statement; ``linger``: seconds a batch waits for more."""
+
+    handler: Callable[..., Any]
+    agents: list[bytes]
+    communities: list[uuid.UUID] = field(default_factory=list)
+    in_flight: int = DEFAULT_IN_FLIGHT
+    connections: int = DEFAULT_CONNECTIONS
+    lease_seconds: float = 60
+    poll_seconds: float = 1.0
+    max_runs: int | None = None
+    exit_when_idle: bool = False
+    worker_id: str = ""
+    shutdown_grace: float = 30.0
+    handler_timeout: float | None = None
+    listen: bool = True
+    max_batch: int = 200
+    linger: float = 0.0
+    registry: WorkerIdentity | None = None  # kept live in the workers registry through the pool
+    # Called on a pool connection with each round's communities before claiming: the hook of
+    # built-in acceptance (deliveries to ``agents`` accepted into runs); errors are logged only.
+    accept: Callable[[list[uuid.UUID]], Any] | None = None
+
+
+class _LoopWaker(Waker):
+    """A :class:`Waker` the listener thread calls: it sets an asyncio event on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        super().__init__()
+        self.loop, self.event = loop, event
+
+    def wake(self) -> None:
+        super().wake()
+        self.loop.call_soon_threadsafe(self.event.set)
+
+
+class AsyncAgentWorker:
+    """Runs :class:`AsyncWorkerConfig` until stopped; :attr:`counts` is the summary (as the
+    threaded worker's, plus ``batches`` and ``batched_items``)."""
+
+    def __init__(self, config: AsyncWorkerConfig) -> None:
+        if config.in_flight < 1 or config.connections < 1:
+            raise ValueError("in_flight and connections must be >= 1")
+        self.config = config
+        self.counts: Counter[str] = Counter()
+        self.stopping = threading.Event()
+        self.held: dict[uuid.UUID, AsyncContext] = {}
+        self.since: dict[uuid.UUID, float] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self.listener: RunListener | None = None
+
+    def stop(self, *_: Any) -> None:
+        """Stop claiming (thread- and signal-safe); in-flight runs drain within the grace."""
+        self.stopping.set()
+        if self._loop is not None and self._wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    def run(self, conn_params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run until stopped; returns the summary counts (also :meth:`summary_line`)."""
+        try:
+            asyncio.run(self._main(conn_params))
+        finally:
+            connections.close_all()
+        return dict(self.counts)
+
+    async def _main(self, conn_params: dict[str, Any] | None) -> None:
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        pool = DbPool(cfg.connections)
+        batcher = Batcher(pool, operations(cfg.lease_seconds), max_batch=cfg.max_batch, linger=cfg.linger)
+        batcher.start()
+        user_executor = ThreadPoolExecutor(max_workers=min(cfg.in_flight, 256), thread_name_prefix="agent-user")
+        runtime = Runtime(pool, batcher, user_executor)
+        listen_stop = threading.Event()
+        if cfg.listen and not cfg.exit_when_idle:
+            alias = core_settings().listen_database or "default"
+            params = conn_params if conn_params is not None else connections[alias].get_connection_params()
+            self.listener = RunListener(
+                waker=_LoopWaker(self._loop, self._wake),
+                communities=list(cfg.communities),
+                conn_params=params,
+                stop=listen_stop,
+            )
+            self.listener.start()
+        if cfg.registry is not None:
+            await self._beat(pool)
+        renewals = asyncio.create_task(self._renew(runtime))
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            await self._claim_loop(runtime, tasks)
+            await self._drain(tasks)
+        except Exception:
+            logger.exception("worker_error")
+            self.counts["internal_errors"] += 1
+            self._abandon(tasks)
+        finally:
+            renewals.cancel()
+            listen_stop.set()
+            await batcher.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.counts["batches"] = batcher.batches
+            self.counts["batched_items"] = batcher.items
+            self.counts["batch_replays"] = batcher.replays
+            if cfg.registry is not None:
+                try:
+                    await pool.run(deregister_worker, cfg.registry.id)
+                except Exception as exc:
+                    logger.warning("deregister_failed worker=%s error=%s", cfg.registry.id, exc)
+            await asyncio.get_running_loop().run_in_executor(None, pool.close)
+            user_executor.shutdown(wait=False, cancel_futures=True)
+            runtime.user_connections.close_all()
+            if self.listener is not None:
+                self.listener.join(timeout=5)
+
+    def _communities(self) -> list[uuid.UUID]:
+        if self.config.communities:
+            return list(self.config.communities)
+        with tenancy.fleet():
+            return [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+
+    def _room(self, tasks: set[asyncio.Task[None]]) -> int:
+        room = self.config.in_flight - len(tasks)
+        if self.config.max_runs is not None:
+            room = min(room, self.config.max_runs - self.counts["claimed"])
+        return room
+
+    async def _claim_loop(self, runtime: Runtime, tasks: set[asyncio.Task[None]]) -> None:
+        cfg = self.config
+        assert self._wake is not None
+        while not self.stopping.is_set():
+            if cfg.max_runs is not None and self.counts["claimed"] >= cfg.max_runs:
+                return
+            if self._room(tasks) <= 0:
+                self._wake.clear()
+                await self._wait(cfg.poll_seconds)
+                continue
+            self._wake.clear()
+            found = False
+            communities = await runtime.pool.run(self._communities)
+            if cfg.accept is not None:
+                try:
+                    await runtime.pool.run(cfg.accept, communities)
+                except Exception:  # acceptance never stops the worker
+                    logger.exception("accept_error")
+                    self.counts["accept_errors"] += 1
+            for community in communities:
+                room = self._room(tasks)
+                if self.stopping.is_set() or room <= 0:
+                    break
+                claimed = await runtime.pool.run(
+                    batch.claim_with_journals,
+                    community,
+                    cfg.agents,
+                    worker_id=cfg.worker_id,
+                    limit=min(room, MAX_CLAIM),
+                    lease_seconds=cfg.lease_seconds,
+                )
+                for claim, journal in claimed:
+                    found = True
+                    self.counts["claimed"] += 1
+                    self._start(runtime, claim, journal, tasks)
+            if not found:
+                if cfg.exit_when_idle:
+                    return
+                if await self._wait(cfg.poll_seconds):
+                    self.counts["woken"] += 1
+
+    async def _wait(self, timeout: float) -> bool:
+        assert self._wake is not None
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def _start(self, runtime: Runtime, claim: s.AgentClaim, journal: list[Any], tasks: set[asyncio.Task[None]]) -> None:
+        ctx = AsyncContext(claim, journal, runtime)
+        self.held[claim.lease.run_id] = ctx
+        self.since[claim.lease.run_id] = time.monotonic()
+        task = asyncio.create_task(self._one(runtime, ctx))
+        ctx.task = task
+        tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            tasks.discard(t)
+            self.held.pop(claim.lease.run_id, None)
+            self.since.pop(claim.lease.run_id, None)
+            if self._wake is not None:
+                self._wake.set()  # room for another claim
+
+        task.add_done_callback(done)
+
+    async def _one(self, runtime: Runtime, ctx: AsyncContext) -> None:
+        try:
+            result = await run_claim(runtime, ctx, self.config.handler)
+        except asyncio.CancelledError:
+            result = "lost"
+        except Exception:  # a runtime error of this run only: its lease lapses, the run is reclaimed
+            logger.exception("run_error run=%s", ctx.lease.run_id)
+            result = "lost"
+        logger.info("%s run=%s", result, ctx.lease.run_id)
+        self.counts[result] += 1
+
+    async def _renew(self, runtime: Runtime) -> None:
+        cfg = self.config
+        every = max(cfg.lease_seconds / 3, 0.2)
+        tick = every if cfg.handler_timeout is None else min(every, 0.25)
+        next_renewal = time.monotonic() + every
+        next_beat = time.monotonic() + HEARTBEAT_SECONDS
+        while True:
+            await asyncio.sleep(tick)
+            self._time_out()
+            if cfg.registry is not None and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + HEARTBEAT_SECONDS
+                await self._beat(runtime.pool)
+            if time.monotonic() < next_renewal:
+                continue
+            next_renewal = time.monotonic() + every
+            held = [ctx for ctx in self.held.values() if not ctx.lost.is_set()]
+            await asyncio.gather(*(self._renew_one(runtime, ctx) for ctx in held), return_exceptions=True)
+
+    async def _beat(self, pool: DbPool) -> None:
+        """Refresh this process's row in the live workers registry (on a pool connection)."""
+        assert self.config.registry is not None
+        try:
+            await pool.run(heartbeat_worker, self.config.registry)
+        except Exception as exc:  # never stops the worker
+            logger.warning("heartbeat_failed worker=%s error=%s", self.config.registry.id, exc)
+
+    async def _renew_one(self, runtime: Runtime, ctx: AsyncContext) -> None:
+        try:
+            outcome = await runtime.batcher.submit("heartbeat", ctx.lease.community_id, ctx.lease.run_id, ctx.lease)
+        except Exception as exc:  # a lost connection: try again next round
+            logger.warning("heartbeat_error run=%s: %s", ctx.lease.run_id, exc)
+            return
+        if isinstance(outcome, s.Renewed):
+            if outcome.lease.lease_generation == ctx.lease.lease_generation:
+                ctx.lease = outcome.lease
+            self.counts["renewed"] += 1
+            return
+        if isinstance(outcome, s.AlreadyTerminal) or (ctx.task is not None and ctx.task.done()):
+            return  # this holder ended the run meanwhile (its completion went first): nothing to stop
+        reason = getattr(outcome, "reason", "") or "lost"
+        logger.info("lease_lost run=%s reason=%s", ctx.lease.run_id, reason)
+        self._give_up(ctx, reason)
+
+    def _give_up(self, ctx: AsyncContext, reason: str) -> None:
+        ctx.mark_lost(reason)
+        if ctx.task is not None and not ctx.task.done():
+            ctx.task.cancel()
+
+    def _time_out(self) -> None:
+        limit = self.config.handler_timeout
+        if limit is None:
+            return
+        now = time.monotonic()
+        for run_id, since in list(self.since.items()):
+            ctx = self.held.get(run_id)
+            if ctx is not None and now - since > limit and not ctx.lost.is_set():
+                logger.warning("handler_timeout run=%s: its lease is left to lapse", run_id)
+                self.counts["timed_out"] += 1
+                self.since.pop(run_id, None)
+                self._give_up(ctx, "timed_out")
+
+    async def _drain(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Let in-flight runs reach their resting point: all of them when the claiming ended by
+        itself (idle, max runs); ``shutdown_grace`` seconds from a stop, then abandon the rest."""
+        while tasks and not self.stopping.is_set():
+            await asyncio.wait(set(tasks), timeout=0.2)
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(set(tasks), timeout=self.config.shutdown_grace)
+        if pending:
+            self._abandon(pending)
+
+    def _abandon(self, tasks: set[asyncio.Task[None]]) -> None:
+        for ctx in list(self.held.values()):
+            if ctx.task in tasks and not ctx.lost.is_set():
+                logger.warning("abandoned run=%s (shutdown grace over)", ctx.lease.run_id)
+                self.counts["abandoned"] += 1
+                self._give_up(ctx, "abandoned")
+
+    def summary_line(self) -> str:
+        keys = (
+            "claimed", "completed", "failed", "compensated", "compensation_failed", "parked", "lost", "timed_out",
+            "abandoned", "woken",
+        )  # fmt: skip
+        body = {k: self.counts.get(k, 0) for k in keys}
+        body.update(
+            renewed=self.counts.get("renewed", 0),
+            internal_errors=self.counts.get("internal_errors", 0),
+            batches=self.counts.get("batches", 0),
+            batched_items=self.counts.get("batched_items", 0),
+        )
+        return json.dumps(body, separators=(",", ":"))

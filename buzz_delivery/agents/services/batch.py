@@ -1,0 +1,326 @@
+"""Batched forms of the run holder's transitions, for the event-loop worker (SPEC 12, 15).
+
+Each function takes many runs of ONE community and sends one statement for all of them (the
+``*_MANY_*`` statements of :mod:`~buzz_delivery.agents.services.sql`, in Citus router form), each
+row fenced by its own lease exactly as the single form is. It returns one typed outcome per
+item, in order: a run the statement did not match is judged on its own as the single form judges
+a miss (``missed``, ``budget_or_missed``), so the outcomes are those the single calls would give.
+
+The caller prepares each item first (``prepare_*``: the single form's validation, a
+``ValidationError`` keyed by the argument before any SQL), so one bad item never reaches a batch.
+Every item of a batch names a different run. A batch the database refuses raises; the caller
+then replays its items one at a time with the single forms (``replay_*``), so nothing about one
+run keeps the others of its batch from their outcome.
+
+    >>> from buzz_delivery.agents.services import batch  # doctest: +SKIP
+    >>> calls = [batch.prepare_call(lease, "search", {"q": "x"}) for lease in leases]  # doctest: +SKIP
+    >>> batch.journal_calls(community_id, calls)  # [Journaled(1, 'run:1'), LeaseLost(), ...]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+
+from buzz_delivery.agents.conf import MAX_COST_UNITS, get_settings
+from buzz_delivery.agents.models import JournalEntry
+from buzz_delivery.agents.services import journal, runs, sql
+from buzz_delivery.agents.services.common import json_value, lease_params, lease_value, missed, sha256_json
+from buzz_delivery.agents.services.types import (
+    AgentClaim,
+    AgentLease,
+    AlreadyRecorded,
+    AlreadyTerminal,
+    Blocked,
+    BudgetExceeded,
+    Finished,
+    Journaled,
+    LeaseLost,
+    Recorded,
+    Renewed,
+)
+from buzz_delivery.models import new_uuid7
+from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.tenancy import tenant_scoped
+
+MAX_BATCH = 500
+
+JournalOutcome = Journaled | Blocked | BudgetExceeded | AlreadyTerminal | LeaseLost
+RecordOutcome = Recorded | AlreadyRecorded | AlreadyTerminal | LeaseLost
+CompleteOutcome = Finished | AlreadyTerminal | LeaseLost
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCall:
+    """A validated ``journal_call`` of one run (``params``: its statement's values)."""
+
+    lease: AgentLease
+    params: dict[str, Any]
+    raw: tuple[str, Any, int, dict[str, Any] | None, bool]  # for the single form's replay
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedResult:
+    """A validated ``record_call_result`` of one run."""
+
+    lease: AgentLease
+    params: dict[str, Any]
+    raw: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCompletion:
+    """A validated ``complete_run`` of one run."""
+
+    lease: AgentLease
+    output_text: str
+    output_hash: bytes
+    raw: Any
+
+
+def prepare_call(
+    lease: AgentLease,
+    tool_name: str,
+    args: Any,
+    *,
+    cost: int = 0,
+    compensation: dict[str, Any] | None = None,
+    destructive: bool = False,
+) -> PreparedCall:
+    """Validate one ``journal_call`` as the single form does (``ValidationError`` keyed
+    ``lease``, ``tool_name``, ``args``, ``cost``, ``compensation`` or ``destructive``)."""
+    lease = lease_value(lease)
+    if not isinstance(destructive, bool):
+        raise v.invalid("destructive", "must be a bool")
+    if compensation is not None and not isinstance(compensation, dict):
+        raise v.invalid("compensation", "must be a dict or None")
+    params = {
+        "tool_name": journal._tool_name(tool_name),
+        "args": json_value(args, "args", journal.MAX_ARGS_BYTES),
+        "input_hash": sha256_json(args),
+        "cost": v.int_in_range(cost, "cost", 0, MAX_COST_UNITS),
+        "compensation": None if compensation is None else json_value(compensation, "compensation", 100_000),
+        "destructive": destructive,
+        "entry_id": new_uuid7(),
+    }
+    return PreparedCall(lease, params, (tool_name, args, cost, compensation, destructive))
+
+
+def prepare_result(
+    lease: AgentLease,
+    seq: int,
+    *,
+    ok: bool,
+    output: Any = None,
+    error: str | None = None,
+    latency_ms: int | None = None,
+    uncertain: bool = False,
+) -> PreparedResult:
+    """Validate one ``record_call_result`` as the single form does."""
+    lease = lease_value(lease)
+    if not isinstance(ok, bool):
+        raise v.invalid("ok", "must be a bool")
+    if uncertain and ok:
+        raise v.invalid("uncertain", "only a failed call can be uncertain")
+    params = {
+        "seq": v.int_in_range(seq, "seq", 1, 10**9),
+        "status": "succeeded" if ok else "failed",
+        "uncertain": bool(uncertain),
+        "output": json_value(output, "output", get_settings().max_output_bytes) if ok else None,
+        "output_hash": sha256_json(output) if ok else None,
+        "error": v.optional_text(error, "error", 10_000),
+        "latency_ms": None if latency_ms is None else v.int_in_range(latency_ms, "latency_ms", 0, 2**31 - 1),
+    }
+    raw = {"ok": ok, "output": output, "error": error, "latency_ms": latency_ms, "uncertain": uncertain}
+    return PreparedResult(lease, params, raw)
+
+
+def prepare_completion(lease: AgentLease, output: Any) -> PreparedCompletion:
+    """Validate one ``complete_run`` as the single form does (``output`` JSON within the cap)."""
+    lease = lease_value(lease)
+    text = json_value(output, "output", get_settings().max_output_bytes)
+    return PreparedCompletion(lease, text, sha256_json(output), output)
+
+
+def _common(community_id: Any, leases: Sequence[AgentLease]) -> dict[str, Any]:
+    community = v.uuid_value(community_id, "community_id")
+    if len(leases) > MAX_BATCH:
+        raise v.invalid("items", f"at most {MAX_BATCH} runs a batch")
+    workers = {lease.worker_id for lease in leases}
+    if len(workers) > 1:
+        raise v.invalid("items", "every lease of a batch must be held by one worker")
+    if any(lease.community_id != community for lease in leases):
+        raise v.invalid("items", "a lease of another community")
+    if len({lease.run_id for lease in leases}) != len(leases):
+        raise v.invalid("items", "the same run twice")
+    return {
+        "community_id": community,
+        "worker_id": next(iter(workers), ""),
+        "run_ids": [lease.run_id for lease in leases],
+        "generations": [lease.lease_generation for lease in leases],
+    }
+
+
+@tenant_scoped
+def heartbeat_runs(
+    community_id: uuid.UUID | str, leases: Sequence[AgentLease], lease_seconds: float | None = None
+) -> list[Renewed | AlreadyTerminal | LeaseLost]:
+    """:func:`~buzz_delivery.agents.services.heartbeat` of many runs of one community, one
+    statement; one outcome per lease, in order."""
+    leases = [lease_value(lease) for lease in leases]
+    params = _common(community_id, leases)
+    params["lease_seconds"] = v.lease_seconds(get_settings().lease_seconds if lease_seconds is None else lease_seconds)
+    if not leases:
+        return []
+    with translated_errors():
+        renewed = {row[0]: row[1] for row in fetch_all(sql.HEARTBEAT_MANY_IF_CURRENT, params)}
+        out: list[Renewed | AlreadyTerminal | LeaseLost] = []
+        for lease in leases:
+            until = renewed.get(lease.run_id)
+            if until is not None:
+                out.append(
+                    Renewed(
+                        AgentLease(lease.community_id, lease.run_id, lease.lease_generation, until, lease.worker_id)
+                    )
+                )
+            else:
+                out.append(missed(lease_params(lease)))
+    return out
+
+
+@tenant_scoped
+def journal_calls(community_id: uuid.UUID | str, calls: Sequence[PreparedCall]) -> list[JournalOutcome]:
+    """:func:`~buzz_delivery.agents.services.journal_call` of many runs of one community (one
+    prepared call each), in one transaction: one statement spends each run's slot within its
+    budgets and journals its entry ``pending``. A shadow run's destructive call is journaled by
+    the single form (``Blocked``). One outcome per call, in order."""
+    params = _common(community_id, [c.lease for c in calls])
+    blocked_ones = [c for c in calls if c.params["destructive"]]
+    batched = [c for c in calls if not c.params["destructive"]]
+    params.update(
+        run_ids=[c.lease.run_id for c in batched],
+        generations=[c.lease.lease_generation for c in batched],
+        entry_ids=[c.params["entry_id"] for c in batched],
+        tool_names=[c.params["tool_name"] for c in batched],
+        input_hashes=[c.params["input_hash"] for c in batched],
+        args=[c.params["args"] for c in batched],
+        costs=[c.params["cost"] for c in batched],
+        destructives=[False for _ in batched],
+        compensations=[c.params["compensation"] for c in batched],
+    )
+    outcomes: dict[uuid.UUID, JournalOutcome] = {}
+    # One transaction for the whole batch (the single forms' savepoints inside it): a batch
+    # that raises wrote nothing, so its replay one call at a time journals each call once.
+    with transaction.atomic(), translated_errors():
+        for c in blocked_ones:  # destructive: the single form decides shadow blocking
+            outcomes[c.lease.run_id] = replay_call(c)
+        if batched:
+            rows = fetch_all(sql.JOURNAL_MANY_IF_CURRENT_AND_WITHIN_BUDGET, params)
+            for run_id, seq, key in rows:
+                outcomes[run_id] = Journaled(seq, key)
+            for c in batched:
+                if c.lease.run_id not in outcomes:
+                    outcomes[c.lease.run_id] = journal.budget_or_missed(lease_params(c.lease, cost=c.params["cost"]))
+    return [outcomes[c.lease.run_id] for c in calls]
+
+
+def replay_call(call: PreparedCall) -> JournalOutcome:
+    """The single form of one prepared call."""
+    tool_name, args, cost, compensation, destructive = call.raw
+    return journal.journal_call(
+        call.lease, tool_name, args, cost=cost, compensation=compensation, destructive=destructive
+    )
+
+
+@tenant_scoped
+def record_results(community_id: uuid.UUID | str, results: Sequence[PreparedResult]) -> list[RecordOutcome]:
+    """:func:`~buzz_delivery.agents.services.record_call_result` of many runs of one community
+    (one pending entry each), in one transaction and one statement. One outcome per result."""
+    params = _common(community_id, [r.lease for r in results])
+    params.update(
+        seqs=[r.params["seq"] for r in results],
+        statuses=[r.params["status"] for r in results],
+        uncertains=[r.params["uncertain"] for r in results],
+        outputs=[r.params["output"] for r in results],
+        output_hashes=[r.params["output_hash"] for r in results],
+        errors=[r.params["error"] for r in results],
+        latencies=[r.params["latency_ms"] for r in results],
+        keys=[journal.idempotency_key(r.lease.run_id, r.params["seq"]) for r in results],
+    )
+    if not results:
+        return []
+    out: list[RecordOutcome] = []
+    with transaction.atomic(), translated_errors():
+        done = {row[0]: row[1] for row in fetch_all(sql.RECORD_MANY_IF_CURRENT, params)}
+        for r in results:
+            status = done.get(r.lease.run_id)
+            if status is not None:
+                out.append(Recorded(status))
+                continue
+            one = lease_params(r.lease, seq=r.params["seq"])
+            outcome = missed(one)
+            if isinstance(outcome, LeaseLost) and journal._fence_holds(one):
+                entry = fetch_all(sql.ENTRY_STATUS, one)
+                if entry:
+                    out.append(AlreadyRecorded(entry[0][0]))
+                    continue
+            out.append(outcome)
+    return out
+
+
+def replay_result(result: PreparedResult) -> RecordOutcome:
+    """The single form of one prepared result."""
+    return journal.record_call_result(result.lease, result.params["seq"], **result.raw)
+
+
+@tenant_scoped
+def complete_runs(community_id: uuid.UUID | str, completions: Sequence[PreparedCompletion]) -> list[CompleteOutcome]:
+    """:func:`~buzz_delivery.agents.services.complete_run` of many runs of one community, in
+    one transaction and one statement (a workflow step awaiting a run counts it in the same
+    transaction, per row, as for the single form). One outcome per completion, in order."""
+    params = _common(community_id, [c.lease for c in completions])
+    params.update(outputs=[c.output_text for c in completions], output_hashes=[c.output_hash for c in completions])
+    if not completions:
+        return []
+    with transaction.atomic(), translated_errors():
+        done = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT, params)}
+        return [Finished("completed") if c.lease.run_id in done else missed(lease_params(c.lease)) for c in completions]
+
+
+def replay_completion(completion: PreparedCompletion) -> CompleteOutcome:
+    """The single form of one prepared completion."""
+    return runs.complete_run(completion.lease, completion.raw)
+
+
+@tenant_scoped
+def journals_of(community_id: uuid.UUID | str, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, list[JournalEntry]]:
+    """The journal entries of ``run_ids`` (one community), one query: what resuming runs replay."""
+    community = v.uuid_value(community_id, "community_id")
+    out: dict[uuid.UUID, list[JournalEntry]] = {run_id: [] for run_id in run_ids}
+    if run_ids:
+        for entry in JournalEntry.objects.filter(community_id=community, run_id__in=list(run_ids)):
+            out[entry.run_id].append(entry)
+    return out
+
+
+def claim_with_journals(
+    community_id: uuid.UUID | str,
+    agent_pubkeys: list[bytes],
+    *,
+    worker_id: str,
+    limit: int,
+    lease_seconds: float | None = None,
+) -> list[tuple[AgentClaim, list[JournalEntry]]]:
+    """:func:`~buzz_delivery.agents.services.claim_agent_runs`, then the journals of the runs
+    it claimed that have used calls (a resumed run), in one more query."""
+    claims = runs.claim_agent_runs(
+        community_id, agent_pubkeys, worker_id=worker_id, limit=limit, lease_seconds=lease_seconds
+    )
+    resumed = [c.lease.run_id for c in claims if c.run.tool_calls_used or c.run.unwinding]
+    journals = journals_of(community_id, resumed) if resumed else {}
+    return [(c, journals.get(c.lease.run_id, [])) for c in claims]
