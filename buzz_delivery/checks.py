@@ -6,9 +6,11 @@ import re
 from typing import Any
 
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from buzz_delivery.conf import DEFAULTS, raw_settings
+from buzz_delivery.services.flow import parse_limits
 
 
 def _is_number(value: object) -> bool:
@@ -82,6 +84,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="buzz_delivery.E008",
             )
         )
+    try:
+        parse_limits(raw["CONCURRENCY_LIMITS"])
+    except ImproperlyConfigured as exc:
+        errors.append(checks.Error(str(exc), id="buzz_delivery.E032"))
     return errors
 
 

@@ -40,6 +40,9 @@ DEFAULTS: dict[str, Any] = {
     # The bearer token /metrics asks for (buzz_delivery.metrics); None = open, as Prometheus
     # exporters are (a staff login is accepted too once it is set).
     "METRICS_TOKEN": None,
+    # Concurrency limits by key (issue 32, docs/flow-control.md): key kind ("community",
+    # "target", "workflow") -> at most that many deliveries claimed at once per key; {} = none.
+    "CONCURRENCY_LIMITS": {},
 }
 
 

@@ -32,6 +32,10 @@ LIFECYCLE_ORDER = ("active", "quiescing", "fenced", "tombstone")
 # those indexes for a claim; their readers state it. Not ``created_at IS NOT NULL``: PostgreSQL
 # 17 and later drop that condition from a query on a NOT NULL column, and the index with it.
 CREATED_FLOOR = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# Priorities (issue 32): a small range, higher first; 0 is the default of every producer.
+PRIORITY_MIN = -10
+PRIORITY_MAX = 10
+
 CREATED_FLOOR_SQL = "created_at > '1970-01-01 00:00:00+00'"
 
 
@@ -240,6 +244,15 @@ class WorkflowAgentDelivery(CommunityScoped):
     finished_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now())
 
+    # Flow control (issue 32, docs/flow-control.md): higher first, oldest first within it;
+    # set at commit (PRIORITY_MIN..PRIORITY_MAX, CHECKed).
+    priority = models.SmallIntegerField(default=0, db_default=0)
+    # Concurrency limits by key (services/flow.py): the slot this claim holds under each declared
+    # limit's key (0..N-1), unique among the claimed deliveries of that key; NULL = no limit.
+    slot_community = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_target = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_workflow = models.SmallIntegerField(null=True, blank=True, editable=False)
+
     # Policy (SPEC section 6).
     attempt = models.IntegerField(default=0, db_default=0)
     max_attempts = models.IntegerField(null=True, blank=True)
@@ -334,11 +347,35 @@ class WorkflowAgentDelivery(CommunityScoped):
             ),
             models.CheckConstraint(condition=Q(renewals__gte=0), name="delivery_renewals_gte_0"),
             models.CheckConstraint(condition=history_bounded("history"), name="delivery_history_bounded"),
+            models.CheckConstraint(
+                condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX), name="delivery_priority_range"
+            ),
+            *(
+                models.CheckConstraint(
+                    condition=Q(**{f"{column}__isnull": True}) | Q(**{f"{column}__gte": 0, f"{column}__lt": 1000}),
+                    name=f"delivery_{column}_range",
+                )
+                for column in ("slot_community", "slot_target", "slot_workflow")
+            ),
+            # At most N claimed at once per key: N slots, none held twice (services/flow.py).
+            *(
+                models.UniqueConstraint(
+                    fields=["community", *key, column],
+                    condition=Q(status="claimed", **{f"{column}__isnull": False}),
+                    name=f"delivery_{column}_key",
+                )
+                for column, key in (
+                    ("slot_community", ()),
+                    ("slot_target", ("target_pubkey",)),
+                    ("slot_workflow", ("workflow",)),
+                )
+            ),
         ]
         indexes = [
-            # Polling: the claim query walks this in (created_at, id) order (SPEC section 3).
+            # Polling: the claim query walks this in (priority DESC, created_at, id) order (SPEC
+            # section 3; issue 32): the first rows of the scan are the claim's, whatever the mix.
             models.Index(
-                fields=["community", "target_pubkey", "created_at", "id"],
+                fields=["community", "target_pubkey", "-priority", "created_at", "id"],
                 condition=Q(status="pending"),
                 name="delivery_pending_poll_idx",
             ),

@@ -290,6 +290,12 @@ BUILDERS = {
     ("buzz_delivery.services.sql", "claim_oldest_pending"): [
         {"by_id": i, "by_binding": b} for i in (False, True) for b in (False, True)
     ],
+    ("buzz_delivery.services.flow", "claim_with_limits"): [
+        {"kinds": kinds, "by_id": i, "by_binding": b}
+        for kinds in (("community", "target", "workflow"), ("target",))
+        for i in (False, True)
+        for b in (False, True)
+    ],
 }
 
 

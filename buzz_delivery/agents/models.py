@@ -19,7 +19,14 @@ from django.db.models.lookups import Exact
 from buzz_delivery import triggers
 from buzz_delivery.agents import ag_triggers
 from buzz_delivery.agents.states import RUN_LEASED, RUN_TERMINAL, CallStatus, CompensationStatus, EntryKind, RunState
-from buzz_delivery.models import CommunityScoped, WorkflowRun, history_bounded, new_uuid7
+from buzz_delivery.models import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    CommunityScoped,
+    WorkflowRun,
+    history_bounded,
+    new_uuid7,
+)
 from buzz_delivery.workflows import wf_triggers
 from buzz_delivery.workflows.models import Approval, Step
 
@@ -91,6 +98,9 @@ class AgentRun(CommunityScoped):
     # The trace context the run was accepted in (W3C headers; NULL without tracing): its
     # handler's spans are its children (buzz_delivery.tracing.work).
     trace_context = models.JSONField(null=True, blank=True)
+    # Flow control (issue 32): the accepted delivery's priority (0 for an intake); claims take
+    # higher first, oldest first within one.
+    priority = models.SmallIntegerField(default=0, db_default=0)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     finished_at = models.DateTimeField(null=True, blank=True)
     # The holder is ``worker_id``; these count its lease's heartbeats and keep the run's last
@@ -101,6 +111,9 @@ class AgentRun(CommunityScoped):
     class Meta:
         db_table = "buzz_agents_run"
         constraints = [
+            models.CheckConstraint(
+                condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX), name="ag_run_priority_range"
+            ),
             models.UniqueConstraint(
                 fields=["community", "delivery_id"],
                 condition=Q(delivery_id__isnull=False),
@@ -170,7 +183,7 @@ class AgentRun(CommunityScoped):
             models.Index(fields=["id"], condition=Q(state="waiting_approval"), name="ag_run_waiting_approval_idx"),
             models.Index(fields=["id"], condition=Q(shadow=True), name="ag_run_shadow_idx"),
             models.Index(
-                fields=["community", "agent_pubkey", "created_at"],
+                fields=["community", "agent_pubkey", "-priority", "created_at"],
                 condition=Q(state="pending"),
                 name="ag_run_pending_idx",
             ),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from buzz_delivery.services import sql
+from buzz_delivery.services import flow, sql
 
 _PARAM = re.compile(r"%\((\w+)\)s")
 
@@ -42,6 +42,9 @@ class CachedStatement:
     params: tuple[tuple[str, str], ...]
     returns: str
     columns: str
+    # PL/pgSQL run before the statement in the same call (``PERFORM ...;`` lines); the statement
+    # then reads a snapshot taken after it (READ COMMITTED: one per statement of the function).
+    prelude: str = ""
 
     def __post_init__(self) -> None:
         used = set(_PARAM.findall(self.statement))
@@ -53,7 +56,7 @@ class CachedStatement:
     def body(self) -> str:
         """The PL/pgSQL body (``prosrc``)."""
         query = _PARAM.sub(lambda m: f"p_{m.group(1)}", self.statement.strip())
-        return f"\n#variable_conflict use_column\nBEGIN\n    RETURN QUERY\n{query};\nEND\n"
+        return f"\n#variable_conflict use_column\nBEGIN\n{self.prelude}    RETURN QUERY\n{query};\nEND\n"
 
     @property
     def call(self) -> str:
@@ -122,4 +125,24 @@ FINISH_MANY = CachedStatement(
     columns="d.id, d.status",
 )
 
-ALL = (CLAIM, FINISH, FINISH_MANY)
+# The claim under the operator's concurrency limits (services/flow.py): the community's claim lock,
+# then the claim that takes free slots; a NULL maximum is no limit of that kind.
+CLAIM_LIMITED = CachedStatement(
+    function="buzz_delivery_claim_limited",
+    statement=flow.claim_under_any_limits().replace(f"RETURNING {sql.RETURNING_CLAIM_COLUMNS}", "RETURNING d.*"),
+    params=(
+        ("community_id", "uuid"),
+        ("target_pubkey", "bytea"),
+        ("limit", "bigint"),
+        ("lease_seconds", "float8"),
+        ("holder", "text"),
+        ("cap_community", "integer"),
+        ("cap_target", "integer"),
+        ("cap_workflow", "integer"),
+    ),
+    returns=f"SETOF {sql.DELIVERY}",
+    columns=sql.RETURNING_CLAIM_COLUMNS,
+    prelude=flow.LOCK_IN_FUNCTION,
+)
+
+ALL = (CLAIM, FINISH, FINISH_MANY, CLAIM_LIMITED)

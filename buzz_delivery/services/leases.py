@@ -6,14 +6,14 @@ import inspect
 import uuid
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
 from buzz_delivery import tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
-from buzz_delivery.services import cached, sql
+from buzz_delivery.services import cached, flow, sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -37,6 +37,7 @@ _ID_INDEX = sql.CLAIM_ATTNAMES.index("id")
 _GEN_INDEX = sql.CLAIM_ATTNAMES.index("lease_generation")
 _UNTIL_INDEX = sql.CLAIM_ATTNAMES.index("lease_until")
 _CREATED_INDEX = sql.CLAIM_ATTNAMES.index("created_at")
+_PRIORITY_INDEX = sql.CLAIM_ATTNAMES.index("priority")
 # The fast path below copies what ``Model.from_db`` does on Django 5.2, 6.0 and 6.1: fields
 # into ``__dict__`` as ``Model.__init__`` puts them, a fresh ``ModelState`` with ``adding``
 # off and ``db`` set. Django 6.1 added a keyword ``fetch_mode`` (the state's default,
@@ -67,7 +68,7 @@ def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDeliver
 
 
 def _claims(rows: list[tuple[Any, ...]], community: uuid.UUID, target: bytes) -> list[Claim]:
-    rows.sort(key=lambda r: (r[_CREATED_INDEX], r[_ID_INDEX]))
+    rows.sort(key=lambda r: (-r[_PRIORITY_INDEX], r[_CREATED_INDEX], r[_ID_INDEX]))
     alias = connection.alias
     claims = []
     for row in rows:
@@ -105,12 +106,47 @@ def _run_claim(
             cause_scheduled_for=expected.cause.scheduled_for,
             cause_webhook_invocation_id=expected.cause.webhook_invocation_id,
         )
-    if delivery_id is None and expected is None:
+    limits = flow.declared_limits()
+    if limits and delivery_id is None and expected is None:
+        # The hot form under limits: one call (the claim lock, then the claim), planned once.
+        params.update({f"cap_{kind}": limits.get(kind) for kind in flow.KINDS})
+        rows = _claim_under_limits(cached.CLAIM_LIMITED.call, params, locked=True)
+    elif limits:
+        statement = flow.LIMITED_CLAIMS[(tuple(limits), delivery_id is not None, expected is not None)]
+        params.update(flow.limit_params(limits))
+        rows = _claim_under_limits(statement, params)
+    elif delivery_id is None and expected is None:
         statement = cached.CLAIM.call  # the hot form: planned once per backend
+        rows = _fenced_as_nothing(statement, params)
     else:
         statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
-    rows = _fenced_as_nothing(statement, params)
+        rows = _fenced_as_nothing(statement, params)
     return _claims(rows, community, target)
+
+
+# Tries of a claim under limits that lost a slot to a concurrent claim (the unique index refused
+# it, nothing was written); the community's claim lock makes that rare.
+SLOT_TRIES = 3
+
+
+def _claim_under_limits(statement: str, params: dict[str, Any], *, locked: bool = False) -> list[tuple[Any, ...]]:
+    """A claim under the operator's concurrency limits (:mod:`~buzz_delivery.services.flow`):
+    the community's claim lock, then the claim that picks free slots, in one transaction (a
+    savepoint inside the caller's); ``locked``: the statement takes the lock itself (the
+    plan-cached function), one call in autocommit. A claim the slot indexes refused is tried again."""
+    lock = {"namespace": flow.LIMITED_CLAIM_LOCK_NAMESPACE, "community_id": params["community_id"]}
+    for _ in range(SLOT_TRIES):
+        try:
+            if locked and not connection.in_atomic_block:
+                return _fenced_as_nothing(statement, params)
+            with transaction.atomic():
+                if not locked:
+                    fetch_all(flow.LOCK_COMMUNITY_CLAIMS, lock)
+                return _fenced_as_nothing(statement, params)
+        except IntegrityError as exc:
+            if not flow.lost_a_slot(exc):
+                raise
+    return []
 
 
 def _fenced_as_nothing(statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -140,7 +176,8 @@ def claim_delivery(
     lease_seconds: float | None = None,
     holder: str | None = None,
 ) -> Claim | None:
-    """Claim the oldest claimable delivery of one community and target (SPEC section 4.3).
+    """Claim the first claimable delivery of one community and target (SPEC section 4.3):
+    the highest ``priority``, the oldest within it (issue 32).
 
     One statement: picks the row with ``FOR UPDATE SKIP LOCKED`` (concurrent claimers never
     block on or share a row), then sets ``claimed``, generation + 1, attempt + 1,
@@ -179,10 +216,11 @@ def claim_deliveries(
     lease_seconds: float | None = None,
     holder: str | None = None,
 ) -> list[Claim]:
-    """Claim up to ``limit`` (1..1000) of the oldest claimable deliveries in one round trip.
+    """Claim up to ``limit`` (1..1000) of the claimable deliveries in one round trip, highest
+    ``priority`` first, oldest first within it.
 
     Each claim has its own lease (generation). Never more than ``limit``: the candidates are
-    picked in a MATERIALIZED CTE, so the LIMIT is applied once. Oldest first. SPEC section 9.
+    picked in a MATERIALIZED CTE, so the LIMIT is applied once. SPEC section 9.
     ``holder``: as for :func:`claim_delivery`.
     """
     community = v.uuid_value(community_id, "community_id")

@@ -14,7 +14,7 @@ from django.db import connection, transaction
 from buzz_delivery import jsonbounds, signals, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import NotInTransaction
-from buzz_delivery.models import Event, new_uuid7
+from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN, Event, new_uuid7
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
@@ -104,6 +104,7 @@ def commit_deliveries(
     execution_trace: Any = None,
     trigger_context: Any = None,
     not_before: Any = None,
+    priority: int = 0,
 ) -> list[uuid.UUID]:
     """Commit one delivery per binding, all or none, in one statement (SPEC section 4.2).
 
@@ -114,6 +115,8 @@ def commit_deliveries(
     ``trigger_context``: optional JSON values (<= 1,000,000 bytes each) stored immutably.
     ``not_before``: optional aware datetime before which no claim takes the deliveries (it is
     their retry gate, ``next_attempt_at``, from the start; django.tasks' ``run_after``).
+    ``priority``: an int in ``PRIORITY_MIN..PRIORITY_MAX`` (-10..10, default 0); claims take
+    higher priorities first, oldest first within one (issue 32, docs/flow-control.md).
 
     A binding whose identity (community, run, step, target) already exists is skipped
     silently (a producer retry). Returns the ids actually created, in binding order (a retry
@@ -154,6 +157,7 @@ def commit_deliveries(
         expires_at = v.aware_datetime(expires_at, "expires_at")  # in UTC
     if not_before is not None:
         not_before = v.aware_datetime(not_before, "not_before")  # in UTC
+    rank = v.int_in_range(priority, "priority", PRIORITY_MIN, PRIORITY_MAX)
     trace = _snapshot(execution_trace, "execution_trace")
     context = _snapshot(tracing.with_trace(trigger_context), "trigger_context")
 
@@ -163,6 +167,7 @@ def commit_deliveries(
         "max_attempts": get_settings().max_attempts,
         "expires_at": expires_at,
         "not_before": not_before,
+        "priority": rank,
         "execution_trace": trace,
         "trigger_context": context,
         "channel": get_settings().notify_channel,

@@ -125,12 +125,12 @@ WITH created AS (
     INSERT INTO {DELIVERY} AS d (
         id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
         message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
-        max_attempts, expires_at, execution_trace, trigger_context, next_attempt_at
+        max_attempts, expires_at, execution_trace, trigger_context, next_attempt_at, priority
     )
     SELECT v.id, %(community_id)s, v.workflow_id, v.run_id, v.step_id, v.target_pubkey, v.definition_event_id,
            %(message_event_id)s, v.cause_kind, v.cause_event_id, v.cause_scheduled_for, v.cause_webhook_invocation_id,
            %(max_attempts)s, %(expires_at)s, %(execution_trace)s::jsonb, %(trigger_context)s::jsonb,
-           %(not_before)s::timestamptz
+           %(not_before)s::timestamptz, %(priority)s::smallint
     FROM unnest(
         %(ids)s::uuid[], %(workflow_ids)s::uuid[], %(run_ids)s::uuid[], %(step_ids)s::text[],
         %(target_pubkeys)s::bytea[], %(definition_event_ids)s::bytea[], %(cause_kinds)s::text[],
@@ -163,7 +163,8 @@ _CLAIM_ENTRY = history_entry(
 
 
 def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
-    """Claim up to ``%(limit)s`` of the oldest claimable deliveries of one community and target.
+    """Claim up to ``%(limit)s`` of the claimable deliveries of one community and target, higher
+    ``priority`` first, oldest first within it (the order of delivery_pending_poll_idx).
 
     Claimable: ``pending``, past its retry gate, before its TTL, attempts left, community active.
     The winner: ``claimed``, generation + 1, attempt + 1, lease from the database clock, never
@@ -193,7 +194,7 @@ WITH candidate AS MATERIALIZED (
       AND (d.max_attempts IS NULL OR d.attempt < d.max_attempts)
       {" ".join(extra)}
       AND {ACTIVE_COMMUNITY}
-    ORDER BY d.created_at, d.id
+    ORDER BY d.priority DESC, d.created_at, d.id
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 )
@@ -206,6 +207,9 @@ SET status = 'claimed',
     next_attempt_at = NULL,
     claimed_by = %(holder)s,
     renewals = 0,
+    slot_community = NULL,
+    slot_target = NULL,
+    slot_workflow = NULL,
     {_CLAIM_ENTRY}
 -- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
 -- after re-checking its latest version, so nothing else changed it since), or with stale

@@ -212,8 +212,15 @@ def _send_message(claim: StepClaim) -> StepOutcome:
             for target in spec["targets"]
         ]
         # Inside the step's span the commit stores its own trace context with each delivery;
-        # without tracing here, the run's stored one is carried on.
-        core.commit_deliveries(community, event, bindings, trigger_context=tracing_work.carried(run.trace_context))
+        # without tracing here, the run's stored one is carried on. The deliveries take the run's
+        # priority (issue 32).
+        core.commit_deliveries(
+            community,
+            event,
+            bindings,
+            trigger_context=tracing_work.carried(run.trace_context),
+            priority=run.priority,
+        )
         outcome = steps.park_step(claim.lease, expected=len(bindings), wait_seconds=spec.get("wait_timeout_seconds"))
         if not isinstance(outcome, Settled):
             raise _Rollback(outcome)

@@ -21,6 +21,8 @@ from django.db.models.lookups import Exact, LessThanOrEqual
 from buzz_delivery import triggers
 from buzz_delivery.models import (
     HOLDER_MAX_CHARS,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
     CauseKind,
     CommunityScoped,
     Workflow,
@@ -169,12 +171,17 @@ class Run(CommunityScoped):
     # spans are its children (buzz_delivery.tracing.work).
     trace_context = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
+    # Flow control (issue 32): higher first; its steps and the deliveries its steps send take it.
+    priority = models.SmallIntegerField(default=0, db_default=0)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "buzz_workflows_run"
         verbose_name = "workflow run"  # apart from the core's "delivery run" (same id)
         constraints = [
+            models.CheckConstraint(
+                condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX), name="wf_run_priority_range"
+            ),
             models.UniqueConstraint(
                 fields=["community", "workflow", "idempotency_key"],
                 condition=Q(idempotency_key__isnull=False),
@@ -286,6 +293,8 @@ class Step(CommunityScoped):
     failure_code = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
     failure_message = models.TextField(null=True, blank=True)  # noqa: DJ001
     skip_reason = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001
+    # The run's priority (issue 32): claims take higher first, then the longest ready.
+    priority = models.SmallIntegerField(default=0, db_default=0)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -309,6 +318,9 @@ class Step(CommunityScoped):
         db_table = "buzz_workflows_step"
         verbose_name = "workflow step"
         constraints = [
+            models.CheckConstraint(
+                condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX), name="wf_step_priority_range"
+            ),
             models.UniqueConstraint(fields=["community", "run", "key"], name="wf_step_key"),
             models.CheckConstraint(condition=Q(state__in=StepState.values), name="wf_step_state_known"),
             models.CheckConstraint(condition=Q(kind__in=StepKind.values), name="wf_step_kind_known"),
@@ -389,7 +401,9 @@ class Step(CommunityScoped):
             # The list's "failed" filter: a rare state spread over the whole table (its capped
             # count read every row); only failed steps are in it, each written once.
             models.Index(fields=["id"], condition=Q(state="failed"), name="wf_step_failed_idx"),
-            models.Index(fields=["community", "ready_at"], condition=Q(state="ready"), name="wf_step_ready_idx"),
+            models.Index(
+                fields=["community", "-priority", "ready_at"], condition=Q(state="ready"), name="wf_step_ready_idx"
+            ),
             models.Index(fields=["lease_until"], condition=Q(state="running"), name="wf_step_running_lease_idx"),
             models.Index(
                 fields=["wait_deadline"],

@@ -236,10 +236,11 @@ def claim_agent_runs(
         rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
         found = AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows]).defer("history")
         runs = {r.id: r for r in found}
-    return [
+    claims = [
         AgentClaim(AgentLease(community, run_id, generation, until, worker), runs[run_id])
         for run_id, generation, until in rows
     ]
+    return sorted(claims, key=lambda c: (-c.run.priority, c.run.created_at, c.run.id))  # the claim's order
 
 
 @tenant_scoped

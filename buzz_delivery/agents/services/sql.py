@@ -57,14 +57,14 @@ INSERT_RUN_FROM_DELIVERY = f"""
 INSERT INTO {RUN} (id, community_id, agent_pubkey, state, unwinding, shadow, input, input_hash,
                    delivery_id, source_run_id, source_step_key, lease_generation, attempts, max_attempts,
                    timeout_at, max_tool_calls, tool_calls_used, max_cost, cost_used, max_lease_seconds,
-                   trace_context)
+                   trace_context, priority)
 SELECT %(id)s, d.community_id, d.target_pubkey, 'pending', false, %(shadow)s,
        jsonb_build_object('content', e.content, 'delivery_id', d.id::text, 'step_id', d.step_id,
                           'workflow_run_id', d.run_id::text, 'message_event_id', encode(d.message_event_id, 'hex'))
            || %(input)s::jsonb,
        %(input_hash)s, d.id, d.run_id, d.step_id, 0, 0, %(max_attempts)s,
        {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0, %(max_cost)s, 0,
-       %(max_lease_seconds)s, COALESCE(%(trace_context)s::jsonb, d.trigger_context -> 'trace')
+       %(max_lease_seconds)s, COALESCE(%(trace_context)s::jsonb, d.trigger_context -> 'trace'), d.priority
 FROM {DELIVERY} AS d
 LEFT JOIN {EVENT} AS e ON e.community_id = d.community_id AND e.event_id = d.message_event_id
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
@@ -101,7 +101,7 @@ WITH candidate AS MATERIALIZED (
       AND r.state = 'pending'
       AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {DB_NOW})
       AND {ACTIVE}
-    ORDER BY r.created_at, r.id
+    ORDER BY r.priority DESC, r.created_at, r.id
     LIMIT %(limit)s
     FOR UPDATE OF r SKIP LOCKED
 )

@@ -44,11 +44,12 @@ INSERT_ELEMENTS = f"""
 INSERT INTO {STEP} (id, community_id, run_id, key, kind, state, position, depends_on, dependents,
     deps_total, deps_done, deps_blocked, on_error, max_attempts, attempts, timeout_seconds,
     backoff_base_seconds, backoff_cap_seconds, lease_generation, ready_at, delivered_terminal,
-    delivered_failed, tolerate_failures, map_key, item_index, spec)
+    delivered_failed, tolerate_failures, map_key, item_index, spec, priority)
 SELECT x.id, %(community_id)s, %(run_id)s, x.key, x.kind, 'ready', %(position)s, '{{}}', ARRAY[%(map_key)s]::text[],
     0, 0, 0, 'continue', x.max_attempts, 0, x.timeout_seconds,
     x.backoff_base_seconds, x.backoff_cap_seconds, 0, {DB_NOW}, 0,
-    0, x.tolerate_failures, %(map_key)s, x.item_index, x.spec
+    0, x.tolerate_failures, %(map_key)s, x.item_index, x.spec,
+    (SELECT r.priority FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s)
 FROM jsonb_to_recordset(%(elements)s::jsonb) AS x(id uuid, key text, kind text, max_attempts integer,
     timeout_seconds integer, backoff_base_seconds double precision, backoff_cap_seconds double precision,
     tolerate_failures integer, item_index integer, spec jsonb)

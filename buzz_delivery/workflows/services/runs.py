@@ -13,7 +13,7 @@ from django.db.models import F
 from buzz_delivery import services as core
 from buzz_delivery import tracing
 from buzz_delivery.exceptions import CommunityNotWritable
-from buzz_delivery.models import new_uuid7
+from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN, new_uuid7
 from buzz_delivery.services import AlreadyTerminal, Cause
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
@@ -111,14 +111,18 @@ def create_run(
     restart_of: Run | None = None,
     deadline_seconds: int | None = None,
     tags: list[str] | None = None,
+    priority: int | None = None,
 ) -> Run:
     """Insert the core run, the engine run and its steps, and release the root steps, in the
     caller's transaction (one statement, plus the release of root steps that have a ``when``).
     ``tags`` None: the parent's (a child run), the restarted run's, or none. Internal: the
-    public entry points validate first."""
+    public entry points validate first. ``priority`` None: the parent's, the restarted run's, or 0
+    (issue 32); its steps take it."""
+    source = parent[0] if parent else restart_of
     if tags is None:
-        source = parent[0] if parent else restart_of
         tags = list(source.tags) if source is not None else []
+    if priority is None:
+        priority = source.priority if source is not None else 0
     run_id = run_id or cast(uuid.UUID, new_uuid7())
     with tracing_work.workflow_run_span(community, version.workflow_id, run_id, parent[0].pk if parent else None):
         # The context of its creation (a child run's: the parent's step span, or the parent's
@@ -136,6 +140,7 @@ def create_run(
             restart_of=restart_of,
             deadline_seconds=deadline_seconds,
             tags=tags,
+            priority=priority,
         )
 
 
@@ -152,6 +157,7 @@ def _insert_run(
     restart_of: Run | None,
     deadline_seconds: int | None,
     tags: list[str],
+    priority: int,
 ) -> Run:
     template, release_roots = _step_template(version)
     steps = [{**row, "id": str(new_uuid7())} for row in template]
@@ -172,6 +178,7 @@ def _insert_run(
         "steps": json.dumps(steps),
         "tags": tags,
         "trace_context": json.dumps(trace) if trace else None,
+        "priority": priority,
     }
     if release_roots:
         with transaction.atomic():
@@ -231,6 +238,7 @@ def start_run(
     version: int | None = None,
     deadline_seconds: int | None = None,
     tags: list[str] | None = None,
+    priority: int = 0,
 ) -> Run:
     """Start a run of the workflow's latest version (or ``version``), pinned to that version.
 
@@ -240,12 +248,14 @@ def start_run(
     (1..366 days, None = none): the maintenance fails the run (``run_deadline``) once it is
     still running that long after its start (database clock). ``tags``: the run's labels for
     search (at most 20 distinct strings of 1..100 characters without whitespace; its child runs
-    and restarts carry them too). The root steps are
+    and restarts carry them too). ``priority`` (-10..10, default 0; issue 32): its steps are
+    claimed higher first, and the deliveries its steps send take it; its child runs and restarts
+    carry it. The root steps are
     ``ready`` (or ``skipped`` by their ``when``) when this returns; orchestrators are woken by a
     NOTIFY at commit. Returns the engine :class:`Run` (``run.pk`` is the core run's id).
 
     Raises ``ValidationError`` keyed ``community_id``, ``workflow_id``, ``input``, ``cause``,
-    ``idempotency_key``, ``version``, ``deadline_seconds`` or ``tags`` before anything is written;
+    ``idempotency_key``, ``version``, ``deadline_seconds``, ``tags`` or ``priority`` before anything is written;
     :class:`~buzz_delivery.exceptions.CommunityNotWritable` when the community is not active.
     SPEC section 11.
     """
@@ -265,6 +275,7 @@ def start_run(
     if deadline_seconds is not None:
         deadline_seconds = v.int_in_range(deadline_seconds, "deadline_seconds", 1, 366 * 86400)
     run_tags = valid_tags(tags)
+    rank = v.int_in_range(priority, "priority", PRIORITY_MIN, PRIORITY_MAX)
     pinned = _version(community, workflow, version)
 
     def existing() -> Run | None:
@@ -290,6 +301,7 @@ def start_run(
                 idempotency_key=idempotency_key,
                 deadline_seconds=deadline_seconds,
                 tags=run_tags,
+                priority=rank,
             )
     except IntegrityError:
         if idempotency_key is not None and (found := existing()) is not None:

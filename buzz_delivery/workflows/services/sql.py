@@ -58,7 +58,7 @@ WITH candidate AS MATERIALIZED (
       AND s.state = 'ready'
       AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
       AND {ACTIVE}
-    ORDER BY s.ready_at, s.id
+    ORDER BY s.priority DESC, s.ready_at, s.id
     LIMIT %(limit)s
     FOR UPDATE OF s SKIP LOCKED
 )
@@ -203,7 +203,8 @@ WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s AND 
 _RUN_INSERT_COLUMNS = (
     "run_id, community_id, workflow_id, definition_id, state, input, cause_kind, cause_event_id, "
     "cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, "
-    "depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire, tags, trace_context"
+    "depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire, tags, trace_context, "
+    "priority"
 )
 _STEP_SHAPE = (
     "id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], "
@@ -214,10 +215,10 @@ _STEP_INSERT = f"""
     INSERT INTO {STEP} (id, community_id, run_id, key, kind, state, position, depends_on, dependents,
         deps_total, deps_done, deps_blocked, on_error, when_cond, max_attempts, attempts, timeout_seconds,
         backoff_base_seconds, backoff_cap_seconds, lease_generation, ready_at, delivered_terminal,
-        delivered_failed, tolerate_failures)
+        delivered_failed, tolerate_failures, priority)
     SELECT x.id, %(community_id)s, %(run_id)s, x.key, x.kind, x.state, x.position, x.depends_on, x.dependents,
         x.deps_total, 0, 0, x.on_error, x.when_cond, x.max_attempts, 0, x.timeout_seconds,
-        x.backoff_base_seconds, x.backoff_cap_seconds, 0, {{ready_at}}, 0, 0, x.tolerate_failures
+        x.backoff_base_seconds, x.backoff_cap_seconds, 0, {{ready_at}}, 0, 0, x.tolerate_failures, %(priority)s
     FROM jsonb_to_recordset(%(steps)s::jsonb) AS x({_STEP_SHAPE})
     WHERE x.state = {{state}}
 """
@@ -235,7 +236,7 @@ WITH core AS (
             %(cause_kind)s, %(cause_event_id)s, %(cause_scheduled_for)s, %(cause_webhook_invocation_id)s,
             %(idempotency_key)s, %(parent_run_id)s, %(parent_step_key)s, %(depth)s, %(restart_of_id)s,
             %(steps_total)s, %(steps_total)s, {DB_NOW} + make_interval(secs => %(deadline_seconds)s), false,
-            %(tags)s::varchar(100)[], %(trace_context)s::jsonb)
+            %(tags)s::varchar(100)[], %(trace_context)s::jsonb, %(priority)s)
     RETURNING {{run_columns}}
 ), ready AS ({_STEP_INSERT.format(ready_at=DB_NOW, state="'ready'")}
 ), pending AS ({_STEP_INSERT.format(ready_at="NULL::timestamptz", state="'pending'")}

@@ -97,7 +97,8 @@ def claim_steps(
 def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
     claims = []
     ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
-    for row in sorted(rows, key=lambda r: (r[ready_at], r[step_id])):
+    priority = sql.STEP_ATTNAMES.index("priority")
+    for row in sorted(rows, key=lambda r: (-r[priority], r[ready_at], r[step_id])):
         step = Step.from_db("default", sql.STEP_ATTNAMES, row[:-1])
         # A map's element carries its own spec (jsonb, as text from the cursor); the definition's
         # steps are cached per version.

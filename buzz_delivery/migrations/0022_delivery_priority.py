@@ -1,0 +1,81 @@
+"""Delivery priority (issue 32, docs/flow-control.md): a small integer (-10..10, CHECKed, default
+0) set at commit; the polling index now leads with it after the community and target, so a claim
+walks (priority DESC, created_at, id) and reads only the rows it takes, as before. The claim's
+plan-cached function (``buzz_delivery.services.cached``) again: a frozen copy of what
+``CachedStatement.create_sql()`` printed when this migration was written."""
+
+import importlib
+
+from django.db import migrations, models
+
+_0019 = importlib.import_module("buzz_delivery.migrations.0019_lease_functions_immutable_history")
+
+CLAIM_PENDING = r"""
+CREATE OR REPLACE FUNCTION buzz_delivery_claim_pending(p_community_id uuid, p_target_pubkey bytea, p_limit bigint, p_lease_seconds float8, p_holder text)
+RETURNS SETOF buzz_delivery_delivery LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+WITH candidate AS MATERIALIZED (
+    SELECT d.id
+    FROM buzz_delivery_delivery AS d
+    WHERE d.community_id = p_community_id
+      AND d.target_pubkey = p_target_pubkey
+      AND d.status = 'pending'
+      AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= buzz_delivery_now())
+      AND (d.expires_at IS NULL OR d.expires_at > buzz_delivery_now())
+      AND (d.max_attempts IS NULL OR d.attempt < d.max_attempts)
+      
+      AND EXISTS (SELECT 1 FROM buzz_delivery_community c WHERE c.id = d.community_id AND c.deletion_state = 'active')
+    ORDER BY d.priority DESC, d.created_at, d.id
+    LIMIT p_limit
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE buzz_delivery_delivery AS d
+SET status = 'claimed',
+    lease_generation = d.lease_generation + 1,
+    attempt = d.attempt + 1,
+    claimed_at = buzz_delivery_now(),
+    lease_until = LEAST(buzz_delivery_now() + make_interval(secs => p_lease_seconds), d.expires_at),
+    next_attempt_at = NULL,
+    claimed_by = p_holder,
+    renewals = 0,
+    history = buzz_delivery_history_push(d.history, jsonb_build_object('at', buzz_delivery_now()) || jsonb_object(ARRAY['event', ('claim')::text, 'status', ('claimed')::text, 'actor', (p_holder::text)::text]) || ('{"generation": ' || (d.lease_generation + 1)::text || ', "attempt": ' || (d.attempt + 1)::text || '}')::jsonb)
+-- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
+-- after re-checking its latest version, so nothing else changed it since), or with stale
+-- statistics the pending-only indexes win and every pending row is read (test_claim_plan_stale_stats).
+WHERE d.community_id = p_community_id AND d.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
+RETURNING d.*;
+END
+$fn$;
+"""
+
+
+class Migration(migrations.Migration):
+    dependencies = [("buzz_delivery", "0021_tenant_sequences_and_activity")]
+
+    operations = [
+        migrations.RemoveIndex(model_name="workflowagentdelivery", name="delivery_pending_poll_idx"),
+        migrations.AddField(
+            model_name="workflowagentdelivery",
+            name="priority",
+            field=models.SmallIntegerField(db_default=0, default=0),
+        ),
+        migrations.AddIndex(
+            model_name="workflowagentdelivery",
+            index=models.Index(
+                condition=models.Q(("status", "pending")),
+                fields=["community", "target_pubkey", "-priority", "created_at", "id"],
+                name="delivery_pending_poll_idx",
+            ),
+        ),
+        migrations.AddConstraint(
+            model_name="workflowagentdelivery",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("priority__gte", -10), ("priority__lte", 10)), name="delivery_priority_range"
+            ),
+        ),
+        migrations.RunSQL(sql=CLAIM_PENDING, reverse_sql=_0019.CLAIM_PENDING),
+    ]
