@@ -38,3 +38,16 @@ def test_the_docs_show_the_example_as_it_is():
     start = source.index("def order_flow()")
     quoted = source[start : source.index("\n\n\n", start)]
     assert quoted in DOCS.read_text(), "docs/workflows.md does not quote examples/order_fulfilment.py's order_flow"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_inbox_example_completes_a_workflow_awaiting_agent_runs_with_only_the_bundled_commands():
+    """examples/agent_inbox.py (docs/agents.md "Acceptance"): run_workflow_worker and
+    run_agent_worker as real processes, nothing else; the run succeeds with both agents' answers."""
+    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict), "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    example = ROOT / "examples" / "agent_inbox.py"
+    done = subprocess.run([sys.executable, str(example)], cwd="/", env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "run succeeded" in done.stdout and "agent worker: accepted 2, completed 2" in done.stdout
+    assert done.stdout.count('"words": 5') == 2

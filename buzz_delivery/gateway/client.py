@@ -617,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument("--max-runs", type=int, default=None, help="stop after claiming this many")
     runs.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
     runs.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    runs.add_argument(
+        "--no-accept",
+        action="store_true",
+        help="do not accept the key's deliveries into runs",
+    )
+    runs.add_argument("--accept-batch", type=int, default=50, help="most deliveries claimed per request (default 50)")
     for command in (work, runs):
         command.add_argument(
             "-v",
@@ -635,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not 1 <= args.concurrency <= 256:
         parser.error("--concurrency must be within 1..256")
+    if args.command == "work-runs" and not 1 <= args.accept_batch <= 1000:
+        parser.error("--accept-batch must be within 1..1000")
     client = GatewayClient(args.url, key, timeout=10.0)
     if args.command == "work-runs":
         return _work_runs(client, handler, args)
@@ -660,6 +668,7 @@ def _work_runs(client: GatewayClient, handler: Callable[..., Any], args: argpars
         client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
         wait_seconds=args.wait_seconds, renew_every=args.renew_every, worker_id=args.worker_id,
         max_runs=args.max_runs, idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
+        accept=not args.no_accept, accept_batch=args.accept_batch,
     )  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))
