@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from buzz_delivery import backoff
 from buzz_delivery.gateway import nip98
 
 logger = logging.getLogger("buzz_delivery.gateway.client")
@@ -209,16 +210,26 @@ class GatewayClient:
         return RemoteOutcome("lease_lost")
 
     def finish(
-        self, lease: RemoteLease, outcome: str, *, failure_code: str | None = None, failure_message: str | None = None
+        self,
+        lease: RemoteLease,
+        outcome: str,
+        *,
+        failure_code: str | None = None,
+        failure_message: str | None = None,
+        retry_after: float | None = None,
     ) -> RemoteOutcome:
-        """Settle once: ``settled`` / ``already_terminal`` with the recorded status, or ``lease_lost``."""
+        """Settle once: ``settled`` / ``already_terminal`` with the recorded status, or
+        ``lease_lost``. ``retry_after`` (with ``retry``): seconds before the next attempt at the
+        earliest."""
         path = f"/communities/{lease.community_id}/deliveries/{lease.delivery_id}/finish"
-        body = {
+        body: dict[str, Any] = {
             "lease_generation": lease.lease_generation,
             "outcome": outcome,
             "failure_code": failure_code,
             "failure_message": failure_message,
         }
+        if retry_after is not None:
+            body["retry_after"] = retry_after
         data = self._json("POST", path, body, ok=(200, 409))
         if data.get("code") == "lease_lost":
             return RemoteOutcome("lease_lost")
@@ -443,7 +454,10 @@ class RemoteWorker:
             with self._lock:
                 lease = self._held.get(delivery_id, claim.lease)
             try:
-                result = self.client.finish(lease, outcome, failure_code=code, failure_message=message)
+                after = backoff.of(error) if outcome == "retry" else None
+                result = self.client.finish(
+                    lease, outcome, failure_code=code, failure_message=message, retry_after=after
+                )
             except Exception as exc:  # refused or unreachable: that lease lapses, the worker goes on
                 logger.warning("settle_error delivery=%s error=%s", delivery_id, describe(exc))
                 self._add("settle_errors")
