@@ -33,7 +33,7 @@ def ledger(tmp_path, monkeypatch):
     return path
 
 
-def worker(community, handler, ledger, *options, kill=None, timeout=60):
+def worker(community, handler, ledger, *options, kill=None, timeout=60, handler_module="tests.agent_handlers"):
     """Run ``run_agent_worker`` to idle (or to its death); returns (returncode, summary or None)."""
     env = {
         **os.environ,
@@ -46,7 +46,7 @@ def worker(community, handler, ledger, *options, kill=None, timeout=60):
         env["AGENT_KILL"] = kill
     proc = subprocess.run(
         [
-            sys.executable, "manage.py", "run_agent_worker", "--handler", f"tests.agent_handlers:{handler}",
+            sys.executable, "manage.py", "run_agent_worker", "--handler", f"{handler_module}:{handler}",
             "--agent", AGENT.hex(), "--community", str(community.id), "--exit-when-idle",
             "--poll-seconds", "0.2", "--lease-seconds", "15", *options,
         ],

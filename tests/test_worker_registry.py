@@ -94,7 +94,8 @@ def test_the_admin_lists_live_workers_with_their_heartbeat_and_a_stale_flag(admi
     assert page.status_code == 200
     html = page.content.decode()
     assert "alive-host" in html and "quiet-host" in html
-    assert html.count('alt="True"') == 1  # the stale flag, on the quiet one only
+    assert html.count("⚠ stale, silent") == 1  # the stale warning, on the quiet one only
+    assert html.count('<span class="bd-ok">live</span>') == 1
     assert "quiet-host" in stale_only.content.decode() and "alive-host" not in stale_only.content.decode()
     assert admin_client.get(f"/admin/buzz_delivery/workerregistration/{live.id}/delete/").status_code == 403
 

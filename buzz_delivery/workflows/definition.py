@@ -457,6 +457,15 @@ def _ancestors(steps: list[dict[str, Any]]) -> dict[str, set[str]]:
     return {k: visit(k) for k in deps}
 
 
+def _refused_field(exc: jsonbounds.JSONRefused) -> str:
+    """The field a bounds refusal names: the step and field inside it (``steps[0].input.q``,
+    ``steps[0].input.<key>`` for a bad key), else the definition."""
+    if not exc.path.startswith("$.steps["):
+        return "definition"
+    field = exc.path[2:]
+    return f"{field}.<key>" if str(exc).startswith("has a key") else field
+
+
 def validate_definition(definition: Any) -> dict[str, Any]:
     """Validate a definition and return its normalised form (references as path lists).
 
@@ -472,7 +481,7 @@ def validate_definition(definition: Any) -> dict[str, Any]:
     try:
         jsonbounds.check(definition)  # nesting every reader can load back, text PostgreSQL stores
     except jsonbounds.JSONRefused as exc:
-        raise v.invalid("definition", str(exc)) from None
+        raise v.invalid(_refused_field(exc), str(exc)) from None
     try:
         size = len(json.dumps(definition, allow_nan=False).encode())
     except (TypeError, ValueError, RecursionError) as exc:

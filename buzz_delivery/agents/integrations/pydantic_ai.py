@@ -1,0 +1,458 @@
+"""Run a ``pydantic_ai.Agent`` as an agent run's handler, durably, on the run's journal (issue 35).
+
+    from pydantic_ai import Agent
+    from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
+
+    agent = Agent("openai:gpt-5", instructions="...")
+    handler = DurableAgent(agent, compensations={"charge": refund})   # run_agent_worker --handler mod:handler
+
+Every model request and every tool call of the agent is one journaled call made through the
+runtime's ``ctx.call`` (fenced by the run's lease, journaled before it is made, its result
+recorded): when the run is resumed (after a crash, a reclaim or an approval) the agent is run
+again from the start and each recorded model response and tool result is replayed from the
+journal instead of being made again. Built on Pydantic AI's public extension points only: a
+capability (``get_wrapper_model``, ``get_wrapper_toolset``) passed to ``Agent.run``.
+
+- Model requests: journaled as ``model:<model name>`` with the SHA-256 of the request's messages
+  (timestamps and run ids left out) as arguments; the response is recorded as JSON
+  (``ModelMessagesTypeAdapter``) and rebuilt from it, on the first run as on a replay. A request
+  left pending by a crashed holder is simply made again (a model request has no side effect the
+  journal could compensate).
+- Tool calls: journaled under the tool's name with the validated arguments; the result is
+  recorded as JSON and the model sees that JSON (on the first run as on a replay). Tools run one
+  at a time (each is made ``sequential``) so their journal positions never depend on timing.
+  Inside a tool, :func:`idempotency_key` is the journal's key for that call. A ``ModelRetry`` the
+  tool raises is recorded too (the model is asked again, on a replay as well). ``compensations``
+  (registered with :func:`~buzz_delivery.agents.compensations.compensation`), ``reconcile``
+  hooks, ``destructive`` tools and ``tool_costs`` are declared per tool name.
+- Approvals: a tool declared ``requires_approval=True`` (or raising ``ApprovalRequired``) parks
+  the run on ``ctx.request_approval`` (the engine's approvals queue, no lease held); the
+  operator's decision resumes it, and the tool is then made (approved) or the model told it was
+  denied (rejected). Deferred external calls (``CallDeferred``) are not supported: the run fails.
+- Budgets: every model request and tool call spends one of the run's tool-call slots; ``cost``:
+  ``tool_costs[name]`` per tool call, ``request_cost`` per model request, and the usage of each
+  model response (``usage_cost(usage)``, default its input + output tokens) charged with the next
+  journaled call, so a run past its cost cap stops before its next call with
+  ``budget_exceeded`` on the run. (The final response's usage is in the journal but charged to
+  no call: nothing follows it.)
+
+Threads: today's runtime is synchronous and calls the handler on a worker thread. The handler
+runs the agent on its own event loop in a helper thread and makes every journal write itself,
+on the handler's thread and database connection (a queue carries each call across; the call's
+body, e.g. the HTTP request to the model, runs back on the loop). Under an async runtime whose
+``ctx.call`` is a coroutine function, :meth:`DurableAgent.run` awaits ``ctx.call`` directly
+(:class:`_AsyncJournal`): that adapter is the one place that changes.
+
+Streaming: the runtime has no output stream yet (``ctx.emit``); a streamed request
+(``event_stream_handler``) is drained inside its journaled call and replayed as events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import hashlib
+import inspect
+import json
+import queue
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+from pydantic_ai import Agent
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.exceptions import ModelRetry
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse
+from pydantic_ai.models import CompletedStreamedResponse, Model, ModelRequestParameters, StreamedResponse
+from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.tools import DeferredToolRequests, DeferredToolResults, RunContext, ToolApproved, ToolDenied
+from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+from pydantic_ai.usage import RequestUsage
+from pydantic_core import to_jsonable_python
+
+from buzz_delivery.agents import compensations as registry
+from buzz_delivery.agents.exceptions import AgentError
+from buzz_delivery.agents.runtime import NOT_MADE
+
+__all__ = ["DurableAgent", "UnsupportedDeferral", "idempotency_key", "tokens"]
+
+AsyncBody = Callable[[Any, str], Coroutine[Any, Any, Any]]
+PROMPT_MAX_CHARS = 2000
+_VOLATILE_KEYS = frozenset({"timestamp", "run_id", "conversation_id"})
+_current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("buzz_pydantic_ai_key", default=None)
+
+
+class UnsupportedDeferral(AgentError):
+    """The agent deferred a tool call to be made outside the run (``CallDeferred``): the journal
+    has no way to receive its result."""
+
+    failure_code = "unsupported_deferral"
+
+
+def idempotency_key() -> str | None:
+    """The journal's idempotency key (``<run id>:<seq>``) of the tool call or model request being
+    made, inside a tool (or a model) run by :class:`DurableAgent`; ``None`` elsewhere. Pass it to
+    the service the tool calls."""
+    return _current_key.get()
+
+
+def tokens(usage: RequestUsage) -> int:
+    """Default ``usage_cost``: one cost unit per input or output token."""
+    return int(usage.input_tokens or 0) + int(usage.output_tokens or 0)
+
+
+class _Journal(Protocol):
+    """What the integration needs of a run's context, awaitable: a journaled call whose body is
+    async, and an approval."""
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any: ...
+
+    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]: ...
+
+
+class _ThreadJournal:
+    """The synchronous runtime's ``ctx`` seen from the agent's event loop: each call is handed to
+    the handler's thread (:meth:`serve`), which makes the journal writes on its own connection and
+    runs the call's body back on the loop while the agent waits."""
+
+    def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.ctx, self.loop = ctx, loop
+        self.requests: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = queue.SimpleQueue()
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
+        def on_loop(call_args: Any, key: str) -> Any:
+            return asyncio.run_coroutine_threadsafe(body(call_args, key), self.loop).result()
+
+        return await self._ask(lambda: self.ctx.call(tool_name, on_loop, args, **options))
+
+    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
+        return await self._ask(lambda: self.ctx.request_approval(prompt, deadline_seconds))  # type: ignore[no-any-return]
+
+    async def _ask(self, work: Callable[[], Any]) -> Any:
+        future: asyncio.Future[Any] = self.loop.create_future()
+        self.requests.put((work, future))
+        return await future
+
+    def serve(self) -> None:
+        """On the handler's thread: make the calls the agent asks for until it is done."""
+        while (item := self.requests.get()) is not None:
+            work, future = item
+            try:
+                output = work()
+            except Exception as exc:
+                self.loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self.loop.call_soon_threadsafe(_settle, future, output, None)
+
+    def close(self) -> None:
+        self.requests.put(None)
+
+
+def _settle(future: asyncio.Future[Any], output: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(output)
+
+
+class _AsyncJournal:
+    """An async runtime's ``ctx`` (``await ctx.call(...)``): called directly, on the loop."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
+        return await self.ctx.call(tool_name, body, args, **options)
+
+    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
+        return await self.ctx.request_approval(prompt, deadline_seconds)  # type: ignore[no-any-return]
+
+
+def journal_for(ctx: Any, loop: asyncio.AbstractEventLoop | None = None) -> _Journal:
+    """The adapter for ``ctx``: direct when its ``call`` is a coroutine function, else the thread
+    bridge (``loop``: the agent's event loop)."""
+    if inspect.iscoroutinefunction(getattr(ctx, "call", None)):
+        return _AsyncJournal(ctx)
+    if loop is None:
+        raise ValueError("a synchronous context needs the agent's event loop")
+    return _ThreadJournal(ctx, loop)
+
+
+def _stable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in _VOLATILE_KEYS}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def messages_digest(messages: list[ModelMessage]) -> str:
+    """SHA-256 of ``messages`` as JSON without what changes from one run of the agent to the
+    next (timestamps, run and conversation ids): a replay asks for the same request."""
+    data = _stable(ModelMessagesTypeAdapter.dump_python(messages, mode="json"))
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def dump_response(response: ModelResponse) -> dict[str, Any]:
+    return ModelMessagesTypeAdapter.dump_python([response], mode="json")[0]  # type: ignore[no-any-return]
+
+
+def load_response(data: Any) -> ModelResponse:
+    (message,) = ModelMessagesTypeAdapter.validate_python([data])
+    if not isinstance(message, ModelResponse):
+        raise ValueError("the journal holds a model request where a response was recorded")
+    return message
+
+
+def _remake(args: Any, key: str) -> Any:
+    """Reconcile hook of a model request a crashed holder left pending: make it again."""
+    return NOT_MADE
+
+
+class _Durability(AbstractCapability[Any]):
+    """The capability that routes one run's model requests and tool calls through the journal."""
+
+    def __init__(self, owner: DurableAgent, journal: _Journal) -> None:
+        self.owner, self.journal = owner, journal
+        self.uncharged = 0  # usage cost of responses not yet charged to a call
+
+    def get_wrapper_model(self, model: Model) -> Model | None:
+        return _JournaledModel(model, self)
+
+    def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
+        return _JournaledToolset(toolset, self)
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
+        output = await self.journal.call(tool_name, body, args, cost=cost + self.uncharged, **options)
+        self.uncharged = 0
+        return output
+
+    def received(self, response: ModelResponse) -> ModelResponse:
+        self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
+        return response
+
+
+class _JournaledModel(WrapperModel):
+    def __init__(self, wrapped: Model, durability: _Durability) -> None:
+        super().__init__(wrapped)
+        self.durability = durability
+
+    def _entry(self, messages: list[ModelMessage]) -> tuple[str, dict[str, Any]]:
+        args = {"messages": len(messages), "sha256": messages_digest(messages)}
+        return f"model:{self.wrapped.model_name}"[:200], args
+
+    async def request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> ModelResponse:
+        async def body(args: Any, key: str) -> Any:
+            token = _current_key.set(key)
+            try:
+                return dump_response(await self.wrapped.request(messages, model_settings, model_request_parameters))
+            finally:
+                _current_key.reset(token)
+
+        name, args = self._entry(messages)
+        recorded = await self.durability.call(name, body, args, self.durability.owner.request_cost, reconcile=_remake)
+        return self.durability.received(load_response(recorded))
+
+    @asynccontextmanager
+    async def request_stream(  # type: ignore[override]
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+        run_context: RunContext[Any] | None = None,
+    ) -> Any:
+        async def body(args: Any, key: str) -> Any:
+            token = _current_key.set(key)
+            try:
+                async with self.wrapped.request_stream(
+                    messages, model_settings, model_request_parameters, run_context
+                ) as streamed:
+                    async for _ in streamed:
+                        pass
+            finally:
+                _current_key.reset(token)
+            return dump_response(streamed.get())
+
+        name, args = self._entry(messages)
+        recorded = await self.durability.call(name, body, args, self.durability.owner.request_cost, reconcile=_remake)
+        response = self.durability.received(load_response(recorded))
+        stream: StreamedResponse = CompletedStreamedResponse(
+            response, model_request_parameters=model_request_parameters, replay_events=True
+        )
+        yield stream
+
+
+def _reconciler(hook: Callable[[Any, str], Any] | None) -> Callable[[Any, str], Any] | None:
+    """A tool's reconcile hook answers with the tool's result (or ``NOT_MADE``): recorded as the
+    call would have been."""
+    if hook is None:
+        return None
+
+    def reconcile(args: Any, key: str) -> Any:
+        found = hook(args, key)
+        return found if found is NOT_MADE else {"return": to_jsonable_python(found)}
+
+    return reconcile
+
+
+@dataclasses.dataclass
+class _JournaledToolset(WrapperToolset[Any]):
+    # A dataclass field: Pydantic AI rebuilds wrappers with dataclasses.replace.
+    durability: _Durability
+
+    async def get_tools(self, ctx: RunContext[Any]) -> dict[str, Any]:
+        tools = await super().get_tools(ctx)
+        # One tool at a time: a call's journal position must not depend on which finished first.
+        return {
+            name: dataclasses.replace(tool, tool_def=dataclasses.replace(tool.tool_def, sequential=True))
+            for name, tool in tools.items()
+        }
+
+    async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
+        owner = self.durability.owner
+
+        async def body(args: Any, key: str) -> Any:
+            token = _current_key.set(key)
+            try:
+                result = await self.wrapped.call_tool(name, tool_args, ctx, tool)
+            except ModelRetry as retry:
+                return {"retry": str(retry.message)}
+            finally:
+                _current_key.reset(token)
+            return {"return": to_jsonable_python(result)}
+
+        recorded = await self.durability.call(
+            name,
+            body,
+            tool_args,
+            owner.tool_costs.get(name, 0),
+            compensate=owner.compensations.get(name),
+            reconcile=_reconciler(owner.reconcile.get(name)),
+            destructive=name in owner.destructive,
+        )
+        if recorded is None:  # a shadow run's destructive call: blocked, not made
+            return f"The call to {name} was not made (shadow run)."
+        if "retry" in recorded:
+            raise ModelRetry(recorded["retry"])
+        return recorded["return"]
+
+
+def _default_prompt(run_input: Any) -> str:
+    if isinstance(run_input, dict) and isinstance(run_input.get("prompt"), str):
+        return run_input["prompt"]
+    return json.dumps(run_input, sort_keys=True)
+
+
+def _with_deferred(output_type: Any) -> Any:
+    kinds = list(output_type) if isinstance(output_type, (list, tuple)) else [output_type]
+    return kinds if DeferredToolRequests in kinds else [*kinds, DeferredToolRequests]
+
+
+class DurableAgent:
+    """A handler ``handler(ctx) -> output`` that runs ``agent`` durably for each claimed run.
+
+    ``prompt(run_input) -> str`` makes the user prompt from the run's input (default: its
+    ``"prompt"``, else the input as JSON); ``deps(ctx)`` the run's dependencies. Per tool name:
+    ``compensations`` (registered compensations; anything else raises ``ValueError`` here),
+    ``reconcile`` hooks ``(args, key) -> output | NOT_MADE``, ``destructive`` names (blocked in
+    shadow runs) and ``tool_costs``. ``request_cost`` is charged per model request,
+    ``usage_cost(usage)`` per response (with the next call). ``approval_deadline_seconds``: the
+    deadline of each approval a tool asks for. The handler's output is the agent's output as
+    JSON."""
+
+    def __init__(
+        self,
+        agent: Agent[Any, Any],
+        *,
+        prompt: Callable[[Any], str] = _default_prompt,
+        deps: Callable[[Any], Any] | None = None,
+        compensations: Mapping[str, registry.Compensation] | None = None,
+        reconcile: Mapping[str, Callable[[Any, str], Any]] | None = None,
+        destructive: Iterable[str] = (),
+        tool_costs: Mapping[str, int] | None = None,
+        request_cost: int = 0,
+        usage_cost: Callable[[RequestUsage], int] = tokens,
+        approval_deadline_seconds: int = 86400,
+    ) -> None:
+        self.agent = agent
+        self.prompt, self.deps = prompt, deps
+        self.compensations = dict(compensations or {})
+        for fn in self.compensations.values():
+            registry.name_of(fn)  # ValueError now, not at the first call
+        self.reconcile = dict(reconcile or {})
+        self.destructive = frozenset(destructive)
+        self.tool_costs = dict(tool_costs or {})
+        self.request_cost = request_cost
+        self.usage_cost = usage_cost
+        self.approval_deadline_seconds = approval_deadline_seconds
+
+    def __call__(self, ctx: Any) -> Any:
+        """The synchronous runtime's handler: runs :meth:`run` on an event loop of its own, in a
+        helper thread, and serves its journal calls from this (the handler's) thread."""
+        loop = asyncio.new_event_loop()
+        journal = _ThreadJournal(ctx, loop)
+        box: dict[str, Any] = {}
+
+        def main() -> None:
+            try:
+                box["output"] = loop.run_until_complete(self.run(ctx, journal))
+            except BaseException as exc:
+                box["error"] = exc
+            finally:
+                journal.close()
+                try:
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                    loop.run_until_complete(loop.shutdown_default_executor())
+                finally:
+                    loop.close()
+
+        thread = threading.Thread(target=main, name=f"pydantic-ai-{ctx.lease.run_id}", daemon=True)
+        thread.start()
+        try:
+            journal.serve()
+        finally:
+            thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["output"]
+
+    async def run(self, ctx: Any, journal: _Journal | None = None) -> Any:
+        """Run the agent for ``ctx``'s run to its output (JSON); approvals park it."""
+        journal = journal or journal_for(ctx)
+        durability = _Durability(self, journal)
+        options: dict[str, Any] = {
+            "output_type": _with_deferred(self.agent.output_type),
+            "capabilities": [durability],
+        }
+        if self.deps is not None:
+            options["deps"] = self.deps(ctx)
+        result = await self.agent.run(self.prompt(ctx.input), **options)
+        while isinstance(result.output, DeferredToolRequests):
+            requests = result.output
+            if requests.calls:
+                names = ", ".join(sorted({c.tool_name for c in requests.calls}))
+                raise UnsupportedDeferral(f"deferred tool calls ({names}) cannot be made outside a durable run")
+            approvals: dict[str, bool | ToolApproved | ToolDenied] = {}
+            for call in requests.approvals:
+                prompt = f"{call.tool_name}({call.args_as_json_str()})"[:PROMPT_MAX_CHARS]
+                decision = await journal.request_approval(prompt, self.approval_deadline_seconds)
+                approved = decision.get("decision") == "approved"
+                approvals[call.tool_call_id] = (
+                    True if approved else ToolDenied(f"The operator ({decision.get('decided_by', '')}) rejected it.")
+                )
+            result = await self.agent.run(
+                message_history=result.all_messages(),
+                deferred_tool_results=DeferredToolResults(approvals=approvals),
+                **options,
+            )
+        return to_jsonable_python(result.output)
