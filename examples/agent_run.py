@@ -6,8 +6,9 @@ migrated database of the example project::
     DATABASE_URL=postgres://... python examples/agent_run.py
 
 Three loops run here one after the other, each until idle; in production each is a process of its
-own: ``manage.py run_workflow_worker`` (the engine), your inbox (claims the agent's deliveries and
-accepts each, which starts its agent run) and ``manage.py run_agent_worker --handler
+own: ``manage.py run_workflow_worker`` (the engine), the inbox (claims the agent's deliveries and
+accepts each, which starts its agent run; shown here as code, ``run_agent_worker`` does it itself
+unless ``--no-accept``: examples/agent_inbox.py) and ``manage.py run_agent_worker --handler
 examples.agent_run:answer --agent <hex>``. Docs: docs/agents.md, docs/workflows.md.
 """
 

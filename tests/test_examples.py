@@ -38,6 +38,7 @@ TESTED = {
     "order_fulfilment.py",
     "inbox.py",
     "agent_run.py",
+    "agent_inbox.py",
     "gateway_agent.py",
     "background_tasks.py",
     "traced_agent.py",
@@ -68,6 +69,15 @@ def test_the_docs_show_the_example_as_it_is():
     start = source.index("def order_flow()")
     quoted = source[start : source.index("\n\n\n", start)]
     assert quoted in DOCS.read_text(), "docs/workflows.md does not quote examples/order_fulfilment.py's order_flow"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_inbox_example_completes_a_workflow_awaiting_agent_runs_with_only_the_bundled_commands():
+    """examples/agent_inbox.py (docs/agents.md "Acceptance"): run_workflow_worker and
+    run_agent_worker as real processes, nothing else; the run succeeds with both agents' answers."""
+    out = run_example(EXAMPLES / "agent_inbox.py")
+    assert "run succeeded" in out and "agent worker: accepted 2, completed 2" in out
+    assert out.count('"words": 5') == 2
 
 
 @pytest.mark.django_db(transaction=True)

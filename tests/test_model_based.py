@@ -36,7 +36,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from buzz_delivery import exceptions, services
+from buzz_delivery import backoff, exceptions, services
 from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory, frozen_db_clock, random32
 from tests.model_support import run_machine
 
@@ -623,6 +623,13 @@ def _run(examples: int, steps: int) -> None:
     for label, count in sorted(SEEN.items()):
         print(f"  {count:6d}  {label}")
     assert STATS["examples"] >= examples
+
+
+@pytest.fixture(autouse=True)
+def no_jitter(monkeypatch):
+    """The model keeps exact times: the retry backoff's jitter (buzz_delivery.backoff, bounds
+    tested in tests/test_backoff.py) is pinned at its top, the un-jittered delay."""
+    monkeypatch.setattr(backoff, "jitter", lambda: 1.0)
 
 
 def test_services_agree_with_the_spec_model_on_random_operation_sequences():

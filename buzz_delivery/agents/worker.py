@@ -35,8 +35,10 @@ from typing import Any
 
 import psycopg
 from django.db import connections
+from psycopg import sql as pgsql
 
 from buzz_delivery.agents import services as s
+from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries, is_delivery_hint
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL
 from buzz_delivery.agents.runtime import Context, Heartbeat, run_claim
 from buzz_delivery.agents.services.sql import RUN
@@ -63,7 +65,9 @@ class WorkerConfig:
     """``agents``: 32-byte keys served; ``communities``: UUIDs (empty = discover);
     ``concurrency``: handler threads; ``lease_seconds``; ``poll_seconds`` between empty polls;
     ``max_runs``: stop after that many claims (None = no limit); ``exit_when_idle``: stop when a
-    whole poll finds nothing; ``worker_id``: recorded on each claim."""
+    whole poll finds nothing; ``worker_id``: recorded on each claim; ``accept``: accept the
+    deliveries addressed to ``agents`` into runs (:mod:`~buzz_delivery.agents.acceptance`),
+    ``accept_batch`` at most per claim."""
 
     handler: Callable[[Context], Any]
     agents: list[bytes]
@@ -77,6 +81,8 @@ class WorkerConfig:
     shutdown_grace: float = 30.0
     handler_timeout: float | None = None
     listen: bool = True
+    accept: bool = True
+    accept_batch: int = 50
 
 
 class Waker:
@@ -111,11 +117,22 @@ class RunListener(threading.Thread):
     Reconnects after a loss (every ``retry_seconds``) and wakes the threads then too."""
 
     def __init__(
-        self, *, waker: Waker, communities: list[uuid.UUID], conn_params: dict[str, Any], stop: threading.Event
+        self,
+        *,
+        waker: Waker,
+        communities: list[uuid.UUID],
+        conn_params: dict[str, Any],
+        stop: threading.Event,
+        agents: list[bytes] | None = None,
+        on_delivery: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="agent-listener", daemon=True)
         self.waker, self.stop, self.conn_params = waker, stop, conn_params
         self.communities = {str(c) for c in communities}
+        # With acceptance on: the core's delivery hints for these agents wake the threads too.
+        self.agents = {a.hex() for a in agents or []}
+        self.delivery_channel = core_settings().notify_channel
+        self.on_delivery = on_delivery
         self.retry_seconds = 1.0
         self.hints = 0
 
@@ -127,9 +144,17 @@ class RunListener(threading.Thread):
                     if conn is None:
                         conn = psycopg.connect(**self.conn_params, autocommit=True)
                         conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                        if self.agents:
+                            conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(self.delivery_channel)))
                         self.waker.wake()  # hints may have been missed while not listening
                     for notify in conn.notifies(timeout=0.5):
-                        if not self.communities or notify.payload in self.communities:
+                        if notify.channel != NOTIFY_CHANNEL:
+                            if is_delivery_hint(notify.payload, self.agents, self.communities):
+                                self.hints += 1
+                                if self.on_delivery is not None:
+                                    self.on_delivery()
+                                self.waker.wake()
+                        elif not self.communities or notify.payload in self.communities:
                             self.hints += 1
                             self.waker.wake()
                 except psycopg.Error as exc:
@@ -158,6 +183,13 @@ class AgentWorker:
         )
         self.waker = Waker()
         self.listener: RunListener | None = None
+        self.acceptance = (
+            Acceptance(
+                config.agents, holder=config.worker_id or None, batch=config.accept_batch, every=config.poll_seconds
+            )
+            if config.accept
+            else None
+        )
 
     def stop(self, *_: Any) -> None:
         """Stop claiming; in-flight runs finish (drain) within ``shutdown_grace``."""
@@ -168,7 +200,10 @@ class AgentWorker:
         if self.config.communities:
             return list(self.config.communities)
         with tenancy.fleet():  # discovery reads every community's runs: a fleet read (SPEC 13)
-            return [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+            found = [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+        if self.acceptance is not None and (self.acceptance.due() or self.config.exit_when_idle):
+            found = list(dict.fromkeys([*found, *communities_with_pending_deliveries(self.config.agents)]))
+        return found
 
     def _take_slot(self) -> bool:
         with self.lock:
@@ -210,9 +245,12 @@ class AgentWorker:
             connections.close_all()
 
     def _poll(self, lane: UserConnection) -> bool:
-        """One round over the communities, a run claimed and run in each that has one."""
-        found = False
-        for community in self._communities():
+        """One round over the communities: the deliveries to accept (acceptance on), then a run
+        claimed and run in each that has one."""
+        communities = self._communities()
+        # Acceptance first (one thread at a time): the runs it creates are claimed below.
+        found = self.acceptance is not None and self.acceptance.round(communities) > 0
+        for community in communities:
             if self.stopping.is_set() or not self._take_slot():
                 break
             try:
@@ -232,6 +270,8 @@ class AgentWorker:
                 continue
             found = True
             self._run(claims[0], lane)
+        if not found and self.config.exit_when_idle and self.acceptance is not None:
+            found = self.acceptance.round(communities, force=True) > 0  # nothing left to accept either
         return found
 
     def _run(self, claim: s.AgentClaim, lane: UserConnection) -> None:
@@ -256,7 +296,12 @@ class AgentWorker:
             alias = core_settings().listen_database or "default"  # a direct connection behind a pooler
             params = conn_params if conn_params is not None else connections[alias].get_connection_params()
             self.listener = RunListener(
-                waker=self.waker, communities=list(self.config.communities), conn_params=params, stop=self.stopping
+                waker=self.waker,
+                communities=list(self.config.communities),
+                conn_params=params,
+                stop=self.stopping,
+                agents=self.config.agents if self.acceptance is not None else None,
+                on_delivery=self.acceptance.hint if self.acceptance is not None else None,
             )
             self.listener.start()
         threads = [
@@ -279,6 +324,9 @@ class AgentWorker:
             self.listener.join(timeout=5)
         self.counts["renewed"] = self.heartbeat.renewed
         self.counts["timed_out"] = self.heartbeat.timed_out
+        if self.acceptance is not None:
+            self.counts["accepted"] = self.acceptance.counts["accepted"]
+            self.counts["accept_errors"] = self.acceptance.counts["errors"]
         return dict(self.counts)
 
     def _abandon(self) -> None:
@@ -292,7 +340,7 @@ class AgentWorker:
     def summary_line(self) -> str:
         keys = (
             "claimed", "completed", "failed", "compensated", "compensation_failed", "parked", "lost", "timed_out",
-            "abandoned", "woken",
+            "abandoned", "woken", "accepted", "accept_errors",
         )  # fmt: skip
         body = {k: self.counts.get(k, 0) for k in keys}
         body.update(

@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from buzz_delivery import backoff
 from buzz_delivery.gateway import nip98
 from buzz_delivery.tracing import http as tracing_http
 
@@ -216,16 +217,26 @@ class GatewayClient:
         return RemoteOutcome("lease_lost")
 
     def finish(
-        self, lease: RemoteLease, outcome: str, *, failure_code: str | None = None, failure_message: str | None = None
+        self,
+        lease: RemoteLease,
+        outcome: str,
+        *,
+        failure_code: str | None = None,
+        failure_message: str | None = None,
+        retry_after: float | None = None,
     ) -> RemoteOutcome:
-        """Settle once: ``settled`` / ``already_terminal`` with the recorded status, or ``lease_lost``."""
+        """Settle once: ``settled`` / ``already_terminal`` with the recorded status, or
+        ``lease_lost``. ``retry_after`` (with ``retry``): seconds before the next attempt at the
+        earliest."""
         path = f"/communities/{lease.community_id}/deliveries/{lease.delivery_id}/finish"
-        body = {
+        body: dict[str, Any] = {
             "lease_generation": lease.lease_generation,
             "outcome": outcome,
             "failure_code": failure_code,
             "failure_message": failure_message,
         }
+        if retry_after is not None:
+            body["retry_after"] = retry_after
         data = self._json("POST", path, body, ok=(200, 409))
         if data.get("code") == "lease_lost":
             return RemoteOutcome("lease_lost")
@@ -450,7 +461,10 @@ class RemoteWorker:
             with self._lock:
                 lease = self._held.get(delivery_id, claim.lease)
             try:
-                result = self.client.finish(lease, outcome, failure_code=code, failure_message=message)
+                after = backoff.of(error) if outcome == "retry" else None
+                result = self.client.finish(
+                    lease, outcome, failure_code=code, failure_message=message, retry_after=after
+                )
             except Exception as exc:  # refused or unreachable: that lease lapses, the worker goes on
                 logger.warning("settle_error delivery=%s error=%s", delivery_id, describe(exc))
                 self._add("settle_errors")
@@ -624,6 +638,12 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument("--max-runs", type=int, default=None, help="stop after claiming this many")
     runs.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
     runs.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    runs.add_argument(
+        "--no-accept",
+        action="store_true",
+        help="do not accept the key's deliveries into runs",
+    )
+    runs.add_argument("--accept-batch", type=int, default=50, help="most deliveries claimed per request (default 50)")
     for command in (work, runs):
         command.add_argument(
             "-v",
@@ -642,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not 1 <= args.concurrency <= 256:
         parser.error("--concurrency must be within 1..256")
+    if args.command == "work-runs" and not 1 <= args.accept_batch <= 1000:
+        parser.error("--accept-batch must be within 1..1000")
     client = GatewayClient(args.url, key, timeout=10.0)
     if args.command == "work-runs":
         return _work_runs(client, handler, args)
@@ -667,6 +689,7 @@ def _work_runs(client: GatewayClient, handler: Callable[..., Any], args: argpars
         client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
         wait_seconds=args.wait_seconds, renew_every=args.renew_every, worker_id=args.worker_id,
         max_runs=args.max_runs, idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
+        accept=not args.no_accept, accept_batch=args.accept_batch,
     )  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))

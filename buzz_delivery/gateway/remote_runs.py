@@ -15,6 +15,8 @@ its name, which is looked up in this process's registry and never imported) run 
 order through the compensation endpoints. An unwinding run (cancelled, timed out,
 exhausted, or a failed one whose holder died) runs no handler: only its compensations.
 Held leases are renewed in the background; SIGTERM/SIGINT drain within ``--shutdown-grace``.
+Unless ``--no-accept``, the deliveries addressed to the key are accepted into runs first
+(:mod:`buzz_delivery.gateway.remote_accept`), so no inbox of your own is needed.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
 
 NOT_MADE = object()  # a reconcile hook's answer: the call never reached the tool
 SUMMARY_KEYS = ("claimed", "completed", "failed", "compensated", "compensation_failed", "parked", "lost", "renewed",
-                "errors", "abandoned")  # fmt: skip
+                "errors", "abandoned", "accepted", "accept_errors")  # fmt: skip
 
 
 class RemoteRunError(Exception):
@@ -351,8 +353,11 @@ class RemoteRunWorker:
         max_runs: int | None = None,
         idle_exit: float | None = None,
         shutdown_grace: float = 30.0,
+        accept: bool = True,
+        accept_batch: int = 50,
     ) -> None:
         self.client, self.handler, self.concurrency = client, handler, concurrency
+        self.accept, self.accept_batch = accept, accept_batch
         self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
         self.worker_id, self.max_runs, self.idle_exit, self.shutdown_grace = (
             worker_id,
@@ -445,6 +450,26 @@ class RemoteRunWorker:
                 elif outcome.outcome != "renewed":
                     ctx.mark_lost(outcome.data.get("reason"))
 
+    def _start_acceptor(self) -> Any:
+        if not self.accept:
+            return None
+        from buzz_delivery.gateway.remote_accept import RemoteAcceptor
+
+        def worked() -> None:
+            with self._lock:
+                self._last_work = time.monotonic()
+
+        acceptor = RemoteAcceptor(
+            self.client,
+            stop=self.stop,
+            batch=self.accept_batch,
+            wait_seconds=self.wait_seconds,
+            lease_seconds=self.lease_seconds,
+            on_work=worked,
+        )
+        acceptor.start()
+        return acceptor
+
     def run(self) -> dict[str, Any]:
         """Run until stopped; returns ``{key: count for SUMMARY_KEYS} | {"reason"}``."""
         done = threading.Event()
@@ -453,6 +478,7 @@ class RemoteRunWorker:
         threads = [threading.Thread(target=self._loop, name=f"run-{i}", daemon=True) for i in range(self.concurrency)]
         for t in threads:
             t.start()
+        acceptor = self._start_acceptor()
         stopped_at: float | None = None
         while any(t.is_alive() for t in threads):
             if self.stop.is_set():
@@ -469,6 +495,10 @@ class RemoteRunWorker:
                 t.join(timeout=0.1)
         done.set()
         renewer.join(timeout=5)
+        if acceptor is not None:
+            acceptor.join(timeout=self.wait_seconds + self.client.timeout)
+            self.counts["accepted"] = acceptor.counts["accepted"]
+            self.counts["accept_errors"] = acceptor.counts["errors"]
         summary: dict[str, Any] = {k: self.counts.get(k, 0) for k in SUMMARY_KEYS}
         summary["reason"] = self.internal_error or self.reason
         if self.internal_error:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buzz_delivery import jsonbounds
+from buzz_delivery.backoff import MAX_RETRY_AFTER_SECONDS
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import bad_request
@@ -195,6 +196,11 @@ FINISH = Body(
         ),
         "failure_message": Field(
             "string", "with outcome failed or retry: what went wrong", nullable=True, bounds=lambda: (0, 10_000)
+        ),
+        "retry_after": Field(
+            "number", "with outcome retry: seconds before the next attempt at the earliest (a provider's "
+            "Retry-After); the backoff, with jitter, applies when longer", nullable=True,
+            bounds=lambda: (0, MAX_RETRY_AFTER_SECONDS),
         ),
     },
 )  # fmt: skip

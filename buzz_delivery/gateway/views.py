@@ -240,7 +240,11 @@ def finish(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     _require_enrolled(community_id, pubkey)
     lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
     outcome = core.finish_delivery(
-        lease, data["outcome"], failure_code=data["failure_code"], failure_message=data["failure_message"]
+        lease,
+        data["outcome"],
+        failure_code=data["failure_code"],
+        failure_message=data["failure_message"],
+        retry_after=data["retry_after"],
     )
     if isinstance(outcome, Settled):
         return JsonResponse({"outcome": "settled", "status": outcome.status})

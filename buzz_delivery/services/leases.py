@@ -10,7 +10,7 @@ from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
-from buzz_delivery import tracing
+from buzz_delivery import backoff, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import cached, flow, sql
@@ -271,13 +271,16 @@ def finish_delivery(
     *,
     failure_code: str | None = None,
     failure_message: str | None = None,
+    retry_after: float | None = None,
 ) -> FinishOutcome:
     """Settle a delivery once (SPEC sections 4.5 and 6).
 
     ``outcome``: ``"finished"``, ``"failed"`` (``failure_code`` <= 64 chars and
     ``failure_message`` allowed) or ``"retry"`` (back to ``pending`` after an exponential
-    backoff; on the last allowed attempt it ends ``failed``/``attempts_exhausted`` instead;
-    ``failure_message`` allowed).
+    backoff with jitter, within [1/2, 1] of base * 2**(attempt - 1) capped, see
+    :mod:`buzz_delivery.backoff`; not before ``retry_after`` seconds when given, e.g. a
+    provider's Retry-After; on the last allowed attempt it ends ``failed``/``attempts_exhausted``
+    instead; ``failure_message`` allowed).
 
     Applies only where community, id, target and generation match, the status is ``claimed``
     and ``lease_until >= now()``: returns :class:`Settled` with the recorded status. If nothing
@@ -296,6 +299,9 @@ def finish_delivery(
         raise v.invalid("failure_code", f"is recorded only with outcome 'failed', not {outcome!r}")
     if message is not None and outcome == "finished":
         raise v.invalid("failure_message", "is not recorded with outcome 'finished'")
+    after = backoff.argument(retry_after)
+    if after is not None and outcome != "retry":
+        raise v.invalid("retry_after", f"is honoured only with outcome 'retry', not {outcome!r}")
     if outcome == "retry":
         conf = get_settings()
         statement = sql.RETRY_IF_CURRENT_GENERATION
@@ -303,6 +309,8 @@ def finish_delivery(
             failure_message=message,
             backoff_base=float(conf.retry_backoff_base_seconds),
             backoff_cap=float(conf.retry_backoff_cap_seconds),
+            jitter=backoff.jitter(),
+            retry_after=after or 0.0,
         )
     else:
         statement = cached.FINISH.call

@@ -270,6 +270,9 @@ BACKOFF_MAX_EXPONENT = 62
 _BACKOFF_SECONDS = (
     f"LEAST(%(backoff_base)s * power(2, LEAST(GREATEST(d.attempt - 1, 0), {BACKOFF_MAX_EXPONENT})), %(backoff_cap)s)"
 )
+# Equal jitter (a factor in [0.5, 1] drawn by the caller, buzz_delivery.backoff) and the
+# failure's Retry-After (0 when none): the next attempt is not before the larger.
+_RETRY_DELAY = f"GREATEST({_BACKOFF_SECONDS} * %(jitter)s, %(retry_after)s)"
 _RETRY_ENTRY = history_entry(
     "'retry'",
     "d.lease_generation",
@@ -283,7 +286,7 @@ SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
     finished_at = buzz_delivery_when({_EXHAUSTED}, {DB_NOW}),
     failure_code = CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
     failure_message = CASE WHEN {_EXHAUSTED} THEN %(failure_message)s END,
-    next_attempt_at = buzz_delivery_when(NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_BACKOFF_SECONDS})),
+    next_attempt_at = buzz_delivery_when(NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_RETRY_DELAY})),
     lease_until = NULL,
     claimed_at = NULL,
     {_RETRY_ENTRY}

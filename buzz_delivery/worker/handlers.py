@@ -10,7 +10,10 @@ A handler is ``handler(delivery: WorkflowAgentDelivery) -> object``:
                                                 ``str(exc)`` (<= 10,000 chars);
 - it raises any other ``Exception``          -> ``retry`` (back to ``pending`` after the backoff,
                                                 or ``failed``/``attempts_exhausted`` on the last
-                                                allowed attempt; SPEC section 6);
+                                                allowed attempt; SPEC section 6); an exception
+                                                that carries ``retry_after`` (seconds, e.g.
+                                                :class:`buzz_delivery.backoff.RetryAfter`) is
+                                                not retried before then;
 - it raises a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
   ``KeyboardInterrupt``, ``asyncio.CancelledError``)
                                              -> ``failed``, ``failure_code`` = its class name;
@@ -27,6 +30,8 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from buzz_delivery import backoff
 
 if TYPE_CHECKING:
     from buzz_delivery.models import WorkflowAgentDelivery
@@ -55,6 +60,7 @@ class SettleArgs:
     outcome: str
     failure_code: str | None = None
     failure_message: str | None = None
+    retry_after: float | None = None
 
 
 FINISHED = SettleArgs("finished")
@@ -91,7 +97,7 @@ def settle_args_for(exc: BaseException) -> SettleArgs:
     if is_permanent(exc):
         code = storable_text(type(exc).__name__, FAILURE_CODE_MAX_CHARS) or PermanentFailure.__name__
         return SettleArgs("failed", code, message)
-    return SettleArgs("retry", None, message)
+    return SettleArgs("retry", None, message, backoff.of(exc))
 
 
 def aborted_args(exc: BaseException) -> SettleArgs:

@@ -199,6 +199,7 @@ class Settler(threading.Thread):
                 args.outcome,
                 failure_code=args.failure_code,
                 failure_message=args.failure_message,
+                retry_after=args.retry_after,
             )
         except DB_UNAVAILABLE as exc:
             logger.error("db_unavailable role=settle delivery=%s gave up: %s", lease.delivery_id, exc)

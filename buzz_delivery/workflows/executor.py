@@ -30,6 +30,7 @@ from typing import Any, cast
 
 from django.db import models, transaction
 
+from buzz_delivery import backoff
 from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import Binding, Settled
@@ -141,6 +142,7 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
     # The user's code: the login's role (SPEC 13); what it leaves on the connection is cleaned.
     call = UserCode(claim.lease.community_id)
     failure: tuple[str, str, bool] | None = None  # (code, message, retryable)
+    retry_after: float | None = None  # what the function's exception asked for (buzz_delivery.backoff)
     try:
         with call:
             output = fn(arguments, context)
@@ -150,12 +152,13 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
         code = "function_error" if isinstance(exc, Exception) else "function_aborted"
         logger.info("step %s of run %s raised %s", claim.step.key, claim.lease.run_id, type(exc).__name__)
         failure = (code, _message(f"{type(exc).__name__}: {describe(exc)}"), code == "function_error")
+        retry_after = backoff.of(exc)
     if call.left_open is not None:
         message = f"the step's code left its database connection with {call.left_open}; nothing it wrote there is kept"
         return steps.fail_step(claim.lease, TRANSACTION_LEFT_OPEN, failure_message=message, retryable=False)
     if failure is not None:
         code, message, retryable = failure
-        return steps.fail_step(claim.lease, code, failure_message=message, retryable=retryable)
+        return steps.fail_step(claim.lease, code, failure_message=message, retryable=retryable, retry_after=retry_after)
     return Output(output)
 
 

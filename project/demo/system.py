@@ -287,6 +287,7 @@ class SystemScenario:
             "5",
             "--worker-id",
             application_name(name),
+            "--no-accept",  # the demo's own inbox accepts (_accept), to show accept_delivery's outcomes
         ]
         for agent in agent_names:
             args += ["--agent", self.keys[agent].hex()]

@@ -222,3 +222,56 @@ def test_a_remote_handler_may_only_name_a_registered_compensation(gateway_server
     assert compensation_name(handlers.undo) == "tests.gateway.handlers:undo"
     with pytest.raises(ValueError, match="another function"):
         compensation(name="tests.gateway.handlers:undo")(handlers.forbidden)
+
+
+def work_runs(gateway_server, agent, tmp_path, *options: str) -> dict:
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(tmp_path / "ledger.txt")}
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the remote worker needs no Django
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", gateway_server.base,
+         "--key-file", str(key_file), "--handler", "tests.gateway.handlers:three_calls", "--wait-seconds", "0.5",
+         "--idle-exit", "2", *options],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_work_runs_accepts_the_keys_deliveries_so_a_step_awaiting_agent_runs_ends(gateway_server, tmp_path):
+    from buzz_delivery.models import WorkflowAgentDelivery
+    from buzz_delivery.testing import WorkflowFactory
+    from buzz_delivery.workflows.models import Step
+    from buzz_delivery.workflows.testing import run_until_idle, send_step
+    from tests.wf_support import start
+
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    run = start(
+        WorkflowFactory(community=community), {"steps": [send_step("ask", [agent.pubkey], **{"await": "agent_run"})]}
+    )
+    run_until_idle(community.id)
+
+    summary = work_runs(gateway_server, agent, tmp_path)
+
+    assert (summary["accepted"], summary["claimed"], summary["completed"], summary["accept_errors"]) == (1, 1, 1, 0)
+    assert WorkflowAgentDelivery.objects.get(run_id=run.pk).status == "finished"
+    step = Step.objects.get(run_id=run.pk, key="ask")
+    assert (step.state, step.output) == ("succeeded", {agent.pubkey.hex(): {"sum": 6}})
+
+
+def test_work_runs_no_accept_leaves_the_keys_deliveries_pending(gateway_server, tmp_path):
+    from tests.gateway.support import deliver
+
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    (delivery,) = deliver(community, agent.pubkey)
+
+    summary = work_runs(gateway_server, agent, tmp_path, "--no-accept")
+
+    assert (summary["accepted"], summary["claimed"]) == (0, 0)
+    delivery.refresh_from_db()
+    assert delivery.status == "pending" and not AgentRun.objects.filter(community_id=community.id).exists()

@@ -136,3 +136,31 @@ def test_the_remote_worker_poison_matrix_each_delivery_fails_alone_and_the_worke
     assert (result["finished"], result["failed"]) == (3, 5)
     assert result["retried"] >= 1  # the unprintable one (again, when its backoff ends before the idle exit)
     assert (result["settle_errors"], result["errors"], result["exit_code"]) == (0, 0, 0)
+
+
+def test_a_retry_through_the_gateway_honours_retry_after_and_a_bad_one_is_refused_by_name(gateway_server):
+    """Issue 29: ``finish`` takes ``retry_after`` (a provider's Retry-After) with ``retry``."""
+    from django.db import connection
+
+    from buzz_delivery.gateway.client import GatewayHTTPError
+    from tests.gateway.support import deliver
+
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    deliver(community, agent.pubkey, 2)
+    first, second = agent.claim(2)
+    before = WorkflowAgentDelivery.objects.values().get(id=second.lease.delivery_id)
+    with pytest.raises(GatewayHTTPError) as refused:
+        agent.finish(second.lease, "retry", retry_after=-1)
+    assert (refused.value.status, refused.value.field) == (400, "retry_after")
+    assert WorkflowAgentDelivery.objects.values().get(id=second.lease.delivery_id) == before
+
+    assert agent.finish(first.lease, "retry", retry_after=600).status == "pending"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT extract(epoch FROM next_attempt_at - now()) FROM buzz_delivery_delivery WHERE id = %s",
+            [first.lease.delivery_id],
+        )
+        (wait,) = cursor.fetchone()
+    assert 590 <= wait <= 600

@@ -18,6 +18,7 @@ workflow step runs in the same transaction (migration 0002 triggers).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -51,7 +52,11 @@ OVERDUE = (
 )
 # Exponential backoff of a reclaimed run: RETRY_DELAY_SECONDS * 2**attempts (the attempts
 # before this one), capped at RETRY_DELAY_MAX_SECONDS; the exponent is clamped first.
-BACKOFF_SECONDS = "LEAST(%(delay_seconds)s * power(2, LEAST(r.attempts, 62)), %(max_delay_seconds)s)"
+# Equal jitter (issue 29, buzz_delivery.backoff): times a factor within [0.5, 1] drawn per run
+# from a hash of its id and a seed the caller draws per batch (hashtext is IMMUTABLE over the
+# column, as Citus wants in an UPDATE's SET list), so runs reclaimed together spread out.
+JITTER = "(0.5 + 0.5 * ((hashtext(r.id::text || %(jitter_seed)s) & 65535)::double precision / 65535))"
+BACKOFF_SECONDS = f"LEAST(%(delay_seconds)s * power(2, LEAST(r.attempts, 62)), %(max_delay_seconds)s) * {JITTER}"
 NEXT_ATTEMPT_AT = f"buzz_delivery_plus_seconds({DB_NOW}, {BACKOFF_SECONDS})"
 APPROVAL_OVER = f"a.state = 'pending' AND a.step_id IS NULL AND a.deadline_at < {DB_NOW}"
 
@@ -181,6 +186,7 @@ def _one_community_batch(community: object, limit: int, result: AgentReapResult)
         "limit": limit,
         "delay_seconds": get_settings().retry_delay_seconds,
         "max_delay_seconds": get_settings().retry_delay_max_seconds,
+        "jitter_seed": secrets.token_hex(8),
     }
     with transaction.atomic(), translated_errors():
         bound_lock_waits()

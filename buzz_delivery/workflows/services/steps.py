@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from django.db import transaction
 
+from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
@@ -336,6 +337,12 @@ def backoff_seconds(attempts: int, base: float, cap: float) -> float:
     return float(min(cap, base * (2 ** min(attempts - 1, 30))))
 
 
+def retry_delay(attempts: int, base: float, cap: float, retry_after: float | None = None) -> float:
+    """:func:`backoff_seconds` with equal jitter (within [1/2, 1] of it, :mod:`buzz_delivery.backoff`),
+    and not less than ``retry_after`` when given."""
+    return max(backoff.jittered(backoff_seconds(attempts, base, cap)), retry_after or 0.0)
+
+
 @retry_deadlocks
 @tenant_scoped
 def fail_step(
@@ -344,10 +351,12 @@ def fail_step(
     *,
     failure_message: str | None = None,
     retryable: bool = True,
+    retry_after: float | None = None,
 ) -> StepOutcome:
     """Record a failed attempt, if the lease is current. With attempts left and ``retryable``
     the step returns to ``ready`` after its backoff (``Settled("ready")``; the backoff is
-    computed from the attempt the lease holds); otherwise it ends ``failed``
+    computed from the attempt the lease holds, with jitter: :func:`retry_delay`; not before
+    ``retry_after`` seconds, 0..7 days, when given: a provider's Retry-After); otherwise it ends ``failed``
     (``Settled("failed")``) with ``failure_code``, or ``attempts_exhausted`` when retries ran
     out, and its ``on_error`` applies (Advance, same transaction).
 
@@ -362,6 +371,7 @@ def fail_step(
     message = v.optional_text(failure_message, "failure_message", 10_000)
     if not isinstance(retryable, bool):
         raise v.invalid("retryable", "must be True or False")
+    after = backoff.argument(retry_after)
     params = _params(lease, failure_code=code, failure_message=message)
     with transaction.atomic(), translated_errors():
         fetch_all(sql.LOCK_RUN, params)
@@ -370,7 +380,7 @@ def fail_step(
             return LeaseLost()
         _attempts, max_attempts, base, cap = policy[0]
         if retryable and lease.attempts < max_attempts:
-            params["delay_seconds"] = backoff_seconds(lease.attempts, base, cap)
+            params["delay_seconds"] = retry_delay(lease.attempts, base, cap, after)
             rows = fetch_all(sql.RETRY_IF_CURRENT_GENERATION, params)
             if rows:
                 return Settled(rows[0][0])

@@ -1,11 +1,16 @@
 """``manage.py run_agent_worker``: run agent handlers over claimed agent runs (SPEC 12 "Runtime").
 
 Prints one JSON summary line to stdout at exit: ``{"claimed","completed","failed",
-"compensated","compensation_failed","parked","lost","timed_out","abandoned","woken","renewed",
-"db_errors","internal_errors"}``. A run's handler never stops the worker: whatever it raises
-(``SystemExit`` included), returns or leaves on its connection ends that run (a failure code
-on the run); ``db_errors`` counts polls the database failed (the worker reconnects and goes on);
-``internal_errors`` (exit 1) counts loop threads the worker itself lost."""
+"compensated","compensation_failed","parked","lost","timed_out","abandoned","woken","accepted",
+"accept_errors","renewed","db_errors","internal_errors"}``. A run's handler never stops the
+worker: whatever it raises (``SystemExit`` included), returns or leaves on its connection ends
+that run (a failure code on the run); ``db_errors`` counts polls the database failed (the worker
+reconnects and goes on); ``internal_errors`` (exit 1) counts loop threads the worker itself lost.
+
+Acceptance (issue 29, on unless ``--no-accept``): the deliveries addressed to the ``--agent`` keys
+in the served communities are claimed in batches and accepted into runs
+(:mod:`buzz_delivery.agents.acceptance`), so no inbox of your own is needed. The event-loop
+worker (``--async``) does not accept yet: run it with a threaded worker (or an inbox) accepting."""
 
 from __future__ import annotations
 
@@ -38,7 +43,9 @@ class Command(BaseCommand):
         "Claim agent runs of the given agents (--agent, repeatable) in the given communities "
         "(--community, repeatable; none = every active community with claimable runs) and run "
         "handler(ctx) -> output for each: ctx.call journals tool calls, ctx.request_approval parks "
-        "the run. Heartbeats in a background thread; LISTENs on buzz_agents to claim new runs at once. "
+        "the run. Deliveries addressed to the agents are accepted into runs first (claimed in batches, "
+        "each accepted in its own transaction; --no-accept: leave them to an inbox of your own). "
+        "Heartbeats in a background thread; LISTENs on buzz_agents to claim new runs at once. "
         "SIGTERM/SIGINT: stop claiming, let in-flight runs reach a resting point within "
         "--shutdown-grace, then give the rest up (their leases lapse). Exit codes: 0 clean stop, "
         "1 internal error, 2 bad arguments, 3 runs abandoned at the end of the grace."
@@ -76,6 +83,14 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--connections", type=positive_int, default=None, help="--async: the runtime's DB connections (default 4)."
+        )
+        parser.add_argument(
+            "--no-accept",
+            action="store_true",
+            help="Do not accept the deliveries addressed to the agents into runs (an inbox of your own does).",
+        )
+        parser.add_argument(
+            "--accept-batch", type=positive_int, default=50, help="Most deliveries claimed per agent and round (50)."
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -122,6 +137,8 @@ class Command(BaseCommand):
                     shutdown_grace=options["shutdown_grace"],
                     handler_timeout=options["handler_timeout"],
                     listen=not options["no_listen"],
+                    accept=not options["no_accept"],
+                    accept_batch=min(options["accept_batch"], 1000),
                 )
             )
         signal.signal(signal.SIGTERM, worker.stop)

@@ -1,0 +1,205 @@
+"""Built-in acceptance (issue 29): the agent worker turns the deliveries addressed to its agents
+into agent runs, so a workflow whose ``send_message`` step has ``await: agent_run`` completes
+with nothing but the bundled commands (``run_workflow_worker`` and ``run_agent_worker``).
+
+Who claims what: a worker accepts the deliveries whose target is one of the agent keys it
+serves (``--agent``), in the communities it serves (``--community``, or those it discovers with
+pending deliveries to those keys). Claims are batched (:func:`~buzz_delivery.services.claim_deliveries`,
+up to ``batch`` per agent and community in one statement); each claimed delivery is then
+accepted in its own transaction by :func:`~buzz_delivery.agents.services.accept_delivery`
+(settled ``finished`` and its run created together, or refused as ``RunEnded`` when its
+workflow run ended): atomic per delivery, as it always was. Do not also run a
+``run_delivery_worker`` for a key that a ``run_agent_worker`` serves: both would claim its
+deliveries (each delivery still goes to one of them), some would become runs and some would
+be handed to the delivery handler. ``run_agent_worker --no-accept`` turns acceptance off (an
+inbox of your own accepts instead).
+
+One delivery can never stop the worker: an error accepting it is logged and counted, its
+delivery is settled ``retry`` (the core's backoff and attempt cap apply; when that settle fails
+too, its lease lapses and the reaper reclaims it), and the batch goes on.
+
+Two ways to drive it: :func:`accept_round` (one pass, returns what it did: the in-process
+worker calls it from its loop threads, an event-loop runtime from its own loop) and
+:func:`is_delivery_hint` (whether a core NOTIFY payload names a delivery to accept, to wake early).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from buzz_delivery import services as core
+from buzz_delivery.agents import services as s
+from buzz_delivery.services import tenancy
+from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, DELIVERY
+
+logger = logging.getLogger("buzz_delivery.agents.acceptance")
+
+DEFAULT_BATCH = 50
+ACCEPT_ERROR = "accept_error"
+
+# Discovery (a fleet read, as the runs' discovery): the active communities with deliveries to
+# accept for these agents. The pending poll index (community, target, created_at, id) WHERE
+# status = 'pending' serves it.
+COMMUNITIES_WITH_PENDING_DELIVERIES = f"""
+SELECT DISTINCT d.community_id FROM {DELIVERY} AS d
+WHERE d.status = 'pending' AND d.target_pubkey = ANY(%(agents)s)
+  AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= {DB_NOW})
+  AND {ACTIVE_COMMUNITY}
+LIMIT 100
+"""
+
+
+def communities_with_pending_deliveries(agents: list[bytes]) -> list[uuid.UUID]:
+    """The active communities (at most 100) holding claimable deliveries to one of ``agents``."""
+    with tenancy.fleet():
+        return [row[0] for row in fetch_all(COMMUNITIES_WITH_PENDING_DELIVERIES, {"agents": list(agents)})]
+
+
+@dataclass
+class AcceptRound:
+    """What one :func:`accept_round` did: ``claimed`` deliveries, ``accepted`` (runs created),
+    ``run_ended`` (the workflow run had ended: delivery failed, no run), ``missed`` (the lease
+    was lost or the delivery settled meanwhile), ``errors`` (settled ``retry``)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def accepted(self) -> int:
+        return self.counts["accepted"]
+
+    @property
+    def claimed(self) -> int:
+        return self.counts["claimed"]
+
+
+def accept_claim(claim: core.Claim) -> str:
+    """Accept one claimed delivery into a run; returns ``accepted``, ``run_ended``, ``missed``
+    or ``errors`` (whatever went wrong with it: logged, the delivery settled ``retry``)."""
+    lease = claim.lease
+    try:
+        outcome = s.accept_delivery(lease)
+    except Exception as exc:  # one delivery never stops the worker
+        logger.warning("accept_error delivery=%s: %s", lease.delivery_id, str(exc)[:500])
+        try:
+            core.finish_delivery(
+                lease, "retry", failure_message=f"{ACCEPT_ERROR}: {type(exc).__name__}: {exc}"[:10_000]
+            )
+        except Exception as again:  # its lease lapses; the reaper reclaims it
+            logger.warning("accept_retry_error delivery=%s: %s", lease.delivery_id, str(again)[:500])
+        return "errors"
+    if isinstance(outcome, s.Accepted):
+        logger.info("accepted delivery=%s run=%s", lease.delivery_id, outcome.run_id)
+        return "accepted"
+    if isinstance(outcome, s.RunEnded):
+        return "run_ended"
+    return "missed"
+
+
+def accept_round(
+    communities: Iterable[uuid.UUID],
+    agents: list[bytes],
+    *,
+    holder: str | None = None,
+    batch: int = DEFAULT_BATCH,
+    lease_seconds: float | None = None,
+) -> AcceptRound:
+    """One pass: for each community and agent, claim up to ``batch`` deliveries (one statement)
+    and accept each (one transaction each). ``holder`` is recorded on the claims."""
+    done = AcceptRound()
+    for community in communities:
+        for agent in agents:
+            try:
+                claims = core.claim_deliveries(
+                    community, agent, limit=batch, lease_seconds=lease_seconds, holder=holder
+                )
+            except Exception as exc:  # a community moved, the database went away: next round
+                logger.warning("accept_claim_error community=%s: %s", community, str(exc)[:500])
+                done.counts["errors"] += 1
+                continue
+            done.counts["claimed"] += len(claims)
+            for claim in claims:
+                done.counts[accept_claim(claim)] += 1
+    return done
+
+
+def is_delivery_hint(payload: str, agents: set[str], communities: set[str]) -> bool:
+    """Whether a core NOTIFY ``payload`` (``{"community", "delivery", "target"}``) names a
+    delivery to one of ``agents`` (hex) in one of ``communities`` (text; empty = any). Any
+    payload is survived: any role may NOTIFY anything, and a hint grants nothing."""
+    try:
+        data = json.loads(payload)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    target, community = data.get("target"), data.get("community")
+    if not isinstance(target, str) or not isinstance(community, str):
+        return False
+    return target in agents and (not communities or community in communities)
+
+
+class Acceptance:
+    """The worker's acceptance: :meth:`round` runs :func:`accept_round` in one thread at a time
+    (another thread calling it meanwhile returns at once with nothing done), at most every
+    ``every`` seconds unless a delivery hint came (:meth:`hint`) or the last round filled a
+    batch, so a worker busy with runs adds one claim statement per ``every``, not per run; the
+    totals are in :attr:`counts`."""
+
+    def __init__(
+        self,
+        agents: list[bytes],
+        *,
+        holder: str | None,
+        batch: int = DEFAULT_BATCH,
+        lease_seconds: float | None = None,
+        every: float = 1.0,
+    ) -> None:
+        self.agents = list(agents)
+        self.holder = holder
+        self.batch = batch
+        self.lease_seconds = lease_seconds
+        self.every = every
+        self.counts: Counter[str] = Counter()
+        self._busy = threading.Lock()
+        self._lock = threading.Lock()
+        self._due = 0.0  # monotonic time of the next round (0: now)
+
+    def hint(self) -> None:
+        """A delivery to one of the agents was announced: the next round is due at once."""
+        with self._lock:
+            self._due = 0.0
+
+    def due(self) -> bool:
+        """Whether a round is due now (the worker's discovery of delivery communities asks)."""
+        with self._lock:
+            return time.monotonic() >= self._due
+
+    def round(self, communities: Iterable[uuid.UUID], *, force: bool = False) -> int:
+        """Accept what is pending in ``communities`` when a round is due (always with
+        ``force``); returns the runs created (0 when not due or another thread is accepting)."""
+        with self._lock:
+            if not force and time.monotonic() < self._due:
+                return 0
+        if not self._busy.acquire(blocking=False):
+            return 0
+        try:
+            with self._lock:
+                self._due = time.monotonic() + self.every
+            done = accept_round(
+                communities, self.agents, holder=self.holder, batch=self.batch, lease_seconds=self.lease_seconds
+            )
+        finally:
+            self._busy.release()
+        with self._lock:
+            self.counts.update(done.counts)
+            if done.claimed and done.claimed >= self.batch:
+                self._due = 0.0  # a full batch: more may be waiting
+        return done.accepted

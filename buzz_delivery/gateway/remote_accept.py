@@ -1,0 +1,79 @@
+"""Built-in acceptance for the gateway's remote agent-run worker (``work-runs``, issue 29): the
+deliveries addressed to the key are claimed in batches (``POST /deliveries/claim``, long-poll)
+and each is accepted into an agent run (``POST .../deliveries/{d}/accept``: the delivery settled
+``finished`` and its run created in one transaction on the server), so a workflow whose
+``send_message`` step awaits agent runs completes with ``work-runs`` alone on the agent's side.
+
+Needs no Django. Do not also run ``work`` (the remote delivery worker) with the same key: both
+would claim its deliveries. ``work-runs --no-accept`` turns this off.
+
+One delivery never stops the worker: an error accepting it is logged and counted, the delivery
+is settled ``retry`` (its backoff and attempt cap apply; if that fails too, its lease lapses and
+the server's reaper reclaims it), and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from buzz_delivery.gateway.client import GatewayClient, RemoteClaim, describe
+
+logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
+
+DEFAULT_BATCH = 50
+
+
+def accept_remote_claim(client: GatewayClient, claim: RemoteClaim) -> str:
+    """Accept one claimed delivery: ``accepted``, ``run_ended``, ``missed`` or ``errors``."""
+    try:
+        outcome = client.accept(claim.lease)
+    except Exception as exc:  # the gateway refused it or went away: retry it later
+        logger.warning("accept_error delivery=%s: %s", claim.lease.delivery_id, describe(exc))
+        try:
+            client.finish(claim.lease, "retry", failure_message=f"accept_error: {describe(exc)}"[:10_000])
+        except Exception as again:
+            logger.warning("accept_retry_error delivery=%s: %s", claim.lease.delivery_id, describe(again))
+        return "errors"
+    if outcome.outcome == "accepted":
+        logger.info("accepted delivery=%s run=%s", claim.lease.delivery_id, outcome.data.get("run_id"))
+        return "accepted"
+    return "run_ended" if outcome.outcome == "run_ended" else "missed"
+
+
+class RemoteAcceptor(threading.Thread):
+    """Claims up to ``batch`` of the key's deliveries (long-poll ``wait_seconds``) and accepts
+    each, until ``stop`` is set; ``on_work()`` is called after each batch that created runs.
+    :attr:`counts` holds ``claimed``, ``accepted``, ``run_ended``, ``missed``, ``errors``."""
+
+    def __init__(
+        self,
+        client: GatewayClient,
+        *,
+        stop: threading.Event,
+        batch: int = DEFAULT_BATCH,
+        wait_seconds: float = 5.0,
+        lease_seconds: float | None = None,
+        on_work: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(name="run-acceptor", daemon=True)
+        self.client, self.stop_event, self.batch = client, stop, batch
+        self.wait_seconds, self.lease_seconds, self.on_work = wait_seconds, lease_seconds, on_work
+        self.counts: Counter[str] = Counter()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                claims = self.client.claim(self.batch, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
+            except Exception as exc:  # unreachable or refused: try again later
+                logger.warning("accept_claim_error: %s", describe(exc))
+                self.counts["errors"] += 1
+                self.stop_event.wait(1.0)
+                continue
+            self.counts["claimed"] += len(claims)
+            for claim in claims:
+                self.counts[accept_remote_claim(self.client, claim)] += 1
+            if claims and self.on_work is not None:
+                self.on_work()
