@@ -458,9 +458,10 @@ def _ancestors(steps: list[dict[str, Any]]) -> dict[str, set[str]]:
 
 
 def _refused_field(exc: jsonbounds.JSONRefused) -> str:
-    """The field a bounds refusal names: the step and field inside it (``steps[0].input.q``,
-    ``steps[0].input.<key>`` for a bad key), else the definition."""
-    if not exc.path.startswith("$.steps["):
+    """The field a bounds refusal names: for text PostgreSQL cannot store, the step and field
+    that hold it (``steps[0].input.q``, ``steps[0].input.<key>`` for a bad key); for anything
+    else (nesting too deep, a value that is not JSON), the definition."""
+    if not exc.path.startswith("$.steps[") or not ("PostgreSQL cannot store" in str(exc) or "surrogate" in str(exc)):
         return "definition"
     field = exc.path[2:]
     return f"{field}.<key>" if str(exc).startswith("has a key") else field
