@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import Any
 
+from buzz_delivery.agents.compensations import compensation
 from buzz_delivery.agents.runtime import NOT_MADE
 from project.demo.models import ToolEffect
 
@@ -58,6 +59,7 @@ def reserve_machine(args: dict[str, Any], key: str) -> dict[str, Any]:
     return {"machine": "m-1"}
 
 
+@compensation
 def release_machine(args: dict[str, Any], output: Any, key: str) -> None:
     """The compensation of ``reserve_machine``: idempotent by its key."""
     if not ToolEffect.objects.filter(run_id=_run_id(), key=key).exists():
