@@ -348,7 +348,9 @@ class SystemScenario:
         key_file = self.log_dir / f"{agent}.key"
         key_file.write_text(self.secrets[agent].hex())
         key_file.chmod(0o600)
-        holder = ["--worker-id", application_name(name)] if mode == "work-runs" else []
+        # work-runs: the demo's own inbox accepts (_accept), as for run_agent_worker, so the
+        # remote worker does not accept the same deliveries itself (--no-accept).
+        holder = ["--worker-id", application_name(name), "--no-accept"] if mode == "work-runs" else []
         return self._start_raw(
             name,
             [
