@@ -25,6 +25,8 @@ from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from buzz_delivery import jsonbounds
+
 SHORT_HEX_CHARS = 12
 EMPTY = "—"
 
@@ -111,6 +113,8 @@ def duration(value: dt.timedelta | None) -> str:
 # What a page shows of one JSON value: at most this many characters, nested this deep.
 JSON_MAX_CHARS = 20_000
 JSON_MAX_DEPTH = 40
+# Stored text nested deeper than this is shown as it is, not parsed (below Python's parser limits).
+PARSE_MAX_DEPTH = 500
 DEEPER = "…"  # stands for a value nested deeper than JSON_MAX_DEPTH
 
 
@@ -173,8 +177,10 @@ def json_text(text: str | None, total_chars: int | None = None) -> str:
     total = total_chars if total_chars is not None else len(text)
     if total <= JSON_MAX_CHARS:
         try:
-            value = json.loads(text)
-        except (RecursionError, ValueError):
+            # Bounded explicitly: how deep Python's own parser goes differs between versions
+            # (3.12 and later parse a thousand levels that 3.11 refuses).
+            value = jsonbounds.loads(text, max_depth=PARSE_MAX_DEPTH)
+        except (RecursionError, ValueError):  # JSONRefused is a ValueError
             return _json_block(text, [f"Nested too deep to indent ({total:,} characters)."])
         shown, notes = _bounded_dumps(value)
         return _json_block(shown, notes)
