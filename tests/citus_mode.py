@@ -110,7 +110,6 @@ _GAP_JOIN = _CLUSTER_GAP + (
 )
 _GAP_NO_CITUS = _CLUSTER_GAP + ("asserts the refusal without Citus; in Citus mode Citus is there")
 _GAP_RENAME = _CLUSTER_GAP + ("renames a constraint of a distributed table, which Citus refuses")
-_GAP_PARAMS = _CLUSTER_GAP + ("its statement parameters predate the jittered backoff's (retry_after, jitter)")
 _GAP_TIMING = _CLUSTER_GAP + (
     "timing on the one-machine cluster (wake hints and stuck-transaction timing differ there)"
 )
@@ -125,7 +124,6 @@ SKIPPED: dict[str, str] = {
     "tests/test_admin_hostile_values.py::test_a_delivery_page_and_an_event_page_show_deeply_nested_snapshots_and_tags": _GAP_DEEP,  # noqa: E501
     "tests/test_admin_hostile_values.py::test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values": _GAP_DEEP,  # noqa: E501
     "tests/test_chaos.py::test_chaos_loses_nothing_and_settles_nothing_twice": _GAP_TIMING,
-    "tests/test_citus.py::test_lease_statements_run_on_one_shard": _GAP_PARAMS,
     "tests/test_history_steps_and_runs.py::test_a_bad_step_holder_is_refused_by_name_before_any_claim": _GAP_JOIN,
     "tests/test_scale_out.py::test_a_constraint_name_with_a_shard_suffix_still_names_its_field": _GAP_RENAME,
     "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _GAP_NO_CITUS,

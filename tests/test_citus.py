@@ -67,6 +67,8 @@ def test_lease_statements_run_on_one_shard(community):
         "failure_message": None,
         "backoff_base": 1.0,
         "backoff_cap": 300.0,
+        "jitter": 1.0,
+        "retry_after": None,
         "delivery_ids": [community.id],
         "lease_generations": [1],
         "target_pubkeys": [random32()],
