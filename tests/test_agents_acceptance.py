@@ -22,6 +22,7 @@ from buzz_delivery.agents.acceptance import (
     communities_with_pending_deliveries,
     is_delivery_hint,
 )
+from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
 from buzz_delivery.models import WorkerRegistration, WorkflowAgentDelivery
@@ -30,6 +31,7 @@ from buzz_delivery.workflows.models import Run, Step
 from buzz_delivery.workflows.services import cancel_run
 from buzz_delivery.workflows.testing import run_until_idle, send_step
 from project.database_url import database_url
+from tests import agent_async_handlers as ah
 from tests import agent_handlers as h
 from tests.wf_support import start
 
@@ -146,6 +148,39 @@ def test_the_worker_discovers_and_accepts_deliveries_to_its_agents_only(communit
     statuses = dict(WorkflowAgentDelivery.objects.filter(run_id=run.pk).values_list("target_pubkey", "status"))
     assert {bytes(k): v for k, v in statuses.items()} == {mine: "finished", other: "pending"}
     assert AgentRun.objects.get(source_run_id=run.pk).state == "completed"
+
+
+def test_the_async_worker_accepts_deliveries_into_runs_and_runs_them_within_its_connections(community):
+    mine, other = random32(), random32()
+    runs = [sent(community, [mine, other]) for _ in range(3)]
+
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=ah.three_calls, agents=[mine], exit_when_idle=True, worker_id="aio", connections=2, poll_seconds=0.1
+        )
+    )
+    counts = worker.run()
+
+    assert (counts["accepted"], counts["completed"], counts["accept_errors"]) == (3, 3, 0), counts
+    assert json.loads(worker.summary_line())["accepted"] == 3
+    for run in runs:
+        statuses = dict(WorkflowAgentDelivery.objects.filter(run_id=run.pk).values_list("target_pubkey", "status"))
+        assert {bytes(k): v for k, v in statuses.items()} == {mine: "finished", other: "pending"}
+        assert AgentRun.objects.get(source_run_id=run.pk).state == "completed"
+
+
+def test_the_async_worker_with_accept_off_leaves_the_deliveries(community):
+    agent = random32()
+    run = sent(community, [agent])
+
+    counts = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=ah.three_calls, agents=[agent], communities=[community.id], exit_when_idle=True, accept=False
+        )
+    ).run()
+
+    assert counts.get("accepted", 0) == 0 and counts.get("claimed", 0) == 0
+    assert WorkflowAgentDelivery.objects.get(run_id=run.pk).status == "pending"
 
 
 def test_no_accept_leaves_the_deliveries_to_an_inbox_of_your_own(community):

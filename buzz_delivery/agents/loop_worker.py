@@ -19,6 +19,10 @@ A handler is ``async def handler(ctx)`` (an :class:`~buzz_delivery.agents.aio_ru
 or a plain ``def handler(ctx)`` run on a thread (at most ``in_flight`` threads). One run's
 failure, however it fails, ends that run only.
 
+Acceptance (on unless ``accept`` is off): as the threaded worker, each round first accepts the
+deliveries addressed to ``agents`` into runs (:mod:`~buzz_delivery.agents.acceptance`, on a pool
+connection, so within the connection budget), and the core's delivery hints wake the loop.
+
     >>> from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig  # doctest: +SKIP
     >>> config = AsyncWorkerConfig(handler=h, agents=[key], in_flight=1000, connections=4)  # doctest: +SKIP
     >>> AsyncAgentWorker(config).run()  # doctest: +SKIP
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -42,6 +47,7 @@ from typing import Any
 from django.db import connections
 
 from buzz_delivery.agents import services as s
+from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries
 from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, run_claim
 from buzz_delivery.agents.batcher import Batcher, DbPool, operations
 from buzz_delivery.agents.services import batch
@@ -80,9 +86,11 @@ class AsyncWorkerConfig:
     max_batch: int = 200
     linger: float = 0.0
     registry: WorkerIdentity | None = None  # kept live in the workers registry through the pool
-    # Called on a pool connection with each round's communities before claiming: the hook of
-    # built-in acceptance (deliveries to ``agents`` accepted into runs); errors are logged only.
-    accept: Callable[[list[uuid.UUID]], Any] | None = None
+    # Built-in acceptance (as the threaded worker's): the deliveries addressed to ``agents`` are
+    # claimed, ``accept_batch`` at most per claim, and accepted into runs on a pool connection
+    # before each round's run claims (buzz_delivery.agents.acceptance).
+    accept: bool = True
+    accept_batch: int = 50
 
 
 class _LoopWaker(Waker):
@@ -112,6 +120,17 @@ class AsyncAgentWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.listener: RunListener | None = None
+        self.acceptance = (
+            Acceptance(
+                config.agents,
+                holder=config.worker_id or None,
+                batch=config.accept_batch,
+                lease_seconds=config.lease_seconds,
+                every=config.poll_seconds,
+            )
+            if config.accept
+            else None
+        )
 
     def stop(self, *_: Any) -> None:
         """Stop claiming (thread- and signal-safe); in-flight runs drain within the grace."""
@@ -146,6 +165,8 @@ class AsyncAgentWorker:
                 communities=list(cfg.communities),
                 conn_params=params,
                 stop=listen_stop,
+                agents=cfg.agents if self.acceptance is not None else None,
+                on_delivery=self.acceptance.hint if self.acceptance is not None else None,
             )
             self.listener.start()
         if cfg.registry is not None:
@@ -167,6 +188,9 @@ class AsyncAgentWorker:
             self.counts["batches"] = batcher.batches
             self.counts["batched_items"] = batcher.items
             self.counts["batch_replays"] = batcher.replays
+            if self.acceptance is not None:
+                self.counts["accepted"] = self.acceptance.counts["accepted"]
+                self.counts["accept_errors"] = self.acceptance.counts["errors"]
             if cfg.registry is not None:
                 try:
                     await pool.run(deregister_worker, cfg.registry.id)
@@ -182,7 +206,10 @@ class AsyncAgentWorker:
         if self.config.communities:
             return list(self.config.communities)
         with tenancy.fleet():
-            return [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+            found = [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+        if self.acceptance is not None and (self.acceptance.due() or self.config.exit_when_idle):
+            found = list(dict.fromkeys([*found, *communities_with_pending_deliveries(self.config.agents)]))
+        return found
 
     def _room(self, tasks: set[asyncio.Task[None]]) -> int:
         room = self.config.in_flight - len(tasks)
@@ -201,14 +228,8 @@ class AsyncAgentWorker:
                 await self._wait(cfg.poll_seconds)
                 continue
             self._wake.clear()
-            found = False
             communities = await runtime.pool.run(self._communities)
-            if cfg.accept is not None:
-                try:
-                    await runtime.pool.run(cfg.accept, communities)
-                except Exception:  # acceptance never stops the worker
-                    logger.exception("accept_error")
-                    self.counts["accept_errors"] += 1
+            found = await self._accept(runtime, communities)
             for community in communities:
                 room = self._room(tasks)
                 if self.stopping.is_set() or room <= 0:
@@ -225,11 +246,25 @@ class AsyncAgentWorker:
                     found = True
                     self.counts["claimed"] += 1
                     self._start(runtime, claim, journal, tasks)
+            if not found and cfg.exit_when_idle:
+                found = await self._accept(runtime, communities, force=True)  # nothing left to accept either
             if not found:
                 if cfg.exit_when_idle:
                     return
                 if await self._wait(cfg.poll_seconds):
                     self.counts["woken"] += 1
+
+    async def _accept(self, runtime: Runtime, communities: list[uuid.UUID], *, force: bool = False) -> bool:
+        """One acceptance round (when due, or ``force``) on a pool connection; whether it created
+        runs. An error is logged and counted: acceptance never stops the worker."""
+        if self.acceptance is None:
+            return False
+        try:
+            return await runtime.pool.run(functools.partial(self.acceptance.round, communities, force=force)) > 0
+        except Exception:
+            logger.exception("accept_error")
+            self.acceptance.counts["errors"] += 1
+            return False
 
     async def _wait(self, timeout: float) -> bool:
         assert self._wake is not None
@@ -357,5 +392,7 @@ class AsyncAgentWorker:
             internal_errors=self.counts.get("internal_errors", 0),
             batches=self.counts.get("batches", 0),
             batched_items=self.counts.get("batched_items", 0),
+            accepted=self.counts.get("accepted", 0),
+            accept_errors=self.counts.get("accept_errors", 0),
         )
         return json.dumps(body, separators=(",", ":"))

@@ -9,8 +9,8 @@ reconnects and goes on); ``internal_errors`` (exit 1) counts loop threads the wo
 
 Acceptance (issue 29, on unless ``--no-accept``): the deliveries addressed to the ``--agent`` keys
 in the served communities are claimed in batches and accepted into runs
-(:mod:`buzz_delivery.agents.acceptance`), so no inbox of your own is needed. The event-loop
-worker (``--async``) does not accept yet: run it with a threaded worker (or an inbox) accepting."""
+(:mod:`buzz_delivery.agents.acceptance`), so no inbox of your own is needed; the event-loop
+worker (``--async``) accepts the same way, on its pool's connections."""
 
 from __future__ import annotations
 
@@ -118,6 +118,8 @@ class Command(BaseCommand):
                     handler_timeout=options["handler_timeout"],
                     listen=not options["no_listen"],
                     registry=registry.identity,
+                    accept=not options["no_accept"],
+                    accept_batch=min(options["accept_batch"], 1000),
                 )
             )
         elif options["in_flight"] or options["connections"]:
