@@ -19,6 +19,7 @@ from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import DeliveryFactory, random32
 from buzz_delivery.worker.handlers import PermanentFailure, settle_args_for, storable_text
 from tests.test_worker import commit, count_claimed, db_now, statuses, wait_until
+from tests.worker_support import one_worker_listening
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -287,12 +288,16 @@ def test_a_settle_under_way_at_the_give_up_is_not_counted_abandoned(make_binding
 
 def test_a_handler_past_the_deliverys_expires_at_is_no_longer_renewed(make_binding, spawn):
     target = random32()
+    worker = spawn(target, "--concurrency", "2", "--lease-seconds", "1.5")
+    # Started and listening before the delivery exists: on a loaded machine the process may take
+    # longer to start than the delivery has to live (and a SIGTERM before its handler is set kills it).
+    wait_until(one_worker_listening, timeout=60, what="the worker to listen")
     delivery = DeliveryFactory(
         binding=make_binding(target_pubkey=target),
         trigger_context={"sleep": 30},
         expires_at=db_now() + dt.timedelta(seconds=2),
     )
-    worker = spawn(target, "--concurrency", "2", "--lease-seconds", "1.5")
+    wait_until(lambda: count_claimed([delivery.id]) == 1, what="the claim")
 
     wait_until(lambda: services.reap().expired == 1, timeout=10, what="the delivery to expire")
     assert WorkflowAgentDelivery.objects.get(id=delivery.id).failure_code == "delivery_expired"

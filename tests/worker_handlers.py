@@ -162,3 +162,22 @@ def sleep_without_database(delivery) -> None:
     a handler that used this thread's cut connection would fail and be retried, by design)."""
     _record("start", delivery)
     time.sleep(1.5)
+
+
+async def async_waits(delivery) -> None:
+    """An ``async def`` handler (tests/test_worker_async.py): awaits ``{"sleep": s}`` (an I/O
+    wait, e.g. a model call) without holding a thread or a connection, then raises as
+    ``{"raise": "permanent" | "ordinary" | "base" | "cancelled"}`` says."""
+    script = delivery.trigger_context or {}
+    _record("start", delivery)
+    await asyncio.sleep(float(script.get("sleep", 0)))
+    _record("end", delivery)
+    what = script.get("raise")
+    if what == "permanent":
+        raise BadPayload("no such recipient")
+    if what == "ordinary":
+        raise RuntimeError("the provider timed out")
+    if what == "base":
+        raise SystemExit(3)
+    if what == "cancelled":
+        raise asyncio.CancelledError()

@@ -11,6 +11,7 @@ from buzz_delivery.services.leases import (
     claim_delivery,
     finish_delivery,
     get_delivery,
+    load_snapshots,
     renew_delivery,
 )
 from buzz_delivery.services.lifecycle import PurgeResult, advance_community, purge_community
@@ -76,6 +77,7 @@ __all__ = [
     "force_fail_delivery",
     "get_delivery",
     "heartbeat_worker",
+    "load_snapshots",
     "lock_delivery_identity",
     "prune_deliveries",
     "prune_stale_workers",

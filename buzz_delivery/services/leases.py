@@ -337,3 +337,21 @@ def get_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID | str) ->
     community = v.uuid_value(community_id, "community_id")
     wanted = v.uuid_value(delivery_id, "delivery_id")
     return WorkflowAgentDelivery.objects.defer(*sql.DEFERRED_FIELDS).filter(community_id=community, id=wanted).first()
+
+
+@tenant_scoped
+def load_snapshots(community_id: uuid.UUID | str, deliveries: list[WorkflowAgentDelivery]) -> None:
+    """Load the JSON snapshots (``execution_trace``, ``trigger_context``) of claimed
+    ``deliveries`` of one community, in one statement, onto the instances: for a handler that
+    cannot load them on first access (an ``async def`` handler on the worker's event loop, where
+    Django refuses the ORM). A delivery no longer there keeps them deferred."""
+    community = v.uuid_value(community_id, "community_id")
+    by_id = {d.id: d for d in deliveries}
+    if not by_id:
+        return
+    rows = WorkflowAgentDelivery.objects.filter(community_id=community, id__in=list(by_id)).values_list(
+        "id", *sql.SNAPSHOT_FIELDS
+    )
+    for delivery_id, *values in rows:
+        for name, value in zip(sql.SNAPSHOT_FIELDS, values, strict=True):
+            setattr(by_id[delivery_id], name, value)

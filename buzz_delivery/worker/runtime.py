@@ -16,6 +16,8 @@ n=...``); one DEBUG line per delivery (``claimed delivery=...``, ``settled deliv
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import logging
 import os
@@ -70,6 +72,10 @@ CLAIM_AHEAD_MAX_WAIT = 1.0
 # 40% less server CPU per delivery than one of 16 (bench/results/peers-batch50.md), and the
 # claim-ahead budget above keeps slow handlers from holding leases they cannot start.
 DEFAULT_BATCH_SIZE = 50
+MAX_BATCH_SIZE = 1000
+# Handlers in flight at once: threads for a plain handler, tasks on one loop for an async one.
+MAX_THREADS = 256
+MAX_TASKS = 10_000
 RUN_TIME_WEIGHT = 0.2  # weight of the newest handler run time in its moving average
 # Seconds the settler waits for more results while a batch is short.
 SETTLE_LINGER = 0.002
@@ -97,7 +103,9 @@ class WorkerConfig:
     ``community_id``/``target_pubkey`` (32 bytes): whose deliveries to claim; ``extra_pairs``:
     more (community, target) pairs the same process serves, with the same handler threads and
     connections (a pair given twice counts once; see :attr:`pairs`). ``handler``: see
-    :mod:`buzz_delivery.worker.handlers`. ``concurrency``: handler threads (1..256).
+    :mod:`buzz_delivery.worker.handlers`. ``concurrency``: handlers in flight at once: handler
+    threads (1..256) for a plain handler; for an ``async def`` handler, tasks on one event loop
+    thread (1..10,000), which hold no database connection of their own.
     ``lease_seconds``: None = ``LEASE_SECONDS``. ``batch_size``: most claims per round trip
     and most results per settle statement (1..1000; None = the larger of ``concurrency`` and
     :data:`DEFAULT_BATCH_SIZE`). Claims go to free
@@ -145,6 +153,9 @@ class WorkerConfig:
             for i, (community, target) in enumerate(self.extra_pairs)
         )
         object.__setattr__(self, "extra_pairs", pairs)
+        # Threads for a plain handler; tasks on one loop (no connection each) for an async one.
+        limit = MAX_TASKS if is_async_handler(self.handler) else MAX_THREADS
+        v.int_in_range(self.concurrency, "concurrency", 1, limit)
 
     @property
     def pairs(self) -> tuple[Pair, ...]:
@@ -213,7 +224,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, stop: threading.Event) -> None:
         self.config = config
         self.lease_seconds = v.lease_seconds(config.lease_seconds)
-        self.batch_size = config.batch_size or max(config.concurrency, DEFAULT_BATCH_SIZE)
+        self.batch_size = config.batch_size or min(max(config.concurrency, DEFAULT_BATCH_SIZE), MAX_BATCH_SIZE)
         self.holder = holder_identity(config.name)
         self.pairs = config.pairs
         self.next_pair = 0  # where the next poll of every pair starts (round robin)
@@ -253,6 +264,10 @@ class Worker:
         self.gave_up = False
         self.threads: list[threading.Thread] = []
         self.exited: set[int | None] = set()  # handler threads that stopped as told (a stop marker)
+        # An ``async def`` handler runs on one event loop thread (its loop, once running).
+        self.is_async = is_async_handler(config.handler)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_ready = threading.Event()
 
     # --- handler threads -------------------------------------------------------------------
 
@@ -299,11 +314,10 @@ class Worker:
         self._retry_now(held.lease, "handler_timeout: the handler ran past its deadline")
         self.wake.set()  # the dispatcher checks whether every handler thread is now hung
 
-    def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
-        """Run the handler for one claim; returns what to settle, or None (result dropped)."""
+    def _begin(self, claim: Claim, claimed_at: float) -> float | None:
+        """Before a handler runs: None when the worker already gave its leases up (the claim is
+        not run), else its start (monotonic), with its deadline handed to the renewer."""
         lease = claim.lease
-        if connection.in_atomic_block:  # never a transaction around a handler
-            raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
         with self._lock:
             gave_up = self.gave_up
         if gave_up:  # a claim still queued when the worker gave its leases up: not run
@@ -311,32 +325,11 @@ class Worker:
             return None
         started = time.monotonic()
         self.renewer.set_deadline(lease, self._deadline(claim, claimed_at, started))
-        # With the delivery's community as context: what the handler reads of our tables
-        # through the ORM (a deferred field, a related row) is that community's, and only
-        # that; as the login role, which holds the grants on the project's own tables. What it
-        # leaves open on this thread's connection is undone there (buzz_delivery.usercode).
-        call = UserCode(lease.community_id)
-        try:
-            with call, tracing.handler_span(claim.delivery):
-                self.config.handler(claim.delivery)
-            args = FINISHED
-        except Exception as exc:
-            args = settle_args_for(exc)
-            if isinstance(exc, DB_UNAVAILABLE):
-                # The handler hit this thread's dead connection (a restart, a terminated backend):
-                # drop it so the next handler call on this thread reconnects.
-                connection.close()
-            logger.warning(
-                "handler_error delivery=%s generation=%d outcome=%s error=%s: %s",
-                lease.delivery_id,
-                lease.lease_generation,
-                args.outcome,
-                args.failure_code or type(exc).__name__,
-                (args.failure_message or "")[:LOGGED_MESSAGE_CHARS],
-                # An ordinary retry is one line; its traceback only at DEBUG (-v 2).
-                exc_info=logger.isEnabledFor(logging.DEBUG),
-            )
-        except BaseException as exc:
+        return started
+
+    def _raised(self, lease: Lease, exc: BaseException) -> SettleArgs:
+        """The settle of a handler that raised ``exc``: see :mod:`buzz_delivery.worker.handlers`."""
+        if not isinstance(exc, Exception):
             # SystemExit, KeyboardInterrupt, CancelledError...: the handler asked to stop, which
             # ends this delivery (failed, the class name as its code), never the worker.
             args = aborted_args(exc)
@@ -346,22 +339,26 @@ class Worker:
                 lease.lease_generation,
                 args.failure_code,
             )
-        finally:
-            held = self.renewer.release(lease)
-            self._ran(time.monotonic() - started)
-        if call.left_open is not None:
-            args = SettleArgs(
-                "failed",
-                TRANSACTION_LEFT_OPEN,
-                f"the handler left its database connection with {call.left_open}; nothing it wrote there is kept",
-            )
-            logger.warning(
-                "handler_error delivery=%s generation=%d outcome=failed error=%s: %s",
-                lease.delivery_id,
-                lease.lease_generation,
-                TRANSACTION_LEFT_OPEN,
-                call.left_open,
-            )
+            return args
+        args = settle_args_for(exc)
+        if isinstance(exc, DB_UNAVAILABLE):
+            # The handler hit this thread's dead connection (a restart, a terminated backend):
+            # drop it so the next handler call on this thread reconnects.
+            connection.close()
+        logger.warning(
+            "handler_error delivery=%s generation=%d outcome=%s error=%s: %s",
+            lease.delivery_id,
+            lease.lease_generation,
+            args.outcome,
+            args.failure_code or type(exc).__name__,
+            (args.failure_message or "")[:LOGGED_MESSAGE_CHARS],
+            # An ordinary retry is one line; its traceback only at DEBUG (-v 2).
+            exc_info=logger.isEnabledFor(logging.DEBUG),
+        )
+        return args
+
+    def _result(self, lease: Lease, args: SettleArgs, held: HeldLease | None) -> SettleJob | None:
+        """After a handler ran: what to settle, or None (the result is dropped)."""
         if not self._decide(lease):
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
@@ -380,6 +377,60 @@ class Worker:
             return None
         return SettleJob(lease, args)
 
+    def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
+        """Run the handler for one claim; returns what to settle, or None (result dropped)."""
+        lease = claim.lease
+        if connection.in_atomic_block:  # never a transaction around a handler
+            raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
+        started = self._begin(claim, claimed_at)
+        if started is None:
+            return None
+        # With the delivery's community as context: what the handler reads of our tables
+        # through the ORM (a deferred field, a related row) is that community's, and only
+        # that; as the login role, which holds the grants on the project's own tables. What it
+        # leaves open on this thread's connection is undone there (buzz_delivery.usercode).
+        call = UserCode(lease.community_id)
+        try:
+            with call, tracing.handler_span(claim.delivery):
+                self.config.handler(claim.delivery)
+            args = FINISHED
+        except BaseException as exc:
+            args = self._raised(lease, exc)
+        finally:
+            held = self.renewer.release(lease)
+            self._ran(time.monotonic() - started)
+        if call.left_open is not None:
+            args = SettleArgs(
+                "failed",
+                TRANSACTION_LEFT_OPEN,
+                f"the handler left its database connection with {call.left_open}; nothing it wrote there is kept",
+            )
+            logger.warning(
+                "handler_error delivery=%s generation=%d outcome=failed error=%s: %s",
+                lease.delivery_id,
+                lease.lease_generation,
+                TRANSACTION_LEFT_OPEN,
+                call.left_open,
+            )
+        return self._result(lease, args, held)
+
+    async def _ahandle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
+        """As :meth:`_handle`, for an ``async def`` handler, awaited on the worker's loop."""
+        lease = claim.lease
+        started = self._begin(claim, claimed_at)
+        if started is None:
+            return None
+        try:
+            with tracing.handler_span(claim.delivery):
+                await self.config.handler(claim.delivery)  # type: ignore[misc]
+            args = FINISHED
+        except BaseException as exc:  # a CancelledError too: it ends this delivery only
+            args = self._raised(lease, exc)
+        finally:
+            held = self.renewer.release(lease)
+            self._ran(time.monotonic() - started)
+        return self._result(lease, args, held)
+
     def _ran(self, seconds: float) -> None:
         """Fold one handler run time into the moving average the claim-ahead budget reads."""
         with self._lock:
@@ -391,6 +442,17 @@ class Worker:
         with self._lock:
             self.in_flight -= n
             self.last_busy = time.monotonic()
+        self.wake.set()
+
+    def _handled(self, job: SettleJob | None) -> None:
+        """One claim is out of the handlers' hands: settle its result (or count it dropped)."""
+        with self._lock:
+            self.handling -= 1
+            if job is None:
+                self.in_flight -= 1
+            self.last_busy = time.monotonic()
+        if job is not None:
+            self.settler.put(job)
         self.wake.set()
 
     def _handler_thread(self) -> None:
@@ -405,18 +467,61 @@ class Worker:
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
                     self._fail("worker_error")
                 finally:
-                    with self._lock:
-                        self.handling -= 1
-                        if job is None:
-                            self.in_flight -= 1
-                        self.last_busy = time.monotonic()
-                    if job is not None:
-                        self.settler.put(job)
-                    self.wake.set()
+                    self._handled(job)
             with self._lock:
                 self.exited.add(threading.get_ident())
         finally:
             connections.close_all()
+
+    # --- the event loop of an async handler ------------------------------------------------------
+
+    def _loop_thread(self) -> None:
+        """With an ``async def`` handler: one thread runs an asyncio loop on which each claim's
+        handler is a task (up to ``concurrency`` at once); claims reach it from the dispatcher
+        through :meth:`_submit`. It ends once told to stop and every task is done."""
+        try:
+            asyncio.run(self._event_loop())
+            with self._lock:
+                self.exited.add(threading.get_ident())
+        except BaseException:
+            logger.exception("worker_error: the handlers' event loop stopped")
+            self._fail("worker_error")
+        finally:
+            connections.close_all()
+
+    async def _event_loop(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = asyncio.Event()
+        self.loop_ready.set()
+        await self._closing.wait()
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def _spawn(self, item: tuple[Claim, float] | None) -> None:
+        if item is None:
+            self._closing.set()
+            return
+        task = asyncio.ensure_future(self._task(*item))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _task(self, claim: Claim, claimed_at: float) -> None:
+        job = None
+        try:
+            job = await self._ahandle(claim, claimed_at)
+        except BaseException:
+            logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
+            self._fail("worker_error")
+        finally:
+            self._handled(job)
+
+    def _submit(self, item: tuple[Claim, float] | None) -> None:
+        """Hand a claim (or a stop marker) to the handlers: a thread's queue, or the loop."""
+        if self.loop is None:
+            self.work.put(item)
+        else:
+            self.loop.call_soon_threadsafe(self._spawn, item)
 
     # --- dispatcher (the caller's thread) ------------------------------------------------------
 
@@ -517,6 +622,8 @@ class Worker:
             # Never run a delivery twice at once in one process: its earlier handler still hangs here.
             self.tally.add("claimed")
             self._retry_now(claim.lease, "handler_timeout: an earlier attempt still runs in this worker")
+        if self.is_async and claims:
+            self._load_snapshots(claims)
         debug = logger.isEnabledFor(logging.DEBUG)
         for claim in claims:
             lease = claim.lease
@@ -529,9 +636,23 @@ class Worker:
                     lease.lease_until.isoformat(),
                 )
             self.renewer.hold(lease)
-            self.work.put((claim, claimed_at))
+            self._submit((claim, claimed_at))
         self.tally.add("claimed", len(claims))
         logger.info("claimed n=%d via=%s", len(claims), via)
+
+    def _load_snapshots(self, claims: list[Claim]) -> None:
+        """An async handler cannot load a deferred field on first access (Django refuses the ORM
+        on the loop): load the claims' snapshots here, one statement per community. On an error
+        they stay deferred (a handler that reads them fails that delivery's attempt: a retry)."""
+        by_community: dict[uuid.UUID, list[Any]] = {}
+        for claim in claims:
+            by_community.setdefault(claim.lease.community_id, []).append(claim.delivery)
+        for community_id, deliveries in by_community.items():
+            try:
+                services.load_snapshots(community_id, deliveries)
+            except Exception as exc:
+                logger.warning("snapshot_load_error community=%s n=%d: %s", community_id, len(deliveries), exc)
+                close_old_connections()
 
     def _deadline(self, claim: Claim, claimed_at: float, started: float) -> float | None:
         """Monotonic time after which this claim's handler is past its deadline: the worker's
@@ -630,7 +751,7 @@ class Worker:
         (handlers already past their deadline are not waited for). Returns how many in-flight
         leases were given up (0 when everything settled)."""
         for _ in threads:
-            self.work.put(None)
+            self._submit(None)
         give_up_at = time.monotonic() + self.config.shutdown_grace
         while True:
             with self._lock:
@@ -678,16 +799,22 @@ class Worker:
             stop=self.stop,
             retry_seconds=c.poll_interval,
         )
-        threads = self.threads = [
-            threading.Thread(target=self._handler_thread, name=f"buzz-delivery-handler-{i}", daemon=True)
-            for i in range(c.concurrency)
-        ]
+        if self.is_async:
+            threads = self.threads = [
+                threading.Thread(target=self._loop_thread, name="buzz-delivery-loop", daemon=True)
+            ]
+        else:
+            threads = self.threads = [
+                threading.Thread(target=self._handler_thread, name=f"buzz-delivery-handler-{i}", daemon=True)
+                for i in range(c.concurrency)
+            ]
         logger.info(
-            "started community=%s target=%s%s handler=%s concurrency=%d batch_size=%d lease_seconds=%g pid=%d",
+            "started community=%s target=%s%s handler=%s%s concurrency=%d batch_size=%d lease_seconds=%g pid=%d",
             c.community_id,
             c.target_pubkey.hex(),
             f" pairs={len(self.pairs)}" if len(self.pairs) > 1 else "",
             _handler_name(c.handler),
+            " (async)" if self.is_async else "",
             c.concurrency,
             self.batch_size,
             self.lease_seconds,
@@ -698,6 +825,8 @@ class Worker:
         listener.start()
         for thread in threads:
             thread.start()
+        if self.is_async and not self.loop_ready.wait(30):
+            self._fail("worker_error")  # its thread logged why
         reason = "error"
         try:
             reason = self.dispatch()
@@ -740,6 +869,11 @@ class Worker:
             logger.warning("db_unavailable role=summary error=%s", exc)
             close_old_connections()
             return 0
+
+
+def is_async_handler(handler: Handler) -> bool:
+    """Whether ``handler`` is an ``async def`` function (or an object with an async ``__call__``)."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(type(handler).__call__)
 
 
 def _handler_name(handler: Handler) -> str:

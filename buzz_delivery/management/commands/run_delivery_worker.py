@@ -94,7 +94,11 @@ class Command(StrictOptionsCommand):
             "--handler", required=True, help="Dotted path of the handler, e.g. myapp.agents:handle_delivery."
         )
         parser.add_argument(
-            "--concurrency", type=int_in(1, 256), default=1, help="Handler threads (1..256; default 1)."
+            "--concurrency",
+            type=int_in(1, 10_000),
+            default=1,
+            help="Handlers in flight: threads for a plain handler (1..256), tasks on one event loop for an "
+            "async def handler (1..10000); default 1.",
         )
         parser.add_argument(
             "--lease-seconds",
@@ -166,22 +170,29 @@ class Command(StrictOptionsCommand):
         if verbosity != 1:
             logging.getLogger("buzz_delivery.worker").setLevel(logging.WARNING if verbosity == 0 else logging.DEBUG)
         first, *more_targets = options["target"]
-        config = WorkerConfig(
-            community_id=options["community"],
-            target_pubkey=first,
-            extra_pairs=tuple((options["community"], t) for t in more_targets) + tuple(options["pair"]),
-            handler=handler,
-            concurrency=options["concurrency"],
-            lease_seconds=lease_seconds,
-            batch_size=options["batch_size"],
-            poll_interval=options["poll_interval"],
-            max_deliveries=options["max_deliveries"],
-            idle_exit=options["idle_exit"],
-            renew_fraction=options["renew_fraction"],
-            handler_timeout=options["handler_timeout"],
-            shutdown_grace=options["shutdown_grace"],
-            name=options["name"],
-        )
+        try:
+            config = WorkerConfig(
+                community_id=options["community"],
+                target_pubkey=first,
+                extra_pairs=tuple((options["community"], t) for t in more_targets) + tuple(options["pair"]),
+                handler=handler,
+                concurrency=options["concurrency"],
+                lease_seconds=lease_seconds,
+                batch_size=options["batch_size"],
+                poll_interval=options["poll_interval"],
+                max_deliveries=options["max_deliveries"],
+                idle_exit=options["idle_exit"],
+                renew_fraction=options["renew_fraction"],
+                handler_timeout=options["handler_timeout"],
+                shutdown_grace=options["shutdown_grace"],
+                name=options["name"],
+            )
+        except ValidationError as exc:  # --concurrency above 256 with a plain (threaded) handler
+            raise CommandError(
+                f"--concurrency: {options['concurrency']} handler threads is too many; up to 256 threads for "
+                "a plain handler, up to 10000 tasks for an async def handler",
+                returncode=2,
+            ) from exc
         detail = f"community={config.community_id} target={config.target_pubkey.hex()} handler={options['handler']}"
         if len(config.pairs) > 1:  # every pair, so an operator can find who serves a community
             more = " ".join(f"{c}:{t.hex()[:16]}" for c, t in config.pairs[1:MAX_LISTED_PAIRS])
