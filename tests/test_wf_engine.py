@@ -138,6 +138,25 @@ def test_bad_output_or_a_missing_function_fails_the_step_with_a_code_not_the_wor
     assert (step.state, step.failure_code, step.attempts) == ("failed", code, 1)
 
 
+def test_an_async_def_function_step_is_awaited_and_its_output_and_failures_recorded(workflow):
+    definition = {
+        "steps": [
+            function_step("ok", "test.async_wait", input={"sleep": 0.05}),
+            function_step("boom", "test.async_boom", retry={"max_attempts": 1}, on_error="continue"),
+            function_step("refused", "test.async_permanent", retry={"max_attempts": 3}, on_error="continue"),
+        ]
+    }
+    run = start(workflow, definition)
+    run_until_idle(workflow.community_id)
+    got = get_run(workflow.community_id, run.pk)
+    assert (got.step("ok").state, got.step("ok").output) == ("succeeded", {"awaited": True, "step": "ok"})
+    boom = got.step("boom")
+    assert (boom.state, boom.failure_code) == ("failed", "attempts_exhausted")  # retryable, one attempt
+    assert "RuntimeError: async boom" in boom.failure_message
+    refused = got.step("refused")
+    assert (refused.state, refused.failure_code, refused.attempts) == ("failed", "async_refused", 1)
+
+
 def test_stale_holder_matrix_for_steps(workflow):
     """A reclaimed step's old holder gets LeaseLost on renew, complete and fail; the true
     holder's retry of its completion is AlreadyTerminal (SPEC 4.5, repeated for steps)."""

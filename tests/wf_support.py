@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -80,3 +81,23 @@ def not_json(input: dict, context: Any) -> object:
 @workflow_function("test.flag")
 def flag(input: dict, context: Any) -> dict:
     return {"ok": input.get("ok", True)}
+
+
+@workflow_function("test.async_wait")
+async def async_wait(input: dict, context: Any) -> dict:
+    """An ``async def`` function step: awaits an I/O wait, then answers."""
+    await asyncio.sleep(float(input.get("sleep", 0.01)))
+    return {"awaited": True, "step": context.step_key}
+
+
+@workflow_function("test.async_boom")
+async def async_boom(input: dict, context: Any) -> dict:
+    await asyncio.sleep(0)
+    raise RuntimeError("async boom")
+
+
+@workflow_function("test.async_permanent")
+async def async_permanent(input: dict, context: Any) -> dict:
+    from buzz_delivery.workflows.registry import PermanentStepFailure
+
+    raise PermanentStepFailure("nope", failure_code="async_refused")

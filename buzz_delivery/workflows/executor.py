@@ -22,7 +22,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import inspect
 import logging
 import uuid
 from dataclasses import dataclass
@@ -146,6 +148,8 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
     try:
         with call:
             output = fn(arguments, context)
+            if inspect.isawaitable(output):  # an ``async def`` function: awaited on this step thread
+                output = asyncio.run(_awaited(output))
     except PermanentStepFailure as exc:
         failure = (_failure_code(exc.failure_code), _message(describe(exc)), False)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this step's, never the worker's
@@ -160,6 +164,10 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
         code, message, retryable = failure
         return steps.fail_step(claim.lease, code, failure_message=message, retryable=retryable, retry_after=retry_after)
     return Output(output)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _failure_code(value: object) -> str:
