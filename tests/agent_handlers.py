@@ -162,3 +162,20 @@ def not_a_compensation(args, output, key: str) -> None:
     """Importable, callable with a compensation's arguments, and registered by nobody: a stored
     descriptor naming it must never run it (issue 27). Writes ``forbidden <key>`` if it runs."""
     _write(f"forbidden {key}")
+
+
+def two_calls_then_hold(ctx):
+    """Two calls whose compensation is ``counted_undo`` (a ledger line per execution), then
+    ``holding <run id>`` in the ledger and a wait until a heartbeat tells the run was cancelled
+    (at most 60 s)."""
+    import time
+
+    for n in (1, 2):
+        ctx.call("effect", effect, {"n": n}, compensate=counted_undo)
+    _write(f"holding {ctx.lease.run_id}")
+    deadline = time.monotonic() + 60
+    while not ctx.cancelled:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the run was never cancelled")
+        time.sleep(0.05)
+    return {"cancelled": True}

@@ -180,5 +180,151 @@ def test_cancelling_the_workflow_run_expires_the_approval_its_agent_run_waited_f
     assert approval.state == "expired" and approval.closed_at is not None
     late = decide_approval(workflow.community_id, approval_id, "approved", "alice")
     assert isinstance(late, Expired)  # a late decision is refused, not accepted for nothing
+    # Its first call carries a compensation: the run unwinds before it ends (issue 28).
+    agent_run = AgentRun.objects.get(id=accepted[a])
+    assert (agent_run.state, agent_run.unwinding, agent_run.failure_code) == ("pending", True, "workflow_canceled")
+    assert work(workflow.community, [a]) == ["compensated"]
     agent_run = AgentRun.objects.get(id=accepted[a])
     assert (agent_run.state, agent_run.failure_code) == ("cancelled", "workflow_canceled")
+    assert [x for x in h.ledger_lines() if x.startswith("undo")] == [f"undo {accepted[a]}:1:compensate"]
+    assert f"resumed {accepted[a]}" not in h.ledger_lines()  # an unwinding run never runs its handler
+
+
+# -- A workflow cancel compensates its agent runs' calls (issue 28: no tool call is left
+# uncompensated), as the operator's cancel_agent_run does.
+
+
+def one_agent_run(workflow, agent):
+    """A workflow run parked on one agent run of ``agent`` (accepted, not claimed)."""
+    run = start(workflow, {"steps": [send_step("ask", [agent], **{"await": "agent_run"})]})
+    run_until_idle(workflow.community_id)
+    return run, accept_all(run, {agent: "calls"})[agent]
+
+
+def undone(run_id) -> list[int]:
+    """The seqs whose compensation ran (``counted_undo``: a line per execution), in ledger order."""
+    prefix = f"ran {run_id}:"
+    return [int(line[len(prefix) :].split(":")[0]) for line in h.ledger_lines() if line.startswith(prefix)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_workflow_cancel_unwinds_a_worker_held_agent_run_2_then_1_once_each_and_ends_it_cancelled(workflow, settings):
+    """A real worker (its threads, its heartbeat) accepts the delivery, makes two calls with
+    registered compensations and holds the run; the workflow run is cancelled through the
+    engine's service: the holder learns it at its next heartbeat, the worker claims the run
+    again and undoes call 2 then call 1, once each, and the run ends cancelled."""
+    import threading
+    import time
+
+    from buzz_delivery.agents.services import AlreadyTerminal
+    from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
+
+    settings.BUZZ_DELIVERY = {**settings.BUZZ_DELIVERY, "MIN_LEASE_SECONDS": 1}
+    community = workflow.community
+    agent = random32()
+    run = start(workflow, {"steps": [send_step("ask", [agent], **{"await": "agent_run"})]})
+    run_until_idle(community.id)
+    worker = AgentWorker(
+        WorkerConfig(
+            handler=h.two_calls_then_hold, agents=[agent], communities=[community.id], lease_seconds=3,
+            poll_seconds=0.2, exit_when_idle=True, worker_id="w", shutdown_grace=5,
+        )
+    )  # fmt: skip
+    counts: dict = {}
+    thread = threading.Thread(target=lambda: counts.update(worker.run()), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("holding ") for line in h.ledger_lines()):
+            assert time.monotonic() < deadline and thread.is_alive(), counts
+            time.sleep(0.05)
+        agent_run = AgentRun.objects.get(community_id=community.id, source_run_id=run.pk)
+        assert [e.status for e in JournalEntry.objects.filter(run_id=agent_run.id).order_by("seq")] == [
+            "succeeded",
+            "succeeded",
+        ]
+
+        cancel_run(community.id, run.pk)
+
+        thread.join(60)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert [counts.get(k, 0) for k in ("accepted", "lost", "compensated", "internal_errors")] == [1, 1, 1, 0], counts
+    assert get_run(community.id, run.pk).state == "canceled"
+    assert undone(agent_run.id) == [2, 1]  # reverse order, each compensation run once
+    agent_run.refresh_from_db()
+    assert (agent_run.state, agent_run.failure_code) == ("cancelled", "workflow_canceled")
+    journal = JournalEntry.objects.filter(run_id=agent_run.id).order_by("seq")
+    assert list(journal.values_list("compensation_status", flat=True)) == ["compensated", "compensated"]
+    events = [(e["event"], e["status"], e["actor"]) for e in agent_run.history]
+    assert ("cancel", "pending", "engine") in events  # sent to unwind by the engine's cancel
+    assert cancel_agent_run(community.id, agent_run.id) == AlreadyTerminal("cancelled")
+
+
+def test_a_workflow_cancel_fences_a_holder_mid_call_and_its_pending_call_is_compensated_first(workflow):
+    from buzz_delivery.agents.services import (
+        Cancelled,
+        LeaseLost,
+        Recorded,
+        heartbeat,
+        journal_call,
+        record_call_result,
+    )
+
+    a = random32()
+    run, agent_run_id = one_agent_run(workflow, a)
+    (claim,) = claim_agent_runs(workflow.community_id, [a], worker_id="w")
+    compensation = {"function": "tests.agent_handlers:counted_undo"}
+    assert journal_call(claim.lease, "effect", {"n": 1}, compensation=compensation).seq == 1
+    assert record_call_result(claim.lease, 1, ok=True, output={"n": 1}) == Recorded("succeeded")
+    assert journal_call(claim.lease, "effect", {"n": 2}, compensation=compensation).seq == 2  # mid-call
+
+    cancel_run(workflow.community_id, run.pk)
+
+    row = AgentRun.objects.get(id=agent_run_id)
+    assert (row.state, row.unwinding, row.failure_code) == ("pending", True, "workflow_canceled")
+    assert row.lease_generation == claim.lease.lease_generation + 1
+    assert (row.history[-1]["event"], row.history[-1]["status"], row.history[-1]["actor"]) == (
+        "cancel",
+        "pending",
+        "engine",
+    )
+    # The holder learns the cancel and can write nothing more; an operator's cancel adds nothing.
+    assert heartbeat(claim.lease) == LeaseLost("cancelled")
+    assert record_call_result(claim.lease, 2, ok=True, output={"n": 2}) == LeaseLost("cancelled")
+    assert cancel_agent_run(workflow.community_id, agent_run_id) == Cancelled(agent_run_id)
+    assert AgentRun.objects.get(id=agent_run_id).lease_generation == row.lease_generation
+
+    assert work(workflow.community, [a]) == ["compensated"]
+    assert undone(agent_run_id) == [2, 1]  # the uncertain call first, then the one under it
+    row = AgentRun.objects.get(id=agent_run_id)
+    assert (row.state, row.failure_code) == ("cancelled", "workflow_canceled")
+    journal = JournalEntry.objects.filter(run_id=agent_run_id).order_by("seq")
+    assert [(e.status, e.uncertain, e.compensation_status) for e in journal] == [
+        ("succeeded", False, "compensated"),
+        ("failed", True, "compensated"),
+    ]
+    assert claim_agent_runs(workflow.community_id, [a], worker_id="w2") == []
+
+
+def test_a_workflow_cancel_ends_an_agent_run_with_nothing_to_undo_at_once_and_closes_its_pending_call(workflow):
+    from buzz_delivery.agents.services import Recorded, journal_call, record_call_result
+
+    a = random32()
+    run, agent_run_id = one_agent_run(workflow, a)
+    (claim,) = claim_agent_runs(workflow.community_id, [a], worker_id="w")
+    assert journal_call(claim.lease, "lookup", {"n": 1}).seq == 1  # no compensation
+    assert record_call_result(claim.lease, 1, ok=True, output={"n": 1}) == Recorded("succeeded")
+    assert journal_call(claim.lease, "lookup", {"n": 2}).seq == 2  # no compensation, left pending
+
+    cancel_run(workflow.community_id, run.pk)
+
+    row = AgentRun.objects.get(id=agent_run_id)
+    assert (row.state, row.unwinding, row.failure_code) == ("cancelled", False, "workflow_canceled")
+    assert row.lease_generation == claim.lease.lease_generation + 1
+    journal = JournalEntry.objects.filter(run_id=agent_run_id).order_by("seq")
+    assert [(e.status, e.uncertain) for e in journal] == [("succeeded", False), ("failed", True)]
+    assert claim_agent_runs(workflow.community_id, [a], worker_id="w2") == []
+    assert h.ledger_lines() == []

@@ -12,16 +12,18 @@ import pytest
 from django.db import connections
 
 from buzz_delivery import services as core
-from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import (
     Accepted,
     AlreadyTerminal,
     Finished,
+    Journaled,
     LeaseLost,
     RunEnded,
     accept_delivery,
     claim_agent_runs,
     complete_run,
+    journal_call,
     reap_agent_runs,
 )
 from buzz_delivery.models import WorkflowAgentDelivery
@@ -129,6 +131,43 @@ def test_a_workflow_cancel_against_one_of_its_agent_runs_completing(community):
         assert isinstance(completed, Finished | LeaseLost | AlreadyTerminal), completed
         assert Run.objects.get(pk=run.pk).state in RUN_TERMINAL
         assert AgentRun.objects.get(id=agent_claim.lease.run_id).state in AGENT_TERMINAL
+
+
+def test_a_workflow_cancel_against_its_agent_run_journaling_a_compensable_call_never_drops_the_call(community):
+    """The cancel locks the agent run before it judges the journal: a call journaled first is
+    seen, and the run is sent to undo it (never ended with the call uncompensated); a call
+    journaled after is refused."""
+    compensation = {"function": "tests.agent_handlers:undo"}
+    outcomes = set()
+    for _ in range(REPETITIONS):
+        # An agent of its own each time: the runs left unwinding before must not be claimed here.
+        agent = random32()
+        workflow = WorkflowFactory(community=community)
+        steps = [send_step("ask", [agent], **{"await": "agent_run"})]
+        publish_definition(community.id, workflow.id, {"steps": steps})
+        run, agent_claim = _agent_run_of_a_workflow(community, workflow, agent)
+
+        canceled, journaled = race(
+            lambda run=run: cancel_run(community.id, run.pk),
+            lambda claim=agent_claim: journal_call(claim.lease, "effect", {"n": 1}, compensation=compensation),
+        )
+
+        assert isinstance(canceled, Canceled), canceled
+        agent_run = AgentRun.objects.get(id=agent_claim.lease.run_id)
+        entries = JournalEntry.objects.filter(community_id=community.id, run_id=agent_run.id)
+        if isinstance(journaled, Journaled):
+            assert (agent_run.state, agent_run.unwinding, agent_run.failure_code) == (
+                "pending",
+                True,
+                "workflow_canceled",
+            )
+            assert list(entries.values_list("status", "compensation_status")) == [("pending", None)]
+        else:
+            assert journaled == LeaseLost("cancelled"), journaled
+            assert (agent_run.state, agent_run.failure_code) == ("cancelled", "workflow_canceled")
+            assert not entries.exists()
+        outcomes.add(type(journaled).__name__)
+    assert outcomes  # mostly Journaled (the cancel does more before it reaches the agent run)
 
 
 def test_a_workflow_cancel_against_the_agent_reaper_exhausting_one_of_its_runs(community):

@@ -292,8 +292,9 @@ def fail_run(
     ``failed`` and uncertain, so it is compensated like a succeeded one, before the calls under
     it. Otherwise the run ends (the first
     failure code recorded wins) and :class:`Finished` says how: ``failed``, or ``cancelled`` /
-    ``timeout`` for a run that unwound because a cancel or its ``timeout_at`` sent it to
-    compensate. ``failure_code``: 1..64 characters. Raises ``ValidationError`` keyed ``lease``,
+    ``timeout`` for a run that unwound because a cancel (``cancel_agent_run``, or the cancel of
+    its workflow run: ``workflow_canceled``) or its ``timeout_at`` sent it to compensate.
+    ``failure_code``: 1..64 characters. Raises ``ValidationError`` keyed ``lease``,
     ``failure_code`` or ``failure_message``. SPEC 12."""
     code = v.optional_text(failure_code, "failure_code", 64)
     if not code or not code.strip():

@@ -189,10 +189,14 @@ OUTSTANDING = f"""
                     AND j.compensation_status = 'compensation_failed')
 """
 
+# The failure codes of a run unwinding for a cancel: the operator's (``cancel_agent_run``) and its
+# workflow run's (the trigger ``buzz_agents_workflow_canceled``, agents migration 0017).
+CANCEL_CODES = "('cancelled', 'workflow_canceled')"
+
 # A run that unwinds because it was cancelled or timed out ends in that state once undone
-# (the system writes those two failure codes only with ``unwinding``); any other ends failed.
+# (the system writes those failure codes only with ``unwinding``); any other ends failed.
 END_STATE_OF_UNWOUND = (
-    "CASE WHEN r.unwinding AND r.failure_code = 'cancelled' THEN 'cancelled'"
+    f"CASE WHEN r.unwinding AND r.failure_code IN {CANCEL_CODES} THEN 'cancelled'"
     " WHEN r.unwinding AND r.failure_code = 'timeout' THEN 'timeout' ELSE 'failed' END"
 )
 
@@ -308,9 +312,10 @@ WHERE a.community_id = %(community_id)s AND a.state = 'pending' AND a.step_id IS
 RETURNING a.id
 """
 
-# A run unwinding for a cancel already: a second cancel changes nothing (it would only fence
-# the compensating holder again).
-UNWINDING_FOR_CANCEL = "r.unwinding AND r.failure_code = 'cancelled'"
+# A run unwinding for a cancel already (the operator's, or its workflow run's): a second cancel
+# changes nothing (it would only fence the compensating holder again), and the holder the cancel
+# fenced learns ``LeaseLost("cancelled")``.
+UNWINDING_FOR_CANCEL = f"r.unwinding AND r.failure_code IN {CANCEL_CODES}"
 
 CANCEL_IF_NOT_TERMINAL = f"""
 UPDATE {RUN} AS r
