@@ -16,6 +16,12 @@ else -> ``retry``. The failure text is made storable (NUL and lone surrogates es
 exception whose ``str()`` raises described); a settle the gateway refuses or cannot be sent
 leaves that lease to lapse (``settle_errors``). Nothing about one delivery stops the worker;
 an internal error does, with exit status 1.
+
+Settles of ``finished`` results go in batches: a settler thread gathers them (up to
+``SETTLE_BATCH``, waiting at most ``SETTLE_LINGER`` seconds for more) and sends each
+community's in one signed request (``POST /communities/{id}/deliveries/finish``), each lease
+still fenced on its own; ``failed`` and ``retry`` results (each with its own text) settle one by
+one. A finished lease stays held, and renewed, until its batch is answered.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import logging
 import pkgutil
+import queue
 import signal
 import sys
 import threading
@@ -413,6 +420,11 @@ def settle_args(exc: BaseException | None) -> tuple[str, str | None, str | None]
     return "retry", None, message
 
 
+# Finished results per batch request, and the seconds the settler waits for more (issue 29).
+SETTLE_BATCH = 100
+SETTLE_LINGER = 0.005
+
+
 class RemoteWorker:
     """The worker loop of ``work``: see the module docstring. ``run()`` returns the summary."""
 
@@ -438,6 +450,8 @@ class RemoteWorker:
         self._lock = threading.Lock()
         self._held: dict[str, RemoteLease] = {}
         self._free = threading.Semaphore(concurrency)
+        self._finished: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # delivery ids to settle
+        self.settle_batch = min(SETTLE_BATCH, max(concurrency, 1) * 2)
 
     def _add(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -458,8 +472,12 @@ class RemoteWorker:
             except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this delivery's end only
                 error = exc
             outcome, code, message = settle_args(error)
+            if outcome == "finished":
+                self._finished.put(delivery_id)  # settled in a batch; still held (and renewed) until then
+                delivery_id = ""  # not released below
+                return
             with self._lock:
-                lease = self._held.get(delivery_id, claim.lease)
+                lease = self._held.get(claim.lease.delivery_id, claim.lease)
             try:
                 after = backoff.of(error) if outcome == "retry" else None
                 result = self.client.finish(
@@ -482,9 +500,55 @@ class RemoteWorker:
             logger.exception("worker_error delivery=%s", delivery_id)
             self._add("errors")
         finally:
-            with self._lock:
-                self._held.pop(delivery_id, None)
+            if delivery_id:
+                with self._lock:
+                    self._held.pop(delivery_id, None)
             self._free.release()
+
+    def _settle_loop(self) -> None:
+        """Settle the finished results in batches (see the module docstring) until told to stop."""
+        while (first := self._finished.get()) is not None:
+            batch, stop = [first], False
+            deadline = time.monotonic() + SETTLE_LINGER
+            while len(batch) < self.settle_batch:
+                try:
+                    item = self._finished.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self._settle_finished(batch)
+            if stop:
+                return
+
+    def _settle_finished(self, delivery_ids: list[str]) -> None:
+        with self._lock:
+            leases = [self._held[d] for d in delivery_ids if d in self._held]
+        by_community: dict[str, list[RemoteLease]] = {}
+        for lease in leases:
+            by_community.setdefault(lease.community_id, []).append(lease)
+        for group in by_community.values():
+            try:
+                results = self.client.finish_many(group, "finished")
+            except Exception as exc:  # refused or unreachable: those leases lapse, the worker goes on
+                logger.warning("settle_error n=%d error=%s", len(group), describe(exc))
+                self._add("settle_errors", len(group))
+                continue
+            for lease, result in zip(group, results, strict=False):
+                if result.outcome in ("lease_lost", "not_found"):
+                    self._add("lease_lost")
+                else:
+                    self._add(
+                        {"finished": "finished", "failed": "failed", "pending": "retried"}.get(
+                            result.status or "", "failed"
+                        )
+                    )
+                logger.info("settled delivery=%s outcome=finished result=%s", lease.delivery_id, result.outcome)
+        with self._lock:
+            for delivery_id in delivery_ids:
+                self._held.pop(delivery_id, None)
 
     def _renew_loop(self) -> None:
         while not self._done.wait(self.renew_every):
@@ -508,6 +572,8 @@ class RemoteWorker:
         self._done = threading.Event()
         renewer = threading.Thread(target=self._renew_loop, name="gateway-renewer", daemon=True)
         renewer.start()
+        settler = threading.Thread(target=self._settle_loop, name="gateway-settler", daemon=True)
+        settler.start()
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gateway-handler")
         idle_since = time.monotonic()
         claimed = 0
@@ -563,6 +629,8 @@ class RemoteWorker:
                 time.sleep(0.05)
             with self._lock:
                 self._counts["abandoned"] += len(self._held)
+            self._finished.put(None)  # the settler ends once what it holds is sent
+            settler.join(timeout=5)
             self._done.set()
         with self._lock:
             summary: dict[str, Any] = {key: self._counts[key] for key in SUMMARY_KEYS}

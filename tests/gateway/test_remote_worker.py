@@ -164,3 +164,23 @@ def test_a_retry_through_the_gateway_honours_retry_after_and_a_bad_one_is_refuse
         )
         (wait,) = cursor.fetchone()
     assert 590 <= wait <= 600
+
+
+def test_finished_results_settle_in_batches_one_request_per_community_and_batch(tmp_path, gateway_server):
+    """Issue 29: the remote worker used to send one signed request per settle."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    made = deliveries(community, agent.pubkey, *[f"ok_{i}" for i in range(24)])
+    proc = start(tmp_path, gateway_server, agent, "--concurrency", "8", "--max-deliveries", "24", "--wait-seconds", "1",
+                 "-v", "2")  # fmt: skip
+    assert proc.wait(timeout=60) == 0, (tmp_path / "worker.err").read_text()
+    assert summary(tmp_path)["finished"] == 24
+    assert set(WorkflowAgentDelivery.objects.filter(id__in=[d.id for d in made]).values_list("status", flat=True)) == {
+        "finished"
+    }
+    requests = [line for line in (tmp_path / "worker.err").read_text().splitlines() if "HTTP Request: POST" in line]
+    batch = [line for line in requests if f"/communities/{community.id}/deliveries/finish " in line]
+    single = [line for line in requests if line.split(" HTTP/")[0].endswith("/finish") and line not in batch]
+    assert single == [], single[:3]
+    assert 1 <= len(batch) < 24, len(batch)
