@@ -483,9 +483,7 @@ class RateLimit(CommunityScoped):
         constraints = [
             models.UniqueConstraint(fields=["community", "key"], name="rate_limit_one_per_key"),
             models.CheckConstraint(condition=Q(used__gte=0), name="rate_limit_used_not_negative"),
-            models.CheckConstraint(
-                condition=Q(key__regex=r"^[A-Za-z0-9_.:-]{1,64}$"), name="rate_limit_key_format"
-            ),
+            models.CheckConstraint(condition=Q(key__regex=r"^[A-Za-z0-9_.:-]{1,64}$"), name="rate_limit_key_format"),
         ]
         triggers = [*triggers.write_fence()]
 

@@ -31,10 +31,10 @@ separately, not across communities.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-import re
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured, ValidationError
@@ -64,10 +64,12 @@ class RateLimitSpec:
 
 @dataclass(frozen=True, slots=True)
 class Granted:
-    """The units were taken: ``used`` is the window's total after the take."""
+    """The units were taken: ``used`` is the window's total after the take, ``at`` the
+    database clock of the take statement."""
 
     used: int
     window_start: dt.datetime
+    at: dt.datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +132,8 @@ def rate_limit_of(rate_key: Any) -> RateLimitSpec:
     declared = declared_rate_limits()
     if not isinstance(rate_key, str) or rate_key not in declared:
         known = ", ".join(declared) or "none"
-        raise ValidationError(
-            {"rate_key": f"{rate_key!r} is not a rate limit key declared in BUZZ_DELIVERY['RATE_LIMITS'] (declared: {known})"}
-        )
+        message = f"{rate_key!r} is not a rate limit key declared in BUZZ_DELIVERY['RATE_LIMITS'] (declared: {known})"
+        raise ValidationError({"rate_key": message})
     return declared[rate_key]
 
 
@@ -140,7 +141,9 @@ def check_weight(weight: Any, spec: RateLimitSpec, *, field: str = "weight") -> 
     """``weight`` as units to take under ``spec``: an int in ``0..limit`` (more could never be
     granted), else a ``ValidationError`` keyed ``field``."""
     if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= spec.limit:
-        raise ValidationError({field: f"must be an int within 0..{spec.limit} (the limit of {spec.key!r}), got {weight!r}"})
+        raise ValidationError(
+            {field: f"must be an int within 0..{spec.limit} (the limit of {spec.key!r}), got {weight!r}"}
+        )
     return weight
 
 
@@ -210,7 +213,7 @@ def _run(community: uuid.UUID, spec: RateLimitSpec, weight: int, limit: int) -> 
     }
     granted, used, window_start, taken_at = fetch_all(TAKE, params)[0]
     if granted:
-        return Granted(used=used, window_start=window_start)
+        return Granted(used=used, window_start=window_start, at=taken_at)
     ends = window_start + dt.timedelta(seconds=spec.period)
     return Wait(seconds=max((ends - taken_at).total_seconds(), 0.0), used=used, window_start=window_start)
 
