@@ -97,9 +97,12 @@ def test_weights_count_units_and_a_charge_puts_the_window_over_its_limit(communi
 
 @pytest.mark.django_db
 def test_an_undeclared_key_is_refused_by_name_before_any_sql(community, django_assert_num_queries):
-    with rate_limits(openai={"limit": 5, "period": 60}):
-        with django_assert_num_queries(0), pytest.raises(ValidationError) as refused:
-            rl.take(community.id, "anthropic")
+    with (
+        rate_limits(openai={"limit": 5, "period": 60}),
+        django_assert_num_queries(0),
+        pytest.raises(ValidationError) as refused,
+    ):
+        rl.take(community.id, "anthropic")
     assert "anthropic" in refused.value.message_dict["rate_key"][0]
     assert not RateLimit.objects.exists()
 
@@ -107,9 +110,12 @@ def test_an_undeclared_key_is_refused_by_name_before_any_sql(community, django_a
 @pytest.mark.django_db
 def test_a_community_that_is_not_active_takes_nothing(community):
     advance_community(community.id, "quiescing")
-    with rate_limits(api={"limit": 5, "period": 60}):
-        with pytest.raises(DatabaseError, match="community"), transaction.atomic():
-            rl.take(community.id, "api")
+    with (
+        rate_limits(api={"limit": 5, "period": 60}),
+        pytest.raises(DatabaseError, match="community"),
+        transaction.atomic(),
+    ):
+        rl.take(community.id, "api")
     assert not RateLimit.objects.exists()
 
 
@@ -314,4 +320,3 @@ def test_current_use_lists_each_declared_key(community):
         assert (use.community_id, use.key, use.used, use.limit) == (community.id, "api", 3, 5)
     with rate_limits(other={"limit": 5, "period": 60}):
         assert rl.current_use() == []  # a key no longer declared is not shown
-
