@@ -324,3 +324,59 @@ def test_current_use_lists_each_declared_key(community):
         assert (use.community_id, use.key, use.used, use.limit) == (community.id, "api", 3, 5)
     with rate_limits(other={"limit": 5, "period": 60}):
         assert rl.current_use() == []  # a key no longer declared is not shown
+
+
+def scrape() -> dict[str, dict[str, float]]:
+    """rate limit families of one GET /metrics: name -> {key -> value}."""
+    from django.test import Client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = Client().get("/metrics")
+    assert response.status_code == 200
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            if sample.name.startswith("buzz_rate_limit"):
+                found.setdefault(sample.name, {})[sample.labels["key"]] = sample.value
+    return found
+
+
+@pytest.mark.django_db
+def test_metrics_export_the_current_use_of_each_declared_key(community):
+    from buzz_delivery.testing import CommunityFactory
+
+    other = CommunityFactory()
+    start = dt.datetime(2031, 5, 6, 7, 8, 0, tzinfo=dt.UTC)
+    with rate_limits(api={"limit": 3, "period": 60}, idle={"limit": 7, "period": 1}):
+        with frozen_db_clock(start + dt.timedelta(seconds=10)):
+            for _ in range(3):
+                rl.take(community.id, "api")
+            rl.take(other.id, "api")
+            found = scrape()
+        assert found["buzz_rate_limit_used"] == {"api": 4, "idle": 0}
+        assert found["buzz_rate_limit_used_max"] == {"api": 3, "idle": 0}
+        assert found["buzz_rate_limit_communities_at_limit"] == {"api": 1, "idle": 0}
+        assert found["buzz_rate_limit_limit"] == {"api": 3, "idle": 7}
+        assert found["buzz_rate_limit_period_seconds"] == {"api": 60, "idle": 1}
+        with frozen_db_clock(start + dt.timedelta(seconds=61)):  # the window ended: nothing used now
+            assert scrape()["buzz_rate_limit_used"] == {"api": 0, "idle": 0}
+    assert "buzz_rate_limit_used" not in scrape()  # no key declared: no samples
+
+
+@pytest.mark.django_db
+def test_the_admin_lists_each_window_with_its_use_and_writes_nothing(community, admin_client):
+    start = dt.datetime(2031, 5, 6, 7, 8, 0, tzinfo=dt.UTC)
+    with rate_limits(api={"limit": 3, "period": 60}), frozen_db_clock(start + dt.timedelta(seconds=10)):
+        rl.take(community.id, "api", 2)
+        rl.charge(community.id, "api", 5)
+        page = admin_client.get("/admin/buzz_delivery/ratelimit/")
+        assert page.status_code == 200
+        text = page.content.decode()
+        assert "api" in text and "7 (over)" in text
+        row = RateLimit.objects.get(community_id=community.id)
+        assert admin_client.get(f"/admin/buzz_delivery/ratelimit/{row.pk}/change/").status_code == 200
+        assert admin_client.post("/admin/buzz_delivery/ratelimit/add/", {"key": "x"}).status_code == 403
+        assert admin_client.post(f"/admin/buzz_delivery/ratelimit/{row.pk}/delete/", {"post": "yes"}).status_code == 403
+    with rate_limits(api={"limit": 3, "period": 60}), frozen_db_clock(start + dt.timedelta(seconds=70)):
+        assert ">0<" in admin_client.get("/admin/buzz_delivery/ratelimit/").content.decode()  # window ended
+    assert RateLimit.objects.get(community_id=community.id).used == 7
