@@ -373,8 +373,9 @@ class BuzzCollector(Collector):
                     },
                 )
                 rows = cursor.fetchall()
-            for key, most, used, at_limit in rows:
-                spec = declared[key]
+            found = {key: (most, used, at_limit) for key, most, used, at_limit in rows}
+            for key, spec in declared.items():
+                most, used, at_limit = found.get(key, (0, 0, 0))
                 limit.add_metric([key], spec.limit)
                 period.add_metric([key], spec.period)
                 busiest.add_metric([key], most)
@@ -383,14 +384,17 @@ class BuzzCollector(Collector):
         yield from (limit, period, busiest, total, full)
 
 
-# Each declared key's use of its current windows (database clock); a window that ended counts 0.
+# Each declared key's use of its current windows (database clock; a window that ended counts 0):
+# one aggregate over the communities (on Citus, per shard, merged by the coordinator).
 RATE_LIMIT_USE = """
-SELECT p.key, coalesce(max(r.used), 0), coalesce(sum(r.used), 0), count(r.id) FILTER (WHERE r.used >= p.lim)
-FROM unnest(%(keys)s::text[], %(periods)s::float8[], %(limits)s::bigint[]) AS p(key, period, lim)
-LEFT JOIN buzz_delivery_rate_limit AS r
-       ON r.key = p.key AND r.window_start + make_interval(secs => p.period) > buzz_delivery_now()
-GROUP BY p.key
-ORDER BY p.key
+SELECT r.key, max(r.used), sum(r.used),
+       count(*) FILTER (WHERE r.used >= (%(limits)s::bigint[])[array_position(%(keys)s::text[], r.key::text)])
+FROM buzz_delivery_rate_limit AS r
+WHERE r.key = ANY (%(keys)s::text[])
+  AND r.window_start
+      + make_interval(secs => (%(periods)s::float8[])[array_position(%(keys)s::text[], r.key::text)])
+      > buzz_delivery_now()
+GROUP BY r.key
 """
 
 

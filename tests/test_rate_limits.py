@@ -341,6 +341,16 @@ def scrape() -> dict[str, dict[str, float]]:
     return found
 
 
+def collected() -> dict[str, dict[str, float]]:
+    """The rate limit families of the /metrics collector: name -> {key -> value}."""
+    from buzz_delivery.metrics import BuzzCollector
+
+    return {
+        family.name: {sample.labels["key"]: sample.value for sample in family.samples}
+        for family in BuzzCollector._rate_limits()
+    }
+
+
 @pytest.mark.django_db
 def test_metrics_export_the_current_use_of_each_declared_key(community):
     from buzz_delivery.testing import CommunityFactory
@@ -352,15 +362,24 @@ def test_metrics_export_the_current_use_of_each_declared_key(community):
             for _ in range(3):
                 rl.take(community.id, "api")
             rl.take(other.id, "api")
-            found = scrape()
+            found = collected()
         assert found["buzz_rate_limit_used"] == {"api": 4, "idle": 0}
         assert found["buzz_rate_limit_used_max"] == {"api": 3, "idle": 0}
         assert found["buzz_rate_limit_communities_at_limit"] == {"api": 1, "idle": 0}
         assert found["buzz_rate_limit_limit"] == {"api": 3, "idle": 7}
         assert found["buzz_rate_limit_period_seconds"] == {"api": 60, "idle": 1}
         with frozen_db_clock(start + dt.timedelta(seconds=61)):  # the window ended: nothing used now
-            assert scrape()["buzz_rate_limit_used"] == {"api": 0, "idle": 0}
-    assert "buzz_rate_limit_used" not in scrape()  # no key declared: no samples
+            assert collected()["buzz_rate_limit_used"] == {"api": 0, "idle": 0}
+    assert collected()["buzz_rate_limit_used"] == {}  # no key declared: no samples
+
+
+@pytest.mark.django_db
+def test_the_metrics_endpoint_serves_the_rate_limit_families(community):
+    with rate_limits(api={"limit": 3, "period": 60}):
+        rl.take(community.id, "api", 2)
+        found = scrape()
+    assert found["buzz_rate_limit_used"] == {"api": 2}
+    assert found["buzz_rate_limit_limit"] == {"api": 3}
 
 
 @pytest.mark.django_db
