@@ -21,6 +21,7 @@ from django.db import models
 # App labels of the core's models, children first: deliveries point at runs, events and
 # workflows; runs point at workflows.
 DELETION_CATALOG: tuple[str, ...] = (
+    "buzz_delivery.RateLimit",
     "buzz_delivery.WorkflowAgentDelivery",
     "buzz_delivery.WorkflowRun",
     "buzz_delivery.Event",

@@ -11,6 +11,7 @@ from django.db import connections
 
 from buzz_delivery.conf import DEFAULTS, raw_settings
 from buzz_delivery.services.flow import parse_limits
+from buzz_delivery.services.ratelimits import parse_rate_limits
 
 
 def _is_number(value: object) -> bool:
@@ -88,6 +89,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         parse_limits(raw["CONCURRENCY_LIMITS"])
     except ImproperlyConfigured as exc:
         errors.append(checks.Error(str(exc), id="buzz_delivery.E032"))
+    try:
+        parse_rate_limits(raw["RATE_LIMITS"])
+    except ImproperlyConfigured as exc:
+        errors.append(checks.Error(str(exc), id="buzz_delivery.E033"))
     return errors
 
 

@@ -43,6 +43,10 @@ DEFAULTS: dict[str, Any] = {
     # Concurrency limits by key (issue 32, docs/flow-control.md): key kind ("community",
     # "target", "workflow") -> at most that many deliveries claimed at once per key; {} = none.
     "CONCURRENCY_LIMITS": {},
+    # Rate limits by key (issue 32, docs/flow-control.md, services/ratelimits.py): key name ->
+    # {"limit": units, "period": seconds}, at most that many units per period per key in each
+    # community (ctx.call(..., rate_key=..., weight=...)); {} = none.
+    "RATE_LIMITS": {},
 }
 
 

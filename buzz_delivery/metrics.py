@@ -36,6 +36,13 @@ reads the database at that moment, cheaply at millions of rows:
   ``stale`` (no heartbeat for three intervals); a process silent for longer than
   ``PRUNE_AFTER_SECONDS`` is gone and left out, whether or not the reaper deleted its row yet.
 
+- ``buzz_rate_limit_used{key}``, ``buzz_rate_limit_used_max{key}``,
+  ``buzz_rate_limit_communities_at_limit{key}``, ``buzz_rate_limit_limit{key}`` and
+  ``buzz_rate_limit_period_seconds{key}``: each declared rate limit key (issue 32,
+  docs/flow-control.md): the units used in the current windows of all communities, of the one
+  that used the most, how many communities have used theirs up, and the key's declared limit
+  and period (the limit holds per community).
+
 The optional apps' families appear when those apps are installed. Every figure comes from the
 database clock.
 
@@ -74,6 +81,7 @@ from buzz_delivery.models import (
     WorkflowAgentDelivery,
 )
 from buzz_delivery.services import stats, tenancy
+from buzz_delivery.services.ratelimits import declared_rate_limits
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.workers import PRUNE_AFTER_SECONDS, STALE_AFTER_SECONDS
 
@@ -194,6 +202,7 @@ class BuzzCollector(Collector):
         yield estimated
         yield from self._maintenance()
         yield from self._workers()
+        yield from self._rate_limits()
 
     def _deliveries(self, estimated: GaugeMetricFamily) -> Iterator[GaugeMetricFamily]:
         with connection.cursor() as cursor:
@@ -330,6 +339,63 @@ class BuzzCollector(Collector):
             workers.add_metric([kind, state], n)
         yield workers
         yield ages
+
+    @staticmethod
+    def _rate_limits() -> Iterator[GaugeMetricFamily]:
+        declared = declared_rate_limits()
+        limit = GaugeMetricFamily(
+            "buzz_rate_limit_limit", "Units a rate limit key grants per period in each community", labels=["key"]
+        )
+        period = GaugeMetricFamily("buzz_rate_limit_period_seconds", "The period of a rate limit key", labels=["key"])
+        busiest = GaugeMetricFamily(
+            "buzz_rate_limit_used_max",
+            "Units used in the current window by the community that used the most of a rate limit key",
+            labels=["key"],
+        )
+        total = GaugeMetricFamily(
+            "buzz_rate_limit_used",
+            "Units used in the current windows of a rate limit key, all communities",
+            labels=["key"],
+        )
+        full = GaugeMetricFamily(
+            "buzz_rate_limit_communities_at_limit",
+            "Communities whose current window of a rate limit key is used up (their calls wait)",
+            labels=["key"],
+        )
+        if declared:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    RATE_LIMIT_USE,
+                    {
+                        "keys": list(declared),
+                        "periods": [spec.period for spec in declared.values()],
+                        "limits": [spec.limit for spec in declared.values()],
+                    },
+                )
+                rows = cursor.fetchall()
+            found = {key: (most, used, at_limit) for key, most, used, at_limit in rows}
+            for key, spec in declared.items():
+                most, used, at_limit = found.get(key, (0, 0, 0))
+                limit.add_metric([key], spec.limit)
+                period.add_metric([key], spec.period)
+                busiest.add_metric([key], most)
+                total.add_metric([key], used)
+                full.add_metric([key], at_limit)
+        yield from (limit, period, busiest, total, full)
+
+
+# Each declared key's use of its current windows (database clock; a window that ended counts 0):
+# one aggregate over the communities (on Citus, per shard, merged by the coordinator).
+RATE_LIMIT_USE = """
+SELECT r.key, max(r.used), sum(r.used),
+       count(*) FILTER (WHERE r.used >= (%(limits)s::bigint[])[array_position(%(keys)s::text[], r.key::text)])
+FROM buzz_delivery_rate_limit AS r
+WHERE r.key = ANY (%(keys)s::text[])
+  AND r.window_start
+      + make_interval(secs => (%(periods)s::float8[])[array_position(%(keys)s::text[], r.key::text)])
+      > buzz_delivery_now()
+GROUP BY r.key
+"""
 
 
 REGISTRY = CollectorRegistry(auto_describe=False)

@@ -459,6 +459,38 @@ class WorkflowAgentDelivery(CommunityScoped):
         return self.status in TERMINAL_STATUSES
 
 
+RATE_KEY_MAX_CHARS = 64
+
+
+class RateLimit(CommunityScoped):
+    """The current window of one rate limit key in one community (issue 32,
+    :mod:`buzz_delivery.services.ratelimits`): ``used`` units taken since ``window_start`` (a
+    fixed window of the key's declared period, aligned on the database clock). The limit and the
+    period are the operator's settings (``BUZZ_DELIVERY["RATE_LIMITS"]``), never read from here.
+    Written only by the one take statement of the services; the primary key is
+    (community_id, id) in the database (migration 0025, SPEC 15)."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    key = models.CharField(max_length=RATE_KEY_MAX_CHARS)
+    window_start = models.DateTimeField()
+    used = models.BigIntegerField(default=0)
+    # Whether the last take of this row was granted: what the take statement returns.
+    granted = models.BooleanField(default=True)
+    taken_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "buzz_delivery_rate_limit"
+        constraints = [
+            models.UniqueConstraint(fields=["community", "key"], name="rate_limit_one_per_key"),
+            models.CheckConstraint(condition=Q(used__gte=0), name="rate_limit_used_not_negative"),
+            models.CheckConstraint(condition=Q(key__regex=r"^[A-Za-z0-9_.:-]{1,64}$"), name="rate_limit_key_format"),
+        ]
+        triggers = [*triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.used}"
+
+
 class MaintenanceLease(models.Model):
     """A named, time-limited lease that keeps two maintenance runs (``reap_deliveries``,
     ``prune_deliveries``) from overlapping (SPEC section 8).

@@ -124,6 +124,10 @@ SKIPPED: dict[str, str] = {
     "tests/test_admin_hostile_values.py::test_a_delivery_page_and_an_event_page_show_deeply_nested_snapshots_and_tags": _GAP_DEEP,  # noqa: E501
     "tests/test_admin_hostile_values.py::test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values": _GAP_DEEP,  # noqa: E501
     "tests/test_chaos.py::test_chaos_loses_nothing_and_settles_nothing_twice": _GAP_TIMING,
+    "tests/test_rate_limits.py::test_the_metrics_endpoint_serves_the_rate_limit_families": (
+        "scrapes /metrics, whose delivery counts Citus refuses (test_metrics is left out, above); the rate "
+        "limit families' own statement runs on the cluster in test_metrics_export_the_current_use_of_each_declared_key"
+    ),
     "tests/test_history_steps_and_runs.py::test_a_bad_step_holder_is_refused_by_name_before_any_claim": _GAP_JOIN,
     "tests/test_scale_out.py::test_a_constraint_name_with_a_shard_suffix_still_names_its_field": _GAP_RENAME,
     "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _GAP_NO_CITUS,

@@ -23,8 +23,9 @@ TABLES = {
     "run": models.WorkflowRun._meta.db_table,
     "event": models.Event._meta.db_table,
     "delivery": models.WorkflowAgentDelivery._meta.db_table,
+    "rate_limit": models.RateLimit._meta.db_table,
 }
-SCOPED_MODELS = (models.Workflow, models.WorkflowRun, models.Event, models.WorkflowAgentDelivery)
+SCOPED_MODELS = (models.Workflow, models.WorkflowRun, models.Event, models.WorkflowAgentDelivery, models.RateLimit)
 
 _RANDOM32 = "decode(md5(random()::text) || md5(random()::text), 'hex')"
 
@@ -61,6 +62,12 @@ RAW_WRITES: dict[str, dict[str, str]] = {
         "WHERE community_id = %(c)s",
         "delete": "DELETE FROM buzz_delivery_delivery WHERE community_id = %(c)s",
     },
+    "rate_limit": {
+        "insert": "INSERT INTO buzz_delivery_rate_limit (id, community_id, key, window_start, used, granted, taken_at) "
+        "VALUES (gen_random_uuid(), %(c)s, 'raw-' || md5(random()::text), now(), 1, true, now())",
+        "update": "UPDATE buzz_delivery_rate_limit SET used = used + 1 WHERE community_id = %(c)s",
+        "delete": "DELETE FROM buzz_delivery_rate_limit WHERE community_id = %(c)s",
+    },
 }
 
 
@@ -74,12 +81,25 @@ def fill_community(community: models.Community, rows: int = 3, *, engine: bool =
     events = EventFactory.create_batch(rows, community=community)
     for i in range(rows + 1):
         DeliveryFactory(binding=BindingFactory(run=runs[i % rows], message_event=events[i % rows]))
+    _fill_rate_limits(community, rows)
     if engine:
         _fill_engine(community, workflows)
         _fill_agents(community, workflows)
         _fill_gateway(community, rows)
         _fill_tasks(community, rows)
     return count_rows(community.id)
+
+
+def _fill_rate_limits(community: models.Community, rows: int) -> None:
+    """``rows`` rate limit windows (one key each), through the take statement."""
+    from django.test import override_settings
+
+    from buzz_delivery.services import ratelimits
+
+    keys = [f"fill-{i}" for i in range(rows)]
+    with override_settings(BUZZ_DELIVERY={"RATE_LIMITS": {k: {"limit": 10, "period": 60} for k in keys}}):
+        for key in keys:
+            ratelimits.take(community.id, key)
 
 
 def _fill_tasks(community: models.Community, rows: int) -> None:

@@ -127,7 +127,7 @@ def test_a_dry_run_counts_the_rows_and_writes_nothing(fenced, table_snapshot):
     before = table_snapshot()
     result = services.purge_community(fenced.id, dry_run=True)
     assert result.deleted == count_rows(fenced.id)
-    assert (result.total, result.dry_run, result.tombstoned, result.batches) == (13, True, False, 0)
+    assert (result.total, result.dry_run, result.tombstoned, result.batches) == (16, True, False, 0)
     assert table_snapshot() == before
 
 
@@ -170,7 +170,7 @@ def test_a_purge_in_autocommit_commits_batch_by_batch_and_leaves_no_identity_beh
     fill_community(community, rows=3)
     advance_to(community, "fenced")
     result = services.purge_community(community.id, batch_size=2)
-    assert result.total == 13
+    assert result.total == 16
     assert purge_settings() in {("", ""), (None, None)}
     assert Community.objects.get(id=community.id).deletion_state == "tombstone"
 
@@ -214,6 +214,7 @@ def table_lines(output: str) -> dict[str, int]:
 
 
 EXPECTED_TABLE = {
+    "buzz_delivery_rate_limit": 3,
     "buzz_delivery_delivery": 4,
     "buzz_delivery_workflow_run": 3,
     "buzz_delivery_event": 3,
@@ -227,7 +228,7 @@ def test_command_dry_run_prints_the_counts_per_table_and_writes_nothing(fenced, 
     output = run(str(fenced.id), "--dry-run")
     assert table_lines(output) == EXPECTED_TABLE
     assert list(table_lines(output)) == list(EXPECTED_TABLE), "rows not listed in catalog order"
-    assert f"Dry run: 13 rows of community {fenced.id} would be deleted; nothing written." in output
+    assert f"Dry run: 16 rows of community {fenced.id} would be deleted; nothing written." in output
     assert table_snapshot() == before
 
 
@@ -237,8 +238,8 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
     output = run(str(fenced.id), "--yes", "--batch-size", "2")
     assert table_lines(output) == EXPECTED_TABLE
     assert output.strip().splitlines()[-1] == (
-        # 9 batches for the core's 4 tables, one (empty) batch for each sibling app table (the engine's).
-        f"Purged community {fenced.id}: 13 rows deleted in {9 + len(deletion_catalog()) - 4} batches of at most 2; "
+        # 11 batches for the core's 5 tables, one (empty) batch for each sibling app table (the engine's).
+        f"Purged community {fenced.id}: 16 rows deleted in {11 + len(deletion_catalog()) - 5} batches of at most 2; "
         "it is now tombstone."
     )
     assert count_rows(fenced.id) == ZERO
@@ -251,7 +252,7 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
 def test_command_asks_for_confirmation_on_a_terminal_and_purges_on_yes(fenced):
     output = run(str(fenced.id), stdin=Terminal("yes\n"))
     assert "Type 'yes' to continue" in output
-    assert "13 rows deleted" in output
+    assert "16 rows deleted" in output
     assert count_rows(fenced.id) == ZERO
 
 
@@ -335,11 +336,11 @@ def test_command_as_a_process_exits_non_zero_without_hanging_when_stdin_is_not_a
     )
     assert refused.returncode == 5, refused.stderr
     assert "pass --yes" in refused.stderr
-    assert sum(count_rows(community.id).values()) == 5
+    assert sum(count_rows(community.id).values()) == 6
 
     done = subprocess.run(
         [*command, "--yes"], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert "5 rows deleted" in done.stdout
+    assert "6 rows deleted" in done.stdout
     assert Community.objects.get(id=community.id).deletion_state == "tombstone"

@@ -138,7 +138,7 @@ def fenced(community):
     return advance_to(community, "fenced")
 
 
-PURGE_ORDER = ("delivery", "run", "event", "workflow")  # children first: no key cascades further
+PURGE_ORDER = ("rate_limit", "delivery", "run", "event", "workflow")  # children first: no key cascades further
 
 
 @pytest.mark.django_db

@@ -7,6 +7,7 @@ Importing this package registers every ModelAdmin with ``django.contrib.admin.si
 - :mod:`.tenants`: communities (lifecycle action), workflows, runs, events;
 - :mod:`.workers`: the live workers registry (last heartbeat, stale flag);
 - :mod:`.maintenance`: the maintenance jobs (passes, last outcome, totals);
+- :mod:`.ratelimits`: each rate limit key's use of its current window, per community;
 - :mod:`.base`: the read-only frame and the action report; :mod:`.paginators`: counts
   without a full-table ``COUNT(*)``; :mod:`.changelist`: snapshot-free lists and a cheap
   date drill-down; :mod:`.filters`, :mod:`.search`, :mod:`.display`, :mod:`.dashboard`.
@@ -16,6 +17,7 @@ from django.contrib import admin
 
 from buzz_delivery.admin.deliveries import DeliveryAdmin
 from buzz_delivery.admin.maintenance import MaintenanceRunAdmin
+from buzz_delivery.admin.ratelimits import RateLimitAdmin
 from buzz_delivery.admin.tenants import CommunityAdmin, EventAdmin, WorkflowAdmin, WorkflowRunAdmin
 from buzz_delivery.admin.workers import WorkerRegistrationAdmin
 
@@ -28,6 +30,7 @@ __all__ = [
     "DeliveryAdmin",
     "EventAdmin",
     "MaintenanceRunAdmin",
+    "RateLimitAdmin",
     "WorkerRegistrationAdmin",
     "WorkflowAdmin",
     "WorkflowRunAdmin",

@@ -50,10 +50,10 @@ from buzz_delivery.agents.exceptions import (
     UncertainCall,
 )
 from buzz_delivery.agents.models import JournalEntry
-from buzz_delivery.agents.runtime import NOT_MADE
+from buzz_delivery.agents.runtime import NOT_MADE, RATE_WAIT_SLICE_SECONDS, RatePlan, ratelimits_plan
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
-from buzz_delivery.services import tenancy
+from buzz_delivery.services import ratelimits, tenancy
 
 logger = logging.getLogger("buzz_delivery.agents")
 
@@ -107,6 +107,7 @@ class AsyncContext:
         self._journal = {e.seq: e for e in journal}
         self._lock = asyncio.Lock()
         self.replayed = 0
+        self.rate_waits = 0  # how many times a call waited for its rate limit
         self.task: asyncio.Task[Any] | None = None
 
     @property
@@ -137,11 +138,16 @@ class AsyncContext:
         reconcile: Callable[..., Any] | None = None,
         destructive: bool = False,
         cost: int = 0,
+        rate_key: str | None = None,
+        weight: int | Callable[[Any], int] = 1,
     ) -> Any:
         """Journal, make and record one tool call (or replay it); returns its output (None for
         a shadow-blocked call). ``fn(args, key)`` and ``reconcile(args, key)`` may be async.
         Raises :class:`ToolCallFailed`, :class:`BudgetExhausted`, :class:`UncertainCall`,
-        :class:`ReplayMismatch` or :class:`RunAborted`."""
+        :class:`ReplayMismatch` or :class:`RunAborted`. ``rate_key`` and ``weight``: as
+        :meth:`Context.call <buzz_delivery.agents.runtime.Context.call>`; a wait for the rate
+        limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile)."""
+        rate = ratelimits_plan(rate_key, weight)
         async with self._lock:
             self._check()
             self._pos += 1
@@ -149,6 +155,8 @@ class AsyncContext:
             if entry is not None:
                 return await self._replay(entry, tool_name, fn, args, reconcile)
             descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+            if rate is not None:
+                await self._take_rate(rate)
             prepared = batch.prepare_call(
                 self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
             )
@@ -161,7 +169,24 @@ class AsyncContext:
             if not isinstance(outcome, s.Journaled):
                 self.mark_lost(getattr(outcome, "reason", "") or "lost")
                 raise RunAborted(f"cannot journal: {outcome}")
-            return await self._make(outcome.seq, outcome.idempotency_key, fn, args)
+            output = await self._make(outcome.seq, outcome.idempotency_key, fn, args)
+            if rate is not None and rate.after is not None:
+                units = rate.units_after(output)
+                await self.runtime.pool.run(ratelimits.charge, self.lease.community_id, rate.spec.key, units)
+            return output
+
+    async def _take_rate(self, rate: RatePlan) -> None:
+        """Take ``rate``'s units before the call, awaiting each :class:`Wait` (never a failure of
+        the run); a lease lost or a cancel meanwhile stops the wait."""
+        while True:
+            outcome = await self.runtime.pool.run(ratelimits.take, self.lease.community_id, rate.spec.key, rate.before)
+            if isinstance(outcome, ratelimits.Granted):
+                return
+            self.rate_waits += 1
+            deadline = time.monotonic() + outcome.seconds
+            while (left := deadline - time.monotonic()) > 0:
+                await asyncio.sleep(min(left, RATE_WAIT_SLICE_SECONDS))
+                self._check()
 
     async def _make(self, seq: int, key: str, fn: Callable[..., Any], args: Any) -> Any:
         started = time.monotonic()

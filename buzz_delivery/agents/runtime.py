@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -57,6 +58,7 @@ from buzz_delivery.agents.exceptions import (
 )
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
+from buzz_delivery.services import ratelimits
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode, UserConnection, discard_connection, in_transaction
@@ -96,6 +98,41 @@ def _messages(exc: ValidationError) -> str:
     return "; ".join(str(m) for m in exc.messages)
 
 
+# A wait for a rate limit sleeps in slices of at most this, to notice a lost lease meanwhile.
+RATE_WAIT_SLICE_SECONDS = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RatePlan:
+    """What a call with a ``rate_key`` takes: ``before`` units before it is journaled, and
+    ``after(output)`` units charged once it succeeded (a callable weight), if any."""
+
+    spec: ratelimits.RateLimitSpec
+    before: int
+    after: Callable[[Any], int] | None
+
+    def units_after(self, output: Any) -> int:
+        assert self.after is not None
+        units = self.after(output)
+        if isinstance(units, bool) or not isinstance(units, int) or not 0 <= units <= ratelimits.MAX_LIMIT:
+            raise ValidationError(
+                {"weight": f"weight(output) must return an int within 0..{ratelimits.MAX_LIMIT}, got {units!r}"}
+            )
+        return units
+
+
+def ratelimits_plan(rate_key: str | None, weight: Any) -> RatePlan | None:
+    """Validate a call's ``rate_key`` and ``weight`` before anything is journaled: None without
+    a key; an undeclared key or a weight that is neither an int in ``0..limit`` nor a callable
+    raises ``ValidationError`` naming the field."""
+    if rate_key is None:
+        return None
+    spec = ratelimits.rate_limit_of(rate_key)
+    if callable(weight):
+        return RatePlan(spec=spec, before=0, after=weight)
+    return RatePlan(spec=spec, before=ratelimits.check_weight(weight, spec), after=None)
+
+
 class _Parked(Exception):
     """Internal: the run parked on an approval; the handler stops here."""
 
@@ -121,6 +158,7 @@ class Context:
         self.replayed = 0
         self.lane: UserConnection | None = None  # set by run_claim: the user's connection
         self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
+        self.rate_waits = 0  # how many times a call waited for its rate limit
 
     @contextlib.contextmanager
     def _runtime(self) -> Iterator[None]:
@@ -163,16 +201,29 @@ class Context:
         reconcile: Callable[[Any, str], Any] | None = None,
         destructive: bool = False,
         cost: int = 0,
+        rate_key: str | None = None,
+        weight: int | Callable[[Any], int] = 1,
     ) -> Any:
         """Journal, make and record one tool call (or replay it); returns its output (None for
         a shadow-blocked call). Raises :class:`ToolCallFailed`, :class:`BudgetExhausted`,
-        :class:`UncertainCall`, :class:`ReplayMismatch` or :class:`RunAborted`."""
+        :class:`UncertainCall`, :class:`ReplayMismatch` or :class:`RunAborted`.
+
+        ``rate_key``: a key of ``BUZZ_DELIVERY["RATE_LIMITS"]`` (docs/flow-control.md). Before
+        the call is journaled it takes ``weight`` units of that key (an int), waiting (sleeping
+        the seconds the database says, then taking again) while the key's window is full; a
+        ``weight`` that is a callable ``weight(output) -> int`` is charged after the call from
+        its output (the call itself waits only while the window is over its limit). A replayed
+        call takes nothing. An undeclared key or a bad weight raises ``ValidationError`` before
+        anything is journaled."""
+        rate = ratelimits_plan(rate_key, weight)
         self._check()
         with self._journaling:
             self._pos += 1
             entry = self._journal.get(self._pos)
             if entry is None:
                 descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+                if rate is not None:
+                    self._take_rate(rate)
                 with self._runtime():
                     outcome = s.journal_call(
                         self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
@@ -186,7 +237,27 @@ class Context:
         if not isinstance(outcome, s.Journaled):
             self.lost.set()
             raise RunAborted(f"cannot journal: {outcome}")
-        return self._make(outcome.seq, outcome.idempotency_key, fn, args)
+        output = self._make(outcome.seq, outcome.idempotency_key, fn, args)
+        if rate is not None and rate.after is not None:
+            units = rate.units_after(output)
+            with self._runtime():
+                ratelimits.charge(self.lease.community_id, rate.spec.key, units)
+        return output
+
+    def _take_rate(self, rate: RatePlan) -> None:
+        """Take ``rate``'s units before the call, sleeping through each :class:`Wait` (never a
+        failure of the run); a lease lost meanwhile stops the wait (:class:`RunAborted`)."""
+        while True:
+            with self._runtime():
+                outcome = ratelimits.take(self.lease.community_id, rate.spec.key, rate.before)
+            if isinstance(outcome, ratelimits.Granted):
+                return
+            self.rate_waits += 1
+            deadline = time.monotonic() + outcome.seconds
+            while (left := deadline - time.monotonic()) > 0:
+                if self.lost.wait(min(left, RATE_WAIT_SLICE_SECONDS)):
+                    raise RunAborted("the run's lease was lost while waiting for its rate limit")
+            self._check()
 
     def _make(self, seq: int, key: str, fn: Callable[[Any, str], Any], args: Any) -> Any:
         started = time.monotonic()
