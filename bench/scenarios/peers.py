@@ -60,7 +60,7 @@ SIZES = {
 DEFAULT_SIZE = (12_000, 2_500)
 PREPARED = "_prepared"  # a system name ending so runs on a URL with ?prepare_threshold=5
 # --quick without --peers: the headline systems only (about a minute on 2 cores).
-QUICK_SYSTEMS = ("raw_batch", "raw_single", "worker", "pgqueuer", "procrastinate", "django_tasks_db")
+QUICK_SYSTEMS = ("raw_batch", "raw_single", "worker", "pgqueuer", "pgqueuer_tuned", "procrastinate", "django_tasks_db")
 ALL_SYSTEMS = (
     "raw_batch",
     "raw_single",
@@ -72,6 +72,7 @@ ALL_SYSTEMS = (
     "ours_batch_prepared",
     "ours_single_prepared",
     "pgqueuer",
+    "pgqueuer_tuned",
     "procrastinate",
     "django_tasks_db",
 )
@@ -87,7 +88,8 @@ LABELS = {
     "worker_pairs50": "run_worker, 50 (community, target) pairs per process",
     "ours_batch_prepared": "claim_deliveries(50) -> finish_deliveries, prepare_threshold=5",
     "ours_single_prepared": "claim_delivery -> finish_delivery, prepare_threshold=5",
-    "pgqueuer": "PgQueuer (batch 10, drain mode)",
+    "pgqueuer": "PgQueuer (batch 10, psycopg, drain mode)",
+    "pgqueuer_tuned": "PgQueuer tuned as its guide advises (batch 50, asyncpg, drain mode)",
     "procrastinate": "procrastinate (concurrency 16)",
     "django_tasks_db": "django-tasks-db (db_worker --batch)",
 }
@@ -105,9 +107,12 @@ class Runs:
 
 
 def _available(system: str) -> bool:
-    module = {"pgqueuer": "pgqueuer", "procrastinate": "procrastinate", "django_tasks_db": "django_tasks_db"}.get(
-        system
-    )
+    module = {
+        "pgqueuer": "pgqueuer",
+        "pgqueuer_tuned": "asyncpg",
+        "procrastinate": "procrastinate",
+        "django_tasks_db": "django_tasks_db",
+    }.get(system)
     if system == "worker_before":
         return bool(os.environ.get("BENCH_BEFORE_ROOT"))
     return module is None or find_spec(module) is not None
@@ -129,7 +134,7 @@ class Queues:
     def prepare(self, systems: list[str]) -> None:
         data.reset(self.conn)
         (self.tenant,) = data.create_tenants(1)
-        if "pgqueuer" in systems and self._regclass("pgqueuer") is None:
+        if any(s.startswith("pgqueuer") for s in systems) and self._regclass("pgqueuer") is None:
             asyncio.run(self._pgqueuer_install())
         if "procrastinate" in systems:
             from bench.peer_tasks import procrastinate_app
@@ -173,7 +178,7 @@ class Queues:
         conn = self.conn
         assert self.tenant is not None
         data.clear_deliveries(conn)
-        if system == "pgqueuer":
+        if system.startswith("pgqueuer"):
             conn.execute("TRUNCATE pgqueuer, pgqueuer_log")
             asyncio.run(self._pgqueuer_load(n))
             conn.execute("VACUUM ANALYZE pgqueuer")
@@ -212,7 +217,7 @@ class Queues:
 
     def busy_sql(self, system: str) -> str:
         """A query that says whether the queue still holds work that is not done."""
-        if system == "pgqueuer":
+        if system.startswith("pgqueuer"):
             return "SELECT EXISTS (SELECT 1 FROM pgqueuer)"
         if system == "procrastinate":
             return "SELECT EXISTS (SELECT 1 FROM procrastinate_jobs WHERE status IN ('todo', 'doing'))"
@@ -223,7 +228,7 @@ class Queues:
 
     def check_done(self, system: str, n: int) -> None:
         """Every job done exactly once (ours: each row finished at generation 1)."""
-        if system in ("pgqueuer", "procrastinate", "django_tasks_db"):
+        if system in ("pgqueuer", "pgqueuer_tuned", "procrastinate", "django_tasks_db"):
             return
         table = RAW_TABLE if system.startswith("raw") else data.OURS
         done, once = self.conn.execute(
@@ -363,7 +368,7 @@ def table(runs: dict[tuple[str, int], Runs], systems: list[str]) -> str:
         for k in KS:
             r = runs.get((system, k))
             row.append(f"{_fmt(med[(system, k)])} ({_fmt(min(r.rates))}-{_fmt(max(r.rates))})" if r and r.rates else NA)
-        for ref in ("pgqueuer", "raw_batch", "raw_single"):
+        for ref in ("pgqueuer", "pgqueuer_tuned", "raw_batch", "raw_single"):
             row.append(" / ".join(ratio(system, k, ref) for k in KS))
         for attr, digits in (("server_us", 0), ("client_us", 0), ("statements", 2), ("commits", 2)):
             row.append(" / ".join(_fmt(_median(getattr(runs[(system, k)], attr)), digits) for k in KS))
@@ -372,6 +377,7 @@ def table(runs: dict[tuple[str, int], Runs], systems: list[str]) -> str:
         "system",
         *(f"K={k} /s (min-max)" for k in KS),
         "vs PgQueuer (K=1 / K=4)",
+        "vs PgQueuer tuned",
         "vs raw batch floor",
         "vs raw one-row floor",
         "server CPU µs/delivery (K=1 / K=4)",
