@@ -177,6 +177,18 @@ RUN_SCHEMAS: dict[str, Any] = {
         {"claims": {"type": "array", "items": _obj({"run": _ref("Run"), "lease": _ref("RunLease")})}}
     ),
     "RunResponse": _obj({"run": _ref("Run"), "journal": {"type": "array", "items": _ref("JournalEntry")}}),
+    "RunOutputResponse": _obj(
+        {
+            "chunks": {
+                "type": "array",
+                "items": _obj({"seq": {"type": "integer"}, "chunk": {"type": "string"}}, ["seq", "chunk"]),
+            },
+            "after": {"type": "integer"},
+            "terminal": {"type": "boolean"},
+            "done": {"type": "boolean"},
+        },
+        ["chunks", "after", "terminal", "done"],
+    ),
     "RunOutcome": _obj(
         {
             "outcome": {
@@ -286,6 +298,9 @@ RUN_EXAMPLES: dict[str, Any] = {
     "Run": _RUN, "JournalEntry": _ENTRY, "RunLease": _RUN_LEASE,
     "RunClaimResponse": {"claims": [{"run": _RUN, "lease": _RUN_LEASE}]},
     "RunResponse": {"run": _RUN, "journal": [_ENTRY]},
+    "RunOutputResponse": {"chunks": [{"seq": 3, "chunk": "Looking up "}], "after": 3, "terminal": False,
+                          "done": False},
+    "RunOutputRequest": {"after": 2, "limit": 200, "wait_seconds": 10},
     "RunOutcome": {"outcome": "journaled", "seq": 2, "idempotency_key": f"{_R}:2"},
     "AcceptRequest": {"lease_generation": 1, "input": {"priority": "high"}, "max_tool_calls": 10},
     "RunClaimRequest": {"limit": 4, "lease_seconds": 60, "worker_id": "w1"},
@@ -369,6 +384,9 @@ def _run_paths() -> dict[str, Any]:
         f"{RUN}/results": post("recordCallResult", "Record a call's result", "CallResultRequest"),
         f"{RUN}/approval": post("requestApproval", "Park the run on an approval", "ApprovalRequest"),
         f"{RUN}/complete": post("completeRun", "End the run completed", "CompleteRequest"),
+        f"{RUN}/output": {"post": _operation("readRunOutput", "The run's streamed output after a seq (long-poll)",
+                                             "RunOutputResponse", "RunOutputRequest", "403", "404",
+                                             params=RUN_PARAMS)},
         f"{RUN}/fail": post("failRun", "Fail the run (or start unwinding)", "FailRequest"),
         f"{RUN}/compensations/begin": post("beginCompensation", "Begin undoing an entry", "CompensationBeginRequest"),
         f"{RUN}/compensations/finish": post(
