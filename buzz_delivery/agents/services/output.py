@@ -155,25 +155,32 @@ async def astream_output(
     poll: float = DEFAULT_POLL_SECONDS,
     timeout: float | None = None,
 ) -> AsyncIterator[OutputChunk]:
-    """:func:`stream_output` for an event loop: the reads run on Django's sync thread
-    (``sync_to_async``), the waits are ``asyncio.sleep``."""
+    """:func:`stream_output` for an event loop: the reads run on a thread of the stream's own
+    (one database connection, closed when the stream ends), the waits are ``asyncio.sleep``."""
     import asyncio
+    import functools
+    from concurrent.futures import ThreadPoolExecutor
 
-    from asgiref.sync import sync_to_async
+    from django.db import connections
 
     args = _page_args(community_id, run_id, after, 1)
     wait = _poll_value(poll)
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + float(timeout)
     after = args["after"]
-    read = sync_to_async(read_output)
-    while True:
-        page = await read(args["community_id"], args["run_id"], after=after, limit=MAX_PAGE)
-        for chunk in page.chunks:
-            after = chunk.seq
-            yield chunk
-        if len(page.chunks) == MAX_PAGE:
-            continue
-        if not follow or page.terminal or (deadline is not None and loop.time() >= deadline):
-            return
-        await asyncio.sleep(wait)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="output-reader")
+    try:
+        while True:
+            read = functools.partial(read_output, args["community_id"], args["run_id"], after=after, limit=MAX_PAGE)
+            page = await loop.run_in_executor(executor, read)
+            for chunk in page.chunks:
+                after = chunk.seq
+                yield chunk
+            if len(page.chunks) == MAX_PAGE:
+                continue
+            if not follow or page.terminal or (deadline is not None and loop.time() >= deadline):
+                return
+            await asyncio.sleep(wait)
+    finally:
+        executor.submit(connections.close_all)
+        executor.shutdown(wait=False)
