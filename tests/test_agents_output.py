@@ -355,3 +355,32 @@ def test_async_ctx_emit_streams_under_the_lease(community):
         return [(c.seq, c.chunk) async for c in agents.astream_output(community.id, run_id, poll=0.05)]
 
     assert asyncio.run(read_all()) == chunks(run_id)
+
+
+# --- the admin ------------------------------------------------------------------------------------
+
+
+def test_the_run_page_shows_the_streamed_output_escaped_and_bounded(community, monkeypatch):
+    from django.contrib.auth.models import Permission, User
+    from django.test import Client
+    from django.urls import reverse
+
+    from buzz_delivery.agents import admin as agents_admin
+
+    monkeypatch.setattr(agents_admin, "OUTPUT_TAIL_CHUNKS", 3)
+    monkeypatch.setattr(agents_admin, "OUTPUT_CHUNK_CHARS", 10)
+    user = User.objects.create_user("viewer", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(content_type__app_label="buzz_agents", codename="view_agentrun"))
+    client = Client()
+    client.force_login(user)
+    run_id = new_run(community.id)
+    lease = claim(community.id, run_id)
+    page = reverse("admin:buzz_agents_agentrun_change", args=[new_run(community.id)])
+    assert "nothing emitted" in client.get(page).content.decode()
+
+    for text in ("gone ", "<b>bold</b> ", "tail ", "x" * 15):
+        agents.emit_output(lease, text)
+    html = client.get(reverse("admin:buzz_agents_agentrun_change", args=[run_id])).content.decode()
+    assert "chunks 2..4" in html and f"({len(''.join(('gone ', '<b>bold</b> ', 'tail ', 'x' * 15)))} bytes" in html
+    assert "&lt;b&gt;bold&lt;/b[…]tail xxxxxxxxxx[…]</pre>" in html  # escaped, each chunk cut to 10
+    assert "<b>bold" not in html and "gone " not in html  # the oldest chunk is past the tail
