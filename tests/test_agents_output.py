@@ -329,6 +329,39 @@ def test_the_gateway_returns_a_signed_agents_chunks_and_refuses_others(gateway_s
     assert response.status_code == 401
 
 
+def test_a_remote_handler_emits_through_the_gateway_under_its_lease(gateway_server, settings):  # noqa: F811
+    from buzz_delivery.gateway.remote_runs import OutputLimitExceeded as RemoteLimit
+    from buzz_delivery.gateway.remote_runs import run_remote_claim
+
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    run_id = new_run(community.id, agent=agent.pubkey)
+    (remote,) = agent.claim_runs(worker_id="remote-1", lease_seconds=30)
+
+    def handler(ctx):
+        seqs = [ctx.emit("remote "), ctx.emit(""), ctx.emit("chunk")]
+        try:
+            ctx.emit("a\x00b")  # PostgreSQL text cannot hold a NUL: the server's 400 names the field
+        except GatewayHTTPError as exc:
+            refused = (exc.status, exc.field)
+        return {"seqs": seqs, "refused": list(refused)}
+
+    assert run_remote_claim(agent, remote, handler) == "completed"
+    assert AgentRun.objects.get(id=run_id).output == {"seqs": [1, None, 2], "refused": [400, "chunk"]}
+    assert chunks(run_id) == [(1, "remote "), (2, "chunk")]
+    # The finished holder's emit is already_terminal; a stale generation's is lease_lost: nothing written.
+    assert agent.emit(remote.lease, "late").outcome == "already_terminal"
+    other_id = new_run(community.id, agent=agent.pubkey)
+    (held,) = agent.claim_runs(worker_id="remote-1", lease_seconds=30)
+    assert held.lease.run_id == str(other_id)
+    agents.cancel_agent_run(community.id, other_id, reason="stop")
+    lost = agent.emit(held.lease, "after the cancel")
+    assert (lost.outcome, lost.data["reason"]) == ("lease_lost", "cancelled")
+    assert chunks(other_id) == []
+    assert RemoteLimit.failure_code == "stream_too_large"
+
+
 # --- the event-loop worker ------------------------------------------------------------------------
 
 

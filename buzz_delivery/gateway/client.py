@@ -292,6 +292,11 @@ class GatewayClient:
         """``{"run", "journal"}`` of one of this key's runs (``GatewayHTTPError`` 404 otherwise)."""
         return self._json("GET", f"/communities/{community_id}/runs/{run_id}")
 
+    def emit(self, lease: RemoteRunLease, chunk: str) -> RunOutcome:
+        """Append ``chunk`` to the run's output stream: ``emitted`` (``seq``), ``too_large``
+        (nothing written), ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(lease, "emit", chunk=chunk)
+
     def read_output(
         self, community_id: str, run_id: str, *, after: int = 0, limit: int = 200, wait_seconds: float = 0
     ) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from buzz_delivery.gateway.schema import (
     HEARTBEAT,
     RESULT,
     RUN_CLAIM,
+    RUN_EMIT,
     RUN_OUTPUT,
 )
 from buzz_delivery.gateway.views import _lease, _lost_or_not_found, _require_enrolled, endpoint
@@ -316,6 +317,23 @@ def compensation_finish(
     "already_recorded", "status"}`` or ``already_terminal``; 409 lease lost."""
     lease = _run_lease(community_id, run_id, pubkey, data)
     return _recorded(agents.finish_compensation(lease, data["seq"], ok=data["ok"], error=data["error"]))
+
+
+@endpoint("POST", RUN_EMIT)
+def emit(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """Append a chunk to the run's output stream under the run lease (``agents.services.emit_output``,
+    a remote ``ctx.emit``). 200 ``{"outcome": "emitted", "seq"}``, ``{"outcome": "too_large",
+    "field", "used", "size", "cap"}`` (past the run's ``MAX_STREAM_BYTES``; nothing written) or
+    ``already_terminal``; 400 names ``chunk`` (empty, NUL, over ``MAX_CHUNK_BYTES``); 409 lease lost."""
+    outcome = agents.emit_output(_run_lease(community_id, run_id, pubkey, data), data["chunk"])
+    if isinstance(outcome, agents.Emitted):
+        return JsonResponse({"outcome": "emitted", "seq": outcome.seq})
+    if isinstance(outcome, agents.TooLarge):
+        return JsonResponse(
+            {"outcome": "too_large", "field": outcome.field, "used": outcome.used, "size": outcome.size,
+             "cap": outcome.cap}
+        )  # fmt: skip
+    return _common(outcome)
 
 
 # How often a long-polling output read looks again (an emit carries no wake-up hint).

@@ -335,6 +335,14 @@ COMPENSATION_FINISH = Body(
         "error": Field("string", "what went wrong", nullable=True, bounds=lambda: (0, 10_000)),
     },
 )
+RUN_EMIT = Body(
+    "EmitRequest",
+    {
+        **RUN_LEASE_FIELDS,
+        "chunk": Field("string", "text to append to the run's output stream (1..MAX_CHUNK_BYTES bytes of UTF-8)",
+                       required=True, bounds=lambda: (0, 1024 * 1024)),
+    },
+)  # fmt: skip
 RUN_OUTPUT = Body(
     "RunOutputRequest",
     {
@@ -348,7 +356,7 @@ RUN_OUTPUT = Body(
     },
 )  # fmt: skip
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, FAIL, COMPENSATION_BEGIN,
-              COMPENSATION_FINISH, RUN_OUTPUT)  # fmt: skip
+              COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------
