@@ -125,6 +125,14 @@ def by_agent(ctx):
     return three_calls(ctx)
 
 
+def streams(ctx):
+    """Emits its output as it goes (issue 29), between two journaled calls."""
+    ctx.emit("thinking… ")
+    ctx.call("effect", effect, {"n": 1})
+    ctx.emit("done")
+    return {"agent": "streams"}
+
+
 def by_input(ctx):
     """Run the handler of this module that the run's input names (``{"handler": "three_calls"}``)."""
     return globals()[ctx.input["handler"]](ctx)

@@ -464,7 +464,7 @@ def test_the_agent_worker_runs_journaled_calls_and_compensations_as_the_app_logi
     import subprocess
     import sys
 
-    from buzz_delivery.agents.models import AgentRun, JournalEntry
+    from buzz_delivery.agents.models import AgentRun, JournalEntry, RunOutput
     from buzz_delivery.agents.services import intake_event
     from tests.agents_support import AGENT
     from tests.worker_support import ROOT
@@ -473,7 +473,7 @@ def test_the_agent_worker_runs_journaled_calls_and_compensations_as_the_app_logi
         outcome = intake_event(community.id, "test", uuid.uuid4().hex, {"handler": handler}, AGENT)
         return outcome.run_id
 
-    done_run, failed_run = new("three_calls"), new("four_calls_fail")
+    done_run, failed_run, streamed_run = new("three_calls"), new("four_calls_fail"), new("streams")
     env = {**_env_as(app_login), "AGENT_LEDGER": str(tmp_path / "ledger")}
     done = subprocess.run(
         [
@@ -488,6 +488,10 @@ def test_the_agent_worker_runs_journaled_calls_and_compensations_as_the_app_logi
     assert states[done_run] == "completed", done.stderr[-3000:]
     assert states[failed_run] == "failed", done.stderr[-3000:]
     assert JournalEntry.objects.filter(community_id=community.id, run_id=done_run).count() == 3
+    # ctx.emit writes its chunks as the app login too (RLS, grants), under the run's lease.
+    assert states[streamed_run] == "completed", done.stderr[-3000:]
+    streamed = RunOutput.objects.filter(community_id=community.id, run_id=streamed_run).order_by("seq")
+    assert list(streamed.values_list("seq", "chunk")) == [(1, "thinking… "), (2, "done")]
 
 
 def test_a_handler_scope_keeps_the_login_role_and_names_the_community(community):

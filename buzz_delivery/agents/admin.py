@@ -21,7 +21,7 @@ from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.admin.search import parse_uuid
-from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.models import AgentRun, JournalEntry, RunOutput
 from buzz_delivery.agents.services import AlreadyTerminal, NotFound, cancel_agent_run
 from buzz_delivery.agents.states import RUN_TERMINAL
 from buzz_delivery.exceptions import BuzzDeliveryError
@@ -29,6 +29,9 @@ from buzz_delivery.models import WorkflowAgentDelivery, WorkflowRun
 
 # Characters of a journaled call's output shown on its timeline row (its stored JSON text).
 OUTPUT_CHARS = 120
+# The streamed output shown on a run's page (issue 29): its last chunks, each cut by the query.
+OUTPUT_TAIL_CHUNKS = 50
+OUTPUT_CHUNK_CHARS = 2000
 # Seconds between reloads of a live agent run's page.
 LIVE_REFRESH_SECONDS = 5
 
@@ -102,6 +105,7 @@ class AgentRunAdmin(ReadOnlyAdmin):
         "max_cost",
         "input",
         "output",
+        "streamed_output",
         "created_at",
         "finished_at",
         "timeline",
@@ -220,6 +224,31 @@ class AgentRunAdmin(ReadOnlyAdmin):
     @admin.display(description="history")
     def history_table(self, obj: AgentRun) -> str:
         return display.history_table(obj.history)
+
+    @admin.display(description="streamed output")
+    def streamed_output(self, obj: AgentRun) -> str:
+        """The run's last chunks (``ctx.emit``) as text, oldest first: at most
+        :data:`OUTPUT_TAIL_CHUNKS`, each cut to :data:`OUTPUT_CHUNK_CHARS` by the query (a cut
+        chunk ends with ``[…]``), never the whole stream; the page reloads while the run is live."""
+        if not obj.output_chunks:
+            return "nothing emitted"
+        rows = list(
+            RunOutput.objects.filter(community_id=obj.community_id, run_id=obj.id)
+            .order_by("-seq")
+            .annotate(head=Left("chunk", OUTPUT_CHUNK_CHARS + 1))
+            .values_list("seq", "head")[:OUTPUT_TAIL_CHUNKS]
+        )
+        rows.reverse()
+        text = "".join(h if len(h) <= OUTPUT_CHUNK_CHARS else h[:OUTPUT_CHUNK_CHARS] + "[…]" for _, h in rows)
+        first = rows[0][0] if rows else obj.output_chunks + 1
+        shown = f"chunks {first}..{obj.output_chunks}" if first > 1 else f"all {obj.output_chunks} chunks"
+        return format_html(
+            '<p>{} ({} bytes in all)</p><pre class="agent-output" style="white-space: pre-wrap; max-height: 30em;'
+            ' overflow: auto">{}</pre>',
+            shown,
+            obj.output_bytes,
+            text,
+        )
 
     @admin.display(description="journal")
     def timeline(self, obj: AgentRun) -> str:

@@ -5,12 +5,13 @@ reconcile hooks and compensations, with the journal's guarantees of the threaded
 :class:`AsyncContext` mirrors :class:`~buzz_delivery.agents.runtime.Context`:
 ``await ctx.call(tool_name, fn, args, *, compensate=None, reconcile=None, destructive=False,
 cost=0)`` journals the call before making it and records its result; ``await
-ctx.request_approval(prompt, deadline_seconds)`` parks the run; ``ctx.cancelled`` is True once a
-cancel fenced the run (the worker also cancels the handler's task, so an ``await`` in flight
-raises ``CancelledError`` and no further call is made). ``fn``, ``reconcile`` and compensations
-may be ``async def`` (awaited on the loop) or plain functions (run on a thread, in the user's
-tenant scope, so they may use the ORM on their own connection). Calls of one run are made one at
-a time (positions in the journal are the order of the calls).
+ctx.request_approval(prompt, deadline_seconds)`` parks the run; ``await ctx.emit(chunk)`` appends to
+the run's output stream (one fenced statement on the worker's pool, as the threaded runtime's);
+``ctx.cancelled`` is True once a cancel fenced the run (the worker also cancels the handler's
+task, so an ``await`` in flight raises ``CancelledError`` and no further call is made). ``fn``,
+``reconcile`` and compensations may be ``async def`` (awaited on the loop) or plain functions
+(run on a thread, in the user's tenant scope, so they may use the ORM on their own connection).
+Calls of one run are made one at a time (positions in the journal are the order of the calls).
 
 No statement of the runtime runs on a connection of the user's code: the journal, results,
 renewals and completions go through the worker's :class:`~buzz_delivery.agents.batcher.Batcher`
@@ -40,10 +41,12 @@ from typing import Any
 from buzz_delivery.agents import compensations
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.batcher import Batcher, DbPool, UsedConnections
+from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.exceptions import (
     AgentError,
     ApprovalExpired,
     BudgetExhausted,
+    OutputLimitExceeded,
     ReplayMismatch,
     RunAborted,
     ToolCallFailed,
@@ -53,6 +56,7 @@ from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.runtime import NOT_MADE, RATE_WAIT_SLICE_SECONDS, RatePlan, ratelimits_plan
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
+from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.services import ratelimits, tenancy
 
 logger = logging.getLogger("buzz_delivery.agents")
@@ -109,6 +113,9 @@ class AsyncContext:
         self.replayed = 0
         self.rate_waits = 0  # how many times a call waited for its rate limit
         self.task: asyncio.Task[Any] | None = None
+        self._emitted_before = claim.run.output_chunks
+        self._emit_pos = 0
+        self._emit_lock = asyncio.Lock()
 
     @property
     def cancelled(self) -> bool:
@@ -231,6 +238,27 @@ class AsyncContext:
         await self._record(entry.seq, ok=True, output=found, started=started)
         return found
 
+    async def emit(self, chunk: str) -> int | None:
+        """As :meth:`Context.emit <buzz_delivery.agents.runtime.Context.emit>`: appends ``chunk`` to
+        the run's output stream under its lease (one fenced statement on the worker's pool);
+        returns its ``seq``, None for an empty chunk."""
+        if isinstance(chunk, str) and not chunk:
+            return None
+        chunk_value(chunk, get_settings().max_chunk_bytes)
+        async with self._emit_lock:
+            self._check()
+            if self._emit_pos < self._emitted_before:
+                self._emit_pos += 1
+                return self._emit_pos
+            outcome = await self.runtime.pool.run(s.emit_output, self.lease, chunk)
+            if isinstance(outcome, s.Emitted):
+                self._emit_pos = outcome.seq
+                return outcome.seq
+        if isinstance(outcome, s.TooLarge):
+            raise OutputLimitExceeded(f"{outcome.field}: {outcome.used} + {outcome.size} bytes is over {outcome.cap}")
+        self.mark_lost(getattr(outcome, "reason", "") or "lost")
+        raise RunAborted(f"cannot emit: {outcome}")
+
     async def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """As :meth:`Context.request_approval <buzz_delivery.agents.runtime.Context.request_approval>`:
         parks the run the first time; returns the decision when the run is resumed."""
@@ -288,6 +316,10 @@ class SyncBridge:
     def call(self, tool_name: str, fn: Callable[..., Any], args: Any, **kwargs: Any) -> Any:
         """As :meth:`AsyncContext.call` (``fn`` runs on another thread of the user's executor)."""
         return self._wait(self._actx.call(tool_name, fn, args, **kwargs))
+
+    def emit(self, chunk: str) -> int | None:
+        """As :meth:`AsyncContext.emit`."""
+        return self._wait(self._actx.emit(chunk))
 
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """As :meth:`AsyncContext.request_approval`."""

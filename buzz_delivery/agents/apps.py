@@ -10,6 +10,7 @@ class AgentsConfig(AppConfig):
     verbose_name = "Buzz agent runs"
     default_auto_field = "django.db.models.BigAutoField"
     buzz_deletion_catalog = (
+        "buzz_agents.RunOutput",
         "buzz_agents.JournalEntry",
         "buzz_agents.IntakeKey",
         "buzz_agents.StepWait",

@@ -28,6 +28,9 @@ DEFAULTS: dict[str, Any] = {
     "MAX_LEASE_SECONDS": None,  # longest run lease (None = the core's MAX_LEASE_SECONDS)
     "SHADOW": False,  # True: every run is a shadow run (destructive calls blocked)
     "MAX_OUTPUT_BYTES": 256_000,  # largest JSON a call result or run output may record
+    # Streamed output (ctx.emit, issue 29): bytes (UTF-8) of one chunk, and of all chunks of a run.
+    "MAX_CHUNK_BYTES": 64 * 1024,
+    "MAX_STREAM_BYTES": 1024 * 1024,
 }
 
 
@@ -43,6 +46,8 @@ class AgentSettings:
     max_lease_seconds: float | None
     shadow: bool
     max_output_bytes: int
+    max_chunk_bytes: int
+    max_stream_bytes: int
 
 
 def get_settings() -> AgentSettings:
@@ -59,4 +64,6 @@ def get_settings() -> AgentSettings:
         max_lease_seconds=None if raw["MAX_LEASE_SECONDS"] is None else float(raw["MAX_LEASE_SECONDS"]),
         shadow=bool(raw["SHADOW"]),
         max_output_bytes=int(raw["MAX_OUTPUT_BYTES"]),
+        max_chunk_bytes=int(raw["MAX_CHUNK_BYTES"]),
+        max_stream_bytes=int(raw["MAX_STREAM_BYTES"]),
     )

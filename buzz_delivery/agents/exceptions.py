@@ -48,3 +48,10 @@ class ApprovalExpired(AgentError):
     """The approval the run waited on expired without a decision."""
 
     failure_code = "approval_expired"
+
+
+class OutputLimitExceeded(AgentError):
+    """``ctx.emit``: the chunk would take the run's streamed output past ``MAX_STREAM_BYTES``
+    (nothing was written; the handler may stop emitting and go on)."""
+
+    failure_code = "stream_too_large"

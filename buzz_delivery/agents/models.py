@@ -107,6 +107,10 @@ class AgentRun(CommunityScoped):
     # transitions (claim, complete, fail, park, cancel, reaps), as on deliveries (core 0008).
     renewals = models.IntegerField(default=0, db_default=0)
     history = models.JSONField(default=list, db_default=Value([], output_field=models.JSONField()), blank=True)
+    # Streamed output (issue 29, SPEC 16): chunks emitted so far (the last chunk's seq) and their
+    # bytes (UTF-8), counted by the fenced statement that inserts each chunk (agents/services/output.py).
+    output_chunks = models.IntegerField(default=0, db_default=0, editable=False)
+    output_bytes = models.BigIntegerField(default=0, db_default=0, editable=False)
 
     class Meta:
         db_table = "buzz_agents_run"
@@ -171,6 +175,9 @@ class AgentRun(CommunityScoped):
                 name="ag_run_failure_code_only_when_failing",
             ),
             models.CheckConstraint(condition=Q(renewals__gte=0), name="ag_run_renewals_gte_0"),
+            models.CheckConstraint(
+                condition=Q(output_chunks__gte=0, output_bytes__gte=0), name="ag_run_output_counters_gte_0"
+            ),
             models.CheckConstraint(condition=history_bounded("history"), name="ag_run_history_bounded"),
         ]
         indexes = [
@@ -311,6 +318,36 @@ class JournalEntry(CommunityScoped):
 
     def __str__(self) -> str:
         return f"#{self.seq} {self.tool_name} ({self.status})"
+
+
+class RunOutput(CommunityScoped):
+    """One chunk of a run's streamed output (issue 29, SPEC 16 "Streamed output"): ``seq`` is
+    gapless per run from 1 (a trigger checks it against the run's ``output_chunks``, which the
+    same fenced statement bumped); ``generation`` is the run lease generation that emitted it.
+    Written only by :func:`buzz_delivery.agents.services.output.emit_output`, never updated; the
+    rows go with their run (composite foreign key, ``ON DELETE CASCADE``, migration 0018)."""
+
+    id = models.UUIDField(primary_key=True, default=new_uuid7, editable=False)
+    run = models.ForeignKey(
+        AgentRun, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="stream"
+    )
+    seq = models.IntegerField()
+    chunk = models.TextField()
+    generation = models.BigIntegerField()
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "buzz_agents_output"
+        ordering = ["seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["community", "run", "seq"], name="ag_output_seq_key"),
+            models.CheckConstraint(condition=Q(seq__gte=1), name="ag_output_seq_gte_1"),
+            models.CheckConstraint(condition=~Q(chunk=""), name="ag_output_chunk_not_empty"),
+        ]
+        triggers = [*triggers.write_fence(), wf_triggers.immutable("ag_output_immutable")]
+
+    def __str__(self) -> str:
+        return f"#{self.seq} ({len(self.chunk)} characters)"
 
 
 class IntakeKey(CommunityScoped):

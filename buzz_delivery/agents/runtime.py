@@ -4,7 +4,8 @@
 reconcile=None, destructive=False, cost=0)`` journals a call before making it and records its
 result; ``ctx.request_approval(prompt, deadline_seconds)`` parks the run (the handler is
 stopped) and, once decided, returns the decision when the run is resumed; ``ctx.cancelled``
-says a cancel fenced the run (the heartbeat learnt it).
+says a cancel fenced the run (the heartbeat learnt it); ``ctx.emit(chunk)`` appends text to the
+run's output stream under its lease (readers follow it live: ``services.stream_output``).
 
 Resume: a handler is re-run from the start whenever its run is claimed again (after a reclaim
 or an approval); position ``n`` of its calls is journal entry ``n``. A succeeded entry returns
@@ -51,6 +52,7 @@ from buzz_delivery.agents.exceptions import (
     AgentError,
     ApprovalExpired,
     BudgetExhausted,
+    OutputLimitExceeded,
     ReplayMismatch,
     RunAborted,
     ToolCallFailed,
@@ -58,6 +60,7 @@ from buzz_delivery.agents.exceptions import (
 )
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
+from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.services import ratelimits
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
@@ -159,6 +162,10 @@ class Context:
         self.lane: UserConnection | None = None  # set by run_claim: the user's connection
         self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
         self.rate_waits = 0  # how many times a call waited for its rate limit
+        # ctx.emit: chunks the run had when claimed (a resumed handler's first emits are these).
+        self._emitted_before = claim.run.output_chunks
+        self._emit_pos = 0
+        self._emitting = threading.Lock()
 
     @contextlib.contextmanager
     def _runtime(self) -> Iterator[None]:
@@ -258,6 +265,32 @@ class Context:
                 if self.lost.wait(min(left, RATE_WAIT_SLICE_SECONDS)):
                     raise RunAborted("the run's lease was lost while waiting for its rate limit")
             self._check()
+
+    def emit(self, chunk: str) -> int | None:
+        """Append ``chunk`` (text, at most ``MAX_CHUNK_BYTES`` of UTF-8, no NUL) to the run's
+        output stream, under the run's current lease as a journal entry is; returns its ``seq``
+        (gapless from 1). An empty chunk writes nothing (None). Resume: emit ``n`` of a handler
+        re-run after a reclaim or an approval is chunk ``n``; those the run already has are not
+        written again (as ``ctx.call`` replays its journal). Raises ``ValidationError`` (field
+        ``chunk``), :class:`OutputLimitExceeded` (the run's ``MAX_STREAM_BYTES``; nothing
+        written) or :class:`RunAborted` (the lease was lost: nothing written)."""
+        if isinstance(chunk, str) and not chunk:
+            return None
+        chunk_value(chunk, get_settings().max_chunk_bytes)
+        self._check()
+        with self._emitting:
+            if self._emit_pos < self._emitted_before:
+                self._emit_pos += 1
+                return self._emit_pos
+            with self._runtime():
+                outcome = s.emit_output(self.lease, chunk)
+            if isinstance(outcome, s.Emitted):
+                self._emit_pos = outcome.seq
+                return outcome.seq
+        if isinstance(outcome, s.TooLarge):
+            raise OutputLimitExceeded(f"{outcome.field}: {outcome.used} + {outcome.size} bytes is over {outcome.cap}")
+        self.mark_lost(getattr(outcome, "reason", "") or "lost")
+        raise RunAborted(f"cannot emit: {outcome}")
 
     def _make(self, seq: int, key: str, fn: Callable[[Any, str], Any], args: Any) -> Any:
         started = time.monotonic()

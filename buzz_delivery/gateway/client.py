@@ -299,6 +299,21 @@ class GatewayClient:
         """``{"run", "journal"}`` of one of this key's runs (``GatewayHTTPError`` 404 otherwise)."""
         return self._json("GET", f"/communities/{community_id}/runs/{run_id}")
 
+    def emit(self, lease: RemoteRunLease, chunk: str) -> RunOutcome:
+        """Append ``chunk`` to the run's output stream: ``emitted`` (``seq``), ``too_large``
+        (nothing written), ``already_terminal`` or ``lease_lost``."""
+        return self._run_post(lease, "emit", chunk=chunk)
+
+    def read_output(
+        self, community_id: str, run_id: str, *, after: int = 0, limit: int = 200, wait_seconds: float = 0
+    ) -> dict[str, Any]:
+        """The streamed output of one of this key's runs after seq ``after``, long-polling up to
+        ``wait_seconds`` when there is none yet: ``{"chunks": [{"seq", "chunk"}], "after",
+        "terminal", "done"}`` (``GatewayHTTPError`` 404 for a run that is not this key's)."""
+        body = {"after": after, "limit": limit, "wait_seconds": wait_seconds}
+        path = f"/communities/{community_id}/runs/{run_id}/output"
+        return self._json("POST", path, body, extra_timeout=wait_seconds)
+
     def _run_outcome(self, path: str, body: dict[str, Any]) -> RunOutcome:
         data = self._json("POST", path, body, ok=(200, 409))
         if data.get("code") == "lease_lost":

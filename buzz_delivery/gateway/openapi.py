@@ -149,7 +149,8 @@ RUN_SCHEMAS: dict[str, Any] = {
             "heartbeat_at": NULLABLE_TIME, "worker_id": NULLABLE_TEXT,
             "attempts": {"type": "integer", "minimum": 0}, "max_attempts": {"type": "integer", "minimum": 1},
             "timeout_at": NULLABLE_TIME, "max_tool_calls": {"type": "integer"}, "tool_calls_used": {"type": "integer"},
-            "max_cost": {"type": "integer"}, "cost_used": {"type": "integer"}, "created_at": TIME,
+            "max_cost": {"type": "integer"}, "cost_used": {"type": "integer"},
+            "output_chunks": {"type": "integer", "minimum": 0}, "created_at": TIME,
             "finished_at": NULLABLE_TIME,
         }
     ),
@@ -177,20 +178,33 @@ RUN_SCHEMAS: dict[str, Any] = {
         {"claims": {"type": "array", "items": _obj({"run": _ref("Run"), "lease": _ref("RunLease")})}}
     ),
     "RunResponse": _obj({"run": _ref("Run"), "journal": {"type": "array", "items": _ref("JournalEntry")}}),
+    "RunOutputResponse": _obj(
+        {
+            "chunks": {
+                "type": "array",
+                "items": _obj({"seq": {"type": "integer"}, "chunk": {"type": "string"}}, ["seq", "chunk"]),
+            },
+            "after": {"type": "integer"},
+            "terminal": {"type": "boolean"},
+            "done": {"type": "boolean"},
+        },
+        ["chunks", "after", "terminal", "done"],
+    ),
     "RunOutcome": _obj(
         {
             "outcome": {
                 "type": "string",
                 "enum": ["accepted", "already_terminal", "renewed", "journaled", "blocked", "budget_exceeded",
                          "recorded", "already_recorded", "approval_requested", "finished", "unwinding", "begun",
-                         "not_next", "run_ended"],
+                         "not_next", "run_ended", "emitted", "too_large"],
             },
             "run_id": UUID, "state": {"type": "string", "enum": RUN_STATES}, "status": {"type": "string"},
             "lease": _ref("RunLease"), "seq": {"type": "integer"}, "idempotency_key": {"type": "string"},
             "reason": {"type": "string"}, "budget": {"type": "string", "enum": ["tool_calls", "cost"]},
             "used": {"type": "integer"}, "cap": {"type": "integer"}, "approval_id": UUID,
             "seqs": {"type": "array", "items": {"type": "integer"}}, "compensation": {}, "args": {}, "output": {},
-            "key": {"type": "string"}, "workflow_state": {"type": "string"},
+            "key": {"type": "string"}, "workflow_state": {"type": "string"}, "field": {"type": "string"},
+            "size": {"type": "integer"},
         },
         required=["outcome"],
     ),
@@ -259,6 +273,7 @@ _RUN = {
     "tool_calls_used": 1,
     "max_cost": 1000000,
     "cost_used": 0,
+    "output_chunks": 0,
     "created_at": _T,
     "finished_at": None,
 }
@@ -286,6 +301,10 @@ RUN_EXAMPLES: dict[str, Any] = {
     "Run": _RUN, "JournalEntry": _ENTRY, "RunLease": _RUN_LEASE,
     "RunClaimResponse": {"claims": [{"run": _RUN, "lease": _RUN_LEASE}]},
     "RunResponse": {"run": _RUN, "journal": [_ENTRY]},
+    "RunOutputResponse": {"chunks": [{"seq": 3, "chunk": "Looking up "}], "after": 3, "terminal": False,
+                          "done": False},
+    "EmitRequest": {**_RL, "chunk": "Looking it up… "},
+    "RunOutputRequest": {"after": 2, "limit": 200, "wait_seconds": 10},
     "RunOutcome": {"outcome": "journaled", "seq": 2, "idempotency_key": f"{_R}:2"},
     "AcceptRequest": {"lease_generation": 1, "input": {"priority": "high"}, "max_tool_calls": 10},
     "RunClaimRequest": {"limit": 4, "lease_seconds": 60, "worker_id": "w1"},
@@ -369,6 +388,10 @@ def _run_paths() -> dict[str, Any]:
         f"{RUN}/results": post("recordCallResult", "Record a call's result", "CallResultRequest"),
         f"{RUN}/approval": post("requestApproval", "Park the run on an approval", "ApprovalRequest"),
         f"{RUN}/complete": post("completeRun", "End the run completed", "CompleteRequest"),
+        f"{RUN}/emit": post("emitOutput", "Append a chunk to the run's output stream", "EmitRequest"),
+        f"{RUN}/output": {"post": _operation("readRunOutput", "The run's streamed output after a seq (long-poll)",
+                                             "RunOutputResponse", "RunOutputRequest", "403", "404",
+                                             params=RUN_PARAMS)},
         f"{RUN}/fail": post("failRun", "Fail the run (or start unwinding)", "FailRequest"),
         f"{RUN}/compensations/begin": post("beginCompensation", "Begin undoing an entry", "CompensationBeginRequest"),
         f"{RUN}/compensations/finish": post(

@@ -123,6 +123,7 @@ def run_of(r: Any) -> dict[str, Any]:
         "tool_calls_used": r.tool_calls_used,
         "max_cost": r.max_cost,
         "cost_used": r.cost_used,
+        "output_chunks": r.output_chunks,
         "created_at": rfc3339(r.created_at),
         "finished_at": rfc3339(r.finished_at),
     }

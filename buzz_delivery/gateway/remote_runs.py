@@ -94,6 +94,12 @@ class ApprovalExpired(RemoteRunError):
     failure_code = "approval_expired"
 
 
+class OutputLimitExceeded(RemoteRunError):
+    """``ctx.emit``: the chunk would take the run's streamed output past its bound (nothing written)."""
+
+    failure_code = "stream_too_large"
+
+
 class _Parked(Exception):
     """Internal: the run parked on an approval; the handler stops here."""
 
@@ -117,7 +123,7 @@ UNREGISTERED = compensations.UNREGISTERED
 
 class RemoteRunContext:
     """What a remote handler gets for one claimed run: ``run`` (the API's JSON), ``input``,
-    ``lease`` (renewed in the background), :meth:`call`, :meth:`request_approval`,
+    ``lease`` (renewed in the background), :meth:`call`, :meth:`request_approval`, :meth:`emit`,
     :attr:`cancelled`."""
 
     def __init__(self, client: GatewayClient, claim: RemoteRunClaim) -> None:
@@ -131,6 +137,10 @@ class RemoteRunContext:
         journal = client.read_run(claim.lease.community_id, claim.lease.run_id)["journal"]
         self._journal = {e["seq"]: e for e in journal}
         self.replayed = 0
+        # ctx.emit: the chunks the run had when claimed (a resumed handler's first emits are these).
+        self._emitted_before = int(claim.run.get("output_chunks") or 0)
+        self._emit_pos = 0
+        self._emitting = threading.Lock()
 
     @property
     def cancelled(self) -> bool:
@@ -180,6 +190,27 @@ class RemoteRunContext:
         if outcome.outcome != "journaled":
             raise self._gone(outcome, "journal")
         return self._make(outcome.data["seq"], outcome.data["idempotency_key"], fn, args)
+
+    def emit(self, chunk: str) -> int | None:
+        """Append ``chunk`` to the run's output stream under the run lease (as the in-process
+        ``ctx.emit``); returns its ``seq``, None for an empty chunk. On resume the chunks the run
+        already has are not sent again. Raises :class:`OutputLimitExceeded` or :class:`RunAborted`;
+        a bad chunk is the server's 400 (``GatewayHTTPError`` naming ``chunk``)."""
+        if isinstance(chunk, str) and not chunk:
+            return None
+        self._check()
+        with self._emitting:
+            if self._emit_pos < self._emitted_before:
+                self._emit_pos += 1
+                return self._emit_pos
+            outcome = self.client.emit(self.lease, chunk)
+            if outcome.outcome == "emitted":
+                self._emit_pos = int(outcome.data["seq"])
+                return self._emit_pos
+        if outcome.outcome == "too_large":
+            data = outcome.data
+            raise OutputLimitExceeded(f"{data['field']}: {data['used']} + {data['size']} bytes is over {data['cap']}")
+        raise self._gone(outcome, "emit")
 
     def _make(self, seq: int, key: str, fn: Callable[[Any, str], Any], args: Any) -> Any:
         started = time.monotonic()

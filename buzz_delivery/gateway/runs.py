@@ -38,6 +38,8 @@ from buzz_delivery.gateway.schema import (
     HEARTBEAT,
     RESULT,
     RUN_CLAIM,
+    RUN_EMIT,
+    RUN_OUTPUT,
 )
 from buzz_delivery.gateway.views import _lease, _lost_or_not_found, _require_enrolled, endpoint
 from buzz_delivery.gateway.wake import hub
@@ -315,3 +317,59 @@ def compensation_finish(
     "already_recorded", "status"}`` or ``already_terminal``; 409 lease lost."""
     lease = _run_lease(community_id, run_id, pubkey, data)
     return _recorded(agents.finish_compensation(lease, data["seq"], ok=data["ok"], error=data["error"]))
+
+
+@endpoint("POST", RUN_EMIT)
+def emit(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """Append a chunk to the run's output stream under the run lease (``agents.services.emit_output``,
+    a remote ``ctx.emit``). 200 ``{"outcome": "emitted", "seq"}``, ``{"outcome": "too_large",
+    "field", "used", "size", "cap"}`` (past the run's ``MAX_STREAM_BYTES``; nothing written) or
+    ``already_terminal``; 400 names ``chunk`` (empty, NUL, over ``MAX_CHUNK_BYTES``); 409 lease lost."""
+    outcome = agents.emit_output(_run_lease(community_id, run_id, pubkey, data), data["chunk"])
+    if isinstance(outcome, agents.Emitted):
+        return JsonResponse({"outcome": "emitted", "seq": outcome.seq})
+    if isinstance(outcome, agents.TooLarge):
+        return JsonResponse(
+            {"outcome": "too_large", "field": outcome.field, "used": outcome.used, "size": outcome.size,
+             "cap": outcome.cap}
+        )  # fmt: skip
+    return _common(outcome)
+
+
+# How often a long-polling output read looks again (an emit carries no wake-up hint).
+OUTPUT_POLL_SECONDS = 0.25
+
+
+def _output_page(community_id: uuid.UUID, run_id: uuid.UUID, data: dict[str, Any]) -> agents.OutputPage:
+    return agents.read_output(community_id, run_id, after=data["after"], limit=data["limit"])
+
+
+@endpoint("POST", RUN_OUTPUT)
+def output(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
+    """The streamed output of one of the signer's runs (``ctx.emit``; ``agents.services.read_output``):
+    the chunks after seq ``after``, at most ``limit``; with ``wait_seconds`` > 0 and nothing yet,
+    long-poll (looking again every quarter second) until a chunk arrives, the run ends or the
+    wait does. 200 ``{"chunks": [{"seq", "chunk"}], "after", "terminal", "done"}``: ``after`` is
+    the last seq returned (pass it back), ``done`` true once the run is terminal and every chunk
+    has been returned; 403; 404 (another key's run looks like a missing one)."""
+    _require_own_run(community_id, run_id, pubkey)
+    page = _output_page(community_id, run_id, data)
+    wait = float(data["wait_seconds"])
+    if not page.chunks and not page.terminal and wait > 0:
+        deadline = time.monotonic() + wait
+        with limits.long_poll(pubkey, [community_id]):
+            while not page.chunks and not page.terminal:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                time.sleep(min(OUTPUT_POLL_SECONDS, remaining))
+                page = _output_page(community_id, run_id, data)
+    chunks = [{"seq": c.seq, "chunk": c.chunk} for c in page.chunks]
+    return JsonResponse(
+        {
+            "chunks": chunks,
+            "after": chunks[-1]["seq"] if chunks else data["after"],
+            "terminal": page.terminal,
+            "done": page.terminal and len(chunks) < data["limit"],
+        }
+    )

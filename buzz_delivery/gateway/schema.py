@@ -335,8 +335,28 @@ COMPENSATION_FINISH = Body(
         "error": Field("string", "what went wrong", nullable=True, bounds=lambda: (0, 10_000)),
     },
 )
+RUN_EMIT = Body(
+    "EmitRequest",
+    {
+        **RUN_LEASE_FIELDS,
+        "chunk": Field("string", "text to append to the run's output stream (1..MAX_CHUNK_BYTES bytes of UTF-8)",
+                       required=True, bounds=lambda: (0, 1024 * 1024)),
+    },
+)  # fmt: skip
+RUN_OUTPUT = Body(
+    "RunOutputRequest",
+    {
+        "after": Field("integer", "return the chunks after this seq (0: from the start)", default=0,
+                       bounds=lambda: (0, 2**31 - 1)),
+        "limit": Field("integer", "most chunks to return", default=200, bounds=lambda: (1, 1000)),
+        "wait_seconds": Field(
+            "number", "long-poll: wait up to this long for a chunk when there is none yet (and the run is not over)",
+            default=0, bounds=_wait,
+        ),
+    },
+)  # fmt: skip
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, FAIL, COMPENSATION_BEGIN,
-              COMPENSATION_FINISH)  # fmt: skip
+              COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------

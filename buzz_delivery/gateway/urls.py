@@ -55,6 +55,8 @@ if agents_installed():
         path(f"{R}/results", runs.result, name="run-result"),
         path(f"{R}/approval", runs.approval, name="run-approval"),
         path(f"{R}/complete", runs.complete, name="run-complete"),
+        path(f"{R}/emit", runs.emit, name="run-emit"),
+        path(f"{R}/output", runs.output, name="run-output"),
         path(f"{R}/fail", runs.fail, name="run-fail"),
         path(f"{R}/compensations/begin", runs.compensation_begin, name="run-compensation-begin"),
         path(f"{R}/compensations/finish", runs.compensation_finish, name="run-compensation-finish"),

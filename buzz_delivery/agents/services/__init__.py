@@ -10,6 +10,7 @@ from buzz_delivery.agents.services.journal import (
     record_call_result,
 )
 from buzz_delivery.agents.services.maintenance import AgentReapResult, reap_agent_runs
+from buzz_delivery.agents.services.output import astream_output, emit_output, read_output, stream_output
 from buzz_delivery.agents.services.policy import RunPolicy, clear_policy, get_policy, set_policy
 from buzz_delivery.agents.services.runs import (
     accept_delivery,
@@ -31,8 +32,10 @@ __all__ = [
     "AgentReapResult",
     "RunPolicy",
     "accept_delivery",
+    "astream_output",
     "begin_compensation",
     "cancel_agent_run",
+    "emit_output",
     "claim_agent_runs",
     "clear_policy",
     "complete_run",
@@ -45,8 +48,10 @@ __all__ = [
     "heartbeat",
     "intake_event",
     "journal_call",
+    "read_output",
     "reap_agent_runs",
     "record_call_result",
     "request_approval",
     "set_policy",
+    "stream_output",
 ]

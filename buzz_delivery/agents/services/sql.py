@@ -18,6 +18,7 @@ from buzz_delivery.services.sql import DB_NOW, history_entry
 
 RUN = "buzz_agents_run"
 JOURNAL = "buzz_agents_journal"
+OUTPUT = "buzz_agents_output"
 INTAKE = "buzz_agents_intake_key"
 APPROVAL = "buzz_workflows_approval"
 COMMUNITY = "buzz_delivery_community"
@@ -453,4 +454,36 @@ FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(outputs)s::jsonb[]
     AS u(run_id, generation, output, output_hash)
 WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.state = 'running' AND NOT r.unwinding
 RETURNING r.id
+"""
+
+# -- Streamed output (issue 29, agents/services/output.py). One fenced statement: the holder's
+# run counts the chunk (its seq is the run's new ``output_chunks``; the UPDATE's row lock makes
+# concurrent emits of one run take turns, so the sequence stays gapless) within the run's byte
+# bound, and the chunk is inserted from what that UPDATE returned: no row from a stale, cancelled
+# or lapsed holder, and none past the bound.
+EMIT_IF_CURRENT_AND_WITHIN_BOUND = f"""
+WITH fenced AS (
+    UPDATE {RUN} AS r
+    SET output_chunks = r.output_chunks + 1, output_bytes = r.output_bytes + %(size)s
+    WHERE {CURRENT_RUN_LEASE} AND r.output_bytes + %(size)s <= %(max_stream_bytes)s
+    RETURNING r.id, r.output_chunks, r.lease_generation
+)
+INSERT INTO {OUTPUT} (id, community_id, run_id, seq, chunk, generation)
+SELECT %(chunk_id)s, %(community_id)s, fenced.id, fenced.output_chunks, %(chunk)s, fenced.lease_generation
+FROM fenced
+RETURNING seq
+"""
+
+OUTPUT_USED = f"""
+SELECT r.output_bytes FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s
+"""
+
+# A reader's page: the run's state first (a separate statement, read before the chunks: when it
+# is terminal, every chunk it will ever have is committed and the read after it sees them all).
+RUN_STATE = f"SELECT r.state FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s"
+OUTPUT_AFTER = f"""
+SELECT o.seq, o.chunk FROM {OUTPUT} AS o
+WHERE o.community_id = %(community_id)s AND o.run_id = %(run_id)s AND o.seq > %(after)s
+ORDER BY o.seq
+LIMIT %(limit)s
 """

@@ -105,6 +105,43 @@ class BudgetExceeded:
 
 
 @dataclass(frozen=True, slots=True)
+class Emitted:
+    """``emit_output``: the chunk is the run's output chunk ``seq`` (gapless from 1)."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class TooLarge:
+    """``emit_output``: the chunk would take the run's output (``field``: ``output``) past its
+    bound of ``cap`` bytes (``used`` so far, ``size`` of the chunk): refused, nothing written."""
+
+    field: str
+    used: int
+    size: int
+    cap: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputChunk:
+    """One chunk of a run's streamed output."""
+
+    seq: int
+    chunk: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPage:
+    """``read_output``: chunks after a seq, in order, and whether the run was terminal before
+    they were read (``terminal``; then a page shorter than asked is the end of the stream) or
+    absent (``found`` False, no chunks)."""
+
+    chunks: tuple[OutputChunk, ...]
+    terminal: bool
+    found: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class Recorded:
     """``record_call_result`` / compensation steps: the entry now holds ``status``."""
 
@@ -167,13 +204,17 @@ __all__ = [
     "Cancelled",
     "Created",
     "Duplicate",
+    "Emitted",
     "Finished",
     "IdempotencyConflict",
     "Journaled",
     "LeaseLost",
     "NotFound",
+    "OutputChunk",
+    "OutputPage",
     "Recorded",
     "Renewed",
     "RunEnded",
+    "TooLarge",
     "Unwinding",
 ]
