@@ -156,13 +156,15 @@ def _fill_engine(community: models.Community, workflows: list[models.Workflow]) 
 
 def _fill_agents(community: models.Community, workflows: list[models.Workflow]) -> None:
     """Per workflow, when ``buzz_delivery.agents`` is installed: a run whose send_message step
-    awaits agent runs (a step wait), an intake-started agent run with one journaled call, and an
+    awaits agent runs (a step wait), an intake-started agent run with one journaled call and one
+    chunk of streamed output, and an
     agent's policy (plus the community's own)."""
     from django.apps import apps
 
     if not apps.is_installed("buzz_delivery.agents"):
         return
     from buzz_delivery.agents.services import claim_agent_runs, intake_event, journal_call
+    from buzz_delivery.agents.services.output import emit_output
     from buzz_delivery.agents.services.policy import set_policy
     from buzz_delivery.services import Cause
     from buzz_delivery.testing import random32
@@ -180,6 +182,7 @@ def _fill_agents(community: models.Community, workflows: list[models.Workflow]) 
     run_until_idle(community.id)
     for claim in claim_agent_runs(community.id, [agent], worker_id="fill", limit=100):
         journal_call(claim.lease, "tool", {})
+        emit_output(claim.lease, "streamed")  # a chunk of its output stream
 
 
 def count_rows(community_id: uuid.UUID) -> dict[str, int]:
