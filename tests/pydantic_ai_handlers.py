@@ -79,3 +79,18 @@ budgeted = DurableAgent(
     usage_cost=lambda usage: 100,
     tool_costs={"effect": 1},
 )
+
+
+def narrating_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Says what it is about to do and asks for effect n=1, then answers."""
+    if not _returns(messages):
+        return ModelResponse(
+            parts=[TextPart("Looking it up. "), ToolCallPart("effect", {"n": 1}, tool_call_id="call-1")]
+        )
+    return ModelResponse(parts=[TextPart("Found 1.")])
+
+
+narrating_agent = Agent(FunctionModel(narrating_model, model_name="narrating"))
+narrating_agent.tool_plain(effect)
+
+narrating = DurableAgent(narrating_agent, compensations={"effect": h.undo}, stream_text=True)

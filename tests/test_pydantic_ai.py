@@ -195,3 +195,17 @@ def test_under_the_event_loop_worker_handler_run_awaits_ctx_call_directly(commun
         assert AgentRun.objects.get(id=run_id).output == "sum=6 keys=3"
         assert entries(run_id) == THREE_EFFECTS
         assert [x for x in lines(ledger, "call") if str(run_id) in x] == [f"call {run_id}:{seq}" for seq in (2, 4, 6)]
+
+
+@pytest.mark.django_db
+def test_with_stream_text_each_model_response_s_text_is_a_chunk_of_the_run_s_output_stream(community, ledger):
+    from buzz_delivery.agents.services.output import read_output
+
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), ph.narrating) == "completed"
+    page = read_output(community.id, run_id)
+    assert [(c.seq, c.chunk) for c in page.chunks] == [(1, "Looking it up. "), (2, "Found 1.")]
+    assert AgentRun.objects.get(id=run_id).output == "Found 1."
+    other = new_run(community.id)
+    assert run_claim(claim_one(community), ph.three_effects) == "completed"  # stream_text off: nothing
+    assert read_output(community.id, other).chunks == ()

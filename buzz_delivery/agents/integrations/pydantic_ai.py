@@ -64,7 +64,7 @@ from typing import Any, Protocol
 from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.exceptions import ModelRetry
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse, TextPart
 from pydantic_ai.models import CompletedStreamedResponse, Model, ModelRequestParameters, StreamedResponse
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
@@ -112,6 +112,8 @@ class _Journal(Protocol):
 
     async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]: ...
 
+    async def emit(self, chunk: str) -> Any: ...
+
 
 class _ThreadJournal:
     """The synchronous runtime's ``ctx`` seen from the agent's event loop: each call is handed to
@@ -130,6 +132,9 @@ class _ThreadJournal:
 
     async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
         return await self._ask(lambda: self.ctx.request_approval(prompt, deadline_seconds))  # type: ignore[no-any-return]
+
+    async def emit(self, chunk: str) -> Any:
+        return await self._ask(lambda: self.ctx.emit(chunk))
 
     async def _ask(self, work: Callable[[], Any]) -> Any:
         future: asyncio.Future[Any] = self.loop.create_future()
@@ -171,6 +176,9 @@ class _AsyncJournal:
 
     async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
         return await self.ctx.request_approval(prompt, deadline_seconds)  # type: ignore[no-any-return]
+
+    async def emit(self, chunk: str) -> Any:
+        return await self.ctx.emit(chunk)
 
 
 def journal_for(ctx: Any, loop: asyncio.AbstractEventLoop | None = None) -> _Journal:
@@ -232,8 +240,16 @@ class _Durability(AbstractCapability[Any]):
         self.uncharged = 0
         return output
 
-    def received(self, response: ModelResponse) -> ModelResponse:
+    async def received(self, response: ModelResponse) -> ModelResponse:
+        """A model response, made now or replayed from the journal: its usage is charged with the
+        next call; with ``stream_text``, its text goes to the run's output stream (one chunk per
+        response, so a resumed run, which replays the same responses, emits the same chunks and
+        the runtime writes none twice)."""
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
+        if self.owner.stream_text:
+            text = "".join(part.content for part in response.parts if isinstance(part, TextPart))
+            if text:
+                await self.journal.emit(text)
         return response
 
 
@@ -261,7 +277,7 @@ class _JournaledModel(WrapperModel):
 
         name, args = self._entry(messages)
         recorded = await self.durability.call(name, body, args, self.durability.owner.request_cost, reconcile=_remake)
-        return self.durability.received(load_response(recorded))
+        return await self.durability.received(load_response(recorded))
 
     @asynccontextmanager
     async def request_stream(  # type: ignore[override]
@@ -285,7 +301,7 @@ class _JournaledModel(WrapperModel):
 
         name, args = self._entry(messages)
         recorded = await self.durability.call(name, body, args, self.durability.owner.request_cost, reconcile=_remake)
-        response = self.durability.received(load_response(recorded))
+        response = await self.durability.received(load_response(recorded))
         stream: StreamedResponse = CompletedStreamedResponse(
             response, model_request_parameters=model_request_parameters, replay_events=True
         )
@@ -367,8 +383,10 @@ class DurableAgent:
     ``reconcile`` hooks ``(args, key) -> output | NOT_MADE``, ``destructive`` names (blocked in
     shadow runs) and ``tool_costs``. ``request_cost`` is charged per model request,
     ``usage_cost(usage)`` per response (with the next call). ``approval_deadline_seconds``: the
-    deadline of each approval a tool asks for. The handler's output is the agent's output as
-    JSON."""
+    deadline of each approval a tool asks for. ``stream_text``: each model response's text is
+    appended to the run's output stream (``ctx.emit``; read it with
+    :func:`~buzz_delivery.agents.services.output.stream_output`, the gateway or the admin), one
+    chunk per response. The handler's output is the agent's output as JSON."""
 
     def __init__(
         self,
@@ -383,6 +401,7 @@ class DurableAgent:
         request_cost: int = 0,
         usage_cost: Callable[[RequestUsage], int] = tokens,
         approval_deadline_seconds: int = 86400,
+        stream_text: bool = False,
     ) -> None:
         self.agent = agent
         self.prompt, self.deps = prompt, deps
@@ -395,6 +414,7 @@ class DurableAgent:
         self.request_cost = request_cost
         self.usage_cost = usage_cost
         self.approval_deadline_seconds = approval_deadline_seconds
+        self.stream_text = stream_text
 
     def __call__(self, ctx: Any) -> Any:
         """The synchronous runtime's handler: runs :meth:`run` on an event loop of its own, in a
