@@ -42,6 +42,11 @@ reads the database at that moment, cheaply at millions of rows:
   docs/flow-control.md): the units used in the current windows of all communities, of the one
   that used the most, how many communities have used theirs up, and the key's declared limit
   and period (the limit holds per community).
+- ``buzz_concurrency_limit{kind}``, ``buzz_concurrency_slots_held{kind}``,
+  ``buzz_concurrency_slots_held_max{kind}`` and ``buzz_concurrency_keys_at_limit{kind}``: each
+  declared concurrency limit (``CONCURRENCY_LIMITS``, docs/flow-control.md): its maximum per key,
+  the claimed deliveries holding a slot of that kind (all keys), the most one key holds, and how
+  many keys hold every slot (their next deliveries wait).
 
 The optional apps' families appear when those apps are installed. Every figure comes from the
 database clock.
@@ -80,7 +85,7 @@ from buzz_delivery.models import (
     WorkerRegistration,
     WorkflowAgentDelivery,
 )
-from buzz_delivery.services import stats, tenancy
+from buzz_delivery.services import flow, stats, tenancy
 from buzz_delivery.services.ratelimits import declared_rate_limits
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.services.workers import PRUNE_AFTER_SECONDS, STALE_AFTER_SECONDS
@@ -203,6 +208,7 @@ class BuzzCollector(Collector):
         yield from self._maintenance()
         yield from self._workers()
         yield from self._rate_limits()
+        yield from self._concurrency_limits()
 
     def _deliveries(self, estimated: GaugeMetricFamily) -> Iterator[GaugeMetricFamily]:
         with connection.cursor() as cursor:
@@ -382,6 +388,48 @@ class BuzzCollector(Collector):
                 total.add_metric([key], used)
                 full.add_metric([key], at_limit)
         yield from (limit, period, busiest, total, full)
+
+    @staticmethod
+    def _concurrency_limits() -> Iterator[GaugeMetricFamily]:
+        limit = GaugeMetricFamily(
+            "buzz_concurrency_limit", "Most deliveries claimed at once per key of a kind", labels=["kind"]
+        )
+        held = GaugeMetricFamily(
+            "buzz_concurrency_slots_held", "Claimed deliveries holding a slot of a kind, all keys", labels=["kind"]
+        )
+        most = GaugeMetricFamily(
+            "buzz_concurrency_slots_held_max", "Slots of a kind held by the key that holds the most", labels=["kind"]
+        )
+        full = GaugeMetricFamily(
+            "buzz_concurrency_keys_at_limit",
+            "Keys of a kind holding every slot (their next deliveries wait for one)",
+            labels=["kind"],
+        )
+        for kind, cap in flow.declared_limits().items():
+            with connection.cursor() as cursor:
+                cursor.execute(concurrency_use(kind), {"cap": cap})
+                total, busiest, at_limit = cursor.fetchone()
+            limit.add_metric([kind], cap)
+            held.add_metric([kind], total)
+            most.add_metric([kind], busiest)
+            full.add_metric([kind], at_limit)
+        yield from (limit, held, most, full)
+
+
+# Per kind of concurrency key: the claimed deliveries holding a slot, grouped by key (the
+# community first: on Citus each shard groups its own), then folded: held in all, the most one
+# key holds, the keys at the limit. The kind's partial UNIQUE index over claimed rows serves it.
+def concurrency_use(kind: str) -> str:
+    column, key = flow.KINDS[kind]
+    group = ", ".join(["d.community_id", *(f"d.{c}" for c in key)])
+    return f"""
+SELECT coalesce(sum(k.n), 0), coalesce(max(k.n), 0), count(*) FILTER (WHERE k.n >= %(cap)s)
+FROM (
+    SELECT count(*) AS n FROM buzz_delivery_delivery AS d
+    WHERE d.status = 'claimed' AND d.{column} IS NOT NULL
+    GROUP BY {group}
+) AS k
+"""
 
 
 # Each declared key's use of its current windows (database clock; a window that ended counts 0):

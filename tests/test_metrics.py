@@ -313,3 +313,20 @@ def test_metrics_are_open_by_default_and_closed_by_a_token(settings, django_user
     assert wrong.status_code == 401 and plain.get("/metrics").status_code == 401
     assert right.status_code == 200 and b"buzz_deliveries" in right.content
     assert staff.get("/metrics").status_code == 200
+
+
+def test_each_declared_concurrency_limit_shows_its_slots_held_and_the_keys_at_the_limit(make_binding, community):
+    from django.test import override_settings
+
+    full, half = random32(), random32()
+    for target in (full, full, full, half, half):
+        DeliveryFactory(binding=make_binding(target_pubkey=target))
+    with override_settings(BUZZ_DELIVERY={"CONCURRENCY_LIMITS": {"target": 2, "community": 10}}):
+        assert len(services.claim_deliveries(community.id, full, limit=3, lease_seconds=30)) == 2  # the limit holds
+        assert len(services.claim_deliveries(community.id, half, limit=1, lease_seconds=30)) == 1
+        found = scrape()
+    assert found["buzz_concurrency_limit"] == {(("kind", "community"),): 10, (("kind", "target"),): 2}
+    assert found["buzz_concurrency_slots_held"] == {(("kind", "community"),): 3, (("kind", "target"),): 3}
+    assert found["buzz_concurrency_slots_held_max"] == {(("kind", "community"),): 3, (("kind", "target"),): 2}
+    assert found["buzz_concurrency_keys_at_limit"] == {(("kind", "community"),): 0, (("kind", "target"),): 1}
+    assert "buzz_concurrency_limit" not in scrape()  # none declared: no samples
