@@ -115,9 +115,6 @@ _GAP_TIMING = _CLUSTER_GAP + (
 )
 
 SKIPPED: dict[str, str] = {
-    "tests/gateway/test_services.py::test_a_key_enrolled_nowhere_or_not_yet_when_it_signed_records_nothing": _GAP_STABLE,  # noqa: E501
-    "tests/gateway/test_services.py::test_an_event_id_is_admitted_once_and_only_within_the_window_of_the_database_clock": _GAP_STABLE,  # noqa: E501
-    "tests/gateway/test_services.py::test_pruning_deletes_only_ids_older_than_the_window": _GAP_STABLE,
     "tests/test_admin.py::test_dashboard_query_count_is_bounded": _GAP_DASHBOARD,
     "tests/test_admin.py::test_dashboard_reap_button_reaps_for_a_permitted_user_only": _GAP_DASHBOARD,
     "tests/test_admin.py::test_dashboard_shows_status_counts_lapsed_leases_and_settled_rate": _GAP_DASHBOARD,
