@@ -42,10 +42,6 @@ LEFT_OUT: dict[str, str] = {
     ),
     "tests/test_tenant_isolation.py": _RLS_MODULE,
     "tests/test_tenant_isolation_review.py": _RLS_MODULE,
-    "tests/test_metrics.py": (
-        "not yet on the cluster (issue 30): /metrics counts with a correlated subquery over a CTE, which "
-        "Citus refuses; the metrics run on PostgreSQL in the whole suite"
-    ),
 }
 
 # Tests of the modules that run, skipped on the cluster: node id (without parameters: every
@@ -100,10 +96,6 @@ _CLUSTER_GAP = "not yet on the cluster (issue 30): "
 _GAP_WAIT_SQL = _CLUSTER_GAP + (
     "the event wait statements send several commands in one prepared statement, which Citus refuses there"
 )
-_GAP_STABLE = _CLUSTER_GAP + (
-    "the replay store's UPDATE calls a STABLE function with column references, which Citus refuses"
-)
-_GAP_DASHBOARD = _CLUSTER_GAP + ("the dashboard's counts use a correlated subquery over a CTE, which Citus refuses")
 _GAP_DEEP = _CLUSTER_GAP + ("the test's raw writes of a thousand-deep value abort its transaction on the cluster")
 _GAP_JOIN = _CLUSTER_GAP + (
     "a statement on this path joins on a key other than the community, which Citus refuses (needs repartitioning)"
@@ -115,9 +107,6 @@ _GAP_TIMING = _CLUSTER_GAP + (
 )
 
 SKIPPED: dict[str, str] = {
-    "tests/test_admin.py::test_dashboard_query_count_is_bounded": _GAP_DASHBOARD,
-    "tests/test_admin.py::test_dashboard_reap_button_reaps_for_a_permitted_user_only": _GAP_DASHBOARD,
-    "tests/test_admin.py::test_dashboard_shows_status_counts_lapsed_leases_and_settled_rate": _GAP_DASHBOARD,
     "tests/test_admin_hostile_values.py::test_a_delivery_page_and_an_event_page_show_deeply_nested_snapshots_and_tags": _GAP_DEEP,  # noqa: E501
     "tests/test_admin_hostile_values.py::test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values": _GAP_DEEP,  # noqa: E501
     "tests/test_chaos.py::test_chaos_loses_nothing_and_settles_nothing_twice": _GAP_TIMING,
@@ -135,6 +124,7 @@ SKIPPED: dict[str, str] = {
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
+    "tests/test_metrics.py::test_the_settle_rate_probes_the_terminal_age_index_per_community": _PLAN,
     "tests/test_agents_admin.py::test_the_list_is_served_newest_first_by_an_index_on_the_id": _PLAN,
     "tests/test_admin_ops.py::test_the_failure_code_filter_reads_its_partial_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_many_rows": (
@@ -152,12 +142,6 @@ SKIPPED: dict[str, str] = {
         "coordinator (created by one multi-statement DDL text), which a trigger on a shard cannot reach; "
         "the engine's model-based test over its function steps (test_wf_model_based) runs on the cluster, "
         "and every step kind's own tests too"
-    ),
-    "tests/test_admin_ops.py::test_the_dashboard_shows_every_layer_and_a_server_drawn_throughput_chart": (
-        "NOT DONE on the cluster (issue 30): one of the dashboard's queries (new on main while this "
-        "was done) has a correlated subquery over a FROM that holds a subquery, which Citus refuses "
-        "('correlated subqueries are not supported when the FROM clause contains a CTE or subquery'); "
-        "the dashboard works on PostgreSQL"
     ),
     "tests/test_claim_plan_stale_stats.py::test_the_batched_claim_updates_through_the_primary_key"
     "_with_stale_statistics": _PLAN,
