@@ -93,9 +93,6 @@ _POLICY = "tests/test_policy.py::test_the_claim_"
 # Tests that fail on the cluster as of this commit, found by the first run of the whole suite as
 # one process on it (issue 30 stays open for them): each names the Citus refusal or the reason.
 _CLUSTER_GAP = "not yet on the cluster (issue 30): "
-_GAP_WAIT_SQL = _CLUSTER_GAP + (
-    "the event wait statements send several commands in one prepared statement, which Citus refuses there"
-)
 _GAP_DEEP = _CLUSTER_GAP + ("the test's raw writes of a thousand-deep value abort its transaction on the cluster")
 _GAP_JOIN = _CLUSTER_GAP + (
     "a statement on this path joins on a key other than the community, which Citus refuses (needs repartitioning)"
@@ -113,13 +110,8 @@ SKIPPED: dict[str, str] = {
     "tests/test_history_steps_and_runs.py::test_a_bad_step_holder_is_refused_by_name_before_any_claim": _GAP_JOIN,
     "tests/test_scale_out.py::test_a_constraint_name_with_a_shard_suffix_still_names_its_field": _GAP_RENAME,
     "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _GAP_NO_CITUS,
-    "tests/test_wf_model_based_waits.py::test_the_engine_agrees_with_the_model_of_its_waits": _GAP_WAIT_SQL,
     "tests/test_wf_poison.py::test_maintenance_skips_a_community_whose_run_row_a_stuck_transaction_holds_and_serves_the_others": _GAP_TIMING,  # noqa: E501
     "tests/test_wf_poison.py::test_the_workflow_worker_poison_matrix_each_step_fails_alone_and_the_worker_serves_the_rest": _GAP_JOIN,  # noqa: E501
-    "tests/test_wf_waits_concurrency.py::test_8_threads_sending_50_keys_in_different_orders_resume_each_run_once": _GAP_WAIT_SQL,  # noqa: E501
-    "tests/test_wf_waits_concurrency.py::test_a_cancel_racing_an_event_leaves_each_step_ended_once": _GAP_WAIT_SQL,
-    "tests/test_wf_waits_concurrency.py::test_one_event_sent_by_8_threads_at_once_resumes_each_of_50_waiting_runs_exactly_once": _GAP_WAIT_SQL,  # noqa: E501
-    "tests/test_wf_waits_concurrency.py::test_waits_starting_while_their_events_are_sent_are_never_left_waiting": _GAP_WAIT_SQL,  # noqa: E501
     "tests/test_worker_pairs.py::test_a_hint_for_any_of_its_pairs_wakes_the_worker_before_its_next_poll": _GAP_TIMING,
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
