@@ -94,9 +94,6 @@ _POLICY = "tests/test_policy.py::test_the_claim_"
 # one process on it (issue 30 stays open for them): each names the Citus refusal or the reason.
 _CLUSTER_GAP = "not yet on the cluster (issue 30): "
 _GAP_DEEP = _CLUSTER_GAP + ("the test's raw writes of a thousand-deep value abort its transaction on the cluster")
-_GAP_JOIN = _CLUSTER_GAP + (
-    "a statement on this path joins on a key other than the community, which Citus refuses (needs repartitioning)"
-)
 _GAP_NO_CITUS = _CLUSTER_GAP + ("asserts the refusal without Citus; in Citus mode Citus is there")
 _GAP_RENAME = _CLUSTER_GAP + ("renames a constraint of a distributed table, which Citus refuses")
 _GAP_TIMING = _CLUSTER_GAP + (
@@ -107,11 +104,9 @@ SKIPPED: dict[str, str] = {
     "tests/test_admin_hostile_values.py::test_a_delivery_page_and_an_event_page_show_deeply_nested_snapshots_and_tags": _GAP_DEEP,  # noqa: E501
     "tests/test_admin_hostile_values.py::test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values": _GAP_DEEP,  # noqa: E501
     "tests/test_chaos.py::test_chaos_loses_nothing_and_settles_nothing_twice": _GAP_TIMING,
-    "tests/test_history_steps_and_runs.py::test_a_bad_step_holder_is_refused_by_name_before_any_claim": _GAP_JOIN,
     "tests/test_scale_out.py::test_a_constraint_name_with_a_shard_suffix_still_names_its_field": _GAP_RENAME,
     "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _GAP_NO_CITUS,
     "tests/test_wf_poison.py::test_maintenance_skips_a_community_whose_run_row_a_stuck_transaction_holds_and_serves_the_others": _GAP_TIMING,  # noqa: E501
-    "tests/test_wf_poison.py::test_the_workflow_worker_poison_matrix_each_step_fails_alone_and_the_worker_serves_the_rest": _GAP_JOIN,  # noqa: E501
     "tests/test_worker_pairs.py::test_a_hint_for_any_of_its_pairs_wakes_the_worker_before_its_next_poll": _GAP_TIMING,
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
