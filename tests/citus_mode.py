@@ -124,12 +124,6 @@ SKIPPED: dict[str, str] = {
         "counts: on the cluster (one machine, three servers) a reap round takes past half a second and "
         "30 s reads as 31; the backoff is shown on PostgreSQL"
     ),
-    "tests/test_wf_model_based_kinds.py::test_the_engine_agrees_with_the_model_on_every_step_kind": (
-        "audits every step's state change with a test-only trigger that writes a table local to the "
-        "coordinator (created by one multi-statement DDL text), which a trigger on a shard cannot reach; "
-        "the engine's model-based test over its function steps (test_wf_model_based) runs on the cluster, "
-        "and every step kind's own tests too"
-    ),
     "tests/test_claim_plan_stale_stats.py::test_the_batched_claim_updates_through_the_primary_key"
     "_with_stale_statistics": _PLAN,
     "tests/test_flow_priority.py::test_the_claim_reads_only_the_rows_it_takes_among_many_of_lower_priority": _PLAN,
