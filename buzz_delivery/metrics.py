@@ -101,7 +101,9 @@ COMMUNITY = Community._meta.db_table
 # primary key, the first active one taken. The rows a fenced community left pending (no worker
 # may claim them until the purge removes them) are passed over, at most %(walk)s of them; past
 # that the oldest walked row stands for the answer (an over-estimate: say so in an alert's
-# runbook). Shared by the metrics and the dashboard.
+# runbook). Shared by the metrics and the dashboard. The community is looked up by a join on
+# its primary key (one row per walked row, as the EXISTS it replaces): Citus refuses a
+# correlated subquery whose FROM holds a subquery (issue 30), and plans this join.
 _WALK = f"""
     SELECT d.community_id, timezone('UTC', d.created_at) AS at FROM {DELIVERY} AS d
     WHERE d.status = 'pending' AND d.{CREATED_FLOOR_SQL}
@@ -109,8 +111,8 @@ _WALK = f"""
 """
 OLDEST_ACTIVE_PENDING = f"""
 SELECT coalesce(
-    (SELECT w.at FROM ({_WALK}) AS w
-     WHERE EXISTS (SELECT 1 FROM {COMMUNITY} AS c WHERE c.id = w.community_id AND c.deletion_state = 'active')
+    (SELECT w.at FROM ({_WALK}) AS w JOIN {COMMUNITY} AS c ON c.id = w.community_id
+     WHERE c.deletion_state = 'active'
      ORDER BY w.at LIMIT 1),
     (SELECT CASE WHEN count(*) = %(walk)s THEN max(w.at) END FROM ({_WALK}) AS w)
 ) AS at

@@ -42,10 +42,6 @@ LEFT_OUT: dict[str, str] = {
     ),
     "tests/test_tenant_isolation.py": _RLS_MODULE,
     "tests/test_tenant_isolation_review.py": _RLS_MODULE,
-    "tests/test_metrics.py": (
-        "not yet on the cluster (issue 30): /metrics counts with a correlated subquery over a CTE, which "
-        "Citus refuses; the metrics run on PostgreSQL in the whole suite"
-    ),
 }
 
 # Tests of the modules that run, skipped on the cluster: node id (without parameters: every
@@ -97,17 +93,7 @@ _POLICY = "tests/test_policy.py::test_the_claim_"
 # Tests that fail on the cluster as of this commit, found by the first run of the whole suite as
 # one process on it (issue 30 stays open for them): each names the Citus refusal or the reason.
 _CLUSTER_GAP = "not yet on the cluster (issue 30): "
-_GAP_WAIT_SQL = _CLUSTER_GAP + (
-    "the event wait statements send several commands in one prepared statement, which Citus refuses there"
-)
-_GAP_STABLE = _CLUSTER_GAP + (
-    "the replay store's UPDATE calls a STABLE function with column references, which Citus refuses"
-)
-_GAP_DASHBOARD = _CLUSTER_GAP + ("the dashboard's counts use a correlated subquery over a CTE, which Citus refuses")
 _GAP_DEEP = _CLUSTER_GAP + ("the test's raw writes of a thousand-deep value abort its transaction on the cluster")
-_GAP_JOIN = _CLUSTER_GAP + (
-    "a statement on this path joins on a key other than the community, which Citus refuses (needs repartitioning)"
-)
 _GAP_NO_CITUS = _CLUSTER_GAP + ("asserts the refusal without Citus; in Citus mode Citus is there")
 _GAP_RENAME = _CLUSTER_GAP + ("renames a constraint of a distributed table, which Citus refuses")
 _GAP_TIMING = _CLUSTER_GAP + (
@@ -115,33 +101,17 @@ _GAP_TIMING = _CLUSTER_GAP + (
 )
 
 SKIPPED: dict[str, str] = {
-    "tests/gateway/test_services.py::test_a_key_enrolled_nowhere_or_not_yet_when_it_signed_records_nothing": _GAP_STABLE,  # noqa: E501
-    "tests/gateway/test_services.py::test_an_event_id_is_admitted_once_and_only_within_the_window_of_the_database_clock": _GAP_STABLE,  # noqa: E501
-    "tests/gateway/test_services.py::test_pruning_deletes_only_ids_older_than_the_window": _GAP_STABLE,
-    "tests/test_admin.py::test_dashboard_query_count_is_bounded": _GAP_DASHBOARD,
-    "tests/test_admin.py::test_dashboard_reap_button_reaps_for_a_permitted_user_only": _GAP_DASHBOARD,
-    "tests/test_admin.py::test_dashboard_shows_status_counts_lapsed_leases_and_settled_rate": _GAP_DASHBOARD,
     "tests/test_admin_hostile_values.py::test_a_delivery_page_and_an_event_page_show_deeply_nested_snapshots_and_tags": _GAP_DEEP,  # noqa: E501
     "tests/test_admin_hostile_values.py::test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values": _GAP_DEEP,  # noqa: E501
     "tests/test_chaos.py::test_chaos_loses_nothing_and_settles_nothing_twice": _GAP_TIMING,
-    "tests/test_rate_limits.py::test_the_metrics_endpoint_serves_the_rate_limit_families": (
-        "scrapes /metrics, whose delivery counts Citus refuses (test_metrics is left out, above); the rate "
-        "limit families' own statement runs on the cluster in test_metrics_export_the_current_use_of_each_declared_key"
-    ),
-    "tests/test_history_steps_and_runs.py::test_a_bad_step_holder_is_refused_by_name_before_any_claim": _GAP_JOIN,
     "tests/test_scale_out.py::test_a_constraint_name_with_a_shard_suffix_still_names_its_field": _GAP_RENAME,
     "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _GAP_NO_CITUS,
-    "tests/test_wf_model_based_waits.py::test_the_engine_agrees_with_the_model_of_its_waits": _GAP_WAIT_SQL,
     "tests/test_wf_poison.py::test_maintenance_skips_a_community_whose_run_row_a_stuck_transaction_holds_and_serves_the_others": _GAP_TIMING,  # noqa: E501
-    "tests/test_wf_poison.py::test_the_workflow_worker_poison_matrix_each_step_fails_alone_and_the_worker_serves_the_rest": _GAP_JOIN,  # noqa: E501
-    "tests/test_wf_waits_concurrency.py::test_8_threads_sending_50_keys_in_different_orders_resume_each_run_once": _GAP_WAIT_SQL,  # noqa: E501
-    "tests/test_wf_waits_concurrency.py::test_a_cancel_racing_an_event_leaves_each_step_ended_once": _GAP_WAIT_SQL,
-    "tests/test_wf_waits_concurrency.py::test_one_event_sent_by_8_threads_at_once_resumes_each_of_50_waiting_runs_exactly_once": _GAP_WAIT_SQL,  # noqa: E501
-    "tests/test_wf_waits_concurrency.py::test_waits_starting_while_their_events_are_sent_are_never_left_waiting": _GAP_WAIT_SQL,  # noqa: E501
     "tests/test_worker_pairs.py::test_a_hint_for_any_of_its_pairs_wakes_the_worker_before_its_next_poll": _GAP_TIMING,
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
+    "tests/test_metrics.py::test_the_settle_rate_probes_the_terminal_age_index_per_community": _PLAN,
     "tests/test_agents_admin.py::test_the_list_is_served_newest_first_by_an_index_on_the_id": _PLAN,
     "tests/test_admin_ops.py::test_the_failure_code_filter_reads_its_partial_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_many_rows": (
@@ -153,18 +123,6 @@ SKIPPED: dict[str, str] = {
         "rounds each backoff measured from the test transaction's start, so the test's own run time "
         "counts: on the cluster (one machine, three servers) a reap round takes past half a second and "
         "30 s reads as 31; the backoff is shown on PostgreSQL"
-    ),
-    "tests/test_wf_model_based_kinds.py::test_the_engine_agrees_with_the_model_on_every_step_kind": (
-        "audits every step's state change with a test-only trigger that writes a table local to the "
-        "coordinator (created by one multi-statement DDL text), which a trigger on a shard cannot reach; "
-        "the engine's model-based test over its function steps (test_wf_model_based) runs on the cluster, "
-        "and every step kind's own tests too"
-    ),
-    "tests/test_admin_ops.py::test_the_dashboard_shows_every_layer_and_a_server_drawn_throughput_chart": (
-        "NOT DONE on the cluster (issue 30): one of the dashboard's queries (new on main while this "
-        "was done) has a correlated subquery over a FROM that holds a subquery, which Citus refuses "
-        "('correlated subqueries are not supported when the FROM clause contains a CTE or subquery'); "
-        "the dashboard works on PostgreSQL"
     ),
     "tests/test_claim_plan_stale_stats.py::test_the_batched_claim_updates_through_the_primary_key"
     "_with_stale_statistics": _PLAN,

@@ -63,6 +63,7 @@ from buzz_delivery.workflows.services import (
     start_run,
 )
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
+from tests.citus_support import CITUS_MODE
 from tests.conftest import backdate_lease
 from tests.model_support import run_machine
 
@@ -78,17 +79,26 @@ UNSET = object()
 # Every state change of a step, recorded by a trigger the test installs (in its own
 # transaction, rolled back with it): how often each step became terminal, or left a terminal
 # state, whatever path moved it. SECURITY DEFINER: the services run as the tenant role.
-AUDIT = """
-CREATE TABLE model_step_audit (step_id uuid NOT NULL, old_state text NOT NULL, new_state text NOT NULL);
-CREATE FUNCTION model_step_audit() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+# One statement per execute (Citus propagates DDL one statement at a time). On the cluster the
+# audit table is distributed beside the steps, by community, so the trigger on a step's shard
+# writes to the audit shard on the same node.
+AUDIT = [
+    "CREATE TABLE model_step_audit (community_id uuid NOT NULL, step_id uuid NOT NULL,"
+    " old_state text NOT NULL, new_state text NOT NULL)",
+    *(
+        ["SELECT create_distributed_table('model_step_audit', 'community_id', colocate_with => 'buzz_workflows_step')"]
+        if CITUS_MODE
+        else []
+    ),
+    """CREATE FUNCTION model_step_audit() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
-    INSERT INTO model_step_audit VALUES (NEW.id, OLD.state, NEW.state);
+    INSERT INTO model_step_audit VALUES (NEW.community_id, NEW.id, OLD.state, NEW.state);
     RETURN NULL;
 END;
-$$;
-CREATE TRIGGER model_step_audit AFTER UPDATE OF state ON buzz_workflows_step
-FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state) EXECUTE FUNCTION model_step_audit();
-"""
+$$""",
+    "CREATE TRIGGER model_step_audit AFTER UPDATE OF state ON buzz_workflows_step"
+    " FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state) EXECUTE FUNCTION model_step_audit()",
+]
 
 
 def walk(value: Any, path: list[str]) -> Any:
@@ -986,7 +996,8 @@ def _run(examples: int, steps: int) -> None:
     SEEN.clear()
     started = time.monotonic()
     with connection.cursor() as cursor:
-        cursor.execute(AUDIT)
+        for statement in AUDIT:
+            cursor.execute(statement)
     run_machine(KindsMachine, examples, steps)
     print(
         f"\nengine model (every kind): {STATS['examples']} examples, {STATS['steps']} checked states, "

@@ -396,7 +396,7 @@ class WaitsMachine(RuleBasedStateMachine):
         """The keeping window of every sent event passes (back-dated)."""
         with connection.cursor() as cursor:
             cursor.execute(
-                "UPDATE buzz_workflows_sent_event SET expires_at = sent_at - interval '1 second'"
+                "UPDATE buzz_workflows_sent_event SET expires_at = buzz_delivery_plus_seconds(sent_at, -1)"
                 " WHERE community_id = %s AND sent_at IS NOT NULL",
                 [self.cid],
             )
@@ -550,7 +550,8 @@ def _run(examples: int, steps: int, rounds: int = 3) -> None:
     SEEN.clear()
     started = time.monotonic()
     with connection.cursor() as cursor:
-        cursor.execute(AUDIT)
+        for statement in AUDIT:
+            cursor.execute(statement)
     for _ in range(rounds):
         run_machine(WaitsMachine, examples, steps)
         if not missing_reach():

@@ -22,36 +22,47 @@ from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.models import Run, Step
 from buzz_delivery.workflows.services import cancel_run, claim_steps, send_event
 from buzz_delivery.workflows.testing import run_until_idle
+from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT
 from tests.wf_support import start
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TERMINAL = ["succeeded", "failed", "skipped", "canceled"]
 
-AUDIT = """
-CREATE TABLE IF NOT EXISTS wait_step_audit (step_id uuid NOT NULL, old_state text NOT NULL, new_state text NOT NULL);
-CREATE OR REPLACE FUNCTION wait_step_audit() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+# One statement per execute (Citus propagates DDL one statement at a time). On the cluster the
+# audit table is distributed beside the steps, by community, so the trigger on a step's shard
+# writes to the audit shard on the same node.
+AUDIT = [
+    "CREATE TABLE IF NOT EXISTS wait_step_audit (community_id uuid NOT NULL, step_id uuid NOT NULL,"
+    " old_state text NOT NULL, new_state text NOT NULL)",
+    *(
+        ["SELECT create_distributed_table('wait_step_audit', 'community_id', colocate_with => 'buzz_workflows_step')"]
+        if CITUS_MODE
+        else []
+    ),
+    """CREATE OR REPLACE FUNCTION wait_step_audit() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
-    INSERT INTO wait_step_audit VALUES (NEW.id, OLD.state, NEW.state);
+    INSERT INTO wait_step_audit VALUES (NEW.community_id, NEW.id, OLD.state, NEW.state);
     RETURN NULL;
 END;
-$$;
-DROP TRIGGER IF EXISTS wait_step_audit ON buzz_workflows_step;
-CREATE TRIGGER wait_step_audit AFTER UPDATE OF state ON buzz_workflows_step
-FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state) EXECUTE FUNCTION wait_step_audit();
-"""
-DROP_AUDIT = """
-DROP TRIGGER IF EXISTS wait_step_audit ON buzz_workflows_step;
-DROP FUNCTION IF EXISTS wait_step_audit();
-DROP TABLE IF EXISTS wait_step_audit;
-"""
+$$""",
+    "DROP TRIGGER IF EXISTS wait_step_audit ON buzz_workflows_step",
+    "CREATE TRIGGER wait_step_audit AFTER UPDATE OF state ON buzz_workflows_step"
+    " FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state) EXECUTE FUNCTION wait_step_audit()",
+]
+DROP_AUDIT = [
+    "DROP TRIGGER IF EXISTS wait_step_audit ON buzz_workflows_step",
+    "DROP FUNCTION IF EXISTS wait_step_audit()",
+    "DROP TABLE IF EXISTS wait_step_audit",
+]
 
 
 @pytest.fixture
 def audit():
     """Every state change of a step, whatever moved it; yields how often each became terminal."""
     with connection.cursor() as cursor:
-        cursor.execute(AUDIT)
+        for statement in AUDIT:
+            cursor.execute(statement)
 
     def terminal_moves() -> dict:
         with connection.cursor() as cursor:
@@ -64,7 +75,8 @@ def audit():
 
     yield terminal_moves
     with connection.cursor() as cursor:
-        cursor.execute(DROP_AUDIT)
+        for statement in DROP_AUDIT:
+            cursor.execute(statement)
 
 
 def in_threads(n: int, target) -> list:

@@ -14,42 +14,10 @@ from __future__ import annotations
 import json
 
 from django.core.paginator import Paginator
-from django.db import connection
-from django.db.models import Model, Q, QuerySet
+from django.db.models import Q, QuerySet
 from django.utils.functional import cached_property
 
-# On a Citus coordinator a distributed table's own pg_class row is an empty shell: its size is
-# the sum over its shards (SPEC section 15).
-_SHARDED_ESTIMATE = """
-SELECT sum(result::bigint)::bigint FROM run_command_on_shards(
-    %s, $cmd$ SELECT reltuples::bigint FROM pg_class WHERE oid = '%%s'::regclass $cmd$)
-WHERE success AND result::bigint >= 0
-"""
-
-
-def _distributed(table: str) -> bool:
-    """True on a Citus coordinator for a distributed table."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL")
-        if not cursor.fetchone()[0]:
-            return False
-        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(%s))", [table])
-        return bool(cursor.fetchone()[0])
-
-
-def table_row_estimate(model: type[Model]) -> int | None:
-    """``pg_class.reltuples`` of the model's table (summed over its shards on a Citus
-    coordinator), or None when the table was never analysed."""
-    table = connection.ops.quote_name(model._meta.db_table)
-    with connection.cursor() as cursor:
-        if _distributed(table):
-            cursor.execute(_SHARDED_ESTIMATE, [table])
-        else:
-            cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = to_regclass(%s)", [table])
-        row = cursor.fetchone()
-    if row is None or row[0] is None or row[0] < 0:
-        return None
-    return int(row[0])
+from buzz_delivery.services.stats import table_row_estimate
 
 
 def planner_row_estimate(queryset: QuerySet) -> int:

@@ -41,12 +41,38 @@ def count_pending_retry(community_id: uuid.UUID, target_pubkey: bytes) -> int:
     return int(fetch_all(COUNT_PENDING_RETRY, params)[0][0])
 
 
-def _reltuples(model: type[Model]) -> float | None:
-    """``pg_class.reltuples`` of the model's table, or None when it was never analysed."""
+# The table's own size, and whether this is a Citus coordinator (one statement on PostgreSQL).
+_LOCAL_ESTIMATE = """
+SELECT reltuples::bigint, to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
+FROM pg_class WHERE oid = to_regclass(%(table)s)
+"""
+# On a Citus coordinator a distributed table's own pg_class row is an empty shell: its size is
+# the sum over its shards (SPEC section 15). Whether it is distributed, and that sum, in one.
+_SHARDED_ESTIMATE = """
+SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(%(table)s)),
+       (SELECT sum(s.result::bigint)::bigint FROM pg_dist_partition AS p
+        CROSS JOIN LATERAL run_command_on_shards(
+            p.logicalrelid, $cmd$ SELECT reltuples::bigint FROM pg_class WHERE oid = '%%s'::regclass $cmd$) AS s
+        WHERE p.logicalrelid = to_regclass(%(table)s) AND s.success AND s.result::bigint >= 0)
+"""
+
+
+def table_row_estimate(model: type[Model]) -> int | None:
+    """``pg_class.reltuples`` of the model's table (summed over its shards on a Citus
+    coordinator), or None when the table was never analysed. One catalog read on PostgreSQL,
+    two on a Citus coordinator."""
+    params = {"table": connection.ops.quote_name(model._meta.db_table)}
     with connection.cursor() as cursor:
-        cursor.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass", [model._meta.db_table])
+        cursor.execute(_LOCAL_ESTIMATE, params)
         row = cursor.fetchone()
-    return None if row is None or row[0] < 0 else float(row[0])
+        if row is not None and row[1]:
+            cursor.execute(_SHARDED_ESTIMATE, params)
+            distributed, shards = cursor.fetchone()
+            if distributed:
+                row = (shards,)
+    if row is None or row[0] is None or row[0] < 0:
+        return None
+    return int(row[0])
 
 
 def _planner_rows(model: type[Model], field: str, value: str) -> int:
@@ -61,11 +87,12 @@ def counts_by(
 ) -> tuple[dict[str, int], bool]:
     """Rows of ``model`` per value of ``field`` (every one of ``values``, 0 when absent), and
     whether they are estimates: exact for a table of at most ``cap`` rows (by
-    ``pg_class.reltuples``, or a count that stops past ``cap`` when the table was never
-    analysed), the planner's estimates (``EXPLAIN``, nothing read) above. At most two cheap
-    statements for a small table, one plus one ``EXPLAIN`` per value for a big one."""
+    ``pg_class.reltuples``, summed over the shards on a Citus coordinator, or a count that stops
+    past ``cap`` when the table was never analysed), the planner's estimates (``EXPLAIN``,
+    nothing read) above. At most two cheap statements for a small table (three on a Citus
+    coordinator), one plus one ``EXPLAIN`` per value for a big one."""
     values = list(values)
-    size = _reltuples(model)
+    size = table_row_estimate(model)
     if size is None:  # never analysed: count, but stop past the cap
         size = model._base_manager.order_by().values("pk")[: cap + 1].count()
     if size > cap:

@@ -112,9 +112,11 @@ def test_the_database_holds_the_enrollment_keys_spec_15_asks_for():
 def _enrolled_key(community, seconds_ago: int = 0) -> bytes:
     key = random32()
     services.enroll(community.id, key)
+    # Column arithmetic through the IMMUTABLE helper: Citus refuses a STABLE operator
+    # (timestamptz - interval) on a column in an UPDATE (docs/scale-out.md).
     with connection.cursor() as cursor:
         cursor.execute(
-            "UPDATE buzz_gateway_enrollment SET enrolled_at = enrolled_at - make_interval(secs => %s)"
+            "UPDATE buzz_gateway_enrollment SET enrolled_at = buzz_delivery_plus_seconds(enrolled_at, -%s)"
             " WHERE community_id = %s AND agent_pubkey = %s",
             [seconds_ago, community.id, key],
         )
