@@ -112,6 +112,13 @@ SKIPPED: dict[str, str] = {
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
     "tests/test_metrics.py::test_the_settle_rate_probes_the_terminal_age_index_per_community": _PLAN,
+    "tests/test_metrics.py::test_the_oldest_pending_age_is_one_probe_of_its_partial_index": _PLAN,
+    "tests/test_metrics.py::test_above_the_cap_the_counts_are_the_planners_estimates": (
+        "reads the planner's row estimate of the deliveries, which on the cluster sums the shards' "
+        "statistics that earlier modules left (it passed alone and failed in the whole run); the "
+        "estimate branch itself runs on the cluster in test_admin's dashboard tests"
+    ),
+    "tests/test_wf_liveness.py::test_no_step_stays_claimed_past_a_poll_interval_without_running": _GAP_TIMING,
     "tests/test_agents_admin.py::test_the_list_is_served_newest_first_by_an_index_on_the_id": _PLAN,
     "tests/test_admin_ops.py::test_the_failure_code_filter_reads_its_partial_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_many_rows": (
@@ -182,6 +189,14 @@ def default_arguments() -> list[str]:
     return [m for m in modules if m not in LEFT_OUT]
 
 
+def is_test_path(arg: str) -> bool:
+    """Whether a pytest argument names tests (a module, a folder, a node id), not an option or an
+    option's value (``-p no:cacheprovider``: CI's own arguments ran every module, those of
+    :data:`LEFT_OUT` too, because ``no:cacheprovider`` was taken for a path)."""
+    root = Path(__file__).resolve().parent.parent
+    return not arg.startswith("-") and ("::" in arg or (root / arg).exists() or Path(arg).exists())
+
+
 def skip_reason(nodeid: str) -> str | None:
     """Why the test ``nodeid`` is skipped on the cluster, or None."""
     return SKIPPED.get(nodeid.split("[", 1)[0])
@@ -205,7 +220,7 @@ def main(argv: list[str]) -> int:
         subprocess.run([sys.executable, "manage.py", *command], env=env, check=True)
     citus_support.immediate_community_keys(test_db)
     env.update(DATABASE_URL=citus_support.with_database(coordinator, NAME), BUZZ_CITUS_MODE="1")
-    if not any(not arg.startswith("-") for arg in argv):
+    if not any(is_test_path(arg) for arg in argv):
         argv = [*argv, *default_arguments()]
     pytest = [sys.executable, "-m", "pytest", "--reuse-db", "-p", "no:cacheprovider", *argv]
     return subprocess.run(pytest, env=env).returncode
