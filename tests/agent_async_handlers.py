@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 from buzz_delivery.agents.compensations import compensation
 from buzz_delivery.agents.runtime import NOT_MADE
@@ -92,3 +93,9 @@ async def poison_or_calls(ctx):
     if ctx.input.get("poison"):
         raise SystemExit("a handler must not stop the worker")
     return await three_calls(ctx)
+
+
+async def blocks_the_loop(ctx):
+    """Calls blocking code without await (tests/test_loopwatch.py): the loop's watchdog names it."""
+    time.sleep(1.5)
+    return {"blocked": True}

@@ -166,10 +166,13 @@ def sleep_without_database(delivery) -> None:
 
 async def async_waits(delivery) -> None:
     """An ``async def`` handler (tests/test_worker_async.py): awaits ``{"sleep": s}`` (an I/O
-    wait, e.g. a model call) without holding a thread or a connection, then raises as
+    wait, e.g. a model call) without holding a thread or a connection, or ``{"block": s}`` blocks
+    the loop's thread (a blocking call without await: tests/test_loopwatch.py), then raises as
     ``{"raise": "permanent" | "ordinary" | "base" | "cancelled"}`` says."""
     script = delivery.trigger_context or {}
     _record("start", delivery)
+    if script.get("block"):
+        time.sleep(float(script["block"]))  # the mistake the loop's watchdog names
     await asyncio.sleep(float(script.get("sleep", 0)))
     _record("end", delivery)
     what = script.get("raise")

@@ -54,6 +54,7 @@ from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
 from buzz_delivery.agents.worker import COMMUNITIES_WITH_CLAIMABLE_RUNS, RunListener, Waker
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.workers import HEARTBEAT_SECONDS, WorkerIdentity, deregister_worker, heartbeat_worker
@@ -173,6 +174,8 @@ class AsyncAgentWorker:
             await self._beat(pool)
         renewals = asyncio.create_task(self._renew(runtime))
         tasks: set[asyncio.Task[None]] = set()
+        # Renewals run on this loop: a handler that blocks it lets every held lease lapse.
+        watch = LoopWatch(self._loop, name="buzz-agent-worker", logger=logger, on_stall=self._stalled).start_here()
         try:
             await self._claim_loop(runtime, tasks)
             await self._drain(tasks)
@@ -181,6 +184,7 @@ class AsyncAgentWorker:
             self.counts["internal_errors"] += 1
             self._abandon(tasks)
         finally:
+            watch.stop()
             renewals.cancel()
             listen_stop.set()
             await batcher.close()
@@ -201,6 +205,9 @@ class AsyncAgentWorker:
             runtime.user_connections.close_all()
             if self.listener is not None:
                 self.listener.join(timeout=5)
+
+    def _stalled(self, seconds: float) -> None:
+        self.counts["loop_stalls"] += 1
 
     def _communities(self) -> list[uuid.UUID]:
         if self.config.communities:
@@ -394,5 +401,6 @@ class AsyncAgentWorker:
             batched_items=self.counts.get("batched_items", 0),
             accepted=self.counts.get("accepted", 0),
             accept_errors=self.counts.get("accept_errors", 0),
+            loop_stalls=self.counts.get("loop_stalls", 0),
         )
         return json.dumps(body, separators=(",", ":"))

@@ -36,6 +36,7 @@ from buzz_delivery import services, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.holders import holder_identity
+from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import Claim, Lease, LeaseLost
 from buzz_delivery.services import validation as v
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
@@ -60,6 +61,7 @@ SUMMARY_KEYS = (
     "abandoned",
     "claim_statements",
     "settle_statements",
+    "loop_stalls",  # an async handler's loop blocked (buzz_delivery.loopwatch)
 )
 # Claiming ahead: a claim may wait in the local queue for a free handler thread, for at most
 # this fraction of the lease (and CLAIM_AHEAD_MAX_WAIT seconds) judged by the handlers' recent
@@ -493,10 +495,16 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
+        watch = LoopWatch(
+            self.loop, name="buzz-worker-handlers", logger=logger, on_stall=lambda _: self.tally.add("loop_stalls")
+        ).start_here()
         self.loop_ready.set()
-        await self._closing.wait()
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+        try:
+            await self._closing.wait()
+            while self._tasks:
+                await asyncio.wait(set(self._tasks))
+        finally:
+            watch.stop()
 
     def _spawn(self, item: tuple[Claim, float] | None) -> None:
         if item is None:
