@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 from buzz_delivery.agents.compensations import compensation
@@ -187,3 +188,15 @@ def two_calls_then_hold(ctx):
             raise TimeoutError("the run was never cancelled")
         time.sleep(0.05)
     return {"cancelled": True}
+
+
+def _stamped(args: dict, key: str) -> dict:
+    return {"i": args["i"], "at": time.time()}
+
+
+def five_rated_calls(ctx):
+    """Five calls under the rate key ``probe`` (tests/test_rate_limits_processes.py): each waits
+    for its unit, never fails; the tool notes when it ran."""
+    for i in range(5):
+        ctx.call("probe", _stamped, {"i": i}, rate_key="probe")
+    return {"waits": ctx.rate_waits}
