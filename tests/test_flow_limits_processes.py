@@ -1,11 +1,14 @@
 """Concurrency limits by key under real worker processes (issue 32): eight ``run_delivery_worker``
 processes and a reaper drain one target under ``{"target": 2}`` while an audit trigger counts the
 claimed deliveries of that key at every change (and a sampler reads it from outside): never more
-than 2. A SIGKILLed holder keeps its slot until its lease lapses and the reaper takes it back."""
+than 2; and they take the deliveries higher priority first, claim statement after claim statement.
+A SIGKILLed holder keeps its slot until its lease lapses and the reaper takes it back."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import signal
 import threading
 import time
@@ -36,12 +39,25 @@ CREATE CONSTRAINT TRIGGER flow_audit_claimed AFTER UPDATE ON buzz_delivery_deliv
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION flow_audit_claimed();
 CREATE TRIGGER flow_audit_claimed_now AFTER UPDATE ON buzz_delivery_delivery
     FOR EACH ROW EXECUTE FUNCTION flow_audit_claimed();
+-- The order of the claims: each claim's row, its transaction and priority, numbered as it is
+-- written (the claims of one community take turns on its advisory lock, so in claim order).
+CREATE TABLE flow_claims (n bigserial, tx bigint NOT NULL, priority integer NOT NULL);
+CREATE FUNCTION flow_claims_order() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    INSERT INTO flow_claims (tx, priority) VALUES (txid_current(), NEW.priority);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER flow_claims_order AFTER UPDATE ON buzz_delivery_delivery
+    FOR EACH ROW WHEN (NEW.status = 'claimed' AND OLD.status <> 'claimed') EXECUTE FUNCTION flow_claims_order();
 """
 DROP_AUDIT = """
 DROP TRIGGER IF EXISTS flow_audit_claimed ON buzz_delivery_delivery;
 DROP TRIGGER IF EXISTS flow_audit_claimed_now ON buzz_delivery_delivery;
 DROP FUNCTION IF EXISTS flow_audit_claimed();
 DROP TABLE IF EXISTS flow_audit;
+DROP TRIGGER IF EXISTS flow_claims_order ON buzz_delivery_delivery;
+DROP FUNCTION IF EXISTS flow_claims_order();
+DROP TABLE IF EXISTS flow_claims;
 """
 
 
@@ -63,8 +79,15 @@ def wait_until(condition, timeout: float = 60, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
-def commit(make_binding, target: bytes, n: int, **script) -> list:
-    return [DeliveryFactory(binding=make_binding(target_pubkey=target), trigger_context=script).id for _ in range(n)]
+def commit(make_binding, target: bytes, n: int, priorities=None, **script) -> list:
+    return [
+        DeliveryFactory(
+            binding=make_binding(target_pubkey=target),
+            trigger_context=script,
+            priority=priorities[i] if priorities else 0,
+        ).id
+        for i in range(n)
+    ]
 
 
 def count(ids, status: str) -> int:
@@ -73,7 +96,10 @@ def count(ids, status: str) -> int:
 
 def test_eight_workers_and_the_reaper_never_hold_more_than_the_limit_of_one_key(make_binding, start_worker, audit):
     target = random32()
-    ids = commit(make_binding, target, 24, sleep=0.05)
+    rng = random.Random(32)
+    priorities = [rng.randint(-10, 10) for _ in range(24)]
+    assert len(set(priorities)) > 8
+    ids = commit(make_binding, target, 24, priorities, sleep=0.05)
     community_id = WorkflowAgentDelivery.objects.get(id=ids[0]).community_id
     limits = json.dumps(LIMIT)
     stop = threading.Event()
@@ -124,6 +150,14 @@ def test_eight_workers_and_the_reaper_never_hold_more_than_the_limit_of_one_key(
     assert max(sampled) <= LIMIT["target"]
     claimers = {WorkflowAgentDelivery.objects.get(id=i).claimed_by for i in ids}
     assert len(claimers) > 1  # the limit was shared between processes
+    # Higher priority first across the eight processes: each claim statement took only
+    # deliveries of no higher priority than every later statement's.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tx, min(priority), max(priority) FROM flow_claims GROUP BY tx ORDER BY min(n)")
+        statements = cursor.fetchall()
+    assert len(statements) >= len(ids) // 2  # the limit of 2: at most 2 a statement
+    for (_, lowest, _), (_, _, later_highest) in itertools.pairwise(statements):
+        assert lowest >= later_highest, statements
 
 
 def test_a_sigkilled_holder_keeps_its_slot_until_the_reaper_takes_its_lapsed_lease_back(make_binding, start_worker):
