@@ -5,16 +5,19 @@ does not hold the key; bad keys are refused naming ``singleton_key`` with nothin
 
 from __future__ import annotations
 
+import re
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.core.exceptions import ValidationError
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery import models, services
 from buzz_delivery.services import singleton
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
+from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT, backdate_lease
 
 pytestmark = pytest.mark.django_db
@@ -157,13 +160,36 @@ def test_the_reaper_brings_a_lapsed_singleton_delivery_back_beside_a_new_holder(
     assert {r.id for r in rows(community, status="pending")} == {first, second}
 
 
+def test_an_operator_requeue_back_to_pending_is_not_refused_by_a_new_holder_of_the_key(
+    community, message_event, make_binding
+):
+    target = random32()
+    (first,) = services.commit_deliveries(
+        community.id, message_event, [make_binding(target_pubkey=target)], singleton_key="k"
+    ).created
+    claim = services.claim_delivery(community.id, target)
+    assert services.finish_delivery(claim.lease, "failed") == services.Settled("failed")
+    (second,) = services.commit_deliveries(
+        community.id, message_event, [make_binding(target_pubkey=target)], singleton_key="k"
+    ).created
+
+    assert services.requeue_delivery(community.id, first).done
+
+    assert {r.id for r in rows(community, status="pending")} == {first, second}
+    # The requeued one (generation 2) does not hold the key: "keep" still reports the new holder.
+    kept = services.commit_deliveries(
+        community.id, message_event, [make_binding(target_pubkey=target)], singleton_key="k"
+    )
+    assert kept.outcomes == (singleton.Kept(second, target),)
+
+
 def test_the_database_refuses_a_second_unclaimed_pending_delivery_of_one_key(community, message_event, make_binding):
     target = random32()
     (first,) = services.commit_deliveries(
         community.id, message_event, [make_binding(target_pubkey=target)], singleton_key="k"
     ).created
     with (
-        pytest.raises(IntegrityError, match="delivery_singleton_pending_key"),
+        pytest.raises(DatabaseError, match="delivery_singleton_pending_key"),  # IntegrityError; relayed on Citus
         transaction.atomic(),
         connection.cursor() as cursor,
     ):
@@ -364,3 +390,38 @@ def test_a_commit_that_meets_an_uncommitted_commit_of_the_key_waits_and_then_kee
     else:
         assert isinstance(outcome, singleton.Replaced) and outcome.superseded_id == holder
         assert [(r.id, r.status) for r in rows(community)] == [(holder, "expired"), (outcome.delivery_id, "pending")]
+
+
+@pytest.mark.skipif(not CITUS_MODE, reason="Citus mode only: the plan of the commit statements on the cluster")
+@pytest.mark.parametrize("statement", [singleton.KEEP_STATEMENT, singleton.REPLACE_STATEMENT], ids=["keep", "replace"])
+def test_on_citus_every_step_of_the_commit_runs_on_the_community_node_alone(community, statement):
+    """Like the plain commit, the INSERT's rows come from the client (pull to the coordinator, then
+    routed by community); every read and write of the delivery table is one task."""
+    params = {
+        name: None for name in ("message_event_id", "max_attempts", "expires_at", "execution_trace", "trigger_context")
+    }
+    params.update(
+        community_id=community.id, singleton_key="k", channel="c", priority=0, not_before=None,
+        ids=[uuid.uuid4()], workflow_ids=[uuid.uuid4()], run_ids=[uuid.uuid4()], step_ids=["s"],
+        target_pubkeys=[random32()], definition_event_ids=[random32()], cause_kinds=["event"],
+        cause_event_ids=[random32()], cause_scheduled_fors=[None], cause_webhook_invocation_ids=[None],
+    )  # fmt: skip
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (COSTS OFF) " + statement, params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    counts = re.findall(r"Task Count: (\d+)", plan)
+    assert counts and set(counts) == {"1"}, plan
+    assert "buzz_delivery_delivery_" in plan  # the shard's table, read on its node
+
+
+def _docs_block(heading: str) -> str:
+    """The first python block under ``heading`` in docs/flow-control.md."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "flow-control.md").read_text()
+    section = text.split(heading + "\n", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_docs_example_runs():
+    exec(compile(_docs_block("## Debounce / singleton"), "docs/flow-control.md", "exec"), {})
