@@ -251,6 +251,9 @@ def test_a_bad_on_conflict_and_two_bindings_of_one_target_are_refused_with_nothi
         )
     assert list(refused.value.message_dict) == ["on_conflict"]
     with pytest.raises(ValidationError) as refused:
+        services.commit_deliveries(community.id, message_event, [make_binding()], on_conflict="replace")
+    assert "needs a singleton_key" in refused.value.message_dict["on_conflict"][0]
+    with pytest.raises(ValidationError) as refused:
         services.commit_deliveries(
             community.id,
             message_event,

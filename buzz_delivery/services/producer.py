@@ -203,6 +203,8 @@ def commit_deliveries(
     mode = singleton.on_conflict(on_conflict)
     if key is not None:
         singleton.check_one_binding_per_target(bindings)
+    elif mode == "replace":
+        raise v.invalid("on_conflict", "'replace' needs a singleton_key (what would it replace?)")
     trace = _snapshot(execution_trace, "execution_trace")
     context = _snapshot(tracing.with_trace(trigger_context), "trigger_context")
 
