@@ -35,6 +35,9 @@ CREATED_FLOOR = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 # Priorities (issue 32): a small range, higher first; 0 is the default of every producer.
 PRIORITY_MIN = -10
 PRIORITY_MAX = 10
+# A delivery's singleton key (docs/flow-control.md, "Debounce / singleton"): short, plain text.
+SINGLETON_KEY_MAX_CHARS = 64
+SINGLETON_KEY_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 
 CREATED_FLOOR_SQL = "created_at > '1970-01-01 00:00:00+00'"
 
@@ -252,6 +255,11 @@ class WorkflowAgentDelivery(CommunityScoped):
     slot_community = models.SmallIntegerField(null=True, blank=True, editable=False)
     slot_target = models.SmallIntegerField(null=True, blank=True, editable=False)
     slot_workflow = models.SmallIntegerField(null=True, blank=True, editable=False)
+    # Debounce / singleton (services/singleton.py): the producer's key, set at commit and never
+    # changed; at most one never-claimed pending delivery per (community, target, key).
+    singleton_key = models.CharField(  # noqa: DJ001  (NULL = no key; CHECKed)
+        max_length=SINGLETON_KEY_MAX_CHARS, null=True, blank=True, editable=False
+    )
 
     # Policy (SPEC section 6).
     attempt = models.IntegerField(default=0, db_default=0)
@@ -356,6 +364,19 @@ class WorkflowAgentDelivery(CommunityScoped):
                     name=f"delivery_{column}_range",
                 )
                 for column in ("slot_community", "slot_target", "slot_workflow")
+            ),
+            models.CheckConstraint(
+                condition=Q(singleton_key__isnull=True) | Q(singleton_key__regex=SINGLETON_KEY_PATTERN),
+                name="delivery_singleton_key_format",
+            ),
+            # One pending delivery per singleton key that no claim has touched yet (generation 0):
+            # only the commit's INSERT enters this index (a retry, the reaper or a requeue bring
+            # a delivery back to pending with a higher generation), so its ON CONFLICT is the one
+            # arbiter and no other transition can be refused by it (services/singleton.py).
+            models.UniqueConstraint(
+                fields=["community", "target_pubkey", "singleton_key"],
+                condition=Q(status="pending", lease_generation=0, singleton_key__isnull=False),
+                name="delivery_singleton_pending_key",
             ),
             # At most N claimed at once per key: N slots, none held twice (services/flow.py).
             *(

@@ -203,6 +203,7 @@ IMMUTABLE_DELIVERY_COLUMNS = (
     "cause_webhook_invocation_id",
     "execution_trace",
     "trigger_context",
+    "singleton_key",
 )
 
 

@@ -30,6 +30,7 @@ from buzz_delivery import services
 from buzz_delivery.admin import display, search
 from buzz_delivery.admin.base import MAX_ACTION_ROWS, ReadOnlyAdmin, logger, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
+from buzz_delivery.admin.concurrency import load_concurrency_use
 from buzz_delivery.admin.dashboard import load_dashboard
 from buzz_delivery.admin.filters import CommunityFilter, FailureCodeFilter, LeaseExpiredFilter, lease_expired_q
 from buzz_delivery.admin.paginators import EstimatedCountPaginator
@@ -370,6 +371,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def get_urls(self) -> list[Any]:
         return [
             path("dashboard/", self.admin_site.admin_view(self.dashboard_view), name=self._url_name("dashboard")),
+            path(
+                "concurrency/",
+                self.admin_site.admin_view(self.concurrency_view),
+                name=self._url_name("concurrency"),
+            ),
             *super().get_urls(),
         ]
 
@@ -392,6 +398,21 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "changelist_url": reverse(f"admin:{self._url_name('changelist')}"),
         }
         return TemplateResponse(request, "admin/buzz_delivery/dashboard.html", context)
+
+    def concurrency_view(self, request: HttpRequest) -> HttpResponse:
+        """GET: each declared concurrency limit, the slots held per key and the waiters of the keys
+        at their limit (:func:`~buzz_delivery.admin.concurrency.load_concurrency_use`). Read-only."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Concurrency limits",
+            "use": load_concurrency_use(),
+            "changelist_url": reverse(f"admin:{self._url_name('changelist')}"),
+            "dashboard_url": reverse(f"admin:{self._url_name('dashboard')}"),
+        }
+        return TemplateResponse(request, "admin/buzz_delivery/concurrency.html", context)
 
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None

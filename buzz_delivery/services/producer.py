@@ -6,7 +6,7 @@ import json
 import re
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
@@ -15,7 +15,7 @@ from buzz_delivery import jsonbounds, signals, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import NotInTransaction
 from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN, Event, new_uuid7
-from buzz_delivery.services import sql
+from buzz_delivery.services import singleton, sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -93,6 +93,38 @@ def _snapshot(value: Any, name: str) -> str | None:
     return text
 
 
+@overload
+def commit_deliveries(
+    community_id: uuid.UUID | str,
+    message_event: Event,
+    bindings: Sequence[Binding],
+    *,
+    expires_at: Any = ...,
+    execution_trace: Any = ...,
+    trigger_context: Any = ...,
+    not_before: Any = ...,
+    priority: int = ...,
+    singleton_key: None = ...,
+    on_conflict: Literal["keep", "replace"] = ...,
+) -> list[uuid.UUID]: ...
+
+
+@overload
+def commit_deliveries(
+    community_id: uuid.UUID | str,
+    message_event: Event,
+    bindings: Sequence[Binding],
+    *,
+    expires_at: Any = ...,
+    execution_trace: Any = ...,
+    trigger_context: Any = ...,
+    not_before: Any = ...,
+    priority: int = ...,
+    singleton_key: str,
+    on_conflict: Literal["keep", "replace"] = ...,
+) -> singleton.SingletonCommit: ...
+
+
 @tracing.traced("buzz.commit")
 @tenant_scoped
 def commit_deliveries(
@@ -105,7 +137,9 @@ def commit_deliveries(
     trigger_context: Any = None,
     not_before: Any = None,
     priority: int = 0,
-) -> list[uuid.UUID]:
+    singleton_key: str | None = None,
+    on_conflict: Literal["keep", "replace"] = "keep",
+) -> list[uuid.UUID] | singleton.SingletonCommit:
     """Commit one delivery per binding, all or none, in one statement (SPEC section 4.2).
 
     ``message_event``: the saved :class:`~buzz_delivery.models.Event` the deliveries carry;
@@ -117,6 +151,13 @@ def commit_deliveries(
     their retry gate, ``next_attempt_at``, from the start; django.tasks' ``run_after``).
     ``priority``: an int in ``PRIORITY_MIN..PRIORITY_MAX`` (-10..10, default 0); claims take
     higher priorities first, oldest first within one (issue 32, docs/flow-control.md).
+    ``singleton_key``: optional, 1..64 characters of ``A-Z a-z 0-9 _ . : -``: at most one
+    unclaimed pending delivery per (community, target, key) (debounce, issue 32,
+    :mod:`buzz_delivery.services.singleton`); one binding per target. ``on_conflict`` says what
+    a commit does for a target whose key a pending delivery holds: ``"keep"`` (default) writes
+    nothing for it and reports the holder, ``"replace"`` supersedes the holder (``expired`` /
+    ``superseded``) and commits the new one. With a key the call returns a
+    :class:`~buzz_delivery.services.singleton.SingletonCommit` (one typed outcome per binding).
 
     A binding whose identity (community, run, step, target) already exists is skipped
     silently (a producer retry). Returns the ids actually created, in binding order (a retry
@@ -158,6 +199,12 @@ def commit_deliveries(
     if not_before is not None:
         not_before = v.aware_datetime(not_before, "not_before")  # in UTC
     rank = v.int_in_range(priority, "priority", PRIORITY_MIN, PRIORITY_MAX)
+    key = None if singleton_key is None else singleton.singleton_key(singleton_key)
+    mode = singleton.on_conflict(on_conflict)
+    if key is not None:
+        singleton.check_one_binding_per_target(bindings)
+    elif mode == "replace":
+        raise v.invalid("on_conflict", "'replace' needs a singleton_key (what would it replace?)")
     trace = _snapshot(execution_trace, "execution_trace")
     context = _snapshot(tracing.with_trace(trigger_context), "trigger_context")
 
@@ -182,6 +229,12 @@ def commit_deliveries(
         "cause_scheduled_fors": [b.cause.scheduled_for for b in bindings],
         "cause_webhook_invocation_ids": [b.cause.webhook_invocation_id for b in bindings],
     }
+    if key is not None:
+        # Its rounds commit or roll back together (a savepoint inside the caller's transaction).
+        with translated_errors("bindings."), transaction.atomic():
+            result = singleton.commit(params, key, mode)
+        _announce(community, bindings, params["ids"], set(result.created))
+        return result
     # One statement is atomic on its own; inside the caller's transaction a savepoint keeps
     # a refused commit from breaking it.
     with translated_errors("bindings."):
@@ -191,16 +244,19 @@ def commit_deliveries(
         else:
             rows = fetch_all(sql.INSERT_DELIVERIES_SKIP_EXISTING, params)
     created_set = {row[0] for row in rows}
-    created = [i for i in params["ids"] if i in created_set]
+    _announce(community, bindings, params["ids"], created_set)
+    return [i for i in params["ids"] if i in created_set]
+
+
+def _announce(community: uuid.UUID, bindings: Sequence[Binding], ids: list[Any], created_set: set[Any]) -> None:
+    """Send :data:`~buzz_delivery.signals.deliveries_committed` after commit for the created ones."""
+    created = [i for i in ids if i in created_set]
     if created:
         transaction.on_commit(
             lambda: signals.deliveries_committed.send(
                 sender=Binding,
                 community_id=community,
                 delivery_ids=created,
-                target_pubkeys=[
-                    b.target_pubkey for b, i in zip(bindings, params["ids"], strict=True) if i in created_set
-                ],
+                target_pubkeys=[b.target_pubkey for b, i in zip(bindings, ids, strict=True) if i in created_set],
             )
         )
-    return created
