@@ -302,3 +302,29 @@ def test_the_claims_under_limits_keep_citus_router_form():
         assert "%(community_id)s" in statement
         assert not rule1_violations(statement) + rule2_violations(statement) + rule3_violations(statement)
     assert flow.AGENT_KINDS == ("agent", "community")
+
+
+def test_metrics_show_each_declared_run_and_step_limit_its_slots_held_and_the_keys_at_it(community):
+    from tests.test_metrics import scrape
+
+    full, half = random32(), random32()
+    for agent in (full, full, full, half):
+        new_run(community.id, agent)
+    workflow = WorkflowFactory(community=community)
+    start(workflow, parallel(3))
+    settings = {"AGENT_CONCURRENCY_LIMITS": {"agent": 2}, "STEP_CONCURRENCY_LIMITS": {"workflow": 5, "step": 1}}
+    with override_settings(BUZZ_DELIVERY=settings):
+        assert len(claim(community, [full, half])) == 3
+        assert len(claim_steps(community.id, limit=10, lease_seconds=30)) == 3
+        found = scrape()
+    agent = (("kind", "agent"),)
+    assert found["buzz_agent_concurrency_limit"] == {agent: 2}
+    assert found["buzz_agent_concurrency_slots_held"] == {agent: 3}
+    assert found["buzz_agent_concurrency_slots_held_max"] == {agent: 2}
+    assert found["buzz_agent_concurrency_keys_at_limit"] == {agent: 1}
+    step, whole = (("kind", "step"),), (("kind", "workflow"),)
+    assert found["buzz_step_concurrency_limit"] == {step: 1, whole: 5}
+    assert found["buzz_step_concurrency_slots_held"] == {step: 3, whole: 3}
+    assert found["buzz_step_concurrency_slots_held_max"] == {step: 1, whole: 3}
+    assert found["buzz_step_concurrency_keys_at_limit"] == {step: 3, whole: 0}
+    assert "buzz_agent_concurrency_limit" not in scrape()  # none declared: no samples
