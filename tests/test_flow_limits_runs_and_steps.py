@@ -78,6 +78,7 @@ def test_an_agent_limit_caps_the_leased_runs_of_each_agent_and_a_settle_frees_a_
         (again,) = claim(community, [a, b])
     assert bytes(again.run.agent_pubkey) == a
     assert again.run.slot_agent == held.run.slot_agent  # the slot the settle freed
+    assert again.run.slot_community is None  # no community limit declared: no slot of that kind
     assert leased(community, agent_pubkey=a) == 2
     slots = AgentRun.objects.filter(community_id=community.id, agent_pubkey=a, state="running")
     assert sorted(slots.values_list("slot_agent", flat=True)) == [0, 1]
@@ -211,6 +212,7 @@ def test_a_workflow_limit_caps_the_running_steps_of_each_workflow_and_a_settle_f
         (again,) = claim_steps(community.id, limit=10, lease_seconds=30)
     assert again.step.slot_workflow_id == one.id
     assert again.step.slot_workflow == held.step.slot_workflow
+    assert (again.step.slot_step, again.step.slot_community) == (None, None)  # kinds not declared
     assert running(community, slot_workflow_id=one.id) == 2
 
 

@@ -190,16 +190,26 @@ def full_keys(name: str, table: str, leased: str, slot: str, key: tuple[str, ...
 
 def free_slots(name: str, table: str, leased: str, slot: str, key: tuple[tuple[str, str], ...]) -> str:
     """A CTE ``<name>_free``: per key among the candidates (``key``: pairs of the candidate's
-    column and the table's column naming it), the slots ``0..cap-1`` of ``slot`` no row in a
-    ``leased`` state holds, ranked from 1 per key; none when the cap is NULL. Each probe reads
-    the kind's partial UNIQUE index."""
+    column and the table's column naming it), the slots of ``slot`` no row in a ``leased`` state
+    holds, ranked from 1 per key; none when the cap is NULL. Only the slots below ``least(cap,
+    held + candidates)`` are looked at (at most ``held`` of them are taken, so every candidate of
+    the key finds its rank there when the cap allows): the cost follows the slots in use, not
+    the cap. Each probe reads the kind's partial UNIQUE index."""
     picked = ", ".join(f"k.{c}" for c, _ in key)
     same = "".join(f" AND h.{held} = k.{c}" for c, held in key)
-    source = f"(SELECT DISTINCT {', '.join(c for c, _ in key)} FROM candidate) AS k, " if key else ""
+    declared = f"%(cap_{name})s::integer IS NOT NULL"  # no limit of this kind: no slot looked for
+    held_rows = f"SELECT count(*) FROM {table} AS h WHERE h.community_id = %(community_id)s{same} AND {leased}"
+    if key:
+        columns = ", ".join(c for c, _ in key)
+        source = f"(SELECT {columns}, count(*) AS n FROM candidate WHERE {declared} GROUP BY {columns}) AS k"
+        wanted = "k.n"
+    else:
+        source, wanted = f"(SELECT 1 WHERE {declared}) AS k", "(SELECT count(*) FROM candidate)"
+    bound = f"least(%(cap_{name})s::integer, {wanted} + ({held_rows} AND h.{slot} IS NOT NULL))"
     partition = f"PARTITION BY {picked} " if key else ""
     return f"""{name}_free AS MATERIALIZED (
     SELECT {picked + ", " if key else ""}g.slot, row_number() OVER ({partition}ORDER BY g.slot) AS rank
-    FROM {source}generate_series(0, %(cap_{name})s::integer - 1) AS g(slot)
+    FROM {source}, generate_series(0, {bound} - 1) AS g(slot)
     WHERE NOT EXISTS (
         SELECT 1 FROM {table} AS h
         WHERE h.community_id = %(community_id)s{same} AND {leased} AND h.{slot} = g.slot

@@ -151,7 +151,11 @@ UPDATE {RUN} AS r
 SET {_CLAIM_RUN_SET},
     slot_community = admitted.slot_community, slot_agent = admitted.slot_agent
 FROM admitted
-WHERE r.community_id = %(community_id)s AND r.id = admitted.id AND r.state = 'pending'
+-- Through the primary key (the ids as an array): the candidates were locked FOR UPDATE after
+-- their latest version was re-checked, so no state test here (it would let the pending index
+-- win the join and read every pending run of the community).
+WHERE r.community_id = %(community_id)s AND r.id = ANY (ARRAY(SELECT admitted.id FROM admitted))
+  AND r.id = admitted.id
 RETURNING r.id, r.lease_generation, r.lease_until
 """
 

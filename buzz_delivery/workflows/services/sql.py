@@ -124,7 +124,11 @@ SET {_CLAIM_STEP_SET},
     slot_community = admitted.slot_community, slot_workflow = admitted.slot_workflow,
     slot_step = admitted.slot_step, slot_workflow_id = admitted.workflow_id
 FROM admitted, {RUN} AS r
-WHERE s.community_id = %(community_id)s AND s.id = admitted.id AND s.state = 'ready'
+-- Through the primary key (the ids as an array): the candidates were locked FOR UPDATE after
+-- their latest version was re-checked, so no state test here (it would let the ready index win
+-- the join and read every ready step of the community).
+WHERE s.community_id = %(community_id)s AND s.id = ANY (ARRAY(SELECT admitted.id FROM admitted))
+  AND s.id = admitted.id
   AND r.community_id = s.community_id AND r.run_id = s.run_id
 RETURNING {{step_columns}}, r.definition_id
 """
