@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from buzz_delivery.conf import DEFAULTS, raw_settings
-from buzz_delivery.services.flow import parse_limits
+from buzz_delivery.services.flow import AGENT_KINDS, AGENT_SETTING, STEP_KINDS, STEP_SETTING, parse_limits
 from buzz_delivery.services.ratelimits import parse_rate_limits
 
 
@@ -89,6 +89,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         parse_limits(raw["CONCURRENCY_LIMITS"])
     except ImproperlyConfigured as exc:
         errors.append(checks.Error(str(exc), id="buzz_delivery.E032"))
+    for setting, kinds, code in (
+        (AGENT_SETTING, AGENT_KINDS, "buzz_delivery.E034"),
+        (STEP_SETTING, STEP_KINDS, "buzz_delivery.E035"),
+    ):
+        try:
+            parse_limits(raw[setting], setting, kinds)
+        except ImproperlyConfigured as exc:
+            errors.append(checks.Error(str(exc), id=code))
     try:
         parse_rate_limits(raw["RATE_LIMITS"])
     except ImproperlyConfigured as exc:

@@ -43,6 +43,10 @@ DEFAULTS: dict[str, Any] = {
     # Concurrency limits by key (issue 32, docs/flow-control.md): key kind ("community",
     # "target", "workflow") -> at most that many deliveries claimed at once per key; {} = none.
     "CONCURRENCY_LIMITS": {},
+    # ... of agent runs leased at once ("agent", "community") and of workflow steps running at
+    # once ("workflow", "step", "community"); {} = none (services/flow.py).
+    "AGENT_CONCURRENCY_LIMITS": {},
+    "STEP_CONCURRENCY_LIMITS": {},
     # Rate limits by key (issue 32, docs/flow-control.md, services/ratelimits.py): key name ->
     # {"limit": units, "period": seconds}, at most that many units per period per key in each
     # community (ctx.call(..., rate_key=..., weight=...)); {} = none.

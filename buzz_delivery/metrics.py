@@ -47,6 +47,9 @@ reads the database at that moment, cheaply at millions of rows:
   declared concurrency limit (``CONCURRENCY_LIMITS``, docs/flow-control.md): its maximum per key,
   the claimed deliveries holding a slot of that kind (all keys), the most one key holds, and how
   many keys hold every slot (their next deliveries wait).
+- ``buzz_agent_concurrency_*{kind}`` and ``buzz_step_concurrency_*{kind}`` (the same four
+  families): each declared ``AGENT_CONCURRENCY_LIMITS`` kind over the leased agent runs, and
+  each ``STEP_CONCURRENCY_LIMITS`` kind over the running workflow steps.
 
 The optional apps' families appear when those apps are installed. Every figure comes from the
 database clock.
@@ -63,7 +66,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.apps import apps
@@ -393,29 +396,41 @@ class BuzzCollector(Collector):
 
     @staticmethod
     def _concurrency_limits() -> Iterator[GaugeMetricFamily]:
-        limit = GaugeMetricFamily(
-            "buzz_concurrency_limit", "Most deliveries claimed at once per key of a kind", labels=["kind"]
-        )
-        held = GaugeMetricFamily(
-            "buzz_concurrency_slots_held", "Claimed deliveries holding a slot of a kind, all keys", labels=["kind"]
-        )
-        most = GaugeMetricFamily(
-            "buzz_concurrency_slots_held_max", "Slots of a kind held by the key that holds the most", labels=["kind"]
-        )
-        full = GaugeMetricFamily(
-            "buzz_concurrency_keys_at_limit",
-            "Keys of a kind holding every slot (their next deliveries wait for one)",
-            labels=["kind"],
-        )
-        for kind, cap in flow.declared_limits().items():
-            with connection.cursor() as cursor:
-                cursor.execute(concurrency_use(kind), {"cap": cap})
-                total, busiest, at_limit = cursor.fetchone()
-            limit.add_metric([kind], cap)
-            held.add_metric([kind], total)
-            most.add_metric([kind], busiest)
-            full.add_metric([kind], at_limit)
-        yield from (limit, held, most, full)
+        yield from _slot_families("buzz_concurrency", "deliveries claimed", flow.declared_limits(), concurrency_use)
+        if apps.is_installed("buzz_delivery.agents"):
+            yield from _slot_families(
+                "buzz_agent_concurrency", "agent runs leased", flow.declared_agent_limits(), agent_concurrency_use
+            )
+        if apps.is_installed("buzz_delivery.workflows"):
+            yield from _slot_families(
+                "buzz_step_concurrency", "workflow steps running", flow.declared_step_limits(), step_concurrency_use
+            )
+
+
+def _slot_families(
+    prefix: str, what: str, limits: dict[str, int], statement: Callable[[str], str]
+) -> Iterator[GaugeMetricFamily]:
+    """The four families of one concurrency-limit setting (``<prefix>_limit``, ``_slots_held``,
+    ``_slots_held_max``, ``_keys_at_limit``, labelled by kind), one grouped read per declared kind."""
+    limit = GaugeMetricFamily(f"{prefix}_limit", f"Most {what} at once per key of a kind", labels=["kind"])
+    held = GaugeMetricFamily(
+        f"{prefix}_slots_held", f"{what[0].upper()}{what[1:]} holding a slot of a kind, all keys", labels=["kind"]
+    )
+    most = GaugeMetricFamily(
+        f"{prefix}_slots_held_max", "Slots of a kind held by the key that holds the most", labels=["kind"]
+    )
+    full = GaugeMetricFamily(
+        f"{prefix}_keys_at_limit", "Keys of a kind holding every slot (their next claims wait for one)", labels=["kind"]
+    )
+    for kind, cap in limits.items():
+        with connection.cursor() as cursor:
+            cursor.execute(statement(kind), {"cap": cap})
+            total, busiest, at_limit = cursor.fetchone()
+        limit.add_metric([kind], cap)
+        held.add_metric([kind], total)
+        most.add_metric([kind], busiest)
+        full.add_metric([kind], at_limit)
+    yield from (limit, held, most, full)
 
 
 # Per kind of concurrency key: the claimed deliveries holding a slot, grouped by key (the
@@ -423,12 +438,35 @@ class BuzzCollector(Collector):
 # key holds, the keys at the limit. The kind's partial UNIQUE index over claimed rows serves it.
 def concurrency_use(kind: str) -> str:
     column, key = flow.KINDS[kind]
+    return _slots_use("buzz_delivery_delivery", "d.status = 'claimed'", column, key)
+
+
+# The same for agent runs (leased: running, waiting_tool) and workflow steps (running).
+_AGENT_SLOTS = {"agent": ("slot_agent", ("agent_pubkey",)), "community": ("slot_community", ())}
+_STEP_SLOTS = {
+    "community": ("slot_community", ()),
+    "workflow": ("slot_workflow", ("slot_workflow_id",)),
+    "step": ("slot_step", ("slot_workflow_id", "key")),
+}
+
+
+def agent_concurrency_use(kind: str) -> str:
+    column, key = _AGENT_SLOTS[kind]
+    return _slots_use("buzz_agents_run", "d.state IN ('running', 'waiting_tool')", column, key)
+
+
+def step_concurrency_use(kind: str) -> str:
+    column, key = _STEP_SLOTS[kind]
+    return _slots_use("buzz_workflows_step", "d.state = 'running'", column, key)
+
+
+def _slots_use(table: str, held: str, column: str, key: tuple[str, ...]) -> str:
     group = ", ".join(["d.community_id", *(f"d.{c}" for c in key)])
     return f"""
 SELECT coalesce(sum(k.n), 0), coalesce(max(k.n), 0), count(*) FILTER (WHERE k.n >= %(cap)s)
 FROM (
-    SELECT count(*) AS n FROM buzz_delivery_delivery AS d
-    WHERE d.status = 'claimed' AND d.{column} IS NOT NULL
+    SELECT count(*) AS n FROM {table} AS d
+    WHERE {held} AND d.{column} IS NOT NULL
     GROUP BY {group}
 ) AS k
 """

@@ -102,6 +102,9 @@ BUZZ_DELIVERY: dict[str, object] = {
     "MIN_LEASE_SECONDS": env.float("BUZZ_MIN_LEASE_SECONDS", default=15),
     # Concurrency limits by key, e.g. '{"target": 4}' (docs/flow-control.md).
     "CONCURRENCY_LIMITS": env.json("BUZZ_CONCURRENCY_LIMITS", default={}),
+    # ... of agent runs, e.g. '{"agent": 2}', and of workflow steps, e.g. '{"workflow": 10}'.
+    "AGENT_CONCURRENCY_LIMITS": env.json("BUZZ_AGENT_CONCURRENCY_LIMITS", default={}),
+    "STEP_CONCURRENCY_LIMITS": env.json("BUZZ_STEP_CONCURRENCY_LIMITS", default={}),
     # Rate limits by key, e.g. '{"openai": {"limit": 500, "period": 60}}' (docs/flow-control.md).
     "RATE_LIMITS": env.json("BUZZ_RATE_LIMITS", default={}),
     "RETRY_BACKOFF_BASE_SECONDS": env.float("BUZZ_RETRY_BACKOFF_BASE_SECONDS", default=5),

@@ -101,6 +101,11 @@ class AgentRun(CommunityScoped):
     # Flow control (issue 32): the accepted delivery's priority (0 for an intake); claims take
     # higher first, oldest first within one.
     priority = models.SmallIntegerField(default=0, db_default=0)
+    # Concurrency limits by key (issue 32, services/flow.py ``AGENT_CONCURRENCY_LIMITS``): the slot
+    # this run's claim holds under each declared limit's key (0..N-1), unique among the leased
+    # runs of that key; NULL = no limit. A run out of its leased states holds no slot.
+    slot_community = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_agent = models.SmallIntegerField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     finished_at = models.DateTimeField(null=True, blank=True)
     # The holder is ``worker_id``; these count its lease's heartbeats and keep the run's last
@@ -117,6 +122,22 @@ class AgentRun(CommunityScoped):
         constraints = [
             models.CheckConstraint(
                 condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX), name="ag_run_priority_range"
+            ),
+            *(
+                models.CheckConstraint(
+                    condition=Q(**{f"{column}__isnull": True}) | Q(**{f"{column}__gte": 0, f"{column}__lt": 1000}),
+                    name=f"ag_run_{column}_range",
+                )
+                for column in ("slot_community", "slot_agent")
+            ),
+            # At most N leased at once per key: N slots, none held twice by leased runs.
+            *(
+                models.UniqueConstraint(
+                    fields=["community", *key, column],
+                    condition=Q(state__in=RUN_LEASED, **{f"{column}__isnull": False}),
+                    name=f"ag_run_{column}_key",
+                )
+                for column, key in (("slot_community", ()), ("slot_agent", ("agent_pubkey",)))
             ),
             models.UniqueConstraint(
                 fields=["community", "delivery_id"],

@@ -24,7 +24,7 @@ With no limit declared the claim is the plan-cached fast path, unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -50,19 +50,21 @@ LOCK_IN_FUNCTION = (
 )
 
 
-def parse_limits(value: Any) -> dict[str, int]:
+def parse_limits(value: Any, setting: str = SETTING, kinds: Iterable[str] = KINDS) -> dict[str, int]:
     """The declared limits, validated: raises ``ImproperlyConfigured`` naming the field
     (``CONCURRENCY_LIMITS['target']``) for anything else than a dict of known kinds to ints in
-    1..1000. ``None`` or ``{}``: no limit."""
+    1..1000. ``None`` or ``{}``: no limit. ``setting`` and ``kinds``: which setting it is (the
+    deliveries' by default; :data:`AGENT_SETTING`, :data:`STEP_SETTING`)."""
+    known = tuple(kinds)
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ImproperlyConfigured(f"BUZZ_DELIVERY[{SETTING!r}] must be a dict of key kind to a maximum")
+        raise ImproperlyConfigured(f"BUZZ_DELIVERY[{setting!r}] must be a dict of key kind to a maximum")
     limits: dict[str, int] = {}
     for kind, cap in value.items():
-        field = f"BUZZ_DELIVERY[{SETTING!r}][{kind!r}]"
-        if kind not in KINDS:
-            raise ImproperlyConfigured(f"{field}: unknown key kind; known: {', '.join(KINDS)}")
+        field = f"BUZZ_DELIVERY[{setting!r}][{kind!r}]"
+        if kind not in known:
+            raise ImproperlyConfigured(f"{field}: unknown key kind; known: {', '.join(known)}")
         if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_LIMIT:
             raise ImproperlyConfigured(f"{field} must be an int within 1..{MAX_LIMIT}, got {cap!r}")
         limits[kind] = int(cap)
@@ -135,6 +137,142 @@ admitted AS MATERIALIZED (
 def declared_limits() -> dict[str, int]:
     """The operator's limits from the settings (read per call, like every setting)."""
     return parse_limits(raw_settings().get(SETTING))
+
+
+# -- Agent runs and workflow steps (issue 32): the same design, their own settings. ------------
+#
+# ``BUZZ_DELIVERY["AGENT_CONCURRENCY_LIMITS"]``: at most N agent runs leased (``running`` or
+# ``waiting_tool``) at once per key: ``agent`` (one agent of a community) and ``community``.
+# ``BUZZ_DELIVERY["STEP_CONCURRENCY_LIMITS"]``: at most N workflow steps ``running`` at once per
+# key: ``workflow`` (one workflow of a community), ``step`` (one step key of one workflow) and
+# ``community``. A slot is a column of the row (``slot_<kind>``) under a partial UNIQUE index over
+# the rows in the leased state(s) (agents migration 0019, workflows migration 0022); the claims
+# (``claim_agent_runs``, ``claim_steps``) take their slots in the claim statement, under the
+# community's claim lock of their own namespace (:func:`claim_holding_slots`). Every statement
+# that moves a row out of its leased state(s) frees its slots; a parked run or step holds none.
+AGENT_SETTING = "AGENT_CONCURRENCY_LIMITS"
+AGENT_KINDS = ("agent", "community")
+STEP_SETTING = "STEP_CONCURRENCY_LIMITS"
+STEP_KINDS = ("community", "workflow", "step")
+AGENT_CLAIM_LOCK_NAMESPACE = 0x62756C32  # "bul2"
+STEP_CLAIM_LOCK_NAMESPACE = 0x62756C33  # "bul3"
+
+
+def declared_agent_limits() -> dict[str, int]:
+    """``AGENT_CONCURRENCY_LIMITS``, validated (``ImproperlyConfigured`` naming the field)."""
+    return parse_limits(raw_settings().get(AGENT_SETTING), AGENT_SETTING, AGENT_KINDS)
+
+
+def declared_step_limits() -> dict[str, int]:
+    """``STEP_CONCURRENCY_LIMITS``, validated (``ImproperlyConfigured`` naming the field)."""
+    return parse_limits(raw_settings().get(STEP_SETTING), STEP_SETTING, STEP_KINDS)
+
+
+def all_caps(limits: Mapping[str, int], kinds: Iterable[str]) -> dict[str, int | None]:
+    """The claim's ``cap_<kind>`` parameters: every kind, NULL where no limit is declared."""
+    return {f"cap_{kind}": limits.get(kind) for kind in kinds}
+
+
+def full_keys(name: str, table: str, leased: str, slot: str, key: tuple[str, ...]) -> str:
+    """A CTE ``full_<name>``: the keys (``key`` columns of ``table``) whose every slot of ``slot``
+    is held by a row in a ``leased`` state (a condition over alias ``h``); none when the cap is
+    NULL. The claim leaves their candidates out, so a key at its limit never uses up the claim's
+    ``LIMIT`` and starves the other keys."""
+    columns = ", ".join(f"h.{c}" for c in key)
+    select = columns or "true AS saturated"
+    group = f"\n    GROUP BY {columns}" if key else ""
+    return f"""full_{name} AS MATERIALIZED (
+    SELECT {select} FROM {table} AS h
+    WHERE h.community_id = %(community_id)s AND {leased} AND h.{slot} IS NOT NULL{group}
+    HAVING count(*) >= %(cap_{name})s::integer
+)"""
+
+
+def free_slots(name: str, table: str, leased: str, slot: str, key: tuple[tuple[str, str], ...]) -> str:
+    """A CTE ``<name>_free``: per key among the candidates (``key``: pairs of the candidate's
+    column and the table's column naming it), the slots of ``slot`` no row in a ``leased`` state
+    holds, ranked from 1 per key; none when the cap is NULL. Only the slots below ``least(cap,
+    held + candidates)`` are looked at (at most ``held`` of them are taken, so every candidate of
+    the key finds its rank there when the cap allows): the cost follows the slots in use, not
+    the cap. Each probe reads the kind's partial UNIQUE index."""
+    picked = ", ".join(f"k.{c}" for c, _ in key)
+    same = "".join(f" AND h.{held} = k.{c}" for c, held in key)
+    declared = f"%(cap_{name})s::integer IS NOT NULL"  # no limit of this kind: no slot looked for
+    held_rows = f"SELECT count(*) FROM {table} AS h WHERE h.community_id = %(community_id)s{same} AND {leased}"
+    if key:
+        columns = ", ".join(c for c, _ in key)
+        source = f"(SELECT {columns}, count(*) AS n FROM candidate WHERE {declared} GROUP BY {columns}) AS k"
+        wanted = "k.n"
+    else:
+        source, wanted = f"(SELECT 1 WHERE {declared}) AS k", "(SELECT count(*) FROM candidate)"
+    bound = f"least(%(cap_{name})s::integer, {wanted} + ({held_rows} AND h.{slot} IS NOT NULL))"
+    partition = f"PARTITION BY {picked} " if key else ""
+    return f"""{name}_free AS MATERIALIZED (
+    SELECT {picked + ", " if key else ""}g.slot, row_number() OVER ({partition}ORDER BY g.slot) AS rank
+    FROM {source}, generate_series(0, {bound} - 1) AS g(slot)
+    WHERE NOT EXISTS (
+        SELECT 1 FROM {table} AS h
+        WHERE h.community_id = %(community_id)s{same} AND {leased} AND h.{slot} = g.slot
+    )
+)"""
+
+
+def admitted(kinds: Mapping[str, tuple[str, tuple[str, ...]]], order: str) -> str:
+    """The CTEs ``ranked`` and ``admitted`` over ``candidate`` (which has every key column of
+    ``kinds``: kind -> (slot column, the candidate's key columns)): each candidate's rank in its
+    key (``order``, over alias ``c``), and the candidates that got a free slot of that rank in
+    every kind whose cap is not NULL, with their slots. Needs the ``<kind>_free`` CTEs before."""
+    columns = sorted({c for _, key in kinds.values() for c in key})
+    partitions = {
+        kind: f"PARTITION BY {', '.join(f'c.{k}' for k in key)} " if key else "" for kind, (_, key) in kinds.items()
+    }
+    ranks = ",\n           ".join(
+        f"row_number() OVER ({partitions[kind]}ORDER BY {order}) AS {kind}_rank" for kind in kinds
+    )
+    joins = "\n    ".join(
+        f"LEFT JOIN {kind}_free ON {kind}_free.rank = r.{kind}_rank"
+        + "".join(f" AND {kind}_free.{c} = r.{c}" for c in key)
+        for kind, (_, key) in kinds.items()
+    )
+    slots = ", ".join(f"{kind}_free.slot AS {slot}" for kind, (slot, _) in kinds.items())
+    wanted = " AND ".join(f"(%(cap_{kind})s::integer IS NULL OR {kind}_free.slot IS NOT NULL)" for kind in kinds)
+    return f"""ranked AS MATERIALIZED (
+    SELECT c.id{"".join(f", c.{c}" for c in columns)},
+           {ranks}
+    FROM candidate AS c
+),
+admitted AS MATERIALIZED (
+    SELECT r.id{"".join(f", r.{c}" for c in columns)}, {slots}
+    FROM ranked AS r
+    {joins}
+    WHERE {wanted}
+)"""
+
+
+# Tries of a claim under limits that lost a slot to a concurrent claim (a slot index refused it,
+# nothing was written); the community's claim lock makes that rare.
+SLOT_TRIES = 3
+
+
+def claim_holding_slots(statement: str, params: Mapping[str, Any], namespace: int, index_prefix: str) -> list[Any]:
+    """Run a claim under limits: the community's claim lock of ``namespace`` (transaction-scoped),
+    then ``statement``, in one transaction (a savepoint inside the caller's), so each claim reads
+    the slots its predecessors took. A claim refused by a slot index (a constraint named
+    ``<index_prefix>...``) wrote nothing and is tried again, at most :data:`SLOT_TRIES` times."""
+    from django.db import IntegrityError, transaction
+
+    from buzz_delivery.services.db import constraint_name, fetch_all
+
+    lock = {"namespace": namespace, "community_id": params["community_id"]}
+    for _ in range(SLOT_TRIES):
+        try:
+            with transaction.atomic():
+                fetch_all(LOCK_COMMUNITY_CLAIMS, lock)
+                return fetch_all(statement, dict(params))
+        except IntegrityError as exc:
+            if not (constraint_name(exc) or "").startswith(index_prefix):
+                raise
+    return []
 
 
 def lost_a_slot(exc: BaseException) -> bool:

@@ -313,6 +313,14 @@ class Step(CommunityScoped):
     map_key = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
     item_index = models.IntegerField(null=True, blank=True)
     spec = models.JSONField(null=True, blank=True)
+    # Concurrency limits by key (issue 32, services/flow.py ``STEP_CONCURRENCY_LIMITS``): the slot
+    # this step's claim holds under each declared limit's key (0..N-1), unique among the running
+    # steps of that key; NULL = no limit. ``slot_workflow_id`` is the workflow of the step's run,
+    # copied by a claim under limits so the ``workflow`` and ``step`` keys can be indexed here.
+    slot_community = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_workflow = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_step = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_workflow_id = models.UUIDField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "buzz_workflows_step"
@@ -320,6 +328,26 @@ class Step(CommunityScoped):
         constraints = [
             models.CheckConstraint(
                 condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX), name="wf_step_priority_range"
+            ),
+            *(
+                models.CheckConstraint(
+                    condition=Q(**{f"{column}__isnull": True}) | Q(**{f"{column}__gte": 0, f"{column}__lt": 1000}),
+                    name=f"wf_step_{column}_range",
+                )
+                for column in ("slot_community", "slot_workflow", "slot_step")
+            ),
+            # At most N running at once per key: N slots, none held twice by running steps.
+            *(
+                models.UniqueConstraint(
+                    fields=["community", *key, column],
+                    condition=Q(state="running", **{f"{column}__isnull": False}),
+                    name=f"wf_step_{column}_key",
+                )
+                for column, key in (
+                    ("slot_community", ()),
+                    ("slot_workflow", ("slot_workflow_id",)),
+                    ("slot_step", ("slot_workflow_id", "key")),
+                )
             ),
             models.UniqueConstraint(fields=["community", "run", "key"], name="wf_step_key"),
             models.CheckConstraint(condition=Q(state__in=StepState.values), name="wf_step_state_known"),

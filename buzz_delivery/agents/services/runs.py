@@ -38,7 +38,7 @@ from buzz_delivery.agents.services.types import (
 )
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import HOLDER_MAX_CHARS, new_uuid7
-from buzz_delivery.services import Lease, Settled, finish_delivery
+from buzz_delivery.services import Lease, Settled, finish_delivery, flow
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.runs import RUN_CANCELED
@@ -219,8 +219,11 @@ def claim_agent_runs(
     ``FOR UPDATE SKIP LOCKED``. Each winner: ``running``, generation + 1, lease
     ``lease_seconds`` (default ``BUZZ_AGENTS['LEASE_SECONDS']``, within the core's lease bounds)
     from the database clock, ``heartbeat_at`` now, ``worker_id`` recorded. A community that is
-    not active has nothing claimable. Raises ``ValidationError`` keyed by the argument before SQL.
-    SPEC 12 "States"."""
+    not active has nothing claimable. Under the operator's ``AGENT_CONCURRENCY_LIMITS``
+    (docs/flow-control.md) a claim takes at most as many as leave every declared key (an agent of
+    the community, the community) within its maximum of leased runs; the rest stay pending.
+    Raises ``ValidationError`` keyed by the argument before SQL, and ``ImproperlyConfigured``
+    naming the field for a bad ``AGENT_CONCURRENCY_LIMITS`` (nothing written). SPEC 12 "States"."""
     if not isinstance(agent_pubkeys, (list, tuple)) or not agent_pubkeys:
         raise v.invalid("agent_pubkeys", "must be a non-empty list of 32-byte keys")
     community = v.uuid_value(community_id, "community_id")
@@ -232,8 +235,15 @@ def claim_agent_runs(
         "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
         "lease_seconds": v.lease_seconds(get_settings().lease_seconds if lease_seconds is None else lease_seconds),
     }
+    limits = flow.declared_agent_limits()
     with transaction.atomic(), translated_errors():
-        rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
+        if limits:
+            caps = flow.all_caps(limits, flow.AGENT_KINDS)
+            rows = flow.claim_holding_slots(
+                sql.CLAIM_PENDING_RUNS_UNDER_LIMITS, {**params, **caps}, flow.AGENT_CLAIM_LOCK_NAMESPACE, "ag_run_slot_"
+            )
+        else:
+            rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
         found = AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows]).defer("history")
         runs = {r.id: r for r in found}
     claims = [

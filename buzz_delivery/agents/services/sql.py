@@ -14,6 +14,7 @@ only counts (``renewals``). Tool calls are not repeated there: the journal recor
 
 from __future__ import annotations
 
+from buzz_delivery.services import flow
 from buzz_delivery.services.sql import DB_NOW, history_entry
 
 RUN = "buzz_agents_run"
@@ -94,6 +95,13 @@ VALUES (%(id)s, %(community_id)s, %(agent_pubkey)s, 'pending', false, %(shadow)s
         %(max_cost)s, 0, %(max_lease_seconds)s)
 """
 
+_CLAIM_RUN_SET = f"""state = 'running', lease_generation = r.lease_generation + 1, lease_until = {RUN_LEASE_END},
+    claimed_at = {DB_NOW}, heartbeat_at = {DB_NOW}, worker_id = %(worker_id)s, next_attempt_at = NULL,
+    renewals = 0,
+    {run_entry("'claim'", "r.lease_generation + 1", "%(worker_id)s::varchar", status="'running'")}"""
+
+# Without a concurrency limit: the claimed runs hold no slot (a run once claimed under a limit
+# and back to pending keeps its old numbers, which must not follow it into the leased states).
 CLAIM_PENDING_RUNS = f"""
 WITH candidate AS MATERIALIZED (
     SELECT r.id FROM {RUN} AS r
@@ -107,12 +115,47 @@ WITH candidate AS MATERIALIZED (
     FOR UPDATE OF r SKIP LOCKED
 )
 UPDATE {RUN} AS r
-SET state = 'running', lease_generation = r.lease_generation + 1, lease_until = {RUN_LEASE_END},
-    claimed_at = {DB_NOW}, heartbeat_at = {DB_NOW}, worker_id = %(worker_id)s, next_attempt_at = NULL,
-    renewals = 0,
-    {run_entry("'claim'", "r.lease_generation + 1", "%(worker_id)s::varchar", status="'running'")}
+SET {_CLAIM_RUN_SET},
+    slot_community = NULL, slot_agent = NULL
 FROM candidate
 WHERE r.community_id = %(community_id)s AND r.id = candidate.id AND r.state = 'pending'
+RETURNING r.id, r.lease_generation, r.lease_until
+"""
+
+# Under the operator's AGENT_CONCURRENCY_LIMITS (services/flow.py; ``cap_agent``,
+# ``cap_community``: the maximum per key, NULL = no limit of that kind): the same candidates but
+# those of an agent at its limit, each taking the free slot of its rank in every limited kind;
+# one without stays pending. Run under the community's claim lock (flow.claim_holding_slots).
+_LEASED = "h.state IN ('running', 'waiting_tool')"
+_RUN_SLOT_KINDS = {"community": ("slot_community", ()), "agent": ("slot_agent", ("agent_pubkey",))}
+CLAIM_PENDING_RUNS_UNDER_LIMITS = f"""
+WITH {flow.full_keys("community", RUN, _LEASED, "slot_community", ())},
+{flow.full_keys("agent", RUN, _LEASED, "slot_agent", ("agent_pubkey",))},
+candidate AS MATERIALIZED (
+    SELECT r.id, r.agent_pubkey, r.priority, r.created_at FROM {RUN} AS r
+    WHERE r.community_id = %(community_id)s
+      AND r.agent_pubkey = ANY(%(agents)s)
+      AND r.state = 'pending'
+      AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {DB_NOW})
+      AND {ACTIVE}
+      AND NOT EXISTS (SELECT 1 FROM full_community)
+      AND NOT EXISTS (SELECT 1 FROM full_agent AS f WHERE f.agent_pubkey = r.agent_pubkey)
+    ORDER BY r.priority DESC, r.created_at, r.id
+    LIMIT LEAST(%(limit)s, %(cap_community)s::integer)
+    FOR UPDATE OF r SKIP LOCKED
+),
+{flow.free_slots("community", RUN, _LEASED, "slot_community", ())},
+{flow.free_slots("agent", RUN, _LEASED, "slot_agent", (("agent_pubkey", "agent_pubkey"),))},
+{flow.admitted(_RUN_SLOT_KINDS, "c.priority DESC, c.created_at, c.id")}
+UPDATE {RUN} AS r
+SET {_CLAIM_RUN_SET},
+    slot_community = admitted.slot_community, slot_agent = admitted.slot_agent
+FROM admitted
+-- Through the primary key (the ids as an array): the candidates were locked FOR UPDATE after
+-- their latest version was re-checked, so no state test here (it would let the pending index
+-- win the join and read every pending run of the community).
+WHERE r.community_id = %(community_id)s AND r.id = ANY (ARRAY(SELECT admitted.id FROM admitted))
+  AND r.id = admitted.id
 RETURNING r.id, r.lease_generation, r.lease_until
 """
 

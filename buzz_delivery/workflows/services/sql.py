@@ -13,6 +13,7 @@ a renew only counts (``renewals``).
 
 from __future__ import annotations
 
+from buzz_delivery.services import flow
 from buzz_delivery.services.sql import DB_NOW, history_entry
 from buzz_delivery.workflows.models import Run, Step
 
@@ -51,6 +52,19 @@ ORDER BY run_id FOR NO KEY UPDATE SKIP LOCKED"""
 
 # The claim returns whole step rows (built into model instances without a second query) and
 # the run's pinned definition id (definitions are immutable: cached per process).
+_CLAIM_STEP_SET = f"""state = 'running',
+    lease_generation = s.lease_generation + 1,
+    attempts = s.attempts + 1,
+    claimed_at = {DB_NOW},
+    started_at = {DB_NOW},
+    lease_until = {LEASE_END},
+    next_attempt_at = NULL,
+    claimed_by = %(holder)s,
+    renewals = 0,
+    {step_entry("'claim'", "s.lease_generation + 1", "%(holder)s::text", status="'running'", attempt="s.attempts + 1")}"""  # noqa: E501
+
+# Without a concurrency limit the claimed steps hold no slot (a step once claimed under a limit
+# and back to ready keeps its old numbers, which must not follow it into ``running``).
 _CLAIM_READY_STEPS = f"""
 WITH candidate AS MATERIALIZED (
     SELECT s.id FROM {STEP} AS s
@@ -63,18 +77,58 @@ WITH candidate AS MATERIALIZED (
     FOR UPDATE OF s SKIP LOCKED
 )
 UPDATE {STEP} AS s
-SET state = 'running',
-    lease_generation = s.lease_generation + 1,
-    attempts = s.attempts + 1,
-    claimed_at = {DB_NOW},
-    started_at = {DB_NOW},
-    lease_until = {LEASE_END},
-    next_attempt_at = NULL,
-    claimed_by = %(holder)s,
-    renewals = 0,
-    {step_entry("'claim'", "s.lease_generation + 1", "%(holder)s::text", status="'running'", attempt="s.attempts + 1")}
+SET {_CLAIM_STEP_SET},
+    slot_community = NULL, slot_workflow = NULL, slot_step = NULL
 FROM candidate, {RUN} AS r
 WHERE s.community_id = %(community_id)s AND s.id = candidate.id AND s.state = 'ready'
+  AND r.community_id = s.community_id AND r.run_id = s.run_id
+RETURNING {{step_columns}}, r.definition_id
+"""
+
+# Under the operator's STEP_CONCURRENCY_LIMITS (services/flow.py; ``cap_community``,
+# ``cap_workflow``, ``cap_step``: the maximum per key, NULL = no limit of that kind): the same
+# candidates but those of a workflow (or a workflow's step key) at its limit, each taking the
+# free slot of its rank in every limited kind; one without stays ready. The step records its
+# run's workflow (``slot_workflow_id``), which the workflow and step keys' indexes name. Run
+# under the community's claim lock (flow.claim_holding_slots).
+_RUNNING = "h.state = 'running'"
+_STEP_SLOT_KINDS = {
+    "community": ("slot_community", ()),
+    "workflow": ("slot_workflow", ("workflow_id",)),
+    "step": ("slot_step", ("workflow_id", "key")),
+}
+_CLAIM_READY_STEPS_UNDER_LIMITS = f"""
+WITH {flow.full_keys("community", STEP, _RUNNING, "slot_community", ())},
+{flow.full_keys("workflow", STEP, _RUNNING, "slot_workflow", ("slot_workflow_id",))},
+{flow.full_keys("step", STEP, _RUNNING, "slot_step", ("slot_workflow_id", "key"))},
+candidate AS MATERIALIZED (
+    SELECT s.id, s.key, s.priority, s.ready_at, w.workflow_id FROM {STEP} AS s
+    JOIN {RUN} AS w ON w.community_id = s.community_id AND w.run_id = s.run_id
+    WHERE s.community_id = %(community_id)s
+      AND s.state = 'ready'
+      AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
+      AND {ACTIVE}
+      AND NOT EXISTS (SELECT 1 FROM full_community)
+      AND NOT EXISTS (SELECT 1 FROM full_workflow AS f WHERE f.slot_workflow_id = w.workflow_id)
+      AND NOT EXISTS (SELECT 1 FROM full_step AS f WHERE f.slot_workflow_id = w.workflow_id AND f.key = s.key)
+    ORDER BY s.priority DESC, s.ready_at, s.id
+    LIMIT LEAST(%(limit)s, %(cap_community)s::integer)
+    FOR UPDATE OF s SKIP LOCKED
+),
+{flow.free_slots("community", STEP, _RUNNING, "slot_community", ())},
+{flow.free_slots("workflow", STEP, _RUNNING, "slot_workflow", (("workflow_id", "slot_workflow_id"),))},
+{flow.free_slots("step", STEP, _RUNNING, "slot_step", (("workflow_id", "slot_workflow_id"), ("key", "key")))},
+{flow.admitted(_STEP_SLOT_KINDS, "c.priority DESC, c.ready_at, c.id")}
+UPDATE {STEP} AS s
+SET {_CLAIM_STEP_SET},
+    slot_community = admitted.slot_community, slot_workflow = admitted.slot_workflow,
+    slot_step = admitted.slot_step, slot_workflow_id = admitted.workflow_id
+FROM admitted, {RUN} AS r
+-- Through the primary key (the ids as an array): the candidates were locked FOR UPDATE after
+-- their latest version was re-checked, so no state test here (it would let the ready index win
+-- the join and read every ready step of the community).
+WHERE s.community_id = %(community_id)s AND s.id = ANY (ARRAY(SELECT admitted.id FROM admitted))
+  AND s.id = admitted.id
   AND r.community_id = s.community_id AND r.run_id = s.run_id
 RETURNING {{step_columns}}, r.definition_id
 """
@@ -83,7 +137,9 @@ RETURNING {{step_columns}}, r.definition_id
 _CLAIM_FIELDS = [f for f in Step._meta.concrete_fields if f.name != "history"]
 STEP_ATTNAMES = [f.attname for f in _CLAIM_FIELDS]
 # (``replace``, not ``format``: the history entry holds braces of its own.)
-CLAIM_READY_STEPS = _CLAIM_READY_STEPS.replace("{step_columns}", ", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS))
+_STEP_COLUMNS = ", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS)
+CLAIM_READY_STEPS = _CLAIM_READY_STEPS.replace("{step_columns}", _STEP_COLUMNS)
+CLAIM_READY_STEPS_UNDER_LIMITS = _CLAIM_READY_STEPS_UNDER_LIMITS.replace("{step_columns}", _STEP_COLUMNS)
 
 COMMUNITIES_WITH_READY_STEPS = f"""
 SELECT DISTINCT s.community_id FROM {STEP} AS s

@@ -20,7 +20,7 @@ from django.db import transaction
 
 from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
-from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
+from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled, flow
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
@@ -81,8 +81,13 @@ def claim_steps(
     claims (at most 200 characters, e.g. ``host:pid:orchestrator``), recorded as ``claimed_by``
     and in the step's history; None = unnamed.
 
+    Under the operator's ``STEP_CONCURRENCY_LIMITS`` (docs/flow-control.md) a claim takes at
+    most as many as leave every declared key (the community, a workflow, a step key of a
+    workflow) within its maximum of running steps; the rest stay ready.
+
     Returns the claims (possibly none). Raises ``ValidationError`` keyed ``community_id``,
-    ``limit``, ``lease_seconds`` or ``holder`` before SQL. SPEC section 11.
+    ``limit``, ``lease_seconds`` or ``holder`` before SQL, and ``ImproperlyConfigured`` naming
+    the field for a bad ``STEP_CONCURRENCY_LIMITS`` (nothing written). SPEC section 11.
     """
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
@@ -90,9 +95,23 @@ def claim_steps(
         "lease_seconds": _lease_seconds(lease_seconds),
         "holder": v.optional_text(holder, "holder", HOLDER_MAX_CHARS),
     }
+    limits = flow.declared_step_limits()
     with translated_errors():
-        rows = fetch_all(sql.CLAIM_READY_STEPS, params)
+        rows = _claim_ready(params, limits)
     return _claims_from_rows(rows)
+
+
+def _claim_ready(params: dict[str, Any], limits: dict[str, int]) -> list[tuple[Any, ...]]:
+    """The claim statement's rows: the plain claim, or with ``limits`` declared the claim that
+    takes slots, under the community's step-claim lock (services/flow.py)."""
+    if not limits:
+        return fetch_all(sql.CLAIM_READY_STEPS, params)
+    return flow.claim_holding_slots(
+        sql.CLAIM_READY_STEPS_UNDER_LIMITS,
+        {**params, **flow.all_caps(limits, flow.STEP_KINDS)},
+        flow.STEP_CLAIM_LOCK_NAMESPACE,
+        "wf_step_slot_",
+    )
 
 
 def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
@@ -268,6 +287,7 @@ def complete_and_claim_steps(
         "lease_seconds": _lease_seconds(lease_seconds),
         "holder": v.optional_text(holder, "holder", HOLDER_MAX_CHARS),
     }
+    limits = flow.declared_step_limits() if claim_params["limit"] else {}
     limit = get_settings().max_output_bytes
     texts: list[str | BadJSON] = []
     seen: set[uuid.UUID] = set()
@@ -295,14 +315,14 @@ def complete_and_claim_steps(
     good = [(pair[0], text) for pair, text in zip(completions, texts, strict=True) if isinstance(text, str)]
     claims: list[StepClaim] = []
     if good or claim_params["limit"]:
-        settled, claims = _complete_and_claim(community, good, claim_params)
+        settled, claims = _complete_and_claim(community, good, claim_params, limits)
         outcomes.update(settled)
     return CompletedBatch([outcomes.get(lease.step_id) for lease, _ in completions], claims)
 
 
 @retry_deadlocks
 def _complete_and_claim(
-    community: uuid.UUID, good: list[tuple[StepLease, str]], claim_params: dict[str, Any]
+    community: uuid.UUID, good: list[tuple[StepLease, str]], claim_params: dict[str, Any], limits: dict[str, int]
 ) -> tuple[dict[uuid.UUID, StepOutcome], list[StepClaim]]:
     """The transaction of :func:`complete_and_claim_steps` (run again whole when PostgreSQL
     aborts it as a deadlock's victim): the outcomes it settled, and its claims."""
@@ -326,7 +346,7 @@ def _complete_and_claim(
             for lease, _ in batch:
                 outcomes[lease.step_id] = Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
         if claim_params["limit"]:
-            claims = _claims_from_rows(fetch_all(sql.CLAIM_READY_STEPS, claim_params))
+            claims = _claims_from_rows(_claim_ready(claim_params, limits))
             fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
             fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
     return outcomes, claims
