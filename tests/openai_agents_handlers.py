@@ -9,13 +9,14 @@ ledger of :mod:`tests.agent_handlers` (``model <key>`` per model request actuall
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable
 from typing import Any
 
 from agents import Agent, RunConfig, function_tool
 from agents.items import ModelResponse
 from agents.models.interface import Model
-from agents.testing import assistant_message, function_call
+from agents.testing import ScriptedModel, assistant_message, function_call
 from agents.usage import Usage
 
 from buzz_delivery.agents.integrations.openai_agents import DurableAgent, idempotency_key
@@ -118,4 +119,42 @@ narrating = DurableAgent(
     run_config=NO_TRACING,
     compensations={"effect": h.undo},
     stream_text=True,
+)
+
+
+class StreamingModel(FakeModel):
+    """A model that streams (``stream_response``): the events the SDK's ``ScriptedModel`` makes of
+    the answer, with each text delta split at its spaces (one event per word)."""
+
+    async def stream_response(self, system_instructions, input, *args, **kwargs):  # type: ignore[no-untyped-def]
+        h._write(f"model {idempotency_key()}")
+        scripted = ScriptedModel([self.answer(input)])
+        async for event in scripted.stream_response(system_instructions, input, *args, **kwargs):
+            if event.type != "response.output_text.delta":
+                yield event
+                continue
+            for word in re.findall(r"\S+\s*", event.delta):
+                yield event.model_copy(update={"delta": word})
+
+
+streaming = DurableAgent(
+    Agent(name="streaming", model=StreamingModel("streaming", narrating_answer), tools=[effect]),
+    run_config=NO_TRACING,
+    compensations={"effect": h.undo},
+    stream_text="tokens",
+)
+
+
+def asking_answer(input: Any) -> ModelResponse:
+    """Says it asks first and asks for a refund (which needs approval), then says what came back."""
+    done = returns(input)
+    if not done:
+        return response(assistant_message("Asking first. "), function_call("refund", {"n": 7}, call_id="refund-1"))
+    return response(assistant_message(f"Refunded {done[0]['n']}."))
+
+
+streaming_approval = DurableAgent(
+    Agent(name="asking", model=StreamingModel("asking", asking_answer), tools=[refund]),
+    run_config=NO_TRACING,
+    stream_text="tokens",
 )

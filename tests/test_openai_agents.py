@@ -202,6 +202,36 @@ def test_with_stream_text_each_model_response_s_text_is_a_chunk_of_the_run_s_out
     assert AgentRun.objects.get(id=run_id).output == "Found 1."
 
 
+@pytest.mark.django_db
+def test_with_stream_text_tokens_each_text_delta_is_a_chunk_written_while_the_request_runs(community, ledger):
+    from buzz_delivery.agents.services.output import read_output
+
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), oh.streaming) == "completed"
+    assert [c.chunk for c in read_output(community.id, run_id).chunks] == ["Looking ", "it ", "up. ", "Found ", "1."]
+    assert AgentRun.objects.get(id=run_id).output == "Found 1."
+    answer = JournalEntry.objects.get(run_id=run_id, seq=3)
+    assert answer.output["streamed_chunks"] == 2
+    assert answer.output["response"]["output"][0]["content"][0]["text"] == "Found 1."
+    assert lines(ledger, "model") == [f"model {run_id}:1", f"model {run_id}:3"]  # streamed, once each
+
+
+@pytest.mark.django_db
+def test_in_token_mode_a_resumed_run_replays_the_streamed_response_and_writes_none_of_its_chunks_twice(
+    community, ledger
+):
+    from buzz_delivery.agents.services.output import read_output
+
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), oh.streaming_approval) == "parked"
+    assert [c.chunk for c in read_output(community.id, run_id).chunks] == ["Asking ", "first. "]
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    assert run_claim(claim_one(community, "w2"), oh.streaming_approval) == "completed"
+    stream = [(c.seq, c.chunk) for c in read_output(community.id, run_id).chunks]
+    assert stream == [(1, "Asking "), (2, "first. "), (3, "Refunded "), (4, "7.")]
+    assert lines(ledger, "model") == [f"model {run_id}:1", f"model {run_id}:4"]  # the first one replayed
+
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "openai-agents.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 

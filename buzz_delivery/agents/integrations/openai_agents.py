@@ -39,9 +39,12 @@ result is replayed instead of being made again. Built on the SDK's public interf
   provider's side: they are part of the recorded response. Guardrails and lifecycle hooks are the
   agent's own code: they run again on a replay.
 - Streaming: ``stream_text=True`` writes each response's text to the run's output stream as one
-  chunk. Per-token streaming is not offered: ``Runner.run_streamed`` streams from
-  ``Model.stream_response``, whose events the wrapper would have to rebuild from the recorded
-  response on a replay (a ``Response`` object per request), see docs/pydantic-ai.md.
+  chunk; ``stream_text="tokens"`` asks the wrapped model with ``stream_response`` inside the
+  journaled call, writes each ``response.output_text.delta`` as a chunk while it runs and records
+  the ``ModelResponse`` built from the ``response.completed`` event (a replay writes no chunk
+  again; an interrupted request made again writes a marker after its partial chunks, as Pydantic
+  AI's token mode). The SDK itself is always run with ``Runner.run``: ``Runner.run_streamed``
+  (its own event stream to a caller) is not offered, the wrapper's ``stream_response`` raises.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Coroutine, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from agents import Agent, Handoff, Model, ModelProvider, RunConfig, Runner, ToolExecutionConfig
 from agents.items import ModelResponse
@@ -146,12 +149,47 @@ class _Durability:
         self.uncharged = 0
         return output
 
-    async def received(self, recorded: Any) -> ModelResponse:
+    async def received(self, recorded: Any, mark: int) -> ModelResponse:
+        """A response, made now or replayed: its usage is charged with the next call; its text
+        goes to the output stream whole (``stream_text=True``), or was streamed while it was made
+        (``"tokens"``: a replay counts the chunks it wrote, none is written again)."""
+        if isinstance(recorded, dict) and "streamed_chunks" in recorded:
+            await self.chunks.count(int(recorded["streamed_chunks"]) - self.chunks.since(mark))
+            recorded = recorded["response"]
         response = load_response(recorded)
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
-        if self.owner.stream_text:
+        if self.owner.stream_text is True:
             await self.chunks.emit(_response_text(response))
         return response
+
+    async def streamed(self, events: Any, mark: int) -> dict[str, Any]:
+        """Token mode's body: drain the model's ``stream_response``, writing each text delta to the
+        output stream; the recorded response is the one its ``response.completed`` event carries."""
+        await self.chunks.restart()
+        completed = None
+        async for event in events:
+            kind = getattr(event, "type", None)
+            if kind == "response.output_text.delta":
+                await self.chunks.emit(event.delta)
+            elif kind == "response.completed":
+                completed = event.response
+            elif kind in ("response.failed", "response.incomplete", "error"):
+                raise RuntimeError(f"the model's stream ended with {kind}")
+        if completed is None:
+            raise RuntimeError("the model's stream ended without a response.completed event")
+        usage = Usage(requests=1)
+        if completed.usage is not None:
+            u = completed.usage
+            usage = Usage(
+                requests=1,
+                input_tokens=u.input_tokens,
+                input_tokens_details=u.input_tokens_details,
+                output_tokens=u.output_tokens,
+                output_tokens_details=u.output_tokens_details,
+                total_tokens=u.total_tokens,
+            )
+        response = ModelResponse(output=list(completed.output), usage=usage, response_id=completed.id)
+        return {"response": dump_response(response), "streamed_chunks": self.chunks.since(mark)}
 
 
 _active: contextvars.ContextVar[_Durability | None] = contextvars.ContextVar("buzz_openai_agents_run", default=None)
@@ -179,27 +217,18 @@ class _JournaledModel(Model):
         conversation_id: str | None,
         prompt: Any,
     ) -> ModelResponse:
-        async def make() -> ModelResponse:
-            return await self.wrapped.get_response(
-                system_instructions,
-                input,
-                model_settings,
-                tools,
-                output_schema,
-                handoffs,
-                tracing,
-                previous_response_id=previous_response_id,
-                conversation_id=conversation_id,
-                prompt=prompt,
-            )
-
+        request = (system_instructions, input, model_settings, tools, output_schema, handoffs, tracing)
+        named = {"previous_response_id": previous_response_id, "conversation_id": conversation_id, "prompt": prompt}
         durability: _Durability | None = _active.get()
         if durability is None or inside_call():
-            return await make()
+            return await self.wrapped.get_response(*request, **named)
+        mark = durability.chunks.mark()
 
         async def body(args: Any, key: str) -> Any:
             with keyed(key):
-                return dump_response(await make())
+                if durability.owner.stream_text == "tokens":
+                    return await durability.streamed(self.wrapped.stream_response(*request, **named), mark)
+                return dump_response(await self.wrapped.get_response(*request, **named))
 
         args = {
             "items": len(input) if isinstance(input, list) else 1,
@@ -208,7 +237,7 @@ class _JournaledModel(Model):
         recorded = await durability.call(
             f"model:{self.name}"[:200], body, args, durability.owner.request_cost, reconcile=remake
         )
-        return await durability.received(recorded)
+        return await durability.received(recorded, mark)
 
     def stream_response(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("a durable run asks its model with get_response (Runner.run), not streamed")
@@ -370,7 +399,9 @@ class DurableAgent:
     (blocked in shadow runs) and ``tool_costs``. ``request_cost`` is charged per model request,
     ``usage_cost(usage)`` per response (with the next call). ``approval_deadline_seconds``: the
     deadline of each approval. ``stream_text``: each response's text is appended to the run's
-    output stream as a chunk. The handler's output is the agent's ``final_output`` as JSON."""
+    output stream as a chunk (``True``), or each text delta while the request runs (``"tokens"``:
+    the model is asked with ``stream_response``, the journal records the completed response).
+    The handler's output is the agent's ``final_output`` as JSON."""
 
     def __init__(
         self,
@@ -387,7 +418,7 @@ class DurableAgent:
         request_cost: int = 0,
         usage_cost: Callable[[Usage], int] = tokens,
         approval_deadline_seconds: int = 86400,
-        stream_text: bool = False,
+        stream_text: bool | Literal["tokens"] = False,
     ) -> None:
         self.prompt, self.context = prompt, context
         self.compensations = dict(compensations or {})
@@ -399,7 +430,9 @@ class DurableAgent:
         self.request_cost = request_cost
         self.usage_cost = usage_cost
         self.approval_deadline_seconds = approval_deadline_seconds
-        self.stream_text = bool(stream_text)
+        if stream_text not in (False, True, "tokens"):
+            raise ValueError(f"stream_text must be False, True or 'tokens', got {stream_text!r}")
+        self.stream_text = stream_text
         self.max_turns = max_turns
         self.agent = _Wrapper(self).agent(agent)
         config = run_config or RunConfig()
