@@ -54,7 +54,7 @@ def response(*output: Any, tokens: int = 0) -> ModelResponse:
 
 def three_effects_answer(input: Any) -> ModelResponse:
     """Asks for effect n=1, 2, 3 one at a time, then answers with their sum."""
-    done = returns(input)
+    done = [r for r in returns(input) if isinstance(r, dict) and "n" in r]  # a handoff's output is not one
     h._maybe_die("model", len(done) + 1)
     h._write(f"model {idempotency_key()}")
     if len(done) < 3:
@@ -157,4 +157,18 @@ streaming_approval = DurableAgent(
     Agent(name="asking", model=StreamingModel("asking", asking_answer), tools=[refund]),
     run_config=NO_TRACING,
     stream_text="tokens",
+)
+
+
+def triage_answer(input: Any) -> ModelResponse:
+    """Hands the conversation to the ``billing`` agent (the SDK's handoff tool)."""
+    h._write(f"model {idempotency_key()}")
+    return response(function_call("transfer_to_billing", {}, call_id="handoff-1"))
+
+
+billing_agent = Agent(name="billing", model=FakeModel("billing", three_effects_answer), tools=[effect])
+handing_off = DurableAgent(
+    Agent(name="triage", model=FakeModel("triage", triage_answer), handoffs=[billing_agent]),
+    run_config=NO_TRACING,
+    compensations={"effect": h.undo},
 )

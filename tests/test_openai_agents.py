@@ -75,6 +75,16 @@ def test_every_model_request_and_tool_call_is_a_journal_entry_and_the_output_is_
 
 
 @pytest.mark.django_db
+def test_an_agent_handed_off_to_has_its_model_requests_and_tool_calls_journaled_too(community, ledger):
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), oh.handing_off) == "completed"
+    assert AgentRun.objects.get(id=run_id).output == "sum=6 keys=3"
+    # The billing agent's own model (a Model instance) is wrapped on its clone, found as a handoff.
+    assert [e[2] for e in entries(run_id)] == ["model:triage", *["model:billing", "effect"] * 3, "model:billing"]
+    assert lines(ledger, "call") == [f"call {run_id}:{seq}" for seq in (3, 5, 7)]
+
+
+@pytest.mark.django_db
 def test_what_cannot_be_journaled_is_refused_when_the_handler_is_built_and_nothing_is_written(community):
     from agents import Agent, LocalShellTool
 
