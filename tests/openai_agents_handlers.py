@@ -9,6 +9,7 @@ ledger of :mod:`tests.agent_handlers` (``model <key>`` per model request actuall
 from __future__ import annotations
 
 import ast
+import asyncio
 import re
 from collections.abc import Callable
 from typing import Any
@@ -172,3 +173,20 @@ handing_off = DurableAgent(
     run_config=NO_TRACING,
     compensations={"effect": h.undo},
 )
+
+
+def slow_answer(input: Any) -> ModelResponse:
+    """Asks for the slow tool once, then repeats what came back."""
+    done = returns(input)
+    if not done:
+        return response(function_call("slow", {"n": 1}, call_id="slow-1"))
+    return response(assistant_message(str(done[0])))
+
+
+@function_tool(timeout=0.05)
+async def slow(n: int) -> dict:
+    await asyncio.sleep(30)
+    return {"n": n}
+
+
+timing_out = DurableAgent(Agent(name="slow", model=FakeModel("slow", slow_answer), tools=[slow]), run_config=NO_TRACING)

@@ -85,6 +85,18 @@ def test_an_agent_handed_off_to_has_its_model_requests_and_tool_calls_journaled_
 
 
 @pytest.mark.django_db
+def test_a_tool_s_timeout_is_applied_inside_its_journaled_call_and_its_message_is_the_recorded_result(
+    community, ledger
+):
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), oh.timing_out) == "completed"
+    answer = "Tool 'slow' timed out after 0.05 seconds."
+    assert AgentRun.objects.get(id=run_id).output == answer
+    slow = JournalEntry.objects.get(run_id=run_id, seq=2)
+    assert (slow.tool_name, slow.status, slow.output) == ("slow", "succeeded", {"return": answer})
+
+
+@pytest.mark.django_db
 def test_what_cannot_be_journaled_is_refused_when_the_handler_is_built_and_nothing_is_written(community):
     from agents import Agent, LocalShellTool
 
