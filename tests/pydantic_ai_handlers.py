@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
-from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 
 from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent, idempotency_key
 from tests import agent_handlers as h
@@ -94,3 +94,27 @@ narrating_agent = Agent(FunctionModel(narrating_model, model_name="narrating"))
 narrating_agent.tool_plain(effect)
 
 narrating = DurableAgent(narrating_agent, compensations={"effect": h.undo}, stream_text=True)
+
+
+async def streaming_model(messages: list[ModelMessage], info: AgentInfo):
+    """A streamed model (``FunctionModel(stream_function=...)``): says it is looking, asks for
+    effect n=1, then answers in three deltas; ``AGENT_KILL=stream:2`` kills the process inside
+    the answer, after its first two deltas."""
+    h._write(f"model {idempotency_key()}")
+    if not _returns(messages):
+        yield "Looking "
+        yield "it up. "
+        yield {1: DeltaToolCall(name="effect", json_args='{"n": 1}', tool_call_id="call-1")}
+        return
+    yield "Found "
+    yield "it: "
+    h._maybe_die("stream", 2)
+    yield "1."
+
+
+streaming_agent = Agent(FunctionModel(stream_function=streaming_model, model_name="streaming"))
+streaming_agent.tool_plain(effect)
+
+streaming = DurableAgent(
+    streaming_agent, compensations={"effect": h.undo}, reconcile={"effect": h.reconcile}, stream_text="tokens"
+)

@@ -36,35 +36,44 @@ capability (``get_wrapper_model``, ``get_wrapper_toolset``) passed to ``Agent.ru
   ``budget_exceeded`` on the run. (The final response's usage is in the journal but charged to
   no call: nothing follows it.)
 
-Threads: today's runtime is synchronous and calls the handler on a worker thread. The handler
-runs the agent on its own event loop in a helper thread and makes every journal write itself,
-on the handler's thread and database connection (a queue carries each call across; the call's
-body, e.g. the HTTP request to the model, runs back on the loop). Under an async runtime whose
-``ctx.call`` is a coroutine function, :meth:`DurableAgent.run` awaits ``ctx.call`` directly
-(:class:`_AsyncJournal`): that adapter is the one place that changes.
+Threads: under the threaded runtime the handler runs the agent on its own event loop in a
+helper thread and makes every journal write itself, on the handler's thread and database
+connection (:mod:`~buzz_delivery.agents.integrations.journal`: a queue carries each call across;
+the call's body, e.g. the HTTP request to the model, runs back on the loop). Under the event-loop
+runtime (``ctx.call`` a coroutine function), :meth:`DurableAgent.run` awaits ``ctx.call``
+directly.
 
-Streaming: the runtime has no output stream yet (``ctx.emit``); a streamed request
-(``event_stream_handler``) is drained inside its journaled call and replayed as events.
+Streaming (``stream_text``): ``True`` writes each response's text to the run's output stream
+(``ctx.emit``) as one chunk once it is recorded; ``"tokens"`` asks the model with
+``request_stream`` and writes each text delta as a chunk while the request runs (the journal
+records the whole response and how many chunks it wrote: a replay writes none again). A request
+interrupted and made again leaves the chunks its first attempt wrote; the new attempt writes
+:data:`~buzz_delivery.agents.integrations.journal.RESTARTED` after them, then its own. A streamed
+request of an ``event_stream_handler`` is drained inside its journaled call and replayed as
+events.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import dataclasses
 import hashlib
-import inspect
 import json
-import queue
-import threading
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Literal
 
 from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.exceptions import ModelRetry
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse, TextPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelMessagesTypeAdapter,
+    ModelResponse,
+    PartDeltaEvent,
+    PartStartEvent,
+    TextPart,
+    TextPartDelta,
+)
 from pydantic_ai.models import CompletedStreamedResponse, Model, ModelRequestParameters, StreamedResponse
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
@@ -75,14 +84,22 @@ from pydantic_core import to_jsonable_python
 
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.exceptions import AgentError
-from buzz_delivery.agents.runtime import NOT_MADE
+from buzz_delivery.agents.integrations.journal import (
+    AsyncBody,
+    Chunks,
+    Journal,
+    idempotency_key,
+    journal_for,
+    keyed,
+    reconciler,
+    remake,
+    run_threaded,
+)
 
 __all__ = ["DurableAgent", "UnsupportedDeferral", "idempotency_key", "tokens"]
 
-AsyncBody = Callable[[Any, str], Coroutine[Any, Any, Any]]
 PROMPT_MAX_CHARS = 2000
 _VOLATILE_KEYS = frozenset({"timestamp", "run_id", "conversation_id"})
-_current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("buzz_pydantic_ai_key", default=None)
 
 
 class UnsupportedDeferral(AgentError):
@@ -92,103 +109,9 @@ class UnsupportedDeferral(AgentError):
     failure_code = "unsupported_deferral"
 
 
-def idempotency_key() -> str | None:
-    """The journal's idempotency key (``<run id>:<seq>``) of the tool call or model request being
-    made, inside a tool (or a model) run by :class:`DurableAgent`; ``None`` elsewhere. Pass it to
-    the service the tool calls."""
-    return _current_key.get()
-
-
 def tokens(usage: RequestUsage) -> int:
     """Default ``usage_cost``: one cost unit per input or output token."""
     return int(usage.input_tokens or 0) + int(usage.output_tokens or 0)
-
-
-class _Journal(Protocol):
-    """What the integration needs of a run's context, awaitable: a journaled call whose body is
-    async, and an approval."""
-
-    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any: ...
-
-    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]: ...
-
-    async def emit(self, chunk: str) -> Any: ...
-
-
-class _ThreadJournal:
-    """The synchronous runtime's ``ctx`` seen from the agent's event loop: each call is handed to
-    the handler's thread (:meth:`serve`), which makes the journal writes on its own connection and
-    runs the call's body back on the loop while the agent waits."""
-
-    def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.ctx, self.loop = ctx, loop
-        self.requests: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = queue.SimpleQueue()
-
-    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
-        def on_loop(call_args: Any, key: str) -> Any:
-            return asyncio.run_coroutine_threadsafe(body(call_args, key), self.loop).result()
-
-        return await self._ask(lambda: self.ctx.call(tool_name, on_loop, args, **options))
-
-    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
-        return await self._ask(lambda: self.ctx.request_approval(prompt, deadline_seconds))  # type: ignore[no-any-return]
-
-    async def emit(self, chunk: str) -> Any:
-        return await self._ask(lambda: self.ctx.emit(chunk))
-
-    async def _ask(self, work: Callable[[], Any]) -> Any:
-        future: asyncio.Future[Any] = self.loop.create_future()
-        self.requests.put((work, future))
-        return await future
-
-    def serve(self) -> None:
-        """On the handler's thread: make the calls the agent asks for until it is done."""
-        while (item := self.requests.get()) is not None:
-            work, future = item
-            try:
-                output = work()
-            except Exception as exc:
-                self.loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                self.loop.call_soon_threadsafe(_settle, future, output, None)
-
-    def close(self) -> None:
-        self.requests.put(None)
-
-
-def _settle(future: asyncio.Future[Any], output: Any, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(output)
-
-
-class _AsyncJournal:
-    """An async runtime's ``ctx`` (``await ctx.call(...)``): called directly, on the loop."""
-
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-
-    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
-        return await self.ctx.call(tool_name, body, args, **options)
-
-    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
-        return await self.ctx.request_approval(prompt, deadline_seconds)  # type: ignore[no-any-return]
-
-    async def emit(self, chunk: str) -> Any:
-        return await self.ctx.emit(chunk)
-
-
-def journal_for(ctx: Any, loop: asyncio.AbstractEventLoop | None = None) -> _Journal:
-    """The adapter for ``ctx``: direct when its ``call`` is a coroutine function, else the thread
-    bridge (``loop``: the agent's event loop)."""
-    if inspect.iscoroutinefunction(getattr(ctx, "call", None)):
-        return _AsyncJournal(ctx)
-    if loop is None:
-        raise ValueError("a synchronous context needs the agent's event loop")
-    return _ThreadJournal(ctx, loop)
 
 
 def _stable(value: Any) -> Any:
@@ -217,16 +140,13 @@ def load_response(data: Any) -> ModelResponse:
     return message
 
 
-def _remake(args: Any, key: str) -> Any:
-    """Reconcile hook of a model request a crashed holder left pending: make it again."""
-    return NOT_MADE
-
-
 class _Durability(AbstractCapability[Any]):
     """The capability that routes one run's model requests and tool calls through the journal."""
 
-    def __init__(self, owner: DurableAgent, journal: _Journal) -> None:
+    def __init__(self, owner: DurableAgent, journal: Journal) -> None:
         self.owner, self.journal = owner, journal
+        self.chunks = Chunks(journal)
+        self.chunks_mark = 0  # the stream's position when the current model request began
         self.uncharged = 0  # usage cost of responses not yet charged to a call
 
     def get_wrapper_model(self, model: Model) -> Model | None:
@@ -240,17 +160,49 @@ class _Durability(AbstractCapability[Any]):
         self.uncharged = 0
         return output
 
-    async def received(self, response: ModelResponse) -> ModelResponse:
+    async def received(self, recorded: Any) -> ModelResponse:
         """A model response, made now or replayed from the journal: its usage is charged with the
-        next call; with ``stream_text``, its text goes to the run's output stream (one chunk per
-        response, so a resumed run, which replays the same responses, emits the same chunks and
-        the runtime writes none twice)."""
+        next call. With ``stream_text=True`` its text goes to the run's output stream (one chunk
+        per response, so a resumed run, which replays the same responses, emits the same chunks
+        and the runtime writes none twice); in token mode the chunks were written while it was
+        made, and a replay counts as many (none is written again)."""
+        if isinstance(recorded, dict) and "streamed_chunks" in recorded:
+            await self.chunks.count(int(recorded["streamed_chunks"]) - (self.chunks.position - self.chunks_mark))
+            recorded = recorded["response"]
+        response = load_response(recorded)
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
-        if self.owner.stream_text:
-            text = "".join(part.content for part in response.parts if isinstance(part, TextPart))
-            if text:
-                await self.journal.emit(text)
+        if self.owner.stream_text is True:
+            await self.chunks.emit("".join(part.content for part in response.parts if isinstance(part, TextPart)))
         return response
+
+    async def request(self, name: str, args: Any, make: Callable[[], Any]) -> ModelResponse:
+        """One journaled model request: ``make()`` opens the wrapped model's request (a response,
+        or a stream to drain, writing each text delta to the output stream in token mode)."""
+        tokens_mode = self.owner.stream_text == "tokens"
+
+        async def body(call_args: Any, key: str) -> Any:
+            with keyed(key):
+                if not tokens_mode:
+                    return dump_response(await make())
+                await self.chunks.restart()
+                async with make() as streamed:
+                    async for event in streamed:
+                        await self.chunks.emit(_text_delta(event))
+                written = self.chunks.since(self.chunks_mark)
+                return {"response": dump_response(streamed.get()), "streamed_chunks": written}
+
+        self.chunks_mark = self.chunks.mark()
+        recorded = await self.call(name, body, args, self.owner.request_cost, reconcile=remake)
+        return await self.received(recorded)
+
+
+def _text_delta(event: Any) -> str:
+    """The text a stream event adds to a text part ('' for any other event)."""
+    if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+        return event.part.content
+    if isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+        return event.delta.content_delta
+    return ""
 
 
 class _JournaledModel(WrapperModel):
@@ -268,16 +220,14 @@ class _JournaledModel(WrapperModel):
         model_settings: ModelSettings | None,
         model_request_parameters: ModelRequestParameters,
     ) -> ModelResponse:
-        async def body(args: Any, key: str) -> Any:
-            token = _current_key.set(key)
-            try:
-                return dump_response(await self.wrapped.request(messages, model_settings, model_request_parameters))
-            finally:
-                _current_key.reset(token)
-
+        if self.durability.owner.stream_text == "tokens":
+            make: Callable[[], Any] = lambda: self.wrapped.request_stream(  # noqa: E731
+                messages, model_settings, model_request_parameters
+            )
+        else:
+            make = lambda: self.wrapped.request(messages, model_settings, model_request_parameters)  # noqa: E731
         name, args = self._entry(messages)
-        recorded = await self.durability.call(name, body, args, self.durability.owner.request_cost, reconcile=_remake)
-        return await self.durability.received(load_response(recorded))
+        return await self.durability.request(name, args, make)
 
     @asynccontextmanager
     async def request_stream(  # type: ignore[override]
@@ -287,38 +237,28 @@ class _JournaledModel(WrapperModel):
         model_request_parameters: ModelRequestParameters,
         run_context: RunContext[Any] | None = None,
     ) -> Any:
-        async def body(args: Any, key: str) -> Any:
-            token = _current_key.set(key)
-            try:
+        """A streamed request (an ``event_stream_handler``): drained inside its journaled call and
+        replayed to the caller as the events of the recorded response."""
+        name, args = self._entry(messages)
+        if self.durability.owner.stream_text == "tokens":
+            make: Callable[[], Any] = lambda: self.wrapped.request_stream(  # noqa: E731
+                messages, model_settings, model_request_parameters, run_context
+            )
+        else:
+
+            async def make() -> ModelResponse:
                 async with self.wrapped.request_stream(
                     messages, model_settings, model_request_parameters, run_context
                 ) as streamed:
                     async for _ in streamed:
                         pass
-            finally:
-                _current_key.reset(token)
-            return dump_response(streamed.get())
+                return streamed.get()
 
-        name, args = self._entry(messages)
-        recorded = await self.durability.call(name, body, args, self.durability.owner.request_cost, reconcile=_remake)
-        response = await self.durability.received(load_response(recorded))
+        response = await self.durability.request(name, args, make)
         stream: StreamedResponse = CompletedStreamedResponse(
             response, model_request_parameters=model_request_parameters, replay_events=True
         )
         yield stream
-
-
-def _reconciler(hook: Callable[[Any, str], Any] | None) -> Callable[[Any, str], Any] | None:
-    """A tool's reconcile hook answers with the tool's result (or ``NOT_MADE``): recorded as the
-    call would have been."""
-    if hook is None:
-        return None
-
-    def reconcile(args: Any, key: str) -> Any:
-        found = hook(args, key)
-        return found if found is NOT_MADE else {"return": to_jsonable_python(found)}
-
-    return reconcile
 
 
 @dataclasses.dataclass
@@ -338,13 +278,11 @@ class _JournaledToolset(WrapperToolset[Any]):
         owner = self.durability.owner
 
         async def body(args: Any, key: str) -> Any:
-            token = _current_key.set(key)
-            try:
-                result = await self.wrapped.call_tool(name, tool_args, ctx, tool)
-            except ModelRetry as retry:
-                return {"retry": str(retry.message)}
-            finally:
-                _current_key.reset(token)
+            with keyed(key):
+                try:
+                    result = await self.wrapped.call_tool(name, tool_args, ctx, tool)
+                except ModelRetry as retry:
+                    return {"retry": str(retry.message)}
             return {"return": to_jsonable_python(result)}
 
         recorded = await self.durability.call(
@@ -353,7 +291,7 @@ class _JournaledToolset(WrapperToolset[Any]):
             tool_args,
             owner.tool_costs.get(name, 0),
             compensate=owner.compensations.get(name),
-            reconcile=_reconciler(owner.reconcile.get(name)),
+            reconcile=reconciler(owner.reconcile.get(name)),
             destructive=name in owner.destructive,
         )
         if recorded is None:  # a shadow run's destructive call: blocked, not made
@@ -386,7 +324,9 @@ class DurableAgent:
     deadline of each approval a tool asks for. ``stream_text``: each model response's text is
     appended to the run's output stream (``ctx.emit``; read it with
     :func:`~buzz_delivery.agents.services.output.stream_output`, the gateway or the admin), one
-    chunk per response. The handler's output is the agent's output as JSON."""
+    chunk per response; ``stream_text="tokens"``: each text delta is a chunk, written while the
+    request runs (the model must stream: it is asked with ``request_stream``), and the journal
+    records the whole response. The handler's output is the agent's output as JSON."""
 
     def __init__(
         self,
@@ -401,7 +341,7 @@ class DurableAgent:
         request_cost: int = 0,
         usage_cost: Callable[[RequestUsage], int] = tokens,
         approval_deadline_seconds: int = 86400,
-        stream_text: bool = False,
+        stream_text: bool | Literal["tokens"] = False,
     ) -> None:
         self.agent = agent
         self.prompt, self.deps = prompt, deps
@@ -414,39 +354,16 @@ class DurableAgent:
         self.request_cost = request_cost
         self.usage_cost = usage_cost
         self.approval_deadline_seconds = approval_deadline_seconds
+        if stream_text not in (False, True, "tokens"):
+            raise ValueError(f"stream_text must be False, True or 'tokens', got {stream_text!r}")
         self.stream_text = stream_text
 
     def __call__(self, ctx: Any) -> Any:
         """The synchronous runtime's handler: runs :meth:`run` on an event loop of its own, in a
         helper thread, and serves its journal calls from this (the handler's) thread."""
-        loop = asyncio.new_event_loop()
-        journal = _ThreadJournal(ctx, loop)
-        box: dict[str, Any] = {}
+        return run_threaded(ctx, lambda journal: self.run(ctx, journal), "pydantic-ai")
 
-        def main() -> None:
-            try:
-                box["output"] = loop.run_until_complete(self.run(ctx, journal))
-            except BaseException as exc:
-                box["error"] = exc
-            finally:
-                journal.close()
-                try:
-                    loop.run_until_complete(loop.shutdown_asyncgens())
-                    loop.run_until_complete(loop.shutdown_default_executor())
-                finally:
-                    loop.close()
-
-        thread = threading.Thread(target=main, name=f"pydantic-ai-{ctx.lease.run_id}", daemon=True)
-        thread.start()
-        try:
-            journal.serve()
-        finally:
-            thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["output"]
-
-    async def run(self, ctx: Any, journal: _Journal | None = None) -> Any:
+    async def run(self, ctx: Any, journal: Journal | None = None) -> Any:
         """Run the agent for ``ctx``'s run to its output (JSON); approvals park it."""
         journal = journal or journal_for(ctx)
         durability = _Durability(self, journal)

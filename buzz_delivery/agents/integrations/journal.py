@@ -1,0 +1,259 @@
+"""What every framework integration needs of a run's context, from the agent's event loop
+(issue 35): a journaled call whose body is async, an approval and the output stream, the same
+under the threaded runtime (:class:`ThreadJournal`) and the event-loop one (:class:`AsyncJournal`).
+
+- :func:`idempotency_key`: inside a journaled call's body (a tool, a model request), the journal's
+  key of that call; :func:`inside_call` says a body is running, so that what it calls itself (an
+  agent used as a tool) is part of that call, not journaled again.
+- :class:`ThreadJournal`: today's runtime calls the handler on a worker thread and journals on
+  that thread's connection. The agent runs on an event loop of its own in a helper thread
+  (:func:`run_threaded`); each call crosses a queue to the handler's thread, which makes the
+  journal writes and runs the call's body back on the loop. While a body runs, the handler's
+  thread keeps serving the queue, so a body may write the output stream (``emit``) as it goes.
+- :class:`AsyncJournal`: an async runtime's ``ctx`` (``await ctx.call(...)``), called directly.
+- :class:`Chunks`: the run's output stream as an integration writes it, with the positions a
+  resumed handler must reproduce (chunks already written are counted, not written again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import queue
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Protocol
+
+from pydantic_core import to_jsonable_python
+
+from buzz_delivery.agents.runtime import NOT_MADE
+
+__all__ = [
+    "AsyncJournal",
+    "Chunks",
+    "Journal",
+    "ThreadJournal",
+    "idempotency_key",
+    "inside_call",
+    "journal_for",
+    "run_threaded",
+]
+
+AsyncBody = Callable[[Any, str], Coroutine[Any, Any, Any]]
+_current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("buzz_integration_key", default=None)
+
+# Written for an interrupted model request made again (after its partial chunks) in token mode.
+RESTARTED = "\n[interrupted: the model request was made again]\n"
+# The text of a chunk a resumed handler counts but never writes (its position is written already).
+_COUNTED = "[already written]"
+
+
+def idempotency_key() -> str | None:
+    """The journal's idempotency key (``<run id>:<seq>``) of the tool call or model request being
+    made, inside a tool (or a model) run by a durable agent; ``None`` elsewhere. Pass it to the
+    service the tool calls."""
+    return _current_key.get()
+
+
+def inside_call() -> bool:
+    """True inside a journaled call's body: what it calls is part of that call."""
+    return _current_key.get() is not None
+
+
+@contextlib.contextmanager
+def keyed(key: str) -> Iterator[None]:
+    """Run the block as the body of the journaled call ``key``."""
+    token = _current_key.set(key)
+    try:
+        yield
+    finally:
+        _current_key.reset(token)
+
+
+def remake(args: Any, key: str) -> Any:
+    """Reconcile hook of a model request a crashed holder left pending: make it again (it has
+    no effect the journal could compensate)."""
+    return NOT_MADE
+
+
+def reconciler(hook: Callable[[Any, str], Any] | None) -> Callable[[Any, str], Any] | None:
+    """A tool's reconcile hook answers with the tool's result (or ``NOT_MADE``): recorded as the
+    call would have been (``{"return": result}``)."""
+    if hook is None:
+        return None
+
+    def reconcile(args: Any, key: str) -> Any:
+        found = hook(args, key)
+        return found if found is NOT_MADE else {"return": to_jsonable_python(found)}
+
+    return reconcile
+
+
+class Journal(Protocol):
+    """A run's context seen from the agent's event loop."""
+
+    ctx: Any
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any: ...
+
+    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]: ...
+
+    async def emit(self, chunk: str) -> int | None: ...
+
+
+class ThreadJournal:
+    """The synchronous runtime's ``ctx`` seen from the agent's event loop: each call is handed to
+    the handler's thread (:meth:`serve`), which makes the journal writes on its own connection and
+    runs the call's body back on the loop while the agent waits, serving what the body asks for
+    (``emit``) meanwhile."""
+
+    def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.ctx, self.loop = ctx, loop
+        self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
+        def on_loop(call_args: Any, key: str) -> Any:
+            done = object()
+            future = asyncio.run_coroutine_threadsafe(body(call_args, key), self.loop)
+            future.add_done_callback(lambda _: self.requests.put(done))
+            self._serve_until(done)
+            return future.result()
+
+        return await self._ask(lambda: self.ctx.call(tool_name, on_loop, args, **options))
+
+    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
+        return await self._ask(lambda: self.ctx.request_approval(prompt, deadline_seconds))  # type: ignore[no-any-return]
+
+    async def emit(self, chunk: str) -> int | None:
+        return await self._ask(lambda: self.ctx.emit(chunk))  # type: ignore[no-any-return]
+
+    async def _ask(self, work: Callable[[], Any]) -> Any:
+        future: asyncio.Future[Any] = self.loop.create_future()
+        self.requests.put((work, future))
+        return await future
+
+    def _serve_until(self, stop: object) -> None:
+        while (item := self.requests.get()) is not stop:
+            if not isinstance(item, tuple):
+                continue  # a stop marker of a call already over
+            work, future = item
+            try:
+                output = work()
+            except Exception as exc:
+                self.loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self.loop.call_soon_threadsafe(_settle, future, output, None)
+
+    def serve(self) -> None:
+        """On the handler's thread: make the calls the agent asks for until it is done."""
+        self._serve_until(None)
+
+    def close(self) -> None:
+        self.requests.put(None)
+
+
+def _settle(future: asyncio.Future[Any], output: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(output)
+
+
+class AsyncJournal:
+    """An async runtime's ``ctx`` (``await ctx.call(...)``): called directly, on the loop."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
+        return await self.ctx.call(tool_name, body, args, **options)
+
+    async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
+        return await self.ctx.request_approval(prompt, deadline_seconds)  # type: ignore[no-any-return]
+
+    async def emit(self, chunk: str) -> int | None:
+        return await self.ctx.emit(chunk)  # type: ignore[no-any-return]
+
+
+def journal_for(ctx: Any, loop: asyncio.AbstractEventLoop | None = None) -> Journal:
+    """The adapter for ``ctx``: direct when its ``call`` is a coroutine function, else the thread
+    bridge (``loop``: the agent's event loop)."""
+    if inspect.iscoroutinefunction(getattr(ctx, "call", None)):
+        return AsyncJournal(ctx)
+    if loop is None:
+        raise ValueError("a synchronous context needs the agent's event loop")
+    return ThreadJournal(ctx, loop)
+
+
+def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], name: str) -> Any:
+    """The synchronous runtime's handler body: run ``main(journal)`` on an event loop of its own,
+    in a helper thread, and serve its journal calls from this (the handler's) thread."""
+    loop = asyncio.new_event_loop()
+    journal = ThreadJournal(ctx, loop)
+    box: dict[str, Any] = {}
+
+    def agent_thread() -> None:
+        try:
+            box["output"] = loop.run_until_complete(main(journal))
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            journal.close()
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                loop.close()
+
+    thread = threading.Thread(target=agent_thread, name=f"{name}-{ctx.lease.run_id}", daemon=True)
+    thread.start()
+    try:
+        journal.serve()
+    finally:
+        thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["output"]
+
+
+class Chunks:
+    """The run's output stream as one handler invocation writes it. ``ctx.emit`` is positional:
+    emit ``n`` of a resumed handler is chunk ``n``, and chunks the run already has are counted,
+    not written again. Text streamed while a model request runs (token mode) is written before
+    the request is recorded, so its recording keeps how many chunks it wrote (:meth:`mark`,
+    :meth:`since`) and a replay counts that many again (:meth:`count`); a request interrupted
+    and made again finds the chunks its first attempt wrote (:meth:`restart`)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.position = 0  # the seq of the last chunk this invocation emitted or counted
+        self.before = int(getattr(getattr(journal.ctx, "run", None), "output_chunks", 0) or 0)
+
+    async def emit(self, text: str) -> None:
+        if text:
+            seq = await self.journal.emit(text)
+            if seq:
+                self.position = seq
+
+    async def count(self, n: int) -> None:
+        """Count ``n`` chunks this invocation wrote before it was interrupted (none is written:
+        each position is at most the run's chunks when it was claimed)."""
+        for _ in range(n):
+            await self.emit(_COUNTED)
+
+    async def restart(self) -> None:
+        """At the start of a model request: if an interrupted attempt of it wrote chunks (the run
+        has more than this invocation counted so far), count them and write :data:`RESTARTED`."""
+        if (gap := self.before - self.position) > 0:
+            await self.count(gap)
+            await self.emit(RESTARTED)
+
+    def mark(self) -> int:
+        return self.position
+
+    def since(self, mark: int) -> int:
+        return self.position - mark

@@ -1,0 +1,476 @@
+"""Run an OpenAI Agents SDK agent (``openai-agents``, package ``agents``) as an agent run's
+handler, durably, on the run's journal (issue 35).
+
+    from agents import Agent
+    from buzz_delivery.agents.integrations.openai_agents import DurableAgent
+
+    agent = Agent(name="billing", instructions="...", tools=[charge])
+    handler = DurableAgent(agent, compensations={"charge": refund})   # run_agent_worker --handler mod:handler
+
+Every model request and every function tool call of the agent is one journaled call made through
+the runtime's ``ctx.call`` (fenced by the run's lease, journaled before it is made, its result
+recorded): a resumed run runs the agent again from the start and each recorded response and tool
+result is replayed instead of being made again. Built on the SDK's public interface only:
+
+- Model requests: a :class:`~agents.models.interface.Model` wrapper whose ``get_response`` is the
+  journaled call, put in place by a ``ModelProvider`` wrapper (``RunConfig(model_provider=...)``,
+  for models named by a string) and on every agent whose ``model`` is a ``Model`` instance
+  (clones, with their handoffs). Journaled as ``model:<name>`` with the SHA-256 of the request
+  (instructions, input items, tool and handoff names, output schema) as arguments; the
+  ``ModelResponse`` is recorded as JSON (pydantic's ``TypeAdapter``) and rebuilt from it, on the
+  first run as on a replay. A request left pending by a crashed holder is made again.
+- Function tools: each ``FunctionTool``'s ``on_invoke_tool`` is wrapped (``dataclasses.replace``):
+  journaled under the tool's name with its arguments (the model's JSON, parsed); the result is
+  recorded as JSON and the model sees that JSON (first run and replay alike). Tools run one at a
+  time, in the order of the response (``ToolExecutionConfig(max_function_tool_concurrency=1)``),
+  so journal positions never depend on timing. A tool's ``timeout_seconds`` is applied inside its
+  journaled call. Inside a tool, :func:`idempotency_key` is the journal's key for the call.
+  Whatever runs inside a journaled call (an agent used as a tool: ``Agent.as_tool``) is part of
+  that call and is not journaled again.
+- Approvals: a tool with ``needs_approval`` interrupts the SDK's run; each interruption parks the
+  run on ``ctx.request_approval`` and the operator's decision resumes it (``RunState.approve`` /
+  ``reject`` on ``result.to_state()``, then ``Runner.run`` with that state).
+- Budgets: every model request and tool call spends one of the run's tool-call slots; cost:
+  ``tool_costs[name]`` per tool call, ``request_cost`` per request, and ``usage_cost(usage)`` of
+  each response (default its input + output tokens) charged with the next journaled call.
+- Not supported (``ValueError`` when the handler is built): local tools other than function
+  tools (computer, shell, apply-patch, custom tools) and MCP servers (their tools are listed at
+  run time and would not be journaled). Hosted tools (web search, file search, ...) run on the
+  provider's side: they are part of the recorded response. Guardrails and lifecycle hooks are the
+  agent's own code: they run again on a replay.
+- Streaming: ``stream_text=True`` writes each response's text to the run's output stream as one
+  chunk; ``stream_text="tokens"`` asks the wrapped model with ``stream_response`` inside the
+  journaled call, writes each ``response.output_text.delta`` as a chunk while it runs and records
+  the ``ModelResponse`` built from the ``response.completed`` event (a replay writes no chunk
+  again; an interrupted request made again writes a marker after its partial chunks, as Pydantic
+  AI's token mode). The SDK itself is always run with ``Runner.run``: ``Runner.run_streamed``
+  (its own event stream to a caller) is not offered, the wrapper's ``stream_response`` raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any, Literal
+
+from agents import Agent, Handoff, Model, ModelProvider, RunConfig, Runner, ToolExecutionConfig
+from agents.items import ModelResponse
+from agents.models.multi_provider import MultiProvider
+from agents.tool import (
+    CodeInterpreterTool,
+    FileSearchTool,
+    FunctionTool,
+    HostedMCPTool,
+    ImageGenerationTool,
+    ToolSearchTool,
+    WebSearchTool,
+)
+from agents.usage import Usage
+from pydantic import TypeAdapter
+from pydantic_core import to_jsonable_python
+
+from buzz_delivery.agents import compensations as registry
+from buzz_delivery.agents.exceptions import AgentError
+from buzz_delivery.agents.integrations.journal import (
+    AsyncBody,
+    Chunks,
+    Journal,
+    idempotency_key,
+    inside_call,
+    journal_for,
+    keyed,
+    reconciler,
+    remake,
+    run_threaded,
+)
+
+__all__ = ["DurableAgent", "idempotency_key", "tokens"]
+
+PROMPT_MAX_CHARS = 2000
+HOSTED_TOOLS = (FileSearchTool, WebSearchTool, HostedMCPTool, ImageGenerationTool, CodeInterpreterTool, ToolSearchTool)
+_responses: TypeAdapter[ModelResponse] = TypeAdapter(ModelResponse)
+
+
+def tokens(usage: Usage) -> int:
+    """Default ``usage_cost``: one cost unit per input or output token."""
+    return int(usage.input_tokens or 0) + int(usage.output_tokens or 0)
+
+
+def dump_response(response: ModelResponse) -> dict[str, Any]:
+    return _responses.dump_python(response, mode="json", by_alias=True)  # type: ignore[no-any-return]
+
+
+def load_response(data: Any) -> ModelResponse:
+    return _responses.validate_python(data)
+
+
+def request_digest(
+    system_instructions: str | None, input: Any, tools: list[Any], handoffs: list[Any], output_schema: Any
+) -> str:
+    """SHA-256 of what a model request asks: the same on a replay, which rebuilds the same input
+    items from the recorded responses and tool results."""
+    data = {
+        "instructions": system_instructions,
+        "input": to_jsonable_python(input, fallback=str),
+        "tools": [getattr(t, "name", type(t).__name__) for t in tools],
+        "handoffs": [getattr(h, "tool_name", "") for h in handoffs],
+        "output": output_schema.json_schema()
+        if output_schema is not None and not output_schema.is_plain_text()
+        else None,
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _response_text(response: ModelResponse) -> str:
+    return "".join(
+        part.text
+        for item in response.output
+        if getattr(item, "type", None) == "message"
+        for part in getattr(item, "content", ())
+        if getattr(part, "type", None) == "output_text"
+    )
+
+
+class _Durability:
+    """One run's journal, as the model and tool wrappers see it (a context variable of the run's
+    task: the SDK's tool tasks inherit it)."""
+
+    def __init__(self, owner: DurableAgent, journal: Journal) -> None:
+        self.owner, self.journal = owner, journal
+        self.chunks = Chunks(journal)
+        self.uncharged = 0  # usage cost of responses not yet charged to a call
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
+        output = await self.journal.call(tool_name, body, args, cost=cost + self.uncharged, **options)
+        self.uncharged = 0
+        return output
+
+    async def received(self, recorded: Any, mark: int) -> ModelResponse:
+        """A response, made now or replayed: its usage is charged with the next call; its text
+        goes to the output stream whole (``stream_text=True``), or was streamed while it was made
+        (``"tokens"``: a replay counts the chunks it wrote, none is written again)."""
+        if isinstance(recorded, dict) and "streamed_chunks" in recorded:
+            await self.chunks.count(int(recorded["streamed_chunks"]) - self.chunks.since(mark))
+            recorded = recorded["response"]
+        response = load_response(recorded)
+        self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
+        if self.owner.stream_text is True:
+            await self.chunks.emit(_response_text(response))
+        return response
+
+    async def streamed(self, events: Any, mark: int) -> dict[str, Any]:
+        """Token mode's body: drain the model's ``stream_response``, writing each text delta to the
+        output stream; the recorded response is the one its ``response.completed`` event carries."""
+        await self.chunks.restart()
+        completed = None
+        async for event in events:
+            kind = getattr(event, "type", None)
+            if kind == "response.output_text.delta":
+                await self.chunks.emit(event.delta)
+            elif kind == "response.completed":
+                completed = event.response
+            elif kind in ("response.failed", "response.incomplete", "error"):
+                raise RuntimeError(f"the model's stream ended with {kind}")
+        if completed is None:
+            raise RuntimeError("the model's stream ended without a response.completed event")
+        usage = Usage(requests=1)
+        if completed.usage is not None:
+            u = completed.usage
+            usage = Usage(
+                requests=1,
+                input_tokens=u.input_tokens,
+                input_tokens_details=u.input_tokens_details,
+                output_tokens=u.output_tokens,
+                output_tokens_details=u.output_tokens_details,
+                total_tokens=u.total_tokens,
+            )
+        response = ModelResponse(output=list(completed.output), usage=usage, response_id=completed.id)
+        return {"response": dump_response(response), "streamed_chunks": self.chunks.since(mark)}
+
+
+_active: contextvars.ContextVar[_Durability | None] = contextvars.ContextVar("buzz_openai_agents_run", default=None)
+
+
+class _JournaledModel(Model):
+    """A model whose every ``get_response`` is a journaled call of the current run."""
+
+    def __init__(self, wrapped: Model, name: str | None = None) -> None:
+        self.wrapped = wrapped
+        model = getattr(wrapped, "model", None)
+        self.name = name or (model if isinstance(model, str) else type(wrapped).__name__)
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: Any,
+        model_settings: Any,
+        tools: list[Any],
+        output_schema: Any,
+        handoffs: list[Any],
+        tracing: Any,
+        *,
+        previous_response_id: str | None,
+        conversation_id: str | None,
+        prompt: Any,
+    ) -> ModelResponse:
+        request = (system_instructions, input, model_settings, tools, output_schema, handoffs, tracing)
+        named = {"previous_response_id": previous_response_id, "conversation_id": conversation_id, "prompt": prompt}
+        durability: _Durability | None = _active.get()
+        if durability is None or inside_call():
+            return await self.wrapped.get_response(*request, **named)
+        mark = durability.chunks.mark()
+
+        async def body(args: Any, key: str) -> Any:
+            with keyed(key):
+                if durability.owner.stream_text == "tokens":
+                    return await durability.streamed(self.wrapped.stream_response(*request, **named), mark)
+                return dump_response(await self.wrapped.get_response(*request, **named))
+
+        args = {
+            "items": len(input) if isinstance(input, list) else 1,
+            "sha256": request_digest(system_instructions, input, tools, handoffs, output_schema),
+        }
+        recorded = await durability.call(
+            f"model:{self.name}"[:200], body, args, durability.owner.request_cost, reconcile=remake
+        )
+        return await durability.received(recorded, mark)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a durable run asks its model with get_response (Runner.run), not streamed")
+
+    def get_retry_advice(self, request: Any) -> Any:
+        return self.wrapped.get_retry_advice(request)
+
+    async def close(self) -> None:
+        await self.wrapped.close()
+
+
+class _JournaledProvider(ModelProvider):
+    """Wraps the models another provider resolves by name."""
+
+    def __init__(self, wrapped: ModelProvider) -> None:
+        self.wrapped = wrapped
+
+    def get_model(self, model_name: str | None) -> Model:
+        model = self.wrapped.get_model(model_name)
+        return model if isinstance(model, _JournaledModel) else _JournaledModel(model, model_name or None)
+
+    async def aclose(self) -> None:
+        await self.wrapped.aclose()
+
+
+def _tool_args(input_json: str) -> Any:
+    try:
+        return json.loads(input_json) if input_json else {}
+    except ValueError:
+        return {"arguments": input_json}  # the model's text as it came: the tool reports the error
+
+
+def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
+    original, name = tool.on_invoke_tool, tool.name
+    timeout, behavior, on_timeout = tool.timeout_seconds, tool.timeout_behavior, tool.timeout_error_function
+
+    async def invoke_now(tool_context: Any, input_json: str) -> Any:
+        if timeout is None:
+            return await original(tool_context, input_json)
+        try:
+            return await asyncio.wait_for(original(tool_context, input_json), timeout)
+        except TimeoutError as exc:
+            if behavior == "raise_exception":
+                raise
+            if on_timeout is not None:
+                message = on_timeout(tool_context, exc)
+                return await message if asyncio.iscoroutine(message) else message
+            return f"Tool '{name}' timed out after {timeout} seconds."
+
+    async def on_invoke_tool(tool_context: Any, input_json: str) -> Any:
+        durability: _Durability | None = _active.get()
+        if durability is None or inside_call():
+            return await invoke_now(tool_context, input_json)
+
+        async def body(args: Any, key: str) -> Any:
+            with keyed(key):
+                result = await invoke_now(tool_context, input_json)
+            return {"return": to_jsonable_python(result, fallback=str)}
+
+        recorded = await durability.call(
+            name,
+            body,
+            _tool_args(input_json),
+            owner.tool_costs.get(name, 0),
+            compensate=owner.compensations.get(name),
+            reconcile=reconciler(owner.reconcile.get(name)),
+            destructive=name in owner.destructive,
+        )
+        if recorded is None:  # a shadow run's destructive call: blocked, not made
+            return f"The call to {name} was not made (shadow run)."
+        return recorded["return"]
+
+    return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool, timeout_seconds=None)
+
+
+class _Wrapper:
+    """Clones an agent graph (handoffs included, cycles too) with journaled models and tools."""
+
+    def __init__(self, owner: DurableAgent) -> None:
+        self.owner = owner
+        self.clones: dict[int, Agent[Any]] = {}
+
+    def agent(self, agent: Agent[Any]) -> Agent[Any]:
+        if id(agent) in self.clones:
+            return self.clones[id(agent)]
+        if agent.mcp_servers:
+            raise ValueError(
+                f"mcp_servers: agent {agent.name!r} lists MCP servers, whose tool calls would not be journaled"
+            )
+        tools: list[Any] = []
+        for tool in agent.tools:
+            if isinstance(tool, FunctionTool):
+                tools.append(_journaled_tool(tool, self.owner))
+            elif isinstance(tool, HOSTED_TOOLS):
+                tools.append(tool)  # made by the provider: part of the recorded response
+            else:
+                raise ValueError(
+                    f"tools: {type(tool).__name__} {getattr(tool, 'name', '')!r} of agent {agent.name!r} is a local "
+                    "tool that is not a function tool: its calls would not be journaled"
+                )
+        model = _JournaledModel(agent.model) if isinstance(agent.model, Model) else agent.model
+        clone = agent.clone(model=model, tools=tools)
+        self.clones[id(agent)] = clone
+        clone.handoffs = [self.handoff(h) for h in agent.handoffs]
+        return clone
+
+    def handoff(self, handoff: Agent[Any] | Handoff[Any, Any]) -> Agent[Any] | Handoff[Any, Any]:
+        if isinstance(handoff, Agent):
+            return self.agent(handoff)
+        original = handoff.on_invoke_handoff
+
+        async def on_invoke_handoff(*args: Any, **kwargs: Any) -> Any:
+            return self.agent(await original(*args, **kwargs))
+
+        return dataclasses.replace(handoff, on_invoke_handoff=on_invoke_handoff)
+
+
+def _journal_error(exc: BaseException) -> AgentError | None:
+    """The runtime's own error (a budget, a lost lease, a failed or uncertain call) that ``exc``
+    was raised from, if any: the SDK wraps what a tool raises (``UserError``, ...)."""
+    seen: set[int] = set()
+    found: BaseException | None = exc
+    while found is not None and id(found) not in seen:
+        if isinstance(found, AgentError):
+            return found
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return None
+
+
+async def _unwrapped(run: Coroutine[Any, Any, Any]) -> Any:
+    """Await a ``Runner.run``; a failure caused by the runtime's own error raises that error, so
+    the run records its failure code (``budget_exceeded``, ``lease_lost``, ...)."""
+    try:
+        return await run
+    except Exception as exc:
+        error = _journal_error(exc)
+        if error is None or error is exc:
+            raise
+        raise error from exc
+
+
+def _default_prompt(run_input: Any) -> str:
+    if isinstance(run_input, dict) and isinstance(run_input.get("prompt"), str):
+        return run_input["prompt"]
+    return json.dumps(run_input, sort_keys=True)
+
+
+class DurableAgent:
+    """A handler ``handler(ctx) -> output`` that runs ``agent`` (an ``agents.Agent``) durably for
+    each claimed run with ``Runner.run``.
+
+    ``prompt(run_input) -> str`` makes the input from the run's input (default its ``"prompt"``,
+    else the input as JSON); ``context(ctx)`` the SDK's run context object; ``run_config`` and
+    ``max_turns`` go to ``Runner.run`` (the model provider and tool concurrency are wrapped, the
+    rest is kept). Per tool name: ``compensations`` (registered with
+    :func:`~buzz_delivery.agents.compensations.compensation`; anything else raises ``ValueError``
+    here), ``reconcile`` hooks ``(args, key) -> output | NOT_MADE``, ``destructive`` names
+    (blocked in shadow runs) and ``tool_costs``. ``request_cost`` is charged per model request,
+    ``usage_cost(usage)`` per response (with the next call). ``approval_deadline_seconds``: the
+    deadline of each approval. ``stream_text``: each response's text is appended to the run's
+    output stream as a chunk (``True``), or each text delta while the request runs (``"tokens"``:
+    the model is asked with ``stream_response``, the journal records the completed response).
+    The handler's output is the agent's ``final_output`` as JSON."""
+
+    def __init__(
+        self,
+        agent: Agent[Any],
+        *,
+        prompt: Callable[[Any], str] = _default_prompt,
+        context: Callable[[Any], Any] | None = None,
+        run_config: RunConfig | None = None,
+        max_turns: int | None = None,
+        compensations: Mapping[str, registry.Compensation] | None = None,
+        reconcile: Mapping[str, Callable[[Any, str], Any]] | None = None,
+        destructive: Iterable[str] = (),
+        tool_costs: Mapping[str, int] | None = None,
+        request_cost: int = 0,
+        usage_cost: Callable[[Usage], int] = tokens,
+        approval_deadline_seconds: int = 86400,
+        stream_text: bool | Literal["tokens"] = False,
+    ) -> None:
+        self.prompt, self.context = prompt, context
+        self.compensations = dict(compensations or {})
+        for fn in self.compensations.values():
+            registry.name_of(fn)  # ValueError now, not at the first call
+        self.reconcile = dict(reconcile or {})
+        self.destructive = frozenset(destructive)
+        self.tool_costs = dict(tool_costs or {})
+        self.request_cost = request_cost
+        self.usage_cost = usage_cost
+        self.approval_deadline_seconds = approval_deadline_seconds
+        if stream_text not in (False, True, "tokens"):
+            raise ValueError(f"stream_text must be False, True or 'tokens', got {stream_text!r}")
+        self.stream_text = stream_text
+        self.max_turns = max_turns
+        self.agent = _Wrapper(self).agent(agent)
+        config = run_config or RunConfig()
+        execution = dataclasses.replace(config.tool_execution or ToolExecutionConfig(), max_function_tool_concurrency=1)
+        self.run_config = dataclasses.replace(
+            config,
+            model=_JournaledModel(config.model) if isinstance(config.model, Model) else config.model,
+            model_provider=_JournaledProvider(config.model_provider or MultiProvider()),
+            tool_execution=execution,
+        )
+
+    def __call__(self, ctx: Any) -> Any:
+        """The synchronous runtime's handler: runs :meth:`run` on an event loop of its own, in a
+        helper thread, and serves its journal calls from this (the handler's) thread."""
+        return run_threaded(ctx, lambda journal: self.run(ctx, journal), "openai-agents")
+
+    async def run(self, ctx: Any, journal: Journal | None = None) -> Any:
+        """Run the agent for ``ctx``'s run to its final output (JSON); approvals park it."""
+        journal = journal or journal_for(ctx)
+        token = _active.set(_Durability(self, journal))
+        try:
+            options: dict[str, Any] = {"run_config": self.run_config}
+            if self.context is not None:
+                options["context"] = self.context(ctx)
+            if self.max_turns is not None:
+                options["max_turns"] = self.max_turns
+            result = await _unwrapped(Runner.run(self.agent, self.prompt(ctx.input), **options))
+            while result.interruptions:
+                state = result.to_state()
+                for item in result.interruptions:
+                    prompt = f"{item.name}({getattr(item.raw_item, 'arguments', '')})"[:PROMPT_MAX_CHARS]
+                    decision = await journal.request_approval(prompt, self.approval_deadline_seconds)
+                    if decision.get("decision") == "approved":
+                        state.approve(item)
+                    else:
+                        by = decision.get("decided_by", "")
+                        state.reject(item, rejection_message=f"The operator ({by}) rejected it.")
+                result = await _unwrapped(Runner.run(self.agent, state, **options))
+        finally:
+            _active.reset(token)
+        return to_jsonable_python(result.final_output, fallback=str)
