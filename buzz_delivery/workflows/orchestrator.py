@@ -24,6 +24,14 @@ fails that step (:mod:`buzz_delivery.workflows.executor`); an error of the runti
 counted (``errors``) and that lease left to lapse; no step thread dies of either. Should a step
 thread or the completer die all the same, the orchestrator stops (exit 1) instead of claiming
 for threads that are gone.
+
+An ``async def`` function step runs on none of the step threads: one event-loop thread awaits
+such steps as tasks, up to ``async_concurrency`` at once, none holding a database connection.
+Everything about them that touches the database happens on the threads above: the thread that
+claimed a step resolves its input (:func:`~buzz_delivery.workflows.executor.prepare_call`)
+before handing it to the loop, the completer records what it returned or raised, the renewer
+renews its lease while it runs. A claim is sized for the free step threads and the free loop
+places together (:func:`mixed_room`).
 """
 
 from __future__ import annotations
