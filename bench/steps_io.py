@@ -5,7 +5,7 @@ database connections, for ``run_workflow_worker``'s engine with an ``async def``
 and, the baseline in the same run, the same wait in a plain function on step threads
 (``--concurrency`` = the in-flight figure, at most 256), on the same PostgreSQL.
 
-    BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5433/bench_steps_io /work/venv/bin/python -m bench.steps_io
+    BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5433/bench_fsteps_io /work/venv/bin/python -m bench.steps_io
     ... -m bench.steps_io --in-flight 64,256 --step-seconds 0.5 --per-slot 2
 
 Each figure runs ``per-slot x in-flight`` steps (at least 128) as runs of one ``map`` step of
@@ -48,6 +48,7 @@ from buzz_delivery.workflows.services import publish_definition, start_run  # no
 STEP_SECONDS = 0.5
 IDLE_EXIT = 0.5
 MAP_ITEMS = 100
+BATCH_SIZE: int | None = None  # claims and completions per statement (None: the engine's default)
 STEP_THREADS = 4  # beside the loop: the map steps' own turns
 DB_NAME = urlsplit(URL).path.lstrip("/")
 
@@ -89,11 +90,13 @@ def ours(n: int, in_flight: int, asynchronous: bool) -> tuple[float, int]:
         concurrency=STEP_THREADS if asynchronous else in_flight,
         async_concurrency=in_flight,
         lease_seconds=60,
+        batch_size=BATCH_SIZE,
         idle_exit=IDLE_EXIT,
-        poll_interval=0.05,
+        poll_interval=1.0,  # ready steps wake it by NOTIFY; the poll is the fallback
     )
     with Peak(URL, DB_NAME) as peak:
         summary = run_orchestrator(config, handle_signals=False)
+    logging.getLogger("bench").info("summary %s", summary)
     assert summary["errors"] == 0 and summary["awaited"] == (n if asynchronous else 0), summary
     with connection.cursor() as cursor:
         cursor.execute(
@@ -107,13 +110,14 @@ def ours(n: int, in_flight: int, asynchronous: bool) -> tuple[float, int]:
 
 
 def main() -> None:
-    global STEP_SECONDS
+    global STEP_SECONDS, BATCH_SIZE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in-flight", default="64,256,1000")
     parser.add_argument("--step-seconds", type=float, default=0.5)
     parser.add_argument("--per-slot", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=None)
     args = parser.parse_args()
-    STEP_SECONDS = args.step_seconds
+    STEP_SECONDS, BATCH_SIZE = args.step_seconds, args.batch_size
     logging.getLogger("buzz_delivery.workflows").setLevel(logging.WARNING)
     ensure_database(URL)
     call_command("migrate", verbosity=0)
