@@ -4,8 +4,9 @@ Claims ready steps of one community (``--community``) or of all (``--all``), run
 lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Logs the
 function names it knows at start. Prints one JSON summary line at exit: ``{"claimed",
 "succeeded","failed","retried","waiting","lease_lost","already_terminal","renewed","errors",
-"abandoned","not_registered","reason","exit_code"}`` (``not_registered``: ``{function name:
-steps}`` that named a function this worker does not have). Exit codes: 0 clean
+"abandoned","awaited","not_registered","reason","exit_code"}`` (``not_registered``: ``{function
+name: steps}`` that named a function this worker does not have; ``awaited``: ``async def``
+function steps awaited on the event loop, ``--async-concurrency`` at once). Exit codes: 0 clean
 stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace.
 """
 
