@@ -200,6 +200,27 @@ def test_an_async_step_s_outcomes_are_a_plain_step_s_and_a_plain_step_runs_besid
     assert (rows["ordinary"].next_attempt_at - now).total_seconds() < 3000
 
 
+def test_plain_steps_proceed_while_the_loop_is_full_and_steps_waiting_for_it_are_handed_back_not_lost(community):
+    workflow = WorkflowFactory(community=community)
+    slow = {"steps": [function_step("a", "asteps.wait", input={"sleep": 2})]}
+    plain = {"steps": [function_step("a", "asteps.sync", input={"i": 1})]}
+    runs = [start(workflow, slow if i % 2 else plain) for i in range(16)]  # 8 of each, interleaved
+    config = OrchestratorConfig(
+        community_id=community.id, concurrency=2, async_concurrency=4, idle_exit=0.5, poll_interval=0.5
+    )
+    summary = run_orchestrator(config, handle_signals=False)
+    assert (summary["exit_code"], summary["errors"], summary["succeeded"]) == (0, 0, 16), summary
+    assert summary["awaited"] == 8 and summary["handed_back"] >= 1  # queued for the full loop past a poll
+    steps = Step.objects.filter(community_id=community.id, run_id__in=[r.pk for r in runs])
+    assert set(steps.values_list("state", "attempts")) == {("succeeded", 1)}  # a hand-back gives the attempt back
+    ended = {s.run_id: s.finished_at for s in steps}
+    plain_done = max(ended[r.pk] for i, r in enumerate(runs) if not i % 2)
+    async_done = sorted(ended[r.pk] for i, r in enumerate(runs) if i % 2)
+    # Four at a time on the loop: two rounds of 2 s; the plain steps did not wait for them.
+    assert (async_done[-1] - async_done[0]).total_seconds() >= 1.5
+    assert (async_done[-1] - plain_done).total_seconds() >= 1.5
+
+
 def test_a_claim_is_sized_for_both_the_step_threads_and_the_loop():
     # Only plain steps lately: the step threads' room, as without async functions.
     assert mixed_room(threads=4, tasks=1000, share=0.0, batch=32) == 4
