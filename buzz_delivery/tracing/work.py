@@ -60,7 +60,7 @@ def _run_trace(step: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _step_span(claim: Any) -> Iterator[None]:
+def _step_span(claim: Any, parent: Any = None, loaded: bool = False) -> Iterator[None]:
     step = claim.step
     attributes = {
         "buzz.community_id": str(step.community_id),
@@ -69,7 +69,7 @@ def _step_span(claim: Any) -> Iterator[None]:
         "buzz.step_kind": step.kind,
         "buzz.attempt": int(claim.lease.attempts),
     }
-    with tracing.span("buzz.workflow.step", attributes, parent=_run_trace(step)):
+    with tracing.span("buzz.workflow.step", attributes, parent=parent if loaded else _run_trace(step)):
         yield
 
 
@@ -78,6 +78,20 @@ def step_span(claim: Any) -> Any:
     if tracing.tracer() is None:
         return tracing._NULL
     return _step_span(claim)
+
+
+def step_trace_parent(claim: Any) -> Any:
+    """The stored trace context a step's span is a child of (one read, when tracing is on; else
+    None): read off the event loop, for :func:`loop_step_span`."""
+    return None if tracing.tracer() is None else _run_trace(claim.step)
+
+
+def loop_step_span(claim: Any, parent: Any) -> Any:
+    """:func:`step_span` with its parent read beforehand (:func:`step_trace_parent`): no
+    database on the event loop that awaits an ``async def`` step."""
+    if tracing.tracer() is None:
+        return tracing._NULL
+    return _step_span(claim, parent, loaded=True)
 
 
 def _delivery_trace(lease: Any) -> Any:

@@ -17,6 +17,10 @@ nothing about one step keeps the others of its batch from completing, and so is 
 run another transaction held locked (the batch never waits for a run lock); a single completion that
 raises is handed to ``done`` with ``None`` (counted as an error; its lease lapses and the
 maintenance reclaims the step). The thread uses its own Django connection.
+
+It also records the failures of the ``async def`` steps the orchestrator awaits on its event
+loop (:meth:`Completer.put_failure`), which holds no connection: one ``fail_step`` each, as a
+step thread records a plain step's failure, handed to ``done`` the same way.
 """
 
 from __future__ import annotations
@@ -31,20 +35,21 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connection
 
 from buzz_delivery.worker.settler import next_batch
+from buzz_delivery.workflows.executor import Failure, record_failure
 from buzz_delivery.workflows.services import complete_and_claim_steps, complete_step
 from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
 
 logger = logging.getLogger("buzz_delivery.workflows")
 
 Done = Callable[[StepClaim, StepOutcome | None], None]
-Room = Callable[[int], int]
+Room = Callable[[list[StepClaim]], int]
 Accept = Callable[[list[StepClaim]], None]
 
 
 class Completer(threading.Thread):
     """Completes queued (claim, output) pairs in batches of at most ``max_batch`` (1..1000),
     calling ``done(claim, outcome)`` for each (``None``: the completion raised), and claims in
-    the same transaction up to ``room(n)`` ready steps (``n``: the completions of the batch),
+    the same transaction up to ``room(claims)`` ready steps (``claims``: those the batch completes),
     handed to ``accept`` before the batch's ``done`` calls; ``room`` returning 0 claims
     nothing; ``after()`` is called once each batch is through.
     ``lease_seconds`` and ``holder``: those of the claims. Stops after :meth:`close`, once
@@ -71,12 +76,17 @@ class Completer(threading.Thread):
         self._after = after
         self.lease_seconds = lease_seconds
         self.holder = holder
-        self._queue: queue.SimpleQueue[tuple[StepClaim, Any] | None] = queue.SimpleQueue()
+        # (claim, output, None) to complete, or (claim, None, failure) to fail.
+        self._queue: queue.SimpleQueue[tuple[StepClaim, Any, Failure | None] | None] = queue.SimpleQueue()
         self.statements = 0
 
     def put(self, claim: StepClaim, output: Any) -> None:
         """Queue one output to record (thread-safe, never blocks)."""
-        self._queue.put((claim, output))
+        self._queue.put((claim, output, None))
+
+    def put_failure(self, claim: StepClaim, failure: Failure) -> None:
+        """Queue one failure to record (thread-safe, never blocks)."""
+        self._queue.put((claim, None, failure))
 
     def close(self) -> None:
         """Complete what is queued, then stop."""
@@ -88,8 +98,14 @@ class Completer(threading.Thread):
             while not closing:
                 batch, closing = next_batch(self._queue, self.max_batch, self.linger)
                 by_community: dict[uuid.UUID, list[tuple[StepClaim, Any]]] = {}
-                for claim, output in batch:
-                    by_community.setdefault(claim.lease.community_id, []).append((claim, output))
+                failures: list[tuple[StepClaim, Failure]] = []
+                for claim, output, failure in batch:
+                    if failure is not None:
+                        failures.append((claim, failure))
+                    else:
+                        by_community.setdefault(claim.lease.community_id, []).append((claim, output))
+                for claim, failure in failures:
+                    self._done(claim, self._fail(claim, failure))
                 for community, items in by_community.items():
                     try:
                         self._complete(community, items)
@@ -105,7 +121,7 @@ class Completer(threading.Thread):
             batch = complete_and_claim_steps(
                 community,
                 [(claim.lease, output) for claim, output in items],
-                claim_limit=self._room(len(items)),
+                claim_limit=self._room([claim for claim, _ in items]),
                 lease_seconds=self.lease_seconds,
                 holder=self.holder,
             )
@@ -130,6 +146,14 @@ class Completer(threading.Thread):
             return complete_step(claim.lease, output)
         except Exception as exc:
             logger.exception("complete_error step=%s run=%s", claim.step.key, claim.lease.run_id)
+            self._reset_connection(exc)
+            return None
+
+    def _fail(self, claim: StepClaim, failure: Failure) -> StepOutcome | None:
+        try:
+            return record_failure(claim, failure)
+        except Exception as exc:
+            logger.exception("fail_error step=%s run=%s", claim.step.key, claim.lease.run_id)
             self._reset_connection(exc)
             return None
 

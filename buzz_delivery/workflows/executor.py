@@ -129,7 +129,9 @@ def _execute(claim: StepClaim, defer_output: bool) -> StepOutcome | Output:
 def run_function(claim: StepClaim) -> StepOutcome | Output:
     """Call a ``function`` step's registered callable. Returns its :class:`Output`, or the
     outcome of the failure recorded (missing function, an exception: retried unless
-    :class:`PermanentStepFailure`)."""
+    :class:`PermanentStepFailure`). An ``async def`` callable is awaited on this thread
+    (``asyncio.run``); the orchestrator awaits those on its event loop instead
+    (:func:`prepare_call`, :func:`await_call`)."""
     name = claim.spec["function"]
     fn = get_function(name)
     if fn is None:
@@ -143,27 +145,97 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
     arguments = step_input(claim)
     # The user's code: the login's role (SPEC 13); what it leaves on the connection is cleaned.
     call = UserCode(claim.lease.community_id)
-    failure: tuple[str, str, bool] | None = None  # (code, message, retryable)
-    retry_after: float | None = None  # what the function's exception asked for (buzz_delivery.backoff)
+    failure: Failure | None = None
     try:
         with call:
             output = fn(arguments, context)
             if inspect.isawaitable(output):  # an ``async def`` function: awaited on this step thread
                 output = asyncio.run(_awaited(output))
-    except PermanentStepFailure as exc:
-        failure = (_failure_code(exc.failure_code), _message(describe(exc)), False)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this step's, never the worker's
-        code = "function_error" if isinstance(exc, Exception) else "function_aborted"
-        logger.info("step %s of run %s raised %s", claim.step.key, claim.lease.run_id, type(exc).__name__)
-        failure = (code, _message(f"{type(exc).__name__}: {describe(exc)}"), code == "function_error")
-        retry_after = backoff.of(exc)
+        failure = failure_of(claim, exc)
     if call.left_open is not None:
         message = f"the step's code left its database connection with {call.left_open}; nothing it wrote there is kept"
         return steps.fail_step(claim.lease, TRANSACTION_LEFT_OPEN, failure_message=message, retryable=False)
     if failure is not None:
-        code, message, retryable = failure
-        return steps.fail_step(claim.lease, code, failure_message=message, retryable=retryable, retry_after=retry_after)
+        return record_failure(claim, failure)
     return Output(output)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a ``function`` step raised, as its failure: code, message, whether it is retried,
+    and the ``retry_after`` its exception asked for (:mod:`buzz_delivery.backoff`)."""
+
+    code: str
+    message: str
+    retryable: bool
+    retry_after: float | None = None
+
+
+def failure_of(claim: StepClaim, exc: BaseException) -> Failure:
+    """The failure of a step whose code raised ``exc``: :class:`PermanentStepFailure` -> its
+    code, not retried; an ``Exception`` -> ``function_error``, retried; any other
+    ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``, ``CancelledError``) ->
+    ``function_aborted``, not retried."""
+    if isinstance(exc, PermanentStepFailure):
+        return Failure(_failure_code(exc.failure_code), _message(describe(exc)), False)
+    code = "function_error" if isinstance(exc, Exception) else "function_aborted"
+    logger.info("step %s of run %s raised %s", claim.step.key, claim.lease.run_id, type(exc).__name__)
+    message = _message(f"{type(exc).__name__}: {describe(exc)}")
+    return Failure(code, message, code == "function_error", backoff.of(exc))
+
+
+def record_failure(claim: StepClaim, failure: Failure) -> StepOutcome:
+    """Record ``failure`` under the claim's lease (``fail_step``: retried with backoff while
+    attempts are left, unless not retryable)."""
+    return steps.fail_step(
+        claim.lease,
+        failure.code,
+        failure_message=failure.message,
+        retryable=failure.retryable,
+        retry_after=failure.retry_after,
+    )
+
+
+def is_async_function(fn: Any) -> bool:
+    """Whether a registered callable is an ``async def`` function (or has an async ``__call__``)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncCall:
+    """An ``async def`` function step made ready for the event loop: everything it needs from
+    the database (its resolved input, its span's parent) already read."""
+
+    fn: Any
+    arguments: dict[str, Any]
+    context: StepContext
+    trace_parent: Any
+
+
+@tenant_scoped
+def prepare_call(claim: StepClaim) -> AsyncCall | None:
+    """For a ``function`` step whose callable is ``async def``: its :class:`AsyncCall`, the
+    input resolved here (ORM reads: call this off the event loop). None for any other step
+    (a plain function, a missing one, another kind): those run on a step thread."""
+    if claim.step.kind != "function":
+        return None
+    fn = get_function(claim.spec["function"])
+    if fn is None or not is_async_function(fn):
+        return None
+    context = StepContext(claim.lease.community_id, claim.lease.run_id, claim.step.key, claim.lease.attempts)
+    return AsyncCall(fn, step_input(claim), context, tracing_work.step_trace_parent(claim))
+
+
+async def await_call(claim: StepClaim, call: AsyncCall) -> Output | Failure:
+    """Await a prepared ``async def`` step on the running event loop; returns its
+    :class:`Output` or its :class:`Failure` (recorded by the caller, off the loop). Never
+    raises for what the step's code raises (a ``CancelledError`` included)."""
+    try:
+        with tracing_work.loop_step_span(claim, call.trace_parent):
+            return Output(await call.fn(call.arguments, call.context))
+    except BaseException as exc:  # a CancelledError too: it ends this step only
+        return failure_of(claim, exc)
 
 
 async def _awaited(awaitable: Any) -> Any:

@@ -24,12 +24,24 @@ fails that step (:mod:`buzz_delivery.workflows.executor`); an error of the runti
 counted (``errors``) and that lease left to lapse; no step thread dies of either. Should a step
 thread or the completer die all the same, the orchestrator stops (exit 1) instead of claiming
 for threads that are gone.
+
+An ``async def`` function step runs on none of the step threads: one event-loop thread awaits
+such steps as tasks, up to ``async_concurrency`` at once, none holding a database connection.
+Everything about them that touches the database happens on the threads above: the thread that
+claimed a step resolves its input (:func:`~buzz_delivery.workflows.executor.prepare_call`)
+before handing it to the loop, the completer records what it returned or raised, the renewer
+renews its lease while it runs. A claim is sized for the free step threads and the free loop
+places together (:func:`mixed_room`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import json
 import logging
+import math
 import queue
 import signal
 import threading
@@ -48,7 +60,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
-from buzz_delivery.workflows.registry import missing_counts
+from buzz_delivery.workflows.registry import get_function, missing_counts, registered_names
 from buzz_delivery.workflows.services import (
     claim_steps,
     communities_with_due_waits,
@@ -70,6 +82,13 @@ COMPLETE_LINGER = 0.002
 # step's timeout counts from its claim, queue time included).
 CLAIM_AHEAD_LEASE_FRACTION = 0.1
 CLAIM_AHEAD_MAX_SECONDS = 1.0
+
+# ``async def`` function steps in flight at once on the event loop (unless --async-concurrency
+# says otherwise), and the most it may be told.
+DEFAULT_ASYNC_CONCURRENCY = 1000
+MAX_ASYNC_CONCURRENCY = 10_000
+# Weight of the newest claim in the moving share of ``async def`` function steps among claims.
+ASYNC_SHARE_WEIGHT = 0.05
 
 # Seconds an orchestrator whose claims keep coming back empty gathers wakes before claiming
 # again (doubling per miss, at most MISS_GATHER_MAX).
@@ -94,6 +113,7 @@ SUMMARY_KEYS = (
     "errors",
     "handed_back",
     "abandoned",
+    "awaited",
 )
 
 
@@ -101,8 +121,10 @@ SUMMARY_KEYS = (
 class OrchestratorConfig:
     """``community_id``: one community, or None for all. Times in seconds. ``concurrency``:
     step threads. ``batch_size``: most claims per statement and most completions per statement
-    (1..1000; None = the larger of ``concurrency`` and :data:`DEFAULT_BATCH_SIZE`). ``name``:
-    the name in the holder identity ``host:pid:name`` its step claims record (``claimed_by``)."""
+    (1..1000; None = the larger of ``concurrency`` and :data:`DEFAULT_BATCH_SIZE`).
+    ``async_concurrency``: ``async def`` function steps awaited at once as tasks on the one
+    event-loop thread (1..10,000), which hold no database connection. ``name``: the name in the
+    holder identity ``host:pid:name`` its step claims record (``claimed_by``)."""
 
     community_id: uuid.UUID | None
     concurrency: int = 4
@@ -113,6 +135,10 @@ class OrchestratorConfig:
     max_steps: int | None = None
     shutdown_grace: float = 30.0
     name: str = "orchestrator"
+    async_concurrency: int = DEFAULT_ASYNC_CONCURRENCY
+
+    def __post_init__(self) -> None:
+        v.int_in_range(self.async_concurrency, "async_concurrency", 1, MAX_ASYNC_CONCURRENCY)
 
 
 def _listener(
@@ -181,6 +207,19 @@ class Orchestrator:
             lease_seconds=config.lease_seconds,
             holder=self.holder,
         )
+        # ``async def`` function steps are awaited as tasks on one event-loop thread (no database
+        # connection of their own), up to ``async_concurrency`` at once: the keys of the claims
+        # routed there, how many are in flight and awaiting the completer, and the moving share
+        # of such steps among the claims (how the dispatcher sizes a claim for both sides).
+        self.on_loop: set[tuple[uuid.UUID, int]] = set()
+        self.loop_in_flight = 0
+        self.loop_awaiting = 0
+        self.has_async = _any_async_function()
+        self.async_share = 0.5
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_ready = threading.Event()
+        self.loop_thread: threading.Thread | None = None
+        self.loop_closing = False
         self.signal_name: str | None = None
         self.renew_done = threading.Event()
         self.next_due_check = 0.0  # when the dispatcher next ends the due sleeps and waits
@@ -207,15 +246,16 @@ class Orchestrator:
         finally:
             connection.close()
 
-    def _take(self, claim: StepClaim) -> bool:
-        """A step thread takes ``claim`` from the queue: held (renewed) from now on. False when
-        the dispatcher handed it back meanwhile."""
+    def _take(self, claim: StepClaim, *, thread: bool = True) -> bool:
+        """A step thread (or the event loop, ``thread=False``) takes ``claim`` from the queue:
+        held (renewed) from now on. False when the dispatcher handed it back meanwhile."""
         key = _key(claim.lease)
         with self.lock:
             if self.queued.pop(key, None) is None:
                 return False
             self.held[key] = claim.lease
-            self.running[key] = time.monotonic()
+            if thread:
+                self.running[key] = time.monotonic()
         return True
 
     def _run_step(self, claim: StepClaim) -> None:
@@ -250,9 +290,13 @@ class Orchestrator:
     def _ended(self, claim: StepClaim) -> None:
         # Wake the dispatcher only when it waits for room: ready steps wake it by NOTIFY, and
         # the completer claims what its completions released.
+        key = _key(claim.lease)
         with self.lock:
-            self.held.pop(_key(claim.lease), None)
+            self.held.pop(key, None)
             self.in_flight -= 1
+            if key in self.on_loop:
+                self.on_loop.discard(key)
+                self.loop_in_flight -= 1
             starved, self.starved = self.starved, False
         if starved:
             self.wake.set()
@@ -265,6 +309,8 @@ class Orchestrator:
             self._count(outcome)
         with self.lock:
             self.awaiting -= 1
+            if _key(claim.lease) in self.on_loop:
+                self.loop_awaiting -= 1
         self._ended(claim)
 
     def _count(self, outcome: object) -> None:
@@ -281,6 +327,95 @@ class Orchestrator:
             self.add("already_terminal")
         elif isinstance(outcome, LeaseLost):
             self.add("lease_lost")
+
+    # --- the event loop of ``async def`` function steps ------------------------------------
+
+    def _loop_thread(self) -> None:
+        """One thread runs an asyncio loop on which each ``async def`` function step is a task
+        (up to ``async_concurrency`` at once, the rest waiting their turn in claim order); claims
+        reach it from the thread that claimed them (:meth:`_enqueue`), their input already
+        resolved. Nothing on the loop touches the database: what a task returns or raises goes
+        to the completer. It ends once told to stop and every task is done."""
+        try:
+            asyncio.run(self._event_loop())
+        except BaseException:
+            logger.exception("loop_error: the event loop of async steps stopped")
+        finally:
+            connections.close_all()
+
+    async def _event_loop(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: collections.deque[tuple[StepClaim, executor.AsyncCall]] = collections.deque()
+        self._closing = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self.loop_ready.set()
+        await self._closing.wait()
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def _spawn(self, claim: StepClaim | None, call: executor.AsyncCall | None) -> None:
+        """On the loop: queue one claim for a task (None: stop once the tasks are done)."""
+        if claim is None or call is None:
+            self._closing.set()
+            return
+        self._pending.append((claim, call))
+        self._start_pending()
+
+    def _start_pending(self) -> None:
+        while self._pending and len(self._tasks) < self.config.async_concurrency:
+            claim, call = self._pending.popleft()
+            if not self._take(claim, thread=False):
+                continue  # handed back while it waited
+            task = asyncio.ensure_future(self._await_step(claim, call))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._start_pending()
+
+    async def _await_step(self, claim: StepClaim, call: executor.AsyncCall) -> None:
+        self.add("awaited")
+        try:
+            result = await executor.await_call(claim, call)  # what the step's code raises stays there
+        except BaseException:  # never expected: not a reason to lose the loop
+            logger.exception("step_error step=%s run=%s", claim.step.key, claim.lease.run_id)
+            self.add("errors")
+            self._ended(claim)
+            return
+        with self.lock:
+            self.awaiting += 1
+            self.loop_awaiting += 1
+        if isinstance(result, executor.Output):
+            self.completer.put(claim, result.value)
+        else:
+            self.completer.put_failure(claim, result)
+
+    def _prepare(self, claim: StepClaim) -> executor.AsyncCall | None:
+        """An ``async def`` function step made ready for the loop (its input read here, on the
+        thread that claimed it), or None: a step thread runs it (any other step; or one whose
+        input could not be read now, which the step thread reads again)."""
+        if self.loop is None or claim.step.kind != "function":
+            return None
+        try:
+            return executor.prepare_call(claim)
+        except Exception as exc:
+            logger.warning("prepare_error step=%s run=%s error=%s", claim.step.key, claim.lease.run_id, exc)
+            if isinstance(exc, DatabaseError):
+                close_old_connections()
+                if connection.connection is not None and not connection.is_usable():
+                    connection.close()
+            return None
+
+    def _to_loop(self, claim: StepClaim, call: executor.AsyncCall) -> bool:
+        loop = self.loop
+        if loop is None or self.loop_closing:
+            return False
+        try:
+            loop.call_soon_threadsafe(self._spawn, claim, call)
+        except RuntimeError:  # the loop is gone (its thread died): a step thread runs it
+            return False
+        return True
 
     def _renew_thread(self) -> None:
         every = self.config.lease_seconds / 3
@@ -313,13 +448,15 @@ class Orchestrator:
 
     # --- dispatcher ---------------------------------------------------------------------
 
-    def _room(self, freed: int = 0) -> int:
+    def _room(self, freed: int = 0, freed_loop: int = 0) -> int:
         """How many steps to claim now: idle step threads, plus up to ``batch_size`` to queue
         while the recent step run time says a queued step starts within a tenth of the lease (and
         within a second);
         results waiting for the completer hold no thread, but at most two batches of them
         count as free (a stalled completer slows the claims down). ``freed``: that many of the
-        awaiting results are being completed and count as gone."""
+        awaiting results are being completed and count as gone (``freed_loop``: of the loop's).
+        With ``async def`` functions registered, the free places of the event loop count too,
+        sized by :func:`mixed_room` (a claim cannot choose the kind of the steps it takes)."""
         c = self.config
         budget = min(c.lease_seconds * CLAIM_AHEAD_LEASE_FRACTION, CLAIM_AHEAD_MAX_SECONDS, c.poll_interval)
         now = time.monotonic()
@@ -329,16 +466,25 @@ class Orchestrator:
                 # Threads on a step longer than the budget start nothing queued within it.
                 working = c.concurrency - sum(1 for since in self.running.values() if now - since > budget)
                 ahead = min(self.batch_size, int(budget / max(self.step_seconds, 1e-4) * max(working, 0)))
-            awaiting = self.awaiting - freed
-            occupied = self.in_flight - freed - min(awaiting, 2 * self.batch_size)
-            return max(0, min(self.batch_size, c.concurrency + ahead - occupied))
+            awaiting = self.awaiting - self.loop_awaiting - freed
+            occupied = self.in_flight - self.loop_in_flight - freed - min(awaiting, 2 * self.batch_size)
+            threads = c.concurrency + ahead - occupied
+            if not self.has_async:
+                return max(0, min(self.batch_size, threads))
+            awaiting_loop = self.loop_awaiting - freed_loop
+            occupied_loop = self.loop_in_flight - freed_loop - min(awaiting_loop, 2 * self.batch_size)
+            tasks = c.async_concurrency - occupied_loop
+            share = self.async_share
+        return mixed_room(threads, tasks, share, self.batch_size)
 
-    def _chain_room(self, completing: int) -> int:
+    def _chain_room(self, completing: list[StepClaim]) -> int:
         """The completer's ``room``: nothing once stopping or under ``max_steps`` (the
         dispatcher counts those claims), else :meth:`_room` with the batch's places freed."""
         if self.stop.is_set() or self.signal_name or self.config.max_steps is not None:
             return 0
-        return self._room(freed=completing)
+        with self.lock:
+            on_loop = sum(1 for claim in completing if _key(claim.lease) in self.on_loop)
+        return self._room(freed=len(completing) - on_loop, freed_loop=on_loop)
 
     def _after_batch(self) -> None:
         """The completer's ``after``: a claim the dispatcher left to the batch is its again."""
@@ -355,11 +501,26 @@ class Orchestrator:
         self.add("chained", len(claims))
 
     def _enqueue(self, claims: list[StepClaim]) -> None:
-        now = time.monotonic()
+        """Queue claims for the step threads, or, an ``async def`` function step, for the
+        event loop (its input resolved here first: :meth:`_prepare`)."""
         for claim in claims:
+            key = _key(claim.lease)
+            call = self._prepare(claim)
             with self.lock:
-                self.queued[_key(claim.lease)] = (claim, now)
+                self.queued[key] = (claim, time.monotonic())
                 self.in_flight += 1
+                if call is not None:
+                    self.has_async = True
+                    self.on_loop.add(key)
+                    self.loop_in_flight += 1
+                if self.has_async:
+                    self.async_share += ASYNC_SHARE_WEIGHT * ((call is not None) - self.async_share)
+            if call is not None and self._to_loop(claim, call):
+                continue
+            if call is not None:
+                with self.lock:
+                    self.on_loop.discard(key)
+                    self.loop_in_flight -= 1
             self.work.put(claim)
 
     def _hand_back(self, waited: float) -> None:
@@ -372,7 +533,11 @@ class Orchestrator:
         with self.lock:
             stale = [claim for claim, at in self.queued.values() if now - at >= waited]
             for claim in stale:
-                del self.queued[_key(claim.lease)]
+                key = _key(claim.lease)
+                del self.queued[key]
+                if key in self.on_loop:
+                    self.on_loop.discard(key)
+                    self.loop_in_flight -= 1
             self.in_flight -= len(stale)
         if not stale:
             return
@@ -396,6 +561,8 @@ class Orchestrator:
             return "step_thread_died"
         if self.completer.ident is not None and not self.completer.is_alive():
             return "completer_died"
+        if self.loop_thread is not None and not self.loop_thread.is_alive() and not self.loop_closing:
+            return "loop_thread_died"
         return None
 
     def _claim(self, room: int) -> list[StepClaim]:
@@ -512,10 +679,13 @@ class Orchestrator:
         ]
         renewer = threading.Thread(target=self._renew_thread, name="buzz-workflows-renewer", daemon=True)
         listener = _listener(conn_params, c.community_id, self.wake, self.stop, c.poll_interval)
-        for t in (*threads, self.completer, renewer, listener):
+        self.loop_thread = threading.Thread(target=self._loop_thread, name="buzz-workflows-loop", daemon=True)
+        for t in (*threads, self.completer, renewer, listener, self.loop_thread):
             t.start()
         reason = "error"
         try:
+            if not self.loop_ready.wait(30):
+                raise RuntimeError("the event loop of async steps did not start")
             reason = self.dispatch()
         finally:
             self.stop.set()
@@ -533,7 +703,12 @@ class Orchestrator:
             self._hand_back(0.0)  # what no thread took is another orchestrator's to run
             for _ in threads:
                 self.work.put(None)
-            for t in threads:
+            loop, self.loop_closing = self.loop, True
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone already
+                    loop.call_soon_threadsafe(self._spawn, None, None)
+            for t in (*threads, self.loop_thread):
+                assert t is not None
                 t.join(max(0.0, deadline - time.monotonic()))
             self.completer.close()
             self.completer.join(max(0.0, deadline - time.monotonic()))
@@ -555,6 +730,32 @@ class Orchestrator:
 
 def _key(lease: StepLease) -> tuple[uuid.UUID, int]:
     return (lease.step_id, lease.lease_generation)
+
+
+def _any_async_function() -> bool:
+    """Whether a function registered in this process (decorated, or named in the settings) is
+    ``async def``: only then does the dispatcher claim for the event loop too."""
+    return any(executor.is_async_function(fn) for name in registered_names() if (fn := get_function(name)))
+
+
+def mixed_room(threads: int, tasks: int, share: float, batch: int) -> int:
+    """How many steps to claim (0..``batch``) when ``threads`` step-thread places and ``tasks``
+    event-loop places are free (either may be negative: claims waiting beyond it) and about
+    ``share`` of the claimed steps are ``async def`` function steps (the rest go to threads). A
+    claim cannot choose its steps' kind, so the claim is sized for the expected mix: neither
+    side is expected beyond its room, except that while one side has room the other may take up
+    to a batch (scaled by its share) beyond its own, so that steps of the free side queued
+    behind the busy side's are reached; what no thread takes within the poll interval is
+    handed back."""
+    sync_allow = threads + (batch * share if tasks > 0 else 0.0)
+    async_allow = tasks + (batch * (1.0 - share) if threads > 0 else 0.0)
+    limits = [math.inf]
+    if share < 1.0:
+        limits.append(sync_allow / (1.0 - share))
+    if share > 0.0:
+        limits.append(async_allow / share)
+    n = min(limits)
+    return 0 if n <= 0 else int(min(batch, n))
 
 
 def run_orchestrator(

@@ -4,8 +4,9 @@ Claims ready steps of one community (``--community``) or of all (``--all``), run
 lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Logs the
 function names it knows at start. Prints one JSON summary line at exit: ``{"claimed",
 "succeeded","failed","retried","waiting","lease_lost","already_terminal","renewed","errors",
-"abandoned","not_registered","reason","exit_code"}`` (``not_registered``: ``{function name:
-steps}`` that named a function this worker does not have). Exit codes: 0 clean
+"abandoned","awaited","not_registered","reason","exit_code"}`` (``not_registered``: ``{function
+name: steps}`` that named a function this worker does not have; ``awaited``: ``async def``
+function steps awaited on the event loop, ``--async-concurrency`` at once). Exit codes: 0 clean
 stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace.
 """
 
@@ -24,8 +25,10 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.orchestrator import (
+    DEFAULT_ASYNC_CONCURRENCY,
     DEFAULT_BATCH_SIZE,
     EXIT_OK,
+    MAX_ASYNC_CONCURRENCY,
     OrchestratorConfig,
     run_orchestrator,
     summary_line,
@@ -41,6 +44,15 @@ class Command(StrictOptionsCommand):
         scope.add_argument("--community", type=uuid_value, help="Run the steps of this community only.")
         scope.add_argument("--all", action="store_true", help="Run the steps of every community.")
         parser.add_argument("--concurrency", type=int_in(1, 256), default=4, help="Step threads (default 4).")
+        parser.add_argument(
+            "--async-concurrency",
+            type=int_in(1, MAX_ASYNC_CONCURRENCY),
+            default=DEFAULT_ASYNC_CONCURRENCY,
+            help=(
+                "async def function steps awaited at once on the event loop, with no database connection each "
+                f"(default {DEFAULT_ASYNC_CONCURRENCY})."
+            ),
+        )
         parser.add_argument(
             "--batch-size",
             type=int_in(1, 1000),
@@ -82,6 +94,7 @@ class Command(StrictOptionsCommand):
         config = OrchestratorConfig(
             community_id=options["community"],
             concurrency=options["concurrency"],
+            async_concurrency=options["async_concurrency"],
             batch_size=options["batch_size"],
             lease_seconds=lease,
             poll_interval=options["poll_interval"],
