@@ -115,3 +115,23 @@ def test_the_event_loop_agent_worker_counts_a_handler_that_blocks_its_loop(commu
     assert AgentRun.objects.get(id=run_id).state == "completed"
     blocked = [r.getMessage() for r in caplog.records if "event_loop_blocked" in r.getMessage()]
     assert len(blocked) == 1 and "blocks_the_loop" in blocked[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_orchestrator_counts_an_async_step_that_blocks_its_loop(community, caplog):
+    from buzz_delivery.testing import WorkflowFactory
+    from buzz_delivery.workflows.models import Step
+    from buzz_delivery.workflows.orchestrator import OrchestratorConfig, run_orchestrator
+    from buzz_delivery.workflows.testing import function_step
+    from tests import wf_async_steps  # noqa: F401  (registers asteps.blocks)
+    from tests.wf_support import start
+
+    workflow = WorkflowFactory(community=community)
+    run = start(workflow, {"steps": [function_step("b", "asteps.blocks")]})
+    config = OrchestratorConfig(community_id=community.id, concurrency=1, idle_exit=0.5, poll_interval=0.1)
+    with caplog.at_level(logging.WARNING, logger="buzz_delivery.workflows"):
+        summary = run_orchestrator(config, handle_signals=False)
+    assert (summary["awaited"], summary["loop_stalls"]) == (1, 1), summary
+    assert Step.objects.get(run_id=run.pk, key="b").state == "succeeded"
+    blocked = [r.getMessage() for r in caplog.records if "event_loop_blocked" in r.getMessage()]
+    assert len(blocked) == 1 and "time.sleep(1.5)" in blocked[0]

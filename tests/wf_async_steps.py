@@ -53,3 +53,10 @@ def plain(input: dict, context: Any) -> dict:
     """A plain step beside the async ones (on a step thread)."""
     time.sleep(float(input.get("sleep", 0)))
     return {"plain": True, "i": input.get("i")}
+
+
+@workflow_function("asteps.blocks")
+async def blocks(input: dict, context: Any) -> dict:
+    """Calls blocking code without await (tests/test_loopwatch.py): the loop's watchdog names it."""
+    time.sleep(1.5)
+    return {"blocked": True}

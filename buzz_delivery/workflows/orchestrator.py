@@ -55,6 +55,7 @@ from django.db import DatabaseError, close_old_connections, connection, connecti
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.listening import Listener
+from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
 from buzz_delivery.workflows import executor
@@ -114,6 +115,7 @@ SUMMARY_KEYS = (
     "handed_back",
     "abandoned",
     "awaited",
+    "loop_stalls",  # an async step blocked the loop (buzz_delivery.loopwatch)
 )
 
 
@@ -348,10 +350,17 @@ class Orchestrator:
         self._pending: collections.deque[tuple[StepClaim, executor.AsyncCall]] = collections.deque()
         self._closing = asyncio.Event()
         self.loop = asyncio.get_running_loop()
+        watch = LoopWatch(
+            self.loop, name="buzz-workflows-steps", logger=logger, on_stall=lambda _: self.add("loop_stalls")
+        )
+        watch.start_here()
         self.loop_ready.set()
-        await self._closing.wait()
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+        try:
+            await self._closing.wait()
+            while self._tasks:
+                await asyncio.wait(set(self._tasks))
+        finally:
+            watch.stop()
 
     def _spawn(self, claim: StepClaim | None, call: executor.AsyncCall | None) -> None:
         """On the loop: queue one claim for a task (None: stop once the tasks are done)."""
