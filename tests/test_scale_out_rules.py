@@ -279,9 +279,7 @@ def rule3_violations(sql: str) -> list[str]:
 
 SUBLINK = re.compile(r"\b(?:EXISTS|IN)\s*\(\s*SELECT\b", re.IGNORECASE)
 _KEYWORDS = "JOIN|ON|WHERE|LEFT|RIGHT|INNER|CROSS|FULL|USING|GROUP|ORDER|LIMIT"
-INNER_ALIAS = re.compile(
-    rf"\b(?:FROM|JOIN)\s+([\w.{{}}]+)(?:\s+(?:AS\s+)?(?!(?:{_KEYWORDS})\b)(\w+))?", re.IGNORECASE
-)
+INNER_ALIAS = re.compile(rf"\b(?:FROM|JOIN)\s+([\w.{{}}]+)(?:\s+(?:AS\s+)?(?!(?:{_KEYWORDS})\b)(\w+))?", re.IGNORECASE)
 CORRELATED_COMMUNITY = re.compile(r"\b(\w+)\.community_id\s*=\s*(\w+)\.community_id\b", re.IGNORECASE)
 
 
