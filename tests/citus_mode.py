@@ -179,14 +179,6 @@ SKIPPED: dict[str, str] = {
     "tests/test_constraints.py::test_a_raw_update_moving_a_delivery_to_another_communitys_row_is_rejected": (
         _IGNORED_TRIGGERS
     ),
-    "tests/test_demo.py::test_demo_second_act_checks_each_layer_and_fails_when_the_database_disagrees": (
-        "NOT DONE on the cluster (issue 30): the demo's second act (workflow, agent and gateway workers "
-        "in processes, killed mid-lease) does not finish within its timeout there, its cause not yet "
-        "established (the wake-ups its triggers send on the shards, which the coordinator's listeners "
-        "do not hear, are one candidate); the Citus mode runs the first act (the inbox's workers, one "
-        "killed, the reaper, a fenced community) with its exactly-once checks, the rest of test_demo, "
-        "and each layer's own modules; the whole demo runs on PostgreSQL"
-    ),
     "tests/test_agents_compensation.py::test_a_compensation_runs_as_the_login_role_with_its_community_like_a_handler": (
         _NO_RLS
     ),

@@ -16,7 +16,6 @@ from buzz_delivery.workflows.models import Approval, Step
 from project.demo.models import DemoRun, StateChange, StatusChange, ToolEffect
 from project.demo.report import ReaperTally, RunFacts, WorkerOutcome, build_report
 from project.demo.system import build_system_checks, system_facts_from
-from tests.citus_support import CITUS_MODE
 
 DELIVERIES = 150
 
@@ -58,8 +57,6 @@ def demo_report(monkeypatch, tmp_path) -> tuple[dict, str]:
         lease_seconds=3.0,
         timeout=120.0,
         seed=7,
-        # On a Citus cluster the first act only: tests/citus_mode.py says why (SKIPPED).
-        no_system=CITUS_MODE,
         stdout=out,
     )
     run = DemoRun.objects.get()

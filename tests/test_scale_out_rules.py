@@ -277,10 +277,49 @@ def rule3_violations(sql: str) -> list[str]:
     return out
 
 
+SUBLINK = re.compile(r"\b(?:EXISTS|IN)\s*\(\s*SELECT\b", re.IGNORECASE)
+_KEYWORDS = "JOIN|ON|WHERE|LEFT|RIGHT|INNER|CROSS|FULL|USING|GROUP|ORDER|LIMIT"
+INNER_ALIAS = re.compile(rf"\b(?:FROM|JOIN)\s+([\w.{{}}]+)(?:\s+(?:AS\s+)?(?!(?:{_KEYWORDS})\b)(\w+))?", re.IGNORECASE)
+CORRELATED_COMMUNITY = re.compile(r"\b(\w+)\.community_id\s*=\s*(\w+)\.community_id\b", re.IGNORECASE)
+
+
+def _parenthesised(sql: str, start: int) -> str:
+    """The text inside the parenthesis that opens at ``sql[start]``."""
+    depth = 0
+    for i in range(start, len(sql)):
+        depth += {"(": 1, ")": -1}.get(sql[i], 0)
+        if depth == 0:
+            return sql[start + 1 : i]
+    return sql[start + 1 :]
+
+
+def rule5_violations(sql: str) -> list[str]:
+    """In a statement that names its community (``community_id = %(...)s``), a subquery (EXISTS,
+    IN) tied to the outer row by ``x.community_id = outer.community_id``: Citus prunes a
+    subquery's shards by its own conditions, so the statement goes to every shard (and a
+    transaction that also NOTIFYs on a shard cannot commit in two phases). Name the parameter."""
+    if not re.search(r"community_id\s*=\s*%\(", sql):
+        return []
+    out = []
+    for m in SUBLINK.finditer(sql):
+        body = _parenthesised(sql, sql.index("(", m.start()))
+        inner = set()
+        for table, alias in INNER_ALIAS.findall(body):
+            inner.add(table.rsplit(".", 1)[-1].lower())
+            if alias:
+                inner.add(alias.lower())
+        for a, b in CORRELATED_COMMUNITY.findall(body):
+            outer = [x for x in (a, b) if x.lower() not in inner]
+            if outer:
+                out.append(f"subquery ties community_id to the outer {outer[0]}: {' '.join(body.split())[:100]}")
+    return out
+
+
 RULES = {
     "rule 1 (community_id in the statement's own WHERE)": rule1_violations,
     "rule 2 (no now()/interval inside CASE or COALESCE)": rule2_violations,
     "rule 3 (no interval arithmetic on a column in SET or WHERE; no now() in RETURNING)": rule3_violations,
+    "rule 5 (a subquery names the community's parameter, not the outer row's column)": rule5_violations,
 }
 
 # --- the collector --------------------------------------------------------------------------
@@ -421,6 +460,14 @@ BAD = {
         f"{D} SET a = 1 WHERE d.community_id = %(c)s RETURNING d.id, clock_timestamp()",
         f"{D} SET a = 1 WHERE d.community_id = %(c)s AND d.claimed_at + make_interval(secs => d.s) < %(now)s",
     ],
+    rule5_violations: [
+        f"{D} SET a = 1 WHERE d.community_id = %(c)s AND EXISTS (SELECT 1 FROM buzz_agents_journal AS j"
+        " WHERE j.community_id = d.community_id AND j.run_id = d.id)",
+        f"{D} SET a = 1 WHERE d.community_id = %(c)s AND NOT EXISTS (SELECT 1 FROM e WHERE e.x = 1 AND"
+        " (e.community_id = d.community_id))",
+        f"{D} SET a = 1 WHERE d.community_id = %(c)s"
+        " AND d.id IN (SELECT r.id FROM r WHERE d.community_id = r.community_id)",
+    ],
 }
 GOOD = [
     f"{D} SET status = 'x' -- WHERE d.id = 1 OR now()\n WHERE d.community_id = %(c)s AND d.id = %(id)s",
@@ -437,6 +484,11 @@ GOOD = [
     " AND d.finished_at < %(now)s::timestamptz - make_interval(secs => %(s)s)"
     " AND buzz_delivery_plus_seconds(d.claimed_at, d.s) < buzz_delivery_now()",
     "SELECT 1 FROM t FOR UPDATE SKIP LOCKED",
+    f"{D} SET a = 1 WHERE d.community_id = %(c)s AND EXISTS (SELECT 1 FROM buzz_agents_journal AS j"
+    " WHERE j.community_id = %(c)s AND j.run_id = d.id)",
+    f"{D} SET a = 1 WHERE d.community_id = %(c)s AND EXISTS (SELECT 1 FROM r JOIN s ON s.community_id = r.community_id"
+    " WHERE r.community_id = %(c)s)",
+    "SELECT c.id FROM c WHERE EXISTS (SELECT 1 FROM r WHERE r.community_id = c.id)",
 ]
 
 

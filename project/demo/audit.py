@@ -106,7 +106,9 @@ def _state_name(run_id: uuid.UUID) -> str:
 
 def install_states(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> None:
     """A trigger on the engine's steps and approvals and on agent runs recording every change
-    of ``state`` of ``community_ids``' rows into :class:`~project.demo.models.StateChange`."""
+    of ``state`` of ``community_ids``' rows into :class:`~project.demo.models.StateChange`. The
+    table's name is the trigger's argument: on a Citus cluster the trigger fires on a shard,
+    whose ``TG_TABLE_NAME`` carries the shard's suffix."""
     ids = ",".join(str(uuid.UUID(str(c))) for c in community_ids)
     run = str(uuid.UUID(str(run_id)))
     name = _state_name(run_id)
@@ -120,7 +122,7 @@ def install_states(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> Non
                 IF NEW.community_id = ANY ('{{{ids}}}'::uuid[]) THEN
                     INSERT INTO buzz_demo_statechange (run_id, "table", row_id, community_id, old_state,
                         new_state, application_name, at)
-                    VALUES ('{run}', TG_TABLE_NAME, NEW.id, NEW.community_id, OLD.state, NEW.state,
+                    VALUES ('{run}', TG_ARGV[0], NEW.id, NEW.community_id, OLD.state, NEW.state,
                         left(current_setting('application_name'), 64), clock_timestamp());
                 END IF;
                 RETURN NULL;
@@ -131,7 +133,7 @@ def install_states(run_id: uuid.UUID, community_ids: Iterable[uuid.UUID]) -> Non
             cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {table}")
             cursor.execute(
                 f"CREATE TRIGGER {name} AFTER UPDATE ON {table} FOR EACH ROW "
-                f"WHEN (OLD.state IS DISTINCT FROM NEW.state) EXECUTE FUNCTION {name}()"
+                f"WHEN (OLD.state IS DISTINCT FROM NEW.state) EXECUTE FUNCTION {name}('{table}')"
             )
 
 

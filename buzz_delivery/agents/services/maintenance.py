@@ -31,6 +31,7 @@ from buzz_delivery.agents.services.sql import (
     COMMUNITY,
     NOTIFY_CLAIMABLE,
     OUTSTANDING,
+    OUTSTANDING_OF_ROW,
     RUN,
     TERMINAL,
     run_entry,
@@ -46,10 +47,12 @@ LAPSED = f"r.state IN ('running', 'waiting_tool') AND r.lease_until < {DB_NOW}"
 # Past timeout_at, unless the run is already unwinding with compensations left: it ends once
 # they are undone (a timeout would only fence its compensating holder). A run unwinding for an
 # expired approval (this very pass may have expired it) still times out, once, to end ``timeout``.
-OVERDUE = (
+_OVERDUE = (
     f"r.state NOT IN {TERMINAL} AND r.timeout_at < {DB_NOW}"
-    f" AND NOT (r.unwinding AND r.failure_code IS DISTINCT FROM 'approval_expired' AND {OUTSTANDING})"
+    " AND NOT (r.unwinding AND r.failure_code IS DISTINCT FROM 'approval_expired' AND {outstanding})"
 )
+OVERDUE = _OVERDUE.format(outstanding=OUTSTANDING)
+OVERDUE_OF_ROW = _OVERDUE.format(outstanding=OUTSTANDING_OF_ROW)  # the walk over communities
 # Exponential backoff of a reclaimed run: RETRY_DELAY_SECONDS * 2**attempts (the attempts
 # before this one), capped at RETRY_DELAY_MAX_SECONDS; the exponent is clamped first.
 # Equal jitter (issue 29, buzz_delivery.backoff): times a factor within [0.5, 1] drawn per run
@@ -64,7 +67,7 @@ CANDIDATE_COMMUNITIES = f"""
 SELECT c.id FROM {COMMUNITY} AS c
 WHERE c.deletion_state = 'active' AND (
     EXISTS (SELECT 1 FROM {RUN} AS r WHERE r.community_id = c.id AND {LAPSED})
-    OR EXISTS (SELECT 1 FROM {RUN} AS r WHERE r.community_id = c.id AND {OVERDUE})
+    OR EXISTS (SELECT 1 FROM {RUN} AS r WHERE r.community_id = c.id AND {OVERDUE_OF_ROW})
     OR EXISTS (SELECT 1 FROM {APPROVAL} AS a WHERE a.community_id = c.id AND {APPROVAL_OVER})
 )
 ORDER BY c.id

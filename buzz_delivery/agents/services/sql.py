@@ -225,13 +225,25 @@ RETURNING r.state
 
 # Outstanding compensations of the run: compensable entries not yet compensated, unless one
 # already failed (a failed compensation stops the chain).
-OUTSTANDING = f"""
-    EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = r.community_id AND j.run_id = r.id
-            AND (({COMPENSABLE}) OR ({PENDING_WITH_COMPENSATION}))
+# Named by the statement's own %(community_id)s, not by the run row's column: Citus prunes a
+# subquery's shards by its own conditions, so ``j.community_id = r.community_id`` sent the whole
+# UPDATE to every shard (with the community's EXISTS pulled to the coordinator first), and a
+# transaction that also NOTIFYs on a shard (a fan-in advancing a workflow) cannot commit in two
+# phases ("cannot PREPARE a transaction that has executed ... NOTIFY"). OUTSTANDING_OF_ROW is the
+# form for a walk over communities (no single community to name).
+_OUTSTANDING = """
+    EXISTS (SELECT 1 FROM {journal} AS j WHERE j.community_id = {community} AND j.run_id = r.id
+            AND (({compensable}) OR ({pending}))
             AND j.compensation_status IS DISTINCT FROM 'compensated')
-    AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = r.community_id AND j.run_id = r.id
+    AND NOT EXISTS (SELECT 1 FROM {journal} AS j WHERE j.community_id = {community} AND j.run_id = r.id
                     AND j.compensation_status = 'compensation_failed')
 """
+OUTSTANDING = _OUTSTANDING.format(
+    journal=JOURNAL, community="%(community_id)s", compensable=COMPENSABLE, pending=PENDING_WITH_COMPENSATION
+)
+OUTSTANDING_OF_ROW = _OUTSTANDING.format(
+    journal=JOURNAL, community="r.community_id", compensable=COMPENSABLE, pending=PENDING_WITH_COMPENSATION
+)
 
 # The failure codes of a run unwinding for a cancel: the operator's (``cancel_agent_run``) and its
 # workflow run's (the trigger ``buzz_agents_workflow_canceled``, agents migration 0017).

@@ -68,14 +68,14 @@ IS_PAST = f"SELECT %(until)s::timestamptz <= {DB_NOW}"
 
 # The (name, key) row, created empty if no event was sent under it, and locked either way.
 LOCK_EVENT_KEY = f"""
-WITH up AS (
-    INSERT INTO {SENT_EVENT} AS e (id, community_id, name, key, sends, resumed)
-    VALUES (%(id)s, %(community_id)s, %(name)s, %(key)s, 0, 0)
-    ON CONFLICT (community_id, name, key) DO UPDATE SET name = EXCLUDED.name
-    RETURNING e.payload, e.expires_at
-)
-SELECT up.payload, up.expires_at >= {DB_NOW} FROM up
+INSERT INTO {SENT_EVENT} AS e (id, community_id, name, key, sends, resumed)
+VALUES (%(id)s, %(community_id)s, %(name)s, %(key)s, 0, 0)
+ON CONFLICT (community_id, name, key) DO UPDATE SET name = EXCLUDED.name
+RETURNING e.payload, e.expires_at
 """
+# (Whether the kept event is still live is judged by TAKE_KEPT_EVENT's WHERE on the database
+# clock, not by a SELECT over this INSERT's RETURNING: Citus runs such a CTE as a step of its own
+# and pulls its row to the coordinator; this form is one task on the community's node.)
 
 PARK_FOR_EVENT = f"""
 UPDATE {STEP} AS s
@@ -91,7 +91,7 @@ UPDATE {STEP} AS s
 SET state = 'succeeded', output = %(payload)s::jsonb, lease_until = NULL, claimed_at = NULL, finished_at = {DB_NOW},
     event_name = %(name)s, event_key = %(key)s, failure_code = NULL, failure_message = NULL,
     {step_entry("'event'", "s.lease_generation", "s.claimed_by", status="'succeeded'", renewals="s.renewals")}
-WHERE {CURRENT_STEP_LEASE}
+WHERE {CURRENT_STEP_LEASE} AND %(expires_at)s::timestamptz >= {DB_NOW}
 RETURNING s.state
 """
 
@@ -252,13 +252,14 @@ def wait_for_event(lease: StepLease, *, name: str, key: str, wait_seconds: int |
         on_timeout=on_timeout,
     )
     with transaction.atomic(), translated_errors():
-        payload, live = fetch_all(LOCK_EVENT_KEY, params)[0]  # first: the lock a send meets
+        payload, expires_at = fetch_all(LOCK_EVENT_KEY, params)[0]  # first: the lock a send meets
         fetch_all(sql.LOCK_RUN, params)  # then the run, then the step (the engine's lock order)
-        if live:
-            rows = fetch_all(TAKE_KEPT_EVENT, {**params, "payload": payload})  # jsonb as text
+        rows = []
+        if expires_at is not None:  # kept: taken if still live by the database clock
+            rows = fetch_all(TAKE_KEPT_EVENT, {**params, "payload": payload, "expires_at": expires_at})  # jsonb as text
             if rows:
                 fetch_all(COUNT_RESUMED, {**params, "n": 1})
-        else:
+        if not rows:
             rows = fetch_all(PARK_FOR_EVENT, params)
         if rows:
             return Settled(rows[0][0])
