@@ -92,3 +92,8 @@ async def poison_or_calls(ctx):
     if ctx.input.get("poison"):
         raise SystemExit("a handler must not stop the worker")
     return await three_calls(ctx)
+
+
+async def quick(ctx):
+    """Return at once (no call): the run completes."""
+    return {"ok": True}

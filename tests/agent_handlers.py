@@ -187,3 +187,8 @@ def two_calls_then_hold(ctx):
             raise TimeoutError("the run was never cancelled")
         time.sleep(0.05)
     return {"cancelled": True}
+
+
+def quick(ctx):
+    """Return at once (no call): the run completes."""
+    return {"ok": True}

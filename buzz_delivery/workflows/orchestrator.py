@@ -35,12 +35,14 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connection, connections
 
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.fairness import share
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.listening import Listener
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
@@ -121,14 +123,18 @@ def _listener(
     wake: threading.Event,
     stop: threading.Event,
     retry: float,
+    on_hint: Callable[[str], None] | None = None,
 ) -> Listener:
     """The LISTEN thread on ``buzz_workflows``: a hint naming ``community`` (any, when None)
     wakes the dispatcher, as does every (re)connection; any payload and any error are survived
-    (:class:`~buzz_delivery.listening.Listener`)."""
+    (:class:`~buzz_delivery.listening.Listener`). ``on_hint(payload)`` first, for every hint
+    that wakes it (the payload is only compared, never trusted)."""
     wanted = None if community is None else str(community)
 
     def hint(channel: str, payload: str) -> None:
         if wanted is None or payload == wanted:
+            if on_hint is not None:
+                on_hint(payload)
             wake.set()
 
     return Listener(
@@ -182,6 +188,14 @@ class Orchestrator:
             holder=self.holder,
         )
         self.signal_name: str | None = None
+        # Fairness between communities (--all): each walk starts after the community the last
+        # one ended at, and gives every community with ready steps its share of the room before
+        # any gets more. The completer chains claims (claims in its completion's transaction)
+        # only while the last walk found one community with work, and only in that one: a hint
+        # naming another community, or a poll interval without a walk, ends that.
+        self.walk_after: uuid.UUID | None = None
+        self.chain_for: uuid.UUID | None = None
+        self.next_walk = 0.0  # --all: when (monotonic) the dispatcher walks whatever the chain
         self.renew_done = threading.Event()
         self.next_due_check = 0.0  # when the dispatcher next ends the due sleeps and waits
 
@@ -333,12 +347,23 @@ class Orchestrator:
             occupied = self.in_flight - freed - min(awaiting, 2 * self.batch_size)
             return max(0, min(self.batch_size, c.concurrency + ahead - occupied))
 
-    def _chain_room(self, completing: int) -> int:
+    def _chain_room(self, completing: int, community: uuid.UUID) -> int:
         """The completer's ``room``: nothing once stopping or under ``max_steps`` (the
-        dispatcher counts those claims), else :meth:`_room` with the batch's places freed."""
+        dispatcher counts those claims), nor (--all) in a community other than the one the
+        last walk found alone with work (:attr:`chain_for`), else :meth:`_room` with the
+        batch's places freed."""
         if self.stop.is_set() or self.signal_name or self.config.max_steps is not None:
             return 0
+        if self.config.community_id is None and community != self.chain_for:
+            return 0
         return self._room(freed=completing)
+
+    def _hinted(self, payload: str) -> None:
+        """A step became ready in community ``payload`` (--all): unless it is the one the
+        completer chains in, the next claim is a walk of every community with work."""
+        with self.lock:
+            if self.chain_for is not None and payload != str(self.chain_for):
+                self.chain_for = None
 
     def _after_batch(self) -> None:
         """The completer's ``after``: a claim the dispatcher left to the batch is its again."""
@@ -403,8 +428,34 @@ class Orchestrator:
         if c.community_id is not None:
             self.add("claim_statements")
             return claim_steps(c.community_id, limit=room, lease_seconds=c.lease_seconds, holder=self.holder)
+        return self._walk(room)
+
+    def _walk(self, room: int) -> list[StepClaim]:
+        """--all: claim up to ``room`` steps over the communities with ready steps, round robin.
+        First every community gets its share (``room`` split evenly, at least one each, in the
+        order of :func:`communities_with_ready_steps` from after the community the last walk
+        ended at); then what is left goes to those that filled their share. So no community
+        gets a second share while another with work waits, and a backlog of any size delays
+        another community's step by at most the claim batch in progress."""
+        c = self.config
+        self.next_walk = time.monotonic() + c.poll_interval
+        communities = communities_with_ready_steps(after=self.walk_after)
+        with self.lock:
+            self.chain_for = communities[0] if len(communities) == 1 else None
         claims: list[StepClaim] = []
-        for community in communities_with_ready_steps():
+        each = share(room, len(communities))
+        full: list[uuid.UUID] = []
+        for community in communities:
+            if len(claims) >= room:
+                break
+            limit = min(each, room - len(claims))
+            self.add("claim_statements")
+            won = claim_steps(community, limit=limit, lease_seconds=c.lease_seconds, holder=self.holder)
+            self.walk_after = community
+            claims += won
+            if len(won) == limit:
+                full.append(community)
+        for community in full:
             if len(claims) >= room:
                 break
             self.add("claim_statements")
@@ -453,8 +504,14 @@ class Orchestrator:
             if c.max_steps is not None:
                 room = min(room, c.max_steps - started)
             claims: list[StepClaim] = []
+            if c.community_id is None and time.monotonic() >= self.next_walk:
+                with self.lock:
+                    self.chain_for = None  # a walk at least every poll interval, hint or not
             with self.lock:
-                completing = self.awaiting > 0 and c.max_steps is None
+                # Leave the claim to the completer's batch only where it may chain (--all: the
+                # one community the last walk found with work, see _walk).
+                chaining = c.community_id is not None or self.chain_for is not None
+                completing = self.awaiting > 0 and c.max_steps is None and chaining
                 self.deferred_wake = self.deferred_wake or (room > 0 and completing)
             if room > 0 and completing and (deferred_at != self.batches or time.monotonic() < deferred_until):
                 # The completer is about to record a batch, and it claims the ready steps in that
@@ -511,7 +568,14 @@ class Orchestrator:
             for i in range(c.concurrency)
         ]
         renewer = threading.Thread(target=self._renew_thread, name="buzz-workflows-renewer", daemon=True)
-        listener = _listener(conn_params, c.community_id, self.wake, self.stop, c.poll_interval)
+        listener = _listener(
+            conn_params,
+            c.community_id,
+            self.wake,
+            self.stop,
+            c.poll_interval,
+            on_hint=self._hinted if c.community_id is None else None,
+        )
         for t in (*threads, self.completer, renewer, listener):
             t.start()
         reason = "error"
