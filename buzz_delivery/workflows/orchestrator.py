@@ -1,8 +1,9 @@
 """The orchestrator behind ``manage.py run_workflow_worker`` (SPEC section 11 "Orchestrator").
 
 Shaped like the delivery worker (:mod:`buzz_delivery.worker`): a dispatcher (the calling thread)
-claims ready steps of one community, or of every community with work (walking them, one claim
-statement per community), up to ``batch_size`` per statement: as many as there are idle step
+claims ready steps of one community, or of every community with work (walking them round
+robin, one claim statement per community, each its share of the room first: see
+:meth:`Orchestrator._walk`), up to ``batch_size`` per statement: as many as there are idle step
 threads, and up to ``batch_size`` more in a local queue while the steps' recent run times say
 they start within a tenth of the lease, a second and the poll interval (threads on a step
 longer than that count for nothing). Step threads run
