@@ -1,13 +1,17 @@
 """Fairness between communities (issue 32), as real processes: a worker serving several
-communities (a delivery worker with pairs of two communities, ``run_workflow_worker --all``)
-never lets one community's backlog delay another's single item by more than one claim batch.
+communities (a delivery worker with pairs of two communities, ``run_workflow_worker --all``,
+``run_agent_worker --async`` with two ``--community``) never lets one community's backlog delay
+another's single item by more than one claim batch.
 
-Community A gets a backlog (100,000 pending deliveries; 20,000 ready workflow steps), inserted
-in one statement each by copying a row made the proper way (``generate_series``); the worker
-starts draining it; then community B commits one item. The test reads, on the database clock,
-how many of A's items were claimed after B's item was created and before it was claimed: never
-more than one claim batch (``--batch-size``). The poll interval is 30 s, so B's item cannot
-have been found by the periodic poll: the claim rounds alternate between the communities.
+Community A gets a backlog (100,000 pending deliveries; 20,000 ready workflow steps, two maps
+of 10,000 items, a map's most; 100,000 pending agent runs), inserted in one statement each by
+copying a row made the proper way (``generate_series``; the steps by running the maps); the
+worker starts draining it; then community B commits one item. The test reads, on the database
+clock, how many of A's items were claimed after B's item was created and before it was
+claimed: never more than one claim batch (``--batch-size``, ``--in-flight``), while A's claims
+go on after B's. The poll interval is 30 s, so B's item cannot have been found by the periodic
+poll: the claim rounds go round the communities. The workers' output goes to files (a pipe
+nobody reads stalls a worker once it is full).
 """
 
 from __future__ import annotations
