@@ -37,14 +37,14 @@ LOAD = """
 INSERT INTO {table} (
     id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id, message_event_id,
     cause_kind, cause_webhook_invocation_id, max_attempts,
-    status, lease_generation, attempt, lease_until, claimed_at, finished_at, created_at)
+    status, lease_generation, attempt, lease_until, claimed_at, finished_at, created_at{priority_column})
 SELECT
     (lpad(to_hex(%(base)s::bigint + g.i), 16, '0') || substr(md5(%(tag)s || g.i::text), 1, 16))::uuid,
     %(community_id)s, %(workflow_id)s, %(run_id)s, %(tag)s || '-' || g.i,
     sha256(convert_to('bench-target-' || (%(first_target)s + mod(g.i, %(targets)s)), 'UTF8')),
     %(definition_event_id)s, %(message_event_id)s, 'webhook', md5(%(tag)s || g.i::text)::uuid, 3,
     {status_columns},
-    now() - make_interval(secs => %(count)s - g.i) / 1000000
+    now() - make_interval(secs => %(count)s - g.i) / 1000000{priority_value}
 FROM generate_series(0, %(count)s - 1) AS g(i)
 """
 
@@ -102,9 +102,12 @@ def load(
     table: str = OURS,
     first_target: int = 0,
     targets: int = 1,
+    priorities: bool = False,
 ) -> None:
     """Insert ``count`` rows of ``status`` (pending | finished | lapsed) for one tenant, spread
-    round-robin over targets ``first_target .. first_target + targets - 1``, oldest first."""
+    round-robin over targets ``first_target .. first_target + targets - 1``, oldest first.
+    ``priorities``: spread the rows over every priority, -10..10 (our table only: the baseline
+    has no priority), else each has the default, 0."""
     global _load_counter
     _load_counter += 1
     params = {
@@ -119,7 +122,15 @@ def load(
         "message_event_id": tenant.event_id,
         "count": count,
     }
-    statement = LOAD.format(table=table, status_columns=STATUS_COLUMNS[status])
+    if priorities and table != OURS:
+        raise ValueError("priorities: only our table has a priority column")
+    statement = LOAD.format(
+        table=table,
+        status_columns=STATUS_COLUMNS[status],
+        priority_column=", priority" if priorities else "",
+        # A scattered spread (7 is prime to 21): neighbours in age differ in priority.
+        priority_value=",\n    mod(g.i * 7, 21) - 10" if priorities else "",
+    )
     with conn.transaction():
         conn.execute("SET LOCAL session_replication_role = replica")
         conn.execute(statement, params)

@@ -99,3 +99,8 @@ async def blocks_the_loop(ctx):
     """Calls blocking code without await (tests/test_loopwatch.py): the loop's watchdog names it."""
     time.sleep(1.5)
     return {"blocked": True}
+
+
+async def quick(ctx):
+    """Return at once (no call): the run completes."""
+    return {"ok": True}

@@ -200,3 +200,8 @@ def five_rated_calls(ctx):
     for i in range(5):
         ctx.call("probe", _stamped, {"i": i}, rate_key="probe")
     return {"waits": ctx.rate_waits}
+
+
+def quick(ctx):
+    """Return at once (no call): the run completes."""
+    return {"ok": True}

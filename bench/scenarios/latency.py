@@ -4,6 +4,13 @@ terminal rows pile up: 0, 100k and 1M ``finished`` rows of the same community an
 claim should not slow down as terminal rows grow. Prints ``EXPLAIN (ANALYZE, BUFFERS)`` of
 our claim statement on an empty table and at 1M terminal rows.
 
+At the largest step (1M terminal rows) it also takes the priority figure (issue 32): claims on
+a target whose pending deliveries are spread over every priority (-10..10, scattered in age)
+interleaved with claims on a target whose pending deliveries all have the default priority,
+same community, same count, same table; the p50 with priorities over the p50 without (target
+at most 1.2x). The polling index is ordered ``priority DESC, created_at``, so both read only
+the rows they take; each claim with priorities is checked to take the highest pending priority.
+
 Rows are added with set-based inserts, then ``VACUUM ANALYZE``. Each timed claim is settled
 (untimed) so the queue stays in its steady shape.
 """
@@ -22,13 +29,13 @@ from bench.report import Figure, percentile
 LEASE_SECONDS = 60.0
 
 
-def _explain(bench: Bench, tenant: data.Tenant) -> str:
+def _explain(bench: Bench, tenant: data.Tenant, target: int = 0) -> str:
     from buzz_delivery.services import sql
 
     statement = sql.claim_oldest_pending(by_id=False, by_binding=False)
     params = {
         "community_id": tenant.community_id,
-        "target_pubkey": data.target(0),
+        "target_pubkey": data.target(target),
         "limit": 1,
         "lease_seconds": LEASE_SECONDS,
         "delivery_id": None,
@@ -62,6 +69,66 @@ def _measure(
         theirs.append((time.perf_counter() - started) * 1000)
         raw.finish(*row)
     return ours, theirs
+
+
+def _measure_priorities(
+    bench: Bench, community: object, with_priorities: bytes, without: bytes, claims: int
+) -> tuple[list[float], list[float]]:
+    """``claims`` timed claims on each target, alternating: (with priorities, without)."""
+    from buzz_delivery import services
+
+    timed: dict[bytes, list[float]] = {with_priorities: [], without: []}
+    for _ in range(claims):
+        for target in (with_priorities, without):
+            started = time.perf_counter()
+            claim = services.claim_delivery(community, target, lease_seconds=LEASE_SECONDS)
+            timed[target].append((time.perf_counter() - started) * 1000)
+            services.finish_delivery(claim.lease, "finished")
+            if target == with_priorities:
+                _check_highest(bench, claim)
+    return timed[with_priorities], timed[without]
+
+
+def _check_highest(bench: Bench, claim: object) -> None:
+    """The claim took the highest priority still pending for its target (untimed)."""
+    delivery = claim.delivery  # type: ignore[attr-defined]
+    (higher,) = bench.conn.execute(
+        f"SELECT EXISTS (SELECT 1 FROM {data.OURS} WHERE community_id = %s AND target_pubkey = %s"
+        " AND status = 'pending' AND priority > %s)",
+        [delivery.community_id, bytes(delivery.target_pubkey), delivery.priority],
+    ).fetchone()
+    if higher:
+        raise AssertionError(f"a claim took priority {delivery.priority} while a higher one was pending")
+
+
+def _priorities(bench: Bench, tenant: data.Tenant, claims: int, terminal: int) -> None:
+    """The priority figure at ``terminal`` terminal rows (see the module's docstring)."""
+    with_target, without_target = 1, 2
+    count = claims * bench.repeats + 50
+    data.load(bench.conn, tenant, count, first_target=with_target, priorities=True)
+    data.load(bench.conn, tenant, count, first_target=without_target)
+    data.analyze(bench.conn, vacuum=True)
+    bench.conn.execute("CHECKPOINT")
+    bench.report.section(
+        f"EXPLAIN (ANALYZE, BUFFERS) of our claim, pending spread over priorities -10..10, {terminal:,} terminal rows",
+        "```\n" + _explain(bench, tenant, with_target) + "\n```",
+    )
+    runs = [
+        _measure_priorities(bench, tenant.community_id, data.target(with_target), data.target(without_target), claims)
+        for _ in range(bench.repeats)
+    ]
+    bench.report.add(
+        Figure(
+            "5. claim p50 with priorities vs without",
+            f"{terminal:,} terminal rows, {count:,} pending per target",
+            "ms",
+            [percentile(w, 0.5) for w, _ in runs],
+            [percentile(o, 0.5) for _, o in runs],
+            target_ratio=1.2,
+            lower_is_better=True,
+            note="'raw' column = OUR p50 on a target whose pending rows all have priority 0, interleaved",
+        )
+    )
 
 
 def _figures(bench: Bench, case: str, runs: list[tuple[list[float], list[float]]], **target: float) -> list[float]:
@@ -104,6 +171,8 @@ def run(bench: Bench) -> None:
         runs = [_measure(bench, raw, pairs, claims) for _ in range(bench.repeats)]
         case = f"{terminal:,} terminal rows"
         p50 = _figures(bench, case, runs)
+        if terminal == steps[-1]:
+            _priorities(bench, tenant, claims, terminal)
         raw_p50 = [percentile(r, 0.5) for _, r in runs]
         if terminal == 0:
             empty_p50, empty_raw_p50 = p50, raw_p50

@@ -54,6 +54,7 @@ from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
 from buzz_delivery.agents.worker import COMMUNITIES_WITH_CLAIMABLE_RUNS, RunListener, Waker
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.fairness import round_robin, share
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
@@ -121,6 +122,7 @@ class AsyncAgentWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.listener: RunListener | None = None
+        self.claim_after: uuid.UUID | None = None  # where the last claim round ended (round robin)
         self.acceptance = (
             Acceptance(
                 config.agents,
@@ -212,8 +214,9 @@ class AsyncAgentWorker:
     def _communities(self) -> list[uuid.UUID]:
         if self.config.communities:
             return list(self.config.communities)
+        params = {"agents": self.config.agents, "after": self.claim_after}
         with tenancy.fleet():
-            found = [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+            found = [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, params)]
         if self.acceptance is not None and (self.acceptance.due() or self.config.exit_when_idle):
             found = list(dict.fromkeys([*found, *communities_with_pending_deliveries(self.config.agents)]))
         return found
@@ -235,24 +238,27 @@ class AsyncAgentWorker:
                 await self._wait(cfg.poll_seconds)
                 continue
             self._wake.clear()
-            communities = await runtime.pool.run(self._communities)
+            communities = round_robin(await runtime.pool.run(self._communities), self.claim_after)
             found = await self._accept(runtime, communities)
+            # Fairness (buzz_delivery.fairness): every community with work gets its share of the
+            # room, from the one after where the last round ended, before any gets more.
+            each = share(self._room(tasks), len(communities))
+            full: list[uuid.UUID] = []
             for community in communities:
                 room = self._room(tasks)
                 if self.stopping.is_set() or room <= 0:
                     break
-                claimed = await runtime.pool.run(
-                    batch.claim_with_journals,
-                    community,
-                    cfg.agents,
-                    worker_id=cfg.worker_id,
-                    limit=min(room, MAX_CLAIM),
-                    lease_seconds=cfg.lease_seconds,
-                )
-                for claim, journal in claimed:
-                    found = True
-                    self.counts["claimed"] += 1
-                    self._start(runtime, claim, journal, tasks)
+                limit = min(each, room, MAX_CLAIM)
+                claimed = await self._claim(runtime, community, limit, tasks)
+                self.claim_after = community
+                found = found or bool(claimed)
+                if claimed == limit:
+                    full.append(community)
+            for community in full:
+                room = self._room(tasks)
+                if self.stopping.is_set() or room <= 0:
+                    break
+                await self._claim(runtime, community, min(room, MAX_CLAIM), tasks)
             if not found and cfg.exit_when_idle:
                 found = await self._accept(runtime, communities, force=True)  # nothing left to accept either
             if not found:
@@ -260,6 +266,22 @@ class AsyncAgentWorker:
                     return
                 if await self._wait(cfg.poll_seconds):
                     self.counts["woken"] += 1
+
+    async def _claim(self, runtime: Runtime, community: uuid.UUID, limit: int, tasks: set[asyncio.Task[None]]) -> int:
+        """Claim up to ``limit`` runs of ``community`` and start them; how many."""
+        cfg = self.config
+        claimed = await runtime.pool.run(
+            batch.claim_with_journals,
+            community,
+            cfg.agents,
+            worker_id=cfg.worker_id,
+            limit=limit,
+            lease_seconds=cfg.lease_seconds,
+        )
+        for claim, journal in claimed:
+            self.counts["claimed"] += 1
+            self._start(runtime, claim, journal, tasks)
+        return len(claimed)
 
     async def _accept(self, runtime: Runtime, communities: list[uuid.UUID], *, force: bool = False) -> bool:
         """One acceptance round (when due, or ``force``) on a pool connection; whether it created

@@ -43,6 +43,7 @@ from buzz_delivery.agents.conf import NOTIFY_CHANNEL
 from buzz_delivery.agents.runtime import Context, Heartbeat, run_claim
 from buzz_delivery.agents.services.sql import RUN
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.fairness import round_robin
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.sql import DB_NOW
@@ -52,10 +53,14 @@ from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 
 logger = logging.getLogger("buzz_delivery.agents")
 
+# In round-robin order (buzz_delivery.fairness): those after %(after)s first, then from the
+# first (NULL: from the first), so that past the limit every community gets its turn.
 COMMUNITIES_WITH_CLAIMABLE_RUNS = f"""
-SELECT DISTINCT r.community_id FROM {RUN} AS r JOIN buzz_delivery_community c ON c.id = r.community_id
+SELECT r.community_id FROM {RUN} AS r JOIN buzz_delivery_community c ON c.id = r.community_id
 WHERE c.deletion_state = 'active' AND r.state = 'pending' AND r.agent_pubkey = ANY(%(agents)s)
   AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {DB_NOW})
+GROUP BY r.community_id
+ORDER BY r.community_id <= %(after)s::uuid, r.community_id
 LIMIT 100
 """
 
@@ -182,6 +187,7 @@ class AgentWorker:
             handler_timeout=config.handler_timeout,
         )
         self.waker = Waker()
+        self.rounds = threading.local()  # each loop thread's ``after``: where its last round ended
         self.listener: RunListener | None = None
         self.acceptance = (
             Acceptance(
@@ -196,14 +202,16 @@ class AgentWorker:
         self.stopping.set()
         self.waker.wake()
 
-    def _communities(self) -> list[uuid.UUID]:
+    def _communities(self, after: uuid.UUID | None = None) -> list[uuid.UUID]:
+        """The communities of a round, in round-robin order from the one after ``after``."""
         if self.config.communities:
-            return list(self.config.communities)
+            return round_robin(self.config.communities, after)
+        params = {"agents": self.config.agents, "after": after}
         with tenancy.fleet():  # discovery reads every community's runs: a fleet read (SPEC 13)
-            found = [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, {"agents": self.config.agents})]
+            found = [row[0] for row in fetch_all(COMMUNITIES_WITH_CLAIMABLE_RUNS, params)]
         if self.acceptance is not None and (self.acceptance.due() or self.config.exit_when_idle):
-            found = list(dict.fromkeys([*found, *communities_with_pending_deliveries(self.config.agents)]))
-        return found
+            found = [*found, *communities_with_pending_deliveries(self.config.agents)]
+        return round_robin(found, after)
 
     def _take_slot(self) -> bool:
         with self.lock:
@@ -246,8 +254,9 @@ class AgentWorker:
 
     def _poll(self, lane: UserConnection) -> bool:
         """One round over the communities: the deliveries to accept (acceptance on), then a run
-        claimed and run in each that has one."""
-        communities = self._communities()
+        claimed and run in each that has one, round robin: each round of a thread starts after
+        the community its last round ended at (buzz_delivery.fairness)."""
+        communities = self._communities(getattr(self.rounds, "after", None))
         # Acceptance first (one thread at a time): the runs it creates are claimed below.
         found = self.acceptance is not None and self.acceptance.round(communities) > 0
         for community in communities:
@@ -264,6 +273,7 @@ class AgentWorker:
                 with self.lock:
                     self.counts["claimed"] -= 1
                 raise
+            self.rounds.after = community
             if not claims:
                 with self.lock:
                     self.counts["claimed"] -= 1

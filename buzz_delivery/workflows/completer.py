@@ -8,7 +8,7 @@ locked in id order, one fenced ``UPDATE ... FROM unnest``, Advance per row. Each
 outcome is handed to ``done``; a lease the statement did not settle is judged as a single
 completion would be (``AlreadyTerminal`` or ``LeaseLost``). In the same transaction it claims
 the steps those completions released (:func:`complete_and_claim_steps`), as many as
-``room(n)`` allows once its ``n`` completions have freed their places, and hands them to
+``room(claims, community)`` allows once the ``claims`` it completes have freed their places, and hands them to
 ``accept``: a step that follows another runs without a wake-up or a claim of its own, and the
 other orchestrators are woken only for ready steps it left.
 
@@ -42,14 +42,15 @@ from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
 logger = logging.getLogger("buzz_delivery.workflows")
 
 Done = Callable[[StepClaim, StepOutcome | None], None]
-Room = Callable[[list[StepClaim]], int]
+Room = Callable[[list[StepClaim], uuid.UUID], int]
 Accept = Callable[[list[StepClaim]], None]
 
 
 class Completer(threading.Thread):
     """Completes queued (claim, output) pairs in batches of at most ``max_batch`` (1..1000),
     calling ``done(claim, outcome)`` for each (``None``: the completion raised), and claims in
-    the same transaction up to ``room(claims)`` ready steps (``claims``: those the batch completes),
+    the same transaction up to ``room(claims, community)`` ready steps of the batch's community
+    (``claims``: those the batch completes),
     handed to ``accept`` before the batch's ``done`` calls; ``room`` returning 0 claims
     nothing; ``after()`` is called once each batch is through.
     ``lease_seconds`` and ``holder``: those of the claims. Stops after :meth:`close`, once
@@ -121,7 +122,7 @@ class Completer(threading.Thread):
             batch = complete_and_claim_steps(
                 community,
                 [(claim.lease, output) for claim, output in items],
-                claim_limit=self._room([claim for claim, _ in items]),
+                claim_limit=self._room([claim for claim, _ in items], community),
                 lease_seconds=self.lease_seconds,
                 holder=self.holder,
             )

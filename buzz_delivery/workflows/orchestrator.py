@@ -1,8 +1,9 @@
 """The orchestrator behind ``manage.py run_workflow_worker`` (SPEC section 11 "Orchestrator").
 
 Shaped like the delivery worker (:mod:`buzz_delivery.worker`): a dispatcher (the calling thread)
-claims ready steps of one community, or of every community with work (walking them, one claim
-statement per community), up to ``batch_size`` per statement: as many as there are idle step
+claims ready steps of one community, or of every community with work (walking them round
+robin, one claim statement per community, each its share of the room first: see
+:meth:`Orchestrator._walk`), up to ``batch_size`` per statement: as many as there are idle step
 threads, and up to ``batch_size`` more in a local queue while the steps' recent run times say
 they start within a tenth of the lease, a second and the poll interval (threads on a step
 longer than that count for nothing). Step threads run
@@ -47,12 +48,14 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connection, connections
 
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.fairness import share
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.listening import Listener
 from buzz_delivery.loopwatch import LoopWatch
@@ -149,14 +152,18 @@ def _listener(
     wake: threading.Event,
     stop: threading.Event,
     retry: float,
+    on_hint: Callable[[str], None] | None = None,
 ) -> Listener:
     """The LISTEN thread on ``buzz_workflows``: a hint naming ``community`` (any, when None)
     wakes the dispatcher, as does every (re)connection; any payload and any error are survived
-    (:class:`~buzz_delivery.listening.Listener`)."""
+    (:class:`~buzz_delivery.listening.Listener`). ``on_hint(payload)`` first, for every hint
+    that wakes it (the payload is only compared, never trusted)."""
     wanted = None if community is None else str(community)
 
     def hint(channel: str, payload: str) -> None:
         if wanted is None or payload == wanted:
+            if on_hint is not None:
+                on_hint(payload)
             wake.set()
 
     return Listener(
@@ -223,6 +230,14 @@ class Orchestrator:
         self.loop_thread: threading.Thread | None = None
         self.loop_closing = False
         self.signal_name: str | None = None
+        # Fairness between communities (--all): each walk starts after the community the last
+        # one ended at, and gives every community with ready steps its share of the room before
+        # any gets more. The completer chains claims (claims in its completion's transaction)
+        # only while the last walk found one community with work, and only in that one: a hint
+        # naming another community, or a poll interval without a walk, ends that.
+        self.walk_after: uuid.UUID | None = None
+        self.chain_for: uuid.UUID | None = None
+        self.next_walk = 0.0  # --all: when (monotonic) the dispatcher walks whatever the chain
         self.renew_done = threading.Event()
         self.next_due_check = 0.0  # when the dispatcher next ends the due sleeps and waits
 
@@ -486,14 +501,25 @@ class Orchestrator:
             share = self.async_share
         return mixed_room(threads, tasks, share, self.batch_size)
 
-    def _chain_room(self, completing: list[StepClaim]) -> int:
+    def _chain_room(self, completing: list[StepClaim], community: uuid.UUID) -> int:
         """The completer's ``room``: nothing once stopping or under ``max_steps`` (the
-        dispatcher counts those claims), else :meth:`_room` with the batch's places freed."""
+        dispatcher counts those claims), nor (--all) in a community other than the one the
+        last walk found alone with work (:attr:`chain_for`), else :meth:`_room` with the
+        batch's places freed."""
         if self.stop.is_set() or self.signal_name or self.config.max_steps is not None:
+            return 0
+        if self.config.community_id is None and community != self.chain_for:
             return 0
         with self.lock:
             on_loop = sum(1 for claim in completing if _key(claim.lease) in self.on_loop)
         return self._room(freed=len(completing) - on_loop, freed_loop=on_loop)
+
+    def _hinted(self, payload: str) -> None:
+        """A step became ready in community ``payload`` (--all): unless it is the one the
+        completer chains in, the next claim is a walk of every community with work."""
+        with self.lock:
+            if self.chain_for is not None and payload != str(self.chain_for):
+                self.chain_for = None
 
     def _after_batch(self) -> None:
         """The completer's ``after``: a claim the dispatcher left to the batch is its again."""
@@ -579,8 +605,34 @@ class Orchestrator:
         if c.community_id is not None:
             self.add("claim_statements")
             return claim_steps(c.community_id, limit=room, lease_seconds=c.lease_seconds, holder=self.holder)
+        return self._walk(room)
+
+    def _walk(self, room: int) -> list[StepClaim]:
+        """--all: claim up to ``room`` steps over the communities with ready steps, round robin.
+        First every community gets its share (``room`` split evenly, at least one each, in the
+        order of :func:`communities_with_ready_steps` from after the community the last walk
+        ended at); then what is left goes to those that filled their share. So no community
+        gets a second share while another with work waits, and a backlog of any size delays
+        another community's step by at most the claim batch in progress."""
+        c = self.config
+        self.next_walk = time.monotonic() + c.poll_interval
+        communities = communities_with_ready_steps(after=self.walk_after)
+        with self.lock:
+            self.chain_for = communities[0] if len(communities) == 1 else None
         claims: list[StepClaim] = []
-        for community in communities_with_ready_steps():
+        each = share(room, len(communities))
+        full: list[uuid.UUID] = []
+        for community in communities:
+            if len(claims) >= room:
+                break
+            limit = min(each, room - len(claims))
+            self.add("claim_statements")
+            won = claim_steps(community, limit=limit, lease_seconds=c.lease_seconds, holder=self.holder)
+            self.walk_after = community
+            claims += won
+            if len(won) == limit:
+                full.append(community)
+        for community in full:
             if len(claims) >= room:
                 break
             self.add("claim_statements")
@@ -629,8 +681,14 @@ class Orchestrator:
             if c.max_steps is not None:
                 room = min(room, c.max_steps - started)
             claims: list[StepClaim] = []
+            if c.community_id is None and time.monotonic() >= self.next_walk:
+                with self.lock:
+                    self.chain_for = None  # a walk at least every poll interval, hint or not
             with self.lock:
-                completing = self.awaiting > 0 and c.max_steps is None
+                # Leave the claim to the completer's batch only where it may chain (--all: the
+                # one community the last walk found with work, see _walk).
+                chaining = c.community_id is not None or self.chain_for is not None
+                completing = self.awaiting > 0 and c.max_steps is None and chaining
                 self.deferred_wake = self.deferred_wake or (room > 0 and completing)
             if room > 0 and completing and (deferred_at != self.batches or time.monotonic() < deferred_until):
                 # The completer is about to record a batch, and it claims the ready steps in that
@@ -687,7 +745,14 @@ class Orchestrator:
             for i in range(c.concurrency)
         ]
         renewer = threading.Thread(target=self._renew_thread, name="buzz-workflows-renewer", daemon=True)
-        listener = _listener(conn_params, c.community_id, self.wake, self.stop, c.poll_interval)
+        listener = _listener(
+            conn_params,
+            c.community_id,
+            self.wake,
+            self.stop,
+            c.poll_interval,
+            on_hint=self._hinted if c.community_id is None else None,
+        )
         self.loop_thread = threading.Thread(target=self._loop_thread, name="buzz-workflows-loop", daemon=True)
         for t in (*threads, self.completer, renewer, listener, self.loop_thread):
             t.start()

@@ -141,9 +141,13 @@ _STEP_COLUMNS = ", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS)
 CLAIM_READY_STEPS = _CLAIM_READY_STEPS.replace("{step_columns}", _STEP_COLUMNS)
 CLAIM_READY_STEPS_UNDER_LIMITS = _CLAIM_READY_STEPS_UNDER_LIMITS.replace("{step_columns}", _STEP_COLUMNS)
 
+# In round-robin order: the communities after %(after)s first, then from the first again
+# (%(after)s NULL: from the first), so that past the limit every community gets its turn.
 COMMUNITIES_WITH_READY_STEPS = f"""
-SELECT DISTINCT s.community_id FROM {STEP} AS s
+SELECT s.community_id FROM {STEP} AS s
 WHERE s.state = 'ready' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
+GROUP BY s.community_id
+ORDER BY s.community_id <= %(after)s::uuid, s.community_id
 LIMIT %(limit)s
 """
 

@@ -154,10 +154,16 @@ def definition_steps(definition_id: uuid.UUID) -> dict[str, dict[str, Any]]:
 
 
 @fleet_scoped
-def communities_with_ready_steps(limit: int = 100) -> list[uuid.UUID]:
-    """Communities that have claimable steps now (a plain read; orchestrators of "all"
-    communities walk them and claim per community)."""
-    return [row[0] for row in fetch_all(sql.COMMUNITIES_WITH_READY_STEPS, {"limit": limit})]
+def communities_with_ready_steps(limit: int = 100, after: uuid.UUID | None = None) -> list[uuid.UUID]:
+    """Communities that have claimable steps now, at most ``limit``, in round-robin order: those
+    whose id sorts after ``after`` first, then the others from the first (a plain read;
+    orchestrators of "all" communities walk them and claim per community, each walk starting
+    after the community the last one ended at)."""
+    params = {
+        "limit": v.int_in_range(limit, "limit", 1, 10_000),
+        "after": None if after is None else v.uuid_value(after, "after"),
+    }
+    return [row[0] for row in fetch_all(sql.COMMUNITIES_WITH_READY_STEPS, params)]
 
 
 @tenant_scoped
