@@ -86,16 +86,21 @@ def test_lease_statements_run_on_one_shard(community):
         assert "Task Count: 1" in plan, f"{name} fans out:\n{plan}"
 
 
+_INSERT_SELECT = re.compile(r"\s*(WITH\b.*)?INSERT\s+INTO\b[^;]*\bSELECT\b", re.I | re.S)
+
+
 def _statements_naming_a_community() -> list[tuple[str, str]]:
-    """Every write of the services and every call of a delegated function (the static rules'
-    collectors) that names its community (a maintenance walk over communities does not)."""
+    """Every write of the services, every INSERT ... SELECT, and every call of a delegated function
+    (the static rules' collectors) that names its community (a maintenance walk over communities
+    does not)."""
     from tests.test_scale_out_function_rules import _calls_ours
     from tests.test_scale_out_rules import collect, collect_statements
 
     writes, _ = collect_statements()
+    inserts_from_rows, _ = collect(lambda text: bool(_INSERT_SELECT.match(text)))  # Citus may pull their rows
     delegated = tuple(signature.split("(", 1)[0] for signature, _ in scaleout.delegated_functions())
     called = [(source, sql) for source, sql in collect(_calls_ours)[0] if any(f in sql for f in delegated)]
-    found = dict((sql, source) for source, sql in [*writes, *called])
+    found = dict((sql, source) for source, sql in [*writes, *inserts_from_rows, *called])
     templates = re.compile(r"\{\w+\}")  # a statement completed later (the purge's {table})
     whole = re.compile(r"\s*(SELECT|WITH|UPDATE|DELETE|INSERT)\b", re.I)  # not a fragment (a WHERE's guard)
     return [
@@ -105,13 +110,15 @@ def _statements_naming_a_community() -> list[tuple[str, str]]:
     ]
 
 
-# Statements that are correct on the cluster (one transaction, their community's shard) but not
-# in the router form: each names why, and issue 30 stays open for them.
+# INSERT ... SELECT statements that are correct on the cluster (one transaction, their community's
+# shard) but that Citus runs in two steps (the SELECT on the shard, its rows pulled to the
+# coordinator and inserted from there); found when this test learnt to look at INSERT ... SELECT
+# (issue 30 stays open for them). ctx.emit's statement was one, and is now routed whole.
 TWO_STEPS_ON_CITUS = (
-    # ctx.emit's fenced UPDATE of the run feeding the INSERT of the chunk: Citus runs the UPDATE
-    # on the run's shard and pulls its row to the coordinator for the INSERT (tests/test_agents_output.py
-    # passes on the cluster); a router form would move the count into a trigger on the insert.
-    "sql.EMIT_IF_CURRENT_AND_WITHIN_BOUND",
+    "sql.JOURNAL_MANY_IF_CURRENT_AND_WITHIN_BUDGET",
+    "sql.INSERT_DELIVERIES_SKIP_EXISTING",
+    "maps.INSERT_ELEMENTS",
+    "sql.CREATE_RUN",
 )
 
 
@@ -123,7 +130,8 @@ def test_every_statement_that_names_its_community_runs_on_one_shard(community):
     assert len(statements) >= 30, len(statements)
     names = {source for source, _ in statements}
     for expected in ("sql.RETRY_IF_CURRENT_GENERATION", "sql.CLAIM_READY_STEPS", "sql.CLAIM_PENDING_RUNS",
-                     "cached.CLAIM['call']", "sql.END_RUN_IF_ACTIVE", "sql.REAP_LAPSED_LEASES"):  # fmt: skip
+                     "cached.CLAIM['call']", "sql.END_RUN_IF_ACTIVE", "sql.REAP_LAPSED_LEASES",
+                     "sql.EMIT_IF_CURRENT_AND_WITHIN_BOUND"):  # fmt: skip
         assert any(n.endswith(expected) for n in names), (expected, sorted(names))
     fanned = []
     for source, statement in statements:
@@ -133,7 +141,10 @@ def test_every_statement_that_names_its_community_runs_on_one_shard(community):
         params["community_id"] = community.id
         with transaction.atomic():
             plan = _plan(statement, params)
-        if "Task Count: 1\n" not in plan + "\n" and "Task Count: 0\n" not in plan + "\n":  # 0: proven empty
+        one_task = "Task Count: 1\n" in plan + "\n" or "Task Count: 0\n" in plan + "\n"  # 0: proven empty
+        # An INSERT ... SELECT Citus cannot route whole runs its SELECT first (a task of its own)
+        # and inserts what it pulled to the coordinator: two steps, even when each has one task.
+        if not one_task or "INSERT/SELECT method" in plan:
             fanned.append(f"{source}:\n{plan}")
     assert not fanned, "\n\n".join(fanned)
 
