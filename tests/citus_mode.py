@@ -51,12 +51,6 @@ _PLAN = (
     "the coordinator merges the shards (a Sort above the Citus scan by design); test_citus pins "
     "that every statement runs on one shard"
 )
-_TRIGGER_NOTIFY = (
-    "listens on the coordinator for a wake-up that a trigger (or a statement routed whole to a "
-    "shard) sends on the worker that holds the community, where the coordinator's listeners do "
-    "not hear it; the orchestrators poll (docs/scale-out.md, 'What you give up'), which the "
-    "engine's modules show on the cluster"
-)
 _NO_RLS = (
     "needs row-level security enforced (the tenant context a scope sets, the roles it switches to), "
     "which is not on Citus in this version: docs/scale-out.md says why, for each table, and what "
@@ -163,13 +157,6 @@ SKIPPED: dict[str, str] = {
     ),
     "tests/test_agents_compensation.py::test_a_compensation_runs_as_the_login_role_with_its_community_like_a_handler": (
         _NO_RLS
-    ),
-    "tests/test_wf_batch_complete.py::test_a_completer_that_claims_every_released_step_wakes_nobody_else": (
-        _TRIGGER_NOTIFY
-    ),
-    "tests/test_wf_batch_complete.py::test_a_completer_that_leaves_ready_steps_wakes_the_others": _TRIGGER_NOTIFY,
-    "tests/test_wf_concurrency.py::test_a_send_to_200_targets_settled_by_8_processes_and_the_reaper_completes_once": (
-        _TRIGGER_NOTIFY
     ),
 }
 

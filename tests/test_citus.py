@@ -255,3 +255,41 @@ def test_a_move_waits_for_a_writer_and_no_later_writer_slips_past():
     assert outcome["late"] == "BD001"
     assert Community.objects.get(id=community.id).deletion_state == "quiescing"
     assert raw_write(RAW_WRITES["delivery"]["update"], {"c": community.id}) == "BD001"
+
+
+def test_a_listener_of_the_coordinator_hears_a_notify_sent_on_each_worker_node():
+    """A trigger on a shard sends its NOTIFY on the node holding the shard: the shared listener
+    (``buzz_delivery.listening``) LISTENs on every node the coordinator's metadata names, so the
+    coordinator's listeners hear it. Each worker sends one, straight on its own database."""
+    import psycopg
+
+    from buzz_delivery.listening import Listener, other_nodes
+
+    params = connection.get_connection_params()
+    heard: list[str] = []
+    listening, stop = threading.Event(), threading.Event()
+    listener = Listener(
+        name="test-shard-notifies",
+        channels=("buzz_test_shards",),
+        conn_params=params,
+        stop=stop,
+        on_notify=lambda channel, payload: heard.append(payload),
+        on_listen=listening.set,
+    )
+    listener.start()
+    try:
+        assert listening.wait(BARRIER_TIMEOUT)
+        with psycopg.connect(**params, autocommit=True) as coordinator:
+            nodes = other_nodes(coordinator)
+        assert len(nodes) == 2, nodes
+        for host, port in nodes:
+            with psycopg.connect(**{**params, "host": host, "port": port}, autocommit=True) as worker:
+                worker.execute("SELECT pg_notify('buzz_test_shards', %s)", [str(port)])
+        deadline = time.monotonic() + BARRIER_TIMEOUT
+        while len(heard) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(heard) == sorted(str(port) for _, port in nodes)
+        assert listener.restarts == 0
+    finally:
+        stop.set()
+        listener.join(5)
