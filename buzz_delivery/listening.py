@@ -1,5 +1,5 @@
 """One LISTEN loop for every wake-up thread (issue 27): the delivery worker's hints, the
-orchestrator's, the gateway's long-poll wake, and the agents' (whose worker should adopt it).
+orchestrator's, the gateway's long-poll wake, and the agents' worker's.
 
 A NOTIFY payload is anyone's: any role may ``pg_notify`` on any channel, with any text up to
 8000 bytes. A payload the handler cannot use (not JSON, nested too deeply, the wrong shape, a
@@ -8,12 +8,18 @@ handler bug) is ignored and counted (``ignored``); it never ends the loop. Any o
 starts again, LISTEN included (``restarts``): the thread lives until ``stop`` is set. Hints
 only wake pollers, so nothing is lost while it restarts; ``on_listen`` runs after each
 (re)connection so its owner can poll for what it may have missed.
+
+On a Citus coordinator it LISTENs on every other active primary node too (read from the
+coordinator's ``pg_dist_node`` at each (re)connection, with the same connection parameters but
+the node's host and port): a trigger on a shard sends its NOTIFY on the node that holds the shard,
+where a listener of the coordinator alone never hears it (docs/scale-out.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,6 +36,25 @@ def first_line(exc: BaseException) -> str:
     """The first line of an error's text (or its class name), for a log line."""
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+# The other active primary nodes of a Citus cluster, seen from the node connected to (none without
+# Citus): where the shards are, and where their triggers' NOTIFYs are sent.
+OTHER_NODES = """
+SELECT n.nodename, n.nodeport FROM pg_catalog.pg_dist_node AS n
+WHERE n.isactive AND n.noderole = 'primary'
+  AND n.groupid <> (SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g)
+ORDER BY n.nodeid
+"""
+
+
+def other_nodes(conn: psycopg.Connection[Any]) -> list[tuple[str, int]]:
+    """``(host, port)`` of the Citus cluster's other active primary nodes, or ``[]`` when the
+    database has no Citus metadata."""
+    (citus,) = conn.execute("SELECT to_regclass('pg_catalog.pg_dist_node') IS NOT NULL").fetchone()  # type: ignore[misc]
+    if not citus:
+        return []
+    return [(host, int(port)) for host, port in conn.execute(OTHER_NODES).fetchall()]
 
 
 class Listener(threading.Thread):
@@ -64,10 +89,9 @@ class Listener(threading.Thread):
         self.notifications = 0
         self.ignored = 0
         self.restarts = 0
-        self._conn: psycopg.Connection[Any] | None = None
+        self._conns: list[psycopg.Connection[Any]] = []
 
-    def _listen(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(**self.conn_params, autocommit=True)
+    def _subscribe(self, conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
         try:
             for channel in self.channels:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
@@ -76,9 +100,29 @@ class Listener(threading.Thread):
             raise
         return conn
 
+    def _listen(self) -> list[psycopg.Connection[Any]]:
+        """LISTEN on the database of ``conn_params`` and, on a Citus coordinator, on each other
+        node (read first: a LISTEN stays each connection's last statement)."""
+        first = psycopg.connect(**self.conn_params, autocommit=True)
+        try:
+            nodes = other_nodes(first)
+        except BaseException:
+            first.close()
+            raise
+        conns = [self._subscribe(first)]
+        try:
+            for host, port in nodes:
+                params = {**self.conn_params, "host": host, "port": port}
+                conns.append(self._subscribe(psycopg.connect(**params, autocommit=True)))
+        except BaseException:
+            for conn in conns:
+                conn.close()
+            raise
+        return conns
+
     def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
+        conns, self._conns = self._conns, []
+        for conn in conns:
             with contextlib.suppress(Exception):  # a broken connection may fail to close: dropped anyway
                 conn.close()
 
@@ -94,12 +138,19 @@ class Listener(threading.Thread):
         try:
             while not self.stop.is_set():
                 try:
-                    if self._conn is None:
-                        self._conn = self._listen()
+                    if not self._conns:
+                        self._conns = self._listen()
                         if self.on_listen is not None:
                             self.on_listen()
-                    for notify in self._conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
-                        self._deliver(notify.channel, notify.payload)
+                    if len(self._conns) == 1:
+                        for notify in self._conns[0].notifies(timeout=NOTIFY_WAIT_SECONDS):
+                            self._deliver(notify.channel, notify.payload)
+                        continue
+                    # Several nodes: wait for any of them, then take what each has (not waiting).
+                    select.select([conn.fileno() for conn in self._conns], [], [], NOTIFY_WAIT_SECONDS)
+                    for conn in self._conns:
+                        for notify in conn.notifies(timeout=0):
+                            self._deliver(notify.channel, notify.payload)
                 except Exception as exc:
                     self.restarts += 1
                     kind = "db_unavailable" if isinstance(exc, psycopg.Error) else "listener_error"

@@ -51,12 +51,6 @@ _PLAN = (
     "the coordinator merges the shards (a Sort above the Citus scan by design); test_citus pins "
     "that every statement runs on one shard"
 )
-_TRIGGER_NOTIFY = (
-    "listens on the coordinator for a wake-up that a trigger (or a statement routed whole to a "
-    "shard) sends on the worker that holds the community, where the coordinator's listeners do "
-    "not hear it; the orchestrators poll (docs/scale-out.md, 'What you give up'), which the "
-    "engine's modules show on the cluster"
-)
 _NO_RLS = (
     "needs row-level security enforced (the tenant context a scope sets, the roles it switches to), "
     "which is not on Citus in this version: docs/scale-out.md says why, for each table, and what "
@@ -90,24 +84,15 @@ _PGBOUNCER_AUDIT = (
     "tests on the cluster, the reapers' hand-over on PostgreSQL"
 )
 _POLICY = "tests/test_policy.py::test_the_claim_"
-# Tests that fail on the cluster as of this commit, found by the first run of the whole suite as
-# one process on it (issue 30 stays open for them): each names the Citus refusal or the reason.
-_CLUSTER_GAP = "not yet on the cluster (issue 30): "
-_GAP_DEEP = _CLUSTER_GAP + ("the test's raw writes of a thousand-deep value abort its transaction on the cluster")
-_GAP_NO_CITUS = _CLUSTER_GAP + ("asserts the refusal without Citus; in Citus mode Citus is there")
-_GAP_RENAME = _CLUSTER_GAP + ("renames a constraint of a distributed table, which Citus refuses")
-_GAP_TIMING = _CLUSTER_GAP + (
-    "timing on the one-machine cluster (wake hints and stuck-transaction timing differ there)"
+_NO_CITUS = (
+    "its precondition is a database without the Citus extension (the command refuses and changes "
+    "nothing), and in Citus mode every database has it; it runs on PostgreSQL (CI runs the whole "
+    "suite there), and on the cluster test_citus shows the command distributes every table once and "
+    "changes nothing when run again"
 )
 
 SKIPPED: dict[str, str] = {
-    "tests/test_admin_hostile_values.py::test_a_delivery_page_and_an_event_page_show_deeply_nested_snapshots_and_tags": _GAP_DEEP,  # noqa: E501
-    "tests/test_admin_hostile_values.py::test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values": _GAP_DEEP,  # noqa: E501
-    "tests/test_chaos.py::test_chaos_loses_nothing_and_settles_nothing_twice": _GAP_TIMING,
-    "tests/test_scale_out.py::test_a_constraint_name_with_a_shard_suffix_still_names_its_field": _GAP_RENAME,
-    "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _GAP_NO_CITUS,
-    "tests/test_wf_poison.py::test_maintenance_skips_a_community_whose_run_row_a_stuck_transaction_holds_and_serves_the_others": _GAP_TIMING,  # noqa: E501
-    "tests/test_worker_pairs.py::test_a_hint_for_any_of_its_pairs_wakes_the_worker_before_its_next_poll": _GAP_TIMING,
+    "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _NO_CITUS,
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
@@ -118,7 +103,6 @@ SKIPPED: dict[str, str] = {
         "statistics that earlier modules left (it passed alone and failed in the whole run); the "
         "estimate branch itself runs on the cluster in test_admin's dashboard tests"
     ),
-    "tests/test_wf_liveness.py::test_no_step_stays_claimed_past_a_poll_interval_without_running": _GAP_TIMING,
     "tests/test_agents_admin.py::test_the_list_is_served_newest_first_by_an_index_on_the_id": _PLAN,
     "tests/test_admin_ops.py::test_the_failure_code_filter_reads_its_partial_index_among_many_rows": _PLAN,
     "tests/test_admin_ops.py::test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_many_rows": (
@@ -181,13 +165,6 @@ SKIPPED: dict[str, str] = {
     ),
     "tests/test_agents_compensation.py::test_a_compensation_runs_as_the_login_role_with_its_community_like_a_handler": (
         _NO_RLS
-    ),
-    "tests/test_wf_batch_complete.py::test_a_completer_that_claims_every_released_step_wakes_nobody_else": (
-        _TRIGGER_NOTIFY
-    ),
-    "tests/test_wf_batch_complete.py::test_a_completer_that_leaves_ready_steps_wakes_the_others": _TRIGGER_NOTIFY,
-    "tests/test_wf_concurrency.py::test_a_send_to_200_targets_settled_by_8_processes_and_the_reaper_completes_once": (
-        _TRIGGER_NOTIFY
     ),
 }
 

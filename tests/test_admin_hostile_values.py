@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.urls import reverse
 
@@ -32,13 +32,13 @@ def operator() -> Client:
 
 
 def _raw(statement: str, params: list) -> None:
-    """Write as no service would (a value stored before the bounds, or by hand): triggers off."""
-    with connection.cursor() as cursor:
-        cursor.execute("SET session_replication_role = replica")
-        try:
-            cursor.execute(statement, params)
-        finally:
-            cursor.execute("SET session_replication_role = origin")
+    """Write as no service would (a value stored before the bounds, or by hand): triggers off, for
+    this one statement's transaction (``SET LOCAL``: Citus carries it to the shards, where the
+    triggers run; a session ``SET`` stays on the coordinator)."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL session_replication_role = replica")
+        cursor.execute(statement, params)
+        cursor.execute("SET LOCAL session_replication_role = origin")
 
 
 def test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values(community, operator):

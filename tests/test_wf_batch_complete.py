@@ -5,12 +5,14 @@ per row in the same statement, the successors claimed in the same transaction.""
 from __future__ import annotations
 
 import threading
+import time
 
 import psycopg
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import connection, connections
 
+from buzz_delivery.listening import Listener
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.testing import CommunityFactory, WorkflowFactory, advance_to
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
@@ -168,29 +170,54 @@ def test_the_released_successors_are_claimed_in_the_completing_transaction(workf
     assert (batch.outcomes, batch.claims, run_state(run)) == ([Settled("succeeded")], [], "succeeded")
 
 
-def _listener():
-    conn = psycopg.connect(database_url(connection.settings_dict), autocommit=True)
-    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-    return conn
+class _Heard:
+    """The payloads on the engine's channel, heard as the orchestrator hears them: through the
+    shared listener, which on Citus LISTENs on every node too (the release trigger runs on the
+    run's shard and sends its NOTIFY there)."""
 
+    def __init__(self) -> None:
+        self.payloads: list[str] = []
+        listening, self.stop = threading.Event(), threading.Event()
+        self.thread = Listener(
+            name="test-release-notifies",
+            channels=(NOTIFY_CHANNEL,),
+            conn_params=connection.get_connection_params(),
+            stop=self.stop,
+            on_notify=lambda channel, payload: self.payloads.append(payload),
+            on_listen=listening.set,
+        )
+        self.thread.start()
+        assert listening.wait(BARRIER_TIMEOUT)
 
-def _notified(conn) -> list[str]:
-    return [n.payload for n in conn.notifies(timeout=0.3)]
+    def take(self, expected: int) -> list[str]:
+        """The payloads heard since the last take: waits (bounded) for ``expected`` of them and a
+        little longer for any more, or one second when none is expected."""
+        deadline = time.monotonic() + (BARRIER_TIMEOUT if expected else 1.0)
+        while len(self.payloads) < max(expected, 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if expected:
+            time.sleep(0.5)
+        heard, self.payloads[:] = list(self.payloads), []
+        return heard
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_completer_that_claims_every_released_step_wakes_nobody_else(workflow):
     start(workflow, diamond())
     [first] = claim_all(workflow.community_id)
-    listener = _listener()
+    listener = _Heard()
     try:
         batch = complete_and_claim_steps(workflow.community_id, [(first.lease, {})], claim_limit=2)
         assert len(batch.claims) == 2
-        assert _notified(listener) == []
+        assert listener.take(0) == []
         # Without a claim the releases NOTIFY as before.
         outcomes = complete_steps(workflow.community_id, [(c.lease, {}) for c in batch.claims])
         assert outcomes == [Settled("succeeded")] * 2
-        assert _notified(listener) == [str(workflow.community_id)]
+        assert listener.take(1) == [str(workflow.community_id)]
     finally:
         listener.close()
 
@@ -199,11 +226,11 @@ def test_a_completer_that_claims_every_released_step_wakes_nobody_else(workflow)
 def test_a_completer_that_leaves_ready_steps_wakes_the_others(workflow):
     start(workflow, diamond())
     [first] = claim_all(workflow.community_id)
-    listener = _listener()
+    listener = _Heard()
     try:
         batch = complete_and_claim_steps(workflow.community_id, [(first.lease, {})], claim_limit=1)
         assert len(batch.claims) == 1
-        assert _notified(listener) == [str(workflow.community_id)]
+        assert listener.take(1) == [str(workflow.community_id)]
     finally:
         listener.close()
 

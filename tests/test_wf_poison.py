@@ -282,7 +282,10 @@ def test_maintenance_skips_a_community_whose_run_row_a_stuck_transaction_holds_a
     def hold_the_run_row() -> None:  # a worker's connection left in a transaction, holding the run
         with transaction.atomic():
             with connection.cursor() as cursor:
-                cursor.execute("SELECT 1 FROM buzz_workflows_run WHERE run_id = %s FOR UPDATE", [stuck.pk])
+                cursor.execute(  # its community named: one shard on Citus, which locks rows of one
+                    "SELECT 1 FROM buzz_workflows_run WHERE community_id = %s AND run_id = %s FOR UPDATE",
+                    [community.id, stuck.pk],
+                )
             holding.set()
             release.wait(30)
         connection.close()

@@ -33,9 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 from django.db import connections
-from psycopg import sql as pgsql
 
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries, is_delivery_hint
@@ -44,6 +42,7 @@ from buzz_delivery.agents.runtime import Context, Heartbeat, run_claim
 from buzz_delivery.agents.services.sql import RUN
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin
+from buzz_delivery.listening import Listener
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.sql import DB_NOW
@@ -116,9 +115,10 @@ class Waker:
             return self._cond.wait_for(lambda: self._seq != since, timeout)
 
 
-class RunListener(threading.Thread):
-    """LISTENs on ``buzz_agents`` over its own autocommit psycopg connection and wakes the loop
-    threads for hints naming one of ``communities`` (any community when that is empty).
+class RunListener(Listener):
+    """LISTENs on ``buzz_agents`` (the shared :class:`~buzz_delivery.listening.Listener`: its own
+    autocommit connection, on every node of a Citus cluster, any payload survived) and wakes the
+    loop threads for hints naming one of ``communities`` (any community when that is empty).
     Reconnects after a loss (every ``retry_seconds``) and wakes the threads then too."""
 
     def __init__(
@@ -131,46 +131,33 @@ class RunListener(threading.Thread):
         agents: list[bytes] | None = None,
         on_delivery: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(name="agent-listener", daemon=True)
-        self.waker, self.stop, self.conn_params = waker, stop, conn_params
+        self.waker = waker
         self.communities = {str(c) for c in communities}
         # With acceptance on: the core's delivery hints for these agents wake the threads too.
         self.agents = {a.hex() for a in agents or []}
         self.delivery_channel = core_settings().notify_channel
         self.on_delivery = on_delivery
-        self.retry_seconds = 1.0
         self.hints = 0
+        super().__init__(
+            name="agent-listener",
+            channels=(NOTIFY_CHANNEL, *((self.delivery_channel,) if self.agents else ())),
+            conn_params=conn_params,
+            stop=stop,
+            on_notify=self._hint,
+            on_listen=waker.wake,  # hints may have been missed while not listening
+            logger=logger,
+        )
 
-    def run(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
-        try:
-            while not self.stop.is_set():
-                try:
-                    if conn is None:
-                        conn = psycopg.connect(**self.conn_params, autocommit=True)
-                        conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                        if self.agents:
-                            conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(self.delivery_channel)))
-                        self.waker.wake()  # hints may have been missed while not listening
-                    for notify in conn.notifies(timeout=0.5):
-                        if notify.channel != NOTIFY_CHANNEL:
-                            if is_delivery_hint(notify.payload, self.agents, self.communities):
-                                self.hints += 1
-                                if self.on_delivery is not None:
-                                    self.on_delivery()
-                                self.waker.wake()
-                        elif not self.communities or notify.payload in self.communities:
-                            self.hints += 1
-                            self.waker.wake()
-                except psycopg.Error as exc:
-                    logger.warning("db_unavailable role=agent-listener error=%s", str(exc).strip()[:200])
-                    if conn is not None:
-                        conn.close()
-                    conn = None
-                    self.stop.wait(self.retry_seconds)
-        finally:
-            if conn is not None:
-                conn.close()
+    def _hint(self, channel: str, payload: str) -> None:
+        if channel != NOTIFY_CHANNEL:
+            if is_delivery_hint(payload, self.agents, self.communities):
+                self.hints += 1
+                if self.on_delivery is not None:
+                    self.on_delivery()
+                self.waker.wake()
+        elif not self.communities or payload in self.communities:
+            self.hints += 1
+            self.waker.wake()
 
 
 class AgentWorker:

@@ -126,13 +126,17 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
 # costs that community one skipped batch, never the maintenance of every other community.
 MAINTENANCE_LOCK_TIMEOUT_MS = 2000
 LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout's SQLSTATE
-BOUND_LOCK_WAITS = "SELECT set_config('lock_timeout', %(lock_timeout)s, true)"
 
 
 def bound_lock_waits(milliseconds: int = MAINTENANCE_LOCK_TIMEOUT_MS) -> None:
     """Bound the lock waits of the rest of the caller's transaction (``SET LOCAL lock_timeout``);
-    a wait past it raises an ``OperationalError`` that :func:`lock_wait_timed_out` recognises."""
-    fetch_all(BOUND_LOCK_WAITS, {"lock_timeout": f"{int(milliseconds)}ms"})
+    a wait past it raises an ``OperationalError`` that :func:`lock_wait_timed_out` recognises.
+
+    A ``SET LOCAL`` statement, not ``set_config(..., true)``: Citus carries the statement to the
+    nodes the transaction reaches (``citus.propagate_set_commands = 'local'``), where the rows are
+    locked, and not the function call (a stuck transaction on a shard stalled the maintenance)."""
+    with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
+        cursor.execute(f"SET LOCAL lock_timeout = {int(milliseconds)}")
 
 
 def lock_wait_timed_out(exc: BaseException) -> bool:

@@ -511,22 +511,20 @@ WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.state = 'running' AND NOT r.unwinding
 RETURNING r.id
 """
 
-# -- Streamed output (issue 29, agents/services/output.py). One fenced statement: the holder's
-# run counts the chunk (its seq is the run's new ``output_chunks``; the UPDATE's row lock makes
-# concurrent emits of one run take turns, so the sequence stays gapless) within the run's byte
-# bound, and the chunk is inserted from what that UPDATE returned: no row from a stale, cancelled
-# or lapsed holder, and none past the bound.
+# -- Streamed output (issue 29, agents/services/output.py). One fenced statement, one shard on
+# Citus (issue 30): the chunk is inserted from the holder's run row, locked as an UPDATE locks it
+# (concurrent emits of one run take turns, and a waiter re-reads the fence, the bound and the
+# counter on the row its predecessor left), so no row comes from a stale, cancelled or lapsed
+# holder and none past the run's byte bound; the chunk's insert trigger (agents migration 0020)
+# moves the run's counters, checking that the seq is their next. (The target's alias is for
+# Citus 13, which sends an unqualified RETURNING as the table's name, not its shard's.)
 EMIT_IF_CURRENT_AND_WITHIN_BOUND = f"""
-WITH fenced AS (
-    UPDATE {RUN} AS r
-    SET output_chunks = r.output_chunks + 1, output_bytes = r.output_bytes + %(size)s
-    WHERE {CURRENT_RUN_LEASE} AND r.output_bytes + %(size)s <= %(max_stream_bytes)s
-    RETURNING r.id, r.output_chunks, r.lease_generation
-)
-INSERT INTO {OUTPUT} (id, community_id, run_id, seq, chunk, generation)
-SELECT %(chunk_id)s, %(community_id)s, fenced.id, fenced.output_chunks, %(chunk)s, fenced.lease_generation
-FROM fenced
-RETURNING seq
+INSERT INTO {OUTPUT} AS o (id, community_id, run_id, seq, chunk, generation)
+SELECT %(chunk_id)s, r.community_id, r.id, r.output_chunks + 1, %(chunk)s, r.lease_generation
+FROM {RUN} AS r
+WHERE {CURRENT_RUN_LEASE} AND r.output_bytes + %(size)s <= %(max_stream_bytes)s
+FOR NO KEY UPDATE OF r
+RETURNING o.seq
 """
 
 OUTPUT_USED = f"""

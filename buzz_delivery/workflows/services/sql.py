@@ -196,8 +196,11 @@ WHERE s.community_id = %(community_id)s
 RETURNING s.id
 """
 
-DEFER_NOTIFY = "SELECT set_config('buzz_workflows.notify_deferred', 'on', true)"
-UNDEFER_NOTIFY = "SELECT set_config('buzz_workflows.notify_deferred', '', true)"
+# SET LOCAL statements, not set_config(..., true): Citus carries the statement to the shards, where
+# the release trigger reads the setting (with set_config a completer's claimed releases still woke
+# every orchestrator on the cluster, once the listeners heard the shards).
+DEFER_NOTIFY = "SET LOCAL buzz_workflows.notify_deferred = 'on'"
+UNDEFER_NOTIFY = "SET LOCAL buzz_workflows.notify_deferred = ''"
 
 # After a completing transaction claimed what it could: wake the others when ready steps are left.
 NOTIFY_IF_READY_LEFT = f"""
