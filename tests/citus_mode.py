@@ -123,6 +123,11 @@ SKIPPED: dict[str, str] = {
         "its audit trigger writes a test table local to the coordinator, which a trigger on a shard "
         "cannot reach; the limit's tests on one connection and the SIGKILL test run on the cluster"
     ),
+    "tests/test_rate_limits_claims.py::test_two_workers_sharing_a_claim_rate_key_claim_at_most_its_limit_a_window"
+    "_and_settle_everything": (
+        "its audit trigger writes a test table local to the coordinator, which a trigger on a shard "
+        "cannot reach; the take's statement and its refusals run on the cluster in test_rate_limits"
+    ),
     "tests/test_rate_limits_processes.py::test_eight_worker_processes_hold_a_rate_limit_over_thirty_seconds"
     "_and_every_run_completes": (
         "its audit trigger writes a test table local to the coordinator, which a trigger on a shard "

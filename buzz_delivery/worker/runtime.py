@@ -17,6 +17,7 @@ n=...``); one DEBUG line per delivery (``claimed delivery=...``, ``settled deliv
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import inspect
 import json
 import logging
@@ -37,7 +38,7 @@ from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.loopwatch import LoopWatch
-from buzz_delivery.services import Claim, Lease, LeaseLost
+from buzz_delivery.services import Claim, Lease, LeaseLost, ratelimits
 from buzz_delivery.services import validation as v
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
 from buzz_delivery.worker.handlers import FINISHED, Handler, SettleArgs, aborted_args, settle_args_for
@@ -62,6 +63,7 @@ SUMMARY_KEYS = (
     "claim_statements",
     "settle_statements",
     "loop_stalls",  # an async handler's loop blocked (buzz_delivery.loopwatch)
+    "rate_waits",  # claims held back by the claim rate limit (``rate_key``)
 )
 # Claiming ahead: a claim may wait in the local queue for a free handler thread, for at most
 # this fraction of the lease (and CLAIM_AHEAD_MAX_WAIT seconds) judged by the handlers' recent
@@ -127,6 +129,10 @@ class WorkerConfig:
     up their leases (no longer renewed) and stops (exit 3); a second SIGTERM/SIGINT gives up at once.
     ``name``: the worker's name in its holder identity ``host:pid:name`` (:func:`holder_identity`),
     which every claim records as ``claimed_by`` and in the delivery's history.
+    ``rate_key``: a key of ``BUZZ_DELIVERY['RATE_LIMITS']``: the claims of each community take
+    its units first (one per delivery, :mod:`buzz_delivery.services.ratelimits`), so the fleet's
+    workers sharing the key claim at most ``limit`` deliveries of a community per ``period``;
+    over it, that community's claims wait for the next window (docs/flow-control.md).
     """
 
     community_id: uuid.UUID
@@ -143,6 +149,7 @@ class WorkerConfig:
     shutdown_grace: float = 30.0
     name: str = "worker"
     extra_pairs: tuple[Pair, ...] = ()
+    rate_key: str | None = None
 
     def __post_init__(self) -> None:
         # A pair's community as text (any case, with or without hyphens) or its target as a
@@ -158,6 +165,8 @@ class WorkerConfig:
         # Threads for a plain handler; tasks on one loop (no connection each) for an async one.
         limit = MAX_TASKS if is_async_handler(self.handler) else MAX_THREADS
         v.int_in_range(self.concurrency, "concurrency", 1, limit)
+        if self.rate_key is not None:
+            ratelimits.rate_limit_of(self.rate_key)  # an undeclared key: ValidationError keyed rate_key
 
     @property
     def pairs(self) -> tuple[Pair, ...]:
@@ -230,6 +239,10 @@ class Worker:
         self.holder = holder_identity(config.name)
         self.pairs = config.pairs
         self.next_pair = 0  # where the next poll of every pair starts (round robin)
+        # Claim rate limit (config.rate_key): communities whose window is used up, until when
+        # (monotonic), and the soonest of those, when the dispatcher's next round is due.
+        self.rate_paused: dict[uuid.UUID, float] = {}
+        self.rate_resume: float | None = None
         self.backlogged: list[Pair] = []  # the pairs whose last poll came back full
         self.stop = stop
         self.wake = threading.Event()
@@ -570,6 +583,8 @@ class Worker:
         if hinted and not must_poll and (len(hinted) == 1 or self.batch_size == 1):
             won = 0
             for delivery_id, (community_id, target_pubkey) in hinted[:room]:
+                if not self._rate_units(community_id, 1):
+                    continue  # its community waits for the next window; the round then polls it
                 claim = services.claim_delivery(
                     community_id,
                     target_pubkey,
@@ -595,7 +610,9 @@ class Worker:
             if won >= room or self.stop.is_set() or self.signalled:
                 backlog = True  # pairs left unpolled (or stopping: no new claims)
                 break
-            limit = min(self.batch_size, room - won)
+            limit = self._rate_units(community_id, min(self.batch_size, room - won))
+            if not limit:
+                continue  # its community waits for the next window (not a backlog: no busy loop)
             claims = services.claim_deliveries(
                 community_id, target_pubkey, limit=limit, lease_seconds=self.lease_seconds, holder=self.holder
             )
@@ -612,6 +629,36 @@ class Worker:
         # time: a pair that keeps filling the room does not starve the others.
         self.backlogged = [pair for pair in pairs[polled:] if pair not in full] + full
         return won, backlog
+
+    def _rate_units(self, community_id: uuid.UUID, want: int) -> int:
+        """With a ``rate_key``: how many of ``want`` deliveries of ``community_id`` this claim may
+        take, their units taken first (0: the window is used up; the community waits for the
+        next one, and the dispatcher's next round is due then). Without one: ``want``. Units
+        taken but not claimed (fewer were pending) are not given back: never more than the
+        limit, sometimes less."""
+        key = self.config.rate_key
+        if key is None:
+            return want
+        if self.rate_paused.get(community_id, 0.0) > time.monotonic():
+            return 0
+        spec = ratelimits.rate_limit_of(key)
+        probe = ratelimits.take(community_id, key, 0)  # how much is left (takes nothing)
+        outcome: ratelimits.TakeOutcome = probe
+        if isinstance(probe, ratelimits.Granted) and spec.limit > probe.used:
+            units = min(want, spec.limit - probe.used)
+            outcome = ratelimits.take(community_id, key, units)
+            if isinstance(outcome, ratelimits.Granted):
+                return units
+        if isinstance(outcome, ratelimits.Wait):
+            seconds = outcome.seconds
+        else:  # the window is exactly used up: until it ends
+            ends = outcome.window_start + dt.timedelta(seconds=spec.period)
+            seconds = max((ends - outcome.at).total_seconds(), 0.0)
+        resume = time.monotonic() + seconds
+        self.rate_paused[community_id] = resume
+        self.rate_resume = resume if self.rate_resume is None else min(self.rate_resume, resume)
+        self.tally.add("rate_waits")
+        return 0
 
     def _start(self, claims: list[Claim], via: str) -> None:
         if not claims:
@@ -734,6 +781,8 @@ class Worker:
                     continue
                 if round_due:  # a round of every pair: the next one is due in poll_interval
                     next_poll = time.monotonic() + self.config.poll_interval
+                if self.rate_resume is not None:  # a community's claim window ends sooner
+                    next_poll, self.rate_resume = min(next_poll, self.rate_resume), None
                 if backlog:
                     continue
             timeout = max(next_poll - time.monotonic(), 0.0) if room else self.config.poll_interval

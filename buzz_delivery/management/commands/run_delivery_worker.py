@@ -145,6 +145,12 @@ class Command(StrictOptionsCommand):
             "--idle-exit", type=positive_seconds, default=None, help="Stop after S seconds with nothing to do."
         )
         parser.add_argument(
+            "--rate-key",
+            default=None,
+            help="A key of BUZZ_DELIVERY['RATE_LIMITS']: each community's claims take its units first (one "
+            "per delivery), so the workers sharing it claim at most its limit per period.",
+        )
+        parser.add_argument(
             "--renew-fraction",
             type=fraction,
             default=1 / 3,
@@ -186,8 +192,11 @@ class Command(StrictOptionsCommand):
                 handler_timeout=options["handler_timeout"],
                 shutdown_grace=options["shutdown_grace"],
                 name=options["name"],
+                rate_key=options["rate_key"],
             )
         except ValidationError as exc:  # --concurrency above 256 with a plain (threaded) handler
+            if "rate_key" in getattr(exc, "message_dict", {}):
+                raise CommandError(f"--rate-key: {exc.message_dict['rate_key'][0]}", returncode=2) from exc
             raise CommandError(
                 f"--concurrency: {options['concurrency']} handler threads is too many; up to 256 threads for "
                 "a plain handler, up to 10000 tasks for an async def handler",
