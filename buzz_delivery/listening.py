@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
+import selectors
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +29,8 @@ import psycopg
 from psycopg import sql
 
 NOTIFY_WAIT_SECONDS = 0.5
+NODE_RETRY_SECONDS = 10.0  # a Citus node that could not be reached is tried again after this
+NODE_REFRESH_SECONDS = 300.0  # a Citus coordinator's node list is read again after this
 
 Handler = Callable[[str, str], None]
 
@@ -90,6 +93,7 @@ class Listener(threading.Thread):
         self.ignored = 0
         self.restarts = 0
         self._conns: list[psycopg.Connection[Any]] = []
+        self._relisten_at: float | None = None  # when to read a cluster's nodes again (monotonic)
 
     def _subscribe(self, conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
         try:
@@ -102,7 +106,9 @@ class Listener(threading.Thread):
 
     def _listen(self) -> list[psycopg.Connection[Any]]:
         """LISTEN on the database of ``conn_params`` and, on a Citus coordinator, on each other
-        node (read first: a LISTEN stays each connection's last statement)."""
+        node (read first: a LISTEN stays each connection's last statement). A node that cannot
+        be reached is logged and left out: the coordinator's hints still arrive, and the nodes
+        are tried again (and their list read again) after :data:`NODE_RETRY_SECONDS`."""
         first = psycopg.connect(**self.conn_params, autocommit=True)
         try:
             nodes = other_nodes(first)
@@ -110,14 +116,19 @@ class Listener(threading.Thread):
             first.close()
             raise
         conns = [self._subscribe(first)]
-        try:
-            for host, port in nodes:
-                params = {**self.conn_params, "host": host, "port": port}
+        missing = 0
+        for host, port in nodes:
+            params = {**self.conn_params, "host": host, "port": port}
+            try:
                 conns.append(self._subscribe(psycopg.connect(**params, autocommit=True)))
-        except BaseException:
-            for conn in conns:
-                conn.close()
-            raise
+            except Exception as exc:  # one node down or refusing us must not silence the others
+                missing += 1
+                self.log.warning("node_unreachable role=%s node=%s:%s error=%s", self.name, host, port, first_line(exc))
+        # On a cluster the node list is read again now and then (nodes come and go), and sooner
+        # while one is missing.
+        self._relisten_at = (
+            time.monotonic() + (NODE_RETRY_SECONDS if missing else NODE_REFRESH_SECONDS) if nodes else None
+        )
         return conns
 
     def _close(self) -> None:
@@ -142,12 +153,19 @@ class Listener(threading.Thread):
                         self._conns = self._listen()
                         if self.on_listen is not None:
                             self.on_listen()
+                    if self._relisten_at is not None and time.monotonic() >= self._relisten_at:
+                        self._close()  # read the nodes again (on_listen then polls what a gap hid)
+                        continue
                     if len(self._conns) == 1:
                         for notify in self._conns[0].notifies(timeout=NOTIFY_WAIT_SECONDS):
                             self._deliver(notify.channel, notify.payload)
                         continue
                     # Several nodes: wait for any of them, then take what each has (not waiting).
-                    select.select([conn.fileno() for conn in self._conns], [], [], NOTIFY_WAIT_SECONDS)
+                    # A selector, not select(): a descriptor past 1023 (a busy worker) is fine.
+                    with selectors.DefaultSelector() as selector:
+                        for conn in self._conns:
+                            selector.register(conn.fileno(), selectors.EVENT_READ)
+                        selector.select(NOTIFY_WAIT_SECONDS)
                     for conn in self._conns:
                         for notify in conn.notifies(timeout=0):
                             self._deliver(notify.channel, notify.payload)

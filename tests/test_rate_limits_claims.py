@@ -70,6 +70,26 @@ def test_two_workers_sharing_a_claim_rate_key_claim_at_most_its_limit_a_window_a
     assert busiest <= 2 * LIMIT + 2, busiest
 
 
+def test_idle_polls_spend_no_units_and_a_community_that_is_not_active_stops_nothing(community, start_worker):
+    from buzz_delivery.services import advance_community
+    from buzz_delivery.testing import CommunityFactory
+
+    quiet = CommunityFactory()
+    advance_community(quiet.id, "quiescing")  # its write fence refuses the take
+    limits = json.dumps({"claims": {"limit": LIMIT, "period": PERIOD}})
+    worker = start_worker(
+        random32(), "--pair", f"{quiet.id}:{random32().hex()}", "--rate-key", "claims", "--idle-exit", "2",
+        "--poll-interval", "0.1", handler="tests.worker_handlers:finish", BUZZ_RATE_LIMITS=limits,
+    )  # fmt: skip
+    assert worker.wait(timeout=60) == 0, worker.log()[-3000:]
+    assert worker.summary()["claimed"] == 0
+    # About twenty idle polls of the active community: each took a batch's units and gave them back.
+    (row,) = RateLimit.objects.filter(community_id=community.id, key="claims")
+    assert row.used == 0
+    assert not RateLimit.objects.filter(community_id=quiet.id).exists()
+    assert "rate_take_refused" in worker.log()
+
+
 def test_an_undeclared_claim_rate_key_is_refused_by_name_and_nothing_is_written(community):
     before = RateLimit.objects.count()
     with pytest.raises(CommandError, match="--rate-key: 'nope' is not a rate limit key declared"):

@@ -195,6 +195,27 @@ def charge(community_id: uuid.UUID | str, rate_key: str, weight: int) -> Granted
     return outcome
 
 
+# Units taken and not used (a claim that found fewer deliveries than it took units for), given
+# back to the window they were taken in and to no later one: a window never grants more than its
+# limit, whoever takes the units given back.
+GIVE_BACK = """
+UPDATE buzz_delivery_rate_limit AS r SET used = GREATEST(r.used - %(units)s, 0)
+WHERE r.community_id = %(community_id)s AND r.key = %(key)s AND r.window_start = %(window_start)s
+RETURNING r.used
+"""
+
+
+@tenant_scoped
+def give_back(community_id: uuid.UUID | str, rate_key: str, units: int, window_start: dt.datetime) -> bool:
+    """Give ``units`` taken in the window that started at ``window_start`` (a :class:`Granted`'s)
+    back to it, if it is still the current window (one statement). True when given back; False
+    once the window moved on (its units no longer matter)."""
+    spec = rate_limit_of(rate_key)
+    check_weight(units, spec, field="units")
+    params = {"community_id": _community(community_id), "key": spec.key, "units": units, "window_start": window_start}
+    return bool(fetch_all(GIVE_BACK, params))
+
+
 def _community(community_id: Any) -> uuid.UUID:
     try:
         return community_id if isinstance(community_id, uuid.UUID) else uuid.UUID(str(community_id))

@@ -264,7 +264,9 @@ def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommi
     count = len(params["ids"])
     outcomes: dict[int, TargetOutcome] = {}
     superseded: dict[bytes, uuid.UUID] = {}
-    todo = list(range(count))
+    # Target order, whatever the caller's: two replace commits of the same targets lock their
+    # holders in one order (the supersede walks the arrays), so they never deadlock.
+    todo = sorted(range(count), key=lambda i: bytes(params["target_pubkeys"][i]))
     for round_ in range(1, MAX_ROUNDS + 1):
         round_params = {**params, "singleton_key": key}
         for name in _PER_BINDING:

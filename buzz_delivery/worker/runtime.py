@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import close_old_connections, connection, connections
+from django.db import DatabaseError, close_old_connections, connection, connections
 
 from buzz_delivery import services, tracing
 from buzz_delivery.conf import get_settings
@@ -243,6 +243,7 @@ class Worker:
         # (monotonic), and the soonest of those, when the dispatcher's next round is due.
         self.rate_paused: dict[uuid.UUID, float] = {}
         self.rate_resume: float | None = None
+        self.rate_windows: dict[uuid.UUID, dt.datetime] = {}  # the window of a claim's units
         self.backlogged: list[Pair] = []  # the pairs whose last poll came back full
         self.stop = stop
         self.wake = threading.Event()
@@ -592,6 +593,7 @@ class Worker:
                     lease_seconds=self.lease_seconds,
                     holder=self.holder,
                 )
+                self._rate_unused(community_id, 1 if claim is None else 0)
                 if claim is not None:
                     self._start([claim], "hint")
                     won += 1
@@ -612,10 +614,12 @@ class Worker:
                 break
             limit = self._rate_units(community_id, min(self.batch_size, room - won))
             if not limit:
-                continue  # its community waits for the next window (not a backlog: no busy loop)
+                polled += 1  # its community waits for the next window (not a backlog: no busy loop)
+                continue
             claims = services.claim_deliveries(
                 community_id, target_pubkey, limit=limit, lease_seconds=self.lease_seconds, holder=self.holder
             )
+            self._rate_unused(community_id, limit - len(claims))
             polled += 1
             self.tally.add("claim_statements")
             self._start(claims, "poll")
@@ -633,32 +637,60 @@ class Worker:
     def _rate_units(self, community_id: uuid.UUID, want: int) -> int:
         """With a ``rate_key``: how many of ``want`` deliveries of ``community_id`` this claim may
         take, their units taken first (0: the window is used up; the community waits for the
-        next one, and the dispatcher's next round is due then). Without one: ``want``. Units
-        taken but not claimed (fewer were pending) are not given back: never more than the
-        limit, sometimes less."""
+        next one, and the dispatcher's next round is due then). Without one: ``want``. What the
+        claim then leaves unused goes back to the window (:meth:`_rate_unused`), so idle polls
+        spend nothing. A community whose write fence refuses the take (not active) is left for a
+        poll interval, as the claim would find nothing there; a lost database stops the round
+        like a claim's."""
         key = self.config.rate_key
         if key is None:
             return want
         if self.rate_paused.get(community_id, 0.0) > time.monotonic():
             return 0
         spec = ratelimits.rate_limit_of(key)
-        probe = ratelimits.take(community_id, key, 0)  # how much is left (takes nothing)
-        outcome: ratelimits.TakeOutcome = probe
-        if isinstance(probe, ratelimits.Granted) and spec.limit > probe.used:
-            units = min(want, spec.limit - probe.used)
-            outcome = ratelimits.take(community_id, key, units)
-            if isinstance(outcome, ratelimits.Granted):
-                return units
+        try:
+            outcome: ratelimits.TakeOutcome = ratelimits.take(community_id, key, 0)  # what is left
+            for _ in range(2):  # again with what is left if a peer took some in between
+                if not isinstance(outcome, ratelimits.Granted) or outcome.used >= spec.limit:
+                    break
+                units = min(want, spec.limit - outcome.used)
+                taken = ratelimits.take(community_id, key, units)
+                if isinstance(taken, ratelimits.Granted):
+                    self.rate_windows[community_id] = taken.window_start
+                    return units
+                outcome = taken
+        except DB_UNAVAILABLE:
+            raise
+        except DatabaseError as exc:  # the write fence: the community is not active
+            logger.info("rate_take_refused community=%s error=%s", community_id, exc)
+            self._rate_pause(community_id, self.config.poll_interval)
+            return 0
         if isinstance(outcome, ratelimits.Wait):
             seconds = outcome.seconds
         else:  # the window is exactly used up: until it ends
             ends = outcome.window_start + dt.timedelta(seconds=spec.period)
             seconds = max((ends - outcome.at).total_seconds(), 0.0)
+        self._rate_pause(community_id, seconds)
+        self.tally.add("rate_waits")
+        return 0
+
+    def _rate_pause(self, community_id: uuid.UUID, seconds: float) -> None:
         resume = time.monotonic() + seconds
         self.rate_paused[community_id] = resume
         self.rate_resume = resume if self.rate_resume is None else min(self.rate_resume, resume)
-        self.tally.add("rate_waits")
-        return 0
+
+    def _rate_unused(self, community_id: uuid.UUID, units: int) -> None:
+        """Give back the units a claim took and did not use (a failure only logs: the units
+        are then lost for this window, never granted twice)."""
+        window = self.rate_windows.pop(community_id, None)
+        if self.config.rate_key is None or units <= 0 or window is None:
+            return
+        try:
+            ratelimits.give_back(community_id, self.config.rate_key, units, window)
+        except DB_UNAVAILABLE:
+            raise
+        except DatabaseError as exc:
+            logger.info("rate_give_back_refused community=%s error=%s", community_id, exc)
 
     def _start(self, claims: list[Claim], via: str) -> None:
         if not claims:
