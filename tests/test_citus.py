@@ -119,6 +119,11 @@ TWO_STEPS_ON_CITUS = (
     "sql.INSERT_DELIVERIES_SKIP_EXISTING",
     "maps.INSERT_ELEMENTS",
     "sql.CREATE_RUN",
+    # The singleton commits (keep / replace) share the plain commit's shape: the INSERT's rows
+    # come from parameter arrays through the coordinator (tests/test_flow_singleton.py pins that
+    # every step is one task on the community's node).
+    "singleton.KEEP_STATEMENT",
+    "singleton.REPLACE_STATEMENT",
 )
 
 
