@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from pydantic_core import to_jsonable_python
 
+from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.runtime import NOT_MADE
 
 __all__ = [
@@ -257,3 +258,45 @@ class Chunks:
 
     def since(self, mark: int) -> int:
         return self.position - mark
+
+
+class JournalOptions:
+    """The journal options both integrations' ``DurableAgent`` take (their ``__init__`` sets
+    them with :meth:`set_journal_options`)."""
+
+    compensations: dict[str, Any]
+    reconcile: dict[str, Callable[[Any, str], Any]]
+    destructive: frozenset[str]
+    tool_costs: dict[str, int]
+    request_cost: int
+    usage_cost: Callable[[Any], int]
+    approval_deadline_seconds: int
+    stream_text: bool | str
+
+    def set_journal_options(
+        self,
+        *,
+        compensations: Any,
+        reconcile: Any,
+        destructive: Any,
+        tool_costs: Any,
+        request_cost: int,
+        usage_cost: Callable[[Any], int],
+        approval_deadline_seconds: int,
+        stream_text: Any,
+    ) -> None:
+        """Check and set the options: a compensation not in the registry, or a ``stream_text``
+        other than False, True or ``"tokens"``, is a ``ValueError`` when the handler is built,
+        not at its first call."""
+        self.compensations = dict(compensations or {})
+        for fn in self.compensations.values():
+            registry.name_of(fn)
+        self.reconcile = dict(reconcile or {})
+        self.destructive = frozenset(destructive)
+        self.tool_costs = dict(tool_costs or {})
+        self.request_cost = request_cost
+        self.usage_cost = usage_cost
+        self.approval_deadline_seconds = approval_deadline_seconds
+        if stream_text not in (False, True, "tokens"):
+            raise ValueError(f"stream_text must be False, True or 'tokens', got {stream_text!r}")
+        self.stream_text = stream_text

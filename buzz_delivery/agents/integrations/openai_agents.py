@@ -79,6 +79,7 @@ from buzz_delivery.agents.integrations.journal import (
     AsyncBody,
     Chunks,
     Journal,
+    JournalOptions,
     idempotency_key,
     inside_call,
     journal_for,
@@ -386,7 +387,7 @@ def _default_prompt(run_input: Any) -> str:
     return json.dumps(run_input, sort_keys=True)
 
 
-class DurableAgent:
+class DurableAgent(JournalOptions):
     """A handler ``handler(ctx) -> output`` that runs ``agent`` (an ``agents.Agent``) durably for
     each claimed run with ``Runner.run``.
 
@@ -421,18 +422,11 @@ class DurableAgent:
         stream_text: bool | Literal["tokens"] = False,
     ) -> None:
         self.prompt, self.context = prompt, context
-        self.compensations = dict(compensations or {})
-        for fn in self.compensations.values():
-            registry.name_of(fn)  # ValueError now, not at the first call
-        self.reconcile = dict(reconcile or {})
-        self.destructive = frozenset(destructive)
-        self.tool_costs = dict(tool_costs or {})
-        self.request_cost = request_cost
-        self.usage_cost = usage_cost
-        self.approval_deadline_seconds = approval_deadline_seconds
-        if stream_text not in (False, True, "tokens"):
-            raise ValueError(f"stream_text must be False, True or 'tokens', got {stream_text!r}")
-        self.stream_text = stream_text
+        self.set_journal_options(
+            compensations=compensations, reconcile=reconcile, destructive=destructive, tool_costs=tool_costs,
+            request_cost=request_cost, usage_cost=usage_cost, approval_deadline_seconds=approval_deadline_seconds,
+            stream_text=stream_text,
+        )  # fmt: skip
         self.max_turns = max_turns
         self.agent = _Wrapper(self).agent(agent)
         config = run_config or RunConfig()

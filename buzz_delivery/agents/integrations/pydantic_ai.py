@@ -88,6 +88,7 @@ from buzz_delivery.agents.integrations.journal import (
     AsyncBody,
     Chunks,
     Journal,
+    JournalOptions,
     idempotency_key,
     journal_for,
     keyed,
@@ -312,7 +313,7 @@ def _with_deferred(output_type: Any) -> Any:
     return kinds if DeferredToolRequests in kinds else [*kinds, DeferredToolRequests]
 
 
-class DurableAgent:
+class DurableAgent(JournalOptions):
     """A handler ``handler(ctx) -> output`` that runs ``agent`` durably for each claimed run.
 
     ``prompt(run_input) -> str`` makes the user prompt from the run's input (default: its
@@ -345,18 +346,11 @@ class DurableAgent:
     ) -> None:
         self.agent = agent
         self.prompt, self.deps = prompt, deps
-        self.compensations = dict(compensations or {})
-        for fn in self.compensations.values():
-            registry.name_of(fn)  # ValueError now, not at the first call
-        self.reconcile = dict(reconcile or {})
-        self.destructive = frozenset(destructive)
-        self.tool_costs = dict(tool_costs or {})
-        self.request_cost = request_cost
-        self.usage_cost = usage_cost
-        self.approval_deadline_seconds = approval_deadline_seconds
-        if stream_text not in (False, True, "tokens"):
-            raise ValueError(f"stream_text must be False, True or 'tokens', got {stream_text!r}")
-        self.stream_text = stream_text
+        self.set_journal_options(
+            compensations=compensations, reconcile=reconcile, destructive=destructive, tool_costs=tool_costs,
+            request_cost=request_cost, usage_cost=usage_cost, approval_deadline_seconds=approval_deadline_seconds,
+            stream_text=stream_text,
+        )  # fmt: skip
 
     def __call__(self, ctx: Any) -> Any:
         """The synchronous runtime's handler: runs :meth:`run` on an event loop of its own, in a
