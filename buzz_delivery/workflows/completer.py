@@ -19,8 +19,13 @@ raises is handed to ``done`` with ``None`` (counted as an error; its lease lapse
 maintenance reclaims the step). The thread uses its own Django connection.
 
 It also records the failures of the ``async def`` steps the orchestrator awaits on its event
-loop (:meth:`Completer.put_failure`), which holds no connection: one ``fail_step`` each, as a
-step thread records a plain step's failure, handed to ``done`` the same way.
+loop (:meth:`Completer.put_failure`), which holds no connection, batched the same way: one
+:func:`~buzz_delivery.workflows.services.fail_steps_skip_locked` transaction per community (the
+free runs locked in id order, the retry policies read in one statement, one fenced
+``UPDATE ... FROM unnest`` for the retries and one for the final failures), each step retried
+with its own backoff as ``fail_step`` would; a failure the batch did not attempt (its run was
+busy, or the batch was refused) is recorded on its own (``fail_step``), handed to ``done`` the
+same way.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from django.db import DatabaseError, close_old_connections, connection
 
 from buzz_delivery.worker.settler import next_batch
 from buzz_delivery.workflows.executor import Failure, record_failure
-from buzz_delivery.workflows.services import complete_and_claim_steps, complete_step
-from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
+from buzz_delivery.workflows.services import complete_and_claim_steps, complete_step, fail_steps_skip_locked
+from buzz_delivery.workflows.services.types import StepClaim, StepFailure, StepOutcome
 
 logger = logging.getLogger("buzz_delivery.workflows")
 
@@ -80,6 +85,7 @@ class Completer(threading.Thread):
         # (claim, output, None) to complete, or (claim, None, failure) to fail.
         self._queue: queue.SimpleQueue[tuple[StepClaim, Any, Failure | None] | None] = queue.SimpleQueue()
         self.statements = 0
+        self.fail_batches = 0  # fail_steps_skip_locked transactions (one per community and batch)
 
     def put(self, claim: StepClaim, output: Any) -> None:
         """Queue one output to record (thread-safe, never blocks)."""
@@ -99,14 +105,17 @@ class Completer(threading.Thread):
             while not closing:
                 batch, closing = next_batch(self._queue, self.max_batch, self.linger)
                 by_community: dict[uuid.UUID, list[tuple[StepClaim, Any]]] = {}
-                failures: list[tuple[StepClaim, Failure]] = []
+                failures: dict[uuid.UUID, list[tuple[StepClaim, Failure]]] = {}
                 for claim, output, failure in batch:
                     if failure is not None:
-                        failures.append((claim, failure))
+                        failures.setdefault(claim.lease.community_id, []).append((claim, failure))
                     else:
                         by_community.setdefault(claim.lease.community_id, []).append((claim, output))
-                for claim, failure in failures:
-                    self._done(claim, self._fail(claim, failure))
+                for community, failed in failures.items():
+                    try:
+                        self._fail_many(community, failed)
+                    except Exception:  # never let the completer die
+                        logger.exception("completer_error failures=%d", len(failed))
                 for community, items in by_community.items():
                     try:
                         self._complete(community, items)
@@ -149,6 +158,21 @@ class Completer(threading.Thread):
             logger.exception("complete_error step=%s run=%s", claim.step.key, claim.lease.run_id)
             self._reset_connection(exc)
             return None
+
+    def _fail_many(self, community: uuid.UUID, items: list[tuple[StepClaim, Failure]]) -> None:
+        try:
+            outcomes = fail_steps_skip_locked(
+                community,
+                [StepFailure(claim.lease, f.code, f.message, f.retryable, f.retry_after) for claim, f in items],
+            )
+            self.fail_batches += 1
+        except Exception as exc:
+            logger.warning("fail_batch_refused steps=%d error=%s", len(items), str(exc).splitlines()[:1])
+            self._reset_connection(exc)
+            outcomes = [None] * len(items)
+        for (claim, failure), outcome in zip(items, outcomes, strict=True):
+            # None: not attempted (its run was busy, or the batch was refused): one at a time.
+            self._done(claim, outcome if outcome is not None else self._fail(claim, failure))
 
     def _fail(self, claim: StepClaim, failure: Failure) -> StepOutcome | None:
         try:

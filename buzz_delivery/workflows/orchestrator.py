@@ -12,7 +12,8 @@ by the completer thread (:mod:`buzz_delivery.workflows.completer`), many steps p
 and claims ready steps in the same transaction (a wake that comes while outputs wait for it is
 left to that batch, once per batch; the dispatcher claims what the batch left, or claims itself
 when no batch went through within the poll interval); a renewer thread renews each third of its
-length the leases of the steps a step thread took (running, or awaiting completion): a claim
+length the leases of the steps a step thread took (running, or awaiting completion), one
+statement per community per round (``renew_steps``, each row fenced by its own lease): a claim
 still in the local queue is not renewed, and one that no step thread took within
 ``poll_interval`` is handed back (``release_steps``: ready again, its attempt given back), so a
 claimed step starts or goes back; a listener thread LISTENs on ``buzz_workflows`` (the Advance
@@ -70,7 +71,7 @@ from buzz_delivery.workflows.services import (
     communities_with_due_waits,
     communities_with_ready_steps,
     end_due_waits,
-    renew_step,
+    renew_steps,
 )
 from buzz_delivery.workflows.services.steps import MAX_CLAIM, release_steps
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
@@ -111,9 +112,11 @@ SUMMARY_KEYS = (
     "lease_lost",
     "already_terminal",
     "renewed",
+    "renew_statements",  # one per community with held steps per renewal round
     "claim_statements",
     "chained",
     "complete_statements",
+    "fail_statements",  # transactions recording failures of async steps (one per community and batch)
     "errors",
     "handed_back",
     "abandoned",
@@ -453,22 +456,36 @@ class Orchestrator:
                     return
                 with self.lock:
                     leases = list(self.held.values())  # started or completing: queued claims are not renewed
-                for lease in leases:
-                    try:
-                        renewed = renew_step(lease, self.config.lease_seconds)
-                    except DatabaseError:
-                        close_old_connections()
-                        connection.close()
-                        continue
-                    key = _key(lease)
-                    with self.lock:
+                self._renew_round(leases)
+        finally:
+            connection.close()
+
+    def _renew_round(self, leases: list[StepLease]) -> None:
+        """Renew ``leases``: one statement per community (per :data:`MAX_CLAIM` of its leases),
+        each row fenced by its own lease. A lease found lost is no longer held (its completion
+        will be told ``LeaseLost``, and writes nothing); a statement the database refuses
+        leaves its leases held, to be renewed next round."""
+        by_community: dict[uuid.UUID, list[StepLease]] = {}
+        for lease in leases:
+            by_community.setdefault(lease.community_id, []).append(lease)
+        for community, held in by_community.items():
+            for start in range(0, len(held), MAX_CLAIM):
+                chunk = held[start : start + MAX_CLAIM]
+                try:
+                    outcomes = renew_steps(community, chunk, self.config.lease_seconds)
+                except DatabaseError:
+                    close_old_connections()
+                    connection.close()
+                    continue
+                with self.lock:
+                    self.counts["renew_statements"] += 1
+                    for lease, renewed in zip(chunk, outcomes, strict=True):
+                        key = _key(lease)
                         if isinstance(renewed, StepRenewed) and key in self.held:
                             self.held[key] = renewed.lease
                             self.counts["renewed"] += 1
                         elif isinstance(renewed, LeaseLost):
                             self.held.pop(key, None)  # its complete will be told LeaseLost
-        finally:
-            connection.close()
 
     # --- dispatcher ---------------------------------------------------------------------
 
@@ -793,6 +810,7 @@ class Orchestrator:
             renewer.join(5)
             listener.join(5)
         self.counts["complete_statements"] = self.completer.statements
+        self.counts["fail_statements"] = self.completer.fail_batches
         exit_code = EXIT_OK if reason in ("SIGTERM", "SIGINT", "stopped", "idle_exit", "max_steps") else EXIT_ERROR
         if self.counts["abandoned"] and exit_code == EXIT_OK:
             exit_code = EXIT_ABANDONED

@@ -157,6 +157,20 @@ WHERE {CURRENT_STEP_LEASE}
 RETURNING s.lease_until
 """
 
+# The renewal of many leases of one community in one statement (an orchestrator's renewal round),
+# each row fenced as RENEW_IF_CURRENT_GENERATION fences its one: a row not returned lost its lease.
+RENEW_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s SET lease_until = {LEASE_END}, renewals = s.renewals + 1
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[]) AS u(id, generation)
+WHERE s.community_id = %(community_id)s
+  AND s.id = u.id
+  AND s.lease_generation = u.generation
+  AND s.state = 'running'
+  AND s.lease_until >= {DB_NOW}
+  AND {ACTIVE}
+RETURNING s.id, s.lease_generation, s.lease_until
+"""
+
 # A claim its holder never started, handed back: ``ready`` again in its place (ready_at kept),
 # the attempt it took given back, the generation bumped (the old lease is fenced).
 RELEASE_MANY_IF_CURRENT_GENERATION = f"""
@@ -238,6 +252,50 @@ SET state = 'waiting', {CLEAR_LEASE}, waiting_since = {DB_NOW},
     {step_entry("'park'", "s.lease_generation", "s.claimed_by", status="'waiting'", renewals="s.renewals")}
 WHERE {CURRENT_STEP_LEASE}
 RETURNING s.state, s.wait_deadline
+"""
+
+# Many failed attempts of one community (fail_steps), each row fenced by its own lease as the
+# single statements above fence theirs: the retries (each with its own delay, jitter included,
+# computed from the policy read at its generation) and the final failures, one statement each.
+STEP_RETRY_POLICIES = f"""
+SELECT s.id, s.max_attempts, s.backoff_base_seconds, s.backoff_cap_seconds FROM {STEP} AS s
+JOIN unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[]) AS u(id, generation)
+  ON s.id = u.id AND s.lease_generation = u.generation
+WHERE s.community_id = %(community_id)s
+"""
+
+RETRY_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'ready', failure_code = u.failure_code, failure_message = u.failure_message,
+    {CLEAR_LEASE}, ready_at = {DB_NOW}, next_attempt_at = buzz_delivery_plus_seconds({DB_NOW}, u.delay),
+    {step_entry("'retry'", "s.lease_generation", "s.claimed_by", status="'ready'", renewals="s.renewals")}
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[], %(attempt_numbers)s::integer[],
+            %(failure_codes)s::text[], %(failure_messages)s::text[], %(delays)s::double precision[])
+     AS u(id, generation, attempts, failure_code, failure_message, delay)
+WHERE s.community_id = %(community_id)s
+  AND s.id = u.id
+  AND s.lease_generation = u.generation
+  AND s.state = 'running'
+  AND s.lease_until >= {DB_NOW}
+  AND {ACTIVE}
+  AND s.attempts = u.attempts AND s.attempts < s.max_attempts
+RETURNING s.id
+"""
+
+FAIL_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {STEP} AS s
+SET state = 'failed', failure_code = u.failure_code, failure_message = u.failure_message,
+    {CLEAR_LEASE}, finished_at = {DB_NOW},
+    {step_entry("'settle'", "s.lease_generation", "s.claimed_by", status="'failed'", renewals="s.renewals")}
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[], %(failure_codes)s::text[],
+            %(failure_messages)s::text[]) AS u(id, generation, failure_code, failure_message)
+WHERE s.community_id = %(community_id)s
+  AND s.id = u.id
+  AND s.lease_generation = u.generation
+  AND s.state = 'running'
+  AND s.lease_until >= {DB_NOW}
+  AND {ACTIVE}
+RETURNING s.id
 """
 
 STEP_AT_GENERATION = f"""

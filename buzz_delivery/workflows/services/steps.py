@@ -2,7 +2,9 @@
 
 Each transition is one fenced statement (community, step id, generation, ``running``,
 ``lease_until >= now`` on the database clock, community active), judged by the rows it
-returns. A statement that can end a step first locks the step's run row (the engine's lock
+returns; a batch (``renew_steps``, ``complete_steps``, ``fail_steps``) is one statement fencing
+each of its rows alike, judged row by row.
+A statement that can end a step first locks the step's run row (the engine's lock
 order: run, then steps), and the Advance trigger counts the step in the same transaction.
 When nothing matched, the step is read at the holder's generation: terminal there is
 ``AlreadyTerminal`` (the true holder's retry), anything else ``LeaseLost``.
@@ -10,6 +12,7 @@ When nothing matched, the step is read at the holder's generation: terminal ther
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import uuid
@@ -29,7 +32,15 @@ from buzz_delivery.workflows.models import DefinitionVersion, Step
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
-from buzz_delivery.workflows.services.types import CompletedBatch, StepClaim, StepLease, StepOutcome, StepRenewed
+from buzz_delivery.workflows.services.types import (
+    CompletedBatch,
+    RenewOutcome,
+    StepClaim,
+    StepFailure,
+    StepLease,
+    StepOutcome,
+    StepRenewed,
+)
 from buzz_delivery.workflows.states import STEP_TERMINAL
 
 MAX_CLAIM = 1000
@@ -180,6 +191,61 @@ def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRene
     return StepRenewed(
         StepLease(lease.community_id, lease.step_id, lease.run_id, lease.lease_generation, lease.attempts, rows[0][0])
     )
+
+
+@retry_deadlocks
+@tenant_scoped
+def renew_steps(
+    community_id: uuid.UUID | str, leases: Sequence[StepLease], lease_seconds: float | None = None
+) -> list[RenewOutcome]:
+    """:func:`renew_step` for many leases of one community in one statement (an orchestrator's
+    renewal round): ``UPDATE ... FROM unnest`` fenced per row by (step id, generation) exactly as
+    the single renewal fences its row. ``leases``: 0..1000, each of ``community_id``, each lease
+    at most once. Returns one outcome per lease, in order: :class:`StepRenewed` (new
+    ``lease_until``, database clock) or ``LeaseLost`` (expired, reclaimed, ended, canceled,
+    community not active). Raises ``ValidationError`` keyed ``community_id``, ``leases``,
+    ``leases[i]``, ``lease`` or ``lease_seconds`` before SQL. SPEC section 11."""
+    community = v.uuid_value(community_id, "community_id")
+    if not isinstance(leases, Sequence) or len(leases) > MAX_CLAIM:
+        raise v.invalid("leases", f"must be a sequence of at most {MAX_CLAIM} step leases")
+    checked = _leases_of(community, leases, "leases")
+    seconds = _lease_seconds(lease_seconds)
+    if not checked:
+        return []
+    ordered = sorted(checked, key=lambda lease: (lease.step_id, lease.lease_generation))  # one lock order
+    params = {
+        "community_id": community,
+        "lease_seconds": seconds,
+        "step_ids": [lease.step_id for lease in ordered],
+        "lease_generations": [lease.lease_generation for lease in ordered],
+    }
+    with translated_errors():
+        rows = fetch_all(sql.RENEW_MANY_IF_CURRENT_GENERATION, params)
+    until = {(step_id, generation): lease_until for step_id, generation, lease_until in rows}
+    outcomes: list[RenewOutcome] = []
+    for lease in checked:
+        renewed = until.get((lease.step_id, lease.lease_generation))
+        if renewed is None:
+            outcomes.append(LeaseLost())
+        else:
+            outcomes.append(StepRenewed(dataclasses.replace(lease, lease_until=renewed)))
+    return outcomes
+
+
+def _leases_of(community: uuid.UUID, leases: Sequence[Any], name: str) -> list[StepLease]:
+    """``leases`` checked: each a lease of ``community``, none twice (``ValidationError`` keyed
+    ``name[i]``, or ``lease`` for what is not a lease)."""
+    checked: list[StepLease] = []
+    seen: set[tuple[uuid.UUID, int]] = set()
+    for i, value in enumerate(leases):
+        lease = _lease(value)
+        if lease.community_id != community:
+            raise v.invalid(f"{name}[{i}]", "lease of another community")
+        if (lease.step_id, lease.lease_generation) in seen:
+            raise v.invalid(f"{name}[{i}]", "the same lease twice")
+        seen.add((lease.step_id, lease.lease_generation))
+        checked.append(lease)
+    return checked
 
 
 @retry_deadlocks
@@ -420,6 +486,145 @@ def fail_step(
             expire_deliveries_of_ended_runs(lease.community_id, [lease.run_id])
             return Settled(rows[0][0])
         return _missed(params)
+
+
+def _failure(value: Any, name: str) -> tuple[StepFailure, str, str | None, float | None]:
+    """A :class:`StepFailure` checked as :func:`fail_step` checks its arguments: the failure, its
+    code, message and ``retry_after``."""
+    if not isinstance(value, StepFailure):
+        raise v.invalid(name, f"must be a StepFailure, not {type(value).__name__}")
+    _lease(value.lease)
+    code = v.optional_text(value.failure_code, "failure_code", 64)
+    if not code:
+        raise v.invalid("failure_code", "must not be empty")
+    message = v.optional_text(value.failure_message, "failure_message", 10_000)
+    if not isinstance(value.retryable, bool):
+        raise v.invalid("retryable", "must be True or False")
+    return value, code, message, backoff.argument(value.retry_after)
+
+
+@tenant_scoped
+def fail_steps(community_id: uuid.UUID | str, failures: Sequence[StepFailure]) -> list[StepOutcome]:
+    """:func:`fail_step` for many failed attempts of one community: :func:`fail_steps_skip_locked`,
+    then the steps of runs another transaction held locked one at a time (:func:`fail_step`).
+    Returns one outcome per failure, in order, as :func:`fail_step` would. Raises as
+    :func:`fail_steps_skip_locked`. SPEC section 11 "Retries"."""
+    outcomes = fail_steps_skip_locked(community_id, failures)
+    return [
+        outcome
+        if outcome is not None
+        else fail_step(
+            f.lease,
+            f.failure_code,
+            failure_message=f.failure_message,
+            retryable=f.retryable,
+            retry_after=f.retry_after,
+        )
+        for f, outcome in zip(failures, outcomes, strict=True)
+    ]
+
+
+@tenant_scoped
+def fail_steps_skip_locked(community_id: uuid.UUID | str, failures: Sequence[StepFailure]) -> list[StepOutcome | None]:
+    """Record many failed attempts of one community in one transaction, as :func:`fail_step`
+    records one: it takes the runs that are free now (id order, ``SKIP LOCKED``: it never waits
+    for a run), reads the steps' retry policies at their generations (one statement), then
+    retries with one ``UPDATE ... FROM unnest`` the steps with attempts left that are
+    ``retryable`` (each its own backoff with jitter from the attempt its lease holds, not before
+    its ``retry_after``: :func:`retry_delay`) and ends the others ``failed`` with another
+    (``attempts_exhausted`` when retries ran out), each row fenced by its own lease, Advance
+    per row; the pending deliveries of runs that ended go too.
+
+    ``failures``: 0..1000 :class:`StepFailure`, each lease of ``community_id``, each step at
+    most once. Returns one outcome per failure, in order: ``Settled("ready")``,
+    ``Settled("failed")``, ``AlreadyTerminal(state)`` or ``LeaseLost`` as :func:`fail_step`
+    would, or ``None`` for a failure whose run another transaction held locked (not attempted:
+    record it again, e.g. with :func:`fail_step`). Raises ``ValidationError`` keyed
+    ``community_id``, ``failures``, ``failures[i]``, ``lease``, ``failure_code``,
+    ``failure_message``, ``retryable`` or ``retry_after`` before SQL. SPEC section 11 "Retries".
+    """
+    community = v.uuid_value(community_id, "community_id")
+    if not isinstance(failures, Sequence) or len(failures) > MAX_CLAIM:
+        raise v.invalid("failures", f"must be a sequence of at most {MAX_CLAIM} step failures")
+    checked = [_failure(value, f"failures[{i}]") for i, value in enumerate(failures)]
+    seen: set[uuid.UUID] = set()
+    for i, (failure, *_rest) in enumerate(checked):
+        if failure.lease.community_id != community:
+            raise v.invalid(f"failures[{i}]", "lease of another community")
+        if failure.lease.step_id in seen:
+            raise v.invalid(f"failures[{i}]", "the same step twice")
+        seen.add(failure.lease.step_id)
+    if not checked:
+        return []
+    outcomes = _fail_batch(community, checked)
+    return [outcomes.get(failure.lease.step_id) for failure, *_rest in checked]
+
+
+@retry_deadlocks
+def _fail_batch(
+    community: uuid.UUID, checked: list[tuple[StepFailure, str, str | None, float | None]]
+) -> dict[uuid.UUID, StepOutcome]:
+    """The transaction of :func:`fail_steps_skip_locked` (run again whole when PostgreSQL aborts
+    it as a deadlock's victim): the outcomes of the failures whose runs it took."""
+    outcomes: dict[uuid.UUID, StepOutcome] = {}
+    with transaction.atomic(), translated_errors():
+        run_ids = sorted({failure.lease.run_id for failure, *_rest in checked})
+        free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, {"community_id": community, "run_ids": run_ids})}
+        batch = sorted((c for c in checked if c[0].lease.run_id in free), key=lambda c: c[0].lease.step_id)
+        if not batch:
+            return outcomes
+        leases = [failure.lease for failure, *_rest in batch]
+        fence = {
+            "community_id": community,
+            "step_ids": [lease.step_id for lease in leases],
+            "lease_generations": [lease.lease_generation for lease in leases],
+        }
+        policies = {row[0]: row[1:] for row in fetch_all(sql.STEP_RETRY_POLICIES, fence)}
+        retries: list[tuple[StepLease, str, str | None, float]] = []
+        ends: list[tuple[StepLease, str, str | None]] = []
+        for failure, code, message, after in batch:
+            lease = failure.lease
+            policy = policies.get(lease.step_id)
+            if policy is None:
+                outcomes[lease.step_id] = LeaseLost()
+                continue
+            max_attempts, base, cap = policy
+            if failure.retryable and lease.attempts < max_attempts:
+                retries.append((lease, code, message, retry_delay(lease.attempts, base, cap, after)))
+            elif failure.retryable:
+                ends.append((lease, "attempts_exhausted", f"{code}: {message or ''}".strip()[:10_000]))
+            else:
+                ends.append((lease, code, message))
+        if retries:
+            params = {
+                "community_id": community,
+                "step_ids": [lease.step_id for lease, *_ in retries],
+                "lease_generations": [lease.lease_generation for lease, *_ in retries],
+                "attempt_numbers": [lease.attempts for lease, *_ in retries],
+                "failure_codes": [code for _, code, _, _ in retries],
+                "failure_messages": [message for _, _, message, _ in retries],
+                "delays": [delay for *_, delay in retries],
+            }
+            retried = {row[0] for row in fetch_all(sql.RETRY_MANY_IF_CURRENT_GENERATION, params)}
+            for lease, *_ in retries:
+                outcomes[lease.step_id] = (
+                    Settled("ready") if lease.step_id in retried else _missed(_params(lease), still_fine="ready")
+                )
+        if ends:
+            params = {
+                "community_id": community,
+                "step_ids": [lease.step_id for lease, *_ in ends],
+                "lease_generations": [lease.lease_generation for lease, *_ in ends],
+                "failure_codes": [code for _, code, _ in ends],
+                "failure_messages": [message for _, _, message in ends],
+            }
+            failed = {row[0] for row in fetch_all(sql.FAIL_MANY_IF_CURRENT_GENERATION, params)}
+            for lease, *_ in ends:
+                outcomes[lease.step_id] = Settled("failed") if lease.step_id in failed else _missed(_params(lease))
+            # Under on_error fail_run those runs have ended: their pending deliveries go too.
+            ended = sorted({lease.run_id for lease, *_ in ends if lease.step_id in failed})
+            expire_deliveries_of_ended_runs(community, ended)
+    return outcomes
 
 
 @tenant_scoped

@@ -58,6 +58,20 @@ class StepRenewed:
 
 
 StepOutcome = Settled | AlreadyTerminal | LeaseLost
+RenewOutcome = StepRenewed | LeaseLost
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailure:
+    """One failed attempt to record with :func:`~buzz_delivery.workflows.services.fail_steps`:
+    the lease it was made under and the arguments :func:`~buzz_delivery.workflows.services.fail_step`
+    takes (``retry_after``: a provider's Retry-After, seconds, or None)."""
+
+    lease: StepLease
+    failure_code: str
+    failure_message: str | None = None
+    retryable: bool = True
+    retry_after: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
