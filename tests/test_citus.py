@@ -86,6 +86,39 @@ def test_lease_statements_run_on_one_shard(community):
         assert "Task Count: 1" in plan, f"{name} fans out:\n{plan}"
 
 
+def test_batched_step_statements_run_on_one_shard(community):
+    """An orchestrator's renewal round and its batched failures (issue 29): each statement, the
+    policy read included, one task on the community's node."""
+    import uuid
+
+    from buzz_delivery.workflows.services import sql as wf_sql
+
+    ids, generations = [str(uuid.uuid4()), str(uuid.uuid4())], [1, 2]
+    fence = {"community_id": community.id, "step_ids": ids, "lease_generations": generations}
+    statements = {
+        "renew many": (wf_sql.RENEW_MANY_IF_CURRENT_GENERATION, {**fence, "lease_seconds": 30.0}),
+        "retry policies": (wf_sql.STEP_RETRY_POLICIES, fence),
+        "retry many": (
+            wf_sql.RETRY_MANY_IF_CURRENT_GENERATION,
+            {
+                **fence,
+                "attempt_numbers": [1, 1],
+                "failure_codes": ["x", "y"],
+                "failure_messages": ["m", None],
+                "delays": [1.5, 3600.0],
+            },
+        ),
+        "fail many": (
+            wf_sql.FAIL_MANY_IF_CURRENT_GENERATION,
+            {**fence, "failure_codes": ["x", "y"], "failure_messages": ["m", None]},
+        ),
+    }
+    for name, (statement, params) in statements.items():
+        plan = _plan(statement, params)
+        counts = [int(n) for n in re.findall(r"Task Count: (\d+)", plan)]
+        assert counts and max(counts) == 1 and "Distributed Subplan" not in plan, f"{name} fans out:\n{plan}"
+
+
 _INSERT_SELECT = re.compile(r"\s*(WITH\b.*)?INSERT\s+INTO\b[^;]*\bSELECT\b", re.I | re.S)
 
 

@@ -32,6 +32,7 @@ from buzz_delivery.workflows.services import (
 from buzz_delivery.workflows.services import sql as wf_sql
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.testing import function_step
+from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT
 from tests.wf_support import backdate_step_lease, start
 
@@ -68,6 +69,18 @@ class StatementCounter:
 
     def count(self, statement: str) -> int:
         return sum(sql == statement for sql in self.sent)
+
+
+def renewal_waits_for_a_lock(pid: int) -> bool:
+    """Whether the renewal (backend ``pid``) waits for a row lock: on Citus the wait is on the
+    community's worker, seen through ``citus_lock_waits``."""
+    with connection.cursor() as cursor:
+        if CITUS_MODE:
+            cursor.execute("SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE %s", ["%renewals%"])
+            return cursor.fetchone()[0] > 0
+        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
+        row = cursor.fetchone()
+    return bool(row and row[0] == "Lock")
 
 
 # --- renewals -----------------------------------------------------------------------------
@@ -175,12 +188,8 @@ def test_a_renewal_round_that_meets_a_lease_taken_by_another_holder_renews_the_o
     while True:
         assert not errors, errors
         assert time.monotonic() < deadline, "the renewal never waited for the row B holds"
-        if renewal_pid:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [renewal_pid[0]])
-                row = cursor.fetchone()
-            if row and row[0] == "Lock":
-                break
+        if renewal_pid and renewal_waits_for_a_lock(renewal_pid[0]):
+            break
         time.sleep(0.01)
     b_may_commit.set()
     for t in threads:
