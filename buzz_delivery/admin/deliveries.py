@@ -30,7 +30,7 @@ from buzz_delivery import services
 from buzz_delivery.admin import display, search
 from buzz_delivery.admin.base import MAX_ACTION_ROWS, ReadOnlyAdmin, logger, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
-from buzz_delivery.admin.concurrency import load_concurrency_use
+from buzz_delivery.admin.concurrency import DELIVERIES, load_concurrency_use
 from buzz_delivery.admin.dashboard import load_dashboard
 from buzz_delivery.admin.filters import CommunityFilter, FailureCodeFilter, LeaseExpiredFilter, lease_expired_q
 from buzz_delivery.admin.paginators import EstimatedCountPaginator
@@ -409,6 +409,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "opts": self.opts,
             "title": "Concurrency limits",
             "use": load_concurrency_use(),
+            "page": DELIVERIES,
             "changelist_url": reverse(f"admin:{self._url_name('changelist')}"),
             "dashboard_url": reverse(f"admin:{self._url_name('dashboard')}"),
         }

@@ -20,12 +20,14 @@ from django.utils.safestring import mark_safe
 from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
+from buzz_delivery.admin.concurrency import ConcurrencyPageMixin, SlotTable
 from buzz_delivery.admin.search import parse_uuid
 from buzz_delivery.agents.models import AgentRun, JournalEntry, RunOutput
 from buzz_delivery.agents.services import AlreadyTerminal, NotFound, cancel_agent_run
 from buzz_delivery.agents.states import RUN_TERMINAL
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.models import WorkflowAgentDelivery, WorkflowRun
+from buzz_delivery.services import flow
 
 # Characters of a journaled call's output shown on its timeline row (its stored JSON text).
 OUTPUT_CHARS = 120
@@ -68,8 +70,28 @@ def timeline_rows(run: AgentRun) -> list[tuple[str, ...]]:
     return rows
 
 
+# The agent runs' concurrency limits page (``AGENT_CONCURRENCY_LIMITS``): the leased runs hold
+# the slots (agents migration 0019's partial UNIQUE indexes), the pending runs of a key wait.
+AGENT_RUN_SLOTS = SlotTable(
+    setting=flow.AGENT_SETTING,
+    declared=flow.declared_agent_limits,
+    table=AgentRun._meta.db_table,
+    held="d.state IN ('running', 'waiting_tool')",
+    kinds={"agent": ("slot_agent", ("agent_pubkey",)), "community": ("slot_community", ())},
+    pending="d.state = 'pending'",
+    waiter_keys={"agent": ("d.agent_pubkey",), "community": ()},
+    key_types={"agent": ("bytea",), "community": ()},
+    noun="agent runs",
+    held_word="leased",
+    waiting="pending runs",
+    freed_by="settled, parked, cancelled or reaped",
+)
+
+
 @admin.register(AgentRun)
-class AgentRunAdmin(ReadOnlyAdmin):
+class AgentRunAdmin(ConcurrencyPageMixin, ReadOnlyAdmin):
+    concurrency_source = AGENT_RUN_SLOTS
+    change_list_template = "admin/buzz_delivery/bd_concurrency_change_list.html"
     # Two facts a cell where they belong together: the list fits a 1400-pixel window with both
     # sidebars open (tests/test_browser.py).
     list_display = ("short_id", "agent_holder", "community", "state_line", "usage", "finished_at")

@@ -20,9 +20,10 @@ from django.utils.html import format_html, format_html_join
 from buzz_delivery.admin import display
 from buzz_delivery.admin.base import ReadOnlyAdmin, report, too_many
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
+from buzz_delivery.admin.concurrency import ConcurrencyPageMixin, SlotTable
 from buzz_delivery.admin.search import parse_uuid
 from buzz_delivery.exceptions import BuzzDeliveryError
-from buzz_delivery.services import AlreadyTerminal
+from buzz_delivery.services import AlreadyTerminal, flow
 from buzz_delivery.workflows import dag, search
 from buzz_delivery.workflows.models import Approval, DefinitionVersion, Run, Schedule, SentEvent, Step
 from buzz_delivery.workflows.services import (
@@ -249,8 +250,35 @@ class RunAdmin(_WorkflowNameColumn, ReadOnlyAdmin):
         report(self, request, verb="restarted", done=done, skipped=skipped, change_message="restart_run")
 
 
+# The workflow steps' concurrency limits page (``STEP_CONCURRENCY_LIMITS``): the running steps
+# hold the slots (workflows migration 0022's partial UNIQUE indexes; a running step records its
+# run's workflow in ``slot_workflow_id``), the ready steps of a key wait (a ready step's workflow
+# is its run's, read through the run in the same community).
+STEP_SLOTS = SlotTable(
+    setting=flow.STEP_SETTING,
+    declared=flow.declared_step_limits,
+    table=Step._meta.db_table,
+    held="d.state = 'running'",
+    kinds={
+        "community": ("slot_community", ()),
+        "workflow": ("slot_workflow", ("slot_workflow_id",)),
+        "step": ("slot_step", ("slot_workflow_id", "key")),
+    },
+    pending="d.state = 'ready'",
+    join=f"JOIN {Run._meta.db_table} AS w ON w.community_id = d.community_id AND w.run_id = d.run_id",
+    waiter_keys={"community": (), "workflow": ("w.workflow_id",), "step": ("w.workflow_id", "d.key")},
+    key_types={"community": (), "workflow": ("uuid",), "step": ("uuid", "text")},
+    noun="workflow steps",
+    held_word="running",
+    waiting="ready steps",
+    freed_by="settled, parked, cancelled or reaped",
+)
+
+
 @admin.register(Step)
-class StepAdmin(ReadOnlyAdmin):
+class StepAdmin(ConcurrencyPageMixin, ReadOnlyAdmin):
+    concurrency_source = STEP_SLOTS
+    change_list_template = "admin/buzz_delivery/bd_concurrency_change_list.html"
     list_display = ("key", "run_column", "community", "kind", "state", "holder", "attempts", "why", "finished_at")
     list_filter = ("state", "kind")
     list_select_related = ("community",)  # the run column needs no join (run_link)
