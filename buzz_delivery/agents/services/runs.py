@@ -268,13 +268,13 @@ def claim_agent_runs(
         "lease_seconds": v.lease_seconds(get_settings().lease_seconds if lease_seconds is None else lease_seconds),
     }
     limits = flow.declared_agent_limits()
-    with transaction.atomic(), translated_errors():
-        if limits:
+    with translated_errors():
+        if limits:  # the community's claim lock, then the claim: one transaction (flow's)
             caps = flow.all_caps(limits, flow.AGENT_KINDS)
             rows = flow.claim_holding_slots(
                 sql.CLAIM_PENDING_RUNS_UNDER_LIMITS, {**params, **caps}, flow.AGENT_CLAIM_LOCK_NAMESPACE, "ag_run_slot_"
             )
-        else:
+        else:  # one statement, atomic by itself: no BEGIN and COMMIT round trips around it
             rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
     claims = [AgentClaim(AgentLease(community, row[0], row[1], row[2], worker), _claimed_run(row[3:])) for row in rows]
     return sorted(claims, key=lambda c: (-c.run.priority, c.run.created_at, c.run.id))  # the claim's order
