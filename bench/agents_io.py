@@ -11,7 +11,8 @@ by ``--dbos-python``, which must have ``dbos``), in the same run on the same Pos
 Each figure drains ``runs-per-slot x in-flight`` runs (at least 128). Peak connections: the most
 sessions on the figure's database seen by a sampler every 20 ms (the sampler connects to
 ``postgres``). Our databases: the bench's (created, name must start with ``bench_f``); DBOS's:
-its name + ``_dbos``. Prints a Markdown table and writes ``bench/results/agents_io.md``.
+its name + ``_dbos``. Prints a Markdown table and writes ``bench/results/agents_io.md``
+(``agents_io_noop.md`` with ``--call-seconds 0``: no-op calls, the runtime's own cost).
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    (ROOT / "bench" / "results" / "agents_io.md").write_text(text)
+    # No-op calls (--call-seconds 0: the runtime's own cost, issue 29) keep a file of their own.
+    name = "agents_io_noop.md" if CALL_SECONDS == 0 else "agents_io.md"
+    (ROOT / "bench" / "results" / name).write_text(text)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from buzz_delivery.agents.services import (
     record_call_result,
     request_approval,
 )
+from buzz_delivery.agents.services import sql as agents_sql
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import advance_to, random32
 from buzz_delivery.workflows.models import Approval
@@ -158,6 +159,27 @@ def stale_and_true(community):
     assert reap_agent_runs().reclaimed == 1
     make_claimable(run_id)
     return stale, claim(community.id, run_id, "w2")
+
+
+def test_a_claim_returns_each_run_as_the_orm_reads_it_after_the_claim_with_its_history_deferred(community):
+    """The claim is one statement: each claimed run is built from the row it returned, with
+    every column (JSON decoded, timestamps aware) equal to a fresh ORM read of the run."""
+    first = new_run(community.id, timeout_seconds=600)
+    second = new_run(community.id, shadow=True, max_cost=7)
+    claims = claim_agent_runs(community.id, [AGENT], worker_id="w1", limit=5, lease_seconds=30)
+    assert [c.lease.run_id for c in claims] == [first, second]
+    for c in claims:
+        fresh = run_of(c.lease.run_id)
+        assert c.run.get_deferred_fields() == {"history"}
+        for field in AgentRun._meta.concrete_fields:
+            if field.name != "history":
+                assert getattr(c.run, field.attname) == getattr(fresh, field.attname), field.name
+        assert c.run.state == "running" and c.run.lease_generation == c.lease.lease_generation
+        assert c.run.lease_until == c.lease.lease_until and c.run.worker_id == "w1"
+        assert c.run.history == fresh.history  # deferred: read on demand, as before
+    assert claims[0].run.input == run_of(first).input and claims[0].run.timeout_at is not None
+    columns = {f.column for f in AgentRun._meta.concrete_fields} - {"history"}
+    assert set(agents_sql.CLAIMED_RUN_COLUMNS) == columns  # a new column is returned by the claim too
 
 
 def test_a_reclaimed_holder_can_neither_heartbeat_journal_record_complete_fail_nor_compensate(community):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,14 @@ def prepare_completion(lease: AgentLease, output: Any) -> PreparedCompletion:
     return PreparedCompletion(lease, text, sha256_json(output), output)
 
 
+def _transaction(needed: bool) -> AbstractContextManager[Any]:
+    """A transaction when a batch writes in more than one statement; else nothing: the batch's
+    one write (every row fenced by its own lease, a workflow step's count by its trigger) is
+    atomic by itself in autocommit, and saves the BEGIN and COMMIT round trips (SPEC 15: one
+    fenced statement per transition). Inside a caller's transaction it is that transaction."""
+    return transaction.atomic() if needed else nullcontext()
+
+
 def _common(community_id: Any, leases: Sequence[AgentLease]) -> dict[str, Any]:
     community = v.uuid_value(community_id, "community_id")
     if len(leases) > MAX_BATCH:
@@ -215,8 +224,10 @@ def journal_calls(community_id: uuid.UUID | str, calls: Sequence[PreparedCall]) 
     )
     outcomes: dict[uuid.UUID, JournalOutcome] = {}
     # One transaction for the whole batch (the single forms' savepoints inside it): a batch
-    # that raises wrote nothing, so its replay one call at a time journals each call once.
-    with transaction.atomic(), translated_errors():
+    # that raises wrote nothing, so its replay one call at a time journals each call once. With
+    # no destructive call the batch writes in its one statement, atomic by itself: no BEGIN and
+    # COMMIT round trips around it (what follows it only reads, to judge the runs it missed).
+    with _transaction(bool(blocked_ones)), translated_errors():
         for c in blocked_ones:  # destructive: the single form decides shadow blocking
             outcomes[c.lease.run_id] = replay_call(c)
         if batched:
@@ -255,7 +266,7 @@ def record_results(community_id: uuid.UUID | str, results: Sequence[PreparedResu
     if not results:
         return []
     out: list[RecordOutcome] = []
-    with transaction.atomic(), translated_errors():
+    with _transaction(False), translated_errors():  # one statement writes; the rest reads
         done = {row[0]: row[1] for row in fetch_all(sql.RECORD_MANY_IF_CURRENT, params)}
         for r in results:
             status = done.get(r.lease.run_id)
@@ -287,7 +298,7 @@ def complete_runs(community_id: uuid.UUID | str, completions: Sequence[PreparedC
     params.update(outputs=[c.output_text for c in completions], output_hashes=[c.output_hash for c in completions])
     if not completions:
         return []
-    with transaction.atomic(), translated_errors():
+    with _transaction(False), translated_errors():  # one statement writes; the rest reads
         done = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT, params)}
         return [Finished("completed") if c.lease.run_id in done else missed(lease_params(c.lease)) for c in completions]
 

@@ -12,7 +12,7 @@ import hashlib
 import uuid
 from typing import Any
 
-from django.db import transaction
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from buzz_delivery import tracing
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
@@ -204,6 +204,38 @@ def _worker(value: Any) -> str:
     return text
 
 
+_CLAIMED_FIELDS: list[tuple[str, list[Any], Any]] | None = None
+
+
+def _claimed_fields() -> list[tuple[str, list[Any], Any]]:
+    """(attname, converters, column expression) of each of :data:`sql.CLAIMED_RUN_COLUMNS`: the
+    converters the ORM applies to that column when it reads a run (a JSON column's decoding)."""
+    global _CLAIMED_FIELDS
+    if _CLAIMED_FIELDS is None:
+        db = connections[DEFAULT_DB_ALIAS]
+        by_column = {f.column: f for f in AgentRun._meta.concrete_fields}
+        out = []
+        for column in sql.CLAIMED_RUN_COLUMNS:
+            field = by_column[column]
+            col = field.get_col(AgentRun._meta.db_table)
+            out.append((field.attname, [*db.ops.get_db_converters(col), *col.get_db_converters(db)], col))
+        _CLAIMED_FIELDS = out
+    return _CLAIMED_FIELDS
+
+
+def _claimed_run(values: tuple[Any, ...]) -> AgentRun:
+    """The run a claim returned (its columns but the history, which stays deferred), built as
+    the ORM builds a run it reads: the same values, the same converters."""
+    db = connections[DEFAULT_DB_ALIAS]
+    fields = _claimed_fields()
+    converted = []
+    for (_, converters, col), value in zip(fields, values, strict=True):
+        for converter in converters:
+            value = converter(value, col, db)
+        converted.append(value)
+    return AgentRun.from_db(DEFAULT_DB_ALIAS, [f[0] for f in fields], converted)
+
+
 @tenant_scoped
 @tracing.traced("buzz.agent.claim")
 def claim_agent_runs(
@@ -236,20 +268,15 @@ def claim_agent_runs(
         "lease_seconds": v.lease_seconds(get_settings().lease_seconds if lease_seconds is None else lease_seconds),
     }
     limits = flow.declared_agent_limits()
-    with transaction.atomic(), translated_errors():
-        if limits:
+    with translated_errors():
+        if limits:  # the community's claim lock, then the claim: one transaction (flow's)
             caps = flow.all_caps(limits, flow.AGENT_KINDS)
             rows = flow.claim_holding_slots(
                 sql.CLAIM_PENDING_RUNS_UNDER_LIMITS, {**params, **caps}, flow.AGENT_CLAIM_LOCK_NAMESPACE, "ag_run_slot_"
             )
-        else:
+        else:  # one statement, atomic by itself: no BEGIN and COMMIT round trips around it
             rows = fetch_all(sql.CLAIM_PENDING_RUNS, params)
-        found = AgentRun.objects.filter(community_id=community, id__in=[x[0] for x in rows]).defer("history")
-        runs = {r.id: r for r in found}
-    claims = [
-        AgentClaim(AgentLease(community, run_id, generation, until, worker), runs[run_id])
-        for run_id, generation, until in rows
-    ]
+    claims = [AgentClaim(AgentLease(community, row[0], row[1], row[2], worker), _claimed_run(row[3:])) for row in rows]
     return sorted(claims, key=lambda c: (-c.run.priority, c.run.created_at, c.run.id))  # the claim's order
 
 

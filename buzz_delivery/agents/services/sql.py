@@ -95,6 +95,21 @@ VALUES (%(id)s, %(community_id)s, %(agent_pubkey)s, 'pending', false, %(shadow)s
         %(max_cost)s, 0, %(max_lease_seconds)s)
 """
 
+# What a claim returns: the lease (id, generation, lease end) then every column of the claimed
+# run but its history, as the row stands after the claim, so the claim is one statement and the
+# worker builds each run from its row (runs.claim_agent_runs) instead of reading the runs again.
+CLAIMED_RUN_COLUMNS = (
+    "community_id", "id", "agent_pubkey", "state", "unwinding", "shadow", "input", "input_hash", "output",
+    "output_hash", "failure_code", "failure_message", "delivery_id", "source_run_id", "source_step_key",
+    "approval_id", "lease_generation", "lease_until", "claimed_at", "heartbeat_at", "worker_id", "attempts",
+    "max_attempts", "next_attempt_at", "timeout_at", "max_tool_calls", "tool_calls_used", "max_cost", "cost_used",
+    "max_lease_seconds", "trace_context", "priority", "slot_community", "slot_agent", "created_at", "finished_at",
+    "renewals", "output_chunks", "output_bytes",
+)  # fmt: skip
+_CLAIM_RETURNING = "RETURNING r.id, r.lease_generation, r.lease_until, " + ", ".join(
+    f"r.{column}" for column in CLAIMED_RUN_COLUMNS
+)
+
 _CLAIM_RUN_SET = f"""state = 'running', lease_generation = r.lease_generation + 1, lease_until = {RUN_LEASE_END},
     claimed_at = {DB_NOW}, heartbeat_at = {DB_NOW}, worker_id = %(worker_id)s, next_attempt_at = NULL,
     renewals = 0,
@@ -119,7 +134,7 @@ SET {_CLAIM_RUN_SET},
     slot_community = NULL, slot_agent = NULL
 FROM candidate
 WHERE r.community_id = %(community_id)s AND r.id = candidate.id AND r.state = 'pending'
-RETURNING r.id, r.lease_generation, r.lease_until
+{_CLAIM_RETURNING}
 """
 
 # Under the operator's AGENT_CONCURRENCY_LIMITS (services/flow.py; ``cap_agent``,
@@ -156,7 +171,7 @@ FROM admitted
 -- win the join and read every pending run of the community).
 WHERE r.community_id = %(community_id)s AND r.id = ANY (ARRAY(SELECT admitted.id FROM admitted))
   AND r.id = admitted.id
-RETURNING r.id, r.lease_generation, r.lease_until
+{_CLAIM_RETURNING}
 """
 
 HEARTBEAT_IF_CURRENT = f"""
