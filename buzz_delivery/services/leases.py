@@ -118,6 +118,9 @@ def _run_claim(
     elif delivery_id is None and expected is None:
         statement = cached.CLAIM.call  # the hot form: planned once per backend
         rows = _fenced_as_nothing(statement, params)
+    elif expected is None:
+        statement = cached.CLAIM_HINTED.call  # a wake hint's claim: planned once per backend too
+        rows = _fenced_as_nothing(statement, params)
     else:
         statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
         rows = _fenced_as_nothing(statement, params)
