@@ -82,15 +82,10 @@ def test_a_statement_whose_parameters_do_not_match_its_declaration_is_refused():
         cached.CachedStatement("f", "SELECT %(a)s, %(b)s", (("a", "int"),), "TABLE(x int)", "d.x")
 
 
-def test_a_hinted_claim_goes_through_its_function_and_reads_the_named_row_by_its_key(
-    community, message_event, make_binding
-):
+def test_a_hinted_claim_goes_through_its_function(community, message_event, make_binding):
     """A wake hint's claim (``claim_delivery(..., delivery_id=...)``, the worker's wake path) is
-    the plan-cached ``buzz_delivery_claim_hinted`` call, claims the named delivery only, and its
-    cached (generic) plan reaches that row through the primary key, not a scan of the pending."""
+    the plan-cached ``buzz_delivery_claim_hinted`` call and claims the named delivery only."""
     from django.test.utils import CaptureQueriesContext
-
-    from tests.plan_support import generic_explain
 
     target = random32()
     ids = services.commit_deliveries(
@@ -105,11 +100,18 @@ def test_a_hinted_claim_goes_through_its_function_and_reads_the_named_row_by_its
     assert sent.count(cached.CLAIM_HINTED.function + "(") == 1
     assert cached.CLAIM.function not in sent
 
+
+def test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key(community, message_event, make_binding):
+    """The hinted claim's generic plan (what its function caches) reaches the named row through
+    the primary key, in the candidate CTE and in the UPDATE, not through a scan of the pending."""
+    from tests.plan_support import generic_explain
+
+    ids = services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=random32())])
     # The cached plan as a busy table's statistics make it: a backlog of pending rows on one
     # target and settled ones (in the test's transaction), analyzed.
     from tests.test_claim_plan_stale_stats import clone
 
-    seed_step = models.WorkflowAgentDelivery.objects.get(id=ids[2]).step_id
+    seed_step = models.WorkflowAgentDelivery.objects.get(id=ids[0]).step_id
     clone(seed_step, "p", 3_000, "pending", 1)
     clone(seed_step, "f", 3_000, "finished", 1)
     with connection.cursor() as cursor:
@@ -117,7 +119,7 @@ def test_a_hinted_claim_goes_through_its_function_and_reads_the_named_row_by_its
     params = {
         "community_id": community.id,
         "target_pubkey": bytes(32),  # the backlog's target
-        "delivery_id": ids[2],
+        "delivery_id": ids[0],
         "limit": 1,
         "lease_seconds": 30,
         "holder": "plan",
