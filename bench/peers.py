@@ -9,6 +9,8 @@ Systems (``SYSTEMS``):
 
 - ``raw_single``: the raw psycopg one-row floor (claim 1 + fenced finish, :mod:`bench.baseline`);
 - ``raw_batch``: the raw psycopg batch floor (claim 16, settle 16 in one statement);
+- ``raw_batch50``: the same at our worker's batch (claim 50, settle 50), the floor issue 31
+  compares the worker with;
 - ``ours_single``: ``services.claim_delivery -> finish_delivery``;
 - ``ours_batch``: ``services.claim_deliveries(50) -> finish_deliveries``;
 - ``worker``: ``run_worker`` (what ``run_delivery_worker`` runs), no-op handler, concurrency 16,
@@ -38,6 +40,7 @@ START_DELAY = 0.3  # seconds between sending a drain and its common start instan
 WORKER_CONCURRENCY = 16
 WORKER_BATCH: int | None = None  # the worker's default (buzz_delivery.worker.runtime.DEFAULT_BATCH_SIZE)
 RAW_BATCH = 16
+RAW_BATCH50 = 50  # raw_batch50: the worker's default batch (issue 31)
 OURS_BATCH = 50
 PGQUEUER_BATCH = 10
 PGQUEUER_TUNED_BATCH = 50
@@ -213,6 +216,8 @@ def run_drain(drain: Drain, url: str) -> DrainResult:
             result.statements = _raw(drain, url, 1)
         elif system == "raw_batch":
             result.statements = _raw(drain, url, RAW_BATCH)
+        elif system == "raw_batch50":
+            result.statements = _raw(drain, url, RAW_BATCH50)
         elif system == "ours_single":
             result.statements = _ours(drain, 1)
         elif system == "ours_batch":

@@ -4,10 +4,12 @@ with the backend that made them (so a pooler in between changes nothing)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.db import connection
 
-from buzz_delivery import services
+from buzz_delivery import models, services
 from buzz_delivery.services import cached
 from buzz_delivery.services.db import SERVER_BOUND
 from buzz_delivery.testing import random32
@@ -78,3 +80,53 @@ def test_the_claim_and_both_settles_go_through_the_functions(community, message_
 def test_a_statement_whose_parameters_do_not_match_its_declaration_is_refused():
     with pytest.raises(ValueError, match="declared"):
         cached.CachedStatement("f", "SELECT %(a)s, %(b)s", (("a", "int"),), "TABLE(x int)", "d.x")
+
+
+def test_a_hinted_claim_goes_through_its_function(community, message_event, make_binding):
+    """A wake hint's claim (``claim_delivery(..., delivery_id=...)``, the worker's wake path) is
+    the plan-cached ``buzz_delivery_claim_hinted`` call and claims the named delivery only."""
+    from django.test.utils import CaptureQueriesContext
+
+    target = random32()
+    ids = services.commit_deliveries(
+        community.id, message_event, [make_binding(target_pubkey=target) for _ in range(3)]
+    )
+    with CaptureQueriesContext(connection) as queries:
+        claim = services.claim_delivery(community.id, target, delivery_id=ids[1], holder="hinted")
+    assert claim is not None and claim.lease.delivery_id == ids[1]
+    assert claim.delivery.claimed_by == "hinted" and claim.delivery.status == "claimed"
+    assert services.claim_delivery(community.id, target, delivery_id=ids[1]) is None  # claimed already
+    sent = " ".join(q["sql"] for q in queries.captured_queries)
+    assert sent.count(cached.CLAIM_HINTED.function + "(") == 1
+    assert cached.CLAIM.function not in sent
+
+
+def test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key(community, message_event, make_binding):
+    """The hinted claim's generic plan (what its function caches) reaches the named row through
+    the primary key, in the candidate CTE and in the UPDATE, not through a scan of the pending."""
+    from tests.plan_support import generic_explain
+
+    ids = services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=random32())])
+    # The cached plan as a busy table's statistics make it: a backlog of pending rows on one
+    # target and settled ones (in the test's transaction), analyzed.
+    from tests.test_claim_plan_stale_stats import clone
+
+    seed_step = models.WorkflowAgentDelivery.objects.get(id=ids[0]).step_id
+    clone(seed_step, "p", 3_000, "pending", 1)
+    clone(seed_step, "f", 3_000, "finished", 1)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE buzz_delivery_delivery")
+    params = {
+        "community_id": community.id,
+        "target_pubkey": bytes(32),  # the backlog's target
+        "delivery_id": ids[0],
+        "limit": 1,
+        "lease_seconds": 30,
+        "holder": "plan",
+    }
+    plan = "\n".join(row[0] for row in generic_explain(cached.CLAIM_HINTED, params))
+    indexes = {
+        name for name in re.findall(r"Index Scan (?:using|on) (\w+)", plan) if name.startswith("buzz_delivery_delivery")
+    }
+    assert indexes == {"buzz_delivery_delivery_pkey"}, plan
+    assert "Seq Scan on buzz_delivery_delivery" not in plan, plan

@@ -60,9 +60,19 @@ SIZES = {
 DEFAULT_SIZE = (12_000, 2_500)
 PREPARED = "_prepared"  # a system name ending so runs on a URL with ?prepare_threshold=5
 # --quick without --peers: the headline systems only (about a minute on 2 cores).
-QUICK_SYSTEMS = ("raw_batch", "raw_single", "worker", "pgqueuer", "pgqueuer_tuned", "procrastinate", "django_tasks_db")
+QUICK_SYSTEMS = (
+    "raw_batch",
+    "raw_batch50",
+    "raw_single",
+    "worker",
+    "pgqueuer",
+    "pgqueuer_tuned",
+    "procrastinate",
+    "django_tasks_db",
+)
 ALL_SYSTEMS = (
     "raw_batch",
+    "raw_batch50",
     "raw_single",
     "ours_batch",
     "ours_single",
@@ -77,7 +87,8 @@ ALL_SYSTEMS = (
     "django_tasks_db",
 )
 LABELS = {
-    "raw_batch": f"raw psycopg batch floor (claim {16}, settle {16})",
+    "raw_batch": "raw psycopg batch floor (claim 16, settle 16)",
+    "raw_batch50": "raw psycopg batch floor (claim 50, settle 50, the worker's batch)",
     "raw_single": "raw psycopg one-row floor (claim + fenced finish)",
     "ours_batch": "claim_deliveries(50) -> finish_deliveries",
     "ours_single": "claim_delivery -> finish_delivery",
@@ -368,7 +379,7 @@ def table(runs: dict[tuple[str, int], Runs], systems: list[str]) -> str:
         for k in KS:
             r = runs.get((system, k))
             row.append(f"{_fmt(med[(system, k)])} ({_fmt(min(r.rates))}-{_fmt(max(r.rates))})" if r and r.rates else NA)
-        for ref in ("pgqueuer", "pgqueuer_tuned", "raw_batch", "raw_single"):
+        for ref in ("pgqueuer", "pgqueuer_tuned", "raw_batch", "raw_batch50", "raw_single"):
             row.append(" / ".join(ratio(system, k, ref) for k in KS))
         for attr, digits in (("server_us", 0), ("client_us", 0), ("statements", 2), ("commits", 2)):
             row.append(" / ".join(_fmt(_median(getattr(runs[(system, k)], attr)), digits) for k in KS))
@@ -379,6 +390,7 @@ def table(runs: dict[tuple[str, int], Runs], systems: list[str]) -> str:
         "vs PgQueuer (K=1 / K=4)",
         "vs PgQueuer tuned",
         "vs raw batch floor",
+        "vs raw batch-50 floor",
         "vs raw one-row floor",
         "server CPU µs/delivery (K=1 / K=4)",
         "client CPU µs/delivery",

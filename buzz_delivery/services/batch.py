@@ -8,6 +8,7 @@ from typing import Any
 from buzz_delivery import tracing
 from buzz_delivery.services import cached
 from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import bytea_array, int_array, uuid_array
 from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, finish_delivery
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import FinishOutcome, Lease, Settled
@@ -62,9 +63,10 @@ def finish_deliveries(
 
     params = {
         "community_id": first.community_id,
-        "delivery_ids": [lease.delivery_id for lease in leases],
-        "lease_generations": [lease.lease_generation for lease in leases],
-        "target_pubkeys": [lease.target_pubkey for lease in leases],
+        # As array text built here: psycopg's array dumper quotes every element (db.uuid_array).
+        "delivery_ids": uuid_array([lease.delivery_id for lease in leases]),
+        "lease_generations": int_array([lease.lease_generation for lease in leases]),
+        "target_pubkeys": bytea_array([lease.target_pubkey for lease in leases]),
         "status": outcome,
         "failure_code": code,
         "failure_message": message,

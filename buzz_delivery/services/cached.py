@@ -97,6 +97,25 @@ CLAIM = CachedStatement(
     columns=sql.RETURNING_CLAIM_COLUMNS,
 )
 
+# The claim of one hinted delivery (a wake hint names its id): the same claim narrowed to that
+# id, so the worker's wake path is not parsed and planned anew on every hint (issue 31).
+CLAIM_HINTED = CachedStatement(
+    function="buzz_delivery_claim_hinted",
+    statement=sql.claim_oldest_pending(by_id=True, by_binding=False).replace(
+        f"RETURNING {sql.RETURNING_CLAIM_COLUMNS}", "RETURNING d.*"
+    ),
+    params=(
+        ("community_id", "uuid"),
+        ("target_pubkey", "bytea"),
+        ("delivery_id", "uuid"),
+        ("limit", "bigint"),
+        ("lease_seconds", "float8"),
+        ("holder", "text"),
+    ),
+    returns=f"SETOF {sql.DELIVERY}",
+    columns=sql.RETURNING_CLAIM_COLUMNS,
+)
+
 FINISH = CachedStatement(
     function="buzz_delivery_finish_lease",
     statement=sql.FINISH_IF_CURRENT_GENERATION,
@@ -145,4 +164,4 @@ CLAIM_LIMITED = CachedStatement(
     prelude=flow.LOCK_IN_FUNCTION,
 )
 
-ALL = (CLAIM, FINISH, FINISH_MANY, CLAIM_LIMITED)
+ALL = (CLAIM, FINISH, FINISH_MANY, CLAIM_LIMITED, CLAIM_HINTED)

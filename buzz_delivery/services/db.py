@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import datetime
 import functools
+import operator
 import random
 import re
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -205,6 +207,33 @@ def _server_bound_cursor(db: Any = None) -> Any:
         raw = factory(db.connection)
     # Django's own step of cursor(): the debug or plain wrapper (not in django-stubs).
     return db._prepare_cursor(raw)
+
+
+def uuid_array(values: Iterable[uuid.UUID]) -> str:
+    """``values`` as the text of a ``uuid[]`` (the statement casts it: ``%(x)s::uuid[]``).
+
+    psycopg dumps a list of UUIDs, ints or bytes as array text too, but quotes each element
+    through two regular expressions (about 7 µs a row for a batch settle's three arrays, a tenth
+    of the services' own CPU per delivery); these elements never need quoting: each is
+    normalised to its canonical form first (a UUID's hyphenated hex, an int's digits, bytes as
+    hex), so nothing of the value can reach the array's syntax."""
+    return "{" + ",".join([str(v if type(v) is uuid.UUID else uuid.UUID(str(v))) for v in values]) + "}"
+
+
+def int_array(values: Iterable[int]) -> str:
+    """``values`` (ints; a bool or a float is refused) as the text of a ``bigint[]``."""
+    return "{" + ",".join([_int_text(v) for v in values]) + "}"
+
+
+def _int_text(value: int) -> str:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not an array element of bigint[]")
+    return str(operator.index(value))
+
+
+def bytea_array(values: Iterable[bytes]) -> str:
+    """``values`` (bytes) as the text of a ``bytea[]``: each element ``"\\x<hex>"``."""
+    return "{" + ",".join(['"\\\\x' + bytes(v).hex() + '"' for v in values]) + "}"
 
 
 def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:

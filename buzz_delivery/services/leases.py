@@ -48,15 +48,22 @@ _FROM_DB_KNOWN = {"db", "field_names", "values", "fetch_mode"}
 FAST_ROWS = set(inspect.signature(WorkflowAgentDelivery.from_db).parameters) <= _FROM_DB_KNOWN
 
 
-def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDelivery:
+def _fast_rows() -> bool:
+    """Whether claimed rows may skip ``Model.from_db`` (:func:`_delivery_from_row`): a Django
+    this path knows, and no ``pre_init``/``post_init`` receivers for the model (asked once per
+    claim, not per row)."""
+    model = WorkflowAgentDelivery
+    return FAST_ROWS and not (pre_init.has_listeners(model) or post_init.has_listeners(model))
+
+
+def _delivery_from_row(row: tuple[Any, ...], alias: str, fast: bool | None = None) -> WorkflowAgentDelivery:
     """The model instance of a claimed row (columns :data:`sql.CLAIM_ATTNAMES`; the JSON
     snapshots and history deferred), as ``Model.from_db`` builds it but without running
     ``Model.__init__`` per field (a tenth of its cost): every claimed attribute goes straight
     into the instance's ``__dict__``, where ``__init__`` would put it. With ``pre_init`` or
     ``post_init`` receivers for the model, or on a Django whose ``from_db`` this path does not
     know (:data:`FAST_ROWS`), ``from_db`` runs as usual."""
-    model = WorkflowAgentDelivery
-    if not FAST_ROWS or pre_init.has_listeners(model) or post_init.has_listeners(model):
+    if not (_fast_rows() if fast is None else fast):
         return WorkflowAgentDelivery.from_db(alias, sql.CLAIM_ATTNAMES, row)
     delivery: WorkflowAgentDelivery = WorkflowAgentDelivery.__new__(WorkflowAgentDelivery)
     delivery.__dict__.update(zip(sql.CLAIM_ATTNAMES, row, strict=True))
@@ -70,10 +77,11 @@ def _delivery_from_row(row: tuple[Any, ...], alias: str) -> WorkflowAgentDeliver
 def _claims(rows: list[tuple[Any, ...]], community: uuid.UUID, target: bytes) -> list[Claim]:
     rows.sort(key=lambda r: (-r[_PRIORITY_INDEX], r[_CREATED_INDEX], r[_ID_INDEX]))
     alias = connection.alias
+    fast = _fast_rows()
     claims = []
     for row in rows:
         lease = Lease.from_database(community, row[_ID_INDEX], target, row[_GEN_INDEX], row[_UNTIL_INDEX])
-        claims.append(Claim(lease=lease, delivery=_delivery_from_row(row, alias)))
+        claims.append(Claim(lease=lease, delivery=_delivery_from_row(row, alias, fast)))
     return claims
 
 
@@ -117,6 +125,9 @@ def _run_claim(
         rows = _claim_under_limits(statement, params)
     elif delivery_id is None and expected is None:
         statement = cached.CLAIM.call  # the hot form: planned once per backend
+        rows = _fenced_as_nothing(statement, params)
+    elif expected is None:
+        statement = cached.CLAIM_HINTED.call  # a wake hint's claim: planned once per backend too
         rows = _fenced_as_nothing(statement, params)
     else:
         statement = _CLAIM_SQL[(delivery_id is not None, expected is not None)]
