@@ -289,6 +289,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--k", default="1,4", help="orchestrator process counts (default 1,4)")
+    parser.add_argument("--shapes", default="a,b", help="figures to run: a (DBOS's shape), b (send_message)")
     parser.add_argument("--dbos-python", default=os.environ.get("DBOS_PYTHON", sys.executable))
     args = parser.parse_args()
     ensure_database(OURS)
@@ -298,9 +299,10 @@ def main() -> None:
     figure = dbos(args.dbos_python, args.runs)
     if figure:
         rows.append(("(a) DBOS Transact, 1 process", figure))
-    for k in [int(x) for x in args.k.split(",")]:
+    shapes = args.shapes.split(",")
+    for k in [int(x) for x in args.k.split(",")] if "a" in shapes else []:
         rows.append((f"(a) buzz workflows, K={k}", ours(k, args.runs, send=False)))
-    for k in [int(x) for x in args.k.split(",")]:
+    for k in [int(x) for x in args.k.split(",")] if "b" in shapes else []:
         rows.append((f"(b) buzz workflows + send_message to 2, K={k}", ours(k, args.runs, send=True)))
     print(
         f"{'figure':48} {'runs/s':>8} {'x DBOS':>7} {'commits/run':>12} {'client ms/run':>14} {'server ms/run':>14} "

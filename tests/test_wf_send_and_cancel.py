@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import connection
+from django.utils import timezone
 
 from buzz_delivery import services
 from buzz_delivery.exceptions import CommunityNotWritable
-from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.models import Event, WorkflowAgentDelivery
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.testing import CommunityFactory, WorkflowFactory, advance_to, random32
 from buzz_delivery.workflows import executor
@@ -61,6 +62,30 @@ def test_send_message_commits_one_delivery_per_target_and_parks_the_step(workflo
     assert {bytes(d.definition_event_id) for d in rows} == {bytes(version.definition_event_id)}
     assert {d.step_id for d in rows} == {"send"}
     assert {d.cause_kind for d in rows} == {"event"}
+
+
+def test_send_message_writes_its_message_event_once_and_reuses_one_that_exists(workflow):
+    """The message event is written with the deliveries; a step whose event is there already
+    (without deliveries: here written beforehand) carries that one, and no second is written."""
+    targets = [random32() for _ in range(2)]
+    first = start(workflow, {"steps": [send_step("send", targets, content="first")]})
+    second = start(workflow, {"steps": [send_step("send", targets, content="second")]})
+    there = Event.objects.create(
+        community_id=workflow.community_id,
+        event_id=executor.message_event_id(second.pk, "send"),
+        created_at=timezone.now(),
+        kind=1,
+        pubkey=bytes(32),
+        content="written before",
+    )
+    run_until_idle(workflow.community_id)
+    for run, content in ((first, "first"), (second, "written before")):
+        event_id = executor.message_event_id(run.pk, "send")
+        events = Event.objects.filter(community_id=workflow.community_id, event_id=event_id)
+        assert [e.content for e in events] == [content]
+        assert {bytes(d.message_event_id) for d in deliveries(run)} == {event_id}
+        assert get_run(workflow.community_id, run.pk).step("send").state == "waiting"
+    assert Event.objects.get(pk=there.pk).content == "written before"
 
 
 def test_each_settle_is_counted_and_the_last_one_advances_the_run(workflow):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from buzz_delivery import backoff
 from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import Binding, Settled
-from buzz_delivery.services.db import retry_deadlocks
+from buzz_delivery.services.db import fetch_all, retry_deadlocks
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
@@ -52,6 +53,7 @@ from buzz_delivery.workflows.registry import (
     note_missing,
 )
 from buzz_delivery.workflows.services import approvals, steps
+from buzz_delivery.workflows.services import sql as wf_sql
 from buzz_delivery.workflows.services.common import MAX_INPUT_BYTES, BadJSON, json_text
 from buzz_delivery.workflows.services.runs import cause_of, create_run
 from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
@@ -257,29 +259,65 @@ def message_event_id(run_id: Any, step_key: str) -> bytes:
     return hashlib.sha256(f"buzz-workflows/message/{run_id}/{step_key}".encode()).digest()
 
 
+_DEFINITION_EVENT_IDS: dict[uuid.UUID, bytes] = {}
+
+
+def definition_event_id(community: uuid.UUID, definition_id: uuid.UUID) -> bytes:
+    """The event id of a definition version (versions are immutable: cached per process,
+    emptied beyond 10,000 versions), instead of loading the version, its content included, for
+    every message a send_message step sends."""
+    found = _DEFINITION_EVENT_IDS.get(definition_id)
+    if found is None:
+        rows = DefinitionVersion.objects.filter(community_id=community, id=definition_id)
+        found = bytes(rows.values_list("definition_event_id", flat=True).get())
+        if len(_DEFINITION_EVENT_IDS) >= 10_000:
+            _DEFINITION_EVENT_IDS.clear()
+        _DEFINITION_EVENT_IDS[definition_id] = found
+    return found
+
+
+def _message_event(community: uuid.UUID, event_id: bytes, content: str, key: str, exists: bool) -> Event:
+    """The step's message event: the one an earlier attempt posted (read when ``exists``: the
+    step has deliveries), else written now in one statement (a row of that id that is there
+    already is read instead)."""
+    if exists:
+        found = Event.objects.filter(community_id=community, event_id=event_id).first()
+        if found is not None:
+            return found
+    settings = get_settings()
+    tags = [["step", key]]
+    params = {
+        "community_id": community,
+        "event_id": event_id,
+        "kind": settings.message_kind,
+        "pubkey": settings.author_pubkey,
+        "content": content,
+        "tags": json.dumps(tags),
+    }
+    rows = fetch_all(wf_sql.INSERT_MESSAGE_EVENT, params)
+    if not rows:
+        return Event.objects.get(community_id=community, event_id=event_id)
+    return Event(
+        id=rows[0][0],
+        community_id=community,
+        event_id=event_id,
+        created_at=rows[0][1],
+        kind=settings.message_kind,
+        pubkey=settings.author_pubkey,
+        content=content,
+        tags=tags,
+    )
+
+
 @retry_deadlocks
 def _send_message(claim: StepClaim) -> StepOutcome:
     run = claim.step.run
-    version: DefinitionVersion = run.definition
     spec = claim.spec
     community = claim.lease.community_id
-    settings = get_settings()
     with transaction.atomic():
         exists = core.lock_delivery_identity(community, run.pk, claim.step.key)
         event_id = message_event_id(run.pk, claim.step.key)
-        event = Event.objects.filter(community_id=community, event_id=event_id).first() if exists else None
-        if event is None:
-            event, _ = Event.objects.get_or_create(
-                community_id=community,
-                event_id=event_id,
-                defaults={
-                    "created_at": DB_NOW,  # the database clock, never this host's
-                    "kind": settings.message_kind,
-                    "pubkey": settings.author_pubkey,
-                    "content": spec.get("content", ""),
-                    "tags": [["step", claim.step.key]],
-                },
-            )
+        event = _message_event(community, event_id, spec.get("content", ""), claim.step.key, exists)
         cause = cause_of(run)
         bindings = [
             Binding(
@@ -288,7 +326,7 @@ def _send_message(claim: StepClaim) -> StepOutcome:
                 run_id=run.pk,
                 step_id=claim.step.key,
                 target_pubkey=bytes.fromhex(target),
-                definition_event_id=bytes(version.definition_event_id),
+                definition_event_id=definition_event_id(community, run.definition_id),
                 message_event_id=event_id,
                 cause=cause,
             )

@@ -752,7 +752,11 @@ class Orchestrator:
                 if self.wake.wait(c.poll_interval) and misses > 1:
                     self.stop.wait(min(MISS_GATHER_MAX, MISS_GATHER * 2 ** min(misses - 2, 8)))
             else:
+                # The claim took every ready step (fewer than the room): claim again when woken,
+                # not at once (that claim would come back empty; a NOTIFY since the clear above
+                # has set the wake already, so nothing that became ready meanwhile waits).
                 misses = 0
+                self.wake.wait(c.poll_interval)
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, Any]:
         c = self.config

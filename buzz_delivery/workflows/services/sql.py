@@ -424,6 +424,17 @@ WITH RECURSIVE tree(run_id) AS (
 SELECT run_id FROM tree
 """
 
+# --- send_message ---------------------------------------------------------------
+
+# A send_message step's message event (its id derived from the run and the step), written once:
+# a repeat finds the one that exists (no row returned) and reads it.
+INSERT_MESSAGE_EVENT = f"""
+INSERT INTO buzz_delivery_event AS e (community_id, event_id, created_at, kind, pubkey, content, tags)
+VALUES (%(community_id)s, %(event_id)s, {DB_NOW}, %(kind)s, %(pubkey)s, %(content)s, %(tags)s::jsonb)
+ON CONFLICT (community_id, event_id) DO NOTHING
+RETURNING e.id, e.created_at
+"""
+
 # --- approvals -----------------------------------------------------------------
 
 INSERT_APPROVAL = f"""
