@@ -472,8 +472,10 @@ def _unstorable_output(output: Any) -> str | None:
 
 
 class RemoteRunWorker:
-    """The loop of ``work-runs``: ``concurrency`` threads claim one run at a time (long-poll
-    ``wait_seconds``), one thread renews every held lease each ``renew_every`` seconds.
+    """The loop of ``work-runs``: one claimer claims as many runs as ``concurrency`` threads are
+    free for (long-poll ``wait_seconds``), the threads run them, their journal writes and
+    completions go in batches (:class:`RunBatcher`), one thread renews every held lease each
+    ``renew_every`` seconds.
     :meth:`request_stop` drains within ``shutdown_grace``; ``run()`` returns the summary."""
 
     def __init__(
@@ -509,6 +511,10 @@ class RemoteRunWorker:
         self._last_work = time.monotonic()
         self.internal_error: str | None = None
         self.batcher: RunBatcher | None = None
+        self._ready: queue.Queue[RemoteRunClaim] = queue.Queue()
+        self._busy = 0  # runs claimed and not yet worked to their resting point
+        self._slot_free = threading.Event()
+        self._claimer: threading.Thread | None = None
 
     def request_stop(self, reason: str) -> None:
         """Stop claiming; in-flight runs reach their resting point (drain)."""
@@ -516,27 +522,40 @@ class RemoteRunWorker:
             self.reason = reason
             self.stop.set()
 
-    def _take(self) -> bool:
-        with self._lock:
-            if self.max_runs is not None and self.counts["claimed"] >= self.max_runs:
-                self.request_stop("max_runs")
-                return False
-            return True
+    def _guarded(self, body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException:  # never silent: the run stops with exit 1 (see run())
+                logger.exception("worker_error: a worker thread stopped")
+                with self._lock:
+                    self.internal_error = "internal_error: a worker thread stopped"
+                self.request_stop("internal_error")
 
-    def _loop(self) -> None:
-        try:
-            self._claim_and_work()
-        except BaseException:  # never silent: the run stops with exit 1 (see run())
-            logger.exception("worker_error: a run thread stopped")
+        return run
+
+    def _claim_loop(self) -> None:
+        """One claimer for every run thread: claims as many runs as there are free threads in
+        one request (long-poll), so the run threads start together and their journal writes
+        share batches."""
+        while not self.stop.is_set():
             with self._lock:
-                self.internal_error = "internal_error: a run thread stopped"
-            self.request_stop("internal_error")
-
-    def _claim_and_work(self) -> None:
-        while not self.stop.is_set() and self._take():
+                if self.max_runs is not None and self.counts["claimed"] >= self.max_runs:
+                    self.request_stop("max_runs")
+                    return
+                want = self.concurrency - self._busy
+                if self.max_runs is not None:
+                    want = min(want, self.max_runs - self.counts["claimed"])
+            if want <= 0:
+                self._slot_free.wait(0.5)
+                self._slot_free.clear()
+                continue
             try:
                 claims = self.client.claim_runs(
-                    1, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds, worker_id=self.worker_id
+                    min(want, 100),
+                    wait_seconds=self.wait_seconds,
+                    lease_seconds=self.lease_seconds,
+                    worker_id=self.worker_id,
                 )
             except Exception as exc:  # the gateway is unreachable or refused: retry later
                 logger.warning("claim_error: %s", exc)
@@ -545,13 +564,38 @@ class RemoteRunWorker:
                 self.stop.wait(1.0)
                 continue
             if not claims:
-                if self.idle_exit is not None and time.monotonic() - self._last_work > self.idle_exit:
+                with self._lock:
+                    idle = self._busy == 0
+                if idle and self.idle_exit is not None and time.monotonic() - self._last_work > self.idle_exit:
                     self.request_stop("idle")
                 continue
             with self._lock:
-                self.counts["claimed"] += 1
+                self.counts["claimed"] += len(claims)
+                self._busy += len(claims)
                 self._last_work = time.monotonic()
-            self._work(claims[0])
+            for claim in claims:
+                self._ready.put(claim)
+
+    def _run_loop(self) -> None:
+        """A run thread: works the claimed runs handed to it; after a stop, drains what was
+        claimed (those leases are held) and returns."""
+        while True:
+            try:
+                claim = self._ready.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set() and not self._more_to_come():
+                    return
+                continue
+            try:
+                self._work(claim)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                self._slot_free.set()
+
+    def _more_to_come(self) -> bool:
+        claimer = self._claimer
+        return (claimer is not None and claimer.is_alive()) or not self._ready.empty()
 
     def _work(self, claim: RemoteRunClaim) -> None:
         try:
@@ -613,7 +657,12 @@ class RemoteRunWorker:
         self.batcher = RunBatcher(self.client)
         renewer = threading.Thread(target=self._renew_loop, args=(done,), name="run-renewer", daemon=True)
         renewer.start()
-        threads = [threading.Thread(target=self._loop, name=f"run-{i}", daemon=True) for i in range(self.concurrency)]
+        self._claimer = threading.Thread(target=self._guarded(self._claim_loop), name="run-claimer", daemon=True)
+        self._claimer.start()
+        threads = [
+            threading.Thread(target=self._guarded(self._run_loop), name=f"run-{i}", daemon=True)
+            for i in range(self.concurrency)
+        ]
         for t in threads:
             t.start()
         acceptor = self._start_acceptor()
@@ -626,6 +675,9 @@ class RemoteRunWorker:
                         abandoned = list(self._held.values())
                         self._held.clear()
                         self.counts["abandoned"] += len(abandoned)
+                        while not self._ready.empty():  # claimed, never started: their leases lapse
+                            self._ready.get_nowait()
+                            self.counts["abandoned"] += 1
                     for ctx in abandoned:
                         ctx.mark_lost("abandoned")
                     break
