@@ -398,6 +398,23 @@ class GatewayClient:
         data = self._json("POST", f"/communities/{community}/runs/{action}", {"runs": runs, "worker_id": workers.pop()})
         return [RunOutcome(r["outcome"], r) for r in data["results"]]
 
+    def heartbeat_runs(self, leases: list[RemoteRunLease], lease_seconds: float | None = None) -> list[RunOutcome]:
+        """Renew many run leases of one community in one request: one outcome per lease, in
+        order, as :meth:`heartbeat` answers (``renewed`` with the new ``lease``) or ``not_found``."""
+        if not leases:
+            return []
+        community = leases[0].community_id
+        workers = {lease.worker_id for lease in leases}
+        if len(workers) > 1 or any(lease.community_id != community for lease in leases):
+            raise ValueError("every lease of a batch must be of one community and one worker")
+        runs = [{"run_id": lease.run_id, "lease_generation": lease.lease_generation} for lease in leases]
+        body = {"runs": runs, "worker_id": workers.pop(), "lease_seconds": lease_seconds}
+        data = self._json("POST", f"/communities/{community}/runs/heartbeat", body)
+        return [
+            RunOutcome(r["outcome"], r, lease=_run_lease(r["lease"]) if r["outcome"] == "renewed" else None)
+            for r in data["results"]
+        ]
+
     def complete_runs(self, items: list[tuple[RemoteRunLease, Any]]) -> list[RunOutcome]:
         """End many runs of one community ``completed`` in one request (``run_batch``): one
         outcome per ``(lease, output)``: ``finished``, ``already_terminal``, ``lease_lost`` or

@@ -267,6 +267,11 @@ EXAMPLES: dict[str, Any] = {
         "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 1, "output": {"ok": True}}],
         "worker_id": "w1",
     },
+    "BatchHeartbeatRequest": {
+        "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 1}],
+        "worker_id": "w1",
+        "lease_seconds": 60,
+    },
     "BatchCallRequest": {
         "runs": [
             {
@@ -446,6 +451,7 @@ def _run_paths() -> dict[str, Any]:
                 ("calls", "journalCalls", "Journal one call for each of many runs", "BatchCallRequest"),
                 ("results", "recordCallResults", "Record one call result for each of many runs",
                  "BatchResultRequest"),
+                ("heartbeat", "heartbeatRuns", "Renew many run leases of one community", "BatchHeartbeatRequest"),
             )
         },
         f"{RUN}/emit": post("emitOutput", "Append a chunk to the run's output stream", "EmitRequest"),

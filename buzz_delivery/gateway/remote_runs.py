@@ -618,18 +618,26 @@ class RemoteRunWorker:
         while not done.wait(self.renew_every):
             with self._lock:
                 held = list(self._held.values())
+            groups: dict[tuple[str, str], list[RemoteRunContext]] = defaultdict(list)
             for ctx in held:
-                try:
-                    outcome = self.client.heartbeat(ctx.lease, self.lease_seconds)
-                except Exception as exc:  # never let the renewer die: every lease would lapse
-                    logger.warning("heartbeat_error run=%s: %s", ctx.lease.run_id, exc)
-                    continue
-                if outcome.outcome == "renewed" and outcome.lease is not None:
-                    ctx.lease = outcome.lease
-                    with self._lock:
-                        self.counts["renewed"] += 1
-                elif outcome.outcome != "renewed":
-                    ctx.mark_lost(outcome.data.get("reason"))
+                groups[(ctx.lease.community_id, ctx.lease.worker_id)].append(ctx)
+            for ctxs in groups.values():
+                for start in range(0, len(ctxs), 100):  # one request per community (100 a batch)
+                    self._renew(ctxs[start : start + 100])
+
+    def _renew(self, ctxs: list[RemoteRunContext]) -> None:
+        try:
+            outcomes = self.client.heartbeat_runs([ctx.lease for ctx in ctxs], self.lease_seconds)
+        except Exception as exc:  # never let the renewer die: every lease would lapse
+            logger.warning("heartbeat_error runs=%d: %s", len(ctxs), exc)
+            return
+        for ctx, outcome in zip(ctxs, outcomes, strict=True):
+            if outcome.outcome == "renewed" and outcome.lease is not None:
+                ctx.lease = outcome.lease
+                with self._lock:
+                    self.counts["renewed"] += 1
+            else:
+                ctx.mark_lost(outcome.data.get("reason"))
 
     def _start_acceptor(self) -> Any:
         if not self.accept:

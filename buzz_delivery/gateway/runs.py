@@ -35,6 +35,7 @@ from buzz_delivery.gateway.schema import (
     APPROVAL,
     BATCH_CALLS,
     BATCH_COMPLETE,
+    BATCH_HEARTBEAT,
     BATCH_RESULTS,
     CALL,
     COMPENSATION_BEGIN,
@@ -388,6 +389,35 @@ def call_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commun
 def _recorded_row(outcome: Any) -> dict[str, Any]:
     kind = "recorded" if isinstance(outcome, agents.Recorded) else "already_recorded"
     return {"outcome": kind, "status": outcome.status}
+
+
+@endpoint("POST", BATCH_HEARTBEAT)
+def heartbeat_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Renew many run leases of one community (``agents.services.batch.heartbeat_runs``: one
+    fenced statement, each row judged by its own generation). 200 ``{"results": [...]}`` in
+    request order: ``{"outcome": "renewed", "lease"}``, ``already_terminal``, ``lease_lost``
+    (``reason: "cancelled"`` after a cancel) or ``not_found``; 400 naming the bad item; 403."""
+    seconds = data["lease_seconds"]
+
+    def send(community: uuid.UUID, leases: list[agents.AgentLease]) -> list[Any]:
+        return batch.heartbeat_runs(community, leases, seconds)
+
+    def renewed(outcome: Any) -> dict[str, Any]:
+        return {"outcome": "renewed", "lease": present.run_lease_of(outcome.lease)}
+
+    return _batch(
+        pubkey, data, community_id, lambda lease, item: _Held(lease), lambda c, held: send(c, [h.lease for h in held]),
+        lambda held: agents.heartbeat(held.lease, seconds), renewed,
+    )  # fmt: skip
+
+
+class _Held:
+    """A lease to renew, shaped like the prepared items of the other batches (``.lease``)."""
+
+    __slots__ = ("lease",)
+
+    def __init__(self, lease: agents.AgentLease) -> None:
+        self.lease = lease
 
 
 @endpoint("POST", BATCH_RESULTS)

@@ -328,6 +328,16 @@ def _batch(name: str, item: Body, what: str) -> Body:
 COMPLETE = Body("CompleteRequest", {**RUN_LEASE_FIELDS, "output": Field("json", "the run's output", required=True)})
 BATCH_COMPLETE = _batch("Complete", COMPLETE, "complete")
 BATCH_CALLS = _batch("Call", CALL, "journal one call each for")
+BATCH_HEARTBEAT = Body(
+    "BatchHeartbeatRequest",
+    {
+        "runs": Field("array", "the run leases to renew, no run twice", required=True, bounds=_run_limit,
+                      items=Body("BatchHeartbeatItem", {"run_id": BATCH_RUN_ID,
+                                                        "lease_generation": RUN_LEASE_FIELDS["lease_generation"]})),
+        "worker_id": WORKER_ID,
+        "lease_seconds": LEASE_SECONDS,
+    },
+)  # fmt: skip
 BATCH_RESULTS = _batch("Result", RESULT, "record one call result each for")
 APPROVAL = Body(
     "ApprovalRequest",
@@ -381,7 +391,8 @@ RUN_OUTPUT = Body(
     },
 )  # fmt: skip
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, BATCH_COMPLETE, BATCH_CALLS,
-              BATCH_RESULTS, FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT)  # fmt: skip
+              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT,
+              RUN_OUTPUT)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------

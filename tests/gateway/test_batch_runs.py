@@ -55,6 +55,11 @@ def test_a_batch_completes_each_run_under_its_own_lease_and_refuses_a_stale_hold
     assert bobs.lease.run_id == str(bobs_run)
     stolen = RemoteRunLease(str(community.id), str(bobs_run), bobs.lease.lease_generation, "", "remote-1")
 
+    # Heartbeats in a batch: the stale holder is refused for its run only; the others are renewed.
+    beats = agent.heartbeat_runs(leases[:3], lease_seconds=60)
+    assert [b.outcome for b in beats] == ["renewed", "renewed", "lease_lost"]
+    assert [b.lease.lease_generation for b in beats[:2]] == [x.lease_generation for x in leases[:2]]
+    assert AgentRun.objects.get(id=leases[2].run_id).worker_id == "remote-2"
     # Journal writes in batches: the stale holder is refused for its run only.
     call = {"tool_name": "search", "args": {"q": 1}}
     journaled = agent.run_batch("calls", [(lease, call) for lease in leases[:3]])
@@ -152,7 +157,7 @@ def test_remote_worker_processes_complete_every_run_once_through_batched_complet
     run_ids = [new_run(community.id, agent.pubkey) for _ in range(24)]
     key_file, ledger = tmp_path / "agent.key", tmp_path / "ledger.txt"
     key_file.write_text(agent._key.hex() + "\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(ledger)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(ledger), "GATEWAY_HANDLER_SLEEP": "1"}
     env.pop("DJANGO_SETTINGS_MODULE", None)  # the remote worker needs no Django
     procs = [
         subprocess.Popen(
@@ -166,13 +171,15 @@ def test_remote_worker_processes_complete_every_run_once_through_batched_complet
                 "--key-file",
                 str(key_file),
                 "--handler",
-                "tests.gateway.handlers:three_calls",
+                "tests.gateway.handlers:slow_three_calls",
                 "--wait-seconds",
                 "0.5",
                 "--idle-exit",
                 "2",
                 "--concurrency",
                 "6",
+                "--renew-every",
+                "0.2",
                 "--no-accept",
                 "--worker-id",
                 f"remote-{i}",
@@ -191,7 +198,8 @@ def test_remote_worker_processes_complete_every_run_once_through_batched_complet
         assert proc.returncode == 0, err
         summaries.append(json.loads(out.splitlines()[-1]))
     assert sum(s["completed"] for s in summaries) == 24, summaries
-    assert sum(s["lost"] for s in summaries) == 0, summaries  # ("errors" counts refused claims: retried)
+    assert sum(s["lost"] for s in summaries) == 0, summaries
+    assert sum(s["renewed"] for s in summaries) > 0, summaries  # the batched heartbeats renewed leases
     assert states(run_ids) == [("completed", {"sum": 6})] * 24
     for run_id in run_ids:
         assert lines(ledger, "call", run_id) == [1, 2, 3]  # each call made once
