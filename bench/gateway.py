@@ -147,6 +147,101 @@ def local_worker(url: str, community_id, target: bytes, concurrency: int) -> sub
     )  # fmt: skip
 
 
+def commit_runs(community, agent: bytes, n: int) -> None:
+    import uuid
+
+    from buzz_delivery.agents.services import intake_event
+
+    for _ in range(n):
+        intake_event(community.id, "bench", uuid.uuid4().hex, {}, agent, timeout_seconds=3600)
+
+
+def run_rate(community_id) -> tuple[int, float]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*), extract(epoch FROM max(finished_at) - min(finished_at)) FROM buzz_agents_run"
+            " WHERE community_id = %s AND state = 'completed'",
+            [community_id],
+        )
+        count, span = cursor.fetchone()
+    return count, count / float(span or 1e-9)
+
+
+def clear_runs(community_id) -> None:
+    from buzz_delivery.agents.models import AgentRun
+
+    AgentRun.objects.filter(community_id=community_id).delete()
+
+
+def remote_run_workers(base: str, key_file: Path, k: int, concurrency: int, tmp: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "buzz_delivery.gateway.client",
+                "work-runs",
+                "--url",
+                base,
+                "--key-file",
+                str(key_file),
+                "--handler",
+                "bench.handlers:three_calls",
+                "--concurrency",
+                str(concurrency),
+                "--idle-exit",
+                "2",
+                "--wait-seconds",
+                "1",
+                "--no-accept",
+            ],
+            env=env,
+            stdout=open(tmp / f"runs-{k}-{i}.out", "w"),
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(k)
+    ]
+
+
+def local_run_worker(url: str, community_id, agent: bytes, concurrency: int) -> subprocess.Popen:
+    env = {**os.environ, "DATABASE_URL": url, "LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "run_agent_worker", "--community", str(community_id),
+         "--agent", agent.hex(), "--handler", "bench.handlers:three_calls", "--concurrency", str(concurrency),
+         "--poll-seconds", "0.5", "--exit-when-idle", "--no-listen", "-v", "0"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def runs_mode(args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path) -> None:
+    """Agent runs of three no-op journaled calls: in-process ``run_agent_worker`` vs remote
+    ``work-runs`` (K = 1 and 4), interleaved ``--rounds`` times."""
+    n = args.concurrency
+    rates: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for label, start in (
+            ("in-process run_agent_worker x1", lambda: [local_run_worker(url, community.id, target, n)]),
+            ("gateway work-runs K=1", lambda: remote_run_workers(base, key_file, 1, n, tmp)),
+            ("gateway work-runs K=4", lambda: remote_run_workers(base, key_file, 4, n, tmp)),
+        ):
+            clear_runs(community.id)
+            commit_runs(community, target, args.count)
+            wall = drain(start())
+            settled, per_second = run_rate(community.id)
+            rates.setdefault(label, []).append(per_second)
+            print(f"{label:40s} completed={settled:6d} rate={per_second:8.0f}/s wall={wall:6.1f}s", flush=True)
+    base_rate = statistics.median(rates["in-process run_agent_worker x1"])
+    for label, values in rates.items():
+        print(
+            f"median {label:33s} {statistics.median(values):8.1f}/s  ratio {statistics.median(values) / base_rate:.2f}"
+        )
+    print(f"load average {os.getloadavg()}", flush=True)
+    clear_runs(community.id)
+
+
 def wake_latency(base: str, key: bytes, community, target: bytes) -> list[float]:
     from buzz_delivery.gateway.client import GatewayClient
 
@@ -174,6 +269,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--count", type=int, default=3000, help="deliveries per throughput run (default 3000)")
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads per worker process")
+    parser.add_argument("--runs", action="store_true", help="agent runs (work-runs) instead of deliveries")
+    parser.add_argument("--rounds", type=int, default=1, help="--runs: interleaved rounds (default 1)")
     args = parser.parse_args()
     url = os.environ.get("BENCH_GATEWAY_DATABASE_URL", DEFAULT_URL)
     setup_django(url)
@@ -193,6 +290,9 @@ def main() -> None:
         with open(tmp / "gunicorn.log", "w") as log:
             server = start_gunicorn(url, port, log)
             try:
+                if args.runs:
+                    runs_mode(args, url, base, key_file, community, target, tmp)
+                    return
                 n = args.concurrency
                 for label, start in (
                     ("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)]),

@@ -8,3 +8,14 @@ from typing import Any
 def noop(delivery: Any) -> None:
     """Do nothing: the delivery settles ``finished`` (measures the runtime, not the handler)."""
     return None
+
+
+def _noop_call(args: Any, key: str) -> Any:
+    return {"ok": True}
+
+
+def three_calls(ctx: Any) -> dict[str, bool]:
+    """An agent run of three journaled no-op calls (``run_agent_worker`` and ``work-runs`` alike)."""
+    for i in range(3):
+        ctx.call("noop", _noop_call, {"i": i})
+    return {"done": True}

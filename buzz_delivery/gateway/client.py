@@ -380,6 +380,47 @@ class GatewayClient:
         """End the run ``completed``: ``finished``, ``already_terminal`` or ``lease_lost``."""
         return self._run_post(lease, "complete", output=output)
 
+    def run_batch(self, action: str, items: list[tuple[RemoteRunLease, dict[str, Any]]]) -> list[RunOutcome]:
+        """One transition of many runs of one community in one request (``action``: ``complete``,
+        ``calls`` or ``results``; each body as the one-run endpoint's, without ``worker_id``),
+        each under its own lease: one outcome per item, in order, what the one-run endpoint
+        answers (``lease_lost`` for its 409) or ``not_found``. A bad item is a
+        ``GatewayHTTPError`` 400 naming it (``runs[2].output``), and then nothing was written."""
+        if not items:
+            return []
+        community = items[0][0].community_id
+        if any(lease.community_id != community for lease, _ in items):
+            raise ValueError("every lease of a batch must be of one community")
+        workers = {lease.worker_id for lease, _ in items}
+        if len(workers) > 1:
+            raise ValueError("every lease of a batch must be held by one worker")
+        runs = [{"run_id": lease.run_id, "lease_generation": lease.lease_generation, **body} for lease, body in items]
+        data = self._json("POST", f"/communities/{community}/runs/{action}", {"runs": runs, "worker_id": workers.pop()})
+        return [RunOutcome(r["outcome"], r) for r in data["results"]]
+
+    def heartbeat_runs(self, leases: list[RemoteRunLease], lease_seconds: float | None = None) -> list[RunOutcome]:
+        """Renew many run leases of one community in one request: one outcome per lease, in
+        order, as :meth:`heartbeat` answers (``renewed`` with the new ``lease``) or ``not_found``."""
+        if not leases:
+            return []
+        community = leases[0].community_id
+        workers = {lease.worker_id for lease in leases}
+        if len(workers) > 1 or any(lease.community_id != community for lease in leases):
+            raise ValueError("every lease of a batch must be of one community and one worker")
+        runs = [{"run_id": lease.run_id, "lease_generation": lease.lease_generation} for lease in leases]
+        body = {"runs": runs, "worker_id": workers.pop(), "lease_seconds": lease_seconds}
+        data = self._json("POST", f"/communities/{community}/runs/heartbeat", body)
+        return [
+            RunOutcome(r["outcome"], r, lease=_run_lease(r["lease"]) if r["outcome"] == "renewed" else None)
+            for r in data["results"]
+        ]
+
+    def complete_runs(self, items: list[tuple[RemoteRunLease, Any]]) -> list[RunOutcome]:
+        """End many runs of one community ``completed`` in one request (``run_batch``): one
+        outcome per ``(lease, output)``: ``finished``, ``already_terminal``, ``lease_lost`` or
+        ``not_found``."""
+        return self.run_batch("complete", [(lease, {"output": output}) for lease, output in items])
+
     def fail_run(self, lease: RemoteRunLease, failure_code: str, failure_message: str | None = None) -> RunOutcome:
         """Fail the run: ``finished`` (state ``failed``), ``unwinding`` (``seqs`` to compensate),
         ``already_terminal`` or ``lease_lost``."""

@@ -114,6 +114,25 @@ SCHEMAS: dict[str, Any] = {
             "kept_until": {**TIME, "description": "until when a wait that starts later takes it"},
         }
     ),
+    "BatchRunResponse": _obj(
+        {
+            "results": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "run_id": UUID,
+                        "outcome": {
+                            "type": "string",
+                            "description": "what the one-run endpoint answers, or not_found",
+                        },
+                        "state": {"type": "string"},
+                        "reason": {"type": ["string", "null"]},
+                    },
+                    required=["run_id", "outcome"],
+                ),
+            }
+        }
+    ),
     "BatchFinishResponse": _obj(
         {
             "results": {
@@ -244,6 +263,41 @@ EXAMPLES: dict[str, Any] = {
     "Error": {"code": "bad_request", "message": "limit: must be within 1..100", "field": "limit"},
     "BatchFinishRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "outcome": "finished"},
     "BatchFinishResponse": {"results": [{"delivery_id": _D, "outcome": "settled", "status": "finished"}]},
+    "BatchCompleteRequest": {
+        "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 1, "output": {"ok": True}}],
+        "worker_id": "w1",
+    },
+    "BatchHeartbeatRequest": {
+        "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 1}],
+        "worker_id": "w1",
+        "lease_seconds": 60,
+    },
+    "BatchCallRequest": {
+        "runs": [
+            {
+                "run_id": "0193a5a0-0000-7000-8000-0000000000a1",
+                "lease_generation": 1,
+                "tool_name": "search",
+                "args": {"q": "x"},
+            }
+        ],
+        "worker_id": "w1",
+    },
+    "BatchResultRequest": {
+        "runs": [
+            {
+                "run_id": "0193a5a0-0000-7000-8000-0000000000a1",
+                "lease_generation": 1,
+                "seq": 1,
+                "ok": True,
+                "output": {"hits": 3},
+            }
+        ],
+        "worker_id": "w1",
+    },
+    "BatchRunResponse": {
+        "results": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "outcome": "finished", "state": "completed"}]
+    },
     "SendEventRequest": {"name": "payment.received", "key": "order:42", "payload": {"amount": 1200}},
     "SendEventResponse": {"resumed": 1, "kept_until": _T},
 }
@@ -388,6 +442,18 @@ def _run_paths() -> dict[str, Any]:
         f"{RUN}/results": post("recordCallResult", "Record a call's result", "CallResultRequest"),
         f"{RUN}/approval": post("requestApproval", "Park the run on an approval", "ApprovalRequest"),
         f"{RUN}/complete": post("completeRun", "End the run completed", "CompleteRequest"),
+        **{
+            f"/communities/{{community_id}}/runs/{action}": {
+                "post": _operation(op, summary, "BatchRunResponse", body, "403", params=[COMMUNITY_PARAM])
+            }
+            for action, op, summary, body in (
+                ("complete", "completeRuns", "Complete many runs of one community", "BatchCompleteRequest"),
+                ("calls", "journalCalls", "Journal one call for each of many runs", "BatchCallRequest"),
+                ("results", "recordCallResults", "Record one call result for each of many runs",
+                 "BatchResultRequest"),
+                ("heartbeat", "heartbeatRuns", "Renew many run leases of one community", "BatchHeartbeatRequest"),
+            )
+        },
         f"{RUN}/emit": post("emitOutput", "Append a chunk to the run's output stream", "EmitRequest"),
         f"{RUN}/output": {"post": _operation("readRunOutput", "The run's streamed output after a seq (long-poll)",
                                              "RunOutputResponse", "RunOutputRequest", "403", "404",

@@ -24,10 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from buzz_delivery.agents import compensations
@@ -40,6 +42,7 @@ from buzz_delivery.gateway.client import (
     GatewayHTTPError,
     RemoteRunClaim,
     RemoteRunLease,
+    RunOutcome,
     describe,
     failure_code,
     storable,
@@ -126,15 +129,19 @@ class RemoteRunContext:
     ``lease`` (renewed in the background), :meth:`call`, :meth:`request_approval`, :meth:`emit`,
     :attr:`cancelled`."""
 
-    def __init__(self, client: GatewayClient, claim: RemoteRunClaim) -> None:
+    def __init__(self, client: GatewayClient, claim: RemoteRunClaim, batcher: RunBatcher | None = None) -> None:
         self.client = client
+        self.batcher = batcher
         self.run = claim.run
         self.lease = claim.lease
         self.input = claim.run["input"]
         self.lost = threading.Event()
         self._cancelled = threading.Event()
         self._pos = 0
-        journal = client.read_run(claim.lease.community_id, claim.lease.run_id)["journal"]
+        # A run that has spent no call and is not unwinding has an empty journal: no read (as
+        # the in-process runtime's claim_with_journals).
+        fresh = not claim.run.get("tool_calls_used") and not claim.run.get("unwinding")
+        journal = [] if fresh else client.read_run(claim.lease.community_id, claim.lease.run_id)["journal"]
         self._journal = {e["seq"]: e for e in journal}
         self.replayed = 0
         # ctx.emit: the chunks the run had when claimed (a resumed handler's first emits are these).
@@ -180,8 +187,14 @@ class RemoteRunContext:
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
         descriptor = compensations.descriptor(compensate)
-        outcome = self.client.journal_call(
-            self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+        body = {"tool_name": tool_name, "args": args, "cost": cost, "compensation": descriptor,
+                "destructive": destructive}  # fmt: skip
+        outcome = (
+            self.batcher.send("calls", self.lease, body)
+            if self.batcher
+            else self.client.journal_call(
+                self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+            )
         )
         if outcome.outcome == "blocked":
             return None
@@ -224,7 +237,12 @@ class RemoteRunContext:
 
     def _record(self, seq: int, started: float, **kwargs: Any) -> None:
         latency = int((time.monotonic() - started) * 1000)
-        outcome = self.client.record_result(self.lease, seq, latency_ms=latency, **kwargs)
+        if self.batcher is not None:
+            body = {"seq": seq, "ok": kwargs["ok"], "output": kwargs.get("output"), "error": kwargs.get("error"),
+                    "latency_ms": latency, "uncertain": kwargs.get("uncertain", False)}  # fmt: skip
+            outcome = self.batcher.send("results", self.lease, body)
+        else:
+            outcome = self.client.record_result(self.lease, seq, latency_ms=latency, **kwargs)
         if outcome.outcome not in ("recorded", "already_recorded"):
             raise self._gone(outcome, f"record call {seq}")
 
@@ -304,18 +322,101 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int]) -> str
     return result if final.outcome in ("finished", "already_terminal") else "lost"
 
 
+Item = tuple[str, RemoteRunLease, dict[str, Any], "Future[RunOutcome]"]
+
+
+class RunBatcher:
+    """Sends the journal writes and completions of a worker's runs in batches (issue 29): each
+    run thread's :meth:`send` waits while one thread sends whatever is queued, one request per
+    (action, community) (``POST .../runs/calls|results|complete``: one fenced statement there,
+    each run judged by its own lease). A batch the gateway refuses as a whole (400/413: one bad
+    item) is sent again one run per request, so each run gets the answer its own request would
+    give; a batch that cannot be sent at all raises in every run thread of it."""
+
+    def __init__(self, client: GatewayClient, max_batch: int = 100) -> None:
+        self.client, self.max_batch = client, max_batch
+        self._queue: queue.Queue[Item | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="run-batcher", daemon=True)
+        self._thread.start()
+
+    def send(self, action: str, lease: RemoteRunLease, body: dict[str, Any]) -> RunOutcome:
+        """As the one-run endpoint ``action`` (``calls``, ``results``, ``complete``), batched."""
+        future: Future[RunOutcome] = Future()
+        self._queue.put((action, lease, body, future))
+        return future.result()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            if item is None:
+                return
+            items = [item]
+            while len(items) < self.max_batch:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                items.append(more)
+            groups: dict[tuple[str, str, str], list[list[Item]]] = defaultdict(list)
+            for one in items:
+                batches = groups[(one[0], one[1].community_id, one[1].worker_id)]
+                # No run twice in one batch (a run thread sends one at a time; kept safe anyway).
+                if not batches or any(x[1].run_id == one[1].run_id for x in batches[-1]):
+                    batches.append([])
+                batches[-1].append(one)
+            for batches in groups.values():
+                for group in batches:
+                    self._send(group)
+
+    def _send(self, group: list[Item]) -> None:
+        action = group[0][0]
+        try:
+            outcomes = self.client.run_batch(action, [(lease, body) for _, lease, body, _ in group])
+        except GatewayHTTPError as exc:
+            if exc.status not in (400, 413) or len(group) == 1:
+                for *_, future in group:
+                    future.set_exception(exc)
+                return
+            for _, lease, body, future in group:  # one bad item refused the batch: each on its own
+                try:
+                    future.set_result(self.client._run_post(lease, action, **body))
+                except Exception as one:
+                    future.set_exception(one)
+            return
+        except Exception as exc:  # the gateway unreachable: every run of the batch hears it
+            for *_, future in group:
+                future.set_exception(exc)
+            return
+        for (*_, future), outcome in zip(group, outcomes, strict=True):
+            future.set_result(outcome)
+
+
 def run_remote_claim(
-    client: GatewayClient, claim: RemoteRunClaim, handler: Callable[[Any], Any], ctx: Any = None
+    client: GatewayClient,
+    claim: RemoteRunClaim,
+    handler: Callable[[Any], Any],
+    ctx: Any = None,
+    batcher: RunBatcher | None = None,
 ) -> str:
     """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
-    ``compensation_failed``, ``parked`` or ``lost``."""
+    ``compensation_failed``, ``parked`` or ``lost``. ``batcher``: send the journal writes and the
+    completion through it (batched with other runs') instead of one request each."""
     lease = claim.lease
     if claim.run["unwinding"]:
         outcome = client.fail_run(lease, claim.run["failure_code"] or "unwinding")
         if outcome.outcome == "unwinding":
             return unwind(client, lease, outcome.data["seqs"])
         return "failed" if outcome.outcome == "finished" else "lost"
-    ctx = ctx or RemoteRunContext(client, claim)
+    ctx = ctx or RemoteRunContext(client, claim, batcher)
     try:
         output = handler(ctx)
     except _Parked:
@@ -336,7 +437,11 @@ def run_remote_claim(
     if problem is not None:
         return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}")
     try:
-        done = client.complete_run(ctx.lease, output)
+        done = (
+            batcher.send("complete", ctx.lease, {"output": output})
+            if batcher
+            else client.complete_run(ctx.lease, output)
+        )
     except GatewayHTTPError as exc:
         if exc.status != 400:
             raise
@@ -367,8 +472,10 @@ def _unstorable_output(output: Any) -> str | None:
 
 
 class RemoteRunWorker:
-    """The loop of ``work-runs``: ``concurrency`` threads claim one run at a time (long-poll
-    ``wait_seconds``), one thread renews every held lease each ``renew_every`` seconds.
+    """The loop of ``work-runs``: one claimer claims as many runs as ``concurrency`` threads are
+    free for (long-poll ``wait_seconds``), the threads run them, their journal writes and
+    completions go in batches (:class:`RunBatcher`), one thread renews every held lease each
+    ``renew_every`` seconds.
     :meth:`request_stop` drains within ``shutdown_grace``; ``run()`` returns the summary."""
 
     def __init__(
@@ -403,6 +510,11 @@ class RemoteRunWorker:
         self._held: dict[str, RemoteRunContext] = {}
         self._last_work = time.monotonic()
         self.internal_error: str | None = None
+        self.batcher: RunBatcher | None = None
+        self._ready: queue.Queue[RemoteRunClaim] = queue.Queue()
+        self._busy = 0  # runs claimed and not yet worked to their resting point
+        self._slot_free = threading.Event()
+        self._claimer: threading.Thread | None = None
 
     def request_stop(self, reason: str) -> None:
         """Stop claiming; in-flight runs reach their resting point (drain)."""
@@ -410,27 +522,40 @@ class RemoteRunWorker:
             self.reason = reason
             self.stop.set()
 
-    def _take(self) -> bool:
-        with self._lock:
-            if self.max_runs is not None and self.counts["claimed"] >= self.max_runs:
-                self.request_stop("max_runs")
-                return False
-            return True
+    def _guarded(self, body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException:  # never silent: the run stops with exit 1 (see run())
+                logger.exception("worker_error: a worker thread stopped")
+                with self._lock:
+                    self.internal_error = "internal_error: a worker thread stopped"
+                self.request_stop("internal_error")
 
-    def _loop(self) -> None:
-        try:
-            self._claim_and_work()
-        except BaseException:  # never silent: the run stops with exit 1 (see run())
-            logger.exception("worker_error: a run thread stopped")
+        return run
+
+    def _claim_loop(self) -> None:
+        """One claimer for every run thread: claims as many runs as there are free threads in
+        one request (long-poll), so the run threads start together and their journal writes
+        share batches."""
+        while not self.stop.is_set():
             with self._lock:
-                self.internal_error = "internal_error: a run thread stopped"
-            self.request_stop("internal_error")
-
-    def _claim_and_work(self) -> None:
-        while not self.stop.is_set() and self._take():
+                if self.max_runs is not None and self.counts["claimed"] >= self.max_runs:
+                    self.request_stop("max_runs")
+                    return
+                want = self.concurrency - self._busy
+                if self.max_runs is not None:
+                    want = min(want, self.max_runs - self.counts["claimed"])
+            if want <= 0:
+                self._slot_free.wait(0.5)
+                self._slot_free.clear()
+                continue
             try:
                 claims = self.client.claim_runs(
-                    1, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds, worker_id=self.worker_id
+                    min(want, 100),
+                    wait_seconds=self.wait_seconds,
+                    lease_seconds=self.lease_seconds,
+                    worker_id=self.worker_id,
                 )
             except Exception as exc:  # the gateway is unreachable or refused: retry later
                 logger.warning("claim_error: %s", exc)
@@ -439,21 +564,46 @@ class RemoteRunWorker:
                 self.stop.wait(1.0)
                 continue
             if not claims:
-                if self.idle_exit is not None and time.monotonic() - self._last_work > self.idle_exit:
+                with self._lock:
+                    idle = self._busy == 0
+                if idle and self.idle_exit is not None and time.monotonic() - self._last_work > self.idle_exit:
                     self.request_stop("idle")
                 continue
             with self._lock:
-                self.counts["claimed"] += 1
+                self.counts["claimed"] += len(claims)
+                self._busy += len(claims)
                 self._last_work = time.monotonic()
-            self._work(claims[0])
+            for claim in claims:
+                self._ready.put(claim)
+
+    def _run_loop(self) -> None:
+        """A run thread: works the claimed runs handed to it; after a stop, drains what was
+        claimed (those leases are held) and returns."""
+        while True:
+            try:
+                claim = self._ready.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set() and not self._more_to_come():
+                    return
+                continue
+            try:
+                self._work(claim)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                self._slot_free.set()
+
+    def _more_to_come(self) -> bool:
+        claimer = self._claimer
+        return (claimer is not None and claimer.is_alive()) or not self._ready.empty()
 
     def _work(self, claim: RemoteRunClaim) -> None:
         try:
-            ctx = RemoteRunContext(self.client, claim)
+            ctx = RemoteRunContext(self.client, claim, self.batcher)
             with self._lock:
                 self._held[claim.lease.run_id] = ctx
             try:
-                result = run_remote_claim(self.client, claim, self.handler, ctx)
+                result = run_remote_claim(self.client, claim, self.handler, ctx, self.batcher)
             finally:
                 with self._lock:
                     self._held.pop(claim.lease.run_id, None)
@@ -468,18 +618,26 @@ class RemoteRunWorker:
         while not done.wait(self.renew_every):
             with self._lock:
                 held = list(self._held.values())
+            groups: dict[tuple[str, str], list[RemoteRunContext]] = defaultdict(list)
             for ctx in held:
-                try:
-                    outcome = self.client.heartbeat(ctx.lease, self.lease_seconds)
-                except Exception as exc:  # never let the renewer die: every lease would lapse
-                    logger.warning("heartbeat_error run=%s: %s", ctx.lease.run_id, exc)
-                    continue
-                if outcome.outcome == "renewed" and outcome.lease is not None:
-                    ctx.lease = outcome.lease
-                    with self._lock:
-                        self.counts["renewed"] += 1
-                elif outcome.outcome != "renewed":
-                    ctx.mark_lost(outcome.data.get("reason"))
+                groups[(ctx.lease.community_id, ctx.lease.worker_id)].append(ctx)
+            for ctxs in groups.values():
+                for start in range(0, len(ctxs), 100):  # one request per community (100 a batch)
+                    self._renew(ctxs[start : start + 100])
+
+    def _renew(self, ctxs: list[RemoteRunContext]) -> None:
+        try:
+            outcomes = self.client.heartbeat_runs([ctx.lease for ctx in ctxs], self.lease_seconds)
+        except Exception as exc:  # never let the renewer die: every lease would lapse
+            logger.warning("heartbeat_error runs=%d: %s", len(ctxs), exc)
+            return
+        for ctx, outcome in zip(ctxs, outcomes, strict=True):
+            if outcome.outcome == "renewed" and outcome.lease is not None:
+                ctx.lease = outcome.lease
+                with self._lock:
+                    self.counts["renewed"] += 1
+            else:
+                ctx.mark_lost(outcome.data.get("reason"))
 
     def _start_acceptor(self) -> Any:
         if not self.accept:
@@ -504,9 +662,15 @@ class RemoteRunWorker:
     def run(self) -> dict[str, Any]:
         """Run until stopped; returns ``{key: count for SUMMARY_KEYS} | {"reason"}``."""
         done = threading.Event()
+        self.batcher = RunBatcher(self.client)
         renewer = threading.Thread(target=self._renew_loop, args=(done,), name="run-renewer", daemon=True)
         renewer.start()
-        threads = [threading.Thread(target=self._loop, name=f"run-{i}", daemon=True) for i in range(self.concurrency)]
+        self._claimer = threading.Thread(target=self._guarded(self._claim_loop), name="run-claimer", daemon=True)
+        self._claimer.start()
+        threads = [
+            threading.Thread(target=self._guarded(self._run_loop), name=f"run-{i}", daemon=True)
+            for i in range(self.concurrency)
+        ]
         for t in threads:
             t.start()
         acceptor = self._start_acceptor()
@@ -519,6 +683,9 @@ class RemoteRunWorker:
                         abandoned = list(self._held.values())
                         self._held.clear()
                         self.counts["abandoned"] += len(abandoned)
+                        while not self._ready.empty():  # claimed, never started: their leases lapse
+                            self._ready.get_nowait()
+                            self.counts["abandoned"] += 1
                     for ctx in abandoned:
                         ctx.mark_lost("abandoned")
                     break
@@ -526,6 +693,7 @@ class RemoteRunWorker:
                 t.join(timeout=0.1)
         done.set()
         renewer.join(timeout=5)
+        self.batcher.close()
         if acceptor is not None:
             acceptor.join(timeout=self.wait_seconds + self.client.timeout)
             self.counts["accepted"] = acceptor.counts["accepted"]

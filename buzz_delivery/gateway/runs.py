@@ -18,11 +18,14 @@ import time
 import uuid
 from typing import Any
 
+from django.core.exceptions import ValidationError
+from django.db import DatabaseError
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
 from buzz_delivery.agents import services as agents
 from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.services import batch
 from buzz_delivery.gateway import limits, present
 from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.conf import get_settings
@@ -30,6 +33,10 @@ from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import (
     ACCEPT,
     APPROVAL,
+    BATCH_CALLS,
+    BATCH_COMPLETE,
+    BATCH_HEARTBEAT,
+    BATCH_RESULTS,
     CALL,
     COMPENSATION_BEGIN,
     COMPENSATION_FINISH,
@@ -41,7 +48,14 @@ from buzz_delivery.gateway.schema import (
     RUN_EMIT,
     RUN_OUTPUT,
 )
-from buzz_delivery.gateway.views import _lease, _lost_or_not_found, _require_enrolled, endpoint
+from buzz_delivery.gateway.views import (
+    _field_of,
+    _lease,
+    _lost_or_not_found,
+    _require_enrolled,
+    endpoint,
+    parse_uuid,
+)
 from buzz_delivery.gateway.wake import hub
 from buzz_delivery.services import AlreadyTerminal, LeaseLost
 
@@ -275,6 +289,152 @@ def complete(request: HttpRequest, pubkey: bytes, data: dict[str, Any], communit
     if isinstance(outcome, agents.Finished):
         return JsonResponse({"outcome": "finished", "state": outcome.state})
     return _common(outcome)
+
+
+def _batch(
+    pubkey: bytes,
+    data: dict[str, Any],
+    community_id: uuid.UUID,
+    prepare: Any,
+    send: Any,
+    replay: Any,
+    present_one: Any,
+) -> JsonResponse:
+    """The shape of every batch endpoint: each item checked and prepared before any SQL (a bad
+    one is a 400 naming it, ``runs[2].output``, and nothing is written), the scope of all its
+    runs read at once (a run of another key is ``not_found``, as a missing one), then ONE
+    statement for the batch, each row fenced by its own lease generation. A batch the database
+    refuses wrote nothing; its items are then sent one at a time with the single forms."""
+    worker = worker_of(pubkey, data["worker_id"])
+    _require_enrolled(community_id, pubkey)
+    seen: set[uuid.UUID] = set()
+    prepared = []
+    for i, item in enumerate(data["runs"]):
+        run_id = parse_uuid(f"runs[{i}].run_id", item["run_id"])
+        if run_id in seen:
+            raise bad_request(f"runs[{i}].run_id", "appears twice in the batch")
+        seen.add(run_id)
+        lease = agents.AgentLease(community_id, run_id, item["lease_generation"], timezone.now(), worker)
+        try:
+            prepared.append(prepare(lease, item))
+        except ValidationError as exc:
+            raise bad_request(f"runs[{i}].{_field_of(exc)}", "; ".join(exc.messages)) from None
+    own = agents.runs_of_agent(community_id, [p.lease.run_id for p in prepared], pubkey)
+    mine = [p for p in prepared if p.lease.run_id in own]
+    try:
+        outcomes = send(community_id, mine) if mine else []
+    except DatabaseError:
+        outcomes = [replay(p) for p in mine]
+    by_run = {p.lease.run_id: o for p, o in zip(mine, outcomes, strict=True)}
+    results = []
+    for p in prepared:
+        row: dict[str, Any] = {"run_id": str(p.lease.run_id)}
+        outcome = by_run.get(p.lease.run_id)
+        if outcome is None:
+            row["outcome"] = "not_found"
+        elif isinstance(outcome, AlreadyTerminal):
+            row.update(outcome="already_terminal", state=outcome.status)
+        elif isinstance(outcome, LeaseLost):
+            row.update(outcome="lease_lost", reason=outcome.reason)
+        else:
+            row.update(present_one(outcome))
+        results.append(row)
+    return JsonResponse({"results": results})
+
+
+def _finished(outcome: Any) -> dict[str, Any]:
+    return {"outcome": "finished", "state": outcome.state}
+
+
+@endpoint("POST", BATCH_COMPLETE)
+def complete_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """End many of the signer's runs in one community ``completed``, each under its own lease
+    (``agents.services.batch.complete_runs``: one fenced statement). 200 ``{"results":
+    [{"run_id", "outcome", ...}]}`` in request order, each outcome what the one-run complete
+    answers: ``finished`` (``state``), ``already_terminal``, ``lease_lost`` (``reason``:
+    ``cancelled`` after a cancel) or ``not_found`` (no such run for this key); 400 naming the bad
+    item (nothing written); 403 not enrolled there."""
+    return _batch(
+        pubkey, data, community_id,
+        lambda lease, item: batch.prepare_completion(lease, item["output"]),
+        batch.complete_runs, batch.replay_completion, _finished,
+    )  # fmt: skip
+
+
+def _journaled(outcome: Any) -> dict[str, Any]:
+    if isinstance(outcome, agents.Journaled):
+        return {"outcome": "journaled", "seq": outcome.seq, "idempotency_key": outcome.idempotency_key}
+    if isinstance(outcome, agents.Blocked):
+        return {"outcome": "blocked", "seq": outcome.seq, "reason": outcome.reason}
+    return {"outcome": "budget_exceeded", "budget": outcome.budget, "used": outcome.used, "cap": outcome.cap}
+
+
+@endpoint("POST", BATCH_CALLS)
+def call_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Journal one tool call for each of many runs in one community before making them
+    (``agents.services.batch.journal_calls``: one fenced statement within each run's budgets).
+    200 ``{"results": [...]}`` in request order, each what the one-run ``calls`` answers
+    (``journaled``, ``blocked``, ``budget_exceeded``, ``already_terminal``, ``lease_lost``) or
+    ``not_found``; 400 naming the bad item (nothing written); 403."""
+
+    def prepare(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedCall:
+        return batch.prepare_call(
+            lease, item["tool_name"], item["args"], cost=item["cost"], compensation=item["compensation"],
+            destructive=item["destructive"],
+        )  # fmt: skip
+
+    return _batch(pubkey, data, community_id, prepare, batch.journal_calls, batch.replay_call, _journaled)
+
+
+def _recorded_row(outcome: Any) -> dict[str, Any]:
+    kind = "recorded" if isinstance(outcome, agents.Recorded) else "already_recorded"
+    return {"outcome": kind, "status": outcome.status}
+
+
+@endpoint("POST", BATCH_HEARTBEAT)
+def heartbeat_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Renew many run leases of one community (``agents.services.batch.heartbeat_runs``: one
+    fenced statement, each row judged by its own generation). 200 ``{"results": [...]}`` in
+    request order: ``{"outcome": "renewed", "lease"}``, ``already_terminal``, ``lease_lost``
+    (``reason: "cancelled"`` after a cancel) or ``not_found``; 400 naming the bad item; 403."""
+    seconds = data["lease_seconds"]
+
+    def send(community: uuid.UUID, leases: list[agents.AgentLease]) -> list[Any]:
+        return batch.heartbeat_runs(community, leases, seconds)
+
+    def renewed(outcome: Any) -> dict[str, Any]:
+        return {"outcome": "renewed", "lease": present.run_lease_of(outcome.lease)}
+
+    return _batch(
+        pubkey, data, community_id, lambda lease, item: _Held(lease), lambda c, held: send(c, [h.lease for h in held]),
+        lambda held: agents.heartbeat(held.lease, seconds), renewed,
+    )  # fmt: skip
+
+
+class _Held:
+    """A lease to renew, shaped like the prepared items of the other batches (``.lease``)."""
+
+    __slots__ = ("lease",)
+
+    def __init__(self, lease: agents.AgentLease) -> None:
+        self.lease = lease
+
+
+@endpoint("POST", BATCH_RESULTS)
+def result_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Record one journaled call's result for each of many runs in one community
+    (``agents.services.batch.record_results``: one fenced statement). 200 ``{"results": [...]}``
+    in request order, each what the one-run ``results`` answers (``recorded`` /
+    ``already_recorded`` with the status, ``already_terminal``, ``lease_lost``) or ``not_found``;
+    400 naming the bad item (nothing written); 403."""
+
+    def prepare(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedResult:
+        return batch.prepare_result(
+            lease, item["seq"], ok=item["ok"], output=item["output"], error=item["error"],
+            latency_ms=item["latency_ms"], uncertain=item["uncertain"],
+        )  # fmt: skip
+
+    return _batch(pubkey, data, community_id, prepare, batch.record_results, batch.replay_result, _recorded_row)
 
 
 @endpoint("POST", FAIL)

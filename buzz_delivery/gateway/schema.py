@@ -303,6 +303,42 @@ RESULT = Body(
         "uncertain": Field("boolean", "failed only: the effect is unknown (compensate it)", default=False),
     },
 )
+
+
+# --- batches of agent-run transitions (issue 29): many runs of one community per request ---------
+
+BATCH_RUN_ID = Field("string", "a run of the signer in this community (UUID)", required=True, bounds=lambda: (0, 36))
+
+
+def _batch(name: str, item: Body, what: str) -> Body:
+    """A batch body: ``runs`` (items of ``item``'s fields, each naming its run and its lease
+    generation) and the holder's ``worker_id``, shared by every item."""
+    fields = {n: f for n, f in item.fields.items() if n != "worker_id"}
+    return Body(
+        f"Batch{name}Request",
+        {
+            "runs": Field("array", f"the runs to {what}, each under its own lease, no run twice", required=True,
+                          bounds=_run_limit,
+                          items=Body(f"Batch{name}Item", {"run_id": BATCH_RUN_ID, **fields})),
+            "worker_id": WORKER_ID,
+        },
+    )  # fmt: skip
+
+
+COMPLETE = Body("CompleteRequest", {**RUN_LEASE_FIELDS, "output": Field("json", "the run's output", required=True)})
+BATCH_COMPLETE = _batch("Complete", COMPLETE, "complete")
+BATCH_CALLS = _batch("Call", CALL, "journal one call each for")
+BATCH_HEARTBEAT = Body(
+    "BatchHeartbeatRequest",
+    {
+        "runs": Field("array", "the run leases to renew, no run twice", required=True, bounds=_run_limit,
+                      items=Body("BatchHeartbeatItem", {"run_id": BATCH_RUN_ID,
+                                                        "lease_generation": RUN_LEASE_FIELDS["lease_generation"]})),
+        "worker_id": WORKER_ID,
+        "lease_seconds": LEASE_SECONDS,
+    },
+)  # fmt: skip
+BATCH_RESULTS = _batch("Result", RESULT, "record one call result each for")
 APPROVAL = Body(
     "ApprovalRequest",
     {
@@ -313,7 +349,6 @@ APPROVAL = Body(
         ),
     },
 )
-COMPLETE = Body("CompleteRequest", {**RUN_LEASE_FIELDS, "output": Field("json", "the run's output", required=True)})
 FAIL = Body(
     "FailRequest",
     {
@@ -355,8 +390,9 @@ RUN_OUTPUT = Body(
         ),
     },
 )  # fmt: skip
-RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, FAIL, COMPENSATION_BEGIN,
-              COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT)  # fmt: skip
+RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, BATCH_COMPLETE, BATCH_CALLS,
+              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT,
+              RUN_OUTPUT)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------

@@ -49,6 +49,11 @@ if agents_installed():
     urlpatterns += [
         path(f"{D}/accept", runs.accept, name="accept"),
         path("runs/claim", runs.claim, name="run-claim"),
+        # Before the read route: "complete" is not a run id.
+        path("communities/<str:community_id>/runs/complete", runs.complete_batch, name="run-complete-batch"),
+        path("communities/<str:community_id>/runs/calls", runs.call_batch, name="run-call-batch"),
+        path("communities/<str:community_id>/runs/results", runs.result_batch, name="run-result-batch"),
+        path("communities/<str:community_id>/runs/heartbeat", runs.heartbeat_batch, name="run-heartbeat-batch"),
         path(R, runs.read, name="run"),
         path(f"{R}/heartbeat", runs.heartbeat, name="run-heartbeat"),
         path(f"{R}/calls", runs.call, name="run-call"),

@@ -102,6 +102,12 @@ def three_calls(ctx) -> dict:
     return {"sum": total}
 
 
+def slow_three_calls(ctx) -> dict:
+    """``three_calls`` that waits ``GATEWAY_HANDLER_SLEEP`` seconds first (leases get renewed)."""
+    time.sleep(float(os.environ.get("GATEWAY_HANDLER_SLEEP", "0")))
+    return three_calls(ctx)
+
+
 def poison_run(ctx):
     """``work-runs`` poison matrix: input ``kind`` picks how the handler misbehaves."""
     from buzz_delivery.gateway.remote_runs import RemoteRunError

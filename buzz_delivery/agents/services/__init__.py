@@ -23,6 +23,7 @@ from buzz_delivery.agents.services.runs import (
     get_run_agent,
     heartbeat,
     intake_event,
+    runs_of_agent,
 )
 from buzz_delivery.agents.services.types import *  # noqa: F403
 from buzz_delivery.agents.services.types import __all__ as _types
@@ -45,6 +46,7 @@ __all__ = [
     "get_journal",
     "get_policy",
     "get_run_agent",
+    "runs_of_agent",
     "heartbeat",
     "intake_event",
     "journal_call",

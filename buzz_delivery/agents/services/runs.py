@@ -429,3 +429,16 @@ def get_run_agent(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> byt
         .first()
     )
     return None if row is None else bytes(row)
+
+
+@tenant_scoped
+def runs_of_agent(community_id: uuid.UUID | str, run_ids: list[uuid.UUID], agent_pubkey: bytes) -> set[uuid.UUID]:
+    """Which of ``run_ids`` (one community) are runs of ``agent_pubkey``: the scope check of a
+    batch, one read (a run's ``agent_pubkey`` never changes)."""
+    if not run_ids:
+        return set()
+    return set(
+        AgentRun.objects.filter(
+            community_id=v.uuid_value(community_id, "community_id"), id__in=list(run_ids), agent_pubkey=agent_pubkey
+        ).values_list("id", flat=True)
+    )
