@@ -42,7 +42,9 @@ BACKLOG = 100_000
 BATCH = 50
 # The time of a delivery's first claim, from its history: ``claimed_at`` is cleared when the
 # delivery is settled, and the handler here settles at once.
-FIRST_CLAIM = "(SELECT (e->>'at')::timestamptz FROM jsonb_array_elements(history) AS e WHERE e->>'event' = 'claim' LIMIT 1)"
+FIRST_CLAIM = (
+    "(SELECT (e->>'at')::timestamptz FROM jsonb_array_elements(history) AS e WHERE e->>'event' = 'claim' LIMIT 1)"
+)
 
 
 def _bulk_copy(seed: uuid.UUID, community_id: uuid.UUID, n: int) -> None:
