@@ -84,3 +84,33 @@ def test_a_batch_refuses_two_items_of_one_run_and_leases_of_another_community(co
     with pytest.raises(Exception, match="another community"):
         b.heartbeat_runs(other_community.id, [lease], 30)
     assert JournalEntry.objects.count() == 0
+
+
+def test_a_journal_batch_that_raises_after_its_write_wrote_nothing_so_its_replay_journals_once(community, monkeypatch):
+    """The batch's write and the reads that judge its missed runs are one transaction: a read
+    that fails (a statement timeout, a reset connection) after the write leaves nothing, so the
+    callers' replay one call at a time (the gateway's batch endpoint, the in-process batcher)
+    journals each call, and spends its budget, once."""
+    from django.db import OperationalError
+
+    from buzz_delivery.agents.services import journal
+
+    ok, old = new_run(community.id), new_run(community.id)
+    lease_ok, lease_old = claim(community.id, ok), claim(community.id, old)
+    stale = dataclasses.replace(lease_old, lease_generation=lease_old.lease_generation - 1)
+    calls = [b.prepare_call(lease_ok, "search", {"q": 1}, cost=2), b.prepare_call(stale, "search", {"q": 2})]
+
+    def failing_read(params):  # the missed run's read fails after the batch wrote ok's entry
+        raise OperationalError("canceling statement due to statement timeout")
+
+    monkeypatch.setattr(journal, "budget_or_missed", failing_read)
+    with pytest.raises(OperationalError):
+        b.journal_calls(community.id, calls)
+    monkeypatch.undo()
+    assert not JournalEntry.objects.filter(run_id=ok).exists()
+    assert AgentRun.objects.get(id=ok).tool_calls_used == 0
+
+    [b.replay_call(c) for c in calls]
+    assert list(JournalEntry.objects.filter(run_id=ok).values_list("seq", flat=True)) == [1]
+    run = AgentRun.objects.get(id=ok)
+    assert (run.tool_calls_used, run.cost_used) == (1, 2)

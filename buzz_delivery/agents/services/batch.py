@@ -224,10 +224,11 @@ def journal_calls(community_id: uuid.UUID | str, calls: Sequence[PreparedCall]) 
     )
     outcomes: dict[uuid.UUID, JournalOutcome] = {}
     # One transaction for the whole batch (the single forms' savepoints inside it): a batch
-    # that raises wrote nothing, so its replay one call at a time journals each call once. With
-    # no destructive call the batch writes in its one statement, atomic by itself: no BEGIN and
-    # COMMIT round trips around it (what follows it only reads, to judge the runs it missed).
-    with _transaction(bool(blocked_ones)), translated_errors():
+    # that raises wrote nothing, so its replay one call at a time journals each call once. Not
+    # autocommit even with one write: the reads that judge the runs it missed come after it, and
+    # one of them failing would leave the write committed under a batch that raised, whose
+    # replay would journal those calls (and spend their budgets) a second time.
+    with transaction.atomic(), translated_errors():
         for c in blocked_ones:  # destructive: the single form decides shadow blocking
             outcomes[c.lease.run_id] = replay_call(c)
         if batched:
