@@ -1,17 +1,31 @@
 """I/O-bound agent runs (issue 29): each run makes 3 journaled calls that each wait 0.5 s (a
 model or tool call), with 64, 256 and 1,000 runs in flight; runs/s and the peak number of
-database connections, for the event-loop worker (``run_agent_worker --async``: one process,
-4 connections), the threaded ``AgentWorker`` (64 handler threads, one connection each) and DBOS
-Transact's async workflow of 3 async steps on the same shape (``bench/dbos_agents_io.py``, run
-by ``--dbos-python``, which must have ``dbos``), in the same run on the same PostgreSQL.
+database connections, for the event-loop worker (``run_agent_worker --async``, 4 connections),
+optionally the threaded ``AgentWorker`` (``--threaded``: one handler thread and connection per
+run) and DBOS Transact's async workflow of 3 async steps on the same shape
+(``bench/dbos_agents_io.py``, run by ``--dbos-python``, which must have ``dbos``), in the same
+run on the same PostgreSQL.
 
     BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5433/bench_fio /work/venv/bin/python -m bench.agents_io
-    ... -m bench.agents_io --in-flight 64,256 --call-seconds 0.5 --runs-per-slot 2
+    ... -m bench.agents_io --call-seconds 0 --in-flight 64 --processes 1,4 --runs-per-slot 16
+
+``--processes 1,4``: each figure with K worker processes a side. Ours: K ``multiprocessing``
+(spawn) processes, each an ``AsyncAgentWorker`` at in-flight/K on connections/K, on one
+community and agent; DBOS: K processes of ``dbos_agents_io.py``, each n/K workflows at
+in-flight/K. The same work is inside every timed window (issue 31): DBOS starts its workflows
+inside it, so our runs are created inside it too, by ``--producers`` intake threads in all
+(split among the worker processes; one ``intake_event``, one transaction, per run) released
+with the workers; the workers stop when the database counts all n runs completed. Ours: runs / (first run's
+``created_at`` .. last ``finished_at``, the database clock); DBOS: runs / (earliest start ..
+latest end its processes report, released together after launch and warm-up).
+``--precreate`` creates our runs before the window (the old measure; span from the start
+signal, read on the database clock).
 
 Each figure drains ``runs-per-slot x in-flight`` runs (at least 128). Peak connections: the most
 sessions on the figure's database seen by a sampler every 20 ms (the sampler connects to
-``postgres``). Our databases: the bench's (created, name must start with ``bench_f``); DBOS's:
-its name + ``_dbos``. Prints a Markdown table and writes ``bench/results/agents_io.md``
+``postgres``; ours include the producers' and the completion watcher's). Our databases: the
+bench's (created, name must start with ``bench_f``); DBOS's: its name + ``_dbos``. Prints a
+Markdown table (K a column, ours / DBOS) and writes ``bench/results/agents_io.md``
 (``agents_io_noop.md`` with ``--call-seconds 0``: no-op calls, the runtime's own cost).
 """
 
@@ -197,7 +211,7 @@ def _completed(conn: psycopg.Connection[Any], community_id: Any) -> int:
 
 def ours(kind: str, n: int, in_flight: int, conns: int, k: int, producers: int, precreate: bool) -> tuple[float, int]:
     """``k`` worker processes drain ``n`` runs; runs/s over the database clock's span from the
-    first run's creation (``--precreate``: its claim) to the last run's finish."""
+    first run's creation (``--precreate``: the start signal) to the last run's finish."""
     community, agent = _community()
     if precreate:
         _produce(community.id, agent, n)
@@ -211,7 +225,7 @@ def ours(kind: str, n: int, in_flight: int, conns: int, k: int, producers: int, 
                 community.id,
                 agent,
                 0 if precreate else part,
-                producers,
+                max(1, producers // k),
                 max(1, in_flight // k),
                 max(1, conns // k),
                 CALL_SECONDS,
@@ -228,6 +242,8 @@ def ours(kind: str, n: int, in_flight: int, conns: int, k: int, producers: int, 
     for _ in procs:
         ready.get(timeout=300)
     with psycopg.connect(URL, autocommit=True) as watch, Peak(URL, urlsplit(URL).path.lstrip("/")) as peak:
+        row = watch.execute("SELECT clock_timestamp()").fetchone()
+        go_at = row[0] if row else None
         go.set()
         deadline = time.monotonic() + 900
         while _completed(watch, community.id) < n and time.monotonic() < deadline:
@@ -237,12 +253,12 @@ def ours(kind: str, n: int, in_flight: int, conns: int, k: int, producers: int, 
     for p in procs:
         p.join()
     assert sum(c.get("completed", 0) for c in counts) == n, counts
-    since = "claimed_at" if precreate else "created_at"
     with psycopg.connect(URL, autocommit=True) as conn:
         row = conn.execute(
-            f"SELECT count(*), extract(epoch FROM max(finished_at) - min({since}))::float8 "
+            "SELECT count(*), extract(epoch FROM max(finished_at) - "
+            f"CASE WHEN %s THEN %s ELSE min(created_at) END)::float8 "
             f"FROM {AgentRun._meta.db_table} WHERE community_id = %s AND state = 'completed'",
-            [community.id],
+            [precreate, go_at, community.id],
         ).fetchone()
     assert row is not None and row[0] == n, row
     return n / row[1], peak.peak
@@ -301,7 +317,7 @@ def main() -> None:
     parser.add_argument("--in-flight", default="64,256,1000")
     parser.add_argument("--processes", default="1", help="worker processes K, comma-separated (both sides)")
     parser.add_argument("--connections", type=int, default=4, help="our connections in all (each process: /K)")
-    parser.add_argument("--producers", type=int, default=2, help="intake threads per worker process")
+    parser.add_argument("--producers", type=int, default=4, help="intake threads in all (each process: /K, at least 1)")
     parser.add_argument("--precreate", action="store_true", help="create our runs before the timed window")
     parser.add_argument("--threaded", action="store_true", help="also the threaded AgentWorker (in flight <= 64)")
     parser.add_argument("--call-seconds", type=float, default=0.5)
@@ -344,7 +360,7 @@ def main() -> None:
     window = (
         "created before the window (--precreate)"
         if args.precreate
-        else (f"created inside the window by {args.producers} intake threads per process")
+        else (f"created inside the window by {args.producers} intake threads (/K a process)")
     )
     lines = [
         f"I/O-bound agent runs: 3 journaled calls of {CALL_SECONDS} s each ({os.cpu_count()} cores, same run, "
