@@ -256,11 +256,16 @@ def ours(kind: str, n: int, in_flight: int, conns: int, k: int, producers: int, 
     with psycopg.connect(URL, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*), extract(epoch FROM max(finished_at) - "
-            f"CASE WHEN %s THEN %s ELSE min(created_at) END)::float8 "
+            f"CASE WHEN %s THEN %s ELSE min(created_at) END)::float8, "
+            "extract(epoch FROM max(created_at) - min(created_at))::float8 "
             f"FROM {AgentRun._meta.db_table} WHERE community_id = %s AND state = 'completed'",
             [precreate, go_at, community.id],
         ).fetchone()
     assert row is not None and row[0] == n, row
+    if not precreate:  # how long creating the runs took, inside the window
+        print(
+            f"  ours K={k}: {n} runs created in {row[2]:.2f} s, all finished {row[1]:.2f} s after the first", flush=True
+        )
     return n / row[1], peak.peak
 
 
