@@ -375,7 +375,12 @@ class RunBatcher:
                 batches[-1].append(one)
             for batches in groups.values():
                 for group in batches:
-                    self._send(group)
+                    try:
+                        self._send(group)
+                    except Exception as exc:  # never leave a run thread waiting on its answer
+                        for *_, future in group:
+                            if not future.done():
+                                future.set_exception(exc)
 
     def _send(self, group: list[Item]) -> None:
         action = group[0][0]
@@ -395,6 +400,11 @@ class RunBatcher:
         except Exception as exc:  # the gateway unreachable: every run of the batch hears it
             for *_, future in group:
                 future.set_exception(exc)
+            return
+        if len(outcomes) != len(group):  # not the gateway's answer to this batch: no run may take it
+            error = RuntimeError(f"the gateway answered {len(outcomes)} outcomes to a batch of {len(group)} runs")
+            for *_, future in group:
+                future.set_exception(error)
             return
         for (*_, future), outcome in zip(group, outcomes, strict=True):
             future.set_result(outcome)

@@ -1,0 +1,62 @@
+"""The remote run worker's batcher (``RunBatcher``) never leaves a run thread waiting: whatever a
+batch's answer is, every run of it gets a result or an error, and the batcher goes on serving
+the next batches. The gateway client here is a stand-in that answers one outcome short once
+(a proxy or a version mismatch); the requests themselves are tested against a real gateway in
+``test_batch_runs.py``."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from buzz_delivery.gateway.client import RunOutcome
+from buzz_delivery.gateway.remote_runs import RunBatcher
+
+
+@dataclass
+class Lease:
+    run_id: str
+    community_id: str = "c"
+    worker_id: str = "w"
+    lease_generation: int = 1
+
+
+class ShortOnce:
+    """Answers the first batch with one outcome fewer than it has runs, later ones in full."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def run_batch(self, action, items):
+        self.batches += 1
+        n = len(items) - 1 if self.batches == 1 else len(items)
+        return [RunOutcome("journaled", {}) for _ in range(n)]
+
+
+def _send(batcher: RunBatcher, run_id: str) -> list[object]:
+    """``send`` of one run in a thread of its own: its answer or error, or nothing if it never
+    returned within 10 s (a run thread left waiting)."""
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(batcher.send("calls", Lease(run_id), {}))
+        except Exception as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    return box
+
+
+def test_a_batch_answered_with_the_wrong_number_of_outcomes_fails_its_runs_and_the_batcher_goes_on():
+    batcher = RunBatcher(ShortOnce())
+    try:
+        (first,) = _send(batcher, "r1") or [None]
+        assert isinstance(first, RuntimeError), f"the first run's send: {first!r} (None: it never returned)"
+        assert "0 outcomes to a batch of 1" in str(first)
+        (second,) = _send(batcher, "r2") or [None]
+        assert isinstance(second, RunOutcome) and second.outcome == "journaled", second
+    finally:
+        batcher.close(timeout=1)
