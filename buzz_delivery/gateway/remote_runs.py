@@ -689,6 +689,10 @@ class RemoteRunWorker:
             if self.stop.is_set():
                 stopped_at = stopped_at if stopped_at is not None else time.monotonic()
                 if time.monotonic() - stopped_at > self.shutdown_grace:
+                    # The claimer's long-poll may still bring runs: wait for it, so they are
+                    # counted abandoned below rather than left unseen to lapse.
+                    if self._claimer is not None:
+                        self._claimer.join(timeout=self.wait_seconds + self.client.timeout)
                     with self._lock:
                         abandoned = list(self._held.values())
                         self._held.clear()
