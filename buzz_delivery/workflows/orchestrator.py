@@ -754,9 +754,12 @@ class Orchestrator:
             else:
                 # The claim took every ready step (fewer than the room): claim again when woken,
                 # not at once (that claim would come back empty; a NOTIFY since the clear above
-                # has set the wake already, so nothing that became ready meanwhile waits).
+                # has set the wake already, so nothing that became ready meanwhile waits). Not
+                # with --all: its walk reads a bounded number of communities, so steps of the
+                # communities past it may be ready, their NOTIFYs heard before the clear.
                 misses = 0
-                self.wake.wait(c.poll_interval)
+                if c.community_id is not None:
+                    self.wake.wait(c.poll_interval)
 
     def run(self, conn_params: dict[str, Any]) -> dict[str, Any]:
         c = self.config
