@@ -26,7 +26,7 @@ and backoff, which the batch route does not take). A finished lease stays held, 
 until its batch is answered.
 
 Claims go in batches too: one claim request asks for every free handler thread and, once
-handlers have run, up to ``--claim-ahead`` more (default 50) that wait in a local queue, held and
+handlers have run, up to ``--claim-ahead`` more (default 100) that wait in a local queue, held and
 renewed, only as many as the handlers' recent run times say start within a tenth of the lease
 (at most a second), as ``run_delivery_worker`` does. A stop works and settles every claimed one.
 """
@@ -488,7 +488,7 @@ def settle_args(exc: BaseException | None) -> tuple[str, str | None, str | None]
 CLAIM_LIMIT = 100
 # Claims beyond the free handler threads (``--claim-ahead``), as run_delivery_worker's rule:
 # at most this many, and only as many as start within a tenth of the lease, at most a second.
-DEFAULT_CLAIM_AHEAD = 50
+DEFAULT_CLAIM_AHEAD = 100
 CLAIM_AHEAD_LEASE_FRACTION = 0.1
 CLAIM_AHEAD_MAX_WAIT = 1.0
 RUN_TIME_WEIGHT = 0.2
@@ -504,7 +504,8 @@ def lease_length(lease_until: str) -> float:
         return 0.0
 
 
-# Finished results per batch request, and the seconds the settler waits for more (issue 29).
+# Finished results per batch request (the batch route takes at most 100), and the seconds the
+# settler waits for more (issue 29).
 SETTLE_BATCH = 100
 SETTLE_LINGER = 0.005
 
