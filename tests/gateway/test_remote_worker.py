@@ -271,3 +271,31 @@ def test_sigterm_drains_every_claimed_delivery_those_claimed_ahead_too_settled_i
     assert set(WorkflowAgentDelivery.objects.filter(id__in=ids).values_list("status", flat=True)) == {"finished"}
     finishes = [p for p in posts(tmp_path) if p.endswith("/finish")]
     assert set(finishes) == {f"POST {gateway_server.base}/communities/{community.id}/deliveries/finish"}
+
+
+def test_a_settle_batch_refused_as_a_whole_is_sent_again_one_delivery_per_request():
+    """A 400/413 on the batch (one bad item, or too large) must not drop every lease in it: each
+    is settled on its own and gets its own answer."""
+    from buzz_delivery.gateway.client import GatewayHTTPError, RemoteLease, RemoteOutcome, RemoteWorker
+
+    class Refusing:
+        def __init__(self):
+            self.singles: list[str] = []
+
+        def finish_many(self, leases, outcome):
+            raise GatewayHTTPError(413, "payload_too_large", "too large")
+
+        def finish(self, lease, outcome):
+            self.singles.append(lease.delivery_id)
+            if lease.delivery_id == "b":
+                return RemoteOutcome("lease_lost")
+            return RemoteOutcome("settled", status="finished")
+
+    client = Refusing()
+    worker = RemoteWorker(client, lambda d: None)  # type: ignore[arg-type]
+    for d in ("a", "b", "c"):
+        worker._held[d] = RemoteLease("community", d, 1, "2026-01-01T00:00:00+00:00")
+    worker._settle_finished(["a", "b", "c"])
+    assert client.singles == ["a", "b", "c"]
+    assert (worker._counts["finished"], worker._counts["lease_lost"], worker._counts["settle_errors"]) == (2, 1, 0)
+    assert worker._held == {}
