@@ -107,7 +107,9 @@ def drain(procs: list[subprocess.Popen], timeout: float = 600) -> float:
     return time.monotonic() - started
 
 
-def remote_workers(base: str, key_file: Path, k: int, concurrency: int, tmp: Path) -> list[subprocess.Popen]:
+def remote_workers(
+    base: str, key_file: Path, k: int, concurrency: int, tmp: Path, claim_ahead: int | None = None
+) -> list[subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return [
         subprocess.Popen(
@@ -128,6 +130,7 @@ def remote_workers(base: str, key_file: Path, k: int, concurrency: int, tmp: Pat
                 "2",
                 "--wait-seconds",
                 "1",
+                *([] if claim_ahead is None else ["--claim-ahead", str(claim_ahead)]),
             ],
             env=env,
             stdout=open(tmp / f"remote-{k}-{i}.out", "w"),
@@ -265,12 +268,46 @@ def wake_latency(base: str, key: bytes, community, target: bytes) -> list[float]
     return samples
 
 
+def deliveries_mode(args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path) -> None:
+    """The in-process worker, then ``work`` K = 1 and 4 (and with ``--claim-ahead 0``), interleaved
+    ``--rounds`` times; each rate also as a ratio of the in-process rate of its round."""
+    n = args.concurrency
+    cases = [
+        ("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)]),
+        ("gateway remote worker K=1", lambda: remote_workers(base, key_file, 1, n, tmp)),
+        ("gateway remote workers K=4", lambda: remote_workers(base, key_file, 4, n, tmp)),
+    ]
+    if args.no_ahead:
+        cases += [
+            ("remote K=1 --claim-ahead 0", lambda: remote_workers(base, key_file, 1, n, tmp, 0)),
+            ("remote K=4 --claim-ahead 0", lambda: remote_workers(base, key_file, 4, n, tmp, 0)),
+        ]
+    for round_no in range(1, args.rounds + 1):
+        baseline = 0.0
+        for label, start in cases:
+            clear(community.id)
+            commit(community, target, args.count)
+            wall = drain(start())
+            settled, per_second = rate(community.id)
+            baseline = baseline or per_second
+            print(
+                f"round {round_no} {label:36s} settled={settled:6d} rate={per_second:8.0f}/s "
+                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--count", type=int, default=3000, help="deliveries per throughput run (default 3000)")
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads per worker process")
     parser.add_argument("--runs", action="store_true", help="agent runs (work-runs) instead of deliveries")
-    parser.add_argument("--rounds", type=int, default=1, help="--runs: interleaved rounds (default 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
+    parser.add_argument(
+        "--no-ahead",
+        action="store_true",
+        help="also run the remote workers with work --claim-ahead 0 (claims for free threads only)",
+    )
     args = parser.parse_args()
     url = os.environ.get("BENCH_GATEWAY_DATABASE_URL", DEFAULT_URL)
     setup_django(url)
@@ -293,17 +330,7 @@ def main() -> None:
                 if args.runs:
                     runs_mode(args, url, base, key_file, community, target, tmp)
                     return
-                n = args.concurrency
-                for label, start in (
-                    ("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)]),
-                    ("gateway remote worker K=1", lambda: remote_workers(base, key_file, 1, n, tmp)),
-                    ("gateway remote workers K=4", lambda: remote_workers(base, key_file, 4, n, tmp)),
-                ):
-                    clear(community.id)
-                    commit(community, target, args.count)
-                    wall = drain(start())
-                    settled, per_second = rate(community.id)
-                    print(f"{label:40s} settled={settled:6d} rate={per_second:8.0f}/s wall={wall:6.1f}s", flush=True)
+                deliveries_mode(args, url, base, key_file, community, target, tmp)
                 clear(community.id)
                 samples = wake_latency(base, key, community, target)
                 ms = sorted(s * 1000 for s in samples)

@@ -20,8 +20,15 @@ an internal error does, with exit status 1.
 Settles of ``finished`` results go in batches: a settler thread gathers them (up to
 ``SETTLE_BATCH``, waiting at most ``SETTLE_LINGER`` seconds for more) and sends each
 community's in one signed request (``POST /communities/{id}/deliveries/finish``), each lease
-still fenced on its own; ``failed`` and ``retry`` results (each with its own text) settle one by
-one. A finished lease stays held, and renewed, until its batch is answered.
+still fenced on its own; a batch the gateway refuses as a whole (400/413) is sent again one
+delivery per request. ``failed`` and ``retry`` results settle one by one (each has its own text
+and backoff, which the batch route does not take). A finished lease stays held, and renewed,
+until its batch is answered.
+
+Claims go in batches too: one claim request asks for every free handler thread and, once
+handlers have run, up to ``--claim-ahead`` more (default 100) that wait in a local queue, held and
+renewed, only as many as the handlers' recent run times say start within a tenth of the lease
+(at most a second), as ``run_delivery_worker`` does. A stop works and settles every claimed one.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -476,7 +484,28 @@ def settle_args(exc: BaseException | None) -> tuple[str, str | None, str | None]
     return "retry", None, message
 
 
-# Finished results per batch request, and the seconds the settler waits for more (issue 29).
+# Most deliveries one claim request asks for (the gateway's default MAX_CLAIM_LIMIT).
+CLAIM_LIMIT = 100
+# Claims beyond the free handler threads (``--claim-ahead``), as run_delivery_worker's rule:
+# at most this many, and only as many as start within a tenth of the lease, at most a second.
+DEFAULT_CLAIM_AHEAD = 100
+CLAIM_AHEAD_LEASE_FRACTION = 0.1
+CLAIM_AHEAD_MAX_WAIT = 1.0
+RUN_TIME_WEIGHT = 0.2
+
+
+def lease_length(lease_until: str) -> float:
+    """Seconds from now to ``lease_until`` (ISO 8601) by this machine's clock, 0 if unreadable:
+    only the claim-ahead budget uses it."""
+    try:
+        until = datetime.fromisoformat(lease_until.replace("Z", "+00:00"))
+        return max(0.0, (until - datetime.now(UTC)).total_seconds())
+    except (ValueError, TypeError):
+        return 0.0
+
+
+# Finished results per batch request (the batch route takes at most 100), and the seconds the
+# settler waits for more (issue 29).
 SETTLE_BATCH = 100
 SETTLE_LINGER = 0.005
 
@@ -496,8 +525,10 @@ class RemoteWorker:
         max_deliveries: int | None = None,
         idle_exit: float | None = None,
         shutdown_grace: float = 30.0,
+        claim_ahead: int = DEFAULT_CLAIM_AHEAD,
     ) -> None:
         self.client, self.handler, self.concurrency = client, handler, concurrency
+        self.claim_ahead = claim_ahead
         self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
         self.max_deliveries, self.idle_exit, self.shutdown_grace = max_deliveries, idle_exit, shutdown_grace
         self.stop = threading.Event()
@@ -505,9 +536,12 @@ class RemoteWorker:
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._held: dict[str, RemoteLease] = {}
-        self._free = threading.Semaphore(concurrency)
+        self._room_changed = threading.Condition(self._lock)
+        self._handling = 0  # claimed and not yet through the handler (running or queued)
+        self.run_time: float | None = None  # moving average of handler run time, seconds
+        self._lease_length: float | None = lease_seconds
         self._finished: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # delivery ids to settle
-        self.settle_batch = min(SETTLE_BATCH, max(concurrency, 1) * 2)
+        self.settle_batch = min(SETTLE_BATCH, max(concurrency + claim_ahead, 1) * 2)
 
     def _add(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -519,14 +553,40 @@ class RemoteWorker:
             self.reason = reason
             self.stop.set()
 
+    def _ahead(self) -> int:
+        """How many claims may wait beyond the free handler threads (call with the lock held):
+        as many as the threads start, at their recent pace, within a tenth of the lease (at most
+        :data:`CLAIM_AHEAD_MAX_WAIT` seconds); at most ``claim_ahead``; 0 before any handler
+        ran. The rule of ``run_delivery_worker``."""
+        if self.run_time is None or not self.claim_ahead:
+            return 0
+        budget = min((self._lease_length or 0) * CLAIM_AHEAD_LEASE_FRACTION, CLAIM_AHEAD_MAX_WAIT)
+        pace = self.concurrency / max(self.run_time, 1e-6)  # handler starts per second
+        return max(0, min(self.claim_ahead, int(budget * pace)))
+
+    def _room(self) -> int:
+        """Deliveries the next claim may take (call with the lock held): the free handler
+        threads and :meth:`_ahead`; finished results awaiting their batch count only past two
+        batches (a stalled settle slows the claims down)."""
+        capacity = self.concurrency + self._ahead()
+        free = min(capacity - self._handling, capacity + 2 * self.settle_batch - len(self._held))
+        return max(0, min(free, CLAIM_LIMIT))
+
     def _work(self, claim: RemoteClaim) -> None:
         delivery_id = claim.lease.delivery_id
         try:
             error: BaseException | None = None
+            began = time.monotonic()
             try:
                 self.handler(claim.delivery)
             except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this delivery's end only
                 error = exc
+            seconds = time.monotonic() - began
+            with self._room_changed:
+                previous = self.run_time
+                self.run_time = seconds if previous is None else previous + RUN_TIME_WEIGHT * (seconds - previous)
+                self._handling -= 1
+                self._room_changed.notify()
             outcome, code, message = settle_args(error)
             if outcome == "finished":
                 self._finished.put(delivery_id)  # settled in a batch; still held (and renewed) until then
@@ -559,7 +619,6 @@ class RemoteWorker:
             if delivery_id:
                 with self._lock:
                     self._held.pop(delivery_id, None)
-            self._free.release()
 
     def _settle_loop(self) -> None:
         """Settle the finished results in batches (see the module docstring) until told to stop."""
@@ -588,11 +647,29 @@ class RemoteWorker:
         for group in by_community.values():
             try:
                 results = self.client.finish_many(group, "finished")
-            except Exception as exc:  # refused or unreachable: those leases lapse, the worker goes on
+            except GatewayHTTPError as exc:
+                if exc.status not in (400, 413) or len(group) == 1:
+                    logger.warning("settle_error n=%d error=%s", len(group), describe(exc))
+                    self._add("settle_errors", len(group))
+                    continue
+                # Refused as a whole (one bad item, or too large): each on its own request, so
+                # each lease gets the answer its own settle would.
+                logger.warning("settle_batch_refused n=%d error=%s: settling one by one", len(group), describe(exc))
+                results = []
+                for lease in group:
+                    try:
+                        results.append(self.client.finish(lease, "finished"))
+                    except Exception as one:
+                        logger.warning("settle_error delivery=%s error=%s", lease.delivery_id, describe(one))
+                        results.append(RemoteOutcome("settle_error"))
+            except Exception as exc:  # unreachable: those leases lapse, the worker goes on
                 logger.warning("settle_error n=%d error=%s", len(group), describe(exc))
                 self._add("settle_errors", len(group))
                 continue
-            for lease, result in zip(group, results, strict=False):
+            for lease, result in zip(group, results, strict=True):
+                if result.outcome == "settle_error":
+                    self._add("settle_errors")
+                    continue
                 if result.outcome in ("lease_lost", "not_found"):
                     self._add("lease_lost")
                 else:
@@ -639,27 +716,21 @@ class RemoteWorker:
                 if self.max_deliveries is not None and claimed >= self.max_deliveries:
                     self.request_stop("max_deliveries")
                     break
-                if not self._free.acquire(timeout=0.2):
-                    continue
+                with self._room_changed:
+                    free = self._room()
+                    if free <= 0:
+                        self._room_changed.wait(0.2)
+                        continue
                 if self.stop.is_set():
-                    self._free.release()
                     break
-                free = 1
-                while free < self.concurrency and self._free.acquire(blocking=False):
-                    free += 1
                 if self.max_deliveries is not None:
-                    keep = min(free, self.max_deliveries - claimed)
-                    for _ in range(free - keep):
-                        self._free.release()
-                    free = keep
+                    free = min(free, self.max_deliveries - claimed)
                 try:
                     claims = self.client.claim(free, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
                 except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
                     logger.warning("claim_error error=%s", exc)
                     claims = []
                     self.stop.wait(1.0)
-                for _ in range(free - len(claims)):
-                    self._free.release()
                 if not claims:
                     if self.idle_exit is not None and time.monotonic() - idle_since >= self.idle_exit:
                         self.request_stop("idle_exit")
@@ -667,9 +738,13 @@ class RemoteWorker:
                 idle_since = time.monotonic()
                 claimed += len(claims)
                 self._add("claimed", len(claims))
-                for claim in claims:
-                    with self._lock:
+                with self._lock:
+                    self._handling += len(claims)
+                    for claim in claims:
                         self._held[claim.lease.delivery_id] = claim.lease
+                    if self._lease_length is None:
+                        self._lease_length = lease_length(claims[0].lease.lease_until)
+                for claim in claims:
                     pool.submit(self._work, claim)
         except Exception as exc:  # the loop's own error: stop (exit 1), draining what is held
             logger.exception("worker_error: the claim loop stopped")
@@ -750,6 +825,14 @@ def main(argv: list[str] | None = None) -> int:
     work.add_argument("--max-deliveries", type=int, default=None, help="stop after claiming this many")
     work.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
     work.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    work.add_argument(
+        "--claim-ahead",
+        type=int,
+        default=DEFAULT_CLAIM_AHEAD,
+        help="most deliveries claimed beyond the free handler threads, held (and renewed) in a local queue "
+        "while the handlers' recent run times say they start within a tenth of the lease, at most a "
+        f"second (default {DEFAULT_CLAIM_AHEAD}; 0: claim only for free threads)",
+    )
     runs = sub.add_parser("work-runs", help="claim and run agent runs through the gateway (remote_runs)")
     runs.add_argument("--url", required=True, help="the gateway's base URL")
     runs.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
@@ -786,6 +869,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not 1 <= args.concurrency <= 256:
         parser.error("--concurrency must be within 1..256")
+    if args.command == "work" and not 0 <= args.claim_ahead <= 1000:
+        parser.error("--claim-ahead must be within 0..1000")
     if args.command == "work-runs" and not 1 <= args.accept_batch <= 1000:
         parser.error("--accept-batch must be within 1..1000")
     client = GatewayClient(args.url, key, timeout=10.0)
@@ -794,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = RemoteWorker(
         client, handler, concurrency=args.concurrency, lease_seconds=args.lease_seconds,
         wait_seconds=args.wait_seconds, renew_every=args.renew_every, max_deliveries=args.max_deliveries,
-        idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace,
+        idle_exit=args.idle_exit, shutdown_grace=args.shutdown_grace, claim_ahead=args.claim_ahead,
     )  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: worker.request_stop(signal.Signals(signum).name))

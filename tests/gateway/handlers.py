@@ -1,8 +1,9 @@
 """Handlers for the remote worker tests (``python -m buzz_delivery.gateway.client work``).
 
 ``scripted``: by step id prefix: ``perm_`` raises a permanent failure, ``retry_`` a plain
-exception, anything else returns. Sleeps ``GATEWAY_HANDLER_SLEEP`` seconds first and appends
-the delivery id to ``GATEWAY_HANDLER_LOG`` when it starts.
+exception, anything else returns. Appends the delivery id to ``GATEWAY_HANDLER_LOG`` when it
+starts, sleeps ``GATEWAY_HANDLER_SLEEP`` seconds, then waits (60 s at most) for the file
+``GATEWAY_HANDLER_GATE`` to exist when that is set (except for ``quick_`` steps).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def scripted(delivery: dict) -> None:
         with open(log, "a") as out:
             out.write(delivery["id"] + "\n")
     time.sleep(float(os.environ.get("GATEWAY_HANDLER_SLEEP", "0")))
+    gate = os.environ.get("GATEWAY_HANDLER_GATE") if not delivery["step_id"].startswith("quick_") else None
+    deadline = time.monotonic() + 60
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:  # held until the test opens it
+        time.sleep(0.02)
     step = delivery["step_id"]
     if step.startswith("perm_"):
         raise BadPayload("cannot parse")

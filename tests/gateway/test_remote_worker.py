@@ -18,11 +18,14 @@ from tests.gateway.support import ROOT, enroll, new_agent
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def start(tmp_path, server, agent, *options, sleep: float = 0):
+def start(tmp_path, server, agent, *options, sleep: float = 0, gate=None):
+    """``gate``: a path; every handler waits until that file exists (see tests.gateway.handlers)."""
     key_file = tmp_path / "agent.key"
     key_file.write_text(agent._key.hex() + "\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_HANDLER_SLEEP": str(sleep),
            "GATEWAY_HANDLER_LOG": str(tmp_path / "handled.log")}  # fmt: skip
+    if gate is not None:
+        env["GATEWAY_HANDLER_GATE"] = str(gate)
     env.pop("DJANGO_SETTINGS_MODULE", None)  # the remote worker needs no Django
     out, err = open(tmp_path / "worker.out", "w"), open(tmp_path / "worker.err", "w")  # noqa: SIM115
     return subprocess.Popen(
@@ -184,3 +187,115 @@ def test_finished_results_settle_in_batches_one_request_per_community_and_batch(
     single = [line for line in requests if line.split(" HTTP/")[0].endswith("/finish") and line not in batch]
     assert single == [], single[:3]
     assert 1 <= len(batch) < 24, len(batch)
+
+
+def wait_handled(tmp_path, n: int) -> list[str]:
+    """The ids of the deliveries whose handler started, once there are ``n`` (15 s at most)."""
+    log = tmp_path / "handled.log"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        lines = log.read_text().split() if log.exists() else []
+        if len(lines) >= n:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"{n} handlers did not start: {log.read_text() if log.exists() else ''}")
+
+
+def posts(tmp_path) -> list[str]:
+    """The POST request lines of the worker's log (``-v 2``), as ``METHOD URL``."""
+    lines = (tmp_path / "worker.err").read_text().splitlines()
+    return [line.split("HTTP Request: ", 1)[1].split(' "HTTP/')[0] for line in lines if "HTTP Request: POST" in line]
+
+
+def test_a_stale_lease_in_a_settle_batch_is_refused_for_its_delivery_only(tmp_path, gateway_server):
+    """Issue 29: the batch finish judges each lease by its own generation. One claim request
+    serves every free handler thread; the settles of the 8 results go through the batch route
+    only, and the lease the reaper took back (generation + 1) is refused alone."""
+    from django.db import connection
+
+    from buzz_delivery import services
+
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    made = deliveries(community, agent.pubkey, *[f"ok_{i}" for i in range(8)])
+    gate = tmp_path / "gate"
+    proc = start(tmp_path, gateway_server, agent, "--concurrency", "8", "--max-deliveries", "8", "--wait-seconds", "1",
+                 "-v", "2", gate=gate)  # fmt: skip
+    assert sorted(wait_handled(tmp_path, 8)) == sorted(str(d.id) for d in made)
+    stale = made[3]
+    with connection.cursor() as cursor:  # its lease lapses while the handler runs...
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 second' WHERE id = %s", [stale.id]
+        )
+    assert services.reap().reclaimed == 1  # ...and the reaper takes it back: generation 2
+    gate.touch()
+    assert proc.wait(timeout=60) == 0, (tmp_path / "worker.err").read_text()
+
+    result = summary(tmp_path)
+    assert (result["claimed"], result["finished"], result["lease_lost"], result["settle_errors"]) == (8, 7, 1, 0)
+    rows = {d.id: d for d in WorkflowAgentDelivery.objects.filter(id__in=[d.id for d in made])}
+    assert (rows[stale.id].status, rows[stale.id].lease_generation) == ("pending", 2)
+    assert {rows[d.id].status for d in made if d.id != stale.id} == {"finished"}
+    assert {rows[d.id].lease_generation for d in made if d.id != stale.id} == {1}
+    sent = posts(tmp_path)
+    assert [p for p in sent if p.endswith("/deliveries/claim")] == [f"POST {gateway_server.base}/deliveries/claim"]
+    finishes = [p for p in sent if p.endswith("/finish")]
+    assert finishes and set(finishes) == {f"POST {gateway_server.base}/communities/{community.id}/deliveries/finish"}
+    assert len(finishes) < 8, finishes
+
+
+def test_sigterm_drains_every_claimed_delivery_those_claimed_ahead_too_settled_in_batches(tmp_path, gateway_server):
+    """Once handlers have run (fast), one claim takes more than the free threads (claim-ahead):
+    they wait, held, in a local queue. A stop works and settles every claimed one (none
+    abandoned), through the batch route."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    made = deliveries(community, agent.pubkey, "quick_0", "quick_1", *[f"ok_{i}" for i in range(6)])
+    gate = tmp_path / "gate"
+    proc = start(tmp_path, gateway_server, agent, "--concurrency", "2", "--wait-seconds", "1", "-v", "2", gate=gate)
+    wait_handled(tmp_path, 4)  # the quick ones, then two held in the handler threads
+    ids = [d.id for d in made]
+    deadline = time.monotonic() + 15
+    while WorkflowAgentDelivery.objects.filter(id__in=ids, status="pending").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not WorkflowAgentDelivery.objects.filter(id__in=ids, status="pending").exists()
+    assert len(wait_handled(tmp_path, 4)) == 4  # two threads: the other four claimed ones wait
+    proc.send_signal(signal.SIGTERM)
+    gate.touch()
+    assert proc.wait(timeout=60) == 0, (tmp_path / "worker.err").read_text()
+    result = summary(tmp_path)
+    assert result["reason"] == "SIGTERM"
+    assert (result["claimed"], result["finished"], result["abandoned"], result["settle_errors"]) == (8, 8, 0, 0)
+    assert set(WorkflowAgentDelivery.objects.filter(id__in=ids).values_list("status", flat=True)) == {"finished"}
+    finishes = [p for p in posts(tmp_path) if p.endswith("/finish")]
+    assert set(finishes) == {f"POST {gateway_server.base}/communities/{community.id}/deliveries/finish"}
+
+
+def test_a_settle_batch_refused_as_a_whole_is_sent_again_one_delivery_per_request():
+    """A 400/413 on the batch (one bad item, or too large) must not drop every lease in it: each
+    is settled on its own and gets its own answer."""
+    from buzz_delivery.gateway.client import GatewayHTTPError, RemoteLease, RemoteOutcome, RemoteWorker
+
+    class Refusing:
+        def __init__(self):
+            self.singles: list[str] = []
+
+        def finish_many(self, leases, outcome):
+            raise GatewayHTTPError(413, "payload_too_large", "too large")
+
+        def finish(self, lease, outcome):
+            self.singles.append(lease.delivery_id)
+            if lease.delivery_id == "b":
+                return RemoteOutcome("lease_lost")
+            return RemoteOutcome("settled", status="finished")
+
+    client = Refusing()
+    worker = RemoteWorker(client, lambda d: None)  # type: ignore[arg-type]
+    for d in ("a", "b", "c"):
+        worker._held[d] = RemoteLease("community", d, 1, "2026-01-01T00:00:00+00:00")
+    worker._settle_finished(["a", "b", "c"])
+    assert client.singles == ["a", "b", "c"]
+    assert (worker._counts["finished"], worker._counts["lease_lost"], worker._counts["settle_errors"]) == (2, 1, 0)
+    assert worker._held == {}
