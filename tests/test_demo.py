@@ -7,9 +7,10 @@ from __future__ import annotations
 import io
 import uuid
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection
 
 from buzz_delivery.workflows.models import Approval, Step
@@ -42,23 +43,35 @@ def _failed_checks(report: dict) -> list[str]:
     return [c["name"] for c in report["checks"] if not c["passed"]]
 
 
+def _log_tails(log_dir: Path, lines: int = 15) -> str:
+    """The last lines of every worker's log of a demo run (for a failed run's message)."""
+    tails = []
+    for log in sorted(log_dir.rglob("*.log")):
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {log.name}\n" + "\n".join(text))
+    return "\n".join(tails)
+
+
 @pytest.fixture
 def demo_report(monkeypatch, tmp_path) -> tuple[dict, str]:
     # The workers' logs go to a temporary folder, not the checkout's var/demo/<run>.
     monkeypatch.setenv("BUZZ_DEMO_LOG_DIR", str(tmp_path / "demo"))
     out = io.StringIO()
-    call_command(
-        "demo",
-        deliveries=DELIVERIES,
-        communities=2,
-        agents=2,
-        concurrency=1,
-        rate=300.0,
-        lease_seconds=3.0,
-        timeout=120.0,
-        seed=7,
-        stdout=out,
-    )
+    try:
+        call_command(
+            "demo",
+            deliveries=DELIVERIES,
+            communities=2,
+            agents=2,
+            concurrency=1,
+            rate=300.0,
+            lease_seconds=3.0,
+            timeout=120.0,
+            seed=7,
+            stdout=out,
+        )
+    except CommandError as exc:  # say which check and which worker, not only that one failed
+        raise AssertionError(f"{exc}\n{out.getvalue()}\n{_log_tails(tmp_path / 'demo')}") from exc
     run = DemoRun.objects.get()
     assert run.passed is True and run.finished_at is not None and run.report is not None
     assert (tmp_path / "demo" / str(run.id)).is_dir()

@@ -383,17 +383,23 @@ class SystemScenario:
         proc.killed = True
 
     def _stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.process.poll() is None:
-                proc.process.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.process.kill()
-                proc.process.wait()
-            for f in proc.files:
-                f.close()
+        """SIGTERM every worker and wait for it to drain, then the gateway: the remote workers
+        settle and release through the gateway while they drain, so it goes last (stopped
+        together, a remote worker's last settle could find it gone and end its drain abandoned)."""
+        workers = [p for p in self.procs if p.name != "gateway"]
+        gateway = [p for p in self.procs if p.name == "gateway"]
+        for group in (workers, gateway):
+            for proc in group:
+                if proc.process.poll() is None:
+                    proc.process.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.process.kill()
+                    proc.process.wait()
+                for f in proc.files:
+                    f.close()
 
     # -- setup -------------------------------------------------------------------------------
     def _setup(self) -> None:
