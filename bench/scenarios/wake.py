@@ -10,8 +10,18 @@ statements are not counted: ours validates and inserts more than PgQueuer's enqu
 the producer's cost, not the wake path's); the consumers note when each handler began, on the
 same host clock. A handler may start a moment before its producer hears the commit back, so a
 few latencies are slightly negative. Printed: p50 / p99 / max per system, and the producer's
-commit time, the two systems interleaved over the repetitions; the figure's ratio is ours /
-PgQueuer of the p99 (target: no worse, <= 1.0x).
+commit time, the systems interleaved over the repetitions (their order rotating); the figure's
+ratio is ours / PgQueuer of the p99 (target: no worse, <= 1.0x).
+
+Before the measured commits, the controller waits (at most :data:`READY_SECONDS`) until the
+consumer is woken by a hint: it commits probe jobs one at a time until one starts within
+:data:`PROBE_SECONDS` of its commit, other than the first one started (the consumer's first poll
+may take a job committed before it LISTENs); as both consumers poll only every 10 s, such a
+start was woken by its hint. A consumer that exits or is not ready in time fails the run.
+
+``BENCH_BEFORE_ROOT`` (a folder holding another source tree, e.g. ``git archive main`` extracted):
+our consumer from that tree runs too (``ours_before``), interleaved with the others, on the same
+database and tenant, for an A/B of the worker itself.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from bench.context import Bench
 from bench.report import Figure
 
 RATE = 200.0  # jobs offered per second
-START_SECONDS = 6.0  # a consumer's start-up (Django, LISTEN) before the first commit
+READY_SECONDS = 60.0  # the longest a consumer may take to start (Django, LISTEN) and be woken
+PROBE_SECONDS = 1.0  # a probe started this soon after its commit was woken by a hint (polls: 10 s)
 WAIT_SECONDS = 15.0  # the longest the controller waits for the last handler to start
 
 
@@ -38,10 +49,46 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _start_consumer(kind: str, bench: Bench, out: Path, *args: str) -> subprocess.Popen[bytes]:
-    environ = {**os.environ, "LOG_LEVEL": "WARNING"}
+def _start_consumer(kind: str, bench: Bench, out: Path, *args: str, root: Path = env.ROOT) -> subprocess.Popen[bytes]:
+    """Start ``bench.wake_agents`` of the source tree ``root`` (its ``buzz_delivery`` too)."""
+    environ = {**os.environ, "LOG_LEVEL": "WARNING", "PYTHONPATH": str(root)}
     command = [sys.executable, "-m", "bench.wake_agents", kind, bench.url, str(out), *args]
-    return subprocess.Popen(command, cwd=env.ROOT, env=environ, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(command, cwd=root, env=environ, stdout=subprocess.DEVNULL)
+
+
+def _started(out: Path) -> dict[str, float]:
+    """key -> when its handler began (the first start of each key), from a consumer's log."""
+    started: dict[str, float] = {}
+    for line in out.read_text().splitlines():
+        key, _, at = line.partition(" ")
+        started.setdefault(key, float(at))
+    return started
+
+
+def _await_ready(system: str, commit_one, out: Path, proc: subprocess.Popen[bytes]) -> None:
+    """Commit probe jobs (``commit_one()``) one at a time until one other than the first one
+    started begins within :data:`PROBE_SECONDS` of its commit: the consumer is woken by hints
+    (see the module docstring). Raises RuntimeError if the consumer exits, or is not ready
+    within :data:`READY_SECONDS`."""
+    deadline = time.monotonic() + READY_SECONDS
+    handled = 0
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"wake: the {system} consumer exited (code {proc.returncode}) before it was ready")
+        if time.monotonic() >= deadline:
+            proc.kill()
+            raise RuntimeError(f"wake: the {system} consumer was not woken by a hint within {READY_SECONDS:.0f} s")
+        key = commit_one()
+        committed = time.monotonic()
+        while time.monotonic() - committed < PROBE_SECONDS and proc.poll() is None:
+            if key in _started(out):
+                handled += 1
+                break
+            time.sleep(0.005)
+        else:
+            continue  # not started yet (still starting up): the next probe
+        if handled >= 2:
+            return
 
 
 COMMIT_MS: dict[str, list[float]] = {}  # system -> the producer's commit times (ms), last run
@@ -69,10 +116,7 @@ def _latencies(out: Path, began: dict[str, float], proc: subprocess.Popen[bytes]
     deadline = time.monotonic() + WAIT_SECONDS
     started: dict[str, float] = {}
     while time.monotonic() < deadline:
-        started = {}
-        for line in out.read_text().splitlines():
-            key, _, at = line.partition(" ")
-            started.setdefault(key, float(at))
+        started = _started(out)
         if all(key in started for key in began):
             break
         time.sleep(0.2)
@@ -87,17 +131,18 @@ def _latencies(out: Path, began: dict[str, float], proc: subprocess.Popen[bytes]
     return [(started[key] - began[key]) * 1000 for key in began]
 
 
-def _ours(bench: Bench, tenant: data.Tenant, n: int, tmp: Path) -> list[float]:
+def _ours(
+    bench: Bench, tenant: data.Tenant, n: int, tmp: Path, system: str = "ours", root: Path = env.ROOT
+) -> list[float]:
     from buzz_delivery import services
     from buzz_delivery.models import Event
 
     data.clear_deliveries(bench.conn)
     target = data.target(0)
     event = Event.objects.get(pk=tenant.event_pk)
-    out = tmp / "ours.log"
+    out = tmp / f"{system}.log"
     out.write_text("")
-    proc = _start_consumer("ours", bench, out, str(tenant.community_id), target.hex())
-    time.sleep(START_SECONDS)
+    proc = _start_consumer("ours", bench, out, str(tenant.community_id), target.hex(), root=root)
     counter = iter(range(10**9))
 
     def commit_one() -> str:
@@ -114,7 +159,12 @@ def _ours(bench: Bench, tenant: data.Tenant, n: int, tmp: Path) -> list[float]:
         (delivery_id,) = services.commit_deliveries(tenant.community_id, event, [binding])
         return str(delivery_id)
 
-    return _latencies(out, _offer("ours", commit_one, n), proc)
+    try:
+        _await_ready(system, commit_one, out, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return _latencies(out, _offer(system, commit_one, n), proc)
 
 
 def _pgqueuer(bench: Bench, n: int, tmp: Path) -> list[float]:
@@ -135,7 +185,6 @@ def _pgqueuer(bench: Bench, n: int, tmp: Path) -> list[float]:
     out = tmp / "pgqueuer.log"
     out.write_text("")
     proc = _start_consumer("pgqueuer", bench, out)
-    time.sleep(START_SECONDS)
     loop = asyncio.new_event_loop()
     aconn = loop.run_until_complete(psycopg.AsyncConnection.connect(bench.url, autocommit=True))
     queries = Queries(PsycopgDriver(aconn))
@@ -147,6 +196,11 @@ def _pgqueuer(bench: Bench, n: int, tmp: Path) -> list[float]:
         return key
 
     try:
+        try:
+            _await_ready("pgqueuer", commit_one, out, proc)
+        except BaseException:
+            proc.kill()
+            raise
         return _latencies(out, _offer("pgqueuer", commit_one, n), proc)
     finally:
         loop.run_until_complete(aconn.close())
@@ -162,12 +216,21 @@ def run(bench: Bench) -> None:
     n = bench.scaled(1_000, 400)
     data.reset(bench.conn)
     (tenant,) = data.create_tenants(1)
-    runs: dict[str, list[list[float]]] = {"ours": [], "pgqueuer": []}
+    before = os.environ.get("BENCH_BEFORE_ROOT")
+    systems = {
+        "ours": lambda tmp: _ours(bench, tenant, n, tmp),
+        "pgqueuer": lambda tmp: _pgqueuer(bench, n, tmp),
+    }
+    if before:
+        systems["ours_before"] = lambda tmp: _ours(bench, tenant, n, tmp, "ours_before", Path(before))
+    runs: dict[str, list[list[float]]] = {system: [] for system in systems}
+    names = list(systems)
     with tempfile.TemporaryDirectory(prefix="bench_wake_") as tmp:
-        for _ in range(bench.repeats):  # interleaved
-            runs["ours"].append(_ours(bench, tenant, n, Path(tmp)))
-            runs["pgqueuer"].append(_pgqueuer(bench, n, Path(tmp)))
-            for system in runs:
+        for repeat in range(bench.repeats):  # interleaved, the order rotating
+            order = names[repeat % len(names) :] + names[: repeat % len(names)]
+            for system in order:
+                runs[system].append(systems[system](Path(tmp)))
+            for system in order:
                 latencies = runs[system][-1]
                 print(
                     f"wake: {system} n={n} at {RATE:.0f}/s: p50 {_percentile(latencies, 0.5):.1f} ms"
@@ -188,3 +251,15 @@ def run(bench: Bench) -> None:
                 note="raw column = PgQueuer (batch 10) in the same run",
             )
         )
+        if before:
+            bench.report.add(
+                Figure(
+                    figure=f"wake latency, commit returned -> handler start, {RATE:.0f}/s offered (NOTIFY)",
+                    case=f"{label}: ours vs ours before",
+                    unit="ms",
+                    ours_runs=[_percentile(r, q) for r in runs["ours"]],
+                    raw_runs=[_percentile(r, q) for r in runs["ours_before"]],
+                    lower_is_better=True,
+                    note=f"raw column = the worker of BENCH_BEFORE_ROOT ({before}) in the same run",
+                )
+            )
