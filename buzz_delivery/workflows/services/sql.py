@@ -151,6 +151,16 @@ ORDER BY s.community_id <= %(after)s::uuid, s.community_id
 LIMIT %(limit)s
 """
 
+# Whether a step of one community has been claimable for %(seconds)s or more (since it became
+# ready, or since its backoff ended): a following orchestrator claims only then (issue 31,
+# ``buzz_delivery.workflows.orchestrator``). A plain read.
+READY_STEP_WAITED = f"""
+SELECT 1 FROM {STEP} AS s
+WHERE s.community_id = %(community_id)s AND s.state = 'ready'
+  AND COALESCE(s.next_attempt_at, s.ready_at) <= {DB_NOW} - make_interval(secs => %(seconds)s)
+LIMIT 1
+"""
+
 RENEW_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s SET lease_until = {LEASE_END}, renewals = s.renewals + 1
 WHERE {CURRENT_STEP_LEASE}

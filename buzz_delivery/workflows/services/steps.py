@@ -178,6 +178,20 @@ def communities_with_ready_steps(limit: int = 100, after: uuid.UUID | None = Non
 
 
 @tenant_scoped
+def ready_steps_waited(community_id: uuid.UUID | str, seconds: float) -> bool:
+    """Whether a step of the community has been claimable ``seconds`` (0..3600) or more: ready
+    since then, or its backoff over since then (a plain read). A following orchestrator
+    (issue 31) claims only what the leading one left waiting that long. Raises
+    ``ValidationError`` keyed ``community_id`` or ``seconds``."""
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "seconds": v.seconds_in_range(seconds, "seconds", 0, 3600),
+    }
+    with translated_errors():
+        return bool(fetch_all(sql.READY_STEP_WAITED, params))
+
+
+@tenant_scoped
 def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRenewed | LeaseLost:
     """Extend a current step lease to now + ``lease_seconds`` (database clock). Never bumps the
     generation. Returns :class:`StepRenewed` or ``LeaseLost`` (expired, reclaimed, canceled,
