@@ -25,7 +25,7 @@ from buzz_delivery.workflows.models import Run, Step
 from buzz_delivery.workflows.orchestrator import LEADER_LOCK_NAMESPACE
 from buzz_delivery.workflows.services import publish_definition, start_run
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
-from buzz_delivery.workflows.services.steps import ready_steps_waited
+from buzz_delivery.workflows.services.steps import steps_left_waiting
 from buzz_delivery.workflows.testing import diamond, function_step
 from tests.test_wf_concurrency import ROOT, env
 
@@ -184,20 +184,21 @@ def test_steps_that_keep_the_leader_busy_spread_over_the_followers(community, tm
     assert summaries[follower]["chained"] == 0
 
 
-def test_ready_steps_waited_reads_how_long_a_step_has_been_claimable(community):
+def test_steps_left_waiting_counts_the_steps_claimable_that_long(community):
     workflow = WorkflowFactory(community=community)
     publish_definition(community.id, workflow.id, {"steps": [function_step("s", "liveness.record")]})
-    (run,) = start_runs(workflow, 1)
-    assert ready_steps_waited(community.id, 0)
-    assert not ready_steps_waited(community.id, 60)
-    assert not ready_steps_waited(uuid.uuid4(), 0)  # another community's steps are not read
+    first, *_ = runs = start_runs(workflow, 3)
+    assert steps_left_waiting(community.id, 0, limit=10) == 3
+    assert steps_left_waiting(community.id, 0, limit=2) == 2
+    assert steps_left_waiting(community.id, 60, limit=10) == 0
+    assert steps_left_waiting(uuid.uuid4(), 0, limit=10) == 0  # another community's steps are not read
     with connection.cursor() as cursor:
         cursor.execute(
             "UPDATE buzz_workflows_step SET ready_at = now() - interval '2 minutes',"
-            " next_attempt_at = now() + interval '1 minute' WHERE run_id = %s",
-            [run],
+            " next_attempt_at = now() + interval '1 minute' WHERE run_id = ANY(%s)",
+            [runs],
         )
-    assert not ready_steps_waited(community.id, 0)  # in its backoff: not claimable yet
+    assert steps_left_waiting(community.id, 0, limit=10) == 0  # in their backoff: not claimable yet
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE buzz_workflows_step SET next_attempt_at = NULL WHERE run_id = %s", [run])
-    assert ready_steps_waited(community.id, 60)
+        cursor.execute("UPDATE buzz_workflows_step SET next_attempt_at = NULL WHERE run_id = %s", [first])
+    assert steps_left_waiting(community.id, 60, limit=10) == 1

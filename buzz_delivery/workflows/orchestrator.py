@@ -75,7 +75,7 @@ from buzz_delivery.workflows.services import (
     end_due_waits,
     renew_steps,
 )
-from buzz_delivery.workflows.services.steps import MAX_CLAIM, ready_steps_waited, release_steps
+from buzz_delivery.workflows.services.steps import MAX_CLAIM, release_steps, steps_left_waiting
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 
 logger = logging.getLogger("buzz_delivery.workflows")
@@ -105,13 +105,13 @@ MISS_GATHER_MAX = 0.02
 # One community's orchestrators (issue 31): the one holding the community's session advisory
 # lock (this namespace, hashtext of the community id; taken on a connection of its own) leads:
 # it claims on every wake and chains claims into its completions; the others follow: they
-# claim only ready steps the leader left waiting FOLLOW_AFTER seconds or more (at most the
-# poll interval), and chain nothing. Leadership is a performance hint, never a guarantee: every
+# claim only as many ready steps as the leader left waiting FOLLOW_AFTER seconds or more (at
+# most the poll interval), and chain nothing. Leadership is a performance hint, never a guarantee: every
 # claim and completion stays fenced by its lease, and with no leader (or two, for a moment)
 # every step is still claimed.
 LEADER_LOCK_NAMESPACE = 0x62776C31  # "bwl1"
 TRY_LEAD = "SELECT pg_try_advisory_lock(%s, hashtext(%s::text))"
-FOLLOW_AFTER = 0.05
+FOLLOW_AFTER = 0.1
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -135,6 +135,8 @@ SUMMARY_KEYS = (
     "abandoned",
     "awaited",
     "loop_stalls",  # an async step blocked the loop (buzz_delivery.loopwatch)
+    "led",  # 1 when this orchestrator led its community at some point (issue 31)
+    "follow_reads",  # a follower's reads of whether ready steps were left waiting for it
 )
 
 
@@ -643,15 +645,19 @@ class Orchestrator:
         most once a poll interval); --all: always."""
         if self.leadership is not None:
             self.leading = self.leadership.check()
+            if self.leading:
+                self.counts["led"] = 1
         return self.leading
 
-    def _may_claim(self) -> bool:
-        """The leader claims whenever it has room; a follower only when a ready step has waited
-        ``follow_after`` seconds or more (the leader is saturated, slow, or gone)."""
+    def _may_claim(self, room: int) -> int:
+        """How many of ``room`` to claim: the leader (and --all) all of it; a follower as many
+        as there are ready steps that have waited ``follow_after`` seconds or more (the leader
+        is saturated, slow, or gone), the oldest of which its claim takes."""
         c = self.config
         if self.leading or c.community_id is None:
-            return True
-        return ready_steps_waited(c.community_id, self.follow_after)
+            return room
+        self.add("follow_reads")
+        return steps_left_waiting(c.community_id, self.follow_after, room)
 
     def _claim(self, room: int) -> list[StepClaim]:
         c = self.config
@@ -759,9 +765,10 @@ class Orchestrator:
             if room > 0:
                 self.wake.clear()
                 try:
-                    hold_off = not self._may_claim()
+                    allowed = self._may_claim(room)
+                    hold_off = allowed == 0
                     if not hold_off:
-                        claims = self._claim(room)
+                        claims = self._claim(allowed)
                 except DatabaseError as exc:
                     logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
                     close_old_connections()

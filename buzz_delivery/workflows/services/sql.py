@@ -151,14 +151,16 @@ ORDER BY s.community_id <= %(after)s::uuid, s.community_id
 LIMIT %(limit)s
 """
 
-# Whether a step of one community has been claimable for %(seconds)s or more (since it became
-# ready, or since its backoff ended): a following orchestrator claims only then (issue 31,
-# ``buzz_delivery.workflows.orchestrator``). A plain read.
-READY_STEP_WAITED = f"""
-SELECT 1 FROM {STEP} AS s
-WHERE s.community_id = %(community_id)s AND s.state = 'ready'
-  AND COALESCE(s.next_attempt_at, s.ready_at) <= {DB_NOW} - make_interval(secs => %(seconds)s)
-LIMIT 1
+# How many steps of one community (at most %(limit)s) have been claimable for %(seconds)s or
+# more (since they became ready, or since their backoff ended): a following orchestrator claims
+# only that many (issue 31, ``buzz_delivery.workflows.orchestrator``). A plain read.
+STEPS_LEFT_WAITING = f"""
+SELECT count(*) FROM (
+    SELECT 1 FROM {STEP} AS s
+    WHERE s.community_id = %(community_id)s AND s.state = 'ready'
+      AND COALESCE(s.next_attempt_at, s.ready_at) <= {DB_NOW} - make_interval(secs => %(seconds)s)
+    LIMIT %(limit)s
+) AS waited
 """
 
 RENEW_IF_CURRENT_GENERATION = f"""

@@ -178,17 +178,18 @@ def communities_with_ready_steps(limit: int = 100, after: uuid.UUID | None = Non
 
 
 @tenant_scoped
-def ready_steps_waited(community_id: uuid.UUID | str, seconds: float) -> bool:
-    """Whether a step of the community has been claimable ``seconds`` (0..3600) or more: ready
-    since then, or its backoff over since then (a plain read). A following orchestrator
-    (issue 31) claims only what the leading one left waiting that long. Raises
-    ``ValidationError`` keyed ``community_id`` or ``seconds``."""
+def steps_left_waiting(community_id: uuid.UUID | str, seconds: float, limit: int = 1) -> int:
+    """How many steps of the community (at most ``limit``, 1..1000) have been claimable
+    ``seconds`` (0..3600) or more: ready since then, or their backoff over since then (a plain
+    read). A following orchestrator (issue 31) claims only what the leading one left waiting
+    that long. Raises ``ValidationError`` keyed ``community_id``, ``seconds`` or ``limit``."""
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
         "seconds": v.seconds_in_range(seconds, "seconds", 0, 3600),
+        "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
     }
     with translated_errors():
-        return bool(fetch_all(sql.READY_STEP_WAITED, params))
+        return int(fetch_all(sql.STEPS_LEFT_WAITING, params)[0][0])
 
 
 @tenant_scoped
