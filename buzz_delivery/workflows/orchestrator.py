@@ -27,6 +27,13 @@ counted (``errors``) and that lease left to lapse; no step thread dies of either
 thread or the completer die all the same, the orchestrator stops (exit 1) instead of claiming
 for threads that are gone.
 
+Several orchestrators of one community elect a leader (issue 31, :class:`Leadership`): the
+one holding the community's session advisory lock claims on every wake and chains claims into
+its completions; the others claim only as many ready steps as it left waiting
+:data:`FOLLOW_AFTER` seconds (the oldest) and chain nothing, so the community's work is one
+chain of large batches, not K chains of small ones. A follower tries the lock once a poll
+interval and leads once the leader's session is gone. ``--all`` elects no leader.
+
 An ``async def`` function step runs on none of the step threads: one event-loop thread awaits
 such steps as tasks, up to ``async_concurrency`` at once, none holding a database connection.
 Everything about them that touches the database happens on the threads above: the thread that
