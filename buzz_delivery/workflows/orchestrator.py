@@ -113,9 +113,9 @@ MISS_GATHER_MAX = 0.02
 # lock (this namespace, hashtext of the community id; taken on a connection of its own) leads:
 # it claims on every wake and chains claims into its completions; the others follow: they
 # claim only as many ready steps as the leader left waiting FOLLOW_AFTER seconds or more (at
-# most the poll interval), and chain nothing. Leadership is a performance hint, never a guarantee: every
-# claim and completion stays fenced by its lease, and with no leader (or two, for a moment)
-# every step is still claimed.
+# most the poll interval), and chain nothing. Leadership is a performance hint, never a
+# guarantee: every claim and completion stays fenced by its lease, and with no leader (or two,
+# for a moment) every step is still claimed.
 LEADER_LOCK_NAMESPACE = 0x62776C31  # "bwl1"
 TRY_LEAD = "SELECT pg_try_advisory_lock(%s, hashtext(%s::text))"
 FOLLOW_AFTER = 0.1
@@ -653,7 +653,8 @@ class Orchestrator:
         if self.leadership is not None:
             self.leading = self.leadership.check()
             if self.leading:
-                self.counts["led"] = 1
+                with self.lock:
+                    self.counts["led"] = 1
         return self.leading
 
     def _may_claim(self, room: int) -> int:
