@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import Counter
 
+import psycopg
 import pytest
 from django.db import connection
 
@@ -27,6 +28,7 @@ from buzz_delivery.workflows.services import publish_definition, start_run
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.services.steps import steps_left_waiting
 from buzz_delivery.workflows.testing import diamond, function_step
+from project.database_url import database_url
 from tests.test_wf_concurrency import ROOT, env
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -117,6 +119,8 @@ def test_one_orchestrator_of_a_community_leads_and_chains_the_other_chains_nothi
     (follower,) = set(summaries) - {leader}
     assert summaries[leader]["chained"] > 0
     assert summaries[follower]["chained"] == 0, summaries[follower]
+    assert summaries[leader]["led"] == 1  # (the follower may lead once the leader stops first)
+    assert summaries[follower]["claimed"] < summaries[leader]["claimed"], summaries
     assert sum(s["succeeded"] for s in summaries.values()) == 4 * len(ids)
     assert sum(s["errors"] for s in summaries.values()) == 0
 
@@ -182,6 +186,29 @@ def test_steps_that_keep_the_leader_busy_spread_over_the_followers(community, tm
     assert sum(ran.values()) == 24
     assert ran[follower] >= 6, f"the follower ran {ran[follower]} of 24 steps: {dict(ran)}"
     assert summaries[follower]["chained"] == 0
+
+
+def test_with_no_leader_the_followers_still_run_every_step(community, tmp_path):
+    """Leadership is a hint: with the lock held elsewhere (no orchestrator can lead), every
+    orchestrator follows, and claims what is left waiting."""
+    workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, workflow.id, diamond("liveness.record"))
+    log = tmp_path / "started.jsonl"
+    holder = psycopg.connect(database_url(connection.settings_dict), autocommit=True)
+    try:
+        holder.execute("SELECT pg_advisory_lock(%s, hashtext(%s::text))", [LEADER_LOCK_NAMESPACE, str(community.id)])
+        procs = [orchestrator(community, log) for _ in range(2)]
+        try:
+            ids = start_runs(workflow, 10)
+            wait_done(community, ids)
+        finally:
+            summaries = [summary(p) for p in procs]
+    finally:
+        holder.close()
+    assert [s["led"] for s in summaries] == [0, 0]
+    assert [s["chained"] for s in summaries] == [0, 0]
+    assert sum(s["succeeded"] for s in summaries) == 40
+    assert all(s["follow_reads"] > 0 for s in summaries)
 
 
 def test_steps_left_waiting_counts_the_steps_claimable_that_long(community):
