@@ -17,6 +17,12 @@ batch of runs must finish within ``DRIVE_TIMEOUT`` seconds, and no step may stay
 the steps are no-ops, so a claim that old is held by an orchestrator that does not run it; the
 ``longest claim`` column prints the figure). Databases: ``bench_fwf`` (``BENCH_WF_DATABASE``
 names another) and the same name + ``_dbos`` (created).
+
+``--before-root DIR`` (or ``BENCH_BEFORE_ROOT``: e.g. a ``git archive`` of main extracted
+there) adds, next to each of ours, the same figure with the orchestrator processes run from
+that source tree (same database and schema), and ``--repeats N`` runs every figure N times,
+interleaved round by round, printing the median (and the range) of each: an A/B on a shared
+machine.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import json
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -125,7 +133,7 @@ def setup_django() -> None:
     django.setup()
 
 
-def ours(k: int, runs: int, send: bool) -> dict[str, float]:
+def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
     from django.db import connection
 
     from buzz_delivery.services import Cause
@@ -147,7 +155,7 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
             "content": "bench",
         }
     publish_definition(community.id, workflow.id, definition)
-    env = {**os.environ, "DATABASE_URL": OURS, "LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "DATABASE_URL": OURS, "LOG_LEVEL": "WARNING", "PYTHONPATH": str(root)}
     logs = Path(tempfile.mkdtemp(prefix="bench_wf_"))
     procs = [
         subprocess.Popen(
@@ -164,7 +172,7 @@ def ours(k: int, runs: int, send: bool) -> dict[str, float]:
                 "-v",
                 "0",
             ],
-            cwd=ROOT,
+            cwd=root,
             env=env,
             stdout=(logs / f"orchestrator-{i}.json").open("w"),
             stderr=subprocess.DEVNULL,
@@ -291,19 +299,36 @@ def main() -> None:
     parser.add_argument("--k", default="1,4", help="orchestrator process counts (default 1,4)")
     parser.add_argument("--shapes", default="a,b", help="figures to run: a (DBOS's shape), b (send_message)")
     parser.add_argument("--dbos-python", default=os.environ.get("DBOS_PYTHON", sys.executable))
+    parser.add_argument("--before-root", default=os.environ.get("BENCH_BEFORE_ROOT"))
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     ensure_database(OURS)
     ensure_database(DBOS_DB)
     setup_django()
-    rows = []
-    figure = dbos(args.dbos_python, args.runs)
-    if figure:
-        rows.append(("(a) DBOS Transact, 1 process", figure))
     shapes = args.shapes.split(",")
-    for k in [int(x) for x in args.k.split(",")] if "a" in shapes else []:
-        rows.append((f"(a) buzz workflows, K={k}", ours(k, args.runs, send=False)))
-    for k in [int(x) for x in args.k.split(",")] if "b" in shapes else []:
-        rows.append((f"(b) buzz workflows + send_message to 2, K={k}", ours(k, args.runs, send=True)))
+    ks = [int(x) for x in args.k.split(",")]
+    roots = [("", ROOT)] + ([(" before", Path(args.before_root))] if args.before_root else [])
+    plan: list[tuple[str, Any]] = [("(a) DBOS Transact, 1 process", lambda: dbos(args.dbos_python, args.runs))]
+    for shape, send, label in (
+        ("a", False, "(a) buzz workflows"),
+        ("b", True, "(b) buzz workflows + send_message to 2"),
+    ):
+        if shape in shapes:
+            for k in ks:
+                for tag, root in roots:
+                    plan.append(
+                        (f"{label}{tag}, K={k}", lambda k=k, send=send, root=root: ours(k, args.runs, send, root))
+                    )
+    figures: dict[str, list[dict[str, float]]] = {}
+    loads = []
+    for _ in range(args.repeats):
+        for name, measure in plan:
+            loads.append(os.getloadavg()[0])
+            figure = measure()
+            if figure:
+                figures.setdefault(name, []).append(figure)
+    rows = [(name, _median(found)) for name, found in figures.items()]
+    figure = figures.get(plan[0][0])
     print(
         f"{'figure':48} {'runs/s':>8} {'x DBOS':>7} {'commits/run':>12} {'client ms/run':>14} {'server ms/run':>14} "
         f"{'claims/run':>11} {'completes/run':>14} {'longest claim s':>16}"
@@ -315,10 +340,22 @@ def main() -> None:
             f"{f['client_cpu_ms_per_run']:14.1f} {f['server_cpu_ms_per_run']:14.1f} {f['claims_per_run']:11.2f} "
             f"{f['completes_per_run']:14.2f} {f['longest_claim_s']:16.2f}"
         )
-    print(f"({args.runs} runs per figure; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
+    if args.repeats > 1:
+        for name, found in figures.items():
+            rates = sorted(f["runs_per_s"] for f in found)
+            print(f"  {name}: runs/s {', '.join(f'{r:.1f}' for r in rates)}")
+    print(
+        f"({args.runs} runs per figure, median of {args.repeats}; load average {min(loads):.2f}-{max(loads):.2f} "
+        f"at the figures' starts, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores)"
+    )
     held = [name for name, f in rows if f["longest_claim_s"] > POLL_INTERVAL + LIVENESS_SLACK]
     if held:
         raise SystemExit(f"bench.workflows: liveness check failed for {', '.join(held)} (see LIVENESS above)")
+
+
+def _median(found: list[dict[str, float]]) -> dict[str, float]:
+    """Each field's median over the repeats (runs/s too: the figure is the middle drain's)."""
+    return {key: statistics.median(f[key] for f in found) for key in found[0]}
 
 
 if __name__ == "__main__":

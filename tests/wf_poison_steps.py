@@ -111,9 +111,10 @@ def sql(input: dict, context: object) -> dict:
 
 @workflow_function("liveness.record")
 def liveness_record(input: dict, context: object) -> dict:
-    """Append when this step's function started (host clock: the database's, on one machine) to
-    ``BUZZ_TEST_LIVENESS_LOG``; sleep ``input["sleep"]`` seconds."""
-    line = {"run": str(context.run_id), "key": context.step_key, "at": time.time()}  # type: ignore[attr-defined]
+    """Append when this step's function started (host clock: the database's, on one machine), and
+    in which process, to ``BUZZ_TEST_LIVENESS_LOG``; sleep ``input["sleep"]`` seconds."""
+    run, key = str(context.run_id), context.step_key  # type: ignore[attr-defined]
+    line = {"run": run, "key": key, "at": time.time(), "pid": os.getpid()}
     with open(os.environ["BUZZ_TEST_LIVENESS_LOG"], "a") as out:
         out.write(json.dumps(line) + "\n")
     time.sleep(float(input.get("sleep", 0)))

@@ -27,6 +27,13 @@ counted (``errors``) and that lease left to lapse; no step thread dies of either
 thread or the completer die all the same, the orchestrator stops (exit 1) instead of claiming
 for threads that are gone.
 
+Several orchestrators of one community elect a leader (issue 31, :class:`Leadership`): the
+one holding the community's session advisory lock claims on every wake and chains claims into
+its completions; the others claim only as many ready steps as it left waiting
+:data:`FOLLOW_AFTER` seconds (the oldest) and chain nothing, so the community's work is one
+chain of large batches, not K chains of small ones. A follower tries the lock once a poll
+interval and leads once the leader's session is gone. ``--all`` elects no leader.
+
 An ``async def`` function step runs on none of the step threads: one event-loop thread awaits
 such steps as tasks, up to ``async_concurrency`` at once, none holding a database connection.
 Everything about them that touches the database happens on the threads above: the thread that
@@ -44,6 +51,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import queue
 import signal
 import threading
@@ -53,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from django.db import DatabaseError, close_old_connections, connection, connections
 
 from buzz_delivery.conf import get_settings as core_settings
@@ -73,7 +82,7 @@ from buzz_delivery.workflows.services import (
     end_due_waits,
     renew_steps,
 )
-from buzz_delivery.workflows.services.steps import MAX_CLAIM, release_steps
+from buzz_delivery.workflows.services.steps import MAX_CLAIM, release_steps, steps_left_waiting
 from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
 
 logger = logging.getLogger("buzz_delivery.workflows")
@@ -100,6 +109,17 @@ ASYNC_SHARE_WEIGHT = 0.05
 MISS_GATHER = 0.001
 MISS_GATHER_MAX = 0.02
 
+# One community's orchestrators (issue 31): the one holding the community's session advisory
+# lock (this namespace, hashtext of the community id; taken on a connection of its own) leads:
+# it claims on every wake and chains claims into its completions; the others follow: they
+# claim only as many ready steps as the leader left waiting FOLLOW_AFTER seconds or more (at
+# most the poll interval), and chain nothing. Leadership is a performance hint, never a
+# guarantee: every claim and completion stays fenced by its lease, and with no leader (or two,
+# for a moment) every step is still claimed.
+LEADER_LOCK_NAMESPACE = 0x62776C31  # "bwl1"
+TRY_LEAD = "SELECT pg_try_advisory_lock(%s, hashtext(%s::text))"
+FOLLOW_AFTER = 0.1
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_ABANDONED = 3
@@ -122,6 +142,8 @@ SUMMARY_KEYS = (
     "abandoned",
     "awaited",
     "loop_stalls",  # an async step blocked the loop (buzz_delivery.loopwatch)
+    "led",  # 1 when this orchestrator led its community at some point (issue 31)
+    "follow_reads",  # a follower's reads of whether ready steps were left waiting for it
 )
 
 
@@ -243,6 +265,12 @@ class Orchestrator:
         self.next_walk = 0.0  # --all: when (monotonic) the dispatcher walks whatever the chain
         self.renew_done = threading.Event()
         self.next_due_check = 0.0  # when the dispatcher next ends the due sleeps and waits
+
+        # One community (issue 31): whether this orchestrator leads it (see LEADER_LOCK_NAMESPACE);
+        # --all: every orchestrator claims and chains as it did.
+        self.leadership: Leadership | None = None
+        self.leading = config.community_id is None
+        self.follow_after = min(FOLLOW_AFTER, config.poll_interval)
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -527,6 +555,8 @@ class Orchestrator:
             return 0
         if self.config.community_id is None and community != self.chain_for:
             return 0
+        if not self.leading:
+            return 0  # a follower: the leader chains (issue 31)
         with self.lock:
             on_loop = sum(1 for claim in completing if _key(claim.lease) in self.on_loop)
         return self._room(freed=len(completing) - on_loop, freed_loop=on_loop)
@@ -617,6 +647,26 @@ class Orchestrator:
             return "loop_thread_died"
         return None
 
+    def _lead(self) -> bool:
+        """One community: whether this orchestrator leads it now (asked of the database at
+        most once a poll interval); --all: always."""
+        if self.leadership is not None:
+            self.leading = self.leadership.check()
+            if self.leading:
+                with self.lock:
+                    self.counts["led"] = 1
+        return self.leading
+
+    def _may_claim(self, room: int) -> int:
+        """How many of ``room`` to claim: the leader (and --all) all of it; a follower as many
+        as there are ready steps that have waited ``follow_after`` seconds or more (the leader
+        is saturated, slow, or gone), the oldest of which its claim takes."""
+        c = self.config
+        if self.leading or c.community_id is None:
+            return room
+        self.add("follow_reads")
+        return steps_left_waiting(c.community_id, self.follow_after, room)
+
     def _claim(self, room: int) -> list[StepClaim]:
         c = self.config
         if c.community_id is not None:
@@ -701,10 +751,12 @@ class Orchestrator:
             if c.community_id is None and time.monotonic() >= self.next_walk:
                 with self.lock:
                     self.chain_for = None  # a walk at least every poll interval, hint or not
+            leading = self._lead()
             with self.lock:
                 # Leave the claim to the completer's batch only where it may chain (--all: the
-                # one community the last walk found with work, see _walk).
-                chaining = c.community_id is not None or self.chain_for is not None
+                # one community the last walk found with work, see _walk; one community: when
+                # this orchestrator leads it).
+                chaining = leading and (c.community_id is not None or self.chain_for is not None)
                 completing = self.awaiting > 0 and c.max_steps is None and chaining
                 self.deferred_wake = self.deferred_wake or (room > 0 and completing)
             if room > 0 and completing and (deferred_at != self.batches or time.monotonic() < deferred_until):
@@ -717,10 +769,14 @@ class Orchestrator:
                 self.wake.clear()
                 self.wake.wait(max(0.0, deferred_until - time.monotonic()))
                 continue
+            hold_off = False  # a follower with nothing left waiting for it
             if room > 0:
                 self.wake.clear()
                 try:
-                    claims = self._claim(room)
+                    allowed = self._may_claim(room)
+                    hold_off = allowed == 0
+                    if not hold_off:
+                        claims = self._claim(allowed)
                 except DatabaseError as exc:
                     logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
                     close_old_connections()
@@ -734,7 +790,13 @@ class Orchestrator:
                 idle_since = time.monotonic()
             elif c.idle_exit is not None and time.monotonic() - idle_since >= c.idle_exit:
                 return "idle_exit"
-            if room - len(claims) <= 0:
+            if hold_off:
+                # A follower: what a wake announces is the leader's unless it is left waiting
+                # (the leader claims at once); look again FOLLOW_AFTER after the wake, or after
+                # a poll interval without one.
+                if self.wake.wait(c.poll_interval):
+                    self.stop.wait(self.follow_after)
+            elif room - len(claims) <= 0:
                 # Out of room: a freed place wakes us (a NOTIFY meanwhile is moot: the claim
                 # after the wake reads what is ready).
                 self.wake.clear()
@@ -778,6 +840,8 @@ class Orchestrator:
             on_hint=self._hinted if c.community_id is None else None,
         )
         self.loop_thread = threading.Thread(target=self._loop_thread, name="buzz-workflows-loop", daemon=True)
+        if c.community_id is not None:
+            self.leadership = Leadership(conn_params, c.community_id, c.poll_interval)
         for t in (*threads, self.completer, renewer, listener, self.loop_thread):
             t.start()
         reason = "error"
@@ -787,6 +851,9 @@ class Orchestrator:
             reason = self.dispatch()
         finally:
             self.stop.set()
+            if self.leadership is not None:
+                self.leadership.close()  # another orchestrator leads from now on
+                self.leading = False
             deadline = time.monotonic() + c.shutdown_grace
             # Drain first: a claim the completer made just before the stop still reaches the
             # work queue, ahead of the threads' stop markers.
@@ -825,6 +892,54 @@ class Orchestrator:
         # to register it; the step failed function_not_registered).
         missing = dict(sorted((missing_counts() - missing_before).items()))
         return {**self.counts, "not_registered": missing, "reason": reason, "exit_code": exit_code}
+
+
+class Leadership:
+    """The leadership of one community's orchestrators (issue 31): a session advisory lock
+    (:data:`LEADER_LOCK_NAMESPACE`, hashtext of the community id) held on a connection of its
+    own, made with the listener's parameters (a direct connection when the default one goes
+    through a transaction pooler; on Citus, the coordinator: the lock touches no table). The
+    leader's process ending (SIGKILL too) ends its session and frees the lock. :meth:`check`
+    asks the database at most once every ``every`` seconds: a follower tries the lock, a leader
+    checks that its session is still there; any error means not leading (a new connection is
+    tried next time). Used by the dispatcher thread only."""
+
+    def __init__(self, conn_params: dict[str, Any], community: uuid.UUID, every: float) -> None:
+        self.conn_params = {**conn_params, "application_name": f"buzz-workflows-lead:{os.getpid()}"}
+        self.community = str(community)
+        self.every = every
+        self.conn: psycopg.Connection[Any] | None = None
+        self.leading = False
+        self.next_check = 0.0
+
+    def check(self) -> bool:
+        now = time.monotonic()
+        if now < self.next_check:
+            return self.leading
+        self.next_check = now + self.every
+        try:
+            if self.conn is None or self.conn.closed:
+                self.leading = False
+                self.conn = psycopg.connect(**self.conn_params, autocommit=True)
+            if self.leading:
+                self.conn.execute("SELECT 1")  # the session, and the lock with it, still there
+            else:
+                row = self.conn.execute(TRY_LEAD, (LEADER_LOCK_NAMESPACE, self.community)).fetchone()
+                self.leading = bool(row and row[0])
+                if self.leading:
+                    logger.info("leading community=%s", self.community)
+        except psycopg.Error as exc:
+            if self.leading:
+                logger.warning("leadership_lost community=%s error=%s", self.community, str(exc).splitlines()[:1])
+            self.close()
+        return self.leading
+
+    def close(self) -> None:
+        self.leading = False
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # a broken connection may fail to close: dropped anyway
+                conn.close()
 
 
 def _key(lease: StepLease) -> tuple[uuid.UUID, int]:

@@ -151,6 +151,18 @@ ORDER BY s.community_id <= %(after)s::uuid, s.community_id
 LIMIT %(limit)s
 """
 
+# How many steps of one community (at most %(limit)s) have been claimable for %(seconds)s or
+# more (since they became ready, or since their backoff ended): a following orchestrator claims
+# only that many (issue 31, ``buzz_delivery.workflows.orchestrator``). A plain read.
+STEPS_LEFT_WAITING = f"""
+SELECT count(*) FROM (
+    SELECT 1 FROM {STEP} AS s
+    WHERE s.community_id = %(community_id)s AND s.state = 'ready'
+      AND COALESCE(s.next_attempt_at, s.ready_at) <= {DB_NOW} - make_interval(secs => %(seconds)s)
+    LIMIT %(limit)s
+) AS waited
+"""
+
 RENEW_IF_CURRENT_GENERATION = f"""
 UPDATE {STEP} AS s SET lease_until = {LEASE_END}, renewals = s.renewals + 1
 WHERE {CURRENT_STEP_LEASE}

@@ -178,6 +178,21 @@ def communities_with_ready_steps(limit: int = 100, after: uuid.UUID | None = Non
 
 
 @tenant_scoped
+def steps_left_waiting(community_id: uuid.UUID | str, seconds: float, limit: int = 1) -> int:
+    """How many steps of the community (at most ``limit``, 1..1000) have been claimable
+    ``seconds`` (0..3600) or more: ready since then, or their backoff over since then (a plain
+    read). A following orchestrator (issue 31) claims only what the leading one left waiting
+    that long. Raises ``ValidationError`` keyed ``community_id``, ``seconds`` or ``limit``."""
+    params = {
+        "community_id": v.uuid_value(community_id, "community_id"),
+        "seconds": v.seconds_in_range(seconds, "seconds", 0, 3600),
+        "limit": v.int_in_range(limit, "limit", 1, MAX_CLAIM),
+    }
+    with translated_errors():
+        return int(fetch_all(sql.STEPS_LEFT_WAITING, params)[0][0])
+
+
+@tenant_scoped
 def renew_step(lease: StepLease, lease_seconds: float | None = None) -> StepRenewed | LeaseLost:
     """Extend a current step lease to now + ``lease_seconds`` (database clock). Never bumps the
     generation. Returns :class:`StepRenewed` or ``LeaseLost`` (expired, reclaimed, canceled,
