@@ -229,3 +229,34 @@ def test_steps_left_waiting_counts_the_steps_claimable_that_long(community):
     with connection.cursor() as cursor:
         cursor.execute("UPDATE buzz_workflows_step SET next_attempt_at = NULL WHERE run_id = %s", [first])
     assert steps_left_waiting(community.id, 60, limit=10) == 1
+
+
+def test_the_lock_connection_is_bounded_and_a_follower_that_cannot_reach_the_database_says_so(caplog):
+    """The dispatcher asks the leadership question on its own thread: the lock connection must
+    not hang it (connect timeout, statement timeout) nor let a vanished leader hold the lock for
+    hours (the server ends an idle session); a follower that cannot connect logs it once a
+    minute and follows, and a reachable one leads."""
+    from django.db import connections
+
+    from buzz_delivery.workflows.orchestrator import Leadership
+
+    community = uuid.uuid4()
+    params = connections["default"].get_connection_params()
+    lead = Leadership(params, community, every=0.5)
+    try:
+        assert lead.check() is True
+        assert lead.conn is not None
+        assert lead.conn_params["connect_timeout"] == 5
+        assert lead.conn.execute("SHOW statement_timeout").fetchone()[0] == "5s"
+        if lead.conn.info.server_version >= 140000:
+            assert lead.conn.execute("SHOW idle_session_timeout").fetchone()[0] == "1min"
+    finally:
+        lead.close()
+
+    unreachable = Leadership({**params, "host": "127.0.0.1", "port": 1}, community, every=0.0)
+    with caplog.at_level("WARNING", logger="buzz_delivery.workflows"):
+        assert unreachable.check() is False
+        assert unreachable.check() is False
+    warned = [r for r in caplog.records if "leadership_unreachable" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert unreachable.conn is None

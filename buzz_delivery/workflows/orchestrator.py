@@ -902,15 +902,43 @@ class Leadership:
     leader's process ending (SIGKILL too) ends its session and frees the lock. :meth:`check`
     asks the database at most once every ``every`` seconds: a follower tries the lock, a leader
     checks that its session is still there; any error means not leading (a new connection is
-    tried next time). Used by the dispatcher thread only."""
+    tried next time). Used by the dispatcher thread only.
+
+    The dispatcher must not hang on this connection, nor a vanished leader keep the lock for the
+    hours TCP takes to notice: connecting and every statement are bounded by a few poll
+    intervals (``connect_timeout``, TCP keepalives, ``statement_timeout``), and the server ends
+    an idle session past ``idle_session_timeout`` (PostgreSQL 14+), which a living leader's
+    check once a poll interval never reaches. A follower that cannot reach the database logs it
+    (at most once a minute) and keeps following: the steps are still claimed, only not chained."""
+
+    WARN_EVERY = 60.0
 
     def __init__(self, conn_params: dict[str, Any], community: uuid.UUID, every: float) -> None:
-        self.conn_params = {**conn_params, "application_name": f"buzz-workflows-lead:{os.getpid()}"}
+        bound = max(5, math.ceil(3 * every))  # seconds: a few poll intervals
+        self.conn_params = {
+            "connect_timeout": bound,
+            "keepalives": 1,
+            "keepalives_idle": bound,
+            "keepalives_interval": max(1, bound // 3),
+            "keepalives_count": 3,
+            **conn_params,
+            "application_name": f"buzz-workflows-lead:{os.getpid()}",
+        }
+        self.bound = bound
         self.community = str(community)
         self.every = every
         self.conn: psycopg.Connection[Any] | None = None
         self.leading = False
         self.next_check = 0.0
+        self.next_warning = 0.0
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(**self.conn_params, autocommit=True)
+        conn.execute("SELECT set_config('statement_timeout', %s, false)", (f"{self.bound}s",))
+        if conn.info.server_version >= 140000:
+            idle = max(60, 10 * self.bound)
+            conn.execute("SELECT set_config('idle_session_timeout', %s, false)", (f"{idle}s",))
+        return conn
 
     def check(self) -> bool:
         now = time.monotonic()
@@ -920,7 +948,7 @@ class Leadership:
         try:
             if self.conn is None or self.conn.closed:
                 self.leading = False
-                self.conn = psycopg.connect(**self.conn_params, autocommit=True)
+                self.conn = self._connect()
             if self.leading:
                 self.conn.execute("SELECT 1")  # the session, and the lock with it, still there
             else:
@@ -931,6 +959,13 @@ class Leadership:
         except psycopg.Error as exc:
             if self.leading:
                 logger.warning("leadership_lost community=%s error=%s", self.community, str(exc).splitlines()[:1])
+            elif now >= self.next_warning:
+                self.next_warning = now + self.WARN_EVERY
+                logger.warning(
+                    "leadership_unreachable community=%s error=%s (following: steps are claimed, not chained)",
+                    self.community,
+                    str(exc).splitlines()[:1],
+                )
             self.close()
         return self.leading
 
