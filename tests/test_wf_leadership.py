@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from buzz_delivery.services import Cause
+from buzz_delivery.services import Cause, advance_community
 from buzz_delivery.testing import WorkflowFactory
 from buzz_delivery.workflows.models import Run, Step
 from buzz_delivery.workflows.orchestrator import LEADER_LOCK_NAMESPACE
@@ -229,6 +229,8 @@ def test_steps_left_waiting_counts_the_steps_claimable_that_long(community):
     with connection.cursor() as cursor:
         cursor.execute("UPDATE buzz_workflows_step SET next_attempt_at = NULL WHERE run_id = %s", [first])
     assert steps_left_waiting(community.id, 60, limit=10) == 1
+    advance_community(community.id, "quiescing")  # not active: nothing is claimable
+    assert steps_left_waiting(community.id, 60, limit=10) == 0
 
 
 def test_the_lock_connection_is_bounded_and_a_follower_that_cannot_reach_the_database_says_so(caplog):

@@ -660,7 +660,10 @@ class Orchestrator:
     def _may_claim(self, room: int) -> int:
         """How many of ``room`` to claim: the leader (and --all) all of it; a follower as many
         as there are ready steps that have waited ``follow_after`` seconds or more (the leader
-        is saturated, slow, or gone), the oldest of which its claim takes."""
+        is saturated, slow, or gone). Its claim takes that many in the claim's own order
+        (priority first, then age), so a fresher step of higher priority may be among them and
+        an aged one of lower priority wait a round; the count ignores the concurrency limits, so
+        under a binding limit a follower claims on every wake, as before leadership."""
         c = self.config
         if self.leading or c.community_id is None:
             return room

@@ -153,12 +153,14 @@ LIMIT %(limit)s
 
 # How many steps of one community (at most %(limit)s) have been claimable for %(seconds)s or
 # more (since they became ready, or since their backoff ended): a following orchestrator claims
-# only that many (issue 31, ``buzz_delivery.workflows.orchestrator``). A plain read.
+# only that many (issue 31, ``buzz_delivery.workflows.orchestrator``). A plain read; a
+# community that is not active has none (its claim takes nothing).
 STEPS_LEFT_WAITING = f"""
 SELECT count(*) FROM (
     SELECT 1 FROM {STEP} AS s
     WHERE s.community_id = %(community_id)s AND s.state = 'ready'
       AND COALESCE(s.next_attempt_at, s.ready_at) <= {DB_NOW} - make_interval(secs => %(seconds)s)
+      AND {ACTIVE}
     LIMIT %(limit)s
 ) AS waited
 """
