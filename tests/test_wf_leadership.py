@@ -262,3 +262,20 @@ def test_the_lock_connection_is_bounded_and_a_follower_that_cannot_reach_the_dat
     warned = [r for r in caplog.records if "leadership_unreachable" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     assert unreachable.conn is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"community_id": "not-a-uuid", "seconds": 0, "limit": 1}, "community_id"),
+        ({"community_id": uuid.uuid4(), "seconds": -1, "limit": 1}, "seconds"),
+        ({"community_id": uuid.uuid4(), "seconds": 0, "limit": 0}, "limit"),
+        ({"community_id": uuid.uuid4(), "seconds": 0, "limit": 10_000}, "limit"),
+    ],
+)
+def test_steps_left_waiting_refuses_bad_input_naming_the_field(kwargs, field):
+    from django.core.exceptions import ValidationError
+
+    with pytest.raises(ValidationError) as refused:
+        steps_left_waiting(**kwargs)
+    assert field in refused.value.message_dict
