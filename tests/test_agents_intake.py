@@ -5,20 +5,22 @@ fence, and the wake hint sent only for a created run and only on commit."""
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 import uuid
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 from django.test import override_settings
-from psycopg import sql
 
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services import Created, Duplicate, IdempotencyConflict, intake_event
 from buzz_delivery.agents.services.policy import ask, bounded, policy_of, set_policy
 from buzz_delivery.exceptions import CommunityNotWritable
+from buzz_delivery.listening import Listener
 from buzz_delivery.testing import advance_to
 from tests.agents_support import AGENT, counts
 
@@ -84,25 +86,40 @@ def test_a_community_that_is_not_active_refuses_the_intake_and_nothing_is_writte
     assert counts() == before
 
 
-class Listener:
-    """A LISTENing autocommit psycopg connection of its own, on the agents' channel."""
+class Hints:
+    """The wake hints on the agents' channel, heard as the workers hear them: through the shared
+    listener (``buzz_delivery.listening``), which LISTENs on every node of a Citus cluster too (the
+    intake function sends its hint on the node holding the community)."""
 
     def __init__(self) -> None:
-        connection.ensure_connection()
-        self.conn = psycopg.connect(**connection.get_connection_params(), autocommit=True)
-        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(NOTIFY_CHANNEL)))
+        self.queue: queue.Queue[str] = queue.Queue()
+        self.listening, self.stop = threading.Event(), threading.Event()
+        self.listener = Listener(
+            name="test-intake-hints",
+            channels=(NOTIFY_CHANNEL,),
+            conn_params=connection.get_connection_params(),
+            stop=self.stop,
+            on_notify=lambda channel, payload: self.queue.put(payload),
+            on_listen=self.listening.set,
+        )
+        self.listener.start()
+        assert self.listening.wait(10)
 
     def payloads(self, expected: int = 0) -> list[str]:
         """The hints received: ``expected`` awaited, then a quiet period so extra hints would show."""
-        got = [n.payload for n in self.conn.notifies(timeout=5, stop_after=expected)] if expected else []
-        return got + [n.payload for n in self.conn.notifies(timeout=QUIET_SECONDS)]
+        got = [self.queue.get(timeout=5) for _ in range(expected)]
+        with contextlib.suppress(queue.Empty):
+            while True:
+                got.append(self.queue.get(timeout=QUIET_SECONDS))
+        return got
 
 
 @pytest.fixture
-def listener() -> Iterator[Listener]:
-    listening = Listener()
-    yield listening
-    listening.conn.close()
+def listener() -> Iterator[Hints]:
+    hints = Hints()
+    yield hints
+    hints.stop.set()
+    hints.listener.join(5)
 
 
 @pytest.mark.django_db(transaction=True)
