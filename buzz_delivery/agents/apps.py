@@ -17,3 +17,12 @@ class AgentsConfig(AppConfig):
         "buzz_agents.AgentRun",
         "buzz_agents.AgentPolicy",
     )
+    # Functions the services call as one statement naming the community first, delegated on Citus
+    # to the worker that holds it (buzz_delivery.scaleout): intake_event's (migration 0021).
+    buzz_delegated_functions = (
+        (
+            "buzz_agents_intake(uuid, text, text, bytea, jsonb, bytea, bytea, uuid, uuid, boolean, integer, bigint, "
+            "integer, integer, boolean, integer, bigint, integer, integer, double precision)",
+            "p_community_id",
+        ),
+    )

@@ -5,7 +5,8 @@ Layers, most specific first: the agent key's row in its community, the community
 (``agent_pubkey`` NULL), the ``BUZZ_AGENTS`` settings. A field left NULL in a row inherits from
 the next layer. :func:`policy_of` reads both rows in one statement; :func:`bounded` turns what a
 caller asked for into what the run gets (never above the policy; a policy with ``shadow``
-forces it). ``accept_delivery`` and ``intake_event`` apply it in their transaction, and the
+forces it). ``accept_delivery`` applies it in its transaction, and ``intake_event`` in the one
+statement that creates the run (the same layers and bounds in SQL, agents migration 0021); the
 run keeps its lease cap, so its claims and heartbeats cannot ask for longer leases either.
 :func:`set_policy` and :func:`clear_policy` are the only writers.
 """
@@ -81,6 +82,13 @@ def settings_policy() -> RunPolicy:
         max_lease_seconds=conf.max_lease_seconds,
         shadow=conf.shadow,
     )
+
+
+def settings_layer() -> dict[str, Any]:
+    """The ``BUZZ_AGENTS`` layer as the parameters of the intake function (agents migration
+    0021): ``default_<field>`` of each of :data:`FIELDS`, the policy's last layer, under the
+    rows that function reads as :func:`policy_of` does."""
+    return {f"default_{name}": value for name, value in zip(FIELDS, _as_tuple(settings_policy()), strict=True)}
 
 
 def policy_of(community_id: uuid.UUID, agent_pubkey: bytes | None) -> RunPolicy:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from contextlib import nullcontext
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -19,7 +20,7 @@ from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
-from buzz_delivery.agents.services.policy import ask, bounded, policy_of
+from buzz_delivery.agents.services.policy import ask, bounded, policy_of, settings_layer
 from buzz_delivery.agents.services.types import (
     Accepted,
     AgentClaim,
@@ -146,7 +147,8 @@ def intake_event(
     (community, ``channel_type`` 1..64 chars, ``provider_event_id`` 1..200 chars). ``payload``
     (JSON) becomes the run input; its SHA-256 tells a retry from a conflict. Safe under
     concurrent calls: the key is inserted first (``ON CONFLICT DO NOTHING``, judged by the rows
-    it returns) and only its winner creates the run, in the same transaction.
+    it returns) and only its winner reads the policy, creates the run and sends the wake hint
+    (delivered on commit), all in one statement (one round trip; agents migration 0021).
 
     Returns :class:`Created`, :class:`Duplicate` (same key and payload) or
     :class:`IdempotencyConflict` (same key, another payload; nothing written). Raises
@@ -170,16 +172,28 @@ def intake_event(
     )
     # The same payload is judged as start_run judges the same input (canonical_json: 1 == 1.0).
     payload_hash = hashlib.sha256(canonical_json(payload).encode()).digest()
-    params.update(id=new_uuid7(), key_id=new_uuid7(), payload_hash=payload_hash, input_hash=sha256_json(payload))
-    with transaction.atomic(), translated_errors():
-        won = fetch_all(sql.INSERT_INTAKE_KEY, params)
-        if won:
-            params.update(bounded(policy_of(community, agent), asked))
-            fetch_all(sql.INSERT_RUN_FROM_INTAKE, params)
-            notify_claimable(community)
-            return Created(params["id"])
-        existing, payload_hash = fetch_all(sql.INTAKE_KEY, params)[0]
-    if bytes(payload_hash) == params["payload_hash"]:
+    params.update(
+        id=new_uuid7(),
+        key_id=new_uuid7(),
+        payload_hash=payload_hash,
+        input_hash=sha256_json(payload),
+        shadow=asked.shadow,
+        max_tool_calls=asked.max_tool_calls,
+        max_cost=asked.max_cost,
+        max_attempts=asked.max_attempts,
+        timeout_seconds=asked.timeout_seconds,
+        **settings_layer(),
+    )
+    # One statement (agents migration 0021), atomic on its own: the key, and for its winner only
+    # the policy's rows, the run (bounded by the policy in SQL) and the wake hint, on commit.
+    # Inside a caller's transaction, under a savepoint as before: a refused intake (the write
+    # fence) leaves the caller's transaction usable.
+    inside = connections[DEFAULT_DB_ALIAS].in_atomic_block
+    with transaction.atomic() if inside else nullcontext(), translated_errors():
+        existing, stored_hash, created = fetch_all(sql.INTAKE_EVENT, params)[0]
+    if created:
+        return Created(existing)
+    if bytes(stored_hash) == params["payload_hash"]:
         return Duplicate(existing)
     return IdempotencyConflict(existing)
 

@@ -76,23 +76,21 @@ RETURNING id
 
 RUN_OF_DELIVERY = f"SELECT id FROM {RUN} WHERE community_id = %(community_id)s AND delivery_id = %(delivery_id)s"
 
-INSERT_INTAKE_KEY = f"""
-INSERT INTO {INTAKE} (id, community_id, channel_type, provider_event_id, payload_hash, run_id)
-VALUES (%(key_id)s, %(community_id)s, %(channel_type)s, %(provider_event_id)s, %(payload_hash)s, %(id)s)
-ON CONFLICT (community_id, channel_type, provider_event_id) DO NOTHING
-RETURNING run_id
-"""
-INTAKE_KEY = f"""
-SELECT run_id, payload_hash FROM {INTAKE}
-WHERE community_id = %(community_id)s AND channel_type = %(channel_type)s AND provider_event_id = %(provider_event_id)s
-"""
-INSERT_RUN_FROM_INTAKE = f"""
-INSERT INTO {RUN} (id, community_id, agent_pubkey, state, unwinding, shadow, input, input_hash,
-                   lease_generation, attempts, max_attempts, timeout_at, max_tool_calls, tool_calls_used,
-                   max_cost, cost_used, max_lease_seconds)
-VALUES (%(id)s, %(community_id)s, %(agent_pubkey)s, 'pending', false, %(shadow)s, %(input)s::jsonb, %(input_hash)s,
-        0, 0, %(max_attempts)s, {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0,
-        %(max_cost)s, 0, %(max_lease_seconds)s)
+# intake_event in one round trip (agents migration 0021): the key first (ON CONFLICT DO NOTHING,
+# judged by the row it returns), and only for its winner the policy's two rows, the run and the wake
+# hint; a loser gets the key that won (created false). One statement, atomic on its own; on Citus
+# delegated whole to the community's worker (AgentsConfig.buzz_delegated_functions). The casts pick
+# the function whatever the client binds.
+INTAKE_EVENT = """
+SELECT i.out_run_id, i.out_payload_hash, i.out_created
+FROM buzz_agents_intake(%(community_id)s::uuid, %(channel_type)s::text, %(provider_event_id)s::text,
+                        %(agent_pubkey)s::bytea, %(input)s::jsonb, %(payload_hash)s::bytea, %(input_hash)s::bytea,
+                        %(id)s::uuid, %(key_id)s::uuid, %(shadow)s::boolean, %(max_tool_calls)s::integer,
+                        %(max_cost)s::bigint, %(max_attempts)s::integer, %(timeout_seconds)s::integer,
+                        %(default_shadow)s::boolean, %(default_max_tool_calls)s::integer,
+                        %(default_max_cost)s::bigint, %(default_max_attempts)s::integer,
+                        %(default_max_timeout_seconds)s::integer,
+                        %(default_max_lease_seconds)s::double precision) AS i
 """
 
 # What a claim returns: the lease (id, generation, lease end) then every column of the claimed
