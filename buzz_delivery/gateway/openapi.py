@@ -133,6 +133,21 @@ SCHEMAS: dict[str, Any] = {
             }
         }
     ),
+    "BatchRenewResponse": _obj(
+        {
+            "results": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "delivery_id": UUID,
+                        "outcome": {"type": "string", "enum": ["renewed", "lease_lost", "not_found"]},
+                        "lease": _ref("Lease"),
+                    },
+                    required=["delivery_id", "outcome"],
+                ),
+            }
+        }
+    ),
     "BatchFinishResponse": _obj(
         {
             "results": {
@@ -263,6 +278,8 @@ EXAMPLES: dict[str, Any] = {
     "Error": {"code": "bad_request", "message": "limit: must be within 1..100", "field": "limit"},
     "BatchFinishRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "outcome": "finished"},
     "BatchFinishResponse": {"results": [{"delivery_id": _D, "outcome": "settled", "status": "finished"}]},
+    "BatchRenewRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "lease_seconds": 60},
+    "BatchRenewResponse": {"results": [{"delivery_id": _D, "outcome": "renewed", "lease": _LEASE}]},
     "BatchCompleteRequest": {
         "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 1, "output": {"ok": True}}],
         "worker_id": "w1",
@@ -537,6 +554,12 @@ def document(server_url: str = "/gateway/v1") -> dict[str, Any]:
                 "post": _operation(
                     "finishDeliveries", "Settle many leases of one community at once", "BatchFinishResponse",
                     "BatchFinishRequest", "403", params=[COMMUNITY_PARAM],
+                )
+            },
+            "/communities/{community_id}/deliveries/renew": {
+                "post": _operation(
+                    "renewDeliveries", "Extend many leases of one community at once", "BatchRenewResponse",
+                    "BatchRenewRequest", "403", params=[COMMUNITY_PARAM],
                 )
             },
             **(_run_paths() if runs else {}),

@@ -228,6 +228,17 @@ BATCH_FINISH = Body(
     },
 )  # fmt: skip
 
+BATCH_RENEW = Body(
+    "BatchRenewRequest",
+    {
+        "deliveries": Field(
+            "array", "the leases to renew, no delivery twice", required=True, bounds=_claim_limit,
+            items=Body("BatchRenewItem", BATCH_ITEM.fields),
+        ),
+        "lease_seconds": LEASE_SECONDS,
+    },
+)  # fmt: skip
+
 # --- agent runs (buzz_delivery.agents, SPEC section 12) -------------------------------------------
 
 
@@ -393,7 +404,7 @@ RUN_OUTPUT = Body(
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, BATCH_COMPLETE, BATCH_CALLS,
               BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT,
               RUN_OUTPUT)  # fmt: skip
-BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)
+BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH, BATCH_RENEW)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------
 

@@ -19,8 +19,9 @@ urlpatterns = [
     path("openapi.json", views.openapi, name="openapi"),
     path("me", views.me, name="me"),
     path("deliveries/claim", views.claim, name="claim"),
-    # Before the read route: "finish" is not a delivery id.
+    # Before the read route: "finish" and "renew" are not delivery ids.
     path("communities/<str:community_id>/deliveries/finish", views.finish_batch, name="finish-batch"),
+    path("communities/<str:community_id>/deliveries/renew", views.renew_batch, name="renew-batch"),
     path(D, views.read, name="delivery"),
     path(f"{D}/renew", views.renew, name="renew"),
     path(f"{D}/finish", views.finish, name="finish"),

@@ -410,6 +410,7 @@ def test_every_run_endpoint_refuses_bad_json_extra_fields_huge_bodies_and_wrong_
         "/runs/claim",
         f"/communities/{community.id}/deliveries/{delivery.id}/accept",
         f"/communities/{community.id}/deliveries/finish",
+        f"/communities/{community.id}/deliveries/renew",
     ]
     before, rows = run_state(), counts()
     for path in posts:
