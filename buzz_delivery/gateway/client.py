@@ -414,7 +414,7 @@ class GatewayClient:
 
     def run_batch(self, action: str, items: list[tuple[RemoteRunLease, dict[str, Any]]]) -> list[RunOutcome]:
         """One transition of many runs of one community in one request (``action``: ``complete``,
-        ``calls`` or ``results``; each body as the one-run endpoint's, without ``worker_id``),
+        ``calls``, ``results`` or ``fail``; each body as the one-run endpoint's, without ``worker_id``),
         each under its own lease: one outcome per item, in order, what the one-run endpoint
         answers (``lease_lost`` for its 409) or ``not_found``. A bad item is a
         ``GatewayHTTPError`` 400 naming it (``runs[2].output``), and then nothing was written."""
@@ -457,6 +457,15 @@ class GatewayClient:
         """Fail the run: ``finished`` (state ``failed``), ``unwinding`` (``seqs`` to compensate),
         ``already_terminal`` or ``lease_lost``."""
         return self._run_post(lease, "fail", failure_code=failure_code, failure_message=failure_message)
+
+    def fail_runs(self, items: list[tuple[RemoteRunLease, str, str | None]]) -> list[RunOutcome]:
+        """Fail many runs of one community in one request (``run_batch``), each with its own
+        ``(lease, failure_code, failure_message)``: one outcome per item, as :meth:`fail_run`
+        answers (``finished``, ``unwinding`` with ``seqs``, ``already_terminal``, ``lease_lost``)
+        or ``not_found``."""
+        return self.run_batch(
+            "fail", [(lease, {"failure_code": code, "failure_message": message}) for lease, code, message in items]
+        )
 
     def begin_compensation(self, lease: RemoteRunLease, seq: int) -> RunOutcome:
         """``begun`` (``compensation``, ``args``, ``output``, ``key``) or ``not_next``."""

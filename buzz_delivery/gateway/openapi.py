@@ -127,6 +127,18 @@ SCHEMAS: dict[str, Any] = {
                         },
                         "state": {"type": "string"},
                         "reason": {"type": ["string", "null"]},
+                        "seqs": {
+                            "type": "array",
+                            "items": {"type": "integer"},
+                            "description": "unwinding: the entries to compensate, highest first",
+                        },
+                        "seq": {"type": "integer"},
+                        "idempotency_key": {"type": "string"},
+                        "status": {"type": "string"},
+                        "lease": {"type": "object"},
+                        "budget": {"type": "string"},
+                        "used": {"type": "integer"},
+                        "cap": {"type": "integer"},
                     },
                     required=["run_id", "outcome"],
                 ),
@@ -312,6 +324,17 @@ EXAMPLES: dict[str, Any] = {
         ],
         "worker_id": "w1",
     },
+    "BatchFailRequest": {
+        "runs": [
+            {
+                "run_id": "0193a5a0-0000-7000-8000-0000000000a1",
+                "lease_generation": 1,
+                "failure_code": "handler_error",
+                "failure_message": "RuntimeError: upstream gone",
+            }
+        ],
+        "worker_id": "w1",
+    },
     "BatchRunResponse": {
         "results": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "outcome": "finished", "state": "completed"}]
     },
@@ -469,6 +492,8 @@ def _run_paths() -> dict[str, Any]:
                 ("results", "recordCallResults", "Record one call result for each of many runs",
                  "BatchResultRequest"),
                 ("heartbeat", "heartbeatRuns", "Renew many run leases of one community", "BatchHeartbeatRequest"),
+                ("fail", "failRuns", "Fail many runs of one community (or start their unwinding)",
+                 "BatchFailRequest"),
             )
         },
         f"{RUN}/emit": post("emitOutput", "Append a chunk to the run's output stream", "EmitRequest"),

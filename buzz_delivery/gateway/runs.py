@@ -35,6 +35,7 @@ from buzz_delivery.gateway.schema import (
     APPROVAL,
     BATCH_CALLS,
     BATCH_COMPLETE,
+    BATCH_FAIL,
     BATCH_HEARTBEAT,
     BATCH_RESULTS,
     CALL,
@@ -449,6 +450,27 @@ def fail(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
     if isinstance(outcome, agents.Unwinding):
         return JsonResponse({"outcome": "unwinding", "seqs": list(outcome.seqs)})
     return _common(outcome)
+
+
+def _failed(outcome: Any) -> dict[str, Any]:
+    if isinstance(outcome, agents.Unwinding):
+        return {"outcome": "unwinding", "seqs": list(outcome.seqs)}
+    return {"outcome": "finished", "state": outcome.state}
+
+
+@endpoint("POST", BATCH_FAIL)
+def fail_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Fail many of the signer's runs in one community, each under its own lease and with its
+    own ``failure_code`` / ``failure_message`` (``agents.services.batch.fail_runs``: one fenced
+    statement). 200 ``{"results": [...]}`` in request order, each what the one-run ``fail``
+    answers: ``finished`` (``state``), ``unwinding`` (``seqs`` to compensate, highest first),
+    ``already_terminal``, ``lease_lost`` (``reason``) or ``not_found``; 400 naming the bad item
+    (nothing written); 403."""
+    return _batch(
+        pubkey, data, community_id,
+        lambda lease, item: batch.prepare_failure(lease, item["failure_code"], item["failure_message"]),
+        batch.fail_runs, batch.replay_failure, _failed,
+    )  # fmt: skip
 
 
 @endpoint("POST", COMPENSATION_BEGIN)

@@ -368,6 +368,7 @@ FAIL = Body(
         "failure_message": FINISH.fields["failure_message"],
     },
 )
+BATCH_FAIL = _batch("Fail", FAIL, "fail")
 COMPENSATION_BEGIN = Body(
     "CompensationBeginRequest",
     {**RUN_LEASE_FIELDS, "seq": Field("integer", "entry to undo", required=True, bounds=_seq)},
@@ -402,7 +403,7 @@ RUN_OUTPUT = Body(
     },
 )  # fmt: skip
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, BATCH_COMPLETE, BATCH_CALLS,
-              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT,
+              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, BATCH_FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT,
               RUN_OUTPUT)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH, BATCH_RENEW)
 

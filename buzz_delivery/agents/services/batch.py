@@ -43,10 +43,11 @@ from buzz_delivery.agents.services.types import (
     LeaseLost,
     Recorded,
     Renewed,
+    Unwinding,
 )
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 
 MAX_BATCH = 500
@@ -54,6 +55,7 @@ MAX_BATCH = 500
 JournalOutcome = Journaled | Blocked | BudgetExceeded | AlreadyTerminal | LeaseLost
 RecordOutcome = Recorded | AlreadyRecorded | AlreadyTerminal | LeaseLost
 CompleteOutcome = Finished | AlreadyTerminal | LeaseLost
+FailOutcome = Finished | Unwinding | AlreadyTerminal | LeaseLost
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,25 @@ def prepare_completion(lease: AgentLease, output: Any) -> PreparedCompletion:
     lease = lease_value(lease)
     text = json_value(output, "output", get_settings().max_output_bytes)
     return PreparedCompletion(lease, text, sha256_json(output), output)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedFailure:
+    """A validated ``fail_run`` of one run."""
+
+    lease: AgentLease
+    failure_code: str
+    failure_message: str | None
+
+
+def prepare_failure(lease: AgentLease, failure_code: str, failure_message: str | None = None) -> PreparedFailure:
+    """Validate one ``fail_run`` as the single form does (``ValidationError`` keyed ``lease``,
+    ``failure_code``: 1..64 characters, or ``failure_message``: at most 10,000)."""
+    lease = lease_value(lease)
+    code = v.optional_text(failure_code, "failure_code", 64)
+    if not code or not code.strip():
+        raise v.invalid("failure_code", "must be 1..64 characters")
+    return PreparedFailure(lease, code, v.optional_text(failure_message, "failure_message", 10_000))
 
 
 def _transaction(needed: bool) -> AbstractContextManager[Any]:
@@ -307,6 +328,49 @@ def complete_runs(community_id: uuid.UUID | str, completions: Sequence[PreparedC
 def replay_completion(completion: PreparedCompletion) -> CompleteOutcome:
     """The single form of one prepared completion."""
     return runs.complete_run(completion.lease, completion.raw)
+
+
+@retry_deadlocks
+@tenant_scoped
+def fail_runs(community_id: uuid.UUID | str, failures: Sequence[PreparedFailure]) -> list[FailOutcome]:
+    """:func:`~buzz_delivery.agents.services.fail_run` of many runs of one community, in one
+    transaction and one statement (``FAIL_MANY_IF_CURRENT``: each run fenced by its own lease,
+    its pending calls closed failed and uncertain, then ended or marked unwinding with its own
+    failure code and message, as the single form does). One outcome per failure, in order:
+    :class:`Finished` (``failed``, or ``cancelled``/``timeout`` for a run that unwound for that),
+    :class:`Unwinding` with its entries to compensate, highest ``seq`` first (one read for every
+    unwinding run of the batch), or, for a run the statement did not match, what the single form
+    answers (``AlreadyTerminal``, ``LeaseLost``)."""
+    params = _common(community_id, [f.lease for f in failures])
+    params.update(
+        failure_codes=[f.failure_code for f in failures], failure_messages=[f.failure_message for f in failures]
+    )
+    if not failures:
+        return []
+    # One transaction: the reads after the statement (the seqs to undo, the runs it missed) see
+    # its writes, and a batch that raises wrote nothing (its replay fails each run once).
+    with transaction.atomic(), translated_errors():
+        done = {row[0]: row[1] for row in fetch_all(sql.FAIL_MANY_IF_CURRENT, params)}
+        unwinding = [run_id for run_id, state in done.items() if state == "unwinding"]
+        seqs: dict[uuid.UUID, list[int]] = {run_id: [] for run_id in unwinding}
+        if unwinding:
+            for run_id, seq in fetch_all(sql.OUTSTANDING_SEQS_MANY, {**params, "run_ids": unwinding}):
+                seqs[run_id].append(seq)
+        out: list[FailOutcome] = []
+        for f in failures:
+            state = done.get(f.lease.run_id)
+            if state is None:
+                out.append(missed(lease_params(f.lease)))
+            elif state == "unwinding":
+                out.append(Unwinding(tuple(seqs[f.lease.run_id])))
+            else:
+                out.append(Finished(state))
+    return out
+
+
+def replay_failure(failure: PreparedFailure) -> FailOutcome:
+    """The single form of one prepared failure."""
+    return runs.fail_run(failure.lease, failure.failure_code, failure.failure_message)
 
 
 @tenant_scoped
