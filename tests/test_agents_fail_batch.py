@@ -152,3 +152,39 @@ def test_a_bad_item_is_refused_naming_its_field_before_any_sql(community, django
     with pytest.raises(ValidationError, match="the same run twice"), django_assert_num_queries(0):
         b.fail_runs(community.id, [b.prepare_failure(lease, "x"), b.prepare_failure(lease, "y")])
     assert (counts(), _state(lease.run_id)) == before
+
+
+def test_compensation_batches_leave_each_run_as_the_single_forms_leave_its_twin(community):
+    """begin_compensations / finish_compensations: one statement each for many unwinding runs,
+    each run fenced by its own lease, each entry moved only as the single form would move it."""
+
+    def unwinding(kind: str):
+        lease = _set_up(community.id, "two_succeeded")
+        assert fail_run(lease, "boom") == Unwinding((2, 1))
+        if kind == "stale":
+            return dataclasses.replace(lease, lease_generation=lease.lease_generation - 1)
+        return lease
+
+    kinds = ("next", "not_next", "stale", "cancelled")
+    seqs = {"next": 2, "not_next": 1, "stale": 2, "cancelled": 2}
+    singles = {k: unwinding(k) for k in kinds}
+    batched = {k: unwinding(k) for k in kinds}
+    for leases in (singles, batched):  # once every run is claimed (a cancelled one is pending again)
+        cancel_agent_run(community.id, leases["cancelled"].run_id)
+    expected_begin = {k: begin_compensation(singles[k], seqs[k]) for k in kinds}
+    began = b.begin_compensations(community.id, [b.prepare_compensation_begin(batched[k], seqs[k]) for k in kinds])
+    for k, got in zip(kinds, began, strict=True):
+        want = expected_begin[k]
+        if isinstance(want, dict):  # the same entry of the twin: its own key
+            assert got == {**want, "key": f"{batched[k].run_id}:{seqs[k]}:compensate"}, k
+        else:
+            assert got == (b.NotNext() if want is None else want), k
+    assert isinstance(began[0], dict) and began[1] == b.NotNext() and began[2] == LeaseLost()
+    expected_finish = {k: finish_compensation(singles[k], seqs[k], ok=k != "not_next", error="e") for k in kinds}
+    finished = b.finish_compensations(
+        community.id,
+        [b.prepare_compensation_finish(batched[k], seqs[k], ok=k != "not_next", error="e") for k in kinds],
+    )
+    assert finished == [expected_finish[k] for k in kinds]
+    for k in kinds:
+        assert _state(batched[k].run_id) == _state(singles[k].run_id), k

@@ -139,6 +139,10 @@ SCHEMAS: dict[str, Any] = {
                         "budget": {"type": "string"},
                         "used": {"type": "integer"},
                         "cap": {"type": "integer"},
+                        "compensation": {},
+                        "args": {},
+                        "output": {},
+                        "key": {"type": "string"},
                     },
                     required=["run_id", "outcome"],
                 ),
@@ -335,6 +339,14 @@ EXAMPLES: dict[str, Any] = {
         ],
         "worker_id": "w1",
     },
+    "BatchCompensationBeginRequest": {
+        "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 2, "seq": 3}],
+        "worker_id": "w1",
+    },
+    "BatchCompensationFinishRequest": {
+        "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 2, "seq": 3, "ok": True}],
+        "worker_id": "w1",
+    },
     "BatchRunResponse": {
         "results": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "outcome": "finished", "state": "completed"}]
     },
@@ -494,6 +506,10 @@ def _run_paths() -> dict[str, Any]:
                 ("heartbeat", "heartbeatRuns", "Renew many run leases of one community", "BatchHeartbeatRequest"),
                 ("fail", "failRuns", "Fail many runs of one community (or start their unwinding)",
                  "BatchFailRequest"),
+                ("compensations/begin", "beginCompensations", "Begin undoing one entry for each of many runs",
+                 "BatchCompensationBeginRequest"),
+                ("compensations/finish", "finishCompensations",
+                 "Record one entry's compensation for each of many runs", "BatchCompensationFinishRequest"),
             )
         },
         f"{RUN}/emit": post("emitOutput", "Append a chunk to the run's output stream", "EmitRequest"),

@@ -289,22 +289,30 @@ class RemoteRunContext:
         raise self._gone(outcome, "request an approval")
 
 
+def _send(
+    client: GatewayClient, batcher: RunBatcher | None, lease: RemoteRunLease, action: str, body: dict[str, Any]
+) -> RunOutcome:
+    """The one-run ``action`` through the batcher (batched with other runs') when there is one."""
+    if batcher is not None:
+        return batcher.send(action, lease, body)
+    return client._run_post(lease, action, **body)
+
+
 def _send_fail(
     client: GatewayClient, batcher: RunBatcher | None, lease: RemoteRunLease, code: str, message: str | None = None
 ) -> RunOutcome:
     """``fail`` through the batcher (batched with other runs' failures) when there is one."""
-    if batcher is not None:
-        return batcher.send("fail", lease, {"failure_code": code, "failure_message": message})
-    return client.fail_run(lease, code, message)
+    return _send(client, batcher, lease, "fail", {"failure_code": code, "failure_message": message})
 
 
 def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batcher: RunBatcher | None = None) -> str:
     """Run the compensations ``seqs`` (highest first) through the API, stopping at the first that
-    fails, then fail the run again (through ``batcher`` when given). Returns ``compensated``,
-    ``compensation_failed`` or ``lost``."""
+    fails, then fail the run again; every request through ``batcher`` when given (batched with
+    other runs' compensations and failures). Returns ``compensated``, ``compensation_failed`` or
+    ``lost``."""
     result = "compensated"
     for seq in seqs:
-        began = client.begin_compensation(lease, seq)
+        began = _send(client, batcher, lease, "compensations/begin", {"seq": seq})
         if began.outcome == "not_next":
             continue
         if began.outcome != "begun":
@@ -317,14 +325,13 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batche
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
             error = f"{type(exc).__name__}: {exc}"[:10_000]
-            if client.finish_compensation(lease, seq, ok=False, error=error).outcome not in (
-                "recorded",
-                "already_recorded",
-            ):
+            failed = _send(client, batcher, lease, "compensations/finish", {"seq": seq, "ok": False, "error": error})
+            if failed.outcome not in ("recorded", "already_recorded"):
                 return "lost"
             result = "compensation_failed"
             break
-        if client.finish_compensation(lease, seq, ok=True).outcome not in ("recorded", "already_recorded"):
+        done = _send(client, batcher, lease, "compensations/finish", {"seq": seq, "ok": True, "error": None})
+        if done.outcome not in ("recorded", "already_recorded"):
             return "lost"
     final = _send_fail(client, batcher, lease, "compensated")
     if final.outcome == "unwinding":
@@ -336,11 +343,11 @@ Item = tuple[str, RemoteRunLease, dict[str, Any], "Future[RunOutcome]"]
 
 
 class RunBatcher:
-    """Sends the journal writes, completions and failures of a worker's runs in batches (issue
-    29): each run thread's :meth:`send` waits while one thread sends whatever is queued, one
-    request per (action, community) (``POST .../runs/calls|results|complete|fail``: one fenced
-    statement there,
-    each run judged by its own lease). A batch the gateway refuses as a whole (400/413: one bad
+    """Sends the journal writes, completions, failures and compensations of a worker's runs in
+    batches (issue 29): each run thread's :meth:`send` waits while one thread sends whatever is
+    queued, one request per (action, community) (``POST .../runs/calls|results|complete|fail``
+    and ``.../runs/compensations/begin|finish``: one fenced statement there, each run judged by
+    its own lease). A batch the gateway refuses as a whole (400/413: one bad
     item) is sent again one run per request, so each run gets the answer its own request would
     give; a batch that cannot be sent at all raises in every run thread of it."""
 
@@ -351,7 +358,8 @@ class RunBatcher:
         self._thread.start()
 
     def send(self, action: str, lease: RemoteRunLease, body: dict[str, Any]) -> RunOutcome:
-        """As the one-run endpoint ``action`` (``calls``, ``results``, ``complete``, ``fail``), batched."""
+        """As the one-run endpoint ``action`` (``calls``, ``results``, ``complete``, ``fail``,
+        ``compensations/begin``, ``compensations/finish``), batched."""
         future: Future[RunOutcome] = Future()
         self._queue.put((action, lease, body, future))
         return future.result()

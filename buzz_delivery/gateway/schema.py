@@ -382,6 +382,10 @@ COMPENSATION_FINISH = Body(
         "error": Field("string", "what went wrong", nullable=True, bounds=lambda: (0, 10_000)),
     },
 )
+BATCH_COMPENSATION_BEGIN = _batch("CompensationBegin", COMPENSATION_BEGIN, "begin undoing one entry each for")
+BATCH_COMPENSATION_FINISH = _batch(
+    "CompensationFinish", COMPENSATION_FINISH, "record one entry's compensation each for"
+)
 RUN_EMIT = Body(
     "EmitRequest",
     {
@@ -403,8 +407,8 @@ RUN_OUTPUT = Body(
     },
 )  # fmt: skip
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, BATCH_COMPLETE, BATCH_CALLS,
-              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, BATCH_FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT,
-              RUN_OUTPUT)  # fmt: skip
+              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, BATCH_FAIL, COMPENSATION_BEGIN, BATCH_COMPENSATION_BEGIN,
+              COMPENSATION_FINISH, BATCH_COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH, BATCH_RENEW)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------

@@ -56,6 +56,16 @@ if agents_installed():
         path("communities/<str:community_id>/runs/results", runs.result_batch, name="run-result-batch"),
         path("communities/<str:community_id>/runs/heartbeat", runs.heartbeat_batch, name="run-heartbeat-batch"),
         path("communities/<str:community_id>/runs/fail", runs.fail_batch, name="run-fail-batch"),
+        path(
+            "communities/<str:community_id>/runs/compensations/begin",
+            runs.compensation_begin_batch,
+            name="run-compensation-begin-batch",
+        ),
+        path(
+            "communities/<str:community_id>/runs/compensations/finish",
+            runs.compensation_finish_batch,
+            name="run-compensation-finish-batch",
+        ),
         path(R, runs.read, name="run"),
         path(f"{R}/heartbeat", runs.heartbeat, name="run-heartbeat"),
         path(f"{R}/calls", runs.call, name="run-call"),

@@ -110,9 +110,10 @@ def test_a_bad_item_is_a_400_naming_it_and_nothing_of_the_batch_is_written(gatew
     assert [r.outcome for r in agent.fail_runs([(a, "boom", None), (b, "boom", None)])] == ["finished"] * 2
 
 
-def test_work_runs_sends_its_failures_through_the_batch_route(gateway_server, tmp_path):
+def test_work_runs_sends_its_failures_and_compensations_through_the_batch_routes(gateway_server, tmp_path):
     """Issue 29: ``work-runs`` failed each run in a request of its own (``.../runs/<id>/fail``),
-    twice for a run with calls to undo (to start unwinding, then to end it)."""
+    twice for a run with calls to undo (to start unwinding, then to end it), and began and
+    finished each compensation in a request of its own."""
     community = CommunityFactory()
     agent = new_agent(gateway_server)
     enroll(agent, community)
@@ -144,3 +145,75 @@ def test_work_runs_sends_its_failures_through_the_batch_route(gateway_server, tm
     fails = [p for p in posts if p.endswith("/fail")]
     assert fails and set(fails) == {f"{gateway_server.base}/communities/{community.id}/runs/fail"}, fails
     assert len(fails) < 2 * len(bad), fails  # two failures a run (start unwinding, end), fewer requests
+    # The compensations too: three begins and three finishes a run, in batches of the runs' turns.
+    for step in ("begin", "finish"):
+        sent = [p for p in posts if p.endswith(f"/compensations/{step}")]
+        assert set(sent) == {f"{gateway_server.base}/communities/{community.id}/runs/compensations/{step}"}, sent
+        assert len(sent) < 3 * len(bad), sent
+
+
+def test_compensation_batches_answer_each_run_as_the_one_run_endpoints_and_refuse_bad_items(gateway_server):
+    community = CommunityFactory()
+    agent, bob = new_agent(gateway_server), new_agent(gateway_server)
+    enroll(agent, community)
+    enroll(bob, community)
+    for _ in range(3):
+        new_run(community.id, agent.pubkey)
+    leases = [c.lease for c in agent.claim_runs(3, worker_id="remote-1", lease_seconds=30)]
+    for lease in leases:
+        for n in (1, 2):
+            assert agent.journal_call(lease, "t", {"n": n}, compensation=UNDO).outcome == "journaled"
+            assert agent.record_result(lease, n, ok=True, output={"n": n}).outcome == "recorded"
+        assert agent.fail_run(lease, "boom").data == {"outcome": "unwinding", "seqs": [2, 1]}
+    a, b, stale = leases
+    backdate_run_lease(stale.run_id)  # its holder lapsed: the reaper takes the run back
+    assert agents.reap_agent_runs().reclaimed == 1
+    bobs_run = new_run(community.id, bob.pubkey)
+    (bobs,) = bob.claim_runs(1, worker_id="remote-1", lease_seconds=30)
+    stolen = RemoteRunLease(str(community.id), str(bobs_run), bobs.lease.lease_generation, "", "remote-1")
+    path = f"/communities/{community.id}/runs/compensations"
+
+    def send(step, runs):
+        response = agent.request("POST", f"{path}/{step}", {"runs": runs, "worker_id": "remote-1"})
+        assert response.status_code == 200, response.text
+        return [{k: v for k, v in r.items() if k not in ("args", "output")} for r in response.json()["results"]]
+
+    def item(lease, **body):
+        return {"run_id": lease.run_id, "lease_generation": lease.lease_generation, **body}
+
+    # Bad items first: a 400 naming the item, nothing written.
+    before, rows = run_state(), counts()
+    for step, runs, field in (
+        ("begin", [item(a, seq=2), item(b, seq=0)], "runs[1].seq"),
+        ("begin", [item(a, seq=2), item(a, seq=2)], "runs[1].run_id"),
+        ("finish", [item(a, seq=2, ok=True), item(b, seq=2)], "runs[1].ok"),
+        ("finish", [item(a, seq=2, ok=True), item(b, seq=2, ok="yes")], "runs[1].ok"),
+        ("finish", [item(a, seq=2, ok=True), item(b, seq=2, ok=False, error="e" * 10_001)], "runs[1].error"),
+    ):
+        response = agent.request("POST", f"{path}/{step}", {"runs": runs, "worker_id": "remote-1"})
+        assert (response.status_code, response.json().get("field")) == (400, field), response.text
+    assert run_state() == before and counts() == rows
+
+    begun = send("begin", [item(a, seq=2), item(b, seq=1), item(stale, seq=2), item(stolen, seq=1)])
+    assert begun == [
+        {"run_id": a.run_id, "outcome": "begun", "compensation": UNDO, "key": f"{a.run_id}:2:compensate"},
+        {"run_id": b.run_id, "outcome": "not_next"},  # seq 2 comes first
+        {"run_id": stale.run_id, "outcome": "lease_lost", "reason": "lease is not current"},
+        {"run_id": str(bobs_run), "outcome": "not_found"},
+    ]
+    finished = send("finish", [item(a, seq=2, ok=True, error=None), item(b, seq=2, ok=True, error=None),
+                               item(stale, seq=2, ok=True, error=None)])  # fmt: skip
+    assert finished == [
+        {"run_id": a.run_id, "outcome": "recorded", "status": "compensated"},
+        {"run_id": b.run_id, "outcome": "already_recorded", "status": None},  # never begun: nothing recorded
+        {"run_id": stale.run_id, "outcome": "lease_lost", "reason": "lease is not current"},
+    ]
+    # What the one-run endpoints answer for the same requests now.
+    assert agent.begin_compensation(b, 1).outcome == "not_next"
+    assert agent.finish_compensation(a, 2, ok=True).data == {"outcome": "already_recorded", "status": "compensated"}
+    assert agent.finish_compensation(b, 2, ok=True).data == {"outcome": "already_recorded", "status": None}
+    entries = JournalEntry.objects.filter(run_id__in=[a.run_id, b.run_id, stale.run_id])
+    assert sorted((str(e.run_id), e.seq, e.compensation_status) for e in entries) == sorted(
+        [(a.run_id, 1, None), (a.run_id, 2, "compensated"), (b.run_id, 1, None), (b.run_id, 2, None),
+         (stale.run_id, 1, None), (stale.run_id, 2, None)]
+    )  # fmt: skip

@@ -169,6 +169,39 @@ def prepare_failure(lease: AgentLease, failure_code: str, failure_message: str |
     return PreparedFailure(lease, code, v.optional_text(failure_message, "failure_message", 10_000))
 
 
+@dataclass(frozen=True, slots=True)
+class NotNext:
+    """``begin_compensation``'s ``None`` in a batch: the entry is not the next to undo (or is
+    done already); the run's fence holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCompensation:
+    """A validated ``begin_compensation`` (``ok`` None) or ``finish_compensation`` of one run."""
+
+    lease: AgentLease
+    seq: int
+    ok: bool | None = None
+    error: str | None = None
+
+
+def prepare_compensation_begin(lease: AgentLease, seq: int) -> PreparedCompensation:
+    """Validate one ``begin_compensation`` as the single form does (``lease``, ``seq``)."""
+    return PreparedCompensation(lease_value(lease), v.int_in_range(seq, "seq", 1, 10**9))
+
+
+def prepare_compensation_finish(
+    lease: AgentLease, seq: int, *, ok: bool, error: str | None = None
+) -> PreparedCompensation:
+    """Validate one ``finish_compensation`` as the single form does (``ok``, ``seq``, ``error``)."""
+    if not isinstance(ok, bool):
+        raise v.invalid("ok", "must be a bool")
+    lease = lease_value(lease)
+    return PreparedCompensation(
+        lease, v.int_in_range(seq, "seq", 1, 10**9), ok, v.optional_text(error, "error", 10_000)
+    )
+
+
 def _transaction(needed: bool) -> AbstractContextManager[Any]:
     """A transaction when a batch writes in more than one statement; else nothing: the batch's
     one write (every row fenced by its own lease, a workflow step's count by its trigger) is
@@ -371,6 +404,84 @@ def fail_runs(community_id: uuid.UUID | str, failures: Sequence[PreparedFailure]
 def replay_failure(failure: PreparedFailure) -> FailOutcome:
     """The single form of one prepared failure."""
     return runs.fail_run(failure.lease, failure.failure_code, failure.failure_message)
+
+
+BeginOutcome = dict[str, Any] | NotNext | AlreadyTerminal | LeaseLost
+
+
+@tenant_scoped
+def begin_compensations(community_id: uuid.UUID | str, items: Sequence[PreparedCompensation]) -> list[BeginOutcome]:
+    """:func:`~buzz_delivery.agents.services.begin_compensation` of many unwinding runs of one
+    community (one entry each), in one transaction and one statement, each run fenced by its own
+    lease and each entry begun only if it is its run's next to undo. One outcome per item, in
+    order: the entry's ``{"compensation", "args", "output", "key"}``, :class:`NotNext` (the single
+    form's None), ``AlreadyTerminal`` or ``LeaseLost``."""
+    params = _common(community_id, [i.lease for i in items])
+    params["seqs"] = [i.seq for i in items]
+    if not items:
+        return []
+    with transaction.atomic(), translated_errors():
+        begun = {row[0]: row[1:] for row in fetch_all(sql.BEGIN_COMPENSATIONS_IF_CURRENT_AND_LAST, params)}
+        out: list[BeginOutcome] = []
+        for i in items:
+            row = begun.get(i.lease.run_id)
+            if row is not None:
+                compensation, args, output = row
+                out.append(
+                    {
+                        "compensation": journal._loaded(compensation),
+                        "args": journal._loaded(args),
+                        "output": journal._loaded(output),
+                        "key": journal.compensation_key(i.lease.run_id, i.seq),
+                    }
+                )
+                continue
+            one = lease_params(i.lease, seq=i.seq)
+            out.append(NotNext() if journal._fence_holds(one) else missed(one))
+    return out
+
+
+def replay_compensation_begin(item: PreparedCompensation) -> BeginOutcome:
+    """The single form of one prepared begin (its None as :class:`NotNext`)."""
+    outcome = journal.begin_compensation(item.lease, item.seq)
+    return NotNext() if outcome is None else outcome
+
+
+@tenant_scoped
+def finish_compensations(community_id: uuid.UUID | str, items: Sequence[PreparedCompensation]) -> list[RecordOutcome]:
+    """:func:`~buzz_delivery.agents.services.finish_compensation` of many unwinding runs of one
+    community (one entry each), in one transaction and one statement, each run fenced by its own
+    lease. One outcome per item, in order: ``Recorded``, ``AlreadyRecorded`` (the fence holds and
+    the entry is no longer ``compensating``), ``AlreadyTerminal`` or ``LeaseLost``."""
+    params = _common(community_id, [i.lease for i in items])
+    params.update(
+        seqs=[i.seq for i in items],
+        compensation_statuses=["compensated" if i.ok else "compensation_failed" for i in items],
+        errors=[i.error for i in items],
+    )
+    if not items:
+        return []
+    with transaction.atomic(), translated_errors():
+        done = {row[0]: row[1] for row in fetch_all(sql.FINISH_COMPENSATIONS_IF_CURRENT, params)}
+        out: list[RecordOutcome] = []
+        for i in items:
+            status = done.get(i.lease.run_id)
+            if status is not None:
+                out.append(Recorded(status))
+                continue
+            one = lease_params(i.lease, seq=i.seq)
+            if journal._fence_holds(one):
+                entry = fetch_all(sql.ENTRY_STATUS, one)
+                out.append(AlreadyRecorded(entry[0][1] if entry else "unknown"))
+            else:
+                out.append(missed(one))
+    return out
+
+
+def replay_compensation_finish(item: PreparedCompensation) -> RecordOutcome:
+    """The single form of one prepared finish."""
+    assert item.ok is not None, "a finish is prepared with ok"
+    return journal.finish_compensation(item.lease, item.seq, ok=item.ok, error=item.error)
 
 
 @tenant_scoped

@@ -573,6 +573,47 @@ UNION ALL
 SELECT unwound.id, 'unwinding' FROM unwound
 """
 
+# begin_compensation / finish_compensation of many unwinding runs of one community (issue 29), one
+# entry each: each run fenced and locked as the single forms' ``fenced`` does (its own lease,
+# unwinding), each entry found by (run, seq) and moved under the single form's conditions (for a
+# begin: the highest compensable entry not yet compensated, in the statement). A run not
+# returned is judged on its own, as the single form judges a miss.
+_FENCED_UNWINDING_MANY = f"""fenced AS MATERIALIZED (
+    SELECT r.id, r.lease_generation, u.seq{{extra}} FROM {RUN} AS r, u
+    WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.unwinding
+    FOR NO KEY UPDATE OF r
+)"""
+BEGIN_COMPENSATIONS_IF_CURRENT_AND_LAST = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(seqs)s::integer[])
+        AS u(run_id, generation, seq)
+), {_FENCED_UNWINDING_MANY.format(extra="")}
+UPDATE {JOURNAL} AS j
+SET compensation_status = 'compensating', compensation_generation = fenced.lease_generation
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = fenced.seq AND {COMPENSABLE}
+  AND (j.compensation_status IS NULL OR j.compensation_status = 'compensating')
+  AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS k WHERE k.community_id = %(community_id)s AND k.run_id = fenced.id
+                  AND k.seq > j.seq AND k.compensation IS NOT NULL
+                  AND (k.status = 'succeeded' OR (k.status = 'failed' AND k.uncertain))
+                  AND k.compensation_status IS DISTINCT FROM 'compensated')
+RETURNING j.run_id, j.compensation, j.args, j.output
+"""
+FINISH_COMPENSATIONS_IF_CURRENT = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(seqs)s::integer[],
+                         %(compensation_statuses)s::text[], %(errors)s::text[])
+        AS u(run_id, generation, seq, compensation_status, error)
+), {_FENCED_UNWINDING_MANY.format(extra=", u.compensation_status, u.error")}
+UPDATE {JOURNAL} AS j
+SET compensation_status = fenced.compensation_status, compensation_error = fenced.error,
+    compensation_generation = fenced.lease_generation, compensated_at = {DB_NOW}
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = fenced.seq
+  AND j.compensation_status = 'compensating'
+RETURNING j.run_id, j.compensation_status
+"""
+
 # OUTSTANDING_SEQS of many runs of one community (the runs FAIL_MANY_IF_CURRENT marked unwinding).
 OUTSTANDING_SEQS_MANY = f"""
 SELECT j.run_id, j.seq FROM {JOURNAL} AS j
