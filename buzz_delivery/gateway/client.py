@@ -194,7 +194,10 @@ class GatewayClient:
 
     def _json(self, method: str, path: str, payload: Any = None, *, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
         response = self.request(method, path, payload, **kw)
-        data = response.json()
+        try:
+            data = response.json()
+        except ValueError:  # not the gateway's JSON: a proxy's page, a route this server lacks
+            raise GatewayHTTPError(response.status_code, "not_json", response.text[:200]) from None
         if response.status_code not in ok:
             raise GatewayHTTPError(
                 response.status_code, data.get("code", "?"), data.get("message", ""), data.get("field")
@@ -737,7 +740,9 @@ class RemoteWorker:
         try:
             results = self.client.renew_many(leases, self.lease_seconds)
         except GatewayHTTPError as exc:
-            if exc.status not in (400, 413) or len(leases) == 1:
+            # 404/405: a gateway older than the batch route (no route, or its read route took the
+            # path; the batch route itself answers no 404).
+            if exc.status not in (404, 405) and (exc.status not in (400, 413) or len(leases) == 1):
                 logger.warning("renew_error n=%d error=%s", len(leases), describe(exc))
                 return
             # Refused as a whole: each lease on its own request gets the answer its renew would.

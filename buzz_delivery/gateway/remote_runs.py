@@ -406,7 +406,9 @@ class RunBatcher:
         try:
             outcomes = self.client.run_batch(action, [(lease, body) for _, lease, body, _ in group])
         except GatewayHTTPError as exc:
-            if exc.status not in (400, 413) or len(group) == 1:
+            # 404/405: a gateway older than this batch route (fail, compensations: no route, or
+            # its read route took the path; a batch route answers no 404): each run on its own.
+            if exc.status not in (404, 405) and (exc.status not in (400, 413) or len(group) == 1):
                 for *_, future in group:
                     future.set_exception(exc)
                 return

@@ -177,3 +177,20 @@ class _Once:
     def wait(self, timeout: float) -> bool:
         self.rounds += 1
         return self.rounds > 1
+
+
+def test_a_gateway_without_the_batch_renew_route_gets_one_renew_per_lease():
+    """An older gateway answers the batch path with its read route's 405 (a 404 without it):
+    the leases are renewed one by one, never left to lapse."""
+    for status in (404, 405):
+
+        class Older(_FakeClient):
+            def renew_many(self, leases, lease_seconds=None, status=status):
+                self.batches.append([x.delivery_id for x in leases])
+                raise GatewayHTTPError(status, "method_not_allowed", "use GET for this route")
+
+        client = Older()
+        worker = held_worker(client, {"a": "c1"})
+        worker._renew(list(worker._held.values()))
+        assert client.batches == [["a"]] and client.singles == ["a"], status
+        assert worker._counts["renewed"] == 1 and worker._held["a"].lease_until == "later"
