@@ -79,6 +79,7 @@ def test_lease_statements_run_on_one_shard(community):
         "renew": sql.RENEW_IF_CURRENT_GENERATION,
         "finish": sql.FINISH_IF_CURRENT_GENERATION,
         "finish many": sql.FINISH_MANY_IF_CURRENT_GENERATION,
+        "renew many": sql.RENEW_MANY_IF_CURRENT_GENERATION,
         "retry": sql.RETRY_IF_CURRENT_GENERATION,
     }
     for name, statement in statements.items():

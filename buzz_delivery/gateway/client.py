@@ -7,9 +7,9 @@ long-poll claim needs: its read timeout is the wait plus a margin).
 ``python -m buzz_delivery.gateway.client work --url URL --key-file FILE --handler pkg.mod:func``
 behaves like ``manage.py run_delivery_worker`` over HTTP: it claims (long-poll) across every
 community the key is enrolled in, runs the handler in ``--concurrency`` threads, renews held
-leases in the background, settles by the handler's result, drains on SIGTERM/SIGINT and prints
-one JSON summary line. The handler gets the delivery as the API's JSON object (a dict); it
-returns -> ``finished``; raises an exception whose class has ``permanent = True`` (e.g.
+leases in the background (in batches, below), settles by the handler's result, drains on
+SIGTERM/SIGINT and prints one JSON summary line. The handler gets the delivery as the API's JSON
+object (a dict); it returns -> ``finished``; raises an exception whose class has ``permanent = True`` (e.g.
 :class:`PermanentFailure`), or a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
 ``KeyboardInterrupt``) -> ``failed`` with the class name as ``failure_code``; raises anything
 else -> ``retry``. The failure text is made storable (NUL and lone surrogates escaped, an
@@ -24,6 +24,10 @@ still fenced on its own; a batch the gateway refuses as a whole (400/413) is sen
 delivery per request. ``failed`` and ``retry`` results settle one by one (each has its own text
 and backoff, which the batch route does not take). A finished lease stays held, and renewed,
 until its batch is answered.
+
+Renewals go in batches as well: every ``--renew-every`` seconds, one signed request per
+community renews up to ``RENEW_BATCH`` held leases (``POST /communities/{id}/deliveries/renew``),
+each fenced by its own generation; a batch refused as a whole is sent again one lease per request.
 
 Claims go in batches too: one claim request asks for every free handler thread and, once
 handlers have run, up to ``--claim-ahead`` more (default 100) that wait in a local queue, held and
@@ -190,7 +194,10 @@ class GatewayClient:
 
     def _json(self, method: str, path: str, payload: Any = None, *, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
         response = self.request(method, path, payload, **kw)
-        data = response.json()
+        try:
+            data = response.json()
+        except ValueError:  # not the gateway's JSON: a proxy's page, a route this server lacks
+            raise GatewayHTTPError(response.status_code, "not_json", response.text[:200]) from None
         if response.status_code not in ok:
             raise GatewayHTTPError(
                 response.status_code, data.get("code", "?"), data.get("message", ""), data.get("field")
@@ -230,6 +237,26 @@ class GatewayClient:
         if "lease" in data:
             return RemoteOutcome("renewed", lease=_lease(data["lease"]))
         return RemoteOutcome("lease_lost")
+
+    def renew_many(self, leases: list[RemoteLease], lease_seconds: float | None = None) -> list[RemoteOutcome]:
+        """Extend many leases of one community in one request: one outcome per lease, in order
+        (``renewed`` with the new ``lease``, ``lease_lost`` or ``not_found``)."""
+        if not leases:
+            return []
+        community = leases[0].community_id
+        if any(lease.community_id != community for lease in leases):
+            raise ValueError("every lease of a batch must be of one community")
+        body = {
+            "deliveries": [{"delivery_id": x.delivery_id, "lease_generation": x.lease_generation} for x in leases],
+            "lease_seconds": lease_seconds,
+        }
+        data = self._json("POST", f"/communities/{community}/deliveries/renew", body)
+        if len(data["results"]) != len(leases):  # not the answer to this batch: no lease may take it
+            raise ValueError(f"the gateway answered {len(data['results'])} outcomes to {len(leases)} leases")
+        return [
+            RemoteOutcome(r["outcome"], lease=_lease(r["lease"]) if r["outcome"] == "renewed" else None)
+            for r in data["results"]
+        ]
 
     def finish(
         self,
@@ -390,7 +417,7 @@ class GatewayClient:
 
     def run_batch(self, action: str, items: list[tuple[RemoteRunLease, dict[str, Any]]]) -> list[RunOutcome]:
         """One transition of many runs of one community in one request (``action``: ``complete``,
-        ``calls`` or ``results``; each body as the one-run endpoint's, without ``worker_id``),
+        ``calls``, ``results`` or ``fail``; each body as the one-run endpoint's, without ``worker_id``),
         each under its own lease: one outcome per item, in order, what the one-run endpoint
         answers (``lease_lost`` for its 409) or ``not_found``. A bad item is a
         ``GatewayHTTPError`` 400 naming it (``runs[2].output``), and then nothing was written."""
@@ -433,6 +460,15 @@ class GatewayClient:
         """Fail the run: ``finished`` (state ``failed``), ``unwinding`` (``seqs`` to compensate),
         ``already_terminal`` or ``lease_lost``."""
         return self._run_post(lease, "fail", failure_code=failure_code, failure_message=failure_message)
+
+    def fail_runs(self, items: list[tuple[RemoteRunLease, str, str | None]]) -> list[RunOutcome]:
+        """Fail many runs of one community in one request (``run_batch``), each with its own
+        ``(lease, failure_code, failure_message)``: one outcome per item, as :meth:`fail_run`
+        answers (``finished``, ``unwinding`` with ``seqs``, ``already_terminal``, ``lease_lost``)
+        or ``not_found``."""
+        return self.run_batch(
+            "fail", [(lease, {"failure_code": code, "failure_message": message}) for lease, code, message in items]
+        )
 
     def begin_compensation(self, lease: RemoteRunLease, seq: int) -> RunOutcome:
         """``begun`` (``compensation``, ``args``, ``output``, ``key``) or ``not_next``."""
@@ -508,6 +544,9 @@ def lease_length(lease_until: str) -> float:
 # settler waits for more (issue 29).
 SETTLE_BATCH = 100
 SETTLE_LINGER = 0.005
+# Leases per renewal request (the batch route takes at most the gateway's claim limit, 100 by
+# default): a renewal round is one request per community and this many held leases.
+RENEW_BATCH = 100
 
 
 class RemoteWorker:
@@ -684,21 +723,48 @@ class RemoteWorker:
                 self._held.pop(delivery_id, None)
 
     def _renew_loop(self) -> None:
+        """Every ``renew_every`` seconds, renew every held lease (claimed ahead, in a handler,
+        or finished and awaiting its batch): one request per community and :data:`RENEW_BATCH`
+        leases (``POST /communities/{id}/deliveries/renew``), each lease fenced on its own."""
         while not self._done.wait(self.renew_every):
             with self._lock:
-                held = list(self._held.items())
-            for delivery_id, lease in held:
+                held = list(self._held.values())
+            by_community: dict[str, list[RemoteLease]] = {}
+            for lease in held:
+                by_community.setdefault(lease.community_id, []).append(lease)
+            for group in by_community.values():
+                for start in range(0, len(group), RENEW_BATCH):
+                    self._renew(group[start : start + RENEW_BATCH])
+
+    def _renew(self, leases: list[RemoteLease]) -> None:
+        try:
+            results = self.client.renew_many(leases, self.lease_seconds)
+        except GatewayHTTPError as exc:
+            # 404/405: a gateway older than the batch route (no route, or its read route took the
+            # path; the batch route itself answers no 404).
+            if exc.status not in (404, 405) and (exc.status not in (400, 413) or len(leases) == 1):
+                logger.warning("renew_error n=%d error=%s", len(leases), describe(exc))
+                return
+            # Refused as a whole: each lease on its own request gets the answer its renew would.
+            logger.warning("renew_batch_refused n=%d error=%s: renewing one by one", len(leases), describe(exc))
+            results = []
+            for lease in leases:
                 try:
-                    result = self.client.renew(lease, self.lease_seconds)
-                except Exception as exc:  # never let the renewer die: every lease would lapse
-                    logger.warning("renew_error delivery=%s error=%s", delivery_id, describe(exc))
-                    continue
-                with self._lock:
-                    if result.lease is not None and delivery_id in self._held:
-                        self._held[delivery_id] = result.lease
-                        self._counts["renewed"] += 1
-                    elif result.outcome == "lease_lost":
-                        logger.info("lease_lost delivery=%s (renew)", delivery_id)
+                    results.append(self.client.renew(lease, self.lease_seconds))
+                except Exception as one:
+                    logger.warning("renew_error delivery=%s error=%s", lease.delivery_id, describe(one))
+                    results.append(RemoteOutcome("renew_error"))
+        except Exception as exc:  # never let the renewer die: every lease would lapse
+            logger.warning("renew_error n=%d error=%s", len(leases), describe(exc))
+            return
+        with self._lock:
+            for lease, result in zip(leases, results, strict=True):
+                delivery_id = lease.delivery_id
+                if result.lease is not None and delivery_id in self._held:
+                    self._held[delivery_id] = result.lease
+                    self._counts["renewed"] += 1
+                elif result.outcome in ("lease_lost", "not_found"):
+                    logger.info("lease_lost delivery=%s (renew)", delivery_id)
 
     def run(self) -> dict[str, Any]:
         """Claim and work until stopped (signal, ``max_deliveries``, ``idle_exit``), then drain."""

@@ -127,8 +127,39 @@ SCHEMAS: dict[str, Any] = {
                         },
                         "state": {"type": "string"},
                         "reason": {"type": ["string", "null"]},
+                        "seqs": {
+                            "type": "array",
+                            "items": {"type": "integer"},
+                            "description": "unwinding: the entries to compensate, highest first",
+                        },
+                        "seq": {"type": "integer"},
+                        "idempotency_key": {"type": "string"},
+                        "status": {"type": "string"},
+                        "lease": {"type": "object"},
+                        "budget": {"type": "string"},
+                        "used": {"type": "integer"},
+                        "cap": {"type": "integer"},
+                        "compensation": {},
+                        "args": {},
+                        "output": {},
+                        "key": {"type": "string"},
                     },
                     required=["run_id", "outcome"],
+                ),
+            }
+        }
+    ),
+    "BatchRenewResponse": _obj(
+        {
+            "results": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "delivery_id": UUID,
+                        "outcome": {"type": "string", "enum": ["renewed", "lease_lost", "not_found"]},
+                        "lease": _ref("Lease"),
+                    },
+                    required=["delivery_id", "outcome"],
                 ),
             }
         }
@@ -263,6 +294,8 @@ EXAMPLES: dict[str, Any] = {
     "Error": {"code": "bad_request", "message": "limit: must be within 1..100", "field": "limit"},
     "BatchFinishRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "outcome": "finished"},
     "BatchFinishResponse": {"results": [{"delivery_id": _D, "outcome": "settled", "status": "finished"}]},
+    "BatchRenewRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "lease_seconds": 60},
+    "BatchRenewResponse": {"results": [{"delivery_id": _D, "outcome": "renewed", "lease": _LEASE}]},
     "BatchCompleteRequest": {
         "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 1, "output": {"ok": True}}],
         "worker_id": "w1",
@@ -293,6 +326,25 @@ EXAMPLES: dict[str, Any] = {
                 "output": {"hits": 3},
             }
         ],
+        "worker_id": "w1",
+    },
+    "BatchFailRequest": {
+        "runs": [
+            {
+                "run_id": "0193a5a0-0000-7000-8000-0000000000a1",
+                "lease_generation": 1,
+                "failure_code": "handler_error",
+                "failure_message": "RuntimeError: upstream gone",
+            }
+        ],
+        "worker_id": "w1",
+    },
+    "BatchCompensationBeginRequest": {
+        "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 2, "seq": 3}],
+        "worker_id": "w1",
+    },
+    "BatchCompensationFinishRequest": {
+        "runs": [{"run_id": "0193a5a0-0000-7000-8000-0000000000a1", "lease_generation": 2, "seq": 3, "ok": True}],
         "worker_id": "w1",
     },
     "BatchRunResponse": {
@@ -452,6 +504,12 @@ def _run_paths() -> dict[str, Any]:
                 ("results", "recordCallResults", "Record one call result for each of many runs",
                  "BatchResultRequest"),
                 ("heartbeat", "heartbeatRuns", "Renew many run leases of one community", "BatchHeartbeatRequest"),
+                ("fail", "failRuns", "Fail many runs of one community (or start their unwinding)",
+                 "BatchFailRequest"),
+                ("compensations/begin", "beginCompensations", "Begin undoing one entry for each of many runs",
+                 "BatchCompensationBeginRequest"),
+                ("compensations/finish", "finishCompensations",
+                 "Record one entry's compensation for each of many runs", "BatchCompensationFinishRequest"),
             )
         },
         f"{RUN}/emit": post("emitOutput", "Append a chunk to the run's output stream", "EmitRequest"),
@@ -537,6 +595,12 @@ def document(server_url: str = "/gateway/v1") -> dict[str, Any]:
                 "post": _operation(
                     "finishDeliveries", "Settle many leases of one community at once", "BatchFinishResponse",
                     "BatchFinishRequest", "403", params=[COMMUNITY_PARAM],
+                )
+            },
+            "/communities/{community_id}/deliveries/renew": {
+                "post": _operation(
+                    "renewDeliveries", "Extend many leases of one community at once", "BatchRenewResponse",
+                    "BatchRenewRequest", "403", params=[COMMUNITY_PARAM],
                 )
             },
             **(_run_paths() if runs else {}),

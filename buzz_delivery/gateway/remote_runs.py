@@ -289,12 +289,30 @@ class RemoteRunContext:
         raise self._gone(outcome, "request an approval")
 
 
-def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int]) -> str:
+def _send(
+    client: GatewayClient, batcher: RunBatcher | None, lease: RemoteRunLease, action: str, body: dict[str, Any]
+) -> RunOutcome:
+    """The one-run ``action`` through the batcher (batched with other runs') when there is one."""
+    if batcher is not None:
+        return batcher.send(action, lease, body)
+    return client._run_post(lease, action, **body)
+
+
+def _send_fail(
+    client: GatewayClient, batcher: RunBatcher | None, lease: RemoteRunLease, code: str, message: str | None = None
+) -> RunOutcome:
+    """``fail`` through the batcher (batched with other runs' failures) when there is one."""
+    return _send(client, batcher, lease, "fail", {"failure_code": code, "failure_message": message})
+
+
+def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batcher: RunBatcher | None = None) -> str:
     """Run the compensations ``seqs`` (highest first) through the API, stopping at the first that
-    fails, then fail the run again. Returns ``compensated``, ``compensation_failed`` or ``lost``."""
+    fails, then fail the run again; every request through ``batcher`` when given (batched with
+    other runs' compensations and failures). Returns ``compensated``, ``compensation_failed`` or
+    ``lost``."""
     result = "compensated"
     for seq in seqs:
-        began = client.begin_compensation(lease, seq)
+        began = _send(client, batcher, lease, "compensations/begin", {"seq": seq})
         if began.outcome == "not_next":
             continue
         if began.outcome != "begun":
@@ -307,18 +325,17 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int]) -> str
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
             error = f"{type(exc).__name__}: {exc}"[:10_000]
-            if client.finish_compensation(lease, seq, ok=False, error=error).outcome not in (
-                "recorded",
-                "already_recorded",
-            ):
+            failed = _send(client, batcher, lease, "compensations/finish", {"seq": seq, "ok": False, "error": error})
+            if failed.outcome not in ("recorded", "already_recorded"):
                 return "lost"
             result = "compensation_failed"
             break
-        if client.finish_compensation(lease, seq, ok=True).outcome not in ("recorded", "already_recorded"):
+        done = _send(client, batcher, lease, "compensations/finish", {"seq": seq, "ok": True, "error": None})
+        if done.outcome not in ("recorded", "already_recorded"):
             return "lost"
-    final = client.fail_run(lease, "compensated")
+    final = _send_fail(client, batcher, lease, "compensated")
     if final.outcome == "unwinding":
-        return unwind(client, lease, final.data["seqs"])
+        return unwind(client, lease, final.data["seqs"], batcher)
     return result if final.outcome in ("finished", "already_terminal") else "lost"
 
 
@@ -326,10 +343,11 @@ Item = tuple[str, RemoteRunLease, dict[str, Any], "Future[RunOutcome]"]
 
 
 class RunBatcher:
-    """Sends the journal writes and completions of a worker's runs in batches (issue 29): each
-    run thread's :meth:`send` waits while one thread sends whatever is queued, one request per
-    (action, community) (``POST .../runs/calls|results|complete``: one fenced statement there,
-    each run judged by its own lease). A batch the gateway refuses as a whole (400/413: one bad
+    """Sends the journal writes, completions, failures and compensations of a worker's runs in
+    batches (issue 29): each run thread's :meth:`send` waits while one thread sends whatever is
+    queued, one request per (action, community) (``POST .../runs/calls|results|complete|fail``
+    and ``.../runs/compensations/begin|finish``: one fenced statement there, each run judged by
+    its own lease). A batch the gateway refuses as a whole (400/413: one bad
     item) is sent again one run per request, so each run gets the answer its own request would
     give; a batch that cannot be sent at all raises in every run thread of it."""
 
@@ -340,7 +358,8 @@ class RunBatcher:
         self._thread.start()
 
     def send(self, action: str, lease: RemoteRunLease, body: dict[str, Any]) -> RunOutcome:
-        """As the one-run endpoint ``action`` (``calls``, ``results``, ``complete``), batched."""
+        """As the one-run endpoint ``action`` (``calls``, ``results``, ``complete``, ``fail``,
+        ``compensations/begin``, ``compensations/finish``), batched."""
         future: Future[RunOutcome] = Future()
         self._queue.put((action, lease, body, future))
         return future.result()
@@ -387,7 +406,9 @@ class RunBatcher:
         try:
             outcomes = self.client.run_batch(action, [(lease, body) for _, lease, body, _ in group])
         except GatewayHTTPError as exc:
-            if exc.status not in (400, 413) or len(group) == 1:
+            # 404/405: a gateway older than this batch route (fail, compensations: no route, or
+            # its read route took the path; a batch route answers no 404): each run on its own.
+            if exc.status not in (404, 405) and (exc.status not in (400, 413) or len(group) == 1):
                 for *_, future in group:
                     future.set_exception(exc)
                 return
@@ -418,13 +439,13 @@ def run_remote_claim(
     batcher: RunBatcher | None = None,
 ) -> str:
     """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
-    ``compensation_failed``, ``parked`` or ``lost``. ``batcher``: send the journal writes and the
-    completion through it (batched with other runs') instead of one request each."""
+    ``compensation_failed``, ``parked`` or ``lost``. ``batcher``: send the journal writes, the
+    completion and the failures through it (batched with other runs') instead of one request each."""
     lease = claim.lease
     if claim.run["unwinding"]:
-        outcome = client.fail_run(lease, claim.run["failure_code"] or "unwinding")
+        outcome = _send_fail(client, batcher, lease, claim.run["failure_code"] or "unwinding")
         if outcome.outcome == "unwinding":
-            return unwind(client, lease, outcome.data["seqs"])
+            return unwind(client, lease, outcome.data["seqs"], batcher)
         return "failed" if outcome.outcome == "finished" else "lost"
     ctx = ctx or RemoteRunContext(client, claim, batcher)
     try:
@@ -440,12 +461,12 @@ def run_remote_claim(
             code = failure_code(exc.failure_code, "handler_error")
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
-        return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}")
+        return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
     if ctx.lost.is_set():
         return "lost"
     problem = _unstorable_output(output)
     if problem is not None:
-        return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}")
+        return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
     try:
         done = (
             batcher.send("complete", ctx.lease, {"output": output})
@@ -455,14 +476,16 @@ def run_remote_claim(
     except GatewayHTTPError as exc:
         if exc.status != 400:
             raise
-        return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}")
+        return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
     return "completed" if done.outcome == "finished" else "lost"
 
 
-def _fail(client: GatewayClient, lease: RemoteRunLease, code: str, message: str) -> str:
-    failed = client.fail_run(lease, code, storable(message, FAILURE_MESSAGE_MAX_CHARS))
+def _fail(
+    client: GatewayClient, lease: RemoteRunLease, code: str, message: str, batcher: RunBatcher | None = None
+) -> str:
+    failed = _send_fail(client, batcher, lease, code, storable(message, FAILURE_MESSAGE_MAX_CHARS))
     if failed.outcome == "unwinding":
-        return unwind(client, lease, failed.data["seqs"])
+        return unwind(client, lease, failed.data["seqs"], batcher)
     return "failed" if failed.outcome == "finished" else "lost"
 
 

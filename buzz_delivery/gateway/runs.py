@@ -34,7 +34,10 @@ from buzz_delivery.gateway.schema import (
     ACCEPT,
     APPROVAL,
     BATCH_CALLS,
+    BATCH_COMPENSATION_BEGIN,
+    BATCH_COMPENSATION_FINISH,
     BATCH_COMPLETE,
+    BATCH_FAIL,
     BATCH_HEARTBEAT,
     BATCH_RESULTS,
     CALL,
@@ -451,6 +454,27 @@ def fail(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
     return _common(outcome)
 
 
+def _failed(outcome: Any) -> dict[str, Any]:
+    if isinstance(outcome, agents.Unwinding):
+        return {"outcome": "unwinding", "seqs": list(outcome.seqs)}
+    return {"outcome": "finished", "state": outcome.state}
+
+
+@endpoint("POST", BATCH_FAIL)
+def fail_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Fail many of the signer's runs in one community, each under its own lease and with its
+    own ``failure_code`` / ``failure_message`` (``agents.services.batch.fail_runs``: one fenced
+    statement). 200 ``{"results": [...]}`` in request order, each what the one-run ``fail``
+    answers: ``finished`` (``state``), ``unwinding`` (``seqs`` to compensate, highest first),
+    ``already_terminal``, ``lease_lost`` (``reason``) or ``not_found``; 400 naming the bad item
+    (nothing written); 403."""
+    return _batch(
+        pubkey, data, community_id,
+        lambda lease, item: batch.prepare_failure(lease, item["failure_code"], item["failure_message"]),
+        batch.fail_runs, batch.replay_failure, _failed,
+    )  # fmt: skip
+
+
 @endpoint("POST", COMPENSATION_BEGIN)
 def compensation_begin(
     request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID
@@ -477,6 +501,40 @@ def compensation_finish(
     "already_recorded", "status"}`` or ``already_terminal``; 409 lease lost."""
     lease = _run_lease(community_id, run_id, pubkey, data)
     return _recorded(agents.finish_compensation(lease, data["seq"], ok=data["ok"], error=data["error"]))
+
+
+def _begun(outcome: Any) -> dict[str, Any]:
+    if isinstance(outcome, batch.NotNext):
+        return {"outcome": "not_next"}
+    return {"outcome": "begun", **outcome}
+
+
+@endpoint("POST", BATCH_COMPENSATION_BEGIN)
+def compensation_begin_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Begin (or resume) the compensation of one entry for each of many unwinding runs of one
+    community (``agents.services.batch.begin_compensations``: one fenced statement, each entry
+    begun only if it is its run's highest not yet compensated). 200 ``{"results": [...]}`` in
+    request order, each what the one-run ``compensations/begin`` answers (``begun`` with
+    ``compensation``, ``args``, ``output``, ``key``; ``not_next``; ``already_terminal``;
+    ``lease_lost``) or ``not_found``; 400 naming the bad item (nothing written); 403."""
+    return _batch(
+        pubkey, data, community_id, lambda lease, item: batch.prepare_compensation_begin(lease, item["seq"]),
+        batch.begin_compensations, batch.replay_compensation_begin, _begun,
+    )  # fmt: skip
+
+
+@endpoint("POST", BATCH_COMPENSATION_FINISH)
+def compensation_finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """Record the compensation of one entry for each of many unwinding runs of one community
+    (``agents.services.batch.finish_compensations``: one fenced statement). 200 ``{"results":
+    [...]}`` in request order, each what the one-run ``compensations/finish`` answers
+    (``recorded`` / ``already_recorded`` with the status, ``already_terminal``, ``lease_lost``) or
+    ``not_found``; 400 naming the bad item (nothing written); 403."""
+    return _batch(
+        pubkey, data, community_id,
+        lambda lease, item: batch.prepare_compensation_finish(lease, item["seq"], ok=item["ok"], error=item["error"]),
+        batch.finish_compensations, batch.replay_compensation_finish, _recorded_row,
+    )  # fmt: skip
 
 
 @endpoint("POST", RUN_EMIT)

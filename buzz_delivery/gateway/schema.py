@@ -228,6 +228,17 @@ BATCH_FINISH = Body(
     },
 )  # fmt: skip
 
+BATCH_RENEW = Body(
+    "BatchRenewRequest",
+    {
+        "deliveries": Field(
+            "array", "the leases to renew, no delivery twice", required=True, bounds=_claim_limit,
+            items=Body("BatchRenewItem", BATCH_ITEM.fields),
+        ),
+        "lease_seconds": LEASE_SECONDS,
+    },
+)  # fmt: skip
+
 # --- agent runs (buzz_delivery.agents, SPEC section 12) -------------------------------------------
 
 
@@ -357,6 +368,7 @@ FAIL = Body(
         "failure_message": FINISH.fields["failure_message"],
     },
 )
+BATCH_FAIL = _batch("Fail", FAIL, "fail")
 COMPENSATION_BEGIN = Body(
     "CompensationBeginRequest",
     {**RUN_LEASE_FIELDS, "seq": Field("integer", "entry to undo", required=True, bounds=_seq)},
@@ -369,6 +381,10 @@ COMPENSATION_FINISH = Body(
         "ok": Field("boolean", "true: compensated; false: compensation_failed (stops the chain)", required=True),
         "error": Field("string", "what went wrong", nullable=True, bounds=lambda: (0, 10_000)),
     },
+)
+BATCH_COMPENSATION_BEGIN = _batch("CompensationBegin", COMPENSATION_BEGIN, "begin undoing one entry each for")
+BATCH_COMPENSATION_FINISH = _batch(
+    "CompensationFinish", COMPENSATION_FINISH, "record one entry's compensation each for"
 )
 RUN_EMIT = Body(
     "EmitRequest",
@@ -391,9 +407,9 @@ RUN_OUTPUT = Body(
     },
 )  # fmt: skip
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, BATCH_COMPLETE, BATCH_CALLS,
-              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, COMPENSATION_BEGIN, COMPENSATION_FINISH, RUN_EMIT,
-              RUN_OUTPUT)  # fmt: skip
-BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH)
+              BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, BATCH_FAIL, COMPENSATION_BEGIN, BATCH_COMPENSATION_BEGIN,
+              COMPENSATION_FINISH, BATCH_COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT)  # fmt: skip
+BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH, BATCH_RENEW)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------
 

@@ -19,8 +19,9 @@ urlpatterns = [
     path("openapi.json", views.openapi, name="openapi"),
     path("me", views.me, name="me"),
     path("deliveries/claim", views.claim, name="claim"),
-    # Before the read route: "finish" is not a delivery id.
+    # Before the read route: "finish" and "renew" are not delivery ids.
     path("communities/<str:community_id>/deliveries/finish", views.finish_batch, name="finish-batch"),
+    path("communities/<str:community_id>/deliveries/renew", views.renew_batch, name="renew-batch"),
     path(D, views.read, name="delivery"),
     path(f"{D}/renew", views.renew, name="renew"),
     path(f"{D}/finish", views.finish, name="finish"),
@@ -54,6 +55,17 @@ if agents_installed():
         path("communities/<str:community_id>/runs/calls", runs.call_batch, name="run-call-batch"),
         path("communities/<str:community_id>/runs/results", runs.result_batch, name="run-result-batch"),
         path("communities/<str:community_id>/runs/heartbeat", runs.heartbeat_batch, name="run-heartbeat-batch"),
+        path("communities/<str:community_id>/runs/fail", runs.fail_batch, name="run-fail-batch"),
+        path(
+            "communities/<str:community_id>/runs/compensations/begin",
+            runs.compensation_begin_batch,
+            name="run-compensation-begin-batch",
+        ),
+        path(
+            "communities/<str:community_id>/runs/compensations/finish",
+            runs.compensation_finish_batch,
+            name="run-compensation-finish-batch",
+        ),
         path(R, runs.read, name="run"),
         path(f"{R}/heartbeat", runs.heartbeat, name="run-heartbeat"),
         path(f"{R}/calls", runs.call, name="run-call"),

@@ -32,7 +32,7 @@ from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.auth import authenticate
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
-from buzz_delivery.gateway.schema import BATCH_FINISH, CLAIM, FINISH, RENEW, Body
+from buzz_delivery.gateway.schema import BATCH_FINISH, BATCH_RENEW, CLAIM, FINISH, RENEW, Body
 from buzz_delivery.gateway.wake import hub
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settled
 from buzz_delivery.tracing import http as tracing_http
@@ -253,6 +253,42 @@ def finish(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     raise _lost_or_not_found(community_id, delivery_id, pubkey)
 
 
+def _batch_leases(community_id: uuid.UUID, pubkey: bytes, items: list[dict[str, Any]]) -> list[Lease]:
+    """The leases of a batch body's ``deliveries``, every item checked before any SQL (a 400
+    naming ``deliveries[i].field``)."""
+    seen: set[uuid.UUID] = set()
+    leases = []
+    for i, item in enumerate(items):
+        delivery_id = parse_uuid(f"deliveries[{i}].delivery_id", item["delivery_id"])
+        if delivery_id in seen:
+            raise bad_request(f"deliveries[{i}].delivery_id", "appears twice in the batch")
+        seen.add(delivery_id)
+        leases.append(_lease(community_id, delivery_id, pubkey, item["lease_generation"]))
+    return leases
+
+
+@endpoint("POST", BATCH_RENEW)
+def renew_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID) -> JsonResponse:
+    """Extend many of the signer's current leases in one community at once
+    (``services.renew_deliveries``, one statement, each row fenced by its own lease). 200
+    ``{"results": [{"delivery_id", "outcome", "lease"?}]}`` in request order, each outcome what
+    the one-by-one renew answers: ``renewed`` (with the new ``lease``), ``lease_lost``, or
+    ``not_found`` (no such delivery for this key); 400 naming the bad item (nothing written);
+    403 not enrolled there."""
+    _require_enrolled(community_id, pubkey)
+    leases = _batch_leases(community_id, pubkey, data["deliveries"])
+    outcomes = core.renew_deliveries(leases, data["lease_seconds"])
+    results: list[dict[str, Any]] = []
+    for lease, outcome in zip(leases, outcomes, strict=True):
+        row: dict[str, Any] = {"delivery_id": str(lease.delivery_id)}
+        if isinstance(outcome, Renewed):
+            row.update(outcome="renewed", lease=present.lease_of(outcome.lease))
+        else:  # only the leases it missed pay the read that tells lost from not found
+            row["outcome"] = _lost_or_not_found(community_id, lease.delivery_id, pubkey).code
+        results.append(row)
+    return JsonResponse({"results": results})
+
+
 @endpoint("POST", BATCH_FINISH)
 def finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID) -> JsonResponse:
     """Settle many of the signer's leases in one community at once
@@ -261,14 +297,7 @@ def finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], comm
     ``settled`` / ``already_terminal`` (with the status), ``lease_lost``, or ``not_found`` (no such
     delivery for this key); 403 not enrolled there. ``retry`` is settled one by one."""
     _require_enrolled(community_id, pubkey)
-    seen: set[uuid.UUID] = set()
-    leases = []
-    for i, item in enumerate(data["deliveries"]):
-        delivery_id = parse_uuid(f"deliveries[{i}].delivery_id", item["delivery_id"])
-        if delivery_id in seen:
-            raise bad_request(f"deliveries[{i}].delivery_id", "appears twice in the batch")
-        seen.add(delivery_id)
-        leases.append(_lease(community_id, delivery_id, pubkey, item["lease_generation"]))
+    leases = _batch_leases(community_id, pubkey, data["deliveries"])
     try:
         outcomes = core.finish_deliveries(
             leases, data["outcome"], failure_code=data["failure_code"], failure_message=data["failure_message"]

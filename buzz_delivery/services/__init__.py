@@ -5,7 +5,7 @@ Every lease comparison uses the database clock (PostgreSQL ``now()``). Bad argum
 runs; an expected race (a lost lease, a miss) is a typed outcome, not an exception.
 """
 
-from buzz_delivery.services.batch import finish_deliveries
+from buzz_delivery.services.batch import finish_deliveries, renew_deliveries
 from buzz_delivery.services.leases import (
     claim_deliveries,
     claim_delivery,
@@ -86,6 +86,7 @@ __all__ = [
     "reap_expired_deliveries",
     "record_maintenance_run",
     "release_run_lease",
+    "renew_deliveries",
     "renew_delivery",
     "renew_run_lease",
     "requeue_delivery",

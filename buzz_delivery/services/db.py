@@ -42,6 +42,7 @@ SERVER_BOUND = frozenset(
     {
         *(statements.claim_oldest_pending(by_id=i, by_binding=b) for i in (False, True) for b in (False, True)),
         statements.RENEW_IF_CURRENT_GENERATION,
+        statements.RENEW_MANY_IF_CURRENT_GENERATION,
         statements.FINISH_IF_CURRENT_GENERATION,
         statements.FINISH_MANY_IF_CURRENT_GENERATION,
         statements.RETRY_IF_CURRENT_GENERATION,

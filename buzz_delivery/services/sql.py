@@ -227,6 +227,25 @@ WHERE {CURRENT_LEASE}
 RETURNING d.lease_until
 """
 
+# The batch form (a holder's renewal round): one row of (id, generation, target) per lease, all
+# of one community, each row fenced as RENEW_IF_CURRENT_GENERATION fences its one; a lease whose
+# row is not returned is lost.
+RENEW_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {DELIVERY} AS d
+SET lease_until = {LEASE_END},
+    renewals = d.renewals + 1
+FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[])
+    AS r(id, generation, target)
+WHERE d.community_id = %(community_id)s
+  AND d.id = r.id
+  AND d.target_pubkey = r.target
+  AND d.lease_generation = r.generation
+  AND d.status = 'claimed'
+  AND d.lease_until >= {DB_NOW}
+  AND {ACTIVE_COMMUNITY}
+RETURNING d.id, d.lease_until
+"""
+
 _SETTLE_ENTRY = history_entry(
     "'settle'", "d.lease_generation", "d.claimed_by", status="%(status)s::varchar", renewals="d.renewals"
 )

@@ -100,6 +100,13 @@ def test_served_document_and_real_responses_validate_against_it(gateway_server):
         {"deliveries": [{"delivery_id": claims[0].lease.delivery_id, "lease_generation": 1}], "outcome": "finished"},
     )
     validator(doc, "BatchFinishResponse").validate(batch.json())
+    renewals = agent.request(
+        "POST",
+        f"/communities/{community.id}/deliveries/renew",
+        {"deliveries": [{"delivery_id": x.lease.delivery_id, "lease_generation": 1} for x in claims]},
+    )
+    assert [r["outcome"] for r in renewals.json()["results"]] == ["lease_lost", "renewed"]
+    validator(doc, "BatchRenewResponse").validate(renewals.json())
     accepted = agent.request(
         "POST",
         f"/communities/{community.id}/deliveries/{claims[1].lease.delivery_id}/accept",

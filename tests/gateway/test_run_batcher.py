@@ -60,3 +60,35 @@ def test_a_batch_answered_with_the_wrong_number_of_outcomes_fails_its_runs_and_t
         assert isinstance(second, RunOutcome) and second.outcome == "journaled", second
     finally:
         batcher.close(timeout=1)
+
+
+class OlderGateway:
+    """A gateway without the batch route of ``fail``: its read route answers 405 (a one-run
+    batch included); the one-run route answers."""
+
+    def __init__(self) -> None:
+        self.singles: list[tuple[str, str]] = []
+
+    def run_batch(self, action, items):
+        from buzz_delivery.gateway.client import GatewayHTTPError
+
+        raise GatewayHTTPError(405, "method_not_allowed", "use GET for this route")
+
+    def _run_post(self, lease, action, **body):
+        self.singles.append((lease.run_id, action))
+        return RunOutcome("finished", {"state": "failed"})
+
+
+def test_a_batch_route_the_gateway_lacks_is_sent_again_one_run_per_request():
+    client = OlderGateway()
+    batcher = RunBatcher(client)
+    try:
+        box: list[object] = []
+        thread = threading.Thread(target=lambda: box.append(batcher.send("fail", Lease("r1"), {"failure_code": "x"})))
+        thread.start()
+        thread.join(10)
+        (outcome,) = box
+        assert isinstance(outcome, RunOutcome) and outcome.outcome == "finished", outcome
+        assert client.singles == [("r1", "fail")]
+    finally:
+        batcher.close()

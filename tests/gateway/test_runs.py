@@ -410,6 +410,8 @@ def test_every_run_endpoint_refuses_bad_json_extra_fields_huge_bodies_and_wrong_
         "/runs/claim",
         f"/communities/{community.id}/deliveries/{delivery.id}/accept",
         f"/communities/{community.id}/deliveries/finish",
+        f"/communities/{community.id}/deliveries/renew",
+        *(f"/communities/{community.id}/runs/{a}" for a in ("complete", "calls", "results", "heartbeat", "fail")),
     ]
     before, rows = run_state(), counts()
     for path in posts:

@@ -43,10 +43,11 @@ from buzz_delivery.agents.services.types import (
     LeaseLost,
     Recorded,
     Renewed,
+    Unwinding,
 )
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 
 MAX_BATCH = 500
@@ -54,6 +55,7 @@ MAX_BATCH = 500
 JournalOutcome = Journaled | Blocked | BudgetExceeded | AlreadyTerminal | LeaseLost
 RecordOutcome = Recorded | AlreadyRecorded | AlreadyTerminal | LeaseLost
 CompleteOutcome = Finished | AlreadyTerminal | LeaseLost
+FailOutcome = Finished | Unwinding | AlreadyTerminal | LeaseLost
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,58 @@ def prepare_completion(lease: AgentLease, output: Any) -> PreparedCompletion:
     lease = lease_value(lease)
     text = json_value(output, "output", get_settings().max_output_bytes)
     return PreparedCompletion(lease, text, sha256_json(output), output)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedFailure:
+    """A validated ``fail_run`` of one run."""
+
+    lease: AgentLease
+    failure_code: str
+    failure_message: str | None
+
+
+def prepare_failure(lease: AgentLease, failure_code: str, failure_message: str | None = None) -> PreparedFailure:
+    """Validate one ``fail_run`` as the single form does (``ValidationError`` keyed ``lease``,
+    ``failure_code``: 1..64 characters, or ``failure_message``: at most 10,000)."""
+    lease = lease_value(lease)
+    code = v.optional_text(failure_code, "failure_code", 64)
+    if not code or not code.strip():
+        raise v.invalid("failure_code", "must be 1..64 characters")
+    return PreparedFailure(lease, code, v.optional_text(failure_message, "failure_message", 10_000))
+
+
+@dataclass(frozen=True, slots=True)
+class NotNext:
+    """``begin_compensation``'s ``None`` in a batch: the entry is not the next to undo (or is
+    done already); the run's fence holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCompensation:
+    """A validated ``begin_compensation`` (``ok`` None) or ``finish_compensation`` of one run."""
+
+    lease: AgentLease
+    seq: int
+    ok: bool | None = None
+    error: str | None = None
+
+
+def prepare_compensation_begin(lease: AgentLease, seq: int) -> PreparedCompensation:
+    """Validate one ``begin_compensation`` as the single form does (``lease``, ``seq``)."""
+    return PreparedCompensation(lease_value(lease), v.int_in_range(seq, "seq", 1, 10**9))
+
+
+def prepare_compensation_finish(
+    lease: AgentLease, seq: int, *, ok: bool, error: str | None = None
+) -> PreparedCompensation:
+    """Validate one ``finish_compensation`` as the single form does (``ok``, ``seq``, ``error``)."""
+    if not isinstance(ok, bool):
+        raise v.invalid("ok", "must be a bool")
+    lease = lease_value(lease)
+    return PreparedCompensation(
+        lease, v.int_in_range(seq, "seq", 1, 10**9), ok, v.optional_text(error, "error", 10_000)
+    )
 
 
 def _transaction(needed: bool) -> AbstractContextManager[Any]:
@@ -307,6 +361,127 @@ def complete_runs(community_id: uuid.UUID | str, completions: Sequence[PreparedC
 def replay_completion(completion: PreparedCompletion) -> CompleteOutcome:
     """The single form of one prepared completion."""
     return runs.complete_run(completion.lease, completion.raw)
+
+
+@retry_deadlocks
+@tenant_scoped
+def fail_runs(community_id: uuid.UUID | str, failures: Sequence[PreparedFailure]) -> list[FailOutcome]:
+    """:func:`~buzz_delivery.agents.services.fail_run` of many runs of one community, in one
+    transaction and one statement (``FAIL_MANY_IF_CURRENT``: each run fenced by its own lease,
+    its pending calls closed failed and uncertain, then ended or marked unwinding with its own
+    failure code and message, as the single form does). One outcome per failure, in order:
+    :class:`Finished` (``failed``, or ``cancelled``/``timeout`` for a run that unwound for that),
+    :class:`Unwinding` with its entries to compensate, highest ``seq`` first (one read for every
+    unwinding run of the batch), or, for a run the statement did not match, what the single form
+    answers (``AlreadyTerminal``, ``LeaseLost``)."""
+    params = _common(community_id, [f.lease for f in failures])
+    params.update(
+        failure_codes=[f.failure_code for f in failures], failure_messages=[f.failure_message for f in failures]
+    )
+    if not failures:
+        return []
+    # One transaction: the reads after the statement (the seqs to undo, the runs it missed) see
+    # its writes, and a batch that raises wrote nothing (its replay fails each run once).
+    with transaction.atomic(), translated_errors():
+        done = {row[0]: row[1] for row in fetch_all(sql.FAIL_MANY_IF_CURRENT, params)}
+        unwinding = [run_id for run_id, state in done.items() if state == "unwinding"]
+        seqs: dict[uuid.UUID, list[int]] = {run_id: [] for run_id in unwinding}
+        if unwinding:
+            for run_id, seq in fetch_all(sql.OUTSTANDING_SEQS_MANY, {**params, "run_ids": unwinding}):
+                seqs[run_id].append(seq)
+        out: list[FailOutcome] = []
+        for f in failures:
+            state = done.get(f.lease.run_id)
+            if state is None:
+                out.append(missed(lease_params(f.lease)))
+            elif state == "unwinding":
+                out.append(Unwinding(tuple(seqs[f.lease.run_id])))
+            else:
+                out.append(Finished(state))
+    return out
+
+
+def replay_failure(failure: PreparedFailure) -> FailOutcome:
+    """The single form of one prepared failure."""
+    return runs.fail_run(failure.lease, failure.failure_code, failure.failure_message)
+
+
+BeginOutcome = dict[str, Any] | NotNext | AlreadyTerminal | LeaseLost
+
+
+@tenant_scoped
+def begin_compensations(community_id: uuid.UUID | str, items: Sequence[PreparedCompensation]) -> list[BeginOutcome]:
+    """:func:`~buzz_delivery.agents.services.begin_compensation` of many unwinding runs of one
+    community (one entry each), in one transaction and one statement, each run fenced by its own
+    lease and each entry begun only if it is its run's next to undo. One outcome per item, in
+    order: the entry's ``{"compensation", "args", "output", "key"}``, :class:`NotNext` (the single
+    form's None), ``AlreadyTerminal`` or ``LeaseLost``."""
+    params = _common(community_id, [i.lease for i in items])
+    params["seqs"] = [i.seq for i in items]
+    if not items:
+        return []
+    with transaction.atomic(), translated_errors():
+        begun = {row[0]: row[1:] for row in fetch_all(sql.BEGIN_COMPENSATIONS_IF_CURRENT_AND_LAST, params)}
+        out: list[BeginOutcome] = []
+        for i in items:
+            row = begun.get(i.lease.run_id)
+            if row is not None:
+                compensation, args, output = row
+                out.append(
+                    {
+                        "compensation": journal._loaded(compensation),
+                        "args": journal._loaded(args),
+                        "output": journal._loaded(output),
+                        "key": journal.compensation_key(i.lease.run_id, i.seq),
+                    }
+                )
+                continue
+            one = lease_params(i.lease, seq=i.seq)
+            out.append(NotNext() if journal._fence_holds(one) else missed(one))
+    return out
+
+
+def replay_compensation_begin(item: PreparedCompensation) -> BeginOutcome:
+    """The single form of one prepared begin (its None as :class:`NotNext`)."""
+    outcome = journal.begin_compensation(item.lease, item.seq)
+    return NotNext() if outcome is None else outcome
+
+
+@tenant_scoped
+def finish_compensations(community_id: uuid.UUID | str, items: Sequence[PreparedCompensation]) -> list[RecordOutcome]:
+    """:func:`~buzz_delivery.agents.services.finish_compensation` of many unwinding runs of one
+    community (one entry each), in one transaction and one statement, each run fenced by its own
+    lease. One outcome per item, in order: ``Recorded``, ``AlreadyRecorded`` (the fence holds and
+    the entry is no longer ``compensating``), ``AlreadyTerminal`` or ``LeaseLost``."""
+    params = _common(community_id, [i.lease for i in items])
+    params.update(
+        seqs=[i.seq for i in items],
+        compensation_statuses=["compensated" if i.ok else "compensation_failed" for i in items],
+        errors=[i.error for i in items],
+    )
+    if not items:
+        return []
+    with transaction.atomic(), translated_errors():
+        done = {row[0]: row[1] for row in fetch_all(sql.FINISH_COMPENSATIONS_IF_CURRENT, params)}
+        out: list[RecordOutcome] = []
+        for i in items:
+            status = done.get(i.lease.run_id)
+            if status is not None:
+                out.append(Recorded(status))
+                continue
+            one = lease_params(i.lease, seq=i.seq)
+            if journal._fence_holds(one):
+                entry = fetch_all(sql.ENTRY_STATUS, one)
+                out.append(AlreadyRecorded(entry[0][1] if entry else "unknown"))
+            else:
+                out.append(missed(one))
+    return out
+
+
+def replay_compensation_finish(item: PreparedCompensation) -> RecordOutcome:
+    """The single form of one prepared finish."""
+    assert item.ok is not None, "a finish is prepared with ok"
+    return journal.finish_compensation(item.lease, item.seq, ok=item.ok, error=item.error)
 
 
 @tenant_scoped

@@ -524,6 +524,102 @@ WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.state = 'running' AND NOT r.unwinding
 RETURNING r.id
 """
 
+# fail_run for many runs (issue 29), one statement: each run fenced and locked as
+# MARK_PENDING_UNCERTAIN fences its one; its pending calls closed failed and uncertain; then the
+# run either ends (nothing to undo: FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO's assignments) or is marked
+# unwinding (MARK_UNWINDING_IF_CURRENT's), each with its own failure code and message. OUTSTANDING
+# is read on the statement's snapshot, before the pending calls are closed: it counts a pending
+# call with a compensation as outstanding already (PENDING_WITH_COMPENSATION), so it judges each
+# run as the single form's second statement does after its first. The two run updates take
+# disjoint rows (outstanding or not); a run not returned is judged on its own (``missed``).
+FAIL_MANY_IF_CURRENT = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(failure_codes)s::text[],
+                         %(failure_messages)s::text[])
+        AS u(run_id, generation, failure_code, failure_message)
+), fenced AS MATERIALIZED (
+    SELECT r.id, r.lease_generation, u.failure_code, u.failure_message, ({OUTSTANDING}) AS outstanding
+    FROM {RUN} AS r, u
+    WHERE {CURRENT_RUN_LEASE_OF_ROW}
+    FOR NO KEY UPDATE OF r
+), marked AS (
+    UPDATE {JOURNAL} AS j
+    SET status = 'failed', uncertain = true, error = 'uncertain: the run failed while the call was pending',
+        result_generation = fenced.lease_generation, finished_at = {DB_NOW}
+    FROM fenced
+    WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.status = 'pending' AND j.kind = 'tool'
+    RETURNING j.run_id
+), ended AS (
+    UPDATE {RUN} AS r
+    SET state = {END_STATE_OF_UNWOUND}, failure_code = coalesce(r.failure_code, fenced.failure_code),
+        failure_message = coalesce(r.failure_message, fenced.failure_message), lease_until = NULL, claimed_at = NULL,
+        finished_at = {DB_NOW},
+        {run_entry("'settle'", "r.lease_generation", "r.worker_id", status="'failed'", renewals="r.renewals")}
+    FROM fenced
+    WHERE r.community_id = %(community_id)s AND r.id = fenced.id AND NOT fenced.outstanding
+    RETURNING r.id, r.state
+), unwound AS (
+    UPDATE {RUN} AS r
+    SET unwinding = true, state = 'running', failure_code = coalesce(r.failure_code, fenced.failure_code),
+        failure_message = coalesce(r.failure_message, fenced.failure_message)
+    FROM fenced
+    WHERE r.community_id = %(community_id)s AND r.id = fenced.id AND fenced.outstanding
+    RETURNING r.id
+)
+SELECT ended.id, ended.state FROM ended
+UNION ALL
+SELECT unwound.id, 'unwinding' FROM unwound
+"""
+
+# begin_compensation / finish_compensation of many unwinding runs of one community (issue 29), one
+# entry each: each run fenced and locked as the single forms' ``fenced`` does (its own lease,
+# unwinding), each entry found by (run, seq) and moved under the single form's conditions (for a
+# begin: the highest compensable entry not yet compensated, in the statement). A run not
+# returned is judged on its own, as the single form judges a miss.
+_FENCED_UNWINDING_MANY = f"""fenced AS MATERIALIZED (
+    SELECT r.id, r.lease_generation, u.seq{{extra}} FROM {RUN} AS r, u
+    WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.unwinding
+    FOR NO KEY UPDATE OF r
+)"""
+BEGIN_COMPENSATIONS_IF_CURRENT_AND_LAST = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(seqs)s::integer[])
+        AS u(run_id, generation, seq)
+), {_FENCED_UNWINDING_MANY.format(extra="")}
+UPDATE {JOURNAL} AS j
+SET compensation_status = 'compensating', compensation_generation = fenced.lease_generation
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = fenced.seq AND {COMPENSABLE}
+  AND (j.compensation_status IS NULL OR j.compensation_status = 'compensating')
+  AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS k WHERE k.community_id = %(community_id)s AND k.run_id = fenced.id
+                  AND k.seq > j.seq AND k.compensation IS NOT NULL
+                  AND (k.status = 'succeeded' OR (k.status = 'failed' AND k.uncertain))
+                  AND k.compensation_status IS DISTINCT FROM 'compensated')
+RETURNING j.run_id, j.compensation, j.args, j.output
+"""
+FINISH_COMPENSATIONS_IF_CURRENT = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(seqs)s::integer[],
+                         %(compensation_statuses)s::text[], %(errors)s::text[])
+        AS u(run_id, generation, seq, compensation_status, error)
+), {_FENCED_UNWINDING_MANY.format(extra=", u.compensation_status, u.error")}
+UPDATE {JOURNAL} AS j
+SET compensation_status = fenced.compensation_status, compensation_error = fenced.error,
+    compensation_generation = fenced.lease_generation, compensated_at = {DB_NOW}
+FROM fenced
+WHERE j.community_id = %(community_id)s AND j.run_id = fenced.id AND j.seq = fenced.seq
+  AND j.compensation_status = 'compensating'
+RETURNING j.run_id, j.compensation_status
+"""
+
+# OUTSTANDING_SEQS of many runs of one community (the runs FAIL_MANY_IF_CURRENT marked unwinding).
+OUTSTANDING_SEQS_MANY = f"""
+SELECT j.run_id, j.seq FROM {JOURNAL} AS j
+WHERE j.community_id = %(community_id)s AND j.run_id = ANY(%(run_ids)s::uuid[]) AND {COMPENSABLE}
+  AND j.compensation_status IS DISTINCT FROM 'compensated'
+ORDER BY j.run_id, j.seq DESC
+"""
+
 # -- Streamed output (issue 29, agents/services/output.py). One fenced statement, one shard on
 # Citus (issue 30): the chunk is inserted from the holder's run row, locked as an UPDATE locks it
 # (concurrent emits of one run take turns, and a waiter re-reads the fence, the bound and the
