@@ -1,17 +1,17 @@
-"""Review: fail_run / fail_runs racing a journal_call of the same run (same holder: threads of one
-holder may call tools at once, SPEND_CALL's comment) end the run ``failed`` with the just-journaled
+"""fail_run / fail_runs racing a journal_call of the same run (same holder: threads of one holder
+may call tools at once, SPEND_CALL's comment) never end the run ``failed`` with the just-journaled
 call still ``pending`` with a compensation, never undone (issue 28's invariant).
 
-Why: the journal_call holds the run row (SPEND_CALL's UPDATE) until it commits the pending entry.
-fail_run's MARK_PENDING_UNCERTAIN sees no pending entry on its snapshot, so its ``fenced`` CTE is
-never read and takes no lock; FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO then waits on the row, and after
-the commit re-checks the run row (EvalPlanQual) but judges OUTSTANDING on the snapshot it took
-before waiting: nothing to undo. fail_runs' one statement has the same snapshot (taken before its
-``fenced`` lock waits), so the batch inherits the bug. Both tests fail on main."""
+The journal_call holds the run row (SPEND_CALL's UPDATE) until it commits the pending entry. A
+failure that waited on that row inside its judging statement would judge OUTSTANDING on the
+snapshot it took before waiting ("nothing to undo"), so both forms lock the run rows first, in a
+statement of their own (LOCK_RUN, LOCK_RUNS), and judge on a snapshot taken after the wait. Found
+in review; both tests failed before that lock."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import connection, connections, transaction
@@ -20,13 +20,21 @@ from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import batch as b
 from buzz_delivery.agents.services import fail_run, journal_call
 from tests.agents_support import claim, new_run
+from tests.citus_support import CITUS_MODE
 
 pytestmark = pytest.mark.django_db(transaction=True)
 UNDO = {"function": "m:undo"}
 
 
 def _waits_for_a_lock(pid: int) -> bool:
+    """Whether backend ``pid`` waits for a row lock: on Citus the wait is on the community's
+    worker, seen through ``citus_lock_waits``."""
     with connection.cursor() as cursor:
+        if CITUS_MODE:
+            cursor.execute(
+                "SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE %s", ["%buzz_agents_run%"]
+            )
+            return cursor.fetchone()[0] > 0
         cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
         row = cursor.fetchone()
     return bool(row and row[0] == "Lock")
@@ -73,7 +81,7 @@ def _race(fail) -> tuple[object, str, list]:
     f = threading.Thread(target=failer)
     f.start()
     while not pid:
-        pass
+        time.sleep(0.001)
     waited = False
     while not waited:
         waited = _waits_for_a_lock(pid[0])

@@ -1,8 +1,8 @@
-"""Review (Citus mode): intake_event inside a caller's transaction that also writes on another
-node. The delegated buzz_agents_intake sends its wake hint (pg_notify) on the worker holding the
-community; a transaction that wrote on two nodes commits in two phases, and PostgreSQL refuses
-to PREPARE a transaction that executed NOTIFY. Before agents 0021 the hint was the coordinator's
-(notify_claimable), so such a transaction committed."""
+"""Citus mode: intake_event inside a caller's transaction that also writes on another node. The
+delegated buzz_agents_intake runs on the worker holding the community; a transaction that wrote
+on two nodes commits in two phases, and PostgreSQL refuses to PREPARE a transaction that executed
+NOTIFY there. So inside a caller's transaction the function sends no hint and the service sends
+it from the caller's session (found in review: this failed at COMMIT)."""
 
 from __future__ import annotations
 

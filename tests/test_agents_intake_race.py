@@ -1,4 +1,4 @@
-"""Review: intake_event (the one-statement function) under a concurrent race on one key: the
+"""intake_event (the one-statement function) under a concurrent race on one key: the
 loser waits for the winner's transaction and then judges duplicate vs conflict by the key that
 won (committed), or wins itself when the winner rolled back."""
 
@@ -12,12 +12,18 @@ from django.db import connection, connections, transaction
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services import Created, Duplicate, IdempotencyConflict, intake_event
 from tests.agents_support import AGENT
+from tests.citus_support import CITUS_MODE
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _waits_for_a_lock(pid: int) -> bool:
+    """Whether backend ``pid`` waits for a row lock: on Citus the wait is on the community's
+    worker, seen through ``citus_lock_waits``."""
     with connection.cursor() as cursor:
+        if CITUS_MODE:
+            cursor.execute("SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE %s", ["%intake%"])
+            return cursor.fetchone()[0] > 0
         cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
         row = cursor.fetchone()
     return bool(row and row[0] == "Lock")
