@@ -117,7 +117,7 @@ def test_each_run_of_a_batch_ends_as_its_twin_failed_by_fail_run_and_a_stale_hol
     assert (stale.state, stale.failure_code) == ("running", None)
 
 
-def test_a_batch_writes_in_one_statement_and_reads_the_seqs_of_its_unwinding_runs_once(community):
+def test_a_batch_locks_its_runs_writes_in_one_statement_and_reads_the_seqs_of_its_unwinding_runs_once(community):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -127,7 +127,8 @@ def test_a_batch_writes_in_one_statement_and_reads_the_seqs_of_its_unwinding_run
         outcomes = b.fail_runs(community.id, failures)
     assert outcomes == [Finished("failed"), Unwinding((2, 1)), Unwinding((2, 1))]
     # Besides BEGIN, COMMIT and the tenant scope's set_config (sent ahead of a statement, in its
-    # query, with tenant isolation on): the statement and the read.
+    # query, with tenant isolation on): the runs' lock (tests/test_agents_fail_race.py says why),
+    # the statement and the read.
     statements = []
     for query in sent.captured_queries:
         text = query["sql"].strip()
@@ -135,7 +136,8 @@ def test_a_batch_writes_in_one_statement_and_reads_the_seqs_of_its_unwinding_run
             text = text.split(";", 1)[1].strip()
         if text and text not in ("BEGIN", "COMMIT"):
             statements.append(text)
-    assert len(statements) == 2 and statements[0].startswith("WITH u AS MATERIALIZED"), statements
+    assert len(statements) == 3, statements
+    assert "FOR NO KEY UPDATE" in statements[0] and statements[1].startswith("WITH u AS MATERIALIZED"), statements
 
 
 def test_a_bad_item_is_refused_naming_its_field_before_any_sql(community, django_assert_num_queries):

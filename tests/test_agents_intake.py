@@ -143,3 +143,11 @@ def test_a_created_run_wakes_the_workers_once_on_commit_and_a_retry_or_rollback_
     alone = intake_event(community.id, "t", "ev-3", {"n": 1}, AGENT)  # autocommit: its own transaction
     assert isinstance(alone, Created)
     assert listener.payloads(1) == [str(community.id)]
+
+
+@pytest.mark.django_db
+def test_a_timeout_setting_past_integer_still_takes_intakes(community):
+    """BUZZ_AGENTS['MAX_TIMEOUT_SECONDS'] has no upper bound; the function takes it as bigint, so a
+    setting past int4 bounds the run's deadline rather than refusing every intake (found in review)."""
+    with override_settings(BUZZ_AGENTS={"MAX_TIMEOUT_SECONDS": 2**31}):
+        assert isinstance(intake_event(community.id, "t", uuid.uuid4().hex, {}, AGENT), Created)

@@ -22,7 +22,7 @@ class AgentsConfig(AppConfig):
     buzz_delegated_functions = (
         (
             "buzz_agents_intake(uuid, text, text, bytea, jsonb, bytea, bytea, uuid, uuid, boolean, integer, bigint, "
-            "integer, integer, boolean, integer, bigint, integer, integer, double precision)",
+            "integer, integer, boolean, integer, bigint, integer, bigint, double precision, boolean)",
             "p_community_id",
         ),
     )

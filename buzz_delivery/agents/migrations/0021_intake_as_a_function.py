@@ -16,6 +16,13 @@ with the same guarantees:
   ``BUZZ_AGENTS`` settings the caller passes (``p_default_*``); each budget is the smaller of what
   the caller asked for and the policy's (``least`` ignores a NULL ask), shadow when either says
   so, the policy's lease cap: what ``policy.bounded`` computes;
+- the wake hint is sent in the function only when the caller passes ``p_notify`` (an intake in
+  autocommit); inside a caller's transaction the service sends it from the caller's session
+  instead, since on Citus the delegated function runs on the community's worker, and a
+  transaction that also wrote on another node commits in two phases, which PostgreSQL refuses
+  (``cannot PREPARE a transaction that has executed ... NOTIFY``) for a NOTIFY sent on a node;
+- ``p_default_max_timeout_seconds`` is ``bigint``: ``BUZZ_AGENTS['MAX_TIMEOUT_SECONDS']`` has no
+  upper bound, and a setting past ``integer`` must not refuse every intake;
 - the write fence (a community not ``active``) refuses the key's INSERT in its trigger, as before.
 
 Every statement names its community in its WHERE or VALUES (Citus router form); on Citus the call
@@ -31,8 +38,8 @@ SIGNATURE = (
     "p_agent_pubkey bytea, p_input jsonb, p_payload_hash bytea, p_input_hash bytea, p_id uuid, p_key_id uuid, "
     "p_shadow boolean, p_max_tool_calls integer, p_max_cost bigint, p_max_attempts integer, "
     "p_timeout_seconds integer, p_default_shadow boolean, p_default_max_tool_calls integer, "
-    "p_default_max_cost bigint, p_default_max_attempts integer, p_default_max_timeout_seconds integer, "
-    "p_default_max_lease_seconds double precision)"
+    "p_default_max_cost bigint, p_default_max_attempts integer, p_default_max_timeout_seconds bigint, "
+    "p_default_max_lease_seconds double precision, p_notify boolean)"
 )
 
 INTAKE = f"""
@@ -72,7 +79,9 @@ BEGIN
             least(p_max_tool_calls, coalesce(a.max_tool_calls, c.max_tool_calls, p_default_max_tool_calls)), 0,
             least(p_max_cost, coalesce(a.max_cost, c.max_cost, p_default_max_cost)), 0,
             coalesce(a.max_lease_seconds, c.max_lease_seconds, p_default_max_lease_seconds));
-    PERFORM pg_notify('buzz_agents', p_community_id::text);
+    IF p_notify THEN
+        PERFORM pg_notify('buzz_agents', p_community_id::text);
+    END IF;
     RETURN QUERY SELECT p_id, p_payload_hash, true;
 END
 $fn$;
@@ -81,7 +90,7 @@ $fn$;
 # The signature the delegation names (AgentsConfig.buzz_delegated_functions) and the reverse drops.
 ARGUMENT_TYPES = (
     "uuid, text, text, bytea, jsonb, bytea, bytea, uuid, uuid, boolean, integer, bigint, integer, integer, "
-    "boolean, integer, bigint, integer, integer, double precision"
+    "boolean, integer, bigint, integer, bigint, double precision, boolean"
 )
 DROP_INTAKE = f"DROP FUNCTION buzz_agents_intake({ARGUMENT_TYPES});"
 

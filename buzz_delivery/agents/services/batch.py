@@ -383,6 +383,9 @@ def fail_runs(community_id: uuid.UUID | str, failures: Sequence[PreparedFailure]
     # One transaction: the reads after the statement (the seqs to undo, the runs it missed) see
     # its writes, and a batch that raises wrote nothing (its replay fails each run once).
     with transaction.atomic(), translated_errors():
+        # The runs' rows first, in id order, in a statement of their own (as fail_run does): the
+        # judging statement then reads a snapshot that holds every call journaled before it.
+        fetch_all(sql.LOCK_RUNS, params)
         done = {row[0]: row[1] for row in fetch_all(sql.FAIL_MANY_IF_CURRENT, params)}
         unwinding = [run_id for run_id, state in done.items() if state == "unwinding"]
         seqs: dict[uuid.UUID, list[int]] = {run_id: [] for run_id in unwinding}

@@ -188,9 +188,15 @@ def intake_event(
     # the policy's rows, the run (bounded by the policy in SQL) and the wake hint, on commit.
     # Inside a caller's transaction, under a savepoint as before: a refused intake (the write
     # fence) leaves the caller's transaction usable.
+    # In autocommit the function sends the wake hint itself; inside a caller's transaction this
+    # session sends it (on Citus the function runs on the community's node, and a NOTIFY there
+    # cannot be PREPAREd when the caller's transaction also wrote on another node).
     inside = connections[DEFAULT_DB_ALIAS].in_atomic_block
+    params["notify"] = not inside
     with transaction.atomic() if inside else nullcontext(), translated_errors():
         existing, stored_hash, created = fetch_all(sql.INTAKE_EVENT, params)[0]
+        if created and inside:
+            notify_claimable(community)
     if created:
         return Created(existing)
     if bytes(stored_hash) == params["payload_hash"]:
@@ -354,6 +360,11 @@ def fail_run(
         lease, failure_code=code, failure_message=v.optional_text(failure_message, "failure_message", 10_000)
     )
     with transaction.atomic(), translated_errors():
+        # The run's row first, in a statement of its own: a call its holder is journaling on
+        # another thread holds it until the call's entry commits, and the statements below then
+        # read a snapshot that holds that entry (one that waited inside them would judge "nothing
+        # to undo" on the snapshot it took before waiting, and end the run with the call pending).
+        fetch_all(sql.LOCK_RUN, params)
         fetch_all(sql.MARK_PENDING_UNCERTAIN, params)
         ended = fetch_all(sql.FAIL_IF_CURRENT_AND_NOTHING_TO_UNDO, params)
         if ended:

@@ -89,8 +89,8 @@ FROM buzz_agents_intake(%(community_id)s::uuid, %(channel_type)s::text, %(provid
                         %(max_cost)s::bigint, %(max_attempts)s::integer, %(timeout_seconds)s::integer,
                         %(default_shadow)s::boolean, %(default_max_tool_calls)s::integer,
                         %(default_max_cost)s::bigint, %(default_max_attempts)s::integer,
-                        %(default_max_timeout_seconds)s::integer,
-                        %(default_max_lease_seconds)s::double precision) AS i
+                        %(default_max_timeout_seconds)s::bigint,
+                        %(default_max_lease_seconds)s::double precision, %(notify)s::boolean) AS i
 """
 
 # What a claim returns: the lease (id, generation, lease end) then every column of the claimed
@@ -419,6 +419,12 @@ WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s AND r.state NOT IN
 LOCK_RUN = (
     f"SELECT r.id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s FOR NO KEY UPDATE"
 )
+
+# LOCK_RUN of many runs of one community, in id order (fail_runs: as fail_run takes its one).
+LOCK_RUNS = f"""
+SELECT r.id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = ANY(%(run_ids)s::uuid[])
+ORDER BY r.id FOR NO KEY UPDATE
+"""
 
 # A wake hint for run_agent_worker (SPEC 7's pattern): transactional, so it is delivered only if
 # the run it announces was committed; it carries the community id and grants nothing.
