@@ -299,7 +299,8 @@ def _batch_settles(leases: list[Lease], data: dict[str, Any]) -> tuple[list[Sett
     or, naming none, the request's ``outcome`` with the request's (each field the item gives
     instead of the request's); and, per delivery, the fields it took from the request (a 400
     names those as the request's). A 400 names ``deliveries[i].outcome`` when neither names one."""
-    settles, inherited = [], []
+    settles: list[Settle] = []
+    inherited: list[set[str]] = []
     for i, (lease, item) in enumerate(zip(leases, data["deliveries"], strict=True)):
         if item["outcome"] is not None:
             settles.append(Settle(lease, item["outcome"], **{name: item[name] for name in _SETTLE_TEXTS}))

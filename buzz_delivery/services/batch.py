@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from buzz_delivery import backoff, tracing
 from buzz_delivery.conf import get_settings
@@ -33,11 +33,12 @@ def _checked_leases(leases: Sequence[Any], name: str = "leases", kind: type = Le
     for i, item in enumerate(leases):
         if not isinstance(item, kind):
             raise v.invalid(f"{name}[{i}]", f"must be a {what}, not {type(item).__name__}")
-        lease = item if kind is Lease else item.lease
+        lease = item if kind is Lease else cast(Settle, item).lease
         if not isinstance(lease, Lease):
             raise v.invalid(f"{name}[{i}]{inner}", f"must be a Lease, not {type(lease).__name__}")
-        first = leases[0] if kind is Lease else leases[0].lease
-        if lease.community_id != first.community_id:
+        if i == 0:
+            community_id = lease.community_id
+        elif lease.community_id != community_id:
             raise v.invalid(f"{name}[{i}]{inner}.community_id", f"differs from {name}[0]: one community per batch")
         if lease.delivery_id in seen:
             raise v.invalid(f"{name}[{i}]{inner}.delivery_id", "appears twice in the batch")
