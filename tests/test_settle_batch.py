@@ -12,6 +12,7 @@ from django.db import connection
 from django.test import override_settings
 
 from buzz_delivery import backoff, services
+from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services import sql
 from buzz_delivery.services.types import Settle
 from buzz_delivery.testing import frozen_db_clock, random32
@@ -175,3 +176,56 @@ def test_bad_rows_are_refused_naming_the_row_and_field_before_any_sql(
             services.settle_deliveries(settles)
         assert key in caught.value.message_dict, (key, caught.value.message_dict)
     assert table_snapshot() == before
+
+
+def test_a_mixed_batch_advances_a_send_step_as_the_same_settles_one_by_one(community):
+    """The workflow's fan-in (a row trigger on each terminal move) counts each row of a mixed
+    batch once, as it counts the one-by-one settles of a twin run: a retry with attempts left
+    is not terminal, its later settle is."""
+    from buzz_delivery.testing import WorkflowFactory
+    from buzz_delivery.workflows.services import get_run
+    from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
+    from tests.wf_support import run_state, start
+
+    workflow = WorkflowFactory(community=community)
+
+    def run_with_claims():
+        run = start(workflow, {"steps": [send_step("send", [random32() for _ in range(3)]),
+                                         function_step("after", depends_on=["send"])]})  # fmt: skip
+        run_until_idle(community.id)
+        rows = WorkflowAgentDelivery.objects.filter(run_id=run.pk).order_by("target_pubkey")
+        return run, [
+            services.claim_delivery(community.id, bytes(d.target_pubkey), delivery_id=d.id, lease_seconds=30).lease
+            for d in rows
+        ]
+
+    def step(run):
+        s = get_run(community.id, run.pk).step("send")
+        return s.state, s.delivered_terminal, s.delivered_failed, s.output
+
+    single, single_leases = run_with_claims()
+    batch, batch_leases = run_with_claims()
+    plan = [("finished", {}), ("failed", {"failure_code": "poison"}), ("retry", {"failure_message": "later"})]
+    for lease, (outcome, texts) in zip(single_leases, plan, strict=True):
+        services.finish_delivery(lease, outcome, **texts)
+    services.settle_deliveries(
+        [Settle(lease, outcome, **texts) for lease, (outcome, texts) in zip(batch_leases, plan, strict=True)]
+    )
+    assert step(batch) == step(single)
+    assert step(batch)[:3] == ("waiting", 2, 1)
+    for run, leases in ((single, single_leases), (batch, batch_leases)):
+        retried = leases[2]
+        with connection.cursor() as cursor:  # its backoff over at once
+            cursor.execute(
+                f"UPDATE {sql.DELIVERY} SET next_attempt_at = now() WHERE community_id = %s AND id = %s",
+                [community.id, retried.delivery_id],
+            )
+        again = services.claim_delivery(community.id, retried.target_pubkey, lease_seconds=30).lease
+        if run is single:
+            services.finish_delivery(again, "finished")
+        else:
+            services.settle_deliveries([Settle(again, "finished")])
+    assert step(batch) == step(single)
+    assert step(batch)[:3] == ("failed", 3, 1)  # a send step with a failed delivery fails
+    run_until_idle(community.id)
+    assert run_state(batch) == run_state(single)
