@@ -105,7 +105,8 @@ def finish_deliveries(
     ``leases``: a non-empty list of :class:`Lease`, all of one community (of one target or of
     several: ``claim_deliveries`` returns one target's), no delivery twice. ``outcome``:
     ``"finished"`` or ``"failed"`` (with ``failure_code`` <= 64 chars and ``failure_message``
-    for every row); settle a ``retry`` with :func:`finish_delivery`.
+    for every row); settle a ``retry``, or rows of their own outcomes and texts, with
+    :func:`settle_deliveries`.
 
     Returns one outcome per lease, in lease order, each exactly what :func:`finish_delivery`
     would have returned: the guard is the same (community, id, target and generation match,
