@@ -1,11 +1,12 @@
 """Signed requests and committed transactions per delivery and per run through the gateway, on
-the two paths ``python -m bench.gateway`` does not take (issue 29): deliveries whose handlers
-outlive the renewal period (so ``work`` renews what it holds), and agent runs whose handlers fail
-after three journaled calls with compensations (so ``work-runs`` fails them, undoes the calls and
-fails them again).
+the paths ``python -m bench.gateway`` does not take (issue 29): deliveries whose handlers
+outlive the renewal period (so ``work`` renews what it holds), deliveries whose handlers raise
+(half settle ``failed``, half ``retry``), and agent runs whose handlers fail after three
+journaled calls with compensations (so ``work-runs`` fails them, undoes the calls and fails them
+again). ``--only renew|failing|runs`` runs one case.
 
 Run: ``BENCH_GATEWAY_DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_gwreq python -m
-bench.gateway_requests [--root DIR]`` where ``--root`` is the checkout whose gateway server and
+bench.gateway_requests [--root DIR] [--only CASE]`` where ``--root`` is the checkout whose gateway server and
 clients are measured (default: this one; give an older checkout to compare). Prints, per case,
 the signed requests per item by route (counted from the clients' ``-v 2`` request lines) and the
 transactions committed on the database per item (``pg_stat_database.xact_commit``, read after
@@ -34,6 +35,16 @@ from buzz_delivery.gateway.remote_runs import compensation
 
 def slow(delivery):
     time.sleep(2.5)
+
+
+class Poison(Exception):
+    permanent = True  # settled failed
+
+
+def failing(delivery):
+    if int(delivery["id"][-1], 16) % 2:
+        raise Poison("cannot parse")
+    raise RuntimeError("try again")  # settled retry
 
 
 def _noop_call(args, key):
@@ -103,6 +114,8 @@ def main() -> None:
     parser.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="checkout to measure")
     parser.add_argument("--deliveries", type=int, default=200, help="deliveries of the renewal case (default 200)")
     parser.add_argument("--runs", type=int, default=100, help="runs of the failure case (default 100)")
+    parser.add_argument("--failing", type=int, default=200, help="deliveries of the failing-handler case (default 200)")
+    parser.add_argument("--only", choices=("renew", "runs", "failing"), help="run this case only")
     args = parser.parse_args()
     root = Path(args.root).resolve()
     url = os.environ.get("BENCH_GATEWAY_DATABASE_URL", DEFAULT_URL)
@@ -131,27 +144,41 @@ def main() -> None:
         with open(tmp / "gunicorn.log", "w") as glog:
             server = start_gunicorn(url, port, glog)
             try:
+                if args.only in (None, "renew"):
+                    clear(community.id)
+                    commit(community, target, args.deliveries)
+                    log = tmp / "work.log"
+                    measure(
+                        "work: 2.5 s handlers, 50 threads, renew 1 s", name, args.deliveries,
+                        lambda: [client(root, tmp, log, "work", *common, "--handler", "bench_req_handlers:slow",
+                                        "--concurrency", "50", "--renew-every", "1", "--claim-ahead", "0")],
+                        log,
+                    )  # fmt: skip
+                if args.only in (None, "failing"):
+                    # Every handler raises: half the deliveries settle failed, half retry (each
+                    # claimed once: --max-deliveries stops the worker before a retry comes back).
+                    clear(community.id)
+                    commit(community, target, args.failing)
+                    log = tmp / "failing.log"
+                    measure(
+                        "work: failing handlers, 50 threads", name, args.failing,
+                        lambda: [client(root, tmp, log, "work", *common, "--handler", "bench_req_handlers:failing",
+                                        "--concurrency", "50", "--max-deliveries", str(args.failing))],
+                        log,
+                    )  # fmt: skip
                 clear(community.id)
-                commit(community, target, args.deliveries)
-                log = tmp / "work.log"
-                measure(
-                    "work: 2.5 s handlers, 50 threads, renew 1 s", name, args.deliveries,
-                    lambda: [client(root, tmp, log, "work", *common, "--handler", "bench_req_handlers:slow",
-                                    "--concurrency", "50", "--renew-every", "1", "--claim-ahead", "0")],
-                    log,
-                )  # fmt: skip
-                clear(community.id)
-                clear_runs(community.id)
-                for _ in range(args.runs):
-                    intake_event(community.id, "bench", os.urandom(8).hex(), {}, target, timeout_seconds=3600)
-                log = tmp / "runs.log"
-                measure(
-                    "work-runs: fail after 3 calls, 20 threads", name, args.runs,
-                    lambda: [client(root, tmp, log, "work-runs", *common, "--handler",
-                                    "bench_req_handlers:fail_after_three", "--concurrency", "20", "--no-accept")],
-                    log,
-                )  # fmt: skip
-                clear_runs(community.id)
+                if args.only in (None, "runs"):
+                    clear_runs(community.id)
+                    for _ in range(args.runs):
+                        intake_event(community.id, "bench", os.urandom(8).hex(), {}, target, timeout_seconds=3600)
+                    log = tmp / "runs.log"
+                    measure(
+                        "work-runs: fail after 3 calls, 20 threads", name, args.runs,
+                        lambda: [client(root, tmp, log, "work-runs", *common, "--handler",
+                                        "bench_req_handlers:fail_after_three", "--concurrency", "20", "--no-accept")],
+                        log,
+                    )  # fmt: skip
+                    clear_runs(community.id)
             finally:
                 server.terminate()
                 server.wait(timeout=30)

@@ -81,7 +81,15 @@ def test_lease_statements_run_on_one_shard(community):
         "finish many": sql.FINISH_MANY_IF_CURRENT_GENERATION,
         "renew many": sql.RENEW_MANY_IF_CURRENT_GENERATION,
         "retry": sql.RETRY_IF_CURRENT_GENERATION,
+        "settle many": sql.SETTLE_MANY_IF_CURRENT_GENERATION,
     }
+    params.update(  # the mixed batch's rows (issue 29)
+        outcomes=["retry"],
+        failure_codes=[None],
+        failure_messages=["m"],
+        jitters=[0.75],
+        retry_afters=[0.0],
+    )
     for name, statement in statements.items():
         plan = _plan(statement, params)
         assert "Task Count: 1" in plan, f"{name} fans out:\n{plan}"
@@ -170,7 +178,8 @@ def test_every_statement_that_names_its_community_runs_on_one_shard(community):
     statements = _statements_naming_a_community()
     assert len(statements) >= 30, len(statements)
     names = {source for source, _ in statements}
-    for expected in ("sql.RETRY_IF_CURRENT_GENERATION", "sql.CLAIM_READY_STEPS", "sql.CLAIM_PENDING_RUNS",
+    for expected in ("sql.RETRY_IF_CURRENT_GENERATION", "sql.SETTLE_MANY_IF_CURRENT_GENERATION",
+                     "sql.CLAIM_READY_STEPS", "sql.CLAIM_PENDING_RUNS",
                      "cached.CLAIM['call']", "sql.END_RUN_IF_ACTIVE", "sql.REAP_LAPSED_LEASES",
                      "sql.EMIT_IF_CURRENT_AND_WITHIN_BOUND"):  # fmt: skip
         assert any(n.endswith(expected) for n in names), (expected, sorted(names))

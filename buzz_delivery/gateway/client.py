@@ -17,13 +17,13 @@ exception whose ``str()`` raises described); a settle the gateway refuses or can
 leaves that lease to lapse (``settle_errors``). Nothing about one delivery stops the worker;
 an internal error does, with exit status 1.
 
-Settles of ``finished`` results go in batches: a settler thread gathers them (up to
+Settles go in batches, whatever the result: a settler thread gathers them (up to
 ``SETTLE_BATCH``, waiting at most ``SETTLE_LINGER`` seconds for more) and sends each
 community's in one signed request (``POST /communities/{id}/deliveries/finish``), each lease
-still fenced on its own; a batch the gateway refuses as a whole (400/413) is sent again one
-delivery per request. ``failed`` and ``retry`` results settle one by one (each has its own text
-and backoff, which the batch route does not take). A finished lease stays held, and renewed,
-until its batch is answered.
+still fenced on its own and each with its own outcome, failure text and ``retry_after``; a batch
+the gateway refuses as a whole (400/413, or 404/405 from a gateway without the route) is sent
+again one delivery per request, as is a mixed batch a gateway older than per-delivery outcomes
+refuses (400). A settled lease stays held, and renewed, until its batch is answered.
 
 Renewals go in batches as well: every ``--renew-every`` seconds, one signed request per
 community renews up to ``RENEW_BATCH`` held leases (``POST /communities/{id}/deliveries/renew``),
@@ -118,6 +118,17 @@ class RemoteOutcome:
     outcome: str
     status: str | None = None
     lease: RemoteLease | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSettle:
+    """One settle of :meth:`GatewayClient.settle_many`: a lease and what ``finish`` would send."""
+
+    lease: RemoteLease
+    outcome: str
+    failure_code: str | None = None
+    failure_message: str | None = None
+    retry_after: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +316,32 @@ class GatewayClient:
             "failure_message": failure_message,
         }
         data = self._json("POST", path, body)
+        return [RemoteOutcome(r["outcome"], status=r.get("status")) for r in data["results"]]
+
+    def settle_many(self, settles: list[RemoteSettle]) -> list[RemoteOutcome]:
+        """Settle many leases of one community in one request, each with its own outcome
+        (``finished``, ``failed`` or ``retry``), failure text and ``retry_after``: one outcome per
+        settle, in order, as :meth:`finish_many` answers. The ``finished`` ones are sent as the
+        request's outcome (a gateway older than per-delivery outcomes takes a batch of those and
+        refuses any other with a 400)."""
+        if not settles:
+            return []
+        community = settles[0].lease.community_id
+        if any(x.lease.community_id != community for x in settles):
+            raise ValueError("every lease of a batch must be of one community")
+        items: list[dict[str, Any]] = []
+        for x in settles:
+            item: dict[str, Any] = {"delivery_id": x.lease.delivery_id, "lease_generation": x.lease.lease_generation}
+            if x.outcome != "finished":
+                item.update(outcome=x.outcome, failure_code=x.failure_code, failure_message=x.failure_message)
+                if x.retry_after is not None:
+                    item["retry_after"] = x.retry_after
+            items.append(item)
+        data = self._json(
+            "POST", f"/communities/{community}/deliveries/finish", {"deliveries": items, "outcome": "finished"}
+        )
+        if len(data["results"]) != len(settles):  # not the answer to this batch: no lease may take it
+            raise ValueError(f"the gateway answered {len(data['results'])} outcomes to {len(settles)} settles")
         return [RemoteOutcome(r["outcome"], status=r.get("status")) for r in data["results"]]
 
     # --- agent runs (served when buzz_delivery.agents is installed) ---------------------------
@@ -543,6 +580,19 @@ def lease_length(lease_until: str) -> float:
 # Finished results per batch request (the batch route takes at most 100), and the seconds the
 # settler waits for more (issue 29).
 SETTLE_BATCH = 100
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    """A handler's result awaiting its settle batch."""
+
+    delivery_id: str
+    outcome: str
+    failure_code: str | None
+    failure_message: str | None
+    retry_after: float | None
+
+
 SETTLE_LINGER = 0.005
 # Leases per renewal request (the batch route takes at most the gateway's claim limit, 100 by
 # default): a renewal round is one request per community and this many held leases.
@@ -579,7 +629,8 @@ class RemoteWorker:
         self._handling = 0  # claimed and not yet through the handler (running or queued)
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
-        self._finished: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # delivery ids to settle
+        # Results to settle: (delivery id, outcome, failure_code, failure_message, retry_after).
+        self._results: queue.SimpleQueue[_Result | None] = queue.SimpleQueue()
         self.settle_batch = min(SETTLE_BATCH, max(concurrency + claim_ahead, 1) * 2)
 
     def _add(self, key: str, n: int = 1) -> None:
@@ -605,7 +656,7 @@ class RemoteWorker:
 
     def _room(self) -> int:
         """Deliveries the next claim may take (call with the lock held): the free handler
-        threads and :meth:`_ahead`; finished results awaiting their batch count only past two
+        threads and :meth:`_ahead`; results awaiting their settle batch count only past two
         batches (a stalled settle slows the claims down)."""
         capacity = self.concurrency + self._ahead()
         free = min(capacity - self._handling, capacity + 2 * self.settle_batch - len(self._held))
@@ -627,30 +678,10 @@ class RemoteWorker:
                 self._handling -= 1
                 self._room_changed.notify()
             outcome, code, message = settle_args(error)
-            if outcome == "finished":
-                self._finished.put(delivery_id)  # settled in a batch; still held (and renewed) until then
-                delivery_id = ""  # not released below
-                return
-            with self._lock:
-                lease = self._held.get(claim.lease.delivery_id, claim.lease)
-            try:
-                after = backoff.of(error) if outcome == "retry" else None
-                result = self.client.finish(
-                    lease, outcome, failure_code=code, failure_message=message, retry_after=after
-                )
-            except Exception as exc:  # refused or unreachable: that lease lapses, the worker goes on
-                logger.warning("settle_error delivery=%s error=%s", delivery_id, describe(exc))
-                self._add("settle_errors")
-                return
-            if result.outcome == "lease_lost":
-                self._add("lease_lost")
-            else:
-                self._add(
-                    {"finished": "finished", "failed": "failed", "pending": "retried"}.get(
-                        result.status or "", "failed"
-                    )
-                )
-            logger.info("settled delivery=%s outcome=%s result=%s", delivery_id, outcome, result.outcome)
+            after = backoff.of(error) if outcome == "retry" else None
+            # Settled in a batch, whatever the outcome; still held (and renewed) until then.
+            self._results.put(_Result(delivery_id, outcome, code, message, after))
+            delivery_id = ""  # not released below
         except BaseException:  # the loop's own error: counted; that lease lapses; the thread lives
             logger.exception("worker_error delivery=%s", delivery_id)
             self._add("errors")
@@ -660,67 +691,82 @@ class RemoteWorker:
                     self._held.pop(delivery_id, None)
 
     def _settle_loop(self) -> None:
-        """Settle the finished results in batches (see the module docstring) until told to stop."""
-        while (first := self._finished.get()) is not None:
+        """Settle the handlers' results in batches (see the module docstring) until told to stop."""
+        while (first := self._results.get()) is not None:
             batch, stop = [first], False
             deadline = time.monotonic() + SETTLE_LINGER
             while len(batch) < self.settle_batch:
                 try:
-                    item = self._finished.get(timeout=max(deadline - time.monotonic(), 0))
+                    item = self._results.get(timeout=max(deadline - time.monotonic(), 0))
                 except queue.Empty:
                     break
                 if item is None:
                     stop = True
                     break
                 batch.append(item)
-            self._settle_finished(batch)
+            self._settle(batch)
             if stop:
                 return
 
-    def _settle_finished(self, delivery_ids: list[str]) -> None:
+    def _settle(self, results: list[_Result]) -> None:
         with self._lock:
-            leases = [self._held[d] for d in delivery_ids if d in self._held]
-        by_community: dict[str, list[RemoteLease]] = {}
-        for lease in leases:
-            by_community.setdefault(lease.community_id, []).append(lease)
+            settles = [
+                RemoteSettle(self._held[r.delivery_id], r.outcome, r.failure_code, r.failure_message, r.retry_after)
+                for r in results
+                if r.delivery_id in self._held
+            ]
+        by_community: dict[str, list[RemoteSettle]] = {}
+        for settle in settles:
+            by_community.setdefault(settle.lease.community_id, []).append(settle)
         for group in by_community.values():
             try:
-                results = self.client.finish_many(group, "finished")
+                answers = self.client.settle_many(group)
             except GatewayHTTPError as exc:
-                if exc.status not in (400, 413) or len(group) == 1:
+                # 404/405: a gateway older than the batch route; 400: one bad item, or a gateway
+                # older than per-delivery outcomes (it takes a batch of finished ones only, and
+                # refuses even one failed or retried delivery); 413: too large.
+                if exc.status not in (400, 404, 405, 413):
                     logger.warning("settle_error n=%d error=%s", len(group), describe(exc))
                     self._add("settle_errors", len(group))
                     continue
-                # Refused as a whole (one bad item, or too large): each on its own request, so
-                # each lease gets the answer its own settle would.
+                # Refused as a whole: each on its own request, so each lease gets the answer its
+                # own settle would.
                 logger.warning("settle_batch_refused n=%d error=%s: settling one by one", len(group), describe(exc))
-                results = []
-                for lease in group:
+                answers = []
+                for x in group:
                     try:
-                        results.append(self.client.finish(lease, "finished"))
+                        answers.append(
+                            self.client.finish(
+                                x.lease,
+                                x.outcome,
+                                failure_code=x.failure_code,
+                                failure_message=x.failure_message,
+                                retry_after=x.retry_after,
+                            )
+                        )
                     except Exception as one:
-                        logger.warning("settle_error delivery=%s error=%s", lease.delivery_id, describe(one))
-                        results.append(RemoteOutcome("settle_error"))
+                        logger.warning("settle_error delivery=%s error=%s", x.lease.delivery_id, describe(one))
+                        answers.append(RemoteOutcome("settle_error"))
             except Exception as exc:  # unreachable: those leases lapse, the worker goes on
                 logger.warning("settle_error n=%d error=%s", len(group), describe(exc))
                 self._add("settle_errors", len(group))
                 continue
-            for lease, result in zip(group, results, strict=True):
-                if result.outcome == "settle_error":
+            for x, answer in zip(group, answers, strict=True):
+                if answer.outcome == "settle_error":
                     self._add("settle_errors")
                     continue
-                if result.outcome in ("lease_lost", "not_found"):
+                if answer.outcome in ("lease_lost", "not_found"):
                     self._add("lease_lost")
                 else:
                     self._add(
                         {"finished": "finished", "failed": "failed", "pending": "retried"}.get(
-                            result.status or "", "failed"
+                            answer.status or "", "failed"
                         )
                     )
-                logger.info("settled delivery=%s outcome=finished result=%s", lease.delivery_id, result.outcome)
+                logger.info("settled delivery=%s outcome=%s result=%s", x.lease.delivery_id, x.outcome, answer.outcome)
         with self._lock:
-            for delivery_id in delivery_ids:
-                self._held.pop(delivery_id, None)
+            for r in results:
+                self._held.pop(r.delivery_id, None)
 
     def _renew_loop(self) -> None:
         """Every ``renew_every`` seconds, renew every held lease (claimed ahead, in a handler,
@@ -826,7 +872,7 @@ class RemoteWorker:
                 time.sleep(0.05)
             with self._lock:
                 self._counts["abandoned"] += len(self._held)
-            self._finished.put(None)  # the settler ends once what it holds is sent
+            self._results.put(None)  # the settler ends once what it holds is sent
             settler.join(timeout=5)
             self._done.set()
         with self._lock:

@@ -261,6 +261,7 @@ RUN_SCHEMAS: dict[str, Any] = {
 }  # fmt: skip
 
 _C, _D, _T = "0193a5a0-0000-7000-8000-00000000000c", "0193a5a0-0000-7000-8000-00000000000d", "2026-12-01T12:00:00Z"
+_D2 = "0193a5a0-0000-7000-8000-00000000000e"
 _LEASE = {"community_id": _C, "delivery_id": _D, "lease_generation": 1, "lease_until": "2026-12-01T12:01:00Z"}
 _DELIVERY = {
     "id": _D, "community_id": _C, "workflow_id": "0193a5a0-0000-7000-8000-000000000001",
@@ -292,8 +293,25 @@ EXAMPLES: dict[str, Any] = {
     "Message": _DELIVERY["message"],
     "Lease": _LEASE,
     "Error": {"code": "bad_request", "message": "limit: must be within 1..100", "field": "limit"},
-    "BatchFinishRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "outcome": "finished"},
-    "BatchFinishResponse": {"results": [{"delivery_id": _D, "outcome": "settled", "status": "finished"}]},
+    "BatchFinishRequest": {
+        "deliveries": [
+            {"delivery_id": _D, "lease_generation": 1},
+            {
+                "delivery_id": _D2,
+                "lease_generation": 2,
+                "outcome": "retry",
+                "failure_message": "timeout",
+                "retry_after": 30,
+            },
+        ],
+        "outcome": "finished",
+    },
+    "BatchFinishResponse": {
+        "results": [
+            {"delivery_id": _D, "outcome": "settled", "status": "finished"},
+            {"delivery_id": _D2, "outcome": "settled", "status": "pending"},
+        ]
+    },
     "BatchRenewRequest": {"deliveries": [{"delivery_id": _D, "lease_generation": 1}], "lease_seconds": 60},
     "BatchRenewResponse": {"results": [{"delivery_id": _D, "outcome": "renewed", "lease": _LEASE}]},
     "BatchCompleteRequest": {

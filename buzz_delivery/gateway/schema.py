@@ -207,24 +207,39 @@ FINISH = Body(
 
 # --- batch finish of deliveries ------------------------------------------------------------------
 
+BATCH_LEASE = {
+    "delivery_id": Field("string", "a delivery of the signer in this community (UUID)", required=True,
+                         bounds=lambda: (0, 36)),
+    "lease_generation": LEASE_GENERATION,
+}  # fmt: skip
+_OR_REQUEST = "; null or absent = the request's own"
+_OR_REQUESTS = "; null or absent = the request's own if this delivery names no outcome (else none)"
 BATCH_ITEM = Body(
     "BatchFinishItem",
     {
-        "delivery_id": Field("string", "a delivery of the signer in this community (UUID)", required=True,
-                             bounds=lambda: (0, 36)),
-        "lease_generation": LEASE_GENERATION,
+        **BATCH_LEASE,
+        "outcome": Field("string", "finished, failed or retry for this delivery" + _OR_REQUEST, nullable=True,
+                         enum=("finished", "failed", "retry")),
+        "failure_code": Field("string", FINISH.fields["failure_code"].description + _OR_REQUESTS, nullable=True,
+                              bounds=lambda: (0, 64)),
+        "failure_message": Field("string", FINISH.fields["failure_message"].description + _OR_REQUESTS,
+                                 nullable=True, bounds=lambda: (0, 10_000)),
+        "retry_after": Field("number", FINISH.fields["retry_after"].description + _OR_REQUESTS, nullable=True,
+                             bounds=lambda: (0, MAX_RETRY_AFTER_SECONDS)),
     },
 )  # fmt: skip
 BATCH_FINISH = Body(
     "BatchFinishRequest",
     {
         "deliveries": Field(
-            "array", "the leases to settle, no delivery twice", required=True, bounds=_claim_limit, items=BATCH_ITEM
+            "array", "the leases to settle, no delivery twice, each with its own outcome and failure text if it "
+            "has them", required=True, bounds=_claim_limit, items=BATCH_ITEM
         ),
-        "outcome": Field("string", "finished or failed (settle a retry one by one)", required=True,
-                         enum=("finished", "failed")),
+        "outcome": Field("string", "finished, failed or retry: of every delivery that names none (null: each "
+                         "names its own)", nullable=True, enum=("finished", "failed", "retry")),
         "failure_code": FINISH.fields["failure_code"],
         "failure_message": FINISH.fields["failure_message"],
+        "retry_after": FINISH.fields["retry_after"],
     },
 )  # fmt: skip
 
@@ -233,7 +248,7 @@ BATCH_RENEW = Body(
     {
         "deliveries": Field(
             "array", "the leases to renew, no delivery twice", required=True, bounds=_claim_limit,
-            items=Body("BatchRenewItem", BATCH_ITEM.fields),
+            items=Body("BatchRenewItem", BATCH_LEASE),
         ),
         "lease_seconds": LEASE_SECONDS,
     },

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import BATCH_FINISH, BATCH_RENEW, CLAIM, FINISH, RENEW, Body
 from buzz_delivery.gateway.wake import hub
-from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settled
+from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settle, Settled
 from buzz_delivery.tracing import http as tracing_http
 
 logger = logging.getLogger("buzz_delivery.gateway")
@@ -289,32 +290,63 @@ def renew_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commu
     return JsonResponse({"results": results})
 
 
+_SETTLE_TEXTS = ("failure_code", "failure_message", "retry_after")
+_SETTLE_ROW = re.compile(r"settles\[(\d+)\]\.(\w+)")
+
+
+def _batch_settles(leases: list[Lease], data: dict[str, Any]) -> tuple[list[Settle], list[set[str]]]:
+    """Each delivery's settle: its own ``outcome`` with its own failure text and ``retry_after``,
+    or, naming none, the request's ``outcome`` with the request's (each field the item gives
+    instead of the request's); and, per delivery, the fields it took from the request (a 400
+    names those as the request's). A 400 names ``deliveries[i].outcome`` when neither names one."""
+    settles: list[Settle] = []
+    inherited: list[set[str]] = []
+    for i, (lease, item) in enumerate(zip(leases, data["deliveries"], strict=True)):
+        if item["outcome"] is not None:
+            settles.append(Settle(lease, item["outcome"], **{name: item[name] for name in _SETTLE_TEXTS}))
+            inherited.append(set())
+            continue
+        if data["outcome"] is None:
+            raise bad_request(f"deliveries[{i}].outcome", "is required: here or as the request's outcome")
+        taken = {"outcome", *(name for name in _SETTLE_TEXTS if item[name] is None)}
+        texts = {name: data[name] if name in taken else item[name] for name in _SETTLE_TEXTS}
+        settles.append(Settle(lease, data["outcome"], **texts))
+        inherited.append(taken)
+    return settles, inherited
+
+
 @endpoint("POST", BATCH_FINISH)
 def finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID) -> JsonResponse:
     """Settle many of the signer's leases in one community at once
-    (``services.finish_deliveries``, one fenced statement). 200 ``{"results": [{"delivery_id",
-    "outcome", "status"?}]}`` in request order, each outcome what the one-by-one finish answers:
-    ``settled`` / ``already_terminal`` (with the status), ``lease_lost``, or ``not_found`` (no such
-    delivery for this key); 403 not enrolled there. ``retry`` is settled one by one."""
+    (``services.settle_deliveries``, one fenced statement, each row fenced by its own lease). Each
+    delivery settles with its own ``outcome`` (``finished``, ``failed`` or ``retry``), failure
+    text and ``retry_after``, or the request's. 200 ``{"results": [{"delivery_id", "outcome",
+    "status"?}]}`` in request order, each outcome what the one-by-one finish answers: ``settled``
+    / ``already_terminal`` (with the status), ``lease_lost``, or ``not_found`` (no such delivery
+    for this key); 400 naming the bad item's field (``deliveries[2].failure_code``; nothing
+    written); 403 not enrolled there."""
     _require_enrolled(community_id, pubkey)
     leases = _batch_leases(community_id, pubkey, data["deliveries"])
+    settles, inherited = _batch_settles(leases, data)
     try:
-        outcomes = core.finish_deliveries(
-            leases, data["outcome"], failure_code=data["failure_code"], failure_message=data["failure_message"]
-        )
+        outcomes = core.settle_deliveries(settles)
     except ValidationError as exc:  # combinations the core refuses (failure_code with finished...)
         field = _field_of(exc)
+        row = _SETTLE_ROW.fullmatch(field)
+        if row:  # the item's own field, or the request's it took
+            i, name = int(row.group(1)), row.group(2)
+            field = name if name in inherited[i] else f"deliveries[{i}].{name}"
         raise bad_request(field, "; ".join(exc.messages)) from None
     results: list[dict[str, Any]] = []
     for lease, outcome in zip(leases, outcomes, strict=True):
-        row: dict[str, Any] = {"delivery_id": str(lease.delivery_id)}
+        row_out: dict[str, Any] = {"delivery_id": str(lease.delivery_id)}
         if isinstance(outcome, Settled):
-            row.update(outcome="settled", status=outcome.status)
+            row_out.update(outcome="settled", status=outcome.status)
         elif isinstance(outcome, AlreadyTerminal):
-            row.update(outcome="already_terminal", status=outcome.status)
+            row_out.update(outcome="already_terminal", status=outcome.status)
         else:
-            row["outcome"] = _lost_or_not_found(community_id, lease.delivery_id, pubkey).code
-        results.append(row)
+            row_out["outcome"] = _lost_or_not_found(community_id, lease.delivery_id, pubkey).code
+        results.append(row_out)
     return JsonResponse({"results": results})
 
 

@@ -5,7 +5,7 @@ Every lease comparison uses the database clock (PostgreSQL ``now()``). Bad argum
 runs; an expected race (a lost lease, a miss) is a typed outcome, not an exception.
 """
 
-from buzz_delivery.services.batch import finish_deliveries, renew_deliveries
+from buzz_delivery.services.batch import finish_deliveries, renew_deliveries, settle_deliveries
 from buzz_delivery.services.leases import (
     claim_deliveries,
     claim_delivery,
@@ -38,6 +38,7 @@ from buzz_delivery.services.types import (
     LeaseLost,
     ReapResult,
     Renewed,
+    Settle,
     Settled,
 )
 from buzz_delivery.services.workers import (
@@ -62,6 +63,7 @@ __all__ = [
     "ReapResult",
     "Renewed",
     "RunLease",
+    "Settle",
     "Settled",
     "WorkerIdentity",
     "acquire_run_lease",
@@ -91,4 +93,5 @@ __all__ = [
     "renew_run_lease",
     "requeue_delivery",
     "run_lease",
+    "settle_deliveries",
 ]

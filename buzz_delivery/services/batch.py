@@ -3,37 +3,45 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from buzz_delivery import tracing
+from buzz_delivery import backoff, tracing
+from buzz_delivery.conf import get_settings
 from buzz_delivery.services import cached, sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import bytea_array, int_array, uuid_array
-from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, finish_delivery
+from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, checked_settle, finish_delivery
 from buzz_delivery.services.tenancy import tenant_scoped
-from buzz_delivery.services.types import FinishOutcome, Lease, LeaseLost, Renewed, RenewOutcome, Settled
+from buzz_delivery.services.types import FinishOutcome, Lease, LeaseLost, Renewed, RenewOutcome, Settle, Settled
 
 BATCH_OUTCOMES = ("finished", "failed")
 
 
-def _checked_leases(leases: Sequence[Lease]) -> None:
-    """A non-empty list of at most 1,000 :class:`Lease` of one community, no delivery twice;
-    a ``ValidationError`` keyed by the argument (``leases[2].community_id``...) otherwise."""
+def _checked_leases(leases: Sequence[Any], name: str = "leases", kind: type = Lease) -> None:
+    """A non-empty list of at most 1,000 :class:`Lease` (or :class:`Settle`: ``kind``) of one
+    community, no delivery twice; a ``ValidationError`` keyed by the argument
+    (``leases[2].community_id``, ``settles[2].lease.delivery_id``...) otherwise."""
+    what = kind.__name__
     if isinstance(leases, str | bytes) or not isinstance(leases, Sequence):
-        raise v.invalid("leases", f"must be a list of Lease, not {type(leases).__name__}")
+        raise v.invalid(name, f"must be a list of {what}, not {type(leases).__name__}")
     if not leases:
-        raise v.invalid("leases", "must hold at least one Lease")
+        raise v.invalid(name, f"must hold at least one {what}")
     if len(leases) > MAX_CLAIM_BATCH:
-        raise v.invalid("leases", f"must hold at most {MAX_CLAIM_BATCH} leases, got {len(leases)}")
-    first = leases[0]
+        raise v.invalid(name, f"must hold at most {MAX_CLAIM_BATCH} leases, got {len(leases)}")
     seen: set[Any] = set()
-    for i, lease in enumerate(leases):
+    inner = "" if kind is Lease else ".lease"
+    for i, item in enumerate(leases):
+        if not isinstance(item, kind):
+            raise v.invalid(f"{name}[{i}]", f"must be a {what}, not {type(item).__name__}")
+        lease = item if kind is Lease else cast(Settle, item).lease
         if not isinstance(lease, Lease):
-            raise v.invalid(f"leases[{i}]", f"must be a Lease, not {type(lease).__name__}")
-        if lease.community_id != first.community_id:
-            raise v.invalid(f"leases[{i}].community_id", "differs from leases[0]: one community per batch")
+            raise v.invalid(f"{name}[{i}]{inner}", f"must be a Lease, not {type(lease).__name__}")
+        if i == 0:
+            community_id = lease.community_id
+        elif lease.community_id != community_id:
+            raise v.invalid(f"{name}[{i}]{inner}.community_id", f"differs from {name}[0]: one community per batch")
         if lease.delivery_id in seen:
-            raise v.invalid(f"leases[{i}].delivery_id", "appears twice in the batch")
+            raise v.invalid(f"{name}[{i}]{inner}.delivery_id", "appears twice in the batch")
         seen.add(lease.delivery_id)
 
 
@@ -97,7 +105,8 @@ def finish_deliveries(
     ``leases``: a non-empty list of :class:`Lease`, all of one community (of one target or of
     several: ``claim_deliveries`` returns one target's), no delivery twice. ``outcome``:
     ``"finished"`` or ``"failed"`` (with ``failure_code`` <= 64 chars and ``failure_message``
-    for every row); settle a ``retry`` with :func:`finish_delivery`.
+    for every row); settle a ``retry``, or rows of their own outcomes and texts, with
+    :func:`settle_deliveries`.
 
     Returns one outcome per lease, in lease order, each exactly what :func:`finish_delivery`
     would have returned: the guard is the same (community, id, target and generation match,
@@ -119,4 +128,58 @@ def finish_deliveries(
         if lease.delivery_id in settled
         else finish_delivery(lease, outcome, failure_code=code, failure_message=message)
         for lease in leases
+    ]
+
+
+@tracing.traced("buzz.settle")
+@tenant_scoped
+def settle_deliveries(settles: Sequence[Settle]) -> list[FinishOutcome]:
+    """Settle up to 1,000 leases of one community, each with its own outcome, in one statement
+    (a remote worker's flush of finished, failed and retried results; issue 29).
+
+    ``settles``: a non-empty list of :class:`Settle`, their leases as for
+    :func:`finish_deliveries` (one community, no delivery twice), each with the arguments
+    :func:`finish_delivery` takes: ``outcome`` ``finished``, ``failed`` or ``retry``, and
+    ``failure_code`` / ``failure_message`` / ``retry_after`` where that outcome takes them.
+
+    Returns one outcome per row, in row order, each exactly what :func:`finish_delivery` would
+    have returned for it: the same guard per row (community, id, target and generation match,
+    ``claimed``, ``lease_until >= now()``, community active), the same writes (a retry backs off
+    with its own jitter, not before its ``retry_after``, and ends ``failed`` /
+    ``attempts_exhausted`` on the last allowed attempt; one history entry per row), so a stale
+    row is refused while the others settle. Rows the statement did not settle are passed to
+    :func:`finish_delivery` (its fenced read tells :class:`AlreadyTerminal`, a repeated retry's
+    ``Settled("pending")`` and :class:`LeaseLost` apart). One outcome and one text for every row
+    and no retry: the plan-cached statement of :func:`finish_deliveries`. Raises
+    ``ValidationError`` keyed by row (``settles[2].failure_code``...) before any SQL.
+    """
+    _checked_leases(settles, "settles", Settle)
+    rows = [
+        (x, *checked_settle(x.outcome, x.failure_code, x.failure_message, x.retry_after, f"settles[{i}]."))
+        for i, x in enumerate(settles)
+    ]
+    leases = [x.lease for x in settles]
+    params = _fence_params(leases)
+    kinds = {(x.outcome, code, message) for x, code, message, _ in rows}
+    if len(kinds) == 1 and settles[0].outcome != "retry":
+        outcome, code, message = kinds.pop()
+        params.update(status=outcome, failure_code=code, failure_message=message)
+        settled = dict(_fenced_as_nothing(cached.FINISH_MANY.call, params))
+    else:
+        conf = get_settings()
+        params.update(
+            outcomes=[x.outcome for x, _, _, _ in rows],
+            failure_codes=[code for _, code, _, _ in rows],
+            failure_messages=[message for _, _, message, _ in rows],
+            jitters=[backoff.jitter() if x.outcome == "retry" else 1.0 for x, _, _, _ in rows],
+            retry_afters=[after or 0.0 for _, _, _, after in rows],
+            backoff_base=float(conf.retry_backoff_base_seconds),
+            backoff_cap=float(conf.retry_backoff_cap_seconds),
+        )
+        settled = dict(_fenced_as_nothing(sql.SETTLE_MANY_IF_CURRENT_GENERATION, params))
+    return [
+        Settled(status=settled[x.lease.delivery_id])
+        if x.lease.delivery_id in settled
+        else finish_delivery(x.lease, x.outcome, failure_code=code, failure_message=message, retry_after=after)
+        for x, code, message, after in rows
     ]

@@ -274,6 +274,26 @@ def renew_delivery(lease: Lease, lease_seconds: float | None = None) -> RenewOut
     )
 
 
+def checked_settle(
+    outcome: Any, failure_code: Any, failure_message: Any, retry_after: Any, prefix: str = ""
+) -> tuple[str | None, str | None, float | None]:
+    """A settle's arguments as :func:`finish_delivery` takes them: ``(failure_code,
+    failure_message, retry_after)`` checked against ``outcome``; a ``ValidationError`` keyed
+    ``prefix`` + the argument's name otherwise (the batch's ``settles[2].failure_code``)."""
+    if outcome not in OUTCOMES:
+        raise v.invalid(f"{prefix}outcome", f"must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
+    code = v.optional_text(failure_code, f"{prefix}failure_code", 64)
+    message = v.optional_text(failure_message, f"{prefix}failure_message", 10_000)
+    if code is not None and outcome != "failed":
+        raise v.invalid(f"{prefix}failure_code", f"is recorded only with outcome 'failed', not {outcome!r}")
+    if message is not None and outcome == "finished":
+        raise v.invalid(f"{prefix}failure_message", "is not recorded with outcome 'finished'")
+    after = backoff.argument(retry_after, f"{prefix}retry_after")
+    if after is not None and outcome != "retry":
+        raise v.invalid(f"{prefix}retry_after", f"is honoured only with outcome 'retry', not {outcome!r}")
+    return code, message, after
+
+
 @tracing.traced("buzz.settle")
 @tenant_scoped
 def finish_delivery(
@@ -302,17 +322,7 @@ def finish_delivery(
     holder's settlement.
     """
     params = _lease_params(lease)
-    if outcome not in OUTCOMES:
-        raise v.invalid("outcome", f"must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
-    code = v.optional_text(failure_code, "failure_code", 64)
-    message = v.optional_text(failure_message, "failure_message", 10_000)
-    if code is not None and outcome != "failed":
-        raise v.invalid("failure_code", f"is recorded only with outcome 'failed', not {outcome!r}")
-    if message is not None and outcome == "finished":
-        raise v.invalid("failure_message", "is not recorded with outcome 'finished'")
-    after = backoff.argument(retry_after)
-    if after is not None and outcome != "retry":
-        raise v.invalid("retry_after", f"is honoured only with outcome 'retry', not {outcome!r}")
+    code, message, after = checked_settle(outcome, failure_code, failure_message, retry_after)
     if outcome == "retry":
         conf = get_settings()
         statement = sql.RETRY_IF_CURRENT_GENERATION

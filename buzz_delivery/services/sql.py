@@ -313,6 +313,53 @@ WHERE {CURRENT_LEASE}
 RETURNING d.status
 """
 
+# The mixed batch form (a remote worker's flush, issue 29): one row of (id, generation, target,
+# outcome, failure_code, failure_message, jitter, retry_after) per lease, all of one community,
+# each row fenced by its own lease as CURRENT_LEASE fences its one, and each written exactly as
+# its single twin writes it: a ``finished``/``failed`` row as FINISH_IF_CURRENT_GENERATION, a
+# ``retry`` row as RETRY_IF_CURRENT_GENERATION (its own jitter and Retry-After, 0 when none; the
+# last allowed attempt ends failed/attempts_exhausted). The caller checked every combination (no
+# failure_code with a retry...). The CASEs read columns and parameters only; the clock goes
+# through buzz_delivery_when (SPEC 15). A settled row's next_attempt_at is NULL as FINISH leaves
+# it: every claim clears it, so a row held under a current lease has none to keep.
+_S_RETRY = "s.outcome = 'retry'"
+_S_STATUS = f"CASE WHEN {_S_RETRY} THEN CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END ELSE s.outcome END"
+_S_RETRY_DELAY = f"GREATEST({_BACKOFF_SECONDS} * s.jitter, s.retry_after)"
+_SETTLE_MANY_ENTRY = history_entry(
+    f"CASE WHEN {_S_RETRY} THEN 'retry' ELSE 'settle' END",
+    "d.lease_generation",
+    "d.claimed_by",
+    status=_S_STATUS,
+    renewals="d.renewals",
+)
+SETTLE_MANY_IF_CURRENT_GENERATION = f"""
+UPDATE {DELIVERY} AS d
+SET status = {_S_STATUS},
+    finished_at = buzz_delivery_when(NOT {_S_RETRY} OR {_EXHAUSTED}, {DB_NOW}),
+    failure_code = CASE WHEN {_S_RETRY} THEN CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END
+                        ELSE s.failure_code END,
+    failure_message = CASE WHEN {_S_RETRY} AND NOT {_EXHAUSTED} THEN NULL ELSE s.failure_message END,
+    next_attempt_at = buzz_delivery_when(
+        {_S_RETRY} AND NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_S_RETRY_DELAY})
+    ),
+    lease_until = NULL,
+    claimed_at = NULL,
+    {_SETTLE_MANY_ENTRY}
+FROM unnest(
+    %(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[],
+    %(outcomes)s::varchar[], %(failure_codes)s::varchar[], %(failure_messages)s::text[],
+    %(jitters)s::float8[], %(retry_afters)s::float8[]
+) AS s(id, generation, target, outcome, failure_code, failure_message, jitter, retry_after)
+WHERE d.community_id = %(community_id)s
+  AND d.id = s.id
+  AND d.target_pubkey = s.target
+  AND d.lease_generation = s.generation
+  AND d.status = 'claimed'
+  AND d.lease_until >= {DB_NOW}
+  AND {ACTIVE_COMMUNITY}
+RETURNING d.id, d.status
+"""
+
 STATUS_AT_GENERATION = f"""
 SELECT d.status FROM {DELIVERY} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s

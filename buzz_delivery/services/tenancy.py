@@ -318,7 +318,7 @@ def fleet() -> Iterator[None]:
         yield
 
 
-_COMMUNITY_ARGUMENTS = ("community_id", "community", "lease", "leases", "claim")
+_COMMUNITY_ARGUMENTS = ("community_id", "community", "lease", "leases", "settles", "claim")
 
 
 def _community_of(value: Any) -> uuid.UUID | None:
@@ -342,8 +342,9 @@ def _community_of(value: Any) -> uuid.UUID | None:
 def tenant_scoped(func: F) -> F:
     """Decorate a service of one community: its statements run in :func:`tenant` for the
     community named by its first argument among ``community_id``, ``community``, ``lease``,
-    ``leases`` (the first one's) or ``claim``. A value that names no community (bad input the
-    service itself rejects) runs the call without a scope: it then sees no rows (fail closed)."""
+    ``leases`` or ``settles`` (the first one's lease's) or ``claim``. A value that names no
+    community (bad input the service itself rejects) runs the call without a scope: it then
+    sees no rows (fail closed)."""
     signature = inspect.signature(func)
     names = list(signature.parameters)
     found = [(names.index(n), n) for n in _COMMUNITY_ARGUMENTS if n in names]

@@ -219,6 +219,19 @@ class LeaseLost:
     reason: str = "lease is not current"
 
 
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """One row of :func:`~buzz_delivery.services.settle_deliveries`: a lease and the arguments
+    :func:`~buzz_delivery.services.finish_delivery` would take for it (checked by the batch,
+    each keyed by its row: ``settles[2].failure_code``)."""
+
+    lease: Lease
+    outcome: str
+    failure_code: str | None = None
+    failure_message: str | None = None
+    retry_after: float | None = None
+
+
 RenewOutcome = Renewed | LeaseLost
 FinishOutcome = Settled | AlreadyTerminal | LeaseLost
 

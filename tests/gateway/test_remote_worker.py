@@ -274,28 +274,45 @@ def test_sigterm_drains_every_claimed_delivery_those_claimed_ahead_too_settled_i
 
 
 def test_a_settle_batch_refused_as_a_whole_is_sent_again_one_delivery_per_request():
-    """A 400/413 on the batch (one bad item, or too large) must not drop every lease in it: each
-    is settled on its own and gets its own answer."""
-    from buzz_delivery.gateway.client import GatewayHTTPError, RemoteLease, RemoteOutcome, RemoteWorker
+    """A 400/413 on the batch (one bad item, or too large), a 400 from a gateway older than
+    per-delivery outcomes (a mixed batch, or a single failed one) and a 404/405 from one without
+    the route must not drop every lease in it: each is settled on its own request, with its own
+    outcome and text, and gets its own answer."""
+    from buzz_delivery.gateway.client import GatewayHTTPError, RemoteLease, RemoteOutcome, RemoteWorker, _Result
 
-    class Refusing:
-        def __init__(self):
-            self.singles: list[str] = []
+    for status, ids in ((413, "abc"), (400, "abc"), (400, "b"), (404, "abc"), (405, "abc")):
 
-        def finish_many(self, leases, outcome):
-            raise GatewayHTTPError(413, "payload_too_large", "too large")
+        class Refusing:
+            def __init__(self):
+                self.singles: list[tuple] = []
+                self.batches: list[list[str]] = []
 
-        def finish(self, lease, outcome):
-            self.singles.append(lease.delivery_id)
-            if lease.delivery_id == "b":
-                return RemoteOutcome("lease_lost")
-            return RemoteOutcome("settled", status="finished")
+            def settle_many(self, settles, status=status):
+                self.batches.append([x.lease.delivery_id for x in settles])
+                raise GatewayHTTPError(status, "refused", "deliveries[1].outcome: is not a field of this request")
 
-    client = Refusing()
-    worker = RemoteWorker(client, lambda d: None)  # type: ignore[arg-type]
-    for d in ("a", "b", "c"):
-        worker._held[d] = RemoteLease("community", d, 1, "2026-01-01T00:00:00+00:00")
-    worker._settle_finished(["a", "b", "c"])
-    assert client.singles == ["a", "b", "c"]
-    assert (worker._counts["finished"], worker._counts["lease_lost"], worker._counts["settle_errors"]) == (2, 1, 0)
-    assert worker._held == {}
+            def finish(self, lease, outcome, *, failure_code=None, failure_message=None, retry_after=None):
+                self.singles.append((lease.delivery_id, outcome, failure_code, failure_message, retry_after))
+                if lease.delivery_id == "b":
+                    return RemoteOutcome("lease_lost")
+                return RemoteOutcome("settled", status={"retry": "pending"}.get(outcome, outcome))
+
+        results = {
+            "a": _Result("a", "finished", None, None, None),
+            "b": _Result("b", "failed", "Poison", "bad", None),
+            "c": _Result("c", "retry", None, "later", 30.0),
+        }
+        client = Refusing()
+        worker = RemoteWorker(client, lambda d: None)  # type: ignore[arg-type]
+        for d in ids:
+            worker._held[d] = RemoteLease("community", d, 1, "2026-01-01T00:00:00+00:00")
+        worker._settle([results[d] for d in ids])
+        assert client.batches == [list(ids)], status
+        assert client.singles == [tuple(vars_of(results[d])) for d in ids], status
+        counts = (worker._counts["finished"], worker._counts["retried"], worker._counts["lease_lost"])
+        assert counts == ((1, 1, 1) if ids == "abc" else (0, 0, 1)), status
+        assert worker._counts["settle_errors"] == 0 and worker._held == {}, status
+
+
+def vars_of(result) -> tuple:
+    return (result.delivery_id, result.outcome, result.failure_code, result.failure_message, result.retry_after)

@@ -331,7 +331,7 @@ def test_batch_finish_settles_many_and_answers_each_lease_like_the_one_by_one_fi
         ),
         ({"deliveries": [{**dup, "status": "x"}], "outcome": "failed"}, "deliveries[0].status"),
         ({"deliveries": [1], "outcome": "failed"}, "deliveries[0]"),
-        ({"deliveries": [dup], "outcome": "retry"}, "outcome"),
+        ({"deliveries": [dup], "outcome": "later"}, "outcome"),
         ({"deliveries": [dup], "outcome": "finished", "failure_code": "x"}, "failure_code"),
     ):
         response = agent.request("POST", path, body)
