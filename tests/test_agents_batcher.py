@@ -1,6 +1,6 @@
 """The event-loop worker's Batcher (issue 29): the runs a finished batch resumed queue their next
-operation into the next batch, so a process's runs stay in phase and share statements (the K = 4
-no-op bench lost about half its batch size to runs out of phase on one connection)."""
+operation into the next batch, so a process's runs stay in phase and share statements (at K = 4
+the no-op bench has one connection a process, and its runs went out of phase on it)."""
 
 from __future__ import annotations
 

@@ -13,11 +13,12 @@ item whose single form raises gets that exception, and the others are untouched.
 
 Before it sends a group, the dispatcher lets the loop take :data:`COALESCE_TURNS` turns (no
 timer: each turn runs what is already ready), so that the coroutines the last batch resumed
-queue their next operation into this one instead of the one after. Without it a process's runs
-drift out of phase: with one connection (``--async`` at K processes of ``connections / K``),
-each batch carried about half the runs in flight and the next operation's half waited for the
-next; measured at K = 4, 16 runs in flight a process, runs created while the worker drains,
-about 0.9 batched statements a run, against 0.55 with the turns (bench/results/agents_io_noop.md).
+queue their next operation into this one instead of the one after. Without them a process's
+runs drift out of phase on a busy connection (the bench's K = 4 gives each process one): each
+batch carries the runs of one phase and the others wait for the
+next. With the runs created while the worker drains (bench.agents_io, no-op calls, 16 runs in
+flight a process at K = 4, load 7 to 10) the batched statements a run fell from 0.86 to 0.70
+(medians of 4; bench/results/agents_io_noop.md).
 """
 
 from __future__ import annotations
