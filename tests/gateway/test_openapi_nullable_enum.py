@@ -1,4 +1,4 @@
-"""Review 2: the document accepts what the batch finish route accepts (outcome null)."""
+"""The document accepts what the batch finish route accepts (outcome null)."""
 
 from __future__ import annotations
 

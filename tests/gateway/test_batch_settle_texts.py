@@ -1,4 +1,4 @@
-"""Review 2: a request-level text the batch cannot apply is a 400 naming it, as the single
+"""a request-level text the batch cannot apply is a 400 naming it, as the single
 finish refuses it, not silently dropped."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review 2 probes of settle_deliveries (issue 29)."""
+"""Probes of settle_deliveries (issue 29)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.test_settle_batch import claimed, row
 
 pytestmark = pytest.mark.django_db
 
-AWKWARD = ['NULL', '"{}\\,', 'a,b', '{x}', ' NULL ', 'é\u2028', '\\']
+AWKWARD = ["NULL", '"{}\\,', "a,b", "{x}", " NULL ", "é\u2028", "\\"]
 
 
 def test_awkward_failure_texts_reach_the_row_as_finish_delivery_writes_them(

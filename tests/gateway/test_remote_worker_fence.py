@@ -1,4 +1,4 @@
-"""Review 2: the work client settles each handler's result under the lease that handler ran
+"""the work client settles each handler's result under the lease that handler ran
 under, not under whatever lease of that delivery id the worker holds now (no database)."""
 
 from __future__ import annotations
