@@ -584,9 +584,11 @@ SETTLE_BATCH = 100
 
 @dataclass(frozen=True, slots=True)
 class _Result:
-    """A handler's result awaiting its settle batch."""
+    """A handler's result awaiting its settle batch, with the lease its handler ran under: a
+    result is settled under that lease's generation, never under a later claim of the same
+    delivery (found in review)."""
 
-    delivery_id: str
+    lease: RemoteLease
     outcome: str
     failure_code: str | None
     failure_message: str | None
@@ -680,7 +682,7 @@ class RemoteWorker:
             outcome, code, message = settle_args(error)
             after = backoff.of(error) if outcome == "retry" else None
             # Settled in a batch, whatever the outcome; still held (and renewed) until then.
-            self._results.put(_Result(delivery_id, outcome, code, message, after))
+            self._results.put(_Result(claim.lease, outcome, code, message, after))
             delivery_id = ""  # not released below
         except BaseException:  # the loop's own error: counted; that lease lapses; the thread lives
             logger.exception("worker_error delivery=%s", delivery_id)
@@ -688,7 +690,7 @@ class RemoteWorker:
         finally:
             if delivery_id:
                 with self._lock:
-                    self._held.pop(delivery_id, None)
+                    self._release(claim.lease)
 
     def _settle_loop(self) -> None:
         """Settle the handlers' results in batches (see the module docstring) until told to stop."""
@@ -710,10 +712,11 @@ class RemoteWorker:
 
     def _settle(self, results: list[_Result]) -> None:
         with self._lock:
+            # The held lease when it is still this run's (a renewal may have moved its end), else
+            # the run's own: a stale run's result is fenced by its own generation (lease_lost).
             settles = [
-                RemoteSettle(self._held[r.delivery_id], r.outcome, r.failure_code, r.failure_message, r.retry_after)
+                RemoteSettle(self._current(r.lease), r.outcome, r.failure_code, r.failure_message, r.retry_after)
                 for r in results
-                if r.delivery_id in self._held
             ]
         by_community: dict[str, list[RemoteSettle]] = {}
         for settle in settles:
@@ -766,7 +769,20 @@ class RemoteWorker:
                 logger.info("settled delivery=%s outcome=%s result=%s", x.lease.delivery_id, x.outcome, answer.outcome)
         with self._lock:
             for r in results:
-                self._held.pop(r.delivery_id, None)
+                self._release(r.lease)
+
+    def _current(self, lease: RemoteLease) -> RemoteLease:
+        """The held lease of ``lease``'s delivery if it is of the same generation, else ``lease``
+        (call with the lock held)."""
+        held = self._held.get(lease.delivery_id)
+        return held if held is not None and held.lease_generation == lease.lease_generation else lease
+
+    def _release(self, lease: RemoteLease) -> None:
+        """Stop holding (renewing) ``lease``'s delivery, unless it is held under another
+        generation now: a later claim of it (call with the lock held)."""
+        held = self._held.get(lease.delivery_id)
+        if held is not None and held.lease_generation == lease.lease_generation:
+            del self._held[lease.delivery_id]
 
     def _renew_loop(self) -> None:
         """Every ``renew_every`` seconds, renew every held lease (claimed ahead, in a handler,

@@ -56,7 +56,7 @@ class Field:
             else:
                 schema["minimum"], schema["maximum"] = low, high
         if self.enum is not None:
-            schema["enum"] = list(self.enum)
+            schema["enum"] = [*self.enum, None] if self.nullable else list(self.enum)
         if not self.required:
             schema["default"] = self.default
         schema["description"] = self.description

@@ -312,6 +312,11 @@ def _batch_settles(leases: list[Lease], data: dict[str, Any]) -> tuple[list[Sett
         texts = {name: data[name] if name in taken else item[name] for name in _SETTLE_TEXTS}
         settles.append(Settle(lease, data["outcome"], **texts))
         inherited.append(taken)
+    # A request's failure text or retry_after that no delivery takes is refused, as the single
+    # finish refuses a field its outcome does not record, not dropped (found in review).
+    for name in _SETTLE_TEXTS:
+        if data[name] is not None and not any(name in taken for taken in inherited):
+            raise bad_request(name, "is taken by no delivery (each names its own, or its own outcome)")
     return settles, inherited
 
 

@@ -297,15 +297,18 @@ def test_a_settle_batch_refused_as_a_whole_is_sent_again_one_delivery_per_reques
                     return RemoteOutcome("lease_lost")
                 return RemoteOutcome("settled", status={"retry": "pending"}.get(outcome, outcome))
 
+        def held(d: str) -> RemoteLease:
+            return RemoteLease("community", d, 1, "2026-01-01T00:00:00+00:00")
+
         results = {
-            "a": _Result("a", "finished", None, None, None),
-            "b": _Result("b", "failed", "Poison", "bad", None),
-            "c": _Result("c", "retry", None, "later", 30.0),
+            "a": _Result(held("a"), "finished", None, None, None),
+            "b": _Result(held("b"), "failed", "Poison", "bad", None),
+            "c": _Result(held("c"), "retry", None, "later", 30.0),
         }
         client = Refusing()
         worker = RemoteWorker(client, lambda d: None)  # type: ignore[arg-type]
         for d in ids:
-            worker._held[d] = RemoteLease("community", d, 1, "2026-01-01T00:00:00+00:00")
+            worker._held[d] = held(d)
         worker._settle([results[d] for d in ids])
         assert client.batches == [list(ids)], status
         assert client.singles == [tuple(vars_of(results[d])) for d in ids], status
@@ -315,4 +318,4 @@ def test_a_settle_batch_refused_as_a_whole_is_sent_again_one_delivery_per_reques
 
 
 def vars_of(result) -> tuple:
-    return (result.delivery_id, result.outcome, result.failure_code, result.failure_message, result.retry_after)
+    return (result.lease.delivery_id, result.outcome, result.failure_code, result.failure_message, result.retry_after)
