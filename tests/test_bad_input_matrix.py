@@ -720,6 +720,16 @@ UNCHECKED_BEFORE_SQL: list[tuple[str, Call, str]] = [
         "failure_code",
     ),
     (
+        "settle batch failure_message lone surrogate",
+        lambda w: services.settle_deliveries([services.Settle(w.lease, "retry", failure_message=LONE_HIGH)]),
+        "settles[0].failure_message",
+    ),
+    (
+        "settle batch failure_code lone surrogate",
+        lambda w: services.settle_deliveries([services.Settle(w.lease, "failed", failure_code="code" + LONE_LOW)]),
+        "settles[0].failure_code",
+    ),
+    (
         "force-fail failure_message lone surrogate",
         lambda w: services.force_fail_delivery(w.a.id, w.lease.delivery_id, failure_message=LONE_HIGH),
         "failure_message",
