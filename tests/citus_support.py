@@ -206,3 +206,19 @@ if __name__ == "__main__":  # python -m tests.citus_support start|stop [folder]
     else:
         cluster.start()
         print(cluster.coordinator_url)
+
+
+def waits_for_a_row_lock(pid: int, statement_like: str) -> bool:
+    """Whether backend ``pid`` waits for a row lock (read through Django's connection). On Citus
+    the wait is on the worker holding the row, seen through ``citus_lock_waits`` by the blocked
+    statement's text (``statement_like``, a LIKE pattern); on PostgreSQL through
+    ``pg_stat_activity``."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        if CITUS_MODE:
+            cursor.execute("SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE %s", [statement_like])
+            return cursor.fetchone()[0] > 0
+        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
+        row = cursor.fetchone()
+    return bool(row and row[0] == "Lock")

@@ -20,24 +20,14 @@ from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import batch as b
 from buzz_delivery.agents.services import fail_run, journal_call
 from tests.agents_support import claim, new_run
-from tests.citus_support import CITUS_MODE
+from tests.citus_support import waits_for_a_row_lock
 
 pytestmark = pytest.mark.django_db(transaction=True)
 UNDO = {"function": "m:undo"}
 
 
 def _waits_for_a_lock(pid: int) -> bool:
-    """Whether backend ``pid`` waits for a row lock: on Citus the wait is on the community's
-    worker, seen through ``citus_lock_waits``."""
-    with connection.cursor() as cursor:
-        if CITUS_MODE:
-            cursor.execute(
-                "SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE %s", ["%buzz_agents_run%"]
-            )
-            return cursor.fetchone()[0] > 0
-        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
-        row = cursor.fetchone()
-    return bool(row and row[0] == "Lock")
+    return waits_for_a_row_lock(pid, "%buzz_agents_run%")
 
 
 def _race(fail) -> tuple[object, str, list]:

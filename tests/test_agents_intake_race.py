@@ -5,6 +5,7 @@ won (committed), or wins itself when the winner rolled back."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import connection, connections, transaction
@@ -12,21 +13,13 @@ from django.db import connection, connections, transaction
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services import Created, Duplicate, IdempotencyConflict, intake_event
 from tests.agents_support import AGENT
-from tests.citus_support import CITUS_MODE
+from tests.citus_support import waits_for_a_row_lock
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _waits_for_a_lock(pid: int) -> bool:
-    """Whether backend ``pid`` waits for a row lock: on Citus the wait is on the community's
-    worker, seen through ``citus_lock_waits``."""
-    with connection.cursor() as cursor:
-        if CITUS_MODE:
-            cursor.execute("SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE %s", ["%intake%"])
-            return cursor.fetchone()[0] > 0
-        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
-        row = cursor.fetchone()
-    return bool(row and row[0] == "Lock")
+    return waits_for_a_row_lock(pid, "%intake%")
 
 
 def _race(community_id, first_payload, second_payload, *, commit: bool):
@@ -61,7 +54,7 @@ def _race(community_id, first_payload, second_payload, *, commit: bool):
     b = threading.Thread(target=loser)
     b.start()
     while not pid:
-        pass
+        time.sleep(0.001)
     waited = False
     while not waited and b.is_alive():
         waited = _waits_for_a_lock(pid[0])

@@ -32,7 +32,7 @@ from buzz_delivery.workflows.services import (
 from buzz_delivery.workflows.services import sql as wf_sql
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.testing import function_step
-from tests.citus_support import CITUS_MODE
+from tests.citus_support import waits_for_a_row_lock
 from tests.conftest import BARRIER_TIMEOUT
 from tests.wf_support import backdate_step_lease, start
 
@@ -72,15 +72,7 @@ class StatementCounter:
 
 
 def renewal_waits_for_a_lock(pid: int) -> bool:
-    """Whether the renewal (backend ``pid``) waits for a row lock: on Citus the wait is on the
-    community's worker, seen through ``citus_lock_waits``."""
-    with connection.cursor() as cursor:
-        if CITUS_MODE:
-            cursor.execute("SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE %s", ["%renewals%"])
-            return cursor.fetchone()[0] > 0
-        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
-        row = cursor.fetchone()
-    return bool(row and row[0] == "Lock")
+    return waits_for_a_row_lock(pid, "%renewals%")
 
 
 # --- renewals -----------------------------------------------------------------------------
