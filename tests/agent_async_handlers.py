@@ -104,3 +104,11 @@ async def blocks_the_loop(ctx):
 async def quick(ctx):
     """Return at once (no call): the run completes."""
     return {"ok": True}
+
+
+async def three_calls_then_fails(ctx):
+    """Three journaled calls (each with its compensation), then the handler raises: the run
+    unwinds the three, last first, and ends failed (the fail batch bench and tests)."""
+    for n in (1, 2, 3):
+        await ctx.call("effect", effect, {"n": n}, compensate=async_undo, reconcile=reconcile)
+    raise RuntimeError("the model gave up")

@@ -1,7 +1,8 @@
 """Handlers used by tests/test_worker.py (run inside ``run_delivery_worker`` subprocesses).
 
 ``scripted`` acts on the delivery's ``trigger_context``: ``{"sleep": seconds}`` sleeps first,
-``{"raise": "permanent" | "permanent_attr" | "ordinary"}`` raises. Each call appends JSON lines
+``{"raise": "permanent" | "permanent_attr" | "ordinary"}`` raises (``{"raise": "retry_after",
+"seconds": n}`` raises ``RetryAfter(n)``). Each call appends JSON lines
 to the file named by ``BUZZ_TEST_HANDLER_LOG`` (if set): what it saw when it started, including
 how many other backends of this database sat idle in an open transaction.
 """
@@ -15,6 +16,7 @@ import time
 
 from django.db import OperationalError, connection, transaction
 
+from buzz_delivery.backoff import RetryAfter
 from buzz_delivery.worker import PermanentFailure
 
 
@@ -108,6 +110,8 @@ def scripted(delivery) -> str:
         raise QuotaGone("quota is gone for good")
     if kind == "ordinary":
         raise ValueError("upstream timed out")
+    if kind == "retry_after":  # a provider's Retry-After: not retried before script["seconds"]
+        raise RetryAfter(script["seconds"], "rate limited upstream")
     if kind == "cancelled":  # a BaseException, not an Exception
         raise asyncio.CancelledError("the event loop went away")
     # Text PostgreSQL cannot store (JSON cannot carry it, so the handler builds it).

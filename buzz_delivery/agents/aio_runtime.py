@@ -14,9 +14,10 @@ task, so an ``await`` in flight raises ``CancelledError`` and no further call is
 Calls of one run are made one at a time (positions in the journal are the order of the calls).
 
 No statement of the runtime runs on a connection of the user's code: the journal, results,
-renewals and completions go through the worker's :class:`~buzz_delivery.agents.batcher.Batcher`
-(batched per community over a fixed pool of connections), and the rare transitions (fail,
-unwind, compensations, approvals) through the same pool one at a time.
+renewals, completions, failures and the steps of an unwinding (begin and finish each
+compensation) go through the worker's :class:`~buzz_delivery.agents.batcher.Batcher` (batched
+per community over a fixed pool of connections), and the rare transitions (approvals, emits)
+through the same pool one at a time.
 
     async def handler(ctx):
         page = await ctx.call("fetch", fetch_page, {"url": ctx.input["url"]})
@@ -326,14 +327,23 @@ class SyncBridge:
         return self._wait(self._actx.request_approval(prompt, deadline_seconds))
 
 
+async def _fail(runtime: Runtime, lease: s.AgentLease, code: str, message: str | None = None) -> batch.FailOutcome:
+    """``fail_run`` through the batcher (``fail_runs``: each run locked, then fenced by its own
+    lease): the single form's outcome. Bad text raises ``ValidationError`` here, as it would."""
+    prepared = batch.prepare_failure(lease, code, message)
+    return await runtime.batcher.submit("fail", lease.community_id, lease.run_id, prepared)
+
+
 async def unwind(runtime: Runtime, lease: s.AgentLease, seqs: tuple[int, ...]) -> str:
     """As :func:`buzz_delivery.agents.runtime.unwind`, with async or plain compensations:
-    ``compensated``, ``compensation_failed`` or ``lost``."""
-    pool = runtime.pool
+    ``compensated``, ``compensation_failed`` or ``lost``. Each step (begin, finish, the run's
+    end) goes through the batcher, batched with the other runs' unwinding at that step."""
+    submit = runtime.batcher.submit
+    community, run_id = lease.community_id, lease.run_id
     result = "compensated"
     for seq in seqs:
-        began = await pool.run(s.begin_compensation, lease, seq)
-        if began is None:
+        began = await submit("begin_compensation", community, run_id, batch.prepare_compensation_begin(lease, seq))
+        if isinstance(began, batch.NotNext):
             continue
         if not isinstance(began, dict):
             return "lost"
@@ -345,14 +355,17 @@ async def unwind(runtime: Runtime, lease: s.AgentLease, seqs: tuple[int, ...]) -
             await runtime.user_code(lease.community_id, function, began["args"], began["output"], began["key"])
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
-            failed = await pool.run(s.finish_compensation, lease, seq, ok=False, error=f"{type(exc).__name__}: {exc}")
-            if not isinstance(failed, (s.Recorded, s.AlreadyRecorded)):
+            failing = batch.prepare_compensation_finish(lease, seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+            if not isinstance(
+                await submit("finish_compensation", community, run_id, failing), s.Recorded | s.AlreadyRecorded
+            ):
                 return "lost"
             result = "compensation_failed"
             break
-        if not isinstance(await pool.run(s.finish_compensation, lease, seq, ok=True), (s.Recorded, s.AlreadyRecorded)):
+        done = batch.prepare_compensation_finish(lease, seq, ok=True)
+        if not isinstance(await submit("finish_compensation", community, run_id, done), s.Recorded | s.AlreadyRecorded):
             return "lost"
-    final = await pool.run(s.fail_run, lease, "compensated")
+    final = await _fail(runtime, lease, "compensated")
     if isinstance(final, s.Unwinding):
         return await unwind(runtime, lease, final.seqs)
     return result if isinstance(final, (s.Finished, s.AlreadyTerminal)) else "lost"
@@ -375,9 +388,8 @@ async def _invoke(handler: Callable[..., Any], ctx: AsyncContext) -> Any:
 async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., Any]) -> str:
     """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
     ``compensation_failed``, ``parked``, ``lost``. The handler raising fails this run only."""
-    pool = runtime.pool
     if ctx.run.unwinding:
-        outcome = await pool.run(s.fail_run, ctx.lease, ctx.run.failure_code or "unwinding")
+        outcome = await _fail(runtime, ctx.lease, ctx.run.failure_code or "unwinding")
         if isinstance(outcome, s.Unwinding):
             return await unwind(runtime, ctx.lease, outcome.seqs)
         return "failed" if isinstance(outcome, s.Finished) else "lost"
@@ -391,7 +403,7 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         code = exc.failure_code if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
             return "lost"
-        failed = await pool.run(s.fail_run, ctx.lease, code, f"{type(exc).__name__}: {exc}"[:10_000])
+        failed = await _fail(runtime, ctx.lease, code, f"{type(exc).__name__}: {exc}"[:10_000])
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
@@ -400,7 +412,7 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
     try:
         prepared = batch.prepare_completion(ctx.lease, output)
     except Exception as exc:  # an output that cannot be stored fails this run
-        failed = await pool.run(s.fail_run, ctx.lease, "handler_error", f"{type(exc).__name__}: {exc}"[:10_000])
+        failed = await _fail(runtime, ctx.lease, "handler_error", f"{type(exc).__name__}: {exc}"[:10_000])
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"

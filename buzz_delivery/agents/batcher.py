@@ -4,7 +4,8 @@
 own Django connection (so the services' SQL, tenancy scopes and validation are the ones every
 other caller uses): however many runs are in flight, the runtime holds at most that many
 connections. :class:`Batcher` gathers the holder operations that coroutines submit (journal a
-call, record a result, renew a lease, complete a run), groups them by operation and community,
+call, record a result, renew a lease, complete or fail a run, begin or finish a compensation),
+groups them by operation and community,
 and sends each group as one batched statement
 (:mod:`~buzz_delivery.agents.services.batch`) when a connection is free: the busier the pool,
 the bigger the batches. Each submitter awaits its own typed outcome. A batch the database
@@ -126,6 +127,15 @@ def operations(lease_seconds: float) -> dict[str, Operation]:
         "journal": Operation("journal", batch.journal_calls, batch.replay_call),
         "record": Operation("record", batch.record_results, batch.replay_result),
         "complete": Operation("complete", batch.complete_runs, batch.replay_completion),
+        # A run's end when its handler raised, and each step of its unwinding (issue 29): each
+        # item's outcome typed as the single form's (begin's None as batch.NotNext).
+        "fail": Operation("fail", batch.fail_runs, batch.replay_failure),
+        "begin_compensation": Operation(
+            "begin_compensation", batch.begin_compensations, batch.replay_compensation_begin
+        ),
+        "finish_compensation": Operation(
+            "finish_compensation", batch.finish_compensations, batch.replay_compensation_finish
+        ),
         "heartbeat": Operation(
             "heartbeat", _heartbeat_many(lease_seconds), lambda lease: s.heartbeat(lease, lease_seconds)
         ),

@@ -1,16 +1,21 @@
 """Batched settles (SPEC sections 4.5 and 7): one thread turns handler results into settle
-statements, many ``finished`` results per statement.
+statements, many results (finished, failed or retried) per statement (issue 29).
 
 Handler threads put a :class:`SettleJob` (a lease and its :class:`SettleArgs`) on the queue and
 move on to their next claim. The settler takes whatever is queued, waiting up to ``linger``
 seconds for more while fewer than ``max_batch`` are there, then settles the batch:
 
-- every ``finished`` result of one community (whatever its target) through one
-  :func:`services.finish_deliveries` statement (one ``UPDATE ... FROM unnest``), each row
-  still fenced by its own (delivery, target, generation), and each outcome judged by the rows the
-  statement returned (a lease it did not settle pays the fenced read that tells
-  ``AlreadyTerminal`` from ``LeaseLost``, as a single settle would);
-- ``failed`` and ``retry`` results (their failure text differs per delivery) one statement each.
+- every result of one community (whatever its target and outcome: ``finished``, ``failed``,
+  ``retry`` with its own failure text and Retry-After) through one
+  :func:`services.settle_deliveries` statement (one ``UPDATE ... FROM unnest``; an all-``finished``
+  batch takes the plan-cached ``FINISH_MANY`` form), each row still fenced by its own (delivery,
+  target, generation) and written as ``finish_delivery`` writes it, and each outcome judged by the
+  rows the statement returned (a lease it did not settle is passed to ``finish_delivery``, whose
+  fenced read tells ``AlreadyTerminal``, a repeated retry and ``LeaseLost`` apart, as a single
+  settle would). A workflow send's delivery counts its step in that statement (the fan-in
+  trigger), so in the settling transaction;
+- a lone result of its community, or a second lease of a delivery already in the batch, one
+  ``finish_delivery`` statement.
 
 A batch statement that the database refuses for a reason other than a lost connection is
 replayed one lease at a time, so that nothing about one delivery keeps the others of its batch
@@ -34,7 +39,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from buzz_delivery import services
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Settled
-from buzz_delivery.services.types import FinishOutcome
+from buzz_delivery.services.types import FinishOutcome, Settle
 from buzz_delivery.worker.handlers import SettleArgs
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 
@@ -144,22 +149,22 @@ class Settler(threading.Thread):
 
     def _settle_batch(self, jobs: list[SettleJob]) -> None:
         # The batch statement takes the leases of one community: group by community.
-        finished: dict[object, list[SettleJob]] = {}
+        groups: dict[object, list[SettleJob]] = {}
         seen: set[object] = set()
         singles: list[SettleJob] = []
         for job in jobs:
             # One statement takes each delivery once: a second lease of the same delivery (a
             # requeue while the old handler ran) settles on its own.
-            if job.args.outcome == "finished" and job.lease.delivery_id not in seen:
+            if job.lease.delivery_id not in seen:
                 seen.add(job.lease.delivery_id)
-                finished.setdefault(job.lease.community_id, []).append(job)
+                groups.setdefault(job.lease.community_id, []).append(job)
             else:
                 singles.append(job)
         results: list[tuple[SettleJob, FinishOutcome]] = []
         statements = 0
-        for group in finished.values():
+        for group in groups.values():
             if len(group) > 1:
-                batch, used = self._finish_many(group)
+                batch, used = self._settle_many(group)
                 statements += used
                 if batch is None:
                     singles = group + singles
@@ -174,13 +179,22 @@ class Settler(threading.Thread):
                 results.append((job, outcome))
         self._record(jobs, results, statements)
 
-    def _finish_many(self, jobs: list[SettleJob]) -> tuple[list[tuple[SettleJob, FinishOutcome]] | None, int]:
-        """Settle ``jobs`` (all ``finished``, distinct deliveries) in one statement. Returns
-        (the outcomes, statements run: 1 + one per lease the batch did not settle, roughly), or
-        (None, 0) when the statement must be replayed lease by lease."""
-        leases = [job.lease for job in jobs]
+    def _settle_many(self, jobs: list[SettleJob]) -> tuple[list[tuple[SettleJob, FinishOutcome]] | None, int]:
+        """Settle ``jobs`` (one community, distinct deliveries, each with its own outcome) in one
+        statement. Returns (the outcomes, statements run: 1 + two per lease the batch did not
+        settle, roughly), or (None, 0) when the statement must be replayed lease by lease."""
+        settles = [
+            Settle(
+                job.lease,
+                job.args.outcome,
+                failure_code=job.args.failure_code,
+                failure_message=job.args.failure_message,
+                retry_after=job.args.retry_after,
+            )
+            for job in jobs
+        ]
         try:
-            outcomes = self._retrying()(services.finish_deliveries, leases, "finished")
+            outcomes = self._retrying()(services.settle_deliveries, settles)
         except DB_UNAVAILABLE as exc:
             logger.error("db_unavailable role=settle n=%d gave up: %s", len(jobs), exc)
             return [], 1
