@@ -60,6 +60,8 @@ def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(communit
                 cursor.execute("SELECT pg_backend_pid()")
                 pid.append(cursor.fetchone()[0])
             outcomes.extend(services.finish_deliveries(leases))
+        except BaseException as exc:
+            outcomes.append(exc)
         finally:
             connections.close_all()
 
@@ -73,8 +75,8 @@ def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(communit
             time.sleep(0.001)
         waited = False
         while not waited and s.is_alive():
-            waited = waits_for_a_row_lock(pid[0], "%workflow_run%")
-        assert waited, "the batch settled without taking the later run's row"
+            waited = waits_for_a_row_lock(pid[0], "%finish_leases%")
+        assert waited, f"the batch settled without taking the later run's row: {outcomes}"
         # It holds the earlier run already, and has settled nothing.
         with pytest.raises(OperationalError), transaction.atomic():
             _lock_run(community.id, first.id, nowait=True)
