@@ -119,6 +119,7 @@ SKIPPED: dict[str, str] = {
     "_with_stale_statistics": _PLAN,
     "tests/test_flow_priority.py::test_the_claim_reads_only_the_rows_it_takes_among_many_of_lower_priority": _PLAN,
     "tests/test_cached_statements.py::test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key": _PLAN,
+    "tests/test_cached_statements.py::test_the_batch_settles_run_locks_reach_the_rows_by_their_keys": _PLAN,
     "tests/test_flow_limits_processes.py::test_eight_workers_and_the_reaper_never_hold_more_than_the_limit"
     "_of_one_key": (
         "its audit trigger writes a test table local to the coordinator, which a trigger on a shard "

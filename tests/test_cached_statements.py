@@ -10,7 +10,7 @@ import pytest
 from django.db import connection
 
 from buzz_delivery import models, services
-from buzz_delivery.services import cached
+from buzz_delivery.services import cached, sql
 from buzz_delivery.services.db import SERVER_BOUND
 from buzz_delivery.testing import random32
 from tests.citus_support import CITUS_MODE
@@ -130,3 +130,27 @@ def test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key(community,
     }
     assert indexes == {"buzz_delivery_delivery_pkey"}, plan
     assert "Seq Scan on buzz_delivery_delivery" not in plan, plan
+
+
+def test_the_batch_settles_run_locks_reach_the_rows_by_their_keys(community, message_event, make_binding):
+    """The lock of the batch's runs that the batch settle takes first (in run order, issue 31)
+    reads the named deliveries and their runs through the primary keys in its generic plan, and
+    locks the runs after sorting them, not a scan of either table."""
+    from tests.plan_support import generic_explain
+
+    ids = services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=random32())])
+    query = re.sub(r"\bp_(community_id|delivery_ids)\b", r"%(\1)s", sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION)
+    statement = cached.CachedStatement(
+        function="lock_runs",
+        statement=query.replace("PERFORM", "SELECT", 1).strip().rstrip(";"),
+        params=(("community_id", "uuid"), ("delivery_ids", "uuid[]")),
+        returns="",
+        columns="",
+    )
+    plan = "\n".join(row[0] for row in generic_explain(statement, {"community_id": community.id, "delivery_ids": ids}))
+    assert "Seq Scan" not in plan, plan
+    assert set(re.findall(r"Index Scan using (\w+)", plan)) == {
+        "buzz_delivery_delivery_pkey",
+        "buzz_delivery_workflow_run_pkey",
+    }, plan
+    assert plan.index("LockRows") < plan.index("Sort"), plan  # the lock above the sort: taken in run order

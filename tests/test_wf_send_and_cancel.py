@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from buzz_delivery import services
@@ -449,3 +450,19 @@ def test_a_sub_workflow_step_that_times_out_cancels_its_child_run(workflow):
     child.refresh_from_db()
     assert (child.state, states(child)) == ("canceled", {"inner": "canceled"})
     assert [(d.status, d.failure_code) for d in deliveries(child)] == [("expired", "run_canceled")]
+
+
+def test_send_message_reads_only_what_its_deliveries_bind_to_of_its_run(workflow):
+    """The send reads its run's workflow, version, cause, trace context and priority in one
+    narrow statement, not the run's input and output (issue 31: the ORM read every column of
+    the run for every send)."""
+    targets = [random32() for _ in range(2)]
+    run = start(workflow, {"steps": [send_step("send", targets)]}, {"big": "x" * 1000})
+    (claim,) = claim_steps(workflow.community_id, limit=1, lease_seconds=30)
+
+    with CaptureQueriesContext(connection) as ctx:
+        assert executor.execute(claim) == Settled("waiting")
+
+    reads = [q["sql"] for q in ctx.captured_queries if "buzz_workflows_run" in q["sql"] and "SELECT" in q["sql"]]
+    assert reads and not any('"input"' in sql or ".input" in sql or "r.output" in sql for sql in reads), reads
+    assert len([d for d in deliveries(run) if d.cause_kind == "event"]) == 2

@@ -142,6 +142,7 @@ FINISH_MANY = CachedStatement(
     ),
     returns="TABLE(id uuid, status varchar)",
     columns="d.id, d.status",
+    prelude=sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION,
 )
 
 # The claim under the operator's concurrency limits (services/flow.py): the community's claim lock,

@@ -29,11 +29,12 @@ appends nothing: it only counts (``renewals``), so a long lease never floods the
 
 from __future__ import annotations
 
-from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.models import WorkflowAgentDelivery, WorkflowRun
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
+WORKFLOW_RUN = WorkflowRun._meta.db_table
 
 # Columns returned by claims: everything but the (possibly large) JSON snapshots and history.
 SNAPSHOT_FIELDS = ("execution_trace", "trigger_context")
@@ -279,6 +280,23 @@ WHERE d.community_id = %(community_id)s
   AND d.lease_until >= {DB_NOW}
   AND {ACTIVE_COMMUNITY}
 RETURNING d.id, d.status
+"""
+
+# Before a batch settles anything: the rows of its deliveries' runs, locked in run id order (a
+# PL/pgSQL line, the prelude of the plan-cached batch settle, services/cached.py). A settle of a
+# delivery may take a lock per run in the same transaction (the workflow engine counts the
+# delivery in its waiting step under the run's lock, in the order the UPDATE meets the rows, which
+# is its plan's); two batches that hold deliveries of the same runs (two workers, one per target)
+# would otherwise take those locks in different orders and deadlock, each deadlock a second of
+# both workers' time (``deadlock_timeout``) and a retried batch. Taken this way, the second batch
+# waits at its first run in common, holding none of the first's. A row lock of the community's
+# (SPEC 15), not an advisory one.
+LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION = f"""    PERFORM 1 FROM {WORKFLOW_RUN} AS r
+    WHERE r.community_id = p_community_id
+      AND r.id IN (SELECT x.run_id FROM {DELIVERY} AS x
+                   WHERE x.community_id = p_community_id AND x.id = ANY (p_delivery_ids))
+    ORDER BY r.id
+    FOR NO KEY UPDATE OF r;
 """
 
 # A retry on the last allowed attempt ends ``failed`` / ``attempts_exhausted`` (SPEC section 6).

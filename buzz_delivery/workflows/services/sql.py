@@ -141,6 +141,23 @@ _STEP_COLUMNS = ", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS)
 CLAIM_READY_STEPS = _CLAIM_READY_STEPS.replace("{step_columns}", _STEP_COLUMNS)
 CLAIM_READY_STEPS_UNDER_LIMITS = _CLAIM_READY_STEPS_UNDER_LIMITS.replace("{step_columns}", _STEP_COLUMNS)
 
+# What a send_message step reads of its run (the executor): the fields its deliveries bind to,
+# not the run's input, output and tags, which the ORM's ``step.run`` read in full for every send.
+RUN_FOR_SEND_FIELDS = (
+    "workflow_id",
+    "definition_id",
+    "cause_kind",
+    "cause_event_id",
+    "cause_scheduled_for",
+    "cause_webhook_invocation_id",
+    "trace_context",
+    "priority",
+)
+RUN_FOR_SEND = f"""
+SELECT r.community_id, r.run_id, {", ".join(f"r.{name}" for name in RUN_FOR_SEND_FIELDS)} FROM {RUN} AS r
+WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s
+"""
+
 # In round-robin order: the communities after %(after)s first, then from the first again
 # (%(after)s NULL: from the first), so that past the limit every community gets its turn.
 COMMUNITIES_WITH_READY_STEPS = f"""

@@ -1,0 +1,89 @@
+"""services.finish_deliveries takes its deliveries' runs in run id order before it settles
+anything (issue 31): two workers settling deliveries of the same workflow runs (one per target)
+deadlocked when their batches met the runs in different orders, because the workflow engine
+counts each delivery under its run's lock in the order the batch UPDATE meets the rows."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection, connections, transaction
+from django.db.utils import OperationalError
+
+from buzz_delivery import services
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import BindingFactory, EventFactory, WorkflowRunFactory, random32
+from tests.citus_support import waits_for_a_row_lock
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LOCK_RUN = """
+SELECT 1 FROM buzz_delivery_workflow_run WHERE community_id = %s AND id = %s FOR NO KEY UPDATE{}
+"""
+
+
+def _lock_run(community_id, run_id, nowait: bool = False) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(LOCK_RUN.format(" NOWAIT" if nowait else ""), [community_id, run_id])
+
+
+def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(community):
+    runs = sorted((WorkflowRunFactory(community=community) for _ in range(2)), key=lambda r: r.id)
+    event = EventFactory(community=community)
+    target = random32()
+    for run in runs:
+        services.commit_deliveries(
+            community.id, event, [BindingFactory(run=run, message_event=event, target_pubkey=target)]
+        )
+    claims = {c.delivery.run_id: c for c in services.claim_deliveries(community.id, target, limit=2, lease_seconds=60)}
+    first, second = runs
+    # The batch lists the later run first: the order of the locks is the runs', not the list's.
+    leases = [claims[second.id].lease, claims[first.id].lease]
+    held, release = threading.Event(), threading.Event()
+    pid: list[int] = []
+    outcomes: list[object] = []
+
+    def holder():  # another settle, holding the later run
+        try:
+            with transaction.atomic():
+                _lock_run(community.id, second.id)
+                held.set()
+                release.wait(60)
+        finally:
+            connections.close_all()
+
+    def settler():
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                pid.append(cursor.fetchone()[0])
+            outcomes.extend(services.finish_deliveries(leases))
+        except BaseException as exc:
+            outcomes.append(exc)
+        finally:
+            connections.close_all()
+
+    h = threading.Thread(target=holder)
+    h.start()
+    assert held.wait(60)
+    s = threading.Thread(target=settler)
+    s.start()
+    try:
+        while not pid:
+            time.sleep(0.001)
+        waited = False
+        while not waited and s.is_alive():
+            waited = waits_for_a_row_lock(pid[0], "%finish_leases%")
+        assert waited, f"the batch settled without taking the later run's row: {outcomes}"
+        # It holds the earlier run already, and has settled nothing.
+        with pytest.raises(OperationalError), transaction.atomic():
+            _lock_run(community.id, first.id, nowait=True)
+        statuses = WorkflowAgentDelivery.objects.filter(community_id=community.id).values_list("status", flat=True)
+        assert sorted(statuses) == ["claimed", "claimed"]
+    finally:
+        release.set()
+        h.join(60)
+        s.join(60)
+    assert outcomes == [services.Settled("finished")] * 2
