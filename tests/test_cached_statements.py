@@ -139,7 +139,7 @@ def test_the_batch_settles_run_locks_reach_the_rows_by_their_keys(community, mes
     from tests.plan_support import generic_explain
 
     ids = services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=random32())])
-    query = re.sub(r"\bp_(community_id|delivery_ids)\b", r"%(\1)s", sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION)
+    query = re.sub(r"\bp_(community_id|delivery_ids)\b", r"%(\1)s", sql.LOCK_RUNS_OF_DELIVERIES)
     statement = cached.CachedStatement(
         function="lock_runs",
         statement=query.replace("PERFORM", "SELECT", 1).strip().rstrip(";"),

@@ -87,3 +87,38 @@ def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(communit
         h.join(60)
         s.join(60)
     assert outcomes == [services.Settled("finished")] * 2
+
+
+def test_a_batch_of_one_run_does_not_lock_its_run(community):
+    """A batch whose deliveries are all of one run cannot close a cycle, so it takes no lock of the
+    run's row: K workers settling one producer's backlog are not serialized on it."""
+    run, event, target = WorkflowRunFactory(community=community), EventFactory(community=community), random32()
+    services.commit_deliveries(
+        community.id, event, [BindingFactory(run=run, message_event=event, target_pubkey=target) for _ in range(3)]
+    )
+    leases = [c.lease for c in services.claim_deliveries(community.id, target, limit=3, lease_seconds=60)]
+    held, release = threading.Event(), threading.Event()
+
+    def holder():  # another transaction holding the run's row as the ordered lock would
+        try:
+            with transaction.atomic():
+                _lock_run(community.id, run.id)
+                held.set()
+                release.wait(60)
+        finally:
+            connections.close_all()
+
+    h = threading.Thread(target=holder)
+    h.start()
+    try:
+        assert held.wait(60)
+        with connection.cursor() as cursor:  # a wait would fail fast instead of settling
+            cursor.execute("SET lock_timeout = '2s'")
+        try:
+            assert services.finish_deliveries(leases) == [services.Settled("finished")] * 3
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET lock_timeout")
+    finally:
+        release.set()
+        h.join(60)

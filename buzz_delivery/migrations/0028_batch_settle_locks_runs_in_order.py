@@ -1,5 +1,6 @@
 """The batch settle (``buzz_delivery_finish_leases``, ``services/cached.py``) locks its deliveries'
-runs in run id order before it settles anything (``sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION``):
+runs in run id order before it settles anything, when they are of more than one run
+(``sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION``):
 two workers settling the deliveries of the same workflow runs (one per target) deadlocked when
 their batches met the runs in different orders (issue 31). The same settle otherwise. A frozen
 copy of what ``CachedStatement.create_sql()`` printed when this migration was written."""
@@ -17,12 +18,15 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 BEGIN
+    IF (SELECT count(DISTINCT x.run_id) FROM buzz_delivery_delivery AS x
+        WHERE x.community_id = p_community_id AND x.id = ANY (p_delivery_ids)) > 1 THEN
     PERFORM 1 FROM buzz_delivery_workflow_run AS r
     WHERE r.community_id = p_community_id
       AND r.id IN (SELECT x.run_id FROM buzz_delivery_delivery AS x
                    WHERE x.community_id = p_community_id AND x.id = ANY (p_delivery_ids))
     ORDER BY r.id
     FOR NO KEY UPDATE OF r;
+    END IF;
     RETURN QUERY
 UPDATE buzz_delivery_delivery AS d
 SET status = p_status,

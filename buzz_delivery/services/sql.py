@@ -290,13 +290,19 @@ RETURNING d.id, d.status
 # would otherwise take those locks in different orders and deadlock, each deadlock a second of
 # both workers' time (``deadlock_timeout``) and a retried batch. Taken this way, the second batch
 # waits at its first run in common, holding none of the first's. A row lock of the community's
-# (SPEC 15), not an advisory one.
-LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION = f"""    PERFORM 1 FROM {WORKFLOW_RUN} AS r
+# (SPEC 15), not an advisory one. A batch whose deliveries are all of one run takes no such lock:
+# it can hold at most that run's lock, so it cannot close a cycle, and the inbox's worker settling
+# one producer's backlog from K processes is not serialized on that run's row.
+LOCK_RUNS_OF_DELIVERIES = f"""PERFORM 1 FROM {WORKFLOW_RUN} AS r
     WHERE r.community_id = p_community_id
       AND r.id IN (SELECT x.run_id FROM {DELIVERY} AS x
                    WHERE x.community_id = p_community_id AND x.id = ANY (p_delivery_ids))
     ORDER BY r.id
-    FOR NO KEY UPDATE OF r;
+    FOR NO KEY UPDATE OF r;"""
+LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION = f"""    IF (SELECT count(DISTINCT x.run_id) FROM {DELIVERY} AS x
+        WHERE x.community_id = p_community_id AND x.id = ANY (p_delivery_ids)) > 1 THEN
+    {LOCK_RUNS_OF_DELIVERIES}
+    END IF;
 """
 
 # A retry on the last allowed attempt ends ``failed`` / ``attempts_exhausted`` (SPEC section 6).
