@@ -112,3 +112,62 @@ async def three_calls_then_fails(ctx):
     for n in (1, 2, 3):
         await ctx.call("effect", effect, {"n": n}, compensate=async_undo, reconcile=reconcile)
     raise RuntimeError("the model gave up")
+
+
+# -- Text PostgreSQL cannot store, or too long (tests/test_agents_aio_unstorable_text.py): the run
+# fails or its compensation fails, with the text made storable and cut, never the run's task.
+HUGE = "u" * 20_000
+
+
+@compensation
+async def undo_raises_huge(args: dict, output, key: str) -> None:
+    _write(f"undo-attempt {key}")
+    raise RuntimeError(HUGE)
+
+
+@compensation
+async def undo_raises_nul(args: dict, output, key: str) -> None:
+    _write(f"undo-attempt {key}")
+    raise RuntimeError("before\x00after")
+
+
+@compensation
+def undo_exits(args: dict, output, key: str) -> None:
+    """A plain compensation raising ``SystemExit`` on its thread (not an ``Exception``)."""
+    _write(f"undo-attempt {key}")
+    raise SystemExit("a compensation must not stop the worker")
+
+
+async def _fine(args: dict, key: str) -> dict:
+    return {"n": 1}
+
+
+async def _raises(args: dict, key: str) -> dict:
+    raise RuntimeError(args["text"].replace("NUL", "\x00"))  # (JSON args cannot carry a NUL)
+
+
+class _BadCode(Exception):
+    failure_code = "c" * 100
+
+
+async def unstorable_texts(ctx):
+    """``ctx.input["how"]``: ``undo_huge`` / ``undo_nul`` / ``undo_exits`` (one call with that
+    compensation, then the handler raises), ``tool_huge`` / ``tool_nul`` (a call whose tool raises
+    that text), ``raise_huge`` / ``raise_nul`` (the handler raises it), ``code`` (an AgentError
+    whose failure_code is 100 characters with a NUL)."""
+    from buzz_delivery.agents.exceptions import AgentError
+
+    how = ctx.input["how"]
+    undo = {"undo_huge": undo_raises_huge, "undo_nul": undo_raises_nul, "undo_exits": undo_exits}.get(how)
+    if undo is not None:
+        await ctx.call("effect", _fine, {"n": 1}, compensate=undo)
+        raise RuntimeError("the model gave up")
+    if how.startswith("tool_"):
+        await ctx.call("t", _raises, {"text": HUGE if how == "tool_huge" else "aNULb"})
+    if how == "raise_huge":
+        raise RuntimeError(HUGE)
+    if how == "raise_nul":
+        raise RuntimeError("a\x00b")
+    error = AgentError("bad code")
+    error.failure_code = "c\x00" + "c" * 100
+    raise error

@@ -54,7 +54,14 @@ from buzz_delivery.agents.exceptions import (
     UncertainCall,
 )
 from buzz_delivery.agents.models import JournalEntry
-from buzz_delivery.agents.runtime import NOT_MADE, RATE_WAIT_SLICE_SECONDS, RatePlan, ratelimits_plan
+from buzz_delivery.agents.runtime import (
+    NOT_MADE,
+    RATE_WAIT_SLICE_SECONDS,
+    RatePlan,
+    failure_code_of,
+    failure_message_of,
+    ratelimits_plan,
+)
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
@@ -203,7 +210,7 @@ class AsyncContext:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await self._record(seq, ok=False, error=f"{type(exc).__name__}: {exc}", started=started)
+            await self._record(seq, ok=False, error=failure_message_of(exc), started=started)
             raise ToolCallFailed(f"{seq}: {exc}") from exc
         await self._record(seq, ok=True, output=output, started=started)
         return output
@@ -353,9 +360,14 @@ async def unwind(runtime: Runtime, lease: s.AgentLease, seqs: tuple[int, ...]) -
             if function is None:
                 raise LookupError(compensations.unregistered_error(began["compensation"]))
             await runtime.user_code(lease.community_id, function, began["args"], began["output"], began["key"])
-        except Exception as exc:
-            logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
-            failing = batch.prepare_compensation_finish(lease, seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # SystemExit included: this compensation's failure, never the worker's
+            # Made storable and cut as the thread worker makes it: text the database cannot take
+            # would raise here and end this run's task, to be reclaimed and compensated again.
+            error = failure_message_of(exc)
+            logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, error[:200])
+            failing = batch.prepare_compensation_finish(lease, seq, ok=False, error=error)
             if not isinstance(
                 await submit("finish_compensation", community, run_id, failing), s.Recorded | s.AlreadyRecorded
             ):
@@ -400,10 +412,11 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
     except (RunAborted, asyncio.CancelledError):
         return "lost"
     except BaseException as exc:  # SystemExit, KeyboardInterrupt... from user code: this run fails alone
-        code = exc.failure_code if isinstance(exc, AgentError) else "handler_error"
+        # Storable and cut, as the thread worker's (an AgentError's own code included).
+        code = failure_code_of(exc) if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
             return "lost"
-        failed = await _fail(runtime, ctx.lease, code, f"{type(exc).__name__}: {exc}"[:10_000])
+        failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
@@ -412,7 +425,7 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
     try:
         prepared = batch.prepare_completion(ctx.lease, output)
     except Exception as exc:  # an output that cannot be stored fails this run
-        failed = await _fail(runtime, ctx.lease, "handler_error", f"{type(exc).__name__}: {exc}"[:10_000])
+        failed = await _fail(runtime, ctx.lease, "handler_error", failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"

@@ -230,7 +230,8 @@ class RemoteRunContext:
         try:
             output = fn(args, key)
         except Exception as exc:
-            self._record(seq, started, ok=False, error=f"{type(exc).__name__}: {exc}"[:10_000])
+            # Storable and cut (NUL escaped): text the gateway refuses would leave the call pending.
+            self._record(seq, started, ok=False, error=_error_text(exc))
             raise ToolCallFailed(f"{seq}: {exc}") from exc
         self._record(seq, started, ok=True, output=output)
         return output
@@ -289,6 +290,11 @@ class RemoteRunContext:
         raise self._gone(outcome, "request an approval")
 
 
+def _error_text(exc: BaseException) -> str:
+    """``Type: text`` of ``exc`` as the gateway stores it: storable (NUL escaped) and cut."""
+    return storable(f"{type(exc).__name__}: {describe(exc)}", FAILURE_MESSAGE_MAX_CHARS)
+
+
 def _send(
     client: GatewayClient, batcher: RunBatcher | None, lease: RemoteRunLease, action: str, body: dict[str, Any]
 ) -> RunOutcome:
@@ -324,7 +330,7 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batche
             function(began.data["args"], began.data["output"], began.data["key"])
         except Exception as exc:
             logger.warning("compensation_failed run=%s seq=%s: %s", lease.run_id, seq, exc)
-            error = f"{type(exc).__name__}: {exc}"[:10_000]
+            error = _error_text(exc)  # storable: a refused finish would leave the run to lapse
             failed = _send(client, batcher, lease, "compensations/finish", {"seq": seq, "ok": False, "error": error})
             if failed.outcome not in ("recorded", "already_recorded"):
                 return "lost"

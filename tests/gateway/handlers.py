@@ -131,3 +131,17 @@ def poison_run(ctx):
     if kind == "nul_output":
         return {"text": "a\x00b"}
     return {"ok": kind}
+
+
+@compensation
+def undo_raises_huge(args: dict, output, key: str) -> None:
+    """A compensation whose error text is over the 10,000 characters a journal entry keeps."""
+    _append(f"undo-attempt {key}")
+    raise RuntimeError("u" * 20_000)
+
+
+@compensation
+def undo_raises_nul(args: dict, output, key: str) -> None:
+    """A compensation whose error text holds a NUL (PostgreSQL text cannot store it)."""
+    _append(f"undo-attempt {key}")
+    raise RuntimeError("before\x00after")

@@ -460,29 +460,57 @@ CURRENT_RUN_LEASE_OF_ROW = f"""
     AND {ACTIVE}
 """
 
+
+# Lock order (review of issue 29): a batch's runs are locked in id order, whatever the plan, as
+# LOCK_RUNS and a workflow cancel lock them. The worker sends a run's heartbeat, journal, result,
+# completion, failure and compensation steps on different connections at once (the gateway's
+# batch routes too), so two batches may hold the same runs; an ``UPDATE ... FROM unnest`` takes
+# its rows in its plan's order (the array's, the heap's), and two such orders deadlock (a
+# ``deadlock_timeout`` stall, then a retry or a replay). So each batched write first locks its
+# fenced runs in a CTE, ``ORDER BY r.id ... FOR NO KEY UPDATE OF r`` (the lock re-checks the fence
+# on the row's latest version, as an UPDATE does), and then writes only the rows it locked, found
+# by their key. ``u``: the batch's rows; ``extra``: the write's own conditions; ``columns``: what
+# the write takes from ``u``.
+def locked_in_id_order(*, extra: str = "", columns: str = "") -> str:
+    """The CTE ``locked(id, lease_generation{columns})``: the runs of ``u`` whose row holds their
+    row's lease (and ``extra``), locked in id order."""
+    return f"""locked AS MATERIALIZED (
+    SELECT r.id, r.lease_generation{columns} FROM {RUN} AS r, u
+    WHERE {CURRENT_RUN_LEASE_OF_ROW} {extra}
+    ORDER BY r.id
+    FOR NO KEY UPDATE OF r
+)"""
+
+
+# The row of a run ``locked`` holds (its key: one probe, the community for Citus's router).
+LOCKED_RUN = "r.community_id = %(community_id)s AND r.id = locked.id"
+
 HEARTBEAT_MANY_IF_CURRENT = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM {BATCH_LEASES} AS u(run_id, generation)
+), {locked_in_id_order()}
 UPDATE {RUN} AS r SET lease_until = {RUN_LEASE_END}, heartbeat_at = {DB_NOW}, renewals = r.renewals + 1
-FROM {BATCH_LEASES} AS u(run_id, generation)
-WHERE {CURRENT_RUN_LEASE_OF_ROW}
+FROM locked
+WHERE {LOCKED_RUN}
 RETURNING r.id, r.lease_until
 """
 
 # journal_call for many runs: spend one slot each (within its budgets), then insert each entry
 # ``pending`` with seq = the run's new tool_calls_used. A shadow run's destructive call is never
 # batched (it is journaled ``failed`` by journal_call itself): such a row matches nothing here.
+_WITHIN_BUDGET = """AND r.state = 'running' AND NOT r.unwinding AND NOT (r.shadow AND u.destructive)
+      AND r.tool_calls_used < r.max_tool_calls AND r.cost_used + u.cost <= r.max_cost"""
 JOURNAL_MANY_IF_CURRENT_AND_WITHIN_BUDGET = f"""
 WITH u AS MATERIALIZED (
     SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(entry_ids)s::uuid[],
                          %(tool_names)s::text[], %(input_hashes)s::bytea[], %(args)s::jsonb[], %(costs)s::bigint[],
                          %(destructives)s::boolean[], %(compensations)s::jsonb[])
         AS u(run_id, generation, entry_id, tool_name, input_hash, args, cost, destructive, compensation)
-), spent AS (
+), {locked_in_id_order(extra=_WITHIN_BUDGET, columns=", u.cost")}, spent AS (
     UPDATE {RUN} AS r
-    SET tool_calls_used = r.tool_calls_used + 1, cost_used = r.cost_used + u.cost, state = 'waiting_tool'
-    FROM u
-    WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.state = 'running' AND NOT r.unwinding
-      AND NOT (r.shadow AND u.destructive)
-      AND r.tool_calls_used < r.max_tool_calls AND r.cost_used + u.cost <= r.max_cost
+    SET tool_calls_used = r.tool_calls_used + 1, cost_used = r.cost_used + locked.cost, state = 'waiting_tool'
+    FROM locked
+    WHERE {LOCKED_RUN}
     RETURNING r.id, r.tool_calls_used, r.lease_generation
 )
 INSERT INTO {JOURNAL} (id, community_id, run_id, seq, kind, tool_name, idempotency_key, input_hash, args, cost,
@@ -503,10 +531,10 @@ WITH u AS MATERIALIZED (
                          %(uncertains)s::boolean[], %(outputs)s::jsonb[], %(output_hashes)s::bytea[],
                          %(errors)s::text[], %(latencies)s::integer[], %(keys)s::text[])
         AS u(run_id, generation, seq, status, uncertain, output, output_hash, error, latency_ms, key)
-), fenced AS (
+), {locked_in_id_order()}, fenced AS (
     UPDATE {RUN} AS r SET state = 'running'
-    FROM u
-    WHERE {CURRENT_RUN_LEASE_OF_ROW}
+    FROM locked
+    WHERE {LOCKED_RUN}
     RETURNING r.id, r.lease_generation
 )
 UPDATE {JOURNAL} AS j
@@ -520,13 +548,17 @@ RETURNING j.run_id, j.status
 """
 
 COMPLETE_MANY_IF_CURRENT = f"""
+WITH u AS MATERIALIZED (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(outputs)s::jsonb[],
+                         %(output_hashes)s::bytea[])
+        AS u(run_id, generation, output, output_hash)
+), {locked_in_id_order(extra="AND r.state = 'running' AND NOT r.unwinding", columns=", u.output, u.output_hash")}
 UPDATE {RUN} AS r
-SET state = 'completed', output = u.output, output_hash = u.output_hash, lease_until = NULL,
+SET state = 'completed', output = locked.output, output_hash = locked.output_hash, lease_until = NULL,
     claimed_at = NULL, finished_at = {DB_NOW},
     {run_entry("'settle'", "r.lease_generation", "r.worker_id", status="'completed'", renewals="r.renewals")}
-FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(output_hashes)s::bytea[])
-    AS u(run_id, generation, output, output_hash)
-WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.state = 'running' AND NOT r.unwinding
+FROM locked
+WHERE {LOCKED_RUN}
 RETURNING r.id
 """
 
@@ -547,6 +579,7 @@ WITH u AS MATERIALIZED (
     SELECT r.id, r.lease_generation, u.failure_code, u.failure_message, ({OUTSTANDING}) AS outstanding
     FROM {RUN} AS r, u
     WHERE {CURRENT_RUN_LEASE_OF_ROW}
+    ORDER BY r.id
     FOR NO KEY UPDATE OF r
 ), marked AS (
     UPDATE {JOURNAL} AS j
@@ -585,6 +618,7 @@ SELECT unwound.id, 'unwinding' FROM unwound
 _FENCED_UNWINDING_MANY = f"""fenced AS MATERIALIZED (
     SELECT r.id, r.lease_generation, u.seq{{extra}} FROM {RUN} AS r, u
     WHERE {CURRENT_RUN_LEASE_OF_ROW} AND r.unwinding
+    ORDER BY r.id
     FOR NO KEY UPDATE OF r
 )"""
 BEGIN_COMPENSATIONS_IF_CURRENT_AND_LAST = f"""
