@@ -178,7 +178,7 @@ def test_every_statement_that_names_its_community_runs_on_one_shard(community):
     statements = _statements_naming_a_community()
     assert len(statements) >= 30, len(statements)
     names = {source for source, _ in statements}
-    for expected in ("sql.RETRY_IF_CURRENT_GENERATION", "sql.SETTLE_MANY_IF_CURRENT_GENERATION",
+    for expected in ("sql.RETRY_IF_CURRENT_GENERATION", "cached.SETTLE_MANY['statement']",
                      "sql.CLAIM_READY_STEPS", "sql.CLAIM_PENDING_RUNS",
                      "cached.CLAIM['call']", "sql.END_RUN_IF_ACTIVE", "sql.REAP_LAPSED_LEASES",
                      "sql.EMIT_IF_CURRENT_AND_WITHIN_BOUND"):  # fmt: skip

@@ -1,7 +1,8 @@
-"""services.finish_deliveries takes its deliveries' runs in run id order before it settles
-anything (issue 31): two workers settling deliveries of the same workflow runs (one per target)
-deadlocked when their batches met the runs in different orders, because the workflow engine
-counts each delivery under its run's lock in the order the batch UPDATE meets the rows."""
+"""services.finish_deliveries and services.settle_deliveries take their deliveries' runs in run id
+order before they settle anything (issue 31): two workers settling deliveries of the same workflow
+runs (one per target) deadlocked when their batches met the runs in different orders, because the
+workflow engine counts each delivery under its run's lock in the order the batch UPDATE meets the
+rows."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from django.db.utils import OperationalError
 
 from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.services.types import Settle
 from buzz_delivery.testing import BindingFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import waits_for_a_row_lock
 
@@ -29,7 +31,9 @@ def _lock_run(community_id, run_id, nowait: bool = False) -> None:
         cursor.execute(LOCK_RUN.format(" NOWAIT" if nowait else ""), [community_id, run_id])
 
 
-def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(community):
+def _two_runs_claimed(community):
+    """Two runs (in run id order), each with one claimed delivery of one target: their claims by
+    run id."""
     runs = sorted((WorkflowRunFactory(community=community) for _ in range(2)), key=lambda r: r.id)
     event = EventFactory(community=community)
     target = random32()
@@ -38,9 +42,14 @@ def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(communit
             community.id, event, [BindingFactory(run=run, message_event=event, target_pubkey=target)]
         )
     claims = {c.delivery.run_id: c for c in services.claim_deliveries(community.id, target, limit=2, lease_seconds=60)}
+    return runs, claims
+
+
+def _settles_after_locking_in_run_order(community, runs, settle, statement_like: str) -> list[object]:
+    """Run ``settle`` (a batch listing the later run's delivery first) while another transaction
+    holds the later run: it must wait on that run while it already holds the earlier one, having
+    settled nothing; returns its outcomes once the holder lets go."""
     first, second = runs
-    # The batch lists the later run first: the order of the locks is the runs', not the list's.
-    leases = [claims[second.id].lease, claims[first.id].lease]
     held, release = threading.Event(), threading.Event()
     pid: list[int] = []
     outcomes: list[object] = []
@@ -59,7 +68,7 @@ def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(communit
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_backend_pid()")
                 pid.append(cursor.fetchone()[0])
-            outcomes.extend(services.finish_deliveries(leases))
+            outcomes.extend(settle())
         except BaseException as exc:
             outcomes.append(exc)
         finally:
@@ -75,7 +84,7 @@ def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(communit
             time.sleep(0.001)
         waited = False
         while not waited and s.is_alive():
-            waited = waits_for_a_row_lock(pid[0], "%finish_leases%")
+            waited = waits_for_a_row_lock(pid[0], statement_like)
         assert waited, f"the batch settled without taking the later run's row: {outcomes}"
         # It holds the earlier run already, and has settled nothing.
         with pytest.raises(OperationalError), transaction.atomic():
@@ -86,7 +95,34 @@ def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(communit
         release.set()
         h.join(60)
         s.join(60)
+    return outcomes
+
+
+def test_a_batch_locks_its_runs_in_run_order_before_it_settles_anything(community):
+    runs, claims = _two_runs_claimed(community)
+    first, second = runs
+    # The batch lists the later run first: the order of the locks is the runs', not the list's.
+    leases = [claims[second.id].lease, claims[first.id].lease]
+    outcomes = _settles_after_locking_in_run_order(
+        community, runs, lambda: services.finish_deliveries(leases), "%finish_leases%"
+    )
     assert outcomes == [services.Settled("finished")] * 2
+
+
+def test_a_mixed_batch_locks_its_runs_in_run_order_before_it_settles_anything(community):
+    """The same for settle_deliveries with rows of their own outcomes (the in-process worker's
+    settler and the gateway's batch finish): a failed row of the later run listed first, then a
+    retry of the earlier run."""
+    runs, claims = _two_runs_claimed(community)
+    first, second = runs
+    settles = [
+        Settle(claims[second.id].lease, "failed", failure_code="boom", failure_message="it broke"),
+        Settle(claims[first.id].lease, "retry", failure_message="again", retry_after=5.0),
+    ]
+    outcomes = _settles_after_locking_in_run_order(
+        community, runs, lambda: services.settle_deliveries(settles), "%settle_leases%"
+    )
+    assert outcomes == [services.Settled("failed"), services.Settled("pending")]
 
 
 def test_a_batch_of_one_run_does_not_lock_its_run(community):

@@ -149,8 +149,10 @@ def settle_deliveries(settles: Sequence[Settle]) -> list[FinishOutcome]:
     ``attempts_exhausted`` on the last allowed attempt; one history entry per row), so a stale
     row is refused while the others settle. Rows the statement did not settle are passed to
     :func:`finish_delivery` (its fenced read tells :class:`AlreadyTerminal`, a repeated retry's
-    ``Settled("pending")`` and :class:`LeaseLost` apart). One outcome and one text for every row
-    and no retry: the plan-cached statement of :func:`finish_deliveries`. Raises
+    ``Settled("pending")`` and :class:`LeaseLost` apart). Both forms are plan-cached functions
+    that first lock the rows' runs in run id order when they are of more than one run (issue
+    31): one outcome and one text for every row and no retry takes :func:`finish_deliveries`'s
+    (``cached.FINISH_MANY``), any other batch ``cached.SETTLE_MANY``. Raises
     ``ValidationError`` keyed by row (``settles[2].failure_code``...) before any SQL.
     """
     _checked_leases(settles, "settles", Settle)
@@ -176,7 +178,7 @@ def settle_deliveries(settles: Sequence[Settle]) -> list[FinishOutcome]:
             backoff_base=float(conf.retry_backoff_base_seconds),
             backoff_cap=float(conf.retry_backoff_cap_seconds),
         )
-        settled = dict(_fenced_as_nothing(sql.SETTLE_MANY_IF_CURRENT_GENERATION, params))
+        settled = dict(_fenced_as_nothing(cached.SETTLE_MANY.call, params))
     return [
         Settled(status=settled[x.lease.delivery_id])
         if x.lease.delivery_id in settled

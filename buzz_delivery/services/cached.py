@@ -145,6 +145,29 @@ FINISH_MANY = CachedStatement(
     prelude=sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION,
 )
 
+# The mixed batch settle (issue 29: each row its own outcome, texts, jitter and Retry-After),
+# plan-cached and taking its runs' locks in run order first, as FINISH_MANY does (issue 31).
+SETTLE_MANY = CachedStatement(
+    function="buzz_delivery_settle_leases",
+    statement=sql.SETTLE_MANY_IF_CURRENT_GENERATION,
+    params=(
+        ("community_id", "uuid"),
+        ("delivery_ids", "uuid[]"),
+        ("lease_generations", "bigint[]"),
+        ("target_pubkeys", "bytea[]"),
+        ("outcomes", "varchar[]"),
+        ("failure_codes", "varchar[]"),
+        ("failure_messages", "text[]"),
+        ("jitters", "float8[]"),
+        ("retry_afters", "float8[]"),
+        ("backoff_base", "float8"),
+        ("backoff_cap", "float8"),
+    ),
+    returns="TABLE(id uuid, status varchar)",
+    columns="d.id, d.status",
+    prelude=sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION,
+)
+
 # The claim under the operator's concurrency limits (services/flow.py): the community's claim lock,
 # then the claim that takes free slots; a NULL maximum is no limit of that kind.
 CLAIM_LIMITED = CachedStatement(
@@ -165,4 +188,4 @@ CLAIM_LIMITED = CachedStatement(
     prelude=flow.LOCK_IN_FUNCTION,
 )
 
-ALL = (CLAIM, FINISH, FINISH_MANY, CLAIM_LIMITED, CLAIM_HINTED)
+ALL = (CLAIM, FINISH, FINISH_MANY, CLAIM_LIMITED, CLAIM_HINTED, SETTLE_MANY)

@@ -7,13 +7,14 @@ seconds for more while fewer than ``max_batch`` are there, then settles the batc
 
 - every result of one community (whatever its target and outcome: ``finished``, ``failed``,
   ``retry`` with its own failure text and Retry-After) through one
-  :func:`services.settle_deliveries` statement (one ``UPDATE ... FROM unnest``; an all-``finished``
-  batch takes the plan-cached ``FINISH_MANY`` form), each row still fenced by its own (delivery,
-  target, generation) and written as ``finish_delivery`` writes it, and each outcome judged by the
-  rows the statement returned (a lease it did not settle is passed to ``finish_delivery``, whose
-  fenced read tells ``AlreadyTerminal``, a repeated retry and ``LeaseLost`` apart, as a single
-  settle would). A workflow send's delivery counts its step in that statement (the fan-in
-  trigger), so in the settling transaction;
+  :func:`services.settle_deliveries` statement (one ``UPDATE ... FROM unnest`` in the
+  plan-cached ``SETTLE_MANY`` function; an all-``finished`` batch takes the ``FINISH_MANY``
+  one), each row still fenced by its own (delivery, target, generation) and written as
+  ``finish_delivery`` writes it, and each outcome judged by the rows the statement returned (a
+  lease it did not settle is passed to ``finish_delivery``, whose fenced read tells
+  ``AlreadyTerminal``, a repeated retry and ``LeaseLost`` apart, as a single settle would). A
+  workflow send's delivery counts its step in that statement (the fan-in trigger), so in the
+  settling transaction;
 - a lone result of its community, or a second lease of a delivery already in the batch, one
   ``finish_delivery`` statement.
 
