@@ -139,6 +139,15 @@ def test_the_batch_settles_run_locks_reach_the_rows_by_their_keys(community, mes
     from tests.plan_support import generic_explain
 
     ids = services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=random32())])
+    # The plan as a busy table's statistics make it (on a fresh table the planner may reach the
+    # rows through another index of the community's): a backlog, analyzed.
+    from tests.test_claim_plan_stale_stats import clone
+
+    seed_step = models.WorkflowAgentDelivery.objects.get(id=ids[0]).step_id
+    clone(seed_step, "p", 3_000, "pending", 1)
+    clone(seed_step, "f", 3_000, "finished", 1)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE buzz_delivery_delivery")
     query = re.sub(r"\bp_(community_id|delivery_ids)\b", r"%(\1)s", sql.LOCK_RUNS_OF_DELIVERIES)
     statement = cached.CachedStatement(
         function="lock_runs",
@@ -149,7 +158,8 @@ def test_the_batch_settles_run_locks_reach_the_rows_by_their_keys(community, mes
     )
     plan = "\n".join(row[0] for row in generic_explain(statement, {"community_id": community.id, "delivery_ids": ids}))
     assert "Seq Scan" not in plan, plan
-    assert set(re.findall(r"Index Scan using (\w+)", plan)) == {
+    # An index scan or, with many ids, a bitmap scan of the same key.
+    assert set(re.findall(r"Index Scan (?:using|on) (\w+)", plan)) == {
         "buzz_delivery_delivery_pkey",
         "buzz_delivery_workflow_run_pkey",
     }, plan
