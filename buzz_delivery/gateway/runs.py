@@ -303,6 +303,7 @@ def _batch(
     send: Any,
     replay: Any,
     present_one: Any,
+    send_in_savepoint: bool = True,
 ) -> JsonResponse:
     """The shape of every batch endpoint: each item checked and prepared before any SQL (a bad
     one is a 400 naming it, ``runs[2].output``, and nothing is written), the scope of all its
@@ -327,9 +328,9 @@ def _batch(
         raise GatewayError("not_enrolled", "this key is not enrolled in that community")
     mine = [p for p in prepared if p.lease.run_id in own]
     try:
-        # Inside the request's transaction (one_transaction) a savepoint: a batch the database
-        # refuses then leaves the transaction usable for the one-run forms below.
-        with transaction.atomic() if connection.in_atomic_block else nullcontext():
+        # Inside the request's transaction (one_transaction) a savepoint, unless ``send`` makes
+        # its own: a batch the database refuses then leaves it usable for the one-run forms.
+        with transaction.atomic() if send_in_savepoint and connection.in_atomic_block else nullcontext():
             outcomes = send(community_id, mine) if mine else []
     except DatabaseError:
         outcomes = [replay(p) for p in mine]
@@ -391,7 +392,10 @@ def call_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commun
             destructive=item["destructive"],
         )  # fmt: skip
 
-    return _batch(pubkey, data, community_id, prepare, batch.journal_calls, batch.replay_call, _journaled)
+    # journal_calls runs in a transaction (a savepoint in the request's) of its own.
+    return _batch(
+        pubkey, data, community_id, prepare, batch.journal_calls, batch.replay_call, _journaled, send_in_savepoint=False
+    )
 
 
 def _recorded_row(outcome: Any) -> dict[str, Any]:

@@ -109,11 +109,13 @@ def endpoint(
 
     ``one_transaction`` (issue 29: a holder's batch writes, which never wait): the event id is
     recorded in the same transaction as the view's writes, so the request pays one commit (one
-    WAL flush) instead of two. The view runs in a savepoint of that transaction: a refused
-    request (any 4xx, a 503) rolls back to it and still commits its event id, as the
-    autocommit form does; an event id is never recorded without its request's writes nor the
-    writes without the id. Not for a long-poll (it would hold a transaction open while it waits)
-    nor for a service that retries its own deadlocks (it does not retry inside a transaction)."""
+    WAL flush) instead of two, and an id is never recorded without its request's writes nor the
+    writes without the id. A refused request (any 4xx, a 503) is answered inside that
+    transaction, which then commits its event id as the autocommit form does: such a view
+    refuses only before it writes (its checks and reads come first), and a write it made before
+    a later error stays, as in autocommit. Not for a long-poll (it would hold a transaction open
+    while it waits) nor for a service that retries its own deadlocks (it does not retry inside
+    a transaction)."""
 
     def decorate(view: View) -> Callable[..., HttpResponse]:
         @csrf_exempt
@@ -132,10 +134,6 @@ def endpoint(
                 with limits.request(pubkey, ids.get("community_id")):
                     return view(request, pubkey, data, **ids)
 
-            def in_savepoint(raw: bytes, pubkey: bytes) -> HttpResponse:
-                with transaction.atomic():
-                    return checked(raw, pubkey)
-
             def serve() -> HttpResponse:
                 raw = read_body(request)
                 if not one_transaction:
@@ -143,7 +141,7 @@ def endpoint(
                 with transaction.atomic():
                     pubkey = authenticate(request, raw)
                     # A refusal is answered here, inside: the event id commits with it.
-                    return _refused(lambda: in_savepoint(raw, pubkey))
+                    return _refused(lambda: checked(raw, pubkey))
 
             return _refused(serve)
 
