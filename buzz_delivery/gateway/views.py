@@ -5,8 +5,9 @@ size (413), NIP-98 signature, time window and replay (401), path and body fields
 the view itself: enrollment (403), scope (404), lease (409). The signer's key is the target of
 every claim, renew, finish and read; no field can name another. A refused request writes
 nothing but its event id in the replay store (recorded as soon as the signature checks out, for
-a key enrolled in an active community); a key or community past its bound on requests in flight
-is a 429 (:mod:`buzz_delivery.gateway.limits`).
+a key enrolled in an active community; in the request's own transaction for the run batches,
+see ``endpoint(one_transaction=True)``); a key or community past its bound on requests in
+flight is a 429 (:mod:`buzz_delivery.gateway.limits`).
 """
 
 from __future__ import annotations
