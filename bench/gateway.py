@@ -75,18 +75,18 @@ def clear(community_id) -> None:
         cursor.execute("DELETE FROM buzz_delivery_delivery WHERE community_id = %s", [community_id])
 
 
-def start_gunicorn(url: str, port: int, log) -> subprocess.Popen:
+def start_gunicorn(url: str, port: int, log, root: Path = ROOT) -> subprocess.Popen:
     # Persistent connections (Django's CONN_MAX_AGE, from the URL): each gthread thread keeps its
-    # own instead of opening one per request.
-    env = {**os.environ, "DATABASE_URL": f"{url}?conn_max_age=60", "PYTHONPATH": str(ROOT), "LOG_LEVEL": "WARNING"}
+    # own instead of opening one per request. ``root``: the tree served (--before-root: main's).
+    env = {**os.environ, "DATABASE_URL": f"{url}?conn_max_age=60", "PYTHONPATH": str(root), "LOG_LEVEL": "WARNING"}
     # One agent drains the queue with K workers of 8 handler threads: its requests in flight may
     # exceed the per-key bound the server keeps for a fleet of agents (docs/gateway.md).
     env["BUZZ_GATEWAY_MAX_REQUESTS_PER_KEY"] = "64"
     proc = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "project.wsgi:application", "--worker-class", "gthread",
-         "--workers", "2", "--threads", "32", "--bind", f"127.0.0.1:{port}", "--chdir", str(ROOT),
+         "--workers", "2", "--threads", "32", "--bind", f"127.0.0.1:{port}", "--chdir", str(root),
          "--no-control-socket"],
-        env=env, stdout=log, stderr=log,
+        env=env, stdout=log, stderr=log, cwd=str(root),  # -m puts the cwd first on sys.path
     )  # fmt: skip
     import httpx
 
@@ -178,8 +178,10 @@ def clear_runs(community_id) -> None:
     AgentRun.objects.filter(community_id=community_id).delete()
 
 
-def remote_run_workers(base: str, key_file: Path, k: int, concurrency: int, tmp: Path) -> list[subprocess.Popen]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def remote_run_workers(
+    base: str, key_file: Path, k: int, concurrency: int, tmp: Path, root: Path = ROOT
+) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
     return [
         subprocess.Popen(
             [
@@ -202,8 +204,9 @@ def remote_run_workers(base: str, key_file: Path, k: int, concurrency: int, tmp:
                 "--no-accept",
             ],
             env=env,
-            stdout=open(tmp / f"runs-{k}-{i}.out", "w"),
+            stdout=open(tmp / f"runs-{root.name}-{k}-{i}.out", "w"),
             stderr=subprocess.DEVNULL,
+            cwd=str(root),  # -m puts the cwd first on sys.path: import this tree
         )
         for i in range(k)
     ]
@@ -219,27 +222,47 @@ def local_run_worker(url: str, community_id, agent: bytes, concurrency: int) -> 
     )  # fmt: skip
 
 
-def runs_mode(args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path) -> None:
+def runs_mode(
+    args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path, before_base: str | None = None
+) -> None:
     """Agent runs of three no-op journaled calls: in-process ``run_agent_worker`` vs remote
-    ``work-runs`` (K = 1 and 4), interleaved ``--rounds`` times."""
+    ``work-runs`` (K = 1 and 4), interleaved ``--rounds`` times; with ``--before-root``, each
+    remote case also against the gunicorn and client of that tree (A/B in the same round). Each
+    rate is also printed as a ratio of the in-process rate of its round."""
     n = args.concurrency
+    before = Path(args.before_root).resolve() if args.before_root else None
+    cases = [("in-process run_agent_worker x1", lambda: [local_run_worker(url, community.id, target, n)])]
+    for k in (1, 4):
+        cases.append((f"gateway work-runs K={k}", lambda k=k: remote_run_workers(base, key_file, k, n, tmp)))
+        if before is not None and before_base is not None:
+            cases.append(
+                (
+                    f"before: work-runs K={k}",
+                    lambda k=k: remote_run_workers(before_base, key_file, k, n, tmp, root=before),
+                )
+            )
     rates: dict[str, list[float]] = {}
-    for _ in range(args.rounds):
-        for label, start in (
-            ("in-process run_agent_worker x1", lambda: [local_run_worker(url, community.id, target, n)]),
-            ("gateway work-runs K=1", lambda: remote_run_workers(base, key_file, 1, n, tmp)),
-            ("gateway work-runs K=4", lambda: remote_run_workers(base, key_file, 4, n, tmp)),
-        ):
+    ratios: dict[str, list[float]] = {}
+    for round_no in range(1, args.rounds + 1):
+        baseline = 0.0
+        for label, start in cases:
             clear_runs(community.id)
             commit_runs(community, target, args.count)
             wall = drain(start())
             settled, per_second = run_rate(community.id)
+            baseline = baseline or per_second
             rates.setdefault(label, []).append(per_second)
-            print(f"{label:40s} completed={settled:6d} rate={per_second:8.0f}/s wall={wall:6.1f}s", flush=True)
-    base_rate = statistics.median(rates["in-process run_agent_worker x1"])
+            ratios.setdefault(label, []).append(per_second / baseline)
+            print(
+                f"round {round_no} {label:32s} completed={settled:6d} rate={per_second:8.1f}/s "
+                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s load={os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
     for label, values in rates.items():
+        r = ratios[label]
         print(
-            f"median {label:33s} {statistics.median(values):8.1f}/s  ratio {statistics.median(values) / base_rate:.2f}"
+            f"median {label:32s} {statistics.median(values):8.1f}/s  ratio median {statistics.median(r):.2f}"
+            f" range {min(r):.2f}-{max(r):.2f}"
         )
     print(f"load average {os.getloadavg()}", flush=True)
     clear_runs(community.id)
@@ -304,6 +327,11 @@ def main() -> None:
     parser.add_argument("--runs", action="store_true", help="agent runs (work-runs) instead of deliveries")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
     parser.add_argument(
+        "--before-root",
+        default=os.environ.get("BENCH_BEFORE_ROOT"),
+        help="--runs: also serve and run the remote workers from this tree (e.g. main's), A/B in each round",
+    )
+    parser.add_argument(
         "--no-ahead",
         action="store_true",
         help="also run the remote workers with work --claim-ahead 0 (claims for free threads only)",
@@ -328,6 +356,17 @@ def main() -> None:
             server = start_gunicorn(url, port, log)
             try:
                 if args.runs:
+                    if args.before_root:
+                        before_base = f"http://127.0.0.1:{port + 1}/gateway/v1"
+                        root = Path(args.before_root).resolve()
+                        with open(tmp / "gunicorn-before.log", "w") as before_log:
+                            before_server = start_gunicorn(url, port + 1, before_log, root=root)
+                            try:
+                                runs_mode(args, url, base, key_file, community, target, tmp, before_base)
+                            finally:
+                                before_server.terminate()
+                                before_server.wait(15)
+                        return
                     runs_mode(args, url, base, key_file, community, target, tmp)
                     return
                 deliveries_mode(args, url, base, key_file, community, target, tmp)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import re
@@ -69,6 +70,14 @@ def serialize(pubkey_hex: str, created_at: int, kind: int, tags: list[list[str]]
     ).encode("utf-8")
 
 
+@functools.lru_cache(maxsize=16)
+def _signer(private_key: bytes) -> tuple[coincurve.PrivateKey, str]:
+    """The key object of a secret and its x-only public key (hex), made once per secret: a
+    worker signs every request with the same key (issue 29: the client's CPU per request)."""
+    key = coincurve.PrivateKey(private_key)
+    return key, key.public_key_xonly.format().hex()
+
+
 def sign_event(
     private_key: bytes, url: str, method: str, body: bytes = b"", *, created_at: int | None = None
 ) -> dict[str, Any]:
@@ -77,8 +86,7 @@ def sign_event(
     exact bytes sent (a ``payload`` tag is added when it is not empty; a random ``nonce`` tag
     always, so no two events are alike); ``created_at``: Unix
     seconds (default: now, from this machine's clock; the server allows a window around its own)."""
-    key = coincurve.PrivateKey(private_key)
-    pubkey_hex = key.public_key_xonly.format().hex()
+    key, pubkey_hex = _signer(bytes(private_key))
     tags = [["u", url], ["method", method.upper()]]
     if body:
         tags.append(["payload", body_hash(body)])

@@ -16,10 +16,11 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from contextlib import nullcontext
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import DatabaseError
+from django.db import DatabaseError, connection, transaction
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
@@ -302,6 +303,7 @@ def _batch(
     send: Any,
     replay: Any,
     present_one: Any,
+    send_in_savepoint: bool = True,
 ) -> JsonResponse:
     """The shape of every batch endpoint: each item checked and prepared before any SQL (a bad
     one is a 400 naming it, ``runs[2].output``, and nothing is written), the scope of all its
@@ -309,7 +311,6 @@ def _batch(
     statement for the batch, each row fenced by its own lease generation. A batch the database
     refuses wrote nothing; its items are then sent one at a time with the single forms."""
     worker = worker_of(pubkey, data["worker_id"])
-    _require_enrolled(community_id, pubkey)
     seen: set[uuid.UUID] = set()
     prepared = []
     for i, item in enumerate(data["runs"]):
@@ -322,10 +323,15 @@ def _batch(
             prepared.append(prepare(lease, item))
         except ValidationError as exc:
             raise bad_request(f"runs[{i}].{_field_of(exc)}", "; ".join(exc.messages)) from None
-    own = agents.runs_of_agent(community_id, [p.lease.run_id for p in prepared], pubkey)
+    own = gateway.own_runs_if_enrolled(community_id, pubkey, [p.lease.run_id for p in prepared])
+    if own is None:
+        raise GatewayError("not_enrolled", "this key is not enrolled in that community")
     mine = [p for p in prepared if p.lease.run_id in own]
     try:
-        outcomes = send(community_id, mine) if mine else []
+        # Inside the request's transaction (one_transaction) a savepoint, unless ``send`` makes
+        # its own: a batch the database refuses then leaves it usable for the one-run forms.
+        with transaction.atomic() if send_in_savepoint and connection.in_atomic_block else nullcontext():
+            outcomes = send(community_id, mine) if mine else []
     except DatabaseError:
         outcomes = [replay(p) for p in mine]
     by_run = {p.lease.run_id: o for p, o in zip(mine, outcomes, strict=True)}
@@ -349,7 +355,7 @@ def _finished(outcome: Any) -> dict[str, Any]:
     return {"outcome": "finished", "state": outcome.state}
 
 
-@endpoint("POST", BATCH_COMPLETE)
+@endpoint("POST", BATCH_COMPLETE, one_transaction=True)
 def complete_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
     """End many of the signer's runs in one community ``completed``, each under its own lease
     (``agents.services.batch.complete_runs``: one fenced statement). 200 ``{"results":
@@ -372,7 +378,7 @@ def _journaled(outcome: Any) -> dict[str, Any]:
     return {"outcome": "budget_exceeded", "budget": outcome.budget, "used": outcome.used, "cap": outcome.cap}
 
 
-@endpoint("POST", BATCH_CALLS)
+@endpoint("POST", BATCH_CALLS, one_transaction=True)
 def call_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
     """Journal one tool call for each of many runs in one community before making them
     (``agents.services.batch.journal_calls``: one fenced statement within each run's budgets).
@@ -386,7 +392,10 @@ def call_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commun
             destructive=item["destructive"],
         )  # fmt: skip
 
-    return _batch(pubkey, data, community_id, prepare, batch.journal_calls, batch.replay_call, _journaled)
+    # journal_calls runs in a transaction (a savepoint in the request's) of its own.
+    return _batch(
+        pubkey, data, community_id, prepare, batch.journal_calls, batch.replay_call, _journaled, send_in_savepoint=False
+    )
 
 
 def _recorded_row(outcome: Any) -> dict[str, Any]:
@@ -423,7 +432,7 @@ class _Held:
         self.lease = lease
 
 
-@endpoint("POST", BATCH_RESULTS)
+@endpoint("POST", BATCH_RESULTS, one_transaction=True)
 def result_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
     """Record one journaled call's result for each of many runs in one community
     (``agents.services.batch.record_results``: one fenced statement). 200 ``{"results": [...]}``

@@ -47,6 +47,18 @@ SELECT 1 FROM buzz_gateway_enrollment e JOIN buzz_delivery_community c ON c.id =
 WHERE e.community_id = %(community_id)s AND e.agent_pubkey = %(agent_pubkey)s AND e.revoked_at IS NULL
   AND c.deletion_state = 'active'
 """
+# The enrollment check and the scope check of a run batch in one read (issue 29: one round trip
+# less per request). Both sides name the community (SPEC 15: one shard group on Citus).
+ENROLLED_AND_OWN_RUNS = """
+SELECT EXISTS (
+    SELECT 1 FROM buzz_gateway_enrollment e JOIN buzz_delivery_community c ON c.id = e.community_id
+    WHERE e.community_id = %(community_id)s AND e.agent_pubkey = %(agent_pubkey)s AND e.revoked_at IS NULL
+      AND c.deletion_state = 'active'
+), ARRAY(
+    SELECT r.id FROM buzz_agents_run r
+    WHERE r.community_id = %(community_id)s AND r.agent_pubkey = %(agent_pubkey)s AND r.id = ANY(%(run_ids)s::uuid[])
+)
+"""
 ACTIVE_COMMUNITIES_OF_KEY = """
 SELECT e.community_id FROM buzz_gateway_enrollment e JOIN buzz_delivery_community c ON c.id = e.community_id
 WHERE e.agent_pubkey = %(agent_pubkey)s AND e.revoked_at IS NULL AND c.deletion_state = 'active'
@@ -60,6 +72,7 @@ __all__ = [
     "enroll",
     "enrolled_communities",
     "is_enrolled",
+    "own_runs_if_enrolled",
     "prune_seen_events",
     "record_event_id",
     "revoke",
@@ -150,6 +163,23 @@ def is_enrolled(community_id: uuid.UUID | str, agent_pubkey: bytes) -> bool:
     community = v.uuid_value(community_id, "community_id")
     key = v.bytes32(agent_pubkey, "agent_pubkey")
     return _one(LIVE_IN_ACTIVE_COMMUNITY, {"community_id": community, "agent_pubkey": key}) is not None
+
+
+@tenant_scoped
+def own_runs_if_enrolled(
+    community_id: uuid.UUID | str, agent_pubkey: bytes, run_ids: list[uuid.UUID]
+) -> set[uuid.UUID] | None:
+    """None when the key holds no live enrollment in the community (or it is not ``active``);
+    else which of ``run_ids`` are agent runs of that key there (a run's ``agent_pubkey`` never
+    changes). One read: :func:`is_enrolled` and the scope check of a run batch together.
+
+    Raises ``ValidationError`` keyed by argument on bad input (before SQL)."""
+    community = v.uuid_value(community_id, "community_id")
+    key = v.bytes32(agent_pubkey, "agent_pubkey")
+    ids = [v.uuid_value(run_id, "run_ids") for run_id in run_ids]
+    row = _one(ENROLLED_AND_OWN_RUNS, {"community_id": community, "agent_pubkey": key, "run_ids": ids})
+    assert row is not None
+    return set(row[1]) if row[0] else None
 
 
 @fleet_scoped

@@ -5,8 +5,9 @@ size (413), NIP-98 signature, time window and replay (401), path and body fields
 the view itself: enrollment (403), scope (404), lease (409). The signer's key is the target of
 every claim, renew, finish and read; no field can name another. A refused request writes
 nothing but its event id in the replay store (recorded as soon as the signature checks out, for
-a key enrolled in an active community); a key or community past its bound on requests in flight
-is a 429 (:mod:`buzz_delivery.gateway.limits`).
+a key enrolled in an active community; in the request's own transaction for the run batches,
+see ``endpoint(one_transaction=True)``); a key or community past its bound on requests in
+flight is a 429 (:mod:`buzz_delivery.gateway.limits`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from functools import wraps
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -88,34 +89,62 @@ def _field_of(exc: ValidationError) -> str:
     return "body"
 
 
-def endpoint(method: str, body: Body | None = None) -> Callable[[View], Callable[..., HttpResponse]]:
-    """Wrap a view ``view(request, pubkey, data, **path_uuids)`` in the common checks."""
+def _refused(run: Callable[[], HttpResponse]) -> HttpResponse:
+    """``run()``, with the refusals every endpoint shares turned into their responses."""
+    try:
+        return run()
+    except GatewayError as exc:
+        return exc.response()
+    except ValidationError as exc:
+        field = _field_of(exc)
+        return bad_request(field, "; ".join(exc.messages)).response()
+    except (OperationalError, InterfaceError) as exc:
+        logger.warning("gateway database unavailable: %s", str(exc).strip().splitlines()[:1])
+        return GatewayError("unavailable", "the database is unavailable; retry later").response()
+
+
+def endpoint(
+    method: str, body: Body | None = None, *, one_transaction: bool = False
+) -> Callable[[View], Callable[..., HttpResponse]]:
+    """Wrap a view ``view(request, pubkey, data, **path_uuids)`` in the common checks.
+
+    ``one_transaction`` (issue 29: a holder's batch writes, which never wait): the event id is
+    recorded in the same transaction as the view's writes, so the request pays one commit (one
+    WAL flush) instead of two, and an id is never recorded without its request's writes nor the
+    writes without the id. A refused request (any 4xx, a 503) is answered inside that
+    transaction, which then commits its event id as the autocommit form does: such a view
+    refuses only before it writes (its checks and reads come first), and a write it made before
+    a later error stays, as in autocommit. Not for a long-poll (it would hold a transaction open
+    while it waits) nor for a service that retries its own deadlocks (it does not retry inside
+    a transaction)."""
 
     def decorate(view: View) -> Callable[..., HttpResponse]:
         @csrf_exempt
         @wraps(view)
         @tracing_http.server_span  # one span per request, child of its traceparent (when tracing)
         def wrapper(request: HttpRequest, **path: str) -> HttpResponse:
-            try:
-                if request.method != method:
-                    error = GatewayError("method_not_allowed", f"use {method} for this route")
-                    response = error.response()
-                    response["Allow"] = method
-                    return response
-                raw = read_body(request)
-                pubkey = authenticate(request, raw)
+            if request.method != method:
+                error = GatewayError("method_not_allowed", f"use {method} for this route")
+                response = error.response()
+                response["Allow"] = method
+                return response
+
+            def checked(raw: bytes, pubkey: bytes) -> HttpResponse:
                 ids = {name: parse_uuid(name, value) for name, value in path.items()}
                 data = parse_json(raw, body)
                 with limits.request(pubkey, ids.get("community_id")):
                     return view(request, pubkey, data, **ids)
-            except GatewayError as exc:
-                return exc.response()
-            except ValidationError as exc:
-                field = _field_of(exc)
-                return bad_request(field, "; ".join(exc.messages)).response()
-            except (OperationalError, InterfaceError) as exc:
-                logger.warning("gateway database unavailable: %s", str(exc).strip().splitlines()[:1])
-                return GatewayError("unavailable", "the database is unavailable; retry later").response()
+
+            def serve() -> HttpResponse:
+                raw = read_body(request)
+                if not one_transaction:
+                    return checked(raw, authenticate(request, raw))
+                with transaction.atomic():
+                    pubkey = authenticate(request, raw)
+                    # A refusal is answered here, inside: the event id commits with it.
+                    return _refused(lambda: checked(raw, pubkey))
+
+            return _refused(serve)
 
         return wrapper
 

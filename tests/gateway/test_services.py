@@ -8,6 +8,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.gateway import CATALOG, services
@@ -160,3 +161,29 @@ def test_pruning_deletes_only_ids_older_than_the_window(capsys, community):
     assert SeenEvent.objects.count() == 1
     with pytest.raises(Exception, match="shorter than the auth window"):
         call_command("prune_gateway_replays", "--older-than", "5")
+
+
+def test_own_runs_if_enrolled_reads_the_enrollment_and_the_scope_of_a_run_batch_in_one_statement(community):
+    from tests.agents_support import new_run
+
+    key, other = random32(), random32()
+    services.enroll(community.id, key)
+    services.enroll(community.id, other)
+    mine, theirs = new_run(community.id, key), new_run(community.id, other)
+    elsewhere = CommunityFactory()
+    missing = new_run(elsewhere.id, key)  # the key's run, but of a community it is not enrolled in
+    with CaptureQueriesContext(connection) as queries:
+        assert services.own_runs_if_enrolled(community.id, key, [mine, theirs, missing]) == {mine}
+    assert len([q for q in queries if "buzz_agents_run" in q["sql"]]) == 1
+    assert services.own_runs_if_enrolled(community.id, key, []) == set()
+    assert services.own_runs_if_enrolled(elsewhere.id, key, [missing]) is None  # not enrolled there
+    services.revoke(community.id, key)
+    assert services.own_runs_if_enrolled(community.id, key, [mine]) is None
+    for args, field in (
+        ((None, other, [theirs]), "community_id"),
+        ((community.id, b"x", [theirs]), "agent_pubkey"),
+        ((community.id, other, ["nope"]), "run_ids"),
+    ):
+        with pytest.raises(ValidationError) as excinfo:
+            services.own_runs_if_enrolled(*args)
+        assert field in excinfo.value.message_dict
