@@ -20,7 +20,7 @@ from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.testing import CommunityFactory
 from project.database_url import database_url
 from tests.agents_support import counts, new_run
-from tests.citus_support import CITUS_MODE
+from tests.citus_support import CITUS_MODE, waits_for_a_row_lock
 from tests.gateway.support import enroll, new_agent
 from tests.gateway.test_batch_one_transaction import a_completion_waits_for_a_row_lock, post, seen, signed_post
 from tests.gateway.test_runs import run_state
@@ -28,13 +28,17 @@ from tests.gateway.test_runs import run_state
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def gateway_requests_waiting_on_a_lock() -> int:
+def the_second_waits_for_the_event_id() -> bool:
+    """Whether a request's admission (ADMIT_IF_FRESH_ENROLLED_AND_UNSEEN) waits for a lock: the
+    key of the event id another transaction inserted and has not committed."""
+    if CITUS_MODE:
+        return waits_for_a_row_lock(0, "%WITH clock AS%buzz_gateway_seen_event%")
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'buzz-gateway-test'"
-            " AND wait_event_type = 'Lock'"
+            " AND wait_event_type = 'Lock' AND query LIKE '%%buzz_gateway_seen_event%%'"
         )
-        return cursor.fetchone()[0]
+        return cursor.fetchone()[0] > 0
 
 
 def test_the_same_signed_batch_sent_twice_at_once_takes_effect_once(gateway_server):
@@ -66,12 +70,9 @@ def test_the_same_signed_batch_sent_twice_at_once_takes_effect_once(gateway_serv
             assert time.monotonic() < deadline, "the first request never waited for the row"
             time.sleep(0.001)
         second.start()
-        if CITUS_MODE:
-            time.sleep(1.0)  # the second's wait is on the replay store's key, not a run row
-        else:
-            while gateway_requests_waiting_on_a_lock() < 2:
-                assert time.monotonic() < deadline, "the second request never waited for the event id"
-                time.sleep(0.001)
+        while not the_second_waits_for_the_event_id():
+            assert time.monotonic() < deadline, "the second request never waited for the event id"
+            time.sleep(0.001)
         assert seen(agent) == before  # neither has committed its id
         holder.rollback()
     first.join(10)
