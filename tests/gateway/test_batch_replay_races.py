@@ -19,7 +19,7 @@ from buzz_delivery.gateway.client import GatewayClient
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.testing import CommunityFactory
 from project.database_url import database_url
-from tests.agents_support import counts, new_run
+from tests.agents_support import claim, counts, new_run
 from tests.citus_support import CITUS_MODE, waits_for_a_row_lock
 from tests.gateway.support import enroll, new_agent
 from tests.gateway.test_batch_one_transaction import a_completion_waits_for_a_row_lock, post, seen, signed_post
@@ -108,3 +108,32 @@ def test_a_run_batch_refused_for_too_many_requests_spends_its_event_id_and_write
     again = send()
     assert (again.status_code, again.json()["code"]) == (401, "auth_replayed")
     assert counts() == rows and run_state() == state
+
+
+def test_a_run_batch_the_database_refuses_inside_the_request_transaction_falls_back_to_one_run_at_a_time(
+    community, monkeypatch
+):
+    from buzz_delivery.agents.services import batch
+
+    agent = GatewayClient("http://testserver/gateway/v1", os.urandom(32))  # served in this process
+    enroll(agent, community)
+    run_ids = [new_run(community.id, agent.pubkey) for _ in range(2)]
+    leases = [claim(community.id, r, worker="remote-1", agent=agent.pubkey) for r in run_ids]
+    real = batch.complete_runs
+
+    def refused_after_writing(community_id, completions):
+        real(community_id, completions)  # the batch's write, then the database refuses the batch
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 / 0")
+
+    monkeypatch.setattr(batch, "complete_runs", refused_after_writing)
+    path = f"/communities/{community.id}/runs/complete"
+    items = [{"run_id": str(x.run_id), "lease_generation": x.lease_generation, "output": {"n": 1}} for x in leases]
+    header, body = signed_post(agent, path, {"runs": items, "worker_id": "remote-1"})
+    before = seen(agent)
+    answer = Client().post("/gateway/v1" + path, body, content_type="application/json", HTTP_AUTHORIZATION=header)
+    assert answer.status_code == 200, answer.content
+    # The refused batch wrote nothing (its savepoint rolled back): each run is completed once,
+    # by its one-run form, in the request's transaction, which commits the event id with it.
+    assert [r["outcome"] for r in answer.json()["results"]] == ["finished", "finished"]
+    assert seen(agent) == before + 1
