@@ -363,8 +363,13 @@ class RunBatcher:
     the answer its own request would give; a batch that cannot be sent at all raises in every
     run thread of it."""
 
-    def __init__(self, client: GatewayClient, max_batch: int = 100) -> None:
-        self.client, self.max_batch = client, max_batch
+    def __init__(self, client: GatewayClient, max_batch: int = 100, linger: float = 0.005) -> None:
+        self.client, self.max_batch, self.linger = client, max_batch, linger
+        # The run threads the last flush answered that have not sent again: while some are
+        # expected, a flush waits up to ``linger`` for them (else half of them would catch the
+        # flush and the others the next one, two requests a step of the worker's runs).
+        self._awaited = 0
+        self._awaited_lock = threading.Lock()
         self.steps = True  # False once the gateway answered the steps route 404/405 (an older one)
         self._queue: queue.Queue[Item | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="run-batcher", daemon=True)
@@ -374,6 +379,8 @@ class RunBatcher:
         """As the one-run endpoint ``action`` (``calls``, ``results``, ``complete``, ``fail``,
         ``compensations/begin``, ``compensations/finish``), batched."""
         future: Future[RunOutcome] = Future()
+        with self._awaited_lock:
+            self._awaited = max(0, self._awaited - 1)
         self._queue.put((action, lease, body, future))
         return future.result()
 
@@ -389,15 +396,26 @@ class RunBatcher:
             if item is None:
                 return
             items = [item]
+            deadline = time.monotonic() + self.linger
             while len(items) < self.max_batch:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
-                    break
+                    with self._awaited_lock:
+                        expected = self._awaited > 0
+                    remaining = deadline - time.monotonic()
+                    if not expected or remaining <= 0:
+                        break
+                    try:
+                        more = self._queue.get(timeout=remaining)
+                    except queue.Empty:
+                        break
                 if more is None:
                     stop = True
                     break
                 items.append(more)
+            with self._awaited_lock:  # their threads send nothing before they are answered below
+                self._awaited = len(items)
             groups: dict[tuple[str, str, str], list[list[Item]]] = defaultdict(list)
             for one in items:
                 action = "steps" if self.steps and one[0] in STEP_ACTIONS else one[0]
