@@ -172,6 +172,13 @@ def run_rate(community_id) -> tuple[int, float]:
     return count, count / float(span or 1e-9)
 
 
+def signed_requests(agent: bytes) -> int:
+    """The signed requests of ``agent`` the gateway accepted so far (its replay store's rows)."""
+    from buzz_delivery.gateway.models import SeenEvent
+
+    return SeenEvent.objects.filter(pubkey=agent).count()
+
+
 def clear_runs(community_id) -> None:
     from buzz_delivery.agents.models import AgentRun
 
@@ -248,14 +255,17 @@ def runs_mode(
         for label, start in cases:
             clear_runs(community.id)
             commit_runs(community, target, args.count)
+            signed = signed_requests(target)
             wall = drain(start())
             settled, per_second = run_rate(community.id)
+            per_run = (signed_requests(target) - signed) / max(settled, 1)
             baseline = baseline or per_second
             rates.setdefault(label, []).append(per_second)
             ratios.setdefault(label, []).append(per_second / baseline)
             print(
                 f"round {round_no} {label:32s} completed={settled:6d} rate={per_second:8.1f}/s "
-                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s load={os.getloadavg()[0]:.2f}",
+                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s requests/run={per_run:5.2f} "
+                f"load={os.getloadavg()[0]:.2f}",
                 flush=True,
             )
     for label, values in rates.items():

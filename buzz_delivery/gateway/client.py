@@ -470,6 +470,27 @@ class GatewayClient:
         data = self._json("POST", f"/communities/{community}/runs/{action}", {"runs": runs, "worker_id": workers.pop()})
         return [RunOutcome(r["outcome"], r) for r in data["results"]]
 
+    def run_steps(self, items: dict[str, list[tuple[RemoteRunLease, dict[str, Any]]]]) -> dict[str, list[RunOutcome]]:
+        """The steps of many runs of one community, of mixed kinds, in one request and one
+        transaction (``POST .../runs/steps``, issue 29): ``items`` maps ``results``, ``calls`` and
+        ``complete`` to ``(lease, body)`` pairs as :meth:`run_batch` takes them (no run twice in
+        all); answers the same keys, each list in order, each outcome what that kind's batch
+        answers. A bad item is a ``GatewayHTTPError`` 400 naming it (``calls[1].tool_name``), and
+        then nothing was written; a gateway without the route answers 404 or 405."""
+        pairs = [pair for kind_items in items.values() for pair in kind_items]
+        if not pairs:
+            return {kind: [] for kind in items}
+        community = pairs[0][0].community_id
+        workers = {lease.worker_id for lease, _ in pairs}
+        if len(workers) > 1 or any(lease.community_id != community for lease, _ in pairs):
+            raise ValueError("every lease of a batch must be of one community and one worker")
+        body: dict[str, Any] = {
+            kind: [{"run_id": lease.run_id, "lease_generation": lease.lease_generation, **one} for lease, one in pairs]
+            for kind, pairs in items.items()
+        }
+        data = self._json("POST", f"/communities/{community}/runs/steps", {**body, "worker_id": workers.pop()})
+        return {kind: [RunOutcome(r["outcome"], r) for r in data[kind]] for kind in items}
+
     def heartbeat_runs(self, leases: list[RemoteRunLease], lease_seconds: float | None = None) -> list[RunOutcome]:
         """Renew many run leases of one community in one request: one outcome per lease, in
         order, as :meth:`heartbeat` answers (``renewed`` with the new ``lease``) or ``not_found``."""

@@ -183,6 +183,10 @@ SCHEMAS: dict[str, Any] = {
         }
     ),
 }
+# A steps request's answer (issue 29): per kind, the answers its batch route gives, in order.
+SCHEMAS["BatchStepsResponse"] = _obj(
+    {kind: SCHEMAS["BatchRunResponse"]["properties"]["results"] for kind in ("results", "calls", "complete")}
+)
 
 NULLABLE_TEXT = {"type": ["string", "null"]}
 RUN_STATES = ["pending", "running", "waiting_tool", "waiting_approval", "completed", "failed", "cancelled", "timeout"]
@@ -372,6 +376,7 @@ EXAMPLES: dict[str, Any] = {
     "SendEventResponse": {"resumed": 1, "kept_until": _T},
 }
 _R = "0193a5a0-0000-7000-8000-0000000000a1"
+_R2, _R3 = "0193a5a0-0000-7000-8000-0000000000a2", "0193a5a0-0000-7000-8000-0000000000a3"
 _RUN_LEASE = {"community_id": _C, "run_id": _R, "lease_generation": 1, "lease_until": _T, "worker_id": "w1"}
 _RUN = {
     "id": _R,
@@ -440,6 +445,17 @@ RUN_EXAMPLES: dict[str, Any] = {
     "FailRequest": {**_RL, "failure_code": "tool_error", "failure_message": "search is down"},
     "CompensationBeginRequest": {**_RL, "seq": 1},
     "CompensationFinishRequest": {**_RL, "seq": 1, "ok": True},
+    "BatchStepsRequest": {
+        "results": [{"run_id": _R, "lease_generation": 1, "seq": 1, "ok": True, "output": {"hits": 3}}],
+        "calls": [{"run_id": _R2, "lease_generation": 1, "tool_name": "search", "args": {"q": "buzz"}}],
+        "complete": [{"run_id": _R3, "lease_generation": 2, "output": {"answer": 42}}],
+        "worker_id": "w1",
+    },
+    "BatchStepsResponse": {
+        "results": [{"run_id": _R, "outcome": "recorded", "status": "succeeded"}],
+        "calls": [{"run_id": _R2, "outcome": "journaled", "seq": 3, "idempotency_key": f"{_R2}:3"}],
+        "complete": [{"run_id": _R3, "outcome": "finished", "state": "completed"}],
+    },
 }  # fmt: skip
 
 
@@ -514,13 +530,16 @@ def _run_paths() -> dict[str, Any]:
         f"{RUN}/complete": post("completeRun", "End the run completed", "CompleteRequest"),
         **{
             f"/communities/{{community_id}}/runs/{action}": {
-                "post": _operation(op, summary, "BatchRunResponse", body, "403", params=[COMMUNITY_PARAM])
+                "post": _operation(op, summary, "BatchStepsResponse" if action == "steps" else "BatchRunResponse",
+                                   body, "403", params=[COMMUNITY_PARAM])
             }
             for action, op, summary, body in (
                 ("complete", "completeRuns", "Complete many runs of one community", "BatchCompleteRequest"),
                 ("calls", "journalCalls", "Journal one call for each of many runs", "BatchCallRequest"),
                 ("results", "recordCallResults", "Record one call result for each of many runs",
                  "BatchResultRequest"),
+                ("steps", "recordRunSteps", "Record results, journal calls and complete runs of one community "
+                 "in one request", "BatchStepsRequest"),
                 ("heartbeat", "heartbeatRuns", "Renew many run leases of one community", "BatchHeartbeatRequest"),
                 ("fail", "failRuns", "Fail many runs of one community (or start their unwinding)",
                  "BatchFailRequest"),

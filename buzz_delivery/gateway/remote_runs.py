@@ -346,6 +346,8 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batche
 
 
 Item = tuple[str, RemoteRunLease, dict[str, Any], "Future[RunOutcome]"]
+# The actions one steps request (``POST .../runs/steps``) takes together, in the order it applies them.
+STEP_ACTIONS = ("results", "calls", "complete")
 
 
 class RunBatcher:
@@ -353,12 +355,22 @@ class RunBatcher:
     batches (issue 29): each run thread's :meth:`send` waits while one thread sends whatever is
     queued, one request per (action, community) (``POST .../runs/calls|results|complete|fail``
     and ``.../runs/compensations/begin|finish``: one fenced statement there, each run judged by
-    its own lease). A batch the gateway refuses as a whole (400/413: one bad
-    item) is sent again one run per request, so each run gets the answer its own request would
-    give; a batch that cannot be sent at all raises in every run thread of it."""
+    its own lease). The runs of one worker drift to different steps, so the results, calls and
+    completions queued for one community go in ONE request (``.../runs/steps``, one transaction)
+    when more than one of these kinds is queued; a gateway without that route (404/405) gets
+    the per-kind requests, and is not asked again. A batch the gateway refuses as a whole
+    (400/413: one bad item) is sent again per kind, then one run per request, so each run gets
+    the answer its own request would give; a batch that cannot be sent at all raises in every
+    run thread of it."""
 
-    def __init__(self, client: GatewayClient, max_batch: int = 100) -> None:
-        self.client, self.max_batch = client, max_batch
+    def __init__(self, client: GatewayClient, max_batch: int = 100, linger: float = 0.005) -> None:
+        self.client, self.max_batch, self.linger = client, max_batch, linger
+        # The run threads the last flush answered that have not sent again: while some are
+        # expected, a flush waits up to ``linger`` for them (else half of them would catch the
+        # flush and the others the next one, two requests a step of the worker's runs).
+        self._awaited = 0
+        self._awaited_lock = threading.Lock()
+        self.steps = True  # False once the gateway answered the steps route 404/405 (an older one)
         self._queue: queue.Queue[Item | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="run-batcher", daemon=True)
         self._thread.start()
@@ -367,6 +379,8 @@ class RunBatcher:
         """As the one-run endpoint ``action`` (``calls``, ``results``, ``complete``, ``fail``,
         ``compensations/begin``, ``compensations/finish``), batched."""
         future: Future[RunOutcome] = Future()
+        with self._awaited_lock:
+            self._awaited = max(0, self._awaited - 1)
         self._queue.put((action, lease, body, future))
         return future.result()
 
@@ -382,18 +396,30 @@ class RunBatcher:
             if item is None:
                 return
             items = [item]
+            deadline = time.monotonic() + self.linger
             while len(items) < self.max_batch:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
-                    break
+                    with self._awaited_lock:
+                        expected = self._awaited > 0
+                    remaining = deadline - time.monotonic()
+                    if not expected or remaining <= 0:
+                        break
+                    try:
+                        more = self._queue.get(timeout=remaining)
+                    except queue.Empty:
+                        break
                 if more is None:
                     stop = True
                     break
                 items.append(more)
+            with self._awaited_lock:  # their threads send nothing before they are answered below
+                self._awaited = len(items)
             groups: dict[tuple[str, str, str], list[list[Item]]] = defaultdict(list)
             for one in items:
-                batches = groups[(one[0], one[1].community_id, one[1].worker_id)]
+                action = "steps" if self.steps and one[0] in STEP_ACTIONS else one[0]
+                batches = groups[(action, one[1].community_id, one[1].worker_id)]
                 # No run twice in one batch (a run thread sends one at a time; kept safe anyway).
                 if not batches or any(x[1].run_id == one[1].run_id for x in batches[-1]):
                     batches.append([])
@@ -401,11 +427,46 @@ class RunBatcher:
             for batches in groups.values():
                 for group in batches:
                     try:
-                        self._send(group)
+                        self._send_steps(group) if group[0][0] in STEP_ACTIONS else self._send(group)
                     except Exception as exc:  # never leave a run thread waiting on its answer
                         for *_, future in group:
                             if not future.done():
                                 future.set_exception(exc)
+
+    def _send_steps(self, group: list[Item]) -> None:
+        """A group of :data:`STEP_ACTIONS` items (no run twice): one steps request when it holds
+        more than one kind, else that kind's batch request."""
+        kinds: dict[str, list[Item]] = defaultdict(list)
+        for one in group:
+            kinds[one[0]].append(one)
+        if len(kinds) == 1:
+            self._send(group)
+            return
+        try:
+            answers = self.client.run_steps({kind: [(x[1], x[2]) for x in items] for kind, items in kinds.items()})
+        except GatewayHTTPError as exc:
+            if exc.status in (404, 405):
+                self.steps = False  # a gateway older than the steps route: per kind from now on
+            if exc.status not in (400, 404, 405, 413):
+                for *_, future in group:
+                    future.set_exception(exc)
+                return
+            for items in kinds.values():  # each kind on its own (a bad item: then each run on its own)
+                self._send(items)
+            return
+        except Exception as exc:  # the gateway unreachable: every run of the batch hears it
+            for *_, future in group:
+                future.set_exception(exc)
+            return
+        for kind, items in kinds.items():
+            outcomes = answers.get(kind, [])
+            if len(outcomes) != len(items):  # not the gateway's answer to this batch: no run may take it
+                error = RuntimeError(f"the gateway answered {len(outcomes)} {kind} outcomes to {len(items)} runs")
+                for *_, future in items:
+                    future.set_exception(error)
+                continue
+            for (*_, future), outcome in zip(items, outcomes, strict=True):
+                future.set_result(outcome)
 
     def _send(self, group: list[Item]) -> None:
         action = group[0][0]

@@ -41,6 +41,7 @@ from buzz_delivery.gateway.schema import (
     BATCH_FAIL,
     BATCH_HEARTBEAT,
     BATCH_RESULTS,
+    BATCH_STEPS,
     CALL,
     COMPENSATION_BEGIN,
     COMPENSATION_FINISH,
@@ -295,6 +296,74 @@ def complete(request: HttpRequest, pubkey: bytes, data: dict[str, Any], communit
     return _common(outcome)
 
 
+class _Kind:
+    """One kind of batched step: how an item is prepared (before any SQL), sent (one fenced
+    statement for all), replayed one run at a time (when the database refuses the statement)
+    and answered."""
+
+    __slots__ = ("prepare", "present_one", "replay", "send", "send_in_savepoint")
+
+    def __init__(self, prepare: Any, send: Any, replay: Any, present_one: Any, send_in_savepoint: bool = True) -> None:
+        self.prepare, self.send, self.replay = prepare, send, replay
+        self.present_one, self.send_in_savepoint = present_one, send_in_savepoint
+
+
+def _prepare_items(
+    kind: _Kind, items: list[dict[str, Any]], name: str, community_id: uuid.UUID, worker: str, seen: set[uuid.UUID]
+) -> list[Any]:
+    """Each item of list ``name`` checked and prepared, before any SQL: a bad one is a 400
+    naming it (``runs[2].output``); a run already in ``seen`` (this request) too."""
+    prepared = []
+    for i, item in enumerate(items):
+        run_id = parse_uuid(f"{name}[{i}].run_id", item["run_id"])
+        if run_id in seen:
+            raise bad_request(f"{name}[{i}].run_id", "appears twice in the batch")
+        seen.add(run_id)
+        lease = agents.AgentLease(community_id, run_id, item["lease_generation"], timezone.now(), worker)
+        try:
+            prepared.append(kind.prepare(lease, item))
+        except ValidationError as exc:
+            raise bad_request(f"{name}[{i}].{_field_of(exc)}", "; ".join(exc.messages)) from None
+    return prepared
+
+
+def _own(community_id: uuid.UUID, pubkey: bytes, prepared: list[Any]) -> set[uuid.UUID]:
+    """The runs of ``prepared`` that are the signer's (one read with the enrollment check: 403)."""
+    own = gateway.own_runs_if_enrolled(community_id, pubkey, [p.lease.run_id for p in prepared])
+    if own is None:
+        raise GatewayError("not_enrolled", "this key is not enrolled in that community")
+    return own
+
+
+def _execute(kind: _Kind, community_id: uuid.UUID, prepared: list[Any], own: set[uuid.UUID]) -> list[dict[str, Any]]:
+    """ONE statement for the signer's items of ``prepared``, each row fenced by its own lease
+    generation; one answer per item in order (``not_found`` for a run not the signer's). A
+    statement the database refuses wrote nothing; its items are then sent one at a time."""
+    mine = [p for p in prepared if p.lease.run_id in own]
+    try:
+        # Inside the request's transaction (one_transaction) a savepoint, unless ``send`` makes
+        # its own: a batch the database refuses then leaves it usable for the one-run forms.
+        with transaction.atomic() if kind.send_in_savepoint and connection.in_atomic_block else nullcontext():
+            outcomes = kind.send(community_id, mine) if mine else []
+    except DatabaseError:
+        outcomes = [kind.replay(p) for p in mine]
+    by_run = {p.lease.run_id: o for p, o in zip(mine, outcomes, strict=True)}
+    results = []
+    for p in prepared:
+        row: dict[str, Any] = {"run_id": str(p.lease.run_id)}
+        outcome = by_run.get(p.lease.run_id)
+        if outcome is None:
+            row["outcome"] = "not_found"
+        elif isinstance(outcome, AlreadyTerminal):
+            row.update(outcome="already_terminal", state=outcome.status)
+        elif isinstance(outcome, LeaseLost):
+            row.update(outcome="lease_lost", reason=outcome.reason)
+        else:
+            row.update(kind.present_one(outcome))
+        results.append(row)
+    return results
+
+
 def _batch(
     pubkey: bytes,
     data: dict[str, Any],
@@ -310,45 +379,9 @@ def _batch(
     runs read at once (a run of another key is ``not_found``, as a missing one), then ONE
     statement for the batch, each row fenced by its own lease generation. A batch the database
     refuses wrote nothing; its items are then sent one at a time with the single forms."""
-    worker = worker_of(pubkey, data["worker_id"])
-    seen: set[uuid.UUID] = set()
-    prepared = []
-    for i, item in enumerate(data["runs"]):
-        run_id = parse_uuid(f"runs[{i}].run_id", item["run_id"])
-        if run_id in seen:
-            raise bad_request(f"runs[{i}].run_id", "appears twice in the batch")
-        seen.add(run_id)
-        lease = agents.AgentLease(community_id, run_id, item["lease_generation"], timezone.now(), worker)
-        try:
-            prepared.append(prepare(lease, item))
-        except ValidationError as exc:
-            raise bad_request(f"runs[{i}].{_field_of(exc)}", "; ".join(exc.messages)) from None
-    own = gateway.own_runs_if_enrolled(community_id, pubkey, [p.lease.run_id for p in prepared])
-    if own is None:
-        raise GatewayError("not_enrolled", "this key is not enrolled in that community")
-    mine = [p for p in prepared if p.lease.run_id in own]
-    try:
-        # Inside the request's transaction (one_transaction) a savepoint, unless ``send`` makes
-        # its own: a batch the database refuses then leaves it usable for the one-run forms.
-        with transaction.atomic() if send_in_savepoint and connection.in_atomic_block else nullcontext():
-            outcomes = send(community_id, mine) if mine else []
-    except DatabaseError:
-        outcomes = [replay(p) for p in mine]
-    by_run = {p.lease.run_id: o for p, o in zip(mine, outcomes, strict=True)}
-    results = []
-    for p in prepared:
-        row: dict[str, Any] = {"run_id": str(p.lease.run_id)}
-        outcome = by_run.get(p.lease.run_id)
-        if outcome is None:
-            row["outcome"] = "not_found"
-        elif isinstance(outcome, AlreadyTerminal):
-            row.update(outcome="already_terminal", state=outcome.status)
-        elif isinstance(outcome, LeaseLost):
-            row.update(outcome="lease_lost", reason=outcome.reason)
-        else:
-            row.update(present_one(outcome))
-        results.append(row)
-    return JsonResponse({"results": results})
+    kind = _Kind(prepare, send, replay, present_one, send_in_savepoint)
+    prepared = _prepare_items(kind, data["runs"], "runs", community_id, worker_of(pubkey, data["worker_id"]), set())
+    return JsonResponse({"results": _execute(kind, community_id, prepared, _own(community_id, pubkey, prepared))})
 
 
 def _finished(outcome: Any) -> dict[str, Any]:
@@ -363,11 +396,7 @@ def complete_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], co
     answers: ``finished`` (``state``), ``already_terminal``, ``lease_lost`` (``reason``:
     ``cancelled`` after a cancel) or ``not_found`` (no such run for this key); 400 naming the bad
     item (nothing written); 403 not enrolled there."""
-    return _batch(
-        pubkey, data, community_id,
-        lambda lease, item: batch.prepare_completion(lease, item["output"]),
-        batch.complete_runs, batch.replay_completion, _finished,
-    )  # fmt: skip
+    return _batch_of(_COMPLETE, pubkey, data, community_id)
 
 
 def _journaled(outcome: Any) -> dict[str, Any]:
@@ -386,16 +415,7 @@ def call_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commun
     (``journaled``, ``blocked``, ``budget_exceeded``, ``already_terminal``, ``lease_lost``) or
     ``not_found``; 400 naming the bad item (nothing written); 403."""
 
-    def prepare(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedCall:
-        return batch.prepare_call(
-            lease, item["tool_name"], item["args"], cost=item["cost"], compensation=item["compensation"],
-            destructive=item["destructive"],
-        )  # fmt: skip
-
-    # journal_calls runs in a transaction (a savepoint in the request's) of its own.
-    return _batch(
-        pubkey, data, community_id, prepare, batch.journal_calls, batch.replay_call, _journaled, send_in_savepoint=False
-    )
+    return _batch_of(_CALLS, pubkey, data, community_id)
 
 
 def _recorded_row(outcome: Any) -> dict[str, Any]:
@@ -440,13 +460,59 @@ def result_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], comm
     ``already_recorded`` with the status, ``already_terminal``, ``lease_lost``) or ``not_found``;
     400 naming the bad item (nothing written); 403."""
 
-    def prepare(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedResult:
-        return batch.prepare_result(
-            lease, item["seq"], ok=item["ok"], output=item["output"], error=item["error"],
-            latency_ms=item["latency_ms"], uncertain=item["uncertain"],
-        )  # fmt: skip
+    return _batch_of(_RESULTS, pubkey, data, community_id)
 
-    return _batch(pubkey, data, community_id, prepare, batch.record_results, batch.replay_result, _recorded_row)
+
+def _prepare_call(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedCall:
+    return batch.prepare_call(
+        lease, item["tool_name"], item["args"], cost=item["cost"], compensation=item["compensation"],
+        destructive=item["destructive"],
+    )  # fmt: skip
+
+
+def _prepare_result(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedResult:
+    return batch.prepare_result(
+        lease, item["seq"], ok=item["ok"], output=item["output"], error=item["error"],
+        latency_ms=item["latency_ms"], uncertain=item["uncertain"],
+    )  # fmt: skip
+
+
+_COMPLETE = _Kind(
+    lambda lease, item: batch.prepare_completion(lease, item["output"]),
+    batch.complete_runs, batch.replay_completion, _finished,
+)  # fmt: skip
+# journal_calls runs in a transaction (a savepoint in the request's) of its own.
+_CALLS = _Kind(_prepare_call, batch.journal_calls, batch.replay_call, _journaled, send_in_savepoint=False)
+_RESULTS = _Kind(_prepare_result, batch.record_results, batch.replay_result, _recorded_row)
+# The kinds a steps request takes, in the order it applies them: a result recorded before the
+# next call is journaled, both before a run completes.
+STEP_KINDS = (("results", _RESULTS), ("calls", _CALLS), ("complete", _COMPLETE))
+
+
+def _batch_of(kind: _Kind, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID) -> JsonResponse:
+    return _batch(
+        pubkey, data, community_id, kind.prepare, kind.send, kind.replay, kind.present_one, kind.send_in_savepoint
+    )
+
+
+@endpoint("POST", BATCH_STEPS, one_transaction=True)
+def steps_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID):
+    """The steps of many runs of one community, of mixed kinds, in one request and one
+    transaction (issue 29: runs of one worker drift to different steps): ``results``, ``calls``
+    and ``complete``, each list exactly the items of that kind's batch route, applied in that
+    order (each kind one fenced statement, each row under its own lease). A run appears at most
+    once in the request. 200 ``{"results": [...], "calls": [...], "complete": [...]}``, each list
+    in request order and each answer what that kind's batch route answers; 400 naming the bad
+    item (``calls[1].tool_name``; nothing written); 403 not enrolled there."""
+    worker = worker_of(pubkey, data["worker_id"])
+    most = BATCH_STEPS.fields["results"].bounds()[1]
+    if not 1 <= sum(len(data[name]) for name, _ in STEP_KINDS) <= most:
+        raise bad_request("body", f"must hold 1..{int(most)} items in all (results, calls, complete)")
+    seen: set[uuid.UUID] = set()
+    prepared = {name: _prepare_items(kind, data[name], name, community_id, worker, seen) for name, kind in STEP_KINDS}
+    own = _own(community_id, pubkey, [p for items in prepared.values() for p in items])
+    answers = {name: _execute(kind, community_id, prepared[name], own) for name, kind in STEP_KINDS}
+    return JsonResponse(answers)
 
 
 @endpoint("POST", FAIL)

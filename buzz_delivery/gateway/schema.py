@@ -365,6 +365,24 @@ BATCH_HEARTBEAT = Body(
     },
 )  # fmt: skip
 BATCH_RESULTS = _batch("Result", RESULT, "record one call result each for")
+
+
+def _step_limit() -> tuple[float, float]:
+    return 0, _run_limit()[1]
+
+
+def _steps(batches: dict[str, Body]) -> Body:
+    """A steps body (issue 29): per kind, the ``runs`` items of its batch body (0..100 each, at
+    most 100 in all, no run twice), and the holder's ``worker_id``."""
+    fields = {
+        kind: Field("array", f"as ``runs`` of {body.name}", default=[], bounds=_step_limit,
+                    items=body.fields["runs"].items)
+        for kind, body in batches.items()
+    }  # fmt: skip
+    return Body("BatchStepsRequest", {**fields, "worker_id": WORKER_ID})
+
+
+BATCH_STEPS = _steps({"results": BATCH_RESULTS, "calls": BATCH_CALLS, "complete": BATCH_COMPLETE})
 APPROVAL = Body(
     "ApprovalRequest",
     {
@@ -423,7 +441,7 @@ RUN_OUTPUT = Body(
 )  # fmt: skip
 RUN_BODIES = (ACCEPT, RUN_CLAIM, HEARTBEAT, CALL, RESULT, APPROVAL, COMPLETE, BATCH_COMPLETE, BATCH_CALLS,
               BATCH_RESULTS, BATCH_HEARTBEAT, FAIL, BATCH_FAIL, COMPENSATION_BEGIN, BATCH_COMPENSATION_BEGIN,
-              COMPENSATION_FINISH, BATCH_COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT)  # fmt: skip
+              COMPENSATION_FINISH, BATCH_COMPENSATION_FINISH, RUN_EMIT, RUN_OUTPUT, BATCH_STEPS)  # fmt: skip
 BODIES = (CLAIM, RENEW, FINISH, BATCH_FINISH, BATCH_RENEW)
 
 # --- workflow events (buzz_delivery.workflows, SPEC 16 "Engine waits") ----------------------------

@@ -54,6 +54,7 @@ if agents_installed():
         path("communities/<str:community_id>/runs/complete", runs.complete_batch, name="run-complete-batch"),
         path("communities/<str:community_id>/runs/calls", runs.call_batch, name="run-call-batch"),
         path("communities/<str:community_id>/runs/results", runs.result_batch, name="run-result-batch"),
+        path("communities/<str:community_id>/runs/steps", runs.steps_batch, name="run-steps-batch"),
         path("communities/<str:community_id>/runs/heartbeat", runs.heartbeat_batch, name="run-heartbeat-batch"),
         path("communities/<str:community_id>/runs/fail", runs.fail_batch, name="run-fail-batch"),
         path(

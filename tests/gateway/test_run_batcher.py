@@ -7,6 +7,7 @@ the next batches. The gateway client here is a stand-in that answers one outcome
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from buzz_delivery.gateway.client import RunOutcome
@@ -90,5 +91,69 @@ def test_a_batch_route_the_gateway_lacks_is_sent_again_one_run_per_request():
         (outcome,) = box
         assert isinstance(outcome, RunOutcome) and outcome.outcome == "finished", outcome
         assert client.singles == [("r1", "fail")]
+    finally:
+        batcher.close()
+
+
+class NoStepsGateway:
+    """A gateway older than the steps route (its read route answers 405); the per-kind batch
+    routes answer."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        self.gate = threading.Event()
+
+    def run_steps(self, items):
+        from buzz_delivery.gateway.client import GatewayHTTPError
+
+        self.requests.append("steps")
+        raise GatewayHTTPError(405, "method_not_allowed", "use GET for this route")
+
+    def run_batch(self, action, items):
+        self.requests.append(action)
+        if len(self.requests) == 1:
+            assert self.gate.wait(10)
+        return [RunOutcome({"calls": "journaled", "results": "recorded"}[action], {}) for _ in items]
+
+
+def _mixed_flush(batcher: RunBatcher, client: NoStepsGateway, first: str) -> list[list[object]]:
+    """A ``calls`` and a ``results`` of two runs flushed together: queued behind run ``first``'s
+    ``calls``, held at the client's gate."""
+    boxes: list[list[object]] = []
+
+    def send(action: str, run_id: str) -> None:
+        box: list[object] = []
+        boxes.append(box)
+        threading.Thread(target=lambda: box.append(batcher.send(action, Lease(run_id), {})), daemon=True).start()
+
+    deadline = time.monotonic() + 10
+    send("calls", first)
+    while not client.requests:  # held at the gate
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    send("calls", f"{first}-a")
+    send("results", f"{first}-b")
+    while batcher._queue.qsize() < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    client.gate.set()
+    while not all(boxes) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return boxes
+
+
+def test_a_gateway_without_the_steps_route_gets_the_per_kind_requests_and_is_not_asked_again():
+    client = NoStepsGateway()
+    batcher = RunBatcher(client)
+    try:
+        boxes = _mixed_flush(batcher, client, "r0")
+        assert [box[0].outcome for box in boxes] == ["journaled", "journaled", "recorded"], boxes
+        assert client.requests == ["calls", "steps", "calls", "results"]
+        assert batcher.steps is False
+        client.requests.clear()
+        client.gate.clear()
+        boxes = _mixed_flush(batcher, client, "r1")
+        assert [box[0].outcome for box in boxes] == ["journaled", "journaled", "recorded"], boxes
+        assert client.requests == ["calls", "calls", "results"]  # no steps request again
     finally:
         batcher.close()
