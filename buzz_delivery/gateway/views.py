@@ -112,7 +112,9 @@ def endpoint(
     recorded in the same transaction as the view's writes, so the request pays one commit (one
     WAL flush) instead of two, and an id is never recorded without its request's writes nor the
     writes without the id. A refused request (any 4xx, a 503) is answered inside that
-    transaction, which then commits its event id as the autocommit form does: such a view
+    transaction, which then commits its event id as the autocommit form does (unless a
+    database error outside a savepoint left the transaction unable to commit: then neither the
+    id nor any write is kept, and the request may be sent again): such a view
     refuses only before it writes (its checks and reads come first), and a write it made before
     a later error stays, as in autocommit. Not for a long-poll (it would hold a transaction open
     while it waits) nor for a service that retries its own deadlocks (it does not retry inside
