@@ -27,7 +27,7 @@ from django.utils import timezone
 from buzz_delivery.agents import services as agents
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services import batch
-from buzz_delivery.gateway import limits, present
+from buzz_delivery.gateway import limits, present, schema
 from buzz_delivery.gateway import services as gateway
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
@@ -505,7 +505,7 @@ def steps_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commu
     in request order and each answer what that kind's batch route answers; 400 naming the bad
     item (``calls[1].tool_name``; nothing written); 403 not enrolled there."""
     worker = worker_of(pubkey, data["worker_id"])
-    most = BATCH_STEPS.fields["results"].bounds()[1]
+    most = schema.steps_limit()[1]
     if not 1 <= sum(len(data[name]) for name, _ in STEP_KINDS) <= most:
         raise bad_request("body", f"must hold 1..{int(most)} items in all (results, calls, complete)")
     seen: set[uuid.UUID] = set()

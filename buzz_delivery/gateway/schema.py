@@ -367,7 +367,7 @@ BATCH_HEARTBEAT = Body(
 BATCH_RESULTS = _batch("Result", RESULT, "record one call result each for")
 
 
-def _step_limit() -> tuple[float, float]:
+def steps_limit() -> tuple[float, float]:
     return 0, _run_limit()[1]
 
 
@@ -375,7 +375,7 @@ def _steps(batches: dict[str, Body]) -> Body:
     """A steps body (issue 29): per kind, the ``runs`` items of its batch body (0..100 each, at
     most 100 in all, no run twice), and the holder's ``worker_id``."""
     fields = {
-        kind: Field("array", f"as ``runs`` of {body.name}", default=[], bounds=_step_limit,
+        kind: Field("array", f"as ``runs`` of {body.name}", default=[], bounds=steps_limit,
                     items=body.fields["runs"].items)
         for kind, body in batches.items()
     }  # fmt: skip
