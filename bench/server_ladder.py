@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
             for name in order:
-                load = open("/proc/loadavg").read().split()[0]
+                load = Path("/proc/loadavg").read_text().split()[0]
                 started = time.monotonic()
                 results[name].append(_drain(copies[name], tenant, args.deliveries))
                 claim, settle = results[name][-1]
