@@ -1,0 +1,198 @@
+"""Where the server's CPU of a delivery goes (issue 31): the plan-cached claim 50 -> batch settle 50
+of ``services.cached``, one backend, on copies of the bench database that each lack one piece of
+the delivery table (a trigger, an index, the CHECKs, the settle's run-lock prelude), against the
+full schema, alternating, in one run:
+
+    python -m bench.server_ladder [--deliveries 20000] [--rounds 3] [--only full,fan_in,...]
+
+Every variant is a ``CREATE DATABASE ... TEMPLATE`` copy of the migrated bench database with its
+DDL applied (a copy, never the bench database itself; dropped at the end). Each round loads
+``--deliveries`` pending rows of one target, ``VACUUM ANALYZE``, and drains them from one
+connection with ``synchronous_commit = off`` (the WAL flush is not the backend's CPU); the
+backend's user + system CPU is read from ``/proc`` around each statement, so the claim's and the
+settle's shares are printed apart. Variants run in a rotating order per round. The deliveries are
+the peers bench's (one workflow, one run, one message event, not of an engine run): the numbers
+are what the inbox's worker pays, not what an engine step's deliveries pay.
+
+A removed piece is not a proposal: most are guarantees or read paths (SPEC 3, 5, 8, 15); the
+ladder says what each costs, so that the gap to a peer can be judged piece by piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+
+from bench import baseline, data, env
+from bench.scenarios.overhead import _backend_cpu
+
+BATCH = 50
+D = data.OURS
+
+
+def _checks(conn: psycopg.Connection) -> list[str]:
+    rows = conn.execute(
+        "SELECT conname FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'c'", [D]
+    ).fetchall()
+    return [f'ALTER TABLE {D} DROP CONSTRAINT "{name}"' for (name,) in rows]
+
+
+def _triggers(conn: psycopg.Connection, like: str) -> list[str]:
+    rows = conn.execute(
+        "SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass AND NOT tgisinternal AND tgname LIKE %s",
+        [D, like],
+    ).fetchall()
+    return [f'DROP TRIGGER "{name}" ON {D}' for (name,) in rows]
+
+
+def _no_prelude(conn: psycopg.Connection) -> list[str]:
+    """``buzz_delivery_finish_leases`` without its run-lock prelude (the count of the batch's runs)."""
+    body = conn.execute("SELECT pg_get_functiondef('buzz_delivery_finish_leases'::regproc)").fetchone()[0]
+    start = body.index("    IF (SELECT count(DISTINCT")
+    end = body.index("END IF;", start) + len("END IF;")
+    return [body[:start] + body[end:]]
+
+
+# name -> (what it is, DDL maker). "full" first: every other is compared with it.
+VARIANTS = {
+    "full": ("the full schema", lambda c: []),
+    "fan_in": (
+        "- the engine's fan-in AFTER trigger (buzz_workflows_delivery_fan_in)",
+        lambda c: [f"DROP TRIGGER buzz_workflows_delivery_fan_in ON {D}"],
+    ),
+    "prelude": ("- the settle's run-lock prelude (count of distinct runs)", _no_prelude),
+    "history_guard": ("- the history append-only trigger's WHEN", lambda c: _triggers(c, "%history_append_only%")),
+    "history_push": (
+        "history push as a plain append (no 50-entry bound)",
+        lambda c: [
+            "CREATE OR REPLACE FUNCTION buzz_delivery_history_push(history jsonb, entry jsonb) RETURNS jsonb "
+            "LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT history || entry $$"
+        ],
+    ),
+    "row_triggers": (
+        "- every BEFORE ROW trigger (write fence, generation, history, binding)",
+        lambda c: _triggers(c, "pgtrigger_%"),
+    ),
+    "checks": ("- the 22 CHECK constraints", _checks),
+    "created_idx": ("- delivery_created_idx (the admin's age list)", lambda c: ["DROP INDEX delivery_created_idx"]),
+    "workflow_idx": ("- delivery_workflow_idx (workflow FK)", lambda c: ["DROP INDEX delivery_workflow_idx"]),
+    "message_idx": (
+        "- delivery_message_event_idx (message event FK)",
+        lambda c: ["DROP INDEX delivery_message_event_idx"],
+    ),
+    "identity_key": (
+        "- delivery_identity_key (exactly-once identity)",
+        lambda c: [f"ALTER TABLE {D} DROP CONSTRAINT delivery_identity_key"],
+    ),
+    "lease_idx": ("- delivery_claimed_lease_idx (reaper)", lambda c: ["DROP INDEX delivery_claimed_lease_idx"]),
+    "terminal_idx": ("- delivery_terminal_age_idx (pruner)", lambda c: ["DROP INDEX delivery_terminal_age_idx"]),
+}
+
+
+def _url(url: str, name: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
+def _drain(url: str, tenant: data.Tenant, deliveries: int) -> tuple[float, float]:
+    """Server CPU µs per delivery of the claims and of the settles, one drain."""
+    from buzz_delivery.services import cached
+
+    control = env.connect(url)
+    control.execute(f"TRUNCATE {D} CASCADE")
+    data.load(control, tenant, deliveries)
+    control.execute(f"VACUUM (ANALYZE) {D}")
+    control.close()
+    target = data.target(0)
+    claim = {"community_id": tenant.community_id, "target_pubkey": target, "limit": BATCH, "lease_seconds": 60.0,
+             "holder": "ladder"}  # fmt: skip
+    claim_sql = cached.CLAIM.call.replace("SELECT ", "SELECT d.id, d.lease_generation, ", 1)
+    with psycopg.connect(url, autocommit=True, options="-c synchronous_commit=off") as conn:
+        pid = conn.info.backend_pid
+        claimed = settled = 0.0
+        done = 0
+        while True:
+            before = _backend_cpu(pid)
+            rows = conn.execute(claim_sql, claim).fetchall()
+            middle = _backend_cpu(pid)
+            claimed += middle - before  # type: ignore[operator]
+            if not rows:
+                break
+            conn.execute(
+                cached.FINISH_MANY.call,
+                {"community_id": tenant.community_id, "delivery_ids": [r[0] for r in rows],
+                 "lease_generations": [r[1] for r in rows], "target_pubkeys": [target] * len(rows),
+                 "status": "finished", "failure_code": None, "failure_message": None},
+            ).fetchall()  # fmt: skip
+            settled += _backend_cpu(pid) - middle  # type: ignore[operator]
+            done += len(rows)
+    if done != deliveries:
+        raise SystemExit(f"drained {done} of {deliveries}")
+    return claimed / done * 1e6, settled / done * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.server_ladder", description=__doc__.splitlines()[0])
+    parser.add_argument("--deliveries", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated variants (full is always run)")
+    args = parser.parse_args(argv)
+    names = ["full", *[n for n in args.only.split(",") if n and n != "full"]] if args.only else list(VARIANTS)
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    url = env.database_url()
+    env.ensure_database(url)
+    env.setup_django(url)
+    env.migrate()
+    base = urlsplit(url).path.lstrip("/")
+    control = env.connect(url)
+    baseline.create_table(control)
+    data.reset(control)
+    (tenant,) = data.create_tenants(1)
+    from django.db import connections
+
+    connections.close_all()  # a template must have no other session
+    control.close()
+    admin = env.connect(_url(url, "postgres"))
+    copies = {}
+    try:
+        for name in names:
+            copy = f"{base}_ladder_{name}"
+            admin.execute(f'DROP DATABASE IF EXISTS "{copy}"')
+            admin.execute(f'CREATE DATABASE "{copy}" TEMPLATE "{base}"')
+            copies[name] = _url(url, copy)
+            with env.connect(copies[name]) as conn:
+                for statement in VARIANTS[name][1](conn):
+                    conn.execute(statement)
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        for round_ in range(args.rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for name in order:
+                load = Path("/proc/loadavg").read_text().split()[0]
+                started = time.monotonic()
+                results[name].append(_drain(copies[name], tenant, args.deliveries))
+                claim, settle = results[name][-1]
+                print(f"round {round_ + 1} {name}: claim {claim:.1f} + settle {settle:.1f} = {claim + settle:.1f} "
+                      f"µs/delivery (load {load}, {time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+    finally:
+        for name in copies:
+            admin.execute(f'DROP DATABASE IF EXISTS "{base}_ladder_{name}"')
+        admin.close()
+    full = statistics.median(c + s for c, s in results["full"])
+    print("\n| variant | claim µs | settle µs | server µs per delivery | vs full |\n|---|---|---|---|---|")
+    for name in names:
+        claim = statistics.median(c for c, _ in results[name])
+        settle = statistics.median(s for _, s in results[name])
+        total = statistics.median(c + s for c, s in results[name])
+        print(f"| {VARIANTS[name][0]} | {claim:.1f} | {settle:.1f} | {total:.1f} | "
+              f"{'' if name == 'full' else f'{total - full:+.1f}'} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
