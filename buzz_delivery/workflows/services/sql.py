@@ -303,14 +303,14 @@ WITH locked AS MATERIALIZED (
 )
 UPDATE {STEP} AS s
 SET state = 'waiting', {CLEAR_LEASE}, waiting_since = {DB_NOW},
-    wait_deadline = {DB_NOW} + make_interval(secs => u.wait_seconds),
+    wait_deadline = buzz_delivery_plus_seconds({DB_NOW}, u.wait_seconds),
     expected = u.expected, child_run_id = NULL,
     {step_entry("'park'", "s.lease_generation", "s.claimed_by", status="'waiting'", renewals="s.renewals")}
-FROM locked AS l
-JOIN unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[], %(expected)s::int[],
-            %(wait_seconds)s::float8[]) AS u(id, generation, expected, wait_seconds) ON u.id = l.id
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[], %(expected)s::integer[],
+            %(wait_seconds)s::double precision[]) AS u(id, generation, expected, wait_seconds)
 WHERE s.community_id = %(community_id)s
-  AND s.id = l.id
+  AND s.id = u.id
+  AND s.id IN (SELECT l.id FROM locked AS l)
   AND s.lease_generation = u.generation
   AND s.state = 'running'
   AND s.lease_until >= {DB_NOW}
