@@ -2,9 +2,9 @@
 
 The orchestrator hands the send_message steps it claimed to its completer thread, which sends
 them here, many per transaction, with a number of statements that does not grow with the
-batch: the runs read (one statement, before the transaction), then, in one transaction, the
-identity locks of every (run, step) in key order (:func:`~buzz_delivery.services.fanout.lock_delivery_identities`),
-the steps parked ``waiting`` in one fenced statement judged by the rows it returns (the step
+batch, in one transaction: the runs read (one statement), the identity locks of every (run,
+step) in key order (:func:`~buzz_delivery.services.fanout.lock_delivery_identities`), the steps
+parked ``waiting`` in one fenced statement judged by the rows it returns (the step
 rows locked in id order: :func:`~buzz_delivery.workflows.services.steps.park_sends`), the
 message events of the parked steps (stable ids: one an earlier attempt posted is kept), and
 the deliveries of all their targets, each with its run's priority and trace context
@@ -107,6 +107,16 @@ def send_messages(community: uuid.UUID, claims: Sequence[StepClaim]) -> list[Ste
     the holder's repeat ``Settled("waiting")``), ``None`` for one it did not attempt (send it
     on its own). Raises what the database raises for the batch (nothing of it is kept)."""
     outcomes: list[StepOutcome | None] = [None] * len(claims)
+    batch, parked = _send_batch(community, claims)
+    for i, send in batch:
+        lease = send.claim.lease
+        outcomes[i] = Settled("waiting") if lease.step_id in parked else steps.park_outcome(lease)
+    return outcomes
+
+
+def _prepared(community: uuid.UUID, claims: Sequence[StepClaim]) -> list[tuple[int, _Send]]:
+    """The claims the batch attempts (with their index): of ``community``, each step once, its
+    run and definition found, its bindings built."""
     runs = _runs(community, sorted({c.lease.run_id for c in claims}))
     definitions = definition_event_ids(community, {run.definition_id for run in runs.values()})
     batch: list[tuple[int, _Send]] = []
@@ -123,20 +133,19 @@ def send_messages(community: uuid.UUID, claims: Sequence[StepClaim]) -> list[Ste
             batch.append((i, _prepare(community, claim, run, definition)))
         except Exception as exc:  # sent on its own: its failure is its own
             logger.info("send_not_batched step=%s run=%s error=%s", claim.step.key, run.pk, exc)
-    if not batch:
-        return outcomes
-    parked = _send_batch(community, [send for _, send in batch])
-    for i, send in batch:
-        lease = send.claim.lease
-        outcomes[i] = Settled("waiting") if lease.step_id in parked else steps.park_outcome(lease)
-    return outcomes
+    return batch
 
 
 @retry_deadlocks
-def _send_batch(community: uuid.UUID, sends: list[_Send]) -> set[uuid.UUID]:
+def _send_batch(community: uuid.UUID, claims: Sequence[StepClaim]) -> tuple[list[tuple[int, _Send]], set[uuid.UUID]]:
     """The batch's transaction (run again whole when PostgreSQL picks it as a deadlock's
-    victim): the ids of the steps it parked, whose messages and deliveries it wrote."""
+    victim; the runs are read in it too, a commit fewer): the sends it attempted, and the ids
+    of the steps it parked, whose messages and deliveries it wrote."""
     with transaction.atomic():
+        batch = _prepared(community, claims)
+        sends = [send for _, send in batch]
+        if not sends:
+            return batch, set()
         fanout.lock_delivery_identities(community, [(s.claim.lease.run_id, s.claim.step.key) for s in sends])
         parked = steps.park_sends(community, [(s.claim.lease, len(s.message.bindings), s.wait_seconds) for s in sends])
         mine = [s for s in sends if s.claim.lease.step_id in parked]
@@ -154,4 +163,4 @@ def _send_batch(community: uuid.UUID, sends: list[_Send]) -> set[uuid.UUID]:
                 },
             )
             fanout.commit_messages(community, [s.message for s in mine])
-    return parked
+    return batch, parked
