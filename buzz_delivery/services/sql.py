@@ -155,6 +155,46 @@ SELECT created.id,
 FROM created
 """
 
+# The identity locks of many (run, step) of one community in one statement, keys taken in the
+# order given (the caller sorts them: two batches never take two keys in opposite orders).
+LOCK_IDENTITIES = """
+SELECT count(pg_advisory_xact_lock(%(namespace)s, hashtext(k.key)))
+FROM unnest(%(keys)s::text[]) AS k(key)
+"""
+
+# INSERT_DELIVERIES_SKIP_EXISTING for the deliveries of many messages of one community (a batch
+# of send_message steps): each row its own message event, trigger context and priority.
+INSERT_DELIVERIES_MANY_SKIP_EXISTING = f"""
+WITH created AS (
+    INSERT INTO {DELIVERY} AS d (
+        id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
+        message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
+        max_attempts, expires_at, execution_trace, trigger_context, next_attempt_at, priority
+    )
+    SELECT v.id, %(community_id)s, v.workflow_id, v.run_id, v.step_id, v.target_pubkey, v.definition_event_id,
+           v.message_event_id, v.cause_kind, v.cause_event_id, v.cause_scheduled_for,
+           v.cause_webhook_invocation_id, %(max_attempts)s, NULL, NULL, v.trigger_context, NULL, v.priority
+    FROM unnest(
+        %(ids)s::uuid[], %(workflow_ids)s::uuid[], %(run_ids)s::uuid[], %(step_ids)s::text[],
+        %(target_pubkeys)s::bytea[], %(definition_event_ids)s::bytea[], %(message_event_ids)s::bytea[],
+        %(cause_kinds)s::text[], %(cause_event_ids)s::bytea[], %(cause_scheduled_fors)s::timestamptz[],
+        %(cause_webhook_invocation_ids)s::uuid[], %(trigger_contexts)s::jsonb[], %(priorities)s::smallint[]
+    ) AS v(
+        id, workflow_id, run_id, step_id, target_pubkey, definition_event_id, message_event_id, cause_kind,
+        cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, trigger_context, priority
+    )
+    ORDER BY v.run_id, v.step_id, v.target_pubkey
+    ON CONFLICT ON CONSTRAINT delivery_identity_key DO NOTHING
+    RETURNING d.id, d.target_pubkey
+)
+SELECT created.id,
+       pg_notify(%(channel)s, json_build_object(
+           'community', %(community_id)s::text,
+           'delivery', created.id::text,
+           'target', encode(created.target_pubkey, 'hex'))::text)
+FROM created
+"""
+
 # --- agent ------------------------------------------------------------------
 
 

@@ -26,6 +26,13 @@ free runs locked in id order, the retry policies read in one statement, one fenc
 with its own backoff as ``fail_step`` would; a failure the batch did not attempt (its run was
 busy, or the batch was refused) is recorded on its own (``fail_step``), handed to ``done`` the
 same way.
+
+And it sends the ``send_message`` steps the step threads hand it (:meth:`Completer.put_send`,
+issue 31), batched the same way: one :func:`~buzz_delivery.workflows.sends.send_messages`
+transaction per community (the identity locks, one fenced park, the message events and the
+deliveries of all targets, each a statement for the whole batch); a send the batch did not
+attempt (refused, or not preparable) is sent on its own (:func:`~buzz_delivery.workflows.executor.execute`),
+handed to ``done`` the same way.
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connection
 
 from buzz_delivery.worker.settler import next_batch
+from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.executor import Failure, record_failure
+from buzz_delivery.workflows.sends import send_messages
 from buzz_delivery.workflows.services import complete_and_claim_steps, complete_step, fail_steps_skip_locked
 from buzz_delivery.workflows.services.types import StepClaim, StepFailure, StepOutcome
 
@@ -49,6 +58,8 @@ logger = logging.getLogger("buzz_delivery.workflows")
 Done = Callable[[StepClaim, StepOutcome | None], None]
 Room = Callable[[list[StepClaim], uuid.UUID], int]
 Accept = Callable[[list[StepClaim]], None]
+# The output of a queued send_message step (sent, not completed).
+_SEND = object()
 
 
 class Completer(threading.Thread):
@@ -86,10 +97,15 @@ class Completer(threading.Thread):
         self._queue: queue.SimpleQueue[tuple[StepClaim, Any, Failure | None] | None] = queue.SimpleQueue()
         self.statements = 0
         self.fail_batches = 0  # fail_steps_skip_locked transactions (one per community and batch)
+        self.send_batches = 0  # send_messages transactions (one per community and batch)
 
     def put(self, claim: StepClaim, output: Any) -> None:
         """Queue one output to record (thread-safe, never blocks)."""
         self._queue.put((claim, output, None))
+
+    def put_send(self, claim: StepClaim) -> None:
+        """Queue one claimed ``send_message`` step to send (thread-safe, never blocks)."""
+        self._queue.put((claim, _SEND, None))
 
     def put_failure(self, claim: StepClaim, failure: Failure) -> None:
         """Queue one failure to record (thread-safe, never blocks)."""
@@ -106,11 +122,19 @@ class Completer(threading.Thread):
                 batch, closing = next_batch(self._queue, self.max_batch, self.linger)
                 by_community: dict[uuid.UUID, list[tuple[StepClaim, Any]]] = {}
                 failures: dict[uuid.UUID, list[tuple[StepClaim, Failure]]] = {}
+                sends: dict[uuid.UUID, list[StepClaim]] = {}
                 for claim, output, failure in batch:
-                    if failure is not None:
+                    if output is _SEND:
+                        sends.setdefault(claim.lease.community_id, []).append(claim)
+                    elif failure is not None:
                         failures.setdefault(claim.lease.community_id, []).append((claim, failure))
                     else:
                         by_community.setdefault(claim.lease.community_id, []).append((claim, output))
+                for community, claims in sends.items():
+                    try:
+                        self._send_many(community, claims)
+                    except Exception:  # never let the completer die
+                        logger.exception("completer_error sends=%d", len(claims))
                 for community, failed in failures.items():
                     try:
                         self._fail_many(community, failed)
@@ -158,6 +182,27 @@ class Completer(threading.Thread):
             logger.exception("complete_error step=%s run=%s", claim.step.key, claim.lease.run_id)
             self._reset_connection(exc)
             return None
+
+    def _send_many(self, community: uuid.UUID, claims: list[StepClaim]) -> None:
+        try:
+            outcomes = send_messages(community, claims)
+            self.send_batches += 1
+        except Exception as exc:
+            logger.warning("send_batch_refused steps=%d error=%s", len(claims), str(exc).splitlines()[:1])
+            self._reset_connection(exc)
+            outcomes = [None] * len(claims)
+        for claim, outcome in zip(claims, outcomes, strict=True):
+            # None: not attempted (refused, or not preparable): sent on its own.
+            self._done(claim, outcome if outcome is not None else self._send_one(claim))
+
+    def _send_one(self, claim: StepClaim) -> StepOutcome | None:
+        try:
+            result = executor.execute(claim)
+        except Exception as exc:
+            logger.exception("send_error step=%s run=%s", claim.step.key, claim.lease.run_id)
+            self._reset_connection(exc)
+            return None
+        return result if not isinstance(result, executor.Output) else None
 
     def _fail_many(self, community: uuid.UUID, items: list[tuple[StepClaim, Failure]]) -> None:
         try:

@@ -276,6 +276,19 @@ def definition_event_id(community: uuid.UUID, definition_id: uuid.UUID) -> bytes
     return found
 
 
+def definition_event_ids(community: uuid.UUID, definition_ids: set[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+    """:func:`definition_event_id` of many definition versions: those not cached read in one
+    statement."""
+    missing = [d for d in definition_ids if d not in _DEFINITION_EVENT_IDS]
+    if missing:
+        rows = DefinitionVersion.objects.filter(community_id=community, id__in=missing)
+        found = {pk: bytes(event_id) for pk, event_id in rows.values_list("id", "definition_event_id")}
+        if len(_DEFINITION_EVENT_IDS) + len(found) > 10_000:
+            _DEFINITION_EVENT_IDS.clear()
+        _DEFINITION_EVENT_IDS.update(found)
+    return {d: _DEFINITION_EVENT_IDS[d] for d in definition_ids if d in _DEFINITION_EVENT_IDS}
+
+
 def _message_event(community: uuid.UUID, event_id: bytes, content: str, key: str, exists: bool) -> Event:
     """The step's message event: the one an earlier attempt posted (read when ``exists``: the
     step has deliveries), else written now in one statement (a row of that id that is there

@@ -137,6 +137,7 @@ SUMMARY_KEYS = (
     "chained",
     "complete_statements",
     "fail_statements",  # transactions recording failures of async steps (one per community and batch)
+    "send_statements",  # transactions sending send_message steps (one per community and batch)
     "errors",
     "handed_back",
     "abandoned",
@@ -309,6 +310,13 @@ class Orchestrator:
     def _run_step(self, claim: StepClaim) -> None:
         deferred = False
         try:
+            if claim.step.kind == "send_message":
+                # Sent by the completer, many per transaction (issue 31).
+                with self.lock:
+                    self.awaiting += 1
+                self.completer.put_send(claim)
+                deferred = True
+                return
             started = time.monotonic()
             outcome = executor.execute(claim, defer_output=True)  # what the step's code raises stays there
             self._timed(time.monotonic() - started)
@@ -888,6 +896,7 @@ class Orchestrator:
             listener.join(5)
         self.counts["complete_statements"] = self.completer.statements
         self.counts["fail_statements"] = self.completer.fail_batches
+        self.counts["send_statements"] = self.completer.send_batches
         exit_code = EXIT_OK if reason in ("SIGTERM", "SIGINT", "stopped", "idle_exit", "max_steps") else EXIT_ERROR
         if self.counts["abandoned"] and exit_code == EXIT_OK:
             exit_code = EXIT_ABANDONED

@@ -160,6 +160,8 @@ WHERE r.community_id = %(community_id)s AND r.run_id = %(run_id)s
 
 # In round-robin order: the communities after %(after)s first, then from the first again
 # (%(after)s NULL: from the first), so that past the limit every community gets its turn.
+RUNS_FOR_SEND = RUN_FOR_SEND.replace("r.run_id = %(run_id)s", "r.run_id = ANY(%(run_ids)s::uuid[])")
+
 COMMUNITIES_WITH_READY_STEPS = f"""
 SELECT s.community_id FROM {STEP} AS s
 WHERE s.state = 'ready' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
@@ -288,6 +290,34 @@ RETURNING s.state, s.wait_deadline
 # Many failed attempts of one community (fail_steps), each row fenced by its own lease as the
 # single statements above fence theirs: the retries (each with its own delay, jitter included,
 # computed from the policy read at its generation) and the final failures, one statement each.
+# The park of many send_message steps of one community (a batch of sends, issue 31), each row
+# fenced as PARK_IF_CURRENT_GENERATION fences its one (a row not returned is not parked, and
+# the batch writes nothing for it): the step rows are locked first in id order (two batches,
+# or a batch and a single park, never take two steps in opposite orders).
+PARK_SENDS_IF_CURRENT_GENERATION = f"""
+WITH locked AS MATERIALIZED (
+    SELECT s.id FROM {STEP} AS s
+    WHERE s.community_id = %(community_id)s AND s.id = ANY(%(step_ids)s::uuid[])
+    ORDER BY s.id
+    FOR NO KEY UPDATE
+)
+UPDATE {STEP} AS s
+SET state = 'waiting', {CLEAR_LEASE}, waiting_since = {DB_NOW},
+    wait_deadline = buzz_delivery_plus_seconds({DB_NOW}, u.wait_seconds),
+    expected = u.expected, child_run_id = NULL,
+    {step_entry("'park'", "s.lease_generation", "s.claimed_by", status="'waiting'", renewals="s.renewals")}
+FROM unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[], %(expected)s::integer[],
+            %(wait_seconds)s::double precision[]) AS u(id, generation, expected, wait_seconds)
+WHERE s.community_id = %(community_id)s
+  AND s.id = u.id
+  AND s.id IN (SELECT l.id FROM locked AS l)
+  AND s.lease_generation = u.generation
+  AND s.state = 'running'
+  AND s.lease_until >= {DB_NOW}
+  AND {ACTIVE}
+RETURNING s.id
+"""
+
 STEP_RETRY_POLICIES = f"""
 SELECT s.id, s.max_attempts, s.backoff_base_seconds, s.backoff_cap_seconds FROM {STEP} AS s
 JOIN unnest(%(step_ids)s::uuid[], %(lease_generations)s::bigint[]) AS u(id, generation)
@@ -467,6 +497,16 @@ RETURNING e.id, e.created_at
 """
 
 # --- approvals -----------------------------------------------------------------
+
+# The message events of many send_message steps of one community in one statement (each its
+# stable id: an event an earlier attempt posted is kept as it is).
+INSERT_MESSAGE_EVENTS = f"""
+INSERT INTO buzz_delivery_event AS e (community_id, event_id, created_at, kind, pubkey, content, tags)
+SELECT %(community_id)s, m.event_id, {DB_NOW}, %(kind)s, %(pubkey)s, m.content, m.tags
+FROM unnest(%(event_ids)s::bytea[], %(contents)s::text[], %(tags)s::jsonb[]) AS m(event_id, content, tags)
+ORDER BY m.event_id
+ON CONFLICT (community_id, event_id) DO NOTHING
+"""
 
 INSERT_APPROVAL = f"""
 INSERT INTO {APPROVAL} (id, community_id, run_id, step_id, step_generation, state, prompt,

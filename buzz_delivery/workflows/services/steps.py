@@ -672,3 +672,34 @@ def park_step_returning_deadline(lease: StepLease, *, wait_seconds: float) -> tu
     if rows:
         return Settled(rows[0][0]), rows[0][1]
     return _missed(params, still_fine="waiting"), None
+
+
+@tenant_scoped
+def park_sends(community_id: uuid.UUID | str, parks: Sequence[tuple[StepLease, int, float | None]]) -> set[uuid.UUID]:
+    """:func:`park_step` of many send_message steps of one community in one statement, in the
+    caller's transaction: each (lease, expected deliveries, wait seconds or None) fenced by its
+    own lease, the step rows locked in id order. Returns the ids of the steps it parked; a step
+    not among them was not touched (judge it with :func:`park_outcome`). Raises
+    ``ValidationError`` keyed ``parks[i]`` before SQL. Internal to the executor; SPEC 11."""
+    community = v.uuid_value(community_id, "community_id")
+    for i, (lease, _expected, _seconds) in enumerate(parks):
+        if _lease(lease).community_id != community:
+            raise v.invalid(f"parks[{i}]", "lease of another community")
+    if not parks:
+        return set()
+    params = {
+        "community_id": community,
+        "step_ids": [lease.step_id for lease, _, _ in parks],
+        "lease_generations": [lease.lease_generation for lease, _, _ in parks],
+        "expected": [expected for _, expected, _ in parks],
+        "wait_seconds": [seconds for _, _, seconds in parks],
+    }
+    with translated_errors():
+        return {row[0] for row in fetch_all(sql.PARK_SENDS_IF_CURRENT_GENERATION, params)}
+
+
+@tenant_scoped
+def park_outcome(lease: StepLease) -> StepOutcome:
+    """The outcome of a park that did not settle ``lease``'s step (the fenced read):
+    ``Settled("waiting")`` for the holder's repeat, ``AlreadyTerminal`` or ``LeaseLost``."""
+    return _missed(_params(_lease(lease)), still_fine="waiting")
