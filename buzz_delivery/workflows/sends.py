@@ -109,7 +109,9 @@ def send_messages(community: uuid.UUID, claims: Sequence[StepClaim]) -> list[Ste
     docstring). Returns one outcome per claim, in order: ``Settled("waiting")`` for a step it
     parked, the fenced read's outcome for one it did not (``LeaseLost``, ``AlreadyTerminal``,
     the holder's repeat ``Settled("waiting")``), ``None`` for one it did not attempt (send it
-    on its own). Raises what the database raises for the batch (nothing of it is kept)."""
+    on its own). Raises what the database raises for a transaction (nothing of it is kept; the
+    transactions of earlier chunks are: a step of theirs sent again is the holder's repeat and
+    writes nothing more)."""
     outcomes: list[StepOutcome | None] = [None] * len(claims)
     for chunk in _chunks(claims):
         batch, parked = _send_batch(community, [claims[i] for i in chunk])
