@@ -238,3 +238,16 @@ def test_a_refused_batch_is_sent_one_step_at_a_time(workflow, monkeypatch):
     assert summary["waiting"] == 5 and summary["errors"] == 0 and summary["send_statements"] == 0, summary
     for run in runs:
         assert len(deliveries(run)) == 2 and send_step_of(run).state == "waiting"
+
+
+@pytest.mark.django_db
+def test_a_batch_of_more_targets_than_one_commit_takes_is_still_sent_in_batches(workflow):
+    """A delivery commit takes at most MAX_BINDINGS_PER_COMMIT (10,000) bindings; a step may
+    name up to 10,000 targets. Three steps of 4,000 targets each are sent in transactions of at
+    most 10,000 deliveries, not refused whole (which sent every step of the batch on its own)."""
+    runs = [start(workflow, {"steps": [send_step("send", [random32() for _ in range(4000)])]}) for _ in range(3)]
+    claims = claim_all(workflow.community_id)
+    assert send_messages(workflow.community_id, claims) == [Settled("waiting")] * 3
+    for run in runs:
+        assert len(deliveries(run)) == 4000 and events(run) == 1
+        assert (send_step_of(run).state, send_step_of(run).expected) == ("waiting", 4000)

@@ -45,13 +45,27 @@ def lock_delivery_identities(community_id: uuid.UUID | str, identities: Sequence
     each other's keys in opposite orders). Reads nothing: the caller's statements after it see
     every producer that committed before the locks were granted. Must run inside
     ``transaction.atomic()`` (the locks end with it); raises :class:`NotInTransaction`
-    otherwise, ``ValidationError`` on bad input."""
+    otherwise (and at any isolation level but READ COMMITTED), ``ValidationError`` keyed
+    ``identities[i]...`` on bad input."""
     community = v.uuid_value(community_id, "community_id")
+    if isinstance(identities, str | bytes) or not isinstance(identities, Sequence):
+        raise v.invalid("identities", "must be a list of (run_id, step_id)")
+    found: set[str] = set()
+    for i, identity in enumerate(identities):
+        if isinstance(identity, str | bytes) or not isinstance(identity, Sequence) or len(identity) != 2:
+            raise v.invalid(f"identities[{i}]", "must be a (run_id, step_id) pair")
+        run = v.uuid_value(identity[0], f"identities[{i}].run_id")
+        found.add(f"{community}/{run}/{v.step_id(identity[1])}")
     if not connection.in_atomic_block:
         raise NotInTransaction("lock_delivery_identities needs the caller's transaction (transaction.atomic())")
-    keys = sorted({f"{community}/{v.uuid_value(run, 'run_id')}/{v.step_id(step)}" for run, step in identities})
+    keys = sorted(found)
     if keys:
-        fetch_all(sql.LOCK_IDENTITIES, {"namespace": IDENTITY_LOCK_NAMESPACE, "keys": keys})
+        isolation = fetch_all(sql.LOCK_IDENTITIES, {"namespace": IDENTITY_LOCK_NAMESPACE, "keys": keys})[0][1]
+        if isolation != "read committed":
+            # As lock_delivery_identity: under REPEATABLE READ / SERIALIZABLE the snapshot predates
+            # the locks, so the statements after them could miss a producer that committed meanwhile
+            # (the locks taken end with the caller's transaction).
+            raise NotInTransaction(f"lock_delivery_identities needs READ COMMITTED, not {isolation.upper()}")
 
 
 @tenant_scoped

@@ -156,9 +156,10 @@ FROM created
 """
 
 # The identity locks of many (run, step) of one community in one statement, keys taken in the
-# order given (the caller sorts them: two batches never take two keys in opposite orders).
+# order given (the caller sorts them: two batches never take two keys in opposite orders), and
+# the transaction's isolation level (the caller refuses any but READ COMMITTED).
 LOCK_IDENTITIES = """
-SELECT count(pg_advisory_xact_lock(%(namespace)s, hashtext(k.key)))
+SELECT count(pg_advisory_xact_lock(%(namespace)s, hashtext(k.key))), current_setting('transaction_isolation')
 FROM unnest(%(keys)s::text[]) AS k(key)
 """
 

@@ -13,6 +13,9 @@ lease lost, or the holder's repeat) gets nothing written: its outcome is the fen
 (:func:`~buzz_delivery.workflows.services.steps.park_outcome`), as a single send's would be.
 Lock order, as a single send's: identity locks, then step rows.
 
+A batch is sent in transactions of at most 10,000 targets in all (one delivery commit's bound,
+``MAX_BINDINGS_PER_COMMIT``), each as above: a batch of larger steps is not refused whole.
+
 A step that cannot be prepared (its input unusable here), a batch the database refuses, or a
 step the batch holds twice is not attempted (``None``): the caller sends it on its own
 (:func:`~buzz_delivery.workflows.executor.execute`).
@@ -31,6 +34,7 @@ from django.db import transaction
 from buzz_delivery import tracing
 from buzz_delivery.services import Binding, Settled, fanout
 from buzz_delivery.services.db import fetch_all, retry_deadlocks
+from buzz_delivery.services.producer import MAX_BINDINGS_PER_COMMIT
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.workflows.conf import get_settings
@@ -105,13 +109,33 @@ def send_messages(community: uuid.UUID, claims: Sequence[StepClaim]) -> list[Ste
     docstring). Returns one outcome per claim, in order: ``Settled("waiting")`` for a step it
     parked, the fenced read's outcome for one it did not (``LeaseLost``, ``AlreadyTerminal``,
     the holder's repeat ``Settled("waiting")``), ``None`` for one it did not attempt (send it
-    on its own). Raises what the database raises for the batch (nothing of it is kept)."""
+    on its own). Raises what the database raises for a transaction (nothing of it is kept; the
+    transactions of earlier chunks are: a step of theirs sent again is the holder's repeat and
+    writes nothing more)."""
     outcomes: list[StepOutcome | None] = [None] * len(claims)
-    batch, parked = _send_batch(community, claims)
-    for i, send in batch:
-        lease = send.claim.lease
-        outcomes[i] = Settled("waiting") if lease.step_id in parked else steps.park_outcome(lease)
+    for chunk in _chunks(claims):
+        batch, parked = _send_batch(community, [claims[i] for i in chunk])
+        for j, send in batch:
+            lease = send.claim.lease
+            outcomes[chunk[j]] = Settled("waiting") if lease.step_id in parked else steps.park_outcome(lease)
     return outcomes
+
+
+def _chunks(claims: Sequence[StepClaim]) -> list[list[int]]:
+    """The claims' indexes in consecutive runs of at most ``MAX_BINDINGS_PER_COMMIT`` targets
+    in all (one delivery commit's bound; a step names up to 10,000): one transaction each,
+    never a batch refused whole for its size."""
+    chunks: list[list[int]] = []
+    size = 0
+    for i, claim in enumerate(claims):
+        targets = claim.spec.get("targets")
+        n = len(targets) if isinstance(targets, list) else 0
+        if not chunks or size + n > MAX_BINDINGS_PER_COMMIT:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += n
+    return chunks
 
 
 def _prepared(community: uuid.UUID, claims: Sequence[StepClaim]) -> list[tuple[int, _Send]]:
