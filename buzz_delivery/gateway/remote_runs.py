@@ -348,6 +348,10 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batche
 Item = tuple[str, RemoteRunLease, dict[str, Any], "Future[RunOutcome]"]
 # The actions one steps request (``POST .../runs/steps``) takes together, in the order it applies them.
 STEP_ACTIONS = ("results", "calls", "complete")
+# How long a run answered (or claimed) is expected to send its next step soon: a flush lingers
+# for it only that long after (a run in a slow tool call is not waited for at every flush).
+EXPECTED_FOR = 0.05
+_WAKE: Any = object()  # queued by RunBatcher.leave: a lingering flush looks again
 
 
 class RunBatcher:
@@ -365,13 +369,17 @@ class RunBatcher:
 
     def __init__(self, client: GatewayClient, max_batch: int = 100, linger: float = 0.005) -> None:
         self.client, self.max_batch, self.linger = client, max_batch, linger
-        # The run threads the last flush answered that have not sent again: while some are
-        # expected, a flush waits up to ``linger`` for them (else half of them would catch the
-        # flush and the others the next one, two requests a step of the worker's runs).
-        self._awaited = 0
-        self._awaited_lock = threading.Lock()
+        # The runs expected to send soon, with when they became so: those a flush answered
+        # and those just claimed (:meth:`expect`), until each sends again or :meth:`leave`s. While
+        # some are expected, a flush waits up to ``linger`` for them: else the runs of a worker
+        # split into cohorts, each catching the flush of the others' step and sending its own
+        # next, two requests a step of the worker's runs (a count of "threads answered", kept
+        # before, was spent by the other cohort's sends). A run that has not sent within
+        # ``EXPECTED_FOR`` (a slow tool call) is no longer waited for.
+        self._awaited: dict[str, float] = {}
+        self._awaited_lock = threading.Condition()
         self.steps = True  # False once the gateway answered the steps route 404/405 (an older one)
-        self._queue: queue.Queue[Item | None] = queue.Queue()
+        self._queue: queue.Queue[Item | None] = queue.Queue()  # and _WAKE markers
         self._thread = threading.Thread(target=self._loop, name="run-batcher", daemon=True)
         self._thread.start()
 
@@ -380,9 +388,46 @@ class RunBatcher:
         ``compensations/begin``, ``compensations/finish``), batched."""
         future: Future[RunOutcome] = Future()
         with self._awaited_lock:
-            self._awaited = max(0, self._awaited - 1)
+            self._awaited.pop(lease.run_id, None)
+            self._awaited_lock.notify_all()
         self._queue.put((action, lease, body, future))
         return future.result()
+
+    def expect(self, run_ids: list[str]) -> None:
+        """The claimer's runs ``run_ids`` are about to start: a flush waits (up to ``linger``) for
+        their first steps, so runs claimed together send together."""
+        now = time.monotonic()
+        with self._awaited_lock:
+            for run_id in run_ids:
+                self._awaited[run_id] = now
+
+    def leave(self, run_id: str) -> None:
+        """Run ``run_id`` reached its resting point: it sends nothing more, wait no longer for it."""
+        with self._awaited_lock:
+            if self._awaited.pop(run_id, None) is None:
+                return
+            self._awaited_lock.notify_all()
+        self._queue.put(_WAKE)  # a flush lingering for it decides again
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` until no run the last flush answered is still turning (each has
+        sent again or left): the claimer's cue that the slots of runs ended together are free
+        together, so it claims for all of them in one request."""
+        deadline = time.monotonic() + timeout
+        with self._awaited_lock:
+            while self._expected():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._awaited_lock.wait(remaining)
+
+    def _expected(self) -> bool:
+        """Whether some run is expected to send soon (under ``_awaited_lock``)."""
+        horizon = time.monotonic() - EXPECTED_FOR
+        for run_id, since in list(self._awaited.items()):
+            if since < horizon:
+                del self._awaited[run_id]
+        return bool(self._awaited)
 
     def close(self, timeout: float = 30.0) -> None:
         """Send what is queued, then stop."""
@@ -395,16 +440,16 @@ class RunBatcher:
             item = self._queue.get()
             if item is None:
                 return
-            items = [item]
+            items = [] if item is _WAKE else [item]
             deadline = time.monotonic() + self.linger
             while len(items) < self.max_batch:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     with self._awaited_lock:
-                        expected = self._awaited > 0
+                        expected = self._expected()
                     remaining = deadline - time.monotonic()
-                    if not expected or remaining <= 0:
+                    if not items or not expected or remaining <= 0:
                         break
                     try:
                         more = self._queue.get(timeout=remaining)
@@ -413,9 +458,14 @@ class RunBatcher:
                 if more is None:
                     stop = True
                     break
-                items.append(more)
+                if more is not _WAKE:
+                    items.append(more)
+            if not items:
+                continue
+            now = time.monotonic()
             with self._awaited_lock:  # their threads send nothing before they are answered below
-                self._awaited = len(items)
+                for one in items:
+                    self._awaited[one[1].run_id] = now
             groups: dict[tuple[str, str, str], list[list[Item]]] = defaultdict(list)
             for one in items:
                 action = "steps" if self.steps and one[0] in STEP_ACTIONS else one[0]
@@ -647,7 +697,10 @@ class RemoteRunWorker:
                 if self.max_runs is not None:
                     want = min(want, self.max_runs - self.counts["claimed"])
             if want <= 0:
-                self._slot_free.wait(0.5)
+                if self._slot_free.wait(0.5) and self.batcher is not None:
+                    # Runs answered together end together: claim once for all their slots
+                    # (else one claim per slot freed first, and the runs claimed apart step apart).
+                    self.batcher.settle(self.batcher.linger)
                 self._slot_free.clear()
                 continue
             try:
@@ -673,6 +726,8 @@ class RemoteRunWorker:
                 self.counts["claimed"] += len(claims)
                 self._busy += len(claims)
                 self._last_work = time.monotonic()
+            if self.batcher is not None:
+                self.batcher.expect([claim.lease.run_id for claim in claims])
             for claim in claims:
                 self._ready.put(claim)
 
@@ -691,6 +746,8 @@ class RemoteRunWorker:
             finally:
                 with self._lock:
                     self._busy -= 1
+                if self.batcher is not None:
+                    self.batcher.leave(claim.lease.run_id)
                 self._slot_free.set()
 
     def _more_to_come(self) -> bool:
