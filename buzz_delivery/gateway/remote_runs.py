@@ -348,9 +348,6 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batche
 Item = tuple[str, RemoteRunLease, dict[str, Any], "Future[RunOutcome]"]
 # The actions one steps request (``POST .../runs/steps``) takes together, in the order it applies them.
 STEP_ACTIONS = ("results", "calls", "complete")
-# How long a run answered (or claimed) is expected to send its next step soon: a flush lingers
-# for it only that long after (a run in a slow tool call is not waited for at every flush).
-EXPECTED_FOR = 0.05
 _WAKE: Any = object()  # queued by RunBatcher.leave: a lingering flush looks again
 
 
@@ -367,15 +364,17 @@ class RunBatcher:
     the answer its own request would give; a batch that cannot be sent at all raises in every
     run thread of it."""
 
-    def __init__(self, client: GatewayClient, max_batch: int = 100, linger: float = 0.005) -> None:
-        self.client, self.max_batch, self.linger = client, max_batch, linger
+    def __init__(
+        self, client: GatewayClient, max_batch: int = 100, linger: float = 0.005, expected_for: float = 0.05
+    ) -> None:
+        self.client, self.max_batch, self.linger, self.expected_for = client, max_batch, linger, expected_for
         # The runs expected to send soon, with when they became so: those a flush answered
         # and those just claimed (:meth:`expect`), until each sends again or :meth:`leave`s. While
         # some are expected, a flush waits up to ``linger`` for them: else the runs of a worker
         # split into cohorts, each catching the flush of the others' step and sending its own
         # next, two requests a step of the worker's runs (a count of "threads answered", kept
         # before, was spent by the other cohort's sends). A run that has not sent within
-        # ``EXPECTED_FOR`` (a slow tool call) is no longer waited for.
+        # ``expected_for`` seconds (a slow tool call) is no longer waited for.
         self._awaited: dict[str, float] = {}
         self._awaited_lock = threading.Condition()
         self.steps = True  # False once the gateway answered the steps route 404/405 (an older one)
@@ -423,7 +422,7 @@ class RunBatcher:
 
     def _expected(self) -> bool:
         """Whether some run is expected to send soon (under ``_awaited_lock``)."""
-        horizon = time.monotonic() - EXPECTED_FOR
+        horizon = time.monotonic() - self.expected_for
         for run_id, since in list(self._awaited.items()):
             if since < horizon:
                 del self._awaited[run_id]
@@ -643,8 +642,9 @@ class RemoteRunWorker:
         shutdown_grace: float = 30.0,
         accept: bool = True,
         accept_batch: int = 50,
+        linger: float = 0.005,
     ) -> None:
-        self.client, self.handler, self.concurrency = client, handler, concurrency
+        self.client, self.handler, self.concurrency, self.linger = client, handler, concurrency, linger
         self.accept, self.accept_batch = accept, accept_batch
         self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
         self.worker_id, self.max_runs, self.idle_exit, self.shutdown_grace = (
@@ -819,7 +819,7 @@ class RemoteRunWorker:
     def run(self) -> dict[str, Any]:
         """Run until stopped; returns ``{key: count for SUMMARY_KEYS} | {"reason"}``."""
         done = threading.Event()
-        self.batcher = RunBatcher(self.client)
+        self.batcher = RunBatcher(self.client, linger=self.linger)
         renewer = threading.Thread(target=self._renew_loop, args=(done,), name="run-renewer", daemon=True)
         renewer.start()
         self._claimer = threading.Thread(target=self._guarded(self._claim_loop), name="run-claimer", daemon=True)
