@@ -212,11 +212,31 @@ def remote_run_workers(
             ],
             env=env,
             stdout=open(tmp / f"runs-{root.name}-{k}-{i}.out", "w"),
-            stderr=subprocess.DEVNULL,
+            stderr=open(tmp / f"runs-{root.name}-{k}-{i}.err", "w"),  # kept: a short row says why
             cwd=str(root),  # -m puts the cwd first on sys.path: import this tree
         )
         for i in range(k)
     ]
+
+
+def client_logs(tmp: Path, log_dir: Path | None, label: str) -> str:
+    """The work-runs clients' stderr and summaries of the case just run: moved to ``log_dir``
+    (when given) under ``label``; returns the warnings' count by kind (``run_error=2``), "" for none."""
+    kinds: dict[str, int] = {}
+    for path in sorted(tmp.glob("runs-*.err")) + sorted(tmp.glob("runs-*.out")):
+        text = path.read_text()
+        for line in text.splitlines() if path.suffix == ".err" else []:
+            words = line.split()  # "date time LEVEL logger message...": count by the message's first word
+            if len(words) > 4 and words[2] in ("WARNING", "ERROR", "CRITICAL"):
+                key = words[4].split("=")[0].rstrip(":")
+                kinds[key] = kinds.get(key, 0) + 1
+            elif line.startswith("Traceback"):
+                kinds["traceback"] = kinds.get("traceback", 0) + 1
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            (log_dir / f"{label.replace(' ', '_').replace(':', '').replace('=', '')}-{path.name}").write_text(text)
+        path.unlink()
+    return " ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
 
 
 def local_run_worker(url: str, community_id, agent: bytes, concurrency: int) -> subprocess.Popen:
@@ -237,6 +257,7 @@ def runs_mode(
     remote case also against the gunicorn and client of that tree (A/B in the same round). Each
     rate is also printed as a ratio of the in-process rate of its round."""
     n = args.concurrency
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else None
     before = Path(args.before_root).resolve() if args.before_root else None
     cases = [("in-process run_agent_worker x1", lambda: [local_run_worker(url, community.id, target, n)])]
     for k in (1, 4):
@@ -259,13 +280,14 @@ def runs_mode(
             wall = drain(start())
             settled, per_second = run_rate(community.id)
             per_run = (signed_requests(target) - signed) / max(settled, 1)
+            logged = client_logs(tmp, log_dir, f"round{round_no}-{label}")
             baseline = baseline or per_second
             rates.setdefault(label, []).append(per_second)
             ratios.setdefault(label, []).append(per_second / baseline)
             print(
                 f"round {round_no} {label:32s} completed={settled:6d} rate={per_second:8.1f}/s "
                 f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s requests/run={per_run:5.2f} "
-                f"load={os.getloadavg()[0]:.2f}",
+                f"load={os.getloadavg()[0]:.2f}" + (f" stderr: {logged}" if logged else ""),
                 flush=True,
             )
     for label, values in rates.items():
@@ -340,6 +362,10 @@ def main() -> None:
         "--before-root",
         default=os.environ.get("BENCH_BEFORE_ROOT"),
         help="--runs: also serve and run the remote workers from this tree (e.g. main's), A/B in each round",
+    )
+    parser.add_argument(
+        "--log-dir",
+        help="--runs: keep each work-runs client's stderr and summary there (a short row's cause)",
     )
     parser.add_argument(
         "--no-ahead",
