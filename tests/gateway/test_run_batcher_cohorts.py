@@ -100,7 +100,9 @@ def test_runs_just_claimed_send_their_first_steps_in_one_request():
     try:
         batcher.expect(["r1", "r2", "r3"])
         for i, run_id in enumerate(("r1", "r2", "r3")):
-            threading.Thread(target=lambda r=run_id: done.append(batcher.send("calls", Lease(r), {})), daemon=True).start()
+            threading.Thread(
+                target=lambda r=run_id: done.append(batcher.send("calls", Lease(r), {})), daemon=True
+            ).start()
             time.sleep(0.02 * (i + 1))
         _wait(lambda: len(done) == 3, "every run answered")
     finally:
@@ -163,5 +165,4 @@ def test_the_claimer_claims_once_for_the_slots_of_runs_that_ended_together():
     summary = worker.run()
     assert summary["completed"] == 12, summary
     assert client.limits[:3] == [4, 4, 4], client.limits
-    steps = [batch for batch in client.batches]
-    assert all(len(batch) == 4 for batch in steps), steps
+    assert all(len(batch) == 4 for batch in client.batches), client.batches
