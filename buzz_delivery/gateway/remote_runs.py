@@ -497,7 +497,8 @@ class RunBatcher:
             self._send(group)
             return
         try:
-            answers = self.client.run_steps({kind: [(x[1], x[2]) for x in items] for kind, items in kinds.items()})
+            body = {kind: [(x[1], x[2]) for x in items] for kind, items in kinds.items()}
+            answers = _again(lambda: self.client.run_steps(body))
         except GatewayHTTPError as exc:
             if exc.status in (404, 405):
                 self.steps = False  # a gateway older than the steps route: per kind from now on
@@ -524,8 +525,12 @@ class RunBatcher:
 
     def _send(self, group: list[Item]) -> None:
         action = group[0][0]
+        items = [(lease, body) for _, lease, body, _ in group]
         try:
-            outcomes = self.client.run_batch(action, [(lease, body) for _, lease, body, _ in group])
+            if action in STEP_ACTIONS:  # a request in one transaction: a 503 or 429 kept nothing
+                outcomes = _again(lambda: self.client.run_batch(action, items))
+            else:
+                outcomes = self.client.run_batch(action, items)
         except GatewayHTTPError as exc:
             # 404/405: a gateway older than this batch route (fail, compensations: no route, or
             # its read route took the path; a batch route answers no 404): each run on its own.
@@ -550,6 +555,28 @@ class RunBatcher:
             return
         for (*_, future), outcome in zip(group, outcomes, strict=True):
             future.set_result(outcome)
+
+
+# A step batch (``calls``, ``results``, ``complete``, ``steps``: one transaction with the request's
+# event id) answered 503 (its transaction could not commit: nothing kept) or 429 (refused as a
+# whole before any write) is sent again, signed anew, this many times, backing off from
+# ``AGAIN_BACKOFF`` seconds; before, every run of the batch raised and its lease was left to lapse.
+AGAIN_STATUSES = (429, 503)
+AGAIN_TIMES = 3
+AGAIN_BACKOFF = 0.05
+
+
+def _again(send: Callable[[], Any]) -> Any:
+    """``send()``, again while the gateway answers a step batch 503 or 429 (see :data:`AGAIN_TIMES`)."""
+    for attempt in range(AGAIN_TIMES + 1):
+        try:
+            return send()
+        except GatewayHTTPError as exc:
+            if exc.status not in AGAIN_STATUSES or attempt == AGAIN_TIMES:
+                raise
+            logger.warning("step_batch_again status=%s attempt=%d: %s", exc.status, attempt + 1, exc)
+            time.sleep(AGAIN_BACKOFF * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def run_remote_claim(
