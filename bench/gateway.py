@@ -108,9 +108,9 @@ def drain(procs: list[subprocess.Popen], timeout: float = 600) -> float:
 
 
 def remote_workers(
-    base: str, key_file: Path, k: int, concurrency: int, tmp: Path, claim_ahead: int | None = None
+    base: str, key_file: Path, k: int, concurrency: int, tmp: Path, claim_ahead: int | None = None, root: Path = ROOT
 ) -> list[subprocess.Popen]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     return [
         subprocess.Popen(
             [
@@ -135,6 +135,7 @@ def remote_workers(
             env=env,
             stdout=open(tmp / f"remote-{k}-{i}.out", "w"),
             stderr=subprocess.DEVNULL,
+            cwd=str(root),  # -m puts the cwd first on sys.path: import this tree
         )
         for i in range(k)
     ]
@@ -323,15 +324,25 @@ def wake_latency(base: str, key: bytes, community, target: bytes) -> list[float]
     return samples
 
 
-def deliveries_mode(args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path) -> None:
+def deliveries_mode(
+    args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path, before_base: str | None = None
+) -> None:
     """The in-process worker, then ``work`` K = 1 and 4 (and with ``--claim-ahead 0``), interleaved
-    ``--rounds`` times; each rate also as a ratio of the in-process rate of its round."""
+    ``--rounds`` times; each rate also as a ratio of the in-process rate of its round. With
+    ``--before-root``, each ``work`` case also against the gunicorn and client of that tree."""
     n = args.concurrency
-    cases = [
-        ("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)]),
-        ("gateway remote worker K=1", lambda: remote_workers(base, key_file, 1, n, tmp)),
-        ("gateway remote workers K=4", lambda: remote_workers(base, key_file, 4, n, tmp)),
-    ]
+    before = Path(args.before_root).resolve() if args.before_root else None
+    cases = [("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)])]
+    for k in (1, 4):
+        cases.append((f"gateway remote workers K={k}", lambda k=k: remote_workers(base, key_file, k, n, tmp)))
+        if before is not None and before_base is not None:
+            cases.append(
+                (
+                    f"before: remote workers K={k}",
+                    lambda k=k: remote_workers(before_base, key_file, k, n, tmp, root=before),
+                )
+            )
+    ratios: dict[str, list[float]] = {}
     if args.no_ahead:
         cases += [
             ("remote K=1 --claim-ahead 0", lambda: remote_workers(base, key_file, 1, n, tmp, 0)),
@@ -345,11 +356,14 @@ def deliveries_mode(args, url: str, base: str, key_file: Path, community, target
             wall = drain(start())
             settled, per_second = rate(community.id)
             baseline = baseline or per_second
+            ratios.setdefault(label, []).append(per_second / baseline)
             print(
                 f"round {round_no} {label:36s} settled={settled:6d} rate={per_second:8.0f}/s "
-                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s",
+                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s load={os.getloadavg()[0]:.2f}",
                 flush=True,
             )
+    for label, r in ratios.items():
+        print(f"median {label:36s} ratio median {statistics.median(r):.2f} range {min(r):.2f}-{max(r):.2f}")
 
 
 def main() -> None:
@@ -361,7 +375,7 @@ def main() -> None:
     parser.add_argument(
         "--before-root",
         default=os.environ.get("BENCH_BEFORE_ROOT"),
-        help="--runs: also serve and run the remote workers from this tree (e.g. main's), A/B in each round",
+        help="also serve and run the remote workers from this tree (e.g. main's), A/B in each round",
     )
     parser.add_argument(
         "--log-dir",
@@ -391,21 +405,24 @@ def main() -> None:
         with open(tmp / "gunicorn.log", "w") as log:
             server = start_gunicorn(url, port, log)
             try:
-                if args.runs:
-                    if args.before_root:
-                        before_base = f"http://127.0.0.1:{port + 1}/gateway/v1"
-                        root = Path(args.before_root).resolve()
-                        with open(tmp / "gunicorn-before.log", "w") as before_log:
-                            before_server = start_gunicorn(url, port + 1, before_log, root=root)
-                            try:
-                                runs_mode(args, url, base, key_file, community, target, tmp, before_base)
-                            finally:
-                                before_server.terminate()
-                                before_server.wait(15)
+                mode = runs_mode if args.runs else deliveries_mode
+                if args.before_root:
+                    before_base = f"http://127.0.0.1:{port + 1}/gateway/v1"
+                    root = Path(args.before_root).resolve()
+                    with open(tmp / "gunicorn-before.log", "w") as before_log:
+                        before_server = start_gunicorn(url, port + 1, before_log, root=root)
+                        try:
+                            mode(args, url, base, key_file, community, target, tmp, before_base)
+                        finally:
+                            before_server.terminate()
+                            before_server.wait(15)
+                    if args.runs:
                         return
+                elif args.runs:
                     runs_mode(args, url, base, key_file, community, target, tmp)
                     return
-                deliveries_mode(args, url, base, key_file, community, target, tmp)
+                else:
+                    deliveries_mode(args, url, base, key_file, community, target, tmp)
                 clear(community.id)
                 samples = wake_latency(base, key, community, target)
                 ms = sorted(s * 1000 for s in samples)
