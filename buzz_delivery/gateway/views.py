@@ -215,22 +215,18 @@ def _claim_round(communities: list[uuid.UUID], pubkey: bytes, limit: int, lease:
     return claims
 
 
-@endpoint("POST", CLAIM, first_round=True)
-def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse | None:
+@endpoint("POST", CLAIM)
+def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
     """Claim up to ``limit`` deliveries addressed to the signer, across every active community
     it is enrolled in; with ``wait_seconds`` > 0, long-poll until one arrives (woken by the wake
     hints) or the wait ends. 200 ``{"claims": [{"delivery", "lease"}]}`` (possibly empty);
-    403 when the key is enrolled nowhere. The first round runs in the request's transaction
-    (``endpoint(first_round=True)``): deliveries claimed then commit with the event id; None
-    when it found none and the request waits."""
+    403 when the key is enrolled nowhere."""
     communities = gateway.enrolled_communities(pubkey)
     if not communities:
         raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
     limit, lease_seconds, wait = data["limit"], data["lease_seconds"], float(data["wait_seconds"])
-    if wait <= 0 or getattr(request, "gateway_first_round", False):
+    if wait <= 0:
         claims = _claim_round(communities, pubkey, limit, lease_seconds)
-        if not claims and wait > 0:
-            return None  # committed with the event id alone; called again to wait
     else:
         deadline = time.monotonic() + wait
         poll = get_settings().poll_seconds

@@ -1,6 +1,6 @@
-"""A run (or delivery) claim that finds runs (deliveries) commits them with its event id, in one
-transaction (issue 29: the claim was two commits in a K = 1 remote worker's chain of requests);
-one that finds none commits the id alone and then waits, outside any transaction, as before."""
+"""A run claim that finds runs commits them with its event id, in one transaction (issue 29: the
+claim was two commits in a K = 1 remote worker's chain of requests); one that finds none commits
+the id alone and then waits, outside any transaction, as before."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from buzz_delivery.gateway.models import SeenEvent
 from buzz_delivery.testing import CommunityFactory
 from tests.agents_support import new_run
 from tests.citus_support import CITUS_MODE
-from tests.gateway.support import deliver, enroll, new_agent
+from tests.gateway.support import enroll, new_agent
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -67,37 +67,3 @@ def test_a_long_poll_claim_commits_its_event_id_before_it_waits(gateway_server):
     run = new_run(community.id, agent.pubkey)
     waiter.join(10)
     assert [c.lease.run_id for c in answers[0]] == [str(run)]
-
-
-@pytest.mark.parametrize("wait_seconds", [0, 2])
-def test_a_delivery_claim_that_finds_deliveries_commits_them_with_its_event_id(gateway_server, wait_seconds):
-    community = CommunityFactory()
-    agent = new_agent(gateway_server)
-    enroll(agent, community)
-    deliveries = [d.id for d in deliver(community, agent.pubkey, 2)]
-    before = {bytes(e) for e in SeenEvent.objects.filter(pubkey=agent.pubkey).values_list("event_id", flat=True)}
-    claims = agent.claim(2, wait_seconds=wait_seconds)
-    assert sorted(c.lease.delivery_id for c in claims) == sorted(str(d) for d in deliveries)
-    claimed = _xmins(
-        "SELECT xmin::text FROM buzz_delivery_delivery WHERE community_id = %s AND id = ANY(%s)",
-        [community.id, deliveries],
-    )
-    assert claimed == _new_event_xmins(agent, before)
-
-
-def test_a_long_poll_delivery_claim_commits_its_event_id_before_it_waits(gateway_server):
-    community = CommunityFactory()
-    agent = new_agent(gateway_server)
-    enroll(agent, community)
-    before = {bytes(e) for e in SeenEvent.objects.filter(pubkey=agent.pubkey).values_list("event_id", flat=True)}
-    answers: list = []
-    waiter = threading.Thread(target=lambda: answers.append(agent.claim(1, wait_seconds=5)), daemon=True)
-    waiter.start()
-    deadline = time.monotonic() + 5
-    while not SeenEvent.objects.filter(pubkey=agent.pubkey).exclude(event_id__in=before).exists():
-        assert time.monotonic() < deadline, "the waiting claim's event id was not committed"
-        time.sleep(0.01)
-    assert not answers
-    (delivery,) = deliver(community, agent.pubkey)
-    waiter.join(10)
-    assert [c.lease.delivery_id for c in answers[0]] == [str(delivery.id)]
