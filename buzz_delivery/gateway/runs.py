@@ -163,24 +163,20 @@ def _claim_round(communities: list[uuid.UUID], pubkey: bytes, worker: str, data:
     return claims
 
 
-@endpoint("POST", RUN_CLAIM, first_round=True)
-def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse | None:
+@endpoint("POST", RUN_CLAIM)
+def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
     """Claim up to ``limit`` pending runs of the signer across every active community it is
     enrolled in (``agents.services.claim_agent_runs``, one statement per community, a random
     community first); with ``wait_seconds`` > 0, long-poll until one is claimable (woken by the
     ``buzz_agents`` hints of those communities, polling every ``POLL_SECONDS``) or the wait
-    ends. 200 ``{"claims": [{"run", "lease"}]}`` (possibly empty); 403 when enrolled nowhere.
-    The first round runs in the request's transaction (``endpoint(first_round=True)``): runs
-    claimed then commit with the event id; None when it found none and the request waits."""
+    ends. 200 ``{"claims": [{"run", "lease"}]}`` (possibly empty); 403 when enrolled nowhere."""
     worker = worker_of(pubkey, data["worker_id"])
     communities = gateway.enrolled_communities(pubkey)
     if not communities:
         raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
     wait = float(data["wait_seconds"])
-    if wait <= 0 or getattr(request, "gateway_first_round", False):
+    if wait <= 0:
         claims = _claim_round(communities, pubkey, worker, data)
-        if not claims and wait > 0:
-            return None  # committed with the event id alone; called again to wait
     else:
         deadline = time.monotonic() + wait
         poll = get_settings().poll_seconds

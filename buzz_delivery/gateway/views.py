@@ -41,7 +41,7 @@ from buzz_delivery.tracing import http as tracing_http
 
 logger = logging.getLogger("buzz_delivery.gateway")
 
-View = Callable[..., JsonResponse | None]  # None: only a first_round view's "nothing yet, wait"
+View = Callable[..., JsonResponse]
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -89,7 +89,7 @@ def _field_of(exc: ValidationError) -> str:
     return "body"
 
 
-def _refused(run: Callable[[], HttpResponse | None]) -> HttpResponse | None:
+def _refused(run: Callable[[], HttpResponse]) -> HttpResponse:
     """``run()``, with the refusals every endpoint shares turned into their responses."""
     try:
         return run()
@@ -104,7 +104,7 @@ def _refused(run: Callable[[], HttpResponse | None]) -> HttpResponse | None:
 
 
 def endpoint(
-    method: str, body: Body | None = None, *, one_transaction: bool = False, first_round: bool = False
+    method: str, body: Body | None = None, *, one_transaction: bool = False
 ) -> Callable[[View], Callable[..., HttpResponse]]:
     """Wrap a view ``view(request, pubkey, data, **path_uuids)`` in the common checks.
 
@@ -118,13 +118,7 @@ def endpoint(
     refuses only before it writes (its checks and reads come first), and a write it made before
     a later error stays, as in autocommit. Not for a long-poll (it would hold a transaction open
     while it waits) nor for a service that retries its own deadlocks (it does not retry inside
-    a transaction).
-
-    ``first_round`` (a long-poll claim, issue 29): the view is called first inside the request's
-    transaction, with ``request.gateway_first_round`` True, where it must not wait: what it
-    claims then commits with the event id (one commit, where there were two). It returns None
-    when it found nothing and would wait: the transaction commits the event id alone, and the
-    view is called again outside it (``gateway_first_round`` False) to wait as before."""
+    a transaction)."""
 
     def decorate(view: View) -> Callable[..., HttpResponse]:
         @csrf_exempt
@@ -137,24 +131,14 @@ def endpoint(
                 response["Allow"] = method
                 return response
 
-            def checked(raw: bytes, pubkey: bytes) -> HttpResponse | None:
+            def checked(raw: bytes, pubkey: bytes) -> HttpResponse:
                 ids = {name: parse_uuid(name, value) for name, value in path.items()}
                 data = parse_json(raw, body)
                 with limits.request(pubkey, ids.get("community_id")):
                     return view(request, pubkey, data, **ids)
 
-            def serve() -> HttpResponse | None:
+            def serve() -> HttpResponse:
                 raw = read_body(request)
-                if first_round:
-                    with transaction.atomic():
-                        pubkey = authenticate(request, raw)
-                        request.gateway_first_round = True  # type: ignore[attr-defined]
-                        # A refusal is answered here, inside: the event id commits with it.
-                        response = _refused(lambda: checked(raw, pubkey))
-                    if response is not None:
-                        return response
-                    request.gateway_first_round = False  # type: ignore[attr-defined]
-                    return checked(raw, pubkey)
                 if not one_transaction:
                     return checked(raw, authenticate(request, raw))
                 with transaction.atomic():
@@ -162,10 +146,7 @@ def endpoint(
                     # A refusal is answered here, inside: the event id commits with it.
                     return _refused(lambda: checked(raw, pubkey))
 
-            answer = _refused(serve)
-            if answer is None:  # only a first_round view's first call may answer None
-                raise RuntimeError(f"{view.__name__} answered nothing")
-            return answer
+            return _refused(serve)
 
         return wrapper
 
