@@ -108,9 +108,9 @@ def drain(procs: list[subprocess.Popen], timeout: float = 600) -> float:
 
 
 def remote_workers(
-    base: str, key_file: Path, k: int, concurrency: int, tmp: Path, claim_ahead: int | None = None
+    base: str, key_file: Path, k: int, concurrency: int, tmp: Path, claim_ahead: int | None = None, root: Path = ROOT
 ) -> list[subprocess.Popen]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     return [
         subprocess.Popen(
             [
@@ -135,6 +135,7 @@ def remote_workers(
             env=env,
             stdout=open(tmp / f"remote-{k}-{i}.out", "w"),
             stderr=subprocess.DEVNULL,
+            cwd=str(root),  # -m puts the cwd first on sys.path: import this tree
         )
         for i in range(k)
     ]
@@ -212,11 +213,31 @@ def remote_run_workers(
             ],
             env=env,
             stdout=open(tmp / f"runs-{root.name}-{k}-{i}.out", "w"),
-            stderr=subprocess.DEVNULL,
+            stderr=open(tmp / f"runs-{root.name}-{k}-{i}.err", "w"),  # kept: a short row says why
             cwd=str(root),  # -m puts the cwd first on sys.path: import this tree
         )
         for i in range(k)
     ]
+
+
+def client_logs(tmp: Path, log_dir: Path | None, label: str) -> str:
+    """The work-runs clients' stderr and summaries of the case just run: moved to ``log_dir``
+    (when given) under ``label``; returns the warnings' count by kind (``run_error=2``), "" for none."""
+    kinds: dict[str, int] = {}
+    for path in sorted(tmp.glob("runs-*.err")) + sorted(tmp.glob("runs-*.out")):
+        text = path.read_text()
+        for line in text.splitlines() if path.suffix == ".err" else []:
+            words = line.split()  # "date time LEVEL logger message...": count by the message's first word
+            if len(words) > 4 and words[2] in ("WARNING", "ERROR", "CRITICAL"):
+                key = words[4].split("=")[0].rstrip(":")
+                kinds[key] = kinds.get(key, 0) + 1
+            elif line.startswith("Traceback"):
+                kinds["traceback"] = kinds.get("traceback", 0) + 1
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            (log_dir / f"{label.replace(' ', '_').replace(':', '').replace('=', '')}-{path.name}").write_text(text)
+        path.unlink()
+    return " ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
 
 
 def local_run_worker(url: str, community_id, agent: bytes, concurrency: int) -> subprocess.Popen:
@@ -237,6 +258,7 @@ def runs_mode(
     remote case also against the gunicorn and client of that tree (A/B in the same round). Each
     rate is also printed as a ratio of the in-process rate of its round."""
     n = args.concurrency
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else None
     before = Path(args.before_root).resolve() if args.before_root else None
     cases = [("in-process run_agent_worker x1", lambda: [local_run_worker(url, community.id, target, n)])]
     for k in (1, 4):
@@ -259,13 +281,14 @@ def runs_mode(
             wall = drain(start())
             settled, per_second = run_rate(community.id)
             per_run = (signed_requests(target) - signed) / max(settled, 1)
+            logged = client_logs(tmp, log_dir, f"round{round_no}-{label}")
             baseline = baseline or per_second
             rates.setdefault(label, []).append(per_second)
             ratios.setdefault(label, []).append(per_second / baseline)
             print(
                 f"round {round_no} {label:32s} completed={settled:6d} rate={per_second:8.1f}/s "
                 f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s requests/run={per_run:5.2f} "
-                f"load={os.getloadavg()[0]:.2f}",
+                f"load={os.getloadavg()[0]:.2f}" + (f" stderr: {logged}" if logged else ""),
                 flush=True,
             )
     for label, values in rates.items():
@@ -301,15 +324,25 @@ def wake_latency(base: str, key: bytes, community, target: bytes) -> list[float]
     return samples
 
 
-def deliveries_mode(args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path) -> None:
+def deliveries_mode(
+    args, url: str, base: str, key_file: Path, community, target: bytes, tmp: Path, before_base: str | None = None
+) -> None:
     """The in-process worker, then ``work`` K = 1 and 4 (and with ``--claim-ahead 0``), interleaved
-    ``--rounds`` times; each rate also as a ratio of the in-process rate of its round."""
+    ``--rounds`` times; each rate also as a ratio of the in-process rate of its round. With
+    ``--before-root``, each ``work`` case also against the gunicorn and client of that tree."""
     n = args.concurrency
-    cases = [
-        ("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)]),
-        ("gateway remote worker K=1", lambda: remote_workers(base, key_file, 1, n, tmp)),
-        ("gateway remote workers K=4", lambda: remote_workers(base, key_file, 4, n, tmp)),
-    ]
+    before = Path(args.before_root).resolve() if args.before_root else None
+    cases = [("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)])]
+    for k in (1, 4):
+        cases.append((f"gateway remote workers K={k}", lambda k=k: remote_workers(base, key_file, k, n, tmp)))
+        if before is not None and before_base is not None:
+            cases.append(
+                (
+                    f"before: remote workers K={k}",
+                    lambda k=k: remote_workers(before_base, key_file, k, n, tmp, root=before),
+                )
+            )
+    ratios: dict[str, list[float]] = {}
     if args.no_ahead:
         cases += [
             ("remote K=1 --claim-ahead 0", lambda: remote_workers(base, key_file, 1, n, tmp, 0)),
@@ -323,11 +356,14 @@ def deliveries_mode(args, url: str, base: str, key_file: Path, community, target
             wall = drain(start())
             settled, per_second = rate(community.id)
             baseline = baseline or per_second
+            ratios.setdefault(label, []).append(per_second / baseline)
             print(
                 f"round {round_no} {label:36s} settled={settled:6d} rate={per_second:8.0f}/s "
-                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s",
+                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s load={os.getloadavg()[0]:.2f}",
                 flush=True,
             )
+    for label, r in ratios.items():
+        print(f"median {label:36s} ratio median {statistics.median(r):.2f} range {min(r):.2f}-{max(r):.2f}")
 
 
 def main() -> None:
@@ -339,7 +375,11 @@ def main() -> None:
     parser.add_argument(
         "--before-root",
         default=os.environ.get("BENCH_BEFORE_ROOT"),
-        help="--runs: also serve and run the remote workers from this tree (e.g. main's), A/B in each round",
+        help="also serve and run the remote workers from this tree (e.g. main's), A/B in each round",
+    )
+    parser.add_argument(
+        "--log-dir",
+        help="--runs: keep each work-runs client's stderr and summary there (a short row's cause)",
     )
     parser.add_argument(
         "--no-ahead",
@@ -365,21 +405,24 @@ def main() -> None:
         with open(tmp / "gunicorn.log", "w") as log:
             server = start_gunicorn(url, port, log)
             try:
-                if args.runs:
-                    if args.before_root:
-                        before_base = f"http://127.0.0.1:{port + 1}/gateway/v1"
-                        root = Path(args.before_root).resolve()
-                        with open(tmp / "gunicorn-before.log", "w") as before_log:
-                            before_server = start_gunicorn(url, port + 1, before_log, root=root)
-                            try:
-                                runs_mode(args, url, base, key_file, community, target, tmp, before_base)
-                            finally:
-                                before_server.terminate()
-                                before_server.wait(15)
+                mode = runs_mode if args.runs else deliveries_mode
+                if args.before_root:
+                    before_base = f"http://127.0.0.1:{port + 1}/gateway/v1"
+                    root = Path(args.before_root).resolve()
+                    with open(tmp / "gunicorn-before.log", "w") as before_log:
+                        before_server = start_gunicorn(url, port + 1, before_log, root=root)
+                        try:
+                            mode(args, url, base, key_file, community, target, tmp, before_base)
+                        finally:
+                            before_server.terminate()
+                            before_server.wait(15)
+                    if args.runs:
                         return
+                elif args.runs:
                     runs_mode(args, url, base, key_file, community, target, tmp)
                     return
-                deliveries_mode(args, url, base, key_file, community, target, tmp)
+                else:
+                    deliveries_mode(args, url, base, key_file, community, target, tmp)
                 clear(community.id)
                 samples = wake_latency(base, key, community, target)
                 ms = sorted(s * 1000 for s in samples)

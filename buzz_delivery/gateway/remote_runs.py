@@ -348,6 +348,12 @@ def unwind(client: GatewayClient, lease: RemoteRunLease, seqs: list[int], batche
 Item = tuple[str, RemoteRunLease, dict[str, Any], "Future[RunOutcome]"]
 # The actions one steps request (``POST .../runs/steps``) takes together, in the order it applies them.
 STEP_ACTIONS = ("results", "calls", "complete")
+# How long a flush (and the claimer) waits for the runs it expects. Waiting ends as soon as they
+# have all sent (or left), so this only bounds the wait for a straggler: at 5 ms a K = 1 worker
+# on a loaded machine (load 12) still split a step of its 8 runs into 7 + 1 in a third of its
+# requests (1.3 requests a run); at 20 ms none (1.0).
+LINGER = 0.02
+_WAKE: Any = object()  # queued by RunBatcher.leave: a lingering flush looks again
 
 
 class RunBatcher:
@@ -363,15 +369,21 @@ class RunBatcher:
     the answer its own request would give; a batch that cannot be sent at all raises in every
     run thread of it."""
 
-    def __init__(self, client: GatewayClient, max_batch: int = 100, linger: float = 0.005) -> None:
-        self.client, self.max_batch, self.linger = client, max_batch, linger
-        # The run threads the last flush answered that have not sent again: while some are
-        # expected, a flush waits up to ``linger`` for them (else half of them would catch the
-        # flush and the others the next one, two requests a step of the worker's runs).
-        self._awaited = 0
-        self._awaited_lock = threading.Lock()
+    def __init__(
+        self, client: GatewayClient, max_batch: int = 100, linger: float = LINGER, expected_for: float = 0.05
+    ) -> None:
+        self.client, self.max_batch, self.linger, self.expected_for = client, max_batch, linger, expected_for
+        # The runs expected to send soon, with when they became so: those a flush answered
+        # and those just claimed (:meth:`expect`), until each sends again or :meth:`leave`s. While
+        # some are expected, a flush waits up to ``linger`` for them: else the runs of a worker
+        # split into cohorts, each catching the flush of the others' step and sending its own
+        # next, two requests a step of the worker's runs (a count of "threads answered", kept
+        # before, was spent by the other cohort's sends). A run that has not sent within
+        # ``expected_for`` seconds (a slow tool call) is no longer waited for.
+        self._awaited: dict[str, float] = {}
+        self._awaited_lock = threading.Condition()
         self.steps = True  # False once the gateway answered the steps route 404/405 (an older one)
-        self._queue: queue.Queue[Item | None] = queue.Queue()
+        self._queue: queue.Queue[Item | None] = queue.Queue()  # and _WAKE markers
         self._thread = threading.Thread(target=self._loop, name="run-batcher", daemon=True)
         self._thread.start()
 
@@ -380,9 +392,46 @@ class RunBatcher:
         ``compensations/begin``, ``compensations/finish``), batched."""
         future: Future[RunOutcome] = Future()
         with self._awaited_lock:
-            self._awaited = max(0, self._awaited - 1)
+            self._awaited.pop(lease.run_id, None)
+            self._awaited_lock.notify_all()
         self._queue.put((action, lease, body, future))
         return future.result()
+
+    def expect(self, run_ids: list[str]) -> None:
+        """The claimer's runs ``run_ids`` are about to start: a flush waits (up to ``linger``) for
+        their first steps, so runs claimed together send together."""
+        now = time.monotonic()
+        with self._awaited_lock:
+            for run_id in run_ids:
+                self._awaited[run_id] = now
+
+    def leave(self, run_id: str) -> None:
+        """Run ``run_id`` reached its resting point: it sends nothing more, wait no longer for it."""
+        with self._awaited_lock:
+            if self._awaited.pop(run_id, None) is None:
+                return
+            self._awaited_lock.notify_all()
+        self._queue.put(_WAKE)  # a flush lingering for it decides again
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` until no run the last flush answered is still turning (each has
+        sent again or left): the claimer's cue that the slots of runs ended together are free
+        together, so it claims for all of them in one request."""
+        deadline = time.monotonic() + timeout
+        with self._awaited_lock:
+            while self._expected():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._awaited_lock.wait(remaining)
+
+    def _expected(self) -> bool:
+        """Whether some run is expected to send soon (under ``_awaited_lock``)."""
+        horizon = time.monotonic() - self.expected_for
+        for run_id, since in list(self._awaited.items()):
+            if since < horizon:
+                del self._awaited[run_id]
+        return bool(self._awaited)
 
     def close(self, timeout: float = 30.0) -> None:
         """Send what is queued, then stop."""
@@ -395,16 +444,16 @@ class RunBatcher:
             item = self._queue.get()
             if item is None:
                 return
-            items = [item]
+            items = [] if item is _WAKE else [item]
             deadline = time.monotonic() + self.linger
             while len(items) < self.max_batch:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     with self._awaited_lock:
-                        expected = self._awaited > 0
+                        expected = self._expected()
                     remaining = deadline - time.monotonic()
-                    if not expected or remaining <= 0:
+                    if not items or not expected or remaining <= 0:
                         break
                     try:
                         more = self._queue.get(timeout=remaining)
@@ -413,9 +462,14 @@ class RunBatcher:
                 if more is None:
                     stop = True
                     break
-                items.append(more)
+                if more is not _WAKE:
+                    items.append(more)
+            if not items:
+                continue
+            now = time.monotonic()
             with self._awaited_lock:  # their threads send nothing before they are answered below
-                self._awaited = len(items)
+                for one in items:
+                    self._awaited[one[1].run_id] = now
             groups: dict[tuple[str, str, str], list[list[Item]]] = defaultdict(list)
             for one in items:
                 action = "steps" if self.steps and one[0] in STEP_ACTIONS else one[0]
@@ -443,7 +497,8 @@ class RunBatcher:
             self._send(group)
             return
         try:
-            answers = self.client.run_steps({kind: [(x[1], x[2]) for x in items] for kind, items in kinds.items()})
+            body = {kind: [(x[1], x[2]) for x in items] for kind, items in kinds.items()}
+            answers = _again(lambda: self.client.run_steps(body))
         except GatewayHTTPError as exc:
             if exc.status in (404, 405):
                 self.steps = False  # a gateway older than the steps route: per kind from now on
@@ -470,8 +525,12 @@ class RunBatcher:
 
     def _send(self, group: list[Item]) -> None:
         action = group[0][0]
+        items = [(lease, body) for _, lease, body, _ in group]
         try:
-            outcomes = self.client.run_batch(action, [(lease, body) for _, lease, body, _ in group])
+            if action in STEP_ACTIONS:  # a request in one transaction: a 503 or 429 kept nothing
+                outcomes = _again(lambda: self.client.run_batch(action, items))
+            else:
+                outcomes = self.client.run_batch(action, items)
         except GatewayHTTPError as exc:
             # 404/405: a gateway older than this batch route (fail, compensations: no route, or
             # its read route took the path; a batch route answers no 404): each run on its own.
@@ -496,6 +555,28 @@ class RunBatcher:
             return
         for (*_, future), outcome in zip(group, outcomes, strict=True):
             future.set_result(outcome)
+
+
+# A step batch (``calls``, ``results``, ``complete``, ``steps``: one transaction with the request's
+# event id) answered 503 (its transaction could not commit: nothing kept) or 429 (refused as a
+# whole before any write) is sent again, signed anew, this many times, backing off from
+# ``AGAIN_BACKOFF`` seconds; before, every run of the batch raised and its lease was left to lapse.
+AGAIN_STATUSES = (429, 503)
+AGAIN_TIMES = 3
+AGAIN_BACKOFF = 0.05
+
+
+def _again(send: Callable[[], Any]) -> Any:
+    """``send()``, again while the gateway answers a step batch 503 or 429 (see :data:`AGAIN_TIMES`)."""
+    for attempt in range(AGAIN_TIMES + 1):
+        try:
+            return send()
+        except GatewayHTTPError as exc:
+            if exc.status not in AGAIN_STATUSES or attempt == AGAIN_TIMES:
+                raise
+            logger.warning("step_batch_again status=%s attempt=%d: %s", exc.status, attempt + 1, exc)
+            time.sleep(AGAIN_BACKOFF * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def run_remote_claim(
@@ -576,7 +657,9 @@ class RemoteRunWorker:
     free for (long-poll ``wait_seconds``), the threads run them, their journal writes and
     completions go in batches (:class:`RunBatcher`), one thread renews every held lease each
     ``renew_every`` seconds.
-    :meth:`request_stop` drains within ``shutdown_grace``; ``run()`` returns the summary."""
+    ``linger``: how long the batcher and the claimer wait at most for runs still turning
+    around (:class:`RunBatcher`). :meth:`request_stop` drains within ``shutdown_grace``;
+    ``run()`` returns the summary."""
 
     def __init__(
         self,
@@ -593,8 +676,9 @@ class RemoteRunWorker:
         shutdown_grace: float = 30.0,
         accept: bool = True,
         accept_batch: int = 50,
+        linger: float = LINGER,
     ) -> None:
-        self.client, self.handler, self.concurrency = client, handler, concurrency
+        self.client, self.handler, self.concurrency, self.linger = client, handler, concurrency, linger
         self.accept, self.accept_batch = accept, accept_batch
         self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
         self.worker_id, self.max_runs, self.idle_exit, self.shutdown_grace = (
@@ -647,7 +731,10 @@ class RemoteRunWorker:
                 if self.max_runs is not None:
                     want = min(want, self.max_runs - self.counts["claimed"])
             if want <= 0:
-                self._slot_free.wait(0.5)
+                if self._slot_free.wait(0.5) and self.batcher is not None:
+                    # Runs answered together end together: claim once for all their slots
+                    # (else one claim per slot freed first, and the runs claimed apart step apart).
+                    self.batcher.settle(self.batcher.linger)
                 self._slot_free.clear()
                 continue
             try:
@@ -673,6 +760,8 @@ class RemoteRunWorker:
                 self.counts["claimed"] += len(claims)
                 self._busy += len(claims)
                 self._last_work = time.monotonic()
+            if self.batcher is not None:
+                self.batcher.expect([claim.lease.run_id for claim in claims])
             for claim in claims:
                 self._ready.put(claim)
 
@@ -691,6 +780,8 @@ class RemoteRunWorker:
             finally:
                 with self._lock:
                     self._busy -= 1
+                if self.batcher is not None:
+                    self.batcher.leave(claim.lease.run_id)
                 self._slot_free.set()
 
     def _more_to_come(self) -> bool:
@@ -762,7 +853,7 @@ class RemoteRunWorker:
     def run(self) -> dict[str, Any]:
         """Run until stopped; returns ``{key: count for SUMMARY_KEYS} | {"reason"}``."""
         done = threading.Event()
-        self.batcher = RunBatcher(self.client)
+        self.batcher = RunBatcher(self.client, linger=self.linger)
         renewer = threading.Thread(target=self._renew_loop, args=(done,), name="run-renewer", daemon=True)
         renewer.start()
         self._claimer = threading.Thread(target=self._guarded(self._claim_loop), name="run-claimer", daemon=True)

@@ -343,7 +343,10 @@ def _execute(kind: _Kind, community_id: uuid.UUID, prepared: list[Any], own: set
     try:
         # Inside the request's transaction (one_transaction) a savepoint, unless ``send`` makes
         # its own: a batch the database refuses then leaves it usable for the one-run forms.
-        with transaction.atomic() if kind.send_in_savepoint and connection.in_atomic_block else nullcontext():
+        # None for a kind with nothing to send (a steps request's empty kinds): two round trips
+        # to the database for nothing, in the request's chain.
+        saved = mine and kind.send_in_savepoint and connection.in_atomic_block
+        with transaction.atomic() if saved else nullcontext():
             outcomes = kind.send(community_id, mine) if mine else []
     except DatabaseError:
         outcomes = [kind.replay(p) for p in mine]
