@@ -175,6 +175,30 @@ SKIPPED: dict[str, str] = {
     ),
 }
 
+# Modules whose repetitions (race rounds, model-based examples) the cluster runs fewer of than
+# PostgreSQL does, through :func:`repetitions`: module -> why the cut keeps what the cluster
+# proves. On PostgreSQL each runs its full count (its long form under -m slow, where it has one).
+_SAME_STATEMENTS = (
+    "every round runs the same statements: the cluster proves their router form and typed outcomes "
+    "in the first rounds, and the search for a rare interleaving or sequence is PostgreSQL's (the "
+    "whole count there, the long form under -m slow), as it tests the services' logic, not Citus"
+)
+SHORTENED: dict[str, str] = {
+    "tests/test_lock_order_races.py": "each race 10 times instead of 50: " + _SAME_STATEMENTS,
+    "tests/test_wf_model_based.py": "20 examples instead of 80: " + _SAME_STATEMENTS,
+    "tests/test_wf_model_based_kinds.py": "20 examples instead of 60: " + _SAME_STATEMENTS,
+}
+
+
+def repetitions(module: str, full: int, on_cluster: int) -> int:
+    """How many rounds or examples ``module`` runs: ``full`` on PostgreSQL, ``on_cluster`` in the
+    Citus mode, for a module :data:`SHORTENED` lists with its reason (any other is refused)."""
+    if not citus_support.CITUS_MODE:
+        return full
+    if module not in SHORTENED:
+        raise KeyError(f"{module} runs fewer repetitions on the cluster without a reason in SHORTENED")
+    return on_cluster
+
 
 def default_arguments() -> list[str]:
     """The whole suite but :data:`LEFT_OUT`, as the list of its modules (an ``--ignore`` of a

@@ -83,11 +83,13 @@ def test_a_new_run_wakes_an_idle_worker_long_before_its_next_poll(community):
     assert out["completed"] == 1 and out["woken"] >= 1
 
 
-def test_a_handler_past_its_deadline_is_given_up_and_writes_nothing_more(community):
+def test_a_handler_past_its_deadline_is_given_up_and_writes_nothing_more(community, settings):
+    # A 3 s lease renewed every second: a wait of 1.5 s shows no renewal (a 15 s lease made it 5.5 s).
+    settings.BUZZ_DELIVERY = {**settings.BUZZ_DELIVERY, "MIN_LEASE_SECONDS": 1}
     gate = Gate()
     worker = AgentWorker(
         WorkerConfig(
-            handler=gate, agents=[AGENT], communities=[community.id], lease_seconds=15, handler_timeout=0.5,
+            handler=gate, agents=[AGENT], communities=[community.id], lease_seconds=3, handler_timeout=0.5,
             poll_seconds=0.2, worker_id="w", listen=False,
         )
     )  # fmt: skip
@@ -99,7 +101,7 @@ def test_a_handler_past_its_deadline_is_given_up_and_writes_nothing_more(communi
         took = wait_for(lambda: worker.heartbeat.timed_out == 1, 5)
         assert took < 1.5, took
         assert run_id not in worker.heartbeat.held
-        time.sleep(5.5)  # more than one heartbeat period (lease/3 = 5 s): nothing renewed it
+        time.sleep(1.5)  # more than one heartbeat period (lease/3 = 1 s): nothing renewed it
         assert AgentRun.objects.get(id=run_id).heartbeat_at == renewed_at
         gate.release.set()
         wait_for(lambda: gate.error is not None, 5)

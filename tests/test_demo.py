@@ -1,11 +1,17 @@
 """``manage.py demo`` end to end on a small workload: real worker subprocesses on the test
 database, a worker killed with SIGKILL, the reaper, a fenced community, and the report's
-exactly-once check — which must pass here, and must fail when its evidence is tampered with."""
+exactly-once check — which must pass here, and must fail when its evidence is tampered with.
+
+The demo runs once for the module (the same seeded workload each test used to run again, some
+50 s each): its rows are committed, and each test reads them inside its own transaction, rolled
+back at its end, so one test's tampering never reaches another. The module's rows are flushed
+afterwards, as a transactional test's would be."""
 
 from __future__ import annotations
 
 import io
 import uuid
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -20,7 +26,9 @@ from project.demo.system import build_system_checks, system_facts_from
 
 DELIVERIES = 150
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# Each test in a transaction rolled back at its end: the demo's committed rows (the module's
+# fixture) stay as the demo left them for the next test.
+pytestmark = pytest.mark.django_db
 
 
 def _facts_from(report: dict) -> RunFacts:
@@ -52,30 +60,42 @@ def _log_tails(log_dir: Path, lines: int = 15) -> str:
     return "\n".join(tails)
 
 
+@pytest.fixture(scope="module")
+def demo_run(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[tuple[dict, str]]:
+    """One demo run, committed (its workers are processes), shared by the module's tests."""
+    tmp_path = tmp_path_factory.mktemp("demo")
+    with django_db_blocker.unblock(), pytest.MonkeyPatch.context() as monkeypatch:
+        # The workers' logs go to a temporary folder, not the checkout's var/demo/<run>.
+        monkeypatch.setenv("BUZZ_DEMO_LOG_DIR", str(tmp_path / "demo"))
+        out = io.StringIO()
+        try:
+            try:
+                call_command(
+                    "demo",
+                    deliveries=DELIVERIES,
+                    communities=2,
+                    agents=2,
+                    concurrency=1,
+                    rate=300.0,
+                    lease_seconds=3.0,
+                    timeout=120.0,
+                    seed=7,
+                    stdout=out,
+                )
+            except CommandError as exc:  # say which check and which worker, not only that one failed
+                raise AssertionError(f"{exc}\n{out.getvalue()}\n{_log_tails(tmp_path / 'demo')}") from exc
+            run = DemoRun.objects.get()
+            assert run.passed is True and run.finished_at is not None and run.report is not None
+            assert (tmp_path / "demo" / str(run.id)).is_dir()
+            yield run.report, out.getvalue()
+        finally:
+            # What a transactional test's teardown does: the next modules start from empty tables.
+            call_command("flush", verbosity=0, interactive=False)
+
+
 @pytest.fixture
-def demo_report(monkeypatch, tmp_path) -> tuple[dict, str]:
-    # The workers' logs go to a temporary folder, not the checkout's var/demo/<run>.
-    monkeypatch.setenv("BUZZ_DEMO_LOG_DIR", str(tmp_path / "demo"))
-    out = io.StringIO()
-    try:
-        call_command(
-            "demo",
-            deliveries=DELIVERIES,
-            communities=2,
-            agents=2,
-            concurrency=1,
-            rate=300.0,
-            lease_seconds=3.0,
-            timeout=120.0,
-            seed=7,
-            stdout=out,
-        )
-    except CommandError as exc:  # say which check and which worker, not only that one failed
-        raise AssertionError(f"{exc}\n{out.getvalue()}\n{_log_tails(tmp_path / 'demo')}") from exc
-    run = DemoRun.objects.get()
-    assert run.passed is True and run.finished_at is not None and run.report is not None
-    assert (tmp_path / "demo" / str(run.id)).is_dir()
-    return run.report, out.getvalue()
+def demo_report(demo_run) -> tuple[dict, str]:
+    return demo_run
 
 
 def test_demo_settles_every_delivery_of_healthy_communities_exactly_once(demo_report):

@@ -43,10 +43,11 @@ from buzz_delivery.workflows.services import (
 from buzz_delivery.workflows.states import RUN_TERMINAL
 from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
 from tests.agents_support import backdate_run_lease
+from tests.citus_mode import repetitions
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-REPETITIONS = 50
+REPETITIONS = repetitions("tests/test_lock_order_races.py", full=50, on_cluster=10)
 AGENT_TERMINAL = ("completed", "failed", "cancelled", "timeout")
 
 

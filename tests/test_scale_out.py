@@ -140,3 +140,19 @@ def test_what_the_citus_mode_leaves_out_or_skips_still_exists():
         assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, nodeid
         assert reason.strip(), nodeid
     assert not set(LEFT_OUT) & {nodeid.split("::")[0] for nodeid in SKIPPED}
+
+
+def test_what_the_citus_mode_runs_fewer_repetitions_of_is_named_with_its_reason():
+    """Each module of SHORTENED exists, has a reason, and asks :func:`repetitions` under its own
+    name (a module that stopped asking would keep a stale reason; one asking under another name
+    would be refused on the cluster)."""
+    from pathlib import Path
+
+    from tests.citus_mode import LEFT_OUT, SHORTENED
+
+    root = Path(__file__).resolve().parent.parent
+    assert SHORTENED
+    for module, reason in SHORTENED.items():
+        assert (root / module).is_file() and reason.strip(), module
+        assert f'repetitions("{module}",' in (root / module).read_text(), module
+        assert module not in LEFT_OUT, module

@@ -36,6 +36,7 @@ from buzz_delivery.workflows.services import (
     start_run,
 )
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
+from tests.citus_mode import repetitions
 from tests.model_support import run_machine
 
 pytestmark = pytest.mark.django_db
@@ -333,7 +334,7 @@ def _run(examples: int, steps: int) -> None:
 
 
 def test_the_engine_agrees_with_the_model_on_random_dags_and_operations():
-    _run(examples=80, steps=25)
+    _run(examples=repetitions("tests/test_wf_model_based.py", full=80, on_cluster=20), steps=25)
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ from buzz_delivery.workflows.services import (
     start_run,
 )
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
+from tests.citus_mode import repetitions
 from tests.citus_support import CITUS_MODE
 from tests.conftest import backdate_lease
 from tests.model_support import run_machine
@@ -1007,7 +1008,7 @@ def _run(examples: int, steps: int) -> None:
 
 
 def test_the_engine_agrees_with_the_model_on_every_step_kind():
-    _run(examples=60, steps=40)
+    _run(examples=repetitions("tests/test_wf_model_based_kinds.py", full=60, on_cluster=20), steps=40)
 
 
 @pytest.mark.slow
