@@ -13,13 +13,13 @@ import pytest
 from django.db import connection
 
 from buzz_delivery.agents.models import JournalEntry
-from buzz_delivery.gateway.client import GatewayHTTPError
 from buzz_delivery.testing import CommunityFactory
 from project.database_url import database_url
 from tests.agents_support import new_run
 from tests.citus_support import CITUS_MODE
 from tests.gateway.support import enroll, new_agent
-from tests.gateway.test_batch_one_transaction import a_completion_waits_for_a_row_lock, seen
+from tests.gateway.test_batch_one_transaction import a_completion_waits_for_a_row_lock, post, seen, signed_post
+from tests.gateway.test_batch_steps import _ref
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -39,18 +39,19 @@ def test_a_steps_request_answered_503_keeps_none_of_its_writes(gateway_server):
     before = seen(agent)
     answers: list = []
 
+    path = f"/communities/{community.id}/runs/steps"
+    header, body = signed_post(
+        agent,
+        path,
+        {
+            "calls": [{**_ref(journaled), "tool_name": "fetch", "args": {}}],
+            "complete": [{**_ref(completed), "output": {"a": 1}}],
+            "worker_id": "remote-1",
+        },
+    )
+
     def send() -> None:
-        try:
-            answers.append(
-                agent.run_steps(
-                    {
-                        "calls": [(journaled, {"tool_name": "fetch", "args": {}})],
-                        "complete": [(completed, {"output": {"a": 1}})],
-                    }
-                )
-            )
-        except GatewayHTTPError as exc:
-            answers.append(exc)
+        answers.append(post(agent, path, header, body))
 
     with psycopg.connect(database_url(connection.settings_dict)) as holder:
         holder.execute("SET deadlock_timeout = '60s'")  # the gateway's side is the deadlock's victim
@@ -69,7 +70,11 @@ def test_a_steps_request_answered_503_keeps_none_of_its_writes(gateway_server):
         locker.join(30)
         holder.rollback()
     (answer,) = answers
-    assert isinstance(answer, GatewayHTTPError) and answer.status == 503, answer
-    # Nothing kept: the call the request journaled before its 503 is not in the journal.
+    assert answer.status_code == 503, answer.text
+    # Nothing kept: the call the request journaled before its 503 is not in the journal...
     assert JournalEntry.objects.filter(community_id=community.id, run_id=journaled.run_id).count() == 0
-    assert seen(agent) == before  # nor its event id: the request may be sent again
+    # ...but its event id: the signed request cannot be replayed (the client signs anew).
+    assert seen(agent) == before + 1
+    again = post(agent, path, header, body)
+    assert (again.status_code, again.json()["code"]) == (401, "auth_replayed")
+    assert JournalEntry.objects.filter(community_id=community.id, run_id=journaled.run_id).count() == 0
