@@ -561,7 +561,9 @@ class RunBatcher:
 # event id) answered 503 (its transaction could not commit: nothing kept) or 429 (refused as a
 # whole before any write) is sent again, signed anew, this many times, backing off from
 # ``AGAIN_BACKOFF`` seconds; before, every run of the batch raised and its lease was left to lapse.
-AGAIN_STATUSES = (429, 503)
+# The gateway's own refusals only (its JSON ``code``): a 503 a proxy answers (not JSON: Envoy's
+# "upstream reset before headers", say) may come after the gateway committed the request.
+AGAIN_STATUSES = ((429, "too_many_requests"), (503, "unavailable"))
 AGAIN_TIMES = 3
 AGAIN_BACKOFF = 0.05
 
@@ -572,7 +574,7 @@ def _again(send: Callable[[], Any]) -> Any:
         try:
             return send()
         except GatewayHTTPError as exc:
-            if exc.status not in AGAIN_STATUSES or attempt == AGAIN_TIMES:
+            if (exc.status, exc.code) not in AGAIN_STATUSES or attempt == AGAIN_TIMES:
                 raise
             logger.warning("step_batch_again status=%s attempt=%d: %s", exc.status, attempt + 1, exc)
             time.sleep(AGAIN_BACKOFF * 2**attempt)

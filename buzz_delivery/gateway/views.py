@@ -18,6 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from functools import wraps
 from typing import Any
 
@@ -111,10 +112,10 @@ def endpoint(
     ``one_transaction`` (issue 29: a holder's batch writes, which never wait): the event id is
     recorded in the same transaction as the view's writes, so the request pays one commit (one
     WAL flush) instead of two, and an id is never recorded without its request's writes nor the
-    writes without the id. A refused request (any 4xx, a 503) is answered inside that
-    transaction, which then commits its event id as the autocommit form does (unless a
-    database error outside a savepoint left the transaction unable to commit: then neither the
-    id nor any write is kept, and the request may be sent again): such a view
+    writes without the id. A refused request (any 4xx) is answered inside that
+    transaction, which then commits its event id as the autocommit form does; a 503 (a
+    database error, even one a savepoint contained) rolls it back, no write is kept, and its
+    event id is then recorded alone: the client may send it again, signed anew. Such a view
     refuses only before it writes (its checks and reads come first), and a write it made before
     a later error stays, as in autocommit. Not for a long-poll (it would hold a transaction open
     while it waits) nor for a service that retries its own deadlocks (it does not retry inside
@@ -144,7 +145,16 @@ def endpoint(
                 with transaction.atomic():
                     pubkey = authenticate(request, raw)
                     # A refusal is answered here, inside: the event id commits with it.
-                    return _refused(lambda: checked(raw, pubkey))
+                    response = _refused(lambda: checked(raw, pubkey))
+                    if response.status_code != 503:
+                        return response
+                    # A database error (a deadlock's victim in a savepoint, a lock or statement
+                    # timeout) after some writes: keep none of them (the client sends a 503'd step
+                    # batch again, signed anew: a kept write would apply twice)...
+                    transaction.set_rollback(True)
+                with suppress(GatewayError):  # ...but its id, alone: this request is not replayed
+                    authenticate(request, raw)
+                return response
 
             return _refused(serve)
 

@@ -28,13 +28,14 @@ class Lease:
 class Flaky:
     """Refuses the first ``refusals`` requests with ``status``, then answers every item."""
 
-    def __init__(self, status: int, refusals: int) -> None:
+    def __init__(self, status: int, refusals: int, code: str | None = None) -> None:
         self.status, self.refusals, self.requests = status, refusals, []
+        self.code = code or {429: "too_many_requests", 503: "unavailable"}[status]
 
     def _refuse(self, route: str) -> None:
         self.requests.append(route)
         if len(self.requests) <= self.refusals:
-            raise GatewayHTTPError(self.status, "unavailable", "the database is unavailable; retry later")
+            raise GatewayHTTPError(self.status, self.code, "retry later")
 
     def run_batch(self, action, items):
         self._refuse(action)
@@ -100,3 +101,17 @@ def test_a_fail_batch_answered_503_is_not_sent_again():
         batcher.close()
     assert isinstance(answer, GatewayHTTPError) and answer.status == 503
     assert client.requests == ["fail"]
+
+
+def test_a_step_batch_answered_503_by_a_proxy_is_not_sent_again():
+    # Not the gateway's JSON: a proxy's page (Envoy answers 503 for an upstream reset before the
+    # headers, which may come after the gateway committed the batch): sending it again could
+    # journal its calls twice.
+    client = Flaky(503, refusals=1, code="not_json")
+    batcher = RunBatcher(client)
+    try:
+        (answer,) = _send_all(batcher, [("calls", "r1")])
+    finally:
+        batcher.close()
+    assert isinstance(answer, GatewayHTTPError) and answer.status == 503
+    assert client.requests == ["calls"]
