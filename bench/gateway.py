@@ -68,6 +68,21 @@ def rate(community_id) -> tuple[int, float]:
     return count, count / float(span or 1e-9)
 
 
+def transactions() -> int:
+    """Transactions the benchmark's database has ended so far (``pg_stat_database``): every
+    connection's, once flushed. Backends flush their counts at most every second while busy and
+    within ``STATS_FLUSH_WAIT`` seconds of going idle (PostgreSQL's PGSTAT_IDLE_INTERVAL, 10 s)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()")
+        return int(cursor.fetchone()[0])
+
+
+STATS_FLUSH_WAIT = 11.0
+
+
 def clear(community_id) -> None:
     from django.db import connection
 
@@ -141,12 +156,17 @@ def remote_workers(
     ]
 
 
+# The in-process worker's --batch-size: what ``work`` claims and settles per request at most
+# (its CLAIM_LIMIT and SETTLE_BATCH, the gateway's MAX_CLAIM_LIMIT), so both run alike.
+LOCAL_BATCH = 100
+
+
 def local_worker(url: str, community_id, target: bytes, concurrency: int) -> subprocess.Popen:
     env = {**os.environ, "DATABASE_URL": url, "LOG_LEVEL": "WARNING"}
     return subprocess.Popen(
         [sys.executable, str(ROOT / "manage.py"), "run_delivery_worker", "--community", str(community_id),
          "--target", target.hex(), "--handler", "bench.handlers:noop", "--concurrency", str(concurrency),
-         "--poll-interval", "0.5", "--idle-exit", "2", "-v", "0"],
+         "--batch-size", str(LOCAL_BATCH), "--poll-interval", "0.5", "--idle-exit", "2", "-v", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -353,13 +373,19 @@ def deliveries_mode(
         for label, start in cases:
             clear(community.id)
             commit(community, target, args.count)
+            time.sleep(STATS_FLUSH_WAIT)  # the gunicorn threads' counts of the case before
+            signed, xacts = signed_requests(target), transactions()
             wall = drain(start())
             settled, per_second = rate(community.id)
+            per_delivery = (signed_requests(target) - signed) / max(settled, 1)
+            time.sleep(STATS_FLUSH_WAIT)  # every connection's counts flushed (the workers exited)
+            xact_per = (transactions() - xacts) / max(settled, 1)
             baseline = baseline or per_second
             ratios.setdefault(label, []).append(per_second / baseline)
             print(
                 f"round {round_no} {label:36s} settled={settled:6d} rate={per_second:8.0f}/s "
-                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s load={os.getloadavg()[0]:.2f}",
+                f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s requests/delivery={per_delivery:6.3f} "
+                f"xacts/delivery={xact_per:6.3f} load={os.getloadavg()[0]:.2f}",
                 flush=True,
             )
     for label, r in ratios.items():
@@ -368,7 +394,12 @@ def deliveries_mode(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--count", type=int, default=3000, help="deliveries per throughput run (default 3000)")
+    parser.add_argument(
+        "--count",
+        type=int,
+        default=3000,
+        help="deliveries (or runs) per case (default 3000; deliveries: 50000 or more drain for 10 s or more)",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads per worker process")
     parser.add_argument("--runs", action="store_true", help="agent runs (work-runs) instead of deliveries")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
