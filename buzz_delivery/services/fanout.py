@@ -17,11 +17,11 @@ from django.db import connection
 from buzz_delivery import tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import NotInTransaction
-from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN, new_uuid7
+from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.producer import MAX_BINDINGS_PER_COMMIT, _announce, _snapshot
+from buzz_delivery.services.producer import MAX_BINDINGS_PER_COMMIT, _announce, _snapshot, binding_columns
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import Binding
 from buzz_delivery.triggers import IDENTITY_LOCK_NAMESPACE
@@ -110,22 +110,12 @@ def commit_messages(community_id: uuid.UUID | str, messages: Sequence[Message]) 
     if len(rows) > MAX_BINDINGS_PER_COMMIT:
         raise v.invalid("messages", f"must hold at most {MAX_BINDINGS_PER_COMMIT} bindings, got {len(rows)}")
     bindings = [b for b, _, _ in rows]
-    ids: list[uuid.UUID] = [new_uuid7() for _ in rows]  # type: ignore[misc]
     params: dict[str, Any] = {
         "community_id": community,
         "max_attempts": get_settings().max_attempts,
         "channel": get_settings().notify_channel,
-        "ids": ids,
-        "workflow_ids": [b.workflow_id for b in bindings],
-        "run_ids": [b.run_id for b in bindings],
-        "step_ids": [b.step_id for b in bindings],
-        "target_pubkeys": [b.target_pubkey for b in bindings],
-        "definition_event_ids": [b.definition_event_id for b in bindings],
+        **binding_columns(bindings),
         "message_event_ids": [b.message_event_id for b in bindings],
-        "cause_kinds": [b.cause.kind for b in bindings],
-        "cause_event_ids": [b.cause.event_id for b in bindings],
-        "cause_scheduled_fors": [b.cause.scheduled_for for b in bindings],
-        "cause_webhook_invocation_ids": [b.cause.webhook_invocation_id for b in bindings],
         "trigger_contexts": [context for _, context, _ in rows],
         "priorities": [rank for _, _, rank in rows],
     }
@@ -134,5 +124,6 @@ def commit_messages(community_id: uuid.UUID | str, messages: Sequence[Message]) 
     with translated_errors("messages."):
         created = fetch_all(sql.INSERT_DELIVERIES_MANY_SKIP_EXISTING, params)
     created_set = {row[0] for row in created}
+    ids = params["ids"]
     _announce(community, bindings, ids, created_set)
     return [i for i in ids if i in created_set]

@@ -218,16 +218,7 @@ def commit_deliveries(
         "execution_trace": trace,
         "trigger_context": context,
         "channel": get_settings().notify_channel,
-        "ids": [new_uuid7() for _ in bindings],
-        "workflow_ids": [b.workflow_id for b in bindings],
-        "run_ids": [b.run_id for b in bindings],
-        "step_ids": [b.step_id for b in bindings],
-        "target_pubkeys": [b.target_pubkey for b in bindings],
-        "definition_event_ids": [b.definition_event_id for b in bindings],
-        "cause_kinds": [b.cause.kind for b in bindings],
-        "cause_event_ids": [b.cause.event_id for b in bindings],
-        "cause_scheduled_fors": [b.cause.scheduled_for for b in bindings],
-        "cause_webhook_invocation_ids": [b.cause.webhook_invocation_id for b in bindings],
+        **binding_columns(bindings),
     }
     if key is not None:
         # Its rounds commit or roll back together (a savepoint inside the caller's transaction).
@@ -260,3 +251,19 @@ def _announce(community: uuid.UUID, bindings: Sequence[Binding], ids: list[Any],
                 target_pubkeys=[b.target_pubkey for b, i in zip(bindings, ids, strict=True) if i in created_set],
             )
         )
+
+
+def binding_columns(bindings: Sequence[Binding]) -> dict[str, list[Any]]:
+    """The bindings' columns as the insert statements' parallel arrays, each row a new id."""
+    return {
+        "ids": [new_uuid7() for _ in bindings],
+        "workflow_ids": [b.workflow_id for b in bindings],
+        "run_ids": [b.run_id for b in bindings],
+        "step_ids": [b.step_id for b in bindings],
+        "target_pubkeys": [b.target_pubkey for b in bindings],
+        "definition_event_ids": [b.definition_event_id for b in bindings],
+        "cause_kinds": [b.cause.kind for b in bindings],
+        "cause_event_ids": [b.cause.event_id for b in bindings],
+        "cause_scheduled_fors": [b.cause.scheduled_for for b in bindings],
+        "cause_webhook_invocation_ids": [b.cause.webhook_invocation_id for b in bindings],
+    }

@@ -333,6 +333,26 @@ def _run_for_send(claim: StepClaim) -> Run:
     return Run.from_db("default", ["community_id", "run_id", *wf_sql.RUN_FOR_SEND_FIELDS], row)
 
 
+def send_bindings(community: uuid.UUID, claim: StepClaim, run: Run, definition: bytes) -> list[Binding]:
+    """The deliveries a ``send_message`` step commits: one per target, bound to the step's
+    message event (the single send and the batched one build them here)."""
+    event_id = message_event_id(run.pk, claim.step.key)
+    cause = cause_of(run)
+    return [
+        Binding(
+            community_id=community,
+            workflow_id=run.workflow_id,
+            run_id=run.pk,
+            step_id=claim.step.key,
+            target_pubkey=bytes.fromhex(target),
+            definition_event_id=definition,
+            message_event_id=event_id,
+            cause=cause,
+        )
+        for target in claim.spec["targets"]
+    ]
+
+
 @retry_deadlocks
 def _send_message(claim: StepClaim) -> StepOutcome:
     run = _run_for_send(claim)
@@ -342,20 +362,7 @@ def _send_message(claim: StepClaim) -> StepOutcome:
         exists = core.lock_delivery_identity(community, run.pk, claim.step.key)
         event_id = message_event_id(run.pk, claim.step.key)
         event = _message_event(community, event_id, spec.get("content", ""), claim.step.key, exists)
-        cause = cause_of(run)
-        bindings = [
-            Binding(
-                community_id=community,
-                workflow_id=run.workflow_id,
-                run_id=run.pk,
-                step_id=claim.step.key,
-                target_pubkey=bytes.fromhex(target),
-                definition_event_id=definition_event_id(community, run.definition_id),
-                message_event_id=event_id,
-                cause=cause,
-            )
-            for target in spec["targets"]
-        ]
+        bindings = send_bindings(community, claim, run, definition_event_id(community, run.definition_id))
         # Inside the step's span the commit stores its own trace context with each delivery;
         # without tracing here, the run's stored one is carried on. The deliveries take the run's
         # priority (issue 32).

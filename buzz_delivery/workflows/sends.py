@@ -32,17 +32,16 @@ from dataclasses import dataclass
 from django.db import transaction
 
 from buzz_delivery import tracing
-from buzz_delivery.services import Binding, Settled, fanout
+from buzz_delivery.services import Settled, fanout
 from buzz_delivery.services.db import fetch_all, retry_deadlocks
 from buzz_delivery.services.producer import MAX_BINDINGS_PER_COMMIT
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.workflows.conf import get_settings
-from buzz_delivery.workflows.executor import definition_event_ids, message_event_id
+from buzz_delivery.workflows.executor import definition_event_ids, message_event_id, send_bindings
 from buzz_delivery.workflows.models import Run
 from buzz_delivery.workflows.services import sql as wf_sql
 from buzz_delivery.workflows.services import steps
-from buzz_delivery.workflows.services.runs import cause_of
 from buzz_delivery.workflows.services.types import StepClaim, StepOutcome
 
 logger = logging.getLogger("buzz_delivery.workflows")
@@ -76,20 +75,7 @@ def _prepare(community: uuid.UUID, claim: StepClaim, run: Run, definition: bytes
     context taken inside the step's own span."""
     key = claim.step.key
     event_id = message_event_id(run.pk, key)
-    cause = cause_of(run)
-    bindings = [
-        Binding(
-            community_id=community,
-            workflow_id=run.workflow_id,
-            run_id=run.pk,
-            step_id=key,
-            target_pubkey=bytes.fromhex(target),
-            definition_event_id=definition,
-            message_event_id=event_id,
-            cause=cause,
-        )
-        for target in claim.spec["targets"]
-    ]
+    bindings = send_bindings(community, claim, run, definition)
     # The deliveries carry the context of a commit span child of the step's span, as a single
     # send's do; without tracing here, the run's stored context.
     with tracing_work.step_span(claim):
