@@ -242,9 +242,10 @@ def test_two_concurrent_workers_run_each_compensation_exactly_once(community, en
 
 def next_attempt_in(run_id) -> float:
     with connection.cursor() as cursor:
-        # now() read on its own: on Citus a read of a table is evaluated on the worker, whose
-        # transaction (and so its now()) started later than this one's.
-        cursor.execute("SELECT now()")
+        # The database clock the reap used (the statement's time, not the transaction's: this
+        # test is one transaction, and now() falls behind by however long it has run), read on
+        # its own: on Citus a read of a table is evaluated on the worker.
+        cursor.execute("SELECT buzz_delivery_now()")
         (now,) = cursor.fetchone()
         cursor.execute("SELECT next_attempt_at FROM buzz_agents_run WHERE id = %s", [run_id])
         return (cursor.fetchone()[0] - now).total_seconds()
