@@ -121,6 +121,15 @@ SELECT EXISTS (
 )
 """
 
+# The tail of the delivery inserts: each created row's id and its wake hint (sent at commit).
+_NOTIFY_CREATED = """SELECT created.id,
+       pg_notify(%(channel)s, json_build_object(
+           'community', %(community_id)s::text,
+           'delivery', created.id::text,
+           'target', encode(created.target_pubkey, 'hex'))::text)
+FROM created
+"""
+
 INSERT_DELIVERIES_SKIP_EXISTING = f"""
 WITH created AS (
     INSERT INTO {DELIVERY} AS d (
@@ -147,13 +156,7 @@ WITH created AS (
     ON CONFLICT ON CONSTRAINT delivery_identity_key DO NOTHING
     RETURNING d.id, d.target_pubkey
 )
-SELECT created.id,
-       pg_notify(%(channel)s, json_build_object(
-           'community', %(community_id)s::text,
-           'delivery', created.id::text,
-           'target', encode(created.target_pubkey, 'hex'))::text)
-FROM created
-"""
+{_NOTIFY_CREATED}"""
 
 # The identity locks of many (run, step) of one community in one statement, keys taken in the
 # order given (the caller sorts them: two batches never take two keys in opposite orders), and
@@ -188,13 +191,7 @@ WITH created AS (
     ON CONFLICT ON CONSTRAINT delivery_identity_key DO NOTHING
     RETURNING d.id, d.target_pubkey
 )
-SELECT created.id,
-       pg_notify(%(channel)s, json_build_object(
-           'community', %(community_id)s::text,
-           'delivery', created.id::text,
-           'target', encode(created.target_pubkey, 'hex'))::text)
-FROM created
-"""
+{_NOTIFY_CREATED}"""
 
 # --- agent ------------------------------------------------------------------
 
