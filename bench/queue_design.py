@@ -27,6 +27,9 @@ own connection (the shape of the raw floor of ``bench/peers.py``):
   from the queue row's claimed_at/claimed_by/generation/attempt) and its own, so the outcome's
   history is the same as C's;
 - ``A_hot``: A's terminal with C's queue;
+- ``C_lazy_ff70``: C_lazy with the queue at fillfactor 70 (is the claim still HOT?);
+- ``C_lazy_nodelfence`` (comparison only, not a candidate): C_lazy without the write fence's
+  BEFORE DELETE trigger on the queue, to measure what a BEFORE ROW trigger costs a DELETE;
 - ``pgqueuer_tuned`` and ``peers_raw50``: PgQueuer (batch 50, asyncpg) and the raw batch-50 floor
   (and ``worker``: ``run_worker`` on our current table, what issue 31 measures; not in the default
   set) run by ``bench.scenarios.peers.drain_once`` (its process pool and its /proc watcher of every
@@ -98,6 +101,11 @@ class Candidate:
     # attempt) are the claim's entry, which the next transition of the row appends before its own
     # (the history ends the same; the claimed row does not grow, so its version fits the page).
     lazy_claim_entry: bool = False
+    # The queue's fillfactor when its claim is HOT (a claimed version must fit on its page).
+    hot_fillfactor: int = 30
+    # COMPARISON ONLY: leave the write fence's BEFORE DELETE trigger off the queue, to measure
+    # what a BEFORE ROW trigger costs a DELETE (it locks the old row before testing its WHEN).
+    delete_fence: bool = True
     # The outcome's foreign key to the record: each insert takes a KEY SHARE row lock on the
     # record (a heap write and a WAL record per delivery). Redundant with the queue row's key to
     # the record (an outcome is written only for a queue row deleted in the same statement).
@@ -193,7 +201,7 @@ def ddl(c: Candidate) -> list[str]:
         CHECK ((status = 'claimed') = (lease_until IS NOT NULL)),
         PRIMARY KEY (id, community_id),
         FOREIGN KEY (id, community_id) REFERENCES {d} (id, community_id)
-    ) WITH (fillfactor = {30 if c.hot else 100})""")
+    ) WITH (fillfactor = {c.hot_fillfactor if c.hot else 100})""")
     if c.hot:
         # No key or predicate names status, lease_until, lease_generation, claimed_*: a claim
         # changes only those (and attempt, history), so it is a HOT update when the page has room.
@@ -242,7 +250,9 @@ def copy_triggers(conn: psycopg.Connection, c: Candidate) -> list[str]:
     ).fetchall()
     out = []
     for name, definition in rows:
-        if "write_fence" in name:
+        if "write_fence_delete" in name and not c.delete_fence:
+            targets = [t for t in c.tables if t != c.queue]
+        elif "write_fence" in name:
             targets = c.tables
         elif "generation_monotonic" in name:
             targets = [c.queue]
@@ -404,6 +414,12 @@ CANDIDATES = {
     "C": Candidate("qd_c", hot=True, outcome=True, outcome_fk=False),
     "C_nohist": Candidate("qd_cn", hot=True, outcome=True, history=False, outcome_fk=False),
     "C_lazy": Candidate("qd_cl", hot=True, outcome=True, outcome_fk=False, lazy_claim_entry=True),
+    "C_lazy_ff70": Candidate(
+        "qd_c7", hot=True, outcome=True, outcome_fk=False, lazy_claim_entry=True, hot_fillfactor=70
+    ),
+    "C_lazy_nodelfence": Candidate(
+        "qd_cd", hot=True, outcome=True, outcome_fk=False, lazy_claim_entry=True, delete_fence=False
+    ),
     "A_hot": Candidate("qd_ah", hot=True, outcome=False),
 }
 LABELS = {
@@ -414,6 +430,8 @@ LABELS = {
     "C": "C: HOT-claim queue + append-only outcome (no outcome FK)",
     "C_nohist": "C without history entries",
     "C_lazy": "C, the claim's history entry written by the settle (from the row's columns)",
+    "C_lazy_ff70": "C_lazy with the queue at fillfactor 70",
+    "C_lazy_nodelfence": "C_lazy without the write fence's BEFORE DELETE trigger on the queue (comparison only)",
     "A_hot": "A's record update + C's HOT-claim queue",
     "peers_raw50": "raw batch-50 floor, peers harness",
     "pgqueuer_tuned": "PgQueuer tuned (batch 50, asyncpg), peers harness",
