@@ -16,6 +16,14 @@ as before (skipped, or its condition evaluated), which is unchanged. The wake-up
 
 And a step without dependents (a sink, e.g. the diamond's last step) runs no successor UPDATE.
 
+The run table keeps 30% of each page free (``fillfactor = 70``): every step's Advance UPDATEs
+its run's ``steps_left``, a column no index holds, so the new version can stay on its page (a
+HOT update: no entry in any of the run table's eleven indexes, two of them GIN) if the page has
+room; runs are inserted one after another, so a full page had none and about half of those
+updates wrote a new entry in every index (measured: 1.7 of a diamond run's 5 updates HOT at
+``fillfactor`` 100, 3.6 at 70; the fifth, ending the run, changes ``state``, which the partial
+indexes name). Pages written before keep their fill until rewritten.
+
 SPEC 15: the clock is read once into a variable before the UPDATE (no CASE holds a clock
 expression, no STABLE function is applied to a column in the SET list), and the UPDATE names
 the row's community, as before.
@@ -119,4 +127,10 @@ $$;
 class Migration(migrations.Migration):
     dependencies = [("buzz_workflows", "0023_fan_in_only_engine_messages")]
 
-    operations = [migrations.RunSQL(sql=ADVANCE, reverse_sql=PREVIOUS)]
+    operations = [
+        migrations.RunSQL(sql=ADVANCE, reverse_sql=PREVIOUS),
+        migrations.RunSQL(
+            sql="ALTER TABLE buzz_workflows_run SET (fillfactor = 70)",
+            reverse_sql="ALTER TABLE buzz_workflows_run RESET (fillfactor)",
+        ),
+    ]
