@@ -108,9 +108,7 @@ def main() -> None:
             {
                 "runs": n,
                 "server_cpu_ms_per_run": round(1000 * (b1 - b0) / n, 3),
-                "client_cpu_ms_per_run": round(
-                    1000 * (s1.ru_utime + s1.ru_stime - s0.ru_utime - s0.ru_stime) / n, 3
-                ),
+                "client_cpu_ms_per_run": round(1000 * (s1.ru_utime + s1.ru_stime - s0.ru_utime - s0.ru_stime) / n, 3),
                 "seconds": round(t1 - t0, 2),
                 "step_updates_per_run": round(written[0] / n, 2),
                 "step_hot_updates_per_run": round(written[1] / n, 2),

@@ -97,7 +97,10 @@ def test_a_blocked_or_conditional_successor_is_still_decided_by_release(workflow
         "stop": "skipped",
         "after_risky": "skipped",
     }
-    assert (found["stop"].skip_reason, found["after_risky"].skip_reason) == ("condition_false", "dependency_not_succeeded")
+    assert (found["stop"].skip_reason, found["after_risky"].skip_reason) == (
+        "condition_false",
+        "dependency_not_succeeded",
+    )
     assert found["go"].ready_at == found["check"].finished_at
 
 
@@ -126,7 +129,9 @@ def test_counting_a_step_in_its_run_stays_on_the_runs_page(workflow):
         page_of = {row[0]: row[1] for row in cursor.fetchall()}
     assert max(page_of.values()) > min(page_of.values())  # the first page is as full as it gets
     first = next(r for r in runs if page_of[r.pk] == min(page_of.values()))
-    lease = next(c.lease for c in claim_steps(workflow.community_id, limit=100, lease_seconds=30) if c.lease.run_id == first.pk)
+    lease = next(
+        c.lease for c in claim_steps(workflow.community_id, limit=100, lease_seconds=30) if c.lease.run_id == first.pk
+    )
     with transaction.atomic():
         updated, hot = run_versions_written()
         complete_step(lease, None)
