@@ -90,8 +90,16 @@ _NO_CITUS = (
     "suite there), and on the cluster test_citus shows the command distributes every table once and "
     "changes nothing when run again"
 )
+_ROW_VERSIONS = (
+    "counts the row versions a statement writes with the session's own table statistics "
+    "(pg_stat_get_xact_tuples_*), which on the cluster are kept by the workers that hold the "
+    "shards, not by the coordinator's session; the module's other tests run the same releases on "
+    "the cluster"
+)
 
 SKIPPED: dict[str, str] = {
+    "tests/test_wf_advance_release.py::test_completing_a_step_writes_each_released_successor_once": _ROW_VERSIONS,
+    "tests/test_wf_advance_release.py::test_counting_a_step_in_its_run_stays_on_the_runs_page": _ROW_VERSIONS,
     "tests/test_scale_out.py::test_distribute_tables_refuses_without_citus_and_changes_nothing": _NO_CITUS,
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
