@@ -27,11 +27,12 @@ with its own backoff as ``fail_step`` would; a failure the batch did not attempt
 busy, or the batch was refused) is recorded on its own (``fail_step``), handed to ``done`` the
 same way.
 
-And it sends the ``send_message`` steps the step threads hand it (:meth:`Completer.put_send`,
-issue 31), batched the same way: one :func:`~buzz_delivery.workflows.sends.send_messages`
-transaction per community (the identity locks, one fenced park, the message events and the
-deliveries of all targets, each a statement for the whole batch); a send the batch did not
-attempt (refused, or not preparable) is sent on its own (:func:`~buzz_delivery.workflows.executor.execute`),
+And it sends the ``send_message`` steps the orchestrator claimed (no step thread takes them:
+:meth:`Completer.put_sends`, issue 31), every send queued in one batch: one
+:func:`~buzz_delivery.workflows.sends.send_messages` transaction per community (the identity
+locks, one fenced park, the message events and the deliveries of all targets, each a
+statement for the whole batch); a send the batch did not attempt (refused, or not
+preparable) is sent on its own (:func:`~buzz_delivery.workflows.executor.execute`),
 handed to ``done`` the same way.
 """
 
@@ -58,8 +59,16 @@ logger = logging.getLogger("buzz_delivery.workflows")
 Done = Callable[[StepClaim, StepOutcome | None], None]
 Room = Callable[[list[StepClaim], uuid.UUID], int]
 Accept = Callable[[list[StepClaim]], None]
-# The output of a queued send_message step (sent, not completed).
-_SEND = object()
+
+
+class _Sends:
+    """The output of a queued group of ``send_message`` steps (sent, not completed): one queue
+    item, so a claim's sends all reach one batch."""
+
+    __slots__ = ("claims",)
+
+    def __init__(self, claims: list[StepClaim]) -> None:
+        self.claims = claims
 
 
 class Completer(threading.Thread):
@@ -103,9 +112,11 @@ class Completer(threading.Thread):
         """Queue one output to record (thread-safe, never blocks)."""
         self._queue.put((claim, output, None))
 
-    def put_send(self, claim: StepClaim) -> None:
-        """Queue one claimed ``send_message`` step to send (thread-safe, never blocks)."""
-        self._queue.put((claim, _SEND, None))
+    def put_sends(self, claims: list[StepClaim]) -> None:
+        """Queue claimed ``send_message`` steps to send, all in the same batch (thread-safe,
+        never blocks)."""
+        if claims:
+            self._queue.put((claims[0], _Sends(claims), None))
 
     def put_failure(self, claim: StepClaim, failure: Failure) -> None:
         """Queue one failure to record (thread-safe, never blocks)."""
@@ -124,8 +135,9 @@ class Completer(threading.Thread):
                 failures: dict[uuid.UUID, list[tuple[StepClaim, Failure]]] = {}
                 sends: dict[uuid.UUID, list[StepClaim]] = {}
                 for claim, output, failure in batch:
-                    if output is _SEND:
-                        sends.setdefault(claim.lease.community_id, []).append(claim)
+                    if isinstance(output, _Sends):
+                        for send in output.claims:
+                            sends.setdefault(send.lease.community_id, []).append(send)
                     elif failure is not None:
                         failures.setdefault(claim.lease.community_id, []).append((claim, failure))
                     else:

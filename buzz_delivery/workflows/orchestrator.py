@@ -145,6 +145,7 @@ SUMMARY_KEYS = (
     "loop_stalls",  # an async step blocked the loop (buzz_delivery.loopwatch)
     "led",  # 1 when this orchestrator led its community at some point (issue 31)
     "follow_reads",  # a follower's reads of whether ready steps were left waiting for it
+    "sends_ahead",  # send_message steps claimed with every step thread busy (issue 31)
 )
 
 
@@ -226,6 +227,9 @@ class Orchestrator:
         self.starved = False  # the dispatcher waits for a place to come free
         self.deferred_wake = False  # the dispatcher left a claim to the completer's next batch
         self.awaiting = 0  # of those, returned and waiting for the completer
+        self.sends_awaiting = 0  # of those, send_message steps handed to the completer to send
+        # A NOTIFY came since the last claim of sends ahead (see _claim_sends_ahead).
+        self.sends_hint = True
         self.step_seconds: float | None = None  # moving average of a step's run time
         self.batch_size = (
             max(config.concurrency, DEFAULT_BATCH_SIZE)
@@ -310,13 +314,6 @@ class Orchestrator:
     def _run_step(self, claim: StepClaim) -> None:
         deferred = False
         try:
-            if claim.step.kind == "send_message":
-                # Sent by the completer, many per transaction (issue 31).
-                with self.lock:
-                    self.awaiting += 1
-                self.completer.put_send(claim)
-                deferred = True
-                return
             started = time.monotonic()
             outcome = executor.execute(claim, defer_output=True)  # what the step's code raises stays there
             self._timed(time.monotonic() - started)
@@ -365,6 +362,8 @@ class Orchestrator:
             self._count(outcome)
         with self.lock:
             self.awaiting -= 1
+            if claim.step.kind == "send_message":
+                self.sends_awaiting -= 1
             if _key(claim.lease) in self.on_loop:
                 self.loop_awaiting -= 1
         self._ended(claim)
@@ -570,10 +569,12 @@ class Orchestrator:
         return self._room(freed=len(completing) - on_loop, freed_loop=on_loop)
 
     def _hinted(self, payload: str) -> None:
-        """A step became ready in community ``payload`` (--all): unless it is the one the
-        completer chains in, the next claim is a walk of every community with work."""
+        """A step became ready in community ``payload`` (ours, with one community): sends may
+        be ready to claim ahead; --all: unless it is the one the completer chains in, the next
+        claim is a walk of every community with work."""
         with self.lock:
-            if self.chain_for is not None and payload != str(self.chain_for):
+            self.sends_hint = True
+            if self.config.community_id is None and self.chain_for is not None and payload != str(self.chain_for):
                 self.chain_for = None
 
     def _after_batch(self) -> None:
@@ -593,7 +594,10 @@ class Orchestrator:
     def _enqueue(self, claims: list[StepClaim]) -> None:
         """Queue claims for the step threads, or, an ``async def`` function step, for the
         event loop (its input resolved here first: :meth:`_prepare`)."""
+        self._to_sender([claim for claim in claims if claim.step.kind == "send_message"])
         for claim in claims:
+            if claim.step.kind == "send_message":
+                continue
             key = _key(claim.lease)
             call = self._prepare(claim)
             with self.lock:
@@ -612,6 +616,21 @@ class Orchestrator:
                     self.on_loop.discard(key)
                     self.loop_in_flight -= 1
             self.work.put(claim)
+
+    def _to_sender(self, claims: list[StepClaim]) -> None:
+        """Claimed ``send_message`` steps go straight to the completer, which sends them in one
+        transaction (issue 31): no step thread takes them, so a batch holds every send of a
+        claim, not one per step thread. Held (renewed) from now on, as a step thread's claim
+        is; each one's place is freed when the completer is through with it."""
+        if not claims:
+            return
+        with self.lock:
+            for claim in claims:
+                self.held[_key(claim.lease)] = claim.lease
+            self.in_flight += len(claims)
+            self.awaiting += len(claims)
+            self.sends_awaiting += len(claims)
+        self.completer.put_sends(claims)
 
     def _hand_back(self, waited: float) -> None:
         """Hand back the claims that waited in the local queue ``waited`` seconds or more
@@ -677,6 +696,52 @@ class Orchestrator:
             return room
         self.add("follow_reads")
         return steps_left_waiting(c.community_id, self.follow_after, room)
+
+    def _sends_wanted(self) -> bool:
+        """Whether :meth:`_claim_sends_ahead` would claim now."""
+        c = self.config
+        with self.lock:
+            return (
+                c.community_id is not None
+                and c.max_steps is None
+                and self.leading
+                and self.sends_hint
+                and self.sends_awaiting < 2 * self.batch_size
+            )
+
+    def _claim_sends_ahead(self) -> bool:
+        """With every step thread busy: claim the community's ready ``send_message`` steps (a
+        statement that takes only those) and hand them to the completer, which sends them all in
+        one transaction (issue 31); a send needs no step thread. Only the leader of one
+        community, only after a NOTIFY since the last such claim (so a busy orchestrator does not
+        claim for nothing on every freed place), never under ``max_steps``, and at most two
+        batches of sends waiting for the completer (a slow completer slows these claims down).
+        True when it claimed a full batch: more may be ready, claim again now."""
+        c = self.config
+        if not self._sends_wanted():
+            return False
+        assert c.community_id is not None
+        with self.lock:
+            limit = min(self.batch_size, 2 * self.batch_size - self.sends_awaiting)
+            self.sends_hint = False  # a NOTIFY from now on asks for another claim
+        try:
+            claims = claim_steps(
+                c.community_id, limit=limit, lease_seconds=c.lease_seconds, holder=self.holder, sends_only=True
+            )
+        except DatabaseError as exc:
+            logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
+            close_old_connections()
+            connection.close()
+            return False
+        self.add("claim_statements")
+        self._enqueue(claims)
+        self.add("claimed", len(claims))
+        self.add("sends_ahead", len(claims))
+        if len(claims) == limit:
+            with self.lock:
+                self.sends_hint = True
+            return True
+        return False
 
     def _claim(self, room: int) -> list[StepClaim]:
         c = self.config
@@ -808,13 +873,16 @@ class Orchestrator:
                 if self.wake.wait(c.poll_interval):
                     self.stop.wait(self.follow_after)
             elif room - len(claims) <= 0:
-                # Out of room: a freed place wakes us (a NOTIFY meanwhile is moot: the claim
-                # after the wake reads what is ready).
+                # Out of room: sends take none (claimed ahead, sent by the completer); a freed
+                # place wakes us (a NOTIFY meanwhile is moot: the claim after the wake reads
+                # what is ready, and marks sends to claim ahead).
+                if self._claim_sends_ahead():
+                    continue
                 self.wake.clear()
                 with self.lock:
                     self.starved = True
-                if self._room() > 0:
-                    continue  # a place came free meanwhile
+                if self._room() > 0 or self._sends_wanted():
+                    continue  # a place came free meanwhile, or a NOTIFY marked sends to claim
                 self.wake.wait(c.poll_interval)
             elif not claims:
                 # Woken for nothing: another orchestrator took the steps. After such misses,
@@ -848,7 +916,7 @@ class Orchestrator:
             self.wake,
             self.stop,
             c.poll_interval,
-            on_hint=self._hinted if c.community_id is None else None,
+            on_hint=self._hinted,
         )
         self.loop_thread = threading.Thread(target=self._loop_thread, name="buzz-workflows-loop", daemon=True)
         if c.community_id is not None:

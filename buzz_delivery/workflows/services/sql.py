@@ -69,7 +69,7 @@ _CLAIM_READY_STEPS = f"""
 WITH candidate AS MATERIALIZED (
     SELECT s.id FROM {STEP} AS s
     WHERE s.community_id = %(community_id)s
-      AND s.state = 'ready'
+      AND s.state = 'ready'{{kind_filter}}
       AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= {DB_NOW})
       AND {ACTIVE}
     ORDER BY s.priority DESC, s.ready_at, s.id
@@ -138,7 +138,12 @@ _CLAIM_FIELDS = [f for f in Step._meta.concrete_fields if f.name != "history"]
 STEP_ATTNAMES = [f.attname for f in _CLAIM_FIELDS]
 # (``replace``, not ``format``: the history entry holds braces of its own.)
 _STEP_COLUMNS = ", ".join(f"s.{f.column}" for f in _CLAIM_FIELDS)
-CLAIM_READY_STEPS = _CLAIM_READY_STEPS.replace("{step_columns}", _STEP_COLUMNS)
+CLAIM_READY_STEPS = _CLAIM_READY_STEPS.replace("{step_columns}", _STEP_COLUMNS).replace("{kind_filter}", "")
+# The claim of ready ``send_message`` steps only (issue 31: an orchestrator whose step threads
+# are all busy still claims the sends, which take no thread: its completer sends them in bulk).
+CLAIM_READY_SENDS = _CLAIM_READY_STEPS.replace("{step_columns}", _STEP_COLUMNS).replace(
+    "{kind_filter}", " AND s.kind = 'send_message'"
+)
 CLAIM_READY_STEPS_UNDER_LIMITS = _CLAIM_READY_STEPS_UNDER_LIMITS.replace("{step_columns}", _STEP_COLUMNS)
 
 # What a send_message step reads of its run (the executor): the fields its deliveries bind to,

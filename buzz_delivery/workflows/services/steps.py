@@ -83,6 +83,7 @@ def claim_steps(
     limit: int = 1,
     lease_seconds: float | None = None,
     holder: str | None = None,
+    sends_only: bool = False,
 ) -> list[StepClaim]:
     """Claim up to ``limit`` (1..1000) ready steps of one community, oldest ready first, past
     their backoff gate, with ``FOR UPDATE SKIP LOCKED`` (concurrent claimers never share or wait
@@ -96,8 +97,13 @@ def claim_steps(
     most as many as leave every declared key (the community, a workflow, a step key of a
     workflow) within its maximum of running steps; the rest stay ready.
 
+    ``sends_only``: claim only ``send_message`` steps (issue 31: an orchestrator claims them
+    ahead of its step threads, whose room they do not need; its completer sends them in bulk).
+    Under declared limits it claims nothing: the ordinary claim takes those sends within the
+    limits.
+
     Returns the claims (possibly none). Raises ``ValidationError`` keyed ``community_id``,
-    ``limit``, ``lease_seconds`` or ``holder`` before SQL, and ``ImproperlyConfigured`` naming
+    ``limit``, ``lease_seconds``, ``holder`` or ``sends_only`` before SQL, and ``ImproperlyConfigured`` naming
     the field for a bad ``STEP_CONCURRENCY_LIMITS`` (nothing written). SPEC section 11.
     """
     params = {
@@ -106,7 +112,14 @@ def claim_steps(
         "lease_seconds": _lease_seconds(lease_seconds),
         "holder": v.optional_text(holder, "holder", HOLDER_MAX_CHARS),
     }
+    if not isinstance(sends_only, bool):
+        raise v.invalid("sends_only", "must be true or false")
     limits = flow.declared_step_limits()
+    if sends_only:
+        if limits:
+            return []
+        with translated_errors():
+            return _claims_from_rows(fetch_all(sql.CLAIM_READY_SENDS, params))
     with translated_errors():
         rows = _claim_ready(params, limits)
     return _claims_from_rows(rows)
