@@ -124,3 +124,37 @@ def test_a_claim_of_sends_refuses_a_flag_that_is_not_a_bool_naming_it(workflow):
         claim_steps(workflow.community_id, limit=10, sends_only="yes")  # type: ignore[arg-type]
     assert "sends_only" in str(info.value)
     assert step_states(workflow.community_id, "s1") == ["ready"]
+
+
+@pytest.mark.django_db
+def test_an_empty_claim_of_sends_stops_them_for_a_poll_interval_unless_a_send_is_claimed(workflow, monkeypatch):
+    """A busy orchestrator of a community without sends pays at most one claim of sends a poll
+    interval, however many NOTIFYs come; a send claimed meanwhile lifts the pause."""
+    start(workflow, {"steps": [send_step("send", TARGETS)]})
+    [send] = claim_steps(workflow.community_id, limit=1, lease_seconds=30)
+    calls: list[dict] = []
+
+    def counted(community, **kwargs):
+        calls.append(kwargs)
+        return []
+
+    monkeypatch.setattr(orchestrator_module, "claim_steps", counted)
+    config = OrchestratorConfig(community_id=workflow.community_id, poll_interval=60)
+    orchestrator = orchestrator_module.Orchestrator(config, threading.Event())
+    orchestrator.leading = True
+    hint = str(workflow.community_id)
+    assert orchestrator._claim_sends_ahead() is False
+    assert [c["sends_only"] for c in calls] == [True]
+    for _ in range(5):
+        orchestrator._hinted(hint)
+        assert orchestrator._claim_sends_ahead() is False
+    assert len(calls) == 1
+    orchestrator._to_sender([send])  # a send claimed (by a chain, say): sends are about
+    orchestrator._hinted(hint)
+    assert orchestrator._claim_sends_ahead() is False
+    assert len(calls) == 2
+    orchestrator.leading = False  # a follower never claims ahead
+    orchestrator._to_sender([])
+    orchestrator.sends_ahead_after = 0.0
+    orchestrator._hinted(hint)
+    assert orchestrator._claim_sends_ahead() is False and len(calls) == 2

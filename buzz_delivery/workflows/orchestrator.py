@@ -228,8 +228,10 @@ class Orchestrator:
         self.deferred_wake = False  # the dispatcher left a claim to the completer's next batch
         self.awaiting = 0  # of those, returned and waiting for the completer
         self.sends_awaiting = 0  # of those, send_message steps handed to the completer to send
-        # A NOTIFY came since the last claim of sends ahead (see _claim_sends_ahead).
+        # A NOTIFY came since the last claim of sends ahead (see _claim_sends_ahead), and when
+        # (monotonic) such claims may start again after one came back empty.
         self.sends_hint = True
+        self.sends_ahead_after = 0.0
         self.step_seconds: float | None = None  # moving average of a step's run time
         self.batch_size = (
             max(config.concurrency, DEFAULT_BATCH_SIZE)
@@ -625,6 +627,7 @@ class Orchestrator:
         if not claims:
             return
         with self.lock:
+            self.sends_ahead_after = 0.0  # sends are about: claim them ahead again
             for claim in claims:
                 self.held[_key(claim.lease)] = claim.lease
             self.in_flight += len(claims)
@@ -707,6 +710,7 @@ class Orchestrator:
                 and self.leading
                 and self.sends_hint
                 and self.sends_awaiting < 2 * self.batch_size
+                and time.monotonic() >= self.sends_ahead_after
             )
 
     def _claim_sends_ahead(self) -> bool:
@@ -716,6 +720,8 @@ class Orchestrator:
         community, only after a NOTIFY since the last such claim (so a busy orchestrator does not
         claim for nothing on every freed place), never under ``max_steps``, and at most two
         batches of sends waiting for the completer (a slow completer slows these claims down).
+        One that comes back empty stops them for a poll interval, unless a send is claimed
+        meanwhile (a community without sends pays at most one such claim a poll interval).
         True when it claimed a full batch: more may be ready, claim again now."""
         c = self.config
         if not self._sends_wanted():
@@ -737,6 +743,9 @@ class Orchestrator:
         self._enqueue(claims)
         self.add("claimed", len(claims))
         self.add("sends_ahead", len(claims))
+        if not claims:
+            with self.lock:
+                self.sends_ahead_after = time.monotonic() + c.poll_interval
         if len(claims) == limit:
             with self.lock:
                 self.sends_hint = True
