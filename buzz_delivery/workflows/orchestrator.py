@@ -6,7 +6,10 @@ robin, one claim statement per community, each its share of the room first: see
 :meth:`Orchestrator._walk`), up to ``batch_size`` per statement: as many as there are idle step
 threads, and up to ``batch_size`` more in a local queue while the steps' recent run times say
 they start within a tenth of the lease, a second and the poll interval (threads on a step
-longer than that count for nothing). Step threads run
+longer than that count for nothing). A claimed ``send_message`` step takes no step thread: it
+goes to the completer, which sends a claim's sends in one transaction, and with every step
+thread busy the leader claims the ready sends ahead (``claim_steps(sends_only=True)``, after a
+NOTIFY; issue 31). Step threads run
 :func:`buzz_delivery.workflows.executor.execute`; what a ``function`` step returns is recorded
 by the completer thread (:mod:`buzz_delivery.workflows.completer`), many steps per statement,
 and claims ready steps in the same transaction (a wake that comes while outputs wait for it is
