@@ -261,10 +261,14 @@ class scope:
         self._open = False
 
     def __enter__(self) -> None:
+        self.enter_on(connections[DEFAULT_DB_ALIAS])
+
+    def enter_on(self, db: Any) -> None:
+        """``__enter__`` for a caller that already holds this thread's default connection
+        wrapper ``db`` (looking it up again costs more than the rest of the entry)."""
         if self._open:  # its exit would undo the outer entry's context while that block still runs
             raise RuntimeError("a tenancy scope is open already: enter a new one (tenant(), handler(), scope())")
         self._open = True
-        db = connections[DEFAULT_DB_ALIAS]
         state = _state(db)
         if state.stack and state.stack[-1] == self._target:
             return  # already in this scope: nothing to add

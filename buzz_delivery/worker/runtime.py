@@ -336,9 +336,9 @@ class Worker:
         """Before a handler runs: None when the worker already gave its leases up (the claim is
         not run), else its start (monotonic), with its deadline handed to the renewer."""
         lease = claim.lease
-        with self._lock:
-            gave_up = self.gave_up
-        if gave_up:  # a claim still queued when the worker gave its leases up: not run
+        # A plain read (set once, under the lock, by drain): a give-up right after it still
+        # drops this claim's result in _decide, as it did when this read took the lock.
+        if self.gave_up:  # a claim still queued when the worker gave its leases up: not run
             self.renewer.release(lease)
             return None
         started = time.monotonic()
