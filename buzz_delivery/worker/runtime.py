@@ -1034,7 +1034,6 @@ def run_worker(
     if connection.in_atomic_block:
         raise WorkerInTransaction("run_worker must not run inside transaction.atomic()")
     stop = stop or threading.Event()
-    freeze_startup_heap()
     worker = Worker(config, stop)
     previous: dict[int, Any] = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
@@ -1052,6 +1051,7 @@ def run_worker(
             previous[signum] = signal.signal(signum, on_signal)
     listen_alias = get_settings().listen_database or connection.alias
     try:
+        freeze_startup_heap()  # after the signal handlers: a SIGTERM meanwhile stops it cleanly
         return worker.run(connections[listen_alias].get_connection_params())
     finally:
         for restored, previous_handler in previous.items():
