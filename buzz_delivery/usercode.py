@@ -125,7 +125,7 @@ class UserCode:
         # adds to it can be judged and undone.
         self._in_transaction = db.in_atomic_block or not db.autocommit
         db.execute_wrappers.append(self._watch)
-        self._scope.__enter__()
+        self._scope.enter_on(db)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -48,14 +48,15 @@ POLL_SECONDS = 0.01
 NA = "\u2013"  # an en dash: no figure
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Jobs per drain (full, quick): the slow peers get smaller queues so a run stays short; the
-# rate is per system, so sizes may differ.
+# rate is per system, so sizes may differ. ``worker_before`` drains as many as ``worker``: the
+# A/B compares client CPU per delivery, and a drain's fixed costs (start, idle exit) are divided
+# by its jobs.
 SIZES = {
     "django_tasks_db": (1_000, 200),
     "procrastinate": (2_000, 400),
     "raw_single": (4_000, 1_000),
     "ours_single": (3_000, 800),
     "ours_single_prepared": (3_000, 800),
-    "worker_before": (6_000, 2_000),
 }
 DEFAULT_SIZE = (12_000, 2_500)
 PREPARED = "_prepared"  # a system name ending so runs on a URL with ?prepare_threshold=5

@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
+from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 from psycopg import sql as pgsql
 
 from buzz_delivery import isolation
-from buzz_delivery.conf import raw_settings
+from buzz_delivery.conf import DEFAULTS, raw_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -116,7 +117,10 @@ def enforcing() -> bool:
 
 
 def _switching() -> bool:
-    return bool(raw_settings()["SWITCH_ROLES"])
+    # raw_settings()["SWITCH_ROLES"] without merging every default into a new dict: asked on
+    # every scope (each service call, each handler call), read live as settings may change.
+    user = getattr(settings, "BUZZ_DELIVERY", None) or {}
+    return bool(user.get("SWITCH_ROLES", DEFAULTS["SWITCH_ROLES"]))
 
 
 class _Prefix:
@@ -257,10 +261,14 @@ class scope:
         self._open = False
 
     def __enter__(self) -> None:
+        self.enter_on(connections[DEFAULT_DB_ALIAS])
+
+    def enter_on(self, db: Any) -> None:
+        """``__enter__`` for a caller that already holds this thread's default connection
+        wrapper ``db`` (looking it up again costs more than the rest of the entry)."""
         if self._open:  # its exit would undo the outer entry's context while that block still runs
             raise RuntimeError("a tenancy scope is open already: enter a new one (tenant(), handler(), scope())")
         self._open = True
-        db = connections[DEFAULT_DB_ALIAS]
         state = _state(db)
         if state.stack and state.stack[-1] == self._target:
             return  # already in this scope: nothing to add

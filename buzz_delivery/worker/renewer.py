@@ -95,6 +95,17 @@ class LeaseRenewer(threading.Thread):
             self._notify_if_before(min(held.due, deadline) if deadline is not None else held.due)
         return held
 
+    def hold_many(self, leases: list[Lease]) -> None:
+        """:meth:`hold` each of ``leases`` (no deadline yet), under one lock."""
+        if not leases:
+            return
+        due = time.monotonic() + self.every
+        with self._cond:
+            held = self._held
+            for lease in leases:
+                held[(lease.delivery_id, lease.lease_generation)] = HeldLease(lease=lease, due=due)
+            self._notify_if_before(due)
+
     def set_deadline(self, lease: Lease, deadline: float | None) -> None:
         """Give a held lease its handler deadline (monotonic seconds; None = none), set when
         its handler starts: a claim waiting in the worker's local queue is renewed, but its

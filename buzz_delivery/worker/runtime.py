@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import gc
 import inspect
 import json
 import logging
@@ -284,6 +285,7 @@ class Worker:
         self.is_async = is_async_handler(config.handler)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_ready = threading.Event()
+        self._community_texts: dict[uuid.UUID, str] = {}
 
     # --- handler threads -------------------------------------------------------------------
 
@@ -334,9 +336,9 @@ class Worker:
         """Before a handler runs: None when the worker already gave its leases up (the claim is
         not run), else its start (monotonic), with its deadline handed to the renewer."""
         lease = claim.lease
-        with self._lock:
-            gave_up = self.gave_up
-        if gave_up:  # a claim still queued when the worker gave its leases up: not run
+        # A plain read (set once, under the lock, by drain): a give-up right after it still
+        # drops this claim's result in _decide, as it did when this read took the lock.
+        if self.gave_up:  # a claim still queued when the worker gave its leases up: not run
             self.renewer.release(lease)
             return None
         started = time.monotonic()
@@ -393,6 +395,13 @@ class Worker:
             return None
         return SettleJob(lease, args)
 
+    def _community_text(self, community_id: uuid.UUID) -> str:
+        """``str(community_id)``, formatted once per community (a handler scope takes the text)."""
+        text = self._community_texts.get(community_id)
+        if text is None:
+            text = self._community_texts[community_id] = str(community_id)
+        return text
+
     def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
         """Run the handler for one claim; returns what to settle, or None (result dropped)."""
         lease = claim.lease
@@ -405,7 +414,7 @@ class Worker:
         # through the ORM (a deferred field, a related row) is that community's, and only
         # that; as the login role, which holds the grants on the project's own tables. What it
         # leaves open on this thread's connection is undone there (buzz_delivery.usercode).
-        call = UserCode(lease.community_id)
+        call = UserCode(self._community_text(lease.community_id))
         try:
             with call, tracing.handler_span(claim.delivery):
                 self.config.handler(claim.delivery)
@@ -469,7 +478,10 @@ class Worker:
             self.last_busy = time.monotonic()
         if job is not None:
             self.settler.put(job)
-        self.wake.set()
+        # The dispatcher clears the flag before it reads the counts above, so a flag still set
+        # means it has yet to read them: setting it again (a lock and a notify) is skipped.
+        if not self.wake.is_set():
+            self.wake.set()
 
     def _handler_thread(self) -> None:
         try:
@@ -711,10 +723,9 @@ class Worker:
             self._retry_now(claim.lease, "handler_timeout: an earlier attempt still runs in this worker")
         if self.is_async and claims:
             self._load_snapshots(claims)
-        debug = logger.isEnabledFor(logging.DEBUG)
-        for claim in claims:
-            lease = claim.lease
-            if debug:
+        if logger.isEnabledFor(logging.DEBUG):
+            for claim in claims:
+                lease = claim.lease
                 logger.debug(
                     "claimed delivery=%s generation=%d attempt=%d lease_until=%s",
                     lease.delivery_id,
@@ -722,8 +733,15 @@ class Worker:
                     claim.delivery.attempt,
                     lease.lease_until.isoformat(),
                 )
-            self.renewer.hold(lease)
-            self._submit((claim, claimed_at))
+        # Every lease is held (renewed) before its claim reaches a handler: one lock for the batch.
+        self.renewer.hold_many([claim.lease for claim in claims])
+        if self.loop is None:
+            put = self.work.put
+            for claim in claims:
+                put((claim, claimed_at))
+        else:
+            for claim in claims:
+                self._submit((claim, claimed_at))
         self.tally.add("claimed", len(claims))
         logger.info("claimed n=%d via=%s", len(claims), via)
 
@@ -969,6 +987,25 @@ def _handler_name(handler: Handler) -> str:
     return f"{getattr(handler, '__module__', '?')}:{getattr(handler, '__qualname__', repr(handler))}"
 
 
+_heap_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Move what this process holds before its first worker runs (Django's apps, models,
+    settings, imported modules: ~100,000 objects) out of the cyclic garbage collector's scans,
+    once per process (``gc.freeze``). Every delivery allocates a few dozen container objects
+    that live across thread hand-offs, so the collector runs about once every 400 deliveries
+    and each older-generation pass walked that whole heap: 3-12 us of client CPU per delivery
+    (bench/results/worker-client-cpu.md). Frozen objects are still freed by reference counting;
+    only a reference cycle among them is never collected (what was garbage is collected first)."""
+    global _heap_frozen
+    if _heap_frozen:
+        return
+    _heap_frozen = True
+    gc.collect()
+    gc.freeze()
+
+
 def run_worker(
     config: WorkerConfig, *, stop: threading.Event | None = None, handle_signals: bool = True
 ) -> WorkerSummary:
@@ -1014,6 +1051,7 @@ def run_worker(
             previous[signum] = signal.signal(signum, on_signal)
     listen_alias = get_settings().listen_database or connection.alias
     try:
+        freeze_startup_heap()  # after the signal handlers: a SIGTERM meanwhile stops it cleanly
         return worker.run(connections[listen_alias].get_connection_params())
     finally:
         for restored, previous_handler in previous.items():

@@ -1,0 +1,95 @@
+"""Drain N no-op deliveries with run_worker in this process (for py-spy): prints the rate and
+this process's client CPU µs/delivery.
+
+    BENCH_DATABASE_URL=... python -m bench.worker_profile --deliveries 20000 [--setup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+from bench import data, env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deliveries", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--freeze", action="store_true")
+    parser.add_argument("--services", action="store_true", help="claim 50 -> finish 50 loop, no worker")
+    args = parser.parse_args()
+    url = env.database_url()
+    env.ensure_database(url)
+    env.setup_django(url)
+    env.migrate()
+    conn = env.connect(url)
+    from bench import baseline
+
+    baseline.create_table(conn)
+    data.reset(conn)
+    (tenant,) = data.create_tenants(1)
+    import gc
+
+    from bench.handlers import noop
+    from buzz_delivery.worker import WorkerConfig, run_worker
+
+    gc_time = [0.0, 0, 0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_time[2] = time.perf_counter()
+        else:
+            gc_time[0] += time.perf_counter() - gc_time[2]
+            gc_time[1] += 1
+
+    gc.callbacks.append(on_gc)
+    if args.freeze:
+        gc.collect()
+        gc.freeze()
+    for _ in range(args.rounds):
+        gc_time[0], gc_time[1] = 0.0, 0
+        data.clear_deliveries(conn)
+        data.load(conn, tenant, args.deliveries)
+        data.analyze(conn)
+        conn.execute("CHECKPOINT")
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu, wall = time.process_time(), time.monotonic()
+        if args.services:
+            from buzz_delivery import services
+
+            done = 0
+            while claims := services.claim_deliveries(tenant.community_id, data.target(0), limit=50):
+                services.finish_deliveries([c.lease for c in claims])
+                done += len(claims)
+            summary = {"finished": done}
+        else:
+            summary = run_worker(
+                WorkerConfig(
+                    community_id=tenant.community_id,
+                    target_pubkey=data.target(0),
+                    handler=noop,
+                    concurrency=args.concurrency,
+                    batch_size=50,
+                    poll_interval=0.5,
+                    idle_exit=0.3,
+                ),
+                handle_signals=False,
+            )
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        n = summary["finished"]
+        print(dict(summary))
+        print(
+            f"finished={n} rate={n / wall:.0f}/s client_us={cpu / n * 1e6:.1f}"
+            f" user_us={(r1.ru_utime - r0.ru_utime) / n * 1e6:.1f} sys_us={(r1.ru_stime - r0.ru_stime) / n * 1e6:.1f}"
+            f" gc_us={gc_time[0] / n * 1e6:.1f} gcs={gc_time[1]} objs={len(gc.get_objects())}"
+            f" vcsw/d={(r1.ru_nvcsw - r0.ru_nvcsw) / n:.2f} ivcsw/d={(r1.ru_nivcsw - r0.ru_nivcsw) / n:.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
