@@ -581,8 +581,13 @@ def settle_args(exc: BaseException | None) -> tuple[str, str | None, str | None]
 # Most deliveries one claim request asks for (the gateway's default MAX_CLAIM_LIMIT).
 CLAIM_LIMIT = 100
 # Claims beyond the free handler threads (``--claim-ahead``), as run_delivery_worker's rule:
-# at most this many, and only as many as start within a tenth of the lease, at most a second.
-DEFAULT_CLAIM_AHEAD = 100
+# at most this many, and only as many as start within a tenth of the lease, at most a second
+# (issue 29: two claims of CLAIM_LIMIT in flight, so the handlers never wait on a claim's round trip).
+DEFAULT_CLAIM_AHEAD = 2 * CLAIM_LIMIT
+# Claim requests in flight at once: while one is answered, the next is already on its way; the
+# second asks for at least this many (or the whole room) and never long-polls.
+CLAIMS_IN_FLIGHT = 2
+CLAIM_MIN_SECOND = CLAIM_LIMIT // 4
 CLAIM_AHEAD_LEASE_FRACTION = 0.1
 CLAIM_AHEAD_MAX_WAIT = 1.0
 RUN_TIME_WEIGHT = 0.2
@@ -650,6 +655,12 @@ class RemoteWorker:
         self._held: dict[str, RemoteLease] = {}
         self._room_changed = threading.Condition(self._lock)
         self._handling = 0  # claimed and not yet through the handler (running or queued)
+        self._claiming = 0  # asked for by the claims in flight
+        self._claims_in_flight = 0
+        self._last_full = False  # the last claim answered got all it asked for: the queue has more
+        self._claimed = 0
+        self._idle_since = time.monotonic()
+        self.internal_error: str | None = None
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
         # Results to settle: (delivery id, outcome, failure_code, failure_message, retry_after).
@@ -681,9 +692,12 @@ class RemoteWorker:
         """Deliveries the next claim may take (call with the lock held): the free handler
         threads and :meth:`_ahead`; results awaiting their settle batch count only past two
         batches (a stalled settle slows the claims down)."""
+        return max(0, min(self._free(), CLAIM_LIMIT))
+
+    def _free(self) -> int:
+        """:meth:`_room` before the cap of one claim request (call with the lock held)."""
         capacity = self.concurrency + self._ahead()
-        free = min(capacity - self._handling, capacity + 2 * self.settle_batch - len(self._held))
-        return max(0, min(free, CLAIM_LIMIT))
+        return min(capacity - self._handling, capacity + 2 * self.settle_batch - len(self._held))
 
     def _work(self, claim: RemoteClaim) -> None:
         delivery_id = claim.lease.delivery_id
@@ -699,7 +713,7 @@ class RemoteWorker:
                 previous = self.run_time
                 self.run_time = seconds if previous is None else previous + RUN_TIME_WEIGHT * (seconds - previous)
                 self._handling -= 1
-                self._room_changed.notify()
+                self._room_changed.notify_all()
             outcome, code, message = settle_args(error)
             after = backoff.of(error) if outcome == "retry" else None
             # Settled in a batch, whatever the outcome; still held (and renewed) until then.
@@ -775,19 +789,29 @@ class RemoteWorker:
                 logger.warning("settle_error n=%d error=%s", len(group), describe(exc))
                 self._add("settle_errors", len(group))
                 continue
+            counted: Counter[str] = Counter()
             for x, answer in zip(group, answers, strict=True):
                 if answer.outcome == "settle_error":
-                    self._add("settle_errors")
+                    counted["settle_errors"] += 1
                     continue
                 if answer.outcome in ("lease_lost", "not_found"):
-                    self._add("lease_lost")
+                    counted["lease_lost"] += 1
                 else:
-                    self._add(
+                    counted[
                         {"finished": "finished", "failed": "failed", "pending": "retried"}.get(
                             answer.status or "", "failed"
                         )
-                    )
-                logger.info("settled delivery=%s outcome=%s result=%s", x.lease.delivery_id, x.outcome, answer.outcome)
+                    ] += 1
+                # One line per delivery only at DEBUG (issue 29: 6% of the client's CPU at INFO).
+                logger.debug("settled delivery=%s outcome=%s result=%s", x.lease.delivery_id, x.outcome, answer.outcome)
+            with self._lock:
+                self._counts.update(counted)
+            logger.info(
+                "settled n=%d community=%s %s",
+                len(group),
+                group[0].lease.community_id,
+                " ".join(f"{k}={v}" for k, v in sorted(counted.items())),
+            )
         with self._lock:
             for r in results:
                 self._release(r.lease)
@@ -849,6 +873,75 @@ class RemoteWorker:
                 elif result.outcome in ("lease_lost", "not_found"):
                     logger.info("lease_lost delivery=%s (renew)", delivery_id)
 
+    def _claim_size(self) -> int:
+        """How many the next claim asks for (call with the lock held), 0 when it must wait: the
+        room less what the claims in flight asked for; a second claim in flight only once the
+        one before came back full (the queue has more) and for at least :data:`CLAIM_MIN_SECOND`
+        deliveries, so an empty inbox costs one long-poll, not two, and no claim is tiny."""
+        free = self._free() - self._claiming
+        want = min(free, CLAIM_LIMIT)
+        if self.max_deliveries is not None:
+            want = min(want, self.max_deliveries - self._claimed - self._claiming)
+        if want <= 0 or self._claims_in_flight >= CLAIMS_IN_FLIGHT:
+            return 0
+        if self._claims_in_flight and (not self._last_full or want < CLAIM_MIN_SECOND):
+            return 0
+        return want
+
+    def _claim_loop(self, pool: ThreadPoolExecutor) -> None:
+        """One of the :data:`CLAIMS_IN_FLIGHT` claimers: claim as :meth:`_claim_size` says and hand
+        the claims to the handler pool, until stopped. The first claim in flight long-polls; a
+        second does not wait (it is sent only while the queue has more)."""
+        try:
+            while not self.stop.is_set():
+                with self._room_changed:
+                    if self.max_deliveries is not None and self._claimed >= self.max_deliveries:
+                        self.request_stop("max_deliveries")
+                        break
+                    want = self._claim_size()
+                    if want <= 0:
+                        self._room_changed.wait(0.2)
+                        continue
+                    wait = self.wait_seconds if not self._claims_in_flight else 0.0
+                    self._claiming += want
+                    self._claims_in_flight += 1
+                try:
+                    claims = self.client.claim(want, wait_seconds=wait, lease_seconds=self.lease_seconds)
+                except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
+                    logger.warning("claim_error error=%s", exc)
+                    claims = []
+                    with self._room_changed:
+                        self._claiming -= want
+                        self._claims_in_flight -= 1
+                        self._last_full = False
+                        self._room_changed.notify_all()
+                    self.stop.wait(1.0)
+                    continue
+                with self._room_changed:
+                    self._claiming -= want
+                    self._claims_in_flight -= 1
+                    self._last_full = len(claims) >= want
+                    self._claimed += len(claims)
+                    self._counts["claimed"] += len(claims)
+                    self._handling += len(claims)
+                    for claim in claims:
+                        self._held[claim.lease.delivery_id] = claim.lease
+                    if claims and self._lease_length is None:
+                        self._lease_length = lease_length(claims[0].lease.lease_until)
+                    if claims:
+                        self._idle_since = time.monotonic()
+                    idle = time.monotonic() - self._idle_since
+                    self._room_changed.notify_all()
+                for claim in claims:
+                    pool.submit(self._work, claim)
+                if not claims and self.idle_exit is not None and idle >= self.idle_exit:
+                    self.request_stop("idle_exit")
+        except Exception as exc:  # the loop's own error: stop (exit 1), draining what is held
+            logger.exception("worker_error: the claim loop stopped")
+            self.internal_error = f"internal_error: {type(exc).__name__}"
+            self.request_stop(self.internal_error)
+            self.reason = self.internal_error
+
     def run(self) -> dict[str, Any]:
         """Claim and work until stopped (signal, ``max_deliveries``, ``idle_exit``), then drain."""
         self._done = threading.Event()
@@ -857,44 +950,22 @@ class RemoteWorker:
         settler = threading.Thread(target=self._settle_loop, name="gateway-settler", daemon=True)
         settler.start()
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gateway-handler")
-        idle_since = time.monotonic()
-        claimed = 0
+        self._idle_since = time.monotonic()
         self.internal_error: str | None = None
+        claimers = [
+            threading.Thread(target=self._claim_loop, args=(pool,), name=f"gateway-claimer-{i}", daemon=True)
+            for i in range(CLAIMS_IN_FLIGHT)
+        ]
         try:
-            while not self.stop.is_set():
-                if self.max_deliveries is not None and claimed >= self.max_deliveries:
-                    self.request_stop("max_deliveries")
-                    break
-                with self._room_changed:
-                    free = self._room()
-                    if free <= 0:
-                        self._room_changed.wait(0.2)
-                        continue
-                if self.stop.is_set():
-                    break
-                if self.max_deliveries is not None:
-                    free = min(free, self.max_deliveries - claimed)
-                try:
-                    claims = self.client.claim(free, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
-                except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
-                    logger.warning("claim_error error=%s", exc)
-                    claims = []
-                    self.stop.wait(1.0)
-                if not claims:
-                    if self.idle_exit is not None and time.monotonic() - idle_since >= self.idle_exit:
-                        self.request_stop("idle_exit")
-                    continue
-                idle_since = time.monotonic()
-                claimed += len(claims)
-                self._add("claimed", len(claims))
-                with self._lock:
-                    self._handling += len(claims)
-                    for claim in claims:
-                        self._held[claim.lease.delivery_id] = claim.lease
-                    if self._lease_length is None:
-                        self._lease_length = lease_length(claims[0].lease.lease_until)
-                for claim in claims:
-                    pool.submit(self._work, claim)
+            for claimer in claimers:
+                claimer.start()
+            while not self.stop.wait(0.2):  # a timed wait: signals are handled in this thread
+                pass
+            # A claim in flight at the stop still hands its claims to the pool: wait for it (its
+            # long-poll and timeout bound it).
+            deadline = time.monotonic() + self.wait_seconds + getattr(self.client, "timeout", 10.0) + 5
+            for claimer in claimers:
+                claimer.join(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # the loop's own error: stop (exit 1), draining what is held
             logger.exception("worker_error: the claim loop stopped")
             self.internal_error = f"internal_error: {type(exc).__name__}"

@@ -51,9 +51,7 @@ def test_a_claim_and_a_settle_batch_read_the_enrollments_only_in_the_admission_s
     assert reads_enrollments(statements[0]) and "buzz_gateway_seen_event" in statements[0]
     assert len(statements) == 3, statements  # admission, claim, messages
 
-    items = [
-        {"delivery_id": c["delivery"]["id"], "lease_generation": c["lease"]["lease_generation"]} for c in claims
-    ]
+    items = [{"delivery_id": c["delivery"]["id"], "lease_generation": c["lease"]["lease_generation"]} for c in claims]
     path = f"/communities/{community.id}/deliveries/finish"
     answer, statements = send(agent, path, {"deliveries": items, "outcome": "finished"})
     assert answer.status_code == 200, answer.content
