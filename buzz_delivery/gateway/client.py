@@ -622,6 +622,11 @@ class _Result:
 
 
 SETTLE_LINGER = 0.005
+# A settle batch that got no answer or a transient refusal (too many requests, the database
+# unavailable, a proxy's 502/504) is sent again, at most this many tries in all, after 0.2, 0.4... s.
+SETTLE_TRIES = 4
+SETTLE_RETRY_DELAY = 0.2
+TRANSIENT_STATUSES = (429, 502, 503, 504)
 # Leases per renewal request (the batch route takes at most the gateway's claim limit, 100 by
 # default): a renewal round is one request per community and this many held leases.
 RENEW_BATCH = 100
@@ -758,7 +763,7 @@ class RemoteWorker:
             by_community.setdefault(settle.lease.community_id, []).append(settle)
         for group in by_community.values():
             try:
-                answers = self.client.settle_many(group)
+                answers = self._settle_many(group)
             except GatewayHTTPError as exc:
                 # 404/405: a gateway older than the batch route; 400: one bad item, or a gateway
                 # older than per-delivery outcomes (it takes a batch of finished ones only, and
@@ -815,6 +820,24 @@ class RemoteWorker:
         with self._lock:
             for r in results:
                 self._release(r.lease)
+
+    def _settle_many(self, group: list[RemoteSettle]) -> list[RemoteOutcome]:
+        """``settle_many``, sent again (signed anew) after a transient failure: no answer (a
+        timeout, a dropped connection) or a 429/502/503/504, at most :data:`SETTLE_TRIES` times
+        while the leases may still hold. A repeat of a settle that took effect is answered
+        ``already_terminal`` (the same holder's), so nothing settles twice; without it the
+        batch's leases would lapse and their deliveries wait a lease for another worker (a drain
+        ended 100 short: issue 29)."""
+        for attempt in range(SETTLE_TRIES):
+            try:
+                return self.client.settle_many(group)
+            except (httpx.TransportError, GatewayHTTPError) as exc:
+                transient = not isinstance(exc, GatewayHTTPError) or exc.status in TRANSIENT_STATUSES
+                if not transient or attempt == SETTLE_TRIES - 1:
+                    raise
+                logger.warning("settle_retry n=%d error=%s: sending it again", len(group), describe(exc))
+                time.sleep(SETTLE_RETRY_DELAY * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _current(self, lease: RemoteLease) -> RemoteLease:
         """The held lease of ``lease``'s delivery if it is of the same generation, else ``lease``

@@ -82,3 +82,42 @@ def test_an_empty_inbox_costs_one_long_poll_at_a_time():
     summary = worker.run()
     assert summary["reason"] == "idle_exit" and summary["claimed"] == 0
     assert len(gateway.calls) >= 2 and gateway.most_in_flight == 1, gateway.calls
+
+
+def test_a_settle_batch_without_an_answer_or_refused_for_load_is_sent_again_not_left_to_lapse(monkeypatch):
+    """Issue 29: two drains of 90,000 ended 100 and 62 short. A settle batch that got no answer
+    (a timeout, a dropped connection) or a 429/503 used to count as ``settle_errors`` and leave
+    its leases to lapse: with the workers gone idle, nobody settled those deliveries. It is now
+    sent again (a repeat of one that took effect is answered ``already_terminal``); a refusal
+    that is not transient (a 409, a 500) is not."""
+    import httpx
+
+    from buzz_delivery.gateway import client as module
+    from buzz_delivery.gateway.client import GatewayHTTPError, _Result
+
+    monkeypatch.setattr(module, "SETTLE_RETRY_DELAY", 0.0, raising=False)
+    for failures, settled in (
+        ([GatewayHTTPError(503, "unavailable", "retry later")], 3),
+        ([httpx.ReadTimeout("no answer"), GatewayHTTPError(429, "too_many_requests", "")], 3),
+        ([GatewayHTTPError(500, "internal", "")], 0),
+    ):
+
+        class Flaky:
+            def __init__(self, failures: list[Exception]) -> None:
+                self.sent, self.failures = 0, failures
+
+            def settle_many(self, settles):
+                self.sent += 1
+                if self.failures:
+                    raise self.failures.pop(0)
+                return [RemoteOutcome("settled", status="finished") for _ in settles]
+
+        client = Flaky(list(failures))
+        worker = RemoteWorker(client, lambda d: None)  # type: ignore[arg-type]
+        leases = [RemoteLease("c1", d, 1, FAR) for d in "abc"]
+        for lease in leases:
+            worker._held[lease.delivery_id] = lease
+        worker._settle([_Result(lease, "finished", None, None, None) for lease in leases])
+        assert (worker._counts["finished"], worker._counts["settle_errors"]) == (settled, 3 - settled), failures
+        assert client.sent == (len(failures) + 1 if settled else 1)
+        assert worker._held == {}
