@@ -974,7 +974,7 @@ class RemoteWorker:
         settler.start()
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gateway-handler")
         self._idle_since = time.monotonic()
-        self.internal_error: str | None = None
+        self.internal_error = None
         claimers = [
             threading.Thread(target=self._claim_loop, args=(pool,), name=f"gateway-claimer-{i}", daemon=True)
             for i in range(CLAIMS_IN_FLIGHT)

@@ -178,8 +178,15 @@ def _communities(request: HttpRequest, pubkey: bytes) -> list[uuid.UUID]:
     return gateway.enrolled_communities(pubkey)
 
 
-def _require_enrolled(request: HttpRequest, community_id: uuid.UUID, pubkey: bytes) -> None:
-    if community_id not in _communities(request, pubkey):
+def _require_enrolled(community_id: uuid.UUID, pubkey: bytes, request: HttpRequest | None = None) -> None:
+    """403 unless the key holds a live enrollment in the ``active`` community: as the request's
+    admission read it (``request``), else read now."""
+    enrolled = (
+        community_id in _communities(request, pubkey)
+        if request is not None
+        else gateway.is_enrolled(community_id, pubkey)
+    )
+    if not enrolled:
         raise GatewayError("not_enrolled", "this key is not enrolled in that community")
 
 
@@ -269,7 +276,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
 def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
     """One of the signer's deliveries. 200 ``{"delivery"}``; 403 not enrolled there; 404 when
     there is no such delivery for this key."""
-    _require_enrolled(request, community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     delivery = core.get_delivery(community_id, delivery_id)
     if delivery is None or bytes(delivery.target_pubkey) != pubkey:
         raise _not_found()
@@ -280,7 +287,7 @@ def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
 @endpoint("POST", RENEW)
 def renew(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
     """Extend a current lease (``services.renew_delivery``). 200 ``{"lease"}``; 409 lease lost."""
-    _require_enrolled(request, community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
     outcome = core.renew_delivery(lease, data["lease_seconds"])
     if isinstance(outcome, Renewed):
@@ -294,7 +301,7 @@ def finish(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     """Settle once (``services.finish_delivery``). 200 ``{"outcome": "settled", "status"}``, or
     200 ``{"outcome": "already_terminal", "status"}`` for the same holder's repeat (a retry after
     a lost response is a success, and the recorded status never flips); 409 lease lost."""
-    _require_enrolled(request, community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
     outcome = core.finish_delivery(
         lease,
@@ -332,7 +339,7 @@ def renew_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commu
     the one-by-one renew answers: ``renewed`` (with the new ``lease``), ``lease_lost``, or
     ``not_found`` (no such delivery for this key); 400 naming the bad item (nothing written);
     403 not enrolled there."""
-    _require_enrolled(request, community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     leases = _batch_leases(community_id, pubkey, data["deliveries"])
     outcomes = core.renew_deliveries(leases, data["lease_seconds"])
     results: list[dict[str, Any]] = []
@@ -386,7 +393,7 @@ def finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], comm
     / ``already_terminal`` (with the status), ``lease_lost``, or ``not_found`` (no such delivery
     for this key); 400 naming the bad item's field (``deliveries[2].failure_code``; nothing
     written); 403 not enrolled there."""
-    _require_enrolled(request, community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     leases = _batch_leases(community_id, pubkey, data["deliveries"])
     settles, inherited = _batch_settles(leases, data)
     try:
