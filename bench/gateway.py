@@ -68,6 +68,21 @@ def rate(community_id) -> tuple[int, float]:
     return count, count / float(span or 1e-9)
 
 
+def left_over(community_id) -> str:
+    """The deliveries a drain left unsettled, by status (``claimed=100``: leased to a worker
+    that never settled them; ``pending=62``: not claimed, or a lapsed lease the reaper took
+    back), "" when none."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT status, count(*) FROM buzz_delivery_delivery WHERE community_id = %s AND status <> 'finished'"
+            " GROUP BY status ORDER BY status",
+            [community_id],
+        )
+        return " ".join(f"{status}={n}" for status, n in cursor.fetchall())
+
+
 def transactions() -> int:
     """Transactions the benchmark's database has ended so far (``pg_stat_database``): every
     connection's, once flushed. Backends flush their counts at most every second while busy and
@@ -402,6 +417,7 @@ def deliveries_mode(
             signed, xacts = signed_requests(target), transactions()
             wall = drain(start())
             settled, per_second = rate(community.id)
+            left = left_over(community.id)
             per_delivery = (signed_requests(target) - signed) / max(settled, 1)
             time.sleep(STATS_FLUSH_WAIT)  # every connection's counts flushed (the workers exited)
             xact_per = (transactions() - xacts) / max(settled, 1)
@@ -413,6 +429,7 @@ def deliveries_mode(
                 f"round {round_no} {label:36s} settled={settled:6d} rate={per_second:8.0f}/s "
                 f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s requests/delivery={per_delivery:6.3f} "
                 f"xacts/delivery={xact_per:6.3f} load={os.getloadavg()[0]:.2f}"
+                + (f" left: {left}" if left else "")
                 + (f" clients: {summary}" if summary else "")
                 + (f" stderr: {logged}" if logged else ""),
                 flush=True,
