@@ -17,8 +17,9 @@ exception whose ``str()`` raises described); a settle the gateway refuses or can
 leaves that lease to lapse (``settle_errors``). Nothing about one delivery stops the worker;
 an internal error does, with exit status 1.
 
-Settles go in batches, whatever the result: a settler thread gathers them (up to
-``SETTLE_BATCH``, waiting at most ``SETTLE_LINGER`` seconds for more) and sends each
+Settles go in batches, whatever the result: two settler threads gather them (up to
+``SETTLE_BATCH``, waiting at most ``SETTLE_LINGER`` seconds for more, ``SETTLE_LINGER_BESIDE``
+beside a batch in flight) and each sends each
 community's in one signed request (``POST /communities/{id}/deliveries/finish``), each lease
 still fenced on its own and each with its own outcome, failure text and ``retry_after``; a batch
 the gateway refuses as a whole (400/413, or 404/405 from a gateway without the route) is sent
@@ -622,6 +623,10 @@ class _Result:
 
 
 SETTLE_LINGER = 0.005
+# Settler threads, each gathering and sending its own batches: while one batch is answered the
+# next is on its way (issue 29).
+SETTLES_IN_FLIGHT = 2
+SETTLE_LINGER_BESIDE = 0.02
 # A settle batch that got no answer or a transient refusal (too many requests, the database
 # unavailable, a proxy's 502/504) is sent again, at most this many tries in all, after 0.2, 0.4... s.
 SETTLE_TRIES = 4
@@ -660,6 +665,7 @@ class RemoteWorker:
         self._held: dict[str, RemoteLease] = {}
         self._room_changed = threading.Condition(self._lock)
         self._handling = 0  # claimed and not yet through the handler (running or queued)
+        self._settling = 0  # settle batches being gathered or sent
         self._claiming = 0  # asked for by the claims in flight
         self._claims_in_flight = 0
         self._last_full = False  # the last claim answered got all it asked for: the queue has more
@@ -736,7 +742,12 @@ class RemoteWorker:
         """Settle the handlers' results in batches (see the module docstring) until told to stop."""
         while (first := self._results.get()) is not None:
             batch, stop = [first], False
-            deadline = time.monotonic() + SETTLE_LINGER
+            with self._lock:
+                # Beside a batch in flight, wait longer for more: a second batch of a few would
+                # cost a request for little.
+                linger = SETTLE_LINGER_BESIDE if self._settling else SETTLE_LINGER
+                self._settling += 1
+            deadline = time.monotonic() + linger
             while len(batch) < self.settle_batch:
                 try:
                     item = self._results.get(timeout=max(deadline - time.monotonic(), 0))
@@ -746,7 +757,11 @@ class RemoteWorker:
                     stop = True
                     break
                 batch.append(item)
-            self._settle(batch)
+            try:
+                self._settle(batch)
+            finally:
+                with self._lock:
+                    self._settling -= 1
             if stop:
                 return
 
@@ -970,8 +985,12 @@ class RemoteWorker:
         self._done = threading.Event()
         renewer = threading.Thread(target=self._renew_loop, name="gateway-renewer", daemon=True)
         renewer.start()
-        settler = threading.Thread(target=self._settle_loop, name="gateway-settler", daemon=True)
-        settler.start()
+        settlers = [
+            threading.Thread(target=self._settle_loop, name=f"gateway-settler-{i}", daemon=True)
+            for i in range(SETTLES_IN_FLIGHT)
+        ]
+        for settler in settlers:
+            settler.start()
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gateway-handler")
         self._idle_since = time.monotonic()
         self.internal_error = None
@@ -1003,8 +1022,11 @@ class RemoteWorker:
                 time.sleep(0.05)
             with self._lock:
                 self._counts["abandoned"] += len(self._held)
-            self._results.put(None)  # the settler ends once what it holds is sent
-            settler.join(timeout=5)
+            for _ in settlers:  # each settler ends once what it holds is sent
+                self._results.put(None)
+            deadline = time.monotonic() + 5
+            for settler in settlers:
+                settler.join(timeout=max(0.0, deadline - time.monotonic()))
             self._done.set()
         with self._lock:
             summary: dict[str, Any] = {key: self._counts[key] for key in SUMMARY_KEYS}

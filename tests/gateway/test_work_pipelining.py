@@ -121,3 +121,41 @@ def test_a_settle_batch_without_an_answer_or_refused_for_load_is_sent_again_not_
         assert (worker._counts["finished"], worker._counts["settle_errors"]) == (settled, 3 - settled), failures
         assert client.sent == (len(failures) + 1 if settled else 1)
         assert worker._held == {}
+
+
+class SlowFirstSettle(ScriptedGateway):
+    """The first settle batch is answered only once a second one is in flight beside it (10 s
+    at most: the worker with one settle in flight at a time)."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(total)
+        self.beside.set()  # claims are answered at once
+        self.settles_in_flight = 0
+        self.most_settles_in_flight = 0
+        self.settle_beside = threading.Event()
+        self.batches = 0
+
+    def settle_many(self, settles) -> list[RemoteOutcome]:
+        with self.lock:
+            first = self.batches == 0
+            self.batches += 1
+            if self.settles_in_flight:
+                self.settle_beside.set()
+            self.settles_in_flight += 1
+            self.most_settles_in_flight = max(self.most_settles_in_flight, self.settles_in_flight)
+        try:
+            if first:
+                self.settle_beside.wait(10)
+            return super().settle_many(settles)
+        finally:
+            with self.lock:
+                self.settles_in_flight -= 1
+
+
+def test_a_second_settle_batch_is_sent_while_the_first_is_answered():
+    gateway = SlowFirstSettle(total=600)
+    worker = RemoteWorker(gateway, lambda d: None, concurrency=8, wait_seconds=0.2, idle_exit=0.5)  # type: ignore[arg-type]
+    summary = worker.run()
+    assert gateway.most_settles_in_flight == 2
+    assert (summary["finished"], summary["settle_errors"], summary["abandoned"]) == (600, 0, 0)
+    assert sorted(gateway.settled, key=int) == [str(i) for i in range(600)]
