@@ -68,6 +68,21 @@ def rate(community_id) -> tuple[int, float]:
     return count, count / float(span or 1e-9)
 
 
+def left_over(community_id) -> str:
+    """The deliveries a drain left unsettled, by status (``claimed=100``: leased to a worker
+    that never settled them; ``pending=62``: not claimed, or a lapsed lease the reaper took
+    back), "" when none."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT status, count(*) FROM buzz_delivery_delivery WHERE community_id = %s AND status <> 'finished'"
+            " GROUP BY status ORDER BY status",
+            [community_id],
+        )
+        return " ".join(f"{status}={n}" for status, n in cursor.fetchall())
+
+
 def transactions() -> int:
     """Transactions the benchmark's database has ended so far (``pg_stat_database``): every
     connection's, once flushed. Backends flush their counts at most every second while busy and
@@ -148,8 +163,8 @@ def remote_workers(
                 *([] if claim_ahead is None else ["--claim-ahead", str(claim_ahead)]),
             ],
             env=env,
-            stdout=open(tmp / f"remote-{k}-{i}.out", "w"),
-            stderr=subprocess.DEVNULL,
+            stdout=open(tmp / f"runs-{root.name}-{k}-{i}.out", "w"),
+            stderr=open(tmp / f"runs-{root.name}-{k}-{i}.err", "w"),  # kept: a short drain says why
             cwd=str(root),  # -m puts the cwd first on sys.path: import this tree
         )
         for i in range(k)
@@ -241,7 +256,7 @@ def remote_run_workers(
 
 
 def client_logs(tmp: Path, log_dir: Path | None, label: str) -> str:
-    """The work-runs clients' stderr and summaries of the case just run: moved to ``log_dir``
+    """The clients' (work-runs or work) stderr and summaries of the case just run: moved to ``log_dir``
     (when given) under ``label``; returns the warnings' count by kind (``run_error=2``), "" for none."""
     kinds: dict[str, int] = {}
     for path in sorted(tmp.glob("runs-*.err")) + sorted(tmp.glob("runs-*.out")):
@@ -258,6 +273,30 @@ def client_logs(tmp: Path, log_dir: Path | None, label: str) -> str:
             (log_dir / f"{label.replace(' ', '_').replace(':', '').replace('=', '')}-{path.name}").write_text(text)
         path.unlink()
     return " ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
+
+
+def client_summaries(log_dir: Path | None, label: str) -> str:
+    """The nonzero counts of the case's ``work`` clients' JSON summaries, added up, with their
+    exit reasons (``abandoned=62 settle_errors=100 reason=idle_exit``): a short drain's cause."""
+    if log_dir is None:
+        return ""
+    import json
+
+    totals: dict[str, int] = {}
+    reasons: set[str] = set()
+    prefix = label.replace(" ", "_").replace(":", "").replace("=", "")
+    for path in sorted(log_dir.glob(f"{prefix}-runs-*.out")):
+        for line in path.read_text().splitlines():
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            for key in ("settle_errors", "abandoned", "lease_lost", "errors", "retried", "failed"):
+                totals[key] = totals.get(key, 0) + int(data.get(key) or 0)
+            reasons.add(str(data.get("reason")))
+    if not reasons:
+        return ""
+    return " ".join([f"{k}={v}" for k, v in sorted(totals.items()) if v] + [f"reason={','.join(sorted(reasons))}"])
 
 
 def local_run_worker(url: str, community_id, agent: bytes, concurrency: int) -> subprocess.Popen:
@@ -351,6 +390,7 @@ def deliveries_mode(
     ``--rounds`` times; each rate also as a ratio of the in-process rate of its round. With
     ``--before-root``, each ``work`` case also against the gunicorn and client of that tree."""
     n = args.concurrency
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else None
     before = Path(args.before_root).resolve() if args.before_root else None
     cases = [("in-process run_delivery_worker x1", lambda: [local_worker(url, community.id, target, n)])]
     for k in (1, 4):
@@ -377,15 +417,21 @@ def deliveries_mode(
             signed, xacts = signed_requests(target), transactions()
             wall = drain(start())
             settled, per_second = rate(community.id)
+            left = left_over(community.id)
             per_delivery = (signed_requests(target) - signed) / max(settled, 1)
             time.sleep(STATS_FLUSH_WAIT)  # every connection's counts flushed (the workers exited)
             xact_per = (transactions() - xacts) / max(settled, 1)
+            logged = client_logs(tmp, log_dir, f"round{round_no}-{label}")
+            summary = client_summaries(log_dir, f"round{round_no}-{label}")
             baseline = baseline or per_second
             ratios.setdefault(label, []).append(per_second / baseline)
             print(
                 f"round {round_no} {label:36s} settled={settled:6d} rate={per_second:8.0f}/s "
                 f"ratio={per_second / baseline:5.2f} wall={wall:6.1f}s requests/delivery={per_delivery:6.3f} "
-                f"xacts/delivery={xact_per:6.3f} load={os.getloadavg()[0]:.2f}",
+                f"xacts/delivery={xact_per:6.3f} load={os.getloadavg()[0]:.2f}"
+                + (f" left: {left}" if left else "")
+                + (f" clients: {summary}" if summary else "")
+                + (f" stderr: {logged}" if logged else ""),
                 flush=True,
             )
     for label, r in ratios.items():
@@ -410,7 +456,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--log-dir",
-        help="--runs: keep each work-runs client's stderr and summary there (a short row's cause)",
+        help="keep each remote client's (work-runs, work) stderr and summary there (a short row's cause)",
     )
     parser.add_argument(
         "--no-ahead",

@@ -10,12 +10,15 @@ enrolled nowhere is a 403 and writes nothing). Nothing else is written by a refu
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
+
 from django.http import HttpRequest
 
 from buzz_delivery.gateway import nip98
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError
-from buzz_delivery.gateway.replay import Admission, record_event_id
+from buzz_delivery.gateway.replay import Admission, admit_event
 
 
 def request_url(request: HttpRequest) -> str:
@@ -27,7 +30,21 @@ def request_url(request: HttpRequest) -> str:
     return request.build_absolute_uri()
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated request's signer: ``pubkey``, and the ``active`` communities where it
+    holds a live enrollment, read when its event id was recorded (the same statement)."""
+
+    pubkey: bytes
+    communities: list[uuid.UUID]
+
+
 def authenticate(request: HttpRequest, body: bytes) -> bytes:
+    """The 32-byte pubkey that signed this request: :func:`authenticate_caller`'s."""
+    return authenticate_caller(request, body).pubkey
+
+
+def authenticate_caller(request: HttpRequest, body: bytes) -> Caller:
     """The 32-byte pubkey that signed this request. Raises :class:`GatewayError` with a 401 code:
     ``auth_missing``, ``auth_invalid`` (shape, id, signature, or tags not covering this URL,
     method and ``body``), ``auth_stale`` (``created_at`` more than ``AUTH_WINDOW_SECONDS`` from
@@ -39,11 +56,12 @@ def authenticate(request: HttpRequest, body: bytes) -> bytes:
     except nip98.AuthError as exc:
         raise GatewayError(exc.code, str(exc)) from None
     window = get_settings().auth_window_seconds
-    admission = record_event_id(event.event_id, event.pubkey, event.created_at, window_seconds=window)
+    admitted = admit_event(event.event_id, event.pubkey, event.created_at, window_seconds=window)
+    admission = admitted.admission
     if admission is Admission.STALE:
         raise GatewayError("auth_stale", f"the event's created_at is more than {window:g} s from the server's clock")
     if admission is Admission.REPLAYED:
         raise GatewayError("auth_replayed", "this event id was already used: sign every request afresh")
     if admission is Admission.NOT_ENROLLED:
         raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
-    return event.pubkey
+    return Caller(event.pubkey, admitted.communities)

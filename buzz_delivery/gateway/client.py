@@ -17,8 +17,9 @@ exception whose ``str()`` raises described); a settle the gateway refuses or can
 leaves that lease to lapse (``settle_errors``). Nothing about one delivery stops the worker;
 an internal error does, with exit status 1.
 
-Settles go in batches, whatever the result: a settler thread gathers them (up to
-``SETTLE_BATCH``, waiting at most ``SETTLE_LINGER`` seconds for more) and sends each
+Settles go in batches, whatever the result: two settler threads gather them (up to
+``SETTLE_BATCH``, waiting at most ``SETTLE_LINGER`` seconds for more, ``SETTLE_LINGER_BESIDE``
+beside a batch in flight) and each sends each
 community's in one signed request (``POST /communities/{id}/deliveries/finish``), each lease
 still fenced on its own and each with its own outcome, failure text and ``retry_after``; a batch
 the gateway refuses as a whole (400/413, or 404/405 from a gateway without the route) is sent
@@ -581,8 +582,13 @@ def settle_args(exc: BaseException | None) -> tuple[str, str | None, str | None]
 # Most deliveries one claim request asks for (the gateway's default MAX_CLAIM_LIMIT).
 CLAIM_LIMIT = 100
 # Claims beyond the free handler threads (``--claim-ahead``), as run_delivery_worker's rule:
-# at most this many, and only as many as start within a tenth of the lease, at most a second.
-DEFAULT_CLAIM_AHEAD = 100
+# at most this many, and only as many as start within a tenth of the lease, at most a second
+# (issue 29: two claims of CLAIM_LIMIT in flight, so the handlers never wait on a claim's round trip).
+DEFAULT_CLAIM_AHEAD = 2 * CLAIM_LIMIT
+# Claim requests in flight at once: while one is answered, the next is already on its way; the
+# second asks for at least this many (or the whole room) and never long-polls.
+CLAIMS_IN_FLIGHT = 2
+CLAIM_MIN_SECOND = CLAIM_LIMIT // 4
 CLAIM_AHEAD_LEASE_FRACTION = 0.1
 CLAIM_AHEAD_MAX_WAIT = 1.0
 RUN_TIME_WEIGHT = 0.2
@@ -617,6 +623,15 @@ class _Result:
 
 
 SETTLE_LINGER = 0.005
+# Settler threads, each gathering and sending its own batches: while one batch is answered the
+# next is on its way (issue 29).
+SETTLES_IN_FLIGHT = 2
+SETTLE_LINGER_BESIDE = 0.02
+# A settle batch that got no answer or a transient refusal (too many requests, the database
+# unavailable, a proxy's 502/504) is sent again, at most this many tries in all, after 0.2, 0.4... s.
+SETTLE_TRIES = 4
+SETTLE_RETRY_DELAY = 0.2
+TRANSIENT_STATUSES = (429, 502, 503, 504)
 # Leases per renewal request (the batch route takes at most the gateway's claim limit, 100 by
 # default): a renewal round is one request per community and this many held leases.
 RENEW_BATCH = 100
@@ -650,6 +665,13 @@ class RemoteWorker:
         self._held: dict[str, RemoteLease] = {}
         self._room_changed = threading.Condition(self._lock)
         self._handling = 0  # claimed and not yet through the handler (running or queued)
+        self._settling = 0  # settle batches being gathered or sent
+        self._claiming = 0  # asked for by the claims in flight
+        self._claims_in_flight = 0
+        self._last_full = False  # the last claim answered got all it asked for: the queue has more
+        self._claimed = 0
+        self._idle_since = time.monotonic()
+        self.internal_error: str | None = None
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
         # Results to settle: (delivery id, outcome, failure_code, failure_message, retry_after).
@@ -681,9 +703,12 @@ class RemoteWorker:
         """Deliveries the next claim may take (call with the lock held): the free handler
         threads and :meth:`_ahead`; results awaiting their settle batch count only past two
         batches (a stalled settle slows the claims down)."""
+        return max(0, min(self._free(), CLAIM_LIMIT))
+
+    def _free(self) -> int:
+        """:meth:`_room` before the cap of one claim request (call with the lock held)."""
         capacity = self.concurrency + self._ahead()
-        free = min(capacity - self._handling, capacity + 2 * self.settle_batch - len(self._held))
-        return max(0, min(free, CLAIM_LIMIT))
+        return min(capacity - self._handling, capacity + 2 * self.settle_batch - len(self._held))
 
     def _work(self, claim: RemoteClaim) -> None:
         delivery_id = claim.lease.delivery_id
@@ -699,7 +724,7 @@ class RemoteWorker:
                 previous = self.run_time
                 self.run_time = seconds if previous is None else previous + RUN_TIME_WEIGHT * (seconds - previous)
                 self._handling -= 1
-                self._room_changed.notify()
+                self._room_changed.notify_all()
             outcome, code, message = settle_args(error)
             after = backoff.of(error) if outcome == "retry" else None
             # Settled in a batch, whatever the outcome; still held (and renewed) until then.
@@ -717,7 +742,12 @@ class RemoteWorker:
         """Settle the handlers' results in batches (see the module docstring) until told to stop."""
         while (first := self._results.get()) is not None:
             batch, stop = [first], False
-            deadline = time.monotonic() + SETTLE_LINGER
+            with self._lock:
+                # Beside a batch in flight, wait longer for more: a second batch of a few would
+                # cost a request for little.
+                linger = SETTLE_LINGER_BESIDE if self._settling else SETTLE_LINGER
+                self._settling += 1
+            deadline = time.monotonic() + linger
             while len(batch) < self.settle_batch:
                 try:
                     item = self._results.get(timeout=max(deadline - time.monotonic(), 0))
@@ -727,7 +757,11 @@ class RemoteWorker:
                     stop = True
                     break
                 batch.append(item)
-            self._settle(batch)
+            try:
+                self._settle(batch)
+            finally:
+                with self._lock:
+                    self._settling -= 1
             if stop:
                 return
 
@@ -744,7 +778,7 @@ class RemoteWorker:
             by_community.setdefault(settle.lease.community_id, []).append(settle)
         for group in by_community.values():
             try:
-                answers = self.client.settle_many(group)
+                answers = self._settle_many(group)
             except GatewayHTTPError as exc:
                 # 404/405: a gateway older than the batch route; 400: one bad item, or a gateway
                 # older than per-delivery outcomes (it takes a batch of finished ones only, and
@@ -775,22 +809,50 @@ class RemoteWorker:
                 logger.warning("settle_error n=%d error=%s", len(group), describe(exc))
                 self._add("settle_errors", len(group))
                 continue
+            counted: Counter[str] = Counter()
             for x, answer in zip(group, answers, strict=True):
                 if answer.outcome == "settle_error":
-                    self._add("settle_errors")
+                    counted["settle_errors"] += 1
                     continue
                 if answer.outcome in ("lease_lost", "not_found"):
-                    self._add("lease_lost")
+                    counted["lease_lost"] += 1
                 else:
-                    self._add(
+                    counted[
                         {"finished": "finished", "failed": "failed", "pending": "retried"}.get(
                             answer.status or "", "failed"
                         )
-                    )
-                logger.info("settled delivery=%s outcome=%s result=%s", x.lease.delivery_id, x.outcome, answer.outcome)
+                    ] += 1
+                # One line per delivery only at DEBUG (issue 29: 6% of the client's CPU at INFO).
+                logger.debug("settled delivery=%s outcome=%s result=%s", x.lease.delivery_id, x.outcome, answer.outcome)
+            with self._lock:
+                self._counts.update(counted)
+            logger.info(
+                "settled n=%d community=%s %s",
+                len(group),
+                group[0].lease.community_id,
+                " ".join(f"{k}={v}" for k, v in sorted(counted.items())),
+            )
         with self._lock:
             for r in results:
                 self._release(r.lease)
+
+    def _settle_many(self, group: list[RemoteSettle]) -> list[RemoteOutcome]:
+        """``settle_many``, sent again (signed anew) after a transient failure: no answer (a
+        timeout, a dropped connection) or a 429/502/503/504, at most :data:`SETTLE_TRIES` times
+        while the leases may still hold. A repeat of a settle that took effect is answered
+        ``already_terminal`` (the same holder's), so nothing settles twice; without it the
+        batch's leases would lapse and their deliveries wait a lease for another worker (a drain
+        ended 100 short: issue 29)."""
+        for attempt in range(SETTLE_TRIES):
+            try:
+                return self.client.settle_many(group)
+            except (httpx.TransportError, GatewayHTTPError) as exc:
+                transient = not isinstance(exc, GatewayHTTPError) or exc.status in TRANSIENT_STATUSES
+                if not transient or attempt == SETTLE_TRIES - 1:
+                    raise
+                logger.warning("settle_retry n=%d error=%s: sending it again", len(group), describe(exc))
+                time.sleep(SETTLE_RETRY_DELAY * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _current(self, lease: RemoteLease) -> RemoteLease:
         """The held lease of ``lease``'s delivery if it is of the same generation, else ``lease``
@@ -849,52 +911,103 @@ class RemoteWorker:
                 elif result.outcome in ("lease_lost", "not_found"):
                     logger.info("lease_lost delivery=%s (renew)", delivery_id)
 
+    def _claim_size(self) -> int:
+        """How many the next claim asks for (call with the lock held), 0 when it must wait: the
+        room less what the claims in flight asked for; a second claim in flight only once the
+        one before came back full (the queue has more) and for at least :data:`CLAIM_MIN_SECOND`
+        deliveries, so an empty inbox costs one long-poll, not two, and no claim is tiny."""
+        free = self._free() - self._claiming
+        want = min(free, CLAIM_LIMIT)
+        if self.max_deliveries is not None:
+            want = min(want, self.max_deliveries - self._claimed - self._claiming)
+        if want <= 0 or self._claims_in_flight >= CLAIMS_IN_FLIGHT:
+            return 0
+        if self._claims_in_flight and (not self._last_full or want < CLAIM_MIN_SECOND):
+            return 0
+        return want
+
+    def _claim_loop(self, pool: ThreadPoolExecutor) -> None:
+        """One of the :data:`CLAIMS_IN_FLIGHT` claimers: claim as :meth:`_claim_size` says and hand
+        the claims to the handler pool, until stopped. The first claim in flight long-polls; a
+        second does not wait (it is sent only while the queue has more)."""
+        try:
+            while not self.stop.is_set():
+                with self._room_changed:
+                    if self.max_deliveries is not None and self._claimed >= self.max_deliveries:
+                        self.request_stop("max_deliveries")
+                        break
+                    want = self._claim_size()
+                    if want <= 0:
+                        self._room_changed.wait(0.2)
+                        continue
+                    wait = self.wait_seconds if not self._claims_in_flight else 0.0
+                    self._claiming += want
+                    self._claims_in_flight += 1
+                try:
+                    claims = self.client.claim(want, wait_seconds=wait, lease_seconds=self.lease_seconds)
+                except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
+                    logger.warning("claim_error error=%s", exc)
+                    claims = []
+                    with self._room_changed:
+                        self._claiming -= want
+                        self._claims_in_flight -= 1
+                        self._last_full = False
+                        self._room_changed.notify_all()
+                    self.stop.wait(1.0)
+                    continue
+                with self._room_changed:
+                    self._claiming -= want
+                    self._claims_in_flight -= 1
+                    self._last_full = len(claims) >= want
+                    self._claimed += len(claims)
+                    self._counts["claimed"] += len(claims)
+                    self._handling += len(claims)
+                    for claim in claims:
+                        self._held[claim.lease.delivery_id] = claim.lease
+                    if claims and self._lease_length is None:
+                        self._lease_length = lease_length(claims[0].lease.lease_until)
+                    if claims:
+                        self._idle_since = time.monotonic()
+                    idle = time.monotonic() - self._idle_since
+                    self._room_changed.notify_all()
+                for claim in claims:
+                    pool.submit(self._work, claim)
+                if not claims and self.idle_exit is not None and idle >= self.idle_exit:
+                    self.request_stop("idle_exit")
+        except Exception as exc:  # the loop's own error: stop (exit 1), draining what is held
+            logger.exception("worker_error: the claim loop stopped")
+            self.internal_error = f"internal_error: {type(exc).__name__}"
+            self.request_stop(self.internal_error)
+            self.reason = self.internal_error
+
     def run(self) -> dict[str, Any]:
         """Claim and work until stopped (signal, ``max_deliveries``, ``idle_exit``), then drain."""
         self._done = threading.Event()
         renewer = threading.Thread(target=self._renew_loop, name="gateway-renewer", daemon=True)
         renewer.start()
-        settler = threading.Thread(target=self._settle_loop, name="gateway-settler", daemon=True)
-        settler.start()
+        settlers = [
+            threading.Thread(target=self._settle_loop, name=f"gateway-settler-{i}", daemon=True)
+            for i in range(SETTLES_IN_FLIGHT)
+        ]
+        for settler in settlers:
+            settler.start()
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gateway-handler")
-        idle_since = time.monotonic()
-        claimed = 0
-        self.internal_error: str | None = None
+        self._idle_since = time.monotonic()
+        self.internal_error = None
+        claimers = [
+            threading.Thread(target=self._claim_loop, args=(pool,), name=f"gateway-claimer-{i}", daemon=True)
+            for i in range(CLAIMS_IN_FLIGHT)
+        ]
         try:
-            while not self.stop.is_set():
-                if self.max_deliveries is not None and claimed >= self.max_deliveries:
-                    self.request_stop("max_deliveries")
-                    break
-                with self._room_changed:
-                    free = self._room()
-                    if free <= 0:
-                        self._room_changed.wait(0.2)
-                        continue
-                if self.stop.is_set():
-                    break
-                if self.max_deliveries is not None:
-                    free = min(free, self.max_deliveries - claimed)
-                try:
-                    claims = self.client.claim(free, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
-                except (httpx.HTTPError, GatewayHTTPError, ValueError) as exc:
-                    logger.warning("claim_error error=%s", exc)
-                    claims = []
-                    self.stop.wait(1.0)
-                if not claims:
-                    if self.idle_exit is not None and time.monotonic() - idle_since >= self.idle_exit:
-                        self.request_stop("idle_exit")
-                    continue
-                idle_since = time.monotonic()
-                claimed += len(claims)
-                self._add("claimed", len(claims))
-                with self._lock:
-                    self._handling += len(claims)
-                    for claim in claims:
-                        self._held[claim.lease.delivery_id] = claim.lease
-                    if self._lease_length is None:
-                        self._lease_length = lease_length(claims[0].lease.lease_until)
-                for claim in claims:
-                    pool.submit(self._work, claim)
+            for claimer in claimers:
+                claimer.start()
+            while not self.stop.wait(0.2):  # a timed wait: signals are handled in this thread
+                pass
+            # A claim in flight at the stop still hands its claims to the pool: wait for it (its
+            # long-poll and timeout bound it).
+            deadline = time.monotonic() + self.wait_seconds + getattr(self.client, "timeout", 10.0) + 5
+            for claimer in claimers:
+                claimer.join(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # the loop's own error: stop (exit 1), draining what is held
             logger.exception("worker_error: the claim loop stopped")
             self.internal_error = f"internal_error: {type(exc).__name__}"
@@ -909,8 +1022,11 @@ class RemoteWorker:
                 time.sleep(0.05)
             with self._lock:
                 self._counts["abandoned"] += len(self._held)
-            self._results.put(None)  # the settler ends once what it holds is sent
-            settler.join(timeout=5)
+            for _ in settlers:  # each settler ends once what it holds is sent
+                self._results.put(None)
+            deadline = time.monotonic() + 5
+            for settler in settlers:
+                settler.join(timeout=max(0.0, deadline - time.monotonic()))
             self._done.set()
         with self._lock:
             summary: dict[str, Any] = {key: self._counts[key] for key in SUMMARY_KEYS}

@@ -25,7 +25,7 @@ def send(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
     """Send ``{name, key, payload}``: every step of the community waiting for (name, key) resumes
     once with the payload as its output; the event is kept for a wait that starts later. 200
     ``{"resumed", "kept_until"}``; 400 names a bad field; 403 not enrolled there."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     try:
         sent = send_event(community_id, data["name"], data["key"], data["payload"])
     except CommunityNotWritable:  # fenced between the enrollment check and the send

@@ -126,7 +126,7 @@ def accept(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     ``{"outcome": "run_ended", "workflow_state"}`` (its workflow run was canceled or ended while it was
     held: the delivery settled ``failed``, no run created); 403; 404 no such delivery for this
     key; 409 lease lost."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
     outcome = agents.accept_delivery(
         lease,

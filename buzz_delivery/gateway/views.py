@@ -32,7 +32,7 @@ from buzz_delivery import jsonbounds
 from buzz_delivery import services as core
 from buzz_delivery.gateway import limits, present
 from buzz_delivery.gateway import services as gateway
-from buzz_delivery.gateway.auth import authenticate
+from buzz_delivery.gateway.auth import Caller, authenticate, authenticate_caller
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import BATCH_FINISH, BATCH_RENEW, CLAIM, FINISH, RENEW, Body
@@ -138,12 +138,17 @@ def endpoint(
                 with limits.request(pubkey, ids.get("community_id")):
                     return view(request, pubkey, data, **ids)
 
+            def caller(raw: bytes) -> bytes:
+                who = authenticate_caller(request, raw)
+                request.buzz_gateway_caller = who  # type: ignore[attr-defined]  # see _communities
+                return who.pubkey
+
             def serve() -> HttpResponse:
                 raw = read_body(request)
                 if not one_transaction:
-                    return checked(raw, authenticate(request, raw))
+                    return checked(raw, caller(raw))
                 with transaction.atomic():
-                    pubkey = authenticate(request, raw)
+                    pubkey = caller(raw)
                     # A refusal is answered here, inside: the event id commits with it.
                     response = _refused(lambda: checked(raw, pubkey))
                     if response.status_code != 503:
@@ -163,8 +168,25 @@ def endpoint(
     return decorate
 
 
-def _require_enrolled(community_id: uuid.UUID, pubkey: bytes) -> None:
-    if not gateway.is_enrolled(community_id, pubkey):
+def _communities(request: HttpRequest, pubkey: bytes) -> list[uuid.UUID]:
+    """The ``active`` communities where ``pubkey`` holds a live enrollment: as the statement that
+    recorded the request's event id read them (issue 29: no read of its own, a transaction less
+    per request), else read now."""
+    caller = getattr(request, "buzz_gateway_caller", None)
+    if isinstance(caller, Caller) and caller.pubkey == pubkey:
+        return caller.communities
+    return gateway.enrolled_communities(pubkey)
+
+
+def _require_enrolled(community_id: uuid.UUID, pubkey: bytes, request: HttpRequest | None = None) -> None:
+    """403 unless the key holds a live enrollment in the ``active`` community: as the request's
+    admission read it (``request``), else read now."""
+    enrolled = (
+        community_id in _communities(request, pubkey)
+        if request is not None
+        else gateway.is_enrolled(community_id, pubkey)
+    )
+    if not enrolled:
         raise GatewayError("not_enrolled", "this key is not enrolled in that community")
 
 
@@ -212,7 +234,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
     it is enrolled in; with ``wait_seconds`` > 0, long-poll until one arrives (woken by the wake
     hints) or the wait ends. 200 ``{"claims": [{"delivery", "lease"}]}`` (possibly empty);
     403 when the key is enrolled nowhere."""
-    communities = gateway.enrolled_communities(pubkey)
+    communities = _communities(request, pubkey)
     if not communities:
         raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
     limit, lease_seconds, wait = data["limit"], data["lease_seconds"], float(data["wait_seconds"])
@@ -254,7 +276,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
 def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
     """One of the signer's deliveries. 200 ``{"delivery"}``; 403 not enrolled there; 404 when
     there is no such delivery for this key."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     delivery = core.get_delivery(community_id, delivery_id)
     if delivery is None or bytes(delivery.target_pubkey) != pubkey:
         raise _not_found()
@@ -265,7 +287,7 @@ def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
 @endpoint("POST", RENEW)
 def renew(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, delivery_id: uuid.UUID):
     """Extend a current lease (``services.renew_delivery``). 200 ``{"lease"}``; 409 lease lost."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
     outcome = core.renew_delivery(lease, data["lease_seconds"])
     if isinstance(outcome, Renewed):
@@ -279,7 +301,7 @@ def finish(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     """Settle once (``services.finish_delivery``). 200 ``{"outcome": "settled", "status"}``, or
     200 ``{"outcome": "already_terminal", "status"}`` for the same holder's repeat (a retry after
     a lost response is a success, and the recorded status never flips); 409 lease lost."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     lease = _lease(community_id, delivery_id, pubkey, data["lease_generation"])
     outcome = core.finish_delivery(
         lease,
@@ -317,7 +339,7 @@ def renew_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commu
     the one-by-one renew answers: ``renewed`` (with the new ``lease``), ``lease_lost``, or
     ``not_found`` (no such delivery for this key); 400 naming the bad item (nothing written);
     403 not enrolled there."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     leases = _batch_leases(community_id, pubkey, data["deliveries"])
     outcomes = core.renew_deliveries(leases, data["lease_seconds"])
     results: list[dict[str, Any]] = []
@@ -371,7 +393,7 @@ def finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], comm
     / ``already_terminal`` (with the status), ``lease_lost``, or ``not_found`` (no such delivery
     for this key); 400 naming the bad item's field (``deliveries[2].failure_code``; nothing
     written); 403 not enrolled there."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     leases = _batch_leases(community_id, pubkey, data["deliveries"])
     settles, inherited = _batch_settles(leases, data)
     try:
@@ -399,7 +421,7 @@ def finish_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], comm
 @endpoint("GET")
 def me(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResponse:
     """The signer's key and the active communities it is enrolled in. 200 ``{"pubkey", "communities"}``."""
-    return JsonResponse({"pubkey": pubkey.hex(), "communities": [str(c) for c in gateway.enrolled_communities(pubkey)]})
+    return JsonResponse({"pubkey": pubkey.hex(), "communities": [str(c) for c in _communities(request, pubkey)]})
 
 
 def openapi(request: HttpRequest) -> HttpResponse:

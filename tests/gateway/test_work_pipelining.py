@@ -1,0 +1,161 @@
+"""Issue 29: ``work`` keeps a second claim in flight while the first is answered, so its handlers
+never idle for a claim's round trip; the second never long-polls and is sent only while the
+queue has more (the claim before it came back full). The claim loop against a scripted gateway
+(the HTTP side of claims is tested against gunicorn in test_remote_worker)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+from buzz_delivery.gateway.client import CLAIM_LIMIT, RemoteClaim, RemoteLease, RemoteOutcome, RemoteWorker
+
+FAR = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+
+
+class ScriptedGateway:
+    """Serves ``total`` deliveries. The second claim request is answered only once a third one
+    is in flight beside it (10 s at most: the worker without a second claim in flight)."""
+
+    timeout = 10.0
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.calls: list[tuple[int, float, int]] = []  # (limit, wait_seconds, in flight beside it)
+        self.beside = threading.Event()
+        self.settled: list[str] = []
+
+    def claim(self, limit: int, *, wait_seconds: float = 0, lease_seconds: float | None = None) -> list[RemoteClaim]:
+        with self.lock:
+            number = len(self.calls)
+            self.calls.append((limit, wait_seconds, self.in_flight))
+            if self.in_flight:
+                self.beside.set()
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if number == 1:
+                self.beside.wait(10)
+            with self.lock:
+                n = min(limit, self.left)
+                first = self.left
+                self.left -= n
+            return [
+                RemoteClaim({"id": str(i), "step_id": "ok"}, RemoteLease("c1", str(i), 1, FAR))
+                for i in range(first - n, first)
+            ]
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def settle_many(self, settles) -> list[RemoteOutcome]:
+        with self.lock:
+            self.settled += [x.lease.delivery_id for x in settles]
+        return [RemoteOutcome("settled", status="finished") for _ in settles]
+
+    def renew_many(self, leases, lease_seconds=None) -> list[RemoteOutcome]:
+        return [RemoteOutcome("renewed", lease=x) for x in leases]
+
+
+def test_a_second_claim_is_in_flight_while_the_first_is_answered_and_it_never_long_polls():
+    gateway = ScriptedGateway(total=1000)
+    worker = RemoteWorker(gateway, lambda d: None, concurrency=8, wait_seconds=5, idle_exit=0.5)  # type: ignore[arg-type]
+    summary = worker.run()
+    assert gateway.most_in_flight == 2, gateway.calls
+    beside = [(limit, wait) for limit, wait, others in gateway.calls if others]
+    assert beside and all(wait == 0 for _, wait in beside), gateway.calls
+    assert all(1 <= limit <= CLAIM_LIMIT for limit, _, _ in gateway.calls)
+    counts = (summary["claimed"], summary["finished"], summary["abandoned"], summary["settle_errors"])
+    assert counts == (1000, 1000, 0, 0)
+    assert sorted(gateway.settled, key=int) == [str(i) for i in range(1000)]
+
+
+def test_an_empty_inbox_costs_one_long_poll_at_a_time():
+    """A claim that comes back short (the queue is drained) sends no second claim beside the
+    next long-poll: an idle worker holds one of the server's long-poll slots, not two."""
+    gateway = ScriptedGateway(total=0)
+    gateway.beside.set()  # nothing to wait for
+    worker = RemoteWorker(gateway, lambda d: None, concurrency=8, wait_seconds=0.05, idle_exit=0.5)  # type: ignore[arg-type]
+    summary = worker.run()
+    assert summary["reason"] == "idle_exit" and summary["claimed"] == 0
+    assert len(gateway.calls) >= 2 and gateway.most_in_flight == 1, gateway.calls
+
+
+def test_a_settle_batch_without_an_answer_or_refused_for_load_is_sent_again_not_left_to_lapse(monkeypatch):
+    """Issue 29: two drains of 90,000 ended 100 and 62 short. A settle batch that got no answer
+    (a timeout, a dropped connection) or a 429/503 used to count as ``settle_errors`` and leave
+    its leases to lapse: with the workers gone idle, nobody settled those deliveries. It is now
+    sent again (a repeat of one that took effect is answered ``already_terminal``); a refusal
+    that is not transient (a 409, a 500) is not."""
+    import httpx
+
+    from buzz_delivery.gateway import client as module
+    from buzz_delivery.gateway.client import GatewayHTTPError, _Result
+
+    monkeypatch.setattr(module, "SETTLE_RETRY_DELAY", 0.0, raising=False)
+    for failures, settled in (
+        ([GatewayHTTPError(503, "unavailable", "retry later")], 3),
+        ([httpx.ReadTimeout("no answer"), GatewayHTTPError(429, "too_many_requests", "")], 3),
+        ([GatewayHTTPError(500, "internal", "")], 0),
+    ):
+
+        class Flaky:
+            def __init__(self, failures: list[Exception]) -> None:
+                self.sent, self.failures = 0, failures
+
+            def settle_many(self, settles):
+                self.sent += 1
+                if self.failures:
+                    raise self.failures.pop(0)
+                return [RemoteOutcome("settled", status="finished") for _ in settles]
+
+        client = Flaky(list(failures))
+        worker = RemoteWorker(client, lambda d: None)  # type: ignore[arg-type]
+        leases = [RemoteLease("c1", d, 1, FAR) for d in "abc"]
+        for lease in leases:
+            worker._held[lease.delivery_id] = lease
+        worker._settle([_Result(lease, "finished", None, None, None) for lease in leases])
+        assert (worker._counts["finished"], worker._counts["settle_errors"]) == (settled, 3 - settled), failures
+        assert client.sent == (len(failures) + 1 if settled else 1)
+        assert worker._held == {}
+
+
+class SlowFirstSettle(ScriptedGateway):
+    """The first settle batch is answered only once a second one is in flight beside it (10 s
+    at most: the worker with one settle in flight at a time)."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(total)
+        self.beside.set()  # claims are answered at once
+        self.settles_in_flight = 0
+        self.most_settles_in_flight = 0
+        self.settle_beside = threading.Event()
+        self.batches = 0
+
+    def settle_many(self, settles) -> list[RemoteOutcome]:
+        with self.lock:
+            first = self.batches == 0
+            self.batches += 1
+            if self.settles_in_flight:
+                self.settle_beside.set()
+            self.settles_in_flight += 1
+            self.most_settles_in_flight = max(self.most_settles_in_flight, self.settles_in_flight)
+        try:
+            if first:
+                self.settle_beside.wait(10)
+            return super().settle_many(settles)
+        finally:
+            with self.lock:
+                self.settles_in_flight -= 1
+
+
+def test_a_second_settle_batch_is_sent_while_the_first_is_answered():
+    gateway = SlowFirstSettle(total=600)
+    worker = RemoteWorker(gateway, lambda d: None, concurrency=8, wait_seconds=0.2, idle_exit=0.5)  # type: ignore[arg-type]
+    summary = worker.run()
+    assert gateway.most_settles_in_flight == 2
+    assert (summary["finished"], summary["settle_errors"], summary["abandoned"]) == (600, 0, 0)
+    assert sorted(gateway.settled, key=int) == [str(i) for i in range(600)]
