@@ -70,6 +70,28 @@ def of(exc: BaseException | None) -> float | None:
         return None
 
 
+def header_seconds(value: str | None) -> float | None:
+    """An HTTP ``Retry-After`` header's delay-seconds form as a usable ``retry_after`` (None when
+    absent or not a plain non-negative number: the HTTP-date form is not read, and a server's
+    odd header never stops a client)."""
+    if value is None:
+        return None
+    try:
+        return usable(float(value.strip()))
+    except ValueError:
+        return None
+
+
+def again_delay(base: float, attempt: int, retry_after: float | None = None, *, most: float) -> float:
+    """The wait before attempt ``attempt + 1`` of a request refused for load or left without an
+    answer: ``base * 2**attempt`` with jitter, or the server's ``retry_after`` when that is
+    longer; never more than ``most`` (past it the lease the request serves would lapse)."""
+    delay = jittered(base * 2**attempt)
+    if retry_after is not None:
+        delay = max(delay, retry_after)
+    return min(delay, most)
+
+
 def argument(value: Any, name: str = "retry_after") -> float | None:
     """A service's ``retry_after`` argument: None, or 0..MAX_RETRY_AFTER_SECONDS seconds;
     anything else raises ``ValidationError`` keyed ``name``. (This module needs no Django

@@ -88,9 +88,14 @@ class PermanentFailure(Exception):
 class GatewayHTTPError(Exception):
     """The gateway refused a request: ``status``, the stable ``code``, ``field`` for a 400."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, field: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code, self.field = status, code, field
+        # The response's Retry-After (delay-seconds form) when it had a usable one: a 429's
+        # "try again in n s", honoured by the client's resends (backoff.again_delay).
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,13 +211,20 @@ class GatewayClient:
 
     def _json(self, method: str, path: str, payload: Any = None, *, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
         response = self.request(method, path, payload, **kw)
+        retry_after = backoff.header_seconds(response.headers.get("Retry-After"))
         try:
             data = response.json()
         except ValueError:  # not the gateway's JSON: a proxy's page, a route this server lacks
-            raise GatewayHTTPError(response.status_code, "not_json", response.text[:200]) from None
+            raise GatewayHTTPError(
+                response.status_code, "not_json", response.text[:200], retry_after=retry_after
+            ) from None
         if response.status_code not in ok:
             raise GatewayHTTPError(
-                response.status_code, data.get("code", "?"), data.get("message", ""), data.get("field")
+                response.status_code,
+                data.get("code", "?"),
+                data.get("message", ""),
+                data.get("field"),
+                retry_after=retry_after,
             )
         return data
 
@@ -631,6 +643,8 @@ SETTLE_LINGER_BESIDE = 0.02
 # unavailable, a proxy's 502/504) is sent again, at most this many tries in all, after 0.2, 0.4... s.
 SETTLE_TRIES = 4
 SETTLE_RETRY_DELAY = 0.2
+# The longest wait before a resend, whatever a Retry-After asks: the batch's leases keep running.
+SETTLE_RETRY_MOST = 5.0
 TRANSIENT_STATUSES = (429, 502, 503, 504)
 # Leases per renewal request (the batch route takes at most the gateway's claim limit, 100 by
 # default): a renewal round is one request per community and this many held leases.
@@ -851,7 +865,11 @@ class RemoteWorker:
                 if not transient or attempt == SETTLE_TRIES - 1:
                     raise
                 logger.warning("settle_retry n=%d error=%s: sending it again", len(group), describe(exc))
-                time.sleep(SETTLE_RETRY_DELAY * 2**attempt)
+                time.sleep(
+                    backoff.again_delay(
+                        SETTLE_RETRY_DELAY, attempt, getattr(exc, "retry_after", None), most=SETTLE_RETRY_MOST
+                    )
+                )
         raise AssertionError("unreachable")
 
     def _current(self, lease: RemoteLease) -> RemoteLease:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from buzz_delivery import backoff
 from buzz_delivery.agents import compensations
 from buzz_delivery.gateway.client import (
     EXIT_ABANDONED,
@@ -566,6 +567,9 @@ class RunBatcher:
 AGAIN_STATUSES = ((429, "too_many_requests"), (503, "unavailable"))
 AGAIN_TIMES = 3
 AGAIN_BACKOFF = 0.05
+# The longest wait before sending a step batch again, whatever its 429's Retry-After asks (the
+# runs' leases keep running meanwhile).
+AGAIN_MOST = 5.0
 
 
 def _again(send: Callable[[], Any]) -> Any:
@@ -577,7 +581,7 @@ def _again(send: Callable[[], Any]) -> Any:
             if (exc.status, exc.code) not in AGAIN_STATUSES or attempt == AGAIN_TIMES:
                 raise
             logger.warning("step_batch_again status=%s attempt=%d: %s", exc.status, attempt + 1, exc)
-            time.sleep(AGAIN_BACKOFF * 2**attempt)
+            time.sleep(backoff.again_delay(AGAIN_BACKOFF, attempt, exc.retry_after, most=AGAIN_MOST))
     raise AssertionError("unreachable")
 
 
