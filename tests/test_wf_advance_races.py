@@ -15,10 +15,19 @@ from buzz_delivery.testing import WorkflowFactory
 from buzz_delivery.workflows.models import Run, Step
 from buzz_delivery.workflows.services import cancel_run, claim_steps, complete_step, fail_step
 from buzz_delivery.workflows.testing import diamond, function_step
+from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT
 from tests.wf_support import start
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        CITUS_MODE,
+        reason="Citus mode: the race needs the second transaction seen waiting on the first's row lock, which "
+        "on the cluster is taken on the worker and not shown by the coordinator's pg_stat_activity; the "
+        "Advance's statements run on the cluster in test_wf_advance_release",
+    ),
+]
 
 
 @pytest.fixture
@@ -31,8 +40,12 @@ def claim_ready(community_id) -> dict:
 
 
 def lock_waiters(pids: list[int]) -> int:
+    """Of ``pids``, the backends waiting on a lock in a statement."""
+    waiting = "wait_event_type = 'Lock'"
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s) AND wait_event_type = 'Lock'", [pids])
+        cursor.execute(
+            f"SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s) AND state = 'active' AND {waiting}", [pids]
+        )
         return int(cursor.fetchone()[0])
 
 

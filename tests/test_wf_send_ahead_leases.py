@@ -13,6 +13,7 @@ from django.db import connection
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import WorkflowFactory, random32
 from buzz_delivery.workflows import completer as completer_module
+from buzz_delivery.workflows import orchestrator as orchestrator_module
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.orchestrator import OrchestratorConfig, run_orchestrator
 from buzz_delivery.workflows.registry import workflow_function
@@ -165,4 +166,49 @@ def test_a_send_left_by_a_stopped_orchestrator_is_sent_once_by_the_next(workflow
         stop.set()
     # The stale completer got its turn too (gate open): nothing sent twice.
     assert len(deliveries_per_run(community)) == SENDS
+    assert set(deliveries_per_run(community).values()) == {len(TARGETS)}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("async_functions", [False, True])
+def test_a_stuck_completer_bounds_the_sends_claimed(workflow, monkeypatch, async_functions):
+    """With the completer stuck on a batch, NOTIFY after NOTIFY claims no more than two batches
+    of sends ahead (the rest stay ready for whoever is free). With ``async def`` functions the
+    event loop's free places give the ordinary claim room, which sends (no loop place) never
+    use up: the claim sizing for the mix still stops it within a third batch."""
+    monkeypatch.setattr(orchestrator_module, "_any_async_function", lambda: async_functions)
+    held = HeldSends(monkeypatch)
+    ENTERED.clear()
+    GATE.clear()
+    community = workflow.community_id
+    start(workflow, {"steps": [function_step("block", "test.send_ahead_lease_gate")]})
+    stop = threading.Event()
+    summaries: list = []
+    batch = 8
+    config = OrchestratorConfig(
+        community_id=community, concurrency=1, poll_interval=0.05, lease_seconds=60, batch_size=batch
+    )
+    runner = orchestrate(config, stop, summaries)
+    try:
+        assert ENTERED.wait(BARRIER_TIMEOUT)
+        start(workflow, {"steps": [send_step("send", TARGETS, content="first")]})
+        assert held.entered.wait(BARRIER_TIMEOUT), "the sends never reached the completer"
+        for i in range(4 * batch):  # one NOTIFY each
+            start(workflow, {"steps": [send_step("send", TARGETS, content=f"m{i}")]})
+        wait_until(
+            lambda: sum(s.state == "running" for s in sends(community)) >= 2 * batch,
+            what="two batches of sends claimed",
+        )
+        stop.wait(1.0)  # many more NOTIFYs and poll intervals: still bounded
+        claimed = sum(s.state == "running" for s in sends(community))
+        assert claimed <= (3 if async_functions else 2) * batch + 1, claimed
+        held.gate.set()
+        GATE.set()
+        wait_until(lambda: all(s.state == "waiting" for s in sends(community)), what="every send parked")
+    finally:
+        held.gate.set()
+        GATE.set()
+        stop.set()
+        runner.join(BARRIER_TIMEOUT)
+    assert len(deliveries_per_run(community)) == 4 * batch + 1
     assert set(deliveries_per_run(community).values()) == {len(TARGETS)}
