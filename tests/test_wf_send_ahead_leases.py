@@ -17,6 +17,7 @@ from buzz_delivery.workflows import orchestrator as orchestrator_module
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.orchestrator import OrchestratorConfig, run_orchestrator
 from buzz_delivery.workflows.registry import workflow_function
+from buzz_delivery.workflows.services import claim_steps
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.testing import function_step, send_step
 from tests.conftest import BARRIER_TIMEOUT
@@ -211,4 +212,34 @@ def test_a_stuck_completer_bounds_the_sends_claimed(workflow, monkeypatch, async
         stop.set()
         runner.join(BARRIER_TIMEOUT)
     assert len(deliveries_per_run(community)) == 4 * batch + 1
+    assert set(deliveries_per_run(community).values()) == {len(TARGETS)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_send_readied_without_a_notify_is_claimed_ahead_at_the_next_poll(workflow, monkeypatch):
+    """A send made ready again without a NOTIFY (its lease lapsed and the reaper readied it,
+    as after a stopped orchestrator; or a retry's backoff gate passed) is claimed ahead at the
+    next poll while every step thread is busy, not left until a thread frees."""
+    monkeypatch.setattr(orchestrator_module, "_any_async_function", lambda: False)
+    ENTERED.clear()
+    GATE.clear()
+    community = workflow.community_id
+    start(workflow, {"steps": [send_step("send", TARGETS)]})
+    [lost] = claim_steps(community, limit=1, lease_seconds=30, holder="gone")
+    start(workflow, {"steps": [function_step("block", "test.send_ahead_lease_gate")]})
+    stop = threading.Event()
+    summaries: list = []
+    config = OrchestratorConfig(community_id=community, concurrency=1, poll_interval=0.1, lease_seconds=60)
+    runner = orchestrate(config, stop, summaries)
+    try:
+        assert ENTERED.wait(BARRIER_TIMEOUT)
+        backdate_step_lease(lost.lease.step_id)
+        reap_workflow_steps()  # ready again; the reaper sends no NOTIFY
+        assert [s.state for s in sends(community)] == ["ready"]
+        wait_until(lambda: [s.state for s in sends(community)] == ["waiting"], what="the reaped send sent", timeout=20)
+        assert not GATE.is_set()
+    finally:
+        GATE.set()
+        stop.set()
+        runner.join(BARRIER_TIMEOUT)
     assert set(deliveries_per_run(community).values()) == {len(TARGETS)}
