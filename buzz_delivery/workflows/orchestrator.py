@@ -722,8 +722,9 @@ class Orchestrator:
         one transaction (issue 31); a send needs no step thread. Only the leader of one
         community, only after a NOTIFY since the last such claim or a poll interval without
         one (so a busy orchestrator does not claim for nothing on every freed place, and a send
-        made ready without a NOTIFY, reaped or past its backoff, is still claimed ahead), never under ``max_steps``, and at most two
-        batches of sends waiting for the completer (a slow completer slows these claims down).
+        made ready without a NOTIFY, reaped or past its backoff, is still claimed ahead), never
+        under ``max_steps``, and at most two batches of sends waiting for the completer (a slow
+        completer slows these claims down).
         One that comes back empty stops them for a poll interval, unless a send is claimed
         meanwhile (a community without sends pays at most one such claim a poll interval).
         True when it claimed a full batch: more may be ready, claim again now."""
