@@ -720,9 +720,11 @@ class Orchestrator:
         """With every step thread busy: claim the community's ready ``send_message`` steps (a
         statement that takes only those) and hand them to the completer, which sends them all in
         one transaction (issue 31); a send needs no step thread. Only the leader of one
-        community, only after a NOTIFY since the last such claim (so a busy orchestrator does not
-        claim for nothing on every freed place), never under ``max_steps``, and at most two
-        batches of sends waiting for the completer (a slow completer slows these claims down).
+        community, only after a NOTIFY since the last such claim or a poll interval without
+        one (so a busy orchestrator does not claim for nothing on every freed place, and a send
+        made ready without a NOTIFY, reaped or past its backoff, is still claimed ahead), never
+        under ``max_steps``, and at most two batches of sends waiting for the completer (a slow
+        completer slows these claims down).
         One that comes back empty stops them for a poll interval, unless a send is claimed
         meanwhile (a community without sends pays at most one such claim a poll interval).
         True when it claimed a full batch: more may be ready, claim again now."""
@@ -895,7 +897,12 @@ class Orchestrator:
                     self.starved = True
                 if self._room() > 0 or self._sends_wanted():
                     continue  # a place came free meanwhile, or a NOTIFY marked sends to claim
-                self.wake.wait(c.poll_interval)
+                if not self.wake.wait(c.poll_interval):
+                    # A poll: sends made ready without a NOTIFY (a lapsed lease the reaper
+                    # readied, a retry whose backoff gate passed) are claimed ahead too; an
+                    # empty claim pauses them a poll interval, so at most one a poll interval.
+                    with self.lock:
+                        self.sends_hint = True
             elif not claims:
                 # Woken for nothing: another orchestrator took the steps. After such misses,
                 # gather wakes a little before the next claim (a few ms, growing with the
