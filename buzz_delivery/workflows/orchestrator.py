@@ -556,7 +556,10 @@ class Orchestrator:
             occupied_loop = self.loop_in_flight - freed_loop - min(awaiting_loop, 2 * self.batch_size)
             tasks = c.async_concurrency - occupied_loop
             share = self.async_share
-        return mixed_room(threads, tasks, share, self.batch_size)
+            # Sends take no loop place, so the loop's room alone would let a claim take sends
+            # past the two batches a stuck completer may hold: cap it by the sends already there.
+            sends_room = 2 * self.batch_size - self.sends_awaiting
+        return max(0, min(mixed_room(threads, tasks, share, self.batch_size), sends_room))
 
     def _chain_room(self, completing: list[StepClaim], community: uuid.UUID) -> int:
         """The completer's ``room``: nothing once stopping or under ``max_steps`` (the
