@@ -7,7 +7,6 @@ ready. So a batch holds every ready send, not one per step thread."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from django.db import connection, transaction
@@ -21,7 +20,7 @@ from buzz_delivery.workflows.registry import workflow_function
 from buzz_delivery.workflows.services import claim_steps
 from buzz_delivery.workflows.testing import function_step, send_step
 from tests.conftest import BARRIER_TIMEOUT
-from tests.wf_support import start
+from tests.wf_support import start, wait_until
 
 TARGETS = [random32(), random32()]
 ENTERED = threading.Event()
@@ -39,14 +38,6 @@ def gate(input: dict, context: object) -> dict:
 @pytest.fixture
 def workflow(community):
     return WorkflowFactory(community=community)
-
-
-def wait_until(condition, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def step_states(community_id, key: str) -> list[str]:

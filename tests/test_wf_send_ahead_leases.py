@@ -5,7 +5,6 @@ was reclaimed by another orchestrator is sent once: the stale holder's batch is 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from django.db import connection
@@ -22,6 +21,12 @@ from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.testing import function_step, send_step
 from tests.conftest import BARRIER_TIMEOUT
 from tests.wf_support import backdate_step_lease, start
+from tests.wf_support import wait_until as _wait_until
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    _wait_until(condition, what, timeout)
+
 
 TARGETS = [random32(), random32()]
 SENDS = 6
@@ -40,14 +45,6 @@ def gate(input: dict, context: object) -> dict:
 @pytest.fixture
 def workflow(community):
     return WorkflowFactory(community=community)
-
-
-def wait_until(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def sends(community_id) -> list[Step]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
+import pytest
 from django.db import connection
 
 from buzz_delivery.services import Cause
@@ -101,3 +103,12 @@ async def async_permanent(input: dict, context: Any) -> dict:
     from buzz_delivery.workflows.registry import PermanentStepFailure
 
     raise PermanentStepFailure("nope", failure_code="async_refused")
+
+
+def wait_until(condition, what: str, timeout: float = 30) -> None:
+    """Poll ``condition`` every 50 ms; fail the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
