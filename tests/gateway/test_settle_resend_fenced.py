@@ -29,7 +29,8 @@ def claim_one(agent: GatewayClient) -> tuple[str, int]:
 
 def settle(agent: GatewayClient, community, delivery_id: str, generation: int, outcome: str) -> dict:
     item = {"delivery_id": delivery_id, "lease_generation": generation}
-    answer, _ = send(agent, f"/communities/{community.id}/deliveries/finish", {"deliveries": [item], "outcome": outcome})
+    payload = {"deliveries": [item], "outcome": outcome}
+    answer, _ = send(agent, f"/communities/{community.id}/deliveries/finish", payload)
     assert answer.status_code == 200, answer.content
     (result,) = answer.json()["results"]
     return result
