@@ -28,7 +28,9 @@ MAX_EVENT_TIMESTAMP = 10**11
 # then: a key enrolled nowhere writes nothing (issue 27: any signed request used to add a row).
 # The conflict on the primary key (a replay) shows as no row returned. The same read also returns
 # the active communities the key is enrolled in now (``enrolled_communities``'s answer): the views
-# take it from here instead of a read of their own (issue 29: a transaction less per request).
+# take it from here instead of a read of their own (issue 29: a transaction less per request),
+# only those where the enrollment predates the signature, as ``enrolled`` judges it: an event
+# signed before the key was enrolled in a community does not act there (held back, it did).
 ADMIT_IF_FRESH_ENROLLED_AND_UNSEEN = """
 WITH clock AS (SELECT buzz_delivery_now() AS t),
 fresh AS (
@@ -51,7 +53,8 @@ admitted AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM fresh), (SELECT count(*) FROM enrolled), (SELECT count(*) FROM admitted),
-       ARRAY(SELECT community_id FROM live ORDER BY community_id)
+       ARRAY(SELECT community_id FROM live
+             WHERE date_trunc('second', live.enrolled_at) <= to_timestamp(%(created_at)s) ORDER BY community_id)
 """
 # Rows whose event is older than the window can never be admitted again: delete them in batches.
 DELETE_SEEN_BEFORE_WINDOW = """
@@ -89,8 +92,9 @@ def record_event_id(event_id: bytes, pubkey: bytes, created_at: int, *, window_s
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """Outcome of :func:`admit_event`: the admission, and the ``active`` communities where the
-    key holds a live enrollment, ordered by id, read by the same statement (what
-    :func:`~buzz_delivery.gateway.services.enrolled_communities` answers)."""
+    key holds a live enrollment made no later than the event was signed, ordered by id, read by
+    the same statement (what :func:`~buzz_delivery.gateway.services.enrolled_communities`
+    answers, less the enrollments newer than the signature)."""
 
     admission: Admission
     communities: list[uuid.UUID]

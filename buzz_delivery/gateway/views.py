@@ -253,7 +253,8 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
                     break
                 woken.wait(min(poll, remaining))
                 woken.clear()
-                communities = gateway.enrolled_communities(pubkey)
+                # Still enrolled, and only where the admission let this request act.
+                communities = [c for c in gateway.enrolled_communities(pubkey) if c in communities]
                 claims = _claim_round(communities, pubkey, limit, lease_seconds)
     deliveries = [c.delivery for c in claims]
     messages = present.messages_for(deliveries)

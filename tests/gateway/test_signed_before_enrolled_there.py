@@ -1,0 +1,44 @@
+"""Review of issue 29: an event signed before its key was enrolled cannot be used after the
+enrollment (replay.py's admission rule). With the key enrolled elsewhere, such an event (held
+back, never sent) was admitted, and the communities the admission returns included the one the
+key was enrolled in only after it signed: it acted there. The list now holds only the
+communities where the enrollment predates the signature, as the admission judges it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from django.test import Client
+
+from buzz_delivery.gateway import nip98
+from buzz_delivery.gateway.client import GatewayClient
+from buzz_delivery.gateway.models import Enrollment
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import CommunityFactory
+from tests.gateway.support import deliver, enroll
+from tests.gateway.test_request_statements import BASE
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize("wait", [0, 1])  # 1: a long-poll, whose later rounds read the enrollments again
+def test_an_event_signed_before_the_key_was_enrolled_in_a_community_does_not_act_there(wait):
+    before, later = CommunityFactory(), CommunityFactory()
+    agent = GatewayClient(BASE, os.urandom(32))
+    enroll(agent, before)
+    Enrollment.objects.filter(community_id=before.id).update(enrolled_at="2020-01-01T00:00:00Z")  # long before
+    body = json.dumps({"limit": 5, "wait_seconds": wait}, separators=(",", ":")).encode()
+    signed_at = int(time.time()) - 10  # within the window; held back, never sent
+    event = nip98.sign_event(agent._key, BASE + "/deliveries/claim", "POST", body, created_at=signed_at)
+    enroll(agent, later)  # enrolled_at: now, after the signature
+    deliver(later, agent.pubkey, 1)
+    answer = Client().post(
+        "/gateway/v1/deliveries/claim", body, content_type="application/json",
+        HTTP_AUTHORIZATION=nip98.encode_header(event),
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["claims"] == []
+    assert not WorkflowAgentDelivery.objects.filter(community_id=later.id, status="claimed").exists()
