@@ -10,8 +10,8 @@ import json
 import os
 import time
 
+import httpx
 import pytest
-from django.test import Client
 
 from buzz_delivery.gateway import nip98
 from buzz_delivery.gateway.client import GatewayClient
@@ -19,25 +19,27 @@ from buzz_delivery.gateway.models import Enrollment
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import CommunityFactory
 from tests.gateway.support import deliver, enroll
-from tests.gateway.test_request_statements import BASE
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.mark.parametrize("wait", [0, 1])  # 1: a long-poll, whose later rounds read the enrollments again
-def test_an_event_signed_before_the_key_was_enrolled_in_a_community_does_not_act_there(wait):
+def test_an_event_signed_before_the_key_was_enrolled_in_a_community_does_not_act_there(wait, gateway_server):
+    # Through the session's gunicorn: a long-poll served in this process would start the wake
+    # hub's LISTEN connection here, which outlives the test and holds the test database open.
     before, later = CommunityFactory(), CommunityFactory()
-    agent = GatewayClient(BASE, os.urandom(32))
+    base = gateway_server.base
+    agent = GatewayClient(base, os.urandom(32))
     enroll(agent, before)
     Enrollment.objects.filter(community_id=before.id).update(enrolled_at="2020-01-01T00:00:00Z")  # long before
     body = json.dumps({"limit": 5, "wait_seconds": wait}, separators=(",", ":")).encode()
     signed_at = int(time.time()) - 10  # within the window; held back, never sent
-    event = nip98.sign_event(agent._key, BASE + "/deliveries/claim", "POST", body, created_at=signed_at)
+    event = nip98.sign_event(agent._key, base + "/deliveries/claim", "POST", body, created_at=signed_at)
     enroll(agent, later)  # enrolled_at: now, after the signature
     deliver(later, agent.pubkey, 1)
-    answer = Client().post(
-        "/gateway/v1/deliveries/claim", body, content_type="application/json",
-        HTTP_AUTHORIZATION=nip98.encode_header(event),
+    answer = httpx.post(
+        base + "/deliveries/claim", content=body, timeout=10 + wait,
+        headers={"Content-Type": "application/json", "Authorization": nip98.encode_header(event)},
     )  # fmt: skip
     assert answer.status_code == 200, answer.content
     assert answer.json()["claims"] == []
