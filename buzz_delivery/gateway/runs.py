@@ -54,6 +54,7 @@ from buzz_delivery.gateway.schema import (
     RUN_OUTPUT,
 )
 from buzz_delivery.gateway.views import (
+    _communities,
     _field_of,
     _lease,
     _lost_or_not_found,
@@ -79,25 +80,28 @@ def _run_not_found() -> GatewayError:
     return GatewayError("not_found", "no such agent run for this key in that community")
 
 
-def _own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes) -> AgentRun:
-    """The signer's run, after the enrollment check (403), or 404."""
-    _require_enrolled(community_id, pubkey)
+def _own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes, request: HttpRequest) -> AgentRun:
+    """The signer's run, after the enrollment check (403: as the request's admission read it),
+    or 404."""
+    _require_enrolled(community_id, pubkey, request)
     run = agents.get_agent_run(community_id, run_id)
     if run is None or bytes(run.agent_pubkey) != pubkey:
         raise _run_not_found()
     return run
 
 
-def _require_own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes) -> None:
+def _require_own_run(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes, request: HttpRequest) -> None:
     """As :func:`_own_run` with one narrow read (every holder request pays it)."""
-    _require_enrolled(community_id, pubkey)
+    _require_enrolled(community_id, pubkey, request)
     if agents.get_run_agent(community_id, run_id) != pubkey:
         raise _run_not_found()
 
 
-def _run_lease(community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes, data: dict[str, Any]) -> agents.AgentLease:
+def _run_lease(
+    request: HttpRequest, community_id: uuid.UUID, run_id: uuid.UUID, pubkey: bytes, data: dict[str, Any]
+) -> agents.AgentLease:
     worker = worker_of(pubkey, data["worker_id"])
-    _require_own_run(community_id, run_id, pubkey)
+    _require_own_run(community_id, run_id, pubkey, request)
     # lease_until is informational (the database judges expiry by its own clock).
     return agents.AgentLease(community_id, run_id, data["lease_generation"], timezone.now(), worker)
 
@@ -171,7 +175,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
     ``buzz_agents`` hints of those communities, polling every ``POLL_SECONDS``) or the wait
     ends. 200 ``{"claims": [{"run", "lease"}]}`` (possibly empty); 403 when enrolled nowhere."""
     worker = worker_of(pubkey, data["worker_id"])
-    communities = gateway.enrolled_communities(pubkey)
+    communities = _communities(request, pubkey)
     if not communities:
         raise GatewayError("not_enrolled", "this key is not enrolled in any active community")
     wait = float(data["wait_seconds"])
@@ -203,7 +207,7 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
 def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
     """One of the signer's runs with its journal in ``seq`` order (what a resumed handler
     replays). 200 ``{"run", "journal"}``; 403; 404."""
-    run = _own_run(community_id, run_id, pubkey)
+    run = _own_run(community_id, run_id, pubkey, request)
     journal = agents.get_journal(community_id, run_id)
     return JsonResponse({"run": present.run_of(run), "journal": [present.journal_entry_of(e) for e in journal]})
 
@@ -212,7 +216,7 @@ def read(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
 def heartbeat(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
     """Renew the run lease (``agents.services.heartbeat``). 200 ``{"outcome": "renewed",
     "lease"}`` / ``already_terminal``; 409 lease lost (``reason: "cancelled"`` after a cancel)."""
-    outcome = agents.heartbeat(_run_lease(community_id, run_id, pubkey, data), data["lease_seconds"])
+    outcome = agents.heartbeat(_run_lease(request, community_id, run_id, pubkey, data), data["lease_seconds"])
     if isinstance(outcome, agents.Renewed):
         return JsonResponse({"outcome": "renewed", "lease": present.run_lease_of(outcome.lease)})
     return _common(outcome)
@@ -224,7 +228,7 @@ def call(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
     ``{"outcome": "journaled", "seq", "idempotency_key"}``, ``{"outcome": "blocked", "seq",
     "reason"}`` (shadow mode: do not make it), ``{"outcome": "budget_exceeded", "budget", "used",
     "cap"}`` (nothing journaled) or ``already_terminal``; 409 lease lost."""
-    lease = _run_lease(community_id, run_id, pubkey, data)
+    lease = _run_lease(request, community_id, run_id, pubkey, data)
     outcome = agents.journal_call(
         lease,
         data["tool_name"],
@@ -255,7 +259,7 @@ def result(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     """Record a journaled call's result (``agents.services.record_call_result``). 200
     ``{"outcome": "recorded" | "already_recorded", "status"}`` (a retry gets the first answer) or
     ``already_terminal``; 409 lease lost."""
-    lease = _run_lease(community_id, run_id, pubkey, data)
+    lease = _run_lease(request, community_id, run_id, pubkey, data)
     outcome = agents.record_call_result(
         lease,
         data["seq"],
@@ -274,7 +278,7 @@ def approval(request: HttpRequest, pubkey: bytes, data: dict[str, Any], communit
     released. 200 ``{"outcome": "approval_requested", "approval_id", "seq"}``,
     ``budget_exceeded`` or ``already_terminal``; 409 lease lost. Once decided, claim the run
     again: its journal entry ``seq`` holds the decision."""
-    lease = _run_lease(community_id, run_id, pubkey, data)
+    lease = _run_lease(request, community_id, run_id, pubkey, data)
     outcome = agents.request_approval(lease, prompt=data["prompt"], deadline_seconds=data["deadline_seconds"])
     if isinstance(outcome, agents.ApprovalRequested):
         return JsonResponse(
@@ -290,7 +294,7 @@ def complete(request: HttpRequest, pubkey: bytes, data: dict[str, Any], communit
     """End the run ``completed`` with ``output`` (``agents.services.complete_run``). 200
     ``{"outcome": "finished", "state": "completed"}`` or ``already_terminal`` (the holder's
     retry); 409 lease lost (also while the run is unwinding)."""
-    outcome = agents.complete_run(_run_lease(community_id, run_id, pubkey, data), data["output"])
+    outcome = agents.complete_run(_run_lease(request, community_id, run_id, pubkey, data), data["output"])
     if isinstance(outcome, agents.Finished):
         return JsonResponse({"outcome": "finished", "state": outcome.state})
     return _common(outcome)
@@ -327,8 +331,10 @@ def _prepare_items(
     return prepared
 
 
-def _own(community_id: uuid.UUID, pubkey: bytes, prepared: list[Any]) -> set[uuid.UUID]:
-    """The runs of ``prepared`` that are the signer's (one read with the enrollment check: 403)."""
+def _own(request: HttpRequest, community_id: uuid.UUID, pubkey: bytes, prepared: list[Any]) -> set[uuid.UUID]:
+    """The runs of ``prepared`` that are the signer's (one read with the enrollment check: 403;
+    the community must be among those the request's admission read: enrolled when it signed)."""
+    _require_enrolled(community_id, pubkey, request)
     own = gateway.own_runs_if_enrolled(community_id, pubkey, [p.lease.run_id for p in prepared])
     if own is None:
         raise GatewayError("not_enrolled", "this key is not enrolled in that community")
@@ -368,6 +374,7 @@ def _execute(kind: _Kind, community_id: uuid.UUID, prepared: list[Any], own: set
 
 
 def _batch(
+    request: HttpRequest,
     pubkey: bytes,
     data: dict[str, Any],
     community_id: uuid.UUID,
@@ -384,7 +391,8 @@ def _batch(
     refuses wrote nothing; its items are then sent one at a time with the single forms."""
     kind = _Kind(prepare, send, replay, present_one, send_in_savepoint)
     prepared = _prepare_items(kind, data["runs"], "runs", community_id, worker_of(pubkey, data["worker_id"]), set())
-    return JsonResponse({"results": _execute(kind, community_id, prepared, _own(community_id, pubkey, prepared))})
+    own = _own(request, community_id, pubkey, prepared)
+    return JsonResponse({"results": _execute(kind, community_id, prepared, own)})
 
 
 def _finished(outcome: Any) -> dict[str, Any]:
@@ -399,7 +407,7 @@ def complete_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], co
     answers: ``finished`` (``state``), ``already_terminal``, ``lease_lost`` (``reason``:
     ``cancelled`` after a cancel) or ``not_found`` (no such run for this key); 400 naming the bad
     item (nothing written); 403 not enrolled there."""
-    return _batch_of(_COMPLETE, pubkey, data, community_id)
+    return _batch_of(request, _COMPLETE, pubkey, data, community_id)
 
 
 def _journaled(outcome: Any) -> dict[str, Any]:
@@ -418,7 +426,7 @@ def call_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commun
     (``journaled``, ``blocked``, ``budget_exceeded``, ``already_terminal``, ``lease_lost``) or
     ``not_found``; 400 naming the bad item (nothing written); 403."""
 
-    return _batch_of(_CALLS, pubkey, data, community_id)
+    return _batch_of(request, _CALLS, pubkey, data, community_id)
 
 
 def _recorded_row(outcome: Any) -> dict[str, Any]:
@@ -441,6 +449,7 @@ def heartbeat_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], c
         return {"outcome": "renewed", "lease": present.run_lease_of(outcome.lease)}
 
     return _batch(
+        request,
         pubkey, data, community_id, lambda lease, item: _Held(lease), lambda c, held: send(c, [h.lease for h in held]),
         lambda held: agents.heartbeat(held.lease, seconds), renewed,
     )  # fmt: skip
@@ -463,7 +472,7 @@ def result_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], comm
     ``already_recorded`` with the status, ``already_terminal``, ``lease_lost``) or ``not_found``;
     400 naming the bad item (nothing written); 403."""
 
-    return _batch_of(_RESULTS, pubkey, data, community_id)
+    return _batch_of(request, _RESULTS, pubkey, data, community_id)
 
 
 def _prepare_call(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedCall:
@@ -492,8 +501,11 @@ _RESULTS = _Kind(_prepare_result, batch.record_results, batch.replay_result, _re
 STEP_KINDS = (("results", _RESULTS), ("calls", _CALLS), ("complete", _COMPLETE))
 
 
-def _batch_of(kind: _Kind, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID) -> JsonResponse:
+def _batch_of(
+    request: HttpRequest, kind: _Kind, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID
+) -> JsonResponse:
     return _batch(
+        request,
         pubkey, data, community_id, kind.prepare, kind.send, kind.replay, kind.present_one, kind.send_in_savepoint
     )
 
@@ -513,7 +525,7 @@ def steps_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commu
         raise bad_request("body", f"must hold 1..{int(most)} items in all (results, calls, complete)")
     seen: set[uuid.UUID] = set()
     prepared = {name: _prepare_items(kind, data[name], name, community_id, worker, seen) for name, kind in STEP_KINDS}
-    own = _own(community_id, pubkey, [p for items in prepared.values() for p in items])
+    own = _own(request, community_id, pubkey, [p for items in prepared.values() for p in items])
     answers = {name: _execute(kind, community_id, prepared[name], own) for name, kind in STEP_KINDS}
     return JsonResponse(answers)
 
@@ -523,7 +535,7 @@ def fail(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
     """Fail the run (``agents.services.fail_run``). 200 ``{"outcome": "finished", "state":
     "failed"}``, ``{"outcome": "unwinding", "seqs"}`` (compensate those entries, highest first,
     through the compensation endpoints, then fail again) or ``already_terminal``; 409 lease lost."""
-    lease = _run_lease(community_id, run_id, pubkey, data)
+    lease = _run_lease(request, community_id, run_id, pubkey, data)
     outcome = agents.fail_run(lease, data["failure_code"], data["failure_message"])
     if isinstance(outcome, agents.Finished):
         return JsonResponse({"outcome": "finished", "state": outcome.state})
@@ -547,6 +559,7 @@ def fail_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], commun
     ``already_terminal``, ``lease_lost`` (``reason``) or ``not_found``; 400 naming the bad item
     (nothing written); 403."""
     return _batch(
+        request,
         pubkey, data, community_id,
         lambda lease, item: batch.prepare_failure(lease, item["failure_code"], item["failure_message"]),
         batch.fail_runs, batch.replay_failure, _failed,
@@ -562,7 +575,7 @@ def compensation_begin(
     ``{"outcome": "begun", "compensation", "args", "output", "key"}`` (``key``: the
     compensation's own idempotency key), ``{"outcome": "not_next"}`` or ``already_terminal``;
     409 lease lost."""
-    outcome = agents.begin_compensation(_run_lease(community_id, run_id, pubkey, data), data["seq"])
+    outcome = agents.begin_compensation(_run_lease(request, community_id, run_id, pubkey, data), data["seq"])
     if outcome is None:
         return JsonResponse({"outcome": "not_next"})
     if isinstance(outcome, dict):
@@ -577,7 +590,7 @@ def compensation_finish(
     """Record the compensation of entry ``seq``: ``compensated`` or ``compensation_failed``
     (``agents.services.finish_compensation``). 200 ``{"outcome": "recorded" |
     "already_recorded", "status"}`` or ``already_terminal``; 409 lease lost."""
-    lease = _run_lease(community_id, run_id, pubkey, data)
+    lease = _run_lease(request, community_id, run_id, pubkey, data)
     return _recorded(agents.finish_compensation(lease, data["seq"], ok=data["ok"], error=data["error"]))
 
 
@@ -596,6 +609,7 @@ def compensation_begin_batch(request: HttpRequest, pubkey: bytes, data: dict[str
     ``compensation``, ``args``, ``output``, ``key``; ``not_next``; ``already_terminal``;
     ``lease_lost``) or ``not_found``; 400 naming the bad item (nothing written); 403."""
     return _batch(
+        request,
         pubkey, data, community_id, lambda lease, item: batch.prepare_compensation_begin(lease, item["seq"]),
         batch.begin_compensations, batch.replay_compensation_begin, _begun,
     )  # fmt: skip
@@ -609,6 +623,7 @@ def compensation_finish_batch(request: HttpRequest, pubkey: bytes, data: dict[st
     (``recorded`` / ``already_recorded`` with the status, ``already_terminal``, ``lease_lost``) or
     ``not_found``; 400 naming the bad item (nothing written); 403."""
     return _batch(
+        request,
         pubkey, data, community_id,
         lambda lease, item: batch.prepare_compensation_finish(lease, item["seq"], ok=item["ok"], error=item["error"]),
         batch.finish_compensations, batch.replay_compensation_finish, _recorded_row,
@@ -621,7 +636,7 @@ def emit(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
     a remote ``ctx.emit``). 200 ``{"outcome": "emitted", "seq"}``, ``{"outcome": "too_large",
     "field", "used", "size", "cap"}`` (past the run's ``MAX_STREAM_BYTES``; nothing written) or
     ``already_terminal``; 400 names ``chunk`` (empty, NUL, over ``MAX_CHUNK_BYTES``); 409 lease lost."""
-    outcome = agents.emit_output(_run_lease(community_id, run_id, pubkey, data), data["chunk"])
+    outcome = agents.emit_output(_run_lease(request, community_id, run_id, pubkey, data), data["chunk"])
     if isinstance(outcome, agents.Emitted):
         return JsonResponse({"outcome": "emitted", "seq": outcome.seq})
     if isinstance(outcome, agents.TooLarge):
@@ -648,7 +663,7 @@ def output(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
     wait does. 200 ``{"chunks": [{"seq", "chunk"}], "after", "terminal", "done"}``: ``after`` is
     the last seq returned (pass it back), ``done`` true once the run is terminal and every chunk
     has been returned; 403; 404 (another key's run looks like a missing one)."""
-    _require_own_run(community_id, run_id, pubkey)
+    _require_own_run(community_id, run_id, pubkey, request)
     page = _output_page(community_id, run_id, data)
     wait = float(data["wait_seconds"])
     if not page.chunks and not page.terminal and wait > 0:
