@@ -40,9 +40,13 @@ def claim_ready(community_id) -> dict:
 
 
 def lock_waiters(pids: list[int]) -> int:
-    """Of ``pids``, the backends waiting on a lock in a statement."""
+    """Of ``pids``, the backends waiting on a lock in a statement. The backend-status snapshot
+    is cleared first: inside a transaction PostgreSQL reads ``pg_stat_activity`` once and keeps
+    it, so a caller polling in its open transaction would never see a wait that began after its
+    first look (CI saw "the second never waited on the first")."""
     waiting = "wait_event_type = 'Lock'"
     with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute(
             f"SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s) AND state = 'active' AND {waiting}", [pids]
         )
