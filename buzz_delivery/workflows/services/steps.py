@@ -29,7 +29,7 @@ from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_err
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Step
-from buzz_delivery.workflows.services import sql
+from buzz_delivery.workflows.services import cached, sql
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.types import (
@@ -129,7 +129,7 @@ def _claim_ready(params: dict[str, Any], limits: dict[str, int]) -> list[tuple[A
     """The claim statement's rows: the plain claim, or with ``limits`` declared the claim that
     takes slots, under the community's step-claim lock (services/flow.py)."""
     if not limits:
-        return fetch_all(sql.CLAIM_READY_STEPS, params)
+        return fetch_all(cached.CLAIM_STEPS.call, params)  # sql.CLAIM_READY_STEPS, plan-cached
     return flow.claim_holding_slots(
         sql.CLAIM_READY_STEPS_UNDER_LIMITS,
         {**params, **flow.all_caps(limits, flow.STEP_KINDS)},
@@ -442,7 +442,7 @@ def _complete_and_claim(
                 "lease_generations": [lease.lease_generation for lease, _ in batch],
                 "outputs": [text for _, text in batch],
             }
-            settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
+            settled = {row[0] for row in fetch_all(cached.COMPLETE_STEPS.call, params)}
             for lease, _ in batch:
                 outcomes[lease.step_id] = Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
         if claim_params["limit"]:
