@@ -59,10 +59,11 @@ def test_the_database_function_runs_todays_statement(statement):
         assert cursor.fetchall() == [(0, True)]
 
 
-def test_the_claim_and_the_batch_completion_go_through_the_functions(community):
+def test_the_start_the_claim_and_the_batch_completion_go_through_the_functions(community):
     workflow = WorkflowFactory(community=community)
-    start(workflow, diamond())
     with CaptureQueriesContext(connection) as queries:
+        run = start(workflow, diamond())
+        assert run.state == "running" and run.steps_left == 4 and run.input == {}
         first = claim_steps(community.id, limit=10, lease_seconds=30)
         assert [c.step.key for c in first] == ["step1"]
         batch = complete_and_claim_steps(community.id, [(first[0].lease, {"n": 1})], claim_limit=10)
@@ -70,11 +71,15 @@ def test_the_claim_and_the_batch_completion_go_through_the_functions(community):
         assert sorted(c.step.key for c in batch.claims) == ["step2", "step3"]
         assert complete_steps(community.id, [(c.lease, None) for c in batch.claims]) == [Settled("succeeded")] * 2
     sent = " ".join(q["sql"] for q in queries.captured_queries)
+    assert sent.count(cached.CREATE_RUN.function + "(") == 1
     assert sent.count(cached.CLAIM_STEPS.function + "(") == 2
     assert sent.count(cached.COMPLETE_STEPS.function + "(") == 2
-    # The rows are the statement's: a claim's step and its definition's spec as before.
-    assert first[0].step.history is None or "history" not in first[0].step.get_deferred_fields()
-    assert first[0].spec["key"] == "step1" if "key" in first[0].spec else first[0].spec
+    # The rows are the statement's: the claimed step as a model instance (its history deferred),
+    # its lease, and its spec from the run's pinned definition.
+    step = first[0].step
+    assert (step.state, step.run_id, step.lease_generation, step.attempts) == ("running", run.pk, 1, 1)
+    assert "history" in step.get_deferred_fields() and step.lease_until == first[0].lease.lease_until
+    assert first[0].spec["kind"] == "function"
 
 
 @pytest.mark.skipif(CITUS_MODE, reason="on Citus the functions plan each call (force_custom_plan)")

@@ -17,6 +17,7 @@ On Citus each is delegated to the worker of the community its first argument nam
 from __future__ import annotations
 
 from buzz_delivery.services.cached import CachedStatement
+from buzz_delivery.workflows.models import Run
 from buzz_delivery.workflows.services import sql
 
 # The claim's rows: the step columns but the history (as the statement returns them), then the
@@ -69,4 +70,40 @@ COMPLETE_STEPS = CachedStatement(
     columns="d.o_id",
 )
 
-ALL = (CLAIM_STEPS, COMPLETE_STEPS)
+# The start of a run (the core run, the engine run, its steps; one per run started): the run's
+# columns, then the NOTIFY's (void, as text: a function's result column cannot be void).
+_RUN_RETURNS = "TABLE(" + ", ".join(f"o_{f.column} {_sql_type(f)}" for f in Run._meta.concrete_fields) + ", o_notified text)"
+_RUN_COLUMNS = ", ".join(f"d.o_{f.column}" for f in Run._meta.concrete_fields) + ", d.o_notified"
+_NOTIFY = "pg_notify('buzz_workflows', %(community_id)s::text) FROM run"
+assert sql.CREATE_RUN.count(_NOTIFY) == 1
+
+CREATE_RUN = CachedStatement(
+    function="buzz_workflows_create_run",
+    statement=sql.CREATE_RUN.replace(_NOTIFY, "pg_notify('buzz_workflows', %(community_id)s::text)::text FROM run"),
+    params=(
+        ("community_id", "uuid"),
+        ("run_id", "uuid"),
+        ("workflow_id", "uuid"),
+        ("definition_id", "uuid"),
+        ("input", "jsonb"),
+        ("cause_kind", "text"),
+        ("cause_event_id", "bytea"),
+        ("cause_scheduled_for", "timestamptz"),
+        ("cause_webhook_invocation_id", "uuid"),
+        ("idempotency_key", "text"),
+        ("parent_run_id", "uuid"),
+        ("parent_step_key", "text"),
+        ("depth", "integer"),
+        ("restart_of_id", "uuid"),
+        ("steps_total", "integer"),
+        ("deadline_seconds", "float8"),
+        ("steps", "jsonb"),
+        ("tags", "text[]"),
+        ("trace_context", "jsonb"),
+        ("priority", "integer"),
+    ),
+    returns=_RUN_RETURNS,
+    columns=_RUN_COLUMNS,
+)
+
+ALL = (CLAIM_STEPS, COMPLETE_STEPS, CREATE_RUN)

@@ -1,6 +1,7 @@
-"""The engine's claim of ready steps and its batch completion as plan-cached PL/pgSQL functions
-(issue 31, ``buzz_delivery/workflows/services/cached.py``): each orchestrator round parsed and
-planned both anew (about 0.3-0.5 ms of server CPU per run of DBOS's diamond,
+"""The engine's hottest statements as plan-cached PL/pgSQL functions (issue 31,
+``buzz_delivery/workflows/services/cached.py``): the claim of ready steps and the batch
+completion (once per orchestrator round) and the start of a run (once per run) were parsed and
+planned anew on every call (about 0.3-0.5 ms of server CPU per run of DBOS's diamond,
 ``bench/results/engine-server-cpu.md``). A frozen copy of what ``CachedStatement.create_sql()``
 printed when this migration was written."""
 
@@ -72,6 +73,53 @@ END
 $fn$;
 """
 
+CREATE_RUN = r"""
+CREATE OR REPLACE FUNCTION buzz_workflows_create_run(p_community_id uuid, p_run_id uuid, p_workflow_id uuid, p_definition_id uuid, p_input jsonb, p_cause_kind text, p_cause_event_id bytea, p_cause_scheduled_for timestamptz, p_cause_webhook_invocation_id uuid, p_idempotency_key text, p_parent_run_id uuid, p_parent_step_key text, p_depth integer, p_restart_of_id uuid, p_steps_total integer, p_deadline_seconds float8, p_steps jsonb, p_tags text[], p_trace_context jsonb, p_priority integer)
+RETURNS TABLE(o_community_id uuid, o_run_id uuid, o_workflow_id uuid, o_definition_id uuid, o_state varchar, o_input jsonb, o_output jsonb, o_tags varchar[], o_failure_code varchar, o_failure_message text, o_cause_kind varchar, o_cause_event_id bytea, o_cause_scheduled_for timestamp with time zone, o_cause_webhook_invocation_id uuid, o_idempotency_key varchar, o_parent_run_id uuid, o_parent_step_key varchar, o_restart_of_id uuid, o_depth integer, o_steps_total integer, o_steps_left integer, o_deadline_at timestamp with time zone, o_deliveries_to_expire boolean, o_trace_context jsonb, o_created_at timestamp with time zone, o_priority smallint, o_finished_at timestamp with time zone, o_notified text) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+WITH core AS (
+    INSERT INTO buzz_delivery_workflow_run (id, community_id, workflow_id)
+    VALUES (p_run_id, p_community_id, p_workflow_id)
+), run AS (
+    INSERT INTO buzz_workflows_run (run_id, community_id, workflow_id, definition_id, state, input, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire, tags, trace_context, priority)
+    VALUES (p_run_id, p_community_id, p_workflow_id, p_definition_id, 'running', p_input::jsonb,
+            p_cause_kind, p_cause_event_id, p_cause_scheduled_for, p_cause_webhook_invocation_id,
+            p_idempotency_key, p_parent_run_id, p_parent_step_key, p_depth, p_restart_of_id,
+            p_steps_total, p_steps_total, buzz_delivery_now() + make_interval(secs => p_deadline_seconds), false,
+            p_tags::varchar(100)[], p_trace_context::jsonb, p_priority)
+    RETURNING community_id, run_id, workflow_id, definition_id, state, input, output, tags, failure_code, failure_message, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, restart_of_id, depth, steps_total, steps_left, deadline_at, deliveries_to_expire, trace_context, created_at, priority, finished_at
+), ready AS (
+    INSERT INTO buzz_workflows_step (id, community_id, run_id, key, kind, state, position, depends_on, dependents,
+        deps_total, deps_done, deps_blocked, on_error, when_cond, max_attempts, attempts, timeout_seconds,
+        backoff_base_seconds, backoff_cap_seconds, lease_generation, ready_at, delivered_terminal,
+        delivered_failed, tolerate_failures, priority)
+    SELECT x.id, p_community_id, p_run_id, x.key, x.kind, x.state, x.position, x.depends_on, x.dependents,
+        x.deps_total, 0, 0, x.on_error, x.when_cond, x.max_attempts, 0, x.timeout_seconds,
+        x.backoff_base_seconds, x.backoff_cap_seconds, 0, buzz_delivery_now(), 0, 0, x.tolerate_failures, p_priority
+    FROM jsonb_to_recordset(p_steps::jsonb) AS x(id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], deps_total integer, on_error text, when_cond jsonb, max_attempts integer, timeout_seconds integer, backoff_base_seconds double precision, backoff_cap_seconds double precision, tolerate_failures integer)
+    WHERE x.state = 'ready'
+
+), pending AS (
+    INSERT INTO buzz_workflows_step (id, community_id, run_id, key, kind, state, position, depends_on, dependents,
+        deps_total, deps_done, deps_blocked, on_error, when_cond, max_attempts, attempts, timeout_seconds,
+        backoff_base_seconds, backoff_cap_seconds, lease_generation, ready_at, delivered_terminal,
+        delivered_failed, tolerate_failures, priority)
+    SELECT x.id, p_community_id, p_run_id, x.key, x.kind, x.state, x.position, x.depends_on, x.dependents,
+        x.deps_total, 0, 0, x.on_error, x.when_cond, x.max_attempts, 0, x.timeout_seconds,
+        x.backoff_base_seconds, x.backoff_cap_seconds, 0, NULL::timestamptz, 0, 0, x.tolerate_failures, p_priority
+    FROM jsonb_to_recordset(p_steps::jsonb) AS x(id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], deps_total integer, on_error text, when_cond jsonb, max_attempts integer, timeout_seconds integer, backoff_base_seconds double precision, backoff_cap_seconds double precision, tolerate_failures integer)
+    WHERE x.state = 'pending'
+
+)
+SELECT community_id, run_id, workflow_id, definition_id, state, input, output, tags, failure_code, failure_message, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, restart_of_id, depth, steps_total, steps_left, deadline_at, deliveries_to_expire, trace_context, created_at, priority, finished_at, pg_notify('buzz_workflows', p_community_id::text)::text FROM run;
+END
+$fn$;
+"""
+
 
 class Migration(migrations.Migration):
     dependencies = [("buzz_workflows", "0024_advance_releases_in_one_update")]
@@ -79,4 +127,5 @@ class Migration(migrations.Migration):
     operations = [
         migrations.RunSQL(sql=CLAIM_READY, reverse_sql="DROP FUNCTION buzz_workflows_claim_ready(uuid, bigint, float8, text);"),
         migrations.RunSQL(sql=COMPLETE_STEPS, reverse_sql="DROP FUNCTION buzz_workflows_complete_steps(uuid, uuid[], bigint[], jsonb[]);"),
+        migrations.RunSQL(sql=CREATE_RUN, reverse_sql="DROP FUNCTION buzz_workflows_create_run(uuid, uuid, uuid, uuid, jsonb, text, bytea, timestamptz, uuid, text, uuid, text, integer, uuid, integer, float8, jsonb, text[], jsonb, integer);"),
     ]
