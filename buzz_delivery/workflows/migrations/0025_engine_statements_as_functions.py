@@ -44,7 +44,7 @@ SET state = 'running',
 -- plan scan the community's runs: tests/test_wf_cached_statements.py).
 WHERE s.community_id = p_community_id AND s.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
 RETURNING s.community_id, s.id, s.run_id, s.key, s.kind, s.state, s.position, s.depends_on, s.dependents, s.deps_total, s.deps_done, s.deps_blocked, s.on_error, s.when_cond, s.max_attempts, s.attempts, s.timeout_seconds, s.backoff_base_seconds, s.backoff_cap_seconds, s.lease_generation, s.lease_until, s.claimed_at, s.ready_at, s.next_attempt_at, s.waiting_since, s.wait_deadline, s.expected, s.delivered_terminal, s.delivered_failed, s.tolerate_failures, s.child_run_id, s.output, s.failure_code, s.failure_message, s.skip_reason, s.priority, s.created_at, s.started_at, s.finished_at, s.claimed_by, s.renewals, s.event_name, s.event_key, s.on_timeout, s.map_key, s.item_index, s.spec, s.slot_community, s.slot_workflow, s.slot_step, s.slot_workflow_id,
-    (SELECT r.definition_id FROM buzz_workflows_run AS r WHERE r.community_id = s.community_id AND r.run_id = s.run_id);
+    (SELECT r.definition_id FROM buzz_workflows_run AS r WHERE r.community_id = p_community_id AND r.run_id = s.run_id);
 END
 $fn$;
 """

@@ -86,7 +86,7 @@ SET {_CLAIM_STEP_SET},
 -- plan scan the community's runs: tests/test_wf_cached_statements.py).
 WHERE s.community_id = %(community_id)s AND s.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
 RETURNING {{step_columns}},
-    (SELECT r.definition_id FROM {RUN} AS r WHERE r.community_id = s.community_id AND r.run_id = s.run_id)
+    (SELECT r.definition_id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = s.run_id)
 """
 
 # Under the operator's STEP_CONCURRENCY_LIMITS (services/flow.py; ``cap_community``,

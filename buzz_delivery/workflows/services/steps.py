@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from django.db import transaction
+from django.db.models.base import DEFERRED
 
 from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
@@ -138,12 +139,20 @@ def _claim_ready(params: dict[str, Any], limits: dict[str, int]) -> list[tuple[A
     )
 
 
+_STEP_ALL_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
+_HISTORY_AT = _STEP_ALL_ATTNAMES.index("history")
+assert sql.STEP_ATTNAMES == _STEP_ALL_ATTNAMES[:_HISTORY_AT] + _STEP_ALL_ATTNAMES[_HISTORY_AT + 1 :]
+
+
 def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
     claims = []
     ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
     priority = sql.STEP_ATTNAMES.index("priority")
     for row in sorted(rows, key=lambda r: (-r[priority], r[ready_at], r[step_id])):
-        step = Step.from_db("default", sql.STEP_ATTNAMES, row[:-1])
+        # Every concrete field in order, the history deferred: from_db given fewer values than
+        # fields matches each field's name against the list (52 x 51 compares, the largest
+        # Python cost of a claim; issue 31).
+        step = Step.from_db("default", _STEP_ALL_ATTNAMES, (*row[:_HISTORY_AT], DEFERRED, *row[_HISTORY_AT:-1]))
         # A map's element carries its own spec (jsonb, as text from the cursor); the definition's
         # steps are cached per version.
         if isinstance(step.spec, str):
