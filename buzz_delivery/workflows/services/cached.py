@@ -37,9 +37,7 @@ def _sql_type(field: object) -> str:
 
 
 _CLAIM_RETURNS = (
-    "TABLE("
-    + ", ".join(f"o_{f.column} {_sql_type(f)}" for f in sql._CLAIM_FIELDS)
-    + ", o_definition_id uuid)"
+    "TABLE(" + ", ".join(f"o_{f.column} {_sql_type(f)}" for f in sql._CLAIM_FIELDS) + ", o_definition_id uuid)"
 )
 _CLAIM_COLUMNS = ", ".join(f"d.o_{f.column}" for f in sql._CLAIM_FIELDS) + ", d.o_definition_id"
 _CLAIM_PARAMS = (
@@ -72,7 +70,9 @@ COMPLETE_STEPS = CachedStatement(
 
 # The start of a run (the core run, the engine run, its steps; one per run started): the run's
 # columns, then the NOTIFY's (void, as text: a function's result column cannot be void).
-_RUN_RETURNS = "TABLE(" + ", ".join(f"o_{f.column} {_sql_type(f)}" for f in Run._meta.concrete_fields) + ", o_notified text)"
+_RUN_RETURNS = (
+    "TABLE(" + ", ".join(f"o_{f.column} {_sql_type(f)}" for f in Run._meta.concrete_fields) + ", o_notified text)"
+)
 _RUN_COLUMNS = ", ".join(f"d.o_{f.column}" for f in Run._meta.concrete_fields) + ", d.o_notified"
 _NOTIFY = "pg_notify('buzz_workflows', %(community_id)s::text) FROM run"
 assert sql.CREATE_RUN.count(_NOTIFY) == 1

@@ -141,7 +141,8 @@ def _claim_ready(params: dict[str, Any], limits: dict[str, int]) -> list[tuple[A
 
 _STEP_ALL_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
 _HISTORY_AT = _STEP_ALL_ATTNAMES.index("history")
-assert sql.STEP_ATTNAMES == _STEP_ALL_ATTNAMES[:_HISTORY_AT] + _STEP_ALL_ATTNAMES[_HISTORY_AT + 1 :]
+_CLAIMED_ATTNAMES = _STEP_ALL_ATTNAMES[:_HISTORY_AT] + _STEP_ALL_ATTNAMES[_HISTORY_AT + 1 :]
+assert _CLAIMED_ATTNAMES == sql.STEP_ATTNAMES, "the claim returns every step column but the history, in order"
 
 
 def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
