@@ -24,7 +24,7 @@ from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from project.demo import audit
 from project.demo.models import DemoRun, HandlerCall
 from project.demo.report import ReaperTally, RunFacts, WorkerOutcome, build_report
-from project.demo.system import SystemScenario, build_system_checks, system_facts_json
+from project.demo.system import STARTUP_TIMEOUT_SECONDS, SystemScenario, build_system_checks, system_facts_json
 from project.demo.workers import WorkerProcess, start_worker, stop_all, worker_env
 from project.demo.workload import Producer, Tenant, create_tenants
 
@@ -35,9 +35,6 @@ REAP_EVERY_SECONDS = 1.0
 TICK_SECONDS = 0.25
 KILL_AFTER_SECONDS = 5.0
 POLL_INTERVAL_SECONDS = 0.5
-# 13 worker processes import Django at once: on a busy 2-core machine (or where
-# PYTHONDONTWRITEBYTECODE keeps every process compiling the sources) that took over a minute.
-STARTUP_TIMEOUT_SECONDS = 300.0
 
 
 class DemoError(Exception):
