@@ -23,6 +23,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--freeze", action="store_true")
+    parser.add_argument(
+        "--idle-exit",
+        type=float,
+        default=0.3,
+        help="the worker's idle exit, seconds (longer on a loaded machine: a slow start idled out at 0)",
+    )
     parser.add_argument("--services", action="store_true", help="claim 50 -> finish 50 loop, no worker")
     parser.add_argument(
         "--statements",
@@ -88,7 +94,7 @@ def main() -> None:
                     concurrency=args.concurrency,
                     batch_size=50,
                     poll_interval=0.5,
-                    idle_exit=0.3,
+                    idle_exit=args.idle_exit,
                 ),
                 handle_signals=False,
             )
