@@ -77,9 +77,9 @@ def test_a_worker_holds_a_fixed_number_of_connections_whatever_its_concurrency(m
 
 
 def test_a_backlog_is_claimed_in_whole_batches_while_every_handler_thread_has_work(make_binding, start_worker):
-    """While each handler thread has a claim (running or queued), the dispatcher waits for room
-    for a whole batch instead of claiming what each finished handler freed (issue 31: a no-op
-    drain's claims averaged 34 rows of 50, a statement and a commit each)."""
+    """While claims wait in the local queue beyond one per handler thread, the dispatcher waits
+    for room for a whole batch instead of claiming what each finished handler freed (issue 31:
+    a no-op drain's claims averaged 34 rows of 50, a statement and a commit each)."""
     target = random32()
     ids = commit(make_binding, target, 200)
     worker = start_worker(

@@ -573,8 +573,8 @@ class Worker:
         return max(0, min(self.batch_size, int(budget * pace)))
 
     def _room(self) -> int:
-        """How many deliveries the next claim may take: 0 while the claimed work still keeps
-        every handler thread busy and less than a batch would fit (see below)."""
+        """How many deliveries the next claim may take: 0 while claims wait in the local queue
+        beyond one per handler thread and less than a batch would fit (see below)."""
         capacity = self.config.concurrency + self._ahead()
         with self._lock:
             handling = self.handling
@@ -583,12 +583,13 @@ class Worker:
             free = min(capacity - handling, capacity + 2 * self.batch_size - self.in_flight)
         if self.config.max_deliveries is not None:
             free = min(free, self.config.max_deliveries - self.claimed)
-        if 0 < free < self.batch_size and handling >= self.config.concurrency:
-            # Top the claimed-ahead queue up in whole batches: while every handler thread has a
-            # claim (running or queued) one more claim now would only queue, so wait until a
-            # thread is about to run out or a full batch fits. Claiming whatever a finished
-            # handler freed made a statement per few deliveries (a no-op drain's claims averaged
-            # 34 rows of 50), each with its commit and fixed server cost (issue 31).
+        if 0 < free < self.batch_size and handling > self.config.concurrency:
+            # Top the claimed-ahead queue up in whole batches: while claims still wait in it
+            # beyond one per handler thread, one more claim now would only queue behind them, so
+            # wait until it has run down to the threads' own or a full batch fits. Claiming
+            # whatever each finished handler freed made a statement per few deliveries (a no-op
+            # drain's claims averaged 34 rows of 50), each with its commit and fixed server
+            # cost (issue 31).
             return 0
         return max(free, 0)
 
