@@ -11,7 +11,6 @@ import collections
 import re
 import resource
 import time
-
 from typing import Any
 
 from bench import data, env

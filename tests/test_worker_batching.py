@@ -95,3 +95,27 @@ def test_a_backlog_is_claimed_in_whole_batches_while_every_handler_thread_has_wo
     # The first claim (no handler has run: no claim-ahead yet) and the backlog's tail are short;
     # a stall on a loaded machine may shorten one more. Every other claim takes a whole batch.
     assert sum(1 for n in sizes if n < 20) <= 3, sizes
+
+
+def test_idle_exit_is_counted_from_the_dispatchers_start_not_from_the_workers_construction(community):
+    """Starting the threads and the listener took longer than ``idle_exit`` on a loaded machine:
+    the worker then stopped idle before its first poll, with its queue full (the peers bench:
+    ``the queue was not empty when its workers stopped``). The dispatcher polls at least once."""
+    import threading
+    import time
+
+    from buzz_delivery.worker import WorkerConfig
+    from buzz_delivery.worker.runtime import Worker
+
+    config = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=random32(),
+        handler=lambda delivery: None,
+        concurrency=1,
+        poll_interval=0.1,
+        idle_exit=0.2,
+    )
+    worker = Worker(config, threading.Event())
+    time.sleep(0.3)  # a start slower than idle_exit
+    assert worker.dispatch() == "idle_exit"
+    assert worker.tally.summary()["claim_statements"] >= 1

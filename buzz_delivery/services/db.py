@@ -220,7 +220,8 @@ def uuid_array(values: Iterable[uuid.UUID]) -> str:
     hex), so nothing of the value can reach the array's syntax. A UUID is written as its 32 hex
     digits without hyphens (a form ``uuid`` input reads; formatting its int in C, not through
     ``UUID.__str__``)."""
-    return "{" + ",".join([format((v if type(v) is uuid.UUID else uuid.UUID(str(v))).int, "032x") for v in values]) + "}"
+    u = uuid.UUID
+    return "{" + ",".join([format((v if type(v) is u else u(str(v))).int, "032x") for v in values]) + "}"
 
 
 def int_array(values: Iterable[int]) -> str:

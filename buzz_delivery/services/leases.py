@@ -96,7 +96,7 @@ def _claims(rows: list[tuple[Any, ...]], community: uuid.UUID, target: bytes) ->
     model = WorkflowAgentDelivery
     utc = dt.UTC
     id_at, gen_at, until_at = _ID_INDEX, _GEN_INDEX, _UNTIL_INDEX
-    claims = []
+    claims: list[Claim] = []
     append = claims.append
     for row in rows:
         until = row[until_at]

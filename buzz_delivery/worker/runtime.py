@@ -811,6 +811,10 @@ class Worker:
         again until the next full round), else every pair every ``poll_interval``; a hint wakes
         it in between."""
         backlog, next_poll = True, 0.0
+        with self._lock:
+            # Idle from now, not from __init__: starting the threads and the listener can take
+            # longer than ``idle_exit`` on a loaded machine, which exited before the first poll.
+            self.last_busy = time.monotonic()
         while not (self.stop.is_set() or self.signalled):
             self.wake.clear()
             dead = self._dead_thread()
