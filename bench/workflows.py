@@ -9,7 +9,11 @@ the same run, on the same PostgreSQL, in its own process (``bench/dbos_diamond.p
 interpreter of ``--dbos-python``, which must have ``dbos`` installed).
 
 Printed per figure: runs/s, commits per run (``pg_stat_database.xact_commit`` of the database the
-figure uses), client CPU per run (the orchestrator and delivery worker processes and the starting
+figure uses: it also counts each new connection's start and, for every committed transaction
+that sent a NOTIFY, one transaction in every backend of the database that LISTENs, on any
+channel, where PostgreSQL reads its notification queue; see ``bench/results/send-shape.md``),
+client CPU per run (the orchestrator and delivery worker processes and the starting process;
+split after the table: orchestrators / delivery workers / the rest, i.e. the starting and polling
 process) and server CPU per run (the PostgreSQL backends of that database, from ``/proc``).
 Figures, and two checks that fail the bench loudly (exit status 1, the reason printed): each
 batch of runs must finish within ``DRIVE_TIMEOUT`` seconds, and no step may stay claimed
@@ -246,6 +250,8 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
     c1 = commits(OURS)
     summaries = [json.loads(f.read_text().strip().splitlines()[-1]) for f in sorted(logs.glob("orchestrator-*.json"))]
     client = (s1 - s0) + sum(p1[pid] - p0.get(pid, 0) for pid in p1)
+    orchestrators = sum(p1[p.pid] - p0.get(p.pid, 0) for p in procs[:k])
+    delivery_workers = sum(p1[p.pid] - p0.get(p.pid, 0) for p in procs[k:])
     server = sum(cpu - b0.get(pid, 0.0) for pid, cpu in b1.items())
     if watch.longest > POLL_INTERVAL + LIVENESS_SLACK:
         print(
@@ -258,6 +264,8 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
         "runs_per_s": runs / (t1 - t0),
         "commits_per_run": (c1 - c0) / runs,
         "client_cpu_ms_per_run": 1000 * client / runs,
+        "orchestrator_cpu_ms_per_run": 1000 * orchestrators / runs,
+        "delivery_worker_cpu_ms_per_run": 1000 * delivery_workers / runs,
         "server_cpu_ms_per_run": 1000 * server / runs,
         "claims_per_run": sum(x["claim_statements"] for x in summaries) / runs,
         "completes_per_run": sum(x["complete_statements"] for x in summaries) / runs,
@@ -286,6 +294,8 @@ def dbos(python: str, runs: int) -> dict[str, float] | None:
         "runs_per_s": r["runs"] / r["seconds"],
         "commits_per_run": r["commits"] / r["runs"],
         "client_cpu_ms_per_run": 1000 * r["cpu_seconds"] / r["runs"],
+        "orchestrator_cpu_ms_per_run": float("nan"),
+        "delivery_worker_cpu_ms_per_run": float("nan"),
         "server_cpu_ms_per_run": float("nan"),
         "claims_per_run": float("nan"),
         "completes_per_run": float("nan"),
@@ -339,6 +349,16 @@ def main() -> None:
             f"{name:48} {f['runs_per_s']:8.1f} {f['runs_per_s'] / base:7.2f} {f['commits_per_run']:12.1f} "
             f"{f['client_cpu_ms_per_run']:14.1f} {f['server_cpu_ms_per_run']:14.1f} {f['claims_per_run']:11.2f} "
             f"{f['completes_per_run']:14.2f} {f['longest_claim_s']:16.2f}"
+        )
+    print(
+        "client ms/run split: orchestrators / delivery workers (the bench's, settling shape b's deliveries) / the rest"
+    )
+    for name, f in rows:
+        if name == plan[0][0]:
+            continue
+        rest = f["client_cpu_ms_per_run"] - f["orchestrator_cpu_ms_per_run"] - f["delivery_worker_cpu_ms_per_run"]
+        print(
+            f"  {name}: {f['orchestrator_cpu_ms_per_run']:.2f} / {f['delivery_worker_cpu_ms_per_run']:.2f} / {rest:.2f}"
         )
     if args.repeats > 1:
         for name, found in figures.items():
