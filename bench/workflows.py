@@ -4,7 +4,8 @@
 after both), runs per second end to end (first start to last run succeeded; after 20 warm-up
 runs and an ANALYZE, as DBOS's side warms up with 20), with K = 1 and 4
 ``run_workflow_worker`` processes; (b) the same with step4 a ``send_message`` to 2 targets whose
-deliveries are settled by 2 ``run_delivery_worker`` processes (one per target). DBOS runs (a) in
+deliveries are settled by 2 ``run_delivery_worker`` processes (one per target; with
+``--one-delivery-worker``, by one process serving both targets). DBOS runs (a) in
 the same run, on the same PostgreSQL, in its own process (``bench/dbos_diamond.py``, with the
 interpreter of ``--dbos-python``, which must have ``dbos`` installed).
 
@@ -137,7 +138,7 @@ def setup_django() -> None:
     django.setup()
 
 
-def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
+def ours(k: int, runs: int, send: bool, root: Path = ROOT, one_delivery_worker: bool = False) -> dict[str, float]:
     from django.db import connection
 
     from buzz_delivery.services import Cause
@@ -184,6 +185,9 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
         for i in range(k)
     ]
     if send:
+        # One worker per target (the default), or one worker serving both targets
+        # (--one-delivery-worker: one listener, one settle statement for both of a run's deliveries).
+        groups = [targets] if one_delivery_worker else [[t] for t in targets]
         procs += [
             subprocess.Popen(
                 [
@@ -192,8 +196,7 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
                     "run_delivery_worker",
                     "--community",
                     str(community.id),
-                    "--target",
-                    t.hex(),
+                    *[arg for t in group for arg in ("--target", t.hex())],
                     "--handler",
                     "bench.handlers:noop",
                     "--concurrency",
@@ -208,7 +211,7 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            for t in targets
+            for group in groups
         ]
     time.sleep(4)  # processes up and listening
 
@@ -311,6 +314,11 @@ def main() -> None:
     parser.add_argument("--dbos-python", default=os.environ.get("DBOS_PYTHON", sys.executable))
     parser.add_argument("--before-root", default=os.environ.get("BENCH_BEFORE_ROOT"))
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--one-delivery-worker",
+        action="store_true",
+        help="shape b: one run_delivery_worker for both targets instead of one per target",
+    )
     args = parser.parse_args()
     ensure_database(OURS)
     ensure_database(DBOS_DB)
@@ -327,7 +335,10 @@ def main() -> None:
             for k in ks:
                 for tag, root in roots:
                     plan.append(
-                        (f"{label}{tag}, K={k}", lambda k=k, send=send, root=root: ours(k, args.runs, send, root))
+                        (
+                            f"{label}{tag}, K={k}",
+                            lambda k=k, send=send, root=root: ours(k, args.runs, send, root, args.one_delivery_worker),
+                        )
                     )
     figures: dict[str, list[dict[str, float]]] = {}
     loads = []
