@@ -7,8 +7,11 @@ this process's client CPU µs/delivery.
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import resource
 import time
+from typing import Any
 
 from bench import data, env
 
@@ -19,7 +22,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--freeze", action="store_true")
+    parser.add_argument(
+        "--idle-exit",
+        type=float,
+        default=0.3,
+        help="the worker's idle exit, seconds (longer on a loaded machine: a slow start idled out at 0)",
+    )
     parser.add_argument("--services", action="store_true", help="claim 50 -> finish 50 loop, no worker")
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="count the statements each Django connection sends (by kind) and the database's commits",
+    )
     args = parser.parse_args()
     url = env.database_url()
     env.ensure_database(url)
@@ -49,12 +63,17 @@ def main() -> None:
     if args.freeze:
         gc.collect()
         gc.freeze()
+    sent: collections.Counter[str] = collections.Counter()
+    if args.statements:
+        _count_statements(sent)
     for _ in range(args.rounds):
         gc_time[0], gc_time[1] = 0.0, 0
+        sent.clear()
         data.clear_deliveries(conn)
         data.load(conn, tenant, args.deliveries)
         data.analyze(conn)
         conn.execute("CHECKPOINT")
+        commits0 = _commits(conn)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         cpu, wall = time.process_time(), time.monotonic()
         if args.services:
@@ -74,7 +93,7 @@ def main() -> None:
                     concurrency=args.concurrency,
                     batch_size=50,
                     poll_interval=0.5,
-                    idle_exit=0.3,
+                    idle_exit=args.idle_exit,
                 ),
                 handle_signals=False,
             )
@@ -89,6 +108,45 @@ def main() -> None:
             f" vcsw/d={(r1.ru_nvcsw - r0.ru_nvcsw) / n:.2f} ivcsw/d={(r1.ru_nivcsw - r0.ru_nivcsw) / n:.2f}",
             flush=True,
         )
+        if args.statements:
+            commits = _commits(conn) - commits0 - 1  # less this read's own transaction
+            print(f"commits/delivery={commits / n:.4f} (the database's xact_commit, all sessions)")
+            for kind, count in sent.most_common():
+                print(f"  {count / n:.4f}/delivery {count:>7} {kind}")
+
+
+def _commits(conn: Any) -> int:
+    """The bench database's committed transactions so far (``pg_stat_database``; the stats
+    snapshot cleared first so the figure is current)."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()").fetchone()
+    return int(row[0])
+
+
+_FUNCTION = re.compile(r"FROM (\w+)\(")
+_WORDS = re.compile(r"^\s*(\w+(?: \w+)?)")
+
+
+def _count_statements(sent: collections.Counter[str]) -> None:
+    """Count every statement sent through a Django connection of this process (each thread's
+    own), by the function it calls or its first words."""
+    from django.db.backends.signals import connection_created
+
+    def wrapper(execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        text = str(sql)
+        match = _FUNCTION.search(text) or _WORDS.search(text)
+        sent[match.group(1) if match else text[:40]] += 1
+        return execute(sql, params, many, context)
+
+    def on_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
+        if wrapper not in connection.execute_wrappers:
+            connection.execute_wrappers.append(wrapper)
+
+    connection_created.connect(on_connection, weak=False)
+    from django.db import connection
+
+    if connection.connection is not None:
+        on_connection(None, connection)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,17 @@
 after both), runs per second end to end (first start to last run succeeded; after 20 warm-up
 runs and an ANALYZE, as DBOS's side warms up with 20), with K = 1 and 4
 ``run_workflow_worker`` processes; (b) the same with step4 a ``send_message`` to 2 targets whose
-deliveries are settled by 2 ``run_delivery_worker`` processes (one per target). DBOS runs (a) in
+deliveries are settled by 2 ``run_delivery_worker`` processes (one per target; with
+``--one-delivery-worker``, by one process serving both targets). DBOS runs (a) in
 the same run, on the same PostgreSQL, in its own process (``bench/dbos_diamond.py``, with the
 interpreter of ``--dbos-python``, which must have ``dbos`` installed).
 
 Printed per figure: runs/s, commits per run (``pg_stat_database.xact_commit`` of the database the
-figure uses), client CPU per run (the orchestrator and delivery worker processes and the starting
+figure uses: it also counts each new connection's start and, for every committed transaction
+that sent a NOTIFY, one transaction in every backend of the database that LISTENs, on any
+channel, where PostgreSQL reads its notification queue; see ``bench/results/send-shape.md``),
+client CPU per run (the orchestrator and delivery worker processes and the starting process;
+split after the table: orchestrators / delivery workers / the rest, i.e. the starting and polling
 process) and server CPU per run (the PostgreSQL backends of that database, from ``/proc``).
 Figures, and two checks that fail the bench loudly (exit status 1, the reason printed): each
 batch of runs must finish within ``DRIVE_TIMEOUT`` seconds, and no step may stay claimed
@@ -133,7 +138,7 @@ def setup_django() -> None:
     django.setup()
 
 
-def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
+def ours(k: int, runs: int, send: bool, root: Path = ROOT, one_delivery_worker: bool = False) -> dict[str, float]:
     from django.db import connection
 
     from buzz_delivery.services import Cause
@@ -180,6 +185,9 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
         for i in range(k)
     ]
     if send:
+        # One worker per target (the default), or one worker serving both targets
+        # (--one-delivery-worker: one listener, one settle statement for both of a run's deliveries).
+        groups = [targets] if one_delivery_worker else [[t] for t in targets]
         procs += [
             subprocess.Popen(
                 [
@@ -188,8 +196,7 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
                     "run_delivery_worker",
                     "--community",
                     str(community.id),
-                    "--target",
-                    t.hex(),
+                    *[arg for t in group for arg in ("--target", t.hex())],
                     "--handler",
                     "bench.handlers:noop",
                     "--concurrency",
@@ -204,7 +211,7 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            for t in targets
+            for group in groups
         ]
     time.sleep(4)  # processes up and listening
 
@@ -246,6 +253,8 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
     c1 = commits(OURS)
     summaries = [json.loads(f.read_text().strip().splitlines()[-1]) for f in sorted(logs.glob("orchestrator-*.json"))]
     client = (s1 - s0) + sum(p1[pid] - p0.get(pid, 0) for pid in p1)
+    orchestrators = sum(p1[p.pid] - p0.get(p.pid, 0) for p in procs[:k])
+    delivery_workers = sum(p1[p.pid] - p0.get(p.pid, 0) for p in procs[k:])
     server = sum(cpu - b0.get(pid, 0.0) for pid, cpu in b1.items())
     if watch.longest > POLL_INTERVAL + LIVENESS_SLACK:
         print(
@@ -258,6 +267,8 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT) -> dict[str, float]:
         "runs_per_s": runs / (t1 - t0),
         "commits_per_run": (c1 - c0) / runs,
         "client_cpu_ms_per_run": 1000 * client / runs,
+        "orchestrator_cpu_ms_per_run": 1000 * orchestrators / runs,
+        "delivery_worker_cpu_ms_per_run": 1000 * delivery_workers / runs,
         "server_cpu_ms_per_run": 1000 * server / runs,
         "claims_per_run": sum(x["claim_statements"] for x in summaries) / runs,
         "completes_per_run": sum(x["complete_statements"] for x in summaries) / runs,
@@ -286,6 +297,8 @@ def dbos(python: str, runs: int) -> dict[str, float] | None:
         "runs_per_s": r["runs"] / r["seconds"],
         "commits_per_run": r["commits"] / r["runs"],
         "client_cpu_ms_per_run": 1000 * r["cpu_seconds"] / r["runs"],
+        "orchestrator_cpu_ms_per_run": float("nan"),
+        "delivery_worker_cpu_ms_per_run": float("nan"),
         "server_cpu_ms_per_run": float("nan"),
         "claims_per_run": float("nan"),
         "completes_per_run": float("nan"),
@@ -301,6 +314,11 @@ def main() -> None:
     parser.add_argument("--dbos-python", default=os.environ.get("DBOS_PYTHON", sys.executable))
     parser.add_argument("--before-root", default=os.environ.get("BENCH_BEFORE_ROOT"))
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--one-delivery-worker",
+        action="store_true",
+        help="shape b: one run_delivery_worker for both targets instead of one per target",
+    )
     args = parser.parse_args()
     ensure_database(OURS)
     ensure_database(DBOS_DB)
@@ -317,7 +335,10 @@ def main() -> None:
             for k in ks:
                 for tag, root in roots:
                     plan.append(
-                        (f"{label}{tag}, K={k}", lambda k=k, send=send, root=root: ours(k, args.runs, send, root))
+                        (
+                            f"{label}{tag}, K={k}",
+                            lambda k=k, send=send, root=root: ours(k, args.runs, send, root, args.one_delivery_worker),
+                        )
                     )
     figures: dict[str, list[dict[str, float]]] = {}
     loads = []
@@ -339,6 +360,16 @@ def main() -> None:
             f"{name:48} {f['runs_per_s']:8.1f} {f['runs_per_s'] / base:7.2f} {f['commits_per_run']:12.1f} "
             f"{f['client_cpu_ms_per_run']:14.1f} {f['server_cpu_ms_per_run']:14.1f} {f['claims_per_run']:11.2f} "
             f"{f['completes_per_run']:14.2f} {f['longest_claim_s']:16.2f}"
+        )
+    print(
+        "client ms/run split: orchestrators / delivery workers (the bench's, settling shape b's deliveries) / the rest"
+    )
+    for name, f in rows:
+        if name == plan[0][0]:
+            continue
+        rest = f["client_cpu_ms_per_run"] - f["orchestrator_cpu_ms_per_run"] - f["delivery_worker_cpu_ms_per_run"]
+        print(
+            f"  {name}: {f['orchestrator_cpu_ms_per_run']:.2f} / {f['delivery_worker_cpu_ms_per_run']:.2f} / {rest:.2f}"
         )
     if args.repeats > 1:
         for name, found in figures.items():

@@ -8,6 +8,8 @@ Waits poll the database for a condition; nothing here is timed.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.db import connection
 
@@ -72,3 +74,48 @@ def test_a_worker_holds_a_fixed_number_of_connections_whatever_its_concurrency(m
     assert worker.wait() == 0, worker.log()
     assert 0 < held <= RUNTIME_CONNECTIONS
     assert set(statuses(ids).values()) == {"finished"}
+
+
+def test_a_backlog_is_claimed_in_whole_batches_while_every_handler_thread_has_work(make_binding, start_worker):
+    """While claims wait in the local queue beyond one per handler thread, the dispatcher waits
+    for room for a whole batch instead of claiming what each finished handler freed (issue 31:
+    a no-op drain's claims averaged 34 rows of 50, a statement and a commit each)."""
+    target = random32()
+    ids = commit(make_binding, target, 200)
+    worker = start_worker(
+        target,
+        *("--concurrency", "4", "--batch-size", "20", "--idle-exit", "1", "--lease-seconds", "30"),
+        handler="tests.worker_handlers:finish",
+    )
+    assert worker.wait(timeout=60) == 0, worker.log()
+
+    assert set(statuses(ids).values()) == {"finished"}
+    sizes = [int(n) for n in re.findall(r"claimed n=(\d+) via=", worker.log())]
+    assert sum(sizes) == 200
+    # The first claim (no handler has run: no claim-ahead yet) and the backlog's tail are short;
+    # a stall on a loaded machine may shorten one more. Every other claim takes a whole batch.
+    assert sum(1 for n in sizes if n < 20) <= 3, sizes
+
+
+def test_idle_exit_is_counted_from_the_dispatchers_start_not_from_the_workers_construction(community):
+    """Starting the threads and the listener took longer than ``idle_exit`` on a loaded machine:
+    the worker then stopped idle before its first poll, with its queue full (the peers bench:
+    ``the queue was not empty when its workers stopped``). The dispatcher polls at least once."""
+    import threading
+    import time
+
+    from buzz_delivery.worker import WorkerConfig
+    from buzz_delivery.worker.runtime import Worker
+
+    config = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=random32(),
+        handler=lambda delivery: None,
+        concurrency=1,
+        poll_interval=0.1,
+        idle_exit=0.2,
+    )
+    worker = Worker(config, threading.Event())
+    time.sleep(0.3)  # a start slower than idle_exit
+    assert worker.dispatch() == "idle_exit"
+    assert worker.tally.summary()["claim_statements"] >= 1

@@ -217,13 +217,16 @@ def uuid_array(values: Iterable[uuid.UUID]) -> str:
     through two regular expressions (about 7 µs a row for a batch settle's three arrays, a tenth
     of the services' own CPU per delivery); these elements never need quoting: each is
     normalised to its canonical form first (a UUID's hyphenated hex, an int's digits, bytes as
-    hex), so nothing of the value can reach the array's syntax."""
-    return "{" + ",".join([str(v if type(v) is uuid.UUID else uuid.UUID(str(v))) for v in values]) + "}"
+    hex), so nothing of the value can reach the array's syntax. A UUID is written as its 32 hex
+    digits without hyphens (a form ``uuid`` input reads; formatting its int in C, not through
+    ``UUID.__str__``)."""
+    u = uuid.UUID
+    return "{" + ",".join([format((v if type(v) is u else u(str(v))).int, "032x") for v in values]) + "}"
 
 
 def int_array(values: Iterable[int]) -> str:
     """``values`` (ints; a bool or a float is refused) as the text of a ``bigint[]``."""
-    return "{" + ",".join([_int_text(v) for v in values]) + "}"
+    return "{" + ",".join([str(v) if type(v) is int else _int_text(v) for v in values]) + "}"
 
 
 def _int_text(value: int) -> str:
@@ -234,7 +237,7 @@ def _int_text(value: int) -> str:
 
 def bytea_array(values: Iterable[bytes]) -> str:
     """``values`` (bytes) as the text of a ``bytea[]``: each element ``"\\x<hex>"``."""
-    return "{" + ",".join(['"\\\\x' + bytes(v).hex() + '"' for v in values]) + "}"
+    return "{" + ",".join(['"\\\\x' + (v if type(v) is bytes else bytes(v)).hex() + '"' for v in values]) + "}"
 
 
 def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:

@@ -150,15 +150,18 @@ class Settler(threading.Thread):
 
     def _settle_batch(self, jobs: list[SettleJob]) -> None:
         # The batch statement takes the leases of one community: group by community.
-        groups: dict[object, list[SettleJob]] = {}
-        seen: set[object] = set()
+        # Keyed by the UUIDs' ints (hashed in C; a UUID hashes through a Python method).
+        groups: dict[int, list[SettleJob]] = {}
+        seen: set[int] = set()
         singles: list[SettleJob] = []
         for job in jobs:
             # One statement takes each delivery once: a second lease of the same delivery (a
             # requeue while the old handler ran) settles on its own.
-            if job.lease.delivery_id not in seen:
-                seen.add(job.lease.delivery_id)
-                groups.setdefault(job.lease.community_id, []).append(job)
+            lease = job.lease
+            key = lease.delivery_id.int
+            if key not in seen:
+                seen.add(key)
+                groups.setdefault(lease.community_id.int, []).append(job)
             else:
                 singles.append(job)
         results: list[tuple[SettleJob, FinishOutcome]] = []

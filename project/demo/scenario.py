@@ -24,7 +24,7 @@ from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
 from project.demo import audit
 from project.demo.models import DemoRun, HandlerCall
 from project.demo.report import ReaperTally, RunFacts, WorkerOutcome, build_report
-from project.demo.system import SystemScenario, build_system_checks, system_facts_json
+from project.demo.system import STARTUP_TIMEOUT_SECONDS, SystemScenario, build_system_checks, system_facts_json
 from project.demo.workers import WorkerProcess, start_worker, stop_all, worker_env
 from project.demo.workload import Producer, Tenant, create_tenants
 
@@ -35,7 +35,6 @@ REAP_EVERY_SECONDS = 1.0
 TICK_SECONDS = 0.25
 KILL_AFTER_SECONDS = 5.0
 POLL_INTERVAL_SECONDS = 0.5
-STARTUP_TIMEOUT_SECONDS = 60.0
 
 
 class DemoError(Exception):
@@ -224,7 +223,10 @@ class Scenario:
                 log = dead[0].stderr_path.read_text()[-2000:]
                 raise DemoError(f"worker {dead[0].name} exited {dead[0].process.returncode} at start:\n{log}")
             time.sleep(TICK_SECONDS)
-        raise DemoError(f"workers not connected after {STARTUP_TIMEOUT_SECONDS:g} s: {sorted(names - present)}")
+        raise DemoError(
+            f"workers not connected after {STARTUP_TIMEOUT_SECONDS:g} s: {sorted(names - present)} "
+            "(still starting: is the machine overloaded? their logs are in the directory printed above)"
+        )
 
     def _drive(self, run: DemoRun, tenants: list[Tenant], producer: Producer) -> None:
         """Reap, kill, fence and watch until every delivery of an active community is settled."""

@@ -55,6 +55,10 @@ REMOTE_HANDLER = "project.demo.remote_agents:handle"
 REMOTE_DELIVERY_HANDLER = "project.demo.remote_agents:on_delivery"
 LEASE_SECONDS = 3.0
 TICK_SECONDS = 0.25
+# How long a started process (a worker, the gateway) may take to be ready: 13 processes import
+# Django at once, which took over a minute on a busy 2-core machine (or where
+# PYTHONDONTWRITEBYTECODE keeps every process compiling the sources).
+STARTUP_TIMEOUT_SECONDS = 300.0
 REAP_EVERY_SECONDS = 1.0
 AGENT_NAMES = ("lookup", "refund", "provision", "charge")
 REMOTE_NAMES = ("remote", "courier")  # agent runs through `work-runs`; plain deliveries through `work`
@@ -329,7 +333,7 @@ class SystemScenario:
             ],
         )
         base = f"http://127.0.0.1:{port}/gateway/v1"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
         while time.monotonic() < deadline:
             if proc.process.poll() is not None:
                 raise RuntimeError(f"the gateway exited {proc.process.returncode}: see {self.log_dir}/gateway.log")
@@ -338,7 +342,9 @@ class SystemScenario:
                     return base
             except httpx.HTTPError:
                 time.sleep(0.2)
-        raise RuntimeError(f"the gateway did not answer within 30 s: see {self.log_dir}/gateway.log")
+        raise RuntimeError(
+            f"the gateway did not answer within {STARTUP_TIMEOUT_SECONDS:g} s: see {self.log_dir}/gateway.log"
+        )
 
     def _remote_worker(self, name: str, mode: str, agent: str, handler: str, base: str, *, hang: bool = False) -> Proc:
         """A remote worker (``work`` or ``work-runs``) through the gateway. Its ``work-runs``
