@@ -122,7 +122,8 @@ $fn$;
 
 
 class Migration(migrations.Migration):
-    dependencies = [("buzz_workflows", "0024_advance_releases_in_one_update")]
+    # After 0026 (sendfast's fan-in, merged first; both were written on 0024): one line of migrations.
+    dependencies = [("buzz_workflows", "0026_fan_in_ends_step_in_its_counting_update")]
 
     operations = [
         migrations.RunSQL(sql=CLAIM_READY, reverse_sql="DROP FUNCTION buzz_workflows_claim_ready(uuid, bigint, float8, text);"),
