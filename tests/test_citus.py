@@ -161,6 +161,8 @@ TWO_STEPS_ON_CITUS = (
     "sql.INSERT_DELIVERIES_SKIP_EXISTING",
     "maps.INSERT_ELEMENTS",
     "sql.CREATE_RUN",
+    # The same statement as the plan-cached function's body (its NOTIFY's void cast to text).
+    "cached.CREATE_RUN['statement']",
     # The singleton commits (keep / replace) share the plain commit's shape: the INSERT's rows
     # come from parameter arrays through the coordinator (tests/test_flow_singleton.py pins that
     # every step is one task on the community's node).
@@ -183,7 +185,8 @@ def test_every_statement_that_names_its_community_runs_on_one_shard(community):
     assert len(statements) >= 30, len(statements)
     names = {source for source, _ in statements}
     for expected in ("sql.RETRY_IF_CURRENT_GENERATION", "cached.SETTLE_MANY['statement']",
-                     "sql.CLAIM_READY_STEPS", "sql.CLAIM_PENDING_RUNS",
+                     # (the engine's claim: sql.CLAIM_READY_STEPS, named for its function first)
+                     "cached.CLAIM_STEPS['statement']", "sql.CLAIM_PENDING_RUNS",
                      "cached.CLAIM['call']", "sql.END_RUN_IF_ACTIVE", "sql.REAP_LAPSED_LEASES",
                      "sql.EMIT_IF_CURRENT_AND_WITHIN_BOUND"):  # fmt: skip
         assert any(n.endswith(expected) for n in names), (expected, sorted(names))

@@ -19,10 +19,20 @@ class WorkflowsConfig(AppConfig):
     )
     # Functions the services call as ``SELECT f(<community>, ...)``, delegated on Citus to the
     # worker that holds the community named by the argument (buzz_delivery.scaleout).
-    buzz_delegated_functions = (
+    # (With the plan-cached statements of services/cached.py, named by their p_community_id.)
+    _delegated = (
         ("buzz_workflows_release_roots(uuid, uuid)", "cid"),
         ("buzz_workflows_end_run_if_active(uuid, uuid, text, text, text)", "cid"),
     )
+
+    @property
+    def buzz_delegated_functions(self) -> tuple[tuple[str, str], ...]:
+        from buzz_delivery.workflows.services import cached
+
+        plan_cached = tuple(
+            (f"{s.function}({', '.join(kind for _, kind in s.params)})", "p_community_id") for s in cached.ALL
+        )
+        return self._delegated + plan_cached
 
     def ready(self) -> None:
         from buzz_delivery.workflows import functions  # noqa: F401  (registers noop and echo)

@@ -22,7 +22,7 @@ from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.exceptions import IdempotencyConflict, RunNotFound, RunNotRestartable
 from buzz_delivery.workflows.models import MAX_TAGS, TAG_MAX_CHARS, DefinitionVersion, Run, Step
-from buzz_delivery.workflows.services import sql
+from buzz_delivery.workflows.services import cached, sql
 from buzz_delivery.workflows.services.common import canonical_json, json_argument
 from buzz_delivery.workflows.services.types import Canceled, RunView
 from buzz_delivery.workflows.states import RUN_TERMINAL
@@ -182,10 +182,10 @@ def _insert_run(
     }
     if release_roots:
         with transaction.atomic():
-            rows = fetch_all(sql.CREATE_RUN, params)
+            rows = fetch_all(cached.CREATE_RUN.call, params)  # sql.CREATE_RUN, plan-cached
             fetch_all(sql.RELEASE_ROOT_STEPS, {"community_id": community, "run_id": run_id})
     else:
-        rows = fetch_all(sql.CREATE_RUN, params)  # one statement: atomic on its own
+        rows = fetch_all(cached.CREATE_RUN.call, params)  # one statement (sql.CREATE_RUN, plan-cached)
     run = Run.from_db(connection.alias, sql.RUN_ATTNAMES, rows[0][:-1])
     run.input = input_value  # the cursor gives jsonb as text; the model holds the value
     run.trace_context = trace

@@ -79,10 +79,14 @@ WITH candidate AS MATERIALIZED (
 UPDATE {STEP} AS s
 SET {_CLAIM_STEP_SET},
     slot_community = NULL, slot_workflow = NULL, slot_step = NULL
-FROM candidate, {RUN} AS r
-WHERE s.community_id = %(community_id)s AND s.id = candidate.id AND s.state = 'ready'
-  AND r.community_id = s.community_id AND r.run_id = s.run_id
-RETURNING {{step_columns}}, r.definition_id
+-- Through the primary key (the ids as an array), with no state test: the candidates were locked
+-- FOR UPDATE after their latest version was re-checked (still ready), and a state test would
+-- let a plan reach them through the ready index or a scan of every ready step of the community;
+-- the run's definition by its key, row by row (a join let the plan-cached function's generic
+-- plan scan the community's runs: tests/test_wf_cached_statements.py).
+WHERE s.community_id = %(community_id)s AND s.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
+RETURNING {{step_columns}},
+    (SELECT r.definition_id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = s.run_id)
 """
 
 # Under the operator's STEP_CONCURRENCY_LIMITS (services/flow.py; ``cap_community``,

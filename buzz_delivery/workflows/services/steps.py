@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from django.db import transaction
+from django.db.models.base import DEFERRED
 
 from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
@@ -29,7 +30,7 @@ from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_err
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Step
-from buzz_delivery.workflows.services import sql
+from buzz_delivery.workflows.services import cached, sql
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 from buzz_delivery.workflows.services.runs import expire_deliveries_of_ended_runs
 from buzz_delivery.workflows.services.types import (
@@ -129,7 +130,7 @@ def _claim_ready(params: dict[str, Any], limits: dict[str, int]) -> list[tuple[A
     """The claim statement's rows: the plain claim, or with ``limits`` declared the claim that
     takes slots, under the community's step-claim lock (services/flow.py)."""
     if not limits:
-        return fetch_all(sql.CLAIM_READY_STEPS, params)
+        return fetch_all(cached.CLAIM_STEPS.call, params)  # sql.CLAIM_READY_STEPS, plan-cached
     return flow.claim_holding_slots(
         sql.CLAIM_READY_STEPS_UNDER_LIMITS,
         {**params, **flow.all_caps(limits, flow.STEP_KINDS)},
@@ -138,12 +139,21 @@ def _claim_ready(params: dict[str, Any], limits: dict[str, int]) -> list[tuple[A
     )
 
 
+_STEP_ALL_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
+_HISTORY_AT = _STEP_ALL_ATTNAMES.index("history")
+_CLAIMED_ATTNAMES = _STEP_ALL_ATTNAMES[:_HISTORY_AT] + _STEP_ALL_ATTNAMES[_HISTORY_AT + 1 :]
+assert _CLAIMED_ATTNAMES == sql.STEP_ATTNAMES, "the claim returns every step column but the history, in order"
+
+
 def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
     claims = []
     ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
     priority = sql.STEP_ATTNAMES.index("priority")
     for row in sorted(rows, key=lambda r: (-r[priority], r[ready_at], r[step_id])):
-        step = Step.from_db("default", sql.STEP_ATTNAMES, row[:-1])
+        # Every concrete field in order, the history deferred: from_db given fewer values than
+        # fields matches each field's name against the list (52 x 51 compares, the largest
+        # Python cost of a claim; issue 31).
+        step = Step.from_db("default", _STEP_ALL_ATTNAMES, (*row[:_HISTORY_AT], DEFERRED, *row[_HISTORY_AT:-1]))
         # A map's element carries its own spec (jsonb, as text from the cursor); the definition's
         # steps are cached per version.
         if isinstance(step.spec, str):
@@ -442,7 +452,7 @@ def _complete_and_claim(
                 "lease_generations": [lease.lease_generation for lease, _ in batch],
                 "outputs": [text for _, text in batch],
             }
-            settled = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT_GENERATION, params)}
+            settled = {row[0] for row in fetch_all(cached.COMPLETE_STEPS.call, params)}
             for lease, _ in batch:
                 outcomes[lease.step_id] = Settled("succeeded") if lease.step_id in settled else _missed(_params(lease))
         if claim_params["limit"]:
