@@ -37,7 +37,7 @@ def _function(name: str) -> tuple[str, str, list[str]]:
 @pytest.mark.parametrize("statement", cached.ALL, ids=lambda s: s.function)
 def test_the_database_function_runs_todays_statement(statement):
     """A statement of workflows/services/sql.py changed without a migration re-creating its
-    function fails here: add one that runs ``cached.<NAME>.create_sql()`` (frozen, as 0025 does)."""
+    function fails here: add one that runs ``cached.<NAME>.create_sql()`` (frozen, as 0026 does)."""
     body, arguments, config = _function(statement.function)
     assert body == statement.body, f"{statement.function} is stale: write a migration with its create_sql()"
     with connection.cursor() as cursor:  # the catalog prints each type's canonical name

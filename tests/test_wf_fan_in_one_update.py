@@ -1,5 +1,5 @@
 """The delivery fan-in ends a send_message step in the UPDATE that counts its last delivery
-(workflows migration 0026, issue 31): one statement and one version of the step row, not two.
+(workflows migration 0025, issue 31): one statement and one version of the step row, not two.
 The outcomes themselves (succeeded, failed past the tolerance, counted both ways, frozen while
 agent runs are awaited) are tests/test_wf_send_and_cancel.py's and the agents' tests'."""
 

@@ -6,7 +6,7 @@ statements do not survive a transaction-mode pooler, a function's plans stay wit
 The claim of ready steps and the batch completion run once per orchestrator round; their
 parse and plan cost as much as a third of their execution (``bench/results/engine-server-cpu.md``).
 The function bodies are the statements of :mod:`buzz_delivery.workflows.services.sql` with each
-``%(name)s`` renamed ``p_name``; the workflows migration that creates them (``0025``) holds a
+``%(name)s`` renamed ``p_name``; the workflows migration that creates them (``0026``) holds a
 frozen copy, and ``tests/test_wf_cached_statements.py`` compares the database's bodies with
 today's statements, so a changed statement without a new migration fails the suite.
 

@@ -122,8 +122,8 @@ $fn$;
 
 
 class Migration(migrations.Migration):
-    # After 0026 (sendfast's fan-in, merged first; both were written on 0024): one line of migrations.
-    dependencies = [("buzz_workflows", "0026_fan_in_ends_step_in_its_counting_update")]
+    # After 0025 (the fan-in in one update): one line of migrations.
+    dependencies = [("buzz_workflows", "0025_fan_in_ends_step_in_its_counting_update")]
 
     operations = [
         migrations.RunSQL(sql=CLAIM_READY, reverse_sql="DROP FUNCTION buzz_workflows_claim_ready(uuid, bigint, float8, text);"),
