@@ -33,15 +33,20 @@ def _claims(run):
     return claims
 
 
+def _send_then_after():
+    return {"steps": [send_step("send", [random32(), random32()]), function_step("after", depends_on=["send"])]}
+
+
 def _together(*calls):
-    """Run each call on its own thread (its own connection), released at once; their results."""
+    """Run each (function, *args) on its own thread (its own connection), released at once;
+    their results."""
     barrier = threading.Barrier(len(calls))
     results: list = [None] * len(calls)
 
     def run(i, call):
         try:
             barrier.wait()
-            results[i] = call()
+            results[i] = call[0](*call[1:])
         except BaseException as exc:  # reported by the assertion below
             results[i] = exc
         finally:
@@ -60,14 +65,14 @@ def _together(*calls):
 def test_the_last_two_deliveries_settled_at_once_end_the_step_once(community, outcomes):
     workflow = WorkflowFactory(community=community)
     for _ in range(3):
-        run = start(
-            workflow, {"steps": [send_step("send", [random32(), random32()]), function_step("after", depends_on=["send"])]}
-        )
+        run = start(workflow, _send_then_after())
         run_until_idle(community.id)
         a, b = _claims(run)
-        assert _together(
-            lambda: services.finish_delivery(a.lease, outcomes[0]), lambda: services.finish_delivery(b.lease, outcomes[1])
-        ) == [Settled(outcomes[0]), Settled(outcomes[1])]
+        settle = services.finish_delivery
+        assert _together((settle, a.lease, outcomes[0]), (settle, b.lease, outcomes[1])) == [
+            Settled(outcomes[0]),
+            Settled(outcomes[1]),
+        ]
         step = get_run(community.id, run.pk).step("send")
         failed = outcomes.count("failed")
         assert (step.delivered_terminal, step.delivered_failed) == (2, failed)
@@ -79,14 +84,12 @@ def test_the_last_two_deliveries_settled_at_once_end_the_step_once(community, ou
 def test_the_last_delivery_settled_while_the_run_is_cancelled_ends_the_step_one_way_only(community):
     workflow = WorkflowFactory(community=community)
     for _ in range(4):
-        run = start(
-            workflow, {"steps": [send_step("send", [random32(), random32()]), function_step("after", depends_on=["send"])]}
-        )
+        run = start(workflow, _send_then_after())
         run_until_idle(community.id)
         first, last = _claims(run)
         assert services.finish_delivery(first.lease, "finished") == Settled("finished")
         settled, canceled = _together(
-            lambda: services.finish_delivery(last.lease, "finished"), lambda: cancel_run(community.id, run.pk)
+            (services.finish_delivery, last.lease, "finished"), (cancel_run, community.id, run.pk)
         )
         assert run_state(run) == "canceled"
         step = get_run(community.id, run.pk).step("send")
@@ -105,9 +108,7 @@ def test_the_step_the_fan_in_ends_releases_its_successor_and_notifies_once(commu
     """The Advance (AFTER UPDATE OF state) sees the end the BEFORE trigger wrote in the counting
     UPDATE: one release of the successor and one NOTIFY of the engine's channel, at commit."""
     workflow = WorkflowFactory(community=community)
-    run = start(
-        workflow, {"steps": [send_step("send", [random32(), random32()]), function_step("after", depends_on=["send"])]}
-    )
+    run = start(workflow, _send_then_after())
     run_until_idle(community.id)
     first, last = _claims(run)
     with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as listener:
