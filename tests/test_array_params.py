@@ -42,3 +42,10 @@ def test_a_generation_that_is_not_an_int_is_refused(bad):
 def test_an_id_that_is_not_a_uuid_is_refused():
     with pytest.raises(ValueError):
         uuid_array([uuid.uuid4(), "1},{2"])
+
+
+@pytest.mark.parametrize("bad", [3, True, "ab"])
+def test_a_target_that_is_not_bytes_is_refused(bad):
+    """``bytes(3)`` is three zero bytes: an int is refused, not written as a key of zeros."""
+    with pytest.raises(TypeError):
+        bytea_array([bytes(32), bad])

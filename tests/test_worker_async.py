@@ -138,3 +138,21 @@ def test_more_than_256_in_flight_needs_an_async_handler(community):
         )  # fmt: skip
     assert refused.value.returncode == 2
     assert not WorkflowAgentDelivery.objects.exists()
+
+
+def test_claims_ahead_of_an_async_handler_wait_for_a_free_slot_of_its_concurrency(community, start_worker):
+    """``--concurrency`` bounds the async handlers in flight at once (docs/inbox.md: "``--concurrency``
+    tasks on one event loop thread"). The claim-ahead (claims beyond the free handlers, up to a
+    batch, once recent run times are known) handed each claim to the loop as a task at once: a
+    worker with ``--concurrency 2`` ran its claimed-ahead deliveries too, up to 2 + a batch
+    handlers at once. Claims ahead now wait on the loop for a slot, as they wait in the queue of
+    a thread pool (found in the review of issue 31's claim gate)."""
+    target = random32()
+    ids = commit(community, target, 120, sleep=0.05)
+    worker = start_worker(
+        target, "--concurrency", "2", "--batch-size", "20", "--max-deliveries", "120", "--lease-seconds", "30",
+        handler=ASYNC,
+    )  # fmt: skip
+    assert worker.wait(timeout=120) == 0, worker.log()[-3000:]
+    assert set(WorkflowAgentDelivery.objects.filter(id__in=ids).values_list("status", flat=True)) == {"finished"}
+    assert peak_overlap(worker.handler_log) <= 2

@@ -236,8 +236,15 @@ def _int_text(value: int) -> str:
 
 
 def bytea_array(values: Iterable[bytes]) -> str:
-    """``values`` (bytes) as the text of a ``bytea[]``: each element ``"\\x<hex>"``."""
-    return "{" + ",".join(['"\\\\x' + (v if type(v) is bytes else bytes(v)).hex() + '"' for v in values]) + "}"
+    """``values`` (bytes, bytearray, memoryview) as the text of a ``bytea[]``: each element
+    ``"\\x<hex>"``. An int (a bool) is refused: ``bytes(3)`` is three zero bytes, not a value."""
+    return "{" + ",".join(['"\\\\x' + (v if type(v) is bytes else _bytes_value(v)).hex() + '"' for v in values]) + "}"
+
+
+def _bytes_value(value: Any) -> bytes:
+    if isinstance(value, int):
+        raise TypeError("an int is not an array element of bytea[]")
+    return bytes(value)
 
 
 def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:

@@ -521,6 +521,10 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
+        # ``concurrency`` handlers at once: the claims ahead of them (``_ahead``) wait here for a
+        # slot, as they wait in the queue of the handler threads; handed to the loop, each task
+        # would otherwise start at once (up to concurrency + a batch at once).
+        self._slots = asyncio.Semaphore(self.config.concurrency)
         watch = LoopWatch(
             self.loop, name="buzz-worker-handlers", logger=logger, on_stall=lambda _: self.tally.add("loop_stalls")
         ).start_here()
@@ -543,7 +547,8 @@ class Worker:
     async def _task(self, claim: Claim, claimed_at: float) -> None:
         job = None
         try:
-            job = await self._ahandle(claim, claimed_at)
+            async with self._slots:
+                job = await self._ahandle(claim, claimed_at)
         except BaseException:
             logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
             self._fail("worker_error")
