@@ -1,4 +1,4 @@
-"""The fan-in that ends a send_message step in its counting UPDATE (workflows migration 0026)
+"""The fan-in that ends a send_message step in its counting UPDATE (workflows migration 0025)
 under races, with real threads on their own connections (a review of issue 31's change): the
 last two deliveries settled at once, the last delivery settled while the run is cancelled, and
 the Advance (its release and its NOTIFY) once per ended step."""
