@@ -57,7 +57,8 @@ def test_a_lease_lost_inside_a_settle_batch_is_reported_lost_and_the_rest_of_the
 
 def test_a_worker_holds_a_fixed_number_of_connections_whatever_its_concurrency(make_binding, start_worker):
     target = random32()
-    ids = commit(make_binding, target, 16)
+    # Three waves of eight 1.5 s handlers: the moment looked for below lasts about 3 s.
+    ids = commit(make_binding, target, 24)
     baseline = other_backends()
     worker = start_worker(
         target,
@@ -65,8 +66,10 @@ def test_a_worker_holds_a_fixed_number_of_connections_whatever_its_concurrency(m
         handler="tests.worker_handlers:sleep_without_database",  # 1.5 s, no database
     )
     # The first results have settled (the settler is connected) while later claims still run.
+    # (60 s: the worker's start-up counts too, slow on a loaded machine.)
     wait_until(
         lambda: list(statuses(ids).values()).count("finished") >= 1 and count_claimed(ids) > 0,
+        timeout=60,
         what="some settled, some still claimed",
     )
     held = other_backends() - baseline
