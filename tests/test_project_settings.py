@@ -224,7 +224,7 @@ def test_runserver_stopped_with_sigterm_stops_the_embedded_server(tmp_path, relo
         command, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
-        assert _wait_for(lambda: _serving(port), 90), "runserver did not start"
+        assert _wait_for(lambda: _serving(port), 180), "runserver did not start"  # initdb + migrate on a loaded CI
         assert _server_running(data_dir)
 
         server.send_signal(signal.SIGTERM)
