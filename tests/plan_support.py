@@ -30,3 +30,16 @@ def generic_explain(statement: CachedStatement, params: dict[str, Any], options:
             cursor.execute("DEALLOCATE buzz_generic_plan")
             cursor.execute("SET LOCAL plan_cache_mode = DEFAULT")
     return rows
+
+
+def database_function(name: str) -> tuple[str, str, list[str]]:
+    """The body, identity arguments and settings of the one database function named ``name``."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT p.prosrc, pg_get_function_identity_arguments(p.oid), p.proconfig
+               FROM pg_proc p WHERE p.proname = %s""",
+            [name],
+        )
+        rows = cursor.fetchall()
+    assert len(rows) == 1, f"{name}: {len(rows)} functions of that name"
+    return rows[0]

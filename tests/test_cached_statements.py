@@ -14,20 +14,9 @@ from buzz_delivery.services import cached, sql
 from buzz_delivery.services.db import SERVER_BOUND
 from buzz_delivery.testing import random32
 from tests.citus_support import CITUS_MODE
+from tests.plan_support import database_function as _function
 
 pytestmark = pytest.mark.django_db
-
-
-def _function(name: str) -> tuple[str, str, list[str]]:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """SELECT p.prosrc, pg_get_function_identity_arguments(p.oid), p.proconfig
-               FROM pg_proc p WHERE p.proname = %s""",
-            [name],
-        )
-        rows = cursor.fetchall()
-    assert len(rows) == 1, f"{name}: {len(rows)} functions of that name"
-    return rows[0]
 
 
 @pytest.mark.parametrize("statement", cached.ALL, ids=lambda s: s.function)

@@ -16,22 +16,11 @@ from buzz_delivery.testing import WorkflowFactory
 from buzz_delivery.workflows.services import cached, claim_steps, complete_and_claim_steps, complete_steps
 from buzz_delivery.workflows.testing import diamond
 from tests.citus_support import CITUS_MODE
+from tests.plan_support import database_function as _function
 from tests.plan_support import generic_explain
 from tests.wf_support import start
 
 pytestmark = pytest.mark.django_db
-
-
-def _function(name: str) -> tuple[str, str, list[str]]:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """SELECT p.prosrc, pg_get_function_identity_arguments(p.oid), p.proconfig
-               FROM pg_proc p WHERE p.proname = %s""",
-            [name],
-        )
-        rows = cursor.fetchall()
-    assert len(rows) == 1, f"{name}: {len(rows)} functions of that name"
-    return rows[0]
 
 
 @pytest.mark.parametrize("statement", cached.ALL, ids=lambda s: s.function)
