@@ -101,6 +101,7 @@ CREATE_RUN = CachedStatement(
         ("tags", "text[]"),
         ("trace_context", "jsonb"),
         ("priority", "integer"),
+        ("latest", "boolean"),
     ),
     returns=_RUN_RETURNS,
     columns=_RUN_COLUMNS,

@@ -1,0 +1,172 @@
+"""The engine's per-run work on the database (issue 31, workflows migration 0028): a start is
+one statement (one autocommit transaction) once its process has seen the workflow's latest
+version, still pinned to the version latest when it runs; and the run row gets one version
+fewer, the last step counted in the UPDATE that ends the run, whatever ends it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from buzz_delivery import services
+from buzz_delivery.models import WorkflowAgentDelivery, WorkflowRun
+from buzz_delivery.services import Cause, Settled
+from buzz_delivery.testing import WorkflowFactory, random32
+from buzz_delivery.workflows.models import Run, Step
+from buzz_delivery.workflows.services import (
+    cached,
+    claim_steps,
+    complete_step,
+    fail_step,
+    publish_definition,
+    start_run,
+)
+from buzz_delivery.workflows.services import runs as runs_service
+from buzz_delivery.workflows.testing import diamond, function_step, run_until_idle, send_step
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _start(workflow) -> Run:
+    return start_run(workflow.community_id, workflow.id, {}, cause=Cause.event(os.urandom(32)))
+
+
+def _run_versions_written() -> int:
+    """Rows of the run table this transaction UPDATEd so far (each a new row version)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_get_xact_tuples_updated('buzz_workflows_run'::regclass)")
+        return int(cursor.fetchone()[0])
+
+
+def _claims(community_id) -> dict:
+    """Every ready step of the community claimed, by key."""
+    return {c.step.key: c for c in claim_steps(community_id, limit=100, lease_seconds=30)}
+
+
+def _claim(community_id, key: str):
+    [(found_key, found)] = _claims(community_id).items()
+    assert found_key == key
+    return found
+
+
+def test_a_start_is_one_statement_once_its_process_saw_the_latest_version(community):
+    """It was two autocommit statements on every start: the latest version read, then the
+    insert; the insert now checks the version its process last saw is still the latest."""
+    workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, workflow.id, diamond())
+    _start(workflow)  # the first start in this process reads which version is the latest
+    with CaptureQueriesContext(connection) as queries:
+        run = _start(workflow)
+    sent = [q["sql"] for q in queries.captured_queries]
+    assert len(sent) == 1, sent
+    assert cached.CREATE_RUN.function + "(" in sent[0]
+    assert (run.state, run.steps_left, run.definition.version) == ("running", 4, 1)
+
+
+def test_a_version_published_since_the_process_looked_is_the_one_a_start_pins(community):
+    """Another process publishes version 2 (this one's cache still says 1): the start's
+    statement refuses version 1 and writes nothing, the start reads and pins version 2."""
+    workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, workflow.id, diamond())
+    first = _start(workflow)
+    second_version = publish_definition(community.id, workflow.id, {"steps": [function_step("only")]})
+    runs_service._LATEST[(community.id, workflow.id)] = first.definition  # as another process left it
+    with CaptureQueriesContext(connection) as queries:
+        run = _start(workflow)
+    assert len(queries.captured_queries) >= 3  # refused, the latest read, the start
+    assert run.definition_id == second_version.pk and run.steps_total == 1
+    assert list(Step.objects.filter(community_id=community.id, run_id=run.pk).values_list("key", flat=True)) == [
+        "only"
+    ]
+    assert WorkflowRun.objects.filter(community_id=community.id).count() == 2  # the refused one wrote no run
+    assert Run.objects.filter(community_id=community.id).count() == 2
+    assert _start(workflow).definition_id == second_version.pk  # and it is remembered
+
+
+def test_an_idempotent_start_still_returns_the_first_run(community):
+    workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, workflow.id, diamond())
+    cause = Cause.event(os.urandom(32))
+    first = start_run(community.id, workflow.id, {"a": 1}, cause=cause, idempotency_key="k")
+    again = start_run(community.id, workflow.id, {"a": 1}, cause=cause, idempotency_key="k")
+    assert again.pk == first.pk and Run.objects.filter(community_id=community.id).count() == 1
+
+
+def test_the_last_step_is_counted_in_the_update_that_ends_the_run(community):
+    """Ending the diamond's last step wrote the run row twice (the count, then the end)."""
+    workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, workflow.id, diamond())
+    run = _start(workflow)
+    complete_step(_claim(community.id, "step1").lease, None)
+    middle = _claims(community.id)
+    for key in ("step2", "step3"):
+        with transaction.atomic():
+            before = _run_versions_written()
+            complete_step(middle[key].lease, {"k": key})
+            assert _run_versions_written() - before == 1  # counted, the run still running
+    with transaction.atomic():
+        before = _run_versions_written()
+        assert complete_step(_claim(community.id, "step4").lease, {"done": True}) == Settled("succeeded")
+        assert _run_versions_written() - before == 1
+    ended = Run.objects.get(community_id=community.id, run_id=run.pk)
+    assert (ended.state, ended.steps_left, ended.output) == ("succeeded", 0, {"step4": {"done": True}})
+
+
+@pytest.mark.parametrize(("on_error", "state"), [("fail_run", "failed"), ("continue", "succeeded")])
+def test_a_last_step_that_fails_is_counted_in_the_end_too(community, on_error, state):
+    workflow = WorkflowFactory(community=community)
+    publish_definition(
+        community.id,
+        workflow.id,
+        {"steps": [function_step("a"), function_step("b", depends_on=["a"], on_error=on_error)]},
+    )
+    run = _start(workflow)
+    complete_step(_claim(community.id, "a").lease, None)
+    with transaction.atomic():
+        before = _run_versions_written()
+        fail_step(_claim(community.id, "b").lease, "boom", retryable=False)
+        # The end (and, for a failed run, the service clearing its deliveries_to_expire mark
+        # once its pending deliveries are expired): one version fewer than the count, then these.
+        assert _run_versions_written() - before == (2 if state == "failed" else 1)
+    ended = Run.objects.get(community_id=community.id, run_id=run.pk)
+    assert (ended.state, ended.steps_left) == (state, 0)
+    if state == "failed":
+        assert ended.failure_code == "step_failed"
+
+
+def test_a_fail_run_step_with_others_open_cancels_them_and_counts_every_one(community):
+    """Not the last step: the run's end cancels the open ones, each counted (steps_left 0)."""
+    workflow = WorkflowFactory(community=community)
+    publish_definition(
+        community.id, workflow.id, {"steps": [function_step("a"), function_step("b"), function_step("c")]}
+    )
+    run = _start(workflow)
+    fail_step(_claims(community.id)["a"].lease, "boom", retryable=False)  # b and c held, running
+    ended = Run.objects.get(community_id=community.id, run_id=run.pk)
+    assert (ended.state, ended.steps_left) == ("failed", 0)
+    assert sorted(Step.objects.filter(community_id=community.id, run_id=run.pk).values_list("state", flat=True)) == [
+        "canceled",
+        "canceled",
+        "failed",
+    ]
+
+
+def test_the_fan_in_of_the_last_delivery_ends_the_run_in_one_run_version(community):
+    workflow = WorkflowFactory(community=community)
+    targets = sorted(random32() for _ in range(2))
+    publish_definition(community.id, workflow.id, {"steps": [send_step("send", targets)]})
+    run = _start(workflow)
+    run_until_idle(community.id)
+    leases = [
+        services.claim_delivery(community.id, bytes(d.target_pubkey), delivery_id=d.id, lease_seconds=30).lease
+        for d in WorkflowAgentDelivery.objects.filter(run_id=run.pk).order_by("target_pubkey")
+    ]
+    with transaction.atomic():
+        before = _run_versions_written()
+        assert services.finish_deliveries(leases, "finished") == [Settled("finished")] * 2
+        assert _run_versions_written() - before == 1  # the step counted and the run ended at once
+    ended = Run.objects.get(community_id=community.id, run_id=run.pk)
+    assert (ended.state, ended.steps_left) == ("succeeded", 0)
