@@ -15,6 +15,7 @@ from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery, WorkflowRun
 from buzz_delivery.services import Cause, Settled
 from buzz_delivery.testing import WorkflowFactory, random32
+from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.models import Run, Step
 from buzz_delivery.workflows.services import (
     cached,
@@ -78,9 +79,7 @@ def test_a_version_published_since_the_process_looked_is_the_one_a_start_pins(co
         run = _start(workflow)
     assert len(queries.captured_queries) >= 3  # refused, the latest read, the start
     assert run.definition_id == second_version.pk and run.steps_total == 1
-    assert list(Step.objects.filter(community_id=community.id, run_id=run.pk).values_list("key", flat=True)) == [
-        "only"
-    ]
+    assert list(Step.objects.filter(community_id=community.id, run_id=run.pk).values_list("key", flat=True)) == ["only"]
     assert WorkflowRun.objects.filter(community_id=community.id).count() == 2  # the refused one wrote no run
     assert Run.objects.filter(community_id=community.id).count() == 2
     assert _start(workflow).definition_id == second_version.pk  # and it is remembered
@@ -170,3 +169,36 @@ def test_the_fan_in_of_the_last_delivery_ends_the_run_in_one_run_version(communi
         assert _run_versions_written() - before == 1  # the step counted and the run ended at once
     ended = Run.objects.get(community_id=community.id, run_id=run.pk)
     assert (ended.state, ended.steps_left) == ("succeeded", 0)
+
+
+def test_a_child_runs_failure_ends_its_parent_whose_other_steps_are_open(community):
+    """The child's last step counted in its end (``counted`` 1), the parent's ``fail_run`` step
+    with another step still open (``counted`` 0): the parent's end is called, whatever ``counted``
+    (a call inside ``IF NOT end_run(...) AND counted = 1`` was folded away when ``counted`` was 0:
+    the parent stayed running, found by tests/test_wf_model_based_kinds.py)."""
+    parent_workflow = WorkflowFactory(community=community)
+    child_workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, child_workflow.id, {"steps": [function_step("c")]})
+    publish_definition(
+        community.id,
+        parent_workflow.id,
+        {
+            "steps": [
+                {"key": "sub", "kind": "sub_workflow", "workflow": str(child_workflow.id), "on_error": "fail_run"},
+                function_step("later", depends_on=["sub"]),
+            ]
+        },
+    )
+    for _ in range(3):  # a few times: a plan-time fold shows on some executions of the trigger only
+        parent = _start(parent_workflow)
+        executor.execute(_claim(community.id, "sub"))  # parks the step and starts the child run
+        child = Run.objects.get(community_id=community.id, parent_run_id=parent.pk)
+        fail_step(_claim(community.id, "c").lease, "boom", retryable=False)
+        ended_child = Run.objects.get(community_id=community.id, run_id=child.pk)
+        assert (ended_child.state, ended_child.steps_left) == ("failed", 0)
+        ended = Run.objects.get(community_id=community.id, run_id=parent.pk)
+        assert (ended.state, ended.steps_left, ended.failure_code) == ("failed", 0, "step_failed")
+        assert dict(Step.objects.filter(community_id=community.id, run_id=parent.pk).values_list("key", "state")) == {
+            "sub": "failed",
+            "later": "canceled",
+        }

@@ -168,6 +168,7 @@ DECLARE
     run_state text;
     left_ integer;
     counted integer := 0;
+    ended boolean;
     blocked integer;
     now_ timestamptz;
     woke boolean := false;
@@ -188,9 +189,11 @@ BEGIN
         RETURN NULL;  -- the run already ended (or is ending): nothing more advances
     END IF;
     IF NEW.state = 'failed' AND NEW.on_error = 'fail_run' THEN
-        IF NOT buzz_workflows_end_run(NEW.community_id, NEW.run_id, 'failed', 'step_failed',
-                                      format('step %s failed: %s', NEW.key, NEW.failure_code), counted)
-           AND counted = 1 THEN
+        -- (The call is a statement of its own: inside an AND with ``counted = 1`` it was
+        -- folded away when the plan knew ``counted`` was 0.)
+        ended := buzz_workflows_end_run(NEW.community_id, NEW.run_id, 'failed', 'step_failed',
+                                        format('step %s failed: %s', NEW.key, NEW.failure_code), counted);
+        IF NOT ended AND counted = 1 THEN
             UPDATE buzz_workflows_run SET steps_left = steps_left - 1
             WHERE community_id = NEW.community_id AND run_id = NEW.run_id;
         END IF;
@@ -221,8 +224,8 @@ BEGIN
         END IF;
     END IF;
     IF left_ = 0 THEN
-        IF NOT buzz_workflows_end_run(NEW.community_id, NEW.run_id, 'succeeded', NULL, NULL, counted)
-           AND counted = 1 THEN
+        ended := buzz_workflows_end_run(NEW.community_id, NEW.run_id, 'succeeded', NULL, NULL, counted);
+        IF NOT ended AND counted = 1 THEN
             UPDATE buzz_workflows_run SET steps_left = steps_left - 1
             WHERE community_id = NEW.community_id AND run_id = NEW.run_id;
         END IF;
