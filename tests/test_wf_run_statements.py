@@ -27,6 +27,7 @@ from buzz_delivery.workflows.services import (
 )
 from buzz_delivery.workflows.services import runs as runs_service
 from buzz_delivery.workflows.testing import diamond, function_step, run_until_idle, send_step
+from tests.citus_support import CITUS_MODE
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,6 +41,14 @@ def _run_versions_written() -> int:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_stat_get_xact_tuples_updated('buzz_workflows_run'::regclass)")
         return int(cursor.fetchone()[0])
+
+
+def _assert_run_versions_since(before: int, expected: int) -> None:
+    """This transaction wrote ``expected`` run row versions since ``before``. On the cluster the
+    counts are kept by the workers holding the rows (tests/citus_mode.py ``_ROW_VERSIONS``): the
+    outcomes are checked there, the counts here only."""
+    if not CITUS_MODE:
+        assert _run_versions_written() - before == expected
 
 
 def _claims(community_id) -> dict:
@@ -105,11 +114,11 @@ def test_the_last_step_is_counted_in_the_update_that_ends_the_run(community):
         with transaction.atomic():
             before = _run_versions_written()
             complete_step(middle[key].lease, {"k": key})
-            assert _run_versions_written() - before == 1  # counted, the run still running
+            _assert_run_versions_since(before, 1)  # counted, the run still running
     with transaction.atomic():
         before = _run_versions_written()
         assert complete_step(_claim(community.id, "step4").lease, {"done": True}) == Settled("succeeded")
-        assert _run_versions_written() - before == 1
+        _assert_run_versions_since(before, 1)
     ended = Run.objects.get(community_id=community.id, run_id=run.pk)
     assert (ended.state, ended.steps_left, ended.output) == ("succeeded", 0, {"step4": {"done": True}})
 
@@ -129,7 +138,7 @@ def test_a_last_step_that_fails_is_counted_in_the_end_too(community, on_error, s
         fail_step(_claim(community.id, "b").lease, "boom", retryable=False)
         # The end (and, for a failed run, the service clearing its deliveries_to_expire mark
         # once its pending deliveries are expired): one version fewer than the count, then these.
-        assert _run_versions_written() - before == (2 if state == "failed" else 1)
+        _assert_run_versions_since(before, (2 if state == "failed" else 1))
     ended = Run.objects.get(community_id=community.id, run_id=run.pk)
     assert (ended.state, ended.steps_left) == (state, 0)
     if state == "failed":
@@ -166,7 +175,7 @@ def test_the_fan_in_of_the_last_delivery_ends_the_run_in_one_run_version(communi
     with transaction.atomic():
         before = _run_versions_written()
         assert services.finish_deliveries(leases, "finished") == [Settled("finished")] * 2
-        assert _run_versions_written() - before == 1  # the step counted and the run ended at once
+        _assert_run_versions_since(before, 1)  # the step counted and the run ended at once
     ended = Run.objects.get(community_id=community.id, run_id=run.pk)
     assert (ended.state, ended.steps_left) == ("succeeded", 0)
 
