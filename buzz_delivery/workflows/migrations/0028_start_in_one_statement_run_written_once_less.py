@@ -6,8 +6,10 @@
    (an uncorrelated read of the definitions by their key) and writes nothing, returning no row,
    when another version is latest. ``start_run`` read the latest version in a statement, and an
    autocommit transaction, of its own before every start; it now reads it only when its process
-   has not seen one or the check refused it (``services/runs.py``). Without ``p_latest`` (a child
-   run, a restart, a pinned version) the statement is the same as before. Its signature changes:
+   has not seen one or the check refused it (``services/runs.py``). The check is a statement of
+   the function before the start's own (``sql.LATEST_VERSION_CHECK_IN_FUNCTION``), which stays
+   ``INSERT ... VALUES``: router form on Citus. Without ``p_latest`` (a child run, a restart, a
+   pinned version) the start is the same as before. Its signature changes:
    the old function is dropped, the delegation on Citus names the new one (``cached.py``).
 
 2. The Advance's count of a step in its run (``steps_left - 1``, one UPDATE of the run row per
@@ -47,23 +49,23 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 BEGIN
-    RETURN QUERY
-WITH pinned AS (
-    SELECT 1 WHERE NOT p_latest OR p_definition_id = (
+    IF p_latest AND p_definition_id IS DISTINCT FROM (
         SELECT d.id FROM buzz_workflows_definition AS d
         WHERE d.community_id = p_community_id AND d.workflow_id = p_workflow_id
-        ORDER BY d.version DESC LIMIT 1)
-), core AS (
+        ORDER BY d.version DESC LIMIT 1) THEN
+        RETURN;  -- another version is the latest: nothing written, no row
+    END IF;
+    RETURN QUERY
+WITH core AS (
     INSERT INTO buzz_delivery_workflow_run (id, community_id, workflow_id)
-    SELECT p_run_id, p_community_id, p_workflow_id FROM pinned
+    VALUES (p_run_id, p_community_id, p_workflow_id)
 ), run AS (
     INSERT INTO buzz_workflows_run (run_id, community_id, workflow_id, definition_id, state, input, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, depth, restart_of_id, steps_total, steps_left, deadline_at, deliveries_to_expire, tags, trace_context, priority)
-    SELECT p_run_id, p_community_id, p_workflow_id, p_definition_id, 'running', p_input::jsonb,
+    VALUES (p_run_id, p_community_id, p_workflow_id, p_definition_id, 'running', p_input::jsonb,
             p_cause_kind, p_cause_event_id, p_cause_scheduled_for, p_cause_webhook_invocation_id,
             p_idempotency_key, p_parent_run_id, p_parent_step_key, p_depth, p_restart_of_id,
             p_steps_total, p_steps_total, buzz_delivery_now() + make_interval(secs => p_deadline_seconds), false,
-            p_tags::varchar(100)[], p_trace_context::jsonb, p_priority
-    FROM pinned
+            p_tags::varchar(100)[], p_trace_context::jsonb, p_priority)
     RETURNING community_id, run_id, workflow_id, definition_id, state, input, output, tags, failure_code, failure_message, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, restart_of_id, depth, steps_total, steps_left, deadline_at, deliveries_to_expire, trace_context, created_at, priority, finished_at
 ), ready AS (
     INSERT INTO buzz_workflows_step (id, community_id, run_id, key, kind, state, position, depends_on, dependents,
@@ -74,7 +76,7 @@ WITH pinned AS (
         x.deps_total, 0, 0, x.on_error, x.when_cond, x.max_attempts, 0, x.timeout_seconds,
         x.backoff_base_seconds, x.backoff_cap_seconds, 0, buzz_delivery_now(), 0, 0, x.tolerate_failures, p_priority
     FROM jsonb_to_recordset(p_steps::jsonb) AS x(id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], deps_total integer, on_error text, when_cond jsonb, max_attempts integer, timeout_seconds integer, backoff_base_seconds double precision, backoff_cap_seconds double precision, tolerate_failures integer)
-    WHERE x.state = 'ready' AND EXISTS (SELECT 1 FROM pinned)
+    WHERE x.state = 'ready'
 
 ), pending AS (
     INSERT INTO buzz_workflows_step (id, community_id, run_id, key, kind, state, position, depends_on, dependents,
@@ -85,7 +87,7 @@ WITH pinned AS (
         x.deps_total, 0, 0, x.on_error, x.when_cond, x.max_attempts, 0, x.timeout_seconds,
         x.backoff_base_seconds, x.backoff_cap_seconds, 0, NULL::timestamptz, 0, 0, x.tolerate_failures, p_priority
     FROM jsonb_to_recordset(p_steps::jsonb) AS x(id uuid, key text, kind text, state text, position integer, depends_on text[], dependents text[], deps_total integer, on_error text, when_cond jsonb, max_attempts integer, timeout_seconds integer, backoff_base_seconds double precision, backoff_cap_seconds double precision, tolerate_failures integer)
-    WHERE x.state = 'pending' AND EXISTS (SELECT 1 FROM pinned)
+    WHERE x.state = 'pending'
 
 )
 SELECT community_id, run_id, workflow_id, definition_id, state, input, output, tags, failure_code, failure_message, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, idempotency_key, parent_run_id, parent_step_key, restart_of_id, depth, steps_total, steps_left, deadline_at, deliveries_to_expire, trace_context, created_at, priority, finished_at, pg_notify('buzz_workflows', p_community_id::text)::text FROM run;

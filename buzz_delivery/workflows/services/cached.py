@@ -105,6 +105,7 @@ CREATE_RUN = CachedStatement(
     ),
     returns=_RUN_RETURNS,
     columns=_RUN_COLUMNS,
+    prelude=sql.LATEST_VERSION_CHECK_IN_FUNCTION,
 )
 
 ALL = (CLAIM_STEPS, COMPLETE_STEPS, CREATE_RUN)

@@ -386,6 +386,22 @@ WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s
 ORDER BY d.version DESC LIMIT 1
 """
 
+# The same check inside the plan-cached start (the prelude of ``cached.CREATE_RUN``, PL/pgSQL):
+# with ``p_latest`` the run is of the workflow's latest version and ``p_definition_id`` the
+# latest its caller's process last saw; when another version is latest the start writes nothing
+# and returns no row (the caller reads the latest and starts on it). A statement of its own
+# before the start's, so that the start stays ``INSERT ... VALUES`` (router form on Citus: an
+# ``INSERT ... SELECT`` was planned through the coordinator there, and a duplicate key then
+# failed the connection rather than raising unique_violation). Issue 31: the read was a statement
+# and an autocommit transaction of its own on every start.
+LATEST_VERSION_CHECK_IN_FUNCTION = """    IF p_latest AND p_definition_id IS DISTINCT FROM (
+        SELECT d.id FROM buzz_workflows_definition AS d
+        WHERE d.community_id = p_community_id AND d.workflow_id = p_workflow_id
+        ORDER BY d.version DESC LIMIT 1) THEN
+        RETURN;  -- another version is the latest: nothing written, no row
+    END IF;
+"""
+
 PINNED_VERSION = """
 SELECT d.id FROM buzz_workflows_definition AS d
 WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s AND d.version = %(version)s
@@ -411,32 +427,23 @@ _STEP_INSERT = f"""
         x.deps_total, 0, 0, x.on_error, x.when_cond, x.max_attempts, 0, x.timeout_seconds,
         x.backoff_base_seconds, x.backoff_cap_seconds, 0, {{ready_at}}, 0, 0, x.tolerate_failures, %(priority)s
     FROM jsonb_to_recordset(%(steps)s::jsonb) AS x({_STEP_SHAPE})
-    WHERE x.state = {{state}} AND EXISTS (SELECT 1 FROM pinned)
+    WHERE x.state = {{state}}
 """
 
 # The root steps without a `when` are inserted ``ready`` (what buzz_workflows_release would
 # make of them), the rest ``pending``; orchestrators are woken at commit. Every row passes
 # the write fence, and the foreign keys are checked at the end of the statement.
-# With %(latest)s the run is of the workflow's latest version: the statement writes nothing and
-# returns no row unless %(definition_id)s is that version (the caller's cached latest, checked
-# here rather than read in a statement, and a transaction, of its own: issue 31).
 CREATE_RUN = f"""
-WITH pinned AS (
-    SELECT 1 WHERE NOT %(latest)s OR %(definition_id)s = (
-        SELECT d.id FROM buzz_workflows_definition AS d
-        WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s
-        ORDER BY d.version DESC LIMIT 1)
-), core AS (
+WITH core AS (
     INSERT INTO buzz_delivery_workflow_run (id, community_id, workflow_id)
-    SELECT %(run_id)s, %(community_id)s, %(workflow_id)s FROM pinned
+    VALUES (%(run_id)s, %(community_id)s, %(workflow_id)s)
 ), run AS (
     INSERT INTO {RUN} ({_RUN_INSERT_COLUMNS})
-    SELECT %(run_id)s, %(community_id)s, %(workflow_id)s, %(definition_id)s, 'running', %(input)s::jsonb,
+    VALUES (%(run_id)s, %(community_id)s, %(workflow_id)s, %(definition_id)s, 'running', %(input)s::jsonb,
             %(cause_kind)s, %(cause_event_id)s, %(cause_scheduled_for)s, %(cause_webhook_invocation_id)s,
             %(idempotency_key)s, %(parent_run_id)s, %(parent_step_key)s, %(depth)s, %(restart_of_id)s,
             %(steps_total)s, %(steps_total)s, {DB_NOW} + make_interval(secs => %(deadline_seconds)s), false,
-            %(tags)s::varchar(100)[], %(trace_context)s::jsonb, %(priority)s
-    FROM pinned
+            %(tags)s::varchar(100)[], %(trace_context)s::jsonb, %(priority)s)
     RETURNING {{run_columns}}
 ), ready AS ({_STEP_INSERT.format(ready_at=DB_NOW, state="'ready'")}
 ), pending AS ({_STEP_INSERT.format(ready_at="NULL::timestamptz", state="'pending'")}
