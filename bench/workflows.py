@@ -4,8 +4,10 @@
 after both), runs per second end to end (first start to last run succeeded; after 20 warm-up
 runs and an ANALYZE, as DBOS's side warms up with 20), with K = 1 and 4
 ``run_workflow_worker`` processes; (b) the same with step4 a ``send_message`` to 2 targets whose
-deliveries are settled by 2 ``run_delivery_worker`` processes (one per target; with
-``--one-delivery-worker``, by one process serving both targets). DBOS runs (a) in
+deliveries are settled by one ``run_delivery_worker`` process serving both targets (``--target``
+given twice: what docs/inbox.md gives for several agents of a community served by one project's
+handler, its handler threads and four connections shared; with ``--delivery-worker-per-target``,
+by one process per target, as agents deployed apart would run). DBOS runs (a) in
 the same run, on the same PostgreSQL, in its own process (``bench/dbos_diamond.py``, with the
 interpreter of ``--dbos-python``, which must have ``dbos`` installed).
 
@@ -185,8 +187,8 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT, one_delivery_worker: 
         for i in range(k)
     ]
     if send:
-        # One worker per target (the default), or one worker serving both targets
-        # (--one-delivery-worker: one listener, one settle statement for both of a run's deliveries).
+        # One worker serving both targets (the default: docs/inbox.md's run_delivery_worker for
+        # several pairs in one process), or one per target (--delivery-worker-per-target).
         groups = [targets] if one_delivery_worker else [[t] for t in targets]
         procs += [
             subprocess.Popen(
@@ -314,10 +316,18 @@ def main() -> None:
     parser.add_argument("--dbos-python", default=os.environ.get("DBOS_PYTHON", sys.executable))
     parser.add_argument("--before-root", default=os.environ.get("BENCH_BEFORE_ROOT"))
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument(
+    workers = parser.add_mutually_exclusive_group()
+    workers.add_argument(
         "--one-delivery-worker",
         action="store_true",
-        help="shape b: one run_delivery_worker for both targets instead of one per target",
+        default=True,
+        help="shape b: one run_delivery_worker serving both targets (the default)",
+    )
+    workers.add_argument(
+        "--delivery-worker-per-target",
+        dest="one_delivery_worker",
+        action="store_false",
+        help="shape b: one run_delivery_worker process per target",
     )
     args = parser.parse_args()
     ensure_database(OURS)
@@ -379,6 +389,16 @@ def main() -> None:
         f"({args.runs} runs per figure, median of {args.repeats}; load average {min(loads):.2f}-{max(loads):.2f} "
         f"at the figures' starts, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores)"
     )
+    if "b" in shapes:
+        print(
+            "(shape b's deliveries: "
+            + (
+                "one run_delivery_worker serving both targets, the configuration docs/inbox.md gives"
+                if args.one_delivery_worker
+                else "one run_delivery_worker per target (--delivery-worker-per-target)"
+            )
+            + ")"
+        )
     held = [name for name, f in rows if f["longest_claim_s"] > POLL_INTERVAL + LIVENESS_SLACK]
     if held:
         raise SystemExit(f"bench.workflows: liveness check failed for {', '.join(held)} (see LIVENESS above)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from buzz_delivery.services import flow, sql
 
 _PARAM = re.compile(r"%\((\w+)\)s")
+_PRELUDE_PARAM = re.compile(r"\bp_(\w+)")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class CachedStatement:
     prelude: str = ""
 
     def __post_init__(self) -> None:
-        used = set(_PARAM.findall(self.statement))
+        # (A prelude names the function's parameters as ``p_<name>``.)
+        used = set(_PARAM.findall(self.statement)) | set(_PRELUDE_PARAM.findall(self.prelude))
         declared = {name for name, _ in self.params}
         if used != declared:
             raise ValueError(f"{self.function}: statement uses {sorted(used)}, declared {sorted(declared)}")

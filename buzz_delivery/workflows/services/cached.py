@@ -101,9 +101,11 @@ CREATE_RUN = CachedStatement(
         ("tags", "text[]"),
         ("trace_context", "jsonb"),
         ("priority", "integer"),
+        ("latest", "boolean"),
     ),
     returns=_RUN_RETURNS,
     columns=_RUN_COLUMNS,
+    prelude=sql.LATEST_VERSION_CHECK_IN_FUNCTION,
 )
 
 ALL = (CLAIM_STEPS, COMPLETE_STEPS, CREATE_RUN)

@@ -28,8 +28,13 @@ from buzz_delivery.workflows.services.types import Canceled, RunView
 from buzz_delivery.workflows.states import RUN_TERMINAL
 
 # Definition versions are immutable: each is read once per process (bounded like the
-# orchestrator's cache of their steps); which version is the latest is read every time.
+# orchestrator's cache of their steps). Which version is the latest is checked on every start,
+# by the start's own statement (``sql.CREATE_RUN`` with ``latest``) against the latest this
+# process last saw of the workflow (``_LATEST``); it is read (``sql.LATEST_VERSION``) only when
+# this process has not seen one yet or the check refused it (issue 31: the read was a statement
+# and a transaction of its own on every start).
 _VERSIONS: dict[uuid.UUID, DefinitionVersion] = {}
+_LATEST: dict[tuple[uuid.UUID, uuid.UUID], DefinitionVersion] = {}
 
 
 def _version(community: uuid.UUID, workflow: uuid.UUID, version: int | None) -> DefinitionVersion:
@@ -45,7 +50,16 @@ def _version(community: uuid.UUID, workflow: uuid.UUID, version: int | None) -> 
         if len(_VERSIONS) >= 10_000:
             _VERSIONS.clear()
         _VERSIONS[found.pk] = found
+    if version is None:
+        if len(_LATEST) >= 10_000:
+            _LATEST.clear()
+        _LATEST[(community, workflow)] = found
     return found
+
+
+class _NotLatest(Exception):
+    """The start's statement found another version latest than the one it was given: it wrote
+    nothing."""
 
 
 def _step_template(version: DefinitionVersion) -> tuple[list[dict[str, Any]], bool]:
@@ -112,12 +126,15 @@ def create_run(
     deadline_seconds: int | None = None,
     tags: list[str] | None = None,
     priority: int | None = None,
+    latest: bool = False,
 ) -> Run:
     """Insert the core run, the engine run and its steps, and release the root steps, in the
     caller's transaction (one statement, plus the release of root steps that have a ``when``).
     ``tags`` None: the parent's (a child run), the restarted run's, or none. Internal: the
     public entry points validate first. ``priority`` None: the parent's, the restarted run's, or 0
-    (issue 32); its steps take it."""
+    (issue 32); its steps take it. ``latest``: the run is of the workflow's latest version and
+    ``version`` is the latest this process saw: the statement checks it; when another is
+    latest now, it is read and the run started on it."""
     source = parent[0] if parent else restart_of
     if tags is None:
         tags = list(source.tags) if source is not None else []
@@ -128,20 +145,24 @@ def create_run(
         # The context of its creation (a child run's: the parent's step span, or the parent's
         # stored context carried on where this process does not trace).
         trace = tracing.current_or(parent[0].trace_context if parent else None)
-        return _insert_run(
-            community,
-            version,
-            input_value,
-            cause,
-            run_id=run_id,
-            trace=trace,
-            idempotency_key=idempotency_key,
-            parent=parent,
-            restart_of=restart_of,
-            deadline_seconds=deadline_seconds,
-            tags=tags,
-            priority=priority,
-        )
+        arguments: dict[str, Any] = {
+            "run_id": run_id,
+            "trace": trace,
+            "idempotency_key": idempotency_key,
+            "parent": parent,
+            "restart_of": restart_of,
+            "deadline_seconds": deadline_seconds,
+            "tags": tags,
+            "priority": priority,
+        }
+        try:
+            return _insert_run(community, version, input_value, cause, latest=latest, **arguments)
+        except _NotLatest:
+            # Published since this process last looked: start on the version latest now, as a
+            # read then the insert did on every start before (a publish between them is the
+            # same race it always was).
+            version = _version(community, version.workflow_id, None)
+            return _insert_run(community, version, input_value, cause, latest=False, **arguments)
 
 
 def _insert_run(
@@ -158,6 +179,7 @@ def _insert_run(
     deadline_seconds: int | None,
     tags: list[str],
     priority: int,
+    latest: bool,
 ) -> Run:
     template, release_roots = _step_template(version)
     steps = [{**row, "id": str(new_uuid7())} for row in template]
@@ -179,13 +201,18 @@ def _insert_run(
         "tags": tags,
         "trace_context": json.dumps(trace) if trace else None,
         "priority": priority,
+        "latest": latest,
     }
     if release_roots:
         with transaction.atomic():
             rows = fetch_all(cached.CREATE_RUN.call, params)  # sql.CREATE_RUN, plan-cached
+            if not rows:
+                raise _NotLatest  # nothing written
             fetch_all(sql.RELEASE_ROOT_STEPS, {"community_id": community, "run_id": run_id})
     else:
         rows = fetch_all(cached.CREATE_RUN.call, params)  # one statement (sql.CREATE_RUN, plan-cached)
+        if not rows:
+            raise _NotLatest  # nothing written
     run = Run.from_db(connection.alias, sql.RUN_ATTNAMES, rows[0][:-1])
     run.input = input_value  # the cursor gives jsonb as text; the model holds the value
     run.trace_context = trace
@@ -276,7 +303,8 @@ def start_run(
         deadline_seconds = v.int_in_range(deadline_seconds, "deadline_seconds", 1, 366 * 86400)
     run_tags = valid_tags(tags)
     rank = v.int_in_range(priority, "priority", PRIORITY_MIN, PRIORITY_MAX)
-    pinned = _version(community, workflow, version)
+    latest = version is None
+    pinned = (_LATEST.get((community, workflow)) if latest else None) or _version(community, workflow, version)
 
     def existing() -> Run | None:
         found = Run.objects.filter(
@@ -302,6 +330,7 @@ def start_run(
                 deadline_seconds=deadline_seconds,
                 tags=run_tags,
                 priority=rank,
+                latest=latest,
             )
     except IntegrityError:
         if idempotency_key is not None and (found := existing()) is not None:

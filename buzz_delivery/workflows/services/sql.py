@@ -386,6 +386,22 @@ WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s
 ORDER BY d.version DESC LIMIT 1
 """
 
+# The same check inside the plan-cached start (the prelude of ``cached.CREATE_RUN``, PL/pgSQL):
+# with ``p_latest`` the run is of the workflow's latest version and ``p_definition_id`` the
+# latest its caller's process last saw; when another version is latest the start writes nothing
+# and returns no row (the caller reads the latest and starts on it). A statement of its own
+# before the start's, so that the start stays ``INSERT ... VALUES`` (router form on Citus: an
+# ``INSERT ... SELECT`` was planned through the coordinator there, and a duplicate key then
+# failed the connection rather than raising unique_violation). Issue 31: the read was a statement
+# and an autocommit transaction of its own on every start.
+LATEST_VERSION_CHECK_IN_FUNCTION = """    IF p_latest AND p_definition_id IS DISTINCT FROM (
+        SELECT d.id FROM buzz_workflows_definition AS d
+        WHERE d.community_id = p_community_id AND d.workflow_id = p_workflow_id
+        ORDER BY d.version DESC LIMIT 1) THEN
+        RETURN;  -- another version is the latest: nothing written, no row
+    END IF;
+"""
+
 PINNED_VERSION = """
 SELECT d.id FROM buzz_workflows_definition AS d
 WHERE d.community_id = %(community_id)s AND d.workflow_id = %(workflow_id)s AND d.version = %(version)s
