@@ -1,4 +1,4 @@
-"""The engine's per-run work on the database (issue 31, workflows migration 0028): a start is
+"""The engine's per-run work on the database (issue 31, workflows migration 0027): a start is
 one statement (one autocommit transaction) once its process has seen the workflow's latest
 version, still pinned to the version latest when it runs; and the run row gets one version
 fewer, the last step counted in the UPDATE that ends the run, whatever ends it."""
