@@ -15,16 +15,18 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import operator
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
 from django.db import transaction
-from django.db.models.base import DEFERRED
+from django.db.models.base import DEFERRED, ModelState
+from django.db.models.signals import post_init, pre_init
 
 from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
-from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled, flow
+from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled, flow, leases
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
@@ -45,6 +47,7 @@ from buzz_delivery.workflows.services.types import (
 from buzz_delivery.workflows.states import STEP_TERMINAL
 
 MAX_CLAIM = 1000
+MAX_ATTEMPTS = 100  # a lease's attempts (StepLease's bound, and a definition's max_attempts)
 
 
 def _lease_seconds(value: float | None) -> float:
@@ -143,31 +146,79 @@ _STEP_ALL_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
 _HISTORY_AT = _STEP_ALL_ATTNAMES.index("history")
 _CLAIMED_ATTNAMES = _STEP_ALL_ATTNAMES[:_HISTORY_AT] + _STEP_ALL_ATTNAMES[_HISTORY_AT + 1 :]
 assert _CLAIMED_ATTNAMES == sql.STEP_ATTNAMES, "the claim returns every step column but the history, in order"
+_CLAIMED = len(_CLAIMED_ATTNAMES)
+_READY_AT = sql.STEP_ATTNAMES.index("ready_at")
+_STEP_ID = sql.STEP_ATTNAMES.index("id")
+_PRIORITY = sql.STEP_ATTNAMES.index("priority")
+_SPEC = sql.STEP_ATTNAMES.index("spec")
+_BY_AGE = operator.itemgetter(_READY_AT, _STEP_ID)
+_BY_PRIORITY = operator.itemgetter(_PRIORITY)
+# The fast path below copies what ``Model.from_db`` does (as the core's claim of deliveries
+# does, services/leases.py, on the Djangos it knows: ``leases.FAST_ROWS``): the claimed fields
+# into ``__dict__`` as ``Model.__init__`` puts them (the history left out: deferred), a fresh
+# ``ModelState`` with ``adding`` off and ``db`` set.
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _fast_steps() -> bool:
+    """Whether claimed step rows may skip ``Model.from_db``: a Django whose ``from_db`` this path
+    knows, and no ``pre_init``/``post_init`` receivers for ``Step`` (asked once per claim)."""
+    return leases.FAST_ROWS and not (pre_init.has_listeners(Step) or post_init.has_listeners(Step))
 
 
 def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
-    claims = []
-    ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
-    priority = sql.STEP_ATTNAMES.index("priority")
-    for row in sorted(rows, key=lambda r: (-r[priority], r[ready_at], r[step_id])):
-        # Every concrete field in order, the history deferred: from_db given fewer values than
-        # fields matches each field's name against the list (52 x 51 compares, the largest
-        # Python cost of a claim; issue 31).
-        step = Step.from_db("default", _STEP_ALL_ATTNAMES, (*row[:_HISTORY_AT], DEFERRED, *row[_HISTORY_AT:-1]))
+    """The claims of a claim statement's rows (every step column but the history, then the
+    run's definition id), highest priority first, then oldest ready, then by id. Built without a
+    Python call per object: the step as ``Model.from_db`` builds it (the history deferred), the
+    lease's and the claim's slots set as :meth:`StepLease.from_database` and ``StepClaim(...)``
+    set them (tests/test_wf_claim_rows.py compares them)."""
+    # Two stable sorts (C key functions) give the order of one by (-priority, ready_at, id).
+    rows = sorted(rows, key=_BY_AGE)
+    rows.sort(key=_BY_PRIORITY, reverse=True)
+    fast = _fast_steps()
+    names = _CLAIMED_ATTNAMES
+    alias = "default"
+    utc = dt.UTC
+    claims: list[StepClaim] = []
+    append = claims.append
+    for row in rows:
+        if fast:
+            step = _new(Step)
+            step.__dict__.update(zip(names, row[:_CLAIMED], strict=True))
+            state = ModelState()
+            state.adding = False
+            state.db = alias
+            step._state = state
+        else:
+            step = Step.from_db(alias, _STEP_ALL_ATTNAMES, (*row[:_HISTORY_AT], DEFERRED, *row[_HISTORY_AT:-1]))
         # A map's element carries its own spec (jsonb, as text from the cursor); the definition's
         # steps are cached per version.
-        if isinstance(step.spec, str):
-            step.spec = json.loads(step.spec)
-        spec = step.spec if step.spec is not None else definition_steps(row[-1])[step.key]
-        lease = StepLease(
-            community_id=step.community_id,
-            step_id=step.id,
-            run_id=step.run_id,
-            lease_generation=step.lease_generation,
-            attempts=step.attempts,
-            lease_until=cast(dt.datetime, step.lease_until),
-        )
-        claims.append(StepClaim(lease=lease, step=step, spec=spec))
+        spec = row[_SPEC]
+        if isinstance(spec, str):
+            spec = step.spec = json.loads(spec)
+        if spec is None:
+            spec = definition_steps(row[-1])[step.key]
+        until = step.lease_until
+        if until is None or until.tzinfo is not utc or not 0 < step.attempts <= MAX_ATTEMPTS:
+            # What the constructor validates (and refuses) the database's row may hold.
+            lease = StepLease(
+                community_id=step.community_id,
+                step_id=step.id,
+                run_id=step.run_id,
+                lease_generation=step.lease_generation,
+                attempts=step.attempts,
+                lease_until=cast(dt.datetime, until),
+            )
+        else:
+            lease = StepLease.from_database(
+                step.community_id, step.id, step.run_id, step.lease_generation, step.attempts, until
+            )
+        claim = _new(StepClaim)
+        _set(claim, "lease", lease)
+        _set(claim, "step", step)
+        _set(claim, "spec", spec)
+        append(claim)
     return claims
 
 
