@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models.base import DEFERRED, ModelState
 from django.db.models.signals import post_init, pre_init
 
@@ -28,8 +28,9 @@ from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled, flow, leases
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
+from buzz_delivery.services.db import fetch_all, int_array, retry_deadlocks, translated_errors, uuid_array
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
+from buzz_delivery.usercode import in_transaction
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Step
 from buzz_delivery.workflows.services import cached, sql
@@ -489,19 +490,26 @@ def _complete_and_claim(
     aborts it as a deadlock's victim): the outcomes it settled, and its claims."""
     outcomes: dict[uuid.UUID, StepOutcome] = {}
     claims: list[StepClaim] = []
+    # Releases NOTIFY at most once, after the claim (only completions release). The deferral is
+    # ``SET LOCAL``: it ends with the transaction's commit, so only inside a caller's own
+    # transaction (or savepoint) is it undone by a statement of its own.
+    defer = bool(claim_params["limit"] and good)
+    undefer = defer and in_transaction(connection)
     with transaction.atomic(), translated_errors():
-        if claim_params["limit"]:
+        if defer:
             fetch_all(sql.DEFER_NOTIFY, {})
         if good:
-            run_ids = sorted({lease.run_id for lease, _ in good})
-            lock = {"community_id": community, "run_ids": run_ids}
+            # The arrays as their text (db.uuid_array, int_array, _jsonb_array): psycopg's array
+            # dumper quotes every element through regular expressions. The statement locks the
+            # runs in id order (its ORDER BY).
+            lock = {"community_id": community, "run_ids": uuid_array({lease.run_id for lease, _ in good})}
             free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, lock)}
             batch = [(lease, text) for lease, text in good if lease.run_id in free]
             params = {
                 "community_id": community,
-                "step_ids": [lease.step_id for lease, _ in batch],
-                "lease_generations": [lease.lease_generation for lease, _ in batch],
-                "outputs": [text for _, text in batch],
+                "step_ids": uuid_array([lease.step_id for lease, _ in batch]),
+                "lease_generations": int_array([lease.lease_generation for lease, _ in batch]),
+                "outputs": _jsonb_array([text for _, text in batch]),
             }
             settled = {row[0] for row in fetch_all(cached.COMPLETE_STEPS.call, params)}
             for lease, _ in batch:
@@ -509,8 +517,16 @@ def _complete_and_claim(
         if claim_params["limit"]:
             claims = _claims_from_rows(_claim_ready(claim_params, limits))
             fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
+        if undefer:
             fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
     return outcomes, claims
+
+
+def _jsonb_array(texts: list[str]) -> str:
+    """JSON texts as the text of a ``jsonb[]`` (the statement casts it): each element quoted,
+    its backslashes and double quotes escaped (array input's rules), so no text can reach the
+    array's syntax, and none is NULL (JSON ``null`` is the quoted text ``"null"``)."""
+    return "{" + ",".join(['"' + t.replace("\\", "\\\\").replace('"', '\\"') + '"' for t in texts]) + "}"
 
 
 def backoff_seconds(attempts: int, base: float, cap: float) -> float:

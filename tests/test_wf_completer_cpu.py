@@ -1,0 +1,106 @@
+"""The batch completion's client work (issue 31, the orchestrator's client CPU): its arrays sent
+as their text (no per-element quoting by psycopg's dumper), and the NOTIFY deferral undone by a
+statement of its own only inside a caller's transaction (``SET LOCAL`` ends with the batch's own
+commit). Outputs and notifications must be as before."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection, transaction
+
+from buzz_delivery.services import Settled
+from buzz_delivery.testing import WorkflowFactory
+from buzz_delivery.workflows.models import Step
+from buzz_delivery.workflows.services import claim_steps, complete_and_claim_steps, complete_steps
+from buzz_delivery.workflows.services import sql as wf_sql
+from buzz_delivery.workflows.testing import diamond, function_step
+from tests.test_wf_batch_complete import _Heard
+from tests.wf_support import start
+
+OUTPUTS = [
+    None,
+    {},
+    "null",
+    'a "quoted" \\ backslash, {braces}, commas, and "\\"" both',
+    {"k": ["\\", '"', "{", "}", ",", " ", "é", "\u2028", "NULL"], "n": 1.5, "t": True},
+    ["NULL", None, "", "\\\\"],
+    "😀 and \\u0000-looking text",
+]
+
+
+class _Sent:
+    """The statements (and their parameters) the default connection runs."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def __call__(self, execute, sql, params, many, context):
+        self.calls.append((sql, params))
+        return execute(sql, params, many, context)
+
+    def texts(self) -> list[str]:
+        return [sql for sql, _ in self.calls]
+
+
+@pytest.mark.django_db
+def test_a_batch_stores_every_output_as_its_json_and_sends_its_arrays_as_text(community):
+    workflow = WorkflowFactory(community=community)
+    for _ in OUTPUTS:
+        start(workflow, {"steps": [function_step("a")]})
+    claims = claim_steps(community.id, limit=len(OUTPUTS), lease_seconds=30)
+    sent = _Sent()
+    with connection.execute_wrapper(sent):
+        outcomes = complete_steps(community.id, [(c.lease, o) for c, o in zip(claims, OUTPUTS, strict=True)])
+    assert outcomes == [Settled("succeeded")] * len(OUTPUTS)
+    for claim, output in zip(claims, OUTPUTS, strict=True):
+        assert Step.objects.get(pk=claim.lease.step_id).output == output
+    arrays = [params for sql, params in sent.calls if isinstance(params, dict) and "step_ids" in params]
+    assert len(arrays) == 1
+    assert all(isinstance(arrays[0][name], str) for name in ("step_ids", "lease_generations", "outputs"))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_completers_own_transaction_sends_no_undefer_and_later_releases_still_notify(community):
+    """Outside a caller's transaction the deferral ends with the batch's commit: no statement
+    of its own undoes it, and a release committed afterwards on the same connection NOTIFYs."""
+    workflow = WorkflowFactory(community=community)
+    start(workflow, diamond())
+    (first,) = claim_steps(community.id, limit=10, lease_seconds=30)
+    heard = _Heard()
+    try:
+        sent = _Sent()
+        with connection.execute_wrapper(sent):
+            batch = complete_and_claim_steps(community.id, [(first.lease, {})], claim_limit=1)
+        assert len(batch.claims) == 1
+        assert any(wf_sql.DEFER_NOTIFY in text for text in sent.texts())
+        assert not any(wf_sql.UNDEFER_NOTIFY in text for text in sent.texts())
+        assert heard.take(1) == [str(community.id)]  # the step it left ready
+        # The same connection, a new transaction: the release of step4 NOTIFYs at its commit.
+        (second,) = claim_steps(community.id, limit=10, lease_seconds=30)
+        assert (
+            complete_steps(community.id, [(c.lease, {}) for c in (batch.claims[0], second)])
+            == [Settled("succeeded")] * 2
+        )
+        assert heard.take(1) == [str(community.id)]
+    finally:
+        heard.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_inside_a_callers_transaction_the_deferral_is_undone_before_the_callers_own_releases(community):
+    workflow = WorkflowFactory(community=community)
+    start(workflow, diamond())
+    start(workflow, {"steps": [function_step("a"), function_step("b", depends_on=["a"])]})
+    firsts = {c.step.key: c for c in claim_steps(community.id, limit=10, lease_seconds=30)}
+    heard = _Heard()
+    try:
+        sent = _Sent()
+        with transaction.atomic(), connection.execute_wrapper(sent):
+            batch = complete_and_claim_steps(community.id, [(firsts["step1"].lease, {})], claim_limit=2)
+            assert len(batch.claims) == 2
+            # The caller's own release in the same transaction notifies at its commit.
+            assert complete_steps(community.id, [(firsts["a"].lease, {})]) == [Settled("succeeded")]
+        assert any(wf_sql.UNDEFER_NOTIFY in text for text in sent.texts())
+        assert heard.take(1) == [str(community.id)]
+    finally:
+        heard.close()
