@@ -1,15 +1,23 @@
-"""The batch completion's client work (issue 31, the orchestrator's client CPU): its arrays sent
-as their text (no per-element quoting by psycopg's dumper), and the NOTIFY deferral undone by a
-statement of its own only inside a caller's transaction (``SET LOCAL`` ends with the batch's own
-commit). Outputs and notifications must be as before."""
+"""The orchestrator's client work per step and per run (issue 31, its client CPU), each saving
+with what it must keep:
+
+- the batch completion sends its arrays as their text (no per-element quoting by psycopg's
+  dumper), and undoes the NOTIFY deferral by a statement of its own only inside a caller's
+  transaction (``SET LOCAL`` ends with the batch's own commit): outputs and notifications as
+  before;
+- a step's execution enters its tenant scope once, and the check that routes a claim to the
+  event loop (``prepare_call``) enters none for a step that is not ``async def``;
+- a dispatcher that left its claim to the completer's batch waits for that batch through the
+  wakes that change nothing (a NOTIFY a run), not a pass of its loop per wake."""
 
 from __future__ import annotations
 
 import pytest
 from django.db import connection, transaction
 
-from buzz_delivery.services import Settled
+from buzz_delivery.services import Settled, tenancy
 from buzz_delivery.testing import WorkflowFactory
+from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.services import claim_steps, complete_and_claim_steps, complete_steps
 from buzz_delivery.workflows.services import sql as wf_sql
@@ -104,3 +112,35 @@ def test_inside_a_callers_transaction_the_deferral_is_undone_before_the_callers_
         assert heard.take(1) == [str(community.id)]
     finally:
         heard.close()
+
+
+@pytest.fixture
+def scopes(monkeypatch) -> list[str]:
+    """The tenant scopes entered (their community), as the services' decorator enters them."""
+    entered: list[str] = []
+    original = tenancy.tenant
+
+    def spy(community_id):
+        entered.append(str(community_id))
+        return original(community_id)
+
+    monkeypatch.setattr(tenancy, "tenant", spy)
+    return entered
+
+
+@pytest.mark.django_db
+def test_a_function_step_runs_in_one_tenant_scope_and_a_plain_one_is_routed_without_one(community, scopes):
+    workflow = WorkflowFactory(community=community)
+    start(workflow, {"steps": [function_step("a"), function_step("b", function="echo")]})
+    claims = claim_steps(community.id, limit=10, lease_seconds=30)
+    assert len(claims) == 2
+    scopes.clear()
+    for claim in claims:
+        assert executor.prepare_call(claim) is None  # not async def: a step thread runs it
+    assert scopes == []
+    for claim in claims:
+        scopes.clear()
+        outcome = executor.execute(claim, defer_output=True)
+        assert isinstance(outcome, executor.Output)
+        assert scopes == [str(community.id)]
+    assert executor.run_function(claims[0]) == executor.Output({})  # the public call keeps its scope
