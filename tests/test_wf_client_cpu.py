@@ -12,13 +12,17 @@ with what it must keep:
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 
 from buzz_delivery.services import Settled, tenancy
 from buzz_delivery.testing import WorkflowFactory
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.models import Step
+from buzz_delivery.workflows.orchestrator import Orchestrator, OrchestratorConfig
 from buzz_delivery.workflows.services import claim_steps, complete_and_claim_steps, complete_steps
 from buzz_delivery.workflows.services import sql as wf_sql
 from buzz_delivery.workflows.testing import diamond, function_step
@@ -144,3 +148,54 @@ def test_a_function_step_runs_in_one_tenant_scope_and_a_plain_one_is_routed_with
         assert isinstance(outcome, executor.Output)
         assert scopes == [str(community.id)]
     assert executor.run_function(claims[0]) == executor.Output({})  # the public call keeps its scope
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deferred_dispatcher_waits_through_wakes_until_the_batch_is_through(community):
+    """The dispatcher left its claim to the completer (a result awaits it): wakes meanwhile (the
+    NOTIFY of every run started) do not run its loop; the batch's own wake does, at once."""
+    stop = threading.Event()
+    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=5.0), stop)
+    orchestrator.leading = True  # no Leadership object: leads as the only orchestrator would
+    with orchestrator.lock:  # one result waiting for the completer's batch
+        orchestrator.awaiting = orchestrator.in_flight = 1
+    passes: list[float] = []
+    original = orchestrator._dead_thread
+
+    def counted():
+        passes.append(time.monotonic())
+        return original()
+
+    orchestrator._dead_thread = counted  # once per pass of the dispatch loop
+    reason: list[str] = []
+
+    def body():
+        try:
+            reason.append(orchestrator.dispatch())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not passes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert len(passes) == 1
+        for _ in range(20):  # NOTIFYs of steps the batch will claim
+            orchestrator.wake.set()
+            time.sleep(0.01)
+        assert len(passes) == 1 and orchestrator.counts["claim_statements"] == 0
+        orchestrator._after_batch()  # the batch is through: the dispatcher runs again, now
+        deadline = time.monotonic() + 2
+        while len(passes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(passes) == 2  # and, a result still waiting, leaves the claim to the next batch
+        assert orchestrator.counts["claim_statements"] == 0
+    finally:
+        stop.set()
+        orchestrator._after_batch()
+        orchestrator.wake.set()
+        thread.join(10)
+    assert reason == ["stopped"]
