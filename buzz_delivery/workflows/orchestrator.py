@@ -214,7 +214,8 @@ class Orchestrator:
         self.holder = holder_identity(config.name)
         self.stop = stop
         self.wake = threading.Event()
-        self.work: queue.Queue[StepClaim | None] = queue.Queue()
+        # put/get only: the C queue (queue.Queue's Python Condition cost a notify per claim).
+        self.work: queue.SimpleQueue[StepClaim | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(SUMMARY_KEYS, 0)
         # Claims in the local queue, not yet taken by a step thread, with when they were queued
