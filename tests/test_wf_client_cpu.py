@@ -8,10 +8,12 @@ with what it must keep:
 - a step's execution enters its tenant scope once, and the check that routes a claim to the
   event loop (``prepare_call``) enters none for a step that is not ``async def``;
 - a dispatcher that left its claim to the completer's batch waits for that batch through the
-  wakes that change nothing (a NOTIFY a run), not a pass of its loop per wake."""
+  wakes that change nothing (a NOTIFY a run), not a pass of its loop per wake;
+- the completer gathers a batch with one wait (its linger slept out), not a wake per output."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -20,7 +22,7 @@ from django.db import connection, connections, transaction
 
 from buzz_delivery.services import Settled, tenancy
 from buzz_delivery.testing import WorkflowFactory
-from buzz_delivery.workflows import executor
+from buzz_delivery.workflows import completer, executor
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.orchestrator import Orchestrator, OrchestratorConfig
 from buzz_delivery.workflows.services import claim_steps, complete_and_claim_steps, complete_steps
@@ -199,3 +201,55 @@ def test_a_deferred_dispatcher_waits_through_wakes_until_the_batch_is_through(co
         orchestrator.wake.set()
         thread.join(10)
     assert reason == ["stopped"]
+
+
+class _CountedQueue:
+    """A SimpleQueue that counts the blocking gets (each one a wake of the completer's thread
+    when an item comes)."""
+
+    def __init__(self) -> None:
+        self.inner: queue.SimpleQueue = queue.SimpleQueue()
+        self.blocking_gets = 0
+
+    def put(self, item) -> None:
+        self.inner.put(item)
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        if block:
+            self.blocking_gets += 1
+        return self.inner.get(block, timeout)
+
+    def get_nowait(self):
+        return self.inner.get_nowait()
+
+
+def test_the_completer_gathers_what_comes_within_its_linger_with_one_wait():
+    source = _CountedQueue()
+    source.put("a")
+
+    def trickle():
+        for item in "bcdef":
+            time.sleep(0.005)
+            source.put(item)
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    items, closing = completer.next_batch(source, 32, 0.2)
+    thread.join()
+    assert (items, closing) == (list("abcdef"), False)
+    assert source.blocking_gets == 1  # the first item's; the others came while it slept
+
+
+def test_the_completer_batch_stops_at_max_batch_and_at_the_close_marker():
+    source: queue.SimpleQueue = queue.SimpleQueue()
+    for item in range(5):
+        source.put(item)
+    assert completer.next_batch(source, 3, 0.01) == ([0, 1, 2], False)
+    source.put(None)
+    assert completer.next_batch(source, 3, 0.01) == ([3, 4], True)
+    source.put(None)
+    assert completer.next_batch(source, 3, 0.01) == ([], True)
+    source.put(7)
+    started = time.monotonic()
+    assert completer.next_batch(source, 3, 0.0) == ([7], False)  # no linger: what is there
+    assert time.monotonic() - started < 0.5
