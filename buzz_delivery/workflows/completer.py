@@ -41,13 +41,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import DatabaseError, close_old_connections, connection
 
-from buzz_delivery.worker.settler import next_batch
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.executor import Failure, record_failure
 from buzz_delivery.workflows.sends import send_messages
@@ -59,6 +59,41 @@ logger = logging.getLogger("buzz_delivery.workflows")
 Done = Callable[[StepClaim, StepOutcome | None], None]
 Room = Callable[[list[StepClaim], uuid.UUID], int]
 Accept = Callable[[list[StepClaim]], None]
+
+
+T = TypeVar("T")
+
+
+def next_batch(source: queue.SimpleQueue[T | None], max_batch: int, linger: float) -> tuple[list[T], bool]:
+    """Block for one item of ``source``, then gather more (up to ``max_batch``): what is there,
+    and, while fewer than ``max_batch``, what comes within ``linger`` seconds, waited out in one
+    sleep (the settler's ``next_batch`` wakes on every item that comes meanwhile: a GIL handoff
+    per step here, where outputs come one at a time from the step threads). ``None`` in the
+    queue is the close marker. Returns (items, whether the close marker was seen)."""
+    first = source.get()
+    if first is None:
+        return [], True
+    items = [first]
+    if _drain(source, items, max_batch):
+        return items, True
+    if len(items) < max_batch and linger > 0:
+        time.sleep(linger)
+        return items, _drain(source, items, max_batch)
+    return items, False
+
+
+def _drain(source: queue.SimpleQueue[T | None], items: list[T], max_batch: int) -> bool:
+    """Move what ``source`` holds now into ``items`` (up to ``max_batch`` in all); True when the
+    close marker came."""
+    while len(items) < max_batch:
+        try:
+            item = source.get_nowait()
+        except queue.Empty:
+            return False
+        if item is None:
+            return True
+        items.append(item)
+    return False
 
 
 class _Sends:

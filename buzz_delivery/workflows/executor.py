@@ -109,7 +109,7 @@ def _execute(claim: StepClaim, defer_output: bool) -> StepOutcome | Output:
     kind = claim.step.kind
     try:
         if kind == "function":
-            result = run_function(claim)
+            result = _run_function(claim)  # in this call's tenant scope already
             if isinstance(result, Output) and not defer_output:
                 return steps.complete_step(claim.lease, result.value)
             return result
@@ -134,6 +134,12 @@ def run_function(claim: StepClaim) -> StepOutcome | Output:
     :class:`PermanentStepFailure`). An ``async def`` callable is awaited on this thread
     (``asyncio.run``); the orchestrator awaits those on its event loop instead
     (:func:`prepare_call`, :func:`await_call`)."""
+    return _run_function(claim)
+
+
+def _run_function(claim: StepClaim) -> StepOutcome | Output:
+    """:func:`run_function` in the caller's tenant scope (:func:`execute`'s: a second scope of
+    the same community adds nothing but its cost, once per step)."""
     name = claim.spec["function"]
     fn = get_function(name)
     if fn is None:
@@ -215,16 +221,21 @@ class AsyncCall:
     trace_parent: Any
 
 
-@tenant_scoped
 def prepare_call(claim: StepClaim) -> AsyncCall | None:
     """For a ``function`` step whose callable is ``async def``: its :class:`AsyncCall`, the
-    input resolved here (ORM reads: call this off the event loop). None for any other step
-    (a plain function, a missing one, another kind): those run on a step thread."""
+    input resolved here (ORM reads: call this off the event loop), in the step's tenant scope.
+    None for any other step (a plain function, a missing one, another kind): those run on a
+    step thread, and are told so without entering a scope (no statement runs for them here)."""
     if claim.step.kind != "function":
         return None
     fn = get_function(claim.spec["function"])
     if fn is None or not is_async_function(fn):
         return None
+    return _prepare_call(claim, fn)
+
+
+@tenant_scoped
+def _prepare_call(claim: StepClaim, fn: Any) -> AsyncCall:
     context = StepContext(claim.lease.community_id, claim.lease.run_id, claim.step.key, claim.lease.attempts)
     return AsyncCall(fn, step_input(claim), context, tracing_work.step_trace_parent(claim))
 

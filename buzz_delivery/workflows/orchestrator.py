@@ -214,7 +214,8 @@ class Orchestrator:
         self.holder = holder_identity(config.name)
         self.stop = stop
         self.wake = threading.Event()
-        self.work: queue.Queue[StepClaim | None] = queue.Queue()
+        # put/get only: the C queue (queue.Queue's Python Condition cost a notify per claim).
+        self.work: queue.SimpleQueue[StepClaim | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(SUMMARY_KEYS, 0)
         # Claims in the local queue, not yet taken by a step thread, with when they were queued
@@ -817,6 +818,25 @@ class Orchestrator:
             close_old_connections()
             connection.close()
 
+    def _await_batch(self, batch: int, until: float) -> None:
+        """The dispatcher left its claim to the completer's batch after ``batch`` (see
+        :meth:`dispatch`): wait until that batch is through (its ``after`` wakes us), until
+        ``until`` (monotonic), a stop, or (--all) a hint that ends the chain. Other wakes (the
+        NOTIFYs of steps made ready meanwhile, about one a run: that batch claims them) change
+        none of these, and are waited through here rather than each paying a pass of the
+        dispatch loop (its thread checks, hand-back scan, room and leadership)."""
+        c = self.config
+        while True:
+            self.wake.clear()  # before the checks: a batch through after them sets it again
+            if self.batches != batch or self.stop.is_set() or self.signal_name:
+                return
+            if c.community_id is None and self.chain_for is None:
+                return
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            self.wake.wait(left)
+
     def dispatch(self) -> str:
         c = self.config
         idle_since = time.monotonic()
@@ -859,8 +879,7 @@ class Orchestrator:
                 # lock), we claim ourselves.
                 if deferred_at != self.batches:
                     deferred_at, deferred_until = self.batches, time.monotonic() + c.poll_interval
-                self.wake.clear()
-                self.wake.wait(max(0.0, deferred_until - time.monotonic()))
+                self._await_batch(deferred_at, deferred_until)
                 continue
             hold_off = False  # a follower with nothing left waiting for it
             if room > 0:

@@ -15,19 +15,22 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import operator
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
-from django.db import transaction
-from django.db.models.base import DEFERRED
+from django.db import connection, transaction
+from django.db.models.base import DEFERRED, ModelState
+from django.db.models.signals import post_init, pre_init
 
 from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
-from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled, flow
+from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled, flow, leases
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
+from buzz_delivery.services.db import fetch_all, int_array, retry_deadlocks, translated_errors, uuid_array
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
+from buzz_delivery.usercode import in_transaction
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.models import DefinitionVersion, Step
 from buzz_delivery.workflows.services import cached, sql
@@ -45,6 +48,7 @@ from buzz_delivery.workflows.services.types import (
 from buzz_delivery.workflows.states import STEP_TERMINAL
 
 MAX_CLAIM = 1000
+MAX_ATTEMPTS = 100  # a lease's attempts (StepLease's bound, and a definition's max_attempts)
 
 
 def _lease_seconds(value: float | None) -> float:
@@ -143,31 +147,79 @@ _STEP_ALL_ATTNAMES = [f.attname for f in Step._meta.concrete_fields]
 _HISTORY_AT = _STEP_ALL_ATTNAMES.index("history")
 _CLAIMED_ATTNAMES = _STEP_ALL_ATTNAMES[:_HISTORY_AT] + _STEP_ALL_ATTNAMES[_HISTORY_AT + 1 :]
 assert _CLAIMED_ATTNAMES == sql.STEP_ATTNAMES, "the claim returns every step column but the history, in order"
+_CLAIMED = len(_CLAIMED_ATTNAMES)
+_READY_AT = sql.STEP_ATTNAMES.index("ready_at")
+_STEP_ID = sql.STEP_ATTNAMES.index("id")
+_PRIORITY = sql.STEP_ATTNAMES.index("priority")
+_SPEC = sql.STEP_ATTNAMES.index("spec")
+_BY_AGE = operator.itemgetter(_READY_AT, _STEP_ID)
+_BY_PRIORITY = operator.itemgetter(_PRIORITY)
+# The fast path below copies what ``Model.from_db`` does (as the core's claim of deliveries
+# does, services/leases.py, on the Djangos it knows: ``leases.FAST_ROWS``): the claimed fields
+# into ``__dict__`` as ``Model.__init__`` puts them (the history left out: deferred), a fresh
+# ``ModelState`` with ``adding`` off and ``db`` set.
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _fast_steps() -> bool:
+    """Whether claimed step rows may skip ``Model.from_db``: a Django whose ``from_db`` this path
+    knows, and no ``pre_init``/``post_init`` receivers for ``Step`` (asked once per claim)."""
+    return leases.FAST_ROWS and not (pre_init.has_listeners(Step) or post_init.has_listeners(Step))
 
 
 def _claims_from_rows(rows: list[tuple[Any, ...]]) -> list[StepClaim]:
-    claims = []
-    ready_at, step_id = sql.STEP_ATTNAMES.index("ready_at"), sql.STEP_ATTNAMES.index("id")
-    priority = sql.STEP_ATTNAMES.index("priority")
-    for row in sorted(rows, key=lambda r: (-r[priority], r[ready_at], r[step_id])):
-        # Every concrete field in order, the history deferred: from_db given fewer values than
-        # fields matches each field's name against the list (52 x 51 compares, the largest
-        # Python cost of a claim; issue 31).
-        step = Step.from_db("default", _STEP_ALL_ATTNAMES, (*row[:_HISTORY_AT], DEFERRED, *row[_HISTORY_AT:-1]))
+    """The claims of a claim statement's rows (every step column but the history, then the
+    run's definition id), highest priority first, then oldest ready, then by id. Built without a
+    Python call per object: the step as ``Model.from_db`` builds it (the history deferred), the
+    lease's and the claim's slots set as :meth:`StepLease.from_database` and ``StepClaim(...)``
+    set them (tests/test_wf_claim_rows.py compares them)."""
+    # Two stable sorts (C key functions) give the order of one by (-priority, ready_at, id).
+    rows = sorted(rows, key=_BY_AGE)
+    rows.sort(key=_BY_PRIORITY, reverse=True)
+    fast = _fast_steps()
+    names = _CLAIMED_ATTNAMES
+    alias = "default"
+    utc = dt.UTC
+    claims: list[StepClaim] = []
+    append = claims.append
+    for row in rows:
+        if fast:
+            step = _new(Step)
+            step.__dict__.update(zip(names, row[:_CLAIMED], strict=True))
+            state = ModelState()
+            state.adding = False
+            state.db = alias
+            step._state = state
+        else:
+            step = Step.from_db(alias, _STEP_ALL_ATTNAMES, (*row[:_HISTORY_AT], DEFERRED, *row[_HISTORY_AT:-1]))
         # A map's element carries its own spec (jsonb, as text from the cursor); the definition's
         # steps are cached per version.
-        if isinstance(step.spec, str):
-            step.spec = json.loads(step.spec)
-        spec = step.spec if step.spec is not None else definition_steps(row[-1])[step.key]
-        lease = StepLease(
-            community_id=step.community_id,
-            step_id=step.id,
-            run_id=step.run_id,
-            lease_generation=step.lease_generation,
-            attempts=step.attempts,
-            lease_until=cast(dt.datetime, step.lease_until),
-        )
-        claims.append(StepClaim(lease=lease, step=step, spec=spec))
+        spec = row[_SPEC]
+        if isinstance(spec, str):
+            spec = step.spec = json.loads(spec)
+        if spec is None:
+            spec = definition_steps(row[-1])[step.key]
+        until = step.lease_until
+        if until is None or until.tzinfo is not utc or not 0 < step.attempts <= MAX_ATTEMPTS:
+            # What the constructor validates (and refuses) the database's row may hold.
+            lease = StepLease(
+                community_id=step.community_id,
+                step_id=step.id,
+                run_id=step.run_id,
+                lease_generation=step.lease_generation,
+                attempts=step.attempts,
+                lease_until=cast(dt.datetime, until),
+            )
+        else:
+            lease = StepLease.from_database(
+                step.community_id, step.id, step.run_id, step.lease_generation, step.attempts, until
+            )
+        claim = _new(StepClaim)
+        _set(claim, "lease", lease)
+        _set(claim, "step", step)
+        _set(claim, "spec", spec)
+        append(claim)
     return claims
 
 
@@ -438,19 +490,26 @@ def _complete_and_claim(
     aborts it as a deadlock's victim): the outcomes it settled, and its claims."""
     outcomes: dict[uuid.UUID, StepOutcome] = {}
     claims: list[StepClaim] = []
+    # Releases NOTIFY at most once, after the claim (only completions release). The deferral is
+    # ``SET LOCAL``: it ends with the transaction's commit, so only inside a caller's own
+    # transaction (or savepoint) is it undone by a statement of its own.
+    defer = bool(claim_params["limit"] and good)
+    undefer = defer and in_transaction(connection)
     with transaction.atomic(), translated_errors():
-        if claim_params["limit"]:
+        if defer:
             fetch_all(sql.DEFER_NOTIFY, {})
         if good:
-            run_ids = sorted({lease.run_id for lease, _ in good})
-            lock = {"community_id": community, "run_ids": run_ids}
+            # The arrays as their text (db.uuid_array, int_array, _jsonb_array): psycopg's array
+            # dumper quotes every element through regular expressions. The statement locks the
+            # runs in id order (its ORDER BY).
+            lock = {"community_id": community, "run_ids": uuid_array({lease.run_id for lease, _ in good})}
             free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, lock)}
             batch = [(lease, text) for lease, text in good if lease.run_id in free]
             params = {
                 "community_id": community,
-                "step_ids": [lease.step_id for lease, _ in batch],
-                "lease_generations": [lease.lease_generation for lease, _ in batch],
-                "outputs": [text for _, text in batch],
+                "step_ids": uuid_array([lease.step_id for lease, _ in batch]),
+                "lease_generations": int_array([lease.lease_generation for lease, _ in batch]),
+                "outputs": _jsonb_array([text for _, text in batch]),
             }
             settled = {row[0] for row in fetch_all(cached.COMPLETE_STEPS.call, params)}
             for lease, _ in batch:
@@ -458,8 +517,16 @@ def _complete_and_claim(
         if claim_params["limit"]:
             claims = _claims_from_rows(_claim_ready(claim_params, limits))
             fetch_all(sql.NOTIFY_IF_READY_LEFT, {"community_id": community})
+        if undefer:
             fetch_all(sql.UNDEFER_NOTIFY, {})  # a caller's own transaction goes on notifying
     return outcomes, claims
+
+
+def _jsonb_array(texts: list[str]) -> str:
+    """JSON texts as the text of a ``jsonb[]`` (the statement casts it): each element quoted,
+    its backslashes and double quotes escaped (array input's rules), so no text can reach the
+    array's syntax, and none is NULL (JSON ``null`` is the quoted text ``"null"``)."""
+    return "{" + ",".join(['"' + t.replace("\\", "\\\\").replace('"', '\\"') + '"' for t in texts]) + "}"
 
 
 def backoff_seconds(attempts: int, base: float, cap: float) -> float:

@@ -40,6 +40,30 @@ class StepLease:
         set_(self, "attempts", v.int_in_range(self.attempts, "lease.attempts", 1, 100))
         set_(self, "lease_until", v.aware_datetime(self.lease_until, "lease.lease_until"))
 
+    @classmethod
+    def from_database(
+        cls,
+        community_id: uuid.UUID,
+        step_id: uuid.UUID,
+        run_id: uuid.UUID,
+        lease_generation: int,
+        attempts: int,
+        lease_until: dt.datetime,
+    ) -> StepLease:
+        """A lease from the row a claim statement returned: the values are the database's own
+        (uuids, a generation >= 1), so they are not validated again as a caller's input is:
+        the caller passes only ``attempts`` within 1..100 and a ``lease_until`` in UTC, else
+        it calls the constructor."""
+        lease = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(lease, "community_id", community_id)
+        set_(lease, "step_id", step_id)
+        set_(lease, "run_id", run_id)
+        set_(lease, "lease_generation", lease_generation)
+        set_(lease, "attempts", attempts)
+        set_(lease, "lease_until", lease_until)
+        return lease
+
 
 @dataclass(frozen=True, slots=True)
 class StepClaim:
