@@ -35,7 +35,9 @@ one holding the community's session advisory lock claims on every wake and chain
 its completions; the others claim only as many ready steps as it left waiting
 :data:`FOLLOW_AFTER` seconds (the oldest) and chain nothing, so the community's work is one
 chain of large batches, not K chains of small ones. A follower tries the lock once a poll
-interval and leads once the leader's session is gone. ``--all`` elects no leader.
+interval and leads once the leader's session is gone. While the lock is held by another
+session a follower does not LISTEN (:meth:`Orchestrator._lead`): it polls. ``--all`` elects no
+leader (and always LISTENs).
 
 An ``async def`` function step runs on none of the step threads: one event-loop thread awaits
 such steps as tasks, up to ``async_concurrency`` at once, none holding a database connection.
