@@ -89,6 +89,16 @@ def listening() -> int:
         return cursor.fetchone()[0]
 
 
+def tried_the_lock(pid: int) -> bool:
+    """Whether process ``pid``'s lock connection has asked for the leadership."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND query LIKE %s",
+            [f"buzz-workflows-lead:{pid}", "%pg_try_advisory_lock%"],
+        )
+        return cursor.fetchone()[0] > 0
+
+
 def start_runs(workflow, n: int, input: dict | None = None) -> list:
     return [
         start_run(workflow.community_id, workflow.id, input or {}, cause=Cause.event(os.urandom(32))).pk
@@ -190,8 +200,13 @@ def test_a_follower_of_a_live_leader_does_not_listen_and_listens_again_once_it_l
     try:
         leader = wait_leader(community, set(procs), timeout=10 + SLACK)
         (other,) = set(procs) - {leader}
-        deadline = time.monotonic() + poll + SLACK
-        while listening() != 1:  # the follower stops listening at its first try of the lock
+        deadline = time.monotonic() + 10 + SLACK
+        while not tried_the_lock(other):  # (a process still starting has no listener yet either)
+            assert time.monotonic() < deadline, "the follower never tried the lock"
+            time.sleep(0.05)
+        time.sleep(1.0)  # a listener that connected before it closes within 0.5 s
+        deadline = time.monotonic() + SLACK
+        while listening() != 1:  # the follower stopped listening at its first try of the lock
             assert time.monotonic() < deadline, f"{listening()} listening backends, not 1"
             time.sleep(0.05)
         ids = start_runs(workflow, 5)  # the leader hears them
