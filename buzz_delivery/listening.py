@@ -9,6 +9,11 @@ starts again, LISTEN included (``restarts``): the thread lives until ``stop`` is
 only wake pollers, so nothing is lost while it restarts; ``on_listen`` runs after each
 (re)connection so its owner can poll for what it may have missed.
 
+``pause(True)`` closes its connections until ``pause(False)``: an owner that polls anyway and needs
+no hints for a while (a workflow orchestrator that follows a live leader, issue 31) holds no
+listening backend, which PostgreSQL would signal on every notifying commit of the database,
+whatever the channel. Resuming LISTENs again and runs ``on_listen`` as any (re)connection does.
+
 On a Citus coordinator it LISTENs on every other active primary node too (read from the
 coordinator's ``pg_dist_node`` at each (re)connection, with the same connection parameters but
 the node's host and port): a trigger on a shard sends its NOTIFY on the node that holds the shard,
@@ -65,7 +70,8 @@ class Listener(threading.Thread):
     keyword arguments of ``psycopg.connect``, e.g. from Django's ``get_connection_params()``)
     and calls ``on_notify(channel, payload)`` for each notification. ``on_listen()`` runs after
     every (re)connection, ``on_lost()`` after every loss. Counters: ``notifications``,
-    ``ignored`` (payloads ``on_notify`` raised on), ``restarts`` (errors survived)."""
+    ``ignored`` (payloads ``on_notify`` raised on), ``restarts`` (errors survived), ``pauses``
+    (times :meth:`pause` closed its connections)."""
 
     def __init__(
         self,
@@ -92,8 +98,25 @@ class Listener(threading.Thread):
         self.notifications = 0
         self.ignored = 0
         self.restarts = 0
+        self.pauses = 0
+        self._paused = False
+        self._resumed = threading.Event()  # set by pause(False): a paused loop LISTENs again at once
         self._conns: list[psycopg.Connection[Any]] = []
         self._relisten_at: float | None = None  # when to read a cluster's nodes again (monotonic)
+
+    def pause(self, paused: bool) -> None:
+        """Stop listening (``True``: the connections are closed within
+        :data:`NOTIFY_WAIT_SECONDS`) or listen again (``False``: at once, then ``on_listen``).
+        Any thread may call it; calling it again with the same value does nothing."""
+        if paused == self._paused:
+            return
+        self._paused = paused
+        if not paused:
+            self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def _subscribe(self, conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
         try:
@@ -149,6 +172,13 @@ class Listener(threading.Thread):
         try:
             while not self.stop.is_set():
                 try:
+                    if self._paused:
+                        if self._conns:
+                            self.pauses += 1
+                            self._close()
+                        self._resumed.wait(NOTIFY_WAIT_SECONDS)  # the stop is looked at as often
+                        self._resumed.clear()  # (the flag is read again first: nothing is lost)
+                        continue
                     if not self._conns:
                         self._conns = self._listen()
                         if self.on_listen is not None:

@@ -136,3 +136,47 @@ def test_a_listener_that_cannot_connect_keeps_trying_until_stopped():
         stop.set()
         listener.join(5)
     assert not listener.is_alive()
+
+
+def test_a_paused_listener_holds_no_listening_backend_and_listens_again_when_resumed():
+    """Issue 31: a follower of a live leader pauses its listener. Paused, the listener closes its
+    connection (PostgreSQL signals every listening backend on every notifying commit); resumed,
+    it LISTENs at once and runs ``on_listen`` (its owner polls for what came meanwhile), and
+    hints arrive again."""
+    received: list[str] = []
+    listened = threading.Event()
+    stop = threading.Event()
+
+    def listeners() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN \"buzz_test_pause\"'"
+                " AND datname = current_database()"
+            )
+            return cursor.fetchone()[0]
+
+    listener = Listener(
+        name="test-listener", channels=["buzz_test_pause"], conn_params=_params(), stop=stop,
+        on_notify=lambda c, p: received.append(p), on_listen=listened.set, retry_seconds=0.1,
+    )  # fmt: skip
+    listener.start()
+    try:
+        assert listened.wait(10)
+        wait_until(lambda: listeners() == 1, what="the LISTEN")
+        listener.pause(True)
+        assert listener.paused
+        wait_until(lambda: listeners() == 0, what="the paused listener to close its connection")
+        notify_as_tenant("buzz_test_pause", ["while paused"])
+        time.sleep(0.3)
+        assert received == [] and listener.pauses == 1
+        listened.clear()
+        listener.pause(False)
+        assert listened.wait(2), "resuming did not LISTEN again at once"
+        assert listeners() == 1
+        notify_as_tenant("buzz_test_pause", ["ok"])
+        wait_until(lambda: received == ["ok"], what="a hint after resuming")
+        assert listener.restarts == 0
+    finally:
+        stop.set()
+        listener.join(5)
+    assert not listener.is_alive()

@@ -38,10 +38,10 @@ SLACK = 3.0  # scheduling on a loaded 2-core machine
 FOLLOW_SLACK = 3.0  # a follower tries the lock once a poll interval: this much more on a loaded machine
 
 
-def orchestrator(community, log, *, concurrency: int = 2, lease: float = 30) -> subprocess.Popen:
+def orchestrator(community, log, *, concurrency: int = 2, lease: float = 30, poll: float = POLL) -> subprocess.Popen:
     args = [
         sys.executable, "-m", "tests.wf_poison_worker", "--community", str(community.id),
-        "--concurrency", str(concurrency), "--poll-interval", str(POLL), "--lease-seconds", str(lease), "-v", "0",
+        "--concurrency", str(concurrency), "--poll-interval", str(poll), "--lease-seconds", str(lease), "-v", "0",
     ]  # fmt: skip
     environ = {**env(), "BUZZ_TEST_LIVENESS_LOG": str(log)}
     return subprocess.Popen(args, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -76,6 +76,27 @@ def wait_leader(community, among: set[int], timeout: float) -> int:
         time.sleep(0.05)
     assert pid is not None
     return pid
+
+
+def listening() -> int:
+    """Backends of this database that LISTEN on ``buzz_workflows`` (an orchestrator's listener
+    connection: its LISTEN is the last statement it sent; a paused listener has closed it)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND query = 'LISTEN \"buzz_workflows\"' AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0]
+
+
+def tried_the_lock(pid: int) -> bool:
+    """Whether process ``pid``'s lock connection has asked for the leadership."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND query LIKE %s",
+            [f"buzz-workflows-lead:{pid}", "%pg_try_advisory_lock%"],
+        )
+        return cursor.fetchone()[0] > 0
 
 
 def start_runs(workflow, n: int, input: dict | None = None) -> list:
@@ -166,6 +187,54 @@ def test_a_follower_leads_once_the_leader_is_killed_and_the_leaders_steps_come_b
     assert all(f":{other}:" in actors[-1] for actors in taken_back), claims
 
 
+def test_a_follower_of_a_live_leader_does_not_listen_and_listens_again_once_it_leads(community, tmp_path):
+    """Fails on main: every orchestrator LISTENed, and PostgreSQL runs a transaction in every
+    listening backend of the database for every notifying commit. Now only the leader does;
+    the follower polls, and once the leader is killed it leads and LISTENs again: each run
+    started then is claimed on its NOTIFY, well before the next poll (poll interval 6 s)."""
+    poll = 6.0
+    workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, workflow.id, {"steps": [function_step("s", "liveness.record")]})
+    log = tmp_path / "started.jsonl"
+    procs = {p.pid: p for p in (orchestrator(community, log, poll=poll) for _ in range(2))}
+    try:
+        leader = wait_leader(community, set(procs), timeout=10 + SLACK)
+        (other,) = set(procs) - {leader}
+        deadline = time.monotonic() + 10 + SLACK
+        while not tried_the_lock(other):  # (a process still starting has no listener yet either)
+            assert time.monotonic() < deadline, "the follower never tried the lock"
+            time.sleep(0.05)
+        time.sleep(1.0)  # a listener that connected before it closes within 0.5 s
+        deadline = time.monotonic() + SLACK
+        while listening() != 1:  # the follower stopped listening at its first try of the lock
+            assert time.monotonic() < deadline, f"{listening()} listening backends, not 1"
+            time.sleep(0.05)
+        ids = start_runs(workflow, 5)  # the leader hears them
+        wait_done(community, ids, timeout=poll)
+        assert listening() == 1
+        procs[leader].send_signal(signal.SIGKILL)
+        procs[leader].wait(10)
+        assert wait_leader(community, {other}, timeout=poll + FOLLOW_SLACK) == other
+        deadline = time.monotonic() + SLACK
+        while listening() != 1:  # its listener LISTENs again
+            assert time.monotonic() < deadline, "the new leader does not listen"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the poll after it LISTENed is behind: what follows comes by NOTIFY
+        for _ in range(3):
+            started = time.monotonic()
+            later = start_runs(workflow, 1)
+            wait_done(community, later, timeout=poll)
+            assert time.monotonic() - started < 2.5, "a poll, not the NOTIFY, woke the new leader"
+            ids += later
+    finally:
+        if procs[leader].poll() is None:  # the test failed before the kill
+            procs[leader].kill()
+            procs[leader].wait(10)
+        survivor = summary(procs[other])
+    assert survivor["unlistened"] == 1, survivor  # it followed once, then led
+    assert survivor["led"] == 1 and survivor["errors"] == 0
+
+
 def test_steps_that_keep_the_leader_busy_spread_over_the_followers(community, tmp_path):
     """I/O-bound steps (sleeping) fill the leader's two threads: the ready steps it leaves
     waiting go to the follower, which runs a fair part of them."""
@@ -248,6 +317,14 @@ def test_the_lock_connection_is_bounded_and_a_follower_that_cannot_reach_the_dat
     try:
         assert lead.check() is True
         assert lead.conn is not None
+        assert lead.following is False
+        other = Leadership(params, community, every=0.0)
+        try:
+            assert other.check() is False
+            assert other.following is True  # the lock is held by a live session: it need not listen
+        finally:
+            other.close()
+        assert other.following is False
         assert lead.conn_params["connect_timeout"] == 5
         assert lead.conn.execute("SHOW statement_timeout").fetchone()[0] == "5s"
         if lead.conn.info.server_version >= 140000:
@@ -258,6 +335,7 @@ def test_the_lock_connection_is_bounded_and_a_follower_that_cannot_reach_the_dat
     unreachable = Leadership({**params, "host": "127.0.0.1", "port": 1}, community, every=0.0)
     with caplog.at_level("WARNING", logger="buzz_delivery.workflows"):
         assert unreachable.check() is False
+        assert unreachable.following is False  # nobody is known to lead: it listens
         assert unreachable.check() is False
     warned = [r for r in caplog.records if "leadership_unreachable" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]

@@ -35,7 +35,9 @@ one holding the community's session advisory lock claims on every wake and chain
 its completions; the others claim only as many ready steps as it left waiting
 :data:`FOLLOW_AFTER` seconds (the oldest) and chain nothing, so the community's work is one
 chain of large batches, not K chains of small ones. A follower tries the lock once a poll
-interval and leads once the leader's session is gone. ``--all`` elects no leader.
+interval and leads once the leader's session is gone. While the lock is held by another
+session a follower does not LISTEN (:meth:`Orchestrator._lead`): it polls. ``--all`` elects no
+leader (and always LISTENs).
 
 An ``async def`` function step runs on none of the step threads: one event-loop thread awaits
 such steps as tasks, up to ``async_concurrency`` at once, none holding a database connection.
@@ -149,6 +151,7 @@ SUMMARY_KEYS = (
     "led",  # 1 when this orchestrator led its community at some point (issue 31)
     "follow_reads",  # a follower's reads of whether ready steps were left waiting for it
     "sends_ahead",  # send_message steps claimed with every step thread busy (issue 31)
+    "unlistened",  # times the listener stopped listening: this orchestrator followed a live leader
 )
 
 
@@ -280,6 +283,7 @@ class Orchestrator:
         # One community (issue 31): whether this orchestrator leads it (see LEADER_LOCK_NAMESPACE);
         # --all: every orchestrator claims and chains as it did.
         self.leadership: Leadership | None = None
+        self.listener: Listener | None = None
         self.leading = config.community_id is None
         self.follow_after = min(FOLLOW_AFTER, config.poll_interval)
 
@@ -686,9 +690,18 @@ class Orchestrator:
 
     def _lead(self) -> bool:
         """One community: whether this orchestrator leads it now (asked of the database at
-        most once a poll interval); --all: always."""
+        most once a poll interval); --all: always.
+
+        A follower of a live leader (the lock held by another session) does not LISTEN: the
+        leader claims what a NOTIFY announces, and the follower claims only what was left
+        waiting, which its poll (every poll interval) finds as well; a listening backend
+        costs a transaction on the server for every notifying commit of the database, and a
+        wake here. It LISTENs again once it leads or no longer knows whether anyone does (a
+        connection error): resuming wakes the dispatcher, as any (re)connection does."""
         if self.leadership is not None:
             self.leading = self.leadership.check()
+            if self.listener is not None:
+                self.listener.pause(self.leadership.following)
             if self.leading:
                 with self.lock:
                     self.counts["led"] = 1
@@ -951,7 +964,7 @@ class Orchestrator:
             for i in range(c.concurrency)
         ]
         renewer = threading.Thread(target=self._renew_thread, name="buzz-workflows-renewer", daemon=True)
-        listener = _listener(
+        listener = self.listener = _listener(
             conn_params,
             c.community_id,
             self.wake,
@@ -1003,6 +1016,7 @@ class Orchestrator:
             self.renew_done.set()
             renewer.join(5)
             listener.join(5)
+        self.counts["unlistened"] = listener.pauses
         self.counts["complete_statements"] = self.completer.statements
         self.counts["fail_statements"] = self.completer.fail_batches
         self.counts["send_statements"] = self.completer.send_batches
@@ -1050,6 +1064,10 @@ class Leadership:
         self.every = every
         self.conn: psycopg.Connection[Any] | None = None
         self.leading = False
+        # The last try found the lock held by another session: a leader is alive (its session
+        # is; the lock goes with it). False while leading, before the first try and after any
+        # error: whether anyone leads is then unknown.
+        self.following = False
         self.next_check = 0.0
         self.next_warning = 0.0
 
@@ -1075,6 +1093,7 @@ class Leadership:
             else:
                 row = self.conn.execute(TRY_LEAD, (LEADER_LOCK_NAMESPACE, self.community)).fetchone()
                 self.leading = bool(row and row[0])
+                self.following = not self.leading
                 if self.leading:
                     logger.info("leading community=%s", self.community)
         except psycopg.Error as exc:
@@ -1091,7 +1110,7 @@ class Leadership:
         return self.leading
 
     def close(self) -> None:
-        self.leading = False
+        self.leading = self.following = False
         conn, self.conn = self.conn, None
         if conn is not None:
             with contextlib.suppress(Exception):  # a broken connection may fail to close: dropped anyway
