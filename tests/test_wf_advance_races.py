@@ -165,3 +165,32 @@ def test_a_cancel_racing_the_last_completion_leaves_nothing_ready(workflow, canc
     assert found["b"] == "canceled"
     assert found["a"] == ("canceled" if cancel_first else "succeeded")
     assert claim_ready(workflow.community_id) == {}
+
+
+@pytest.mark.parametrize("cancel_first", [True, False])
+@pytest.mark.parametrize("outcome", ["complete", "fail"])
+def test_a_cancel_racing_the_runs_last_step_counts_every_step_once(workflow, cancel_first, outcome):
+    """The run's last open step is counted in the UPDATE that ends the run (migration 0027:
+    ``buzz_workflows_end_run``'s ``counted``): racing a cancel, in either order, every step is
+    counted exactly once (``steps_left`` 0), and the run ends as the first to commit decided."""
+    run = start(workflow, {"steps": [function_step("a"), function_step("b", on_error="fail_run")]})
+    claims = claim_ready(workflow.community_id)
+    complete_step(claims["a"].lease, None)  # b is the run's last open step
+    b = claims["b"]
+    results: list = []
+
+    def cancel() -> None:
+        results.append(cancel_run(workflow.community_id, run.pk))
+
+    def end() -> None:
+        if outcome == "complete":
+            results.append(complete_step(b.lease, None))
+        else:
+            results.append(fail_step(b.lease, "boom", retryable=False))
+
+    errors = race(cancel, end) if cancel_first else race(end, cancel)
+    assert errors == []
+    row = Run.objects.get(pk=run.pk)
+    expected = "canceled" if cancel_first else ("succeeded" if outcome == "complete" else "failed")
+    assert (row.state, row.steps_left) == (expected, 0)
+    assert all(s.state in ("succeeded", "failed", "canceled") for s in Step.objects.filter(run_id=run.pk))

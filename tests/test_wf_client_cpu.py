@@ -253,3 +253,75 @@ def test_the_completer_batch_stops_at_max_batch_and_at_the_close_marker():
     started = time.monotonic()
     assert completer.next_batch(source, 3, 0.0) == ([7], False)  # no linger: what is there
     assert time.monotonic() - started < 0.5
+
+
+class _BatchRightAfterDecision:
+    """The orchestrator's lock, which runs the completer's ``after`` (a batch through, nothing
+    left awaiting it) once, right after the dispatcher's block that decided to leave its claim
+    to that batch released it: the batch lands between that decision and what follows."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.inner = threading.Lock()
+        self.orchestrator = orchestrator
+        self.armed = True
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.inner.__exit__(*exc)
+        o = self.orchestrator
+        if self.armed and o.deferred_wake:
+            self.armed = False
+            with self.inner:
+                o.awaiting = o.in_flight = 0  # the batch took the last result
+            o._after_batch()
+        return False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_through_just_after_the_dispatcher_deferred_to_it_does_not_stall_it(community):
+    """The completer's batch goes through between the dispatcher's decision to leave its claim
+    to it (under the lock) and its wait: nothing awaits a batch any more, so no batch wakes it;
+    a wake (a NOTIFY of new work) must run its loop, not be waited through until the poll
+    interval (issue 31 review: the wait took the batch count after the batch, as if waiting for
+    the next one)."""
+    stop = threading.Event()
+    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=5.0), stop)
+    orchestrator.leading = True
+    orchestrator.lock = _BatchRightAfterDecision(orchestrator)  # type: ignore[assignment]
+    with orchestrator.lock:
+        orchestrator.awaiting = orchestrator.in_flight = 1
+    passes: list[float] = []
+    original = orchestrator._dead_thread
+
+    def counted():
+        passes.append(time.monotonic())
+        return original()
+
+    orchestrator._dead_thread = counted
+    reason: list[str] = []
+
+    def body():
+        try:
+            reason.append(orchestrator.dispatch())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while orchestrator.lock.armed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        orchestrator.wake.set()  # a NOTIFY: a run started
+        deadline = time.monotonic() + 2
+        while len(passes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(passes) >= 2, "the dispatcher waited through the wake with no batch to come"
+    finally:
+        stop.set()
+        orchestrator.wake.set()
+        thread.join(10)
+    assert reason == ["stopped"]

@@ -885,13 +885,16 @@ class Orchestrator:
                 chaining = leading and (c.community_id is not None or self.chain_for is not None)
                 completing = self.awaiting > 0 and c.max_steps is None and chaining
                 self.deferred_wake = self.deferred_wake or (room > 0 and completing)
-            if room > 0 and completing and (deferred_at != self.batches or time.monotonic() < deferred_until):
+                # The batch count with that decision: a batch through after it (its wake
+                # consumed before the wait below) must end the wait, not be waited past.
+                batches = self.batches
+            if room > 0 and completing and (deferred_at != batches or time.monotonic() < deferred_until):
                 # The completer is about to record a batch, and it claims the ready steps in that
                 # transaction; it wakes us after the batch, and we claim what it left. When no
                 # batch went through within the poll interval (a completer waiting on a run
                 # lock), we claim ourselves.
-                if deferred_at != self.batches:
-                    deferred_at, deferred_until = self.batches, time.monotonic() + c.poll_interval
+                if deferred_at != batches:
+                    deferred_at, deferred_until = batches, time.monotonic() + c.poll_interval
                 self._await_batch(deferred_at, deferred_until)
                 continue
             hold_off = False  # a follower with nothing left waiting for it
