@@ -152,24 +152,19 @@ def test_a_function_step_runs_in_one_tenant_scope_and_a_plain_one_is_routed_with
     assert executor.run_function(claims[0]) == executor.Output({})  # the public call keeps its scope
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_deferred_dispatcher_waits_through_wakes_until_the_batch_is_through(community):
-    """The dispatcher left its claim to the completer (a result awaits it): wakes meanwhile (the
-    NOTIFY of every run started) do not run its loop; the batch's own wake does, at once."""
-    stop = threading.Event()
-    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=5.0), stop)
-    orchestrator.leading = True  # no Leadership object: leads as the only orchestrator would
-    with orchestrator.lock:  # one result waiting for the completer's batch
-        orchestrator.awaiting = orchestrator.in_flight = 1
+def _dispatching(orchestrator: Orchestrator) -> tuple[threading.Thread, list[float], list[str]]:
+    """Run ``orchestrator.dispatch()`` on a thread of its own; the list it returns gets the time
+    of each pass of the dispatch loop (its dead-thread check runs once a pass), the other the
+    reason it returned."""
     passes: list[float] = []
+    reason: list[str] = []
     original = orchestrator._dead_thread
 
     def counted():
         passes.append(time.monotonic())
         return original()
 
-    orchestrator._dead_thread = counted  # once per pass of the dispatch loop
-    reason: list[str] = []
+    orchestrator._dead_thread = counted
 
     def body():
         try:
@@ -179,6 +174,19 @@ def test_a_deferred_dispatcher_waits_through_wakes_until_the_batch_is_through(co
 
     thread = threading.Thread(target=body)
     thread.start()
+    return thread, passes, reason
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deferred_dispatcher_waits_through_wakes_until_the_batch_is_through(community):
+    """The dispatcher left its claim to the completer (a result awaits it): wakes meanwhile (the
+    NOTIFY of every run started) do not run its loop; the batch's own wake does, at once."""
+    stop = threading.Event()
+    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=5.0), stop)
+    orchestrator.leading = True  # no Leadership object: leads as the only orchestrator would
+    with orchestrator.lock:  # one result waiting for the completer's batch
+        orchestrator.awaiting = orchestrator.in_flight = 1
+    thread, passes, reason = _dispatching(orchestrator)
     try:
         deadline = time.monotonic() + 5
         while not passes and time.monotonic() < deadline:
@@ -292,24 +300,7 @@ def test_a_batch_through_just_after_the_dispatcher_deferred_to_it_does_not_stall
     orchestrator.lock = _BatchRightAfterDecision(orchestrator)  # type: ignore[assignment]
     with orchestrator.lock:
         orchestrator.awaiting = orchestrator.in_flight = 1
-    passes: list[float] = []
-    original = orchestrator._dead_thread
-
-    def counted():
-        passes.append(time.monotonic())
-        return original()
-
-    orchestrator._dead_thread = counted
-    reason: list[str] = []
-
-    def body():
-        try:
-            reason.append(orchestrator.dispatch())
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=body)
-    thread.start()
+    thread, passes, reason = _dispatching(orchestrator)
     try:
         deadline = time.monotonic() + 5
         while orchestrator.lock.armed and time.monotonic() < deadline:
