@@ -165,3 +165,59 @@ def test_the_batch_settles_run_locks_reach_the_rows_by_their_keys(community, mes
         "buzz_delivery_workflow_run_pkey",
     }, plan
     assert plan.index("LockRows") < plan.index("Sort"), plan  # the lock above the sort: taken in run order
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="on Citus the functions plan each call (force_custom_plan)")
+@pytest.mark.parametrize("analyzed_with", [2_000, 200, 0], ids=lambda n: f"analyzed_with_{n}_claimed")
+@pytest.mark.parametrize("statement", [cached.FINISH_MANY, cached.SETTLE_MANY], ids=lambda s: s.function)
+def test_the_batch_settles_cached_plan_reads_the_batch_by_its_key(
+    community, message_event, make_binding, statement, analyzed_with
+):
+    """The batch settle's generic plan (what its function caches) reaches the batch's rows
+    through the primary key, not through every row claimed in the community
+    (delivery_claimed_lease_idx), with ~2,000 claimed in it (a fleet of workers claiming ahead),
+    whatever an ANALYZE saw claimed: claimed rows are transient, so the statistics hold what was
+    claimed at that moment (bench/results/worker-k4.md: 0.80 ms against 0.25 ms by key)."""
+    from tests.plan_support import generic_explain
+    from tests.test_claim_plan_stale_stats import clone
+
+    binding = make_binding(target_pubkey=random32())
+    services.commit_deliveries(community.id, message_event, [binding])
+    clone(binding.step_id, "p", 20_000, "pending", 20)  # a backlog
+    seed = services.claim_delivery(community.id, binding.target_pubkey)
+    assert seed is not None
+    clone(binding.step_id, "a", analyzed_with, "claimed", 20)  # claimed rows copy the seed's lease
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE buzz_delivery_delivery")
+    clone(binding.step_id, "c", 2_000 - analyzed_with, "claimed", 20)  # claimed since
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT id, lease_generation, target_pubkey FROM buzz_delivery_delivery"
+            " WHERE community_id = %s AND status = 'claimed' LIMIT 50",
+            [community.id],
+        )
+        ids, generations, targets = (list(column) for column in zip(*cursor.fetchall(), strict=True))
+    n = len(ids)
+    values = {
+        "community_id": community.id,
+        "delivery_ids": ids,
+        "lease_generations": generations,
+        "target_pubkeys": targets,
+        "status": "finished",
+        "failure_code": None,
+        "failure_message": None,
+        "outcomes": ["finished"] * n,
+        "failure_codes": [None] * n,
+        "failure_messages": [None] * n,
+        "jitters": [1.0] * n,
+        "retry_afters": [0.0] * n,
+        "backoff_base": 1.0,
+        "backoff_cap": 60.0,
+    }
+    rows = generic_explain(statement, {name: values[name] for name, _ in statement.params}, "ANALYZE")
+    plan = "\n".join(row[0] for row in rows)
+    assert "delivery_claimed_lease_idx" not in plan, plan
+    assert "Seq Scan on buzz_delivery_delivery" not in plan, plan
+    indexes = set(re.findall(r"Index Scan using (\w+) on buzz_delivery_delivery d\b", plan))
+    assert indexes == {"buzz_delivery_delivery_pkey"}, plan
+    assert re.search(r"Update on buzz_delivery_delivery d .*\(actual .* rows=50 ", plan), plan  # all 50 settled

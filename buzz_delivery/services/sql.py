@@ -304,6 +304,16 @@ UPDATE {DELIVERY} AS d
 RETURNING d.status
 """
 
+# The batch settles' status fence, the same test as ``d.status = 'claimed'`` (equality under
+# "C" is byte equality, as under the database's deterministic default collation) in a form the
+# planner cannot match to delivery_claimed_lease_idx's predicate. A generic plan (the plan-cached
+# functions, services/cached.py) must not read the batch through that index: it holds every row
+# claimed in the community (a fleet claiming ahead: thousands), and its estimate is whatever an
+# ANALYZE saw claimed at that moment (claimed rows are transient), often next to none, so the
+# planner preferred it and read them all to settle 50 (bench/results/worker-k4.md). Hidden from
+# it, the batch is reached by its keys: a probe of the primary key (id, community) per row.
+CLAIMED_BY_KEY = "d.status = 'claimed' COLLATE \"C\""
+
 # The batch form: one row of (id, generation, target) per lease, all of one community (the
 # targets may differ: a worker serving many targets settles them in one statement).
 FINISH_MANY_IF_CURRENT_GENERATION = f"""
@@ -314,7 +324,7 @@ WHERE d.community_id = %(community_id)s
   AND d.id = f.id
   AND d.target_pubkey = f.target
   AND d.lease_generation = f.generation
-  AND d.status = 'claimed'
+  AND {CLAIMED_BY_KEY}
   AND d.lease_until >= {DB_NOW}
   AND {ACTIVE_COMMUNITY}
 RETURNING d.id, d.status
@@ -416,7 +426,7 @@ WHERE d.community_id = %(community_id)s
   AND d.id = s.id
   AND d.target_pubkey = s.target
   AND d.lease_generation = s.generation
-  AND d.status = 'claimed'
+  AND {CLAIMED_BY_KEY}
   AND d.lease_until >= {DB_NOW}
   AND {ACTIVE_COMMUNITY}
 RETURNING d.id, d.status
