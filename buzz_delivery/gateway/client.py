@@ -176,6 +176,20 @@ def _lease(data: dict[str, Any]) -> RemoteLease:
     return RemoteLease(data["community_id"], data["delivery_id"], data["lease_generation"], data["lease_until"])
 
 
+# Transport errors after which a request is sent again once, unchanged (see GatewayClient.request):
+# the connection went away before an answer. Not a timeout: the gateway may still be working on it.
+RESENT_ONCE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The gateway's error ``code`` of ``response``, None when it is not the gateway's JSON."""
+    try:
+        data = response.json()
+    except ValueError:
+        return None
+    return data.get("code") if isinstance(data, dict) else None
+
+
 class GatewayClient:
     """Signs every request with ``private_key`` (32 bytes) as a fresh NIP-98 event.
 
@@ -204,7 +218,20 @@ class GatewayClient:
         timeout = self.timeout + extra_timeout
 
         def send() -> httpx.Response:
-            return self._http.request(method, url, content=body, headers=headers, timeout=timeout)
+            try:
+                return self._http.request(method, url, content=body, headers=headers, timeout=timeout)
+            except RESENT_ONCE as first:
+                # A pooled keep-alive connection the server closed as it was reused (gunicorn
+                # closes one idle for its --keep-alive, 2 s by default, and httpx does not send
+                # again). The same signed bytes once more, on a fresh connection: the gateway
+                # admits an event id once, so if the first reached it, this one is refused
+                # ``auth_replayed`` and nothing is done twice; then the first's error stands
+                # (its outcome is unknown).
+                logger.info("resending %s %s once: %s", method, path, describe(first))
+                again = self._http.request(method, url, content=body, headers=headers, timeout=timeout)
+                if again.status_code == 401 and _error_code(again) == "auth_replayed":
+                    raise first
+                return again
 
         # Tracing: a client span whose traceparent the headers carry; else send() itself.
         return tracing_http.client_request(method, path, headers, send)  # type: ignore[no-any-return]

@@ -21,6 +21,7 @@ Unless ``--no-accept``, the deliveries addressed to the key are accepted into ru
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,9 +29,11 @@ import queue
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
+
+import httpx
 
 from buzz_delivery import backoff
 from buzz_delivery.agents import compensations
@@ -104,6 +107,10 @@ class OutputLimitExceeded(RemoteRunError):
     failure_code = "stream_too_large"
 
 
+class BatchAnswerError(RuntimeError):
+    """The gateway's answer to a batch did not match it (no run may take it)."""
+
+
 class _Parked(Exception):
     """Internal: the run parked on an approval; the handler stops here."""
 
@@ -165,6 +172,29 @@ class RemoteRunContext:
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
+    @contextlib.contextmanager
+    def _runtime(self, what: str) -> Iterator[None]:
+        """The block's requests are the runtime's: one the gateway could not answer (a dropped
+        connection, a timeout, a 5xx, a 429 past its retries, a key no longer enrolled) marks the
+        run lost and raises :class:`RunAborted`, so the handler's failure is not recorded for
+        it: its lease lapses and it resumes from its journal (as the in-process runtime does when
+        its database connection fails). A 400 or 413 (this item's own fault, e.g. a chunk the
+        gateway refuses) reaches the handler as it is."""
+        try:
+            yield
+        except GatewayHTTPError as exc:
+            if exc.status in (400, 413):
+                raise
+            self._runtime_failed(what, exc)
+        except (httpx.HTTPError, BatchAnswerError) as exc:
+            self._runtime_failed(what, exc)
+
+    def _runtime_failed(self, what: str, exc: Exception) -> None:
+        run_id = self.lease.run_id
+        logger.warning("gateway_error run=%s (%s): %s; the run is left to its lease", run_id, what, describe(exc))
+        self.mark_lost("gateway_error")
+        raise RunAborted(f"cannot {what}: {describe(exc)}") from exc
+
     def _gone(self, outcome: Any, what: str) -> RunAborted:
         self.mark_lost(outcome.data.get("reason"))
         return RunAborted(f"cannot {what}: {outcome.outcome}")
@@ -190,13 +220,14 @@ class RemoteRunContext:
         descriptor = compensations.descriptor(compensate)
         body = {"tool_name": tool_name, "args": args, "cost": cost, "compensation": descriptor,
                 "destructive": destructive}  # fmt: skip
-        outcome = (
-            self.batcher.send("calls", self.lease, body)
-            if self.batcher
-            else self.client.journal_call(
-                self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+        with self._runtime("journal"):
+            outcome = (
+                self.batcher.send("calls", self.lease, body)
+                if self.batcher
+                else self.client.journal_call(
+                    self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+                )
             )
-        )
         if outcome.outcome == "blocked":
             return None
         if outcome.outcome == "budget_exceeded":
@@ -217,7 +248,8 @@ class RemoteRunContext:
             if self._emit_pos < self._emitted_before:
                 self._emit_pos += 1
                 return self._emit_pos
-            outcome = self.client.emit(self.lease, chunk)
+            with self._runtime("emit"):
+                outcome = self.client.emit(self.lease, chunk)
             if outcome.outcome == "emitted":
                 self._emit_pos = int(outcome.data["seq"])
                 return self._emit_pos
@@ -239,12 +271,13 @@ class RemoteRunContext:
 
     def _record(self, seq: int, started: float, **kwargs: Any) -> None:
         latency = int((time.monotonic() - started) * 1000)
-        if self.batcher is not None:
-            body = {"seq": seq, "ok": kwargs["ok"], "output": kwargs.get("output"), "error": kwargs.get("error"),
-                    "latency_ms": latency, "uncertain": kwargs.get("uncertain", False)}  # fmt: skip
-            outcome = self.batcher.send("results", self.lease, body)
-        else:
-            outcome = self.client.record_result(self.lease, seq, latency_ms=latency, **kwargs)
+        with self._runtime(f"record call {seq}"):
+            if self.batcher is not None:
+                body = {"seq": seq, "ok": kwargs["ok"], "output": kwargs.get("output"), "error": kwargs.get("error"),
+                        "latency_ms": latency, "uncertain": kwargs.get("uncertain", False)}  # fmt: skip
+                outcome = self.batcher.send("results", self.lease, body)
+            else:
+                outcome = self.client.record_result(self.lease, seq, latency_ms=latency, **kwargs)
         if outcome.outcome not in ("recorded", "already_recorded"):
             raise self._gone(outcome, f"record call {seq}")
 
@@ -283,7 +316,8 @@ class RemoteRunContext:
             if entry["status"] == "failed":
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
-        outcome = self.client.request_approval(self.lease, prompt, deadline_seconds)
+        with self._runtime("request an approval"):
+            outcome = self.client.request_approval(self.lease, prompt, deadline_seconds)
         if outcome.outcome == "approval_requested":
             raise _Parked(outcome.data["approval_id"])
         if outcome.outcome == "budget_exceeded":
@@ -517,7 +551,7 @@ class RunBatcher:
         for kind, items in kinds.items():
             outcomes = answers.get(kind, [])
             if len(outcomes) != len(items):  # not the gateway's answer to this batch: no run may take it
-                error = RuntimeError(f"the gateway answered {len(outcomes)} {kind} outcomes to {len(items)} runs")
+                error = BatchAnswerError(f"the gateway answered {len(outcomes)} {kind} outcomes to {len(items)} runs")
                 for *_, future in items:
                     future.set_exception(error)
                 continue
@@ -550,7 +584,7 @@ class RunBatcher:
                 future.set_exception(exc)
             return
         if len(outcomes) != len(group):  # not the gateway's answer to this batch: no run may take it
-            error = RuntimeError(f"the gateway answered {len(outcomes)} outcomes to a batch of {len(group)} runs")
+            error = BatchAnswerError(f"the gateway answered {len(outcomes)} outcomes to a batch of {len(group)} runs")
             for *_, future in group:
                 future.set_exception(error)
             return

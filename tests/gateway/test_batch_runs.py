@@ -192,12 +192,13 @@ def test_remote_worker_processes_complete_every_run_once_through_batched_complet
         )
         for i in range(2)
     ]
-    summaries = []
+    summaries, errs = [], []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         summaries.append(json.loads(out.splitlines()[-1]))
-    assert sum(s["completed"] for s in summaries) == 24, summaries
+        errs.append(err)
+    assert sum(s["completed"] for s in summaries) == 24, (summaries, errs)
     assert sum(s["lost"] for s in summaries) == 0, summaries
     assert sum(s["renewed"] for s in summaries) > 0, summaries  # the batched heartbeats renewed leases
     assert states(run_ids) == [("completed", {"sum": 6})] * 24

@@ -1,0 +1,111 @@
+"""A request whose connection went away before its answer (the keep-alive race: gunicorn closes a
+connection idle for its ``--keep-alive`` just as the client reuses it) is sent again once, the
+same signed bytes: done once whether or not the first reached the gateway. A remote run whose
+runtime request cannot be answered is left to its lease, never failed and compensated."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.gateway.remote_runs import RemoteRunContext, run_remote_claim
+from buzz_delivery.testing import CommunityFactory
+from tests.agents_support import new_run
+from tests.gateway.support import enroll, new_agent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Drops(httpx.BaseTransport):
+    """The real transport, except that the next ``drops`` requests to a path ending ``suffix``
+    lose their connection: before the gateway sees them (``after=False``) or after it answered
+    (``after=True``). ``sent`` counts what reached the gateway."""
+
+    def __init__(self, suffix: str, drops: int, *, after: bool) -> None:
+        self.inner, self.suffix, self.drops, self.after, self.sent = httpx.HTTPTransport(), suffix, drops, after, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        drop = self.drops > 0 and request.url.path.endswith(self.suffix)
+        if drop:
+            self.drops -= 1
+            if not self.after:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        response = self.inner.handle_request(request)
+        if request.url.path.endswith(self.suffix):
+            self.sent += 1
+        if drop:
+            response.read()
+            response.close()
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        return response
+
+
+def agent_with(gateway_server, transport: Drops):
+    agent = new_agent(gateway_server)
+    agent._http = httpx.Client(timeout=agent.timeout, transport=transport)
+    return agent
+
+
+def test_a_request_dropped_before_the_gateway_saw_it_is_sent_again_and_done_once(gateway_server):
+    community = CommunityFactory()
+    transport = Drops("/calls", 1, after=False)
+    agent = agent_with(gateway_server, transport)
+    enroll(agent, community)
+    run_id = new_run(community.id, agent.pubkey)
+    (claim,) = agent.claim_runs(1, worker_id="w")
+
+    outcome = agent.journal_call(claim.lease, "search", {"q": 1})
+
+    assert (outcome.outcome, outcome.data["seq"]) == ("journaled", 1)
+    assert (transport.drops, transport.sent) == (0, 1)
+    assert list(JournalEntry.objects.filter(run_id=run_id).values_list("seq", "tool_name")) == [(1, "search")]
+
+
+def test_a_request_whose_answer_was_lost_is_not_done_twice_and_raises_the_first_error(gateway_server):
+    community = CommunityFactory()
+    transport = Drops("/calls", 1, after=True)
+    agent = agent_with(gateway_server, transport)
+    enroll(agent, community)
+    run_id = new_run(community.id, agent.pubkey)
+    (claim,) = agent.claim_runs(1, worker_id="w")
+
+    with pytest.raises(httpx.ReadError):
+        agent.journal_call(claim.lease, "search", {"q": 1})
+
+    assert transport.sent == 2  # the resend reached the gateway, which refused the used event id
+    assert list(JournalEntry.objects.filter(run_id=run_id).values_list("seq", "tool_name")) == [(1, "search")]
+
+
+def test_a_remote_run_whose_journal_write_cannot_be_answered_is_left_to_its_lease_not_compensated(
+    gateway_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("GATEWAY_RUN_LEDGER", str(tmp_path / "ledger.txt"))
+    from tests.gateway import handlers
+
+    community = CommunityFactory()
+    transport = Drops("/calls", 0, after=True)
+    agent = agent_with(gateway_server, transport)
+    enroll(agent, community)
+    run_id = new_run(community.id, agent.pubkey)
+    (claim,) = agent.claim_runs(1, worker_id="w")
+
+    ctx = RemoteRunContext(agent, claim)
+
+    def two_calls(ctx):
+        ctx.call("effect", handlers.effect, {"n": 1}, compensate=handlers.undo)
+        transport.drops = 2  # the second call: both tries lose the connection after the gateway answered
+        return ctx.call("effect", handlers.effect, {"n": 2}, compensate=handlers.undo)
+
+    result = run_remote_claim(agent, claim, two_calls, ctx)
+
+    assert result == "lost"
+    assert ctx.lost.is_set() and not ctx.cancelled
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code, run.unwinding) == ("waiting_tool", None, False)  # left to its lease
+    entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    assert [(e.seq, e.status, e.compensation_status) for e in entries] == [
+        (1, "succeeded", None),
+        (2, "pending", None),  # journaled once; resumed, it is reconciled or recorded uncertain
+    ]
+    assert "undo" not in (tmp_path / "ledger.txt").read_text()
