@@ -5,6 +5,7 @@ with the backend that made them (so a pooler in between changes nothing)."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from django.db import connection
@@ -167,13 +168,24 @@ def test_the_batch_settles_run_locks_reach_the_rows_by_their_keys(community, mes
     assert plan.index("LockRows") < plan.index("Sort"), plan  # the lock above the sort: taken in run order
 
 
+# The batch renewal is a plain statement, not a plan-cached function, but psycopg prepares it on a
+# holder's connection after five runs and PostgreSQL may then plan it generically as well.
+RENEW_MANY = SimpleNamespace(
+    function="renew_many_prepared_by_psycopg",
+    statement=sql.RENEW_MANY_IF_CURRENT_GENERATION,
+    params=(("community_id", "uuid"), ("delivery_ids", "uuid[]"), ("lease_generations", "bigint[]"),
+            ("target_pubkeys", "bytea[]"), ("lease_seconds", "double precision")),
+)  # fmt: skip
+
+
 @pytest.mark.skipif(CITUS_MODE, reason="on Citus the functions plan each call (force_custom_plan)")
 @pytest.mark.parametrize("analyzed_with", [2_000, 200, 0], ids=lambda n: f"analyzed_with_{n}_claimed")
-@pytest.mark.parametrize("statement", [cached.FINISH_MANY, cached.SETTLE_MANY], ids=lambda s: s.function)
+@pytest.mark.parametrize("statement", [cached.FINISH_MANY, cached.SETTLE_MANY, RENEW_MANY], ids=lambda s: s.function)
 def test_the_batch_settles_cached_plan_reads_the_batch_by_its_key(
     community, message_event, make_binding, statement, analyzed_with
 ):
-    """The batch settle's generic plan (what its function caches) reaches the batch's rows
+    """The batch settle's generic plan (what its function caches; the batch renewal's once psycopg
+    has prepared it) reaches the batch's rows
     through the primary key, not through every row claimed in the community
     (delivery_claimed_lease_idx), with ~2,000 claimed in it (a fleet of workers claiming ahead),
     whatever an ANALYZE saw claimed: claimed rows are transient, so the statistics hold what was
@@ -213,6 +225,7 @@ def test_the_batch_settles_cached_plan_reads_the_batch_by_its_key(
         "retry_afters": [0.0] * n,
         "backoff_base": 1.0,
         "backoff_cap": 60.0,
+        "lease_seconds": 30.0,
     }
     rows = generic_explain(statement, {name: values[name] for name, _ in statement.params}, "ANALYZE")
     plan = "\n".join(row[0] for row in rows)

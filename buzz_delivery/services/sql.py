@@ -266,6 +266,18 @@ WHERE {CURRENT_LEASE}
 RETURNING d.lease_until
 """
 
+# The batch statements' status fence (settles and renewals), the same test as
+# ``d.status = 'claimed'`` (equality under "C" is byte equality, as under the database's
+# deterministic default collation) in a form the planner cannot match to
+# delivery_claimed_lease_idx's predicate. A generic plan (the plan-cached functions,
+# services/cached.py; the renewal once psycopg has prepared it) must not read the batch through
+# that index: it holds every row claimed in the community (a fleet claiming ahead: thousands),
+# and its estimate is whatever an ANALYZE saw claimed at that moment (claimed rows are
+# transient), often next to none, so the planner preferred it and read them all to settle 50
+# (bench/results/worker-k4.md). Hidden from it, the batch is reached by its keys: a probe of the
+# primary key (id, community) per row.
+CLAIMED_BY_KEY = "d.status = 'claimed' COLLATE \"C\""
+
 # The batch form (a holder's renewal round): one row of (id, generation, target) per lease, all
 # of one community, each row fenced as RENEW_IF_CURRENT_GENERATION fences its one; a lease whose
 # row is not returned is lost.
@@ -279,7 +291,7 @@ WHERE d.community_id = %(community_id)s
   AND d.id = r.id
   AND d.target_pubkey = r.target
   AND d.lease_generation = r.generation
-  AND d.status = 'claimed'
+  AND {CLAIMED_BY_KEY}
   AND d.lease_until >= {DB_NOW}
   AND {ACTIVE_COMMUNITY}
 RETURNING d.id, d.lease_until
@@ -304,15 +316,6 @@ UPDATE {DELIVERY} AS d
 RETURNING d.status
 """
 
-# The batch settles' status fence, the same test as ``d.status = 'claimed'`` (equality under
-# "C" is byte equality, as under the database's deterministic default collation) in a form the
-# planner cannot match to delivery_claimed_lease_idx's predicate. A generic plan (the plan-cached
-# functions, services/cached.py) must not read the batch through that index: it holds every row
-# claimed in the community (a fleet claiming ahead: thousands), and its estimate is whatever an
-# ANALYZE saw claimed at that moment (claimed rows are transient), often next to none, so the
-# planner preferred it and read them all to settle 50 (bench/results/worker-k4.md). Hidden from
-# it, the batch is reached by its keys: a probe of the primary key (id, community) per row.
-CLAIMED_BY_KEY = "d.status = 'claimed' COLLATE \"C\""
 
 # The batch form: one row of (id, generation, target) per lease, all of one community (the
 # targets may differ: a worker serving many targets settles them in one statement).
