@@ -118,6 +118,33 @@ def test_a_remote_run_whose_journal_write_cannot_be_answered_is_left_to_its_leas
     assert "undo" not in (tmp_path / "ledger.txt").read_text()
 
 
+def test_a_tool_whose_emit_cannot_be_answered_leaves_its_call_pending_not_failed(gateway_server):
+    """A tool function that streams through ``ctx.emit`` (an LLM's tokens, say) when that emit's
+    request cannot be answered: the run is lost, and its call is not recorded failed (a resumed
+    run would replay the failure, fail and compensate): it stays pending, reconciled or uncertain
+    on resume as after a crash mid-call."""
+    community = CommunityFactory()
+    transport = Drops("/emit", 1, after=True)  # answered, the answer lost; the resend is refused replayed
+    agent = agent_with(gateway_server, transport)
+    enroll(agent, community)
+    run_id = new_run(community.id, agent.pubkey)
+    (claim,) = agent.claim_runs(1, worker_id="w")
+    ctx = RemoteRunContext(agent, claim)
+
+    def streams(ctx):
+        def llm(args, key):
+            ctx.emit("a token")
+            return {"text": "a token"}
+
+        return ctx.call("llm", llm, {"q": 1})
+
+    assert run_remote_claim(agent, claim, streams, ctx) == "lost"
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code, run.unwinding) == ("waiting_tool", None, False)
+    entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    assert [(e.seq, e.status) for e in entries] == [(1, "pending")]
+
+
 class DbDownOnResend(httpx.BaseTransport):
     """The real transport; the first request to a path ending ``suffix`` reaches the gateway and
     is done, but its answer is lost (a reset); its resend finds the gateway's database gone for
