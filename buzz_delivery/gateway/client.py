@@ -179,6 +179,11 @@ def _lease(data: dict[str, Any]) -> RemoteLease:
 # Transport errors after which a request is sent again once, unchanged (see GatewayClient.request):
 # the connection went away before an answer. Not a timeout: the gateway may still be working on it.
 RESENT_ONCE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
+# The resend's refusals that say nothing of the first copy: the id already used (the first reached
+# the gateway), or refused before the gateway could tell (its database unavailable while it
+# recorded the id, the event stale by now). Then the first's error stands, its outcome unknown:
+# a 503 taken as the answer would have a step batch sent again signed anew, done twice.
+NOT_AN_ANSWER = {(401, "auth_replayed"), (401, "auth_stale"), (503, "unavailable")}
 
 
 def _error_code(response: httpx.Response) -> str | None:
@@ -225,11 +230,11 @@ class GatewayClient:
                 # closes one idle for its --keep-alive, 2 s by default, and httpx does not send
                 # again). The same signed bytes once more, on a fresh connection: the gateway
                 # admits an event id once, so if the first reached it, this one is refused
-                # ``auth_replayed`` and nothing is done twice; then the first's error stands
-                # (its outcome is unknown).
+                # ``auth_replayed`` and nothing is done twice; then (or on another refusal that
+                # cannot tell, NOT_AN_ANSWER) the first's error stands (its outcome is unknown).
                 logger.info("resending %s %s once: %s", method, path, describe(first))
                 again = self._http.request(method, url, content=body, headers=headers, timeout=timeout)
-                if again.status_code == 401 and _error_code(again) == "auth_replayed":
+                if again.status_code in (401, 503) and (again.status_code, _error_code(again)) in NOT_AN_ANSWER:
                     raise first
                 return again
 

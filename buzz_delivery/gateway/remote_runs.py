@@ -263,6 +263,12 @@ class RemoteRunContext:
         try:
             output = fn(args, key)
         except Exception as exc:
+            if self.lost.is_set():
+                # The run was lost inside the tool (its own ctx.emit or ctx.call could not be
+                # answered, or its lease went): nothing more is written for it. The call stays
+                # pending (reconciled or uncertain on resume), not recorded failed: a resumed
+                # run would replay that failure, fail and compensate.
+                raise RunAborted(f"the run was lost during call {seq}") from exc
             # Storable and cut (NUL escaped): text the gateway refuses would leave the call pending.
             self._record(seq, started, ok=False, error=_error_text(exc))
             raise ToolCallFailed(f"{seq}: {exc}") from exc

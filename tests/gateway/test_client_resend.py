@@ -5,13 +5,20 @@ runtime request cannot be answered is left to its lease, never failed and compen
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
+import psycopg
 import pytest
+from django.db import connection
 
 from buzz_delivery.agents.models import AgentRun, JournalEntry
-from buzz_delivery.gateway.remote_runs import RemoteRunContext, run_remote_claim
+from buzz_delivery.gateway.remote_runs import RemoteRunContext, RunBatcher, run_remote_claim
 from buzz_delivery.testing import CommunityFactory
+from project.database_url import database_url
 from tests.agents_support import new_run
+from tests.citus_support import CITUS_MODE
 from tests.gateway.support import enroll, new_agent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -109,3 +116,96 @@ def test_a_remote_run_whose_journal_write_cannot_be_answered_is_left_to_its_leas
         (2, "pending", None),  # journaled once; resumed, it is reconciled or recorded uncertain
     ]
     assert "undo" not in (tmp_path / "ledger.txt").read_text()
+
+
+def test_a_tool_whose_emit_cannot_be_answered_leaves_its_call_pending_not_failed(gateway_server):
+    """A tool function that streams through ``ctx.emit`` (an LLM's tokens, say) when that emit's
+    request cannot be answered: the run is lost, and its call is not recorded failed (a resumed
+    run would replay the failure, fail and compensate): it stays pending, reconciled or uncertain
+    on resume as after a crash mid-call."""
+    community = CommunityFactory()
+    transport = Drops("/emit", 1, after=True)  # answered, the answer lost; the resend is refused replayed
+    agent = agent_with(gateway_server, transport)
+    enroll(agent, community)
+    run_id = new_run(community.id, agent.pubkey)
+    (claim,) = agent.claim_runs(1, worker_id="w")
+    ctx = RemoteRunContext(agent, claim)
+
+    def streams(ctx):
+        def llm(args, key):
+            ctx.emit("a token")
+            return {"text": "a token"}
+
+        return ctx.call("llm", llm, {"q": 1})
+
+    assert run_remote_claim(agent, claim, streams, ctx) == "lost"
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code, run.unwinding) == ("waiting_tool", None, False)
+    entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    assert [(e.seq, e.status) for e in entries] == [(1, "pending")]
+
+
+class DbDownOnResend(httpx.BaseTransport):
+    """The real transport; the first request to a path ending ``suffix`` reaches the gateway and
+    is done, but its answer is lost (a reset); its resend finds the gateway's database gone for
+    that moment (the backend serving it is terminated while it waits to record the event id): the
+    gateway answers it 503 ``unavailable``, which says nothing of the first."""
+
+    def __init__(self, suffix: str) -> None:
+        self.inner, self.suffix, self.sent = httpx.HTTPTransport(), suffix, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith(self.suffix):
+            return self.inner.handle_request(request)
+        self.sent += 1
+        if self.sent == 1:
+            response = self.inner.handle_request(request)
+            response.read()
+            response.close()
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        if self.sent > 2:
+            return self.inner.handle_request(request)
+        with psycopg.connect(database_url(connection.settings_dict)) as holder:
+            holder.execute("LOCK TABLE buzz_gateway_seen_event IN ACCESS EXCLUSIVE MODE")
+            killed = threading.Thread(target=self._terminate_the_waiting_backend, daemon=True)
+            killed.start()
+            response = self.inner.handle_request(request)
+            killed.join(10)
+            holder.rollback()
+        return response
+
+    @staticmethod
+    def _terminate_the_waiting_backend() -> None:
+        deadline = time.monotonic() + 10
+        with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as admin:
+            while time.monotonic() < deadline:
+                row = admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'buzz-gateway-test'"
+                    " AND wait_event_type = 'Lock' AND query LIKE '%%buzz_gateway_seen_event%%'"
+                ).fetchone()
+                if row:
+                    admin.execute("SELECT pg_terminate_backend(%s)", row)
+                    return
+                time.sleep(0.01)
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="the gateway's backend found through pg_stat_activity")
+def test_a_resend_the_database_could_not_admit_is_not_taken_as_the_answer(gateway_server):
+    """The resend's 503 ``unavailable`` tells nothing of the first copy, which was done: a step
+    batch sent again signed anew on that 503 would journal the call twice."""
+    community = CommunityFactory()
+    transport = DbDownOnResend("/runs/calls")
+    agent = agent_with(gateway_server, transport)
+    enroll(agent, community)
+    run_id = new_run(community.id, agent.pubkey)
+    (claim,) = agent.claim_runs(1, worker_id="w")
+    batcher = RunBatcher(agent)
+    try:
+        with pytest.raises(httpx.ReadError):
+            batcher.send("calls", claim.lease, {"tool_name": "effect", "args": {"n": 1}, "cost": 0,
+                                                "compensation": None, "destructive": False})  # fmt: skip
+    finally:
+        batcher.close()
+    assert transport.sent == 2  # the first, done; its resend, answered 503; nothing signed anew
+    entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    assert [(e.seq, e.status) for e in entries] == [(1, "pending")]
