@@ -107,6 +107,12 @@ class OutputLimitExceeded(RemoteRunError):
     failure_code = "stream_too_large"
 
 
+# Refusals of a runtime request that reach the handler as they are (RemoteRunContext._runtime):
+# the item's own fault (400, 413) or a route this gateway lacks (404, 405). Any other failure of
+# a runtime request leaves the run to its lease.
+HANDLER_SEES = frozenset({400, 404, 405, 413})
+
+
 class BatchAnswerError(RuntimeError):
     """The gateway's answer to a batch did not match it (no run may take it)."""
 
@@ -179,11 +185,12 @@ class RemoteRunContext:
         run lost and raises :class:`RunAborted`, so the handler's failure is not recorded for
         it: its lease lapses and it resumes from its journal (as the in-process runtime does when
         its database connection fails). A 400 or 413 (this item's own fault, e.g. a chunk the
-        gateway refuses) reaches the handler as it is."""
+        gateway refuses) and a 404 or 405 (a gateway without that route: claimed again, the run
+        would meet it again) reach the handler as they are (:data:`HANDLER_SEES`)."""
         try:
             yield
         except GatewayHTTPError as exc:
-            if exc.status in (400, 413):
+            if exc.status in HANDLER_SEES:
                 raise
             self._runtime_failed(what, exc)
         except (httpx.HTTPError, BatchAnswerError) as exc:
