@@ -417,3 +417,30 @@ def test_the_run_page_shows_the_streamed_output_escaped_and_bounded(community, m
     assert "chunks 2..4" in html and f"({len(''.join(('gone ', '<b>bold</b> ', 'tail ', 'x' * 15)))} bytes" in html
     assert "&lt;b&gt;bold&lt;/b[…]tail xxxxxxxxxx[…]</pre>" in html  # escaped, each chunk cut to 10
     assert "<b>bold" not in html and "gone " not in html  # the oldest chunk is past the tail
+
+
+def test_a_tool_whose_emit_meets_a_failed_runtime_connection_leaves_its_call_pending_not_failed(community):
+    """A tool that streams through ctx.emit while the runtime's connection fails under it: the run
+    is lost (left to its lease) and the call stays pending, so a resumed run reconciles it or
+    records it uncertain instead of replaying a failure and compensating."""
+    from buzz_delivery.agents.models import JournalEntry
+
+    run_id = new_run(community.id)
+    (claimed,) = agents.claim_agent_runs(community.id, [AGENT], worker_id="w1", lease_seconds=30)
+
+    def handler(ctx):
+        def tool(args, key):
+            pid = ctx.lane._runtime_db.connection.info.backend_pid
+            with connections["default"].cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+            ctx.emit("token")
+            return {"ok": True}
+
+        return ctx.call("stream", tool, {"q": 1})
+
+    assert run_claim(claimed, handler) == "lost"
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code, run.unwinding) == ("waiting_tool", None, False)
+    entries = JournalEntry.objects.filter(run_id=run_id).values_list("seq", "status")
+    assert list(entries) == [(1, "pending")]
+    assert chunks(run_id) == []

@@ -297,6 +297,12 @@ class Context:
         try:
             output = fn(args, key)
         except Exception as exc:
+            if self.lost.is_set():
+                # The run was lost inside the tool (its own ctx.emit or ctx.call met a failed
+                # connection, or its lease went): nothing more is written for it. The call stays
+                # pending (reconciled or uncertain on resume), not recorded failed: a resumed run
+                # would replay that failure, fail and compensate.
+                raise RunAborted(f"the run was lost during call {seq}") from exc
             self._record(seq, ok=False, error=failure_message_of(exc), started=started)
             raise ToolCallFailed(f"{seq}: {describe(exc)}") from exc
         return self._record_output(seq, output, started)
