@@ -1063,13 +1063,15 @@ class RemoteWorker:
             self.internal_error = f"internal_error: {type(exc).__name__}"
             self.reason = self.internal_error
         finally:
-            pool.shutdown(wait=False)
+            # The pool outlives the drain: a claim answered after the join gave up on it (its
+            # long-poll, a resend) is still worked and settled, not held unworked through the grace.
             deadline = time.monotonic() + self.shutdown_grace
             while time.monotonic() < deadline:
                 with self._lock:
-                    if not self._held:
+                    if not self._held and not any(claimer.is_alive() for claimer in claimers):
                         break
                 time.sleep(0.05)
+            pool.shutdown(wait=False)
             with self._lock:
                 self._counts["abandoned"] += len(self._held)
             for _ in settlers:  # each settler ends once what it holds is sent

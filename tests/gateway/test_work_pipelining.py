@@ -6,6 +6,7 @@ queue has more (the claim before it came back full). The claim loop against a sc
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 from buzz_delivery.gateway.client import CLAIM_LIMIT, RemoteClaim, RemoteLease, RemoteOutcome, RemoteWorker
@@ -159,3 +160,51 @@ def test_a_second_settle_batch_is_sent_while_the_first_is_answered():
     assert gateway.most_settles_in_flight == 2
     assert (summary["finished"], summary["settle_errors"], summary["abandoned"]) == (600, 0, 0)
     assert sorted(gateway.settled, key=int) == [str(i) for i in range(600)]
+
+
+def test_a_claim_answered_after_the_claimers_join_is_worked_and_settled_not_held_through_the_grace(monkeypatch):
+    """A claim still in flight when the stop's join of the claimers gives up (its long-poll, a
+    resend) used to come back to a shut-down handler pool: ``pool.submit`` raised, its claims
+    stayed held, neither worked nor released, and ``run()`` waited the whole ``shutdown_grace``
+    before counting them ``abandoned`` (an internal error besides). The pool now outlives the
+    drain: the late claim is worked and settled, and the stop ends as soon as it is."""
+    from buzz_delivery.gateway import client as module
+
+    draining = threading.Event()  # run()'s join of the claimers gave up: it drains
+
+    class Pool(module.ThreadPoolExecutor):
+        def shutdown(self, wait=True, *, cancel_futures=False):
+            draining.set()
+            super().shutdown(wait, cancel_futures=cancel_futures)
+
+    class Clock:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            draining.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(module, "time", Clock)
+    monkeypatch.setattr(module, "ThreadPoolExecutor", Pool)
+
+    class LateClaim(ScriptedGateway):
+        timeout = 0.0  # the join waits wait_seconds + timeout + 5 s
+
+        def claim(self, limit, *, wait_seconds=0, lease_seconds=None):
+            with self.lock:
+                self.calls.append((limit, wait_seconds, self.in_flight))
+                if len(self.calls) > 1:
+                    return []
+            worker.request_stop("SIGTERM")  # a stop while this claim is answered
+            assert draining.wait(30)
+            return [RemoteClaim({"id": "d1", "step_id": "ok"}, RemoteLease("c1", "d1", 1, FAR))]
+
+    gateway = LateClaim(total=0)
+    worker = RemoteWorker(gateway, lambda d: None, wait_seconds=0, shutdown_grace=20)  # type: ignore[arg-type]
+    began = time.monotonic()
+    summary = worker.run()
+    assert (summary["claimed"], summary["finished"], summary["abandoned"]) == (1, 1, 0), summary
+    assert (summary["reason"], summary["exit_code"]) == ("SIGTERM", 0), summary
+    assert gateway.settled == ["d1"]
+    assert time.monotonic() - began < 15, "the stop waited the shutdown grace out"
