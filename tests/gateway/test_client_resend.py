@@ -48,19 +48,21 @@ class Drops(httpx.BaseTransport):
         return response
 
 
-def agent_with(gateway_server, transport: Drops):
+def claimed_run(gateway_server, transport: httpx.BaseTransport):
+    """An agent whose requests go through ``transport``, enrolled in a new community, and its one
+    run there claimed: (agent, run id, claim)."""
+    community = CommunityFactory()
     agent = new_agent(gateway_server)
     agent._http = httpx.Client(timeout=agent.timeout, transport=transport)
-    return agent
-
-
-def test_a_request_dropped_before_the_gateway_saw_it_is_sent_again_and_done_once(gateway_server):
-    community = CommunityFactory()
-    transport = Drops("/calls", 1, after=False)
-    agent = agent_with(gateway_server, transport)
     enroll(agent, community)
     run_id = new_run(community.id, agent.pubkey)
     (claim,) = agent.claim_runs(1, worker_id="w")
+    return agent, run_id, claim
+
+
+def test_a_request_dropped_before_the_gateway_saw_it_is_sent_again_and_done_once(gateway_server):
+    transport = Drops("/calls", 1, after=False)
+    agent, run_id, claim = claimed_run(gateway_server, transport)
 
     outcome = agent.journal_call(claim.lease, "search", {"q": 1})
 
@@ -70,12 +72,8 @@ def test_a_request_dropped_before_the_gateway_saw_it_is_sent_again_and_done_once
 
 
 def test_a_request_whose_answer_was_lost_is_not_done_twice_and_raises_the_first_error(gateway_server):
-    community = CommunityFactory()
     transport = Drops("/calls", 1, after=True)
-    agent = agent_with(gateway_server, transport)
-    enroll(agent, community)
-    run_id = new_run(community.id, agent.pubkey)
-    (claim,) = agent.claim_runs(1, worker_id="w")
+    agent, run_id, claim = claimed_run(gateway_server, transport)
 
     with pytest.raises(httpx.ReadError):
         agent.journal_call(claim.lease, "search", {"q": 1})
@@ -90,12 +88,8 @@ def test_a_remote_run_whose_journal_write_cannot_be_answered_is_left_to_its_leas
     monkeypatch.setenv("GATEWAY_RUN_LEDGER", str(tmp_path / "ledger.txt"))
     from tests.gateway import handlers
 
-    community = CommunityFactory()
     transport = Drops("/calls", 0, after=True)
-    agent = agent_with(gateway_server, transport)
-    enroll(agent, community)
-    run_id = new_run(community.id, agent.pubkey)
-    (claim,) = agent.claim_runs(1, worker_id="w")
+    agent, run_id, claim = claimed_run(gateway_server, transport)
 
     ctx = RemoteRunContext(agent, claim)
 
@@ -123,12 +117,8 @@ def test_a_tool_whose_emit_cannot_be_answered_leaves_its_call_pending_not_failed
     request cannot be answered: the run is lost, and its call is not recorded failed (a resumed
     run would replay the failure, fail and compensate): it stays pending, reconciled or uncertain
     on resume as after a crash mid-call."""
-    community = CommunityFactory()
     transport = Drops("/emit", 1, after=True)  # answered, the answer lost; the resend is refused replayed
-    agent = agent_with(gateway_server, transport)
-    enroll(agent, community)
-    run_id = new_run(community.id, agent.pubkey)
-    (claim,) = agent.claim_runs(1, worker_id="w")
+    agent, run_id, claim = claimed_run(gateway_server, transport)
     ctx = RemoteRunContext(agent, claim)
 
     def streams(ctx):
@@ -193,12 +183,8 @@ class DbDownOnResend(httpx.BaseTransport):
 def test_a_resend_the_database_could_not_admit_is_not_taken_as_the_answer(gateway_server):
     """The resend's 503 ``unavailable`` tells nothing of the first copy, which was done: a step
     batch sent again signed anew on that 503 would journal the call twice."""
-    community = CommunityFactory()
     transport = DbDownOnResend("/runs/calls")
-    agent = agent_with(gateway_server, transport)
-    enroll(agent, community)
-    run_id = new_run(community.id, agent.pubkey)
-    (claim,) = agent.claim_runs(1, worker_id="w")
+    agent, run_id, claim = claimed_run(gateway_server, transport)
     batcher = RunBatcher(agent)
     try:
         with pytest.raises(httpx.ReadError):
