@@ -444,3 +444,46 @@ def test_a_tool_whose_emit_meets_a_failed_runtime_connection_leaves_its_call_pen
     entries = JournalEntry.objects.filter(run_id=run_id).values_list("seq", "status")
     assert list(entries) == [(1, "pending")]
     assert chunks(run_id) == []
+
+
+def test_a_tool_failing_on_its_own_after_its_handler_timed_out_records_its_true_failure(community):
+    """The handler deadline (or the shutdown grace) marks a context lost while a tool is in flight;
+    its lease still holds. A tool that then fails for its own reason records that failure, as a
+    succeeding one records its output (docs/agents.md: "a call already in flight may still record
+    its true result while the lease holds"): left pending, the resumed run would find it
+    uncertain (no reconcile hook), fail and compensate a call known to have failed. A tool that
+    fails because the runtime aborted inside it (its nested ctx.call) stays pending."""
+    from buzz_delivery.agents.models import JournalEntry
+
+    def entries(run_id):
+        return list(JournalEntry.objects.filter(run_id=run_id).order_by("seq").values_list("seq", "status", "error"))
+
+    for reason in ("timed_out", "abandoned"):
+        run_id = new_run(community.id)
+        (claimed,) = agents.claim_agent_runs(community.id, [AGENT], worker_id="w1", lease_seconds=30)
+
+        def own_failure(ctx, reason=reason):
+            def tool(args, key):
+                ctx.mark_lost(reason)  # the heartbeat, while the tool runs
+                raise ValueError("the upstream answered 502")
+
+            return ctx.call("slow", tool, {"q": 1})
+
+        assert run_claim(claimed, own_failure) == "lost"
+        assert entries(run_id) == [(1, "failed", "ValueError: the upstream answered 502")], reason
+
+    run_id = new_run(community.id)
+    (claimed,) = agents.claim_agent_runs(community.id, [AGENT], worker_id="w1", lease_seconds=30)
+
+    def interrupted(ctx):
+        def tool(args, key):
+            ctx.mark_lost("timed_out")
+            try:
+                return ctx.call("inner", lambda a, k: 1, {})
+            except Exception as exc:
+                raise RuntimeError("the inner call did not answer") from exc
+
+        return ctx.call("outer", tool, {"q": 1})
+
+    assert run_claim(claimed, interrupted) == "lost"
+    assert entries(run_id) == [(1, "pending", None)]

@@ -65,7 +65,7 @@ from buzz_delivery.services import ratelimits
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode, UserConnection, discard_connection, in_transaction
-from buzz_delivery.worker.handlers import describe, storable_text
+from buzz_delivery.worker.handlers import aborted_within, describe, storable_text
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 
 logger = logging.getLogger("buzz_delivery.agents")
@@ -297,11 +297,13 @@ class Context:
         try:
             output = fn(args, key)
         except Exception as exc:
-            if self.lost.is_set():
-                # The run was lost inside the tool (its own ctx.emit or ctx.call met a failed
-                # connection, or its lease went): nothing more is written for it. The call stays
-                # pending (reconciled or uncertain on resume), not recorded failed: a resumed run
-                # would replay that failure, fail and compensate.
+            if self.lost.is_set() and aborted_within(exc, RunAborted):
+                # The runtime aborted inside the tool (its own ctx.emit or ctx.call met a failed
+                # connection or a lost lease): the tool did not fail, it was stopped. The call
+                # stays pending (reconciled or uncertain on resume), not recorded failed: a
+                # resumed run would replay that failure, fail and compensate. A tool that failed
+                # on its own once the run was marked lost (the handler deadline, the shutdown
+                # grace: the lease still holds) records its true failure, as a success would.
                 raise RunAborted(f"the run was lost during call {seq}") from exc
             self._record(seq, ok=False, error=failure_message_of(exc), started=started)
             raise ToolCallFailed(f"{seq}: {describe(exc)}") from exc

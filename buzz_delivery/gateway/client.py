@@ -1063,6 +1063,10 @@ class RemoteWorker:
             self.internal_error = f"internal_error: {type(exc).__name__}"
             self.reason = self.internal_error
         finally:
+            # Left by an exception before any stop (a KeyboardInterrupt with no signal handler, a
+            # claimer that could not start): the claimers are told to stop, as the drain waits
+            # for them. The reason stays what it was (the internal error's).
+            self.stop.set()
             # The pool outlives the drain: a claim answered after the join gave up on it (its
             # long-poll, a resend) is still worked and settled, not held unworked through the grace.
             deadline = time.monotonic() + self.shutdown_grace

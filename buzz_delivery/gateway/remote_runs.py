@@ -51,6 +51,7 @@ from buzz_delivery.gateway.client import (
     failure_code,
     storable,
 )
+from buzz_delivery.worker.handlers import aborted_within
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
 
@@ -270,11 +271,13 @@ class RemoteRunContext:
         try:
             output = fn(args, key)
         except Exception as exc:
-            if self.lost.is_set():
-                # The run was lost inside the tool (its own ctx.emit or ctx.call could not be
-                # answered, or its lease went): nothing more is written for it. The call stays
-                # pending (reconciled or uncertain on resume), not recorded failed: a resumed
-                # run would replay that failure, fail and compensate.
+            if self.lost.is_set() and aborted_within(exc, RunAborted):
+                # The runtime aborted inside the tool (its own ctx.emit or ctx.call could not be
+                # answered, or its lease went): the tool did not fail, it was stopped. The call
+                # stays pending (reconciled or uncertain on resume), not recorded failed: a
+                # resumed run would replay that failure, fail and compensate. A tool that failed
+                # on its own once the run was abandoned (the lease still holds) records its true
+                # failure, as a success would.
                 raise RunAborted(f"the run was lost during call {seq}") from exc
             # Storable and cut (NUL escaped): text the gateway refuses would leave the call pending.
             self._record(seq, started, ok=False, error=_error_text(exc))

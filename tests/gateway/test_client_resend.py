@@ -195,3 +195,28 @@ def test_a_resend_the_database_could_not_admit_is_not_taken_as_the_answer(gatewa
     assert transport.sent == 2  # the first, done; its resend, answered 503; nothing signed anew
     entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
     assert [(e.seq, e.status) for e in entries] == [(1, "pending")]
+
+
+def test_a_tool_failing_on_its_own_after_its_run_was_abandoned_records_its_true_failure(gateway_server):
+    """The shutdown grace marks a context lost (``abandoned``) while a tool is in flight; its lease
+    still holds. A tool that then fails for its own reason records that failure, as a succeeding
+    one records its output: left pending, the resumed run would find it uncertain, fail and
+    compensate a call known to have failed. Only a tool the runtime aborted (its own ``ctx.emit``
+    or ``ctx.call`` refused, ``RunAborted`` under its error) leaves its call pending."""
+    community = CommunityFactory()
+    agent = agent_with(gateway_server, Drops("/never", 0, after=False))
+    enroll(agent, community)
+    run_id = new_run(community.id, agent.pubkey)
+    (claim,) = agent.claim_runs(1, worker_id="w")
+    ctx = RemoteRunContext(agent, claim)
+
+    def handler(ctx):
+        def tool(args, key):
+            ctx.mark_lost("abandoned")  # the worker's grace is over while the tool runs
+            raise ValueError("the upstream answered 502")
+
+        return ctx.call("slow", tool, {"q": 1})
+
+    assert run_remote_claim(agent, claim, handler, ctx) == "lost"
+    entries = JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    assert [(e.seq, e.status, e.error) for e in entries] == [(1, "failed", "ValueError: the upstream answered 502")]

@@ -5,6 +5,7 @@ queue has more (the claim before it came back full). The claim loop against a sc
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -208,3 +209,29 @@ def test_a_claim_answered_after_the_claimers_join_is_worked_and_settled_not_held
     assert (summary["reason"], summary["exit_code"]) == ("SIGTERM", 0), summary
     assert gateway.settled == ["d1"]
     assert time.monotonic() - began < 15, "the stop waited the shutdown grace out"
+
+
+def test_run_left_by_an_exception_stops_its_claimers_and_returns_without_waiting_the_grace():
+    """``run()`` left by an exception before any stop (a ``KeyboardInterrupt`` where no signal
+    handler is installed, a claimer that cannot start): the drain waits while a claimer is alive
+    (8bd20c4), so it must stop them first, or they go on claiming through the whole
+    ``shutdown_grace`` (and past it, into a pool already shut down)."""
+
+    class Interrupted(threading.Event):
+        def wait(self, timeout=None):
+            if threading.current_thread() is threading.main_thread():
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    gateway = ScriptedGateway(total=0)
+    gateway.beside.set()  # nothing to wait for
+    worker = RemoteWorker(gateway, lambda d: None, wait_seconds=0.05, shutdown_grace=10)  # type: ignore[arg-type]
+    worker.stop = Interrupted()
+    began = time.monotonic()
+    with contextlib.suppress(KeyboardInterrupt):
+        worker.run()
+    assert time.monotonic() - began < 5, "the drain waited the shutdown grace for claimers never told to stop"
+    assert worker.stop.is_set()
+    calls = len(gateway.calls)
+    time.sleep(0.3)
+    assert len(gateway.calls) == calls, "a claimer still claims after run() returned"
