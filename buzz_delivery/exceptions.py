@@ -1,10 +1,15 @@
-"""Exceptions of buzz_delivery. Each class's docstring says when it is raised.
+"""Exceptions of buzz_delivery. Each class's docstring says when it is raised; :func:`in_chain`
+finds one in an error's cause chain.
 
 Bad input is reported with :class:`django.core.exceptions.ValidationError`
 (keyed by the argument or field name), never with these.
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 class BuzzDeliveryError(Exception):
@@ -31,3 +36,18 @@ class DeliveryWriteRefused(BuzzDeliveryError):
     """A delivery was written outside :mod:`buzz_delivery.services` (``Model.save()``), or an
     UPDATE tried to change its binding or snapshots or move its generation back (SQLSTATE
     ``BD003``)."""
+
+
+def in_chain(exc: BaseException, kind: type[E]) -> E | None:
+    """``exc`` if it is a ``kind``, else the first ``kind`` it was raised while handling or from
+    (its ``__cause__``/``__context__`` chain; a cycle is cut), else None. The runtimes ask it
+    whether user code failed on its own or because they stopped it (a ``RunAborted`` under its
+    error), and which of their own errors an SDK wrapped."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

@@ -61,11 +61,12 @@ from buzz_delivery.agents.exceptions import (
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
+from buzz_delivery.exceptions import in_chain
 from buzz_delivery.services import ratelimits
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode, UserConnection, discard_connection, in_transaction
-from buzz_delivery.worker.handlers import aborted_within, describe, storable_text
+from buzz_delivery.worker.handlers import describe, storable_text
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 
 logger = logging.getLogger("buzz_delivery.agents")
@@ -297,7 +298,7 @@ class Context:
         try:
             output = fn(args, key)
         except Exception as exc:
-            if self.lost.is_set() and aborted_within(exc, RunAborted):
+            if self.lost.is_set() and in_chain(exc, RunAborted) is not None:
                 # The runtime aborted inside the tool (its own ctx.emit or ctx.call met a failed
                 # connection or a lost lease): the tool did not fail, it was stopped. The call
                 # stays pending (reconciled or uncertain on resume), not recorded failed: a

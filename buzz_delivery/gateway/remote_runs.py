@@ -37,6 +37,7 @@ import httpx
 
 from buzz_delivery import backoff
 from buzz_delivery.agents import compensations
+from buzz_delivery.exceptions import in_chain
 from buzz_delivery.gateway.client import (
     EXIT_ABANDONED,
     EXIT_ERROR,
@@ -51,7 +52,6 @@ from buzz_delivery.gateway.client import (
     failure_code,
     storable,
 )
-from buzz_delivery.worker.handlers import aborted_within
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
 
@@ -271,7 +271,7 @@ class RemoteRunContext:
         try:
             output = fn(args, key)
         except Exception as exc:
-            if self.lost.is_set() and aborted_within(exc, RunAborted):
+            if self.lost.is_set() and in_chain(exc, RunAborted) is not None:
                 # The runtime aborted inside the tool (its own ctx.emit or ctx.call could not be
                 # answered, or its lease went): the tool did not fail, it was stopped. The call
                 # stays pending (reconciled or uncertain on resume), not recorded failed: a

@@ -88,20 +88,6 @@ def describe(exc: BaseException) -> str:
         return f"<unprintable {type(exc).__name__}>"
 
 
-def aborted_within(exc: BaseException, aborted: type[BaseException]) -> bool:
-    """True when ``exc`` is an ``aborted`` (a runtime's ``RunAborted``: the runtime stopped the
-    user code, it did not fail) or was raised while handling one or from one (its
-    ``__cause__``/``__context__`` chain; a cycle is cut)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, aborted):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
-
-
 def settle_args_for(exc: BaseException) -> SettleArgs:
     """The settle outcome for a handler that raised ``exc`` (see the module docstring).
 

@@ -203,11 +203,7 @@ def test_a_tool_failing_on_its_own_after_its_run_was_abandoned_records_its_true_
     one records its output: left pending, the resumed run would find it uncertain, fail and
     compensate a call known to have failed. Only a tool the runtime aborted (its own ``ctx.emit``
     or ``ctx.call`` refused, ``RunAborted`` under its error) leaves its call pending."""
-    community = CommunityFactory()
-    agent = agent_with(gateway_server, Drops("/never", 0, after=False))
-    enroll(agent, community)
-    run_id = new_run(community.id, agent.pubkey)
-    (claim,) = agent.claim_runs(1, worker_id="w")
+    agent, run_id, claim = claimed_run(gateway_server, Drops("/never", 0, after=False))
     ctx = RemoteRunContext(agent, claim)
 
     def handler(ctx):

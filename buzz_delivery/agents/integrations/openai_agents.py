@@ -88,6 +88,7 @@ from buzz_delivery.agents.integrations.journal import (
     remake,
     run_threaded,
 )
+from buzz_delivery.exceptions import in_chain
 
 __all__ = ["DurableAgent", "idempotency_key", "tokens"]
 
@@ -359,14 +360,7 @@ class _Wrapper:
 def _journal_error(exc: BaseException) -> AgentError | None:
     """The runtime's own error (a budget, a lost lease, a failed or uncertain call) that ``exc``
     was raised from, if any: the SDK wraps what a tool raises (``UserError``, ...)."""
-    seen: set[int] = set()
-    found: BaseException | None = exc
-    while found is not None and id(found) not in seen:
-        if isinstance(found, AgentError):
-            return found
-        seen.add(id(found))
-        found = found.__cause__ or found.__context__
-    return None
+    return in_chain(exc, AgentError)
 
 
 async def _unwrapped(run: Coroutine[Any, Any, Any]) -> Any:
