@@ -25,6 +25,7 @@ from project.database_url import database_url
 from tests import agent_async_handlers as ah
 from tests import agent_handlers as h
 from tests.agents_support import AGENT, backdate_run_lease, make_claimable, new_run
+from tests.citus_support import CITUS_MODE
 from tests.pgbouncer_support import pgbouncer  # noqa: F401  (the fixture)
 from tests.test_pgbouncer import manage  # noqa: F401  (the fixture)
 
@@ -264,3 +265,37 @@ def test_async_workers_behind_pgbouncer_in_transaction_mode_run_each_call_once(m
     assert states(run_ids) == ["completed"] * 120
     made = [line.split()[1] for line in h.ledger_lines() if line.startswith("made ")]
     assert sorted(made) == sorted(f"{r}:{n}" for r in run_ids for n in (1, 2, 3))
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="the pool's backends found through pg_stat_activity")
+def test_a_tool_whose_emit_meets_a_failed_pool_connection_leaves_its_run_to_its_lease(community, ledger):
+    """The event-loop worker as the thread worker: a runtime statement whose connection fails
+    (here a tool's ctx.emit, its pool backend terminated) marks the run lost; the call stays
+    pending and the run is neither failed nor compensated (it resumes from its journal)."""
+    run_id = new_run(community.id)
+    connection.ensure_connection()
+    mine = connection.connection.info.backend_pid  # the test's own: kept
+
+    async def handler(ctx):
+        async def tool(args, key):
+            with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid NOT IN (pg_backend_pid(), %s)"
+                    " AND backend_type = 'client backend'",
+                    [mine],
+                )
+            await ctx.emit("a token")
+            return {"text": "a token"}
+
+        return await ctx.call("llm", tool, {"q": 1}, compensate=h.undo)
+
+    _, counts = in_process(community, handler, in_flight=2, connections=1)
+
+    assert counts.get("lost") == 1 and not counts.get("failed") and not counts.get("compensated"), (
+        counts,
+        AgentRun.objects.filter(id=run_id).values_list("failure_code", "failure_message").first(),
+    )
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code, run.unwinding) == ("waiting_tool", None, False)
+    assert list(JournalEntry.objects.filter(run_id=run_id).values_list("seq", "status")) == [(1, "pending")]

@@ -35,9 +35,11 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, TypeVar
+
+from django.db import DatabaseError
 
 from buzz_delivery.agents import compensations
 from buzz_delivery.agents import services as s
@@ -65,9 +67,12 @@ from buzz_delivery.agents.runtime import (
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
+from buzz_delivery.exceptions import in_chain
 from buzz_delivery.services import ratelimits, tenancy
+from buzz_delivery.worker.handlers import describe
 
 logger = logging.getLogger("buzz_delivery.agents")
+T = TypeVar("T")
 
 
 class _Parked(Exception):
@@ -141,7 +146,19 @@ class AsyncContext:
             raise RunAborted("the run's lease was lost")
 
     async def _submit(self, op: str, item: Any) -> Any:
-        return await self.runtime.batcher.submit(op, self.lease.community_id, self.lease.run_id, item)
+        return await self._runtime(self.runtime.batcher.submit(op, self.lease.community_id, self.lease.run_id, item))
+
+    async def _runtime(self, statement: Awaitable[T]) -> T:
+        """``await statement``, a runtime statement on the worker's pool: one whose connection
+        fails (a restart, a terminated backend) marks the run lost and raises
+        :class:`RunAborted`, so the handler's failure is not recorded for it: its lease lapses
+        and it resumes from its journal, as in the thread worker (``Context._runtime``)."""
+        try:
+            return await statement
+        except DatabaseError as exc:
+            logger.warning("db_error run=%s: %s; the run is left to its lease", self.lease.run_id, describe(exc))
+            self.mark_lost("db_error")
+            raise RunAborted(f"the runtime's database connection failed: {describe(exc)}") from exc
 
     async def call(
         self,
@@ -187,14 +204,18 @@ class AsyncContext:
             output = await self._make(outcome.seq, outcome.idempotency_key, fn, args)
             if rate is not None and rate.after is not None:
                 units = rate.units_after(output)
-                await self.runtime.pool.run(ratelimits.charge, self.lease.community_id, rate.spec.key, units)
+                await self._runtime(
+                    self.runtime.pool.run(ratelimits.charge, self.lease.community_id, rate.spec.key, units)
+                )
             return output
 
     async def _take_rate(self, rate: RatePlan) -> None:
         """Take ``rate``'s units before the call, awaiting each :class:`Wait` (never a failure of
         the run); a lease lost or a cancel meanwhile stops the wait."""
         while True:
-            outcome = await self.runtime.pool.run(ratelimits.take, self.lease.community_id, rate.spec.key, rate.before)
+            outcome = await self._runtime(
+                self.runtime.pool.run(ratelimits.take, self.lease.community_id, rate.spec.key, rate.before)
+            )
             if isinstance(outcome, ratelimits.Granted):
                 return
             self.rate_waits += 1
@@ -210,6 +231,10 @@ class AsyncContext:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if self.lost.is_set() and in_chain(exc, RunAborted) is not None:
+                # The runtime stopped the tool (its own ctx.emit or ctx.call met a failed
+                # connection or a lost lease): its call stays pending, as in the thread worker.
+                raise RunAborted(f"the run was lost during call {seq}") from exc
             await self._record(seq, ok=False, error=failure_message_of(exc), started=started)
             raise ToolCallFailed(f"{seq}: {exc}") from exc
         await self._record(seq, ok=True, output=output, started=started)
@@ -258,7 +283,7 @@ class AsyncContext:
             if self._emit_pos < self._emitted_before:
                 self._emit_pos += 1
                 return self._emit_pos
-            outcome = await self.runtime.pool.run(s.emit_output, self.lease, chunk)
+            outcome = await self._runtime(self.runtime.pool.run(s.emit_output, self.lease, chunk))
             if isinstance(outcome, s.Emitted):
                 self._emit_pos = outcome.seq
                 return outcome.seq
@@ -283,8 +308,8 @@ class AsyncContext:
                 if entry.status == "failed":
                     raise ApprovalExpired("the approval expired without a decision")
                 raise RunAborted("the approval is still pending")
-            outcome = await self.runtime.pool.run(
-                s.request_approval, self.lease, prompt=prompt, deadline_seconds=deadline_seconds
+            outcome = await self._runtime(
+                self.runtime.pool.run(s.request_approval, self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
             )
             if isinstance(outcome, s.ApprovalRequested):
                 raise _Parked(outcome.approval_id)
