@@ -23,6 +23,7 @@ from django.db import connection
 from buzz_delivery import models, services
 from buzz_delivery.services import cached, sql
 from buzz_delivery.testing import random32
+from tests.citus_support import CITUS_MODE
 from tests.plan_support import generic_explain
 
 pytestmark = pytest.mark.django_db
@@ -100,4 +101,51 @@ def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics
     assert indexes and set(indexes) == {"buzz_delivery_delivery_pkey"}, (
         f"the UPDATE scans {scan['Node Type']} on {indexes} "
         f"(cond {scan.get('Index Cond')}, filter {scan.get('Filter')}): every pending row, not the candidates"
+    )
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="on Citus the functions plan each call (force_custom_plan)")
+@pytest.mark.parametrize("communities", [4_000, None], ids=["fleet_statistics", "own_statistics"])
+@pytest.mark.parametrize("statement", [cached.CLAIM, cached.CLAIM_HINTED], ids=lambda s: s.function)
+def test_a_claim_in_a_large_community_among_many_small_ones_updates_through_the_primary_key(
+    community, make_binding, statement, communities
+):
+    """Many communities make the planner's estimate of one community's rows small (the table's
+    rows over the distinct communities): the generic plan then reached the claimed rows through
+    every row of the claiming community (delivery_identity_key on its community prefix, filtering
+    ``id = ANY``), cheap for a small community and a read of all of a large one on every claim:
+    a hinted claim's time grew with the community (bench.run --only wake). With the table's own
+    statistics (one community, 20,000 pending, freshly analysed) as well."""
+    if communities:  # the statistics of a fleet: 4,000 communities of ~5 deliveries
+        with connection.cursor() as cur:
+            cur.execute(
+                f"ALTER TABLE buzz_delivery_delivery ALTER COLUMN community_id SET (n_distinct = {communities})"
+            )
+    binding = make_binding(target_pubkey=random32())
+    ev = models.Event.objects.get(community_id=community.id, event_id=binding.message_event_id)
+    (hinted,) = services.commit_deliveries(community.id, ev, [binding])
+    clone(binding.step_id, "p", 20_000, "pending", 20)
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE buzz_delivery_delivery")
+    params = {
+        "community_id": community.id,
+        "target_pubkey": binding.target_pubkey,
+        "limit": 50 if statement is cached.CLAIM else 1,
+        "lease_seconds": 30,
+        "delivery_id": hinted,
+        "holder": "review31",
+    }
+    ((plans,),) = generic_explain(statement, {name: params[name] for name, _ in statement.params}, "FORMAT JSON")
+    (plan,) = plans
+    scan = update_scan(plan)
+    nodes, indexes = [scan], []
+    while nodes:
+        node = nodes.pop()
+        if "Index Name" in node:
+            indexes.append(node["Index Name"])
+        nodes += node.get("Plans", [])
+    assert indexes and set(indexes) == {"buzz_delivery_delivery_pkey"}, (
+        f"the UPDATE scans {scan['Node Type']} on {indexes} "
+        f"(cond {scan.get('Index Cond') or scan.get('Recheck Cond')}, filter {scan.get('Filter')}): "
+        "the community's rows"
     )

@@ -126,8 +126,12 @@ admitted AS MATERIALIZED (
         column = KINDS[kind][0]
         update = update.replace(f"{column} = NULL,", f"{column} = admitted.{column},", 1)
     body, where = update.split("\n-- Through the primary key only", 1)
+    body = body.removesuffix("\nFROM candidate")  # the admitted candidates are joined instead
     where = where[where.index("WHERE d.community_id") :]
-    where = where.replace("d.id = ANY (ARRAY(SELECT candidate.id FROM candidate))", "d.id = admitted.id", 1)
+    admitted_rows = "d.id = %(delivery_id)s AND d.id = admitted.id" if by_id else "d.id = admitted.id"
+    if sql.claimed_rows(by_id) not in where:
+        raise RuntimeError("the claim's UPDATE no longer reaches its rows as claim_with_limits expects")
+    where = where.replace(sql.claimed_rows(by_id), admitted_rows, 1)
     constant = [f"%(cap_{kind})s" for kind in kinds if not KINDS[kind][1] or kind == "target"]
     if constant:  # one community and one target per claim: more candidates could never be taken
         head = head.replace("LIMIT %(limit)s", f"LIMIT LEAST(%(limit)s, {', '.join(constant)})", 1)

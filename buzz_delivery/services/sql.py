@@ -201,6 +201,16 @@ _CLAIM_ENTRY = history_entry(
 )
 
 
+def claimed_rows(by_id: bool) -> str:
+    """How the claim's UPDATE reaches the candidates it locked: by primary key, whatever the
+    planner estimates of the community. An ``id = ANY`` of the candidates (an array of unknown
+    length to the planner) lost to another index's community prefix whenever the statistics
+    gave a community few rows (a fleet of small communities): every row of the claiming
+    community read on every claim (test_claim_plan_stale_stats). A join with the candidates
+    (whose estimate is the CTE's) and, for the hinted claim, the named row's equality do not."""
+    return "d.id = %(delivery_id)s AND d.id IN (SELECT candidate.id FROM candidate)" if by_id else "d.id = candidate.id"
+
+
 def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
     """Claim up to ``%(limit)s`` of the claimable deliveries of one community and target, higher
     ``priority`` first, oldest first within it (the order of delivery_pending_poll_idx).
@@ -221,6 +231,7 @@ def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
             AND d.cause_scheduled_for IS NOT DISTINCT FROM %(cause_scheduled_for)s::timestamptz
             AND d.cause_webhook_invocation_id IS NOT DISTINCT FROM %(cause_webhook_invocation_id)s::uuid"""
         )
+    joined = "" if by_id else "FROM candidate\n"
     return f"""
 WITH candidate AS MATERIALIZED (
     SELECT d.id
@@ -250,10 +261,10 @@ SET status = 'claimed',
     slot_target = NULL,
     slot_workflow = NULL,
     {_CLAIM_ENTRY}
--- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
+{joined}-- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
 -- after re-checking its latest version, so nothing else changed it since), or with stale
 -- statistics the pending-only indexes win and every pending row is read (test_claim_plan_stale_stats).
-WHERE d.community_id = %(community_id)s AND d.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
+WHERE d.community_id = %(community_id)s AND {claimed_rows(by_id)}
 RETURNING {RETURNING_CLAIM_COLUMNS}
 """
 
