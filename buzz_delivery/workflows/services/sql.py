@@ -79,12 +79,19 @@ WITH candidate AS MATERIALIZED (
 UPDATE {STEP} AS s
 SET {_CLAIM_STEP_SET},
     slot_community = NULL, slot_workflow = NULL, slot_step = NULL
--- Through the primary key (the ids as an array), with no state test: the candidates were locked
+FROM candidate, unnest(ARRAY(SELECT candidate.id FROM candidate)) AS listed(id)
+-- Through the primary key, joined with both the candidates and their ids as an array: a generic
+-- plan (the plan-cached function's, a prepared statement's) then probes the key from whichever it
+-- estimates smaller, the CTE (a tenth of the claimable steps it estimates for the community) or
+-- the array (ten). Either alone lost to a read of the whole community: the array whenever the
+-- statistics gave a community fewer than ten rows (a fleet of small communities), the CTE in a
+-- community with a large backlog (a hash join over its steps): test_engine_claim_plan_fleet_stats.
+-- With no state test: the candidates were locked
 -- FOR UPDATE after their latest version was re-checked (still ready), and a state test would
 -- let a plan reach them through the ready index or a scan of every ready step of the community;
 -- the run's definition by its key, row by row (a join let the plan-cached function's generic
 -- plan scan the community's runs: tests/test_wf_cached_statements.py).
-WHERE s.community_id = %(community_id)s AND s.id = ANY (ARRAY(SELECT candidate.id FROM candidate))
+WHERE s.community_id = %(community_id)s AND s.id = candidate.id AND s.id = listed.id
 RETURNING {{step_columns}},
     (SELECT r.definition_id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = s.run_id)
 """
@@ -127,12 +134,13 @@ UPDATE {STEP} AS s
 SET {_CLAIM_STEP_SET},
     slot_community = admitted.slot_community, slot_workflow = admitted.slot_workflow,
     slot_step = admitted.slot_step, slot_workflow_id = admitted.workflow_id
-FROM admitted, {RUN} AS r
--- Through the primary key (the ids as an array): the candidates were locked FOR UPDATE after
+FROM candidate, admitted, unnest(ARRAY(SELECT admitted.id FROM admitted)) AS listed(id), {RUN} AS r
+-- Through the primary key, driven by the candidates or the admitted ids as an array, whichever
+-- the plan estimates smaller (as CLAIM_READY_STEPS; the admitted's own estimate is no help).
+-- The candidates were locked FOR UPDATE after
 -- their latest version was re-checked, so no state test here (it would let the ready index win
 -- the join and read every ready step of the community).
-WHERE s.community_id = %(community_id)s AND s.id = ANY (ARRAY(SELECT admitted.id FROM admitted))
-  AND s.id = admitted.id
+WHERE s.community_id = %(community_id)s AND s.id = candidate.id AND s.id = admitted.id AND s.id = listed.id
   AND r.community_id = s.community_id AND r.run_id = s.run_id
 RETURNING {{step_columns}}, r.definition_id
 """
