@@ -105,10 +105,11 @@ def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics
 
 
 @pytest.mark.skipif(CITUS_MODE, reason="on Citus the functions plan each call (force_custom_plan)")
+@pytest.mark.parametrize("targets", [20, 1], ids=["20_targets", "one_target"])
 @pytest.mark.parametrize("communities", [4_000, None], ids=["fleet_statistics", "own_statistics"])
 @pytest.mark.parametrize("statement", [cached.CLAIM, cached.CLAIM_HINTED], ids=lambda s: s.function)
 def test_a_claim_in_a_large_community_among_many_small_ones_updates_through_the_primary_key(
-    community, make_binding, statement, communities
+    community, make_binding, statement, communities, targets
 ):
     """Many communities make the planner's estimate of one community's rows small (the table's
     rows over the distinct communities): the generic plan then reached the claimed rows through
@@ -124,7 +125,7 @@ def test_a_claim_in_a_large_community_among_many_small_ones_updates_through_the_
     binding = make_binding(target_pubkey=random32())
     ev = models.Event.objects.get(community_id=community.id, event_id=binding.message_event_id)
     (hinted,) = services.commit_deliveries(community.id, ev, [binding])
-    clone(binding.step_id, "p", 20_000, "pending", 20)
+    clone(binding.step_id, "p", 20_000, "pending", targets)
     with connection.cursor() as cur:
         cur.execute("ANALYZE buzz_delivery_delivery")
     params = {

@@ -1,7 +1,8 @@
 """The claims' UPDATE (``buzz_delivery_claim_pending``, ``buzz_delivery_claim_hinted``,
 ``services/cached.py``) reaches the candidates it locked by primary key in their cached (generic)
-plans, whatever the planner estimates of the community: the batch claim joins the candidates
-(``UPDATE ... FROM candidate``) and the hinted claim names its row (``d.id = p_delivery_id``)
+plans, whatever the planner estimates of the community: the batch claim joins the candidates both
+as rows and as an array of their ids (``sql.CLAIM_FROM``: the planner probes the key from the side
+it estimates smaller) and the hinted claim names its row (``d.id = p_delivery_id``)
 instead of ``d.id = ANY (ARRAY(SELECT candidate.id FROM candidate))``, an array of unknown length
 to the planner, which lost to another index's community prefix whenever the statistics gave a
 community few rows (a fleet of small communities): every row of the claiming community read on
@@ -53,11 +54,11 @@ SET status = 'claimed',
     slot_target = NULL,
     slot_workflow = NULL,
     history = buzz_delivery_history_push(d.history, jsonb_build_object('at', buzz_delivery_now()) || jsonb_object(ARRAY['event', ('claim')::text, 'status', ('claimed')::text, 'actor', (p_holder::text)::text]) || ('{"generation": ' || (d.lease_generation + 1)::text || ', "attempt": ' || (d.attempt + 1)::text || '}')::jsonb)
-FROM candidate
+FROM candidate, unnest(ARRAY(SELECT candidate.id FROM candidate)) AS listed(id)
 -- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
 -- after re-checking its latest version, so nothing else changed it since), or with stale
 -- statistics the pending-only indexes win and every pending row is read (test_claim_plan_stale_stats).
-WHERE d.community_id = p_community_id AND d.id = candidate.id
+WHERE d.community_id = p_community_id AND d.id = candidate.id AND d.id = listed.id
 RETURNING d.*;
 END
 $fn$;

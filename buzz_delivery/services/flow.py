@@ -126,7 +126,7 @@ admitted AS MATERIALIZED (
         column = KINDS[kind][0]
         update = update.replace(f"{column} = NULL,", f"{column} = admitted.{column},", 1)
     body, where = update.split("\n-- Through the primary key only", 1)
-    body = body.removesuffix("\nFROM candidate")  # the admitted candidates are joined instead
+    body = body.removesuffix(f"\n{sql.CLAIM_FROM}")  # the admitted candidates are joined instead
     where = where[where.index("WHERE d.community_id") :]
     admitted_rows = "d.id = %(delivery_id)s AND d.id = admitted.id" if by_id else "d.id = admitted.id"
     if sql.claimed_rows(by_id) not in where:

@@ -201,14 +201,22 @@ _CLAIM_ENTRY = history_entry(
 )
 
 
+# The batch claim's UPDATE joins the candidates it locked both as rows and as an array of their
+# ids, so the planner probes the primary key from whichever side it estimates smaller: the CTE
+# (what it expects pending: next to nothing with a fleet of small communities' statistics) or
+# the array (10 to the planner, whatever its length). Either alone lost somewhere: ``id = ANY``
+# of the array to another index's community prefix when a community looked small (every row of
+# it read on every claim), the join with the CTE alone to a hash join over a scan of the table
+# when a large backlog had been analysed (a generic LIMIT is a tenth of what it expects).
+CLAIM_FROM = "FROM candidate, unnest(ARRAY(SELECT candidate.id FROM candidate)) AS listed(id)"
+
+
 def claimed_rows(by_id: bool) -> str:
-    """How the claim's UPDATE reaches the candidates it locked: by primary key, whatever the
-    planner estimates of the community. An ``id = ANY`` of the candidates (an array of unknown
-    length to the planner) lost to another index's community prefix whenever the statistics
-    gave a community few rows (a fleet of small communities): every row of the claiming
-    community read on every claim (test_claim_plan_stale_stats). A join with the candidates
-    (whose estimate is the CTE's) and, for the hinted claim, the named row's equality do not."""
-    return "d.id = %(delivery_id)s AND d.id IN (SELECT candidate.id FROM candidate)" if by_id else "d.id = candidate.id"
+    """How the claim's UPDATE reaches the candidates it locked (see :data:`CLAIM_FROM`); the
+    hinted claim names its row, the primary key's equality (test_claim_plan_stale_stats)."""
+    if by_id:
+        return "d.id = %(delivery_id)s AND d.id IN (SELECT candidate.id FROM candidate)"
+    return "d.id = candidate.id AND d.id = listed.id"
 
 
 def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
@@ -231,7 +239,7 @@ def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
             AND d.cause_scheduled_for IS NOT DISTINCT FROM %(cause_scheduled_for)s::timestamptz
             AND d.cause_webhook_invocation_id IS NOT DISTINCT FROM %(cause_webhook_invocation_id)s::uuid"""
         )
-    joined = "" if by_id else "FROM candidate\n"
+    joined = "" if by_id else f"{CLAIM_FROM}\n"
     return f"""
 WITH candidate AS MATERIALIZED (
     SELECT d.id
