@@ -63,6 +63,22 @@ def update_scan(plan: dict) -> dict:
     raise AssertionError(f"no scan of d under the Update: {json.dumps(plan)[:2000]}")
 
 
+def assert_updates_by_primary_key(plan: dict, otherwise: str) -> None:
+    """The UPDATE of ``plan`` reaches the delivery table through its primary key only (the scan
+    and, for a bitmap heap scan, its bitmap index scans); ``otherwise``: what it read instead."""
+    scan = update_scan(plan)
+    nodes, indexes = [scan], []
+    while nodes:
+        node = nodes.pop()
+        if "Index Name" in node:
+            indexes.append(node["Index Name"])
+        nodes += node.get("Plans", [])
+    assert indexes and set(indexes) == {"buzz_delivery_delivery_pkey"}, (
+        f"the UPDATE scans {scan['Node Type']} on {indexes} "
+        f"(cond {scan.get('Index Cond') or scan.get('Recheck Cond')}, filter {scan.get('Filter')}): {otherwise}"
+    )
+
+
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics(community, make_binding, generic):
     binding = make_binding(target_pubkey=random32())
@@ -91,17 +107,7 @@ def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics
         with connection.cursor() as cur:
             cur.execute("EXPLAIN (FORMAT JSON) " + statement, params)
             (plan,) = cur.fetchone()[0]
-    scan = update_scan(plan)
-    nodes, indexes = [scan], []
-    while nodes:  # the scan and, for a bitmap heap scan, its bitmap index scans
-        node = nodes.pop()
-        if "Index Name" in node:
-            indexes.append(node["Index Name"])
-        nodes += node.get("Plans", [])
-    assert indexes and set(indexes) == {"buzz_delivery_delivery_pkey"}, (
-        f"the UPDATE scans {scan['Node Type']} on {indexes} "
-        f"(cond {scan.get('Index Cond')}, filter {scan.get('Filter')}): every pending row, not the candidates"
-    )
+    assert_updates_by_primary_key(plan, "every pending row, not the candidates")
 
 
 @pytest.mark.skipif(CITUS_MODE, reason="on Citus the functions plan each call (force_custom_plan)")
@@ -138,15 +144,4 @@ def test_a_claim_in_a_large_community_among_many_small_ones_updates_through_the_
     }
     ((plans,),) = generic_explain(statement, {name: params[name] for name, _ in statement.params}, "FORMAT JSON")
     (plan,) = plans
-    scan = update_scan(plan)
-    nodes, indexes = [scan], []
-    while nodes:
-        node = nodes.pop()
-        if "Index Name" in node:
-            indexes.append(node["Index Name"])
-        nodes += node.get("Plans", [])
-    assert indexes and set(indexes) == {"buzz_delivery_delivery_pkey"}, (
-        f"the UPDATE scans {scan['Node Type']} on {indexes} "
-        f"(cond {scan.get('Index Cond') or scan.get('Recheck Cond')}, filter {scan.get('Filter')}): "
-        "the community's rows"
-    )
+    assert_updates_by_primary_key(plan, "the community's rows")
