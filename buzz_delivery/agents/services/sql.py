@@ -133,7 +133,7 @@ SET {_CLAIM_RUN_SET},
 FROM candidate, unnest(ARRAY(SELECT candidate.id FROM candidate)) AS listed(id)
 -- Through the primary key, joined with both the candidates and their ids as an array: a generic
 -- plan (a prepared statement's) probes the key from whichever it estimates smaller (as the step
--- claim, workflows/services/sql.py; alone, the CTE's estimate let a hash join read all of a large
+-- claim, workflows/services/sql.py: alone, the CTE's estimate let a hash join read all of a large
 -- community's runs, the array's lost to the community's rows when the statistics gave it few:
 -- test_engine_claim_plan_fleet_stats). With no state test: the candidates were locked FOR UPDATE
 -- after their latest version was re-checked (still pending), and a state test would let the
@@ -172,7 +172,7 @@ SET {_CLAIM_RUN_SET},
     slot_community = admitted.slot_community, slot_agent = admitted.slot_agent
 FROM candidate, admitted, unnest(ARRAY(SELECT admitted.id FROM admitted)) AS listed(id)
 -- Through the primary key, driven by the candidates or the admitted ids as an array, whichever
--- the plan estimates smaller (as CLAIM_PENDING_RUNS; the admitted's own estimate is no help).
+-- the plan estimates smaller (as CLAIM_PENDING_RUNS: the admitted's own estimate is no help).
 -- The candidates were locked FOR UPDATE after
 -- their latest version was re-checked, so no state test here (it would let the pending index
 -- win the join and read every pending run of the community).
