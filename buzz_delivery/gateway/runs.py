@@ -506,7 +506,14 @@ def _batch_of(
 ) -> JsonResponse:
     return _batch(
         request,
-        pubkey, data, community_id, kind.prepare, kind.send, kind.replay, kind.present_one, kind.send_in_savepoint
+        pubkey,
+        data,
+        community_id,
+        kind.prepare,
+        kind.send,
+        kind.replay,
+        kind.present_one,
+        kind.send_in_savepoint,
     )
 
 
