@@ -5,9 +5,13 @@ of the community, as the plain claims do (``tests/test_claim_plan_stale_stats.py
 
 Its UPDATE reached its rows by joining the ``admitted`` CTE alone (``d.id = admitted.id``):
 when the statistics gave a community few rows (a fleet of small communities: the table's rows
-over the distinct communities) or said almost nothing was pending (analysed after a drain), the
-generic plan could read every row of the claiming community through another index's community
-prefix on every claim instead of probing the primary key per admitted row. Generic plans are
+over the distinct communities) the generic plan of the batch and expected forms read every row
+of the claiming community through delivery_message_event_idx's community prefix, and with the
+table's own statistics of one target's 20,000 pending it hashed a sequential scan of the
+community, on every claim, instead of probing the primary key per admitted row (the statistics
+of a drain, almost nothing pending, and the hinted form, which names its row, kept the key: they
+stay here as guards). The UPDATE now joins the candidates, the admitted and their ids as an
+array (``flow.ADMITTED_FROM``), as the engine's claims under limits do. Generic plans are
 what the plan-cached function runs and what psycopg's prepared statements run after
 ``prepare_threshold`` executions; the plain statements are prepared here as those are.
 
