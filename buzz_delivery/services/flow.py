@@ -88,6 +88,16 @@ def _free_slots(kind: str) -> str:
 )"""
 
 
+# The claim under limits' UPDATE joins the candidates, the admitted and the admitted's ids as an
+# array, as the engine's claims under limits do (workflows/services/sql.py): the planner probes
+# the primary key from whichever side it estimates smaller (``sql.CLAIM_FROM``). The admitted
+# alone lost in generic plans: with a fleet's statistics (a community looks small) to another
+# index's community prefix, with a large backlog of one target analysed to a hash join over a
+# scan of the community, every row of it read on every claim (test_claim_limited_plan). The
+# admitted are among the candidates (one row each): the same rows and slots as the join alone.
+ADMITTED_FROM = "FROM candidate, admitted, unnest(ARRAY(SELECT admitted.id FROM admitted)) AS listed(id)"
+
+
 def claim_with_limits(kinds: tuple[str, ...], *, by_id: bool, by_binding: bool) -> str:
     """The claim of :func:`sql.claim_oldest_pending` under the limits of ``kinds``: the same
     candidates (same order, same locks), of which each takes, per kind, the free slot whose
@@ -128,14 +138,17 @@ admitted AS MATERIALIZED (
     body, where = update.split("\n-- Through the primary key only", 1)
     body = body.removesuffix(f"\n{sql.CLAIM_FROM}")  # the admitted candidates are joined instead
     where = where[where.index("WHERE d.community_id") :]
-    admitted_rows = "d.id = %(delivery_id)s AND d.id = admitted.id" if by_id else "d.id = admitted.id"
+    if by_id:  # the hinted claim names its row: the primary key's equality
+        joined, admitted_rows = "FROM admitted", "d.id = %(delivery_id)s AND d.id = admitted.id"
+    else:  # by key whatever the estimates: see ADMITTED_FROM
+        joined, admitted_rows = ADMITTED_FROM, "d.id = candidate.id AND d.id = admitted.id AND d.id = listed.id"
     if sql.claimed_rows(by_id) not in where:
         raise RuntimeError("the claim's UPDATE no longer reaches its rows as claim_with_limits expects")
     where = where.replace(sql.claimed_rows(by_id), admitted_rows, 1)
     constant = [f"%(cap_{kind})s" for kind in kinds if not KINDS[kind][1] or kind == "target"]
     if constant:  # one community and one target per claim: more candidates could never be taken
         head = head.replace("LIMIT %(limit)s", f"LIMIT LEAST(%(limit)s, {', '.join(constant)})", 1)
-    return f"{head}{admitted}\nUPDATE {body}\nFROM admitted\n{where}"
+    return f"{head}{admitted}\nUPDATE {body}\n{joined}\n{where}"
 
 
 def declared_limits() -> dict[str, int]:
