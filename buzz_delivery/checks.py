@@ -32,6 +32,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     id="buzz_delivery.E001",
                 )
             )
+    bad: set[str] = set()
     for key in (
         "LEASE_SECONDS",
         "MIN_LEASE_SECONDS",
@@ -40,24 +41,27 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         "RETRY_BACKOFF_CAP_SECONDS",
     ):
         if not _is_number(raw[key]) or raw[key] <= 0:
+            bad.add(key)
             errors.append(
                 checks.Error(f"BUZZ_DELIVERY[{key!r}] must be a number > 0 (seconds).", id="buzz_delivery.E002")
             )
-    if not errors:
-        if not raw["MIN_LEASE_SECONDS"] <= raw["LEASE_SECONDS"] <= raw["MAX_LEASE_SECONDS"]:
-            errors.append(
-                checks.Error(
-                    "BUZZ_DELIVERY['LEASE_SECONDS'] must lie within MIN_LEASE_SECONDS..MAX_LEASE_SECONDS.",
-                    id="buzz_delivery.E003",
-                )
+    # Each comparison needs only its own keys to be numbers: every other error is reported with it.
+    lease_keys = {"LEASE_SECONDS", "MIN_LEASE_SECONDS", "MAX_LEASE_SECONDS"}
+    if not bad & lease_keys and not raw["MIN_LEASE_SECONDS"] <= raw["LEASE_SECONDS"] <= raw["MAX_LEASE_SECONDS"]:
+        errors.append(
+            checks.Error(
+                "BUZZ_DELIVERY['LEASE_SECONDS'] must lie within MIN_LEASE_SECONDS..MAX_LEASE_SECONDS.",
+                id="buzz_delivery.E003",
             )
-        if raw["RETRY_BACKOFF_BASE_SECONDS"] > raw["RETRY_BACKOFF_CAP_SECONDS"]:
-            errors.append(
-                checks.Error(
-                    "BUZZ_DELIVERY['RETRY_BACKOFF_BASE_SECONDS'] must not exceed RETRY_BACKOFF_CAP_SECONDS.",
-                    id="buzz_delivery.E004",
-                )
+        )
+    backoff_keys = {"RETRY_BACKOFF_BASE_SECONDS", "RETRY_BACKOFF_CAP_SECONDS"}
+    if not bad & backoff_keys and raw["RETRY_BACKOFF_BASE_SECONDS"] > raw["RETRY_BACKOFF_CAP_SECONDS"]:
+        errors.append(
+            checks.Error(
+                "BUZZ_DELIVERY['RETRY_BACKOFF_BASE_SECONDS'] must not exceed RETRY_BACKOFF_CAP_SECONDS.",
+                id="buzz_delivery.E004",
             )
+        )
     max_attempts = raw["MAX_ATTEMPTS"]
     if max_attempts is not None and (
         not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
