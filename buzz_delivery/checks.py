@@ -18,6 +18,83 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+# Helpers for the settings dicts of the apps (BUZZ_WORKFLOWS, BUZZ_AGENTS): each returns the
+# errors of one key, ids in the app's own namespace (``<app>.E001`` an unknown key or a setting
+# that is not a dict, ``E002`` a value of the wrong type, ``E003`` a value out of its bounds).
+
+
+def user_settings(setting: str, app: str, defaults: dict[str, Any]) -> tuple[dict[str, Any], list[checks.CheckMessage]]:
+    """``settings.<setting>`` merged over ``defaults``, and the errors of its shape: not a dict,
+    or keys the app does not know (each named, with the known ones in the hint)."""
+    from django.conf import settings
+
+    user = getattr(settings, setting, None) or {}
+    if not isinstance(user, dict):
+        error = checks.Error(f"{setting} must be a dict, not {type(user).__name__}.", id=f"{app}.E001")
+        return dict(defaults), [error]
+    errors: list[checks.CheckMessage] = [
+        checks.Error(
+            f"{setting} has an unknown key {key!r}.",
+            hint=f"Known keys: {', '.join(sorted(defaults))}.",
+            id=f"{app}.E001",
+        )
+        for key in user
+        if key not in defaults
+    ]
+    return {**defaults, **user}, errors
+
+
+def _number_error(
+    setting: str, key: str, value: Any, app: str, low: float, high: float, *, integer: bool, unit: str
+) -> checks.CheckMessage | None:
+    name = f"{setting}[{key!r}]"
+    kind = "an int" if integer else "a number"
+    if not (isinstance(value, int) if integer else _is_number(value)) or isinstance(value, bool):
+        return checks.Error(f"{name} must be {kind}{unit}, not {type(value).__name__}.", id=f"{app}.E002")
+    if not low <= value <= high:  # NaN and the infinities fail this too
+        return checks.Error(f"{name} must be within {low:g}..{high:g}{unit}, got {value!r}.", id=f"{app}.E003")
+    return None
+
+
+def int_setting(
+    setting: str, raw: dict[str, Any], key: str, app: str, low: int, high: float, *, optional: bool = False
+) -> list[checks.CheckMessage]:
+    """``raw[key]`` is an int (not a bool) within ``low..high`` (or None when ``optional``)."""
+    value = raw[key]
+    if optional and value is None:
+        return []
+    error = _number_error(setting, key, value, app, low, high, integer=True, unit="")
+    return [] if error is None else [error]
+
+
+def seconds_setting(
+    setting: str, raw: dict[str, Any], key: str, app: str, low: float, high: float, *, optional: bool = False
+) -> list[checks.CheckMessage]:
+    """``raw[key]`` is a number of seconds (int or float, not a bool) within ``low..high``."""
+    value = raw[key]
+    if optional and value is None:
+        return []
+    error = _number_error(setting, key, value, app, low, high, integer=False, unit=" (seconds)")
+    return [] if error is None else [error]
+
+
+def lease_setting(
+    setting: str, raw: dict[str, Any], key: str, app: str, *, optional: bool = False
+) -> list[checks.CheckMessage]:
+    """``raw[key]`` is a lease length within the core's ``MIN_LEASE_SECONDS..MAX_LEASE_SECONDS``
+    (what :func:`buzz_delivery.services.validation.lease_seconds` accepts). When those bounds are
+    themselves bad (``buzz_delivery.E002``), only the type is checked."""
+    core = raw_settings()
+    low, high = core["MIN_LEASE_SECONDS"], core["MAX_LEASE_SECONDS"]
+    if not (_is_number(low) and _is_number(high)):
+        low, high = float("-inf"), float("inf")
+    errors = seconds_setting(setting, raw, key, app, low, high, optional=optional)
+    for error in errors:
+        if error.id == f"{app}.E003":
+            error.hint = "BUZZ_DELIVERY['MIN_LEASE_SECONDS']..['MAX_LEASE_SECONDS'] bound every lease."
+    return errors
+
+
 @checks.register(checks.Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Reject ``BUZZ_DELIVERY`` values the services could not honour."""

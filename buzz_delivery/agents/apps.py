@@ -26,3 +26,6 @@ class AgentsConfig(AppConfig):
             "p_community_id",
         ),
     )
+
+    def ready(self) -> None:
+        from buzz_delivery.agents import checks  # noqa: F401  (registers the system checks)

@@ -35,7 +35,7 @@ class WorkflowsConfig(AppConfig):
         return self._delegated + plan_cached
 
     def ready(self) -> None:
-        from buzz_delivery.workflows import functions  # noqa: F401  (registers noop and echo)
+        from buzz_delivery.workflows import checks, functions  # noqa: F401  (registers the checks, noop and echo)
         from buzz_delivery.workflows.registry import autodiscover
 
         autodiscover()  # every installed app's workflows.py, and BUZZ_WORKFLOWS['MODULES']

@@ -51,6 +51,9 @@ FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,199}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # Waits of sleep and wait_event steps may be longer than the other kinds' wait timeouts.
 MAX_WAIT_SECONDS = 366 * 86400
+# A step's "retry": attempts, and backoff base and cap (seconds); BUZZ_WORKFLOWS' defaults too.
+MAX_RETRY_ATTEMPTS = 100
+MAX_BACKOFF_SECONDS = 86400
 EVENT_NAME = re.compile(r"^[A-Za-z0-9_.:/@-]{1,200}$")
 MAX_EVENT_KEY_CHARS = 500
 MAX_KEY_PARTS = 16
@@ -232,11 +235,11 @@ def _retry(step: _Step, retry: Any, field: str) -> dict[str, Any]:
         raise step.invalid(field, "must be {max_attempts, base_seconds, cap_seconds}")
     out: dict[str, Any] = {}
     if "max_attempts" in retry:
-        out["max_attempts"] = _int(step, f"{field}.max_attempts", retry["max_attempts"], 1, 100)
+        out["max_attempts"] = _int(step, f"{field}.max_attempts", retry["max_attempts"], 1, MAX_RETRY_ATTEMPTS)
     if "base_seconds" in retry:
-        out["base_seconds"] = _number(step, f"{field}.base_seconds", retry["base_seconds"], 0, 86400)
+        out["base_seconds"] = _number(step, f"{field}.base_seconds", retry["base_seconds"], 0, MAX_BACKOFF_SECONDS)
     if "cap_seconds" in retry:
-        out["cap_seconds"] = _number(step, f"{field}.cap_seconds", retry["cap_seconds"], 0, 86400)
+        out["cap_seconds"] = _number(step, f"{field}.cap_seconds", retry["cap_seconds"], 0, MAX_BACKOFF_SECONDS)
         if out["cap_seconds"] < out.get("base_seconds", 0):
             raise step.invalid(f"{field}.cap_seconds", "must be at least base_seconds")
     return out

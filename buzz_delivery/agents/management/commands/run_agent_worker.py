@@ -20,6 +20,7 @@ import signal
 import socket
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from buzz_delivery.agents.conf import get_settings
@@ -95,9 +96,13 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         ensure_console_logging()
+        name = "--lease-seconds" if options["lease_seconds"] else "BUZZ_AGENTS['LEASE_SECONDS']"
+        try:
+            lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
+        except ValidationError as exc:
+            raise CommandError(f"{name} {exc.messages[0].removeprefix('lease_seconds: ')}", returncode=2) from None
         try:
             handler: Any = load_handler(options["handler"])
-            lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
         except Exception as exc:
             raise CommandError(str(exc), returncode=2) from exc
         registry = Heartbeat(WorkerKind.AGENT, "run_agent_worker", "")

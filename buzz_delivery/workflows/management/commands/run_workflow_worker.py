@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import CommandError
 from django.db import connection
 
@@ -81,7 +82,13 @@ class Command(StrictOptionsCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         lease = options["lease_seconds"]
-        lease = v.lease_seconds(get_settings().lease_seconds if lease is None else lease)
+        if lease is None:  # --lease-seconds was checked when parsed; the setting is checked here
+            try:
+                lease = v.lease_seconds(get_settings().lease_seconds)
+            except ValidationError as exc:
+                raise CommandError(
+                    f"BUZZ_WORKFLOWS['LEASE_SECONDS'] {exc.messages[0].removeprefix('lease_seconds: ')}", returncode=2
+                ) from None
         ensure_console_logging()
         if options["verbosity"] != 1:
             logging.getLogger("buzz_delivery.workflows").setLevel(
