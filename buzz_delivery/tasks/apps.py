@@ -11,3 +11,6 @@ class TasksConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
     # Its community-scoped table joins the deletion catalog (purge, tombstone guard, Citus).
     buzz_deletion_catalog = ("buzz_tasks.TaskResult",)
+
+    def ready(self) -> None:
+        from buzz_delivery.tasks import checks  # noqa: F401  (registers the system checks)

@@ -15,9 +15,7 @@ from django.db import connection
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
 from buzz_delivery.management.options import int_in, positive_int, positive_seconds
 from buzz_delivery.models import WorkerKind
-from buzz_delivery.tasks import compat, registry
-from buzz_delivery.tasks.backend import DeliveryBackend
-from buzz_delivery.tasks.runner import TaskRunner
+from buzz_delivery.tasks.checks import INSTALL_HINT
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
 
@@ -53,6 +51,13 @@ class Command(StrictOptionsCommand):
         parser.add_argument("--name", default="tasks", help="This worker's name in its holder identity.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:  # here, not at the top: --help works without the framework (Django 5.2, no backport)
+            from buzz_delivery.tasks import compat, registry
+            from buzz_delivery.tasks.backend import DeliveryBackend
+            from buzz_delivery.tasks.runner import TaskRunner
+        except ImportError as missing:
+            what = f"No module named {missing.name!r}" if isinstance(missing, ModuleNotFoundError) else str(missing)
+            raise CommandError(f"{what}: {INSTALL_HINT}", returncode=2) from None
         try:
             backend = compat.task_backends[options["backend"]]
         except Exception as exc:
