@@ -47,7 +47,7 @@ def test_the_backend_is_djangos_and_says_what_it_supports():
     backend = compat.task_backends["default"]
     assert isinstance(backend, DeliveryBackend) and isinstance(backend, compat.BaseTaskBackend)
     assert backend.supports_defer and backend.supports_async_task and backend.supports_get_result
-    assert backend.supports_priority  # accepted and stored; ordering awaits flow control (docs/tasks.md)
+    assert backend.supports_priority  # stored, and the delivery's priority (docs/tasks.md)
 
 
 def test_enqueue_commits_a_delivery_and_its_result_and_get_result_reads_it(tasks_community):
@@ -77,6 +77,59 @@ def test_run_after_is_the_deliverys_retry_gate_and_priority_is_stored(tasks_comm
     from buzz_delivery import services as inbox
 
     assert inbox.claim_delivery(tasks_community.id, services.queue_target("default")) is None
+
+
+@pytest.mark.parametrize(
+    ("task_priority", "delivery_priority"),
+    [
+        (-100, -10),
+        (-95, -10),
+        (-94, -9),
+        (-5, -1),
+        (-4, 0),
+        (0, 0),
+        (4, 0),
+        (5, 1),
+        (14, 1),
+        (15, 2),
+        (95, 10),
+        (100, 10),
+    ],
+)
+def test_a_tasks_priority_becomes_a_tenth_of_it_on_its_delivery_and_stays_whole_on_the_task(
+    tasks_community, task_priority, delivery_priority
+):
+    result = t.add.using(priority=task_priority).enqueue(1, 2)
+    row = TaskResult.objects.get(id=result.id)
+    assert row.priority == task_priority
+    assert result.task.get_backend().get_result(result.id).task.priority == task_priority
+    assert models.WorkflowAgentDelivery.objects.get(id=row.delivery_id).priority == delivery_priority
+
+
+def test_the_delivery_priority_keeps_the_tasks_order():
+    mapped = [services.delivery_priority(p) for p in range(-100, 101)]
+    assert mapped == sorted(mapped) and mapped[0] == models.PRIORITY_MIN and mapped[-1] == models.PRIORITY_MAX
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_higher_priority_task_enqueued_later_is_run_first():
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    low = t.add.using(priority=-100).enqueue(1, 1)
+    ordinary = t.add.enqueue(2, 2)
+    raised = t.add.using(priority=10).enqueue(3, 3)
+    urgent = t.add.using(priority=100).enqueue(4, 4)
+    backend = low.task.get_backend()
+
+    def done() -> set[str]:
+        rows = {"low": low, "ordinary": ordinary, "raised": raised, "urgent": urgent}
+        return {name for name, r in rows.items() if backend.get_result(r.id).status == SUCCESSFUL}
+
+    run_worker("default", max_tasks=1)
+    assert done() == {"urgent"}
+    run_worker("default", max_tasks=1)
+    assert done() == {"urgent", "raised"}
+    run_worker("default", max_tasks=1)
+    assert done() == {"urgent", "raised", "ordinary"}
 
 
 @pytest.mark.parametrize(

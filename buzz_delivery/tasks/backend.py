@@ -16,8 +16,9 @@ Settings::
 
 ``enqueue`` commits a delivery and its result row (:mod:`buzz_delivery.tasks.services`);
 ``manage.py run_task_worker`` runs them. Priority is validated (-100..100) and stored with the
-task; claims still take the oldest ready task first: priority takes effect once the inbox's
-flow control (a ``priority`` column on deliveries, SPEC 16) lands.
+task, and it orders the claims: the task's delivery gets a tenth of it (-10..10, rounded, halves
+away from zero: :func:`buzz_delivery.tasks.services.delivery_priority`), and claims take higher
+delivery priorities first, oldest first within one (docs/flow-control.md).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
     supports_defer = True
     supports_async_task = True
     supports_get_result = True
-    supports_priority = True  # accepted, validated, stored; ordering awaits flow control
+    supports_priority = True  # validated, stored, and the claims' order (the delivery's priority)
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)

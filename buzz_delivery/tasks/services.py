@@ -9,6 +9,8 @@ A task is one delivery of the community the backend serves (``OPTIONS["COMMUNITY
 - message event: one per task (kind :data:`TASK_EVENT_KIND`, tag ``["task", path]``), cause:
   ``webhook`` with the result id as its invocation id;
 - ``run_after``: the delivery's retry gate (``not_before`` -> ``next_attempt_at``);
+- ``priority`` (Django's -100..100): the delivery's priority (-10..10, claims take higher
+  first), :func:`delivery_priority` of it; the task's own stays in the result row;
 - the task's path, arguments, priority and queue: the result row, committed in the same
   transaction as the delivery.
 
@@ -27,7 +29,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models.functions import Now
 
-from buzz_delivery.models import Event, new_uuid7
+from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN, Event, new_uuid7
 from buzz_delivery.services import commit_deliveries
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
@@ -123,6 +125,15 @@ VALUES (%(run_id)s, %(community_id)s, %(workflow_id)s, now()) ON CONFLICT DO NOT
 """
 
 
+def delivery_priority(task_priority: int) -> int:
+    """The delivery priority (``PRIORITY_MIN..PRIORITY_MAX``, -10..10) of a task priority
+    (Django's -100..100): a tenth of it, rounded to the nearest whole number, halves away from
+    zero (-100 -> -10, -5 -> -1, 4 -> 0, 5 -> 1, 95 -> 10), clamped. It keeps the order: a
+    higher task priority never maps lower; ten task priorities share one delivery priority."""
+    magnitude = (abs(task_priority) + 5) // 10
+    return max(PRIORITY_MIN, min(PRIORITY_MAX, magnitude if task_priority >= 0 else -magnitude))
+
+
 @tenant_scoped
 def enqueue_task(
     community_id: uuid.UUID | str,
@@ -184,7 +195,14 @@ def enqueue_task(
             message_event_id=bytes(event.event_id),
             cause=Cause.webhook(result_id),
         )
-        (delivery_id,) = commit_deliveries(community, event, [binding], trigger_context=context, not_before=run_after)
+        (delivery_id,) = commit_deliveries(
+            community,
+            event,
+            [binding],
+            trigger_context=context,
+            not_before=run_after,
+            priority=delivery_priority(priority),
+        )
         decoded = json.loads(arguments)
         row = TaskResult.objects.create(
             community_id=community,
