@@ -22,7 +22,6 @@ from buzz_delivery.workflows.definition import (
     MAP_ITEMS_LIMIT,
     MAX_BACKOFF_SECONDS,
     MAX_RETRY_ATTEMPTS,
-    MAX_WAIT_SECONDS,
 )
 from buzz_delivery.workflows.models import MAX_DEPTH
 
@@ -32,6 +31,9 @@ APP = "buzz_workflows"
 MAX_MESSAGE_KIND = 2**31 - 1
 # What a jsonb value can hold (255 MB): a larger output bound could never be reached.
 MAX_JSON_BYTES = 255 * 1024 * 1024
+# How long an event may be kept for later waits: any length a timestamp can add (a century),
+# not a wait's own bound (a wait may start long after the event was sent).
+MAX_EVENT_RETENTION_SECONDS = 100 * 366 * 86400
 
 
 def _type_error(key: str, expected: str, value: Any) -> checks.CheckMessage:
@@ -88,6 +90,6 @@ def check_workflow_settings(app_configs: Any = None, **kwargs: Any) -> list[chec
             )
         )
     errors += int_setting(SETTING, raw, "MESSAGE_KIND", APP, 0, MAX_MESSAGE_KIND)
-    errors += seconds_setting(SETTING, raw, "EVENT_RETENTION_SECONDS", APP, 0, MAX_WAIT_SECONDS)
+    errors += seconds_setting(SETTING, raw, "EVENT_RETENTION_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
     errors += int_setting(SETTING, raw, "MAX_MAP_ITEMS", APP, 1, MAP_ITEMS_LIMIT)
     return errors
