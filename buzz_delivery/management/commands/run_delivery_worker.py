@@ -59,7 +59,8 @@ Prints one JSON summary line: {"claimed","finished","failed","retried","lease_lo
 started line, one line per claim batch and per settle batch (to stderr without a LOGGING
 config); -v 2 adds one per delivery and the traceback of each handler error.
 Exit codes: 0 clean stop; 1 stopped on an internal error (reason says which); 2 bad
-arguments; 3 stopped with in-flight leases given up (shutdown grace, or every handler hung)."""
+arguments (an unimportable --handler included); 3 stopped with in-flight leases given up
+(shutdown grace, or every handler hung)."""
 
 
 MAX_LISTED_PAIRS = 10  # pairs named in the live workers registry's detail line
@@ -170,7 +171,7 @@ class Command(StrictOptionsCommand):
         try:
             handler = load_handler(options["handler"])
         except ValueError as exc:
-            raise CommandError(f"--handler: {exc}") from exc
+            raise CommandError(f"--handler: {exc}", returncode=2) from exc
         verbosity = options["verbosity"]
         ensure_console_logging()
         if verbosity != 1:

@@ -1,0 +1,112 @@
+"""What a new user meets at the worker commands' edges: a bad ``--handler`` exits 2 (bad
+arguments) from every worker that takes one, an option out of bounds is an argparse error naming
+it, a choice names its allowed values, the summary keys a help text or a page lists are the keys
+the command prints, and a worker started on a community that does not exist says so (a WARNING)
+and starts all the same."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+
+from project.database_url import database_url
+from tests.agents_support import AGENT
+
+ROOT = Path(__file__).resolve().parent.parent
+NOWHERE = "tests.test_worker_commands_cli:no_such_handler"
+
+
+def _manage(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict)}
+    return subprocess.run(
+        [sys.executable, "manage.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+# --- a bad --handler: exit 2 (bad arguments), the message names --handler ------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("run_delivery_worker", ["--community", str(uuid.uuid4()), "--target", "ab" * 32, "--handler", NOWHERE]),
+        ("run_delivery_worker", ["--community", str(uuid.uuid4()), "--target", "ab" * 32, "--handler", "json"]),
+        ("run_agent_worker", ["--agent", AGENT.hex(), "--handler", NOWHERE]),
+        ("run_agent_worker", ["--agent", AGENT.hex(), "--handler", "no.such.module:handle"]),
+    ],
+)
+def test_an_unimportable_handler_is_a_bad_argument_naming_the_option(command, argv):
+    with pytest.raises(CommandError, match=r"^--handler: ") as refused:
+        call_command(command, *argv, stdout=io.StringIO(), stderr=io.StringIO())
+    assert refused.value.returncode == 2
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["run_delivery_worker", "--community", str(uuid.uuid4()), "--target", "ab" * 32, "--handler", NOWHERE],
+            "--handler: cannot import",
+        ),
+        (["run_agent_worker", "--agent", AGENT.hex(), "--handler", NOWHERE], "--handler: cannot import"),
+        (
+            ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--lease-seconds", "5"],
+            "argument --lease-seconds: must be within ",
+        ),
+        (
+            ["agent_policy", "set", "--community", str(uuid.uuid4()), "--shadow", "maybe"],
+            "argument --shadow: invalid choice: 'maybe' (choose from on, off)",
+        ),
+    ],
+)
+def test_the_process_exits_2_with_a_message_naming_the_option(argv, says):
+    done = _manage(*argv)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says in done.stderr.replace("'on', 'off'", "on, off"), done.stderr[-2000:]
+    assert "{'" not in done.stderr and "_flag" not in done.stderr  # no ValidationError dict, no function name
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("lease", ["5", "1000000"])
+def test_the_agent_workers_lease_seconds_is_an_argparse_error(lease):
+    with pytest.raises(CommandError, match="argument --lease-seconds: must be ") as refused:
+        call_command("run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--lease-seconds", lease)
+    assert "lease_seconds:" not in str(refused.value)
+
+
+@pytest.mark.django_db
+def test_a_bad_agents_lease_default_names_the_setting(settings):
+    settings.BUZZ_AGENTS = {"LEASE_SECONDS": 5}
+    with pytest.raises(CommandError, match=r"^BUZZ_AGENTS\['LEASE_SECONDS'\] must be within") as refused:
+        call_command("run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps")
+    assert refused.value.returncode == 2
+
+
+@pytest.mark.django_db
+def test_shadow_names_its_allowed_values_and_off_inherits(community):
+    with pytest.raises(CommandError, match=r"argument --shadow: invalid choice: 'maybe' \(choose from .*on.*off"):
+        call_command("agent_policy", "set", "--community", str(community.id), "--shadow", "maybe")
+    out = io.StringIO()
+    call_command("agent_policy", "set", "--community", str(community.id), "--shadow", "off", stdout=out)
+    call_command("agent_policy", "show", "--community", str(community.id), stdout=out)
+    assert json.loads(out.getvalue().splitlines()[-1])["in_force"]["shadow"] is False
+    call_command("agent_policy", "set", "--community", str(community.id), "--shadow", "on", stdout=out)
+    call_command("agent_policy", "show", "--community", str(community.id), stdout=out)
+    assert json.loads(out.getvalue().splitlines()[-1])["in_force"]["shadow"] is True
+
+
+@pytest.mark.django_db
+def test_a_bad_agent_key_says_what_a_key_is():
+    with pytest.raises(CommandError, match="argument --agent: must be 64 hex characters"):
+        call_command("agent_policy", "show", "--community", str(uuid.uuid4()), "--agent", "abc")
