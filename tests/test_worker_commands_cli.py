@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -18,6 +19,9 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
 
+from buzz_delivery.management.commands import run_delivery_worker
+from buzz_delivery.testing import random32
+from buzz_delivery.workflows.management.commands import run_workflow_worker
 from project.database_url import database_url
 from tests.agents_support import AGENT
 
@@ -110,3 +114,55 @@ def test_shadow_names_its_allowed_values_and_off_inherits(community):
 def test_a_bad_agent_key_says_what_a_key_is():
     with pytest.raises(CommandError, match="argument --agent: must be 64 hex characters"):
         call_command("agent_policy", "show", "--community", str(uuid.uuid4()), "--agent", "abc")
+
+
+# --- the summary keys a help text or a page lists are the keys printed ---------------------------
+
+
+def _help(command, name: str) -> str:
+    return " ".join(command.create_parser("manage.py", name).format_help().split())
+
+
+def _listed_keys(text: str) -> list[str]:
+    return re.findall(r"[a-z_]+", text)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_delivery_workers_help_and_page_list_the_keys_it_prints(community):
+    out = io.StringIO()
+    call_command(
+        "run_delivery_worker", "--community", str(community.id), "--target", random32().hex(),
+        "--handler", "json:dumps", "--idle-exit", "0.2", "--poll-interval", "0.1", stdout=out, stderr=io.StringIO(),
+    )  # fmt: skip
+    printed = list(json.loads(out.getvalue().splitlines()[-1]))
+    help_text = _help(run_delivery_worker.Command(), "run_delivery_worker")
+    in_help = re.search(r"Prints one JSON summary line: \{([^}]*)\}", help_text)
+    assert in_help and _listed_keys(in_help.group(1)) == printed
+    page = " ".join((ROOT / "docs" / "inbox.md").read_text().split())
+    in_page = re.search(r"Prints one JSON line `\{([^}]*)\}`", page)
+    assert in_page and _listed_keys(in_page.group(1)) == printed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_workflow_workers_help_and_page_list_the_keys_it_prints(community):
+    out = io.StringIO()
+    call_command(
+        "run_workflow_worker", "--community", str(community.id), "--idle-exit", "0.2", "--poll-interval", "0.1",
+        stdout=out, stderr=io.StringIO(),
+    )  # fmt: skip
+    printed = list(json.loads(out.getvalue().splitlines()[-1]))
+    help_text = _help(run_workflow_worker.Command(), "run_workflow_worker")
+    in_help = re.search(r"Prints one JSON summary line at exit: \{([^}]*)\}", help_text)
+    assert in_help and _listed_keys(in_help.group(1)) == printed
+    page = " ".join((ROOT / "docs" / "workflows.md").read_text().split())
+    in_page = re.search(r"Prints one JSON summary line \(`([^`]*)`", page)
+    assert in_page and _listed_keys(in_page.group(1)) == printed
+
+
+def test_the_agent_workers_documented_default_concurrency_is_its_default():
+    from buzz_delivery.agents.management.commands import run_agent_worker
+
+    parser = run_agent_worker.Command().create_parser("manage.py", "run_agent_worker")
+    default = parser.parse_args(["--handler", "json:dumps", "--agent", AGENT.hex()]).concurrency
+    page = (ROOT / "docs" / "agents.md").read_text()
+    assert f"[--concurrency {default}]" in page

@@ -2,12 +2,11 @@
 
 Claims ready steps of one community (``--community``) or of all (``--all``), runs them with
 lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Logs the
-function names it knows at start. Prints one JSON summary line at exit: ``{"claimed",
-"succeeded","failed","retried","waiting","lease_lost","already_terminal","renewed","errors",
-"abandoned","awaited","not_registered","reason","exit_code"}`` (``not_registered``: ``{function
-name: steps}`` that named a function this worker does not have; ``awaited``: ``async def``
-function steps awaited on the event loop, ``--async-concurrency`` at once). Exit codes: 0 clean
-stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace.
+function names it knows at start. Prints one JSON summary line at exit (:data:`PRINTED_KEYS`;
+``not_registered``: ``{function name: steps}`` that named a function this worker does not have;
+``awaited``: ``async def`` function steps awaited on the event loop, ``--async-concurrency`` at
+once). Exit codes: 0 clean stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned
+after the grace.
 """
 
 from __future__ import annotations
@@ -29,15 +28,28 @@ from buzz_delivery.workflows.orchestrator import (
     DEFAULT_BATCH_SIZE,
     EXIT_OK,
     MAX_ASYNC_CONCURRENCY,
+    SUMMARY_KEYS,
     OrchestratorConfig,
     run_orchestrator,
     summary_line,
 )
 from buzz_delivery.workflows.registry import registered_names
 
+# Every key the summary line prints, in its order (Orchestrator.summary): the counts, then three more.
+PRINTED_KEYS = (*SUMMARY_KEYS, "not_registered", "reason", "exit_code")
+HELP = (
+    "Run the workflow orchestrator: claim the ready steps of one community (--community) or of all (--all), run "
+    "them with lease renewal, wake on NOTIFY with a polling fallback, drain on SIGTERM/SIGINT. Logs the function "
+    "names it knows at start. Prints one JSON summary line at exit: {"
+    + ", ".join(f'"{key}"' for key in PRINTED_KEYS)
+    + "} (not_registered: {function name: steps} that named a function this worker does not have; awaited: "
+    "async def function steps awaited on the event loop, --async-concurrency at once). Exit codes: 0 clean "
+    "stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace."
+)
+
 
 class Command(StrictOptionsCommand):
-    help = __doc__
+    help = HELP
 
     def add_arguments(self, parser: Any) -> None:
         scope = parser.add_mutually_exclusive_group(required=True)
