@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -166,3 +167,62 @@ def test_the_agent_workers_documented_default_concurrency_is_its_default():
     default = parser.parse_args(["--handler", "json:dumps", "--agent", AGENT.hex()]).concurrency
     page = (ROOT / "docs" / "agents.md").read_text()
     assert f"[--concurrency {default}]" in page
+
+
+# --- a community that does not exist: a WARNING at start, and the worker starts all the same -------
+
+
+def _run_worker(command: str, community: uuid.UUID) -> None:
+    if command == "run_delivery_worker":
+        argv = ["--community", str(community), "--target", random32().hex(), "--handler", "json:dumps",
+                "--idle-exit", "0.2", "--poll-interval", "0.1"]  # fmt: skip
+    elif command == "run_workflow_worker":
+        argv = ["--community", str(community), "--idle-exit", "0.2", "--poll-interval", "0.1"]
+    else:
+        argv = ["--community", str(community), "--agent", AGENT.hex(), "--handler", "json:dumps",
+                "--exit-when-idle", "--poll-seconds", "0.1", "--no-listen"]  # fmt: skip
+    call_command(command, *argv, stdout=io.StringIO(), stderr=io.StringIO())  # exit 0: no CommandError
+
+
+def _warnings(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING and "community_not_found" in r.getMessage()]
+
+
+@pytest.fixture
+def captured(caplog):
+    """caplog's records of the buzz_delivery loggers (which the project keeps from the root)."""
+    logger = logging.getLogger("buzz_delivery")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+WORKERS = ["run_delivery_worker", "run_workflow_worker", "run_agent_worker"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("command", WORKERS)
+def test_a_worker_on_a_community_that_does_not_exist_warns_and_starts(command, community, captured):
+    _run_worker(command, community.id)
+    assert _warnings(captured.records) == []  # one that exists: no warning
+    missing = uuid.uuid4()
+    _run_worker(command, missing)
+    assert _warnings(captured.records) == [
+        f"community_not_found community={missing}: no such community; the worker waits for it"
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_delivery_worker_warns_for_each_missing_community_of_its_pairs(community, captured):
+    missing = uuid.uuid4()
+    call_command(
+        "run_delivery_worker", "--community", str(community.id), "--target", random32().hex(),
+        "--pair", f"{missing}:{random32().hex()}", "--pair", f"{community.id}:{random32().hex()}",
+        "--handler", "json:dumps", "--idle-exit", "0.2", "--poll-interval", "0.1",
+        stdout=io.StringIO(), stderr=io.StringIO(),
+    )  # fmt: skip
+    assert _warnings(captured.records) == [
+        f"community_not_found community={missing}: no such community; the worker waits for it"
+    ]

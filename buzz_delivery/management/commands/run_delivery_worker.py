@@ -23,7 +23,7 @@ from django.core.management.base import CommandError, DjangoHelpFormatter
 from django.db import connection
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import (
     community_target,
     fraction,
@@ -61,7 +61,8 @@ PRINTED_KEYS = (*SUMMARY_KEYS, "pending_retry", "reason", "exit_code")
 
 SUMMARY_HELP = (
     "Prints one JSON summary line: {" + ", ".join(f'"{key}"' for key in PRINTED_KEYS) + "} (pending_retry: "
-    "deliveries waiting out a retry backoff at exit). Logs a started line, one line per claim batch "
+    "deliveries waiting out a retry backoff at exit). Logs a started line (and a community_not_found warning "
+    "for each named community that does not exist yet: the worker waits for it), one line per claim batch "
     "and per settle batch (to stderr without a LOGGING config); -v 2 adds one per delivery and the traceback "
     "of each handler error."
 )
@@ -213,6 +214,7 @@ class Command(StrictOptionsCommand):
                 "a plain handler, up to 10000 tasks for an async def handler",
                 returncode=2,
             ) from exc
+        warn_missing_communities(logging.getLogger("buzz_delivery.worker"), (c for c, _ in config.pairs))
         detail = f"community={config.community_id} target={config.target_pubkey.hex()} handler={options['handler']}"
         if len(config.pairs) > 1:  # every pair, so an operator can find who serves a community
             more = " ".join(f"{c}:{t.hex()[:16]}" for c, t in config.pairs[1:MAX_LISTED_PAIRS])

@@ -15,6 +15,7 @@ worker (``--async``) accepts the same way, on its pool's connections."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -32,7 +33,7 @@ from buzz_delivery.agents.loop_worker import (
 )
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
 from buzz_delivery.conf import get_settings as core_settings
-from buzz_delivery.management.base import ensure_console_logging
+from buzz_delivery.management.base import ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import (
     lease_seconds_option,
     positive_int,
@@ -57,7 +58,8 @@ class Command(BaseCommand):
         "SIGTERM/SIGINT: stop claiming, let in-flight runs reach a resting point within "
         "--shutdown-grace, then give the rest up (their leases lapse). Exit codes: 0 clean stop, "
         "1 internal error, 2 bad arguments (an unimportable --handler included), 3 runs abandoned at the "
-        "end of the grace."
+        "end of the grace. A --community that does not exist is logged (community_not_found, a warning) "
+        "and waited for."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -123,6 +125,8 @@ class Command(BaseCommand):
                 f"{core.max_lease_seconds:g}, got {get_settings().lease_seconds!r}; run manage.py check",
                 returncode=2,
             ) from exc
+        if options["community"]:
+            warn_missing_communities(logging.getLogger("buzz_delivery.agents"), options["community"])
         registry = Heartbeat(WorkerKind.AGENT, "run_agent_worker", "")
         if options["use_async"]:
             worker: Any = AsyncAgentWorker(

@@ -2,11 +2,12 @@
 
 Claims ready steps of one community (``--community``) or of all (``--all``), runs them with
 lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Logs the
-function names it knows at start. Prints one JSON summary line at exit (:data:`PRINTED_KEYS`;
-``not_registered``: ``{function name: steps}`` that named a function this worker does not have;
-``awaited``: ``async def`` function steps awaited on the event loop, ``--async-concurrency`` at
-once). Exit codes: 0 clean stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned
-after the grace.
+function names it knows at start, and a ``community_not_found`` warning when ``--community``
+names no community (yet: the worker starts all the same and waits for it). Prints one JSON
+summary line at exit (:data:`PRINTED_KEYS`; ``not_registered``: ``{function name: steps}`` that
+named a function this worker does not have; ``awaited``: ``async def`` function steps awaited on
+the event loop, ``--async-concurrency`` at once). Exit codes: 0 clean stop, 1 internal error,
+2 bad arguments, 3 in-flight steps abandoned after the grace.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from django.core.management.base import CommandError
 from django.db import connection
 
-from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import int_in, lease_seconds_option, positive_int, positive_seconds, uuid_value
 from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
@@ -40,7 +41,8 @@ PRINTED_KEYS = (*SUMMARY_KEYS, "not_registered", "reason", "exit_code")
 HELP = (
     "Run the workflow orchestrator: claim the ready steps of one community (--community) or of all (--all), run "
     "them with lease renewal, wake on NOTIFY with a polling fallback, drain on SIGTERM/SIGINT. Logs the function "
-    "names it knows at start. Prints one JSON summary line at exit: {"
+    "names it knows at start, and a community_not_found warning when --community names no community (yet: the "
+    "worker starts all the same and waits for it). Prints one JSON summary line at exit: {"
     + ", ".join(f'"{key}"' for key in PRINTED_KEYS)
     + "} (not_registered: {function name: steps} that named a function this worker does not have; awaited: "
     "async def function steps awaited on the event loop, --async-concurrency at once). Exit codes: 0 clean "
@@ -100,6 +102,8 @@ class Command(StrictOptionsCommand):
                 logging.WARNING if options["verbosity"] == 0 else logging.DEBUG
             )
         names = registered_names()
+        if options["community"] is not None:
+            warn_missing_communities(logging.getLogger("buzz_delivery.workflows"), [options["community"]])
         logging.getLogger("buzz_delivery.workflows").info(
             "functions_registered count=%d names=%s", len(names), ",".join(names[:50])
         )
