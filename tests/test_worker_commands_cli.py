@@ -226,3 +226,19 @@ def test_the_delivery_worker_warns_for_each_missing_community_of_its_pairs(commu
     assert _warnings(captured.records) == [
         f"community_not_found community={missing}: no such community; the worker waits for it"
     ]
+
+
+def test_a_database_not_up_yet_skips_the_check_and_the_worker_starts_all_the_same():
+    """The check is one read at start: a database that cannot be read then is logged and skipped
+    (the worker's own loops wait for it), not a traceback that stops the worker."""
+    env = {**os.environ, "DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere"}
+    done = subprocess.run(
+        [
+            sys.executable, "manage.py", "run_delivery_worker", "--community", str(uuid.uuid4()),
+            "--target", random32().hex(), "--handler", "json:dumps", "--idle-exit", "0.5", "--poll-interval", "0.1",
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "community_check_failed" in done.stderr and "Traceback" not in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["reason"] == "idle_exit"
