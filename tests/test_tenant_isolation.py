@@ -382,6 +382,7 @@ def test_the_delivery_worker_drains_its_community_as_the_app_login(app_login, co
         cwd=ROOT, env=_env_as(app_login), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "community_not_found" not in done.stderr  # the app login's fleet read sees the community
     statuses = _sql("SELECT status, count(*) FROM buzz_delivery_delivery GROUP BY 1 ORDER BY 1")
     assert statuses == [("finished", 5), ("pending", 1)], done.stderr[-3000:] + done.stdout
     assert {d.id for d in mine} == {
@@ -484,6 +485,7 @@ def test_the_agent_worker_runs_journaled_calls_and_compensations_as_the_app_logi
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=90,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "community_not_found" not in done.stderr  # the app login's fleet read sees the community
     states = dict(AgentRun.objects.filter(community_id=community.id).values_list("id", "state"))
     assert states[done_run] == "completed", done.stderr[-3000:]
     assert states[failed_run] == "failed", done.stderr[-3000:]

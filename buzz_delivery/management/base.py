@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -61,3 +63,22 @@ def ensure_console_logging(name: str = "buzz_delivery") -> None:
     logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+def warn_missing_communities(logger: logging.Logger, community_ids: Iterable[uuid.UUID]) -> list[uuid.UUID]:
+    """Log a WARNING for each of ``community_ids`` that does not exist (one fleet-scoped read,
+    :func:`~buzz_delivery.services.missing_communities`); returns those. A worker still starts:
+    it may legitimately come up before its community is provisioned, and then waits for it. A
+    database that cannot be read yet is logged and skipped: the worker's own loops wait for it."""
+    from django.db import DatabaseError
+
+    from buzz_delivery.services import missing_communities
+
+    try:
+        missing = missing_communities(list(community_ids))
+    except DatabaseError as exc:
+        logger.warning("community_check_failed error=%s", str(exc).strip()[:200])
+        return []
+    for community in missing:
+        logger.warning("community_not_found community=%s: no such community; the worker waits for it", community)
+    return missing

@@ -45,6 +45,7 @@ from buzz_delivery.services.workers import (
     WorkerIdentity,
     deregister_worker,
     heartbeat_worker,
+    missing_communities,
     prune_stale_workers,
     record_maintenance_run,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "heartbeat_worker",
     "load_snapshots",
     "lock_delivery_identity",
+    "missing_communities",
     "prune_deliveries",
     "prune_stale_workers",
     "purge_community",

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from buzz_delivery.models import MaintenanceRun, WorkerKind, WorkerRegistration
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.db import fetch_all, uuid_array
+from buzz_delivery.services.sql import COMMUNITY, DB_NOW
 from buzz_delivery.services.tenancy import fleet_scoped
 
 WORKER = WorkerRegistration._meta.db_table
@@ -44,6 +45,10 @@ DEREGISTER = f"DELETE FROM {WORKER} AS w WHERE w.id = %(id)s RETURNING 1"
 PRUNE_STALE = f"""
 DELETE FROM {WORKER} AS w WHERE w.last_heartbeat < {DB_NOW} - make_interval(secs => %(older_than)s) RETURNING 1
 """
+
+
+# The communities of a list that exist (in any lifecycle state): one read of the community table.
+EXISTING_COMMUNITIES = f"SELECT c.id FROM {COMMUNITY} AS c WHERE c.id = ANY(%(ids)s::uuid[])"
 
 
 # One statement counts the pass, keeps its summary and adds its counts to the job's totals
@@ -84,6 +89,18 @@ class WorkerIdentity:
         v.int_in_range(self.pid, "pid", 1, 2**31 - 1)
         for field, value, most in (("host", self.host, 255), ("name", self.name, 200), ("detail", self.detail, 10_000)):
             v.optional_text(value, field, most)
+
+
+@fleet_scoped
+def missing_communities(community_ids: Sequence[uuid.UUID | str]) -> list[uuid.UUID]:
+    """The communities of ``community_ids`` that do not exist (no row in any lifecycle state),
+    in the order given, read in one statement: what a worker starting on communities that are
+    not provisioned yet warns about (it still starts, and waits for them)."""
+    ids = list(dict.fromkeys(v.uuid_value(c, "community_id") for c in community_ids))
+    if not ids:
+        return []
+    found = {row[0] for row in fetch_all(EXISTING_COMMUNITIES, {"ids": uuid_array(ids)})}
+    return [c for c in ids if c not in found]
 
 
 @fleet_scoped

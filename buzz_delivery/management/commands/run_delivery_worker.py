@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import textwrap
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -22,7 +23,7 @@ from django.core.management.base import CommandError, DjangoHelpFormatter
 from django.db import connection
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import (
     community_target,
     fraction,
@@ -37,8 +38,9 @@ from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, load_handler, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
+from buzz_delivery.worker.runtime import SUMMARY_KEYS
 
-HELP = """Run the agent side for a community and target: claim the oldest pending deliveries
+HELP_TEMPLATE = """Run the agent side for a community and target: claim the oldest pending deliveries
 (woken early by NOTIFY hints), call the handler, renew each lease in the background, settle.
 One process may serve several targets (--target given again) and pairs of other communities
 (--pair COMMUNITY:TARGET), with the same handler threads and the same connections: every
@@ -53,14 +55,24 @@ SIGTERM/SIGINT: stop claiming, let in-flight handlers finish and settle within
 are given up (no longer renewed, so they lapse) and the worker exits 3. A handler past
 --handler-timeout (or its delivery's expires_at) is no longer renewed and its result dropped.
 
-Prints one JSON summary line: {"claimed","finished","failed","retried","lease_lost","renewed",
-"timed_out","settle_errors","abandoned","claim_statements","settle_statements","pending_retry",
-"reason","exit_code"} (pending_retry: deliveries waiting out a retry backoff at exit). Logs a
-started line, one line per claim batch and per settle batch (to stderr without a LOGGING
-config); -v 2 adds one per delivery and the traceback of each handler error.
-Exit codes: 0 clean stop; 1 stopped on an internal error (reason says which); 2 bad
-arguments; 3 stopped with in-flight leases given up (shutdown grace, or every handler hung)."""
+{summary}"""
+# Every key the summary line prints, in its order (summary_line): the counts, then three more.
+PRINTED_KEYS = (*SUMMARY_KEYS, "pending_retry", "reason", "exit_code")
 
+SUMMARY_HELP = (
+    "Prints one JSON summary line: {" + ", ".join(f'"{key}"' for key in PRINTED_KEYS) + "} (pending_retry: "
+    "deliveries waiting out a retry backoff at exit). Logs a started line (and a community_not_found warning "
+    "for each named community that does not exist yet: the worker waits for it), one line per claim batch "
+    "and per settle batch (to stderr without a LOGGING config); -v 2 adds one per delivery and the traceback "
+    "of each handler error."
+)
+HELP = (
+    HELP_TEMPLATE.format(summary=textwrap.fill(SUMMARY_HELP, 95, break_on_hyphens=False))
+    + """
+Exit codes: 0 clean stop; 1 stopped on an internal error (reason says which); 2 bad
+arguments (an unimportable --handler included); 3 stopped with in-flight leases given up
+(shutdown grace, or every handler hung)."""
+)
 
 MAX_LISTED_PAIRS = 10  # pairs named in the live workers registry's detail line
 
@@ -170,7 +182,7 @@ class Command(StrictOptionsCommand):
         try:
             handler = load_handler(options["handler"])
         except ValueError as exc:
-            raise CommandError(f"--handler: {exc}") from exc
+            raise CommandError(f"--handler: {exc}", returncode=2) from exc
         verbosity = options["verbosity"]
         ensure_console_logging()
         if verbosity != 1:
@@ -202,6 +214,7 @@ class Command(StrictOptionsCommand):
                 "a plain handler, up to 10000 tasks for an async def handler",
                 returncode=2,
             ) from exc
+        warn_missing_communities(logging.getLogger("buzz_delivery.worker"), (c for c, _ in config.pairs))
         detail = f"community={config.community_id} target={config.target_pubkey.hex()} handler={options['handler']}"
         if len(config.pairs) > 1:  # every pair, so an operator can find who serves a community
             more = " ".join(f"{c}:{t.hex()[:16]}" for c, t in config.pairs[1:MAX_LISTED_PAIRS])

@@ -15,19 +15,7 @@ from django.core.management.base import CommandError, CommandParser
 from buzz_delivery.agents.services.policy import clear_policy, get_policy, set_policy, settings_policy
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.management.base import StrictOptionsCommand
-
-
-def pubkey_hex(text: str) -> bytes:
-    value = bytes.fromhex(text)
-    if len(value) != 32:
-        raise ValueError(text)
-    return value
-
-
-def _flag(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise ValueError(text)
-    return text == "on"
+from buzz_delivery.management.options import pubkey_hex
 
 
 class Command(StrictOptionsCommand):
@@ -45,7 +33,7 @@ class Command(StrictOptionsCommand):
         parser.add_argument("--max-attempts", type=int, help="attempts per run (1..100)")
         parser.add_argument("--max-timeout-seconds", type=int, help="longest run deadline (1..2592000)")
         parser.add_argument("--max-lease-seconds", type=float, help="longest run lease (the core's lease bounds)")
-        parser.add_argument("--shadow", type=_flag, help="on: every run is a shadow run; off: inherit")
+        parser.add_argument("--shadow", choices=("on", "off"), help="on: every run is a shadow run; off: inherit")
         parser.add_argument("--by", default="", help="operator name recorded with the policy")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -60,7 +48,7 @@ class Command(StrictOptionsCommand):
                     max_attempts=options["max_attempts"],
                     max_timeout_seconds=options["max_timeout_seconds"],
                     max_lease_seconds=options["max_lease_seconds"],
-                    shadow=True if options["shadow"] else None,
+                    shadow=True if options["shadow"] == "on" else None,
                     updated_by=options["by"],
                 )
                 out: dict[str, Any] = {"policy": str(row)}

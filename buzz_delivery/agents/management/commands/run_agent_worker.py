@@ -15,6 +15,7 @@ worker (``--async``) accepts the same way, on its pool's connections."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -31,8 +32,15 @@ from buzz_delivery.agents.loop_worker import (
     AsyncWorkerConfig,
 )
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
-from buzz_delivery.management.base import ensure_console_logging
-from buzz_delivery.management.options import positive_int, positive_seconds, pubkey_hex, uuid_value
+from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.management.base import ensure_console_logging, warn_missing_communities
+from buzz_delivery.management.options import (
+    lease_seconds_option,
+    positive_int,
+    positive_seconds,
+    pubkey_hex,
+    uuid_value,
+)
 from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
 from buzz_delivery.worker import load_handler
@@ -49,7 +57,9 @@ class Command(BaseCommand):
         "Heartbeats in a background thread; LISTENs on buzz_agents to claim new runs at once. "
         "SIGTERM/SIGINT: stop claiming, let in-flight runs reach a resting point within "
         "--shutdown-grace, then give the rest up (their leases lapse). Exit codes: 0 clean stop, "
-        "1 internal error, 2 bad arguments, 3 runs abandoned at the end of the grace."
+        "1 internal error, 2 bad arguments (an unimportable --handler included), 3 runs abandoned at the "
+        "end of the grace. A --community that does not exist is logged (community_not_found, a warning) "
+        "and waited for."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -57,7 +67,13 @@ class Command(BaseCommand):
         parser.add_argument("--agent", action="append", required=True, type=pubkey_hex, help="Agent key, 64 hex.")
         parser.add_argument("--community", action="append", default=[], type=uuid_value, help="Community UUID.")
         parser.add_argument("--concurrency", type=positive_int, default=1, help="Handler threads (default 1).")
-        parser.add_argument("--lease-seconds", type=positive_seconds, default=None, help="Run lease length.")
+        parser.add_argument(
+            "--lease-seconds",
+            type=lease_seconds_option,
+            default=None,
+            help="Run lease length in seconds (default: BUZZ_AGENTS['LEASE_SECONDS']; within the core's lease "
+            "bounds, BUZZ_DELIVERY['MIN_LEASE_SECONDS']..['MAX_LEASE_SECONDS']).",
+        )
         parser.add_argument("--poll-seconds", type=positive_seconds, default=1.0, help="Sleep between empty polls.")
         parser.add_argument("--max-runs", type=positive_int, default=None, help="Stop after this many claims.")
         parser.add_argument("--exit-when-idle", action="store_true", help="Stop when a poll finds nothing.")
@@ -96,15 +112,21 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         ensure_console_logging()
-        name = "--lease-seconds" if options["lease_seconds"] else "BUZZ_AGENTS['LEASE_SECONDS']"
-        try:
-            lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
-        except ValidationError as exc:
-            raise CommandError(f"{name} {exc.messages[0].removeprefix('lease_seconds: ')}", returncode=2) from None
         try:
             handler: Any = load_handler(options["handler"])
         except Exception as exc:
-            raise CommandError(str(exc), returncode=2) from exc
+            raise CommandError(f"--handler: {exc}", returncode=2) from exc
+        try:  # the option was checked when parsed; this checks the LEASE_SECONDS default
+            lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
+        except ValidationError as exc:
+            core = core_settings()
+            raise CommandError(
+                f"BUZZ_AGENTS['LEASE_SECONDS'] must be within {core.min_lease_seconds:g}.."
+                f"{core.max_lease_seconds:g}, got {get_settings().lease_seconds!r}; run manage.py check",
+                returncode=2,
+            ) from exc
+        if options["community"]:
+            warn_missing_communities(logging.getLogger("buzz_delivery.agents"), options["community"])
         registry = Heartbeat(WorkerKind.AGENT, "run_agent_worker", "")
         if options["use_async"]:
             worker: Any = AsyncAgentWorker(

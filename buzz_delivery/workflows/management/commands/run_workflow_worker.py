@@ -2,12 +2,12 @@
 
 Claims ready steps of one community (``--community``) or of all (``--all``), runs them with
 lease renewal, wakes on NOTIFY with a polling fallback, drains on SIGTERM/SIGINT. Logs the
-function names it knows at start. Prints one JSON summary line at exit: ``{"claimed",
-"succeeded","failed","retried","waiting","lease_lost","already_terminal","renewed","errors",
-"abandoned","awaited","not_registered","reason","exit_code"}`` (``not_registered``: ``{function
-name: steps}`` that named a function this worker does not have; ``awaited``: ``async def``
-function steps awaited on the event loop, ``--async-concurrency`` at once). Exit codes: 0 clean
-stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace.
+function names it knows at start, and a ``community_not_found`` warning when ``--community``
+names no community (yet: the worker starts all the same and waits for it). Prints one JSON
+summary line at exit (:data:`PRINTED_KEYS`; ``not_registered``: ``{function name: steps}`` that
+named a function this worker does not have; ``awaited``: ``async def`` function steps awaited on
+the event loop, ``--async-concurrency`` at once). Exit codes: 0 clean stop, 1 internal error,
+2 bad arguments, 3 in-flight steps abandoned after the grace.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import CommandError
 from django.db import connection
 
-from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import int_in, lease_seconds_option, positive_int, positive_seconds, uuid_value
 from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
@@ -30,15 +30,29 @@ from buzz_delivery.workflows.orchestrator import (
     DEFAULT_BATCH_SIZE,
     EXIT_OK,
     MAX_ASYNC_CONCURRENCY,
+    SUMMARY_KEYS,
     OrchestratorConfig,
     run_orchestrator,
     summary_line,
 )
 from buzz_delivery.workflows.registry import registered_names
 
+# Every key the summary line prints, in its order (Orchestrator.summary): the counts, then three more.
+PRINTED_KEYS = (*SUMMARY_KEYS, "not_registered", "reason", "exit_code")
+HELP = (
+    "Run the workflow orchestrator: claim the ready steps of one community (--community) or of all (--all), run "
+    "them with lease renewal, wake on NOTIFY with a polling fallback, drain on SIGTERM/SIGINT. Logs the function "
+    "names it knows at start, and a community_not_found warning when --community names no community (yet: the "
+    "worker starts all the same and waits for it). Prints one JSON summary line at exit: {"
+    + ", ".join(f'"{key}"' for key in PRINTED_KEYS)
+    + "} (not_registered: {function name: steps} that named a function this worker does not have; awaited: "
+    "async def function steps awaited on the event loop, --async-concurrency at once). Exit codes: 0 clean "
+    "stop, 1 internal error, 2 bad arguments, 3 in-flight steps abandoned after the grace."
+)
+
 
 class Command(StrictOptionsCommand):
-    help = __doc__
+    help = HELP
 
     def add_arguments(self, parser: Any) -> None:
         scope = parser.add_mutually_exclusive_group(required=True)
@@ -95,6 +109,8 @@ class Command(StrictOptionsCommand):
                 logging.WARNING if options["verbosity"] == 0 else logging.DEBUG
             )
         names = registered_names()
+        if options["community"] is not None:
+            warn_missing_communities(logging.getLogger("buzz_delivery.workflows"), [options["community"]])
         logging.getLogger("buzz_delivery.workflows").info(
             "functions_registered count=%d names=%s", len(names), ",".join(names[:50])
         )
