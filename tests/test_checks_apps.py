@@ -143,4 +143,6 @@ def test_check_and_the_workers_report_the_misspelt_settings_without_a_traceback(
     )
     agents = manage("run_agent_worker", "--handler", "x.y", "--agent", AGENT, "--exit-when-idle", "--skip-checks")
     assert agents.returncode == 2, agents.stderr
-    assert agents.stderr.strip() == "CommandError: BUZZ_AGENTS['LEASE_SECONDS'] must be within 15..300 seconds, got 1"
+    assert agents.stderr.strip() == (
+        "CommandError: BUZZ_AGENTS['LEASE_SECONDS'] must be within 15..300 seconds, got 1; run manage.py check"
+    )

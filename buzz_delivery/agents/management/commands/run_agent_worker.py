@@ -112,19 +112,19 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         ensure_console_logging()
-        try:
-            handler: Any = load_handler(options["handler"])
-        except Exception as exc:
-            raise CommandError(f"--handler: {exc}", returncode=2) from exc
         try:  # the option was checked when parsed; this checks the LEASE_SECONDS default
             lease = v.lease_seconds(options["lease_seconds"] or get_settings().lease_seconds)
         except ValidationError as exc:
             core = core_settings()
             raise CommandError(
                 f"BUZZ_AGENTS['LEASE_SECONDS'] must be within {core.min_lease_seconds:g}.."
-                f"{core.max_lease_seconds:g}, got {get_settings().lease_seconds!r}; run manage.py check",
+                f"{core.max_lease_seconds:g} seconds, got {get_settings().lease_seconds:g}; run manage.py check",
                 returncode=2,
             ) from exc
+        try:
+            handler: Any = load_handler(options["handler"])
+        except Exception as exc:
+            raise CommandError(f"--handler: {exc}", returncode=2) from exc
         if options["community"]:
             warn_missing_communities(logging.getLogger("buzz_delivery.agents"), options["community"])
         registry = Heartbeat(WorkerKind.AGENT, "run_agent_worker", "")
