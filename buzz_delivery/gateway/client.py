@@ -720,8 +720,14 @@ class RemoteWorker:
         self.internal_error: str | None = None
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
-        # Results to settle: (delivery id, outcome, failure_code, failure_message, retry_after).
-        self._results: queue.SimpleQueue[_Result | None] = queue.SimpleQueue()
+        # Results to settle, None the end marker. A Queue, not a SimpleQueue: the settlers linger
+        # in get(timeout=...), and the lock-based SimpleQueue of CPython 3.12 and before can turn
+        # that wait into an endless one. A put wakes the waiter by releasing the queue's lock; if
+        # the other settler takes the item before the woken one gets the GIL, the woken one finds
+        # the queue empty and its deadline past, and waits again with a negative timeout, which
+        # is no timeout: until the next put. With the last result queued, its batch stayed unsent
+        # through the stop's whole grace (test_work_pipelining).
+        self._results: queue.Queue[_Result | None] = queue.Queue()
         self.settle_batch = min(SETTLE_BATCH, max(concurrency + claim_ahead, 1) * 2)
 
     def _add(self, key: str, n: int = 1) -> None:

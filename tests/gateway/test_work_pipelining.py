@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -248,3 +249,63 @@ def test_run_left_by_an_exception_stops_its_claimers_and_returns_without_waiting
     calls = len(gateway.calls)
     time.sleep(0.3)
     assert len(gateway.calls) == calls, "a claimer still claims after run() returned"
+
+
+def test_a_lingering_settler_whose_wake_another_settler_took_sends_its_batch_at_its_deadline(monkeypatch):
+    """The stall this module met twice in CI under load: a drain held finished deliveries through
+    the whole 30 s grace (``abandoned``) and they were settled only when the settlers were told
+    to end. A settler lingering for more results waited in ``SimpleQueue.get(timeout=...)``; in
+    CPython 3.12 and before a put wakes that wait by releasing the queue's lock, and when the other
+    settler took the item before the woken one got the GIL, the woken one found the queue empty,
+    its deadline past, and waited again with a negative timeout: forever, until the next put. With
+    the last result queued, its batch stayed unsent until the drain's end-of-settles markers.
+    Here the other settler is the test: the switch interval keeps the GIL with whoever holds it
+    until it blocks, so the interleaving is certain."""
+    from buzz_delivery.gateway import client as module
+    from buzz_delivery.gateway.client import _Result
+
+    monkeypatch.setattr(module, "SETTLE_LINGER", 0.3)
+    gateway = ScriptedGateway(total=0)
+    worker = RemoteWorker(gateway, lambda d: None)  # type: ignore[arg-type]
+    leases = {d: RemoteLease("c1", d, 1, FAR) for d in ("a", "b")}
+    worker._held.update(leases)
+    results = worker._results
+
+    class Watched:
+        """The worker's queue, telling when a settler begins to linger in it."""
+
+        lingering = threading.Event()
+
+        def put(self, item):
+            results.put(item)
+
+        def get(self, block=True, timeout=None):
+            if timeout is not None:
+                self.lingering.set()  # the next thing this thread does is wait in the queue
+            return results.get(block, timeout)
+
+    watched = Watched()
+    worker._results = watched  # type: ignore[assignment]
+    settler = threading.Thread(target=worker._settle_loop, name="test-settler", daemon=True)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(100)  # a thread keeps the GIL until it blocks
+    try:
+        settler.start()
+        watched.put(_Result(leases["a"], "finished", None, None, None))
+        assert watched.lingering.wait(10)  # returns once the settler waits in the queue (GIL free)
+        watched.put(_Result(leases["b"], "finished", None, None, None))  # wakes it: it waits for the GIL
+        until = time.monotonic() + 0.5
+        while time.monotonic() < until:  # past the settler's linger, the GIL held
+            pass
+        taken = results.get_nowait()  # the other settler takes "b" first
+    finally:
+        sys.setswitchinterval(switch)
+    assert taken.lease.delivery_id == "b"
+    began = time.monotonic()
+    while gateway.settled != ["a"] and time.monotonic() - began < 5:
+        time.sleep(0.01)
+    settled_in_time = list(gateway.settled)
+    watched.put(None)  # what the drain does at the end of its grace
+    settler.join(5)
+    assert settled_in_time == ["a"], "the lingering settler held its batch until the next put"
+    assert "a" not in worker._held
