@@ -721,7 +721,7 @@ class RemoteWorker:
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
         # Results to settle, None the end marker. A Queue, not a SimpleQueue: the settlers linger
-        # in get(timeout=...), and the lock-based SimpleQueue of CPython 3.12 and before can turn
+        # in get(timeout=...), and CPython's lock-based SimpleQueue (3.11 here) can turn
         # that wait into an endless one. A put wakes the waiter by releasing the queue's lock; if
         # the other settler takes the item before the woken one gets the GIL, the woken one finds
         # the queue empty and its deadline past, and waits again with a negative timeout, which

@@ -22,8 +22,9 @@ FAR = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
 @pytest.fixture(autouse=True)
 def stacks_of_a_stalled_drain():
     """Twice, under load, a drain here held finished deliveries unsettled through the whole
-    30 s shutdown grace (counted ``abandoned``; not reproduced alone): past 20 s every thread's
-    stack goes to stderr, so the next time shows where."""
+    30 s shutdown grace (counted ``abandoned``): a settler's timed SimpleQueue wait that became an
+    endless one (see the test of it below). Kept as a guard: past 20 s every thread's stack goes
+    to stderr, so another stall would show where."""
     faulthandler.dump_traceback_later(20)
     yield
     faulthandler.cancel_dump_traceback_later()
