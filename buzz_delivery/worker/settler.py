@@ -53,10 +53,15 @@ SETTLED_KEYS = {"finished": "finished", "failed": "failed", "pending": "retried"
 T = TypeVar("T")
 
 
-def next_batch(source: queue.SimpleQueue[T | None], max_batch: int, linger: float) -> tuple[list[T], bool]:
+def next_batch(source: queue.Queue[T | None], max_batch: int, linger: float) -> tuple[list[T], bool]:
     """Block for one item of ``source``, then gather more (up to ``max_batch``, for ``linger``
     seconds at most). ``None`` in the queue is the close marker. Returns (items, whether the
-    close marker was seen). Shared by the settler and the workflow engine's completer."""
+    close marker was seen).
+
+    ``source`` is a :class:`queue.Queue`, not a ``SimpleQueue``: CPython 3.11's timed
+    ``SimpleQueue.get`` can wait with no timeout at all (until the next put) when its thread was
+    preempted past what was left of the wait (test_worker_settler_linger); ``Queue.get`` waits
+    on a condition with its own deadline. About a microsecond more per result."""
     first = source.get()
     if first is None:
         return [], True
@@ -107,7 +112,7 @@ class Settler(threading.Thread):
         self.lease_seconds = lease_seconds
         self._count = count
         self._done = done
-        self._queue: queue.SimpleQueue[SettleJob | None] = queue.SimpleQueue()
+        self._queue: queue.Queue[SettleJob | None] = queue.Queue()  # see next_batch
 
     def put(self, job: SettleJob) -> None:
         """Queue one result (thread-safe, never blocks)."""
