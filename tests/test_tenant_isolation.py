@@ -511,3 +511,14 @@ def test_in_autocommit_a_handler_scope_keeps_the_login_role(community):
         assert _sql("SELECT current_user = session_user, current_setting('buzz.community_id')") == [
             (True, str(community.id))
         ]
+
+
+@override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": False})
+def test_the_workers_community_check_sees_a_community_as_a_tenant_login(logins, community):
+    """The documented login without role switching (a plain member of the tenant role, W020's
+    hint): the workers' start-up check must not call its existing community missing."""
+    from buzz_delivery.services import missing_communities
+
+    absent = uuid.uuid4()
+    _as_login_role(TENANT_LOGIN)
+    assert missing_communities([community.id, absent]) == [absent]

@@ -22,7 +22,7 @@ from buzz_delivery.models import MaintenanceRun, WorkerKind, WorkerRegistration
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, uuid_array
 from buzz_delivery.services.sql import COMMUNITY, DB_NOW
-from buzz_delivery.services.tenancy import fleet_scoped
+from buzz_delivery.services.tenancy import fleet_scoped, tenant
 
 WORKER = WorkerRegistration._meta.db_table
 MAINTENANCE_RUN = MaintenanceRun._meta.db_table
@@ -49,6 +49,8 @@ DELETE FROM {WORKER} AS w WHERE w.last_heartbeat < {DB_NOW} - make_interval(secs
 
 # The communities of a list that exist (in any lifecycle state): one read of the community table.
 EXISTING_COMMUNITIES = f"SELECT c.id FROM {COMMUNITY} AS c WHERE c.id = ANY(%(ids)s::uuid[])"
+# One community, read in its own tenant scope (the tenant role reads its community's row).
+EXISTING_COMMUNITY = f"SELECT c.id FROM {COMMUNITY} AS c WHERE c.id = %(community_id)s"
 
 
 # One statement counts the pass, keeps its summary and adds its counts to the job's totals
@@ -91,16 +93,28 @@ class WorkerIdentity:
             v.optional_text(value, field, most)
 
 
-@fleet_scoped
 def missing_communities(community_ids: Sequence[uuid.UUID | str]) -> list[uuid.UUID]:
     """The communities of ``community_ids`` that do not exist (no row in any lifecycle state),
-    in the order given, read in one statement: what a worker starting on communities that are
-    not provisioned yet warns about (it still starts, and waits for them)."""
+    in the order given: what a worker starting on communities that are not provisioned yet warns
+    about (it still starts, and waits for them). One fleet-scoped read of them all, then each one
+    it did not see read again in its own tenant scope: a login that is a plain member of the
+    tenant role without role switching (SPEC 13, check W020's hint) sees no community row in a
+    fleet scope, but its own community's row in that community's scope."""
     ids = list(dict.fromkeys(v.uuid_value(c, "community_id") for c in community_ids))
     if not ids:
         return []
-    found = {row[0] for row in fetch_all(EXISTING_COMMUNITIES, {"ids": uuid_array(ids)})}
-    return [c for c in ids if c not in found]
+    found = _existing(ids)
+    missing = []
+    for community in (c for c in ids if c not in found):
+        with tenant(community):
+            if not fetch_all(EXISTING_COMMUNITY, {"community_id": community}):
+                missing.append(community)
+    return missing
+
+
+@fleet_scoped
+def _existing(ids: list[uuid.UUID]) -> set[uuid.UUID]:
+    return {row[0] for row in fetch_all(EXISTING_COMMUNITIES, {"ids": uuid_array(ids)})}
 
 
 @fleet_scoped
