@@ -79,15 +79,18 @@ def seconds_setting(
 
 
 def lease_setting(
-    setting: str, raw: dict[str, Any], key: str, app: str, *, optional: bool = False
+    setting: str, raw: dict[str, Any], key: str, app: str, *, optional: bool = False, above: bool = False
 ) -> list[checks.CheckMessage]:
     """``raw[key]`` is a lease length within the core's ``MIN_LEASE_SECONDS..MAX_LEASE_SECONDS``
-    (what :func:`buzz_delivery.services.validation.lease_seconds` accepts). When those bounds are
-    themselves bad (``buzz_delivery.E002``), only the type is checked."""
+    (what :func:`buzz_delivery.services.validation.lease_seconds` accepts); ``above``: any length
+    from ``MIN_LEASE_SECONDS`` up (a cap on leases, which never binds above the core's own). When
+    those bounds are themselves bad (``buzz_delivery.E002``), only the type is checked."""
     core = raw_settings()
     low, high = core["MIN_LEASE_SECONDS"], core["MAX_LEASE_SECONDS"]
     if not (_is_number(low) and _is_number(high)):
         low, high = float("-inf"), float("inf")
+    if above:
+        high = float("inf")
     errors = seconds_setting(setting, raw, key, app, low, high, optional=optional)
     for error in errors:
         if error.id == f"{app}.E003":

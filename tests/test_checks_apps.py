@@ -43,16 +43,12 @@ def test_the_project_settings_pass_the_apps_checks():
         ({"MODULES": "myproject.steps"}, ["buzz_workflows.E002"]),
         ({"MAX_OUTPUT_BYTES": 0}, ["buzz_workflows.E003"]),
         ({"MAX_ATTEMPTS": 0}, ["buzz_workflows.E003"]),
-        ({"MAX_ATTEMPTS": 101}, ["buzz_workflows.E003"]),
+        ({"MAX_ATTEMPTS": 2**31}, ["buzz_workflows.E003"]),
         ({"MAX_ATTEMPTS": 2.0}, ["buzz_workflows.E002"]),
         ({"BACKOFF_BASE_SECONDS": -1}, ["buzz_workflows.E003"]),
-        ({"BACKOFF_CAP_SECONDS": 86401}, ["buzz_workflows.E003"]),
-        ({"BACKOFF_BASE_SECONDS": 10, "BACKOFF_CAP_SECONDS": 5}, ["buzz_workflows.E004"]),
-        ({"MAX_DEPTH": 9}, ["buzz_workflows.E003"]),
         ({"AUTHOR_PUBKEY": "00" * 31}, ["buzz_workflows.E002"]),
         ({"MESSAGE_KIND": 2**31}, ["buzz_workflows.E003"]),
         ({"EVENT_RETENTION_SECONDS": None}, ["buzz_workflows.E002"]),
-        ({"MAX_MAP_ITEMS": 10_001}, ["buzz_workflows.E003"]),
         ({"MAX_ATTEMPS": 3, "LEASE_SECONDS": 1}, ["buzz_workflows.E001", "buzz_workflows.E003"]),
     ],
 )
@@ -70,15 +66,14 @@ def test_a_bad_workflows_setting_is_reported_under_its_check_id(setting, expecte
         ({"MAX_ATTEMPTS": 0}, ["buzz_agents.E003"]),
         ({"MAX_ATTEMPTS": True}, ["buzz_agents.E002"]),
         ({"RETRY_DELAY_SECONDS": -5}, ["buzz_agents.E003"]),
-        ({"RETRY_DELAY_SECONDS": 600}, ["buzz_agents.E004"]),
-        ({"MAX_TOOL_CALLS": 100_001}, ["buzz_agents.E003"]),
         ({"MAX_COST": -1}, ["buzz_agents.E003"]),
         ({"MAX_TIMEOUT_SECONDS": 0}, ["buzz_agents.E003"]),
-        ({"MAX_LEASE_SECONDS": 600}, ["buzz_agents.E003"]),
+        ({"MAX_TIMEOUT_SECONDS": 10**13}, ["buzz_agents.E003"]),
+        ({"MAX_LEASE_SECONDS": 14}, ["buzz_agents.E003"]),
+        ({"MAX_ATTEMPTS": 2**31}, ["buzz_agents.E003"]),
         ({"SHADOW": "yes"}, ["buzz_agents.E002"]),
         ({"MAX_OUTPUT_BYTES": "256000"}, ["buzz_agents.E002"]),
         ({"MAX_CHUNK_BYTES": 0}, ["buzz_agents.E003"]),
-        ({"MAX_CHUNK_BYTES": 100, "MAX_STREAM_BYTES": 50}, ["buzz_agents.E004"]),
         ({"MAX_ATTEMPS": 3, "LEASE_SECONDS": 1}, ["buzz_agents.E001", "buzz_agents.E003"]),
     ],
 )
@@ -92,15 +87,40 @@ def test_a_bad_agents_setting_is_reported_under_its_check_id(setting, expected):
     [
         ("BUZZ_WORKFLOWS", {"LEASE_SECONDS": 15, "MAX_ATTEMPTS": 100, "BACKOFF_BASE_SECONDS": 0}),
         ("BUZZ_WORKFLOWS", {"MAX_DEPTH": 0, "MAX_MAP_ITEMS": 10_000, "FUNCTIONS": {"resize": "myapp.steps:resize"}}),
+        ("BUZZ_WORKFLOWS", {"MAX_ATTEMPTS": 2**31 - 1, "BACKOFF_CAP_SECONDS": 7 * 86400, "MAX_OUTPUT_BYTES": 2**40}),
         ("BUZZ_WORKFLOWS", {"MODULES": ("myproject.steps",), "AUTHOR_PUBKEY": "AB" * 32, "MESSAGE_KIND": 30023}),
         ("BUZZ_AGENTS", {"LEASE_SECONDS": 300.0, "MAX_TIMEOUT_SECONDS": 2**31, "MAX_COST": 2**62}),
         ("BUZZ_AGENTS", {"MAX_LEASE_SECONDS": 15, "MAX_CHUNK_BYTES": 16, "MAX_STREAM_BYTES": 40, "SHADOW": True}),
         ("BUZZ_AGENTS", {"RETRY_DELAY_SECONDS": 100, "RETRY_DELAY_MAX_SECONDS": 100, "MAX_TOOL_CALLS": 0}),
+        ("BUZZ_AGENTS", {"MAX_ATTEMPTS": 101, "MAX_TOOL_CALLS": 100_001, "RETRY_DELAY_MAX_SECONDS": 7 * 86400}),
+        (
+            "BUZZ_AGENTS",
+            {"MAX_LEASE_SECONDS": 600, "MAX_OUTPUT_BYTES": 2**40, "MAX_CHUNK_BYTES": 2**31, "MAX_STREAM_BYTES": 2**40},
+        ),
     ],
 )
 def test_edge_values_the_apps_honour_pass(name, setting):
     with override_settings(**{name: setting}):
         assert [m for m in django_checks.run_checks() if m.id.startswith(("buzz_workflows.", "buzz_agents."))] == []
+
+
+@pytest.mark.parametrize(
+    ("name", "setting", "expected"),
+    [
+        ("BUZZ_WORKFLOWS", {"BACKOFF_BASE_SECONDS": 10, "BACKOFF_CAP_SECONDS": 5}, ["buzz_workflows.W004"]),
+        ("BUZZ_WORKFLOWS", {"MAX_DEPTH": 9, "MAX_MAP_ITEMS": 10_001}, ["buzz_workflows.W005"] * 2),
+        ("BUZZ_AGENTS", {"RETRY_DELAY_SECONDS": 600}, ["buzz_agents.W004"]),
+        ("BUZZ_AGENTS", {"MAX_CHUNK_BYTES": 100, "MAX_STREAM_BYTES": 50}, ["buzz_agents.W004"]),
+    ],
+)
+def test_a_value_the_apps_clamp_or_cap_is_a_warning_not_an_error(name, setting, expected):
+    """Values the runtime took before these checks (it clamps MAX_DEPTH and MAX_MAP_ITEMS, caps
+    a backoff at its cap, bounds a chunk by the stream): an upgrade must not stop check and the
+    workers on them."""
+    with override_settings(**{name: setting}):
+        found = [m for m in django_checks.run_checks() if m.id.startswith(("buzz_workflows.", "buzz_agents."))]
+    assert [m.id for m in found] == expected
+    assert all(m.level == django_checks.WARNING for m in found)
 
 
 def test_a_message_names_the_setting_and_its_key():

@@ -3,7 +3,13 @@
 - ``buzz_workflows.E001``: an unknown key, or a setting that is not a dict;
 - ``buzz_workflows.E002``: a value of the wrong type;
 - ``buzz_workflows.E003``: a value out of its bounds;
-- ``buzz_workflows.E004``: ``BACKOFF_BASE_SECONDS`` above ``BACKOFF_CAP_SECONDS``.
+- ``buzz_workflows.W004``: ``BACKOFF_BASE_SECONDS`` above ``BACKOFF_CAP_SECONDS`` (every
+  backoff is then the cap);
+- ``buzz_workflows.W005``: ``MAX_DEPTH`` or ``MAX_MAP_ITEMS`` above what the engine takes (it
+  takes its own bound: 8, 10,000).
+
+Errors are for values the engine cannot honour; a value it clamps or caps itself, as it always
+did, is a warning (a configuration that ran before still starts).
 
 Registered by the app's ``ready()``; the bounds are the ones the engine's services enforce. The
 helpers are the core's (:mod:`buzz_delivery.checks`)."""
@@ -17,20 +23,14 @@ from django.core import checks
 
 from buzz_delivery.checks import int_setting, lease_setting, seconds_setting, user_settings
 from buzz_delivery.workflows.conf import DEFAULTS
-from buzz_delivery.workflows.definition import (
-    FUNCTION_NAME,
-    MAP_ITEMS_LIMIT,
-    MAX_BACKOFF_SECONDS,
-    MAX_RETRY_ATTEMPTS,
-)
+from buzz_delivery.workflows.definition import FUNCTION_NAME, MAP_ITEMS_LIMIT
 from buzz_delivery.workflows.models import MAX_DEPTH
 
 SETTING = "BUZZ_WORKFLOWS"
 APP = "buzz_workflows"
-# PostgreSQL's integer (the event's kind column).
-MAX_MESSAGE_KIND = 2**31 - 1
-# What a jsonb value can hold (255 MB): a larger output bound could never be reached.
-MAX_JSON_BYTES = 255 * 1024 * 1024
+# PostgreSQL's integer (the event's kind column, a step's max_attempts).
+MAX_INTEGER = 2**31 - 1
+MAX_MESSAGE_KIND = MAX_INTEGER
 # How long an event may be kept for later waits: any length a timestamp can add (a century),
 # not a wait's own bound (a wait may start long after the event was sent).
 MAX_EVENT_RETENTION_SECONDS = 100 * 366 * 86400
@@ -68,19 +68,24 @@ def check_workflow_settings(app_configs: Any = None, **kwargs: Any) -> list[chec
     modules = raw["MODULES"]
     if not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules):
         errors.append(_type_error("MODULES", "a list of module names (str)", modules))
-    errors += int_setting(SETTING, raw, "MAX_OUTPUT_BYTES", APP, 1, MAX_JSON_BYTES)
-    errors += int_setting(SETTING, raw, "MAX_ATTEMPTS", APP, 1, MAX_RETRY_ATTEMPTS)
-    backoff = seconds_setting(SETTING, raw, "BACKOFF_BASE_SECONDS", APP, 0, MAX_BACKOFF_SECONDS)
-    backoff += seconds_setting(SETTING, raw, "BACKOFF_CAP_SECONDS", APP, 0, MAX_BACKOFF_SECONDS)
+    # Larger than a jsonb value can hold is never reached: no upper bound (it never had one).
+    errors += int_setting(SETTING, raw, "MAX_OUTPUT_BYTES", APP, 1, float("inf"))
+    # The default of a step's max_attempts column (an integer): a definition's own "retry" is
+    # bounded by MAX_RETRY_ATTEMPTS, the settings' default never was.
+    errors += int_setting(SETTING, raw, "MAX_ATTEMPTS", APP, 1, MAX_INTEGER)
+    # A backoff is added to a timestamp (steps.retry_delay): any length it can add, as retention.
+    backoff = seconds_setting(SETTING, raw, "BACKOFF_BASE_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
+    backoff += seconds_setting(SETTING, raw, "BACKOFF_CAP_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
     errors += backoff
     if not backoff and raw["BACKOFF_BASE_SECONDS"] > raw["BACKOFF_CAP_SECONDS"]:
         errors.append(
-            checks.Error(
-                f"{SETTING}['BACKOFF_BASE_SECONDS'] must not exceed {SETTING}['BACKOFF_CAP_SECONDS'].",
-                id="buzz_workflows.E004",
+            checks.Warning(
+                f"{SETTING}['BACKOFF_BASE_SECONDS'] exceeds {SETTING}['BACKOFF_CAP_SECONDS']: "
+                "every backoff is the cap.",
+                id="buzz_workflows.W004",
             )
         )
-    errors += int_setting(SETTING, raw, "MAX_DEPTH", APP, 0, MAX_DEPTH)
+    errors += _clamped("MAX_DEPTH", raw, 0, MAX_DEPTH)
     pubkey = raw["AUTHOR_PUBKEY"]
     if not isinstance(pubkey, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", pubkey):
         errors.append(
@@ -91,5 +96,15 @@ def check_workflow_settings(app_configs: Any = None, **kwargs: Any) -> list[chec
         )
     errors += int_setting(SETTING, raw, "MESSAGE_KIND", APP, 0, MAX_MESSAGE_KIND)
     errors += seconds_setting(SETTING, raw, "EVENT_RETENTION_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
-    errors += int_setting(SETTING, raw, "MAX_MAP_ITEMS", APP, 1, MAP_ITEMS_LIMIT)
+    errors += _clamped("MAX_MAP_ITEMS", raw, 1, MAP_ITEMS_LIMIT)
+    return errors
+
+
+def _clamped(key: str, raw: dict[str, Any], low: int, taken: int) -> list[checks.CheckMessage]:
+    """An int of at least ``low``; above ``taken`` a warning: the engine takes ``taken`` (conf.py)."""
+    errors = int_setting(SETTING, raw, key, APP, low, float("inf"))
+    if not errors and raw[key] > taken:
+        errors.append(
+            checks.Warning(f"{SETTING}[{key!r}] is {raw[key]!r}: the engine takes {taken}.", id=f"{APP}.W005")
+        )
     return errors
