@@ -242,3 +242,22 @@ def test_a_database_not_up_yet_skips_the_check_and_the_worker_starts_all_the_sam
     assert done.returncode == 0, done.stderr[-3000:]
     assert "community_check_failed" in done.stderr and "Traceback" not in done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["reason"] == "idle_exit"
+
+
+@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["threads", "async"])
+def test_the_agent_worker_exits_when_idle_with_the_database_unreachable(mode):
+    """``--exit-when-idle`` with no database: a poll that cannot claim anything is an idle poll,
+    so the worker logs ``db_unavailable`` and exits 0 as the delivery and workflow workers do on
+    ``--idle-exit`` (it polled on forever, and the event-loop worker stopped as an internal error)."""
+    env = {**os.environ, "DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere"}
+    done = subprocess.run(
+        [
+            sys.executable, "manage.py", "run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps",
+            "--exit-when-idle", "--poll-seconds", "0.1", *mode,
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "db_unavailable role=agent-worker" in done.stderr and "Traceback" not in done.stderr
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert (summary["claimed"], summary["internal_errors"]) == (0, 0) and summary["db_errors"] >= 1, summary

@@ -59,6 +59,8 @@ from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.workers import HEARTBEAT_SECONDS, WorkerIdentity, deregister_worker, heartbeat_worker
+from buzz_delivery.worker.handlers import describe
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 
 logger = logging.getLogger("buzz_delivery.agents")
 
@@ -238,34 +240,49 @@ class AsyncAgentWorker:
                 await self._wait(cfg.poll_seconds)
                 continue
             self._wake.clear()
-            communities = round_robin(await runtime.pool.run(self._communities), self.claim_after)
-            found = await self._accept(runtime, communities)
-            # Fairness (buzz_delivery.fairness): every community with work gets its share of the
-            # room, from the one after where the last round ended, before any gets more.
-            each = share(self._room(tasks), len(communities))
-            full: list[uuid.UUID] = []
-            for community in communities:
-                room = self._room(tasks)
-                if self.stopping.is_set() or room <= 0:
-                    break
-                limit = min(each, room, MAX_CLAIM)
-                claimed = await self._claim(runtime, community, limit, tasks)
-                self.claim_after = community
-                found = found or bool(claimed)
-                if claimed == limit:
-                    full.append(community)
-            for community in full:
-                room = self._room(tasks)
-                if self.stopping.is_set() or room <= 0:
-                    break
-                await self._claim(runtime, community, min(room, MAX_CLAIM), tasks)
-            if not found and cfg.exit_when_idle:
-                found = await self._accept(runtime, communities, force=True)  # nothing left to accept either
+            try:
+                found = await self._round(runtime, tasks)
+            except DB_UNAVAILABLE as exc:  # a restart, a terminated backend: the pool reconnects next poll
+                logger.warning("db_unavailable role=agent-worker error=%s", describe(exc).strip()[:200])
+                self.counts["db_errors"] += 1
+                if cfg.exit_when_idle:  # no run could be claimed: an idle poll (exit 0)
+                    return
+                await self._wait(cfg.poll_seconds)
+                continue
             if not found:
                 if cfg.exit_when_idle:
                     return
                 if await self._wait(cfg.poll_seconds):
                     self.counts["woken"] += 1
+
+    async def _round(self, runtime: Runtime, tasks: set[asyncio.Task[None]]) -> bool:
+        """One round: acceptance, then runs claimed and started in every community with work;
+        whether it found any."""
+        cfg = self.config
+        communities = round_robin(await runtime.pool.run(self._communities), self.claim_after)
+        found = await self._accept(runtime, communities)
+        # Fairness (buzz_delivery.fairness): every community with work gets its share of the
+        # room, from the one after where the last round ended, before any gets more.
+        each = share(self._room(tasks), len(communities))
+        full: list[uuid.UUID] = []
+        for community in communities:
+            room = self._room(tasks)
+            if self.stopping.is_set() or room <= 0:
+                break
+            limit = min(each, room, MAX_CLAIM)
+            claimed = await self._claim(runtime, community, limit, tasks)
+            self.claim_after = community
+            found = found or bool(claimed)
+            if claimed == limit:
+                full.append(community)
+        for community in full:
+            room = self._room(tasks)
+            if self.stopping.is_set() or room <= 0:
+                break
+            await self._claim(runtime, community, min(room, MAX_CLAIM), tasks)
+        if not found and cfg.exit_when_idle:
+            found = await self._accept(runtime, communities, force=True)  # nothing left to accept either
+        return found
 
     async def _claim(self, runtime: Runtime, community: uuid.UUID, limit: int, tasks: set[asyncio.Task[None]]) -> int:
         """Claim up to ``limit`` runs of ``community`` and start them; how many."""
@@ -418,6 +435,7 @@ class AsyncAgentWorker:
         body = {k: self.counts.get(k, 0) for k in keys}
         body.update(
             renewed=self.counts.get("renewed", 0),
+            db_errors=self.counts.get("db_errors", 0),
             internal_errors=self.counts.get("internal_errors", 0),
             batches=self.counts.get("batches", 0),
             batched_items=self.counts.get("batched_items", 0),

@@ -69,7 +69,8 @@ class WorkerConfig:
     """``agents``: 32-byte keys served; ``communities``: UUIDs (empty = discover);
     ``concurrency``: handler threads; ``lease_seconds``; ``poll_seconds`` between empty polls;
     ``max_runs``: stop after that many claims (None = no limit); ``exit_when_idle``: stop when a
-    whole poll finds nothing; ``worker_id``: recorded on each claim; ``accept``: accept the
+    whole poll finds nothing (a poll the database fails included: nothing could be claimed);
+    ``worker_id``: recorded on each claim; ``accept``: accept the
     deliveries addressed to ``agents`` into runs (:mod:`~buzz_delivery.agents.acceptance`),
     ``accept_batch`` at most per claim."""
 
@@ -220,6 +221,9 @@ class AgentWorker:
                     discard_connection()
                     with self.lock:
                         self.counts["db_errors"] += 1
+                    if self.config.exit_when_idle:  # no run could be claimed: an idle poll (exit 0)
+                        self.stopping.set()
+                        break
                     self.stopping.wait(self.config.poll_seconds)
                     continue
                 if not found:
