@@ -21,6 +21,7 @@ from buzz_delivery.models import WorkflowAgentDelivery
             "run_delivery_worker",
             ["--community", str(uuid.uuid4()), "--target", "ab" * 32, "--handler", "json:dumps", "--conc", "2"],
         ),
+        ("run_agent_worker", ["--agent", "ab" * 32, "--handler", "json:dumps", "--exit-when", "--no-listen"]),
     ],
 )
 def test_an_abbreviated_option_is_refused(command, args):

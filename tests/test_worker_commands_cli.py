@@ -69,6 +69,18 @@ def test_an_unimportable_handler_is_a_bad_argument_naming_the_option(command, ar
             ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--lease-seconds", "5"],
             "argument --lease-seconds: must be within ",
         ),
+        (  # was capped to 1000 without a word
+            ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--accept-batch", "1001"],
+            "argument --accept-batch: must be at most 1000, got 1001",
+        ),
+        (
+            ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--accept-batch", "0"],
+            "argument --accept-batch: must be >= 1, got 0",
+        ),
+        (  # was read as --exit-when-idle
+            ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--exit-when"],
+            "unrecognized arguments: --exit-when",
+        ),
         (
             ["agent_policy", "set", "--community", str(uuid.uuid4()), "--shadow", "maybe"],
             "argument --shadow: invalid choice: 'maybe' (choose from on, off)",

@@ -22,7 +22,7 @@ import socket
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.loop_worker import (
@@ -33,8 +33,9 @@ from buzz_delivery.agents.loop_worker import (
 )
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
 from buzz_delivery.conf import get_settings as core_settings
-from buzz_delivery.management.base import ensure_console_logging, warn_missing_communities
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import (
+    int_in,
     lease_seconds_option,
     positive_int,
     positive_seconds,
@@ -43,11 +44,12 @@ from buzz_delivery.management.options import (
 )
 from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
+from buzz_delivery.services.leases import MAX_CLAIM_BATCH
 from buzz_delivery.worker import load_handler
 from buzz_delivery.worker.registry import Heartbeat
 
 
-class Command(BaseCommand):
+class Command(StrictOptionsCommand):
     help = (
         "Claim agent runs of the given agents (--agent, repeatable) in the given communities "
         "(--community, repeatable; none = every active community with claimable runs) and run "
@@ -107,7 +109,10 @@ class Command(BaseCommand):
             help="Do not accept the deliveries addressed to the agents into runs (an inbox of your own does).",
         )
         parser.add_argument(
-            "--accept-batch", type=positive_int, default=50, help="Most deliveries claimed per agent and round (50)."
+            "--accept-batch",
+            type=int_in(1, MAX_CLAIM_BATCH),
+            default=50,
+            help=f"Most deliveries claimed per agent and round (1..{MAX_CLAIM_BATCH}, default 50).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -146,7 +151,7 @@ class Command(BaseCommand):
                     listen=not options["no_listen"],
                     registry=registry.identity,
                     accept=not options["no_accept"],
-                    accept_batch=min(options["accept_batch"], 1000),
+                    accept_batch=options["accept_batch"],
                 )
             )
         elif options["in_flight"] or options["connections"]:
@@ -167,7 +172,7 @@ class Command(BaseCommand):
                     handler_timeout=options["handler_timeout"],
                     listen=not options["no_listen"],
                     accept=not options["no_accept"],
-                    accept_batch=min(options["accept_batch"], 1000),
+                    accept_batch=options["accept_batch"],
                 )
             )
         signal.signal(signal.SIGTERM, worker.stop)
