@@ -11,8 +11,10 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -273,3 +275,28 @@ def test_the_agent_worker_exits_when_idle_with_the_database_unreachable(mode):
     assert "db_unavailable role=agent-worker" in done.stderr and "Traceback" not in done.stderr
     summary = json.loads(done.stdout.splitlines()[-1])
     assert (summary["claimed"], summary["internal_errors"]) == (0, 0) and summary["db_errors"] >= 1, summary
+
+
+@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["threads", "async"])
+def test_the_agent_worker_waits_for_an_unreachable_database_and_stops_cleanly(mode):
+    """Without ``--exit-when-idle`` a poll the database fails is counted (``db_errors``) and
+    retried until a signal stops the worker (exit 0); the event-loop worker stopped at the first
+    one as an internal error (exit 1)."""
+    env = {**os.environ, "DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere"}
+    argv = ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--poll-seconds", "0.1", *mode]
+    worker = subprocess.Popen(
+        [sys.executable, "manage.py", *argv, "--no-listen"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(3)
+        assert worker.poll() is None, worker.communicate()[1][-3000:]
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 0, err[-3000:]
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["internal_errors"] == 0 and summary["db_errors"] >= 2, summary
