@@ -23,6 +23,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandError
+from django.db import connection
 
 from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.loop_worker import (
@@ -132,6 +133,9 @@ class Command(StrictOptionsCommand):
             raise CommandError(f"--handler: {exc}", returncode=2) from exc
         if options["community"]:
             warn_missing_communities(logging.getLogger("buzz_delivery.agents"), options["community"])
+            # The check's connection is not the worker's: left open, it sat idle beside the
+            # event-loop worker's --connections (one session over its budget) for the whole run.
+            connection.close()
         registry = Heartbeat(WorkerKind.AGENT, "run_agent_worker", "")
         if options["use_async"]:
             worker: Any = AsyncAgentWorker(
