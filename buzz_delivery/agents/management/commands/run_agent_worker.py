@@ -5,7 +5,8 @@ Prints one JSON summary line to stdout at exit: ``{"claimed","completed","failed
 "accept_errors","renewed","db_errors","internal_errors"}``. A run's handler never stops the
 worker: whatever it raises (``SystemExit`` included), returns or leaves on its connection ends
 that run (a failure code on the run); ``db_errors`` counts polls the database failed (the worker
-reconnects and goes on); ``internal_errors`` (exit 1) counts loop threads the worker itself lost.
+reconnects and goes on; with ``--exit-when-idle`` it stops there, exit 0, as on an empty poll);
+``internal_errors`` (exit 1) counts loop threads the worker itself lost.
 
 Acceptance (issue 29, on unless ``--no-accept``): the deliveries addressed to the ``--agent`` keys
 in the served communities are claimed in batches and accepted into runs
@@ -79,7 +80,11 @@ class Command(StrictOptionsCommand):
         )
         parser.add_argument("--poll-seconds", type=positive_seconds, default=1.0, help="Sleep between empty polls.")
         parser.add_argument("--max-runs", type=positive_int, default=None, help="Stop after this many claims.")
-        parser.add_argument("--exit-when-idle", action="store_true", help="Stop when a poll finds nothing.")
+        parser.add_argument(
+            "--exit-when-idle",
+            action="store_true",
+            help="Stop (exit 0) when a poll finds nothing or cannot reach the database.",
+        )
         parser.add_argument("--worker-id", default=None, help="Recorded on claims (default host:pid).")
         parser.add_argument(
             "--shutdown-grace", type=positive_seconds, default=30.0, help="Drain time after SIGTERM (default 30)."
