@@ -78,6 +78,17 @@ def seconds_setting(
     return [] if error is None else [error]
 
 
+def capped_setting(
+    setting: str, raw: dict[str, Any], key: str, cap_key: str, app: str, consequence: str
+) -> list[checks.CheckMessage]:
+    """A warning (``<app>.W004``) when ``raw[key]`` exceeds ``raw[cap_key]``, two values already
+    checked: the runtime takes the smaller, so the setting works but does not mean what it says
+    (``consequence`` says what happens)."""
+    if raw[key] <= raw[cap_key]:
+        return []
+    return [checks.Warning(f"{setting}[{key!r}] exceeds {setting}[{cap_key!r}]: {consequence}", id=f"{app}.W004")]
+
+
 def lease_setting(
     setting: str, raw: dict[str, Any], key: str, app: str, *, optional: bool = False, above: bool = False
 ) -> list[checks.CheckMessage]:

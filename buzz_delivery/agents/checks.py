@@ -20,7 +20,7 @@ from typing import Any
 from django.core import checks
 
 from buzz_delivery.agents.conf import DEFAULTS
-from buzz_delivery.checks import int_setting, lease_setting, seconds_setting, user_settings
+from buzz_delivery.checks import capped_setting, int_setting, lease_setting, seconds_setting, user_settings
 
 SETTING = "BUZZ_AGENTS"
 APP = "buzz_agents"
@@ -42,13 +42,9 @@ def check_agent_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
     delays = seconds_setting(SETTING, raw, "RETRY_DELAY_SECONDS", APP, 0, MAX_SECONDS)
     delays += seconds_setting(SETTING, raw, "RETRY_DELAY_MAX_SECONDS", APP, 0, MAX_SECONDS)
     errors += delays
-    if not delays and raw["RETRY_DELAY_SECONDS"] > raw["RETRY_DELAY_MAX_SECONDS"]:
-        errors.append(
-            checks.Warning(
-                f"{SETTING}['RETRY_DELAY_SECONDS'] exceeds {SETTING}['RETRY_DELAY_MAX_SECONDS']: "
-                "every backoff is the cap.",
-                id="buzz_agents.W004",
-            )
+    if not delays:
+        errors += capped_setting(
+            SETTING, raw, "RETRY_DELAY_SECONDS", "RETRY_DELAY_MAX_SECONDS", APP, "every backoff is the cap."
         )
     errors += int_setting(SETTING, raw, "MAX_TOOL_CALLS", APP, 0, MAX_INTEGER)
     # A larger MAX_COST is taken as 2**53 - 1 (conf.MAX_COST_UNITS): only its type and sign matter.
@@ -65,12 +61,8 @@ def check_agent_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
     streams = int_setting(SETTING, raw, "MAX_CHUNK_BYTES", APP, 1, float("inf"))
     streams += int_setting(SETTING, raw, "MAX_STREAM_BYTES", APP, 1, MAX_STREAM_BYTES)
     errors += streams
-    if not streams and raw["MAX_CHUNK_BYTES"] > raw["MAX_STREAM_BYTES"]:
-        errors.append(
-            checks.Warning(
-                f"{SETTING}['MAX_CHUNK_BYTES'] exceeds {SETTING}['MAX_STREAM_BYTES']: a chunk is bounded by "
-                "the stream's bound too.",
-                id="buzz_agents.W004",
-            )
+    if not streams:
+        errors += capped_setting(
+            SETTING, raw, "MAX_CHUNK_BYTES", "MAX_STREAM_BYTES", APP, "a chunk is bounded by the stream's bound too."
         )
     return errors

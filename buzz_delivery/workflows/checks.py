@@ -21,7 +21,7 @@ from typing import Any
 
 from django.core import checks
 
-from buzz_delivery.checks import int_setting, lease_setting, seconds_setting, user_settings
+from buzz_delivery.checks import capped_setting, int_setting, lease_setting, seconds_setting, user_settings
 from buzz_delivery.workflows.conf import DEFAULTS
 from buzz_delivery.workflows.definition import FUNCTION_NAME, MAP_ITEMS_LIMIT
 from buzz_delivery.workflows.models import MAX_DEPTH
@@ -77,13 +77,9 @@ def check_workflow_settings(app_configs: Any = None, **kwargs: Any) -> list[chec
     backoff = seconds_setting(SETTING, raw, "BACKOFF_BASE_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
     backoff += seconds_setting(SETTING, raw, "BACKOFF_CAP_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
     errors += backoff
-    if not backoff and raw["BACKOFF_BASE_SECONDS"] > raw["BACKOFF_CAP_SECONDS"]:
-        errors.append(
-            checks.Warning(
-                f"{SETTING}['BACKOFF_BASE_SECONDS'] exceeds {SETTING}['BACKOFF_CAP_SECONDS']: "
-                "every backoff is the cap.",
-                id="buzz_workflows.W004",
-            )
+    if not backoff:
+        errors += capped_setting(
+            SETTING, raw, "BACKOFF_BASE_SECONDS", "BACKOFF_CAP_SECONDS", APP, "every backoff is the cap."
         )
     errors += _clamped("MAX_DEPTH", raw, 0, MAX_DEPTH)
     pubkey = raw["AUTHOR_PUBKEY"]
