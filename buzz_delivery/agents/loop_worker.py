@@ -52,7 +52,7 @@ from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, run_claim
 from buzz_delivery.agents.batcher import Batcher, DbPool, operations
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
-from buzz_delivery.agents.worker import COMMUNITIES_WITH_CLAIMABLE_RUNS, RunListener, Waker
+from buzz_delivery.agents.worker import COMMUNITIES_WITH_CLAIMABLE_RUNS, RunListener, Waker, unreachable_for_long
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin, share
 from buzz_delivery.loopwatch import LoopWatch
@@ -232,6 +232,7 @@ class AsyncAgentWorker:
     async def _claim_loop(self, runtime: Runtime, tasks: set[asyncio.Task[None]]) -> None:
         cfg = self.config
         assert self._wake is not None
+        last_reached = time.monotonic()  # when a round last reached the database
         while not self.stopping.is_set():
             if cfg.max_runs is not None and self.counts["claimed"] >= cfg.max_runs:
                 return
@@ -245,10 +246,12 @@ class AsyncAgentWorker:
             except DB_UNAVAILABLE as exc:  # a restart, a terminated backend: the pool reconnects next poll
                 logger.warning("db_unavailable role=agent-worker error=%s", describe(exc).strip()[:200])
                 self.counts["db_errors"] += 1
-                if cfg.exit_when_idle:  # no run could be claimed: an idle poll (exit 0)
+                # No run could be claimed: idle (exit 0) once the database stayed out of reach.
+                if cfg.exit_when_idle and unreachable_for_long(last_reached, cfg.poll_seconds):
                     return
-                await self._wait(cfg.poll_seconds)
+                await self._pause(cfg.poll_seconds)  # not cut short by runs ending: one retry a poll
                 continue
+            last_reached = time.monotonic()
             if not found:
                 if cfg.exit_when_idle:
                     return
@@ -311,6 +314,12 @@ class AsyncAgentWorker:
             logger.exception("accept_error")
             self.acceptance.counts["errors"] += 1
             return False
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the worker is told to stop (checked every tenth)."""
+        until = time.monotonic() + seconds
+        while not self.stopping.is_set() and (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, seconds / 10))
 
     async def _wait(self, timeout: float) -> bool:
         assert self._wake is not None

@@ -54,6 +54,17 @@ logger = logging.getLogger("buzz_delivery.agents")
 
 # In round-robin order (buzz_delivery.fairness): those after %(after)s first, then from the
 # first (NULL: from the first), so that past the limit every community gets its turn.
+# With ``exit_when_idle``, polls the database fails count as idle (the worker stops, exit 0) once
+# none has reached it for this long (or three poll intervals, the longer): one terminated backend
+# or a restart's gap is retried, as the delivery worker's --idle-exit counts idle time, not polls.
+UNREACHABLE_IDLE_SECONDS = 5.0
+
+
+def unreachable_for_long(last_reached: float, poll_seconds: float) -> bool:
+    """Whether polls have failed to reach the database long enough to count as idle."""
+    return time.monotonic() - last_reached >= max(UNREACHABLE_IDLE_SECONDS, 3 * poll_seconds)
+
+
 COMMUNITIES_WITH_CLAIMABLE_RUNS = f"""
 SELECT r.community_id FROM {RUN} AS r JOIN buzz_delivery_community c ON c.id = r.community_id
 WHERE c.deletion_state = 'active' AND r.state = 'pending' AND r.agent_pubkey = ANY(%(agents)s)
@@ -167,6 +178,7 @@ class AgentWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.stopping = threading.Event()
+        self.last_reached = time.monotonic()  # when a poll last reached the database
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.heartbeat = Heartbeat(
@@ -221,11 +233,13 @@ class AgentWorker:
                     discard_connection()
                     with self.lock:
                         self.counts["db_errors"] += 1
-                    if self.config.exit_when_idle:  # no run could be claimed: an idle poll (exit 0)
+                    # No run could be claimed: idle (exit 0) once the database stayed out of reach.
+                    if self.config.exit_when_idle and unreachable_for_long(self.last_reached, self.config.poll_seconds):
                         self.stopping.set()
                         break
                     self.stopping.wait(self.config.poll_seconds)
                     continue
+                self.last_reached = time.monotonic()
                 if not found:
                     if self.config.exit_when_idle:
                         self.stopping.set()

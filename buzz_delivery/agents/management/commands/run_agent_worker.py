@@ -5,7 +5,8 @@ Prints one JSON summary line to stdout at exit: ``{"claimed","completed","failed
 "accept_errors","renewed","db_errors","internal_errors"}``. A run's handler never stops the
 worker: whatever it raises (``SystemExit`` included), returns or leaves on its connection ends
 that run (a failure code on the run); ``db_errors`` counts polls the database failed (the worker
-reconnects and goes on; with ``--exit-when-idle`` it stops there, exit 0, as on an empty poll);
+reconnects and goes on; with ``--exit-when-idle`` it stops, exit 0, once polls have not reached
+the database for 5 s or three poll intervals);
 ``internal_errors`` (exit 1) counts loop threads the worker itself lost.
 
 Acceptance (issue 29, on unless ``--no-accept``): the deliveries addressed to the ``--agent`` keys
@@ -83,7 +84,7 @@ class Command(StrictOptionsCommand):
         parser.add_argument(
             "--exit-when-idle",
             action="store_true",
-            help="Stop (exit 0) when a poll finds nothing or cannot reach the database.",
+            help="Stop (exit 0) when a poll finds nothing, or polls have not reached the database for 5 s.",
         )
         parser.add_argument("--worker-id", default=None, help="Recorded on claims (default host:pid).")
         parser.add_argument(
