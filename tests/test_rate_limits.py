@@ -73,6 +73,12 @@ def test_the_take_grants_up_to_the_limit_then_says_wait_by_the_database_clock(co
         with frozen_db_clock(start + dt.timedelta(seconds=30)):  # a take whose clock is behind the row's
             late = rl.take(community.id, "api", 1)  # counts in the row's (newer) window, never resets it
             assert late == rl.Granted(used=3, window_start=start + dt.timedelta(seconds=60), at=late.at)
+            # A late take the newer window refuses waits at most a period: that window began by
+            # another statement's clock, so it ends within a period of now, whatever this clock read
+            # (a statement that waited on the row's lock, or a shard's clock behind another's).
+            assert rl.take(community.id, "api", 1) == rl.Wait(
+                seconds=period, used=3, window_start=start + dt.timedelta(seconds=60)
+            )
     assert used(community, "api") == 3
 
 

@@ -235,8 +235,11 @@ def _run(community: uuid.UUID, spec: RateLimitSpec, weight: int, limit: int) -> 
     granted, used, window_start, taken_at = fetch_all(TAKE, params)[0]
     if granted:
         return Granted(used=used, window_start=window_start, at=taken_at)
-    ends = window_start + dt.timedelta(seconds=spec.period)
-    return Wait(seconds=max((ends - taken_at).total_seconds(), 0.0), used=used, window_start=window_start)
+    # The row's window began by the clock of the statement that moved it, at or before now: it
+    # ends within a period. This statement's clock may read earlier (read before it waited on
+    # the row's lock, or on a shard behind another), so what it computes is capped at a period.
+    left = (window_start + dt.timedelta(seconds=spec.period) - taken_at).total_seconds()
+    return Wait(seconds=min(max(left, 0.0), float(spec.period)), used=used, window_start=window_start)
 
 
 @dataclass(frozen=True, slots=True)
