@@ -104,13 +104,6 @@ _ROW_VERSIONS = (
 )
 
 SKIPPED: dict[str, str] = {
-    "tests/gateway/test_batch_runs.py::test_remote_worker_processes_complete_every_run_once_through_batched_completions": (  # noqa: E501
-        "KNOWN DEFECT, not shown on the cluster: there, a batched journal "
-        "write is sometimes answered 503 (the gateway found its database unavailable) and that "
-        "503 reaches the handler, which fails and compensates its run, where the remote runtime "
-        "should leave the run to its lease (reproduced alone on a local cluster, 2 runs in 3 at "
-        "491c6f9; cause not found yet: see the closing note of stop 47); on PostgreSQL it passes"
-    ),
     "tests/test_wf_advance_release.py::test_completing_a_step_writes_each_released_successor_once": _ROW_VERSIONS,
     "tests/test_wf_advance_release.py::test_counting_a_step_in_its_run_stays_on_the_runs_page": _ROW_VERSIONS,
     "tests/test_wf_fan_in_one_update.py::test_the_last_delivery_ends_its_step_in_one_step_update": _ROW_VERSIONS,

@@ -1238,4 +1238,9 @@ def _work_runs(client: GatewayClient, handler: Callable[..., Any], args: argpars
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m buzz_delivery.gateway.client`` runs this file as ``__main__``, a second copy of
+    # the module beside the one ``remote_runs`` imports: its errors (``GatewayHTTPError``) would be
+    # classes ``remote_runs`` does not catch (a 503 then failed the handler's run). Run the one copy.
+    from buzz_delivery.gateway import client as _client
+
+    sys.exit(_client.main())
