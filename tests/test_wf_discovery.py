@@ -103,3 +103,23 @@ def test_autodiscover_imports_the_modules_the_settings_name(monkeypatch):
         assert "tests.wf_app.extra_steps" in imported
         assert get_function("wf_app.count") is not None
         assert "wf_app.count" in registered_names()
+
+
+@pytest.mark.parametrize(
+    "settings_value",
+    [
+        {"MODULES": "tests.wf_app.extra_steps"},  # a str: its characters would be imported one by one
+        {"MODULES": ["tests.wf_app.extra_steps"], "AUTHOR_PUBKEY": "not hex"},  # another key's own check
+    ],
+)
+def test_a_bad_workflows_setting_does_not_stop_discovery_and_its_check_names_it(monkeypatch, settings_value):
+    from buzz_delivery.workflows import checks as wf_checks
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    with override_settings(BUZZ_WORKFLOWS=settings_value):
+        imported = autodiscover()  # what the app's ready() runs as Django starts
+        errors = wf_checks.check_workflow_settings()
+    assert "tests.wf_app.extra_steps" in imported or isinstance(settings_value["MODULES"], str)
+    assert [e.id for e in errors] == ["buzz_workflows.E002"]
+    key = "MODULES" if isinstance(settings_value["MODULES"], str) else "AUTHOR_PUBKEY"
+    assert key in errors[0].msg

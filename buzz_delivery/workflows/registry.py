@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
+
 from buzz_delivery.workflows.conf import get_settings
 
 # The module an installed app keeps its functions in (``myapp/workflows.py``).
@@ -99,10 +101,21 @@ def autodiscover() -> list[str]:
             name = f"{config.name}.{MODULE_NAME}"
             importlib.import_module(name)
             imported.append(name)
-    for name in get_settings().modules:
+    for name in _settings_modules():
         importlib.import_module(name)
         imported.append(name)
     return imported
+
+
+def _settings_modules() -> list[str]:
+    """``BUZZ_WORKFLOWS['MODULES']`` when it is a list of names; anything else (a str, whose
+    characters would be imported one by one) imports nothing here, so Django starts and the
+    system check ``buzz_workflows.E002`` names the key. Read alone: another bad key is its own
+    check's to report, not a failure of every process's start."""
+    modules = (getattr(settings, "BUZZ_WORKFLOWS", None) or {}).get("MODULES", [])
+    if not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules):
+        return []
+    return list(modules)
 
 
 def function_name_of(value: Any) -> str | None:
