@@ -48,7 +48,7 @@ from django.db import connections
 
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries
-from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, run_claim
+from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, read_journal, run_claim
 from buzz_delivery.agents.batcher import Batcher, DbPool, operations
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
@@ -288,19 +288,38 @@ class AsyncAgentWorker:
         return found
 
     async def _claim(self, runtime: Runtime, community: uuid.UUID, limit: int, tasks: set[asyncio.Task[None]]) -> int:
-        """Claim up to ``limit`` runs of ``community`` and start them; how many."""
+        """Claim up to ``limit`` runs of ``community`` and start them; how many.
+
+        The journals of the resumed runs are read in one more statement before they start (the
+        runs of a claim then start together and share their batches). When that read fails (a
+        terminated backend, a restart), the runs start all the same, their journals unknown:
+        each reads its own in its task before its handler
+        (:func:`~buzz_delivery.agents.aio_runtime.read_journal`). A claimed run is never left
+        unstarted until its lease lapses, its attempt spent for nothing."""
         cfg = self.config
         claimed = await runtime.pool.run(
-            batch.claim_with_journals,
+            s.claim_agent_runs,
             community,
             cfg.agents,
             worker_id=cfg.worker_id,
             limit=limit,
             lease_seconds=cfg.lease_seconds,
         )
-        for claim, journal in claimed:
+        resumed = [c.lease.run_id for c in claimed if batch.resumed(c)]
+        journals: dict[uuid.UUID, list[Any]] | None = {}
+        if resumed:
+            try:
+                journals = await runtime.pool.run(batch.journals_of, community, resumed)
+            except Exception as exc:  # the claims hold: their tasks read the journals again
+                logger.warning(
+                    "journal_read_failed community=%s runs=%d error=%s; each run reads its own",
+                    community, len(resumed), describe(exc).strip()[:200],
+                )  # fmt: skip
+                journals = None
+        for claim in claimed:
             self.counts["claimed"] += 1
-            self._start(runtime, claim, journal, tasks)
+            known = journals is not None or not batch.resumed(claim)
+            self._start(runtime, claim, (journals or {}).get(claim.lease.run_id, []) if known else None, tasks)
         return len(claimed)
 
     async def _accept(self, runtime: Runtime, communities: list[uuid.UUID], *, force: bool = False) -> bool:
@@ -329,7 +348,11 @@ class AsyncAgentWorker:
         except TimeoutError:
             return False
 
-    def _start(self, runtime: Runtime, claim: s.AgentClaim, journal: list[Any], tasks: set[asyncio.Task[None]]) -> None:
+    def _start(
+        self, runtime: Runtime, claim: s.AgentClaim, journal: list[Any] | None, tasks: set[asyncio.Task[None]]
+    ) -> None:
+        """Hold ``claim`` and run it in a task of its own; ``journal``: its entries, None when
+        not known (the claim's read failed: the task reads it first)."""
         ctx = AsyncContext(claim, journal, runtime)
         self.held[claim.lease.run_id] = ctx
         self.since[claim.lease.run_id] = time.monotonic()
@@ -347,8 +370,15 @@ class AsyncAgentWorker:
         task.add_done_callback(done)
 
     async def _one(self, runtime: Runtime, ctx: AsyncContext) -> None:
+        cfg = self.config
         try:
-            result = await run_claim(runtime, ctx, self.config.handler)
+            known = ctx.journal_known or ctx.run.unwinding or await read_journal(
+                runtime, ctx, retry_for=cfg.lease_seconds, pause=cfg.poll_seconds
+            )
+            if known:
+                result = await run_claim(runtime, ctx, cfg.handler)
+            else:
+                result = "lost"  # left to its lease, as a run whose runtime statement failed
         except asyncio.CancelledError:
             result = "lost"
         except Exception:  # a runtime error of this run only: its lease lapses, the run is reclaimed
