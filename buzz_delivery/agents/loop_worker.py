@@ -52,20 +52,34 @@ from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, read_journal
 from buzz_delivery.agents.batcher import Batcher, DbPool, operations
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
-from buzz_delivery.agents.worker import COMMUNITIES_WITH_CLAIMABLE_RUNS, RunListener, Waker, unreachable_for_long
+from buzz_delivery.agents.worker import (
+    COMMUNITIES_WITH_CLAIMABLE_RUNS,
+    RunListener,
+    Waker,
+    check_common,
+    seconds_value,
+    unreachable_for_long,
+)
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin, share
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import tenancy
+from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.workers import HEARTBEAT_SECONDS, WorkerIdentity, deregister_worker, heartbeat_worker
 from buzz_delivery.worker.handlers import describe
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE
+from buzz_delivery.worker.runtime import MAX_TASKS, MAX_THREADS
 
 logger = logging.getLogger("buzz_delivery.agents")
 
 DEFAULT_CONNECTIONS = 4
 DEFAULT_IN_FLIGHT = 1000
+# Runs held at once: tasks on one loop, as the delivery worker's async def handlers (1..10,000);
+# the documented use is 1,000 (the default, tests/test_agents_aio.py holds 1,000 on 4 connections).
+MAX_IN_FLIGHT = MAX_TASKS
+# Database connections: one pool thread each, as the other workers' threads (1..256).
+MAX_CONNECTIONS = MAX_THREADS
 
 
 @dataclass
@@ -95,6 +109,13 @@ class AsyncWorkerConfig:
     # before each round's run claims (buzz_delivery.agents.acceptance).
     accept: bool = True
     accept_batch: int = 50
+
+    def __post_init__(self) -> None:
+        v.int_in_range(self.in_flight, "in_flight", 1, MAX_IN_FLIGHT)
+        v.int_in_range(self.connections, "connections", 1, MAX_CONNECTIONS)
+        v.int_in_range(self.max_batch, "max_batch", 1, batch.MAX_BATCH)
+        seconds_value(self.linger, "linger", zero=True)
+        check_common(self)
 
 
 class _LoopWaker(Waker):
@@ -372,8 +393,10 @@ class AsyncAgentWorker:
     async def _one(self, runtime: Runtime, ctx: AsyncContext) -> None:
         cfg = self.config
         try:
-            known = ctx.journal_known or ctx.run.unwinding or await read_journal(
-                runtime, ctx, retry_for=cfg.lease_seconds, pause=cfg.poll_seconds
+            known = (
+                ctx.journal_known
+                or ctx.run.unwinding
+                or await read_journal(runtime, ctx, retry_for=cfg.lease_seconds, pause=cfg.poll_seconds)
             )
             if known:
                 result = await run_claim(runtime, ctx, cfg.handler)
