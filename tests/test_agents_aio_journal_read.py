@@ -1,11 +1,11 @@
 """The event-loop worker claims runs in one statement and reads the journals of the resumed ones
-in a second. A database failure between the two (here: the pool backend that reads the journal
-is terminated, a real ``pg_terminate_backend`` while the read waits on a lock another connection
-holds) must not strand the runs it claimed: before, they stayed ``running`` under a lease nobody
-renewed or worked, their attempt spent, and a run on its last attempt ended
-``attempts_exhausted`` once the lease lapsed. Now, when that read fails, the runs start all the
-same with their journals unknown, and each reads its own in its task (retried on a fresh
-connection while its lease is held) before its handler."""
+in a second (the thread worker: each run's, after its claim). A database failure between the two
+(here: the backend that reads the journal is terminated, a real ``pg_terminate_backend`` while
+the read waits on a lock another connection holds) must not strand the runs it claimed: before,
+they stayed ``running`` under a lease nobody renewed or worked, their attempt spent, and a run on
+its last attempt ended ``attempts_exhausted`` once the lease lapsed. Now the read is retried on a
+fresh connection (the event-loop worker: when the claim's read fails, the runs start all the same
+with their journals unknown and each reads its own in its task) before the handler runs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import reap_agent_runs
+from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
 from project.database_url import database_url
 from tests.agents_support import AGENT, backdate_run_lease, make_claimable, new_run
 
@@ -77,9 +78,28 @@ def terminate_the_journal_readers(url, holder_pid, times, done, terminated):
         done.set()
 
 
-@pytest.mark.parametrize("times", [1, 2], ids=["claims-read", "and-the-runs-own-read"])
-def test_a_journal_read_that_fails_after_the_claim_leaves_no_run_stranded(community, times):
-    """``times`` 2: the run's own read (after the claim's failed) is terminated too, and retried."""
+def replaying_on_a_thread(ctx):
+    first = ctx.call("fetch", fetch, {"q": 1})
+    second = ctx.call("fetch", fetch, {"q": 2})
+    return {"pages": [first["page"], second["page"]], "replayed": ctx.replayed}
+
+
+def worker_of(kind, community):
+    options = dict(
+        agents=[AGENT], communities=[community.id], exit_when_idle=True, poll_seconds=0.1, lease_seconds=15,
+        worker_id=f"{kind}-strand", accept=False,
+    )  # fmt: skip
+    if kind == "event-loop":
+        return AsyncAgentWorker(AsyncWorkerConfig(handler=replaying, connections=2, **options))
+    return AgentWorker(WorkerConfig(handler=replaying_on_a_thread, listen=False, **options))
+
+
+@pytest.mark.parametrize("kind", ["event-loop", "threads"])
+@pytest.mark.parametrize("times", [1, 2], ids=["first-read", "and-its-retry"])
+def test_a_journal_read_that_fails_after_the_claim_leaves_no_run_stranded(community, kind, times):
+    """``times`` 2: the read's retry (the event-loop worker: the run's own read after the
+    claim's) is terminated too, and retried again. The thread worker reads each run's journal
+    on its own after its claim, and left the run stranded the same way."""
     MADE.clear()
     (run_id,) = resumed_runs(community.id)
     url = database_url(connection.settings_dict)
@@ -91,12 +111,7 @@ def test_a_journal_read_that_fails_after_the_claim_leaves_no_run_stranded(commun
         watcher.start()
         releaser = threading.Thread(target=lambda: (done.wait(90), holder.rollback()))
         releaser.start()
-        worker = AsyncAgentWorker(
-            AsyncWorkerConfig(
-                handler=replaying, agents=[AGENT], communities=[community.id], exit_when_idle=True,
-                poll_seconds=0.1, lease_seconds=15, worker_id="aio-strand", connections=2, accept=False,
-            )
-        )  # fmt: skip
+        worker = worker_of(kind, community)
         try:
             counts = worker.run()
         finally:
@@ -108,7 +123,7 @@ def test_a_journal_read_that_fails_after_the_claim_leaves_no_run_stranded(commun
         backdate_run_lease(run_id)
         reap_agent_runs()  # its lease lapsed on its last attempt: failed, attempts_exhausted
     run = AgentRun.objects.get(id=run_id)
-    assert (run.state, run.failure_code, run.attempts) == ("completed", None, 1), (run.state, run.failure_code, counts)
+    assert (run.state, run.failure_code, run.attempts) == ("completed", None, 1), (run.failure_message, counts)
     assert run.output == {"pages": [1, 2], "replayed": 1}
     assert counts["claimed"] == 1 and counts["completed"] == 1, counts
     assert len(MADE) == 1  # call 1 replayed from the journal, only call 2 made

@@ -328,9 +328,35 @@ class AgentWorker:
             found = self.acceptance.round(communities, force=True) > 0  # nothing left to accept either
         return found
 
+    def _context(self, claim: s.AgentClaim) -> Context | None:
+        """``claim``'s context, its journal read. A read whose connection fails (a restart, a
+        terminated backend) is retried on a fresh connection for up to a third of the lease
+        (before its first renewal is due), so the run starts within the attempt it was claimed
+        for instead of being left unstarted until its lease lapses; past that, None: the run is
+        left to its lease, as when a runtime statement fails mid-run."""
+        cfg = self.config
+        until = time.monotonic() + cfg.lease_seconds / 3
+        pause = min(cfg.poll_seconds, cfg.lease_seconds / 30)
+        while True:
+            try:
+                return Context(claim)
+            except DB_UNAVAILABLE as exc:
+                discard_connection()
+                run_id, error = claim.lease.run_id, describe(exc)
+                if time.monotonic() + pause >= until:
+                    logger.warning("db_error run=%s: %s; the run is left to its lease", run_id, error)
+                    return None
+                logger.warning("journal_read_failed run=%s: %s; retried", run_id, error)
+                time.sleep(pause)
+
     def _run(self, claim: s.AgentClaim, lane: UserConnection) -> None:
         logger.info("claimed run=%s generation=%s", claim.lease.run_id, claim.lease.lease_generation)
-        ctx = Context(claim)
+        ctx = self._context(claim)
+        if ctx is None:
+            logger.info("lost run=%s", claim.lease.run_id)
+            with self.lock:
+                self.counts["lost"] += 1
+            return
         self.heartbeat.hold(ctx)
         try:
             result = run_claim(claim, self.config.handler, ctx, lane)
