@@ -71,7 +71,7 @@ def terminate_the_journal_readers(url, holder_pid, times, done, terminated):
                     ["%buzz_agents_journal%", holder_pid, terminated],
                 ).fetchall()
                 for (pid,) in rows[: times - len(terminated)]:
-                    admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+                    admin.execute("SELECT pg_terminate_backend(%s::integer)", [pid])  # Citus adds a bigint form
                     terminated.append(pid)
                 time.sleep(0.02)
     finally:
