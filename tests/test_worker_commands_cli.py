@@ -39,6 +39,10 @@ def _manage(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# run_agent_worker that stops when idle (were its arguments taken, it would not hang the test).
+IDLE_AGENT_WORKER = ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--exit-when-idle"]
+
+
 # --- a bad --handler: exit 2 (bad arguments), the message names --handler ------------------------
 
 
@@ -78,6 +82,18 @@ def test_an_unimportable_handler_is_a_bad_argument_naming_the_option(command, ar
         (
             ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--accept-batch", "0"],
             "argument --accept-batch: must be >= 1, got 0",
+        ),
+        (  # was unbounded: the other workers' threads are 1..256
+            [*IDLE_AGENT_WORKER, "--concurrency", "257"],
+            "argument --concurrency: must be at most 256, got 257",
+        ),
+        (  # the event-loop worker's runs in flight: 1..10000, as the delivery worker's async tasks
+            [*IDLE_AGENT_WORKER, "--async", "--in-flight", "10001"],
+            "argument --in-flight: must be at most 10000, got 10001",
+        ),
+        (
+            [*IDLE_AGENT_WORKER, "--async", "--connections", "257"],
+            "argument --connections: must be at most 256, got 257",
         ),
         (  # was read as --exit-when-idle
             ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--exit-when"],
@@ -172,6 +188,15 @@ def test_the_workflow_workers_help_and_page_list_the_keys_it_prints(community):
     page = " ".join((ROOT / "docs" / "workflows.md").read_text().split())
     in_page = re.search(r"Prints one JSON summary line \(`([^`]*)`", page)
     assert in_page and _listed_keys(in_page.group(1)) == printed
+
+
+def test_the_agent_workers_bounds_take_their_highest_values():
+    from buzz_delivery.agents.management.commands import run_agent_worker
+
+    parser = run_agent_worker.Command().create_parser("manage.py", "run_agent_worker")
+    argv = ["--handler", "json:dumps", "--agent", AGENT.hex(), "--concurrency", "256", "--in-flight", "10000"]
+    parsed = parser.parse_args([*argv, "--connections", "256", "--accept-batch", "1000"])
+    assert (parsed.concurrency, parsed.in_flight, parsed.connections, parsed.accept_batch) == (256, 10000, 256, 1000)
 
 
 def test_the_agent_workers_documented_default_concurrency_is_its_default():

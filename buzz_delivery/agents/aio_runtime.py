@@ -70,6 +70,7 @@ from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.services import ratelimits, tenancy
 from buzz_delivery.worker.handlers import describe
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 
 logger = logging.getLogger("buzz_delivery.agents")
 T = TypeVar("T")
@@ -109,9 +110,12 @@ class Runtime:
 
 class AsyncContext:
     """What an async handler gets for one claimed run: ``run``, ``input``, ``shadow``, ``lease``
-    (renewed by the worker), :meth:`call`, :meth:`request_approval`, :attr:`cancelled`."""
+    (renewed by the worker), :meth:`call`, :meth:`request_approval`, :attr:`cancelled`.
 
-    def __init__(self, claim: s.AgentClaim, journal: list[JournalEntry], runtime: Runtime) -> None:
+    ``journal``: the run's entries, or None when they are not known yet (the worker's claim round
+    did not read them): :func:`read_journal` reads them before the handler runs."""
+
+    def __init__(self, claim: s.AgentClaim, journal: list[JournalEntry] | None, runtime: Runtime) -> None:
         self.run = claim.run
         self.lease = claim.lease
         self.input = claim.run.input
@@ -121,7 +125,9 @@ class AsyncContext:
         self._cancelled = threading.Event()
         self.reason = ""
         self._pos = 0
-        self._journal = {e.seq: e for e in journal}
+        self._journal: dict[int, JournalEntry] | None = None
+        if journal is not None:
+            self.set_journal(journal)
         self._lock = asyncio.Lock()
         self.replayed = 0
         self.rate_waits = 0  # how many times a call waited for its rate limit
@@ -134,6 +140,19 @@ class AsyncContext:
     def cancelled(self) -> bool:
         """True once the worker learnt the run was cancelled (the handler should stop)."""
         return self._cancelled.is_set()
+
+    @property
+    def journal_known(self) -> bool:
+        return self._journal is not None
+
+    def set_journal(self, journal: list[JournalEntry]) -> None:
+        self._journal = {e.seq: e for e in journal}
+
+    def _entry(self, pos: int) -> JournalEntry | None:
+        if self._journal is None:  # never replay against a journal not read: no call is made
+            self.mark_lost("journal_unknown")
+            raise RunAborted("the run's journal was not read")
+        return self._journal.get(pos)
 
     def mark_lost(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -183,7 +202,7 @@ class AsyncContext:
         async with self._lock:
             self._check()
             self._pos += 1
-            entry = self._journal.get(self._pos)
+            entry = self._entry(self._pos)
             if entry is not None:
                 return await self._replay(entry, tool_name, fn, args, reconcile)
             descriptor = compensations.descriptor(compensate)  # ValueError when not registered
@@ -298,7 +317,7 @@ class AsyncContext:
         async with self._lock:
             self._check()
             self._pos += 1
-            entry = self._journal.get(self._pos)
+            entry = self._entry(self._pos)
             if entry is not None:
                 if entry.kind != "approval":
                     raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
@@ -422,6 +441,31 @@ async def _invoke(handler: Callable[..., Any], ctx: AsyncContext) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+async def read_journal(runtime: Runtime, ctx: AsyncContext, *, retry_for: float, pause: float) -> bool:
+    """Read the journal of ``ctx``'s run before its handler runs (the worker's claim round could
+    not); whether it was read. A read whose connection fails (a restart, a terminated backend) is
+    retried on a fresh connection every ``pause`` seconds for up to ``retry_for`` seconds while the
+    run is held (its lease renewed meanwhile), so the run starts within the attempt it was claimed
+    for. Past that, on another database error, or once the run is lost, it is marked lost and
+    left to its lease, as a runtime statement failing mid-run is."""
+    run_id = ctx.lease.run_id
+    until = time.monotonic() + retry_for
+    while not ctx.lost.is_set():
+        try:
+            journals = await runtime.pool.run(batch.journals_of, ctx.lease.community_id, [run_id])
+        except DatabaseError as exc:
+            if not isinstance(exc, DB_UNAVAILABLE) or time.monotonic() >= until:
+                logger.warning("db_error run=%s: %s; the run is left to its lease", run_id, describe(exc))
+                ctx.mark_lost("db_error")
+                return False
+            logger.warning("journal_read_failed run=%s: %s; retried in %.1f s", run_id, describe(exc), pause)
+            await asyncio.sleep(pause)
+            continue
+        ctx.set_journal(journals.get(run_id, []))
+        return True
+    return False
+
+
 async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., Any]) -> str:
     """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
     ``compensation_failed``, ``parked``, ``lost``. The handler raising fails this run only."""
@@ -430,6 +474,9 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         if isinstance(outcome, s.Unwinding):
             return await unwind(runtime, ctx.lease, outcome.seqs)
         return "failed" if isinstance(outcome, s.Finished) else "lost"
+    if not ctx.journal_known:  # no handler without its journal (read_journal first)
+        ctx.mark_lost("journal_unknown")
+        return "lost"
     try:
         output = await _invoke(handler, ctx)
     except _Parked:

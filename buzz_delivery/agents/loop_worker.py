@@ -48,24 +48,38 @@ from django.db import connections
 
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries
-from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, run_claim
+from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, read_journal, run_claim
 from buzz_delivery.agents.batcher import Batcher, DbPool, operations
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
-from buzz_delivery.agents.worker import COMMUNITIES_WITH_CLAIMABLE_RUNS, RunListener, Waker, unreachable_for_long
+from buzz_delivery.agents.worker import (
+    COMMUNITIES_WITH_CLAIMABLE_RUNS,
+    RunListener,
+    Waker,
+    check_common,
+    seconds_value,
+    unreachable_for_long,
+)
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin, share
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import tenancy
+from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.workers import HEARTBEAT_SECONDS, WorkerIdentity, deregister_worker, heartbeat_worker
 from buzz_delivery.worker.handlers import describe
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE
+from buzz_delivery.worker.runtime import MAX_TASKS, MAX_THREADS
 
 logger = logging.getLogger("buzz_delivery.agents")
 
 DEFAULT_CONNECTIONS = 4
 DEFAULT_IN_FLIGHT = 1000
+# Runs held at once: tasks on one loop, as the delivery worker's async def handlers (1..10,000);
+# the documented use is 1,000 (the default, tests/test_agents_aio.py holds 1,000 on 4 connections).
+MAX_IN_FLIGHT = MAX_TASKS
+# Database connections: one pool thread each, as the other workers' threads (1..256).
+MAX_CONNECTIONS = MAX_THREADS
 
 
 @dataclass
@@ -95,6 +109,13 @@ class AsyncWorkerConfig:
     # before each round's run claims (buzz_delivery.agents.acceptance).
     accept: bool = True
     accept_batch: int = 50
+
+    def __post_init__(self) -> None:
+        v.int_in_range(self.in_flight, "in_flight", 1, MAX_IN_FLIGHT)
+        v.int_in_range(self.connections, "connections", 1, MAX_CONNECTIONS)
+        v.int_in_range(self.max_batch, "max_batch", 1, batch.MAX_BATCH)
+        seconds_value(self.linger, "linger", zero=True)
+        check_common(self)
 
 
 class _LoopWaker(Waker):
@@ -288,19 +309,38 @@ class AsyncAgentWorker:
         return found
 
     async def _claim(self, runtime: Runtime, community: uuid.UUID, limit: int, tasks: set[asyncio.Task[None]]) -> int:
-        """Claim up to ``limit`` runs of ``community`` and start them; how many."""
+        """Claim up to ``limit`` runs of ``community`` and start them; how many.
+
+        The journals of the resumed runs are read in one more statement before they start (the
+        runs of a claim then start together and share their batches). When that read fails (a
+        terminated backend, a restart), the runs start all the same, their journals unknown:
+        each reads its own in its task before its handler
+        (:func:`~buzz_delivery.agents.aio_runtime.read_journal`). A claimed run is never left
+        unstarted until its lease lapses, its attempt spent for nothing."""
         cfg = self.config
         claimed = await runtime.pool.run(
-            batch.claim_with_journals,
+            s.claim_agent_runs,
             community,
             cfg.agents,
             worker_id=cfg.worker_id,
             limit=limit,
             lease_seconds=cfg.lease_seconds,
         )
-        for claim, journal in claimed:
+        resumed = [c.lease.run_id for c in claimed if batch.resumed(c)]
+        journals: dict[uuid.UUID, list[Any]] | None = {}
+        if resumed:
+            try:
+                journals = await runtime.pool.run(batch.journals_of, community, resumed)
+            except Exception as exc:  # the claims hold: their tasks read the journals again
+                logger.warning(
+                    "journal_read_failed community=%s runs=%d error=%s; each run reads its own",
+                    community, len(resumed), describe(exc).strip()[:200],
+                )  # fmt: skip
+                journals = None
+        for claim in claimed:
             self.counts["claimed"] += 1
-            self._start(runtime, claim, journal, tasks)
+            known = journals is not None or not batch.resumed(claim)
+            self._start(runtime, claim, (journals or {}).get(claim.lease.run_id, []) if known else None, tasks)
         return len(claimed)
 
     async def _accept(self, runtime: Runtime, communities: list[uuid.UUID], *, force: bool = False) -> bool:
@@ -329,7 +369,11 @@ class AsyncAgentWorker:
         except TimeoutError:
             return False
 
-    def _start(self, runtime: Runtime, claim: s.AgentClaim, journal: list[Any], tasks: set[asyncio.Task[None]]) -> None:
+    def _start(
+        self, runtime: Runtime, claim: s.AgentClaim, journal: list[Any] | None, tasks: set[asyncio.Task[None]]
+    ) -> None:
+        """Hold ``claim`` and run it in a task of its own; ``journal``: its entries, None when
+        not known (the claim's read failed: the task reads it first)."""
         ctx = AsyncContext(claim, journal, runtime)
         self.held[claim.lease.run_id] = ctx
         self.since[claim.lease.run_id] = time.monotonic()
@@ -347,8 +391,17 @@ class AsyncAgentWorker:
         task.add_done_callback(done)
 
     async def _one(self, runtime: Runtime, ctx: AsyncContext) -> None:
+        cfg = self.config
         try:
-            result = await run_claim(runtime, ctx, self.config.handler)
+            known = (
+                ctx.journal_known
+                or ctx.run.unwinding
+                or await read_journal(runtime, ctx, retry_for=cfg.lease_seconds, pause=cfg.poll_seconds)
+            )
+            if known:
+                result = await run_claim(runtime, ctx, cfg.handler)
+            else:
+                result = "lost"  # left to its lease, as a run whose runtime statement failed
         except asyncio.CancelledError:
             result = "lost"
         except Exception:  # a runtime error of this run only: its lease lapses, the run is reclaimed

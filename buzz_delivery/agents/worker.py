@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -44,11 +45,14 @@ from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin
 from buzz_delivery.listening import Listener
 from buzz_delivery.services import tenancy
+from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.leases import MAX_CLAIM_BATCH
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.usercode import UserConnection, discard_connection
 from buzz_delivery.worker.handlers import describe
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE
+from buzz_delivery.worker.runtime import MAX_THREADS
 
 logger = logging.getLogger("buzz_delivery.agents")
 
@@ -75,6 +79,35 @@ LIMIT 100
 """
 
 
+# The largest run count a worker may be told to stop after (``max_runs``): a bigint.
+MAX_RUNS = 2**63 - 1
+
+
+def seconds_value(value: Any, name: str, *, zero: bool = False) -> float:
+    """A finite number of seconds > 0 (>= 0 with ``zero``), as a float (``ValidationError``
+    keyed ``name``)."""
+    seconds = v._float_seconds(value, name)
+    if not (math.isfinite(seconds) and (seconds >= 0 if zero else seconds > 0)):
+        raise v.invalid(name, f"must be a finite number of seconds {'>= 0' if zero else '> 0'}, got {seconds:g}")
+    return seconds
+
+
+def check_common(config: Any) -> None:
+    """Check the numeric fields both agent workers' configs share, as the command's options are
+    checked (a ``ValidationError`` keyed by the field): ``lease_seconds``, ``poll_seconds`` and
+    ``handler_timeout`` (None or) > 0, ``shutdown_grace`` >= 0, all finite; ``max_runs`` None or
+    >= 1; ``accept_batch`` 1..``MAX_CLAIM_BATCH`` (``--accept-batch``'s bounds). The claim checks
+    ``lease_seconds`` against the configured lease bounds (``--lease-seconds`` here)."""
+    seconds_value(config.lease_seconds, "lease_seconds")
+    seconds_value(config.poll_seconds, "poll_seconds")
+    seconds_value(config.shutdown_grace, "shutdown_grace", zero=True)
+    if config.handler_timeout is not None:
+        seconds_value(config.handler_timeout, "handler_timeout")
+    if config.max_runs is not None:
+        v.int_in_range(config.max_runs, "max_runs", 1, MAX_RUNS)
+    v.int_in_range(config.accept_batch, "accept_batch", 1, MAX_CLAIM_BATCH)
+
+
 @dataclass
 class WorkerConfig:
     """``agents``: 32-byte keys served; ``communities``: UUIDs (empty = discover);
@@ -83,7 +116,8 @@ class WorkerConfig:
     whole poll finds nothing (a poll the database fails included: nothing could be claimed);
     ``worker_id``: recorded on each claim; ``accept``: accept the
     deliveries addressed to ``agents`` into runs (:mod:`~buzz_delivery.agents.acceptance`),
-    ``accept_batch`` at most per claim."""
+    ``accept_batch`` at most per claim. A bad number raises ``ValidationError`` keyed by its
+    field (:func:`check_common`; ``concurrency`` 1..256)."""
 
     handler: Callable[[Context], Any]
     agents: list[bytes]
@@ -99,6 +133,11 @@ class WorkerConfig:
     listen: bool = True
     accept: bool = True
     accept_batch: int = 50
+
+    def __post_init__(self) -> None:
+        # Handler threads: as the delivery and workflow workers' (``--concurrency`` 1..256).
+        v.int_in_range(self.concurrency, "concurrency", 1, MAX_THREADS)
+        check_common(self)
 
 
 class Waker:
@@ -289,9 +328,35 @@ class AgentWorker:
             found = self.acceptance.round(communities, force=True) > 0  # nothing left to accept either
         return found
 
+    def _context(self, claim: s.AgentClaim) -> Context | None:
+        """``claim``'s context, its journal read. A read whose connection fails (a restart, a
+        terminated backend) is retried on a fresh connection for up to a third of the lease
+        (before its first renewal is due), so the run starts within the attempt it was claimed
+        for instead of being left unstarted until its lease lapses; past that, None: the run is
+        left to its lease, as when a runtime statement fails mid-run."""
+        cfg = self.config
+        until = time.monotonic() + cfg.lease_seconds / 3
+        pause = min(cfg.poll_seconds, cfg.lease_seconds / 30)
+        while True:
+            try:
+                return Context(claim)
+            except DB_UNAVAILABLE as exc:
+                discard_connection()
+                run_id, error = claim.lease.run_id, describe(exc)
+                if time.monotonic() + pause >= until:
+                    logger.warning("db_error run=%s: %s; the run is left to its lease", run_id, error)
+                    return None
+                logger.warning("journal_read_failed run=%s: %s; retried", run_id, error)
+                time.sleep(pause)
+
     def _run(self, claim: s.AgentClaim, lane: UserConnection) -> None:
         logger.info("claimed run=%s generation=%s", claim.lease.run_id, claim.lease.lease_generation)
-        ctx = Context(claim)
+        ctx = self._context(claim)
+        if ctx is None:
+            logger.info("lost run=%s", claim.lease.run_id)
+            with self.lock:
+                self.counts["lost"] += 1
+            return
         self.heartbeat.hold(ctx)
         try:
             result = run_claim(claim, self.config.handler, ctx, lane)

@@ -154,7 +154,7 @@ class RemoteRunContext:
         self._cancelled = threading.Event()
         self._pos = 0
         # A run that has spent no call and is not unwinding has an empty journal: no read (as
-        # the in-process runtime's claim_with_journals).
+        # the in-process runtime's batch.resumed).
         fresh = not claim.run.get("tool_calls_used") and not claim.run.get("unwinding")
         journal = [] if fresh else client.read_run(claim.lease.community_id, claim.lease.run_id)["journal"]
         self._journal = {e["seq"]: e for e in journal}

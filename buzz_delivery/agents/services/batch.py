@@ -498,19 +498,7 @@ def journals_of(community_id: uuid.UUID | str, run_ids: Sequence[uuid.UUID]) -> 
     return out
 
 
-def claim_with_journals(
-    community_id: uuid.UUID | str,
-    agent_pubkeys: list[bytes],
-    *,
-    worker_id: str,
-    limit: int,
-    lease_seconds: float | None = None,
-) -> list[tuple[AgentClaim, list[JournalEntry]]]:
-    """:func:`~buzz_delivery.agents.services.claim_agent_runs`, then the journals of the runs
-    it claimed that have used calls (a resumed run), in one more query."""
-    claims = runs.claim_agent_runs(
-        community_id, agent_pubkeys, worker_id=worker_id, limit=limit, lease_seconds=lease_seconds
-    )
-    resumed = [c.lease.run_id for c in claims if c.run.tool_calls_used or c.run.unwinding]
-    journals = journals_of(community_id, resumed) if resumed else {}
-    return [(c, journals.get(c.lease.run_id, [])) for c in claims]
+def resumed(claim: AgentClaim) -> bool:
+    """Whether a claimed run may have a journal to replay (it has used calls, or is unwinding):
+    a run that has neither has an empty journal, and no read."""
+    return bool(claim.run.tool_calls_used or claim.run.unwinding)

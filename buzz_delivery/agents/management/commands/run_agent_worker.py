@@ -31,6 +31,8 @@ from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.loop_worker import (
     DEFAULT_CONNECTIONS,
     DEFAULT_IN_FLIGHT,
+    MAX_CONNECTIONS,
+    MAX_IN_FLIGHT,
     AsyncAgentWorker,
     AsyncWorkerConfig,
 )
@@ -50,6 +52,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.leases import MAX_CLAIM_BATCH
 from buzz_delivery.worker import load_handler
 from buzz_delivery.worker.registry import Heartbeat
+from buzz_delivery.worker.runtime import MAX_THREADS
 
 
 class Command(StrictOptionsCommand):
@@ -71,7 +74,12 @@ class Command(StrictOptionsCommand):
         parser.add_argument("--handler", required=True, help="Dotted path to handler(ctx) -> output.")
         parser.add_argument("--agent", action="append", required=True, type=pubkey_hex, help="Agent key, 64 hex.")
         parser.add_argument("--community", action="append", default=[], type=uuid_value, help="Community UUID.")
-        parser.add_argument("--concurrency", type=positive_int, default=1, help="Handler threads (default 1).")
+        parser.add_argument(
+            "--concurrency",
+            type=int_in(1, MAX_THREADS),
+            default=1,
+            help=f"Handler threads (1..{MAX_THREADS}, as the other workers' threads; default 1).",
+        )
         parser.add_argument(
             "--lease-seconds",
             type=lease_seconds_option,
@@ -105,10 +113,16 @@ class Command(StrictOptionsCommand):
             "at once on --connections database connections, journal writes batched per community.",
         )
         parser.add_argument(
-            "--in-flight", type=positive_int, default=None, help="--async: runs held at once (default 1000)."
+            "--in-flight",
+            type=int_in(1, MAX_IN_FLIGHT),
+            default=None,
+            help=f"--async: runs held at once (1..{MAX_IN_FLIGHT}, default {DEFAULT_IN_FLIGHT}).",
         )
         parser.add_argument(
-            "--connections", type=positive_int, default=None, help="--async: the runtime's DB connections (default 4)."
+            "--connections",
+            type=int_in(1, MAX_CONNECTIONS),
+            default=None,
+            help=f"--async: the runtime's DB connections (1..{MAX_CONNECTIONS}, default {DEFAULT_CONNECTIONS}).",
         )
         parser.add_argument(
             "--no-accept",
