@@ -81,6 +81,25 @@ def test_a_plain_handler_runs_on_a_thread_in_the_event_loop_worker(community, le
     assert len([line for line in h.ledger_lines() if line.startswith("call ")]) == 12
 
 
+def marks_its_connection(ctx):
+    """A plain handler whose own code opens a Django connection (on its user thread) and names it."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('application_name', %s, false)", [ctx.input["mark"]])
+    return {"ok": True}
+
+
+def test_the_user_codes_connections_are_closed_when_the_event_loop_worker_stops(community, ledger, caplog):
+    mark = f"usercode-{time.monotonic_ns()}"
+    intake_event(community.id, "test", "mark", {"mark": mark}, AGENT)
+    with caplog.at_level("WARNING", logger="buzz_delivery"):
+        _, counts = in_process(community, marks_its_connection, in_flight=2, connections=1)
+    assert counts["completed"] == 1, counts
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [mark])
+        assert cursor.fetchone()[0] == 0  # closed when the worker stopped, not at the process's exit
+    assert not [r.getMessage() for r in caplog.records if "connection_close_failed" in r.getMessage()]
+
+
 def test_an_async_handler_that_fails_is_compensated_by_an_async_compensation_and_fails_alone(community, ledger):
     bad = new_run(community.id, agent=None)
     _, counts = in_process(community, ah.fails_then_compensates, in_flight=4, connections=1)

@@ -227,7 +227,9 @@ class AsyncAgentWorker:
                     logger.warning("deregister_failed worker=%s error=%s", cfg.registry.id, exc)
             await asyncio.get_running_loop().run_in_executor(None, pool.close)
             user_executor.shutdown(wait=False, cancel_futures=True)
-            runtime.user_connections.close_all()
+            # Off the loop: Django refuses to close a connection from an async context (each
+            # close failed, and the user code's connections stayed open until the process ended).
+            await asyncio.get_running_loop().run_in_executor(None, runtime.user_connections.close_all)
             if self.listener is not None:
                 self.listener.join(timeout=5)
 
