@@ -784,13 +784,14 @@ class Worker:
         ``handler_timeout`` from the handler's start (``started``), and never past the
         delivery's ``expires_at`` (measured from the claim, ``claimed_at``, on the database
         clock, so no clock of this host is compared with the server's)."""
-        limits = []
-        if self.config.handler_timeout is not None:
-            limits.append(started + self.config.handler_timeout)
+        timeout = self.config.handler_timeout
+        deadline = None if timeout is None else started + timeout
         delivery = claim.delivery
-        if delivery.expires_at is not None and delivery.claimed_at is not None:
-            limits.append(claimed_at + max((delivery.expires_at - delivery.claimed_at).total_seconds(), 0.0))
-        return min(limits) if limits else None
+        expires_at = delivery.expires_at
+        if expires_at is not None and delivery.claimed_at is not None:
+            expiry = claimed_at + max((expires_at - delivery.claimed_at).total_seconds(), 0.0)
+            deadline = expiry if deadline is None else min(deadline, expiry)
+        return deadline
 
     def _working(self) -> int:
         """Handlers in flight that are not past their deadline."""
