@@ -281,6 +281,15 @@ class Settler(threading.Thread):
         a WARNING per lost lease."""
         counts = dict.fromkeys(("finished", "failed", "retried", "lease_lost", "already"), 0)
         debug = logger.isEnabledFor(logging.DEBUG)
+        if results and not debug:
+            # The common batch: one outcome object for every lease (finish_deliveries returns
+            # its frozen Settled once per lease when all settled): counted at once, as the loop
+            # below would count it (it logs nothing per row for a Settled without DEBUG).
+            same = results[0][1]
+            if isinstance(same, Settled) and all(outcome is same for _, outcome in results):
+                key = SETTLED_KEYS.get(same.status, same.status)
+                counts[key] = counts.get(key, 0) + len(results)
+                results = []
         for job, outcome in results:
             lease = job.lease
             if isinstance(outcome, LeaseLost):
