@@ -34,7 +34,16 @@ def main() -> None:
         action="store_true",
         help="count the statements each Django connection sends (by kind) and the database's commits",
     )
+    parser.add_argument(
+        "--threads",
+        action="store_true",
+        help="CPU seconds per delivery of each kind of worker thread (handler, settler, ...; the"
+        " dispatcher is the rest of client_us)",
+    )
     args = parser.parse_args()
+    thread_cpu: collections.Counter[str] = collections.Counter()
+    if args.threads:
+        _count_thread_cpu(thread_cpu)
     url = env.database_url()
     env.ensure_database(url)
     env.setup_django(url)
@@ -69,6 +78,7 @@ def main() -> None:
     for _ in range(args.rounds):
         gc_time[0], gc_time[1] = 0.0, 0
         sent.clear()
+        thread_cpu.clear()
         data.clear_deliveries(conn)
         data.load(conn, tenant, args.deliveries)
         data.analyze(conn)
@@ -108,6 +118,8 @@ def main() -> None:
             f" vcsw/d={(r1.ru_nvcsw - r0.ru_nvcsw) / n:.2f} ivcsw/d={(r1.ru_nivcsw - r0.ru_nivcsw) / n:.2f}",
             flush=True,
         )
+        if args.threads:
+            print(" ".join(f"{name}_us={cpu / n * 1e6:.1f}" for name, cpu in sorted(thread_cpu.items())))
         if args.statements:
             commits = _commits(conn) - commits0 - 1  # less this read's own transaction
             print(f"commits/delivery={commits / n:.4f} (the database's xact_commit, all sessions)")
@@ -121,6 +133,22 @@ def _commits(conn: Any) -> int:
     conn.execute("SELECT pg_stat_clear_snapshot()")
     row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()").fetchone()
     return int(row[0])
+
+
+def _count_thread_cpu(cpu: collections.Counter[str]) -> None:
+    """Add each thread's CPU time (``thread_time`` at its end) to ``cpu`` by its name less a
+    trailing number (``buzz-delivery-handler-N``: all handler threads together)."""
+    import threading
+
+    bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def counted(self: threading.Thread) -> None:
+        try:
+            bootstrap(self)
+        finally:
+            cpu[re.sub(r"^buzz-delivery-|-\d+$", "", self.name)] += time.thread_time()
+
+    threading.Thread._bootstrap_inner = counted  # type: ignore[attr-defined]
 
 
 _FUNCTION = re.compile(r"FROM (\w+)\(")

@@ -78,14 +78,20 @@ def discard_connection(db: Any = None) -> None:
 def left_open(db: Any) -> str | None:
     """What transaction the connection ``db`` has open, as a sentence, or None (no round trip:
     Django's flags and libpq's transaction status)."""
+    return _left_open(db, db.connection)
+
+
+def _left_open(db: Any, raw: Any) -> str | None:
+    """:func:`left_open` of ``db``, whose psycopg connection ``raw`` the caller already read."""
     if db.in_atomic_block:
         return "an atomic() block was left open"
     if not db.autocommit:
         return "autocommit was left off"
-    raw = db.connection
     if raw is None or raw.closed:
         return None
-    status = raw.info.transaction_status
+    # libpq's status as the int it is (``raw.info.transaction_status`` builds a ConnectionInfo
+    # and an enum member per read; the values are the same, TransactionStatus is an IntEnum).
+    status = raw.pgconn.transaction_status
     if status == _UNKNOWN:
         return None  # a broken connection: the call's own error says so; it is dropped below
     if not raw.autocommit:
@@ -106,8 +112,11 @@ class UserCode:
 
     __slots__ = ("_db", "_depth", "_in_transaction", "_mark", "_scope", "left_open", "session_touched")
 
-    def __init__(self, community_id: uuid.UUID | str) -> None:
+    def __init__(self, community_id: uuid.UUID | str, db: Any = None) -> None:
+        """``db``: this thread's default Django connection wrapper, if the caller already looked
+        it up (``connections[DEFAULT_DB_ALIAS]``; looked up on entry otherwise)."""
         self._scope = tenancy.handler(community_id)
+        self._db = db
         self.session_touched = False
         self.left_open: str | None = None
 
@@ -117,8 +126,9 @@ class UserCode:
         return execute(sql, params, many, context)
 
     def __enter__(self) -> UserCode:
-        db = connections[DEFAULT_DB_ALIAS]
-        self._db = db
+        db = self._db
+        if db is None:
+            db = self._db = connections[DEFAULT_DB_ALIAS]
         self._mark = len(db.execute_wrappers)
         self._depth = len(db.atomic_blocks)
         # Called inside a caller's transaction (a test's, run_until_idle's): only what the call
@@ -152,13 +162,13 @@ class UserCode:
                 return problem
         if self._in_transaction:
             return problem
-        problem = problem or left_open(db)
+        raw = db.connection
+        problem = problem or _left_open(db, raw)
         if problem is not None:
             logger.warning("user_code_left_open: %s; its connection is discarded", problem)
             discard_connection(db)
             return problem
-        raw = db.connection
-        if raw is not None and (raw.closed or raw.info.transaction_status == _UNKNOWN):
+        if raw is not None and (raw.closed or raw.pgconn.transaction_status == _UNKNOWN):
             discard_connection(db)  # terminated under the call: the next statement reconnects
         elif raw is not None and self.session_touched:
             try:

@@ -47,8 +47,10 @@ class HeldLease:
         return not (self.lost or self.timed_out)
 
 
-def _key(lease: Lease) -> tuple[uuid.UUID, int]:
-    return (lease.delivery_id, lease.lease_generation)
+def _key(lease: Lease) -> tuple[int, int]:
+    # The id's int: a tuple of ints hashes in C (a UUID hashes through a Python method, and a
+    # lease is looked up three times per delivery).
+    return (lease.delivery_id.int, lease.lease_generation)
 
 
 class LeaseRenewer(threading.Thread):
@@ -71,8 +73,11 @@ class LeaseRenewer(threading.Thread):
         # Keyed by (delivery, generation): after an operator requeue the same worker may hold a
         # newer lease on the same delivery while the old handler still runs; each holder
         # releases only its own lease.
-        self._held: dict[tuple[uuid.UUID, int], HeldLease] = {}
-        self._cond = threading.Condition()
+        self._held: dict[tuple[int, int], HeldLease] = {}
+        # The condition's own lock, also taken bare where nothing waits or is notified (hold,
+        # set_deadline, release: per delivery; a Condition's ``with`` is a Python call).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._stopping = False
         # When the thread's wait ends (monotonic seconds; inf = it waits to be notified; -inf =
         # it is not waiting): a new lease or deadline wakes it only if it is due before that, so
@@ -100,17 +105,17 @@ class LeaseRenewer(threading.Thread):
         if not leases:
             return
         due = time.monotonic() + self.every
-        with self._cond:
+        with self._lock:
             held = self._held
             for lease in leases:
-                held[(lease.delivery_id, lease.lease_generation)] = HeldLease(lease=lease, due=due)
+                held[(lease.delivery_id.int, lease.lease_generation)] = HeldLease(lease=lease, due=due)
             self._notify_if_before(due)
 
     def set_deadline(self, lease: Lease, deadline: float | None) -> None:
         """Give a held lease its handler deadline (monotonic seconds; None = none), set when
         its handler starts: a claim waiting in the worker's local queue is renewed, but its
         handler's time has not begun. No effect on a lease that is not held."""
-        with self._cond:
+        with self._lock:
             held = self._held.get(_key(lease))
             if held is not None:
                 held.deadline = deadline
@@ -119,7 +124,7 @@ class LeaseRenewer(threading.Thread):
     def release(self, lease: Lease) -> HeldLease | None:
         """Stop renewing ``lease`` (this delivery at this generation only; a newer lease of the
         same delivery keeps being renewed). Returns the final state, or None if not held."""
-        with self._cond:
+        with self._lock:
             return self._held.pop(_key(lease), None)
 
     def timed_out_count(self) -> int:

@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DatabaseError, close_old_connections, connection, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections, connection, connections
 
 from buzz_delivery import services, tracing
 from buzz_delivery.conf import get_settings
@@ -277,7 +277,8 @@ class Worker:
         self.give_up = False  # a second signal: stop waiting for in-flight handlers
         # Claims whose handler has not yet reached its settle decision; once ``gave_up`` is set
         # (under ``_lock``) they are abandoned: none of them settles any more.
-        self.undecided: set[tuple[uuid.UUID, int]] = set()
+        # Keyed by the ids' ints (hashed in C; a UUID hashes through a Python method).
+        self.undecided: set[tuple[int, int]] = set()
         self.gave_up = False
         self.threads: list[threading.Thread] = []
         self.exited: set[int | None] = set()  # handler threads that stopped as told (a stop marker)
@@ -285,7 +286,7 @@ class Worker:
         self.is_async = is_async_handler(config.handler)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_ready = threading.Event()
-        self._community_texts: dict[uuid.UUID, str] = {}
+        self._community_texts: dict[int, str] = {}  # by the community id's int
 
     # --- handler threads -------------------------------------------------------------------
 
@@ -301,7 +302,7 @@ class Worker:
         """The settle decision of one claim: False when the worker already gave its leases up
         (the claim counts as abandoned and must not settle), else True (it will settle)."""
         with self._lock:
-            self.undecided.discard((lease.delivery_id, lease.lease_generation))
+            self.undecided.discard((lease.delivery_id.int, lease.lease_generation))
             return not self.gave_up
 
     def _retry_now(self, lease: Lease, why: str) -> None:
@@ -397,15 +398,16 @@ class Worker:
 
     def _community_text(self, community_id: uuid.UUID) -> str:
         """``str(community_id)``, formatted once per community (a handler scope takes the text)."""
-        text = self._community_texts.get(community_id)
+        text = self._community_texts.get(community_id.int)
         if text is None:
-            text = self._community_texts[community_id] = str(community_id)
+            text = self._community_texts[community_id.int] = str(community_id)
         return text
 
     def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
         """Run the handler for one claim; returns what to settle, or None (result dropped)."""
         lease = claim.lease
-        if connection.in_atomic_block:  # never a transaction around a handler
+        db = connections[DEFAULT_DB_ALIAS]  # this thread's connection wrapper, looked up once
+        if db.in_atomic_block:  # never a transaction around a handler
             raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
         started = self._begin(claim, claimed_at)
         if started is None:
@@ -414,7 +416,7 @@ class Worker:
         # through the ORM (a deferred field, a related row) is that community's, and only
         # that; as the login role, which holds the grants on the project's own tables. What it
         # leaves open on this thread's connection is undone there (buzz_delivery.usercode).
-        call = UserCode(self._community_text(lease.community_id))
+        call = UserCode(self._community_text(lease.community_id), db)
         try:
             with call, tracing.handler_span(claim.delivery):
                 self.config.handler(claim.delivery)
@@ -734,7 +736,7 @@ class Worker:
             self.handling += len(claims)
             self.claimed += len(claims) + len(again)
             self.last_busy = time.monotonic()
-            self.undecided.update((c.lease.delivery_id, c.lease.lease_generation) for c in claims)
+            self.undecided.update((c.lease.delivery_id.int, c.lease.lease_generation) for c in claims)
         for claim in again:
             # Never run a delivery twice at once in one process: its earlier handler still hangs here.
             self.tally.add("claimed")
@@ -782,13 +784,14 @@ class Worker:
         ``handler_timeout`` from the handler's start (``started``), and never past the
         delivery's ``expires_at`` (measured from the claim, ``claimed_at``, on the database
         clock, so no clock of this host is compared with the server's)."""
-        limits = []
-        if self.config.handler_timeout is not None:
-            limits.append(started + self.config.handler_timeout)
+        timeout = self.config.handler_timeout
+        deadline = None if timeout is None else started + timeout
         delivery = claim.delivery
-        if delivery.expires_at is not None and delivery.claimed_at is not None:
-            limits.append(claimed_at + max((delivery.expires_at - delivery.claimed_at).total_seconds(), 0.0))
-        return min(limits) if limits else None
+        expires_at = delivery.expires_at
+        if expires_at is not None and delivery.claimed_at is not None:
+            expiry = claimed_at + max((expires_at - delivery.claimed_at).total_seconds(), 0.0)
+            deadline = expiry if deadline is None else min(deadline, expiry)
+        return deadline
 
     def _working(self) -> int:
         """Handlers in flight that are not past their deadline."""

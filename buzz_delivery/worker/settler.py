@@ -61,22 +61,51 @@ def next_batch(source: queue.Queue[T | None], max_batch: int, linger: float) -> 
     ``source`` is a :class:`queue.Queue`, not a ``SimpleQueue``: CPython 3.11's timed
     ``SimpleQueue.get`` can wait with no timeout at all (until the next put) when its thread was
     preempted past what was left of the wait (test_worker_settler_linger); ``Queue.get`` waits
-    on a condition with its own deadline. About a microsecond more per result."""
+    on a condition with its own deadline. What is already queued is taken under one lock
+    (:func:`_take_queued`), not one ``get`` a result: a ``Queue.get`` is a few Python calls."""
     first = source.get()
     if first is None:
         return [], True
     items = [first]
     until = time.monotonic() + linger
     while len(items) < max_batch:
+        took, closed = _take_queued(source, items, max_batch)
+        if closed:
+            return items, True
+        if took:
+            continue  # room left: take what came meanwhile, else wait below
         left = until - time.monotonic()
+        if left <= 0:
+            break
         try:
-            item = source.get(timeout=left) if left > 0 else source.get_nowait()
+            item = source.get(timeout=left)
         except queue.Empty:
             break
         if item is None:
             return items, True
         items.append(item)
     return items, False
+
+
+def _take_queued(source: queue.Queue[T | None], items: list[T], max_batch: int) -> tuple[int, bool]:
+    """Move what ``source`` holds now onto ``items``, in order, until ``items`` holds
+    ``max_batch`` or the close marker is taken: what as many ``get_nowait`` calls would take.
+    Returns (how many were taken, the marker included; whether the marker was taken)."""
+    with source.mutex:
+        queued = source.queue
+        n = min(len(queued), max_batch - len(items))
+        took = 0
+        closed = False
+        while took < n:
+            item = queued.popleft()
+            took += 1
+            if item is None:
+                closed = True
+                break
+            items.append(item)
+        if took:
+            source.not_full.notify(took)  # as each get does (nothing waits on an unbounded queue)
+    return took, closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +281,15 @@ class Settler(threading.Thread):
         a WARNING per lost lease."""
         counts = dict.fromkeys(("finished", "failed", "retried", "lease_lost", "already"), 0)
         debug = logger.isEnabledFor(logging.DEBUG)
+        if results and not debug:
+            # The common batch: one outcome object for every lease (finish_deliveries returns
+            # its frozen Settled once per lease when all settled): counted at once, as the loop
+            # below would count it (it logs nothing per row for a Settled without DEBUG).
+            same = results[0][1]
+            if isinstance(same, Settled) and all(outcome is same for _, outcome in results):
+                key = SETTLED_KEYS.get(same.status, same.status)
+                counts[key] = counts.get(key, 0) + len(results)
+                results = []
         for job, outcome in results:
             lease = job.lease
             if isinstance(outcome, LeaseLost):
