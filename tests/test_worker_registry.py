@@ -118,7 +118,12 @@ def test_a_delivery_worker_process_is_registered_while_it_runs_and_gone_after_si
     target = random32()
     worker = start_worker(target, "--lease-seconds", "2")
     deadline = time.monotonic() + 30
-    while not (rows := list(WorkerRegistration.objects.filter(pid=worker.proc.pid))):
+    # Registered and running: the command registers before run_worker installs its SIGTERM
+    # handler, and a signal in that window ends the process the default way (exit -15, the row
+    # left for the reaper to prune); "started" is logged once the handler is in place.
+    while not (rows := list(WorkerRegistration.objects.filter(pid=worker.proc.pid))) or (
+        "started community=" not in worker.log()
+    ):
         assert worker.proc.poll() is None and time.monotonic() < deadline, worker.log()
         time.sleep(0.1)
 
