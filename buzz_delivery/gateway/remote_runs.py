@@ -156,7 +156,13 @@ class RemoteRunContext:
         # A run that has spent no call and is not unwinding has an empty journal: no read (as
         # the in-process runtime's claim_with_journals).
         fresh = not claim.run.get("tool_calls_used") and not claim.run.get("unwinding")
-        journal = [] if fresh else client.read_run(claim.lease.community_id, claim.lease.run_id)["journal"]
+        # A read: a 503 or 429 of the gateway's own is read again (_again), not the run given up
+        # before its handler starts (its lease lapsed, the reaper counted an attempt: on the last,
+        # failed/attempts_exhausted and compensated; many runs resumed together meet the key's
+        # bound on requests in flight).
+        journal = (
+            [] if fresh else _again(lambda: client.read_run(claim.lease.community_id, claim.lease.run_id))["journal"]
+        )
         self._journal = {e["seq"]: e for e in journal}
         self.replayed = 0
         # ctx.emit: the chunks the run had when claimed (a resumed handler's first emits are these).
@@ -623,7 +629,8 @@ AGAIN_MOST = 5.0
 
 
 def _again(send: Callable[[], Any]) -> Any:
-    """``send()``, again while the gateway answers a step batch 503 or 429 (see :data:`AGAIN_TIMES`)."""
+    """``send()``, again while the gateway answers a step batch (or a read) 503 or 429 (see
+    :data:`AGAIN_TIMES`)."""
     for attempt in range(AGAIN_TIMES + 1):
         try:
             return send()
