@@ -89,6 +89,23 @@ def sqlstate_of(exc: BaseException) -> str | None:
     return state
 
 
+# Citus, a worker's connection lost inside a transaction (the worker restarted, its backend
+# terminated, the network): the coordinator fails the statement or the COMMIT with XX000 ("could
+# not commit transaction for shard N on at least one active node", "failure on connection marked
+# as essential: host:port"), psycopg's InternalError, where a connection lost on one node is an
+# OperationalError. The transaction was rolled back: nothing was kept.
+_CITUS_NODE_LOST = (
+    "could not commit transaction for shard ",
+    "failure on connection marked as essential",
+    "connection to the remote node ",
+)
+
+
+def node_lost(exc: BaseException) -> bool:
+    """True for a Django database error that is Citus losing a worker's connection mid-transaction."""
+    return sqlstate_of(exc) == "XX000" and str(exc.__cause__).startswith(_CITUS_NODE_LOST)
+
+
 def constraint_name(exc: BaseException) -> str | None:
     """The violated constraint's name from a wrapped psycopg error, without a Citus shard suffix."""
     diag = getattr(exc.__cause__, "diag", None)
