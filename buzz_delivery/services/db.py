@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from django.core.exceptions import ValidationError
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections
 
 from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused, LifecycleError
 from buzz_delivery.services import cached, tenancy
@@ -120,7 +120,9 @@ def constraint_name(exc: BaseException) -> str | None:
 
 @contextmanager
 def translated_errors(field_prefix: str = "") -> Iterator[None]:
-    """Re-raise write-fence, lifecycle and known key violations as domain errors."""
+    """Re-raise write-fence, lifecycle and known key violations as domain errors, and Citus losing
+    a worker's connection mid-transaction (:func:`node_lost`) as the ``OperationalError`` of a
+    lost connection."""
     try:
         yield
     except IntegrityError as exc:
@@ -138,6 +140,8 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
             raise LifecycleError(str(exc.__cause__).splitlines()[0]) from exc
         if state == HISTORY_SQLSTATE:
             raise DeliveryWriteRefused(str(exc.__cause__).splitlines()[0]) from exc
+        if node_lost(exc):  # as any lost connection: what the loops retry (an InternalError stopped them)
+            raise OperationalError(*exc.args) from exc.__cause__
         raise
 
 
