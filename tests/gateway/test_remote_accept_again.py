@@ -4,9 +4,9 @@ delivery ``retry`` at once: that spent one of the delivery's attempts for a pass
 error, and on its last attempt ended it ``failed``/``attempts_exhausted`` (no run, the workflow
 step that awaits it failed) where the accept, sent again a moment later, would have succeeded.
 
-Real gateway, real database: the accept's settle waits on a row lock this test holds on the
-delivery, past the server's ``lock_timeout``, so the gateway answers a true 503; the lock is let
-go once that answer came back."""
+Real gateway, real database: the accept waits on a table lock this test holds, past the server's
+``lock_timeout``, so the gateway answers a true 503; the lock is let go once that answer came
+back."""
 
 from __future__ import annotations
 
@@ -64,12 +64,9 @@ def test_an_accept_answered_503_is_sent_again_not_settled_retry_on_the_last_atte
     WorkflowAgentDelivery.objects.filter(id=delivery.id).update(max_attempts=1)  # its one attempt
     try:
         (claim,) = agent.claim(1)
-        with blocker.cursor() as cur:  # hold the delivery as a reader: the accept's settle must wait
-            cur.execute(
-                "SELECT 1 FROM buzz_delivery_delivery WHERE community_id = %s AND id = %s FOR SHARE",
-                (delivery.community_id, delivery.id),
-            )
-            assert cur.rowcount == 1
+        with blocker.cursor() as cur:  # the accept's first read of the deliveries must wait (on a
+            # cluster too: the coordinator's table, where the server's lock_timeout applies)
+            cur.execute("LOCK TABLE buzz_delivery_delivery IN ACCESS EXCLUSIVE MODE")
         result = remote_accept.accept_remote_claim(agent, claim)
     finally:
         blocker.close()
