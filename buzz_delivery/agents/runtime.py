@@ -63,6 +63,7 @@ from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.services import ratelimits
+from buzz_delivery.services.db import node_lost
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode, UserConnection, discard_connection, in_transaction
@@ -511,10 +512,13 @@ def _run_claim(
 def _settle(service: Callable[..., Any], *args: Any) -> Any:
     """``complete_run``/``fail_run`` (fenced, and answered ``AlreadyTerminal`` to the true
     holder's retry), tried once more on a fresh connection when the runtime's was lost under it
-    (a restart, a terminated backend)."""
+    (a restart, a terminated backend; on Citus a worker's connection lost before the COMMIT, an
+    ``InternalError``: rolled back, as :func:`~buzz_delivery.services.db.node_lost` says)."""
     try:
         return service(*args)
-    except (OperationalError, InterfaceError) as exc:
+    except DatabaseError as exc:
+        if not isinstance(exc, (OperationalError, InterfaceError)) and not node_lost(exc):
+            raise
         db = connections[DEFAULT_DB_ALIAS]
         if in_transaction(db):
             raise

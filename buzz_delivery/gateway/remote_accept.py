@@ -7,29 +7,56 @@ and each is accepted into an agent run (``POST .../deliveries/{d}/accept``: the 
 Needs no Django. Do not also run ``work`` (the remote delivery worker) with the same key: both
 would claim its deliveries. ``work-runs --no-accept`` turns this off.
 
-One delivery never stops the worker: an error accepting it is logged and counted, the delivery
-is settled ``retry`` (its backoff and attempt cap apply; if that fails too, its lease lapses and
-the server's reaper reclaims it), and the loop goes on.
+One delivery never stops the worker: an error accepting it (past the resends of a 503 or 429 of
+the gateway's own, :data:`ACCEPT_AGAIN`) is logged and counted, the delivery is settled
+``retry`` (its backoff and attempt cap apply; if that fails too, its lease lapses and the
+server's reaper reclaims it), and the loop goes on.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
-from buzz_delivery.gateway.client import GatewayClient, RemoteClaim, describe
+from buzz_delivery import backoff
+from buzz_delivery.gateway.client import GatewayClient, GatewayHTTPError, RemoteClaim, RunOutcome, describe
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
 
 DEFAULT_BATCH = 50
+# An accept the gateway itself refused for load (429: before any write) or answered 503
+# ``unavailable`` (its one transaction could not commit: nothing kept; a deadlock's victim, a
+# lock or statement timeout, a terminated backend) is sent again, signed anew, this many times
+# in all, backing off from ACCEPT_BACKOFF seconds (at most ACCEPT_MOST, whatever a Retry-After
+# asks: the delivery's lease keeps running). Settling ``retry`` at once spent one of the
+# delivery's attempts for a passing error: on its last, the delivery ended
+# ``failed``/``attempts_exhausted``, no run created. A repeat of an accept that did commit is
+# answered ``already_terminal`` (the holder's own retry): nothing is done twice.
+ACCEPT_AGAIN = ((429, "too_many_requests"), (503, "unavailable"))
+ACCEPT_TRIES = 4
+ACCEPT_BACKOFF = 0.2
+ACCEPT_MOST = 5.0
+
+
+def _accept(client: GatewayClient, claim: RemoteClaim) -> RunOutcome:
+    for attempt in range(ACCEPT_TRIES):
+        try:
+            return client.accept(claim.lease)
+        except GatewayHTTPError as exc:
+            if (exc.status, exc.code) not in ACCEPT_AGAIN or attempt == ACCEPT_TRIES - 1:
+                raise
+            logger.warning("accept_again delivery=%s attempt=%d: %s", claim.lease.delivery_id, attempt + 1, exc)
+            time.sleep(backoff.again_delay(ACCEPT_BACKOFF, attempt, exc.retry_after, most=ACCEPT_MOST))
+    raise AssertionError("unreachable")
 
 
 def accept_remote_claim(client: GatewayClient, claim: RemoteClaim) -> str:
     """Accept one claimed delivery: ``accepted``, ``run_ended``, ``missed`` or ``errors``."""
     try:
-        outcome = client.accept(claim.lease)
+        outcome = _accept(client, claim)
     except Exception as exc:  # the gateway refused it or went away: retry it later
         logger.warning("accept_error delivery=%s: %s", claim.lease.delivery_id, describe(exc))
         try:

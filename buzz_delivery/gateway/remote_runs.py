@@ -156,7 +156,13 @@ class RemoteRunContext:
         # A run that has spent no call and is not unwinding has an empty journal: no read (as
         # the in-process runtime's batch.resumed).
         fresh = not claim.run.get("tool_calls_used") and not claim.run.get("unwinding")
-        journal = [] if fresh else client.read_run(claim.lease.community_id, claim.lease.run_id)["journal"]
+        # A read: a 503 or 429 of the gateway's own is read again (_again), not the run given up
+        # before its handler starts (its lease lapsed, the reaper counted an attempt: on the last,
+        # failed/attempts_exhausted and compensated; many runs resumed together meet the key's
+        # bound on requests in flight).
+        journal = (
+            [] if fresh else _again(lambda: client.read_run(claim.lease.community_id, claim.lease.run_id))["journal"]
+        )
         self._journal = {e["seq"]: e for e in journal}
         self.replayed = 0
         # ctx.emit: the chunks the run had when claimed (a resumed handler's first emits are these).
@@ -257,7 +263,7 @@ class RemoteRunContext:
                 self._emit_pos += 1
                 return self._emit_pos
             with self._runtime("emit"):
-                outcome = self.client.emit(self.lease, chunk)
+                outcome = _again(lambda: self.client.emit(self.lease, chunk), REFUSED_FOR_LOAD)
             if outcome.outcome == "emitted":
                 self._emit_pos = int(outcome.data["seq"])
                 return self._emit_pos
@@ -333,7 +339,9 @@ class RemoteRunContext:
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
         with self._runtime("request an approval"):
-            outcome = self.client.request_approval(self.lease, prompt, deadline_seconds)
+            outcome = _again(
+                lambda: self.client.request_approval(self.lease, prompt, deadline_seconds), REFUSED_FOR_LOAD
+            )
         if outcome.outcome == "approval_requested":
             raise _Parked(outcome.data["approval_id"])
         if outcome.outcome == "budget_exceeded":
@@ -615,6 +623,11 @@ class RunBatcher:
 # The gateway's own refusals only (its JSON ``code``): a 503 a proxy answers (not JSON: Envoy's
 # "upstream reset before headers", say) may come after the gateway committed the request.
 AGAIN_STATUSES = ((429, "too_many_requests"), (503, "unavailable"))
+# What a request that is not one transaction with its event id (an emit, an approval request)
+# is sent again after: the gateway's 429 only, refused before any write (a 503 may come after
+# its write was kept). Before, the run was marked lost: its lease lapsed and the reaper counted
+# an attempt (on the last: failed/attempts_exhausted, compensated) for a burst over the bound.
+REFUSED_FOR_LOAD = ((429, "too_many_requests"),)
 AGAIN_TIMES = 3
 AGAIN_BACKOFF = 0.05
 # The longest wait before sending a step batch again, whatever its 429's Retry-After asks (the
@@ -622,13 +635,14 @@ AGAIN_BACKOFF = 0.05
 AGAIN_MOST = 5.0
 
 
-def _again(send: Callable[[], Any]) -> Any:
-    """``send()``, again while the gateway answers a step batch 503 or 429 (see :data:`AGAIN_TIMES`)."""
+def _again(send: Callable[[], Any], statuses: tuple[tuple[int, str], ...] = AGAIN_STATUSES) -> Any:
+    """``send()``, again while the gateway answers a step batch (or a read) 503 or 429 (see
+    :data:`AGAIN_TIMES`); ``statuses``: the refusals sent again."""
     for attempt in range(AGAIN_TIMES + 1):
         try:
             return send()
         except GatewayHTTPError as exc:
-            if (exc.status, exc.code) not in AGAIN_STATUSES or attempt == AGAIN_TIMES:
+            if (exc.status, exc.code) not in statuses or attempt == AGAIN_TIMES:
                 raise
             logger.warning("step_batch_again status=%s attempt=%d: %s", exc.status, attempt + 1, exc)
             time.sleep(backoff.again_delay(AGAIN_BACKOFF, attempt, exc.retry_after, most=AGAIN_MOST))

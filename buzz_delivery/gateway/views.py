@@ -23,7 +23,7 @@ from functools import wraps
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -38,6 +38,7 @@ from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import BATCH_FINISH, BATCH_RENEW, CLAIM, FINISH, RENEW, Body
 from buzz_delivery.gateway.wake import hub
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settle, Settled
+from buzz_delivery.services.db import node_lost
 from buzz_delivery.tracing import http as tracing_http
 
 logger = logging.getLogger("buzz_delivery.gateway")
@@ -100,8 +101,19 @@ def _refused(run: Callable[[], HttpResponse]) -> HttpResponse:
         field = _field_of(exc)
         return bad_request(field, "; ".join(exc.messages)).response()
     except (OperationalError, InterfaceError) as exc:
-        logger.warning("gateway database unavailable: %s", str(exc).strip().splitlines()[:1])
-        return GatewayError("unavailable", "the database is unavailable; retry later").response()
+        return _unavailable(exc)
+    except DatabaseError as exc:
+        # Citus losing a worker's connection mid-transaction (XX000, an InternalError): rolled
+        # back, nothing kept, as any lost connection: 503, which the clients send again (a 500
+        # they do not: a step batch's runs were given up, a settle's leases left to lapse).
+        if not node_lost(exc):
+            raise
+        return _unavailable(exc)
+
+
+def _unavailable(exc: Exception) -> HttpResponse:
+    logger.warning("gateway database unavailable: %s", str(exc).strip().splitlines()[:1])
+    return GatewayError("unavailable", "the database is unavailable; retry later").response()
 
 
 def endpoint(

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from django.core.exceptions import ValidationError
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections
 
 from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused, LifecycleError
 from buzz_delivery.services import cached, tenancy
@@ -89,6 +89,23 @@ def sqlstate_of(exc: BaseException) -> str | None:
     return state
 
 
+# Citus, a worker's connection lost inside a transaction (the worker restarted, its backend
+# terminated, the network): the coordinator fails the statement or the COMMIT with XX000 ("could
+# not commit transaction for shard N on at least one active node", "failure on connection marked
+# as essential: host:port"), psycopg's InternalError, where a connection lost on one node is an
+# OperationalError. The transaction was rolled back: nothing was kept.
+_CITUS_NODE_LOST = (
+    "could not commit transaction for shard ",
+    "failure on connection marked as essential",
+    "connection to the remote node ",
+)
+
+
+def node_lost(exc: BaseException) -> bool:
+    """True for a Django database error that is Citus losing a worker's connection mid-transaction."""
+    return sqlstate_of(exc) == "XX000" and str(exc.__cause__).startswith(_CITUS_NODE_LOST)
+
+
 def constraint_name(exc: BaseException) -> str | None:
     """The violated constraint's name from a wrapped psycopg error, without a Citus shard suffix."""
     diag = getattr(exc.__cause__, "diag", None)
@@ -103,7 +120,9 @@ def constraint_name(exc: BaseException) -> str | None:
 
 @contextmanager
 def translated_errors(field_prefix: str = "") -> Iterator[None]:
-    """Re-raise write-fence, lifecycle and known key violations as domain errors."""
+    """Re-raise write-fence, lifecycle and known key violations as domain errors, and Citus losing
+    a worker's connection mid-transaction (:func:`node_lost`) as the ``OperationalError`` of a
+    lost connection."""
     try:
         yield
     except IntegrityError as exc:
@@ -121,6 +140,8 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
             raise LifecycleError(str(exc.__cause__).splitlines()[0]) from exc
         if state == HISTORY_SQLSTATE:
             raise DeliveryWriteRefused(str(exc.__cause__).splitlines()[0]) from exc
+        if node_lost(exc):  # as any lost connection: what the loops retry (an InternalError stopped them)
+            raise OperationalError(*exc.args) from exc.__cause__
         raise
 
 
