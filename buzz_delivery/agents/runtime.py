@@ -513,7 +513,8 @@ def _settle(service: Callable[..., Any], *args: Any) -> Any:
     """``complete_run``/``fail_run`` (fenced, and answered ``AlreadyTerminal`` to the true
     holder's retry), tried once more on a fresh connection when the runtime's was lost under it
     (a restart, a terminated backend; on Citus a worker's connection lost before the COMMIT, an
-    ``InternalError``: rolled back, as :func:`~buzz_delivery.services.db.node_lost` says)."""
+    ``InternalError``, :func:`~buzz_delivery.services.db.node_lost`): a first try that was kept
+    after all is answered ``AlreadyTerminal`` to the second."""
     try:
         return service(*args)
     except DatabaseError as exc:

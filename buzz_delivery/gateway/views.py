@@ -103,9 +103,9 @@ def _refused(run: Callable[[], HttpResponse]) -> HttpResponse:
     except (OperationalError, InterfaceError) as exc:
         return _unavailable(exc)
     except DatabaseError as exc:
-        # Citus losing a worker's connection mid-transaction (XX000, an InternalError): rolled
-        # back, nothing kept, as any lost connection: 503, which the clients send again (a 500
-        # they do not: a step batch's runs were given up, a settle's leases left to lapse).
+        # Citus losing a worker's connection mid-transaction (XX000, an InternalError), as any
+        # lost connection: 503, which the clients send again, fenced (a 500 they do not: a step
+        # batch's runs were given up, a settle's leases left to lapse).
         if not node_lost(exc):
             raise
         return _unavailable(exc)

@@ -93,7 +93,9 @@ def sqlstate_of(exc: BaseException) -> str | None:
 # terminated, the network): the coordinator fails the statement or the COMMIT with XX000 ("could
 # not commit transaction for shard N on at least one active node", "failure on connection marked
 # as essential: host:port"), psycopg's InternalError, where a connection lost on one node is an
-# OperationalError. The transaction was rolled back: nothing was kept.
+# OperationalError. As for any connection lost at COMMIT, whether a write was kept can be in
+# doubt (a worker that committed before its connection went); what is sent again is fenced (a
+# kept transition answers already terminal, already recorded or lease lost), never done twice.
 _CITUS_NODE_LOST = (
     "could not commit transaction for shard ",
     "failure on connection marked as essential",
