@@ -1008,8 +1008,14 @@ class RemoteWorker:
                         self._claiming -= want
                         self._claims_in_flight -= 1
                         self._last_full = False
+                        self._counts["errors"] += 1
+                        idle = time.monotonic() - self._idle_since
                         self._room_changed.notify_all()
                     self.stop.wait(1.0)
+                    # No delivery could be claimed (the gateway unreachable, the key not enrolled):
+                    # idle for --idle-exit, as an empty claim is, so a draining job ends.
+                    if self.idle_exit is not None and idle + 1.0 >= self.idle_exit:
+                        self.request_stop("idle_exit")
                     continue
                 with self._room_changed:
                     self._claiming -= want

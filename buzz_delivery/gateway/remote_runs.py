@@ -805,7 +805,7 @@ class RemoteRunWorker:
                 with self._lock:
                     self.counts["errors"] += 1
                 self.stop.wait(1.0)
-                continue
+                claims = []  # no run could be claimed: idle, as an empty claim is (--idle-exit)
             if not claims:
                 with self._lock:
                     idle = self._busy == 0
@@ -948,7 +948,8 @@ class RemoteRunWorker:
         if acceptor is not None:
             acceptor.join(timeout=self.wait_seconds + self.client.timeout)
             self.counts["accepted"] = acceptor.counts["accepted"]
-            self.counts["accept_errors"] = acceptor.counts["errors"]
+            self.counts["accept_errors"] = acceptor.counts["errors"]  # deliveries whose accept failed
+            self.counts["errors"] += acceptor.counts["claim_errors"]  # its claims, as the runs' claims
         summary: dict[str, Any] = {k: self.counts.get(k, 0) for k in SUMMARY_KEYS}
         summary["reason"] = self.internal_error or self.reason
         if self.internal_error:

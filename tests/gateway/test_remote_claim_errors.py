@@ -1,0 +1,43 @@
+"""The remote workers when no claim gets through (a key not enrolled, a gateway gone): a newcomer
+ran ``work-runs --idle-exit 3`` with a key not yet enrolled and it never exited, warning twice a
+second, and its summary counted every failed claim request as an ``accept_errors`` (a delivery
+whose accept failed) while no delivery was ever claimed; ``work`` counted none of them at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.gateway.support import ROOT, new_agent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HANDLERS = {"work": "tests.gateway.handlers:scripted", "work-runs": "tests.gateway.handlers:three_calls"}
+
+
+@pytest.mark.parametrize("command", ["work", "work-runs"])
+def test_claims_refused_count_as_idle_and_as_errors_not_accept_errors(gateway_server, tmp_path, command):
+    agent = new_agent(gateway_server)  # never enrolled: every claim is a 403 not_enrolled
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the remote workers need no Django
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "buzz_delivery.gateway.client", command, "--url", gateway_server.base,
+             "--key-file", str(key_file), "--handler", HANDLERS[command], "--wait-seconds", "0.5",
+             "--idle-exit", "1"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{command} --idle-exit 1 still running after 60 s: {exc.stderr!r}"[-2000:])
+    assert proc.returncode == 0, proc.stderr
+    assert "not_enrolled" in proc.stderr  # each refusal says why
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["reason"] in ("idle", "idle_exit") and summary["claimed"] == 0, summary
+    assert summary["errors"] >= 1, summary
+    assert summary.get("accept_errors", 0) == 0, summary
