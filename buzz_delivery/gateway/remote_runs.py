@@ -857,6 +857,8 @@ class RemoteRunWorker:
         except BaseException as exc:  # the gateway unreachable mid-run, a refused request: that lease lapses
             logger.warning("run_error run=%s: %s", claim.lease.run_id, describe(exc))
             result = "errors"
+        else:  # the worker's own line per run at -v 1, as run_agent_worker's (completed run=...)
+            logger.info("%s run=%s", result, claim.lease.run_id)
         with self._lock:
             self.counts[result] += 1
             self._last_work = time.monotonic()

@@ -41,3 +41,32 @@ def test_claims_refused_count_as_idle_and_as_errors_not_accept_errors(gateway_se
     assert summary["reason"] in ("idle", "idle_exit") and summary["claimed"] == 0, summary
     assert summary["errors"] >= 1, summary
     assert summary.get("accept_errors", 0) == 0, summary
+
+
+def test_work_runs_logs_how_each_run_ended_at_the_default_verbosity(gateway_server, tmp_path):
+    """At -v 1 (the default: "the worker's own lines") work-runs printed nothing until its summary,
+    where run_agent_worker logs ``completed run=...`` per run: a newcomer could not tell which runs
+    it had worked."""
+    import uuid
+
+    from buzz_delivery.agents.services import intake_event
+    from buzz_delivery.testing import CommunityFactory
+    from tests.gateway.support import enroll
+
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    run_id = intake_event(community.id, "test", uuid.uuid4().hex, {"fail": False}, agent.pubkey).run_id
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(tmp_path / "ledger.txt")}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", gateway_server.base,
+         "--key-file", str(key_file), "--handler", HANDLERS["work-runs"], "--wait-seconds", "0.5",
+         "--idle-exit", "1.5", "--no-accept"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["completed"] == 1
+    assert f"completed run={run_id}" in proc.stderr, proc.stderr
