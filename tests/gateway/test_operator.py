@@ -101,6 +101,9 @@ def test_gateway_key_new_writes_a_0600_secret_and_prints_the_key_to_enroll(tmp_p
     assert public_key_of(read_key_file(str(path))).hex() == public
     assert f"gateway_enrollment enroll --community {community.id} --agent {public}" in err.getvalue()
     assert f"--key-file {path}" in err.getvalue()
+    # Both remote workers: a newcomer with agent runs copied the only one printed (work), which
+    # hands the key's deliveries to a delivery handler instead of accepting them into runs.
+    assert "gateway.client work --url" in err.getvalue() and "gateway.client work-runs --url" in err.getvalue()
     shown = StringIO()
     call_command("gateway_key", "show", str(path), stdout=shown)
     assert shown.getvalue().strip() == public
