@@ -1119,11 +1119,19 @@ def _load(path: str) -> Callable[[dict[str, Any]], object]:
 
 
 def read_key_file(path: str) -> bytes:
-    """The 32-byte secret key in ``path``: 64 hex characters (surrounding whitespace ignored)."""
+    """The 32-byte secret key in ``path``: 64 hex characters (surrounding whitespace ignored).
+    ``ValueError`` naming the file otherwise (not ``fromhex``'s "non-hexadecimal number found",
+    which named neither the file nor what it should hold)."""
     text = Path(path).read_text().strip()
-    key = bytes.fromhex(text)
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
     if len(key) != 32:
-        raise ValueError("the key file must hold 64 hex characters (a 32-byte secret key)")
+        raise ValueError(
+            f"{path}: the key file must hold 64 hex characters (a 32-byte secret key), "
+            "as `manage.py gateway_key new --out FILE` writes"
+        )
     return key
 
 
@@ -1197,9 +1205,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.verbosity)
     try:
         handler = _load(args.handler)
+    except (ValueError, ImportError, AttributeError) as exc:
+        parser.error(f"--handler {args.handler}: cannot load it ({exc}); expected pkg.module:function")
+    try:
         key = read_key_file(args.key_file)
-    except (ValueError, ImportError, AttributeError, OSError) as exc:
-        parser.error(str(exc))
+    except (ValueError, OSError) as exc:
+        parser.error(f"--key-file: {exc}")
     if not 1 <= args.concurrency <= 256:
         parser.error("--concurrency must be within 1..256")
     if args.command == "work" and not 0 <= args.claim_ahead <= 1000:

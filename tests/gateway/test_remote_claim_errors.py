@@ -70,3 +70,28 @@ def test_work_runs_logs_how_each_run_ended_at_the_default_verbosity(gateway_serv
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["completed"] == 1
     assert f"completed run={run_id}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("key_text", "handler", "named"),
+    [
+        ("nothex\n", "tests.gateway.handlers:three_calls", ["--key-file", "bad.key", "64 hex characters"]),
+        ("ab" * 31 + "\n", "tests.gateway.handlers:three_calls", ["--key-file", "bad.key", "64 hex characters"]),
+        ("ab" * 32 + "\n", "tests.gateway.no_such_module:handle", ["--handler", "tests.gateway.no_such_module"]),
+    ],
+)
+def test_a_bad_key_file_or_handler_is_refused_naming_the_option(tmp_path, key_text, handler, named):
+    """A key file that is not hex was refused with "non-hexadecimal number found in fromhex() arg
+    at position 0": neither the option nor the file nor what it should hold."""
+    key_file = tmp_path / "bad.key"
+    key_file.write_text(key_text)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", "http://127.0.0.1:9/gateway/v1",
+         "--key-file", str(key_file), "--handler", handler],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    for word in named:
+        assert word in proc.stderr, (word, proc.stderr)
