@@ -247,8 +247,16 @@ class GatewayClient:
         try:
             data = response.json()
         except ValueError:  # not the gateway's JSON: a proxy's page, a route this server lacks
+            # Say where it came from, on one line: the page's text alone (a 404 page's doctype,
+            # over several log lines) did not tell a wrong --url from a proxy's error.
+            text = " ".join(response.text[:200].split())
             raise GatewayHTTPError(
-                response.status_code, "not_json", response.text[:200], retry_after=retry_after
+                response.status_code,
+                "not_json",
+                f"{method} {self.base_url + path} answered a {response.headers.get('Content-Type') or 'body'}"
+                f" page, not the gateway's JSON (is the URL the gateway's mount, e.g. http://host:8000/gateway/v1?):"
+                f" {text}",
+                retry_after=retry_after,
             ) from None
         if response.status_code not in ok:
             raise GatewayHTTPError(

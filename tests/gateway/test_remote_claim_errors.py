@@ -95,3 +95,20 @@ def test_a_bad_key_file_or_handler_is_refused_naming_the_option(tmp_path, key_te
     assert proc.returncode == 2, proc.stderr
     for word in named:
         assert word in proc.stderr, (word, proc.stderr)
+
+
+def test_a_url_that_is_not_the_gateway_is_named_in_one_line(gateway_server):
+    """``--url http://host/gateway`` (without ``/v1``) logged "404 not_json:" and then the 404
+    page's HTML over several lines, every second: nothing said which URL, nor what to check."""
+    from buzz_delivery.gateway.client import GatewayClient, GatewayHTTPError
+
+    wrong = gateway_server.base.rsplit("/v1", 1)[0]
+    client = GatewayClient(wrong, os.urandom(32))
+    try:
+        with pytest.raises(GatewayHTTPError) as info:
+            client.claim_runs(1)
+    finally:
+        client.close()
+    text = str(info.value)
+    assert info.value.status == 404 and info.value.code == "not_json"
+    assert f"{wrong}/runs/claim" in text and "gateway's mount" in text and "\n" not in text, text
