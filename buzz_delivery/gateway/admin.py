@@ -73,9 +73,18 @@ class EnrollmentAdmin(ReadOnlyAdmin):
 
 @admin.register(SeenEvent)
 class SeenEventAdmin(ReadOnlyAdmin):
-    list_display = ("event_hex", "created_at", "seen_at")
+    """The replay store: a list only. Its key is the raw 32-byte event id, which Django's admin
+    puts in a change link as a Python ``b'...'`` repr that no page resolves (each row led to "seen
+    event ... doesn't exist"); the list shows every column there is, so rows link nowhere."""
+
+    list_display = ("event_hex", "agent_hex", "created_at", "seen_at")
+    list_display_links = None
     ordering = ("-seen_at",)
 
     @admin.display(description="event id")
     def event_hex(self, obj: SeenEvent) -> str:
         return display.holder(bytes(obj.event_id).hex())
+
+    @admin.display(description="agent")
+    def agent_hex(self, obj: SeenEvent) -> str:
+        return display.holder(bytes(obj.pubkey).hex())

@@ -247,8 +247,16 @@ class GatewayClient:
         try:
             data = response.json()
         except ValueError:  # not the gateway's JSON: a proxy's page, a route this server lacks
+            # Say where it came from, on one line: the page's text alone (a 404 page's doctype,
+            # over several log lines) did not tell a wrong --url from a proxy's error.
+            text = " ".join(response.text[:200].split())
             raise GatewayHTTPError(
-                response.status_code, "not_json", response.text[:200], retry_after=retry_after
+                response.status_code,
+                "not_json",
+                f"{method} {self.base_url + path} answered a {response.headers.get('Content-Type') or 'body'}"
+                f" page, not the gateway's JSON (is the URL the gateway's mount, e.g. http://host:8000/gateway/v1?):"
+                f" {text}",
+                retry_after=retry_after,
             ) from None
         if response.status_code not in ok:
             raise GatewayHTTPError(
@@ -1008,8 +1016,14 @@ class RemoteWorker:
                         self._claiming -= want
                         self._claims_in_flight -= 1
                         self._last_full = False
+                        self._counts["errors"] += 1
+                        idle = time.monotonic() - self._idle_since
                         self._room_changed.notify_all()
                     self.stop.wait(1.0)
+                    # No delivery could be claimed (the gateway unreachable, the key not enrolled):
+                    # idle for --idle-exit, as an empty claim is, so a draining job ends.
+                    if self.idle_exit is not None and idle + 1.0 >= self.idle_exit:
+                        self.request_stop("idle_exit")
                     continue
                 with self._room_changed:
                     self._claiming -= want
@@ -1113,11 +1127,19 @@ def _load(path: str) -> Callable[[dict[str, Any]], object]:
 
 
 def read_key_file(path: str) -> bytes:
-    """The 32-byte secret key in ``path``: 64 hex characters (surrounding whitespace ignored)."""
+    """The 32-byte secret key in ``path``: 64 hex characters (surrounding whitespace ignored).
+    ``ValueError`` naming the file otherwise (not ``fromhex``'s "non-hexadecimal number found",
+    which named neither the file nor what it should hold)."""
     text = Path(path).read_text().strip()
-    key = bytes.fromhex(text)
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
     if len(key) != 32:
-        raise ValueError("the key file must hold 64 hex characters (a 32-byte secret key)")
+        raise ValueError(
+            f"{path}: the key file must hold 64 hex characters (a 32-byte secret key), "
+            "as `manage.py gateway_key new --out FILE` writes"
+        )
     return key
 
 
@@ -1191,9 +1213,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.verbosity)
     try:
         handler = _load(args.handler)
+    except (ValueError, ImportError, AttributeError) as exc:
+        parser.error(f"--handler {args.handler}: cannot load it ({exc}); expected pkg.module:function")
+    try:
         key = read_key_file(args.key_file)
-    except (ValueError, ImportError, AttributeError, OSError) as exc:
-        parser.error(str(exc))
+    except (ValueError, OSError) as exc:
+        parser.error(f"--key-file: {exc}")
     if not 1 <= args.concurrency <= 256:
         parser.error("--concurrency must be within 1..256")
     if args.command == "work" and not 0 <= args.claim_ahead <= 1000:

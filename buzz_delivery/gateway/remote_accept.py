@@ -73,7 +73,8 @@ def accept_remote_claim(client: GatewayClient, claim: RemoteClaim) -> str:
 class RemoteAcceptor(threading.Thread):
     """Claims up to ``batch`` of the key's deliveries (long-poll ``wait_seconds``) and accepts
     each, until ``stop`` is set; ``on_work()`` is called after each batch that created runs.
-    :attr:`counts` holds ``claimed``, ``accepted``, ``run_ended``, ``missed``, ``errors``."""
+    :attr:`counts` holds ``claimed``, ``accepted``, ``run_ended``, ``missed``, ``errors`` (deliveries
+    whose accept failed) and ``claim_errors`` (claim requests that failed: no delivery)."""
 
     def __init__(
         self,
@@ -96,7 +97,7 @@ class RemoteAcceptor(threading.Thread):
                 claims = self.client.claim(self.batch, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
             except Exception as exc:  # unreachable or refused: try again later
                 logger.warning("accept_claim_error: %s", describe(exc))
-                self.counts["errors"] += 1
+                self.counts["claim_errors"] += 1  # no delivery was claimed: not an accept error
                 self.stop_event.wait(1.0)
                 continue
             self.counts["claimed"] += len(claims)

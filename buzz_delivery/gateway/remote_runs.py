@@ -819,7 +819,7 @@ class RemoteRunWorker:
                 with self._lock:
                     self.counts["errors"] += 1
                 self.stop.wait(1.0)
-                continue
+                claims = []  # no run could be claimed: idle, as an empty claim is (--idle-exit)
             if not claims:
                 with self._lock:
                     idle = self._busy == 0
@@ -871,6 +871,8 @@ class RemoteRunWorker:
         except BaseException as exc:  # the gateway unreachable mid-run, a refused request: that lease lapses
             logger.warning("run_error run=%s: %s", claim.lease.run_id, describe(exc))
             result = "errors"
+        else:  # the worker's own line per run at -v 1, as run_agent_worker's (completed run=...)
+            logger.info("%s run=%s", result, claim.lease.run_id)
         with self._lock:
             self.counts[result] += 1
             self._last_work = time.monotonic()
@@ -962,7 +964,8 @@ class RemoteRunWorker:
         if acceptor is not None:
             acceptor.join(timeout=self.wait_seconds + self.client.timeout)
             self.counts["accepted"] = acceptor.counts["accepted"]
-            self.counts["accept_errors"] = acceptor.counts["errors"]
+            self.counts["accept_errors"] = acceptor.counts["errors"]  # deliveries whose accept failed
+            self.counts["errors"] += acceptor.counts["claim_errors"]  # its claims, as the runs' claims
         summary: dict[str, Any] = {k: self.counts.get(k, 0) for k in SUMMARY_KEYS}
         summary["reason"] = self.internal_error or self.reason
         if self.internal_error:

@@ -84,7 +84,10 @@ def advance_community(community_id: uuid.UUID | str, state: str) -> Community:
         if state == "tombstone":
             left = {k: n for k, n in _count_rows(community_uuid).items() if n}
             if left:
-                raise LifecycleError(f"community {community_uuid} still holds rows {left}; purge it first")
+                raise LifecycleError(
+                    f"community {community_uuid} still holds rows {left}; purge it first "
+                    f"(manage.py purge_community {community_uuid}, or services.purge_community)"
+                )
         # One statement, guarded by the state it moves from. Its trigger takes the community's
         # fence lock exclusively (on the node that owns the community row, under Citus).
         with translated_errors():

@@ -60,6 +60,27 @@ def test_the_admin_lists_enrollments_and_revokes_through_the_service(admin_clien
     assert admin_client.get(reverse("admin:buzz_gateway_seenevent_changelist")).status_code == 200
 
 
+def test_the_replay_store_list_links_to_no_page_that_cannot_open(admin_client):
+    """A newcomer clicked a row of "Seen events" and got "seen event with ID b'\\xa7...' doesn't
+    exist" and the admin index: the raw bytes key went into the link as a repr. Every link of
+    the list must open; the row's event id and agent are on the list itself."""
+    import html
+    import re
+
+    from django.utils import timezone
+
+    from buzz_delivery.gateway.models import SeenEvent
+
+    event_id, agent = random32(), random32()
+    SeenEvent.objects.create(event_id=event_id, pubkey=agent, created_at=timezone.now())
+    page = admin_client.get(reverse("admin:buzz_gateway_seenevent_changelist"))
+    body = page.content.decode()
+    assert page.status_code == 200
+    for link in re.findall(r'href="(/admin/buzz_gateway/seenevent/[^"]+/)"', body):
+        assert admin_client.get(html.unescape(link)).status_code == 200, link
+    assert event_id.hex() in body and agent.hex() in body
+
+
 def test_gateway_key_new_writes_a_0600_secret_and_prints_the_key_to_enroll(tmp_path, community):
     """A newcomer found the public key to enroll only through an undocumented attribute: the
     command makes the pair, writes the secret only its owner can read, prints the key and the
@@ -80,6 +101,9 @@ def test_gateway_key_new_writes_a_0600_secret_and_prints_the_key_to_enroll(tmp_p
     assert public_key_of(read_key_file(str(path))).hex() == public
     assert f"gateway_enrollment enroll --community {community.id} --agent {public}" in err.getvalue()
     assert f"--key-file {path}" in err.getvalue()
+    # Both remote workers: a newcomer with agent runs copied the only one printed (work), which
+    # hands the key's deliveries to a delivery handler instead of accepting them into runs.
+    assert "gateway.client work --url" in err.getvalue() and "gateway.client work-runs --url" in err.getvalue()
     shown = StringIO()
     call_command("gateway_key", "show", str(path), stdout=shown)
     assert shown.getvalue().strip() == public

@@ -48,8 +48,11 @@ class Command(BaseCommand):
                 f"Secret key written to {path} (mode 0600): keep it with the agent, never share it.\n"
                 f"Enroll the public key above:\n"
                 f"  python manage.py gateway_enrollment enroll --community {options['community']} --agent {public}\n"
-                f"Then work through the gateway:\n"
+                f"Then work through the gateway, either its deliveries (handle(delivery)):\n"
                 f"  python -m buzz_delivery.gateway.client work --url {options['url']} --key-file {quoted}"
+                " --handler pkg.module:handler\n"
+                f"or its agent runs (handle(ctx), the deliveries accepted into runs; not both for one key):\n"
+                f"  python -m buzz_delivery.gateway.client work-runs --url {options['url']} --key-file {quoted}"
                 " --handler pkg.module:handler",
                 style_func=lambda text: text,
             )
