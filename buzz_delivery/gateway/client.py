@@ -74,6 +74,16 @@ SUMMARY_KEYS = (
     "errors",
     "abandoned",
 )
+# How long no claim must have got through before failed claims count as idle for --idle-exit
+# (as run_agent_worker's polls of an unreachable database): a restart's gap is not a drained queue.
+UNREACHABLE_IDLE_SECONDS = 5.0
+
+
+def unreachable_for_long(reached: float) -> bool:
+    """Whether no claim has got through since ``reached`` (monotonic) for :data:`UNREACHABLE_IDLE_SECONDS`."""
+    return time.monotonic() - reached >= UNREACHABLE_IDLE_SECONDS
+
+
 # Exit codes of ``work`` and ``work-runs``: a clean stop, an internal error (a thread that died,
 # an error of the loop itself: see the summary's ``reason``), leases given up at the stop.
 EXIT_OK, EXIT_ERROR, EXIT_ABANDONED = 0, 1, 3
@@ -725,6 +735,7 @@ class RemoteWorker:
         self._last_full = False  # the last claim answered got all it asked for: the queue has more
         self._claimed = 0
         self._idle_since = time.monotonic()
+        self._reached = time.monotonic()  # when a claim last got through (or the start)
         self.internal_error: str | None = None
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
@@ -1021,10 +1032,14 @@ class RemoteWorker:
                         self._room_changed.notify_all()
                     self.stop.wait(1.0)
                     # No delivery could be claimed (the gateway unreachable, the key not enrolled):
-                    # idle for --idle-exit, as an empty claim is, so a draining job ends.
-                    if self.idle_exit is not None and idle + 1.0 >= self.idle_exit:
+                    # idle for --idle-exit, as an empty claim is, so a draining job ends; but only
+                    # once no claim has got through for UNREACHABLE_IDLE_SECONDS (a gateway's
+                    # restart is not the end of a backlog).
+                    idle_long = self.idle_exit is not None and idle + 1.0 >= self.idle_exit
+                    if idle_long and unreachable_for_long(self._reached):
                         self.request_stop("idle_exit")
                     continue
+                self._reached = time.monotonic()
                 with self._room_changed:
                     self._claiming -= want
                     self._claims_in_flight -= 1

@@ -51,6 +51,7 @@ from buzz_delivery.gateway.client import (
     describe,
     failure_code,
     storable,
+    unreachable_for_long,
 )
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
@@ -762,6 +763,7 @@ class RemoteRunWorker:
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._held: dict[str, RemoteRunContext] = {}
+        self._reached = time.monotonic()  # when a claim last got through (or the start)
         self._last_work = time.monotonic()
         self.internal_error: str | None = None
         self.batcher: RunBatcher | None = None
@@ -807,6 +809,7 @@ class RemoteRunWorker:
                     self.batcher.settle(self.batcher.linger)
                 self._slot_free.clear()
                 continue
+            claims: list[RemoteRunClaim] | None
             try:
                 claims = self.client.claim_runs(
                     min(want, 100),
@@ -819,10 +822,14 @@ class RemoteRunWorker:
                 with self._lock:
                     self.counts["errors"] += 1
                 self.stop.wait(1.0)
-                claims = []  # no run could be claimed: idle, as an empty claim is (--idle-exit)
+                # No run could be claimed: idle, as an empty claim is (--idle-exit), once no claim
+                # has got through for UNREACHABLE_IDLE_SECONDS (a gateway's restart is not a drain).
+                claims = None
+            else:
+                self._reached = time.monotonic()
             if not claims:
                 with self._lock:
-                    idle = self._busy == 0
+                    idle = self._busy == 0 and (claims is not None or unreachable_for_long(self._reached))
                 if idle and self.idle_exit is not None and time.monotonic() - self._last_work > self.idle_exit:
                     self.request_stop("idle")
                 continue

@@ -112,3 +112,76 @@ def test_a_url_that_is_not_the_gateway_is_named_in_one_line(gateway_server):
     text = str(info.value)
     assert info.value.status == 404 and info.value.code == "not_json"
     assert f"{wrong}/runs/claim" in text and "gateway's mount" in text and "\n" not in text, text
+
+
+@pytest.fixture
+def restarting_gateway():
+    """A real HTTP server standing in for a gateway that restarts: every claim is answered 503
+    (not the gateway's JSON: a proxy's page) for ``OUTAGE`` seconds, then one claim is handed
+    out, then none; every other request is answered 503 (the claimed item is then left to its lease)."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    community, item = "00000000-0000-7000-8000-000000000001", "00000000-0000-7000-8000-000000000002"
+    lease = {"community_id": community, "lease_generation": 1, "lease_until": "2999-01-01T00:00:00+00:00"}
+    claims = {
+        "/runs/claim": {"run": {"id": item, "input": {}, "unwinding": False},
+                        "lease": {**lease, "run_id": item, "worker_id": "w"}},
+        "/deliveries/claim": {"delivery": {"id": item, "step_id": "quick_1"}, "lease": {**lease, "delivery_id": item}},
+    }  # fmt: skip
+    started, handed = time.monotonic(), threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            route = next((r for r in claims if self.path.endswith(r)), None)
+            if route is not None and time.monotonic() - started >= OUTAGE:
+                status, body = 200, json.dumps({"claims": [] if handed.is_set() else [claims[route]]}).encode()
+                handed.set()
+            else:
+                status, body = 503, b"<html>503 Service Unavailable</html>"
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/gateway/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+OUTAGE = 3.0  # seconds: longer than --idle-exit below, shorter than UNREACHABLE_IDLE_SECONDS
+
+
+@pytest.mark.parametrize("command", ["work", "work-runs"])
+def test_a_gateways_restart_shorter_than_the_unreachable_bound_does_not_end_an_idle_exit_worker(
+    restarting_gateway, tmp_path, command
+):
+    """A worker that has drained its backlog and then meets a gateway's restart waits for it (the
+    backlog may still be there), as run_agent_worker waits UNREACHABLE_IDLE_SECONDS for its
+    database; only then do its failed claims count as idle for --idle-exit."""
+    from buzz_delivery.gateway.client import UNREACHABLE_IDLE_SECONDS
+
+    assert 1 < OUTAGE < UNREACHABLE_IDLE_SECONDS
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(os.urandom(32).hex() + "\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "GATEWAY_RUN_LEDGER": str(tmp_path / "ledger.txt")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", command, "--url", restarting_gateway,
+         "--key-file", str(key_file), "--handler", HANDLERS[command], "--wait-seconds", "0",
+         "--idle-exit", "1", "--shutdown-grace", "1"]
+        + (["--no-accept", "--worker-id", "w"] if command == "work-runs" else []),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["claimed"] == 1, (summary, proc.stderr[-2000:])  # it was still there after the restart
+    assert summary["reason"] in ("idle", "idle_exit"), summary
