@@ -1,0 +1,103 @@
+"""The event-loop worker's journal read after a claim is retried while the run is held: a run
+whose lease lapsed meanwhile must never start its handler (its renewals failed or hung too: the
+database was out of reach for the worker, not only for the read).
+
+Real locks and a real ``pg_terminate_backend``: the journal's table is locked so each read waits
+and is terminated, the runs table is locked so the renewals wait (the worker cannot renew), until
+the run's lease lapsed on the database clock; then only the journal's lock is released. Before
+the fix the read's retries ran for a full ``lease_seconds`` from the task's start (not from the
+claim or the last renewal), so the read that came through after the lapse started the handler on
+a lease the database no longer honoured (another worker may claim the run meanwhile)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+from django.db import connection
+
+from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
+from project.database_url import database_url
+from tests.agents_support import AGENT
+from tests.test_agents_aio_journal_read import MADE, fetch, resumed_runs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STARTED: list[int] = []  # the lease generation of each handler start
+
+
+async def recording(ctx):
+    STARTED.append(ctx.lease.lease_generation)
+    return await ctx.call("fetch", fetch, {"q": 2})
+
+
+def _blocked_journal_readers(admin, holders):
+    return [
+        pid
+        for (pid,) in admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND query ILIKE %s AND pid <> ALL(%s)",
+            ["%buzz_agents_journal%", holders],
+        ).fetchall()
+    ]
+
+
+def test_a_journal_read_retried_past_the_lease_does_not_start_the_handler(community, settings):
+    settings.BUZZ_DELIVERY = {**getattr(settings, "BUZZ_DELIVERY", {}), "MIN_LEASE_SECONDS": 1}
+    STARTED.clear()
+    MADE.clear()
+    (run_id,) = resumed_runs(community.id)
+    url = database_url(connection.settings_dict)
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=recording, agents=[AGENT], communities=[community.id], exit_when_idle=True,
+            poll_seconds=0.1, lease_seconds=2, worker_id="aio-lapse", connections=4, accept=False,
+        )
+    )  # fmt: skip
+    counts: dict = {}
+    with (
+        psycopg.connect(url, autocommit=True) as admin,
+        psycopg.connect(url) as journal_lock,
+        psycopg.connect(url) as runs_lock,
+    ):
+        journal_lock.execute("LOCK TABLE buzz_agents_journal IN ACCESS EXCLUSIVE MODE")
+        holders = [journal_lock.info.backend_pid, runs_lock.info.backend_pid, admin.info.backend_pid]
+        runner = threading.Thread(target=lambda: counts.update(worker.run()))
+        runner.start()
+        try:
+            safety = time.monotonic() + 60  # against a hang only: nothing below is timed
+            while not _blocked_journal_readers(admin, holders):  # the claim committed; its read waits
+                assert time.monotonic() < safety, "no journal read waited on the lock"
+                time.sleep(0.02)
+            runs_lock.execute("LOCK TABLE buzz_agents_run IN ACCESS EXCLUSIVE MODE")  # renewals wait now
+            (generation,) = runs_lock.execute(
+                "SELECT lease_generation FROM buzz_agents_run WHERE id = %s", [run_id]
+            ).fetchone()
+            terminated = 0
+            while True:  # terminate each read until the lease lapsed on the database clock
+                assert time.monotonic() < safety, "the lease never lapsed"
+                (lapsed,) = runs_lock.execute(
+                    "SELECT lease_until < clock_timestamp() FROM buzz_agents_run WHERE id = %s", [run_id]
+                ).fetchone()
+                readers = _blocked_journal_readers(admin, holders)
+                if lapsed and readers:
+                    break  # a read waits now, after the lapse: let it through
+                for pid in readers:
+                    admin.execute("SELECT pg_terminate_backend(%s::integer)", [pid])
+                    terminated += 1
+                time.sleep(0.02)
+            assert terminated >= 2  # the claim's read and at least one of the run's own
+            journal_lock.rollback()  # the journal is readable again; the runs table still locked
+            while not (STARTED or counts or worker.counts["lost"]):
+                assert time.monotonic() < safety, "the run neither started nor was given up"
+                time.sleep(0.02)
+        finally:
+            journal_lock.rollback()
+            runs_lock.rollback()
+            worker.stop()
+            runner.join()
+    assert generation not in STARTED, (
+        f"the handler started on generation {generation} after its lease lapsed ({counts or worker.counts})"
+    )
