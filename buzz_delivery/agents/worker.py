@@ -306,6 +306,7 @@ class AgentWorker:
         for community in communities:
             if self.stopping.is_set() or not self._take_slot():
                 break
+            held_until = time.monotonic() + self.config.lease_seconds  # before the claim: its lease ends later
             try:
                 claims = s.claim_agent_runs(
                     community,
@@ -323,23 +324,29 @@ class AgentWorker:
                     self.counts["claimed"] -= 1
                 continue
             found = True
-            self._run(claims[0], lane)
+            self._run(claims[0], lane, held_until)
         if not found and self.config.exit_when_idle and self.acceptance is not None:
             found = self.acceptance.round(communities, force=True) > 0  # nothing left to accept either
         return found
 
-    def _context(self, claim: s.AgentClaim) -> Context | None:
+    def _context(self, claim: s.AgentClaim, held_until: float = math.inf) -> Context | None:
         """``claim``'s context, its journal read. A read whose connection fails (a restart, a
         terminated backend) is retried on a fresh connection for up to a third of the lease
         (before its first renewal is due), so the run starts within the attempt it was claimed
         for instead of being left unstarted until its lease lapses; past that, None: the run is
-        left to its lease, as when a runtime statement fails mid-run."""
+        left to its lease, as when a runtime statement fails mid-run. A read that returns only
+        once the lease has lapsed (``held_until``, monotonic: the time before the claim + the
+        lease) also gives None: no handler starts on a lease the database may have handed on."""
         cfg = self.config
         until = time.monotonic() + cfg.lease_seconds / 3
         pause = min(cfg.poll_seconds, cfg.lease_seconds / 30)
         while True:
             try:
-                return Context(claim)
+                ctx = Context(claim)
+                if time.monotonic() >= held_until:
+                    logger.warning("lease_lapsed run=%s: its journal was read past its lease", claim.lease.run_id)
+                    return None
+                return ctx
             except DB_UNAVAILABLE as exc:
                 discard_connection()
                 run_id, error = claim.lease.run_id, describe(exc)
@@ -349,9 +356,9 @@ class AgentWorker:
                 logger.warning("journal_read_failed run=%s: %s; retried", run_id, error)
                 time.sleep(pause)
 
-    def _run(self, claim: s.AgentClaim, lane: UserConnection) -> None:
+    def _run(self, claim: s.AgentClaim, lane: UserConnection, held_until: float = math.inf) -> None:
         logger.info("claimed run=%s generation=%s", claim.lease.run_id, claim.lease.lease_generation)
-        ctx = self._context(claim)
+        ctx = self._context(claim, held_until)
         if ctx is None:
             logger.info("lost run=%s", claim.lease.run_id)
             with self.lock:
