@@ -111,3 +111,48 @@ def test_a_journal_read_retried_past_the_lease_does_not_start_the_handler(commun
     assert generation not in STARTED, (
         f"the handler started on generation {generation} after its lease lapsed ({counts or worker.counts})"
     )
+
+
+def test_a_thread_worker_stopped_while_a_journal_read_is_retried_starts_no_handler_after_it_returned(community):
+    """The thread worker stopped (grace 0) while a run's journal read is retried: the run is not
+    held yet, so giving the held runs up did not reach it, and once ``run()`` had returned (the
+    heartbeat stopped, the summary written) the read came through and the handler started with
+    nobody renewing its lease or counting it. Now the thread starts no handler once the worker
+    gave its runs up: the run is left to its lease."""
+    STARTED.clear()
+    MADE.clear()
+    (run_id,) = resumed_runs(community.id)
+    url = database_url(connection.settings_dict)
+    worker = AgentWorker(
+        WorkerConfig(
+            handler=recording_on_a_thread, agents=[AGENT], communities=[community.id], poll_seconds=0.1,
+            lease_seconds=15, worker_id="threads-stop", accept=False, listen=False, concurrency=1, shutdown_grace=0,
+        )
+    )  # fmt: skip
+    counts: dict = {}
+    with psycopg.connect(url, autocommit=True) as admin, psycopg.connect(url) as journal_lock:
+        journal_lock.execute("LOCK TABLE buzz_agents_journal IN ACCESS EXCLUSIVE MODE")
+        holders = [journal_lock.info.backend_pid, admin.info.backend_pid]
+        runner = threading.Thread(target=lambda: counts.update(worker.run()))
+        runner.start()
+        try:
+            safety = time.monotonic() + 60  # against a hang only: nothing below is timed
+            terminated = 0
+            while True:  # the first read terminated; its retry waits on the lock
+                assert time.monotonic() < safety, "no journal read waited on the lock"
+                readers = _blocked_journal_readers(admin, holders)
+                if readers and terminated:
+                    break
+                for pid in readers:
+                    admin.execute("SELECT pg_terminate_backend(%s::integer)", [pid])
+                    terminated += 1
+                time.sleep(0.02)
+            (agent_thread,) = [t for t in threading.enumerate() if t.name == "agent-0"]
+            worker.stop()
+            runner.join()  # run() returned: its runs were given up
+        finally:
+            journal_lock.rollback()
+            runner.join()
+        agent_thread.join()
+    assert STARTED == [], f"a handler started after the worker had returned ({counts})"
+    assert MADE == []

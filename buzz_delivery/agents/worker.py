@@ -220,6 +220,9 @@ class AgentWorker:
         self.last_reached = time.monotonic()  # when a poll last reached the database
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
+        # Set (under ``lock``) when the shutdown grace is over and the held runs are given up: a
+        # run not held yet then (its journal read still retried) is never started.
+        self.abandoned = False
         self.heartbeat = Heartbeat(
             every=max(config.lease_seconds / 3, 0.2),
             lease_seconds=config.lease_seconds,
@@ -359,12 +362,12 @@ class AgentWorker:
     def _run(self, claim: s.AgentClaim, lane: UserConnection, held_until: float = math.inf) -> None:
         logger.info("claimed run=%s generation=%s", claim.lease.run_id, claim.lease.lease_generation)
         ctx = self._context(claim, held_until)
-        if ctx is None:
-            logger.info("lost run=%s", claim.lease.run_id)
-            with self.lock:
+        with self.lock:
+            if ctx is None or self.abandoned:
+                logger.info("lost run=%s", claim.lease.run_id)
                 self.counts["lost"] += 1
-            return
-        self.heartbeat.hold(ctx)
+                return
+            self.heartbeat.hold(ctx)  # under the lock: _abandon gives it up, or it is not started
         try:
             result = run_claim(claim, self.config.handler, ctx, lane)
         finally:
@@ -417,7 +420,10 @@ class AgentWorker:
         return dict(self.counts)
 
     def _abandon(self) -> None:
-        """The grace is over: every run still held is given up (its lease lapses)."""
+        """The grace is over: every run still held is given up (its lease lapses), and none is
+        started any more."""
+        with self.lock:
+            self.abandoned = True
         for ctx in self.heartbeat.release_all():
             ctx.mark_lost("abandoned")
             logger.warning("abandoned run=%s (shutdown grace over)", ctx.lease.run_id)
