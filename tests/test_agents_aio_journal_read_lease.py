@@ -121,7 +121,7 @@ def test_a_thread_worker_stopped_while_a_journal_read_is_retried_starts_no_handl
     gave its runs up: the run is left to its lease."""
     STARTED.clear()
     MADE.clear()
-    (run_id,) = resumed_runs(community.id)
+    resumed_runs(community.id)
     url = database_url(connection.settings_dict)
     worker = AgentWorker(
         WorkerConfig(
