@@ -81,6 +81,9 @@ LIMIT 100
 
 # The largest run count a worker may be told to stop after (``max_runs``): a bigint.
 MAX_RUNS = 2**63 - 1
+# The longest idle wait between polls (a day): a finite poll_seconds past what a thread can wait
+# (1e10: OverflowError) ended the thread worker at its first idle poll, as a worker_error.
+MAX_POLL_SECONDS = 86400.0
 
 
 def seconds_value(value: Any, name: str, *, zero: bool = False) -> float:
@@ -95,11 +98,13 @@ def seconds_value(value: Any, name: str, *, zero: bool = False) -> float:
 def check_common(config: Any) -> None:
     """Check the numeric fields both agent workers' configs share, as the command's options are
     checked (a ``ValidationError`` keyed by the field): ``lease_seconds``, ``poll_seconds`` and
-    ``handler_timeout`` (None or) > 0, ``shutdown_grace`` >= 0, all finite; ``max_runs`` None or
+    ``handler_timeout`` (None or) > 0, ``shutdown_grace`` >= 0, all finite, ``poll_seconds`` at
+    most ``MAX_POLL_SECONDS``; ``max_runs`` None or
     >= 1; ``accept_batch`` 1..``MAX_CLAIM_BATCH`` (``--accept-batch``'s bounds). The claim checks
     ``lease_seconds`` against the configured lease bounds (``--lease-seconds`` here)."""
     seconds_value(config.lease_seconds, "lease_seconds")
-    seconds_value(config.poll_seconds, "poll_seconds")
+    if seconds_value(config.poll_seconds, "poll_seconds") > MAX_POLL_SECONDS:
+        raise v.invalid("poll_seconds", f"must be at most {MAX_POLL_SECONDS:g} seconds, got {config.poll_seconds:g}")
     seconds_value(config.shutdown_grace, "shutdown_grace", zero=True)
     if config.handler_timeout is not None:
         seconds_value(config.handler_timeout, "handler_timeout")
