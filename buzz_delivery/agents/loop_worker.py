@@ -410,7 +410,13 @@ class AsyncAgentWorker:
                 or ctx.run.unwinding
                 or await read_journal(runtime, ctx, retry_for=cfg.lease_seconds, pause=cfg.poll_seconds)
             )
-            if known:
+            if known and time.monotonic() >= ctx.held_until:
+                # Its journal came back only after its lease lapsed (the claim's own read waited that
+                # long, its renewals failing meanwhile): no handler on a lease that may be another's.
+                logger.warning("lease_lapsed run=%s: not started; the run is left to its lease", ctx.lease.run_id)
+                ctx.mark_lost("lease_lapsed")
+                result = "lost"
+            elif known:
                 result = await run_claim(runtime, ctx, cfg.handler)
             else:
                 result = "lost"  # left to its lease, as a run whose runtime statement failed
