@@ -29,6 +29,7 @@ COMMON = [
     ("poll_seconds", -1),
     ("poll_seconds", math.inf),
     ("poll_seconds", "1"),
+    ("poll_seconds", 1e10),  # finite, but no thread can wait that long: the worker died at its first idle poll
     ("shutdown_grace", -0.5),
     ("handler_timeout", 0),
     ("max_runs", 0),

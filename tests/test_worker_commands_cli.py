@@ -95,6 +95,10 @@ def test_an_unimportable_handler_is_a_bad_argument_naming_the_option(command, ar
             [*IDLE_AGENT_WORKER, "--async", "--connections", "257"],
             "argument --connections: must be at most 256, got 257",
         ),
+        (  # finite, but longer than a thread can wait: the thread worker died at its first idle poll
+            [*IDLE_AGENT_WORKER, "--poll-seconds", "1e10"],
+            "argument --poll-seconds: must be at most 86400 seconds, got 1e10",
+        ),
         (  # was read as --exit-when-idle
             ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--exit-when"],
             "unrecognized arguments: --exit-when",

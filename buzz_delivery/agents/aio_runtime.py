@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -135,6 +136,9 @@ class AsyncContext:
         self._emitted_before = claim.run.output_chunks
         self._emit_pos = 0
         self._emit_lock = asyncio.Lock()
+        # Until when (monotonic) the run is surely still held: set by the worker from the claim
+        # and each renewal (the local time before the statement + the lease's seconds).
+        self.held_until = math.inf
 
     @property
     def cancelled(self) -> bool:
@@ -447,20 +451,26 @@ async def read_journal(runtime: Runtime, ctx: AsyncContext, *, retry_for: float,
     retried on a fresh connection every ``pause`` seconds for up to ``retry_for`` seconds while the
     run is held (its lease renewed meanwhile), so the run starts within the attempt it was claimed
     for. Past that, on another database error, or once the run is lost, it is marked lost and
-    left to its lease, as a runtime statement failing mid-run is."""
+    left to its lease, as a runtime statement failing mid-run is. "Held" is ``ctx.held_until``
+    (the claim's or last renewal's time + the lease): a read that comes through after it (the
+    renewals failed too) starts no handler on a lease the database may have handed on."""
     run_id = ctx.lease.run_id
     until = time.monotonic() + retry_for
     while not ctx.lost.is_set():
         try:
             journals = await runtime.pool.run(batch.journals_of, ctx.lease.community_id, [run_id])
         except DatabaseError as exc:
-            if not isinstance(exc, DB_UNAVAILABLE) or time.monotonic() >= until:
+            if not isinstance(exc, DB_UNAVAILABLE) or time.monotonic() >= min(until, ctx.held_until):
                 logger.warning("db_error run=%s: %s; the run is left to its lease", run_id, describe(exc))
                 ctx.mark_lost("db_error")
                 return False
             logger.warning("journal_read_failed run=%s: %s; retried in %.1f s", run_id, describe(exc), pause)
             await asyncio.sleep(pause)
             continue
+        if time.monotonic() >= ctx.held_until:
+            logger.warning("lease_lapsed run=%s: its journal was read past its lease; the run is left to it", run_id)
+            ctx.mark_lost("lease_lapsed")
+            return False
         ctx.set_journal(journals.get(run_id, []))
         return True
     return False

@@ -35,6 +35,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -320,6 +321,7 @@ class AsyncAgentWorker:
         (:func:`~buzz_delivery.agents.aio_runtime.read_journal`). A claimed run is never left
         unstarted until its lease lapses, its attempt spent for nothing."""
         cfg = self.config
+        held_until = time.monotonic() + cfg.lease_seconds  # before the claim: its lease ends later
         claimed = await runtime.pool.run(
             s.claim_agent_runs,
             community,
@@ -342,7 +344,8 @@ class AsyncAgentWorker:
         for claim in claimed:
             self.counts["claimed"] += 1
             known = journals is not None or not batch.resumed(claim)
-            self._start(runtime, claim, (journals or {}).get(claim.lease.run_id, []) if known else None, tasks)
+            journal = (journals or {}).get(claim.lease.run_id, []) if known else None
+            self._start(runtime, claim, journal, tasks, held_until)
         return len(claimed)
 
     async def _accept(self, runtime: Runtime, communities: list[uuid.UUID], *, force: bool = False) -> bool:
@@ -372,11 +375,18 @@ class AsyncAgentWorker:
             return False
 
     def _start(
-        self, runtime: Runtime, claim: s.AgentClaim, journal: list[Any] | None, tasks: set[asyncio.Task[None]]
+        self,
+        runtime: Runtime,
+        claim: s.AgentClaim,
+        journal: list[Any] | None,
+        tasks: set[asyncio.Task[None]],
+        held_until: float = math.inf,
     ) -> None:
         """Hold ``claim`` and run it in a task of its own; ``journal``: its entries, None when
-        not known (the claim's read failed: the task reads it first)."""
+        not known (the claim's read failed: the task reads it first); ``held_until``: when its
+        lease surely still holds (monotonic: the time before the claim + the lease)."""
         ctx = AsyncContext(claim, journal, runtime)
+        ctx.held_until = held_until
         self.held[claim.lease.run_id] = ctx
         self.since[claim.lease.run_id] = time.monotonic()
         task = asyncio.create_task(self._one(runtime, ctx))
@@ -400,7 +410,13 @@ class AsyncAgentWorker:
                 or ctx.run.unwinding
                 or await read_journal(runtime, ctx, retry_for=cfg.lease_seconds, pause=cfg.poll_seconds)
             )
-            if known:
+            if known and time.monotonic() >= ctx.held_until:
+                # Its journal came back only after its lease lapsed (the claim's own read waited that
+                # long, its renewals failing meanwhile): no handler on a lease that may be another's.
+                logger.warning("lease_lapsed run=%s: not started; the run is left to its lease", ctx.lease.run_id)
+                ctx.mark_lost("lease_lapsed")
+                result = "lost"
+            elif known:
                 result = await run_claim(runtime, ctx, cfg.handler)
             else:
                 result = "lost"  # left to its lease, as a run whose runtime statement failed
@@ -439,6 +455,7 @@ class AsyncAgentWorker:
             logger.warning("heartbeat_failed worker=%s error=%s", self.config.registry.id, exc)
 
     async def _renew_one(self, runtime: Runtime, ctx: AsyncContext) -> None:
+        held_until = time.monotonic() + self.config.lease_seconds  # before the renewal is sent
         try:
             outcome = await runtime.batcher.submit("heartbeat", ctx.lease.community_id, ctx.lease.run_id, ctx.lease)
         except Exception as exc:  # a lost connection: try again next round
@@ -447,6 +464,7 @@ class AsyncAgentWorker:
         if isinstance(outcome, s.Renewed):
             if outcome.lease.lease_generation == ctx.lease.lease_generation:
                 ctx.lease = outcome.lease
+                ctx.held_until = held_until
             self.counts["renewed"] += 1
             return
         if isinstance(outcome, s.AlreadyTerminal) or (ctx.task is not None and ctx.task.done()):

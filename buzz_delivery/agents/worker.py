@@ -81,6 +81,9 @@ LIMIT 100
 
 # The largest run count a worker may be told to stop after (``max_runs``): a bigint.
 MAX_RUNS = 2**63 - 1
+# The longest idle wait between polls (a day): a finite poll_seconds past what a thread can wait
+# (1e10: OverflowError) ended the thread worker at its first idle poll, as a worker_error.
+MAX_POLL_SECONDS = 86400.0
 
 
 def seconds_value(value: Any, name: str, *, zero: bool = False) -> float:
@@ -95,11 +98,13 @@ def seconds_value(value: Any, name: str, *, zero: bool = False) -> float:
 def check_common(config: Any) -> None:
     """Check the numeric fields both agent workers' configs share, as the command's options are
     checked (a ``ValidationError`` keyed by the field): ``lease_seconds``, ``poll_seconds`` and
-    ``handler_timeout`` (None or) > 0, ``shutdown_grace`` >= 0, all finite; ``max_runs`` None or
+    ``handler_timeout`` (None or) > 0, ``shutdown_grace`` >= 0, all finite, ``poll_seconds`` at
+    most ``MAX_POLL_SECONDS``; ``max_runs`` None or
     >= 1; ``accept_batch`` 1..``MAX_CLAIM_BATCH`` (``--accept-batch``'s bounds). The claim checks
     ``lease_seconds`` against the configured lease bounds (``--lease-seconds`` here)."""
     seconds_value(config.lease_seconds, "lease_seconds")
-    seconds_value(config.poll_seconds, "poll_seconds")
+    if seconds_value(config.poll_seconds, "poll_seconds") > MAX_POLL_SECONDS:
+        raise v.invalid("poll_seconds", f"must be at most {MAX_POLL_SECONDS:g} seconds, got {config.poll_seconds:g}")
     seconds_value(config.shutdown_grace, "shutdown_grace", zero=True)
     if config.handler_timeout is not None:
         seconds_value(config.handler_timeout, "handler_timeout")
@@ -220,6 +225,9 @@ class AgentWorker:
         self.last_reached = time.monotonic()  # when a poll last reached the database
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
+        # Set (under ``lock``) when the shutdown grace is over and the held runs are given up: a
+        # run not held yet then (its journal read still retried) is never started.
+        self.abandoned = False
         self.heartbeat = Heartbeat(
             every=max(config.lease_seconds / 3, 0.2),
             lease_seconds=config.lease_seconds,
@@ -306,6 +314,7 @@ class AgentWorker:
         for community in communities:
             if self.stopping.is_set() or not self._take_slot():
                 break
+            held_until = time.monotonic() + self.config.lease_seconds  # before the claim: its lease ends later
             try:
                 claims = s.claim_agent_runs(
                     community,
@@ -323,23 +332,29 @@ class AgentWorker:
                     self.counts["claimed"] -= 1
                 continue
             found = True
-            self._run(claims[0], lane)
+            self._run(claims[0], lane, held_until)
         if not found and self.config.exit_when_idle and self.acceptance is not None:
             found = self.acceptance.round(communities, force=True) > 0  # nothing left to accept either
         return found
 
-    def _context(self, claim: s.AgentClaim) -> Context | None:
+    def _context(self, claim: s.AgentClaim, held_until: float = math.inf) -> Context | None:
         """``claim``'s context, its journal read. A read whose connection fails (a restart, a
         terminated backend) is retried on a fresh connection for up to a third of the lease
         (before its first renewal is due), so the run starts within the attempt it was claimed
         for instead of being left unstarted until its lease lapses; past that, None: the run is
-        left to its lease, as when a runtime statement fails mid-run."""
+        left to its lease, as when a runtime statement fails mid-run. A read that returns only
+        once the lease has lapsed (``held_until``, monotonic: the time before the claim + the
+        lease) also gives None: no handler starts on a lease the database may have handed on."""
         cfg = self.config
         until = time.monotonic() + cfg.lease_seconds / 3
         pause = min(cfg.poll_seconds, cfg.lease_seconds / 30)
         while True:
             try:
-                return Context(claim)
+                ctx = Context(claim)
+                if time.monotonic() >= held_until:
+                    logger.warning("lease_lapsed run=%s: its journal was read past its lease", claim.lease.run_id)
+                    return None
+                return ctx
             except DB_UNAVAILABLE as exc:
                 discard_connection()
                 run_id, error = claim.lease.run_id, describe(exc)
@@ -349,15 +364,15 @@ class AgentWorker:
                 logger.warning("journal_read_failed run=%s: %s; retried", run_id, error)
                 time.sleep(pause)
 
-    def _run(self, claim: s.AgentClaim, lane: UserConnection) -> None:
+    def _run(self, claim: s.AgentClaim, lane: UserConnection, held_until: float = math.inf) -> None:
         logger.info("claimed run=%s generation=%s", claim.lease.run_id, claim.lease.lease_generation)
-        ctx = self._context(claim)
-        if ctx is None:
-            logger.info("lost run=%s", claim.lease.run_id)
-            with self.lock:
+        ctx = self._context(claim, held_until)
+        with self.lock:
+            if ctx is None or self.abandoned:
+                logger.info("lost run=%s", claim.lease.run_id)
                 self.counts["lost"] += 1
-            return
-        self.heartbeat.hold(ctx)
+                return
+            self.heartbeat.hold(ctx)  # under the lock: _abandon gives it up, or it is not started
         try:
             result = run_claim(claim, self.config.handler, ctx, lane)
         finally:
@@ -410,7 +425,10 @@ class AgentWorker:
         return dict(self.counts)
 
     def _abandon(self) -> None:
-        """The grace is over: every run still held is given up (its lease lapses)."""
+        """The grace is over: every run still held is given up (its lease lapses), and none is
+        started any more."""
+        with self.lock:
+            self.abandoned = True
         for ctx in self.heartbeat.release_all():
             ctx.mark_lost("abandoned")
             logger.warning("abandoned run=%s (shutdown grace over)", ctx.lease.run_id)

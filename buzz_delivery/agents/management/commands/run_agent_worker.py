@@ -16,6 +16,7 @@ worker (``--async``) accepts the same way, on its pool's connections."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -36,7 +37,7 @@ from buzz_delivery.agents.loop_worker import (
     AsyncAgentWorker,
     AsyncWorkerConfig,
 )
-from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
+from buzz_delivery.agents.worker import MAX_POLL_SECONDS, AgentWorker, WorkerConfig
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import (
@@ -53,6 +54,15 @@ from buzz_delivery.services.leases import MAX_CLAIM_BATCH
 from buzz_delivery.worker import load_handler
 from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.worker.runtime import MAX_THREADS
+
+
+def poll_seconds_option(text: str) -> float:
+    """``--poll-seconds``: > 0 and at most ``MAX_POLL_SECONDS`` (a longer wait than a thread can
+    make ended the thread worker at its first idle poll)."""
+    value = positive_seconds(text)
+    if value > MAX_POLL_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_POLL_SECONDS:g} seconds, got {text[:80]}")
+    return value
 
 
 class Command(StrictOptionsCommand):
@@ -87,7 +97,12 @@ class Command(StrictOptionsCommand):
             help="Run lease length in seconds (default: BUZZ_AGENTS['LEASE_SECONDS']; within the core's lease "
             "bounds, BUZZ_DELIVERY['MIN_LEASE_SECONDS']..['MAX_LEASE_SECONDS']).",
         )
-        parser.add_argument("--poll-seconds", type=positive_seconds, default=1.0, help="Sleep between empty polls.")
+        parser.add_argument(
+            "--poll-seconds",
+            type=poll_seconds_option,
+            default=1.0,
+            help=f"Sleep between empty polls (at most {MAX_POLL_SECONDS:g}; default 1).",
+        )
         parser.add_argument("--max-runs", type=positive_int, default=None, help="Stop after this many claims.")
         parser.add_argument(
             "--exit-when-idle",
