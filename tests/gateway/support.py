@@ -12,16 +12,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from django.db import connection
 
 from buzz_delivery.gateway import services as gateway
-from buzz_delivery.gateway.client import GatewayClient
+from buzz_delivery.gateway.client import GatewayClient, GatewayHTTPError
 from buzz_delivery.gateway.models import Enrollment, SeenEvent
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import DeliveryFactory, EventFactory, WorkflowRunFactory
@@ -97,6 +99,70 @@ def gateway_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Iter
         server = start_server(tmp_path_factory.mktemp("gateway") / "gunicorn.log")
     yield server
     stop_server(server)
+
+
+@pytest.fixture
+def impatient_gateway(tmp_path) -> Iterator[Server]:
+    """A gateway of its own whose statements wait on a lock at most 300 ms (then 503 ``unavailable``)."""
+    server = start_server(tmp_path / "gunicorn.log", {"PGOPTIONS": "-c lock_timeout=300"}, threads=4)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+def one_request_per_key(tmp_path) -> Iterator[Server]:
+    """A gateway of its own with one request in flight per key (a second one is refused 429)."""
+    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_MAX_REQUESTS_PER_KEY": "1"}, threads=4)
+    yield server
+    stop_server(server)
+
+
+class TableLock:
+    """The test's own connection, to hold a table locked until a true refusal came back: the
+    gateway's statement waits on it past an ``impatient_gateway``'s lock_timeout (503
+    ``unavailable``), or a request of a key waits on it holding the key's one slot of a
+    ``one_request_per_key`` gateway (a second one: 429)."""
+
+    def __init__(self) -> None:
+        self.conn = psycopg.connect(database_url(connection.settings_dict, application_name="test-blocker"))
+
+    def hold(self, table: str) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+
+    def release(self) -> None:
+        self.conn.rollback()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class ReleasingClient(GatewayClient):
+    """A client whose ``watched`` method's first answer (a refusal or not) calls ``release`` (lets
+    the test's lock go); records that method's answers: a refusal's ``(status, code)``, else
+    ``answered(result)``."""
+
+    def __init__(
+        self, *args: Any, release: Callable[[], None], watched: str,
+        answered: Callable[[Any], object] = lambda result: result.outcome, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.release, self.answers = release, []
+        method = getattr(self, watched)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = method(*args, **kwargs)
+            except GatewayHTTPError as exc:
+                self.answers.append((exc.status, exc.code))
+                raise
+            finally:
+                if len(self.answers) <= 1:
+                    self.release()
+            self.answers.append(answered(result))
+            return result
+
+        setattr(self, watched, spy)
 
 
 def new_agent(server: Server) -> GatewayClient:

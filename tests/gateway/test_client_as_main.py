@@ -13,10 +13,11 @@ import json
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.gateway.fake_server import Reply, fake_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMUNITY, RUN = "00000000-0000-7000-8000-000000000001", "00000000-0000-7000-8000-000000000002"
@@ -32,33 +33,17 @@ def unavailable_gateway():
     paths: list[str] = []
     claimed = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            paths.append(self.path)
-            if self.path.endswith("/runs/claim"):
-                status, body = 200, {"claims": [] if claimed.is_set() else [CLAIM]}
-                claimed.set()
-            else:
-                status, body = 503, {"code": "unavailable", "message": "the database is unavailable; retry later"}
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(path: str) -> Reply:
+        paths.append(path)
+        if path.endswith("/runs/claim"):
+            status, body = 200, {"claims": [] if claimed.is_set() else [CLAIM]}
+            claimed.set()
+        else:
+            status, body = 503, {"code": "unavailable", "message": "the database is unavailable; retry later"}
+        return status, body, {}
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", paths
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_gateway(post=answer) as url:
+        yield url, paths
 
 
 def test_work_runs_run_as_a_module_leaves_a_run_whose_steps_get_503_to_its_lease(unavailable_gateway, tmp_path):

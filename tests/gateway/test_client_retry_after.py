@@ -5,10 +5,7 @@ back off exponentially with jitter, as every other layer does (``buzz_delivery.b
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -17,6 +14,7 @@ from buzz_delivery.gateway import client as client_module
 from buzz_delivery.gateway import remote_runs
 from buzz_delivery.gateway.client import GatewayClient, GatewayHTTPError, RemoteLease, RemoteOutcome, RemoteWorker
 from buzz_delivery.gateway.remote_runs import RunBatcher
+from tests.gateway.fake_server import Reply, fake_gateway
 
 FAR = "2999-01-01T00:00:00+00:00"
 
@@ -40,28 +38,12 @@ def refusing_server():
     """A real HTTP server answering every request 429 with the Retry-After the test sets (None: no header)."""
     state: dict[str, str | None] = {"retry_after": None}
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps({"code": "too_many_requests", "message": "slow down"}).encode()
-            self.send_response(429)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            if state["retry_after"] is not None:
-                self.send_header("Retry-After", state["retry_after"])
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str) -> Reply:
+        headers = {} if state["retry_after"] is None else {"Retry-After": state["retry_after"]}
+        return 429, {"code": "too_many_requests", "message": "slow down"}, headers
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_gateway(get=answer) as url:
+        yield url, state
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from unittest import mock
 
-import psycopg
-import pytest
-from django.db import connection
 from django.test import Client
 
 from buzz_delivery import services as core
@@ -27,24 +23,10 @@ from buzz_delivery.gateway import nip98
 from buzz_delivery.gateway import services as gateway
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import CommunityFactory
-from project.database_url import database_url
-from tests.citus_support import CITUS_MODE, with_database, worker_urls
+from tests.citus_node_lost import PYTESTMARK, workers_lost_before_commit
 from tests.gateway.support import deliver
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(not CITUS_MODE, reason="a Citus coordinator's COMMIT failing for a lost worker connection"),
-]
-
-
-def _terminate_worker_backends() -> None:
-    name = connection.settings_dict["NAME"]
-    for url in worker_urls(database_url(connection.settings_dict)):
-        with psycopg.connect(with_database(url, name), autocommit=True) as worker:
-            worker.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-            )
+pytestmark = PYTESTMARK
 
 
 def test_an_accept_whose_commit_lost_a_worker_is_answered_503_and_keeps_nothing():
@@ -59,28 +41,12 @@ def test_an_accept_whose_commit_lost_a_worker_is_answered_503_and_keeps_nothing(
     body = json.dumps({"lease_generation": claimed.lease.lease_generation}).encode()
     header = nip98.encode_header(nip98.sign_event(key, "http://testserver" + path, "POST", body))
 
-    commit = connection._commit
-    inserted: list[str] = []
-
-    def note_the_runs_insert(execute, sql, params, many, context):
-        if "INSERT INTO buzz_agents_run" in sql:
-            inserted.append(sql)
-        return execute(sql, params, many, context)
-
-    def lose_the_workers_then_commit():  # after the transaction's last statement, before its COMMIT
-        if inserted:
-            inserted.clear()
-            _terminate_worker_backends()
-        return commit()
-
-    with (
-        connection.execute_wrapper(note_the_runs_insert),
-        mock.patch.object(connection, "_commit", lose_the_workers_then_commit),
-    ):
+    # after the transaction's last statement (the runs' insert), before its COMMIT; the checks
+    # below use a fresh connection
+    with workers_lost_before_commit(after="INSERT INTO buzz_agents_run"):
         response = Client(raise_request_exception=False).post(
             path, body, content_type="application/json", HTTP_AUTHORIZATION=header
         )
-    connection.close()  # this session met the lost node: the checks below use a fresh one
 
     assert (response.status_code, response.json().get("code")) == (503, "unavailable")
     assert WorkflowAgentDelivery.objects.get(id=delivery.id).status == "claimed"  # nothing kept

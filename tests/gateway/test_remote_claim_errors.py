@@ -121,7 +121,8 @@ def restarting_gateway():
     out, then none; every other request is answered 503 (the claimed item is then left to its lease)."""
     import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.gateway.fake_server import Reply, fake_gateway
 
     community, item = "00000000-0000-7000-8000-000000000001", "00000000-0000-7000-8000-000000000002"
     lease = {"community_id": community, "lease_generation": 1, "lease_until": "2999-01-01T00:00:00+00:00"}
@@ -132,31 +133,16 @@ def restarting_gateway():
     }  # fmt: skip
     started, handed = time.monotonic(), threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            route = next((r for r in claims if self.path.endswith(r)), None)
-            if route is not None and time.monotonic() - started >= OUTAGE:
-                status, body = 200, json.dumps({"claims": [] if handed.is_set() else [claims[route]]}).encode()
-                handed.set()
-            else:
-                status, body = 503, b"<html>503 Service Unavailable</html>"
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str) -> Reply:
+        route = next((r for r in claims if path.endswith(r)), None)
+        if route is not None and time.monotonic() - started >= OUTAGE:
+            body = json.dumps({"claims": [] if handed.is_set() else [claims[route]]}).encode()
+            handed.set()
+            return 200, body, {}
+        return 503, b"<html>503 Service Unavailable</html>", {}
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/gateway/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_gateway(post=answer) as url:
+        yield f"{url}/gateway/v1"
 
 
 OUTAGE = 3.0  # seconds: longer than --idle-exit below, shorter than UNREACHABLE_IDLE_SECONDS

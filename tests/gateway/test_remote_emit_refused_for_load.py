@@ -23,40 +23,13 @@ from django.db import connection
 
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services import Created, intake_event
-from buzz_delivery.gateway.client import GatewayClient, GatewayHTTPError
+from buzz_delivery.gateway.client import GatewayClient
 from buzz_delivery.gateway.remote_runs import RemoteRunContext
 from buzz_delivery.testing import CommunityFactory
 from project.database_url import database_url
-from tests.gateway.support import enroll, start_server, stop_server
+from tests.gateway.support import ReleasingClient, TableLock, enroll
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def one_request_per_key(tmp_path):
-    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_MAX_REQUESTS_PER_KEY": "1"}, threads=4)
-    yield server
-    stop_server(server)
-
-
-class Spy(GatewayClient):
-    """Lets the test's lock go once the first emit was answered; records the answers."""
-
-    def __init__(self, *args, release, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.release, self.answers = release, []
-
-    def emit(self, lease, chunk):
-        try:
-            outcome = super().emit(lease, chunk)
-        except GatewayHTTPError as exc:
-            self.answers.append((exc.status, exc.code))
-            raise
-        finally:
-            if len(self.answers) <= 1:
-                self.release()
-        self.answers.append(outcome.outcome)
-        return outcome
 
 
 def _waiting_on_the_journal() -> bool:
@@ -69,8 +42,8 @@ def _waiting_on_the_journal() -> bool:
 
 def test_an_emit_refused_429_is_sent_again_not_the_run_given_up(one_request_per_key):
     community = CommunityFactory()
-    blocker = psycopg.connect(database_url(connection.settings_dict, application_name="test-blocker"))
-    agent = Spy(one_request_per_key.base, os.urandom(32), release=blocker.rollback)
+    lock = TableLock()  # let go once the first emit was answered
+    agent = ReleasingClient(one_request_per_key.base, os.urandom(32), release=lock.release, watched="emit")
     enroll(agent, community)
     outcome = intake_event(community.id, "test", uuid.uuid4().hex, {"fail": False}, agent.pubkey)
     assert isinstance(outcome, Created)
@@ -78,8 +51,7 @@ def test_an_emit_refused_429_is_sent_again_not_the_run_given_up(one_request_per_
     ctx = RemoteRunContext(agent, claim)
     reader = GatewayClient(one_request_per_key.base, agent._key)  # the same key: its one slot
     try:
-        with blocker.cursor() as cur:
-            cur.execute("LOCK TABLE buzz_agents_journal IN ACCESS EXCLUSIVE MODE")
+        lock.hold("buzz_agents_journal")
         holding = threading.Thread(target=reader.read_run, args=(community.id, outcome.run_id), daemon=True)
         holding.start()
         while not _waiting_on_the_journal():  # the read holds the key's slot now
@@ -90,7 +62,7 @@ def test_an_emit_refused_429_is_sent_again_not_the_run_given_up(one_request_per_
             seq = exc
         holding.join(30)
     finally:
-        blocker.close()
+        lock.close()
         agent.close()
         reader.close()
 
