@@ -6,6 +6,8 @@ only later, as a failing acceptance claim or a million threads."""
 from __future__ import annotations
 
 import math
+import os
+import socket
 
 import pytest
 from django.core.exceptions import ValidationError
@@ -69,3 +71,18 @@ def test_the_bounds_themselves_are_taken():
     AsyncWorkerConfig(
         handler=handler, agents=[AGENT], in_flight=10_000, connections=256, max_batch=500, linger=0, accept_batch=1
     )
+
+
+@pytest.mark.parametrize("config", [WorkerConfig, AsyncWorkerConfig])
+@pytest.mark.parametrize("worker_id", ["   ", "w" * 201, 7])
+def test_a_worker_id_a_claim_would_refuse_is_refused_when_built(config, worker_id):
+    """Before, the config took it and the worker died at its first claim (internal_errors=1)."""
+    with pytest.raises(ValidationError) as refused:
+        config(handler=handler, agents=[AGENT], worker_id=worker_id)
+    assert list(refused.value.message_dict) == ["worker_id"], refused.value.message_dict
+
+
+@pytest.mark.parametrize("config", [WorkerConfig, AsyncWorkerConfig])
+def test_a_config_built_without_a_worker_id_records_host_and_pid_as_the_command_does(config):
+    assert config(handler=handler, agents=[AGENT]).worker_id == f"{socket.gethostname()}:{os.getpid()}"[-200:]
+    assert config(handler=handler, agents=[AGENT], worker_id="w" * 200).worker_id == "w" * 200

@@ -99,6 +99,30 @@ def test_an_unimportable_handler_is_a_bad_argument_naming_the_option(command, ar
             [*IDLE_AGENT_WORKER, "--poll-seconds", "1e10"],
             "argument --poll-seconds: must be at most 86400 seconds, got 1e10",
         ),
+        (  # was unbounded: 1e10 overflowed a thread's wait (OverflowError), as --poll-seconds did
+            [
+                "run_delivery_worker",
+                "--community",
+                str(uuid.uuid4()),
+                "--target",
+                "ab" * 32,
+                "--handler",
+                "json:dumps",
+                "--idle-exit",
+                "0.2",
+                "--poll-interval",
+                "1e10",
+            ],
+            "argument --poll-interval: must be at most 86400 seconds, got 1e10",
+        ),
+        (
+            ["run_workflow_worker", "--community", str(uuid.uuid4()), "--idle-exit", "0.2", "--poll-interval", "1e10"],
+            "argument --poll-interval: must be at most 86400 seconds, got 1e10",
+        ),
+        (
+            ["run_task_worker", "--poll-interval", "86400.5"],
+            "argument --poll-interval: must be at most 86400 seconds, got 86400.5",
+        ),
         (  # was read as --exit-when-idle
             ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--exit-when"],
             "unrecognized arguments: --exit-when",

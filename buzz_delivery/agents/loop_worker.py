@@ -98,7 +98,7 @@ class AsyncWorkerConfig:
     poll_seconds: float = 1.0
     max_runs: int | None = None
     exit_when_idle: bool = False
-    worker_id: str = ""
+    worker_id: str = ""  # empty: host:pid (check_common)
     shutdown_grace: float = 30.0
     handler_timeout: float | None = None
     listen: bool = True

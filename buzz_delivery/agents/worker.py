@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 import threading
 import time
 import uuid
@@ -81,9 +83,11 @@ LIMIT 100
 
 # The largest run count a worker may be told to stop after (``max_runs``): a bigint.
 MAX_RUNS = 2**63 - 1
-# The longest idle wait between polls (a day): a finite poll_seconds past what a thread can wait
-# (1e10: OverflowError) ended the thread worker at its first idle poll, as a worker_error.
-MAX_POLL_SECONDS = 86400.0
+# The longest idle wait between polls (a day), as every worker's: a finite poll_seconds past what
+# a thread can wait (1e10: OverflowError) ended the thread worker at its first idle poll.
+MAX_POLL_SECONDS = v.MAX_POLL_SECONDS
+# The longest ``worker_id`` a claim records (the run's ``worker_id`` column).
+WORKER_ID_MAX_CHARS = 200
 
 
 def seconds_value(value: Any, name: str, *, zero: bool = False) -> float:
@@ -95,13 +99,29 @@ def seconds_value(value: Any, name: str, *, zero: bool = False) -> float:
     return seconds
 
 
+def default_worker_id() -> str:
+    """``host:pid`` (as ``run_agent_worker`` without ``--worker-id``), cut to the 200 characters
+    a claim records (the host name gives way)."""
+    tail = f":{os.getpid()}"
+    return socket.gethostname()[: max(WORKER_ID_MAX_CHARS - len(tail), 0)] + tail
+
+
 def check_common(config: Any) -> None:
-    """Check the numeric fields both agent workers' configs share, as the command's options are
-    checked (a ``ValidationError`` keyed by the field): ``lease_seconds``, ``poll_seconds`` and
+    """Check the fields both agent workers' configs share, as the command's options are
+    checked (a ``ValidationError`` keyed by the field). ``worker_id`` empty or None: ``host:pid``
+    (:func:`default_worker_id`), as the other workers' identities default (their ``name``);
+    else a non-blank str of at most 200 characters: before, a config built without one was
+    taken and the worker died at its first claim (``internal_errors``). ``lease_seconds``, ``poll_seconds`` and
     ``handler_timeout`` (None or) > 0, ``shutdown_grace`` >= 0, all finite, ``poll_seconds`` at
     most ``MAX_POLL_SECONDS``; ``max_runs`` None or
     >= 1; ``accept_batch`` 1..``MAX_CLAIM_BATCH`` (``--accept-batch``'s bounds). The claim checks
     ``lease_seconds`` against the configured lease bounds (``--lease-seconds`` here)."""
+    if config.worker_id is None or config.worker_id == "":
+        config.worker_id = default_worker_id()
+    worker_id = v.optional_text(config.worker_id, "worker_id", WORKER_ID_MAX_CHARS)
+    if worker_id is None or not worker_id.strip():
+        raise v.invalid("worker_id", f"must name the worker (1..{WORKER_ID_MAX_CHARS} characters)")
+    config.worker_id = worker_id
     seconds_value(config.lease_seconds, "lease_seconds")
     if seconds_value(config.poll_seconds, "poll_seconds") > MAX_POLL_SECONDS:
         raise v.invalid("poll_seconds", f"must be at most {MAX_POLL_SECONDS:g} seconds, got {config.poll_seconds:g}")
@@ -132,7 +152,7 @@ class WorkerConfig:
     poll_seconds: float = 1.0
     max_runs: int | None = None
     exit_when_idle: bool = False
-    worker_id: str = ""
+    worker_id: str = ""  # empty: host:pid (check_common)
     shutdown_grace: float = 30.0
     handler_timeout: float | None = None
     listen: bool = True
@@ -344,7 +364,8 @@ class AgentWorker:
         for instead of being left unstarted until its lease lapses; past that, None: the run is
         left to its lease, as when a runtime statement fails mid-run. A read that returns only
         once the lease has lapsed (``held_until``, monotonic: the time before the claim + the
-        lease) also gives None: no handler starts on a lease the database may have handed on."""
+        lease) also gives None: no handler starts on a lease the database may have handed on, as
+        does any other error of the read (that run is left to its lease; the worker goes on)."""
         cfg = self.config
         until = time.monotonic() + cfg.lease_seconds / 3
         pause = min(cfg.poll_seconds, cfg.lease_seconds / 30)
@@ -363,6 +384,16 @@ class AgentWorker:
                     return None
                 logger.warning("journal_read_failed run=%s: %s; retried", run_id, error)
                 time.sleep(pause)
+            except Exception:
+                # Any other error of this run's read (a row it cannot load, a database error not
+                # of the connection): that run is left to its lease, as the event-loop worker
+                # leaves it, and the worker goes on. Before, it ended the loop thread and with it
+                # the worker (internal_errors). The connection is closed: its state is unknown.
+                logger.exception(
+                    "run_error run=%s: its journal could not be read; the run is left to its lease", claim.lease.run_id
+                )
+                discard_connection()
+                return None
 
     def _run(self, claim: s.AgentClaim, lane: UserConnection, held_until: float = math.inf) -> None:
         logger.info("claimed run=%s generation=%s", claim.lease.run_id, claim.lease.lease_generation)

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 
 from buzz_delivery.conf import get_settings
+from buzz_delivery.services.validation import MAX_POLL_SECONDS
 
 # The bounds of ``ttl_seconds`` in :mod:`buzz_delivery.services.runlock` (its ``_ttl``).
 RUN_LEASE_MIN_SECONDS = 1
@@ -48,6 +49,16 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def poll_seconds_option(text: str) -> float:
+    """A worker's ``--poll-interval``/``--poll-seconds``: > 0 and at most a day
+    (``MAX_POLL_SECONDS``): a longer wait than a thread can make ended the worker at its first
+    idle poll (OverflowError)."""
+    value = positive_seconds(text)
+    if value > MAX_POLL_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_POLL_SECONDS:g} seconds, got {text[:80]}")
     return value
 
 

@@ -146,6 +146,20 @@ def seconds_in_range(value: Any, name: str, low: float, high: float) -> float:
     return seconds
 
 
+# The longest idle wait between polls a worker takes (a day), every worker's poll_interval /
+# poll_seconds: a finite wait past what a thread can make (1e10 s: OverflowError) ended the worker.
+MAX_POLL_SECONDS = 86400.0
+
+
+def poll_seconds(value: Any, name: str) -> float:
+    """A worker's wait between idle polls: a finite number of seconds > 0 and at most
+    :data:`MAX_POLL_SECONDS`, as a float (``ValidationError`` keyed ``name``)."""
+    seconds = _float_seconds(value, name)
+    if not 0 < seconds <= MAX_POLL_SECONDS:  # NaN and the infinities fail this too
+        raise invalid(name, f"must be > 0 and at most {MAX_POLL_SECONDS:g} seconds, got {seconds:g}")
+    return seconds
+
+
 def lease_seconds(value: Any) -> float:
     """A lease length in seconds within the configured bounds (default 15..300); None = default."""
     conf = get_settings()

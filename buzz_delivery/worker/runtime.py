@@ -166,6 +166,9 @@ class WorkerConfig:
         # Threads for a plain handler; tasks on one loop (no connection each) for an async one.
         limit = MAX_TASKS if is_async_handler(self.handler) else MAX_THREADS
         v.int_in_range(self.concurrency, "concurrency", 1, limit)
+        # A day at most, as the agent workers' poll_seconds: 1e10 was taken, and a wait on it (the
+        # listener's retry after a lost connection, a rate-limit pause) raised OverflowError.
+        v.poll_seconds(self.poll_interval, "poll_interval")
         if self.rate_key is not None:
             ratelimits.rate_limit_of(self.rate_key)  # an undeclared key: ValidationError keyed rate_key
 

@@ -177,6 +177,9 @@ class OrchestratorConfig:
 
     def __post_init__(self) -> None:
         v.int_in_range(self.async_concurrency, "async_concurrency", 1, MAX_ASYNC_CONCURRENCY)
+        # A day at most, as every worker's: 1e10 was taken and the dispatcher's first idle wait
+        # on it raised OverflowError.
+        v.poll_seconds(self.poll_interval, "poll_interval")
 
 
 def _listener(

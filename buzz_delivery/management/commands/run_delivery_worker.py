@@ -29,6 +29,7 @@ from buzz_delivery.management.options import (
     fraction,
     int_in,
     lease_seconds_option,
+    poll_seconds_option,
     positive_int,
     positive_seconds,
     pubkey_hex,
@@ -36,6 +37,7 @@ from buzz_delivery.management.options import (
 )
 from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
+from buzz_delivery.services.validation import MAX_POLL_SECONDS
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, load_handler, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.worker.runtime import SUMMARY_KEYS
@@ -148,7 +150,10 @@ class Command(StrictOptionsCommand):
             "a tenth of the lease.",
         )
         parser.add_argument(
-            "--poll-interval", type=positive_seconds, default=1.0, help="Seconds between polls when idle (default 1)."
+            "--poll-interval",
+            type=poll_seconds_option,
+            default=1.0,
+            help=f"Seconds between polls when idle (at most {MAX_POLL_SECONDS:g}; default 1).",
         )
         parser.add_argument(
             "--max-deliveries", type=positive_int, default=None, help="Stop after claiming and settling N deliveries."

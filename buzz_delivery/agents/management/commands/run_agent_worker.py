@@ -16,7 +16,6 @@ worker (``--async``) accepts the same way, on its pool's connections."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -43,6 +42,7 @@ from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_l
 from buzz_delivery.management.options import (
     int_in,
     lease_seconds_option,
+    poll_seconds_option,
     positive_int,
     positive_seconds,
     pubkey_hex,
@@ -54,15 +54,6 @@ from buzz_delivery.services.leases import MAX_CLAIM_BATCH
 from buzz_delivery.worker import load_handler
 from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.worker.runtime import MAX_THREADS
-
-
-def poll_seconds_option(text: str) -> float:
-    """``--poll-seconds``: > 0 and at most ``MAX_POLL_SECONDS`` (a longer wait than a thread can
-    make ended the thread worker at its first idle poll)."""
-    value = positive_seconds(text)
-    if value > MAX_POLL_SECONDS:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_POLL_SECONDS:g} seconds, got {text[:80]}")
-    return value
 
 
 class Command(StrictOptionsCommand):

@@ -13,8 +13,9 @@ from django.core.management.base import CommandError
 from django.db import connection
 
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
-from buzz_delivery.management.options import int_in, positive_int, positive_seconds
+from buzz_delivery.management.options import int_in, poll_seconds_option, positive_int, positive_seconds
 from buzz_delivery.models import WorkerKind
+from buzz_delivery.services.validation import MAX_POLL_SECONDS
 from buzz_delivery.tasks.checks import INSTALL_HINT
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
@@ -39,7 +40,12 @@ class Command(StrictOptionsCommand):
             help="A queue to serve (repeatable; default: every queue of the backend's QUEUES).",
         )
         parser.add_argument("--concurrency", type=int_in(1, 256), default=1, help="Task threads (default 1).")
-        parser.add_argument("--poll-interval", type=positive_seconds, default=1.0, help="Seconds between polls.")
+        parser.add_argument(
+            "--poll-interval",
+            type=poll_seconds_option,
+            default=1.0,
+            help=f"Seconds between polls (at most {MAX_POLL_SECONDS:g}; default 1).",
+        )
         parser.add_argument("--max-tasks", type=positive_int, default=None, help="Stop after N tasks.")
         parser.add_argument("--idle-exit", type=positive_seconds, default=None, help="Stop after S idle seconds.")
         parser.add_argument(

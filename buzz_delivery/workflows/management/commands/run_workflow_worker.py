@@ -20,9 +20,17 @@ from django.core.management.base import CommandError
 from django.db import connection
 
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
-from buzz_delivery.management.options import int_in, lease_seconds_option, positive_int, positive_seconds, uuid_value
+from buzz_delivery.management.options import (
+    int_in,
+    lease_seconds_option,
+    poll_seconds_option,
+    positive_int,
+    positive_seconds,
+    uuid_value,
+)
 from buzz_delivery.models import WorkerKind
 from buzz_delivery.services import validation as v
+from buzz_delivery.services.validation import MAX_POLL_SECONDS
 from buzz_delivery.worker.registry import Heartbeat
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.orchestrator import (
@@ -81,7 +89,10 @@ class Command(StrictOptionsCommand):
             help="Step lease length (default BUZZ_WORKFLOWS['LEASE_SECONDS']).",
         )
         parser.add_argument(
-            "--poll-interval", type=positive_seconds, default=1.0, help="Seconds between polls when idle (default 1)."
+            "--poll-interval",
+            type=poll_seconds_option,
+            default=1.0,
+            help=f"Seconds between polls when idle (at most {MAX_POLL_SECONDS:g}; default 1).",
         )
         parser.add_argument(
             "--idle-exit", type=positive_seconds, default=None, help="Stop after S seconds with nothing to do."
