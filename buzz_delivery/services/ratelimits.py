@@ -235,11 +235,18 @@ def _run(community: uuid.UUID, spec: RateLimitSpec, weight: int, limit: int) -> 
     granted, used, window_start, taken_at = fetch_all(TAKE, params)[0]
     if granted:
         return Granted(used=used, window_start=window_start, at=taken_at)
-    # The row's window began by the clock of the statement that moved it, at or before now: it
-    # ends within a period. This statement's clock may read earlier (read before it waited on
-    # the row's lock, or on a shard behind another), so what it computes is capped at a period.
-    left = (window_start + dt.timedelta(seconds=spec.period) - taken_at).total_seconds()
-    return Wait(seconds=min(max(left, 0.0), float(spec.period)), used=used, window_start=window_start)
+    return Wait(seconds=seconds_left(spec, window_start, taken_at), used=used, window_start=window_start)
+
+
+def seconds_left(spec: RateLimitSpec, window_start: dt.datetime, at: dt.datetime) -> float:
+    """Seconds until the window that began at ``window_start`` ends, seen from ``at`` (a take
+    statement's clock), within ``0..period``. The row's window began by the clock of the
+    statement that moved it, at or before now: it ends within a period. The statement's clock
+    may read earlier (read before it waited on the row's lock, or on a shard behind another), so
+    what it computes is capped at a period (every caller: a Wait's seconds, a worker's pause on a
+    window exactly used up)."""
+    left = (window_start + dt.timedelta(seconds=spec.period) - at).total_seconds()
+    return min(max(left, 0.0), float(spec.period))
 
 
 @dataclass(frozen=True, slots=True)
