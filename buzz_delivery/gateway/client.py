@@ -1055,6 +1055,8 @@ class RemoteWorker:
                         self._claims_in_flight -= 1
                         self._last_full = False
                         self._counts["errors"] += 1
+                        if self._handling:  # a handler still runs: not idle (work-runs' _busy)
+                            self._idle_since = time.monotonic()
                         idle = time.monotonic() - self._idle_since
                         self._room_changed.notify_all()
                     self.stop.wait(1.0)
@@ -1078,7 +1080,7 @@ class RemoteWorker:
                         self._held[claim.lease.delivery_id] = claim.lease
                     if claims and self._lease_length is None:
                         self._lease_length = lease_length(claims[0].lease.lease_until)
-                    if claims:
+                    if self._handling:  # claims handed out or a handler still running: not idle
                         self._idle_since = time.monotonic()
                     idle = time.monotonic() - self._idle_since
                     self._room_changed.notify_all()
