@@ -39,3 +39,20 @@ def test_a_late_weight_zero_take_on_a_used_up_window_pauses_the_community_at_mos
     # That window began at or before now by another statement's clock: it ends within a period
     # (was 90 s: the window's end less this statement's clock).
     assert pauses == [period]
+
+
+@pytest.mark.django_db
+def test_after_the_period_is_raised_a_used_up_window_waits_until_the_new_windows_boundary(community):
+    """The operator raises a key's period (60 s to an hour): the row's window, aligned on the old
+    period, is not on the new one. The next take is granted at the next hour (the statement's
+    window, aligned on the new period, is newer than the row's), but a Wait said the row's start
+    plus the new period: an hour less 30 s when 30 s was left, and a worker or an agent slept it."""
+    start = dt.datetime(2031, 5, 6, 7, 59, 0, tzinfo=dt.UTC)  # a minute's window, 60 s before the hour
+    with rate_limits(api={"limit": 1, "period": 60}), frozen_db_clock(start + dt.timedelta(seconds=10)):
+        assert isinstance(rl.take(community.id, "api"), rl.Granted)
+    with rate_limits(api={"limit": 1, "period": 3600}):
+        with frozen_db_clock(start + dt.timedelta(seconds=30)):
+            wait = rl.take(community.id, "api")
+        with frozen_db_clock(start + dt.timedelta(seconds=60.25)):  # the new period's next window
+            assert isinstance(rl.take(community.id, "api"), rl.Granted)
+    assert wait == rl.Wait(seconds=pytest.approx(30), used=1, window_start=start)

@@ -31,6 +31,7 @@ separately, not across communities.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -244,8 +245,16 @@ def seconds_left(spec: RateLimitSpec, window_start: dt.datetime, at: dt.datetime
     statement that moved it, at or before now: it ends within a period. The statement's clock
     may read earlier (read before it waited on the row's lock, or on a shard behind another), so
     what it computes is capped at a period (every caller: a Wait's seconds, a worker's pause on a
-    window exactly used up)."""
-    left = (window_start + dt.timedelta(seconds=spec.period) - at).total_seconds()
+    window exactly used up). The window ends at the first multiple of the period (since the
+    epoch) after its start, where a statement's window (:data:`TAKE`) is next newer: that is its
+    start plus the period when aligned, and sooner when the row's window is aligned on a period
+    the operator has since changed (60 s raised to an hour: the row's minute ends at the hour)."""
+    start = window_start.timestamp()
+    # The window's own multiple of the period, then the next one. A millisecond's tolerance: the
+    # start is that multiple rounded to the microsecond, and a float quotient of an epoch by 0.1
+    # errs by about 1e-6 (a start read a hair low would end the window at its start: no wait).
+    boundary = (math.floor((start + 1e-3) / spec.period) + 1) * spec.period
+    left = min(start + spec.period, boundary) - at.timestamp()
     return min(max(left, 0.0), float(spec.period))
 
 
