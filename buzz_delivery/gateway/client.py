@@ -79,6 +79,33 @@ SUMMARY_KEYS = (
 UNREACHABLE_IDLE_SECONDS = 5.0
 
 
+# The longest a seconds option of ``work``/``work-runs`` may say (a day), as every worker's
+# poll interval (services.validation.MAX_POLL_SECONDS; this module stays Django-free): 1e10 as
+# ``--renew-every`` killed the renewer thread at its first wait (OverflowError), and NaN, 0 or a
+# negative renewed in a busy loop, never exited (``--idle-exit``) or drained nothing.
+MAX_OPTION_SECONDS = 86_400.0
+
+
+def seconds_option(*, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds > 0 (>= 0 with ``zero``), at most
+    :data:`MAX_OPTION_SECONDS`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text[:80]!r}") from None
+        low_ok = value >= 0 if zero else value > 0
+        if not (low_ok and value <= MAX_OPTION_SECONDS):  # NaN fails this too
+            low = ">= 0" if zero else "> 0"
+            raise argparse.ArgumentTypeError(
+                f"must be {low} and at most {MAX_OPTION_SECONDS:g} seconds, got {text[:80]}"
+            )
+        return value
+
+    return parse
+
+
 def unreachable_for_long(reached: float) -> bool:
     """Whether no claim has got through since ``reached`` (monotonic) for :data:`UNREACHABLE_IDLE_SECONDS`."""
     return time.monotonic() - reached >= UNREACHABLE_IDLE_SECONDS
@@ -1028,6 +1055,8 @@ class RemoteWorker:
                         self._claims_in_flight -= 1
                         self._last_full = False
                         self._counts["errors"] += 1
+                        if self._handling:  # a handler still runs: not idle (work-runs' _busy)
+                            self._idle_since = time.monotonic()
                         idle = time.monotonic() - self._idle_since
                         self._room_changed.notify_all()
                     self.stop.wait(1.0)
@@ -1051,7 +1080,7 @@ class RemoteWorker:
                         self._held[claim.lease.delivery_id] = claim.lease
                     if claims and self._lease_length is None:
                         self._lease_length = lease_length(claims[0].lease.lease_until)
-                    if claims:
+                    if self._handling:  # claims handed out or a handler still running: not idle
                         self._idle_since = time.monotonic()
                     idle = time.monotonic() - self._idle_since
                     self._room_changed.notify_all()
@@ -1183,12 +1212,20 @@ def main(argv: list[str] | None = None) -> int:
     work.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
     work.add_argument("--handler", required=True, help="dotted path of handler(delivery: dict)")
     work.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
-    work.add_argument("--lease-seconds", type=float, default=None, help="lease length (default: the server's)")
-    work.add_argument("--wait-seconds", type=float, default=5.0, help="long-poll per claim (default 5)")
-    work.add_argument("--renew-every", type=float, default=10.0, help="seconds between renewals (default 10)")
+    work.add_argument(
+        "--lease-seconds", type=seconds_option(), default=None, help="lease length (default: the server's)"
+    )
+    work.add_argument(
+        "--wait-seconds", type=seconds_option(zero=True), default=5.0, help="long-poll per claim (default 5)"
+    )
+    work.add_argument(
+        "--renew-every", type=seconds_option(), default=10.0, help="seconds between renewals (default 10)"
+    )
     work.add_argument("--max-deliveries", type=int, default=None, help="stop after claiming this many")
-    work.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
-    work.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    work.add_argument("--idle-exit", type=seconds_option(), default=None, help="stop after this many idle seconds")
+    work.add_argument(
+        "--shutdown-grace", type=seconds_option(zero=True), default=30.0, help="seconds to drain on stop (default 30)"
+    )
     work.add_argument(
         "--claim-ahead",
         type=int,
@@ -1202,13 +1239,21 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
     runs.add_argument("--handler", required=True, help="dotted path of handler(ctx) -> output")
     runs.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
-    runs.add_argument("--lease-seconds", type=float, default=None, help="run lease length (default: the server's)")
-    runs.add_argument("--wait-seconds", type=float, default=5.0, help="long-poll per claim (default 5)")
-    runs.add_argument("--renew-every", type=float, default=10.0, help="seconds between heartbeats (default 10)")
+    runs.add_argument(
+        "--lease-seconds", type=seconds_option(), default=None, help="run lease length (default: the server's)"
+    )
+    runs.add_argument(
+        "--wait-seconds", type=seconds_option(zero=True), default=5.0, help="long-poll per claim (default 5)"
+    )
+    runs.add_argument(
+        "--renew-every", type=seconds_option(), default=10.0, help="seconds between heartbeats (default 10)"
+    )
     runs.add_argument("--worker-id", default=None, help="the holder's name (default: the gateway's)")
     runs.add_argument("--max-runs", type=int, default=None, help="stop after claiming this many")
-    runs.add_argument("--idle-exit", type=float, default=None, help="stop after this many idle seconds")
-    runs.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain on stop (default 30)")
+    runs.add_argument("--idle-exit", type=seconds_option(), default=None, help="stop after this many idle seconds")
+    runs.add_argument(
+        "--shutdown-grace", type=seconds_option(zero=True), default=30.0, help="seconds to drain on stop (default 30)"
+    )
     runs.add_argument(
         "--no-accept",
         action="store_true",

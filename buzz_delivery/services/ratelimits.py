@@ -31,6 +31,7 @@ separately, not across communities.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -235,11 +236,26 @@ def _run(community: uuid.UUID, spec: RateLimitSpec, weight: int, limit: int) -> 
     granted, used, window_start, taken_at = fetch_all(TAKE, params)[0]
     if granted:
         return Granted(used=used, window_start=window_start, at=taken_at)
-    # The row's window began by the clock of the statement that moved it, at or before now: it
-    # ends within a period. This statement's clock may read earlier (read before it waited on
-    # the row's lock, or on a shard behind another), so what it computes is capped at a period.
-    left = (window_start + dt.timedelta(seconds=spec.period) - taken_at).total_seconds()
-    return Wait(seconds=min(max(left, 0.0), float(spec.period)), used=used, window_start=window_start)
+    return Wait(seconds=seconds_left(spec, window_start, taken_at), used=used, window_start=window_start)
+
+
+def seconds_left(spec: RateLimitSpec, window_start: dt.datetime, at: dt.datetime) -> float:
+    """Seconds until the window that began at ``window_start`` ends, seen from ``at`` (a take
+    statement's clock), within ``0..period``. The row's window began by the clock of the
+    statement that moved it, at or before now: it ends within a period. The statement's clock
+    may read earlier (read before it waited on the row's lock, or on a shard behind another), so
+    what it computes is capped at a period (every caller: a Wait's seconds, a worker's pause on a
+    window exactly used up). The window ends at the first multiple of the period (since the
+    epoch) after its start, where a statement's window (:data:`TAKE`) is next newer: that is its
+    start plus the period when aligned, and sooner when the row's window is aligned on a period
+    the operator has since changed (60 s raised to an hour: the row's minute ends at the hour)."""
+    start = window_start.timestamp()
+    # The window's own multiple of the period, then the next one. A millisecond's tolerance: the
+    # start is that multiple rounded to the microsecond, and a float quotient of an epoch by 0.1
+    # errs by about 1e-6 (a start read a hair low would end the window at its start: no wait).
+    boundary = (math.floor((start + 1e-3) / spec.period) + 1) * spec.period
+    left = min(start + spec.period, boundary) - at.timestamp()
+    return min(max(left, 0.0), float(spec.period))
 
 
 @dataclass(frozen=True, slots=True)

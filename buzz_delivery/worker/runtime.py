@@ -700,9 +700,8 @@ class Worker:
             return 0
         if isinstance(outcome, ratelimits.Wait):
             seconds = outcome.seconds
-        else:  # the window is exactly used up: until it ends
-            ends = outcome.window_start + dt.timedelta(seconds=spec.period)
-            seconds = max((ends - outcome.at).total_seconds(), 0.0)
+        else:  # the window is exactly used up: until it ends (a period at most, as a Wait's)
+            seconds = ratelimits.seconds_left(spec, outcome.window_start, outcome.at)
         self._rate_pause(community_id, seconds)
         self.tally.add("rate_waits")
         return 0
