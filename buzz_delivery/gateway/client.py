@@ -1200,6 +1200,25 @@ def configure_logging(verbosity: int) -> None:
         logging.getLogger(name).setLevel(level if verbosity >= 2 else max(level, logging.WARNING))
 
 
+def _worker_options(parser: argparse.ArgumentParser, *, handler: str, lease: str, renew: str) -> None:
+    """The options ``work`` and ``work-runs`` share (their help names what each claims and renews)."""
+    parser.add_argument("--url", required=True, help="the gateway's base URL, e.g. http://127.0.0.1:8000/gateway/v1")
+    parser.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
+    parser.add_argument("--handler", required=True, help=f"dotted path of {handler}")
+    parser.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
+    parser.add_argument("--lease-seconds", type=seconds_option(), default=None, help=f"{lease} (default: the server's)")
+    parser.add_argument(
+        "--wait-seconds", type=seconds_option(zero=True), default=5.0, help="long-poll per claim (default 5)"
+    )
+    parser.add_argument(
+        "--renew-every", type=seconds_option(), default=10.0, help=f"seconds between {renew} (default 10)"
+    )
+    parser.add_argument("--idle-exit", type=seconds_option(), default=None, help="stop after this many idle seconds")
+    parser.add_argument(
+        "--shutdown-grace", type=seconds_option(zero=True), default=30.0, help="seconds to drain on stop (default 30)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``work``: run a remote delivery worker; ``work-runs``: a remote agent-run worker
     (:mod:`buzz_delivery.gateway.remote_runs`). Exit 0 on a clean stop, 1 after an internal error
@@ -1208,24 +1227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m buzz_delivery.gateway.client")
     sub = parser.add_subparsers(dest="command", required=True)
     work = sub.add_parser("work", help="claim and work deliveries through the gateway")
-    work.add_argument("--url", required=True, help="the gateway's base URL, e.g. http://127.0.0.1:8000/gateway/v1")
-    work.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
-    work.add_argument("--handler", required=True, help="dotted path of handler(delivery: dict)")
-    work.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
-    work.add_argument(
-        "--lease-seconds", type=seconds_option(), default=None, help="lease length (default: the server's)"
-    )
-    work.add_argument(
-        "--wait-seconds", type=seconds_option(zero=True), default=5.0, help="long-poll per claim (default 5)"
-    )
-    work.add_argument(
-        "--renew-every", type=seconds_option(), default=10.0, help="seconds between renewals (default 10)"
-    )
+    _worker_options(work, handler="handler(delivery: dict)", lease="lease length", renew="renewals")
     work.add_argument("--max-deliveries", type=int, default=None, help="stop after claiming this many")
-    work.add_argument("--idle-exit", type=seconds_option(), default=None, help="stop after this many idle seconds")
-    work.add_argument(
-        "--shutdown-grace", type=seconds_option(zero=True), default=30.0, help="seconds to drain on stop (default 30)"
-    )
     work.add_argument(
         "--claim-ahead",
         type=int,
@@ -1235,25 +1238,9 @@ def main(argv: list[str] | None = None) -> int:
         f"second (default {DEFAULT_CLAIM_AHEAD}; 0: claim only for free threads)",
     )
     runs = sub.add_parser("work-runs", help="claim and run agent runs through the gateway (remote_runs)")
-    runs.add_argument("--url", required=True, help="the gateway's base URL")
-    runs.add_argument("--key-file", required=True, help="file holding the agent's 32-byte secret key as hex")
-    runs.add_argument("--handler", required=True, help="dotted path of handler(ctx) -> output")
-    runs.add_argument("--concurrency", type=int, default=1, help="handler threads (default 1)")
-    runs.add_argument(
-        "--lease-seconds", type=seconds_option(), default=None, help="run lease length (default: the server's)"
-    )
-    runs.add_argument(
-        "--wait-seconds", type=seconds_option(zero=True), default=5.0, help="long-poll per claim (default 5)"
-    )
-    runs.add_argument(
-        "--renew-every", type=seconds_option(), default=10.0, help="seconds between heartbeats (default 10)"
-    )
+    _worker_options(runs, handler="handler(ctx) -> output", lease="run lease length", renew="heartbeats")
     runs.add_argument("--worker-id", default=None, help="the holder's name (default: the gateway's)")
     runs.add_argument("--max-runs", type=int, default=None, help="stop after claiming this many")
-    runs.add_argument("--idle-exit", type=seconds_option(), default=None, help="stop after this many idle seconds")
-    runs.add_argument(
-        "--shutdown-grace", type=seconds_option(zero=True), default=30.0, help="seconds to drain on stop (default 30)"
-    )
     runs.add_argument(
         "--no-accept",
         action="store_true",
