@@ -36,7 +36,7 @@ from buzz_delivery.gateway.auth import Caller, authenticate, authenticate_caller
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import BATCH_FINISH, BATCH_RENEW, CLAIM, FINISH, RENEW, Body
-from buzz_delivery.gateway.wake import hub
+from buzz_delivery.gateway.wake import delivery_key, hub
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settle, Settled
 from buzz_delivery.services.db import node_lost
 from buzz_delivery.tracing import http as tracing_http
@@ -257,7 +257,10 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
         poll = get_settings().poll_seconds
         # The waiter is registered before the first claim: a delivery committed between an empty
         # claim and the sleep still sets the event, so the sleep ends at once.
-        with limits.long_poll(pubkey, communities), hub.waiter(pubkey.hex()) as woken:
+        # Keyed by (community, key): a hint of a community this request does not claim in (any
+        # community may send to any key) does not wake it.
+        waits = (delivery_key(c, pubkey) for c in communities)
+        with limits.long_poll(pubkey, communities), hub.waiter(*waits) as woken:
             claims = _claim_round(communities, pubkey, limit, lease_seconds)
             while not claims and communities:
                 remaining = deadline - time.monotonic()
