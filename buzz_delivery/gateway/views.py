@@ -147,7 +147,14 @@ def endpoint(
             def checked(raw: bytes, pubkey: bytes) -> HttpResponse:
                 ids = {name: parse_uuid(name, value) for name, value in path.items()}
                 data = parse_json(raw, body)
-                with limits.request(pubkey, ids.get("community_id")):
+                # A slot of the path's community only where the key was admitted: a request
+                # naming a community its key is not enrolled in (the view refuses it 403) held
+                # that community's slots while it was prepared, and one community's keys had
+                # another's agents refused 429.
+                community = ids.get("community_id")
+                if community is not None and community not in _communities(request, pubkey):
+                    community = None
+                with limits.request(pubkey, community):
                     return view(request, pubkey, data, **ids)
 
             def caller(raw: bytes) -> bytes:

@@ -5,7 +5,9 @@ work can do to another community's long-polls and request bounds."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
+import uuid
 
 import pytest
 from django.db import connection
@@ -60,5 +62,56 @@ def test_a_hint_of_the_keys_own_community_still_wakes_its_long_poll(tmp_path):
         waiter.join(15)
         assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
         assert time.monotonic() - committed < 5, "the long-poll was not woken by its community's hint"
+    finally:
+        stop_server(server)
+
+
+def _heavy_calls(n: int = 100, size: int = 4000) -> dict:
+    """A calls batch whose items the gateway takes a while to prepare (each ``args`` checked and
+    hashed), naming run ids no one holds."""
+    args = {"x": [1] * size}
+    return {"runs": [{"run_id": str(uuid.uuid4()), "lease_generation": 1, "tool_name": "t", "args": args}
+                     for _ in range(n)]}  # fmt: skip
+
+
+def test_a_key_naming_a_community_it_is_not_enrolled_in_takes_none_of_that_communitys_request_slots(tmp_path):
+    """Each request held a slot of the community its path named (MAX_REQUESTS_PER_COMMUNITY)
+    before the view checked the key was enrolled there: community A's key, sending requests
+    that name community B (each a 403 in the end), held B's slots while the gateway prepared
+    them, and B's own agents were refused 429. A request now holds a slot only of a community
+    its key was admitted to (the others are refused 403 all the same)."""
+    server = start_server(
+        tmp_path / "gunicorn.log",
+        {"BUZZ_GATEWAY_MAX_REQUESTS_PER_COMMUNITY": "1", "BUZZ_GATEWAY_MAX_BODY_BYTES": str(4 * 1024 * 1024)},
+    )
+    try:
+        a, b = CommunityFactory(), CommunityFactory()
+        intruder, owner = new_agent(server), new_agent(server)
+        enroll(intruder, a)
+        enroll(owner, b)
+        body = _heavy_calls()
+        stop = threading.Event()
+        intruder_statuses: list[int] = []
+
+        def flood() -> None:
+            while not stop.is_set():
+                response = intruder.request("POST", f"/communities/{b.id}/runs/calls", body)
+                intruder_statuses.append(response.status_code)
+
+        threads = [threading.Thread(target=flood) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.5)
+            owners = []
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline:
+                owners.append(owner.request("GET", f"/communities/{b.id}/runs/{uuid.uuid4()}").status_code)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert 403 in intruder_statuses and set(intruder_statuses) <= {403, 429}, intruder_statuses[:5]
+        assert owners and set(owners) == {404}, f"{owners.count(429)} of {len(owners)} of B's own requests were 429"
     finally:
         stop_server(server)
