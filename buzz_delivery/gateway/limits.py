@@ -3,8 +3,9 @@
 A gunicorn ``gthread`` worker serves at most ``--threads`` requests at a time, and a long-poll
 claim holds its thread for up to ``MAX_WAIT_SECONDS``: one agent key (or the agents of one
 community) opening as many long-polls as the process has threads used to starve every other
-agent. Each request holds a slot of its key and, when its path names one, of its community
-(``MAX_REQUESTS_PER_KEY``, ``MAX_REQUESTS_PER_COMMUNITY``); a long-poll claim also holds a
+agent. Each request holds a slot of its key and, when its path names one its key was admitted
+to (enrolled there: a request naming another community is refused 403 and holds none of its
+slots), of its community (``MAX_REQUESTS_PER_KEY``, ``MAX_REQUESTS_PER_COMMUNITY``); a long-poll claim also holds a
 long-poll slot of its key and of each community it waits on (``MAX_LONG_POLLS_PER_KEY``,
 ``MAX_LONG_POLLS_PER_COMMUNITY``). A request over a bound is refused at once with 429
 ``too_many_requests`` and ``Retry-After`` (it writes nothing and holds no thread). The counts

@@ -36,7 +36,7 @@ from buzz_delivery.gateway.auth import Caller, authenticate, authenticate_caller
 from buzz_delivery.gateway.conf import get_settings
 from buzz_delivery.gateway.errors import GatewayError, bad_request
 from buzz_delivery.gateway.schema import BATCH_FINISH, BATCH_RENEW, CLAIM, FINISH, RENEW, Body
-from buzz_delivery.gateway.wake import hub
+from buzz_delivery.gateway.wake import delivery_key, hub
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Renewed, Settle, Settled
 from buzz_delivery.services.db import node_lost
 from buzz_delivery.tracing import http as tracing_http
@@ -147,7 +147,14 @@ def endpoint(
             def checked(raw: bytes, pubkey: bytes) -> HttpResponse:
                 ids = {name: parse_uuid(name, value) for name, value in path.items()}
                 data = parse_json(raw, body)
-                with limits.request(pubkey, ids.get("community_id")):
+                # A slot of the path's community only where the key was admitted: a request
+                # naming a community its key is not enrolled in (the view refuses it 403) held
+                # that community's slots while it was prepared, and one community's keys had
+                # another's agents refused 429.
+                community = ids.get("community_id")
+                if community is not None and community not in _communities(request, pubkey):
+                    community = None
+                with limits.request(pubkey, community):
                     return view(request, pubkey, data, **ids)
 
             def caller(raw: bytes) -> bytes:
@@ -257,7 +264,10 @@ def claim(request: HttpRequest, pubkey: bytes, data: dict[str, Any]) -> JsonResp
         poll = get_settings().poll_seconds
         # The waiter is registered before the first claim: a delivery committed between an empty
         # claim and the sleep still sets the event, so the sleep ends at once.
-        with limits.long_poll(pubkey, communities), hub.waiter(pubkey.hex()) as woken:
+        # Keyed by (community, key): a hint of a community this request does not claim in (any
+        # community may send to any key) does not wake it.
+        waits = (delivery_key(c, pubkey) for c in communities)
+        with limits.long_poll(pubkey, communities), hub.waiter(*waits) as woken:
             claims = _claim_round(communities, pubkey, limit, lease_seconds)
             while not claims and communities:
                 remaining = deadline - time.monotonic()

@@ -1,9 +1,13 @@
 """Long-poll wake-ups (SPEC sections 7 and 14): one LISTEN connection per server process.
 
-A claim that found nothing registers a waiter for its key and sleeps until a wake hint for that
-target arrives on the core's NOTIFY channel, or the poll interval passes (the fallback for a
-missed hint or a LISTEN connection that is down), then claims again. A hint grants nothing: it
-only ends the sleep, and the claim goes through ``services.claim_deliveries`` as always.
+A claim that found nothing registers a waiter for its key in each community it claims in
+(:func:`delivery_key`) and sleeps until a wake hint for that (community, target) arrives on the
+core's NOTIFY channel, or the poll interval passes (the fallback for a missed hint or a LISTEN
+connection that is down), then claims again. A hint grants nothing: it only ends the sleep, and
+the claim goes through ``services.claim_deliveries`` as always. A hint wakes only the claims of
+its own community: any community's workflows may send to any key, and a hint keyed by the
+target alone let one community wake (again and again) the long-polls of a key enrolled only in
+another.
 
 With ``buzz_delivery.agents`` installed the same connection also LISTENs on ``buzz_agents``,
 whose hints name a community with a claimable agent run; a run claim waits on the keys
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,7 +34,7 @@ RECONNECT_SECONDS = 2.0
 
 
 class WakeHub:
-    """Waiters keyed by target hex, woken by a daemon thread that LISTENs on the channel.
+    """Waiters keyed by (community, target hex), woken by a daemon thread that LISTENs on the channel.
 
     The thread (a :class:`~buzz_delivery.listening.Listener`: any payload and any error are
     survived) starts on the first :meth:`waiter` and lives as long as the process. It opens its
@@ -46,8 +51,8 @@ class WakeHub:
 
     @contextmanager
     def waiter(self, *keys: str) -> Iterator[threading.Event]:
-        """An event set by every hint for one of ``keys`` (a target's hex, or ``runs:<community
-        id>``) while the block runs."""
+        """An event set by every hint for one of ``keys`` (:func:`delivery_key`, or
+        ``runs:<community id>``) while the block runs."""
         self._ensure_started()
         event = threading.Event()
         with self._lock:
@@ -70,11 +75,14 @@ class WakeHub:
                 event.set()
 
     def wake(self, payload: str) -> None:
-        """Wake the waiters of the hint's target (a payload of another shape is ignored)."""
+        """Wake the waiters of the hint's target in the hint's community (a payload of another
+        shape is ignored)."""
         data = json.loads(payload)
-        target = data.get("target") if isinstance(data, dict) else None
-        if isinstance(target, str):
-            self._set(target)
+        if not isinstance(data, dict):
+            return
+        community, target = data.get("community"), data.get("target")
+        if isinstance(community, str) and isinstance(target, str):
+            self._set(f"{community}:{target}")
 
     def wake_runs(self, payload: str) -> None:
         """Wake the run claims waiting on the community a ``buzz_agents`` hint names."""
@@ -109,6 +117,13 @@ class WakeHub:
                     logger=logger,
                 )
                 self._thread.start()
+
+
+def delivery_key(community_id: uuid.UUID, pubkey: bytes) -> str:
+    """The waiter key of a delivery claim of ``pubkey`` in ``community_id``: what a hint of that
+    community for that target wakes (the core's hint names the community as the text of its
+    UUID, the target as lowercase hex)."""
+    return f"{community_id}:{pubkey.hex()}"
 
 
 def agents_channel() -> str | None:
