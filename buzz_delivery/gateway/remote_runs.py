@@ -153,6 +153,7 @@ class RemoteRunContext:
         self.input = claim.run["input"]
         self.lost = threading.Event()
         self._cancelled = threading.Event()
+        self.failure_code: str | None = None  # set when the run is failed (for the worker's line)
         self._pos = 0
         # A run that has spent no call and is not unwinding has an empty journal: no read (as
         # the in-process runtime's batch.resumed).
@@ -662,6 +663,8 @@ def run_remote_claim(
     completion and the failures through it (batched with other runs') instead of one request each."""
     lease = claim.lease
     if claim.run["unwinding"]:
+        if ctx is not None:
+            ctx.failure_code = claim.run["failure_code"] or "unwinding"
         outcome = _send_fail(client, batcher, lease, claim.run["failure_code"] or "unwinding")
         if outcome.outcome == "unwinding":
             return unwind(client, lease, outcome.data["seqs"], batcher)
@@ -680,11 +683,13 @@ def run_remote_claim(
             code = failure_code(exc.failure_code, "handler_error")
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
+        ctx.failure_code = code
         return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
     if ctx.lost.is_set():
         return "lost"
     problem = _unstorable_output(output)
     if problem is not None:
+        ctx.failure_code = "output_not_json"
         return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
     try:
         done = (
@@ -695,6 +700,7 @@ def run_remote_claim(
     except GatewayHTTPError as exc:
         if exc.status != 400:
             raise
+        ctx.failure_code = "output_refused"
         return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
     return "completed" if done.outcome == "finished" else "lost"
 
@@ -879,7 +885,10 @@ class RemoteRunWorker:
             logger.warning("run_error run=%s: %s", claim.lease.run_id, describe(exc))
             result = "errors"
         else:  # the worker's own line per run at -v 1, as run_agent_worker's (completed run=...)
-            logger.info("%s run=%s", result, claim.lease.run_id)
+            if ctx.failure_code is not None and result != "lost":  # failed (or unwound): say why
+                logger.info("%s run=%s code=%r", result, claim.lease.run_id, ctx.failure_code)
+            else:
+                logger.info("%s run=%s", result, claim.lease.run_id)
         with self._lock:
             self.counts[result] += 1
             self._last_work = time.monotonic()
