@@ -43,11 +43,16 @@ from buzz_delivery.gateway.client import (
     EXIT_ERROR,
     EXIT_OK,
     FAILURE_MESSAGE_MAX_CHARS,
+    MAX_ACCEPT_BATCH,
+    MAX_CONCURRENCY,
     GatewayClient,
     GatewayHTTPError,
     RemoteRunClaim,
     RemoteRunLease,
     RunOutcome,
+    checked_count,
+    checked_handler,
+    checked_seconds,
     describe,
     failure_code,
     storable,
@@ -755,6 +760,22 @@ class RemoteRunWorker:
         accept_batch: int = 50,
         linger: float = LINGER,
     ) -> None:
+        # Checked as the command line checks them (a worker built in code is held to the same).
+        checked_handler(handler)
+        concurrency = checked_count(concurrency, "concurrency", 1, MAX_CONCURRENCY)
+        accept_batch = checked_count(accept_batch, "accept_batch", 1, MAX_ACCEPT_BATCH)
+        if max_runs is not None:
+            max_runs = checked_count(max_runs, "max_runs", 1)
+        if lease_seconds is not None:
+            lease_seconds = checked_seconds(lease_seconds, "lease_seconds")
+        wait_seconds = checked_seconds(wait_seconds, "wait_seconds", zero=True)
+        renew_every = checked_seconds(renew_every, "renew_every")
+        if idle_exit is not None:
+            idle_exit = checked_seconds(idle_exit, "idle_exit")
+        shutdown_grace = checked_seconds(shutdown_grace, "shutdown_grace", zero=True)
+        linger = checked_seconds(linger, "linger", zero=True)
+        if worker_id is not None and (not isinstance(worker_id, str) or not worker_id.strip() or len(worker_id) > 200):
+            raise ValueError(f"worker_id must be None or 1..200 characters, not blank, got {str(worker_id)[:80]!r}")
         self.client, self.handler, self.concurrency, self.linger = client, handler, concurrency, linger
         self.accept, self.accept_batch = accept, accept_batch
         self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
