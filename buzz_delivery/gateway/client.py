@@ -113,6 +113,21 @@ MAX_CLAIM_AHEAD = 1000
 MAX_ACCEPT_BATCH = 1000
 
 
+# A claim refused or left unanswered (a 429/503, the gateway down, the key not enrolled) is tried
+# again after CLAIM_RETRY_BASE * 2**n seconds (n: failures in a row), at most CLAIM_RETRY_MOST,
+# with equal jitter (backoff.Retrying), and never much past --idle-exit: before, every second,
+# so a fleet of workers hammered a gateway that was shedding load or coming back up.
+CLAIM_RETRY_BASE = 1.0
+CLAIM_RETRY_MOST = 15.0
+
+
+def claim_retry_wait(retrying: backoff.Retrying, exc: BaseException, idle_exit: float | None) -> float:
+    """The wait before the next claim after ``exc``: :class:`backoff.Retrying`'s, honouring a
+    Retry-After the refusal carried, and at most ``idle_exit`` (when set) so a worker that may
+    stop (``--idle-exit``) is not held far past that moment by a long wait."""
+    return retrying.delay(backoff.of(exc), most=idle_exit)
+
+
 def checked_seconds(value: Any, name: str, *, zero: bool = False) -> float:
     """A worker's seconds parameter as its option is checked (:func:`seconds_option`): a real
     finite number > 0 (>= 0 with ``zero``) and at most :data:`MAX_OPTION_SECONDS`. Anything else
@@ -813,6 +828,7 @@ class RemoteWorker:
         self._claimed = 0
         self._idle_since = time.monotonic()
         self._reached = time.monotonic()  # when a claim last got through (or the start)
+        self._claim_retrying = backoff.Retrying(CLAIM_RETRY_BASE, CLAIM_RETRY_MOST)  # under _room_changed
         self.internal_error: str | None = None
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
@@ -1109,17 +1125,20 @@ class RemoteWorker:
                             self._idle_since = time.monotonic()
                         idle = time.monotonic() - self._idle_since
                         self._room_changed.notify_all()
-                    self.stop.wait(1.0)
+                        # One backoff for both claimers (under the lock): the worker backs off.
+                        pause = claim_retry_wait(self._claim_retrying, exc, self.idle_exit)
+                    self.stop.wait(pause)
                     # No delivery could be claimed (the gateway unreachable, the key not enrolled):
                     # idle for --idle-exit, as an empty claim is, so a draining job ends; but only
                     # once no claim has got through for UNREACHABLE_IDLE_SECONDS (a gateway's
                     # restart is not the end of a backlog).
-                    idle_long = self.idle_exit is not None and idle + 1.0 >= self.idle_exit
+                    idle_long = self.idle_exit is not None and idle + pause >= self.idle_exit
                     if idle_long and unreachable_for_long(self._reached):
                         self.request_stop("idle_exit")
                     continue
                 self._reached = time.monotonic()
                 with self._room_changed:
+                    self._claim_retrying.reset()
                     self._claiming -= want
                     self._claims_in_flight -= 1
                     self._last_full = len(claims) >= want

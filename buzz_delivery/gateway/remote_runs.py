@@ -39,6 +39,8 @@ from buzz_delivery import backoff
 from buzz_delivery.agents import compensations
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.gateway.client import (
+    CLAIM_RETRY_BASE,
+    CLAIM_RETRY_MOST,
     EXIT_ABANDONED,
     EXIT_ERROR,
     EXIT_OK,
@@ -53,6 +55,7 @@ from buzz_delivery.gateway.client import (
     checked_count,
     checked_handler,
     checked_seconds,
+    claim_retry_wait,
     describe,
     failure_code,
     storable,
@@ -821,6 +824,7 @@ class RemoteRunWorker:
         """One claimer for every run thread: claims as many runs as there are free threads in
         one request (long-poll), so the run threads start together and their journal writes
         share batches."""
+        retrying = backoff.Retrying(CLAIM_RETRY_BASE, CLAIM_RETRY_MOST)
         while not self.stop.is_set():
             with self._lock:
                 if self.max_runs is not None and self.counts["claimed"] >= self.max_runs:
@@ -844,16 +848,17 @@ class RemoteRunWorker:
                     lease_seconds=self.lease_seconds,
                     worker_id=self.worker_id,
                 )
-            except Exception as exc:  # the gateway is unreachable or refused: retry later
+            except Exception as exc:  # the gateway is unreachable or refused: retry later (backoff)
                 logger.warning("claim_error: %s", exc)
                 with self._lock:
                     self.counts["errors"] += 1
-                self.stop.wait(1.0)
+                self.stop.wait(claim_retry_wait(retrying, exc, self.idle_exit))
                 # No run could be claimed: idle, as an empty claim is (--idle-exit), once no claim
                 # has got through for UNREACHABLE_IDLE_SECONDS (a gateway's restart is not a drain).
                 claims = None
             else:
                 self._reached = time.monotonic()
+                retrying.reset()
             if not claims:
                 with self._lock:
                     idle = self._busy == 0 and (claims is not None or unreachable_for_long(self._reached))
