@@ -92,6 +92,38 @@ def again_delay(base: float, attempt: int, retry_after: float | None = None, *, 
     return min(delay, most)
 
 
+class Retrying:
+    """The waits of a loop that retries a refused request (a claim the gateway refused or
+    never answered): capped exponential backoff with equal jitter, :meth:`reset` on success.
+
+    :meth:`delay` is the wait before the next try: ``base * 2**n`` (``n`` the failures since the
+    last reset, the first being 0) capped at ``most``, then jittered (within ``[d/2, d]``); a
+    longer ``retry_after`` the refusal carried wins, capped at ``most`` too. ``most`` may be
+    lowered for one call (``most=``: e.g. a worker's ``--idle-exit``, so the wait never carries
+    it far past the moment it may stop). Not thread-safe: one per loop."""
+
+    def __init__(self, base: float, most: float) -> None:
+        if not (0 < base <= most < math.inf):
+            raise ValueError(f"base and most must satisfy 0 < base <= most < inf, got {base!r}, {most!r}")
+        self.base, self.most = base, most
+        self.failures = 0
+
+    def delay(self, retry_after: float | None = None, *, most: float | None = None) -> float:
+        """The wait after one more failure (and count it)."""
+        cap = self.most if most is None else max(0.0, min(self.most, most))
+        computed = min(self.base * 2.0 ** min(self.failures, 60), cap)
+        self.failures += 1
+        wait = jittered(computed)
+        after = usable(retry_after)
+        if after is not None:
+            wait = max(wait, min(after, cap))
+        return wait
+
+    def reset(self) -> None:
+        """A try got through: the next failure waits ``base`` again."""
+        self.failures = 0
+
+
 def argument(value: Any, name: str = "retry_after") -> float | None:
     """A service's ``retry_after`` argument: None, or 0..MAX_RETRY_AFTER_SECONDS seconds;
     anything else raises ``ValidationError`` keyed ``name``. (This module needs no Django

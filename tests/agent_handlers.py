@@ -205,3 +205,13 @@ def five_rated_calls(ctx):
 def quick(ctx):
     """Return at once (no call): the run completes."""
     return {"ok": True}
+
+
+def fails_with_code(ctx):
+    """Fails at once (no call made) with an AgentError whose code is ``quota_spent``."""
+    from buzz_delivery.agents.exceptions import AgentError
+
+    class Spent(AgentError):
+        failure_code = "quota_spent"
+
+    raise Spent("the month's quota is spent")

@@ -337,3 +337,14 @@ def test_a_cancelled_or_exhausted_run_is_compensated_3_2_1_once_each_across_a_ki
     assert (run.state, run.failure_code) == (
         ("cancelled", "cancelled") if end == "cancel" else ("failed", "attempts_exhausted")
     )
+
+
+@pytest.mark.parametrize("mode", [[], ["--async"]])
+def test_a_failed_runs_log_line_names_its_failure_code(community, ledger, mode):
+    """``failed run=...`` said that a run failed but not why: the line names the code it recorded."""
+    run_id = new_run(community.id)
+    code, summary, err = worker(community, "fails_with_code", ledger, *mode)
+    assert code == 0, err
+    assert summary["failed"] == 1, summary
+    assert AgentRun.objects.get(id=run_id).failure_code == "quota_spent"
+    assert f"failed run={run_id} code='quota_spent'" in err, err

@@ -123,6 +123,18 @@ def test_an_unimportable_handler_is_a_bad_argument_naming_the_option(command, ar
             ["run_task_worker", "--poll-interval", "86400.5"],
             "argument --poll-interval: must be at most 86400 seconds, got 86400.5",
         ),
+        (  # was refused only when the config was built (exit 1, a ValidationError)
+            [*IDLE_AGENT_WORKER, "--worker-id", "   "],
+            "argument --worker-id: must name it (1..200 characters), got '   '",
+        ),
+        (  # was taken as no --worker-id at all (host:pid)
+            [*IDLE_AGENT_WORKER, "--worker-id", ""],
+            "argument --worker-id: must name it (1..200 characters), got ''",
+        ),
+        (
+            [*IDLE_AGENT_WORKER, "--worker-id", "w" * 201],
+            "argument --worker-id: must be at most 200 characters, got 201",
+        ),
         (  # was read as --exit-when-idle
             ["run_agent_worker", "--agent", AGENT.hex(), "--handler", "json:dumps", "--exit-when"],
             "unrecognized arguments: --exit-when",

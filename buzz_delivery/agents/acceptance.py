@@ -14,7 +14,8 @@ deliveries (each delivery still goes to one of them), some would become runs and
 be handed to the delivery handler. ``run_agent_worker --no-accept`` turns acceptance off (an
 inbox of your own accepts instead).
 
-One delivery can never stop the worker: an error accepting it is logged and counted, its
+One delivery can never stop the worker: an error accepting it (past the tries again of a
+transient database error on a fresh connection, :data:`ACCEPT_TRIES`) is logged and counted, its
 delivery is settled ``retry`` (the core's backoff and attempt cap apply; when that settle fails
 too, its lease lapses and the reaper reclaims it), and the batch goes on.
 
@@ -34,16 +35,26 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connections
+
+from buzz_delivery import backoff
 from buzz_delivery import services as core
 from buzz_delivery.agents import services as s
 from buzz_delivery.services import tenancy
-from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.db import fetch_all, node_lost
 from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, DELIVERY
+from buzz_delivery.usercode import discard_connection, in_transaction
 
 logger = logging.getLogger("buzz_delivery.agents.acceptance")
 
 DEFAULT_BATCH = 50
 ACCEPT_ERROR = "accept_error"
+# An accept that failed for a transient cause is tried this many times in all, on a fresh
+# connection each time, after ACCEPT_BACKOFF * 2**n s with jitter (at most ACCEPT_MOST: the
+# delivery's lease keeps running), as the remote acceptor resends (gateway/remote_accept.py).
+ACCEPT_TRIES = 4
+ACCEPT_BACKOFF = 0.2
+ACCEPT_MOST = 5.0
 
 # Discovery (a fleet read, as the runs' discovery): the active communities with deliveries to
 # accept for these agents. The pending poll index (community, target, created_at, id) WHERE
@@ -80,14 +91,52 @@ class AcceptRound:
         return self.counts["claimed"]
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` left nothing written and may pass: an ``OperationalError`` (a lock or
+    statement timeout, a terminated backend, the connection lost; a deadlock's victim is
+    retried inside the service already) or an ``InterfaceError`` (the connection closed), or
+    Citus losing a worker's connection at the COMMIT (:func:`~buzz_delivery.services.db.node_lost`)."""
+    return isinstance(exc, (OperationalError, InterfaceError)) or node_lost(exc)
+
+
+def _accept(lease: core.Lease) -> object:
+    """:func:`~buzz_delivery.agents.services.accept_delivery`, tried again on a fresh connection
+    (at most :data:`ACCEPT_TRIES` in all, backing off) when it failed for a :func:`transient`
+    cause, as the remote acceptor resends a 503/429 and ``complete_run``/``fail_run`` are tried
+    again: settling ``retry`` at once spent an attempt of the delivery for a passing error (on
+    its last, ``failed``/``attempts_exhausted``, no run). Fenced: a first try that committed after
+    all (a COMMIT whose answer was lost) is answered ``AlreadyTerminal`` to the next, never a
+    second run."""
+    for attempt in range(ACCEPT_TRIES):
+        try:
+            return s.accept_delivery(lease)
+        except DatabaseError as exc:
+            db = connections[DEFAULT_DB_ALIAS]
+            if attempt == ACCEPT_TRIES - 1 or not transient(exc) or in_transaction(db):
+                raise
+            logger.warning(
+                "accept_again delivery=%s attempt=%d: %s; on a fresh connection",
+                lease.delivery_id,
+                attempt + 1,
+                str(exc).strip()[:500],
+            )
+            discard_connection(db)
+            time.sleep(backoff.again_delay(ACCEPT_BACKOFF, attempt, most=ACCEPT_MOST))
+    raise AssertionError("unreachable")
+
+
 def accept_claim(claim: core.Claim) -> str:
     """Accept one claimed delivery into a run; returns ``accepted``, ``run_ended``, ``missed``
-    or ``errors`` (whatever went wrong with it: logged, the delivery settled ``retry``)."""
+    or ``errors`` (whatever went wrong with it: logged, the delivery settled ``retry``). A
+    transient database error is tried again first (:func:`_accept`)."""
     lease = claim.lease
     try:
-        outcome = s.accept_delivery(lease)
+        outcome = _accept(lease)
     except Exception as exc:  # one delivery never stops the worker
         logger.warning("accept_error delivery=%s: %s", lease.delivery_id, str(exc)[:500])
+        db = connections[DEFAULT_DB_ALIAS]
+        if transient(exc) and not in_transaction(db):
+            discard_connection(db)  # the settle below on a fresh connection, not the broken one
         try:
             core.finish_delivery(
                 lease, "retry", failure_message=f"{ACCEPT_ERROR}: {type(exc).__name__}: {exc}"[:10_000]

@@ -125,6 +125,7 @@ class AsyncContext:
         self.lost = threading.Event()
         self._cancelled = threading.Event()
         self.reason = ""
+        self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
         self._pos = 0
         self._journal: dict[int, JournalEntry] | None = None
         if journal is not None:
@@ -480,7 +481,8 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
     """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
     ``compensation_failed``, ``parked``, ``lost``. The handler raising fails this run only."""
     if ctx.run.unwinding:
-        outcome = await _fail(runtime, ctx.lease, ctx.run.failure_code or "unwinding")
+        ctx.failure_code = ctx.run.failure_code or "unwinding"
+        outcome = await _fail(runtime, ctx.lease, ctx.failure_code)
         if isinstance(outcome, s.Unwinding):
             return await unwind(runtime, ctx.lease, outcome.seqs)
         return "failed" if isinstance(outcome, s.Finished) else "lost"
@@ -498,6 +500,7 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         code = failure_code_of(exc) if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
             return "lost"
+        ctx.failure_code = code
         failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
@@ -507,6 +510,7 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
     try:
         prepared = batch.prepare_completion(ctx.lease, output)
     except Exception as exc:  # an output that cannot be stored fails this run
+        ctx.failure_code = "handler_error"
         failed = await _fail(runtime, ctx.lease, "handler_error", failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)

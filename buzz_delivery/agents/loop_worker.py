@@ -425,7 +425,10 @@ class AsyncAgentWorker:
         except Exception:  # a runtime error of this run only: its lease lapses, the run is reclaimed
             logger.exception("run_error run=%s", ctx.lease.run_id)
             result = "lost"
-        logger.info("%s run=%s", result, ctx.lease.run_id)
+        if ctx.failure_code is not None and result != "lost":  # failed (or unwound): say why
+            logger.info("%s run=%s code=%r", result, ctx.lease.run_id, ctx.failure_code)
+        else:
+            logger.info("%s run=%s", result, ctx.lease.run_id)
         self.counts[result] += 1
 
     async def _renew(self, runtime: Runtime) -> None:

@@ -161,6 +161,7 @@ class Context:
             for e in JournalEntry.objects.filter(community_id=claim.lease.community_id, run_id=claim.lease.run_id)
         }
         self.replayed = 0
+        self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
         self.lane: UserConnection | None = None  # set by run_claim: the user's connection
         self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
         self.rate_waits = 0  # how many times a call waited for its rate limit
@@ -468,6 +469,8 @@ def _run_claim(
 ) -> str:
     lease = claim.lease
     if claim.run.unwinding:
+        if ctx is not None:
+            ctx.failure_code = claim.run.failure_code or "unwinding"
         outcome = s.fail_run(lease, claim.run.failure_code or "unwinding")
         if isinstance(outcome, s.Unwinding):
             return unwind(lease, outcome.seqs, lane)
@@ -503,6 +506,7 @@ def _run_claim(
         else:
             return "completed" if isinstance(done, s.Finished) else "lost"
     code, message = failure
+    ctx.failure_code = code
     failed = _settle(s.fail_run, ctx.lease, code, message)
     if isinstance(failed, s.Unwinding):
         return unwind(ctx.lease, failed.seqs, lane)

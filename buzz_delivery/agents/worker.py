@@ -408,7 +408,10 @@ class AgentWorker:
             result = run_claim(claim, self.config.handler, ctx, lane)
         finally:
             self.heartbeat.release(ctx)
-        logger.info("%s run=%s", result, claim.lease.run_id)
+        if ctx.failure_code is not None and result != "lost":  # failed (or unwound): say why
+            logger.info("%s run=%s code=%r", result, claim.lease.run_id, ctx.failure_code)
+        else:
+            logger.info("%s run=%s", result, claim.lease.run_id)
         with self.lock:
             self.counts[result] += 1
 

@@ -106,6 +106,59 @@ def seconds_option(*, zero: bool = False) -> Callable[[str], float]:
     return parse
 
 
+# The bounds the command line gives the workers' counts (``main``); a worker built in code is held
+# to them too.
+MAX_CONCURRENCY = 256
+MAX_CLAIM_AHEAD = 1000
+MAX_ACCEPT_BATCH = 1000
+
+
+# A claim refused or left unanswered (a 429/503, the gateway down, the key not enrolled) is tried
+# again after CLAIM_RETRY_BASE * 2**n seconds (n: failures in a row), at most CLAIM_RETRY_MOST,
+# with equal jitter (backoff.Retrying), and never much past --idle-exit: before, every second,
+# so a fleet of workers hammered a gateway that was shedding load or coming back up.
+CLAIM_RETRY_BASE = 1.0
+CLAIM_RETRY_MOST = 15.0
+
+
+def claim_retry_wait(retrying: backoff.Retrying, exc: BaseException, idle_exit: float | None) -> float:
+    """The wait before the next claim after ``exc``: :class:`backoff.Retrying`'s, honouring a
+    Retry-After the refusal carried, and at most ``idle_exit`` (when set) so a worker that may
+    stop (``--idle-exit``) is not held far past that moment by a long wait."""
+    return retrying.delay(backoff.of(exc), most=idle_exit)
+
+
+def checked_seconds(value: Any, name: str, *, zero: bool = False) -> float:
+    """A worker's seconds parameter as its option is checked (:func:`seconds_option`): a real
+    finite number > 0 (>= 0 with ``zero``) and at most :data:`MAX_OPTION_SECONDS`. Anything else
+    raises ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    low_ok = seconds >= 0 if zero else seconds > 0
+    if not (low_ok and seconds <= MAX_OPTION_SECONDS):  # NaN fails this too
+        low = ">= 0" if zero else "> 0"
+        raise ValueError(f"{name} must be {low} and at most {MAX_OPTION_SECONDS:g} seconds, got {value!r}")
+    return seconds
+
+
+def checked_count(value: Any, name: str, low: int, high: int | None = None) -> int:
+    """A worker's count parameter: an int within ``low..high`` (no upper bound when None).
+    Anything else raises ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bounds = f"within {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def checked_handler(handler: Any) -> None:
+    """A worker's handler: callable, or ``ValueError`` naming ``handler``."""
+    if not callable(handler):
+        raise ValueError(f"handler must be callable, got {type(handler).__name__}")
+
+
 def unreachable_for_long(reached: float) -> bool:
     """Whether no claim has got through since ``reached`` (monotonic) for :data:`UNREACHABLE_IDLE_SECONDS`."""
     return time.monotonic() - reached >= UNREACHABLE_IDLE_SECONDS
@@ -745,6 +798,18 @@ class RemoteWorker:
         shutdown_grace: float = 30.0,
         claim_ahead: int = DEFAULT_CLAIM_AHEAD,
     ) -> None:
+        checked_handler(handler)
+        concurrency = checked_count(concurrency, "concurrency", 1, MAX_CONCURRENCY)
+        claim_ahead = checked_count(claim_ahead, "claim_ahead", 0, MAX_CLAIM_AHEAD)
+        if max_deliveries is not None:
+            max_deliveries = checked_count(max_deliveries, "max_deliveries", 1)
+        if lease_seconds is not None:
+            lease_seconds = checked_seconds(lease_seconds, "lease_seconds")
+        wait_seconds = checked_seconds(wait_seconds, "wait_seconds", zero=True)
+        renew_every = checked_seconds(renew_every, "renew_every")
+        if idle_exit is not None:
+            idle_exit = checked_seconds(idle_exit, "idle_exit")
+        shutdown_grace = checked_seconds(shutdown_grace, "shutdown_grace", zero=True)
         self.client, self.handler, self.concurrency = client, handler, concurrency
         self.claim_ahead = claim_ahead
         self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
@@ -763,6 +828,7 @@ class RemoteWorker:
         self._claimed = 0
         self._idle_since = time.monotonic()
         self._reached = time.monotonic()  # when a claim last got through (or the start)
+        self._claim_retrying = backoff.Retrying(CLAIM_RETRY_BASE, CLAIM_RETRY_MOST)  # under _room_changed
         self.internal_error: str | None = None
         self.run_time: float | None = None  # moving average of handler run time, seconds
         self._lease_length: float | None = lease_seconds
@@ -1059,17 +1125,20 @@ class RemoteWorker:
                             self._idle_since = time.monotonic()
                         idle = time.monotonic() - self._idle_since
                         self._room_changed.notify_all()
-                    self.stop.wait(1.0)
+                        # One backoff for both claimers (under the lock): the worker backs off.
+                        pause = claim_retry_wait(self._claim_retrying, exc, self.idle_exit)
+                    self.stop.wait(pause)
                     # No delivery could be claimed (the gateway unreachable, the key not enrolled):
                     # idle for --idle-exit, as an empty claim is, so a draining job ends; but only
                     # once no claim has got through for UNREACHABLE_IDLE_SECONDS (a gateway's
                     # restart is not the end of a backlog).
-                    idle_long = self.idle_exit is not None and idle + 1.0 >= self.idle_exit
+                    idle_long = self.idle_exit is not None and idle + pause >= self.idle_exit
                     if idle_long and unreachable_for_long(self._reached):
                         self.request_stop("idle_exit")
                     continue
                 self._reached = time.monotonic()
                 with self._room_changed:
+                    self._claim_retrying.reset()
                     self._claiming -= want
                     self._claims_in_flight -= 1
                     self._last_full = len(claims) >= want
@@ -1266,12 +1335,15 @@ def main(argv: list[str] | None = None) -> int:
         key = read_key_file(args.key_file)
     except (ValueError, OSError) as exc:
         parser.error(f"--key-file: {exc}")
-    if not 1 <= args.concurrency <= 256:
-        parser.error("--concurrency must be within 1..256")
-    if args.command == "work" and not 0 <= args.claim_ahead <= 1000:
-        parser.error("--claim-ahead must be within 0..1000")
-    if args.command == "work-runs" and not 1 <= args.accept_batch <= 1000:
-        parser.error("--accept-batch must be within 1..1000")
+    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        parser.error(f"--concurrency must be within 1..{MAX_CONCURRENCY}")
+    if args.command == "work" and not 0 <= args.claim_ahead <= MAX_CLAIM_AHEAD:
+        parser.error(f"--claim-ahead must be within 0..{MAX_CLAIM_AHEAD}")
+    if args.command == "work-runs" and not 1 <= args.accept_batch <= MAX_ACCEPT_BATCH:
+        parser.error(f"--accept-batch must be within 1..{MAX_ACCEPT_BATCH}")
+    for option in ("max_deliveries", "max_runs"):  # as a worker built in code is held to it
+        if getattr(args, option, None) is not None and getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1")
     client = GatewayClient(args.url, key, timeout=10.0)
     if args.command == "work-runs":
         return _work_runs(client, handler, args)

@@ -22,7 +22,16 @@ from collections import Counter
 from collections.abc import Callable
 
 from buzz_delivery import backoff
-from buzz_delivery.gateway.client import GatewayClient, GatewayHTTPError, RemoteClaim, RunOutcome, describe
+from buzz_delivery.gateway.client import (
+    CLAIM_RETRY_BASE,
+    CLAIM_RETRY_MOST,
+    GatewayClient,
+    GatewayHTTPError,
+    RemoteClaim,
+    RunOutcome,
+    claim_retry_wait,
+    describe,
+)
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
 
@@ -92,14 +101,16 @@ class RemoteAcceptor(threading.Thread):
         self.counts: Counter[str] = Counter()
 
     def run(self) -> None:
+        retrying = backoff.Retrying(CLAIM_RETRY_BASE, CLAIM_RETRY_MOST)
         while not self.stop_event.is_set():
             try:
                 claims = self.client.claim(self.batch, wait_seconds=self.wait_seconds, lease_seconds=self.lease_seconds)
-            except Exception as exc:  # unreachable or refused: try again later
+            except Exception as exc:  # unreachable or refused: try again later (backoff, as the runs' claims)
                 logger.warning("accept_claim_error: %s", describe(exc))
                 self.counts["claim_errors"] += 1  # no delivery was claimed: not an accept error
-                self.stop_event.wait(1.0)
+                self.stop_event.wait(claim_retry_wait(retrying, exc, None))
                 continue
+            retrying.reset()
             self.counts["claimed"] += len(claims)
             for claim in claims:
                 self.counts[accept_remote_claim(self.client, claim)] += 1

@@ -39,15 +39,23 @@ from buzz_delivery import backoff
 from buzz_delivery.agents import compensations
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.gateway.client import (
+    CLAIM_RETRY_BASE,
+    CLAIM_RETRY_MOST,
     EXIT_ABANDONED,
     EXIT_ERROR,
     EXIT_OK,
     FAILURE_MESSAGE_MAX_CHARS,
+    MAX_ACCEPT_BATCH,
+    MAX_CONCURRENCY,
     GatewayClient,
     GatewayHTTPError,
     RemoteRunClaim,
     RemoteRunLease,
     RunOutcome,
+    checked_count,
+    checked_handler,
+    checked_seconds,
+    claim_retry_wait,
     describe,
     failure_code,
     storable,
@@ -153,6 +161,7 @@ class RemoteRunContext:
         self.input = claim.run["input"]
         self.lost = threading.Event()
         self._cancelled = threading.Event()
+        self.failure_code: str | None = None  # set when the run is failed (for the worker's line)
         self._pos = 0
         # A run that has spent no call and is not unwinding has an empty journal: no read (as
         # the in-process runtime's batch.resumed).
@@ -662,6 +671,8 @@ def run_remote_claim(
     completion and the failures through it (batched with other runs') instead of one request each."""
     lease = claim.lease
     if claim.run["unwinding"]:
+        if ctx is not None:
+            ctx.failure_code = claim.run["failure_code"] or "unwinding"
         outcome = _send_fail(client, batcher, lease, claim.run["failure_code"] or "unwinding")
         if outcome.outcome == "unwinding":
             return unwind(client, lease, outcome.data["seqs"], batcher)
@@ -680,11 +691,13 @@ def run_remote_claim(
             code = failure_code(exc.failure_code, "handler_error")
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
+        ctx.failure_code = code
         return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
     if ctx.lost.is_set():
         return "lost"
     problem = _unstorable_output(output)
     if problem is not None:
+        ctx.failure_code = "output_not_json"
         return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
     try:
         done = (
@@ -695,6 +708,7 @@ def run_remote_claim(
     except GatewayHTTPError as exc:
         if exc.status != 400:
             raise
+        ctx.failure_code = "output_refused"
         return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
     return "completed" if done.outcome == "finished" else "lost"
 
@@ -749,6 +763,22 @@ class RemoteRunWorker:
         accept_batch: int = 50,
         linger: float = LINGER,
     ) -> None:
+        # Checked as the command line checks them (a worker built in code is held to the same).
+        checked_handler(handler)
+        concurrency = checked_count(concurrency, "concurrency", 1, MAX_CONCURRENCY)
+        accept_batch = checked_count(accept_batch, "accept_batch", 1, MAX_ACCEPT_BATCH)
+        if max_runs is not None:
+            max_runs = checked_count(max_runs, "max_runs", 1)
+        if lease_seconds is not None:
+            lease_seconds = checked_seconds(lease_seconds, "lease_seconds")
+        wait_seconds = checked_seconds(wait_seconds, "wait_seconds", zero=True)
+        renew_every = checked_seconds(renew_every, "renew_every")
+        if idle_exit is not None:
+            idle_exit = checked_seconds(idle_exit, "idle_exit")
+        shutdown_grace = checked_seconds(shutdown_grace, "shutdown_grace", zero=True)
+        linger = checked_seconds(linger, "linger", zero=True)
+        if worker_id is not None and (not isinstance(worker_id, str) or not worker_id.strip() or len(worker_id) > 200):
+            raise ValueError(f"worker_id must be None or 1..200 characters, not blank, got {str(worker_id)[:80]!r}")
         self.client, self.handler, self.concurrency, self.linger = client, handler, concurrency, linger
         self.accept, self.accept_batch = accept, accept_batch
         self.lease_seconds, self.wait_seconds, self.renew_every = lease_seconds, wait_seconds, renew_every
@@ -794,6 +824,7 @@ class RemoteRunWorker:
         """One claimer for every run thread: claims as many runs as there are free threads in
         one request (long-poll), so the run threads start together and their journal writes
         share batches."""
+        retrying = backoff.Retrying(CLAIM_RETRY_BASE, CLAIM_RETRY_MOST)
         while not self.stop.is_set():
             with self._lock:
                 if self.max_runs is not None and self.counts["claimed"] >= self.max_runs:
@@ -817,16 +848,17 @@ class RemoteRunWorker:
                     lease_seconds=self.lease_seconds,
                     worker_id=self.worker_id,
                 )
-            except Exception as exc:  # the gateway is unreachable or refused: retry later
+            except Exception as exc:  # the gateway is unreachable or refused: retry later (backoff)
                 logger.warning("claim_error: %s", exc)
                 with self._lock:
                     self.counts["errors"] += 1
-                self.stop.wait(1.0)
+                self.stop.wait(claim_retry_wait(retrying, exc, self.idle_exit))
                 # No run could be claimed: idle, as an empty claim is (--idle-exit), once no claim
                 # has got through for UNREACHABLE_IDLE_SECONDS (a gateway's restart is not a drain).
                 claims = None
             else:
                 self._reached = time.monotonic()
+                retrying.reset()
             if not claims:
                 with self._lock:
                     idle = self._busy == 0 and (claims is not None or unreachable_for_long(self._reached))
@@ -879,7 +911,10 @@ class RemoteRunWorker:
             logger.warning("run_error run=%s: %s", claim.lease.run_id, describe(exc))
             result = "errors"
         else:  # the worker's own line per run at -v 1, as run_agent_worker's (completed run=...)
-            logger.info("%s run=%s", result, claim.lease.run_id)
+            if ctx.failure_code is not None and result != "lost":  # failed (or unwound): say why
+                logger.info("%s run=%s code=%r", result, claim.lease.run_id, ctx.failure_code)
+            else:
+                logger.info("%s run=%s", result, claim.lease.run_id)
         with self._lock:
             self.counts[result] += 1
             self._last_work = time.monotonic()

@@ -62,6 +62,19 @@ def poll_seconds_option(text: str) -> float:
     return value
 
 
+def name_option(high: int) -> Callable[[str], str]:
+    """A name such as ``--worker-id``: not blank and at most ``high`` characters."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"must name it (1..{high} characters), got {text!r}")
+        if len(text) > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high} characters, got {len(text)}")
+        return text
+
+    return parse
+
+
 def fraction(text: str) -> float:
     """A number strictly between 0 and 1."""
     try:

@@ -151,7 +151,8 @@ def prune_deliveries(
                 break
     result = PruneResult(deleted=deleted, skipped_fenced=skipped, batches=batches, dry_run=dry_run)
     if not dry_run and (result.total or skipped):
-        logger.info(
+        # DEBUG, as the reaper's line: prune_deliveries prints these counts in its summary line.
+        logger.debug(
             "pruned %d terminal deliveries (%s); %d skipped (community not active)",
             result.total,
             ", ".join(f"{s} {n}" for s, n in deleted.items()),

@@ -166,7 +166,9 @@ def reap(*, batch_size: int | None = None, max_batches: int | None = None, dry_r
         batches=tally.batches,
     )
     if result.total or skipped or tally.busy:
-        logger.info(
+        # DEBUG: the caller reports these counts (the commands' summary line on stdout, the
+        # admin's message); at INFO every cron pass that did work wrote to stderr and cron mailed it.
+        logger.debug(
             "reaped %d deliveries: %d reclaimed, %d attempts exhausted, %d expired; %d skipped (community fenced); "
             "%d communities skipped (lifecycle move in progress)",
             result.total,

@@ -145,3 +145,13 @@ def undo_raises_nul(args: dict, output, key: str) -> None:
     """A compensation whose error text holds a NUL (PostgreSQL text cannot store it)."""
     _append(f"undo-attempt {key}")
     raise RuntimeError("before\x00after")
+
+
+def fails_with_code(ctx):
+    """Fails at once (no call made) with a RemoteRunError whose code is ``quota_spent``."""
+    from buzz_delivery.gateway.remote_runs import RemoteRunError
+
+    class Spent(RemoteRunError):
+        failure_code = "quota_spent"
+
+    raise Spent("the month's quota is spent")

@@ -42,3 +42,19 @@ def test_an_out_of_bounds_seconds_option_is_refused_naming_it(tmp_path, command,
         pytest.fail(f"{command} {option} {value}: taken, and still running after 30 s")
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert option in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("command", "option"), [("work", "--max-deliveries"), ("work-runs", "--max-runs")])
+def test_a_max_count_below_1_is_refused_naming_it_as_the_workers_constructor_refuses_it(tmp_path, command, option):
+    """The constructors refuse 0 (``ValueError`` naming ``max_deliveries``/``max_runs``), so the
+    command says so before it builds one, naming the option (exit 2, no traceback)."""
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(os.urandom(32).hex() + "\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", command, "--url", "http://127.0.0.1:9/gateway/v1",
+         "--key-file", str(key_file), "--handler", "json:dumps", "--idle-exit", "1", option, "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert f"{option} must be >= 1" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -72,6 +72,35 @@ def test_work_runs_logs_how_each_run_ended_at_the_default_verbosity(gateway_serv
     assert f"completed run={run_id}" in proc.stderr, proc.stderr
 
 
+def test_work_runs_names_the_failure_code_of_a_failed_run(gateway_server, tmp_path):
+    """``failed run=...`` said that a run failed but not why: the line names the code it recorded."""
+    import uuid
+
+    from buzz_delivery.agents.models import AgentRun
+    from buzz_delivery.agents.services import intake_event
+    from buzz_delivery.testing import CommunityFactory
+    from tests.gateway.support import enroll
+
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    run_id = intake_event(community.id, "test", uuid.uuid4().hex, {}, agent.pubkey).run_id
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(agent._key.hex() + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "buzz_delivery.gateway.client", "work-runs", "--url", gateway_server.base,
+         "--key-file", str(key_file), "--handler", "tests.gateway.handlers:fails_with_code",
+         "--wait-seconds", "0.5", "--idle-exit", "1.5", "--no-accept"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["failed"] == 1
+    assert AgentRun.objects.get(id=run_id).failure_code == "quota_spent"
+    assert f"failed run={run_id} code='quota_spent'" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     ("key_text", "handler", "named"),
     [

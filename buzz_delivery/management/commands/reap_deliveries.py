@@ -262,8 +262,8 @@ class Command(MaintenanceCommand):
         summary = super().guarded_run(options)
         if summary["outcome"] in ("ok", "stopped") and not options["dry_run"]:
             pruned = services.prune_stale_workers()
-            if pruned:
-                logger.info("%s: pruned %d stale workers from the registry", self.job, pruned)
+            if pruned:  # a progress line (-v 2), not an INFO log line: cron mails what reaches stderr
+                self.progress(f"{self.job}: pruned {pruned} stale workers from the registry")
         return summary
 
     def run_chunk(self, options: dict[str, Any], max_batches: int | None, dry_run: bool) -> tuple[dict[str, int], int]:

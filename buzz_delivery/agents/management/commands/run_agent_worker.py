@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
-import socket
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -36,12 +34,13 @@ from buzz_delivery.agents.loop_worker import (
     AsyncAgentWorker,
     AsyncWorkerConfig,
 )
-from buzz_delivery.agents.worker import MAX_POLL_SECONDS, AgentWorker, WorkerConfig
+from buzz_delivery.agents.worker import MAX_POLL_SECONDS, WORKER_ID_MAX_CHARS, AgentWorker, WorkerConfig
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import (
     int_in,
     lease_seconds_option,
+    name_option,
     poll_seconds_option,
     positive_int,
     positive_seconds,
@@ -100,7 +99,12 @@ class Command(StrictOptionsCommand):
             action="store_true",
             help="Stop (exit 0) when a poll finds nothing, or polls have not reached the database for 5 s.",
         )
-        parser.add_argument("--worker-id", default=None, help="Recorded on claims (default host:pid).")
+        parser.add_argument(
+            "--worker-id",
+            type=name_option(WORKER_ID_MAX_CHARS),
+            default=None,
+            help=f"Recorded on claims (1..{WORKER_ID_MAX_CHARS} characters, not blank; default host:pid).",
+        )
         parser.add_argument(
             "--shutdown-grace", type=positive_seconds, default=30.0, help="Drain time after SIGTERM (default 30)."
         )
@@ -175,7 +179,7 @@ class Command(StrictOptionsCommand):
                     poll_seconds=options["poll_seconds"],
                     max_runs=options["max_runs"],
                     exit_when_idle=options["exit_when_idle"],
-                    worker_id=options["worker_id"] or f"{socket.gethostname()}:{os.getpid()}",
+                    worker_id=options["worker_id"] or "",  # "": host:pid (the config's default_worker_id)
                     shutdown_grace=options["shutdown_grace"],
                     handler_timeout=options["handler_timeout"],
                     listen=not options["no_listen"],
@@ -197,7 +201,7 @@ class Command(StrictOptionsCommand):
                     poll_seconds=options["poll_seconds"],
                     max_runs=options["max_runs"],
                     exit_when_idle=options["exit_when_idle"],
-                    worker_id=options["worker_id"] or f"{socket.gethostname()}:{os.getpid()}",
+                    worker_id=options["worker_id"] or "",  # "": host:pid (the config's default_worker_id)
                     shutdown_grace=options["shutdown_grace"],
                     handler_timeout=options["handler_timeout"],
                     listen=not options["no_listen"],
