@@ -44,7 +44,7 @@ def test_a_cancel_racing_request_approval_expires_the_approval_it_did_not_see_ye
                 outcomes.append(request_approval(lease, prompt="ship?", deadline_seconds=600))
                 requested_.set()  # the run row is held until this commits
                 go_on.wait(60)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:
             errors.append(exc)
         finally:
             connections.close_all()
@@ -55,7 +55,7 @@ def test_a_cancel_racing_request_approval_expires_the_approval_it_did_not_see_ye
                 cursor.execute("SELECT pg_backend_pid()")
                 pid.append(cursor.fetchone()[0])
             outcomes.append(cancel_agent_run(community_id, run_id))
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:
             errors.append(exc)
         finally:
             connections.close_all()
