@@ -44,6 +44,7 @@ from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import json_argument
 from buzz_delivery.workflows.services.sql import (
     ACTIVE,
+    COMMUNITY,
     CURRENT_STEP_LEASE,
     LOCK_FREE_RUNS,
     LOCK_RUNS,
@@ -145,8 +146,11 @@ WHERE s.community_id = %(community_id)s AND {WAIT_OVER} AND s.on_timeout IS NOT 
 ORDER BY s.id LIMIT %(limit)s
 """
 
+# Active communities only: the waits of another cannot end (each UPDATE below requires it active),
+# so they stay due, and as many such communities as the limit would hide every active one.
 COMMUNITIES_WITH_DUE_WAITS = f"""
 SELECT DISTINCT s.community_id FROM {STEP} AS s
+JOIN {COMMUNITY} AS c ON c.id = s.community_id AND c.deletion_state = 'active'
 WHERE {WAIT_OVER} AND s.on_timeout IS NOT NULL
 LIMIT %(limit)s
 """
