@@ -52,7 +52,7 @@ def test_a_run_that_parked_for_approval_during_the_pass_is_not_ended_with_its_ap
     def holder():  # holds the other run's approval row: the pass's expiry waits on it
         try:
             with transaction.atomic():
-                Approval.objects.select_for_update().get(id=other_approval.approval_id)
+                Approval.objects.select_for_update().get(community_id=community_id, id=other_approval.approval_id)
                 held.set()
                 release.wait(60)
         except BaseException as exc:
