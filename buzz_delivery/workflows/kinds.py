@@ -16,6 +16,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 
 from buzz_delivery.models import new_uuid7
+from buzz_delivery.services import validation as v
 from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.definition import (
     HEX64,
@@ -53,8 +54,8 @@ def run_sleep(claim: StepClaim) -> StepOutcome:
         if isinstance(value, dt.datetime):
             until = value
         else:
-            try:
-                until = aware_time(value, None, "until")
+            try:  # an instant UTC holds (9999-12-31T23:59:59-14:00 is the year 10000 there)
+                until = v.aware_datetime(aware_time(value, None, "until"), "until")
             except ValidationError as exc:
                 return _fail(claim, "sleep_invalid", f"until resolved to {value!r}: {exc.messages[0]}")
         return waits.sleep_step(claim.lease, until=until)

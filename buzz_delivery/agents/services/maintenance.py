@@ -81,10 +81,13 @@ ORDER BY r.id LIMIT %(limit)s
 # The candidates are locked before they are judged (after their approvals are expired: approval
 # then run, the order of decide_approval, so the two cannot deadlock): a holder's result
 # committed meanwhile is seen by the next statements (fresh snapshots), so a timeout never
-# misses a compensation; a row being written right now is skipped until the next pass.
+# misses a compensation; a row being written right now is skipped until the next pass. So is
+# a run still waiting_approval: its approval was requested after the expiry read the run (that
+# statement moved every run whose approval it expired), so ending it now would leave that
+# approval pending for a run that no longer waits. The next pass expires it first.
 LOCK_CANDIDATE_RUNS = f"""
 SELECT r.id FROM {RUN} AS r
-WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s)
+WHERE r.community_id = %(community_id)s AND r.id = ANY(%(ids)s) AND r.state <> 'waiting_approval'
 ORDER BY r.id
 FOR NO KEY UPDATE OF r SKIP LOCKED
 """

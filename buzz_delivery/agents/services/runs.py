@@ -402,11 +402,36 @@ def cancel_agent_run(
         "reason": v.optional_text(reason, "reason", 10_000),
         "actor": v.optional_text(actor, "actor", HOLDER_MAX_CHARS) or "operator",
     }
+    for attempt in range(_CANCEL_ATTEMPTS):
+        try:
+            return _cancel(params, last=attempt == _CANCEL_ATTEMPTS - 1)
+        except _ApprovalRequestedMeanwhile:
+            continue  # rolled back: the next expiry sees the approval
+    raise AssertionError("unreachable")
+
+
+# How many times a cancel starts over because the run's holder requested an approval while the
+# cancel was expiring (a holder requests one per claim, and the cancel fences it: twice is enough).
+_CANCEL_ATTEMPTS = 3
+
+
+class _ApprovalRequestedMeanwhile(Exception):
+    """The run's approval was requested after the cancel's expiry read the run: start over."""
+
+
+def _cancel(params: dict[str, Any], *, last: bool) -> Cancelled | AlreadyTerminal | NotFound:
+    community, run = params["community_id"], params["run_id"]
     with transaction.atomic(), translated_errors():
         # Approval first, then the run: the order of decide_approval and the reaper (its trigger
         # moves the run), so a cancel racing them cannot deadlock.
         fetch_all(sql.EXPIRE_APPROVAL_OF_RUN, params)
         fetch_all(sql.LOCK_RUN, params)
+        # A request_approval that held the run while the expiry read it (the run was running in
+        # that snapshot) committed before the lock was ours: its approval is pending still.
+        # Expiring it now would take approval after run, a deadlock with a decide; roll back
+        # instead and start over: the next expiry sees it (the run waits for it, its lease released).
+        if not last and fetch_all(sql.PENDING_APPROVAL_OF_RUN, params):
+            raise _ApprovalRequestedMeanwhile
         if fetch_all(sql.CANCEL_IF_NOT_TERMINAL, params):
             fetch_all(sql.CLOSE_PENDING_CALLS_OF_ENDED_RUNS, {**params, "ended": [run]})
             return Cancelled(run)

@@ -389,6 +389,15 @@ WHERE a.community_id = %(community_id)s AND a.state = 'pending' AND a.step_id IS
 RETURNING a.id
 """
 
+# The run's approval, still pending, that EXPIRE_APPROVAL_OF_RUN did not see: requested by a
+# transaction that held the run row when the expiry read it, committed before the run was locked.
+PENDING_APPROVAL_OF_RUN = f"""
+SELECT a.id FROM {APPROVAL} AS a
+WHERE a.community_id = %(community_id)s AND a.state = 'pending' AND a.step_id IS NULL
+  AND a.id = (SELECT r.approval_id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s
+              AND r.state = 'waiting_approval')
+"""
+
 # A run unwinding for a cancel already (the operator's, or its workflow run's): a second cancel
 # changes nothing (it would only fence the compensating holder again), and the holder the cancel
 # fenced learns ``LeaseLost("cancelled")``.

@@ -11,7 +11,7 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.workflows.exceptions import ApprovalNotFound
 from buzz_delivery.workflows.models import Approval
@@ -70,6 +70,10 @@ def request_approval(
     return ApprovalRequested(approval)
 
 
+# A deadlock's victim runs again and answers the winner's outcome: deciding an agent's approval
+# takes the approval, then (its trigger) the agent run; a workflow cancel's trigger takes the
+# agent run, then the approval (agents migration 0017).
+@retry_deadlocks
 @tenant_scoped
 def decide_approval(
     community_id: uuid.UUID | str, approval_id: uuid.UUID | str, decision: str, decided_by: str

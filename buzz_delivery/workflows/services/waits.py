@@ -42,7 +42,16 @@ from buzz_delivery.workflows.conf import get_settings
 from buzz_delivery.workflows.definition import EVENT_NAME, MAX_EVENT_KEY_CHARS, MAX_WAIT_SECONDS
 from buzz_delivery.workflows.services import sql
 from buzz_delivery.workflows.services.common import json_argument
-from buzz_delivery.workflows.services.sql import ACTIVE, CURRENT_STEP_LEASE, LOCK_RUNS, SENT_EVENT, STEP, step_entry
+from buzz_delivery.workflows.services.sql import (
+    ACTIVE,
+    COMMUNITY,
+    CURRENT_STEP_LEASE,
+    LOCK_FREE_RUNS,
+    LOCK_RUNS,
+    SENT_EVENT,
+    STEP,
+    step_entry,
+)
 from buzz_delivery.workflows.services.steps import _lease, _missed, _params
 from buzz_delivery.workflows.services.types import StepLease, StepOutcome
 
@@ -137,8 +146,11 @@ WHERE s.community_id = %(community_id)s AND {WAIT_OVER} AND s.on_timeout IS NOT 
 ORDER BY s.id LIMIT %(limit)s
 """
 
+# Active communities only: the waits of another cannot end (each UPDATE below requires it active),
+# so they stay due, and as many such communities as the limit would hide every active one.
 COMMUNITIES_WITH_DUE_WAITS = f"""
 SELECT DISTINCT s.community_id FROM {STEP} AS s
+JOIN {COMMUNITY} AS c ON c.id = s.community_id AND c.deletion_state = 'active'
 WHERE {WAIT_OVER} AND s.on_timeout IS NOT NULL
 LIMIT %(limit)s
 """
@@ -336,7 +348,8 @@ def end_due_waits_in(params: dict[str, Any], ids: list[Any], result: DueWaits) -
 def end_due_waits(community_id: uuid.UUID | str, *, limit: int = 1000) -> DueWaits:
     """Wake the due sleeps and time out the due waits of ``wait_event`` steps of one community
     (database clock), at most ``limit`` in one transaction: the orchestrator's poll calls it so
-    that a sleep ends within a poll, not at the next maintenance pass. Returns :class:`DueWaits`."""
+    that a sleep ends within a poll, not at the next maintenance pass. A wait whose run row
+    another transaction holds is left to the next poll (never waited for). Returns :class:`DueWaits`."""
     params: dict[str, Any] = {
         "community_id": v.uuid_value(community_id, "community_id"),
         "limit": v.int_in_range(limit, "limit", 1, 100_000),
@@ -346,8 +359,13 @@ def end_due_waits(community_id: uuid.UUID | str, *, limit: int = 1000) -> DueWai
     with transaction.atomic(), translated_errors():
         due = fetch_all(DUE_WAITS, params)
         if due:
-            fetch_all(LOCK_RUNS, {**params, "run_ids": sorted({row[1] for row in due})})
-            end_due_waits_in(params, [row[0] for row in due], result)
+            # The runs free now, never waiting for one: a run row held by a transaction that
+            # does not end would stop the dispatcher of every orchestrator polling here (the
+            # maintenance bounds that wait; its next poll, or the maintenance, ends the rest).
+            free = {row[0] for row in fetch_all(LOCK_FREE_RUNS, {**params, "run_ids": sorted({row[1] for row in due})})}
+            ids = [row[0] for row in due if row[1] in free]
+            if ids:
+                end_due_waits_in(params, ids, result)
     return result
 
 
