@@ -42,3 +42,38 @@ def who_am_i(context: TaskContext) -> dict:
 def email_users(emails: list[str], subject: str, message: str) -> int:
     """Django's documented example (docs/topics/tasks)."""
     return send_mail(subject=subject, message=message, from_email=None, recipient_list=emails)
+
+
+
+RUNS: list[str] = []  # the tasks below that ran, in this process
+
+
+class OddError(Exception):
+    """An exception whose class claims a module name PostgreSQL cannot store (a NUL)."""
+
+
+OddError.__module__ = "odd\x00module"
+
+
+@task
+def returns_nan() -> float:
+    RUNS.append("returns_nan")
+    return float("nan")
+
+
+@task
+def returns_nul() -> str:
+    RUNS.append("returns_nul")
+    return "a\x00b"
+
+
+@task
+def returns_surrogate() -> dict:
+    RUNS.append("returns_surrogate")
+    return {"key": "\ud800"}
+
+
+@task
+def raises_odd() -> None:
+    RUNS.append("raises_odd")
+    raise OddError("odd")

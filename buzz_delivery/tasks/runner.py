@@ -43,7 +43,7 @@ def error_of(exc: BaseException) -> dict[str, str]:
     kind = type(exc)
     text = "".join(traceback.format_exception(exc))
     return {
-        "exception_class_path": f"{kind.__module__}.{kind.__qualname__}",
+        "exception_class_path": storable_text(f"{kind.__module__}.{kind.__qualname__}", FAILURE_MESSAGE_MAX_CHARS),
         "traceback": storable_text(text, FAILURE_MESSAGE_MAX_CHARS),
     }
 
@@ -72,6 +72,10 @@ class TaskRunner:
             if task.takes_context:
                 args.insert(0, compat.TaskContext(task_result=running))
             value = compat.normalize_json(task.call(*args, **stored.kwargs))
+            # A value the result row cannot hold fails the task here, where it ran once: left
+            # to the recording statement, its refusal would retry the delivery and run the
+            # task again, up to max_attempts times, each time refused the same way.
+            services.json_text(value, "return_value", services.MAX_RETURN_VALUE_BYTES)
         except BaseException as exc:  # the task's own failure, whatever it raised
             error = error_of(exc)
             self._record(delivery, error=error)
