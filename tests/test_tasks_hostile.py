@@ -73,3 +73,50 @@ def test_a_task_whose_outcome_jsonb_cannot_store_fails_once_and_is_not_run_again
     else:
         assert got.errors[0].exception_class_path == "odd\\x00module.OddError"
     assert t.add.get_result(good.id).return_value == 3  # the worker went on
+
+
+def two_backends(other_options: dict | None = None) -> dict:
+    default = {
+        "BACKEND": "buzz_delivery.tasks.DeliveryBackend",
+        "QUEUES": ["default", "emails"],
+        "OPTIONS": {"COMMUNITY": t.COMMUNITY},
+    }
+    other = {"BACKEND": "buzz_delivery.tasks.DeliveryBackend", "QUEUES": ["default"]}
+    other["OPTIONS"] = {"COMMUNITY": t.COMMUNITY, **(other_options or {})}
+    return {"default": default, "other": other}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_refuses_to_start_when_another_backend_of_its_community_shares_a_queues_target(settings):
+    from django.core.management.base import CommandError
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    settings.TASKS = two_backends()
+    theirs = t.add.using(backend="other").enqueue(1, 2)
+    refused = None
+    try:
+        run_worker("default")
+    except CommandError as exc:
+        refused = exc
+    # The other backend's task was not claimed, let alone failed as "not a task of default".
+    row = TaskResult.objects.get(id=theirs.id)
+    delivery = models.WorkflowAgentDelivery.objects.get(id=row.delivery_id)
+    assert (delivery.status, delivery.failure_code) == ("pending", None)
+    assert compat.task_backends["other"].get_result(theirs.id).status == compat.TaskResultStatus.READY
+    assert refused is not None and "TARGETS" in str(refused) and refused.returncode == 2
+    errors = compat.task_backends["default"].check()
+    assert [e.id for e in errors] == ["buzz_delivery.E102"] and "'other'" in errors[0].msg
+
+
+@pytest.mark.django_db(transaction=True)
+def test_backends_of_one_community_with_their_own_targets_each_run_their_own_tasks(settings):
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    settings.TASKS = two_backends({"TARGETS": {"default": "ab" * 32}})
+    assert compat.task_backends["default"].check() == [] and compat.task_backends["other"].check() == []
+    mine = t.add.enqueue(1, 2)
+    theirs = t.add.using(backend="other").enqueue(3, 4)
+    run_worker("default")
+    assert t.add.get_result(mine.id).return_value == 3
+    assert compat.task_backends["other"].get_result(theirs.id).status == compat.TaskResultStatus.READY
+    call_command("run_task_worker", "--backend=other", idle_exit=1.0, poll_interval=0.2, stdout=io.StringIO())
+    assert compat.task_backends["other"].get_result(theirs.id).return_value == 7

@@ -115,6 +115,30 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
         """The queues a worker serves when none is named: ``QUEUES``, else ``["default"]``."""
         return sorted(self.queues) or [compat.DEFAULT_TASK_QUEUE_NAME]
 
+    def _may_enqueue_to(self, queue: str) -> bool:
+        return not self.queues or queue in self.queues
+
+    def shared_targets(self) -> list[str]:
+        """Each queue of this backend whose target (community, key) another ``DeliveryBackend``
+        of ``TASKS`` also enqueues to. A worker claims by target alone and fails a task of
+        another backend (``NotATask``): two such backends would fail each other's tasks."""
+        found = []
+        for other in compat.task_backends.all():
+            if other is self or not isinstance(other, DeliveryBackend) or other.community_id != self.community_id:
+                continue
+            names = {compat.DEFAULT_TASK_QUEUE_NAME, *self.queues, *other.queues}
+            names |= set(self.options.get("TARGETS") or ()) | set(other.options.get("TARGETS") or ())
+            for mine in sorted(n for n in names if self._may_enqueue_to(n)):
+                theirs = [n for n in sorted(names) if other._may_enqueue_to(n)]
+                clash = [n for n in theirs if other.target_for(n) == self.target_for(mine)]
+                if clash:
+                    found.append(
+                        f"TASKS[{self.alias!r}] queue {mine!r} has the target of TASKS[{other.alias!r}] queue "
+                        f"{clash[0]!r} in the same community: a worker of either would fail the other's "
+                        f"tasks; give one of them its own key in OPTIONS['TARGETS']"
+                    )
+        return found
+
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
         errors = list(super().check(**kwargs))
         try:
@@ -123,6 +147,12 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
                 self.target_for(queue)
         except ImproperlyConfigured as exc:
             errors.append(checks.Error(str(exc), id="buzz_delivery.E101"))
+            return errors
+        try:
+            shared = self.shared_targets()
+        except ImproperlyConfigured:  # another backend's own error, reported by its check
+            shared = []
+        errors.extend(checks.Error(text, id="buzz_delivery.E102") for text in shared)
         return errors
 
     # --- enqueue -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError
 from django.db import connection
 
@@ -74,6 +75,12 @@ class Command(StrictOptionsCommand):
         unknown = [q for q in queues if backend.queues and q not in backend.queues]
         if unknown:
             raise CommandError(f"--queue: not in the backend's QUEUES: {', '.join(unknown)}", returncode=2)
+        try:
+            shared = backend.shared_targets()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        if shared:  # its claims would take, and fail, the other backend's tasks
+            raise CommandError(f"--backend: {shared[0]}", returncode=2)
         registry.discover(backend.options.get("MODULES") or ())
         ensure_console_logging()
         if options["verbosity"] != 1:
