@@ -44,7 +44,6 @@ def email_users(emails: list[str], subject: str, message: str) -> int:
     return send_mail(subject=subject, message=message, from_email=None, recipient_list=emails)
 
 
-
 RUNS: list[str] = []  # the tasks below that ran, in this process
 
 

@@ -252,8 +252,12 @@ def enqueue_task(
             kwargs=decoded["kwargs"],
             run_after=run_after,
         )
-        row.refresh_from_db(fields=["enqueued_at"])
-    return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=row.enqueued_at)
+        # Read back inside the community (Citus's router form): the row's refresh_from_db
+        # would look it up by id alone, a statement on every shard.
+        enqueued_at = (
+            TaskResult.objects.filter(community_id=community, id=row.id).values_list("enqueued_at", flat=True).get()
+        )
+    return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=enqueued_at)
 
 
 _READ = f"""
