@@ -76,3 +76,17 @@ def returns_surrogate() -> dict:
 def raises_odd() -> None:
     RUNS.append("raises_odd")
     raise OddError("odd")
+
+
+@task(takes_context=True)
+def mark_and_wait(context: TaskContext, log: str, gate: str) -> str:
+    """Append ``<result id> <attempt>`` to ``log``, then wait (up to 30 s) for the file ``gate``."""
+    import os
+    import time
+
+    with open(log, "a") as out:
+        out.write(f"{context.task_result.id} {context.attempt}\n")
+    deadline = time.monotonic() + 30
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return context.task_result.id

@@ -6,11 +6,19 @@ of enqueue and get_result naming its community (Citus's router form)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import io
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.db.models.functions import Now
 
 from buzz_delivery import models
 from buzz_delivery.tasks import compat
@@ -19,6 +27,7 @@ from buzz_delivery.testing import CommunityFactory
 from tests import tasks_support as t
 
 FAILED = compat.TaskResultStatus.FAILED
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -148,3 +157,92 @@ def test_every_statement_on_task_results_names_its_community():
             assert "community_id" in sql.split("VALUES", 1)[0], sql
         else:
             assert re.search(r'WHERE\s+\(?[\w".]*community_id"?\s*=', sql), sql
+
+
+# --- real worker processes: kill -9 mid-task, two workers racing ----------------------------
+
+
+def spawn_worker(*options: str) -> subprocess.Popen:
+    """``run_task_worker`` in its own process on the test database, with this module's tasks."""
+    from django.db import connection
+
+    from project.database_url import database_url
+
+    code = (
+        "import django, sys; django.setup(); import tests.tasks_support; "
+        "from django.core.management import call_command; call_command('run_task_worker', *sys.argv[1:])"
+    )
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "DJANGO_SETTINGS_MODULE": "project.settings",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "--poll-interval=0.2", *options],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_whose_worker_is_killed_mid_task_runs_again_and_its_result_is_recorded_once(tmp_path):
+    from buzz_delivery.services import reap
+
+    community = CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    log, gate = tmp_path / "runs.log", tmp_path / "gate"
+    result = t.mark_and_wait.enqueue(str(log), str(gate))
+    first = spawn_worker()
+    try:
+        wait_for(lambda: len(lines(log)) == 1)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    running = t.mark_and_wait.get_result(result.id)
+    assert running.status == compat.TaskResultStatus.RUNNING and len(running.worker_ids) == 1
+    with pytest.raises(ValueError):
+        running.return_value  # noqa: B018
+    # The lease lapses (its time, made to pass) and the reaper hands the task back.
+    row = TaskResult.objects.get(id=result.id)
+    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=row.delivery_id).update(
+        lease_until=Now() - dt.timedelta(seconds=1)
+    )
+    reap()
+    assert t.mark_and_wait.get_result(result.id).status == compat.TaskResultStatus.READY
+    gate.touch()
+    second = spawn_worker("--idle-exit=1")
+    assert second.wait(60) == 0
+    done = t.mark_and_wait.get_result(result.id)
+    assert done.status == compat.TaskResultStatus.SUCCESSFUL and done.return_value == result.id
+    assert done.attempts == 2 and done.errors == []
+    assert lines(log) == [f"{result.id} 1", f"{result.id} 2"]  # at least once: run again, once
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_worker_processes_racing_run_each_task_once(tmp_path):
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    log = tmp_path / "runs.log"
+    results = [t.mark_and_wait.enqueue(str(log), "") for _ in range(40)]
+    workers = [spawn_worker("--idle-exit=1", "--concurrency=2") for _ in range(2)]
+    try:
+        assert [w.wait(120) for w in workers] == [0, 0]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    assert sorted(lines(log)) == sorted(f"{r.id} 1" for r in results)
+    for r in results:
+        got = t.mark_and_wait.get_result(r.id)
+        assert got.status == compat.TaskResultStatus.SUCCESSFUL and got.return_value == r.id and got.attempts == 1
+
