@@ -246,3 +246,33 @@ def test_two_worker_processes_racing_run_each_task_once(tmp_path):
         got = t.mark_and_wait.get_result(r.id)
         assert got.status == compat.TaskResultStatus.SUCCESSFUL and got.return_value == r.id and got.attempts == 1
 
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("signal_name", ["task_started", "task_finished"])
+def test_a_task_signal_receiver_that_raises_neither_reruns_nor_blocks_the_task(tmp_path, signal_name):
+    """The receivers are the project's code, not the task's: one that raises is logged; the
+    task still runs once and its outcome stands (raising from the worker's handler would retry
+    the delivery and run a task that already ran, again, up to max_attempts times)."""
+    from buzz_delivery.tasks import DeliveryBackend
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    log = tmp_path / "runs.log"
+
+    def broken(sender, task_result, **kwargs):
+        raise RuntimeError("a receiver's own bug")
+
+    signal_ = getattr(compat, signal_name)
+    signal_.connect(broken, sender=DeliveryBackend)
+    try:
+        result = t.mark_and_wait.enqueue(str(log), "")
+        failing = t.explode.enqueue("boom")
+        run_worker("default")
+    finally:
+        signal_.disconnect(broken, sender=DeliveryBackend)
+    assert lines(log) == [f"{result.id} 1"]
+    done = t.mark_and_wait.get_result(result.id)
+    assert done.status == compat.TaskResultStatus.SUCCESSFUL and done.return_value == result.id
+    assert done.attempts == 1
+    failed = t.explode.get_result(failing.id)
+    assert failed.status == FAILED and failed.attempts == 1
+    assert failed.errors[0].exception_class_path == "builtins.ValueError"

@@ -13,6 +13,7 @@ until the delivery's ``max_attempts``.
 
 from __future__ import annotations
 
+import logging
 import traceback
 from typing import Any
 
@@ -20,6 +21,9 @@ from buzz_delivery.tasks import compat
 from buzz_delivery.tasks.backend import DeliveryBackend, TaskNotRegistered
 from buzz_delivery.worker import PermanentFailure
 from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_text
+
+
+logger = logging.getLogger("buzz_delivery.tasks")
 
 
 class TaskFailed(PermanentFailure):
@@ -66,7 +70,7 @@ class TaskRunner:
             self._record(delivery, error={"exception_class_path": "LookupError", "traceback": f"not registered: {exc}"})
             raise task_not_registered(str(exc)) from None
         running = self.backend.result_of(stored, status=compat.TaskResultStatus.RUNNING)
-        compat.task_started.send(type(self.backend), task_result=running)
+        self._send(compat.task_started, running)
         try:
             args = list(stored.args)
             if task.takes_context:
@@ -79,18 +83,32 @@ class TaskRunner:
         except BaseException as exc:  # the task's own failure, whatever it raised
             error = error_of(exc)
             self._record(delivery, error=error)
-            compat.task_finished.send(
-                type(self.backend),
-                task_result=self.backend.result_of(
-                    stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]
-                ),
+            self._send(
+                compat.task_finished,
+                self.backend.result_of(stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]),
             )
             raise TaskFailed(f"{error['exception_class_path']}: {describe(exc)}") from exc
         self._record(delivery, return_value=value)
-        compat.task_finished.send(
-            type(self.backend),
-            task_result=self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
+        self._send(
+            compat.task_finished,
+            self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
         )
+
+    def _send(self, signal: Any, task_result: Any) -> None:
+        """Send ``task_started``/``task_finished`` to every receiver, logging (not raising) what
+        one raises: a receiver is the project's code, not the task's. Raised from here, its
+        error would retry the delivery: a task never run (``task_started``) or, its outcome
+        already recorded, run again (``task_finished``), up to ``max_attempts`` times."""
+        for receiver, outcome in signal.send_robust(type(self.backend), task_result=task_result):
+            if isinstance(outcome, BaseException):
+                logger.error(
+                    "task_signal_error result=%s receiver=%r error=%s: %s",
+                    task_result.id,
+                    receiver,
+                    type(outcome).__name__,
+                    describe(outcome),
+                    exc_info=outcome,
+                )
 
     def _record(self, delivery: Any, *, return_value: Any = None, error: dict[str, str] | None = None) -> None:
         from buzz_delivery.tasks import services
