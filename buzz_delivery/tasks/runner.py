@@ -22,7 +22,6 @@ from buzz_delivery.tasks.backend import DeliveryBackend, TaskNotRegistered
 from buzz_delivery.worker import PermanentFailure
 from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_text
 
-
 logger = logging.getLogger("buzz_delivery.tasks")
 
 
