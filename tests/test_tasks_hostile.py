@@ -276,3 +276,28 @@ def test_a_task_signal_receiver_that_raises_neither_reruns_nor_blocks_the_task(t
     failed = t.explode.get_result(failing.id)
     assert failed.status == FAILED and failed.attempts == 1
     assert failed.errors[0].exception_class_path == "builtins.ValueError"
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("enqueue", "field"),
+    [
+        (lambda: t.add.using(run_after="2030-01-01T00:00:00Z").enqueue(1, 2), "run_after"),
+        (lambda: t.add.enqueue(nested(100_000), 1), "args"),
+        (lambda: t.add.enqueue(1, b=nested(100_000)), "kwargs"),
+        (lambda: compat.task_backends["default"].enqueue(t.add, "12", {}), "args"),
+        (lambda: compat.task_backends["default"].enqueue(t.add, [1, 2], [("b", 2)]), "kwargs"),
+    ],
+)
+def test_malformed_enqueues_are_refused_as_invalid_tasks_naming_the_field_and_nothing_is_written(
+    tasks_community, enqueue, field
+):
+    with pytest.raises(compat.InvalidTask, match=field):
+        enqueue()
+    assert counts() == (0, 0, 0)

@@ -23,6 +23,7 @@ delivery priorities first, oldest first within one (docs/flow-control.md).
 
 from __future__ import annotations
 
+import datetime
 import sys
 import uuid
 from dataclasses import dataclass
@@ -160,6 +161,9 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
     def validate_task(self, task: Any) -> None:
         """Django's checks, then the task joins this process's registry: the only tasks a
         worker will run (:mod:`buzz_delivery.tasks.registry`)."""
+        if task.run_after is not None and not isinstance(task.run_after, datetime.datetime):
+            # Django's own check calls timezone.is_aware() on it: an AttributeError for a string.
+            raise compat.InvalidTask(f"run_after must be an aware datetime, not {type(task.run_after).__name__}")
         super().validate_task(task)
         registry.register(task)
 
@@ -258,11 +262,14 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
 
 
 def _normalized(value: Any, name: str, kind: type) -> Any:
-    """``value`` in the JSON form Django's results hold, or ``InvalidTask`` naming ``name``."""
+    """``value`` in the JSON form Django's results hold, or ``InvalidTask`` naming ``name``
+    (``args`` a list or tuple, ``kwargs`` a dict: a string is not a list of its characters)."""
+    if not isinstance(value, list | tuple if kind is list else dict):
+        raise compat.InvalidTask(f"{name}: must be a {'list' if kind is list else 'dict'}, not {type(value).__name__}")
     try:
         return compat.normalize_json(kind(value))
-    except (TypeError, ValueError) as exc:
-        raise compat.InvalidTask(f"{name}: must be JSON-serialisable: {exc}") from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise compat.InvalidTask(f"{name}: must be JSON-serialisable: {exc}") from None
 
 
 def _trace_context() -> dict[str, str] | None:
