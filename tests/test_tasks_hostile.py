@@ -301,3 +301,43 @@ def test_malformed_enqueues_are_refused_as_invalid_tasks_naming_the_field_and_no
     with pytest.raises(compat.InvalidTask, match=field):
         enqueue()
     assert counts() == (0, 0, 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_commits_and_rolls_back_with_the_callers_transaction():
+    """Our enqueue is the caller's transaction's (Django leaves it to the backend; its docs
+    suggest transaction.on_commit): no other connection sees the task before the commit, and a
+    rollback leaves nothing, not even a task a worker could run."""
+    import threading
+
+    from django.db import connections, transaction
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+
+    def seen_elsewhere() -> int:
+        got: list[int] = []
+
+        def look() -> None:
+            try:
+                got.append(TaskResult.objects.count())
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        thread.join()
+        return got[0]
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        rolled_back = t.add.enqueue(1, 2)
+        assert seen_elsewhere() == 0
+        raise RuntimeError
+    with pytest.raises(compat.TaskResultDoesNotExist):
+        t.add.get_result(rolled_back.id)
+    assert counts() == (0, 0, 0)
+    with transaction.atomic():
+        kept = t.add.enqueue(3, 4)
+        assert seen_elsewhere() == 0
+    assert seen_elsewhere() == 1
+    run_worker("default")
+    assert t.add.get_result(kept.id).return_value == 7
