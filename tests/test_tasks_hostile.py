@@ -341,3 +341,26 @@ def test_enqueue_commits_and_rolls_back_with_the_callers_transaction():
     assert seen_elsewhere() == 1
     run_worker("default")
     assert t.add.get_result(kept.id).return_value == 7
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_task_results_admin_list_reads_no_distinct_over_the_table(admin_client):
+    """The queue filter offers TASKS' queues: no SELECT DISTINCT over every task row on each
+    page (the house rule of the inbox's admin, tests/test_admin.py)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    done = t.add.enqueue(1, 2)
+    mailed = t.email_users.enqueue(emails=[], subject="s", message="m")
+    run_worker("default")
+    url = "/admin/buzz_tasks/taskresult/"
+    with CaptureQueriesContext(connection) as captured:
+        page = admin_client.get(url)
+    assert page.status_code == 200 and "SUCCESSFUL (finished)" in page.content.decode()
+    assert not [q["sql"] for q in captured.captured_queries if "DISTINCT" in q["sql"].upper()]
+    assert "?queue_name=emails" in page.content.decode()
+    emails = admin_client.get(url, {"queue_name": "emails"}).content.decode()
+    assert mailed.id in emails and done.id not in emails
+    for result in (done, mailed):
+        assert admin_client.get(f"{url}{result.id}/change/").status_code == 200
