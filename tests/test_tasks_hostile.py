@@ -364,3 +364,11 @@ def test_the_task_results_admin_list_reads_no_distinct_over_the_table(admin_clie
     assert mailed.id in emails and done.id not in emails
     for result in (done, mailed):
         assert admin_client.get(f"{url}{result.id}/change/").status_code == 200
+
+
+def test_get_result_returns_the_task_with_the_options_it_was_enqueued_with(tasks_community):
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    enqueued = t.add.using(run_after=later, priority=-7, queue_name="emails").enqueue(1, 2)
+    task = t.add.get_result(enqueued.id).task
+    assert (task.run_after, task.priority, task.queue_name) == (later, -7, "emails")
+    assert task.func is t.add.func

@@ -225,7 +225,9 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
             task = registry.registered(stored.task_path)
         if task is None:
             raise TaskNotRegistered(stored.task_path)
-        return task.using(priority=stored.priority, queue_name=stored.queue_name, backend=self.alias)
+        return task.using(
+            priority=stored.priority, queue_name=stored.queue_name, run_after=stored.run_after, backend=self.alias
+        )
 
     def result_of(self, stored: Any, *, status: Any = None, return_value: Any = None, errors: Any = None) -> Any:
         """Django's ``TaskResult`` of a stored row (``status``... override what was read)."""
