@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 
@@ -124,8 +125,8 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
         of ``TASKS`` also enqueues to. A worker claims by target alone and fails a task of
         another backend (``NotATask``): two such backends would fail each other's tasks."""
         found = []
-        for other in compat.task_backends.all():
-            if other is self or not isinstance(other, DeliveryBackend) or other.community_id != self.community_id:
+        for other in _delivery_backends():
+            if other is self or other.community_id != self.community_id:
                 continue
             names = {compat.DEFAULT_TASK_QUEUE_NAME, *self.queues, *other.queues}
             names |= set(self.options.get("TARGETS") or ()) | set(other.options.get("TARGETS") or ())
@@ -140,21 +141,18 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
                     )
         return found
 
-    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        errors = list(super().check(**kwargs))
+    def configuration_errors(self) -> list[checks.CheckMessage]:
+        """``buzz_delivery.E101`` (``OPTIONS`` unusable) and ``E102`` (:meth:`shared_targets`).
+        Reported by this app's own system check (:mod:`buzz_delivery.tasks.checks`), not by
+        :meth:`check`: the framework's check of the backends runs only where ``django.tasks``
+        (or, on Django 5.2, the ``django_tasks`` app, which this app does not need) is loaded."""
         try:
             _ = self.community_id
             for queue in self.worker_queues():
                 self.target_for(queue)
         except ImproperlyConfigured as exc:
-            errors.append(checks.Error(str(exc), id="buzz_delivery.E101"))
-            return errors
-        try:
-            shared = self.shared_targets()
-        except ImproperlyConfigured:  # another backend's own error, reported by its check
-            shared = []
-        errors.extend(checks.Error(text, id="buzz_delivery.E102") for text in shared)
-        return errors
+            return [checks.Error(str(exc), id="buzz_delivery.E101")]
+        return [checks.Error(text, id="buzz_delivery.E102") for text in self.shared_targets()]
 
     # --- enqueue -------------------------------------------------------------------------
 
@@ -261,6 +259,23 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
         defaults.update(fields)
         defaults["id"] = str(defaults["id"])
         return compat.TaskResult(task=task, **defaults)
+
+
+def _delivery_backends() -> list[DeliveryBackend]:
+    """Every ``DeliveryBackend`` of ``TASKS`` whose own ``OPTIONS`` are usable (a backend that
+    cannot be built, or whose community or targets are bad, has its own error elsewhere)."""
+    found = []
+    for alias in getattr(settings, "TASKS", None) or {}:
+        try:
+            backend = compat.task_backends[alias]
+            if isinstance(backend, DeliveryBackend):
+                _ = backend.community_id
+                for queue in [*backend.queues, *(backend.options.get("TARGETS") or ())]:
+                    backend.target_for(queue)
+                found.append(backend)
+        except Exception:  # reported by that backend's own check
+            continue
+    return found
 
 
 def _normalized(value: Any, name: str, kind: type) -> Any:
