@@ -172,12 +172,14 @@ def spawn_worker(*options: str) -> subprocess.Popen:
 
     code = (
         "import django, sys; django.setup(); import tests.tasks_support; "
-        "from django.core.management import call_command; call_command('run_task_worker', *sys.argv[1:])"
+        "from django.core.management import execute_from_command_line; "
+        "execute_from_command_line(['manage.py', 'run_task_worker', *sys.argv[1:]])"
     )
     env = {
         **os.environ,
         "DATABASE_URL": database_url(connection.settings_dict),
         "DJANGO_SETTINGS_MODULE": "project.settings",
+        "BUZZ_MIN_LEASE_SECONDS": "1",  # so that --lease-seconds may be short
     }
     return subprocess.Popen(
         [sys.executable, "-c", code, "--poll-interval=0.2", *options],
@@ -392,3 +394,38 @@ def test_manage_py_check_reports_a_delivery_backends_bad_options(settings, optio
     with pytest.raises(SystemCheckError, match=problem) as raised:
         call_command("check")
     assert str(raised.value).count("buzz_delivery.E101") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sigterm_gives_a_running_task_its_shutdown_grace_then_its_lease_and_the_task_runs_again(tmp_path):
+    """Under cron or systemd: SIGTERM lets a running task finish within --shutdown-grace (exit
+    0); past it the worker gives the lease up and exits 3, and the task runs again once the
+    lease (--lease-seconds) lapses."""
+    from buzz_delivery.services import reap
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    log, gate = tmp_path / "runs.log", tmp_path / "gate"
+    result = t.mark_and_wait.enqueue(str(log), str(gate))
+    impatient = spawn_worker("--shutdown-grace=1", "--lease-seconds=2")
+    try:
+        wait_for(lambda: len(lines(log)) == 1)
+        impatient.send_signal(signal.SIGTERM)
+        assert impatient.wait(20) == 3  # abandoned: the task was still running
+    finally:
+        if impatient.poll() is None:
+            impatient.kill()
+    time.sleep(2.5)  # the given-up lease lapses
+    reap()
+    patient = spawn_worker("--shutdown-grace=20", "--lease-seconds=2")
+    try:
+        wait_for(lambda: len(lines(log)) == 2)
+        patient.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        gate.touch()  # the task finishes within the grace
+        assert patient.wait(20) == 0
+    finally:
+        if patient.poll() is None:
+            patient.kill()
+    done = t.mark_and_wait.get_result(result.id)
+    assert done.status == compat.TaskResultStatus.SUCCESSFUL and done.attempts == 2
+    assert lines(log) == [f"{result.id} 1", f"{result.id} 2"]
