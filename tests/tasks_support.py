@@ -90,3 +90,29 @@ def mark_and_wait(context: TaskContext, log: str, gate: str) -> str:
     while gate and not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.05)
     return context.task_result.id
+
+
+@task
+async def count_results_async() -> list:
+    """The task rows its community holds, read from an async task through the ORM (its thread
+    and connection: the handler's, in the delivery's community)."""
+    import threading
+
+    from asgiref.sync import sync_to_async
+
+    from buzz_delivery.tasks.models import TaskResult
+
+    def count() -> list:
+        return [TaskResult.objects.count(), threading.get_ident()]
+
+    return [*(await sync_to_async(count)()), threading.get_ident()]
+
+
+@task
+def count_results() -> list:
+    """As :func:`count_results_async`, from a sync task."""
+    import threading
+
+    from buzz_delivery.tasks.models import TaskResult
+
+    return [TaskResult.objects.count(), threading.get_ident(), threading.get_ident()]

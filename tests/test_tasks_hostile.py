@@ -429,3 +429,18 @@ def test_sigterm_gives_a_running_task_its_shutdown_grace_then_its_lease_and_the_
     done = t.mark_and_wait.get_result(result.id)
     assert done.status == compat.TaskResultStatus.SUCCESSFUL and done.attempts == 2
     assert lines(log) == [f"{result.id} 1", f"{result.id} 2"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_tasks_orm_calls_run_in_the_handler_thread_on_its_connection():
+    """async_to_sync (Django's Task.call) runs the coroutine on a loop of its own; what it
+    hands to sync_to_async runs back in the handler thread (concurrency 1: the one a sync task
+    runs in), on that thread's connection and community scope (buzz_delivery.usercode)."""
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    in_async = t.count_results_async.enqueue()
+    in_sync = t.count_results.enqueue()
+    run_worker("default")
+    rows, orm_thread, loop_thread = t.count_results_async.get_result(in_async.id).return_value
+    sync_rows, handler_thread, _ = t.count_results.get_result(in_sync.id).return_value
+    assert rows == sync_rows == 2
+    assert orm_thread == handler_thread != loop_thread

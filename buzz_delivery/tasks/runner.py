@@ -3,12 +3,12 @@
 
 For a delivery of the tasks backend it reads the task's row, resolves the task among those this
 process registered (never by importing the stored path), sends ``task_started``, runs it (an
-``async def`` task on its own event loop, in the handler thread), writes the return value or
-the error fenced by the delivery's lease, sends ``task_finished``, and returns: the worker then
-settles the delivery ``finished``. A task that raised ends ``failed`` (Django's tasks are not
-retried on error; the error is in the result). A worker that dies mid-task leaves the lease to
-lapse: the reaper returns the delivery to ``pending`` and another worker runs the task again,
-until the delivery's ``max_attempts``.
+``async def`` task through Django's ``Task.call``: ``async_to_sync``, its ``sync_to_async``
+calls back in the handler thread), writes the return value or the error fenced by the delivery's
+lease, sends ``task_finished``, and returns: the worker then settles the delivery ``finished``.
+A task that raised ends ``failed`` (Django's tasks are not retried on error; the error is in the
+result). A worker that dies mid-task leaves the lease to lapse: the reaper returns the delivery
+to ``pending`` and another worker runs the task again, until the delivery's ``max_attempts``.
 """
 
 from __future__ import annotations

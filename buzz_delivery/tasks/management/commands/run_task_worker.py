@@ -27,14 +27,14 @@ from buzz_delivery.tasks.checks import INSTALL_HINT
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
 
-HELP = """Run the tasks enqueued through a buzz_delivery.tasks.DeliveryBackend: claim them from the
-inbox (oldest ready first), run each task found in this process's registry of @task functions
-(the installed apps' tasks modules and OPTIONS["MODULES"] are imported at start; a stored path
-is never imported), record its return value or error, settle. Async tasks run on an event loop
-in the handler thread. SIGTERM/SIGINT: stop claiming, let running tasks finish within
---shutdown-grace seconds and exit 0; past it their leases are given up (the tasks run again
-elsewhere once the leases lapse) and the worker exits 3. Prints run_delivery_worker's JSON
-summary line."""
+HELP = """Run the tasks enqueued through a buzz_delivery.tasks.DeliveryBackend: claim them from the inbox
+(higher priority first, oldest first within one), run each task found in this process's registry
+of @task functions (the installed apps' tasks modules and OPTIONS["MODULES"] are imported at
+start; a stored path is never imported), record its return value or error, settle. Async tasks
+run through async_to_sync (their sync_to_async calls in the handler thread). SIGTERM/SIGINT:
+stop claiming, let running tasks finish within --shutdown-grace seconds and exit 0; past it
+their leases are given up (the tasks run again elsewhere once the leases lapse) and the worker
+exits 3. Prints run_delivery_worker's JSON summary line."""
 
 
 class Command(StrictOptionsCommand):
