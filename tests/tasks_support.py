@@ -42,3 +42,77 @@ def who_am_i(context: TaskContext) -> dict:
 def email_users(emails: list[str], subject: str, message: str) -> int:
     """Django's documented example (docs/topics/tasks)."""
     return send_mail(subject=subject, message=message, from_email=None, recipient_list=emails)
+
+
+RUNS: list[str] = []  # the tasks below that ran, in this process
+
+
+class OddError(Exception):
+    """An exception whose class claims a module name PostgreSQL cannot store (a NUL)."""
+
+
+OddError.__module__ = "odd\x00module"
+
+
+@task
+def returns_nan() -> float:
+    RUNS.append("returns_nan")
+    return float("nan")
+
+
+@task
+def returns_nul() -> str:
+    RUNS.append("returns_nul")
+    return "a\x00b"
+
+
+@task
+def returns_surrogate() -> dict:
+    RUNS.append("returns_surrogate")
+    return {"key": "\ud800"}
+
+
+@task
+def raises_odd() -> None:
+    RUNS.append("raises_odd")
+    raise OddError("odd")
+
+
+@task(takes_context=True)
+def mark_and_wait(context: TaskContext, log: str, gate: str) -> str:
+    """Append ``<result id> <attempt>`` to ``log``, then wait (up to 30 s) for the file ``gate``."""
+    import os
+    import time
+
+    with open(log, "a") as out:
+        out.write(f"{context.task_result.id} {context.attempt}\n")
+    deadline = time.monotonic() + 30
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return context.task_result.id
+
+
+@task
+async def count_results_async() -> list:
+    """The task rows its community holds, read from an async task through the ORM (its thread
+    and connection: the handler's, in the delivery's community)."""
+    import threading
+
+    from asgiref.sync import sync_to_async
+
+    from buzz_delivery.tasks.models import TaskResult
+
+    def count() -> list:
+        return [TaskResult.objects.count(), threading.get_ident()]
+
+    return [*(await sync_to_async(count)()), threading.get_ident()]
+
+
+@task
+def count_results() -> list:
+    """As :func:`count_results_async`, from a sync task."""
+    import threading
+
+    from buzz_delivery.tasks.models import TaskResult
+
+    return [TaskResult.objects.count(), threading.get_ident(), threading.get_ident()]

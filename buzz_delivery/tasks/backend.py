@@ -23,12 +23,14 @@ delivery priorities first, oldest first within one (docs/flow-control.md).
 
 from __future__ import annotations
 
+import datetime
 import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 
@@ -115,21 +117,51 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
         """The queues a worker serves when none is named: ``QUEUES``, else ``["default"]``."""
         return sorted(self.queues) or [compat.DEFAULT_TASK_QUEUE_NAME]
 
-    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        errors = list(super().check(**kwargs))
+    def _may_enqueue_to(self, queue: str) -> bool:
+        return not self.queues or queue in self.queues
+
+    def shared_targets(self) -> list[str]:
+        """Each queue of this backend whose target (community, key) another ``DeliveryBackend``
+        of ``TASKS`` also enqueues to. A worker claims by target alone and fails a task of
+        another backend (``NotATask``): two such backends would fail each other's tasks."""
+        found = []
+        for other in _delivery_backends():
+            if other is self or other.community_id != self.community_id:
+                continue
+            names = {compat.DEFAULT_TASK_QUEUE_NAME, *self.queues, *other.queues}
+            names |= set(self.options.get("TARGETS") or ()) | set(other.options.get("TARGETS") or ())
+            for mine in sorted(n for n in names if self._may_enqueue_to(n)):
+                theirs = [n for n in sorted(names) if other._may_enqueue_to(n)]
+                clash = [n for n in theirs if other.target_for(n) == self.target_for(mine)]
+                if clash:
+                    found.append(
+                        f"TASKS[{self.alias!r}] queue {mine!r} has the target of TASKS[{other.alias!r}] queue "
+                        f"{clash[0]!r} in the same community: a worker of either would fail the other's "
+                        f"tasks; give one of them its own key in OPTIONS['TARGETS']"
+                    )
+        return found
+
+    def configuration_errors(self) -> list[checks.CheckMessage]:
+        """``buzz_delivery.E101`` (``OPTIONS`` unusable) and ``E102`` (:meth:`shared_targets`).
+        Reported by this app's own system check (:mod:`buzz_delivery.tasks.checks`), not by
+        :meth:`check`: the framework's check of the backends runs only where ``django.tasks``
+        (or, on Django 5.2, the ``django_tasks`` app, which this app does not need) is loaded."""
         try:
             _ = self.community_id
             for queue in self.worker_queues():
                 self.target_for(queue)
         except ImproperlyConfigured as exc:
-            errors.append(checks.Error(str(exc), id="buzz_delivery.E101"))
-        return errors
+            return [checks.Error(str(exc), id="buzz_delivery.E101")]
+        return [checks.Error(text, id="buzz_delivery.E102") for text in self.shared_targets()]
 
     # --- enqueue -------------------------------------------------------------------------
 
     def validate_task(self, task: Any) -> None:
         """Django's checks, then the task joins this process's registry: the only tasks a
         worker will run (:mod:`buzz_delivery.tasks.registry`)."""
+        if task.run_after is not None and not isinstance(task.run_after, datetime.datetime):
+            # Django's own check calls timezone.is_aware() on it: an AttributeError for a string.
+            raise compat.InvalidTask(f"run_after must be an aware datetime, not {type(task.run_after).__name__}")
         super().validate_task(task)
         registry.register(task)
 
@@ -191,7 +223,9 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
             task = registry.registered(stored.task_path)
         if task is None:
             raise TaskNotRegistered(stored.task_path)
-        return task.using(priority=stored.priority, queue_name=stored.queue_name, backend=self.alias)
+        return task.using(
+            priority=stored.priority, queue_name=stored.queue_name, run_after=stored.run_after, backend=self.alias
+        )
 
     def result_of(self, stored: Any, *, status: Any = None, return_value: Any = None, errors: Any = None) -> Any:
         """Django's ``TaskResult`` of a stored row (``status``... override what was read)."""
@@ -227,12 +261,32 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
         return compat.TaskResult(task=task, **defaults)
 
 
+def _delivery_backends() -> list[DeliveryBackend]:
+    """Every ``DeliveryBackend`` of ``TASKS`` whose own ``OPTIONS`` are usable (a backend that
+    cannot be built, or whose community or targets are bad, has its own error elsewhere)."""
+    found = []
+    for alias in getattr(settings, "TASKS", None) or {}:
+        try:
+            backend = compat.task_backends[alias]
+            if isinstance(backend, DeliveryBackend):
+                _ = backend.community_id
+                for queue in [*backend.queues, *(backend.options.get("TARGETS") or ())]:
+                    backend.target_for(queue)
+                found.append(backend)
+        except Exception:  # reported by that backend's own check
+            continue
+    return found
+
+
 def _normalized(value: Any, name: str, kind: type) -> Any:
-    """``value`` in the JSON form Django's results hold, or ``InvalidTask`` naming ``name``."""
+    """``value`` in the JSON form Django's results hold, or ``InvalidTask`` naming ``name``
+    (``args`` a list or tuple, ``kwargs`` a dict: a string is not a list of its characters)."""
+    if not isinstance(value, list | tuple if kind is list else dict):
+        raise compat.InvalidTask(f"{name}: must be a {'list' if kind is list else 'dict'}, not {type(value).__name__}")
     try:
         return compat.normalize_json(kind(value))
-    except (TypeError, ValueError) as exc:
-        raise compat.InvalidTask(f"{name}: must be JSON-serialisable: {exc}") from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise compat.InvalidTask(f"{name}: must be JSON-serialisable: {exc}") from None
 
 
 def _trace_context() -> dict[str, str] | None:

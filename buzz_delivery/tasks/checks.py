@@ -5,7 +5,14 @@
   ``django-tasks`` backport (module ``django_tasks``), which every module of the app but its
   models and admin imports: the backend and ``run_task_worker`` would fail.
 
-This module imports neither framework, so the check runs where the backport is missing."""
+- ``buzz_delivery.E101``/``E102``: a ``DeliveryBackend`` of ``TASKS`` whose ``OPTIONS`` are
+  unusable, or whose queue shares its target with another backend of its community
+  (:meth:`~buzz_delivery.tasks.backend.DeliveryBackend.configuration_errors`). Here, not in the
+  backend's ``check()``: Django calls that only where ``django.tasks`` is imported (on 5.2,
+  where the ``django_tasks`` app is installed, which this app does not ask for).
+
+This module imports neither framework at its top, so the checks run where the backport is
+missing (the backends' check is then skipped: E001 says what is wrong)."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from importlib.util import find_spec
 from typing import Any
 
 import django
+from django.conf import settings
 from django.core import checks
 
 # The fix, as examples/background_tasks.py words it (an installed package: no "-e .").
@@ -42,3 +50,22 @@ def check_tasks_framework(
             id="buzz_tasks.E001",
         )
     ]
+
+
+@checks.register()
+def check_delivery_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """``buzz_delivery.E101``/``E102`` of every ``DeliveryBackend`` in ``TASKS``."""
+    if backport_missing():
+        return []
+    from buzz_delivery.tasks.backend import DeliveryBackend
+    from buzz_delivery.tasks.compat import task_backends
+
+    errors: list[checks.CheckMessage] = []
+    for alias in getattr(settings, "TASKS", None) or {}:
+        try:
+            backend = task_backends[alias]
+        except Exception:  # a backend that cannot be built: the framework's error
+            continue
+        if isinstance(backend, DeliveryBackend):
+            errors.extend(backend.configuration_errors())
+    return errors

@@ -3,16 +3,17 @@
 
 For a delivery of the tasks backend it reads the task's row, resolves the task among those this
 process registered (never by importing the stored path), sends ``task_started``, runs it (an
-``async def`` task on its own event loop, in the handler thread), writes the return value or
-the error fenced by the delivery's lease, sends ``task_finished``, and returns: the worker then
-settles the delivery ``finished``. A task that raised ends ``failed`` (Django's tasks are not
-retried on error; the error is in the result). A worker that dies mid-task leaves the lease to
-lapse: the reaper returns the delivery to ``pending`` and another worker runs the task again,
-until the delivery's ``max_attempts``.
+``async def`` task through Django's ``Task.call``: ``async_to_sync``, its ``sync_to_async``
+calls back in the handler thread), writes the return value or the error fenced by the delivery's
+lease, sends ``task_finished``, and returns: the worker then settles the delivery ``finished``.
+A task that raised ends ``failed`` (Django's tasks are not retried on error; the error is in the
+result). A worker that dies mid-task leaves the lease to lapse: the reaper returns the delivery
+to ``pending`` and another worker runs the task again, until the delivery's ``max_attempts``.
 """
 
 from __future__ import annotations
 
+import logging
 import traceback
 from typing import Any
 
@@ -20,6 +21,8 @@ from buzz_delivery.tasks import compat
 from buzz_delivery.tasks.backend import DeliveryBackend, TaskNotRegistered
 from buzz_delivery.worker import PermanentFailure
 from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_text
+
+logger = logging.getLogger("buzz_delivery.tasks")
 
 
 class TaskFailed(PermanentFailure):
@@ -43,7 +46,7 @@ def error_of(exc: BaseException) -> dict[str, str]:
     kind = type(exc)
     text = "".join(traceback.format_exception(exc))
     return {
-        "exception_class_path": f"{kind.__module__}.{kind.__qualname__}",
+        "exception_class_path": storable_text(f"{kind.__module__}.{kind.__qualname__}", FAILURE_MESSAGE_MAX_CHARS),
         "traceback": storable_text(text, FAILURE_MESSAGE_MAX_CHARS),
     }
 
@@ -66,27 +69,45 @@ class TaskRunner:
             self._record(delivery, error={"exception_class_path": "LookupError", "traceback": f"not registered: {exc}"})
             raise task_not_registered(str(exc)) from None
         running = self.backend.result_of(stored, status=compat.TaskResultStatus.RUNNING)
-        compat.task_started.send(type(self.backend), task_result=running)
+        self._send(compat.task_started, running)
         try:
             args = list(stored.args)
             if task.takes_context:
                 args.insert(0, compat.TaskContext(task_result=running))
             value = compat.normalize_json(task.call(*args, **stored.kwargs))
+            # A value the result row cannot hold fails the task here, where it ran once: left
+            # to the recording statement, its refusal would retry the delivery and run the
+            # task again, up to max_attempts times, each time refused the same way.
+            services.json_text(value, "return_value", services.MAX_RETURN_VALUE_BYTES)
         except BaseException as exc:  # the task's own failure, whatever it raised
             error = error_of(exc)
             self._record(delivery, error=error)
-            compat.task_finished.send(
-                type(self.backend),
-                task_result=self.backend.result_of(
-                    stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]
-                ),
+            self._send(
+                compat.task_finished,
+                self.backend.result_of(stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]),
             )
             raise TaskFailed(f"{error['exception_class_path']}: {describe(exc)}") from exc
         self._record(delivery, return_value=value)
-        compat.task_finished.send(
-            type(self.backend),
-            task_result=self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
+        self._send(
+            compat.task_finished,
+            self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
         )
+
+    def _send(self, signal: Any, task_result: Any) -> None:
+        """Send ``task_started``/``task_finished`` to every receiver, logging (not raising) what
+        one raises: a receiver is the project's code, not the task's. Raised from here, its
+        error would retry the delivery: a task never run (``task_started``) or, its outcome
+        already recorded, run again (``task_finished``), up to ``max_attempts`` times."""
+        for receiver, outcome in signal.send_robust(type(self.backend), task_result=task_result):
+            if isinstance(outcome, BaseException):
+                logger.error(
+                    "task_signal_error result=%s receiver=%r error=%s: %s",
+                    task_result.id,
+                    receiver,
+                    type(outcome).__name__,
+                    describe(outcome),
+                    exc_info=outcome,
+                )
 
     def _record(self, delivery: Any, *, return_value: Any = None, error: dict[str, str] | None = None) -> None:
         from buzz_delivery.tasks import services

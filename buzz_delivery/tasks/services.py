@@ -40,6 +40,7 @@ from buzz_delivery.tasks.models import NAME_MAX_CHARS, TASK_PATH_MAX_CHARS, Task
 TASK_EVENT_KIND = 30_078  # an application's own data (NIP-78): the task's message event
 WORKFLOW_NAME = "django.tasks"
 MAX_ARGUMENT_BYTES = 1_000_000  # args and kwargs, as JSON, together
+MAX_RETURN_VALUE_BYTES = 1_000_000  # a task's return value, as JSON
 _NAMESPACE = uuid.UUID("6d1a8a4e-5f0c-4f59-9a39-5c1f2f7a3b10")
 DEFINITION_EVENT_ID = hashlib.sha256(b"buzz_delivery.tasks definition").digest()
 PRODUCER_PUBKEY = hashlib.sha256(b"buzz_delivery.tasks producer").digest()
@@ -93,16 +94,50 @@ class StoredTask:
     claims: list[tuple[Any, str]]  # (at, holder) of each claim the delivery's history keeps
 
 
+def _unstorable_text(value: Any) -> str | None:
+    """Why PostgreSQL's ``jsonb`` cannot hold a string of the JSON value ``value`` (a NUL
+    character, a lone surrogate), or None. Iterative: a deep value cannot exhaust the stack."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, str):
+            if "\x00" in item:
+                return "holds a NUL character (\\u0000), which PostgreSQL's jsonb cannot store"
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "holds a lone surrogate, which is not UTF-8"
+    return None
+
+
+def json_text(value: Any, name: str, max_bytes: int) -> str:
+    """``value`` as the JSON text a ``jsonb`` column stores, or ``ValidationError`` naming
+    ``name``: not JSON (NaN and infinities included), a string jsonb refuses, or more than
+    ``max_bytes`` bytes. What passes here is stored: the database never refuses it later."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise v.invalid(name, f"must be JSON: {exc}") from None
+    why = _unstorable_text(value)
+    if why is not None:
+        raise v.invalid(name, f"must be JSON that PostgreSQL can store: a string {why}")
+    if len(text) > max_bytes:  # ASCII: json.dumps escapes every other character
+        raise v.invalid(name, f"must serialise to at most {max_bytes} bytes of JSON, not {len(text)}")
+    return text
+
+
 def _json_arguments(args: Any, kwargs: Any) -> str:
     if not isinstance(args, list | tuple):
         raise v.invalid("args", f"must be a list, not {type(args).__name__}")
     if not isinstance(kwargs, dict):
         raise v.invalid("kwargs", f"must be a dict, not {type(kwargs).__name__}")
     for name, value in (("args", args), ("kwargs", kwargs)):
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise v.invalid(name, f"must be JSON: {exc}") from exc
+        json_text(value, name, MAX_ARGUMENT_BYTES)
     text = json.dumps({"args": list(args), "kwargs": kwargs}, allow_nan=False)
     if len(text.encode()) > MAX_ARGUMENT_BYTES:
         raise v.invalid("args", f"args and kwargs must serialise to at most {MAX_ARGUMENT_BYTES} bytes")
@@ -217,8 +252,12 @@ def enqueue_task(
             kwargs=decoded["kwargs"],
             run_after=run_after,
         )
-        row.refresh_from_db(fields=["enqueued_at"])
-    return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=row.enqueued_at)
+        # Read back inside the community (Citus's router form): the row's refresh_from_db
+        # would look it up by id alone, a statement on every shard.
+        enqueued_at = (
+            TaskResult.objects.filter(community_id=community, id=row.id).values_list("enqueued_at", flat=True).get()
+        )
+    return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=enqueued_at)
 
 
 _READ = f"""
@@ -327,10 +366,7 @@ def record_task_outcome(
     the delivery's current, unexpired lease; False (nothing written) otherwise. The holder then
     settles the delivery (the worker does), so a result is shown once its delivery is settled."""
     community = v.uuid_value(community_id, "community_id")
-    try:
-        value = json.dumps(return_value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise v.invalid("return_value", f"must be JSON: {exc}") from exc
+    value = json_text(return_value, "return_value", MAX_RETURN_VALUE_BYTES)
     rows = fetch_all(
         _RECORD_OUTCOME,
         {

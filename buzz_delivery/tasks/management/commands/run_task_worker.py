@@ -9,23 +9,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError
 from django.db import connection
 
 from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
-from buzz_delivery.management.options import int_in, poll_seconds_option, positive_int, positive_seconds
+from buzz_delivery.management.options import (
+    int_in,
+    lease_seconds_option,
+    poll_seconds_option,
+    positive_int,
+    positive_seconds,
+)
 from buzz_delivery.models import WorkerKind
 from buzz_delivery.services.validation import MAX_POLL_SECONDS
 from buzz_delivery.tasks.checks import INSTALL_HINT
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
 
-HELP = """Run the tasks enqueued through a buzz_delivery.tasks.DeliveryBackend: claim them from the
-inbox (oldest ready first), run each task found in this process's registry of @task functions
-(the installed apps' tasks modules and OPTIONS["MODULES"] are imported at start; a stored path
-is never imported), record its return value or error, settle. Async tasks run on an event loop
-in the handler thread. SIGTERM/SIGINT: stop claiming, let running tasks finish, exit 0.
-Prints run_delivery_worker's JSON summary line."""
+HELP = """Run the tasks enqueued through a buzz_delivery.tasks.DeliveryBackend: claim them from the inbox
+(higher priority first, oldest first within one), run each task found in this process's registry
+of @task functions (the installed apps' tasks modules and OPTIONS["MODULES"] are imported at
+start; a stored path is never imported), record its return value or error, settle. Async tasks
+run through async_to_sync (their sync_to_async calls in the handler thread). SIGTERM/SIGINT:
+stop claiming, let running tasks finish within --shutdown-grace seconds and exit 0; past it
+their leases are given up (the tasks run again elsewhere once the leases lapse) and the worker
+exits 3. Prints run_delivery_worker's JSON summary line."""
 
 
 class Command(StrictOptionsCommand):
@@ -55,6 +64,20 @@ class Command(StrictOptionsCommand):
             help="Seconds a task may run before its lease is no longer renewed (default: %(default)s).",
         )
         parser.add_argument("--name", default="tasks", help="This worker's name in its holder identity.")
+        parser.add_argument(
+            "--shutdown-grace",
+            type=positive_seconds,
+            default=30.0,
+            help="Seconds a stopping worker waits for running tasks before it gives up their leases "
+            "and exits 3 (default: %(default)s).",
+        )
+        parser.add_argument(
+            "--lease-seconds",
+            type=lease_seconds_option,
+            default=None,
+            help="Lease length in seconds: how soon a task of a worker that died runs again "
+            "(default: BUZZ_DELIVERY['LEASE_SECONDS']; within the configured bounds).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:  # here, not at the top: --help works without the framework (Django 5.2, no backport)
@@ -74,6 +97,12 @@ class Command(StrictOptionsCommand):
         unknown = [q for q in queues if backend.queues and q not in backend.queues]
         if unknown:
             raise CommandError(f"--queue: not in the backend's QUEUES: {', '.join(unknown)}", returncode=2)
+        try:
+            shared = backend.shared_targets()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        if shared:  # its claims would take, and fail, the other backend's tasks
+            raise CommandError(f"--backend: {shared[0]}", returncode=2)
         registry.discover(backend.options.get("MODULES") or ())
         ensure_console_logging()
         if options["verbosity"] != 1:
@@ -92,6 +121,8 @@ class Command(StrictOptionsCommand):
             idle_exit=options["idle_exit"],
             handler_timeout=options["task_timeout"],
             name=options["name"],
+            shutdown_grace=options["shutdown_grace"],
+            lease_seconds=options["lease_seconds"],
         )
         detail = f"community={community} backend={backend.alias} queues={','.join(queues)}"
         try:
