@@ -124,3 +124,55 @@ def test_an_approval_asked_from_inside_a_call_is_a_typed_error_not_a_lost_run(co
     assert "call(s) 1 of this run are in flight" in run.output["text"]
     assert _state(run_id)[3] == [(1, "tool", "succeeded")]  # no approval, no journal slot spent
     assert not Approval.objects.filter(community_id=community.id).exists()
+
+
+def test_a_call_starting_while_the_approval_waits_for_the_calls_in_flight_does_not_hang_it(community):
+    """A third thread's ``ctx.call`` that starts while ``request_approval`` holds the journal lock
+    (waiting for the first call) must not be counted in flight before it holds its position:
+    counted, it waited for the lock the approval held, the approval waited for it, and the run
+    hung while its heartbeat kept the lease (found in the lead's review of the fix)."""
+    run_id = new_run(community.id)
+    (claimed,) = claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    in_tool, release, late = threading.Event(), threading.Event(), []
+
+    def slow(args, key):
+        in_tool.set()
+        assert release.wait(30)
+        return {"n": args["n"]}
+
+    def handler(ctx):
+        def tool(n, out):
+            try:
+                out.append(ctx.call("slow", slow, {"n": n}))
+            except BaseException as exc:
+                out.append(type(exc).__name__)
+            finally:
+                connections.close_all()
+
+        first = threading.Thread(target=tool, args=(1, []))
+        first.start()
+        assert in_tool.wait(30)
+        third = threading.Thread(target=tool, args=(2, late))
+
+        def start_third_then_release():
+            threading.Event().wait(0.3)  # the approval holds the journal lock by now
+            third.start()
+            threading.Event().wait(0.3)  # the third call waits for that lock
+            release.set()
+
+        helper = threading.Thread(target=start_third_then_release)
+        helper.start()
+        try:
+            return ctx.request_approval("ship?", 600)
+        finally:
+            helper.join(30)
+            first.join(30)
+            third.join(30)
+
+    done: list[str] = []
+    runner = threading.Thread(target=lambda: done.append(run_claim(claimed, handler)), daemon=True)
+    runner.start()
+    runner.join(20)
+    assert done == ["parked"], "the approval hung on a call waiting for its journal lock"
+    assert late == ["RunAborted"]  # the run parked: the late call's journaling found it so
+    assert AgentRun.objects.get(id=run_id).state == "waiting_approval"

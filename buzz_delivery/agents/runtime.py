@@ -237,22 +237,21 @@ class Context:
         anything is journaled."""
         rate = ratelimits_plan(rate_key, weight)
         self._check()
-        with self._calling():
-            return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
+        return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
 
-    @contextlib.contextmanager
-    def _calling(self) -> Iterator[None]:
-        """Count the block as a call in flight (``request_approval`` waits for none)."""
+    def _enter_call(self) -> None:
+        """Count a call in flight (``request_approval`` waits for none). Called with the journal
+        lock held, once the call has its position: counted before it, a call waiting for the lock
+        an approval holds while it waits for the calls in flight would wait forever."""
         with self._settled:
             self._in_flight += 1
         self._mine.calls = self._own_calls() + 1
-        try:
-            yield
-        finally:
-            self._mine.calls -= 1
-            with self._settled:
-                self._in_flight -= 1
-                self._settled.notify_all()
+
+    def _leave_call(self) -> None:
+        self._mine.calls -= 1
+        with self._settled:
+            self._in_flight -= 1
+            self._settled.notify_all()
 
     def _own_calls(self) -> int:
         return int(getattr(self._mine, "calls", 0))
@@ -279,6 +278,23 @@ class Context:
                     outcome = s.journal_call(
                         self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
                     )
+            self._enter_call()
+        try:
+            return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile, rate)
+        finally:
+            self._leave_call()
+
+    def _called(
+        self,
+        entry: Any,
+        outcome: Any,
+        tool_name: str,
+        fn: Callable[[Any, str], Any],
+        args: Any,
+        reconcile: Callable[[Any, str], Any] | None,
+        rate: RatePlan | None,
+    ) -> Any:
+        """The call once it holds its journal position: replayed, or made and recorded."""
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
         if isinstance(outcome, s.Blocked):
