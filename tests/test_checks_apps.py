@@ -49,6 +49,8 @@ def test_the_project_settings_pass_the_apps_checks():
         ({"AUTHOR_PUBKEY": "00" * 31}, ["buzz_workflows.E002"]),
         ({"MESSAGE_KIND": 2**31}, ["buzz_workflows.E003"]),
         ({"EVENT_RETENTION_SECONDS": None}, ["buzz_workflows.E002"]),
+        ({"EVENT_RETENTION_SECONDS": 0}, ["buzz_workflows.E003"]),
+        ({"EVENT_RETENTION_SECONDS": 59.5}, ["buzz_workflows.E003"]),
         ({"MAX_ATTEMPS": 3, "LEASE_SECONDS": 1}, ["buzz_workflows.E001", "buzz_workflows.E003"]),
     ],
 )

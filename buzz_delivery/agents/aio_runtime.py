@@ -48,6 +48,7 @@ from buzz_delivery.agents.batcher import Batcher, DbPool, UsedConnections
 from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.exceptions import (
     AgentError,
+    ApprovalBlockedByCalls,
     ApprovalExpired,
     BudgetExhausted,
     OutputLimitExceeded,
@@ -58,6 +59,8 @@ from buzz_delivery.agents.exceptions import (
 )
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.runtime import (
+    APPROVAL_RETRY_SECONDS,
+    APPROVAL_SETTLE_SECONDS,
     NOT_MADE,
     RATE_WAIT_SLICE_SECONDS,
     RatePlan,
@@ -332,9 +335,21 @@ class AsyncContext:
                 if entry.status == "failed":
                     raise ApprovalExpired("the approval expired without a decision")
                 raise RunAborted("the approval is still pending")
-            outcome = await self._runtime(
-                self.runtime.pool.run(s.request_approval, self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
-            )
+            # This run's calls hold the lock while in flight: none is, but the server may still
+            # see the last one's result being recorded as the park reads (ask again shortly).
+            settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+            while True:
+                outcome = await self._runtime(
+                    self.runtime.pool.run(
+                        s.request_approval, self.lease, prompt=prompt, deadline_seconds=deadline_seconds
+                    )
+                )
+                if not isinstance(outcome, s.CallsInFlight):
+                    break
+                if time.monotonic() > settle:
+                    raise ApprovalBlockedByCalls(outcome.seqs, "journaled and never recorded, no call running")
+                await asyncio.sleep(APPROVAL_RETRY_SECONDS)
+                self._check()
             if isinstance(outcome, s.ApprovalRequested):
                 raise _Parked(outcome.approval_id)
             if isinstance(outcome, s.BudgetExceeded):

@@ -55,3 +55,16 @@ class OutputLimitExceeded(AgentError):
     (nothing was written; the handler may stop emitting and go on)."""
 
     failure_code = "stream_too_large"
+
+
+class ApprovalBlockedByCalls(AgentError):
+    """``ctx.request_approval`` could not park the run: calls ``seqs`` of this holder are
+    journaled and not recorded. Raised when it is called from inside a ``ctx.call`` (its tool
+    function) of the same thread (the run cannot park while that call is in flight, and the call
+    cannot end while the approval waits), or when a call stays unrecorded with no call of the
+    handler running (a tool ended by a ``BaseException``). Nothing was written, the lease holds;
+    ask for the approval before or after the call, not from within it."""
+
+    def __init__(self, seqs: tuple[int, ...], why: str) -> None:
+        self.seqs = seqs
+        super().__init__(f"request_approval: call(s) {', '.join(map(str, seqs))} of this run are in flight ({why})")

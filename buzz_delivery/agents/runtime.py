@@ -50,6 +50,7 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.agents.conf import get_settings
 from buzz_delivery.agents.exceptions import (
     AgentError,
+    ApprovalBlockedByCalls,
     ApprovalExpired,
     BudgetExhausted,
     OutputLimitExceeded,
@@ -105,6 +106,10 @@ def _messages(exc: ValidationError) -> str:
 
 # A wait for a rate limit sleeps in slices of at most this, to notice a lost lease meanwhile.
 RATE_WAIT_SLICE_SECONDS = 0.5
+APPROVAL_RETRY_SECONDS = 0.05  # request_approval: how often it looks again for its calls in flight
+# request_approval: how long the server may see a call in flight that no call of the handler runs
+# (its result being recorded as the park read, normally well under a second)
+APPROVAL_SETTLE_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +169,11 @@ class Context:
         self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
         self.lane: UserConnection | None = None  # set by run_claim: the user's connection
         self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
+        # Calls of this handler journaled (or being journaled) and not yet recorded: an approval
+        # request waits for them (the run cannot park with one of its own calls in flight).
+        self._in_flight = 0
+        self._settled = threading.Condition()
+        self._mine = threading.local()  # .calls: this thread's calls in flight (nested in each other)
         self.rate_waits = 0  # how many times a call waited for its rate limit
         # ctx.emit: chunks the run had when claimed (a resumed handler's first emits are these).
         self._emitted_before = claim.run.output_chunks
@@ -227,6 +237,36 @@ class Context:
         anything is journaled."""
         rate = ratelimits_plan(rate_key, weight)
         self._check()
+        return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
+
+    def _enter_call(self) -> None:
+        """Count a call in flight (``request_approval`` waits for none). Called with the journal
+        lock held, once the call has its position: counted before it, a call waiting for the lock
+        an approval holds while it waits for the calls in flight would wait forever."""
+        with self._settled:
+            self._in_flight += 1
+        self._mine.calls = self._own_calls() + 1
+
+    def _leave_call(self) -> None:
+        self._mine.calls -= 1
+        with self._settled:
+            self._in_flight -= 1
+            self._settled.notify_all()
+
+    def _own_calls(self) -> int:
+        return int(getattr(self._mine, "calls", 0))
+
+    def _call(
+        self,
+        tool_name: str,
+        fn: Callable[[Any, str], Any],
+        args: Any,
+        compensate: Callable[[Any, Any, str], Any] | None,
+        reconcile: Callable[[Any, str], Any] | None,
+        destructive: bool,
+        cost: int,
+        rate: RatePlan | None,
+    ) -> Any:
         with self._journaling:
             self._pos += 1
             entry = self._journal.get(self._pos)
@@ -238,6 +278,23 @@ class Context:
                     outcome = s.journal_call(
                         self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
                     )
+            self._enter_call()
+        try:
+            return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile, rate)
+        finally:
+            self._leave_call()
+
+    def _called(
+        self,
+        entry: Any,
+        outcome: Any,
+        tool_name: str,
+        fn: Callable[[Any, str], Any],
+        args: Any,
+        reconcile: Callable[[Any, str], Any] | None,
+        rate: RatePlan | None,
+    ) -> Any:
+        """The call once it holds its journal position: replayed, or made and recorded."""
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
         if isinstance(outcome, s.Blocked):
@@ -358,14 +415,32 @@ class Context:
             return self._make(entry.seq, entry.idempotency_key, fn, args)
         return self._record_output(entry.seq, found, started)
 
+    def _await_calls(self) -> None:
+        """Wait until none of this handler's calls is in flight but this thread's own (the other
+        threads' run on, their lease renewed by the heartbeat); a lease lost meanwhile stops the
+        wait (:class:`RunAborted`)."""
+        with self._settled:
+            while self._in_flight > self._own_calls():
+                self._check()
+                self._settled.wait(APPROVAL_RETRY_SECONDS)
+        self._check()
+
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """Ask a human (the engine's approvals queue). The first time, parks the run and stops
         the handler; when the run resumes, returns ``{"decision": "approved"|"rejected",
-        "decided_by"}``. Raises :class:`ApprovalExpired` if it expired, :class:`BudgetExhausted`,
+        "decided_by"}``. Called while other calls of the handler are in flight (tools run in
+        parallel), it first waits for them to be recorded (while the lease holds), then parks.
+        Raises :class:`ApprovalExpired` if it expired, :class:`ApprovalBlockedByCalls` when called
+        from inside a ``ctx.call`` of this thread (nothing written), :class:`BudgetExhausted`,
         :class:`ReplayMismatch` or :class:`RunAborted`."""
         self._check()
-        self._pos += 1
-        entry = self._journal.get(self._pos)
+        # Under the journal lock, as a call's journaling: the approval's position is the seq the
+        # server gives it, and no call of another thread starts while it waits for those in flight.
+        with self._journaling:
+            self._pos += 1
+            entry = self._journal.get(self._pos)
+            if entry is None:
+                outcome = self._park(prompt, deadline_seconds)
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
@@ -375,14 +450,31 @@ class Context:
             if entry.status == "failed":
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
-        with self._runtime():
-            outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
         if isinstance(outcome, s.ApprovalRequested):
             raise _Parked(outcome.approval_id)
         if isinstance(outcome, s.BudgetExceeded):
             raise BudgetExhausted(f"{outcome.budget} budget exhausted")
         self.lost.set()
         raise RunAborted(f"cannot request an approval: {outcome}")
+
+    def _park(self, prompt: str, deadline_seconds: int) -> Any:
+        """``request_approval`` once none of the handler's other calls is in flight; while the
+        server still sees one (its result being recorded as the park read), ask again shortly."""
+        settle: float | None = None
+        while True:
+            self._await_calls()
+            with self._runtime():
+                outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
+            if not isinstance(outcome, s.CallsInFlight):
+                return outcome
+            if self._own_calls():
+                raise ApprovalBlockedByCalls(outcome.seqs, "asked from inside a ctx.call of this thread")
+            if settle is None:
+                settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+            elif time.monotonic() > settle:
+                raise ApprovalBlockedByCalls(outcome.seqs, "never recorded, no call of the handler running")
+            if self.lost.wait(APPROVAL_RETRY_SECONDS):
+                raise RunAborted("the run's lease was lost while its calls were in flight")
 
 
 @tenant_scoped

@@ -249,8 +249,8 @@ RUN_SCHEMAS: dict[str, Any] = {
             "outcome": {
                 "type": "string",
                 "enum": ["accepted", "already_terminal", "renewed", "journaled", "blocked", "budget_exceeded",
-                         "recorded", "already_recorded", "approval_requested", "finished", "unwinding", "begun",
-                         "not_next", "run_ended", "emitted", "too_large"],
+                         "recorded", "already_recorded", "approval_requested", "calls_in_flight", "finished",
+                         "unwinding", "begun", "not_next", "run_ended", "emitted", "too_large"],
             },
             "run_id": UUID, "state": {"type": "string", "enum": RUN_STATES}, "status": {"type": "string"},
             "lease": _ref("RunLease"), "seq": {"type": "integer"}, "idempotency_key": {"type": "string"},

@@ -117,6 +117,22 @@ class OutputLimitExceeded(RemoteRunError):
     failure_code = "stream_too_large"
 
 
+class ApprovalBlockedByCalls(RemoteRunError):
+    """``ctx.request_approval`` could not park the run: calls ``seqs`` of this holder are
+    journaled and not recorded (asked from inside a ``ctx.call`` of the same thread, or a call
+    left unrecorded with none of the handler's running). Nothing written, the lease holds."""
+
+    def __init__(self, seqs: tuple[int, ...], why: str) -> None:
+        self.seqs = seqs
+        super().__init__(f"request_approval: call(s) {', '.join(map(str, seqs))} of this run are in flight ({why})")
+
+
+APPROVAL_RETRY_SECONDS = 0.05  # request_approval: how often it looks again for its calls in flight
+# request_approval: how long the gateway may see a call in flight that no call of the handler
+# runs (its result being recorded as the park read, normally well under a second)
+APPROVAL_SETTLE_SECONDS = 10.0
+
+
 # Refusals of a runtime request that reach the handler as they are (RemoteRunContext._runtime):
 # the item's own fault (400, 413) or a route this gateway lacks (404, 405). Any other failure of
 # a runtime request leaves the run to its lease.
@@ -179,6 +195,12 @@ class RemoteRunContext:
         self._emitted_before = int(claim.run.get("output_chunks") or 0)
         self._emit_pos = 0
         self._emitting = threading.Lock()
+        self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
+        # Calls of this handler journaled (or being journaled) and not yet recorded: an approval
+        # request waits for them (the run cannot park with one of its own calls in flight).
+        self._in_flight = 0
+        self._settled = threading.Condition()
+        self._mine = threading.local()  # .calls: this thread's calls in flight
 
     @property
     def cancelled(self) -> bool:
@@ -237,21 +259,68 @@ class RemoteRunContext:
         """Journal, make and record one tool call (or replay it from the journal); returns its
         output (None for a shadow-blocked call)."""
         self._check()
-        self._pos += 1
-        entry = self._journal.get(self._pos)
+        return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost)
+
+    def _enter_call(self) -> None:
+        """Count a call in flight (``request_approval`` waits for none). Called with the journal
+        lock held, once the call has its position: counted before it, a call waiting for the lock
+        an approval holds while it waits for the calls in flight would wait forever."""
+        with self._settled:
+            self._in_flight += 1
+        self._mine.calls = self._own_calls() + 1
+
+    def _leave_call(self) -> None:
+        self._mine.calls -= 1
+        with self._settled:
+            self._in_flight -= 1
+            self._settled.notify_all()
+
+    def _own_calls(self) -> int:
+        return int(getattr(self._mine, "calls", 0))
+
+    def _call(
+        self,
+        tool_name: str,
+        fn: Callable[[Any, str], Any],
+        args: Any,
+        compensate: Callable[[Any, Any, str], Any] | None,
+        reconcile: Callable[[Any, str], Any] | None,
+        destructive: bool,
+        cost: int,
+    ) -> Any:
+        with self._journaling:
+            self._pos += 1
+            entry = self._journal.get(self._pos)
+            if entry is None:
+                descriptor = compensations.descriptor(compensate)
+                body = {"tool_name": tool_name, "args": args, "cost": cost, "compensation": descriptor,
+                        "destructive": destructive}  # fmt: skip
+                with self._runtime("journal"):
+                    outcome = (
+                        self.batcher.send("calls", self.lease, body)
+                        if self.batcher
+                        else self.client.journal_call(
+                            self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+                        )
+                    )
+            self._enter_call()
+        try:
+            return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile)
+        finally:
+            self._leave_call()
+
+    def _called(
+        self,
+        entry: Any,
+        outcome: Any,
+        tool_name: str,
+        fn: Callable[[Any, str], Any],
+        args: Any,
+        reconcile: Callable[[Any, str], Any] | None,
+    ) -> Any:
+        """The call once it holds its journal position: replayed, or made and recorded."""
         if entry is not None:
             return self._replay(entry, tool_name, fn, args, reconcile)
-        descriptor = compensations.descriptor(compensate)
-        body = {"tool_name": tool_name, "args": args, "cost": cost, "compensation": descriptor,
-                "destructive": destructive}  # fmt: skip
-        with self._runtime("journal"):
-            outcome = (
-                self.batcher.send("calls", self.lease, body)
-                if self.batcher
-                else self.client.journal_call(
-                    self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
-                )
-            )
         if outcome.outcome == "blocked":
             return None
         if outcome.outcome == "budget_exceeded":
@@ -335,10 +404,18 @@ class RemoteRunContext:
 
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """Park the run on an approval (the handler stops); when the run resumes, returns
-        ``{"decision", "decided_by"}``. Raises :class:`ApprovalExpired` if it expired."""
+        ``{"decision", "decided_by"}``. Raises :class:`ApprovalExpired` if it expired. Called
+        while other calls of the handler are in flight (tools run in parallel), it first waits for
+        them to be recorded (while the lease holds), then parks; from inside a ``ctx.call`` of
+        the same thread it raises :class:`ApprovalBlockedByCalls` (nothing written)."""
         self._check()
-        self._pos += 1
-        entry = self._journal.get(self._pos)
+        # Under the journal lock, as a call's journaling: the approval's position is the seq the
+        # gateway gives it, and no call of another thread starts while it waits for those in flight.
+        with self._journaling:
+            self._pos += 1
+            entry = self._journal.get(self._pos)
+            if entry is None:
+                outcome = self._park(prompt, deadline_seconds)
         if entry is not None:
             if entry["kind"] != "approval":
                 raise ReplayMismatch(f"entry {entry['seq']} is a {entry['tool_name']!r} call, not an approval")
@@ -348,15 +425,38 @@ class RemoteRunContext:
             if entry["status"] == "failed":
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
-        with self._runtime("request an approval"):
-            outcome = _again(
-                lambda: self.client.request_approval(self.lease, prompt, deadline_seconds), REFUSED_FOR_LOAD
-            )
         if outcome.outcome == "approval_requested":
             raise _Parked(outcome.data["approval_id"])
         if outcome.outcome == "budget_exceeded":
             raise BudgetExhausted("tool_calls budget exhausted")
         raise self._gone(outcome, "request an approval")
+
+    def _park(self, prompt: str, deadline_seconds: int) -> RunOutcome:
+        """``approval`` once none of the handler's other calls is in flight; while the gateway
+        still sees one (``calls_in_flight``: its result being recorded as the park read), ask
+        again shortly."""
+        settle: float | None = None
+        while True:
+            with self._settled:
+                while self._in_flight > self._own_calls():
+                    self._check()
+                    self._settled.wait(APPROVAL_RETRY_SECONDS)
+            self._check()
+            with self._runtime("request an approval"):
+                outcome: RunOutcome = _again(
+                    lambda: self.client.request_approval(self.lease, prompt, deadline_seconds), REFUSED_FOR_LOAD
+                )
+            if outcome.outcome != "calls_in_flight":
+                return outcome
+            seqs = tuple(int(seq) for seq in outcome.data.get("seqs") or ())
+            if self._own_calls():
+                raise ApprovalBlockedByCalls(seqs, "asked from inside a ctx.call of this thread")
+            if settle is None:
+                settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+            elif time.monotonic() > settle:
+                raise ApprovalBlockedByCalls(seqs, "never recorded, no call of the handler running")
+            if self.lost.wait(APPROVAL_RETRY_SECONDS):
+                raise RunAborted("the run's lease was lost while its calls were in flight")
 
 
 def _error_text(exc: BaseException) -> str:

@@ -276,6 +276,8 @@ def result(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_
 def approval(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
     """Park the run on an engine approval (``agents.services.request_approval``): the lease is
     released. 200 ``{"outcome": "approval_requested", "approval_id", "seq"}``,
+    ``{"outcome": "calls_in_flight", "seqs"}`` (the holder's own calls ``seqs`` are journaled and
+    not yet recorded: nothing written, the lease holds, ask again once they are recorded),
     ``budget_exceeded`` or ``already_terminal``; 409 lease lost. Once decided, claim the run
     again: its journal entry ``seq`` holds the decision."""
     lease = _run_lease(request, community_id, run_id, pubkey, data)
@@ -284,6 +286,8 @@ def approval(request: HttpRequest, pubkey: bytes, data: dict[str, Any], communit
         return JsonResponse(
             {"outcome": "approval_requested", "approval_id": str(outcome.approval_id), "seq": outcome.seq}
         )
+    if isinstance(outcome, agents.CallsInFlight):
+        return JsonResponse({"outcome": "calls_in_flight", "seqs": list(outcome.seqs)})
     if isinstance(outcome, agents.BudgetExceeded):
         return _budget(outcome)
     return _common(outcome)

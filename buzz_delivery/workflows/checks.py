@@ -34,6 +34,14 @@ MAX_MESSAGE_KIND = MAX_INTEGER
 # How long an event may be kept for later waits: any length a timestamp can add (a century),
 # not a wait's own bound (a wait may start long after the event was sent).
 MAX_EVENT_RETENTION_SECONDS = 100 * 366 * 86400
+# The shortest retention that keeps send_event's promise to a wait that starts while the send is
+# in flight (the wait sees the event, or the send sees the waiting step, never neither). The send
+# keeps its event for the retention from its last statement, and the wait judges it live against
+# its own first statement (services/waits.py): what the retention must still cover is a send's
+# commit (its last statement to its commit: the WAL flush, a synchronous standby's answer) and
+# the difference between the clocks of the nodes that stamp the two statements. A minute is many
+# times both. 0 (keep no event) let an event sent while a wait was starting be taken by neither.
+MIN_EVENT_RETENTION_SECONDS = 60
 
 
 def _type_error(key: str, expected: str, value: Any) -> checks.CheckMessage:
@@ -91,7 +99,17 @@ def check_workflow_settings(app_configs: Any = None, **kwargs: Any) -> list[chec
             )
         )
     errors += int_setting(SETTING, raw, "MESSAGE_KIND", APP, 0, MAX_MESSAGE_KIND)
-    errors += seconds_setting(SETTING, raw, "EVENT_RETENTION_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
+    retention = seconds_setting(SETTING, raw, "EVENT_RETENTION_SECONDS", APP, 0, MAX_EVENT_RETENTION_SECONDS)
+    errors += retention
+    if not retention and raw["EVENT_RETENTION_SECONDS"] < MIN_EVENT_RETENTION_SECONDS:
+        errors.append(
+            checks.Error(
+                f"{SETTING}['EVENT_RETENTION_SECONDS'] must be at least {MIN_EVENT_RETENTION_SECONDS} (seconds),"
+                f" got {raw['EVENT_RETENTION_SECONDS']!r}: shorter, an event sent while a wait_event step is"
+                " starting could be taken by neither the send nor the wait.",
+                id=f"{APP}.E003",
+            )
+        )
     errors += _clamped("MAX_MAP_ITEMS", raw, 1, MAP_ITEMS_LIMIT)
     return errors
 

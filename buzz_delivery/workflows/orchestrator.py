@@ -67,9 +67,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from django.db import DatabaseError, close_old_connections, connection, connections
+from django.db import DatabaseError, InterfaceError, close_old_connections, connection, connections
 
 from buzz_delivery.conf import get_settings as core_settings
+from buzz_delivery.exceptions import in_chain
 from buzz_delivery.fairness import share
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.listening import Listener
@@ -828,7 +829,16 @@ class Orchestrator:
         try:
             c = self.config.community_id
             for community in [c] if c is not None else communities_with_due_waits():
-                end_due_waits(community)
+                try:
+                    end_due_waits(community)
+                except DatabaseError as exc:
+                    if _connection_lost(exc):
+                        raise
+                    # This community's poll failed on its own (its statement, its rows): the
+                    # others are polled all the same. One that always fails and sorts first
+                    # would otherwise starve every other community's due waits, each poll.
+                    self.add("errors")
+                    logger.warning("due_waits_failed community=%s error=%s", community, str(exc).splitlines()[:1])
         except DatabaseError as exc:
             logger.warning("db_unavailable role=dispatcher error=%s", str(exc).splitlines()[:1])
             close_old_connections()
@@ -1121,6 +1131,26 @@ class Leadership:
         if conn is not None:
             with contextlib.suppress(Exception):  # a broken connection may fail to close: dropped anyway
                 conn.close()
+
+
+# SQLSTATEs of a session the server ended or could not keep (class 08: connection exception,
+# 57P01..57P03: shut down by an administrator, a crash, or unable to connect now).
+CONNECTION_SQLSTATES = ("08", "57P01", "57P02", "57P03")
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """``exc`` is a failure of the connection, not of one community's statement: the session
+    ended (its SQLSTATE), or psycopg lost it (an ``OperationalError`` without one), or Django
+    closed it. Such a failure ends the pass, to reconnect."""
+    if connection.connection is None or isinstance(exc, InterfaceError):
+        return True
+    failure = in_chain(exc, psycopg.Error)
+    if failure is None:
+        return False
+    state = failure.sqlstate
+    if state is None:
+        return isinstance(failure, psycopg.OperationalError | psycopg.InterfaceError)
+    return state.startswith(CONNECTION_SQLSTATES)
 
 
 def _key(lease: StepLease) -> tuple[uuid.UUID, int]:

@@ -8,6 +8,8 @@ claimable again in the deciding transaction. Expiry (either maintenance) makes i
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import transaction
 
 from buzz_delivery.agents.services import sql
@@ -18,6 +20,7 @@ from buzz_delivery.agents.services.types import (
     AlreadyTerminal,
     ApprovalRequested,
     BudgetExceeded,
+    CallsInFlight,
     LeaseLost,
 )
 from buzz_delivery.models import new_uuid7
@@ -30,15 +33,20 @@ from buzz_delivery.workflows.services.approvals import MAX_DEADLINE_SECONDS
 @tenant_scoped
 def request_approval(
     lease: AgentLease, *, prompt: str = "", deadline_seconds: int = 86400
-) -> ApprovalRequested | BudgetExceeded | AlreadyTerminal | LeaseLost:
+) -> ApprovalRequested | CallsInFlight | BudgetExceeded | AlreadyTerminal | LeaseLost:
     """In one transaction: the run moves to ``waiting_approval`` and releases its lease (one
     fenced statement that also spends a journal slot), an engine approval is created with
     ``prompt`` (<= 10,000 chars) and a deadline ``deadline_seconds`` (1..30 days) from now
     (database clock), and a journal entry (kind ``approval``) records it. Once decided the run
     is claimable again and the decision is replayed from the journal.
 
-    Returns :class:`ApprovalRequested`, :class:`BudgetExceeded`, ``AlreadyTerminal`` or
-    ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``, ``prompt`` or
+    The run parks only with none of the holder's own tool calls in flight (journaled under its
+    generation, not yet recorded): a call's result could not be recorded once the lease is
+    released. While one is, nothing is written and the answer is :class:`CallsInFlight` naming
+    them (the lease holds: record them, then ask again).
+
+    Returns :class:`ApprovalRequested`, :class:`CallsInFlight`, :class:`BudgetExceeded`,
+    ``AlreadyTerminal`` or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``, ``prompt`` or
     ``deadline_seconds`` before SQL. SPEC 12 "Approvals"."""
     params = lease_params(
         lease,
@@ -48,15 +56,51 @@ def request_approval(
         entry_id=new_uuid7(),
         cost=0,
     )
+    try:
+        return _park(params)
+    except _InFlight as exc:  # the park rolled back
+        return CallsInFlight(exc.seqs)
+
+
+def _holds(params: dict[str, Any]) -> bool:
+    """The holder's lease holds (current, its generation and worker, the run leased, active and
+    not unwinding)."""
+    rows = fetch_all(sql.RUN_AT, params)
+    if not rows:
+        return False
+    state, generation, worker, _used, _cap, _cost, _cost_cap, unwinding, current, active = rows[0]
+    return bool(
+        generation == params["lease_generation"]
+        and worker == params["worker_id"]
+        and state in ("running", "waiting_tool")
+        and current
+        and active
+        and not unwinding
+    )
+
+
+class _InFlight(Exception):
+    def __init__(self, seqs: tuple[int, ...]) -> None:
+        self.seqs = seqs
+
+
+def _park(params: dict[str, Any]) -> ApprovalRequested | CallsInFlight | BudgetExceeded | AlreadyTerminal | LeaseLost:
     with transaction.atomic(), translated_errors():
         rows = fetch_all(sql.PARK_FOR_APPROVAL_IF_CURRENT, params)
         if not rows:
-            return budget_or_missed(params)
+            in_flight = tuple(row[0] for row in fetch_all(sql.CALLS_IN_FLIGHT, params))
+            refused = budget_or_missed(params)
+            if in_flight and isinstance(refused, LeaseLost) and _holds(params):
+                return CallsInFlight(in_flight)
+            return refused
+        in_flight = tuple(row[0] for row in fetch_all(sql.CALLS_IN_FLIGHT, params))
+        if in_flight:  # journaled by a transaction that committed while the park waited for the row
+            raise _InFlight(in_flight)
         seq = rows[0][0]
         fetch_all(sql.INSERT_AGENT_APPROVAL, params)
         params.update(
             seq=seq,
-            idempotency_key=idempotency_key(lease.run_id, seq),
+            idempotency_key=idempotency_key(params["run_id"], seq),
             kind="approval",
             tool_name="approval",
             destructive=False,

@@ -371,8 +371,23 @@ UPDATE {RUN} AS r
 SET state = 'waiting_approval', approval_id = %(approval_id)s, tool_calls_used = r.tool_calls_used + 1,
     lease_until = NULL, claimed_at = NULL,
     {run_entry("'park'", "r.lease_generation", "r.worker_id", status="'waiting_approval'", renewals="r.renewals")}
-WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding AND r.tool_calls_used < r.max_tool_calls
+WHERE {CURRENT_RUN_LEASE} AND r.state IN ('running', 'waiting_tool') AND NOT r.unwinding
+  AND r.tool_calls_used < r.max_tool_calls
+  AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s
+                  AND j.kind = 'tool' AND j.status = 'pending' AND j.generation = %(lease_generation)s)
 RETURNING r.tool_calls_used
+"""
+
+# The holder's own calls in flight: journaled under its generation, not yet recorded. Pending
+# entries of an earlier generation are a crashed holder's, answered when the handler replays them.
+# Read again once PARK_FOR_APPROVAL_IF_CURRENT holds the run row: its subquery saw the statement's
+# snapshot, and a call journaled by a transaction that committed meanwhile is seen only now
+# (journaling one takes the run row first, so none can commit after this read).
+CALLS_IN_FLIGHT = f"""
+SELECT j.seq FROM {JOURNAL} AS j
+WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s AND j.kind = 'tool' AND j.status = 'pending'
+  AND j.generation = %(lease_generation)s
+ORDER BY j.seq
 """
 
 INSERT_AGENT_APPROVAL = f"""

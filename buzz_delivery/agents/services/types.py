@@ -192,6 +192,15 @@ class ApprovalRequested:
     seq: int
 
 
+@dataclass(frozen=True, slots=True)
+class CallsInFlight:
+    """``request_approval`` refused while the holder's own tool calls ``seqs`` (journaled under
+    its lease, not yet recorded) are in flight: nothing written, the lease still holds. Record
+    them, then ask again (the runtimes wait for them first)."""
+
+    seqs: tuple[int, ...]
+
+
 __all__ = [
     "Accepted",
     "AgentClaim",
@@ -201,6 +210,7 @@ __all__ = [
     "ApprovalRequested",
     "Blocked",
     "BudgetExceeded",
+    "CallsInFlight",
     "Cancelled",
     "Created",
     "Duplicate",

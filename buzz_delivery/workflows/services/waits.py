@@ -8,7 +8,8 @@ trigger counts it in the same transaction, as for every other path:
 - ``send_event(community_id, name, key, payload)`` records the event under (name, key) and ends,
   with the payload as output, every step then waiting for it (:data:`RESUME_WAITING_FOR_EVENT`);
 - a ``wait_event`` step that starts while an event of its (name, key) is kept
-  (``BUZZ_WORKFLOWS['EVENT_RETENTION_SECONDS']`` after it was sent) takes it at once;
+  (``BUZZ_WORKFLOWS['EVENT_RETENTION_SECONDS']`` after the send's last statement, judged as
+  of the wait's start) takes it at once;
 - the maintenance, and the orchestrator's poll (:func:`end_due_waits`), end the waits whose
   deadline passed (database clock): a sleep wakes (``succeeded``, output null), a wait that
   timed out does what its ``on_timeout`` says (``fail``: ``wait_timeout``; ``continue``:
@@ -82,9 +83,12 @@ VALUES (%(id)s, %(community_id)s, %(name)s, %(key)s, 0, 0)
 ON CONFLICT (community_id, name, key) DO UPDATE SET name = EXCLUDED.name
 RETURNING e.payload, e.expires_at
 """
-# (Whether the kept event is still live is judged by TAKE_KEPT_EVENT's WHERE on the database
-# clock, not by a SELECT over this INSERT's RETURNING: Citus runs such a CTE as a step of its own
-# and pulls its row to the coordinator; this form is one task on the community's node.)
+# Whether the kept event is live is judged against the wait's start (WAIT_STARTS, the database
+# clock before the wait met the row lock), not when the wait takes it: a send that held the row
+# while the wait waited committed an event the wait must take (the send did not see the step
+# waiting), whatever the retention and however long the wait then waits for its run. (Read by a
+# statement of its own: Citus refuses a now()-like call in a write's RETURNING.)
+WAIT_STARTS = f"SELECT {DB_NOW}"
 
 PARK_FOR_EVENT = f"""
 UPDATE {STEP} AS s
@@ -100,13 +104,24 @@ UPDATE {STEP} AS s
 SET state = 'succeeded', output = %(payload)s::jsonb, lease_until = NULL, claimed_at = NULL, finished_at = {DB_NOW},
     event_name = %(name)s, event_key = %(key)s, failure_code = NULL, failure_message = NULL,
     {step_entry("'event'", "s.lease_generation", "s.claimed_by", status="'succeeded'", renewals="s.renewals")}
-WHERE {CURRENT_STEP_LEASE} AND %(expires_at)s::timestamptz >= {DB_NOW}
+WHERE {CURRENT_STEP_LEASE}
 RETURNING s.state
 """
 
 COUNT_RESUMED = f"""
 UPDATE {SENT_EVENT} AS e SET resumed = e.resumed + %(n)s
 WHERE e.community_id = %(community_id)s AND e.name = %(name)s AND e.key = %(key)s
+"""
+
+# A send's last statement: the event is kept for the retention from now, the end of the send's
+# transaction, not from its first statement. A wait that started while the send held the row
+# (after its first statement, before its commit) then finds it live however long the send took
+# (its lock waits for runs, its batches): what is left uncovered is the commit itself, which
+# MIN_EVENT_RETENTION_SECONDS (workflows/checks.py) covers many times over.
+KEEP_SENT_EVENT = f"""
+UPDATE {SENT_EVENT} AS e SET resumed = e.resumed + %(n)s, expires_at = {DB_NOW} + make_interval(secs => %(retention)s)
+WHERE e.community_id = %(community_id)s AND e.name = %(name)s AND e.key = %(key)s
+RETURNING e.expires_at
 """
 
 # The event: kept under its (name, key) (a later one replaces it) until expires_at.
@@ -264,11 +279,12 @@ def wait_for_event(lease: StepLease, *, name: str, key: str, wait_seconds: int |
         on_timeout=on_timeout,
     )
     with transaction.atomic(), translated_errors():
-        payload, expires_at = fetch_all(LOCK_EVENT_KEY, params)[0]  # first: the lock a send meets
+        started = fetch_all(WAIT_STARTS, params)[0][0]
+        payload, expires_at = fetch_all(LOCK_EVENT_KEY, params)[0]  # first lock: the one a send meets
         fetch_all(sql.LOCK_RUN, params)  # then the run, then the step (the engine's lock order)
         rows = []
-        if expires_at is not None:  # kept: taken if still live by the database clock
-            rows = fetch_all(TAKE_KEPT_EVENT, {**params, "payload": payload, "expires_at": expires_at})  # jsonb as text
+        if expires_at is not None and expires_at >= started:  # kept, and live when this wait began
+            rows = fetch_all(TAKE_KEPT_EVENT, {**params, "payload": payload})  # jsonb as text
             if rows:
                 fetch_all(COUNT_RESUMED, {**params, "n": 1})
         if not rows:
@@ -282,7 +298,7 @@ def wait_for_event(lease: StepLease, *, name: str, key: str, wait_seconds: int |
 def send_event(community_id: uuid.UUID | str, name: str, key: str, payload: Any = None) -> EventSent:
     """Send an event: every step of the community waiting for (``name``, ``key``) resumes with
     ``payload`` as its output, exactly once, in this transaction (Advance runs for each); the
-    event is kept until ``BUZZ_WORKFLOWS['EVENT_RETENTION_SECONDS']`` from now, so a
+    event is kept until ``BUZZ_WORKFLOWS['EVENT_RETENTION_SECONDS']`` from the end of the send, so a
     ``wait_event`` step that starts meanwhile takes it at once. A later event under the same
     (name, key) replaces the kept one. A step that a cancel or another send ended first is left
     alone.
@@ -317,7 +333,7 @@ def send_event(community_id: uuid.UUID | str, name: str, key: str, payload: Any 
 def _send(params: dict[str, Any]) -> EventSent:
     resumed = 0
     with transaction.atomic(), translated_errors():
-        kept_until = fetch_all(SEND_EVENT, params)[0][0]  # the (name, key) row: the lock a wait meets
+        fetch_all(SEND_EVENT, params)  # the (name, key) row: the lock a wait meets
         while True:
             waiting = fetch_all(WAITING_FOR_EVENT, params)
             if not waiting:
@@ -327,8 +343,7 @@ def _send(params: dict[str, Any]) -> EventSent:
             resumed += len(done)
             if len(waiting) < params["limit"]:
                 break
-        if resumed:
-            fetch_all(COUNT_RESUMED, {**params, "n": resumed})
+        kept_until = fetch_all(KEEP_SENT_EVENT, {**params, "n": resumed})[0][0]
     return EventSent(resumed=resumed, kept_until=kept_until)
 
 

@@ -1,0 +1,95 @@
+"""The remote worker's ``ctx.request_approval`` while another call of the run is in flight (a
+handler running tools in parallel), over HTTP: it waits for the call, then parks the run; the
+gateway answers ``calls_in_flight`` (not a 409 lease lost) while the holder's call is pending.
+Found in review: before the fix the approval got ``lease_lost`` and the run was given up."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.services import Created, intake_event
+from buzz_delivery.gateway.remote_runs import ApprovalBlockedByCalls, RemoteRunContext, run_remote_claim
+from buzz_delivery.testing import CommunityFactory
+from tests.gateway.support import enroll, new_agent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _run(gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    outcome = intake_event(community.id, "test", uuid.uuid4().hex, {}, agent.pubkey)
+    assert isinstance(outcome, Created)
+    return agent, outcome.run_id
+
+
+def _entries(run_id):
+    return [(e.seq, e.kind, e.status) for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")]
+
+
+def test_the_gateway_answers_calls_in_flight_and_writes_nothing(gateway_server):
+    agent, run_id = _run(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w")
+    assert agent.journal_call(claim.lease, "slow", {"n": 1}).outcome == "journaled"
+
+    refused = agent.request_approval(claim.lease, "ship?", 600)
+    assert (refused.outcome, refused.data["seqs"]) == ("calls_in_flight", [1])
+    assert (AgentRun.objects.get(id=run_id).state, _entries(run_id)) == ("waiting_tool", [(1, "tool", "pending")])
+    assert agent.record_result(claim.lease, 1, ok=True, output={}).outcome == "recorded"  # the lease holds
+    assert agent.request_approval(claim.lease, "ship?", 600).outcome == "approval_requested"
+
+
+def test_a_remote_thread_asking_for_approval_while_another_runs_a_tool_parks_the_run(gateway_server):
+    agent, run_id = _run(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w")
+    in_tool, seen = threading.Event(), []
+
+    def slow(args, key):
+        in_tool.set()
+        threading.Event().wait(0.5)
+        return {"n": args["n"]}
+
+    def handler(ctx):
+        def tool():
+            try:
+                seen.append(ctx.call("slow", slow, {"n": 1}))
+            except BaseException as exc:
+                seen.append(repr(exc))
+
+        worker = threading.Thread(target=tool)
+        worker.start()
+        assert in_tool.wait(30)
+        try:
+            return ctx.request_approval("ship?", 600)
+        finally:
+            worker.join(30)
+
+    assert run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim)) == "parked"
+    assert seen == [{"n": 1}]
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == ("waiting_approval", None)
+    assert _entries(run_id) == [(1, "tool", "succeeded"), (2, "approval", "pending")]
+
+
+def test_a_remote_approval_asked_from_inside_a_call_is_a_typed_error(gateway_server):
+    agent, run_id = _run(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w")
+
+    def handler(ctx):
+        def asks(args, key):
+            try:
+                ctx.request_approval("from within", 600)
+            except ApprovalBlockedByCalls as exc:
+                return {"seqs": list(exc.seqs)}
+            return {"seqs": None}
+
+        return ctx.call("asks", asks, {})
+
+    assert run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim)) == "completed"
+    assert AgentRun.objects.get(id=run_id).output == {"seqs": [1]}
+    assert _entries(run_id) == [(1, "tool", "succeeded")]
