@@ -135,7 +135,7 @@ def test_backends_of_one_community_with_their_own_targets_each_run_their_own_tas
 
 @pytest.mark.django_db(transaction=True)
 def test_every_statement_on_task_results_names_its_community():
-    """Citus's router form (SPEC 15): what enqueue, get_result and the runner's read and
+    """Citus's router form (SPEC 15): what enqueue, get_result and the runner's reads and
     record send about a task result is filtered (or inserted) by its community."""
     import re
 
@@ -151,6 +151,8 @@ def test_every_statement_on_task_results_names_its_community():
         stored = services.read_task(t.COMMUNITY, result.id)
         services.read_task_of_delivery(t.COMMUNITY, stored.delivery_id)
         services.record_task_outcome(t.COMMUNITY, stored.delivery_id, 1, return_value=3)
+        # Fenced by the lease: a pending delivery is no holder's.
+        assert services.recorded_outcome(t.COMMUNITY, stored.delivery_id, 1).state == "lease_lost"
     statements = [q["sql"].rsplit("; ", 1)[-1] for q in captured.captured_queries]
     statements = [sql for sql in statements if "buzz_tasks_result" in sql]
     assert len(statements) >= 5
