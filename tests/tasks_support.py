@@ -116,3 +116,44 @@ def count_results() -> list:
     from buzz_delivery.tasks.models import TaskResult
 
     return [TaskResult.objects.count(), threading.get_ident(), threading.get_ident()]
+
+
+@task(takes_context=True)
+def mark_and_hold(context: TaskContext, log: str, hold: str, outcome: str) -> str | None:
+    """Append ``<result id> <attempt>`` to ``log``, then return ``"<result id> <attempt>"``
+    (``outcome`` ``"value"``), return None (``"none"``) or raise ``ValueError`` (``"raise"``).
+    With ``hold`` set, :func:`hold_after_recording` keeps the worker in its ``task_finished``
+    (the outcome recorded, the settle not yet made) the first time, to be killed there."""
+    with open(log, "a") as out:
+        out.write(f"{context.task_result.id} {context.attempt}\n")
+    if outcome == "raise":
+        raise ValueError(f"attempt {context.attempt}")
+    return None if outcome == "none" else f"{context.task_result.id} {context.attempt}"
+
+
+def hold_after_recording(sender, task_result, **kwargs) -> None:
+    """A ``task_finished`` receiver: for :func:`mark_and_hold` with a ``hold`` path, the first
+    time, create ``hold`` (the outcome is recorded) and wait up to 60 s, for the test to kill
+    this worker process with SIGKILL before its settle is made."""
+    import os
+    import time
+
+    if task_result.task.func is not mark_and_hold.func or not task_result.args[1]:
+        return
+    hold = task_result.args[1]
+    if os.path.exists(hold):
+        return
+    open(hold, "w").close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _connect_hold() -> None:
+    from buzz_delivery.tasks import DeliveryBackend
+    from buzz_delivery.tasks.compat import task_finished
+
+    task_finished.connect(hold_after_recording, sender=DeliveryBackend, dispatch_uid="tests.hold_after_recording")
+
+
+_connect_hold()

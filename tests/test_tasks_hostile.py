@@ -135,7 +135,7 @@ def test_backends_of_one_community_with_their_own_targets_each_run_their_own_tas
 
 @pytest.mark.django_db(transaction=True)
 def test_every_statement_on_task_results_names_its_community():
-    """Citus's router form (SPEC 15): what enqueue, get_result and the runner's read and
+    """Citus's router form (SPEC 15): what enqueue, get_result and the runner's reads and
     record send about a task result is filtered (or inserted) by its community."""
     import re
 
@@ -151,6 +151,8 @@ def test_every_statement_on_task_results_names_its_community():
         stored = services.read_task(t.COMMUNITY, result.id)
         services.read_task_of_delivery(t.COMMUNITY, stored.delivery_id)
         services.record_task_outcome(t.COMMUNITY, stored.delivery_id, 1, return_value=3)
+        # Fenced by the lease: a pending delivery is no holder's.
+        assert services.recorded_outcome(t.COMMUNITY, stored.delivery_id, 1).state == "lease_lost"
     statements = [q["sql"].rsplit("; ", 1)[-1] for q in captured.captured_queries]
     statements = [sql for sql in statements if "buzz_tasks_result" in sql]
     assert len(statements) >= 5
@@ -444,3 +446,101 @@ def test_an_async_tasks_orm_calls_run_in_the_handler_thread_on_its_connection():
     sync_rows, handler_thread, _ = t.count_results.get_result(in_sync.id).return_value
     assert rows == sync_rows == 2
     assert orm_thread == handler_thread != loop_thread
+
+
+# --- killed after the outcome was recorded, before the settle ------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("outcome", ["value", "none", "raise"])
+def test_a_worker_killed_after_recording_the_outcome_leaves_it_to_the_next_which_never_runs_the_task_again(
+    tmp_path, outcome
+):
+    """The first worker runs the task, records its outcome and is killed (-9) in its
+    ``task_finished`` receiver (tests.tasks_support.hold_after_recording), before its settle.
+    The second worker finds the outcome recorded: it settles the delivery as the outcome says
+    (a return value, None included: finished, an error: failed ``TaskFailed``), without running
+    the task or sending task_started/task_finished again."""
+    from buzz_delivery.services import reap
+    from buzz_delivery.tasks import DeliveryBackend
+
+    community = CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    log, hold = tmp_path / "runs.log", tmp_path / "recorded"
+    result = t.mark_and_hold.enqueue(str(log), str(hold), outcome)
+    first = spawn_worker()
+    try:
+        wait_for(hold.exists)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    row = TaskResult.objects.get(id=result.id)
+    recorded = (row.return_value, row.errors)
+    assert models.WorkflowAgentDelivery.objects.get(id=row.delivery_id).status == "claimed"
+    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=row.delivery_id).update(
+        lease_until=Now() - dt.timedelta(seconds=1)
+    )
+    reap()
+    assert t.mark_and_hold.get_result(result.id).status == compat.TaskResultStatus.READY
+    heard: list[str] = []
+
+    def hear(sender, task_result, **kwargs):
+        heard.append(task_result.id)
+
+    # The second worker runs in this process (its signals heard here).
+    compat.task_started.connect(hear, sender=DeliveryBackend)
+    compat.task_finished.connect(hear, sender=DeliveryBackend)
+    try:
+        run_worker("default")
+    finally:
+        compat.task_started.disconnect(hear, sender=DeliveryBackend)
+        compat.task_finished.disconnect(hear, sender=DeliveryBackend)
+    assert lines(log) == [f"{result.id} 1"]  # ran once
+    assert heard == []
+    row.refresh_from_db()
+    assert (row.return_value, row.errors) == recorded  # the first run's, untouched
+    delivery = models.WorkflowAgentDelivery.objects.get(id=row.delivery_id)
+    done = t.mark_and_hold.get_result(result.id)
+    assert done.attempts == 2
+    if outcome == "raise":
+        assert (delivery.status, delivery.failure_code) == ("failed", "TaskFailed")
+        assert done.status == FAILED and len(done.errors) == 1
+        assert done.errors[0].exception_class_path == "builtins.ValueError"
+        assert "attempt 1" in done.errors[0].traceback
+    else:
+        assert (delivery.status, delivery.failure_code) == ("finished", None)
+        assert done.status == compat.TaskResultStatus.SUCCESSFUL
+        assert done.return_value == (None if outcome == "none" else f"{result.id} 1")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_task_an_operator_requeues_runs_again_its_earlier_error_is_not_its_outcome(tmp_path):
+    """A recorded error ends the task, unless an operator requeues the delivery after it: the
+    task runs again and its new outcome is the one settled."""
+    from buzz_delivery.services.operator import requeue_delivery
+
+    community = CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    log = tmp_path / "runs.log"
+    result = t.mark_and_hold.enqueue(str(log), "", "raise")
+    run_worker("default")
+    assert t.mark_and_hold.get_result(result.id).status == FAILED
+    row = TaskResult.objects.get(id=result.id)
+    assert requeue_delivery(community.id, row.delivery_id).done
+    run_worker("default")
+    assert lines(log) == [f"{result.id} 1", f"{result.id} 2"]  # ran again
+    done = t.mark_and_hold.get_result(result.id)
+    assert done.status == FAILED and len(done.errors) == 2
+    # A not-registered task, requeued once it is registered, runs then.
+    planted = t.add.enqueue(1, 2)
+    TaskResult.objects.filter(id=planted.id).update(task_path="tests.never_imported_tasks.payload")
+    run_worker("default")
+    planted_row = TaskResult.objects.get(id=planted.id)
+    delivery = models.WorkflowAgentDelivery.objects.get(id=planted_row.delivery_id)
+    assert (delivery.status, delivery.failure_code) == ("failed", "task_not_registered")
+    TaskResult.objects.filter(id=planted.id).update(task_path=row.task_path.replace("mark_and_hold", "add"))
+    assert requeue_delivery(community.id, planted_row.delivery_id).done
+    run_worker("default")
+    again = t.add.get_result(planted.id)
+    assert again.status == compat.TaskResultStatus.SUCCESSFUL and again.return_value == 3
+    assert [e.exception_class_path for e in again.errors] == ["LookupError"]

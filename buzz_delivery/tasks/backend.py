@@ -240,7 +240,12 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
             finished_at=stored.finished_at,
             args=stored.args,
             kwargs=stored.kwargs,
-            errors=[SafeTaskError(**e) for e in (stored.errors if errors is None else errors)],
+            errors=[
+                # The stored error also keeps how the delivery failed and the lease generation
+                # that recorded it (the runner's, see services.recorded_outcome): not Django's.
+                SafeTaskError(exception_class_path=e["exception_class_path"], traceback=e["traceback"])
+                for e in (stored.errors if errors is None else errors)
+            ],
             worker_ids=[holder for _at, holder in claims],
         )
         value = stored.return_value if return_value is None else return_value

@@ -49,7 +49,10 @@ class TaskResult(CommunityScoped):
     # When the task started, its attempts and its workers are the delivery's own (its history
     # of claims), not repeated here.
     return_value = models.JSONField(null=True, blank=True)
-    errors = models.JSONField(default=list)  # [{"exception_class_path", "traceback"}]
+    # [{"exception_class_path", "traceback", "failure_code", "lease_generation"}]: the last two
+    # (how the delivery failed, which lease recorded it) tell the next holder of a delivery whose
+    # settle never committed how to settle it without running the task again (recorded_outcome).
+    errors = models.JSONField(default=list)
 
     class Meta:
         db_table = "buzz_tasks_result"

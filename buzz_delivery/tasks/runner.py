@@ -9,6 +9,9 @@ lease, sends ``task_finished``, and returns: the worker then settles the deliver
 A task that raised ends ``failed`` (Django's tasks are not retried on error; the error is in the
 result). A worker that dies mid-task leaves the lease to lapse: the reaper returns the delivery
 to ``pending`` and another worker runs the task again, until the delivery's ``max_attempts``.
+A worker that dies after the outcome was recorded, before its settle committed, leaves it
+recorded: the next holder reads it first (``services.recorded_outcome``) and settles the
+delivery as it says, without running the task or sending its signals again.
 """
 
 from __future__ import annotations
@@ -63,10 +66,19 @@ class TaskRunner:
         stored = services.read_task_of_delivery(delivery.community_id, delivery.id)
         if stored is None or stored.backend != self.backend.alias:
             raise NotATask(f"delivery {delivery.id} carries no task of backend {self.backend.alias!r}")
+        if self._returned_before(delivery):
+            return
         try:
             task = self.backend.task_of(stored)
         except TaskNotRegistered as exc:
-            self._record(delivery, error={"exception_class_path": "LookupError", "traceback": f"not registered: {exc}"})
+            self._record(
+                delivery,
+                error={
+                    "exception_class_path": "LookupError",
+                    "traceback": f"not registered: {exc}",
+                    "failure_code": task_not_registered.__name__,
+                },
+            )
             raise task_not_registered(str(exc)) from None
         running = self.backend.result_of(stored, status=compat.TaskResultStatus.RUNNING)
         self._send(compat.task_started, running)
@@ -81,7 +93,7 @@ class TaskRunner:
             services.json_text(value, "return_value", services.MAX_RETURN_VALUE_BYTES)
         except BaseException as exc:  # the task's own failure, whatever it raised
             error = error_of(exc)
-            self._record(delivery, error=error)
+            self._record(delivery, error={**error, "failure_code": TaskFailed.__name__})
             self._send(
                 compat.task_finished,
                 self.backend.result_of(stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]),
@@ -92,6 +104,27 @@ class TaskRunner:
             compat.task_finished,
             self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
         )
+
+    def _returned_before(self, delivery: Any) -> bool:
+        """False when the task is to run. Otherwise an earlier holder of this delivery ran it,
+        recorded its outcome and died before its settle committed: True for a recorded return
+        value (the worker settles ``finished``), and a recorded error raises what that holder
+        raised (``TaskFailed`` or ``task_not_registered`` by the stored code, chosen among
+        these two, never looked up). Either way the task is not called again and
+        ``task_started``/``task_finished`` are not sent again: they were sent for that run."""
+        from buzz_delivery.tasks import services
+
+        found = services.recorded_outcome(delivery.community_id, delivery.id, delivery.lease_generation)
+        if found.state == "none":
+            return False
+        if found.state == "lease_lost":
+            raise LeaseLostBeforeResult(f"delivery {delivery.id}: lease lost before its recorded outcome was read")
+        if found.state == "returned":
+            return True
+        error = found.error or {}
+        failure = task_not_registered if error.get("failure_code") == task_not_registered.__name__ else TaskFailed
+        path = error.get("exception_class_path")
+        raise failure(f"{path if isinstance(path, str) else 'error'}: recorded by an earlier attempt, not run again")
 
     def _send(self, signal: Any, task_result: Any) -> None:
         """Send ``task_started``/``task_finished`` to every receiver, logging (not raising) what

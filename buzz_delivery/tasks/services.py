@@ -23,7 +23,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -338,11 +338,14 @@ def read_task_of_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID)
 
 
 # Fenced by the delivery's lease as every settle is: the holder's generation, the row still
-# claimed and its lease not lapsed, by the database clock.
+# claimed and its lease not lapsed, by the database clock. An error is stored with the lease
+# generation that recorded it (recorded_outcome tells it from an error an operator's requeue
+# has since superseded).
 _RECORD_OUTCOME = f"""
 UPDATE {RESULT} AS r
 SET return_value = %(return_value)s::jsonb,
-    errors = CASE WHEN %(error)s::jsonb IS NULL THEN r.errors ELSE r.errors || jsonb_build_array(%(error)s::jsonb) END
+    errors = CASE WHEN %(error)s::jsonb IS NULL THEN r.errors
+                  ELSE r.errors || jsonb_build_array(%(error)s::jsonb) END
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
   AND EXISTS (
       SELECT 1 FROM {DELIVERY} d
@@ -362,9 +365,11 @@ def record_task_outcome(
     return_value: Any = None,
     error: dict[str, str] | None = None,
 ) -> bool:
-    """Write the task's return value (or append its error) if ``lease_generation`` still holds
-    the delivery's current, unexpired lease; False (nothing written) otherwise. The holder then
-    settles the delivery (the worker does), so a result is shown once its delivery is settled."""
+    """Write the task's return value (or append its error, with ``lease_generation``) if
+    ``lease_generation`` still holds the delivery's current, unexpired lease; False (nothing
+    written) otherwise. The holder then settles the delivery (the worker does), so a result is
+    shown once its delivery is settled; a holder that dies first leaves the outcome to the next
+    (:func:`recorded_outcome`), which settles it without running the task again."""
     community = v.uuid_value(community_id, "community_id")
     value = json_text(return_value, "return_value", MAX_RETURN_VALUE_BYTES)
     rows = fetch_all(
@@ -374,7 +379,63 @@ def record_task_outcome(
             "delivery_id": delivery_id,
             "generation": lease_generation,
             "return_value": value if error is None else None,
-            "error": json.dumps(error) if error is not None else None,
+            "error": json.dumps({**error, "lease_generation": lease_generation}) if error is not None else None,
         },
     )
     return bool(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedOutcome:
+    """What :func:`recorded_outcome` found: ``state`` is ``"none"`` (run the task),
+    ``"returned"`` or ``"raised"`` (an earlier holder of this delivery recorded it: settle as
+    it says, do not run the task again; ``error`` is the last error for ``"raised"``) or
+    ``"lease_lost"`` (this holder no longer holds the delivery: do nothing)."""
+
+    state: Literal["none", "returned", "raised", "lease_lost"]
+    error: dict[str, Any] | None = None
+
+
+# Fenced by the delivery's lease as _RECORD_OUTCOME is. A return value is recorded when the
+# column is not SQL NULL: a task that returned None stored the jsonb 'null', and recording an
+# error sets the column to SQL NULL. An error is the outcome unless an operator requeued the
+# delivery after it was recorded (a 'requeue' history entry of a later generation than the
+# error's lease_generation): the requeue asks for another run. An error without a numeric
+# lease_generation (written before errors carried it) counts as recorded at generation -1.
+_RECORDED_OUTCOME = f"""
+SELECT r.return_value IS NOT NULL,
+       (r.errors -> -1)::text,
+       EXISTS (
+           SELECT 1 FROM jsonb_array_elements(d.history) AS h
+           WHERE h->>'event' = 'requeue'
+             AND (h->>'generation')::bigint > CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'
+                                                   THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END
+       )
+FROM {RESULT} r
+JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
+WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
+  AND d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+  AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
+"""
+
+
+@tenant_scoped
+def recorded_outcome(community_id: uuid.UUID | str, delivery_id: uuid.UUID, lease_generation: int) -> RecordedOutcome:
+    """The outcome an earlier holder of this delivery recorded (:func:`record_task_outcome`),
+    read by the current holder (``lease_generation``) before it runs the task: a holder killed
+    after recording and before its settle committed leaves the outcome to the next one, which
+    settles the delivery as it says instead of running the task again."""
+    community = v.uuid_value(community_id, "community_id")
+    rows = fetch_all(
+        _RECORDED_OUTCOME,
+        {"community_id": community, "delivery_id": delivery_id, "generation": lease_generation},
+    )
+    if not rows:
+        return RecordedOutcome("lease_lost")
+    returned, last_error, requeued_since = rows[0]
+    if returned:
+        return RecordedOutcome("returned")
+    if last_error is not None and last_error != "null" and not requeued_since:
+        error = json.loads(last_error)
+        return RecordedOutcome("raised", error if isinstance(error, dict) else {})
+    return RecordedOutcome("none")
