@@ -1,0 +1,76 @@
+"""A task that leaves a database transaction open, run by a real worker on real PostgreSQL: its
+outcome is recorded on a connection of its own (nothing the task wrote there is committed),
+the task ends FAILED with an error saying so, and ``task_finished`` says what was recorded."""
+
+from __future__ import annotations
+
+import io
+import uuid
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+from buzz_delivery import models
+from buzz_delivery.tasks import DeliveryBackend, compat
+from buzz_delivery.tasks.models import TaskResult
+from buzz_delivery.testing import CommunityFactory
+from tests import tasks_support as t
+
+PROBE = "tasks_left_open_probe"
+
+
+@pytest.fixture
+def probe_table():
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE TABLE IF NOT EXISTS {PROBE} (note text)")
+    yield PROBE
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TABLE IF EXISTS {PROBE}")
+
+
+def run_worker() -> str:
+    out = io.StringIO()
+    call_command("run_task_worker", "--queue=default", idle_exit=1.5, poll_interval=0.2, stdout=out)
+    return out.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", ["autocommit", "atomic", "begin"])
+@pytest.mark.parametrize("then_raise", [False, True])
+def test_a_task_that_leaves_a_transaction_open_fails_with_its_error_recorded_and_its_writes_rolled_back(
+    probe_table, how, then_raise
+):
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    finished = []
+
+    def seen(sender, task_result, **kwargs):
+        finished.append((task_result.id, task_result.status, [e.traceback for e in task_result.errors]))
+
+    compat.task_finished.connect(seen, sender=DeliveryBackend)
+    try:
+        result = t.leaves_transaction_open.enqueue(how, probe_table, then_raise)
+        after = t.add.enqueue(1, 2)  # the same worker thread goes on, on a clean connection
+        run_worker()
+    finally:
+        compat.task_finished.disconnect(seen, sender=DeliveryBackend)
+
+    got = t.leaves_transaction_open.get_result(result.id)
+    assert got.status == compat.TaskResultStatus.FAILED
+    assert len(got.errors) == 1
+    error = got.errors[0]
+    assert error.exception_class_path == "buzz_delivery.tasks.runner.transaction_left_open"
+    assert "left its database connection with" in error.traceback
+    assert "nothing it wrote there is kept" in error.traceback
+    assert ("and then it raised" in error.traceback) is then_raise
+    delivery = models.WorkflowAgentDelivery.objects.get(id=TaskResult.objects.get(id=result.id).delivery_id)
+    assert delivery.status == "failed" and delivery.failure_code == "transaction_left_open"
+    # The signal agrees with what was recorded.
+    ((_, status, tracebacks),) = [f for f in finished if f[0] == result.id]
+    assert status == compat.TaskResultStatus.FAILED and tracebacks == [error.traceback]
+    # Nothing of the task's open transaction was committed.
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {probe_table}")
+        assert cursor.fetchone() == (0,)
+    done = t.add.get_result(after.id)
+    assert done.status == compat.TaskResultStatus.SUCCESSFUL and done.return_value == 3
