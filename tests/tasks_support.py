@@ -177,3 +177,13 @@ def leaves_transaction_open(how: str, table: str, then_raise: bool = False) -> s
     if then_raise:
         raise ValueError("and then it raised")
     return "returned"
+
+
+@task
+def raises_with_a_long_cause() -> None:
+    """Raise an error whose traceback (its cause's long message first) is longer than what an
+    error keeps: its last line, the error it raised, is what must be kept."""
+    try:
+        raise KeyError("a long cause " + "x" * 30_000)
+    except KeyError as exc:
+        raise ValueError("the final exception line") from exc

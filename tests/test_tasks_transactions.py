@@ -1,6 +1,7 @@
 """A task that leaves a database transaction open, run by a real worker on real PostgreSQL: its
 outcome is recorded on a connection of its own (nothing the task wrote there is committed),
-the task ends FAILED with an error saying so, and ``task_finished`` says what was recorded."""
+the task ends FAILED with an error saying so, and ``task_finished`` says what was recorded.
+And a recorded traceback too long to keep whole keeps its end, the exception line."""
 
 from __future__ import annotations
 
@@ -74,3 +75,17 @@ def test_a_task_that_leaves_a_transaction_open_fails_with_its_error_recorded_and
         assert cursor.fetchone() == (0,)
     done = t.add.get_result(after.id)
     assert done.status == compat.TaskResultStatus.SUCCESSFUL and done.return_value == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_long_traceback_is_cut_at_its_beginning_keeping_its_final_exception_line():
+    from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    result = t.raises_with_a_long_cause.enqueue()
+    run_worker()
+    (error,) = t.raises_with_a_long_cause.get_result(result.id).errors
+    assert error.exception_class_path == "builtins.ValueError"
+    assert len(error.traceback) <= FAILURE_MESSAGE_MAX_CHARS
+    assert error.traceback.startswith("[cut: the first ")
+    assert error.traceback.endswith("ValueError: the final exception line\n")

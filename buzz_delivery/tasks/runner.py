@@ -27,7 +27,7 @@ from buzz_delivery.tasks import compat
 from buzz_delivery.tasks.backend import DeliveryBackend, TaskNotRegistered
 from buzz_delivery.usercode import UserCode
 from buzz_delivery.worker import PermanentFailure
-from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_text
+from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_tail, storable_text
 
 logger = logging.getLogger("buzz_delivery.tasks")
 
@@ -53,12 +53,13 @@ class LeaseLostBeforeResult(Exception):
 
 
 def error_of(exc: BaseException) -> dict[str, str]:
-    """The stored form of an error: the exception class's path and the traceback text."""
+    """The stored form of an error: the exception class's path and the traceback text (a long
+    one keeps its end, the exception line, and says how much of its beginning was cut)."""
     kind = type(exc)
     text = "".join(traceback.format_exception(exc))
     return {
         "exception_class_path": storable_text(f"{kind.__module__}.{kind.__qualname__}", FAILURE_MESSAGE_MAX_CHARS),
-        "traceback": storable_text(text, FAILURE_MESSAGE_MAX_CHARS),
+        "traceback": storable_tail(text, FAILURE_MESSAGE_MAX_CHARS),
     }
 
 
@@ -67,12 +68,11 @@ def left_open_error(left_open: str, raised: BaseException | None) -> dict[str, s
     :attr:`~buzz_delivery.usercode.UserCode.left_open` says), and of what it raised too, if anything."""
     kind = transaction_left_open
     text = f"the task left its database connection with {left_open}; nothing it wrote there is kept (rolled back)"
+    text = storable_text(text, FAILURE_MESSAGE_MAX_CHARS // 2)
     if raised is not None:
-        text += "\n\nThe task also raised:\n" + error_of(raised)["traceback"]
-    return {
-        "exception_class_path": f"{kind.__module__}.{kind.__qualname__}",
-        "traceback": storable_text(text, FAILURE_MESSAGE_MAX_CHARS),
-    }
+        text += "\n\nThe task also raised:\n"
+        text += storable_tail("".join(traceback.format_exception(raised)), FAILURE_MESSAGE_MAX_CHARS - len(text))
+    return {"exception_class_path": f"{kind.__module__}.{kind.__qualname__}", "traceback": text}
 
 
 class TaskRunner:
