@@ -89,3 +89,28 @@ def test_a_long_traceback_is_cut_at_its_beginning_keeping_its_final_exception_li
     assert len(error.traceback) <= FAILURE_MESSAGE_MAX_CHARS
     assert error.traceback.startswith("[cut: the first ")
     assert error.traceback.endswith("ValueError: the final exception line\n")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_task_enqueued_is_sent_at_the_enqueue_inside_the_callers_transaction_even_if_it_rolls_back():
+    """What docs/tasks.md says, as Django's database backend does: sent from enqueue, not on
+    commit; a receiver's on_commit hook is dropped with the rollback."""
+    from django.db import transaction
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    sent, committed = [], []
+
+    def seen(sender, task_result, **kwargs):
+        sent.append(task_result.id)
+        transaction.on_commit(lambda: committed.append(task_result.id))
+
+    compat.task_enqueued.connect(seen, sender=DeliveryBackend)
+    try:
+        with pytest.raises(RuntimeError), transaction.atomic():
+            rolled_back = t.add.enqueue(1, 2)
+            raise RuntimeError("the caller rolls back")
+        kept = t.add.enqueue(3, 4)
+    finally:
+        compat.task_enqueued.disconnect(seen, sender=DeliveryBackend)
+    assert sent == [rolled_back.id, kept.id] and committed == [kept.id]
+    assert list(TaskResult.objects.values_list("id", flat=True)) == [uuid.UUID(kept.id)]
