@@ -132,8 +132,9 @@ class UserCode:
         self._mark = len(db.execute_wrappers)
         self._depth = len(db.atomic_blocks)
         # Called inside a caller's transaction (a test's, run_until_idle's): only what the call
-        # adds to it can be judged and undone.
-        self._in_transaction = db.in_atomic_block or not db.autocommit
+        # adds to it can be judged and undone. Not while the connection is unopened (a handler
+        # thread's first call): Django's wrapper says autocommit off until it connects.
+        self._in_transaction = in_transaction(db)
         db.execute_wrappers.append(self._watch)
         self._scope.enter_on(db)
         return self
@@ -163,6 +164,8 @@ class UserCode:
         if self._in_transaction:
             return problem
         raw = db.connection
+        if raw is None and problem is None and not db.in_atomic_block:
+            return None  # never opened (or closed by Django): nothing open; autocommit is set on connect
         problem = problem or _left_open(db, raw)
         if problem is not None:
             logger.warning("user_code_left_open: %s; its connection is discarded", problem)

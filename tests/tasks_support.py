@@ -157,3 +157,33 @@ def _connect_hold() -> None:
 
 
 _connect_hold()
+
+
+@task
+def leaves_transaction_open(how: str, table: str, then_raise: bool = False) -> str:
+    """Write a row into ``table`` inside a transaction it leaves open: ``how`` is ``autocommit``
+    (``set_autocommit(False)``), ``atomic`` (an ``atomic()`` entered, never exited) or ``begin``
+    (a raw ``BEGIN``). The table's name is the test's own, never a caller's."""
+    from django.db import connection, transaction
+
+    if how == "autocommit":
+        transaction.set_autocommit(False)
+    elif how == "atomic":
+        transaction.atomic().__enter__()
+    with connection.cursor() as cursor:
+        if how == "begin":
+            cursor.execute("BEGIN")
+        cursor.execute(f"INSERT INTO {table} (note) VALUES ('written inside the open transaction')")
+    if then_raise:
+        raise ValueError("and then it raised")
+    return "returned"
+
+
+@task
+def raises_with_a_long_cause() -> None:
+    """Raise an error whose traceback (its cause's long message first) is longer than what an
+    error keeps: its last line, the error it raised, is what must be kept."""
+    try:
+        raise KeyError("a long cause " + "x" * 30_000)
+    except KeyError as exc:
+        raise ValueError("the final exception line") from exc

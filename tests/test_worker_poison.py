@@ -54,3 +54,22 @@ def test_every_poison_kind_fails_only_its_delivery_and_the_worker_serves_the_res
     assert (summary["finished"], summary["failed"], summary["retried"]) == (len(ordinary) + 1, failed, retried)
     assert (summary["settle_errors"], summary["reason"], summary["exit_code"]) == (0, "idle_exit", 0)
     assert "worker_error" not in worker.log()
+
+
+@pytest.mark.parametrize("kind", ["autocommit_off", "raw_begin"])
+def test_the_first_handler_on_a_fresh_thread_that_leaves_a_transaction_open_fails_it(make_binding, start_worker, kind):
+    """The handler thread's connection is not open yet when its first handler is called (Django's
+    wrapper then says autocommit off until it connects): that is no caller's transaction, and
+    what the handler leaves open is judged as on any later call."""
+    target = random32()
+    (poison,) = commit(make_binding, target, **{"raise": kind})
+    (after,) = commit(make_binding, target, **{"raise": "sql"})
+
+    worker = start_worker(target, "--concurrency", "1", "--idle-exit", "2", "--lease-seconds", "5")
+
+    assert worker.wait(60) == 0, worker.log()
+    rows = {row.id: row for row in WorkflowAgentDelivery.objects.filter(id__in=[poison, after])}
+    assert (rows[poison].status, rows[poison].failure_code) == ("failed", "transaction_left_open")
+    assert rows[after].status == "finished"
+    sql = [e for e in worker.handler_events() if e["event"] == "sql"]
+    assert [(e["statement_timeout"], e["in_atomic_block"]) for e in sql] == [("0", False)]

@@ -7,8 +7,11 @@ process registered (never by importing the stored path), sends ``task_started``,
 calls back in the handler thread), writes the return value or the error fenced by the delivery's
 lease, sends ``task_finished``, and returns: the worker then settles the delivery ``finished``.
 A task that raised ends ``failed`` (Django's tasks are not retried on error; the error is in the
-result). A worker that dies mid-task leaves the lease to lapse: the reaper returns the delivery
-to ``pending`` and another worker runs the task again, until the delivery's ``max_attempts``.
+result). A task that leaves a transaction open ends ``failed`` too (``transaction_left_open``:
+its connection is rolled back and closed before the outcome is recorded on a fresh one, see
+:mod:`buzz_delivery.usercode`). A worker that dies mid-task leaves the lease to lapse: the
+reaper returns the delivery to ``pending`` and another worker runs the task again, until the
+delivery's ``max_attempts``.
 A worker that dies after the outcome was recorded, before its settle committed, leaves it
 recorded: the next holder reads it first (``services.recorded_outcome``) and settles the
 delivery as it says, without running the task or sending its signals again.
@@ -22,8 +25,9 @@ from typing import Any
 
 from buzz_delivery.tasks import compat
 from buzz_delivery.tasks.backend import DeliveryBackend, TaskNotRegistered
+from buzz_delivery.usercode import UserCode
 from buzz_delivery.worker import PermanentFailure
-from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_text
+from buzz_delivery.worker.handlers import FAILURE_MESSAGE_MAX_CHARS, describe, storable_tail, storable_text
 
 logger = logging.getLogger("buzz_delivery.tasks")
 
@@ -36,6 +40,10 @@ class task_not_registered(PermanentFailure):
     """The stored task path names no task registered in this worker process."""
 
 
+class transaction_left_open(PermanentFailure):  # its name is the failure code, as the worker's
+    """The task left a transaction open: what it wrote there is rolled back, none of it kept."""
+
+
 class NotATask(PermanentFailure):
     """The delivery carries no task of this backend (no result row)."""
 
@@ -45,13 +53,26 @@ class LeaseLostBeforeResult(Exception):
 
 
 def error_of(exc: BaseException) -> dict[str, str]:
-    """The stored form of an error: the exception class's path and the traceback text."""
+    """The stored form of an error: the exception class's path and the traceback text (a long
+    one keeps its end, the exception line, and says how much of its beginning was cut)."""
     kind = type(exc)
     text = "".join(traceback.format_exception(exc))
     return {
         "exception_class_path": storable_text(f"{kind.__module__}.{kind.__qualname__}", FAILURE_MESSAGE_MAX_CHARS),
-        "traceback": storable_text(text, FAILURE_MESSAGE_MAX_CHARS),
+        "traceback": storable_tail(text, FAILURE_MESSAGE_MAX_CHARS),
     }
+
+
+def left_open_error(left_open: str, raised: BaseException | None) -> dict[str, str]:
+    """The stored error of a task that left a transaction open (``left_open``: what, as
+    :attr:`~buzz_delivery.usercode.UserCode.left_open` says), and of what it raised too, if anything."""
+    kind = transaction_left_open
+    text = f"the task left its database connection with {left_open}; nothing it wrote there is kept (rolled back)"
+    text = storable_text(text, FAILURE_MESSAGE_MAX_CHARS // 2)
+    if raised is not None:
+        text += "\n\nThe task also raised:\n"
+        text += storable_tail("".join(traceback.format_exception(raised)), FAILURE_MESSAGE_MAX_CHARS - len(text))
+    return {"exception_class_path": f"{kind.__module__}.{kind.__qualname__}", "traceback": text}
 
 
 class TaskRunner:
@@ -82,23 +103,36 @@ class TaskRunner:
             raise task_not_registered(str(exc)) from None
         running = self.backend.result_of(stored, status=compat.TaskResultStatus.RUNNING)
         self._send(compat.task_started, running)
+        # The task's connection judged and cleaned as the worker does a handler's
+        # (buzz_delivery.usercode): one it left in a transaction is rolled back and closed
+        # here, before the outcome is recorded, so the record commits on a connection of its own.
+        call = UserCode(delivery.community_id)
         try:
             args = list(stored.args)
             if task.takes_context:
                 args.insert(0, compat.TaskContext(task_result=running))
-            value = compat.normalize_json(task.call(*args, **stored.kwargs))
+            with call:
+                value = task.call(*args, **stored.kwargs)
+            if call.left_open is not None:
+                raise transaction_left_open(call.left_open)
+            value = compat.normalize_json(value)
             # A value the result row cannot hold fails the task here, where it ran once: left
             # to the recording statement, its refusal would retry the delivery and run the
             # task again, up to max_attempts times, each time refused the same way.
             services.json_text(value, "return_value", services.MAX_RETURN_VALUE_BYTES)
         except BaseException as exc:  # the task's own failure, whatever it raised
-            error = error_of(exc)
-            self._record(delivery, error={**error, "failure_code": TaskFailed.__name__})
+            if call.left_open is not None:  # what it raised too, if anything, follows
+                error = left_open_error(call.left_open, None if isinstance(exc, transaction_left_open) else exc)
+                failure: PermanentFailure = transaction_left_open(error["traceback"].partition("\n")[0])
+            else:
+                error = error_of(exc)
+                failure = TaskFailed(f"{error['exception_class_path']}: {describe(exc)}")
+            self._record(delivery, error={**error, "failure_code": type(failure).__name__})
             self._send(
                 compat.task_finished,
                 self.backend.result_of(stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]),
             )
-            raise TaskFailed(f"{error['exception_class_path']}: {describe(exc)}") from exc
+            raise failure from exc
         self._record(delivery, return_value=value)
         self._send(
             compat.task_finished,
@@ -122,7 +156,8 @@ class TaskRunner:
         if found.state == "returned":
             return True
         error = found.error or {}
-        failure = task_not_registered if error.get("failure_code") == task_not_registered.__name__ else TaskFailed
+        codes = {kind.__name__: kind for kind in (task_not_registered, transaction_left_open)}
+        failure = codes.get(str(error.get("failure_code")), TaskFailed)
         path = error.get("exception_class_path")
         raise failure(f"{path if isinstance(path, str) else 'error'}: recorded by an earlier attempt, not run again")
 

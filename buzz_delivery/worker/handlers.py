@@ -80,6 +80,19 @@ def storable_text(text: str, max_chars: int) -> str:
     return text[:max_chars]
 
 
+def storable_tail(text: str, max_chars: int) -> str:
+    """As :func:`storable_text`, for a traceback: a text longer than ``max_chars`` keeps its
+    end (the final exception line, the innermost frames) after a first line saying how many
+    characters of its beginning were cut, the whole within ``max_chars`` characters."""
+    text = storable_text(text, len(text) * 10)  # escaped (an escape is at most 10 characters), not cut
+    if len(text) <= max_chars:
+        return text
+    kept = max_chars - len(f"[cut: the first {len(text)} characters left out]\n")  # at least as long
+    if kept <= 0:
+        return text[len(text) - max_chars :]
+    return f"[cut: the first {len(text) - kept} characters left out]\n" + text[len(text) - kept :]
+
+
 def describe(exc: BaseException) -> str:
     """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
     try:
