@@ -174,6 +174,9 @@ class Context:
         self._in_flight = 0
         self._settled = threading.Condition()
         self._mine = threading.local()  # .calls: this thread's calls in flight (nested in each other)
+        # Approvals waiting for the calls in flight: a new call of a thread outside any call waits
+        # for them (a call nested in one in flight does not: the approval waits for its parent).
+        self._asking = 0
         self.rate_waits = 0  # how many times a call waited for its rate limit
         # ctx.emit: chunks the run had when claimed (a resumed handler's first emits are these).
         self._emitted_before = claim.run.output_chunks
@@ -237,7 +240,23 @@ class Context:
         anything is journaled."""
         rate = ratelimits_plan(rate_key, weight)
         self._check()
+        self._await_approvals()
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
+
+    def _await_approvals(self) -> None:
+        """A call of a thread outside any call waits while an approval waits for the calls in
+        flight (it would only keep the approval waiting); a nested call goes on (its parent call,
+        which the approval waits for, ends only once it has)."""
+        if self._own_calls():
+            return
+        with self._settled:
+            while self._asking:
+                self._check()
+                self._settled.wait(APPROVAL_RETRY_SECONDS)
+
+    def _others_in_flight(self) -> bool:
+        with self._settled:
+            return self._in_flight > self._own_calls()
 
     def _enter_call(self) -> None:
         """Count a call in flight (``request_approval`` waits for none). Called with the journal
@@ -434,13 +453,28 @@ class Context:
         from inside a ``ctx.call`` of this thread (nothing written), :class:`BudgetExhausted`,
         :class:`ReplayMismatch` or :class:`RunAborted`."""
         self._check()
-        # Under the journal lock, as a call's journaling: the approval's position is the seq the
-        # server gives it, and no call of another thread starts while it waits for those in flight.
-        with self._journaling:
-            self._pos += 1
-            entry = self._journal.get(self._pos)
-            if entry is None:
-                outcome = self._park(prompt, deadline_seconds)
+        # The calls in flight are waited for outside the journal lock (a call nested in one of them
+        # journals under it: held, the parent call and the approval waited for each other while
+        # the heartbeat kept the lease), new calls of the other threads meanwhile for the approval
+        # (_await_approvals). The park itself is under the lock, as a call's journaling: the
+        # approval's position is the seq the server gives it.
+        with self._settled:
+            self._asking += 1
+        try:
+            while True:
+                with self._journaling:
+                    entry = self._journal.get(self._pos + 1)
+                    # From inside a call of this thread it asks at once: the server names the call.
+                    if entry is not None or self._own_calls() or not self._others_in_flight():
+                        self._pos += 1
+                        if entry is None:
+                            outcome = self._park(prompt, deadline_seconds)
+                        break
+                self._await_calls()
+        finally:
+            with self._settled:
+                self._asking -= 1
+                self._settled.notify_all()
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
@@ -458,11 +492,11 @@ class Context:
         raise RunAborted(f"cannot request an approval: {outcome}")
 
     def _park(self, prompt: str, deadline_seconds: int) -> Any:
-        """``request_approval`` once none of the handler's other calls is in flight; while the
-        server still sees one (its result being recorded as the park read), ask again shortly."""
+        """``request_approval`` (none of the handler's other calls in flight, the journal lock
+        held); while the server still sees one (its result being recorded as the park read), ask again shortly."""
         settle: float | None = None
         while True:
-            self._await_calls()
+            self._check()
             with self._runtime():
                 outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
             if not isinstance(outcome, s.CallsInFlight):
