@@ -93,3 +93,44 @@ def test_a_remote_approval_asked_from_inside_a_call_is_a_typed_error(gateway_ser
     assert run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim)) == "completed"
     assert AgentRun.objects.get(id=run_id).output == {"seqs": [1]}
     assert _entries(run_id) == [(1, "tool", "succeeded")]
+
+
+def test_a_remote_approval_waiting_for_a_call_does_not_block_that_calls_nested_call(gateway_server):
+    """The approval waited for the calls in flight holding the journal lock, and a call nested in
+    the one it waited for needed that lock: the run hung, its heartbeat keeping the lease (found
+    in review: hung before the fix)."""
+    agent, run_id = _run(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w")
+    in_tool, seen = threading.Event(), []
+
+    def handler(ctx):
+        def outer(args, key):
+            in_tool.set()
+            threading.Event().wait(0.5)  # the approval waits for this call by now
+            return {"inner": ctx.call("inner", lambda a, k: {"n": a["n"]}, {"n": 2})}
+
+        def tool():
+            try:
+                seen.append(ctx.call("outer", outer, {"n": 1}))
+            except BaseException as exc:
+                seen.append(repr(exc))
+
+        worker = threading.Thread(target=tool, daemon=True)
+        worker.start()
+        assert in_tool.wait(30)
+        try:
+            return ctx.request_approval("ship?", 600)
+        finally:
+            worker.join(30)
+
+    done: list[str] = []
+    runner = threading.Thread(
+        target=lambda: done.append(run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim))),
+        daemon=True,
+    )
+    runner.start()
+    runner.join(20)
+    assert done == ["parked"], "the approval hung on the nested call it kept from its journal lock"
+    assert seen == [{"inner": {"n": 2}}]
+    assert AgentRun.objects.get(id=run_id).state == "waiting_approval"
+    assert _entries(run_id) == [(1, "tool", "succeeded"), (2, "tool", "succeeded"), (3, "approval", "pending")]
