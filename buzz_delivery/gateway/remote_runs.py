@@ -835,6 +835,13 @@ def run_remote_claim(
     if problem is not None:
         ctx.failure_code = "output_not_json"
         return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
+    # A call the handler started on another thread and did not wait for is recorded first:
+    # completed under it, the call's result could never be recorded (and with it alone in flight
+    # the run is not 'running': the completion was refused, the run run again).
+    try:
+        ctx._await_calls()
+    except RunAborted:
+        return "lost"
     try:
         done = (
             batcher.send("complete", ctx.lease, {"output": output})

@@ -134,3 +134,38 @@ def test_a_remote_approval_waiting_for_a_call_does_not_block_that_calls_nested_c
     assert seen == [{"inner": {"n": 2}}]
     assert AgentRun.objects.get(id=run_id).state == "waiting_approval"
     assert _entries(run_id) == [(1, "tool", "succeeded"), (2, "tool", "succeeded"), (3, "approval", "pending")]
+
+
+@pytest.mark.parametrize("second_call", [False, True])
+def test_a_remote_run_completes_only_once_its_calls_in_flight_are_recorded(gateway_server, second_call):
+    """A handler returning while a call it started on another thread is in flight: the completion
+    was refused (the run 'waiting_tool', run again) or, another call recorded meanwhile, the run
+    completed with the call pending, its result never recorded (found in review: failed before
+    the fix)."""
+    agent, run_id = _run(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w")
+    seen: list = []
+
+    def slow(args, key):
+        threading.Event().wait(0.5)  # in flight when the handler returns
+        return {"n": args["n"]}
+
+    def handler(ctx):
+        def tool():
+            try:
+                seen.append(ctx.call("slow", slow, {"n": 1}))
+            except BaseException as exc:
+                seen.append(repr(exc))
+
+        threading.Thread(target=tool, daemon=True).start()
+        threading.Event().wait(0.2)  # the slow call is journaled by now
+        if second_call:
+            ctx.call("fast", lambda a, k: {"n": a["n"]}, {"n": 2})
+        return {"done": True}
+
+    assert run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim)) == "completed"
+    threading.Event().wait(1.0)
+    assert seen == [{"n": 1}]
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.output) == ("completed", {"done": True})
+    assert _entries(run_id) == [(1, "tool", "succeeded")] + ([(2, "tool", "succeeded")] if second_call else [])
