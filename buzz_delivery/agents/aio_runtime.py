@@ -520,6 +520,12 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
+    # A call the handler started in a task of its own and did not await holds the lock while in
+    # flight: it is recorded first (completed under it, its result could never be recorded, and
+    # with it alone in flight the run is not 'running': the completion was refused, the run run
+    # again).
+    async with ctx._lock:
+        pass
     if ctx.lost.is_set():
         return "lost"
     try:
