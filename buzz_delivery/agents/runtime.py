@@ -624,14 +624,16 @@ def _run_claim(
             TRANSACTION_LEFT_OPEN,
             f"the handler left its database connection with {call.left_open}; nothing it wrote there is kept",
         )
+    # A call the handler started on another thread and did not wait for is recorded first:
+    # completed under it, the call's result could never be recorded (and with it alone in flight
+    # the run is not 'running': the completion was refused, the run run again); failed under it,
+    # the call was marked uncertain and its compensation run while the tool still ran (the undo
+    # before the effect, which stayed).
+    try:
+        ctx._await_calls()
+    except RunAborted:
+        return "lost"
     if failure is None:
-        # A call the handler started on another thread and did not wait for is recorded first:
-        # completed under it, the call's result could never be recorded (and with it alone in
-        # flight the run is not 'running': the completion was refused, the run run again).
-        try:
-            ctx._await_calls()
-        except RunAborted:
-            return "lost"
         try:
             done = _settle(s.complete_run, ctx.lease, output)
         except ValidationError as exc:  # not storable JSON: this run's failure, never the worker's
