@@ -823,18 +823,18 @@ def run_remote_claim(
     except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this run's end, never the worker's
         if ctx.lost.is_set():
             return "lost"
+        # A call the handler started on another thread is recorded first: failed under it, the
+        # call was marked uncertain and compensated while the tool still ran.
+        try:
+            ctx._await_calls()
+        except RunAborted:
+            return "lost"
         if isinstance(exc, RemoteRunError):
             code = failure_code(exc.failure_code, "handler_error")
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
         ctx.failure_code = code
         return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
-    if ctx.lost.is_set():
-        return "lost"
-    problem = _unstorable_output(output)
-    if problem is not None:
-        ctx.failure_code = "output_not_json"
-        return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
     # A call the handler started on another thread and did not wait for is recorded first:
     # completed under it, the call's result could never be recorded (and with it alone in flight
     # the run is not 'running': the completion was refused, the run run again).
@@ -842,6 +842,12 @@ def run_remote_claim(
         ctx._await_calls()
     except RunAborted:
         return "lost"
+    if ctx.lost.is_set():
+        return "lost"
+    problem = _unstorable_output(output)
+    if problem is not None:
+        ctx.failure_code = "output_not_json"
+        return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
     try:
         done = (
             batcher.send("complete", ctx.lease, {"output": output})

@@ -169,3 +169,43 @@ def test_a_remote_run_completes_only_once_its_calls_in_flight_are_recorded(gatew
     run = AgentRun.objects.get(id=run_id)
     assert (run.state, run.output) == ("completed", {"done": True})
     assert _entries(run_id) == [(1, "tool", "succeeded")] + ([(2, "tool", "succeeded")] if second_call else [])
+
+
+def test_a_remote_run_failing_compensates_a_call_in_flight_only_after_it_happened(
+    gateway_server, tmp_path, monkeypatch
+):
+    """A handler raising while a call it started on another thread is in flight: the run was
+    failed at once, the call marked uncertain and its compensation run while the tool still ran
+    (the undo before the effect). Found in review: failed before the fix."""
+    from tests.gateway import handlers as gh
+
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("GATEWAY_RUN_LEDGER", str(ledger))
+    agent, run_id = _run(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w")
+    seen: list = []
+
+    def slow_effect(args, key):
+        threading.Event().wait(0.5)  # in flight when the handler raises
+        return gh.effect(args, key)
+
+    def handler(ctx):
+        def tool():
+            try:
+                seen.append(ctx.call("slow", slow_effect, {"n": 1}, compensate=gh.undo))
+            except BaseException as exc:
+                seen.append(type(exc).__name__)
+
+        threading.Thread(target=tool, daemon=True).start()
+        threading.Event().wait(0.2)  # the slow call is journaled by now
+        raise RuntimeError("the handler gives up")
+
+    outcome = run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim))
+    threading.Event().wait(1.0)
+    key = f"{run_id}:1"
+    lines = ledger.read_text().splitlines()
+    assert lines[0] == f"call {key}" and len(lines) == 2 and lines[1].startswith(f"undo {key}"), lines
+    assert seen == [{"n": 1}]
+    entry = JournalEntry.objects.get(run_id=run_id, seq=1)
+    assert (entry.status, entry.uncertain, entry.compensation_status) == ("succeeded", False, "compensated")
+    assert (outcome, AgentRun.objects.get(id=run_id).state) == ("compensated", "failed")
