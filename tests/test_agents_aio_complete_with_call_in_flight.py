@@ -46,3 +46,38 @@ def test_an_async_run_completes_only_once_its_call_in_flight_is_recorded(communi
     assert not counts.get("lost"), counts
     entries = [(e.seq, e.tool_name, e.status) for e in JournalEntry.objects.filter(run_id=run_id)]
     assert entries == [(1, "slow", "succeeded")]
+
+
+async def raises_with_a_call_in_flight(ctx):
+    from tests import agent_handlers as h
+
+    async def slow_effect(args, key):
+        await asyncio.sleep(0.5)  # in flight when the handler raises
+        return h.effect(args, key)
+
+    async def tool():
+        try:
+            SEEN.append(await ctx.call("slow", slow_effect, {"n": 1}, compensate=h.undo))
+        except BaseException as exc:
+            SEEN.append(type(exc).__name__)
+
+    ctx.background = asyncio.ensure_future(tool())
+    await asyncio.sleep(0.1)
+    raise RuntimeError("the handler gives up")
+
+
+def test_an_async_run_failing_compensates_a_call_in_flight_only_after_it_happened(community, tmp_path, monkeypatch):
+    """Failed at once, the run's call in flight was marked uncertain and compensated while the
+    tool still ran (the undo before the effect). Found in review: failed before the fix."""
+    from tests import agent_handlers as h
+
+    monkeypatch.setenv("AGENT_LEDGER", str(tmp_path / "ledger.txt"))
+    SEEN.clear()
+    run_id = new_run(community.id)
+    _, counts = in_process(community, raises_with_a_call_in_flight, in_flight=4, connections=2)
+    key = f"{run_id}:1"
+    assert h.ledger_lines() == [f"call {key}", f"undo {key}:compensate"], counts
+    assert SEEN == [{"n": 1}]
+    entry = JournalEntry.objects.get(run_id=run_id, seq=1)
+    assert (entry.status, entry.uncertain, entry.compensation_status) == ("succeeded", False, "compensated")
+    assert AgentRun.objects.get(id=run_id).state == "failed"

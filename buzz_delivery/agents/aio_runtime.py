@@ -515,6 +515,13 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         code = failure_code_of(exc) if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
             return "lost"
+        # A call of a task the handler started holds the lock while in flight: it is recorded
+        # first (failed under it, the call was marked uncertain and compensated while the tool
+        # still ran: the undo before the effect).
+        async with ctx._lock:
+            pass
+        if ctx.lost.is_set():
+            return "lost"
         ctx.failure_code = code
         failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
