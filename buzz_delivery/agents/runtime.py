@@ -174,9 +174,6 @@ class Context:
         self._in_flight = 0
         self._settled = threading.Condition()
         self._mine = threading.local()  # .calls: this thread's calls in flight (nested in each other)
-        # Approvals waiting for the calls in flight: a new call of a thread outside any call waits
-        # for them (a call nested in one in flight does not: the approval waits for its parent).
-        self._asking = 0
         self.rate_waits = 0  # how many times a call waited for its rate limit
         # ctx.emit: chunks the run had when claimed (a resumed handler's first emits are these).
         self._emitted_before = claim.run.output_chunks
@@ -240,19 +237,7 @@ class Context:
         anything is journaled."""
         rate = ratelimits_plan(rate_key, weight)
         self._check()
-        self._await_approvals()
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
-
-    def _await_approvals(self) -> None:
-        """A call of a thread outside any call waits while an approval waits for the calls in
-        flight (it would only keep the approval waiting); a nested call goes on (its parent call,
-        which the approval waits for, ends only once it has)."""
-        if self._own_calls():
-            return
-        with self._settled:
-            while self._asking:
-                self._check()
-                self._settled.wait(APPROVAL_RETRY_SECONDS)
 
     def _others_in_flight(self) -> bool:
         with self._settled:
@@ -453,28 +438,22 @@ class Context:
         from inside a ``ctx.call`` of this thread (nothing written), :class:`BudgetExhausted`,
         :class:`ReplayMismatch` or :class:`RunAborted`."""
         self._check()
-        # The calls in flight are waited for outside the journal lock (a call nested in one of them
-        # journals under it: held, the parent call and the approval waited for each other while
-        # the heartbeat kept the lease), new calls of the other threads meanwhile for the approval
-        # (_await_approvals). The park itself is under the lock, as a call's journaling: the
-        # approval's position is the seq the server gives it.
-        with self._settled:
-            self._asking += 1
-        try:
-            while True:
-                with self._journaling:
-                    entry = self._journal.get(self._pos + 1)
-                    # From inside a call of this thread it asks at once: the server names the call.
-                    if entry is not None or self._own_calls() or not self._others_in_flight():
-                        self._pos += 1
-                        if entry is None:
-                            outcome = self._park(prompt, deadline_seconds)
-                        break
-                self._await_calls()
-        finally:
-            with self._settled:
-                self._asking -= 1
-                self._settled.notify_all()
+        # The calls in flight are waited for outside the journal lock, and new calls of the other
+        # threads may start meanwhile: a call nested in one in flight (on its thread, or on
+        # threads its tool starts and waits for) journals under that lock, so an approval holding
+        # it, or holding back new calls, while it waits kept the call it waits for from ending
+        # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
+        # call's journaling: the approval's position is the seq the server gives it.
+        while True:
+            with self._journaling:
+                entry = self._journal.get(self._pos + 1)
+                # From inside a call of this thread it asks at once: the server names the call.
+                if entry is not None or self._own_calls() or not self._others_in_flight():
+                    self._pos += 1
+                    if entry is None:
+                        outcome = self._park(prompt, deadline_seconds)
+                    break
+            self._await_calls()
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")

@@ -201,9 +201,6 @@ class RemoteRunContext:
         self._in_flight = 0
         self._settled = threading.Condition()
         self._mine = threading.local()  # .calls: this thread's calls in flight
-        # Approvals waiting for the calls in flight: a new call of a thread outside any call waits
-        # for them (a call nested in one in flight does not: the approval waits for its parent).
-        self._asking = 0
 
     @property
     def cancelled(self) -> bool:
@@ -262,19 +259,7 @@ class RemoteRunContext:
         """Journal, make and record one tool call (or replay it from the journal); returns its
         output (None for a shadow-blocked call)."""
         self._check()
-        self._await_approvals()
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost)
-
-    def _await_approvals(self) -> None:
-        """A call of a thread outside any call waits while an approval waits for the calls in
-        flight (it would only keep the approval waiting); a nested call goes on (its parent call,
-        which the approval waits for, ends only once it has)."""
-        if self._own_calls():
-            return
-        with self._settled:
-            while self._asking:
-                self._check()
-                self._settled.wait(APPROVAL_RETRY_SECONDS)
 
     def _others_in_flight(self) -> bool:
         with self._settled:
@@ -434,28 +419,22 @@ class RemoteRunContext:
         them to be recorded (while the lease holds), then parks; from inside a ``ctx.call`` of
         the same thread it raises :class:`ApprovalBlockedByCalls` (nothing written)."""
         self._check()
-        # The calls in flight are waited for outside the journal lock (a call nested in one of them
-        # journals under it: held, the parent call and the approval waited for each other while
-        # the heartbeat kept the lease), new calls of the other threads meanwhile for the approval
-        # (_await_approvals). The park itself is under the lock, as a call's journaling: the
-        # approval's position is the seq the gateway gives it.
-        with self._settled:
-            self._asking += 1
-        try:
-            while True:
-                with self._journaling:
-                    entry = self._journal.get(self._pos + 1)
-                    # From inside a call of this thread it asks at once: the gateway names the call.
-                    if entry is not None or self._own_calls() or not self._others_in_flight():
-                        self._pos += 1
-                        if entry is None:
-                            outcome = self._park(prompt, deadline_seconds)
-                        break
-                self._await_calls()
-        finally:
-            with self._settled:
-                self._asking -= 1
-                self._settled.notify_all()
+        # The calls in flight are waited for outside the journal lock, and new calls of the other
+        # threads may start meanwhile: a call nested in one in flight (on its thread, or on
+        # threads its tool starts and waits for) journals under that lock, so an approval holding
+        # it, or holding back new calls, while it waits kept the call it waits for from ending
+        # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
+        # call's journaling: the approval's position is the seq the gateway gives it.
+        while True:
+            with self._journaling:
+                entry = self._journal.get(self._pos + 1)
+                # From inside a call of this thread it asks at once: the gateway names the call.
+                if entry is not None or self._own_calls() or not self._others_in_flight():
+                    self._pos += 1
+                    if entry is None:
+                        outcome = self._park(prompt, deadline_seconds)
+                    break
+            self._await_calls()
         if entry is not None:
             if entry["kind"] != "approval":
                 raise ReplayMismatch(f"entry {entry['seq']} is a {entry['tool_name']!r} call, not an approval")
