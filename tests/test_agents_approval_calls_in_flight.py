@@ -174,5 +174,9 @@ def test_a_call_starting_while_the_approval_waits_for_the_calls_in_flight_does_n
     runner.start()
     runner.join(20)
     assert done == ["parked"], "the approval hung on a call waiting for its journal lock"
-    assert late == ["RunAborted"]  # the run parked: the late call's journaling found it so
+    # The late call started while the approval waited (outside the journal lock: a call nested
+    # in the one it waits for must journal, tests/test_agents_approval_nested_call.py), and the
+    # approval waited for it too before it parked.
+    assert late == [{"n": 2}]
     assert AgentRun.objects.get(id=run_id).state == "waiting_approval"
+    assert _state(run_id)[3] == [(1, "tool", "succeeded"), (2, "tool", "succeeded"), (3, "approval", "pending")]

@@ -515,11 +515,24 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         code = failure_code_of(exc) if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
             return "lost"
+        # A call of a task the handler started holds the lock while in flight: it is recorded
+        # first (failed under it, the call was marked uncertain and compensated while the tool
+        # still ran: the undo before the effect).
+        async with ctx._lock:
+            pass
+        if ctx.lost.is_set():
+            return "lost"
         ctx.failure_code = code
         failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
+    # A call the handler started in a task of its own and did not await holds the lock while in
+    # flight: it is recorded first (completed under it, its result could never be recorded, and
+    # with it alone in flight the run is not 'running': the completion was refused, the run run
+    # again).
+    async with ctx._lock:
+        pass
     if ctx.lost.is_set():
         return "lost"
     try:

@@ -239,6 +239,10 @@ class Context:
         self._check()
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
 
+    def _others_in_flight(self) -> bool:
+        with self._settled:
+            return self._in_flight > self._own_calls()
+
     def _enter_call(self) -> None:
         """Count a call in flight (``request_approval`` waits for none). Called with the journal
         lock held, once the call has its position: counted before it, a call waiting for the lock
@@ -434,13 +438,22 @@ class Context:
         from inside a ``ctx.call`` of this thread (nothing written), :class:`BudgetExhausted`,
         :class:`ReplayMismatch` or :class:`RunAborted`."""
         self._check()
-        # Under the journal lock, as a call's journaling: the approval's position is the seq the
-        # server gives it, and no call of another thread starts while it waits for those in flight.
-        with self._journaling:
-            self._pos += 1
-            entry = self._journal.get(self._pos)
-            if entry is None:
-                outcome = self._park(prompt, deadline_seconds)
+        # The calls in flight are waited for outside the journal lock, and new calls of the other
+        # threads may start meanwhile: a call nested in one in flight (on its thread, or on
+        # threads its tool starts and waits for) journals under that lock, so an approval holding
+        # it, or holding back new calls, while it waits kept the call it waits for from ending
+        # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
+        # call's journaling: the approval's position is the seq the server gives it.
+        while True:
+            with self._journaling:
+                entry = self._journal.get(self._pos + 1)
+                # From inside a call of this thread it asks at once: the server names the call.
+                if entry is not None or self._own_calls() or not self._others_in_flight():
+                    self._pos += 1
+                    if entry is None:
+                        outcome = self._park(prompt, deadline_seconds)
+                    break
+            self._await_calls()
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
@@ -458,11 +471,11 @@ class Context:
         raise RunAborted(f"cannot request an approval: {outcome}")
 
     def _park(self, prompt: str, deadline_seconds: int) -> Any:
-        """``request_approval`` once none of the handler's other calls is in flight; while the
-        server still sees one (its result being recorded as the park read), ask again shortly."""
+        """``request_approval`` (none of the handler's other calls in flight, the journal lock
+        held); while the server still sees one (its result being recorded as the park read), ask again shortly."""
         settle: float | None = None
         while True:
-            self._await_calls()
+            self._check()
             with self._runtime():
                 outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
             if not isinstance(outcome, s.CallsInFlight):
@@ -590,6 +603,15 @@ def _run_claim(
             TRANSACTION_LEFT_OPEN,
             f"the handler left its database connection with {call.left_open}; nothing it wrote there is kept",
         )
+    # A call the handler started on another thread and did not wait for is recorded first:
+    # completed under it, the call's result could never be recorded (and with it alone in flight
+    # the run is not 'running': the completion was refused, the run run again); failed under it,
+    # the call was marked uncertain and its compensation run while the tool still ran (the undo
+    # before the effect, which stayed).
+    try:
+        ctx._await_calls()
+    except RunAborted:
+        return "lost"
     if failure is None:
         try:
             done = _settle(s.complete_run, ctx.lease, output)

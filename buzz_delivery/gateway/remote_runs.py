@@ -261,6 +261,16 @@ class RemoteRunContext:
         self._check()
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost)
 
+    def _others_in_flight(self) -> bool:
+        with self._settled:
+            return self._in_flight > self._own_calls()
+
+    def _await_calls(self) -> None:
+        with self._settled:
+            while self._in_flight > self._own_calls():
+                self._check()
+                self._settled.wait(APPROVAL_RETRY_SECONDS)
+
     def _enter_call(self) -> None:
         """Count a call in flight (``request_approval`` waits for none). Called with the journal
         lock held, once the call has its position: counted before it, a call waiting for the lock
@@ -409,13 +419,22 @@ class RemoteRunContext:
         them to be recorded (while the lease holds), then parks; from inside a ``ctx.call`` of
         the same thread it raises :class:`ApprovalBlockedByCalls` (nothing written)."""
         self._check()
-        # Under the journal lock, as a call's journaling: the approval's position is the seq the
-        # gateway gives it, and no call of another thread starts while it waits for those in flight.
-        with self._journaling:
-            self._pos += 1
-            entry = self._journal.get(self._pos)
-            if entry is None:
-                outcome = self._park(prompt, deadline_seconds)
+        # The calls in flight are waited for outside the journal lock, and new calls of the other
+        # threads may start meanwhile: a call nested in one in flight (on its thread, or on
+        # threads its tool starts and waits for) journals under that lock, so an approval holding
+        # it, or holding back new calls, while it waits kept the call it waits for from ending
+        # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
+        # call's journaling: the approval's position is the seq the gateway gives it.
+        while True:
+            with self._journaling:
+                entry = self._journal.get(self._pos + 1)
+                # From inside a call of this thread it asks at once: the gateway names the call.
+                if entry is not None or self._own_calls() or not self._others_in_flight():
+                    self._pos += 1
+                    if entry is None:
+                        outcome = self._park(prompt, deadline_seconds)
+                    break
+            self._await_calls()
         if entry is not None:
             if entry["kind"] != "approval":
                 raise ReplayMismatch(f"entry {entry['seq']} is a {entry['tool_name']!r} call, not an approval")
@@ -432,15 +451,11 @@ class RemoteRunContext:
         raise self._gone(outcome, "request an approval")
 
     def _park(self, prompt: str, deadline_seconds: int) -> RunOutcome:
-        """``approval`` once none of the handler's other calls is in flight; while the gateway
-        still sees one (``calls_in_flight``: its result being recorded as the park read), ask
-        again shortly."""
+        """``approval`` (none of the handler's other calls in flight, the journal lock held);
+        while the gateway still sees one (``calls_in_flight``: its result being recorded as the
+        park read), ask again shortly."""
         settle: float | None = None
         while True:
-            with self._settled:
-                while self._in_flight > self._own_calls():
-                    self._check()
-                    self._settled.wait(APPROVAL_RETRY_SECONDS)
             self._check()
             with self._runtime("request an approval"):
                 outcome: RunOutcome = _again(
@@ -787,12 +802,25 @@ def run_remote_claim(
     except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this run's end, never the worker's
         if ctx.lost.is_set():
             return "lost"
+        # A call the handler started on another thread is recorded first: failed under it, the
+        # call was marked uncertain and compensated while the tool still ran.
+        try:
+            ctx._await_calls()
+        except RunAborted:
+            return "lost"
         if isinstance(exc, RemoteRunError):
             code = failure_code(exc.failure_code, "handler_error")
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
         ctx.failure_code = code
         return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
+    # A call the handler started on another thread and did not wait for is recorded first:
+    # completed under it, the call's result could never be recorded (and with it alone in flight
+    # the run is not 'running': the completion was refused, the run run again).
+    try:
+        ctx._await_calls()
+    except RunAborted:
+        return "lost"
     if ctx.lost.is_set():
         return "lost"
     problem = _unstorable_output(output)
