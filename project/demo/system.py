@@ -849,9 +849,16 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
             "claimer (the inbox, or the remote worker through the gateway)",
         )
     )
-    accepted_runs = AgentRun.objects.filter(community_id__in=ids, delivery_id__isnull=False).count()
+    # The inbox accepts in the community fenced midway too, until the fence (a loaded run gets
+    # there first): its accepted runs, their deliveries and their journal count here as well.
+    with_fenced = [*ids, facts.fenced_id] if facts.fenced_id is not None else ids
+    accepted_runs = AgentRun.objects.filter(community_id__in=with_fenced, delivery_id__isnull=False).count()
     courier_hex = facts.remote_agents.get("courier", "")
-    to_agents = [d for d in deliveries if bytes(d.target_pubkey).hex() != courier_hex]
+    to_agents = [
+        d
+        for d in WorkflowAgentDelivery.objects.filter(community_id__in=with_fenced)
+        if bytes(d.target_pubkey).hex() != courier_hex
+    ]
     finished = sum(1 for d in to_agents if d.status == "finished")
     checks.append(
         Check(
@@ -865,12 +872,14 @@ def build_system_checks(facts: SystemFacts) -> tuple[dict[str, Any], list[Check]
     agent_runs = list(AgentRun.objects.filter(community_id__in=ids))
     agent_states = Counter(r.state for r in agent_runs)
     entries = list(JournalEntry.objects.filter(community_id__in=ids))
+    # Calls of runs the inbox accepted in the fenced community before its fence: journaled there.
+    journaled = set(
+        JournalEntry.objects.filter(community_id__in=with_fenced, kind="tool").values_list("idempotency_key", flat=True)
+    )
     effects = Counter((e.key, e.kind) for e in ToolEffect.objects.filter(run_id=facts.run_id))
     tool_entries = [e for e in entries if e.kind == "tool"]
     made_twice = [e for e in tool_entries if effects[(e.idempotency_key, "call")] > 1]
-    unjournaled = [
-        k for (k, kind), n in effects.items() if kind == "call" and k not in {e.idempotency_key for e in tool_entries}
-    ]
+    unjournaled = [k for (k, kind), n in effects.items() if kind == "call" and k not in journaled]
     succeeded_without = [
         e for e in tool_entries if e.status == "succeeded" and effects[(e.idempotency_key, "call")] != 1
     ]
