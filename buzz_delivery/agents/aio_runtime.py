@@ -543,5 +543,26 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
-    done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
-    return "completed" if isinstance(done, s.Finished) else "lost"
+    # While the server still sees calls of this holder in flight (a task the handler left behind
+    # journaled one after it returned), wait for them and ask again, for a bounded time, then
+    # fail the run (its calls closed uncertain): never a run lost silently.
+    settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+    while True:
+        done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
+        if not isinstance(done, s.CallsInFlight):
+            return "completed" if isinstance(done, s.Finished) else "lost"
+        if time.monotonic() > settle or ctx.lost.is_set():
+            break
+        await asyncio.sleep(APPROVAL_RETRY_SECONDS)
+        async with ctx._lock:
+            pass
+        if ctx.lost.is_set():
+            return "lost"
+    ctx.failure_code = "calls_in_flight"
+    seqs = ", ".join(map(str, done.seqs))
+    failed = await _fail(
+        runtime, ctx.lease, "calls_in_flight", f"call(s) {seqs} of this run were never recorded; cannot complete"
+    )
+    if isinstance(failed, s.Unwinding):
+        return await unwind(runtime, ctx.lease, failed.seqs)
+    return "failed" if isinstance(failed, s.Finished) else "lost"
