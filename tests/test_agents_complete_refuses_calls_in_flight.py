@@ -97,3 +97,52 @@ def test_complete_runs_refuses_only_the_row_with_a_call_in_flight(community):
     assert outcomes == [CallsInFlight((1,)), Finished("completed")]
     assert _state(busy) == before
     assert _state(idle)[0:2] == ("completed", {"n": 1})
+
+
+@pytest.mark.parametrize("form", ["single", "batch"])
+def test_a_call_journaled_while_the_completion_waits_for_the_run_row_refuses_it(community, form):
+    """The completion takes no lock of its own first: a call journaled by a transaction that
+    commits while the completion's statement waits for the run's row sets the run
+    ``waiting_tool`` with its entry, and the waiting statement re-checks the new row version."""
+    import threading
+
+    from django.db import connections, transaction
+
+    run_id = new_run(community.id)
+    lease = claim(community.id, run_id)
+    journaled, go, out = threading.Event(), threading.Event(), []
+
+    def journal_and_hold():
+        try:
+            with transaction.atomic():
+                out.append(journal_call(lease, "a", {"n": 1}))
+                journaled.set()
+                assert go.wait(30)
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=journal_and_hold)
+    holder.start()
+    assert journaled.wait(30)
+    result = []
+
+    def complete():
+        try:
+            if form == "single":
+                result.append(complete_run(lease, {"done": True}))
+            else:
+                (done,) = batch.complete_runs(community.id, [batch.prepare_completion(lease, {"done": True})])
+                result.append(done)
+        finally:
+            connections.close_all()
+
+    completer = threading.Thread(target=complete)
+    completer.start()
+    completer.join(1.0)
+    assert completer.is_alive(), "the completion should wait for the journaling transaction's row lock"
+    go.set()
+    holder.join(30)
+    completer.join(30)
+    assert isinstance(out[0], Journaled)
+    assert result == [CallsInFlight((1,))]
+    assert _state(run_id)[0] == "waiting_tool"

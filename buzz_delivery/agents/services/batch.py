@@ -363,11 +363,10 @@ def complete_runs(community_id: uuid.UUID | str, completions: Sequence[PreparedC
     params.update(outputs=[c.output_text for c in completions], output_hashes=[c.output_hash for c in completions])
     if not completions:
         return []
-    with transaction.atomic(), translated_errors():
-        # The runs' rows first, in id order, in a statement of their own (as complete_run and
-        # fail_runs do): the judging statement's NOT EXISTS then reads a snapshot that holds every
-        # call journaled before it.
-        fetch_all(sql.LOCK_RUNS, params)
+    # One statement writes; the rest reads. A call journaled meanwhile sets its run 'waiting_tool'
+    # with its entry, and the statement's lock of that row re-checks state = 'running' on the new
+    # version (as complete_run): no lock statement of its own first.
+    with _transaction(False), translated_errors():
         done = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT, params)}
         return [
             Finished("completed") if c.lease.run_id in done else in_flight_or_missed(lease_params(c.lease))

@@ -338,11 +338,10 @@ def complete_run(lease: AgentLease, output: Any) -> Finished | CallsInFlight | A
         lease, output=json_value(output, "output", get_settings().max_output_bytes), output_hash=sha256_json(output)
     )
     with transaction.atomic(), translated_errors():
-        # The run's row first, in a statement of its own (as fail_run takes it): a call its holder
-        # is journaling on another thread holds it until the call's entry commits, and the
-        # completion's NOT EXISTS then reads a snapshot that holds that entry (one that waited
-        # inside the UPDATE would judge on the snapshot it took before waiting).
-        fetch_all(sql.LOCK_RUN, params)
+        # No lock of the run's row first: a call its holder journals meanwhile on another thread
+        # sets the run 'waiting_tool' in the same transaction as its entry, and a completion that
+        # waited for that row re-checks its state = 'running' on the new version (a statement
+        # saved on every completion); entries committed before it are in its NOT EXISTS's snapshot.
         rows = fetch_all(sql.COMPLETE_IF_CURRENT, params)
         if rows:
             return Finished("completed")
