@@ -61,3 +61,32 @@ def test_a_run_completes_only_once_its_calls_in_flight_are_recorded(community, s
     entries = [(e.seq, e.tool_name, e.status) for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")]
     expected = [(1, "slow", "succeeded")] + ([(2, "fast", "succeeded")] if second_call else [])
     assert entries == expected
+
+
+def test_a_completion_refused_for_calls_in_flight_is_retried_once_they_are_recorded(community, monkeypatch):
+    """Should the thread runtime's completion still meet ``CallsInFlight`` (a call journaled
+    after its wait for the handler's calls: the first wait is skipped here to reach that race
+    deterministically), it waits for the calls and completes again, never dropping the run as
+    ``lost``. Fails without the retry (the run ends ``failed``/``calls_in_flight``) and before
+    the service refused such a completion (the run completed with call 1 pending)."""
+    from buzz_delivery.agents.runtime import Context
+
+    real, skipped = Context._await_calls, []
+
+    def first_wait_skipped(self):
+        if not skipped:
+            skipped.append(True)
+            return None
+        return real(self)
+
+    monkeypatch.setattr(Context, "_await_calls", first_wait_skipped)
+    run_id = new_run(community.id)
+    (claimed,) = claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    seen: list = []
+
+    assert run_claim(claimed, _handler(seen, second_call=True)) == "completed"
+    assert seen == [{"n": 1}]
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.output) == ("completed", {"done": True})
+    entries = [(e.seq, e.status) for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")]
+    assert entries == [(1, "succeeded"), (2, "succeeded")]

@@ -31,6 +31,7 @@ whose ``call`` / ``request_approval`` block that thread on the loop's coroutines
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import math
@@ -51,6 +52,7 @@ from buzz_delivery.agents.exceptions import (
     ApprovalBlockedByCalls,
     ApprovalExpired,
     BudgetExhausted,
+    NestedCall,
     OutputLimitExceeded,
     ReplayMismatch,
     RunAborted,
@@ -106,10 +108,17 @@ class Runtime:
             with tenancy.handler(community_id):
                 return fn(*args)
 
-        result = await self.loop.run_in_executor(self.user_executor, in_scope)
+        # In a copy of this context: a ctx.call the function makes through the SyncBridge sees
+        # the call it runs in (_IN_CALL), and is refused, not left waiting for it.
+        result = await self.loop.run_in_executor(self.user_executor, contextvars.copy_context().run, in_scope)
         if inspect.isawaitable(result):  # a plain function that returned a coroutine
             return await result
         return result
+
+
+# The call whose tool (or reconcile) function this code runs in: (its context, its seq). Set
+# around the user's function; a task or SyncBridge thread it starts inherits it.
+_IN_CALL: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("buzz_agents_in_call", default=None)
 
 
 class AsyncContext:
@@ -207,6 +216,7 @@ class AsyncContext:
         :meth:`Context.call <buzz_delivery.agents.runtime.Context.call>`; a wait for the rate
         limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile)."""
         rate = ratelimits_plan(rate_key, weight)
+        self._refuse_nested(tool_name)
         async with self._lock:
             self._check()
             self._pos += 1
@@ -236,6 +246,21 @@ class AsyncContext:
                 )
             return output
 
+    def _refuse_nested(self, tool_name: str) -> None:
+        """A call from inside one of this run's calls' tool functions would wait for the lock
+        that call holds (it holds it until recorded) for ever: :class:`NestedCall` at once."""
+        outer = _IN_CALL.get()
+        if outer is not None and outer[0] is self:
+            raise NestedCall(tool_name, outer[1])
+
+    async def _user_fn(self, seq: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """The user's tool (or reconcile) function of call ``seq``, marked as running in it."""
+        token = _IN_CALL.set((self, seq))
+        try:
+            return await self.runtime.user_code(self.lease.community_id, fn, *args)
+        finally:
+            _IN_CALL.reset(token)
+
     async def _take_rate(self, rate: RatePlan) -> None:
         """Take ``rate``'s units before the call, awaiting each :class:`Wait` (never a failure of
         the run); a lease lost or a cancel meanwhile stops the wait."""
@@ -254,7 +279,7 @@ class AsyncContext:
     async def _make(self, seq: int, key: str, fn: Callable[..., Any], args: Any) -> Any:
         started = time.monotonic()
         try:
-            output = await self.runtime.user_code(self.lease.community_id, fn, args, key)
+            output = await self._user_fn(seq, fn, args, key)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -292,7 +317,7 @@ class AsyncContext:
             )
             raise UncertainCall(f"call {entry.seq} ({tool_name}) may or may not have happened")
         started = time.monotonic()
-        found = await self.runtime.user_code(self.lease.community_id, reconcile, args, entry.idempotency_key)
+        found = await self._user_fn(entry.seq, reconcile, args, entry.idempotency_key)
         if found is NOT_MADE:
             return await self._make(entry.seq, entry.idempotency_key, fn, args)
         await self._record(entry.seq, ok=True, output=found, started=started)
@@ -322,6 +347,9 @@ class AsyncContext:
     async def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """As :meth:`Context.request_approval <buzz_delivery.agents.runtime.Context.request_approval>`:
         parks the run the first time; returns the decision when the run is resumed."""
+        outer = _IN_CALL.get()
+        if outer is not None and outer[0] is self:  # that call holds the lock until recorded
+            raise ApprovalBlockedByCalls((outer[1],), "asked from inside a ctx.call of this run")
         async with self._lock:
             self._check()
             self._pos += 1
@@ -543,5 +571,26 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
-    done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
-    return "completed" if isinstance(done, s.Finished) else "lost"
+    # While the server still sees calls of this holder in flight (a task the handler left behind
+    # journaled one after it returned), wait for them and ask again, for a bounded time, then
+    # fail the run (its calls closed uncertain): never a run lost silently.
+    settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+    while True:
+        done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
+        if not isinstance(done, s.CallsInFlight):
+            return "completed" if isinstance(done, s.Finished) else "lost"
+        if time.monotonic() > settle or ctx.lost.is_set():
+            break
+        await asyncio.sleep(APPROVAL_RETRY_SECONDS)
+        async with ctx._lock:
+            pass
+        if ctx.lost.is_set():
+            return "lost"
+    ctx.failure_code = "calls_in_flight"
+    seqs = ", ".join(map(str, done.seqs))
+    failed = await _fail(
+        runtime, ctx.lease, "calls_in_flight", f"call(s) {seqs} of this run were never recorded; cannot complete"
+    )
+    if isinstance(failed, s.Unwinding):
+        return await unwind(runtime, ctx.lease, failed.seqs)
+    return "failed" if isinstance(failed, s.Finished) else "lost"

@@ -68,3 +68,21 @@ class ApprovalBlockedByCalls(AgentError):
     def __init__(self, seqs: tuple[int, ...], why: str) -> None:
         self.seqs = seqs
         super().__init__(f"request_approval: call(s) {', '.join(map(str, seqs))} of this run are in flight ({why})")
+
+
+class NestedCall(AgentError):
+    """The event-loop worker (``AsyncContext``): ``ctx.call`` made from inside another
+    ``ctx.call``'s tool function of the same run. A run's calls there are made one at a time
+    (their journal positions in the order the handler asks), so the nested call would wait for
+    the call it runs in for ever; it is refused at once instead, nothing journaled. Make the call
+    before or after the outer one (or return what it needs from the outer tool)."""
+
+    failure_code = "nested_call"
+
+    def __init__(self, tool_name: str, outer_seq: int) -> None:
+        self.tool_name = tool_name
+        self.outer_seq = outer_seq
+        super().__init__(
+            f"ctx.call({tool_name!r}) from inside the tool function of call {outer_seq} of the same run: "
+            "the event-loop runtime makes a run's calls one at a time; make it before or after that call"
+        )

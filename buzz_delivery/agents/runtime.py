@@ -614,17 +614,38 @@ def _run_claim(
         return "lost"
     if failure is None:
         try:
-            done = _settle(s.complete_run, ctx.lease, output)
+            done = _complete(ctx, output)
         except ValidationError as exc:  # not storable JSON: this run's failure, never the worker's
             failure = _unstorable(output, exc)
+        except RunAborted:
+            return "lost"
         else:
-            return "completed" if isinstance(done, s.Finished) else "lost"
+            if isinstance(done, s.CallsInFlight):  # never recorded: failed (uncertain), not lost
+                seqs = ", ".join(map(str, done.seqs))
+                failure = ("calls_in_flight", f"call(s) {seqs} of this run were never recorded; cannot complete")
+            else:
+                return "completed" if isinstance(done, s.Finished) else "lost"
     code, message = failure
     ctx.failure_code = code
     failed = _settle(s.fail_run, ctx.lease, code, message)
     if isinstance(failed, s.Unwinding):
         return unwind(ctx.lease, failed.seqs, lane)
     return "failed" if isinstance(failed, s.Finished) else "lost"
+
+
+def _complete(ctx: Context, output: Any) -> Any:
+    """``complete_run``; while the server still sees calls of this holder in flight (a thread the
+    handler left behind journaled one after the handler returned), wait for them and ask again,
+    for at most ``APPROVAL_SETTLE_SECONDS``; then the last :class:`CallsInFlight` is returned
+    (the caller fails the run: its calls closed uncertain, never a run lost silently)."""
+    settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+    while True:
+        done = _settle(s.complete_run, ctx.lease, output)
+        if not isinstance(done, s.CallsInFlight) or time.monotonic() > settle:
+            return done
+        ctx._await_calls()
+        if ctx.lost.wait(APPROVAL_RETRY_SECONDS):
+            raise RunAborted("the run's lease was lost while its calls were in flight")
 
 
 def _settle(service: Callable[..., Any], *args: Any) -> Any:

@@ -527,14 +527,18 @@ def _run_paths() -> dict[str, Any]:
         f"{RUN}/calls": post("journalCall", "Journal a tool call before making it", "CallRequest"),
         f"{RUN}/results": post("recordCallResult", "Record a call's result", "CallResultRequest"),
         f"{RUN}/approval": post("requestApproval", "Park the run on an approval", "ApprovalRequest"),
-        f"{RUN}/complete": post("completeRun", "End the run completed", "CompleteRequest"),
+        f"{RUN}/complete": post(
+            "completeRun", "End the run completed (calls_in_flight while the holder's calls are not recorded)",
+            "CompleteRequest",
+        ),
         **{
             f"/communities/{{community_id}}/runs/{action}": {
                 "post": _operation(op, summary, "BatchStepsResponse" if action == "steps" else "BatchRunResponse",
                                    body, "403", params=[COMMUNITY_PARAM])
             }
             for action, op, summary, body in (
-                ("complete", "completeRuns", "Complete many runs of one community", "BatchCompleteRequest"),
+                ("complete", "completeRuns", "Complete many runs of one community (each: finished, calls_in_flight...)",
+                 "BatchCompleteRequest"),
                 ("calls", "journalCalls", "Journal one call for each of many runs", "BatchCallRequest"),
                 ("results", "recordCallResults", "Record one call result for each of many runs",
                  "BatchResultRequest"),

@@ -827,18 +827,36 @@ def run_remote_claim(
     if problem is not None:
         ctx.failure_code = "output_not_json"
         return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
-    try:
-        done = (
-            batcher.send("complete", ctx.lease, {"output": output})
-            if batcher
-            else client.complete_run(ctx.lease, output)
-        )
-    except GatewayHTTPError as exc:
-        if exc.status != 400:
-            raise
-        ctx.failure_code = "output_refused"
-        return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
-    return "completed" if done.outcome == "finished" else "lost"
+    # While the gateway still sees calls of this holder in flight (a thread the handler left
+    # behind journaled one after it returned), wait for them and ask again, for a bounded time,
+    # then fail the run (its calls closed uncertain): never a run lost silently.
+    settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+    while True:
+        try:
+            done = (
+                batcher.send("complete", ctx.lease, {"output": output})
+                if batcher
+                else client.complete_run(ctx.lease, output)
+            )
+        except GatewayHTTPError as exc:
+            if exc.status != 400:
+                raise
+            ctx.failure_code = "output_refused"
+            return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
+        if done.outcome != "calls_in_flight":
+            return "completed" if done.outcome == "finished" else "lost"
+        if time.monotonic() > settle:
+            break
+        try:
+            ctx._await_calls()
+        except RunAborted:
+            return "lost"
+        if ctx.lost.wait(APPROVAL_RETRY_SECONDS):
+            return "lost"
+    ctx.failure_code = "calls_in_flight"
+    seqs = ", ".join(str(seq) for seq in done.data.get("seqs") or ())
+    message = f"call(s) {seqs} of this run were never recorded; cannot complete"
+    return _fail(client, ctx.lease, "calls_in_flight", message, batcher)
 
 
 def _fail(

@@ -296,11 +296,15 @@ def approval(request: HttpRequest, pubkey: bytes, data: dict[str, Any], communit
 @endpoint("POST", COMPLETE)
 def complete(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id: uuid.UUID, run_id: uuid.UUID):
     """End the run ``completed`` with ``output`` (``agents.services.complete_run``). 200
-    ``{"outcome": "finished", "state": "completed"}`` or ``already_terminal`` (the holder's
-    retry); 409 lease lost (also while the run is unwinding)."""
+    ``{"outcome": "finished", "state": "completed"}``, ``{"outcome": "calls_in_flight", "seqs"}``
+    (the holder's own calls ``seqs`` are journaled under its lease and not yet recorded: nothing
+    written, the lease holds, complete again once they are recorded) or ``already_terminal`` (the
+    holder's retry); 409 lease lost (also while the run is unwinding)."""
     outcome = agents.complete_run(_run_lease(request, community_id, run_id, pubkey, data), data["output"])
     if isinstance(outcome, agents.Finished):
         return JsonResponse({"outcome": "finished", "state": outcome.state})
+    if isinstance(outcome, agents.CallsInFlight):
+        return JsonResponse({"outcome": "calls_in_flight", "seqs": list(outcome.seqs)})
     return _common(outcome)
 
 
@@ -400,6 +404,8 @@ def _batch(
 
 
 def _finished(outcome: Any) -> dict[str, Any]:
+    if isinstance(outcome, agents.CallsInFlight):
+        return {"outcome": "calls_in_flight", "seqs": list(outcome.seqs)}
     return {"outcome": "finished", "state": outcome.state}
 
 
@@ -408,7 +414,8 @@ def complete_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], co
     """End many of the signer's runs in one community ``completed``, each under its own lease
     (``agents.services.batch.complete_runs``: one fenced statement). 200 ``{"results":
     [{"run_id", "outcome", ...}]}`` in request order, each outcome what the one-run complete
-    answers: ``finished`` (``state``), ``already_terminal``, ``lease_lost`` (``reason``:
+    answers: ``finished`` (``state``), ``calls_in_flight`` (``seqs``: that run's own calls not
+    yet recorded, nothing written for it), ``already_terminal``, ``lease_lost`` (``reason``:
     ``cancelled`` after a cancel) or ``not_found`` (no such run for this key); 400 naming the bad
     item (nothing written); 403 not enrolled there."""
     return _batch_of(request, _COMPLETE, pubkey, data, community_id)
@@ -495,8 +502,9 @@ def _prepare_result(lease: agents.AgentLease, item: dict[str, Any]) -> batch.Pre
 
 _COMPLETE = _Kind(
     lambda lease, item: batch.prepare_completion(lease, item["output"]),
-    batch.complete_runs, batch.replay_completion, _finished,
+    batch.complete_runs, batch.replay_completion, _finished, send_in_savepoint=False,
 )  # fmt: skip
+# complete_runs runs in a transaction (a savepoint in the request's) of its own.
 # journal_calls runs in a transaction (a savepoint in the request's) of its own.
 _CALLS = _Kind(_prepare_call, batch.journal_calls, batch.replay_call, _journaled, send_in_savepoint=False)
 _RESULTS = _Kind(_prepare_result, batch.record_results, batch.replay_result, _recorded_row)

@@ -423,3 +423,34 @@ def test_every_run_endpoint_refuses_bad_json_extra_fields_huge_bodies_and_wrong_
         assert (wrong.status_code, wrong.headers["Allow"]) == (405, "POST"), path
     assert send(agent, "POST", base, None).status_code == 405
     assert run_state() == before and counts() == rows
+
+
+def test_complete_with_a_call_of_the_holder_in_flight_is_calls_in_flight_single_and_batch(gateway_server):
+    """A raw client completing a run whose call 1 is still pending (call 2 recorded: the run
+    'running' again) got ``finished`` and the run ended with call 1 pending for ever. Now the
+    gateway answers ``calls_in_flight`` (as the approval route does), nothing written; in a
+    batch for that run only. Failed before the fix (``finished``)."""
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    for _ in range(2):
+        new_run(community.id, agent.pubkey)
+    busy, idle = (c.lease for c in agent.claim_runs(2, worker_id="remote-1", lease_seconds=30))
+    for n in (1, 2):
+        assert agent.journal_call(busy, "search", {"n": n}).outcome == "journaled"
+    assert agent.record_result(busy, 2, ok=True, output={}).outcome == "recorded"
+    before = run_state()
+
+    single = agent.complete_run(busy, {"answer": 42})
+    assert single.data == {"outcome": "calls_in_flight", "seqs": [1]}
+    assert run_state() == before
+    results = agent.complete_runs([(busy, {"n": 0}), (idle, {"n": 1})])
+    assert [(r.outcome, r.data.get("seqs"), r.data.get("state")) for r in results] == [
+        ("calls_in_flight", [1], None),
+        ("finished", None, "completed"),
+    ]
+    assert AgentRun.objects.get(id=busy.run_id).state == "running"
+    assert JournalEntry.objects.get(run_id=busy.run_id, seq=1).status == "pending"
+
+    assert agent.record_result(busy, 1, ok=True, output={}).outcome == "recorded"
+    assert agent.complete_run(busy, {"answer": 42}).data == {"outcome": "finished", "state": "completed"}

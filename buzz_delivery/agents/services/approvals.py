@@ -13,7 +13,7 @@ from typing import Any
 from django.db import transaction
 
 from buzz_delivery.agents.services import sql
-from buzz_delivery.agents.services.common import json_value, lease_params, sha256_json
+from buzz_delivery.agents.services.common import holds, json_value, lease_params, sha256_json
 from buzz_delivery.agents.services.journal import budget_or_missed, idempotency_key
 from buzz_delivery.agents.services.types import (
     AgentLease,
@@ -62,23 +62,6 @@ def request_approval(
         return CallsInFlight(exc.seqs)
 
 
-def _holds(params: dict[str, Any]) -> bool:
-    """The holder's lease holds (current, its generation and worker, the run leased, active and
-    not unwinding)."""
-    rows = fetch_all(sql.RUN_AT, params)
-    if not rows:
-        return False
-    state, generation, worker, _used, _cap, _cost, _cost_cap, unwinding, current, active = rows[0]
-    return bool(
-        generation == params["lease_generation"]
-        and worker == params["worker_id"]
-        and state in ("running", "waiting_tool")
-        and current
-        and active
-        and not unwinding
-    )
-
-
 class _InFlight(Exception):
     def __init__(self, seqs: tuple[int, ...]) -> None:
         self.seqs = seqs
@@ -90,7 +73,7 @@ def _park(params: dict[str, Any]) -> ApprovalRequested | CallsInFlight | BudgetE
         if not rows:
             in_flight = tuple(row[0] for row in fetch_all(sql.CALLS_IN_FLIGHT, params))
             refused = budget_or_missed(params)
-            if in_flight and isinstance(refused, LeaseLost) and _holds(params):
+            if in_flight and isinstance(refused, LeaseLost) and holds(params):
                 return CallsInFlight(in_flight)
             return refused
         in_flight = tuple(row[0] for row in fetch_all(sql.CALLS_IN_FLIGHT, params))

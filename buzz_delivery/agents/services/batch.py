@@ -30,7 +30,14 @@ from django.db import transaction
 from buzz_delivery.agents.conf import MAX_COST_UNITS, get_settings
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services import journal, runs, sql
-from buzz_delivery.agents.services.common import json_value, lease_params, lease_value, missed, sha256_json
+from buzz_delivery.agents.services.common import (
+    in_flight_or_missed,
+    json_value,
+    lease_params,
+    lease_value,
+    missed,
+    sha256_json,
+)
 from buzz_delivery.agents.services.types import (
     AgentClaim,
     AgentLease,
@@ -38,6 +45,7 @@ from buzz_delivery.agents.services.types import (
     AlreadyTerminal,
     Blocked,
     BudgetExceeded,
+    CallsInFlight,
     Finished,
     Journaled,
     LeaseLost,
@@ -54,7 +62,7 @@ MAX_BATCH = 500
 
 JournalOutcome = Journaled | Blocked | BudgetExceeded | AlreadyTerminal | LeaseLost
 RecordOutcome = Recorded | AlreadyRecorded | AlreadyTerminal | LeaseLost
-CompleteOutcome = Finished | AlreadyTerminal | LeaseLost
+CompleteOutcome = Finished | CallsInFlight | AlreadyTerminal | LeaseLost
 FailOutcome = Finished | Unwinding | AlreadyTerminal | LeaseLost
 
 
@@ -348,14 +356,22 @@ def replay_result(result: PreparedResult) -> RecordOutcome:
 def complete_runs(community_id: uuid.UUID | str, completions: Sequence[PreparedCompletion]) -> list[CompleteOutcome]:
     """:func:`~buzz_delivery.agents.services.complete_run` of many runs of one community, in
     one transaction and one statement (a workflow step awaiting a run counts it in the same
-    transaction, per row, as for the single form). One outcome per completion, in order."""
+    transaction, per row, as for the single form). One outcome per completion, in order: a run
+    with the holder's own calls in flight is that row's :class:`CallsInFlight` (nothing written
+    for it, the others unaffected), as the single form answers."""
     params = _common(community_id, [c.lease for c in completions])
     params.update(outputs=[c.output_text for c in completions], output_hashes=[c.output_hash for c in completions])
     if not completions:
         return []
-    with _transaction(False), translated_errors():  # one statement writes; the rest reads
+    # One statement writes; the rest reads. A call journaled meanwhile sets its run 'waiting_tool'
+    # with its entry, and the statement's lock of that row re-checks state = 'running' on the new
+    # version (as complete_run): no lock statement of its own first.
+    with _transaction(False), translated_errors():
         done = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT, params)}
-        return [Finished("completed") if c.lease.run_id in done else missed(lease_params(c.lease)) for c in completions]
+        return [
+            Finished("completed") if c.lease.run_id in done else in_flight_or_missed(lease_params(c.lease))
+            for c in completions
+        ]
 
 
 def replay_completion(completion: PreparedCompletion) -> CompleteOutcome:

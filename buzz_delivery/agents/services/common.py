@@ -9,7 +9,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from buzz_delivery.agents.services import sql
-from buzz_delivery.agents.services.types import AgentLease, AlreadyTerminal, LeaseLost
+from buzz_delivery.agents.services.types import AgentLease, AlreadyTerminal, CallsInFlight, LeaseLost
 from buzz_delivery.agents.states import RUN_TERMINAL
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
@@ -67,3 +67,30 @@ def missed(params: dict[str, Any]) -> AlreadyTerminal | LeaseLost:
     ):
         return LeaseLost("cancelled")
     return LeaseLost()
+
+
+def holds(params: dict[str, Any]) -> bool:
+    """The holder's lease holds (current, its generation and worker, the run leased, active and
+    not unwinding)."""
+    rows = fetch_all(sql.RUN_AT, params)
+    if not rows:
+        return False
+    state, generation, worker, _used, _cap, _cost, _cost_cap, unwinding, current, active = rows[0]
+    return bool(
+        generation == params["lease_generation"]
+        and worker == params["worker_id"]
+        and state in ("running", "waiting_tool")
+        and current
+        and active
+        and not unwinding
+    )
+
+
+def in_flight_or_missed(params: dict[str, Any]) -> CallsInFlight | AlreadyTerminal | LeaseLost:
+    """Judge a completion that matched nothing: with the holder's own calls in flight (journaled
+    under its generation, still pending) and its lease holding, :class:`CallsInFlight`; else
+    :func:`missed`."""
+    in_flight = tuple(row[0] for row in fetch_all(sql.CALLS_IN_FLIGHT, params))
+    if in_flight and holds(params):
+        return CallsInFlight(in_flight)
+    return missed(params)

@@ -19,13 +19,14 @@ from buzz_delivery import tracing
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.services import sql
-from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
+from buzz_delivery.agents.services.common import in_flight_or_missed, json_value, lease_params, missed, sha256_json
 from buzz_delivery.agents.services.policy import ask, bounded, policy_of, settings_layer
 from buzz_delivery.agents.services.types import (
     Accepted,
     AgentClaim,
     AgentLease,
     AlreadyTerminal,
+    CallsInFlight,
     Cancelled,
     Created,
     Duplicate,
@@ -320,20 +321,31 @@ def heartbeat(lease: AgentLease, lease_seconds: float | None = None) -> Renewed 
 
 @retry_deadlocks
 @tenant_scoped
-def complete_run(lease: AgentLease, output: Any) -> Finished | AlreadyTerminal | LeaseLost:
+def complete_run(lease: AgentLease, output: Any) -> Finished | CallsInFlight | AlreadyTerminal | LeaseLost:
     """End the run ``completed`` with ``output`` (JSON, at most ``MAX_OUTPUT_BYTES``; its
     SHA-256 recorded), releasing the lease. Refused (``LeaseLost``) while the run is unwinding.
     In the same transaction a workflow step awaiting this run counts it (migration 0002).
-    Returns :class:`Finished`, ``AlreadyTerminal`` (the true holder's retry) or ``LeaseLost``.
-    Raises ``ValidationError`` keyed ``lease`` or ``output`` before SQL. SPEC 12."""
+
+    A finished run keeps no pending call: while a tool call the holder journaled under its lease
+    generation is still ``pending``, nothing is written and the answer is :class:`CallsInFlight`
+    naming them (the lease holds: record them, then complete again). Pending calls of an earlier
+    generation (a crashed holder's, which its handler did not replay) do not refuse it.
+
+    Returns :class:`Finished`, :class:`CallsInFlight`, ``AlreadyTerminal`` (the true holder's
+    retry) or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease`` or ``output`` before SQL.
+    SPEC 12."""
     params = lease_params(
         lease, output=json_value(output, "output", get_settings().max_output_bytes), output_hash=sha256_json(output)
     )
     with transaction.atomic(), translated_errors():
+        # No lock of the run's row first: a call its holder journals meanwhile on another thread
+        # sets the run 'waiting_tool' in the same transaction as its entry, and a completion that
+        # waited for that row re-checks its state = 'running' on the new version (a statement
+        # saved on every completion); entries committed before it are in its NOT EXISTS's snapshot.
         rows = fetch_all(sql.COMPLETE_IF_CURRENT, params)
         if rows:
             return Finished("completed")
-        return missed(params)
+        return in_flight_or_missed(params)
 
 
 @retry_deadlocks

@@ -241,6 +241,8 @@ SET state = 'completed', output = %(output)s::jsonb, output_hash = %(output_hash
     claimed_at = NULL, finished_at = {DB_NOW},
     {run_entry("'settle'", "r.lease_generation", "r.worker_id", status="'completed'", renewals="r.renewals")}
 WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding
+  AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s
+                  AND j.kind = 'tool' AND j.status = 'pending' AND j.generation = %(lease_generation)s)
 RETURNING r.state
 """
 
@@ -579,12 +581,16 @@ WHERE j.community_id = %(community_id)s AND j.idempotency_key = u.key AND j.run_
 RETURNING j.run_id, j.status
 """
 
+# COMPLETE_IF_CURRENT's conditions for a row of ``u``: none of the holder's calls in flight.
+_COMPLETABLE = f"""AND r.state = 'running' AND NOT r.unwinding
+      AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = %(community_id)s AND j.run_id = r.id
+                      AND j.kind = 'tool' AND j.status = 'pending' AND j.generation = u.generation)"""
 COMPLETE_MANY_IF_CURRENT = f"""
 WITH u AS MATERIALIZED (
     SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(outputs)s::jsonb[],
                          %(output_hashes)s::bytea[])
         AS u(run_id, generation, output, output_hash)
-), {locked_in_id_order(extra="AND r.state = 'running' AND NOT r.unwinding", columns=", u.output, u.output_hash")}
+), {locked_in_id_order(extra=_COMPLETABLE, columns=", u.output, u.output_hash")}
 UPDATE {RUN} AS r
 SET state = 'completed', output = locked.output, output_hash = locked.output_hash, lease_until = NULL,
     claimed_at = NULL, finished_at = {DB_NOW},

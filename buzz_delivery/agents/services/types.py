@@ -194,9 +194,10 @@ class ApprovalRequested:
 
 @dataclass(frozen=True, slots=True)
 class CallsInFlight:
-    """``request_approval`` refused while the holder's own tool calls ``seqs`` (journaled under
-    its lease, not yet recorded) are in flight: nothing written, the lease still holds. Record
-    them, then ask again (the runtimes wait for them first)."""
+    """``request_approval``, ``complete_run`` or ``complete_runs`` refused while the holder's own
+    tool calls ``seqs`` (journaled under its lease generation, not yet recorded) are in flight:
+    nothing written, the lease still holds. Record them, then ask again (the runtimes wait for
+    them first). Pending calls of an earlier generation (a crashed holder's) never refuse."""
 
     seqs: tuple[int, ...]
 
