@@ -63,6 +63,7 @@ from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
+from buzz_delivery.inflight import InFlightCalls
 from buzz_delivery.services import ratelimits
 from buzz_delivery.services.db import node_lost
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -171,9 +172,7 @@ class Context:
         self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
         # Calls of this handler journaled (or being journaled) and not yet recorded: an approval
         # request waits for them (the run cannot park with one of its own calls in flight).
-        self._in_flight = 0
-        self._settled = threading.Condition()
-        self._mine = threading.local()  # .calls: this thread's calls in flight (nested in each other)
+        self._calls = InFlightCalls()
         self.rate_waits = 0  # how many times a call waited for its rate limit
         # ctx.emit: chunks the run had when claimed (a resumed handler's first emits are these).
         self._emitted_before = claim.run.output_chunks
@@ -239,27 +238,6 @@ class Context:
         self._check()
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
 
-    def _others_in_flight(self) -> bool:
-        with self._settled:
-            return self._in_flight > self._own_calls()
-
-    def _enter_call(self) -> None:
-        """Count a call in flight (``request_approval`` waits for none). Called with the journal
-        lock held, once the call has its position: counted before it, a call waiting for the lock
-        an approval holds while it waits for the calls in flight would wait forever."""
-        with self._settled:
-            self._in_flight += 1
-        self._mine.calls = self._own_calls() + 1
-
-    def _leave_call(self) -> None:
-        self._mine.calls -= 1
-        with self._settled:
-            self._in_flight -= 1
-            self._settled.notify_all()
-
-    def _own_calls(self) -> int:
-        return int(getattr(self._mine, "calls", 0))
-
     def _call(
         self,
         tool_name: str,
@@ -282,11 +260,11 @@ class Context:
                     outcome = s.journal_call(
                         self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
                     )
-            self._enter_call()
+            self._calls.enter()
         try:
             return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile, rate)
         finally:
-            self._leave_call()
+            self._calls.leave()
 
     def _called(
         self,
@@ -423,10 +401,7 @@ class Context:
         """Wait until none of this handler's calls is in flight but this thread's own (the other
         threads' run on, their lease renewed by the heartbeat); a lease lost meanwhile stops the
         wait (:class:`RunAborted`)."""
-        with self._settled:
-            while self._in_flight > self._own_calls():
-                self._check()
-                self._settled.wait(APPROVAL_RETRY_SECONDS)
+        self._calls.wait_for_others(self._check, APPROVAL_RETRY_SECONDS)
         self._check()
 
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
@@ -448,7 +423,7 @@ class Context:
             with self._journaling:
                 entry = self._journal.get(self._pos + 1)
                 # From inside a call of this thread it asks at once: the server names the call.
-                if entry is not None or self._own_calls() or not self._others_in_flight():
+                if entry is not None or self._calls.own() or not self._calls.others():
                     self._pos += 1
                     if entry is None:
                         outcome = self._park(prompt, deadline_seconds)
@@ -480,7 +455,7 @@ class Context:
                 outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
             if not isinstance(outcome, s.CallsInFlight):
                 return outcome
-            if self._own_calls():
+            if self._calls.own():
                 raise ApprovalBlockedByCalls(outcome.seqs, "asked from inside a ctx.call of this thread")
             if settle is None:
                 settle = time.monotonic() + APPROVAL_SETTLE_SECONDS

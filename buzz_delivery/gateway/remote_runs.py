@@ -61,6 +61,7 @@ from buzz_delivery.gateway.client import (
     storable,
     unreachable_for_long,
 )
+from buzz_delivery.inflight import InFlightCalls
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
 
@@ -198,9 +199,7 @@ class RemoteRunContext:
         self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
         # Calls of this handler journaled (or being journaled) and not yet recorded: an approval
         # request waits for them (the run cannot park with one of its own calls in flight).
-        self._in_flight = 0
-        self._settled = threading.Condition()
-        self._mine = threading.local()  # .calls: this thread's calls in flight
+        self._calls = InFlightCalls()
 
     @property
     def cancelled(self) -> bool:
@@ -261,32 +260,8 @@ class RemoteRunContext:
         self._check()
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost)
 
-    def _others_in_flight(self) -> bool:
-        with self._settled:
-            return self._in_flight > self._own_calls()
-
     def _await_calls(self) -> None:
-        with self._settled:
-            while self._in_flight > self._own_calls():
-                self._check()
-                self._settled.wait(APPROVAL_RETRY_SECONDS)
-
-    def _enter_call(self) -> None:
-        """Count a call in flight (``request_approval`` waits for none). Called with the journal
-        lock held, once the call has its position: counted before it, a call waiting for the lock
-        an approval holds while it waits for the calls in flight would wait forever."""
-        with self._settled:
-            self._in_flight += 1
-        self._mine.calls = self._own_calls() + 1
-
-    def _leave_call(self) -> None:
-        self._mine.calls -= 1
-        with self._settled:
-            self._in_flight -= 1
-            self._settled.notify_all()
-
-    def _own_calls(self) -> int:
-        return int(getattr(self._mine, "calls", 0))
+        self._calls.wait_for_others(self._check, APPROVAL_RETRY_SECONDS)
 
     def _call(
         self,
@@ -313,11 +288,11 @@ class RemoteRunContext:
                             self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
                         )
                     )
-            self._enter_call()
+            self._calls.enter()
         try:
             return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile)
         finally:
-            self._leave_call()
+            self._calls.leave()
 
     def _called(
         self,
@@ -429,7 +404,7 @@ class RemoteRunContext:
             with self._journaling:
                 entry = self._journal.get(self._pos + 1)
                 # From inside a call of this thread it asks at once: the gateway names the call.
-                if entry is not None or self._own_calls() or not self._others_in_flight():
+                if entry is not None or self._calls.own() or not self._calls.others():
                     self._pos += 1
                     if entry is None:
                         outcome = self._park(prompt, deadline_seconds)
@@ -464,7 +439,7 @@ class RemoteRunContext:
             if outcome.outcome != "calls_in_flight":
                 return outcome
             seqs = tuple(int(seq) for seq in outcome.data.get("seqs") or ())
-            if self._own_calls():
+            if self._calls.own():
                 raise ApprovalBlockedByCalls(seqs, "asked from inside a ctx.call of this thread")
             if settle is None:
                 settle = time.monotonic() + APPROVAL_SETTLE_SECONDS

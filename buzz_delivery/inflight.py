@@ -1,0 +1,56 @@
+"""The tool calls of one agent handler in flight, counted for the runtimes (Django-free: the
+in-process thread runtime, ``agents.runtime``, and the remote one, ``gateway.remote_runs``).
+
+A run parks for an approval, completes or fails only once none of its handler's calls is in
+flight: parking releases the lease, and a call left running could no longer record its result;
+a completion or failure would leave that call pending (SPEC 12). A call counts from the moment
+it holds its journal position (:meth:`InFlightCalls.enter`, called under the runtime's journal
+lock: counted before it, a call waiting for the lock an approval held while it waited for the
+calls in flight would wait for ever) until it is recorded (:meth:`InFlightCalls.leave`). Calls
+nested in a call of the same thread are this thread's own: :meth:`InFlightCalls.wait_for_others`
+does not wait for them (they cannot end while their thread waits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class InFlightCalls:
+    """How many calls of one handler are in flight, in all and on the calling thread."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._settled = threading.Condition()
+        self._mine = threading.local()  # .calls: this thread's calls in flight (nested in each other)
+
+    def enter(self) -> None:
+        """Count a call that holds its journal position (see the module doc for when)."""
+        with self._settled:
+            self._count += 1
+        self._mine.calls = self.own() + 1
+
+    def leave(self) -> None:
+        """The call :meth:`enter` counted is recorded (or gave up)."""
+        self._mine.calls -= 1
+        with self._settled:
+            self._count -= 1
+            self._settled.notify_all()
+
+    def own(self) -> int:
+        """This thread's calls in flight (a call made from inside a call's tool function)."""
+        return int(getattr(self._mine, "calls", 0))
+
+    def others(self) -> bool:
+        """Whether a call of another thread is in flight."""
+        with self._settled:
+            return self._count > self.own()
+
+    def wait_for_others(self, check: Callable[[], None], every: float) -> None:
+        """Wait until no call of another thread is in flight, calling ``check`` (which raises to
+        stop the wait: a lease lost) at least every ``every`` seconds."""
+        with self._settled:
+            while self._count > self.own():
+                check()
+                self._settled.wait(every)
