@@ -502,9 +502,8 @@ def _prepare_result(lease: agents.AgentLease, item: dict[str, Any]) -> batch.Pre
 
 _COMPLETE = _Kind(
     lambda lease, item: batch.prepare_completion(lease, item["output"]),
-    batch.complete_runs, batch.replay_completion, _finished, send_in_savepoint=False,
+    batch.complete_runs, batch.replay_completion, _finished,
 )  # fmt: skip
-# complete_runs runs in a transaction (a savepoint in the request's) of its own.
 # journal_calls runs in a transaction (a savepoint in the request's) of its own.
 _CALLS = _Kind(_prepare_call, batch.journal_calls, batch.replay_call, _journaled, send_in_savepoint=False)
 _RESULTS = _Kind(_prepare_result, batch.record_results, batch.replay_result, _recorded_row)

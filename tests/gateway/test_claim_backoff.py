@@ -71,7 +71,9 @@ def test_refused_claims_back_off_in_work_work_runs_and_the_run_acceptor():
     """In 6 s of refusals a worker claimed 6-7 times (once a second; ``work``'s two claimers 12
     or more); backing off from 1 s with jitter (waits within [0.5, 1], [1, 2], [2, 4]...) it
     claims at most 4 times (at 0 s, and not before 0.5, 1.5 and 3.5 s; the next not before
-    7.5 s), ``work``'s two claimers sharing one backoff at most 5."""
+    7.5 s). ``work``'s two claimers share one backoff but each sleeps the wait its own failure
+    drew: both fail at 0 s, then one waits the 1st wait and the 3rd, the other the 2nd and the
+    4th, so at most 3 claims each (6 in all; CI saw 6 under load)."""
     work = RemoteWorker(client(), handler, wait_seconds=0)
     runs = RemoteRunWorker(client(), handler, wait_seconds=0, accept=False)
     stop_accepting = threading.Event()
@@ -97,7 +99,7 @@ def test_refused_claims_back_off_in_work_work_runs_and_the_run_acceptor():
         "work-runs": summaries["runs"]["errors"],
         "acceptor": acceptor.counts["claim_errors"],
     }
-    assert 2 <= counts["work"] <= 5 and 2 <= counts["work-runs"] <= 4 and 2 <= counts["acceptor"] <= 4, counts
+    assert 2 <= counts["work"] <= 6 and 2 <= counts["work-runs"] <= 4 and 2 <= counts["acceptor"] <= 4, counts
 
 
 def test_idle_exit_still_ends_a_worker_whose_claims_are_refused_soon_after_5_s():
