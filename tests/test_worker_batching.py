@@ -95,9 +95,47 @@ def test_a_backlog_is_claimed_in_whole_batches_while_every_handler_thread_has_wo
     assert set(statuses(ids).values()) == {"finished"}
     sizes = [int(n) for n in re.findall(r"claimed n=(\d+) via=", worker.log())]
     assert sum(sizes) == 200
-    # The first claim (no handler has run: no claim-ahead yet) and the backlog's tail are short;
-    # a stall on a loaded machine may shorten one more. Every other claim takes a whole batch.
-    assert sum(1 for n in sizes if n < 20) <= 3, sizes
+    # The first claim (no handler has run: no claim-ahead yet) and the backlog's tail are short,
+    # and so is a claim made while the settler is behind (at most two batches of unsettled
+    # results count as room): how many of those a loaded machine makes is its scheduler's
+    # choice, so the rule itself is asserted below, one decision at a time; here, that most of
+    # the backlog (at least half) came in whole batches.
+    assert sum(n for n in sizes if n == 20) >= 100, sizes
+
+
+def test_the_dispatcher_claims_a_whole_batch_or_nothing_while_claims_wait_beyond_the_threads(community):
+    """The rule of the test above, decided from the counts alone: with 4 handler threads, a
+    batch of 20 and fast handlers (20 may wait ahead), the room is 0 while more than 4 claims
+    are held and less than a batch fits; a whole batch once the queue is down to the threads'
+    own; and what a stalled settler leaves when the queue has run dry."""
+    import threading
+
+    from buzz_delivery.worker import WorkerConfig
+    from buzz_delivery.worker.runtime import Worker
+
+    config = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=random32(),
+        handler=lambda delivery: None,
+        concurrency=4,
+        batch_size=20,
+        lease_seconds=30,
+    )
+    worker = Worker(config, threading.Event())
+    assert worker._room() == 4  # no handler has run yet: nothing is claimed ahead
+    worker.run_time = 0.001  # handlers as fast as no-ops: a whole batch may wait ahead
+
+    def room(handling: int, in_flight: int) -> int:
+        worker.handling, worker.in_flight = handling, in_flight
+        return worker._room()
+
+    assert room(0, 0) == 24
+    assert room(4, 4) == 20  # the queue is down to the threads' own: a whole batch fits
+    assert room(5, 5) == 0  # one claim waits beyond the threads: 19 would only queue behind it
+    assert room(14, 14) == 0
+    assert room(24, 24) == 0
+    assert room(4, 60) == 4  # the settler is two batches behind: only what the threads free
+    assert room(10, 70) == 0
 
 
 def test_idle_exit_is_counted_from_the_dispatchers_start_not_from_the_workers_construction(community):
