@@ -51,7 +51,7 @@ class TaskResult(CommunityScoped):
     return_value = models.JSONField(null=True, blank=True)
     # [{"exception_class_path", "traceback", "failure_code", "lease_generation"}]: the last two
     # (how the delivery failed, which lease recorded it) tell the next holder of a delivery whose
-    # settle never committed how to settle it without running the task again (recorded_outcome).
+    # settle never committed how to settle it without running the task again (read_task_of_delivery).
     errors = models.JSONField(default=list)
 
     class Meta:

@@ -13,8 +13,9 @@ its connection is rolled back and closed before the outcome is recorded on a fre
 reaper returns the delivery to ``pending`` and another worker runs the task again, until the
 delivery's ``max_attempts``.
 A worker that dies after the outcome was recorded, before its settle committed, leaves it
-recorded: the next holder reads it first (``services.recorded_outcome``) and settles the
-delivery as it says, without running the task or sending its signals again.
+recorded: the next holder reads it with the task, in one statement fenced by its lease
+(``services.read_task_of_delivery``), and settles the delivery as it says, without running the
+task or sending its signals again.
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ class TaskRunner:
     def __call__(self, delivery: Any) -> None:
         from buzz_delivery.tasks import services
 
-        stored = services.read_task_of_delivery(delivery.community_id, delivery.id)
-        if stored is None or stored.backend != self.backend.alias:
+        held = services.read_task_of_delivery(delivery.community_id, delivery.id, delivery.lease_generation)
+        if held is None or held.task.backend != self.backend.alias:
             raise NotATask(f"delivery {delivery.id} carries no task of backend {self.backend.alias!r}")
-        if self._returned_before(delivery):
+        stored = held.task
+        if self._returned_before(delivery, held.recorded):
             return
         try:
             task = self.backend.task_of(stored)
@@ -139,16 +141,14 @@ class TaskRunner:
             self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
         )
 
-    def _returned_before(self, delivery: Any) -> bool:
+    def _returned_before(self, delivery: Any, found: Any) -> bool:
         """False when the task is to run. Otherwise an earlier holder of this delivery ran it,
         recorded its outcome and died before its settle committed: True for a recorded return
         value (the worker settles ``finished``), and a recorded error raises what that holder
         raised (``TaskFailed`` or ``task_not_registered`` by the stored code, chosen among
         these two, never looked up). Either way the task is not called again and
-        ``task_started``/``task_finished`` are not sent again: they were sent for that run."""
-        from buzz_delivery.tasks import services
-
-        found = services.recorded_outcome(delivery.community_id, delivery.id, delivery.lease_generation)
+        ``task_started``/``task_finished`` are not sent again: they were sent for that run.
+        ``found``: the :class:`~buzz_delivery.tasks.services.RecordedOutcome` read with the task."""
         if found.state == "none":
             return False
         if found.state == "lease_lost":
