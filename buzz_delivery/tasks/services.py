@@ -331,19 +331,20 @@ def read_task(community_id: uuid.UUID | str, result_id: uuid.UUID | str) -> Stor
 
 # Fenced by the delivery's lease as every settle is: the holder's generation, the row still
 # claimed and its lease not lapsed, by the database clock. An error is stored with the lease
-# generation that recorded it (read_task_of_delivery tells it from an error an operator's
-# requeue has since superseded).
+# generation that recorded it and the delivery's requeue count then (``requeues``), read from the
+# row here: read_task_of_delivery tells it from an error an operator's requeue has since
+# superseded. The error object is extended with IMMUTABLE operations only (jsonb and text
+# concatenation, casts): Citus refuses a STABLE function such as jsonb_build_object over a
+# column in an UPDATE, and an object concatenated to the errors array is appended to it.
 _RECORD_OUTCOME = f"""
 UPDATE {RESULT} AS r
 SET return_value = %(return_value)s::jsonb,
     errors = CASE WHEN %(error)s::jsonb IS NULL THEN r.errors
-                  ELSE r.errors || jsonb_build_array(%(error)s::jsonb) END
+                  ELSE r.errors || (%(error)s::jsonb || ('{{"requeues": ' || d.requeues::text || '}}')::jsonb) END
+FROM {DELIVERY} AS d
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
-  AND EXISTS (
-      SELECT 1 FROM {DELIVERY} d
-      WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
-        AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
-  )
+  AND d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+  AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
 RETURNING r.id
 """
 
@@ -357,7 +358,8 @@ def record_task_outcome(
     return_value: Any = None,
     error: dict[str, str] | None = None,
 ) -> bool:
-    """Write the task's return value (or append its error, with ``lease_generation``) if
+    """Write the task's return value (or append its error, with ``lease_generation`` and the
+    delivery's ``requeues``, read from its row: a caller's value for either is overwritten) if
     ``lease_generation`` still holds the delivery's current, unexpired lease; False (nothing
     written) otherwise. The holder then settles the delivery (the worker does), so a result is
     shown once its delivery is settled; a holder that dies first leaves the outcome to the next
@@ -397,26 +399,30 @@ class HeldTask:
     recorded: RecordedOutcome
 
 
-# The task's row as _READ_BY_ID reads it, and, judged in the same snapshot, whether the caller's lease
-# still holds the delivery (generation, still claimed, not lapsed, by the database clock: the
-# fence of _RECORD_OUTCOME and of every settle) and what an earlier holder recorded. A return
+# The task's row as _READ_BY_ID reads it, and, judged in the same snapshot, whether the caller's
+# lease still holds the delivery (generation, still claimed, not lapsed, by the database clock:
+# the fence of _RECORD_OUTCOME and of every settle) and what an earlier holder recorded. A return
 # value is recorded when the column is not SQL NULL: a task that returned None stored the jsonb
 # 'null', and recording an error sets the column to SQL NULL. An error is the outcome unless an
-# operator requeued the delivery after it was recorded (a 'requeue' history entry of a later
-# generation than the error's lease_generation): the requeue asks for another run. An error
-# without a numeric lease_generation (written before errors carried it) counts as recorded at
-# generation -1.
+# operator requeued the delivery after it was recorded: its ``requeues`` (the delivery's count
+# when it was recorded) is not the delivery's count now, however many leases lapsed since. An
+# error recorded before errors carried ``requeues`` is superseded by any requeue counted since
+# (all came after it) or, before the count existed, by a 'requeue' history entry of a later
+# generation than its lease_generation (-1 without one).
 _READ_HELD = f"""
 SELECT {_TASK_COLUMNS},
        d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now(),
        r.return_value IS NOT NULL,
        (r.errors -> -1)::text,
-       EXISTS (
-           SELECT 1 FROM jsonb_array_elements(d.history) AS h
-           WHERE h->>'event' = 'requeue'
-             AND (h->>'generation')::bigint > CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'
-                                                   THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END
-       )
+       CASE WHEN jsonb_typeof(r.errors -> -1 -> 'requeues') = 'number'
+            THEN (r.errors -> -1 -> 'requeues')::numeric <> d.requeues
+            ELSE d.requeues > 0 OR EXISTS (
+                SELECT 1 FROM jsonb_array_elements(d.history) AS h
+                WHERE h->>'event' = 'requeue'
+                  AND (h->>'generation')::bigint
+                      > CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'
+                             THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END
+            ) END
 FROM {RESULT} r
 JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
