@@ -279,6 +279,10 @@ class WorkflowAgentDelivery(CommunityScoped):
     # The last HISTORY_LIMIT transitions, oldest first, each appended by the statement that made
     # it (buzz_delivery.services.sql) and never edited (triggers.history_append_only).
     history = models.JSONField(default=list, db_default=Value([], output_field=models.JSONField()), blank=True)
+    # Operator requeues of this delivery (services.requeue_delivery adds 1), never reset: which
+    # requeue epoch the row is in however much history was dropped since (the tasks backend
+    # keys a recorded outcome with it). Not returned by claims (sql.DEFERRED_FIELDS).
+    requeues = models.IntegerField(default=0, db_default=0, editable=False)
 
     class Meta:
         db_table = "buzz_delivery_delivery"

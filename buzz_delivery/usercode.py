@@ -149,6 +149,17 @@ class UserCode:
             del db.execute_wrappers[self._mark :]  # ours, and any the call left behind
             self.left_open = self._clean(db)
 
+    def checkpoint(self) -> str | None:
+        """Judge and clean the connection now, as on exit, and stay entered: what the code run
+        since the entry (or the last checkpoint) left open (its connection discarded), or None.
+        For a caller that runs its own statements between two pieces of user code inside one
+        call (the task runner records a task's outcome between the task and its
+        ``task_finished`` receivers): they run on a clean connection, in the call's scope."""
+        self.left_open = self._clean(self._db)
+        if not self._in_transaction:
+            self.session_touched = False  # cleaned (DISCARD ALL, or a fresh connection next)
+        return self.left_open
+
     def _clean(self, db: Any) -> str | None:
         problem = None
         if len(db.atomic_blocks) > self._depth:

@@ -149,10 +149,10 @@ def test_every_statement_on_task_results_names_its_community():
         result = t.add.enqueue(1, 2)
         t.add.get_result(result.id)
         stored = services.read_task(t.COMMUNITY, result.id)
-        services.read_task_of_delivery(t.COMMUNITY, stored.delivery_id)
-        services.record_task_outcome(t.COMMUNITY, stored.delivery_id, 1, return_value=3)
         # Fenced by the lease: a pending delivery is no holder's.
-        assert services.recorded_outcome(t.COMMUNITY, stored.delivery_id, 1).state == "lease_lost"
+        held = services.read_task_of_delivery(t.COMMUNITY, stored.delivery_id, 1)
+        assert held.task.id == uuid.UUID(result.id) and held.recorded.state == "lease_lost"
+        services.record_task_outcome(t.COMMUNITY, stored.delivery_id, 1, return_value=3)
     statements = [q["sql"].rsplit("; ", 1)[-1] for q in captured.captured_queries]
     statements = [sql for sql in statements if "buzz_tasks_result" in sql]
     assert len(statements) >= 5

@@ -114,3 +114,88 @@ def test_task_enqueued_is_sent_at_the_enqueue_inside_the_callers_transaction_eve
         compat.task_enqueued.disconnect(seen, sender=DeliveryBackend)
     assert sent == [rolled_back.id, kept.id] and committed == [kept.id]
     assert list(TaskResult.objects.values_list("id", flat=True)) == [uuid.UUID(kept.id)]
+
+
+def leave_open(how: str, table: str) -> None:
+    """Write a row into ``table`` inside a transaction left open (as the task above does)."""
+    from django.db import transaction
+
+    if how == "autocommit":
+        transaction.set_autocommit(False)
+    elif how == "atomic":
+        transaction.atomic().__enter__()
+    with connection.cursor() as cursor:
+        if how == "begin":
+            cursor.execute("BEGIN")
+        cursor.execute(f"INSERT INTO {table} (note) VALUES ('a receiver wrote this inside its open transaction')")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("signal_name", ["task_started", "task_finished"])
+@pytest.mark.parametrize("how", ["autocommit", "atomic", "begin"])
+def test_a_task_signal_receiver_that_leaves_a_transaction_open_is_rolled_back_and_told_and_the_outcome_stands(
+    probe_table, signal_name, how
+):
+    """A receiver is the project's code, not the task's: one that leaves a transaction open is
+    told as one that raises is (``task_signal_error``, ``transaction_left_open``), what it wrote
+    there is rolled back, and the task runs once, on a clean connection, its outcome settled as
+    recorded (not failed by what a receiver did after, or before, it ran)."""
+    import logging
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    signal_ = getattr(compat, signal_name)
+    told: list[str] = []
+
+    class Told(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            told.append(record.getMessage())
+
+    def receiver(sender, task_result, **kwargs):
+        if task_result.task.func is t.add.func and task_result.args == [1, 2]:
+            leave_open(how, probe_table)
+
+    handler = Told(level=logging.ERROR)
+    logging.getLogger("buzz_delivery.tasks").addHandler(handler)
+    signal_.connect(receiver, sender=DeliveryBackend)
+    try:
+        first = t.add.enqueue(1, 2)
+        after = t.add.enqueue(3, 4)  # the same worker thread goes on, on a clean connection
+        run_worker()
+    finally:
+        signal_.disconnect(receiver, sender=DeliveryBackend)
+        logging.getLogger("buzz_delivery.tasks").removeHandler(handler)
+    for result, value in ((first, 3), (after, 7)):
+        got = t.add.get_result(result.id)
+        assert (got.status, got.return_value, got.attempts, got.errors) == (
+            compat.TaskResultStatus.SUCCESSFUL,
+            value,
+            1,
+            [],
+        )
+        delivery = models.WorkflowAgentDelivery.objects.get(id=TaskResult.objects.get(id=result.id).delivery_id)
+        assert (delivery.status, delivery.failure_code) == ("finished", None)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {probe_table}")
+        assert cursor.fetchone() == (0,)
+    (line,) = [m for m in told if "transaction_left_open" in m]
+    assert f"result={first.id} signal={signal_name}" in line and "nothing it wrote there is kept" in line
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_task_runs_in_one_user_code_guard_not_the_workers_and_the_runners_both(monkeypatch):
+    from buzz_delivery.usercode import UserCode
+
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    entered: list[object] = []
+    enter = UserCode.__enter__
+
+    def counted(self):
+        entered.append(self)
+        return enter(self)
+
+    monkeypatch.setattr(UserCode, "__enter__", counted)
+    results = [t.add.enqueue(n, n) for n in range(3)] + [t.explode.enqueue("boom")]
+    run_worker()
+    assert [t.add.get_result(r.id).return_value for r in results[:3]] == [0, 2, 4]
+    assert t.explode.get_result(results[3].id).status == compat.TaskResultStatus.FAILED
+    assert len(entered) == len(results)

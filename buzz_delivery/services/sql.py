@@ -36,9 +36,10 @@ DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
 WORKFLOW_RUN = WorkflowRun._meta.db_table
 
-# Columns returned by claims: everything but the (possibly large) JSON snapshots and history.
+# Columns returned by claims: everything but the (possibly large) JSON snapshots and history,
+# and the requeue count (read by what needs it, the tasks runner, in its own statement).
 SNAPSHOT_FIELDS = ("execution_trace", "trigger_context")
-DEFERRED_FIELDS = (*SNAPSHOT_FIELDS, "history")
+DEFERRED_FIELDS = (*SNAPSHOT_FIELDS, "history", "requeues")
 CLAIM_FIELDS = [f for f in WorkflowAgentDelivery._meta.concrete_fields if f.name not in DEFERRED_FIELDS]
 CLAIM_ATTNAMES = [f.attname for f in CLAIM_FIELDS]
 RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
@@ -590,6 +591,7 @@ SET status = 'pending',
     next_attempt_at = NULL,
     expires_at = buzz_delivery_when(d.expires_at > {DB_NOW}, d.expires_at),
     lease_generation = d.lease_generation + 1,
+    requeues = d.requeues + 1,
     {history_entry("'requeue'", "d.lease_generation + 1", "%(actor)s::text", status="'pending'")}
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status IN ('failed', 'expired') AND {ACTIVE_COMMUNITY}

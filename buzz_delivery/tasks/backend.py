@@ -242,7 +242,7 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
             kwargs=stored.kwargs,
             errors=[
                 # The stored error also keeps how the delivery failed and the lease generation
-                # that recorded it (the runner's, see services.recorded_outcome): not Django's.
+                # that recorded it (the runner's, see services.read_task_of_delivery): not Django's.
                 SafeTaskError(exception_class_path=e["exception_class_path"], traceback=e["traceback"])
                 for e in (stored.errors if errors is None else errors)
             ],

@@ -49,9 +49,11 @@ class TaskResult(CommunityScoped):
     # When the task started, its attempts and its workers are the delivery's own (its history
     # of claims), not repeated here.
     return_value = models.JSONField(null=True, blank=True)
-    # [{"exception_class_path", "traceback", "failure_code", "lease_generation"}]: the last two
-    # (how the delivery failed, which lease recorded it) tell the next holder of a delivery whose
-    # settle never committed how to settle it without running the task again (recorded_outcome).
+    # [{"exception_class_path", "traceback", "failure_code", "lease_generation", "requeues"}]: the
+    # last three (how the delivery failed, which lease recorded it, in which requeue epoch of the
+    # delivery) tell the next holder of a delivery whose settle never committed how to settle it
+    # without running the task again, and that an operator's requeue since asks for another run
+    # (read_task_of_delivery).
     errors = models.JSONField(default=list)
 
     class Meta:

@@ -9,12 +9,15 @@ lease, sends ``task_finished``, and returns: the worker then settles the deliver
 A task that raised ends ``failed`` (Django's tasks are not retried on error; the error is in the
 result). A task that leaves a transaction open ends ``failed`` too (``transaction_left_open``:
 its connection is rolled back and closed before the outcome is recorded on a fresh one, see
-:mod:`buzz_delivery.usercode`). A worker that dies mid-task leaves the lease to lapse: the
-reaper returns the delivery to ``pending`` and another worker runs the task again, until the
-delivery's ``max_attempts``.
+:mod:`buzz_delivery.usercode`); a signal receiver that does is logged and its transaction rolled
+back, and changes nothing else, as one that raises. The task and its receivers run in the
+runner's one guard (the worker adds none: ``guards_user_code``).
+A worker that dies mid-task leaves the lease to lapse: the reaper returns the delivery to
+``pending`` and another worker runs the task again, until the delivery's ``max_attempts``.
 A worker that dies after the outcome was recorded, before its settle committed, leaves it
-recorded: the next holder reads it first (``services.recorded_outcome``) and settles the
-delivery as it says, without running the task or sending its signals again.
+recorded: the next holder reads it with the task, in one statement fenced by its lease
+(``services.read_task_of_delivery``), and settles the delivery as it says, without running the
+task or sending its signals again.
 """
 
 from __future__ import annotations
@@ -78,16 +81,31 @@ def left_open_error(left_open: str, raised: BaseException | None) -> dict[str, s
 class TaskRunner:
     """``TaskRunner(backend)(delivery)``: run the task a delivery carries (see the module doc)."""
 
+    # The worker runs it without a guard of its own (buzz_delivery.worker.handlers): the
+    # runner's one guard judges the task and its signal receivers, each where it ran.
+    guards_user_code = True
+
     def __init__(self, backend: DeliveryBackend) -> None:
         self.backend = backend
 
     def __call__(self, delivery: Any) -> None:
+        # One guard (buzz_delivery.usercode) for the task's user code: the task itself and the
+        # receivers of task_started and task_finished, in the delivery's community as the
+        # worker's handler scope. Each is judged where it ran (a checkpoint): what it left open
+        # on the connection is rolled back and the connection closed there, so the runner's
+        # own statements (the record of the outcome) commit on a connection of their own.
+        call = UserCode(delivery.community_id)
+        with call:
+            self._run(delivery, call)
+
+    def _run(self, delivery: Any, call: UserCode) -> None:
         from buzz_delivery.tasks import services
 
-        stored = services.read_task_of_delivery(delivery.community_id, delivery.id)
-        if stored is None or stored.backend != self.backend.alias:
+        held = services.read_task_of_delivery(delivery.community_id, delivery.id, delivery.lease_generation)
+        if held is None or held.task.backend != self.backend.alias:
             raise NotATask(f"delivery {delivery.id} carries no task of backend {self.backend.alias!r}")
-        if self._returned_before(delivery):
+        stored = held.task
+        if self._returned_before(delivery, held.recorded):
             return
         try:
             task = self.backend.task_of(stored)
@@ -102,27 +120,26 @@ class TaskRunner:
             )
             raise task_not_registered(str(exc)) from None
         running = self.backend.result_of(stored, status=compat.TaskResultStatus.RUNNING)
-        self._send(compat.task_started, running)
-        # The task's connection judged and cleaned as the worker does a handler's
-        # (buzz_delivery.usercode): one it left in a transaction is rolled back and closed
-        # here, before the outcome is recorded, so the record commits on a connection of its own.
-        call = UserCode(delivery.community_id)
+        self._send(compat.task_started, running, call)
+        left_open: str | None = None
         try:
             args = list(stored.args)
             if task.takes_context:
                 args.insert(0, compat.TaskContext(task_result=running))
-            with call:
+            try:
                 value = task.call(*args, **stored.kwargs)
-            if call.left_open is not None:
-                raise transaction_left_open(call.left_open)
+            finally:
+                left_open = call.checkpoint()
+            if left_open is not None:
+                raise transaction_left_open(left_open)
             value = compat.normalize_json(value)
             # A value the result row cannot hold fails the task here, where it ran once: left
             # to the recording statement, its refusal would retry the delivery and run the
             # task again, up to max_attempts times, each time refused the same way.
             services.json_text(value, "return_value", services.MAX_RETURN_VALUE_BYTES)
         except BaseException as exc:  # the task's own failure, whatever it raised
-            if call.left_open is not None:  # what it raised too, if anything, follows
-                error = left_open_error(call.left_open, None if isinstance(exc, transaction_left_open) else exc)
+            if left_open is not None:  # what it raised too, if anything, follows
+                error = left_open_error(left_open, None if isinstance(exc, transaction_left_open) else exc)
                 failure: PermanentFailure = transaction_left_open(error["traceback"].partition("\n")[0])
             else:
                 error = error_of(exc)
@@ -131,24 +148,24 @@ class TaskRunner:
             self._send(
                 compat.task_finished,
                 self.backend.result_of(stored, status=compat.TaskResultStatus.FAILED, errors=[*stored.errors, error]),
+                call,
             )
             raise failure from exc
         self._record(delivery, return_value=value)
         self._send(
             compat.task_finished,
             self.backend.result_of(stored, status=compat.TaskResultStatus.SUCCESSFUL, return_value=value),
+            call,
         )
 
-    def _returned_before(self, delivery: Any) -> bool:
+    def _returned_before(self, delivery: Any, found: Any) -> bool:
         """False when the task is to run. Otherwise an earlier holder of this delivery ran it,
         recorded its outcome and died before its settle committed: True for a recorded return
         value (the worker settles ``finished``), and a recorded error raises what that holder
         raised (``TaskFailed`` or ``task_not_registered`` by the stored code, chosen among
         these two, never looked up). Either way the task is not called again and
-        ``task_started``/``task_finished`` are not sent again: they were sent for that run."""
-        from buzz_delivery.tasks import services
-
-        found = services.recorded_outcome(delivery.community_id, delivery.id, delivery.lease_generation)
+        ``task_started``/``task_finished`` are not sent again: they were sent for that run.
+        ``found``: the :class:`~buzz_delivery.tasks.services.RecordedOutcome` read with the task."""
         if found.state == "none":
             return False
         if found.state == "lease_lost":
@@ -161,11 +178,14 @@ class TaskRunner:
         path = error.get("exception_class_path")
         raise failure(f"{path if isinstance(path, str) else 'error'}: recorded by an earlier attempt, not run again")
 
-    def _send(self, signal: Any, task_result: Any) -> None:
+    def _send(self, signal: Any, task_result: Any, call: UserCode) -> None:
         """Send ``task_started``/``task_finished`` to every receiver, logging (not raising) what
         one raises: a receiver is the project's code, not the task's. Raised from here, its
         error would retry the delivery: a task never run (``task_started``) or, its outcome
-        already recorded, run again (``task_finished``), up to ``max_attempts`` times."""
+        already recorded, run again (``task_finished``), up to ``max_attempts`` times. A
+        receiver that leaves a transaction open is told the same way (``task_signal_error``,
+        ``transaction_left_open``): what it wrote there is rolled back and its connection
+        closed (``call``'s checkpoint), and the task's outcome stands."""
         for receiver, outcome in signal.send_robust(type(self.backend), task_result=task_result):
             if isinstance(outcome, BaseException):
                 logger.error(
@@ -176,6 +196,16 @@ class TaskRunner:
                     describe(outcome),
                     exc_info=outcome,
                 )
+        left_open = call.checkpoint()
+        if left_open is not None:
+            logger.error(
+                "task_signal_error result=%s signal=%s error=%s: a receiver left its database connection with %s;"
+                " nothing it wrote there is kept",
+                task_result.id,
+                "task_started" if signal is compat.task_started else "task_finished",
+                transaction_left_open.__name__,
+                left_open,
+            )
 
     def _record(self, delivery: Any, *, return_value: Any = None, error: dict[str, str] | None = None) -> None:
         from buzz_delivery.tasks import services

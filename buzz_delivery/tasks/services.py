@@ -260,18 +260,18 @@ def enqueue_task(
     return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=enqueued_at)
 
 
-_READ = f"""
-SELECT r.id, r.community_id, r.delivery_id, r.backend, r.queue_name, r.task_path, r.priority, r.takes_context,
+_TASK_COLUMNS = """
+       r.id, r.community_id, r.delivery_id, r.backend, r.queue_name, r.task_path, r.priority, r.takes_context,
        r.args::text, r.kwargs::text, r.run_after, r.enqueued_at, r.return_value::text, r.errors::text,
        d.status, d.finished_at,
        (SELECT coalesce(jsonb_agg(jsonb_build_array(h->>'at', h->>'actor')), '[]'::jsonb)
-        FROM jsonb_array_elements(d.history) AS h WHERE h->>'event' = 'claim')::text
+        FROM jsonb_array_elements(d.history) AS h WHERE h->>'event' = 'claim')::text"""
+_READ_BY_ID = f"""
+SELECT {_TASK_COLUMNS}
 FROM {RESULT} r
 JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
-WHERE r.community_id = %(community_id)s AND r.{{key}} = %(key)s
+WHERE r.community_id = %(community_id)s AND r.id = %(key)s
 """
-_READ_BY_ID = _READ.format(key="id")
-_READ_BY_DELIVERY = _READ.format(key="delivery_id")
 
 
 def _stored(row: tuple[Any, ...]) -> StoredTask:
@@ -329,29 +329,22 @@ def read_task(community_id: uuid.UUID | str, result_id: uuid.UUID | str) -> Stor
     return _stored(rows[0]) if rows else None
 
 
-@tenant_scoped
-def read_task_of_delivery(community_id: uuid.UUID | str, delivery_id: uuid.UUID) -> StoredTask | None:
-    """The result row carried by delivery ``delivery_id``, or None (not a task's delivery)."""
-    community = v.uuid_value(community_id, "community_id")
-    rows = fetch_all(_READ_BY_DELIVERY, {"community_id": community, "key": v.uuid_value(delivery_id, "delivery_id")})
-    return _stored(rows[0]) if rows else None
-
-
 # Fenced by the delivery's lease as every settle is: the holder's generation, the row still
 # claimed and its lease not lapsed, by the database clock. An error is stored with the lease
-# generation that recorded it (recorded_outcome tells it from an error an operator's requeue
-# has since superseded).
+# generation that recorded it and the delivery's requeue count then (``requeues``), read from the
+# row here: read_task_of_delivery tells it from an error an operator's requeue has since
+# superseded. The error object is extended with IMMUTABLE operations only (jsonb and text
+# concatenation, casts): Citus refuses a STABLE function such as jsonb_build_object over a
+# column in an UPDATE, and an object concatenated to the errors array is appended to it.
 _RECORD_OUTCOME = f"""
 UPDATE {RESULT} AS r
 SET return_value = %(return_value)s::jsonb,
     errors = CASE WHEN %(error)s::jsonb IS NULL THEN r.errors
-                  ELSE r.errors || jsonb_build_array(%(error)s::jsonb) END
+                  ELSE r.errors || (%(error)s::jsonb || ('{{"requeues": ' || d.requeues::text || '}}')::jsonb) END
+FROM {DELIVERY} AS d
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
-  AND EXISTS (
-      SELECT 1 FROM {DELIVERY} d
-      WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
-        AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
-  )
+  AND d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+  AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
 RETURNING r.id
 """
 
@@ -365,11 +358,12 @@ def record_task_outcome(
     return_value: Any = None,
     error: dict[str, str] | None = None,
 ) -> bool:
-    """Write the task's return value (or append its error, with ``lease_generation``) if
+    """Write the task's return value (or append its error, with ``lease_generation`` and the
+    delivery's ``requeues``, read from its row: a caller's value for either is overwritten) if
     ``lease_generation`` still holds the delivery's current, unexpired lease; False (nothing
     written) otherwise. The holder then settles the delivery (the worker does), so a result is
     shown once its delivery is settled; a holder that dies first leaves the outcome to the next
-    (:func:`recorded_outcome`), which settles it without running the task again."""
+    (:func:`read_task_of_delivery`), which settles it without running the task again."""
     community = v.uuid_value(community_id, "community_id")
     value = json_text(return_value, "return_value", MAX_RETURN_VALUE_BYTES)
     rows = fetch_all(
@@ -387,55 +381,83 @@ def record_task_outcome(
 
 @dataclass(frozen=True, slots=True)
 class RecordedOutcome:
-    """What :func:`recorded_outcome` found: ``state`` is ``"none"`` (run the task),
-    ``"returned"`` or ``"raised"`` (an earlier holder of this delivery recorded it: settle as
-    it says, do not run the task again; ``error`` is the last error for ``"raised"``) or
-    ``"lease_lost"`` (this holder no longer holds the delivery: do nothing)."""
+    """What an earlier holder of the delivery recorded, as its current holder reads it
+    (:func:`read_task_of_delivery`): ``state`` is ``"none"`` (run the task), ``"returned"`` or
+    ``"raised"`` (an earlier holder of this delivery recorded it: settle as it says, do not run
+    the task again; ``error`` is the last error for ``"raised"``) or ``"lease_lost"`` (this
+    holder no longer holds the delivery: do nothing)."""
 
     state: Literal["none", "returned", "raised", "lease_lost"]
     error: dict[str, Any] | None = None
 
 
-# Fenced by the delivery's lease as _RECORD_OUTCOME is. A return value is recorded when the
-# column is not SQL NULL: a task that returned None stored the jsonb 'null', and recording an
-# error sets the column to SQL NULL. An error is the outcome unless an operator requeued the
-# delivery after it was recorded (a 'requeue' history entry of a later generation than the
-# error's lease_generation): the requeue asks for another run. An error without a numeric
-# lease_generation (written before errors carried it) counts as recorded at generation -1.
-_RECORDED_OUTCOME = f"""
-SELECT r.return_value IS NOT NULL,
+@dataclass(frozen=True, slots=True)
+class HeldTask:
+    """The task a delivery carries and the outcome recorded for it (:func:`read_task_of_delivery`)."""
+
+    task: StoredTask
+    recorded: RecordedOutcome
+
+
+# The task's row as _READ_BY_ID reads it, and, judged in the same snapshot, whether the caller's
+# lease still holds the delivery (generation, still claimed, not lapsed, by the database clock:
+# the fence of _RECORD_OUTCOME and of every settle) and what an earlier holder recorded. A return
+# value is recorded when the column is not SQL NULL: a task that returned None stored the jsonb
+# 'null', and recording an error sets the column to SQL NULL. An error is the outcome unless an
+# operator requeued the delivery after it was recorded: its ``requeues`` (the delivery's count
+# when it was recorded) is not the delivery's count now, however many leases lapsed since. An
+# error recorded before errors carried ``requeues`` is superseded by any requeue counted since
+# (all came after it) or, before the count existed, by a 'requeue' history entry of a later
+# generation than its lease_generation (-1 without one).
+_READ_HELD = f"""
+SELECT {_TASK_COLUMNS},
+       d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now(),
+       r.return_value IS NOT NULL,
        (r.errors -> -1)::text,
-       EXISTS (
-           SELECT 1 FROM jsonb_array_elements(d.history) AS h
-           WHERE h->>'event' = 'requeue'
-             AND (h->>'generation')::bigint > CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'
-                                                   THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END
-       )
+       CASE WHEN jsonb_typeof(r.errors -> -1 -> 'requeues') = 'number'
+            THEN (r.errors -> -1 -> 'requeues')::numeric <> d.requeues
+            ELSE d.requeues > 0 OR EXISTS (
+                SELECT 1 FROM jsonb_array_elements(d.history) AS h
+                WHERE h->>'event' = 'requeue'
+                  AND (h->>'generation')::bigint
+                      > CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'
+                             THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END
+            ) END
 FROM {RESULT} r
 JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
   AND d.community_id = %(community_id)s AND d.id = %(delivery_id)s
-  AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
 """
 
 
 @tenant_scoped
-def recorded_outcome(community_id: uuid.UUID | str, delivery_id: uuid.UUID, lease_generation: int) -> RecordedOutcome:
-    """The outcome an earlier holder of this delivery recorded (:func:`record_task_outcome`),
-    read by the current holder (``lease_generation``) before it runs the task: a holder killed
-    after recording and before its settle committed leaves the outcome to the next one, which
-    settles the delivery as it says instead of running the task again."""
+def read_task_of_delivery(
+    community_id: uuid.UUID | str, delivery_id: uuid.UUID, lease_generation: int
+) -> HeldTask | None:
+    """The result row carried by delivery ``delivery_id`` and the outcome an earlier holder
+    recorded for it (:func:`record_task_outcome`), read by the holder of lease
+    ``lease_generation`` before it runs the task, in one statement; None: not a task's delivery.
+
+    A holder killed after recording and before its settle committed leaves the outcome to the
+    next one, which settles the delivery as it says instead of running the task again
+    (``recorded.state``; ``"lease_lost"`` when ``lease_generation`` no longer holds the delivery)."""
     community = v.uuid_value(community_id, "community_id")
-    rows = fetch_all(
-        _RECORDED_OUTCOME,
-        {"community_id": community, "delivery_id": delivery_id, "generation": lease_generation},
-    )
+    params = {
+        "community_id": community,
+        "delivery_id": v.uuid_value(delivery_id, "delivery_id"),
+        "generation": lease_generation,
+    }
+    rows = fetch_all(_READ_HELD, params)
     if not rows:
-        return RecordedOutcome("lease_lost")
-    returned, last_error, requeued_since = rows[0]
+        return None
+    row = rows[0]
+    holds, returned, last_error, requeued_since = row[-4:]
+    task = _stored(row[:-4])
+    if not holds:
+        return HeldTask(task, RecordedOutcome("lease_lost"))
     if returned:
-        return RecordedOutcome("returned")
+        return HeldTask(task, RecordedOutcome("returned"))
     if last_error is not None and last_error != "null" and not requeued_since:
         error = json.loads(last_error)
-        return RecordedOutcome("raised", error if isinstance(error, dict) else {})
-    return RecordedOutcome("none")
+        return HeldTask(task, RecordedOutcome("raised", error if isinstance(error, dict) else {}))
+    return HeldTask(task, RecordedOutcome("none"))

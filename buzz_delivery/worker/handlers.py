@@ -22,10 +22,16 @@ A handler is ``handler(delivery: WorkflowAgentDelivery) -> object``:
                                              -> ``failed``, ``transaction_left_open`` (what it
                                                 wrote there is rolled back; see
                                                 :mod:`buzz_delivery.usercode`).
+
+A handler with the attribute ``guards_user_code = True`` (the task runner,
+:class:`buzz_delivery.tasks.runner.TaskRunner`) runs the user code it calls in a
+:class:`~buzz_delivery.usercode.UserCode` of its own, and judges what that code left open
+itself: the worker does not wrap it in a second guard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +43,14 @@ if TYPE_CHECKING:
     from buzz_delivery.models import WorkflowAgentDelivery
 
 Handler = Callable[["WorkflowAgentDelivery"], object]
+# What the worker enters around a handler that guards its own user code (reusable, no state).
+NO_GUARD = contextlib.nullcontext()
+
+
+def guards_user_code(handler: object) -> bool:
+    """True for a handler that runs its user code in a guard of its own (see the module doc)."""
+    return getattr(handler, "guards_user_code", False) is True
+
 
 FAILURE_CODE_MAX_CHARS = 64
 FAILURE_MESSAGE_MAX_CHARS = 10_000

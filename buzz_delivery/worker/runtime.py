@@ -42,7 +42,15 @@ from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import Claim, Lease, LeaseLost, ratelimits
 from buzz_delivery.services import validation as v
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
-from buzz_delivery.worker.handlers import FINISHED, Handler, SettleArgs, aborted_args, settle_args_for
+from buzz_delivery.worker.handlers import (
+    FINISHED,
+    NO_GUARD,
+    Handler,
+    SettleArgs,
+    aborted_args,
+    guards_user_code,
+    settle_args_for,
+)
 from buzz_delivery.worker.listener import HintInbox, HintListener, Pair
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer
 from buzz_delivery.worker.settler import SETTLED_KEYS, SettleJob, Settler
@@ -287,6 +295,9 @@ class Worker:
         self.exited: set[int | None] = set()  # handler threads that stopped as told (a stop marker)
         # An ``async def`` handler runs on one event loop thread (its loop, once running).
         self.is_async = is_async_handler(config.handler)
+        # A handler that runs its user code in a guard of its own (the task runner: the task
+        # and its signal receivers, each judged where it ran) is not wrapped in a second one.
+        self.guards_handler = not guards_user_code(config.handler)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_ready = threading.Event()
         self._community_texts: dict[int, str] = {}  # by the community id's int
@@ -419,9 +430,9 @@ class Worker:
         # through the ORM (a deferred field, a related row) is that community's, and only
         # that; as the login role, which holds the grants on the project's own tables. What it
         # leaves open on this thread's connection is undone there (buzz_delivery.usercode).
-        call = UserCode(self._community_text(lease.community_id), db)
+        call = UserCode(self._community_text(lease.community_id), db) if self.guards_handler else None
         try:
-            with call, tracing.handler_span(claim.delivery):
+            with call or NO_GUARD, tracing.handler_span(claim.delivery):
                 self.config.handler(claim.delivery)
             args = FINISHED
         except BaseException as exc:
@@ -429,7 +440,7 @@ class Worker:
         finally:
             held = self.renewer.release(lease)
             self._ran(time.monotonic() - started)
-        if call.left_open is not None:
+        if call is not None and call.left_open is not None:
             args = SettleArgs(
                 "failed",
                 TRANSACTION_LEFT_OPEN,
