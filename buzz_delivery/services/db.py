@@ -278,6 +278,9 @@ def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     tenant or fleet scope with enforcement on (:mod:`buzz_delivery.services.tenancy`) every
     statement is bound by the client, so that its context travels in the same simple query."""
     db = connections[DEFAULT_DB_ALIAS]  # once: each use of django.db.connection looks it up again
+    bound = getattr(db, _LOCK_WAIT_ATTR, None)
+    if bound is not None and not db.in_atomic_block and db.get_autocommit():
+        return _fetch_bounded(db, sql, params, bound)
     if sql in SERVER_BOUND and not tenancy.prefixing(db):
         with _server_bound_cursor(db) as cursor:
             _load_timestamps_in_c(cursor.cursor)
@@ -286,6 +289,48 @@ def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     with db.cursor() as cursor:
         _load_timestamps_in_c(cursor.cursor)
         cursor.execute(sql, params)
+        return _rows(cursor)
+
+
+# The bound :func:`lock_waits_bounded` put on a Django connection (milliseconds), if any.
+_LOCK_WAIT_ATTR = "_buzz_lock_wait_ms"
+
+
+@contextmanager
+def lock_waits_bounded(milliseconds: int) -> Iterator[None]:
+    """In the block, each statement :func:`fetch_all` runs outside a transaction (autocommit,
+    how the worker's renewer and settler call the lease services) waits at most
+    ``milliseconds`` for a lock: past it PostgreSQL cancels the statement, which then changed
+    nothing, and raises an ``OperationalError`` that :func:`lock_wait_timed_out` recognises.
+
+    The bound travels with the statement, in the same simple query: ``SET LOCAL lock_timeout``
+    in front of it, both in one implicit transaction, so it holds for that statement only and
+    is gone after it (no round trip of its own, nothing session-level behind a pooler; a ``SET
+    LOCAL`` statement, which Citus carries to the node that runs the statement, where its locks
+    are taken: ``citus.propagate_set_commands = 'local'``). Such a statement is bound by the
+    client. Statements inside a caller's transaction are not bounded (see
+    :func:`bound_lock_waits` for those)."""
+    db = connections[DEFAULT_DB_ALIAS]
+    previous = getattr(db, _LOCK_WAIT_ATTR, None)
+    setattr(db, _LOCK_WAIT_ATTR, int(milliseconds))
+    try:
+        yield
+    finally:
+        setattr(db, _LOCK_WAIT_ATTR, previous)
+
+
+def _fetch_bounded(db: Any, sql: str, params: dict[str, Any], milliseconds: int) -> list[tuple[Any, ...]]:
+    """:func:`fetch_all` of one statement behind ``SET LOCAL lock_timeout``, in one simple query
+    (a client-side binding cursor whatever the connection's ``OPTIONS``: a server-bound
+    statement is one statement). A tenant scope's context goes in front of both, and its
+    wrapper moves the cursor past its own result (:mod:`~buzz_delivery.services.tenancy`)."""
+    db.ensure_connection()
+    with db.wrap_database_errors:
+        raw = psycopg.ClientCursor(db.connection)
+    with db._prepare_cursor(raw) as cursor:  # Django's wrapper: hooks, logging, error translation
+        _load_timestamps_in_c(raw)
+        cursor.execute(f"SET LOCAL lock_timeout = {int(milliseconds)}; {sql}", params)
+        cursor.nextset()  # past the SET, to the statement's rows
         return _rows(cursor)
 
 
