@@ -21,8 +21,9 @@ from django.db import OperationalError, connection, transaction
 
 from buzz_delivery import services
 from buzz_delivery.models import Community, WorkflowAgentDelivery
-from buzz_delivery.services.db import bound_lock_waits, lock_wait_timed_out
-from buzz_delivery.testing import random32
+from buzz_delivery.services import LeaseLost
+from buzz_delivery.services.db import bound_lock_waits, lock_wait_timed_out, lock_waits_bounded
+from buzz_delivery.testing import DeliveryFactory, random32
 from project.database_url import database_url
 from tests.test_worker import commit, count_claimed, statuses, wait_until
 from tests.test_worker_pairs import other_community_binding
@@ -76,6 +77,35 @@ def move_stuck_behind_a_long_transaction(community_id: uuid.UUID) -> Iterator[Fu
         holder.commit()
         holder.close()
         pool.shutdown(wait=True)
+
+
+def lock_timeout() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW lock_timeout")
+        return cursor.fetchone()[0]
+
+
+def test_a_bounded_renewal_behind_a_stuck_move_gives_up_changes_nothing_and_leaves_no_bound_behind(
+    community, make_binding
+):
+    delivery = DeliveryFactory(binding=make_binding())
+    claim = services.claim_delivery(community.id, bytes(delivery.target_pubkey), lease_seconds=30)
+    assert claim is not None
+    session_default = lock_timeout()
+
+    with move_stuck_behind_a_long_transaction(community.id) as moving:
+        with lock_waits_bounded(100), pytest.raises(OperationalError) as raised:
+            services.renew_delivery(claim.lease, 30)
+        assert lock_wait_timed_out(raised.value)
+        assert lock_timeout() == session_default  # the bound was the statement's only
+        delivery.refresh_from_db()
+        assert (delivery.status, delivery.renewals, delivery.lease_until) == ("claimed", 0, claim.lease.lease_until)
+        assert not moving.done()
+    assert moving.result(timeout=30).deletion_state == "quiescing"
+    with lock_waits_bounded(100):  # the move is through: judged at once, as without a bound
+        assert isinstance(services.renew_delivery(claim.lease, 30), LeaseLost)
+        assert isinstance(services.finish_delivery(claim.lease, "finished"), LeaseLost)
+    assert lock_timeout() == session_default
 
 
 def renewals(ids) -> dict:

@@ -303,12 +303,13 @@ def lock_waits_bounded(milliseconds: int) -> Iterator[None]:
     ``milliseconds`` for a lock: past it PostgreSQL cancels the statement, which then changed
     nothing, and raises an ``OperationalError`` that :func:`lock_wait_timed_out` recognises.
 
-    The bound travels with the statement, in the same simple query: ``SET LOCAL lock_timeout``
-    in front of it, both in one implicit transaction, so it holds for that statement only and
-    is gone after it (no round trip of its own, nothing session-level behind a pooler; a ``SET
-    LOCAL`` statement, which Citus carries to the node that runs the statement, where its locks
-    are taken: ``citus.propagate_set_commands = 'local'``). Such a statement is bound by the
-    client. Statements inside a caller's transaction are not bounded (see
+    The statement runs in a transaction of its own behind ``SET LOCAL lock_timeout``: a
+    ``SET LOCAL`` statement, which Citus carries to the node that runs the statement, where its
+    locks are taken (``citus.propagate_set_commands = 'local'``), and nothing session-level
+    behind a pooler. The four (``BEGIN``, the bound, the statement, ``COMMIT``) go in one
+    psycopg pipeline: one round trip, as before. (One simple query ``SET LOCAL ...; UPDATE
+    ...`` would do on PostgreSQL, but Citus refuses a distributed statement in that implicit
+    transaction.) Statements inside a caller's transaction are not bounded (see
     :func:`bound_lock_waits` for those)."""
     db = connections[DEFAULT_DB_ALIAS]
     previous = getattr(db, _LOCK_WAIT_ATTR, None)
@@ -320,17 +321,17 @@ def lock_waits_bounded(milliseconds: int) -> Iterator[None]:
 
 
 def _fetch_bounded(db: Any, sql: str, params: dict[str, Any], milliseconds: int) -> list[tuple[Any, ...]]:
-    """:func:`fetch_all` of one statement behind ``SET LOCAL lock_timeout``, in one simple query
-    (a client-side binding cursor whatever the connection's ``OPTIONS``: a server-bound
-    statement is one statement). A tenant scope's context goes in front of both, and its
-    wrapper moves the cursor past its own result (:mod:`~buzz_delivery.services.tenancy`)."""
-    db.ensure_connection()
-    with db.wrap_database_errors:
-        raw = psycopg.ClientCursor(db.connection)
-    with db._prepare_cursor(raw) as cursor:  # Django's wrapper: hooks, logging, error translation
-        _load_timestamps_in_c(raw)
-        cursor.execute(f"SET LOCAL lock_timeout = {int(milliseconds)}; {sql}", params)
-        cursor.nextset()  # past the SET, to the statement's rows
+    """:func:`fetch_all` of one statement in its own transaction behind ``SET LOCAL
+    lock_timeout``, pipelined. Bound on the server (a pipeline runs each statement through the
+    extended protocol, where a tenant scope's context goes as a statement of its own: see
+    :mod:`~buzz_delivery.services.tenancy`). The errors a pipeline reports when it syncs, after
+    the cursor's ``execute`` returned, are translated here as Django translates the cursor's."""
+    with _server_bound_cursor(db) as cursor:
+        raw = db.connection
+        _load_timestamps_in_c(cursor.cursor)
+        with db.wrap_database_errors, raw.pipeline(), raw.transaction():
+            raw.execute(f"SET LOCAL lock_timeout = {int(milliseconds)}", prepare=False)
+            cursor.execute(sql, params)
         return _rows(cursor)
 
 
