@@ -4,10 +4,12 @@ Threads: the caller's thread dispatches (claims, in batches, a little ahead of t
 threads), ``concurrency`` handler threads run the handler, one settler thread settles their
 results in batches (:mod:`buzz_delivery.worker.settler`), one renewer thread renews held
 leases, one listener thread LISTENs for wake hints. Every service call is its own autocommit
-statement: no transaction is open while a handler runs. The runtime itself holds four database
-connections whatever the concurrency (dispatcher, settler, renewer, listener); a handler thread
-opens one only if the handler uses the database. Each thread closes its connection when it
-exits.
+statement (the renewer's and the settler's each in a transaction of its own that bounds its lock
+waits, so one community's locked rows never hold up the others': see
+:mod:`buzz_delivery.worker.renewer`): no transaction is open while a handler runs. The runtime
+itself holds four database connections whatever the concurrency (dispatcher, settler, renewer,
+listener); a handler thread opens one only if the handler uses the database. Each thread closes
+its connection when it exits.
 
 Logging: one INFO line per claim batch (``claimed n=...``) and per settle batch (``settled
 n=...``); one DEBUG line per delivery (``claimed delivery=...``, ``settled delivery=...``,
