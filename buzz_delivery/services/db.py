@@ -297,7 +297,7 @@ _LOCK_WAIT_ATTR = "_buzz_lock_wait_ms"
 
 
 @contextmanager
-def lock_waits_bounded(milliseconds: int) -> Iterator[None]:
+def lock_waits_bounded(milliseconds: int | None) -> Iterator[None]:
     """In the block, each statement :func:`fetch_all` runs outside a transaction (autocommit,
     how the worker's renewer and settler call the lease services) waits at most
     ``milliseconds`` for a lock: past it PostgreSQL cancels the statement, which then changed
@@ -310,7 +310,11 @@ def lock_waits_bounded(milliseconds: int) -> Iterator[None]:
     psycopg pipeline: one round trip, as before. (One simple query ``SET LOCAL ...; UPDATE
     ...`` would do on PostgreSQL, but Citus refuses a distributed statement in that implicit
     transaction.) Statements inside a caller's transaction are not bounded (see
-    :func:`bound_lock_waits` for those)."""
+    :func:`bound_lock_waits` for those). ``None``: no bound (the statements run as outside
+    the block: a worker serving one community has no other to hold up)."""
+    if milliseconds is None:
+        yield
+        return
     db = connections[DEFAULT_DB_ALIAS]
     previous = getattr(db, _LOCK_WAIT_ATTR, None)
     setattr(db, _LOCK_WAIT_ATTR, int(milliseconds))

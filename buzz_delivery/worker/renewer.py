@@ -90,6 +90,7 @@ class LeaseRenewer(threading.Thread):
         every: float,
         on_renewed: Callable[[], None],
         on_timed_out: Callable[[HeldLease], None] = lambda held: None,
+        bound_lock_waits: bool = True,
     ) -> None:
         super().__init__(name="buzz-delivery-renewer", daemon=True)
         self.lease_seconds = lease_seconds
@@ -109,7 +110,9 @@ class LeaseRenewer(threading.Thread):
         # it is not waiting): a new lease or deadline wakes it only if it is due before that, so
         # a burst of claims does not wake it once per claim.
         self._wakes_at = -math.inf
-        self._lock_wait_ms = lock_wait_ms(lease_seconds)
+        # ``bound_lock_waits``: False for a worker serving one community (no other community's
+        # leases to hold up; its statements keep their one-statement fast path).
+        self._lock_wait_ms = lock_wait_ms(lease_seconds) if bound_lock_waits else None
         self._busy_retry = min(every, busy_retry_seconds(lease_seconds))
         # Communities (by their id's int) whose renewal waited past the lock bound, until when
         # (monotonic) their renewals are left alone. Read and written by the thread only.
@@ -256,7 +259,7 @@ class LeaseRenewer(threading.Thread):
         with self._cond:
             held.due = retry_at
         logger.warning(
-            "renew_lock_wait community=%s delivery=%s: waited past %d ms for a lock (a lifecycle move "
+            "renew_lock_wait community=%s delivery=%s: waited past %s ms for a lock (a lifecycle move "
             "of its community, or a long transaction); its renewals wait %.2fs, the others go on",
             held.lease.community_id,
             held.lease.delivery_id,

@@ -255,11 +255,16 @@ class Worker:
         self.wake = threading.Event()
         self.tally = Tally()
         self.inbox = HintInbox(self.wake)
+        # Renewals and settles bound their lock waits only in a worker serving several
+        # communities (one community's locked rows must not hold up another's leases); the
+        # bound's own transaction costs a few µs a delivery that a one-community worker keeps.
+        several = len({community for community, _ in self.pairs}) > 1
         self.renewer = LeaseRenewer(
             lease_seconds=self.lease_seconds,
             every=self.lease_seconds * config.renew_fraction,
             on_renewed=lambda: self.tally.add("renewed"),
             on_timed_out=self._timed_out,
+            bound_lock_waits=several,
         )
         self.settler = Settler(
             max_batch=self.batch_size,
@@ -267,6 +272,7 @@ class Worker:
             lease_seconds=self.lease_seconds,
             count=self.tally.add,
             done=self._settled,
+            bound_lock_waits=several,
         )
         # (claim, monotonic instant of the claim)
         self.work: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()

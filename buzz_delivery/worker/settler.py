@@ -158,6 +158,7 @@ class Settler(threading.Thread):
         lease_seconds: float,
         count: Callable[[str, int], None],
         done: Callable[[int], None],
+        bound_lock_waits: bool = True,
     ) -> None:
         super().__init__(name="buzz-delivery-settler", daemon=True)
         self.max_batch = max_batch
@@ -166,7 +167,9 @@ class Settler(threading.Thread):
         self._count = count
         self._done = done
         self._queue: queue.Queue[SettleJob | None] = queue.Queue()  # see next_batch
-        self._lock_wait_ms = lock_wait_ms(lease_seconds)
+        # ``bound_lock_waits``: False for a worker serving one community (nothing of another
+        # community waits behind its settles: they keep their one-statement fast path).
+        self._lock_wait_ms = lock_wait_ms(lease_seconds) if bound_lock_waits else None
         self._busy_retry = busy_retry_seconds(lease_seconds)
         # Communities (by their id's int) whose settle waited past the lock bound, until when
         # (monotonic) their results wait; and those results, in the order they came.
@@ -243,7 +246,7 @@ class Settler(threading.Thread):
         lease = jobs[0].lease
         self._busy[lease.community_id.int] = time.monotonic() + self._busy_retry
         logger.warning(
-            "settle_lock_wait community=%s n=%d: waited past %d ms for a lock (a lifecycle move of "
+            "settle_lock_wait community=%s n=%d: waited past %s ms for a lock (a lifecycle move of "
             "its community, or a long transaction); settled again in %.2fs, the others go on",
             lease.community_id,
             len(jobs),
