@@ -23,7 +23,7 @@ from buzz_delivery import services
 from buzz_delivery.models import Community, WorkflowAgentDelivery
 from buzz_delivery.services import LeaseLost
 from buzz_delivery.services.db import bound_lock_waits, lock_wait_timed_out, lock_waits_bounded
-from buzz_delivery.testing import DeliveryFactory, random32
+from buzz_delivery.testing import CommunityFactory, DeliveryFactory, random32
 from project.database_url import database_url
 from tests.test_worker import commit, count_claimed, statuses, wait_until
 from tests.test_worker_pairs import other_community_binding
@@ -171,3 +171,36 @@ def test_a_lifecycle_move_stuck_in_one_community_delays_no_renewal_or_settle_of_
     assert "renew_lock_wait community=" + str(community.id) in log
     assert "settle_lock_wait community=" + str(community.id) in log
     assert "lock_wait community=" + str(other.id) not in log
+
+
+def test_only_a_worker_serving_several_communities_bounds_its_renewals_and_settles(community):
+    """A worker of one community has no other to hold up: its renewals and settles keep their
+    one-statement fast path (the bound's transaction costs client CPU a delivery)."""
+    import threading
+
+    from buzz_delivery.worker import WorkerConfig
+    from buzz_delivery.worker.runtime import Worker
+
+    other = CommunityFactory()
+    one = WorkerConfig(community_id=community.id, target_pubkey=random32(), handler=lambda delivery: None)
+    two_targets = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=random32(),
+        handler=lambda delivery: None,
+        extra_pairs=((community.id, random32()),),
+    )
+    several = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=random32(),
+        handler=lambda delivery: None,
+        extra_pairs=((other.id, random32()),),
+    )
+    bounds = {
+        name: (worker.renewer._lock_wait_ms, worker.settler._lock_wait_ms)
+        for name, worker in (
+            (name, Worker(config, threading.Event()))
+            for name, config in (("one", one), ("two_targets", two_targets), ("several", several))
+        )
+    }
+    assert bounds["one"] == bounds["two_targets"] == (None, None)
+    assert None not in bounds["several"]
