@@ -1,6 +1,7 @@
 """Handlers used by tests/test_worker.py (run inside ``run_delivery_worker`` subprocesses).
 
-``scripted`` acts on the delivery's ``trigger_context``: ``{"sleep": seconds}`` sleeps first,
+``scripted`` acts on the delivery's ``trigger_context``: ``{"wait_for": path}`` waits until that
+file exists (two minutes at most), ``{"sleep": seconds}`` sleeps first,
 ``{"raise": "permanent" | "permanent_attr" | "ordinary"}`` raises (``{"raise": "retry_after",
 "seconds": n}`` raises ``RetryAfter(n)``). Each call appends JSON lines
 to the file named by ``BUZZ_TEST_HANDLER_LOG`` (if set): what it saw when it started, including
@@ -66,6 +67,11 @@ def scripted(delivery) -> str:
         in_atomic_block=connection.in_atomic_block,
         open_transactions_elsewhere=_open_transactions_elsewhere(),
     )
+    gate = script.get("wait_for")
+    if gate:  # the test opens the gate when it is ready: no guess of how long the handler runs
+        until = time.monotonic() + 120
+        while not os.path.exists(gate) and time.monotonic() < until:
+            time.sleep(0.02)
     time.sleep(script.get("sleep", 0))
     _record("end", delivery)
     kind = script.get("raise")

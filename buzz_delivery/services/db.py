@@ -278,6 +278,9 @@ def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     tenant or fleet scope with enforcement on (:mod:`buzz_delivery.services.tenancy`) every
     statement is bound by the client, so that its context travels in the same simple query."""
     db = connections[DEFAULT_DB_ALIAS]  # once: each use of django.db.connection looks it up again
+    bound = getattr(db, _LOCK_WAIT_ATTR, None)
+    if bound is not None and not db.in_atomic_block and db.get_autocommit():
+        return _fetch_bounded(db, sql, params, bound)
     if sql in SERVER_BOUND and not tenancy.prefixing(db):
         with _server_bound_cursor(db) as cursor:
             _load_timestamps_in_c(cursor.cursor)
@@ -286,6 +289,53 @@ def fetch_all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     with db.cursor() as cursor:
         _load_timestamps_in_c(cursor.cursor)
         cursor.execute(sql, params)
+        return _rows(cursor)
+
+
+# The bound :func:`lock_waits_bounded` put on a Django connection (milliseconds), if any.
+_LOCK_WAIT_ATTR = "_buzz_lock_wait_ms"
+
+
+@contextmanager
+def lock_waits_bounded(milliseconds: int | None) -> Iterator[None]:
+    """In the block, each statement :func:`fetch_all` runs outside a transaction (autocommit,
+    how the worker's renewer and settler call the lease services) waits at most
+    ``milliseconds`` for a lock: past it PostgreSQL cancels the statement, which then changed
+    nothing, and raises an ``OperationalError`` that :func:`lock_wait_timed_out` recognises.
+
+    The statement runs in a transaction of its own behind ``SET LOCAL lock_timeout``: a
+    ``SET LOCAL`` statement, which Citus carries to the node that runs the statement, where its
+    locks are taken (``citus.propagate_set_commands = 'local'``), and nothing session-level
+    behind a pooler. The four (``BEGIN``, the bound, the statement, ``COMMIT``) go in one
+    psycopg pipeline: one round trip, as before. (One simple query ``SET LOCAL ...; UPDATE
+    ...`` would do on PostgreSQL, but Citus refuses a distributed statement in that implicit
+    transaction.) Statements inside a caller's transaction are not bounded (see
+    :func:`bound_lock_waits` for those). ``None``: no bound (the statements run as outside
+    the block: a worker serving one community has no other to hold up)."""
+    if milliseconds is None:
+        yield
+        return
+    db = connections[DEFAULT_DB_ALIAS]
+    previous = getattr(db, _LOCK_WAIT_ATTR, None)
+    setattr(db, _LOCK_WAIT_ATTR, int(milliseconds))
+    try:
+        yield
+    finally:
+        setattr(db, _LOCK_WAIT_ATTR, previous)
+
+
+def _fetch_bounded(db: Any, sql: str, params: dict[str, Any], milliseconds: int) -> list[tuple[Any, ...]]:
+    """:func:`fetch_all` of one statement in its own transaction behind ``SET LOCAL
+    lock_timeout``, pipelined. Bound on the server (a pipeline runs each statement through the
+    extended protocol, where a tenant scope's context goes as a statement of its own: see
+    :mod:`~buzz_delivery.services.tenancy`). The errors a pipeline reports when it syncs, after
+    the cursor's ``execute`` returned, are translated here as Django translates the cursor's."""
+    with _server_bound_cursor(db) as cursor:
+        raw = db.connection
+        _load_timestamps_in_c(cursor.cursor)
+        with db.wrap_database_errors, raw.pipeline(), raw.transaction():
+            raw.execute(f"SET LOCAL lock_timeout = {int(milliseconds)}", prepare=False)
+            cursor.execute(sql, params)
         return _rows(cursor)
 
 

@@ -5,6 +5,13 @@ last renewed (a fraction of the lease length, so one or two missed renewals stil
 A renewal that returns ``LeaseLost`` marks the lease lost: the handler keeps running, but its
 result is dropped (the settle would return ``LeaseLost`` anyway). The thread uses its own
 Django connection and closes it when it stops.
+
+A worker may serve several communities, and one thread renews them all: a renewal waits for a
+lock at most :func:`lock_wait_ms` (``lock_timeout``). One that waited longer (its community's
+rows are locked: a lifecycle move of that community waiting behind a long transaction of the
+community's own code, say) changed nothing; that community's renewals are then left for
+:func:`busy_retry_seconds` and the others go on, so what one community holds never lets the
+leases of another lapse.
 """
 
 from __future__ import annotations
@@ -21,12 +28,31 @@ from django.db import InterfaceError, OperationalError, close_old_connections, c
 
 from buzz_delivery import services
 from buzz_delivery.services import Lease, LeaseLost
+from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
 
 logger = logging.getLogger("buzz_delivery.worker")
 
 DB_RETRY_SECONDS = 1.0
 # Errors of a lost or refused database connection: log, close the connection, carry on.
 DB_UNAVAILABLE = (OperationalError, InterfaceError)
+# The longest a renewal or a settle waits for a lock: this fraction of the lease, at most
+# LOCK_WAIT_MAX_SECONDS. Past it the statement is cancelled (it changed nothing) and its
+# community waits for busy_retry_seconds, so the other communities of the worker go on.
+LOCK_WAIT_LEASE_FRACTION = 0.1
+LOCK_WAIT_MAX_SECONDS = 1.0
+
+
+def lock_wait_ms(lease_seconds: float) -> int:
+    """Milliseconds a renewal or settle of a worker with leases of ``lease_seconds`` may wait
+    for a lock (``lock_timeout``): a tenth of the lease, at most a second (at least 1 ms)."""
+    return max(1, int(min(lease_seconds * LOCK_WAIT_LEASE_FRACTION, LOCK_WAIT_MAX_SECONDS) * 1000))
+
+
+def busy_retry_seconds(lease_seconds: float) -> float:
+    """Seconds a community whose renewal or settle waited past :func:`lock_wait_ms` is left
+    before its next try: a third of the lease (a renewal round), at most
+    :data:`DB_RETRY_SECONDS`; each try costs the other communities one bounded wait at most."""
+    return min(lease_seconds / 3, DB_RETRY_SECONDS)
 
 
 @dataclass(slots=True)
@@ -64,6 +90,7 @@ class LeaseRenewer(threading.Thread):
         every: float,
         on_renewed: Callable[[], None],
         on_timed_out: Callable[[HeldLease], None] = lambda held: None,
+        bound_lock_waits: bool = True,
     ) -> None:
         super().__init__(name="buzz-delivery-renewer", daemon=True)
         self.lease_seconds = lease_seconds
@@ -83,6 +110,13 @@ class LeaseRenewer(threading.Thread):
         # it is not waiting): a new lease or deadline wakes it only if it is due before that, so
         # a burst of claims does not wake it once per claim.
         self._wakes_at = -math.inf
+        # ``bound_lock_waits``: False for a worker serving one community (no other community's
+        # leases to hold up; its statements keep their one-statement fast path).
+        self._lock_wait_ms = lock_wait_ms(lease_seconds) if bound_lock_waits else None
+        self._busy_retry = min(every, busy_retry_seconds(lease_seconds))
+        # Communities (by their id's int) whose renewal waited past the lock bound, until when
+        # (monotonic) their renewals are left alone. Read and written by the thread only.
+        self._busy: dict[int, float] = {}
 
     def _notify_if_before(self, when: float | None) -> None:
         """Wake the thread if ``when`` comes before its current wait ends (call under ``_cond``)."""
@@ -168,9 +202,21 @@ class LeaseRenewer(threading.Thread):
 
     def _renew(self, held: HeldLease) -> None:
         lease = held.lease
+        community = lease.community_id.int
+        busy_until = self._busy.get(community)
+        if busy_until is not None:
+            if busy_until > time.monotonic():
+                with self._cond:
+                    held.due = max(held.due, busy_until)  # its community's turn comes then
+                return
+            del self._busy[community]
         try:
-            outcome = services.renew_delivery(lease, self.lease_seconds)
+            with lock_waits_bounded(self._lock_wait_ms):
+                outcome = services.renew_delivery(lease, self.lease_seconds)
         except DB_UNAVAILABLE as exc:
+            if lock_wait_timed_out(exc):
+                self._skip_community(held, community)
+                return
             logger.warning("db_unavailable role=renewer delivery=%s error=%s", lease.delivery_id, exc)
             close_old_connections()
             with self._cond:
@@ -204,6 +250,23 @@ class LeaseRenewer(threading.Thread):
             )
             self._on_renewed()
 
+    def _skip_community(self, held: HeldLease, community: int) -> None:
+        """``held``'s renewal waited past the lock bound (and changed nothing): leave its
+        community's renewals for :attr:`_busy_retry` seconds (the lease lapses if its community
+        stays locked longer than the lease has left)."""
+        retry_at = time.monotonic() + self._busy_retry
+        self._busy[community] = retry_at
+        with self._cond:
+            held.due = retry_at
+        logger.warning(
+            "renew_lock_wait community=%s delivery=%s: waited past %s ms for a lock (a lifecycle move "
+            "of its community, or a long transaction); its renewals wait %.2fs, the others go on",
+            held.lease.community_id,
+            held.lease.delivery_id,
+            self._lock_wait_ms,
+            self._busy_retry,
+        )
+
     def run(self) -> None:
         try:
             while (work := self._due()) is not None:
@@ -216,7 +279,8 @@ class LeaseRenewer(threading.Thread):
                         lease.delivery_id,
                         lease.lease_generation,
                     )
-                    self._on_timed_out(held)
+                    with lock_waits_bounded(self._lock_wait_ms):  # its settle: one lock wait at most
+                        self._on_timed_out(held)
                 for held in due:
                     self._renew(held)
         finally:

@@ -4,10 +4,12 @@ Threads: the caller's thread dispatches (claims, in batches, a little ahead of t
 threads), ``concurrency`` handler threads run the handler, one settler thread settles their
 results in batches (:mod:`buzz_delivery.worker.settler`), one renewer thread renews held
 leases, one listener thread LISTENs for wake hints. Every service call is its own autocommit
-statement: no transaction is open while a handler runs. The runtime itself holds four database
-connections whatever the concurrency (dispatcher, settler, renewer, listener); a handler thread
-opens one only if the handler uses the database. Each thread closes its connection when it
-exits.
+statement (the renewer's and the settler's each in a transaction of its own that bounds its lock
+waits, so one community's locked rows never hold up the others': see
+:mod:`buzz_delivery.worker.renewer`): no transaction is open while a handler runs. The runtime
+itself holds four database connections whatever the concurrency (dispatcher, settler, renewer,
+listener); a handler thread opens one only if the handler uses the database. Each thread closes
+its connection when it exits.
 
 Logging: one INFO line per claim batch (``claimed n=...``) and per settle batch (``settled
 n=...``); one DEBUG line per delivery (``claimed delivery=...``, ``settled delivery=...``,
@@ -261,11 +263,16 @@ class Worker:
         self.wake = threading.Event()
         self.tally = Tally()
         self.inbox = HintInbox(self.wake)
+        # Renewals and settles bound their lock waits only in a worker serving several
+        # communities (one community's locked rows must not hold up another's leases); the
+        # bound's own transaction costs a few µs a delivery that a one-community worker keeps.
+        several = len({community for community, _ in self.pairs}) > 1
         self.renewer = LeaseRenewer(
             lease_seconds=self.lease_seconds,
             every=self.lease_seconds * config.renew_fraction,
             on_renewed=lambda: self.tally.add("renewed"),
             on_timed_out=self._timed_out,
+            bound_lock_waits=several,
         )
         self.settler = Settler(
             max_batch=self.batch_size,
@@ -273,6 +280,7 @@ class Worker:
             lease_seconds=self.lease_seconds,
             count=self.tally.add,
             done=self._settled,
+            bound_lock_waits=several,
         )
         # (claim, monotonic instant of the claim)
         self.work: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()

@@ -23,6 +23,16 @@ replayed one lease at a time, so that nothing about one delivery keeps the other
 from settling; a single settle that raises leaves that lease to lapse (``settle_errors``). A
 lost connection is retried (reconnecting) for up to one lease length. The thread uses its own
 Django connection and closes it when it stops.
+
+One thread settles every community the worker serves, so a settle waits for a lock at most
+:func:`~buzz_delivery.worker.renewer.lock_wait_ms` (``lock_timeout``). A settle that waited
+longer (a lifecycle move of its community waiting behind a long transaction of that community's
+own code, say) was cancelled and changed nothing: its results, and that community's later ones,
+are kept and settled again, with the same leases (so the same fencing: a result is applied once
+or judged ``LeaseLost``, never twice), after
+:func:`~buzz_delivery.worker.renewer.busy_retry_seconds`; the other communities' results settle
+meanwhile. A lease is not renewed while its result waits: it lapses if its community stays
+locked longer than the lease has left, and the settle is then ``LeaseLost``.
 """
 
 from __future__ import annotations
@@ -36,13 +46,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from django.db import close_old_connections, connections
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from buzz_delivery import services
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Settled
+from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
 from buzz_delivery.services.types import FinishOutcome, Settle
 from buzz_delivery.worker.handlers import SettleArgs
-from buzz_delivery.worker.renewer import DB_UNAVAILABLE
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE, busy_retry_seconds, lock_wait_ms
 
 logger = logging.getLogger("buzz_delivery.worker")
 
@@ -53,17 +64,23 @@ SETTLED_KEYS = {"finished": "finished", "failed": "failed", "pending": "retried"
 T = TypeVar("T")
 
 
-def next_batch(source: queue.Queue[T | None], max_batch: int, linger: float) -> tuple[list[T], bool]:
-    """Block for one item of ``source``, then gather more (up to ``max_batch``, for ``linger``
-    seconds at most). ``None`` in the queue is the close marker. Returns (items, whether the
-    close marker was seen).
+def next_batch(
+    source: queue.Queue[T | None], max_batch: int, linger: float, wait: float | None = None
+) -> tuple[list[T], bool]:
+    """Block for one item of ``source`` (for ``wait`` seconds at most when given: none came,
+    ``([], False)``), then gather more (up to ``max_batch``, for ``linger`` seconds at most).
+    ``None`` in the queue is the close marker. Returns (items, whether the close marker was
+    seen).
 
     ``source`` is a :class:`queue.Queue`, not a ``SimpleQueue``: CPython 3.11's timed
     ``SimpleQueue.get`` can wait with no timeout at all (until the next put) when its thread was
     preempted past what was left of the wait (test_worker_settler_linger); ``Queue.get`` waits
     on a condition with its own deadline. What is already queued is taken under one lock
     (:func:`_take_queued`), not one ``get`` a result: a ``Queue.get`` is a few Python calls."""
-    first = source.get()
+    try:
+        first = source.get() if wait is None else source.get(timeout=wait)
+    except queue.Empty:
+        return [], False
     if first is None:
         return [], True
     items = [first]
@@ -108,6 +125,13 @@ def _take_queued(source: queue.Queue[T | None], items: list[T], max_batch: int) 
     return took, closed
 
 
+class _Busy:
+    """A settle that waited past the lock bound: it changed nothing, its results are kept."""
+
+
+BUSY = _Busy()
+
+
 @dataclass(frozen=True, slots=True)
 class SettleJob:
     """One handler result to settle: the claim's ``lease`` and what to settle it with."""
@@ -134,6 +158,7 @@ class Settler(threading.Thread):
         lease_seconds: float,
         count: Callable[[str, int], None],
         done: Callable[[int], None],
+        bound_lock_waits: bool = True,
     ) -> None:
         super().__init__(name="buzz-delivery-settler", daemon=True)
         self.max_batch = max_batch
@@ -142,6 +167,14 @@ class Settler(threading.Thread):
         self._count = count
         self._done = done
         self._queue: queue.Queue[SettleJob | None] = queue.Queue()  # see next_batch
+        # ``bound_lock_waits``: False for a worker serving one community (nothing of another
+        # community waits behind its settles: they keep their one-statement fast path).
+        self._lock_wait_ms = lock_wait_ms(lease_seconds) if bound_lock_waits else None
+        self._busy_retry = busy_retry_seconds(lease_seconds)
+        # Communities (by their id's int) whose settle waited past the lock bound, until when
+        # (monotonic) their results wait; and those results, in the order they came.
+        self._busy: dict[int, float] = {}
+        self._deferred: list[SettleJob] = []
 
     def put(self, job: SettleJob) -> None:
         """Queue one result (thread-safe, never blocks)."""
@@ -157,37 +190,96 @@ class Settler(threading.Thread):
         try:
             closing = False
             while not closing:
-                jobs, closing = next_batch(self._queue, self.max_batch, self.linger)
+                jobs, closing = next_batch(self._queue, self.max_batch, self.linger, self._retry_wait())
+                jobs = self._due_deferred(everything=closing) + jobs
                 if not jobs:
                     continue
+                deferred: list[SettleJob] = []
                 try:
-                    self._settle_batch(jobs)
+                    deferred = self._settle_batch(jobs)
                 except BaseException:
                     # Never let the settler die: every later result would stay unsettled.
                     logger.exception("worker_error role=settler n=%d: batch settle raised; left to lapse", len(jobs))
                     self._count("settle_errors", len(jobs))
                 finally:
-                    self._done(len(jobs))
+                    if closing and deferred:  # the worker gave up waiting: these are not tried again
+                        logger.error(
+                            "settle_error n=%d: their communities stayed locked past the shutdown; left to lapse",
+                            len(deferred),
+                        )
+                        self._count("settle_errors", len(deferred))
+                        deferred = []
+                    self._deferred += deferred
+                    self._done(len(jobs) - len(deferred))
         finally:
             connections.close_all()
+
+    # --- results of communities whose settle waited past the lock bound ----------------------
+
+    def _retry_wait(self) -> float | None:
+        """Seconds until the first kept result's community may be tried again (None: none kept)."""
+        if not self._deferred:
+            return None
+        return max(min(self._busy.values(), default=0.0) - time.monotonic(), 0.0)
+
+    def _due_deferred(self, *, everything: bool = False) -> list[SettleJob]:
+        """The kept results whose community's wait is over (``everything``: all of them, a last
+        try while the settler closes), taken off the list."""
+        now = time.monotonic()
+        for community, until in list(self._busy.items()):
+            if until <= now or everything:
+                del self._busy[community]
+        if not self._deferred:
+            return []
+        busy = self._busy
+        due = [job for job in self._deferred if job.lease.community_id.int not in busy]
+        if due:
+            self._deferred = [job for job in self._deferred if job.lease.community_id.int in busy]
+        return due
+
+    def _busy_now(self, job: SettleJob) -> bool:
+        return job.lease.community_id.int in self._busy
+
+    def _mark_busy(self, jobs: list[SettleJob]) -> None:
+        """A settle of ``jobs`` (one community) waited past the lock bound and changed nothing:
+        keep them, and that community's next results, for :attr:`_busy_retry` seconds."""
+        lease = jobs[0].lease
+        self._busy[lease.community_id.int] = time.monotonic() + self._busy_retry
+        logger.warning(
+            "settle_lock_wait community=%s n=%d: waited past %s ms for a lock (a lifecycle move of "
+            "its community, or a long transaction); settled again in %.2fs, the others go on",
+            lease.community_id,
+            len(jobs),
+            self._lock_wait_ms,
+            self._busy_retry,
+        )
 
     # --- one batch -----------------------------------------------------------------------------
 
     def _retrying(self) -> Retrying:
         return Retrying(
-            retry=retry_if_exception_type(DB_UNAVAILABLE),
+            retry=retry_if_exception(_connection_lost),
             stop=stop_after_delay(self.lease_seconds),
             wait=wait_exponential(multiplier=0.2, max=2.0),
             before_sleep=_reconnect,
             reraise=True,
         )
 
-    def _settle_batch(self, jobs: list[SettleJob]) -> None:
+    def _settle_batch(self, jobs: list[SettleJob]) -> list[SettleJob]:
+        """Settle ``jobs``; returns those kept for later (their community is busy)."""
+        with lock_waits_bounded(self._lock_wait_ms):
+            return self._settle_bounded(jobs)
+
+    def _settle_bounded(self, jobs: list[SettleJob]) -> list[SettleJob]:
         # The batch statement takes the leases of one community: group by community.
         # Keyed by the UUIDs' ints (hashed in C; a UUID hashes through a Python method).
         groups: dict[int, list[SettleJob]] = {}
         seen: set[int] = set()
         singles: list[SettleJob] = []
+        kept: list[SettleJob] = []
+        if self._busy:  # results of a community still waiting out its lock wait: not tried now
+            kept = [job for job in jobs if self._busy_now(job)]
+            jobs = [job for job in jobs if not self._busy_now(job)]
         for job in jobs:
             # One statement takes each delivery once: a second lease of the same delivery (a
             # requeue while the old handler ran) settles on its own.
@@ -204,23 +296,40 @@ class Settler(threading.Thread):
             if len(group) > 1:
                 batch, used = self._settle_many(group)
                 statements += used
-                if batch is None:
+                if isinstance(batch, _Busy):
+                    self._mark_busy(group)
+                    kept += group
+                elif batch is None:
                     singles = group + singles
                 else:
                     results += batch
             else:
                 singles = group + singles
         for job in singles:
+            if self._busy_now(job):
+                kept.append(job)
+                continue
             outcome, used = self._settle_one(job)
             statements += used
-            if outcome is not None:
+            if isinstance(outcome, _Busy):
+                self._mark_busy([job])
+                kept.append(job)
+            elif outcome is not None:
                 results.append((job, outcome))
-        self._record(jobs, results, statements)
+        if kept:  # (rare: a community's settle waited)
+            kept_ids = {id(job) for job in kept}
+            jobs = [job for job in jobs if id(job) not in kept_ids]
+        if jobs:
+            self._record(jobs, results, statements)
+        elif statements:
+            self._count("settle_statements", statements)
+        return kept
 
-    def _settle_many(self, jobs: list[SettleJob]) -> tuple[list[tuple[SettleJob, FinishOutcome]] | None, int]:
+    def _settle_many(self, jobs: list[SettleJob]) -> tuple[list[tuple[SettleJob, FinishOutcome]] | _Busy | None, int]:
         """Settle ``jobs`` (one community, distinct deliveries, each with its own outcome) in one
         statement. Returns (the outcomes, statements run: 1 + two per lease the batch did not
-        settle, roughly), or (None, 0) when the statement must be replayed lease by lease."""
+        settle, roughly), (None, 0) when the statement must be replayed lease by lease, or
+        (:data:`BUSY`, 1) when it waited past the lock bound (nothing was settled)."""
         if all(job.args.outcome == "finished" for job in jobs):  # the common batch: no per-row texts to check
             return self._call_many(jobs, services.finish_deliveries, [job.lease for job in jobs], "finished")
         settles = [
@@ -237,10 +346,14 @@ class Settler(threading.Thread):
 
     def _call_many(
         self, jobs: list[SettleJob], settle: Callable[..., list[FinishOutcome]], *args: Any
-    ) -> tuple[list[tuple[SettleJob, FinishOutcome]] | None, int]:
+    ) -> tuple[list[tuple[SettleJob, FinishOutcome]] | _Busy | None, int]:
         try:
             outcomes = self._retrying()(settle, *args)
         except DB_UNAVAILABLE as exc:
+            if lock_wait_timed_out(exc):
+                # Its statement changed nothing; if a follow-up read of the batch waited (a lease
+                # the statement did not settle), what it did settle is found settled next time.
+                return BUSY, 1
             logger.error("db_unavailable role=settle n=%d gave up: %s", len(jobs), exc)
             return [], 1
         except Exception as exc:
@@ -249,7 +362,7 @@ class Settler(threading.Thread):
         unsettled = sum(1 for o in outcomes if not isinstance(o, Settled))
         return list(zip(jobs, outcomes, strict=True)), 1 + 2 * unsettled
 
-    def _settle_one(self, job: SettleJob) -> tuple[FinishOutcome | None, int]:
+    def _settle_one(self, job: SettleJob) -> tuple[FinishOutcome | _Busy | None, int]:
         lease, args = job.lease, job.args
         try:
             outcome = self._retrying()(
@@ -261,6 +374,8 @@ class Settler(threading.Thread):
                 retry_after=args.retry_after,
             )
         except DB_UNAVAILABLE as exc:
+            if lock_wait_timed_out(exc):
+                return BUSY, 1
             logger.error("db_unavailable role=settle delivery=%s gave up: %s", lease.delivery_id, exc)
             return None, 1
         except Exception:
@@ -325,6 +440,11 @@ class Settler(threading.Thread):
             statements,
             " ".join(f"{k}={n}" for k, n in counts.items()),
         )
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """What a settle retries (reconnecting): a lost connection, not a lock wait past its bound."""
+    return isinstance(exc, DB_UNAVAILABLE) and not lock_wait_timed_out(exc)
 
 
 def _reconnect(state: object) -> None:

@@ -1,0 +1,206 @@
+"""One community's lock waits never hold up the other communities a worker serves (docs/security.md).
+
+A worker process serving several communities renews and settles their leases on one thread
+each. A lifecycle move of community A that waits behind a long transaction of A's own code
+holds A's community row, and every write of A's rows queues behind the move: A's renewals and
+settles cannot go through. They wait a bounded time (``lock_timeout``), then A is left for a
+while and B's leases are renewed and settled meanwhile; A's results are settled again with the
+same leases once the move is through. Waits poll the database for a condition; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+from django.db import OperationalError, connection, transaction
+
+from buzz_delivery import services
+from buzz_delivery.models import Community, WorkflowAgentDelivery
+from buzz_delivery.services import LeaseLost
+from buzz_delivery.services.db import bound_lock_waits, lock_wait_timed_out, lock_waits_bounded
+from buzz_delivery.testing import CommunityFactory, DeliveryFactory, random32
+from project.database_url import database_url
+from tests.test_worker import commit, count_claimed, statuses, wait_until
+from tests.test_worker_pairs import other_community_binding
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class _Probed(Exception):
+    """The probe's write went through: rolled back."""
+
+
+def a_write_waits(community_id: uuid.UUID) -> bool:
+    """Whether a write of the community's rows now waits for a lock (it waited past 100 ms; the
+    probe is rolled back either way)."""
+    try:
+        with transaction.atomic():
+            bound_lock_waits(100)
+            with connection.cursor() as cursor:
+                cursor.execute("UPDATE buzz_delivery_workflow SET name = name WHERE community_id = %s", [community_id])
+            raise _Probed
+    except _Probed:
+        return False
+    except OperationalError as exc:
+        if lock_wait_timed_out(exc):
+            return True
+        raise
+
+
+@contextmanager
+def move_stuck_behind_a_long_transaction(community_id: uuid.UUID) -> Iterator[Future[Community]]:
+    """A transaction of the community's own (a write of its events, left open) and a lifecycle
+    move of the community (``advance_community`` to ``quiescing``, in a thread) waiting behind
+    it; yields the move's future once the community's writes queue behind the move. On exit the
+    long transaction commits, and the move goes through."""
+    holder = psycopg.connect(database_url(connection.settings_dict))
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    def move() -> Community:
+        try:
+            return services.advance_community(community_id, "quiescing")
+        finally:
+            connection.close()
+
+    try:
+        holder.execute("UPDATE buzz_delivery_event SET content = content WHERE community_id = %s", [community_id])
+        moving = pool.submit(move)
+        wait_until(lambda: a_write_waits(community_id), timeout=30, what="the writes to queue behind the move")
+        assert not moving.done()
+        yield moving
+    finally:
+        holder.commit()
+        holder.close()
+        pool.shutdown(wait=True)
+
+
+def lock_timeout() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW lock_timeout")
+        return cursor.fetchone()[0]
+
+
+def test_a_bounded_renewal_behind_a_stuck_move_gives_up_changes_nothing_and_leaves_no_bound_behind(
+    community, make_binding
+):
+    delivery = DeliveryFactory(binding=make_binding())
+    claim = services.claim_delivery(community.id, bytes(delivery.target_pubkey), lease_seconds=30)
+    assert claim is not None
+    session_default = lock_timeout()
+
+    with move_stuck_behind_a_long_transaction(community.id) as moving:
+        with lock_waits_bounded(100), pytest.raises(OperationalError) as raised:
+            services.renew_delivery(claim.lease, 30)
+        assert lock_wait_timed_out(raised.value)
+        assert lock_timeout() == session_default  # the bound was the statement's only
+        delivery.refresh_from_db()
+        assert (delivery.status, delivery.renewals, delivery.lease_until) == ("claimed", 0, claim.lease.lease_until)
+        assert not moving.done()
+    assert moving.result(timeout=30).deletion_state == "quiescing"
+    with lock_waits_bounded(100):  # the move is through: judged at once, as without a bound
+        assert isinstance(services.renew_delivery(claim.lease, 30), LeaseLost)
+        assert isinstance(services.finish_delivery(claim.lease, "finished"), LeaseLost)
+    assert lock_timeout() == session_default
+
+
+def renewals(ids) -> dict:
+    return dict(WorkflowAgentDelivery.objects.filter(id__in=ids).values_list("id", "renewals"))
+
+
+def test_a_lifecycle_move_stuck_in_one_community_delays_no_renewal_or_settle_of_another(
+    community, make_binding, start_worker, tmp_path
+):
+    a_target, b_target = random32(), random32()
+    other, make_other = other_community_binding()
+    gate_a, gate_b = tmp_path / "gate-a", tmp_path / "gate-b"
+    (a_early,) = commit(make_binding, a_target, 1, wait_for=str(gate_a))  # returns while A is stuck: a settle
+    (a_late,) = commit(make_binding, a_target, 1, wait_for=str(gate_b))  # held while A is stuck: renewals
+    b_ids = commit(make_other, b_target, 2, wait_for=str(gate_b))
+    # Leases of 1.5 s, renewed every 0.5 s: B's lapse unless renewed while A is stuck.
+    worker = start_worker(
+        a_target,
+        *("--pair", f"{other.id}:{b_target.hex()}"),
+        *("--concurrency", "4", "--lease-seconds", "1.5", "--max-deliveries", "4"),
+    )
+    wait_until(lambda: count_claimed([a_early, a_late, *b_ids]) == 4, what="the four claims")
+
+    with move_stuck_behind_a_long_transaction(community.id) as moving:
+        gate_a.touch()  # A's first handler returns: its settle meets the move
+        wait_until(
+            lambda: any(e["event"] == "end" and e["delivery"] == str(a_early) for e in worker.handler_events()),
+            what="A's first handler to return",
+        )
+        # B's leases are renewed all along (three renewals: a whole lease's worth, each within
+        # the lease of the one before), while A's renewals and settle cannot go through.
+        before = renewals(b_ids)
+        wait_until(
+            lambda: all(n >= before[i] + 3 for i, n in renewals(b_ids).items()),
+            timeout=30,
+            what="B's leases to be renewed while A's move is stuck",
+        )
+        gate_b.touch()  # B's handlers (and A's second) return: B's settle goes through meanwhile
+        wait_until(
+            lambda: set(statuses(b_ids).values()) == {"finished"},
+            timeout=30,
+            what="B's deliveries to settle while A's move is stuck",
+        )
+        assert not moving.done()
+        assert set(statuses([a_early, a_late]).values()) == {"claimed"}
+        assert Community.objects.get(id=community.id).deletion_state == "active"
+    assert moving.result(timeout=30).deletion_state == "quiescing"
+
+    # A's results were kept and settled again once the move was through: judged LeaseLost by the
+    # database (its community left active), each once; nothing of A was written.
+    assert worker.wait(60) == 0, worker.log()
+    rows = {r.id: r for r in WorkflowAgentDelivery.objects.filter(id__in=[a_early, a_late, *b_ids])}
+    for b in b_ids:
+        assert (rows[b].status, rows[b].lease_generation, rows[b].attempt) == ("finished", 1, 1)
+        assert [e["event"] for e in rows[b].history].count("settle") == 1
+    for a in (a_early, a_late):
+        assert (rows[a].status, rows[a].lease_generation) == ("claimed", 1)
+        assert "settle" not in [e["event"] for e in rows[a].history]
+    summary = worker.summary()
+    assert (summary["claimed"], summary["finished"], summary["lease_lost"]) == (4, 2, 2)
+    assert summary["settle_errors"] == 0
+    log = worker.log()
+    assert "renew_lock_wait community=" + str(community.id) in log
+    assert "settle_lock_wait community=" + str(community.id) in log
+    assert "lock_wait community=" + str(other.id) not in log
+
+
+def test_only_a_worker_serving_several_communities_bounds_its_renewals_and_settles(community):
+    """A worker of one community has no other to hold up: its renewals and settles keep their
+    one-statement fast path (the bound's transaction costs client CPU a delivery)."""
+    import threading
+
+    from buzz_delivery.worker import WorkerConfig
+    from buzz_delivery.worker.runtime import Worker
+
+    other = CommunityFactory()
+    one = WorkerConfig(community_id=community.id, target_pubkey=random32(), handler=lambda delivery: None)
+    two_targets = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=random32(),
+        handler=lambda delivery: None,
+        extra_pairs=((community.id, random32()),),
+    )
+    several = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=random32(),
+        handler=lambda delivery: None,
+        extra_pairs=((other.id, random32()),),
+    )
+    bounds = {
+        name: (worker.renewer._lock_wait_ms, worker.settler._lock_wait_ms)
+        for name, worker in (
+            (name, Worker(config, threading.Event()))
+            for name, config in (("one", one), ("two_targets", two_targets), ("several", several))
+        )
+    }
+    assert bounds["one"] == bounds["two_targets"] == (None, None)
+    assert None not in bounds["several"]
