@@ -131,7 +131,7 @@ def test_the_shutdown_grace_ends_the_drain_and_abandons_what_is_still_in_flight(
     assert gate.entered.wait(10)
     worker.stop()
     took = wait_for(lambda: not thread.is_alive(), 10)
-    assert took < 8, took  # the 0.5 s grace and the stop, with room for a loaded machine: not the 30 s lease
+    assert took < 5, took  # the 0.5 s grace and the stop (0.6 s here), with room for a loaded machine
     assert out["abandoned"] == 1
     gate.release.set()
     wait_for(lambda: gate.error is not None, 5)

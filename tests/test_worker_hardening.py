@@ -181,8 +181,8 @@ def test_a_hung_handler_hands_its_delivery_back_at_its_deadline_so_attempts_appl
     assert worker.wait() == 3  # the hung handler's lease was given up
     # A handler past its deadline is not waited for: a stop that waited for it would wait the
     # whole shutdown grace (30 s by default), the handler sleeping 60 s. The stop itself and the
-    # process's exit take well under a second, not 15 s even on a loaded machine.
-    assert time.monotonic() - started < 15
+    # process's exit take well under a second here, not 8 s even on a loaded machine.
+    assert time.monotonic() - started < 8
     summary = worker.summary()
     assert (summary["timed_out"], summary["abandoned"], summary["finished"]) == (1, 1, 2)
     assert (summary["claimed"], summary["retried"], summary["failed"]) == (5, 2, 1)
@@ -327,9 +327,10 @@ def test_a_stopping_worker_gives_up_in_flight_leases_after_the_grace_and_exits_3
     started = time.monotonic()
     worker.proc.send_signal(signal.SIGTERM)
     assert worker.wait() == 3
-    # The 1 s grace and the process's exit, not the 60 s the handler wants (a drain that waited
-    # for it would not even end within worker.wait's 20 s): 15 s leaves a loaded machine room.
-    assert time.monotonic() - started < 15
+    # The 1 s grace and the process's exit (under 2 s here), not the 60 s the handler wants (a
+    # drain that waited for it would not even end within worker.wait's 20 s): 8 s leaves a
+    # loaded machine room and still catches a grace overrun several times over.
+    assert time.monotonic() - started < 8
     summary = worker.summary()
     assert (summary["abandoned"], summary["finished"], summary["reason"]) == (1, 0, "SIGTERM")
     assert WorkflowAgentDelivery.objects.get(id=slow).status == "claimed"  # left to lapse, not settled
