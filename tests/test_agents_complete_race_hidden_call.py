@@ -40,6 +40,9 @@ from tests.citus_support import waits_for_a_row_lock
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 120
+# The completion's blocked statement as citus_lock_waits shows it (on PostgreSQL the wait is read
+# by pid): its text is cut at track_activity_query_size, so the batch is known by its beginning.
+COMPLETION_LIKE = {"single": "%'completed'%", "batch": "%WITH u AS MATERIALIZED%unnest%"}
 
 
 def _state(run_id):
@@ -65,10 +68,10 @@ def _in_thread(work, pid: list[int], out: list[object]) -> threading.Thread:
     return thread
 
 
-def _until_it_waits(pid: list[int], statement_like: str, thread: threading.Thread) -> None:
+def _until_it_waits(pid: list[int], statement_like: str, thread: threading.Thread, out: list[object]) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not (pid and waits_for_a_row_lock(pid[0], statement_like)):
-        assert thread.is_alive(), "it never waited for the run's row"
+        assert thread.is_alive(), f"it never waited for the run's row: {out}"
         assert time.monotonic() < deadline, "it never waited for the run's row"
         time.sleep(0.01)
 
@@ -107,7 +110,7 @@ def test_a_call_journaled_and_another_recorded_while_the_completion_waits_refuse
         recorder_pid: list[int] = []
         recorded: list[object] = []
         recorder = _in_thread(lambda: record_call_result(lease, 1, ok=True, output={}), recorder_pid, recorded)
-        _until_it_waits(recorder_pid, "%result_generation%", recorder)  # for the journaling transaction
+        _until_it_waits(recorder_pid, "%result_generation%", recorder, recorded)  # for the journaling transaction
 
         def complete():
             if form == "single":
@@ -118,7 +121,7 @@ def test_a_call_journaled_and_another_recorded_while_the_completion_waits_refuse
         completed: list[object] = []
         completer = _in_thread(complete, completer_pid, completed)
         # Its snapshot holds the run 'running' without call 2; it queues behind the recorder.
-        _until_it_waits(completer_pid, "%'completed'%", completer)
+        _until_it_waits(completer_pid, COMPLETION_LIKE[form], completer, completed)
         history = _state(run_id)[4]
     finally:
         go.set()
@@ -165,7 +168,7 @@ def test_calls_journaled_and_recorded_while_a_batch_completion_waits_for_another
             completer_pid,
             completed,
         )
-        _until_it_waits(completer_pid, "%'completed'%", completer)
+        _until_it_waits(completer_pid, COMPLETION_LIKE["batch"], completer, completed)
         assert isinstance(journal_call(lease, "a", {"n": 1}), Journaled)
         assert isinstance(journal_call(lease, "b", {"n": 2}), Journaled)
         assert record_call_result(lease, 1, ok=True, output={}) == Recorded("succeeded")
