@@ -138,11 +138,14 @@ def test_a_call_journaled_and_another_recorded_while_the_completion_waits_refuse
     assert complete_run(lease, {"done": True}) == Finished("completed")
 
 
-def test_calls_journaled_and_recorded_while_a_batch_completion_waits_for_another_run_refuse_it(community):
+@pytest.mark.parametrize("recorded_too", [False, True])
+def test_calls_journaled_and_recorded_while_a_batch_completion_waits_for_another_run_refuse_it(community, recorded_too):
     """The batch locks its runs in id order after taking its snapshot: while it waits for the first
     run's row, the second run's call 1 and call 2 are journaled and call 1 recorded, each in a
     transaction of its own, none in its snapshot; the second run's row is ``running`` again when
-    the batch locks it."""
+    the batch locks it. ``recorded_too``: call 2 is recorded as well before the batch goes on: no
+    call is in flight when the refusal is judged, and it is ``CallsInFlight(())``, complete again
+    (it was ``LeaseLost`` though the lease held)."""
     first, second = sorted((new_run(community.id), new_run(community.id)))
     first_lease, lease = claim(community.id, first), claim(community.id, second)
     held, go = threading.Event(), threading.Event()
@@ -172,6 +175,8 @@ def test_calls_journaled_and_recorded_while_a_batch_completion_waits_for_another
         assert isinstance(journal_call(lease, "a", {"n": 1}), Journaled)
         assert isinstance(journal_call(lease, "b", {"n": 2}), Journaled)
         assert record_call_result(lease, 1, ok=True, output={}) == Recorded("succeeded")
+        if recorded_too:
+            assert record_call_result(lease, 2, ok=True, output={}) == Recorded("succeeded")
         history = _state(second)[4]
     finally:
         go.set()
@@ -179,5 +184,9 @@ def test_calls_journaled_and_recorded_while_a_batch_completion_waits_for_another
         thread.join(TIMEOUT)
         assert not thread.is_alive()
     assert isinstance(holder_out[0], Renewed)
-    assert completed == [[Finished("completed"), CallsInFlight((2,))]], _state(second)
-    assert _state(second) == ("running", None, True, None, history, [(1, "succeeded"), (2, "pending")])
+    in_flight = () if recorded_too else (2,)
+    assert completed == [[Finished("completed"), CallsInFlight(in_flight)]], _state(second)
+    entries = [(1, "succeeded"), (2, "succeeded" if recorded_too else "pending")]
+    assert _state(second) == ("running", None, True, None, history, entries)
+    if recorded_too:  # the lease holds: complete again
+        assert complete_run(lease, {"n": 2}) == Finished("completed")
