@@ -92,7 +92,12 @@ class Command(StrictOptionsCommand):
         except Exception as exc:
             raise CommandError(f"--backend: {exc}", returncode=2) from exc
         if not isinstance(backend, DeliveryBackend):
-            raise CommandError(f"--backend: {options['backend']!r} is not a DeliveryBackend", returncode=2)
+            raise CommandError(
+                f"--backend: TASKS[{options['backend']!r}] is a {type(backend).__module__}."
+                f"{type(backend).__qualname__}, not a buzz_delivery.tasks.DeliveryBackend: set its "
+                '"BACKEND" to "buzz_delivery.tasks.DeliveryBackend" and its OPTIONS["COMMUNITY"] (docs/tasks.md)',
+                returncode=2,
+            )
         queues = options["queue"] or backend.worker_queues()
         unknown = [q for q in queues if backend.queues and q not in backend.queues]
         if unknown:
