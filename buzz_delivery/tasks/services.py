@@ -406,9 +406,17 @@ class HeldTask:
 # 'null', and recording an error sets the column to SQL NULL. An error is the outcome unless an
 # operator requeued the delivery after it was recorded: its ``requeues`` (the delivery's count
 # when it was recorded) is not the delivery's count now, however many leases lapsed since. An
-# error recorded before errors carried ``requeues`` is superseded by any requeue counted since
-# (all came after it) or, before the count existed, by a 'requeue' history entry of a later
-# generation than its lease_generation (-1 without one).
+# error without ``requeues`` (recorded before errors carried it, or after, by a worker of the
+# previous release during a rolling deploy) is superseded by a 'requeue' history entry of a
+# later generation than its lease_generation (-1 without one): exact while the history still
+# holds an entry of that generation or earlier (entries are appended in generation order and the
+# oldest dropped first). Once the history no longer reaches back that far, any requeue counted
+# is taken as one since (a count above 0 alone would also supersede an error recorded after it).
+# The lease generation the last error was recorded with (-1 without one).
+_ERROR_GENERATION = (
+    "CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'"
+    " THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END"
+)
 _READ_HELD = f"""
 SELECT {_TASK_COLUMNS},
        d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now(),
@@ -416,13 +424,13 @@ SELECT {_TASK_COLUMNS},
        (r.errors -> -1)::text,
        CASE WHEN jsonb_typeof(r.errors -> -1 -> 'requeues') = 'number'
             THEN (r.errors -> -1 -> 'requeues')::numeric <> d.requeues
-            ELSE d.requeues > 0 OR EXISTS (
+            ELSE EXISTS (
                 SELECT 1 FROM jsonb_array_elements(d.history) AS h
-                WHERE h->>'event' = 'requeue'
-                  AND (h->>'generation')::bigint
-                      > CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'
-                             THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END
-            ) END
+                WHERE h->>'event' = 'requeue' AND (h->>'generation')::bigint > {_ERROR_GENERATION}
+            ) OR (d.requeues > 0 AND NOT EXISTS (
+                SELECT 1 FROM jsonb_array_elements(d.history) AS h
+                WHERE (h->>'generation')::bigint <= {_ERROR_GENERATION}
+            )) END
 FROM {RESULT} r
 JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
