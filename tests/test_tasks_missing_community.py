@@ -93,3 +93,23 @@ def test_the_task_worker_on_a_community_that_does_not_exist_warns_and_starts(cap
     CommunityFactory(id=uuid.UUID(t.COMMUNITY))
     call_command("run_task_worker", **options)
     assert _not_found(captured.records) == []
+
+
+def test_the_check_without_a_database_reads_nothing():
+    """Not marked django_db: a query here would fail the test (pytest-django blocks it)."""
+    from django.core import checks as django_checks
+
+    assert "buzz_delivery.W103" not in {m.id for m in django_checks.run_checks()}
+
+
+@pytest.mark.django_db
+def test_check_database_warns_of_a_backend_whose_community_does_not_exist():
+    from django.core import checks as django_checks
+
+    found = [m for m in django_checks.run_checks(databases=["default"]) if m.id == "buzz_delivery.W103"]
+    assert [m.msg for m in found] == [
+        f"TASKS['default']['OPTIONS']['COMMUNITY'] names no community: {t.COMMUNITY} does not exist; "
+        "create it, or set the id of one that does (docs/tasks.md)"
+    ]
+    CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    assert "buzz_delivery.W103" not in {m.id for m in django_checks.run_checks(databases=["default"])}
