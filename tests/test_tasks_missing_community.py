@@ -12,7 +12,7 @@ import uuid
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.db import IntegrityError, connection
+from django.db import IntegrityError, connection, transaction
 
 from buzz_delivery import models
 from buzz_delivery.exceptions import CommunityNotFound, in_chain
@@ -113,3 +113,22 @@ def test_check_database_warns_of_a_backend_whose_community_does_not_exist():
     ]
     CommunityFactory(id=uuid.UUID(t.COMMUNITY))
     assert "buzz_delivery.W103" not in {m.id for m in django_checks.run_checks(databases=["default"])}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_inside_the_callers_transaction_enqueue_raises_and_the_callers_transaction_goes_on():
+    """The workflow's key is deferred: inside a caller's transaction it would be judged at the
+    caller's commit, a raw IntegrityError there. Enqueue raises instead, and the caller's
+    transaction stays usable (its own writes commit)."""
+    missing = uuid.uuid4()
+    backend = DeliveryBackend("default", {"QUEUES": ["default"], "OPTIONS": {"COMMUNITY": str(missing)}})
+    with transaction.atomic():
+        mine = CommunityFactory()
+        with pytest.raises(ImproperlyConfigured, match=r"\['COMMUNITY'\] names no community"):
+            backend.enqueue(t.add, [1, 2], {})
+    assert models.Community.objects.filter(id=mine.id).exists()  # the commit went through
+    assert rows() == NONE_WRITTEN
+    with transaction.atomic():  # created in the caller's transaction: it exists for the enqueue
+        CommunityFactory(id=missing)
+        backend.enqueue(t.add, [1, 2], {})
+    assert rows() == {model.__name__: 1 for model in WRITTEN}

@@ -35,6 +35,7 @@ from buzz_delivery.services import commit_deliveries
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import constraint_name, fetch_all
 from buzz_delivery.services.tenancy import tenant_scoped
+from buzz_delivery.services.workers import EXISTING_COMMUNITY
 from buzz_delivery.services.types import Binding, Cause
 from buzz_delivery.tasks.models import NAME_MAX_CHARS, TASK_PATH_MAX_CHARS, TaskResult
 
@@ -155,6 +156,21 @@ def _name(value: Any, name: str, max_chars: int = NAME_MAX_CHARS) -> str:
 # are): an enqueue for a community that does not exist breaks it first, at the commit.
 WORKFLOW_COMMUNITY_FK = "buzz_delivery_workfl_community_id_9946e868_fk_buzz_deli"
 
+# Communities a committed transaction of this process showed to exist (a community row is never
+# deleted: a purge leaves its tombstone). Inside a caller's transaction the deferred key would be
+# judged at the caller's commit, past this service: a community not seen yet is read first there,
+# once per process, so the caller gets CommunityNotFound from enqueue, not an IntegrityError at
+# its commit. Outside one the key's violation is translated after the fact: no read at all.
+_SEEN_COMMUNITIES: set[uuid.UUID] = set()
+
+
+def _require_community_in_callers_transaction(community: uuid.UUID) -> None:
+    if community in _SEEN_COMMUNITIES or not transaction.get_connection().in_atomic_block:
+        return
+    if not fetch_all(EXISTING_COMMUNITY, {"community_id": community}):
+        raise CommunityNotFound(f"no community {community}")
+    transaction.on_commit(lambda: _SEEN_COMMUNITIES.add(community))
+
 _ENSURE_WORKFLOW = """
 INSERT INTO buzz_delivery_workflow (id, community_id, name, created_at)
 VALUES (%(workflow_id)s, %(community_id)s, %(name)s, now()) ON CONFLICT DO NOTHING
@@ -194,8 +210,8 @@ def enqueue_task(
     Bad input raises ``ValidationError`` naming the argument before any SQL; nothing is written.
     A community that is not active raises :class:`~buzz_delivery.exceptions.CommunityNotWritable`;
     one that does not exist, :class:`~buzz_delivery.exceptions.CommunityNotFound` (nothing is
-    written). The key judging it is deferred to the commit: inside a caller's transaction the
-    caller's commit fails instead (an ``IntegrityError`` naming :data:`WORKFLOW_COMMUNITY_FK`)."""
+    written): outside a transaction the deferred key's violation at this commit is translated;
+    inside the caller's, a community this process has not seen committed is read first (once)."""
     community = v.uuid_value(community_id, "community_id")
     backend = _name(backend, "backend")
     queue_name = _name(queue_name, "queue_name")
@@ -216,7 +232,8 @@ def enqueue_task(
     context: dict[str, Any] = {"django_task": {"result_id": str(result_id), "path": task_path, "queue": queue_name}}
     if trace_context:
         context["trace"] = trace_context
-    try:  # the community's key judged after the fact: no statement added to look it up first
+    _require_community_in_callers_transaction(community)
+    try:  # the community's key judged after the fact (at this commit): no statement to look it up
         with transaction.atomic():
             fetch_all(_ENSURE_WORKFLOW, params)
             fetch_all(_ENSURE_RUN, params)
@@ -270,6 +287,8 @@ def enqueue_task(
         if constraint_name(exc) == WORKFLOW_COMMUNITY_FK:
             raise CommunityNotFound(f"no community {community}") from exc
         raise
+    if not transaction.get_connection().in_atomic_block:  # committed: it exists
+        _SEEN_COMMUNITIES.add(community)
     return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=enqueued_at)
 
 
