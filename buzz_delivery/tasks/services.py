@@ -35,8 +35,8 @@ from buzz_delivery.services import commit_deliveries
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import constraint_name, fetch_all
 from buzz_delivery.services.tenancy import tenant_scoped
-from buzz_delivery.services.workers import EXISTING_COMMUNITY
 from buzz_delivery.services.types import Binding, Cause
+from buzz_delivery.services.workers import EXISTING_COMMUNITY
 from buzz_delivery.tasks.models import NAME_MAX_CHARS, TASK_PATH_MAX_CHARS, TaskResult
 
 TASK_EVENT_KIND = 30_078  # an application's own data (NIP-78): the task's message event
@@ -170,6 +170,7 @@ def _require_community_in_callers_transaction(community: uuid.UUID) -> None:
     if not fetch_all(EXISTING_COMMUNITY, {"community_id": community}):
         raise CommunityNotFound(f"no community {community}")
     transaction.on_commit(lambda: _SEEN_COMMUNITIES.add(community))
+
 
 _ENSURE_WORKFLOW = """
 INSERT INTO buzz_delivery_workflow (id, community_id, name, created_at)
