@@ -57,7 +57,13 @@ class Command(StrictOptionsCommand):
             help=f"Seconds between polls (at most {MAX_POLL_SECONDS:g}; default 1).",
         )
         parser.add_argument("--max-tasks", type=positive_int, default=None, help="Stop after N tasks.")
-        parser.add_argument("--idle-exit", type=positive_seconds, default=None, help="Stop after S idle seconds.")
+        parser.add_argument(
+            "--idle-exit",
+            type=positive_seconds,
+            default=None,
+            help="Stop after S idle seconds (run_agent_worker's --exit-when-idle, a flag, stops at its first "
+            "empty poll instead).",
+        )
         parser.add_argument(
             "--task-timeout",
             type=positive_seconds,
