@@ -156,11 +156,12 @@ def _name(value: Any, name: str, max_chars: int = NAME_MAX_CHARS) -> str:
 # are): an enqueue for a community that does not exist breaks it first, at the commit.
 WORKFLOW_COMMUNITY_FK = "buzz_delivery_workfl_community_id_9946e868_fk_buzz_deli"
 
-# Communities a committed transaction of this process showed to exist (a community row is never
-# deleted: a purge leaves its tombstone). Inside a caller's transaction the deferred key would be
-# judged at the caller's commit, past this service: a community not seen yet is read first there,
-# once per process, so the caller gets CommunityNotFound from enqueue, not an IntegrityError at
-# its commit. Outside one the key's violation is translated after the fact: no read at all.
+# Communities a committed transaction of this process showed to exist (no service deletes a
+# community row: its lifecycle ends at the tombstone). Inside a caller's transaction the deferred
+# key would be judged at the caller's commit, past this service: a community not seen yet is read
+# first there, once per process, so the caller gets CommunityNotFound from enqueue, not an
+# IntegrityError at its commit (one deleted by hand after it was seen still fails that way).
+# Outside a transaction the key's violation is translated after the fact: no read at all.
 _SEEN_COMMUNITIES: set[uuid.UUID] = set()
 
 
