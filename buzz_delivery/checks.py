@@ -248,12 +248,20 @@ def check_runtime_role_obeys_rls(
     superuser, a BYPASSRLS role, or the tables' owner (with FORCE the owner obeys the policies,
     but may switch them off). A database check, as Django's own: ``manage.py check --database
     default`` and ``migrate`` run it. Skipped silently when the database cannot be reached."""
-    from django.db import DatabaseError, connection
-
-    from buzz_delivery import isolation
+    from django.db import connection
 
     if not databases or "default" not in databases:
         return []
+    return runtime_role_warnings(connection)
+
+
+def runtime_role_warnings(connection: Any) -> list[checks.CheckMessage]:
+    """``W020``/``W021``/``W022`` of :func:`check_runtime_role_obeys_rls` on ``connection``
+    (``manage.py tenant_isolation enable`` and ``status`` print them too)."""
+    from django.db import DatabaseError
+
+    from buzz_delivery import isolation
+
     if check_tenant_isolation_settings() or connection.vendor != "postgresql":
         return []
     raw = raw_settings()

@@ -23,24 +23,33 @@ class InFlightCalls:
     def __init__(self) -> None:
         self._count = 0
         self._settled = threading.Condition()
-        self._mine = threading.local()  # .calls: this thread's calls in flight (nested in each other)
+        self._mine = threading.local()  # .positions: this thread's calls in flight, outermost first
 
-    def enter(self) -> None:
-        """Count a call that holds its journal position (see the module doc for when)."""
+    def enter(self, position: int) -> None:
+        """Count the call at journal ``position`` once it holds it (see the module doc for when)."""
         with self._settled:
             self._count += 1
-        self._mine.calls = self.own() + 1
+        self._mine.positions = (*self._positions(), position)
 
     def leave(self) -> None:
-        """The call :meth:`enter` counted is recorded (or gave up)."""
-        self._mine.calls -= 1
+        """The call :meth:`enter` counted last on this thread is recorded (or gave up)."""
+        self._mine.positions = self._positions()[:-1]
         with self._settled:
             self._count -= 1
             self._settled.notify_all()
 
+    def _positions(self) -> tuple[int, ...]:
+        return tuple(getattr(self._mine, "positions", ()))
+
     def own(self) -> int:
         """This thread's calls in flight (a call made from inside a call's tool function)."""
-        return int(getattr(self._mine, "calls", 0))
+        return len(self._positions())
+
+    def outer(self) -> int | None:
+        """The journal position of the call this thread is inside (its tool or reconcile
+        function runs), or None."""
+        positions = self._positions()
+        return positions[-1] if positions else None
 
     def others(self) -> bool:
         """Whether a call of another thread is in flight."""

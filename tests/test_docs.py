@@ -156,9 +156,14 @@ def test_every_management_command_a_page_names_exists():
     assert not stale, "commands the docs name that no installed app has:\n" + "\n".join(stale)
 
 
-def test_every_option_of_run_task_worker_is_on_its_page():
+@pytest.mark.parametrize(
+    ("app", "command", "page"),
+    [("buzz_delivery.tasks", "run_task_worker", "tasks.md"), ("buzz_delivery.agents", "run_agent_worker", "agents.md")],
+)
+def test_every_option_of_a_worker_is_on_its_page(app, command, page):
     """docs/tasks.md is the task worker's page: it listed none of its options (``--poll-interval``
-    was nowhere in the docs). Django's own options (``--settings``, ``-v``...) are left out."""
+    was nowhere in the docs); docs/agents.md the agent worker's (each spelling of an option
+    counts). Django's own options (``--settings``, ``-v``...) are left out."""
     from django.core.management import load_command_class
     from django.core.management.base import BaseCommand
 
@@ -166,10 +171,10 @@ def test_every_option_of_run_task_worker_is_on_its_page():
         parser = command.create_parser("manage.py", "x")
         return {o for action in parser._actions for o in action.option_strings if o.startswith("--")}
 
-    own = options(load_command_class("buzz_delivery.tasks", "run_task_worker")) - options(BaseCommand())
-    text = (ROOT / "docs" / "tasks.md").read_text()
+    own = options(load_command_class(app, command)) - options(BaseCommand())
+    text = (ROOT / "docs" / page).read_text()
     missing = sorted(o for o in own if not re.search(rf"`{re.escape(o)}\b", text))
-    assert not missing, f"options of run_task_worker that docs/tasks.md does not name: {missing}"
+    assert not missing, f"options of {command} that docs/{page} does not name: {missing}"
 
 
 def defaults(setting: str) -> set[str]:

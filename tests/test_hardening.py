@@ -201,6 +201,43 @@ def slow_reap_updates():
     _sql("DROP FUNCTION IF EXISTS test_slow_update()")
 
 
+@pytest.fixture
+def gated_reap_updates():
+    """Every UPDATE of a delivery by another session waits (in short sleeps: a lock wait would
+    end at the reaper's lock_timeout) while ``test_reap_gate`` has a row: a batch stalled for
+    as long as the test needs, not for a fixed time a loaded machine may outlast. The test's
+    own session passes. ``_open_gate()`` ends the stall."""
+    _sql(
+        "CREATE TABLE test_reap_gate (closed boolean); INSERT INTO test_reap_gate VALUES (true);"
+        "GRANT SELECT ON test_reap_gate TO PUBLIC;"
+        "CREATE FUNCTION test_gated_update() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "WHILE pg_backend_pid() <> %s AND EXISTS (SELECT FROM test_reap_gate) LOOP PERFORM pg_sleep(0.05); END LOOP; "
+        "RETURN NULL; END $$;"
+        "CREATE TRIGGER test_gated_update AFTER UPDATE ON buzz_delivery_delivery "
+        "FOR EACH STATEMENT EXECUTE FUNCTION test_gated_update()",
+        [_sql("SELECT pg_backend_pid()")[0][0]],
+    )
+    try:
+        yield
+    finally:
+        _open_gate()
+        _sql("DROP TRIGGER IF EXISTS test_gated_update ON buzz_delivery_delivery")
+        _sql("DROP FUNCTION IF EXISTS test_gated_update()")
+        _sql("DROP TABLE IF EXISTS test_reap_gate")
+
+
+def _open_gate() -> None:
+    _sql("DELETE FROM test_reap_gate")
+
+
+def _updates_at_the_gate() -> int:
+    rows = _sql(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'PgSleep'"
+        " AND pid <> pg_backend_pid()"
+    )
+    return rows[0][0]
+
+
 def _summary(proc) -> tuple[int, dict]:
     out, err = proc.communicate(timeout=60)
     lines = out.strip().splitlines()
@@ -219,15 +256,29 @@ def _reap_holding_its_lease(lease_seconds: str):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_stalled_reap_keeps_its_guard_so_a_second_run_stays_out(community, slow_reap_updates):
+def test_a_stalled_reap_keeps_its_guard_so_a_second_run_stays_out(community, gated_reap_updates):
     for _ in range(3):
         lapsed(community)
     first = _reap_holding_its_lease("1.5")
-    time.sleep(2.5)  # past the guard's 1.5 s: only a timer renewal keeps it
+    try:
+        # Its first batch's UPDATE waits at the gate until the second run has ended: however
+        # slowly a loaded machine starts the second process, it finds the first still stalled.
+        deadline = time.monotonic() + 30
+        while not _updates_at_the_gate():
+            assert time.monotonic() < deadline, "the first run's UPDATE never reached the gate"
+            time.sleep(0.05)
+        time.sleep(2.5)  # past the guard's 1.5 s: only a timer renewal keeps it
 
-    second = manage("reap_deliveries", "--json", "--lease-seconds", "1.5")
-    code, summary = _summary(second)
-    assert (code, summary["outcome"]) == (0, "busy")
+        second = manage("reap_deliveries", "--json", "--lease-seconds", "1.5")
+        deadline = time.monotonic() + 60
+        while second.poll() is None:
+            assert _updates_at_the_gate() < 2, "the second run got past the guard: it reaps beside the first"
+            assert time.monotonic() < deadline, "the second run did not end"
+            time.sleep(0.05)
+        code, summary = _summary(second)
+        assert (code, summary["outcome"]) == (0, "busy")
+    finally:
+        _open_gate()
 
     code, summary = _summary(first)
     assert (code, summary["outcome"], summary["reclaimed"]) == (0, "ok", 3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 import uuid
 
 import pytest
@@ -111,3 +112,62 @@ def test_an_error_recorded_before_a_settle_that_never_came_stays_the_outcome_how
     assert row.errors == [{**error, "lease_generation": claim.lease.lease_generation, "requeues": 0}]
     settled = delivery_of_id(delivery)
     assert (settled.status, settled.failure_code) == ("failed", "TaskFailed")
+
+
+# The record statement of the release before requeues existed (its error carries no
+# ``requeues``): what a worker still running that release writes after migration 0033 is
+# applied, during a rolling deploy.
+PREVIOUS_RELEASE_RECORD = f"""
+UPDATE {TaskResult._meta.db_table} AS r
+SET return_value = NULL, errors = r.errors || jsonb_build_array(%(error)s::jsonb)
+WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
+  AND EXISTS (
+      SELECT 1 FROM {models.WorkflowAgentDelivery._meta.db_table} d
+      WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
+        AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
+  )
+RETURNING r.id
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_error_without_requeues_recorded_after_a_counted_requeue_stays_the_outcome(tmp_path):
+    """A requeue is counted; then a worker of the previous release (no ``requeues`` in what it
+    records) runs the task, records its error and dies before its settle. The requeue came
+    before that error (its history entry says so, still there): the next worker settles the
+    delivery failed as recorded, without running the task again (a count above 0 does not
+    mean a requeue since, for an error written after the count existed)."""
+    from django.db import connection
+
+    community = CommunityFactory(id=uuid.UUID(t.COMMUNITY))
+    log = tmp_path / "runs.log"
+    result = t.mark_and_hold.enqueue(str(log), "", "raise")
+    delivery = delivery_of(result.id)
+    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=delivery.id).update(max_attempts=None)
+    run_worker()
+    assert requeue_delivery(community.id, delivery.id).done
+    target = compat.task_backends["default"].target_for("default")
+    claim = services.claim_delivery(community.id, target, holder="previous release, killed after recording")
+    assert claim is not None
+    error = {
+        "exception_class_path": "builtins.ValueError",
+        "traceback": "recorded after the requeue",
+        "failure_code": "TaskFailed",
+        "lease_generation": claim.lease.lease_generation,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(
+            PREVIOUS_RELEASE_RECORD,
+            {
+                "error": json.dumps(error),
+                "community_id": community.id,
+                "delivery_id": delivery.id,
+                "generation": claim.lease.lease_generation,
+            },
+        )
+        assert cursor.fetchall()
+    age_and_reap(delivery)
+    run_worker()
+    assert lines(log) == [f"{result.id} 1"]  # the first run only: not run again
+    settled = delivery_of_id(delivery)
+    assert (settled.status, settled.failure_code, settled.requeues) == ("failed", "TaskFailed", 1)

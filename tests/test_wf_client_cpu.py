@@ -152,6 +152,12 @@ def test_a_function_step_runs_in_one_tenant_scope_and_a_plain_one_is_routed_with
     assert executor.run_function(claims[0]) == executor.Output({})  # the public call keeps its scope
 
 
+# The dispatcher's poll interval in the tests below: a pass that only a poll ends would come a
+# minute later, so waiting up to half of it for the pass a wake makes at once is a wide margin
+# on a loaded machine, and a deferral (which ends at a poll interval) outlasts the test's steps.
+POLL = 60.0
+
+
 def _dispatching(orchestrator: Orchestrator) -> tuple[threading.Thread, list[float], list[str]]:
     """Run ``orchestrator.dispatch()`` on a thread of its own; the list it returns gets the time
     of each pass of the dispatch loop (its dead-thread check runs once a pass), the other the
@@ -182,7 +188,7 @@ def test_a_deferred_dispatcher_waits_through_wakes_until_the_batch_is_through(co
     """The dispatcher left its claim to the completer (a result awaits it): wakes meanwhile (the
     NOTIFY of every run started) do not run its loop; the batch's own wake does, at once."""
     stop = threading.Event()
-    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=5.0), stop)
+    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=POLL), stop)
     orchestrator.leading = True  # no Leadership object: leads as the only orchestrator would
     with orchestrator.lock:  # one result waiting for the completer's batch
         orchestrator.awaiting = orchestrator.in_flight = 1
@@ -198,7 +204,7 @@ def test_a_deferred_dispatcher_waits_through_wakes_until_the_batch_is_through(co
             time.sleep(0.01)
         assert len(passes) == 1 and orchestrator.counts["claim_statements"] == 0
         orchestrator._after_batch()  # the batch is through: the dispatcher runs again, now
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + POLL / 2  # not the poll a missed wake would wait for
         while len(passes) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(passes) == 2  # and, a result still waiting, leaves the claim to the next batch
@@ -295,7 +301,7 @@ def test_a_batch_through_just_after_the_dispatcher_deferred_to_it_does_not_stall
     interval (issue 31 review: the wait took the batch count after the batch, as if waiting for
     the next one)."""
     stop = threading.Event()
-    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=5.0), stop)
+    orchestrator = Orchestrator(OrchestratorConfig(community_id=community.id, poll_interval=POLL), stop)
     orchestrator.leading = True
     orchestrator.lock = _BatchRightAfterDecision(orchestrator)  # type: ignore[assignment]
     with orchestrator.lock:
@@ -307,7 +313,7 @@ def test_a_batch_through_just_after_the_dispatcher_deferred_to_it_does_not_stall
             time.sleep(0.01)
         time.sleep(0.2)
         orchestrator.wake.set()  # a NOTIFY: a run started
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + POLL / 2  # not the poll a wake waited through would end
         while len(passes) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(passes) >= 2, "the dispatcher waited through the wake with no batch to come"

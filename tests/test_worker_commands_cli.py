@@ -97,7 +97,11 @@ def test_an_unimportable_handler_is_a_bad_argument_naming_the_option(command, ar
         ),
         (  # finite, but longer than a thread can wait: the thread worker died at its first idle poll
             [*IDLE_AGENT_WORKER, "--poll-seconds", "1e10"],
-            "argument --poll-seconds: must be at most 86400 seconds, got 1e10",
+            "argument --poll-seconds/--poll-interval: must be at most 86400 seconds, got 1e10",
+        ),
+        (  # the other workers' name for it, the same option
+            [*IDLE_AGENT_WORKER, "--poll-interval", "1e10"],
+            "argument --poll-seconds/--poll-interval: must be at most 86400 seconds, got 1e10",
         ),
         (  # was unbounded: 1e10 overflowed a thread's wait (OverflowError), as --poll-seconds did
             [
@@ -246,6 +250,45 @@ def test_the_agent_workers_documented_default_concurrency_is_its_default():
     default = parser.parse_args(["--handler", "json:dumps", "--agent", AGENT.hex()]).concurrency
     page = (ROOT / "docs" / "agents.md").read_text()
     assert f"[--concurrency {default}]" in page
+
+
+# --- the agent worker's spellings: --poll-interval as the others, --exit-when-idle not --idle-exit ---
+
+
+def test_the_agent_worker_takes_poll_interval_as_poll_seconds():
+    from buzz_delivery.agents.management.commands import run_agent_worker
+
+    parser = run_agent_worker.Command().create_parser("manage.py", "run_agent_worker")
+    argv = ["--handler", "json:dumps", "--agent", AGENT.hex()]
+    assert parser.parse_args([*argv, "--poll-interval", "0.25"]).poll_seconds == 0.25
+    assert parser.parse_args([*argv, "--poll-seconds", "0.5"]).poll_seconds == 0.5  # the old spelling
+    assert parser.parse_args(argv).poll_seconds == 1.0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_worker_runs_with_poll_interval(community):
+    out = io.StringIO()
+    call_command(
+        "run_agent_worker", "--community", str(community.id), "--agent", AGENT.hex(), "--handler", "json:dumps",
+        "--exit-when-idle", "--poll-interval", "0.1", "--no-listen", stdout=out, stderr=io.StringIO(),
+    )  # fmt: skip
+    assert json.loads(out.getvalue().splitlines()[-1])["claimed"] == 0
+
+
+def test_exit_when_idle_and_idle_exit_each_say_how_they_differ():
+    """Not aliases: --exit-when-idle (a flag) stops at the agent worker's first empty poll,
+    --idle-exit SECONDS waits that long with nothing to do. Each help names the other."""
+    from buzz_delivery.agents.management.commands import run_agent_worker
+    from buzz_delivery.tasks.management.commands import run_task_worker
+
+    def squeezed(text: str) -> str:  # argparse wraps at hyphens too ("--exit-" / "when-idle")
+        return "".join(text.split())
+
+    agent = squeezed(_help(run_agent_worker.Command(), "run_agent_worker"))
+    assert squeezed("Not the other workers' --idle-exit SECONDS, which waits that long with nothing to do") in agent
+    for command in (run_delivery_worker, run_workflow_worker, run_task_worker):
+        said = squeezed("run_agent_worker's --exit-when-idle, a flag, stops at its first empty poll instead")
+        assert said in squeezed(_help(command.Command(), "x")), command.__name__
 
 
 # --- a community that does not exist: a WARNING at start, and the worker starts all the same -------

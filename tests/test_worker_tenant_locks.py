@@ -284,3 +284,42 @@ def test_only_a_worker_serving_several_communities_bounds_its_renewals_settles_a
     }
     assert bounds["one"] == bounds["two_targets"] == (None, None, None)
     assert None not in bounds["several"]
+
+
+def test_one_locked_delivery_row_does_not_keep_the_other_leases_of_its_community_from_renewal(
+    community, make_binding, start_worker, tmp_path
+):
+    """A long transaction holds one delivery row of community A: that lease's renewals wait
+    past the bound, every time. A's other lease, whose row nothing holds, is renewed all the
+    same (its community's tries do not always start with the locked lease), as B's is."""
+    import psycopg as pg
+
+    a_target, b_target = random32(), random32()
+    other, make_other = other_community_binding()
+    gate = tmp_path / "gate"
+    (a_locked,) = commit(make_binding, a_target, 1, wait_for=str(gate))  # claimed first: renewed first
+    (a_free,) = commit(make_binding, a_target, 1, wait_for=str(gate))
+    (b_id,) = commit(make_other, b_target, 1, wait_for=str(gate))
+    worker = start_worker(
+        a_target,
+        *("--pair", f"{other.id}:{b_target.hex()}"),
+        *("--concurrency", "4", "--lease-seconds", "1.5", "--max-deliveries", "3"),
+    )
+    wait_until(lambda: count_claimed([a_locked, a_free, b_id]) == 3, what="the three claims")
+    holder = pg.connect(database_url(connection.settings_dict))
+    try:
+        holder.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [a_locked])
+        before = renewals([a_free, b_id])
+        # Three renewals each: a whole lease's worth, each within the lease of the one before.
+        wait_until(
+            lambda: all(n >= before[i] + 3 for i, n in renewals([a_free, b_id]).items()),
+            timeout=30,
+            what="A's unlocked lease (and B's) to be renewed while another row of A is locked",
+        )
+    finally:
+        holder.rollback()
+        holder.close()
+        gate.touch()
+    assert worker.wait(60) == 0, worker.log()
+    assert statuses([a_free, b_id]) == {a_free: "finished", b_id: "finished"}
+    assert "renew_lock_wait community=" + str(community.id) in worker.log()

@@ -71,11 +71,15 @@ class ApprovalBlockedByCalls(AgentError):
 
 
 class NestedCall(AgentError):
-    """The event-loop worker (``AsyncContext``): ``ctx.call`` made from inside another
-    ``ctx.call``'s tool function of the same run. A run's calls there are made one at a time
-    (their journal positions in the order the handler asks), so the nested call would wait for
-    the call it runs in for ever; it is refused at once instead, nothing journaled. Make the call
-    before or after the outer one (or return what it needs from the outer tool)."""
+    """``ctx.call`` made from inside another ``ctx.call``'s tool (or reconcile) function of the
+    same run, on the same thread (the thread worker's ``Context``) or task (the event-loop
+    worker's ``AsyncContext``): refused at once, nothing journaled. A resumed run replays the
+    outer call from the journal without running its function again, so the nested call's entry
+    would never be consumed (the handler's next call would meet it at its position:
+    ``ReplayMismatch``); in the event-loop worker a run's calls are also made one at a time, so
+    the nested call would wait for the call it runs in for ever. Make the call before or after
+    the outer one (or return what it needs from the outer tool). Calls a tool runs on threads of
+    its own are not nested (thread worker)."""
 
     failure_code = "nested_call"
 
@@ -84,5 +88,5 @@ class NestedCall(AgentError):
         self.outer_seq = outer_seq
         super().__init__(
             f"ctx.call({tool_name!r}) from inside the tool function of call {outer_seq} of the same run: "
-            "the event-loop runtime makes a run's calls one at a time; make it before or after that call"
+            "a replayed call does not run its tool function again; make it before or after that call"
         )

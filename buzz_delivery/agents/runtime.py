@@ -53,6 +53,7 @@ from buzz_delivery.agents.exceptions import (
     ApprovalBlockedByCalls,
     ApprovalExpired,
     BudgetExhausted,
+    NestedCall,
     OutputLimitExceeded,
     ReplayMismatch,
     RunAborted,
@@ -237,6 +238,7 @@ class Context:
         anything is journaled."""
         rate = ratelimits_plan(rate_key, weight)
         self._check()
+        self._refuse_nested(tool_name)
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost, rate)
 
     def _call(
@@ -261,11 +263,21 @@ class Context:
                     outcome = s.journal_call(
                         self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
                     )
-            self._calls.enter()
+            self._calls.enter(self._pos)
         try:
             return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile, rate)
         finally:
             self._calls.leave()
+
+    def _refuse_nested(self, tool_name: str) -> None:
+        """A call from inside one of this run's calls' tool (or reconcile) function on the same
+        thread: :class:`NestedCall`, nothing journaled. A resumed run replays the outer call from
+        the journal without running its function, so the nested call's entry would never be
+        consumed (the next call would meet it at its position: ``ReplayMismatch``). Calls a tool
+        runs on threads of its own are not nested: allowed."""
+        outer = self._calls.outer()
+        if outer is not None:
+            raise NestedCall(tool_name, outer)
 
     def _called(
         self,

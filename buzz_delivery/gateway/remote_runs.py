@@ -106,6 +106,24 @@ class ReplayMismatch(RemoteRunError):
     failure_code = "replay_mismatch"
 
 
+class NestedCall(RemoteRunError):
+    """``ctx.call`` from inside another ``ctx.call``'s tool (or reconcile) function of the same
+    run on the same thread: refused at once, nothing journaled. A resumed run replays the outer
+    call without running its function, so the nested call's entry would never be consumed (the
+    next call would meet it at its position: ``ReplayMismatch``). Calls a tool runs on threads of
+    its own are not nested."""
+
+    failure_code = "nested_call"
+
+    def __init__(self, tool_name: str, outer_seq: int) -> None:
+        self.tool_name = tool_name
+        self.outer_seq = outer_seq
+        super().__init__(
+            f"ctx.call({tool_name!r}) from inside the tool function of call {outer_seq} of the same run: "
+            "a replayed call does not run its tool function again; make it before or after that call"
+        )
+
+
 class ApprovalExpired(RemoteRunError):
     """The approval the run waited on expired without a decision."""
 
@@ -256,8 +274,12 @@ class RemoteRunContext:
         cost: int = 0,
     ) -> Any:
         """Journal, make and record one tool call (or replay it from the journal); returns its
-        output (None for a shadow-blocked call)."""
+        output (None for a shadow-blocked call). A call from inside another call's function on the
+        same thread raises :class:`NestedCall` (nothing journaled)."""
         self._check()
+        outer = self._calls.outer()
+        if outer is not None:
+            raise NestedCall(tool_name, outer)
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost)
 
     def _await_calls(self) -> None:
@@ -288,7 +310,7 @@ class RemoteRunContext:
                             self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
                         )
                     )
-            self._calls.enter()
+            self._calls.enter(self._pos)
         try:
             return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile)
         finally:

@@ -34,6 +34,7 @@ from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 
+from buzz_delivery.exceptions import CommunityNotFound
 from buzz_delivery.tasks import compat, registry
 
 
@@ -92,6 +93,14 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
                     f"TASKS[{self.alias!r}]['OPTIONS']['COMMUNITY'] must be a community UUID, got {raw!r}"
                 ) from exc
         return self._community
+
+    def no_such_community(self) -> str:
+        """What an enqueue, the worker's start and the database check say of a ``COMMUNITY``
+        that names no community."""
+        return (
+            f"TASKS[{self.alias!r}]['OPTIONS']['COMMUNITY'] names no community: {self.community_id} does not "
+            "exist; create it, or set the id of one that does (docs/tasks.md)"
+        )
 
     def target_for(self, queue_name: str) -> bytes:
         """The 32-byte target key of ``queue_name``: ``OPTIONS["TARGETS"][queue]`` (64 hex
@@ -187,6 +196,8 @@ class DeliveryBackend(compat.BaseTaskBackend):  # type: ignore[misc,valid-type]
             )
         except ValidationError as exc:
             raise compat.InvalidTask(f"cannot enqueue {task.module_path}: {exc}") from exc
+        except CommunityNotFound as exc:  # nothing was written
+            raise ImproperlyConfigured(self.no_such_community()) from exc
         result = self._result(
             task,
             id=done.result_id,

@@ -11,6 +11,11 @@
   backend's ``check()``: Django calls that only where ``django.tasks`` is imported (on 5.2,
   where the ``django_tasks`` app is installed, which this app does not ask for).
 
+- ``buzz_delivery.W103``: a ``DeliveryBackend``'s ``OPTIONS["COMMUNITY"]`` names no community
+  (its ``enqueue`` would raise ``ImproperlyConfigured``). A database check, as Django's own and
+  ``W020``: only ``manage.py check --database default`` (and ``migrate``) run it, so a plain
+  ``manage.py check`` needs no database; a database that cannot be read skips it silently.
+
 This module imports neither framework at its top, so the checks run where the backport is
 missing (the backends' check is then skipped: E001 says what is wrong)."""
 
@@ -69,3 +74,33 @@ def check_delivery_backends(app_configs: Any = None, **kwargs: Any) -> list[chec
         if isinstance(backend, DeliveryBackend):
             errors.extend(backend.configuration_errors())
     return errors
+
+
+@checks.register(checks.Tags.database)
+def check_delivery_backend_communities(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """``buzz_delivery.W103`` for each ``DeliveryBackend`` whose community does not exist (one
+    read for them all, :func:`~buzz_delivery.services.missing_communities`)."""
+    if not databases or "default" not in databases or backport_missing():
+        return []
+    from django.db import DatabaseError
+
+    from buzz_delivery.services import missing_communities
+    from buzz_delivery.tasks.backend import _delivery_backends
+
+    backends = _delivery_backends()  # those whose OPTIONS are usable (E101 reports the others)
+    try:
+        missing = set(missing_communities([b.community_id for b in backends]))
+    except DatabaseError:  # no database yet, or no tables yet (migrate's own check)
+        return []
+    return [
+        checks.Warning(
+            backend.no_such_community(),
+            hint="Create the community before the first enqueue (a data migration, or "
+            "Community.objects.get_or_create(id=...)); run_task_worker waits for it.",
+            id="buzz_delivery.W103",
+        )
+        for backend in backends
+        if backend.community_id in missing
+    ]

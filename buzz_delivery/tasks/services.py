@@ -26,15 +26,17 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
 
+from buzz_delivery.exceptions import CommunityNotFound
 from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN, Event, new_uuid7
 from buzz_delivery.services import commit_deliveries
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.db import constraint_name, fetch_all
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import Binding, Cause
+from buzz_delivery.services.workers import EXISTING_COMMUNITY
 from buzz_delivery.tasks.models import NAME_MAX_CHARS, TASK_PATH_MAX_CHARS, TaskResult
 
 TASK_EVENT_KIND = 30_078  # an application's own data (NIP-78): the task's message event
@@ -150,6 +152,27 @@ def _name(value: Any, name: str, max_chars: int = NAME_MAX_CHARS) -> str:
     return value
 
 
+# The foreign key of the workflow's community (Django's name for it, deferred as Django's keys
+# are): an enqueue for a community that does not exist breaks it first, at the commit.
+WORKFLOW_COMMUNITY_FK = "buzz_delivery_workfl_community_id_9946e868_fk_buzz_deli"
+
+# Communities a committed transaction of this process showed to exist (no service deletes a
+# community row: its lifecycle ends at the tombstone). Inside a caller's transaction the deferred
+# key would be judged at the caller's commit, past this service: a community not seen yet is read
+# first there, once per process, so the caller gets CommunityNotFound from enqueue, not an
+# IntegrityError at its commit (one deleted by hand after it was seen still fails that way).
+# Outside a transaction the key's violation is translated after the fact: no read at all.
+_SEEN_COMMUNITIES: set[uuid.UUID] = set()
+
+
+def _require_community_in_callers_transaction(community: uuid.UUID) -> None:
+    if community in _SEEN_COMMUNITIES or not transaction.get_connection().in_atomic_block:
+        return
+    if not fetch_all(EXISTING_COMMUNITY, {"community_id": community}):
+        raise CommunityNotFound(f"no community {community}")
+    transaction.on_commit(lambda: _SEEN_COMMUNITIES.add(community))
+
+
 _ENSURE_WORKFLOW = """
 INSERT INTO buzz_delivery_workflow (id, community_id, name, created_at)
 VALUES (%(workflow_id)s, %(community_id)s, %(name)s, now()) ON CONFLICT DO NOTHING
@@ -187,7 +210,10 @@ def enqueue_task(
     """Commit one task: its delivery (to ``target_pubkey``) and its result row, together.
 
     Bad input raises ``ValidationError`` naming the argument before any SQL; nothing is written.
-    A community that is not active raises :class:`~buzz_delivery.exceptions.CommunityNotWritable`."""
+    A community that is not active raises :class:`~buzz_delivery.exceptions.CommunityNotWritable`;
+    one that does not exist, :class:`~buzz_delivery.exceptions.CommunityNotFound` (nothing is
+    written): outside a transaction the deferred key's violation at this commit is translated;
+    inside the caller's, a community this process has not seen committed is read first (once)."""
     community = v.uuid_value(community_id, "community_id")
     backend = _name(backend, "backend")
     queue_name = _name(queue_name, "queue_name")
@@ -208,55 +234,63 @@ def enqueue_task(
     context: dict[str, Any] = {"django_task": {"result_id": str(result_id), "path": task_path, "queue": queue_name}}
     if trace_context:
         context["trace"] = trace_context
-    with transaction.atomic():
-        fetch_all(_ENSURE_WORKFLOW, params)
-        fetch_all(_ENSURE_RUN, params)
-        event = Event.objects.create(
-            community_id=community,
-            event_id=hashlib.sha256(f"buzz_delivery.tasks {community} {result_id}".encode()).digest(),
-            created_at=Now(),
-            kind=TASK_EVENT_KIND,
-            pubkey=PRODUCER_PUBKEY,
-            content=arguments,
-            tags=[["task", task_path], ["queue", queue_name]],
-        )
-        binding = Binding(
-            community_id=community,
-            workflow_id=workflow_id,
-            run_id=run_id,
-            step_id=str(result_id),
-            target_pubkey=target,
-            definition_event_id=DEFINITION_EVENT_ID,
-            message_event_id=bytes(event.event_id),
-            cause=Cause.webhook(result_id),
-        )
-        (delivery_id,) = commit_deliveries(
-            community,
-            event,
-            [binding],
-            trigger_context=context,
-            not_before=run_after,
-            priority=delivery_priority(priority),
-        )
-        decoded = json.loads(arguments)
-        row = TaskResult.objects.create(
-            community_id=community,
-            id=result_id,
-            delivery_id=delivery_id,
-            backend=backend,
-            queue_name=queue_name,
-            task_path=task_path,
-            priority=priority,
-            takes_context=takes_context,
-            args=decoded["args"],
-            kwargs=decoded["kwargs"],
-            run_after=run_after,
-        )
-        # Read back inside the community (Citus's router form): the row's refresh_from_db
-        # would look it up by id alone, a statement on every shard.
-        enqueued_at = (
-            TaskResult.objects.filter(community_id=community, id=row.id).values_list("enqueued_at", flat=True).get()
-        )
+    _require_community_in_callers_transaction(community)
+    try:  # the community's key judged after the fact (at this commit): no statement to look it up
+        with transaction.atomic():
+            fetch_all(_ENSURE_WORKFLOW, params)
+            fetch_all(_ENSURE_RUN, params)
+            event = Event.objects.create(
+                community_id=community,
+                event_id=hashlib.sha256(f"buzz_delivery.tasks {community} {result_id}".encode()).digest(),
+                created_at=Now(),
+                kind=TASK_EVENT_KIND,
+                pubkey=PRODUCER_PUBKEY,
+                content=arguments,
+                tags=[["task", task_path], ["queue", queue_name]],
+            )
+            binding = Binding(
+                community_id=community,
+                workflow_id=workflow_id,
+                run_id=run_id,
+                step_id=str(result_id),
+                target_pubkey=target,
+                definition_event_id=DEFINITION_EVENT_ID,
+                message_event_id=bytes(event.event_id),
+                cause=Cause.webhook(result_id),
+            )
+            (delivery_id,) = commit_deliveries(
+                community,
+                event,
+                [binding],
+                trigger_context=context,
+                not_before=run_after,
+                priority=delivery_priority(priority),
+            )
+            decoded = json.loads(arguments)
+            row = TaskResult.objects.create(
+                community_id=community,
+                id=result_id,
+                delivery_id=delivery_id,
+                backend=backend,
+                queue_name=queue_name,
+                task_path=task_path,
+                priority=priority,
+                takes_context=takes_context,
+                args=decoded["args"],
+                kwargs=decoded["kwargs"],
+                run_after=run_after,
+            )
+            # Read back inside the community (Citus's router form): the row's refresh_from_db
+            # would look it up by id alone, a statement on every shard.
+            enqueued_at = (
+                TaskResult.objects.filter(community_id=community, id=row.id).values_list("enqueued_at", flat=True).get()
+            )
+    except IntegrityError as exc:
+        if constraint_name(exc) == WORKFLOW_COMMUNITY_FK:
+            raise CommunityNotFound(f"no community {community}") from exc
+        raise
+    if not transaction.get_connection().in_atomic_block:  # committed: it exists
+        _SEEN_COMMUNITIES.add(community)
     return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=enqueued_at)
 
 
@@ -406,9 +440,17 @@ class HeldTask:
 # 'null', and recording an error sets the column to SQL NULL. An error is the outcome unless an
 # operator requeued the delivery after it was recorded: its ``requeues`` (the delivery's count
 # when it was recorded) is not the delivery's count now, however many leases lapsed since. An
-# error recorded before errors carried ``requeues`` is superseded by any requeue counted since
-# (all came after it) or, before the count existed, by a 'requeue' history entry of a later
-# generation than its lease_generation (-1 without one).
+# error without ``requeues`` (recorded before errors carried it, or after, by a worker of the
+# previous release during a rolling deploy) is superseded by a 'requeue' history entry of a
+# later generation than its lease_generation (-1 without one): exact while the history still
+# holds an entry of that generation or earlier (entries are appended in generation order and the
+# oldest dropped first). Once the history no longer reaches back that far, any requeue counted
+# is taken as one since (a count above 0 alone would also supersede an error recorded after it).
+# The lease generation the last error was recorded with (-1 without one).
+_ERROR_GENERATION = (
+    "CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'"
+    " THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END"
+)
 _READ_HELD = f"""
 SELECT {_TASK_COLUMNS},
        d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now(),
@@ -416,13 +458,13 @@ SELECT {_TASK_COLUMNS},
        (r.errors -> -1)::text,
        CASE WHEN jsonb_typeof(r.errors -> -1 -> 'requeues') = 'number'
             THEN (r.errors -> -1 -> 'requeues')::numeric <> d.requeues
-            ELSE d.requeues > 0 OR EXISTS (
+            ELSE EXISTS (
                 SELECT 1 FROM jsonb_array_elements(d.history) AS h
-                WHERE h->>'event' = 'requeue'
-                  AND (h->>'generation')::bigint
-                      > CASE WHEN jsonb_typeof(r.errors -> -1 -> 'lease_generation') = 'number'
-                             THEN (r.errors -> -1 -> 'lease_generation')::numeric ELSE -1 END
-            ) END
+                WHERE h->>'event' = 'requeue' AND (h->>'generation')::bigint > {_ERROR_GENERATION}
+            ) OR (d.requeues > 0 AND NOT EXISTS (
+                SELECT 1 FROM jsonb_array_elements(d.history) AS h
+                WHERE (h->>'generation')::bigint <= {_ERROR_GENERATION}
+            )) END
 FROM {RESULT} r
 JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s

@@ -253,11 +253,18 @@ class LeaseRenewer(threading.Thread):
     def _skip_community(self, held: HeldLease, community: int) -> None:
         """``held``'s renewal waited past the lock bound (and changed nothing): leave its
         community's renewals for :attr:`_busy_retry` seconds (the lease lapses if its community
-        stays locked longer than the lease has left)."""
+        stays locked longer than the lease has left). ``held`` goes last in the renewal order: the
+        community's next try starts with another of its leases, so one locked delivery row (a
+        long transaction holding it) does not keep the community's other leases from ever being
+        renewed (each try costs one bounded wait, as before)."""
         retry_at = time.monotonic() + self._busy_retry
         self._busy[community] = retry_at
         with self._cond:
             held.due = retry_at
+            key = _key(held.lease)
+            if self._held.get(key) is held:
+                del self._held[key]
+                self._held[key] = held
         logger.warning(
             "renew_lock_wait community=%s delivery=%s: waited past %s ms for a lock (a lifecycle move "
             "of its community, or a long transaction); its renewals wait %.2fs, the others go on",

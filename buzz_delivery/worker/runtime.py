@@ -1090,7 +1090,10 @@ def is_async_handler(handler: Handler) -> bool:
 
 
 def _handler_name(handler: Handler) -> str:
-    return f"{getattr(handler, '__module__', '?')}:{getattr(handler, '__qualname__', repr(handler))}"
+    """``module:qualname`` of a function; of a callable object (``run_task_worker``'s
+    ``TaskRunner``), its class's, not its repr with a memory address."""
+    name = getattr(handler, "__qualname__", None) or f"{type(handler).__qualname__} instance"
+    return f"{getattr(handler, '__module__', '?')}:{name}"
 
 
 _heap_frozen = False

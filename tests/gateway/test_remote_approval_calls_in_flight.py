@@ -98,7 +98,8 @@ def test_a_remote_approval_asked_from_inside_a_call_is_a_typed_error(gateway_ser
 def test_a_remote_approval_waiting_for_a_call_does_not_block_that_calls_nested_call(gateway_server):
     """The approval waited for the calls in flight holding the journal lock, and a call nested in
     the one it waited for needed that lock: the run hung, its heartbeat keeping the lease (found
-    in review: hung before the fix)."""
+    in review: hung before the fix). A nested call is now refused at once (``NestedCall``,
+    tests/gateway/test_remote_nested_call.py): the outer call fails with it and the run parks."""
     agent, run_id = _run(gateway_server)
     (claim,) = agent.claim_runs(worker_id="w")
     in_tool, seen = threading.Event(), []
@@ -131,9 +132,9 @@ def test_a_remote_approval_waiting_for_a_call_does_not_block_that_calls_nested_c
     runner.start()
     runner.join(20)
     assert done == ["parked"], "the approval hung on the nested call it kept from its journal lock"
-    assert seen == [{"inner": {"n": 2}}]
+    assert len(seen) == 1 and seen[0].startswith("ToolCallFailed(\"1: ctx.call('inner') from inside"), seen
     assert AgentRun.objects.get(id=run_id).state == "waiting_approval"
-    assert _entries(run_id) == [(1, "tool", "succeeded"), (2, "tool", "succeeded"), (3, "approval", "pending")]
+    assert _entries(run_id) == [(1, "tool", "failed"), (2, "approval", "pending")]
 
 
 @pytest.mark.parametrize("second_call", [False, True])

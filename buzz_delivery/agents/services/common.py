@@ -87,10 +87,12 @@ def holds(params: dict[str, Any]) -> bool:
 
 
 def in_flight_or_missed(params: dict[str, Any]) -> CallsInFlight | AlreadyTerminal | LeaseLost:
-    """Judge a completion that matched nothing: with the holder's own calls in flight (journaled
-    under its generation, still pending) and its lease holding, :class:`CallsInFlight`; else
-    :func:`missed`."""
+    """Judge a completion that matched nothing: with its lease holding, :class:`CallsInFlight`
+    naming the holder's own calls in flight (journaled under its generation, still pending); none
+    when a call was journaled after the completion's snapshot and recorded since (the statement
+    saw the run's call count ahead of its snapshot's entries): nothing written, complete again.
+    Else :func:`missed`."""
     in_flight = tuple(row[0] for row in fetch_all(sql.CALLS_IN_FLIGHT, params))
-    if in_flight and holds(params):
+    if holds(params):
         return CallsInFlight(in_flight)
     return missed(params)

@@ -235,6 +235,16 @@ SELECT j.status, j.compensation_status FROM {JOURNAL} AS j
 WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s AND j.seq = %(seq)s
 """
 
+# A completion judges the holder's calls in flight (NOT EXISTS) on its statement's snapshot, and
+# takes no lock first: a call journaled after that snapshot sets the run 'waiting_tool', which the
+# statement re-checks on the row's latest version once it holds the row (EvalPlanQual). A call's
+# result recorded after that sets it 'running' again, and the entry journaled meanwhile, pending,
+# is not in the snapshot. So the completion also asks its snapshot to hold the run's last entry:
+# the highest seq it sees must be the latest row's tool_calls_used (each entry's seq is the count
+# its journaling bumped, migration 0002's trigger), or a call was journaled since, and the run is
+# judged again on a fresh read (CALLS_IN_FLIGHT). One index probe of the journal's key, no lock.
+SNAPSHOT_HOLDS_EVERY_CALL = """r.tool_calls_used = (SELECT coalesce(max(k.seq), 0) FROM {journal} AS k
+                          WHERE k.community_id = %(community_id)s AND k.run_id = {run})"""
 COMPLETE_IF_CURRENT = f"""
 UPDATE {RUN} AS r
 SET state = 'completed', output = %(output)s::jsonb, output_hash = %(output_hash)s, lease_until = NULL,
@@ -243,6 +253,7 @@ SET state = 'completed', output = %(output)s::jsonb, output_hash = %(output_hash
 WHERE {CURRENT_RUN_LEASE} AND r.state = 'running' AND NOT r.unwinding
   AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = %(community_id)s AND j.run_id = %(run_id)s
                   AND j.kind = 'tool' AND j.status = 'pending' AND j.generation = %(lease_generation)s)
+  AND {SNAPSHOT_HOLDS_EVERY_CALL.format(journal=JOURNAL, run="%(run_id)s")}
 RETURNING r.state
 """
 
@@ -581,10 +592,12 @@ WHERE j.community_id = %(community_id)s AND j.idempotency_key = u.key AND j.run_
 RETURNING j.run_id, j.status
 """
 
-# COMPLETE_IF_CURRENT's conditions for a row of ``u``: none of the holder's calls in flight.
+# COMPLETE_IF_CURRENT's conditions for a row of ``u``: none of the holder's calls in flight, every
+# call in the snapshot (re-checked when FOR NO KEY UPDATE finds a newer version of the row).
 _COMPLETABLE = f"""AND r.state = 'running' AND NOT r.unwinding
       AND NOT EXISTS (SELECT 1 FROM {JOURNAL} AS j WHERE j.community_id = %(community_id)s AND j.run_id = r.id
-                      AND j.kind = 'tool' AND j.status = 'pending' AND j.generation = u.generation)"""
+                      AND j.kind = 'tool' AND j.status = 'pending' AND j.generation = u.generation)
+      AND {SNAPSHOT_HOLDS_EVERY_CALL.format(journal=JOURNAL, run="r.id")}"""
 COMPLETE_MANY_IF_CURRENT = f"""
 WITH u AS MATERIALIZED (
     SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(outputs)s::jsonb[],

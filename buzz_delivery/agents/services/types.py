@@ -197,7 +197,9 @@ class CallsInFlight:
     """``request_approval``, ``complete_run`` or ``complete_runs`` refused while the holder's own
     tool calls ``seqs`` (journaled under its lease generation, not yet recorded) are in flight:
     nothing written, the lease still holds. Record them, then ask again (the runtimes wait for
-    them first). Pending calls of an earlier generation (a crashed holder's) never refuse."""
+    them first). Pending calls of an earlier generation (a crashed holder's) never refuse. A
+    completion answered with no ``seqs`` met a call journaled and recorded while it ran: complete
+    again."""
 
     seqs: tuple[int, ...]
 

@@ -159,7 +159,11 @@ class Command(StrictOptionsCommand):
             "--max-deliveries", type=positive_int, default=None, help="Stop after claiming and settling N deliveries."
         )
         parser.add_argument(
-            "--idle-exit", type=positive_seconds, default=None, help="Stop after S seconds with nothing to do."
+            "--idle-exit",
+            type=positive_seconds,
+            default=None,
+            help="Stop after S seconds with nothing to do (run_agent_worker's --exit-when-idle, a flag, stops at "
+            "its first empty poll instead).",
         )
         parser.add_argument(
             "--rate-key",

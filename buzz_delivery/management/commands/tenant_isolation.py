@@ -7,6 +7,11 @@ transaction (run it as the tables' owner). ``disable`` undoes the switch, keepin
 where the migrating user may not create roles. Processes read the switch when they connect:
 restart workers after switching.
 
+``enable`` and ``status`` also print, on stderr, the warnings of ``manage.py check --database``
+about the role the tenant code runs as (``buzz_delivery.W020``: a superuser, BYPASSRLS or owner
+login with ``SWITCH_ROLES`` off, which row-level security does not hold; ``W021``, ``W022``):
+every table may be enforced while the policies hold nothing. They do not change the exit code.
+
 Exit codes: 0 done (``status``: every table in one state); 1 ``status`` found tables in mixed
 states; 2 bad arguments; 3 the switch is refused (roles missing, Citus), nothing changed.
 """
@@ -42,6 +47,7 @@ class Command(StrictOptionsCommand):
             with conn.cursor() as cursor:
                 states = isolation.table_states(cursor)
             self._report(states)
+            self._warn_runtime_role(conn)
             kinds = {s.complete for s in states} | {s.enabled for s in states}
             if len(kinds) > 1:
                 raise CommandError("tables are in mixed states: run enable or disable", returncode=1)
@@ -54,6 +60,16 @@ class Command(StrictOptionsCommand):
         if alias == "default":
             tenancy.forget()
         self._report(states)
+        if action == "enable":
+            self._warn_runtime_role(conn)
+
+    def _warn_runtime_role(self, conn: Any) -> None:
+        """The check's warnings on the runtime role (W020...): "enforced" above says nothing of
+        whom the policies hold."""
+        from buzz_delivery.checks import runtime_role_warnings
+
+        for warning in runtime_role_warnings(conn):
+            self.stderr.write(f"WARNING ({warning.id}) {warning.msg}\n\tHINT: {warning.hint}")
 
     def _report(self, states: list[isolation.TableState]) -> None:
         for state in states:

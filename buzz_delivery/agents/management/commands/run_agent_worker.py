@@ -89,15 +89,20 @@ class Command(StrictOptionsCommand):
         )
         parser.add_argument(
             "--poll-seconds",
+            "--poll-interval",  # the delivery, workflow and task workers' name for it
+            dest="poll_seconds",
             type=poll_seconds_option,
             default=1.0,
-            help=f"Sleep between empty polls (at most {MAX_POLL_SECONDS:g}; default 1).",
+            help=f"Sleep between empty polls (at most {MAX_POLL_SECONDS:g}; default 1). --poll-interval is "
+            "the same option, as the other workers spell it.",
         )
         parser.add_argument("--max-runs", type=positive_int, default=None, help="Stop after this many claims.")
         parser.add_argument(
             "--exit-when-idle",
             action="store_true",
-            help="Stop (exit 0) when a poll finds nothing, or polls have not reached the database for 5 s.",
+            help="Stop (exit 0) at the first poll that finds nothing to claim or accept, or once polls have "
+            "not reached the database for 5 s; no LISTEN connection then. Not the other workers' --idle-exit "
+            "SECONDS, which waits that long with nothing to do: this flag waits for nothing.",
         )
         parser.add_argument(
             "--worker-id",

@@ -13,7 +13,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError
 from django.db import connection
 
-from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging
+from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_logging, warn_missing_communities
 from buzz_delivery.management.options import (
     int_in,
     lease_seconds_option,
@@ -34,7 +34,8 @@ start; a stored path is never imported), record its return value or error, settl
 run through async_to_sync (their sync_to_async calls in the handler thread). SIGTERM/SIGINT:
 stop claiming, let running tasks finish within --shutdown-grace seconds and exit 0; past it
 their leases are given up (the tasks run again elsewhere once the leases lapse) and the worker
-exits 3. Prints run_delivery_worker's JSON summary line."""
+exits 3. Prints run_delivery_worker's JSON summary line. A backend whose OPTIONS["COMMUNITY"]
+names no community is logged (community_not_found, a warning) and waited for."""
 
 
 class Command(StrictOptionsCommand):
@@ -56,7 +57,13 @@ class Command(StrictOptionsCommand):
             help=f"Seconds between polls (at most {MAX_POLL_SECONDS:g}; default 1).",
         )
         parser.add_argument("--max-tasks", type=positive_int, default=None, help="Stop after N tasks.")
-        parser.add_argument("--idle-exit", type=positive_seconds, default=None, help="Stop after S idle seconds.")
+        parser.add_argument(
+            "--idle-exit",
+            type=positive_seconds,
+            default=None,
+            help="Stop after S idle seconds (run_agent_worker's --exit-when-idle, a flag, stops at its first "
+            "empty poll instead).",
+        )
         parser.add_argument(
             "--task-timeout",
             type=positive_seconds,
@@ -92,7 +99,12 @@ class Command(StrictOptionsCommand):
         except Exception as exc:
             raise CommandError(f"--backend: {exc}", returncode=2) from exc
         if not isinstance(backend, DeliveryBackend):
-            raise CommandError(f"--backend: {options['backend']!r} is not a DeliveryBackend", returncode=2)
+            raise CommandError(
+                f"--backend: TASKS[{options['backend']!r}] is a {type(backend).__module__}."
+                f"{type(backend).__qualname__}, not a buzz_delivery.tasks.DeliveryBackend: set its "
+                '"BACKEND" to "buzz_delivery.tasks.DeliveryBackend" and its OPTIONS["COMMUNITY"] (docs/tasks.md)',
+                returncode=2,
+            )
         queues = options["queue"] or backend.worker_queues()
         unknown = [q for q in queues if backend.queues and q not in backend.queues]
         if unknown:
@@ -109,6 +121,7 @@ class Command(StrictOptionsCommand):
             level = logging.WARNING if options["verbosity"] == 0 else logging.DEBUG
             logging.getLogger("buzz_delivery.worker").setLevel(level)
         community = backend.community_id
+        warn_missing_communities(logging.getLogger("buzz_delivery.worker"), [community])
         first, *more = [backend.target_for(q) for q in queues]
         config = WorkerConfig(
             community_id=community,

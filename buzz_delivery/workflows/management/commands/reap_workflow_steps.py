@@ -12,11 +12,13 @@ from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 
 class Command(MaintenanceCommand):
     help = (
-        "Reclaim lapsed workflow step leases and end overrun steps, waits and approvals, walking "
-        "communities in bounded batches. Safe from cron: a run that finds another active prints "
-        "outcome=busy and exits 0. Summary: reclaimed, exhausted, timed_out, wait_timed_out, "
-        "approvals_expired, runs_timed_out, skipped_busy, batches, dry_run, duration_ms. Exit codes: 0 done or busy, "
-        "1 failed, 2 bad arguments or settings, 3 lease lost mid-run."
+        "Start the runs of due schedules, reclaim lapsed workflow step leases and end overrun steps, "
+        "waits, approvals and runs, expire the pending deliveries of ended runs, walking communities "
+        "in bounded batches. Safe from cron: a run that finds another active prints outcome=busy and "
+        "exits 0. Summary: reclaimed, exhausted, timed_out, wait_timed_out, approvals_expired, "
+        "runs_timed_out, runs_scheduled, slots_missed, deliveries_expired, skipped_busy, batches, "
+        "dry_run, duration_ms. Exit codes: 0 done or busy, 1 failed, 2 bad arguments or settings, "
+        "3 lease lost mid-run."
     )
     job = "reap_workflow_steps"
     supports_loop = True

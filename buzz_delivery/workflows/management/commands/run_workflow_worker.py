@@ -95,7 +95,11 @@ class Command(StrictOptionsCommand):
             help=f"Seconds between polls when idle (at most {MAX_POLL_SECONDS:g}; default 1).",
         )
         parser.add_argument(
-            "--idle-exit", type=positive_seconds, default=None, help="Stop after S seconds with nothing to do."
+            "--idle-exit",
+            type=positive_seconds,
+            default=None,
+            help="Stop after S seconds with nothing to do (run_agent_worker's --exit-when-idle, a flag, stops at "
+            "its first empty poll instead).",
         )
         parser.add_argument("--max-steps", type=positive_int, default=None, help="Stop after claiming N steps.")
         parser.add_argument(
