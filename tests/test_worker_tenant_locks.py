@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 from django.db import OperationalError, connection, transaction
+from django.test import override_settings
 
 from buzz_delivery import services
 from buzz_delivery.models import Community, WorkflowAgentDelivery
@@ -108,6 +109,50 @@ def test_a_bounded_renewal_behind_a_stuck_move_gives_up_changes_nothing_and_leav
     assert lock_timeout() == session_default
 
 
+@contextmanager
+def statement_timeout(milliseconds: int) -> Iterator[None]:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET statement_timeout = {int(milliseconds)}")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET statement_timeout")
+
+
+def claim_state(ids) -> dict:
+    return {
+        row[0]: row[1:]
+        for row in WorkflowAgentDelivery.objects.filter(id__in=ids).values_list(
+            "id", "status", "lease_generation", "attempt"
+        )
+    }
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["plain", "under_limits"])
+def test_a_bounded_claim_behind_a_stuck_move_gives_up_and_claims_nothing(community, make_binding, limited):
+    """A claim (polled or hinted; under concurrency limits, whose hinted form runs a transaction
+    of its own) waits for a lock at most the bound, and then claimed nothing."""
+    target = random32()
+    ids = [DeliveryFactory(binding=make_binding(target_pubkey=target)).id for _ in range(2)]
+    limits = {"CONCURRENCY_LIMITS": {"target": 5}} if limited else {}
+    with (
+        override_settings(BUZZ_DELIVERY=limits),
+        move_stuck_behind_a_long_transaction(community.id) as moving,
+        statement_timeout(10_000),  # an unbounded claim would wait until the move is through
+    ):
+        for claim in (
+            lambda: services.claim_deliveries(community.id, target, limit=5, lease_seconds=30),
+            lambda: services.claim_delivery(community.id, target, delivery_id=ids[0], lease_seconds=30),
+        ):
+            with lock_waits_bounded(100), pytest.raises(OperationalError) as raised:
+                claim()
+            assert lock_wait_timed_out(raised.value)
+        assert claim_state(ids) == dict.fromkeys(ids, ("pending", 0, 0))
+        assert not moving.done()
+    assert moving.result(timeout=30).deletion_state == "quiescing"
+
+
 def renewals(ids) -> dict:
     return dict(WorkflowAgentDelivery.objects.filter(id__in=ids).values_list("id", "renewals"))
 
@@ -173,9 +218,44 @@ def test_a_lifecycle_move_stuck_in_one_community_delays_no_renewal_or_settle_of_
     assert "lock_wait community=" + str(other.id) not in log
 
 
-def test_only_a_worker_serving_several_communities_bounds_its_renewals_and_settles(community):
-    """A worker of one community has no other to hold up: its renewals and settles keep their
-    one-statement fast path (the bound's transaction costs client CPU a delivery)."""
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_another_waiting(
+    community, make_binding, start_worker
+):
+    """The dispatcher claims every pair in turn: A's claim (A has pending deliveries) waits for a
+    lock at most the bound, then A is left for a while and B's new deliveries are claimed and
+    settled meanwhile. Without the bound the dispatcher waits behind A's move and claims none."""
+    a_target, b_target = random32(), random32()
+    other, make_other = other_community_binding()
+    a_ids = commit(make_binding, a_target, 3)
+    with move_stuck_behind_a_long_transaction(community.id) as moving:
+        worker = start_worker(
+            a_target,
+            *("--pair", f"{other.id}:{b_target.hex()}"),
+            *("--concurrency", "2", "--lease-seconds", "5"),
+        )
+        b_ids = commit(make_other, b_target, 3)  # committed after A got stuck
+        wait_until(
+            lambda: set(statuses(b_ids).values()) == {"finished"},
+            timeout=30,
+            what="B's deliveries to be claimed and settled while A's move is stuck",
+        )
+        assert not moving.done()
+        # Every claim of A was cancelled and claimed nothing.
+        assert claim_state(a_ids) == dict.fromkeys(a_ids, ("pending", 0, 0))
+    assert moving.result(timeout=30).deletion_state == "quiescing"
+    worker.proc.terminate()  # A (quiescing now) is claimed from no more: the quota is never met
+    assert worker.wait(60) == 0, worker.log()
+    summary = worker.summary()
+    assert (summary["claimed"], summary["finished"], summary["settle_errors"]) == (3, 3, 0)
+    assert claim_state(a_ids) == dict.fromkeys(a_ids, ("pending", 0, 0))
+    log = worker.log()
+    assert "claim_lock_wait community=" + str(community.id) in log
+    assert "lock_wait community=" + str(other.id) not in log
+
+
+def test_only_a_worker_serving_several_communities_bounds_its_renewals_settles_and_claims(community):
+    """A worker of one community has no other to hold up: its renewals, settles and claims keep
+    their one-statement fast path (the bound's transaction costs client CPU a delivery)."""
     import threading
 
     from buzz_delivery.worker import WorkerConfig
@@ -196,13 +276,13 @@ def test_only_a_worker_serving_several_communities_bounds_its_renewals_and_settl
         extra_pairs=((other.id, random32()),),
     )
     bounds = {
-        name: (worker.renewer._lock_wait_ms, worker.settler._lock_wait_ms)
+        name: (worker.renewer._lock_wait_ms, worker.settler._lock_wait_ms, worker.claim_lock_wait_ms)
         for name, worker in (
             (name, Worker(config, threading.Event()))
             for name, config in (("one", one), ("two_targets", two_targets), ("several", several))
         )
     }
-    assert bounds["one"] == bounds["two_targets"] == (None, None)
+    assert bounds["one"] == bounds["two_targets"] == (None, None, None)
     assert None not in bounds["several"]
 
 

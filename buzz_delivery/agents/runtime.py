@@ -66,11 +66,12 @@ from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.inflight import InFlightCalls
 from buzz_delivery.services import ratelimits
-from buzz_delivery.services.db import node_lost
+from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded, node_lost
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode, UserConnection, discard_connection, in_transaction
 from buzz_delivery.worker.handlers import describe, storable_text
+from buzz_delivery.worker.renewer import lock_wait_ms
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 
 logger = logging.getLogger("buzz_delivery.agents")
@@ -669,13 +670,30 @@ class Heartbeat(threading.Thread):
     """Renews every held run lease each ``every`` seconds on its own connection; a renewal that
     returns ``LeaseLost`` marks that context lost (and cancelled, if a cancel fenced it). With
     ``handler_timeout``, a context held longer than that is marked lost (``timed_out``) and no
-    longer renewed: its lease lapses and the run is reclaimed elsewhere."""
+    longer renewed: its lease lapses and the run is reclaimed elsewhere.
 
-    def __init__(self, *, every: float, lease_seconds: float, handler_timeout: float | None = None) -> None:
+    ``bound_lock_waits`` (a worker serving several communities): each renewal waits for a lock
+    at most :func:`~buzz_delivery.worker.renewer.lock_wait_ms` (``SET LOCAL lock_timeout``, see
+    :func:`~buzz_delivery.services.db.lock_waits_bounded`). One that waited longer (its
+    community's rows are locked: a lifecycle move of that community waiting behind a long
+    transaction of the community's own code, say) changed nothing; that community's other
+    renewals are left for the next round and the other communities' go on, so what one
+    community holds never lets the run leases of another lapse. A worker of one community keeps
+    the one-statement renewal."""
+
+    def __init__(
+        self,
+        *,
+        every: float,
+        lease_seconds: float,
+        handler_timeout: float | None = None,
+        bound_lock_waits: bool = False,
+    ) -> None:
         super().__init__(name="agent-heartbeat", daemon=True)
         self.every = every
         self.lease_seconds = lease_seconds
         self.handler_timeout = handler_timeout
+        self.lock_wait_ms = lock_wait_ms(lease_seconds) if bound_lock_waits else None
         self.held: dict[Any, Context] = {}
         self.since: dict[Any, float] = {}
         self.lock = threading.Lock()
@@ -729,10 +747,25 @@ class Heartbeat(threading.Thread):
                 next_renewal = time.monotonic() + self.every
                 with self.lock:
                     contexts = list(self.held.values())
+                waited: set[Any] = set()  # communities whose renewal waited past the lock bound
                 for ctx in contexts:
+                    if ctx.lease.community_id in waited:
+                        continue  # its community's rows are locked: tried again next round
                     try:
-                        outcome = s.heartbeat(ctx.lease, self.lease_seconds)
+                        with lock_waits_bounded(self.lock_wait_ms):
+                            outcome = s.heartbeat(ctx.lease, self.lease_seconds)
                     except Exception as exc:  # a lost connection: try again next round
+                        if lock_wait_timed_out(exc):
+                            waited.add(ctx.lease.community_id)
+                            logger.warning(
+                                "heartbeat_lock_wait community=%s run=%s: waited past %s ms for a lock (a "
+                                "lifecycle move of its community, or a long transaction); its renewals wait a "
+                                "round, the others go on",
+                                ctx.lease.community_id,
+                                ctx.lease.run_id,
+                                self.lock_wait_ms,
+                            )
+                            continue
                         logger.warning("heartbeat_error run=%s: %s", ctx.lease.run_id, exc)
                         connections["default"].close()
                         continue

@@ -248,10 +248,13 @@ class AgentWorker:
         # Set (under ``lock``) when the shutdown grace is over and the held runs are given up: a
         # run not held yet then (its journal read still retried) is never started.
         self.abandoned = False
+        # One heartbeat thread renews the runs of every community the worker serves: it bounds
+        # each renewal's lock waits unless the worker serves one community (none given: any).
         self.heartbeat = Heartbeat(
             every=max(config.lease_seconds / 3, 0.2),
             lease_seconds=config.lease_seconds,
             handler_timeout=config.handler_timeout,
+            bound_lock_waits=len(set(config.communities)) != 1,
         )
         self.waker = Waker()
         self.rounds = threading.local()  # each loop thread's ``after``: where its last round ended

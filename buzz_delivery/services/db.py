@@ -310,7 +310,8 @@ def lock_waits_bounded(milliseconds: int | None) -> Iterator[None]:
     psycopg pipeline: one round trip, as before. (One simple query ``SET LOCAL ...; UPDATE
     ...`` would do on PostgreSQL, but Citus refuses a distributed statement in that implicit
     transaction.) Statements inside a caller's transaction are not bounded (see
-    :func:`bound_lock_waits` for those). ``None``: no bound (the statements run as outside
+    :func:`bound_lock_waits` for those; a service whose own transaction should honour the block's
+    bound reads it with :func:`lock_wait_bound`). ``None``: no bound (the statements run as outside
     the block: a worker serving one community has no other to hold up)."""
     if milliseconds is None:
         yield
@@ -322,6 +323,12 @@ def lock_waits_bounded(milliseconds: int | None) -> Iterator[None]:
         yield
     finally:
         setattr(db, _LOCK_WAIT_ATTR, previous)
+
+
+def lock_wait_bound() -> int | None:
+    """The bound (milliseconds) :func:`lock_waits_bounded` put on the default connection, if
+    any: a service that runs a transaction of its own bounds it with :func:`bound_lock_waits`."""
+    return getattr(connections[DEFAULT_DB_ALIAS], _LOCK_WAIT_ATTR, None)
 
 
 def _fetch_bounded(db: Any, sql: str, params: dict[str, Any], milliseconds: int) -> list[tuple[Any, ...]]:

@@ -17,7 +17,7 @@ from buzz_delivery.conf import get_settings
 from buzz_delivery.models import HOLDER_MAX_CHARS, TERMINAL_STATUSES, WorkflowAgentDelivery
 from buzz_delivery.services import cached, flow, sql
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import bound_lock_waits, fetch_all, lock_wait_bound, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import (
     AlreadyTerminal,
@@ -184,13 +184,18 @@ def _claim_under_limits(statement: str, params: dict[str, Any], *, locked: bool 
     """A claim under the operator's concurrency limits (:mod:`~buzz_delivery.services.flow`):
     the community's claim lock, then the claim that picks free slots, in one transaction (a
     savepoint inside the caller's); ``locked``: the statement takes the lock itself (the
-    plan-cached function), one call in autocommit. A claim the slot indexes refused is tried again."""
+    plan-cached function), one call in autocommit. A claim the slot indexes refused is tried again.
+    In autocommit, a transaction of its own honours a lock-wait bound the caller set
+    (:func:`~buzz_delivery.services.db.lock_waits_bounded`: a worker serving several communities)."""
     lock = {"namespace": flow.LIMITED_CLAIM_LOCK_NAMESPACE, "community_id": params["community_id"]}
     for _ in range(SLOT_TRIES):
         try:
             if locked and not connection.in_atomic_block:
                 return _fenced_as_nothing(statement, params)
+            bound = None if connection.in_atomic_block else lock_wait_bound()
             with transaction.atomic():
+                if bound is not None:
+                    bound_lock_waits(bound)
                 if not locked:
                     fetch_all(flow.LOCK_COMMUNITY_CLAIMS, lock)
                 return _fenced_as_nothing(statement, params)

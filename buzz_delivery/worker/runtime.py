@@ -4,9 +4,11 @@ Threads: the caller's thread dispatches (claims, in batches, a little ahead of t
 threads), ``concurrency`` handler threads run the handler, one settler thread settles their
 results in batches (:mod:`buzz_delivery.worker.settler`), one renewer thread renews held
 leases, one listener thread LISTENs for wake hints. Every service call is its own autocommit
-statement (the renewer's and the settler's each in a transaction of its own that bounds its lock
-waits, so one community's locked rows never hold up the others': see
-:mod:`buzz_delivery.worker.renewer`): no transaction is open while a handler runs. The runtime
+statement (in a worker serving several communities, the renewer's, the settler's and the
+dispatcher's claims and rate-limit statements each in a transaction of its own that bounds its
+lock waits, so one community's locked rows never hold up the others': see
+:mod:`buzz_delivery.worker.renewer`; a community whose claim waited past the bound is left for
+a while and the other pairs are claimed): no transaction is open while a handler runs. The runtime
 itself holds four database connections whatever the concurrency (dispatcher, settler, renewer,
 listener); a handler thread opens one only if the handler uses the database. Each thread closes
 its connection when it exits.
@@ -43,6 +45,7 @@ from buzz_delivery.holders import holder_identity
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import Claim, Lease, LeaseLost, ratelimits
 from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
 from buzz_delivery.worker.handlers import (
     FINISHED,
@@ -54,7 +57,7 @@ from buzz_delivery.worker.handlers import (
     settle_args_for,
 )
 from buzz_delivery.worker.listener import HintInbox, HintListener, Pair
-from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer, busy_retry_seconds, lock_wait_ms
 from buzz_delivery.worker.settler import SETTLED_KEYS, SettleJob, Settler
 
 logger = logging.getLogger("buzz_delivery.worker")
@@ -282,6 +285,12 @@ class Worker:
             done=self._settled,
             bound_lock_waits=several,
         )
+        # The dispatcher's claims (and their rate-limit statements) bound their lock waits the
+        # same way: a community whose claim waited past the bound (and changed nothing) is not
+        # claimed from until then (monotonic; keyed by the id's int), the others are.
+        self.claim_lock_wait_ms = lock_wait_ms(self.lease_seconds) if several else None
+        self.claims_busy: dict[int, float] = {}
+        self.claims_busy_retry = busy_retry_seconds(self.lease_seconds)
         # (claim, monotonic instant of the claim)
         self.work: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -636,16 +645,24 @@ class Worker:
         if hinted and not must_poll and (len(hinted) == 1 or self.batch_size == 1):
             won = 0
             for delivery_id, (community_id, target_pubkey) in hinted[:room]:
-                if not self._rate_units(community_id, 1):
-                    continue  # its community waits for the next window; the round then polls it
-                claim = services.claim_delivery(
-                    community_id,
-                    target_pubkey,
-                    delivery_id=delivery_id,
-                    lease_seconds=self.lease_seconds,
-                    holder=self.holder,
-                )
-                self._rate_unused(community_id, 1 if claim is None else 0)
+                if self.claims_busy and self._claims_wait(community_id):
+                    continue  # its last claim waited for a lock; a round polls it once that is over
+                try:
+                    if not self._rate_units(community_id, 1):
+                        continue  # its community waits for the next window; the round then polls it
+                    claim = services.claim_delivery(
+                        community_id,
+                        target_pubkey,
+                        delivery_id=delivery_id,
+                        lease_seconds=self.lease_seconds,
+                        holder=self.holder,
+                    )
+                    self._rate_unused(community_id, 1 if claim is None else 0)
+                except DB_UNAVAILABLE as exc:
+                    if not lock_wait_timed_out(exc):
+                        raise
+                    self._claim_waited(community_id)
+                    continue
                 if claim is not None:
                     self._start([claim], "hint")
                     won += 1
@@ -664,14 +681,24 @@ class Worker:
             if won >= room or self.stop.is_set() or self.signalled:
                 backlog = True  # pairs left unpolled (or stopping: no new claims)
                 break
-            limit = self._rate_units(community_id, min(self.batch_size, room - won))
-            if not limit:
-                polled += 1  # its community waits for the next window (not a backlog: no busy loop)
+            if self.claims_busy and self._claims_wait(community_id):
+                polled += 1  # its last claim waited for a lock (not a backlog: no busy loop)
                 continue
-            claims = services.claim_deliveries(
-                community_id, target_pubkey, limit=limit, lease_seconds=self.lease_seconds, holder=self.holder
-            )
-            self._rate_unused(community_id, limit - len(claims))
+            try:
+                limit = self._rate_units(community_id, min(self.batch_size, room - won))
+                if not limit:
+                    polled += 1  # its community waits for the next window (not a backlog: no busy loop)
+                    continue
+                claims = services.claim_deliveries(
+                    community_id, target_pubkey, limit=limit, lease_seconds=self.lease_seconds, holder=self.holder
+                )
+                self._rate_unused(community_id, limit - len(claims))
+            except DB_UNAVAILABLE as exc:
+                if not lock_wait_timed_out(exc):
+                    raise
+                self._claim_waited(community_id)
+                polled += 1
+                continue
             polled += 1
             self.tally.add("claim_statements")
             self._start(claims, "poll")
@@ -685,6 +712,33 @@ class Worker:
         # time: a pair that keeps filling the room does not starve the others.
         self.backlogged = [pair for pair in pairs[polled:] if pair not in full] + full
         return won, backlog
+
+    def _claims_wait(self, community_id: uuid.UUID) -> bool:
+        """Whether ``community_id`` is not claimed from now: its last claim waited past the lock
+        bound, less than :attr:`claims_busy_retry` seconds ago."""
+        until = self.claims_busy.get(community_id.int)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self.claims_busy[community_id.int]
+        return False
+
+    def _claim_waited(self, community_id: uuid.UUID) -> None:
+        """A claim of ``community_id`` (or its rate-limit statement) waited past the lock bound
+        (only in a worker serving several communities): PostgreSQL cancelled it, so it claimed
+        nothing (the units a rate-limit take granted it stay spent for their window: giving them
+        back would wait too). That community is left for :attr:`claims_busy_retry` seconds; the
+        other pairs are claimed meanwhile."""
+        self.rate_windows.pop(community_id, None)
+        self.claims_busy[community_id.int] = time.monotonic() + self.claims_busy_retry
+        logger.warning(
+            "claim_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its "
+            "community, or a long transaction); its claims wait %.2fs, the other pairs go on",
+            community_id,
+            self.claim_lock_wait_ms,
+            self.claims_busy_retry,
+        )
 
     def _rate_units(self, community_id: uuid.UUID, want: int) -> int:
         """With a ``rate_key``: how many of ``want`` deliveries of ``community_id`` this claim may
@@ -738,8 +792,13 @@ class Worker:
             return
         try:
             ratelimits.give_back(community_id, self.config.rate_key, units, window)
-        except DB_UNAVAILABLE:
-            raise
+        except DB_UNAVAILABLE as exc:
+            if not lock_wait_timed_out(exc):
+                raise
+            # Its community's rows got locked since the claim (which stands): the units stay
+            # spent for this window, and its next claims wait as after a claim that waited.
+            logger.info("rate_give_back_lock_wait community=%s units=%d: left spent", community_id, units)
+            self.claims_busy[community_id.int] = time.monotonic() + self.claims_busy_retry
         except DatabaseError as exc:
             logger.info("rate_give_back_refused community=%s error=%s", community_id, exc)
 
@@ -867,7 +926,8 @@ class Worker:
             poll_due = backlog or round_due
             if room and (hinted or poll_due):
                 try:
-                    _, backlog = self._claim(hinted, poll_due, room, backlog_only=not round_due)
+                    with lock_waits_bounded(self.claim_lock_wait_ms):
+                        _, backlog = self._claim(hinted, poll_due, room, backlog_only=not round_due)
                 except DB_UNAVAILABLE as exc:
                     logger.warning("db_unavailable role=claim error=%s", exc)
                     close_old_connections()

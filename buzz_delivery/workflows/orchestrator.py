@@ -77,6 +77,8 @@ from buzz_delivery.listening import Listener
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
+from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
+from buzz_delivery.worker.renewer import lock_wait_ms
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
@@ -220,6 +222,9 @@ class Orchestrator:
         self.config = config
         self.holder = holder_identity(config.name)
         self.stop = stop
+        # --all: one renewer thread renews every community's steps, so each renewal statement
+        # waits for a lock at most this long (None: one community, the one-statement renewal).
+        self.renew_lock_wait_ms = lock_wait_ms(config.lease_seconds) if config.community_id is None else None
         self.wake = threading.Event()
         # put/get only: the C queue (queue.Queue's Python Condition cost a notify per claim).
         self.work: queue.SimpleQueue[StepClaim | None] = queue.SimpleQueue()
@@ -513,7 +518,10 @@ class Orchestrator:
         """Renew ``leases``: one statement per community (per :data:`MAX_CLAIM` of its leases),
         each row fenced by its own lease. A lease found lost is no longer held (its completion
         will be told ``LeaseLost``, and writes nothing); a statement the database refuses
-        leaves its leases held, to be renewed next round."""
+        leaves its leases held, to be renewed next round. With ``--all``, a statement waits for
+        a lock at most :attr:`renew_lock_wait_ms`: past it (its community's rows are locked, a
+        lifecycle move of that community waiting behind a long transaction of its own code, say)
+        it changed nothing, that community is left for the next round and the others go on."""
         by_community: dict[uuid.UUID, list[StepLease]] = {}
         for lease in leases:
             by_community.setdefault(lease.community_id, []).append(lease)
@@ -521,8 +529,18 @@ class Orchestrator:
             for start in range(0, len(held), MAX_CLAIM):
                 chunk = held[start : start + MAX_CLAIM]
                 try:
-                    outcomes = renew_steps(community, chunk, self.config.lease_seconds)
-                except DatabaseError:
+                    with lock_waits_bounded(self.renew_lock_wait_ms):
+                        outcomes = renew_steps(community, chunk, self.config.lease_seconds)
+                except DatabaseError as exc:
+                    if lock_wait_timed_out(exc):
+                        logger.warning(
+                            "renew_lock_wait community=%s n=%d: waited past %s ms for a lock (a lifecycle "
+                            "move of its community, or a long transaction); renewed next round, the others go on",
+                            community,
+                            len(held),
+                            self.renew_lock_wait_ms,
+                        )
+                        break
                     close_old_connections()
                     connection.close()
                     continue
