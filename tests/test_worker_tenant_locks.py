@@ -323,3 +323,42 @@ def test_one_locked_delivery_row_does_not_keep_the_other_leases_of_its_community
     assert worker.wait(60) == 0, worker.log()
     assert statuses([a_free, b_id]) == {a_free: "finished", b_id: "finished"}
     assert "renew_lock_wait community=" + str(community.id) in worker.log()
+
+
+def test_one_locked_delivery_row_does_not_keep_the_other_results_of_its_community_from_settling(
+    community, make_binding, start_worker, tmp_path
+):
+    """A long transaction holds one delivery row of community A while A's results settle: the
+    batch waits past the bound, then A's other results settle one by one (their leases are no
+    longer renewed while they wait), and the held one once its row is released."""
+    import psycopg as pg
+
+    a_target, b_target = random32(), random32()
+    other, make_other = other_community_binding()
+    gate = tmp_path / "gate"
+    a_ids = commit(make_binding, a_target, 3, wait_for=str(gate))
+    (b_id,) = commit(make_other, b_target, 1, wait_for=str(gate))
+    a_locked, a_free = a_ids[0], a_ids[1:]
+    worker = start_worker(
+        a_target,
+        *("--pair", f"{other.id}:{b_target.hex()}"),
+        *("--concurrency", "4", "--lease-seconds", "20", "--max-deliveries", "4"),
+    )
+    wait_until(lambda: count_claimed([*a_ids, b_id]) == 4, what="the four claims")
+    holder = pg.connect(database_url(connection.settings_dict))
+    try:
+        holder.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [a_locked])
+        gate.touch()  # every handler returns: A's three results go to the settler together
+        wait_until(
+            lambda: set(statuses([*a_free, b_id]).values()) == {"finished"},
+            timeout=30,
+            what="A's results whose rows nothing holds (and B's) to settle while another row of A is held",
+        )
+        assert statuses([a_locked]) == {a_locked: "claimed"}
+    finally:
+        holder.rollback()
+        holder.close()
+        gate.touch()
+    assert worker.wait(60) == 0, worker.log()
+    assert statuses([*a_ids, b_id]) == dict.fromkeys([*a_ids, b_id], "finished")
+    assert "settle_lock_wait community=" + str(community.id) in worker.log()

@@ -27,9 +27,11 @@ Django connection and closes it when it stops.
 One thread settles every community the worker serves, so a settle waits for a lock at most
 :func:`~buzz_delivery.worker.renewer.lock_wait_ms` (``lock_timeout``). A settle that waited
 longer (a lifecycle move of its community waiting behind a long transaction of that community's
-own code, say) was cancelled and changed nothing: its results, and that community's later ones,
-are kept and settled again, with the same leases (so the same fencing: a result is applied once
-or judged ``LeaseLost``, never twice), after
+own code, say) was cancelled and changed nothing. A batch that waited is settled one lease at a
+time (one held row of a community does not hold up its other results) until one of those
+waits: it, and that community's later results, are kept (the one that waited last, so that the
+next try settles the others first) and settled again, with the same leases (so the same
+fencing: a result is applied once or judged ``LeaseLost``, never twice), after
 :func:`~buzz_delivery.worker.renewer.busy_retry_seconds`; the other communities' results settle
 meanwhile. A lease is not renewed while its result waits: it lapses if its community stays
 locked longer than the lease has left, and the settle is then ``LeaseLost``.
@@ -297,14 +299,16 @@ class Settler(threading.Thread):
                 batch, used = self._settle_many(group)
                 statements += used
                 if isinstance(batch, _Busy):
-                    self._mark_busy(group)
-                    kept += group
+                    # One of its rows may be held, not the whole community: settle the group
+                    # one lease at a time below, until one of them waits too.
+                    singles = group + singles
                 elif batch is None:
                     singles = group + singles
                 else:
                     results += batch
             else:
                 singles = group + singles
+        waited: list[SettleJob] = []
         for job in singles:
             if self._busy_now(job):
                 kept.append(job)
@@ -313,9 +317,13 @@ class Settler(threading.Thread):
             statements += used
             if isinstance(outcome, _Busy):
                 self._mark_busy([job])
-                kept.append(job)
+                waited.append(job)
             elif outcome is not None:
                 results.append((job, outcome))
+        # A result whose settle waited goes after its community's other kept results: the next
+        # try settles those first, so one held row does not keep the rest of its community's
+        # results (whose leases are no longer renewed) waiting until it is released.
+        kept += waited
         if kept:  # (rare: a community's settle waited)
             kept_ids = {id(job) for job in kept}
             jobs = [job for job in jobs if id(job) not in kept_ids]
