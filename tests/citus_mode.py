@@ -42,6 +42,7 @@ LEFT_OUT: dict[str, str] = {
     ),
     "tests/test_tenant_isolation.py": _RLS_MODULE,
     "tests/test_tenant_isolation_review.py": _RLS_MODULE,
+    "tests/test_tenant_isolation_command_warns.py": _RLS_MODULE,
     "tests/gateway/test_work_pipelining.py": (
         "drives the remote worker against a scripted gateway in the test process: no statement "
         "reaches a database, so the cluster adds nothing; it runs in the PostgreSQL section (twice "

@@ -308,7 +308,10 @@ def test_one_locked_delivery_row_does_not_keep_the_other_leases_of_its_community
     wait_until(lambda: count_claimed([a_locked, a_free, b_id]) == 3, what="the three claims")
     holder = pg.connect(database_url(connection.settings_dict))
     try:
-        holder.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [a_locked])
+        holder.execute(
+            "SELECT 1 FROM buzz_delivery_delivery WHERE community_id = %s AND id = %s FOR UPDATE",
+            [community.id, a_locked],
+        )
         before = renewals([a_free, b_id])
         # Three renewals each: a whole lease's worth, each within the lease of the one before.
         wait_until(
@@ -347,7 +350,10 @@ def test_one_locked_delivery_row_does_not_keep_the_other_results_of_its_communit
     wait_until(lambda: count_claimed([*a_ids, b_id]) == 4, what="the four claims")
     holder = pg.connect(database_url(connection.settings_dict))
     try:
-        holder.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [a_locked])
+        holder.execute(
+            "SELECT 1 FROM buzz_delivery_delivery WHERE community_id = %s AND id = %s FOR UPDATE",
+            [community.id, a_locked],
+        )
         gate.touch()  # every handler returns: A's three results go to the settler together
         wait_until(
             lambda: set(statuses([*a_free, b_id]).values()) == {"finished"},
