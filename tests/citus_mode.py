@@ -147,11 +147,12 @@ SKIPPED: dict[str, str] = {
     "tests/test_flow_priority.py::test_the_claim_reads_only_the_rows_it_takes_among_many_of_lower_priority": _PLAN,
     "tests/test_cached_statements.py::test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key": _PLAN,
     "tests/test_worker_batching.py::test_a_backlog_is_claimed_in_whole_batches_while_every_handler_thread_has_work": (
-        "counts the dispatcher's short claims, which it makes, rightly, whenever its local queue runs "
-        "dry: on the cluster every claim and settle is a round trip more through the coordinator, and "
-        "beside the PostgreSQL section the queue ran dry twice more (5 short claims of 200 deliveries, "
-        "3 allowed); the gate is the worker's own logic, the same on either database, and is shown on "
-        "PostgreSQL; the worker's claims and settles run on the cluster in the module's other tests"
+        "counts the rows a real drain claimed in whole batches, fewer whenever the dispatcher's local "
+        "queue runs dry, rightly: on the cluster every claim and settle is a round trip more through "
+        "the coordinator, and beside the PostgreSQL section the queue ran dry more often; the gate is "
+        "the worker's own logic, the same on either database, asserted decision by decision by "
+        "test_the_dispatcher_claims_a_whole_batch_or_nothing_while_claims_wait_beyond_the_threads "
+        "(which runs here); the worker's claims and settles run on the cluster in the module's other tests"
     ),
     "tests/test_cached_statements.py::test_the_batch_settles_run_locks_reach_the_rows_by_their_keys": _PLAN,
     "tests/test_flow_limits_processes.py::test_eight_workers_and_the_reaper_never_hold_more_than_the_limit"
