@@ -74,3 +74,41 @@ def test_only_an_agent_worker_serving_several_communities_bounds_its_renewals(co
     assert bound([community.id, community.id]) is None
     assert bound([community.id, other.id]) is not None
     assert bound([]) is not None  # every community with work
+
+
+def test_one_locked_run_row_does_not_keep_the_other_run_leases_of_its_community_from_renewal(community):
+    """A long transaction holds one run row of community A: that run's renewals wait past the
+    bound, every round. A's other run, whose row nothing holds, is renewed all the same (its
+    community's rounds do not always start with the locked run), as B's is."""
+    import psycopg
+    from django.db import connection
+
+    from project.database_url import database_url
+
+    other = CommunityFactory()
+    a_locked, a_free, b_run = new_run(community.id), new_run(community.id), new_run(other.id)
+    (locked_claim,) = s.claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    (free_claim,) = s.claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    (b_claim,) = s.claim_agent_runs(other.id, [AGENT], worker_id="w", lease_seconds=30)
+    assert [c.lease.run_id for c in (locked_claim, free_claim, b_claim)] == [a_locked, a_free, b_run]
+    heartbeat = Heartbeat(every=0.2, lease_seconds=30, bound_lock_waits=True)
+    locked_ctx, free_ctx, b_ctx = Context(locked_claim), Context(free_claim), Context(b_claim)
+    for ctx in (locked_ctx, free_ctx, b_ctx):  # the locked run first: renewed first
+        heartbeat.hold(ctx)
+    holder = psycopg.connect(database_url(connection.settings_dict))
+    try:
+        holder.execute(f"SELECT 1 FROM {AgentRun._meta.db_table} WHERE id = %s FOR UPDATE", [a_locked])
+        heartbeat.start()
+        for ctx in (free_ctx, b_ctx):  # twice each: each renewal a round after the one before
+            for _ in range(2):
+                before = ctx.lease.lease_until
+                wait_until(lambda c=ctx, b=before: c.lease.lease_until != b, timeout=30, what="a renewal")
+        assert locked_ctx.lease == locked_claim.lease and not locked_ctx.lost.is_set()
+    finally:
+        holder.rollback()
+        holder.close()
+        heartbeat.stop.set()
+        if heartbeat.ident is not None:
+            heartbeat.join(timeout=30)
+    assert not heartbeat.is_alive()
+    assert not (free_ctx.lost.is_set() or b_ctx.lost.is_set())

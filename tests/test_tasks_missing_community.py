@@ -132,3 +132,31 @@ def test_inside_the_callers_transaction_enqueue_raises_and_the_callers_transacti
         CommunityFactory(id=missing)
         backend.enqueue(t.add, [1, 2], {})
     assert rows() == {model.__name__: 1 for model in WRITTEN}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_enqueue_in_a_transaction_opened_by_turning_autocommit_off_raises_and_caches_nothing():
+    """A caller that turned autocommit off (``transaction.set_autocommit(False)``) holds a
+    transaction as an atomic block does: the deferred key is judged at its commit, past the
+    enqueue, so the missing community is read first there too; and the community is not
+    remembered as existing (it was not committed), so a later enqueue in an atomic block still
+    raises ``CommunityNotFound`` rather than an ``IntegrityError`` at that block's commit."""
+    missing = uuid.uuid4()
+
+    def enqueue():
+        return services.enqueue_task(
+            missing, backend="default", queue_name="default", target_pubkey=services.queue_target("default"),
+            task_path="tests.tasks_support.add", args=[1, 2],
+        )  # fmt: skip
+
+    transaction.set_autocommit(False)
+    try:
+        with pytest.raises(CommunityNotFound, match=str(missing)):
+            enqueue()
+    finally:
+        transaction.rollback()
+        transaction.set_autocommit(True)
+    assert missing not in services._SEEN_COMMUNITIES
+    with pytest.raises(CommunityNotFound, match=str(missing)), transaction.atomic():
+        enqueue()
+    assert rows() == NONE_WRITTEN

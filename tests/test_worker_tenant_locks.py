@@ -368,3 +368,53 @@ def test_one_locked_delivery_row_does_not_keep_the_other_results_of_its_communit
     assert worker.wait(60) == 0, worker.log()
     assert statuses([*a_ids, b_id]) == dict.fromkeys([*a_ids, b_id], "finished")
     assert "settle_lock_wait community=" + str(community.id) in worker.log()
+
+
+@contextmanager
+def community_writes_held(community_id: uuid.UUID) -> Iterator[None]:
+    """A session that holds the community's write fence as a lifecycle move does (the fence
+    lock exclusively and the community row), then lets go without moving it: the community's
+    writes wait meanwhile, and it is still active afterwards."""
+    from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
+
+    holder = psycopg.connect(database_url(connection.settings_dict))
+    try:
+        holder.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s::text))", [FENCE_LOCK_NAMESPACE, str(community_id)]
+        )
+        holder.execute("SELECT 1 FROM buzz_delivery_community WHERE id = %s FOR UPDATE", [community_id])
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_a_community_whose_claim_waited_is_polled_again_once_its_wait_is_over_not_a_poll_interval_later(
+    community, make_binding, start_worker
+):
+    """A's claim waits past the bound (A's writes are held), so A is left for a while; once
+    that is over, the next round polls A again: its pending deliveries (no hint will name them
+    again) are not left until the next round a whole poll interval (here 600 s) later, even
+    when a round came in between (the listener asks for one as it starts) and skipped A."""
+    a_target, b_target = random32(), random32()
+    other, _ = other_community_binding()
+    a_ids = commit(make_binding, a_target, 2)
+    with community_writes_held(community.id):
+        worker = start_worker(
+            a_target,
+            *("--pair", f"{other.id}:{b_target.hex()}"),
+            *("--concurrency", "2", "--lease-seconds", "5", "--poll-interval", "600", "--max-deliveries", "2"),
+        )
+        wait_until(
+            lambda: "claim_lock_wait community=" + str(community.id) in worker.log(),
+            timeout=60,
+            what="A's claim to wait past the bound",
+        )
+        assert claim_state(a_ids) == dict.fromkeys(a_ids, ("pending", 0, 0))
+    # A busy community is left for at most a second here (a third of the lease, at most 1 s).
+    wait_until(
+        lambda: set(statuses(a_ids).values()) == {"finished"},
+        timeout=60,
+        what="A's deliveries to be claimed once A's writes are let go (not a poll interval later)",
+    )
+    assert worker.wait(60) == 0, worker.log()

@@ -64,3 +64,34 @@ def test_only_an_all_communities_orchestrator_bounds_its_renewals(community):
 
     assert bound(community.id) is None
     assert bound(None) is not None
+
+
+def test_one_locked_step_row_does_not_keep_the_other_steps_of_its_community_from_renewal(community):
+    """A long transaction holds one step row of community A: each round's statement of A's
+    steps waits past the bound for it. A's other step, whose row nothing holds, is renewed all
+    the same: one lease at a time after the statement waited, the held one tried last from the
+    round after it waited (so by the second round), as B's is every round."""
+    import psycopg
+
+    from buzz_delivery.workflows.models import Step
+    from project.database_url import database_url
+
+    other = CommunityFactory()
+    a_locked, a_free, b = (
+        claimed_step(community.id, "a1"),
+        claimed_step(community.id, "a2"),
+        claimed_step(other.id, "b"),
+    )
+    orchestrator = Orchestrator(OrchestratorConfig(community_id=None, lease_seconds=30), threading.Event())
+    orchestrator.held.update({_key(a_locked): a_locked, _key(a_free): a_free, _key(b): b})  # the held one first
+    holder = psycopg.connect(database_url(connection.settings_dict))
+    try:
+        holder.execute(f"SELECT 1 FROM {Step._meta.db_table} WHERE id = %s FOR UPDATE", [a_locked.step_id])
+        for _ in range(2):
+            orchestrator._renew_round(list(orchestrator.held.values()))
+        assert orchestrator.held[_key(a_free)].lease_until > a_free.lease_until
+        assert orchestrator.held[_key(b)].lease_until > b.lease_until
+        assert orchestrator.held[_key(a_locked)] == a_locked  # still held, renewed once let go
+    finally:
+        holder.rollback()
+        holder.close()

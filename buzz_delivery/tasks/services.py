@@ -165,12 +165,20 @@ WORKFLOW_COMMUNITY_FK = "buzz_delivery_workfl_community_id_9946e868_fk_buzz_deli
 _SEEN_COMMUNITIES: set[uuid.UUID] = set()
 
 
+def _in_callers_transaction() -> bool:
+    """Whether a statement now runs in a transaction the caller commits: an atomic block's, or
+    one it holds with autocommit turned off (``transaction.set_autocommit(False)``)."""
+    connection = transaction.get_connection()
+    return connection.in_atomic_block or not connection.get_autocommit()
+
+
 def _require_community_in_callers_transaction(community: uuid.UUID) -> None:
-    if community in _SEEN_COMMUNITIES or not transaction.get_connection().in_atomic_block:
+    if community in _SEEN_COMMUNITIES or not _in_callers_transaction():
         return
     if not fetch_all(EXISTING_COMMUNITY, {"community_id": community}):
         raise CommunityNotFound(f"no community {community}")
-    transaction.on_commit(lambda: _SEEN_COMMUNITIES.add(community))
+    if transaction.get_connection().in_atomic_block:  # (no on_commit with autocommit off: read again)
+        transaction.on_commit(lambda: _SEEN_COMMUNITIES.add(community))
 
 
 _ENSURE_WORKFLOW = """
@@ -289,7 +297,7 @@ def enqueue_task(
         if constraint_name(exc) == WORKFLOW_COMMUNITY_FK:
             raise CommunityNotFound(f"no community {community}") from exc
         raise
-    if not transaction.get_connection().in_atomic_block:  # committed: it exists
+    if not _in_callers_transaction():  # committed: it exists
         _SEEN_COMMUNITIES.add(community)
     return Enqueued(result_id=result_id, delivery_id=delivery_id, enqueued_at=enqueued_at)
 

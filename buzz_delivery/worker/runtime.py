@@ -720,6 +720,7 @@ class Worker:
         if until is None:
             return False
         if until > time.monotonic():
+            self._round_due_by(until)  # a round now (a hint's, the listener's) leaves it again
             return True
         del self.claims_busy[community_id.int]
         return False
@@ -731,7 +732,7 @@ class Worker:
         back would wait too). That community is left for :attr:`claims_busy_retry` seconds; the
         other pairs are claimed meanwhile."""
         self.rate_windows.pop(community_id, None)
-        self.claims_busy[community_id.int] = time.monotonic() + self.claims_busy_retry
+        self._claims_busy(community_id)
         logger.warning(
             "claim_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its "
             "community, or a long transaction); its claims wait %.2fs, the other pairs go on",
@@ -739,6 +740,19 @@ class Worker:
             self.claim_lock_wait_ms,
             self.claims_busy_retry,
         )
+
+    def _claims_busy(self, community_id: uuid.UUID) -> None:
+        """Leave ``community_id`` unclaimed for :attr:`claims_busy_retry` seconds, and have the
+        dispatcher's next round due when that is over (as when a rate window ends): its pending
+        deliveries were hinted already, and a round every ``poll_interval`` could leave them
+        that much longer (a poll interval of minutes, with LISTEN hints)."""
+        until = time.monotonic() + self.claims_busy_retry
+        self.claims_busy[community_id.int] = until
+        self._round_due_by(until)
+
+    def _round_due_by(self, instant: float) -> None:
+        """Have the dispatcher's next round of every pair due at ``instant`` (monotonic) at the latest."""
+        self.rate_resume = instant if self.rate_resume is None else min(self.rate_resume, instant)
 
     def _rate_units(self, community_id: uuid.UUID, want: int) -> int:
         """With a ``rate_key``: how many of ``want`` deliveries of ``community_id`` this claim may
@@ -798,7 +812,7 @@ class Worker:
             # Its community's rows got locked since the claim (which stands): the units stay
             # spent for this window, and its next claims wait as after a claim that waited.
             logger.info("rate_give_back_lock_wait community=%s units=%d: left spent", community_id, units)
-            self.claims_busy[community_id.int] = time.monotonic() + self.claims_busy_retry
+            self._claims_busy(community_id)
         except DatabaseError as exc:
             logger.info("rate_give_back_refused community=%s error=%s", community_id, exc)
 
@@ -937,7 +951,7 @@ class Worker:
                     continue
                 if round_due:  # a round of every pair: the next one is due in poll_interval
                     next_poll = time.monotonic() + self.config.poll_interval
-                if self.rate_resume is not None:  # a community's claim window ends sooner
+                if self.rate_resume is not None:  # a community's claim window (or claim wait) ends sooner
                     next_poll, self.rate_resume = min(next_poll, self.rate_resume), None
                 if backlog:
                     continue

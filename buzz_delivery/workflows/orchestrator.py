@@ -91,7 +91,7 @@ from buzz_delivery.workflows.services import (
     renew_steps,
 )
 from buzz_delivery.workflows.services.steps import MAX_CLAIM, release_steps, steps_left_waiting
-from buzz_delivery.workflows.services.types import StepClaim, StepLease, StepOutcome, StepRenewed
+from buzz_delivery.workflows.services.types import RenewOutcome, StepClaim, StepLease, StepOutcome, StepRenewed
 
 logger = logging.getLogger("buzz_delivery.workflows")
 
@@ -540,19 +540,52 @@ class Orchestrator:
                             len(held),
                             self.renew_lock_wait_ms,
                         )
+                        # One of its rows may be held, not the whole community: its leases one at
+                        # a time, until one waits too (that one is renewed last from then on).
+                        self._renew_singly(community, chunk if len(chunk) > 1 else [])
+                        if len(chunk) == 1:
+                            self._renew_last(chunk[0])
                         break
                     close_old_connections()
                     connection.close()
                     continue
-                with self.lock:
-                    self.counts["renew_statements"] += 1
-                    for lease, renewed in zip(chunk, outcomes, strict=True):
-                        key = _key(lease)
-                        if isinstance(renewed, StepRenewed) and key in self.held:
-                            self.held[key] = renewed.lease
-                            self.counts["renewed"] += 1
-                        elif isinstance(renewed, LeaseLost):
-                            self.held.pop(key, None)  # its complete will be told LeaseLost
+                self._renewed(chunk, outcomes)
+
+    def _renewed(self, chunk: list[StepLease], outcomes: list[RenewOutcome]) -> None:
+        with self.lock:
+            self.counts["renew_statements"] += 1
+            for lease, renewed in zip(chunk, outcomes, strict=True):
+                key = _key(lease)
+                if isinstance(renewed, StepRenewed) and key in self.held:
+                    self.held[key] = renewed.lease
+                    self.counts["renewed"] += 1
+                elif isinstance(renewed, LeaseLost):
+                    self.held.pop(key, None)  # its complete will be told LeaseLost
+
+    def _renew_singly(self, community: uuid.UUID, chunk: list[StepLease]) -> None:
+        """Renew ``chunk`` (whose statement waited past the lock bound) one lease at a time until
+        one waits: one step row held by a long transaction then keeps neither the others of its
+        community from renewal (the chunk's statement waited for it every round, so they all
+        lapsed) nor, tried last from then on, the next round's single renewals."""
+        for lease in chunk:
+            try:
+                with lock_waits_bounded(self.renew_lock_wait_ms):
+                    outcomes = renew_steps(community, [lease], self.config.lease_seconds)
+            except DatabaseError as exc:
+                if lock_wait_timed_out(exc):
+                    self._renew_last(lease)
+                else:
+                    close_old_connections()
+                    connection.close()
+                return
+            self._renewed([lease], outcomes)
+
+    def _renew_last(self, lease: StepLease) -> None:
+        """Renew ``lease`` after the others held from now on (its renewal waited for a lock)."""
+        key = _key(lease)
+        with self.lock:
+            if key in self.held:
+                self.held[key] = self.held.pop(key)
 
     # --- dispatcher ---------------------------------------------------------------------
 
