@@ -97,7 +97,10 @@ def test_one_locked_run_row_does_not_keep_the_other_run_leases_of_its_community_
         heartbeat.hold(ctx)
     holder = psycopg.connect(database_url(connection.settings_dict))
     try:
-        holder.execute(f"SELECT 1 FROM {AgentRun._meta.db_table} WHERE id = %s FOR UPDATE", [a_locked])
+        holder.execute(
+            f"SELECT 1 FROM {AgentRun._meta.db_table} WHERE community_id = %s AND id = %s FOR UPDATE",
+            [community.id, a_locked],
+        )
         heartbeat.start()
         for ctx in (free_ctx, b_ctx):  # twice each: each renewal a round after the one before
             for _ in range(2):

@@ -360,6 +360,11 @@ def test_one_locked_delivery_row_does_not_keep_the_other_results_of_its_communit
             timeout=30,
             what="A's results whose rows nothing holds (and B's) to settle while another row of A is held",
         )
+        wait_until(
+            lambda: "settle_lock_wait community=" + str(community.id) in worker.log(),
+            timeout=30,
+            what="the held row's settle to wait past the bound",
+        )
         assert statuses([a_locked]) == {a_locked: "claimed"}
     finally:
         holder.rollback()
@@ -367,7 +372,6 @@ def test_one_locked_delivery_row_does_not_keep_the_other_results_of_its_communit
         gate.touch()
     assert worker.wait(60) == 0, worker.log()
     assert statuses([*a_ids, b_id]) == dict.fromkeys([*a_ids, b_id], "finished")
-    assert "settle_lock_wait community=" + str(community.id) in worker.log()
 
 
 @contextmanager

@@ -86,7 +86,10 @@ def test_one_locked_step_row_does_not_keep_the_other_steps_of_its_community_from
     orchestrator.held.update({_key(a_locked): a_locked, _key(a_free): a_free, _key(b): b})  # the held one first
     holder = psycopg.connect(database_url(connection.settings_dict))
     try:
-        holder.execute(f"SELECT 1 FROM {Step._meta.db_table} WHERE id = %s FOR UPDATE", [a_locked.step_id])
+        holder.execute(
+            f"SELECT 1 FROM {Step._meta.db_table} WHERE community_id = %s AND id = %s FOR UPDATE",
+            [community.id, a_locked.step_id],
+        )
         for _ in range(2):
             orchestrator._renew_round(list(orchestrator.held.values()))
         assert orchestrator.held[_key(a_free)].lease_until > a_free.lease_until
