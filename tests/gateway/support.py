@@ -199,6 +199,28 @@ def delivery_state() -> list[tuple]:
     )
 
 
+def long_polls_waiting(community=None) -> int:
+    """How many claims the test gateway is holding in a long-poll: its backends idle after the
+    claim statement (the first claim round of a long-poll, done inside its slots and before its
+    wait; a request's connection closes when it ends). With ``community``, only the claims into
+    that community (the statement's text holds the bound values: client-side binding)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'buzz-gateway-test'"
+            " AND state = 'idle' AND query LIKE %s AND query LIKE %s",
+            ["%buzz_delivery_claim_pending%", f"%{community.id if community is not None else ''}%"],
+        )
+        return cursor.fetchone()[0]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds (a generous bound: a loaded CI is slow, never wrong)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.05)
+
+
 def long_poll_in_background(agent: GatewayClient, wait_seconds: float) -> tuple[threading.Thread, list]:
     """A thread long-polling ``agent``'s claim; the list receives its claims when it returns."""
     got: list = []
