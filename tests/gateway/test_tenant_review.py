@@ -44,7 +44,7 @@ def test_deliveries_of_one_community_to_a_key_enrolled_elsewhere_do_not_wake_its
             now = cursor.fetchone()[0]
         (silent,) = deliver(b, agent.pubkey, not_before=now + dt.timedelta(hours=1))
         waiter, got = long_poll_in_background(agent, 10)
-        wait_for(lambda: long_polls_waiting(b) == 1, "the long-poll to wait (its first claim found nothing)")
+        wait_for(lambda: long_polls_waiting() == 1, "the long-poll to wait (its first claim found nothing)")
         with connection.cursor() as cursor:  # claimable now, without a hint: nothing wakes the poll
             cursor.execute(
                 "UPDATE buzz_delivery_delivery SET next_attempt_at = now() WHERE community_id = %s AND id = %s",
