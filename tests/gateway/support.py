@@ -199,6 +199,29 @@ def delivery_state() -> list[tuple]:
     )
 
 
+def long_polls_waiting() -> int:
+    """How many claims the test gateway is holding in a long-poll: its backends idle after a
+    claim statement (a long-poll's first claim round, run inside its slots and before its wait;
+    a request's connection closes when it ends). Known by the claim's opening columns, which
+    come within the 1 kB of text pg_stat_activity keeps (after the tenant's set_config when
+    tenant isolation is on; the rest, the function's name on PostgreSQL, may be cut off)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'buzz-gateway-test'"
+            " AND state = 'idle' AND strpos(query, %s) > 0",
+            ["SELECT d.community_id, d.id, d.workflow_id, "],
+        )
+        return cursor.fetchone()[0]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds (a generous bound: a loaded CI is slow, never wrong)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.05)
+
+
 def long_poll_in_background(agent: GatewayClient, wait_seconds: float) -> tuple[threading.Thread, list]:
     """A thread long-polling ``agent``'s claim; the list receives its claims when it returns."""
     got: list = []

@@ -24,8 +24,10 @@ from tests.gateway.support import (
     deliver,
     enroll,
     long_poll_in_background,
+    long_polls_waiting,
     new_agent,
     row_counts,
+    wait_for,
 )
 from tests.gateway.test_runs import accepted_run, run_state, send
 
@@ -183,7 +185,9 @@ def test_a_long_poll_is_still_woken_after_hostile_notifications_on_the_wake_chan
         agent = new_agent(server)
         enroll(agent, community)
         waiter, got = long_poll_in_background(agent, 9)
-        time.sleep(1.5)
+        # The wake listener starts with the first long-poll: LISTENing before the payloads are sent.
+        wait_for(lambda: "gateway listening" in server.log.read_text(), "the gateway's wake listener")
+        wait_for(lambda: long_polls_waiting() == 1, "the long-poll to wait")
         with connection.cursor() as cursor:
             for payload in HOSTILE_PAYLOADS:
                 cursor.execute("SELECT pg_notify(%s, %s)", [get_settings().notify_channel, payload])
@@ -220,10 +224,11 @@ def test_one_key_holding_every_thread_with_long_polls_no_longer_starves_another_
         enroll(greedy, a)
         enroll(other, b)
         threads, statuses = _long_polls(greedy, 6, 8)
-        time.sleep(1.5)
-        started = time.monotonic()
+        # Every long-poll is in: refused (answered) or waiting in its claim.
+        wait_for(lambda: len(statuses) + long_polls_waiting() == 6, "the six long-polls to be held or refused")
         assert other.me()["communities"] == [str(b.id)]
-        assert time.monotonic() - started < 3, "another community's request waited for the long-polls"
+        # Answered while the held ones still wait (their 8 s): it did not wait for a thread they held.
+        assert statuses == [429, 429], "another community's request waited for the long-polls"
         for t in threads:
             t.join(15)
         assert sorted(statuses) == [200] * 4 + [429] * 2
@@ -246,16 +251,17 @@ def test_the_agents_of_one_community_are_bounded_together_and_a_key_per_request(
         for agent in (alice, bob, carol):
             enroll(agent, a)
         enroll(dave, b)
-        held = [_long_polls(agent, 1, 6) for agent in (alice, bob)]
-        time.sleep(1.5)
+        held = [_long_polls(agent, 1, 9) for agent in (alice, bob)]  # held until dave's are in
+        wait_for(lambda: long_polls_waiting() == 2, "alice's and bob's long-polls to wait")
         refused = carol.request("POST", "/deliveries/claim", {"wait_seconds": 5}, extra_timeout=5)
         assert (refused.status_code, refused.json()["code"]) == (429, "too_many_requests")
         assert refused.headers["Retry-After"] == "1"
         assert carol.claim() == []  # a claim that does not wait is still served
         assert dave.claim(wait_seconds=0.5) == []  # another community waits as usual
         # A key's requests of any kind count together: with two long-polls dave has no third.
+        wait_for(lambda: long_polls_waiting() == 2, "dave's short wait to end")  # its backend gone too
         threads, statuses = _long_polls(dave, 2, 4)
-        time.sleep(1.0)
+        wait_for(lambda: long_polls_waiting() == 4, "dave's two long-polls to wait beside alice's and bob's")
         assert dave.request("GET", "/me").status_code == 429
         for t in threads + [t for ts, _ in held for t in ts]:
             t.join(15)

@@ -13,7 +13,16 @@ import pytest
 from django.db import connection
 
 from buzz_delivery.testing import CommunityFactory
-from tests.gateway.support import deliver, enroll, long_poll_in_background, new_agent, start_server, stop_server
+from tests.gateway.support import (
+    deliver,
+    enroll,
+    long_poll_in_background,
+    long_polls_waiting,
+    new_agent,
+    start_server,
+    stop_server,
+    wait_for,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,9 +42,15 @@ def test_deliveries_of_one_community_to_a_key_enrolled_elsewhere_do_not_wake_its
         with connection.cursor() as cursor:
             cursor.execute("SELECT now()")
             now = cursor.fetchone()[0]
-        (silent,) = deliver(b, agent.pubkey, not_before=now + dt.timedelta(seconds=2))
+        (silent,) = deliver(b, agent.pubkey, not_before=now + dt.timedelta(hours=1))
         waiter, got = long_poll_in_background(agent, 10)
-        time.sleep(3.5)  # past not_before: claimable, but nothing wakes the poll
+        wait_for(lambda: long_polls_waiting() == 1, "the long-poll to wait (its first claim found nothing)")
+        with connection.cursor() as cursor:  # claimable now, without a hint: nothing wakes the poll
+            cursor.execute(
+                "UPDATE buzz_delivery_delivery SET next_attempt_at = now() WHERE community_id = %s AND id = %s",
+                [b.id, silent.id],
+            )
+        time.sleep(1.0)  # (a wake-up would claim it at once)
         assert got == [] and waiter.is_alive()
         deliver(a, agent.pubkey)  # community A's work, to a key not enrolled in A
         time.sleep(2.5)
