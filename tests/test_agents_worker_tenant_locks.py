@@ -115,3 +115,136 @@ def test_one_locked_run_row_does_not_keep_the_other_run_leases_of_its_community_
             heartbeat.join(timeout=30)
     assert not heartbeat.is_alive()
     assert not (free_ctx.lost.is_set() or b_ctx.lost.is_set())
+
+
+def run_states(ids) -> dict:
+    return dict(AgentRun.objects.filter(id__in=ids).values_list("id", "state"))
+
+
+def claims_of(ids) -> dict:
+    return dict(AgentRun.objects.filter(id__in=ids).values_list("id", "lease_generation"))
+
+
+def completes(ctx):
+    return {"done": str(ctx.lease.run_id)}
+
+
+def started(config: WorkerConfig):
+    from tests.test_agents_worker import start
+
+    worker = AgentWorker(config)
+    thread, out = start(worker)
+    return worker, thread, out
+
+
+def stopped(worker: AgentWorker, thread) -> None:
+    worker.stop()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_another_waiting(community):
+    """One loop thread claims round robin over A and B: A's claim waits for a lock at most the
+    bound, then A is left for a while and B's runs are claimed and run meanwhile (without the
+    bound the thread waits behind A's move and B's runs stay pending). Once A's move is given
+    up, A's runs are claimed and run, each once."""
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_runs = [new_run(community.id) for _ in range(2)]
+    b_runs = [new_run(other.id) for _ in range(3)]
+    config = WorkerConfig(
+        handler=completes,
+        agents=[AGENT],
+        communities=[community.id, other.id],
+        concurrency=1,
+        lease_seconds=15,
+        poll_seconds=0.2,
+        listen=False,
+        accept=False,
+        worker_id="w",
+    )
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        worker, thread, out = started(config)
+        try:
+            wait_until(
+                lambda: set(run_states(b_runs).values()) == {"completed"},
+                timeout=60,
+                what="B's runs to be claimed and run while A's move is stuck",
+            )
+            assert not moving.done()
+            assert run_states(a_runs) == dict.fromkeys(a_runs, "pending")
+            assert claims_of(a_runs) == dict.fromkeys(a_runs, 0)
+        except BaseException:
+            stopped(worker, thread)
+            raise
+    moving.result(timeout=30)  # given up: A stays active
+    try:
+        wait_until(
+            lambda: set(run_states(a_runs).values()) == {"completed"},
+            timeout=60,
+            what="A's runs to be claimed once A's writes are let go",
+        )
+    finally:
+        stopped(worker, thread)
+    assert claims_of([*a_runs, *b_runs]) == dict.fromkeys([*a_runs, *b_runs], 1)  # each claimed once
+    assert (out["claimed"], out["completed"], out.get("internal_errors", 0)) == (5, 5, 0), out
+    assert out["lock_waits"] >= 1
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_acceptance_of_another_waiting(community, make_binding):
+    """Acceptance claims and accepts the deliveries to the worker's agent in A and B: A's claim
+    waits for a lock at most the bound, then A is left and B's deliveries are accepted into runs
+    and run meanwhile. Once A's move is given up, A's deliveries are accepted, each into one run."""
+    from buzz_delivery.models import WorkflowAgentDelivery
+    from buzz_delivery.testing import random32
+    from tests.test_worker import commit, statuses
+    from tests.test_worker_pairs import other_community_binding
+
+    agent = random32()
+    other, make_other = other_community_binding()
+    a_ids = commit(make_binding, agent, 2)
+    b_ids = commit(make_other, agent, 2)
+    config = WorkerConfig(
+        handler=completes,
+        agents=[agent],
+        communities=[community.id, other.id],
+        concurrency=1,
+        lease_seconds=15,
+        poll_seconds=0.2,
+        listen=False,
+        worker_id="w",
+    )
+
+    def runs_of(ids) -> dict:
+        return dict(AgentRun.objects.filter(delivery_id__in=ids).values_list("delivery_id", "state"))
+
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        worker, thread, out = started(config)
+        try:
+            wait_until(
+                lambda: runs_of(b_ids) == dict.fromkeys(b_ids, "completed"),
+                timeout=60,
+                what="B's deliveries to be accepted and run while A's move is stuck",
+            )
+            assert not moving.done()
+            assert statuses(a_ids) == dict.fromkeys(a_ids, "pending")
+            assert runs_of(a_ids) == {}
+        except BaseException:
+            stopped(worker, thread)
+            raise
+    moving.result(timeout=30)  # given up: A stays active
+    try:
+        wait_until(
+            lambda: runs_of(a_ids) == dict.fromkeys(a_ids, "completed"),
+            timeout=60,
+            what="A's deliveries to be accepted and run once A's writes are let go",
+        )
+    finally:
+        stopped(worker, thread)
+    ids = [*a_ids, *b_ids]
+    assert statuses(ids) == dict.fromkeys(ids, "finished")
+    assert AgentRun.objects.filter(delivery_id__in=ids).count() == 4  # one run each
+    rows = WorkflowAgentDelivery.objects.filter(id__in=ids)
+    assert {r.id: [e["event"] for e in r.history].count("settle") for r in rows} == dict.fromkeys(ids, 1)
+    assert (out["accepted"], out["completed"], out.get("internal_errors", 0)) == (4, 4, 0), out

@@ -54,17 +54,26 @@ def a_write_waits(community_id: uuid.UUID) -> bool:
 
 
 @contextmanager
-def move_stuck_behind_a_long_transaction(community_id: uuid.UUID) -> Iterator[Future[Community]]:
+def move_stuck_behind_a_long_transaction(
+    community_id: uuid.UUID, *, rolled_back: bool = False
+) -> Iterator[Future[Community]]:
     """A transaction of the community's own (a write of its events, left open) and a lifecycle
     move of the community (``advance_community`` to ``quiescing``, in a thread) waiting behind
     it; yields the move's future once the community's writes queue behind the move. On exit the
-    long transaction commits, and the move goes through."""
+    long transaction commits, and the move goes through (``rolled_back``: then its transaction
+    rolls back, as an operator's move given up, and the community stays active: its writes go
+    through from then on)."""
     holder = psycopg.connect(database_url(connection.settings_dict))
     pool = ThreadPoolExecutor(max_workers=1)
 
     def move() -> Community:
         try:
-            return services.advance_community(community_id, "quiescing")
+            if not rolled_back:
+                return services.advance_community(community_id, "quiescing")
+            with transaction.atomic():
+                moved = services.advance_community(community_id, "quiescing")
+                transaction.set_rollback(True)
+            return moved
         finally:
             connection.close()
 

@@ -42,7 +42,13 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import HOLDER_MAX_CHARS, new_uuid7
 from buzz_delivery.services import Lease, Settled, finish_delivery, flow
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
+from buzz_delivery.services.db import (
+    bound_lock_waits,
+    fetch_all,
+    lock_wait_bound,
+    retry_deadlocks,
+    translated_errors,
+)
 from buzz_delivery.services.runs import RUN_CANCELED
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
@@ -107,7 +113,12 @@ def accept_delivery(
         # The accept span's context (else the delivery's stored one, in the statement).
         "trace_context": tracing.json_or_none(tracing.inject()),
     }
+    # A worker serving several communities bounds its lock waits (lock_waits_bounded): this
+    # transaction of its own honours that bound.
+    bound = None if connections[DEFAULT_DB_ALIAS].in_atomic_block else lock_wait_bound()
     with transaction.atomic(), translated_errors():
+        if bound is not None:
+            bound_lock_waits(bound)
         ended = fetch_all(sql.LOCK_WORKFLOW_RUN_OF_DELIVERY, params)
         if ended and ended[0][0] in WORKFLOW_RUN_TERMINAL:
             state = ended[0][0]

@@ -1,0 +1,54 @@
+"""Communities left alone for a while after a statement of theirs waited past the lock bound.
+
+A worker serving several communities bounds its statements' lock waits
+(:func:`~buzz_delivery.services.db.lock_waits_bounded`): a community whose rows are locked (a
+lifecycle move of it waiting behind a long transaction of its own code, say) costs one bounded
+wait, then that community is skipped for ``seconds`` and the others go on. :class:`Skipped`
+keeps those communities, shared by the worker's threads; a worker serving one community keeps
+an empty one (nothing is bounded, nothing skipped).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+
+class Skipped:
+    """Communities (by id) skipped until a monotonic instant. Thread-safe."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._until: dict[uuid.UUID, float] = {}
+        self._lock = threading.Lock()
+
+    def skip(self, community: uuid.UUID) -> None:
+        """A statement of ``community`` waited past the bound: leave it for :attr:`seconds`."""
+        with self._lock:
+            self._until[community] = time.monotonic() + self.seconds
+
+    def waits(self, community: uuid.UUID) -> bool:
+        """Whether ``community`` is skipped now (a cheap test while none is)."""
+        if not self._until:
+            return False
+        with self._lock:
+            until = self._until.get(community)
+            if until is None:
+                return False
+            if until > time.monotonic():
+                return True
+            del self._until[community]
+            return False
+
+    def __bool__(self) -> bool:
+        """Whether a community is skipped (or was, its time just over, not yet tried again):
+        a worker idle otherwise is not idle while one is."""
+        return bool(self._until)
+
+    def next_try(self) -> float | None:
+        """Seconds until the first skipped community is tried again (None: none is skipped)."""
+        with self._lock:
+            if not self._until:
+                return None
+            return max(0.0, min(self._until.values()) - time.monotonic())
