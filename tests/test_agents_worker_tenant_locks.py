@@ -248,3 +248,109 @@ def test_a_lifecycle_move_stuck_in_one_community_keeps_no_acceptance_of_another_
     rows = WorkflowAgentDelivery.objects.filter(id__in=ids)
     assert {r.id: [e["event"] for e in r.history].count("settle") for r in rows} == dict.fromkeys(ids, 1)
     assert (out["accepted"], out["completed"], out.get("internal_errors", 0)) == (4, 4, 0), out
+
+
+GATES: dict = {}  # community id (text) -> threading.Event the loop test's handlers wait for
+
+
+async def _echo(args: dict, key: str) -> dict:
+    return {"n": args["n"]}
+
+
+async def gated_call(ctx):
+    """Waits for its community's gate, then one journaled call (a journal batch, a record
+    batch) and its completion (a complete batch)."""
+    import asyncio
+
+    gate = GATES[str(ctx.lease.community_id)]
+    while not gate.is_set():
+        await asyncio.sleep(0.02)
+    out = await ctx.call("echo", _echo, {"n": 1})
+    return {"n": out["n"]}
+
+
+def backends_waiting_for_a_lock() -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+        return cursor.fetchone()[0]
+
+
+def test_a_lifecycle_move_stuck_in_one_community_holds_no_pooled_connection_of_the_event_loop_worker(community):
+    """The event-loop worker on one pool connection holds a run of A and one of B. A's move
+    gets stuck, then A's handler journals a call: its batch waits for a lock at most the bound
+    and gives the connection back, A is left a while, and B's run journals, records and
+    completes meanwhile (without the bound A's batch holds the only connection and B's batches
+    wait behind it). Once A's move is given up, A's batch goes again: A's run completes, its
+    call journaled once."""
+    import threading
+
+    from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
+    from buzz_delivery.agents.models import JournalEntry
+
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_run, b_run = new_run(community.id), new_run(other.id)
+    GATES.update({str(community.id): threading.Event(), str(other.id): threading.Event()})
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=gated_call,
+            agents=[AGENT],
+            communities=[community.id, other.id],
+            connections=1,
+            in_flight=10,
+            lease_seconds=15,
+            poll_seconds=0.2,
+            listen=False,
+            accept=False,
+            worker_id="aio",
+        )
+    )
+    out: dict = {}
+
+    def main():
+        from django.db import connections
+
+        try:
+            out.update(worker.run())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: set(run_states([a_run, b_run]).values()) == {"running"}, timeout=60, what="both claims")
+        with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+            waiting = backends_waiting_for_a_lock()  # the move
+            GATES[str(community.id)].set()  # A's call: its journal batch meets the move
+            wait_until(
+                lambda: backends_waiting_for_a_lock() > waiting,
+                timeout=60,
+                what="A's journal batch to wait for a lock",
+            )
+            GATES[str(other.id)].set()
+            wait_until(
+                lambda: run_states([b_run]) == {b_run: "completed"},
+                timeout=60,
+                what="B's run to journal, record and complete while A's move is stuck",
+            )
+            assert not moving.done()
+            assert run_states([a_run]) == {a_run: "running"}
+            assert not JournalEntry.objects.filter(run_id=a_run).exists()
+        moving.result(timeout=30)  # given up: A stays active
+        wait_until(
+            lambda: run_states([a_run]) == {a_run: "completed"},
+            timeout=60,
+            what="A's run to complete once A's writes are let go",
+        )
+    finally:
+        for gate in GATES.values():
+            gate.set()
+        worker.stop()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert {r: JournalEntry.objects.filter(run_id=r).count() for r in (a_run, b_run)} == {a_run: 1, b_run: 1}
+    assert claims_of([a_run, b_run]) == {a_run: 1, b_run: 1}
+    assert (out["completed"], out.get("internal_errors", 0)) == (2, 0), out

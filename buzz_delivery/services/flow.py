@@ -278,17 +278,14 @@ def claim_holding_slots(statement: str, params: Mapping[str, Any], namespace: in
     ``<index_prefix>...``) wrote nothing and is tried again, at most :data:`SLOT_TRIES` times.
     A transaction of its own honours a lock-wait bound the caller set
     (:func:`~buzz_delivery.services.db.lock_waits_bounded`: a worker serving several communities)."""
-    from django.db import IntegrityError, connection, transaction
+    from django.db import IntegrityError
 
-    from buzz_delivery.services.db import bound_lock_waits, constraint_name, fetch_all, lock_wait_bound
+    from buzz_delivery.services.db import atomic_within_bound, constraint_name, fetch_all
 
     lock = {"namespace": namespace, "community_id": params["community_id"]}
     for _ in range(SLOT_TRIES):
         try:
-            bound = None if connection.in_atomic_block else lock_wait_bound()
-            with transaction.atomic():
-                if bound is not None:
-                    bound_lock_waits(bound)
+            with atomic_within_bound():
                 fetch_all(LOCK_COMMUNITY_CLAIMS, lock)
                 return fetch_all(statement, dict(params))
         except IntegrityError as exc:
