@@ -41,14 +41,24 @@ class Skipped:
             del self._until[community]
             return False
 
+    def _prune(self) -> None:
+        """Forget the communities whose time is over (call under ``_lock``)."""
+        now = time.monotonic()
+        for community in [c for c, until in self._until.items() if until <= now]:
+            del self._until[community]
+
     def __bool__(self) -> bool:
-        """Whether a community is skipped (or was, its time just over, not yet tried again):
-        a worker idle otherwise is not idle while one is."""
-        return bool(self._until)
+        """Whether a community is skipped now: a worker idle otherwise is not idle while one is."""
+        if not self._until:
+            return False
+        with self._lock:
+            self._prune()
+            return bool(self._until)
 
     def next_try(self) -> float | None:
-        """Seconds until the first skipped community is tried again (None: none is skipped)."""
+        """Seconds until the first skipped community is tried again (None: none is skipped now)."""
+        if not self._until:
+            return None
         with self._lock:
-            if not self._until:
-                return None
-            return max(0.0, min(self._until.values()) - time.monotonic())
+            self._prune()
+            return max(0.0, min(self._until.values()) - time.monotonic()) if self._until else None
