@@ -19,7 +19,7 @@ from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
 from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory
 from tests.agents_support import AGENT, new_run
 from tests.test_worker import wait_until
-from tests.test_worker_tenant_locks import move_stuck_behind_a_long_transaction
+from tests.test_worker_tenant_locks import backends_waiting_for_a_lock, move_stuck_behind_a_long_transaction
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -267,14 +267,6 @@ async def gated_call(ctx):
         await asyncio.sleep(0.02)
     out = await ctx.call("echo", _echo, {"n": 1})
     return {"n": out["n"]}
-
-
-def backends_waiting_for_a_lock() -> int:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-        return cursor.fetchone()[0]
 
 
 def test_a_lifecycle_move_stuck_in_one_community_holds_no_pooled_connection_of_the_event_loop_worker(community):

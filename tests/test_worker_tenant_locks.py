@@ -89,6 +89,17 @@ def move_stuck_behind_a_long_transaction(
         pool.shutdown(wait=True)
 
 
+def backends_waiting_for_a_lock() -> int:
+    """Sessions of the database waiting for a lock now (on a Citus cluster, on every node:
+    a statement routed to a worker waits there)."""
+    from tests.citus_support import CITUS_MODE
+
+    view = "citus_stat_activity" if CITUS_MODE else "pg_stat_activity"
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {view} WHERE wait_event_type = 'Lock'")
+        return cursor.fetchone()[0]
+
+
 def lock_timeout() -> str:
     with connection.cursor() as cursor:
         cursor.execute("SHOW lock_timeout")
@@ -451,8 +462,10 @@ def test_a_worker_with_idle_exit_does_not_exit_while_a_community_is_left_for_a_l
         )
         # Each wait: the bound (0.3 s) after A was left 1 s: four of them outlast the idle limit.
         wait_until(
-            lambda: worker.log().count("claim_lock_wait community=" + str(community.id)) >= 4
-            or worker.proc.poll() is not None,
+            lambda: (
+                worker.log().count("claim_lock_wait community=" + str(community.id)) >= 4
+                or worker.proc.poll() is not None
+            ),
             timeout=60,
             what="A's claims to wait past the bound four times",
         )

@@ -22,7 +22,7 @@ from buzz_delivery.workflows.orchestrator import Orchestrator, OrchestratorConfi
 from buzz_delivery.workflows.services import claim_steps
 from buzz_delivery.workflows.testing import function_step
 from tests.test_worker import wait_until
-from tests.test_worker_tenant_locks import move_stuck_behind_a_long_transaction
+from tests.test_worker_tenant_locks import backends_waiting_for_a_lock, move_stuck_behind_a_long_transaction
 from tests.wf_support import start
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -150,12 +150,6 @@ def running_all(**options):
     thread = threading.Thread(target=main, daemon=True)
     thread.start()
     return stop, thread, summary
-
-
-def backends_waiting_for_a_lock() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-        return cursor.fetchone()[0]
 
 
 def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_another_waiting(community):

@@ -194,7 +194,7 @@ def accept_round(
     done = AcceptRound()
     skipped = Skipped(0.0) if skipped is None else skipped
     with lock_waits_bounded(lock_wait_ms):
-        _accept_claims(list(carried), skipped, done)
+        _accept_claims(list(carried), skipped, done, lock_wait_ms)
         for community in communities:
             if skipped.waits(community):
                 continue
