@@ -5,7 +5,8 @@ A worker serving several communities bounds its statements' lock waits
 lifecycle move of it waiting behind a long transaction of its own code, say) costs one bounded
 wait, then that community is skipped for ``seconds`` and the others go on. :class:`Skipped`
 keeps those communities, shared by the worker's threads; a worker serving one community keeps
-an empty one (nothing is bounded, nothing skipped).
+an empty one (nothing is bounded, nothing skipped). :func:`tried_last` is the renewers' order
+after such a wait.
 """
 
 from __future__ import annotations
@@ -13,6 +14,21 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from typing import Any, TypeVar
+
+K = TypeVar("K")
+_MISSING: Any = object()
+
+
+def tried_last(held: dict[K, Any], key: K) -> None:
+    """Move ``key``'s entry (if still held) to the end of ``held``, whose order is the renewal
+    order: a renewal that waited past the lock bound is tried after the others from then on, so
+    one row held by a long transaction does not keep its community's other leases from ever
+    being renewed (tried first every round, it found the community locked each time). The
+    caller holds ``held``'s lock."""
+    entry = held.pop(key, _MISSING)
+    if entry is not _MISSING:
+        held[key] = entry
 
 
 class Skipped:

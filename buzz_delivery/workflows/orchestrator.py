@@ -74,7 +74,7 @@ from buzz_delivery.exceptions import in_chain
 from buzz_delivery.fairness import share
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.listening import Listener
-from buzz_delivery.lockwaits import Skipped
+from buzz_delivery.lockwaits import Skipped, tried_last
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
@@ -551,7 +551,8 @@ class Orchestrator:
                         # a time, until one waits too (that one is renewed last from then on).
                         self._renew_singly(community, chunk if len(chunk) > 1 else [])
                         if len(chunk) == 1:
-                            self._renew_last(chunk[0])
+                            with self.lock:
+                                tried_last(self.held, _key(chunk[0]))
                         break
                     close_old_connections()
                     connection.close()
@@ -580,19 +581,13 @@ class Orchestrator:
                     outcomes = renew_steps(community, [lease], self.config.lease_seconds)
             except DatabaseError as exc:
                 if lock_wait_timed_out(exc):
-                    self._renew_last(lease)
+                    with self.lock:
+                        tried_last(self.held, _key(lease))
                 else:
                     close_old_connections()
                     connection.close()
                 return
             self._renewed([lease], outcomes)
-
-    def _renew_last(self, lease: StepLease) -> None:
-        """Renew ``lease`` after the others held from now on (its renewal waited for a lock)."""
-        key = _key(lease)
-        with self.lock:
-            if key in self.held:
-                self.held[key] = self.held.pop(key)
 
     # --- dispatcher ---------------------------------------------------------------------
 
