@@ -346,3 +346,75 @@ def test_a_lifecycle_move_stuck_in_one_community_holds_no_pooled_connection_of_t
     assert {r: JournalEntry.objects.filter(run_id=r).count() for r in (a_run, b_run)} == {a_run: 1, b_run: 1}
     assert claims_of([a_run, b_run]) == {a_run: 1, b_run: 1}
     assert (out["completed"], out.get("internal_errors", 0)) == (2, 0), out
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_the_event_loop_worker_waiting(community):
+    """The event-loop worker on one pool connection claims round robin over A and B: A's claim
+    waits for a lock at most the bound and gives the connection back, A is left a while, and
+    B's runs are claimed and run meanwhile (without the bound A's claim holds the only
+    connection). Once A's move is given up, A's runs are claimed and run, each once."""
+    import threading
+
+    from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
+
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_runs = [new_run(community.id) for _ in range(2)]
+    b_runs = [new_run(other.id) for _ in range(2)]
+    GATES.clear()  # gated_call: no gate set for a community means it waits; open both
+    GATES.update({str(community.id): threading.Event(), str(other.id): threading.Event()})
+    for gate in GATES.values():
+        gate.set()
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=gated_call,
+            agents=[AGENT],
+            communities=[community.id, other.id],
+            connections=1,
+            lease_seconds=15,
+            poll_seconds=0.2,
+            listen=False,
+            accept=False,
+            worker_id="aio",
+        )
+    )
+    out: dict = {}
+
+    def main():
+        from django.db import connections
+
+        try:
+            out.update(worker.run())
+        finally:
+            connections.close_all()
+
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        thread = threading.Thread(target=main, daemon=True)
+        thread.start()
+        try:
+            wait_until(
+                lambda: set(run_states(b_runs).values()) == {"completed"},
+                timeout=60,
+                what="B's runs to be claimed and run while A's move is stuck",
+            )
+            assert not moving.done()
+            assert claims_of(a_runs) == dict.fromkeys(a_runs, 0)
+        except BaseException:
+            worker.stop()
+            thread.join(timeout=60)
+            raise
+    moving.result(timeout=30)  # given up: A stays active
+    try:
+        wait_until(
+            lambda: set(run_states(a_runs).values()) == {"completed"},
+            timeout=60,
+            what="A's runs to be claimed once A's writes are let go",
+        )
+    finally:
+        worker.stop()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert claims_of([*a_runs, *b_runs]) == dict.fromkeys([*a_runs, *b_runs], 1)
+    assert (out["claimed"], out["completed"], out.get("internal_errors", 0)) == (4, 4, 0), out
+    assert out["lock_waits"] >= 1
