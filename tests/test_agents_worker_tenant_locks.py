@@ -19,7 +19,7 @@ from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
 from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory
 from tests.agents_support import AGENT, new_run
 from tests.test_worker import wait_until
-from tests.test_worker_tenant_locks import move_stuck_behind_a_long_transaction
+from tests.test_worker_tenant_locks import backends_waiting_for_a_lock, move_stuck_behind_a_long_transaction
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -115,3 +115,306 @@ def test_one_locked_run_row_does_not_keep_the_other_run_leases_of_its_community_
             heartbeat.join(timeout=30)
     assert not heartbeat.is_alive()
     assert not (free_ctx.lost.is_set() or b_ctx.lost.is_set())
+
+
+def run_states(ids) -> dict:
+    return dict(AgentRun.objects.filter(id__in=ids).values_list("id", "state"))
+
+
+def claims_of(ids) -> dict:
+    return dict(AgentRun.objects.filter(id__in=ids).values_list("id", "lease_generation"))
+
+
+def completes(ctx):
+    return {"done": str(ctx.lease.run_id)}
+
+
+def started(config: WorkerConfig):
+    from tests.test_agents_worker import start
+
+    worker = AgentWorker(config)
+    thread, out = start(worker)
+    return worker, thread, out
+
+
+def stopped(worker: AgentWorker, thread) -> None:
+    worker.stop()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_another_waiting(community):
+    """One loop thread claims round robin over A and B: A's claim waits for a lock at most the
+    bound, then A is left for a while and B's runs are claimed and run meanwhile (without the
+    bound the thread waits behind A's move and B's runs stay pending). Once A's move is given
+    up, A's runs are claimed and run, each once."""
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_runs = [new_run(community.id) for _ in range(2)]
+    b_runs = [new_run(other.id) for _ in range(3)]
+    config = WorkerConfig(
+        handler=completes,
+        agents=[AGENT],
+        communities=[community.id, other.id],
+        concurrency=1,
+        lease_seconds=15,
+        poll_seconds=0.2,
+        listen=False,
+        accept=False,
+        worker_id="w",
+    )
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        worker, thread, out = started(config)
+        try:
+            wait_until(
+                lambda: set(run_states(b_runs).values()) == {"completed"},
+                timeout=60,
+                what="B's runs to be claimed and run while A's move is stuck",
+            )
+            assert not moving.done()
+            assert run_states(a_runs) == dict.fromkeys(a_runs, "pending")
+            assert claims_of(a_runs) == dict.fromkeys(a_runs, 0)
+        except BaseException:
+            stopped(worker, thread)
+            raise
+    moving.result(timeout=30)  # given up: A stays active
+    try:
+        wait_until(
+            lambda: set(run_states(a_runs).values()) == {"completed"},
+            timeout=60,
+            what="A's runs to be claimed once A's writes are let go",
+        )
+    finally:
+        stopped(worker, thread)
+    assert claims_of([*a_runs, *b_runs]) == dict.fromkeys([*a_runs, *b_runs], 1)  # each claimed once
+    assert (out["claimed"], out["completed"], out.get("internal_errors", 0)) == (5, 5, 0), out
+    assert out["lock_waits"] >= 1
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_acceptance_of_another_waiting(community, make_binding):
+    """Acceptance claims and accepts the deliveries to the worker's agent in A and B: A's claim
+    waits for a lock at most the bound, then A is left and B's deliveries are accepted into runs
+    and run meanwhile. Once A's move is given up, A's deliveries are accepted, each into one run."""
+    from buzz_delivery.models import WorkflowAgentDelivery
+    from buzz_delivery.testing import random32
+    from tests.test_worker import commit, statuses
+    from tests.test_worker_pairs import other_community_binding
+
+    agent = random32()
+    other, make_other = other_community_binding()
+    a_ids = commit(make_binding, agent, 2)
+    b_ids = commit(make_other, agent, 2)
+    config = WorkerConfig(
+        handler=completes,
+        agents=[agent],
+        communities=[community.id, other.id],
+        concurrency=1,
+        lease_seconds=15,
+        poll_seconds=0.2,
+        listen=False,
+        worker_id="w",
+    )
+
+    def runs_of(ids) -> dict:
+        return dict(AgentRun.objects.filter(delivery_id__in=ids).values_list("delivery_id", "state"))
+
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        worker, thread, out = started(config)
+        try:
+            wait_until(
+                lambda: runs_of(b_ids) == dict.fromkeys(b_ids, "completed"),
+                timeout=60,
+                what="B's deliveries to be accepted and run while A's move is stuck",
+            )
+            assert not moving.done()
+            assert statuses(a_ids) == dict.fromkeys(a_ids, "pending")
+            assert runs_of(a_ids) == {}
+        except BaseException:
+            stopped(worker, thread)
+            raise
+    moving.result(timeout=30)  # given up: A stays active
+    try:
+        wait_until(
+            lambda: runs_of(a_ids) == dict.fromkeys(a_ids, "completed"),
+            timeout=60,
+            what="A's deliveries to be accepted and run once A's writes are let go",
+        )
+    finally:
+        stopped(worker, thread)
+    ids = [*a_ids, *b_ids]
+    assert statuses(ids) == dict.fromkeys(ids, "finished")
+    assert AgentRun.objects.filter(delivery_id__in=ids).count() == 4  # one run each
+    rows = WorkflowAgentDelivery.objects.filter(id__in=ids)
+    assert {r.id: [e["event"] for e in r.history].count("settle") for r in rows} == dict.fromkeys(ids, 1)
+    assert (out["accepted"], out["completed"], out.get("internal_errors", 0)) == (4, 4, 0), out
+
+
+GATES: dict = {}  # community id (text) -> threading.Event the loop test's handlers wait for
+
+
+async def _echo(args: dict, key: str) -> dict:
+    return {"n": args["n"]}
+
+
+async def gated_call(ctx):
+    """Waits for its community's gate, then one journaled call (a journal batch, a record
+    batch) and its completion (a complete batch)."""
+    import asyncio
+
+    gate = GATES[str(ctx.lease.community_id)]
+    while not gate.is_set():
+        await asyncio.sleep(0.02)
+    out = await ctx.call("echo", _echo, {"n": 1})
+    return {"n": out["n"]}
+
+
+def test_a_lifecycle_move_stuck_in_one_community_holds_no_pooled_connection_of_the_event_loop_worker(community):
+    """The event-loop worker on one pool connection holds a run of A and one of B. A's move
+    gets stuck, then A's handler journals a call: its batch waits for a lock at most the bound
+    and gives the connection back, A is left a while, and B's run journals, records and
+    completes meanwhile (without the bound A's batch holds the only connection and B's batches
+    wait behind it). Once A's move is given up, A's batch goes again: A's run completes, its
+    call journaled once."""
+    import threading
+
+    from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
+    from buzz_delivery.agents.models import JournalEntry
+
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_run, b_run = new_run(community.id), new_run(other.id)
+    GATES.update({str(community.id): threading.Event(), str(other.id): threading.Event()})
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=gated_call,
+            agents=[AGENT],
+            communities=[community.id, other.id],
+            connections=1,
+            in_flight=10,
+            lease_seconds=15,
+            poll_seconds=0.2,
+            listen=False,
+            accept=False,
+            worker_id="aio",
+        )
+    )
+    out: dict = {}
+
+    def main():
+        from django.db import connections
+
+        try:
+            out.update(worker.run())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: set(run_states([a_run, b_run]).values()) == {"running"}, timeout=60, what="both claims")
+        with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+            waiting = backends_waiting_for_a_lock()  # the move
+            GATES[str(community.id)].set()  # A's call: its journal batch meets the move
+            wait_until(
+                lambda: backends_waiting_for_a_lock() > waiting,
+                timeout=60,
+                what="A's journal batch to wait for a lock",
+            )
+            GATES[str(other.id)].set()
+            wait_until(
+                lambda: run_states([b_run]) == {b_run: "completed"},
+                timeout=60,
+                what="B's run to journal, record and complete while A's move is stuck",
+            )
+            assert not moving.done()
+            assert run_states([a_run]) == {a_run: "running"}
+            assert not JournalEntry.objects.filter(run_id=a_run).exists()
+        moving.result(timeout=30)  # given up: A stays active
+        wait_until(
+            lambda: run_states([a_run]) == {a_run: "completed"},
+            timeout=60,
+            what="A's run to complete once A's writes are let go",
+        )
+    finally:
+        for gate in GATES.values():
+            gate.set()
+        worker.stop()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert {r: JournalEntry.objects.filter(run_id=r).count() for r in (a_run, b_run)} == {a_run: 1, b_run: 1}
+    assert claims_of([a_run, b_run]) == {a_run: 1, b_run: 1}
+    assert (out["completed"], out.get("internal_errors", 0)) == (2, 0), out
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_the_event_loop_worker_waiting(community):
+    """The event-loop worker on one pool connection claims round robin over A and B: A's claim
+    waits for a lock at most the bound and gives the connection back, A is left a while, and
+    B's runs are claimed and run meanwhile (without the bound A's claim holds the only
+    connection). Once A's move is given up, A's runs are claimed and run, each once."""
+    import threading
+
+    from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
+
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_runs = [new_run(community.id) for _ in range(2)]
+    b_runs = [new_run(other.id) for _ in range(2)]
+    GATES.clear()  # gated_call: no gate set for a community means it waits; open both
+    GATES.update({str(community.id): threading.Event(), str(other.id): threading.Event()})
+    for gate in GATES.values():
+        gate.set()
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=gated_call,
+            agents=[AGENT],
+            communities=[community.id, other.id],
+            connections=1,
+            lease_seconds=15,
+            poll_seconds=0.2,
+            listen=False,
+            accept=False,
+            worker_id="aio",
+        )
+    )
+    out: dict = {}
+
+    def main():
+        from django.db import connections
+
+        try:
+            out.update(worker.run())
+        finally:
+            connections.close_all()
+
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        thread = threading.Thread(target=main, daemon=True)
+        thread.start()
+        try:
+            wait_until(
+                lambda: set(run_states(b_runs).values()) == {"completed"},
+                timeout=60,
+                what="B's runs to be claimed and run while A's move is stuck",
+            )
+            assert not moving.done()
+            assert claims_of(a_runs) == dict.fromkeys(a_runs, 0)
+        except BaseException:
+            worker.stop()
+            thread.join(timeout=60)
+            raise
+    moving.result(timeout=30)  # given up: A stays active
+    try:
+        wait_until(
+            lambda: set(run_states(a_runs).values()) == {"completed"},
+            timeout=60,
+            what="A's runs to be claimed once A's writes are let go",
+        )
+    finally:
+        worker.stop()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert claims_of([*a_runs, *b_runs]) == dict.fromkeys([*a_runs, *b_runs], 1)
+    assert (out["claimed"], out["completed"], out.get("internal_errors", 0)) == (4, 4, 0), out
+    assert out["lock_waits"] >= 1

@@ -54,17 +54,26 @@ def a_write_waits(community_id: uuid.UUID) -> bool:
 
 
 @contextmanager
-def move_stuck_behind_a_long_transaction(community_id: uuid.UUID) -> Iterator[Future[Community]]:
+def move_stuck_behind_a_long_transaction(
+    community_id: uuid.UUID, *, rolled_back: bool = False
+) -> Iterator[Future[Community]]:
     """A transaction of the community's own (a write of its events, left open) and a lifecycle
     move of the community (``advance_community`` to ``quiescing``, in a thread) waiting behind
     it; yields the move's future once the community's writes queue behind the move. On exit the
-    long transaction commits, and the move goes through."""
+    long transaction commits, and the move goes through (``rolled_back``: then its transaction
+    rolls back, as an operator's move given up, and the community stays active: its writes go
+    through from then on)."""
     holder = psycopg.connect(database_url(connection.settings_dict))
     pool = ThreadPoolExecutor(max_workers=1)
 
     def move() -> Community:
         try:
-            return services.advance_community(community_id, "quiescing")
+            if not rolled_back:
+                return services.advance_community(community_id, "quiescing")
+            with transaction.atomic():
+                moved = services.advance_community(community_id, "quiescing")
+                transaction.set_rollback(True)
+            return moved
         finally:
             connection.close()
 
@@ -78,6 +87,17 @@ def move_stuck_behind_a_long_transaction(community_id: uuid.UUID) -> Iterator[Fu
         holder.commit()
         holder.close()
         pool.shutdown(wait=True)
+
+
+def backends_waiting_for_a_lock() -> int:
+    """Sessions of the database waiting for a lock now (on a Citus cluster, on every node:
+    a statement routed to a worker waits there)."""
+    from tests.citus_support import CITUS_MODE
+
+    view = "citus_stat_activity" if CITUS_MODE else "pg_stat_activity"
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {view} WHERE wait_event_type = 'Lock'")
+        return cursor.fetchone()[0]
 
 
 def lock_timeout() -> str:
@@ -422,3 +442,38 @@ def test_a_community_whose_claim_waited_is_polled_again_once_its_wait_is_over_no
         what="A's deliveries to be claimed once A's writes are let go (not a poll interval later)",
     )
     assert worker.wait(60) == 0, worker.log()
+
+
+def test_a_worker_with_idle_exit_does_not_exit_while_a_community_is_left_for_a_lock_wait(
+    community, make_binding, start_worker
+):
+    """A has pending deliveries and its move is stuck longer than ``--idle-exit``: each claim of
+    A waits past the bound and A is left a while, again and again. The worker has nothing else
+    to do, but it is not idle: it stays (before, it exited ``idle_exit`` with A's deliveries
+    pending), and claims and settles A's deliveries once A's move is given up, then exits idle."""
+    a_target, b_target = random32(), random32()
+    other, _ = other_community_binding()
+    a_ids = commit(make_binding, a_target, 2)
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        worker = start_worker(
+            a_target,
+            *("--pair", f"{other.id}:{b_target.hex()}"),
+            *("--concurrency", "2", "--lease-seconds", "3", "--idle-exit", "1"),
+        )
+        # Each wait: the bound (0.3 s) after A was left 1 s: four of them outlast the idle limit.
+        wait_until(
+            lambda: (
+                worker.log().count("claim_lock_wait community=" + str(community.id)) >= 4
+                or worker.proc.poll() is not None
+            ),
+            timeout=60,
+            what="A's claims to wait past the bound four times",
+        )
+        assert worker.proc.poll() is None, worker.log()
+        assert claim_state(a_ids) == dict.fromkeys(a_ids, ("pending", 0, 0))
+        assert not moving.done()
+    moving.result(timeout=30)  # given up: A stays active
+    assert worker.wait(60) == 0, worker.log()
+    assert claim_state(a_ids) == dict.fromkeys(a_ids, ("finished", 1, 1))
+    summary = worker.summary()
+    assert (summary["claimed"], summary["finished"], summary["reason"]) == (2, 2, "idle_exit"), summary

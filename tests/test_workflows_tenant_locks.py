@@ -17,11 +17,12 @@ import pytest
 from django.db import connection
 
 from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowFactory
+from buzz_delivery.workflows import workflow_function
 from buzz_delivery.workflows.orchestrator import Orchestrator, OrchestratorConfig, _key
 from buzz_delivery.workflows.services import claim_steps
 from buzz_delivery.workflows.testing import function_step
 from tests.test_worker import wait_until
-from tests.test_worker_tenant_locks import move_stuck_behind_a_long_transaction
+from tests.test_worker_tenant_locks import backends_waiting_for_a_lock, move_stuck_behind_a_long_transaction
 from tests.wf_support import start
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -98,3 +99,143 @@ def test_one_locked_step_row_does_not_keep_the_other_steps_of_its_community_from
     finally:
         holder.rollback()
         holder.close()
+
+
+GATES: dict = {}  # step key -> threading.Event its function waits for (none: it returns at once)
+
+
+@workflow_function("test.tenant_locks.gated")
+def gated(input, context):
+    gate = GATES.get(context.step_key)
+    if gate is not None:
+        assert gate.wait(120), "the test never opened the gate"
+    return {"key": context.step_key}
+
+
+def steps_of(run_ids) -> dict:
+    from buzz_delivery.workflows.models import Step
+
+    return {
+        (row[0], row[1]): row[2:]
+        for row in Step.objects.filter(run_id__in=run_ids).values_list(
+            "run_id", "key", "state", "attempts", "lease_generation"
+        )
+    }
+
+
+def started_run(community_id, *keys: str):
+    """A run of ``keys`` in a chain (each depends on the one before), each the gated function."""
+    definition = {
+        "steps": [
+            function_step(k, "test.tenant_locks.gated", **({"depends_on": [keys[i - 1]]} if i else {}))
+            for i, k in enumerate(keys)
+        ]
+    }
+    return start(WorkflowFactory(community_id=community_id), definition).pk
+
+
+def running_all(**options):
+    """An ``--all`` orchestrator in a thread: (stop, thread, summary)."""
+    from buzz_delivery.workflows.orchestrator import run_orchestrator
+
+    stop, summary = threading.Event(), {}
+    config = OrchestratorConfig(community_id=None, lease_seconds=15, poll_interval=0.2, **options)
+
+    def main():
+        try:
+            summary.update(run_orchestrator(config, stop=stop, handle_signals=False))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    return stop, thread, summary
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_another_waiting(community):
+    """The dispatcher walks A and B: A's claim waits for a lock at most the bound, then A is
+    left a while and B's steps (each second step claimed by a walk after the first) are claimed
+    and completed meanwhile (without the bound the dispatcher waits behind A's move). Once A's
+    move is given up, A's step is claimed and completed, each step once."""
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    GATES.clear()
+    a_run = started_run(community.id, "a1")
+    b_runs = [started_run(other.id, "b1", "b2") for _ in range(2)]
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        stop, thread, summary = running_all(concurrency=2)
+        try:
+            wait_until(
+                lambda: {v[0] for v in steps_of(b_runs).values()} == {"succeeded"},
+                timeout=60,
+                what="B's steps to be claimed and completed while A's move is stuck",
+            )
+            assert not moving.done()
+            assert steps_of([a_run]) == {(a_run, "a1"): ("ready", 0, 0)}
+        except BaseException:
+            stop.set()
+            thread.join(timeout=60)
+            raise
+    moving.result(timeout=30)  # given up: A stays active
+    try:
+        wait_until(
+            lambda: steps_of([a_run]).get((a_run, "a1"), ("",))[0] == "succeeded",
+            timeout=60,
+            what="A's step to be claimed once A's writes are let go",
+        )
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert {v[1:] for v in steps_of([a_run, *b_runs]).values()} == {(1, 1)}  # each claimed once
+    assert (summary["succeeded"], summary["errors"], summary["exit_code"]) == (5, 0, 0), summary
+
+
+def test_a_lifecycle_move_stuck_in_one_community_keeps_no_completion_of_another_waiting(community):
+    """A's step and B's step are running; A's move gets stuck, then A's step returns: the
+    completer's transaction of A waits for a lock at most the bound, A's output is kept (its
+    lease still renewed), and B's step, returning after it, is completed meanwhile (without the
+    bound the completer waits behind A's move). Once A's move is given up, A's output is
+    recorded, once."""
+    other = CommunityFactory()
+    EventFactory(community=community)  # the long transaction below writes it
+    GATES.clear()
+    GATES.update(a1=threading.Event(), b1=threading.Event())
+    a_run, b_run = started_run(community.id, "a1"), started_run(other.id, "b1")
+    stop, thread, summary = running_all(concurrency=2)
+    try:
+        wait_until(
+            lambda: {v[0] for v in steps_of([a_run, b_run]).values()} == {"running"},
+            timeout=60,
+            what="both steps to be claimed",
+        )
+        with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+            waiting = backends_waiting_for_a_lock()  # the move
+            GATES["a1"].set()  # A's output goes to the completer: its transaction meets the move
+            wait_until(
+                lambda: backends_waiting_for_a_lock() > waiting,
+                timeout=60,
+                what="the completer's transaction of A to wait for a lock",
+            )
+            GATES["b1"].set()
+            wait_until(
+                lambda: steps_of([b_run])[(b_run, "b1")][0] == "succeeded",
+                timeout=60,
+                what="B's step to be completed while A's move is stuck",
+            )
+            assert not moving.done()
+            assert steps_of([a_run]) == {(a_run, "a1"): ("running", 1, 1)}
+        moving.result(timeout=30)  # given up: A stays active
+        wait_until(
+            lambda: steps_of([a_run])[(a_run, "a1")][0] == "succeeded",
+            timeout=60,
+            what="A's output to be recorded once A's writes are let go",
+        )
+    finally:
+        for gate in GATES.values():
+            gate.set()
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert {v[1:] for v in steps_of([a_run, b_run]).values()} == {(1, 1)}
+    assert (summary["succeeded"], summary["errors"], summary["lease_lost"]) == (2, 0, 0), summary

@@ -40,8 +40,9 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, Operation
 from buzz_delivery import backoff
 from buzz_delivery import services as core
 from buzz_delivery.agents import services as s
+from buzz_delivery.lockwaits import Skipped
 from buzz_delivery.services import tenancy
-from buzz_delivery.services.db import fetch_all, node_lost
+from buzz_delivery.services.db import fetch_all, lock_wait_bound, lock_wait_timed_out, lock_waits_bounded, node_lost
 from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, DELIVERY
 from buzz_delivery.usercode import discard_connection, in_transaction
 
@@ -49,6 +50,9 @@ logger = logging.getLogger("buzz_delivery.agents.acceptance")
 
 DEFAULT_BATCH = 50
 ACCEPT_ERROR = "accept_error"
+# accept_claim's answer when the accept waited past the caller's lock bound: nothing written,
+# the delivery still held (tried again once its community's turn comes back).
+WAITED = "waited"
 # An accept that failed for a transient cause is tried this many times in all, on a fresh
 # connection each time, after ACCEPT_BACKOFF * 2**n s with jitter (at most ACCEPT_MOST: the
 # delivery's lease keeps running), as the remote acceptor resends (gateway/remote_accept.py).
@@ -78,9 +82,13 @@ def communities_with_pending_deliveries(agents: list[bytes]) -> list[uuid.UUID]:
 class AcceptRound:
     """What one :func:`accept_round` did: ``claimed`` deliveries, ``accepted`` (runs created),
     ``run_ended`` (the workflow run had ended: delivery failed, no run), ``missed`` (the lease
-    was lost or the delivery settled meanwhile), ``errors`` (settled ``retry``)."""
+    was lost or the delivery settled meanwhile), ``errors`` (settled ``retry``), ``lock_waits``
+    (a community's claim or accept waited past the lock bound: that community was left); ``left``:
+    claimed deliveries not accepted because their community's accept waited (still held: the
+    next round tries them again)."""
 
     counts: Counter[str] = field(default_factory=Counter)
+    left: list[core.Claim] = field(default_factory=list)
 
     @property
     def accepted(self) -> int:
@@ -112,7 +120,7 @@ def _accept(lease: core.Lease) -> object:
             return s.accept_delivery(lease)
         except DatabaseError as exc:
             db = connections[DEFAULT_DB_ALIAS]
-            if attempt == ACCEPT_TRIES - 1 or not transient(exc) or in_transaction(db):
+            if attempt == ACCEPT_TRIES - 1 or not transient(exc) or in_transaction(db) or _waited(exc):
                 raise
             logger.warning(
                 "accept_again delivery=%s attempt=%d: %s; on a fresh connection",
@@ -125,14 +133,24 @@ def _accept(lease: core.Lease) -> object:
     raise AssertionError("unreachable")
 
 
+def _waited(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lock wait cut short by the bound the caller set (a worker serving
+    several communities: its community's rows are locked, try it later, not again now)."""
+    return lock_wait_timed_out(exc) and lock_wait_bound() is not None
+
+
 def accept_claim(claim: core.Claim) -> str:
     """Accept one claimed delivery into a run; returns ``accepted``, ``run_ended``, ``missed``
     or ``errors`` (whatever went wrong with it: logged, the delivery settled ``retry``). A
-    transient database error is tried again first (:func:`_accept`)."""
+    transient database error is tried again first (:func:`_accept`). Under a lock-wait bound
+    (:func:`~buzz_delivery.services.db.lock_waits_bounded`), an accept that waited past it
+    changed nothing: :data:`WAITED`, the delivery still held and not settled."""
     lease = claim.lease
     try:
         outcome = _accept(lease)
     except Exception as exc:  # one delivery never stops the worker
+        if _waited(exc):
+            return WAITED
         logger.warning("accept_error delivery=%s: %s", lease.delivery_id, str(exc)[:500])
         db = connections[DEFAULT_DB_ALIAS]
         if transient(exc) and not in_transaction(db):
@@ -159,24 +177,76 @@ def accept_round(
     holder: str | None = None,
     batch: int = DEFAULT_BATCH,
     lease_seconds: float | None = None,
+    lock_wait_ms: int | None = None,
+    skipped: Skipped | None = None,
+    carried: Iterable[core.Claim] = (),
 ) -> AcceptRound:
     """One pass: for each community and agent, claim up to ``batch`` deliveries (one statement)
-    and accept each (one transaction each). ``holder`` is recorded on the claims."""
+    and accept each (one transaction each). ``holder`` is recorded on the claims.
+
+    ``lock_wait_ms`` (a worker serving several communities): each claim and accept waits for a
+    lock at most that long; one that waited longer (its community's rows are locked: a lifecycle
+    move of it waiting behind a long transaction of its own code, say) changed nothing, its
+    community is put in ``skipped`` and left (as are those ``skipped`` holds already), the
+    others go on. Its claimed deliveries not accepted are in the round's ``left``: pass them as
+    ``carried`` to a later round, which accepts them first (fenced by their leases: one whose
+    lease lapsed meanwhile is ``missed``, never accepted twice)."""
     done = AcceptRound()
-    for community in communities:
-        for agent in agents:
-            try:
-                claims = core.claim_deliveries(
-                    community, agent, limit=batch, lease_seconds=lease_seconds, holder=holder
-                )
-            except Exception as exc:  # a community moved, the database went away: next round
-                logger.warning("accept_claim_error community=%s: %s", community, str(exc)[:500])
-                done.counts["errors"] += 1
+    skipped = Skipped(0.0) if skipped is None else skipped
+    with lock_waits_bounded(lock_wait_ms):
+        _accept_claims(list(carried), skipped, done, lock_wait_ms)
+        for community in communities:
+            if skipped.waits(community):
                 continue
-            done.counts["claimed"] += len(claims)
-            for claim in claims:
-                done.counts[accept_claim(claim)] += 1
+            for agent in agents:
+                try:
+                    claims = core.claim_deliveries(
+                        community, agent, limit=batch, lease_seconds=lease_seconds, holder=holder
+                    )
+                except Exception as exc:  # a community moved, the database went away: next round
+                    if _waited(exc):
+                        _left(community, skipped, done, lock_wait_ms)
+                        break
+                    logger.warning("accept_claim_error community=%s: %s", community, str(exc)[:500])
+                    done.counts["errors"] += 1
+                    continue
+                done.counts["claimed"] += len(claims)
+                if not _accept_claims(claims, skipped, done, lock_wait_ms):
+                    break
     return done
+
+
+def _accept_claims(
+    claims: list[core.Claim], skipped: Skipped, done: AcceptRound, lock_wait_ms: int | None = None
+) -> bool:
+    """Accept ``claims`` but those of a community ``skipped`` holds (kept in ``done.left``);
+    False when an accept waited past the lock bound (its community is skipped from then on)."""
+    all_through = True
+    for claim in claims:
+        community = claim.lease.community_id
+        if skipped.waits(community):
+            done.left.append(claim)
+            continue
+        outcome = accept_claim(claim)
+        if outcome == WAITED:
+            done.left.append(claim)
+            _left(community, skipped, done, lock_wait_ms)
+            all_through = False
+            continue
+        done.counts[outcome] += 1
+    return all_through
+
+
+def _left(community: uuid.UUID, skipped: Skipped, done: AcceptRound, lock_wait_ms: int | None) -> None:
+    skipped.skip(community)
+    done.counts["lock_waits"] += 1
+    logger.warning(
+        "accept_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its community, "
+        "or a long transaction); its acceptance waits %.2fs, the other communities go on",
+        community,
+        lock_wait_ms,
+        skipped.seconds,
+    )
 
 
 def is_delivery_hint(payload: str, agents: set[str], communities: set[str]) -> bool:
@@ -210,8 +280,15 @@ class Acceptance:
         batch: int = DEFAULT_BATCH,
         lease_seconds: float | None = None,
         every: float = 1.0,
+        lock_wait_ms: int | None = None,
+        skipped: Skipped | None = None,
     ) -> None:
         self.agents = list(agents)
+        # A worker serving several communities: the bound of each claim's and accept's lock
+        # waits, and the communities left for a while after one waited (shared with its claims).
+        self.lock_wait_ms = lock_wait_ms
+        self.skipped = Skipped(0.0) if skipped is None else skipped
+        self.carried: list[core.Claim] = []  # claimed, not accepted: their community's accept waited
         self.holder = holder
         self.batch = batch
         self.lease_seconds = lease_seconds
@@ -225,6 +302,10 @@ class Acceptance:
         """A delivery to one of the agents was announced: the next round is due at once."""
         with self._lock:
             self._due = 0.0
+
+    def holds(self) -> bool:
+        """Whether claimed deliveries wait to be accepted (their community's accept waited)."""
+        return bool(self.carried)
 
     def due(self) -> bool:
         """Whether a round is due now (the worker's discovery of delivery communities asks)."""
@@ -243,12 +324,22 @@ class Acceptance:
             with self._lock:
                 self._due = time.monotonic() + self.every
             done = accept_round(
-                communities, self.agents, holder=self.holder, batch=self.batch, lease_seconds=self.lease_seconds
+                communities,
+                self.agents,
+                holder=self.holder,
+                batch=self.batch,
+                lease_seconds=self.lease_seconds,
+                lock_wait_ms=self.lock_wait_ms,
+                skipped=self.skipped,
+                carried=self.carried,
             )
+            self.carried = done.left
         finally:
             self._busy.release()
         with self._lock:
             self.counts.update(done.counts)
             if done.claimed and done.claimed >= self.batch:
                 self._due = 0.0  # a full batch: more may be waiting
+            elif done.left or done.counts["lock_waits"]:  # a community left: tried again once its wait is over
+                self._due = min(self._due, time.monotonic() + self.skipped.seconds)
         return done.accepted

@@ -20,11 +20,20 @@ batch carries the runs of one phase and the others wait for the
 next. With the runs created while the worker drains (bench.agents_io, no-op calls, 16 runs in
 flight a process at K = 4, load 7 to 10) the batched statements a run fell from 0.86 to 0.70
 (medians of 4; bench/results/agents_io_noop.md).
+
+A worker serving several communities gives the batcher a lock-wait bound: each batch waits for
+a lock at most that long (:func:`~buzz_delivery.services.db.lock_waits_bounded`). A batch that
+waited longer (its community's rows are locked: a lifecycle move of it waiting behind a long
+transaction of its own code, say) changed nothing and gives its connection back; its community
+is left for a while (``skipped``) and the other communities' batches go on. Its items wait,
+holding no connection, and go again once the community's turn is back (a renewal is answered
+at once with the lock wait's error instead: the renewal task tries it again next round).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import uuid
@@ -37,6 +46,8 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection
 from django.db import connections as db_connections
 
 from buzz_delivery.agents.services import batch
+from buzz_delivery.lockwaits import Skipped
+from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
 
 logger = logging.getLogger("buzz_delivery.agents")
 
@@ -156,9 +167,15 @@ class Batcher:
         max_batch: int = 200,
         linger: float = 0.0,
         coalesce_turns: int = COALESCE_TURNS,
+        lock_wait_ms: int | None = None,
+        skipped: Skipped | None = None,
     ) -> None:
         if coalesce_turns < 0:
             raise ValueError("coalesce_turns must be >= 0")
+        # A worker serving several communities: the bound of each batch's lock waits, and the
+        # communities left for a while after a batch of theirs waited past it.
+        self.lock_wait_ms = lock_wait_ms
+        self.skipped = Skipped(0.0) if skipped is None else skipped
         self.pool = pool
         self.coalesce_turns = coalesce_turns
         self.ops = ops
@@ -183,8 +200,13 @@ class Batcher:
         self._wake.set()
         return await future
 
-    def _take(self) -> tuple[tuple[str, uuid.UUID], list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]]:
-        key = next(iter(self._pending))
+    def _next_key(self) -> tuple[str, uuid.UUID] | None:
+        """The first queued group whose community is not left for a lock wait."""
+        if not self.skipped:
+            return next(iter(self._pending), None)
+        return next((key for key in self._pending if not self.skipped.waits(key[1])), None)
+
+    def _take(self, key: tuple[str, uuid.UUID]) -> list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]:
         queued = self._pending.pop(key)
         taken: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
         later: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
@@ -197,11 +219,16 @@ class Batcher:
                 later.append(entry)
         if later:
             self._pending[key] = later  # goes to the back: other groups get their turn
-        return key, taken
+        return taken
 
     async def _dispatch(self) -> None:
         while True:
-            await self._wake.wait()
+            left = self.skipped.next_try() if self._pending else None
+            if left is None:
+                await self._wake.wait()
+            else:  # every queued group's community is left for a lock wait: until the first is back
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), left)
             self._wake.clear()
             if self.linger:
                 await asyncio.sleep(self.linger)
@@ -209,10 +236,11 @@ class Batcher:
                 await self._slots.acquire()
                 for _ in range(self.coalesce_turns):  # the runs the last batch resumed queue theirs first
                     await asyncio.sleep(0)
-                if not self._pending:
+                key = self._next_key() if self._pending else None
+                if key is None:
                     self._slots.release()
                     break
-                key, entries = self._take()
+                entries = self._take(key)
                 task = asyncio.get_running_loop().create_task(self._flush(key, entries))
                 self._flushes.add(task)
                 task.add_done_callback(self._flushes.discard)
@@ -228,6 +256,9 @@ class Batcher:
             results = [_Raised(exc)] * len(items)
         finally:
             self._slots.release()
+        if not isinstance(results, list):  # WAITED
+            self._wait_again(key, entries)
+            return
         self.batches += 1
         self.items += len(items)
         for (_, _, future), result in zip(entries, results, strict=True):
@@ -238,11 +269,42 @@ class Batcher:
             else:
                 future.set_result(result)
 
-    def _many_or_replay(self, op: Operation, community: uuid.UUID, items: list[Any]) -> list[Any]:
-        """On a pool thread: the batch, or, when the database refuses it, each item alone."""
+    def _wait_again(
+        self, key: tuple[str, uuid.UUID], entries: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]
+    ) -> None:
+        """A batch of ``key`` waited past the lock bound (it changed nothing): its items wait
+        for their community's turn, ahead of those queued since; a renewal is answered with the
+        error at once (tried again next round, with the other communities' renewals)."""
+        if key[0] == "heartbeat":
+            for _, _, future in entries:
+                if not future.done():
+                    future.set_exception(LockWaited(f"community {key[1]}: waited past {self.lock_wait_ms} ms"))
+        else:  # (a submitter given up meanwhile, its task cancelled, is dropped)
+            waiting = [entry for entry in entries if not entry[2].done()]
+            self._pending[key] = [*waiting, *self._pending.get(key, [])]
+            if not self._pending[key]:
+                del self._pending[key]
+        self._wake.set()
+
+    def _many_or_replay(self, op: Operation, community: uuid.UUID, items: list[Any]) -> list[Any] | object:
+        """On a pool thread: the batch, or, when the database refuses it, each item alone;
+        :data:`WAITED` when it waited past the lock bound (its community is then left a while)."""
         try:
-            return list(op.many(community, items))
+            with lock_waits_bounded(self.lock_wait_ms):
+                return list(op.many(community, items))
         except Exception as exc:
+            if self.lock_wait_ms is not None and lock_wait_timed_out(exc):
+                self.skipped.skip(community)
+                logger.warning(
+                    "agent_batch_lock_wait op=%s community=%s runs=%d: waited past %s ms for a lock (a lifecycle "
+                    "move of its community, or a long transaction); its batches wait %.2fs, the others go on",
+                    op.name,
+                    community,
+                    len(items),
+                    self.lock_wait_ms,
+                    self.skipped.seconds,
+                )
+                return WAITED
             logger.warning("agent_batch_refused op=%s runs=%d error=%s", op.name, len(items), str(exc)[:200])
             if isinstance(exc, DatabaseError) and connection.connection is not None and not connection.is_usable():
                 connection.close()
@@ -263,6 +325,14 @@ class Batcher:
             await asyncio.sleep(0.01)
         if self._task is not None:
             self._task.cancel()
+
+
+# _many_or_replay's answer for a batch that waited past the lock bound.
+WAITED = object()
+
+
+class LockWaited(Exception):
+    """A renewal's batch waited past the lock bound: nothing written, tried again next round."""
 
 
 @dataclass(frozen=True)

@@ -63,13 +63,14 @@ from buzz_delivery.agents.worker import (
 )
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin, share
+from buzz_delivery.lockwaits import Skipped
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import tenancy
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.db import fetch_all, lock_wait_timed_out, lock_waits_bounded
 from buzz_delivery.services.workers import HEARTBEAT_SECONDS, WorkerIdentity, deregister_worker, heartbeat_worker
 from buzz_delivery.worker.handlers import describe
-from buzz_delivery.worker.renewer import DB_UNAVAILABLE
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE, busy_retry_seconds, lock_wait_ms
 from buzz_delivery.worker.runtime import MAX_TASKS, MAX_THREADS
 
 logger = logging.getLogger("buzz_delivery.agents")
@@ -147,6 +148,13 @@ class AsyncAgentWorker:
         self._wake: asyncio.Event | None = None
         self.listener: RunListener | None = None
         self.claim_after: uuid.UUID | None = None  # where the last claim round ended (round robin)
+        # Serving several communities (or every one with work), the claims, the acceptance and
+        # the batches bound their lock waits: a community whose statement waited past the bound
+        # (and changed nothing) is left for a while (``skipped``), its pool connection given back,
+        # and the others go on. A worker of one community keeps its one-statement claims and batches.
+        several = len(set(config.communities)) != 1
+        self.lock_wait_ms = lock_wait_ms(config.lease_seconds) if several else None
+        self.skipped = Skipped(busy_retry_seconds(config.lease_seconds))
         self.acceptance = (
             Acceptance(
                 config.agents,
@@ -154,6 +162,8 @@ class AsyncAgentWorker:
                 batch=config.accept_batch,
                 lease_seconds=config.lease_seconds,
                 every=config.poll_seconds,
+                lock_wait_ms=self.lock_wait_ms,
+                skipped=self.skipped,
             )
             if config.accept
             else None
@@ -179,7 +189,14 @@ class AsyncAgentWorker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         pool = DbPool(cfg.connections)
-        batcher = Batcher(pool, operations(cfg.lease_seconds), max_batch=cfg.max_batch, linger=cfg.linger)
+        batcher = Batcher(
+            pool,
+            operations(cfg.lease_seconds),
+            max_batch=cfg.max_batch,
+            linger=cfg.linger,
+            lock_wait_ms=self.lock_wait_ms,
+            skipped=self.skipped,
+        )
         batcher.start()
         user_executor = ThreadPoolExecutor(max_workers=min(cfg.in_flight, 256), thread_name_prefix="agent-user")
         runtime = Runtime(pool, batcher, user_executor)
@@ -277,9 +294,14 @@ class AsyncAgentWorker:
                 continue
             last_reached = time.monotonic()
             if not found:
-                if cfg.exit_when_idle:
+                # A community left after a lock wait still has work: not idle; claimed again
+                # once its wait is over, not a poll interval later.
+                left = self.skipped.next_try()
+                if left is None and self.acceptance is not None and self.acceptance.holds():
+                    left = 0.0
+                if cfg.exit_when_idle and left is None:
                     return
-                if await self._wait(cfg.poll_seconds):
+                if await self._wait(cfg.poll_seconds if left is None else min(left, cfg.poll_seconds)):
                     self.counts["woken"] += 1
 
     async def _round(self, runtime: Runtime, tasks: set[asyncio.Task[None]]) -> bool:
@@ -296,6 +318,8 @@ class AsyncAgentWorker:
             room = self._room(tasks)
             if self.stopping.is_set() or room <= 0:
                 break
+            if self.skipped.waits(community):
+                continue  # its last claim or batch waited for a lock: claimed again once that is over
             limit = min(each, room, MAX_CLAIM)
             claimed = await self._claim(runtime, community, limit, tasks)
             self.claim_after = community
@@ -322,14 +346,21 @@ class AsyncAgentWorker:
         unstarted until its lease lapses, its attempt spent for nothing."""
         cfg = self.config
         held_until = time.monotonic() + cfg.lease_seconds  # before the claim: its lease ends later
-        claimed = await runtime.pool.run(
-            s.claim_agent_runs,
-            community,
-            cfg.agents,
-            worker_id=cfg.worker_id,
-            limit=limit,
-            lease_seconds=cfg.lease_seconds,
-        )
+        try:
+            claimed = await runtime.pool.run(self._claim_bounded, community, limit)
+        except DB_UNAVAILABLE as exc:
+            if self.lock_wait_ms is None or not lock_wait_timed_out(exc):
+                raise
+            self.skipped.skip(community)
+            self.counts["lock_waits"] += 1
+            logger.warning(
+                "claim_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its community, "
+                "or a long transaction); its claims wait %.2fs, the other communities go on",
+                community,
+                self.lock_wait_ms,
+                self.skipped.seconds,
+            )
+            return 0
         resumed = [c.lease.run_id for c in claimed if batch.resumed(c)]
         journals: dict[uuid.UUID, list[Any]] | None = {}
         if resumed:
@@ -347,6 +378,15 @@ class AsyncAgentWorker:
             journal = (journals or {}).get(claim.lease.run_id, []) if known else None
             self._start(runtime, claim, journal, tasks, held_until)
         return len(claimed)
+
+    def _claim_bounded(self, community: uuid.UUID, limit: int) -> list[s.AgentClaim]:
+        """On a pool thread: the claim, its lock waits bounded when the worker serves several
+        communities."""
+        cfg = self.config
+        with lock_waits_bounded(self.lock_wait_ms):
+            return s.claim_agent_runs(
+                community, cfg.agents, worker_id=cfg.worker_id, limit=limit, lease_seconds=cfg.lease_seconds
+            )
 
     async def _accept(self, runtime: Runtime, communities: list[uuid.UUID], *, force: bool = False) -> bool:
         """One acceptance round (when due, or ``force``) on a pool connection; whether it created

@@ -65,6 +65,7 @@ from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.inflight import InFlightCalls
+from buzz_delivery.lockwaits import tried_last
 from buzz_delivery.services import ratelimits
 from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded, node_lost
 from buzz_delivery.services.tenancy import tenant_scoped
@@ -721,16 +722,6 @@ class Heartbeat(threading.Thread):
             self.since.clear()
         return contexts
 
-    def _last(self, ctx: Context) -> None:
-        """Renew ``ctx`` (whose renewal waited past the lock bound) after the other held runs
-        from now on: its community's next round starts with another run, so one run row held by
-        a long transaction does not keep that community's other runs from ever being renewed
-        (the held one tried first, every round, and its community then skipped)."""
-        with self.lock:
-            held = self.held.pop(ctx.lease.run_id, None)
-            if held is not None:  # (not released meanwhile)
-                self.held[ctx.lease.run_id] = held
-
     def _overdue(self) -> list[Context]:
         if self.handler_timeout is None:
             return []
@@ -767,7 +758,8 @@ class Heartbeat(threading.Thread):
                     except Exception as exc:  # a lost connection: try again next round
                         if lock_wait_timed_out(exc):
                             waited.add(ctx.lease.community_id)
-                            self._last(ctx)
+                            with self.lock:
+                                tried_last(self.held, ctx.lease.run_id)
                             logger.warning(
                                 "heartbeat_lock_wait community=%s run=%s: waited past %s ms for a lock (a "
                                 "lifecycle move of its community, or a long transaction); its renewals wait a "

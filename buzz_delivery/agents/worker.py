@@ -46,14 +46,15 @@ from buzz_delivery.agents.services.sql import RUN
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin
 from buzz_delivery.listening import Listener
+from buzz_delivery.lockwaits import Skipped
 from buzz_delivery.services import tenancy
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all
+from buzz_delivery.services.db import fetch_all, lock_wait_timed_out, lock_waits_bounded
 from buzz_delivery.services.leases import MAX_CLAIM_BATCH
 from buzz_delivery.services.sql import DB_NOW
 from buzz_delivery.usercode import UserConnection, discard_connection
 from buzz_delivery.worker.handlers import describe
-from buzz_delivery.worker.renewer import DB_UNAVAILABLE
+from buzz_delivery.worker.renewer import DB_UNAVAILABLE, busy_retry_seconds, lock_wait_ms
 from buzz_delivery.worker.runtime import MAX_THREADS
 
 logger = logging.getLogger("buzz_delivery.agents")
@@ -250,18 +251,29 @@ class AgentWorker:
         self.abandoned = False
         # One heartbeat thread renews the runs of every community the worker serves: it bounds
         # each renewal's lock waits unless the worker serves one community (none given: any).
+        several = len(set(config.communities)) != 1
         self.heartbeat = Heartbeat(
             every=max(config.lease_seconds / 3, 0.2),
             lease_seconds=config.lease_seconds,
             handler_timeout=config.handler_timeout,
-            bound_lock_waits=len(set(config.communities)) != 1,
+            bound_lock_waits=several,
         )
+        # The claims and the acceptance bound their lock waits the same way: a community whose
+        # claim or accept waited past the bound (and changed nothing) is left for a while by
+        # every loop thread (``skipped``), and the others are claimed meanwhile.
+        self.claim_lock_wait_ms = lock_wait_ms(config.lease_seconds) if several else None
+        self.skipped = Skipped(busy_retry_seconds(config.lease_seconds))
         self.waker = Waker()
         self.rounds = threading.local()  # each loop thread's ``after``: where its last round ended
         self.listener: RunListener | None = None
         self.acceptance = (
             Acceptance(
-                config.agents, holder=config.worker_id or None, batch=config.accept_batch, every=config.poll_seconds
+                config.agents,
+                holder=config.worker_id or None,
+                batch=config.accept_batch,
+                every=config.poll_seconds,
+                lock_wait_ms=self.claim_lock_wait_ms,
+                skipped=self.skipped,
             )
             if config.accept
             else None
@@ -311,9 +323,16 @@ class AgentWorker:
                     continue
                 self.last_reached = time.monotonic()
                 if not found:
-                    if self.config.exit_when_idle:
+                    # A community left after a lock wait still has work: not idle; polled again
+                    # once its wait is over, not a poll interval later.
+                    left = self.skipped.next_try()
+                    if left is None and self.acceptance is not None and self.acceptance.holds():
+                        left = 0.0
+                    if self.config.exit_when_idle and left is None:
                         self.stopping.set()
-                    elif self.waker.wait(token, self.config.poll_seconds):
+                    elif self.waker.wait(
+                        token, self.config.poll_seconds if left is None else min(left, self.config.poll_seconds)
+                    ):
                         with self.lock:
                             self.counts["woken"] += 1
         except BaseException:
@@ -335,19 +354,25 @@ class AgentWorker:
         # Acceptance first (one thread at a time): the runs it creates are claimed below.
         found = self.acceptance is not None and self.acceptance.round(communities) > 0
         for community in communities:
+            if self.skipped.waits(community):
+                continue  # its last claim or accept waited for a lock: tried again once that is over
             if self.stopping.is_set() or not self._take_slot():
                 break
             held_until = time.monotonic() + self.config.lease_seconds  # before the claim: its lease ends later
             try:
-                claims = s.claim_agent_runs(
-                    community,
-                    self.config.agents,
-                    worker_id=self.config.worker_id,
-                    lease_seconds=self.config.lease_seconds,
-                )
-            except BaseException:
+                with lock_waits_bounded(self.claim_lock_wait_ms):
+                    claims = s.claim_agent_runs(
+                        community,
+                        self.config.agents,
+                        worker_id=self.config.worker_id,
+                        lease_seconds=self.config.lease_seconds,
+                    )
+            except BaseException as exc:
                 with self.lock:
                     self.counts["claimed"] -= 1
+                if self.claim_lock_wait_ms is not None and lock_wait_timed_out(exc):
+                    self._claim_waited(community)
+                    continue
                 raise
             self.rounds.after = community
             if not claims:
@@ -359,6 +384,21 @@ class AgentWorker:
         if not found and self.config.exit_when_idle and self.acceptance is not None:
             found = self.acceptance.round(communities, force=True) > 0  # nothing left to accept either
         return found
+
+    def _claim_waited(self, community: uuid.UUID) -> None:
+        """A claim of ``community`` waited past the lock bound (only in a worker serving several
+        communities): PostgreSQL cancelled it, so it claimed nothing. That community is left for
+        :attr:`skipped`'s seconds by every loop thread; the others are claimed meanwhile."""
+        self.skipped.skip(community)
+        with self.lock:
+            self.counts["lock_waits"] += 1
+        logger.warning(
+            "claim_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its community, "
+            "or a long transaction); its claims wait %.2fs, the other communities go on",
+            community,
+            self.claim_lock_wait_ms,
+            self.skipped.seconds,
+        )
 
     def _context(self, claim: s.AgentClaim, held_until: float = math.inf) -> Context | None:
         """``claim``'s context, its journal read. A read whose connection fails (a restart, a

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from django.core.exceptions import ValidationError
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections, transaction
 
 from buzz_delivery.exceptions import CommunityNotWritable, DeliveryWriteRefused, LifecycleError
 from buzz_delivery.services import cached, tenancy
@@ -329,6 +329,21 @@ def lock_wait_bound() -> int | None:
     """The bound (milliseconds) :func:`lock_waits_bounded` put on the default connection, if
     any: a service that runs a transaction of its own bounds it with :func:`bound_lock_waits`."""
     return getattr(connections[DEFAULT_DB_ALIAS], _LOCK_WAIT_ATTR, None)
+
+
+@contextmanager
+def atomic_within_bound() -> Iterator[None]:
+    """``transaction.atomic()`` for a service's own transaction that honours the bound a
+    caller set with :func:`lock_waits_bounded` (``SET LOCAL lock_timeout`` as its first
+    statement; a worker serving several communities). Without a bound, or inside a caller's
+    transaction (whose bound, if any, is the caller's), it is ``transaction.atomic()`` and
+    sends nothing more."""
+    db = connections[DEFAULT_DB_ALIAS]
+    bound = None if db.in_atomic_block else getattr(db, _LOCK_WAIT_ATTR, None)
+    with transaction.atomic():
+        if bound is not None:
+            bound_lock_waits(bound)
+        yield
 
 
 def _fetch_bounded(db: Any, sql: str, params: dict[str, Any], milliseconds: int) -> list[tuple[Any, ...]]:

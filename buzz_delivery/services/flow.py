@@ -275,15 +275,17 @@ def claim_holding_slots(statement: str, params: Mapping[str, Any], namespace: in
     """Run a claim under limits: the community's claim lock of ``namespace`` (transaction-scoped),
     then ``statement``, in one transaction (a savepoint inside the caller's), so each claim reads
     the slots its predecessors took. A claim refused by a slot index (a constraint named
-    ``<index_prefix>...``) wrote nothing and is tried again, at most :data:`SLOT_TRIES` times."""
-    from django.db import IntegrityError, transaction
+    ``<index_prefix>...``) wrote nothing and is tried again, at most :data:`SLOT_TRIES` times.
+    A transaction of its own honours a lock-wait bound the caller set
+    (:func:`~buzz_delivery.services.db.lock_waits_bounded`: a worker serving several communities)."""
+    from django.db import IntegrityError
 
-    from buzz_delivery.services.db import constraint_name, fetch_all
+    from buzz_delivery.services.db import atomic_within_bound, constraint_name, fetch_all
 
     lock = {"namespace": namespace, "community_id": params["community_id"]}
     for _ in range(SLOT_TRIES):
         try:
-            with transaction.atomic():
+            with atomic_within_bound():
                 fetch_all(LOCK_COMMUNITY_CLAIMS, lock)
                 return fetch_all(statement, dict(params))
         except IntegrityError as exc:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from django.db import InterfaceError, OperationalError, close_old_connections, connections
 
 from buzz_delivery import services
+from buzz_delivery.lockwaits import tried_last
 from buzz_delivery.services import Lease, LeaseLost
 from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
 
@@ -261,10 +262,7 @@ class LeaseRenewer(threading.Thread):
         self._busy[community] = retry_at
         with self._cond:
             held.due = retry_at
-            key = _key(held.lease)
-            if self._held.get(key) is held:
-                del self._held[key]
-                self._held[key] = held
+            tried_last(self._held, _key(held.lease))
         logger.warning(
             "renew_lock_wait community=%s delivery=%s: waited past %s ms for a lock (a lifecycle move "
             "of its community, or a long transaction); its renewals wait %.2fs, the others go on",

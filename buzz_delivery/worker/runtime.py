@@ -745,10 +745,14 @@ class Worker:
         """Leave ``community_id`` unclaimed for :attr:`claims_busy_retry` seconds, and have the
         dispatcher's next round due when that is over (as when a rate window ends): its pending
         deliveries were hinted already, and a round every ``poll_interval`` could leave them
-        that much longer (a poll interval of minutes, with LISTEN hints)."""
+        that much longer (a poll interval of minutes, with LISTEN hints). The worker is busy
+        until then (``--idle-exit`` counts from its next try): a community whose rows stay
+        locked longer than the idle limit no longer makes the worker exit with its work pending."""
         until = time.monotonic() + self.claims_busy_retry
         self.claims_busy[community_id.int] = until
         self._round_due_by(until)
+        with self._lock:  # not idle (--idle-exit): that community may have work it could not claim
+            self.last_busy = until
 
     def _round_due_by(self, instant: float) -> None:
         """Have the dispatcher's next round of every pair due at ``instant`` (monotonic) at the latest."""

@@ -34,6 +34,14 @@ locks, one fenced park, the message events and the deliveries of all targets, ea
 statement for the whole batch); a send the batch did not attempt (refused, or not
 preparable) is sent on its own (:func:`~buzz_delivery.workflows.executor.execute`),
 handed to ``done`` the same way.
+
+An orchestrator of every community (``--all``) gives it a lock-wait bound: each of its
+transactions waits for a lock at most that long
+(:func:`~buzz_delivery.services.db.lock_waits_bounded`). One that waited longer (its
+community's rows are locked: a lifecycle move of it waiting behind a long transaction of its
+own code, say) changed nothing; that community's outputs, failures and sends are kept (their
+leases still renewed) and recorded once its turn is back (``skipped``), and the other
+communities' go on meanwhile.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ from typing import Any, TypeVar
 
 from django.db import DatabaseError, close_old_connections, connection
 
+from buzz_delivery.lockwaits import Skipped
+from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.executor import Failure, record_failure
 from buzz_delivery.workflows.sends import send_messages
@@ -64,13 +74,19 @@ Accept = Callable[[list[StepClaim]], None]
 T = TypeVar("T")
 
 
-def next_batch(source: queue.SimpleQueue[T | None], max_batch: int, linger: float) -> tuple[list[T], bool]:
-    """Block for one item of ``source``, then gather more (up to ``max_batch``): what is there,
+def next_batch(
+    source: queue.SimpleQueue[T | None], max_batch: int, linger: float, timeout: float | None = None
+) -> tuple[list[T], bool]:
+    """Block for one item of ``source`` (at most ``timeout`` seconds: then none), then gather
+    more (up to ``max_batch``): what is there,
     and, while fewer than ``max_batch``, what comes within ``linger`` seconds, waited out in one
     sleep (the settler's ``next_batch`` wakes on every item that comes meanwhile: a GIL handoff
     per step here, where outputs come one at a time from the step threads). ``None`` in the
     queue is the close marker. Returns (items, whether the close marker was seen)."""
-    first = source.get()
+    try:
+        first = source.get(timeout=timeout)
+    except queue.Empty:
+        return [], False
     if first is None:
         return [], True
     items = [first]
@@ -127,8 +143,15 @@ class Completer(threading.Thread):
         after: Callable[[], None],
         lease_seconds: float,
         holder: str,
+        lock_wait_ms: int | None = None,
+        skipped: Skipped | None = None,
     ) -> None:
         super().__init__(name="buzz-workflows-completer", daemon=True)
+        # --all: the bound of each transaction's lock waits, the communities left a while after
+        # one waited past it, and their items kept until then (as queued, in order).
+        self.lock_wait_ms = lock_wait_ms
+        self.skipped = Skipped(0.0) if skipped is None else skipped
+        self._kept: list[tuple[StepClaim, Any, Failure | None]] = []
         self.max_batch = max_batch
         self.linger = linger
         self._done = done
@@ -161,11 +184,41 @@ class Completer(threading.Thread):
         """Complete what is queued, then stop."""
         self._queue.put(None)
 
+    def _waited(self, exc: BaseException, community: uuid.UUID) -> bool:
+        """Whether ``exc`` is a lock wait past the bound; its community is then left a while."""
+        if self.lock_wait_ms is None or not lock_wait_timed_out(exc):
+            return False
+        self.skipped.skip(community)
+        logger.warning(
+            "complete_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its community, "
+            "or a long transaction); its completions wait %.2fs, the other communities go on",
+            community,
+            self.lock_wait_ms,
+            self.skipped.seconds,
+        )
+        return True
+
+    def _kept_batch(self) -> list[tuple[StepClaim, Any, Failure | None]]:
+        """The kept items whose community's turn is back (taken out of :attr:`_kept`)."""
+        if not self._kept:
+            return []
+        due = [item for item in self._kept if not self.skipped.waits(item[0].lease.community_id)]
+        self._kept = [item for item in self._kept if self.skipped.waits(item[0].lease.community_id)]
+        return due
+
     def run(self) -> None:
         try:
             closing = False
-            while not closing:
-                batch, closing = next_batch(self._queue, self.max_batch, self.linger)
+            while not closing or self._kept:
+                wait = None if not self._kept else (self.skipped.next_try() or 0.0)
+                if closing:  # nothing more comes: the kept items, once their community's turn is back
+                    time.sleep(wait or 0.0)
+                    batch: list[tuple[StepClaim, Any, Failure | None]] = []
+                else:
+                    batch, closing = next_batch(self._queue, self.max_batch, self.linger, wait)
+                batch = [*self._kept_batch(), *batch]
+                if not batch:
+                    continue
                 by_community: dict[uuid.UUID, list[tuple[StepClaim, Any]]] = {}
                 failures: dict[uuid.UUID, list[tuple[StepClaim, Failure]]] = {}
                 sends: dict[uuid.UUID, list[StepClaim]] = {}
@@ -178,18 +231,30 @@ class Completer(threading.Thread):
                     else:
                         by_community.setdefault(claim.lease.community_id, []).append((claim, output))
                 for community, claims in sends.items():
+                    if self.skipped.waits(community):
+                        self._kept.append((claims[0], _Sends(claims), None))
+                        continue
                     try:
-                        self._send_many(community, claims)
+                        with lock_waits_bounded(self.lock_wait_ms):
+                            self._send_many(community, claims)
                     except Exception:  # never let the completer die
                         logger.exception("completer_error sends=%d", len(claims))
                 for community, failed in failures.items():
+                    if self.skipped.waits(community):
+                        self._kept += [(claim, None, failure) for claim, failure in failed]
+                        continue
                     try:
-                        self._fail_many(community, failed)
+                        with lock_waits_bounded(self.lock_wait_ms):
+                            self._fail_many(community, failed)
                     except Exception:  # never let the completer die
                         logger.exception("completer_error failures=%d", len(failed))
                 for community, items in by_community.items():
+                    if self.skipped.waits(community):
+                        self._kept += [(claim, output, None) for claim, output in items]
+                        continue
                     try:
-                        self._complete(community, items)
+                        with lock_waits_bounded(self.lock_wait_ms):
+                            self._complete(community, items)
                     except Exception:  # never let the completer die: later outputs would wait forever
                         logger.exception("completer_error steps=%d", len(items))
                 self._after()
@@ -210,6 +275,9 @@ class Completer(threading.Thread):
             claimed = batch.claims
             self.statements += 1
         except Exception as exc:
+            if self._waited(exc, community):  # nothing written: kept for the community's turn
+                self._kept += [(claim, output, None) for claim, output in items]
+                return
             logger.warning("complete_batch_refused steps=%d error=%s", len(items), str(exc).splitlines()[:1])
             self._reset_connection(exc)
             outcomes = [None] * len(items)
@@ -235,6 +303,9 @@ class Completer(threading.Thread):
             outcomes = send_messages(community, claims)
             self.send_batches += 1
         except Exception as exc:
+            if self._waited(exc, community):  # nothing written: kept for the community's turn
+                self._kept.append((claims[0], _Sends(claims), None))
+                return
             logger.warning("send_batch_refused steps=%d error=%s", len(claims), str(exc).splitlines()[:1])
             self._reset_connection(exc)
             outcomes = [None] * len(claims)
@@ -259,6 +330,9 @@ class Completer(threading.Thread):
             )
             self.fail_batches += 1
         except Exception as exc:
+            if self._waited(exc, community):  # nothing written: kept for the community's turn
+                self._kept += [(claim, None, failure) for claim, failure in items]
+                return
             logger.warning("fail_batch_refused steps=%d error=%s", len(items), str(exc).splitlines()[:1])
             self._reset_connection(exc)
             outcomes = [None] * len(items)

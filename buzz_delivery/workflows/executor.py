@@ -37,7 +37,7 @@ from buzz_delivery import backoff
 from buzz_delivery import services as core
 from buzz_delivery.models import Event, new_uuid7
 from buzz_delivery.services import Binding, Settled
-from buzz_delivery.services.db import fetch_all, retry_deadlocks
+from buzz_delivery.services.db import atomic_within_bound, fetch_all, retry_deadlocks
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
@@ -369,7 +369,7 @@ def _send_message(claim: StepClaim) -> StepOutcome:
     run = _run_for_send(claim)
     spec = claim.spec
     community = claim.lease.community_id
-    with transaction.atomic():
+    with atomic_within_bound():
         exists = core.lock_delivery_identity(community, run.pk, claim.step.key)
         event_id = message_event_id(run.pk, claim.step.key)
         event = _message_event(community, event_id, spec.get("content", ""), claim.step.key, exists)

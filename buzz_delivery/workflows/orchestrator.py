@@ -74,11 +74,12 @@ from buzz_delivery.exceptions import in_chain
 from buzz_delivery.fairness import share
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.listening import Listener
+from buzz_delivery.lockwaits import Skipped, tried_last
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
-from buzz_delivery.worker.renewer import lock_wait_ms
+from buzz_delivery.worker.renewer import busy_retry_seconds, lock_wait_ms
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.completer import Completer
 from buzz_delivery.workflows.conf import NOTIFY_CHANNEL
@@ -225,6 +226,10 @@ class Orchestrator:
         # --all: one renewer thread renews every community's steps, so each renewal statement
         # waits for a lock at most this long (None: one community, the one-statement renewal).
         self.renew_lock_wait_ms = lock_wait_ms(config.lease_seconds) if config.community_id is None else None
+        # --all: the dispatcher's claims and the completer's transactions bound their lock waits
+        # the same way; a community whose claim or completion waited past the bound (and changed
+        # nothing) is left a while (``skipped``) and the others are claimed and completed meanwhile.
+        self.skipped = Skipped(busy_retry_seconds(config.lease_seconds))
         self.wake = threading.Event()
         # put/get only: the C queue (queue.Queue's Python Condition cost a notify per claim).
         self.work: queue.SimpleQueue[StepClaim | None] = queue.SimpleQueue()
@@ -263,6 +268,8 @@ class Orchestrator:
             after=self._after_batch,
             lease_seconds=config.lease_seconds,
             holder=self.holder,
+            lock_wait_ms=self.renew_lock_wait_ms,
+            skipped=self.skipped,
         )
         # ``async def`` function steps are awaited as tasks on one event-loop thread (no database
         # connection of their own), up to ``async_concurrency`` at once: the keys of the claims
@@ -544,7 +551,8 @@ class Orchestrator:
                         # a time, until one waits too (that one is renewed last from then on).
                         self._renew_singly(community, chunk if len(chunk) > 1 else [])
                         if len(chunk) == 1:
-                            self._renew_last(chunk[0])
+                            with self.lock:
+                                tried_last(self.held, _key(chunk[0]))
                         break
                     close_old_connections()
                     connection.close()
@@ -573,19 +581,13 @@ class Orchestrator:
                     outcomes = renew_steps(community, [lease], self.config.lease_seconds)
             except DatabaseError as exc:
                 if lock_wait_timed_out(exc):
-                    self._renew_last(lease)
+                    with self.lock:
+                        tried_last(self.held, _key(lease))
                 else:
                     close_old_connections()
                     connection.close()
                 return
             self._renewed([lease], outcomes)
-
-    def _renew_last(self, lease: StepLease) -> None:
-        """Renew ``lease`` after the others held from now on (its renewal waited for a lock)."""
-        key = _key(lease)
-        with self.lock:
-            if key in self.held:
-                self.held[key] = self.held.pop(key)
 
     # --- dispatcher ---------------------------------------------------------------------
 
@@ -854,9 +856,10 @@ class Orchestrator:
         for community in communities:
             if len(claims) >= room:
                 break
+            if self.skipped.waits(community):
+                continue  # its last claim or completion waited for a lock: claimed once that is over
             limit = min(each, room - len(claims))
-            self.add("claim_statements")
-            won = claim_steps(community, limit=limit, lease_seconds=c.lease_seconds, holder=self.holder)
+            won = self._claim_of(community, limit)
             self.walk_after = community
             claims += won
             if len(won) == limit:
@@ -864,11 +867,29 @@ class Orchestrator:
         for community in full:
             if len(claims) >= room:
                 break
-            self.add("claim_statements")
-            claims += claim_steps(
-                community, limit=room - len(claims), lease_seconds=c.lease_seconds, holder=self.holder
-            )
+            claims += self._claim_of(community, room - len(claims))
         return claims
+
+    def _claim_of(self, community: uuid.UUID, limit: int) -> list[StepClaim]:
+        """--all: one claim statement of ``community``, its lock waits bounded: one that waited
+        past the bound claimed nothing, and its community is left a while (``skipped``)."""
+        c = self.config
+        self.add("claim_statements")
+        try:
+            with lock_waits_bounded(self.renew_lock_wait_ms):
+                return claim_steps(community, limit=limit, lease_seconds=c.lease_seconds, holder=self.holder)
+        except DatabaseError as exc:
+            if not lock_wait_timed_out(exc):
+                raise
+        self.skipped.skip(community)
+        logger.warning(
+            "claim_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its community, or "
+            "a long transaction); its claims wait %.2fs, the other communities go on",
+            community,
+            self.renew_lock_wait_ms,
+            self.skipped.seconds,
+        )
+        return []
 
     def _end_due_waits(self) -> None:
         """At most once a poll interval: sleeps and event waits whose time came end now
@@ -978,7 +999,7 @@ class Orchestrator:
             self.add("claimed", len(claims))
             with self.lock:
                 busy = self.in_flight > 0
-            if claims or busy:
+            if claims or busy or self.skipped:  # (a community left for a lock wait has work)
                 idle_since = time.monotonic()
             elif c.idle_exit is not None and time.monotonic() - idle_since >= c.idle_exit:
                 return "idle_exit"
@@ -1011,7 +1032,8 @@ class Orchestrator:
                 # misses in a row), so that K orchestrators woken by every NOTIFY do not all
                 # claim for each; a claim that wins resets it.
                 misses += 1
-                if self.wake.wait(c.poll_interval) and misses > 1:
+                left = self.skipped.next_try()  # a community left for a lock wait: claimed once it is over
+                if self.wake.wait(c.poll_interval if left is None else min(left, c.poll_interval)) and misses > 1:
                     self.stop.wait(min(MISS_GATHER_MAX, MISS_GATHER * 2 ** min(misses - 2, 8)))
             else:
                 # The claim took every ready step (fewer than the room): claim again when woken,

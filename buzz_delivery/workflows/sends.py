@@ -29,11 +29,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from django.db import transaction
-
 from buzz_delivery import tracing
 from buzz_delivery.services import Settled, fanout
-from buzz_delivery.services.db import fetch_all, retry_deadlocks
+from buzz_delivery.services.db import atomic_within_bound, fetch_all, retry_deadlocks
 from buzz_delivery.services.producer import MAX_BINDINGS_PER_COMMIT
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
@@ -151,7 +149,7 @@ def _send_batch(community: uuid.UUID, claims: Sequence[StepClaim]) -> tuple[list
     """The batch's transaction (run again whole when PostgreSQL picks it as a deadlock's
     victim; the runs are read in it too, a commit fewer): the sends it attempted, and the ids
     of the steps it parked, whose messages and deliveries it wrote."""
-    with transaction.atomic():
+    with atomic_within_bound():
         batch = _prepared(community, claims)
         sends = [send for _, send in batch]
         if not sends:

@@ -25,8 +25,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
-
 from buzz_delivery.agents.conf import MAX_COST_UNITS, get_settings
 from buzz_delivery.agents.models import JournalEntry
 from buzz_delivery.agents.services import journal, runs, sql
@@ -55,7 +53,7 @@ from buzz_delivery.agents.services.types import (
 )
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
+from buzz_delivery.services.db import atomic_within_bound, fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 
 MAX_BATCH = 500
@@ -215,7 +213,7 @@ def _transaction(needed: bool) -> AbstractContextManager[Any]:
     one write (every row fenced by its own lease, a workflow step's count by its trigger) is
     atomic by itself in autocommit, and saves the BEGIN and COMMIT round trips (SPEC 15: one
     fenced statement per transition). Inside a caller's transaction it is that transaction."""
-    return transaction.atomic() if needed else nullcontext()
+    return atomic_within_bound() if needed else nullcontext()
 
 
 def _common(community_id: Any, leases: Sequence[AgentLease]) -> dict[str, Any]:
@@ -290,7 +288,7 @@ def journal_calls(community_id: uuid.UUID | str, calls: Sequence[PreparedCall]) 
     # autocommit even with one write: the reads that judge the runs it missed come after it, and
     # one of them failing would leave the write committed under a batch that raised, whose
     # replay would journal those calls (and spend their budgets) a second time.
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         for c in blocked_ones:  # destructive: the single form decides shadow blocking
             outcomes[c.lease.run_id] = replay_call(c)
         if batched:
@@ -398,7 +396,7 @@ def fail_runs(community_id: uuid.UUID | str, failures: Sequence[PreparedFailure]
         return []
     # One transaction: the reads after the statement (the seqs to undo, the runs it missed) see
     # its writes, and a batch that raises wrote nothing (its replay fails each run once).
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         # The runs' rows first, in id order, in a statement of their own (as fail_run does): the
         # judging statement then reads a snapshot that holds every call journaled before it.
         fetch_all(sql.LOCK_RUNS, params)
@@ -439,7 +437,7 @@ def begin_compensations(community_id: uuid.UUID | str, items: Sequence[PreparedC
     params["seqs"] = [i.seq for i in items]
     if not items:
         return []
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         begun = {row[0]: row[1:] for row in fetch_all(sql.BEGIN_COMPENSATIONS_IF_CURRENT_AND_LAST, params)}
         out: list[BeginOutcome] = []
         for i in items:
@@ -480,7 +478,7 @@ def finish_compensations(community_id: uuid.UUID | str, items: Sequence[Prepared
     )
     if not items:
         return []
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         done = {row[0]: row[1] for row in fetch_all(sql.FINISH_COMPENSATIONS_IF_CURRENT, params)}
         out: list[RecordOutcome] = []
         for i in items:

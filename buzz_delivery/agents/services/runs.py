@@ -42,7 +42,7 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import HOLDER_MAX_CHARS, new_uuid7
 from buzz_delivery.services import Lease, Settled, finish_delivery, flow
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
+from buzz_delivery.services.db import atomic_within_bound, fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.runs import RUN_CANCELED
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.tracing import work as tracing_work
@@ -107,7 +107,9 @@ def accept_delivery(
         # The accept span's context (else the delivery's stored one, in the statement).
         "trace_context": tracing.json_or_none(tracing.inject()),
     }
-    with transaction.atomic(), translated_errors():
+    # A worker serving several communities bounds its lock waits (lock_waits_bounded): this
+    # transaction of its own honours that bound.
+    with atomic_within_bound(), translated_errors():
         ended = fetch_all(sql.LOCK_WORKFLOW_RUN_OF_DELIVERY, params)
         if ended and ended[0][0] in WORKFLOW_RUN_TERMINAL:
             state = ended[0][0]

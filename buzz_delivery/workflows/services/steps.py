@@ -28,7 +28,14 @@ from buzz_delivery import backoff
 from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled, flow, leases
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, int_array, retry_deadlocks, translated_errors, uuid_array
+from buzz_delivery.services.db import (
+    atomic_within_bound,
+    fetch_all,
+    int_array,
+    retry_deadlocks,
+    translated_errors,
+    uuid_array,
+)
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 from buzz_delivery.usercode import in_transaction
 from buzz_delivery.workflows.conf import get_settings
@@ -387,7 +394,7 @@ def complete_step(lease: StepLease, output: Any = None) -> StepOutcome:
     except BadJSON as exc:
         return fail_step(lease, exc.code, failure_message=f"step output {exc}", retryable=False)
     params = _params(lease, output=text)
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         fetch_all(sql.LOCK_RUN, params)
         rows = fetch_all(sql.COMPLETE_IF_CURRENT_GENERATION, params)
         if rows:
@@ -495,7 +502,7 @@ def _complete_and_claim(
     # transaction (or savepoint) is it undone by a statement of its own.
     defer = bool(claim_params["limit"] and good)
     undefer = defer and in_transaction(connection)
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         if defer:
             fetch_all(sql.DEFER_NOTIFY, {})
         if good:
@@ -570,7 +577,7 @@ def fail_step(
         raise v.invalid("retryable", "must be True or False")
     after = backoff.argument(retry_after)
     params = _params(lease, failure_code=code, failure_message=message)
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         fetch_all(sql.LOCK_RUN, params)
         policy = fetch_all(sql.STEP_RETRY_POLICY, params)
         if not policy:
@@ -672,7 +679,7 @@ def _fail_batch(
     """The transaction of :func:`fail_steps_skip_locked` (run again whole when PostgreSQL aborts
     it as a deadlock's victim): the outcomes of the failures whose runs it took."""
     outcomes: dict[uuid.UUID, StepOutcome] = {}
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         run_ids = sorted({failure.lease.run_id for failure, *_rest in checked})
         free = {row[0] for row in fetch_all(sql.LOCK_FREE_RUNS, {"community_id": community, "run_ids": run_ids})}
         batch = sorted((c for c in checked if c[0].lease.run_id in free), key=lambda c: c[0].lease.step_id)
