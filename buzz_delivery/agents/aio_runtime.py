@@ -11,7 +11,8 @@ the run's output stream (one fenced statement on the worker's pool, as the threa
 task, so an ``await`` in flight raises ``CancelledError`` and no further call is made). ``fn``,
 ``reconcile`` and compensations may be ``async def`` (awaited on the loop) or plain functions
 (run on a thread, in the user's tenant scope, so they may use the ORM on their own connection).
-Calls of one run are made one at a time (positions in the journal are the order of the calls).
+Calls of one run are made one at a time (the run's call lock); each is replayed by its scope and
+its index in it (an asyncio task inherits the scope it was created in: docs/agents.md "Resume").
 
 No statement of the runtime runs on a connection of the user's code: the journal, results,
 renewals, completions, failures and the steps of an unwinding (begin and finish each

@@ -247,7 +247,8 @@ class AgentRun(CommunityScoped):
 
 class JournalEntry(CommunityScoped):
     """One journaled tool call (or approval) of a run, written before the call is made
-    (SPEC 12 "Journal"). ``seq`` is contiguous per run from 1 (a trigger checks it against the
+    (SPEC 12 "Journal"). A resumed handler replays it by ``replay_key`` (its scope and index in the
+    scope). ``seq`` is contiguous per run from 1 (a trigger checks it against the
     run's ``tool_calls_used``); ``idempotency_key`` is handed to the tool; ``generation`` is the
     run lease generation that journaled it, ``result_generation`` the one that recorded the result."""
 

@@ -8,7 +8,9 @@ says a cancel fenced the run (the heartbeat learnt it); ``ctx.emit(chunk)`` appe
 run's output stream under its lease (readers follow it live: ``services.stream_output``).
 
 Resume: a handler is re-run from the start whenever its run is claimed again (after a reclaim
-or an approval); position ``n`` of its calls is journal entry ``n``. A succeeded entry returns
+or an approval); call ``k`` of scope ``S`` (``ctx.scope``, :mod:`buzz_delivery.journal_scope`; the
+root scope ``""`` unless the code entered one) is the journal entry keyed ``(S, k)``, so calls of
+different scopes replay whatever order they arrive in. A succeeded entry returns
 its recorded output without calling ``fn``; a pending one (its holder crashed after
 journaling) is reconciled with ``reconcile(args, key)`` (its output, or :data:`NOT_MADE` to make
 the call now with the same key), else marked uncertain and the run fails, compensating it too.
@@ -29,7 +31,9 @@ included: ``handler_aborted``) or returns (output that is not storable JSON:
 ``output_not_json``/``output_too_large``) ends that run with a storable failure code, never the
 worker. A runtime statement whose connection fails leaves the run to its lease (``lost``: the
 reaper reclaims it and it resumes from its journal). Several threads of one handler may call
-``ctx.call`` at once (their entries are journaled one at a time, in position order).
+``ctx.call`` at once (their entries are journaled one at a time; each thread that calls at the
+same time as others should enter a scope of its own, ``with ctx.scope(name):``, for its calls to
+replay whatever the timing).
 """
 
 from __future__ import annotations
