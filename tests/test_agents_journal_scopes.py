@@ -376,3 +376,60 @@ def test_pydantic_ai_parallel_tool_calls_resume_after_a_reclaim_mid_call(communi
     keys = {e.scope: e.idempotency_key for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")}
     assert json.loads(run.output) == [{"city": c, "key": keys[f"tool:call-{c}"]} for c in "abc"]
     assert run.tool_calls_used == 5  # model, three lookups, model: nothing journaled twice
+
+
+# -- the event-loop runtime: tasks in scopes ---------------------------------------------------
+
+ASYNC_RUN: dict = {"order": [], "made": []}
+
+
+async def async_tasks_in_scopes(ctx):
+    """Tasks ``w1..w3`` each make two calls in a scope of its own, in ``ASYNC_RUN["order"]``."""
+    import asyncio
+
+    order = ASYNC_RUN["order"]
+    turn = {name: asyncio.Event() for name in order}
+
+    async def look(args, key):
+        ASYNC_RUN["made"].append(args["name"])
+        return {"name": args["name"], "i": args["i"], "key": key}
+
+    async def worker(name):
+        await turn[name].wait()
+        try:
+            with ctx.scope(name):
+                return [await ctx.call(f"look-{name}", look, {"name": name, "i": i}) for i in (1, 2)]
+        finally:
+            following = order.index(name) + 1
+            if following < len(order):
+                turn[order[following]].set()
+
+    tasks = [asyncio.create_task(worker(name)) for name in ("w1", "w2", "w3")]
+    turn[order[0]].set()
+    outputs = await asyncio.gather(*tasks)
+    decision = await ctx.request_approval("ship?", 600)
+    return {"outputs": outputs, "decision": decision["decision"]}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_event_loop_tasks_in_scopes_replay_whatever_order_they_arrive_in(community):
+    from tests.test_agents_aio import in_process
+
+    run_id = new_run(community.id)
+    ASYNC_RUN.update(order=["w3", "w2", "w1"], made=[])
+    assert in_process(community, async_tasks_in_scopes, in_flight=4, connections=2)[1].get("parked") == 1
+    assert ASYNC_RUN["made"] == ["w3", "w3", "w2", "w2", "w1", "w1"]
+    assert [(seq, scope) for seq, scope, *_ in _entries(run_id)][:6] == [
+        (1, "w3"), (2, "w3"), (3, "w2"), (4, "w2"), (5, "w1"), (6, "w1"),
+    ]  # fmt: skip
+    _approve(community, run_id)
+
+    ASYNC_RUN.update(order=["w1", "w2", "w3"], made=[])
+    counts = in_process(community, async_tasks_in_scopes, in_flight=4, connections=2)[1]
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    assert ASYNC_RUN["made"] == []
+    assert run.output["outputs"][0] == [
+        {"name": "w1", "i": 1, "key": f"{run_id}:5"},
+        {"name": "w1", "i": 2, "key": f"{run_id}:6"},
+    ]
