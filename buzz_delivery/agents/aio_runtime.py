@@ -11,7 +11,8 @@ the run's output stream (one fenced statement on the worker's pool, as the threa
 task, so an ``await`` in flight raises ``CancelledError`` and no further call is made). ``fn``,
 ``reconcile`` and compensations may be ``async def`` (awaited on the loop) or plain functions
 (run on a thread, in the user's tenant scope, so they may use the ORM on their own connection).
-Calls of one run are made one at a time (positions in the journal are the order of the calls).
+Calls of one run are made one at a time (the run's call lock); each is replayed by its scope and
+its index in it (an asyncio task inherits the scope it was created in: docs/agents.md "Resume").
 
 No statement of the runtime runs on a connection of the user's code: the journal, results,
 renewals, completions, failures and the steps of an unwinding (begin and finish each
@@ -43,6 +44,7 @@ from typing import Any, TypeVar
 
 from django.db import DatabaseError
 
+from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.batcher import Batcher, DbPool, UsedConnections
@@ -65,6 +67,7 @@ from buzz_delivery.agents.runtime import (
     APPROVAL_SETTLE_SECONDS,
     NOT_MADE,
     RATE_WAIT_SLICE_SECONDS,
+    Context,
     RatePlan,
     failure_code_of,
     failure_message_of,
@@ -128,6 +131,8 @@ class AsyncContext:
     ``journal``: the run's entries, or None when they are not known yet (the worker's claim round
     did not read them): :func:`read_journal` reads them before the handler runs."""
 
+    journal_scopes = True  # calls are replayed by scope (ctx.scope); they are still made one at a time
+
     def __init__(self, claim: s.AgentClaim, journal: list[JournalEntry] | None, runtime: Runtime) -> None:
         self.run = claim.run
         self.lease = claim.lease
@@ -138,8 +143,8 @@ class AsyncContext:
         self._cancelled = threading.Event()
         self.reason = ""
         self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
-        self._pos = 0
-        self._journal: dict[int, JournalEntry] | None = None
+        self._positions = journal_scope.Positions()  # each scope's last call (docs/agents.md "Resume")
+        self._journal: dict[tuple[str, int], JournalEntry] | None = None
         if journal is not None:
             self.set_journal(journal)
         self._lock = asyncio.Lock()
@@ -163,13 +168,15 @@ class AsyncContext:
         return self._journal is not None
 
     def set_journal(self, journal: list[JournalEntry]) -> None:
-        self._journal = {e.seq: e for e in journal}
+        self._journal = {e.replay_key: e for e in journal}
 
-    def _entry(self, pos: int) -> JournalEntry | None:
+    scope = staticmethod(Context.scope)
+
+    def _entry(self, key: tuple[str, int]) -> JournalEntry | None:
         if self._journal is None:  # never replay against a journal not read: no call is made
             self.mark_lost("journal_unknown")
             raise RunAborted("the run's journal was not read")
-        return self._journal.get(pos)
+        return self._journal.get(key)
 
     def mark_lost(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -217,34 +224,60 @@ class AsyncContext:
         limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile)."""
         rate = ratelimits_plan(rate_key, weight)
         self._refuse_nested(tool_name)
+        scope = journal_scope.current()
         async with self._lock:
             self._check()
-            self._pos += 1
-            entry = self._entry(self._pos)
-            if entry is not None:
-                return await self._replay(entry, tool_name, fn, args, reconcile)
-            descriptor = compensations.descriptor(compensate)  # ValueError when not registered
-            if rate is not None:
-                await self._take_rate(rate)
-            prepared = batch.prepare_call(
-                self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
-            )
-            outcome = await self._submit("journal", prepared)
-            self._check()
-            if isinstance(outcome, s.Blocked):
-                return None
-            if isinstance(outcome, s.BudgetExceeded):
-                raise BudgetExhausted(f"{outcome.budget} budget exhausted ({outcome.used}/{outcome.cap})")
-            if not isinstance(outcome, s.Journaled):
-                self.mark_lost(getattr(outcome, "reason", "") or "lost")
-                raise RunAborted(f"cannot journal: {outcome}")
-            output = await self._make(outcome.seq, outcome.idempotency_key, fn, args)
-            if rate is not None and rate.after is not None:
-                units = rate.units_after(output)
-                await self._runtime(
-                    self.runtime.pool.run(ratelimits.charge, self.lease.community_id, rate.spec.key, units)
-                )
-            return output
+            index = self._positions.take(scope)
+            entry = self._entry((scope, index))
+            with journal_scope.entered(journal_scope.inside_call(scope, index)):  # the tool's own scopes
+                return await self._called(entry, scope, index, tool_name, fn, args, compensate, reconcile,
+                                          destructive, cost, rate)  # fmt: skip
+
+    async def _called(
+        self,
+        entry: JournalEntry | None,
+        scope: str,
+        index: int,
+        tool_name: str,
+        fn: Callable[..., Any],
+        args: Any,
+        compensate: Callable[..., Any] | None,
+        reconcile: Callable[..., Any] | None,
+        destructive: bool,
+        cost: int,
+        rate: RatePlan | None,
+    ) -> Any:
+        """The call once it holds call ``index`` of ``scope`` (under the run's lock): replayed,
+        or journaled, made and recorded."""
+        if entry is not None:
+            return await self._replay(entry, tool_name, fn, args, reconcile)
+        descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+        if rate is not None:
+            await self._take_rate(rate)
+        prepared = batch.prepare_call(
+            self.lease,
+            tool_name,
+            args,
+            cost=cost,
+            compensation=descriptor,
+            destructive=destructive,
+            scope=scope,
+            index=index,
+        )
+        outcome = await self._submit("journal", prepared)
+        self._check()
+        if isinstance(outcome, s.Blocked):
+            return None
+        if isinstance(outcome, s.BudgetExceeded):
+            raise BudgetExhausted(f"{outcome.budget} budget exhausted ({outcome.used}/{outcome.cap})")
+        if not isinstance(outcome, s.Journaled):
+            self.mark_lost(getattr(outcome, "reason", "") or "lost")
+            raise RunAborted(f"cannot journal: {outcome}")
+        output = await self._make(outcome.seq, outcome.idempotency_key, fn, args)
+        if rate is not None and rate.after is not None:
+            units = rate.units_after(output)
+            await self._runtime(self.runtime.pool.run(ratelimits.charge, self.lease.community_id, rate.spec.key, units))
+        return output
 
     def _refuse_nested(self, tool_name: str) -> None:
         """A call from inside one of this run's calls' tool functions would wait for the lock
@@ -350,10 +383,11 @@ class AsyncContext:
         outer = _IN_CALL.get()
         if outer is not None and outer[0] is self:  # that call holds the lock until recorded
             raise ApprovalBlockedByCalls((outer[1],), "asked from inside a ctx.call of this run")
+        scope = journal_scope.current()
         async with self._lock:
             self._check()
-            self._pos += 1
-            entry = self._entry(self._pos)
+            index = self._positions.take(scope)
+            entry = self._entry((scope, index))
             if entry is not None:
                 if entry.kind != "approval":
                     raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
@@ -369,7 +403,12 @@ class AsyncContext:
             while True:
                 outcome = await self._runtime(
                     self.runtime.pool.run(
-                        s.request_approval, self.lease, prompt=prompt, deadline_seconds=deadline_seconds
+                        s.request_approval,
+                        self.lease,
+                        prompt=prompt,
+                        deadline_seconds=deadline_seconds,
+                        scope=scope,
+                        index=index,
                     )
                 )
                 if not isinstance(outcome, s.CallsInFlight):
@@ -389,6 +428,8 @@ class AsyncContext:
 class SyncBridge:
     """What a plain ``def handler(ctx)`` gets in the event-loop worker: the
     :class:`AsyncContext`'s calls, blocking the handler's thread (never the loop)."""
+
+    scope = staticmethod(Context.scope)
 
     def __init__(self, actx: AsyncContext) -> None:
         self._actx = actx

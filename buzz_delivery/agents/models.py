@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from django.db import models
 from django.db.models import F, Q, Value
-from django.db.models.functions import Length, Now
+from django.db.models.functions import Coalesce, Length, Now
 from django.db.models.lookups import Exact
 
 from buzz_delivery import triggers
@@ -247,7 +247,8 @@ class AgentRun(CommunityScoped):
 
 class JournalEntry(CommunityScoped):
     """One journaled tool call (or approval) of a run, written before the call is made
-    (SPEC 12 "Journal"). ``seq`` is contiguous per run from 1 (a trigger checks it against the
+    (SPEC 12 "Journal"). A resumed handler replays it by ``replay_key`` (its scope and index in the
+    scope). ``seq`` is contiguous per run from 1 (a trigger checks it against the
     run's ``tool_calls_used``); ``idempotency_key`` is handed to the tool; ``generation`` is the
     run lease generation that journaled it, ``result_generation`` the one that recorded the result."""
 
@@ -256,6 +257,10 @@ class JournalEntry(CommunityScoped):
         AgentRun, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="journal"
     )
     seq = models.IntegerField()
+    # Replay key (agents migration 0022, docs/agents.md "Resume"): the entry is call ``scope_index``
+    # of scope ``scope`` ('' = the run's root); NULL (entries journaled before 0022) means ``seq``.
+    scope = models.CharField(max_length=200, default="", db_default="", blank=True)
+    scope_index = models.IntegerField(null=True, blank=True)
     kind = models.CharField(max_length=16, choices=EntryKind.choices, default=EntryKind.TOOL)
     tool_name = models.CharField(max_length=200)
     idempotency_key = models.CharField(max_length=200)
@@ -291,11 +296,22 @@ class JournalEntry(CommunityScoped):
     finished_at = models.DateTimeField(null=True, blank=True)
     compensated_at = models.DateTimeField(null=True, blank=True)
 
+    @property
+    def replay_key(self) -> tuple[str, int]:
+        """(scope, index) a resumed handler replays this entry at."""
+        return self.scope, self.scope_index if self.scope_index is not None else self.seq
+
     class Meta:
         db_table = "buzz_agents_journal"
         ordering = ["seq"]
         constraints = [
             models.UniqueConstraint(fields=["community", "run", "seq"], name="ag_journal_seq_key"),
+            models.UniqueConstraint(
+                F("community"), F("run"), F("scope"), Coalesce("scope_index", "seq"), name="ag_journal_scope_key"
+            ),
+            models.CheckConstraint(
+                condition=Q(scope_index__isnull=True) | Q(scope_index__gte=1), name="ag_journal_scope_index_gte_1"
+            ),
             models.UniqueConstraint(fields=["community", "idempotency_key"], name="ag_journal_idempotency_key"),
             models.CheckConstraint(condition=Q(seq__gte=1), name="ag_journal_seq_gte_1"),
             models.CheckConstraint(condition=Q(status__in=CallStatus.values), name="ag_journal_status_known"),

@@ -8,7 +8,9 @@ says a cancel fenced the run (the heartbeat learnt it); ``ctx.emit(chunk)`` appe
 run's output stream under its lease (readers follow it live: ``services.stream_output``).
 
 Resume: a handler is re-run from the start whenever its run is claimed again (after a reclaim
-or an approval); position ``n`` of its calls is journal entry ``n``. A succeeded entry returns
+or an approval); call ``k`` of scope ``S`` (``ctx.scope``, :mod:`buzz_delivery.journal_scope`; the
+root scope ``""`` unless the code entered one) is the journal entry keyed ``(S, k)``, so calls of
+different scopes replay whatever order they arrive in. A succeeded entry returns
 its recorded output without calling ``fn``; a pending one (its holder crashed after
 journaling) is reconciled with ``reconcile(args, key)`` (its output, or :data:`NOT_MADE` to make
 the call now with the same key), else marked uncertain and the run fails, compensating it too.
@@ -29,7 +31,9 @@ included: ``handler_aborted``) or returns (output that is not storable JSON:
 ``output_not_json``/``output_too_large``) ends that run with a storable failure code, never the
 worker. A runtime statement whose connection fails leaves the run to its lease (``lost``: the
 reaper reclaims it and it resumes from its journal). Several threads of one handler may call
-``ctx.call`` at once (their entries are journaled one at a time, in position order).
+``ctx.call`` at once (their entries are journaled one at a time; each thread that calls at the
+same time as others should enter a scope of its own, ``with ctx.scope(name):``, for its calls to
+replay whatever the timing).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connections
 
+from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.conf import get_settings
@@ -156,6 +161,8 @@ class Context:
     ``shadow``, :meth:`call`, :meth:`request_approval`, :attr:`cancelled`, and ``lease`` (the
     current :class:`~buzz_delivery.agents.services.AgentLease`, renewed in the background)."""
 
+    journal_scopes = True  # calls are replayed by scope (ctx.scope): integrations may run them at once
+
     @tenant_scoped
     def __init__(self, claim: s.AgentClaim) -> None:
         self.run = claim.run
@@ -164,18 +171,19 @@ class Context:
         self.shadow = claim.run.shadow
         self.lost = threading.Event()
         self._cancelled = threading.Event()
-        self._pos = 0
+        self._positions = journal_scope.Positions()  # each scope's last call (docs/agents.md "Resume")
         self._journal = {
-            e.seq: e
+            e.replay_key: e
             for e in JournalEntry.objects.filter(community_id=claim.lease.community_id, run_id=claim.lease.run_id)
         }
         self.replayed = 0
         self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
         self.lane: UserConnection | None = None  # set by run_claim: the user's connection
-        self._journaling = threading.Lock()  # parallel ctx.call: one journal position at a time
+        self._journaling = threading.Lock()  # parallel ctx.call: one journal write at a time
         # Calls of this handler journaled (or being journaled) and not yet recorded: an approval
         # request waits for them (the run cannot park with one of its own calls in flight).
         self._calls = InFlightCalls()
+        self._inside = threading.local()  # .scopes: the scopes of this thread's calls' bodies, innermost last
         self.rate_waits = 0  # how many times a call waited for its rate limit
         # ctx.emit: chunks the run had when claimed (a resumed handler's first emits are these).
         self._emitted_before = claim.run.output_chunks
@@ -202,6 +210,15 @@ class Context:
     def cancelled(self) -> bool:
         """True once a heartbeat learnt the run was cancelled (the handler should stop)."""
         return self._cancelled.is_set()
+
+    @staticmethod
+    def scope(name: str) -> contextlib.AbstractContextManager[str]:
+        """A replay scope for calls made at the same time: ``with ctx.scope(name):`` makes the
+        block's calls the calls of scope ``name`` (inside the scope current where it is
+        created: create it where a thread is started, enter it in that thread), each replayed
+        by its index in that scope whatever the other scopes' calls did meanwhile (docs/agents.md
+        "Resume", "Parallel calls"). One ``with`` per object; raises ``ValueError`` for a blank name."""
+        return journal_scope.scoped(name)
 
     def mark_lost(self, reason: str) -> None:
         self.lost.set()
@@ -253,32 +270,49 @@ class Context:
         cost: int,
         rate: RatePlan | None,
     ) -> Any:
+        scope = journal_scope.current()
         with self._journaling:
-            self._pos += 1
-            entry = self._journal.get(self._pos)
+            index = self._positions.take(scope)
+            entry = self._journal.get((scope, index))
+            outcome: Any = None
             if entry is None:
                 descriptor = compensations.descriptor(compensate)  # ValueError when not registered
                 if rate is not None:
                     self._take_rate(rate)
                 with self._runtime():
                     outcome = s.journal_call(
-                        self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+                        self.lease,
+                        tool_name,
+                        args,
+                        cost=cost,
+                        compensation=descriptor,
+                        destructive=destructive,
+                        scope=scope,
+                        index=index,
                     )
-            self._calls.enter(self._pos)
+            self._calls.enter(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        inside = journal_scope.inside_call(scope, index)
+        self._inside.scopes = (*getattr(self._inside, "scopes", ()), inside)
         try:
-            return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile, rate)
+            with journal_scope.entered(inside):
+                return self._called(entry, outcome, tool_name, fn, args, reconcile, rate)
         finally:
+            self._inside.scopes = self._inside.scopes[:-1]
             self._calls.leave()
 
     def _refuse_nested(self, tool_name: str) -> None:
         """A call from inside one of this run's calls' tool (or reconcile) function on the same
         thread: :class:`NestedCall`, nothing journaled. A resumed run replays the outer call from
         the journal without running its function, so the nested call's entry would never be
-        consumed (the next call would meet it at its position: ``ReplayMismatch``). Calls a tool
-        runs on threads of its own are not nested: allowed."""
+        consumed. Calls a tool runs on threads of its own are not nested: allowed; so is a call
+        made on this thread in a scope outside the call's own (an integration serving the calls
+        of several scopes at once from the handler's thread, each in its tool call's scope)."""
         outer = self._calls.outer()
-        if outer is not None:
-            raise NestedCall(tool_name, outer)
+        scopes = getattr(self._inside, "scopes", ())
+        if outer is not None and scopes:
+            scope, inside = journal_scope.current(), scopes[-1]
+            if scope == inside or scope.startswith(inside + journal_scope.SEPARATOR):
+                raise NestedCall(tool_name, outer)
 
     def _called(
         self,
@@ -433,14 +467,15 @@ class Context:
         # it, or holding back new calls, while it waits kept the call it waits for from ending
         # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
         # call's journaling: the approval's position is the seq the server gives it.
+        scope = journal_scope.current()
         while True:
             with self._journaling:
-                entry = self._journal.get(self._pos + 1)
+                entry = self._journal.get((scope, self._positions.peek(scope)))
                 # From inside a call of this thread it asks at once: the server names the call.
                 if entry is not None or self._calls.own() or not self._calls.others():
-                    self._pos += 1
+                    index = self._positions.take(scope)
                     if entry is None:
-                        outcome = self._park(prompt, deadline_seconds)
+                        outcome = self._park(prompt, deadline_seconds, scope, index)
                     break
             self._await_calls()
         if entry is not None:
@@ -459,14 +494,16 @@ class Context:
         self.lost.set()
         raise RunAborted(f"cannot request an approval: {outcome}")
 
-    def _park(self, prompt: str, deadline_seconds: int) -> Any:
+    def _park(self, prompt: str, deadline_seconds: int, scope: str, index: int) -> Any:
         """``request_approval`` (none of the handler's other calls in flight, the journal lock
         held); while the server still sees one (its result being recorded as the park read), ask again shortly."""
         settle: float | None = None
         while True:
             self._check()
             with self._runtime():
-                outcome = s.request_approval(self.lease, prompt=prompt, deadline_seconds=deadline_seconds)
+                outcome = s.request_approval(
+                    self.lease, prompt=prompt, deadline_seconds=deadline_seconds, scope=scope, index=index
+                )
             if not isinstance(outcome, s.CallsInFlight):
                 return outcome
             if self._calls.own():

@@ -558,9 +558,12 @@ class GatewayClient:
         cost: int = 0,
         compensation: dict[str, Any] | None = None,
         destructive: bool = False,
+        scope: str = "",
+        index: int | None = None,
     ) -> RunOutcome:
         """Journal a call before making it: ``journaled`` (``seq``, ``idempotency_key``),
-        ``blocked``, ``budget_exceeded``, ``already_terminal`` or ``lease_lost``."""
+        ``blocked``, ``budget_exceeded``, ``already_terminal`` or ``lease_lost``. ``scope`` and
+        ``index``: its replay key (call ``index`` of scope ``scope``)."""
         return self._run_post(
             lease,
             "calls",
@@ -569,6 +572,8 @@ class GatewayClient:
             cost=cost,
             compensation=compensation,
             destructive=destructive,
+            scope=scope,
+            index=index,
         )
 
     def record_result(
@@ -587,9 +592,19 @@ class GatewayClient:
             lease, "results", seq=seq, ok=ok, output=output, error=error, latency_ms=latency_ms, uncertain=uncertain
         )
 
-    def request_approval(self, lease: RemoteRunLease, prompt: str = "", deadline_seconds: int = 86400) -> RunOutcome:
+    def request_approval(
+        self,
+        lease: RemoteRunLease,
+        prompt: str = "",
+        deadline_seconds: int = 86400,
+        *,
+        scope: str = "",
+        index: int | None = None,
+    ) -> RunOutcome:
         """Park the run on an approval: ``approval_requested`` (``approval_id``, ``seq``)."""
-        return self._run_post(lease, "approval", prompt=prompt, deadline_seconds=deadline_seconds)
+        return self._run_post(
+            lease, "approval", prompt=prompt, deadline_seconds=deadline_seconds, scope=scope, index=index
+        )
 
     def complete_run(self, lease: RemoteRunLease, output: Any) -> RunOutcome:
         """End the run ``completed``: ``finished``, ``already_terminal`` or ``lease_lost``."""

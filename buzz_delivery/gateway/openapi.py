@@ -210,7 +210,10 @@ RUN_SCHEMAS: dict[str, Any] = {
     ),
     "JournalEntry": _obj(
         {
-            "seq": {"type": "integer", "minimum": 1}, "kind": {"type": "string", "enum": ["tool", "approval"]},
+            "seq": {"type": "integer", "minimum": 1},
+            "scope": {"type": "string", "description": "the entry's replay scope ('' is the run's root)"},
+            "index": {"type": "integer", "minimum": 1, "description": "its call's position in its scope"},
+            "kind": {"type": "string", "enum": ["tool", "approval"]},
             "tool_name": {"type": "string"}, "idempotency_key": {"type": "string"}, "input_hash": HEX64,
             "cost": {"type": "integer"}, "destructive": {"type": "boolean"}, "compensation": {},
             "status": {"type": "string", "enum": ["pending", "succeeded", "failed"]},
@@ -408,6 +411,8 @@ _RUN = {
 }
 _ENTRY = {
     "seq": 1,
+    "scope": "",
+    "index": 1,
     "kind": "tool",
     "tool_name": "search",
     "idempotency_key": f"{_R}:1",

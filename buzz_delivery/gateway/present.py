@@ -134,6 +134,8 @@ def journal_entry_of(e: Any) -> dict[str, Any]:
     handler needs to resume (replay succeeded calls, reconcile pending ones)."""
     return {
         "seq": e.seq,
+        "scope": e.scope,
+        "index": e.replay_key[1],
         "kind": e.kind,
         "tool_name": e.tool_name,
         "idempotency_key": e.idempotency_key,

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from buzz_delivery import backoff
+from buzz_delivery import backoff, journal_scope
 from buzz_delivery.agents import compensations
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.gateway.client import (
@@ -186,7 +186,15 @@ UNREGISTERED = compensations.UNREGISTERED
 class RemoteRunContext:
     """What a remote handler gets for one claimed run: ``run`` (the API's JSON), ``input``,
     ``lease`` (renewed in the background), :meth:`call`, :meth:`request_approval`, :meth:`emit`,
-    :attr:`cancelled`."""
+    :attr:`cancelled`, :meth:`scope`.
+
+    Replay by scope as the in-process runtime (docs/agents.md "Resume"): each call and approval
+    is sent with its replay key (``scope``, ``index``) once the run has an entry outside the root
+    scope; until then a root call's index is its seq, and the key is left out (a gateway from
+    before scopes answers such a run as ever; one of a run with scopes refuses the field: 400)."""
+
+    journal_scopes = True  # calls are replayed by scope (ctx.scope): integrations may run them at once
+    scope = staticmethod(journal_scope.scoped)
 
     def __init__(self, client: GatewayClient, claim: RemoteRunClaim, batcher: RunBatcher | None = None) -> None:
         self.client = client
@@ -197,7 +205,7 @@ class RemoteRunContext:
         self.lost = threading.Event()
         self._cancelled = threading.Event()
         self.failure_code: str | None = None  # set when the run is failed (for the worker's line)
-        self._pos = 0
+        self._positions = journal_scope.Positions()
         # A run that has spent no call and is not unwinding has an empty journal: no read (as
         # the in-process runtime's batch.resumed).
         fresh = not claim.run.get("tool_calls_used") and not claim.run.get("unwinding")
@@ -208,7 +216,9 @@ class RemoteRunContext:
         journal = (
             [] if fresh else _again(lambda: client.read_run(claim.lease.community_id, claim.lease.run_id))["journal"]
         )
-        self._journal = {e["seq"]: e for e in journal}
+        self._journal = {(e.get("scope") or "", e.get("index") or e["seq"]): e for e in journal}
+        self._scoped = any(scope for scope, _ in self._journal)  # send replay keys (see the class doc)
+        self._inside = threading.local()  # .scopes: the scopes of this thread's calls' bodies
         self.replayed = 0
         # ctx.emit: the chunks the run had when claimed (a resumed handler's first emits are these).
         self._emitted_before = int(claim.run.get("output_chunks") or 0)
@@ -278,8 +288,11 @@ class RemoteRunContext:
         same thread raises :class:`NestedCall` (nothing journaled)."""
         self._check()
         outer = self._calls.outer()
-        if outer is not None:
-            raise NestedCall(tool_name, outer)
+        scopes = getattr(self._inside, "scopes", ())
+        if outer is not None and scopes:  # a call in a scope outside this thread's call: allowed
+            scope, inside = journal_scope.current(), scopes[-1]
+            if scope == inside or scope.startswith(inside + journal_scope.SEPARATOR):
+                raise NestedCall(tool_name, outer)
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost)
 
     def _await_calls(self) -> None:
@@ -295,26 +308,40 @@ class RemoteRunContext:
         destructive: bool,
         cost: int,
     ) -> Any:
+        scope = journal_scope.current()
         with self._journaling:
-            self._pos += 1
-            entry = self._journal.get(self._pos)
+            index = self._positions.take(scope)
+            entry = self._journal.get((scope, index))
+            outcome: Any = None
             if entry is None:
                 descriptor = compensations.descriptor(compensate)
+                key = self._key(scope, index)
                 body = {"tool_name": tool_name, "args": args, "cost": cost, "compensation": descriptor,
-                        "destructive": destructive}  # fmt: skip
+                        "destructive": destructive, **key}  # fmt: skip
                 with self._runtime("journal"):
                     outcome = (
                         self.batcher.send("calls", self.lease, body)
                         if self.batcher
                         else self.client.journal_call(
-                            self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive
+                            self.lease, tool_name, args, cost=cost, compensation=descriptor, destructive=destructive,
+                            **key,
                         )
-                    )
-            self._calls.enter(self._pos)
+                    )  # fmt: skip
+            self._calls.enter(entry["seq"] if entry is not None else int(outcome.data.get("seq") or 0))
+        inside = journal_scope.inside_call(scope, index)
+        self._inside.scopes = (*getattr(self._inside, "scopes", ()), inside)
         try:
-            return self._called(entry, outcome if entry is None else None, tool_name, fn, args, reconcile)
+            with journal_scope.entered(inside):
+                return self._called(entry, outcome, tool_name, fn, args, reconcile)
         finally:
+            self._inside.scopes = self._inside.scopes[:-1]
             self._calls.leave()
+
+    def _key(self, scope: str, index: int) -> dict[str, Any]:
+        """The replay key sent with a new entry (the journal lock held): none while every entry
+        of the run is in the root scope (a root call's index is then its seq)."""
+        self._scoped = self._scoped or bool(scope)
+        return {"scope": scope, "index": index} if self._scoped else {}
 
     def _called(
         self,
@@ -422,14 +449,15 @@ class RemoteRunContext:
         # it, or holding back new calls, while it waits kept the call it waits for from ending
         # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
         # call's journaling: the approval's position is the seq the gateway gives it.
+        scope = journal_scope.current()
         while True:
             with self._journaling:
-                entry = self._journal.get(self._pos + 1)
+                entry = self._journal.get((scope, self._positions.peek(scope)))
                 # From inside a call of this thread it asks at once: the gateway names the call.
                 if entry is not None or self._calls.own() or not self._calls.others():
-                    self._pos += 1
+                    index = self._positions.take(scope)
                     if entry is None:
-                        outcome = self._park(prompt, deadline_seconds)
+                        outcome = self._park(prompt, deadline_seconds, self._key(scope, index))
                     break
             self._await_calls()
         if entry is not None:
@@ -447,7 +475,7 @@ class RemoteRunContext:
             raise BudgetExhausted("tool_calls budget exhausted")
         raise self._gone(outcome, "request an approval")
 
-    def _park(self, prompt: str, deadline_seconds: int) -> RunOutcome:
+    def _park(self, prompt: str, deadline_seconds: int, key: dict[str, Any]) -> RunOutcome:
         """``approval`` (none of the handler's other calls in flight, the journal lock held);
         while the gateway still sees one (``calls_in_flight``: its result being recorded as the
         park read), ask again shortly."""
@@ -456,7 +484,7 @@ class RemoteRunContext:
             self._check()
             with self._runtime("request an approval"):
                 outcome: RunOutcome = _again(
-                    lambda: self.client.request_approval(self.lease, prompt, deadline_seconds), REFUSED_FOR_LOAD
+                    lambda: self.client.request_approval(self.lease, prompt, deadline_seconds, **key), REFUSED_FOR_LOAD
                 )
             if outcome.outcome != "calls_in_flight":
                 return outcome

@@ -236,6 +236,8 @@ def call(request: HttpRequest, pubkey: bytes, data: dict[str, Any], community_id
         cost=data["cost"],
         compensation=data["compensation"],
         destructive=data["destructive"],
+        scope=data["scope"],
+        index=data["index"],
     )
     if isinstance(outcome, agents.Journaled):
         return JsonResponse({"outcome": "journaled", "seq": outcome.seq, "idempotency_key": outcome.idempotency_key})
@@ -281,7 +283,13 @@ def approval(request: HttpRequest, pubkey: bytes, data: dict[str, Any], communit
     ``budget_exceeded`` or ``already_terminal``; 409 lease lost. Once decided, claim the run
     again: its journal entry ``seq`` holds the decision."""
     lease = _run_lease(request, community_id, run_id, pubkey, data)
-    outcome = agents.request_approval(lease, prompt=data["prompt"], deadline_seconds=data["deadline_seconds"])
+    outcome = agents.request_approval(
+        lease,
+        prompt=data["prompt"],
+        deadline_seconds=data["deadline_seconds"],
+        scope=data["scope"],
+        index=data["index"],
+    )
     if isinstance(outcome, agents.ApprovalRequested):
         return JsonResponse(
             {"outcome": "approval_requested", "approval_id": str(outcome.approval_id), "seq": outcome.seq}
@@ -489,7 +497,7 @@ def result_batch(request: HttpRequest, pubkey: bytes, data: dict[str, Any], comm
 def _prepare_call(lease: agents.AgentLease, item: dict[str, Any]) -> batch.PreparedCall:
     return batch.prepare_call(
         lease, item["tool_name"], item["args"], cost=item["cost"], compensation=item["compensation"],
-        destructive=item["destructive"],
+        destructive=item["destructive"], scope=item["scope"], index=item["index"],
     )  # fmt: skip
 
 

@@ -306,6 +306,18 @@ RUN_CLAIM = Body(
     },
 )
 HEARTBEAT = Body("HeartbeatRequest", {**RUN_LEASE_FIELDS, "lease_seconds": LEASE_SECONDS})
+# The entry's replay key (agents migration 0022, docs/agents.md "Resume"): call ``index`` of scope
+# ``scope``; a remote runtime sends both for every call and approval.
+REPLAY_KEY_FIELDS = {
+    "scope": Field(
+        "string", "the call's replay scope ('' is the run's root; at most 200 characters)", default="",
+        bounds=lambda: (0, 200),
+    ),
+    "index": Field(
+        "integer", "the call's position in its scope (1, 2, ...); null: its seq (the root scope only)",
+        nullable=True, bounds=_seq,
+    ),
+}  # fmt: skip
 CALL = Body(
     "CallRequest",
     {
@@ -315,6 +327,7 @@ CALL = Body(
         "cost": Field("integer", "cost units counted against max_cost", default=0, bounds=lambda: (0, MAX_COST_UNITS)),
         "compensation": Field("json", "compensation descriptor (a JSON object), or null", default=None),
         "destructive": Field("boolean", "blocked in shadow mode", default=False),
+        **REPLAY_KEY_FIELDS,
     },
 )
 RESULT = Body(
@@ -391,6 +404,7 @@ APPROVAL = Body(
         "deadline_seconds": Field(
             "integer", "the approval expires after this long", default=86400, bounds=lambda: (1, 30 * 86400)
         ),
+        **REPLAY_KEY_FIELDS,
     },
 )
 FAIL = Body(

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from pydantic_core import to_jsonable_python
 
+from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.runtime import NOT_MADE
 
@@ -93,9 +94,13 @@ def reconciler(hook: Callable[[Any, str], Any] | None) -> Callable[[Any, str], A
 
 
 class Journal(Protocol):
-    """A run's context seen from the agent's event loop."""
+    """A run's context seen from the agent's event loop. ``parallel``: calls made in scopes of
+    their own (``journal_scope``) may run at the same time, each replayed by its scope; False
+    (a runtime without replay scopes, the remote one): an integration makes its calls one at a
+    time, in the root scope."""
 
     ctx: Any
+    parallel: bool
 
     async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any: ...
 
@@ -113,6 +118,8 @@ class ThreadJournal:
     def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.ctx, self.loop = ctx, loop
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.parallel = bool(getattr(ctx, "journal_scopes", False))
+        self.over: set[object] = set()  # end markers of calls whose serving is below on the stack
 
     async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
         def on_loop(call_args: Any, key: str) -> Any:
@@ -131,14 +138,33 @@ class ThreadJournal:
         return await self._ask(lambda: self.ctx.emit(chunk))  # type: ignore[no-any-return]
 
     async def _ask(self, work: Callable[[], Any]) -> Any:
+        """Have the handler's thread do ``work`` in the asking task's journal scope (when the
+        runtime has scopes: else in the root, one call at a time as the integration asks)."""
         future: asyncio.Future[Any] = self.loop.create_future()
+        if self.parallel:
+            scope = journal_scope.current()
+            inner = work
+
+            def work() -> Any:
+                with journal_scope.entered(scope):
+                    return inner()
+
         self.requests.put((work, future))
         return await future
 
     def _serve_until(self, stop: object) -> None:
-        while (item := self.requests.get()) is not stop:
+        """Serve the agent's requests until ``stop`` (a call's end marker, None at close) came.
+        Calls of several scopes at once: a call asked while another's body runs is made from
+        inside that one's serving (each body runs on the loop meanwhile); a marker of a call
+        below on this thread's stack is kept for it, so an outer call is recorded once the calls
+        made inside its serving are."""
+        while stop not in self.over:
+            item = self.requests.get()
+            if item is None and stop is None:
+                return
             if not isinstance(item, tuple):
-                continue  # a stop marker of a call already over
+                self.over.add(item)  # the end of a call's body (this one's, or one below)
+                continue
             work, future = item
             try:
                 output = work()
@@ -146,6 +172,7 @@ class ThreadJournal:
                 self.loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 self.loop.call_soon_threadsafe(_settle, future, output, None)
+        self.over.discard(stop)
 
     def serve(self) -> None:
         """On the handler's thread: make the calls the agent asks for until it is done."""
@@ -169,6 +196,7 @@ class AsyncJournal:
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
+        self.parallel = bool(getattr(ctx, "journal_scopes", False))
 
     async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
         return await self.ctx.call(tool_name, body, args, **options)

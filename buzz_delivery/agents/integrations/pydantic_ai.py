@@ -19,8 +19,14 @@ capability (``get_wrapper_model``, ``get_wrapper_toolset``) passed to ``Agent.ru
   left pending by a crashed holder is simply made again (a model request has no side effect the
   journal could compensate).
 - Tool calls: journaled under the tool's name with the validated arguments; the result is
-  recorded as JSON and the model sees that JSON (on the first run as on a replay). Tools run one
-  at a time (each is made ``sequential``) so their journal positions never depend on timing.
+  recorded as JSON and the model sees that JSON (on the first run as on a replay). The tool
+  calls of one model response run at once, as Pydantic AI runs them (a tool declared
+  ``sequential`` keeps its own setting): each is journaled in a replay scope of its own, named by
+  its ``tool_call_id`` (part of the recorded response), so a resumed run replays each call by its
+  scope whatever order the calls reach the journal in (``docs/agents.md`` "Resume"). Under the
+  threaded runtime each such call is journaled on a thread of its own; under the event-loop
+  runtime the calls are still made one at a time (its lock), in whatever order. On a runtime
+  without replay scopes (the remote worker) every tool is made ``sequential``, as before.
   Inside a tool, :func:`idempotency_key` is the journal's key for that call. A ``ModelRetry`` the
   tool raises is recorded too (the model is asked again, on a replay as well). ``compensations``
   (registered with :func:`~buzz_delivery.agents.compensations.compensation`), ``reconcile``
@@ -82,6 +88,7 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
+from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.exceptions import AgentError
 from buzz_delivery.agents.integrations.journal import (
@@ -269,13 +276,25 @@ class _JournaledToolset(WrapperToolset[Any]):
 
     async def get_tools(self, ctx: RunContext[Any]) -> dict[str, Any]:
         tools = await super().get_tools(ctx)
-        # One tool at a time: a call's journal position must not depend on which finished first.
+        if self.durability.journal.parallel:  # each call replayed in its own scope (call_tool)
+            return tools
+        # A runtime without replay scopes (the remote one): one tool at a time, so a call's
+        # journal position does not depend on which finished first.
         return {
             name: dataclasses.replace(tool, tool_def=dataclasses.replace(tool.tool_def, sequential=True))
             for name, tool in tools.items()
         }
 
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
+        if not self.durability.journal.parallel:
+            return await self._journaled(name, tool_args, ctx, tool)
+        # The model's tool calls run at once (Pydantic AI's tasks): each is journaled in the scope
+        # of its tool_call_id, which comes from the recorded (or replayed) model response, so its
+        # replay does not depend on which call reached the journal first.
+        with journal_scope.entered(_call_scope(ctx.tool_call_id)):
+            return await self._journaled(name, tool_args, ctx, tool)
+
+    async def _journaled(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
         owner = self.durability.owner
 
         async def body(args: Any, key: str) -> Any:
@@ -300,6 +319,15 @@ class _JournaledToolset(WrapperToolset[Any]):
         if "retry" in recorded:
             raise ModelRetry(recorded["retry"])
         return recorded["return"]
+
+
+def _call_scope(tool_call_id: str | None) -> str:
+    """The journal scope of the tool call ``tool_call_id`` (inside the scope current: an agent
+    run in a scope of its own): ``tool:<id>``, a long id by its SHA-256."""
+    text = tool_call_id or "?"
+    if len(text) > 64 or "\x00" in text:
+        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return journal_scope.child(journal_scope.current(), f"tool:{text}")
 
 
 def _default_prompt(run_input: Any) -> str:

@@ -14,7 +14,7 @@ from django.db import transaction
 
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import holds, json_value, lease_params, sha256_json
-from buzz_delivery.agents.services.journal import budget_or_missed, idempotency_key
+from buzz_delivery.agents.services.journal import budget_or_missed, idempotency_key, scope_params
 from buzz_delivery.agents.services.types import (
     AgentLease,
     AlreadyTerminal,
@@ -32,7 +32,12 @@ from buzz_delivery.workflows.services.approvals import MAX_DEADLINE_SECONDS
 
 @tenant_scoped
 def request_approval(
-    lease: AgentLease, *, prompt: str = "", deadline_seconds: int = 86400
+    lease: AgentLease,
+    *,
+    prompt: str = "",
+    deadline_seconds: int = 86400,
+    scope: str = "",
+    index: int | None = None,
 ) -> ApprovalRequested | CallsInFlight | BudgetExceeded | AlreadyTerminal | LeaseLost:
     """In one transaction: the run moves to ``waiting_approval`` and releases its lease (one
     fenced statement that also spends a journal slot), an engine approval is created with
@@ -45,6 +50,8 @@ def request_approval(
     released. While one is, nothing is written and the answer is :class:`CallsInFlight` naming
     them (the lease holds: record them, then ask again).
 
+    ``scope`` and ``index``: the entry's replay key, as :func:`~.journal.journal_call`'s.
+
     Returns :class:`ApprovalRequested`, :class:`CallsInFlight`, :class:`BudgetExceeded`,
     ``AlreadyTerminal`` or ``LeaseLost``. Raises ``ValidationError`` keyed ``lease``, ``prompt`` or
     ``deadline_seconds`` before SQL. SPEC 12 "Approvals"."""
@@ -55,6 +62,7 @@ def request_approval(
         approval_id=new_uuid7(),
         entry_id=new_uuid7(),
         cost=0,
+        **scope_params(scope, index),
     )
     try:
         return _park(params)

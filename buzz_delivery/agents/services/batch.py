@@ -100,9 +100,11 @@ def prepare_call(
     cost: int = 0,
     compensation: dict[str, Any] | None = None,
     destructive: bool = False,
+    scope: str = "",
+    index: int | None = None,
 ) -> PreparedCall:
     """Validate one ``journal_call`` as the single form does (``ValidationError`` keyed
-    ``lease``, ``tool_name``, ``args``, ``cost``, ``compensation`` or ``destructive``)."""
+    ``lease``, ``tool_name``, ``args``, ``cost``, ``compensation``, ``destructive``, ``scope`` or ``index``)."""
     lease = lease_value(lease)
     if not isinstance(destructive, bool):
         raise v.invalid("destructive", "must be a bool")
@@ -116,6 +118,7 @@ def prepare_call(
         "compensation": None if compensation is None else json_value(compensation, "compensation", 100_000),
         "destructive": destructive,
         "entry_id": new_uuid7(),
+        **journal.scope_params(scope, index),
     }
     return PreparedCall(lease, params, (tool_name, args, cost, compensation, destructive))
 
@@ -281,6 +284,8 @@ def journal_calls(community_id: uuid.UUID | str, calls: Sequence[PreparedCall]) 
         costs=[c.params["cost"] for c in batched],
         destructives=[False for _ in batched],
         compensations=[c.params["compensation"] for c in batched],
+        scopes=[c.params["scope"] for c in batched],
+        scope_indexes=[c.params["scope_index"] for c in batched],
     )
     outcomes: dict[uuid.UUID, JournalOutcome] = {}
     # One transaction for the whole batch (the single forms' savepoints inside it): a batch
@@ -305,7 +310,14 @@ def replay_call(call: PreparedCall) -> JournalOutcome:
     """The single form of one prepared call."""
     tool_name, args, cost, compensation, destructive = call.raw
     return journal.journal_call(
-        call.lease, tool_name, args, cost=cost, compensation=compensation, destructive=destructive
+        call.lease,
+        tool_name,
+        args,
+        cost=cost,
+        compensation=compensation,
+        destructive=destructive,
+        scope=call.params["scope"],
+        index=call.params["scope_index"],
     )
 
 

@@ -3,8 +3,10 @@
 A call is journaled before it is made, under the run's current lease, by one fenced statement
 that spends a journal slot and its cost within the run's budgets (CHECKs and a trigger back it:
 a call past a cap is refused as :class:`BudgetExceeded` and nothing is journaled); the entry's
-``seq`` is the run's new ``tool_calls_used``. Compensations run in reverse order: a statement
-begins one only for the highest compensable entry not yet compensated, fenced by the lease.
+``seq`` is the run's new ``tool_calls_used`` (the order entries were journaled in); a resumed
+handler replays an entry by its scope and its index in that scope (``journal_scope``).
+Compensations run in reverse ``seq`` order: a statement begins one only for the highest
+compensable entry not yet compensated, fenced by the lease.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from django.db import transaction
 
+from buzz_delivery import journal_scope
 from buzz_delivery.agents.conf import MAX_COST_UNITS, get_settings
 from buzz_delivery.agents.services import sql
 from buzz_delivery.agents.services.common import json_value, lease_params, missed, sha256_json
@@ -54,6 +57,21 @@ def _tool_name(value: Any) -> str:
     return text
 
 
+def scope_params(scope: Any, index: Any) -> dict[str, Any]:
+    """The replay key of an entry: ``scope`` (text, ``""`` the run's root, at most 200
+    characters) and ``index`` (its call's position in the scope, >= 1; None: the entry's seq,
+    as every entry journaled before scopes, which only a root-scope caller may pass)."""
+    try:
+        scope = journal_scope.check_scope(scope)
+    except journal_scope.ScopeError as exc:
+        raise v.invalid("scope", str(exc)) from None
+    if index is None:
+        if scope:
+            raise v.invalid("index", "a call in a scope other than the root needs its index")
+        return {"scope": scope, "scope_index": None}
+    return {"scope": scope, "scope_index": v.int_in_range(index, "index", 1, 10**9)}
+
+
 def budget_or_missed(params: dict[str, Any]) -> BudgetExceeded | AlreadyTerminal | LeaseLost:
     """After a spend matched nothing: a holder whose fence holds was refused by a budget."""
     rows = fetch_all(sql.RUN_AT, params)
@@ -83,12 +101,16 @@ def journal_call(
     cost: int = 0,
     compensation: dict[str, Any] | None = None,
     destructive: bool = False,
+    scope: str = "",
+    index: int | None = None,
 ) -> Journaled | Blocked | BudgetExceeded | AlreadyTerminal | LeaseLost:
     """Journal a tool call before it is made: entry ``seq`` (contiguous from 1), ``pending``,
     with ``tool_name`` (1..200), the SHA-256 of ``args`` (JSON), ``cost`` (cost units >= 0,
     counted against ``max_cost``), the ``compensation`` descriptor (JSON, e.g.
     ``{"function": "pkg.mod:undo"}``) and the writing generation; the run moves to
-    ``waiting_tool``. A shadow run's ``destructive`` call is journaled ``failed`` with
+    ``waiting_tool``. ``scope`` and ``index``: the entry's replay key, call ``index`` of scope
+    ``scope`` (:func:`scope_params`; unique per run, ``IntegrityError`` for a second entry at the
+    same key). A shadow run's ``destructive`` call is journaled ``failed`` with
     ``blocked_reason`` and the run stays ``running``: :class:`Blocked`, do not make it.
 
     Returns :class:`Journaled`, :class:`Blocked`, :class:`BudgetExceeded` (nothing journaled),
@@ -109,6 +131,7 @@ def journal_call(
         kind="tool",
         approval_id=None,
         entry_id=new_uuid7(),
+        **scope_params(scope, index),
     )
     with transaction.atomic(), translated_errors():
         rows = fetch_all(sql.SPEND_CALL_IF_CURRENT_AND_WITHIN_BUDGET, params)

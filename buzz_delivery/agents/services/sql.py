@@ -204,12 +204,12 @@ RETURNING r.tool_calls_used, r.shadow
 """
 
 _INSERT_JOURNAL_ENTRY = """
-INSERT INTO {JOURNAL} (id, community_id, run_id, seq, kind, tool_name, idempotency_key, input_hash, args, cost,
-                       destructive, compensation, status, uncertain, blocked_reason, error, finished_at,
-                       approval_id, generation)
-VALUES (%(entry_id)s, %(community_id)s, %(run_id)s, %(seq)s, %(kind)s, %(tool_name)s, %(idempotency_key)s,
-        %(input_hash)s, %(args)s::jsonb, %(cost)s, %(destructive)s, %(compensation)s::jsonb, %(status)s, false,
-        %(blocked_reason)s, %(error)s, {finished_at}, %(approval_id)s, %(lease_generation)s)
+INSERT INTO {JOURNAL} (id, community_id, run_id, seq, scope, scope_index, kind, tool_name, idempotency_key,
+                       input_hash, args, cost, destructive, compensation, status, uncertain, blocked_reason, error,
+                       finished_at, approval_id, generation)
+VALUES (%(entry_id)s, %(community_id)s, %(run_id)s, %(seq)s, %(scope)s, %(scope_index)s, %(kind)s, %(tool_name)s,
+        %(idempotency_key)s, %(input_hash)s, %(args)s::jsonb, %(cost)s, %(destructive)s, %(compensation)s::jsonb,
+        %(status)s, false, %(blocked_reason)s, %(error)s, {finished_at}, %(approval_id)s, %(lease_generation)s)
 """
 INSERT_PENDING_JOURNAL_ENTRY = _INSERT_JOURNAL_ENTRY.format(JOURNAL=JOURNAL, finished_at="NULL")
 INSERT_ANSWERED_JOURNAL_ENTRY = _INSERT_JOURNAL_ENTRY.format(JOURNAL=JOURNAL, finished_at=DB_NOW)
@@ -549,8 +549,10 @@ JOURNAL_MANY_IF_CURRENT_AND_WITHIN_BUDGET = f"""
 WITH u AS MATERIALIZED (
     SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(entry_ids)s::uuid[],
                          %(tool_names)s::text[], %(input_hashes)s::bytea[], %(args)s::jsonb[], %(costs)s::bigint[],
-                         %(destructives)s::boolean[], %(compensations)s::jsonb[])
-        AS u(run_id, generation, entry_id, tool_name, input_hash, args, cost, destructive, compensation)
+                         %(destructives)s::boolean[], %(compensations)s::jsonb[], %(scopes)s::text[],
+                         %(scope_indexes)s::integer[])
+        AS u(run_id, generation, entry_id, tool_name, input_hash, args, cost, destructive, compensation, scope,
+             scope_index)
 ), {locked_in_id_order(extra=_WITHIN_BUDGET, columns=", u.cost")}, spent AS (
     UPDATE {RUN} AS r
     SET tool_calls_used = r.tool_calls_used + 1, cost_used = r.cost_used + locked.cost, state = 'waiting_tool'
@@ -558,10 +560,10 @@ WITH u AS MATERIALIZED (
     WHERE {LOCKED_RUN}
     RETURNING r.id, r.tool_calls_used, r.lease_generation
 )
-INSERT INTO {JOURNAL} (id, community_id, run_id, seq, kind, tool_name, idempotency_key, input_hash, args, cost,
-                       destructive, compensation, status, uncertain, blocked_reason, error, finished_at,
-                       approval_id, generation)
-SELECT u.entry_id, %(community_id)s, spent.id, spent.tool_calls_used, 'tool', u.tool_name,
+INSERT INTO {JOURNAL} (id, community_id, run_id, seq, scope, scope_index, kind, tool_name, idempotency_key,
+                       input_hash, args, cost, destructive, compensation, status, uncertain, blocked_reason, error,
+                       finished_at, approval_id, generation)
+SELECT u.entry_id, %(community_id)s, spent.id, spent.tool_calls_used, u.scope, u.scope_index, 'tool', u.tool_name,
        spent.id::text || ':' || spent.tool_calls_used::text, u.input_hash, u.args, u.cost, u.destructive,
        u.compensation, 'pending', false, NULL, NULL, NULL, NULL, spent.lease_generation
 FROM spent JOIN u ON u.run_id = spent.id

@@ -1,0 +1,95 @@
+"""Replay scopes of an agent run's journal (Django-free: the thread and event-loop runtimes and
+the remote one, ``gateway.remote_runs``, share it). SPEC 12 "Journal", docs/agents.md "Resume".
+
+A journal entry is keyed for replay by its *scope* (text; ``""`` is the run's root) and its
+*index* in that scope (1, 2, ... in the order the scope's own calls are made): a call made in
+scope ``S`` is the ``k``-th call of ``S`` and a resumed handler replays it from entry ``(S, k)``,
+whatever the calls of other scopes did meanwhile. Calls that run at the same time must be in
+different scopes for their replay not to depend on timing: the scope is a context variable, so
+an asyncio task inherits the scope it was created in, and a thread starts in the root scope
+(``with ctx.scope(name):`` in the thread enters its own). ``seq`` stays the run's contiguous
+count of journaled entries, in the order they were journaled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+ROOT = ""
+MAX_SCOPE_CHARS = 200
+SEPARATOR = "/"
+
+_SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar("buzz_journal_scope", default=ROOT)
+
+
+class ScopeError(ValueError):
+    """A scope name that cannot key a journal entry."""
+
+
+def current() -> str:
+    """The scope the calling code's journal calls are made in (``""``: the run's root)."""
+    return _SCOPE.get()
+
+
+def check_name(name: object) -> str:
+    """A scope name: non-blank text without NUL (the path it makes is at most 200 characters)."""
+    if not isinstance(name, str) or not name.strip() or "\x00" in name:
+        raise ScopeError(f"a journal scope name must be non-blank text without NUL, got {name!r}")
+    return name
+
+
+def check_scope(scope: object) -> str:
+    """A full scope path as stored: text of at most ``MAX_SCOPE_CHARS`` characters, no NUL."""
+    if not isinstance(scope, str) or len(scope) > MAX_SCOPE_CHARS or "\x00" in scope:
+        raise ScopeError(f"a journal scope must be text of at most {MAX_SCOPE_CHARS} characters without NUL")
+    return scope
+
+
+def child(parent: str, name: str) -> str:
+    """The path of scope ``name`` inside ``parent``."""
+    name = check_name(name)
+    return check_scope(f"{parent}{SEPARATOR}{name}" if parent else name)
+
+
+@contextlib.contextmanager
+def entered(scope: str) -> Iterator[str]:
+    """Make the block's journal calls (and the tasks it creates) in ``scope`` (a full path; its
+    length is checked when a call is journaled in it)."""
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+def scoped(name: str) -> contextlib.AbstractContextManager[str]:
+    """``ctx.scope(name)``: a context manager (for one ``with``) that makes its block's calls in
+    scope ``name`` inside the scope current *where it is created*: create it in the code that
+    starts a thread (inside a tool, say) and enter it in that thread, so the thread's calls nest
+    under the tool's call, deterministically, whatever thread runs them."""
+    return entered(child(current(), name))
+
+
+def inside_call(scope: str, index: int) -> str:
+    """The scope of the body of call ``index`` of ``scope``: scopes a tool creates nest under it
+    (the outer call replayed, they are never visited again; none collides with another call's)."""
+    return f"{scope}{SEPARATOR}#{index}" if scope else f"#{index}"
+
+
+class Positions:
+    """The last index each scope handed out, for one handler invocation (the caller serialises)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def peek(self, scope: str) -> int:
+        """The index the next call of ``scope`` will have."""
+        return self._last.get(scope, 0) + 1
+
+    def take(self, scope: str) -> int:
+        """Hand out the next index of ``scope``."""
+        index = self.peek(scope)
+        self._last[scope] = index
+        return index

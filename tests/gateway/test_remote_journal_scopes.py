@@ -1,0 +1,87 @@
+"""The remote runtime replays by scope as the in-process one (tests/test_agents_journal_scopes.py):
+the replay key (scope, index) goes through the gateway's calls and approvals and comes back in
+the journal it reads on resume. Failed before the change: the threads' calls replayed out of
+order and the fan-out's next call met another entry at their position (``ReplayMismatch``);
+the Pydantic AI tools were made one at a time (the first never saw the last start)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.services import Created, intake_event
+from buzz_delivery.gateway.remote_runs import RemoteRunContext, run_remote_claim
+from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.workflows.services import decide_approval
+from tests.gateway.support import enroll, new_agent
+from tests.test_agents_journal_scopes import Cities, Ordered, _cities_agent, _fan_out_handler, _handler
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _setup(gateway_server):
+    community = CommunityFactory()
+    agent = new_agent(gateway_server)
+    enroll(agent, community)
+    created = intake_event(community.id, "test", uuid.uuid4().hex, {}, agent.pubkey)
+    assert isinstance(created, Created)
+    return community, agent, created.run_id
+
+
+def _run(agent, worker, handler):
+    (claim,) = agent.claim_runs(worker_id=worker)
+    return run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim))
+
+
+def _approve(community, run_id):
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state == "waiting_approval", (run.state, run.failure_code, run.failure_message)
+    decide_approval(community.id, run.approval_id, "approved", "alice")
+
+
+def test_remote_threads_in_scopes_replay_whatever_order_they_arrive_in(gateway_server):
+    community, agent, run_id = _setup(gateway_server)
+    first = Ordered(["w3", "w2", "w1"])
+    assert _run(agent, "w1", first.handler) == "parked"
+    keys = [(e.seq, e.scope, e.scope_index) for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")]
+    assert keys == [(1, "w3", 1), (2, "w3", 2), (3, "w2", 1), (4, "w2", 2), (5, "w1", 1), (6, "w1", 2), (7, "", 1)]
+    _approve(community, run_id)
+
+    again = Ordered(["w1", "w2", "w3"])
+    outcome = _run(agent, "w2", again.handler)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert again.made == []
+    assert run.output["outputs"]["w2"][1]["key"] == f"{run_id}:4"
+
+
+def test_remote_fan_out_in_scopes_across_an_approval(gateway_server):
+    community, agent, run_id = _setup(gateway_server)
+    made: list = []
+    assert _run(agent, "w1", _fan_out_handler(made)) == "parked"
+    _approve(community, run_id)
+    made.clear()
+    outcome = _run(agent, "w2", _fan_out_handler(made))
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert made == [("after", 0)]
+    assert run.output == {"fanned": {"parts": [10, 20]}, "decision": "approved", "after": {"ok": True}}
+
+
+def test_remote_pydantic_ai_parallel_tool_calls_across_an_approval(gateway_server):
+    community, agent, run_id = _setup(gateway_server)
+    box: list = [None]
+    first = Cities(box)
+    assert _run(agent, "w1", _handler(_cities_agent(first, True), box)) == "parked"
+    assert first.ended == ["c", "b", "a"]
+    _approve(community, run_id)
+    again = Cities(box)
+    outcome = _run(agent, "w2", _handler(_cities_agent(again, True), box))
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert again.made == []
+    keys = {e.scope: e.idempotency_key for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")}
+    assert json.loads(run.output) == ["shipped"] + [{"city": c, "key": keys[f"tool:call-{c}"]} for c in "abc"]

@@ -1,0 +1,435 @@
+"""Replay by scope (agents migration 0022, docs/agents.md "Resume", "Parallel calls").
+
+The journal was replayed by global position (call ``n`` of a resumed handler was entry ``n``),
+so calls made at the same time had to be made one at a time (the Pydantic AI integration made
+every tool ``sequential``) and calls a tool fanned out to threads of its own broke the replay
+of the calls after it (the outer call replayed without running, its children's entries were met
+by the next call: ``ReplayMismatch``). Now a call made in scope ``S`` is the ``k``-th call of
+``S`` and is replayed from entry ``(S, k)``, whatever order the scopes' calls arrive in.
+
+Each test failed before the change: the threads' calls replayed out of order met another
+thread's entry (``ReplayMismatch``); the fan-out's next call met a child's entry
+(``ReplayMismatch``); the Pydantic AI tools, made one at a time, waited for each other until
+their bound (the first never saw the last start); ``ctx.scope``, ``scope=``/``index=`` did not
+exist.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from django.db import IntegrityError, connections
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from buzz_delivery.agents.exceptions import ReplayMismatch, RunAborted
+from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent, idempotency_key
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.runtime import NOT_MADE, run_claim
+from buzz_delivery.agents.services import (
+    Journaled,
+    Recorded,
+    claim_agent_runs,
+    journal_call,
+    reap_agent_runs,
+    record_call_result,
+)
+from buzz_delivery.workflows.services import decide_approval
+from tests.agents_support import AGENT, backdate_run_lease, claim, make_claimable, new_run
+
+WAIT = 30  # bound of every wait for another thread (never reached when the calls run at once)
+
+
+def _claim(community, worker="w"):
+    (claimed,) = claim_agent_runs(community.id, [AGENT], worker_id=worker, lease_seconds=60)
+    return claimed
+
+
+def _entries(run_id):
+    return [
+        (e.seq, e.scope, e.replay_key[1], e.kind, e.tool_name, e.status)
+        for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    ]
+
+
+def _reclaim(run_id):
+    """Time passing for a lost holder: its lease lapses, the reaper reclaims, the backoff ends."""
+    backdate_run_lease(run_id)
+    assert reap_agent_runs().reclaimed == 1
+    make_claimable(run_id)
+
+
+def _approve(community, run_id):
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state == "waiting_approval", (run.state, run.failure_code, run.failure_message)
+    decide_approval(community.id, run.approval_id, "approved", "alice")
+
+
+# -- threads, each in a scope of its own, arriving in another order on replay ----------------
+
+
+class Ordered:
+    """Makes threads ``w1..w3`` journal their calls in ``order`` (one thread's two calls, then
+    the next thread's), so the journal's seq order is chosen by the test."""
+
+    def __init__(self, order):
+        self.order = order
+        self.turn = {name: threading.Event() for name in order}
+        self.made: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def tool(self, name):
+        def fn(args, key):
+            with self.lock:
+                self.made.append((name, args["i"]))
+            return {"thread": name, "i": args["i"], "key": key}
+
+        return fn
+
+    def handler(self, ctx):
+        outputs: dict[str, object] = {}
+
+        def worker(name):
+            try:
+                assert self.turn[name].wait(WAIT)
+                with ctx.scope(name):
+                    outputs[name] = [ctx.call(f"look-{name}", self.tool(name), {"i": i}) for i in (1, 2)]
+            except BaseException as exc:
+                outputs[name] = repr(exc)
+            finally:
+                following = self.order.index(name) + 1
+                if following < len(self.order):
+                    self.turn[self.order[following]].set()
+                connections.close_all()
+
+        threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in ("w1", "w2", "w3")]
+        for t in threads:
+            t.start()
+        self.turn[self.order[0]].set()
+        for t in threads:
+            t.join(WAIT)
+        for name, out in outputs.items():
+            if isinstance(out, str):
+                raise RuntimeError(f"{name}: {out}")
+        decision = ctx.request_approval("ship?", 600)
+        return {"outputs": outputs, "decision": decision["decision"]}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_threads_in_scopes_replay_their_calls_whatever_order_they_arrive_in(community):
+    run_id = new_run(community.id)
+    first = Ordered(["w3", "w2", "w1"])
+    assert run_claim(_claim(community), first.handler) == "parked"
+    assert [name for name, _ in first.made] == ["w3", "w3", "w2", "w2", "w1", "w1"]
+    assert [(seq, scope, index) for seq, scope, index, *_ in _entries(run_id)] == [
+        (1, "w3", 1),
+        (2, "w3", 2),
+        (3, "w2", 1),
+        (4, "w2", 2),
+        (5, "w1", 1),
+        (6, "w1", 2),
+        (7, "", 1),
+    ]
+    _approve(community, run_id)
+
+    again = Ordered(["w1", "w2", "w3"])  # the other way round: a positional replay mismatched
+    assert run_claim(_claim(community, "w2"), again.handler) == "completed"
+    assert again.made == []  # every call replayed, none made twice
+    run = AgentRun.objects.get(id=run_id)
+    assert run.output["decision"] == "approved"
+    assert run.output["outputs"]["w1"] == [
+        {"thread": "w1", "i": 1, "key": f"{run_id}:5"},
+        {"thread": "w1", "i": 2, "key": f"{run_id}:6"},
+    ]
+    assert run.tool_calls_used == 7
+
+
+# -- a tool that fans its calls out to threads, then an approval ------------------------------
+
+
+def _fan_out_handler(made):
+    def handler(ctx):
+        def part(args, key):
+            made.append(("part", args["n"]))
+            return {"n": args["n"] * 10}
+
+        def fan_out(args, key):
+            made.append(("fan_out", 0))
+            branches = {n: ctx.scope(f"part-{n}") for n in (1, 2)}  # created here: nested in this call
+            results: dict[int, object] = {}
+
+            def one(n):
+                try:
+                    with branches[n]:
+                        results[n] = ctx.call("part", part, {"n": n})["n"]
+                finally:
+                    connections.close_all()
+
+            threads = [threading.Thread(target=one, args=(n,)) for n in (1, 2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT)
+            return {"parts": [results.get(1), results.get(2)]}
+
+        fanned = ctx.call("fan_out", fan_out, {})
+        decision = ctx.request_approval("ship?", 600)
+        after = ctx.call("after", lambda a, k: made.append(("after", 0)) or {"ok": True}, {})
+        return {"fanned": fanned, "decision": decision["decision"], "after": after}
+
+    return handler
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tools_fan_out_to_threads_in_scopes_does_not_break_the_replay_after_an_approval(community):
+    run_id = new_run(community.id)
+    made: list = []
+    assert run_claim(_claim(community), _fan_out_handler(made)) == "parked"
+    assert sorted(made) == [("fan_out", 0), ("part", 1), ("part", 2)]
+    scopes = sorted((scope, index, tool) for _, scope, index, _, tool, _ in _entries(run_id))
+    assert scopes == [("", 1, "fan_out"), ("", 2, "approval"), ("#1/part-1", 1, "part"), ("#1/part-2", 1, "part")]
+    _approve(community, run_id)
+
+    made.clear()
+    outcome = run_claim(_claim(community, "w2"), _fan_out_handler(made))
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert made == [("after", 0)]  # the fan-out replayed (its children not made again)
+    assert run.output == {"fanned": {"parts": [10, 20]}, "decision": "approved", "after": {"ok": True}}
+    assert _entries(run_id)[-1][1:] == ("", 3, "tool", "after", "succeeded")
+
+
+# -- a mismatch inside a scope still fails the replay ------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_that_differs_from_its_scopes_entry_fails_replay_mismatch(community):
+    run_id = new_run(community.id)
+
+    def handler_for(tool):
+        def handler(ctx):
+            with ctx.scope("s"):
+                ctx.call("same", lambda a, k: {"ok": 1}, {})
+                ctx.call(tool, lambda a, k: {"ok": 2}, {})
+            return ctx.request_approval("ship?", 600)
+
+        return handler
+
+    assert run_claim(_claim(community), handler_for("first")) == "parked"
+    _approve(community, run_id)
+    assert run_claim(_claim(community, "w2"), handler_for("other")) == "failed"
+    run = AgentRun.objects.get(id=run_id)
+    assert run.failure_code == ReplayMismatch.failure_code
+    assert "'first', now 'other'" in run.failure_message
+    assert run.tool_calls_used == 3  # nothing journaled for the mismatched call
+
+
+# -- journals written before scopes replay as before ------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_journal_written_before_scopes_replays_by_position(community):
+    run_id = new_run(community.id)
+    lease = claim(community.id, run_id)
+    for n in (1, 2):  # the old form: no scope, no index (stored NULL: the entry's seq)
+        journaled = journal_call(lease, "old", {"n": n})
+        assert isinstance(journaled, Journaled)
+        assert isinstance(record_call_result(lease, journaled.seq, ok=True, output={"n": n * 100}), Recorded)
+    assert [(e.scope, e.scope_index, e.replay_key) for e in JournalEntry.objects.filter(run_id=run_id)] == [
+        ("", None, ("", 1)),
+        ("", None, ("", 2)),
+    ]
+    _reclaim(run_id)
+    made = []
+
+    def handler(ctx):
+        outs = [ctx.call("old", lambda a, k: made.append(a) or {"n": -1}, {"n": n}) for n in (1, 2)]
+        outs.append(ctx.call("new", lambda a, k: made.append(a) or {"n": 3}, {"n": 3}))
+        return [o["n"] for o in outs]
+
+    assert run_claim(_claim(community, "w2"), handler) == "completed"
+    assert made == [{"n": 3}]
+    assert AgentRun.objects.get(id=run_id).output == [100, 200, 3]
+    assert _entries(run_id)[-1][:3] == (3, "", 3)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_second_entry_at_the_same_scope_and_index_is_refused_and_spends_nothing(community):
+    run_id = new_run(community.id)
+    lease = claim(community.id, run_id)
+    assert isinstance(journal_call(lease, "a", {}, scope="s", index=1), Journaled)
+    with pytest.raises(IntegrityError):
+        journal_call(lease, "a", {}, scope="s", index=1)
+    assert AgentRun.objects.get(id=run_id).tool_calls_used == 1
+    with pytest.raises(Exception, match="index"):
+        journal_call(lease, "a", {}, scope="s")  # a scope other than the root needs its index
+
+
+# -- Pydantic AI: the model's parallel tool calls run at once ----------------------------------
+
+
+class Cities:
+    """Tools ``lookup(city)`` for one response's three calls: ``a`` waits until ``c`` started and
+    ``b`` is done, ``b`` until ``c`` is done, so the calls end c, b, a (made one at a time, ``a`` never saw
+    ``c`` start); ``lose_in`` names a city whose tool marks the run lost (its call stays
+    pending, the run is reclaimed)."""
+
+    def __init__(self, ctx_box, lose_in=None):
+        self.started = {c: threading.Event() for c in "abc"}
+        self.done = {c: threading.Event() for c in "abc"}
+        self.made: list[str] = []
+        self.ended: list[str] = []
+        self.ctx_box, self.lose_in = ctx_box, lose_in
+
+    def lookup(self, city: str) -> dict:
+        self.made.append(city)
+        self.started[city].set()
+        if city == "a" and not self.started["c"].wait(WAIT):
+            raise RuntimeError("c never started while a ran: the tools were made one at a time")
+        if city == "a" and not self.done["b"].wait(WAIT):
+            raise RuntimeError("b never ended while a ran")
+        if city == "b" and not self.done["c"].wait(WAIT):
+            raise RuntimeError("c never ended while b ran")
+        if city == self.lose_in:
+            self.lose_in = None
+            self.ctx_box[0].mark_lost("test")  # the worker lost the run mid-call
+            raise RunAborted("lost in the tool")
+        self.ended.append(city)
+        self.done[city].set()
+        return {"city": city, "key": idempotency_key()}
+
+
+def _cities_agent(cities: Cities, with_approval: bool) -> DurableAgent:
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        responses = sum(1 for m in messages if m.kind == "response")
+        if responses == 0:
+            return ModelResponse(parts=[ToolCallPart("lookup", {"city": c}, tool_call_id=f"call-{c}") for c in "abc"])
+        if responses == 1 and with_approval:
+            return ModelResponse(parts=[ToolCallPart("ship", {}, tool_call_id="call-ship")])
+        returns = [p.content for m in messages if m.kind == "request" for p in m.parts if p.part_kind == "tool-return"]
+        text = json.dumps(sorted(returns, key=lambda r: json.dumps(r, sort_keys=True)), sort_keys=True)
+        return ModelResponse(parts=[TextPart(text)])
+
+    agent = Agent(FunctionModel(model, model_name="cities"))
+    agent.tool_plain(cities.lookup)
+
+    @agent.tool_plain(requires_approval=True)
+    def ship() -> str:
+        return "shipped"
+
+    def reconcile(args, key):
+        return NOT_MADE  # the lost call never reached its effect
+
+    return DurableAgent(agent, reconcile={"lookup": reconcile})
+
+
+def _handler(durable, ctx_box):
+    def handler(ctx):
+        ctx_box[0] = ctx
+        return durable(ctx)
+
+    return handler
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pydantic_ai_parallel_tool_calls_run_at_once_and_replay_after_an_approval(community):
+    run_id = new_run(community.id)
+    box: list = [None]
+    first = Cities(box)
+    assert run_claim(_claim(community), _handler(_cities_agent(first, True), box)) == "parked"
+    assert first.ended == ["c", "b", "a"]
+    lookups = [(scope, index, status) for _, scope, index, _, tool, status in _entries(run_id) if tool == "lookup"]
+    assert sorted(lookups) == [(f"tool:call-{c}", 1, "succeeded") for c in "abc"]
+    _approve(community, run_id)
+
+    again = Cities(box)
+    outcome = run_claim(_claim(community, "w2"), _handler(_cities_agent(again, True), box))
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert again.made == []  # no tool made twice: each replayed from its scope's entry
+    keys = {e.scope: e.idempotency_key for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")}
+    assert json.loads(run.output) == ["shipped"] + [{"city": c, "key": keys[f"tool:call-{c}"]} for c in "abc"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pydantic_ai_parallel_tool_calls_resume_after_a_reclaim_mid_call(community):
+    run_id = new_run(community.id)
+    box: list = [None]
+    first = Cities(box, lose_in="a")  # a is lost once b and c are done
+    assert run_claim(_claim(community), _handler(_cities_agent(first, False), box)) == "lost"
+    assert sorted(first.ended) == ["b", "c"]
+    statuses = {e.scope: e.status for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")}
+    assert statuses == {"tool:call-a": "pending", "tool:call-b": "succeeded", "tool:call-c": "succeeded"}
+    _reclaim(run_id)
+
+    again = Cities(box)
+    for replayed in ("b", "c"):  # replayed, not made: a need not wait for them
+        again.started[replayed].set()
+        again.done[replayed].set()
+    outcome = run_claim(_claim(community, "w2"), _handler(_cities_agent(again, False), box))
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert again.made == ["a"]  # only the call left pending is made (reconciled NOT_MADE), once
+    keys = {e.scope: e.idempotency_key for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")}
+    assert json.loads(run.output) == [{"city": c, "key": keys[f"tool:call-{c}"]} for c in "abc"]
+    assert run.tool_calls_used == 5  # model, three lookups, model: nothing journaled twice
+
+
+# -- the event-loop runtime: tasks in scopes ---------------------------------------------------
+
+ASYNC_RUN: dict = {"order": [], "made": []}
+
+
+async def async_tasks_in_scopes(ctx):
+    """Tasks ``w1..w3`` each make two calls in a scope of its own, in ``ASYNC_RUN["order"]``."""
+    import asyncio
+
+    order = ASYNC_RUN["order"]
+    turn = {name: asyncio.Event() for name in order}
+
+    async def look(args, key):
+        ASYNC_RUN["made"].append(args["name"])
+        return {"name": args["name"], "i": args["i"], "key": key}
+
+    async def worker(name):
+        await turn[name].wait()
+        try:
+            with ctx.scope(name):
+                return [await ctx.call(f"look-{name}", look, {"name": name, "i": i}) for i in (1, 2)]
+        finally:
+            following = order.index(name) + 1
+            if following < len(order):
+                turn[order[following]].set()
+
+    tasks = [asyncio.create_task(worker(name)) for name in ("w1", "w2", "w3")]
+    turn[order[0]].set()
+    outputs = await asyncio.gather(*tasks)
+    decision = await ctx.request_approval("ship?", 600)
+    return {"outputs": outputs, "decision": decision["decision"]}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_event_loop_tasks_in_scopes_replay_whatever_order_they_arrive_in(community):
+    from tests.test_agents_aio import in_process
+
+    run_id = new_run(community.id)
+    ASYNC_RUN.update(order=["w3", "w2", "w1"], made=[])
+    assert in_process(community, async_tasks_in_scopes, in_flight=4, connections=2)[1].get("parked") == 1
+    assert ASYNC_RUN["made"] == ["w3", "w3", "w2", "w2", "w1", "w1"]
+    assert [(seq, scope) for seq, scope, *_ in _entries(run_id)][:6] == [
+        (1, "w3"), (2, "w3"), (3, "w2"), (4, "w2"), (5, "w1"), (6, "w1"),
+    ]  # fmt: skip
+    _approve(community, run_id)
+
+    ASYNC_RUN.update(order=["w1", "w2", "w3"], made=[])
+    counts = in_process(community, async_tasks_in_scopes, in_flight=4, connections=2)[1]
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    assert ASYNC_RUN["made"] == []
+    assert run.output["outputs"][0] == [
+        {"name": "w1", "i": 1, "key": f"{run_id}:5"},
+        {"name": "w1", "i": 2, "key": f"{run_id}:6"},
+    ]
