@@ -510,7 +510,7 @@ def test_a_parallel_tool_raising_while_another_runs_fails_the_run_with_both_reco
     thread.join(WAIT * 2)
     assert not thread.is_alive(), "the handler's thread still waits for a call's body"
     run = AgentRun.objects.get(id=run_id)
-    assert box["outcome"] == "failed" and run.failure_code == "tool_call_failed", (run.failure_code, run.failure_message)
+    assert (box["outcome"], run.failure_code) == ("failed", "tool_call_failed"), run.failure_message
     assert sorted(raising.made) == ["boom", "slow"]
     statuses = {e.scope: e.status for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
     assert statuses == {"tool:s": "succeeded", "tool:b": "failed"}  # nothing left pending

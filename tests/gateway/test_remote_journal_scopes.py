@@ -94,7 +94,7 @@ def test_remote_pydantic_ai_parallel_tool_calls_through_the_worker_batcher(gatew
     second parallel tool call was answered ``lease_lost`` and the run was given up."""
     from buzz_delivery.gateway.remote_runs import RunBatcher
 
-    community, agent, run_id = _setup(gateway_server)
+    _, agent, run_id = _setup(gateway_server)
     box: list = [None]
     first = Cities(box)
     (claim,) = agent.claim_runs(worker_id="w1")
@@ -114,7 +114,7 @@ def test_a_replay_key_spent_already_is_refused_by_field_and_nothing_is_written(g
     Failed before the fix: the unique index's violation was a 500."""
     from buzz_delivery.gateway.client import GatewayHTTPError
 
-    community, agent, run_id = _setup(gateway_server)
+    _, agent, run_id = _setup(gateway_server)
     (claim,) = agent.claim_runs(worker_id="w1")
     lease = claim.lease
     call = {"tool_name": "t", "args": {}, "cost": 0, "compensation": None, "destructive": False}
