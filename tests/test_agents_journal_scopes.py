@@ -514,3 +514,42 @@ def test_a_parallel_tool_raising_while_another_runs_fails_the_run_with_both_reco
     assert sorted(raising.made) == ["boom", "slow"]
     statuses = {e.scope: e.status for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
     assert statuses == {"tool:s": "succeeded", "tool:b": "failed"}  # nothing left pending
+
+
+# -- a nested call is known by any call of the thread, not only the innermost -----------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_in_the_scope_of_a_call_below_on_the_thread_is_nested(community):
+    """The handler's thread serving call ``b`` (in a scope outside ``a``'s) from inside ``a``'s
+    function, as the thread bridge serves parallel tool calls: a call asked in ``a``'s own scope
+    then (``a``'s body asking one, re-entered by the bridge) is nested in ``a`` and refused, as it
+    is when ``a`` is the innermost call. Failed before the fix: only the innermost call's scope
+    was judged, so whether it was refused depended on which call the thread served."""
+    from buzz_delivery import journal_scope
+    from buzz_delivery.agents.exceptions import NestedCall
+
+    new_run(community.id)
+    seen: dict = {}
+
+    def handler(ctx):
+        b_scope = ctx.scope("b")
+        a_scope: list[str] = []
+
+        def inner(args, key):
+            with journal_scope.entered(a_scope[0]):  # a's body asking (the bridge re-enters its scope)
+                try:
+                    ctx.call("nested", lambda a, k: 1, {})
+                except NestedCall as exc:
+                    seen["nested"] = exc.outer_seq
+            return 2
+
+        def a(args, key):
+            a_scope.append(journal_scope.current())
+            with b_scope:
+                return ctx.call("b", inner, {})
+
+        return ctx.call("a", a, {})
+
+    assert run_claim(_claim(community), handler) == "completed"
+    assert seen == {"nested": 2}  # refused, naming the innermost call (b, seq 2)
