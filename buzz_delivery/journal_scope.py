@@ -78,6 +78,11 @@ def inside_call(scope: str, index: int) -> str:
     return f"{scope}{SEPARATOR}#{index}" if scope else f"#{index}"
 
 
+def within(scope: str, insides: tuple[str, ...]) -> bool:
+    """True when ``scope`` is one of ``insides`` (the scopes of calls' bodies) or nested in one."""
+    return any(scope == inside or scope.startswith(inside + SEPARATOR) for inside in insides)
+
+
 class Positions:
     """The last index each scope handed out, for one handler invocation (the caller serialises)."""
 

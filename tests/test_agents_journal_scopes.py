@@ -20,7 +20,8 @@ import json
 import threading
 
 import pytest
-from django.db import IntegrityError, connections
+from django.core.exceptions import ValidationError
+from django.db import connections
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -261,8 +262,9 @@ def test_a_second_entry_at_the_same_scope_and_index_is_refused_and_spends_nothin
     run_id = new_run(community.id)
     lease = claim(community.id, run_id)
     assert isinstance(journal_call(lease, "a", {}, scope="s", index=1), Journaled)
-    with pytest.raises(IntegrityError):
+    with pytest.raises(ValidationError) as refused:  # by field, not a server error (the gateway's 400)
         journal_call(lease, "a", {}, scope="s", index=1)
+    assert list(refused.value.message_dict) == ["index"]
     assert AgentRun.objects.get(id=run_id).tool_calls_used == 1
     with pytest.raises(Exception, match="index"):
         journal_call(lease, "a", {}, scope="s")  # a scope other than the root needs its index
@@ -433,3 +435,121 @@ def test_event_loop_tasks_in_scopes_replay_whatever_order_they_arrive_in(communi
         {"name": "w1", "i": 1, "key": f"{run_id}:5"},
         {"name": "w1", "i": 2, "key": f"{run_id}:6"},
     ]
+
+
+# -- a parallel tool raising while another's body still runs -----------------------------------
+
+
+class Raising:
+    """Tools ``slow`` and ``boom`` of one response: ``boom`` raises once ``slow`` started; ``slow``
+    ends only once the agent's run is over (Pydantic AI cancelled the task awaiting it), so its
+    body is still running on the agent's loop when the agent ends."""
+
+    def __init__(self):
+        self.slow_started = threading.Event()
+        self.agent_over = threading.Event()
+        self.made: list[str] = []
+
+    def durable(self) -> DurableAgent:
+        import asyncio
+
+        def model(messages, info):
+            if not any(m.kind == "response" for m in messages):
+                return ModelResponse(
+                    parts=[ToolCallPart("slow", {}, tool_call_id="s"), ToolCallPart("boom", {}, tool_call_id="b")]
+                )
+            return ModelResponse(parts=[TextPart("never")])
+
+        agent = Agent(FunctionModel(model, model_name="raising"))
+        test = self
+
+        @agent.tool_plain
+        async def slow() -> str:
+            test.slow_started.set()
+            for _ in range(WAIT * 20):  # polls the state it waits for, bounded
+                if test.agent_over.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            test.made.append("slow")
+            return "slow"
+
+        @agent.tool_plain
+        async def boom() -> str:
+            while not test.slow_started.is_set():
+                await asyncio.sleep(0.01)
+            test.made.append("boom")
+            raise RuntimeError("boom")
+
+        class Over(DurableAgent):
+            async def run(self, ctx, journal=None):
+                try:
+                    return await super().run(ctx, journal)
+                finally:
+                    test.agent_over.set()
+
+        return Over(agent)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_parallel_tool_raising_while_another_runs_fails_the_run_with_both_recorded(community):
+    """Failed before the fix: the agent's loop closed with ``slow``'s body still on it, and the
+    handler's thread, serving that call, waited for its end forever (the run hung, its lease
+    renewed by the heartbeat)."""
+    run_id = new_run(community.id)
+    raising = Raising()
+    box: dict = {}
+
+    def handler_thread():
+        try:
+            box["outcome"] = run_claim(_claim(community), raising.durable())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=handler_thread, daemon=True)
+    thread.start()
+    thread.join(WAIT * 2)
+    assert not thread.is_alive(), "the handler's thread still waits for a call's body"
+    run = AgentRun.objects.get(id=run_id)
+    assert (box["outcome"], run.failure_code) == ("failed", "tool_call_failed"), run.failure_message
+    assert sorted(raising.made) == ["boom", "slow"]
+    statuses = {e.scope: e.status for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
+    assert statuses == {"tool:s": "succeeded", "tool:b": "failed"}  # nothing left pending
+
+
+# -- a nested call is known by any call of the thread, not only the innermost -----------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_in_the_scope_of_a_call_below_on_the_thread_is_nested(community):
+    """The handler's thread serving call ``b`` (in a scope outside ``a``'s) from inside ``a``'s
+    function, as the thread bridge serves parallel tool calls: a call asked in ``a``'s own scope
+    then (``a``'s body asking one, re-entered by the bridge) is nested in ``a`` and refused, as it
+    is when ``a`` is the innermost call. Failed before the fix: only the innermost call's scope
+    was judged, so whether it was refused depended on which call the thread served."""
+    from buzz_delivery import journal_scope
+    from buzz_delivery.agents.exceptions import NestedCall
+
+    new_run(community.id)
+    seen: dict = {}
+
+    def handler(ctx):
+        b_scope = ctx.scope("b")
+        a_scope: list[str] = []
+
+        def inner(args, key):
+            with journal_scope.entered(a_scope[0]):  # a's body asking (the bridge re-enters its scope)
+                try:
+                    ctx.call("nested", lambda a, k: 1, {})
+                except NestedCall as exc:
+                    seen["nested"] = exc.outer_seq
+            return 2
+
+        def a(args, key):
+            a_scope.append(journal_scope.current())
+            with b_scope:
+                return ctx.call("b", inner, {})
+
+        return ctx.call("a", a, {})
+
+    assert run_claim(_claim(community), handler) == "completed"
+    assert seen == {"nested": 2}  # refused, naming the innermost call (b, seq 2)

@@ -289,10 +289,11 @@ class RemoteRunContext:
         self._check()
         outer = self._calls.outer()
         scopes = getattr(self._inside, "scopes", ())
-        if outer is not None and scopes:  # a call in a scope outside this thread's call: allowed
-            scope, inside = journal_scope.current(), scopes[-1]
-            if scope == inside or scope.startswith(inside + journal_scope.SEPARATOR):
-                raise NestedCall(tool_name, outer)
+        # Nested in any call of this thread (not only the innermost: the thread bridge serves
+        # another scope's call from inside one's serving, and that one's body may ask); a call in
+        # a scope outside them all is allowed.
+        if outer is not None and journal_scope.within(journal_scope.current(), scopes):
+            raise NestedCall(tool_name, outer)
         return self._call(tool_name, fn, args, compensate, reconcile, destructive, cost)
 
     def _await_calls(self) -> None:

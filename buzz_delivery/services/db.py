@@ -57,6 +57,9 @@ CONSTRAINT_FIELDS = {
     "delivery_run_same_community": ("run_id", "no such workflow run in this community"),
     "delivery_message_event_same_community": ("message_event", "no such message event in this community"),
     "buzz_delivery_delive_community_id_a6f14938_fk_buzz_deli": ("community_id", "no such community"),
+    # A run's journal holds one entry per replay key (agents migration 0022): a caller that names
+    # a key already spent is refused by field, not with a server error (nothing written).
+    "ag_journal_scope_key": ("index", "the run has a journal entry at this scope and index already"),
 }
 
 

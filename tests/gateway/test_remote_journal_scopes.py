@@ -85,3 +85,51 @@ def test_remote_pydantic_ai_parallel_tool_calls_across_an_approval(gateway_serve
     assert again.made == []
     keys = {e.scope: e.idempotency_key for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")}
     assert json.loads(run.output) == ["shipped"] + [{"city": c, "key": keys[f"tool:call-{c}"]} for c in "abc"]
+
+
+def test_remote_pydantic_ai_parallel_tool_calls_through_the_worker_batcher(gateway_server):
+    """The remote worker journals through its batcher (the batch form): a call journaled while
+    another of the run is pending (the run ``waiting_tool``) must be journaled, as the one-run
+    form does. Failed before the fix: the batch form matched only a ``running`` run, so the
+    second parallel tool call was answered ``lease_lost`` and the run was given up."""
+    from buzz_delivery.gateway.remote_runs import RunBatcher
+
+    _, agent, run_id = _setup(gateway_server)
+    box: list = [None]
+    first = Cities(box)
+    (claim,) = agent.claim_runs(worker_id="w1")
+    ctx = RemoteRunContext(agent, claim, RunBatcher(agent))
+    outcome = run_remote_claim(agent, claim, _handler(_cities_agent(first, False), box), ctx)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (outcome, run.state, run.failure_code, run.failure_message)
+    assert first.ended == ["c", "b", "a"]  # the three tools ran at once
+    assert sorted(e.scope for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")) == [
+        f"tool:call-{c}" for c in "abc"
+    ]
+
+
+def test_a_replay_key_spent_already_is_refused_by_field_and_nothing_is_written(gateway_server):
+    """Trust nothing a caller writes: a client naming a (scope, index) its run holds already is
+    answered 400 ``index`` (the one-run calls and approval routes and the batch), nothing written.
+    Failed before the fix: the unique index's violation was a 500."""
+    from buzz_delivery.gateway.client import GatewayHTTPError
+
+    _, agent, run_id = _setup(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w1")
+    lease = claim.lease
+    call = {"tool_name": "t", "args": {}, "cost": 0, "compensation": None, "destructive": False}
+    assert agent.journal_call(lease, "t", {}, scope="s", index=1).outcome == "journaled"
+    assert agent.record_result(lease, 1, ok=True, output=1).outcome == "recorded"
+    for action, body in (
+        ("calls", {**call, "scope": "s", "index": 1}),
+        ("approval", {"prompt": "p", "deadline_seconds": 60, "scope": "s", "index": 1}),
+    ):
+        with pytest.raises(GatewayHTTPError) as refused:
+            agent._run_post(lease, action, **body)
+        assert (refused.value.status, refused.value.field) == (400, "index"), refused.value
+    with pytest.raises(GatewayHTTPError) as refused:
+        agent.run_batch("calls", [(lease, {**call, "scope": "s", "index": 1})])
+    assert (refused.value.status, refused.value.field) == (400, "index"), refused.value
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.tool_calls_used, run.state) == (1, "running")
+    assert [(e.seq, e.scope, e.scope_index) for e in JournalEntry.objects.filter(run_id=run_id)] == [(1, "s", 1)]

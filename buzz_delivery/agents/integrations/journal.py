@@ -120,6 +120,10 @@ class ThreadJournal:
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.parallel = bool(getattr(ctx, "journal_scopes", False))
         self.over: set[object] = set()  # end markers of calls whose serving is below on the stack
+        # Settled once the handler's thread serves no more (:func:`run_threaded` runs the loop
+        # until then): a call's body still running when the agent ended (a sibling tool raised
+        # and Pydantic AI cancelled the task awaiting it) runs to its end and is recorded.
+        self.finished: asyncio.Future[None] = loop.create_future()
 
     async def call(self, tool_name: str, body: AsyncBody, args: Any, **options: Any) -> Any:
         def on_loop(call_args: Any, key: str) -> Any:
@@ -166,6 +170,8 @@ class ThreadJournal:
                 self.over.add(item)  # the end of a call's body (this one's, or one below)
                 continue
             work, future = item
+            if future.cancelled():  # its asker was cancelled (a sibling tool failed): never made
+                continue
             try:
                 output = work()
             except Exception as exc:
@@ -180,6 +186,10 @@ class ThreadJournal:
 
     def close(self) -> None:
         self.requests.put(None)
+
+    def served(self) -> None:
+        """On the handler's thread, once it serves no more: let the agent's loop stop."""
+        self.loop.call_soon_threadsafe(_settle, self.finished, None, None)
 
 
 def _settle(future: asyncio.Future[Any], output: Any, error: BaseException | None) -> None:
@@ -233,6 +243,9 @@ def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], 
         finally:
             journal.close()
             try:
+                # The bodies of calls still being made run on this loop: keep it running until
+                # the handler's thread has recorded them (else it waits for them forever).
+                loop.run_until_complete(journal.finished)
                 loop.run_until_complete(loop.shutdown_asyncgens())
                 loop.run_until_complete(loop.shutdown_default_executor())
             finally:
@@ -243,6 +256,7 @@ def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], 
     try:
         journal.serve()
     finally:
+        journal.served()
         thread.join()
     if "error" in box:
         raise box["error"]

@@ -109,9 +109,10 @@ def journal_call(
     counted against ``max_cost``), the ``compensation`` descriptor (JSON, e.g.
     ``{"function": "pkg.mod:undo"}``) and the writing generation; the run moves to
     ``waiting_tool``. ``scope`` and ``index``: the entry's replay key, call ``index`` of scope
-    ``scope`` (:func:`scope_params`; unique per run, ``IntegrityError`` for a second entry at the
-    same key). A shadow run's ``destructive`` call is journaled ``failed`` with
-    ``blocked_reason`` and the run stays ``running``: :class:`Blocked`, do not make it.
+    ``scope`` (:func:`scope_params`; unique per run: a second entry at the same key is refused,
+    ``ValidationError`` keyed ``index``, nothing written). A shadow run's ``destructive`` call is
+    journaled ``failed`` with ``blocked_reason`` and the run stays ``running``: :class:`Blocked`,
+    do not make it.
 
     Returns :class:`Journaled`, :class:`Blocked`, :class:`BudgetExceeded` (nothing journaled),
     ``AlreadyTerminal`` or ``LeaseLost`` (a stale or cancelled holder cannot journal). Raises

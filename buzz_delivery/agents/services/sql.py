@@ -543,7 +543,9 @@ RETURNING r.id, r.lease_until
 # journal_call for many runs: spend one slot each (within its budgets), then insert each entry
 # ``pending`` with seq = the run's new tool_calls_used. A shadow run's destructive call is never
 # batched (it is journaled ``failed`` by journal_call itself): such a row matches nothing here.
-_WITHIN_BUDGET = """AND r.state = 'running' AND NOT r.unwinding AND NOT (r.shadow AND u.destructive)
+# A run with calls in flight (``waiting_tool``: parallel calls, each in its replay scope) journals
+# another, as the one-run form does (the lease's states are judged by CURRENT_RUN_LEASE_OF_ROW).
+_WITHIN_BUDGET = """AND NOT r.unwinding AND NOT (r.shadow AND u.destructive)
       AND r.tool_calls_used < r.max_tool_calls AND r.cost_used + u.cost <= r.max_cost"""
 JOURNAL_MANY_IF_CURRENT_AND_WITHIN_BUDGET = f"""
 WITH u AS MATERIALIZED (
