@@ -33,10 +33,28 @@ def current() -> str:
     return _SCOPE.get()
 
 
+# Names the runtimes make themselves: a call's body (``#<index>``) and a Pydantic AI tool call
+# (``tool:<id>``); a name a handler gives ``ctx.scope`` may not take these forms or hold the
+# separator, or its calls could share a scope with those of a call's body or a tool call.
+RESERVED_PREFIXES = ("#", "tool:")
+
+
 def check_name(name: object) -> str:
     """A scope name: non-blank text without NUL (the path it makes is at most 200 characters)."""
     if not isinstance(name, str) or not name.strip() or "\x00" in name:
         raise ScopeError(f"a journal scope name must be non-blank text without NUL, got {name!r}")
+    return name
+
+
+def check_handler_name(name: object) -> str:
+    """A name a handler gives ``ctx.scope``: :func:`check_name`, without the separator ``/`` and
+    not starting with a form the runtimes reserve (``#``, ``tool:``)."""
+    name = check_name(name)
+    if SEPARATOR in name or name.startswith(RESERVED_PREFIXES):
+        raise ScopeError(
+            f"a journal scope name may not hold {SEPARATOR!r} nor start with {' or '.join(RESERVED_PREFIXES)}"
+            f" (the runtimes' own scopes), got {name!r}"
+        )
     return name
 
 
@@ -69,7 +87,7 @@ def scoped(name: str) -> contextlib.AbstractContextManager[str]:
     scope ``name`` inside the scope current *where it is created*: create it in the code that
     starts a thread (inside a tool, say) and enter it in that thread, so the thread's calls nest
     under the tool's call, deterministically, whatever thread runs them."""
-    return entered(child(current(), name))
+    return entered(child(current(), check_handler_name(name)))
 
 
 def inside_call(scope: str, index: int) -> str:

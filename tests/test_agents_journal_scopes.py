@@ -553,3 +553,30 @@ def test_a_call_in_the_scope_of_a_call_below_on_the_thread_is_nested(community):
 
     assert run_claim(_claim(community), handler) == "completed"
     assert seen == {"nested": 2}  # refused, naming the innermost call (b, seq 2)
+
+
+# -- a handler cannot name its scope as the runtimes name theirs -------------------------------
+
+
+@pytest.mark.parametrize("name", ["#1", "tool:call_1", "a/b", "", " ", "x\x00"])
+def test_a_scope_name_in_a_form_the_runtimes_reserve_is_refused(name):
+    """``#<index>`` is a call's body and ``tool:<id>`` a Pydantic AI tool call: a handler's
+    ``ctx.scope("#1")`` at the root would have shared root call 1's body's scope (and a name
+    holding ``/`` could fake a nested path), so their calls would have met each other's entries."""
+    from buzz_delivery import journal_scope
+    from buzz_delivery.agents.aio_runtime import AsyncContext
+    from buzz_delivery.agents.runtime import Context
+    from buzz_delivery.gateway.remote_runs import RemoteRunContext
+
+    for scoped in (Context.scope, AsyncContext.scope, RemoteRunContext.scope):
+        with pytest.raises(journal_scope.ScopeError):
+            scoped(name)
+
+
+def test_a_pydantic_ai_tool_call_id_holding_the_separator_gets_a_scope_of_one_name():
+    from buzz_delivery import journal_scope
+    from buzz_delivery.agents.integrations.pydantic_ai import _call_scope
+
+    scope = _call_scope("call/1")
+    assert journal_scope.SEPARATOR not in scope and scope.startswith("tool:sha256:")
+    assert _call_scope("call_1") == "tool:call_1"

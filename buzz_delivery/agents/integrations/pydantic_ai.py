@@ -323,9 +323,10 @@ class _JournaledToolset(WrapperToolset[Any]):
 
 def _call_scope(tool_call_id: str | None) -> str:
     """The journal scope of the tool call ``tool_call_id`` (inside the scope current: an agent
-    run in a scope of its own): ``tool:<id>``, a long id by its SHA-256."""
+    run in a scope of its own): ``tool:<id>``, a long id (or one holding the scope separator) by
+    its SHA-256."""
     text = tool_call_id or "?"
-    if len(text) > 64 or "\x00" in text:
+    if len(text) > 64 or "\x00" in text or journal_scope.SEPARATOR in text:
         text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
     return journal_scope.child(journal_scope.current(), f"tool:{text}")
 
