@@ -418,3 +418,52 @@ def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_the_event_loo
     assert claims_of([*a_runs, *b_runs]) == dict.fromkeys([*a_runs, *b_runs], 1)
     assert (out["claimed"], out["completed"], out.get("internal_errors", 0)) == (4, 4, 0), out
     assert out["lock_waits"] >= 1
+
+
+def test_loop_threads_do_not_spin_while_another_thread_retries_the_carried_deliveries(community, make_binding):
+    """A delivery of A claimed by acceptance waits to be accepted (A's accept waited past the
+    bound, its skip is over) and one loop thread is in the acceptance round that tries it
+    again (its accept waiting for the lock again: held here by the test). The worker's other
+    loop threads find nothing and wait a poll interval (or until woken), as when nothing is
+    carried: before, each polled again at once (a wait of 0 s) for as long as that round
+    lasted, a claim statement of each community per turn, a busy loop."""
+    from buzz_delivery import services as core
+    from buzz_delivery.testing import random32
+    from tests.test_worker import commit
+
+    agent = random32()
+    other = CommunityFactory()
+    commit(make_binding, agent, 1)
+    (carried,) = core.claim_deliveries(community.id, agent, limit=1, lease_seconds=15, holder="w")
+    config = WorkerConfig(
+        handler=completes,
+        agents=[agent],
+        communities=[community.id, other.id],
+        concurrency=2,
+        lease_seconds=15,
+        poll_seconds=1.0,
+        listen=False,
+        worker_id="w",
+    )
+    worker = AgentWorker(config)
+    assert worker.acceptance is not None
+    worker.acceptance.carried = [carried]  # its community's skip is over: to be tried again
+    waits: list[float] = []
+    real_wait = worker.waker.wait
+
+    def wait(token, timeout):
+        waits.append(timeout)
+        return real_wait(token, timeout)
+
+    worker.waker.wait = wait  # type: ignore[method-assign]
+    worker.acceptance._busy.acquire()  # a loop thread's round, waiting for A's lock again
+    from tests.test_agents_worker import start
+
+    thread, out = start(worker)
+    try:
+        wait_until(lambda: len(waits) >= 4, timeout=60, what="the loop threads to wait four times")
+        assert min(waits[:4]) > 0, waits[:20]
+    finally:
+        worker.acceptance._busy.release()
+        stopped(worker, thread)
+    assert out.get("internal_errors", 0) == 0, out

@@ -477,3 +477,37 @@ def test_a_worker_with_idle_exit_does_not_exit_while_a_community_is_left_for_a_l
     assert claim_state(a_ids) == dict.fromkeys(a_ids, ("finished", 1, 1))
     summary = worker.summary()
     assert (summary["claimed"], summary["finished"], summary["reason"]) == (2, 2, "idle_exit"), summary
+
+
+def test_another_community_s_settle_during_a_lock_wait_s_skip_does_not_make_the_worker_idle_sooner(
+    community, make_binding, start_worker
+):
+    """A's move is stuck and A is left a while (a second) after each claim that waited; B's
+    deliveries, claimed in the same round, are settled during that while. An ``--idle-exit``
+    shorter than the while does not count from B's settle: the worker is busy until A's next
+    try (before, B's settle moved the busy instant back from the end of A's while, and the
+    worker exited idle with A's deliveries pending)."""
+    a_target, b_target = random32(), random32()
+    other, make_other = other_community_binding()
+    a_ids = commit(make_binding, a_target, 2)
+    commit(make_other, b_target, 2)
+    with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
+        worker = start_worker(
+            a_target,
+            *("--pair", f"{other.id}:{b_target.hex()}"),
+            *("--concurrency", "2", "--lease-seconds", "3", "--idle-exit", "0.4"),
+        )
+        wait_until(
+            lambda: (
+                worker.log().count("claim_lock_wait community=" + str(community.id)) >= 4
+                or worker.proc.poll() is not None
+            ),
+            timeout=60,
+            what="A's claims to wait past the bound four times",
+        )
+        assert worker.proc.poll() is None, worker.log()
+        assert claim_state(a_ids) == dict.fromkeys(a_ids, ("pending", 0, 0))
+        assert not moving.done()
+    moving.result(timeout=30)  # given up: A stays active
+    assert worker.wait(60) == 0, worker.log()
+    assert claim_state(a_ids) == dict.fromkeys(a_ids, ("finished", 1, 1))

@@ -239,3 +239,66 @@ def test_a_lifecycle_move_stuck_in_one_community_keeps_no_completion_of_another_
     assert not thread.is_alive()
     assert {v[1:] for v in steps_of([a_run, b_run]).values()} == {(1, 1)}
     assert (summary["succeeded"], summary["errors"], summary["lease_lost"]) == (2, 0, 0), summary
+
+
+def waiting_here() -> int:
+    """Sessions of this test's database waiting for a lock now (not another database's)."""
+    from tests.citus_support import CITUS_MODE
+
+    if CITUS_MODE:
+        return backends_waiting_for_a_lock()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        return cursor.fetchone()[0]
+
+
+def test_an_output_whose_run_row_is_held_past_the_bound_is_kept_not_dropped(community):
+    """A long transaction holds A's run row (not a move: the batch's ``SKIP LOCKED`` of the runs
+    passes it over, and the step is completed on its own, which waits for the row). That
+    completion waits the bound, changes nothing, and A's output is kept for A's next turn, not
+    dropped as an error (its step then ran again once its lease lapsed). Once the row is let go,
+    the output is recorded, the step having run once."""
+    import psycopg
+
+    from buzz_delivery.workflows.models import Run
+    from project.database_url import database_url
+
+    other = CommunityFactory()
+    GATES.clear()
+    GATES.update(a1=threading.Event())
+    a_run, b_run = started_run(community.id, "a1"), started_run(other.id, "b1")
+    stop, thread, summary = running_all(concurrency=2)
+    holder = psycopg.connect(database_url(connection.settings_dict))
+    try:
+        wait_until(
+            lambda: steps_of([a_run])[(a_run, "a1")][0] == "running",
+            timeout=60,
+            what="A's step to be claimed",
+        )
+        waiting = waiting_here()
+        holder.execute(
+            f"SELECT 1 FROM {Run._meta.db_table} WHERE community_id = %s AND run_id = %s FOR UPDATE",
+            [community.id, a_run],
+        )
+        GATES["a1"].set()  # A's output goes to the completer: its completion meets the held row
+        wait_until(lambda: waiting_here() > waiting, timeout=60, what="A's completion to wait for the run row")
+        wait_until(lambda: waiting_here() == waiting, timeout=60, what="A's completion to give up its wait")
+        assert steps_of([a_run]) == {(a_run, "a1"): ("running", 1, 1)}
+        holder.rollback()
+        wait_until(
+            lambda: steps_of([a_run])[(a_run, "a1")][0] == "succeeded",
+            timeout=60,
+            what="A's output to be recorded once its run row is let go",
+        )
+    finally:
+        holder.rollback()
+        holder.close()
+        for gate in GATES.values():
+            gate.set()
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert steps_of([a_run, b_run])[(a_run, "a1")][1:] == (1, 1)  # claimed once: its function ran once
+    assert (summary["errors"], summary["lease_lost"]) == (0, 0), summary

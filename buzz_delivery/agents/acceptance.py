@@ -303,9 +303,18 @@ class Acceptance:
         with self._lock:
             self._due = 0.0
 
-    def holds(self) -> bool:
-        """Whether claimed deliveries wait to be accepted (their community's accept waited)."""
-        return bool(self.carried)
+    def next_round(self) -> float | None:
+        """Seconds until a round of this worker's threads may take the carried deliveries (None:
+        none is carried): 0 when a round is due and none runs; :attr:`every` while another
+        thread's round runs (that round takes them); else until the next round is due. A loop
+        thread that found nothing waits that long at most, never 0 s over and over (a busy loop
+        while another thread's round waits for a lock, or until a round is due)."""
+        if not self.carried:
+            return None
+        if self._busy.locked():
+            return self.every
+        with self._lock:
+            return max(0.0, self._due - time.monotonic())
 
     def due(self) -> bool:
         """Whether a round is due now (the worker's discovery of delivery communities asks)."""

@@ -297,8 +297,9 @@ class AsyncAgentWorker:
                 # A community left after a lock wait still has work: not idle; claimed again
                 # once its wait is over, not a poll interval later.
                 left = self.skipped.next_try()
-                if left is None and self.acceptance is not None and self.acceptance.holds():
-                    left = 0.0
+                carried = None if self.acceptance is None else self.acceptance.next_round()
+                if carried is not None:  # claimed deliveries wait: claimed again when they may go
+                    left = carried if left is None else min(left, carried)
                 if cfg.exit_when_idle and left is None:
                     return
                 if await self._wait(cfg.poll_seconds if left is None else min(left, cfg.poll_seconds)):

@@ -326,8 +326,9 @@ class AgentWorker:
                     # A community left after a lock wait still has work: not idle; polled again
                     # once its wait is over, not a poll interval later.
                     left = self.skipped.next_try()
-                    if left is None and self.acceptance is not None and self.acceptance.holds():
-                        left = 0.0
+                    carried = None if self.acceptance is None else self.acceptance.next_round()
+                    if carried is not None:  # claimed deliveries wait: polled again when they may go
+                        left = carried if left is None else min(left, carried)
                     if self.config.exit_when_idle and left is None:
                         self.stopping.set()
                     elif self.waker.wait(

@@ -907,6 +907,9 @@ class Worker:
         limit = self.config.idle_exit
         with self._lock:
             last_busy = self.last_busy
+        if self.claims_busy:  # busy until a community left after a lock wait is tried again, whatever
+            # settled meanwhile (a settle of another community sets ``last_busy`` to an earlier instant)
+            last_busy = max(last_busy, *self.claims_busy.values())
         return limit is not None and self._working() <= 0 and time.monotonic() - last_busy >= limit
 
     def dispatch(self) -> str:

@@ -112,6 +112,13 @@ def _drain(source: queue.SimpleQueue[T | None], items: list[T], max_batch: int) 
     return False
 
 
+class _Kept:
+    """_one's, _send_one's and _fail's answer for an item kept for its community's turn."""
+
+
+_KEPT = _Kept()
+
+
 class _Sends:
     """The output of a queued group of ``send_message`` steps (sent, not completed): one queue
     item, so a claim's sends all reach one batch."""
@@ -287,13 +294,33 @@ class Completer(threading.Thread):
             self._accept(claimed)
         for (claim, output), outcome in zip(items, outcomes, strict=True):
             # None: not attempted (its run was busy, or the batch was refused): one at a time.
-            self._done(claim, outcome if outcome is not None else self._one(claim, output))
+            if outcome is None:
+                alone = self._one(claim, output)
+                if isinstance(alone, _Kept):
+                    continue
+                outcome = alone
+            self._done(claim, outcome)
 
-    def _one(self, claim: StepClaim, output: Any) -> StepOutcome | None:
+    def _kept_alone(self, exc: Exception, item: tuple[StepClaim, Any, Failure | None]) -> bool:
+        """An item tried on its own (its run's row was held, so the batch passed it over) that
+        waited past the lock bound changed nothing: it is kept for its community's turn (which
+        is left a while), as a batch that waited keeps its items, not dropped as an error (its
+        step would run again once its lease lapsed)."""
+        if not self._waited(exc, item[0].lease.community_id):
+            return False
+        self._kept.append(item)
+        return True
+
+    def _one(self, claim: StepClaim, output: Any) -> StepOutcome | _Kept | None:
+        if self.skipped.waits(claim.lease.community_id):  # a wait of its community's just now
+            self._kept.append((claim, output, None))
+            return _KEPT
         try:
             self.statements += 1
             return complete_step(claim.lease, output)
         except Exception as exc:
+            if self._kept_alone(exc, (claim, output, None)):
+                return _KEPT
             logger.exception("complete_error step=%s run=%s", claim.step.key, claim.lease.run_id)
             self._reset_connection(exc)
             return None
@@ -311,12 +338,22 @@ class Completer(threading.Thread):
             outcomes = [None] * len(claims)
         for claim, outcome in zip(claims, outcomes, strict=True):
             # None: not attempted (refused, or not preparable): sent on its own.
-            self._done(claim, outcome if outcome is not None else self._send_one(claim))
+            if outcome is None:
+                alone = self._send_one(claim)
+                if isinstance(alone, _Kept):
+                    continue
+                outcome = alone
+            self._done(claim, outcome)
 
-    def _send_one(self, claim: StepClaim) -> StepOutcome | None:
+    def _send_one(self, claim: StepClaim) -> StepOutcome | _Kept | None:
+        if self.skipped.waits(claim.lease.community_id):
+            self._kept.append((claim, _Sends([claim]), None))
+            return _KEPT
         try:
             result = executor.execute(claim)
         except Exception as exc:
+            if self._kept_alone(exc, (claim, _Sends([claim]), None)):
+                return _KEPT
             logger.exception("send_error step=%s run=%s", claim.step.key, claim.lease.run_id)
             self._reset_connection(exc)
             return None
@@ -338,12 +375,22 @@ class Completer(threading.Thread):
             outcomes = [None] * len(items)
         for (claim, failure), outcome in zip(items, outcomes, strict=True):
             # None: not attempted (its run was busy, or the batch was refused): one at a time.
-            self._done(claim, outcome if outcome is not None else self._fail(claim, failure))
+            if outcome is None:
+                alone = self._fail(claim, failure)
+                if isinstance(alone, _Kept):
+                    continue
+                outcome = alone
+            self._done(claim, outcome)
 
-    def _fail(self, claim: StepClaim, failure: Failure) -> StepOutcome | None:
+    def _fail(self, claim: StepClaim, failure: Failure) -> StepOutcome | _Kept | None:
+        if self.skipped.waits(claim.lease.community_id):
+            self._kept.append((claim, None, failure))
+            return _KEPT
         try:
             return record_failure(claim, failure)
         except Exception as exc:
+            if self._kept_alone(exc, (claim, None, failure)):
+                return _KEPT
             logger.exception("fail_error step=%s run=%s", claim.step.key, claim.lease.run_id)
             self._reset_connection(exc)
             return None
