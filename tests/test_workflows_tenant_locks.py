@@ -302,3 +302,50 @@ def test_an_output_whose_run_row_is_held_past_the_bound_is_kept_not_dropped(comm
     assert not thread.is_alive()
     assert steps_of([a_run, b_run])[(a_run, "a1")][1:] == (1, 1)  # claimed once: its function ran once
     assert (summary["errors"], summary["lease_lost"]) == (0, 0), summary
+
+
+def test_an_orchestrator_stopped_while_an_output_is_kept_leaves_no_completer_behind(community):
+    """A's output is kept (its run row held past the bound) when the orchestrator is stopped: at
+    the end of its grace it returns the step as abandoned, and its completer stops with it (its
+    lease lapses and the step is claimed again, as any step abandoned at the grace's end). Before,
+    the completer thread outlived the orchestrator, holding its connection, and recorded the
+    output after the orchestrator had counted it abandoned."""
+    import psycopg
+
+    from buzz_delivery.workflows.models import Run
+    from project.database_url import database_url
+
+    GATES.clear()
+    GATES.update(a1=threading.Event())
+    a_run = started_run(community.id, "a1")
+    CommunityFactory()  # a second community: the orchestrator bounds its lock waits (--all)
+    stop, thread, summary = running_all(concurrency=1, shutdown_grace=1.0)
+    holder = psycopg.connect(database_url(connection.settings_dict))
+    try:
+        wait_until(lambda: steps_of([a_run])[(a_run, "a1")][0] == "running", timeout=60, what="A's step to be claimed")
+        waiting = waiting_here()
+        holder.execute(
+            f"SELECT 1 FROM {Run._meta.db_table} WHERE community_id = %s AND run_id = %s FOR UPDATE",
+            [community.id, a_run],
+        )
+        GATES["a1"].set()
+        wait_until(lambda: waiting_here() > waiting, timeout=60, what="A's completion to wait for the run row")
+        wait_until(lambda: waiting_here() == waiting, timeout=60, what="A's completion to give up its wait")
+        stop.set()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert summary["abandoned"] == 1, summary
+        wait_until(
+            lambda: not any(t.name == "buzz-workflows-completer" and t.is_alive() for t in threading.enumerate()),
+            timeout=20,
+            what="the completer to stop with the orchestrator (the row is still held)",
+        )
+        holder.rollback()  # the row let go: nothing is left to record the output
+        assert steps_of([a_run]) == {(a_run, "a1"): ("running", 1, 1)}
+    finally:
+        holder.rollback()
+        holder.close()
+        for gate in GATES.values():
+            gate.set()
+        stop.set()
+        thread.join(timeout=60)

@@ -159,6 +159,7 @@ class Completer(threading.Thread):
         self.lock_wait_ms = lock_wait_ms
         self.skipped = Skipped(0.0) if skipped is None else skipped
         self._kept: list[tuple[StepClaim, Any, Failure | None]] = []
+        self._abandoned = threading.Event()
         self.max_batch = max_batch
         self.linger = linger
         self._done = done
@@ -191,6 +192,14 @@ class Completer(threading.Thread):
         """Complete what is queued, then stop."""
         self._queue.put(None)
 
+    def abandon(self) -> None:
+        """After :meth:`close`, at the end of the orchestrator's grace: stop waiting for the turn
+        of a community whose items are kept (its rows still locked). They are not recorded; their
+        leases lapse and the steps are claimed again, as any step abandoned at the grace's end
+        (before, the thread outlived the orchestrator and recorded them after it had returned
+        them as abandoned)."""
+        self._abandoned.set()
+
     def _waited(self, exc: BaseException, community: uuid.UUID) -> bool:
         """Whether ``exc`` is a lock wait past the bound; its community is then left a while."""
         if self.lock_wait_ms is None or not lock_wait_timed_out(exc):
@@ -216,10 +225,11 @@ class Completer(threading.Thread):
     def run(self) -> None:
         try:
             closing = False
-            while not closing or self._kept:
+            while (not closing or self._kept) and not self._abandoned.is_set():
                 wait = None if not self._kept else (self.skipped.next_try() or 0.0)
                 if closing:  # nothing more comes: the kept items, once their community's turn is back
-                    time.sleep(wait or 0.0)
+                    if self._abandoned.wait(wait or 0.0):
+                        break
                     batch: list[tuple[StepClaim, Any, Failure | None]] = []
                 else:
                     batch, closing = next_batch(self._queue, self.max_batch, self.linger, wait)
@@ -265,6 +275,8 @@ class Completer(threading.Thread):
                     except Exception:  # never let the completer die: later outputs would wait forever
                         logger.exception("completer_error steps=%d", len(items))
                 self._after()
+            if self._kept:  # abandoned: their leases lapse and the steps are claimed again
+                logger.warning("completer_abandoned steps=%d (their communities' rows stayed locked)", len(self._kept))
         finally:
             connection.close()
 

@@ -1099,6 +1099,9 @@ class Orchestrator:
                 t.join(max(0.0, deadline - time.monotonic()))
             self.completer.close()
             self.completer.join(max(0.0, deadline - time.monotonic()))
+            if self.completer.is_alive():  # items kept for a community whose rows stay locked
+                self.completer.abandon()
+                self.completer.join(5 + (self.renew_lock_wait_ms or 0) / 1000)  # a statement under way
             with self.lock:
                 self.counts["abandoned"] = self.in_flight
                 self.in_flight = 0
