@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 from collections.abc import Iterator
 
 ROOT = ""
@@ -33,8 +34,8 @@ def current() -> str:
     return _SCOPE.get()
 
 
-# Names the runtimes make themselves: a call's body (``#<index>``) and a Pydantic AI tool call
-# (``tool:<id>``); a name a handler gives ``ctx.scope`` may not take these forms or hold the
+# Names the runtimes make themselves: a call's body (``#<index>``) and a framework's tool call
+# (``tool:<id>``, :func:`tool_call`); a name a handler gives ``ctx.scope`` may not take these forms or hold the
 # separator, or its calls could share a scope with those of a call's body or a tool call.
 RESERVED_PREFIXES = ("#", "tool:")
 
@@ -69,6 +70,20 @@ def child(parent: str, name: str) -> str:
     """The path of scope ``name`` inside ``parent``."""
     name = check_name(name)
     return check_scope(f"{parent}{SEPARATOR}{name}" if parent else name)
+
+
+MAX_CALL_ID_CHARS = 64
+
+
+def tool_call(call_id: str | None) -> str:
+    """The scope of a framework's tool call ``call_id`` (Pydantic AI's ``tool_call_id``, the OpenAI
+    Agents SDK's ``call_id``: part of the recorded model response, the same on a replay) inside
+    the scope current: ``tool:<id>``; an id longer than ``MAX_CALL_ID_CHARS``, or holding NUL or
+    the separator, by its SHA-256 (``tool:sha256:<hex>``), so the scope is always one name."""
+    text = call_id or "?"
+    if len(text) > MAX_CALL_ID_CHARS or "\x00" in text or SEPARATOR in text:
+        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return child(current(), f"tool:{text}")
 
 
 @contextlib.contextmanager

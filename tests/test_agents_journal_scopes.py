@@ -573,10 +573,15 @@ def test_a_scope_name_in_a_form_the_runtimes_reserve_is_refused(name):
             scoped(name)
 
 
-def test_a_pydantic_ai_tool_call_id_holding_the_separator_gets_a_scope_of_one_name():
-    from buzz_delivery import journal_scope
-    from buzz_delivery.agents.integrations.pydantic_ai import _call_scope
+def test_a_tool_call_id_holding_the_separator_or_long_gets_a_scope_of_one_name():
+    """Pydantic AI's ``tool_call_id`` and the OpenAI Agents SDK's ``call_id`` alike
+    (``journal_scope.tool_call``, shared by both integrations)."""
+    import hashlib
 
-    scope = _call_scope("call/1")
-    assert journal_scope.SEPARATOR not in scope and scope.startswith("tool:sha256:")
-    assert _call_scope("call_1") == "tool:call_1"
+    from buzz_delivery import journal_scope
+
+    scope = journal_scope.tool_call("call/1")
+    assert scope == "tool:sha256:" + hashlib.sha256(b"call/1").hexdigest()
+    assert journal_scope.tool_call("x" * 65) == "tool:sha256:" + hashlib.sha256(b"x" * 65).hexdigest()
+    assert journal_scope.tool_call("x" * 64) == "tool:" + "x" * 64
+    assert journal_scope.tool_call("call_1") == "tool:call_1"
