@@ -21,9 +21,17 @@ result is replayed instead of being made again. Built on the SDK's public interf
   first run as on a replay. A request left pending by a crashed holder is made again.
 - Function tools: each ``FunctionTool``'s ``on_invoke_tool`` is wrapped (``dataclasses.replace``):
   journaled under the tool's name with its arguments (the model's JSON, parsed); the result is
-  recorded as JSON and the model sees that JSON (first run and replay alike). Tools run one at a
-  time, in the order of the response (``ToolExecutionConfig(max_function_tool_concurrency=1)``),
-  so journal positions never depend on timing. A tool's ``timeout_seconds`` is applied inside its
+  recorded as JSON and the model sees that JSON (first run and replay alike, an object's keys in
+  the order ``jsonb`` gives them back: ``as_stored``). The function calls of one response run at
+  once, as the SDK runs them (a user's ``max_function_tool_concurrency`` is kept): each is
+  journaled in a replay scope of its own named by its ``call_id`` (``tool:<call_id>``, a long id
+  or one holding ``/`` by its SHA-256: ``journal_scope.tool_call``, shared with Pydantic AI), part
+  of the recorded response, so a resumed run replays each call from its scope's entry whatever
+  order the calls reach the journal in (``docs/agents.md`` "Resume"). Under the threaded runtime
+  each call is journaled by the handler's thread while the bodies run together on the agent's
+  loop; under the event-loop runtime they are made one at a time (its lock), in whatever order.
+  On a runtime without replay scopes the tools run one at a time, in the order of the response
+  (``max_function_tool_concurrency=1``). A tool's ``timeout_seconds`` is applied inside its
   journaled call. Inside a tool, :func:`idempotency_key` is the journal's key for the call.
   Whatever runs inside a journaled call (an agent used as a tool: ``Agent.as_tool``) is part of
   that call and is not journaled again.
@@ -386,8 +394,8 @@ class DurableAgent(JournalOptions):
 
     ``prompt(run_input) -> str`` makes the input from the run's input (default its ``"prompt"``,
     else the input as JSON); ``context(ctx)`` the SDK's run context object; ``run_config`` and
-    ``max_turns`` go to ``Runner.run`` (the model provider and tool concurrency are wrapped, the
-    rest is kept). Per tool name: ``compensations`` (registered with
+    ``max_turns`` go to ``Runner.run`` (the model provider is wrapped, the rest is kept; the tool
+    concurrency is set to 1 only on a runtime without replay scopes). Per tool name: ``compensations`` (registered with
     :func:`~buzz_delivery.agents.compensations.compensation`; anything else raises ``ValueError``
     here), ``reconcile`` hooks ``(args, key) -> output | NOT_MADE``, ``destructive`` names
     (blocked in shadow runs) and ``tool_costs``. ``request_cost`` is charged per model request,
