@@ -538,3 +538,24 @@ def test_a_call_id_holding_the_separator_or_longer_than_64_characters_is_scoped_
         2: "tool:sha256:" + hashlib.sha256(b"c" * 100).hexdigest(),
         3: "tool:call_2",
     }
+
+
+@pytest.mark.django_db
+def test_a_response_s_usage_is_charged_once_when_its_function_calls_run_at_once(community, ledger):
+    """Failed with the calls made at once before the usage was taken when a call starts: each
+    call of the response charged the response's 100 tokens (300), the run's cost cap reached 3x
+    as fast."""
+
+    def answer(input):
+        if not oh.returns(input):
+            return oh.response(*(function_call("effect", {"n": n}, call_id=f"c{n}") for n in (1, 2, 3)), tokens=100)
+        return oh.response(assistant_message("done"), tokens=100)  # the final usage: charged to no call
+
+    durable = DurableAgent(
+        Agent(name="usage", model=oh.FakeModel("usage", answer), tools=[oh.effect]),
+        run_config=oh.NO_TRACING,
+        compensations={"effect": oh.h.undo},
+    )
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), durable) == "completed"
+    assert AgentRun.objects.get(id=run_id).cost_used == 100
