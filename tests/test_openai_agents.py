@@ -559,3 +559,13 @@ def test_a_response_s_usage_is_charged_once_when_its_function_calls_run_at_once(
     run_id = new_run(community.id)
     assert run_claim(claim_one(community), durable) == "completed"
     assert AgentRun.objects.get(id=run_id).cost_used == 100
+
+
+def test_a_user_s_own_tool_concurrency_is_kept_and_one_at_a_time_only_without_replay_scopes():
+    from agents import RunConfig, ToolExecutionConfig
+
+    config = RunConfig(tracing_disabled=True, tool_execution=ToolExecutionConfig(max_function_tool_concurrency=2))
+    durable = DurableAgent(oh.three_effects_agent, run_config=config)
+    assert durable.run_config.tool_execution.max_function_tool_concurrency == 2  # a runtime with replay scopes
+    assert durable.sequential_run_config.tool_execution.max_function_tool_concurrency == 1  # one without
+    assert DurableAgent(oh.three_effects_agent).run_config.tool_execution is None  # the SDK's default: all at once
