@@ -585,3 +585,80 @@ def test_a_tool_call_id_holding_the_separator_or_long_gets_a_scope_of_one_name()
     assert journal_scope.tool_call("x" * 65) == "tool:sha256:" + hashlib.sha256(b"x" * 65).hexdigest()
     assert journal_scope.tool_call("x" * 64) == "tool:" + "x" * 64
     assert journal_scope.tool_call("call_1") == "tool:call_1"
+
+
+# -- a scope path nested deeper than 200 characters is keyed by a stable hash ------------------
+
+
+def _deep_handler(made, seen):
+    """Three threads, each in a scope of 97 characters inside the one before (a path of 293
+    characters), the innermost making a call, asking for an approval, making another."""
+
+    def handler(ctx):
+        box: dict = {}
+
+        def deep(args, key):
+            made.append(args["i"])
+            return {"i": args["i"], "key": key}
+
+        def level(depth, scope):
+            try:
+                with scope:  # created by the thread that started this one: nested in its scope
+                    if depth < 3:
+                        inner = threading.Thread(
+                            target=level, args=(depth + 1, ctx.scope(f"level{depth + 1}-" + "x" * 90))
+                        )
+                        inner.start()
+                        inner.join(WAIT)
+                        return
+                    from buzz_delivery import journal_scope
+
+                    seen["path"] = journal_scope.current()
+                    first = ctx.call("deep", deep, {"i": 1})
+                    decision = ctx.request_approval("deep?", 600)
+                    box["out"] = [first, decision["decision"], ctx.call("deep", deep, {"i": 2})]
+            except BaseException as exc:
+                box.setdefault("error", exc)
+            finally:
+                connections.close_all()
+
+        outer = threading.Thread(target=level, args=(1, ctx.scope("level1-" + "x" * 90)))
+        outer.start()
+        outer.join(WAIT)
+        if "error" in box:
+            raise box["error"]  # the park (or a failure) the innermost thread met
+        return box["out"]
+
+    return handler
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scope_path_longer_than_200_characters_is_keyed_by_its_hash_and_replays(community):
+    """Failed before: a path longer than 200 characters raised ``ScopeError`` where the scope was
+    entered (a Pydantic AI agent run in a tool of one run in a tool of one, with long tool call
+    ids, failed its tool). A path of 200 characters or less is keyed by itself, as before."""
+    import hashlib
+
+    from buzz_delivery import journal_scope
+
+    run_id = new_run(community.id)
+    made: list = []
+    seen: dict = {}
+    assert run_claim(_claim(community), _deep_handler(made, seen)) == "parked"
+    path = seen["path"]
+    assert len(path) == 293 and made == [1]
+    key = path[:128] + "~sha256:" + hashlib.sha256(path.encode()).hexdigest()
+    assert len(key) == 200 and journal_scope.key(path) == key
+    assert [(scope, index, tool) for _, scope, index, _, tool, _ in _entries(run_id)] == [
+        (key, 1, "deep"),
+        (key, 2, "approval"),
+    ]
+    _approve(community, run_id)
+
+    made.clear()
+    outcome = run_claim(_claim(community, "w2"), _deep_handler(made, seen))
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert made == [2]  # the first call replayed from its deep scope's entry, not made again
+    assert run.output == [{"i": 1, "key": f"{run_id}:1"}, "approved", {"i": 2, "key": f"{run_id}:3"}]
+    assert journal_scope.key("a" * 200) == "a" * 200  # a short path keys as it always did
