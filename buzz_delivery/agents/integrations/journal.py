@@ -286,7 +286,11 @@ def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], 
             finally:
                 loop.close()
 
-    thread = threading.Thread(target=agent_thread, name=f"{name}-{ctx.lease.run_id}", daemon=True)
+    # The agent's thread starts in this thread's context: its journal scope (an agent run by a
+    # tool, on a thread in a ``ctx.scope`` of its own, journals inside that scope, not the root).
+    thread = threading.Thread(
+        target=contextvars.copy_context().run, args=(agent_thread,), name=f"{name}-{ctx.lease.run_id}", daemon=True
+    )
     thread.start()
     try:
         journal.serve()
