@@ -7,7 +7,9 @@ under the threaded runtime (:class:`ThreadJournal`) and the event-loop one (:cla
   agent used as a tool) is part of that call, not journaled again.
 - :class:`ThreadJournal`: today's runtime calls the handler on a worker thread and journals on
   that thread's connection. The agent runs on an event loop of its own in a helper thread
-  (:func:`run_threaded`); each call crosses a queue to the handler's thread, which makes the
+  (:func:`run_threaded`, started in the handler thread's context: its journal scope, so an agent
+  run by a tool on a thread in a ``ctx.scope`` of its own journals inside that scope); each call
+  crosses a queue to the handler's thread, which makes the
   journal writes and runs the call's body back on the loop. While a body runs, the handler's
   thread keeps serving the queue, so a body may write the output stream (``emit``) as it goes.
 - :class:`AsyncJournal`: an async runtime's ``ctx`` (``await ctx.call(...)``), called directly.
