@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 from collections.abc import Iterator
 
 ROOT = ""
@@ -29,18 +30,38 @@ class ScopeError(ValueError):
 
 
 def current() -> str:
-    """The scope the calling code's journal calls are made in (``""``: the run's root)."""
+    """The scope the calling code's journal calls are made in (``""``: the run's root), as a
+    full path (of any length: :func:`current_key` is how its entries are keyed)."""
     return _SCOPE.get()
 
 
-# Names the runtimes make themselves: a call's body (``#<index>``) and a Pydantic AI tool call
-# (``tool:<id>``); a name a handler gives ``ctx.scope`` may not take these forms or hold the
+def key(scope: str) -> str:
+    """The text scope ``scope`` keys its entries by: the path itself when it is at most
+    ``MAX_SCOPE_CHARS`` characters (as every journal written before deep paths), else its first
+    128 characters, ``~sha256:`` and the SHA-256 of the whole path (200 characters: a path nested
+    deep, say an agent run in a tool of an agent run in a tool of ..., keeps a stable key). The
+    runtimes key calls with it and nest a call's body under it (:func:`inside_call` of the key),
+    so a scope nested in that body still starts with the body's scope (:func:`within`)."""
+    if len(scope) <= MAX_SCOPE_CHARS:
+        return scope
+    digest = hashlib.sha256(scope.encode()).hexdigest()
+    return f"{scope[: MAX_SCOPE_CHARS - 8 - len(digest)]}~sha256:{digest}"
+
+
+def current_key() -> str:
+    """:func:`key` of the current scope: what a runtime journals and replays a call under."""
+    return key(_SCOPE.get())
+
+
+# Names the runtimes make themselves: a call's body (``#<index>``) and a framework's tool call
+# (``tool:<id>``, :func:`tool_call`); a name a handler gives ``ctx.scope`` may not take these forms or hold the
 # separator, or its calls could share a scope with those of a call's body or a tool call.
 RESERVED_PREFIXES = ("#", "tool:")
 
 
 def check_name(name: object) -> str:
-    """A scope name: non-blank text without NUL (the path it makes is at most 200 characters)."""
+    """A scope name: non-blank text without NUL (a path longer than 200 characters is keyed by
+    :func:`key`)."""
     if not isinstance(name, str) or not name.strip() or "\x00" in name:
         raise ScopeError(f"a journal scope name must be non-blank text without NUL, got {name!r}")
     return name
@@ -59,7 +80,7 @@ def check_handler_name(name: object) -> str:
 
 
 def check_scope(scope: object) -> str:
-    """A full scope path as stored: text of at most ``MAX_SCOPE_CHARS`` characters, no NUL."""
+    """A scope as stored (:func:`key`): text of at most ``MAX_SCOPE_CHARS`` characters, no NUL."""
     if not isinstance(scope, str) or len(scope) > MAX_SCOPE_CHARS or "\x00" in scope:
         raise ScopeError(f"a journal scope must be text of at most {MAX_SCOPE_CHARS} characters without NUL")
     return scope
@@ -68,13 +89,27 @@ def check_scope(scope: object) -> str:
 def child(parent: str, name: str) -> str:
     """The path of scope ``name`` inside ``parent``."""
     name = check_name(name)
-    return check_scope(f"{parent}{SEPARATOR}{name}" if parent else name)
+    return f"{parent}{SEPARATOR}{name}" if parent else name
+
+
+MAX_CALL_ID_CHARS = 64
+
+
+def tool_call(call_id: str | None) -> str:
+    """The scope of a framework's tool call ``call_id`` (Pydantic AI's ``tool_call_id``, the OpenAI
+    Agents SDK's ``call_id``: part of the recorded model response, the same on a replay) inside
+    the scope current: ``tool:<id>``; an id longer than ``MAX_CALL_ID_CHARS``, or holding NUL or
+    the separator, by its SHA-256 (``tool:sha256:<hex>``), so the scope is always one name."""
+    text = call_id or "?"
+    if len(text) > MAX_CALL_ID_CHARS or "\x00" in text or SEPARATOR in text:
+        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return child(current(), f"tool:{text}")
 
 
 @contextlib.contextmanager
 def entered(scope: str) -> Iterator[str]:
     """Make the block's journal calls (and the tasks it creates) in ``scope`` (a full path; its
-    length is checked when a call is journaled in it)."""
+    calls are keyed by :func:`key` of it)."""
     token = _SCOPE.set(scope)
     try:
         yield scope

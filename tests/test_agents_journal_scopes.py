@@ -16,6 +16,7 @@ exist.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 
@@ -573,10 +574,181 @@ def test_a_scope_name_in_a_form_the_runtimes_reserve_is_refused(name):
             scoped(name)
 
 
-def test_a_pydantic_ai_tool_call_id_holding_the_separator_gets_a_scope_of_one_name():
-    from buzz_delivery import journal_scope
-    from buzz_delivery.agents.integrations.pydantic_ai import _call_scope
+def test_a_tool_call_id_holding_the_separator_or_long_gets_a_scope_of_one_name():
+    """Pydantic AI's ``tool_call_id`` and the OpenAI Agents SDK's ``call_id`` alike
+    (``journal_scope.tool_call``, shared by both integrations)."""
+    import hashlib
 
-    scope = _call_scope("call/1")
-    assert journal_scope.SEPARATOR not in scope and scope.startswith("tool:sha256:")
-    assert _call_scope("call_1") == "tool:call_1"
+    from buzz_delivery import journal_scope
+
+    scope = journal_scope.tool_call("call/1")
+    assert scope == "tool:sha256:" + hashlib.sha256(b"call/1").hexdigest()
+    assert journal_scope.tool_call("x" * 65) == "tool:sha256:" + hashlib.sha256(b"x" * 65).hexdigest()
+    assert journal_scope.tool_call("x" * 64) == "tool:" + "x" * 64
+    assert journal_scope.tool_call("call_1") == "tool:call_1"
+
+
+# -- a scope path nested deeper than 200 characters is keyed by a stable hash ------------------
+
+
+def _deep_handler(made, seen):
+    """Three threads, each in a scope of 97 characters inside the one before (a path of 293
+    characters), the innermost making a call, asking for an approval, making another."""
+
+    def handler(ctx):
+        box: dict = {}
+
+        def deep(args, key):
+            made.append(args["i"])
+            return {"i": args["i"], "key": key}
+
+        def level(depth, scope):
+            try:
+                with scope:  # created by the thread that started this one: nested in its scope
+                    if depth < 3:
+                        inner = threading.Thread(
+                            target=level, args=(depth + 1, ctx.scope(f"level{depth + 1}-" + "x" * 90))
+                        )
+                        inner.start()
+                        inner.join(WAIT)
+                        return
+                    from buzz_delivery import journal_scope
+
+                    seen["path"] = journal_scope.current()
+                    first = ctx.call("deep", deep, {"i": 1})
+                    decision = ctx.request_approval("deep?", 600)
+                    box["out"] = [first, decision["decision"], ctx.call("deep", deep, {"i": 2})]
+            except BaseException as exc:
+                box.setdefault("error", exc)
+            finally:
+                connections.close_all()
+
+        outer = threading.Thread(target=level, args=(1, ctx.scope("level1-" + "x" * 90)))
+        outer.start()
+        outer.join(WAIT)
+        if "error" in box:
+            raise box["error"]  # the park (or a failure) the innermost thread met
+        return box["out"]
+
+    return handler
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scope_path_longer_than_200_characters_is_keyed_by_its_hash_and_replays(community):
+    """Failed before: a path longer than 200 characters raised ``ScopeError`` where the scope was
+    entered (a Pydantic AI agent run in a tool of one run in a tool of one, with long tool call
+    ids, failed its tool). A path of 200 characters or less is keyed by itself, as before."""
+    import hashlib
+
+    from buzz_delivery import journal_scope
+
+    run_id = new_run(community.id)
+    made: list = []
+    seen: dict = {}
+    assert run_claim(_claim(community), _deep_handler(made, seen)) == "parked"
+    path = seen["path"]
+    assert len(path) == 293 and made == [1]
+    key = path[:128] + "~sha256:" + hashlib.sha256(path.encode()).hexdigest()
+    assert len(key) == 200 and journal_scope.key(path) == key
+    assert [(scope, index, tool) for _, scope, index, _, tool, _ in _entries(run_id)] == [
+        (key, 1, "deep"),
+        (key, 2, "approval"),
+    ]
+    _approve(community, run_id)
+
+    made.clear()
+    outcome = run_claim(_claim(community, "w2"), _deep_handler(made, seen))
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert made == [2]  # the first call replayed from its deep scope's entry, not made again
+    assert run.output == [{"i": 1, "key": f"{run_id}:1"}, "approved", {"i": 2, "key": f"{run_id}:3"}]
+    assert journal_scope.key("a" * 200) == "a" * 200  # a short path keys as it always did
+
+
+class Diving:
+    """A Pydantic AI agent whose tool ``dive`` runs the next depth's agent (``DurableAgent`` on
+    the run's context, on a thread in ``ctx.scope("sub")``), three deep; tool call ids of 75
+    characters (scopes ``tool:sha256:<hex>``), so the deepest calls' path passes 200 characters.
+    ``lose``: the deepest tool marks the run lost (its call and those above it stay pending)."""
+
+    def __init__(self, lose=False):
+        self.lose = lose
+        self.made: list[str] = []
+        self.paths: list[str] = []
+        self.ctx = None
+
+    def durable(self, depth: int) -> DurableAgent:
+        import asyncio
+
+        from buzz_delivery import journal_scope
+
+        def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            if not any(m.kind == "response" for m in messages):
+                return ModelResponse(parts=[ToolCallPart("dive", {}, tool_call_id=f"call-{depth}-" + "y" * 68)])
+            returns = [
+                p.content for m in messages if m.kind == "request" for p in m.parts if p.part_kind == "tool-return"
+            ]
+            return ModelResponse(parts=[TextPart(json.dumps(returns))])
+
+        agent = Agent(FunctionModel(model, model_name=f"depth{depth}"))
+        test = self
+
+        @agent.tool_plain
+        async def dive() -> object:
+            if depth == 3:
+                test.paths.append(journal_scope.current())
+                if test.lose:
+                    test.lose = False
+                    test.ctx.mark_lost("test")
+                    raise RunAborted("lost in the deepest tool")
+                test.made.append("effect")
+                return {"depth": 3, "key": idempotency_key()}
+            sub = test.ctx.scope("sub")  # created here: nested in this tool call's scope
+
+            def inner():
+                try:
+                    with sub:
+                        return test.durable(depth + 1)(test.ctx)
+                finally:
+                    connections.close_all()
+
+            return await asyncio.to_thread(inner)
+
+        return DurableAgent(agent, reconcile={"dive": lambda args, key: NOT_MADE})
+
+    def handler(self, ctx):
+        self.ctx = ctx
+        return self.durable(1)(ctx)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pydantic_ai_agent_nested_three_tools_deep_journals_and_resumes_past_200_characters(community):
+    """Failed before: the deepest tool call's scope passed 200 characters and its tool failed
+    with ``ScopeError``; and an agent run by a tool on a thread of its own journaled in the
+    root scope (its loop's thread did not carry the scope it was started in), among the outer
+    agent's own calls."""
+
+    run_id = new_run(community.id)
+    first = Diving(lose=True)
+    assert run_claim(_claim(community), first.handler) == "lost"
+    (path,) = first.paths
+    assert len(path) > 200 and first.made == []
+    pending = [(e.tool_name, e.scope) for e in JournalEntry.objects.filter(run_id=run_id, status="pending")]
+    assert [tool for tool, _ in pending] == ["dive"] * 3  # each depth's tool call, below the deepest
+    top = "tool:sha256:" + hashlib.sha256(f"call-1-{'y' * 68}".encode()).hexdigest()
+    # The deepest call's scope (its body's path less "/#1") passed 200 characters: its hashed key.
+    deepest = pending[2][1]
+    assert pending[0][1] == top and path == f"{deepest}/#1" and len(deepest) == 200 and "~sha256:" in deepest
+    _reclaim(run_id)
+
+    again = Diving()
+    outcome = run_claim(_claim(community, "w2"), again.handler)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert again.made == ["effect"] and again.paths == [path]
+    models = JournalEntry.objects.filter(run_id=run_id, tool_name__startswith="model:")
+    assert sorted(models.values_list("tool_name", flat=True)) == [
+        "model:depth1", "model:depth1", "model:depth2", "model:depth2", "model:depth3", "model:depth3",
+    ]  # fmt: skip
+    # each request made once: the first three replayed on the resume (their scopes' entries)
+    assert run.tool_calls_used == 9

@@ -6,15 +6,23 @@ recorded response and result and makes nothing twice; a tool-call budget stops t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import io
+import json
 import re
+import threading
 from pathlib import Path
 
 import pytest
+from agents import Agent, ToolGuardrailFunctionOutput, function_tool, tool_input_guardrail
+from agents.testing import assistant_message, function_call
 
+from buzz_delivery.agents.exceptions import RunAborted
+from buzz_delivery.agents.integrations.openai_agents import DurableAgent, idempotency_key
 from buzz_delivery.agents.models import AgentRun, JournalEntry
-from buzz_delivery.agents.runtime import run_claim
+from buzz_delivery.agents.runtime import NOT_MADE, run_claim
 from buzz_delivery.agents.services import claim_agent_runs
 from buzz_delivery.workflows.services import decide_approval
 from tests import openai_agents_handlers as oh
@@ -267,3 +275,297 @@ def test_the_docs_example_runs_as_written_and_completes_with_one_charge(ledger):
     assert out.getvalue().split() == ["completed", "1"]
     run = AgentRun.objects.get(output="charged: ch_1")
     assert [e[2] for e in entries(run.id)] == ["model:billing", "charge", "model:billing"]
+
+
+# -- one response's function calls run at once, each journaled in the scope of its call_id -----
+#
+# Each test failed on main's code, where every tool ran one at a time in the root scope
+# (``max_function_tool_concurrency=1``): the guardrail of a call whose turn comes after a later
+# call's (or a body waiting for the other bodies to enter) waited for its bound; the scopes
+# asserted were "".
+
+WAIT = 30  # bound of every wait for another call (never reached when the calls run at once)
+
+
+class Lookups:
+    """Tool ``lookup(city)`` for the calls ``call-a``, ``call-b``, ``call-c`` of one response (then
+    ``ship``, which needs approval, when ``with_approval``; then the answer: the results as JSON).
+    The calls reach the journal in ``order``: a tool input guardrail (the agent's own code, run on
+    a replay too) waits for its call's turn, given once the call before it was handed to the
+    journal (:meth:`handler` wraps ``ctx.call``). Each body waits until all three bodies entered,
+    so they run at once or not at all; ``lose`` names a city whose body waits for the other two
+    to be recorded, then marks the run lost (its call stays pending, the run is reclaimed)."""
+
+    def __init__(self, order, with_approval=False, lose=None, entered=()):
+        self.order, self.with_approval, self.lose = order, with_approval, lose
+        self.preset = set(entered)  # bodies taken as entered (replayed calls, on a resume)
+        self.made: list[str] = []
+        self.journaled: list[str] = []  # the order the lookups were handed to the journal
+        self.events: dict[str, asyncio.Event] = {}  # made on the agent's loop, when first asked
+        self.loop = None
+
+    def event(self, name):
+        if name not in self.events:
+            self.events[name] = asyncio.Event()
+            if name in (f"turn:{self.order[0]}", *(f"entered:{c}" for c in self.preset)):
+                self.events[name].set()
+        return self.events[name]
+
+    async def wait(self, name):
+        await asyncio.wait_for(self.event(name).wait(), WAIT)
+
+    def durable(self):
+        test = self
+
+        def answer(input):
+            done = oh.returns(input)
+            if not done:
+                return oh.response(*(function_call("lookup", {"city": c}, call_id=f"call-{c}") for c in "abc"))
+            if len(done) == 3 and test.with_approval:
+                return oh.response(function_call("ship", {}, call_id="call-ship"))
+            text = json.dumps(sorted(done, key=lambda r: json.dumps(r, sort_keys=True)), sort_keys=True)
+            return oh.response(assistant_message(text))
+
+        @tool_input_guardrail
+        async def in_turn(data):
+            test.loop = asyncio.get_running_loop()
+            if data.context.tool_name == "lookup":
+                await test.wait(f"turn:{json.loads(data.context.tool_arguments)['city']}")
+            return ToolGuardrailFunctionOutput.allow()
+
+        @function_tool(tool_input_guardrails=[in_turn], failure_error_function=None)
+        async def lookup(city: str) -> dict:
+            test.made.append(city)
+            test.event(f"entered:{city}").set()
+            for other in "abc":
+                await test.wait(f"entered:{other}")
+            if city == test.lose:
+                for other in set("abc") - {city}:
+                    await test.wait(f"recorded:{other}")
+                test.lose = None
+                test.ctx.mark_lost("test")  # the worker lost the run mid-call
+                raise RunAborted("lost in the tool")
+            return {"city": city, "key": idempotency_key()}
+
+        @function_tool(needs_approval=True)
+        def ship() -> str:
+            test.made.append("ship")
+            return "shipped"
+
+        agent = Agent(name="cities", model=oh.FakeModel("cities", answer), tools=[lookup, ship])
+        return DurableAgent(agent, run_config=oh.NO_TRACING, reconcile={"lookup": lambda args, key: NOT_MADE})
+
+    def handler(self):
+        durable, test = self.durable(), self
+
+        class Ctx:
+            """The run's context, telling the test when each lookup is handed to the journal
+            (the next one's turn) and recorded."""
+
+            def __init__(self, ctx):
+                self._ctx = ctx
+
+            def __getattr__(self, name):
+                return getattr(self._ctx, name)
+
+            def call(self, tool_name, fn, args, **options):
+                if tool_name != "lookup":
+                    return self._ctx.call(tool_name, fn, args, **options)
+                city = args["city"]
+                test.journaled.append(city)
+                following = test.order.index(city) + 1
+                if following < len(test.order):
+                    test.loop.call_soon_threadsafe(test.event(f"turn:{test.order[following]}").set)
+                output = self._ctx.call(tool_name, fn, args, **options)
+                test.loop.call_soon_threadsafe(test.event(f"recorded:{city}").set)
+                return output
+
+        def handler(ctx):
+            test.ctx = ctx
+            return durable(Ctx(ctx))
+
+        return handler
+
+
+def scoped_lookups(run_id):
+    return sorted(
+        (e.scope, e.replay_key[1], e.status) for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")
+    )
+
+
+def lookup_keys(run_id):
+    return {e.scope: e.idempotency_key for e in JournalEntry.objects.filter(run_id=run_id, tool_name="lookup")}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_response_s_function_calls_run_at_once_and_replay_by_call_id_after_an_approval(community):
+    from tests.test_agents_journal_scopes import _approve, _claim
+
+    run_id = new_run(community.id)
+    first = Lookups(order=["c", "b", "a"], with_approval=True)
+    assert run_claim(_claim(community), first.handler()) == "parked", AgentRun.objects.get(id=run_id).failure_message
+    assert first.journaled == ["c", "b", "a"] and sorted(first.made) == ["a", "b", "c"]
+    assert scoped_lookups(run_id) == [(f"tool:call-{c}", 1, "succeeded") for c in "abc"]
+    _approve(community, run_id)
+
+    again = Lookups(order=["a", "b", "c"], with_approval=True)  # the calls reach the journal in another order
+    outcome = run_claim(_claim(community, "w2"), again.handler())
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert again.journaled == ["a", "b", "c"]
+    assert again.made == ["ship"]  # no lookup made twice: each replayed from its call's scope
+    keys = lookup_keys(run_id)
+    assert json.loads(run.output) == ["shipped"] + [{"city": c, "key": keys[f"tool:call-{c}"]} for c in "abc"]
+    ship = JournalEntry.objects.get(run_id=run_id, tool_name="ship")
+    assert (ship.scope, ship.status) == ("tool:call-ship", "succeeded")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_response_s_function_calls_resume_after_a_reclaim_mid_call_making_only_the_lost_one(community):
+    from tests.test_agents_journal_scopes import _claim, _reclaim
+
+    run_id = new_run(community.id)
+    first = Lookups(order=["c", "b", "a"], lose="c")  # c is lost once a and b are recorded
+    assert run_claim(_claim(community), first.handler()) == "lost"
+    assert sorted(first.made) == ["a", "b", "c"]
+    statuses = {scope: status for scope, _, status in scoped_lookups(run_id)}
+    assert statuses == {"tool:call-a": "succeeded", "tool:call-b": "succeeded", "tool:call-c": "pending"}
+    _reclaim(run_id)
+
+    again = Lookups(order=["a", "b", "c"], entered="ab")  # a and b replayed: c need not wait for them
+    outcome = run_claim(_claim(community, "w2"), again.handler())
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert again.made == ["c"]  # only the call left pending is made (reconciled NOT_MADE), once
+    keys = lookup_keys(run_id)
+    assert json.loads(run.output) == [{"city": c, "key": keys[f"tool:call-{c}"]} for c in "abc"]
+    assert run.tool_calls_used == 5  # model, three lookups, model: nothing journaled twice
+
+
+class Raising:
+    """Tools ``slow`` and ``boom`` of one response: ``boom`` raises once ``slow`` entered; ``slow``
+    ends only once the agent's run is over (the SDK cancelled the task awaiting it), so its body
+    still runs on the agent's loop when the agent ends."""
+
+    def __init__(self):
+        self.made: list[str] = []
+        self.events: dict[str, asyncio.Event] = {}
+
+    def event(self, name):
+        return self.events.setdefault(name, asyncio.Event())
+
+    def durable(self):
+        test = self
+
+        def answer(input):
+            if not oh.returns(input):
+                return oh.response(function_call("slow", {}, call_id="s"), function_call("boom", {}, call_id="b"))
+            return oh.response(assistant_message("never"))
+
+        @function_tool(failure_error_function=None)
+        async def slow() -> str:
+            test.event("slow").set()
+            await asyncio.wait_for(test.event("over").wait(), WAIT)
+            test.made.append("slow")
+            return "slow"
+
+        @function_tool(failure_error_function=None)
+        async def boom() -> str:
+            await asyncio.wait_for(test.event("slow").wait(), WAIT)
+            test.made.append("boom")
+            raise RuntimeError("boom")
+
+        class Over(DurableAgent):
+            async def run(self, ctx, journal=None):
+                try:
+                    return await super().run(ctx, journal)
+                finally:
+                    test.event("over").set()
+
+        return Over(
+            Agent(name="raising", model=oh.FakeModel("raising", answer), tools=[slow, boom]), run_config=oh.NO_TRACING
+        )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_function_tool_raising_while_another_runs_fails_the_run_with_both_calls_recorded(community):
+    from django.db import connections
+
+    from tests.test_agents_journal_scopes import _claim
+
+    run_id = new_run(community.id)
+    raising = Raising()
+    box: dict = {}
+
+    def handler_thread():
+        try:
+            box["outcome"] = run_claim(_claim(community), raising.durable())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=handler_thread, daemon=True)
+    thread.start()
+    thread.join(WAIT * 2)
+    assert not thread.is_alive(), "the handler's thread still waits for a call's body"
+    run = AgentRun.objects.get(id=run_id)
+    assert (box["outcome"], run.state, run.failure_code) == ("failed", "failed", "tool_call_failed"), (
+        run.failure_message
+    )
+    assert sorted(raising.made) == ["boom", "slow"]
+    statuses = {e.scope: e.status for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
+    assert statuses == {"tool:s": "succeeded", "tool:b": "failed"}  # nothing left pending
+
+
+@pytest.mark.django_db
+def test_a_call_id_holding_the_separator_or_longer_than_64_characters_is_scoped_by_its_sha256(community, ledger):
+    ids = ["call/1", "c" * 100, "call_2"]
+
+    def answer(input):
+        if not oh.returns(input):
+            return oh.response(*(function_call("effect", {"n": n}, call_id=i) for n, i in enumerate(ids, 1)))
+        return oh.response(assistant_message("done"))
+
+    durable = DurableAgent(
+        Agent(name="ids", model=oh.FakeModel("ids", answer), tools=[oh.effect]),
+        run_config=oh.NO_TRACING,
+        compensations={"effect": oh.h.undo},
+    )
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), durable) == "completed"
+    scopes = {e.args["n"]: e.scope for e in JournalEntry.objects.filter(run_id=run_id, tool_name="effect")}
+    assert scopes == {
+        1: "tool:sha256:" + hashlib.sha256(b"call/1").hexdigest(),
+        2: "tool:sha256:" + hashlib.sha256(b"c" * 100).hexdigest(),
+        3: "tool:call_2",
+    }
+
+
+@pytest.mark.django_db
+def test_a_response_s_usage_is_charged_once_when_its_function_calls_run_at_once(community, ledger):
+    """Failed with the calls made at once before the usage was taken when a call starts: each
+    call of the response charged the response's 100 tokens (300), the run's cost cap reached 3x
+    as fast."""
+
+    def answer(input):
+        if not oh.returns(input):
+            return oh.response(*(function_call("effect", {"n": n}, call_id=f"c{n}") for n in (1, 2, 3)), tokens=100)
+        return oh.response(assistant_message("done"), tokens=100)  # the final usage: charged to no call
+
+    durable = DurableAgent(
+        Agent(name="usage", model=oh.FakeModel("usage", answer), tools=[oh.effect]),
+        run_config=oh.NO_TRACING,
+        compensations={"effect": oh.h.undo},
+    )
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), durable) == "completed"
+    assert AgentRun.objects.get(id=run_id).cost_used == 100
+
+
+def test_a_user_s_own_tool_concurrency_is_kept_and_one_at_a_time_only_without_replay_scopes():
+    from agents import RunConfig, ToolExecutionConfig
+
+    config = RunConfig(tracing_disabled=True, tool_execution=ToolExecutionConfig(max_function_tool_concurrency=2))
+    durable = DurableAgent(oh.three_effects_agent, run_config=config)
+    assert durable.run_config.tool_execution.max_function_tool_concurrency == 2  # a runtime with replay scopes
+    assert durable.sequential_run_config.tool_execution.max_function_tool_concurrency == 1  # one without
+    assert DurableAgent(oh.three_effects_agent).run_config.tool_execution is None  # the SDK's default: all at once

@@ -224,7 +224,7 @@ class AsyncContext:
         limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile)."""
         rate = ratelimits_plan(rate_key, weight)
         self._refuse_nested(tool_name)
-        scope = journal_scope.current()
+        scope = journal_scope.current_key()  # a deep path by its stable key
         async with self._lock:
             self._check()
             index = self._positions.take(scope)
@@ -383,7 +383,7 @@ class AsyncContext:
         outer = _IN_CALL.get()
         if outer is not None and outer[0] is self:  # that call holds the lock until recorded
             raise ApprovalBlockedByCalls((outer[1],), "asked from inside a ctx.call of this run")
-        scope = journal_scope.current()
+        scope = journal_scope.current_key()  # a deep path by its stable key
         async with self._lock:
             self._check()
             index = self._positions.take(scope)

@@ -270,7 +270,7 @@ class Context:
         cost: int,
         rate: RatePlan | None,
     ) -> Any:
-        scope = journal_scope.current()
+        scope = journal_scope.current_key()  # a deep path by its stable key
         with self._journaling:
             index = self._positions.take(scope)
             entry = self._journal.get((scope, index))
@@ -468,7 +468,7 @@ class Context:
         # it, or holding back new calls, while it waits kept the call it waits for from ending
         # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
         # call's journaling: the approval's position is the seq the server gives it.
-        scope = journal_scope.current()
+        scope = journal_scope.current_key()  # a deep path by its stable key
         while True:
             with self._journaling:
                 entry = self._journal.get((scope, self._positions.peek(scope)))

@@ -309,7 +309,7 @@ class RemoteRunContext:
         destructive: bool,
         cost: int,
     ) -> Any:
-        scope = journal_scope.current()
+        scope = journal_scope.current_key()  # a deep path by its stable key
         with self._journaling:
             index = self._positions.take(scope)
             entry = self._journal.get((scope, index))
@@ -450,7 +450,7 @@ class RemoteRunContext:
         # it, or holding back new calls, while it waits kept the call it waits for from ending
         # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
         # call's journaling: the approval's position is the seq the gateway gives it.
-        scope = journal_scope.current()
+        scope = journal_scope.current_key()  # a deep path by its stable key
         while True:
             with self._journaling:
                 entry = self._journal.get((scope, self._positions.peek(scope)))

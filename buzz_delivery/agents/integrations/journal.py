@@ -7,10 +7,16 @@ under the threaded runtime (:class:`ThreadJournal`) and the event-loop one (:cla
   agent used as a tool) is part of that call, not journaled again.
 - :class:`ThreadJournal`: today's runtime calls the handler on a worker thread and journals on
   that thread's connection. The agent runs on an event loop of its own in a helper thread
-  (:func:`run_threaded`); each call crosses a queue to the handler's thread, which makes the
+  (:func:`run_threaded`, started in the handler thread's context: its journal scope, so an agent
+  run by a tool on a thread in a ``ctx.scope`` of its own journals inside that scope); each call
+  crosses a queue to the handler's thread, which makes the
   journal writes and runs the call's body back on the loop. While a body runs, the handler's
   thread keeps serving the queue, so a body may write the output stream (``emit``) as it goes.
 - :class:`AsyncJournal`: an async runtime's ``ctx`` (``await ctx.call(...)``), called directly.
+- :func:`tool_call_scope`: the replay scope a framework's tool call is journaled in, so the
+  tool calls of one model response may run at once (each replayed from its own scope's entries).
+- :class:`Durability`: one run's journal as an integration's model and tool wrappers call it
+  (the usage cost of responses not yet charged goes with the next call).
 - :class:`Chunks`: the run's output stream as an integration writes it, with the positions a
   resumed handler must reproduce (chunks already written are counted, not written again).
 """
@@ -35,12 +41,15 @@ from buzz_delivery.agents.runtime import NOT_MADE
 __all__ = [
     "AsyncJournal",
     "Chunks",
+    "Durability",
     "Journal",
     "ThreadJournal",
+    "as_stored",
     "idempotency_key",
     "inside_call",
     "journal_for",
     "run_threaded",
+    "tool_call_scope",
 ]
 
 AsyncBody = Callable[[Any, str], Coroutine[Any, Any, Any]]
@@ -74,10 +83,38 @@ def keyed(key: str) -> Iterator[None]:
         _current_key.reset(token)
 
 
+@contextlib.contextmanager
+def tool_call_scope(journal: Journal, call_id: str | None) -> Iterator[None]:
+    """Journal the block's calls (a framework's tool call, run at the same time as the other
+    calls of its model response) in the scope of ``call_id`` (:func:`journal_scope.tool_call`):
+    the id comes from the recorded (or replayed) model response, so each call's replay does not
+    depend on which call reached the journal first. On a runtime without replay scopes
+    (``journal.parallel`` false: the remote one) the calls stay in the scope current, and the
+    integration makes them one at a time."""
+    if not journal.parallel:
+        yield
+        return
+    with journal_scope.entered(journal_scope.tool_call(call_id)):
+        yield
+
+
 def remake(args: Any, key: str) -> Any:
     """Reconcile hook of a model request a crashed holder left pending: make it again (it has
     no effect the journal could compensate)."""
     return NOT_MADE
+
+
+def as_stored(value: Any) -> Any:
+    """A call's recorded JSON ``value`` as a replay reads it back from the journal: PostgreSQL's
+    ``jsonb`` keeps an object's keys ordered by their length, then bytewise (Python's dict order
+    is the order they were set in), so a first run that shows the model a result's text shows it
+    the same text as its replay."""
+    if isinstance(value, dict):
+        ordered = sorted(value, key=lambda k: (len(k.encode()), k.encode()))
+        return {k: as_stored(value[k]) for k in ordered}
+    if isinstance(value, list):
+        return [as_stored(v) for v in value]
+    return value
 
 
 def reconciler(hook: Callable[[Any, str], Any] | None) -> Callable[[Any, str], Any] | None:
@@ -251,7 +288,11 @@ def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], 
             finally:
                 loop.close()
 
-    thread = threading.Thread(target=agent_thread, name=f"{name}-{ctx.lease.run_id}", daemon=True)
+    # The agent's thread starts in this thread's context: its journal scope (an agent run by a
+    # tool, on a thread in a ``ctx.scope`` of its own, journals inside that scope, not the root).
+    thread = threading.Thread(
+        target=contextvars.copy_context().run, args=(agent_thread,), name=f"{name}-{ctx.lease.run_id}", daemon=True
+    )
     thread.start()
     try:
         journal.serve()
@@ -261,6 +302,23 @@ def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], 
     if "error" in box:
         raise box["error"]
     return box["output"]
+
+
+class Durability:
+    """One run's journal as an integration's model and tool wrappers call it: ``owner`` is the
+    ``DurableAgent`` (its :class:`JournalOptions`), ``uncharged`` the usage cost of the responses
+    not yet charged to a call (charged with the next journaled call)."""
+
+    def __init__(self, owner: JournalOptions, journal: Journal) -> None:
+        self.owner, self.journal = owner, journal
+        self.chunks = Chunks(journal)
+        self.uncharged = 0
+
+    async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
+        # Taken before the call is made: tool calls made at once each charge it once in all, not
+        # each one (the first to reach the journal charges it).
+        uncharged, self.uncharged = self.uncharged, 0
+        return await self.journal.call(tool_name, body, args, cost=cost + uncharged, **options)
 
 
 class Chunks:

@@ -21,9 +21,17 @@ result is replayed instead of being made again. Built on the SDK's public interf
   first run as on a replay. A request left pending by a crashed holder is made again.
 - Function tools: each ``FunctionTool``'s ``on_invoke_tool`` is wrapped (``dataclasses.replace``):
   journaled under the tool's name with its arguments (the model's JSON, parsed); the result is
-  recorded as JSON and the model sees that JSON (first run and replay alike). Tools run one at a
-  time, in the order of the response (``ToolExecutionConfig(max_function_tool_concurrency=1)``),
-  so journal positions never depend on timing. A tool's ``timeout_seconds`` is applied inside its
+  recorded as JSON and the model sees that JSON (first run and replay alike, an object's keys in
+  the order ``jsonb`` gives them back: ``as_stored``). The function calls of one response run at
+  once, as the SDK runs them (a user's ``max_function_tool_concurrency`` is kept): each is
+  journaled in a replay scope of its own named by its ``call_id`` (``tool:<call_id>``, a long id
+  or one holding ``/`` by its SHA-256: ``journal_scope.tool_call``, shared with Pydantic AI), part
+  of the recorded response, so a resumed run replays each call from its scope's entry whatever
+  order the calls reach the journal in (``docs/agents.md`` "Resume"). Under the threaded runtime
+  each call is journaled by the handler's thread while the bodies run together on the agent's
+  loop; under the event-loop runtime they are made one at a time (its lock), in whatever order.
+  On a runtime without replay scopes the tools run one at a time, in the order of the response
+  (``max_function_tool_concurrency=1``). A tool's ``timeout_seconds`` is applied inside its
   journaled call. Inside a tool, :func:`idempotency_key` is the journal's key for the call.
   Whatever runs inside a journaled call (an agent used as a tool: ``Agent.as_tool``) is part of
   that call and is not journaled again.
@@ -76,10 +84,10 @@ from pydantic_core import to_jsonable_python
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.exceptions import AgentError
 from buzz_delivery.agents.integrations.journal import (
-    AsyncBody,
-    Chunks,
+    Durability,
     Journal,
     JournalOptions,
+    as_stored,
     idempotency_key,
     inside_call,
     journal_for,
@@ -87,6 +95,7 @@ from buzz_delivery.agents.integrations.journal import (
     reconciler,
     remake,
     run_threaded,
+    tool_call_scope,
 )
 from buzz_delivery.exceptions import in_chain
 
@@ -137,19 +146,11 @@ def _response_text(response: ModelResponse) -> str:
     )
 
 
-class _Durability:
+class _Durability(Durability):
     """One run's journal, as the model and tool wrappers see it (a context variable of the run's
     task: the SDK's tool tasks inherit it)."""
 
-    def __init__(self, owner: DurableAgent, journal: Journal) -> None:
-        self.owner, self.journal = owner, journal
-        self.chunks = Chunks(journal)
-        self.uncharged = 0  # usage cost of responses not yet charged to a call
-
-    async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
-        output = await self.journal.call(tool_name, body, args, cost=cost + self.uncharged, **options)
-        self.uncharged = 0
-        return output
+    owner: DurableAgent
 
     async def received(self, recorded: Any, mark: int) -> ModelResponse:
         """A response, made now or replayed: its usage is charged with the next call; its text
@@ -299,18 +300,24 @@ def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
                 result = await invoke_now(tool_context, input_json)
             return {"return": to_jsonable_python(result, fallback=str)}
 
-        recorded = await durability.call(
-            name,
-            body,
-            _tool_args(input_json),
-            owner.tool_costs.get(name, 0),
-            compensate=owner.compensations.get(name),
-            reconcile=reconciler(owner.reconcile.get(name)),
-            destructive=name in owner.destructive,
-        )
+        # The response's function calls run at once (the SDK's tasks): each is journaled in the
+        # scope of its call_id (part of the recorded response), replayed from that scope's entry
+        # whatever order the calls reach the journal in.
+        with tool_call_scope(durability.journal, getattr(tool_context, "tool_call_id", None)):
+            recorded = await durability.call(
+                name,
+                body,
+                _tool_args(input_json),
+                owner.tool_costs.get(name, 0),
+                compensate=owner.compensations.get(name),
+                reconcile=reconciler(owner.reconcile.get(name)),
+                destructive=name in owner.destructive,
+            )
         if recorded is None:  # a shadow run's destructive call: blocked, not made
             return f"The call to {name} was not made (shadow run)."
-        return recorded["return"]
+        # As a replay reads it back: the SDK shows the model str() of it, which the next
+        # request's digest covers, so its objects' key order must not change on a replay.
+        return as_stored(recorded["return"])
 
     return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool, timeout_seconds=None)
 
@@ -387,8 +394,8 @@ class DurableAgent(JournalOptions):
 
     ``prompt(run_input) -> str`` makes the input from the run's input (default its ``"prompt"``,
     else the input as JSON); ``context(ctx)`` the SDK's run context object; ``run_config`` and
-    ``max_turns`` go to ``Runner.run`` (the model provider and tool concurrency are wrapped, the
-    rest is kept). Per tool name: ``compensations`` (registered with
+    ``max_turns`` go to ``Runner.run`` (the model provider is wrapped, the rest is kept; the tool
+    concurrency is set to 1 only on a runtime without replay scopes). Per tool name: ``compensations`` (registered with
     :func:`~buzz_delivery.agents.compensations.compensation`; anything else raises ``ValueError``
     here), ``reconcile`` hooks ``(args, key) -> output | NOT_MADE``, ``destructive`` names
     (blocked in shadow runs) and ``tool_costs``. ``request_cost`` is charged per model request,
@@ -424,13 +431,17 @@ class DurableAgent(JournalOptions):
         self.max_turns = max_turns
         self.agent = _Wrapper(self).agent(agent)
         config = run_config or RunConfig()
-        execution = dataclasses.replace(config.tool_execution or ToolExecutionConfig(), max_function_tool_concurrency=1)
         self.run_config = dataclasses.replace(
             config,
             model=_JournaledModel(config.model) if isinstance(config.model, Model) else config.model,
             model_provider=_JournaledProvider(config.model_provider or MultiProvider()),
-            tool_execution=execution,
         )
+        # A runtime without replay scopes (the remote one) replays by position: one tool at a
+        # time, in the order of the response, so a call's position never depends on timing.
+        one_at_a_time = dataclasses.replace(
+            config.tool_execution or ToolExecutionConfig(), max_function_tool_concurrency=1
+        )
+        self.sequential_run_config = dataclasses.replace(self.run_config, tool_execution=one_at_a_time)
 
     def __call__(self, ctx: Any) -> Any:
         """The synchronous runtime's handler: runs :meth:`run` on an event loop of its own, in a
@@ -442,7 +453,8 @@ class DurableAgent(JournalOptions):
         journal = journal or journal_for(ctx)
         token = _active.set(_Durability(self, journal))
         try:
-            options: dict[str, Any] = {"run_config": self.run_config}
+            config = self.run_config if journal.parallel else self.sequential_run_config
+            options: dict[str, Any] = {"run_config": config}
             if self.context is not None:
                 options["context"] = self.context(ctx)
             if self.max_turns is not None:

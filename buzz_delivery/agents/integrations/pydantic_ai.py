@@ -88,12 +88,10 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
-from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.exceptions import AgentError
 from buzz_delivery.agents.integrations.journal import (
-    AsyncBody,
-    Chunks,
+    Durability,
     Journal,
     JournalOptions,
     idempotency_key,
@@ -102,6 +100,7 @@ from buzz_delivery.agents.integrations.journal import (
     reconciler,
     remake,
     run_threaded,
+    tool_call_scope,
 )
 
 __all__ = ["DurableAgent", "UnsupportedDeferral", "idempotency_key", "tokens"]
@@ -148,25 +147,20 @@ def load_response(data: Any) -> ModelResponse:
     return message
 
 
-class _Durability(AbstractCapability[Any]):
+class _Durability(AbstractCapability[Any], Durability):
     """The capability that routes one run's model requests and tool calls through the journal."""
 
+    owner: DurableAgent
+
     def __init__(self, owner: DurableAgent, journal: Journal) -> None:
-        self.owner, self.journal = owner, journal
-        self.chunks = Chunks(journal)
+        Durability.__init__(self, owner, journal)
         self.chunks_mark = 0  # the stream's position when the current model request began
-        self.uncharged = 0  # usage cost of responses not yet charged to a call
 
     def get_wrapper_model(self, model: Model) -> Model | None:
         return _JournaledModel(model, self)
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
         return _JournaledToolset(toolset, self)
-
-    async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
-        output = await self.journal.call(tool_name, body, args, cost=cost + self.uncharged, **options)
-        self.uncharged = 0
-        return output
 
     async def received(self, recorded: Any) -> ModelResponse:
         """A model response, made now or replayed from the journal: its usage is charged with the
@@ -286,12 +280,9 @@ class _JournaledToolset(WrapperToolset[Any]):
         }
 
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
-        if not self.durability.journal.parallel:
-            return await self._journaled(name, tool_args, ctx, tool)
         # The model's tool calls run at once (Pydantic AI's tasks): each is journaled in the scope
-        # of its tool_call_id, which comes from the recorded (or replayed) model response, so its
-        # replay does not depend on which call reached the journal first.
-        with journal_scope.entered(_call_scope(ctx.tool_call_id)):
+        # of its tool_call_id (sequential, in the scope current, without replay scopes).
+        with tool_call_scope(self.durability.journal, ctx.tool_call_id):
             return await self._journaled(name, tool_args, ctx, tool)
 
     async def _journaled(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
@@ -319,16 +310,6 @@ class _JournaledToolset(WrapperToolset[Any]):
         if "retry" in recorded:
             raise ModelRetry(recorded["retry"])
         return recorded["return"]
-
-
-def _call_scope(tool_call_id: str | None) -> str:
-    """The journal scope of the tool call ``tool_call_id`` (inside the scope current: an agent
-    run in a scope of its own): ``tool:<id>``, a long id (or one holding the scope separator) by
-    its SHA-256."""
-    text = tool_call_id or "?"
-    if len(text) > 64 or "\x00" in text or journal_scope.SEPARATOR in text:
-        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-    return journal_scope.child(journal_scope.current(), f"tool:{text}")
 
 
 def _default_prompt(run_input: Any) -> str:
