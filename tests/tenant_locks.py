@@ -14,7 +14,7 @@ from django.db import connection
 from project.database_url import database_url
 from tests.test_worker_tenant_locks import backends_waiting_for_a_lock
 
-__all__ = ["backends_waiting_for_a_lock", "rows_held"]
+__all__ = ["a_move_can_get_stuck", "backends_waiting_for_a_lock", "rows_held"]
 
 
 @contextmanager
@@ -38,3 +38,13 @@ def rows_held(model: Any, community_id: uuid.UUID, *ids: Any) -> Iterator[Callab
         yield release
     finally:
         release()
+
+
+def a_move_can_get_stuck(community: Any) -> None:
+    """The rows :func:`~tests.test_worker_tenant_locks.move_stuck_behind_a_long_transaction`
+    needs in ``community``: an event (its long transaction writes it) and a workflow run (the
+    probe of a queued write writes it)."""
+    from buzz_delivery.testing import EventFactory, WorkflowRunFactory
+
+    EventFactory(community=community)
+    WorkflowRunFactory(community=community)
