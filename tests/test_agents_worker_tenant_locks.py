@@ -16,8 +16,9 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.runtime import Context, Heartbeat
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig
-from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory
+from buzz_delivery.testing import CommunityFactory
 from tests.agents_support import AGENT, new_run
+from tests.tenant_locks import a_move_can_get_stuck, rows_held
 from tests.test_worker import wait_until
 from tests.test_worker_tenant_locks import backends_waiting_for_a_lock, move_stuck_behind_a_long_transaction
 
@@ -30,8 +31,7 @@ def heartbeat_at(run_id):
 
 def test_a_lifecycle_move_stuck_in_one_community_lets_no_run_lease_of_another_lapse(community):
     other = CommunityFactory()
-    EventFactory(community=community)  # the long transaction below writes it
-    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_move_can_get_stuck(community)
     a_run, b_run = new_run(community.id), new_run(other.id)
     (a_claim,) = s.claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
     (b_claim,) = s.claim_agent_runs(other.id, [AGENT], worker_id="w", lease_seconds=30)
@@ -80,11 +80,6 @@ def test_one_locked_run_row_does_not_keep_the_other_run_leases_of_its_community_
     """A long transaction holds one run row of community A: that run's renewals wait past the
     bound, every round. A's other run, whose row nothing holds, is renewed all the same (its
     community's rounds do not always start with the locked run), as B's is."""
-    import psycopg
-    from django.db import connection
-
-    from project.database_url import database_url
-
     other = CommunityFactory()
     a_locked, a_free, b_run = new_run(community.id), new_run(community.id), new_run(other.id)
     (locked_claim,) = s.claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
@@ -95,21 +90,15 @@ def test_one_locked_run_row_does_not_keep_the_other_run_leases_of_its_community_
     locked_ctx, free_ctx, b_ctx = Context(locked_claim), Context(free_claim), Context(b_claim)
     for ctx in (locked_ctx, free_ctx, b_ctx):  # the locked run first: renewed first
         heartbeat.hold(ctx)
-    holder = psycopg.connect(database_url(connection.settings_dict))
     try:
-        holder.execute(
-            f"SELECT 1 FROM {AgentRun._meta.db_table} WHERE community_id = %s AND id = %s FOR UPDATE",
-            [community.id, a_locked],
-        )
-        heartbeat.start()
-        for ctx in (free_ctx, b_ctx):  # twice each: each renewal a round after the one before
-            for _ in range(2):
-                before = ctx.lease.lease_until
-                wait_until(lambda c=ctx, b=before: c.lease.lease_until != b, timeout=30, what="a renewal")
-        assert locked_ctx.lease == locked_claim.lease and not locked_ctx.lost.is_set()
+        with rows_held(AgentRun, community.id, a_locked):
+            heartbeat.start()
+            for ctx in (free_ctx, b_ctx):  # twice each: each renewal a round after the one before
+                for _ in range(2):
+                    before = ctx.lease.lease_until
+                    wait_until(lambda c=ctx, b=before: c.lease.lease_until != b, timeout=30, what="a renewal")
+            assert locked_ctx.lease == locked_claim.lease and not locked_ctx.lost.is_set()
     finally:
-        holder.rollback()
-        holder.close()
         heartbeat.stop.set()
         if heartbeat.ident is not None:
             heartbeat.join(timeout=30)
@@ -143,14 +132,33 @@ def stopped(worker: AgentWorker, thread) -> None:
     assert not thread.is_alive()
 
 
+def loop_worker_started(worker):
+    """The event-loop worker ``worker`` run in a thread; returns the thread and the dict its
+    counts go to once it returns."""
+    import threading
+
+    out: dict = {}
+
+    def main():
+        from django.db import connections
+
+        try:
+            out.update(worker.run())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    return thread, out
+
+
 def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_another_waiting(community):
     """One loop thread claims round robin over A and B: A's claim waits for a lock at most the
     bound, then A is left for a while and B's runs are claimed and run meanwhile (without the
     bound the thread waits behind A's move and B's runs stay pending). Once A's move is given
     up, A's runs are claimed and run, each once."""
     other = CommunityFactory()
-    EventFactory(community=community)  # the long transaction below writes it
-    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_move_can_get_stuck(community)
     a_runs = [new_run(community.id) for _ in range(2)]
     b_runs = [new_run(other.id) for _ in range(3)]
     config = WorkerConfig(
@@ -282,8 +290,7 @@ def test_a_lifecycle_move_stuck_in_one_community_holds_no_pooled_connection_of_t
     from buzz_delivery.agents.models import JournalEntry
 
     other = CommunityFactory()
-    EventFactory(community=community)  # the long transaction below writes it
-    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_move_can_get_stuck(community)
     a_run, b_run = new_run(community.id), new_run(other.id)
     GATES.update({str(community.id): threading.Event(), str(other.id): threading.Event()})
     worker = AsyncAgentWorker(
@@ -300,18 +307,7 @@ def test_a_lifecycle_move_stuck_in_one_community_holds_no_pooled_connection_of_t
             worker_id="aio",
         )
     )
-    out: dict = {}
-
-    def main():
-        from django.db import connections
-
-        try:
-            out.update(worker.run())
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=main, daemon=True)
-    thread.start()
+    thread, out = loop_worker_started(worker)
     try:
         wait_until(lambda: set(run_states([a_run, b_run]).values()) == {"running"}, timeout=60, what="both claims")
         with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
@@ -358,8 +354,7 @@ def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_the_event_loo
     from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
 
     other = CommunityFactory()
-    EventFactory(community=community)  # the long transaction below writes it
-    WorkflowRunFactory(community=community)  # its workflow: the probe of a queued write writes it
+    a_move_can_get_stuck(community)
     a_runs = [new_run(community.id) for _ in range(2)]
     b_runs = [new_run(other.id) for _ in range(2)]
     GATES.clear()  # gated_call: no gate set for a community means it waits; open both
@@ -379,19 +374,8 @@ def test_a_lifecycle_move_stuck_in_one_community_keeps_no_claim_of_the_event_loo
             worker_id="aio",
         )
     )
-    out: dict = {}
-
-    def main():
-        from django.db import connections
-
-        try:
-            out.update(worker.run())
-        finally:
-            connections.close_all()
-
     with move_stuck_behind_a_long_transaction(community.id, rolled_back=True) as moving:
-        thread = threading.Thread(target=main, daemon=True)
-        thread.start()
+        thread, out = loop_worker_started(worker)
         try:
             wait_until(
                 lambda: set(run_states(b_runs).values()) == {"completed"},

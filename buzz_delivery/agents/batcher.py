@@ -27,7 +27,11 @@ waited longer (its community's rows are locked: a lifecycle move of it waiting b
 transaction of its own code, say) changed nothing and gives its connection back; its community
 is left for a while (``skipped``) and the other communities' batches go on. Its items wait,
 holding no connection, and go again once the community's turn is back (a renewal is answered
-at once with the lock wait's error instead: the renewal task tries it again next round).
+at once with the lock wait's error instead: the renewal task tries it again next round). A
+batch of several runs that waited is first tried one run at a time, each within the bound: one
+run's row held by another transaction keeps only that run waiting (it waits alone, its
+community is left, and it is tried last from then on), not the other runs of its batch turn
+after turn. A refused batch's replay is bounded the same way.
 """
 
 from __future__ import annotations
@@ -223,12 +227,15 @@ class Batcher:
 
     async def _dispatch(self) -> None:
         while True:
-            left = self.skipped.next_try() if self._pending else None
-            if left is None:
+            if not self._pending:
                 await self._wake.wait()
-            else:  # every queued group's community is left for a lock wait: until the first is back
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), left)
+            else:  # every queued group's community was left for a lock wait: until the first is back
+                left = self.skipped.next_try()
+                # None (or 0): that skip ended since _next_key found it (a skip's expiry wakes
+                # nobody): go at once. Before, it waited for the next submit or renewal.
+                if left:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), left)
             self._wake.clear()
             if self.linger:
                 await asyncio.sleep(self.linger)
@@ -256,68 +263,116 @@ class Batcher:
             results = [_Raised(exc)] * len(items)
         finally:
             self._slots.release()
-        if not isinstance(results, list):  # WAITED
-            self._wait_again(key, entries)
-            return
-        self.batches += 1
-        self.items += len(items)
-        for (_, _, future), result in zip(entries, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, _Raised):
-                future.set_exception(result.exc)
-            else:
-                future.set_result(result)
+        untried: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
+        held: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
+        for entry, result in zip(entries, results, strict=True):
+            if result is HELD:
+                held.append(entry)
+            elif result is UNTRIED:
+                untried.append(entry)
+            elif not entry[2].done():
+                if isinstance(result, _Raised):
+                    entry[2].set_exception(result.exc)
+                else:
+                    entry[2].set_result(result)
+        if len(held) + len(untried) < len(entries):
+            self.batches += 1
+            self.items += len(entries) - len(held) - len(untried)
+        if held or untried:
+            self._wait_again(key, untried, held)
 
     def _wait_again(
-        self, key: tuple[str, uuid.UUID], entries: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]
+        self,
+        key: tuple[str, uuid.UUID],
+        untried: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]],
+        held: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]],
     ) -> None:
-        """A batch of ``key`` waited past the lock bound (it changed nothing): its items wait
-        for their community's turn, ahead of those queued since; a renewal is answered with the
-        error at once (tried again next round, with the other communities' renewals)."""
+        """Items of ``key`` not written for a lock wait past the bound: they wait for their
+        community's turn, those not tried ahead of those queued since, and those that waited on
+        their own (their run's row is held) behind them, with their runs' later items: tried
+        last, so that one held row does not keep the community's other runs waiting turn after
+        turn. A renewal is answered with the error at once (tried again next round, with the
+        other communities' renewals)."""
         if key[0] == "heartbeat":
-            for _, _, future in entries:
+            for _, _, future in [*untried, *held]:
                 if not future.done():
                     future.set_exception(LockWaited(f"community {key[1]}: waited past {self.lock_wait_ms} ms"))
         else:  # (a submitter given up meanwhile, its task cancelled, is dropped)
-            waiting = [entry for entry in entries if not entry[2].done()]
-            self._pending[key] = [*waiting, *self._pending.get(key, [])]
-            if not self._pending[key]:
-                del self._pending[key]
+            runs = {entry[1] for entry in held}
+            queued = self._pending.get(key, [])
+            waiting = [
+                *untried,
+                *[entry for entry in queued if entry[1] not in runs],
+                *held,
+                *[entry for entry in queued if entry[1] in runs],
+            ]
+            waiting = [entry for entry in waiting if not entry[2].done()]
+            if waiting:
+                self._pending[key] = waiting
+            else:
+                self._pending.pop(key, None)
         self._wake.set()
 
-    def _many_or_replay(self, op: Operation, community: uuid.UUID, items: list[Any]) -> list[Any] | object:
-        """On a pool thread: the batch, or, when the database refuses it, each item alone;
-        :data:`WAITED` when it waited past the lock bound (its community is then left a while)."""
+    def _many_or_replay(self, op: Operation, community: uuid.UUID, items: list[Any]) -> list[Any]:
+        """On a pool thread: the batch's outcomes; or, when the database refuses it or it waited
+        past the lock bound, each item alone, each within the bound (so that one run's row held
+        by another transaction keeps only that run waiting, not the others of its batch, and a
+        refused batch's replay holds the connection no longer than a batch would). An item that
+        waited past the bound is :data:`HELD` (its community is then left a while) and those
+        after it are :data:`UNTRIED`: they wait for the community's turn."""
         try:
             with lock_waits_bounded(self.lock_wait_ms):
                 return list(op.many(community, items))
         except Exception as exc:
             if self.lock_wait_ms is not None and lock_wait_timed_out(exc):
-                self.skipped.skip(community)
-                logger.warning(
-                    "agent_batch_lock_wait op=%s community=%s runs=%d: waited past %s ms for a lock (a lifecycle "
-                    "move of its community, or a long transaction); its batches wait %.2fs, the others go on",
+                if len(items) == 1:  # its single form would wait for the same row
+                    self._skip(op, community, len(items))
+                    return [HELD]
+                logger.info(
+                    "agent_batch_lock_wait op=%s community=%s runs=%d: waited past %s ms for a lock; "
+                    "its runs go one at a time",
                     op.name,
                     community,
                     len(items),
                     self.lock_wait_ms,
-                    self.skipped.seconds,
                 )
-                return WAITED
-            logger.warning("agent_batch_refused op=%s runs=%d error=%s", op.name, len(items), str(exc)[:200])
-            if isinstance(exc, DatabaseError) and connection.connection is not None and not connection.is_usable():
-                connection.close()
+            else:
+                logger.warning("agent_batch_refused op=%s runs=%d error=%s", op.name, len(items), str(exc)[:200])
+                if isinstance(exc, DatabaseError) and connection.connection is not None and not connection.is_usable():
+                    connection.close()
         out: list[Any] = []
+        waited = False
         for item in items:
+            if waited:  # its community is left a while: the rest of its runs wait for its turn
+                out.append(UNTRIED)
+                continue
             self.replays += 1
             try:
-                out.append(op.one(item))
+                with lock_waits_bounded(self.lock_wait_ms):
+                    out.append(op.one(item))
             except Exception as exc:  # this item only
+                if self.lock_wait_ms is not None and lock_wait_timed_out(exc):
+                    self._skip(op, community, 1)
+                    out.append(HELD)
+                    waited = True
+                    continue
                 if isinstance(exc, DatabaseError) and connection.connection is not None and not connection.is_usable():
                     connection.close()
                 out.append(_Raised(exc))
         return out
+
+    def _skip(self, op: Operation, community: uuid.UUID, runs: int) -> None:
+        """A statement of ``community`` waited past the lock bound: leave it a while."""
+        self.skipped.skip(community)
+        logger.warning(
+            "agent_batch_lock_wait op=%s community=%s runs=%d: waited past %s ms for a lock (a lifecycle "
+            "move of its community, or a long transaction); its batches wait %.2fs, the others go on",
+            op.name,
+            community,
+            runs,
+            self.lock_wait_ms,
+            self.skipped.seconds,
+        )
 
     async def close(self) -> None:
         """Stop dispatching once what was queued is sent."""
@@ -327,8 +382,10 @@ class Batcher:
             self._task.cancel()
 
 
-# _many_or_replay's answer for a batch that waited past the lock bound.
-WAITED = object()
+# _many_or_replay's answers for an item not written for a lock wait past the bound: it waited
+# on its own (its run's row is held: tried last), or it was not tried (its community was left).
+HELD = object()
+UNTRIED = object()
 
 
 class LockWaited(Exception):

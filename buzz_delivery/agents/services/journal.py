@@ -15,8 +15,6 @@ import json
 import uuid
 from typing import Any
 
-from django.db import transaction
-
 from buzz_delivery import journal_scope
 from buzz_delivery.agents.conf import MAX_COST_UNITS, get_settings
 from buzz_delivery.agents.services import sql
@@ -33,7 +31,7 @@ from buzz_delivery.agents.services.types import (
 )
 from buzz_delivery.models import new_uuid7
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import atomic_within_bound, fetch_all, translated_errors
 from buzz_delivery.services.tenancy import tenant_scoped
 
 SHADOW_REASON = "shadow mode: destructive call not made"
@@ -134,7 +132,7 @@ def journal_call(
         entry_id=new_uuid7(),
         **scope_params(scope, index),
     )
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         rows = fetch_all(sql.SPEND_CALL_IF_CURRENT_AND_WITHIN_BUDGET, params)
         if not rows:
             return budget_or_missed(params)
@@ -180,7 +178,7 @@ def record_call_result(
         error=v.optional_text(error, "error", 10_000),
         latency_ms=None if latency_ms is None else v.int_in_range(latency_ms, "latency_ms", 0, 2**31 - 1),
     )
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         rows = fetch_all(sql.RECORD_RESULT_IF_CURRENT, params)
         if rows:
             return Recorded(rows[0][0])
@@ -219,7 +217,7 @@ def begin_compensation(lease: AgentLease, seq: int) -> dict[str, Any] | AlreadyT
     "output", "key"}`` (``key``: the compensation's own idempotency key), ``None`` when the
     entry is not next (or already done), ``AlreadyTerminal`` or ``LeaseLost``. SPEC 12."""
     params = lease_params(lease, seq=v.int_in_range(seq, "seq", 1, 10**9))
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         rows = fetch_all(sql.BEGIN_COMPENSATION_IF_CURRENT_AND_LAST, params)
         if rows:
             compensation, args, output, _key = rows[0]
@@ -250,7 +248,7 @@ def finish_compensation(
         compensation_status="compensated" if ok else "compensation_failed",
         error=v.optional_text(error, "error", 10_000),
     )
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         rows = fetch_all(sql.FINISH_COMPENSATION_IF_CURRENT, params)
         if rows:
             return Recorded(rows[0][0])

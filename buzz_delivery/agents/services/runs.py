@@ -339,7 +339,7 @@ def complete_run(lease: AgentLease, output: Any) -> Finished | CallsInFlight | A
     params = lease_params(
         lease, output=json_value(output, "output", get_settings().max_output_bytes), output_hash=sha256_json(output)
     )
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         # No lock of the run's row first: a call its holder journals meanwhile on another thread
         # sets the run 'waiting_tool' in the same transaction as its entry, and a completion that
         # waited for that row re-checks its state = 'running' on the new version (a statement
@@ -373,7 +373,7 @@ def fail_run(
     params = lease_params(
         lease, failure_code=code, failure_message=v.optional_text(failure_message, "failure_message", 10_000)
     )
-    with transaction.atomic(), translated_errors():
+    with atomic_within_bound(), translated_errors():
         # The run's row first, in a statement of its own: a call its holder is journaling on
         # another thread holds it until the call's entry commits, and the statements below then
         # read a snapshot that holds that entry (one that waited inside them would judge "nothing

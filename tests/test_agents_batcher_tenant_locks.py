@@ -1,0 +1,173 @@
+"""The event-loop worker's Batcher under a lock-wait bound (a worker serving several communities,
+docs/agents.md): a row held by another transaction costs its community bounded waits, never the
+batches of another community, nor the other runs of its own.
+
+Real rows locked by a real transaction (a second session), a real pool of connections and the
+Batcher on an event loop of its own thread; waits poll for a condition, nothing is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from buzz_delivery.agents.batcher import Batcher, DbPool, operations
+from buzz_delivery.agents.models import AgentRun
+from buzz_delivery.agents.services import batch
+from buzz_delivery.agents.services.types import Finished
+from buzz_delivery.lockwaits import Skipped
+from buzz_delivery.testing import CommunityFactory
+from tests.agents_support import claim, new_run
+from tests.tenant_locks import backends_waiting_for_a_lock, rows_held
+from tests.test_worker import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LOCK_WAIT_MS = 200
+
+
+class LoopBatcher:
+    """A Batcher (one pool connection, the lock-wait bound) on an event loop in a thread of its
+    own; :meth:`complete` submits run completions from the test's thread."""
+
+    def __init__(self, skipped: Skipped) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.pool = DbPool(1)
+
+        async def make() -> Batcher:
+            batcher = Batcher(self.pool, operations(30), lock_wait_ms=LOCK_WAIT_MS, skipped=skipped)
+            batcher.start()
+            return batcher
+
+        self.batcher = asyncio.run_coroutine_threadsafe(make(), self.loop).result(timeout=30)
+
+    def complete(self, *leases: Any) -> list[Future]:
+        """Each lease's completion, submitted in the same loop turn (so in one batch)."""
+        futures: list[Future] = [Future() for _ in leases]
+
+        def submit() -> None:
+            for lease, future in zip(leases, futures, strict=True):
+                item = batch.prepare_completion(lease, {"done": str(lease.run_id)})
+                task = self.loop.create_task(self.batcher.submit("complete", lease.community_id, lease.run_id, item))
+                task.add_done_callback(lambda t, f=future: _settle(f, t))
+
+        self.loop.call_soon_threadsafe(submit)
+        return futures
+
+    def __enter__(self) -> LoopBatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            task = self.batcher._task
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.pool.close()
+        self.loop.close()
+
+
+def _settle(future: Future, task: asyncio.Task) -> None:
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())
+    else:
+        future.set_result(task.result())
+
+
+def state(run_id: uuid.UUID) -> str:
+    return AgentRun.objects.get(id=run_id).state
+
+
+class ExpiringWhileAsked(Skipped):
+    """Skipped, whose answer that a community is skipped comes back only once that skip is over:
+    the instant between the dispatcher's finding every queued group's community skipped and its
+    asking how long to wait, in which a skip can end, made as wide as the skip."""
+
+    def waits(self, community: uuid.UUID) -> bool:
+        until = self._until.get(community)
+        if not super().waits(community):
+            return False
+        if until is not None:
+            time.sleep(max(0.0, until - time.monotonic()) + 0.01)
+        return True
+
+
+def test_a_community_whose_skip_ends_while_the_dispatcher_looks_is_dispatched_again(community):
+    """A run's completion waits past the bound (its row is held): its community is left a
+    while. Its skip ends between the dispatcher's look at the queue (every group's community
+    skipped) and its asking for the next try (none skipped by then): the completion goes again
+    at once, with no other submit to wake the dispatcher (before, it waited for one)."""
+    run = new_run(community.id)
+    lease = claim(community.id, run, worker="w")
+    skipped = ExpiringWhileAsked(0.5)
+    with LoopBatcher(skipped) as loop, rows_held(AgentRun, community.id, run) as release:
+        (done,) = loop.complete(lease)
+        wait_until(lambda: bool(skipped._until), timeout=30, what="the completion to wait past the bound")
+        release()
+        assert isinstance(done.result(timeout=30), Finished)
+    assert state(run) == "completed"
+
+
+def test_one_held_run_row_keeps_only_its_run_waiting_not_the_others_of_its_batch(community):
+    """Two runs of A complete in one batch; another transaction holds one run's row. The batch
+    waits past the bound, then each run goes alone within the bound: the free run completes
+    while the row is held (before, the whole batch waited turn after turn, the free run with
+    it), the held one once it is let go."""
+    held_run, free_run = new_run(community.id), new_run(community.id)
+    held_lease, free_lease = claim(community.id, held_run, worker="w"), claim(community.id, free_run, worker="w")
+    with LoopBatcher(Skipped(0.5)) as loop, rows_held(AgentRun, community.id, held_run) as release:
+        waiting = backends_waiting_for_a_lock()
+        (held,) = loop.complete(held_lease)
+        wait_until(lambda: backends_waiting_for_a_lock() > waiting, timeout=30, what="the held run's batch to wait")
+        (free,) = loop.complete(free_lease)  # queued behind it: the next batch of A has both
+        assert isinstance(free.result(timeout=20), Finished)  # within its lease (30 s)
+        assert not held.done()
+        assert (state(held_run), state(free_run)) == ("running", "completed")
+        release()
+        assert isinstance(held.result(timeout=60), Finished)
+    assert state(held_run) == "completed"
+    assert loop.batcher.skipped.seconds == 0.5
+
+
+def test_a_refused_batch_s_replay_waits_for_a_held_row_within_the_bound(community):
+    """A batch of A is refused (its leases are two workers'), so each of its runs is replayed
+    alone; one run's row is held by another transaction. The replay waits for that row at most
+    the bound and gives the only connection back: B's completion goes meanwhile (before, the
+    replay waited unbounded, holding the connection, and B's completion with it). The held run
+    completes once its row is let go."""
+    other = CommunityFactory()
+    free_run, held_run, b_run = new_run(community.id), new_run(community.id), new_run(other.id)
+    free_lease = claim(community.id, free_run, worker="w2")
+    held_lease = claim(community.id, held_run, worker="w")
+    b_lease = claim(other.id, b_run, worker="w")
+    with LoopBatcher(Skipped(0.5)) as loop, rows_held(AgentRun, community.id, held_run) as release:
+        waiting = backends_waiting_for_a_lock()
+        free, held = loop.complete(free_lease, held_lease)  # one batch: refused, then replayed
+        wait_until(lambda: backends_waiting_for_a_lock() > waiting, timeout=30, what="the replay to wait")
+        assert isinstance(free.result(timeout=30), Finished)
+        (b_done,) = loop.complete(b_lease)
+        assert isinstance(b_done.result(timeout=60), Finished)
+        assert not held.done() and state(held_run) == "running"
+        release()
+        assert isinstance(held.result(timeout=60), Finished)
+    assert [state(r) for r in (free_run, held_run, b_run)] == ["completed"] * 3
+    assert loop.batcher.replays >= 2
