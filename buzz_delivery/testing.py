@@ -31,6 +31,7 @@ except ImportError as exc:  # a plain install: say which extra brings it
         "buzz_delivery.testing needs factory-boy: pip install 'buzz-delivery[testing]'", name=exc.name
     ) from exc
 from django.db import connection, transaction
+from django.db.models import Model
 from django.utils import timezone
 
 from buzz_delivery import models, services
@@ -211,7 +212,7 @@ def _checked(helper: str, names: Iterable[str]) -> list[str]:
 
 
 def _id(value: Any) -> Any:
-    return value.pk if isinstance(value, models.Model) else value
+    return value.pk if isinstance(value, Model) else value
 
 
 def _where(deliveries: Deliveries) -> tuple[str, list[Any]]:
@@ -227,7 +228,7 @@ def _where(deliveries: Deliveries) -> tuple[str, list[Any]]:
         community, delivery_id = deliveries
         return "community_id = %s AND id = %s", [_id(community), delivery_id]
     if isinstance(deliveries, list):
-        return "id = ANY(%s)", [[d.pk if isinstance(d, models.Model) else d for d in deliveries]]
+        return "id = ANY(%s)", [[d.pk if isinstance(d, Model) else d for d in deliveries]]
     return (
         f"community_id = (SELECT community_id FROM {DELIVERY_TABLE} WHERE id = %s) AND id = %s",
         [deliveries, deliveries],
