@@ -196,7 +196,7 @@ Deliveries: TypeAlias = DeliveryKey | list[DeliveryKey] | models.Community | Exp
 
 
 def _columns() -> frozenset[str]:
-    return frozenset(f.column for f in models.WorkflowAgentDelivery._meta.concrete_fields)
+    return frozenset(f.column for f in models.WorkflowAgentDelivery._meta.concrete_fields if f.column)
 
 
 def _checked(helper: str, names: Iterable[str]) -> list[str]:
