@@ -15,7 +15,9 @@ from buzz_delivery.testing import (
     BindingFactory,
     CommunityFactory,
     EventFactory,
+    Expr,
     WorkflowRunFactory,
+    set_delivery_state,
 )
 from tests.worker_support import start_worker  # noqa: F401 (a fixture)
 
@@ -90,16 +92,12 @@ def without_context(sql: str) -> str:
 
 
 def backdate_lease(delivery_id, seconds: float = 3600) -> None:
-    """Stand-in for time passing: move a lease deadline into the past (raw SQL)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            # Router form (SPEC 15): the community named, column arithmetic through the
-            # IMMUTABLE helper, so the same helper works on a Citus cluster.
-            "UPDATE buzz_delivery_delivery SET lease_until = now() - make_interval(secs => %s),"
-            " claimed_at = buzz_delivery_plus_seconds(claimed_at, -%s)"
-            " WHERE community_id = (SELECT community_id FROM buzz_delivery_delivery WHERE id = %s) AND id = %s",
-            [seconds, seconds, delivery_id, delivery_id],
-        )
+    """Stand-in for time passing: move a lease deadline into the past (``claimed_at`` with it)."""
+    set_delivery_state(
+        delivery_id,
+        lease_until=Expr("now() - make_interval(secs => %s)", [seconds]),
+        claimed_at=Expr("buzz_delivery_plus_seconds(claimed_at, -%s)", [seconds]),
+    )
 
 
 def db_clock():

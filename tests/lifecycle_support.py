@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from django.db import DatabaseError, connection, transaction
@@ -13,8 +14,12 @@ from buzz_delivery.testing import (
     BindingFactory,
     DeliveryFactory,
     EventFactory,
+    Expr,
     WorkflowFactory,
     WorkflowRunFactory,
+    delete_delivery_rows,
+    insert_delivery_rows,
+    set_delivery_state,
 )
 
 # Every community-scoped table, as named in the database.
@@ -29,8 +34,9 @@ SCOPED_MODELS = (models.Workflow, models.WorkflowRun, models.Event, models.Workf
 
 _RANDOM32 = "decode(md5(random()::text) || md5(random()::text), 'hex')"
 
-# One raw-SQL write per table and operation, each touching rows of community %(c)s only.
-RAW_WRITES: dict[str, dict[str, str]] = {
+# One raw write per table and operation, each touching rows of community %(c)s only: SQL text,
+# or for the delivery table a call of its test helper given the parameters.
+RAW_WRITES: dict[str, dict[str, str | Callable[[dict[str, Any]], object]]] = {
     "workflow": {
         "insert": "INSERT INTO buzz_delivery_workflow (id, community_id, name) "
         "VALUES (gen_random_uuid(), %(c)s, 'raw')",
@@ -51,16 +57,32 @@ RAW_WRITES: dict[str, dict[str, str]] = {
         "update": "UPDATE buzz_delivery_event SET content = content || '!' WHERE community_id = %(c)s",
         "delete": "DELETE FROM buzz_delivery_event WHERE community_id = %(c)s",
     },
+    # Through the test helpers (buzz_delivery.testing), the one path to the delivery's row.
     "delivery": {
-        "insert": "INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, "
-        "target_pubkey, definition_event_id, message_event_id, cause_kind, cause_event_id, "
-        "cause_scheduled_for, cause_webhook_invocation_id) "
-        "SELECT gen_random_uuid(), community_id, workflow_id, run_id, step_id || '-raw', target_pubkey, "
-        "definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for, "
-        "cause_webhook_invocation_id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1",
-        "update": "UPDATE buzz_delivery_delivery SET created_at = buzz_delivery_plus_seconds(created_at, -1) "
-        "WHERE community_id = %(c)s",
-        "delete": "DELETE FROM buzz_delivery_delivery WHERE community_id = %(c)s",
+        "insert": lambda p: insert_delivery_rows(
+            [
+                "id",
+                "community_id",
+                "workflow_id",
+                "run_id",
+                "step_id",
+                "target_pubkey",
+                "definition_event_id",
+                "message_event_id",
+                "cause_kind",
+                "cause_event_id",
+                "cause_scheduled_for",
+                "cause_webhook_invocation_id",
+            ],
+            "SELECT gen_random_uuid(), community_id, workflow_id, run_id, step_id || '-raw', target_pubkey, "
+            "definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for, "
+            "cause_webhook_invocation_id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1",
+            p,
+        ),
+        "update": lambda p: set_delivery_state(
+            Expr("community_id = %s", [p["c"]]), created_at=Expr("buzz_delivery_plus_seconds(created_at, -1)")
+        ),
+        "delete": lambda p: delete_delivery_rows(Expr("community_id = %s", [p["c"]])),
     },
     "rate_limit": {
         "insert": "INSERT INTO buzz_delivery_rate_limit (id, community_id, key, window_start, used, granted, taken_at) "
@@ -212,11 +234,16 @@ def sqlstate(exc: BaseException) -> str | None:
     return sqlstate_of(exc)
 
 
-def raw_write(sql: str, params: dict[str, Any]) -> str | None:
-    """Run one raw statement in a savepoint; return the SQLSTATE it failed with, or None."""
+def raw_write(sql: str | Callable[[dict[str, Any]], object], params: dict[str, Any]) -> str | None:
+    """Run one raw statement (or a delivery test helper's) in a savepoint; return the SQLSTATE
+    it failed with, or None."""
     try:
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(sql, params)
+        with transaction.atomic():
+            if callable(sql):
+                sql(params)
+            else:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql, params)
     except DatabaseError as exc:
         return sqlstate(exc) or "unknown"
     return None

@@ -11,7 +11,14 @@ from pathlib import Path
 from django.db import connection
 
 from buzz_delivery import models, services
-from buzz_delivery.testing import BindingFactory, DeliveryFactory, EventFactory, WorkflowRunFactory
+from buzz_delivery.testing import (
+    BindingFactory,
+    DeliveryFactory,
+    EventFactory,
+    Expr,
+    WorkflowRunFactory,
+    set_delivery_state,
+)
 from tests.conftest import backdate_lease
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,13 +61,12 @@ def settled(
 
 
 def backdate_finished(delivery_id: object, seconds: float) -> None:
-    """Stand-in for time passing: ``finished_at`` moves ``seconds`` into the past (raw SQL)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET finished_at = now() - make_interval(secs => %s),"
-            " created_at = buzz_delivery_plus_seconds(created_at, -%s) WHERE id = %s",
-            [seconds, seconds, delivery_id],
-        )
+    """Stand-in for time passing: ``finished_at`` moves ``seconds`` into the past (``created_at`` with it)."""
+    set_delivery_state(
+        delivery_id,
+        finished_at=Expr("now() - make_interval(secs => %s)", [seconds]),
+        created_at=Expr("buzz_delivery_plus_seconds(created_at, -%s)", [seconds]),
+    )
 
 
 def lease_rows() -> list[tuple[str, str]]:

@@ -4,6 +4,9 @@ UUID, a NUL in a filter. Never a 500."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection, transaction
@@ -11,7 +14,7 @@ from django.test import Client
 from django.urls import reverse
 
 from buzz_delivery.agents.services import claim_agent_runs, journal_call
-from buzz_delivery.testing import DeliveryFactory, EventFactory, WorkflowRunFactory
+from buzz_delivery.testing import DeliveryFactory, EventFactory, Expr, WorkflowRunFactory, set_delivery_state
 from tests.agents_support import AGENT, new_run
 
 pytestmark = pytest.mark.django_db
@@ -31,14 +34,21 @@ def operator() -> Client:
     return client
 
 
-def _raw(statement: str, params: list) -> None:
+@contextmanager
+def _triggers_off() -> Iterator[None]:
     """Write as no service would (a value stored before the bounds, or by hand): triggers off, for
-    this one statement's transaction (``SET LOCAL``: Citus carries it to the shards, where the
+    the block's transaction (``SET LOCAL``: Citus carries it to the shards, where the
     triggers run; a session ``SET`` stays on the coordinator)."""
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SET LOCAL session_replication_role = replica")
-        cursor.execute(statement, params)
+        yield
         cursor.execute("SET LOCAL session_replication_role = origin")
+
+
+def _raw(statement: str, params: list) -> None:
+    """One raw statement with the triggers off (:func:`_triggers_off`)."""
+    with _triggers_off(), connection.cursor() as cursor:
+        cursor.execute(statement, params)
 
 
 def test_an_agent_run_page_shows_deeply_nested_input_output_and_journal_values(community, operator):
@@ -61,10 +71,12 @@ def test_a_delivery_page_and_an_event_page_show_deeply_nested_snapshots_and_tags
     run = WorkflowRunFactory(community=community)
     event = EventFactory(community=community)
     delivery = DeliveryFactory(binding__run=run, binding__message_event=event)
-    _raw(
-        "UPDATE buzz_delivery_delivery SET execution_trace = %s::jsonb, trigger_context = %s::jsonb WHERE id = %s",
-        [deep_json(), deep_json(), delivery.id],
-    )
+    with _triggers_off():
+        set_delivery_state(
+            delivery.id,
+            execution_trace=Expr("%s::jsonb", [deep_json()]),
+            trigger_context=Expr("%s::jsonb", [deep_json()]),
+        )
     _raw("UPDATE buzz_delivery_event SET tags = %s::jsonb WHERE event_id = %s", [deep_json(), event.event_id])
     assert (
         operator.get(reverse("admin:buzz_delivery_workflowagentdelivery_change", args=[delivery.id])).status_code == 200

@@ -13,6 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from buzz_delivery import services
+from buzz_delivery.testing import insert_delivery_rows
 from tests.operator_support import backdate_finished, claimed, pending
 
 pytestmark = pytest.mark.django_db
@@ -157,16 +158,15 @@ def test_uuid7_floor_orders_before_every_id_made_from_that_millisecond():
 
 def settled_copies(template_id, n: int = 20_000) -> None:
     """``n`` finished copies of one delivery (no failure code), then ANALYZE: a table at scale."""
+    insert_delivery_rows(
+        ["id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id",
+         "message_event_id", "cause_kind", "cause_webhook_invocation_id", "status", "finished_at", "attempt"],
+        """SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                  definition_event_id, message_event_id, 'webhook', gen_random_uuid(), 'finished', now(), 1
+           FROM buzz_delivery_delivery, generate_series(1, %s) AS g WHERE id = %s""",
+        [n, template_id],
+    )  # fmt: skip
     with connection.cursor() as cursor:
-        cursor.execute(
-            """INSERT INTO buzz_delivery_delivery (id, community_id, workflow_id, run_id, step_id, target_pubkey,
-                   definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
-                   status, finished_at, attempt)
-               SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
-                      definition_event_id, message_event_id, 'webhook', gen_random_uuid(), 'finished', now(), 1
-               FROM buzz_delivery_delivery, generate_series(1, %s) AS g WHERE id = %s""",
-            [n, template_id],
-        )
         cursor.execute("ANALYZE buzz_delivery_delivery")
 
 

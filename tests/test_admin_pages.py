@@ -12,7 +12,7 @@ from django.db import connection
 from django.urls import reverse
 
 from buzz_delivery import services
-from buzz_delivery.testing import CommunityFactory, WorkflowFactory, random32
+from buzz_delivery.testing import CommunityFactory, Expr, WorkflowFactory, random32, set_delivery_state
 from tests.operator_support import claimed, pending
 
 pytestmark = pytest.mark.django_db
@@ -24,9 +24,8 @@ def _set_snapshots(delivery_id: object, trace: str, context: str) -> None:
     """Snapshots never change once committed: a legacy row, written with the triggers off."""
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL session_replication_role = replica")
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET execution_trace = %s::jsonb, trigger_context = %s::jsonb WHERE id = %s",
-            [trace, context, delivery_id],
+        set_delivery_state(
+            delivery_id, execution_trace=Expr("%s::jsonb", [trace]), trigger_context=Expr("%s::jsonb", [context])
         )
         cursor.execute("SET LOCAL session_replication_role = origin")
 

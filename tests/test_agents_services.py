@@ -43,7 +43,7 @@ from buzz_delivery.agents.services import (
 )
 from buzz_delivery.agents.services import sql as agents_sql
 from buzz_delivery.models import WorkflowAgentDelivery
-from buzz_delivery.testing import advance_to, random32
+from buzz_delivery.testing import Expr, advance_to, random32, set_delivery_state
 from buzz_delivery.workflows.models import Approval
 from buzz_delivery.workflows.services import Decided, decide_approval
 from tests.agents_support import (
@@ -89,12 +89,13 @@ def test_the_true_holders_retried_accept_is_already_terminal_and_creates_nothing
 
 def test_a_stale_delivery_holder_cannot_accept(run):
     lease = delivery_lease(run)
-    with connection.cursor() as cursor:  # a reap: generation + 1
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET status = 'pending', lease_until = NULL, claimed_at = NULL,"
-            " lease_generation = lease_generation + 1 WHERE id = %s",
-            [lease.delivery_id],
-        )
+    set_delivery_state(  # a reap: generation + 1
+        lease.delivery_id,
+        status="pending",
+        lease_until=None,
+        claimed_at=None,
+        lease_generation=Expr("lease_generation + 1"),
+    )
     before = counts()
     assert isinstance(accept_delivery(lease), LeaseLost)
     assert counts() == before

@@ -18,7 +18,7 @@ import pytest
 from django.contrib.auth.models import User
 
 from buzz_delivery import models
-from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.testing import CommunityFactory, Expr, set_delivery_state
 from tests.operator_support import ROOT, claimed
 
 CHROMIUM = Path(os.environ.get("BUZZ_CHROMIUM", "/usr/bin/chromium"))
@@ -346,9 +346,10 @@ def test_every_admin_list_and_page_fits_1400_pixels_and_writes_one_time_format(
         # (snapshots never change once committed, and the services refuse such values now: a
         # row from before that, written with the triggers off)
         cursor.execute("SET session_replication_role = replica")
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET execution_trace = %s::jsonb, trigger_context = %s::jsonb WHERE id = %s",
-            ["[" * 1000 + "]" * 1000, '{"blob": "' + "x" * 1_000_000 + '"}', held.pk],
+        set_delivery_state(
+            held.pk,
+            execution_trace=Expr("%s::jsonb", ["[" * 1000 + "]" * 1000]),
+            trigger_context=Expr("%s::jsonb", ['{"blob": "' + "x" * 1_000_000 + '"}']),
         )
         cursor.execute("SET session_replication_role = origin")
     run = start(

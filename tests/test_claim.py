@@ -16,9 +16,11 @@ from buzz_delivery.testing import (
     BindingFactory,
     CommunityFactory,
     EventFactory,
+    Expr,
     WorkflowRunFactory,
     advance_to,
     random32,
+    set_delivery_state,
 )
 from tests.conftest import db_clock
 
@@ -42,11 +44,7 @@ def row(delivery_id: uuid.UUID) -> models.WorkflowAgentDelivery:
 
 
 def set_created_at(delivery_id: uuid.UUID, hours_ago: int) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET created_at = now() - make_interval(hours => %s) WHERE id = %s",
-            [hours_ago, delivery_id],
-        )
+    set_delivery_state(delivery_id, created_at=Expr("now() - make_interval(hours => %s)", [hours_ago]))
 
 
 def test_a_claim_leases_the_delivery_from_the_database_clock(community, make_binding, django_assert_num_queries):

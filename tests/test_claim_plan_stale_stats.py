@@ -22,7 +22,7 @@ from django.db import connection
 
 from buzz_delivery import models, services
 from buzz_delivery.services import cached, sql
-from buzz_delivery.testing import random32
+from buzz_delivery.testing import insert_delivery_rows, random32
 from tests.citus_support import CITUS_MODE
 from tests.plan_support import generic_explain
 
@@ -39,16 +39,14 @@ COLUMNS = (
 def clone(seed_step: str, prefix: str, n: int, status: str, targets: int) -> None:
     """``n`` copies of the seed delivery, spread over ``targets`` targets, in ``status``."""
     finished_at = "now()" if status == "finished" else "NULL"
-    with connection.cursor() as cur:
-        cur.execute(
-            f"""INSERT INTO buzz_delivery_delivery
-                (id, step_id, target_pubkey, status, finished_at, created_at, {COLUMNS})
-            SELECT gen_random_uuid(), %s || g, decode(lpad(to_hex(g %% %s), 64, '0'), 'hex'),
+    insert_delivery_rows(
+        ["id", "step_id", "target_pubkey", "status", "finished_at", "created_at", *COLUMNS.split(", ")],
+        f"""SELECT gen_random_uuid(), %s || g, decode(lpad(to_hex(g %% %s), 64, '0'), 'hex'),
                    %s, {finished_at}, d.created_at + g * interval '1 ms', {COLUMNS}
             FROM buzz_delivery_delivery d, generate_series(1, %s) g
             WHERE d.step_id = %s""",
-            [prefix, targets, status, n, seed_step],
-        )
+        [prefix, targets, status, n, seed_step],
+    )
 
 
 def update_scan(plan: dict) -> dict:

@@ -27,7 +27,7 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from buzz_delivery.testing import CommunityFactory, DeliveryFactory, WorkflowFactory, random32
+from buzz_delivery.testing import CommunityFactory, DeliveryFactory, WorkflowFactory, insert_delivery_rows, random32
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.models import Step
 from buzz_delivery.workflows.services import claim_steps
@@ -52,16 +52,16 @@ FIRST_CLAIM = (
 
 def _bulk_copy(seed: uuid.UUID, community_id: uuid.UUID, n: int) -> None:
     """``n`` copies of delivery ``seed`` (pending, oldest first), in one statement."""
+    insert_delivery_rows(
+        ["id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id",
+         "message_event_id", "cause_kind", "cause_webhook_invocation_id", "created_at"],
+        f"""SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                   definition_event_id, message_event_id, cause_kind, gen_random_uuid(),
+                   now() - make_interval(secs => (%s - g) / 1000.0)
+            FROM {DELIVERY}, generate_series(1, %s) AS g WHERE community_id = %s AND id = %s""",
+        [n, n, community_id, seed],
+    )  # fmt: skip
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"""INSERT INTO {DELIVERY} (id, community_id, workflow_id, run_id, step_id, target_pubkey,
-                   definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id, created_at)
-                SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
-                       definition_event_id, message_event_id, cause_kind, gen_random_uuid(),
-                       now() - make_interval(secs => (%s - g) / 1000.0)
-                FROM {DELIVERY}, generate_series(1, %s) AS g WHERE community_id = %s AND id = %s""",
-            [n, n, community_id, seed],
-        )
         cursor.execute(f"ANALYZE {DELIVERY}")
 
 

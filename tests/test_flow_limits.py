@@ -12,7 +12,7 @@ from django.test import override_settings
 from buzz_delivery import models, services
 from buzz_delivery.checks import check_settings
 from buzz_delivery.services import flow
-from buzz_delivery.testing import WorkflowFactory, WorkflowRunFactory, random32
+from buzz_delivery.testing import WorkflowFactory, WorkflowRunFactory, random32, set_delivery_state
 from tests.conftest import backdate_lease
 
 pytestmark = pytest.mark.django_db
@@ -108,10 +108,7 @@ def test_without_a_limit_a_claim_clears_the_slots_a_limited_claim_left(community
     with limits(target=1):
         lease = services.claim_delivery(community.id, target).lease
     services.finish_delivery(lease, "retry")
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {DELIVERY} SET next_attempt_at = NULL WHERE community_id = %s AND id = %s", [community.id, one]
-        )
+    set_delivery_state((community.id, one), next_attempt_at=None)
     again = services.claim_delivery(community.id, target)
     assert (again.delivery.slot_target, again.delivery.slot_community, again.delivery.slot_workflow) == (None,) * 3
 

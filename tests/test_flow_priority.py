@@ -12,7 +12,7 @@ from django.db import connection
 
 from buzz_delivery import models, services
 from buzz_delivery.services import cached
-from buzz_delivery.testing import random32
+from buzz_delivery.testing import backdate, insert_delivery_rows, random32
 from tests.plan_support import generic_explain
 
 pytestmark = pytest.mark.django_db
@@ -50,11 +50,7 @@ def test_a_retried_delivery_keeps_its_priority_and_goes_before_older_lower_ones(
     claim = services.claim_delivery(community.id, target)
     assert claim.delivery.id == urgent
     services.finish_delivery(claim.lease, "retry")
-    with connection.cursor() as cursor:  # the backoff passes
-        cursor.execute(
-            f"UPDATE {DELIVERY} SET next_attempt_at = now() - interval '1 second' WHERE community_id = %s AND id = %s",
-            [community.id, urgent],
-        )
+    backdate((community.id, urgent), next_attempt_at=1)  # the backoff passes
     assert services.claim_delivery(community.id, target).delivery.id == urgent
     assert services.claim_delivery(community.id, target).delivery.id == old
 
@@ -96,16 +92,16 @@ def test_the_claim_reads_only_the_rows_it_takes_among_many_of_lower_priority(com
     order: 5 urgent rows under 20,000 older ordinary ones are the first 5 it reads."""
     target = random32()
     (seed,) = commit(make_binding, message_event, target, 0)
+    insert_delivery_rows(
+        ["id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id",
+         "message_event_id", "cause_kind", "cause_webhook_invocation_id", "priority", "created_at"],
+        f"""SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+                   definition_event_id, message_event_id, cause_kind, gen_random_uuid(),
+                   CASE WHEN g > 20000 THEN 9 ELSE 0 END, now() - make_interval(secs => (30000 - g) / 1000.0)
+            FROM {DELIVERY}, generate_series(1, 20005) AS g WHERE community_id = %s AND id = %s""",
+        [community.id, seed],
+    )  # fmt: skip
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"""INSERT INTO {DELIVERY} (id, community_id, workflow_id, run_id, step_id, target_pubkey,
-                   definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id, priority, created_at)
-                SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
-                       definition_event_id, message_event_id, cause_kind, gen_random_uuid(),
-                       CASE WHEN g > 20000 THEN 9 ELSE 0 END, now() - make_interval(secs => (30000 - g) / 1000.0)
-                FROM {DELIVERY}, generate_series(1, 20005) AS g WHERE community_id = %s AND id = %s""",
-            [community.id, seed],
-        )
         cursor.execute(f"ANALYZE {DELIVERY}")
     params = {"community_id": community.id, "target_pubkey": target, "limit": 5, "lease_seconds": 60.0, "holder": None}
     ((plan,),) = generic_explain(cached.CLAIM, params, "ANALYZE, FORMAT JSON")

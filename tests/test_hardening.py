@@ -18,7 +18,7 @@ from django.test import override_settings
 
 from buzz_delivery import models, services
 from buzz_delivery.services.runlock import LeaseBusy, RunLease, acquire_run_lease, run_lease
-from buzz_delivery.testing import CommunityFactory, advance_to
+from buzz_delivery.testing import CommunityFactory, advance_to, set_delivery_state
 from tests.conftest import backdate_lease
 from tests.operator_support import claimed, lapsed, lease_rows, manage, pending, settled
 
@@ -39,7 +39,7 @@ def _sql(statement: str, params: list | None = None) -> list[tuple]:
 def test_a_retry_on_the_2000th_attempt_waits_the_capped_backoff_instead_of_overflowing(community):
     delivery = pending(community)
     assert delivery.max_attempts is None
-    _sql("UPDATE buzz_delivery_delivery SET attempt = 1999 WHERE id = %s", [delivery.id])
+    set_delivery_state(delivery.id, attempt=1999)
     claim = services.claim_delivery(community.id, bytes(delivery.target_pubkey))
     assert claim is not None and claim.delivery.attempt == 2000
 

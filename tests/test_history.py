@@ -14,7 +14,7 @@ from django.db import DatabaseError, connection, transaction
 from django.urls import reverse
 
 from buzz_delivery import models, services
-from buzz_delivery.testing import DeliveryFactory, frozen_db_clock
+from buzz_delivery.testing import DeliveryFactory, Expr, backdate, frozen_db_clock, set_delivery_state
 from buzz_delivery.triggers import HISTORY_SQLSTATE
 from buzz_delivery.worker.runtime import holder_identity
 from tests.conftest import backdate_lease
@@ -198,10 +198,7 @@ def test_retries_record_pending_then_exhausted(community):
     assert delivery.max_attempts == 3
     for n in (1, 2, 3):
         services.finish_delivery(claim(delivery, holder=f"h{n}"), "retry", failure_message="try again")
-        raw(
-            "UPDATE buzz_delivery_delivery SET next_attempt_at = NULL WHERE community_id = %s AND id = %s",
-            [community.id, delivery.id],
-        )
+        set_delivery_state((community.id, delivery.id), next_attempt_at=None)
     events = [(e["event"], e["status"], e["generation"], e["actor"]) for e in history_of(delivery.id)]
     assert events == [
         ("claim", "claimed", 1, "h1"),
@@ -218,11 +215,7 @@ def test_the_reaper_records_lapsed_leases_and_expiries_at_its_database_time(comm
     claim(lapsed)
     backdate_lease(lapsed.id)
     overdue = pending(community)
-    raw(
-        "UPDATE buzz_delivery_delivery SET expires_at = now() - interval '1 minute'"
-        " WHERE community_id = %s AND id = %s",
-        [community.id, overdue.id],
-    )
+    backdate((community.id, overdue.id), expires_at=60)
     before = db_now()
     assert services.reap().total == 2
     *_, reaped = history_of(lapsed.id)
@@ -317,10 +310,9 @@ def test_history_keeps_the_last_50_entries(community):
     where = " WHERE community_id = %s AND id = %s"
     ids = [community.id, delivery.id]
     for i in range(60):
-        raw(
-            "UPDATE buzz_delivery_delivery"
-            " SET history = buzz_delivery_history_push(history, jsonb_build_object('n', %s))" + where,
-            [i, *ids],
+        set_delivery_state(
+            (community.id, delivery.id),
+            history=Expr("buzz_delivery_history_push(history, jsonb_build_object('n', %s))", [i]),
         )
     entries = history_of(delivery.id)
     assert [e["n"] for e in entries] == list(range(10, 60))

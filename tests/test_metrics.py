@@ -14,7 +14,7 @@ from buzz_delivery import metrics, services
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services.runlock import acquire_run_lease
 from buzz_delivery.services.workers import STALE_AFTER_SECONDS
-from buzz_delivery.testing import DeliveryFactory, random32
+from buzz_delivery.testing import DeliveryFactory, backdate, delete_delivery_rows, random32, set_delivery_state
 from tests.operator_support import pending
 
 pytestmark = pytest.mark.django_db
@@ -35,18 +35,12 @@ def scrape() -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
 def test_deliveries_by_status_oldest_pending_and_lapsed_leases(make_binding, community):
     target = random32()
     ids = [DeliveryFactory(binding=make_binding(target_pubkey=target)).id for _ in range(5)]
-    with connection.cursor() as cursor:  # the oldest pending one was committed 90 s ago
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '90 seconds' WHERE id = %s", [ids[0]]
-        )
+    backdate(ids[0], created_at=90)  # the oldest pending one was committed 90 s ago
     claims = services.claim_deliveries(community.id, target, limit=3, lease_seconds=30)
     assert [c.lease.delivery_id for c in claims] == ids[:3]
     services.finish_delivery(claims[0].lease, "finished")
     services.finish_delivery(claims[1].lease, "failed", failure_code="bad_payload")
-    with connection.cursor() as cursor:  # the third lease lapsed (stand-in for time passing)
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 second' WHERE id = %s", [ids[2]]
-        )
+    backdate(ids[2], lease_until=1)  # the third lease lapsed (stand-in for time passing)
 
     found = scrape()
 
@@ -60,10 +54,7 @@ def test_deliveries_by_status_oldest_pending_and_lapsed_leases(make_binding, com
 
 def test_the_oldest_pending_age_is_read_on_the_database_clock(make_binding):
     (delivery,) = [DeliveryFactory(binding=make_binding())]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '90 seconds' WHERE id = %s", [delivery.id]
-        )
+    backdate(delivery.id, created_at=90)
 
     assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(90, abs=1)
 
@@ -205,16 +196,10 @@ def test_lease_losses_seen_by_the_reaper_are_counted_across_its_passes(make_bind
     def lapse_and_reap(n: int) -> None:
         claims = services.claim_deliveries(community.id, target, limit=n, lease_seconds=30)
         assert len(claims) == n
-        with connection.cursor() as cursor:  # the holders died: their leases lapsed, no backoff left
-            cursor.execute(
-                "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 second' WHERE id = ANY(%s)",
-                [[c.lease.delivery_id for c in claims]],
-            )
+        # the holders died: their leases lapsed, no backoff left
+        backdate([c.lease.delivery_id for c in claims], lease_until=1)
         call_command("reap_deliveries", stdout=StringIO())
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "UPDATE buzz_delivery_delivery SET next_attempt_at = NULL WHERE id = ANY(%s)", [[first, second]]
-            )
+        set_delivery_state([first, second], next_attempt_at=None)
 
     lapse_and_reap(2)  # both back to pending: 2 reclaimed
     call_command("reap_deliveries", "--dry-run", stdout=StringIO())  # a dry run adds nothing
@@ -257,13 +242,8 @@ def test_the_oldest_pending_age_leaves_out_a_fenced_communitys_stranded_rows():
     fenced, active = CommunityFactory(name="leaving"), CommunityFactory(name="staying")
     stranded = [pending(fenced).id for _ in range(3)]
     waiting = pending(active).id
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '3 hours' WHERE id = ANY(%s)", [stranded]
-        )
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET created_at = now() - interval '60 seconds' WHERE id = %s", [waiting]
-        )
+    backdate(stranded, created_at=3 * 3600)
+    backdate(waiting, created_at=60)
     assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(3 * 3600, abs=2)
     services.advance_community(fenced.id, "quiescing")
 
@@ -271,8 +251,7 @@ def test_the_oldest_pending_age_leaves_out_a_fenced_communitys_stranded_rows():
 
     assert found["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(60, abs=2)
     assert found["buzz_delivery_fenced_pending"][()] == 3
-    with connection.cursor() as cursor:  # the active backlog drained: the alert clears
-        cursor.execute("DELETE FROM buzz_delivery_delivery WHERE id = %s", [waiting])
+    delete_delivery_rows(waiting)  # the active backlog drained: the alert clears
     assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == 0
 
 
@@ -285,12 +264,8 @@ def test_the_oldest_pending_walk_is_bounded_past_a_fenced_communitys_rows(monkey
     fenced, active = CommunityFactory(name="leaving"), CommunityFactory(name="staying")
     stranded = [pending(fenced).id for _ in range(3)]
     pending(active)
-    with connection.cursor() as cursor:
-        for minutes, row in zip((30, 20, 10), stranded, strict=True):
-            cursor.execute(
-                "UPDATE buzz_delivery_delivery SET created_at = now() - make_interval(mins => %s) WHERE id = %s",
-                [minutes, row],
-            )
+    for minutes, row in zip((30, 20, 10), stranded, strict=True):
+        backdate(row, created_at=minutes * 60)
     services.advance_community(fenced.id, "quiescing")
 
     assert scrape()["buzz_delivery_oldest_pending_age_seconds"][()] == pytest.approx(20 * 60, abs=2)

@@ -37,7 +37,15 @@ from hypothesis.stateful import (
 )
 
 from buzz_delivery import backoff, exceptions, services
-from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowRunFactory, frozen_db_clock, random32
+from buzz_delivery.testing import (
+    CommunityFactory,
+    EventFactory,
+    Expr,
+    WorkflowRunFactory,
+    frozen_db_clock,
+    random32,
+    set_delivery_state,
+)
 from tests.model_support import run_machine
 
 pytestmark = pytest.mark.django_db
@@ -532,14 +540,12 @@ class DeliveryMachine(RuleBasedStateMachine):
         """Time passes for every row of the example (fenced ones too): raw SQL, triggers off."""
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL session_replication_role = replica")
-            cursor.execute(
-                "UPDATE buzz_delivery_delivery SET"
-                # (the IMMUTABLE helper: timestamptz - interval over a column is STABLE, SPEC 15)
-                " lease_until = buzz_delivery_plus_seconds(lease_until, -%(s)s),"
-                " next_attempt_at = buzz_delivery_plus_seconds(next_attempt_at, -%(s)s),"
-                " expires_at = buzz_delivery_plus_seconds(expires_at, -%(s)s)"
-                " WHERE community_id = ANY(%(ids)s)",
-                {"s": seconds, "ids": [c.id for c in self.communities]},
+            # (the IMMUTABLE helper: timestamptz - interval over a column is STABLE, SPEC 15)
+            set_delivery_state(
+                Expr("community_id = ANY(%s)", [[c.id for c in self.communities]]),
+                lease_until=Expr("buzz_delivery_plus_seconds(lease_until, -%s)", [seconds]),
+                next_attempt_at=Expr("buzz_delivery_plus_seconds(next_attempt_at, -%s)", [seconds]),
+                expires_at=Expr("buzz_delivery_plus_seconds(expires_at, -%s)", [seconds]),
             )
             cursor.execute("SET LOCAL session_replication_role = DEFAULT")
         self.model.advance_clock(seconds)

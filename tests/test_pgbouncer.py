@@ -32,7 +32,15 @@ from django.db import connection
 
 from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery
-from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
+from buzz_delivery.testing import (
+    BindingFactory,
+    CommunityFactory,
+    EventFactory,
+    Expr,
+    WorkflowRunFactory,
+    random32,
+    set_delivery_state,
+)
 from tests.pgbouncer_support import PgBouncer, pgbouncer  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -169,12 +177,11 @@ def lapsed_deliveries(n: int) -> list:
     while len(claimed) < n:
         claimed += services.claim_deliveries(community.id, target, limit=min(1000, n - len(claimed)))
     assert sorted(c.delivery.id for c in claimed) == sorted(ids)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {DELIVERY_TABLE} SET lease_until = now() - interval '1 hour',"
-            " claimed_at = buzz_delivery_plus_seconds(claimed_at, -3600) WHERE id = ANY(%s)",
-            [ids],
-        )
+    set_delivery_state(
+        list(ids),
+        lease_until=Expr("now() - interval '1 hour'"),
+        claimed_at=Expr("buzz_delivery_plus_seconds(claimed_at, -3600)"),
+    )
     return ids
 
 

@@ -13,7 +13,15 @@ from django.test import override_settings
 
 from buzz_delivery import models, services
 from buzz_delivery.services import Claim, Settled, cached, sql
-from buzz_delivery.testing import BindingFactory, DeliveryFactory, random32
+from buzz_delivery.testing import (
+    BindingFactory,
+    DeliveryFactory,
+    Expr,
+    backdate,
+    insert_delivery_rows,
+    random32,
+    set_delivery_state,
+)
 from tests.conftest import backdate_lease, db_clock
 from tests.plan_support import generic_explain
 
@@ -35,7 +43,7 @@ def execute(statement: str, params: list) -> None:
 
 def unblock_retry(delivery_id: uuid.UUID) -> None:
     """Stand-in for the backoff passing."""
-    execute(f"UPDATE {DELIVERY} SET next_attempt_at = now() - interval '1 second' WHERE id = %s", [delivery_id])
+    backdate(delivery_id, next_attempt_at=1)
 
 
 def row(delivery_id: uuid.UUID) -> models.WorkflowAgentDelivery:
@@ -166,7 +174,7 @@ def test_a_pending_delivery_past_its_deadline_is_not_claimed_and_expires_at_the_
     community, target, commit_one
 ):
     delivery_id = commit_one(expires_at=db_now() + dt.timedelta(hours=1))
-    execute(f"UPDATE {DELIVERY} SET expires_at = now() - interval '1 second' WHERE id = %s", [delivery_id])
+    backdate(delivery_id, expires_at=1)
 
     assert claim(community, target) is None
     result = services.reap()
@@ -181,7 +189,7 @@ def test_a_lapsed_lease_past_the_deadline_expires_instead_of_returning_to_pendin
     delivery_id = commit_one(expires_at=db_now() + dt.timedelta(hours=1))
     lease = claim(community, target).lease
     backdate_lease(delivery_id)
-    execute(f"UPDATE {DELIVERY} SET expires_at = now() - interval '1 second' WHERE id = %s", [delivery_id])
+    backdate(delivery_id, expires_at=1)
 
     result = services.reap()
 
@@ -303,17 +311,16 @@ def test_the_claim_query_cannot_scan_the_oldest_pending_age_index_nor_the_admins
 def copies(template: uuid.UUID, n: int, *, finished: bool) -> None:
     """``n`` copies of one delivery (pending, or finished), then ANALYZE: a table at scale. Their
     ``created_at`` are a millisecond apart, oldest first, as a producer's commits would be."""
-    settled = (", status, finished_at, attempt", ", 'finished', now(), 1") if finished else ("", "")
-    execute(
-        f"""INSERT INTO {DELIVERY} (id, community_id, workflow_id, run_id, step_id, target_pubkey,
-               definition_event_id, message_event_id, cause_kind, cause_webhook_invocation_id,
-               created_at{settled[0]})
-            SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
+    settled = (["status", "finished_at", "attempt"], ", 'finished', now(), 1") if finished else ([], "")
+    insert_delivery_rows(
+        ["id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id",
+         "message_event_id", "cause_kind", "cause_webhook_invocation_id", "created_at", *settled[0]],
+        f"""SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'bulk-' || g, target_pubkey,
                    definition_event_id, message_event_id, cause_kind, gen_random_uuid(),
                    now() - make_interval(secs => (%s - g) / 1000.0){settled[1]}
             FROM {DELIVERY}, generate_series(1, %s) AS g WHERE id = %s""",
         [n, n, template],
-    )
+    )  # fmt: skip
     execute(f"ANALYZE {DELIVERY}", [])
 
 
@@ -337,11 +344,11 @@ def test_the_claim_walks_the_polling_index_with_statistics_from_when_every_row_w
     # settled. With a plain index on created_at the planner walked it past every settled row
     # (9 ms a claim of 50 instead of 2.4, issue 16); it must take the polling index.
     copies(commit_one(), 20000, finished=False)
-    execute(
-        f"""UPDATE {DELIVERY} SET status = 'finished', finished_at = now(), attempt = 1
-            WHERE id IN (SELECT id FROM {DELIVERY} WHERE community_id = %s ORDER BY created_at, id LIMIT 10000)""",
-        [community.id],
-    )
+    set_delivery_state(
+        Expr(f"id IN (SELECT id FROM {DELIVERY} WHERE community_id = %s ORDER BY created_at, id LIMIT 10000)",
+             [community.id]),
+        status="finished", finished_at=Expr("now()"), attempt=1,
+    )  # fmt: skip
     plan = claim_plan(community, target, limit=50, generic=generic)
 
     assert "delivery_pending_poll_idx" in plan, plan

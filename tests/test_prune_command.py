@@ -9,12 +9,11 @@ from io import StringIO
 import pytest
 from django.core.exceptions import ValidationError
 from django.core.management import CommandError, call_command
-from django.db import connection
 
 from buzz_delivery import models, services
 from buzz_delivery.management.commands.prune_deliveries import parse_age
 from buzz_delivery.services.runlock import acquire_run_lease
-from buzz_delivery.testing import CommunityFactory, advance_to
+from buzz_delivery.testing import CommunityFactory, Expr, advance_to, set_delivery_state
 from tests.operator_support import claimed, lease_rows, parse_kv, pending, settled
 
 pytestmark = pytest.mark.django_db
@@ -45,8 +44,8 @@ def test_prune_deletes_terminal_rows_older_than_the_cutoff_and_keeps_younger_one
 def test_prune_never_deletes_pending_or_claimed_rows_however_old(community):
     waiting = pending(community)
     working, _ = claimed(community)
-    with connection.cursor() as cursor:  # make them look ancient
-        cursor.execute("UPDATE buzz_delivery_delivery SET created_at = now() - interval '400 days'")
+    # make them look ancient (every row, as before)
+    set_delivery_state(Expr("true"), created_at=Expr("now() - interval '400 days'"))
 
     summary = prune("--older-than", "1s")
 

@@ -15,7 +15,7 @@ from buzz_delivery import backoff, services
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services import sql
 from buzz_delivery.services.types import Settle
-from buzz_delivery.testing import frozen_db_clock, random32
+from buzz_delivery.testing import Expr, frozen_db_clock, random32, set_delivery_state
 from tests.conftest import backdate_lease, without_context
 
 pytestmark = pytest.mark.django_db
@@ -215,11 +215,8 @@ def test_a_mixed_batch_advances_a_send_step_as_the_same_settles_one_by_one(commu
     assert step(batch)[:3] == ("waiting", 2, 1)
     for run, leases in ((single, single_leases), (batch, batch_leases)):
         retried = leases[2]
-        with connection.cursor() as cursor:  # its backoff over at once
-            cursor.execute(
-                f"UPDATE {sql.DELIVERY} SET next_attempt_at = now() WHERE community_id = %s AND id = %s",
-                [community.id, retried.delivery_id],
-            )
+        # its backoff over at once
+        set_delivery_state((community.id, retried.delivery_id), next_attempt_at=Expr("now()"))
         again = services.claim_delivery(community.id, retried.target_pubkey, lease_seconds=30).lease
         if run is single:
             services.finish_delivery(again, "finished")

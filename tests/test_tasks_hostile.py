@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 from django.core.checks import run_checks
 from django.core.management import call_command
-from django.db.models.functions import Now
 
 from buzz_delivery import models
 from buzz_delivery.tasks import compat
 from buzz_delivery.tasks.models import TaskResult
-from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.testing import CommunityFactory, Expr, set_delivery_state
 from tests import tasks_support as t
 
 FAILED = compat.TaskResultStatus.FAILED
@@ -221,8 +220,8 @@ def test_a_task_whose_worker_is_killed_mid_task_runs_again_and_its_result_is_rec
         running.return_value  # noqa: B018
     # The lease lapses (its time, made to pass) and the reaper hands the task back.
     row = TaskResult.objects.get(id=result.id)
-    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=row.delivery_id).update(
-        lease_until=Now() - dt.timedelta(seconds=1)
+    set_delivery_state(
+        (community.id, row.delivery_id), lease_until=Expr("STATEMENT_TIMESTAMP() - %s", [dt.timedelta(seconds=1)])
     )
     reap()
     assert t.mark_and_wait.get_result(result.id).status == compat.TaskResultStatus.READY
@@ -478,8 +477,8 @@ def test_a_worker_killed_after_recording_the_outcome_leaves_it_to_the_next_which
     row = TaskResult.objects.get(id=result.id)
     recorded = (row.return_value, row.errors)
     assert models.WorkflowAgentDelivery.objects.get(id=row.delivery_id).status == "claimed"
-    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=row.delivery_id).update(
-        lease_until=Now() - dt.timedelta(seconds=1)
+    set_delivery_state(
+        (community.id, row.delivery_id), lease_until=Expr("STATEMENT_TIMESTAMP() - %s", [dt.timedelta(seconds=1)])
     )
     reap()
     assert t.mark_and_hold.get_result(result.id).status == compat.TaskResultStatus.READY

@@ -15,7 +15,6 @@ import uuid
 
 import pytest
 from django.core.management import call_command
-from django.db.models.functions import Now
 
 from buzz_delivery import models, services
 from buzz_delivery.services import reap
@@ -23,7 +22,7 @@ from buzz_delivery.services.operator import requeue_delivery
 from buzz_delivery.tasks import compat
 from buzz_delivery.tasks import services as task_services
 from buzz_delivery.tasks.models import TaskResult
-from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.testing import CommunityFactory, Expr, set_delivery_state
 from tests import tasks_support as t
 
 FAILED = compat.TaskResultStatus.FAILED
@@ -39,9 +38,7 @@ def delivery_of(result_id: str) -> models.WorkflowAgentDelivery:
 
 
 def age_and_reap(delivery: models.WorkflowAgentDelivery) -> None:
-    models.WorkflowAgentDelivery.objects.filter(community_id=delivery.community_id, id=delivery.id).update(
-        lease_until=Now() - dt.timedelta(seconds=1)
-    )
+    set_delivery_state(delivery, lease_until=Expr("STATEMENT_TIMESTAMP() - %s", [dt.timedelta(seconds=1)]))
     reap()
     assert delivery_of_id(delivery).status == "pending"
 
@@ -69,7 +66,7 @@ def test_a_requeue_followed_by_more_lapsed_leases_than_the_history_keeps_still_r
     log = tmp_path / "runs.log"
     result = t.mark_and_hold.enqueue(str(log), "", "raise")
     delivery = delivery_of(result.id)
-    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=delivery.id).update(max_attempts=None)
+    set_delivery_state((community.id, delivery.id), max_attempts=None)
     run_worker()
     assert t.mark_and_hold.get_result(result.id).status == FAILED
     assert requeue_delivery(community.id, delivery.id).done
@@ -96,7 +93,7 @@ def test_an_error_recorded_before_a_settle_that_never_came_stays_the_outcome_how
     log = tmp_path / "runs.log"
     result = t.mark_and_hold.enqueue(str(log), "", "raise")
     delivery = delivery_of(result.id)
-    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=delivery.id).update(max_attempts=None)
+    set_delivery_state((community.id, delivery.id), max_attempts=None)
     target = compat.task_backends["default"].target_for("default")
     claim = services.claim_delivery(community.id, target, holder="killed after recording")
     assert claim is not None
@@ -143,7 +140,7 @@ def test_an_error_without_requeues_recorded_after_a_counted_requeue_stays_the_ou
     log = tmp_path / "runs.log"
     result = t.mark_and_hold.enqueue(str(log), "", "raise")
     delivery = delivery_of(result.id)
-    models.WorkflowAgentDelivery.objects.filter(community_id=community.id, id=delivery.id).update(max_attempts=None)
+    set_delivery_state((community.id, delivery.id), max_attempts=None)
     run_worker()
     assert requeue_delivery(community.id, delivery.id).done
     target = compat.task_backends["default"].target_for("default")

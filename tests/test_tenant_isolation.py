@@ -21,7 +21,7 @@ from buzz_delivery import isolation
 from buzz_delivery.catalog import catalog_models
 from buzz_delivery.models import Community
 from buzz_delivery.services import claim_delivery, reap, tenancy
-from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory
+from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, Expr, set_delivery_state
 from tests.conftest import backdate_lease
 from tests.lifecycle_support import fill_community
 from tests.pgbouncer_support import pgbouncer  # noqa: F401  (the fixture)
@@ -433,8 +433,9 @@ def test_the_pruner_and_the_purge_work_fleet_wide_as_a_maintenance_login(logins)
     for c in communities:
         delivery = DeliveryFactory(binding=BindingFactory(run__community=c))
         finish_delivery(claim_delivery(c.id, delivery.target_pubkey).lease, "finished")
-    _sql("UPDATE buzz_delivery_delivery SET finished_at = now() - interval '2 days' WHERE community_id = ANY(%s)",
-         [[c.id for c in communities]])  # fmt: skip
+    set_delivery_state(
+        Expr("community_id = ANY(%s)", [[c.id for c in communities]]), finished_at=Expr("now() - interval '2 days'")
+    )
     doomed = CommunityFactory()
     fill_community(doomed)
     advance_to(doomed, "fenced")

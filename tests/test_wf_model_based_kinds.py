@@ -45,7 +45,7 @@ from hypothesis.stateful import (
 from buzz_delivery import services as core
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services import AlreadyTerminal, Cause, LeaseLost, Settled
-from buzz_delivery.testing import CommunityFactory, WorkflowFactory
+from buzz_delivery.testing import CommunityFactory, WorkflowFactory, backdate
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.models import Approval, Run, Step
 from buzz_delivery.workflows.services import (
@@ -826,12 +826,7 @@ class KindsMachine(RuleBasedStateMachine):
         self._expire_delivery(self._pick([d for d in self.deliveries if d.status == "pending"], i, live))
 
     def _expire_delivery(self, d: MDelivery) -> None:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "UPDATE buzz_delivery_delivery SET expires_at = now() - interval '1 second'"
-                " WHERE community_id = %s AND id = %s",
-                [self.cid, d.id],
-            )
+        backdate((self.cid, d.id), expires_at=1)
         assert core.reap_expired_deliveries() == 1
         d.gen += 1
         self._delivery_terminal(d, "pending", "expired")

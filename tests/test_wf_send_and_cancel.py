@@ -13,7 +13,7 @@ from buzz_delivery import services
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import Event, WorkflowAgentDelivery
 from buzz_delivery.services import AlreadyTerminal, LeaseLost, Settled
-from buzz_delivery.testing import CommunityFactory, WorkflowFactory, advance_to, random32
+from buzz_delivery.testing import CommunityFactory, WorkflowFactory, advance_to, backdate, random32, set_delivery_state
 from buzz_delivery.workflows import executor
 from buzz_delivery.workflows.models import Approval, Run
 from buzz_delivery.workflows.services import (
@@ -152,13 +152,9 @@ def test_the_reaper_exhausting_a_delivery_is_counted(workflow):
     run = start(workflow, {"steps": [send_step("send", [target], tolerate_failures=1)]})
     run_until_idle(workflow.community_id)
     [d] = deliveries(run)
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE buzz_delivery_delivery SET max_attempts = 1 WHERE id = %s", [d.id])
+    set_delivery_state(d.id, max_attempts=1)
     services.claim_delivery(d.community_id, target, lease_seconds=30)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 hour' WHERE id = %s", [d.id]
-        )
+    backdate(d.id, lease_until=3600)
     assert services.reap_expired_deliveries() >= 1
     step = get_run(workflow.community_id, run.pk).step("send")
     assert (step.state, step.delivered_failed) == ("succeeded", 1)

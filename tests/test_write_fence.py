@@ -14,7 +14,15 @@ from buzz_delivery import services
 from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.models import Community, Event, WorkflowAgentDelivery, WorkflowRun
 from buzz_delivery.services import LeaseLost
-from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, EventFactory, advance_to
+from buzz_delivery.testing import (
+    BindingFactory,
+    CommunityFactory,
+    DeliveryFactory,
+    EventFactory,
+    Expr,
+    advance_to,
+    delete_delivery_rows,
+)
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 from tests.citus_support import CITUS_MODE
 from tests.conftest import backdate_lease
@@ -34,6 +42,13 @@ OPERATIONS = ("insert", "update", "delete")
 
 
 # --- raw SQL writes against the fence --------------------------------------------
+
+
+def _delete_one_delivery(params: dict) -> None:
+    """One of community ``params["c"]``'s deliveries deleted (a raw write, through the test helper)."""
+    delete_delivery_rows(
+        Expr("id = (SELECT id FROM buzz_delivery_delivery WHERE community_id = %s LIMIT 1)", [params["c"]])
+    )
 
 
 @pytest.mark.django_db
@@ -210,14 +225,7 @@ def test_the_bypass_ends_with_the_transaction_that_set_it(community):
     with transaction.atomic():
         identify_as_purge_executor(fenced.id, fenced.fence_generation)
         assert purge_settings() == (str(fenced.id), str(fenced.fence_generation))
-        assert (
-            raw_write(
-                "DELETE FROM buzz_delivery_delivery WHERE id = "
-                "(SELECT id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1)",
-                {"c": community.id},
-            )
-            is None
-        )
+        assert raw_write(_delete_one_delivery, {"c": community.id}) is None
     assert purge_settings() in {("", ""), (None, None)}
     before = community_snapshot(community.id)
     assert raw_write(RAW_WRITES["delivery"]["delete"], {"c": community.id}) == "BD001"
@@ -395,11 +403,7 @@ def test_the_purge_executors_delete_is_not_remembered_as_passing(community):
     fill_community(community, rows=2)
     fenced = advance_to(community, "fenced")
     identify_as_purge_executor(fenced.id, fenced.fence_generation)
-    one = (
-        "DELETE FROM buzz_delivery_delivery WHERE id = "
-        "(SELECT id FROM buzz_delivery_delivery WHERE community_id = %(c)s LIMIT 1)"
-    )
-    assert raw_write(one, {"c": community.id}) is None
+    assert raw_write(_delete_one_delivery, {"c": community.id}) is None
     assert _fence_passed(community) != str(community.id)
     assert WorkflowAgentDelivery.objects.filter(community=community).exists()
     before = community_snapshot(community.id)

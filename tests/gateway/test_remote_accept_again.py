@@ -16,8 +16,7 @@ import pytest
 
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.gateway import remote_accept
-from buzz_delivery.models import WorkflowAgentDelivery
-from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.testing import CommunityFactory, set_delivery_state
 from tests.gateway.support import ReleasingClient, TableLock, deliver, enroll
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,7 +28,7 @@ def test_an_accept_answered_503_is_sent_again_not_settled_retry_on_the_last_atte
     agent = ReleasingClient(impatient_gateway.base, os.urandom(32), release=lock.release, watched="accept")
     enroll(agent, community)
     (delivery,) = deliver(community, agent.pubkey)
-    WorkflowAgentDelivery.objects.filter(id=delivery.id).update(max_attempts=1)  # its one attempt
+    set_delivery_state(delivery.id, max_attempts=1)  # its one attempt
     try:
         (claim,) = agent.claim(1)
         # the accept's first read of the deliveries must wait (on a cluster too: the

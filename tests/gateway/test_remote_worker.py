@@ -12,7 +12,7 @@ import time
 import pytest
 
 from buzz_delivery.models import WorkflowAgentDelivery
-from buzz_delivery.testing import CommunityFactory, DeliveryFactory, EventFactory, WorkflowRunFactory
+from buzz_delivery.testing import CommunityFactory, DeliveryFactory, EventFactory, WorkflowRunFactory, backdate
 from tests.gateway.support import ROOT, enroll, new_agent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -211,7 +211,6 @@ def test_a_stale_lease_in_a_settle_batch_is_refused_for_its_delivery_only(tmp_pa
     """Issue 29: the batch finish judges each lease by its own generation. One claim request
     serves every free handler thread; the settles of the 8 results go through the batch route
     only, and the lease the reaper took back (generation + 1) is refused alone."""
-    from django.db import connection
 
     from buzz_delivery import services
 
@@ -224,10 +223,7 @@ def test_a_stale_lease_in_a_settle_batch_is_refused_for_its_delivery_only(tmp_pa
                  "-v", "2", gate=gate)  # fmt: skip
     assert sorted(wait_handled(tmp_path, 8)) == sorted(str(d.id) for d in made)
     stale = made[3]
-    with connection.cursor() as cursor:  # its lease lapses while the handler runs...
-        cursor.execute(
-            "UPDATE buzz_delivery_delivery SET lease_until = now() - interval '1 second' WHERE id = %s", [stale.id]
-        )
+    backdate(stale.id, lease_until=1)  # its lease lapses while the handler runs...
     assert services.reap().reclaimed == 1  # ...and the reaper takes it back: generation 2
     gate.touch()
     assert proc.wait(timeout=60) == 0, (tmp_path / "worker.err").read_text()

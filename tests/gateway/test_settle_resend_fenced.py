@@ -6,6 +6,7 @@ lease lapsed and another worker of the key claimed the delivery meanwhile, the r
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from buzz_delivery.gateway.client import GatewayClient
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services.reaper import reap_expired_deliveries
-from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.testing import CommunityFactory, set_delivery_state
 from tests.gateway.support import deliver, enroll
 from tests.gateway.test_request_statements import BASE, send
 
@@ -61,7 +62,7 @@ def test_a_repeat_after_the_lease_lapsed_and_another_worker_claimed_it_settles_n
     deliver(community, one.pubkey, 1)
     delivery_id, generation = claim_one(one)
     # the first settle never reached the database; the lease lapses (as after its timeout)
-    WorkflowAgentDelivery.objects.filter(id=delivery_id).update(lease_until="2000-01-01T00:00:00Z")
+    set_delivery_state(delivery_id, lease_until=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
     assert reap_expired_deliveries() == 1  # the reaper puts it back: pending, a later attempt
     again_id, again_generation = claim_one(other)
     assert again_id == delivery_id and again_generation > generation

@@ -12,7 +12,7 @@ import uuid
 import pytest
 from django.db import connection
 
-from buzz_delivery.testing import CommunityFactory
+from buzz_delivery.testing import CommunityFactory, Expr, set_delivery_state
 from tests.gateway.support import (
     deliver,
     enroll,
@@ -45,11 +45,8 @@ def test_deliveries_of_one_community_to_a_key_enrolled_elsewhere_do_not_wake_its
         (silent,) = deliver(b, agent.pubkey, not_before=now + dt.timedelta(hours=1))
         waiter, got = long_poll_in_background(agent, 10)
         wait_for(lambda: long_polls_waiting() == 1, "the long-poll to wait (its first claim found nothing)")
-        with connection.cursor() as cursor:  # claimable now, without a hint: nothing wakes the poll
-            cursor.execute(
-                "UPDATE buzz_delivery_delivery SET next_attempt_at = now() WHERE community_id = %s AND id = %s",
-                [b.id, silent.id],
-            )
+        # claimable now, without a hint: nothing wakes the poll
+        set_delivery_state((b.id, silent.id), next_attempt_at=Expr("now()"))
         time.sleep(1.0)  # (a wake-up would claim it at once)
         assert got == [] and waiter.is_alive()
         deliver(a, agent.pubkey)  # community A's work, to a key not enrolled in A
