@@ -311,3 +311,61 @@ def test_a_cancel_cancels_each_call_in_flight(community):
     assert (CANCEL["cancelled"], CANCEL["finished"]) == ({"a", "b"}, set())
     assert out[0].get("lost") == 1, out
     assert AgentRun.objects.get(id=run_id).state == "cancelled"
+
+
+# -- a Pydantic AI tool raising while another tool of the run is in flight ---------------------
+
+
+def _raising_tools_agent(made: list) -> DurableAgent:
+    """``slow`` and ``boom`` of one response: ``boom`` raises once ``slow`` runs (both in flight
+    at once); ``slow`` then waits for its bound unless cancelled."""
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(m.kind == "response" for m in messages):
+            return ModelResponse(
+                parts=[ToolCallPart("slow", {}, tool_call_id="s"), ToolCallPart("boom", {}, tool_call_id="b")]
+            )
+        return ModelResponse(parts=[TextPart("never")])
+
+    agent = Agent(FunctionModel(model, model_name="raising"))
+    started: dict = {}
+
+    def event() -> asyncio.Event:
+        return started.setdefault("slow", asyncio.Event())
+
+    @agent.tool_plain
+    async def slow() -> str:
+        event().set()
+        try:
+            await asyncio.sleep(WAIT)
+        except asyncio.CancelledError:
+            made.append("slow cancelled")
+            raise
+        made.append("slow")
+        return "slow"
+
+    @agent.tool_plain
+    async def boom() -> str:
+        made.append("boom saw slow" if await _saw(event()) else "boom alone")
+        raise RuntimeError("boom")
+
+    return DurableAgent(agent)
+
+
+def test_a_pydantic_ai_tool_raising_while_another_runs_fails_the_run_with_none_left_pending(community):
+    run_id = new_run(community.id)
+    made: list = []
+    durable = _raising_tools_agent(made)
+
+    async def handler(ctx):
+        return await durable.run(ctx)
+
+    _, counts = in_process(community, handler, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert (counts.get("failed"), run.failure_code) == (1, "tool_call_failed"), (counts, run.failure_message)
+    # Pydantic AI cancelled slow's task once boom raised: its body stopped mid-way, so the call is
+    # closed failed and uncertain by the run's failure (compensated, had it a compensation), as
+    # the thread worker closes a call never recorded; none is left pending.
+    assert made == ["boom saw slow", "slow cancelled"]  # both in flight at once
+    entries = {e.scope: (e.status, e.uncertain) for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
+    assert entries == {"tool:s": ("failed", True), "tool:b": ("failed", False)}
