@@ -26,6 +26,7 @@ from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.runtime import NOT_MADE
 from buzz_delivery.agents.services import cancel_agent_run, reap_agent_runs
+from buzz_delivery.workflows.services import decide_approval
 from tests.agents_support import backdate_run_lease, make_claimable, new_run
 from tests.test_agents_aio import in_process
 
@@ -369,3 +370,44 @@ def test_a_pydantic_ai_tool_raising_while_another_runs_fails_the_run_with_none_l
     assert made == ["boom saw slow", "slow cancelled"]  # both in flight at once
     entries = {e.scope: (e.status, e.uncertain) for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
     assert entries == {"tool:s": ("failed", True), "tool:b": ("failed", False)}
+
+
+# -- an approval asked while another task's call is in flight ----------------------------------
+
+
+async def approval_while_a_call_runs(ctx):
+    """Task ``slow``'s call is in flight when the handler asks for an approval: the approval
+    waits for it to be recorded, then parks (a run never parks with a call of its own in flight)."""
+    started = asyncio.Event()
+
+    async def slow(args, key):
+        started.set()
+        await asyncio.sleep(0.3)
+        return {"slow": True}
+
+    async def in_scope():
+        with ctx.scope("slow"):
+            return await ctx.call("slow", slow, {})
+
+    task = asyncio.ensure_future(in_scope())
+    waiting = asyncio.ensure_future(started.wait())
+    await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)  # replayed: never started
+    waiting.cancel()
+    decision = await ctx.request_approval("ship?", 600)
+    return {"slow": await task, "decision": decision["decision"]}
+
+
+def test_an_approval_asked_while_a_call_is_in_flight_parks_once_it_is_recorded(community):
+    run_id = new_run(community.id)
+    _, counts = in_process(community, approval_while_a_call_runs, in_flight=4, connections=2)
+    assert counts.get("parked") == 1, (counts, AgentRun.objects.get(id=run_id).failure_message)
+    assert [(seq, scope, status) for seq, scope, _, _, status in _entries(run_id)] == [
+        (1, "slow", "succeeded"),
+        (2, "", "pending"),
+    ]
+    run = AgentRun.objects.get(id=run_id)
+    decide_approval(community.id, run.approval_id, "approved", "alice")
+    _, counts = in_process(community, approval_while_a_call_runs, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    assert run.output == {"slow": {"slow": True}, "decision": "approved"}
