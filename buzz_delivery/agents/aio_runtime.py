@@ -15,7 +15,8 @@ Calls of one run made by several tasks are in flight at once (Pydantic AI's para
 ``asyncio.gather``), as the threaded runtime's threads are: only their journal writes are one at
 a time (the run's journal lock, held from taking the call's index in its scope to its entry's
 ``seq``; the server gives the ``seq``, contiguous, and judges the budgets, one statement each);
-their bodies, results and what they emit are not. Each call is replayed by its scope and its
+their bodies and results are not (``emit`` keeps its own lock: one chunk at a time, in the
+order asked). Each call is replayed by its scope and its
 index in it (an asyncio task inherits the scope it was created in: docs/agents.md "Resume"), so
 tasks that call at once replay correctly when each calls in a scope of its own. An approval
 waits for the run's calls in flight, then parks under the journal lock; the handler's end waits
