@@ -12,6 +12,10 @@ order rotates per repetition):
   False: every tool's definition made ``sequential=True``, calls in the root scope), which is
   what the integration did for every runtime before replay by scope: the baseline.
 
+With ``--runtime loop``, the same on the event-loop worker (``AsyncAgentWorker``, ``run_agent_worker
+--async``: ``--in-flight`` runs held as tasks on one loop, 2 pool connections), the handler
+``await DurableAgent.run(ctx)``; ``sequential`` there is the same fallback over its ``AsyncJournal``.
+
 With ``--dbos``, Pydantic AI's own DBOS integration (``DBOSDurability``, its default
 ``parallel_ordered_events``: the tools at once, each a DBOS step) runs the same agent with the
 same runs in flight in its own process (``bench/dbos_pydantic_ai_parallel.py``, by
@@ -62,8 +66,9 @@ from pydantic_ai import Agent  # noqa: E402
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart  # noqa: E402
 from pydantic_ai.models.function import AgentInfo, FunctionModel  # noqa: E402
 
-from buzz_delivery.agents.integrations.journal import Journal  # noqa: E402
+from buzz_delivery.agents.integrations.journal import Journal, journal_for  # noqa: E402
 from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent  # noqa: E402
+from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig  # noqa: E402
 from buzz_delivery.agents.services import intake_event  # noqa: E402
 from buzz_delivery.agents.worker import AgentWorker, WorkerConfig  # noqa: E402
 from buzz_delivery.testing import CommunityFactory  # noqa: E402
@@ -97,8 +102,7 @@ class SequentialDurableAgent(DurableAgent):
     ``sequential=True``, calls in the root scope), as it ran on every runtime before."""
 
     async def run(self, ctx: Any, journal: Journal | None = None) -> Any:
-        if journal is None:
-            raise ValueError("the bench runs on the threaded worker")
+        journal = journal or journal_for(ctx)
         journal.parallel = False
         return await super().run(ctx, journal)
 
@@ -116,15 +120,50 @@ def timed(handler: Any, latencies: list[float]) -> Any:
     return run
 
 
+def timed_async(durable: DurableAgent, latencies: list[float]) -> Any:
+    async def run(ctx: Any) -> Any:
+        started = time.perf_counter()
+        output = await durable.run(ctx)
+        latencies.append(time.perf_counter() - started)
+        return output
+
+    return run
+
+
+RUNTIME = "thread"
+
+
 def measure(handler: Any, n: int, k: int) -> tuple[float, list[float], float]:
-    """``n`` runs drained by one ``AgentWorker`` with ``k`` handler threads: runs/s, latencies,
-    this process's CPU seconds per run (user + system, every thread)."""
+    """``n`` runs drained by one ``AgentWorker`` with ``k`` handler threads (or, ``--runtime
+    loop``, one ``AsyncAgentWorker`` holding ``k`` runs): runs/s, latencies, this process's CPU
+    seconds per run (user + system, every thread)."""
     community = CommunityFactory()
     key = os.urandom(32)
     for _ in range(n):
         intake_event(community.id, "bench", uuid.uuid4().hex, {"prompt": "go"}, key, timeout_seconds=3600)
     connections.close_all()
     latencies: list[float] = []
+    worker: Any
+    if RUNTIME == "loop":
+        worker = AsyncAgentWorker(
+            AsyncWorkerConfig(
+                handler=timed_async(handler, latencies),
+                agents=[key],
+                communities=[community.id],
+                in_flight=k,
+                connections=2,
+                lease_seconds=60,
+                poll_seconds=0.05,
+                exit_when_idle=True,
+                worker_id=f"bench-ptools-loop-{threading.get_ident()}",
+                listen=False,
+            )
+        )
+        started, cpu = time.perf_counter(), time.process_time()
+        counts = worker.run()
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        assert counts.get("completed") == n, counts
+        return n / elapsed, latencies, cpu / n
     worker = AgentWorker(
         WorkerConfig(
             handler=timed(handler, latencies),
@@ -174,17 +213,21 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    global CALL_SECONDS
+    global CALL_SECONDS, RUNTIME
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in-flight", default="1,64")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--runs-per-slot", type=int, default=4, help="runs per figure: this x in-flight (at least 12)")
     parser.add_argument("--call-seconds", type=float, default=CALL_SECONDS)
+    parser.add_argument("--runtime", choices=("thread", "loop"), default="thread", help="the worker measured")
     parser.add_argument("--dbos", action="store_true", help="also Pydantic AI's DBOS integration")
     parser.add_argument("--dbos-python", default=os.environ.get("DBOS_PYTHON", sys.executable))
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "pydantic-ai-parallel-tools.md"))
+    parser.add_argument("--output", default=None, help="default: bench/results/pydantic-ai-parallel-tools[-loop].md")
     args = parser.parse_args()
     CALL_SECONDS = args.call_seconds
+    RUNTIME = args.runtime
+    suffix = "-loop" if RUNTIME == "loop" else ""
+    output = args.output or str(ROOT / "bench" / "results" / f"pydantic-ai-parallel-tools{suffix}.md")
     logging.getLogger("buzz_delivery.agents").setLevel(logging.WARNING)
     ensure_database(URL)
     call_command("migrate", verbosity=0)
@@ -246,8 +289,9 @@ def main() -> None:
         header += " parallel / DBOS runs/s |"
     command = " ".join(shlex.quote(a) for a in sys.argv[1:])
     lines = [
-        f"Pydantic AI agent, {TOOLS} tool calls at once ({CALL_SECONDS} s each, an async sleep), on the threaded"
-        " worker: the tool calls run at once (journal replay by scope) vs. one at a time (the integration's"
+        f"Pydantic AI agent, {TOOLS} tool calls at once ({CALL_SECONDS} s each, an async sleep), on the"
+        + (" event-loop worker (2 pool connections)" if RUNTIME == "loop" else " threaded worker")
+        + ": the tool calls run at once (journal replay by scope) vs. one at a time (the integration's"
         " no-scope fallback, as before)"
         + (", and Pydantic AI's DBOS integration on the same agent" if args.dbos else "")
         + f"; {args.repeats} repetitions, interleaved.",
@@ -279,7 +323,7 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(args.output, "w") as fh:
+    with open(output, "w") as fh:
         fh.write(text)
 
 

@@ -11,8 +11,17 @@ the run's output stream (one fenced statement on the worker's pool, as the threa
 task, so an ``await`` in flight raises ``CancelledError`` and no further call is made). ``fn``,
 ``reconcile`` and compensations may be ``async def`` (awaited on the loop) or plain functions
 (run on a thread, in the user's tenant scope, so they may use the ORM on their own connection).
-Calls of one run are made one at a time (the run's call lock); each is replayed by its scope and
-its index in it (an asyncio task inherits the scope it was created in: docs/agents.md "Resume").
+Calls of one run made by several tasks are in flight at once (Pydantic AI's parallel tools, an
+``asyncio.gather``), as the threaded runtime's threads are: only their journal writes are one at
+a time (the run's journal lock, held from taking the call's index in its scope to its entry's
+``seq``; the server gives the ``seq``, contiguous, and judges the budgets, one statement each);
+their bodies and results are not (``emit`` keeps its own lock: one chunk at a time, in the
+order asked). Each call is replayed by its scope and its
+index in it (an asyncio task inherits the scope it was created in: docs/agents.md "Resume"), so
+tasks that call at once replay correctly when each calls in a scope of its own. An approval
+waits for the run's calls in flight, then parks under the journal lock; the handler's end waits
+for them too (a call is recorded before the run completes or fails); a cancel (or a lost lease)
+cancels the handler's task and the task of each call in flight.
 
 No statement of the runtime runs on a connection of the user's code: the journal, results,
 renewals, completions, failures and the steps of an unwinding (begin and finish each
@@ -32,6 +41,7 @@ whose ``call`` / ``request_approval`` block that thread on the loop's coroutines
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -131,7 +141,7 @@ class AsyncContext:
     ``journal``: the run's entries, or None when they are not known yet (the worker's claim round
     did not read them): :func:`read_journal` reads them before the handler runs."""
 
-    journal_scopes = True  # calls are replayed by scope (ctx.scope); they are still made one at a time
+    journal_scopes = True  # calls are replayed by scope (ctx.scope): integrations may run them at once
 
     def __init__(self, claim: s.AgentClaim, journal: list[JournalEntry] | None, runtime: Runtime) -> None:
         self.run = claim.run
@@ -147,7 +157,14 @@ class AsyncContext:
         self._journal: dict[tuple[str, int], JournalEntry] | None = None
         if journal is not None:
             self.set_journal(journal)
-        self._lock = asyncio.Lock()
+        # One journal write (index taken, entry written, seq known) or approval park at a time; the
+        # calls' bodies and results run at once. What it orders: a scope's indexes in the order its
+        # calls' seqs are given, and no call journaled while an approval parks the run.
+        self._journaling = asyncio.Lock()
+        # The calls in flight (journaled or replaying, not yet ended): each one's seq and task.
+        self._flights: dict[object, tuple[int, asyncio.Task[Any] | None]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.replayed = 0
         self.rate_waits = 0  # how many times a call waited for its rate limit
         self.task: asyncio.Task[Any] | None = None
@@ -225,47 +242,81 @@ class AsyncContext:
         rate = ratelimits_plan(rate_key, weight)
         self._refuse_nested(tool_name)
         scope = journal_scope.current_key()  # a deep path by its stable key
-        async with self._lock:
+        async with self._journaling:
             self._check()
             index = self._positions.take(scope)
             entry = self._entry((scope, index))
+            outcome: Any = None
+            if entry is None:
+                descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+                if rate is not None:
+                    await self._take_rate(rate)
+                prepared = batch.prepare_call(
+                    self.lease,
+                    tool_name,
+                    args,
+                    cost=cost,
+                    compensation=descriptor,
+                    destructive=destructive,
+                    scope=scope,
+                    index=index,
+                )
+                outcome = await self._submit("journal", prepared)
+                self._check()
+            # In flight from here (under the journal lock: an approval parking sees it).
+            flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        try:
             with journal_scope.entered(journal_scope.inside_call(scope, index)):  # the tool's own scopes
-                return await self._called(entry, scope, index, tool_name, fn, args, compensate, reconcile,
-                                          destructive, cost, rate)  # fmt: skip
+                return await self._called(entry, outcome, tool_name, fn, args, reconcile, rate)
+        finally:
+            self._land(flight)
+
+    def _take_off(self, seq: int) -> object:
+        flight = object()
+        self._flights[flight] = (seq, asyncio.current_task())
+        self._idle.clear()
+        return flight
+
+    def _land(self, flight: object) -> None:
+        self._flights.pop(flight, None)
+        if not self._flights:
+            self._idle.set()
+
+    @property
+    def calls_in_flight(self) -> tuple[int, ...]:
+        """The seqs of this run's calls in flight (journaled or replaying, not yet ended)."""
+        return tuple(sorted(seq for seq, _ in self._flights.values()))
+
+    def cancel_tasks(self) -> None:
+        """Cancel the handler's task and the task of each call in flight (a cancel, a lost lease,
+        the handler's deadline): a call the handler started in a task of its own stops too."""
+        tasks = [self.task, *(task for _, task in self._flights.values())]
+        for task in dict.fromkeys(tasks):
+            if task is not None and not task.done():
+                task.cancel()
+
+    async def wait_calls(self) -> None:
+        """Until none of this run's calls is in flight (other tasks' calls run on, the lease
+        renewed meanwhile); :class:`RunAborted` once the run is lost."""
+        while self._flights:
+            self._check()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), APPROVAL_RETRY_SECONDS)
+        self._check()
 
     async def _called(
         self,
         entry: JournalEntry | None,
-        scope: str,
-        index: int,
+        outcome: Any,
         tool_name: str,
         fn: Callable[..., Any],
         args: Any,
-        compensate: Callable[..., Any] | None,
         reconcile: Callable[..., Any] | None,
-        destructive: bool,
-        cost: int,
         rate: RatePlan | None,
     ) -> Any:
-        """The call once it holds call ``index`` of ``scope`` (under the run's lock): replayed,
-        or journaled, made and recorded."""
+        """The call once it holds its journal position: replayed, or made and recorded."""
         if entry is not None:
             return await self._replay(entry, tool_name, fn, args, reconcile)
-        descriptor = compensations.descriptor(compensate)  # ValueError when not registered
-        if rate is not None:
-            await self._take_rate(rate)
-        prepared = batch.prepare_call(
-            self.lease,
-            tool_name,
-            args,
-            cost=cost,
-            compensation=descriptor,
-            destructive=destructive,
-            scope=scope,
-            index=index,
-        )
-        outcome = await self._submit("journal", prepared)
-        self._check()
         if isinstance(outcome, s.Blocked):
             return None
         if isinstance(outcome, s.BudgetExceeded):
@@ -280,8 +331,10 @@ class AsyncContext:
         return output
 
     def _refuse_nested(self, tool_name: str) -> None:
-        """A call from inside one of this run's calls' tool functions would wait for the lock
-        that call holds (it holds it until recorded) for ever: :class:`NestedCall` at once."""
+        """A call from inside one of this run's calls' tool functions (on its task, a task or a
+        SyncBridge thread it starts): :class:`NestedCall` at once, nothing journaled. A resumed
+        run replays the outer call from the journal without running its function, so the nested
+        call's entry would never be consumed."""
         outer = _IN_CALL.get()
         if outer is not None and outer[0] is self:
             raise NestedCall(tool_name, outer[1])
@@ -381,48 +434,60 @@ class AsyncContext:
         """As :meth:`Context.request_approval <buzz_delivery.agents.runtime.Context.request_approval>`:
         parks the run the first time; returns the decision when the run is resumed."""
         outer = _IN_CALL.get()
-        if outer is not None and outer[0] is self:  # that call holds the lock until recorded
+        if outer is not None and outer[0] is self:  # that call cannot end while the approval waits
             raise ApprovalBlockedByCalls((outer[1],), "asked from inside a ctx.call of this run")
         scope = journal_scope.current_key()  # a deep path by its stable key
-        async with self._lock:
-            self._check()
-            index = self._positions.take(scope)
-            entry = self._entry((scope, index))
-            if entry is not None:
-                if entry.kind != "approval":
-                    raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
-                if entry.status == "succeeded":
-                    self.replayed += 1
-                    return dict(entry.output or {})
-                if entry.status == "failed":
-                    raise ApprovalExpired("the approval expired without a decision")
-                raise RunAborted("the approval is still pending")
-            # This run's calls hold the lock while in flight: none is, but the server may still
-            # see the last one's result being recorded as the park reads (ask again shortly).
-            settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
-            while True:
-                outcome = await self._runtime(
-                    self.runtime.pool.run(
-                        s.request_approval,
-                        self.lease,
-                        prompt=prompt,
-                        deadline_seconds=deadline_seconds,
-                        scope=scope,
-                        index=index,
-                    )
-                )
-                if not isinstance(outcome, s.CallsInFlight):
-                    break
-                if time.monotonic() > settle:
-                    raise ApprovalBlockedByCalls(outcome.seqs, "journaled and never recorded, no call running")
-                await asyncio.sleep(APPROVAL_RETRY_SECONDS)
+        # The calls in flight are waited for outside the journal lock (a call of another task may
+        # journal meanwhile: waited for too); the park is under it, none in flight, as the thread
+        # runtime's: no call journaled while the run parks.
+        while True:
+            async with self._journaling:
                 self._check()
-            if isinstance(outcome, s.ApprovalRequested):
-                raise _Parked(outcome.approval_id)
-            if isinstance(outcome, s.BudgetExceeded):
-                raise BudgetExhausted(f"{outcome.budget} budget exhausted")
-            self.mark_lost(getattr(outcome, "reason", "") or "lost")
-            raise RunAborted(f"cannot request an approval: {outcome}")
+                entry = self._entry((scope, self._positions.peek(scope)))
+                if entry is not None or not self._flights:
+                    index = self._positions.take(scope)
+                    if entry is None:
+                        outcome = await self._park(prompt, deadline_seconds, scope, index)
+                    break
+            await self.wait_calls()
+        if entry is not None:
+            if entry.kind != "approval":
+                raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
+            if entry.status == "succeeded":
+                self.replayed += 1
+                return dict(entry.output or {})
+            if entry.status == "failed":
+                raise ApprovalExpired("the approval expired without a decision")
+            raise RunAborted("the approval is still pending")
+        if isinstance(outcome, s.ApprovalRequested):
+            raise _Parked(outcome.approval_id)
+        if isinstance(outcome, s.BudgetExceeded):
+            raise BudgetExhausted(f"{outcome.budget} budget exhausted")
+        self.mark_lost(getattr(outcome, "reason", "") or "lost")
+        raise RunAborted(f"cannot request an approval: {outcome}")
+
+    async def _park(self, prompt: str, deadline_seconds: int, scope: str, index: int) -> Any:
+        """``request_approval`` (none of this run's calls in flight, the journal lock held); the
+        server may still see the last one's result being recorded as the park reads: ask again
+        shortly, for at most ``APPROVAL_SETTLE_SECONDS``."""
+        settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+        while True:
+            outcome = await self._runtime(
+                self.runtime.pool.run(
+                    s.request_approval,
+                    self.lease,
+                    prompt=prompt,
+                    deadline_seconds=deadline_seconds,
+                    scope=scope,
+                    index=index,
+                )
+            )
+            if not isinstance(outcome, s.CallsInFlight):
+                return outcome
+            if time.monotonic() > settle:
+                raise ApprovalBlockedByCalls(outcome.seqs, "journaled and never recorded, no call running")
+            await asyncio.sleep(APPROVAL_RETRY_SECONDS)
+            self._check()
 
 
 class SyncBridge:
@@ -584,25 +649,24 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         code = failure_code_of(exc) if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
             return "lost"
-        # A call of a task the handler started holds the lock while in flight: it is recorded
-        # first (failed under it, the call was marked uncertain and compensated while the tool
-        # still ran: the undo before the effect).
-        async with ctx._lock:
-            pass
-        if ctx.lost.is_set():
+        # A call of a task the handler started and left in flight is recorded first (failed
+        # under it, the call was marked uncertain and compensated while the tool still ran: the
+        # undo before the effect), as in the thread worker.
+        try:
+            await ctx.wait_calls()
+        except RunAborted:
             return "lost"
         ctx.failure_code = code
         failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
-    # A call the handler started in a task of its own and did not await holds the lock while in
-    # flight: it is recorded first (completed under it, its result could never be recorded, and
-    # with it alone in flight the run is not 'running': the completion was refused, the run run
-    # again).
-    async with ctx._lock:
-        pass
-    if ctx.lost.is_set():
+    # A call the handler started in a task of its own and did not await is recorded first
+    # (completed under it, its result could never be recorded, and with it alone in flight the
+    # run is not 'running': the completion was refused, the run run again).
+    try:
+        await ctx.wait_calls()
+    except RunAborted:
         return "lost"
     try:
         prepared = batch.prepare_completion(ctx.lease, output)
@@ -623,9 +687,9 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         if time.monotonic() > settle or ctx.lost.is_set():
             break
         await asyncio.sleep(APPROVAL_RETRY_SECONDS)
-        async with ctx._lock:
-            pass
-        if ctx.lost.is_set():
+        try:
+            await ctx.wait_calls()
+        except RunAborted:
             return "lost"
     ctx.failure_code = "calls_in_flight"
     seqs = ", ".join(map(str, done.seqs))

@@ -76,8 +76,8 @@ class NestedCall(AgentError):
     worker's ``AsyncContext``): refused at once, nothing journaled. A resumed run replays the
     outer call from the journal without running its function again, so the nested call's entry
     would never be consumed (the handler's next call would meet it at its position:
-    ``ReplayMismatch``); in the event-loop worker a run's calls are also made one at a time, so
-    the nested call would wait for the call it runs in for ever. Make the call before or after
+    ``ReplayMismatch``); in the event-loop worker it is refused from a task the outer tool starts
+    too (and from a ``SyncBridge`` thread its plain tool runs on). Make the call before or after
     the outer one (or return what it needs from the outer tool). Calls a tool runs on threads of
     its own are not nested (thread worker)."""
 

@@ -10,7 +10,8 @@ unless ``listen`` is off.
 
 The renewal task renews every held lease each ``lease_seconds / 3`` (one statement per
 community and batch); a run whose renewal is refused is marked lost and its handler task is
-cancelled (a cancel fenced it, or its lease lapsed): the handler makes no further call. With
+cancelled, with the task of each of its calls in flight (a cancel fenced it, or its lease
+lapsed): the handler makes no further call. With
 ``handler_timeout``, a run held longer is given up the same way (its lease lapses and the run is
 resumed from its journal elsewhere). :meth:`AsyncAgentWorker.stop` (SIGTERM/SIGINT) stops
 claiming and drains in-flight runs for ``shutdown_grace`` seconds; the rest are abandoned.
@@ -519,8 +520,7 @@ class AsyncAgentWorker:
 
     def _give_up(self, ctx: AsyncContext, reason: str) -> None:
         ctx.mark_lost(reason)
-        if ctx.task is not None and not ctx.task.done():
-            ctx.task.cancel()
+        ctx.cancel_tasks()  # the handler's task and each call's in flight (its tasks' too)
 
     def _time_out(self) -> None:
         limit = self.config.handler_timeout

@@ -29,7 +29,8 @@ result is replayed instead of being made again. Built on the SDK's public interf
   of the recorded response, so a resumed run replays each call from its scope's entry whatever
   order the calls reach the journal in (``docs/agents.md`` "Resume"). Under the threaded runtime
   each call is journaled by the handler's thread while the bodies run together on the agent's
-  loop; under the event-loop runtime they are made one at a time (its lock), in whatever order.
+  loop; under the event-loop runtime they are in flight at once too (only their journal writes
+  are one at a time).
   On a runtime without replay scopes the tools run one at a time, in the order of the response
   (``max_function_tool_concurrency=1``). A tool's ``timeout_seconds`` is applied inside its
   journaled call. Inside a tool, :func:`idempotency_key` is the journal's key for the call.

@@ -25,7 +25,7 @@ capability (``get_wrapper_model``, ``get_wrapper_toolset``) passed to ``Agent.ru
   its ``tool_call_id`` (part of the recorded response), so a resumed run replays each call by its
   scope whatever order the calls reach the journal in (``docs/agents.md`` "Resume"). Under the
   threaded runtime each such call is journaled on a thread of its own; under the event-loop
-  runtime the calls are still made one at a time (its lock), in whatever order. On a runtime
+  runtime the calls are in flight at once too (only their journal writes are one at a time). On a runtime
   without replay scopes (the remote worker) every tool is made ``sequential``, as before.
   Inside a tool, :func:`idempotency_key` is the journal's key for that call. A ``ModelRetry`` the
   tool raises is recorded too (the model is asked again, on a replay as well). ``compensations``

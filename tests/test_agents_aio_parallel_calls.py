@@ -1,0 +1,413 @@
+"""The event-loop runtime: calls of one run made by several tasks are in flight at once.
+
+The run's call lock made them one at a time: each call held it from its journal write to its
+result, so two tasks' tools never ran together (Pydantic AI's parallel tools took the sum of
+their times), and a tool waiting for another tool of the same run waited for ever. Now only the
+journal writes are one at a time (the journal lock); the bodies run at once, each call replayed
+by its scope and index. Every wait in these tools is bounded (``WAIT``) and answers whether it
+saw what it waited for, so on the call lock each test failed instead of hanging: the first tool
+never saw the second start (its wait ran out, then the second ran alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from django.db import connections
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from buzz_delivery.agents.exceptions import RunAborted
+from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.runtime import NOT_MADE
+from buzz_delivery.agents.services import cancel_agent_run, reap_agent_runs
+from buzz_delivery.workflows.services import decide_approval
+from tests.agents_support import backdate_run_lease, make_claimable, new_run
+from tests.test_agents_aio import in_process
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WAIT = 10.0  # bound of each wait for the other tool (never reached when the calls run at once)
+
+SEEN: dict = {}
+
+
+def _entries(run_id):
+    return [
+        (e.seq, e.scope, e.replay_key[1], e.tool_name, e.status)
+        for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")
+    ]
+
+
+async def _saw(event: asyncio.Event) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), WAIT)
+    except TimeoutError:
+        return False
+    return True
+
+
+# -- two calls of one run in flight at once ---------------------------------------------------
+
+
+async def two_at_once(ctx):
+    """Tasks ``a`` and ``b``, each in a scope of its own: each tool says it started, then waits
+    for the other's to have started too (both bodies running at the same time)."""
+    started = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    async def meet(args, key):
+        me, other = args["me"], args["other"]
+        started[me].set()
+        seen = await _saw(started[other])
+        return {"me": me, "saw_other": seen, "key": key}
+
+    async def branch(me, other):
+        with ctx.scope(me):
+            return await ctx.call("meet", meet, {"me": me, "other": other})
+
+    a, b = await asyncio.gather(branch("a", "b"), branch("b", "a"))
+    return {"a": a, "b": b}
+
+
+def test_two_calls_of_one_run_are_in_flight_at_once(community):
+    run_id = new_run(community.id)
+    _, counts = in_process(community, two_at_once, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    out = run.output
+    assert (out["a"]["saw_other"], out["b"]["saw_other"]) == (True, True), out  # each body saw the other's start
+    assert sorted((scope, index, status) for _, scope, index, _, status in _entries(run_id)) == [
+        ("a", 1, "succeeded"),
+        ("b", 1, "succeeded"),
+    ]
+    assert [seq for seq, *_ in _entries(run_id)] == [1, 2]  # seq contiguous
+
+
+# -- replay after a reclaim: each call served from its scope ----------------------------------
+
+
+async def lost_mid_calls_then_replayed(ctx):
+    """First invocation (``SEEN["phase"] == 1``): ``a`` and ``b`` both in flight when the run is
+    lost (both stay pending). After the reclaim, ``b`` calls first, then ``a`` (the other order):
+    each is reconciled from its own scope's entry (``a``'s hook: not made, made again with its
+    key; ``b``'s: found)."""
+    started = {"a": asyncio.Event(), "b": asyncio.Event()}
+    b_done = asyncio.Event()
+
+    async def work(args, key):
+        me = args["me"]
+        SEEN.setdefault("made", []).append((me, key))
+        if SEEN["phase"] == 1:
+            started[me].set()
+            both = await _saw(started["b" if me == "a" else "a"])
+            SEEN.setdefault("both", []).append(both)
+            ctx.mark_lost("test_reclaim")  # the holder is lost while both calls are in flight
+            raise RunAborted("lost mid-call")
+        return {"me": me, "key": key, "made_again": True}
+
+    async def reconcile(args, key):
+        SEEN.setdefault("reconciled", []).append((args["me"], key))
+        return NOT_MADE if args["me"] == "a" else {"me": "b", "key": key, "found": True}
+
+    async def branch(me):
+        if SEEN["phase"] == 2 and me == "a":
+            await _saw(b_done)  # the other order than the first invocation's journal
+        with ctx.scope(me):
+            try:
+                return await ctx.call("work", work, {"me": me}, reconcile=reconcile)
+            finally:
+                if me == "b":
+                    b_done.set()
+
+    results = await asyncio.gather(branch("a"), branch("b"), return_exceptions=True)
+    if SEEN["phase"] == 1:
+        raise RunAborted("the run was lost")
+    return {"a": results[0], "b": results[1]}
+
+
+def test_a_run_lost_with_two_calls_in_flight_replays_each_from_its_scope_after_a_reclaim(community):
+    SEEN.clear()
+    SEEN["phase"] = 1
+    run_id = new_run(community.id)
+    _, counts = in_process(community, lost_mid_calls_then_replayed, in_flight=4, connections=2)
+    assert counts.get("lost") == 1, counts
+    assert SEEN["both"] == [True, True]  # both were in flight at once when the run was lost
+    pending = {scope: (seq, status) for seq, scope, _, _, status in _entries(run_id)}
+    assert {scope: status for scope, (_, status) in pending.items()} == {"a": "pending", "b": "pending"}
+
+    backdate_run_lease(run_id)  # time passing for the lost holder: reclaimed, claimable again
+    assert reap_agent_runs().reclaimed == 1
+    make_claimable(run_id)
+    SEEN.update(phase=2, made=[], reconciled=[])
+    _, counts = in_process(community, lost_mid_calls_then_replayed, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    key_a, key_b = f"{run_id}:{pending['a'][0]}", f"{run_id}:{pending['b'][0]}"
+    assert SEEN["reconciled"] == [("b", key_b), ("a", key_a)]  # b first this time, each its own entry
+    assert SEEN["made"] == [("a", key_a)]  # a made again with its key, b found
+    assert run.output == {
+        "a": {"me": "a", "key": key_a, "made_again": True},
+        "b": {"me": "b", "key": key_b, "found": True},
+    }
+    assert len(_entries(run_id)) == 2  # nothing journaled twice
+    assert {scope: status for _, scope, _, _, status in _entries(run_id)} == {"a": "succeeded", "b": "succeeded"}
+
+
+# -- a Pydantic AI tool waiting for another tool of the same run -------------------------------
+
+
+def _waiting_tools_agent() -> DurableAgent:
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(m.kind == "response" for m in messages):
+            return ModelResponse(
+                parts=[ToolCallPart("waiter", {}, tool_call_id="w"), ToolCallPart("setter", {}, tool_call_id="s")]
+            )
+        returns = [p.content for m in messages if m.kind == "request" for p in m.parts if p.part_kind == "tool-return"]
+        return ModelResponse(parts=[TextPart(" ".join(sorted(map(str, returns))))])
+
+    agent = Agent(FunctionModel(model, model_name="waiting"))
+    ready = {}
+
+    def event() -> asyncio.Event:  # one per run, made on the worker's loop
+        return ready.setdefault("set", asyncio.Event())
+
+    @agent.tool_plain
+    async def waiter() -> str:
+        return "waited" if await _saw(event()) else "gave up"
+
+    @agent.tool_plain
+    async def setter() -> str:
+        event().set()
+        return "set"
+
+    return DurableAgent(agent)
+
+
+def test_a_pydantic_ai_tool_waiting_for_another_tool_of_its_run_completes(community):
+    run_id = new_run(community.id)
+    durable = _waiting_tools_agent()
+
+    async def handler(ctx):
+        return await durable.run(ctx)
+
+    _, counts = in_process(community, handler, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    assert run.output == "set waited"  # the waiter saw the setter run (not its bound)
+    statuses = {e.scope: e.status for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
+    assert statuses == {"tool:w": "succeeded", "tool:s": "succeeded"}
+
+
+# -- the handler raising while a call of one of its tasks is in flight -------------------------
+
+
+async def raises_while_its_task_calls(ctx):
+    """Task ``x``'s tool waits for task ``y``'s tool to run; the handler raises once ``x``'s
+    call is in flight. The run fails only once both calls are recorded."""
+    x_started, y_ran = asyncio.Event(), asyncio.Event()
+
+    async def x_tool(args, key):
+        x_started.set()
+        SEEN["x_saw_y"] = await _saw(y_ran)
+        return {"x": SEEN["x_saw_y"]}
+
+    async def y_tool(args, key):
+        await _saw(x_started)
+        y_ran.set()
+        return {"y": True}
+
+    async def in_scope(name, tool):
+        with ctx.scope(name):
+            return await ctx.call(name, tool, {})
+
+    ctx.background = [asyncio.ensure_future(in_scope("x", x_tool)), asyncio.ensure_future(in_scope("y", y_tool))]
+    await _saw(x_started)
+    raise RuntimeError("the handler gives up")
+
+
+def test_a_handler_raising_while_its_tasks_calls_are_in_flight_fails_the_run_with_both_recorded(community):
+    SEEN.clear()
+    run_id = new_run(community.id)
+    out: list = []
+
+    def work():
+        try:
+            out.append(in_process(community, raises_while_its_task_calls, in_flight=4, connections=2)[1])
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(WAIT * 6)
+    assert not worker.is_alive(), "the run is stuck"
+    run = AgentRun.objects.get(id=run_id)
+    assert out[0].get("failed") == 1, out
+    assert (run.state, run.failure_code) == ("failed", "handler_error"), run.failure_message
+    assert SEEN["x_saw_y"] is True  # y's call ran while x's was in flight
+    assert {scope: status for _, scope, _, _, status in _entries(run_id)} == {"x": "succeeded", "y": "succeeded"}
+
+
+# -- a cancel with two calls in flight ---------------------------------------------------------
+
+CANCEL: dict = {}
+
+
+async def two_calls_left_in_flight(ctx):
+    """Two tasks the handler starts and never awaits, each a call whose tool runs until
+    cancelled (bounded); the handler itself waits for nothing that comes."""
+
+    async def long(args, key):
+        CANCEL["started"].add(args["me"])
+        if len(CANCEL["started"]) == 2:
+            CANCEL["both"].set()
+        try:
+            await asyncio.sleep(WAIT * 3)
+        except asyncio.CancelledError:
+            CANCEL["cancelled"].add(args["me"])
+            raise
+        CANCEL["finished"].add(args["me"])
+        return {"me": args["me"]}
+
+    async def in_scope(me):
+        with ctx.scope(me):
+            return await ctx.call("long", long, {"me": me})
+
+    ctx.background = [asyncio.ensure_future(in_scope("a")), asyncio.ensure_future(in_scope("b"))]
+    try:
+        await asyncio.sleep(WAIT * 3)
+    except asyncio.CancelledError:  # the cancel: the calls' tasks are cancelled with this one
+        CANCEL["calls_cancelled_too"] = [task.cancelling() > 0 or task.cancelled() for task in ctx.background]
+        raise
+    return {"never": True}
+
+
+def test_a_cancel_cancels_each_call_in_flight(community):
+    CANCEL.update(started=set(), cancelled=set(), finished=set(), both=threading.Event())
+    run_id = new_run(community.id)
+    out: list = []
+
+    def work():
+        try:
+            out.append(in_process(community, two_calls_left_in_flight, in_flight=4, connections=2)[1])
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    try:
+        assert CANCEL["both"].wait(WAIT), CANCEL["started"]  # two calls of the run in flight at once
+        assert type(cancel_agent_run(community.id, run_id, reason="stop")).__name__ == "Cancelled"
+    finally:
+        worker.join(WAIT * 6)
+    assert not worker.is_alive()
+    deadline = time.monotonic() + WAIT
+    while CANCEL["cancelled"] != {"a", "b"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert CANCEL["calls_cancelled_too"] == [True, True]  # by the cancel, not at the worker's exit
+    assert (CANCEL["cancelled"], CANCEL["finished"]) == ({"a", "b"}, set())
+    assert out[0].get("lost") == 1, out
+    assert AgentRun.objects.get(id=run_id).state == "cancelled"
+
+
+# -- a Pydantic AI tool raising while another tool of the run is in flight ---------------------
+
+
+def _raising_tools_agent(made: list) -> DurableAgent:
+    """``slow`` and ``boom`` of one response: ``boom`` raises once ``slow`` runs (both in flight
+    at once); ``slow`` then waits for its bound unless cancelled."""
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(m.kind == "response" for m in messages):
+            return ModelResponse(
+                parts=[ToolCallPart("slow", {}, tool_call_id="s"), ToolCallPart("boom", {}, tool_call_id="b")]
+            )
+        return ModelResponse(parts=[TextPart("never")])
+
+    agent = Agent(FunctionModel(model, model_name="raising"))
+    started: dict = {}
+
+    def event() -> asyncio.Event:
+        return started.setdefault("slow", asyncio.Event())
+
+    @agent.tool_plain
+    async def slow() -> str:
+        event().set()
+        try:
+            await asyncio.sleep(WAIT)
+        except asyncio.CancelledError:
+            made.append("slow cancelled")
+            raise
+        made.append("slow")
+        return "slow"
+
+    @agent.tool_plain
+    async def boom() -> str:
+        made.append("boom saw slow" if await _saw(event()) else "boom alone")
+        raise RuntimeError("boom")
+
+    return DurableAgent(agent)
+
+
+def test_a_pydantic_ai_tool_raising_while_another_runs_fails_the_run_with_none_left_pending(community):
+    run_id = new_run(community.id)
+    made: list = []
+    durable = _raising_tools_agent(made)
+
+    async def handler(ctx):
+        return await durable.run(ctx)
+
+    _, counts = in_process(community, handler, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert (counts.get("failed"), run.failure_code) == (1, "tool_call_failed"), (counts, run.failure_message)
+    # Pydantic AI cancelled slow's task once boom raised: its body stopped mid-way, so the call is
+    # closed failed and uncertain by the run's failure (compensated, had it a compensation), as
+    # the thread worker closes a call never recorded; none is left pending.
+    assert made == ["boom saw slow", "slow cancelled"]  # both in flight at once
+    entries = {e.scope: (e.status, e.uncertain) for e in JournalEntry.objects.filter(run_id=run_id) if e.scope}
+    assert entries == {"tool:s": ("failed", True), "tool:b": ("failed", False)}
+
+
+# -- an approval asked while another task's call is in flight ----------------------------------
+
+
+async def approval_while_a_call_runs(ctx):
+    """Task ``slow``'s call is in flight when the handler asks for an approval: the approval
+    waits for it to be recorded, then parks (a run never parks with a call of its own in flight)."""
+    started = asyncio.Event()
+
+    async def slow(args, key):
+        started.set()
+        await asyncio.sleep(0.3)
+        return {"slow": True}
+
+    async def in_scope():
+        with ctx.scope("slow"):
+            return await ctx.call("slow", slow, {})
+
+    task = asyncio.ensure_future(in_scope())
+    waiting = asyncio.ensure_future(started.wait())
+    await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)  # replayed: never started
+    waiting.cancel()
+    decision = await ctx.request_approval("ship?", 600)
+    return {"slow": await task, "decision": decision["decision"]}
+
+
+def test_an_approval_asked_while_a_call_is_in_flight_parks_once_it_is_recorded(community):
+    run_id = new_run(community.id)
+    _, counts = in_process(community, approval_while_a_call_runs, in_flight=4, connections=2)
+    assert counts.get("parked") == 1, (counts, AgentRun.objects.get(id=run_id).failure_message)
+    assert [(seq, scope, status) for seq, scope, _, _, status in _entries(run_id)] == [
+        (1, "slow", "succeeded"),
+        (2, "", "pending"),
+    ]
+    run = AgentRun.objects.get(id=run_id)
+    decide_approval(community.id, run.approval_id, "approved", "alice")
+    _, counts = in_process(community, approval_while_a_call_runs, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    assert run.output == {"slow": {"slow": True}, "decision": "approved"}
