@@ -223,3 +223,32 @@ def test_a_run_whose_renewal_waited_alone_is_renewed_last_so_the_runs_after_it_a
         assert list(worker.held) == [free_run, locked_run]
     assert not free_ctx.lost.is_set()
 
+
+def test_an_item_whose_submitter_gave_up_while_it_waited_for_its_community_is_not_written(community):
+    """A run's call waits past the bound (its row is held) and waits for its community's turn;
+    meanwhile its submitter gives up (the handler timed out, say: its task cancelled, its lease
+    left to lapse). Its call is not journaled once the row is let go (before, it was: the run,
+    resumed, found a call pending that was never made, and failed it uncertain)."""
+    from buzz_delivery.agents.models import JournalEntry
+
+    run = new_run(community.id)
+    lease = claim(community.id, run, worker="w")
+    skipped = Skipped(3.0)
+    with LoopBatcher(skipped) as loop, rows_held(AgentRun, community.id, run) as release:
+
+        async def submit() -> asyncio.Task:
+            item = batch.prepare_call(lease, "echo", {"n": 1})
+            return asyncio.get_running_loop().create_task(loop.batcher.submit("journal", community.id, run, item))
+
+        task = loop.run(submit())
+
+        async def back_in_queue() -> bool:
+            return bool(loop.batcher._pending) and not loop.batcher._flushes
+
+        wait_until(lambda: bool(skipped._until) and loop.run(back_in_queue()), timeout=30, what="the call to wait")
+        loop.loop.call_soon_threadsafe(task.cancel)
+        release()
+        wait_until(loop.idle, timeout=30, what="the batcher to drop it")
+        assert task.cancelled()
+    assert not JournalEntry.objects.filter(run_id=run).exists()
+    assert state(run) == "running"

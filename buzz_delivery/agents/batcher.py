@@ -216,6 +216,11 @@ class Batcher:
         later: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
         seen: set[uuid.UUID] = set()
         for entry in queued:  # each run at most once a batch, at most max_batch items
+            if entry[2].done():
+                # Its submitter gave up meanwhile (its task cancelled: the handler timed out, the
+                # shutdown grace ended, its lease was lost): nothing is written for it. A call
+                # journaled now would be found pending when the run resumes, never made.
+                continue
             if len(taken) < self.max_batch and entry[1] not in seen:
                 seen.add(entry[1])
                 taken.append(entry)
@@ -248,6 +253,9 @@ class Batcher:
                     self._slots.release()
                     break
                 entries = self._take(key)
+                if not entries:  # every submitter of the group gave up
+                    self._slots.release()
+                    continue
                 task = asyncio.get_running_loop().create_task(self._flush(key, entries))
                 self._flushes.add(task)
                 task.add_done_callback(self._flushes.discard)
