@@ -63,6 +63,18 @@ class LoopBatcher:
         self.loop.call_soon_threadsafe(submit)
         return futures
 
+    def run(self, coro: Any, timeout: float = 60) -> Any:
+        """Run ``coro`` on the batcher's loop; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
+
+    def idle(self) -> bool:
+        """Whether nothing is queued or being written (read on the loop)."""
+
+        async def look() -> bool:
+            return not self.batcher._pending and not self.batcher._flushes
+
+        return self.run(look())
+
     def __enter__(self) -> LoopBatcher:
         return self
 
@@ -171,3 +183,72 @@ def test_a_refused_batch_s_replay_waits_for_a_held_row_within_the_bound(communit
         assert isinstance(held.result(timeout=60), Finished)
     assert [state(r) for r in (free_run, held_run, b_run)] == ["completed"] * 3
     assert loop.batcher.replays >= 2
+
+
+def test_a_run_whose_renewal_waited_alone_is_renewed_last_so_the_runs_after_it_are_renewed(community):
+    """The event-loop worker renews its leases in its ``held`` order, one batch a community; a
+    long transaction holds the row of A's first run. Each round the batch waits past the bound,
+    then each run goes alone: the first waits alone, and the renewals after it are left untried.
+    The run whose renewal waited alone is renewed last from then on, so A's other run is renewed
+    every round after the first (before, it was never: tried after the held run each round, its
+    lease lapsed, its row free all along)."""
+    from buzz_delivery.agents import services as s
+    from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime
+    from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
+    from tests.agents_support import AGENT
+
+    other = CommunityFactory()
+    locked_run, free_run = new_run(community.id), new_run(community.id)
+    locked_claim, free_claim = s.claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30, limit=2)
+    assert [c.lease.run_id for c in (locked_claim, free_claim)] == [locked_run, free_run]
+    config = AsyncWorkerConfig(handler=lambda ctx: None, agents=[AGENT], communities=[community.id, other.id])
+    worker = AsyncAgentWorker(config)
+    with LoopBatcher(Skipped(0.5)) as loop, rows_held(AgentRun, community.id, locked_run):
+
+        async def hold() -> tuple[Runtime, AsyncContext, AsyncContext]:
+            runtime = Runtime(loop.pool, loop.batcher, None)  # type: ignore[arg-type]
+            contexts = AsyncContext(locked_claim, [], runtime), AsyncContext(free_claim, [], runtime)
+            for ctx in contexts:  # the locked run first: renewed first
+                worker.held[ctx.lease.run_id] = ctx
+            return runtime, *contexts
+
+        runtime, locked_ctx, free_ctx = loop.run(hold())
+        renewed = []
+        for _ in range(3):
+            before = free_ctx.lease.lease_until
+            loop.run(worker._renew_round(runtime))
+            renewed.append(free_ctx.lease.lease_until != before)
+        assert renewed == [False, True, True]
+        assert locked_ctx.lease == locked_claim.lease and not locked_ctx.lost.is_set()
+        assert list(worker.held) == [free_run, locked_run]
+    assert not free_ctx.lost.is_set()
+
+
+def test_an_item_whose_submitter_gave_up_while_it_waited_for_its_community_is_not_written(community):
+    """A run's call waits past the bound (its row is held) and waits for its community's turn;
+    meanwhile its submitter gives up (the handler timed out, say: its task cancelled, its lease
+    left to lapse). Its call is not journaled once the row is let go (before, it was: the run,
+    resumed, found a call pending that was never made, and failed it uncertain)."""
+    from buzz_delivery.agents.models import JournalEntry
+
+    run = new_run(community.id)
+    lease = claim(community.id, run, worker="w")
+    skipped = Skipped(3.0)
+    with LoopBatcher(skipped) as loop, rows_held(AgentRun, community.id, run) as release:
+
+        async def submit() -> asyncio.Task:
+            item = batch.prepare_call(lease, "echo", {"n": 1})
+            return asyncio.get_running_loop().create_task(loop.batcher.submit("journal", community.id, run, item))
+
+        task = loop.run(submit())
+
+        async def back_in_queue() -> bool:
+            return bool(loop.batcher._pending) and not loop.batcher._flushes
+
+        wait_until(lambda: bool(skipped._until) and loop.run(back_in_queue()), timeout=30, what="the call to wait")
+        loop.loop.call_soon_threadsafe(task.cancel)
+        release()
+        wait_until(loop.idle, timeout=30, what="the batcher to drop it")
+        assert task.cancelled()
+    assert not JournalEntry.objects.filter(run_id=run).exists()
+    assert state(run) == "running"

@@ -216,6 +216,11 @@ class Batcher:
         later: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
         seen: set[uuid.UUID] = set()
         for entry in queued:  # each run at most once a batch, at most max_batch items
+            if entry[2].done():
+                # Its submitter gave up meanwhile (its task cancelled: the handler timed out, the
+                # shutdown grace ended, its lease was lost): nothing is written for it. A call
+                # journaled now would be found pending when the run resumes, never made.
+                continue
             if len(taken) < self.max_batch and entry[1] not in seen:
                 seen.add(entry[1])
                 taken.append(entry)
@@ -248,6 +253,9 @@ class Batcher:
                     self._slots.release()
                     break
                 entries = self._take(key)
+                if not entries:  # every submitter of the group gave up
+                    self._slots.release()
+                    continue
                 task = asyncio.get_running_loop().create_task(self._flush(key, entries))
                 self._flushes.add(task)
                 task.add_done_callback(self._flushes.discard)
@@ -294,9 +302,12 @@ class Batcher:
         turn. A renewal is answered with the error at once (tried again next round, with the
         other communities' renewals)."""
         if key[0] == "heartbeat":
-            for _, _, future in [*untried, *held]:
-                if not future.done():
-                    future.set_exception(LockWaited(f"community {key[1]}: waited past {self.lock_wait_ms} ms"))
+            for entries, alone in ((untried, False), (held, True)):
+                for _, _, future in entries:
+                    if not future.done():
+                        future.set_exception(
+                            LockWaited(f"community {key[1]}: waited past {self.lock_wait_ms} ms", held=alone)
+                        )
         else:  # (a submitter given up meanwhile, its task cancelled, is dropped)
             runs = {entry[1] for entry in held}
             queued = self._pending.get(key, [])
@@ -389,7 +400,15 @@ UNTRIED = object()
 
 
 class LockWaited(Exception):
-    """A renewal's batch waited past the lock bound: nothing written, tried again next round."""
+    """A renewal's batch waited past the lock bound: nothing written, tried again next round.
+    ``held``: this renewal waited on its own (its run's row is held), not merely left untried
+    after another's did: the renewer tries it last from then on (as
+    :func:`~buzz_delivery.lockwaits.tried_last`), or the runs renewed after it in each round
+    would never be."""
+
+    def __init__(self, message: str, *, held: bool = False) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 @dataclass(frozen=True)

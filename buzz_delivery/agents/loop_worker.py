@@ -51,7 +51,7 @@ from django.db import connections
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries
 from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, read_journal, run_claim
-from buzz_delivery.agents.batcher import Batcher, DbPool, operations
+from buzz_delivery.agents.batcher import Batcher, DbPool, LockWaited, operations
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
 from buzz_delivery.agents.worker import (
@@ -64,7 +64,7 @@ from buzz_delivery.agents.worker import (
 )
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.fairness import round_robin, share
-from buzz_delivery.lockwaits import Skipped
+from buzz_delivery.lockwaits import Skipped, tried_last
 from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import tenancy
 from buzz_delivery.services import validation as v
@@ -488,8 +488,12 @@ class AsyncAgentWorker:
             if time.monotonic() < next_renewal:
                 continue
             next_renewal = time.monotonic() + every
-            held = [ctx for ctx in self.held.values() if not ctx.lost.is_set()]
-            await asyncio.gather(*(self._renew_one(runtime, ctx) for ctx in held), return_exceptions=True)
+            await self._renew_round(runtime)
+
+    async def _renew_round(self, runtime: Runtime) -> None:
+        """Renew every lease held, in :attr:`held`'s order (each community's renewals one batch)."""
+        held = [ctx for ctx in self.held.values() if not ctx.lost.is_set()]
+        await asyncio.gather(*(self._renew_one(runtime, ctx) for ctx in held), return_exceptions=True)
 
     async def _beat(self, pool: DbPool) -> None:
         """Refresh this process's row in the live workers registry (on a pool connection)."""
@@ -503,6 +507,14 @@ class AsyncAgentWorker:
         held_until = time.monotonic() + self.config.lease_seconds  # before the renewal is sent
         try:
             outcome = await runtime.batcher.submit("heartbeat", ctx.lease.community_id, ctx.lease.run_id, ctx.lease)
+        except LockWaited as exc:  # its community's rows are locked: try again next round
+            if exc.held:
+                # Its own row is held (another transaction): tried last from then on. Tried first
+                # every round, it waited alone each time and the renewals after it in the batch,
+                # left untried, never went: their leases lapsed, their rows free all along.
+                tried_last(self.held, ctx.lease.run_id)
+            logger.warning("heartbeat_lock_wait run=%s: %s", ctx.lease.run_id, exc)
+            return
         except Exception as exc:  # a lost connection: try again next round
             logger.warning("heartbeat_error run=%s: %s", ctx.lease.run_id, exc)
             return
