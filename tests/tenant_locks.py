@@ -14,7 +14,7 @@ from django.db import connection
 from project.database_url import database_url
 from tests.test_worker_tenant_locks import backends_waiting_for_a_lock
 
-__all__ = ["a_move_can_get_stuck", "backends_waiting_for_a_lock", "rows_held"]
+__all__ = ["a_move_can_get_stuck", "backends_waiting_for_a_lock", "identity_held", "rows_held"]
 
 
 @contextmanager
@@ -35,6 +35,31 @@ def rows_held(model: Any, community_id: uuid.UUID, *ids: Any) -> Iterator[Callab
                 f"SELECT 1 FROM {model._meta.db_table} WHERE community_id = %s AND id = %s FOR UPDATE",
                 [community_id, row_id],
             )
+        yield release
+    finally:
+        release()
+
+
+@contextmanager
+def identity_held(community_id: uuid.UUID, run_id: uuid.UUID, step_key: str) -> Iterator[Callable[[], None]]:
+    """A transaction of another session holding the delivery-identity lock of (``run_id``,
+    ``step_key``) in the community (the advisory lock a send takes before its step row:
+    :func:`~buzz_delivery.services.lock_delivery_identity`; a claim, which skips locked step
+    rows, does not take it); yields ``release()``, which ends it, as leaving the block does."""
+    from buzz_delivery.triggers import IDENTITY_LOCK_NAMESPACE
+
+    holder = psycopg.connect(database_url(connection.settings_dict))
+
+    def release() -> None:
+        if not holder.closed:
+            holder.rollback()
+            holder.close()
+
+    try:
+        holder.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+            [IDENTITY_LOCK_NAMESPACE, f"{community_id}/{run_id}/{step_key}"],
+        )
         yield release
     finally:
         release()

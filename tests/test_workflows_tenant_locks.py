@@ -16,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.db import connection
 
-from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowFactory
+from buzz_delivery.testing import CommunityFactory, EventFactory, WorkflowFactory, random32
 from buzz_delivery.workflows import workflow_function
 from buzz_delivery.workflows.orchestrator import Orchestrator, OrchestratorConfig, _key
 from buzz_delivery.workflows.services import claim_steps
-from buzz_delivery.workflows.testing import function_step
+from buzz_delivery.workflows.testing import function_step, send_step
+from tests.tenant_locks import identity_held
 from tests.test_worker import wait_until
 from tests.test_worker_tenant_locks import backends_waiting_for_a_lock, move_stuck_behind_a_long_transaction
 from tests.wf_support import start
@@ -349,3 +350,69 @@ def test_an_orchestrator_stopped_while_an_output_is_kept_leaves_no_completer_beh
             gate.set()
         stop.set()
         thread.join(timeout=60)
+
+
+def test_one_held_send_does_not_keep_the_other_sends_of_its_batch_waiting(community):
+    """Two send steps of A are claimed together and sent in one batch (``send_messages``: the
+    delivery-identity locks of all its steps, then their rows). A long transaction of another
+    session holds the identity lock of one of them (taken before the claim, which does not take
+    it). The batch waits past the bound and changes nothing; its sends then go one at a time,
+    each within the bound: the free one's deliveries are committed while the lock stays held
+    (before, the whole batch was kept, turn after turn, until the lock was let go), and the held
+    one, which waited alone, is kept (its lease still renewed) and sent once the lock is let go:
+    each step claimed once, one delivery per target, one message event each. (The held one,
+    ready first, is claimed and tried alone first: kept, it comes first in its community's next
+    batch too, so it must be tried last from then on, or it kept the free one waiting again.)"""
+    from buzz_delivery.models import Event, WorkflowAgentDelivery
+    from buzz_delivery.workflows import executor
+    from buzz_delivery.workflows.models import Step
+
+    workflow = WorkflowFactory(community=community)
+    targets = [random32(), random32()]
+    held_run, free_run = (
+        start(workflow, {"steps": [send_step("send", targets, content=content)]}).pk for content in ("held", "free")
+    )
+
+    def sent(run_id) -> tuple[int, int]:
+        """(deliveries, message events) of the run's send."""
+        return (
+            WorkflowAgentDelivery.objects.filter(community_id=community.id, run_id=run_id).count(),
+            Event.objects.filter(community_id=community.id, event_id=executor.message_event_id(run_id, "send")).count(),
+        )
+
+    def lease_until(run_id):
+        return Step.objects.get(community_id=community.id, run_id=run_id, key="send").lease_until
+
+    with identity_held(community.id, held_run, "send") as release:
+        waiting = waiting_here()
+        stop, thread, summary = running_all(concurrency=2)
+        try:
+            wait_until(lambda: waiting_here() > waiting, timeout=60, what="a send of A to wait for the held identity")
+            wait_until(
+                lambda: steps_of([free_run])[(free_run, "send")][0] == "waiting",
+                timeout=60,
+                what="the free send to be sent while the other's identity is held",
+            )
+            assert sent(free_run) == (2, 1)
+            assert steps_of([held_run]) == {(held_run, "send"): ("running", 1, 1)}
+            assert sent(held_run) == (0, 0)
+            kept_until = lease_until(held_run)
+            wait_until(
+                lambda: lease_until(held_run) > kept_until,
+                timeout=60,
+                what="the kept send's lease to be renewed while its identity is held",
+            )
+            release()
+            wait_until(
+                lambda: steps_of([held_run])[(held_run, "send")][0] == "waiting",
+                timeout=60,
+                what="the held send to be sent once its identity is let go",
+            )
+        finally:
+            release()
+            stop.set()
+            thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert sent(held_run) == sent(free_run) == (2, 1)
+    assert {v[1:] for v in steps_of([held_run, free_run]).values()} == {(1, 1)}  # each claimed once
+    assert (summary["waiting"], summary["errors"], summary["lease_lost"]) == (2, 0, 0), summary

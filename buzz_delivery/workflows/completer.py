@@ -31,9 +31,9 @@ And it sends the ``send_message`` steps the orchestrator claimed (no step thread
 :meth:`Completer.put_sends`, issue 31), every send queued in one batch: one
 :func:`~buzz_delivery.workflows.sends.send_messages` transaction per community (the identity
 locks, one fenced park, the message events and the deliveries of all targets, each a
-statement for the whole batch); a send the batch did not attempt (refused, or not
-preparable) is sent on its own (:func:`~buzz_delivery.workflows.executor.execute`),
-handed to ``done`` the same way.
+statement for the whole batch); a send the batch did not attempt (refused, not
+preparable, or its batch waited past the lock bound, below) is sent on its own
+(:func:`~buzz_delivery.workflows.executor.execute`), handed to ``done`` the same way.
 
 An orchestrator of every community (``--all``) gives it a lock-wait bound: each of its
 transactions waits for a lock at most that long
@@ -41,7 +41,12 @@ transactions waits for a lock at most that long
 community's rows are locked: a lifecycle move of it waiting behind a long transaction of its
 own code, say) changed nothing; that community's outputs, failures and sends are kept (their
 leases still renewed) and recorded once its turn is back (``skipped``), and the other
-communities' go on meanwhile.
+communities' go on meanwhile. A send batch of several steps that waited is first sent one step
+at a time, each within the bound, as the agents' batcher replays its batches
+(:class:`~buzz_delivery.agents.batcher.Batcher`): a send whose delivery identity or step row
+another transaction holds waits alone (its community is then left, the sends after it kept),
+and is tried last from then on, so it keeps only itself waiting, not the other sends of its
+community turn after turn.
 """
 
 from __future__ import annotations
@@ -159,6 +164,11 @@ class Completer(threading.Thread):
         self.lock_wait_ms = lock_wait_ms
         self.skipped = Skipped(0.0) if skipped is None else skipped
         self._kept: list[tuple[StepClaim, Any, Failure | None]] = []
+        # The send steps (by id) that waited past the bound on their own (their delivery
+        # identity or row held by another transaction): tried last when their batch goes one
+        # send at a time, so that one held send does not keep the others of its community
+        # waiting turn after turn.
+        self._held_sends: set[uuid.UUID] = set()
         self._abandoned = threading.Event()
         self.max_batch = max_batch
         self.linger = linger
@@ -207,7 +217,7 @@ class Completer(threading.Thread):
         self.skipped.skip(community)
         logger.warning(
             "complete_lock_wait community=%s: waited past %s ms for a lock (a lifecycle move of its community, "
-            "or a long transaction); its completions wait %.2fs, the other communities go on",
+            "or a long transaction); its completions, failures and sends wait %.2fs, the other communities go on",
             community,
             self.lock_wait_ms,
             self.skipped.seconds,
@@ -342,19 +352,34 @@ class Completer(threading.Thread):
             outcomes = send_messages(community, claims)
             self.send_batches += 1
         except Exception as exc:
-            if self._waited(exc, community):  # nothing written: kept for the community's turn
+            if len(claims) > 1 and self.lock_wait_ms is not None and lock_wait_timed_out(exc):
+                # Nothing written. One send's identity or row may be held, not the whole
+                # community: one at a time, each within the bound, those that waited alone
+                # before tried last (the first that waits leaves the community and keeps the rest).
+                logger.info(
+                    "send_batch_lock_wait community=%s steps=%d: waited past %s ms for a lock; "
+                    "its sends go one at a time",
+                    community,
+                    len(claims),
+                    self.lock_wait_ms,
+                )
+                claims = sorted(claims, key=lambda claim: claim.lease.step_id in self._held_sends)
+            elif self._waited(exc, community):  # nothing written: kept for the community's turn
+                self._held_sends.update(claim.lease.step_id for claim in claims)  # (one send: it waited alone)
                 self._kept.append((claims[0], _Sends(claims), None))
                 return
-            logger.warning("send_batch_refused steps=%d error=%s", len(claims), str(exc).splitlines()[:1])
-            self._reset_connection(exc)
+            else:
+                logger.warning("send_batch_refused steps=%d error=%s", len(claims), str(exc).splitlines()[:1])
+                self._reset_connection(exc)
             outcomes = [None] * len(claims)
         for claim, outcome in zip(claims, outcomes, strict=True):
-            # None: not attempted (refused, or not preparable): sent on its own.
+            # None: not attempted (refused, waited past the bound, or not preparable): sent on its own.
             if outcome is None:
                 alone = self._send_one(claim)
                 if isinstance(alone, _Kept):
                     continue
                 outcome = alone
+            self._held_sends.discard(claim.lease.step_id)
             self._done(claim, outcome)
 
     def _send_one(self, claim: StepClaim) -> StepOutcome | _Kept | None:
@@ -365,6 +390,7 @@ class Completer(threading.Thread):
             result = executor.execute(claim)
         except Exception as exc:
             if self._kept_alone(exc, (claim, _Sends([claim]), None)):
+                self._held_sends.add(claim.lease.step_id)  # tried last from now on
                 return _KEPT
             logger.exception("send_error step=%s run=%s", claim.step.key, claim.lease.run_id)
             self._reset_connection(exc)
