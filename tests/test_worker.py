@@ -18,7 +18,7 @@ from django.db import connection
 from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.testing import DeliveryFactory, random32
-from tests.worker_support import one_worker_listening
+from tests.worker_support import one_worker_listening, wait_for_poll_since_listening
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -195,12 +195,13 @@ def test_a_lease_taken_away_mid_handler_drops_the_result(community, make_binding
 
 def test_a_wake_hint_gets_a_new_delivery_claimed_long_before_the_next_poll(make_binding, start_worker):
     target = random32()
-    worker = start_worker(target, "--poll-interval", "60", "--max-deliveries", "1", "--lease-seconds", "2")
+    worker = start_worker(target, "--poll-interval", "600", "--max-deliveries", "1", "--lease-seconds", "2")
     wait_until(one_worker_listening, what="the worker to LISTEN")
-    time.sleep(0.5)  # let the start-up poll find nothing and go to sleep for 60 s
+    # Its poll after the LISTEN found nothing: it sleeps until a hint, or for 600 s.
+    wait_for_poll_since_listening()
     (delivery_id,) = commit(make_binding, target)
 
-    assert worker.wait(timeout=15) == 0  # without the hint, the next poll is 60 s away
+    assert worker.wait(timeout=60) == 0  # without the hint, the next poll is 600 s away
     assert WorkflowAgentDelivery.objects.get(id=delivery_id).status == "finished"
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +99,36 @@ def one_worker_listening() -> bool:
             " AND coalesce(application_name, '') <> 'buzz-gateway-test'"
         )
         return cursor.fetchone()[0] == 1
+
+
+# The opening columns of the claims, within the 1 kB of text pg_stat_activity keeps (after the
+# tenant's set_config when tenant isolation is on): a delivery claim, an agent run claim.
+DELIVERY_CLAIM_OPENING = "SELECT d.community_id, d.id, d.workflow_id, "
+RUN_CLAIM_OPENING = "WITH candidate AS MATERIALIZED (\n    SELECT r.id FROM "
+
+
+def polled_since_listening(claim_opening: str = DELIVERY_CLAIM_OPENING) -> bool:
+    """True once a worker of the test database has claimed (found nothing, or something) since
+    its listener LISTENed: a backend idle after a claim statement (``claim_opening``) that began
+    after the LISTENing backend's LISTEN ended. The poll a listener asks for when it starts has
+    then run, and the worker waits for a hint or its next poll (the gateway test servers'
+    backends are left out)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity AS c, pg_stat_activity AS l"
+            " WHERE c.datname = current_database() AND l.datname = current_database()"
+            " AND coalesce(c.application_name, '') <> 'buzz-gateway-test'"
+            " AND coalesce(l.application_name, '') <> 'buzz-gateway-test'"
+            " AND l.state = 'idle' AND l.query LIKE 'LISTEN %%'"
+            " AND c.state = 'idle' AND strpos(c.query, %s) > 0 AND c.query_start > l.state_change)",
+            [claim_opening],
+        )
+        return cursor.fetchone()[0]
+
+
+def wait_for_poll_since_listening(claim_opening: str = DELIVERY_CLAIM_OPENING, timeout: float = 60) -> None:
+    """Wait (``timeout`` s, generous for a loaded CI) until :func:`polled_since_listening`."""
+    deadline = time.monotonic() + timeout
+    while not polled_since_listening(claim_opening):
+        assert time.monotonic() < deadline, f"waited {timeout} s for the worker's first claim after its LISTEN"
+        time.sleep(0.05)

@@ -199,19 +199,43 @@ def delivery_state() -> list[tuple]:
     )
 
 
-def long_polls_waiting() -> int:
+# The opening columns of the delivery claim and of the run claim, within the 1 kB of text
+# pg_stat_activity keeps (after the tenant's set_config when tenant isolation is on).
+DELIVERY_CLAIM_OPENING = "SELECT d.community_id, d.id, d.workflow_id, "
+RUN_CLAIM_OPENING = "WITH candidate AS MATERIALIZED (\n    SELECT r.id FROM "
+
+# A server for the wake-up tests: it polls every 600 s and lets a long-poll wait 600 s; their
+# long-polls wait LONG_WAIT s. A long-poll that returns what was committed while it waited within
+# WOKEN_WITHIN s (generous for a loaded CI) was woken by the commit's hint: neither a poll nor the
+# end of its wait comes that soon.
+WAKE_TEST_ENV = {"BUZZ_GATEWAY_POLL_SECONDS": "600", "BUZZ_GATEWAY_MAX_WAIT_SECONDS": "600"}
+LONG_WAIT = 300
+WOKEN_WITHIN = 60
+
+
+def long_polls_waiting(claim_opening: str = DELIVERY_CLAIM_OPENING) -> int:
     """How many claims the test gateway is holding in a long-poll: its backends idle after a
     claim statement (a long-poll's first claim round, run inside its slots and before its wait;
-    a request's connection closes when it ends). Known by the claim's opening columns, which
-    come within the 1 kB of text pg_stat_activity keeps (after the tenant's set_config when
-    tenant isolation is on; the rest, the function's name on PostgreSQL, may be cut off)."""
+    a request's connection closes when it ends). Known by the claim's opening columns
+    (``claim_opening``: :data:`DELIVERY_CLAIM_OPENING`, or :data:`RUN_CLAIM_OPENING` for the
+    run claims), which come within the 1 kB of text pg_stat_activity keeps (after the tenant's
+    set_config when tenant isolation is on; the rest, the function's name on PostgreSQL, may be
+    cut off)."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'buzz-gateway-test'"
             " AND state = 'idle' AND strpos(query, %s) > 0",
-            ["SELECT d.community_id, d.id, d.workflow_id, "],
+            [claim_opening],
         )
         return cursor.fetchone()[0]
+
+
+def wait_for_long_polls(server: Server, n: int, claim_opening: str = DELIVERY_CLAIM_OPENING) -> None:
+    """Wait until the gateway's wake listener LISTENs (it starts with the first long-poll) and
+    ``n`` long-polls wait (their first claim found nothing): from here only a hint (or the
+    600 s poll of a :data:`WAKE_TEST_ENV` server) wakes them."""
+    wait_for(lambda: "gateway listening" in server.log.read_text(), "the gateway's wake listener to LISTEN")
+    wait_for(lambda: long_polls_waiting(claim_opening) == n, f"{n} long-poll(s) to wait")
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
@@ -231,10 +255,11 @@ def long_poll_in_background(agent: GatewayClient, wait_seconds: float) -> tuple[
 
 
 def assert_woken_by_a_commit(community, agent: GatewayClient, waiter: threading.Thread, got: list) -> None:
-    """Commit a delivery to ``agent`` and assert the waiting long-poll returns it within 5 s (on a
-    server that polls only every 30 s, only a wake hint can do that)."""
+    """Commit a delivery to ``agent`` and assert the waiting long-poll (of LONG_WAIT s, on a
+    :data:`WAKE_TEST_ENV` server) returns it within WOKEN_WITHIN s: only a wake hint can do that."""
     (delivery,) = deliver(community, agent.pubkey)
-    committed = time.monotonic()
-    waiter.join(15)
+    waiter.join(WOKEN_WITHIN)
+    assert not waiter.is_alive(), (
+        f"the long-poll was not woken by the wake hint within {WOKEN_WITHIN} s (its next poll is 600 s away)"
+    )
     assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
-    assert time.monotonic() - committed < 5, "the long-poll was not woken by the wake hint"

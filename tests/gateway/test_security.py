@@ -20,6 +20,8 @@ from buzz_delivery.testing import CommunityFactory
 from buzz_delivery.workflows.services import decide_approval
 from tests.agents_support import counts
 from tests.gateway.support import (
+    LONG_WAIT,
+    WAKE_TEST_ENV,
     assert_woken_by_a_commit,
     deliver,
     enroll,
@@ -28,6 +30,7 @@ from tests.gateway.support import (
     new_agent,
     row_counts,
     wait_for,
+    wait_for_long_polls,
 )
 from tests.gateway.test_runs import accepted_run, run_state, send
 
@@ -179,15 +182,14 @@ def test_a_long_poll_is_still_woken_after_hostile_notifications_on_the_wake_chan
     from tests.gateway.support import start_server, stop_server
     from tests.test_listeners import HOSTILE_PAYLOADS
 
-    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_POLL_SECONDS": "30"})
+    server = start_server(tmp_path / "gunicorn.log", WAKE_TEST_ENV)
     try:
         community = CommunityFactory()
         agent = new_agent(server)
         enroll(agent, community)
-        waiter, got = long_poll_in_background(agent, 9)
+        waiter, got = long_poll_in_background(agent, LONG_WAIT)
         # The wake listener starts with the first long-poll: LISTENing before the payloads are sent.
-        wait_for(lambda: "gateway listening" in server.log.read_text(), "the gateway's wake listener")
-        wait_for(lambda: long_polls_waiting() == 1, "the long-poll to wait")
+        wait_for_long_polls(server, 1)
         with connection.cursor() as cursor:
             for payload in HOSTILE_PAYLOADS:
                 cursor.execute("SELECT pg_notify(%s, %s)", [get_settings().notify_channel, payload])

@@ -14,6 +14,9 @@ from django.db import connection
 
 from buzz_delivery.testing import CommunityFactory, Expr, set_delivery_state
 from tests.gateway.support import (
+    LONG_WAIT,
+    WAKE_TEST_ENV,
+    assert_woken_by_a_commit,
     deliver,
     enroll,
     long_poll_in_background,
@@ -22,6 +25,7 @@ from tests.gateway.support import (
     start_server,
     stop_server,
     wait_for,
+    wait_for_long_polls,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -60,20 +64,16 @@ def test_deliveries_of_one_community_to_a_key_enrolled_elsewhere_do_not_wake_its
 
 def test_a_hint_of_the_keys_own_community_still_wakes_its_long_poll(tmp_path):
     """The control of the test above: B's own delivery wakes the key's long-poll at once."""
-    server = start_server(tmp_path / "gunicorn.log", {"BUZZ_GATEWAY_POLL_SECONDS": "30"})
+    server = start_server(tmp_path / "gunicorn.log", WAKE_TEST_ENV)
     try:
         a, b = CommunityFactory(), CommunityFactory()
         agent = new_agent(server)
         enroll(agent, a)
         enroll(agent, b)
-        waiter, got = long_poll_in_background(agent, 9)
-        time.sleep(1.5)
+        waiter, got = long_poll_in_background(agent, LONG_WAIT)
+        wait_for_long_polls(server, 1)
         assert got == [] and waiter.is_alive()
-        (delivery,) = deliver(b, agent.pubkey)
-        committed = time.monotonic()
-        waiter.join(15)
-        assert [c.lease.delivery_id for c in got] == [str(delivery.id)]
-        assert time.monotonic() - committed < 5, "the long-poll was not woken by its community's hint"
+        assert_woken_by_a_commit(b, agent, waiter, got)  # B's own delivery: its community's hint
     finally:
         stop_server(server)
 
