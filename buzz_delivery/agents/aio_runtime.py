@@ -172,6 +172,11 @@ class AsyncContext:
 
     scope = staticmethod(Context.scope)
 
+    def tools_journaled(self) -> list[tuple[str, str]]:
+        """As :meth:`Context.tools_journaled <buzz_delivery.agents.runtime.Context.tools_journaled>`."""
+        journal = self._journal or {}
+        return [(k[0], e.tool_name) for k, e in sorted(journal.items()) if e.kind == "tool"]
+
     def _entry(self, key: tuple[str, int]) -> JournalEntry | None:
         if self._journal is None:  # never replay against a journal not read: no call is made
             self.mark_lost("journal_unknown")
@@ -434,6 +439,9 @@ class SyncBridge:
     def __init__(self, actx: AsyncContext) -> None:
         self._actx = actx
         self.run, self.input, self.shadow = actx.run, actx.input, actx.shadow
+
+    def tools_journaled(self) -> list[tuple[str, str]]:
+        return self._actx.tools_journaled()
 
     @property
     def lease(self) -> s.AgentLease:

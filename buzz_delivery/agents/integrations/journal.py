@@ -48,6 +48,7 @@ __all__ = [
     "idempotency_key",
     "inside_call",
     "journal_for",
+    "journaled_in_order",
     "run_threaded",
     "tool_call_scope",
 ]
@@ -84,14 +85,14 @@ def keyed(key: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tool_call_scope(journal: Journal, call_id: str | None) -> Iterator[None]:
+def tool_call_scope(parallel: bool, call_id: str | None) -> Iterator[None]:
     """Journal the block's calls (a framework's tool call, run at the same time as the other
     calls of its model response) in the scope of ``call_id`` (:func:`journal_scope.tool_call`):
     the id comes from the recorded (or replayed) model response, so each call's replay does not
-    depend on which call reached the journal first. On a runtime without replay scopes
-    (``journal.parallel`` false: the remote one) the calls stay in the scope current, and the
-    integration makes them one at a time."""
-    if not journal.parallel:
+    depend on which call reached the journal first. Not ``parallel`` (:attr:`Durability.parallel`:
+    a runtime without replay scopes, or a run an earlier release journaled one call at a time)
+    the calls stay in the scope current, and the integration makes them one at a time."""
+    if not parallel:
         yield
         return
     with journal_scope.entered(journal_scope.tool_call(call_id)):
@@ -304,6 +305,22 @@ def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], 
     return box["output"]
 
 
+def journaled_in_order(ctx: Any, scope: str) -> bool:
+    """True when the run has tool calls (not model requests, ``model:<name>``) journaled in the
+    agent's own ``scope`` and none in a tool call's scope inside it: an earlier release made the
+    agent's tool calls there one at a time (an integration now journals each in its call's
+    scope), so they replay by position, as they were made. (A handler's own call made in that
+    scope before the agent's first tool call does the same: the run goes on one at a time.)"""
+    listed = getattr(ctx, "tools_journaled", None)
+    if listed is None:
+        return False
+    entries = listed()
+    calls = journal_scope.child(scope, "tool:")
+    if any(name.startswith(calls) for name, _ in entries):
+        return False
+    return any(name == scope and not tool.startswith("model:") for name, tool in entries)
+
+
 class Durability:
     """One run's journal as an integration's model and tool wrappers call it: ``owner`` is the
     ``DurableAgent`` (its :class:`JournalOptions`), ``uncharged`` the usage cost of the responses
@@ -313,6 +330,10 @@ class Durability:
         self.owner, self.journal = owner, journal
         self.chunks = Chunks(journal)
         self.uncharged = 0
+        # Tool calls at once, each in its call's scope; not on a runtime without replay scopes,
+        # nor for a run an earlier release journaled with its tool calls one at a time in the
+        # agent's own scope (a run parked or lost across the upgrade): replayed as it was made.
+        self.parallel = journal.parallel and not journaled_in_order(journal.ctx, journal_scope.current_key())
 
     async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
         # Taken before the call is made: tool calls made at once each charge it once in all, not

@@ -303,7 +303,7 @@ def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
         # The response's function calls run at once (the SDK's tasks): each is journaled in the
         # scope of its call_id (part of the recorded response), replayed from that scope's entry
         # whatever order the calls reach the journal in.
-        with tool_call_scope(durability.journal, getattr(tool_context, "tool_call_id", None)):
+        with tool_call_scope(durability.parallel, getattr(tool_context, "tool_call_id", None)):
             recorded = await durability.call(
                 name,
                 body,
@@ -451,9 +451,10 @@ class DurableAgent(JournalOptions):
     async def run(self, ctx: Any, journal: Journal | None = None) -> Any:
         """Run the agent for ``ctx``'s run to its final output (JSON); approvals park it."""
         journal = journal or journal_for(ctx)
-        token = _active.set(_Durability(self, journal))
+        durability = _Durability(self, journal)
+        token = _active.set(durability)
         try:
-            config = self.run_config if journal.parallel else self.sequential_run_config
+            config = self.run_config if durability.parallel else self.sequential_run_config
             options: dict[str, Any] = {"run_config": config}
             if self.context is not None:
                 options["context"] = self.context(ctx)
