@@ -644,3 +644,36 @@ def test_a_handler_s_own_call_in_the_agent_s_scope_does_not_make_a_resumed_run_o
     assert outcome == "completed", (run.failure_code, run.failure_message)
     assert lines(ledger, "call") == [f"call {run_id}:3"]
     assert {e.tool_name: e.scope for e in JournalEntry.objects.filter(run_id=run_id)}["effect"] == "tool:call-1"
+
+
+@function_tool
+def measure(n: int) -> dict:
+    """A result with numbers ``jsonb`` reads back in another form (no exponent: an int)."""
+    return {"tiny": 1e-7, "big": 1e20, "n": n, "zero": -0.0}
+
+
+def measure_then_refund_answer(input):
+    done = oh.returns(input)
+    if not done:
+        return oh.response(function_call("measure", {"n": 1}, call_id="call-1"))
+    if len(done) == 1:
+        return oh.response(function_call("refund", {"n": 7}, call_id="refund-1"))
+    return oh.response(assistant_message(f"answers={done}"))
+
+
+@pytest.mark.django_db
+def test_a_tool_result_with_a_float_jsonb_reads_back_as_an_int_resumes_after_an_approval(community, ledger):
+    """Failed before: the first run showed the model ``1e+20`` (and ``-0.0``), the resumed run the
+    same result as the journal reads it back (``100000000000000000000``, ``0.0``): the next model
+    request's digest differed, ``replay_mismatch``."""
+    durable = DurableAgent(
+        Agent(name="measure", model=oh.FakeModel("measure", measure_then_refund_answer), tools=[measure, oh.refund]),
+        run_config=oh.NO_TRACING,
+    )
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), durable) == "parked"
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), durable)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert run.output == "answers=[{'n': 1, 'big': 100000000000000000000, 'tiny': 1e-07, 'zero': 0.0}, {'n': 7}]"

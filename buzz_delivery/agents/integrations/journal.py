@@ -26,7 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import decimal
 import inspect
+import json
+import math
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
@@ -108,13 +111,19 @@ def remake(args: Any, key: str) -> Any:
 def as_stored(value: Any) -> Any:
     """A call's recorded JSON ``value`` as a replay reads it back from the journal: PostgreSQL's
     ``jsonb`` keeps an object's keys ordered by their length, then bytewise (Python's dict order
-    is the order they were set in), so a first run that shows the model a result's text shows it
-    the same text as its replay."""
+    is the order they were set in), and a number as ``numeric`` (no exponent, no negative zero:
+    ``1e+20`` reads back as the int ``100000000000000000000``), so a first run that shows the
+    model a result's text shows it the same text as its replay."""
     if isinstance(value, dict):
         ordered = sorted(value, key=lambda k: (len(k.encode()), k.encode()))
         return {k: as_stored(value[k]) for k in ordered}
     if isinstance(value, list):
         return [as_stored(v) for v in value]
+    if isinstance(value, float) and math.isfinite(value):
+        if value == 0:
+            return 0.0
+        # The JSON text of the float (its repr) as numeric prints it, read back as json does.
+        return json.loads(format(decimal.Decimal(repr(value)), "f"))
     return value
 
 
