@@ -677,3 +677,76 @@ def test_a_tool_result_with_a_float_jsonb_reads_back_as_an_int_resumes_after_an_
     run = AgentRun.objects.get(id=run_id)
     assert outcome == "completed", (run.failure_code, run.failure_message)
     assert run.output == "answers=[{'n': 1, 'big': 100000000000000000000, 'tiny': 1e-07, 'zero': 0.0}, {'n': 7}]"
+
+
+class Bearing:
+    """One response (100 tokens) with calls ``a`` and ``b`` of tool ``step``; a tool input
+    guardrail (the agent's own code, run again on a replay) lets the calls reach the journal in
+    ``order``: the second waits until the first's body entered (``lose``: the first's body marks
+    the run lost, so the second never reaches the journal)."""
+
+    def __init__(self, order, lose=False):
+        self.order, self.lose = order, lose
+        self.events: dict[str, asyncio.Event] = {}
+        self.made: list[str] = []
+
+    def event(self, name):
+        return self.events.setdefault(name, asyncio.Event())
+
+    def durable(self):
+        test = self
+
+        def answer(input):
+            if not oh.returns(input):
+                return oh.response(*(function_call("step", {"name": c}, call_id=f"call-{c}") for c in "ab"), tokens=100)
+            return oh.response(assistant_message("done"))
+
+        @tool_input_guardrail
+        async def in_turn(data):
+            name = json.loads(data.context.tool_arguments)["name"]
+            if name != test.order[0]:
+                await asyncio.wait_for(test.event(f"entered:{test.order[0]}").wait(), WAIT)
+            return ToolGuardrailFunctionOutput.allow()
+
+        @function_tool(tool_input_guardrails=[in_turn], failure_error_function=None)
+        async def step(name: str) -> str:
+            test.made.append(name)
+            test.event(f"entered:{name}").set()
+            if test.lose:
+                test.ctx.mark_lost("test")
+                raise RunAborted("lost in the tool")
+            return name
+
+        agent = Agent(name="bearing", model=oh.FakeModel("bearing", answer), tools=[step])
+        durable = DurableAgent(agent, run_config=oh.NO_TRACING, reconcile={"step": lambda args, key: NOT_MADE})
+
+        def handler(ctx):
+            test.ctx = ctx
+            return durable(ctx)
+
+        return handler
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_a_response_s_usage_is_charged_once_when_its_calls_reach_the_journal_in_another_order_on_resume(
+    community, first
+):
+    """Failed before: the response's usage went with whichever call reached the journal first.
+    The first run's first call took it (journaled, then lost); on the resume the other call came
+    first, was made now and charged it again (200). Now it goes with the response's first
+    function call (``call-a``), whatever their order."""
+    from tests.test_agents_journal_scopes import _claim, _reclaim
+
+    run_id = new_run(community.id)
+    second = "b" if first == "a" else "a"
+    lost = Bearing(order=[first, second], lose=True)
+    assert run_claim(_claim(community), lost.durable()) == "lost"
+    assert lost.made == [first]  # the other call never reached the journal
+    _reclaim(run_id)
+    again = Bearing(order=[second, first])
+    outcome = run_claim(_claim(community, "w2"), again.durable())
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert sorted(again.made) == ["a", "b"]
+    assert run.cost_used == 100

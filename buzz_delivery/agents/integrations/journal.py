@@ -333,7 +333,8 @@ def journaled_in_order(ctx: Any, scope: str) -> bool:
 class Durability:
     """One run's journal as an integration's model and tool wrappers call it: ``owner`` is the
     ``DurableAgent`` (its :class:`JournalOptions`), ``uncharged`` the usage cost of the responses
-    not yet charged to a call (charged with the next journaled call)."""
+    not yet charged to a call (charged with the next journaled call; while ``bearer`` names a
+    tool call of the last response, with that call or the next model request)."""
 
     def __init__(self, owner: JournalOptions, journal: Journal) -> None:
         self.owner, self.journal = owner, journal
@@ -343,11 +344,20 @@ class Durability:
         # nor for a run an earlier release journaled with its tool calls one at a time in the
         # agent's own scope (a run parked or lost across the upgrade): replayed as it was made.
         self.parallel = journal.parallel and not journaled_in_order(journal.ctx, journal_scope.current_key())
+        self.bearer: str | None = None
 
-    async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
-        # Taken before the call is made: tool calls made at once each charge it once in all, not
-        # each one (the first to reach the journal charges it).
-        uncharged, self.uncharged = self.uncharged, 0
+    async def call(
+        self, tool_name: str, body: AsyncBody, args: Any, cost: int, *, call_id: str | None = None, **options: Any
+    ) -> Any:
+        """A journaled call charging ``cost`` and, when it is a model request (``call_id`` None)
+        or the tool call ``bearer`` names (any, with none named), the usage not yet charged."""
+        # Taken before the call is made, by one call named by the recorded response, not by the
+        # first to reach the journal: tool calls made at once charge it once in all, and a
+        # resumed run whose calls reach the journal in another order (one replayed, one made
+        # now) charges it with the same call as the first run, neither twice nor never.
+        uncharged = 0
+        if call_id is None or self.bearer in (None, call_id):
+            uncharged, self.uncharged, self.bearer = self.uncharged, 0, None
         return await self.journal.call(tool_name, body, args, cost=cost + uncharged, **options)
 
 
