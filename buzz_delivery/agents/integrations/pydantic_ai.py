@@ -94,6 +94,7 @@ from buzz_delivery.agents.integrations.journal import (
     Durability,
     Journal,
     JournalOptions,
+    as_stored,
     idempotency_key,
     journal_for,
     keyed,
@@ -309,7 +310,9 @@ class _JournaledToolset(WrapperToolset[Any]):
             return f"The call to {name} was not made (shadow run)."
         if "retry" in recorded:
             raise ModelRetry(recorded["retry"])
-        return recorded["return"]
+        # As a replay reads it back (a float jsonb prints without exponent is an int there): the
+        # next request's digest covers it.
+        return as_stored(recorded["return"])
 
 
 def _default_prompt(run_input: Any) -> str:
