@@ -78,6 +78,7 @@ from agents.tool import (
     WebSearchTool,
 )
 from agents.usage import Usage
+from openai.types.responses import ResponseFunctionToolCall
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 
@@ -167,7 +168,7 @@ class _Durability(Durability):
             (
                 item.call_id
                 for item in response.output
-                if getattr(item, "type", None) == "function_call" and item.name in self.owner.function_tools
+                if isinstance(item, ResponseFunctionToolCall) and item.name in self.owner.function_tools
             ),
             None,
         )
