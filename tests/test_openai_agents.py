@@ -750,3 +750,35 @@ def test_a_response_s_usage_is_charged_once_when_its_calls_reach_the_journal_in_
     assert outcome == "completed", (run.failure_code, run.failure_message)
     assert sorted(again.made) == ["a", "b"]
     assert run.cost_used == 100
+
+
+@pytest.mark.django_db
+def test_a_run_journaled_one_call_at_a_time_charges_a_response_s_usage_as_it_did_when_resumed(community, ledger):
+    """A response asking for a refund (which needs approval) and an effect, journaled one call at
+    a time as an earlier release did: the effect, made first, charged the response's usage; the
+    approved refund, made on the resume, does not charge it again (it did with the usage going
+    to the response's first function call whatever the run's form: 200)."""
+
+    def answer(input):
+        done = oh.returns(input)
+        if not done:
+            calls = (
+                function_call("refund", {"n": 7}, call_id="refund-1"),
+                function_call("effect", {"n": 1}, call_id="c1"),
+            )
+            return oh.response(*calls, tokens=100)
+        return oh.response(assistant_message(f"answers={done}"))
+
+    durable = DurableAgent(
+        Agent(name="old-usage", model=oh.FakeModel("old-usage", answer), tools=[oh.refund, oh.effect]),
+        run_config=oh.NO_TRACING,
+        compensations={"effect": oh.h.undo},
+    )
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), lambda ctx: durable(WithoutScopes(ctx))) == "parked"
+    assert AgentRun.objects.get(id=run_id).cost_used == 100
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), durable)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert (lines(ledger, "call"), run.cost_used) == ([f"call {run_id}:2"], 100)

@@ -163,15 +163,15 @@ class _Durability(Durability):
         response = load_response(recorded)
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
         # Its usage goes with its first function call (in the response's order) or, that call
-        # not made (an approval's interruption, a rejection), the next model request.
-        self.bearer = next(
-            (
-                item.call_id
-                for item in response.output
-                if isinstance(item, ResponseFunctionToolCall) and item.name in self.owner.function_tools
-            ),
-            None,
+        # not made (an approval's interruption, a rejection), the next model request. Calls made
+        # one at a time (no scopes of their own: a run an earlier release journaled so) charge
+        # it with the first made, as that release did.
+        calls = (
+            item.call_id
+            for item in response.output
+            if isinstance(item, ResponseFunctionToolCall) and item.name in self.owner.function_tools
         )
+        self.bearer = next(calls, None) if self.parallel else None
         if self.owner.stream_text is True:
             await self.chunks.emit(_response_text(response))
         return response
