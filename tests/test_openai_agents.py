@@ -782,3 +782,79 @@ def test_a_run_journaled_one_call_at_a_time_charges_a_response_s_usage_as_it_did
     run = AgentRun.objects.get(id=run_id)
     assert outcome == "completed", (run.failure_code, run.failure_message)
     assert (lines(ledger, "call"), run.cost_used) == ([f"call {run_id}:2"], 100)
+
+
+UNDO_BOUND = 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_under_the_event_loop_worker_a_sibling_failing_never_undoes_a_call_whose_tool_still_runs(community, ledger):
+    """Calls ``slow`` (a sync tool: the SDK runs it on a thread) and ``other`` of one response;
+    ``other``'s input guardrail raises once ``slow``'s tool runs, and the SDK cancels ``slow``'s
+    task. Failed before: its call was left pending (its thread ran on), the run failed and
+    compensated it, then the tool made its effect (``undo`` before ``call`` in the ledger)."""
+    from buzz_delivery.agents import loop_worker
+
+    entered, release = threading.Event(), threading.Event()
+
+    def answer(input):
+        if not oh.returns(input):
+            return oh.response(function_call("slow", {"n": 1}, call_id="s"), function_call("other", {}, call_id="o"))
+        return oh.response(assistant_message("never"))
+
+    @function_tool(failure_error_function=None)
+    def slow(n: int) -> dict:
+        entered.set()
+        release.wait(WAIT)
+        return oh.h.effect({"n": n}, idempotency_key())
+
+    @tool_input_guardrail
+    async def broken(data):
+        await asyncio.to_thread(entered.wait, WAIT)
+        raise RuntimeError("the guardrail's service is down")
+
+    @function_tool(tool_input_guardrails=[broken], failure_error_function=None)
+    def other() -> str:
+        return "other"
+
+    durable = DurableAgent(
+        Agent(name="cancelled", model=oh.FakeModel("cancelled", answer), tools=[slow, other]),
+        run_config=oh.NO_TRACING,
+        compensations={"slow": oh.h.undo},
+    )
+    run_id = new_run(community.id)
+
+    def releaser():
+        from django.db import connections
+
+        # The tool's effect waits for its call to be undone (the bug: at once), for at most
+        # UNDO_BOUND seconds (fixed, the run waits for the tool: never undone before it ends).
+        try:
+            for _ in range(UNDO_BOUND * 20):
+                if lines(ledger, "undo"):
+                    break
+                threading.Event().wait(0.05)
+        finally:
+            release.set()
+            connections.close_all()
+
+    watcher = threading.Thread(target=releaser, daemon=True)
+    config = loop_worker.AsyncWorkerConfig(
+        handler=durable.run,
+        agents=[AGENT],
+        communities=[community.id],
+        exit_when_idle=True,
+        poll_seconds=0.1,
+        lease_seconds=15,
+        worker_id="aio-cancelled",
+    )
+    entered_watch = threading.Thread(target=lambda: (entered.wait(WAIT), watcher.start()), daemon=True)
+    entered_watch.start()
+    loop_worker.AsyncAgentWorker(config).run()
+    release.set()
+    watcher.join(WAIT)
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == ("failed", "handler_error"), run.failure_message
+    # The call recorded once its tool ended, then compensated (before: undo, then the effect).
+    assert [x.split()[0] for x in ledger.read_text().splitlines()] == ["call", "undo"]
+    assert entries(run_id) == [(1, "tool", "model:cancelled", "succeeded"), (2, "tool", "slow", "succeeded")]
