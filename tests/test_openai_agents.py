@@ -569,3 +569,292 @@ def test_a_user_s_own_tool_concurrency_is_kept_and_one_at_a_time_only_without_re
     assert durable.run_config.tool_execution.max_function_tool_concurrency == 2  # a runtime with replay scopes
     assert durable.sequential_run_config.tool_execution.max_function_tool_concurrency == 1  # one without
     assert DurableAgent(oh.three_effects_agent).run_config.tool_execution is None  # the SDK's default: all at once
+
+
+# -- review10: old journals, jsonb's numbers, the usage charge on a replay in another order -----
+
+
+def effect_then_refund_answer(input):
+    """Effect n=1, then a refund (which needs approval), then the answer."""
+    done = oh.returns(input)
+    if not done:
+        return oh.response(function_call("effect", {"n": 1}, call_id="call-1"))
+    if len(done) == 1:
+        return oh.response(function_call("refund", {"n": 7}, call_id="refund-1"))
+    return oh.response(assistant_message(f"answers={done}"))
+
+
+effect_then_refund = DurableAgent(
+    Agent(name="old", model=oh.FakeModel("old", effect_then_refund_answer), tools=[oh.effect, oh.refund]),
+    run_config=oh.NO_TRACING,
+    compensations={"effect": oh.h.undo},
+)
+
+
+class WithoutScopes:
+    """The run's context as the integration saw it before its function calls had scopes of their
+    own: it journaled them one at a time in the root scope (as on a runtime without them)."""
+
+    journal_scopes = False
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("index", ["root", "null"])
+def test_a_run_journaled_before_function_calls_had_scopes_resumes_making_nothing_twice(community, ledger, index):
+    """Failed before: a run parked (or lost) with its function calls journaled in the root scope,
+    as the integration did before this change (a deploy while a run waits for its approval),
+    was resumed with each call looked up in ``tool:<call_id>``: not found, the effect was made
+    again, then the next model request met the effect's root entry (``replay_mismatch``)."""
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), lambda ctx: effect_then_refund(WithoutScopes(ctx))) == "parked"
+    assert [(e.scope, e.tool_name) for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")] == [
+        ("", "model:old"), ("", "effect"), ("", "model:old"), ("", "approval"),
+    ]  # fmt: skip
+    if index == "null":  # written before replay keys: each entry replayed at its seq
+        JournalEntry.objects.filter(community_id=community.id, run_id=run_id).update(scope_index=None)
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), effect_then_refund)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert lines(ledger, "call") == [f"call {run_id}:2"]  # the effect made once
+    assert lines(ledger, "refund") == [f"refund {run_id}:5"]
+    assert run.output == "answers=[{'n': 1}, {'n': 7}]"
+
+
+@pytest.mark.django_db
+def test_a_handler_s_own_call_in_the_agent_s_scope_does_not_make_a_resumed_run_one_at_a_time(community, ledger):
+    """The run's function calls in scopes of their own (``tool:<call_id>``) say it was journaled
+    by this release, whatever other call the handler made in the agent's scope."""
+
+    def handler(ctx):
+        ctx.call("load", lambda args, key: {"loaded": True}, {})
+        return effect_then_refund(ctx)
+
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), handler) == "parked"
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), handler)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert lines(ledger, "call") == [f"call {run_id}:3"]
+    assert {e.tool_name: e.scope for e in JournalEntry.objects.filter(run_id=run_id)}["effect"] == "tool:call-1"
+
+
+@function_tool
+def measure(n: int) -> dict:
+    """A result with numbers ``jsonb`` reads back in another form (no exponent: an int)."""
+    return {"tiny": 1e-7, "big": 1e20, "n": n, "zero": -0.0}
+
+
+def measure_then_refund_answer(input):
+    done = oh.returns(input)
+    if not done:
+        return oh.response(function_call("measure", {"n": 1}, call_id="call-1"))
+    if len(done) == 1:
+        return oh.response(function_call("refund", {"n": 7}, call_id="refund-1"))
+    return oh.response(assistant_message(f"answers={done}"))
+
+
+@pytest.mark.django_db
+def test_a_tool_result_with_a_float_jsonb_reads_back_as_an_int_resumes_after_an_approval(community, ledger):
+    """Failed before: the first run showed the model ``1e+20`` (and ``-0.0``), the resumed run the
+    same result as the journal reads it back (``100000000000000000000``, ``0.0``): the next model
+    request's digest differed, ``replay_mismatch``."""
+    durable = DurableAgent(
+        Agent(name="measure", model=oh.FakeModel("measure", measure_then_refund_answer), tools=[measure, oh.refund]),
+        run_config=oh.NO_TRACING,
+    )
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), durable) == "parked"
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), durable)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert run.output == "answers=[{'n': 1, 'big': 100000000000000000000, 'tiny': 1e-07, 'zero': 0.0}, {'n': 7}]"
+
+
+class Bearing:
+    """One response (100 tokens) with calls ``a`` and ``b`` of tool ``step``; a tool input
+    guardrail (the agent's own code, run again on a replay) lets the calls reach the journal in
+    ``order``: the second waits until the first's body entered (``lose``: the first's body marks
+    the run lost, so the second never reaches the journal)."""
+
+    def __init__(self, order, lose=False):
+        self.order, self.lose = order, lose
+        self.events: dict[str, asyncio.Event] = {}
+        self.made: list[str] = []
+
+    def event(self, name):
+        return self.events.setdefault(name, asyncio.Event())
+
+    def durable(self):
+        test = self
+
+        def answer(input):
+            if not oh.returns(input):
+                return oh.response(*(function_call("step", {"name": c}, call_id=f"call-{c}") for c in "ab"), tokens=100)
+            return oh.response(assistant_message("done"))
+
+        @tool_input_guardrail
+        async def in_turn(data):
+            name = json.loads(data.context.tool_arguments)["name"]
+            if name != test.order[0]:
+                await asyncio.wait_for(test.event(f"entered:{test.order[0]}").wait(), WAIT)
+            return ToolGuardrailFunctionOutput.allow()
+
+        @function_tool(tool_input_guardrails=[in_turn], failure_error_function=None)
+        async def step(name: str) -> str:
+            test.made.append(name)
+            test.event(f"entered:{name}").set()
+            if test.lose:
+                test.ctx.mark_lost("test")
+                raise RunAborted("lost in the tool")
+            return name
+
+        agent = Agent(name="bearing", model=oh.FakeModel("bearing", answer), tools=[step])
+        durable = DurableAgent(agent, run_config=oh.NO_TRACING, reconcile={"step": lambda args, key: NOT_MADE})
+
+        def handler(ctx):
+            test.ctx = ctx
+            return durable(ctx)
+
+        return handler
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_a_response_s_usage_is_charged_once_when_its_calls_reach_the_journal_in_another_order_on_resume(
+    community, first
+):
+    """Failed before: the response's usage went with whichever call reached the journal first.
+    The first run's first call took it (journaled, then lost); on the resume the other call came
+    first, was made now and charged it again (200). Now it goes with the response's first
+    function call (``call-a``), whatever their order."""
+    from tests.test_agents_journal_scopes import _claim, _reclaim
+
+    run_id = new_run(community.id)
+    second = "b" if first == "a" else "a"
+    lost = Bearing(order=[first, second], lose=True)
+    assert run_claim(_claim(community), lost.durable()) == "lost"
+    assert lost.made == [first]  # the other call never reached the journal
+    _reclaim(run_id)
+    again = Bearing(order=[second, first])
+    outcome = run_claim(_claim(community, "w2"), again.durable())
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert sorted(again.made) == ["a", "b"]
+    assert run.cost_used == 100
+
+
+@pytest.mark.django_db
+def test_a_run_journaled_one_call_at_a_time_charges_a_response_s_usage_as_it_did_when_resumed(community, ledger):
+    """A response asking for a refund (which needs approval) and an effect, journaled one call at
+    a time as an earlier release did: the effect, made first, charged the response's usage; the
+    approved refund, made on the resume, does not charge it again (it did with the usage going
+    to the response's first function call whatever the run's form: 200)."""
+
+    def answer(input):
+        done = oh.returns(input)
+        if not done:
+            calls = (
+                function_call("refund", {"n": 7}, call_id="refund-1"),
+                function_call("effect", {"n": 1}, call_id="c1"),
+            )
+            return oh.response(*calls, tokens=100)
+        return oh.response(assistant_message(f"answers={done}"))
+
+    durable = DurableAgent(
+        Agent(name="old-usage", model=oh.FakeModel("old-usage", answer), tools=[oh.refund, oh.effect]),
+        run_config=oh.NO_TRACING,
+        compensations={"effect": oh.h.undo},
+    )
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), lambda ctx: durable(WithoutScopes(ctx))) == "parked"
+    assert AgentRun.objects.get(id=run_id).cost_used == 100
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), durable)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert (lines(ledger, "call"), run.cost_used) == ([f"call {run_id}:2"], 100)
+
+
+UNDO_BOUND = 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_under_the_event_loop_worker_a_sibling_failing_never_undoes_a_call_whose_tool_still_runs(community, ledger):
+    """Calls ``slow`` (a sync tool: the SDK runs it on a thread) and ``other`` of one response;
+    ``other``'s input guardrail raises once ``slow``'s tool runs, and the SDK cancels ``slow``'s
+    task. Failed before: its call was left pending (its thread ran on), the run failed and
+    compensated it, then the tool made its effect (``undo`` before ``call`` in the ledger)."""
+    from buzz_delivery.agents import loop_worker
+
+    entered, release = threading.Event(), threading.Event()
+
+    def answer(input):
+        if not oh.returns(input):
+            return oh.response(function_call("slow", {"n": 1}, call_id="s"), function_call("other", {}, call_id="o"))
+        return oh.response(assistant_message("never"))
+
+    @function_tool(failure_error_function=None)
+    def slow(n: int) -> dict:
+        entered.set()
+        release.wait(WAIT)
+        return oh.h.effect({"n": n}, idempotency_key())
+
+    @tool_input_guardrail
+    async def broken(data):
+        await asyncio.to_thread(entered.wait, WAIT)
+        raise RuntimeError("the guardrail's service is down")
+
+    @function_tool(tool_input_guardrails=[broken], failure_error_function=None)
+    def other() -> str:
+        return "other"
+
+    durable = DurableAgent(
+        Agent(name="cancelled", model=oh.FakeModel("cancelled", answer), tools=[slow, other]),
+        run_config=oh.NO_TRACING,
+        compensations={"slow": oh.h.undo},
+    )
+    run_id = new_run(community.id)
+
+    def releaser():
+        from django.db import connections
+
+        # The tool's effect waits for its call to be undone (the bug: at once), for at most
+        # UNDO_BOUND seconds (fixed, the run waits for the tool: never undone before it ends).
+        try:
+            for _ in range(UNDO_BOUND * 20):
+                if lines(ledger, "undo"):
+                    break
+                threading.Event().wait(0.05)
+        finally:
+            release.set()
+            connections.close_all()
+
+    watcher = threading.Thread(target=releaser, daemon=True)
+    config = loop_worker.AsyncWorkerConfig(
+        handler=durable.run,
+        agents=[AGENT],
+        communities=[community.id],
+        exit_when_idle=True,
+        poll_seconds=0.1,
+        lease_seconds=15,
+        worker_id="aio-cancelled",
+    )
+    entered_watch = threading.Thread(target=lambda: (entered.wait(WAIT), watcher.start()), daemon=True)
+    entered_watch.start()
+    loop_worker.AsyncAgentWorker(config).run()
+    release.set()
+    watcher.join(WAIT)
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == ("failed", "handler_error"), run.failure_message
+    # The call recorded once its tool ended, then compensated (before: undo, then the effect).
+    assert [x.split()[0] for x in ledger.read_text().splitlines()] == ["call", "undo"]
+    assert entries(run_id) == [(1, "tool", "model:cancelled", "succeeded"), (2, "tool", "slow", "succeeded")]

@@ -209,3 +209,75 @@ def test_with_stream_text_each_model_response_s_text_is_a_chunk_of_the_run_s_out
     other = new_run(community.id)
     assert run_claim(claim_one(community), ph.three_effects) == "completed"  # stream_text off: nothing
     assert read_output(community.id, other).chunks == ()
+
+
+@pytest.mark.django_db
+def test_a_run_journaled_before_tool_calls_had_scopes_resumes_making_nothing_twice(community, ledger):
+    """review10: a run parked with its tool calls journaled one at a time in the root scope (the
+    integration before its tool calls had scopes of their own; a deploy while the run waits for
+    its approval) replays them by position. Failed before: each looked up in ``tool:<id>``, not
+    found, the effect made again, then ``replay_mismatch``."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
+    from tests import agent_handlers as h
+    from tests.test_openai_agents import WithoutScopes
+
+    def model(messages, info):
+        done = ph._returns(messages)
+        if not done:
+            return ModelResponse(parts=[ToolCallPart("effect", {"n": 1}, tool_call_id="call-1")])
+        if len(done) == 1:
+            return ModelResponse(parts=[ToolCallPart("refund", {"n": 7}, tool_call_id="refund-1")])
+        return ModelResponse(parts=[TextPart(f"answers={done}")])
+
+    agent = Agent(FunctionModel(model, model_name="old"))
+    agent.tool_plain(ph.effect)
+    agent.tool_plain(requires_approval=True)(ph.refund)
+    durable = DurableAgent(agent, compensations={"effect": h.undo})
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), lambda ctx: durable(WithoutScopes(ctx))) == "parked"
+    assert {e.scope for e in JournalEntry.objects.filter(run_id=run_id)} == {""}
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), durable)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert lines(ledger, "call") == [f"call {run_id}:2"]  # the effect made once
+    assert lines(ledger, "refund") == [f"refund {run_id}:5"]
+
+
+@pytest.mark.django_db
+def test_a_tool_result_with_a_float_jsonb_reads_back_as_an_int_resumes_after_an_approval(community, ledger):
+    """review10: the first run showed the model ``1e+20``, the resumed run the journal's
+    ``100000000000000000000``: the next request's digest differed (``replay_mismatch``)."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
+
+    def model(messages, info):
+        done = ph._returns(messages)
+        if not done:
+            return ModelResponse(parts=[ToolCallPart("measure", {}, tool_call_id="call-1")])
+        if len(done) == 1:
+            return ModelResponse(parts=[ToolCallPart("refund", {"n": 7}, tool_call_id="refund-1")])
+        return ModelResponse(parts=[TextPart(f"answers={done}")])
+
+    agent = Agent(FunctionModel(model, model_name="measure"))
+
+    @agent.tool_plain
+    def measure() -> dict:
+        return {"big": 1e20, "zero": -0.0}
+
+    agent.tool_plain(requires_approval=True)(ph.refund)
+    durable = DurableAgent(agent)
+    run_id = new_run(community.id)
+    assert run_claim(claim_one(community), durable) == "parked"
+    decide_approval(community.id, AgentRun.objects.get(id=run_id).approval_id, "approved", "alice")
+    outcome = run_claim(claim_one(community, "w2"), durable)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert run.output == "answers=[{'big': 100000000000000000000, 'zero': 0.0}, {'n': 7}]"

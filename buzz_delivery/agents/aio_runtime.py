@@ -134,6 +134,15 @@ class Runtime:
 _IN_CALL: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("buzz_agents_in_call", default=None)
 
 
+class _Cancelled(Exception):
+    """Internal: a call's tool ended (``output``, or raised ``error``) after its caller's task
+    was cancelled by the handler's own code; recorded, then the cancellation goes on."""
+
+    def __init__(self, output: Any, error: BaseException | None) -> None:
+        super().__init__("the call's caller was cancelled")
+        self.output, self.error = output, error
+
+
 class AsyncContext:
     """What an async handler gets for one claimed run: ``run``, ``input``, ``shadow``, ``lease``
     (renewed by the worker), :meth:`call`, :meth:`request_approval`, :attr:`cancelled`.
@@ -188,6 +197,11 @@ class AsyncContext:
         self._journal = {e.replay_key: e for e in journal}
 
     scope = staticmethod(Context.scope)
+
+    def tools_journaled(self) -> list[tuple[str, str]]:
+        """As :meth:`Context.tools_journaled <buzz_delivery.agents.runtime.Context.tools_journaled>`."""
+        journal = self._journal or {}
+        return [(k[0], e.tool_name) for k, e in sorted(journal.items()) if e.kind == "tool"]
 
     def _entry(self, key: tuple[str, int]) -> JournalEntry | None:
         if self._journal is None:  # never replay against a journal not read: no call is made
@@ -365,9 +379,15 @@ class AsyncContext:
     async def _make(self, seq: int, key: str, fn: Callable[..., Any], args: Any) -> Any:
         started = time.monotonic()
         try:
-            output = await self._user_fn(seq, fn, args, key)
+            output = await self._ended(asyncio.ensure_future(self._user_fn(seq, fn, args, key)))
         except asyncio.CancelledError:
             raise
+        except _Cancelled as cancelled:  # the tool ended after its caller was cancelled: recorded
+            if cancelled.error is None:
+                await self._record(seq, ok=True, output=cancelled.output, started=started)
+            elif not (self.lost.is_set() and in_chain(cancelled.error, RunAborted) is not None):
+                await self._record(seq, ok=False, error=failure_message_of(cancelled.error), started=started)
+            raise asyncio.CancelledError from cancelled.error
         except Exception as exc:
             if self.lost.is_set() and in_chain(exc, RunAborted) is not None:
                 # The runtime stopped the tool (its own ctx.emit or ctx.call met a failed
@@ -377,6 +397,31 @@ class AsyncContext:
             raise ToolCallFailed(f"{seq}: {exc}") from exc
         await self._record(seq, ok=True, output=output, started=started)
         return output
+
+    async def _ended(self, tool: asyncio.Future[Any]) -> Any:
+        """The tool's output. Its caller cancelled by the handler's own code (a framework that
+        cancels a call's task when another raises: the OpenAI Agents SDK's, Pydantic AI's), not
+        by the worker (the run lost or cancelled: the tool is cancelled too), the tool runs to
+        its end, holding the run's call lock, and raises :class:`_Cancelled` with its outcome,
+        to be recorded: a plain function's thread runs on whatever its awaiter does, and the
+        run failed meanwhile would compensate the call before its effect was made."""
+        try:
+            return await asyncio.shield(tool)
+        except asyncio.CancelledError:
+            if self.lost.is_set():
+                tool.cancel()
+                raise
+        while True:
+            try:
+                output = await asyncio.shield(tool)
+            except asyncio.CancelledError:
+                if self.lost.is_set():
+                    tool.cancel()
+                    raise
+                continue
+            except Exception as exc:
+                raise _Cancelled(None, exc) from exc
+            raise _Cancelled(output, None)
 
     async def _record(self, seq: int, *, started: float, **kwargs: Any) -> None:
         latency = int((time.monotonic() - started) * 1000)
@@ -499,6 +544,9 @@ class SyncBridge:
     def __init__(self, actx: AsyncContext) -> None:
         self._actx = actx
         self.run, self.input, self.shadow = actx.run, actx.input, actx.shadow
+
+    def tools_journaled(self) -> list[tuple[str, str]]:
+        return self._actx.tools_journaled()
 
     @property
     def lease(self) -> s.AgentLease:

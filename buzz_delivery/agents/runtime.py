@@ -220,6 +220,11 @@ class Context:
         "Resume", "Parallel calls"). One ``with`` per object; raises ``ValueError`` for a blank name."""
         return journal_scope.scoped(name)
 
+    def tools_journaled(self) -> list[tuple[str, str]]:
+        """``(scope, tool_name)`` of each tool call the run had journaled when it was claimed, by
+        replay key (an integration tells by them how an earlier release journaled the run)."""
+        return [(k[0], e.tool_name) for k, e in sorted(self._journal.items()) if e.kind == "tool"]
+
     def mark_lost(self, reason: str) -> None:
         self.lost.set()
         if reason == "cancelled":

@@ -234,6 +234,11 @@ class RemoteRunContext:
         """True once a heartbeat learnt the run was cancelled (the handler should stop)."""
         return self._cancelled.is_set()
 
+    def tools_journaled(self) -> list[tuple[str, str]]:
+        """``(scope, tool_name)`` of each tool call the run had journaled when it was claimed, by
+        replay key (as the in-process runtime's)."""
+        return [(k[0], str(e.get("tool_name"))) for k, e in sorted(self._journal.items()) if e.get("kind") == "tool"]
+
     def mark_lost(self, reason: str | None) -> None:
         """The lease is gone (``reason`` ``cancelled`` when a cancel fenced it)."""
         self.lost.set()

@@ -133,3 +133,27 @@ def test_a_replay_key_spent_already_is_refused_by_field_and_nothing_is_written(g
     run = AgentRun.objects.get(id=run_id)
     assert (run.tool_calls_used, run.state) == (1, "running")
     assert [(e.seq, e.scope, e.scope_index) for e in JournalEntry.objects.filter(run_id=run_id)] == [(1, "s", 1)]
+
+
+def test_remote_openai_agents_run_journaled_before_function_call_scopes_resumes_making_nothing_twice(
+    gateway_server, tmp_path, monkeypatch
+):
+    """As tests/test_openai_agents.py's: a run whose function calls an earlier release journaled
+    one at a time in the root scope (through the gateway: no replay key sent, each entry's index
+    its seq) resumes replaying them by position. Failed before: the effect was made again, then
+    ``replay_mismatch``."""
+    from tests.test_openai_agents import WithoutScopes, effect_then_refund, lines
+
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("AGENT_LEDGER", str(ledger))
+    monkeypatch.delenv("AGENT_KILL", raising=False)
+    community, agent, run_id = _setup(gateway_server)
+    assert _run(agent, "w1", lambda ctx: effect_then_refund(WithoutScopes(ctx))) == "parked"
+    keys = [(e.scope, e.scope_index, e.tool_name) for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")]
+    assert keys == [("", None, "model:old"), ("", None, "effect"), ("", None, "model:old"), ("", None, "approval")]
+    _approve(community, run_id)
+    outcome = _run(agent, "w2", effect_then_refund)
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert lines(ledger, "call") == [f"call {run_id}:2"]
+    assert run.output == "answers=[{'n': 1}, {'n': 7}]"

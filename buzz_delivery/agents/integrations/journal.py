@@ -26,7 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import decimal
 import inspect
+import json
+import math
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
@@ -48,6 +51,7 @@ __all__ = [
     "idempotency_key",
     "inside_call",
     "journal_for",
+    "journaled_in_order",
     "run_threaded",
     "tool_call_scope",
 ]
@@ -84,14 +88,14 @@ def keyed(key: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tool_call_scope(journal: Journal, call_id: str | None) -> Iterator[None]:
+def tool_call_scope(parallel: bool, call_id: str | None) -> Iterator[None]:
     """Journal the block's calls (a framework's tool call, run at the same time as the other
     calls of its model response) in the scope of ``call_id`` (:func:`journal_scope.tool_call`):
     the id comes from the recorded (or replayed) model response, so each call's replay does not
-    depend on which call reached the journal first. On a runtime without replay scopes
-    (``journal.parallel`` false: the remote one) the calls stay in the scope current, and the
-    integration makes them one at a time."""
-    if not journal.parallel:
+    depend on which call reached the journal first. Not ``parallel`` (:attr:`Durability.parallel`:
+    a runtime without replay scopes, or a run an earlier release journaled one call at a time)
+    the calls stay in the scope current, and the integration makes them one at a time."""
+    if not parallel:
         yield
         return
     with journal_scope.entered(journal_scope.tool_call(call_id)):
@@ -107,13 +111,19 @@ def remake(args: Any, key: str) -> Any:
 def as_stored(value: Any) -> Any:
     """A call's recorded JSON ``value`` as a replay reads it back from the journal: PostgreSQL's
     ``jsonb`` keeps an object's keys ordered by their length, then bytewise (Python's dict order
-    is the order they were set in), so a first run that shows the model a result's text shows it
-    the same text as its replay."""
+    is the order they were set in), and a number as ``numeric`` (no exponent, no negative zero:
+    ``1e+20`` reads back as the int ``100000000000000000000``), so a first run that shows the
+    model a result's text shows it the same text as its replay."""
     if isinstance(value, dict):
         ordered = sorted(value, key=lambda k: (len(k.encode()), k.encode()))
         return {k: as_stored(value[k]) for k in ordered}
     if isinstance(value, list):
         return [as_stored(v) for v in value]
+    if isinstance(value, float) and math.isfinite(value):
+        if value == 0:
+            return 0.0
+        # The JSON text of the float (its repr) as numeric prints it, read back as json does.
+        return json.loads(format(decimal.Decimal(repr(value)), "f"))
     return value
 
 
@@ -304,20 +314,50 @@ def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], 
     return box["output"]
 
 
+def journaled_in_order(ctx: Any, scope: str) -> bool:
+    """True when the run has tool calls (not model requests, ``model:<name>``) journaled in the
+    agent's own ``scope`` and none in a tool call's scope inside it: an earlier release made the
+    agent's tool calls there one at a time (an integration now journals each in its call's
+    scope), so they replay by position, as they were made. (A handler's own call made in that
+    scope before the agent's first tool call does the same: the run goes on one at a time.)"""
+    listed = getattr(ctx, "tools_journaled", None)
+    if listed is None:
+        return False
+    entries = listed()
+    calls = journal_scope.child(scope, "tool:")
+    if any(name.startswith(calls) for name, _ in entries):
+        return False
+    return any(name == scope and not tool.startswith("model:") for name, tool in entries)
+
+
 class Durability:
     """One run's journal as an integration's model and tool wrappers call it: ``owner`` is the
     ``DurableAgent`` (its :class:`JournalOptions`), ``uncharged`` the usage cost of the responses
-    not yet charged to a call (charged with the next journaled call)."""
+    not yet charged to a call (charged with the next journaled call; while ``bearer`` names a
+    tool call of the last response, with that call or the next model request)."""
 
     def __init__(self, owner: JournalOptions, journal: Journal) -> None:
         self.owner, self.journal = owner, journal
         self.chunks = Chunks(journal)
         self.uncharged = 0
+        # Tool calls at once, each in its call's scope; not on a runtime without replay scopes,
+        # nor for a run an earlier release journaled with its tool calls one at a time in the
+        # agent's own scope (a run parked or lost across the upgrade): replayed as it was made.
+        self.parallel = journal.parallel and not journaled_in_order(journal.ctx, journal_scope.current_key())
+        self.bearer: str | None = None
 
-    async def call(self, tool_name: str, body: AsyncBody, args: Any, cost: int, **options: Any) -> Any:
-        # Taken before the call is made: tool calls made at once each charge it once in all, not
-        # each one (the first to reach the journal charges it).
-        uncharged, self.uncharged = self.uncharged, 0
+    async def call(
+        self, tool_name: str, body: AsyncBody, args: Any, cost: int, *, call_id: str | None = None, **options: Any
+    ) -> Any:
+        """A journaled call charging ``cost`` and, when it is a model request (``call_id`` None)
+        or the tool call ``bearer`` names (any, with none named), the usage not yet charged."""
+        # Taken before the call is made, by one call named by the recorded response, not by the
+        # first to reach the journal: tool calls made at once charge it once in all, and a
+        # resumed run whose calls reach the journal in another order (one replayed, one made
+        # now) charges it with the same call as the first run, neither twice nor never.
+        uncharged = 0
+        if call_id is None or self.bearer in (None, call_id):
+            uncharged, self.uncharged, self.bearer = self.uncharged, 0, None
         return await self.journal.call(tool_name, body, args, cost=cost + uncharged, **options)
 
 

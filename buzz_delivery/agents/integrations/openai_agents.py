@@ -79,6 +79,7 @@ from agents.tool import (
     WebSearchTool,
 )
 from agents.usage import Usage
+from openai.types.responses import ResponseFunctionToolCall
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 
@@ -162,6 +163,16 @@ class _Durability(Durability):
             recorded = recorded["response"]
         response = load_response(recorded)
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
+        # Its usage goes with its first function call (in the response's order) or, that call
+        # not made (an approval's interruption, a rejection), the next model request. Calls made
+        # one at a time (no scopes of their own: a run an earlier release journaled so) charge
+        # it with the first made, as that release did.
+        calls = (
+            item.call_id
+            for item in response.output
+            if isinstance(item, ResponseFunctionToolCall) and item.name in self.owner.function_tools
+        )
+        self.bearer = next(calls, None) if self.parallel else None
         if self.owner.stream_text is True:
             await self.chunks.emit(_response_text(response))
         return response
@@ -304,12 +315,14 @@ def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
         # The response's function calls run at once (the SDK's tasks): each is journaled in the
         # scope of its call_id (part of the recorded response), replayed from that scope's entry
         # whatever order the calls reach the journal in.
-        with tool_call_scope(durability.journal, getattr(tool_context, "tool_call_id", None)):
+        call_id = getattr(tool_context, "tool_call_id", None)
+        with tool_call_scope(durability.parallel, call_id):
             recorded = await durability.call(
                 name,
                 body,
                 _tool_args(input_json),
                 owner.tool_costs.get(name, 0),
+                call_id=call_id or "",
                 compensate=owner.compensations.get(name),
                 reconcile=reconciler(owner.reconcile.get(name)),
                 destructive=name in owner.destructive,
@@ -341,6 +354,7 @@ class _Wrapper:
         for tool in agent.tools:
             if isinstance(tool, FunctionTool):
                 tools.append(_journaled_tool(tool, self.owner))
+                self.owner.function_tools.add(tool.name)
             elif isinstance(tool, HOSTED_TOOLS):
                 tools.append(tool)  # made by the provider: part of the recorded response
             else:
@@ -430,6 +444,7 @@ class DurableAgent(JournalOptions):
             stream_text=stream_text,
         )  # fmt: skip
         self.max_turns = max_turns
+        self.function_tools: set[str] = set()  # the names of the function tools wrapped (their agents')
         self.agent = _Wrapper(self).agent(agent)
         config = run_config or RunConfig()
         self.run_config = dataclasses.replace(
@@ -452,9 +467,10 @@ class DurableAgent(JournalOptions):
     async def run(self, ctx: Any, journal: Journal | None = None) -> Any:
         """Run the agent for ``ctx``'s run to its final output (JSON); approvals park it."""
         journal = journal or journal_for(ctx)
-        token = _active.set(_Durability(self, journal))
+        durability = _Durability(self, journal)
+        token = _active.set(durability)
         try:
-            config = self.run_config if journal.parallel else self.sequential_run_config
+            config = self.run_config if durability.parallel else self.sequential_run_config
             options: dict[str, Any] = {"run_config": config}
             if self.context is not None:
                 options["context"] = self.context(ctx)

@@ -94,6 +94,7 @@ from buzz_delivery.agents.integrations.journal import (
     Durability,
     Journal,
     JournalOptions,
+    as_stored,
     idempotency_key,
     journal_for,
     keyed,
@@ -270,7 +271,7 @@ class _JournaledToolset(WrapperToolset[Any]):
 
     async def get_tools(self, ctx: RunContext[Any]) -> dict[str, Any]:
         tools = await super().get_tools(ctx)
-        if self.durability.journal.parallel:  # each call replayed in its own scope (call_tool)
+        if self.durability.parallel:  # each call replayed in its own scope (call_tool)
             return tools
         # A runtime without replay scopes (the remote one): one tool at a time, so a call's
         # journal position does not depend on which finished first.
@@ -282,7 +283,7 @@ class _JournaledToolset(WrapperToolset[Any]):
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
         # The model's tool calls run at once (Pydantic AI's tasks): each is journaled in the scope
         # of its tool_call_id (sequential, in the scope current, without replay scopes).
-        with tool_call_scope(self.durability.journal, ctx.tool_call_id):
+        with tool_call_scope(self.durability.parallel, ctx.tool_call_id):
             return await self._journaled(name, tool_args, ctx, tool)
 
     async def _journaled(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
@@ -309,7 +310,9 @@ class _JournaledToolset(WrapperToolset[Any]):
             return f"The call to {name} was not made (shadow run)."
         if "retry" in recorded:
             raise ModelRetry(recorded["retry"])
-        return recorded["return"]
+        # As a replay reads it back (a float jsonb prints without exponent is an int there): the
+        # next request's digest covers it.
+        return as_stored(recorded["return"])
 
 
 def _default_prompt(run_input: Any) -> str:
