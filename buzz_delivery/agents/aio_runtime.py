@@ -402,7 +402,7 @@ class AsyncContext:
         """The tool's output. Its caller cancelled by the handler's own code (a framework that
         cancels a call's task when another raises: the OpenAI Agents SDK's, Pydantic AI's), not
         by the worker (the run lost or cancelled: the tool is cancelled too), the tool runs to
-        its end, holding the run's call lock, and raises :class:`_Cancelled` with its outcome,
+        its end and raises :class:`_Cancelled` with its outcome,
         to be recorded: a plain function's thread runs on whatever its awaiter does, and the
         run failed meanwhile would compensate the call before its effect was made."""
         try:
