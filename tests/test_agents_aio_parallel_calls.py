@@ -12,6 +12,7 @@ never saw the second start (its wait ran out, then the second ran alone).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -412,3 +413,167 @@ def test_an_approval_asked_while_a_call_is_in_flight_parks_once_it_is_recorded(c
     run = AgentRun.objects.get(id=run_id)
     assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
     assert run.output == {"slow": {"slow": True}, "decision": "approved"}
+
+
+# -- an OpenAI Agents SDK agent: one response's function calls in flight at once ---------------
+
+
+class Meetings:
+    """An OpenAI Agents SDK agent (a fake ``Model``) whose first response asks for ``meet(me)``
+    twice (calls ``call-a`` and ``call-b``), then answers with the results as JSON. The calls are
+    handed to the journal in ``order`` (a tool input guardrail, the agent's own code, waits for
+    its call's turn: given once the call before it was handed over); each body says it started,
+    then waits for the other's to have started too. ``lose`` names a call whose body, once the
+    other call is recorded, makes its effect and then loses the run (its entry stays pending).
+    ``found``: the effects the reconcile hook finds (a call lost after its effect)."""
+
+    def __init__(self, order, lose=None, found=None):
+        self.order, self.lose, self.found = order, lose, dict(found or {})
+        self.made: list[tuple[str, str]] = []  # (me, key): each body run
+        self.reconciled: list[tuple[str, str]] = []
+        self.journaled: list[str] = []  # the order the calls were handed to the journal
+        self.events: dict[str, asyncio.Event] = {}  # made on the worker's loop, when first asked
+
+    def event(self, name):
+        if name not in self.events:
+            self.events[name] = asyncio.Event()
+            if name == f"turn:{self.order[0]}":
+                self.events[name].set()
+        return self.events[name]
+
+    def durable(self):
+        from agents import Agent, ToolGuardrailFunctionOutput, function_tool, tool_input_guardrail
+        from agents.testing import assistant_message, function_call
+
+        from buzz_delivery.agents.integrations.openai_agents import DurableAgent, idempotency_key
+        from tests import openai_agents_handlers as oh
+
+        test = self
+
+        def answer(input):
+            done = oh.returns(input)
+            if not done:
+                return oh.response(*(function_call("meet", {"me": me}, call_id=f"call-{me}") for me in "ab"))
+            return oh.response(assistant_message(json.dumps(sorted(done, key=lambda r: r["me"]), sort_keys=True)))
+
+        @tool_input_guardrail
+        async def in_turn(data):
+            await _saw(test.event(f"turn:{json.loads(data.context.tool_arguments)['me']}"))
+            return ToolGuardrailFunctionOutput.allow()
+
+        @function_tool(tool_input_guardrails=[in_turn], failure_error_function=None)
+        async def meet(me: str) -> dict:
+            other = "b" if me == "a" else "a"
+            test.made.append((me, idempotency_key()))
+            test.event(f"started:{me}").set()
+            seen = await _saw(test.event(f"started:{other}"))
+            if me == test.lose:
+                await _saw(test.event(f"recorded:{other}"))
+                test.found[me] = {"me": me, "saw_other": seen, "found": True}  # its effect, made
+                test.ctx.mark_lost("test_reclaim")  # the holder is lost mid-call
+                raise RunAborted("lost mid-call")
+            return {"me": me, "saw_other": seen, "key": idempotency_key()}
+
+        def reconcile(args, key):
+            test.reconciled.append((args["me"], key))
+            found = test.found.get(args["me"])
+            return NOT_MADE if found is None else {**found, "key": key}
+
+        agent = Agent(name="meetings", model=oh.FakeModel("meetings", answer), tools=[meet])
+        return DurableAgent(agent, run_config=oh.NO_TRACING, reconcile={"meet": reconcile})
+
+    def handler(self):
+        durable, test = self.durable(), self
+
+        class Ctx:
+            """The event-loop runtime's context, telling the test when each call is handed to
+            the journal (the next one's turn) and recorded."""
+
+            def __init__(self, ctx):
+                self._ctx = ctx
+
+            def __getattr__(self, name):
+                return getattr(self._ctx, name)
+
+            async def call(self, tool_name, fn, args, **options):
+                if tool_name != "meet":
+                    return await self._ctx.call(tool_name, fn, args, **options)
+                me = args["me"]
+                test.journaled.append(me)
+                following = test.order.index(me) + 1
+                if following < len(test.order):
+                    test.event(f"turn:{test.order[following]}").set()
+                output = await self._ctx.call(tool_name, fn, args, **options)
+                test.event(f"recorded:{me}").set()
+                return output
+
+        async def handler(ctx):
+            test.ctx = ctx
+            return await durable.run(Ctx(ctx))
+
+        return handler
+
+
+def _meetings(run_id):
+    return {
+        e.scope: (e.seq, e.replay_key[1], e.status)
+        for e in JournalEntry.objects.filter(run_id=run_id, tool_name="meet")
+    }
+
+
+def test_an_openai_agents_response_s_function_calls_are_in_flight_at_once_under_the_event_loop_worker(community):
+    run_id = new_run(community.id)
+    test = Meetings(order=["a", "b"])
+    _, counts = in_process(community, test.handler(), in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    meetings = _meetings(run_id)
+    assert {scope: rest[1:] for scope, rest in meetings.items()} == {
+        "tool:call-a": (1, "succeeded"),
+        "tool:call-b": (1, "succeeded"),
+    }
+    keys = {me: f"{run_id}:{meetings[f'tool:call-{me}'][0]}" for me in "ab"}
+    assert json.loads(run.output) == [
+        {"me": me, "saw_other": True, "key": keys[me]} for me in "ab"
+    ]  # each saw the other
+    assert sorted(test.made) == [(me, keys[me]) for me in "ab"]
+    assert [e[0] for e in _entries(run_id)] == [1, 2, 3, 4]  # model, two calls, model: seq contiguous
+
+
+def test_an_openai_agents_run_lost_mid_call_under_the_event_loop_worker_replays_each_call_from_its_scope(community):
+    """The run is lost with ``call-a`` recorded and ``call-b`` pending (its effect made). After
+    the reclaim the calls reach the journal in the other order (``b`` first): ``a`` is replayed
+    from its own scope's entry, ``b`` is reconciled with its own key and found; no body runs twice."""
+    run_id = new_run(community.id)
+    first = Meetings(order=["a", "b"], lose="b")
+    _, counts = in_process(community, first.handler(), in_flight=4, connections=2)
+    assert counts.get("lost") == 1, (counts, AgentRun.objects.get(id=run_id).failure_message)
+    assert first.journaled == ["a", "b"]
+    meetings = _meetings(run_id)
+    assert {scope: rest[1:] for scope, rest in meetings.items()} == {
+        "tool:call-a": (1, "succeeded"),
+        "tool:call-b": (1, "pending"),
+    }
+    keys = {me: f"{run_id}:{meetings[f'tool:call-{me}'][0]}" for me in "ab"}
+    assert sorted(first.made) == [(me, keys[me]) for me in "ab"]  # both bodies ran, at once (each saw the other)
+    assert first.found == {"b": {"me": "b", "saw_other": True, "found": True}}
+
+    backdate_run_lease(run_id)  # time passing for the lost holder: reclaimed, claimable again
+    assert reap_agent_runs().reclaimed == 1
+    make_claimable(run_id)
+    again = Meetings(order=["b", "a"], found=first.found)
+    _, counts = in_process(community, again.handler(), in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
+    assert again.journaled == ["b", "a"]  # the other order than the first invocation's journal
+    assert again.made == []  # no body run twice: a replayed, b found
+    assert again.reconciled == [("b", keys["b"])]  # b's own entry, with its own key
+    assert json.loads(run.output) == [
+        {"me": "a", "saw_other": True, "key": keys["a"]},
+        {"me": "b", "saw_other": True, "found": True, "key": keys["b"]},
+    ]
+    assert {scope: status for _, scope, _, _, status in _entries(run_id) if scope} == {
+        "tool:call-a": "succeeded",
+        "tool:call-b": "succeeded",
+    }
+    assert len(_entries(run_id)) == 4  # model, two calls, model: nothing journaled twice

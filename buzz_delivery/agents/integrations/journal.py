@@ -143,7 +143,7 @@ def reconciler(hook: Callable[[Any, str], Any] | None) -> Callable[[Any, str], A
 class Journal(Protocol):
     """A run's context seen from the agent's event loop. ``parallel``: calls made in scopes of
     their own (``journal_scope``) may run at the same time, each replayed by its scope; False
-    (a runtime without replay scopes, the remote one): an integration makes its calls one at a
+    (a runtime without replay scopes, a custom one): an integration makes its calls one at a
     time, in the root scope."""
 
     ctx: Any

@@ -30,12 +30,12 @@ result is replayed instead of being made again. Built on the SDK's public interf
   order the calls reach the journal in (``docs/agents.md`` "Resume"). Under the threaded runtime
   each call is journaled by the handler's thread while the bodies run together on the agent's
   loop; under the event-loop runtime they are in flight at once too (only their journal writes
-  are one at a time).
-  On a runtime without replay scopes the tools run one at a time, in the order of the response
-  (``max_function_tool_concurrency=1``). A tool's ``timeout_seconds`` is applied inside its
-  journaled call. Inside a tool, :func:`idempotency_key` is the journal's key for the call.
-  Whatever runs inside a journaled call (an agent used as a tool: ``Agent.as_tool``) is part of
-  that call and is not journaled again.
+  are one at a time); under the remote worker (its context has replay scopes too) as under the
+  threaded runtime. On a runtime context without replay scopes (a custom one) the tools run one
+  at a time, in the order of the response (``max_function_tool_concurrency=1``). A tool's
+  ``timeout_seconds`` is applied inside its journaled call. Inside a tool, :func:`idempotency_key`
+  is the journal's key for the call. Whatever runs inside a journaled call (an agent used as a
+  tool: ``Agent.as_tool``) is part of that call and is not journaled again.
 - Approvals: a tool with ``needs_approval`` interrupts the SDK's run; each interruption parks the
   run on ``ctx.request_approval`` and the operator's decision resumes it (``RunState.approve`` /
   ``reject`` on ``result.to_state()``, then ``Runner.run`` with that state).
@@ -452,7 +452,7 @@ class DurableAgent(JournalOptions):
             model=_JournaledModel(config.model) if isinstance(config.model, Model) else config.model,
             model_provider=_JournaledProvider(config.model_provider or MultiProvider()),
         )
-        # A runtime without replay scopes (the remote one) replays by position: one tool at a
+        # A runtime without replay scopes (a custom one) replays by position: one tool at a
         # time, in the order of the response, so a call's position never depends on timing.
         one_at_a_time = dataclasses.replace(
             config.tool_execution or ToolExecutionConfig(), max_function_tool_concurrency=1

@@ -25,8 +25,9 @@ capability (``get_wrapper_model``, ``get_wrapper_toolset``) passed to ``Agent.ru
   its ``tool_call_id`` (part of the recorded response), so a resumed run replays each call by its
   scope whatever order the calls reach the journal in (``docs/agents.md`` "Resume"). Under the
   threaded runtime each such call is journaled on a thread of its own; under the event-loop
-  runtime the calls are in flight at once too (only their journal writes are one at a time). On a runtime
-  without replay scopes (the remote worker) every tool is made ``sequential``, as before.
+  runtime the calls are in flight at once too (only their journal writes are one at a time); under
+  the remote worker (its context has replay scopes too) as under the threaded runtime. On a runtime
+  context without replay scopes (a custom one) every tool is made ``sequential``, as before.
   Inside a tool, :func:`idempotency_key` is the journal's key for that call. A ``ModelRetry`` the
   tool raises is recorded too (the model is asked again, on a replay as well). ``compensations``
   (registered with :func:`~buzz_delivery.agents.compensations.compensation`), ``reconcile``
@@ -273,7 +274,7 @@ class _JournaledToolset(WrapperToolset[Any]):
         tools = await super().get_tools(ctx)
         if self.durability.parallel:  # each call replayed in its own scope (call_tool)
             return tools
-        # A runtime without replay scopes (the remote one): one tool at a time, so a call's
+        # A runtime without replay scopes (a custom one): one tool at a time, so a call's
         # journal position does not depend on which finished first.
         return {
             name: dataclasses.replace(tool, tool_def=dataclasses.replace(tool.tool_def, sequential=True))
