@@ -21,6 +21,7 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
+from buzz_delivery.agents.compensations import compensation
 from buzz_delivery.agents.exceptions import RunAborted
 from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
 from buzz_delivery.agents.models import AgentRun, JournalEntry
@@ -411,3 +412,120 @@ def test_an_approval_asked_while_a_call_is_in_flight_parks_once_it_is_recorded(c
     run = AgentRun.objects.get(id=run_id)
     assert counts.get("completed") == 1, (counts, run.failure_code, run.failure_message)
     assert run.output == {"slow": {"slow": True}, "decision": "approved"}
+
+
+# -- a plain tool's thread outliving its cancelled task (review12) ------------------------------
+
+OUTLIVE: dict = {}
+
+
+@compensation(name="tests.aio_parallel.undo_slow")
+def undo_slow(args, output, key):
+    OUTLIVE["events"].append("undone")
+    OUTLIVE["undone"].set()
+
+
+async def sibling_fails_while_a_plain_tool_runs(ctx):
+    """A TaskGroup: ``slow`` (a plain function, on a thread) is in flight when ``boom`` raises;
+    the group cancels slow's task, but its thread runs on. slow waits (bounded) to see whether
+    its compensation ran before its own effect."""
+
+    def slow(args, key):
+        OUTLIVE["started"].set()
+        saw_undo = OUTLIVE["undone"].wait(2.0)  # bounded: the effect comes after it either way
+        OUTLIVE["events"].append(("made", saw_undo))
+        return {"slow": True}
+
+    async def boom(args, key):
+        await asyncio.to_thread(OUTLIVE["started"].wait, WAIT)
+        raise RuntimeError("boom")
+
+    async def in_scope(name, tool, **kwargs):
+        with ctx.scope(name):
+            return await ctx.call(name, tool, {}, **kwargs)
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(in_scope("slow", slow, compensate=undo_slow))
+        group.create_task(in_scope("boom", boom))
+
+
+def test_a_plain_tool_whose_task_is_cancelled_is_undone_only_after_its_thread_ends(community):
+    """Its task cancelled by a sibling's failure, a plain tool's thread runs on: the call stays in
+    flight until that thread ends, so the run's failure (closing it uncertain) and its compensation
+    come after the tool's effect, not before it. (Before, the call landed at the cancel: the
+    run failed and undid the call while its thread still ran, and the effect came after.)"""
+    OUTLIVE.update(events=[], started=threading.Event(), undone=threading.Event())
+    run_id = new_run(community.id)
+    _, counts = in_process(community, sibling_fails_while_a_plain_tool_runs, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state in ("failed", "compensated"), (counts, run.state, run.failure_code, run.failure_message)
+    assert OUTLIVE["events"] == [("made", False), "undone"], OUTLIVE["events"]
+
+
+# -- a task calling on after the handler raised: the failure and that call (review12) ----------
+
+RACE: dict = {}
+
+
+@compensation(name="tests.aio_parallel.undo_b2")
+async def undo_b2(args, output, key):
+    RACE["events"].append("undone b2")
+    RACE["undone"].set()
+
+
+async def raises_while_a_task_calls_on(ctx):
+    """Task ``b`` calls ``b1`` then ``b2`` (compensable); the handler raises (``a`` failed) while
+    ``b1`` is in flight. The run's failure waits for ``b1``; ``b2`` must then not be journaled
+    and made around the failure (closed uncertain and undone while its tool runs)."""
+    b1_started, a_failed = asyncio.Event(), asyncio.Event()
+
+    async def a_tool(args, key):
+        await _saw(b1_started)
+        raise ValueError("a fails")
+
+    async def b1(args, key):
+        b1_started.set()
+        await _saw(a_failed)
+        return "b1"
+
+    async def b2(args, key):
+        saw_undo = await _saw_within(RACE["undone"], 2.0)
+        RACE["events"].append(("made b2", saw_undo))
+        return "b2"
+
+    async def branch_b():
+        with ctx.scope("b"):
+            await ctx.call("b1", b1, {})
+            await ctx.call("b2", b2, {}, compensate=undo_b2)
+
+    ctx.background = [asyncio.ensure_future(branch_b())]
+    try:
+        with ctx.scope("a"):
+            await ctx.call("a", a_tool, {})
+    finally:
+        a_failed.set()
+
+
+async def _saw_within(event: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_call_journaled_as_the_run_fails_is_not_undone_before_it_is_made(community):
+    RACE.update(events=[], undone=asyncio.Event())
+    run_id = new_run(community.id)
+    _, counts = in_process(community, raises_while_a_task_calls_on, in_flight=4, connections=1)
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == ("failed", "tool_call_failed"), (counts, run.failure_message)
+    # b2 is journaled before the failure (then waited for: made, recorded, then undone with the
+    # run) or refused after it (never made, nothing to undo). Before, it was journaled as the run
+    # failed: closed uncertain and undone by the failure, then made (it saw its own undo).
+    entries = sorted((index, status) for _, scope, index, _, status in _entries(run_id) if scope == "b")
+    if RACE["events"]:
+        assert RACE["events"] == [("made b2", False), "undone b2"], RACE["events"]
+        assert entries == [(1, "succeeded"), (2, "succeeded")]
+    else:
+        assert entries == [(1, "succeeded")]

@@ -48,8 +48,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from django.db import DatabaseError
@@ -123,7 +123,17 @@ class Runtime:
 
         # In a copy of this context: a ctx.call the function makes through the SyncBridge sees
         # the call it runs in (_IN_CALL), and is refused, not left waiting for it.
-        result = await self.loop.run_in_executor(self.user_executor, contextvars.copy_context().run, in_scope)
+        thread = self.user_executor.submit(contextvars.copy_context().run, in_scope)
+        try:
+            result = await asyncio.wrap_future(thread)
+        except asyncio.CancelledError:
+            # A cancel cannot stop a thread: one that started runs on. The call it runs in is
+            # told (_OUTLIVING), so that call stays in flight until the thread ends.
+            if not thread.cancel() and not thread.done():
+                outliving = _OUTLIVING.get()
+                if outliving is not None:
+                    outliving.append(thread)
+            raise
         if inspect.isawaitable(result):  # a plain function that returned a coroutine
             return await result
         return result
@@ -132,6 +142,12 @@ class Runtime:
 # The call whose tool (or reconcile) function this code runs in: (its context, its seq). Set
 # around the user's function; a task or SyncBridge thread it starts inherits it.
 _IN_CALL: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("buzz_agents_in_call", default=None)
+
+# Set by a call around its functions: the threads of its plain functions that a cancel of its
+# task left running (Runtime.user_code); the call lands once they end (AsyncContext._land_after).
+_OUTLIVING: contextvars.ContextVar[list[Future[Any]] | None] = contextvars.ContextVar(
+    "buzz_agents_outliving", default=None
+)
 
 
 class AsyncContext:
@@ -265,17 +281,40 @@ class AsyncContext:
                 self._check()
             # In flight from here (under the journal lock: an approval parking sees it).
             flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        outliving: list[Future[Any]] = []
+        token = _OUTLIVING.set(outliving)
         try:
             with journal_scope.entered(journal_scope.inside_call(scope, index)):  # the tool's own scopes
                 return await self._called(entry, outcome, tool_name, fn, args, reconcile, rate)
         finally:
-            self._land(flight)
+            _OUTLIVING.reset(token)
+            self._land_after(flight, outliving)
 
     def _take_off(self, seq: int) -> object:
         flight = object()
         self._flights[flight] = (seq, asyncio.current_task())
         self._idle.clear()
         return flight
+
+    def _land_after(self, flight: object, threads: list[Future[Any]]) -> None:
+        """Land ``flight`` now, or, when its task was cancelled while a plain function of it ran
+        on a thread (a sibling's failure in a TaskGroup, Pydantic AI's parallel tools, a
+        ``wait_for``), once that thread ends: until then its effect may still come, so the run
+        neither fails (closing it uncertain, compensating it: the undo before the effect) nor
+        completes nor parks."""
+        running = [thread for thread in threads if not thread.done()]
+        if not running:
+            self._land(flight)
+            return
+        loop = self.runtime.loop
+
+        def ended(_: Future[Any]) -> None:
+            if all(thread.done() for thread in running):
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the worker's exit)
+                    loop.call_soon_threadsafe(self._land, flight)
+
+        for thread in running:
+            thread.add_done_callback(ended)
 
     def _land(self, flight: object) -> None:
         self._flights.pop(flight, None)
@@ -303,6 +342,21 @@ class AsyncContext:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), APPROVAL_RETRY_SECONDS)
         self._check()
+
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """The journal lock, held with none of this run's calls in flight (waited for outside
+        it, as :meth:`request_approval` waits): a run's completion or failure is written under
+        it, so no call of a task the handler left behind is journaled as it is (a call closed
+        uncertain by the failure and undone while its tool then runs). :class:`RunAborted`
+        once the run is lost."""
+        while True:
+            async with self._journaling:
+                self._check()
+                if not self._flights:
+                    yield
+                    return
+            await self.wait_calls()
 
     async def _called(
         self,
@@ -651,51 +705,53 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
             return "lost"
         # A call of a task the handler started and left in flight is recorded first (failed
         # under it, the call was marked uncertain and compensated while the tool still ran: the
-        # undo before the effect), as in the thread worker.
+        # undo before the effect), as in the thread worker; and the failure is written under the
+        # journal lock, so such a task's next call is not journaled as it is (closed uncertain
+        # and undone by it, then made): it is refused after it.
         try:
-            await ctx.wait_calls()
+            async with ctx.quiet():
+                ctx.failure_code = code
+                failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         except RunAborted:
             return "lost"
-        ctx.failure_code = code
-        failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
     # A call the handler started in a task of its own and did not await is recorded first
     # (completed under it, its result could never be recorded, and with it alone in flight the
-    # run is not 'running': the completion was refused, the run run again).
-    try:
-        await ctx.wait_calls()
-    except RunAborted:
-        return "lost"
+    # run is not 'running': the completion was refused, the run run again); the completion is
+    # written under the journal lock (none journaled as it is: a later one is refused after it).
     try:
         prepared = batch.prepare_completion(ctx.lease, output)
     except Exception as exc:  # an output that cannot be stored fails this run
-        ctx.failure_code = "handler_error"
-        failed = await _fail(runtime, ctx.lease, "handler_error", failure_message_of(exc))
+        try:
+            async with ctx.quiet():
+                ctx.failure_code = "handler_error"
+                failed = await _fail(runtime, ctx.lease, "handler_error", failure_message_of(exc))
+        except RunAborted:
+            return "lost"
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
-    # While the server still sees calls of this holder in flight (a task the handler left behind
-    # journaled one after it returned), wait for them and ask again, for a bounded time, then
-    # fail the run (its calls closed uncertain): never a run lost silently.
+    # While the server still sees calls of this holder in flight (a call whose task was
+    # cancelled as it was journaled, or while its async function ran), ask again for a bounded
+    # time, then fail the run (its calls closed uncertain): never a run lost silently.
     settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
     while True:
-        done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
-        if not isinstance(done, s.CallsInFlight):
-            return "completed" if isinstance(done, s.Finished) else "lost"
-        if time.monotonic() > settle or ctx.lost.is_set():
-            break
-        await asyncio.sleep(APPROVAL_RETRY_SECONDS)
         try:
-            await ctx.wait_calls()
+            async with ctx.quiet():
+                done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
+                if not isinstance(done, s.CallsInFlight):
+                    return "completed" if isinstance(done, s.Finished) else "lost"
+                if time.monotonic() > settle or ctx.lost.is_set():
+                    ctx.failure_code = "calls_in_flight"
+                    seqs = ", ".join(map(str, done.seqs))
+                    message = f"call(s) {seqs} of this run were never recorded; cannot complete"
+                    failed = await _fail(runtime, ctx.lease, "calls_in_flight", message)
+                    break
         except RunAborted:
             return "lost"
-    ctx.failure_code = "calls_in_flight"
-    seqs = ", ".join(map(str, done.seqs))
-    failed = await _fail(
-        runtime, ctx.lease, "calls_in_flight", f"call(s) {seqs} of this run were never recorded; cannot complete"
-    )
+        await asyncio.sleep(APPROVAL_RETRY_SECONDS)
     if isinstance(failed, s.Unwinding):
         return await unwind(runtime, ctx.lease, failed.seqs)
     return "failed" if isinstance(failed, s.Finished) else "lost"
