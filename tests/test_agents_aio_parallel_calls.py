@@ -22,7 +22,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCall
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from buzz_delivery.agents.compensations import compensation
-from buzz_delivery.agents.exceptions import RunAborted
+from buzz_delivery.agents.exceptions import BudgetExhausted, RunAborted
 from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.runtime import NOT_MADE
@@ -529,3 +529,123 @@ def test_a_call_journaled_as_the_run_fails_is_not_undone_before_it_is_made(commu
         assert entries == [(1, "succeeded"), (2, "succeeded")]
     else:
         assert entries == [(1, "succeeded")]
+
+
+# -- a task that calls on and on: the run still completes, fails or parks (review12) -----------
+
+POLL: dict = {}
+POLL_BUDGET = 200
+
+
+async def polls_on_while_it_ends(ctx):
+    """Task ``poller`` calls a quick tool again and again (until refused, or its budget spent);
+    once it called, the handler completes (or asks for an approval, or raises)."""
+    polled = asyncio.Event()
+
+    async def poll(args, key):
+        polled.set()
+        return args["n"]
+
+    async def poller():
+        with ctx.scope("poller"):
+            n = 0
+            while True:
+                n += 1
+                try:
+                    await ctx.call("poll", poll, {"n": n})
+                except BudgetExhausted:
+                    POLL["exhausted"] = True
+                    return
+                except RunAborted:  # refused: the run ended or parked
+                    return
+
+    ctx.background = [asyncio.ensure_future(poller())]
+    await polled.wait()
+    if POLL["end"] == "approval":
+        await ctx.request_approval("ok?", 600)
+    if POLL["end"] == "raise":
+        raise RuntimeError("the handler gives up")
+    return "done"
+
+
+@pytest.mark.parametrize(
+    ("end", "state"), [("complete", "completed"), ("raise", "failed"), ("approval", "waiting_approval")]
+)
+def test_a_task_calling_on_and_on_does_not_keep_the_run_from_its_end(community, end, state):
+    """Waiting for the calls in flight outside the journal lock, the end (the completion, the
+    failure, the approval's park) waited for ever: each gap between two of the poller's calls was
+    taken by its next journal write. It now holds the lock while it waits: the poller's next call
+    is refused after the end, long before the run's budget is spent."""
+    POLL.clear()
+    POLL["end"] = end
+    run_id = new_run(community.id, max_tool_calls=POLL_BUDGET)
+    out: list = []
+
+    def work():
+        try:
+            out.append(in_process(community, polls_on_while_it_ends, in_flight=4, connections=2)[1])
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(WAIT * 6)
+    assert not worker.is_alive(), "the run is stuck"
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state == state, (out, run.state, run.failure_code, run.failure_message)
+    assert "exhausted" not in POLL, "the poller spent the run's budget before the run could end"
+    polls = [status for _, scope, _, _, status in _entries(run_id) if scope == "poller"]
+    assert 1 <= len(polls) < POLL_BUDGET and set(polls) == {"succeeded"}, polls
+
+
+# -- the end waiting for a call whose tool waits for another task's call (review12) ------------
+
+DEPEND: dict = {}
+
+
+async def ends_while_a_tool_waits_for_another_task(ctx):
+    """``waiter``'s tool waits for ``setter``'s tool to run; ``setter`` calls only once the
+    handler ends (raises, or asks for an approval) with waiter's call in flight: the end waits for
+    that call holding the journal lock, and setter's call waits for the lock. The end lets it in
+    after a while (never a deadlock)."""
+    waiter_started, setter_ran, ending = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def waiter(args, key):
+        waiter_started.set()
+        DEPEND["waiter_saw_setter"] = await _saw(setter_ran)
+        return "waited"
+
+    async def setter(args, key):
+        setter_ran.set()
+        return "set"
+
+    async def in_scope(name, tool, before=None):
+        if before is not None:
+            await before.wait()
+        with ctx.scope(name):
+            return await ctx.call(name, tool, {})
+
+    ctx.background = [
+        asyncio.ensure_future(in_scope("waiter", waiter)),
+        asyncio.ensure_future(in_scope("setter", setter, ending)),
+    ]
+    await waiter_started.wait()
+    ending.set()
+    if DEPEND["end"] == "approval":
+        return await ctx.request_approval("ok?", 600)
+    raise RuntimeError("the handler gives up")
+
+
+@pytest.mark.parametrize(("end", "state"), [("raise", "failed"), ("approval", "waiting_approval")])
+def test_the_end_waiting_for_a_tool_that_waits_for_another_tasks_call_is_no_deadlock(community, end, state):
+    DEPEND.clear()
+    DEPEND["end"] = end
+    run_id = new_run(community.id)
+    _, counts = in_process(community, ends_while_a_tool_waits_for_another_task, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state == state, (counts, run.state, run.failure_code, run.failure_message)
+    assert DEPEND["waiter_saw_setter"] is True  # setter's call was let in while the end waited
+    assert {scope: status for _, scope, _, _, status in _entries(run_id) if scope} == {
+        "waiter": "succeeded",
+        "setter": "succeeded",
+    }

@@ -94,6 +94,12 @@ from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 logger = logging.getLogger("buzz_delivery.agents")
 T = TypeVar("T")
 
+# A run's end or approval park waits for its calls in flight holding the journal lock (a task
+# calling again and again is held back, not let in at each gap, which kept the end waiting for
+# ever) for this long at first, then lets the calls waiting for the lock in and waits again for
+# twice as long (an in-flight tool may wait for a call of another task: never a deadlock).
+QUIET_HOLD_SECONDS = 0.5
+
 
 class _Parked(Exception):
     """Internal: the run parked on an approval; the handler stops here."""
@@ -345,18 +351,35 @@ class AsyncContext:
 
     @contextlib.asynccontextmanager
     async def quiet(self) -> AsyncIterator[None]:
-        """The journal lock, held with none of this run's calls in flight (waited for outside
-        it, as :meth:`request_approval` waits): a run's completion or failure is written under
+        """The journal lock, held with none of this run's calls in flight (as
+        :meth:`request_approval` parks): a run's completion or failure is written under
         it, so no call of a task the handler left behind is journaled as it is (a call closed
-        uncertain by the failure and undone while its tool then runs). :class:`RunAborted`
+        uncertain by the failure and undone while its tool then runs). They are waited for
+        under the lock, a while at a time (``QUIET_HOLD_SECONDS``): waited for outside it, a
+        task calling again and again took each gap and the run never ended; held until they
+        end, a tool waiting for a call of another task would wait for ever. :class:`RunAborted`
         once the run is lost."""
+        hold = QUIET_HOLD_SECONDS
         while True:
             async with self._journaling:
-                self._check()
-                if not self._flights:
+                if await self._calls_end_within(hold):
                     yield
                     return
-            await self.wait_calls()
+            hold *= 2  # the calls waiting for the lock take it first (asyncio.Lock is fair)
+
+    async def _calls_end_within(self, seconds: float) -> bool:
+        """Whether none of this run's calls is in flight within ``seconds`` (the journal lock
+        held); :class:`RunAborted` once the run is lost."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self._check()
+            if not self._flights:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), min(left, APPROVAL_RETRY_SECONDS))
 
     async def _called(
         self,
@@ -491,19 +514,21 @@ class AsyncContext:
         if outer is not None and outer[0] is self:  # that call cannot end while the approval waits
             raise ApprovalBlockedByCalls((outer[1],), "asked from inside a ctx.call of this run")
         scope = journal_scope.current_key()  # a deep path by its stable key
-        # The calls in flight are waited for outside the journal lock (a call of another task may
-        # journal meanwhile: waited for too); the park is under it, none in flight, as the thread
+        # The calls in flight are waited for under the journal lock, a while at a time (as
+        # quiet(): waited for outside it, a task calling again and again took each gap and the
+        # approval waited for ever); the park is under it, none in flight, as the thread
         # runtime's: no call journaled while the run parks.
+        hold = QUIET_HOLD_SECONDS
         while True:
             async with self._journaling:
                 self._check()
                 entry = self._entry((scope, self._positions.peek(scope)))
-                if entry is not None or not self._flights:
+                if entry is not None or await self._calls_end_within(hold):
                     index = self._positions.take(scope)
                     if entry is None:
                         outcome = await self._park(prompt, deadline_seconds, scope, index)
                     break
-            await self.wait_calls()
+            hold *= 2
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
