@@ -649,3 +649,60 @@ def test_the_end_waiting_for_a_tool_that_waits_for_another_tasks_call_is_no_dead
         "waiter": "succeeded",
         "setter": "succeeded",
     }
+
+
+# -- a Pydantic AI plain tool cancelled by its sibling's failure (review12) ---------------------
+
+PYD: dict = {}
+
+
+@compensation(name="tests.aio_parallel.undo_plain_slow")
+def undo_plain_slow(args, output, key):
+    PYD["events"].append("undone")
+    PYD["undone"].set()
+
+
+def _plain_slow_agent() -> DurableAgent:
+    """``slow`` (a plain function: Pydantic AI runs it on a thread) and ``boom`` of one response:
+    boom raises once slow runs; Pydantic AI cancels slow's task, its thread runs on."""
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(m.kind == "response" for m in messages):
+            return ModelResponse(
+                parts=[ToolCallPart("slow", {}, tool_call_id="s"), ToolCallPart("boom", {}, tool_call_id="b")]
+            )
+        return ModelResponse(parts=[TextPart("never")])
+
+    agent = Agent(FunctionModel(model, model_name="plain-slow"))
+
+    @agent.tool_plain
+    def slow() -> str:
+        PYD["started"].set()
+        saw_undo = PYD["undone"].wait(2.0)  # bounded: the effect comes after it either way
+        PYD["events"].append(("made", saw_undo))
+        return "slow"
+
+    @agent.tool_plain
+    async def boom() -> str:
+        await asyncio.to_thread(PYD["started"].wait, WAIT)
+        raise RuntimeError("boom")
+
+    return DurableAgent(agent, compensations={"slow": undo_plain_slow})
+
+
+def test_a_pydantic_ai_plain_tool_cancelled_by_a_sibling_is_undone_only_after_its_thread_ends(community):
+    """Pydantic AI runs a plain tool on a thread of its own: cancelling its task does not stop
+    it. The call stays in flight until that thread ends (the integration gives Pydantic AI the
+    call's executor), so the run fails and undoes it after its effect. Before, the undo came
+    first and the tool made its effect after it."""
+    PYD.update(events=[], started=threading.Event(), undone=threading.Event())
+    run_id = new_run(community.id)
+    durable = _plain_slow_agent()
+
+    async def handler(ctx):
+        return await durable.run(ctx)
+
+    _, counts = in_process(community, handler, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert run.failure_code == "tool_call_failed", (counts, run.state, run.failure_message)
+    assert PYD["events"] == [("made", False), "undone"], PYD["events"]

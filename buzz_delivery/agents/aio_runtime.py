@@ -115,6 +115,7 @@ class Runtime:
         self.user_executor = user_executor
         self.loop = asyncio.get_running_loop()
         self.user_connections = UsedConnections()  # opened by the user's plain code, closed at exit
+        self.tool_threads = CallThreads(user_executor)  # threads a call's async tool starts
 
     async def user_code(self, community_id: Any, fn: Callable[..., Any], *args: Any) -> Any:
         """Call the user's ``fn(*args)``: awaited when it is a coroutine function, else on a
@@ -154,6 +155,24 @@ _IN_CALL: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVa
 _OUTLIVING: contextvars.ContextVar[list[Future[Any]] | None] = contextvars.ContextVar(
     "buzz_agents_outliving", default=None
 )
+
+
+class CallThreads(Executor):
+    """The executor for the threads an async tool function starts (Pydantic AI's plain tools:
+    the integration hands it to ``Agent.using_thread_executor`` inside the call): each thread
+    is told to the call it runs for, as :meth:`Runtime.user_code`'s are, so a cancel of the
+    call's task (a sibling tool raising) lands the call only once its thread ends, not while
+    the tool may still make its effect. Its threads are the runtime's user executor's."""
+
+    def __init__(self, inner: Executor) -> None:
+        self._inner = inner
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future = self._inner.submit(fn, *args, **kwargs)
+        outliving = _OUTLIVING.get()
+        if outliving is not None:
+            outliving.append(future)
+        return future
 
 
 class AsyncContext:
@@ -210,6 +229,11 @@ class AsyncContext:
         self._journal = {e.replay_key: e for e in journal}
 
     scope = staticmethod(Context.scope)
+
+    @property
+    def tool_threads(self) -> Executor:
+        """The executor for the threads a call's async tool function starts (:class:`CallThreads`)."""
+        return self.runtime.tool_threads
 
     def _entry(self, key: tuple[str, int]) -> JournalEntry | None:
         if self._journal is None:  # never replay against a journal not read: no call is made
