@@ -706,3 +706,51 @@ def test_a_pydantic_ai_plain_tool_cancelled_by_a_sibling_is_undone_only_after_it
     run = AgentRun.objects.get(id=run_id)
     assert run.failure_code == "tool_call_failed", (counts, run.state, run.failure_message)
     assert PYD["events"] == [("made", False), "undone"], PYD["events"]
+
+
+# -- a plain handler's call cancelled by a cancel of its run (review12) -------------------------
+
+BRIDGE: dict = {}
+
+
+def plain_handler_calls_then_is_cancelled(ctx):
+    """A plain handler (SyncBridge): its call's async tool runs until the run is cancelled."""
+
+    async def long(args, key):
+        BRIDGE["started"].set()
+        await asyncio.sleep(WAIT * 3)
+        return "never"
+
+    try:
+        ctx.call("long", long, {})
+    except BaseException as exc:
+        BRIDGE["raised"] = type(exc).__name__
+        BRIDGE["done"].set()
+        raise
+    return {"never": True}
+
+
+def test_a_plain_handlers_call_cancelled_with_its_run_raises_run_aborted(community):
+    """The cancel cancels the call's task; the handler's thread is told RunAborted, as the
+    thread worker tells it, not concurrent.futures.CancelledError (an Exception a handler's
+    ``except Exception`` took for a tool's failure)."""
+    BRIDGE.update(started=threading.Event(), done=threading.Event())
+    run_id = new_run(community.id)
+    out: list = []
+
+    def work():
+        try:
+            out.append(in_process(community, plain_handler_calls_then_is_cancelled, in_flight=4, connections=2)[1])
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    try:
+        assert BRIDGE["started"].wait(WAIT)
+        assert type(cancel_agent_run(community.id, run_id, reason="stop")).__name__ == "Cancelled"
+    finally:
+        worker.join(WAIT * 6)
+    assert not worker.is_alive()
+    assert BRIDGE["done"].wait(WAIT)
+    assert BRIDGE["raised"] == "RunAborted", BRIDGE["raised"]

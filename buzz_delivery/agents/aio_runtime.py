@@ -49,6 +49,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
@@ -620,7 +621,16 @@ class SyncBridge:
         return self._actx.replayed
 
     def _wait(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._actx.runtime.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._actx.runtime.loop)
+        try:
+            return future.result()
+        except FutureCancelled:
+            # A cancel, a lost lease or the handler's deadline cancelled the call's task: the
+            # handler hears RunAborted, as the thread worker's does (not an Exception it may take
+            # for a tool's failure and go on with).
+            if self._actx.lost.is_set():
+                raise RunAborted(f"the run was lost ({self._actx.reason})") from None
+            raise
 
     def call(self, tool_name: str, fn: Callable[..., Any], args: Any, **kwargs: Any) -> Any:
         """As :meth:`AsyncContext.call` (``fn`` runs on another thread of the user's executor)."""
