@@ -22,7 +22,8 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from buzz_delivery.agents.exceptions import RunAborted
+from buzz_delivery.agents.compensations import compensation
+from buzz_delivery.agents.exceptions import BudgetExhausted, RunAborted
 from buzz_delivery.agents.integrations.pydantic_ai import DurableAgent
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.runtime import NOT_MADE
@@ -577,3 +578,345 @@ def test_an_openai_agents_run_lost_mid_call_under_the_event_loop_worker_replays_
         "tool:call-b": "succeeded",
     }
     assert len(_entries(run_id)) == 4  # model, two calls, model: nothing journaled twice
+
+
+# -- a plain tool's thread outliving its cancelled task (review12) ------------------------------
+
+OUTLIVE: dict = {}
+
+
+@compensation(name="tests.aio_parallel.undo_slow")
+def undo_slow(args, output, key):
+    OUTLIVE["events"].append("undone")
+    OUTLIVE["undone"].set()
+
+
+async def sibling_fails_while_a_plain_tool_runs(ctx):
+    """A TaskGroup: ``slow`` (a plain function, on a thread) is in flight when ``boom`` raises;
+    the group cancels slow's task, but its thread runs on. slow waits (bounded) to see whether
+    its compensation ran before its own effect."""
+
+    def slow(args, key):
+        OUTLIVE["started"].set()
+        saw_undo = OUTLIVE["undone"].wait(2.0)  # bounded: the effect comes after it either way
+        OUTLIVE["events"].append(("made", saw_undo))
+        return {"slow": True}
+
+    async def boom(args, key):
+        await asyncio.to_thread(OUTLIVE["started"].wait, WAIT)
+        raise RuntimeError("boom")
+
+    async def in_scope(name, tool, **kwargs):
+        with ctx.scope(name):
+            return await ctx.call(name, tool, {}, **kwargs)
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(in_scope("slow", slow, compensate=undo_slow))
+        group.create_task(in_scope("boom", boom))
+
+
+def test_a_plain_tool_whose_task_is_cancelled_is_undone_only_after_its_thread_ends(community):
+    """Its task cancelled by a sibling's failure, a plain tool's thread runs on: the call stays in
+    flight until that thread ends, so the run's failure (closing it uncertain) and its compensation
+    come after the tool's effect, not before it. (Before, the call landed at the cancel: the
+    run failed and undid the call while its thread still ran, and the effect came after.)"""
+    OUTLIVE.update(events=[], started=threading.Event(), undone=threading.Event())
+    run_id = new_run(community.id)
+    _, counts = in_process(community, sibling_fails_while_a_plain_tool_runs, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state in ("failed", "compensated"), (counts, run.state, run.failure_code, run.failure_message)
+    assert OUTLIVE["events"] == [("made", False), "undone"], OUTLIVE["events"]
+
+
+# -- a task calling on after the handler raised: the failure and that call (review12) ----------
+
+RACE: dict = {}
+
+
+@compensation(name="tests.aio_parallel.undo_b2")
+async def undo_b2(args, output, key):
+    RACE["events"].append("undone b2")
+    RACE["undone"].set()
+
+
+async def raises_while_a_task_calls_on(ctx):
+    """Task ``b`` calls ``b1`` then ``b2`` (compensable); the handler raises (``a`` failed) while
+    ``b1`` is in flight. The run's failure waits for ``b1``; ``b2`` must then not be journaled
+    and made around the failure (closed uncertain and undone while its tool runs)."""
+    b1_started, a_failed = asyncio.Event(), asyncio.Event()
+
+    async def a_tool(args, key):
+        await _saw(b1_started)
+        raise ValueError("a fails")
+
+    async def b1(args, key):
+        b1_started.set()
+        await _saw(a_failed)
+        return "b1"
+
+    async def b2(args, key):
+        saw_undo = await _saw_within(RACE["undone"], 2.0)
+        RACE["events"].append(("made b2", saw_undo))
+        return "b2"
+
+    async def branch_b():
+        with ctx.scope("b"):
+            await ctx.call("b1", b1, {})
+            await ctx.call("b2", b2, {}, compensate=undo_b2)
+
+    ctx.background = [asyncio.ensure_future(branch_b())]
+    try:
+        with ctx.scope("a"):
+            await ctx.call("a", a_tool, {})
+    finally:
+        a_failed.set()
+
+
+async def _saw_within(event: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_call_journaled_as_the_run_fails_is_not_undone_before_it_is_made(community):
+    RACE.update(events=[], undone=asyncio.Event())
+    run_id = new_run(community.id)
+    _, counts = in_process(community, raises_while_a_task_calls_on, in_flight=4, connections=1)
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == ("failed", "tool_call_failed"), (counts, run.failure_message)
+    # b2 is journaled before the failure (then waited for: made, recorded, then undone with the
+    # run) or refused after it (never made, nothing to undo). Before, it was journaled as the run
+    # failed: closed uncertain and undone by the failure, then made (it saw its own undo).
+    entries = sorted((index, status) for _, scope, index, _, status in _entries(run_id) if scope == "b")
+    if RACE["events"]:
+        assert RACE["events"] == [("made b2", False), "undone b2"], RACE["events"]
+        assert entries == [(1, "succeeded"), (2, "succeeded")]
+    else:
+        assert entries == [(1, "succeeded")]
+
+
+# -- a task that calls on and on: the run still completes, fails or parks (review12) -----------
+
+POLL: dict = {}
+POLL_BUDGET = 200
+
+
+async def polls_on_while_it_ends(ctx):
+    """Task ``poller`` calls a quick tool again and again (until refused, or its budget spent);
+    once it called, the handler completes (or asks for an approval, or raises)."""
+    polled = asyncio.Event()
+
+    async def poll(args, key):
+        polled.set()
+        return args["n"]
+
+    async def poller():
+        with ctx.scope("poller"):
+            n = 0
+            while True:
+                n += 1
+                try:
+                    await ctx.call("poll", poll, {"n": n})
+                except BudgetExhausted:
+                    POLL["exhausted"] = True
+                    return
+                except RunAborted:  # refused: the run ended or parked
+                    return
+
+    ctx.background = [asyncio.ensure_future(poller())]
+    await polled.wait()
+    if POLL["end"] == "approval":
+        await ctx.request_approval("ok?", 600)
+    if POLL["end"] == "raise":
+        raise RuntimeError("the handler gives up")
+    return "done"
+
+
+@pytest.mark.parametrize(
+    ("end", "state"), [("complete", "completed"), ("raise", "failed"), ("approval", "waiting_approval")]
+)
+def test_a_task_calling_on_and_on_does_not_keep_the_run_from_its_end(community, end, state):
+    """Waiting for the calls in flight outside the journal lock, the end (the completion, the
+    failure, the approval's park) waited for ever: each gap between two of the poller's calls was
+    taken by its next journal write. It now holds the lock while it waits: the poller's next call
+    is refused after the end, long before the run's budget is spent."""
+    POLL.clear()
+    POLL["end"] = end
+    run_id = new_run(community.id, max_tool_calls=POLL_BUDGET)
+    out: list = []
+
+    def work():
+        try:
+            out.append(in_process(community, polls_on_while_it_ends, in_flight=4, connections=2)[1])
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(WAIT * 6)
+    assert not worker.is_alive(), "the run is stuck"
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state == state, (out, run.state, run.failure_code, run.failure_message)
+    assert "exhausted" not in POLL, "the poller spent the run's budget before the run could end"
+    polls = [status for _, scope, _, _, status in _entries(run_id) if scope == "poller"]
+    assert 1 <= len(polls) < POLL_BUDGET and set(polls) == {"succeeded"}, polls
+
+
+# -- the end waiting for a call whose tool waits for another task's call (review12) ------------
+
+DEPEND: dict = {}
+
+
+async def ends_while_a_tool_waits_for_another_task(ctx):
+    """``waiter``'s tool waits for ``setter``'s tool to run; ``setter`` calls only once the
+    handler ends (raises, or asks for an approval) with waiter's call in flight: the end waits for
+    that call holding the journal lock, and setter's call waits for the lock. The end lets it in
+    after a while (never a deadlock)."""
+    waiter_started, setter_ran, ending = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def waiter(args, key):
+        waiter_started.set()
+        DEPEND["waiter_saw_setter"] = await _saw(setter_ran)
+        return "waited"
+
+    async def setter(args, key):
+        setter_ran.set()
+        return "set"
+
+    async def in_scope(name, tool, before=None):
+        if before is not None:
+            await before.wait()
+        with ctx.scope(name):
+            return await ctx.call(name, tool, {})
+
+    ctx.background = [
+        asyncio.ensure_future(in_scope("waiter", waiter)),
+        asyncio.ensure_future(in_scope("setter", setter, ending)),
+    ]
+    await waiter_started.wait()
+    ending.set()
+    if DEPEND["end"] == "approval":
+        return await ctx.request_approval("ok?", 600)
+    raise RuntimeError("the handler gives up")
+
+
+@pytest.mark.parametrize(("end", "state"), [("raise", "failed"), ("approval", "waiting_approval")])
+def test_the_end_waiting_for_a_tool_that_waits_for_another_tasks_call_is_no_deadlock(community, end, state):
+    DEPEND.clear()
+    DEPEND["end"] = end
+    run_id = new_run(community.id)
+    _, counts = in_process(community, ends_while_a_tool_waits_for_another_task, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state == state, (counts, run.state, run.failure_code, run.failure_message)
+    assert DEPEND["waiter_saw_setter"] is True  # setter's call was let in while the end waited
+    assert {scope: status for _, scope, _, _, status in _entries(run_id) if scope} == {
+        "waiter": "succeeded",
+        "setter": "succeeded",
+    }
+
+
+# -- a Pydantic AI plain tool cancelled by its sibling's failure (review12) ---------------------
+
+PYD: dict = {}
+
+
+@compensation(name="tests.aio_parallel.undo_plain_slow")
+def undo_plain_slow(args, output, key):
+    PYD["events"].append("undone")
+    PYD["undone"].set()
+
+
+def _plain_slow_agent() -> DurableAgent:
+    """``slow`` (a plain function: Pydantic AI runs it on a thread) and ``boom`` of one response:
+    boom raises once slow runs; Pydantic AI cancels slow's task, its thread runs on."""
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(m.kind == "response" for m in messages):
+            return ModelResponse(
+                parts=[ToolCallPart("slow", {}, tool_call_id="s"), ToolCallPart("boom", {}, tool_call_id="b")]
+            )
+        return ModelResponse(parts=[TextPart("never")])
+
+    agent = Agent(FunctionModel(model, model_name="plain-slow"))
+
+    @agent.tool_plain
+    def slow() -> str:
+        PYD["started"].set()
+        saw_undo = PYD["undone"].wait(2.0)  # bounded: the effect comes after it either way
+        PYD["events"].append(("made", saw_undo))
+        return "slow"
+
+    @agent.tool_plain
+    async def boom() -> str:
+        await asyncio.to_thread(PYD["started"].wait, WAIT)
+        raise RuntimeError("boom")
+
+    return DurableAgent(agent, compensations={"slow": undo_plain_slow})
+
+
+def test_a_pydantic_ai_plain_tool_cancelled_by_a_sibling_is_undone_only_after_its_thread_ends(community):
+    """Pydantic AI runs a plain tool on a thread of its own: cancelling its task does not stop
+    it. The call stays in flight until that thread ends (the integration gives Pydantic AI the
+    call's executor), so the run fails and undoes it after its effect. Before, the undo came
+    first and the tool made its effect after it."""
+    PYD.update(events=[], started=threading.Event(), undone=threading.Event())
+    run_id = new_run(community.id)
+    durable = _plain_slow_agent()
+
+    async def handler(ctx):
+        return await durable.run(ctx)
+
+    _, counts = in_process(community, handler, in_flight=4, connections=2)
+    run = AgentRun.objects.get(id=run_id)
+    assert run.failure_code == "tool_call_failed", (counts, run.state, run.failure_message)
+    assert PYD["events"] == [("made", False), "undone"], PYD["events"]
+
+
+# -- a plain handler's call cancelled by a cancel of its run (review12) -------------------------
+
+BRIDGE: dict = {}
+
+
+def plain_handler_calls_then_is_cancelled(ctx):
+    """A plain handler (SyncBridge): its call's async tool runs until the run is cancelled."""
+
+    async def long(args, key):
+        BRIDGE["started"].set()
+        await asyncio.sleep(WAIT * 3)
+        return "never"
+
+    try:
+        ctx.call("long", long, {})
+    except BaseException as exc:
+        BRIDGE["raised"] = type(exc).__name__
+        BRIDGE["done"].set()
+        raise
+    return {"never": True}
+
+
+def test_a_plain_handlers_call_cancelled_with_its_run_raises_run_aborted(community):
+    """The cancel cancels the call's task; the handler's thread is told RunAborted, as the
+    thread worker tells it, not concurrent.futures.CancelledError (an Exception a handler's
+    ``except Exception`` took for a tool's failure)."""
+    BRIDGE.update(started=threading.Event(), done=threading.Event())
+    run_id = new_run(community.id)
+    out: list = []
+
+    def work():
+        try:
+            out.append(in_process(community, plain_handler_calls_then_is_cancelled, in_flight=4, connections=2)[1])
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    try:
+        assert BRIDGE["started"].wait(WAIT)
+        assert type(cancel_agent_run(community.id, run_id, reason="stop")).__name__ == "Cancelled"
+    finally:
+        worker.join(WAIT * 6)
+    assert not worker.is_alive()
+    assert BRIDGE["done"].wait(WAIT)
+    assert BRIDGE["raised"] == "RunAborted", BRIDGE["raised"]

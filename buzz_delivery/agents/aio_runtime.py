@@ -48,8 +48,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import CancelledError as FutureCancelled
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from django.db import DatabaseError
@@ -94,6 +95,12 @@ from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 logger = logging.getLogger("buzz_delivery.agents")
 T = TypeVar("T")
 
+# A run's end or approval park waits for its calls in flight holding the journal lock (a task
+# calling again and again is held back, not let in at each gap, which kept the end waiting for
+# ever) for this long at first, then lets the calls waiting for the lock in and waits again for
+# twice as long (an in-flight tool may wait for a call of another task: never a deadlock).
+QUIET_HOLD_SECONDS = 0.5
+
 
 class _Parked(Exception):
     """Internal: the run parked on an approval; the handler stops here."""
@@ -109,6 +116,7 @@ class Runtime:
         self.user_executor = user_executor
         self.loop = asyncio.get_running_loop()
         self.user_connections = UsedConnections()  # opened by the user's plain code, closed at exit
+        self.tool_threads = CallThreads(user_executor)  # threads a call's async tool starts
 
     async def user_code(self, community_id: Any, fn: Callable[..., Any], *args: Any) -> Any:
         """Call the user's ``fn(*args)``: awaited when it is a coroutine function, else on a
@@ -123,7 +131,17 @@ class Runtime:
 
         # In a copy of this context: a ctx.call the function makes through the SyncBridge sees
         # the call it runs in (_IN_CALL), and is refused, not left waiting for it.
-        result = await self.loop.run_in_executor(self.user_executor, contextvars.copy_context().run, in_scope)
+        thread = self.user_executor.submit(contextvars.copy_context().run, in_scope)
+        try:
+            result = await asyncio.wrap_future(thread)
+        except asyncio.CancelledError:
+            # A cancel cannot stop a thread: one that started runs on. The call it runs in is
+            # told (_OUTLIVING), so that call stays in flight until the thread ends.
+            if not thread.cancel() and not thread.done():
+                outliving = _OUTLIVING.get()
+                if outliving is not None:
+                    outliving.append(thread)
+            raise
         if inspect.isawaitable(result):  # a plain function that returned a coroutine
             return await result
         return result
@@ -132,6 +150,30 @@ class Runtime:
 # The call whose tool (or reconcile) function this code runs in: (its context, its seq). Set
 # around the user's function; a task or SyncBridge thread it starts inherits it.
 _IN_CALL: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("buzz_agents_in_call", default=None)
+
+# Set by a call around its functions: the threads of its plain functions that a cancel of its
+# task left running (Runtime.user_code); the call lands once they end (AsyncContext._land_after).
+_OUTLIVING: contextvars.ContextVar[list[Future[Any]] | None] = contextvars.ContextVar(
+    "buzz_agents_outliving", default=None
+)
+
+
+class CallThreads(Executor):
+    """The executor for the threads an async tool function starts (Pydantic AI's plain tools:
+    the integration hands it to ``Agent.using_thread_executor`` inside the call): each thread
+    is told to the call it runs for, as :meth:`Runtime.user_code`'s are, so a cancel of the
+    call's task (a sibling tool raising) lands the call only once its thread ends, not while
+    the tool may still make its effect. Its threads are the runtime's user executor's."""
+
+    def __init__(self, inner: Executor) -> None:
+        self._inner = inner
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future = self._inner.submit(fn, *args, **kwargs)
+        outliving = _OUTLIVING.get()
+        if outliving is not None:
+            outliving.append(future)
+        return future
 
 
 class _Cancelled(Exception):
@@ -202,6 +244,11 @@ class AsyncContext:
         """As :meth:`Context.tools_journaled <buzz_delivery.agents.runtime.Context.tools_journaled>`."""
         journal = self._journal or {}
         return [(k[0], e.tool_name) for k, e in sorted(journal.items()) if e.kind == "tool"]
+
+    @property
+    def tool_threads(self) -> Executor:
+        """The executor for the threads a call's async tool function starts (:class:`CallThreads`)."""
+        return self.runtime.tool_threads
 
     def _entry(self, key: tuple[str, int]) -> JournalEntry | None:
         if self._journal is None:  # never replay against a journal not read: no call is made
@@ -279,17 +326,40 @@ class AsyncContext:
                 self._check()
             # In flight from here (under the journal lock: an approval parking sees it).
             flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        outliving: list[Future[Any]] = []
+        token = _OUTLIVING.set(outliving)
         try:
             with journal_scope.entered(journal_scope.inside_call(scope, index)):  # the tool's own scopes
                 return await self._called(entry, outcome, tool_name, fn, args, reconcile, rate)
         finally:
-            self._land(flight)
+            _OUTLIVING.reset(token)
+            self._land_after(flight, outliving)
 
     def _take_off(self, seq: int) -> object:
         flight = object()
         self._flights[flight] = (seq, asyncio.current_task())
         self._idle.clear()
         return flight
+
+    def _land_after(self, flight: object, threads: list[Future[Any]]) -> None:
+        """Land ``flight`` now, or, when its task was cancelled while a plain function of it ran
+        on a thread (a sibling's failure in a TaskGroup, Pydantic AI's parallel tools, a
+        ``wait_for``), once that thread ends: until then its effect may still come, so the run
+        neither fails (closing it uncertain, compensating it: the undo before the effect) nor
+        completes nor parks."""
+        running = [thread for thread in threads if not thread.done()]
+        if not running:
+            self._land(flight)
+            return
+        loop = self.runtime.loop
+
+        def ended(_: Future[Any]) -> None:
+            if all(thread.done() for thread in running):
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the worker's exit)
+                    loop.call_soon_threadsafe(self._land, flight)
+
+        for thread in running:
+            thread.add_done_callback(ended)
 
     def _land(self, flight: object) -> None:
         self._flights.pop(flight, None)
@@ -317,6 +387,38 @@ class AsyncContext:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), APPROVAL_RETRY_SECONDS)
         self._check()
+
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """The journal lock, held with none of this run's calls in flight (as
+        :meth:`request_approval` parks): a run's completion or failure is written under
+        it, so no call of a task the handler left behind is journaled as it is (a call closed
+        uncertain by the failure and undone while its tool then runs). They are waited for
+        under the lock, a while at a time (``QUIET_HOLD_SECONDS``): waited for outside it, a
+        task calling again and again took each gap and the run never ended; held until they
+        end, a tool waiting for a call of another task would wait for ever. :class:`RunAborted`
+        once the run is lost."""
+        hold = QUIET_HOLD_SECONDS
+        while True:
+            async with self._journaling:
+                if await self._calls_end_within(hold):
+                    yield
+                    return
+            hold *= 2  # the calls waiting for the lock take it first (asyncio.Lock is fair)
+
+    async def _calls_end_within(self, seconds: float) -> bool:
+        """Whether none of this run's calls is in flight within ``seconds`` (the journal lock
+        held); :class:`RunAborted` once the run is lost."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self._check()
+            if not self._flights:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), min(left, APPROVAL_RETRY_SECONDS))
 
     async def _called(
         self,
@@ -482,19 +584,21 @@ class AsyncContext:
         if outer is not None and outer[0] is self:  # that call cannot end while the approval waits
             raise ApprovalBlockedByCalls((outer[1],), "asked from inside a ctx.call of this run")
         scope = journal_scope.current_key()  # a deep path by its stable key
-        # The calls in flight are waited for outside the journal lock (a call of another task may
-        # journal meanwhile: waited for too); the park is under it, none in flight, as the thread
+        # The calls in flight are waited for under the journal lock, a while at a time (as
+        # quiet(): waited for outside it, a task calling again and again took each gap and the
+        # approval waited for ever); the park is under it, none in flight, as the thread
         # runtime's: no call journaled while the run parks.
+        hold = QUIET_HOLD_SECONDS
         while True:
             async with self._journaling:
                 self._check()
                 entry = self._entry((scope, self._positions.peek(scope)))
-                if entry is not None or not self._flights:
+                if entry is not None or await self._calls_end_within(hold):
                     index = self._positions.take(scope)
                     if entry is None:
                         outcome = await self._park(prompt, deadline_seconds, scope, index)
                     break
-            await self.wait_calls()
+            hold *= 2
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
@@ -565,7 +669,16 @@ class SyncBridge:
         return self._actx.replayed
 
     def _wait(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._actx.runtime.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._actx.runtime.loop)
+        try:
+            return future.result()
+        except FutureCancelled:
+            # A cancel, a lost lease or the handler's deadline cancelled the call's task: the
+            # handler hears RunAborted, as the thread worker's does (not an Exception it may take
+            # for a tool's failure and go on with).
+            if self._actx.lost.is_set():
+                raise RunAborted(f"the run was lost ({self._actx.reason})") from None
+            raise
 
     def call(self, tool_name: str, fn: Callable[..., Any], args: Any, **kwargs: Any) -> Any:
         """As :meth:`AsyncContext.call` (``fn`` runs on another thread of the user's executor)."""
@@ -699,51 +812,53 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
             return "lost"
         # A call of a task the handler started and left in flight is recorded first (failed
         # under it, the call was marked uncertain and compensated while the tool still ran: the
-        # undo before the effect), as in the thread worker.
+        # undo before the effect), as in the thread worker; and the failure is written under the
+        # journal lock, so such a task's next call is not journaled as it is (closed uncertain
+        # and undone by it, then made): it is refused after it.
         try:
-            await ctx.wait_calls()
+            async with ctx.quiet():
+                ctx.failure_code = code
+                failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         except RunAborted:
             return "lost"
-        ctx.failure_code = code
-        failed = await _fail(runtime, ctx.lease, code, failure_message_of(exc))
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
     # A call the handler started in a task of its own and did not await is recorded first
     # (completed under it, its result could never be recorded, and with it alone in flight the
-    # run is not 'running': the completion was refused, the run run again).
-    try:
-        await ctx.wait_calls()
-    except RunAborted:
-        return "lost"
+    # run is not 'running': the completion was refused, the run run again); the completion is
+    # written under the journal lock (none journaled as it is: a later one is refused after it).
     try:
         prepared = batch.prepare_completion(ctx.lease, output)
     except Exception as exc:  # an output that cannot be stored fails this run
-        ctx.failure_code = "handler_error"
-        failed = await _fail(runtime, ctx.lease, "handler_error", failure_message_of(exc))
+        try:
+            async with ctx.quiet():
+                ctx.failure_code = "handler_error"
+                failed = await _fail(runtime, ctx.lease, "handler_error", failure_message_of(exc))
+        except RunAborted:
+            return "lost"
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
-    # While the server still sees calls of this holder in flight (a task the handler left behind
-    # journaled one after it returned), wait for them and ask again, for a bounded time, then
-    # fail the run (its calls closed uncertain): never a run lost silently.
+    # While the server still sees calls of this holder in flight (a call whose task was
+    # cancelled as it was journaled, or while its async function ran), ask again for a bounded
+    # time, then fail the run (its calls closed uncertain): never a run lost silently.
     settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
     while True:
-        done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
-        if not isinstance(done, s.CallsInFlight):
-            return "completed" if isinstance(done, s.Finished) else "lost"
-        if time.monotonic() > settle or ctx.lost.is_set():
-            break
-        await asyncio.sleep(APPROVAL_RETRY_SECONDS)
         try:
-            await ctx.wait_calls()
+            async with ctx.quiet():
+                done = await runtime.batcher.submit("complete", ctx.lease.community_id, ctx.lease.run_id, prepared)
+                if not isinstance(done, s.CallsInFlight):
+                    return "completed" if isinstance(done, s.Finished) else "lost"
+                if time.monotonic() > settle or ctx.lost.is_set():
+                    ctx.failure_code = "calls_in_flight"
+                    seqs = ", ".join(map(str, done.seqs))
+                    message = f"call(s) {seqs} of this run were never recorded; cannot complete"
+                    failed = await _fail(runtime, ctx.lease, "calls_in_flight", message)
+                    break
         except RunAborted:
             return "lost"
-    ctx.failure_code = "calls_in_flight"
-    seqs = ", ".join(map(str, done.seqs))
-    failed = await _fail(
-        runtime, ctx.lease, "calls_in_flight", f"call(s) {seqs} of this run were never recorded; cannot complete"
-    )
+        await asyncio.sleep(APPROVAL_RETRY_SECONDS)
     if isinstance(failed, s.Unwinding):
         return await unwind(runtime, ctx.lease, failed.seqs)
     return "failed" if isinstance(failed, s.Finished) else "lost"

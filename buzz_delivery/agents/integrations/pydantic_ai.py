@@ -66,7 +66,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any, Literal
 
 from pydantic_ai import Agent
@@ -290,8 +290,13 @@ class _JournaledToolset(WrapperToolset[Any]):
     async def _journaled(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: Any) -> Any:
         owner = self.durability.owner
 
+        # The event-loop runtime's executor for the threads of plain tools: a call whose task
+        # Pydantic AI cancels (a sibling tool raised) stays in flight until its thread ends, so
+        # the run's failure does not undo it while it still runs (elsewhere: Pydantic AI's own).
+        threads = getattr(getattr(self.durability.journal, "ctx", None), "tool_threads", None)
+
         async def body(args: Any, key: str) -> Any:
-            with keyed(key):
+            with keyed(key), Agent.using_thread_executor(threads) if threads is not None else nullcontext():
                 try:
                     result = await self.wrapped.call_tool(name, tool_args, ctx, tool)
                 except ModelRetry as retry:
