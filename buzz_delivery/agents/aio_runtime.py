@@ -266,9 +266,6 @@ class AsyncContext:
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
-    async def _submit(self, op: str, item: Any) -> Any:
-        return await self._runtime(self.runtime.batcher.submit(op, self.lease.community_id, self.lease.run_id, item))
-
     async def _runtime(self, statement: Awaitable[T]) -> T:
         """``await statement``, a runtime statement on the worker's pool: one whose connection
         fails (a restart, a terminated backend) marks the run lost and raises
@@ -307,25 +304,16 @@ class AsyncContext:
             self._check()
             index = self._positions.take(scope)
             entry = self._entry((scope, index))
-            outcome: Any = None
-            if entry is None:
-                descriptor = compensations.descriptor(compensate)  # ValueError when not registered
-                if rate is not None:
-                    await self._take_rate(rate)
-                prepared = batch.prepare_call(
-                    self.lease,
-                    tool_name,
-                    args,
-                    cost=cost,
-                    compensation=descriptor,
-                    destructive=destructive,
-                    scope=scope,
-                    index=index,
-                )
-                outcome = await self._submit("journal", prepared)
-                self._check()
+            if entry is None and rate is not None:
+                compensations.descriptor(compensate)  # ValueError when not registered
+                await self._take_rate(rate)
+            outcome, cancelled = await self._journal_call(
+                entry, scope, index, tool_name, args, compensate, cost, destructive
+            )
             # In flight from here (under the journal lock: an approval parking sees it).
             flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        if cancelled:  # written as its task was cancelled: its tool is not made
+            await self._not_made(flight, outcome)
         outliving: list[Future[Any]] = []
         token = _OUTLIVING.set(outliving)
         try:
@@ -334,6 +322,76 @@ class AsyncContext:
         finally:
             _OUTLIVING.reset(token)
             self._land_after(flight, outliving)
+
+    async def _journal_call(
+        self,
+        entry: JournalEntry | None,
+        scope: str,
+        index: int,
+        tool_name: str,
+        args: Any,
+        compensate: Callable[..., Any] | None,
+        cost: int,
+        destructive: bool,
+    ) -> tuple[Any, bool]:
+        """The call at ``(scope, index)`` journaled (none for a replayed ``entry``), the journal
+        lock held: its outcome, and whether its task was cancelled while its entry was written
+        (:meth:`_written`)."""
+        if entry is not None:
+            return None, False
+        descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+        prepared = batch.prepare_call(
+            self.lease,
+            tool_name,
+            args,
+            cost=cost,
+            compensation=descriptor,
+            destructive=destructive,
+            scope=scope,
+            index=index,
+        )
+        outcome, cancelled = await self._written("journal", prepared, withdraw=True)
+        self._check()
+        return outcome, cancelled
+
+    async def _written(self, op: str, item: Any, *, withdraw: bool) -> tuple[Any, bool]:
+        """``op``'s outcome for ``item`` (a runtime statement through the batcher), and whether
+        this task was cancelled meanwhile. Cancelled (by the handler's own code: a sibling's
+        failure in a TaskGroup, a ``wait_for``) while ``item`` is still queued, it is withdrawn
+        when ``withdraw`` (nothing written: ``CancelledError``). Once its batch is sent it cannot
+        be, and a record is never withdrawn (its call would stay pending, no longer in flight:
+        the run's end would wait for it, then fail ``calls_in_flight``): its outcome is awaited
+        (a statement's time, further cancels included) and returned with True, for the caller
+        to close what was written and then let the cancel go on. The run lost (cancelled, its
+        lease lost): ``CancelledError`` at once, what was written left to the lease."""
+        batcher = self.runtime.batcher
+        future = batcher.queue(op, self.lease.community_id, self.lease.run_id, item)
+        try:
+            return await self._runtime(asyncio.shield(future)), False
+        except asyncio.CancelledError:
+            if self.lost.is_set() or (withdraw and batcher.withdraw(future)):
+                future.cancel()
+                raise
+        while True:
+            try:
+                return await self._runtime(asyncio.shield(future)), True
+            except asyncio.CancelledError:
+                if self.lost.is_set():
+                    future.cancel()
+                    raise
+
+    async def _not_made(self, flight: object, outcome: Any) -> None:
+        """A call journaled as its task was cancelled (its write already sent): closed
+        ``failed`` without its tool being made (in flight meanwhile, so the run's end waits for
+        the close), then the cancel goes on. Not journaled (shadow-blocked: closed already, a
+        budget's refusal: nothing written): the cancel goes on."""
+        try:
+            if isinstance(outcome, s.Journaled):
+                error = "not made: the call's task was cancelled as it was journaled"
+                await self._record(outcome.seq, ok=False, error=error, started=time.monotonic())
+        finally:
+            self._land(flight)
+        raise asyncio.CancelledError
 
     def _take_off(self, seq: int) -> object:
         flight = object()
@@ -528,10 +586,12 @@ class AsyncContext:
     async def _record(self, seq: int, *, started: float, **kwargs: Any) -> None:
         latency = int((time.monotonic() - started) * 1000)
         prepared = batch.prepare_result(self.lease, seq, latency_ms=latency, **kwargs)
-        outcome = await self._submit("record", prepared)
+        outcome, cancelled = await self._written("record", prepared, withdraw=False)
         if not isinstance(outcome, (s.Recorded, s.AlreadyRecorded)):
             self.mark_lost(getattr(outcome, "reason", "") or "lost")
             raise RunAborted(f"cannot record call {seq}: {outcome}")
+        if cancelled:  # recorded all the same (the call lands after it), then the cancel goes on
+            raise asyncio.CancelledError
 
     async def _replay(self, entry: JournalEntry, tool_name: str, fn: Any, args: Any, reconcile: Any) -> Any:
         if entry.kind != "tool" or entry.tool_name != tool_name or bytes(entry.input_hash) != sha256_json(args):

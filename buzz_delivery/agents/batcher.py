@@ -198,11 +198,31 @@ class Batcher:
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="agent-batcher")
 
     async def submit(self, op: str, community: uuid.UUID, run_id: uuid.UUID, item: Any) -> Any:
-        """Queue ``item`` (of run ``run_id``) for operation ``op``; returns its outcome."""
+        """Queue ``item`` (of run ``run_id``) for operation ``op``; returns its outcome. Its
+        awaiter cancelled, the item is dropped if its batch was not taken yet."""
+        return await self.queue(op, community, run_id, item)
+
+    def queue(self, op: str, community: uuid.UUID, run_id: uuid.UUID, item: Any) -> asyncio.Future[Any]:
+        """Queue ``item`` (of run ``run_id``) for operation ``op``: the future of its outcome
+        (:meth:`withdraw` takes it back while it is queued)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.setdefault((op, community), []).append((item, run_id, future))
         self._wake.set()
-        return await future
+        return future
+
+    def withdraw(self, future: asyncio.Future[Any]) -> bool:
+        """Take back the queued item of ``future`` (:meth:`queue`): True, nothing is written for
+        it (its future cancelled); False once its batch was taken (sent, or about to be: its
+        outcome comes) or it has its outcome."""
+        for key, queued in self._pending.items():
+            for position, entry in enumerate(queued):
+                if entry[2] is future:
+                    del queued[position]
+                    if not queued:
+                        del self._pending[key]
+                    future.cancel()
+                    return True
+        return False
 
     def _next_key(self) -> tuple[str, uuid.UUID] | None:
         """The first queued group whose community is not left for a lock wait."""
