@@ -863,6 +863,30 @@ async def read_journal(runtime: Runtime, ctx: AsyncContext, *, retry_for: float,
     return False
 
 
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, nested groups flattened (``exc`` alone when it
+    is none)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _runtime_stop(exc: BaseException) -> str | None:
+    """How the runtime's own control flow ended a handler that raised ``exc``: ``parked`` (the
+    run parked on an approval), ``lost`` (:class:`RunAborted`, a cancel), or None (the handler's
+    own failure). An exception group (``asyncio.TaskGroup``, a framework running tools at once)
+    is judged by its leaves: one park among them is the park, whatever else its siblings
+    raised (the park is written: the run waits for its approval, its lease released, so no
+    failure of it can be written by this holder: those are logged); all of them the runtime's
+    stops is ``lost``; any other leaf, with none parked, is the handler's failure, as before."""
+    leaves = _leaves(exc)
+    if any(isinstance(leaf, _Parked) for leaf in leaves):
+        return "parked"
+    if all(isinstance(leaf, RunAborted | asyncio.CancelledError) for leaf in leaves):
+        return "lost"
+    return None
+
+
 async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., Any]) -> str:
     """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
     ``compensation_failed``, ``parked``, ``lost``. The handler raising fails this run only."""
@@ -877,11 +901,20 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         return "lost"
     try:
         output = await _invoke(handler, ctx)
-    except _Parked:
-        return "parked"
-    except (RunAborted, asyncio.CancelledError):
-        return "lost"
     except BaseException as exc:  # SystemExit, KeyboardInterrupt... from user code: this run fails alone
+        stop = _runtime_stop(exc)
+        if stop == "parked":
+            if isinstance(exc, BaseExceptionGroup):
+                others = [leaf for leaf in _leaves(exc) if not isinstance(leaf, _Parked)]
+                if others:
+                    logger.warning(
+                        "parked_with_errors run=%s: the run parked; its handler also raised %s",
+                        ctx.lease.run_id,
+                        "; ".join(f"{type(leaf).__name__}: {str(leaf)[:200]}" for leaf in others),
+                    )
+            return "parked"
+        if stop == "lost":
+            return "lost"
         # Storable and cut, as the thread worker's (an AgentError's own code included).
         code = failure_code_of(exc) if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():
