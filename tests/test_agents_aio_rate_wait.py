@@ -22,7 +22,7 @@ from tests.aio_worker_support import run_in_thread
 pytestmark = pytest.mark.django_db(transaction=True)
 
 WAIT = 20.0
-# One unit a window this long: the rated call waits (up to the window's end) for the next one.
+# One unit a window this long: a rated call waits (up to the window's end) for the next one.
 PERIOD = 40
 SEEN: dict = {}
 
@@ -36,15 +36,20 @@ async def calls_while_another_task_waits_for_its_rate(ctx):
         with ctx.scope(name):
             return await ctx.call(name, tool, {"name": name}, **kwargs)
 
-    await call("first", rate_key="slow")  # takes the window's unit
-    rated = asyncio.ensure_future(call("rated", rate_key="slow"))
-    for _ in range(int(WAIT / 0.01)):
+    # A rated call that waits: the first takes the window's unit; should a window begin between
+    # its take and the next call's (both granted at once), the one after that waits.
+    for n in range(1, 4):
+        rated = asyncio.ensure_future(call(f"rated{n}", rate_key="slow"))
+        for _ in range(int(WAIT / 0.01)):
+            if ctx.rate_waits or rated.done():
+                break
+            await asyncio.sleep(0.01)
         if ctx.rate_waits:
             break
-        await asyncio.sleep(0.01)
-    SEEN["rate_waited"] = ctx.rate_waits
+        await rated
+    SEEN["waiting"] = f"rated{n}"
     await call("free")  # another task's call, no rate key
-    SEEN["rated_still_waiting"] = not rated.done() and "rated" not in SEEN.get("made", [])
+    SEEN["rated_still_waiting"] = not rated.done() and SEEN["waiting"] not in SEEN.get("made", [])
     rated.cancel()
     try:
         await rated
@@ -60,8 +65,9 @@ def test_a_call_waiting_for_its_rate_limit_lets_the_runs_other_calls_through(com
         counts = run_in_thread(community, calls_while_another_task_waits_for_its_rate)
     run = AgentRun.objects.get(id=run_id)
     assert run.state == "completed", (counts, run.state, run.failure_code, run.failure_message)
-    assert SEEN["rate_waited"] == 1
-    assert SEEN["rated_still_waiting"] is True, SEEN  # free was made and recorded during rated's wait
-    assert SEEN.get("rated_cancelled") is True and SEEN["made"] == ["first", "free"], SEEN
+    assert SEEN["rated_still_waiting"] is True, SEEN  # free was made and recorded during the rated one's wait
+    granted = [name for name in SEEN["made"] if name.startswith("rated")]
+    assert SEEN.get("rated_cancelled") is True and SEEN["made"] == [*granted, "free"], SEEN
+    assert 1 <= len(granted) <= 2 and SEEN["waiting"] not in granted, SEEN
     entries = [(e.scope, e.status) for e in JournalEntry.objects.filter(run_id=run_id).order_by("seq")]
-    assert entries == [("first", "succeeded"), ("free", "succeeded")], entries
+    assert entries == [*((name, "succeeded") for name in granted), ("free", "succeeded")], entries
