@@ -400,11 +400,14 @@ class AsyncContext:
         """A call journaled as its task was cancelled (its write already sent): closed
         ``failed`` without its tool being made (in flight meanwhile, so the run's end waits for
         the close), then the cancel goes on. Not journaled (shadow-blocked: closed already, a
-        budget's refusal: nothing written): the cancel goes on."""
+        budget's refusal: nothing written): the cancel goes on; refused for its lease, the run
+        is marked lost first, as a call not cancelled is."""
         try:
             if isinstance(outcome, s.Journaled):
                 error = "not made: the call's task was cancelled as it was journaled"
                 await self._record(outcome.seq, ok=False, error=error, started=time.monotonic())
+            elif not isinstance(outcome, s.Blocked | s.BudgetExceeded):
+                self.mark_lost(getattr(outcome, "reason", "") or "lost")
         finally:
             self._land(flight)
         raise asyncio.CancelledError
