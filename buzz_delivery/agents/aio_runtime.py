@@ -15,7 +15,7 @@ Calls of one run made by several tasks are in flight at once (Pydantic AI's para
 ``asyncio.gather``), as the threaded runtime's threads are: only their journal writes are one at
 a time (the run's journal lock, held from taking the call's index in its scope to its entry's
 ``seq``; the server gives the ``seq``, contiguous, and judges the budgets, one statement each;
-a call's wait for its rate limit comes before, the lock let go);
+a call's wait for its rate limit comes between, the lock let go: the index stays the call's);
 their bodies and results are not (``emit`` keeps its own lock: one chunk at a time, in the
 order asked). Each call is replayed by its scope and its
 index in it (an asyncio task inherits the scope it was created in: docs/agents.md "Resume"), so
@@ -211,7 +211,8 @@ class AsyncContext:
             self.set_journal(journal)
         # One journal write (index taken, entry written, seq known) or approval park at a time; the
         # calls' bodies and results run at once. What it orders: a scope's indexes in the order its
-        # calls' seqs are given, and no call journaled while an approval parks the run.
+        # calls are made (a rated call keeps its index through its wait, the lock let go, its seq
+        # given after), and no call journaled while an approval parks the run.
         self._journaling = asyncio.Lock()
         # The calls in flight (journaled or replaying, not yet ended): each one's seq and task.
         self._flights: dict[object, tuple[int, asyncio.Task[Any] | None]] = {}
@@ -297,37 +298,40 @@ class AsyncContext:
         Raises :class:`ToolCallFailed`, :class:`BudgetExhausted`, :class:`UncertainCall`,
         :class:`ReplayMismatch` or :class:`RunAborted`. ``rate_key`` and ``weight``: as
         :meth:`Context.call <buzz_delivery.agents.runtime.Context.call>`; a wait for the rate
-        limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile) taken before the
-        call's index, with the journal lock let go (the run's other calls, its approval and its
-        end go on meanwhile)."""
+        limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile) taken once the call
+        has its index, with the journal lock let go (the run's other calls, its approval and its
+        end go on meanwhile); its entry is written at that index once its units are granted."""
         rate = ratelimits_plan(rate_key, weight)
         self._refuse_nested(tool_name)
         scope = journal_scope.current_key()  # a deep path by its stable key
-        rate_taken = rate is None
-        while True:
+        async with self._journaling:
+            self._check()
+            # The index is the call's from here, whatever the wait below: a resumed handler makes
+            # the scope's calls in the same order and replays each from its own entry (an index
+            # taken once the units were granted went to whichever call of the scope came next).
+            index = self._positions.take(scope)
+            entry = self._entry((scope, index))
+            waits = entry is None and rate is not None
+            if waits:  # its compensation checked before the wait (a refusal spends its index)
+                compensations.descriptor(compensate)
+            else:
+                outcome, cancelled = await self._journal_call(
+                    entry, scope, index, tool_name, args, compensate, cost, destructive
+                )
+                # In flight from here (under the journal lock: an approval parking sees it).
+                flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        if waits:
+            # A new call with a rate limit: its units taken with the lock let go, so the run's
+            # other calls, its approval and its end do not wait for the provider's window; its
+            # entry is written at its index once they are granted.
+            assert rate is not None
+            await self._take_rate(rate)
             async with self._journaling:
                 self._check()
-                entry = self._entry((scope, self._positions.peek(scope)))
-                if entry is not None or rate_taken:
-                    index = self._positions.take(scope)
-                    outcome, cancelled = await self._journal_call(
-                        entry, scope, index, tool_name, args, compensate, cost, destructive
-                    )
-                    # In flight from here (under the journal lock: an approval parking sees it).
-                    flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
-                    break
-                # A new call with a rate limit: its compensation checked first (a refusal spends
-                # its index, as it always did), then its units taken with the lock let go, so
-                # the run's other calls, its approval and its end do not wait for the provider's
-                # window; its index is taken (and its entry written) once they are granted.
-                try:
-                    compensations.descriptor(compensate)
-                except Exception:
-                    self._positions.take(scope)
-                    raise
-            assert rate is not None  # not taken yet: there is one
-            await self._take_rate(rate)
-            rate_taken = True
+                outcome, cancelled = await self._journal_call(
+                    None, scope, index, tool_name, args, compensate, cost, destructive
+                )
+                flight = self._take_off(getattr(outcome, "seq", 0))
         if cancelled:  # written as its task was cancelled: its tool is not made
             await self._not_made(flight, outcome)
         outliving: list[Future[Any]] = []
