@@ -392,9 +392,15 @@ class AsyncContext:
             if self.lost.is_set() or (withdraw and batcher.withdraw(future)):
                 future.cancel()
                 raise
+        return await self._through_cancels(future), True
+
+    async def _through_cancels(self, future: asyncio.Future[T]) -> T:
+        """``future``'s outcome (a statement sent: it commits whatever its awaiter does), this
+        task's cancels by the handler's own code waited through; the run lost, ``CancelledError``
+        at once (what was written left to the lease)."""
         while True:
             try:
-                return await self._runtime(asyncio.shield(future)), True
+                return await self._runtime(asyncio.shield(future))
             except asyncio.CancelledError:
                 if self.lost.is_set():
                     future.cancel()
@@ -704,7 +710,7 @@ class AsyncContext:
         shortly, for at most ``APPROVAL_SETTLE_SECONDS``."""
         settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
         while True:
-            outcome = await self._runtime(
+            statement = asyncio.ensure_future(
                 self.runtime.pool.run(
                     s.request_approval,
                     self.lease,
@@ -714,6 +720,23 @@ class AsyncContext:
                     index=index,
                 )
             )
+            # Its task cancelled by the handler's own code (a sibling failing in a TaskGroup) as
+            # the statement runs, the park still commits: its outcome is awaited, and a park
+            # written is the park (_Parked, the cancel superseded: the run waits for its
+            # approval, its lease released), not a cancel the worker would take for a failure
+            # it cannot write. Not parked, the cancel goes on.
+            try:
+                outcome = await self._runtime(asyncio.shield(statement))
+            except asyncio.CancelledError:
+                if self.lost.is_set():
+                    statement.cancel()
+                    raise
+                outcome = await self._through_cancels(statement)
+                if isinstance(outcome, s.ApprovalRequested):
+                    return outcome
+                if not isinstance(outcome, s.CallsInFlight | s.BudgetExceeded):
+                    self.mark_lost(getattr(outcome, "reason", "") or "lost")
+                raise
             if not isinstance(outcome, s.CallsInFlight):
                 return outcome
             if time.monotonic() > settle:
