@@ -397,12 +397,14 @@ class AsyncContext:
     async def _through_cancels(self, future: asyncio.Future[T]) -> T:
         """``future``'s outcome (a statement sent: it commits whatever its awaiter does), this
         task's cancels by the handler's own code waited through; the run lost, ``CancelledError``
-        at once (what was written left to the lease)."""
+        at once (what was written left to the lease), as when ``future`` is cancelled (a write
+        asked back whose batch came back unwritten: :meth:`Batcher.withdraw`)."""
         while True:
             try:
                 return await self._runtime(asyncio.shield(future))
             except asyncio.CancelledError:
-                if self.lost.is_set():
+                # future cancelled: a withdrawn write whose batch came back unwritten (nothing written)
+                if self.lost.is_set() or future.cancelled():
                     future.cancel()
                     raise
 
