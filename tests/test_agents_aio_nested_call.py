@@ -7,33 +7,18 @@ fix (the worker thread still running at the timeout)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from django.db import connections
 
 from buzz_delivery.agents.exceptions import ApprovalBlockedByCalls, NestedCall
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from tests.agents_support import new_run
-from tests.test_agents_aio import in_process
+from tests.aio_worker_support import run_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _run_with_timeout(community, handler, seconds=60):
-    out: list = []
-
-    def work():
-        try:
-            out.append(in_process(community, handler, in_flight=4, connections=2)[1])
-        finally:
-            connections.close_all()
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert not worker.is_alive(), "the worker hung on the nested call"
-    return out[0]
+def _run_with_timeout(community, handler):
+    return run_in_thread(community, handler, stuck="the worker hung on the nested call")
 
 
 def _entries(run_id):

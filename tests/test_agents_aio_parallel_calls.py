@@ -17,7 +17,6 @@ import threading
 import time
 
 import pytest
-from django.db import connections
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -30,6 +29,7 @@ from buzz_delivery.agents.runtime import NOT_MADE
 from buzz_delivery.agents.services import cancel_agent_run, reap_agent_runs
 from buzz_delivery.workflows.services import decide_approval
 from tests.agents_support import backdate_run_lease, make_claimable, new_run
+from tests.aio_worker_support import run_in_thread
 from tests.test_agents_aio import in_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -235,20 +235,9 @@ async def raises_while_its_task_calls(ctx):
 def test_a_handler_raising_while_its_tasks_calls_are_in_flight_fails_the_run_with_both_recorded(community):
     SEEN.clear()
     run_id = new_run(community.id)
-    out: list = []
-
-    def work():
-        try:
-            out.append(in_process(community, raises_while_its_task_calls, in_flight=4, connections=2)[1])
-        finally:
-            connections.close_all()
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    worker.join(WAIT * 6)
-    assert not worker.is_alive(), "the run is stuck"
+    counts = run_in_thread(community, raises_while_its_task_calls)
     run = AgentRun.objects.get(id=run_id)
-    assert out[0].get("failed") == 1, out
+    assert counts.get("failed") == 1, counts
     assert (run.state, run.failure_code) == ("failed", "handler_error"), run.failure_message
     assert SEEN["x_saw_y"] is True  # y's call ran while x's was in flight
     assert {scope: status for _, scope, _, _, status in _entries(run_id)} == {"x": "succeeded", "y": "succeeded"}
@@ -291,28 +280,18 @@ async def two_calls_left_in_flight(ctx):
 def test_a_cancel_cancels_each_call_in_flight(community):
     CANCEL.update(started=set(), cancelled=set(), finished=set(), both=threading.Event())
     run_id = new_run(community.id)
-    out: list = []
 
-    def work():
-        try:
-            out.append(in_process(community, two_calls_left_in_flight, in_flight=4, connections=2)[1])
-        finally:
-            connections.close_all()
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    try:
+    def cancel_once_both_run():
         assert CANCEL["both"].wait(WAIT), CANCEL["started"]  # two calls of the run in flight at once
         assert type(cancel_agent_run(community.id, run_id, reason="stop")).__name__ == "Cancelled"
-    finally:
-        worker.join(WAIT * 6)
-    assert not worker.is_alive()
+
+    counts = run_in_thread(community, two_calls_left_in_flight, meanwhile=cancel_once_both_run)
     deadline = time.monotonic() + WAIT
     while CANCEL["cancelled"] != {"a", "b"} and time.monotonic() < deadline:
         time.sleep(0.05)
     assert CANCEL["calls_cancelled_too"] == [True, True]  # by the cancel, not at the worker's exit
     assert (CANCEL["cancelled"], CANCEL["finished"]) == ({"a", "b"}, set())
-    assert out[0].get("lost") == 1, out
+    assert counts.get("lost") == 1, counts
     assert AgentRun.objects.get(id=run_id).state == "cancelled"
 
 
@@ -745,20 +724,9 @@ def test_a_task_calling_on_and_on_does_not_keep_the_run_from_its_end(community, 
     POLL.clear()
     POLL["end"] = end
     run_id = new_run(community.id, max_tool_calls=POLL_BUDGET)
-    out: list = []
-
-    def work():
-        try:
-            out.append(in_process(community, polls_on_while_it_ends, in_flight=4, connections=2)[1])
-        finally:
-            connections.close_all()
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    worker.join(WAIT * 6)
-    assert not worker.is_alive(), "the run is stuck"
+    counts = run_in_thread(community, polls_on_while_it_ends)
     run = AgentRun.objects.get(id=run_id)
-    assert run.state == state, (out, run.state, run.failure_code, run.failure_message)
+    assert run.state == state, (counts, run.state, run.failure_code, run.failure_message)
     assert "exhausted" not in POLL, "the poller spent the run's budget before the run could end"
     polls = [status for _, scope, _, _, status in _entries(run_id) if scope == "poller"]
     assert 1 <= len(polls) < POLL_BUDGET and set(polls) == {"succeeded"}, polls
@@ -902,21 +870,11 @@ def test_a_plain_handlers_call_cancelled_with_its_run_raises_run_aborted(communi
     ``except Exception`` took for a tool's failure)."""
     BRIDGE.update(started=threading.Event(), done=threading.Event())
     run_id = new_run(community.id)
-    out: list = []
 
-    def work():
-        try:
-            out.append(in_process(community, plain_handler_calls_then_is_cancelled, in_flight=4, connections=2)[1])
-        finally:
-            connections.close_all()
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    try:
+    def cancel_once_it_calls():
         assert BRIDGE["started"].wait(WAIT)
         assert type(cancel_agent_run(community.id, run_id, reason="stop")).__name__ == "Cancelled"
-    finally:
-        worker.join(WAIT * 6)
-    assert not worker.is_alive()
+
+    run_in_thread(community, plain_handler_calls_then_is_cancelled, meanwhile=cancel_once_it_calls)
     assert BRIDGE["done"].wait(WAIT)
     assert BRIDGE["raised"] == "RunAborted", BRIDGE["raised"]

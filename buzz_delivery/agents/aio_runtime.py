@@ -14,7 +14,8 @@ task, so an ``await`` in flight raises ``CancelledError`` and no further call is
 Calls of one run made by several tasks are in flight at once (Pydantic AI's parallel tools, an
 ``asyncio.gather``), as the threaded runtime's threads are: only their journal writes are one at
 a time (the run's journal lock, held from taking the call's index in its scope to its entry's
-``seq``; the server gives the ``seq``, contiguous, and judges the budgets, one statement each);
+``seq``; the server gives the ``seq``, contiguous, and judges the budgets, one statement each;
+a call's wait for its rate limit comes between, the lock let go: the index stays the call's);
 their bodies and results are not (``emit`` keeps its own lock: one chunk at a time, in the
 order asked). Each call is replayed by its scope and its
 index in it (an asyncio task inherits the scope it was created in: docs/agents.md "Resume"), so
@@ -210,7 +211,8 @@ class AsyncContext:
             self.set_journal(journal)
         # One journal write (index taken, entry written, seq known) or approval park at a time; the
         # calls' bodies and results run at once. What it orders: a scope's indexes in the order its
-        # calls' seqs are given, and no call journaled while an approval parks the run.
+        # calls are made (a rated call keeps its index through its wait, the lock let go, its seq
+        # given after), and no call journaled while an approval parks the run.
         self._journaling = asyncio.Lock()
         # The calls in flight (journaled or replaying, not yet ended): each one's seq and task.
         self._flights: dict[object, tuple[int, asyncio.Task[Any] | None]] = {}
@@ -266,9 +268,6 @@ class AsyncContext:
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
-    async def _submit(self, op: str, item: Any) -> Any:
-        return await self._runtime(self.runtime.batcher.submit(op, self.lease.community_id, self.lease.run_id, item))
-
     async def _runtime(self, statement: Awaitable[T]) -> T:
         """``await statement``, a runtime statement on the worker's pool: one whose connection
         fails (a restart, a terminated backend) marks the run lost and raises
@@ -299,33 +298,42 @@ class AsyncContext:
         Raises :class:`ToolCallFailed`, :class:`BudgetExhausted`, :class:`UncertainCall`,
         :class:`ReplayMismatch` or :class:`RunAborted`. ``rate_key`` and ``weight``: as
         :meth:`Context.call <buzz_delivery.agents.runtime.Context.call>`; a wait for the rate
-        limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile)."""
+        limit is an ``asyncio.sleep`` (the loop serves other runs meanwhile) taken once the call
+        has its index, with the journal lock let go (the run's other calls, its approval and its
+        end go on meanwhile); its entry is written at that index once its units are granted."""
         rate = ratelimits_plan(rate_key, weight)
         self._refuse_nested(tool_name)
         scope = journal_scope.current_key()  # a deep path by its stable key
         async with self._journaling:
             self._check()
+            # The index is the call's from here, whatever the wait below: a resumed handler makes
+            # the scope's calls in the same order and replays each from its own entry (an index
+            # taken once the units were granted went to whichever call of the scope came next).
             index = self._positions.take(scope)
             entry = self._entry((scope, index))
-            outcome: Any = None
-            if entry is None:
-                descriptor = compensations.descriptor(compensate)  # ValueError when not registered
-                if rate is not None:
-                    await self._take_rate(rate)
-                prepared = batch.prepare_call(
-                    self.lease,
-                    tool_name,
-                    args,
-                    cost=cost,
-                    compensation=descriptor,
-                    destructive=destructive,
-                    scope=scope,
-                    index=index,
+            waits = entry is None and rate is not None
+            if waits:  # its compensation checked before the wait (a refusal spends its index)
+                compensations.descriptor(compensate)
+            else:
+                outcome, cancelled = await self._journal_call(
+                    entry, scope, index, tool_name, args, compensate, cost, destructive
                 )
-                outcome = await self._submit("journal", prepared)
+                # In flight from here (under the journal lock: an approval parking sees it).
+                flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        if waits:
+            # A new call with a rate limit: its units taken with the lock let go, so the run's
+            # other calls, its approval and its end do not wait for the provider's window; its
+            # entry is written at its index once they are granted.
+            assert rate is not None
+            await self._take_rate(rate)
+            async with self._journaling:
                 self._check()
-            # In flight from here (under the journal lock: an approval parking sees it).
-            flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+                outcome, cancelled = await self._journal_call(
+                    None, scope, index, tool_name, args, compensate, cost, destructive
+                )
+                flight = self._take_off(getattr(outcome, "seq", 0))
+        if cancelled:  # written as its task was cancelled: its tool is not made
+            await self._not_made(flight, outcome)
         outliving: list[Future[Any]] = []
         token = _OUTLIVING.set(outliving)
         try:
@@ -334,6 +342,87 @@ class AsyncContext:
         finally:
             _OUTLIVING.reset(token)
             self._land_after(flight, outliving)
+
+    async def _journal_call(
+        self,
+        entry: JournalEntry | None,
+        scope: str,
+        index: int,
+        tool_name: str,
+        args: Any,
+        compensate: Callable[..., Any] | None,
+        cost: int,
+        destructive: bool,
+    ) -> tuple[Any, bool]:
+        """The call at ``(scope, index)`` journaled (none for a replayed ``entry``), the journal
+        lock held: its outcome, and whether its task was cancelled while its entry was written
+        (:meth:`_written`)."""
+        if entry is not None:
+            return None, False
+        descriptor = compensations.descriptor(compensate)  # ValueError when not registered
+        prepared = batch.prepare_call(
+            self.lease,
+            tool_name,
+            args,
+            cost=cost,
+            compensation=descriptor,
+            destructive=destructive,
+            scope=scope,
+            index=index,
+        )
+        outcome, cancelled = await self._written("journal", prepared, withdraw=True)
+        self._check()
+        return outcome, cancelled
+
+    async def _written(self, op: str, item: Any, *, withdraw: bool) -> tuple[Any, bool]:
+        """``op``'s outcome for ``item`` (a runtime statement through the batcher), and whether
+        this task was cancelled meanwhile. Cancelled (by the handler's own code: a sibling's
+        failure in a TaskGroup, a ``wait_for``) while ``item`` is still queued, it is withdrawn
+        when ``withdraw`` (nothing written: ``CancelledError``). Once its batch is sent it cannot
+        be, and a record is never withdrawn (its call would stay pending, no longer in flight:
+        the run's end would wait for it, then fail ``calls_in_flight``): its outcome is awaited
+        (a statement's time, further cancels included) and returned with True, for the caller
+        to close what was written and then let the cancel go on. The run lost (cancelled, its
+        lease lost): ``CancelledError`` at once, what was written left to the lease."""
+        batcher = self.runtime.batcher
+        future = batcher.queue(op, self.lease.community_id, self.lease.run_id, item)
+        try:
+            return await self._runtime(asyncio.shield(future)), False
+        except asyncio.CancelledError:
+            if self.lost.is_set() or (withdraw and batcher.withdraw(future)):
+                future.cancel()
+                raise
+        return await self._through_cancels(future), True
+
+    async def _through_cancels(self, future: asyncio.Future[T]) -> T:
+        """``future``'s outcome (a statement sent: it commits whatever its awaiter does), this
+        task's cancels by the handler's own code waited through; the run lost, ``CancelledError``
+        at once (what was written left to the lease), as when ``future`` is cancelled (a write
+        asked back whose batch came back unwritten: :meth:`Batcher.withdraw`)."""
+        while True:
+            try:
+                return await self._runtime(asyncio.shield(future))
+            except asyncio.CancelledError:
+                # future cancelled: a withdrawn write whose batch came back unwritten (nothing written)
+                if self.lost.is_set() or future.cancelled():
+                    future.cancel()
+                    raise
+
+    async def _not_made(self, flight: object, outcome: Any) -> None:
+        """A call journaled as its task was cancelled (its write already sent): closed
+        ``failed`` without its tool being made (in flight meanwhile, so the run's end waits for
+        the close), then the cancel goes on. Not journaled (shadow-blocked: closed already, a
+        budget's refusal: nothing written): the cancel goes on; refused for its lease, the run
+        is marked lost first, as a call not cancelled is."""
+        try:
+            if isinstance(outcome, s.Journaled):
+                error = "not made: the call's task was cancelled as it was journaled"
+                await self._record(outcome.seq, ok=False, error=error, started=time.monotonic())
+            elif not isinstance(outcome, s.Blocked | s.BudgetExceeded):
+                self.mark_lost(getattr(outcome, "reason", "") or "lost")
+        finally:
+            self._land(flight)
+        raise asyncio.CancelledError
 
     def _take_off(self, seq: int) -> object:
         flight = object()
@@ -528,10 +617,12 @@ class AsyncContext:
     async def _record(self, seq: int, *, started: float, **kwargs: Any) -> None:
         latency = int((time.monotonic() - started) * 1000)
         prepared = batch.prepare_result(self.lease, seq, latency_ms=latency, **kwargs)
-        outcome = await self._submit("record", prepared)
+        outcome, cancelled = await self._written("record", prepared, withdraw=False)
         if not isinstance(outcome, (s.Recorded, s.AlreadyRecorded)):
             self.mark_lost(getattr(outcome, "reason", "") or "lost")
             raise RunAborted(f"cannot record call {seq}: {outcome}")
+        if cancelled:  # recorded all the same (the call lands after it), then the cancel goes on
+            raise asyncio.CancelledError
 
     async def _replay(self, entry: JournalEntry, tool_name: str, fn: Any, args: Any, reconcile: Any) -> Any:
         if entry.kind != "tool" or entry.tool_name != tool_name or bytes(entry.input_hash) != sha256_json(args):
@@ -621,7 +712,7 @@ class AsyncContext:
         shortly, for at most ``APPROVAL_SETTLE_SECONDS``."""
         settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
         while True:
-            outcome = await self._runtime(
+            statement = asyncio.ensure_future(
                 self.runtime.pool.run(
                     s.request_approval,
                     self.lease,
@@ -631,6 +722,23 @@ class AsyncContext:
                     index=index,
                 )
             )
+            # Its task cancelled by the handler's own code (a sibling failing in a TaskGroup) as
+            # the statement runs, the park still commits: its outcome is awaited, and a park
+            # written is the park (_Parked, the cancel superseded: the run waits for its
+            # approval, its lease released), not a cancel the worker would take for a failure
+            # it cannot write. Not parked, the cancel goes on.
+            try:
+                outcome = await self._runtime(asyncio.shield(statement))
+            except asyncio.CancelledError:
+                if self.lost.is_set():
+                    statement.cancel()
+                    raise
+                outcome = await self._through_cancels(statement)
+                if isinstance(outcome, s.ApprovalRequested):
+                    return outcome
+                if not isinstance(outcome, s.CallsInFlight | s.BudgetExceeded):
+                    self.mark_lost(getattr(outcome, "reason", "") or "lost")
+                raise
             if not isinstance(outcome, s.CallsInFlight):
                 return outcome
             if time.monotonic() > settle:
@@ -787,6 +895,30 @@ async def read_journal(runtime: Runtime, ctx: AsyncContext, *, retry_for: float,
     return False
 
 
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, nested groups flattened (``exc`` alone when it
+    is none)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _runtime_stop(exc: BaseException) -> str | None:
+    """How the runtime's own control flow ended a handler that raised ``exc``: ``parked`` (the
+    run parked on an approval), ``lost`` (:class:`RunAborted`, a cancel), or None (the handler's
+    own failure). An exception group (``asyncio.TaskGroup``, a framework running tools at once)
+    is judged by its leaves: one park among them is the park, whatever else its siblings
+    raised (the park is written: the run waits for its approval, its lease released, so no
+    failure of it can be written by this holder: those are logged); all of them the runtime's
+    stops is ``lost``; any other leaf, with none parked, is the handler's failure, as before."""
+    leaves = _leaves(exc)
+    if any(isinstance(leaf, _Parked) for leaf in leaves):
+        return "parked"
+    if all(isinstance(leaf, RunAborted | asyncio.CancelledError) for leaf in leaves):
+        return "lost"
+    return None
+
+
 async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., Any]) -> str:
     """Run one claimed run to its next resting point: ``completed``, ``failed``, ``compensated``,
     ``compensation_failed``, ``parked``, ``lost``. The handler raising fails this run only."""
@@ -801,11 +933,20 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         return "lost"
     try:
         output = await _invoke(handler, ctx)
-    except _Parked:
-        return "parked"
-    except (RunAborted, asyncio.CancelledError):
-        return "lost"
     except BaseException as exc:  # SystemExit, KeyboardInterrupt... from user code: this run fails alone
+        stop = _runtime_stop(exc)
+        if stop == "parked":
+            if isinstance(exc, BaseExceptionGroup):
+                others = [leaf for leaf in _leaves(exc) if not isinstance(leaf, _Parked)]
+                if others:
+                    logger.warning(
+                        "parked_with_errors run=%s: the run parked; its handler also raised %s",
+                        ctx.lease.run_id,
+                        "; ".join(f"{type(leaf).__name__}: {str(leaf)[:200]}" for leaf in others),
+                    )
+            return "parked"
+        if stop == "lost":
+            return "lost"
         # Storable and cut, as the thread worker's (an AgentError's own code included).
         code = failure_code_of(exc) if isinstance(exc, AgentError) else "handler_error"
         if ctx.lost.is_set():

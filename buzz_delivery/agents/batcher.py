@@ -186,6 +186,8 @@ class Batcher:
         self.max_batch = min(max_batch, batch.MAX_BATCH)
         self.linger = linger
         self._pending: dict[tuple[str, uuid.UUID], list[tuple[Any, uuid.UUID, asyncio.Future[Any]]]] = {}
+        # Items asked back (withdraw) while their batch was out: dropped if it comes back unwritten.
+        self._withdrawing: set[asyncio.Future[Any]] = set()
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(pool.size)
         self._task: asyncio.Task[None] | None = None
@@ -198,11 +200,35 @@ class Batcher:
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="agent-batcher")
 
     async def submit(self, op: str, community: uuid.UUID, run_id: uuid.UUID, item: Any) -> Any:
-        """Queue ``item`` (of run ``run_id``) for operation ``op``; returns its outcome."""
+        """Queue ``item`` (of run ``run_id``) for operation ``op``; returns its outcome. Its
+        awaiter cancelled, the item is dropped if its batch was not taken yet."""
+        return await self.queue(op, community, run_id, item)
+
+    def queue(self, op: str, community: uuid.UUID, run_id: uuid.UUID, item: Any) -> asyncio.Future[Any]:
+        """Queue ``item`` (of run ``run_id``) for operation ``op``: the future of its outcome
+        (:meth:`withdraw` takes it back while it is queued)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.setdefault((op, community), []).append((item, run_id, future))
         self._wake.set()
-        return await future
+        return future
+
+    def withdraw(self, future: asyncio.Future[Any]) -> bool:
+        """Take back the queued item of ``future`` (:meth:`queue`): True, nothing is written for
+        it (its future cancelled); False once its batch was taken (sent, or about to be: its
+        outcome comes) or it has its outcome. A batch that comes back unwritten (a lock wait past
+        the bound) drops the items asked back while it was out, their futures cancelled, instead
+        of queueing them again for their community's turn (their awaiters would wait for it)."""
+        for key, queued in self._pending.items():
+            for position, entry in enumerate(queued):
+                if entry[2] is future:
+                    del queued[position]
+                    if not queued:
+                        del self._pending[key]
+                    future.cancel()
+                    return True
+        if not future.done():
+            self._withdrawing.add(future)
+        return False
 
     def _next_key(self) -> tuple[str, uuid.UUID] | None:
         """The first queued group whose community is not left for a lock wait."""
@@ -274,6 +300,10 @@ class Batcher:
         untried: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
         held: list[tuple[Any, uuid.UUID, asyncio.Future[Any]]] = []
         for entry, result in zip(entries, results, strict=True):
+            if entry[2] in self._withdrawing:
+                self._withdrawing.discard(entry[2])
+                if result is HELD or result is UNTRIED:  # not written: dropped (_wait_again)
+                    entry[2].cancel()
             if result is HELD:
                 held.append(entry)
             elif result is UNTRIED:
