@@ -39,6 +39,7 @@ from pydantic_core import to_jsonable_python
 
 from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
+from buzz_delivery.agents.exceptions import ApprovalBlockedByCalls
 from buzz_delivery.agents.runtime import NOT_MADE
 
 __all__ = [
@@ -162,8 +163,11 @@ class ThreadJournal:
     runs the call's body back on the loop while the agent waits, serving what the body asks for
     (``emit``) meanwhile."""
 
-    def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop, enclosing: str | None = None) -> None:
         self.ctx, self.loop = ctx, loop
+        # The key of the journaled call whose tool runs this agent (on a thread of its own), if
+        # any: that call cannot end while an approval of this agent waits, so none can park.
+        self.enclosing = enclosing
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.parallel = bool(getattr(ctx, "journal_scopes", False))
         self.over: set[object] = set()  # end markers of calls whose serving is below on the stack
@@ -183,6 +187,16 @@ class ThreadJournal:
         return await self._ask(lambda: self.ctx.call(tool_name, on_loop, args, **options))
 
     async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
+        if self.enclosing is not None:
+            # The runtime would wait for the enclosing call to be recorded before parking, and
+            # that call waits for this agent: it would wait for ever. Nothing is written.
+            seq = self.enclosing.rpartition(":")[2]
+            raise ApprovalBlockedByCalls(
+                (int(seq),) if seq.isdigit() else (),
+                "an agent run on a thread inside that call's tool asked for an approval: the run cannot park "
+                "while the call waits for the agent; ask for it in the outer agent (a tool that needs "
+                "approval there), before or after the call",
+            )
         return await self._ask(lambda: self.ctx.request_approval(prompt, deadline_seconds))  # type: ignore[no-any-return]
 
     async def emit(self, chunk: str) -> int | None:
@@ -277,12 +291,26 @@ def journal_for(ctx: Any, loop: asyncio.AbstractEventLoop | None = None) -> Jour
 
 def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], name: str) -> Any:
     """The synchronous runtime's handler body: run ``main(journal)`` on an event loop of its own,
-    in a helper thread, and serve its journal calls from this (the handler's) thread."""
+    in a helper thread, and serve its journal calls from this (the handler's) thread.
+
+    Called on a thread a journaled call's tool started in its context (``asyncio.to_thread``:
+    an agent run by another agent's tool), the agent is a run of its own, not part of that call:
+    its model requests and tool calls are journaled (in the tool's scope, nested under the
+    call's, so they are never visited once the call is recorded), and an approval it asks for
+    raises :class:`ApprovalBlockedByCalls` at once (the run cannot park while the call waits for
+    the agent). An event-loop runtime's context is refused (``TypeError``): await the
+    handler's ``run(ctx)`` on the worker's loop."""
+    if inspect.iscoroutinefunction(getattr(ctx, "call", None)):
+        raise TypeError(
+            f"{name}: the context is an event-loop runtime's (its call is a coroutine function): "
+            "await the handler's run(ctx) on the worker's loop instead of calling the handler"
+        )
     loop = asyncio.new_event_loop()
-    journal = ThreadJournal(ctx, loop)
+    journal = ThreadJournal(ctx, loop, enclosing=_current_key.get())
     box: dict[str, Any] = {}
 
     def agent_thread() -> None:
+        _current_key.set(None)  # this thread's own context (a copy): the agent is no call's body
         try:
             box["output"] = loop.run_until_complete(main(journal))
         except BaseException as exc:
