@@ -14,7 +14,7 @@ from agents import Agent, function_tool
 from agents.testing import assistant_message, function_call
 from django.db import connections
 
-from buzz_delivery.agents.integrations.openai_agents import DurableAgent
+from buzz_delivery.agents.integrations.openai_agents import DurableAgent, idempotency_key
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.agents.runtime import run_claim
 from tests import openai_agents_handlers as oh
@@ -203,3 +203,89 @@ def test_the_threaded_entry_refuses_an_event_loop_runtime_s_context_at_once():
 
     with pytest.raises(TypeError, match="await the handler's run"):
         _bounded(lambda: oh.three_effects(AsyncCtx()))
+
+
+# -- a tool's timeout fires while a thread the tool started still runs ---------------------------
+
+RELEASE_BOUND = 3  # seconds the blocked thread waits for the run to end (the bug: it ends first)
+
+
+def _timing_out_agent(behavior, entered, release):
+    def answer(input):
+        done = oh.returns(input)
+        if not done:
+            return oh.response(function_call("charge", {"n": 1}, call_id="charge-1"))
+        return oh.response(assistant_message(f"charge said {done[0]}"))
+
+    def blocking(n, key):
+        entered.set()
+        release.wait(WAIT)
+        return oh.h.effect({"n": n}, key)
+
+    @function_tool(timeout=0.2, timeout_behavior=behavior, failure_error_function=None)
+    async def charge(n: int) -> dict:
+        return await asyncio.to_thread(blocking, n, idempotency_key())
+
+    return DurableAgent(
+        Agent(name="charging", model=oh.FakeModel("charging", answer), tools=[charge]),
+        run_config=oh.NO_TRACING,
+        compensations={"charge": oh.h.undo},
+    )
+
+
+def _on_the_event_loop_worker(community, durable):
+    from buzz_delivery.agents import loop_worker
+    from tests.agents_support import AGENT
+
+    config = loop_worker.AsyncWorkerConfig(
+        handler=durable.run,
+        agents=[AGENT],
+        communities=[community.id],
+        exit_when_idle=True,
+        poll_seconds=0.1,
+        lease_seconds=15,
+        worker_id="aio-timeout",
+    )
+    loop_worker.AsyncAgentWorker(config).run()
+    return "completed"  # judged by the run's row
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("runtime", ["thread", "event-loop"])
+@pytest.mark.parametrize("behavior", ["error_as_result", "raise_exception"])
+def test_a_tool_s_timeout_firing_while_its_thread_runs_records_the_call_once_the_thread_ended(
+    community, ledger, behavior, runtime
+):
+    """Failed before: at the timeout the call was recorded (the timeout's message, or failed)
+    while the thread ran on; the run then ended (completed telling the model the charge timed
+    out, or failed with nothing to undo) and the thread charged afterwards. Now a tool that has
+    started a thread is not cut at its timeout: the call lands once the tool ended, with its true
+    result (what the model sees, replayed as is)."""
+    entered, release = threading.Event(), threading.Event()
+    run_id = new_run(community.id)
+
+    def releaser():
+        try:
+            entered.wait(WAIT)
+            for _ in range(RELEASE_BOUND * 20):  # the bug: the run ends while the thread runs
+                if AgentRun.objects.get(id=run_id).state in ("completed", "failed"):
+                    break
+                threading.Event().wait(0.05)
+        finally:
+            release.set()
+            connections.close_all()
+
+    watcher = threading.Thread(target=releaser, daemon=True)
+    watcher.start()
+    durable = _timing_out_agent(behavior, entered, release)
+    if runtime == "thread":
+        outcome = _bounded(lambda: run_claim(_claim(community), durable))
+    else:
+        outcome = _bounded(lambda: _on_the_event_loop_worker(community, durable))
+    watcher.join(WAIT)
+    run = AgentRun.objects.get(id=run_id)
+    charge = JournalEntry.objects.get(run_id=run_id, tool_name="charge")
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    assert (charge.status, charge.output) == ("succeeded", {"return": {"n": 1}})
+    assert lines_of(ledger, "call") == [f"call {charge.idempotency_key}"]
+    assert run.output == "charge said {'n': 1}"

@@ -59,6 +59,7 @@ result is replayed instead of being made again. Built on the SDK's public interf
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -94,6 +95,7 @@ from buzz_delivery.agents.integrations.journal import (
     inside_call,
     journal_for,
     keyed,
+    noting_threads,
     reconciler,
     remake,
     run_threaded,
@@ -292,15 +294,37 @@ def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
     async def invoke_now(tool_context: Any, input_json: str) -> Any:
         if timeout is None:
             return await original(tool_context, input_json)
+        return await timed(tool_context, input_json, timeout)
+
+    async def timed(tool_context: Any, input_json: str, seconds: float) -> Any:
+        """The tool within ``seconds``: cut at the timeout (the timeout's outcome: its message,
+        or ``TimeoutError``) unless it has started a thread by then (``asyncio.to_thread``: a
+        cancel stops no thread, its effect could come after the call was recorded as timed
+        out): then it runs to its end and the call records its true result."""
+        with noting_threads(asyncio.get_running_loop()) as threads:  # the tool's task's own
+            tool = asyncio.ensure_future(original(tool_context, input_json))
         try:
-            return await asyncio.wait_for(original(tool_context, input_json), timeout)
-        except TimeoutError as exc:
-            if behavior == "raise_exception":
-                raise
-            if on_timeout is not None:
-                message = on_timeout(tool_context, exc)
-                return await message if asyncio.iscoroutine(message) else message
-            return f"Tool '{name}' timed out after {timeout} seconds."
+            await asyncio.wait({tool}, timeout=seconds)
+            if tool.done() or threads:
+                return await tool
+        except BaseException:
+            tool.cancel()
+            raise
+        tool.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tool
+        if tool.cancelled():
+            exc = TimeoutError()
+        elif tool.exception() is None:  # it ended as it was cut: its result stands
+            return tool.result()
+        else:
+            raise tool.exception()  # type: ignore[misc]
+        if behavior == "raise_exception":
+            raise exc
+        if on_timeout is not None:
+            message = on_timeout(tool_context, exc)
+            return await message if asyncio.iscoroutine(message) else message
+        return f"Tool '{name}' timed out after {timeout} seconds."
 
     async def on_invoke_tool(tool_context: Any, input_json: str) -> Any:
         durability: _Durability | None = _active.get()
