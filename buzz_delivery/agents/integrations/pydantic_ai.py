@@ -80,11 +80,19 @@ from pydantic_ai.messages import (
     PartStartEvent,
     TextPart,
     TextPartDelta,
+    ToolCallPart,
 )
 from pydantic_ai.models import CompletedStreamedResponse, Model, ModelRequestParameters, StreamedResponse
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
-from pydantic_ai.tools import DeferredToolRequests, DeferredToolResults, RunContext, ToolApproved, ToolDenied
+from pydantic_ai.tools import (
+    DeferredToolRequests,
+    DeferredToolResults,
+    RunContext,
+    ToolApproved,
+    ToolDefinition,
+    ToolDenied,
+)
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
@@ -157,6 +165,19 @@ class _Durability(AbstractCapability[Any], Durability):
     def __init__(self, owner: DurableAgent, journal: Journal) -> None:
         Durability.__init__(self, owner, journal)
         self.chunks_mark = 0  # the stream's position when the current model request began
+        self.choosing = False  # the last response's usage has no bearer yet (after_tool_validate)
+
+    async def after_tool_validate(
+        self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any
+    ) -> Any:
+        """Pydantic AI validates a response's tool calls one after another, in the response's
+        order, before any runs: the first function tool call validated bears the response's
+        usage (:meth:`Durability.call`), not the first to reach the journal, whose turn depends
+        on the agent's own hooks (``before_tool_execute``, ...) and may differ on a resume
+        (charged again with a call made now, or never)."""
+        if self.choosing and tool_def.kind == "function":
+            self.bearer, self.choosing = call.tool_call_id, False
+        return args
 
     def get_wrapper_model(self, model: Model) -> Model | None:
         return _JournaledModel(model, self)
@@ -175,6 +196,10 @@ class _Durability(AbstractCapability[Any], Durability):
             recorded = recorded["response"]
         response = load_response(recorded)
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
+        # Its usage goes with the first of its tool calls validated (after_tool_validate) or,
+        # that call not made, the next model request. Calls made one at a time (a run an
+        # earlier release journaled so): with the first made, as that release did.
+        self.bearer, self.choosing = None, self.parallel
         if self.owner.stream_text is True:
             await self.chunks.emit("".join(part.content for part in response.parts if isinstance(part, TextPart)))
         return response
@@ -308,6 +333,7 @@ class _JournaledToolset(WrapperToolset[Any]):
             body,
             tool_args,
             owner.tool_costs.get(name, 0),
+            call_id=ctx.tool_call_id or "",
             compensate=owner.compensations.get(name),
             reconcile=reconciler(owner.reconcile.get(name)),
             destructive=name in owner.destructive,
