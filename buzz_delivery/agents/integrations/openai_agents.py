@@ -33,9 +33,15 @@ result is replayed instead of being made again. Built on the SDK's public interf
   are one at a time); under the remote worker (its context has replay scopes too) as under the
   threaded runtime. On a runtime context without replay scopes (a custom one) the tools run one
   at a time, in the order of the response (``max_function_tool_concurrency=1``). A tool's
-  ``timeout_seconds`` is applied inside its journaled call. Inside a tool, :func:`idempotency_key`
-  is the journal's key for the call. Whatever runs inside a journaled call (an agent used as a
-  tool: ``Agent.as_tool``) is part of that call and is not journaled again.
+  ``timeout_seconds`` is applied inside its journaled call, to a tool that has started no thread
+  by then: one that has (``asyncio.to_thread``) runs to its end and the call records its true
+  result (no cancel stops a thread: its effect would come after the call was recorded as timed
+  out). The SDK never runs two calls of one ``call_id`` (a reuse for other arguments fails the
+  run, an identical one is made once). Inside a tool, :func:`idempotency_key` is the journal's
+  key for the call. Whatever runs inside a journaled call (an agent used as a tool:
+  ``Agent.as_tool``) is part of that call and is not journaled again; a durable agent a tool runs
+  on a thread (``handler(ctx)`` in ``asyncio.to_thread``) is journaled, nested in the call's
+  scope, and cannot ask for an approval (``ApprovalBlockedByCalls``, at once).
 - Approvals: a tool with ``needs_approval`` interrupts the SDK's run; each interruption parks the
   run on ``ctx.request_approval`` and the operator's decision resumes it (``RunState.approve`` /
   ``reject`` on ``result.to_state()``, then ``Runner.run`` with that state).

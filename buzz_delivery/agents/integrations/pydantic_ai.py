@@ -39,9 +39,11 @@ capability (``get_wrapper_model``, ``get_wrapper_toolset``) passed to ``Agent.ru
 - Budgets: every model request and tool call spends one of the run's tool-call slots; ``cost``:
   ``tool_costs[name]`` per tool call, ``request_cost`` per model request, and the usage of each
   model response (``usage_cost(usage)``, default its input + output tokens) charged with the next
-  journaled call, so a run past its cost cap stops before its next call with
-  ``budget_exceeded`` on the run. (The final response's usage is in the journal but charged to
-  no call: nothing follows it.)
+  journaled call: its first function tool call validated (Pydantic AI validates a response's
+  calls in its order before any runs), that call not made the next model request, so a resumed
+  run whose calls reach the journal in another order charges it with the same call, once; a run
+  past its cost cap stops before its next call with ``budget_exceeded`` on the run. (The final
+  response's usage is in the journal but charged to no call: nothing follows it.)
 
 Threads: under the threaded runtime the handler runs the agent on its own event loop in a
 helper thread and makes every journal write itself, on the handler's thread and database
