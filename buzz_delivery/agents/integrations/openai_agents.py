@@ -33,10 +33,10 @@ result is replayed instead of being made again. Built on the SDK's public interf
   are one at a time); under the remote worker (its context has replay scopes too) as under the
   threaded runtime. On a runtime context without replay scopes (a custom one) the tools run one
   at a time, in the order of the response (``max_function_tool_concurrency=1``). A tool's
-  ``timeout_seconds`` is applied inside its journaled call, to a tool that has started no thread
-  by then: one that has (``asyncio.to_thread``) runs to its end and the call records its true
-  result (no cancel stops a thread: its effect would come after the call was recorded as timed
-  out). The SDK never runs two calls of one ``call_id`` (a reuse for other arguments fails the
+  ``timeout_seconds`` is applied inside its journaled call, to a tool with no thread it started
+  still running then: one with (``asyncio.to_thread``) is cut only once its threads have ended
+  and the timeout has passed again (no cancel stops a thread: its effect would come after the
+  call was recorded as timed out). The SDK never runs two calls of one ``call_id`` (a reuse for other arguments fails the
   run, an identical one is made once). Inside a tool, :func:`idempotency_key` is the journal's
   key for the call. Whatever runs inside a journaled call (an agent used as a tool:
   ``Agent.as_tool``) is part of that call and is not journaled again; a durable agent a tool runs
@@ -304,14 +304,22 @@ def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
 
     async def timed(tool_context: Any, input_json: str, seconds: float) -> Any:
         """The tool within ``seconds``: cut at the timeout (the timeout's outcome: its message,
-        or ``TimeoutError``) unless it has started a thread by then (``asyncio.to_thread``: a
-        cancel stops no thread, its effect could come after the call was recorded as timed
-        out): then it runs to its end and the call records its true result."""
+        or ``TimeoutError``) unless a thread it started (``asyncio.to_thread``) still runs then
+        (a cancel stops no thread, its effect could come after the call was recorded as timed
+        out): then it is waited for until its threads have ended, and given ``seconds`` more
+        (its true result, when it ends in them). A thread that has ended (a host name resolved
+        by an HTTP client) keeps no tool from its timeout: it makes no effect after the call."""
         with noting_threads(asyncio.get_running_loop()) as threads:  # the tool's task's own
             tool = asyncio.ensure_future(original(tool_context, input_json))
         try:
-            await asyncio.wait({tool}, timeout=seconds)
-            if tool.done() or threads:
+            while True:
+                await asyncio.wait({tool}, timeout=seconds)
+                running = [asyncio.wrap_future(thread) for thread in threads if not thread.done()]
+                if tool.done() or not running:
+                    break
+                while not tool.done() and (running := [thread for thread in running if not thread.done()]):
+                    await asyncio.wait({tool, *running}, return_when=asyncio.FIRST_COMPLETED)
+            if tool.done():
                 return await tool
         except BaseException:
             tool.cancel()
