@@ -36,8 +36,8 @@ result is replayed instead of being made again. Built on the SDK's public interf
   ``timeout_seconds`` is applied inside its journaled call, to a tool with no thread it started
   still running then: one with (``asyncio.to_thread``) is cut only once its threads have ended
   and the timeout has passed again (no cancel stops a thread: its effect would come after the
-  call was recorded as timed out). The SDK never runs two calls of one ``call_id`` (a reuse for other arguments fails the
-  run, an identical one is made once). Inside a tool, :func:`idempotency_key` is the journal's
+  call was recorded as timed out). The SDK never runs two calls of one ``call_id`` (a reuse for
+  other arguments fails the run, an identical one is made once). Inside a tool, :func:`idempotency_key` is the journal's
   key for the call. Whatever runs inside a journaled call (an agent used as a tool:
   ``Agent.as_tool``) is part of that call and is not journaled again; a durable agent a tool runs
   on a thread (``handler(ctx)`` in ``asyncio.to_thread``) is journaled, nested in the call's
