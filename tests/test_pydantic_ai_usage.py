@@ -99,3 +99,34 @@ def test_a_response_s_usage_is_charged_once_when_its_calls_reach_the_journal_in_
     assert sorted(again.made) == ["a", "b"]
     costs = {e.args["name"]: e.cost for e in JournalEntry.objects.filter(run_id=run_id, tool_name="step")}
     assert run.cost_used == 100, costs  # the tool calls' response, once (the final one is charged to none)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_journaled_by_the_release_that_charged_the_first_call_to_reach_the_journal_is_not_charged_again(
+    community, monkeypatch
+):
+    """Failed before: the previous release charged a response's usage with the first of its calls
+    to reach the journal (``b``, ``a`` held back by the agent's own capability), then the run was
+    lost; resumed by this one, the usage went with the first call validated (``a``, made now):
+    charged again (200 for 100). A call of the response journaled with more than its tool cost
+    took the usage: it stays the bearer."""
+    from buzz_delivery.agents.integrations import pydantic_ai
+
+    async def previous_release(self, ctx, *, call, tool_def, args):  # no bearer named: the first to reach
+        return args
+
+    run_id = new_run(community.id)
+    with monkeypatch.context() as patch:
+        patch.setattr(pydantic_ai._Durability, "after_tool_validate", previous_release)
+        lost = Bearing(order=["b", "a"], lose=True)
+        assert run_claim(_claim(community), lost.handler()) == "lost"
+    assert lost.made == ["b"]
+    costs = {e.args["name"]: e.cost for e in JournalEntry.objects.filter(run_id=run_id, tool_name="step")}
+    assert costs == {"b": 100}  # the previous release's journal: b took the usage
+    _reclaim(run_id)
+    again = Bearing(order=["a", "b"])
+    outcome = run_claim(_claim(community, "w2"), again.handler())
+    run = AgentRun.objects.get(id=run_id)
+    assert outcome == "completed", (run.failure_code, run.failure_message)
+    costs = {e.args["name"]: e.cost for e in JournalEntry.objects.filter(run_id=run_id, tool_name="step")}
+    assert run.cost_used == 100, costs

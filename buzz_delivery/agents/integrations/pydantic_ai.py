@@ -99,6 +99,7 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
+from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.exceptions import AgentError
 from buzz_delivery.agents.integrations.journal import (
@@ -200,11 +201,30 @@ class _Durability(AbstractCapability[Any], Durability):
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
         # Its usage goes with the first of its tool calls validated (after_tool_validate) or,
         # that call not made, the next model request. Calls made one at a time (a run an
-        # earlier release journaled so): with the first made, as that release did.
+        # earlier release journaled so): with the first made, as that release did. A call of it
+        # journaled charged with more than its tool cost took it (the previous release charged
+        # the first call to reach the journal, this one the bearer): it stays the bearer.
         self.bearer, self.choosing = None, self.parallel
+        if self.parallel and (charged := self.charged_call(response)) is not None:
+            self.bearer, self.choosing = charged, False
         if self.owner.stream_text is True:
             await self.chunks.emit("".join(part.content for part in response.parts if isinstance(part, TextPart)))
         return response
+
+    def charged_call(self, response: ModelResponse) -> str | None:
+        """The id of the tool call of ``response`` the run had journaled (when it was claimed)
+        with a cost above its tool's, in the scope of that call: it was charged with the
+        response's usage (by this release or the previous one), so none other of its calls is."""
+        journaled_cost = getattr(self.journal.ctx, "journaled_cost", None)
+        if journaled_cost is None:
+            return None
+        for part in response.parts:
+            if isinstance(part, ToolCallPart) and part.tool_call_id:
+                scope = journal_scope.key(journal_scope.tool_call(part.tool_call_id))
+                cost = journaled_cost(scope)
+                if cost is not None and cost > self.owner.tool_costs.get(part.tool_name, 0):
+                    return part.tool_call_id
+        return None
 
     async def request(self, name: str, args: Any, make: Callable[[], Any]) -> ModelResponse:
         """One journaled model request: ``make()`` opens the wrapped model's request (a response,
