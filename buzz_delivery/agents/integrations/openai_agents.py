@@ -308,19 +308,23 @@ def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
         (a cancel stops no thread, its effect could come after the call was recorded as timed
         out): then it is waited for until its threads have ended, and given ``seconds`` more
         (its true result, when it ends in them). A thread that has ended (a host name resolved
-        by an HTTP client) keeps no tool from its timeout: it makes no effect after the call."""
+        by an HTTP client) keeps no tool from its timeout: it makes no effect after the call;
+        nor does one still queued (every worker of the executor busy): it is cancelled."""
         with noting_threads(asyncio.get_running_loop()) as threads:  # the tool's task's own
             tool = asyncio.ensure_future(original(tool_context, input_json))
         try:
             while True:
                 await asyncio.wait({tool}, timeout=seconds)
-                running = [asyncio.wrap_future(thread) for thread in threads if not thread.done()]
-                if tool.done() or not running:
+                if tool.done():
+                    return await tool
+                # A thread still queued (the executor's workers busy) is cancelled: it never runs.
+                running = [asyncio.wrap_future(t) for t in threads if not t.cancel() and not t.done()]
+                if not running:
                     break
                 while not tool.done() and (running := [thread for thread in running if not thread.done()]):
                     await asyncio.wait({tool, *running}, return_when=asyncio.FIRST_COMPLETED)
-            if tool.done():
-                return await tool
+                if tool.done():
+                    return await tool
         except BaseException:
             tool.cancel()
             raise
