@@ -247,6 +247,12 @@ class AsyncContext:
         journal = self._journal or {}
         return [(k[0], e.tool_name) for k, e in sorted(journal.items()) if e.kind == "tool"]
 
+    def journaled_cost(self, scope: str) -> int | None:
+        """As :meth:`Context.journaled_cost <buzz_delivery.agents.runtime.Context.journaled_cost>`."""
+        journal = self._journal or {}
+        first = min(((k[1], e.cost) for k, e in journal.items() if k[0] == scope and e.kind == "tool"), default=None)
+        return None if first is None else first[1]
+
     @property
     def tool_threads(self) -> Executor:
         """The executor for the threads a call's async tool function starts (:class:`CallThreads`)."""
@@ -759,6 +765,9 @@ class SyncBridge:
 
     def tools_journaled(self) -> list[tuple[str, str]]:
         return self._actx.tools_journaled()
+
+    def journaled_cost(self, scope: str) -> int | None:
+        return self._actx.journaled_cost(scope)
 
     @property
     def lease(self) -> s.AgentLease:

@@ -225,6 +225,15 @@ class Context:
         replay key (an integration tells by them how an earlier release journaled the run)."""
         return [(k[0], e.tool_name) for k, e in sorted(self._journal.items()) if e.kind == "tool"]
 
+    def journaled_cost(self, scope: str) -> int | None:
+        """The cost the first tool call journaled in ``scope`` (a key) was charged with, when the
+        run had one there when it was claimed (an integration tells by it which call an earlier
+        release charged a model response's usage with); else None."""
+        first = min(
+            ((k[1], e.cost) for k, e in self._journal.items() if k[0] == scope and e.kind == "tool"), default=None
+        )
+        return None if first is None else first[1]
+
     def mark_lost(self, reason: str) -> None:
         self.lost.set()
         if reason == "cancelled":

@@ -239,6 +239,14 @@ class RemoteRunContext:
         replay key (as the in-process runtime's)."""
         return [(k[0], str(e.get("tool_name"))) for k, e in sorted(self._journal.items()) if e.get("kind") == "tool"]
 
+    def journaled_cost(self, scope: str) -> int | None:
+        """As the in-process runtime's (``Context.journaled_cost``)."""
+        entries = self._journal.items()
+        first = min(
+            ((k[1], e.get("cost")) for k, e in entries if k[0] == scope and e.get("kind") == "tool"), default=None
+        )
+        return None if first is None else int(first[1] or 0)
+
     def mark_lost(self, reason: str | None) -> None:
         """The lease is gone (``reason`` ``cancelled`` when a cancel fenced it)."""
         self.lost.set()

@@ -33,12 +33,14 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from pydantic_core import to_jsonable_python
 
 from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
+from buzz_delivery.agents.exceptions import ApprovalBlockedByCalls
 from buzz_delivery.agents.runtime import NOT_MADE
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "tool_call_scope",
 ]
 
+T = TypeVar("T")
 AsyncBody = Callable[[Any, str], Coroutine[Any, Any, Any]]
 _current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("buzz_integration_key", default=None)
 
@@ -100,6 +103,41 @@ def tool_call_scope(parallel: bool, call_id: str | None) -> Iterator[None]:
         return
     with journal_scope.entered(journal_scope.tool_call(call_id)):
         yield
+
+
+# The threads the tool being made started on its loop's default executor (asyncio.to_thread,
+# run_in_executor(None, ...)): set around a tool by :func:`noting_threads`.
+_tool_threads: contextvars.ContextVar[list[Future[Any]] | None] = contextvars.ContextVar(
+    "buzz_integration_tool_threads", default=None
+)
+
+
+class ToolThreads(ThreadPoolExecutor):
+    """An agent loop's default executor (a ``ThreadPoolExecutor`` as asyncio's own): a thread
+    submitted by code run inside :func:`noting_threads` is noted there, so a tool's timeout can
+    tell that a thread it started (which no cancel can stop) may still make its effect."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future = super().submit(fn, *args, **kwargs)
+        threads = _tool_threads.get()
+        if threads is not None:
+            threads.append(future)
+        return future
+
+
+@contextlib.contextmanager
+def noting_threads(loop: asyncio.AbstractEventLoop) -> Iterator[list[Future[Any]]]:
+    """Make ``loop``'s default executor a :class:`ToolThreads` (once per loop: threads already
+    running on the one it replaces run on, and its idle ones end with it) and note, in the list
+    yielded, the threads that the tasks created in the block start on it."""
+    if not isinstance(getattr(loop, "_default_executor", None), ToolThreads):
+        loop.set_default_executor(ToolThreads(thread_name_prefix="asyncio"))
+    threads: list[Future[Any]] = []
+    token = _tool_threads.set(threads)
+    try:
+        yield threads
+    finally:
+        _tool_threads.reset(token)
 
 
 def remake(args: Any, key: str) -> Any:
@@ -162,8 +200,11 @@ class ThreadJournal:
     runs the call's body back on the loop while the agent waits, serving what the body asks for
     (``emit``) meanwhile."""
 
-    def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, ctx: Any, loop: asyncio.AbstractEventLoop, enclosing: str | None = None) -> None:
         self.ctx, self.loop = ctx, loop
+        # The key of the journaled call whose tool runs this agent (on a thread of its own), if
+        # any: that call cannot end while an approval of this agent waits, so none can park.
+        self.enclosing = enclosing
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.parallel = bool(getattr(ctx, "journal_scopes", False))
         self.over: set[object] = set()  # end markers of calls whose serving is below on the stack
@@ -183,6 +224,16 @@ class ThreadJournal:
         return await self._ask(lambda: self.ctx.call(tool_name, on_loop, args, **options))
 
     async def request_approval(self, prompt: str, deadline_seconds: int) -> dict[str, Any]:
+        if self.enclosing is not None:
+            # The runtime would wait for the enclosing call to be recorded before parking, and
+            # that call waits for this agent: it would wait for ever. Nothing is written.
+            seq = self.enclosing.rpartition(":")[2]
+            raise ApprovalBlockedByCalls(
+                (int(seq),) if seq.isdigit() else (),
+                "an agent run on a thread inside that call's tool asked for an approval: the run cannot park "
+                "while the call waits for the agent; ask for it in the outer agent (a tool that needs "
+                "approval there), before or after the call",
+            )
         return await self._ask(lambda: self.ctx.request_approval(prompt, deadline_seconds))  # type: ignore[no-any-return]
 
     async def emit(self, chunk: str) -> int | None:
@@ -277,12 +328,26 @@ def journal_for(ctx: Any, loop: asyncio.AbstractEventLoop | None = None) -> Jour
 
 def run_threaded(ctx: Any, main: Callable[[Journal], Coroutine[Any, Any, Any]], name: str) -> Any:
     """The synchronous runtime's handler body: run ``main(journal)`` on an event loop of its own,
-    in a helper thread, and serve its journal calls from this (the handler's) thread."""
+    in a helper thread, and serve its journal calls from this (the handler's) thread.
+
+    Called on a thread a journaled call's tool started in its context (``asyncio.to_thread``:
+    an agent run by another agent's tool), the agent is a run of its own, not part of that call:
+    its model requests and tool calls are journaled (in the tool's scope, nested under the
+    call's, so they are never visited once the call is recorded), and an approval it asks for
+    raises :class:`ApprovalBlockedByCalls` at once (the run cannot park while the call waits for
+    the agent). An event-loop runtime's context is refused (``TypeError``): await the
+    handler's ``run(ctx)`` on the worker's loop."""
+    if inspect.iscoroutinefunction(getattr(ctx, "call", None)):
+        raise TypeError(
+            f"{name}: the context is an event-loop runtime's (its call is a coroutine function): "
+            "await the handler's run(ctx) on the worker's loop instead of calling the handler"
+        )
     loop = asyncio.new_event_loop()
-    journal = ThreadJournal(ctx, loop)
+    journal = ThreadJournal(ctx, loop, enclosing=_current_key.get())
     box: dict[str, Any] = {}
 
     def agent_thread() -> None:
+        _current_key.set(None)  # this thread's own context (a copy): the agent is no call's body
         try:
             box["output"] = loop.run_until_complete(main(journal))
         except BaseException as exc:

@@ -33,9 +33,15 @@ result is replayed instead of being made again. Built on the SDK's public interf
   are one at a time); under the remote worker (its context has replay scopes too) as under the
   threaded runtime. On a runtime context without replay scopes (a custom one) the tools run one
   at a time, in the order of the response (``max_function_tool_concurrency=1``). A tool's
-  ``timeout_seconds`` is applied inside its journaled call. Inside a tool, :func:`idempotency_key`
-  is the journal's key for the call. Whatever runs inside a journaled call (an agent used as a
-  tool: ``Agent.as_tool``) is part of that call and is not journaled again.
+  ``timeout_seconds`` is applied inside its journaled call, to a tool with no thread it started
+  still running then: one with (``asyncio.to_thread``) is cut only once its threads have ended
+  and the timeout has passed again (no cancel stops a thread: its effect would come after the
+  call was recorded as timed out). The SDK never runs two calls of one ``call_id`` (a reuse for
+  other arguments fails the run, an identical one is made once). Inside a tool, :func:`idempotency_key` is the journal's
+  key for the call. Whatever runs inside a journaled call (an agent used as a tool:
+  ``Agent.as_tool``) is part of that call and is not journaled again; a durable agent a tool runs
+  on a thread (``handler(ctx)`` in ``asyncio.to_thread``) is journaled, nested in the call's
+  scope, and cannot ask for an approval (``ApprovalBlockedByCalls``, at once).
 - Approvals: a tool with ``needs_approval`` interrupts the SDK's run; each interruption parks the
   run on ``ctx.request_approval`` and the operator's decision resumes it (``RunState.approve`` /
   ``reject`` on ``result.to_state()``, then ``Runner.run`` with that state).
@@ -59,6 +65,7 @@ result is replayed instead of being made again. Built on the SDK's public interf
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -94,6 +101,7 @@ from buzz_delivery.agents.integrations.journal import (
     inside_call,
     journal_for,
     keyed,
+    noting_threads,
     reconciler,
     remake,
     run_threaded,
@@ -292,15 +300,49 @@ def _journaled_tool(tool: FunctionTool, owner: DurableAgent) -> FunctionTool:
     async def invoke_now(tool_context: Any, input_json: str) -> Any:
         if timeout is None:
             return await original(tool_context, input_json)
+        return await timed(tool_context, input_json, timeout)
+
+    async def timed(tool_context: Any, input_json: str, seconds: float) -> Any:
+        """The tool within ``seconds``: cut at the timeout (the timeout's outcome: its message,
+        or ``TimeoutError``) unless a thread it started (``asyncio.to_thread``) still runs then
+        (a cancel stops no thread, its effect could come after the call was recorded as timed
+        out): then it is waited for until its threads have ended, and given ``seconds`` more
+        (its true result, when it ends in them). A thread that has ended (a host name resolved
+        by an HTTP client) keeps no tool from its timeout: it makes no effect after the call;
+        nor does one still queued (every worker of the executor busy): it is cancelled."""
+        with noting_threads(asyncio.get_running_loop()) as threads:  # the tool's task's own
+            tool = asyncio.ensure_future(original(tool_context, input_json))
         try:
-            return await asyncio.wait_for(original(tool_context, input_json), timeout)
-        except TimeoutError as exc:
-            if behavior == "raise_exception":
-                raise
-            if on_timeout is not None:
-                message = on_timeout(tool_context, exc)
-                return await message if asyncio.iscoroutine(message) else message
-            return f"Tool '{name}' timed out after {timeout} seconds."
+            while True:
+                await asyncio.wait({tool}, timeout=seconds)
+                if tool.done():
+                    return await tool
+                # A thread still queued (the executor's workers busy) is cancelled: it never runs.
+                running = [asyncio.wrap_future(t) for t in threads if not t.cancel() and not t.done()]
+                if not running:
+                    break
+                while not tool.done() and (running := [thread for thread in running if not thread.done()]):
+                    await asyncio.wait({tool, *running}, return_when=asyncio.FIRST_COMPLETED)
+                if tool.done():
+                    return await tool
+        except BaseException:
+            tool.cancel()
+            raise
+        tool.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tool
+        if tool.cancelled():
+            exc = TimeoutError()
+        elif tool.exception() is None:  # it ended as it was cut: its result stands
+            return tool.result()
+        else:
+            raise tool.exception()  # type: ignore[misc]
+        if behavior == "raise_exception":
+            raise exc
+        if on_timeout is not None:
+            message = on_timeout(tool_context, exc)
+            return await message if asyncio.iscoroutine(message) else message
+        return f"Tool '{name}' timed out after {timeout} seconds."
 
     async def on_invoke_tool(tool_context: Any, input_json: str) -> Any:
         durability: _Durability | None = _active.get()

@@ -39,9 +39,11 @@ capability (``get_wrapper_model``, ``get_wrapper_toolset``) passed to ``Agent.ru
 - Budgets: every model request and tool call spends one of the run's tool-call slots; ``cost``:
   ``tool_costs[name]`` per tool call, ``request_cost`` per model request, and the usage of each
   model response (``usage_cost(usage)``, default its input + output tokens) charged with the next
-  journaled call, so a run past its cost cap stops before its next call with
-  ``budget_exceeded`` on the run. (The final response's usage is in the journal but charged to
-  no call: nothing follows it.)
+  journaled call: its first function tool call validated (Pydantic AI validates a response's
+  calls in its order before any runs), that call not made the next model request, so a resumed
+  run whose calls reach the journal in another order charges it with the same call, once; a run
+  past its cost cap stops before its next call with ``budget_exceeded`` on the run. (The final
+  response's usage is in the journal but charged to no call: nothing follows it.)
 
 Threads: under the threaded runtime the handler runs the agent on its own event loop in a
 helper thread and makes every journal write itself, on the handler's thread and database
@@ -80,15 +82,24 @@ from pydantic_ai.messages import (
     PartStartEvent,
     TextPart,
     TextPartDelta,
+    ToolCallPart,
 )
 from pydantic_ai.models import CompletedStreamedResponse, Model, ModelRequestParameters, StreamedResponse
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
-from pydantic_ai.tools import DeferredToolRequests, DeferredToolResults, RunContext, ToolApproved, ToolDenied
+from pydantic_ai.tools import (
+    DeferredToolRequests,
+    DeferredToolResults,
+    RunContext,
+    ToolApproved,
+    ToolDefinition,
+    ToolDenied,
+)
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
+from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.exceptions import AgentError
 from buzz_delivery.agents.integrations.journal import (
@@ -157,6 +168,19 @@ class _Durability(AbstractCapability[Any], Durability):
     def __init__(self, owner: DurableAgent, journal: Journal) -> None:
         Durability.__init__(self, owner, journal)
         self.chunks_mark = 0  # the stream's position when the current model request began
+        self.choosing = False  # the last response's usage has no bearer yet (after_tool_validate)
+
+    async def after_tool_validate(
+        self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any
+    ) -> Any:
+        """Pydantic AI validates a response's tool calls one after another, in the response's
+        order, before any runs: the first function tool call validated bears the response's
+        usage (:meth:`Durability.call`), not the first to reach the journal, whose turn depends
+        on the agent's own hooks (``before_tool_execute``, ...) and may differ on a resume
+        (charged again with a call made now, or never)."""
+        if self.choosing and tool_def.kind == "function":
+            self.bearer, self.choosing = call.tool_call_id, False
+        return args
 
     def get_wrapper_model(self, model: Model) -> Model | None:
         return _JournaledModel(model, self)
@@ -175,9 +199,32 @@ class _Durability(AbstractCapability[Any], Durability):
             recorded = recorded["response"]
         response = load_response(recorded)
         self.uncharged += max(0, int(self.owner.usage_cost(response.usage)))
+        # Its usage goes with the first of its tool calls validated (after_tool_validate) or,
+        # that call not made, the next model request. Calls made one at a time (a run an
+        # earlier release journaled so): with the first made, as that release did. A call of it
+        # journaled charged with more than its tool cost took it (the previous release charged
+        # the first call to reach the journal, this one the bearer): it stays the bearer.
+        self.bearer, self.choosing = None, self.parallel
+        if self.parallel and (charged := self.charged_call(response)) is not None:
+            self.bearer, self.choosing = charged, False
         if self.owner.stream_text is True:
             await self.chunks.emit("".join(part.content for part in response.parts if isinstance(part, TextPart)))
         return response
+
+    def charged_call(self, response: ModelResponse) -> str | None:
+        """The id of the tool call of ``response`` the run had journaled (when it was claimed)
+        with a cost above its tool's, in the scope of that call: it was charged with the
+        response's usage (by this release or the previous one), so none other of its calls is."""
+        journaled_cost = getattr(self.journal.ctx, "journaled_cost", None)
+        if journaled_cost is None:
+            return None
+        for part in response.parts:
+            if isinstance(part, ToolCallPart) and part.tool_call_id:
+                scope = journal_scope.key(journal_scope.tool_call(part.tool_call_id))
+                cost = journaled_cost(scope)
+                if cost is not None and cost > self.owner.tool_costs.get(part.tool_name, 0):
+                    return part.tool_call_id
+        return None
 
     async def request(self, name: str, args: Any, make: Callable[[], Any]) -> ModelResponse:
         """One journaled model request: ``make()`` opens the wrapped model's request (a response,
@@ -308,6 +355,7 @@ class _JournaledToolset(WrapperToolset[Any]):
             body,
             tool_args,
             owner.tool_costs.get(name, 0),
+            call_id=ctx.tool_call_id or "",
             compensate=owner.compensations.get(name),
             reconcile=reconciler(owner.reconcile.get(name)),
             destructive=name in owner.destructive,
