@@ -36,18 +36,22 @@ import django.db.models.functions.datetime
 import django.db.models.functions.text
 import django.db.models.lookups
 from buzz_delivery import isolation
+from buzz_delivery.citus_ddl import OneStatementAtATime
 
 COLUMNS = "id, step_id, target_pubkey, definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id, status, lease_generation, lease_until, claimed_at, finished_at, created_at, attempt, max_attempts, next_attempt_at, expires_at, failure_code, failure_message, execution_trace, trigger_context, community_id, workflow_id, run_id, claimed_by, history, renewals, priority, slot_community, slot_target, slot_workflow, singleton_key, requeues"
 
-RENAME_AND_VIEW = f"""
-ALTER TABLE buzz_delivery_delivery RENAME TO buzz_delivery_delivery_record;
-CREATE VIEW buzz_delivery_delivery WITH (security_invoker = true) AS
-SELECT {COLUMNS} FROM buzz_delivery_delivery_record;
-"""
-VIEW_AND_RENAME_BACK = """
-DROP VIEW buzz_delivery_delivery;
-ALTER TABLE buzz_delivery_delivery_record RENAME TO buzz_delivery_delivery;
-"""
+# One statement each: Citus propagates a DDL statement to the workers with its query text, and a
+# text of several commands is refused there ("cannot insert multiple commands into a prepared
+# statement").
+RENAME_AND_VIEW = [
+    "ALTER TABLE buzz_delivery_delivery RENAME TO buzz_delivery_delivery_record",
+    "CREATE VIEW buzz_delivery_delivery WITH (security_invoker = true) AS"
+    f" SELECT {COLUMNS} FROM buzz_delivery_delivery_record",
+]
+VIEW_AND_RENAME_BACK = [
+    "DROP VIEW buzz_delivery_delivery",
+    "ALTER TABLE buzz_delivery_delivery_record RENAME TO buzz_delivery_delivery",
+]
 
 # What cached.ALL's create_sql() printed when this migration was written.
 FUNCTIONS = r"""
@@ -677,6 +681,12 @@ SIBLINGS_NAMING_THE_TABLE = {
 }
 
 
+def each_function(script: str) -> list[str]:
+    """The ``CREATE OR REPLACE FUNCTION`` statements of ``script``, one a string (see above)."""
+    head = "CREATE OR REPLACE FUNCTION"
+    return [head + part.rstrip().rstrip(";") for part in script.split(head)[1:]]
+
+
 class Migration(migrations.Migration):
     dependencies = [
         ("buzz_delivery", "0033_delivery_requeues"),
@@ -684,8 +694,11 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=OLD_FUNCTIONS),
-        *(pgtrigger.migrations.RemoveTrigger(model_name="workflowagentdelivery", name=name) for name in TRIGGERS),
+        migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=each_function(OLD_FUNCTIONS)),
+        *(
+            OneStatementAtATime(pgtrigger.migrations.RemoveTrigger(model_name="workflowagentdelivery", name=name))
+            for name in TRIGGERS
+        ),
         migrations.SeparateDatabaseAndState(
             database_operations=[migrations.RunSQL(sql=RENAME_AND_VIEW, reverse_sql=VIEW_AND_RENAME_BACK)],
             state_operations=[
@@ -1170,117 +1183,133 @@ class Migration(migrations.Migration):
                 ),
             ],
         ),
-        pgtrigger.migrations.AddTrigger(
-            model_name="deliveryrecord",
-            trigger=pgtrigger.compiler.Trigger(
-                name="community_write_fence",
-                sql=pgtrigger.compiler.UpsertTriggerSql(
-                    condition="WHEN (current_setting('buzz_delivery.fence_passed', true) IS DISTINCT FROM NEW.community_id::text)",
-                    execute="buzz_delivery_write_fence_row()",
-                    func="\n            IF TG_OP = 'INSERT' THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n                RETURN NEW;\n            END IF;\n            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);\n            IF TG_OP = 'DELETE' THEN\n                RETURN OLD;\n            END IF;\n            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n            END IF;\n            RETURN NEW;\n        ",
-                    hash="241b529ab2dd80145147952b997ad6dd01b08cb2",
-                    operation="INSERT OR UPDATE",
-                    pgid="pgtrigger_community_write_fence_cc965",
-                    table="buzz_delivery_delivery_record",
-                    when="BEFORE",
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name="deliveryrecord",
+                trigger=pgtrigger.compiler.Trigger(
+                    name="community_write_fence",
+                    sql=pgtrigger.compiler.UpsertTriggerSql(
+                        condition="WHEN (current_setting('buzz_delivery.fence_passed', true) IS DISTINCT FROM NEW.community_id::text)",
+                        execute="buzz_delivery_write_fence_row()",
+                        func="\n            IF TG_OP = 'INSERT' THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n                RETURN NEW;\n            END IF;\n            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);\n            IF TG_OP = 'DELETE' THEN\n                RETURN OLD;\n            END IF;\n            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n            END IF;\n            RETURN NEW;\n        ",
+                        hash="241b529ab2dd80145147952b997ad6dd01b08cb2",
+                        operation="INSERT OR UPDATE",
+                        pgid="pgtrigger_community_write_fence_cc965",
+                        table="buzz_delivery_delivery_record",
+                        when="BEFORE",
+                    ),
                 ),
-            ),
+            )
         ),
-        pgtrigger.migrations.AddTrigger(
-            model_name="deliveryrecord",
-            trigger=pgtrigger.compiler.Trigger(
-                name="community_write_fence_delete",
-                sql=pgtrigger.compiler.UpsertTriggerSql(
-                    condition="WHEN (current_setting('buzz_delivery.fence_passed', true) IS DISTINCT FROM OLD.community_id::text)",
-                    execute="buzz_delivery_write_fence_row()",
-                    func="\n            IF TG_OP = 'INSERT' THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n                RETURN NEW;\n            END IF;\n            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);\n            IF TG_OP = 'DELETE' THEN\n                RETURN OLD;\n            END IF;\n            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n            END IF;\n            RETURN NEW;\n        ",
-                    hash="55eee968488898c65631df3263aab2aefd2c9f82",
-                    operation="DELETE",
-                    pgid="pgtrigger_community_write_fence_delete_0b5be",
-                    table="buzz_delivery_delivery_record",
-                    when="BEFORE",
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name="deliveryrecord",
+                trigger=pgtrigger.compiler.Trigger(
+                    name="community_write_fence_delete",
+                    sql=pgtrigger.compiler.UpsertTriggerSql(
+                        condition="WHEN (current_setting('buzz_delivery.fence_passed', true) IS DISTINCT FROM OLD.community_id::text)",
+                        execute="buzz_delivery_write_fence_row()",
+                        func="\n            IF TG_OP = 'INSERT' THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n                RETURN NEW;\n            END IF;\n            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);\n            IF TG_OP = 'DELETE' THEN\n                RETURN OLD;\n            END IF;\n            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n            END IF;\n            RETURN NEW;\n        ",
+                        hash="55eee968488898c65631df3263aab2aefd2c9f82",
+                        operation="DELETE",
+                        pgid="pgtrigger_community_write_fence_delete_0b5be",
+                        table="buzz_delivery_delivery_record",
+                        when="BEFORE",
+                    ),
                 ),
-            ),
+            )
         ),
-        pgtrigger.migrations.AddTrigger(
-            model_name="deliveryrecord",
-            trigger=pgtrigger.compiler.Trigger(
-                name="community_write_fence_move",
-                sql=pgtrigger.compiler.UpsertTriggerSql(
-                    condition="WHEN (OLD.community_id IS DISTINCT FROM NEW.community_id)",
-                    execute="buzz_delivery_write_fence_row()",
-                    func="\n            IF TG_OP = 'INSERT' THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n                RETURN NEW;\n            END IF;\n            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);\n            IF TG_OP = 'DELETE' THEN\n                RETURN OLD;\n            END IF;\n            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n            END IF;\n            RETURN NEW;\n        ",
-                    hash="b7567e94b442d0fc412217c772b5b3ee0e2dc4e3",
-                    operation='UPDATE OF "community_id"',
-                    pgid="pgtrigger_community_write_fence_move_5f854",
-                    table="buzz_delivery_delivery_record",
-                    when="BEFORE",
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name="deliveryrecord",
+                trigger=pgtrigger.compiler.Trigger(
+                    name="community_write_fence_move",
+                    sql=pgtrigger.compiler.UpsertTriggerSql(
+                        condition="WHEN (OLD.community_id IS DISTINCT FROM NEW.community_id)",
+                        execute="buzz_delivery_write_fence_row()",
+                        func="\n            IF TG_OP = 'INSERT' THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n                RETURN NEW;\n            END IF;\n            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);\n            IF TG_OP = 'DELETE' THEN\n                RETURN OLD;\n            END IF;\n            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n            END IF;\n            RETURN NEW;\n        ",
+                        hash="b7567e94b442d0fc412217c772b5b3ee0e2dc4e3",
+                        operation='UPDATE OF "community_id"',
+                        pgid="pgtrigger_community_write_fence_move_5f854",
+                        table="buzz_delivery_delivery_record",
+                        when="BEFORE",
+                    ),
                 ),
-            ),
+            )
         ),
-        pgtrigger.migrations.AddTrigger(
-            model_name="deliveryrecord",
-            trigger=pgtrigger.compiler.Trigger(
-                name="delivery_binding_immutable",
-                sql=pgtrigger.compiler.UpsertTriggerSql(
-                    func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: delivery %s: its binding and snapshots never '\n                                 'change; state changes go through buzz_delivery.services', OLD.id);\n        ",
-                    hash="b78a71f1855ec58057a5e9e64351086381490413",
-                    operation='UPDATE OF "id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id", "execution_trace", "trigger_context", "singleton_key"',
-                    pgid="pgtrigger_delivery_binding_immutable_f6fd2",
-                    table="buzz_delivery_delivery_record",
-                    when="BEFORE",
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name="deliveryrecord",
+                trigger=pgtrigger.compiler.Trigger(
+                    name="delivery_binding_immutable",
+                    sql=pgtrigger.compiler.UpsertTriggerSql(
+                        func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: delivery %s: its binding and snapshots never '\n                                 'change; state changes go through buzz_delivery.services', OLD.id);\n        ",
+                        hash="b78a71f1855ec58057a5e9e64351086381490413",
+                        operation='UPDATE OF "id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id", "execution_trace", "trigger_context", "singleton_key"',
+                        pgid="pgtrigger_delivery_binding_immutable_f6fd2",
+                        table="buzz_delivery_delivery_record",
+                        when="BEFORE",
+                    ),
                 ),
-            ),
+            )
         ),
-        pgtrigger.migrations.AddTrigger(
-            model_name="deliveryrecord",
-            trigger=pgtrigger.compiler.Trigger(
-                name="delivery_generation_monotonic",
-                sql=pgtrigger.compiler.UpsertTriggerSql(
-                    condition="WHEN (NEW.lease_generation < OLD.lease_generation)",
-                    func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: delivery %s: lease_generation cannot go back from %s to %s',\n                                 OLD.id, OLD.lease_generation, NEW.lease_generation);\n        ",
-                    hash="5ac0899b3f9d4613dcc85263709b9cdf881d109c",
-                    operation="UPDATE",
-                    pgid="pgtrigger_delivery_generation_monotonic_7e65e",
-                    table="buzz_delivery_delivery_record",
-                    when="BEFORE",
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name="deliveryrecord",
+                trigger=pgtrigger.compiler.Trigger(
+                    name="delivery_generation_monotonic",
+                    sql=pgtrigger.compiler.UpsertTriggerSql(
+                        condition="WHEN (NEW.lease_generation < OLD.lease_generation)",
+                        func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: delivery %s: lease_generation cannot go back from %s to %s',\n                                 OLD.id, OLD.lease_generation, NEW.lease_generation);\n        ",
+                        hash="5ac0899b3f9d4613dcc85263709b9cdf881d109c",
+                        operation="UPDATE",
+                        pgid="pgtrigger_delivery_generation_monotonic_7e65e",
+                        table="buzz_delivery_delivery_record",
+                        when="BEFORE",
+                    ),
                 ),
-            ),
+            )
         ),
-        pgtrigger.migrations.AddTrigger(
-            model_name="deliveryrecord",
-            trigger=pgtrigger.compiler.Trigger(
-                name="delivery_history_append_only",
-                sql=pgtrigger.compiler.UpsertTriggerSql(
-                    condition="WHEN (NEW.history IS DISTINCT FROM OLD.history AND NOT ((NEW.history - (-1)) = OLD.history OR (jsonb_array_length(OLD.history) >= 50 AND (NEW.history - (-1)) = (OLD.history - 0))))",
-                    func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '\n                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);\n        ",
-                    hash="18c68dd0c2ee1d65f0eb58918d521638f4c7dad1",
-                    operation='UPDATE OF "history"',
-                    pgid="pgtrigger_delivery_history_append_only_27347",
-                    table="buzz_delivery_delivery_record",
-                    when="BEFORE",
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name="deliveryrecord",
+                trigger=pgtrigger.compiler.Trigger(
+                    name="delivery_history_append_only",
+                    sql=pgtrigger.compiler.UpsertTriggerSql(
+                        condition="WHEN (NEW.history IS DISTINCT FROM OLD.history AND NOT ((NEW.history - (-1)) = OLD.history OR (jsonb_array_length(OLD.history) >= 50 AND (NEW.history - (-1)) = (OLD.history - 0))))",
+                        func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '\n                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);\n        ",
+                        hash="18c68dd0c2ee1d65f0eb58918d521638f4c7dad1",
+                        operation='UPDATE OF "history"',
+                        pgid="pgtrigger_delivery_history_append_only_27347",
+                        table="buzz_delivery_delivery_record",
+                        when="BEFORE",
+                    ),
                 ),
-            ),
+            )
         ),
-        pgtrigger.migrations.RemoveTrigger(
-            model_name="community",
-            name="community_lifecycle_forward_only",
-        ),
-        pgtrigger.migrations.AddTrigger(
-            model_name="community",
-            trigger=pgtrigger.compiler.Trigger(
+        OneStatementAtATime(
+            pgtrigger.migrations.RemoveTrigger(
+                model_name="community",
                 name="community_lifecycle_forward_only",
-                sql=pgtrigger.compiler.UpsertTriggerSql(
-                    declare="DECLARE old_rank int; new_rank int;",
-                    func="\n            IF NEW.id IS DISTINCT FROM OLD.id THEN\n                RAISE EXCEPTION USING ERRCODE = 'BD002',\n                    MESSAGE = 'buzz_delivery: a community id never changes';\n            END IF;\n            IF NEW.deletion_state IS DISTINCT FROM OLD.deletion_state THEN\n                -- The write fence's other side: writers hold this lock shared until they\n                -- commit; taken here, on the node that owns the community row, it waits for\n                -- them and queues later writers behind this move (SPEC sections 5, 15).\n                PERFORM pg_advisory_xact_lock(1111752705, hashtext(OLD.id::text));\n                -- This transaction's writers judge the community again from now on.\n                PERFORM set_config('buzz_delivery.fence_passed', '', true);\n                old_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], OLD.deletion_state);\n                new_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], NEW.deletion_state);\n                IF new_rank IS DISTINCT FROM old_rank + 1 THEN\n                    RAISE EXCEPTION USING ERRCODE = 'BD002',\n                        MESSAGE = format('buzz_delivery: community %s cannot move from %s to %s '\n                                         '(states move forward one step at a time)',\n                                         OLD.id, OLD.deletion_state, NEW.deletion_state);\n                END IF;\n                IF NEW.deletion_state = 'tombstone' AND (EXISTS (SELECT 1 FROM buzz_delivery_rate_limit WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_delivery_record WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_workflow_run WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_event WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_workflow WHERE community_id = OLD.id)) THEN\n                    RAISE EXCEPTION USING ERRCODE = 'BD002',\n                        MESSAGE = format('buzz_delivery: community %s still holds rows; '\n                                         'purge it before it becomes tombstone', OLD.id);\n                END IF;\n                NEW.fence_generation := OLD.fence_generation + 1;\n                NEW.state_changed_at := now();\n            ELSIF NEW.fence_generation IS DISTINCT FROM OLD.fence_generation THEN\n                RAISE EXCEPTION USING ERRCODE = 'BD002',\n                    MESSAGE = 'buzz_delivery: fence_generation changes only with a lifecycle move';\n            END IF;\n            RETURN NEW;\n        ",
-                    hash="dba41c94fdb7862d35e081a210d17928215f1669",
-                    operation="UPDATE",
-                    pgid="pgtrigger_community_lifecycle_forward_only_9a308",
-                    table="buzz_delivery_community",
-                    when="BEFORE",
-                ),
-            ),
+            )
         ),
-        migrations.RunSQL(sql=FUNCTIONS, reverse_sql=migrations.RunSQL.noop),
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name="community",
+                trigger=pgtrigger.compiler.Trigger(
+                    name="community_lifecycle_forward_only",
+                    sql=pgtrigger.compiler.UpsertTriggerSql(
+                        declare="DECLARE old_rank int; new_rank int;",
+                        func="\n            IF NEW.id IS DISTINCT FROM OLD.id THEN\n                RAISE EXCEPTION USING ERRCODE = 'BD002',\n                    MESSAGE = 'buzz_delivery: a community id never changes';\n            END IF;\n            IF NEW.deletion_state IS DISTINCT FROM OLD.deletion_state THEN\n                -- The write fence's other side: writers hold this lock shared until they\n                -- commit; taken here, on the node that owns the community row, it waits for\n                -- them and queues later writers behind this move (SPEC sections 5, 15).\n                PERFORM pg_advisory_xact_lock(1111752705, hashtext(OLD.id::text));\n                -- This transaction's writers judge the community again from now on.\n                PERFORM set_config('buzz_delivery.fence_passed', '', true);\n                old_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], OLD.deletion_state);\n                new_rank := array_position(ARRAY['active','quiescing','fenced','tombstone'], NEW.deletion_state);\n                IF new_rank IS DISTINCT FROM old_rank + 1 THEN\n                    RAISE EXCEPTION USING ERRCODE = 'BD002',\n                        MESSAGE = format('buzz_delivery: community %s cannot move from %s to %s '\n                                         '(states move forward one step at a time)',\n                                         OLD.id, OLD.deletion_state, NEW.deletion_state);\n                END IF;\n                IF NEW.deletion_state = 'tombstone' AND (EXISTS (SELECT 1 FROM buzz_delivery_rate_limit WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_delivery_record WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_workflow_run WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_event WHERE community_id = OLD.id) OR EXISTS (SELECT 1 FROM buzz_delivery_workflow WHERE community_id = OLD.id)) THEN\n                    RAISE EXCEPTION USING ERRCODE = 'BD002',\n                        MESSAGE = format('buzz_delivery: community %s still holds rows; '\n                                         'purge it before it becomes tombstone', OLD.id);\n                END IF;\n                NEW.fence_generation := OLD.fence_generation + 1;\n                NEW.state_changed_at := now();\n            ELSIF NEW.fence_generation IS DISTINCT FROM OLD.fence_generation THEN\n                RAISE EXCEPTION USING ERRCODE = 'BD002',\n                    MESSAGE = 'buzz_delivery: fence_generation changes only with a lifecycle move';\n            END IF;\n            RETURN NEW;\n        ",
+                        hash="dba41c94fdb7862d35e081a210d17928215f1669",
+                        operation="UPDATE",
+                        pgid="pgtrigger_community_lifecycle_forward_only_9a308",
+                        table="buzz_delivery_community",
+                        when="BEFORE",
+                    ),
+                ),
+            )
+        ),
+        migrations.RunSQL(sql=each_function(FUNCTIONS), reverse_sql=migrations.RunSQL.noop),
         isolation.view_grant_operation("buzz_delivery"),
     ]
