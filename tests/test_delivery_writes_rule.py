@@ -72,6 +72,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "test_a_move_still_waits_for_writers_and_refuses_them_after_it_while_a_tenant_holds_the_lock",
     ): (f"{OTHER_CONNECTION}: the fence move waits for a tenant login's open write, then refuses it"),
     ("test_scale_out_rules.py", "<module>"): "the Citus statement rules' self-tests (SQL text, never run)",
+    (
+        "test_record_writes_rule.py",
+        "test_the_scan_finds_writes_locks_and_table_commands_on_the_view_and_passes_the_record",
+    ): "the product's record-writes rule's own self-test (SQL text, never run)",
     ("test_scale_out_function_rules.py", "<module>"): "the Citus function rules' self-tests (SQL text, never run)",
 }
 
