@@ -46,7 +46,7 @@ DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/bench_admin"
 COMMUNITIES = 5
 RUNS_PER_COMMUNITY = 1000
 TABLES = (
-    "buzz_delivery_delivery",
+    "buzz_delivery_delivery_record",
     "buzz_delivery_event",
     "buzz_delivery_workflow_run",
     "buzz_delivery_workflow",
@@ -74,7 +74,7 @@ DELIVERIES = [
        SELECT md5('c' || c)::uuid, sha256(('e' || c || '-' || r)::bytea), now(), 1,
               sha256(('a' || c)::bytea), 'message ' || r, '[]'::jsonb
        FROM generate_series(0, %(c)s - 1) c, generate_series(0, %(r)s - 1) r""",
-    """INSERT INTO buzz_delivery_delivery (
+    """INSERT INTO buzz_delivery_delivery_record (
            id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id, message_event_id,
            cause_kind, cause_webhook_invocation_id, status, lease_generation, lease_until, claimed_at,
            finished_at, created_at, attempt, max_attempts, failure_code, failure_message,
@@ -234,7 +234,7 @@ AGENTS = [
 
 # layer -> (statements, the table whose row count says it is loaded)
 LAYERS = {
-    "deliveries": (DELIVERIES, "buzz_delivery_delivery"),
+    "deliveries": (DELIVERIES, "buzz_delivery_delivery_record"),
     "workflows": (WORKFLOWS, "buzz_workflows_run"),
     "agents": (AGENTS, "buzz_agents_run"),
 }
@@ -313,9 +313,13 @@ def measure(client, url: str, repeat: int) -> tuple[float, float, int, float, in
 
 def delivery_pages(conn: psycopg.Connection) -> list[tuple[str, str]]:
     base = "/admin/buzz_delivery/workflowagentdelivery/"
-    target = conn.execute("SELECT encode(target_pubkey, 'hex') FROM buzz_delivery_delivery LIMIT 1").fetchone()[0]
+    target = conn.execute("SELECT encode(target_pubkey, 'hex') FROM buzz_delivery_delivery_record LIMIT 1").fetchone()[
+        0
+    ]
     community = conn.execute("SELECT id FROM buzz_delivery_community ORDER BY name LIMIT 1").fetchone()[0]
-    some_id = conn.execute("SELECT id FROM buzz_delivery_delivery ORDER BY created_at DESC LIMIT 1").fetchone()[0]
+    some_id = conn.execute("SELECT id FROM buzz_delivery_delivery_record ORDER BY created_at DESC LIMIT 1").fetchone()[
+        0
+    ]
     return [
         ("changelist", base),
         ("changelist page 50", base + "?p=50"),
@@ -468,7 +472,7 @@ def main() -> None:
                 "SELECT reltuples::bigint FROM pg_class WHERE oid = to_regclass(%s)", [table]
             ).fetchone()
             for table in (
-                "buzz_delivery_delivery",
+                "buzz_delivery_delivery_record",
                 "buzz_workflows_run",
                 "buzz_workflows_step",
                 "buzz_agents_run",

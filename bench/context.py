@@ -33,7 +33,7 @@ class Bench:
 
 FENCE_TRIGGER = """
 SELECT tgname FROM pg_trigger
-WHERE tgrelid = 'buzz_delivery_delivery'::regclass AND tgname LIKE 'pgtrigger_community_write_fence_%'
+WHERE tgrelid = 'buzz_delivery_delivery_record'::regclass AND tgname LIKE 'pgtrigger_community_write_fence_%'
 """
 
 
@@ -42,8 +42,8 @@ def write_fence_disabled(conn: psycopg.Connection) -> Iterator[None]:
     """COMPARISON ONLY: disable the write-fence trigger (only that one) on the delivery table of
     the benchmark database for the block, and always re-enable it."""
     (name,) = conn.execute(FENCE_TRIGGER).fetchone()
-    conn.execute(f'ALTER TABLE buzz_delivery_delivery DISABLE TRIGGER "{name}"')
+    conn.execute(f'ALTER TABLE buzz_delivery_delivery_record DISABLE TRIGGER "{name}"')
     try:
         yield
     finally:
-        conn.execute(f'ALTER TABLE buzz_delivery_delivery ENABLE TRIGGER "{name}"')
+        conn.execute(f'ALTER TABLE buzz_delivery_delivery_record ENABLE TRIGGER "{name}"')

@@ -16,9 +16,9 @@ import psycopg
 
 from bench.baseline import TABLE as RAW_TABLE
 
-OURS = "buzz_delivery_delivery"
+OURS = "buzz_delivery_delivery_record"
 BUZZ_TABLES = (
-    "buzz_delivery_delivery",
+    "buzz_delivery_delivery_record",
     "buzz_delivery_event",
     "buzz_delivery_workflow_run",
     "buzz_delivery_workflow",

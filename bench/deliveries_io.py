@@ -94,7 +94,9 @@ def ours(n: int, in_flight: int, handler: Any) -> tuple[float, int]:
         summary = run_worker(config, handle_signals=False)
     assert summary["finished"] == n, dict(summary)
     with connection.cursor() as cursor:
-        cursor.execute("SELECT max(finished_at) FROM buzz_delivery_delivery WHERE community_id = %s", [community.id])
+        cursor.execute(
+            "SELECT max(finished_at) FROM buzz_delivery_delivery_record WHERE community_id = %s", [community.id]
+        )
         ended = cursor.fetchone()[0]
     return n / (ended - started).total_seconds(), peak.peak
 

@@ -100,7 +100,7 @@ def drain(url: str, conn: Any, tenant: data.Tenant, args: argparse.Namespace, li
     with conn.transaction():
         conn.execute("SET LOCAL session_replication_role = replica")
         conn.execute(
-            "UPDATE buzz_delivery_delivery SET priority = (abs(hashtext(id::text) %% 21) - 10)::int"
+            "UPDATE buzz_delivery_delivery_record SET priority = (abs(hashtext(id::text) %% 21) - 10)::int"
             " WHERE community_id = %s",
             [tenant.community_id],
         )

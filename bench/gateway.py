@@ -102,7 +102,7 @@ def clear(community_id) -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM buzz_delivery_delivery WHERE community_id = %s", [community_id])
+        cursor.execute("DELETE FROM buzz_delivery_delivery_record WHERE community_id = %s", [community_id])
 
 
 def start_gunicorn(url: str, port: int, log, root: Path = ROOT) -> subprocess.Popen:

@@ -246,7 +246,7 @@ def copy_triggers(conn: psycopg.Connection, c: Candidate) -> list[str]:
     the product's pruner does). Neither fires on the measured statements' rows but as a WHEN test."""
     rows = conn.execute(
         "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger "
-        "WHERE tgrelid = 'buzz_delivery_delivery'::regclass AND NOT tgisinternal"
+        "WHERE tgrelid = 'buzz_delivery_delivery_record'::regclass AND NOT tgisinternal"
     ).fetchall()
     out = []
     for name, definition in rows:
@@ -260,7 +260,7 @@ def copy_triggers(conn: psycopg.Connection, c: Candidate) -> list[str]:
             continue
         for table in targets:
             out.append(
-                definition.replace("public.buzz_delivery_delivery", table).replace(
+                definition.replace("public.buzz_delivery_delivery_record", table).replace(
                     f"TRIGGER {name} ", f"TRIGGER {name}_{table} "
                 )
             )

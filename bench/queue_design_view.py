@@ -331,7 +331,8 @@ CREATE TABLE qv_record (
         conn.execute(statement)
     for table in ("qv_record", "qv_queue", "qv_outcome"):
         conn.execute(
-            "SELECT create_distributed_table(%s, 'community_id', colocate_with => 'buzz_delivery_delivery')", [table]
+            "SELECT create_distributed_table(%s, 'community_id', colocate_with => 'buzz_delivery_delivery_record')",
+            [table],
         )
     for statement in views(
         ["id", "community_id", "run_id", "step_id", "target_pubkey", "message_event_id", "priority", "created_at"]
@@ -435,7 +436,8 @@ CREATE TABLE qv_record (
             conn.execute(function(fn, args, returns, body, mode))
             signature = re.sub(r"p_\w+ ", "", args)
             conn.execute(
-                "SELECT create_distributed_function(%s, 'p_community_id', colocate_with => 'buzz_delivery_delivery', "
+                "SELECT create_distributed_function(%s, 'p_community_id', "
+                "colocate_with => 'buzz_delivery_delivery_record', "
                 "force_delegation => true)",
                 [f"{fn}({signature})"],
             )
@@ -448,7 +450,7 @@ FAN_IN = [
     "DROP TABLE IF EXISTS qv_count",
     "CREATE TABLE qv_count (community_id uuid NOT NULL, run_id uuid NOT NULL, terminal int NOT NULL DEFAULT 0, "
     "failed int NOT NULL DEFAULT 0, PRIMARY KEY (community_id, run_id))",
-    "SELECT create_distributed_table('qv_count', 'community_id', colocate_with => 'buzz_delivery_delivery')",
+    "SELECT create_distributed_table('qv_count', 'community_id', colocate_with => 'buzz_delivery_delivery_record')",
     """CREATE OR REPLACE FUNCTION qv_fan_in() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
   UPDATE qv_count AS k SET terminal = k.terminal + 1,
@@ -499,7 +501,7 @@ def extras(conn: psycopg.Connection) -> None:
     )  # fmt: skip
     conn.execute(
         "SELECT create_distributed_function('qv_fn_prune(uuid, float8, bigint)', 'p_community_id', "
-        "colocate_with => 'buzz_delivery_delivery', force_delegation => true)"
+        "colocate_with => 'buzz_delivery_delivery_record', force_delegation => true)"
     )
     outcomes = conn.execute("SELECT count(*) FROM qv_outcome WHERE community_id = %s", [A]).fetchone()
     call = "SELECT * FROM qv_fn_prune(%s, 0, 100000)"
@@ -591,8 +593,8 @@ def pg(url: str, rows: int) -> None:
     conn = psycopg.connect(url, autocommit=True)
     conn.execute("DROP VIEW IF EXISTS qv_delivery, qv_delivery_u CASCADE")
     conn.execute("DROP TABLE IF EXISTS qv_outcome, qv_queue, qv_record, qv_current CASCADE")
-    conn.execute("CREATE TABLE qv_current (LIKE buzz_delivery_delivery INCLUDING ALL)")
-    conn.execute("CREATE TABLE qv_record (LIKE buzz_delivery_delivery INCLUDING DEFAULTS)")
+    conn.execute("CREATE TABLE qv_current (LIKE buzz_delivery_delivery_record INCLUDING ALL)")
+    conn.execute("CREATE TABLE qv_record (LIKE buzz_delivery_delivery_record INCLUDING DEFAULTS)")
     conn.execute("ALTER TABLE qv_record " + ", ".join(f"DROP COLUMN {c}" for c in RECORD_DROPPED))
     conn.execute("ALTER TABLE qv_record ADD PRIMARY KEY (id, community_id)")
     for statement in (

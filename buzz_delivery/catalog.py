@@ -22,7 +22,7 @@ from django.db import models
 # workflows; runs point at workflows.
 DELETION_CATALOG: tuple[str, ...] = (
     "buzz_delivery.RateLimit",
-    "buzz_delivery.WorkflowAgentDelivery",
+    "buzz_delivery.DeliveryRecord",
     "buzz_delivery.WorkflowRun",
     "buzz_delivery.Event",
     "buzz_delivery.Workflow",

@@ -273,7 +273,8 @@ def runtime_role_warnings(connection: Any) -> list[checks.CheckMessage]:
             runtime = raw["TENANT_ROLE"] if raw["SWITCH_ROLES"] else cursor.fetchone()[0]
             cursor.execute(
                 "SELECT r.rolsuper, r.rolbypassrls, EXISTS (SELECT FROM pg_class c"
-                " WHERE c.oid = to_regclass('buzz_delivery_delivery') AND pg_has_role(r.oid, c.relowner, 'USAGE')),"
+                " WHERE c.oid = to_regclass('buzz_delivery_delivery_record')"
+                " AND pg_has_role(r.oid, c.relowner, 'USAGE')),"
                 " coalesce((SELECT pg_has_role(r.oid, m.oid, 'USAGE') FROM pg_roles m WHERE m.rolname = %s), false)"
                 " FROM pg_roles r WHERE r.rolname = %s",
                 [raw["MAINTENANCE_ROLE"], runtime],

@@ -94,15 +94,31 @@ def app_tables(app_models: Iterable[type[models.Model]]) -> list[tuple[str, str 
     return out
 
 
-def installed_tables() -> list[tuple[str, str | None]]:
-    """:func:`app_tables` over the installed apps of :data:`APP_LABELS`."""
+def app_views(app_models: Iterable[type[models.Model]]) -> list[str]:
+    """The views among the models given: an unmanaged model's ``db_table`` (today the delivery
+    view, ``buzz_delivery_delivery``, over its record). Both roles read them (``security_invoker``:
+    the reader's row-level security on the tables beneath applies); nobody writes through them."""
+    return [m._meta.db_table for m in app_models if not (m._meta.managed or m._meta.proxy or m._meta.abstract)]
+
+
+def _installed_models() -> list[type[models.Model]]:
     from django.apps import apps
 
     found: list[type[models.Model]] = []
     for label in APP_LABELS:
         if apps.is_installed(_APP_NAMES[label]):
             found.extend(apps.get_app_config(label).get_models())
-    return app_tables(found)
+    return found
+
+
+def installed_views() -> list[str]:
+    """:func:`app_views` over the installed apps of :data:`APP_LABELS`."""
+    return app_views(_installed_models())
+
+
+def installed_tables() -> list[tuple[str, str | None]]:
+    """:func:`app_tables` over the installed apps of :data:`APP_LABELS`."""
+    return app_tables(_installed_models())
 
 
 _APP_NAMES = {
@@ -196,7 +212,13 @@ def hide_activity(cursor: Any) -> bool:
     return True
 
 
-def grant_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[str]:
+def view_grant_sql(views: Sequence[str], names: Roles) -> list[str]:
+    """``SELECT`` on each view to both roles, and nothing else (:func:`app_views`)."""
+    tenant, fleet = _ident(names.tenant), _ident(names.maintenance)
+    return [f"GRANT SELECT ON {_ident(view)} TO {tenant}, {fleet}" for view in views]
+
+
+def grant_sql(tables: Sequence[tuple[str, str | None]], names: Roles, views: Sequence[str] = ()) -> list[str]:
     """GRANT statements: schema usage for both roles; the maintenance role DML on every table;
     the tenant role DML on the community-scoped tables only (the community table itself: read
     and the row locks of the write fence, its policies refuse every write), plus
@@ -212,7 +234,7 @@ def grant_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[st
             out.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {_ident(table)} TO {tenant}")
         elif table in TENANT_TABLE_GRANTS:
             out.append(f"GRANT {TENANT_TABLE_GRANTS[table]} ON {_ident(table)} TO {tenant}")
-    return out + sequence_sql(names)
+    return out + view_grant_sql(views, names) + sequence_sql(names)
 
 
 def policy_sql(tables: Sequence[tuple[str, str | None]], names: Roles) -> list[str]:
@@ -285,7 +307,7 @@ def ensure_roles(cursor: Any, names: Roles) -> list[str]:
     return missing
 
 
-def install(cursor: Any, tables: Sequence[tuple[str, str | None]]) -> bool:
+def install(cursor: Any, tables: Sequence[tuple[str, str | None]], views: Sequence[str] = ()) -> bool:
     """Roles (where possible), grants and policies for ``tables``; returns False (and warns)
     when the roles are missing and the current user may not create them."""
     names = roles()
@@ -298,7 +320,7 @@ def install(cursor: Any, tables: Sequence[tuple[str, str | None]]) -> bool:
             stacklevel=2,
         )
         return False
-    for statement in (*grant_sql(tables, names), *policy_sql(tables, names)):
+    for statement in (*grant_sql(tables, names, views), *policy_sql(tables, names)):
         cursor.execute(statement)
     hide_activity(cursor)
     return True
@@ -310,9 +332,9 @@ def migration_operation(app_label: str) -> Any:
     from django.db import migrations
 
     def forward(apps: Any, schema_editor: Any) -> None:
-        tables = app_tables(apps.get_app_config(app_label).get_models())
+        app_models = list(apps.get_app_config(app_label).get_models())
         with schema_editor.connection.cursor() as cursor:
-            install(cursor, tables)
+            install(cursor, app_tables(app_models), app_views(app_models))
 
     def backward(apps: Any, schema_editor: Any) -> None:
         tables = app_tables(apps.get_app_config(app_label).get_models())
@@ -326,6 +348,25 @@ def migration_operation(app_label: str) -> Any:
                     cursor.execute(f"DROP POLICY IF EXISTS {TENANT_READ_POLICY} ON {_ident(table)}")
 
     return migrations.RunPython(forward, backward, elidable=False)
+
+
+def view_grant_operation(app_label: str) -> Any:
+    """A ``RunPython`` that grants ``SELECT`` on ``app_label``'s views (:func:`app_views` of that
+    migration state) to both roles where they exist; backwards nothing (dropping a view drops
+    its grants). For the migration that turns a table into a view over a renamed table: the
+    table's own grants and policies follow the rename."""
+    from django.db import migrations
+
+    def forward(apps: Any, schema_editor: Any) -> None:
+        views = app_views(apps.get_app_config(app_label).get_models())
+        names = roles()
+        with schema_editor.connection.cursor() as cursor:
+            if _missing_roles(cursor, names):
+                return
+            for statement in view_grant_sql(views, names):
+                cursor.execute(statement)
+
+    return migrations.RunPython(forward, migrations.RunPython.noop, elidable=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,11 +398,11 @@ def table_states(cursor: Any, tables: Sequence[tuple[str, str | None]] | None = 
 
 
 def enforced(cursor: Any) -> bool:
-    """True when RLS is enabled and forced on the delivery table (how the services decide
+    """True when RLS is enabled and forced on the delivery record table (how the services decide
     whether to set a tenant context at all)."""
     cursor.execute(
         "SELECT coalesce(bool_and(relrowsecurity AND relforcerowsecurity), false) FROM pg_class"
-        " WHERE oid = to_regclass('buzz_delivery_delivery')"
+        " WHERE oid = to_regclass('buzz_delivery_delivery_record')"
     )
     return bool(cursor.fetchone()[0])
 
@@ -386,7 +427,7 @@ def switch(cursor: Any, on: bool) -> list[TableState]:
     if on:
         if is_citus(cursor):
             raise IsolationError("tenant isolation is not supported on Citus in this version (SPEC section 13)")
-        if not install(cursor, tables):
+        if not install(cursor, tables, installed_views()):
             raise IsolationError(
                 "the roles the policies name do not exist: run `manage.py tenant_isolation sql` as a DBA first"
             )
@@ -400,6 +441,11 @@ def dba_script() -> str:
     policies, and the statement that enables enforcement (commented out)."""
     tables = installed_tables()
     names = roles()
-    lines = [*role_sql(names), *grant_sql(tables, names), *policy_sql(tables, names), *activity_sql()]
+    lines = [
+        *role_sql(names),
+        *grant_sql(tables, names, installed_views()),
+        *policy_sql(tables, names),
+        *activity_sql(),
+    ]
     lines.append("-- then, as the tables' owner: manage.py tenant_isolation enable")
     return ";\n".join(line.rstrip(";") for line in lines[:-1]) + ";\n" + lines[-1] + "\n"

@@ -90,13 +90,20 @@ from buzz_delivery.models import (
 )
 from buzz_delivery.services import flow, stats, tenancy
 from buzz_delivery.services.ratelimits import declared_rate_limits
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import (
+    COUNT_LAPSED_LEASES,
+    COUNT_LIVE_BY_STATUS,
+    DB_NOW,
+    DELIVERY_VIEW,
+    LIVE_DELIVERIES,
+    TERMINAL_DELIVERIES,
+)
 from buzz_delivery.services.workers import PRUNE_AFTER_SECONDS, STALE_AFTER_SECONDS
 
 # Up to this many rows a table's statuses are counted exactly; above it they are estimated.
 EXACT_CAP = stats.EXACT_CAP
 
-DELIVERY = WorkflowAgentDelivery._meta.db_table
+DELIVERY = DELIVERY_VIEW
 COMMUNITY = Community._meta.db_table
 
 # The UTC creation time of the oldest pending delivery of an active community: the age index
@@ -108,7 +115,7 @@ COMMUNITY = Community._meta.db_table
 # its primary key (one row per walked row, as the EXISTS it replaces): Citus refuses a
 # correlated subquery whose FROM holds a subquery (issue 30), and plans this join.
 _WALK = f"""
-    SELECT d.community_id, timezone('UTC', d.created_at) AS at FROM {DELIVERY} AS d
+    SELECT d.community_id, timezone('UTC', d.created_at) AS at FROM {LIVE_DELIVERIES} AS d
     WHERE d.status = 'pending' AND d.{CREATED_FLOOR_SQL}
     ORDER BY timezone('UTC', d.created_at) LIMIT %(walk)s
 """
@@ -126,15 +133,15 @@ FENCED_WALK = 100_000
 # community; lapsed leases; rows pending in fenced communities (the polling index, per community).
 DELIVERY_LIVE = f"""
 SELECT
-    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
-    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
-    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
+    ({COUNT_LIVE_BY_STATUS["pending"]}),
+    ({COUNT_LIVE_BY_STATUS["claimed"]}),
+    ({COUNT_LAPSED_LEASES}),
     (SELECT greatest(extract(epoch FROM timezone('UTC', statement_timestamp()) - o.at), 0)
      FROM ({OLDEST_ACTIVE_PENDING}) AS o),
     (SELECT count(*) FROM (
         SELECT 1 FROM {COMMUNITY} AS c
         CROSS JOIN LATERAL (
-            SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND d.status = 'pending' LIMIT %(cap)s
+            SELECT 1 FROM {LIVE_DELIVERIES} AS d WHERE d.community_id = c.id AND d.status = 'pending' LIMIT %(cap)s
         ) AS p
         WHERE c.deletion_state <> 'active' LIMIT %(cap)s) AS f)
 """
@@ -146,7 +153,7 @@ SETTLED_RECENTLY = f"""
 SELECT d.status, count(*)
 FROM {Community._meta.db_table} AS c
 CROSS JOIN LATERAL (
-    SELECT t.status FROM {DELIVERY} AS t
+    SELECT t.status FROM {TERMINAL_DELIVERIES} AS t
     WHERE t.community_id = c.id AND t.status IN ('finished', 'failed', 'expired')
       AND t.finished_at >= {DB_NOW} - make_interval(secs => %(seconds)s)
 ) AS d
@@ -438,7 +445,7 @@ def _slot_families(
 # key holds, the keys at the limit. The kind's partial UNIQUE index over claimed rows serves it.
 def concurrency_use(kind: str) -> str:
     column, key = flow.KINDS[kind]
-    return _slots_use("buzz_delivery_delivery", "d.status = 'claimed'", column, key)
+    return _slots_use(LIVE_DELIVERIES, "d.status = 'claimed'", column, key)
 
 
 # The same for agent runs (leased: running, waiting_tool) and workflow steps (running).

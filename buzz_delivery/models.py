@@ -210,13 +210,17 @@ class Event(CommunityScoped):
         return bytes(self.event_id).hex()[:16]
 
 
-class WorkflowAgentDelivery(CommunityScoped):
+class DeliveryColumns(CommunityScoped):
     """One workflow message addressed to one agent (the target), with its lease.
 
     Identity (the binding, SPEC section 2): community, workflow, run, ``step_id``,
     ``target_pubkey``, ``definition_event_id``, ``message_event_id`` and the cause.
     The lease columns, the policy columns (SPEC section 6) and ``status`` change only
     through :mod:`buzz_delivery.services`.
+
+    The columns of both delivery models (issue 31, stage 1): :class:`DeliveryRecord`, the table
+    every writer names, and :class:`WorkflowAgentDelivery`, the view of the old name every reader
+    uses (``bench/results/queue-design-plan.md``).
     """
 
     # UUIDv7 from Python (time-ordered); the database default serves raw-SQL producers.
@@ -285,9 +289,54 @@ class WorkflowAgentDelivery(CommunityScoped):
     requeues = models.IntegerField(default=0, db_default=0, editable=False)
 
     class Meta:
-        db_table = "buzz_delivery_delivery"
-        verbose_name = "delivery"
-        verbose_name_plural = "deliveries"
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"{self.step_id} -> {bytes(self.target_pubkey).hex()[:12]} ({self.status})"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: deliveries are written only through :mod:`buzz_delivery.services`.
+
+        Saving a claimed instance would write its claim-time snapshot back (an older generation,
+        lease and status); the database refuses that too (``delivery_generation_monotonic``)."""
+        raise DeliveryWriteRefused(
+            f"{type(self).__name__}.save() is refused: use buzz_delivery.services "
+            "(commit_deliveries, claim_delivery, finish_delivery...) to change deliveries"
+        )
+
+    @property
+    def target_hex(self) -> str:
+        """``target_pubkey`` as 64 lowercase hex characters."""
+        return bytes(self.target_pubkey).hex()
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+# The table behind the view of the old name (issue 31, stage 1, core migration 0034).
+DELIVERY_RECORD_TABLE = "buzz_delivery_delivery_record"
+DELIVERY_VIEW = "buzz_delivery_delivery"
+
+
+class DeliveryRecord(DeliveryColumns):
+    """The delivery table itself (``buzz_delivery_delivery_record``): its constraints, indexes
+    and triggers, its row-level security policies, its foreign keys (``buzz_tasks_result``
+    references it), its distribution on Citus. Every statement that writes or locks a delivery
+    names it (``buzz_delivery.services.sql.RECORD``); readers use :class:`WorkflowAgentDelivery`."""
+
+    workflow = models.ForeignKey(
+        Workflow, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="+"
+    )
+    run = models.ForeignKey(
+        WorkflowRun, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="+"
+    )
+
+    class Meta:
+        db_table = DELIVERY_RECORD_TABLE
+        verbose_name = "delivery record"
+        verbose_name_plural = "delivery records"
+        default_permissions = ()
         constraints = [
             models.UniqueConstraint(
                 fields=["community", "run", "step_id", "target_pubkey"], name="delivery_identity_key"
@@ -454,34 +503,25 @@ class WorkflowAgentDelivery(CommunityScoped):
             triggers.delivery_generation_monotonic(),
             triggers.history_append_only("delivery"),
         ]
+
+
+class WorkflowAgentDelivery(DeliveryColumns):
+    """A delivery as every reader sees it: ``buzz_delivery_delivery``, a view over
+    :class:`DeliveryRecord` (``security_invoker``: the reader's row-level security applies),
+    unmanaged. The admin, the gateway, the tasks backend and the tests read it; nothing writes
+    through it (later stages join the live queue and the outcome into it)."""
+
+    class Meta:
+        managed = False
+        db_table = DELIVERY_VIEW
+        verbose_name = "delivery"
+        verbose_name_plural = "deliveries"
         # Operator actions in the admin (SPEC section 8), each gated by its own permission.
         permissions = [
             ("requeue_delivery", "Can requeue failed or expired deliveries"),
             ("force_fail_delivery", "Can force-fail claimed deliveries"),
             ("reap_deliveries", "Can reap expired leases now"),
         ]
-
-    def __str__(self) -> str:
-        return f"{self.step_id} -> {bytes(self.target_pubkey).hex()[:12]} ({self.status})"
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: deliveries are written only through :mod:`buzz_delivery.services`.
-
-        Saving a claimed instance would write its claim-time snapshot back (an older generation,
-        lease and status); the database refuses that too (``delivery_generation_monotonic``)."""
-        raise DeliveryWriteRefused(
-            "WorkflowAgentDelivery.save() is refused: use buzz_delivery.services "
-            "(commit_deliveries, claim_delivery, finish_delivery...) to change deliveries"
-        )
-
-    @property
-    def target_hex(self) -> str:
-        """``target_pubkey`` as 64 lowercase hex characters."""
-        return bytes(self.target_pubkey).hex()
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.status in TERMINAL_STATUSES
 
 
 RATE_KEY_MAX_CHARS = 64

@@ -176,7 +176,7 @@ def frozen_db_clock(at: dt.datetime | None = None) -> Iterator[None]:
 
 # --- direct writes of a delivery's row (tests only) ----------------------------------------
 
-DELIVERY_TABLE = models.WorkflowAgentDelivery._meta.db_table
+DELIVERY_TABLE = models.DeliveryRecord._meta.db_table  # writes name the record (issue 31, stage 1)
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ def set_delivery_state(deliveries: Deliveries, /, **columns: Any) -> int:
     ``deliveries``: a delivery, a ``(community, id)`` pair, an id (its community is looked up),
     a list of deliveries or ids (``id = ANY``), a community (all its rows), or an :class:`Expr`
     WHERE condition. A name that is not a column of the table raises ``ValueError`` naming it.
-    Today: one UPDATE of ``buzz_delivery_delivery``; after the table's split (issue 31) the
+    Today: one UPDATE of the record, ``buzz_delivery_delivery_record`` (issue 31, stage 1); later the
     columns of the row's queue or outcome."""
     names = _checked("set_delivery_state", columns)
     assignments, params = [], []
@@ -280,7 +280,7 @@ def backdate(deliveries: Deliveries, /, **seconds_ago: float) -> int:
 
 def insert_delivery_rows(columns: Sequence[str], query: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> int:
     """Insert raw delivery rows, bypassing ``commit_deliveries`` (for tests that need rows the
-    producer would not write, or a table at scale): ``INSERT INTO buzz_delivery_delivery
+    producer would not write, or a table at scale): ``INSERT INTO buzz_delivery_delivery_record
     (columns) <query>``, ``query`` a SELECT (or VALUES) giving those columns in that order. A name
     that is not a column of the table raises ``ValueError`` naming it. Returns the row count."""
     names = _checked("insert_delivery_rows", columns)

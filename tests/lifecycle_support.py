@@ -27,10 +27,10 @@ TABLES = {
     "workflow": models.Workflow._meta.db_table,
     "run": models.WorkflowRun._meta.db_table,
     "event": models.Event._meta.db_table,
-    "delivery": models.WorkflowAgentDelivery._meta.db_table,
+    "delivery": models.DeliveryRecord._meta.db_table,
     "rate_limit": models.RateLimit._meta.db_table,
 }
-SCOPED_MODELS = (models.Workflow, models.WorkflowRun, models.Event, models.WorkflowAgentDelivery, models.RateLimit)
+SCOPED_MODELS = (models.Workflow, models.WorkflowRun, models.Event, models.DeliveryRecord, models.RateLimit)
 
 _RANDOM32 = "decode(md5(random()::text) || md5(random()::text), 'hex')"
 

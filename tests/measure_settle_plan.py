@@ -30,7 +30,7 @@ def test_measure(community, message_event, make_binding):
     services.claim_delivery(community.id, binding.target_pubkey)
     clone(binding.step_id, "a", ANALYZED_WITH, "claimed", 20)
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE buzz_delivery_delivery")
+        cursor.execute("ANALYZE buzz_delivery_delivery_record")
     clone(binding.step_id, "c", 2_000 - ANALYZED_WITH, "claimed", 20)
     with connection.cursor() as cursor:
         cursor.execute(
@@ -65,7 +65,7 @@ def test_measure(community, message_event, make_binding):
             plan = "\n".join(r[0] for r in generic_explain(statement, params, "ANALYZE, BUFFERS"))
             with connection.cursor() as cursor:
                 cursor.execute("ROLLBACK TO SAVEPOINT measure")
-            assert re.search(r"Update on buzz_delivery_delivery d .*rows=50 ", plan), plan
+            assert re.search(r"Update on buzz_delivery_delivery_record d .*rows=50 ", plan), plan
             # The UPDATE's read of the batch (its join, under the Update node), without the triggers.
             join = re.search(r"\n  ->  .*actual time=[\d.]+\.\.([\d.]+) rows=50", plan)
             assert join, plan

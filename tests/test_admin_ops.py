@@ -167,7 +167,7 @@ def settled_copies(template_id, n: int = 20_000) -> None:
         [n, template_id],
     )  # fmt: skip
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE buzz_delivery_delivery")
+        cursor.execute("ANALYZE buzz_delivery_delivery_record")
 
 
 def test_the_failure_code_filter_reads_its_partial_index_among_many_rows(community):

@@ -79,7 +79,7 @@ def test_an_accept_whose_backend_was_terminated_is_tried_again_and_makes_one_run
     claim = core.claim_delivery(community.id, agent, delivery_id=delivery.pk, lease_seconds=60)
     url = database_url(connection.settings_dict)
     with psycopg.connect(url) as blocker, psycopg.connect(url, autocommit=True) as admin:
-        blocker.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [delivery.pk])
+        blocker.execute("SELECT 1 FROM buzz_delivery_delivery_record WHERE id = %s FOR UPDATE", [delivery.pk])
         thread, seen = _accept_in_a_thread(claim)
         _terminate_when_it_waits_for_a_lock(seen, admin, faults)
         blocker.rollback()  # the lock goes: the try after the last fault goes through
@@ -99,7 +99,7 @@ def test_an_accept_failing_on_every_try_is_settled_retry_as_before():
     claim = core.claim_delivery(community.id, agent, delivery_id=delivery.pk, lease_seconds=60)
     url = database_url(connection.settings_dict)
     with psycopg.connect(url) as blocker, psycopg.connect(url, autocommit=True) as admin:
-        blocker.execute("SELECT 1 FROM buzz_delivery_delivery WHERE id = %s FOR UPDATE", [delivery.pk])
+        blocker.execute("SELECT 1 FROM buzz_delivery_delivery_record WHERE id = %s FOR UPDATE", [delivery.pk])
         thread, seen = _accept_in_a_thread(claim)
         _terminate_when_it_waits_for_a_lock(seen, admin, ACCEPT_TRIES)
         blocker.rollback()

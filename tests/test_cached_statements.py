@@ -105,7 +105,7 @@ def test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key(community,
     clone(seed_step, "p", 3_000, "pending", 1)
     clone(seed_step, "f", 3_000, "finished", 1)
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE buzz_delivery_delivery")
+        cursor.execute("ANALYZE buzz_delivery_delivery_record")
     params = {
         "community_id": community.id,
         "target_pubkey": bytes(32),  # the backlog's target
@@ -148,7 +148,7 @@ def test_the_batch_settles_run_locks_reach_the_rows_by_their_keys(community, mes
                WHERE r.community_id = %s""",
             [community.id],
         )
-        cursor.execute("ANALYZE buzz_delivery_delivery")
+        cursor.execute("ANALYZE buzz_delivery_delivery_record")
         cursor.execute("ANALYZE buzz_delivery_workflow_run")
     query = re.sub(r"\bp_(community_id|delivery_ids)\b", r"%(\1)s", sql.LOCK_RUNS_OF_DELIVERIES)
     statement = cached.CachedStatement(
@@ -200,7 +200,7 @@ def test_the_batch_settles_cached_plan_reads_the_batch_by_its_key(
     assert seed is not None
     clone(binding.step_id, "a", analyzed_with, "claimed", 20)  # claimed rows copy the seed's lease
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE buzz_delivery_delivery")
+        cursor.execute("ANALYZE buzz_delivery_delivery_record")
     clone(binding.step_id, "c", 2_000 - analyzed_with, "claimed", 20)  # claimed since
     with connection.cursor() as cursor:
         cursor.execute(
@@ -231,6 +231,6 @@ def test_the_batch_settles_cached_plan_reads_the_batch_by_its_key(
     plan = "\n".join(row[0] for row in rows)
     assert "delivery_claimed_lease_idx" not in plan, plan
     assert "Seq Scan on buzz_delivery_delivery" not in plan, plan
-    indexes = set(re.findall(r"Index Scan using (\w+) on buzz_delivery_delivery d\b", plan))
+    indexes = set(re.findall(r"Index Scan using (\w+) on buzz_delivery_delivery_record d\b", plan))
     assert indexes == {"buzz_delivery_delivery_pkey"}, plan
-    assert re.search(r"Update on buzz_delivery_delivery d .*\(actual .* rows=50 ", plan), plan  # all 50 settled
+    assert re.search(r"Update on buzz_delivery_delivery_record d .*\(actual .* rows=50 ", plan), plan  # all 50 settled

@@ -14,7 +14,7 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery import scaleout, services
-from buzz_delivery.models import Community
+from buzz_delivery.models import Community, WorkflowAgentDelivery
 from buzz_delivery.services import sql
 from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, EventFactory, WorkflowRunFactory
 from tests.citus_support import CITUS_MODE
@@ -52,6 +52,34 @@ def test_distribute_tables_a_second_time_does_nothing():
     again = scaleout.distribute_tables()
     assert again.distributed == [] and again.foreign_keys == 0
     assert sorted(again.already) == sorted(t for t, _ in scaleout.tables())
+
+
+def test_the_record_is_distributed_and_a_read_of_one_community_through_the_view_runs_on_one_shard(community):
+    """Issue 31, stage 1: the table distributed is the record; the view of the old name needs
+    nothing (the coordinator expands it), and a read naming its community stays router."""
+    DeliveryFactory(binding=BindingFactory(run__community=community))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT logicalrelid::regclass::text FROM pg_dist_partition WHERE logicalrelid::regclass::text = ANY(%s)",
+            [[sql.RECORD, sql.DELIVERY_VIEW]],
+        )
+        assert [row[0] for row in cursor.fetchall()] == [sql.RECORD]
+    view = sql.DELIVERY_VIEW
+    reads = {
+        "rows": f"SELECT * FROM {view} AS d WHERE d.community_id = %(community_id)s",
+        "by status": f"SELECT d.status, count(*) FROM {view} AS d WHERE d.community_id = %(community_id)s GROUP BY 1",
+        "by key": f"SELECT d.status FROM {view} AS d WHERE d.community_id = %(community_id)s AND d.id = %(id)s",
+        "with its community": (
+            f"SELECT d.id, c.name FROM {view} AS d JOIN buzz_delivery_community AS c ON c.id = d.community_id"
+            " WHERE d.community_id = %(community_id)s"
+        ),
+    }
+    params = {"community_id": community.id, "id": community.id}
+    for name, statement in reads.items():
+        plan = _plan(statement, params)
+        assert "Task Count: 1" in plan, f"{name} fans out:\n{plan}"
+    orm = WorkflowAgentDelivery.objects.filter(community_id=community.id, status="pending").explain()
+    assert "Task Count: 1" in orm, orm
 
 
 def test_lease_statements_run_on_one_shard(community):

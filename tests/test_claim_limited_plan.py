@@ -39,7 +39,7 @@ pytestmark = [
     pytest.mark.skipif(CITUS_MODE, reason="on Citus the functions plan each call (force_custom_plan)"),
 ]
 
-DELIVERY = models.WorkflowAgentDelivery._meta.db_table
+DELIVERY = models.DeliveryRecord._meta.db_table
 ROWS = 20_000
 
 _CLAIM = (("community_id", "uuid"), ("target_pubkey", "bytea"))

@@ -55,7 +55,7 @@ def update_scan(plan: dict) -> dict:
     stack = [p for p in update.get("Plans", []) if p.get("Parent Relationship") == "Outer"]
     while stack:
         node = stack.pop()
-        if node.get("Relation Name") == "buzz_delivery_delivery" and node.get("Alias") == "d":
+        if node.get("Relation Name") == "buzz_delivery_delivery_record" and node.get("Alias") == "d":
             return node
         stack += [p for p in node.get("Plans", []) if p.get("Parent Relationship") != "InitPlan"]
     raise AssertionError(f"no scan of d under the Update: {json.dumps(plan)[:2000]}")
@@ -86,7 +86,7 @@ def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics
     # All in the test's transaction: autovacuum never sees these rows, the statistics stay stale.
     clone(seed_step, "f", 30_000, "finished", 20)
     with connection.cursor() as cur:
-        cur.execute("ANALYZE buzz_delivery_delivery")  # after the drain: nothing pending
+        cur.execute("ANALYZE buzz_delivery_delivery_record")  # after the drain: nothing pending
     clone(seed_step, "p", 20_000, "pending", 20)  # the burst since
 
     statement = sql.claim_oldest_pending(by_id=False, by_binding=False)
@@ -124,14 +124,14 @@ def test_a_claim_in_a_large_community_among_many_small_ones_updates_through_the_
     if communities:  # the statistics of a fleet: 4,000 communities of ~5 deliveries
         with connection.cursor() as cur:
             cur.execute(
-                f"ALTER TABLE buzz_delivery_delivery ALTER COLUMN community_id SET (n_distinct = {communities})"
+                f"ALTER TABLE buzz_delivery_delivery_record ALTER COLUMN community_id SET (n_distinct = {communities})"
             )
     binding = make_binding(target_pubkey=random32())
     ev = models.Event.objects.get(community_id=community.id, event_id=binding.message_event_id)
     (hinted,) = services.commit_deliveries(community.id, ev, [binding])
     clone(binding.step_id, "p", 20_000, "pending", targets)
     with connection.cursor() as cur:
-        cur.execute("ANALYZE buzz_delivery_delivery")
+        cur.execute("ANALYZE buzz_delivery_delivery_record")
     params = {
         "community_id": community.id,
         "target_pubkey": binding.target_pubkey,

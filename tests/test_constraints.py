@@ -89,7 +89,7 @@ def raw_insert(columns: dict[str, Any]) -> None:
     names = ", ".join(columns)
     values = ", ".join(f"%({name})s" for name in columns)
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO buzz_delivery_delivery ({names}) VALUES ({values})", columns)
+        cursor.execute(f"INSERT INTO buzz_delivery_delivery_record ({names}) VALUES ({values})", columns)
 
 
 def refused_by(exc: BaseException) -> str | None:
@@ -215,8 +215,8 @@ UPDATE_CASES = {
 # UPDATEs before any CHECK runs (tests/test_review_regressions.py); switch them off here so the
 # CHECKs and tenant keys themselves are proven on UPDATE too.
 HISTORY_GUARDS = (
-    "buzz_delivery.WorkflowAgentDelivery:delivery_binding_immutable",
-    "buzz_delivery.WorkflowAgentDelivery:delivery_generation_monotonic",
+    "buzz_delivery.DeliveryRecord:delivery_binding_immutable",
+    "buzz_delivery.DeliveryRecord:delivery_generation_monotonic",
 )
 
 
@@ -231,7 +231,7 @@ def test_a_raw_update_that_breaks_a_check_constraint_is_rejected(tenant, assignm
         transaction.atomic(),
         connection.cursor() as cursor,
     ):
-        cursor.execute(f"UPDATE buzz_delivery_delivery SET {assignment} WHERE id = %s", [columns["id"]])
+        cursor.execute(f"UPDATE buzz_delivery_delivery_record SET {assignment} WHERE id = %s", [columns["id"]])
 
     assert refused_by(info.value) == constraint
     assert models.WorkflowAgentDelivery.objects.get(id=columns["id"]).status == "pending"
@@ -302,7 +302,9 @@ def test_a_raw_update_moving_a_delivery_to_another_communitys_row_is_rejected(te
         transaction.atomic(),
         connection.cursor() as cursor,
     ):
-        cursor.execute(f"UPDATE buzz_delivery_delivery SET {column} = %s WHERE id = %s", [foreign, columns["id"]])
+        cursor.execute(
+            f"UPDATE buzz_delivery_delivery_record SET {column} = %s WHERE id = %s", [foreign, columns["id"]]
+        )
 
     assert (
         refused_by(info.value)

@@ -180,7 +180,7 @@ def test_a_statement_timeout_raises_clearly_and_leaves_nothing_half_done(committ
     before = _rows()
     blocker = _other_connection()
     try:
-        blocker.execute("LOCK TABLE buzz_delivery_delivery IN ACCESS EXCLUSIVE MODE")
+        blocker.execute("LOCK TABLE buzz_delivery_delivery_record IN ACCESS EXCLUSIVE MODE")
         with connection.cursor() as cursor:
             cursor.execute("SET statement_timeout = '300ms'")
         try:
@@ -236,7 +236,7 @@ def _claim_under_old_snapshot(total: int) -> None:
             ],
         )
     with connection.cursor() as cursor:
-        cursor.execute("VACUUM ANALYZE buzz_delivery_delivery")
+        cursor.execute("VACUUM ANALYZE buzz_delivery_delivery_record")
     baseline_count = total // 10
     before, seen = _drain_with_latencies(community, target, baseline_count)
 

@@ -39,7 +39,7 @@ from tests.worker_support import ROOT, database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-DELIVERY = "buzz_delivery_delivery"
+DELIVERY = "buzz_delivery_delivery_record"
 BACKLOG = 100_000
 BATCH = 50
 CONCURRENCY = 8

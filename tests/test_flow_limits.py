@@ -17,7 +17,7 @@ from tests.conftest import backdate_lease
 
 pytestmark = pytest.mark.django_db
 
-DELIVERY = models.WorkflowAgentDelivery._meta.db_table
+DELIVERY = models.DeliveryRecord._meta.db_table
 
 
 def limits(**caps: int):

@@ -35,9 +35,9 @@ BEGIN
     WHERE community_id = NEW.community_id AND target_pubkey = NEW.target_pubkey AND status = 'claimed';
     RETURN NULL;
 END $$;
-CREATE CONSTRAINT TRIGGER flow_audit_claimed AFTER UPDATE ON buzz_delivery_delivery
+CREATE CONSTRAINT TRIGGER flow_audit_claimed AFTER UPDATE ON buzz_delivery_delivery_record
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION flow_audit_claimed();
-CREATE TRIGGER flow_audit_claimed_now AFTER UPDATE ON buzz_delivery_delivery
+CREATE TRIGGER flow_audit_claimed_now AFTER UPDATE ON buzz_delivery_delivery_record
     FOR EACH ROW EXECUTE FUNCTION flow_audit_claimed();
 -- The order of the claims: each claim's row, its transaction and priority, numbered as it is
 -- written (the claims of one community take turns on its advisory lock, so in claim order).
@@ -47,15 +47,15 @@ BEGIN
     INSERT INTO flow_claims (tx, priority) VALUES (txid_current(), NEW.priority);
     RETURN NULL;
 END $$;
-CREATE TRIGGER flow_claims_order AFTER UPDATE ON buzz_delivery_delivery
+CREATE TRIGGER flow_claims_order AFTER UPDATE ON buzz_delivery_delivery_record
     FOR EACH ROW WHEN (NEW.status = 'claimed' AND OLD.status <> 'claimed') EXECUTE FUNCTION flow_claims_order();
 """
 DROP_AUDIT = """
-DROP TRIGGER IF EXISTS flow_audit_claimed ON buzz_delivery_delivery;
-DROP TRIGGER IF EXISTS flow_audit_claimed_now ON buzz_delivery_delivery;
+DROP TRIGGER IF EXISTS flow_audit_claimed ON buzz_delivery_delivery_record;
+DROP TRIGGER IF EXISTS flow_audit_claimed_now ON buzz_delivery_delivery_record;
 DROP FUNCTION IF EXISTS flow_audit_claimed();
 DROP TABLE IF EXISTS flow_audit;
-DROP TRIGGER IF EXISTS flow_claims_order ON buzz_delivery_delivery;
+DROP TRIGGER IF EXISTS flow_claims_order ON buzz_delivery_delivery_record;
 DROP FUNCTION IF EXISTS flow_claims_order();
 DROP TABLE IF EXISTS flow_claims;
 """

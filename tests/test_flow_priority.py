@@ -17,7 +17,7 @@ from tests.plan_support import generic_explain
 
 pytestmark = pytest.mark.django_db
 
-DELIVERY = models.WorkflowAgentDelivery._meta.db_table
+DELIVERY = models.DeliveryRecord._meta.db_table
 
 
 def commit(make_binding, message_event, target: bytes, priority: int | None, n: int = 1) -> list:

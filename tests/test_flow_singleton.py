@@ -22,7 +22,7 @@ from tests.conftest import BARRIER_TIMEOUT, backdate_lease
 
 pytestmark = pytest.mark.django_db
 
-DELIVERY = models.WorkflowAgentDelivery._meta.db_table
+DELIVERY = models.DeliveryRecord._meta.db_table
 
 
 def rows(community, **filters) -> list[models.WorkflowAgentDelivery]:

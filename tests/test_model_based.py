@@ -568,7 +568,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         elif state == "fenced":
             result = services.purge_community(c.id)
             gone = [i for i, r in self.model.rows.items() if r.community == community]
-            assert result.tombstoned and result.deleted["buzz_delivery.WorkflowAgentDelivery"] == len(gone)
+            assert result.tombstoned and result.deleted["buzz_delivery.DeliveryRecord"] == len(gone)
             for delivery_id in gone:
                 del self.model.rows[delivery_id]
             self.model.states[community] = "tombstone"

@@ -33,7 +33,7 @@ import pytest
 from django.db import connection
 
 from buzz_delivery import services
-from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.models import DeliveryRecord, WorkflowAgentDelivery
 from buzz_delivery.testing import (
     BindingFactory,
     CommunityFactory,
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE_TABLE = "buzz_delivery_maintenance_lease"
-DELIVERY_TABLE = WorkflowAgentDelivery._meta.db_table
+DELIVERY_TABLE = DeliveryRecord._meta.db_table  # a trigger goes on the table, not on the view
 
 
 @dataclass

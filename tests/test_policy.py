@@ -27,7 +27,7 @@ from tests.plan_support import generic_explain
 
 pytestmark = pytest.mark.django_db
 
-DELIVERY = models.WorkflowAgentDelivery._meta.db_table
+DELIVERY = models.DeliveryRecord._meta.db_table
 
 
 def db_now() -> dt.datetime:

@@ -215,7 +215,7 @@ def table_lines(output: str) -> dict[str, int]:
 
 EXPECTED_TABLE = {
     "buzz_delivery_rate_limit": 3,
-    "buzz_delivery_delivery": 4,
+    "buzz_delivery_delivery_record": 4,
     "buzz_delivery_workflow_run": 3,
     "buzz_delivery_event": 3,
     "buzz_delivery_workflow": 3,

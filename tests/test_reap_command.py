@@ -140,7 +140,7 @@ def test_a_run_whose_lease_was_taken_over_stops_with_exit_code_3(community):
             "CREATE FUNCTION test_steal_lease() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
             "UPDATE buzz_delivery_maintenance_lease SET holder = 'thief', lease_until = now() + interval '1 hour'; "
             "RETURN NULL; END $$;"
-            "CREATE TRIGGER test_steal_lease AFTER UPDATE ON buzz_delivery_delivery "
+            "CREATE TRIGGER test_steal_lease AFTER UPDATE ON buzz_delivery_delivery_record "
             "FOR EACH STATEMENT EXECUTE FUNCTION test_steal_lease()"
         )
     out = StringIO()
@@ -259,7 +259,7 @@ def test_a_failing_reap_exits_non_zero_and_releases_its_lease():
         cursor.execute(
             "CREATE FUNCTION test_reap_boom() RETURNS trigger LANGUAGE plpgsql AS "
             "$$ BEGIN RAISE EXCEPTION 'boom from the test'; END $$;"
-            "CREATE TRIGGER test_reap_boom BEFORE UPDATE ON buzz_delivery_delivery "
+            "CREATE TRIGGER test_reap_boom BEFORE UPDATE ON buzz_delivery_delivery_record "
             "FOR EACH ROW EXECUTE FUNCTION test_reap_boom()"
         )
     try:
@@ -270,7 +270,9 @@ def test_a_failing_reap_exits_non_zero_and_releases_its_lease():
         assert lease_rows() == []
     finally:
         with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER test_reap_boom ON buzz_delivery_delivery; DROP FUNCTION test_reap_boom()")
+            cursor.execute(
+                "DROP TRIGGER test_reap_boom ON buzz_delivery_delivery_record; DROP FUNCTION test_reap_boom()"
+            )
 
 
 def test_an_unreachable_database_exits_1():

@@ -35,7 +35,7 @@ def test_a_repeatable_read_writer_whose_snapshot_predates_the_fence_is_refused(c
         writer.execute("SELECT 1 FROM buzz_delivery_delivery LIMIT 1")  # the snapshot is taken here
         advance_to(community, "quiescing")
         with pytest.raises((psycopg.errors.SerializationFailure, psycopg.errors.RaiseException)) as caught:
-            writer.execute("UPDATE buzz_delivery_delivery SET attempt = attempt WHERE id = %s", [delivery.id])
+            writer.execute("UPDATE buzz_delivery_delivery_record SET attempt = attempt WHERE id = %s", [delivery.id])
         assert caught.value.sqlstate in ("40001", "BD001")
         writer.rollback()
 
@@ -73,7 +73,7 @@ def test_the_database_refuses_rewriting_history_of_a_delivery(make_binding, assi
     assert claim is not None and claim.lease.lease_generation == 1
     with pytest.raises(Exception) as caught, transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE buzz_delivery_delivery SET {assignment} WHERE id = %(id)s",
+            f"UPDATE buzz_delivery_delivery_record SET {assignment} WHERE id = %(id)s",
             {"id": delivery.id, "other": random32()},
         )
     assert getattr(caught.value.__cause__, "sqlstate", None) == "BD003"

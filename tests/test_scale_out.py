@@ -54,7 +54,7 @@ def test_a_constraint_name_with_a_shard_suffix_still_names_its_field(community, 
     if not CITUS_MODE:
         with connection.cursor() as cursor:
             cursor.execute(
-                "ALTER TABLE buzz_delivery_delivery RENAME CONSTRAINT delivery_run_same_community"
+                "ALTER TABLE buzz_delivery_delivery_record RENAME CONSTRAINT delivery_run_same_community"
                 " TO delivery_run_same_community_102008"
             )
     foreign_run = WorkflowRunFactory()  # another community

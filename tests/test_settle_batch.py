@@ -49,7 +49,7 @@ def claimed(community, message_event, make_binding, *, max_attempts=None):
 
 def row(delivery_id) -> dict:
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {', '.join(COLUMNS)} FROM {sql.DELIVERY} WHERE id = %s", [delivery_id])
+        cursor.execute(f"SELECT {', '.join(COLUMNS)} FROM {sql.DELIVERY_VIEW} WHERE id = %s", [delivery_id])
         return dict(zip(COLUMNS, cursor.fetchone(), strict=True))
 
 

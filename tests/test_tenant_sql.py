@@ -86,7 +86,7 @@ def test_a_move_still_waits_for_writers_and_refuses_them_after_it_while_a_tenant
     with login(TENANT_LOGIN) as attacker, psycopg.connect(**_params(), autocommit=False) as writer:
         _hold_fence_lock(attacker, b.id, shared=True)  # the move must wait for it: release it below
         writer.execute(
-            "UPDATE buzz_delivery_delivery SET attempt = attempt WHERE community_id = %s", [b.id]
+            "UPDATE buzz_delivery_delivery_record SET attempt = attempt WHERE community_id = %s", [b.id]
         )  # a write inside an open transaction
 
         def move():
@@ -103,7 +103,7 @@ def test_a_move_still_waits_for_writers_and_refuses_them_after_it_while_a_tenant
         assert moved.wait(15)
         thread.join()
         with pytest.raises(psycopg.Error, match="write fence"):
-            writer.execute("UPDATE buzz_delivery_delivery SET attempt = attempt WHERE community_id = %s", [b.id])
+            writer.execute("UPDATE buzz_delivery_delivery_record SET attempt = attempt WHERE community_id = %s", [b.id])
         writer.rollback()
 
 

@@ -330,7 +330,7 @@ def test_the_tombstone_move_is_refused_while_engine_rows_are_left(workflow):
                 str(workflow.community.__class__.objects.get(id=workflow.community_id).fence_generation),
             ],
         )
-        for table in ("buzz_delivery_delivery", "buzz_delivery_event"):
+        for table in ("buzz_delivery_delivery_record", "buzz_delivery_event"):
             cursor.execute(f"DELETE FROM {table} WHERE community_id = %s", [workflow.community_id])
     from django.db import DatabaseError, transaction
 

@@ -40,7 +40,7 @@ def _poison_trigger(message: str) -> None:
             "RETURN NEW; END $$"
         )
         cursor.execute(
-            "CREATE TRIGGER test_refuse_settle BEFORE UPDATE ON buzz_delivery_delivery "
+            "CREATE TRIGGER test_refuse_settle BEFORE UPDATE ON buzz_delivery_delivery_record "
             "FOR EACH ROW EXECUTE FUNCTION test_refuse_settle()"
         )
 
@@ -49,7 +49,7 @@ def _poison_trigger(message: str) -> None:
 def drop_test_triggers():
     yield
     with connection.cursor() as cursor:
-        cursor.execute("DROP TRIGGER IF EXISTS test_refuse_settle ON buzz_delivery_delivery")
+        cursor.execute("DROP TRIGGER IF EXISTS test_refuse_settle ON buzz_delivery_delivery_record")
         cursor.execute("DROP FUNCTION IF EXISTS test_refuse_settle()")
 
 
@@ -257,7 +257,7 @@ def test_a_signal_after_an_internal_error_does_not_hide_it(make_binding, spawn):
     worker = spawn(target, "--lease-seconds", "5", "--concurrency", "2")
     wait_until(lambda: count_claimed([d]) == 1, what="the claim")
     with connection.cursor() as cursor:  # autocommit: a transaction of its own holds the lock
-        cursor.execute("BEGIN; LOCK TABLE buzz_delivery_delivery IN ACCESS EXCLUSIVE MODE")
+        cursor.execute("BEGIN; LOCK TABLE buzz_delivery_delivery_record IN ACCESS EXCLUSIVE MODE")
         time.sleep(2.0)  # the dispatcher's next poll waits on the lock; the handler raises meanwhile
         worker.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -278,7 +278,8 @@ def test_a_settle_under_way_at_the_give_up_is_not_counted_abandoned(make_binding
         (community_id,) = cursor.fetchone()
         cursor.execute("BEGIN")
         cursor.execute(  # the settle waits (the community named: a row lock Citus can route)
-            "SELECT 1 FROM buzz_delivery_delivery WHERE community_id = %s AND id = %s FOR UPDATE", [community_id, d]
+            "SELECT 1 FROM buzz_delivery_delivery_record WHERE community_id = %s AND id = %s FOR UPDATE",
+            [community_id, d],
         )
         worker.proc.send_signal(signal.SIGTERM)
         time.sleep(3)  # past the grace, the settle still waiting on the row

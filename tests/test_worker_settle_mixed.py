@@ -131,7 +131,7 @@ def settling_transactions(ids) -> int:
     """How many transactions last wrote these rows (rows one statement wrote share its xmin)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT count(DISTINCT xmin::text) FROM {sql.DELIVERY} WHERE community_id = %s AND id = ANY(%s)",
+            f"SELECT count(DISTINCT xmin::text) FROM {sql.RECORD} WHERE community_id = %s AND id = ANY(%s)",
             [WorkflowAgentDelivery.objects.get(id=ids[0]).community_id, list(ids)],
         )
         return cursor.fetchone()[0]

@@ -92,7 +92,7 @@ def scripted(delivery) -> str:
         return "done"
     if kind == "raw_begin":
         _sql("BEGIN")
-        _sql("SELECT 1 FROM buzz_delivery_delivery LIMIT 1 FOR UPDATE")
+        _sql("SELECT 1 FROM buzz_delivery_delivery_record LIMIT 1 FOR UPDATE")
         return "done"
     if kind == "autocommit_off":
         transaction.set_autocommit(False)

@@ -34,7 +34,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
 from buzz_delivery.services import flow
-from buzz_delivery.services.sql import COMMUNITY, DELIVERY
+from buzz_delivery.services.sql import COMMUNITY, LIVE_DELIVERIES
 
 COMMUNITIES = 50
 KEYS_PER_COMMUNITY = 50
@@ -71,7 +71,7 @@ class SlotTable:
 DELIVERIES = SlotTable(
     setting=flow.SETTING,
     declared=flow.declared_limits,
-    table=DELIVERY,
+    table=LIVE_DELIVERIES,
     held="d.status = 'claimed'",
     kinds=flow.KINDS,
     pending="d.status = 'pending'",

@@ -37,19 +37,24 @@ from buzz_delivery.admin.chart import Series, line_chart
 from buzz_delivery.admin.paginators import capped_count, planner_row_estimate, table_row_estimate
 from buzz_delivery.metrics import FENCED_WALK, OLDEST_ACTIVE_PENDING
 from buzz_delivery.models import TERMINAL_STATUSES, Community, WorkflowAgentDelivery
-from buzz_delivery.services.sql import DB_NOW
+from buzz_delivery.services.sql import (
+    COUNT_LAPSED_LEASES,
+    COUNT_LIVE_BY_STATUS,
+    DB_NOW,
+    LIVE_DELIVERIES,
+    TERMINAL_DELIVERIES,
+)
 from buzz_delivery.services.stats import counts_by
 
-DELIVERY = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = Community._meta.db_table
 EXACT_CAP = 100_000
 COMMUNITY_ROWS = 50
 
 STATUS_COUNTS = f"""
 SELECT
-    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'pending' LIMIT %(cap)s) AS p),
-    (SELECT count(*) FROM (SELECT 1 FROM {DELIVERY} WHERE status = 'claimed' LIMIT %(cap)s) AS c),
-    (SELECT count(*) FROM {DELIVERY} WHERE status = 'claimed' AND lease_until < {DB_NOW}),
+    ({COUNT_LIVE_BY_STATUS["pending"]}),
+    ({COUNT_LIVE_BY_STATUS["claimed"]}),
+    ({COUNT_LAPSED_LEASES}),
     -- delivery_pending_age_idx, walked past the rows fenced communities left pending
     (SELECT timezone('UTC', {DB_NOW}) - o.at FROM ({OLDEST_ACTIVE_PENDING}) AS o),
     {DB_NOW}
@@ -58,13 +63,13 @@ SELECT
 PER_COMMUNITY = f"""
 SELECT c.id, c.name, c.deletion_state,
        (SELECT count(*) FROM (
-            SELECT 1 FROM {DELIVERY} AS d
+            SELECT 1 FROM {LIVE_DELIVERIES} AS d
             WHERE d.community_id = c.id AND d.status = 'pending' LIMIT %(cap)s) AS p) AS pending,
        coalesce(l.claimed, 0), coalesce(l.lapsed, 0)
 FROM {COMMUNITY} AS c
 LEFT JOIN (
     SELECT d.community_id, count(*) AS claimed, count(*) FILTER (WHERE d.lease_until < {DB_NOW}) AS lapsed
-    FROM {DELIVERY} AS d WHERE d.status = 'claimed' GROUP BY d.community_id
+    FROM {LIVE_DELIVERIES} AS d WHERE d.status = 'claimed' GROUP BY d.community_id
 ) AS l ON l.community_id = c.id
 ORDER BY c.name, c.id
 LIMIT %(rows)s
@@ -72,7 +77,7 @@ LIMIT %(rows)s
 
 SETTLED_PER_MINUTE = f"""
 SELECT date_trunc('minute', finished_at) AS minute, status, count(*)
-FROM {DELIVERY}
+FROM {TERMINAL_DELIVERIES}
 WHERE status IN ('finished', 'failed', 'expired') AND finished_at >= {DB_NOW} - interval '1 hour'
 GROUP BY 1, 2
 ORDER BY 1

@@ -32,7 +32,13 @@ from buzz_delivery.admin.base import MAX_ACTION_ROWS, ReadOnlyAdmin, logger, rep
 from buzz_delivery.admin.changelist import SnapshotFreeChangeList
 from buzz_delivery.admin.concurrency import DELIVERIES, load_concurrency_use
 from buzz_delivery.admin.dashboard import load_dashboard
-from buzz_delivery.admin.filters import CommunityFilter, FailureCodeFilter, LeaseExpiredFilter, lease_expired_q
+from buzz_delivery.admin.filters import (
+    CommunityFilter,
+    FailureCodeFilter,
+    LeaseExpiredFilter,
+    StatusFilter,
+    lease_expired_q,
+)
 from buzz_delivery.admin.paginators import EstimatedCountPaginator
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.models import CREATED_FLOOR, Event, WorkflowAgentDelivery
@@ -70,7 +76,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "failure",
     )
     list_display_links = ("short_id",)
-    list_filter = ("status", FailureCodeFilter, "cause_kind", CommunityFilter, LeaseExpiredFilter)
+    list_filter = (("status", StatusFilter), FailureCodeFilter, "cause_kind", CommunityFilter, LeaseExpiredFilter)
     list_select_related = ("community",)
     date_hierarchy = "created_at"
     paginator = DeliveryPaginator

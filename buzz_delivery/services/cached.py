@@ -95,7 +95,7 @@ CLAIM = CachedStatement(
         ("lease_seconds", "float8"),
         ("holder", "text"),
     ),
-    returns=f"SETOF {sql.DELIVERY}",
+    returns=f"SETOF {sql.RECORD}",
     columns=sql.RETURNING_CLAIM_COLUMNS,
 )
 
@@ -114,7 +114,7 @@ CLAIM_HINTED = CachedStatement(
         ("lease_seconds", "float8"),
         ("holder", "text"),
     ),
-    returns=f"SETOF {sql.DELIVERY}",
+    returns=f"SETOF {sql.RECORD}",
     columns=sql.RETURNING_CLAIM_COLUMNS,
 )
 
@@ -185,7 +185,7 @@ CLAIM_LIMITED = CachedStatement(
         ("cap_target", "integer"),
         ("cap_workflow", "integer"),
     ),
-    returns=f"SETOF {sql.DELIVERY}",
+    returns=f"SETOF {sql.RECORD}",
     columns=sql.RETURNING_CLAIM_COLUMNS,
     prelude=flow.LOCK_IN_FUNCTION,
 )

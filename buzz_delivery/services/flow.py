@@ -82,7 +82,7 @@ def _free_slots(kind: str) -> str:
     SELECT {keys + ", " if key else ""}g.slot, row_number() OVER ({partition}ORDER BY g.slot) AS rank
     FROM {source}generate_series(0, %(cap_{kind})s - 1) AS g(slot)
     WHERE NOT EXISTS (
-        SELECT 1 FROM {sql.DELIVERY} AS h
+        SELECT 1 FROM {sql.RECORD} AS h
         WHERE h.community_id = %(community_id)s{same} AND h.status = 'claimed' AND h.{column} = g.slot
     )
 )"""

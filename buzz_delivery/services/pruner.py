@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.models import TERMINAL_STATUSES, WorkflowAgentDelivery
+from buzz_delivery.models import TERMINAL_STATUSES, DeliveryRecord, WorkflowAgentDelivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.reaper import community_batch, walk_communities
@@ -26,7 +26,8 @@ from buzz_delivery.services.tenancy import fleet_scoped
 
 logger = logging.getLogger("buzz_delivery.pruner")
 
-DELIVERY = WorkflowAgentDelivery._meta.db_table
+DELIVERY = WorkflowAgentDelivery._meta.db_table  # reads
+RECORD = DeliveryRecord._meta.db_table  # the batch and its DELETE
 # Longest retention accepted (the prune command's limit too): beyond it PostgreSQL's interval
 # and timestamp arithmetic wrap or overflow.
 MAX_RETENTION = dt.timedelta(days=36_500)
@@ -49,13 +50,13 @@ LIMIT %(page)s
 # One community's batch, oldest first.
 DELETE_TERMINAL_OLDER_THAN = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {DELIVERY} AS d
+    SELECT d.id FROM {RECORD} AS d
     WHERE d.community_id = %(community_id)s AND {_OLD_ENOUGH_AT} AND {ACTIVE_COMMUNITY}
     ORDER BY d.finished_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
-DELETE FROM {DELIVERY} AS d
+DELETE FROM {RECORD} AS d
 USING batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OLD_ENOUGH_AT}
 RETURNING d.id

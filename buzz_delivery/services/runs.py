@@ -7,7 +7,7 @@ import uuid
 
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, DELIVERY
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, RECORD
 from buzz_delivery.services.tenancy import tenant_scoped
 
 RUN_CANCELED = "run_canceled"
@@ -18,14 +18,14 @@ RUN_CANCELED = "run_canceled"
 # holds the run's rows, which the settling side locks after its delivery row).
 EXPIRE_PENDING_OF_RUN = f"""
 WITH candidate AS MATERIALIZED (
-    SELECT d.id FROM {DELIVERY} AS d
+    SELECT d.id FROM {RECORD} AS d
     WHERE d.community_id = %(community_id)s AND d.run_id = %(run_id)s AND d.status = 'pending'
       AND {ACTIVE_COMMUNITY}
     ORDER BY d.id
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = 'expired',
     finished_at = {DB_NOW},
     next_attempt_at = NULL,

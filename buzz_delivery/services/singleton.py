@@ -152,7 +152,7 @@ _SUPERSEDE_ENTRY = sql.history_entry(
 # committed before (a producer's retry supersedes nothing).
 _SUPERSEDE = f"""
 superseded AS (
-    UPDATE {sql.DELIVERY} AS d
+    UPDATE {sql.RECORD} AS d
     SET status = 'expired',
         finished_at = {sql.DB_NOW},
         failure_code = '{SUPERSEDED}',
@@ -166,7 +166,7 @@ superseded AS (
       AND d.singleton_key = %(singleton_key)s AND d.status = 'pending' AND d.lease_generation = 0
       AND {sql.ACTIVE_COMMUNITY}
       AND NOT EXISTS (
-          SELECT 1 FROM {sql.DELIVERY} AS e
+          SELECT 1 FROM {sql.RECORD} AS e
           WHERE e.community_id = %(community_id)s AND e.run_id = s.run_id AND e.step_id = s.step_id
             AND e.target_pubkey = s.target_pubkey
       )
@@ -187,11 +187,11 @@ def commit_statement(*, replace: bool) -> str:
     return f"""
 WITH {_SUPERSEDE if replace else ""}
 held AS MATERIALIZED (
-    SELECT d.id, d.target_pubkey FROM {sql.DELIVERY} AS d
+    SELECT d.id, d.target_pubkey FROM {sql.RECORD} AS d
     WHERE {_HOLDS_KEY} AND d.target_pubkey = ANY (%(target_pubkeys)s::bytea[])
 ),
 already AS MATERIALIZED (
-    SELECT d.id, d.target_pubkey FROM {sql.DELIVERY} AS d
+    SELECT d.id, d.target_pubkey FROM {sql.RECORD} AS d
     WHERE d.community_id = %(community_id)s
       AND (d.run_id, d.step_id, d.target_pubkey) IN (
           SELECT i.run_id, i.step_id, i.target_pubkey
@@ -200,7 +200,7 @@ already AS MATERIALIZED (
       )
 ),
 created AS (
-    INSERT INTO {sql.DELIVERY} AS d (
+    INSERT INTO {sql.RECORD} AS d (
         id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
         message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
         max_attempts, expires_at, execution_trace, trigger_context, next_attempt_at, priority, singleton_key

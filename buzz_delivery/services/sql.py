@@ -29,12 +29,27 @@ appends nothing: it only counts (``renewals``), so a long lease never floods the
 
 from __future__ import annotations
 
-from buzz_delivery.models import WorkflowAgentDelivery, WorkflowRun
+from buzz_delivery.models import DeliveryRecord, WorkflowAgentDelivery, WorkflowRun
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
-DELIVERY = WorkflowAgentDelivery._meta.db_table
+# The delivery table (issue 31, stage 1): every statement that writes or locks a delivery, and
+# the plan-cached functions' ``RETURNS SETOF``, name the record; reads name the view of the old
+# name (``tests/test_record_writes_rule.py`` refuses a write, a lock or a row type of the view).
+RECORD = DeliveryRecord._meta.db_table
+DELIVERY_VIEW = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
 WORKFLOW_RUN = WorkflowRun._meta.db_table
+
+# Reader seams (issue 31, stage 1): what the dashboard, /metrics and ``stats`` count, named here
+# so that a later stage re-points them at the table that owns the state (stage 2: the live
+# queue, stage 3: the outcome) without touching their readers. Today every one is the view.
+LIVE_DELIVERIES = DELIVERY_VIEW  # pending and claimed rows
+TERMINAL_DELIVERIES = DELIVERY_VIEW  # finished, failed and expired rows
+# Live rows of one status, counted up to %(cap)s (the status partial indexes).
+COUNT_LIVE_BY_STATUS = {
+    status: f"SELECT count(*) FROM (SELECT 1 FROM {LIVE_DELIVERIES} WHERE status = '{status}' LIMIT %(cap)s) AS n"
+    for status in ("pending", "claimed")
+}
 
 # Columns returned by claims: everything but the (possibly large) JSON snapshots and history,
 # and the requeue count (read by what needs it, the tasks runner, in its own statement).
@@ -47,6 +62,8 @@ RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 # The database clock of every lease statement: the start of the current statement
 # (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
 DB_NOW = "buzz_delivery_now()"
+# Claimed rows whose lease the database clock has passed (not yet reaped), fleet-wide.
+COUNT_LAPSED_LEASES = f"SELECT count(*) FROM {LIVE_DELIVERIES} WHERE status = 'claimed' AND lease_until < {DB_NOW}"
 
 
 # History fields that hold numbers (counters and generations); every other field but ``at`` is text.
@@ -117,7 +134,7 @@ TRANSACTION_ISOLATION = "SELECT current_setting('transaction_isolation')"
 
 IDENTITY_EXISTS = f"""
 SELECT EXISTS (
-    SELECT 1 FROM {DELIVERY}
+    SELECT 1 FROM {DELIVERY_VIEW}
     WHERE community_id = %(community_id)s AND run_id = %(run_id)s AND step_id = %(step_id)s
 )
 """
@@ -133,7 +150,7 @@ FROM created
 
 INSERT_DELIVERIES_SKIP_EXISTING = f"""
 WITH created AS (
-    INSERT INTO {DELIVERY} AS d (
+    INSERT INTO {RECORD} AS d (
         id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
         message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
         max_attempts, expires_at, execution_trace, trigger_context, next_attempt_at, priority
@@ -171,7 +188,7 @@ FROM unnest(%(keys)s::text[]) AS k(key)
 # of send_message steps): each row its own message event, trigger context and priority.
 INSERT_DELIVERIES_MANY_SKIP_EXISTING = f"""
 WITH created AS (
-    INSERT INTO {DELIVERY} AS d (
+    INSERT INTO {RECORD} AS d (
         id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
         message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
         max_attempts, expires_at, execution_trace, trigger_context, next_attempt_at, priority
@@ -244,7 +261,7 @@ def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
     return f"""
 WITH candidate AS MATERIALIZED (
     SELECT d.id
-    FROM {DELIVERY} AS d
+    FROM {RECORD} AS d
     WHERE d.community_id = %(community_id)s
       AND d.target_pubkey = %(target_pubkey)s
       AND d.status = 'pending'
@@ -257,7 +274,7 @@ WITH candidate AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = 'claimed',
     lease_generation = d.lease_generation + 1,
     attempt = d.attempt + 1,
@@ -279,7 +296,7 @@ RETURNING {RETURNING_CLAIM_COLUMNS}
 
 
 RENEW_IF_CURRENT_GENERATION = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET lease_until = {LEASE_END},
     renewals = d.renewals + 1
 WHERE {CURRENT_LEASE}
@@ -302,7 +319,7 @@ CLAIMED_BY_KEY = "d.status = 'claimed' COLLATE \"C\""
 # of one community, each row fenced as RENEW_IF_CURRENT_GENERATION fences its one; a lease whose
 # row is not returned is lost.
 RENEW_MANY_IF_CURRENT_GENERATION = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET lease_until = {LEASE_END},
     renewals = d.renewals + 1
 FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[])
@@ -331,7 +348,7 @@ _SETTLE = f"""SET status = %(status)s,
 """
 
 FINISH_IF_CURRENT_GENERATION = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 {_SETTLE}WHERE {CURRENT_LEASE}
 RETURNING d.status
 """
@@ -340,7 +357,7 @@ RETURNING d.status
 # The batch form: one row of (id, generation, target) per lease, all of one community (the
 # targets may differ: a worker serving many targets settles them in one statement).
 FINISH_MANY_IF_CURRENT_GENERATION = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 {_SETTLE}FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[])
     AS f(id, generation, target)
 WHERE d.community_id = %(community_id)s
@@ -366,11 +383,11 @@ RETURNING d.id, d.status
 # one producer's backlog from K processes is not serialized on that run's row.
 LOCK_RUNS_OF_DELIVERIES = f"""PERFORM 1 FROM {WORKFLOW_RUN} AS r
     WHERE r.community_id = p_community_id
-      AND r.id IN (SELECT x.run_id FROM {DELIVERY} AS x
+      AND r.id IN (SELECT x.run_id FROM {RECORD} AS x
                    WHERE x.community_id = p_community_id AND x.id = ANY (p_delivery_ids))
     ORDER BY r.id
     FOR NO KEY UPDATE OF r;"""
-LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION = f"""    IF (SELECT count(DISTINCT x.run_id) FROM {DELIVERY} AS x
+LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION = f"""    IF (SELECT count(DISTINCT x.run_id) FROM {RECORD} AS x
         WHERE x.community_id = p_community_id AND x.id = ANY (p_delivery_ids)) > 1 THEN
     {LOCK_RUNS_OF_DELIVERIES}
     END IF;
@@ -395,7 +412,7 @@ _RETRY_ENTRY = history_entry(
     renewals="d.renewals",
 )
 RETRY_IF_CURRENT_GENERATION = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
     finished_at = buzz_delivery_when({_EXHAUSTED}, {DB_NOW}),
     failure_code = CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
@@ -428,7 +445,7 @@ _SETTLE_MANY_ENTRY = history_entry(
     renewals="d.renewals",
 )
 SETTLE_MANY_IF_CURRENT_GENERATION = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = {_S_STATUS},
     finished_at = buzz_delivery_when(NOT {_S_RETRY} OR {_EXHAUSTED}, {DB_NOW}),
     failure_code = CASE WHEN {_S_RETRY} THEN CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END
@@ -456,7 +473,7 @@ RETURNING d.id, d.status
 """
 
 STATUS_AT_GENERATION = f"""
-SELECT d.status FROM {DELIVERY} AS d
+SELECT d.status FROM {DELIVERY_VIEW} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.target_pubkey = %(target_pubkey)s AND d.lease_generation = %(lease_generation)s
 """
@@ -479,8 +496,8 @@ _PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= %(now)s)"
 COMMUNITIES_TO_REAP = f"""
 SELECT c.id FROM {COMMUNITY} AS c
 WHERE c.deletion_state = 'active' AND c.id > %(after)s
-  AND (EXISTS (SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND {_LAPSED})
-       OR EXISTS (SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND {_OVERDUE}))
+  AND (EXISTS (SELECT 1 FROM {DELIVERY_VIEW} AS d WHERE d.community_id = c.id AND {_LAPSED})
+       OR EXISTS (SELECT 1 FROM {DELIVERY_VIEW} AS d WHERE d.community_id = c.id AND {_OVERDUE}))
 ORDER BY c.id
 LIMIT %(page)s
 """
@@ -497,13 +514,13 @@ _REAP_ENTRY = history_entry(
 )
 REAP_LAPSED_LEASES = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {DELIVERY} AS d
+    SELECT d.id FROM {RECORD} AS d
     WHERE d.community_id = %(community_id)s AND {_LAPSED} AND {ACTIVE_COMMUNITY}
     ORDER BY d.lease_until
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
     finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN %(now)s::timestamptz END,
     failure_code = CASE WHEN {_PAST_TTL} THEN 'delivery_expired'
@@ -521,13 +538,13 @@ RETURNING d.status
 
 EXPIRE_OVERDUE_PENDING = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {DELIVERY} AS d
+    SELECT d.id FROM {RECORD} AS d
     WHERE d.community_id = %(community_id)s AND {_OVERDUE} AND {ACTIVE_COMMUNITY}
     ORDER BY d.expires_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = 'expired',
     finished_at = %(now)s,
     failure_code = 'delivery_expired',
@@ -550,9 +567,9 @@ SELECT
     count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL_NOW}) AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
 FROM (
-    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
+    SELECT * FROM {DELIVERY_VIEW} AS d WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT * FROM {DELIVERY} AS d WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
+    SELECT * FROM {DELIVERY_VIEW} AS d WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 """
@@ -562,10 +579,10 @@ JOIN {COMMUNITY} AS c ON c.id = d.community_id
 REAP_PLAN = f"""
 SELECT d.community_id, count(*) FILTER (WHERE d.status = 'claimed'), count(*) FILTER (WHERE d.status = 'pending')
 FROM (
-    SELECT d.community_id, d.status FROM {DELIVERY} AS d
+    SELECT d.community_id, d.status FROM {DELIVERY_VIEW} AS d
     WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT d.community_id, d.status FROM {DELIVERY} AS d
+    SELECT d.community_id, d.status FROM {DELIVERY_VIEW} AS d
     WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
@@ -574,7 +591,7 @@ GROUP BY d.community_id
 """
 
 COUNT_FENCED_LAPSED = f"""
-SELECT count(*) FROM {DELIVERY} AS d
+SELECT count(*) FROM {DELIVERY_VIEW} AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_state <> 'active'
 """
@@ -582,7 +599,7 @@ WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_
 # --- operator actions (admin) --------------------------------------------------
 
 REQUEUE_IF_TERMINAL_FAILURE = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = 'pending',
     finished_at = NULL,
     failure_code = NULL,
@@ -602,7 +619,7 @@ _FORCE_FAIL_ENTRY = history_entry(
     "'force_fail'", "d.lease_generation + 1", "%(actor)s::text", status="'failed'", renewals="d.renewals"
 )
 FORCE_FAIL_IF_CLAIMED = f"""
-UPDATE {DELIVERY} AS d
+UPDATE {RECORD} AS d
 SET status = 'failed',
     finished_at = {DB_NOW},
     lease_until = NULL,

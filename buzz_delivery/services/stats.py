@@ -13,9 +13,10 @@ from collections.abc import Iterable
 from django.db import connection
 from django.db.models import Count, Model
 
+from buzz_delivery.models import DeliveryRecord, WorkflowAgentDelivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
-from buzz_delivery.services.sql import DB_NOW, DELIVERY
+from buzz_delivery.services.sql import DB_NOW, LIVE_DELIVERIES
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 
 # Up to this many rows a table's states are counted exactly; above it they are estimated.
@@ -24,7 +25,7 @@ EXACT_CAP = 100_000
 # The pending rows of one community and target (delivery_pending_poll_idx) whose retry backoff
 # has not passed yet.
 COUNT_PENDING_RETRY = f"""
-SELECT count(*) FROM {DELIVERY} AS d
+SELECT count(*) FROM {LIVE_DELIVERIES} AS d
 WHERE d.community_id = %(community_id)s AND d.target_pubkey = %(target_pubkey)s
   AND d.status = 'pending' AND d.next_attempt_at > {DB_NOW}
 """
@@ -57,11 +58,20 @@ SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(
 """
 
 
+def physical_table(model: type[Model]) -> str:
+    """The table holding ``model``'s rows: its own, or, for the delivery view
+    (:class:`~buzz_delivery.models.WorkflowAgentDelivery`), the record's (a view has no
+    ``reltuples`` and no shards)."""
+    if model is WorkflowAgentDelivery:
+        return DeliveryRecord._meta.db_table
+    return model._meta.db_table
+
+
 def table_row_estimate(model: type[Model]) -> int | None:
-    """``pg_class.reltuples`` of the model's table (summed over its shards on a Citus
-    coordinator), or None when the table was never analysed. One catalog read on PostgreSQL,
-    two on a Citus coordinator."""
-    params = {"table": connection.ops.quote_name(model._meta.db_table)}
+    """``pg_class.reltuples`` of the model's table (:func:`physical_table`; summed over its
+    shards on a Citus coordinator), or None when the table was never analysed. One catalog read
+    on PostgreSQL, two on a Citus coordinator."""
+    params = {"table": connection.ops.quote_name(physical_table(model))}
     with connection.cursor() as cursor:
         cursor.execute(_LOCAL_ESTIMATE, params)
         row = cursor.fetchone()

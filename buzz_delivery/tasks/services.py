@@ -48,7 +48,8 @@ DEFINITION_EVENT_ID = hashlib.sha256(b"buzz_delivery.tasks definition").digest()
 PRODUCER_PUBKEY = hashlib.sha256(b"buzz_delivery.tasks producer").digest()
 
 RESULT = TaskResult._meta.db_table
-DELIVERY = "buzz_delivery_delivery"
+DELIVERY = "buzz_delivery_delivery"  # the view: reads
+RECORD = "buzz_delivery_delivery_record"  # the table: read inside a write
 
 
 def queue_target(queue_name: str) -> bytes:
@@ -383,7 +384,7 @@ UPDATE {RESULT} AS r
 SET return_value = %(return_value)s::jsonb,
     errors = CASE WHEN %(error)s::jsonb IS NULL THEN r.errors
                   ELSE r.errors || (%(error)s::jsonb || ('{{"requeues": ' || d.requeues::text || '}}')::jsonb) END
-FROM {DELIVERY} AS d
+FROM {RECORD} AS d
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
   AND d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()

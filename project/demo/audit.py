@@ -3,7 +3,7 @@ its own communities into :class:`~project.demo.models.StatusChange`, whoever mak
 workers, the reaper). Installed for the run and dropped afterwards, so it costs nothing outside
 the demo. It only observes: it never changes a delivery. A demo killed before it could drop
 its trigger leaves it in place (named ``buzz_demo_audit_<run id hex>``; it still watches only
-that run's communities): ``DROP TRIGGER ... ON buzz_delivery_delivery`` removes it.
+that run's communities): ``DROP TRIGGER ... ON buzz_delivery_delivery_record`` removes it.
 
 On a Citus cluster the triggers run on the shards: the audit tables are distributed by
 ``community_id`` with the community (:func:`distribute`), so each row is written in its
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from django.db import connection
 
-TABLE = "buzz_delivery_delivery"
+TABLE = "buzz_delivery_delivery_record"  # the table (triggers attach to a table, not to the view)
 
 
 AUDIT_TABLES = ("buzz_demo_statuschange", "buzz_demo_statechange")

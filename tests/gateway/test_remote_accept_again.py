@@ -33,7 +33,7 @@ def test_an_accept_answered_503_is_sent_again_not_settled_retry_on_the_last_atte
         (claim,) = agent.claim(1)
         # the accept's first read of the deliveries must wait (on a cluster too: the
         # coordinator's table, where the server's lock_timeout applies)
-        lock.hold("buzz_delivery_delivery")
+        lock.hold("buzz_delivery_delivery_record")
         result = remote_accept.accept_remote_claim(agent, claim)
     finally:
         lock.close()

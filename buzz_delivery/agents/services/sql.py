@@ -23,7 +23,7 @@ OUTPUT = "buzz_agents_output"
 INTAKE = "buzz_agents_intake_key"
 APPROVAL = "buzz_workflows_approval"
 COMMUNITY = "buzz_delivery_community"
-DELIVERY = "buzz_delivery_delivery"
+RECORD = "buzz_delivery_delivery_record"  # the delivery table, read inside the INSERT of a run
 EVENT = "buzz_delivery_event"
 
 ACTIVE = f"EXISTS (SELECT 1 FROM {COMMUNITY} c WHERE c.id = %(community_id)s AND c.deletion_state = 'active')"
@@ -67,7 +67,7 @@ SELECT %(id)s, d.community_id, d.target_pubkey, 'pending', false, %(shadow)s,
        %(input_hash)s, d.id, d.run_id, d.step_id, 0, 0, %(max_attempts)s,
        {DB_NOW} + make_interval(secs => %(timeout_seconds)s), %(max_tool_calls)s, 0, %(max_cost)s, 0,
        %(max_lease_seconds)s, COALESCE(%(trace_context)s::jsonb, d.trigger_context -> 'trace'), d.priority
-FROM {DELIVERY} AS d
+FROM {RECORD} AS d
 LEFT JOIN {EVENT} AS e ON e.community_id = d.community_id AND e.event_id = d.message_event_id
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 ON CONFLICT (community_id, delivery_id) WHERE delivery_id IS NOT NULL DO NOTHING
@@ -480,7 +480,7 @@ NOTIFY_CLAIMABLE = "SELECT pg_notify(%(channel)s, %(community_id)s::text)"
 # exists (then the delivery is refused) or after (then the cancel sees the agent run).
 LOCK_WORKFLOW_RUN_OF_DELIVERY = """
 SELECT r.state FROM buzz_workflows_run AS r
-JOIN buzz_delivery_delivery AS d ON d.community_id = r.community_id AND d.run_id = r.run_id
+JOIN buzz_delivery_delivery_record AS d ON d.community_id = r.community_id AND d.run_id = r.run_id
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s AND r.community_id = %(community_id)s
 FOR NO KEY UPDATE OF r
 """
