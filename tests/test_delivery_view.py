@@ -121,3 +121,43 @@ def test_the_changelists_state_filters_narrow_through_one_function(admin_client,
         {"failure_code": "attempts_exhausted"},
         {"lease": "expired"},
     ]
+
+
+READER = "buzz_test_delivery_reader"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_role_that_read_the_table_before_the_migration_reads_the_view_after_it(community, make_binding):
+    """A role an operator granted ``SELECT`` on the delivery table (a dashboard, a report) keeps
+    reading it under its name: the table's grants follow the rename to the record, and the
+    migration gives the view the same readers (``security_invoker``: the record's grants and
+    row-level security still decide what they see)."""
+    DeliveryFactory(binding=make_binding())
+    call_command("migrate", "buzz_delivery", "0033", verbosity=0)
+    try:
+        _sql(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{READER}') THEN "
+            f"CREATE ROLE {READER} LOGIN NOSUPERUSER NOBYPASSRLS; END IF; END $$"
+        )
+        _sql(f"GRANT SELECT ON {VIEW} TO {READER}")  # still the table, before 0034
+    finally:
+        call_command("migrate", verbosity=0)
+        if CITUS_MODE:
+            scaleout.distribute_tables()
+    try:
+        assert _sql("SELECT has_table_privilege(%s, %s, 'SELECT')", [READER, RECORD]) == [(True,)]
+        assert _sql("SELECT has_table_privilege(%s, %s, 'SELECT')", [READER, VIEW]) == [(True,)]
+        # Only what the table gave: the view is read-only to it, as to everyone.
+        assert _sql("SELECT has_table_privilege(%s, %s, 'UPDATE')", [READER, VIEW]) == [(False,)]
+        with connection.cursor() as cursor:
+            cursor.execute("BEGIN")
+            try:
+                cursor.execute(f"SET LOCAL ROLE {READER}")
+                cursor.execute(f"SELECT count(*) FROM {VIEW}")  # no "permission denied"
+                cursor.fetchall()
+            finally:
+                cursor.execute("ROLLBACK")
+    finally:
+        _sql(f"REVOKE ALL ON {RECORD} FROM {READER}")
+        _sql(f"REVOKE ALL ON {VIEW} FROM {READER}")
+        _sql(f"DROP ROLE {READER}")

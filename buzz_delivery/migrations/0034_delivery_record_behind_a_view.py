@@ -30,6 +30,7 @@ from django.db import migrations, models
 
 import buzz_delivery.models
 import datetime
+from typing import Any
 import django.contrib.postgres.functions
 import django.db.models.deletion
 import django.db.models.functions.datetime
@@ -687,6 +688,29 @@ def each_function(script: str) -> list[str]:
     return [head + part.rstrip().rstrip(";") for part in script.split(head)[1:]]
 
 
+# Who may read the table besides its owner (an operator's reporting role, PUBLIC): its grants follow
+# the rename to the record, and the view of the old name needs the same SELECT, or every such
+# reader meets "permission denied for view buzz_delivery_delivery" (security_invoker: the record's
+# grants and row-level security still decide what it sees).
+TABLE_READERS = """
+SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END
+FROM pg_class AS c
+CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+LEFT JOIN pg_roles AS r ON r.oid = a.grantee
+WHERE c.oid = to_regclass('buzz_delivery_delivery_record')
+  AND a.privilege_type = 'SELECT' AND a.grantee <> c.relowner
+ORDER BY 1
+"""
+
+
+def grant_the_tables_readers_the_view(apps: Any, schema_editor: Any) -> None:
+    """``GRANT SELECT`` on the view to every role that may read the record (one statement each)."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(TABLE_READERS)
+        for (grantee,) in cursor.fetchall():
+            cursor.execute(f"GRANT SELECT ON buzz_delivery_delivery TO {grantee}")
+
+
 class Migration(migrations.Migration):
     dependencies = [
         ("buzz_delivery", "0033_delivery_requeues"),
@@ -1312,4 +1336,5 @@ class Migration(migrations.Migration):
         ),
         migrations.RunSQL(sql=each_function(FUNCTIONS), reverse_sql=migrations.RunSQL.noop),
         isolation.view_grant_operation("buzz_delivery"),
+        migrations.RunPython(grant_the_tables_readers_the_view, migrations.RunPython.noop, elidable=False),
     ]
