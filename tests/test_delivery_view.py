@@ -4,6 +4,11 @@ back and forth over a table holding rows without losing or changing one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from django.core.management import call_command
 from django.db import connection
@@ -20,6 +25,7 @@ pytestmark = pytest.mark.django_db
 
 VIEW = WorkflowAgentDelivery._meta.db_table
 RECORD = DeliveryRecord._meta.db_table
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sql(statement: str, params: object = None) -> list[tuple]:
@@ -161,3 +167,52 @@ def test_a_role_that_read_the_table_before_the_migration_reads_the_view_after_it
         _sql(f"REVOKE ALL ON {RECORD} FROM {READER}")
         _sql(f"REVOKE ALL ON {VIEW} FROM {READER}")
         _sql(f"DROP ROLE {READER}")
+
+
+def _migrate(url: str, settings: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": settings, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), "migrate", "-v0"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="a new database of its own, on plain PostgreSQL (migration order only)")
+@pytest.mark.django_db(transaction=True)
+def test_a_sibling_app_installed_after_the_migration_migrates_onto_the_record():
+    """A deployment migrated past 0034 without ``buzz_delivery.tasks`` then installs it: its
+    first migration (a foreign key into the delivery table) runs after the rename, and 0034's
+    history stays consistent (it cannot depend on an app that was not installed when it ran)."""
+    settings = connection.settings_dict
+    name = f"{settings['NAME']}_late_app"
+    url = f"postgres://{settings['USER']}@{settings['HOST']}:{settings['PORT']}/{name}"
+    with connection.cursor() as cursor:
+        cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cursor.execute(f'CREATE DATABASE "{name}"')
+    try:
+        first = _migrate(url, "tests.settings_without_tasks")
+        assert first.returncode == 0, first.stderr[-3000:]
+        then = _migrate(url, "project.settings")
+        assert then.returncode == 0, then.stderr[-3000:]
+        check = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import psycopg, sys\n"
+                "with psycopg.connect(sys.argv[1]) as c:\n"
+                '    print(c.execute("SELECT confrelid::regclass::text FROM pg_constraint'
+                " WHERE conname = 'task_result_delivery_same_community'\").fetchone()[0])",
+                url.replace("postgres://", "postgresql://"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.stdout.strip() == RECORD, check.stderr
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -25,7 +25,6 @@ coordinator expands it."""
 
 import pgtrigger.compiler
 import pgtrigger.migrations
-from django.conf import settings
 from django.db import migrations, models
 
 import buzz_delivery.models
@@ -673,13 +672,11 @@ CONSTRAINTS = (
 )
 
 
-# The sibling apps' migrations that name the table in DDL (a foreign key into it, triggers on it):
-# on a new database they must run before the name becomes a view's. Only the installed ones.
-SIBLINGS_NAMING_THE_TABLE = {
-    "buzz_delivery.workflows": ("buzz_workflows", "0023_fan_in_only_engine_messages"),
-    "buzz_delivery.agents": ("buzz_agents", "0002_keys_and_triggers"),
-    "buzz_delivery.tasks": ("buzz_tasks", "0001_task_results"),
-}
+# The sibling apps' migrations that name the table in DDL (a foreign key into it, triggers on it:
+# tasks 0001, agents 0002, workflows 0002 and 0023) are not dependencies of this one: an app
+# installed after this migration ran would leave an applied migration with an unapplied dependency
+# (InconsistentMigrationHistory). They name the table at run time instead, whichever side of the
+# rename they run on (buzz_delivery.delivery_table.RunSQLOnTheDeliveryTable).
 
 
 def each_function(script: str) -> list[str]:
@@ -712,10 +709,7 @@ def grant_the_tables_readers_the_view(apps: Any, schema_editor: Any) -> None:
 
 
 class Migration(migrations.Migration):
-    dependencies = [
-        ("buzz_delivery", "0033_delivery_requeues"),
-        *(key for app, key in SIBLINGS_NAMING_THE_TABLE.items() if app in settings.INSTALLED_APPS),
-    ]
+    dependencies = [("buzz_delivery", "0033_delivery_requeues")]
 
     operations = [
         migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=each_function(OLD_FUNCTIONS)),
