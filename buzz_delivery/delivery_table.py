@@ -49,4 +49,4 @@ class RunSQLOnTheDeliveryTable(migrations.RunSQL):
     def _run_sql(self, schema_editor: Any, sqls: Any) -> None:
         with schema_editor.connection.cursor() as cursor:
             table = physical_table(cursor)
-        super()._run_sql(schema_editor, on_table(sqls, table))
+        super()._run_sql(schema_editor, on_table(sqls, table))  # type: ignore[misc]  # (not in django-stubs)
