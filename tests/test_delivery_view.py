@@ -4,6 +4,11 @@ back and forth over a table holding rows without losing or changing one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from django.core.management import call_command
 from django.db import connection
@@ -20,6 +25,7 @@ pytestmark = pytest.mark.django_db
 
 VIEW = WorkflowAgentDelivery._meta.db_table
 RECORD = DeliveryRecord._meta.db_table
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sql(statement: str, params: object = None) -> list[tuple]:
@@ -121,3 +127,92 @@ def test_the_changelists_state_filters_narrow_through_one_function(admin_client,
         {"failure_code": "attempts_exhausted"},
         {"lease": "expired"},
     ]
+
+
+READER = "buzz_test_delivery_reader"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_role_that_read_the_table_before_the_migration_reads_the_view_after_it(community, make_binding):
+    """A role an operator granted ``SELECT`` on the delivery table (a dashboard, a report) keeps
+    reading it under its name: the table's grants follow the rename to the record, and the
+    migration gives the view the same readers (``security_invoker``: the record's grants and
+    row-level security still decide what they see)."""
+    DeliveryFactory(binding=make_binding())
+    call_command("migrate", "buzz_delivery", "0033", verbosity=0)
+    try:
+        _sql(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{READER}') THEN "
+            f"CREATE ROLE {READER} LOGIN NOSUPERUSER NOBYPASSRLS; END IF; END $$"
+        )
+        _sql(f"GRANT SELECT ON {VIEW} TO {READER}")  # still the table, before 0034
+    finally:
+        call_command("migrate", verbosity=0)
+        if CITUS_MODE:
+            scaleout.distribute_tables()
+    try:
+        assert _sql("SELECT has_table_privilege(%s, %s, 'SELECT')", [READER, RECORD]) == [(True,)]
+        assert _sql("SELECT has_table_privilege(%s, %s, 'SELECT')", [READER, VIEW]) == [(True,)]
+        # Only what the table gave: the view is read-only to it, as to everyone.
+        assert _sql("SELECT has_table_privilege(%s, %s, 'UPDATE')", [READER, VIEW]) == [(False,)]
+        with connection.cursor() as cursor:
+            cursor.execute("BEGIN")
+            try:
+                cursor.execute(f"SET LOCAL ROLE {READER}")
+                cursor.execute(f"SELECT count(*) FROM {VIEW}")  # no "permission denied"
+                cursor.fetchall()
+            finally:
+                cursor.execute("ROLLBACK")
+    finally:
+        _sql(f"REVOKE ALL ON {RECORD} FROM {READER}")
+        _sql(f"REVOKE ALL ON {VIEW} FROM {READER}")
+        _sql(f"DROP ROLE {READER}")
+
+
+def _migrate(url: str, settings: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": settings, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), "migrate", "-v0"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="a new database of its own, on plain PostgreSQL (migration order only)")
+@pytest.mark.django_db(transaction=True)
+def test_a_sibling_app_installed_after_the_migration_migrates_onto_the_record():
+    """A deployment migrated past 0034 without ``buzz_delivery.tasks`` then installs it: its
+    first migration (a foreign key into the delivery table) runs after the rename, and 0034's
+    history stays consistent (it cannot depend on an app that was not installed when it ran)."""
+    settings = connection.settings_dict
+    name = f"{settings['NAME']}_late_app"
+    url = f"postgres://{settings['USER']}@{settings['HOST']}:{settings['PORT']}/{name}"
+    with connection.cursor() as cursor:
+        cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cursor.execute(f'CREATE DATABASE "{name}"')
+    try:
+        first = _migrate(url, "tests.settings_without_tasks")
+        assert first.returncode == 0, first.stderr[-3000:]
+        then = _migrate(url, "project.settings")
+        assert then.returncode == 0, then.stderr[-3000:]
+        check = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import psycopg, sys\n"
+                "with psycopg.connect(sys.argv[1]) as c:\n"
+                '    print(c.execute("SELECT confrelid::regclass::text FROM pg_constraint'
+                " WHERE conname = 'task_result_delivery_same_community'\").fetchone()[0])",
+                url.replace("postgres://", "postgresql://"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.stdout.strip() == RECORD, check.stderr
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -51,8 +51,9 @@ LOCKING = re.compile(r"\bFOR\s+(?:NO\s+KEY\s+)?(?:UPDATE|SHARE)\b", re.I)
 NAMES_VIEW = re.compile(_NAME)
 
 # Migrations: up to 0033 they wrote the table under its old name, before it became a view; sibling
-# apps' migrations that name it run before 0034 (its dependencies); 0034 renames it and holds the
-# old functions' bodies to put back. What they leave in the database is judged by the last test.
+# apps' migrations that name it read the name as the table of the moment (delivery_table.py);
+# 0034 renames it and holds the old functions' bodies to put back. What they leave in the
+# database is judged by the last test.
 MIGRATIONS = re.compile(r"buzz_delivery/(?:\w+/)?migrations/")
 
 

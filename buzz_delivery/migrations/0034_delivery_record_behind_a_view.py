@@ -25,11 +25,11 @@ coordinator expands it."""
 
 import pgtrigger.compiler
 import pgtrigger.migrations
-from django.conf import settings
 from django.db import migrations, models
 
 import buzz_delivery.models
 import datetime
+from typing import Any
 import django.contrib.postgres.functions
 import django.db.models.deletion
 import django.db.models.functions.datetime
@@ -672,13 +672,11 @@ CONSTRAINTS = (
 )
 
 
-# The sibling apps' migrations that name the table in DDL (a foreign key into it, triggers on it):
-# on a new database they must run before the name becomes a view's. Only the installed ones.
-SIBLINGS_NAMING_THE_TABLE = {
-    "buzz_delivery.workflows": ("buzz_workflows", "0023_fan_in_only_engine_messages"),
-    "buzz_delivery.agents": ("buzz_agents", "0002_keys_and_triggers"),
-    "buzz_delivery.tasks": ("buzz_tasks", "0001_task_results"),
-}
+# The sibling apps' migrations that name the table in DDL (a foreign key into it, triggers on it:
+# tasks 0001, agents 0002, workflows 0002 and 0023) are not dependencies of this one: an app
+# installed after this migration ran would leave an applied migration with an unapplied dependency
+# (InconsistentMigrationHistory). They name the table at run time instead, whichever side of the
+# rename they run on (buzz_delivery.delivery_table.RunSQLOnTheDeliveryTable).
 
 
 def each_function(script: str) -> list[str]:
@@ -687,11 +685,31 @@ def each_function(script: str) -> list[str]:
     return [head + part.rstrip().rstrip(";") for part in script.split(head)[1:]]
 
 
+# Who may read the table besides its owner (an operator's reporting role, PUBLIC): its grants follow
+# the rename to the record, and the view of the old name needs the same SELECT, or every such
+# reader meets "permission denied for view buzz_delivery_delivery" (security_invoker: the record's
+# grants and row-level security still decide what it sees).
+TABLE_READERS = """
+SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END
+FROM pg_class AS c
+CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+LEFT JOIN pg_roles AS r ON r.oid = a.grantee
+WHERE c.oid = to_regclass('buzz_delivery_delivery_record')
+  AND a.privilege_type = 'SELECT' AND a.grantee <> c.relowner
+ORDER BY 1
+"""
+
+
+def grant_the_tables_readers_the_view(apps: Any, schema_editor: Any) -> None:
+    """``GRANT SELECT`` on the view to every role that may read the record (one statement each)."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(TABLE_READERS)
+        for (grantee,) in cursor.fetchall():
+            cursor.execute(f"GRANT SELECT ON buzz_delivery_delivery TO {grantee}")
+
+
 class Migration(migrations.Migration):
-    dependencies = [
-        ("buzz_delivery", "0033_delivery_requeues"),
-        *(key for app, key in SIBLINGS_NAMING_THE_TABLE.items() if app in settings.INSTALLED_APPS),
-    ]
+    dependencies = [("buzz_delivery", "0033_delivery_requeues")]
 
     operations = [
         migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=each_function(OLD_FUNCTIONS)),
@@ -1312,4 +1330,5 @@ class Migration(migrations.Migration):
         ),
         migrations.RunSQL(sql=each_function(FUNCTIONS), reverse_sql=migrations.RunSQL.noop),
         isolation.view_grant_operation("buzz_delivery"),
+        migrations.RunPython(grant_the_tables_readers_the_view, migrations.RunPython.noop, elidable=False),
     ]

@@ -28,6 +28,8 @@ row and the step, as the engine's own fan-in does.
 
 from django.db import migrations
 
+from buzz_delivery.delivery_table import RunSQLOnTheDeliveryTable
+
 PRIMARY_KEYS = ["buzz_agents_run", "buzz_agents_journal", "buzz_agents_intake_key", "buzz_agents_step_wait"]
 
 FOREIGN_KEYS = [
@@ -315,5 +317,5 @@ class Migration(migrations.Migration):
         migrations.RunSQL(sql=TOMBSTONE_GUARD, reverse_sql=DROP_TOMBSTONE_GUARD),
         migrations.RunSQL(sql=JOURNAL_SEQUENCE, reverse_sql=DROP_JOURNAL_SEQUENCE),
         migrations.RunSQL(sql=APPROVAL_RESUME, reverse_sql=DROP_APPROVAL_RESUME),
-        migrations.RunSQL(sql=WAY_BACK, reverse_sql=DROP_WAY_BACK),
+        RunSQLOnTheDeliveryTable(sql=WAY_BACK, reverse_sql=DROP_WAY_BACK),
     ]

@@ -15,6 +15,7 @@ from django.db import migrations, models
 
 import buzz_delivery.models
 from buzz_delivery import isolation
+from buzz_delivery.delivery_table import RunSQLOnTheDeliveryTable
 
 KEYS = """
 ALTER TABLE buzz_tasks_result DROP CONSTRAINT buzz_tasks_result_pkey;
@@ -154,7 +155,7 @@ class Migration(migrations.Migration):
                 ),
             ),
         ),
-        migrations.RunSQL(sql=KEYS, reverse_sql=DROP_KEYS),
+        RunSQLOnTheDeliveryTable(sql=KEYS, reverse_sql=DROP_KEYS),
         migrations.RunSQL(sql=TOMBSTONE_GUARD, reverse_sql=DROP_TOMBSTONE_GUARD),
         isolation.migration_operation("buzz_tasks"),
     ]

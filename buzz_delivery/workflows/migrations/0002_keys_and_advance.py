@@ -20,6 +20,8 @@ then step rows, so concurrent settles, cancels and completions never deadlock.
 
 from django.db import migrations
 
+from buzz_delivery.delivery_table import RunSQLOnTheDeliveryTable
+
 T = "('succeeded', 'failed', 'skipped', 'canceled')"
 
 PRIMARY_KEYS = [
@@ -326,5 +328,5 @@ class Migration(migrations.Migration):
         *[_primary_key(*spec) for spec in PRIMARY_KEYS],
         *[_foreign_key(*spec) for spec in FOREIGN_KEYS],
         migrations.RunSQL(sql=TOMBSTONE_GUARD, reverse_sql=DROP_TOMBSTONE_GUARD),
-        migrations.RunSQL(sql=ADVANCE, reverse_sql=DROP_ADVANCE),
+        RunSQLOnTheDeliveryTable(sql=ADVANCE, reverse_sql=DROP_ADVANCE),
     ]

@@ -13,6 +13,8 @@ counted as one of the step's (it was never among the ``expected`` the step waits
 
 from django.db import migrations
 
+from buzz_delivery.delivery_table import RunSQLOnTheDeliveryTable
+
 TERMINAL = "('finished', 'failed', 'expired')"
 TERMINALITY_CHANGES = f"((OLD.status IN {TERMINAL}) IS DISTINCT FROM (NEW.status IN {TERMINAL}))"
 # The engine's message event id of the delivery's own run and step (executor.message_event_id).
@@ -36,7 +38,7 @@ class Migration(migrations.Migration):
     dependencies = [("buzz_workflows", "0022_step_concurrency_slots")]
 
     operations = [
-        migrations.RunSQL(
+        RunSQLOnTheDeliveryTable(
             sql=_trigger(f"{TERMINALITY_CHANGES} AND {ENGINE_MESSAGE}"),
             reverse_sql=_trigger(TERMINALITY_CHANGES),
         ),
