@@ -329,12 +329,6 @@ class Worker:
         self.stop.set()
         self.wake.set()
 
-    def _decide(self, lease: Lease) -> bool:
-        """The settle decision of one claim: False when the worker already gave its leases up
-        (the claim counts as abandoned and must not settle), else True (it will settle)."""
-        with self._lock:
-            self.undecided.discard((lease.delivery_id.int, lease.lease_generation))
-            return not self.gave_up
 
     def _retry_now(self, lease: Lease, why: str) -> None:
         """Settle ``retry`` at once (attempts count, the backoff applies): one statement, no
@@ -369,7 +363,7 @@ class Worker:
         not run), else its start (monotonic), with its deadline handed to the renewer."""
         lease = claim.lease
         # A plain read (set once, under the lock, by drain): a give-up right after it still
-        # drops this claim's result in _decide, as it did when this read took the lock.
+        # drops this claim's result in _result, as it did when this read took the lock.
         if self.gave_up:  # a claim still queued when the worker gave its leases up: not run
             self.renewer.release(lease)
             return None
@@ -407,9 +401,33 @@ class Worker:
         )
         return args
 
-    def _result(self, lease: Lease, args: SettleArgs, held: HeldLease | None) -> SettleJob | None:
-        """After a handler ran: what to settle, or None (the result is dropped)."""
-        if not self._decide(lease):
+    def _result(self, lease: Lease, args: SettleArgs, held: HeldLease | None, ran: float) -> SettleJob | None:
+        """After a handler ran (for ``ran`` seconds): what to settle, or None (the result is
+        dropped). The claim's settle decision, its run time and its leaving the handlers' hands
+        under one hold of the worker's lock (a no-op delivery's bookkeeping was three):
+
+        - the decision: dropped when the worker already gave its leases up (the claim counts
+          as abandoned and must not settle: see :meth:`drain`) or when the handler ran past its
+          deadline; else it will settle;
+        - the run time, folded into the moving average the claim-ahead budget reads;
+        - the claim is no longer queued or running (``handling``), and no longer in flight
+          when its result is dropped (else once the settler is done with it).
+
+        The caller then hands the job to the settler (:meth:`_handed`); nothing here raises
+        after the counts changed."""
+        key = (lease.delivery_id.int, lease.lease_generation)
+        timed_out = held is not None and held.timed_out
+        now = time.monotonic()
+        with self._lock:
+            self.undecided.discard(key)
+            gave_up = self.gave_up
+            previous = self.run_time
+            self.run_time = ran if previous is None else previous + RUN_TIME_WEIGHT * (ran - previous)
+            self.handling -= 1
+            if gave_up or timed_out:
+                self.in_flight -= 1
+            self.last_busy = now
+        if gave_up:
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
                 lease.delivery_id,
@@ -417,7 +435,7 @@ class Worker:
                 args.outcome,
             )
             return None
-        if held is not None and held.timed_out:
+        if timed_out:
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the handler returned after its deadline",
                 lease.delivery_id,
@@ -434,14 +452,16 @@ class Worker:
             text = self._community_texts[community_id.int] = str(community_id)
         return text
 
-    def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
-        """Run the handler for one claim; returns what to settle, or None (result dropped)."""
+    def _handle(self, claim: Claim, claimed_at: float, db: Any) -> SettleJob | None:
+        """Run the handler for one claim; returns what to settle, or None (result dropped),
+        with the claim counted out of the handlers' hands (:meth:`_result`). ``db``: this
+        thread's default connection wrapper (``connections[DEFAULT_DB_ALIAS]``)."""
         lease = claim.lease
-        db = connections[DEFAULT_DB_ALIAS]  # this thread's connection wrapper, looked up once
         if db.in_atomic_block:  # never a transaction around a handler
             raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
         started = self._begin(claim, claimed_at)
         if started is None:
+            self._dropped()
             return None
         # With the delivery's community as context: what the handler reads of our tables
         # through the ORM (a deferred field, a related row) is that community's, and only
@@ -456,7 +476,7 @@ class Worker:
             args = self._raised(lease, exc)
         finally:
             held = self.renewer.release(lease)
-            self._ran(time.monotonic() - started)
+            ran = time.monotonic() - started
         if call is not None and call.left_open is not None:
             args = SettleArgs(
                 "failed",
@@ -470,13 +490,14 @@ class Worker:
                 TRANSACTION_LEFT_OPEN,
                 call.left_open,
             )
-        return self._result(lease, args, held)
+        return self._result(lease, args, held, ran)
 
     async def _ahandle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
         """As :meth:`_handle`, for an ``async def`` handler, awaited on the worker's loop."""
         lease = claim.lease
         started = self._begin(claim, claimed_at)
         if started is None:
+            self._dropped()
             return None
         try:
             with tracing.handler_span(claim.delivery):
@@ -486,14 +507,8 @@ class Worker:
             args = self._raised(lease, exc)
         finally:
             held = self.renewer.release(lease)
-            self._ran(time.monotonic() - started)
-        return self._result(lease, args, held)
-
-    def _ran(self, seconds: float) -> None:
-        """Fold one handler run time into the moving average the claim-ahead budget reads."""
-        with self._lock:
-            previous = self.run_time
-            self.run_time = seconds if previous is None else previous + RUN_TIME_WEIGHT * (seconds - previous)
+            ran = time.monotonic() - started
+        return self._result(lease, args, held, ran)
 
     def _settled(self, n: int) -> None:
         """The settler is done with ``n`` results (settled or not): they are no longer in flight."""
@@ -502,33 +517,42 @@ class Worker:
             self.last_busy = time.monotonic()
         self.wake.set()
 
-    def _handled(self, job: SettleJob | None) -> None:
-        """One claim is out of the handlers' hands: settle its result (or count it dropped)."""
+    def _dropped(self) -> None:
+        """One claim is out of the handlers' hands without a :meth:`_result` (not run, or its
+        step raised): it is no longer queued, running or in flight. (A result's own counts are
+        taken in :meth:`_result`.)"""
         with self._lock:
             self.handling -= 1
-            if job is None:
-                self.in_flight -= 1
+            self.in_flight -= 1
             self.last_busy = time.monotonic()
+
+    def _handed(self, job: SettleJob | None) -> None:
+        """After a claim was counted out of the handlers' hands: settle its result, if any,
+        and have the dispatcher look at the counts again."""
         if job is not None:
             self.settler.put(job)
-        # The dispatcher clears the flag before it reads the counts above, so a flag still set
+        # The dispatcher clears the flag before it reads the counts, so a flag still set
         # means it has yet to read them: setting it again (a lock and a notify) is skipped.
         if not self.wake.is_set():
             self.wake.set()
 
     def _handler_thread(self) -> None:
         try:
+            # This thread's connection wrapper, looked up once (a lookup through asgiref's
+            # thread-critical local is a few Python calls; the wrapper is the thread's for its life).
+            db = connections[DEFAULT_DB_ALIAS]
             while (item := self.work.get()) is not None:
                 claim, claimed_at = item
-                job = None
                 try:
-                    job = self._handle(claim, claimed_at)
+                    job = self._handle(claim, claimed_at, db)
                 except BaseException:
                     # Never let a handler thread die silently: claims would pile up unhandled.
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
                     self._fail("worker_error")
-                finally:
-                    self._handled(job)
+                    self._dropped()  # (a step that raised before the claim was counted out)
+                    self._handed(None)
+                else:
+                    self._handed(job)
             with self._lock:
                 self.exited.add(threading.get_ident())
         finally:
@@ -578,15 +602,16 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _task(self, claim: Claim, claimed_at: float) -> None:
-        job = None
         try:
             async with self._slots:
                 job = await self._ahandle(claim, claimed_at)
         except BaseException:
             logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
             self._fail("worker_error")
-        finally:
-            self._handled(job)
+            self._dropped()
+            self._handed(None)
+        else:
+            self._handed(job)
 
     def _submit(self, item: tuple[Claim, float] | None) -> None:
         """Hand a claim (or a stop marker) to the handlers: a thread's queue, or the loop."""
