@@ -179,8 +179,19 @@ class Settler(threading.Thread):
         self._deferred: list[SettleJob] = []
 
     def put(self, job: SettleJob) -> None:
-        """Queue one result (thread-safe, never blocks)."""
-        self._queue.put(job)
+        """Queue one result (thread-safe, never blocks): what ``Queue.put`` does on this
+        unbounded queue, with the notify only when the settler waits on it. (``Queue.put`` is a
+        few Python calls, its notify a few more even with nothing waiting: every handler thread
+        puts once a delivery, mostly while the settler is busy settling the last batch.)
+        A waiter registers in the condition's ``_waiters`` under the same mutex, so it is
+        either seen here or finds the job queued before it waits."""
+        source = self._queue
+        with source.mutex:
+            source.queue.append(job)
+            source.unfinished_tasks += 1
+            not_empty = source.not_empty
+            if not_empty._waiters:  # type: ignore[attr-defined]
+                not_empty.notify()
 
     def close(self) -> None:
         """Settle what is queued, then stop (see :meth:`join`)."""
