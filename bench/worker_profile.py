@@ -117,6 +117,9 @@ def main() -> None:
         cpu, wall = time.process_time() - cpu, time.monotonic() - wall
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         server = sampler.stop() if sampler is not None else None
+        if sampler is not None:
+            cpu -= sampler.own_cpu  # the sampler thread's own CPU is not the drain's
+            thread_cpu.pop("server-sampler", None)
         n = summary["finished"]
         print(dict(summary))
         print(
@@ -133,7 +136,11 @@ def main() -> None:
                 + ")"
             )
         if args.threads:
-            print(" ".join(f"{name}_us={cpu / n * 1e6:.1f}" for name, cpu in sorted(thread_cpu.items())))
+            rest = (cpu - sum(thread_cpu.values())) / n * 1e6  # the caller's thread: the dispatcher
+            print(
+                " ".join(f"{name}_us={sec / n * 1e6:.1f}" for name, sec in sorted(thread_cpu.items()))
+                + f" dispatcher_us={rest:.1f}"
+            )
         if args.statements:
             commits = _commits(conn) - commits0 - 1  # less this read's own transaction
             print(f"commits/delivery={commits / n:.4f} (the database's xact_commit, all sessions)")
@@ -159,8 +166,9 @@ class _ServerCpu:
         self.last: dict[int, int] = {}
         self.kinds: dict[int, str] = {}
         self.halt = threading.Event()
+        self.own_cpu = 0.0  # this sampler thread's CPU seconds (left out of client_us)
         self.sample(initial=True)
-        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread = threading.Thread(target=self.run, name="server-sampler", daemon=True)
         self.thread.start()
 
     def sample(self, initial: bool = False) -> None:
@@ -182,6 +190,7 @@ class _ServerCpu:
     def run(self) -> None:
         while not self.halt.wait(0.05):
             self.sample()
+        self.own_cpu = time.thread_time()
 
     def stop(self) -> dict[str, float]:
         """CPU seconds by backend type (``client backend``, ``autovacuum worker``, ...)."""
