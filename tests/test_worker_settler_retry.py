@@ -1,7 +1,8 @@
 """The settler tries a settle again after a lost connection, for up to one lease length.
 
-The retry is a plain loop around the settle call (a tenacity ``Retrying`` built for every batch
-cost about a microsecond a delivery): these pin what it must still do. A settle that lost its
+The settle is called once directly (a tenacity ``Retrying`` built for every batch cost about a
+microsecond a delivery); only a lost connection hands the rest of the attempts to a ``Retrying``
+with the same policy: these pin what it must do. A settle that lost its
 connection is tried again (its connection closed first) and its outcomes are the successful
 try's; a lock wait past its bound is not tried again (the settler keeps those results for
 later); a connection that stays lost is given up after one lease length (the results' leases
@@ -54,7 +55,7 @@ def _lock_wait() -> OperationalError:
     return error
 
 
-def test_a_batch_settle_that_lost_its_connection_is_tried_again_and_settles(no_sleep, monkeypatch) -> None:
+def test_a_batch_settle_that_lost_its_connection_is_tried_again_and_settles(no_sleep, monkeypatch, caplog) -> None:
     closed: list[int] = []
     monkeypatch.setattr(settler_module, "close_old_connections", lambda: closed.append(1))
     jobs = _jobs(3)
@@ -73,6 +74,11 @@ def test_a_batch_settle_that_lost_its_connection_is_tried_again_and_settles(no_s
     assert statements == 1
     assert len(closed) == 2  # the connection closed before each new try
     assert no_sleep == [0.2, 0.4]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("db_unavailable role=settle")]
+    assert [m.split(" error=")[0] for m in logged] == [
+        "db_unavailable role=settle attempt=1",
+        "db_unavailable role=settle attempt=2",
+    ]
 
 
 def test_a_single_settle_that_lost_its_connection_is_tried_again(no_sleep, monkeypatch) -> None:
