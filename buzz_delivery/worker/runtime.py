@@ -454,11 +454,15 @@ class Worker:
             text = self._community_texts[community_id.int] = str(community_id)
         return text
 
-    def _handle(self, claim: Claim, claimed_at: float, db: Any) -> SettleJob | None:
+    def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
         """Run the handler for one claim; returns what to settle, or None (result dropped),
-        with the claim counted out of the handlers' hands (:meth:`_result`). ``db``: this
-        thread's default connection wrapper (``connections[DEFAULT_DB_ALIAS]``)."""
+        with the claim counted out of the handlers' hands (:meth:`_result`)."""
         lease = claim.lease
+        # The thread's default connection wrapper, looked up for each delivery, not once per
+        # thread: a handler may have replaced it (``connections["default"] = ...``, a lane left
+        # entered), and the scope and the guard below must go on the one this handler's
+        # statements use, else they run with no community context (test_worker_thread_connection).
+        db = connections[DEFAULT_DB_ALIAS]
         if db.in_atomic_block:  # never a transaction around a handler
             raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
         started = self._begin(claim, claimed_at)
@@ -540,13 +544,10 @@ class Worker:
 
     def _handler_thread(self) -> None:
         try:
-            # This thread's connection wrapper, looked up once (a lookup through asgiref's
-            # thread-critical local is a few Python calls; the wrapper is the thread's for its life).
-            db = connections[DEFAULT_DB_ALIAS]
             while (item := self.work.get()) is not None:
                 claim, claimed_at = item
                 try:
-                    job = self._handle(claim, claimed_at, db)
+                    job = self._handle(claim, claimed_at)
                 except BaseException:
                     # Never let a handler thread die silently: claims would pile up unhandled.
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
