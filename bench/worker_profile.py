@@ -40,6 +40,12 @@ def main() -> None:
         help="CPU seconds per delivery of each kind of worker thread (handler, settler, ...; the"
         " dispatcher is the rest of client_us)",
     )
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="server CPU µs/delivery: the bench database's backends (/proc, sampled every 50 ms;"
+        " this script's own connections left out)",
+    )
     args = parser.parse_args()
     thread_cpu: collections.Counter[str] = collections.Counter()
     if args.threads:
@@ -85,6 +91,7 @@ def main() -> None:
         conn.execute("CHECKPOINT")
         commits0 = _commits(conn)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
+        sampler = _ServerCpu(url, exclude=_backend_pid(conn)) if args.server else None
         cpu, wall = time.process_time(), time.monotonic()
         if args.services:
             from buzz_delivery import services
@@ -109,6 +116,10 @@ def main() -> None:
             )
         cpu, wall = time.process_time() - cpu, time.monotonic() - wall
         r1 = resource.getrusage(resource.RUSAGE_SELF)
+        server = sampler.stop() if sampler is not None else None
+        if sampler is not None:
+            cpu -= sampler.own_cpu  # the sampler thread's own CPU is not the drain's
+            thread_cpu.pop("server-sampler", None)
         n = summary["finished"]
         print(dict(summary))
         print(
@@ -118,13 +129,81 @@ def main() -> None:
             f" vcsw/d={(r1.ru_nvcsw - r0.ru_nvcsw) / n:.2f} ivcsw/d={(r1.ru_nivcsw - r0.ru_nivcsw) / n:.2f}",
             flush=True,
         )
+        if server is not None:
+            print(
+                f"server_us={server.get('client backend', 0.0) / n * 1e6:.1f} (client backends; all: "
+                + " ".join(f"{kind.replace(' ', '_')}={sec / n * 1e6:.1f}" for kind, sec in sorted(server.items()))
+                + ")"
+            )
         if args.threads:
-            print(" ".join(f"{name}_us={cpu / n * 1e6:.1f}" for name, cpu in sorted(thread_cpu.items())))
+            rest = (cpu - sum(thread_cpu.values())) / n * 1e6  # the caller's thread: the dispatcher
+            print(
+                " ".join(f"{name}_us={sec / n * 1e6:.1f}" for name, sec in sorted(thread_cpu.items()))
+                + f" dispatcher_us={rest:.1f}"
+            )
         if args.statements:
             commits = _commits(conn) - commits0 - 1  # less this read's own transaction
             print(f"commits/delivery={commits / n:.4f} (the database's xact_commit, all sessions)")
             for kind, count in sent.most_common():
                 print(f"  {count / n:.4f}/delivery {count:>7} {kind}")
+
+
+def _backend_pid(conn: Any) -> int:
+    return int(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
+
+
+class _ServerCpu:
+    """CPU seconds of the bench database's backends (user + system, ``/proc/<pid>/stat``) from
+    now to :meth:`stop`, sampled every 50 ms on a connection of its own (left out, as is
+    ``exclude``); a backend that ends between samples loses at most its last 50 ms."""
+
+    def __init__(self, url: str, exclude: int) -> None:
+        import threading
+
+        self.conn = env.connect(url)
+        self.exclude = {exclude, _backend_pid(self.conn)}
+        self.first: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.kinds: dict[int, str] = {}
+        self.halt = threading.Event()
+        self.own_cpu = 0.0  # this sampler thread's CPU seconds (left out of client_us)
+        self.sample(initial=True)
+        self.thread = threading.Thread(target=self.run, name="server-sampler", daemon=True)
+        self.thread.start()
+
+    def sample(self, initial: bool = False) -> None:
+        from bench.scenarios.peers import _ticks
+
+        rows = self.conn.execute(
+            "SELECT pid, backend_type FROM pg_stat_activity WHERE datname = current_database()"
+        ).fetchall()
+        for pid, kind in rows:
+            self.kinds[pid] = kind
+            if pid in self.exclude:
+                continue
+            ticks = _ticks(pid)
+            if ticks is None:
+                continue
+            self.first.setdefault(pid, ticks if initial else 0)
+            self.last[pid] = ticks
+
+    def run(self) -> None:
+        while not self.halt.wait(0.05):
+            self.sample()
+        self.own_cpu = time.thread_time()
+
+    def stop(self) -> dict[str, float]:
+        """CPU seconds by backend type (``client backend``, ``autovacuum worker``, ...)."""
+        import os
+
+        self.halt.set()
+        self.thread.join()
+        self.sample()
+        self.conn.close()
+        seconds: collections.Counter[str] = collections.Counter()
+        for pid, last in self.last.items():
+            seconds[self.kinds[pid]] += (last - self.first[pid]) / os.sysconf("SC_CLK_TCK")
+        return dict(seconds)
 
 
 def _commits(conn: Any) -> int:

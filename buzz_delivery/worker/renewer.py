@@ -150,17 +150,21 @@ class LeaseRenewer(threading.Thread):
         """Give a held lease its handler deadline (monotonic seconds; None = none), set when
         its handler starts: a claim waiting in the worker's local queue is renewed, but its
         handler's time has not begun. No effect on a lease that is not held."""
+        key = (lease.delivery_id.int, lease.lease_generation)  # _key(lease), without the call
         with self._lock:
-            held = self._held.get(_key(lease))
+            held = self._held.get(key)
             if held is not None:
                 held.deadline = deadline
-                self._notify_if_before(deadline)
+                if deadline is not None and deadline < self._wakes_at:  # _notify_if_before, inline
+                    self._wakes_at = -math.inf
+                    self._cond.notify()
 
     def release(self, lease: Lease) -> HeldLease | None:
         """Stop renewing ``lease`` (this delivery at this generation only; a newer lease of the
         same delivery keeps being renewed). Returns the final state, or None if not held."""
+        key = (lease.delivery_id.int, lease.lease_generation)  # _key(lease), without the call
         with self._lock:
-            return self._held.pop(_key(lease), None)
+            return self._held.pop(key, None)
 
     def timed_out_count(self) -> int:
         """Held leases whose handler is still running past its deadline (not renewed)."""

@@ -310,6 +310,9 @@ class Worker:
         self.gave_up = False
         self.threads: list[threading.Thread] = []
         self.exited: set[int | None] = set()  # handler threads that stopped as told (a stop marker)
+        # Set by a handler (or loop) thread on its way out, whyever it ends: the dispatcher then
+        # looks for a dead thread at once (else every SIGNAL_CHECK_SECONDS, see dispatch).
+        self.thread_ended = False
         # An ``async def`` handler runs on one event loop thread (its loop, once running).
         self.is_async = is_async_handler(config.handler)
         # A handler that runs its user code in a guard of its own (the task runner: the task
@@ -328,13 +331,6 @@ class Worker:
                 self.error_reason = reason
         self.stop.set()
         self.wake.set()
-
-    def _decide(self, lease: Lease) -> bool:
-        """The settle decision of one claim: False when the worker already gave its leases up
-        (the claim counts as abandoned and must not settle), else True (it will settle)."""
-        with self._lock:
-            self.undecided.discard((lease.delivery_id.int, lease.lease_generation))
-            return not self.gave_up
 
     def _retry_now(self, lease: Lease, why: str) -> None:
         """Settle ``retry`` at once (attempts count, the backoff applies): one statement, no
@@ -369,7 +365,7 @@ class Worker:
         not run), else its start (monotonic), with its deadline handed to the renewer."""
         lease = claim.lease
         # A plain read (set once, under the lock, by drain): a give-up right after it still
-        # drops this claim's result in _decide, as it did when this read took the lock.
+        # drops this claim's result in _result, as it did when this read took the lock.
         if self.gave_up:  # a claim still queued when the worker gave its leases up: not run
             self.renewer.release(lease)
             return None
@@ -407,9 +403,33 @@ class Worker:
         )
         return args
 
-    def _result(self, lease: Lease, args: SettleArgs, held: HeldLease | None) -> SettleJob | None:
-        """After a handler ran: what to settle, or None (the result is dropped)."""
-        if not self._decide(lease):
+    def _result(self, lease: Lease, args: SettleArgs, held: HeldLease | None, ran: float) -> SettleJob | None:
+        """After a handler ran (for ``ran`` seconds): what to settle, or None (the result is
+        dropped). The claim's settle decision, its run time and its leaving the handlers' hands
+        under one hold of the worker's lock (a no-op delivery's bookkeeping was three):
+
+        - the decision: dropped when the worker already gave its leases up (the claim counts
+          as abandoned and must not settle: see :meth:`drain`) or when the handler ran past its
+          deadline; else it will settle;
+        - the run time, folded into the moving average the claim-ahead budget reads;
+        - the claim is no longer queued or running (``handling``), and no longer in flight
+          when its result is dropped (else once the settler is done with it).
+
+        The caller then hands the job to the settler (:meth:`_handed`); nothing here raises
+        after the counts changed."""
+        key = (lease.delivery_id.int, lease.lease_generation)
+        timed_out = held is not None and held.timed_out
+        now = time.monotonic()
+        with self._lock:
+            self.undecided.discard(key)
+            gave_up = self.gave_up
+            previous = self.run_time
+            self.run_time = ran if previous is None else previous + RUN_TIME_WEIGHT * (ran - previous)
+            self.handling -= 1
+            if gave_up or timed_out:
+                self.in_flight -= 1
+            self.last_busy = now
+        if gave_up:
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the worker gave up its leases at shutdown",
                 lease.delivery_id,
@@ -417,7 +437,7 @@ class Worker:
                 args.outcome,
             )
             return None
-        if held is not None and held.timed_out:
+        if timed_out:
             logger.warning(
                 "result_dropped delivery=%s generation=%d outcome=%s: the handler returned after its deadline",
                 lease.delivery_id,
@@ -435,13 +455,19 @@ class Worker:
         return text
 
     def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
-        """Run the handler for one claim; returns what to settle, or None (result dropped)."""
+        """Run the handler for one claim; returns what to settle, or None (result dropped),
+        with the claim counted out of the handlers' hands (:meth:`_result`)."""
         lease = claim.lease
-        db = connections[DEFAULT_DB_ALIAS]  # this thread's connection wrapper, looked up once
+        # The thread's default connection wrapper, looked up for each delivery, not once per
+        # thread: a handler may have replaced it (``connections["default"] = ...``, a lane left
+        # entered), and the scope and the guard below must go on the one this handler's
+        # statements use, else they run with no community context (test_worker_thread_connection).
+        db = connections[DEFAULT_DB_ALIAS]
         if db.in_atomic_block:  # never a transaction around a handler
             raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
         started = self._begin(claim, claimed_at)
         if started is None:
+            self._dropped()
             return None
         # With the delivery's community as context: what the handler reads of our tables
         # through the ORM (a deferred field, a related row) is that community's, and only
@@ -456,7 +482,7 @@ class Worker:
             args = self._raised(lease, exc)
         finally:
             held = self.renewer.release(lease)
-            self._ran(time.monotonic() - started)
+            ran = time.monotonic() - started
         if call is not None and call.left_open is not None:
             args = SettleArgs(
                 "failed",
@@ -470,13 +496,14 @@ class Worker:
                 TRANSACTION_LEFT_OPEN,
                 call.left_open,
             )
-        return self._result(lease, args, held)
+        return self._result(lease, args, held, ran)
 
     async def _ahandle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
         """As :meth:`_handle`, for an ``async def`` handler, awaited on the worker's loop."""
         lease = claim.lease
         started = self._begin(claim, claimed_at)
         if started is None:
+            self._dropped()
             return None
         try:
             with tracing.handler_span(claim.delivery):
@@ -486,14 +513,8 @@ class Worker:
             args = self._raised(lease, exc)
         finally:
             held = self.renewer.release(lease)
-            self._ran(time.monotonic() - started)
-        return self._result(lease, args, held)
-
-    def _ran(self, seconds: float) -> None:
-        """Fold one handler run time into the moving average the claim-ahead budget reads."""
-        with self._lock:
-            previous = self.run_time
-            self.run_time = seconds if previous is None else previous + RUN_TIME_WEIGHT * (seconds - previous)
+            ran = time.monotonic() - started
+        return self._result(lease, args, held, ran)
 
     def _settled(self, n: int) -> None:
         """The settler is done with ``n`` results (settled or not): they are no longer in flight."""
@@ -502,16 +523,21 @@ class Worker:
             self.last_busy = time.monotonic()
         self.wake.set()
 
-    def _handled(self, job: SettleJob | None) -> None:
-        """One claim is out of the handlers' hands: settle its result (or count it dropped)."""
+    def _dropped(self) -> None:
+        """One claim is out of the handlers' hands without a :meth:`_result` (not run, or its
+        step raised): it is no longer queued, running or in flight. (A result's own counts are
+        taken in :meth:`_result`.)"""
         with self._lock:
             self.handling -= 1
-            if job is None:
-                self.in_flight -= 1
+            self.in_flight -= 1
             self.last_busy = time.monotonic()
+
+    def _handed(self, job: SettleJob | None) -> None:
+        """After a claim was counted out of the handlers' hands: settle its result, if any,
+        and have the dispatcher look at the counts again."""
         if job is not None:
             self.settler.put(job)
-        # The dispatcher clears the flag before it reads the counts above, so a flag still set
+        # The dispatcher clears the flag before it reads the counts, so a flag still set
         # means it has yet to read them: setting it again (a lock and a notify) is skipped.
         if not self.wake.is_set():
             self.wake.set()
@@ -520,19 +546,26 @@ class Worker:
         try:
             while (item := self.work.get()) is not None:
                 claim, claimed_at = item
-                job = None
                 try:
                     job = self._handle(claim, claimed_at)
                 except BaseException:
                     # Never let a handler thread die silently: claims would pile up unhandled.
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
                     self._fail("worker_error")
-                finally:
-                    self._handled(job)
+                    self._dropped()  # (a step that raised before the claim was counted out)
+                    self._handed(None)
+                else:
+                    self._handed(job)
             with self._lock:
                 self.exited.add(threading.get_ident())
         finally:
+            self._thread_ends()
             connections.close_all()
+
+    def _thread_ends(self) -> None:
+        """A handler (or loop) thread is ending, as told or not: have the dispatcher look."""
+        self.thread_ended = True
+        self.wake.set()
 
     # --- the event loop of an async handler ------------------------------------------------------
 
@@ -548,6 +581,7 @@ class Worker:
             logger.exception("worker_error: the handlers' event loop stopped")
             self._fail("worker_error")
         finally:
+            self._thread_ends()
             connections.close_all()
 
     async def _event_loop(self) -> None:
@@ -578,15 +612,16 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _task(self, claim: Claim, claimed_at: float) -> None:
-        job = None
         try:
             async with self._slots:
                 job = await self._ahandle(claim, claimed_at)
         except BaseException:
             logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
             self._fail("worker_error")
-        finally:
-            self._handled(job)
+            self._dropped()
+            self._handed(None)
+        else:
+            self._handed(job)
 
     def _submit(self, item: tuple[Claim, float] | None) -> None:
         """Hand a claim (or a stop marker) to the handlers: a thread's queue, or the loop."""
@@ -919,18 +954,26 @@ class Worker:
         redundant and dropped; with several pairs, only the pairs that came back full are polled
         again until the next full round), else every pair every ``poll_interval``; a hint wakes
         it in between."""
-        backlog, next_poll = True, 0.0
+        backlog, next_poll, next_thread_check = True, 0.0, 0.0
         with self._lock:
             # Idle from now, not from __init__: starting the threads and the listener can take
             # longer than ``idle_exit`` on a loaded machine, which exited before the first poll.
             self.last_busy = time.monotonic()
         while not (self.stop.is_set() or self.signalled):
             self.wake.clear()
-            dead = self._dead_thread()
-            if dead is not None:  # never go on claiming (nor exit 0) for threads that are gone
-                logger.error("%s: stopping the worker", dead)
-                self._fail(dead)
-                break
+            # Never go on claiming (nor exit 0) for threads that are gone. A thread that ends
+            # says so (thread_ended) and is looked for at once; the liveness of every thread is
+            # also checked every SIGNAL_CHECK_SECONDS (a settler, or a thread that died past
+            # its own finally), not on every round: a round runs once per few deliveries, and
+            # asking each of 16 threads is_alive() was ~14% of the dispatcher's CPU (issue 31).
+            now = time.monotonic()
+            if self.thread_ended or now >= next_thread_check:
+                next_thread_check = now + SIGNAL_CHECK_SECONDS
+                dead = self._dead_thread()
+                if dead is not None:
+                    logger.error("%s: stopping the worker", dead)
+                    self._fail(dead)
+                    break
             if self._finished_quota():
                 return "max_deliveries"
             if self._idle_too_long():

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from django.db import close_old_connections, connections
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
 from buzz_delivery import services
 from buzz_delivery.services import AlreadyTerminal, Lease, LeaseLost, Settled
@@ -58,6 +58,11 @@ from buzz_delivery.worker.handlers import SettleArgs
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE, busy_retry_seconds, lock_wait_ms
 
 logger = logging.getLogger("buzz_delivery.worker")
+
+# A settle that lost its connection is tried again after RETRY_FIRST_WAIT seconds, each wait
+# twice the last, at most RETRY_MOST_WAIT, until one lease length has passed since its first try.
+RETRY_FIRST_WAIT = 0.2
+RETRY_MOST_WAIT = 2.0
 
 # Summary key of each recorded status (``pending`` = a retry back in the queue).
 SETTLED_KEYS = {"finished": "finished", "failed": "failed", "pending": "retried"}
@@ -179,8 +184,19 @@ class Settler(threading.Thread):
         self._deferred: list[SettleJob] = []
 
     def put(self, job: SettleJob) -> None:
-        """Queue one result (thread-safe, never blocks)."""
-        self._queue.put(job)
+        """Queue one result (thread-safe, never blocks): what ``Queue.put`` does on this
+        unbounded queue, with the notify only when the settler waits on it. (``Queue.put`` is a
+        few Python calls, its notify a few more even with nothing waiting: every handler thread
+        puts once a delivery, mostly while the settler is busy settling the last batch.)
+        A waiter registers in the condition's ``_waiters`` under the same mutex, so it is
+        either seen here or finds the job queued before it waits."""
+        source = self._queue
+        with source.mutex:
+            source.queue.append(job)
+            source.unfinished_tasks += 1
+            not_empty = source.not_empty
+            if not_empty._waiters:  # type: ignore[attr-defined]
+                not_empty.notify()
 
     def close(self) -> None:
         """Settle what is queued, then stop (see :meth:`join`)."""
@@ -258,14 +274,40 @@ class Settler(threading.Thread):
 
     # --- one batch -----------------------------------------------------------------------------
 
-    def _retrying(self) -> Retrying:
-        return Retrying(
+    def _retried(self, settle: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``settle(*args, **kwargs)``, tried once directly (the hot path: no retry machinery
+        built); only a lost connection (not a lock wait past its bound) hands the rest of the
+        attempts to a tenacity ``Retrying`` (:meth:`_after_lost`)."""
+        started = time.monotonic()
+        try:
+            return settle(*args, **kwargs)
+        except DB_UNAVAILABLE as exc:
+            if not _connection_lost(exc):
+                raise
+            return self._after_lost(exc, started, settle, *args, **kwargs)
+
+    def _after_lost(
+        self, first: BaseException, started: float, settle: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """The retries of a settle whose first try (at ``started``, monotonic) lost its
+        connection (``first``): before each wait the loss is logged and the connection closed;
+        waits of 0.2 s doubling up to 2 s; given up (the last error raised) once one lease length
+        has passed since the first try. The first try's error is replayed as the ``Retrying``'s
+        attempt 1, so that its numbering, waits and logging are the policy's from the first try."""
+        lease_seconds = self.lease_seconds
+        replay: list[BaseException] = [first]
+        for attempt in Retrying(
             retry=retry_if_exception(_connection_lost),
-            stop=stop_after_delay(self.lease_seconds),
-            wait=wait_exponential(multiplier=0.2, max=2.0),
+            stop=lambda _state: time.monotonic() - started >= lease_seconds,
+            wait=wait_exponential(multiplier=RETRY_FIRST_WAIT, max=RETRY_MOST_WAIT),
             before_sleep=_reconnect,
             reraise=True,
-        )
+        ):
+            with attempt:
+                if replay:
+                    raise replay.pop()
+                return settle(*args, **kwargs)
+        raise AssertionError("unreachable: Retrying reraises or returns")  # pragma: no cover
 
     def _settle_batch(self, jobs: list[SettleJob]) -> list[SettleJob]:
         """Settle ``jobs``; returns those kept for later (their community is busy)."""
@@ -356,7 +398,7 @@ class Settler(threading.Thread):
         self, jobs: list[SettleJob], settle: Callable[..., list[FinishOutcome]], *args: Any
     ) -> tuple[list[tuple[SettleJob, FinishOutcome]] | _Busy | None, int]:
         try:
-            outcomes = self._retrying()(settle, *args)
+            outcomes = self._retried(settle, *args)
         except DB_UNAVAILABLE as exc:
             if lock_wait_timed_out(exc):
                 # Its statement changed nothing; if a follow-up read of the batch waited (a lease
@@ -373,7 +415,7 @@ class Settler(threading.Thread):
     def _settle_one(self, job: SettleJob) -> tuple[FinishOutcome | _Busy | None, int]:
         lease, args = job.lease, job.args
         try:
-            outcome = self._retrying()(
+            outcome = self._retried(
                 services.finish_delivery,
                 lease,
                 args.outcome,
@@ -455,11 +497,12 @@ def _connection_lost(exc: BaseException) -> bool:
     return isinstance(exc, DB_UNAVAILABLE) and not lock_wait_timed_out(exc)
 
 
-def _reconnect(state: object) -> None:
-    outcome = getattr(state, "outcome", None)
+def _reconnect(state: RetryCallState) -> None:
+    """Before each wait: log the lost connection and close it (the next try reconnects)."""
+    outcome = state.outcome
     logger.warning(
         "db_unavailable role=settle attempt=%d error=%s",
-        getattr(state, "attempt_number", 0),
+        state.attempt_number,
         outcome.exception() if outcome is not None else None,
     )
     close_old_connections()
