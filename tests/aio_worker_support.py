@@ -4,6 +4,7 @@ a run that never ends fails its test ("stuck") instead of hanging the suite."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -50,3 +51,12 @@ def run_in_thread(
     assert not worker.is_alive(), stuck
     assert out, "the worker raised (see its thread's traceback)"
     return out[0]
+
+
+EVENT_BOUND = 20.0
+
+
+async def waited(event: threading.Event, bound: float = EVENT_BOUND) -> bool:
+    """Whether ``event`` was set within ``bound`` seconds, waited for off the event loop (a
+    handler's step waiting for the test's side: a row held, a statement sent)."""
+    return await asyncio.to_thread(event.wait, bound)

@@ -25,7 +25,7 @@ from django.db import connection
 
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from tests.agents_support import new_run
-from tests.aio_worker_support import run_in_thread
+from tests.aio_worker_support import run_in_thread, waited
 from tests.citus_support import CITUS_MODE
 from tests.tenant_locks import rows_held
 
@@ -33,10 +33,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 WAIT = 20.0
 STEP: dict = {}
-
-
-async def _waited(event: threading.Event) -> bool:
-    return await asyncio.to_thread(event.wait, WAIT)
 
 
 async def cancels_a_call_as_it_is_journaled(ctx):
@@ -52,9 +48,9 @@ async def cancels_a_call_as_it_is_journaled(ctx):
             return await ctx.call("x", tool, {})
 
     STEP["claimed"].set()
-    assert await _waited(STEP["held"])
+    assert await waited(STEP["held"])
     task = asyncio.ensure_future(branch())
-    assert await _waited(STEP["cancel"])  # the write is sent: it waits for the held row
+    assert await waited(STEP["cancel"])  # the write is sent: it waits for the held row
     task.cancel()
     STEP["cancelled"].set()
     with contextlib.suppress(asyncio.CancelledError):
@@ -123,9 +119,9 @@ async def cancels_a_call_while_its_record_is_queued(ctx):
     x = asyncio.ensure_future(in_scope("x", x_tool))
     await x_running.wait()
     STEP["x_running"].set()
-    assert await _waited(STEP["held"])
+    assert await waited(STEP["held"])
     y = asyncio.ensure_future(in_scope("y", y_tool))
-    assert await _waited(STEP["y_waits"])  # the pool's connection waits for the held row
+    assert await waited(STEP["y_waits"])  # the pool's connection waits for the held row
     finish.set()
     batcher = ctx.runtime.batcher
     for _ in range(int(WAIT / 0.01)):  # x's result queued, not sent (the connection is busy)

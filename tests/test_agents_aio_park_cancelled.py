@@ -20,7 +20,7 @@ from django.db import connection
 
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from tests.agents_support import new_run
-from tests.aio_worker_support import run_in_thread
+from tests.aio_worker_support import run_in_thread, waited
 from tests.citus_support import CITUS_MODE
 from tests.tenant_locks import rows_held
 
@@ -30,21 +30,17 @@ WAIT = 20.0
 STEP: dict = {}
 
 
-async def _waited(event: threading.Event) -> bool:
-    return await asyncio.to_thread(event.wait, WAIT)
-
-
 async def a_sibling_fails_as_the_park_is_written(ctx):
     async def ask():
         with ctx.scope("ask"):
             return await ctx.request_approval("ok?", 600)
 
     async def sibling():
-        assert await _waited(STEP["park_sent"])  # the park's statement waits for the held row
+        assert await waited(STEP["park_sent"])  # the park's statement waits for the held row
         raise ValueError("the sibling failed")
 
     STEP["claimed"].set()
-    assert await _waited(STEP["held"])
+    assert await waited(STEP["held"])
     async with asyncio.TaskGroup() as group:
         STEP["ask"] = group.create_task(ask())
         group.create_task(sibling())

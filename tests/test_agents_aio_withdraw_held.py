@@ -22,6 +22,7 @@ from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
 from buzz_delivery.agents.models import AgentRun, JournalEntry
 from buzz_delivery.testing import CommunityFactory
 from tests.agents_support import AGENT, new_run
+from tests.aio_worker_support import waited
 from tests.citus_support import CITUS_MODE
 from tests.tenant_locks import rows_held
 
@@ -29,10 +30,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 WAIT = 20.0
 STEP: dict = {}
-
-
-async def _waited(event: threading.Event) -> bool:
-    return await asyncio.to_thread(event.wait, WAIT)
 
 
 async def cancels_a_call_whose_write_waits_for_a_lock(ctx):
@@ -45,15 +42,15 @@ async def cancels_a_call_whose_write_waits_for_a_lock(ctx):
             return await ctx.call("x", tool, {})
 
     STEP["claimed"].set()
-    assert await _waited(STEP["held"])
+    assert await waited(STEP["held"])
     task = asyncio.ensure_future(branch())
-    assert await _waited(STEP["cancel"])  # the write's batch is out: it waits for the held row
+    assert await waited(STEP["cancel"])  # the write's batch is out: it waits for the held row
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     STEP["task_cancelled"] = task.cancelled()
     STEP["task_done"].set()
-    assert await _waited(STEP["released"])
+    assert await waited(STEP["released"])
     return "done"
 
 
