@@ -139,11 +139,14 @@ def _url(url: str, name: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
 
 
-def _run_peers(url: str, repeats: int) -> dict[tuple[str, int], list[tuple[float, float, float]]]:
+def _run_peers(
+    url: str, repeats: int, systems: tuple[str, ...] = SYSTEMS, extra: tuple[str, ...] = ()
+) -> dict[tuple[str, int], list[tuple[float, float, float]]]:
     """``bench.run --only peers`` on ``url`` in a child process: (system, K) -> [(rate, server µs,
-    client µs)] of each drain."""
+    client µs)] of each drain. ``extra``: more ``bench.run`` arguments (``bench.hot_claim_ab``
+    passes ``--synchronous-commit off``)."""
     command = [sys.executable, "-m", "bench.run", "--only", "peers", "--repeats", str(repeats)]
-    command += ["--peers", ",".join(SYSTEMS), "--output", os.devnull]
+    command += ["--peers", ",".join(systems), "--output", os.devnull, *extra]
     environ = {**os.environ, "BENCH_DATABASE_URL": url, "PYTHONPATH": str(env.ROOT)}
     found: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     with subprocess.Popen(command, cwd=env.ROOT, env=environ, stdout=subprocess.PIPE, text=True) as proc:
