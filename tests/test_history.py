@@ -417,8 +417,10 @@ def test_the_history_push_is_inlined_into_the_hot_statements(community):
         ),
     ]
     for plan in plans:
-        assert "jsonb_path_query_array" in plan, plan
+        assert "jsonb_array_length" in plan, plan
         assert "buzz_delivery_history_push" not in plan, plan
+        # Migration 0035: the bound is one array element removed, not a jsonpath slice per push.
+        assert "jsonb_path_query_array" not in plan, plan
 
 
 @pytest.mark.parametrize("actor", ["host-a:4242:worker", 'a "quoted" \\ back\\slash', "ünïcødé ✓\nline", None])
@@ -453,3 +455,25 @@ def test_the_immutable_history_object_is_the_object_jsonb_build_object_builds(ac
     assert json.loads(ours) == json.loads(theirs)
     assert ours == theirs  # the same jsonb, printed the same
     assert json.loads(ours)["generation"] == 2**40 and json.loads(ours)["actor"] == actor
+
+
+def test_the_push_keeps_what_the_jsonpath_slice_kept_at_every_length():
+    """Migration 0035's push (remove the oldest when full) against 0008's slice of the last 50,
+    for every history length a CHECK allows (0..50) and entries that are one element (an object,
+    as every statement pushes, or a scalar; an array entry would append several: not a push)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT n, e, buzz_delivery_history_push(h, e), jsonb_path_query_array(h || e, '$[last - 49 to last]')
+            FROM generate_series(0, 50) AS n,
+                 LATERAL (SELECT coalesce(jsonb_agg(jsonb_build_object('n', i)), '[]'::jsonb) AS h
+                          FROM generate_series(1, n) AS i) AS built,
+                 unnest(ARRAY['{"event": "claim", "n": 0}'::jsonb, '"x"'::jsonb, 'null'::jsonb]) AS e
+            """
+        )
+        rows = cursor.fetchall()
+    assert len(rows) == 51 * 3
+    for n, entry, pushed, sliced in rows:
+        pushed, sliced = json.loads(pushed), json.loads(sliced)
+        assert pushed == sliced, (n, entry)
+        assert len(pushed) == min(n + 1, 50) and pushed[-1] == json.loads(entry), (n, entry)
