@@ -190,12 +190,23 @@ def _child(url: str, concurrency: int, idle_exit: float, tasks: Any, results: An
         return claims
 
     worker_runtime.services.claim_deliveries = counted  # type: ignore[attr-defined]
+    rounds = [0, 0]  # the dispatcher's rounds (``_room`` asked) and of those with no room
+    room = worker_runtime.Worker._room
+
+    def counted_room(self: Any) -> int:
+        free = room(self)
+        rounds[0] += 1
+        rounds[1] += not free
+        return free
+
+    worker_runtime.Worker._room = counted_room  # type: ignore[method-assign]
     results.put("ready")
     while (task := tasks.get()) is not None:
         community_id, start_at = task
         thread_cpu.clear()
         sizes.clear()
         marks.clear()
+        rounds[:] = [0, 0]
         while time.monotonic() < start_at:
             time.sleep(0.001)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -225,6 +236,9 @@ def _child(url: str, concurrency: int, idle_exit: float, tasks: Any, results: An
                 "stop": cpu1 - marks.get("first_empty", cpu1),
                 "threads": dict(thread_cpu),
                 "sizes": dict(sizes),
+                "rounds": list(rounds),
+                "user": r1.ru_utime - r0.ru_utime,
+                "sys": r1.ru_stime - r0.ru_stime,
                 "vcsw": r1.ru_nvcsw - r0.ru_nvcsw,
                 "ivcsw": r1.ru_nivcsw - r0.ru_nivcsw,
             }
@@ -276,6 +290,7 @@ def _multi(args: Any, url: str, conn: Any, tenant: Any) -> None:
             claims = sum(sizes.values())
             print(
                 f"K={args.processes} finished={n} rate~{n / wall:.0f}/s client_us={cpu / n * 1e6:.1f}"
+                f" (user {sum(g['user'] for g in got) / n * 1e6:.1f} sys {sum(g['sys'] for g in got) / n * 1e6:.1f})"
                 f" start_us={sum(g['start'] for g in got) / n * 1e6:.1f}"
                 f" stop_us={sum(g['stop'] for g in got) / n * 1e6:.1f}"
                 f" vcsw/d={sum(g['vcsw'] for g in got) / n:.2f} ivcsw/d={sum(g['ivcsw'] for g in got) / n:.2f}"
@@ -290,6 +305,8 @@ def _multi(args: Any, url: str, conn: Any, tenant: Any) -> None:
             print(
                 f"  claims={claims} per_delivery={claims / n:.4f} empty={sizes.get(0, 0)}"
                 f" short={sum(c for k, c in sizes.items() if 0 < k < 50)} full={sizes.get(50, 0)}"
+                f" dispatcher rounds/delivery={sum(g['rounds'][0] for g in got) / n:.3f}"
+                f" (no room {sum(g['rounds'][1] for g in got) / n:.3f})"
                 f" per process finished={[g['finished'] for g in got]}"
             )
     finally:
