@@ -1,7 +1,9 @@
 """Drain N no-op deliveries with run_worker in this process (for py-spy): prints the rate and
 this process's client CPU µs/delivery.
 
-    BENCH_DATABASE_URL=... python -m bench.worker_profile --deliveries 20000 [--setup]
+    BENCH_DATABASE_URL=... python -m bench.worker_profile --deliveries 20000 [--threads --server]
+    ... --processes 4 --rounds 3 --server   # K worker processes at once, CPU by phase and thread
+    ... --replay                            # the handler thread's per-delivery path alone
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def main() -> None:
         help="drain with this many worker processes at once (spawned once, reused each round, as the"
         " peers harness's K): per-process CPU split into start-up, claims and stop, with each"
         " thread kind's CPU and the claims' sizes (empty and short claims)",
+    )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="no drain: claim 50 real deliveries once and time, on one thread (thread CPU, median of"
+        " 50 passes), a handler thread's per-delivery path (_handle + _handed, no settle) and the"
+        " dispatcher's per-round reads (_room, _working, the renewer's hung counts) with them held",
     )
     parser.add_argument("--services", action="store_true", help="claim 50 -> finish 50 loop, no worker")
     parser.add_argument(
@@ -91,6 +100,9 @@ def main() -> None:
         _count_statements(sent)
     if args.processes:
         _multi(args, url, conn, tenant)
+        return
+    if args.replay:
+        _replay(conn, tenant, args.concurrency)
         return
     for _ in range(args.rounds):
         gc_time[0], gc_time[1] = 0.0, 0
@@ -157,6 +169,71 @@ def main() -> None:
             print(f"commits/delivery={commits / n:.4f} (the database's xact_commit, all sessions)")
             for kind, count in sent.most_common():
                 print(f"  {count / n:.4f}/delivery {count:>7} {kind}")
+
+
+# --- the per-delivery paths alone (--replay) -------------------------------------------------------
+
+
+def _replay(conn: Any, tenant: Any, concurrency: int) -> None:
+    import statistics
+    import threading
+
+    from bench import data
+    from bench.handlers import noop
+    from buzz_delivery import services
+    from buzz_delivery.worker import WorkerConfig
+    from buzz_delivery.worker import runtime as worker_runtime
+
+    data.clear_deliveries(conn)
+    data.load(conn, tenant, 60)
+    data.analyze(conn)
+    claims = services.claim_deliveries(tenant.community_id, data.target(0), limit=50)
+    config = WorkerConfig(
+        community_id=tenant.community_id,
+        target_pubkey=data.target(0),
+        handler=noop,
+        concurrency=concurrency,
+        batch_size=50,
+    )
+    worker = worker_runtime.Worker(config, threading.Event())
+    lookup = getattr(worker_runtime, "thread_connection_lookup", None)  # (an older tree has none)
+    out: dict[str, float] = {}
+
+    def run() -> None:
+        passes = []
+        for _ in range(60):
+            worker.renewer.hold_many([c.lease for c in claims])
+            with worker._lock:
+                worker.in_flight += len(claims)
+                worker.handling += len(claims)
+            claimed_at = time.monotonic()
+            cpu = time.thread_time()
+            extra = (lookup(),) if lookup is not None else ()
+            for claim in claims:
+                worker._handed(worker._handle(claim, claimed_at, *extra))
+            passes.append((time.thread_time() - cpu) / len(claims) * 1e6)
+            worker.settler._queue.queue.clear()  # no settle: the results are dropped
+            worker.wake.clear()
+        out["handler_path_us"] = statistics.median(passes[10:])
+        worker.renewer.hold_many([c.lease for c in claims])
+        passes = []
+        for _ in range(60):
+            cpu = time.thread_time()
+            for _ in range(100):
+                worker._room()
+                worker._working()
+                worker.renewer.timed_out_count()
+                worker.renewer.timed_out_delivery_ids()
+            passes.append((time.thread_time() - cpu) / 100 * 1e6)
+        out["round_reads_us"] = statistics.median(passes[10:])
+        for claim in claims:
+            worker.renewer.release(claim.lease)
+
+    thread = threading.Thread(target=run, name="replay")
+    thread.start()
+    thread.join()
+    services.finish_deliveries([c.lease for c in claims])
+    print(" ".join(f"{name}={value:.2f}" for name, value in out.items()), f"(held: {len(claims)})")
 
 
 # --- K worker processes at once (--processes) ----------------------------------------------------
@@ -259,8 +336,7 @@ def _multi(args: Any, url: str, conn: Any, tenant: Any) -> None:
     tasks = [ctx.Queue() for _ in range(args.processes)]
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(url, args.concurrency, args.idle_exit, q, results), daemon=True)
-        for q in tasks
+        ctx.Process(target=_child, args=(url, args.concurrency, args.idle_exit, q, results), daemon=True) for q in tasks
     ]
     for proc in procs:
         proc.start()

@@ -593,9 +593,11 @@ class Worker:
 
     def _handler_thread(self) -> None:
         try:
-            default_connection = thread_connection_lookup()
+            default_connection: Callable[[], Any] | None = None
             while (item := self.work.get()) is not None:
                 claim, claimed_at = item
+                if default_connection is None:  # at the thread's first delivery, as the wrapper was made
+                    default_connection = thread_connection_lookup()
                 try:
                     job = self._handle(claim, claimed_at, default_connection)
                 except BaseException:
