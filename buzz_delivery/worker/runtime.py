@@ -64,6 +64,9 @@ from buzz_delivery.worker.settler import SETTLED_KEYS, SettleJob, Settler
 logger = logging.getLogger("buzz_delivery.worker")
 
 
+_CONNECTION_HANDLER: Any = connections  # (the same object, typed loosely: its private ``_connections`` is read)
+
+
 def _default_connection() -> Any:
     """This thread's default Django connection wrapper (``connections[DEFAULT_DB_ALIAS]``)."""
     return connections[DEFAULT_DB_ALIAS]
@@ -79,12 +82,12 @@ def thread_connection_lookup() -> Callable[[], Any]:
     asyncio for a running loop (raising and catching inside) before it reads its plain
     ``threading.local``: ~0.7 µs on an idle machine, about 2 under load, once per delivery
     (issue 31). Outside a running loop that ``Local`` reads exactly that ``threading.local``
-    (``_storage``), so this reads it directly, in C, while the handler (``connections``'s
-    ``Local``) is still the one found here; it falls back to ``connections[...]`` when the
+    (``_storage``), so this reads it directly, in C, while ``connections`` still holds the
+    ``Local`` found here; it falls back to ``connections[...]`` when the
     wrapper is not there yet (created as Django creates it), when the ``Local`` was replaced,
     and altogether when this asgiref keeps its storage otherwise (the check below: the storage
     is a ``threading.local`` holding the very wrapper ``connections[...]`` returns)."""
-    handler_local = connections._connections
+    handler_local = getattr(connections, "_connections", None)  # (none: a Django that keeps it otherwise)
     storage = getattr(handler_local, "_storage", None)
     if not isinstance(storage, threading.local):
         return _default_connection
@@ -100,7 +103,7 @@ def thread_connection_lookup() -> Callable[[], Any]:
 
     def default_connection() -> Any:
         db = getattr(storage, DEFAULT_DB_ALIAS, None)
-        if db is None or connections._connections is not handler_local:
+        if db is None or _CONNECTION_HANDLER._connections is not handler_local:
             return _default_connection()
         return db
 
