@@ -1,7 +1,9 @@
 """Drain N no-op deliveries with run_worker in this process (for py-spy): prints the rate and
 this process's client CPU µs/delivery.
 
-    BENCH_DATABASE_URL=... python -m bench.worker_profile --deliveries 20000 [--setup]
+    BENCH_DATABASE_URL=... python -m bench.worker_profile --deliveries 20000 [--threads --server]
+    ... --processes 4 --rounds 3 --server   # K worker processes at once, CPU by phase and thread
+    ... --replay                            # the handler thread's per-delivery path alone
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ def main() -> None:
         type=float,
         default=0.3,
         help="the worker's idle exit, seconds (longer on a loaded machine: a slow start idled out at 0)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="drain with this many worker processes at once (spawned once, reused each round, as the"
+        " peers harness's K): per-process CPU split into start-up, claims and stop, with each"
+        " thread kind's CPU and the claims' sizes (empty and short claims)",
+    )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="no drain: claim 50 real deliveries once and time, on one thread (thread CPU, median of"
+        " 50 passes), a handler thread's per-delivery path (_handle + _handed, no settle) and the"
+        " dispatcher's per-round reads (_room, _working, the renewer's hung counts) with them held",
     )
     parser.add_argument("--services", action="store_true", help="claim 50 -> finish 50 loop, no worker")
     parser.add_argument(
@@ -81,6 +98,12 @@ def main() -> None:
     sent: collections.Counter[str] = collections.Counter()
     if args.statements:
         _count_statements(sent)
+    if args.processes:
+        _multi(args, url, conn, tenant)
+        return
+    if args.replay:
+        _replay(conn, tenant, args.concurrency)
+        return
     for _ in range(args.rounds):
         gc_time[0], gc_time[1] = 0.0, 0
         sent.clear()
@@ -146,6 +169,227 @@ def main() -> None:
             print(f"commits/delivery={commits / n:.4f} (the database's xact_commit, all sessions)")
             for kind, count in sent.most_common():
                 print(f"  {count / n:.4f}/delivery {count:>7} {kind}")
+
+
+# --- the per-delivery paths alone (--replay) -------------------------------------------------------
+
+
+def _replay(conn: Any, tenant: Any, concurrency: int) -> None:
+    import statistics
+    import threading
+
+    from bench import data
+    from bench.handlers import noop
+    from buzz_delivery import services
+    from buzz_delivery.worker import WorkerConfig
+    from buzz_delivery.worker import runtime as worker_runtime
+
+    data.clear_deliveries(conn)
+    data.load(conn, tenant, 60)
+    data.analyze(conn)
+    claims = services.claim_deliveries(tenant.community_id, data.target(0), limit=50)
+    config = WorkerConfig(
+        community_id=tenant.community_id,
+        target_pubkey=data.target(0),
+        handler=noop,
+        concurrency=concurrency,
+        batch_size=50,
+    )
+    worker = worker_runtime.Worker(config, threading.Event())
+    lookup = getattr(worker_runtime, "thread_connection_lookup", None)  # (an older tree has none)
+    out: dict[str, float] = {}
+
+    def run() -> None:
+        passes = []
+        for _ in range(60):
+            worker.renewer.hold_many([c.lease for c in claims])
+            with worker._lock:
+                worker.in_flight += len(claims)
+                worker.handling += len(claims)
+            claimed_at = time.monotonic()
+            cpu = time.thread_time()
+            extra = (lookup(),) if lookup is not None else ()
+            for claim in claims:
+                worker._handed(worker._handle(claim, claimed_at, *extra))
+            passes.append((time.thread_time() - cpu) / len(claims) * 1e6)
+            worker.settler._queue.queue.clear()  # no settle: the results are dropped
+            worker.wake.clear()
+        out["handler_path_us"] = statistics.median(passes[10:])
+        worker.renewer.hold_many([c.lease for c in claims])
+        passes = []
+        for _ in range(60):
+            cpu = time.thread_time()
+            for _ in range(100):
+                worker._room()
+                worker._working()
+                worker.renewer.timed_out_count()
+                worker.renewer.timed_out_delivery_ids()
+            passes.append((time.thread_time() - cpu) / 100 * 1e6)
+        out["round_reads_us"] = statistics.median(passes[10:])
+        for claim in claims:
+            worker.renewer.release(claim.lease)
+
+    thread = threading.Thread(target=run, name="replay")
+    thread.start()
+    thread.join()
+    services.finish_deliveries([c.lease for c in claims])
+    print(" ".join(f"{name}={value:.2f}" for name, value in out.items()), f"(held: {len(claims)})")
+
+
+# --- K worker processes at once (--processes) ----------------------------------------------------
+
+
+def _child(url: str, concurrency: int, idle_exit: float, tasks: Any, results: Any) -> None:
+    """One worker process: for each (community id, start instant) task, wait for the start,
+    run_worker, and report its CPU by phase and thread kind and its claims' sizes."""
+    thread_cpu: collections.Counter[str] = collections.Counter()
+    _count_thread_cpu(thread_cpu)
+    env.setup_django(url)
+    from bench import data
+    from bench.handlers import noop
+    from buzz_delivery import services
+    from buzz_delivery.worker import WorkerConfig, run_worker
+    from buzz_delivery.worker import runtime as worker_runtime
+
+    sizes: collections.Counter[int] = collections.Counter()
+    marks: dict[str, float] = {}
+    claim = services.claim_deliveries
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        before = time.process_time()
+        marks.setdefault("first_claim", before)
+        claims = claim(*a, **kw)
+        sizes[len(claims)] += 1
+        if claims:
+            marks["last_claim"] = time.process_time()
+        elif "first_empty" not in marks and "last_claim" in marks:
+            marks["first_empty"] = before
+        return claims
+
+    worker_runtime.services.claim_deliveries = counted  # type: ignore[attr-defined]
+    rounds = [0, 0]  # the dispatcher's rounds (``_room`` asked) and of those with no room
+    room = worker_runtime.Worker._room
+
+    def counted_room(self: Any) -> int:
+        free = room(self)
+        rounds[0] += 1
+        rounds[1] += not free
+        return free
+
+    worker_runtime.Worker._room = counted_room  # type: ignore[method-assign]
+    results.put("ready")
+    while (task := tasks.get()) is not None:
+        community_id, start_at = task
+        thread_cpu.clear()
+        sizes.clear()
+        marks.clear()
+        rounds[:] = [0, 0]
+        while time.monotonic() < start_at:
+            time.sleep(0.001)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu0 = time.process_time()
+        summary = run_worker(
+            WorkerConfig(
+                community_id=community_id,
+                target_pubkey=data.target(0),
+                handler=noop,
+                concurrency=concurrency,
+                batch_size=50,
+                poll_interval=0.5,
+                idle_exit=idle_exit,
+            ),
+            handle_signals=False,
+        )
+        cpu1 = time.process_time()
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        from django.db import connections
+
+        connections.close_all()
+        results.put(
+            {
+                "finished": summary["finished"],
+                "cpu": cpu1 - cpu0,
+                "start": marks.get("first_claim", cpu1) - cpu0,
+                "stop": cpu1 - marks.get("first_empty", cpu1),
+                "threads": dict(thread_cpu),
+                "sizes": dict(sizes),
+                "rounds": list(rounds),
+                "user": r1.ru_utime - r0.ru_utime,
+                "sys": r1.ru_stime - r0.ru_stime,
+                "vcsw": r1.ru_nvcsw - r0.ru_nvcsw,
+                "ivcsw": r1.ru_nivcsw - r0.ru_nivcsw,
+            }
+        )
+
+
+def _multi(args: Any, url: str, conn: Any, tenant: Any) -> None:
+    """``--processes K``: each round loads the queue, starts the K processes' drains at one
+    instant and prints per delivery (all processes together): client CPU, its start-up part
+    (run_worker's entry to its first claim), its stop part (from the first empty claim after
+    the last full one: the idle exit, the drain, the summary's count), each thread kind's CPU,
+    the claims' sizes (how many came back empty, short or full) and the context switches."""
+    import multiprocessing as mp
+
+    from bench import data
+
+    ctx = mp.get_context("spawn")
+    tasks = [ctx.Queue() for _ in range(args.processes)]
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(url, args.concurrency, args.idle_exit, q, results), daemon=True) for q in tasks
+    ]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        results.get(timeout=120)
+    try:
+        for _ in range(args.rounds):
+            data.clear_deliveries(conn)
+            data.load(conn, tenant, args.deliveries)
+            data.analyze(conn)
+            conn.execute("CHECKPOINT")
+            sampler = _ServerCpu(url, exclude=_backend_pid(conn)) if args.server else None
+            start_at = time.monotonic() + 0.3
+            for q in tasks:
+                q.put((tenant.community_id, start_at))
+            got = [results.get(timeout=600) for _ in procs]
+            wall = max(time.monotonic() - start_at, 1e-9)
+            server = sampler.stop() if sampler is not None else None
+            n = sum(g["finished"] for g in got)
+            threads: collections.Counter[str] = collections.Counter()
+            sizes: collections.Counter[int] = collections.Counter()
+            for g in got:
+                threads.update(g["threads"])
+                sizes.update(g["sizes"])
+            cpu = sum(g["cpu"] for g in got)
+            rest = cpu - sum(threads.values())
+            claims = sum(sizes.values())
+            print(
+                f"K={args.processes} finished={n} rate~{n / wall:.0f}/s client_us={cpu / n * 1e6:.1f}"
+                f" (user {sum(g['user'] for g in got) / n * 1e6:.1f} sys {sum(g['sys'] for g in got) / n * 1e6:.1f})"
+                f" start_us={sum(g['start'] for g in got) / n * 1e6:.1f}"
+                f" stop_us={sum(g['stop'] for g in got) / n * 1e6:.1f}"
+                f" vcsw/d={sum(g['vcsw'] for g in got) / n:.2f} ivcsw/d={sum(g['ivcsw'] for g in got) / n:.2f}"
+                + (f" server_us={server.get('client backend', 0.0) / n * 1e6:.1f}" if server else ""),
+                flush=True,
+            )
+            print(
+                "  "
+                + " ".join(f"{name}_us={sec / n * 1e6:.1f}" for name, sec in sorted(threads.items()))
+                + f" dispatcher_us={rest / n * 1e6:.1f}"
+            )
+            print(
+                f"  claims={claims} per_delivery={claims / n:.4f} empty={sizes.get(0, 0)}"
+                f" short={sum(c for k, c in sizes.items() if 0 < k < 50)} full={sizes.get(50, 0)}"
+                f" dispatcher rounds/delivery={sum(g['rounds'][0] for g in got) / n:.3f}"
+                f" (no room {sum(g['rounds'][1] for g in got) / n:.3f})"
+                f" per process finished={[g['finished'] for g in got]}"
+            )
+    finally:
+        for q in tasks:
+            q.put(None)
+        for proc in procs:
+            proc.join(timeout=30)
 
 
 def _backend_pid(conn: Any) -> int:

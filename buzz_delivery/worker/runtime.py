@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,53 @@ from buzz_delivery.worker.renewer import DB_UNAVAILABLE, HeldLease, LeaseRenewer
 from buzz_delivery.worker.settler import SETTLED_KEYS, SettleJob, Settler
 
 logger = logging.getLogger("buzz_delivery.worker")
+
+
+_CONNECTION_HANDLER: Any = connections  # (the same object, typed loosely: its private ``_connections`` is read)
+
+
+def _default_connection() -> Any:
+    """This thread's default Django connection wrapper (``connections[DEFAULT_DB_ALIAS]``)."""
+    return connections[DEFAULT_DB_ALIAS]
+
+
+def thread_connection_lookup() -> Callable[[], Any]:
+    """For a handler thread (a plain thread, never running an event loop between its
+    deliveries): a function that returns the thread's default connection wrapper, as
+    ``connections[DEFAULT_DB_ALIAS]`` would at that moment, read again on every call (a handler
+    may replace it, or remove it).
+
+    ``connections[...]`` goes through asgiref's thread-critical ``Local``, which first asks
+    asyncio for a running loop (raising and catching inside) before it reads its plain
+    ``threading.local``: ~0.7 µs on an idle machine, about 2 under load, once per delivery
+    (issue 31). Outside a running loop that ``Local`` reads exactly that ``threading.local``
+    (``_storage``), so this reads it directly, in C, while ``connections`` still holds the
+    ``Local`` found here; it falls back to ``connections[...]`` when the
+    wrapper is not there yet (created as Django creates it), when the ``Local`` was replaced,
+    and altogether when this asgiref keeps its storage otherwise (the check below: the storage
+    is a ``threading.local`` holding the very wrapper ``connections[...]`` returns)."""
+    handler_local = getattr(connections, "_connections", None)  # (none: a Django that keeps it otherwise)
+    storage = getattr(handler_local, "_storage", None)
+    if not isinstance(storage, threading.local):
+        return _default_connection
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:  # a thread running a loop: asgiref keeps a context's connections elsewhere
+        return _default_connection
+    expected = _default_connection()  # (creates the thread's wrapper, as its first delivery would)
+    if getattr(storage, DEFAULT_DB_ALIAS, None) is not expected:
+        return _default_connection
+
+    def default_connection() -> Any:
+        db = getattr(storage, DEFAULT_DB_ALIAS, None)
+        if db is None or _CONNECTION_HANDLER._connections is not handler_local:
+            return _default_connection()
+        return db
+
+    return default_connection
+
 
 # Longest the dispatcher sleeps before it looks at the signal flag again.
 SIGNAL_CHECK_SECONDS = 0.2
@@ -454,15 +502,19 @@ class Worker:
             text = self._community_texts[community_id.int] = str(community_id)
         return text
 
-    def _handle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
+    def _handle(
+        self, claim: Claim, claimed_at: float, default_connection: Callable[[], Any] = _default_connection
+    ) -> SettleJob | None:
         """Run the handler for one claim; returns what to settle, or None (result dropped),
-        with the claim counted out of the handlers' hands (:meth:`_result`)."""
+        with the claim counted out of the handlers' hands (:meth:`_result`).
+        ``default_connection``: this thread's lookup of its default connection wrapper
+        (:func:`thread_connection_lookup`)."""
         lease = claim.lease
         # The thread's default connection wrapper, looked up for each delivery, not once per
         # thread: a handler may have replaced it (``connections["default"] = ...``, a lane left
         # entered), and the scope and the guard below must go on the one this handler's
         # statements use, else they run with no community context (test_worker_thread_connection).
-        db = connections[DEFAULT_DB_ALIAS]
+        db = default_connection()
         if db.in_atomic_block:  # never a transaction around a handler
             raise WorkerInTransaction("a handler thread is inside transaction.atomic()")
         started = self._begin(claim, claimed_at)
@@ -544,10 +596,13 @@ class Worker:
 
     def _handler_thread(self) -> None:
         try:
+            default_connection: Callable[[], Any] | None = None
             while (item := self.work.get()) is not None:
                 claim, claimed_at = item
+                if default_connection is None:  # at the thread's first delivery, as the wrapper was made
+                    default_connection = thread_connection_lookup()
                 try:
-                    job = self._handle(claim, claimed_at)
+                    job = self._handle(claim, claimed_at, default_connection)
                 except BaseException:
                     # Never let a handler thread die silently: claims would pile up unhandled.
                     logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
