@@ -265,8 +265,10 @@ class Context:
         the call is journaled it takes ``weight`` units of that key (an int), waiting (sleeping
         the seconds the database says, then taking again) while the key's window is full; a
         ``weight`` that is a callable ``weight(output) -> int`` is charged after the call from
-        its output (the call itself waits only while the window is over its limit). A replayed
-        call takes nothing. An undeclared key or a bad weight raises ``ValidationError`` before
+        its output (the call itself waits only while the window is over its limit). The wait
+        is taken with the journal lock let go (the run's other threads' calls, its approval and
+        its end go on meanwhile): the call keeps the index it took when called and is journaled
+        at it once its units are granted. A replayed call takes nothing. An undeclared key or a bad weight raises ``ValidationError`` before
         anything is journaled."""
         rate = ratelimits_plan(rate_key, weight)
         self._check()
@@ -286,25 +288,28 @@ class Context:
     ) -> Any:
         scope = journal_scope.current_key()  # a deep path by its stable key
         with self._journaling:
+            # The index is the call's from here, whatever the wait below: a resumed handler makes
+            # the scope's calls in the same order and replays each from its own entry (an index
+            # taken once the units were granted went to whichever call of the scope came next).
             index = self._positions.take(scope)
             entry = self._journal.get((scope, index))
             outcome: Any = None
-            if entry is None:
-                descriptor = compensations.descriptor(compensate)  # ValueError when not registered
-                if rate is not None:
-                    self._take_rate(rate)
-                with self._runtime():
-                    outcome = s.journal_call(
-                        self.lease,
-                        tool_name,
-                        args,
-                        cost=cost,
-                        compensation=descriptor,
-                        destructive=destructive,
-                        scope=scope,
-                        index=index,
-                    )
-            self._calls.enter(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+            descriptor = None if entry is not None else compensations.descriptor(compensate)  # ValueError
+            waits = entry is None and rate is not None
+            if not waits:
+                if entry is None:
+                    outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
+                self._calls.enter(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        if waits:
+            # A new call with a rate limit: its units taken with the journal lock let go, so the
+            # run's other calls, its approval and its end do not wait for the provider's window;
+            # its entry is written at its index once they are granted.
+            assert rate is not None
+            self._take_rate(rate)
+            with self._journaling:
+                self._check()
+                outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
+                self._calls.enter(getattr(outcome, "seq", 0))
         inside = journal_scope.inside_call(scope, index)
         self._inside.scopes = (*getattr(self._inside, "scopes", ()), inside)
         try:
@@ -313,6 +318,22 @@ class Context:
         finally:
             self._inside.scopes = self._inside.scopes[:-1]
             self._calls.leave()
+
+    def _journal_call(
+        self, tool_name: str, args: Any, cost: int, descriptor: Any, destructive: bool, scope: str, index: int
+    ) -> Any:
+        """The new call at ``(scope, index)`` journaled (the journal lock held): its outcome."""
+        with self._runtime():
+            return s.journal_call(
+                self.lease,
+                tool_name,
+                args,
+                cost=cost,
+                compensation=descriptor,
+                destructive=destructive,
+                scope=scope,
+                index=index,
+            )
 
     def _refuse_nested(self, tool_name: str) -> None:
         """A call from inside one of this run's calls' tool (or reconcile) function on the same
