@@ -706,7 +706,24 @@ class AsyncContext:
             if self._emit_pos < self._emitted_before:
                 self._emit_pos += 1
                 return self._emit_pos
-            outcome = await self._runtime(self.runtime.pool.run(s.emit_output, self.lease, chunk))
+            # Its task cancelled by the handler's own code (a sibling failing in a TaskGroup, a
+            # wait_for's timeout) as the statement runs, the chunk may still be written: its
+            # outcome is awaited (a statement's time, further cancels included), the position
+            # advanced for a chunk written, the lock held meanwhile (no next chunk's statement
+            # beside it: one at a time, in the order asked), then the cancel goes on.
+            statement = asyncio.ensure_future(self.runtime.pool.run(s.emit_output, self.lease, chunk))
+            try:
+                outcome = await self._runtime(asyncio.shield(statement))
+            except asyncio.CancelledError:
+                if self.lost.is_set():
+                    statement.cancel()
+                    raise
+                outcome = await self._through_cancels(statement)
+                if isinstance(outcome, s.Emitted):
+                    self._emit_pos = outcome.seq
+                elif not isinstance(outcome, s.TooLarge):
+                    self.mark_lost(getattr(outcome, "reason", "") or "lost")
+                raise
             if isinstance(outcome, s.Emitted):
                 self._emit_pos = outcome.seq
                 return outcome.seq
