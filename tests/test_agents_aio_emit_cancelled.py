@@ -58,7 +58,7 @@ def emits_waiting_for_a_lock() -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT count(*) FROM {view} WHERE wait_event_type = 'Lock'"
-            " AND query LIKE '%%INSERT INTO buzz_agents_output%%'"
+            " AND query LIKE '%%INSERT INTO %%buzz_agents_output%%'"
         )
         return cursor.fetchone()[0]
 

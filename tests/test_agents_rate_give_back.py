@@ -51,7 +51,7 @@ def journal_writes_waiting_for_a_lock() -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT count(*) FROM {view} WHERE wait_event_type = 'Lock'"
-            " AND (query LIKE '%%tool_calls_used = r.tool_calls_used%%' OR query LIKE '%%''{rated}''::text[]%%')"
+            " AND (query LIKE '%%tool_calls_used%%' OR query LIKE '%%''{rated}''::text[]%%')"
         )
         return cursor.fetchone()[0]
 
