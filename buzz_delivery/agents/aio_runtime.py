@@ -349,15 +349,18 @@ class AsyncContext:
                 if not sent or (isinstance(exc, asyncio.CancelledError) and not self.lost.is_set()):
                     await self._give_back(rate, granted)
                 raise
-            if not isinstance(outcome, s.Journaled):  # refused, or shadow-blocked: its tool is never made
-                await self._give_back(rate, granted)
-            elif cancelled:  # closed 'not made' below: its units given back once it is
+            if not isinstance(outcome, s.Journaled) or cancelled:
+                # Refused or shadow-blocked (its tool is never made), or closed 'not made' below:
+                # its units given back where the call lands whatever this task's cancels (in
+                # flight from its write, it keeps the run's end waiting until it lands).
                 give_back = (rate, granted)
         if cancelled:  # written as its task was cancelled: its tool is not made
             await self._not_made(flight, outcome, give_back)
         outliving: list[Future[Any]] = []
         token = _OUTLIVING.set(outliving)
         try:
+            if give_back is not None:
+                await self._give_back(*give_back)
             with journal_scope.entered(journal_scope.inside_call(scope, index)):  # the tool's own scopes
                 return await self._called(entry, outcome, tool_name, fn, args, reconcile, rate)
         finally:
@@ -442,10 +445,10 @@ class AsyncContext:
             if isinstance(outcome, s.Journaled):
                 error = "not made: the call's task was cancelled as it was journaled"
                 await self._record(outcome.seq, ok=False, error=error, started=time.monotonic())
-                if give_back is not None:  # closed, never to be made: the units it took go back
-                    await self._give_back(*give_back)
             elif not isinstance(outcome, s.Blocked | s.BudgetExceeded):
                 self.mark_lost(getattr(outcome, "reason", "") or "lost")
+            if give_back is not None:  # closed or refused, never to be made: the units it took go back
+                await self._give_back(*give_back)
         finally:
             self._land(flight)
         raise asyncio.CancelledError
