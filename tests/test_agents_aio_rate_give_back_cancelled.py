@@ -108,3 +108,50 @@ def test_a_rated_call_cancelled_as_it_gives_back_its_units_lands_and_the_run_end
         entry = JournalEntry.objects.get(run_id=run_id)
         assert entry.status == "failed" and entry.blocked_reason, (entry.status, entry.blocked_reason)
         assert RateLimit.objects.get(id=window.id).used == 1, "the units of the blocked call were not given back"
+
+
+async def cancels_its_rated_call_as_it_takes(ctx):
+    STEP["claimed"].set()
+    assert await waited(STEP["rate_held"])
+    task = asyncio.create_task(ctx.call("rated", tool, {}, rate_key="slow", weight=3))
+    assert await waited(STEP["take_sent"])
+    task.cancel()
+    STEP["cancel_sent"].set()
+    try:
+        STEP["returned"] = await task
+    except asyncio.CancelledError:
+        STEP["returned"] = "cancelled"
+    STEP["in_flight"] = ctx.calls_in_flight
+    return "done"
+
+
+def test_a_rated_call_cancelled_as_its_take_runs_gives_its_units_back(community):
+    """The take is one statement on a pool thread: cancelling its awaiter does not stop it, and
+    it commits. Before, the units it took stayed spent (the call ended ``CancelledError``, never
+    made, its units never given back); now its outcome is awaited through the cancel and, granted,
+    given back before the cancel goes on."""
+    STEP.clear()
+    STEP.update({name: threading.Event() for name in ("claimed", "rate_held", "take_sent", "cancel_sent")})
+    with override_settings(BUZZ_DELIVERY=LIMITS):
+        run_id = new_run(community.id)
+        ratelimits.charge(community.id, "slow", 1)  # the window in use before the run: 1 of 5
+        window = RateLimit.objects.get(community_id=community.id, key="slow")
+
+        def hold_the_rate_row():
+            assert STEP["claimed"].wait(WAIT)
+            with rows_held(RateLimit, community.id, window.id):
+                STEP["rate_held"].set()
+                until(
+                    lambda: waiting_for_a_lock("%%INSERT INTO %%buzz_delivery_rate_limit%%"),
+                    "the take never waited for the held rate-limit row",
+                )
+                STEP["take_sent"].set()
+                assert STEP["cancel_sent"].wait(WAIT)
+                time.sleep(0.3)  # the cancel lands in the call's task as its take waits
+
+        counts = run_in_thread(community, cancels_its_rated_call_as_it_takes, meanwhile=hold_the_rate_row)
+        run = AgentRun.objects.get(id=run_id)
+        assert STEP["returned"] == "cancelled" and "made" not in STEP, STEP
+        assert (run.state, counts.get("completed")) == ("completed", 1), (counts, run.state, run.failure_code)
+        assert not JournalEntry.objects.filter(run_id=run_id).exists()
+        assert RateLimit.objects.get(id=window.id).used == 1, "the units of the cancelled call's take stayed spent"

@@ -583,11 +583,23 @@ class AsyncContext:
 
     async def _take_rate(self, rate: RatePlan) -> ratelimits.Granted:
         """Take ``rate``'s units before the call, awaiting each :class:`Wait` (never a failure of
-        the run); a lease lost or a cancel meanwhile stops the wait."""
+        the run); a lease lost or a cancel meanwhile stops the wait. Its task cancelled by the
+        handler's own code as a take statement runs (it commits whatever its awaiter does), its
+        outcome is awaited and the units it granted given back, then the cancel goes on."""
         while True:
-            outcome = await self._runtime(
+            statement = asyncio.ensure_future(
                 self.runtime.pool.run(ratelimits.take, self.lease.community_id, rate.spec.key, rate.before)
             )
+            try:
+                outcome = await self._runtime(asyncio.shield(statement))
+            except asyncio.CancelledError:
+                if self.lost.is_set():  # what it took left spent, as a write out when the run is lost
+                    statement.cancel()
+                    raise
+                taken = await self._through_cancels(statement)
+                if isinstance(taken, ratelimits.Granted):
+                    await self._give_back(rate, taken)
+                raise
             if isinstance(outcome, ratelimits.Granted):
                 return outcome
             self.rate_waits += 1
