@@ -318,8 +318,17 @@ class AsyncContext:
             index = self._positions.take(scope)
             entry = self._entry((scope, index))
             waits = entry is None and rate is not None
-            if waits:  # its compensation checked before the wait (a refusal spends its index)
-                compensations.descriptor(compensate)
+            if waits:  # its compensation and its input checked before its take (a refusal spends its index)
+                batch.prepare_call(
+                    self.lease,
+                    tool_name,
+                    args,
+                    cost=cost,
+                    compensation=compensations.descriptor(compensate),
+                    destructive=destructive,
+                    scope=scope,
+                    index=index,
+                )
             else:
                 outcome, cancelled = await self._journal_call(
                     entry, scope, index, tool_name, args, compensate, cost, destructive

@@ -66,6 +66,7 @@ from buzz_delivery.agents.exceptions import (
     UncertainCall,
 )
 from buzz_delivery.agents.models import JournalEntry
+from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
@@ -298,7 +299,18 @@ class Context:
             outcome: Any = None
             descriptor = None if entry is not None else compensations.descriptor(compensate)  # ValueError
             waits = entry is None and rate is not None
-            if not waits:
+            if waits:  # its input checked before its take: bad input spends nothing of the window
+                batch.prepare_call(
+                    self.lease,
+                    tool_name,
+                    args,
+                    cost=cost,
+                    compensation=descriptor,
+                    destructive=destructive,
+                    scope=scope,
+                    index=index,
+                )
+            else:
                 if entry is None:
                     outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
                 self._calls.enter(entry.seq if entry is not None else getattr(outcome, "seq", 0))
