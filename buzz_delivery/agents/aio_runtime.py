@@ -318,31 +318,58 @@ class AsyncContext:
             index = self._positions.take(scope)
             entry = self._entry((scope, index))
             waits = entry is None and rate is not None
-            if waits:  # its compensation checked before the wait (a refusal spends its index)
-                compensations.descriptor(compensate)
+            if waits:  # its compensation and its input checked before its take (a refusal spends its index)
+                batch.prepare_call(
+                    self.lease,
+                    tool_name,
+                    args,
+                    cost=cost,
+                    compensation=compensations.descriptor(compensate),
+                    destructive=destructive,
+                    scope=scope,
+                    index=index,
+                )
             else:
                 outcome, cancelled = await self._journal_call(
                     entry, scope, index, tool_name, args, compensate, cost, destructive
                 )
                 # In flight from here (under the journal lock: an approval parking sees it).
                 flight = self._take_off(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        give_back: tuple[RatePlan, ratelimits.Granted] | None = None
         if waits:
             # A new call with a rate limit: its units taken with the lock let go, so the run's
             # other calls, its approval and its end do not wait for the provider's window; its
             # entry is written at its index once they are granted.
             assert rate is not None
-            await self._take_rate(rate)
-            async with self._journaling:
-                self._check()
-                outcome, cancelled = await self._journal_call(
-                    None, scope, index, tool_name, args, compensate, cost, destructive
-                )
-                flight = self._take_off(getattr(outcome, "seq", 0))
+            granted = await self._take_rate(rate)
+            sent = False
+            try:
+                async with self._journaling:
+                    self._check()
+                    sent = True
+                    outcome, cancelled = await self._journal_call(
+                        None, scope, index, tool_name, args, compensate, cost, destructive
+                    )
+                    flight = self._take_off(getattr(outcome, "seq", 0))
+            except (RunAborted, asyncio.CancelledError) as exc:
+                # Nothing journaled (lost or cancelled before its write, or its write withdrawn
+                # as its task was cancelled), unless the run was lost as its write was out: then
+                # whether it was written is not known (a resumed run may make it): units spent.
+                if not sent or (isinstance(exc, asyncio.CancelledError) and not self.lost.is_set()):
+                    await self._give_back(rate, granted)
+                raise
+            if not isinstance(outcome, s.Journaled) or cancelled:
+                # Refused or shadow-blocked (its tool is never made), or closed 'not made' below:
+                # its units given back where the call lands whatever this task's cancels (in
+                # flight from its write, it keeps the run's end waiting until it lands).
+                give_back = (rate, granted)
         if cancelled:  # written as its task was cancelled: its tool is not made
-            await self._not_made(flight, outcome)
+            await self._not_made(flight, outcome, give_back)
         outliving: list[Future[Any]] = []
         token = _OUTLIVING.set(outliving)
         try:
+            if give_back is not None:
+                await self._give_back(*give_back)
             with journal_scope.entered(journal_scope.inside_call(scope, index)):  # the tool's own scopes
                 return await self._called(entry, outcome, tool_name, fn, args, reconcile, rate)
         finally:
@@ -414,18 +441,23 @@ class AsyncContext:
                     future.cancel()
                     raise
 
-    async def _not_made(self, flight: object, outcome: Any) -> None:
+    async def _not_made(
+        self, flight: object, outcome: Any, give_back: tuple[RatePlan, ratelimits.Granted] | None = None
+    ) -> None:
         """A call journaled as its task was cancelled (its write already sent): closed
         ``failed`` without its tool being made (in flight meanwhile, so the run's end waits for
         the close), then the cancel goes on. Not journaled (shadow-blocked: closed already, a
         budget's refusal: nothing written): the cancel goes on; refused for its lease, the run
-        is marked lost first, as a call not cancelled is."""
+        is marked lost first, as a call not cancelled is. ``give_back``: the rate units the
+        call took, given back once it is closed."""
         try:
             if isinstance(outcome, s.Journaled):
                 error = "not made: the call's task was cancelled as it was journaled"
                 await self._record(outcome.seq, ok=False, error=error, started=time.monotonic())
             elif not isinstance(outcome, s.Blocked | s.BudgetExceeded):
                 self.mark_lost(getattr(outcome, "reason", "") or "lost")
+            if give_back is not None:  # closed or refused, never to be made: the units it took go back
+                await self._give_back(*give_back)
         finally:
             self._land(flight)
         raise asyncio.CancelledError
@@ -558,20 +590,53 @@ class AsyncContext:
         finally:
             _IN_CALL.reset(token)
 
-    async def _take_rate(self, rate: RatePlan) -> None:
+    async def _take_rate(self, rate: RatePlan) -> ratelimits.Granted:
         """Take ``rate``'s units before the call, awaiting each :class:`Wait` (never a failure of
-        the run); a lease lost or a cancel meanwhile stops the wait."""
+        the run); a lease lost or a cancel meanwhile stops the wait. Its task cancelled by the
+        handler's own code as a take statement runs (it commits whatever its awaiter does), its
+        outcome is awaited and the units it granted given back, then the cancel goes on."""
         while True:
-            outcome = await self._runtime(
+            statement = asyncio.ensure_future(
                 self.runtime.pool.run(ratelimits.take, self.lease.community_id, rate.spec.key, rate.before)
             )
+            try:
+                outcome = await self._runtime(asyncio.shield(statement))
+            except asyncio.CancelledError:
+                if self.lost.is_set():  # what it took left spent, as a write out when the run is lost
+                    statement.cancel()
+                    raise
+                taken = await self._through_cancels(statement)
+                if isinstance(taken, ratelimits.Granted):
+                    await self._give_back(rate, taken)
+                raise
             if isinstance(outcome, ratelimits.Granted):
-                return
+                return outcome
             self.rate_waits += 1
             deadline = time.monotonic() + outcome.seconds
             while (left := deadline - time.monotonic()) > 0:
                 await asyncio.sleep(min(left, RATE_WAIT_SLICE_SECONDS))
                 self._check()
+
+    async def _give_back(self, rate: RatePlan, granted: ratelimits.Granted) -> None:
+        """As :meth:`Context._give_back <buzz_delivery.agents.runtime.Context._give_back>`: the
+        units of a call whose tool is never made (its journal write refused, withdrawn or closed
+        'not made'; shadow-blocked) given back to their window, on the worker's pool. The
+        statement is sent whatever this task's cancels meanwhile (they go on after it); a
+        failure only logs."""
+        if rate.before <= 0:
+            return
+        statement = asyncio.ensure_future(
+            self.runtime.pool.run(
+                ratelimits.give_back, self.lease.community_id, rate.spec.key, rate.before, granted.window_start
+            )
+        )
+        try:
+            await asyncio.shield(statement)
+        except asyncio.CancelledError:
+            statement.add_done_callback(lambda done: done.cancelled() or done.exception())  # no warning
+            raise
+        except DatabaseError as exc:
+            logger.info("rate_give_back_refused run=%s key=%s: %s", self.lease.run_id, rate.spec.key, describe(exc))
 
     async def _make(self, seq: int, key: str, fn: Callable[..., Any], args: Any) -> Any:
         started = time.monotonic()
@@ -665,7 +730,24 @@ class AsyncContext:
             if self._emit_pos < self._emitted_before:
                 self._emit_pos += 1
                 return self._emit_pos
-            outcome = await self._runtime(self.runtime.pool.run(s.emit_output, self.lease, chunk))
+            # Its task cancelled by the handler's own code (a sibling failing in a TaskGroup, a
+            # wait_for's timeout) as the statement runs, the chunk may still be written: its
+            # outcome is awaited (a statement's time, further cancels included), the position
+            # advanced for a chunk written, the lock held meanwhile (no next chunk's statement
+            # beside it: one at a time, in the order asked), then the cancel goes on.
+            statement = asyncio.ensure_future(self.runtime.pool.run(s.emit_output, self.lease, chunk))
+            try:
+                outcome = await self._runtime(asyncio.shield(statement))
+            except asyncio.CancelledError:
+                if self.lost.is_set():
+                    statement.cancel()
+                    raise
+                outcome = await self._through_cancels(statement)
+                if isinstance(outcome, s.Emitted):
+                    self._emit_pos = outcome.seq
+                elif not isinstance(outcome, s.TooLarge):
+                    self.mark_lost(getattr(outcome, "reason", "") or "lost")
+                raise
             if isinstance(outcome, s.Emitted):
                 self._emit_pos = outcome.seq
                 return outcome.seq

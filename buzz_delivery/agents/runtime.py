@@ -66,6 +66,7 @@ from buzz_delivery.agents.exceptions import (
     UncertainCall,
 )
 from buzz_delivery.agents.models import JournalEntry
+from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
@@ -265,9 +266,13 @@ class Context:
         the call is journaled it takes ``weight`` units of that key (an int), waiting (sleeping
         the seconds the database says, then taking again) while the key's window is full; a
         ``weight`` that is a callable ``weight(output) -> int`` is charged after the call from
-        its output (the call itself waits only while the window is over its limit). A replayed
-        call takes nothing. An undeclared key or a bad weight raises ``ValidationError`` before
-        anything is journaled."""
+        its output (the call itself waits only while the window is over its limit). The wait
+        is taken with the journal lock let go (the run's other threads' calls, its approval and
+        its end go on meanwhile): the call keeps the index it took when called and is journaled
+        at it once its units are granted. Units taken for a call whose tool is then never made
+        (its journal write refused, or shadow-blocked) are given back to their window. A
+        replayed call takes nothing. An undeclared key or a bad weight raises
+        ``ValidationError`` before anything is journaled."""
         rate = ratelimits_plan(rate_key, weight)
         self._check()
         self._refuse_nested(tool_name)
@@ -286,25 +291,45 @@ class Context:
     ) -> Any:
         scope = journal_scope.current_key()  # a deep path by its stable key
         with self._journaling:
+            # The index is the call's from here, whatever the wait below: a resumed handler makes
+            # the scope's calls in the same order and replays each from its own entry (an index
+            # taken once the units were granted went to whichever call of the scope came next).
             index = self._positions.take(scope)
             entry = self._journal.get((scope, index))
             outcome: Any = None
-            if entry is None:
-                descriptor = compensations.descriptor(compensate)  # ValueError when not registered
-                if rate is not None:
-                    self._take_rate(rate)
-                with self._runtime():
-                    outcome = s.journal_call(
-                        self.lease,
-                        tool_name,
-                        args,
-                        cost=cost,
-                        compensation=descriptor,
-                        destructive=destructive,
-                        scope=scope,
-                        index=index,
-                    )
-            self._calls.enter(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+            descriptor = None if entry is not None else compensations.descriptor(compensate)  # ValueError
+            waits = entry is None and rate is not None
+            if waits:  # its input checked before its take: bad input spends nothing of the window
+                batch.prepare_call(
+                    self.lease,
+                    tool_name,
+                    args,
+                    cost=cost,
+                    compensation=descriptor,
+                    destructive=destructive,
+                    scope=scope,
+                    index=index,
+                )
+            else:
+                if entry is None:
+                    outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
+                self._calls.enter(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        if waits:
+            # A new call with a rate limit: its units taken with the journal lock let go, so the
+            # run's other calls, its approval and its end do not wait for the provider's window;
+            # its entry is written at its index once they are granted.
+            assert rate is not None
+            granted = self._take_rate(rate)
+            with self._journaling:
+                try:
+                    self._check()
+                except RunAborted:
+                    self._give_back(rate, granted)  # lost during the take: nothing journaled
+                    raise
+                outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
+                self._calls.enter(getattr(outcome, "seq", 0))
+            if not isinstance(outcome, s.Journaled):  # refused, or shadow-blocked: its tool is never made
+                self._give_back(rate, granted)
         inside = journal_scope.inside_call(scope, index)
         self._inside.scopes = (*getattr(self._inside, "scopes", ()), inside)
         try:
@@ -313,6 +338,22 @@ class Context:
         finally:
             self._inside.scopes = self._inside.scopes[:-1]
             self._calls.leave()
+
+    def _journal_call(
+        self, tool_name: str, args: Any, cost: int, descriptor: Any, destructive: bool, scope: str, index: int
+    ) -> Any:
+        """The new call at ``(scope, index)`` journaled (the journal lock held): its outcome."""
+        with self._runtime():
+            return s.journal_call(
+                self.lease,
+                tool_name,
+                args,
+                cost=cost,
+                compensation=descriptor,
+                destructive=destructive,
+                scope=scope,
+                index=index,
+            )
 
     def _refuse_nested(self, tool_name: str) -> None:
         """A call from inside one of this run's calls' tool (or reconcile) function on the same
@@ -356,20 +397,40 @@ class Context:
                 ratelimits.charge(self.lease.community_id, rate.spec.key, units)
         return output
 
-    def _take_rate(self, rate: RatePlan) -> None:
+    def _take_rate(self, rate: RatePlan) -> ratelimits.Granted:
         """Take ``rate``'s units before the call, sleeping through each :class:`Wait` (never a
         failure of the run); a lease lost meanwhile stops the wait (:class:`RunAborted`)."""
         while True:
             with self._runtime():
                 outcome = ratelimits.take(self.lease.community_id, rate.spec.key, rate.before)
             if isinstance(outcome, ratelimits.Granted):
-                return
+                return outcome
             self.rate_waits += 1
             deadline = time.monotonic() + outcome.seconds
             while (left := deadline - time.monotonic()) > 0:
                 if self.lost.wait(min(left, RATE_WAIT_SLICE_SECONDS)):
                     raise RunAborted("the run's lease was lost while waiting for its rate limit")
             self._check()
+
+    def _give_back(self, rate: RatePlan, granted: ratelimits.Granted) -> None:
+        """The units a call took for a tool it never made (its journal write refused: the run
+        ended, parked or cancelled, its lease lost, a budget; shadow-blocked; or the run lost
+        before it was journaled) given back to the window they were taken in
+        (``ratelimits.give_back``: not carried over once the window moved on), as the delivery
+        worker gives back a claim's units it did not use. A failure only logs: the units stay
+        spent for this window (never granted twice)."""
+        if rate.before <= 0:
+            return
+        with self.lane.runtime() if self.lane is not None else contextlib.nullcontext():
+            try:
+                ratelimits.give_back(self.lease.community_id, rate.spec.key, rate.before, granted.window_start)
+            except DatabaseError as exc:
+                db = connections[DEFAULT_DB_ALIAS]
+                if in_transaction(db):
+                    raise  # a caller's transaction (a test's): not ours to judge
+                logger.info("rate_give_back_refused run=%s key=%s: %s", self.run.id, rate.spec.key, describe(exc))
+                if isinstance(exc, (OperationalError, InterfaceError)):
+                    discard_connection(db)
 
     def emit(self, chunk: str) -> int | None:
         """Append ``chunk`` (text, at most ``MAX_CHUNK_BYTES`` of UTF-8, no NUL) to the run's
