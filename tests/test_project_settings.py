@@ -5,6 +5,7 @@ subprocess, as ``manage.py`` would."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -241,7 +242,12 @@ def _start_runserver(tmp_path: Path, env: dict[str, str], reload: bool) -> tuple
         command = [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}"] + ([] if reload else ["--noreload"])
         with open(log, "wb") as err:
             server = subprocess.Popen(
-                command, cwd=BASE_DIR, env={**env, "PYTHONFAULTHANDLER": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+                command,
+                cwd=BASE_DIR,
+                env={**env, "PYTHONFAULTHANDLER": "1"},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
             )
         # initdb + start of the embedded server on a loaded CI (under its machine-wide lock): the
         # settings give the start START_TIMEOUT_SECONDS (pg_ctl's -t).
@@ -252,10 +258,8 @@ def _start_runserver(tmp_path: Path, env: dict[str, str], reload: bool) -> tuple
             continue
         if server.poll() is None:  # still starting: its threads' stacks (PYTHONFAULTHANDLER) say where
             server.send_signal(signal.SIGABRT)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         server.kill()
         server.wait()
         raise AssertionError(f"runserver did not start:\n{log.read_text()}\n{_server_log(tmp_path / 'pgdata')}")
