@@ -28,15 +28,20 @@ handlers and steps are measured that way in ``bench/``, and ordinary ORM work ad
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import logging
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psycopg
+from asgiref.sync import AsyncToSync
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from buzz_delivery.services import tenancy
@@ -105,12 +110,55 @@ class TransactionLeftOpen(Exception):
     """What the atomic blocks a user's code left open are exited with (so they roll back)."""
 
 
-class UserCode:
+class _Guard:
+    """What a guard of user code judges on its way out (:meth:`_clean`): ``_depth``, the atomic
+    blocks open on entry; ``_in_transaction``, whether the entry was inside a caller's
+    transaction; ``session_touched``, whether the code sent a :data:`SESSION_STATEMENT`."""
+
+    __slots__ = ("_depth", "_in_transaction", "session_touched")
+    _depth: int
+    _in_transaction: bool
+    session_touched: bool
+
+    def _clean(self, db: Any) -> str | None:
+        problem = None
+        if len(db.atomic_blocks) > self._depth:
+            problem = "an atomic() block was left open"
+            try:
+                while len(db.atomic_blocks) > self._depth:  # exited as by an exception: rolled back
+                    db.atomic_blocks[-1].__exit__(TransactionLeftOpen, TransactionLeftOpen(problem), None)
+            except Exception:
+                if self._in_transaction:
+                    raise
+                discard_connection(db)
+                return problem
+        if self._in_transaction:
+            return problem
+        raw = db.connection
+        if raw is None and problem is None and not db.in_atomic_block:
+            return None  # never opened (or closed by Django): nothing open; autocommit is set on connect
+        problem = problem or _left_open(db, raw)
+        if problem is not None:
+            logger.warning("user_code_left_open: %s; its connection is discarded", problem)
+            discard_connection(db)
+            return problem
+        if raw is not None and (raw.closed or raw.pgconn.transaction_status == _UNKNOWN):
+            discard_connection(db)  # terminated under the call: the next statement reconnects
+        elif raw is not None and self.session_touched:
+            try:
+                raw.execute("DISCARD ALL", prepare=False)
+                db.ensure_timezone()
+            except Exception:
+                discard_connection(db)
+        return None
+
+
+class UserCode(_Guard):
     """``with UserCode(community_id) as call: handler(...)``; then ``call.left_open`` is None,
     or what the call left open (its connection was discarded: see the module docstring).
     Exceptions from the call pass through unchanged, after the clean-up."""
 
-    __slots__ = ("_db", "_depth", "_in_transaction", "_mark", "_scope", "left_open", "session_touched")
+    __slots__ = ("_db", "_mark", "_scope", "left_open")
 
     def __init__(self, community_id: uuid.UUID | str, db: Any = None) -> None:
         """``db``: this thread's default Django connection wrapper, if the caller already looked
@@ -159,38 +207,6 @@ class UserCode:
         if not self._in_transaction:
             self.session_touched = False  # cleaned (DISCARD ALL, or a fresh connection next)
         return self.left_open
-
-    def _clean(self, db: Any) -> str | None:
-        problem = None
-        if len(db.atomic_blocks) > self._depth:
-            problem = "an atomic() block was left open"
-            try:
-                while len(db.atomic_blocks) > self._depth:  # exited as by an exception: rolled back
-                    db.atomic_blocks[-1].__exit__(TransactionLeftOpen, TransactionLeftOpen(problem), None)
-            except Exception:
-                if self._in_transaction:
-                    raise
-                discard_connection(db)
-                return problem
-        if self._in_transaction:
-            return problem
-        raw = db.connection
-        if raw is None and problem is None and not db.in_atomic_block:
-            return None  # never opened (or closed by Django): nothing open; autocommit is set on connect
-        problem = problem or _left_open(db, raw)
-        if problem is not None:
-            logger.warning("user_code_left_open: %s; its connection is discarded", problem)
-            discard_connection(db)
-            return problem
-        if raw is not None and (raw.closed or raw.pgconn.transaction_status == _UNKNOWN):
-            discard_connection(db)  # terminated under the call: the next statement reconnects
-        elif raw is not None and self.session_touched:
-            try:
-                raw.execute("DISCARD ALL", prepare=False)
-                db.ensure_timezone()
-            except Exception:
-                discard_connection(db)
-        return None
 
 
 def in_transaction(db: Any) -> bool:
@@ -265,3 +281,145 @@ class UserConnection:
         user, self._user_db = self._user_db, None
         if user is not None:
             discard_connection(user)
+
+
+# --- async def handlers ---------------------------------------------------------------------------
+#
+# An ``async def`` handler runs on the worker's event loop thread, and its database statements
+# (the async ORM, ``sync_to_async``, ``asyncio.to_thread``) run on executor threads that every
+# async handler of the worker shares, whatever its community. The scope cannot be a block around
+# the handler on one connection, as for a plain handler: it follows the handler's task instead.
+# :class:`AsyncUserCode` names the handler's community in a context variable of the handler's
+# task (its child tasks and the calls ``sync_to_async`` sends to a thread copy it), and the
+# worker's executor threads (:class:`ScopedExecutor`) carry an ``execute_wrapper`` that sends each
+# statement with that community's context (``tenancy.run_statement_in``): no state stays on the
+# shared connection between two statements, so handlers of different communities interleaved on
+# one thread each read and write their own community's rows only. After each call a thread
+# ran, the connection is judged and cleaned as :class:`UserCode` does after a plain handler (a
+# transaction left open is rolled back, the connection discarded, and the delivery whose call it
+# was fails; session state is discarded), so nothing one call leaves reaches the next, another
+# community's. The plain handler threads never see any of this (no per-statement cost there).
+
+# Seconds ScopedExecutor.close waits for calls still running on its threads.
+CLOSE_WAIT_SECONDS = 5.0
+
+_ASYNC_CALL: contextvars.ContextVar[AsyncUserCode | None] = contextvars.ContextVar(
+    "buzz_delivery_async_user_code", default=None
+)
+_THREAD = threading.local()  # ``guard``: the call a ScopedExecutor thread is running (a _ThreadCall)
+
+
+class AsyncUserCode:
+    """``with AsyncUserCode(community_id) as call: await handler(...)``, entered in the handler's
+    own task: the statements the handler sends through a :class:`ScopedExecutor`'s threads run
+    in the handler's tenancy scope (:func:`~buzz_delivery.services.tenancy.handler`'s target).
+    Then ``call.left_open`` is None, or what one of its calls left open on a thread's connection
+    (rolled back there, its connection discarded). Exceptions pass through."""
+
+    __slots__ = ("_token", "left_open", "target")
+
+    def __init__(self, community_id: uuid.UUID | str) -> None:
+        self.target = tenancy.handler_target(community_id)
+        self.left_open: str | None = None
+
+    def __enter__(self) -> AsyncUserCode:
+        self._token = _ASYNC_CALL.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ASYNC_CALL.reset(self._token)
+
+
+class _ThreadCall(_Guard):
+    """One call a :class:`ScopedExecutor` thread runs: the handler's :class:`AsyncUserCode` that
+    sent it (None: sent from outside any handler), judged on its way out as a plain handler is."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: AsyncUserCode | None, db: Any) -> None:
+        self.call = call
+        self._depth = len(db.atomic_blocks)
+        self._in_transaction = in_transaction(db)
+        self.session_touched = False
+
+
+def _scoped_statement(execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any) -> Any:
+    """The ``execute_wrapper`` of a :class:`ScopedExecutor` thread's connection: the statement
+    runs in the scope of the handler whose context it runs in (else of the handler that sent the
+    call: ``loop.run_in_executor`` copies no context); with neither it is refused where
+    row-level security is on (``tenancy.NoTenantScope``)."""
+    call = _ASYNC_CALL.get()
+    guard: _ThreadCall | None = getattr(_THREAD, "guard", None)
+    if guard is not None:
+        if call is None:
+            call = guard.call
+        if not guard.session_touched and SESSION_STATEMENT.search(sql if isinstance(sql, str) else str(sql)):
+            guard.session_touched = True
+    return tenancy.run_statement_in(None if call is None else call.target, execute, sql, params, many, context)
+
+
+class ScopedExecutor(ThreadPoolExecutor):
+    """The threads of the worker's event loop for async handlers' sync code: its default
+    executor (``sync_to_async(thread_sensitive=False)``, ``asyncio.to_thread``,
+    ``run_in_executor(None, ...)``) and, with ``max_workers=1``, its thread-sensitive one
+    (``sync_to_async``'s default, the async ORM): see :func:`serve_loop`. Each call runs with
+    the statement scope of the handler that sent it (the module's notes above), and the call's
+    thread's connection is judged and cleaned after it. :meth:`close` ends the threads and
+    closes their connections."""
+
+    def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "") -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._dbs: list[tuple[threading.Thread, Any]] = []  # its threads, and the connection wrappers they used
+        self._dbs_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:  # type: ignore[override]
+        # Called in the sending task's context (``run_in_executor`` calls it there): its handler's.
+        return super().submit(self._run, _ASYNC_CALL.get(), fn, args, kwargs)
+
+    def _run(self, call: AsyncUserCode | None, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        db = connections[DEFAULT_DB_ALIAS]
+        if _scoped_statement not in db.execute_wrappers:  # this thread's first call (or a new wrapper)
+            db.execute_wrappers.insert(0, _scoped_statement)  # outermost: a services scope inside rules
+            with self._dbs_lock:
+                self._dbs.append((threading.current_thread(), db))
+        guard = _ThreadCall(call, db)
+        outer = getattr(_THREAD, "guard", None)
+        _THREAD.guard = guard
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _THREAD.guard = outer
+            problem = guard._clean(db)
+            if problem is not None and call is not None and call.left_open is None:
+                call.left_open = problem
+
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
+        """End the threads (calls not started are cancelled; running ones are waited for up to
+        ``timeout`` seconds in all) and close the connections of the threads that ended (a call
+        still running keeps its thread and connection: the process's end closes them)."""
+        self.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        with self._dbs_lock:
+            dbs, self._dbs = self._dbs, []
+        for thread, db in dbs:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if not thread.is_alive():
+                discard_connection(db)  # (its thread has ended: no one else uses it)
+
+
+@contextlib.contextmanager
+def serve_loop(loop: asyncio.AbstractEventLoop, thread_name_prefix: str) -> Iterator[tuple[ScopedExecutor, ...]]:
+    """For the block, the running ``loop``'s executors are :class:`ScopedExecutor` threads:
+    its default executor, and asgiref's thread-sensitive executor for this loop (one thread,
+    as asgiref's own: ``sync_to_async`` and the async ORM run there one call at a time). Call it
+    from the loop's thread; close the executors (``close()``) once the loop has stopped."""
+    shared = ScopedExecutor(1, f"{thread_name_prefix}-sync")
+    pool = ScopedExecutor(None, f"{thread_name_prefix}-pool")
+    loop.set_default_executor(pool)
+    executors: Any = AsyncToSync.loop_thread_executors  # (typed for asgiref's own CurrentThreadExecutor)
+    executors[loop] = shared
+    try:
+        yield shared, pool
+    finally:
+        if executors.get(loop) is shared:
+            del executors[loop]

@@ -84,6 +84,12 @@ class _ConnectionState:
     stack: list[Target] = field(default_factory=list)
     raw: Any = None
     enforced: bool = False
+    # By target: the prefixes of :func:`run_statement_in` (the async handlers' threads only).
+    prefixes: dict[Target, _Prefix] = field(default_factory=dict)
+
+
+# The most targets whose prefix one connection keeps (one per community its async handlers served).
+_MAX_PREFIXES = 1024
 
 
 def _state(db: Any = None) -> _ConnectionState:
@@ -312,7 +318,50 @@ def handler(community_id: uuid.UUID | str) -> scope:
     ``community_id``, for ``with``: that community as context, as the login role (``SET LOCAL
     ROLE NONE`` when switching roles), so the handler keeps the login's grants on the project's
     own tables while what it reads of ours is its community's rows. SPEC section 13."""
-    return scope(Target(role="none" if _switching() else None, community=str(community_id)))
+    return scope(handler_target(community_id))
+
+
+def handler_target(community_id: uuid.UUID | str) -> Target:
+    """The target of :func:`handler`'s scope for ``community_id``."""
+    return Target(role="none" if _switching() else None, community=str(community_id))
+
+
+class NoTenantScope(DatabaseError):
+    """A statement that must run in a tenant scope was sent with none (an ``async def``
+    handler's thread outside any handler: :func:`run_statement_in`)."""
+
+
+def run_statement_in(
+    target: Target | None, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    """Send one statement as ``target``, for an ``execute_wrapper`` that picks the target per
+    statement (the async handlers' threads, :mod:`buzz_delivery.usercode`): the ``set_config``
+    travels with the statement as a scope's does, and leaves nothing behind it (outside a
+    transaction it lasts the statement; inside one, until its end). A scope open on the
+    connection (a services call's) rules its own statements: they pass through. With no target,
+    the statement is refused (:class:`NoTenantScope`) where enforcement is on, and sent as it is
+    where it is off."""
+    db = context["connection"]
+    state = _state(db)
+    if state.stack:
+        return execute(sql, params, many, context)
+    if target is None:
+        if not _enforced_on(state, db.connection):
+            return execute(sql, params, many, context)
+        raise NoTenantScope(
+            "a statement of an async handler's thread ran outside any delivery's tenant scope"
+            " (row-level security is on): send it from the handler's own task"
+        )
+    prefix = state.prefixes.get(target)
+    if prefix is None:
+        if len(state.prefixes) >= _MAX_PREFIXES:
+            state.prefixes.clear()
+        prefix = state.prefixes[target] = _Prefix(state, target, in_transaction=False)
+    state.stack.append(prefix.target)  # (the very object: the prefix checks it by identity)
+    try:
+        return prefix(execute, sql, params, many, context)
+    finally:
+        state.stack.pop()
 
 
 @contextmanager

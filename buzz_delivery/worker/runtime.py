@@ -47,7 +47,7 @@ from buzz_delivery.loopwatch import LoopWatch
 from buzz_delivery.services import Claim, Lease, LeaseLost, ratelimits
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
-from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, UserCode
+from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, AsyncUserCode, ScopedExecutor, UserCode, serve_loop
 from buzz_delivery.worker.handlers import (
     FINISHED,
     NO_GUARD,
@@ -368,6 +368,7 @@ class Worker:
         self.guards_handler = not guards_user_code(config.handler)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_ready = threading.Event()
+        self._executors: tuple[ScopedExecutor, ...] = ()  # the loop's threads (usercode.serve_loop)
         self._community_texts: dict[int, str] = {}  # by the community id's int
 
     # --- handler threads -------------------------------------------------------------------
@@ -536,18 +537,7 @@ class Worker:
             held = self.renewer.release(lease)
             ran = time.monotonic() - started
         if call is not None and call.left_open is not None:
-            args = SettleArgs(
-                "failed",
-                TRANSACTION_LEFT_OPEN,
-                f"the handler left its database connection with {call.left_open}; nothing it wrote there is kept",
-            )
-            logger.warning(
-                "handler_error delivery=%s generation=%d outcome=failed error=%s: %s",
-                lease.delivery_id,
-                lease.lease_generation,
-                TRANSACTION_LEFT_OPEN,
-                call.left_open,
-            )
+            args = _left_open_args(lease, call.left_open)
         return self._result(lease, args, held, ran)
 
     async def _ahandle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
@@ -557,8 +547,13 @@ class Worker:
         if started is None:
             self._dropped()
             return None
+        # The delivery's community as the context of this task (and of its child tasks, and of
+        # what it sends to the loop's threads): its async ORM and sync_to_async statements run
+        # in its tenancy scope, as a plain handler's do, however many communities' handlers
+        # share those threads (buzz_delivery.usercode, "async def handlers").
+        call = AsyncUserCode(self._community_text(lease.community_id))
         try:
-            with tracing.handler_span(claim.delivery):
+            with call, tracing.handler_span(claim.delivery):
                 await self.config.handler(claim.delivery)  # type: ignore[misc]
             args = FINISHED
         except BaseException as exc:  # a CancelledError too: it ends this delivery only
@@ -566,6 +561,8 @@ class Worker:
         finally:
             held = self.renewer.release(lease)
             ran = time.monotonic() - started
+        if call.left_open is not None:
+            args = _left_open_args(lease, call.left_open)
         return self._result(lease, args, held, ran)
 
     def _settled(self, n: int) -> None:
@@ -636,6 +633,8 @@ class Worker:
             logger.exception("worker_error: the handlers' event loop stopped")
             self._fail("worker_error")
         finally:
+            for executor in self._executors:  # the handlers' sync threads, and their connections
+                executor.close()
             self._thread_ends()
             connections.close_all()
 
@@ -650,13 +649,14 @@ class Worker:
         watch = LoopWatch(
             self.loop, name="buzz-worker-handlers", logger=logger, on_stall=lambda _: self.tally.add("loop_stalls")
         ).start_here()
-        self.loop_ready.set()
-        try:
-            await self._closing.wait()
-            while self._tasks:
-                await asyncio.wait(set(self._tasks))
-        finally:
-            watch.stop()
+        with serve_loop(self.loop, "buzz-delivery-handlers") as self._executors:
+            self.loop_ready.set()
+            try:
+                await self._closing.wait()
+                while self._tasks:
+                    await asyncio.wait(set(self._tasks))
+            finally:
+                watch.stop()
 
     def _spawn(self, item: tuple[Claim, float] | None) -> None:
         if item is None:
@@ -1201,6 +1201,24 @@ class Worker:
             logger.warning("db_unavailable role=summary error=%s", exc)
             close_old_connections()
             return 0
+
+
+def _left_open_args(lease: Any, left_open: str) -> SettleArgs:
+    """What to settle for a delivery whose handler left a transaction open (``left_open`` says
+    what): failed, :data:`TRANSACTION_LEFT_OPEN` (its connection was discarded, nothing it wrote
+    there is kept)."""
+    logger.warning(
+        "handler_error delivery=%s generation=%d outcome=failed error=%s: %s",
+        lease.delivery_id,
+        lease.lease_generation,
+        TRANSACTION_LEFT_OPEN,
+        left_open,
+    )
+    return SettleArgs(
+        "failed",
+        TRANSACTION_LEFT_OPEN,
+        f"the handler left its database connection with {left_open}; nothing it wrote there is kept",
+    )
 
 
 def is_async_handler(handler: Handler) -> bool:

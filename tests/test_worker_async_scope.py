@@ -1,0 +1,227 @@
+"""An ``async def`` delivery handler's statements (the async ORM, ``sync_to_async`` either way,
+``asyncio.to_thread``) run in its delivery's community scope, as a plain handler's ORM
+statements do, also when handlers of different communities interleave on the worker's shared
+executor thread and connection (``buzz_delivery.usercode``, "async def handlers").
+
+The worker runs in this process (real handler, loop, executor and settler threads, each on its
+own connection), its new connections logging in as a plain member of the tenant role
+(no superuser, no BYPASSRLS) with ``SWITCH_ROLES`` off: what a handler reads and writes of our
+tables is then exactly what row-level security lets its community context see. Without the
+scope its statements ran with no context: they read no rows (fail closed) and wrote none."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from django.db import connection, connections, transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from buzz_delivery import isolation
+from buzz_delivery.models import Event, WorkflowAgentDelivery
+from buzz_delivery.testing import CommunityFactory, DeliveryFactory, WorkflowRunFactory, random32
+from buzz_delivery.worker import WorkerConfig, run_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LOGIN = "buzz_test_async_tenant_login"
+
+
+@pytest.fixture(scope="module")
+def tenant_login(django_db_setup, django_db_blocker) -> Iterator[str]:
+    """A LOGIN role that is a plain member of the tenant role: RLS binds it."""
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{LOGIN}') THEN "
+            f"CREATE ROLE {LOGIN} LOGIN NOSUPERUSER NOBYPASSRLS; END IF; END $$"
+        )
+        cursor.execute(f"GRANT {isolation.roles().tenant} TO {LOGIN}")
+    yield LOGIN
+
+
+@contextlib.contextmanager
+def new_connections_as(role: str) -> Iterator[None]:
+    """Every connection opened in the block (the worker's threads') logs in as ``role``; this
+    test's own connection, open already, stays the superuser's."""
+    connection.ensure_connection()
+    settings = connections.settings["default"]  # the dict each thread's wrapper is made from
+    user = settings["USER"]
+    settings["USER"] = role
+    try:
+        with override_settings(BUZZ_DELIVERY={"SWITCH_ROLES": False}):
+            yield
+    finally:
+        settings["USER"] = user
+
+
+def two_communities(target: bytes, n: int = 1) -> tuple[list, list]:
+    """Two communities with ``n`` deliveries each to ``target``; returns each one's deliveries
+    (serve them all: the worker claims them in any order)."""
+    return tuple(  # type: ignore[return-value]
+        [DeliveryFactory(binding__run=run, binding__target_pubkey=target) for _ in range(n)]
+        for run in (WorkflowRunFactory(community=CommunityFactory()) for _ in range(2))
+    )
+
+
+def serve(deliveries: list, target: bytes, handler: object, concurrency: int) -> dict:
+    communities = sorted({d.community_id for d in deliveries}, key=str)
+    return run_worker(
+        WorkerConfig(
+            community_id=communities[0],
+            target_pubkey=target,
+            extra_pairs=tuple((c, target) for c in communities[1:]),
+            handler=handler,  # type: ignore[arg-type]
+            concurrency=concurrency,
+            max_deliveries=len(deliveries),
+            poll_interval=0.1,
+            idle_exit=20,
+        ),
+        handle_signals=False,
+    )
+
+
+def _distinct_communities() -> list[str]:
+    return sorted(str(c) for c in WorkflowAgentDelivery.objects.values_list("community_id", flat=True).distinct())
+
+
+def test_an_async_handler_reads_its_own_community_rows_and_none_of_another_s(tenant_login):
+    target = random32()
+    mine, theirs = two_communities(target)
+    seen: dict[str, list] = {}
+
+    async def handler(delivery):
+        me = delivery.community_id
+        other = theirs[0] if me == mine[0].community_id else mine[0]
+        seen[str(me)] = [
+            await WorkflowAgentDelivery.objects.acount(),
+            (await WorkflowAgentDelivery.objects.aget(pk=delivery.pk)).community_id == me,
+            await WorkflowAgentDelivery.objects.filter(pk=other.pk).aexists(),
+            await sync_to_async(_distinct_communities)(),
+            await sync_to_async(_distinct_communities, thread_sensitive=False)(),
+            await asyncio.to_thread(_distinct_communities),
+        ]
+
+    with new_connections_as(tenant_login):
+        summary = serve([mine[0], theirs[0]], target, handler, concurrency=1)
+    assert summary["finished"] == 2, summary
+    for community in (mine[0].community_id, theirs[0].community_id):
+        me = [str(community)]
+        assert seen[str(community)] == [1, True, False, me, me, me]
+
+
+def test_async_handlers_of_two_communities_interleaved_on_the_shared_thread_each_see_their_own(tenant_login):
+    target = random32()
+    mine, theirs = two_communities(target, 2)
+    deliveries = mine + theirs
+    barrier = asyncio.Barrier(len(deliveries))  # (bound to the worker's loop on first use)
+    threads: set[int] = set()
+    seen: dict[str, list] = {}
+
+    def read() -> list[str]:
+        threads.add(threading.get_ident())
+        return _distinct_communities()
+
+    async def handler(delivery):
+        rows = seen.setdefault(str(delivery.pk), [])
+        for _ in range(3):  # every handler reads, then waits for all the others to read: interleaved
+            rows.append(await sync_to_async(read)())
+            ids = WorkflowAgentDelivery.objects.values_list("community_id", flat=True)
+            rows.append(sorted([str(c) async for c in ids]))
+            await asyncio.wait_for(barrier.wait(), 20)
+
+    with new_connections_as(tenant_login):
+        summary = serve(deliveries, target, handler, concurrency=len(deliveries))
+    assert summary["finished"] == 4, summary
+    assert len(threads) == 1  # one shared thread (and connection) for every community's handlers
+    for delivery in deliveries:
+        me = str(delivery.community_id)
+        assert seen[str(delivery.pk)] == [[me], [me, me]] * 3
+
+
+def _event(community_id) -> dict:
+    return {
+        "community_id": community_id,
+        "event_id": random32(),
+        "created_at": timezone.now(),
+        "kind": 1,
+        "pubkey": random32(),
+        "content": "written by an async handler",
+        "tags": [],
+    }
+
+
+def test_an_async_handler_s_write_lands_in_its_community_and_one_into_another_is_refused(tenant_login):
+    target = random32()
+    mine, theirs = two_communities(target)
+    outcome: dict[str, str] = {}
+
+    async def handler(delivery):
+        me = delivery.community_id
+        other = theirs[0].community_id if me == mine[0].community_id else mine[0].community_id
+        await Event.objects.acreate(**_event(me))
+        try:
+            await Event.objects.acreate(**_event(other))
+        except Exception as exc:  # refused by the other community's row-level security
+            outcome[str(me)] = type(exc).__name__
+
+    before = {c: Event.objects.filter(community_id=c).count() for c in (mine[0].community_id, theirs[0].community_id)}
+    with new_connections_as(tenant_login):
+        summary = serve([mine[0], theirs[0]], target, handler, concurrency=2)
+    assert summary["finished"] == 2, summary
+    for community in before:
+        assert Event.objects.filter(community_id=community).count() == before[community] + 1
+        assert outcome[str(community)] == "ProgrammingError"  # new row violates row-level security policy
+
+
+def test_a_transaction_an_async_handler_leaves_open_fails_its_delivery_and_reaches_no_other(tenant_login):
+    target = random32()
+    mine, theirs = two_communities(target)
+    left, reader = mine[0], theirs[0]
+    opened = asyncio.Event()  # (bound to the worker's loop on first use)
+    seen: list = []
+
+    def open_and_write(community_id) -> None:
+        transaction.set_autocommit(False)
+        Event.objects.create(**_event(community_id))
+
+    async def handler(delivery):
+        if delivery.pk == left.pk:
+            await sync_to_async(open_and_write)(delivery.community_id)  # and never commits
+            opened.set()
+            return
+        await asyncio.wait_for(opened.wait(), 20)
+        seen.append(await sync_to_async(_distinct_communities)())  # the same thread, right after
+        seen.append(await Event.objects.filter(content="written by an async handler").acount())
+
+    events = Event.objects.filter(community_id=left.community_id).count()
+    with new_connections_as(tenant_login):
+        summary = serve([left, reader], target, handler, concurrency=2)
+    assert summary["finished"] == 1 and summary["failed"] == 1, summary
+    assert WorkflowAgentDelivery.objects.get(pk=left.pk).failure_code == "transaction_left_open"
+    assert seen == [[str(reader.community_id)], 0]
+    assert Event.objects.filter(community_id=left.community_id).count() == events  # rolled back
+
+
+def test_a_plain_handler_s_async_code_run_through_async_to_sync_is_in_its_scope(tenant_login):
+    """A plain handler that runs async code of its own through ``async_to_sync`` (not
+    ``asyncio.run``): its async ORM statements come back to the handler thread, in its scope."""
+    target = random32()
+    mine, theirs = two_communities(target)
+    seen: dict[str, list] = {}
+
+    async def read(delivery) -> list:
+        return [await WorkflowAgentDelivery.objects.acount(), await sync_to_async(_distinct_communities)()]
+
+    def handler(delivery):
+        seen[str(delivery.community_id)] = async_to_sync(read)(delivery)
+
+    with new_connections_as(tenant_login):
+        summary = serve([mine[0], theirs[0]], target, handler, concurrency=1)
+    assert summary["finished"] == 2, summary
+    for community in (mine[0].community_id, theirs[0].community_id):
+        assert seen[str(community)] == [1, [str(community)]]
