@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterator
 
 import pytest
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import sync_to_async
 from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.utils import timezone
@@ -207,21 +208,24 @@ def test_a_transaction_an_async_handler_leaves_open_fails_its_delivery_and_reach
     assert Event.objects.filter(community_id=left.community_id).count() == events  # rolled back
 
 
-def test_a_plain_handler_s_async_code_run_through_async_to_sync_is_in_its_scope(tenant_login):
-    """A plain handler that runs async code of its own through ``async_to_sync`` (not
-    ``asyncio.run``): its async ORM statements come back to the handler thread, in its scope."""
+def test_a_statement_sent_to_the_handlers_threads_from_outside_any_handler_s_context_is_refused(tenant_login):
+    """A task of the handler's started in an empty context (no delivery's community) runs its
+    ``sync_to_async`` statement on the same threads: refused with a clear error, not read unscoped."""
     target = random32()
-    mine, theirs = two_communities(target)
-    seen: dict[str, list] = {}
+    mine, _ = two_communities(target)
+    raised: list[str] = []
 
-    async def read(delivery) -> list:
-        return [await WorkflowAgentDelivery.objects.acount(), await sync_to_async(_distinct_communities)()]
+    async def stray() -> int:
+        return await WorkflowAgentDelivery.objects.acount()
 
-    def handler(delivery):
-        seen[str(delivery.community_id)] = async_to_sync(read)(delivery)
+    async def handler(delivery):
+        try:
+            await asyncio.get_running_loop().create_task(stray(), context=contextvars.Context())
+        except Exception as exc:
+            raised.append(f"{type(exc).__name__}: {exc}")
+        assert await WorkflowAgentDelivery.objects.acount() == 1  # its own statements still run
 
     with new_connections_as(tenant_login):
-        summary = serve([mine[0], theirs[0]], target, handler, concurrency=1)
-    assert summary["finished"] == 2, summary
-    for community in (mine[0].community_id, theirs[0].community_id):
-        assert seen[str(community)] == [1, [str(community)]]
+        summary = serve(mine, target, handler, concurrency=1)
+    assert summary["finished"] == 1, summary
+    assert len(raised) == 1 and raised[0].startswith("NoTenantScope: a statement of an async handler's thread"), raised
