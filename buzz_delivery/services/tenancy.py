@@ -318,11 +318,12 @@ def handler(community_id: uuid.UUID | str) -> scope:
     ``community_id``, for ``with``: that community as context, as the login role (``SET LOCAL
     ROLE NONE`` when switching roles), so the handler keeps the login's grants on the project's
     own tables while what it reads of ours is its community's rows. SPEC section 13."""
-    return scope(handler_target(community_id))
+    # (handler_target's, inline: a plain handler's delivery enters one, on the workers' hot path)
+    return scope(Target(role="none" if _switching() else None, community=str(community_id)))
 
 
 def handler_target(community_id: uuid.UUID | str) -> Target:
-    """The target of :func:`handler`'s scope for ``community_id``."""
+    """The target of :func:`handler`'s scope for ``community_id`` (an async handler's)."""
     return Target(role="none" if _switching() else None, community=str(community_id))
 
 
