@@ -229,3 +229,72 @@ def test_a_statement_sent_to_the_handlers_threads_from_outside_any_handler_s_con
         summary = serve(mine, target, handler, concurrency=1)
     assert summary["finished"] == 1, summary
     assert len(raised) == 1 and raised[0].startswith("NoTenantScope: a statement of an async handler's thread"), raised
+
+
+def _set_statement_timeout_and_read() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = '50s'")  # a session statement: the call is cleaned after
+    return _distinct_communities()
+
+
+def test_another_community_s_session_clean_up_leaves_an_async_handler_s_aiterator_reading(tenant_login):
+    """``aiterator()`` reads a server-side cursor a chunk per call on the shared thread; a call
+    of another community's handler in between that ran a session statement is cleaned after
+    (its session state discarded) without closing that cursor: the first handler reads on, its
+    own rows only, and the other's setting does not stay on the connection."""
+    target = random32()
+    mine, theirs = two_communities(target, 3)
+    first_chunk, cleaned = asyncio.Event(), asyncio.Event()  # (bound to the worker's loop on first use)
+    seen: dict[str, list] = {}
+
+    def timeout() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW statement_timeout")
+            return cursor.fetchone()[0]
+
+    async def handler(delivery):
+        if delivery.pk == mine[0].pk:
+            rows = seen.setdefault("reader", [])
+            try:
+                async for row in WorkflowAgentDelivery.objects.order_by("pk").aiterator(chunk_size=1):
+                    rows.append(str(row.community_id))
+                    first_chunk.set()
+                    await asyncio.wait_for(cleaned.wait(), 20)
+            except Exception as exc:
+                rows.append(f"{type(exc).__name__}: {exc}")
+        elif delivery.pk == theirs[0].pk:
+            await asyncio.wait_for(first_chunk.wait(), 20)
+            seen["other"] = await sync_to_async(_set_statement_timeout_and_read)()
+            seen["timeout"] = [await sync_to_async(timeout)()]
+            cleaned.set()
+
+    with new_connections_as(tenant_login):
+        summary = serve(mine + theirs, target, handler, concurrency=len(mine + theirs))
+    assert summary["finished"] == 6, summary
+    assert seen["reader"] == [str(mine[0].community_id)] * 3
+    assert seen["other"] == [str(theirs[0].community_id)]
+    assert seen["timeout"] != ["50s"]
+
+
+def test_the_worker_stops_although_a_call_an_async_handler_abandoned_still_runs_on_its_threads():
+    """A handler that gave up waiting for its ``asyncio.to_thread`` call (``wait_for``) leaves it
+    running on the loop's pool: the worker still stops once its deliveries are done (the pool's
+    threads are waited for a bounded time, ``usercode.CLOSE_WAIT_SECONDS``), not when the call ends."""
+    target = random32()
+    mine, _ = two_communities(target)
+    release = threading.Event()
+
+    async def handler(delivery):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.to_thread(release.wait, 120), 0.2)
+
+    summaries: list[dict] = []
+    worker = threading.Thread(target=lambda: summaries.append(serve(mine, target, handler, concurrency=1)))
+    worker.start()
+    try:
+        worker.join(60)  # (the call ends only once released, below)
+        assert not worker.is_alive()
+        assert summaries[0]["finished"] == 1, summaries
+    finally:
+        release.set()
+        worker.join()
