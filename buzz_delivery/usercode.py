@@ -116,6 +116,8 @@ class _Guard:
     transaction; ``session_touched``, whether the code sent a :data:`SESSION_STATEMENT`."""
 
     __slots__ = ("_depth", "_in_transaction", "session_touched")
+    # What cleans the session after a call that touched it (a plain handler's thread: one call at a time).
+    _SESSION_RESET = "DISCARD ALL"
     _depth: int
     _in_transaction: bool
     session_touched: bool
@@ -146,7 +148,7 @@ class _Guard:
             discard_connection(db)  # terminated under the call: the next statement reconnects
         elif raw is not None and self.session_touched:
             try:
-                raw.execute("DISCARD ALL", prepare=False)
+                raw.execute(self._SESSION_RESET, prepare=False)
                 db.ensure_timezone()
             except Exception:
                 discard_connection(db)
@@ -330,11 +332,22 @@ class AsyncUserCode:
         _ASYNC_CALL.reset(self._token)
 
 
+# DISCARD ALL but its CLOSE ALL: the cursors open on a shared thread's connection are other
+# handlers' too (an ``aiterator()`` reads its server-side cursor a chunk per call, with other
+# communities' calls in between); a cursor holds the rows of the scope it was opened in.
+_RESET_KEEPING_CURSORS = (
+    "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; DEALLOCATE ALL; UNLISTEN *;"
+    " SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES"
+)
+
+
 class _ThreadCall(_Guard):
     """One call a :class:`ScopedExecutor` thread runs: the handler's :class:`AsyncUserCode` that
-    sent it (None: sent from outside any handler), judged on its way out as a plain handler is."""
+    sent it (None: sent from outside any handler), judged on its way out as a plain handler is
+    (its session reset keeps the connection's open cursors: :data:`_RESET_KEEPING_CURSORS`)."""
 
     __slots__ = ("call",)
+    _SESSION_RESET = _RESET_KEEPING_CURSORS
 
     def __init__(self, call: AsyncUserCode | None, db: Any) -> None:
         self.call = call
@@ -392,6 +405,17 @@ class ScopedExecutor(ThreadPoolExecutor):
             problem = guard._clean(db)
             if problem is not None and call is not None and call.left_open is None:
                 call.left_open = problem
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """As ThreadPoolExecutor's, but ``wait`` waits for the running calls up to
+        :data:`CLOSE_WAIT_SECONDS` only: ``asyncio.run`` shuts the loop's default executor down
+        with ``wait=True`` when the loop ends, and a call a handler abandoned there (a
+        ``wait_for`` around ``asyncio.to_thread``) would otherwise hold the worker's stop until it ends."""
+        super().shutdown(wait=False, cancel_futures=cancel_futures)
+        if wait:
+            deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+            for thread in list(self._threads):
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
         """End the threads (calls not started are cancelled; running ones are waited for up to
