@@ -304,6 +304,8 @@ class UserConnection:
 
 # Seconds ScopedExecutor.close waits for calls still running on its threads.
 CLOSE_WAIT_SECONDS = 5.0
+# Seconds ScopedExecutor.close gives a call whose statement it cancelled (and the cancel request) to end.
+CANCEL_WAIT_SECONDS = 1.0
 
 _ASYNC_CALL: contextvars.ContextVar[AsyncUserCode | None] = contextvars.ContextVar(
     "buzz_delivery_async_user_code", default=None
@@ -419,16 +421,30 @@ class ScopedExecutor(ThreadPoolExecutor):
 
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
         """End the threads (calls not started are cancelled; running ones are waited for up to
-        ``timeout`` seconds in all) and close the connections of the threads that ended (a call
-        still running keeps its thread and connection: the process's end closes them)."""
+        ``timeout`` seconds in all, then the statement each one's connection runs is cancelled
+        on the server and the call waited for one second more) and close the connections of
+        the threads that ended (a call still running, in Python code, keeps its thread and
+        connection: the process's exit waits for the thread and closes them)."""
         self.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout
         with self._dbs_lock:
             dbs, self._dbs = self._dbs, []
+        running = []
         for thread, db in dbs:
             thread.join(max(0.0, deadline - time.monotonic()))
-            if not thread.is_alive():
+            if thread.is_alive():
+                raw = db.connection
+                if raw is not None:
+                    with contextlib.suppress(Exception):  # (closed under us, or the server gone)
+                        raw.cancel_safe(timeout=CANCEL_WAIT_SECONDS)
+                running.append((thread, db))
+            else:
                 discard_connection(db)  # (its thread has ended: no one else uses it)
+        deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+        for thread, db in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if not thread.is_alive():
+                discard_connection(db)
 
 
 @contextlib.contextmanager

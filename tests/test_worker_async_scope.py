@@ -298,3 +298,43 @@ def test_the_worker_stops_although_a_call_an_async_handler_abandoned_still_runs_
     finally:
         release.set()
         worker.join()
+
+
+def _sleeping_backends(marker: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE %s AND pid <> pg_backend_pid()",
+            [f"%{marker}%"],)
+        return cursor.fetchone()[0]
+
+
+def test_a_statement_an_async_handler_abandoned_is_cancelled_when_the_worker_stops():
+    """The statement of a call a handler gave up waiting for (``wait_for`` around
+    ``sync_to_async``) still runs on the shared thread when the worker stops: past the
+    close's wait it is cancelled on the server, so the thread ends (the process's exit joins it)
+    and its backend is not left running."""
+    target = random32()
+    mine, _ = two_communities(target)
+    marker = f"abandoned_{random32().hex()[:12]}"
+
+    def sleep() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT pg_sleep(120) AS {marker}")
+
+    async def handler(delivery):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(sync_to_async(sleep)(), 0.5)
+
+    try:
+        summary = serve(mine, target, handler, concurrency=1)
+        assert summary["finished"] == 1, summary
+        for _ in range(100):  # (the server ends a cancelled statement at once; a few polls at most)
+            if _sleeping_backends(marker) == 0:
+                break
+            threading.Event().wait(0.1)
+        assert _sleeping_backends(marker) == 0
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE %s AND pid <> pg_backend_pid()",
+                [f"%{marker}%"],
+            )
