@@ -302,8 +302,11 @@ def test_the_worker_stops_although_a_call_an_async_handler_abandoned_still_runs_
 
 def _sleeping_backends(marker: str) -> int:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE %s AND pid <> pg_backend_pid()",
-            [f"%{marker}%"],)
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE state = 'active' AND query LIKE %s AND pid <> pg_backend_pid()",
+            [f"%{marker}%"],
+        )
         return cursor.fetchone()[0]
 
 
@@ -335,6 +338,7 @@ def test_a_statement_an_async_handler_abandoned_is_cancelled_when_the_worker_sto
     finally:
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE %s AND pid <> pg_backend_pid()",
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE query LIKE %s AND pid <> pg_backend_pid()",
                 [f"%{marker}%"],
             )
