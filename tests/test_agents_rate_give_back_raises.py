@@ -1,5 +1,6 @@
-"""The thread runtime: a rated call whose units are given back (its journal write refused) and
-whose give-back raises still leaves the run's calls in flight, so the run can end.
+"""Both agent runtimes: a rated call whose units are given back (its journal write refused or
+shadow-blocked) and whose give-back raises still leaves the run's calls in flight, so the run
+can end (docs/flow-control.md).
 
 The give-back came after the call was counted in flight and outside the ``try``/``finally`` that
 counts it out: when it raised, the call stayed counted for ever. Here the operator lowers the
@@ -12,12 +13,16 @@ handler started: once it raised and the handler returned, the run's end waited f
 Now the call leaves flight whatever its give-back raises, the error reaches its caller, and the
 run completes.
 
+The event-loop runtime already gave back inside the call's ``try``/``finally``; its test keeps
+it so (moving its give-back before the ``try`` makes it fail).
+
 A real transaction of another session holds the run's row (``FOR UPDATE``) once the call's take
 was granted, so its journal statement waits for the lock; the settings change then, and the
 holder rolls back."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -31,6 +36,7 @@ from buzz_delivery.agents.runtime import Context, run_claim
 from buzz_delivery.agents.services import claim_agent_runs
 from project.database_url import database_url
 from tests.agents_support import AGENT, new_run
+from tests.aio_worker_support import run_in_thread, waited
 from tests.test_agents_rate_give_back import journal_writes_waiting_for_a_lock
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -58,6 +64,7 @@ def rated_call(ctx) -> None:
 
 
 def handler(ctx):
+    STEP["claimed"].set()
     assert STEP["held"].wait(WAIT)  # the run's row held: the take goes through, the write waits
     caller = threading.Thread(target=rated_call, args=(ctx,), daemon=True)
     caller.start()
@@ -67,8 +74,10 @@ def handler(ctx):
 
 
 def lower_the_limit_as_the_write_waits(community_id, run_id, lowered) -> None:
-    """Hold the run's row; once the call's journal write waits for it, lower the key's limit
-    (``lowered.enable()``: the settings of the whole process) and let the write go (rollback)."""
+    """Hold the run's row once its handler runs (the run claimed); once the call's journal write
+    waits for it, lower the key's limit (``lowered.enable()``: the settings of the whole process)
+    and let the write go (rollback)."""
+    assert STEP["claimed"].wait(WAIT)
     holder = psycopg.connect(database_url(connection.settings_dict))
     try:
         holder.execute(
@@ -88,7 +97,7 @@ def lower_the_limit_as_the_write_waits(community_id, run_id, lowered) -> None:
 
 def test_a_rated_call_whose_give_back_raises_leaves_flight_and_the_run_completes(community):
     STEP.clear()
-    STEP["held"] = threading.Event()
+    STEP.update({name: threading.Event() for name in ("claimed", "held")})
     lowered = override_settings(BUZZ_DELIVERY=LOWERED)
     with override_settings(BUZZ_DELIVERY=LIMITS):
         run_id = new_run(community.id, shadow=True)
@@ -121,4 +130,42 @@ def test_a_rated_call_whose_give_back_raises_leaves_flight_and_the_run_completes
     assert STEP.get("made") is None
     (entry,) = JournalEntry.objects.filter(run_id=run_id)
     assert (entry.status, bool(entry.blocked_reason)) == ("failed", True)  # shadow-blocked, never made
+    assert AgentRun.objects.get(id=run_id).state == "completed"
+
+
+async def async_handler(ctx):
+    STEP["claimed"].set()
+    assert await waited(STEP["held"])  # the run's row held: the take goes through, the write waits
+    call = asyncio.create_task(ctx.call("rated", tool, {}, rate_key="slow", weight=3, destructive=True))
+    try:
+        await call
+    except BaseException as exc:
+        STEP["raised"] = (type(exc).__name__, str(exc))
+    STEP["in_flight"] = ctx.calls_in_flight
+    return {"ok": True}
+
+
+def test_the_event_loop_runtime_counts_a_call_whose_give_back_raises_out_of_flight(community):
+    STEP.clear()
+    STEP.update({name: threading.Event() for name in ("claimed", "held")})
+    lowered = override_settings(BUZZ_DELIVERY=LOWERED)
+    with override_settings(BUZZ_DELIVERY=LIMITS):
+        run_id = new_run(community.id, shadow=True)
+        try:
+            counts = run_in_thread(
+                community,
+                async_handler,
+                meanwhile=lambda: lower_the_limit_as_the_write_waits(community.id, run_id, lowered),
+                handler_timeout=8,  # a call left in flight: the run ends lost at its deadline, not stuck
+            )
+        finally:
+            if STEP.get("lowered"):
+                lowered.disable()
+    raised, message = STEP["raised"]
+    assert raised == "ValidationError" and "units" in message, STEP["raised"]  # the give-back's refusal
+    assert STEP["in_flight"] == (), f"the call was left in flight: {STEP['in_flight']}"
+    assert counts.get("completed") == 1, counts
+    assert STEP.get("made") is None
+    (entry,) = JournalEntry.objects.filter(run_id=run_id)
+    assert (entry.status, bool(entry.blocked_reason)) == ("failed", True)
     assert AgentRun.objects.get(id=run_id).state == "completed"
