@@ -356,7 +356,7 @@ class AsyncContext:
                 # as its task was cancelled), unless the run was lost as its write was out: then
                 # whether it was written is not known (a resumed run may make it): units spent.
                 if not sent or (isinstance(exc, asyncio.CancelledError) and not self.lost.is_set()):
-                    await self._give_back(rate, granted)
+                    await self._give_back(rate, granted, raising=False)  # exc goes on, whatever it meets
                 raise
             if not isinstance(outcome, s.Journaled) or cancelled:
                 # Refused or shadow-blocked (its tool is never made), or closed 'not made' below:
@@ -519,7 +519,7 @@ class AsyncContext:
             elif not isinstance(outcome, s.Blocked | s.BudgetExceeded):
                 self.mark_lost(getattr(outcome, "reason", "") or "lost")
             if give_back is not None:  # closed or refused, never to be made: the units it took go back
-                await self._give_back(*give_back)
+                await self._give_back(*give_back, raising=False)  # the cancel goes on, whatever it meets
         finally:
             self._land(flight)
         raise asyncio.CancelledError
@@ -662,7 +662,7 @@ class AsyncContext:
 
         async def landed(taken: ratelimits.TakeOutcome) -> bool:
             if isinstance(taken, ratelimits.Granted):
-                await self._give_back(rate, taken)
+                await self._give_back(rate, taken, raising=False)
             return False  # the cancel goes on
 
         while True:
@@ -677,12 +677,16 @@ class AsyncContext:
                 await asyncio.sleep(min(left, RATE_WAIT_SLICE_SECONDS))
                 self._check()
 
-    async def _give_back(self, rate: RatePlan, granted: ratelimits.Granted) -> None:
+    async def _give_back(self, rate: RatePlan, granted: ratelimits.Granted, *, raising: bool = True) -> None:
         """As :meth:`Context._give_back <buzz_delivery.agents.runtime.Context._give_back>`: the
         units of a call whose tool is never made (its journal write refused, withdrawn or closed
         'not made'; shadow-blocked) given back to their window, on the worker's pool. The
         statement is sent whatever this task's cancels meanwhile (they go on after it); a
-        failure only logs."""
+        failure in the database only logs. One the settings refuse (``ValidationError``: the key
+        removed, or its limit lowered under the units, since the take) raises to the caller;
+        with ``raising`` False (a give-back on the way out of a cancel or a lost run, that
+        exception pending) it only logs too: the cancel goes on, never replaced by it (or
+        ``asyncio.timeout`` around the call raised this error, not ``TimeoutError``)."""
         if rate.before <= 0:
             return
         statement = asyncio.ensure_future(
@@ -697,6 +701,10 @@ class AsyncContext:
             raise
         except DatabaseError as exc:
             logger.info("rate_give_back_refused run=%s key=%s: %s", self.lease.run_id, rate.spec.key, describe(exc))
+        except Exception as exc:
+            if raising:
+                raise
+            logger.warning("rate_give_back_refused run=%s key=%s: %r", self.lease.run_id, rate.spec.key, exc)
 
     async def _make(self, seq: int, key: str, fn: Callable[..., Any], args: Any) -> Any:
         started = time.monotonic()

@@ -1,0 +1,277 @@
+"""The event-loop runtime under ``asyncio.timeout()`` in the handler: a runtime statement whose
+awaiter is cancelled by the timeout as it runs (awaited through the cancel, its outcome acted on:
+``AsyncContext._outlasting``) lets the cancel go on as the ``CancelledError`` the timeout sent,
+so the timeout turns it into ``TimeoutError`` and the task's cancel count is back to 0
+(``asyncio.timeout`` and ``TaskGroup`` judge their cancels by ``Task.uncancel()``).
+
+A rated call whose units go back on a cancel's way out (its take granted as the timeout
+cancelled it, its journal write closed 'not made', or the call cancelled waiting for the journal
+lock): the operator lowered the key's limit in the settings since the take, so the give-back is
+refused (``ValidationError`` naming ``units``). Before, that ``ValidationError`` replaced the
+pending ``CancelledError``: the timeout never fired as ``TimeoutError`` (the handler saw a
+``ValidationError`` from a call it had given up on), a cancel lost. Now the refusal logs
+(``rate_give_back_refused``), the units stay spent, and the cancel goes on.
+
+Real transactions of another session hold the rows the statements wait for; the timeout is
+made to expire (``reschedule``) once the statement waits, and the row let go once the handler's
+task is seen cancelling."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from buzz_delivery.agents.models import AgentRun, JournalEntry
+from buzz_delivery.agents.services import read_output
+from buzz_delivery.models import RateLimit
+from buzz_delivery.services import ratelimits
+from tests.agents_support import new_run
+from tests.aio_worker_support import run_in_thread, waited
+from tests.citus_support import CITUS_MODE
+from tests.tenant_locks import rows_held
+from tests.test_agents_rate_give_back import journal_writes_waiting_for_a_lock
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WAIT = 20.0
+PERIOD = 86_400 * 31  # one window for the whole test
+LIMITS = {"RATE_LIMITS": {"slow": {"limit": 5, "period": PERIOD}}}
+LOWERED = {"RATE_LIMITS": {"slow": {"limit": 2, "period": PERIOD}}}  # the 3 units taken are now too many
+STEP: dict = {}
+
+
+def tool(args: dict, key: str) -> str:
+    STEP["made"] = True
+    return "made"
+
+
+async def sent(ctx: Any) -> None:
+    assert await waited(STEP["sent"])  # the statement waits for a held row
+
+
+def handler_under_a_timeout(
+    what: Callable[[Any], Awaitable[Any]],
+    after: Callable[[Any], Awaitable[Any]] | None = None,
+    ready: Callable[[Any], Awaitable[None]] = sent,
+):
+    """A handler that awaits ``what(ctx)`` inside ``asyncio.timeout()``, the timeout expiring
+    once ``ready(ctx)`` returned (by default: the test saw its statement wait, ``STEP['sent']``);
+    what the handler saw is kept in ``STEP`` (``raised``, ``cancelling``: its task's cancel
+    count after the block)."""
+
+    async def handler(ctx):
+        me = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert me is not None
+
+        async def expire(timeout: asyncio.Timeout) -> None:
+            await ready(ctx)
+            timeout.reschedule(loop.time())  # expires now: the timeout cancels the handler's task
+            while not (me.cancelling() or "raised" in STEP):  # cancelling, or cancelled already
+                await asyncio.sleep(0.01)
+            STEP["cancelled"].set()
+
+        STEP["claimed"].set()
+        assert await waited(STEP["held"])
+        expiring = None
+        try:
+            async with asyncio.timeout(None) as timeout:
+                expiring = asyncio.create_task(expire(timeout))
+                STEP["returned"] = await what(ctx)
+            STEP["raised"] = None
+        except TimeoutError:
+            STEP["raised"] = "TimeoutError"
+        except asyncio.CancelledError:
+            STEP["raised"] = "CancelledError"  # the timeout did not recognise its cancel
+        except Exception as exc:
+            STEP["raised"] = f"{type(exc).__name__}: {exc}"
+        if expiring is not None:
+            await expiring
+        STEP["cancelling"] = me.cancelling()
+        STEP["in_flight"] = ctx.calls_in_flight
+        if after is not None:
+            STEP["after"] = await after(ctx)
+        return "done"
+
+    return handler
+
+
+def waiting_for_a_lock(pattern: str) -> int:
+    view = "citus_stat_activity" if CITUS_MODE else "pg_stat_activity"
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {view} WHERE wait_event_type = 'Lock' AND query LIKE %s", [pattern])
+        return cursor.fetchone()[0]
+
+
+def until(test: Callable[[], Any], message: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not test():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
+def fresh_steps() -> None:
+    STEP.clear()
+    STEP.update({name: threading.Event() for name in ("claimed", "held", "sent", "cancelled")})
+
+
+def cancelled_as_it_waits(waits: Callable[[], Any], lowered: Any = None) -> None:
+    """Once the statement waits for the held row: the timeout expires; once the handler's task is
+    cancelling, the key's limit lowered (``lowered.enable()``, when given); then the row let go
+    (leaving the caller's ``rows_held`` block)."""
+    until(waits, "the statement never waited for the held row")
+    STEP["sent"].set()
+    assert STEP["cancelled"].wait(WAIT), "the timeout never cancelled the handler's task"
+    if lowered is not None:
+        lowered.enable()
+        STEP["lowered"] = True
+
+
+def test_an_emit_timed_out_as_it_is_written_raises_timeout_error_and_counts_its_chunk(community):
+    fresh_steps()
+    run_id = new_run(community.id)
+
+    def hold_the_run():
+        assert STEP["claimed"].wait(WAIT)
+        with rows_held(AgentRun, community.id, run_id):
+            STEP["held"].set()
+            cancelled_as_it_waits(lambda: waiting_for_a_lock("%%INSERT INTO %%buzz_agents_output%%"))
+
+    handler = handler_under_a_timeout(lambda ctx: ctx.emit("first"), after=lambda ctx: ctx.emit("second"))
+    counts = run_in_thread(community, handler, meanwhile=hold_the_run)
+    assert (STEP["raised"], STEP["cancelling"]) == ("TimeoutError", 0), STEP
+    assert STEP["after"] == 2, STEP  # the first chunk, written through the cancel, was counted
+    assert counts.get("completed") == 1, counts
+    page = read_output(community.id, run_id)
+    assert [(c.seq, c.chunk) for c in page.chunks] == [(1, "first"), (2, "second")], page
+
+
+def test_a_rated_call_timed_out_as_it_takes_raises_timeout_error_when_its_give_back_is_refused(community):
+    fresh_steps()
+    lowered = override_settings(BUZZ_DELIVERY=LOWERED)
+    with override_settings(BUZZ_DELIVERY=LIMITS):
+        run_id = new_run(community.id)
+        ratelimits.charge(community.id, "slow", 1)  # the window in use before the run: 1 of 5
+        window = RateLimit.objects.get(community_id=community.id, key="slow")
+
+        def hold_the_rate_row():
+            assert STEP["claimed"].wait(WAIT)
+            with rows_held(RateLimit, community.id, window.id):
+                STEP["held"].set()
+                cancelled_as_it_waits(lambda: waiting_for_a_lock("%%INSERT INTO %%buzz_delivery_rate_limit%%"), lowered)
+
+        handler = handler_under_a_timeout(lambda ctx: ctx.call("rated", tool, {}, rate_key="slow", weight=3))
+        try:
+            counts = run_in_thread(community, handler, meanwhile=hold_the_rate_row)
+        finally:
+            if STEP.get("lowered"):
+                lowered.disable()
+        assert (STEP["raised"], STEP["cancelling"]) == ("TimeoutError", 0), STEP
+        assert "made" not in STEP and STEP["in_flight"] == (), STEP
+        assert counts.get("completed") == 1, counts
+        assert AgentRun.objects.get(id=run_id).state == "completed"
+        assert not JournalEntry.objects.filter(run_id=run_id).exists()
+        assert RateLimit.objects.get(id=window.id).used == 4  # the give-back refused: the units stay spent
+
+
+def test_a_rated_call_timed_out_as_it_is_journaled_raises_timeout_error_when_its_give_back_is_refused(community):
+    """Its write out (shadow-blocked: a shadow run's destructive call) as the timeout cancels
+    it: written all the same, the call closed, its units given back (refused), then the cancel."""
+    fresh_steps()
+    lowered = override_settings(BUZZ_DELIVERY=LOWERED)
+    with override_settings(BUZZ_DELIVERY=LIMITS):
+        run_id = new_run(community.id, shadow=True)
+
+        def hold_the_run():
+            assert STEP["claimed"].wait(WAIT)
+            with rows_held(AgentRun, community.id, run_id):
+                STEP["held"].set()  # the take goes through (its row is free), the write waits
+                cancelled_as_it_waits(journal_writes_waiting_for_a_lock, lowered)
+
+        handler = handler_under_a_timeout(
+            lambda ctx: ctx.call("rated", tool, {}, rate_key="slow", weight=3, destructive=True)
+        )
+        try:
+            counts = run_in_thread(community, handler, meanwhile=hold_the_run)
+        finally:
+            if STEP.get("lowered"):
+                lowered.disable()
+        assert (STEP["raised"], STEP["cancelling"]) == ("TimeoutError", 0), STEP
+        assert "made" not in STEP and STEP["in_flight"] == (), STEP
+        assert counts.get("completed") == 1, counts
+        assert AgentRun.objects.get(id=run_id).state == "completed"
+        (entry,) = JournalEntry.objects.filter(run_id=run_id)
+        assert (entry.status, bool(entry.blocked_reason)) == ("failed", True)
+
+
+def test_a_rated_call_timed_out_waiting_for_the_journal_lock_raises_timeout_error_when_its_give_back_is_refused(
+    community,
+):
+    """Its units taken, it waits for the run's journal lock (taken by another task of the
+    handler, ``ctx.quiet()``, as its take waited for the held rate-limit row); the key's limit
+    lowered, the timeout cancels it: nothing journaled, its units given back (refused), then the
+    cancel."""
+    fresh_steps()
+    STEP["lock_held"] = threading.Event()
+    lowered = override_settings(BUZZ_DELIVERY=LOWERED)
+    release = asyncio.Event()
+
+    async def hold(ctx) -> None:
+        async with ctx.quiet():
+            STEP["lock_held"].set()
+            await release.wait()
+
+    async def the_call_waits_for_the_lock(ctx) -> None:
+        assert await waited(STEP["sent"])  # its take waits for the held rate-limit row
+        STEP["holder"] = asyncio.create_task(hold(ctx))
+        # CPython's asyncio.Lock keeps its waiters in _waiters: the rated call, its take done
+        deadline = time.monotonic() + WAIT
+        while not ctx._journaling._waiters:
+            assert time.monotonic() < deadline, "the rated call never waited for the journal lock"
+            await asyncio.sleep(0.01)
+        lowered.enable()
+        STEP["lowered"] = True
+
+    async def let_go(ctx) -> None:
+        release.set()
+        await STEP["holder"]
+
+    with override_settings(BUZZ_DELIVERY=LIMITS):
+        run_id = new_run(community.id)
+        ratelimits.charge(community.id, "slow", 1)  # the window in use before the run: 1 of 5
+        window = RateLimit.objects.get(community_id=community.id, key="slow")
+
+        def hold_the_rate_row():
+            assert STEP["claimed"].wait(WAIT)
+            with rows_held(RateLimit, community.id, window.id):
+                STEP["held"].set()
+                until(
+                    lambda: waiting_for_a_lock("%%INSERT INTO %%buzz_delivery_rate_limit%%"),
+                    "the take never waited for the held rate-limit row",
+                )
+                STEP["sent"].set()
+                assert STEP["lock_held"].wait(WAIT), "the journal lock was never taken"
+
+        handler = handler_under_a_timeout(
+            lambda ctx: ctx.call("rated", tool, {}, rate_key="slow", weight=3),
+            after=let_go,
+            ready=the_call_waits_for_the_lock,
+        )
+        try:
+            counts = run_in_thread(community, handler, meanwhile=hold_the_rate_row)
+        finally:
+            if STEP.get("lowered"):
+                lowered.disable()
+        assert (STEP["raised"], STEP["cancelling"]) == ("TimeoutError", 0), STEP
+        assert "made" not in STEP and STEP["in_flight"] == (), STEP
+        assert counts.get("completed") == 1, counts
+        assert AgentRun.objects.get(id=run_id).state == "completed"
+        assert not JournalEntry.objects.filter(run_id=run_id).exists()
+        assert RateLimit.objects.get(id=window.id).used == 4  # the give-back refused: the units stay spent
