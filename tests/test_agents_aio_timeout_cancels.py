@@ -275,3 +275,47 @@ def test_a_rated_call_timed_out_waiting_for_the_journal_lock_raises_timeout_erro
         assert AgentRun.objects.get(id=run_id).state == "completed"
         assert not JournalEntry.objects.filter(run_id=run_id).exists()
         assert RateLimit.objects.get(id=window.id).used == 4  # the give-back refused: the units stay spent
+
+
+def test_a_rated_call_timed_out_before_its_take_ran_raises_timeout_error_when_the_take_is_refused(community):
+    """Its take queued for the worker's one pool connection (busy: an emit of the handler waits
+    for the held run row) as the timeout cancels it; the key's limit then lowered under its
+    units, the take refuses them when it runs (``ValidationError`` naming ``weight``, nothing
+    taken). Before, that error replaced the pending cancel; now the cancel goes on."""
+    fresh_steps()
+    lowered = override_settings(BUZZ_DELIVERY=LOWERED)
+
+    async def emits_then_calls(ctx):
+        STEP["emitting"] = asyncio.create_task(ctx.emit("first"))
+        assert await waited(STEP["sent"])  # the emit, waiting for the held row, holds the pool's one connection
+        STEP["calling"] = True  # from here to its take's statement queued, nothing awaits
+        return await ctx.call("rated", tool, {}, rate_key="slow", weight=3)
+
+    async def the_take_is_queued(ctx) -> None:
+        while not STEP.get("calling"):  # seen here: the handler's task awaits its take
+            await asyncio.sleep(0.01)
+
+    async def the_emit_ends(ctx):
+        return await STEP["emitting"]
+
+    with override_settings(BUZZ_DELIVERY=LIMITS):
+        run_id = new_run(community.id)
+
+        def hold_the_run():
+            assert STEP["claimed"].wait(WAIT)
+            with rows_held(AgentRun, community.id, run_id):
+                STEP["held"].set()
+                cancelled_as_it_waits(lambda: waiting_for_a_lock("%%INSERT INTO %%buzz_agents_output%%"), lowered)
+
+        handler = handler_under_a_timeout(emits_then_calls, after=the_emit_ends, ready=the_take_is_queued)
+        try:
+            counts = run_in_thread(community, handler, meanwhile=hold_the_run, connections=1)
+        finally:
+            if STEP.get("lowered"):
+                lowered.disable()
+        assert (STEP["raised"], STEP["cancelling"]) == ("TimeoutError", 0), STEP
+        assert "made" not in STEP and STEP["in_flight"] == () and STEP["after"] == 1, STEP
+        assert counts.get("completed") == 1, counts
+        assert AgentRun.objects.get(id=run_id).state == "completed"
+        assert not JournalEntry.objects.filter(run_id=run_id).exists()
+        assert not RateLimit.objects.filter(community_id=community.id, key="slow").exists()  # nothing taken

@@ -461,7 +461,9 @@ class AsyncContext:
         supersedes it (True: returned instead). The run lost (cancelled, its lease lost):
         ``CancelledError`` at once, ``statement`` cancelled, what it wrote left to the lease. A
         statement whose connection fails marks the run lost and raises :class:`RunAborted`
-        (:meth:`_runtime`), cancelled meanwhile or not.
+        (:meth:`_runtime`), cancelled meanwhile or not; one that raises anything else as it is
+        awaited through a cancel (it refused what it was sent: nothing written) is logged and
+        the cancel goes on (the ``CancelledError``, its cause that error), never replaced by it.
 
         Where its users differ, it is in ``landed`` only (behaviour kept as each had it):
 
@@ -480,11 +482,20 @@ class AsyncContext:
           ``CancelledError`` itself after that."""
         try:
             return await self._runtime(asyncio.shield(statement))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as cancel:
             if self.lost.is_set() or (withdraw is not None and withdraw()):
                 statement.cancel()
                 raise
-            outcome = await self._through_cancels(statement)
+            try:
+                outcome = await self._through_cancels(statement)
+            except RunAborted:
+                raise  # its connection failed: the run lost, as were it not cancelled
+            except Exception as exc:
+                # The statement refused what it was sent (a key's limit lowered under the units
+                # since the call asked, a bad argument): nothing written, and the cancel goes on,
+                # never replaced by that error (asyncio.timeout, a TaskGroup judge it by its type).
+                logger.warning("cancelled_statement_refused run=%s: %r", self.lease.run_id, exc)
+                raise cancel from exc
             if await landed(outcome):
                 return outcome
             raise
