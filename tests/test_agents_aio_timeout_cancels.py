@@ -12,6 +12,11 @@ pending ``CancelledError``: the timeout never fired as ``TimeoutError`` (the han
 ``ValidationError`` from a call it had given up on), a cancel lost. Now the refusal logs
 (``rate_give_back_refused``), the units stay spent, and the cancel goes on.
 
+The emit's and the park's tests keep what the one mechanism did for each already (an emit's
+cancel goes on, its chunk counted, one ``CancelledError`` for two cancels; a park written
+supersedes the timeout's cancel, its count back to 0); the rated calls' tests each fail with
+their fix reverted.
+
 Real transactions of another session hold the rows the statements wait for; the timeout is
 made to expire (``reschedule``) once the statement waits, and the row let go once the handler's
 task is seen cancelling."""
@@ -60,11 +65,13 @@ def handler_under_a_timeout(
     what: Callable[[Any], Awaitable[Any]],
     after: Callable[[Any], Awaitable[Any]] | None = None,
     ready: Callable[[Any], Awaitable[None]] = sent,
+    cancels: int = 1,
 ):
     """A handler that awaits ``what(ctx)`` inside ``asyncio.timeout()``, the timeout expiring
     once ``ready(ctx)`` returned (by default: the test saw its statement wait, ``STEP['sent']``);
     what the handler saw is kept in ``STEP`` (``raised``, ``cancelling``: its task's cancel
-    count after the block)."""
+    count after the block). ``cancels``: how many cancels it gets (the timeout's, then more of
+    ``Task.cancel()``)."""
 
     async def handler(ctx):
         me = asyncio.current_task()
@@ -75,6 +82,9 @@ def handler_under_a_timeout(
             await ready(ctx)
             timeout.reschedule(loop.time())  # expires now: the timeout cancels the handler's task
             while not (me.cancelling() or "raised" in STEP):  # cancelling, or cancelled already
+                await asyncio.sleep(0.01)
+            for _ in range(cancels - 1):
+                me.cancel()  # another cancel, as the statement still runs
                 await asyncio.sleep(0.01)
             STEP["cancelled"].set()
 
@@ -95,6 +105,8 @@ def handler_under_a_timeout(
         if expiring is not None:
             await expiring
         STEP["cancelling"] = me.cancelling()
+        while me.uncancel():  # the cancels the handler has taken care of
+            pass
         STEP["in_flight"] = ctx.calls_in_flight
         if after is not None:
             STEP["after"] = await after(ctx)
@@ -148,6 +160,28 @@ def test_an_emit_timed_out_as_it_is_written_raises_timeout_error_and_counts_its_
     counts = run_in_thread(community, handler, meanwhile=hold_the_run)
     assert (STEP["raised"], STEP["cancelling"]) == ("TimeoutError", 0), STEP
     assert STEP["after"] == 2, STEP  # the first chunk, written through the cancel, was counted
+    assert counts.get("completed") == 1, counts
+    page = read_output(community.id, run_id)
+    assert [(c.seq, c.chunk) for c in page.chunks] == [(1, "first"), (2, "second")], page
+
+
+def test_an_emit_cancelled_twice_as_it_is_written_raises_one_cancelled_error_and_counts_its_chunk(community):
+    """The timeout's cancel, then another (``Task.cancel()``) as the statement still runs: one
+    ``CancelledError`` goes on (the timeout sees a cancel not its own: no ``TimeoutError``), the
+    task's count at 1, the chunk counted."""
+    fresh_steps()
+    run_id = new_run(community.id)
+
+    def hold_the_run():
+        assert STEP["claimed"].wait(WAIT)
+        with rows_held(AgentRun, community.id, run_id):
+            STEP["held"].set()
+            cancelled_as_it_waits(lambda: waiting_for_a_lock("%%INSERT INTO %%buzz_agents_output%%"))
+
+    handler = handler_under_a_timeout(lambda ctx: ctx.emit("first"), after=lambda ctx: ctx.emit("second"), cancels=2)
+    counts = run_in_thread(community, handler, meanwhile=hold_the_run)
+    assert (STEP["raised"], STEP["cancelling"]) == ("CancelledError", 1), STEP
+    assert STEP["after"] == 2, STEP
     assert counts.get("completed") == 1, counts
     page = read_output(community.id, run_id)
     assert [(c.seq, c.chunk) for c in page.chunks] == [(1, "first"), (2, "second")], page
@@ -319,3 +353,46 @@ def test_a_rated_call_timed_out_before_its_take_ran_raises_timeout_error_when_th
         assert AgentRun.objects.get(id=run_id).state == "completed"
         assert not JournalEntry.objects.filter(run_id=run_id).exists()
         assert not RateLimit.objects.filter(community_id=community.id, key="slow").exists()  # nothing taken
+
+
+async def parks_under_a_timeout(ctx):
+    me = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    assert me is not None
+
+    async def expire(timeout: asyncio.Timeout) -> None:
+        assert await waited(STEP["sent"])  # the park waits for the held run row
+        timeout.reschedule(loop.time())
+        while not (me.cancelling() or "raised" in STEP):
+            await asyncio.sleep(0.01)
+        STEP["cancelled"].set()
+
+    STEP["claimed"].set()
+    assert await waited(STEP["held"])
+    try:
+        async with asyncio.timeout(None) as timeout:
+            expiring = asyncio.create_task(expire(timeout))
+            await ctx.request_approval("ok?")
+    except BaseException as exc:  # the park (the runtime's own _Parked), not the timeout
+        STEP["raised"] = type(exc).__name__
+        STEP["cancelling"] = me.cancelling()
+        await expiring
+        raise
+    return "never"
+
+
+def test_a_park_timed_out_as_it_is_written_parks_the_run(community):
+    fresh_steps()
+    run_id = new_run(community.id)
+
+    def hold_the_run():
+        assert STEP["claimed"].wait(WAIT)
+        with rows_held(AgentRun, community.id, run_id):
+            STEP["held"].set()
+            cancelled_as_it_waits(lambda: waiting_for_a_lock("%%waiting_approval%%"))
+
+    counts = run_in_thread(community, parks_under_a_timeout, meanwhile=hold_the_run)
+    assert (STEP["raised"], STEP["cancelling"]) == ("_Parked", 0), STEP  # the park supersedes the timeout's cancel
+    assert AgentRun.objects.get(id=run_id).state == "waiting_approval"
+    assert (counts.get("parked"), counts.get("lost", 0), counts.get("failed", 0)) == (1, 0, 0), counts
+    assert [e.kind for e in JournalEntry.objects.filter(run_id=run_id)] == ["approval"]
