@@ -356,7 +356,7 @@ class AsyncContext:
                 # as its task was cancelled), unless the run was lost as its write was out: then
                 # whether it was written is not known (a resumed run may make it): units spent.
                 if not sent or (isinstance(exc, asyncio.CancelledError) and not self.lost.is_set()):
-                    await self._give_back(rate, granted)
+                    await self._give_back(rate, granted, raising=False)  # exc goes on, whatever it meets
                 raise
             if not isinstance(outcome, s.Journaled) or cancelled:
                 # Refused or shadow-blocked (its tool is never made), or closed 'not made' below:
@@ -409,23 +409,96 @@ class AsyncContext:
 
     async def _written(self, op: str, item: Any, *, withdraw: bool) -> tuple[Any, bool]:
         """``op``'s outcome for ``item`` (a runtime statement through the batcher), and whether
-        this task was cancelled meanwhile. Cancelled (by the handler's own code: a sibling's
-        failure in a TaskGroup, a ``wait_for``) while ``item`` is still queued, it is withdrawn
-        when ``withdraw`` (nothing written: ``CancelledError``). Once its batch is sent it cannot
-        be, and a record is never withdrawn (its call would stay pending, no longer in flight:
-        the run's end would wait for it, then fail ``calls_in_flight``): its outcome is awaited
-        (a statement's time, further cancels included) and returned with True, for the caller
-        to close what was written and then let the cancel go on. The run lost (cancelled, its
-        lease lost): ``CancelledError`` at once, what was written left to the lease."""
+        this task was cancelled meanwhile: :meth:`_outlasting`'s batcher form. Cancelled (by the
+        handler's own code: a sibling's failure in a TaskGroup, a ``wait_for``) while ``item`` is
+        still queued, it is withdrawn when ``withdraw`` (nothing written: ``CancelledError``).
+        Once its batch is sent it cannot be, and a record is never withdrawn (its call would stay
+        pending, no longer in flight: the run's end would wait for it, then fail
+        ``calls_in_flight``): its outcome is awaited (a statement's time, further cancels
+        included) and returned with True, for the caller to close what was written and then let
+        the cancel go on. The run lost (cancelled, its lease lost): ``CancelledError`` at once,
+        what was written left to the lease."""
         batcher = self.runtime.batcher
         future = batcher.queue(op, self.lease.community_id, self.lease.run_id, item)
+        cancelled = False
+
+        async def handed_back(outcome: Any) -> bool:
+            nonlocal cancelled
+            cancelled = True  # the caller closes what was written, then lets the cancel go on
+            return True
+
+        outcome = await self._outlasting(
+            future, handed_back, withdraw=(lambda: batcher.withdraw(future)) if withdraw else None
+        )
+        return outcome, cancelled
+
+    async def _pool_statement(
+        self, landed: Callable[[T], Awaitable[bool]], fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """``fn(*args, **kwargs)``, a runtime statement on the worker's pool, awaited by
+        :meth:`_outlasting` (``landed`` judges its outcome when this task is cancelled meanwhile)."""
+        statement = asyncio.ensure_future(self.runtime.pool.run(fn, *args, **kwargs))
+        return await self._outlasting(statement, landed)
+
+    async def _outlasting(
+        self,
+        statement: asyncio.Future[T],
+        landed: Callable[[T], Awaitable[bool]],
+        *,
+        withdraw: Callable[[], bool] | None = None,
+    ) -> T:
+        """The outcome of ``statement``, a runtime statement already sent or queued (it commits
+        whatever its awaiter does), awaited shielded from this task's cancels: the one form of
+        the park's (:meth:`_park`), the emit's (:meth:`emit`), the rate take's
+        (:meth:`_take_rate`) and the batcher's writes (:meth:`_written`).
+
+        Its awaiter cancelled by the handler's own code (a sibling failing in a TaskGroup, a
+        ``wait_for``'s timeout) as it runs: ``withdraw()`` is asked first, when given (a batcher
+        write still queued: True, nothing written, the cancel goes on at once); else its outcome
+        is awaited through further cancels (:meth:`_through_cancels`), handed to ``landed``
+        (count the chunk written, give back the units granted, record the park...), and the
+        cancel goes on (the ``CancelledError`` re-raised) unless ``landed`` says the outcome
+        supersedes it (True: returned instead). The run lost (cancelled, its lease lost):
+        ``CancelledError`` at once, ``statement`` cancelled, what it wrote left to the lease. A
+        statement whose connection fails marks the run lost and raises :class:`RunAborted`
+        (:meth:`_runtime`), cancelled meanwhile or not; one that raises anything else as it is
+        awaited through a cancel (it refused what it was sent: nothing written) is logged and
+        the cancel goes on (the ``CancelledError``, its cause that error), never replaced by it.
+
+        Where its users differ, it is in ``landed`` only (behaviour kept as each had it):
+
+        - the park's: a park written supersedes the cancel (returned: the run waits for its
+          approval, its lease released, the handler stops on :class:`_Parked`); not parked, the
+          cancel goes on, the run marked lost unless the outcome was ``CallsInFlight`` or
+          ``BudgetExceeded`` (no retry of a ``CallsInFlight`` then: the cancel goes on);
+        - the emit's: a chunk written advances the run's emit position (the emit lock held
+          through it all: no next chunk beside it), ``TooLarge`` changes nothing, any other
+          outcome marks the run lost; then the cancel goes on;
+        - the rate take's: units granted are given back (:meth:`_give_back`, sent whatever this
+          task's cancels; a ``Wait`` took nothing); then the cancel goes on;
+        - the batcher's (:meth:`_written`): the only one with ``withdraw``; its outcome always
+          supersedes the cancel here, returned to its caller with a flag, who closes what was
+          written (a call closed ``not made``, a record kept) and raises a new
+          ``CancelledError`` itself after that."""
         try:
-            return await self._runtime(asyncio.shield(future)), False
-        except asyncio.CancelledError:
-            if self.lost.is_set() or (withdraw and batcher.withdraw(future)):
-                future.cancel()
+            return await self._runtime(asyncio.shield(statement))
+        except asyncio.CancelledError as cancel:
+            if self.lost.is_set() or (withdraw is not None and withdraw()):
+                statement.cancel()
                 raise
-        return await self._through_cancels(future), True
+            try:
+                outcome = await self._through_cancels(statement)
+            except RunAborted:
+                raise  # its connection failed: the run lost, as were it not cancelled
+            except Exception as exc:
+                # The statement refused what it was sent (a key's limit lowered under the units
+                # since the call asked, a bad argument): nothing written, and the cancel goes on,
+                # never replaced by that error (asyncio.timeout, a TaskGroup judge it by its type).
+                logger.warning("cancelled_statement_refused run=%s: %r", self.lease.run_id, exc)
+                raise cancel from exc
+            if await landed(outcome):
+                return outcome
+            raise
 
     async def _through_cancels(self, future: asyncio.Future[T]) -> T:
         """``future``'s outcome (a statement sent: it commits whatever its awaiter does), this
@@ -457,7 +530,7 @@ class AsyncContext:
             elif not isinstance(outcome, s.Blocked | s.BudgetExceeded):
                 self.mark_lost(getattr(outcome, "reason", "") or "lost")
             if give_back is not None:  # closed or refused, never to be made: the units it took go back
-                await self._give_back(*give_back)
+                await self._give_back(*give_back, raising=False)  # the cancel goes on, whatever it meets
         finally:
             self._land(flight)
         raise asyncio.CancelledError
@@ -594,21 +667,19 @@ class AsyncContext:
         """Take ``rate``'s units before the call, awaiting each :class:`Wait` (never a failure of
         the run); a lease lost or a cancel meanwhile stops the wait. Its task cancelled by the
         handler's own code as a take statement runs (it commits whatever its awaiter does), its
-        outcome is awaited and the units it granted given back, then the cancel goes on."""
+        outcome is awaited and the units it granted given back, then the cancel goes on
+        (:meth:`_outlasting`; the run lost, what it took is left spent, as a write out when the
+        run is lost)."""
+
+        async def landed(taken: ratelimits.TakeOutcome) -> bool:
+            if isinstance(taken, ratelimits.Granted):
+                await self._give_back(rate, taken, raising=False)
+            return False  # the cancel goes on
+
         while True:
-            statement = asyncio.ensure_future(
-                self.runtime.pool.run(ratelimits.take, self.lease.community_id, rate.spec.key, rate.before)
+            outcome = await self._pool_statement(
+                landed, ratelimits.take, self.lease.community_id, rate.spec.key, rate.before
             )
-            try:
-                outcome = await self._runtime(asyncio.shield(statement))
-            except asyncio.CancelledError:
-                if self.lost.is_set():  # what it took left spent, as a write out when the run is lost
-                    statement.cancel()
-                    raise
-                taken = await self._through_cancels(statement)
-                if isinstance(taken, ratelimits.Granted):
-                    await self._give_back(rate, taken)
-                raise
             if isinstance(outcome, ratelimits.Granted):
                 return outcome
             self.rate_waits += 1
@@ -617,12 +688,16 @@ class AsyncContext:
                 await asyncio.sleep(min(left, RATE_WAIT_SLICE_SECONDS))
                 self._check()
 
-    async def _give_back(self, rate: RatePlan, granted: ratelimits.Granted) -> None:
+    async def _give_back(self, rate: RatePlan, granted: ratelimits.Granted, *, raising: bool = True) -> None:
         """As :meth:`Context._give_back <buzz_delivery.agents.runtime.Context._give_back>`: the
         units of a call whose tool is never made (its journal write refused, withdrawn or closed
         'not made'; shadow-blocked) given back to their window, on the worker's pool. The
         statement is sent whatever this task's cancels meanwhile (they go on after it); a
-        failure only logs."""
+        failure in the database only logs. One the settings refuse (``ValidationError``: the key
+        removed, or its limit lowered under the units, since the take) raises to the caller;
+        with ``raising`` False (a give-back on the way out of a cancel or a lost run, that
+        exception pending) it only logs too: the cancel goes on, never replaced by it (or
+        ``asyncio.timeout`` around the call raised this error, not ``TimeoutError``)."""
         if rate.before <= 0:
             return
         statement = asyncio.ensure_future(
@@ -637,6 +712,10 @@ class AsyncContext:
             raise
         except DatabaseError as exc:
             logger.info("rate_give_back_refused run=%s key=%s: %s", self.lease.run_id, rate.spec.key, describe(exc))
+        except Exception as exc:
+            if raising:
+                raise
+            logger.warning("rate_give_back_refused run=%s key=%s: %r", self.lease.run_id, rate.spec.key, exc)
 
     async def _make(self, seq: int, key: str, fn: Callable[..., Any], args: Any) -> Any:
         started = time.monotonic()
@@ -730,24 +809,20 @@ class AsyncContext:
             if self._emit_pos < self._emitted_before:
                 self._emit_pos += 1
                 return self._emit_pos
+
             # Its task cancelled by the handler's own code (a sibling failing in a TaskGroup, a
             # wait_for's timeout) as the statement runs, the chunk may still be written: its
-            # outcome is awaited (a statement's time, further cancels included), the position
-            # advanced for a chunk written, the lock held meanwhile (no next chunk's statement
-            # beside it: one at a time, in the order asked), then the cancel goes on.
-            statement = asyncio.ensure_future(self.runtime.pool.run(s.emit_output, self.lease, chunk))
-            try:
-                outcome = await self._runtime(asyncio.shield(statement))
-            except asyncio.CancelledError:
-                if self.lost.is_set():
-                    statement.cancel()
-                    raise
-                outcome = await self._through_cancels(statement)
-                if isinstance(outcome, s.Emitted):
-                    self._emit_pos = outcome.seq
-                elif not isinstance(outcome, s.TooLarge):
-                    self.mark_lost(getattr(outcome, "reason", "") or "lost")
-                raise
+            # outcome is awaited (a statement's time, further cancels included: _outlasting), the
+            # position advanced for a chunk written, the lock held meanwhile (no next chunk's
+            # statement beside it: one at a time, in the order asked), then the cancel goes on.
+            async def landed(written: Any) -> bool:
+                if isinstance(written, s.Emitted):
+                    self._emit_pos = written.seq
+                elif not isinstance(written, s.TooLarge):
+                    self.mark_lost(getattr(written, "reason", "") or "lost")
+                return False  # the cancel goes on
+
+            outcome = await self._pool_statement(landed, s.emit_output, self.lease, chunk)
             if isinstance(outcome, s.Emitted):
                 self._emit_pos = outcome.seq
                 return outcome.seq
@@ -799,34 +874,29 @@ class AsyncContext:
         server may still see the last one's result being recorded as the park reads: ask again
         shortly, for at most ``APPROVAL_SETTLE_SECONDS``."""
         settle = time.monotonic() + APPROVAL_SETTLE_SECONDS
+
+        # Its task cancelled by the handler's own code (a sibling failing in a TaskGroup) as the
+        # statement runs, the park still commits: its outcome is awaited (_outlasting), and a
+        # park written is the park (_Parked, the cancel superseded: the run waits for its
+        # approval, its lease released), not a cancel the worker would take for a failure it
+        # cannot write. Not parked, the cancel goes on.
+        async def landed(parked: Any) -> bool:
+            if isinstance(parked, s.ApprovalRequested):
+                return True  # the park supersedes the cancel
+            if not isinstance(parked, s.CallsInFlight | s.BudgetExceeded):
+                self.mark_lost(getattr(parked, "reason", "") or "lost")
+            return False
+
         while True:
-            statement = asyncio.ensure_future(
-                self.runtime.pool.run(
-                    s.request_approval,
-                    self.lease,
-                    prompt=prompt,
-                    deadline_seconds=deadline_seconds,
-                    scope=scope,
-                    index=index,
-                )
+            outcome = await self._pool_statement(
+                landed,
+                s.request_approval,
+                self.lease,
+                prompt=prompt,
+                deadline_seconds=deadline_seconds,
+                scope=scope,
+                index=index,
             )
-            # Its task cancelled by the handler's own code (a sibling failing in a TaskGroup) as
-            # the statement runs, the park still commits: its outcome is awaited, and a park
-            # written is the park (_Parked, the cancel superseded: the run waits for its
-            # approval, its lease released), not a cancel the worker would take for a failure
-            # it cannot write. Not parked, the cancel goes on.
-            try:
-                outcome = await self._runtime(asyncio.shield(statement))
-            except asyncio.CancelledError:
-                if self.lost.is_set():
-                    statement.cancel()
-                    raise
-                outcome = await self._through_cancels(statement)
-                if isinstance(outcome, s.ApprovalRequested):
-                    return outcome
-                if not isinstance(outcome, s.CallsInFlight | s.BudgetExceeded):
-                    self.mark_lost(getattr(outcome, "reason", "") or "lost")
-                raise
             if not isinstance(outcome, s.CallsInFlight):
                 return outcome
             if time.monotonic() > settle:

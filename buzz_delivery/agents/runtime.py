@@ -185,7 +185,8 @@ class Context:
         # request waits for them (the run cannot park with one of its own calls in flight).
         self._calls = InFlightCalls()
         self._inside = threading.local()  # .scopes: the scopes of this thread's calls' bodies, innermost last
-        self.rate_waits = 0  # how many times a call waited for its rate limit
+        self.rate_waits = 0  # how many times a call waited for its rate limit (under _counting)
+        self._counting = threading.Lock()
         # ctx.emit: chunks the run had when claimed (a resumed handler's first emits are these).
         self._emitted_before = claim.run.output_chunks
         self._emit_pos = 0
@@ -314,6 +315,7 @@ class Context:
                 if entry is None:
                     outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
                 self._calls.enter(entry.seq if entry is not None else getattr(outcome, "seq", 0))
+        give_back: tuple[RatePlan, ratelimits.Granted] | None = None
         if waits:
             # A new call with a rate limit: its units taken with the journal lock let go, so the
             # run's other calls, its approval and its end do not wait for the provider's window;
@@ -328,11 +330,16 @@ class Context:
                     raise
                 outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
                 self._calls.enter(getattr(outcome, "seq", 0))
-            if not isinstance(outcome, s.Journaled):  # refused, or shadow-blocked: its tool is never made
-                self._give_back(rate, granted)
+            if not isinstance(outcome, s.Journaled):
+                give_back = (rate, granted)
         inside = journal_scope.inside_call(scope, index)
         self._inside.scopes = (*getattr(self._inside, "scopes", ()), inside)
         try:
+            # Refused, or shadow-blocked: its tool is never made, its units go back. Inside the
+            # try: a give-back that raises (the key's limit lowered in the settings since the
+            # take) still counts the call out of flight, or the run's end waited for it for ever.
+            if give_back is not None:
+                self._give_back(*give_back)
             with journal_scope.entered(inside):
                 return self._called(entry, outcome, tool_name, fn, args, reconcile, rate)
         finally:
@@ -405,7 +412,8 @@ class Context:
                 outcome = ratelimits.take(self.lease.community_id, rate.spec.key, rate.before)
             if isinstance(outcome, ratelimits.Granted):
                 return outcome
-            self.rate_waits += 1
+            with self._counting:  # calls of several threads wait at once
+                self.rate_waits += 1
             deadline = time.monotonic() + outcome.seconds
             while (left := deadline - time.monotonic()) > 0:
                 if self.lost.wait(min(left, RATE_WAIT_SLICE_SECONDS)):
