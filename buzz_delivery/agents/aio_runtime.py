@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 import math
@@ -66,6 +67,7 @@ from buzz_delivery.agents.exceptions import (
     ApprovalBlockedByCalls,
     ApprovalExpired,
     BudgetExhausted,
+    LeftTransactionOpen,
     NestedCall,
     OutputLimitExceeded,
     ReplayMismatch,
@@ -89,7 +91,8 @@ from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
-from buzz_delivery.services import ratelimits, tenancy
+from buzz_delivery.services import ratelimits
+from buzz_delivery.usercode import UserCode
 from buzz_delivery.worker.handlers import describe
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 
@@ -117,18 +120,16 @@ class Runtime:
         self.user_executor = user_executor
         self.loop = asyncio.get_running_loop()
         self.user_connections = UsedConnections()  # opened by the user's plain code, closed at exit
-        self.tool_threads = CallThreads(user_executor)  # threads a call's async tool starts
+        self.tool_threads = CallThreads(user_executor, self.user_connections)  # threads a call's async tool starts
 
     async def user_code(self, community_id: Any, fn: Callable[..., Any], *args: Any) -> Any:
         """Call the user's ``fn(*args)``: awaited when it is a coroutine function, else on a
-        thread in the user's tenant scope (the login's role, the run's community)."""
+        thread as :func:`plain_user_code` (the run's community scope, its connection cleaned)."""
         if inspect.iscoroutinefunction(fn):
             return await fn(*args)
 
         def in_scope() -> Any:
-            self.user_connections.note()
-            with tenancy.handler(community_id):
-                return fn(*args)
+            return plain_user_code(self.user_connections, community_id, fn, *args)
 
         # In a copy of this context: a ctx.call the function makes through the SyncBridge sees
         # the call it runs in (_IN_CALL), and is refused, not left waiting for it.
@@ -148,6 +149,34 @@ class Runtime:
         return result
 
 
+def plain_user_code(used: UsedConnections, community_id: Any, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on this thread (one the worker's plain user code shares, whatever the
+    community), as the delivery worker runs a plain handler: inside
+    :class:`~buzz_delivery.usercode.UserCode` (the run's community as tenancy scope, the login's
+    role), so nothing it leaves on the thread's connection reaches the next call there, maybe
+    another community's: session state (``SET``, a ``TEMP`` table, prepared statements) is
+    discarded; a transaction left open is rolled back, the connection discarded, and
+    :class:`LeftTransactionOpen` raised in place of its result (chained to what it raised)."""
+    used.note()
+    call = UserCode(community_id)
+    try:
+        with call:
+            result = fn(*args)
+    except BaseException as exc:
+        if call.left_open is None:
+            raise
+        raise LeftTransactionOpen(_left_open_text(call.left_open)) from exc
+    if call.left_open is not None:
+        raise LeftTransactionOpen(_left_open_text(call.left_open))
+    return result
+
+
+def _left_open_text(left_open: str) -> str:
+    return (
+        f"transaction_left_open: the code left its database connection with {left_open}; nothing it wrote there is kept"
+    )
+
+
 # The call whose tool (or reconcile) function this code runs in: (its context, its seq). Set
 # around the user's function; a task or SyncBridge thread it starts inherits it.
 _IN_CALL: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("buzz_agents_in_call", default=None)
@@ -164,13 +193,21 @@ class CallThreads(Executor):
     the integration hands it to ``Agent.using_thread_executor`` inside the call): each thread
     is told to the call it runs for, as :meth:`Runtime.user_code`'s are, so a cancel of the
     call's task (a sibling tool raising) lands the call only once its thread ends, not while
-    the tool may still make its effect. Its threads are the runtime's user executor's."""
+    the tool may still make its effect. Its threads are the runtime's user executor's; what
+    one runs for a call runs as :func:`plain_user_code` in the call's run's community (outside
+    any call, as it is)."""
 
-    def __init__(self, inner: Executor) -> None:
+    def __init__(self, inner: Executor, used: UsedConnections) -> None:
         self._inner = inner
+        self._used = used
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        future = self._inner.submit(fn, *args, **kwargs)
+        inside = _IN_CALL.get()
+        if inside is None:
+            future = self._inner.submit(fn, *args, **kwargs)
+        else:
+            community = inside[0].lease.community_id
+            future = self._inner.submit(plain_user_code, self._used, community, functools.partial(fn, **kwargs), *args)
         outliving = _OUTLIVING.get()
         if outliving is not None:
             outliving.append(future)
@@ -1017,9 +1054,7 @@ async def _invoke(handler: Callable[..., Any], ctx: AsyncContext) -> Any:
     bridge = SyncBridge(ctx)
 
     def in_scope() -> Any:
-        ctx.runtime.user_connections.note()
-        with tenancy.handler(ctx.lease.community_id):
-            return handler(bridge)
+        return plain_user_code(ctx.runtime.user_connections, ctx.lease.community_id, handler, bridge)
 
     result = await ctx.runtime.loop.run_in_executor(ctx.runtime.user_executor, in_scope)
     return await result if inspect.isawaitable(result) else result

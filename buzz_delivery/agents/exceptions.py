@@ -24,6 +24,16 @@ class ToolCallFailed(AgentError):
     failure_code = "tool_call_failed"
 
 
+class LeftTransactionOpen(AgentError):
+    """The user's plain code (a tool, reconcile hook, compensation or plain handler run on a
+    thread of the event-loop worker) left its database connection in a transaction: it was
+    rolled back and the connection discarded (:class:`~buzz_delivery.usercode.UserCode`), so
+    nothing it wrote there is kept. Raised in place of the code's result (or of what it raised,
+    chained): a tool's call is recorded failed with it, as one that raised (docs/agents.md)."""
+
+    failure_code = "transaction_left_open"  # (usercode.TRANSACTION_LEFT_OPEN)
+
+
 class UncertainCall(AgentError):
     """A call left pending by a crashed holder could not be reconciled (no reconcile hook): it
     is marked uncertain, for compensation, and the run fails."""
