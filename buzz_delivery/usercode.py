@@ -448,13 +448,16 @@ class ScopedExecutor(ThreadPoolExecutor):
 
 
 @contextlib.contextmanager
-def serve_loop(loop: asyncio.AbstractEventLoop, thread_name_prefix: str) -> Iterator[tuple[ScopedExecutor, ...]]:
+def serve_loop(
+    loop: asyncio.AbstractEventLoop, thread_name_prefix: str, pool_class: type[ScopedExecutor] = ScopedExecutor
+) -> Iterator[tuple[ScopedExecutor, ...]]:
     """For the block, the running ``loop``'s executors are :class:`ScopedExecutor` threads:
-    its default executor, and asgiref's thread-sensitive executor for this loop (one thread,
-    as asgiref's own: ``sync_to_async`` and the async ORM run there one call at a time). Call it
-    from the loop's thread; close the executors (``close()``) once the loop has stopped."""
+    its default executor (a ``pool_class``), and asgiref's thread-sensitive executor for this
+    loop (one thread, as asgiref's own: ``sync_to_async`` and the async ORM run there one call
+    at a time). Call it from the loop's thread; close the executors (``close()``) once the loop
+    has stopped."""
     shared = ScopedExecutor(1, f"{thread_name_prefix}-sync")
-    pool = ScopedExecutor(None, f"{thread_name_prefix}-pool")
+    pool = pool_class(None, f"{thread_name_prefix}-pool")
     loop.set_default_executor(pool)
     executors: Any = AsyncToSync.loop_thread_executors  # (typed for asgiref's own CurrentThreadExecutor)
     executors[loop] = shared

@@ -92,7 +92,7 @@ from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
 from buzz_delivery.services import ratelimits
-from buzz_delivery.usercode import UserCode
+from buzz_delivery.usercode import AsyncUserCode, UserCode
 from buzz_delivery.worker.handlers import describe
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE
 
@@ -126,7 +126,7 @@ class Runtime:
         """Call the user's ``fn(*args)``: awaited when it is a coroutine function, else on a
         thread as :func:`plain_user_code` (the run's community scope, its connection cleaned)."""
         if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
+            return await async_user_code(community_id, fn, *args)
 
         def in_scope() -> Any:
             return plain_user_code(self.user_connections, community_id, fn, *args)
@@ -164,6 +164,27 @@ def plain_user_code(used: UsedConnections, community_id: Any, fn: Callable[..., 
             result = fn(*args)
     except BaseException as exc:
         if call.left_open is None:
+            raise
+        raise LeftTransactionOpen(_left_open_text(call.left_open)) from exc
+    if call.left_open is not None:
+        raise LeftTransactionOpen(_left_open_text(call.left_open))
+    return result
+
+
+async def async_user_code(community_id: Any, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await fn(*args)`` inside :class:`~buzz_delivery.usercode.AsyncUserCode`, as the delivery
+    worker awaits an ``async def`` handler: the statements it sends to the loop's threads (the
+    async ORM, ``sync_to_async``, ``asyncio.to_thread``: :func:`~buzz_delivery.usercode.serve_loop`,
+    set up by the event-loop worker) run in the run's community scope, however many communities'
+    runs share those threads, and what one of them leaves open there is rolled back and raised as
+    :class:`LeftTransactionOpen` (unless the code stopped on the runtime's own account: a park,
+    a lost run, a cancel)."""
+    call = AsyncUserCode(community_id)
+    try:
+        with call:
+            result = await fn(*args)
+    except BaseException as exc:
+        if call.left_open is None or _runtime_stop(exc) is not None:
             raise
         raise LeftTransactionOpen(_left_open_text(call.left_open)) from exc
     if call.left_open is not None:
@@ -1050,7 +1071,7 @@ async def unwind(runtime: Runtime, lease: s.AgentLease, seqs: tuple[int, ...]) -
 
 async def _invoke(handler: Callable[..., Any], ctx: AsyncContext) -> Any:
     if inspect.iscoroutinefunction(handler):
-        return await handler(ctx)
+        return await async_user_code(ctx.lease.community_id, handler, ctx)
     bridge = SyncBridge(ctx)
 
     def in_scope() -> Any:

@@ -52,6 +52,7 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries
 from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, read_journal, run_claim
 from buzz_delivery.agents.batcher import Batcher, DbPool, LockWaited, operations
+from buzz_delivery.agents.integrations.journal import ToolThreads
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
 from buzz_delivery.agents.worker import (
@@ -70,6 +71,7 @@ from buzz_delivery.services import tenancy
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, lock_wait_timed_out, lock_waits_bounded
 from buzz_delivery.services.workers import HEARTBEAT_SECONDS, WorkerIdentity, deregister_worker, heartbeat_worker
+from buzz_delivery.usercode import ScopedExecutor, serve_loop
 from buzz_delivery.worker.handlers import describe
 from buzz_delivery.worker.renewer import DB_UNAVAILABLE, busy_retry_seconds, lock_wait_ms
 from buzz_delivery.worker.runtime import MAX_TASKS, MAX_THREADS
@@ -133,6 +135,12 @@ class _LoopWaker(Waker):
         self.loop.call_soon_threadsafe(self.event.set)
 
 
+class _LoopThreads(ToolThreads, ScopedExecutor):
+    """The loop's default executor: scoped (:class:`~buzz_delivery.usercode.ScopedExecutor`),
+    and the integrations' :class:`~buzz_delivery.agents.integrations.journal.ToolThreads` (which
+    they would otherwise put in its place, unscoped)."""
+
+
 class AsyncAgentWorker:
     """Runs :class:`AsyncWorkerConfig` until stopped; :attr:`counts` is the summary (as the
     threaded worker's, plus ``batches`` and ``batched_items``)."""
@@ -141,6 +149,7 @@ class AsyncAgentWorker:
         if config.in_flight < 1 or config.connections < 1:
             raise ValueError("in_flight and connections must be >= 1")
         self.config = config
+        self._executors: tuple[ScopedExecutor, ...] = ()  # the loop's threads (usercode.serve_loop)
         self.counts: Counter[str] = Counter()
         self.stopping = threading.Event()
         self.held: dict[uuid.UUID, AsyncContext] = {}
@@ -182,10 +191,19 @@ class AsyncAgentWorker:
         try:
             asyncio.run(self._main(conn_params))
         finally:
+            for executor in self._executors:
+                executor.close()
             connections.close_all()
         return dict(self.counts)
 
     async def _main(self, conn_params: dict[str, Any] | None) -> None:
+        # The loop's threads for the handlers' and tools' async ORM, sync_to_async and
+        # asyncio.to_thread: each statement in its run's community scope (usercode.serve_loop,
+        # aio_runtime.async_user_code); closed with their connections once the loop has ended.
+        with serve_loop(asyncio.get_running_loop(), "agent-loop", _LoopThreads) as self._executors:
+            await self._serve(conn_params)
+
+    async def _serve(self, conn_params: dict[str, Any] | None) -> None:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
