@@ -243,6 +243,10 @@ SKIPPED: dict[str, str] = {
             "another_community_s_session_clean_up_leaves_an_async_handler_s_aiterator_reading",
         )
     },
+    (
+        "tests/test_agents_aio_async_scope.py::test_async_handlers_and_tools_of_two_communities_interleaved_on_one"
+        "_loop_each_see_their_own_runs"
+    ): _NO_RLS + " (what an async agent handler's and tool's scope lets them see)",
 }
 
 # Modules whose repetitions (race rounds, model-based examples) the cluster runs fewer of than
