@@ -21,6 +21,7 @@ from buzz_delivery.agents.exceptions import ToolCallFailed
 from buzz_delivery.agents.loop_worker import AsyncAgentWorker, AsyncWorkerConfig
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.services import intake_event
+from buzz_delivery.agents.tool_threads import noting_threads
 from buzz_delivery.testing import CommunityFactory
 from tests.agents_support import AGENT
 from tests.test_worker_async_scope import new_connections_as, tenant_login  # noqa: F401  (the fixture)
@@ -45,7 +46,14 @@ async def _reads(threads: set[int]) -> list:
         sorted([str(c) async for c in AgentRun.objects.values_list("community_id", flat=True)]),
         await sync_to_async(_visible, thread_sensitive=False)(),
         await asyncio.to_thread(_visible),
+        await _noted_thread(),
     ]
+
+
+async def _noted_thread() -> list[str]:
+    """As the integrations' tools run: their threads noted (which keeps the loop's executor)."""
+    with noting_threads(asyncio.get_running_loop()):
+        return await asyncio.to_thread(_visible)
 
 
 def make_handler(barrier: asyncio.Barrier, threads: set[int]):
@@ -88,7 +96,7 @@ def test_async_handlers_and_tools_of_two_communities_interleaved_on_one_loop_eac
     for run_id in runs:
         run = AgentRun.objects.get(id=run_id)
         me = [str(run.community_id)] * 2  # its community's two runs, none of the other's
-        assert run.output == [[me] * 4] * 4, run.output
+        assert run.output == [[me] * 5] * 4, run.output
 
 
 def _leave_open() -> bool:

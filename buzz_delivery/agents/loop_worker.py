@@ -52,9 +52,9 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries
 from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, read_journal, run_claim
 from buzz_delivery.agents.batcher import Batcher, DbPool, LockWaited, operations
-from buzz_delivery.agents.integrations.journal import ToolThreads
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
+from buzz_delivery.agents.tool_threads import ToolThreads
 from buzz_delivery.agents.worker import (
     COMMUNITIES_WITH_CLAIMABLE_RUNS,
     RunListener,
@@ -137,7 +137,7 @@ class _LoopWaker(Waker):
 
 class _LoopThreads(ToolThreads, ScopedExecutor):
     """The loop's default executor: scoped (:class:`~buzz_delivery.usercode.ScopedExecutor`),
-    and the integrations' :class:`~buzz_delivery.agents.integrations.journal.ToolThreads` (which
+    and the integrations' :class:`~buzz_delivery.agents.tool_threads.ToolThreads` (which
     they would otherwise put in its place, unscoped)."""
 
 

@@ -33,7 +33,6 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from pydantic_core import to_jsonable_python
@@ -42,6 +41,7 @@ from buzz_delivery import journal_scope
 from buzz_delivery.agents import compensations as registry
 from buzz_delivery.agents.exceptions import ApprovalBlockedByCalls
 from buzz_delivery.agents.runtime import NOT_MADE
+from buzz_delivery.agents.tool_threads import ToolThreads, noting_threads  # noqa: F401  (re-exported)
 
 __all__ = [
     "AsyncJournal",
@@ -103,41 +103,6 @@ def tool_call_scope(parallel: bool, call_id: str | None) -> Iterator[None]:
         return
     with journal_scope.entered(journal_scope.tool_call(call_id)):
         yield
-
-
-# The threads the tool being made started on its loop's default executor (asyncio.to_thread,
-# run_in_executor(None, ...)): set around a tool by :func:`noting_threads`.
-_tool_threads: contextvars.ContextVar[list[Future[Any]] | None] = contextvars.ContextVar(
-    "buzz_integration_tool_threads", default=None
-)
-
-
-class ToolThreads(ThreadPoolExecutor):
-    """An agent loop's default executor (a ``ThreadPoolExecutor`` as asyncio's own): a thread
-    submitted by code run inside :func:`noting_threads` is noted there, so a tool's timeout can
-    tell that a thread it started (which no cancel can stop) may still make its effect."""
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        future = super().submit(fn, *args, **kwargs)
-        threads = _tool_threads.get()
-        if threads is not None:
-            threads.append(future)
-        return future
-
-
-@contextlib.contextmanager
-def noting_threads(loop: asyncio.AbstractEventLoop) -> Iterator[list[Future[Any]]]:
-    """Make ``loop``'s default executor a :class:`ToolThreads` (once per loop: threads already
-    running on the one it replaces run on, and its idle ones end with it) and note, in the list
-    yielded, the threads that the tasks created in the block start on it."""
-    if not isinstance(getattr(loop, "_default_executor", None), ToolThreads):
-        loop.set_default_executor(ToolThreads(thread_name_prefix="asyncio"))
-    threads: list[Future[Any]] = []
-    token = _tool_threads.set(threads)
-    try:
-        yield threads
-    finally:
-        _tool_threads.reset(token)
 
 
 def remake(args: Any, key: str) -> Any:
