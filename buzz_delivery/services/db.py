@@ -68,7 +68,7 @@ CONSTRAINT_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
 
 
 # On Citus a constraint violated on a shard carries the shard's id as a suffix
-# (``delivery_run_same_community_102008``), and an error raised by a trigger on a worker can
+# (``delivery_run_workflow_same_community_102008``), and an error raised by a trigger on a worker can
 # reach the coordinator's client as XX000 with our message intact (SPEC section 15).
 # Shard ids start at 102008 and only grow; a short trailing number (``..._gte_0``) is part of
 # a constraint's own name.
