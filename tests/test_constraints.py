@@ -18,6 +18,7 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
 from buzz_delivery import models, services
+from buzz_delivery.services import fanout
 from buzz_delivery.services.db import constraint_name
 from buzz_delivery.testing import (
     BindingFactory,
@@ -373,6 +374,21 @@ def test_commit_refuses_a_binding_whose_workflow_is_not_its_runs_and_writes_noth
     # One key judges the pair: the error names both fields.
     assert set(info.value.message_dict) == {"bindings.workflow_id", "bindings.run_id"}
     assert "no such workflow run of this workflow" in str(info.value)
+    assert deliveries(community_id=tenant.community.id) == 0
+
+
+def test_a_batch_of_messages_refuses_a_binding_whose_workflow_is_not_its_runs_and_writes_nothing(tenant):
+    # The engine's batched sends commit through fanout.commit_messages: one statement for many
+    # messages, the same key judging each binding (the good message is not written either).
+    other_workflow = WorkflowFactory(community=tenant.community)
+    second_event = EventFactory(community=tenant.community)
+    good = BindingFactory(run=tenant.run, message_event=tenant.event)
+    bad = BindingFactory(run=tenant.run, message_event=second_event, workflow_id=other_workflow.id)
+
+    with pytest.raises(ValidationError) as info, transaction.atomic():
+        fanout.commit_messages(tenant.community.id, [fanout.Message([good]), fanout.Message([bad])])
+
+    assert set(info.value.message_dict) == {"messages.workflow_id", "messages.run_id"}
     assert deliveries(community_id=tenant.community.id) == 0
 
 
