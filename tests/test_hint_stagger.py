@@ -1,0 +1,227 @@
+"""Hint fan-out (issue 31): every worker process listening on a pair hears every hint, so K idle
+processes made K hinted claims per delivery, K-1 of them empty. A worker whose last hinted claim
+of a pair came back empty (a sibling took the row) holds that pair's next hints for
+``hint_stagger`` seconds and then claims them all with one statement; a win ends the hold. The
+hints are still claimed: nothing waits for a poll. Waits poll for a condition; nothing is timed
+except that a held hint was not claimed before its stagger (a lower bound, on the database clock).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.core.management import CommandError, call_command
+from django.db import connection, connections
+
+from buzz_delivery import models, services
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.testing import random32
+from buzz_delivery.worker import WorkerConfig
+from buzz_delivery.worker.listener import HintInbox
+from buzz_delivery.worker.runtime import DEFAULT_HINT_STAGGER, Worker
+from tests.test_worker import commit, statuses, wait_until
+
+PAIR = (uuid.UUID("01234567-89ab-7def-8123-456789abcdef"), bytes(range(32)))
+OTHER = (uuid.UUID("01234567-89ab-7def-8123-456789abcde0"), bytes(range(1, 33)))
+
+
+def ids(n: int) -> list[uuid.UUID]:
+    return [uuid.uuid4() for _ in range(n)]
+
+
+def test_the_inbox_holds_the_hints_of_held_pairs_until_their_stagger_and_hands_out_the_others_at_once():
+    inbox = HintInbox(threading.Event())
+    held_a, held_b, free = ids(3)
+    inbox.put(held_a, PAIR)
+    inbox.put(free, OTHER)
+    between = time.monotonic()
+    time.sleep(0.001)  # held_b comes strictly later
+    inbox.put(held_b, PAIR)
+    now = time.monotonic()  # after every put: each hint is at most this old
+
+    taken, poll, due = inbox.drain_due({PAIR}, 10.0, now)
+    assert taken == [(free, OTHER)] and not poll  # the pair not held: at once
+    assert due is not None and now < due <= between + 10.0  # its oldest one's turn
+
+    taken, _, due = inbox.drain_due({PAIR}, 10.0, now + 5.0)
+    assert taken == [] and due is not None  # still younger than the stagger
+    inbox.request_poll()
+    # The oldest is due (held_b, younger, is not yet): the pair's whole window goes, oldest first.
+    taken, poll, due = inbox.drain_due({PAIR}, 10.0, between + 10.0)
+    assert taken == [(held_a, PAIR), (held_b, PAIR)] and poll and due is None
+    assert inbox.drain() == ([], False)
+
+
+def test_a_hint_put_again_keeps_its_first_arrival():
+    inbox = HintInbox(threading.Event())
+    (delivery,) = ids(1)
+    inbox.put(delivery, PAIR)
+    first = time.monotonic()
+    inbox.put(delivery, PAIR)  # the same id hinted again (a producer's retry): not held longer
+    taken, _, _ = inbox.drain_due({PAIR}, 10.0, first + 10.0)
+    assert taken == [(delivery, PAIR)]
+
+
+def worker_for(community, target: bytes, **options) -> Worker:
+    config = WorkerConfig(
+        community_id=community.id, target_pubkey=target, handler=lambda delivery: None, concurrency=4, **options
+    )
+    return Worker(config, threading.Event())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_empty_hinted_claim_holds_the_pair_and_a_claim_of_its_held_hints_that_wins_ends_the_hold(
+    community, make_binding
+):
+    target = random32()
+    pair = (community.id, target)
+    worker = worker_for(community, target, hint_stagger=0.5, lease_seconds=30)
+    (taken,) = commit(make_binding, target)
+    assert services.claim_delivery(community.id, target, delivery_id=taken, lease_seconds=30)  # a sibling's
+    assert worker._claim([(taken, pair)], False, 4) == (0, False)
+    assert worker.hints_lost == {pair}  # its next hints of that pair wait the stagger
+
+    # Held hints now due: the oldest is claimed by id; it won (no sibling took it), so the pair
+    # leaves the hold and the rest are kept for the ordinary claim.
+    later = commit(make_binding, target, 3)
+    before = worker.tally.summary()["claim_statements"]
+    kept, room = worker._sift_held([(d, pair) for d in later], 4)
+    assert kept == [(d, pair) for d in later[1:]] and room == 3
+    assert worker.tally.summary()["claim_statements"] == before + 1
+    assert worker.hints_lost == set()  # a win: the next hint is claimed at once
+    assert statuses(later) == {later[0]: "claimed", later[1]: "pending", later[2]: "pending"}
+    # Two hints at once: one statement for both
+    assert worker._claim(kept, False, room)[0] == 2 and worker.tally.summary()["claim_statements"] == before + 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_when_a_sibling_took_the_oldest_held_hint_the_younger_held_ones_are_dropped_and_other_pairs_kept(
+    community, make_binding
+):
+    target, other_target = random32(), random32()
+    pair, other = (community.id, target), (community.id, other_target)
+    config = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=target,
+        extra_pairs=((community.id, other_target),),
+        handler=lambda delivery: None,
+        concurrency=4,
+        hint_stagger=0.5,
+        lease_seconds=30,
+    )
+    worker = Worker(config, threading.Event())
+    worker.hints_lost.add(pair)
+    held = commit(make_binding, target, 3)
+    (free,) = commit(make_binding, other_target)
+    for d in held:  # a sibling took them all within the stagger
+        assert services.claim_delivery(community.id, target, delivery_id=d, lease_seconds=30)
+    hinted = [(held[0], pair), (free, other), (held[1], pair), (held[2], pair)]
+    before = worker.tally.summary()["claim_statements"]
+    kept, room = worker._sift_held(hinted, 4)
+    assert kept == [(free, other)] and room == 4  # the other pair's hint: untouched, claimed as ever
+    assert worker.tally.summary()["claim_statements"] == before + 1  # the oldest held one only
+    assert worker.tally.summary()["hints_dropped"] == 2
+    assert worker.hints_lost == {pair}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hinted_claim_that_lost_to_the_workers_own_poll_holds_nothing(community, make_binding):
+    """A one-process worker is never held by its own polls: its poll claimed the row before the
+    hint's claim ran (a round while the hint was queued), no sibling did."""
+    target = random32()
+    pair = (community.id, target)
+    worker = worker_for(community, target, hint_stagger=0.5)
+    (delivery,) = commit(make_binding, target)
+    assert worker._claim([], True, 4)[0] == 1  # a round of every pair
+    assert worker._claim([(delivery, pair)], False, 4) == (0, False)
+    assert worker.hints_lost == set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_no_stagger_an_empty_hinted_claim_holds_nothing(community, make_binding):
+    target = random32()
+    worker = worker_for(community, target, hint_stagger=0)
+    (taken,) = commit(make_binding, target)
+    assert services.claim_delivery(community.id, target, delivery_id=taken, lease_seconds=30)
+    assert worker._claim([(taken, (community.id, target))], False, 4) == (0, False)
+    assert worker.hints_lost == set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_running_worker_claims_a_held_hint_after_its_stagger_without_waiting_for_a_poll(
+    community, make_binding, caplog
+):
+    target = random32()
+    pair = (community.id, target)
+    stagger = 0.5
+    worker = worker_for(community, target, hint_stagger=stagger, poll_interval=60, lease_seconds=30)
+    params = connection.get_connection_params()
+    caplog.set_level(logging.INFO, logger="buzz_delivery.worker")
+
+    def run() -> None:
+        try:
+            worker.run(params)
+        finally:
+            connections.close_all()  # this thread's (the dispatcher's) connection
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: "listening" in caplog.text, what="the worker listening")
+        # A probe, claimed by its hint or by the poll the listener asks for once it listens:
+        # after it, the next poll is 60 s away and only a hint gets a delivery claimed.
+        (probe,) = commit(make_binding, target)
+        wait_until(lambda: statuses([probe]) == {probe: "finished"}, what="the probe")
+        worker.hints_lost.add(pair)  # as after a hinted claim a sibling won
+        before = worker.tally.summary()["claim_statements"]
+
+        # No sibling takes it: held the stagger, then claimed by its hint (its oldest held one).
+        (held,) = commit(make_binding, target)
+        wait_until(lambda: statuses([held]) == {held: "finished"}, what="the held hint's delivery")
+        assert worker.tally.summary()["claim_statements"] == before + 1  # its hint's claim, no poll
+        assert worker.hints_lost == set()  # it won: the pair's next hints are claimed at once
+        row = WorkflowAgentDelivery.objects.get(id=held)
+        claimed_at = next(h["at"] for h in row.history if h["event"] == "claim")
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT %s::timestamptz - %s::timestamptz", [claimed_at, row.created_at])
+            waited = cursor.fetchone()[0].total_seconds()
+        assert waited >= stagger  # held back the stagger (its hint came after the commit)
+    finally:
+        worker.stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("value", [-0.01, 10.5, math.nan, math.inf, "0.1", True])
+def test_a_bad_hint_stagger_is_refused_naming_it(value):
+    with pytest.raises(ValidationError) as refused:
+        WorkerConfig(community_id=PAIR[0], target_pubkey=PAIR[1], handler=lambda d: None, hint_stagger=value)
+    assert "hint_stagger" in str(refused.value)
+
+
+def test_the_default_hint_stagger_is_on_and_a_config_takes_an_int():
+    config = WorkerConfig(community_id=PAIR[0], target_pubkey=PAIR[1], handler=lambda d: None)
+    assert config.hint_stagger == DEFAULT_HINT_STAGGER > 0
+    assert (
+        WorkerConfig(community_id=PAIR[0], target_pubkey=PAIR[1], handler=lambda d: None, hint_stagger=0).hint_stagger
+        == 0.0
+    )
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("value", ["-1", "11", "nan", "soon"])
+def test_a_bad_hint_stagger_option_is_refused_naming_it_before_anything_runs(value, community):
+    with pytest.raises(CommandError) as refused:
+        call_command(
+            "run_delivery_worker",
+            *("--community", str(community.id), "--target", random32().hex(), "--hint-stagger", value),
+            *("--handler", "tests.worker_handlers:scripted"),
+        )
+    assert "--hint-stagger" in str(refused.value)
+    assert not models.WorkerRegistration.objects.exists()
