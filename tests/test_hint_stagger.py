@@ -205,13 +205,11 @@ def test_a_bad_hint_stagger_is_refused_naming_it(value):
     assert "hint_stagger" in str(refused.value)
 
 
-def test_the_default_hint_stagger_is_on_and_a_config_takes_an_int():
+def test_the_hint_stagger_is_off_by_default_and_a_config_takes_an_int():
     config = WorkerConfig(community_id=PAIR[0], target_pubkey=PAIR[1], handler=lambda d: None)
-    assert config.hint_stagger == DEFAULT_HINT_STAGGER > 0
-    assert (
-        WorkerConfig(community_id=PAIR[0], target_pubkey=PAIR[1], handler=lambda d: None, hint_stagger=0).hint_stagger
-        == 0.0
-    )
+    assert config.hint_stagger == DEFAULT_HINT_STAGGER == 0.0  # every process claims every hint, as before
+    config = WorkerConfig(community_id=PAIR[0], target_pubkey=PAIR[1], handler=lambda d: None, hint_stagger=1)
+    assert config.hint_stagger == 1.0 and isinstance(config.hint_stagger, float)
 
 
 @pytest.mark.django_db

@@ -156,8 +156,10 @@ SETTLE_LINGER = 0.002
 # hints at once again. One process then takes a trickle at once and each sibling makes one
 # claim per stagger window, not one per delivery. A hint a busy sibling left is claimed after the
 # stagger; one it left among dropped ones waits for the next window's claim or a poll.
-# 0 turns it off. Measured: bench/results/wake-stop54.md.
-DEFAULT_HINT_STAGGER = 0.05
+# 0 (the default) turns it off: it cut the claims of 4 idle processes from ~4 to 1.3-2.0 per
+# delivery, but a delivery whose winner is starved waits the stagger, and on a loaded machine
+# the p99s were higher with it (docs/performance.md#hint-fan-out, bench/results/wake-stop54.md).
+DEFAULT_HINT_STAGGER = 0.0
 MAX_HINT_STAGGER = 10.0
 
 # Exit codes of ``run_delivery_worker`` (2 is argparse's bad arguments).
@@ -209,7 +211,7 @@ class WorkerConfig:
     its units first (one per delivery, :mod:`buzz_delivery.services.ratelimits`), so the fleet's
     workers sharing the key claim at most ``limit`` deliveries of a community per ``period``;
     over it, that community's claims wait for the next window (docs/flow-control.md).
-    ``hint_stagger``: seconds (0..10; 0 = off) a pair's hints wait before they are claimed while
+    ``hint_stagger``: seconds (0..10; 0 = off, the default) a pair's hints wait before they are claimed while
     this worker's last hinted claim of that pair came back empty (a sibling process took the
     row): see :data:`DEFAULT_HINT_STAGGER`.
     """

@@ -176,10 +176,10 @@ class Command(StrictOptionsCommand):
             "--hint-stagger",
             type=hint_stagger_option,
             default=DEFAULT_HINT_STAGGER,
-            help="Seconds (0..10; 0 = off) a pair's wake hints wait before they are claimed while this "
+            help="Seconds (0..10; default 0 = off) a pair's wake hints wait before they are claimed while this "
             "worker's last hinted claim of that pair came back empty (another process took the row): "
-            f"one process takes a trickle at once, the others claim a window of hints with one statement "
-            f"(default {DEFAULT_HINT_STAGGER:g}; docs/performance.md).",
+            "one process takes a trickle at once, the others claim a window of hints with one statement "
+            "(docs/performance.md#hint-fan-out).",
         )
         parser.add_argument(
             "--renew-fraction",
