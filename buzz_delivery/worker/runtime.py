@@ -1114,6 +1114,7 @@ class Worker:
                 return HANDLERS_HUNG
             room = self._room()
             held_until: float | None = None  # when a hint held back (hints_lost) is due
+            hinted: list[tuple[uuid.UUID, Pair]]
             if not room:
                 hinted, poll_asked = [], False
             elif self.hints_lost:
