@@ -785,7 +785,8 @@ class Worker:
                 if claim is not None:
                     self._start([claim], "hint")
                     won += 1
-                    self.hints_lost.discard((community_id, target_pubkey))
+                    if self.hints_lost:  # (empty unless hint_stagger: no hashing of the pair per hint)
+                        self.hints_lost.discard((community_id, target_pubkey))
                 elif self.hint_stagger:
                     self._hint_lost((community_id, target_pubkey))
             self.tally.add("claim_statements", min(len(hinted), room))
