@@ -1,13 +1,15 @@
 """Hint fan-out (issue 31): every worker process listening on a pair hears every hint, so K idle
 processes made K hinted claims per delivery, K-1 of them empty. A worker whose last hinted claim
 of a pair came back empty (a sibling took the row) holds that pair's next hints for
-``hint_stagger`` seconds and then claims them all with one statement; a win ends the hold. The
-hints are still claimed: nothing waits for a poll. Waits poll for a condition; nothing is timed
+``hint_stagger`` seconds and then claims one row of the pair (its oldest claimable): a win ends
+the hold and the other hints are claimed; empty, nothing they name is claimable and they are
+dropped. No claimable delivery waits for a poll. Waits poll for a condition; nothing is timed
 except that a held hint was not claimed before its stagger (a lower bound, on the database clock).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 import threading
@@ -17,7 +19,8 @@ import uuid
 import pytest
 from django.core.exceptions import ValidationError
 from django.core.management import CommandError, call_command
-from django.db import connection, connections
+from django.db import connection, connections, transaction
+from django.utils import timezone
 
 from buzz_delivery import models, services
 from buzz_delivery.models import WorkflowAgentDelivery
@@ -87,8 +90,8 @@ def test_an_empty_hinted_claim_holds_the_pair_and_a_claim_of_its_held_hints_that
     assert worker._claim([(taken, pair)], False, 4) == (0, False)
     assert worker.hints_lost == {pair}  # its next hints of that pair wait the stagger
 
-    # Held hints now due: the oldest is claimed by id; it won (no sibling took it), so the pair
-    # leaves the hold and the rest are kept for the ordinary claim.
+    # Held hints now due: one row of the pair is claimed (the oldest claimable); it won (no
+    # sibling took it), so the pair leaves the hold and the rest are kept for the ordinary claim.
     later = commit(make_binding, target, 3)
     before = worker.tally.summary()["claim_statements"]
     kept, room = worker._sift_held([(d, pair) for d in later], 4)
@@ -101,9 +104,7 @@ def test_an_empty_hinted_claim_holds_the_pair_and_a_claim_of_its_held_hints_that
 
 
 @pytest.mark.django_db(transaction=True)
-def test_when_a_sibling_took_the_oldest_held_hint_the_younger_held_ones_are_dropped_and_other_pairs_kept(
-    community, make_binding
-):
+def test_when_a_sibling_took_every_held_hints_delivery_they_are_dropped_and_other_pairs_kept(community, make_binding):
     target, other_target = random32(), random32()
     pair, other = (community.id, target), (community.id, other_target)
     config = WorkerConfig(
@@ -125,8 +126,8 @@ def test_when_a_sibling_took_the_oldest_held_hint_the_younger_held_ones_are_drop
     before = worker.tally.summary()["claim_statements"]
     kept, room = worker._sift_held(hinted, 4)
     assert kept == [(free, other)] and room == 4  # the other pair's hint: untouched, claimed as ever
-    assert worker.tally.summary()["claim_statements"] == before + 1  # the oldest held one only
-    assert worker.tally.summary()["hints_dropped"] == 2
+    assert worker.tally.summary()["claim_statements"] == before + 1  # one row of the held pair only
+    assert worker.tally.summary()["hints_dropped"] == 3  # none of them claimable: none claimed
     assert worker.hints_lost == {pair}
 
 
@@ -181,7 +182,7 @@ def test_a_running_worker_claims_a_held_hint_after_its_stagger_without_waiting_f
         worker.hints_lost.add(pair)  # as after a hinted claim a sibling won
         before = worker.tally.summary()["claim_statements"]
 
-        # No sibling takes it: held the stagger, then claimed by its hint (its oldest held one).
+        # No sibling takes it: held the stagger, then claimed (the pair's one-row claim).
         (held,) = commit(make_binding, target)
         wait_until(lambda: statuses([held]) == {held: "finished"}, what="the held hint's delivery")
         assert worker.tally.summary()["claim_statements"] == before + 1  # its hint's claim, no poll
@@ -223,3 +224,99 @@ def test_a_bad_hint_stagger_option_is_refused_naming_it_before_anything_runs(val
         )
     assert "--hint-stagger" in str(refused.value)
     assert not models.WorkerRegistration.objects.exists()
+
+
+def run_in_thread(worker: Worker) -> threading.Thread:
+    params = connection.get_connection_params()
+
+    def run() -> None:
+        try:
+            worker.run(params)
+        finally:
+            connections.close_all()  # this thread's (the dispatcher's) connection
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lone_worker_claims_a_due_delivery_whose_held_hint_came_after_a_scheduled_deliverys(
+    community, message_event, make_binding, caplog
+):
+    """A delivery committed with ``not_before`` sends its hint at commit, and its hinted claim
+    comes back empty: a lone worker (no sibling at all) then holds the pair. A window whose oldest
+    hint is such a delivery's must not drop the due delivery hinted after it: nobody else heard
+    it, and the next poll is 60 s away (up to a day in production)."""
+    target = random32()
+    pair = (community.id, target)
+    stagger = 0.3
+    worker = worker_for(community, target, hint_stagger=stagger, poll_interval=60, lease_seconds=30)
+    caplog.set_level(logging.INFO, logger="buzz_delivery.worker")
+    thread = run_in_thread(worker)
+    tomorrow = timezone.now() + dt.timedelta(days=1)
+
+    def scheduled() -> uuid.UUID:
+        binding = make_binding(target_pubkey=target)
+        (created,) = services.commit_deliveries(community.id, message_event, [binding], not_before=tomorrow)
+        return created
+
+    try:
+        wait_until(lambda: "listening" in caplog.text, what="the worker listening")
+        (probe,) = commit(make_binding, target)  # after it, the next poll is 60 s away
+        wait_until(lambda: statuses([probe]) == {probe: "finished"}, what="the probe")
+        time.sleep(stagger)  # the probe's poll (if a poll took it) no longer excuses an empty claim
+        scheduled()
+        wait_until(lambda: worker.hints_lost == {pair}, what="the pair held after the scheduled one's claim")
+
+        with transaction.atomic():  # both hints at one commit, the scheduled one's first
+            later = scheduled()
+            (due,) = services.commit_deliveries(community.id, message_event, [make_binding(target_pubkey=target)])
+        wait_until(lambda: statuses([due]) == {due: "finished"}, what="the due delivery, held behind a scheduled one")
+        assert statuses([later]) == {later: "pending"}
+    finally:
+        worker.stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_held_pair_left_unclaimed_for_want_of_room_keeps_its_hints(community, make_binding):
+    """Two held pairs, room for one claim: the first pair's claim takes the room; the second
+    pair's held hints were never claimed nor checked, so they are not dropped."""
+    target, other_target = random32(), random32()
+    pair, other = (community.id, target), (community.id, other_target)
+    config = WorkerConfig(
+        community_id=community.id,
+        target_pubkey=target,
+        extra_pairs=((community.id, other_target),),
+        handler=lambda delivery: None,
+        concurrency=4,
+        hint_stagger=0.5,
+        lease_seconds=30,
+    )
+    worker = Worker(config, threading.Event())
+    worker.hints_lost.update({pair, other})
+    (first,) = commit(make_binding, target)
+    (second,) = commit(make_binding, other_target)
+    kept, room = worker._sift_held([(first, pair), (second, other)], 1)
+    assert room == 0 and statuses([first]) == {first: "claimed"}
+    assert kept == [(second, other)]  # claimed as hints beyond the room are: by the next poll
+    assert worker.tally.summary()["hints_dropped"] == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_held_hints_a_sibling_left_behind_the_oldest_are_claimed_not_dropped(community, make_binding):
+    """The sibling took the oldest held hint's delivery and then died (or stalled) before the
+    younger ones: they are still pending, nobody else claims them, so they are not dropped."""
+    target = random32()
+    pair = (community.id, target)
+    worker = worker_for(community, target, hint_stagger=0.5, lease_seconds=30)
+    worker.hints_lost.add(pair)
+    held = commit(make_binding, target, 3)
+    assert services.claim_delivery(community.id, target, delivery_id=held[0], lease_seconds=30)  # the sibling's
+    kept, room = worker._sift_held([(d, pair) for d in held], 4)
+    if kept:  # as the dispatcher: what is left of the hints is claimed (nothing left: no claim)
+        worker._claim(kept, False, room)
+    assert statuses(held) == {d: "claimed" for d in held}
+    assert worker.tally.summary()["hints_dropped"] == 0

@@ -127,7 +127,7 @@ SUMMARY_KEYS = (
     "settle_statements",
     "loop_stalls",  # an async handler's loop blocked (buzz_delivery.loopwatch)
     "rate_waits",  # claims held back by the claim rate limit (``rate_key``)
-    "hints_dropped",  # held hints left unclaimed: a sibling took the pair's oldest one (hint_stagger)
+    "hints_dropped",  # held hints left unclaimed: nothing of their pair was claimable (hint_stagger)
 )
 # Claiming ahead: a claim may wait in the local queue for a free handler thread, for at most
 # this fraction of the lease (and CLAIM_AHEAD_MAX_WAIT seconds) judged by the handlers' recent
@@ -150,12 +150,14 @@ SETTLE_LINGER = 0.002
 # Hint fan-out (issue 31): every worker process listening on a pair hears every hint, so K idle
 # processes made K hinted claims per delivery, K-1 of them empty. A process whose last hinted
 # claim of a pair came back empty (a sibling took the row first) holds that pair's next hints
-# this many seconds, then claims only the oldest one it holds, by id: empty, a sibling took it
-# within the stagger and the younger ones it holds are dropped (that sibling heard them too);
-# won, the sibling missed it (busy, gone), so this process claims the rest and claims the pair's
-# hints at once again. One process then takes a trickle at once and each sibling makes one
-# claim per stagger window, not one per delivery. A hint a busy sibling left is claimed after the
-# stagger; one it left among dropped ones waits for the next window's claim or a poll.
+# this many seconds, then claims one row of the pair, its oldest claimable one: empty, nothing
+# the held hints name is claimable (a sibling took them within the stagger, or they are
+# scheduled or gone) and they are dropped; won, the sibling missed it (busy, gone), so this
+# process claims the rest and claims the pair's hints at once again. One process then takes a
+# trickle at once and each sibling makes one claim per stagger window, not one per delivery. A
+# delivery a busy or dead sibling left is claimed after the stagger. Any hinted claim that comes
+# back empty holds the pair (a forged hint, one of a delivery committed with not_before, or
+# superseded before its claim): the pair's next deliveries then wait the stagger, never a poll.
 # 0 (the default) turns it off: it cut the claims of 4 idle processes from ~4 to 1.3-2.0 per
 # delivery, but a delivery whose winner is starved waits the stagger, and on a loaded machine
 # the p99s were higher with it (docs/performance.md#hint-fan-out, bench/results/wake-stop54.md).
@@ -852,27 +854,52 @@ class Worker:
             self.hints_lost.add(pair)
 
     def _sift_held(self, hinted: list[tuple[uuid.UUID, Pair]], room: int) -> tuple[list[tuple[uuid.UUID, Pair]], int]:
-        """Of hints drained while their pair is in :attr:`hints_lost` (each at least
-        ``hint_stagger`` old): claim the oldest one of each such pair by its id. Empty: a sibling
-        took it within the stagger, so it takes that pair's trickle, and the pair's younger held
-        hints are dropped unclaimed (the sibling heard them too; a poll finds any it left). Won: no
-        sibling took it, the pair leaves :attr:`hints_lost` (that claim says so) and its other
-        hints are kept. Returns the hints left to claim (the other pairs' too) and the room left."""
-        oldest: dict[Pair, uuid.UUID] = {}
-        for delivery_id, pair in hinted:
-            if pair in self.hints_lost:
-                oldest.setdefault(pair, delivery_id)
-        for pair, delivery_id in oldest.items():
+        """Of hints drained while their pair is in :attr:`hints_lost` (the oldest at least
+        ``hint_stagger`` old): claim one delivery of each such pair, its oldest claimable one (a
+        poll of one row). Empty: nothing of that pair is claimable now (a sibling took every row
+        the held hints name, or they are scheduled, or gone), so its held hints are dropped
+        unclaimed, and dropping them delays nothing. Won: the pair leaves :attr:`hints_lost` and
+        its other hints are kept. A pair not claimed (no room left, its community waiting for a
+        lock or a rate window) keeps its hints: they are claimed as hints beyond the room are.
+        Claiming the oldest held hint by its id instead dropped due deliveries behind one that
+        was never claimable (a hint of a delivery committed with ``not_before``, or forged), and
+        those a sibling left (dead or stalled after the oldest), until the next poll. Returns the
+        hints left to claim (the other pairs' too) and the room left."""
+        pairs = list(dict.fromkeys(pair for _, pair in hinted if pair in self.hints_lost))
+        checked: set[Pair] = set()
+        taken: set[uuid.UUID] = set()
+        for pair in pairs:
             if room <= 0:
                 break
-            won, _ = self._claim([(delivery_id, pair)], False, room)
-            room -= won
+            community_id, target_pubkey = pair
+            if self.claims_busy and self._claims_wait(community_id):
+                continue  # its last claim waited for a lock; a round polls it once that is over
+            try:
+                if not self._rate_units(community_id, 1):
+                    continue  # its community waits for the next window; the round then polls it
+                claims = services.claim_deliveries(
+                    community_id, target_pubkey, limit=1, lease_seconds=self.lease_seconds, holder=self.holder
+                )
+                self._rate_unused(community_id, 1 - len(claims))
+            except DB_UNAVAILABLE as exc:
+                if not lock_wait_timed_out(exc):
+                    raise
+                self._claim_waited(community_id)
+                continue
+            self.tally.add("claim_statements")
+            checked.add(pair)
+            if claims:
+                self._start(claims, "hint")
+                room -= len(claims)
+                taken.update(claim.lease.delivery_id for claim in claims)
+                self.hints_lost.discard(pair)
+                self.polled_at[pair] = time.monotonic()  # its hint, if not drained yet, lost to this claim
         kept = [
             (delivery_id, pair)
             for delivery_id, pair in hinted
-            if pair not in oldest or (pair not in self.hints_lost and delivery_id != oldest[pair])
+            if pair not in checked or (pair not in self.hints_lost and delivery_id not in taken)
         ]
-        dropped = len(hinted) - len(kept) - len(oldest)
+        dropped = sum(1 for _, pair in hinted if pair in checked and pair in self.hints_lost)
         if dropped:
             self.tally.add("hints_dropped", dropped)
         return kept, room
