@@ -320,3 +320,38 @@ def test_held_hints_a_sibling_left_behind_the_oldest_are_claimed_not_dropped(com
         worker._claim(kept, False, room)
     assert statuses(held) == {d: "claimed" for d in held}
     assert worker.tally.summary()["hints_dropped"] == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_exit_waits_for_a_held_hint_to_be_claimed(community, make_binding, caplog):
+    """A worker holding a hint knows of a delivery: it is not idle. With ``idle_exit`` shorter
+    than the stagger (here 1 s against 4 s), a held hint's delivery was left pending when the
+    worker exited idle (for the next run's, or another process's, poll)."""
+    target = random32()
+    pair = (community.id, target)
+    worker = worker_for(community, target, hint_stagger=4.0, idle_exit=1.0, poll_interval=60, lease_seconds=30)
+    caplog.set_level(logging.INFO, logger="buzz_delivery.worker")
+    summaries = []
+    params = connection.get_connection_params()
+
+    def run() -> None:
+        try:
+            summaries.append(worker.run(params))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: "listening" in caplog.text, what="the worker listening")
+        (probe,) = commit(make_binding, target)  # its claim and settle: busy until just now
+        wait_until(lambda: statuses([probe]) == {probe: "finished"}, what="the probe")
+        worker.hints_lost.add(pair)  # as after a hinted claim a sibling won
+        (held,) = commit(make_binding, target)
+        thread.join(30)
+    finally:
+        worker.stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert statuses([held]) == {held: "finished"}
+    assert summaries[0].reason == "idle_exit"

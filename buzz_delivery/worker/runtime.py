@@ -1111,6 +1111,7 @@ class Worker:
         again until the next full round), else every pair every ``poll_interval``; a hint wakes
         it in between."""
         backlog, next_poll, next_thread_check = True, 0.0, 0.0
+        held_until: float | None = None  # when a hint held back (hints_lost) is due
         with self._lock:
             # Idle from now, not from __init__: starting the threads and the listener can take
             # longer than ``idle_exit`` on a loaded machine, which exited before the first poll.
@@ -1132,7 +1133,7 @@ class Worker:
                     break
             if self._finished_quota():
                 return "max_deliveries"
-            if self._idle_too_long():
+            if held_until is None and self._idle_too_long():  # a held hint's delivery is work to do
                 return "idle_exit"
             if self.renewer.timed_out_count() >= self.config.concurrency:
                 logger.error(
@@ -1141,7 +1142,7 @@ class Worker:
                 )
                 return HANDLERS_HUNG
             room = self._room()
-            held_until: float | None = None  # when a hint held back (hints_lost) is due
+            held_until = None
             hinted: list[tuple[uuid.UUID, Pair]]
             if not room:
                 hinted, poll_asked = [], False
