@@ -325,11 +325,11 @@ def test_held_hints_a_sibling_left_behind_the_oldest_are_claimed_not_dropped(com
 @pytest.mark.django_db(transaction=True)
 def test_an_idle_exit_waits_for_a_held_hint_to_be_claimed(community, make_binding, caplog):
     """A worker holding a hint knows of a delivery: it is not idle. With ``idle_exit`` shorter
-    than the stagger (here 1 s against 4 s), a held hint's delivery was left pending when the
+    than the stagger (here 2 s against 6 s), a held hint's delivery was left pending when the
     worker exited idle (for the next run's, or another process's, poll)."""
     target = random32()
     pair = (community.id, target)
-    worker = worker_for(community, target, hint_stagger=4.0, idle_exit=1.0, poll_interval=60, lease_seconds=30)
+    worker = worker_for(community, target, hint_stagger=6.0, idle_exit=2.0, poll_interval=60, lease_seconds=30)
     caplog.set_level(logging.INFO, logger="buzz_delivery.worker")
     summaries = []
     params = connection.get_connection_params()
