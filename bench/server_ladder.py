@@ -80,10 +80,28 @@ VARIANTS = {
     ),
     "checks": ("- the 22 CHECK constraints", _checks),
     "created_idx": ("- delivery_created_idx (the admin's age list)", lambda c: ["DROP INDEX delivery_created_idx"]),
-    "workflow_idx": ("- delivery_workflow_idx (workflow FK)", lambda c: ["DROP INDEX delivery_workflow_idx"]),
     "message_idx": (
         "- delivery_message_event_idx (message event FK)",
         lambda c: ["DROP INDEX delivery_message_event_idx"],
+    ),
+    "message_created_idx": (
+        "- delivery_message_event_idx and delivery_created_idx",
+        lambda c: ["DROP INDEX delivery_message_event_idx", "DROP INDEX delivery_created_idx"],
+    ),
+    # Core 0035's schema: a key to the workflow and one to the run, delivery_workflow_idx for the
+    # first one's cascade (what core 0036 merged into one key and dropped, bench/results/index-diet.md).
+    "before_0036": (
+        "+ core 0035's two keys and delivery_workflow_idx",
+        lambda c: [
+            f"CREATE INDEX delivery_workflow_idx ON {D} (community_id, workflow_id)",
+            f"ALTER TABLE {D} ADD CONSTRAINT delivery_workflow_same_community FOREIGN KEY (community_id, workflow_id)"
+            " REFERENCES buzz_delivery_workflow (community_id, id) ON DELETE CASCADE",
+            f"ALTER TABLE {D} ADD CONSTRAINT delivery_run_same_community FOREIGN KEY (community_id, run_id)"
+            " REFERENCES buzz_delivery_workflow_run (community_id, id) ON DELETE CASCADE",
+            f"ALTER TABLE {D} DROP CONSTRAINT delivery_run_workflow_same_community",
+            "CREATE INDEX workflow_run_workflow_idx ON buzz_delivery_workflow_run (community_id, workflow_id)",
+            "ALTER TABLE buzz_delivery_workflow_run DROP CONSTRAINT workflow_run_workflow_run_key",
+        ],
     ),
     "identity_key": (
         "- delivery_identity_key (exactly-once identity)",

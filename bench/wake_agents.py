@@ -4,7 +4,9 @@ ours|pgqueuer URL OUT [COMMUNITY TARGET_HEX]``.
 Each appends ``<key> <time.time() at handler start>`` to ``OUT`` for every job it runs (``key``:
 our delivery id, or the payload PgQueuer carries), so the controller, which wrote down when it
 began each commit, can tell commit-to-handler-start latency on the one host clock. Both wait on
-``LISTEN``/``NOTIFY`` and poll rarely, so what is measured is the wake path. Stopped by SIGTERM.
+``LISTEN``/``NOTIFY`` and poll rarely, so what is measured is the wake path. Stopped by SIGTERM;
+ours then writes its summary line (``claim_statements`` ...) to ``OUT.summary``
+(``BENCH_HINT_STAGGER``, if set: its ``WorkerConfig.hint_stagger``).
 """
 
 from __future__ import annotations
@@ -43,15 +45,20 @@ def ours(url: str, out: str, community: str, target_hex: str) -> None:
     def handler(delivery: Any) -> None:
         log.write(str(delivery.id))
 
-    run_worker(
+    summary = run_worker(
         WorkerConfig(
             community_id=uuid.UUID(community),
             target_pubkey=bytes.fromhex(target_hex),
             handler=handler,
             concurrency=4,
             poll_interval=POLL_SECONDS,
+            **({"hint_stagger": float(os.environ["BENCH_HINT_STAGGER"])} if "BENCH_HINT_STAGGER" in os.environ else {}),
         )
     )
+    from buzz_delivery.worker.runtime import summary_line
+
+    with open(f"{out}.summary", "w") as file:  # the worker's JSON line (bench.wake_fanout reads it)
+        file.write(summary_line(summary) + "\n")
 
 
 def pgqueuer(url: str, out: str) -> None:

@@ -179,7 +179,12 @@ class WorkflowRun(CommunityScoped):
         # the engine's state of a run is its "workflow run" (buzz_delivery.workflows, issue 36).
         verbose_name = "delivery run"
         # The primary key is (id, community_id) in the database (migration 0007, SPEC 15).
-        indexes = [models.Index(fields=["community", "workflow"], name="workflow_run_workflow_idx")]
+        constraints = [
+            # What a delivery's one key to its run and workflow references (core migration 0036:
+            # ``delivery_run_workflow_same_community``); its (community, workflow) prefix serves
+            # the cascade from a deleted workflow to its runs, as the plain index it replaced did.
+            models.UniqueConstraint(fields=["community", "workflow", "id"], name="workflow_run_workflow_run_key")
+        ]
         triggers = [*triggers.write_fence()]
 
     def __str__(self) -> str:
@@ -486,8 +491,11 @@ class DeliveryRecord(DeliveryColumns):
                 condition=Q(status__in=["finished", "failed", "expired"]),
                 name="delivery_terminal_age_idx",
             ),
-            # Cascades from workflow and message event.
-            models.Index(fields=["community", "workflow"], name="delivery_workflow_idx"),
+            # The cascade from a deleted message event. A deleted workflow or run reaches its
+            # deliveries through their one key to the run (community, workflow, run: core
+            # migration 0036), which the identity key's (community, run) prefix serves: no index of
+            # their own (each index is one more entry on every claim and settle, none of which is
+            # a HOT update).
             models.Index(fields=["community", "message_event_id"], name="delivery_message_event_idx"),
             # The admin lists by age. Its predicate is :data:`CREATED_FLOOR`, as above: as a plain
             # index on created_at the planner, with statistics taken while most rows were still

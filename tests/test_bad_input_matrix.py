@@ -223,6 +223,11 @@ REFUSED: list[tuple[str, Call, str]] = [
         lambda w: commit(w, [services.Binding(**w.binding_fields(workflow_id=w.b_workflow.id))]),
         "bindings.workflow_id",
     ),
+    (  # one key judges the pair (core migration 0036): the workflow must be the run's
+        "commit binding workflow not the run's",
+        lambda w: commit(w, [services.Binding(**w.binding_fields(workflow_id=w.pending_binding.workflow_id))]),
+        "bindings.workflow_id",
+    ),
     ("commit expires_at naive", lambda w: commit(w, expires_at=NAIVE), "expires_at"),
     ("commit expires_at a str", lambda w: commit(w, expires_at="2030-01-01T00:00:00Z"), "expires_at"),
     ("commit expires_at a number", lambda w: commit(w, expires_at=1_900_000_000), "expires_at"),

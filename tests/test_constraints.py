@@ -14,17 +14,22 @@ from typing import Any
 
 import pgtrigger
 import pytest
+from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
 from buzz_delivery import models, services
+from buzz_delivery.services import fanout
 from buzz_delivery.services.db import constraint_name
 from buzz_delivery.testing import (
+    BindingFactory,
     CommunityFactory,
     EventFactory,
     WorkflowFactory,
     WorkflowRunFactory,
+    insert_delivery_rows,
     random32,
 )
+from tests.citus_support import CITUS_MODE
 
 pytestmark = pytest.mark.django_db
 
@@ -265,8 +270,9 @@ def test_a_second_row_with_the_same_identity_is_rejected(tenant, same):
 
 
 TENANT_KEYS = {
-    "workflow": ("workflow_id", "delivery_workflow_same_community"),
-    "run": ("run_id", "delivery_run_same_community"),
+    # One key, (community, workflow, run) -> the run's (community, workflow, id) (core 0036).
+    "workflow": ("workflow_id", "delivery_run_workflow_same_community"),
+    "run": ("run_id", "delivery_run_workflow_same_community"),
     "message event": ("message_event_id", "delivery_message_event_same_community"),
 }
 
@@ -310,6 +316,80 @@ def test_a_raw_update_moving_a_delivery_to_another_communitys_row_is_rejected(te
         refused_by(info.value)
         == TENANT_KEYS[{"workflow_id": "workflow", "run_id": "run", "message_event_id": "message event"}[column]][1]
     )
+
+
+def test_a_delivery_whose_workflow_is_not_its_runs_is_rejected(tenant):
+    # Both rows are of the delivery's community: only the one key to the run (core 0036) knows
+    # that the run belongs to another workflow.
+    other_workflow = WorkflowFactory(community=tenant.community)
+
+    with pytest.raises(IntegrityError) as info:
+        raw_insert({**valid_columns(tenant), "workflow_id": other_workflow.id})
+
+    assert refused_by(info.value) == "delivery_run_workflow_same_community"
+    assert deliveries(community_id=tenant.community.id) == 0
+
+
+def test_a_raw_update_giving_a_delivery_another_workflow_than_its_runs_is_rejected(tenant):
+    columns = valid_columns(tenant)
+    raw_insert(columns)
+    other_workflow = WorkflowFactory(community=tenant.community)
+
+    with (
+        pytest.raises(IntegrityError) as info,
+        pgtrigger.ignore(*HISTORY_GUARDS),
+        transaction.atomic(),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute(
+            "UPDATE buzz_delivery_delivery_record SET workflow_id = %s WHERE community_id = %s AND id = %s",
+            [other_workflow.id, tenant.community.id, columns["id"]],
+        )
+
+    assert refused_by(info.value) == "delivery_run_workflow_same_community"
+    assert deliveries(workflow_id=tenant.workflow.id) == 1
+
+
+def test_a_run_cannot_move_to_another_workflow_under_its_deliveries(tenant):
+    raw_insert(valid_columns(tenant))
+    other_workflow = WorkflowFactory(community=tenant.community)
+
+    with pytest.raises(IntegrityError) as info, transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_delivery_workflow_run SET workflow_id = %s WHERE community_id = %s AND id = %s",
+            [other_workflow.id, tenant.community.id, tenant.run.id],
+        )
+
+    assert refused_by(info.value) == "delivery_run_workflow_same_community"
+    assert deliveries(workflow_id=tenant.workflow.id, run_id=tenant.run.id) == 1
+
+
+def test_commit_refuses_a_binding_whose_workflow_is_not_its_runs_and_writes_nothing(tenant):
+    other_workflow = WorkflowFactory(community=tenant.community)
+    binding = BindingFactory(run=tenant.run, message_event=tenant.event, workflow_id=other_workflow.id)
+
+    with pytest.raises(ValidationError) as info:
+        services.commit_deliveries(tenant.community.id, tenant.event, [binding])
+
+    # One key judges the pair: the error names both fields.
+    assert set(info.value.message_dict) == {"bindings.workflow_id", "bindings.run_id"}
+    assert "no such workflow run of this workflow" in str(info.value)
+    assert deliveries(community_id=tenant.community.id) == 0
+
+
+def test_a_batch_of_messages_refuses_a_binding_whose_workflow_is_not_its_runs_and_writes_nothing(tenant):
+    # The engine's batched sends commit through fanout.commit_messages: one statement for many
+    # messages, the same key judging each binding (the good message is not written either).
+    other_workflow = WorkflowFactory(community=tenant.community)
+    second_event = EventFactory(community=tenant.community)
+    good = BindingFactory(run=tenant.run, message_event=tenant.event)
+    bad = BindingFactory(run=tenant.run, message_event=second_event, workflow_id=other_workflow.id)
+
+    with pytest.raises(ValidationError) as info, transaction.atomic():
+        fanout.commit_messages(tenant.community.id, [fanout.Message([good]), fanout.Message([bad])])
+
+    assert set(info.value.message_dict) == {"messages.workflow_id", "messages.run_id"}
+    assert deliveries(community_id=tenant.community.id) == 0
 
 
 def test_a_run_pointing_at_another_communitys_workflow_is_rejected(tenant, other_tenant):
@@ -407,3 +487,80 @@ def test_deleting_a_run_through_raw_sql_cascades_as_well(community, message_even
         cursor.execute("DELETE FROM buzz_delivery_workflow_run WHERE id = %s", [run.id])
 
     assert deliveries(run_id=run.id) == 0
+
+
+# --- cascades find their deliveries through an index ---------------------------------------
+#
+# No claim or settle is a HOT update, so every index of the record costs an entry on each of
+# them: the record keeps no index a cascade does not need (core 0036 dropped delivery_workflow_idx).
+# Each cascade must still reach its deliveries through an index, never by reading the community:
+# a crowd of other deliveries in the same community, and the cascade may fetch only its own.
+
+CROWD = 2000
+
+
+@pytest.fixture
+def crowded(two_runs_with_deliveries):
+    """``two_runs_with_deliveries`` beside :data:`CROWD` deliveries of another workflow, run and
+    event of the same community, the tables analyzed."""
+    tenant, second_run, second_event = two_runs_with_deliveries
+    crowd_run = WorkflowRunFactory(community=tenant.community, workflow=WorkflowFactory(community=tenant.community))
+    crowd_event = EventFactory(community=tenant.community)
+    insert_delivery_rows(
+        ["id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id",
+         "message_event_id", "cause_kind", "cause_webhook_invocation_id", "max_attempts"],
+        "SELECT gen_random_uuid(), %s, %s, %s, 's' || g, %s, %s, %s, 'webhook', gen_random_uuid(), 3"
+        " FROM generate_series(1, %s) AS g",
+        [tenant.community.id, crowd_run.workflow_id, crowd_run.id, random32(), random32(),
+         bytes(crowd_event.event_id), CROWD],
+    )  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE buzz_delivery_delivery_record")
+        cursor.execute("ANALYZE buzz_delivery_workflow_run")
+    return tenant, second_run, second_event
+
+
+def _record_reads() -> dict[str, int]:
+    """What this transaction has read of the record so far: its sequential scans, the rows its
+    index scans fetched, and the scans of each of its indexes."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT 'seq_scan', pg_stat_get_xact_numscans(c.oid) FROM pg_class c WHERE c.oid = %(t)s::regclass"
+            # Rows fetched by index scans (counted on the index) and bitmap scans (on the table).
+            " UNION ALL SELECT 'idx_tup_fetch', pg_stat_get_xact_tuples_fetched(%(t)s::regclass)"
+            " + (SELECT sum(pg_stat_get_xact_tuples_fetched(i.indexrelid))::bigint"
+            " FROM pg_index i WHERE i.indrelid = %(t)s::regclass)"
+            " UNION ALL SELECT i.indexrelid::regclass::text, pg_stat_get_xact_numscans(i.indexrelid)"
+            " FROM pg_index i WHERE i.indrelid = %(t)s::regclass",
+            {"t": "buzz_delivery_delivery_record"},
+        )
+        return dict(cursor.fetchall())
+
+
+CASCADES = {
+    # what is deleted -> (the DELETE, the deliveries it must delete, the index that finds them)
+    "run": ("buzz_delivery_workflow_run", lambda t, r, e: t.run.id, 2, "delivery_identity_key"),
+    "workflow": ("buzz_delivery_workflow", lambda t, r, e: t.workflow.id, 4, "delivery_identity_key"),
+    "message event": ("buzz_delivery_event", lambda t, r, e: t.event.id, 2, "delivery_message_event_idx"),
+}
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="reads the statistics of one PostgreSQL node (the cascade runs on a shard)")
+@pytest.mark.parametrize(("table", "row", "deleted", "index"), CASCADES.values(), ids=CASCADES.keys())
+def test_a_cascade_finds_exactly_its_deliveries_through_an_index(crowded, table, row, deleted, index):
+    tenant, second_run, second_event = crowded
+    before = deliveries(community_id=tenant.community.id)
+    reads = _record_reads()
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {table} WHERE community_id = %s AND id = %s",
+            [tenant.community.id, row(tenant, second_run, second_event)],
+        )
+    after = _record_reads()
+
+    assert before - deliveries(community_id=tenant.community.id) == deleted
+    assert after["seq_scan"] == reads["seq_scan"], (reads, after)
+    # Its own deliveries only, never the crowd of the community.
+    assert after["idx_tup_fetch"] - reads["idx_tup_fetch"] == deleted, (reads, after)
+    assert after[index] > reads[index], (reads, after)

@@ -47,23 +47,23 @@ def test_the_community_is_distributed_first_and_every_catalog_table_after_it():
 
 @pytest.mark.django_db
 def test_a_constraint_name_with_a_shard_suffix_still_names_its_field(community, message_event, make_binding):
-    """On Citus the violated key is ``delivery_run_same_community_102008``: the services still
+    """On Citus the violated key is ``delivery_run_workflow_same_community_102008``: the services still
     refuse with a ValidationError naming the binding's field, not a raw IntegrityError. On
     PostgreSQL the key is renamed so; on the cluster (which refuses renaming a distributed table's
     constraint) the real violation on the shard carries the suffix, which the test checks."""
     if not CITUS_MODE:
         with connection.cursor() as cursor:
             cursor.execute(
-                "ALTER TABLE buzz_delivery_delivery_record RENAME CONSTRAINT delivery_run_same_community"
-                " TO delivery_run_same_community_102008"
+                "ALTER TABLE buzz_delivery_delivery_record RENAME CONSTRAINT delivery_run_workflow_same_community"
+                " TO delivery_run_workflow_same_community_102008"
             )
     foreign_run = WorkflowRunFactory()  # another community
     with pytest.raises(ValidationError) as info:
         services.commit_deliveries(community.id, message_event, [make_binding(run_id=foreign_run.id)])
-    assert set(info.value.message_dict) == {"bindings.run_id"}
+    assert set(info.value.message_dict) == {"bindings.workflow_id", "bindings.run_id"}  # one key, core 0036
     raw = info.value.__cause__.__cause__  # the driver's error, as the database named the key
     named = getattr(raw.diag, "constraint_name", None) or re.search(r'constraint "([^"]+)"', str(raw)).group(1)
-    assert re.fullmatch(r"delivery_run_same_community_\d{6,}", named), named
+    assert re.fullmatch(r"delivery_run_workflow_same_community_\d{6,}", named), named
     assert not WorkflowAgentDelivery.objects.filter(community_id=community.id).exists()
 
 

@@ -144,6 +144,7 @@ def test_a_stop_signal_ends_claiming_lets_the_in_flight_delivery_settle_and_exit
         "settle_statements",
         "loop_stalls",
         "rate_waits",
+        "hints_dropped",
         "pending_retry",
         "reason",
         "exit_code",

@@ -62,6 +62,19 @@ def poll_seconds_option(text: str) -> float:
     return value
 
 
+def hint_stagger_option(text: str) -> float:
+    """A delivery worker's ``--hint-stagger``: 0 (off) up to ``MAX_HINT_STAGGER`` seconds."""
+    from buzz_delivery.worker.runtime import MAX_HINT_STAGGER
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text[:80]!r}") from None
+    if not 0 <= value <= MAX_HINT_STAGGER:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be within 0..{MAX_HINT_STAGGER:g} seconds, got {text[:80]}")
+    return value
+
+
 def name_option(high: int) -> Callable[[str], str]:
     """A name such as ``--worker-id``: not blank and at most ``high`` characters."""
 

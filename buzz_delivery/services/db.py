@@ -51,20 +51,24 @@ SERVER_BOUND = frozenset(
     }
 )
 
-# Foreign keys and unique keys of the insert path, mapped to the binding field they judge.
-CONSTRAINT_FIELDS = {
-    "delivery_workflow_same_community": ("workflow_id", "no such workflow in this community"),
-    "delivery_run_same_community": ("run_id", "no such workflow run in this community"),
-    "delivery_message_event_same_community": ("message_event", "no such message event in this community"),
-    "buzz_delivery_delive_community_id_a6f14938_fk_buzz_deli": ("community_id", "no such community"),
+# Foreign keys and unique keys of the insert path, mapped to the binding fields they judge.
+CONSTRAINT_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
+    # One key judges the pair (core migration 0036): an unknown run, a run of another community
+    # and a workflow that is not the run's are one violation, so the error names both fields.
+    "delivery_run_workflow_same_community": (
+        ("workflow_id", "run_id"),
+        "no such workflow run of this workflow in this community",
+    ),
+    "delivery_message_event_same_community": (("message_event",), "no such message event in this community"),
+    "buzz_delivery_delive_community_id_a6f14938_fk_buzz_deli": (("community_id",), "no such community"),
     # A run's journal holds one entry per replay key (agents migration 0022): a caller that names
     # a key already spent is refused by field, not with a server error (nothing written).
-    "ag_journal_scope_key": ("index", "the run has a journal entry at this scope and index already"),
+    "ag_journal_scope_key": (("index",), "the run has a journal entry at this scope and index already"),
 }
 
 
 # On Citus a constraint violated on a shard carries the shard's id as a suffix
-# (``delivery_run_same_community_102008``), and an error raised by a trigger on a worker can
+# (``delivery_run_workflow_same_community_102008``), and an error raised by a trigger on a worker can
 # reach the coordinator's client as XX000 with our message intact (SPEC section 15).
 # Shard ids start at 102008 and only grow; a short trailing number (``..._gte_0``) is part of
 # a constraint's own name.
@@ -133,9 +137,10 @@ def translated_errors(field_prefix: str = "") -> Iterator[None]:
     except IntegrityError as exc:
         name = constraint_name(exc)
         if name in CONSTRAINT_FIELDS:
-            field, message = CONSTRAINT_FIELDS[name]
-            key = f"{field_prefix}{field}"
-            raise ValidationError({key: [f"{key}: {message}"]}, code="invalid") from exc
+            fields, message = CONSTRAINT_FIELDS[name]
+            keys = [f"{field_prefix}{field}" for field in fields]
+            text = f"{' and '.join(keys)}: {message}"
+            raise ValidationError({key: [text] for key in keys}, code="invalid") from exc
         raise
     except DatabaseError as exc:
         state = sqlstate_of(exc)

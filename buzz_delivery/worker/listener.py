@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from buzz_delivery.listening import Listener
@@ -33,14 +34,17 @@ class HintInbox:
         self._wake = wake
         self._lock = threading.Lock()
         self._ids: dict[uuid.UUID, Pair] = {}  # insertion-ordered: delivery id -> its pair
+        self._at: dict[uuid.UUID, float] = {}  # delivery id -> when its hint came (monotonic)
         self._poll = False
 
     def put(self, delivery_id: uuid.UUID, pair: Pair) -> None:
         """Queue a hinted delivery id of ``pair`` (beyond MAX_QUEUED_HINTS the dispatcher polls
         instead)."""
+        at = time.monotonic()
         with self._lock:
             if len(self._ids) < MAX_QUEUED_HINTS:
                 self._ids[delivery_id] = pair
+                self._at.setdefault(delivery_id, at)
             else:
                 self._poll = True
         self._wake.set()
@@ -56,8 +60,33 @@ class HintInbox:
         with self._lock:
             ids, poll = list(self._ids.items()), self._poll
             self._ids.clear()
+            self._at.clear()
             self._poll = False
         return ids, poll
+
+    def drain_due(
+        self, held: Collection[Pair], stagger: float, now: float
+    ) -> tuple[list[tuple[uuid.UUID, Pair]], bool, float | None]:
+        """As :meth:`drain`, but the hints of each ``held`` pair stay queued until its oldest one
+        is ``stagger`` seconds old (``now``: monotonic); then all of that pair's hints are taken
+        (one window). Also returns when the first pair still held becomes due (None: none left).
+        Issue 31's hint fan-out: see ``Worker.hints_lost``."""
+        with self._lock:
+            oldest: dict[Pair, float] = {}  # held pair -> its oldest queued hint's arrival
+            for delivery_id, pair in self._ids.items():
+                if pair in held and pair not in oldest:
+                    oldest[pair] = self._at[delivery_id]
+            waiting = {pair: at + stagger for pair, at in oldest.items() if at + stagger > now}
+            ids: list[tuple[uuid.UUID, Pair]] = []
+            for delivery_id, pair in list(self._ids.items()):
+                if pair in waiting:
+                    continue
+                ids.append((delivery_id, pair))
+                del self._ids[delivery_id]
+                del self._at[delivery_id]
+            poll = self._poll
+            self._poll = False
+        return ids, poll, min(waiting.values(), default=None)
 
 
 def hint_keys(pairs: Iterable[Pair]) -> dict[tuple[str, str], Pair]:

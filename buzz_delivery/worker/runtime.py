@@ -26,6 +26,7 @@ import gc
 import inspect
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -126,6 +127,7 @@ SUMMARY_KEYS = (
     "settle_statements",
     "loop_stalls",  # an async handler's loop blocked (buzz_delivery.loopwatch)
     "rate_waits",  # claims held back by the claim rate limit (``rate_key``)
+    "hints_dropped",  # held hints left unclaimed: nothing of their pair was claimable (hint_stagger)
 )
 # Claiming ahead: a claim may wait in the local queue for a free handler thread, for at most
 # this fraction of the lease (and CLAIM_AHEAD_MAX_WAIT seconds) judged by the handlers' recent
@@ -145,6 +147,22 @@ MAX_TASKS = 10_000
 RUN_TIME_WEIGHT = 0.2  # weight of the newest handler run time in its moving average
 # Seconds the settler waits for more results while a batch is short.
 SETTLE_LINGER = 0.002
+# Hint fan-out (issue 31): every worker process listening on a pair hears every hint, so K idle
+# processes made K hinted claims per delivery, K-1 of them empty. A process whose last hinted
+# claim of a pair came back empty (a sibling took the row first) holds that pair's next hints
+# this many seconds, then claims one row of the pair, its oldest claimable one: empty, nothing
+# the held hints name is claimable (a sibling took them within the stagger, or they are
+# scheduled or gone) and they are dropped; won, the sibling missed it (busy, gone), so this
+# process claims the rest and claims the pair's hints at once again. One process then takes a
+# trickle at once and each sibling makes one claim per stagger window, not one per delivery. A
+# delivery a busy or dead sibling left is claimed after the stagger. Any hinted claim that comes
+# back empty holds the pair (a forged hint, one of a delivery committed with not_before, or
+# superseded before its claim): the pair's next deliveries then wait the stagger, never a poll.
+# 0 (the default) turns it off: it cut the claims of 4 idle processes from ~4 to 1.3-2.0 per
+# delivery, but a delivery whose winner is starved waits the stagger, and on a loaded machine
+# the p99s were higher with it (docs/performance.md#hint-fan-out, bench/results/wake-stop54.md).
+DEFAULT_HINT_STAGGER = 0.0
+MAX_HINT_STAGGER = 10.0
 
 # Exit codes of ``run_delivery_worker`` (2 is argparse's bad arguments).
 EXIT_OK = 0
@@ -195,6 +213,9 @@ class WorkerConfig:
     its units first (one per delivery, :mod:`buzz_delivery.services.ratelimits`), so the fleet's
     workers sharing the key claim at most ``limit`` deliveries of a community per ``period``;
     over it, that community's claims wait for the next window (docs/flow-control.md).
+    ``hint_stagger``: seconds (0..10; 0 = off, the default) a pair's hints wait before they are claimed while
+    this worker's last hinted claim of that pair came back empty (a sibling process took the
+    row): see :data:`DEFAULT_HINT_STAGGER`.
     """
 
     community_id: uuid.UUID
@@ -212,6 +233,7 @@ class WorkerConfig:
     name: str = "worker"
     extra_pairs: tuple[Pair, ...] = ()
     rate_key: str | None = None
+    hint_stagger: float = DEFAULT_HINT_STAGGER
 
     def __post_init__(self) -> None:
         # A pair's community as text (any case, with or without hyphens) or its target as a
@@ -232,6 +254,8 @@ class WorkerConfig:
         v.poll_seconds(self.poll_interval, "poll_interval")
         if self.rate_key is not None:
             ratelimits.rate_limit_of(self.rate_key)  # an undeclared key: ValidationError keyed rate_key
+        stagger = v.seconds_in_range(self.hint_stagger, "hint_stagger", 0.0, MAX_HINT_STAGGER)
+        object.__setattr__(self, "hint_stagger", stagger)
 
     @property
     def pairs(self) -> tuple[Pair, ...]:
@@ -310,6 +334,13 @@ class Worker:
         self.rate_resume: float | None = None
         self.rate_windows: dict[uuid.UUID, dt.datetime] = {}  # the window of a claim's units
         self.backlogged: list[Pair] = []  # the pairs whose last poll came back full
+        # Pairs whose last hinted claim came back empty: their hints wait config.hint_stagger
+        # (see DEFAULT_HINT_STAGGER); a pair leaves the set once a claim of its hints wins.
+        self.hint_stagger = config.hint_stagger
+        self.hints_lost: set[Pair] = set()
+        # When a poll of this worker last claimed rows of a pair (monotonic): a hinted claim that
+        # comes back empty soon after may have lost to that poll, not to a sibling.
+        self.polled_at: dict[Pair, float] = {}
         self.stop = stop
         self.wake = threading.Event()
         self.tally = Tally()
@@ -756,10 +787,15 @@ class Worker:
                 if claim is not None:
                     self._start([claim], "hint")
                     won += 1
+                    if self.hints_lost:  # (empty unless hint_stagger: no hashing of the pair per hint)
+                        self.hints_lost.discard((community_id, target_pubkey))
+                elif self.hint_stagger:
+                    self._hint_lost((community_id, target_pubkey))
             self.tally.add("claim_statements", min(len(hinted), room))
             return won, len(hinted) > room
         every_pair = not (hinted and not must_poll) and not (backlog_only and self.backlogged)
-        if hinted and not must_poll:
+        hints_only = bool(hinted) and not must_poll
+        if hints_only:
             pairs = list(dict.fromkeys(pair for _, pair in hinted))
         elif not every_pair:  # any pair a hint named since, then the backlogged pairs
             pairs = list(dict.fromkeys([*(pair for _, pair in hinted), *self.backlogged]))
@@ -793,6 +829,13 @@ class Worker:
             self.tally.add("claim_statements")
             self._start(claims, "poll")
             won += len(claims)
+            if hints_only:  # a claim of these hints' pair: did a sibling take them first?
+                if claims:
+                    self.hints_lost.discard((community_id, target_pubkey))
+                elif self.hint_stagger:
+                    self._hint_lost((community_id, target_pubkey))
+            if claims and self.hint_stagger:
+                self.polled_at[(community_id, target_pubkey)] = time.monotonic()
             if len(claims) == limit:
                 backlog = True
                 full.append((community_id, target_pubkey))
@@ -802,6 +845,64 @@ class Worker:
         # time: a pair that keeps filling the room does not starve the others.
         self.backlogged = [pair for pair in pairs[polled:] if pair not in full] + full
         return won, backlog
+
+    def _hint_lost(self, pair: Pair) -> None:
+        """A hinted claim of ``pair`` came back empty: a sibling took the row, so hold the pair's
+        hints (:attr:`hints_lost`), unless a poll of this worker claimed rows of it within the
+        stagger (the row may be among them: a one-process worker is never held by its own polls)."""
+        if time.monotonic() - self.polled_at.get(pair, -math.inf) > self.hint_stagger:
+            self.hints_lost.add(pair)
+
+    def _sift_held(self, hinted: list[tuple[uuid.UUID, Pair]], room: int) -> tuple[list[tuple[uuid.UUID, Pair]], int]:
+        """Of hints drained while their pair is in :attr:`hints_lost` (the oldest at least
+        ``hint_stagger`` old): claim one delivery of each such pair, its oldest claimable one (a
+        poll of one row). Empty: nothing of that pair is claimable now (a sibling took every row
+        the held hints name, or they are scheduled, or gone), so its held hints are dropped
+        unclaimed, and dropping them delays nothing. Won: the pair leaves :attr:`hints_lost` and
+        its other hints are kept. A pair not claimed (no room left, its community waiting for a
+        lock or a rate window) keeps its hints: they are claimed as hints beyond the room are.
+        Claiming the oldest held hint by its id instead dropped due deliveries behind one that
+        was never claimable (a hint of a delivery committed with ``not_before``, or forged), and
+        those a sibling left (dead or stalled after the oldest), until the next poll. Returns the
+        hints left to claim (the other pairs' too) and the room left."""
+        pairs = list(dict.fromkeys(pair for _, pair in hinted if pair in self.hints_lost))
+        checked: set[Pair] = set()
+        taken: set[uuid.UUID] = set()
+        for pair in pairs:
+            if room <= 0:
+                break
+            community_id, target_pubkey = pair
+            if self.claims_busy and self._claims_wait(community_id):
+                continue  # its last claim waited for a lock; a round polls it once that is over
+            try:
+                if not self._rate_units(community_id, 1):
+                    continue  # its community waits for the next window; the round then polls it
+                claims = services.claim_deliveries(
+                    community_id, target_pubkey, limit=1, lease_seconds=self.lease_seconds, holder=self.holder
+                )
+                self._rate_unused(community_id, 1 - len(claims))
+            except DB_UNAVAILABLE as exc:
+                if not lock_wait_timed_out(exc):
+                    raise
+                self._claim_waited(community_id)
+                continue
+            self.tally.add("claim_statements")
+            checked.add(pair)
+            if claims:
+                self._start(claims, "hint")
+                room -= len(claims)
+                taken.update(claim.lease.delivery_id for claim in claims)
+                self.hints_lost.discard(pair)
+                self.polled_at[pair] = time.monotonic()  # its hint, if not drained yet, lost to this claim
+        kept = [
+            (delivery_id, pair)
+            for delivery_id, pair in hinted
+            if pair not in checked or (pair not in self.hints_lost and delivery_id not in taken)
+        ]
+        dropped = sum(1 for _, pair in hinted if pair in checked and pair in self.hints_lost)
+        if dropped:
+            self.tally.add("hints_dropped", dropped)
+        return kept, room
 
     def _claims_wait(self, community_id: uuid.UUID) -> bool:
         """Whether ``community_id`` is not claimed from now: its last claim waited past the lock
@@ -1010,6 +1111,7 @@ class Worker:
         again until the next full round), else every pair every ``poll_interval``; a hint wakes
         it in between."""
         backlog, next_poll, next_thread_check = True, 0.0, 0.0
+        held_until: float | None = None  # when a hint held back (hints_lost) is due
         with self._lock:
             # Idle from now, not from __init__: starting the threads and the listener can take
             # longer than ``idle_exit`` on a loaded machine, which exited before the first poll.
@@ -1031,7 +1133,7 @@ class Worker:
                     break
             if self._finished_quota():
                 return "max_deliveries"
-            if self._idle_too_long():
+            if held_until is None and self._idle_too_long():  # a held hint's delivery is work to do
                 return "idle_exit"
             if self.renewer.timed_out_count() >= self.config.concurrency:
                 logger.error(
@@ -1040,13 +1142,28 @@ class Worker:
                 )
                 return HANDLERS_HUNG
             room = self._room()
-            hinted, poll_asked = self.inbox.drain() if room else ([], False)
+            held_until = None
+            hinted: list[tuple[uuid.UUID, Pair]]
+            if not room:
+                hinted, poll_asked = [], False
+            elif self.hints_lost:
+                hinted, poll_asked, held_until = self.inbox.drain_due(
+                    self.hints_lost, self.hint_stagger, time.monotonic()
+                )
+            else:
+                hinted, poll_asked = self.inbox.drain()
             round_due = poll_asked or time.monotonic() >= next_poll
             poll_due = backlog or round_due
+            if poll_due and held_until is not None:  # a poll now: it takes the held hints along
+                more, _ = self.inbox.drain()
+                hinted, held_until = hinted + more, None
             if room and (hinted or poll_due):
                 try:
                     with lock_waits_bounded(self.claim_lock_wait_ms):
-                        _, backlog = self._claim(hinted, poll_due, room, backlog_only=not round_due)
+                        if self.hints_lost and not poll_due and hinted:
+                            hinted, room = self._sift_held(hinted, room)
+                        if hinted or poll_due:
+                            _, backlog = self._claim(hinted, poll_due, room, backlog_only=not round_due)
                 except DB_UNAVAILABLE as exc:
                     logger.warning("db_unavailable role=claim error=%s", exc)
                     close_old_connections()
@@ -1061,6 +1178,8 @@ class Worker:
                 if backlog:
                     continue
             timeout = max(next_poll - time.monotonic(), 0.0) if room else self.config.poll_interval
+            if held_until is not None:
+                timeout = min(timeout, max(held_until - time.monotonic(), 0.0))
             if self.config.idle_exit is not None:
                 timeout = min(timeout, self.config.idle_exit)
             self.wake.wait(min(timeout, SIGNAL_CHECK_SECONDS))

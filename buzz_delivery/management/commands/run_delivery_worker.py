@@ -27,6 +27,7 @@ from buzz_delivery.management.base import StrictOptionsCommand, ensure_console_l
 from buzz_delivery.management.options import (
     community_target,
     fraction,
+    hint_stagger_option,
     int_in,
     lease_seconds_option,
     poll_seconds_option,
@@ -40,7 +41,7 @@ from buzz_delivery.services import validation as v
 from buzz_delivery.services.validation import MAX_POLL_SECONDS
 from buzz_delivery.worker import EXIT_OK, WorkerConfig, load_handler, run_worker, summary_line
 from buzz_delivery.worker.registry import Heartbeat
-from buzz_delivery.worker.runtime import SUMMARY_KEYS
+from buzz_delivery.worker.runtime import DEFAULT_HINT_STAGGER, SUMMARY_KEYS
 
 HELP_TEMPLATE = """Run the agent side for a community and target: claim the oldest pending deliveries
 (woken early by NOTIFY hints), call the handler, renew each lease in the background, settle.
@@ -172,6 +173,15 @@ class Command(StrictOptionsCommand):
             "per delivery), so the workers sharing it claim at most its limit per period.",
         )
         parser.add_argument(
+            "--hint-stagger",
+            type=hint_stagger_option,
+            default=DEFAULT_HINT_STAGGER,
+            help="Seconds (0..10; default 0 = off) a pair's wake hints wait before they are claimed while this "
+            "worker's last hinted claim of that pair came back empty (another process took the row): "
+            "one process takes a trickle at once, the others claim a window of hints with one statement "
+            "(docs/performance.md#hint-fan-out).",
+        )
+        parser.add_argument(
             "--renew-fraction",
             type=fraction,
             default=1 / 3,
@@ -210,6 +220,7 @@ class Command(StrictOptionsCommand):
                 max_deliveries=options["max_deliveries"],
                 idle_exit=options["idle_exit"],
                 renew_fraction=options["renew_fraction"],
+                hint_stagger=options["hint_stagger"],
                 handler_timeout=options["handler_timeout"],
                 shutdown_grace=options["shutdown_grace"],
                 name=options["name"],
