@@ -155,3 +155,48 @@ def test_a_plain_handler_that_leaves_a_transaction_open_fails_its_run_transactio
     run = AgentRun.objects.get(id=run_id)
     assert (run.state, run.failure_code) == ("failed", "transaction_left_open")
     assert "autocommit was left off" in run.failure_message
+
+
+async def leaves_outside_any_call(ctx):
+    """An async handler that runs plain code on ``ctx.tool_threads`` itself, outside any call
+    (the first community's run leaves ``input['leave']`` there), then one call that only looks."""
+    if ctx.input["first"]:
+        args = {"leave": ctx.input["leave"], "community": str(ctx.lease.community_id)}
+        try:
+            await asyncio.get_running_loop().run_in_executor(ctx.tool_threads, look_then_leave, args, "")
+        except Exception as exc:  # (what the thread's code left open, raised to the handler)
+            return {"failed": str(exc)}
+    return [await _call(ctx, "nothing")]
+
+
+@pytest.mark.parametrize("leave", ["session", "transaction"])
+def test_what_code_on_tool_threads_outside_any_call_leaves_never_reaches_another_community_s_call(community, leave):
+    """``ctx.tool_threads`` is the user threads every community's runs share: a thread a handler
+    starts there outside any call runs in its run's community too, cleaned after it."""
+    other = CommunityFactory()
+    first = intake_event(community.id, "test", "o1", {"leave": leave, "first": True, "via": "plain_tool"}, AGENT)
+    then = intake_event(other.id, "test", "o2", {"leave": leave, "first": False, "via": "plain_tool"}, AGENT)
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=leaves_outside_any_call,
+            agents=[AGENT],
+            communities=[community.id, other.id],
+            exit_when_idle=True,
+            poll_seconds=0.1,
+            lease_seconds=15,
+            in_flight=1,  # one user thread: the other community's call runs on the same connection
+            connections=1,
+            worker_id="aio-hygiene",
+        )
+    )
+    counts = worker.run()
+    assert counts["completed"] == 2, counts
+    # Without the scope and clean-up around it, the other community's call saw the TEMP table
+    # (holding the first community's id) and the setting, or ran inside the transaction left
+    # open (autocommit off: its writes never committed, nothing judged).
+    assert AgentRun.objects.get(id=then.run_id).output == [{"seen": clean()}]
+    output = AgentRun.objects.get(id=first.run_id).output
+    if leave == "transaction":
+        assert "transaction_left_open" in output["failed"]
+    else:
+        assert output == [{"seen": clean()}]

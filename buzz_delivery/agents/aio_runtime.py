@@ -159,6 +159,7 @@ def plain_user_code(used: UsedConnections, community_id: Any, fn: Callable[..., 
     :class:`LeftTransactionOpen` raised in place of its result (chained to what it raised)."""
     used.note()
     call = UserCode(community_id)
+    token = _RUN_COMMUNITY.set(community_id)
     try:
         with call:
             result = fn(*args)
@@ -166,6 +167,8 @@ def plain_user_code(used: UsedConnections, community_id: Any, fn: Callable[..., 
         if call.left_open is None:
             raise
         raise LeftTransactionOpen(_left_open_text(call.left_open)) from exc
+    finally:
+        _RUN_COMMUNITY.reset(token)
     if call.left_open is not None:
         raise LeftTransactionOpen(_left_open_text(call.left_open))
     return result
@@ -180,6 +183,7 @@ async def async_user_code(community_id: Any, fn: Callable[..., Awaitable[T]], *a
     :class:`LeftTransactionOpen` (unless the code stopped on the runtime's own account: a park,
     a lost run, a cancel)."""
     call = AsyncUserCode(community_id)
+    token = _RUN_COMMUNITY.set(community_id)
     try:
         with call:
             result = await fn(*args)
@@ -187,9 +191,16 @@ async def async_user_code(community_id: Any, fn: Callable[..., Awaitable[T]], *a
         if call.left_open is None or _runtime_stop(exc) is not None:
             raise
         raise LeftTransactionOpen(_left_open_text(call.left_open)) from exc
+    finally:
+        _RUN_COMMUNITY.reset(token)
     if call.left_open is not None:
         raise LeftTransactionOpen(_left_open_text(call.left_open))
     return result
+
+
+# The community of the run whose user code (handler, tool, hook, compensation) this code runs
+# in: set by plain_user_code and async_user_code, for CallThreads outside any call.
+_RUN_COMMUNITY: contextvars.ContextVar[Any] = contextvars.ContextVar("buzz_agents_run_community", default=None)
 
 
 def _left_open_text(left_open: str) -> str:
@@ -216,7 +227,8 @@ class CallThreads(Executor):
     call's task (a sibling tool raising) lands the call only once its thread ends, not while
     the tool may still make its effect. Its threads are the runtime's user executor's; what
     one runs for a call runs as :func:`plain_user_code` in the call's run's community (outside
-    any call, as it is)."""
+    any call, in the community of the run whose code submits it: a handler's own threads share
+    these with every community's calls too; submitted from no run's code, as it is)."""
 
     def __init__(self, inner: Executor, used: UsedConnections) -> None:
         self._inner = inner
@@ -224,10 +236,10 @@ class CallThreads(Executor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         inside = _IN_CALL.get()
-        if inside is None:
+        community = _RUN_COMMUNITY.get() if inside is None else inside[0].lease.community_id
+        if community is None:
             future = self._inner.submit(fn, *args, **kwargs)
         else:
-            community = inside[0].lease.community_id
             future = self._inner.submit(plain_user_code, self._used, community, functools.partial(fn, **kwargs), *args)
         outliving = _OUTLIVING.get()
         if outliving is not None:
