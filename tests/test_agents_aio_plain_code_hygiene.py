@@ -200,3 +200,35 @@ def test_what_code_on_tool_threads_outside_any_call_leaves_never_reaches_another
         assert "transaction_left_open" in output["failed"]
     else:
         assert output == [{"seen": clean()}]
+
+
+def parks_with_autocommit_off(ctx) -> dict:
+    """A plain handler that asks for an approval (the run parks: the bridge raises the park
+    through it) with a transaction of its own left open."""
+    transaction.set_autocommit(False)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    return ctx.request_approval("ok?", 600)
+
+
+def test_a_plain_handler_parked_with_a_transaction_left_open_is_counted_parked_not_failed(community):
+    """The park (the runtime's own stop, as a lost run's) passes through unchanged: the run
+    waits for its approval. As the async handlers' (aio_runtime.async_user_code)."""
+    run_id = intake_event(community.id, "test", "p", {}, AGENT).run_id
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=parks_with_autocommit_off,
+            agents=[AGENT],
+            communities=[community.id],
+            exit_when_idle=True,
+            poll_seconds=0.1,
+            lease_seconds=15,
+            in_flight=1,
+            connections=1,
+            worker_id="aio-hygiene",
+        )
+    )
+    counts = worker.run()
+    run = AgentRun.objects.get(id=run_id)
+    assert run.state == "waiting_approval", (counts, run.state, run.failure_code)
+    assert (counts.get("parked"), counts.get("lost", 0), counts.get("failed", 0)) == (1, 0, 0), counts

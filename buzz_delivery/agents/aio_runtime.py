@@ -164,8 +164,8 @@ def plain_user_code(used: UsedConnections, community_id: Any, fn: Callable[..., 
         with call:
             result = fn(*args)
     except BaseException as exc:
-        if call.left_open is None:
-            raise
+        if call.left_open is None or _runtime_stop(exc) is not None:
+            raise  # (a park, a lost run through a plain handler's bridge: as async_user_code's)
         raise LeftTransactionOpen(_left_open_text(call.left_open)) from exc
     finally:
         _RUN_COMMUNITY.reset(token)
