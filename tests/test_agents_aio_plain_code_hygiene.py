@@ -232,3 +232,45 @@ def test_a_plain_handler_parked_with_a_transaction_left_open_is_counted_parked_n
     run = AgentRun.objects.get(id=run_id)
     assert run.state == "waiting_approval", (counts, run.state, run.failure_code)
     assert (counts.get("parked"), counts.get("lost", 0), counts.get("failed", 0)) == (1, 0, 0), counts
+
+
+def slow_and_leaves_open(args: dict, key: str) -> dict:
+    transaction.set_autocommit(False)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_sleep(0.5)")
+    return {"ok": True}
+
+
+async def times_out_on_a_left_open_call(ctx):
+    try:
+        async with asyncio.timeout(0.1):
+            await ctx.call("slow", slow_and_leaves_open, {})
+    except TimeoutError:
+        timed_out = True
+    task = asyncio.current_task()
+    assert task is not None
+    return [{"timed_out": timed_out, "cancelling": task.cancelling()}, await _call(ctx, "nothing")]
+
+
+def test_a_timeout_around_a_plain_call_that_leaves_a_transaction_open_is_a_timeout_and_recorded_failed(community):
+    """``asyncio.timeout()`` around the call still raises TimeoutError (the cancel count back at
+    0), and the call, landed once its thread ends, is recorded failed transaction_left_open."""
+    run_id = intake_event(community.id, "test", "to", {"via": "plain_tool"}, AGENT).run_id
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=times_out_on_a_left_open_call,
+            agents=[AGENT],
+            communities=[community.id],
+            exit_when_idle=True,
+            poll_seconds=0.1,
+            lease_seconds=15,
+            in_flight=1,
+            connections=1,
+            worker_id="aio-hygiene",
+        )
+    )
+    counts = worker.run()
+    assert counts["completed"] == 1, counts
+    assert AgentRun.objects.get(id=run_id).output == [{"timed_out": True, "cancelling": 0}, {"seen": clean()}]
+    entry = JournalEntry.objects.get(run_id=run_id, tool_name="slow")
+    assert entry.status == "failed" and "transaction_left_open" in entry.error, (entry.status, entry.error)
