@@ -17,7 +17,8 @@ puts the connection back as the runtime expects it:
   delivery or step with :data:`TRANSACTION_LEFT_OPEN`;
 - session state (``SET statement_timeout``, ``SET search_path``, ``SET ROLE``, temporary
   tables, session advisory locks, ``LISTEN``, prepared statements, cursors): after a call that
-  ran such a statement through Django (:data:`SESSION_STATEMENT`), ``DISCARD ALL`` (what poolers
+  ran such a statement through Django (:data:`SESSION_STATEMENT`, or any statement on a
+  server-side cursor: the ORM's ``.iterator()``), ``DISCARD ALL`` (what poolers
   run between clients) and Django's time zone again. The call's own work stands (it
   committed); only the session is cleaned. (A statement sent on the raw psycopg connection,
   past Django's cursor, is not seen: its transaction is still judged, its session is not.)
@@ -171,7 +172,13 @@ class UserCode(_Guard):
         self.left_open: str | None = None
 
     def _watch(self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any) -> Any:
-        if not self.session_touched and SESSION_STATEMENT.search(sql if isinstance(sql, str) else str(sql)):
+        # A server-side cursor (the ORM's ``.iterator()``) is session state too: declared WITH
+        # HOLD outside a transaction, it outlives the call while anything keeps it, its rows
+        # read in this call's scope, visible by name (``pg_cursors``) to the next call here.
+        if not self.session_touched and (
+            isinstance(getattr(context.get("cursor"), "cursor", None), psycopg.ServerCursor)
+            or SESSION_STATEMENT.search(sql if isinstance(sql, str) else str(sql))
+        ):
             self.session_touched = True
         return execute(sql, params, many, context)
 

@@ -274,3 +274,58 @@ def test_a_timeout_around_a_plain_call_that_leaves_a_transaction_open_is_a_timeo
     assert AgentRun.objects.get(id=run_id).output == [{"timed_out": True, "cancelling": 0}, {"seen": clean()}]
     entry = JournalEntry.objects.get(run_id=run_id, tool_name="slow")
     assert entry.status == "failed" and "transaction_left_open" in entry.error, (entry.status, entry.error)
+
+
+_KEPT: list = []  # what a tool keeps past its call (an iterator still reading: its cursor stays open)
+
+
+def reads_with_an_iterator_or_looks(args: dict, key: str) -> dict:
+    """The first community's tool leaves a server-side cursor (``.iterator()``, WITH HOLD outside
+    a transaction) open, half read; the other's lists and reads what cursors its connection has."""
+    if args["keep"]:
+        rows = AgentRun.objects.values_list("community_id", flat=True).iterator(chunk_size=1)
+        next(rows)
+        _KEPT.append(rows)
+        return {"kept": True}
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_cursors")
+        names = [name for (name,) in cursor.fetchall()]
+        read = []
+        for name in names:
+            cursor.execute(f'FETCH ALL FROM "{name}"')
+            read += [str(c) for (c,) in cursor.fetchall()]
+    return {"cursors": names, "read": read}
+
+
+async def keeps_a_cursor_or_looks(ctx):
+    args = {"keep": ctx.input["keep"]}
+    return await ctx.call("cursor", reads_with_an_iterator_or_looks, args)
+
+
+def test_a_server_side_cursor_a_plain_tool_leaves_open_is_closed_before_another_community_s_call(community):
+    """An ORM ``.iterator()`` declares a server-side cursor (WITH HOLD: its rows, the first
+    community's, kept past the transaction); a tool that keeps it past its call (a reference,
+    an exception's traceback in a cycle) left it on the shared connection: the next call there,
+    another community's, found it in ``pg_cursors`` and read the first community's rows from it."""
+    other = CommunityFactory()
+    intake_event(community.id, "test", "keep", {"keep": True}, AGENT)
+    looks = intake_event(other.id, "test", "look", {"keep": False}, AGENT).run_id
+    _KEPT.clear()
+    worker = AsyncAgentWorker(
+        AsyncWorkerConfig(
+            handler=keeps_a_cursor_or_looks,
+            agents=[AGENT],
+            communities=[community.id, other.id],
+            exit_when_idle=True,
+            poll_seconds=0.1,
+            lease_seconds=15,
+            in_flight=1,
+            connections=1,
+            worker_id="aio-hygiene",
+        )
+    )
+    try:
+        worker.run()
+    finally:
+        _KEPT.clear()
+    assert AgentRun.objects.get(id=looks).output == {"cursors": [], "read": []}
