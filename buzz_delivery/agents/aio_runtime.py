@@ -81,8 +81,10 @@ from buzz_delivery.agents.runtime import (
     RATE_WAIT_SLICE_SECONDS,
     Context,
     RatePlan,
+    ended_by,
     failure_code_of,
     failure_message_of,
+    parked_turn,
     ratelimits_plan,
 )
 from buzz_delivery.agents.services import batch
@@ -104,7 +106,8 @@ QUIET_HOLD_SECONDS = 0.5
 
 
 class _Parked(Exception):
-    """Internal: the run parked on an approval; the handler stops here."""
+    """Internal: the run parked on an approval; the handler stops here. Swallowed by the handler
+    (``except Exception`` around the park), the runtime judges by ``AsyncContext.parked``."""
 
 
 class Runtime:
@@ -205,6 +208,7 @@ class AsyncContext:
         self._cancelled = threading.Event()
         self.reason = ""
         self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
+        self.parked: Any = None  # the approval this turn parked on, once written (Context.parked)
         self._positions = journal_scope.Positions()  # each scope's last call (docs/agents.md "Resume")
         self._journal: dict[tuple[str, int], JournalEntry] | None = None
         if journal is not None:
@@ -271,6 +275,8 @@ class AsyncContext:
             self._cancelled.set()
 
     def _check(self) -> None:
+        if self.parked is not None:  # the park was swallowed: nothing more under a released lease
+            raise _Parked(self.parked)
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
@@ -863,6 +869,7 @@ class AsyncContext:
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
         if isinstance(outcome, s.ApprovalRequested):
+            self.parked = outcome.approval_id
             raise _Parked(outcome.approval_id)
         if isinstance(outcome, s.BudgetExceeded):
             raise BudgetExhausted(f"{outcome.budget} budget exhausted")
@@ -1096,6 +1103,8 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         output = await _invoke(handler, ctx)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt... from user code: this run fails alone
         stop = _runtime_stop(exc)
+        if stop != "parked" and ctx.parked is not None:  # the park written, swallowed on its way
+            return parked_turn(ctx.lease, ctx.parked, ended_by(exc))
         if stop == "parked":
             if isinstance(exc, BaseExceptionGroup):
                 others = [leaf for leaf in _leaves(exc) if not isinstance(leaf, _Parked)]
@@ -1126,6 +1135,8 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
+    if ctx.parked is not None:  # it returned after swallowing its park: the run waits all the same
+        return parked_turn(ctx.lease, ctx.parked, ended_by(None))
     # A call the handler started in a task of its own and did not await is recorded first
     # (completed under it, its result could never be recorded, and with it alone in flight the
     # run is not 'running': the completion was refused, the run run again); the completion is

@@ -154,7 +154,9 @@ def ratelimits_plan(rate_key: str | None, weight: Any) -> RatePlan | None:
 
 
 class _Parked(Exception):
-    """Internal: the run parked on an approval; the handler stops here."""
+    """Internal: the run parked on an approval; the handler stops here. A handler (or a framework
+    in it) that catches ``Exception`` around the park swallows it: the runtime judges by its own
+    record (``Context.parked``) instead, so the turn still ends ``parked``."""
 
 
 class Context:
@@ -179,6 +181,9 @@ class Context:
         }
         self.replayed = 0
         self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
+        # The approval this turn parked on, once written: every later call raises _Parked again
+        # and the turn ends parked, whatever the handler does after (it may catch _Parked).
+        self.parked: Any = None
         self.lane: UserConnection | None = None  # set by run_claim: the user's connection
         self._journaling = threading.Lock()  # parallel ctx.call: one journal write at a time
         # Calls of this handler journaled (or being journaled) and not yet recorded: an approval
@@ -242,6 +247,8 @@ class Context:
             self._cancelled.set()
 
     def _check(self) -> None:
+        if self.parked is not None:  # the park was swallowed: nothing more under a released lease
+            raise _Parked(self.parked)
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
@@ -572,6 +579,7 @@ class Context:
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
         if isinstance(outcome, s.ApprovalRequested):
+            self.parked = outcome.approval_id
             raise _Parked(outcome.approval_id)
         if isinstance(outcome, s.BudgetExceeded):
             raise BudgetExhausted(f"{outcome.budget} budget exhausted")
@@ -698,14 +706,14 @@ def _run_claim(
     try:
         with lane, call:
             output = handler(ctx)
-    except _Parked:
-        return "parked"
-    except RunAborted:
-        return "lost"
     except BaseException as exc:  # SystemExit, KeyboardInterrupt, CancelledError...: this run's end
-        if ctx.lost.is_set():
+        if ctx.parked is not None:
+            return parked_turn(ctx.lease, ctx.parked, None if isinstance(exc, _Parked) else ended_by(exc))
+        if isinstance(exc, RunAborted) or ctx.lost.is_set():
             return "lost"
         failure = (failure_code_of(exc), failure_message_of(exc))
+    if ctx.parked is not None:
+        return parked_turn(ctx.lease, ctx.parked, ended_by(None))
     if ctx.lost.is_set():
         return "lost"
     if call.left_open is not None:
@@ -741,6 +749,27 @@ def _run_claim(
     if isinstance(failed, s.Unwinding):
         return unwind(ctx.lease, failed.seqs, lane)
     return "failed" if isinstance(failed, s.Finished) else "lost"
+
+
+def parked_turn(lease: s.AgentLease, approval_id: Any, ended: str | None) -> str:
+    """``parked``: the turn of a run whose park was written ends parked, judged by the runtime's
+    record, not by ``_Parked`` reaching it. A handler that caught it (``except Exception`` around
+    the park, a framework's tool wrapper, a retry library) and then ``ended`` otherwise
+    (``returned``, ``raised ...``) is logged ``park_swallowed``; its output or error is dropped
+    (the run waits for its approval, its lease released: nothing more is written under it)."""
+    if ended is not None:
+        logger.warning(
+            "park_swallowed run=%s approval=%s: the handler caught the park and %s; the run stays parked",
+            lease.run_id,
+            approval_id,
+            ended,
+        )
+    return "parked"
+
+
+def ended_by(exc: BaseException | None) -> str:
+    """How a handler that swallowed its park ended, for ``park_swallowed``."""
+    return "returned" if exc is None else f"raised {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _complete(ctx: Context, output: Any) -> Any:
