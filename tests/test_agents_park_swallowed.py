@@ -1,5 +1,6 @@
-"""A handler that catches ``Exception`` around the call that parks its run (its own ``try``, a
-framework's tool wrapper, a retry library): the park is written (the run ``waiting_approval``,
+"""A handler that catches the park around the call that parks its run (a bare ``except``, a
+framework's tool wrapper catching ``BaseException``; ``except Exception`` did too while
+``_Parked`` was an ``Exception``, a retry library retrying it): the park is written (the run ``waiting_approval``,
 its lease released, a person asked), but ``_Parked`` never reaches the runtime.
 
 Before, the runtime judged by the exception alone: the handler going on and returning (or
@@ -37,7 +38,7 @@ def after_swallowing(mode: str, ctx, seen: list[str]):
             ctx.call("after", lambda args, key: {"n": args["n"]}, {"n": 1})
         elif mode == "emits":
             ctx.emit("after the park")
-    except Exception as exc:
+    except BaseException as exc:
         seen.append(type(exc).__name__)
     return {"went_on": True}
 
@@ -46,7 +47,7 @@ def sync_handler(mode: str, seen: list[str]):
     def handler(ctx):
         try:
             decision = ctx.request_approval("ship?", 600)
-        except Exception as exc:  # the framework around the tool that parked
+        except BaseException as exc:  # a wrapper that catches everything (a bare except)
             seen.append(type(exc).__name__)
             return after_swallowing(mode, ctx, seen)
         return {"decision": decision["decision"]}
@@ -58,7 +59,7 @@ def async_handler(mode: str, seen: list[str]):
     async def handler(ctx):
         try:
             decision = await ctx.request_approval("ship?", 600)
-        except Exception as exc:
+        except BaseException as exc:
             seen.append(type(exc).__name__)
             if mode == "raises":
                 raise ValueError("went on after the park") from None
@@ -67,7 +68,7 @@ def async_handler(mode: str, seen: list[str]):
                     await ctx.call("after", lambda args, key: {"n": args["n"]}, {"n": 1})
                 elif mode == "emits":
                     await ctx.emit("after the park")
-            except Exception as later:
+            except BaseException as later:
                 seen.append(type(later).__name__)
             return {"went_on": True}
         return {"decision": decision["decision"]}
@@ -119,3 +120,31 @@ def test_loop_runtime_a_swallowed_park_ends_the_turn_parked(community, mode, for
         assert again.get("completed") == 1, again
 
     assert_parked_and_resumes(community, run_id, seen, mode, resume)
+
+
+def test_a_retry_library_does_not_retry_a_park(community):
+    """tenacity retries ``Exception`` by default (for ever, with its default ``stop``): a park that
+    was one was asked again and again (each time refused) until its ``stop``. A park is a
+    ``BaseException`` now, as ``asyncio.CancelledError`` is: passed through at once, not retried."""
+    import tenacity
+
+    run_id = new_run(community.id)
+    attempts: list[int] = []
+
+    def handler(ctx):
+        @tenacity.retry(stop=tenacity.stop_after_attempt(5))
+        def ask():
+            attempts.append(1)
+            return ctx.request_approval("ship?", 600)
+
+        return {"decision": ask()["decision"]}
+
+    (claimed,) = claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    assert run_claim(claimed, handler) == "parked"
+    assert len(attempts) == 1, attempts
+    run = AgentRun.objects.get(id=run_id)
+    decide_approval(community.id, run.approval_id, "approved", "alice")
+    (again,) = claim_agent_runs(community.id, [AGENT], worker_id="w2", lease_seconds=30)
+    assert run_claim(again, handler) == "completed"
+    run.refresh_from_db()
+    assert run.output == {"decision": "approved"}

@@ -105,9 +105,10 @@ T = TypeVar("T")
 QUIET_HOLD_SECONDS = 0.5
 
 
-class _Parked(Exception):
-    """Internal: the run parked on an approval; the handler stops here. Swallowed by the handler
-    (``except Exception`` around the park), the runtime judges by ``AsyncContext.parked``."""
+class _Parked(BaseException):
+    """Internal: the run parked on an approval; the handler stops here. A ``BaseException`` (as
+    the thread runtime's); caught by the handler all the same, the runtime judges by its own
+    record (``AsyncContext.parked``): the turn ends ``parked``."""
 
 
 class Runtime:

@@ -153,10 +153,11 @@ def ratelimits_plan(rate_key: str | None, weight: Any) -> RatePlan | None:
     return RatePlan(spec=spec, before=ratelimits.check_weight(weight, spec), after=None)
 
 
-class _Parked(Exception):
-    """Internal: the run parked on an approval; the handler stops here. A handler (or a framework
-    in it) that catches ``Exception`` around the park swallows it: the runtime judges by its own
-    record (``Context.parked``) instead, so the turn still ends ``parked``."""
+class _Parked(BaseException):
+    """Internal: the run parked on an approval; the handler stops here. A ``BaseException``, as
+    ``asyncio.CancelledError`` is: ``except Exception`` around the park (a tool wrapper, a retry
+    library) lets it through. One that still catches it cannot unpark the run: the runtime judges
+    by its own record (``Context.parked``), so the turn ends ``parked`` (docs/agents.md)."""
 
 
 class Context:
