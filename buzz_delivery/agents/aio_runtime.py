@@ -358,8 +358,8 @@ class AsyncContext:
                         None, scope, index, tool_name, args, compensate, cost, destructive
                     )
                     flight = self._take_off(getattr(outcome, "seq", 0))
-            except (RunAborted, asyncio.CancelledError) as exc:
-                # Nothing journaled (lost or cancelled before its write, or its write withdrawn
+            except (RunAborted, _Parked, asyncio.CancelledError) as exc:
+                # Nothing journaled (lost, parked or cancelled before its write, or its write withdrawn
                 # as its task was cancelled), unless the run was lost as its write was out: then
                 # whether it was written is not known (a resumed run may make it): units spent.
                 if not sent or (isinstance(exc, asyncio.CancelledError) and not self.lost.is_set()):

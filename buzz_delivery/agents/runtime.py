@@ -333,8 +333,8 @@ class Context:
             with self._journaling:
                 try:
                     self._check()
-                except RunAborted:
-                    self._give_back(rate, granted)  # lost during the take: nothing journaled
+                except (RunAborted, _Parked):  # lost, or parked by another thread, during the take
+                    self._give_back(rate, granted)  # nothing journaled: its units go back
                     raise
                 outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
                 self._calls.enter(getattr(outcome, "seq", 0))
