@@ -729,27 +729,42 @@ def _run_claim(
     # before the effect, which stayed).
     try:
         ctx._await_calls()
-    except RunAborted:
-        return "lost"
+    except (RunAborted, _Parked):  # _Parked: a thread the handler left parked the run meanwhile
+        return _unless_parked(ctx)
     if failure is None:
         try:
             done = _complete(ctx, output)
         except ValidationError as exc:  # not storable JSON: this run's failure, never the worker's
             failure = _unstorable(output, exc)
-        except RunAborted:
-            return "lost"
+        except (RunAborted, _Parked):
+            return _unless_parked(ctx)
         else:
             if isinstance(done, s.CallsInFlight):  # never recorded: failed (uncertain), not lost
                 seqs = ", ".join(map(str, done.seqs))
                 failure = ("calls_in_flight", f"call(s) {seqs} of this run were never recorded; cannot complete")
             else:
-                return "completed" if isinstance(done, s.Finished) else "lost"
+                return "completed" if isinstance(done, s.Finished) else _unless_parked(ctx)
     code, message = failure
     ctx.failure_code = code
     failed = _settle(s.fail_run, ctx.lease, code, message)
     if isinstance(failed, s.Unwinding):
         return unwind(ctx.lease, failed.seqs, lane)
-    return "failed" if isinstance(failed, s.Finished) else "lost"
+    return "failed" if isinstance(failed, s.Finished) else _unless_parked(ctx)
+
+
+def _unless_parked(ctx: Context) -> str:
+    """``lost``, or ``parked`` when a thread the handler left behind parked the run after the
+    handler ended (the turn's completion or failure was then refused, or its wait for that
+    thread's calls met the park): never ``_Parked`` out of :func:`run_claim` (into the worker's
+    loop, which it stopped), never a parked run counted lost."""
+    if ctx.parked is None:
+        return "lost"
+    logger.info(
+        "parked_after_handler run=%s approval=%s: a thread the handler left parked the run",
+        ctx.lease.run_id,
+        ctx.parked,
+    )
+    return "parked"
 
 
 def parked_turn(lease: s.AgentLease, approval_id: Any, ended: str | None) -> str:
