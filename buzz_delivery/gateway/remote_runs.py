@@ -835,6 +835,20 @@ def _parked_turn(lease: Any, approval_id: Any, ended: str | None) -> str:
     return "parked"
 
 
+def _unless_parked(ctx: Any, outcome: str) -> str:
+    """``outcome``, or ``parked`` when it is ``lost`` because a thread the handler left behind
+    parked the run after the handler ended (the turn's end refused, or its wait for that thread's
+    calls met the park): never ``_Parked`` out of :func:`run_remote_claim`, never a parked run
+    counted lost (as the in-process runtime's ``_unless_parked``)."""
+    parked = getattr(ctx, "parked", None)
+    if outcome != "lost" or parked is None:
+        return outcome
+    logger.info(
+        "parked_after_handler run=%s approval=%s: a thread the handler left parked the run", ctx.lease.run_id, parked
+    )
+    return "parked"
+
+
 def _ended_by(exc: BaseException) -> str:
     return f"raised {type(exc).__name__}: {describe(exc)[:200]}"
 
@@ -874,14 +888,14 @@ def run_remote_claim(
         # call was marked uncertain and compensated while the tool still ran.
         try:
             ctx._await_calls()
-        except RunAborted:
-            return "lost"
+        except (RunAborted, _Parked):  # _Parked: a thread the handler left parked the run meanwhile
+            return _unless_parked(ctx, "lost")
         if isinstance(exc, RemoteRunError):
             code = failure_code(exc.failure_code, "handler_error")
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
         ctx.failure_code = code
-        return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
+        return _unless_parked(ctx, _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher))
     parked = getattr(ctx, "parked", None)
     if parked is not None:  # it returned after swallowing its park: the run waits all the same
         return _parked_turn(lease, parked, "returned")
@@ -890,8 +904,8 @@ def run_remote_claim(
     # the run is not 'running': the completion was refused, the run run again).
     try:
         ctx._await_calls()
-    except RunAborted:
-        return "lost"
+    except (RunAborted, _Parked):
+        return _unless_parked(ctx, "lost")
     if ctx.lost.is_set():
         return "lost"
     problem = _unstorable_output(output)
@@ -915,13 +929,13 @@ def run_remote_claim(
             ctx.failure_code = "output_refused"
             return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
         if done.outcome != "calls_in_flight":
-            return "completed" if done.outcome == "finished" else "lost"
+            return "completed" if done.outcome == "finished" else _unless_parked(ctx, "lost")
         if time.monotonic() > settle:
             break
         try:
             ctx._await_calls()
-        except RunAborted:
-            return "lost"
+        except (RunAborted, _Parked):
+            return _unless_parked(ctx, "lost")
         if ctx.lost.wait(APPROVAL_RETRY_SECONDS):
             return "lost"
     ctx.failure_code = "calls_in_flight"

@@ -107,3 +107,45 @@ def test_a_retry_library_does_not_retry_a_remote_park(gateway_server):
     assert _turn(agent, handler) == "parked"
     assert len(attempts) == 1, attempts
     _approve_and_resume(community, agent, run_id, handler)
+
+
+def test_a_park_of_a_thread_the_remote_handler_left_ends_the_turn_parked(gateway_server, monkeypatch):
+    """As tests/test_agents_park_after_return.py: a thread the handler left behind parks the run
+    after the handler returned. Its completion (the real request, sent once the park is written)
+    was refused and the parked run counted ``lost``."""
+    import threading
+    import time
+
+    _community, agent, run_id = _run(gateway_server)
+    step: dict = {"ending": threading.Event()}
+    real = agent.complete_run
+
+    def complete_run(lease, output):
+        step["ending"].set()
+        deadline = time.monotonic() + 20
+        while step["ctx"].parked is None:
+            assert time.monotonic() < deadline, "the leftover thread never parked"
+            time.sleep(0.01)
+        return real(lease, output)
+
+    monkeypatch.setattr(agent, "complete_run", complete_run)
+
+    def handler(ctx):
+        def leftover():
+            try:
+                assert step["ending"].wait(20)
+                ctx.request_approval("ship?", 600)
+            except BaseException as exc:
+                step["raised"] = type(exc).__name__
+
+        step["thread"] = threading.Thread(target=leftover, daemon=True)
+        step["thread"].start()
+        return {"went_on": True}
+
+    (claim,) = agent.claim_runs(worker_id="w")
+    step["ctx"] = RemoteRunContext(agent, claim)
+    assert run_remote_claim(agent, claim, handler, step["ctx"]) == "parked"
+    step["thread"].join(20)
+    assert step.get("raised") == "_Parked", step
+    run = AgentRun.objects.get(id=run_id)
+    assert (run.state, run.failure_code) == ("waiting_approval", None)
