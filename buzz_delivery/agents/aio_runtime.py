@@ -83,8 +83,10 @@ from buzz_delivery.agents.runtime import (
     RATE_WAIT_SLICE_SECONDS,
     Context,
     RatePlan,
+    ended_by,
     failure_code_of,
     failure_message_of,
+    parked_turn,
     ratelimits_plan,
 )
 from buzz_delivery.agents.services import batch
@@ -106,8 +108,10 @@ T = TypeVar("T")
 QUIET_HOLD_SECONDS = 0.5
 
 
-class _Parked(Exception):
-    """Internal: the run parked on an approval; the handler stops here."""
+class _Parked(BaseException):
+    """Internal: the run parked on an approval; the handler stops here. A ``BaseException`` (as
+    the thread runtime's); caught by the handler all the same, the runtime judges by its own
+    record (``AsyncContext.parked``): the turn ends ``parked``."""
 
 
 class Runtime:
@@ -275,6 +279,7 @@ class AsyncContext:
         self._cancelled = threading.Event()
         self.reason = ""
         self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
+        self.parked: Any = None  # the approval this turn parked on, once written (Context.parked)
         self._positions = journal_scope.Positions()  # each scope's last call (docs/agents.md "Resume")
         self._journal: dict[tuple[str, int], JournalEntry] | None = None
         if journal is not None:
@@ -341,6 +346,8 @@ class AsyncContext:
             self._cancelled.set()
 
     def _check(self) -> None:
+        if self.parked is not None:  # the park was swallowed: nothing more under a released lease
+            raise _Parked(self.parked)
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
@@ -421,8 +428,8 @@ class AsyncContext:
                         None, scope, index, tool_name, args, compensate, cost, destructive
                     )
                     flight = self._take_off(getattr(outcome, "seq", 0))
-            except (RunAborted, asyncio.CancelledError) as exc:
-                # Nothing journaled (lost or cancelled before its write, or its write withdrawn
+            except (RunAborted, _Parked, asyncio.CancelledError) as exc:
+                # Nothing journaled (lost, parked or cancelled before its write, or its write withdrawn
                 # as its task was cancelled), unless the run was lost as its write was out: then
                 # whether it was written is not known (a resumed run may make it): units spent.
                 if not sent or (isinstance(exc, asyncio.CancelledError) and not self.lost.is_set()):
@@ -933,6 +940,7 @@ class AsyncContext:
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
         if isinstance(outcome, s.ApprovalRequested):
+            self.parked = outcome.approval_id
             raise _Parked(outcome.approval_id)
         if isinstance(outcome, s.BudgetExceeded):
             raise BudgetExhausted(f"{outcome.budget} budget exhausted")
@@ -1164,6 +1172,8 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         output = await _invoke(handler, ctx)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt... from user code: this run fails alone
         stop = _runtime_stop(exc)
+        if stop != "parked" and ctx.parked is not None:  # the park written, swallowed on its way
+            return parked_turn(ctx.lease, ctx.parked, ended_by(exc))
         if stop == "parked":
             if isinstance(exc, BaseExceptionGroup):
                 others = [leaf for leaf in _leaves(exc) if not isinstance(leaf, _Parked)]
@@ -1194,6 +1204,8 @@ async def run_claim(runtime: Runtime, ctx: AsyncContext, handler: Callable[..., 
         if isinstance(failed, s.Unwinding):
             return await unwind(runtime, ctx.lease, failed.seqs)
         return "failed" if isinstance(failed, s.Finished) else "lost"
+    if ctx.parked is not None:  # it returned after swallowing its park: the run waits all the same
+        return parked_turn(ctx.lease, ctx.parked, ended_by(None))
     # A call the handler started in a task of its own and did not await is recorded first
     # (completed under it, its result could never be recorded, and with it alone in flight the
     # run is not 'running': the completion was refused, the run run again); the completion is

@@ -153,8 +153,11 @@ def ratelimits_plan(rate_key: str | None, weight: Any) -> RatePlan | None:
     return RatePlan(spec=spec, before=ratelimits.check_weight(weight, spec), after=None)
 
 
-class _Parked(Exception):
-    """Internal: the run parked on an approval; the handler stops here."""
+class _Parked(BaseException):
+    """Internal: the run parked on an approval; the handler stops here. A ``BaseException``, as
+    ``asyncio.CancelledError`` is: ``except Exception`` around the park (a tool wrapper, a retry
+    library) lets it through. One that still catches it cannot unpark the run: the runtime judges
+    by its own record (``Context.parked``), so the turn ends ``parked`` (docs/agents.md)."""
 
 
 class Context:
@@ -179,6 +182,9 @@ class Context:
         }
         self.replayed = 0
         self.failure_code: str | None = None  # set by run_claim when it fails the run (for the worker's line)
+        # The approval this turn parked on, once written: every later call raises _Parked again
+        # and the turn ends parked, whatever the handler does after (it may catch _Parked).
+        self.parked: Any = None
         self.lane: UserConnection | None = None  # set by run_claim: the user's connection
         self._journaling = threading.Lock()  # parallel ctx.call: one journal write at a time
         # Calls of this handler journaled (or being journaled) and not yet recorded: an approval
@@ -242,6 +248,8 @@ class Context:
             self._cancelled.set()
 
     def _check(self) -> None:
+        if self.parked is not None:  # the park was swallowed: nothing more under a released lease
+            raise _Parked(self.parked)
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
@@ -325,8 +333,8 @@ class Context:
             with self._journaling:
                 try:
                     self._check()
-                except RunAborted:
-                    self._give_back(rate, granted)  # lost during the take: nothing journaled
+                except (RunAborted, _Parked):  # lost, or parked by another thread, during the take
+                    self._give_back(rate, granted)  # nothing journaled: its units go back
                     raise
                 outcome = self._journal_call(tool_name, args, cost, descriptor, destructive, scope, index)
                 self._calls.enter(getattr(outcome, "seq", 0))
@@ -572,6 +580,7 @@ class Context:
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
         if isinstance(outcome, s.ApprovalRequested):
+            self.parked = outcome.approval_id
             raise _Parked(outcome.approval_id)
         if isinstance(outcome, s.BudgetExceeded):
             raise BudgetExhausted(f"{outcome.budget} budget exhausted")
@@ -698,14 +707,14 @@ def _run_claim(
     try:
         with lane, call:
             output = handler(ctx)
-    except _Parked:
-        return "parked"
-    except RunAborted:
-        return "lost"
     except BaseException as exc:  # SystemExit, KeyboardInterrupt, CancelledError...: this run's end
-        if ctx.lost.is_set():
+        if ctx.parked is not None:
+            return parked_turn(ctx.lease, ctx.parked, None if isinstance(exc, _Parked) else ended_by(exc))
+        if isinstance(exc, RunAborted) or ctx.lost.is_set():
             return "lost"
         failure = (failure_code_of(exc), failure_message_of(exc))
+    if ctx.parked is not None:
+        return parked_turn(ctx.lease, ctx.parked, ended_by(None))
     if ctx.lost.is_set():
         return "lost"
     if call.left_open is not None:
@@ -720,27 +729,63 @@ def _run_claim(
     # before the effect, which stayed).
     try:
         ctx._await_calls()
-    except RunAborted:
-        return "lost"
+    except (RunAborted, _Parked):  # _Parked: a thread the handler left parked the run meanwhile
+        return _unless_parked(ctx)
     if failure is None:
         try:
             done = _complete(ctx, output)
         except ValidationError as exc:  # not storable JSON: this run's failure, never the worker's
             failure = _unstorable(output, exc)
-        except RunAborted:
-            return "lost"
+        except (RunAborted, _Parked):
+            return _unless_parked(ctx)
         else:
             if isinstance(done, s.CallsInFlight):  # never recorded: failed (uncertain), not lost
                 seqs = ", ".join(map(str, done.seqs))
                 failure = ("calls_in_flight", f"call(s) {seqs} of this run were never recorded; cannot complete")
             else:
-                return "completed" if isinstance(done, s.Finished) else "lost"
+                return "completed" if isinstance(done, s.Finished) else _unless_parked(ctx)
     code, message = failure
     ctx.failure_code = code
     failed = _settle(s.fail_run, ctx.lease, code, message)
     if isinstance(failed, s.Unwinding):
         return unwind(ctx.lease, failed.seqs, lane)
-    return "failed" if isinstance(failed, s.Finished) else "lost"
+    return "failed" if isinstance(failed, s.Finished) else _unless_parked(ctx)
+
+
+def _unless_parked(ctx: Context) -> str:
+    """``lost``, or ``parked`` when a thread the handler left behind parked the run after the
+    handler ended (the turn's completion or failure was then refused, or its wait for that
+    thread's calls met the park): never ``_Parked`` out of :func:`run_claim` (into the worker's
+    loop, which it stopped), never a parked run counted lost."""
+    if ctx.parked is None:
+        return "lost"
+    logger.info(
+        "parked_after_handler run=%s approval=%s: a thread the handler left parked the run",
+        ctx.lease.run_id,
+        ctx.parked,
+    )
+    return "parked"
+
+
+def parked_turn(lease: s.AgentLease, approval_id: Any, ended: str | None) -> str:
+    """``parked``: the turn of a run whose park was written ends parked, judged by the runtime's
+    record, not by ``_Parked`` reaching it. A handler that caught it (``except Exception`` around
+    the park, a framework's tool wrapper, a retry library) and then ``ended`` otherwise
+    (``returned``, ``raised ...``) is logged ``park_swallowed``; its output or error is dropped
+    (the run waits for its approval, its lease released: nothing more is written under it)."""
+    if ended is not None:
+        logger.warning(
+            "park_swallowed run=%s approval=%s: the handler caught the park and %s; the run stays parked",
+            lease.run_id,
+            approval_id,
+            ended,
+        )
+    return "parked"
+
+
+def ended_by(exc: BaseException | None) -> str:
+    """How a handler that swallowed its park ended, for ``park_swallowed``."""
+    return "returned" if exc is None else f"raised {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _complete(ctx: Context, output: Any) -> Any:

@@ -162,8 +162,11 @@ class BatchAnswerError(RuntimeError):
     """The gateway's answer to a batch did not match it (no run may take it)."""
 
 
-class _Parked(Exception):
-    """Internal: the run parked on an approval; the handler stops here."""
+class _Parked(BaseException):
+    """Internal: the run parked on an approval; the handler stops here. A ``BaseException``, as
+    the in-process runtimes' (docs/agents.md "A park the handler catches"): ``except Exception``
+    around the park lets it through; one that still catches it cannot unpark the run (the turn
+    ends ``parked`` by :attr:`RemoteRunContext.parked`)."""
 
 
 def input_hash(args: Any) -> str:
@@ -205,6 +208,9 @@ class RemoteRunContext:
         self.lost = threading.Event()
         self._cancelled = threading.Event()
         self.failure_code: str | None = None  # set when the run is failed (for the worker's line)
+        # The approval this turn parked on, once written: every later call raises _Parked again
+        # and the turn ends parked, whatever the handler does after (it may catch _Parked).
+        self.parked: Any = None
         self._positions = journal_scope.Positions()
         # A run that has spent no call and is not unwinding has an empty journal: no read (as
         # the in-process runtime's batch.resumed).
@@ -254,6 +260,8 @@ class RemoteRunContext:
             self._cancelled.set()
 
     def _check(self) -> None:
+        if self.parked is not None:  # the park was swallowed: nothing more under a released lease
+            raise _Parked(self.parked)
         if self.lost.is_set():
             raise RunAborted("the run's lease was lost")
 
@@ -484,7 +492,8 @@ class RemoteRunContext:
                 raise ApprovalExpired("the approval expired without a decision")
             raise RunAborted("the approval is still pending")
         if outcome.outcome == "approval_requested":
-            raise _Parked(outcome.data["approval_id"])
+            self.parked = outcome.data["approval_id"]
+            raise _Parked(self.parked)
         if outcome.outcome == "budget_exceeded":
             raise BudgetExhausted("tool_calls budget exhausted")
         raise self._gone(outcome, "request an approval")
@@ -813,6 +822,37 @@ def _again(send: Callable[[], Any], statuses: tuple[tuple[int, str], ...] = AGAI
     raise AssertionError("unreachable")
 
 
+def _parked_turn(lease: Any, approval_id: Any, ended: str | None) -> str:
+    """``parked``, as the in-process runtimes' ``parked_turn``: a handler that caught its park
+    and then ``ended`` otherwise is logged ``park_swallowed`` (its output or error dropped)."""
+    if ended is not None:
+        logger.warning(
+            "park_swallowed run=%s approval=%s: the handler caught the park and %s; the run stays parked",
+            lease.run_id,
+            approval_id,
+            ended,
+        )
+    return "parked"
+
+
+def _unless_parked(ctx: Any, outcome: str) -> str:
+    """``outcome``, or ``parked`` when it is ``lost`` because a thread the handler left behind
+    parked the run after the handler ended (the turn's end refused, or its wait for that thread's
+    calls met the park): never ``_Parked`` out of :func:`run_remote_claim`, never a parked run
+    counted lost (as the in-process runtime's ``_unless_parked``)."""
+    parked = getattr(ctx, "parked", None)
+    if outcome != "lost" or parked is None:
+        return outcome
+    logger.info(
+        "parked_after_handler run=%s approval=%s: a thread the handler left parked the run", ctx.lease.run_id, parked
+    )
+    return "parked"
+
+
+def _ended_by(exc: BaseException) -> str:
+    return f"raised {type(exc).__name__}: {describe(exc)[:200]}"
+
+
 def run_remote_claim(
     client: GatewayClient,
     claim: RemoteRunClaim,
@@ -834,32 +874,38 @@ def run_remote_claim(
     ctx = ctx or RemoteRunContext(client, claim, batcher)
     try:
         output = handler(ctx)
-    except _Parked:
-        return "parked"
-    except RunAborted:
-        return "lost"
     except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this run's end, never the worker's
+        parked = getattr(ctx, "parked", None)  # judged by the context's record, not by _Parked
+        if parked is not None:
+            return _parked_turn(lease, parked, None if isinstance(exc, _Parked) else _ended_by(exc))
+        if isinstance(exc, _Parked):  # a context of the caller's own, without the record
+            return "parked"
+        if isinstance(exc, RunAborted):
+            return "lost"
         if ctx.lost.is_set():
             return "lost"
         # A call the handler started on another thread is recorded first: failed under it, the
         # call was marked uncertain and compensated while the tool still ran.
         try:
             ctx._await_calls()
-        except RunAborted:
-            return "lost"
+        except (RunAborted, _Parked):  # _Parked: a thread the handler left parked the run meanwhile
+            return _unless_parked(ctx, "lost")
         if isinstance(exc, RemoteRunError):
             code = failure_code(exc.failure_code, "handler_error")
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
         ctx.failure_code = code
-        return _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
+        return _unless_parked(ctx, _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher))
+    parked = getattr(ctx, "parked", None)
+    if parked is not None:  # it returned after swallowing its park: the run waits all the same
+        return _parked_turn(lease, parked, "returned")
     # A call the handler started on another thread and did not wait for is recorded first:
     # completed under it, the call's result could never be recorded (and with it alone in flight
     # the run is not 'running': the completion was refused, the run run again).
     try:
         ctx._await_calls()
-    except RunAborted:
-        return "lost"
+    except (RunAborted, _Parked):
+        return _unless_parked(ctx, "lost")
     if ctx.lost.is_set():
         return "lost"
     problem = _unstorable_output(output)
@@ -883,13 +929,13 @@ def run_remote_claim(
             ctx.failure_code = "output_refused"
             return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
         if done.outcome != "calls_in_flight":
-            return "completed" if done.outcome == "finished" else "lost"
+            return "completed" if done.outcome == "finished" else _unless_parked(ctx, "lost")
         if time.monotonic() > settle:
             break
         try:
             ctx._await_calls()
-        except RunAborted:
-            return "lost"
+        except (RunAborted, _Parked):
+            return _unless_parked(ctx, "lost")
         if ctx.lost.wait(APPROVAL_RETRY_SECONDS):
             return "lost"
     ctx.failure_code = "calls_in_flight"

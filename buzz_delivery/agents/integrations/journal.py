@@ -237,7 +237,7 @@ class ThreadJournal:
                 continue
             try:
                 output = work()
-            except Exception as exc:
+            except BaseException as exc:  # a park (_Parked) included: carried to the agent's loop
                 self.loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 self.loop.call_soon_threadsafe(_settle, future, output, None)
