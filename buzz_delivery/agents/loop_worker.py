@@ -50,7 +50,7 @@ from django.db import connections
 
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.acceptance import Acceptance, communities_with_pending_deliveries
-from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, read_journal, run_claim
+from buzz_delivery.agents.aio_runtime import AsyncContext, Runtime, _Parked, read_journal, run_claim
 from buzz_delivery.agents.batcher import Batcher, DbPool, LockWaited, operations
 from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.runs import MAX_CLAIM
@@ -482,6 +482,8 @@ class AsyncAgentWorker:
                 result = "lost"  # left to its lease, as a run whose runtime statement failed
         except asyncio.CancelledError:
             result = "lost"
+        except _Parked:  # a task the handler left parked the run after the handler's turn: parked
+            result = "parked" if ctx.parked is not None else "lost"
         except Exception:  # a runtime error of this run only: its lease lapses, the run is reclaimed
             logger.exception("run_error run=%s", ctx.lease.run_id)
             result = "lost"
