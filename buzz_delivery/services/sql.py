@@ -96,9 +96,7 @@ _CLAIM_TYPES = {
     "PositiveIntegerField": "integer",
     "BigIntegerField": "bigint",
 }
-CLAIM_TABLE = (
-    "TABLE(" + ", ".join(f"{f.column} {_CLAIM_TYPES[f.get_internal_type()]}" for f in CLAIM_FIELDS) + ")"
-)
+CLAIM_TABLE = "TABLE(" + ", ".join(f"{f.column} {_CLAIM_TYPES[f.get_internal_type()]}" for f in CLAIM_FIELDS) + ")"
 
 # The database clock of every lease statement: the start of the current statement
 # (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
@@ -491,9 +489,7 @@ _BACKOFF_SECONDS = (
 # Equal jitter (a factor in [0.5, 1] drawn by the caller, buzz_delivery.backoff) and the
 # failure's Retry-After (0 when none): the next attempt is not before the larger.
 _RETRY_DELAY = f"GREATEST({_BACKOFF_SECONDS} * %(jitter)s, %(retry_after)s)"
-_RETRY_ENTRY = history_entry(
-    "'retry'", "d.lease_generation", "d.claimed_by", status="'pending'", renewals="d.renewals"
-)
+_RETRY_ENTRY = history_entry("'retry'", "d.lease_generation", "d.claimed_by", status="'pending'", renewals="d.renewals")
 _EXHAUSTED_ENTRY = history_entry(
     "'retry'", "d.lease_generation", "d.claimed_by", status="'failed'", renewals="d.renewals"
 )
