@@ -396,7 +396,11 @@ def test_a_commit_that_meets_an_uncommitted_commit_of_the_key_waits_and_then_kee
 
 
 @pytest.mark.skipif(not CITUS_MODE, reason="Citus mode only: the plan of the commit statements on the cluster")
-@pytest.mark.parametrize("statement", [singleton.KEEP_STATEMENT, singleton.REPLACE_STATEMENT], ids=["keep", "replace"])
+@pytest.mark.parametrize(
+    "statement",
+    singleton.REPLACE_STATEMENTS,
+    ids=["supersede", "expire_superseded", "held_or_already", "insert_records", "insert_queue_rows", "delete_unqueued"],
+)
 def test_on_citus_every_step_of_the_commit_runs_on_the_community_node_alone(community, statement):
     """Like the plain commit, the INSERT's rows come from the client (pull to the coordinator, then
     routed by community); every read and write of the delivery table is one task."""
@@ -408,6 +412,8 @@ def test_on_citus_every_step_of_the_commit_runs_on_the_community_node_alone(comm
         ids=[uuid.uuid4()], workflow_ids=[uuid.uuid4()], run_ids=[uuid.uuid4()], step_ids=["s"],
         target_pubkeys=[random32()], definition_event_ids=[random32()], cause_kinds=["event"],
         cause_event_ids=[random32()], cause_scheduled_fors=[None], cause_webhook_invocation_ids=[None],
+        created_ids=[uuid.uuid4()], superseded_ids=[uuid.uuid4()], superseded_bys=[uuid.uuid4()],
+        lease_generations=[0], attempts=[0], claimed_bys=["w"], renewals=[0], histories=["[]"],
     )  # fmt: skip
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("EXPLAIN (COSTS OFF) " + statement, params)
