@@ -660,3 +660,17 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
 RETURNING d.id
 """
+
+# TEMP (s2prod, until s2sql's branch is merged: theirs defines these above).
+if "CLAIM_SELECT" not in globals():
+    LIVE_COLUMNS = (
+        "status", "lease_generation", "lease_until", "claimed_at", "claimed_by", "renewals", "attempt",
+        "next_attempt_at", "expires_at", "history", "slot_community", "slot_target", "slot_workflow",
+    )  # fmt: skip
+    CLAIM_SELECT = ", ".join(f"{'q' if f.column in LIVE_COLUMNS else 'r'}.{f.column}" for f in CLAIM_FIELDS)
+    _CLAIM_TYPES = {
+        "UUIDField": "uuid", "ForeignKey": "uuid", "BinaryField": "bytea", "DateTimeField": "timestamptz",
+        "TextField": "text", "CharField": "varchar", "SmallIntegerField": "smallint", "IntegerField": "integer",
+        "BigIntegerField": "bigint",
+    }  # fmt: skip
+    CLAIM_TABLE = "TABLE(" + ", ".join(f"{f.column} {_CLAIM_TYPES[f.get_internal_type()]}" for f in CLAIM_FIELDS) + ")"
