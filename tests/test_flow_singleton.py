@@ -15,7 +15,7 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery import models, services
-from buzz_delivery.services import singleton
+from buzz_delivery.services import singleton, sql
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT, backdate_lease
@@ -188,8 +188,11 @@ def test_the_database_refuses_a_second_unclaimed_pending_delivery_of_one_key(com
     (first,) = services.commit_deliveries(
         community.id, message_event, [make_binding(target_pubkey=target)], singleton_key="k"
     ).created
+    # The key's index is the live queue's (issue 31, stage 2): a second record of the key is
+    # written, its queue row carrying the key is refused.
+    second = uuid.uuid4()
     with (
-        pytest.raises(DatabaseError, match="delivery_singleton_pending_key"),  # IntegrityError; relayed on Citus
+        pytest.raises(DatabaseError, match="delivery_queue_singleton_key"),  # IntegrityError; relayed on Citus
         transaction.atomic(),
         connection.cursor() as cursor,
     ):
@@ -198,12 +201,14 @@ def test_the_database_refuses_a_second_unclaimed_pending_delivery_of_one_key(com
             " definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for,"
             " cause_webhook_invocation_id, singleton_key, status,"
             " lease_generation, attempt, priority, renewals, history, created_at)"
-            " SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'another-step', target_pubkey,"
+            " SELECT %s, community_id, workflow_id, run_id, 'another-step', target_pubkey,"
             " definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for,"
             " cause_webhook_invocation_id, singleton_key, 'pending',"
             f" 0, 0, 0, 0, '[]', now() FROM {DELIVERY} WHERE community_id = %s AND id = %s",
-            [community.id, first],
+            [second, community.id, first],
         )
+        cursor.execute(sql.INSERT_QUEUE_ROWS_OF_CREATED.replace("ON CONFLICT DO NOTHING\n", ""),
+                       {"community_id": community.id, "created_ids": [second]})  # fmt: skip
     with (
         pytest.raises(DatabaseError, match="binding and snapshots never change"),
         transaction.atomic(),
