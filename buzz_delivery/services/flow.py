@@ -99,16 +99,10 @@ def _free_slots(kind: str) -> str:
 # admitted are among the candidates (one row each): the same rows and slots as the join alone.
 ADMITTED_FROM = "FROM candidate, admitted, unnest(ARRAY(SELECT admitted.id FROM admitted)) AS listed(id)"
 
-# The claim's expressions over the queue row (alias ``q``; sql's shared ones name ``d``).
-_ACTIVE = sql.ACTIVE_COMMUNITY.replace("d.community_id", "q.community_id")
-_LEASE_END = sql.LEASE_END.replace("d.expires_at", "q.expires_at")
-_CLAIM_ENTRY = sql.history_entry(
-    "'claim'", "q.lease_generation + 1", "%(holder)s::text", status="'claimed'", attempt="q.attempt + 1", alias="q"
-)
 # An expected claim names the binding, which only the record holds: one probe of its key.
 _BINDING = f"""AND EXISTS (
           SELECT 1 FROM {sql.RECORD} AS b
-          WHERE b.community_id = %(community_id)s AND b.id = q.id
+          WHERE b.community_id = %(community_id)s AND b.id = d.id
             AND b.workflow_id = %(workflow_id)s AND b.run_id = %(run_id)s AND b.step_id = %(step_id)s
             AND b.definition_event_id = %(definition_event_id)s AND b.message_event_id = %(message_event_id)s
             AND b.cause_kind = %(cause_kind)s
@@ -116,6 +110,9 @@ _BINDING = f"""AND EXISTS (
             AND b.cause_scheduled_for IS NOT DISTINCT FROM %(cause_scheduled_for)s::timestamptz
             AND b.cause_webhook_invocation_id IS NOT DISTINCT FROM %(cause_webhook_invocation_id)s::uuid
       )"""
+_CLAIM_ENTRY = sql.history_entry(
+    "'claim'", "d.lease_generation + 1", "%(holder)s::text", status="'claimed'", attempt="d.attempt + 1"
+)
 
 
 def claim_with_limits(kinds: tuple[str, ...], *, by_id: bool, by_binding: bool) -> str:
@@ -125,11 +122,12 @@ def claim_with_limits(kinds: tuple[str, ...], *, by_id: bool, by_binding: bool) 
     the candidates of that key; one without a free slot in every kind stays pending. A candidate
     turned away by one kind still used its rank in the others, so a claim may take fewer than
     there is room for when two kinds bind at once (never more). The UPDATE writes the queue row
-    only (its slots: not a HOT update) and joins the record by key for the claim's row
-    (:data:`sql.CLAIM_SELECT`); it clears the singleton key (a claimed delivery holds none)."""
+    only (its slots: not a HOT update), as :func:`sql.claim_oldest_pending`'s, and the claimed
+    rows are joined to their records by key (:data:`sql.CLAIM_SELECT`); it clears the singleton
+    key (a claimed delivery holds none)."""
     extra = []
     if by_id:
-        extra.append("AND q.id = %(delivery_id)s")
+        extra.append("AND d.id = %(delivery_id)s")
     if by_binding:
         extra.append(_BINDING)
     limit = "%(limit)s"
@@ -150,24 +148,25 @@ def claim_with_limits(kinds: tuple[str, ...], *, by_id: bool, by_binding: bool) 
     )
     ctes = ",\n".join(_free_slots(kind) for kind in kinds)
     if by_id:  # the hinted claim names its row: the primary key's equality
-        joined, admitted_rows = "FROM admitted", "q.id = %(delivery_id)s AND q.id = admitted.id"
+        joined, admitted_rows = "FROM admitted", "d.id = %(delivery_id)s AND d.id = admitted.id"
     else:  # by key whatever the estimates: see ADMITTED_FROM
-        joined, admitted_rows = ADMITTED_FROM, "q.id = candidate.id AND q.id = admitted.id AND q.id = listed.id"
+        joined, admitted_rows = ADMITTED_FROM, "d.id = candidate.id AND d.id = admitted.id AND d.id = listed.id"
     return f"""
+WITH claimed AS (
 WITH candidate AS MATERIALIZED (
-    SELECT q.id, q.priority, q.created_at, q.target_pubkey, q.workflow_id
-    FROM {sql.QUEUE} AS q
-    WHERE q.community_id = %(community_id)s
-      AND q.target_pubkey = %(target_pubkey)s
-      AND q.status = 'pending'
-      AND (q.next_attempt_at IS NULL OR q.next_attempt_at <= {sql.DB_NOW})
-      AND (q.expires_at IS NULL OR q.expires_at > {sql.DB_NOW})
-      AND (q.max_attempts IS NULL OR q.attempt < q.max_attempts)
+    SELECT d.id, d.priority, d.created_at, d.target_pubkey, d.workflow_id
+    FROM {sql.QUEUE} AS d
+    WHERE d.community_id = %(community_id)s
+      AND d.target_pubkey = %(target_pubkey)s
+      AND d.status = 'pending'
+      AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= {sql.DB_NOW})
+      AND (d.expires_at IS NULL OR d.expires_at > {sql.DB_NOW})
+      AND (d.max_attempts IS NULL OR d.attempt < d.max_attempts)
       {" ".join(extra)}
-      AND {_ACTIVE}
-    ORDER BY q.priority DESC, q.created_at, q.id
+      AND {sql.ACTIVE_COMMUNITY}
+    ORDER BY d.priority DESC, d.created_at, d.id
     LIMIT {limit}
-    FOR UPDATE OF q SKIP LOCKED
+    FOR UPDATE OF d SKIP LOCKED
 ),
 ranked AS MATERIALIZED (
     SELECT c.id, c.target_pubkey, c.workflow_id,
@@ -180,24 +179,27 @@ admitted AS MATERIALIZED (
     FROM ranked AS r
     {joins}
 )
-UPDATE {sql.QUEUE} AS q
+UPDATE {sql.QUEUE} AS d
 SET status = 'claimed',
-    lease_generation = q.lease_generation + 1,
-    attempt = q.attempt + 1,
+    lease_generation = d.lease_generation + 1,
+    attempt = d.attempt + 1,
     claimed_at = {sql.DB_NOW},
-    lease_until = {_LEASE_END},
+    lease_until = {sql.LEASE_END},
     next_attempt_at = NULL,
     claimed_by = %(holder)s,
     renewals = 0,
     {slots},
     singleton_key = NULL,
     {_CLAIM_ENTRY}
-{joined}, {sql.RECORD} AS r
+{joined}
 -- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
 -- after re-checking its latest version, so nothing else changed it since).
-WHERE q.community_id = %(community_id)s AND {admitted_rows}
-  AND r.community_id = %(community_id)s AND r.id = q.id
-RETURNING {sql.CLAIM_SELECT}
+WHERE d.community_id = %(community_id)s AND {admitted_rows}
+RETURNING {sql.CLAIMED_LIVE_COLUMNS}, d.id
+)
+SELECT {sql.CLAIM_SELECT}
+FROM claimed AS q
+JOIN {sql.RECORD} AS r ON r.community_id = %(community_id)s AND r.id = q.id
 """
 
 
