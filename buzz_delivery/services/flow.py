@@ -7,13 +7,14 @@ The operator declares the limits in the server settings, ``BUZZ_DELIVERY["CONCUR
 target agent of a community, one workflow of a community.
 
 The invariant lives in PostgreSQL. A claim under a limit gives each delivery it takes a *slot*
-of every declared kind, a number in ``0..N-1`` kept in the delivery's ``slot_<kind>`` column, and
-a partial UNIQUE index per kind (``delivery_slot_<kind>_key``, ``WHERE status = 'claimed'``)
-lets no two claimed deliveries of one key hold the same slot: N slots, at most N claimed. Any
-statement that moves a delivery out of ``claimed`` (a settle, a retry, the reaper taking back a
-lapsed lease, an operator's force-fail) takes it out of that index in the same statement, so
-its slot is free when that statement commits; nothing else has to release it. A lapsed lease
-holds its slot until the reaper moves it.
+of every declared kind, a number in ``0..N-1`` kept in the ``slot_<kind>`` column of its live
+queue row (issue 31, stage 2), and a partial UNIQUE index per kind
+(``delivery_queue_slot_<kind>_key``, ``WHERE slot_<kind> IS NOT NULL``) lets no two deliveries
+of one key hold the same slot: N slots, at most N claimed. Any statement that moves a delivery
+out of ``claimed`` (a settle deletes the queue row; a retry or the reaper taking back a lapsed
+lease clears the slots; an operator's force-fail) takes it out of that index in the same
+statement, so its slot is free when that statement commits; nothing else has to release it. A
+lapsed lease holds its slot until the reaper moves it.
 
 The claim picks free slots in the same statement as the claim (:func:`claim_with_limits`); the
 claims of one community take a transaction-scoped advisory lock first, so that each one reads
