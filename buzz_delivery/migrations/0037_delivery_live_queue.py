@@ -43,6 +43,7 @@ catalog, so it is distributed by ``community_id`` and colocated with the record 
 cluster whose record is already distributed, this migration distributes the queue itself before
 it references the record (a local table cannot reference a distributed one)."""
 
+import datetime
 from typing import Any
 
 import django.db.models.deletion
@@ -305,7 +306,7 @@ class Migration(migrations.Migration):
         ),
         migrations.AddIndex(
             model_name='deliveryqueue',
-            index=models.Index(fields=['created_at', 'id'], name='delivery_queue_created_idx'),
+            index=models.Index(condition=models.Q(('created_at__gt', datetime.datetime(1970, 1, 1, 0, 0, tzinfo=datetime.timezone.utc))), fields=['created_at', 'id'], name='delivery_queue_created_idx'),
         ),
         migrations.AddIndex(
             model_name='deliveryqueue',
