@@ -220,8 +220,8 @@ def test_the_date_links_read_the_ends_of_the_age_index_among_many_rows(admin_cli
         response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_changelist"))
     assert response.status_code == 200
     probes = [
-        q["sql"] for q in queries.captured_queries if 'ORDER BY "buzz_delivery_delivery"."created_at"' in q["sql"]
-        and q["sql"].rstrip().endswith("LIMIT 1")
+        q["sql"] for q in queries.captured_queries
+        if q["sql"].endswith(("ORDER BY 1 ASC LIMIT 1", "ORDER BY 1 DESC LIMIT 1")) and "created_at" in q["sql"]
     ]  # fmt: skip
     assert len(probes) == 2, [q["sql"] for q in queries.captured_queries]
     for probe in probes:
