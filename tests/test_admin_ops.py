@@ -10,6 +10,7 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from buzz_delivery import services
@@ -205,6 +206,33 @@ def test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_
 
     assert "delivery_created_idx" in listed.explain()
     assert "delivery_created_idx" in filter_plan, filter_plan
+
+
+@pytest.mark.parametrize(
+    ("params", "owner"),
+    [
+        ({"status__exact": "claimed"}, "buzz_delivery_delivery_queue"),
+        ({"status__exact": "pending"}, "buzz_delivery_delivery_queue"),
+        ({"lease_expired": "yes"}, "buzz_delivery_delivery_queue"),
+        ({"status__exact": "failed"}, "buzz_delivery_delivery_record"),
+    ],
+)
+def test_the_state_filters_read_the_table_owning_the_state_not_the_views_merged_status(admin_client, params, owner):
+    """Issue 31, stage 2 (``bench/results/queue-design-plan.md`` 2.4): through the view, whose
+    status merges the queue's and the record's (a CASE over the LEFT JOIN), a list by status
+    probes the queue for every row it walks until a page matches (60-160x slower at 200k rows).
+    The filters narrow by id, read from the queue (live) or the record (terminal)."""
+    from django.urls import reverse
+
+    with CaptureQueriesContext(connection) as queries:
+        response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_changelist"), params)
+    assert response.status_code == 200
+    (listing,) = [q["sql"] for q in queries.captured_queries if "LIMIT 100" in q["sql"]]
+
+    assert f'"buzz_delivery_delivery"."id" IN (SELECT U0."id" AS "id" FROM "{owner}" U0' in listing, listing
+    where = listing.split(" WHERE ", 1)[1]
+    assert '"buzz_delivery_delivery"."status"' not in where, listing
+    assert '"buzz_delivery_delivery"."lease_until"' not in where, listing
 
 
 def test_the_date_links_read_the_ends_of_the_age_index_among_many_rows(admin_client, community):
