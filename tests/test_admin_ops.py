@@ -214,14 +214,14 @@ def test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_
         ({"status__exact": "claimed"}, "buzz_delivery_delivery_queue"),
         ({"status__exact": "pending"}, "buzz_delivery_delivery_queue"),
         ({"lease_expired": "yes"}, "buzz_delivery_delivery_queue"),
-        ({"status__exact": "failed"}, "buzz_delivery_delivery_record"),
+        ({"lease_expired": "no"}, "buzz_delivery_delivery_queue"),
     ],
 )
-def test_the_state_filters_read_the_table_owning_the_state_not_the_views_merged_status(admin_client, params, owner):
+def test_the_live_state_filters_read_the_queue_not_the_views_merged_status(admin_client, params, owner):
     """Issue 31, stage 2 (``bench/results/queue-design-plan.md`` 2.4): through the view, whose
-    status merges the queue's and the record's (a CASE over the LEFT JOIN), a list by status
-    probes the queue for every row it walks until a page matches (60-160x slower at 200k rows).
-    The filters narrow by id, read from the queue (live) or the record (terminal)."""
+    status merges the queue's and the record's (a CASE over the LEFT JOIN), a list by a live
+    status probes the queue for every row it walks until a page matches. The live filters
+    narrow by id, read from the queue (``filters.by_state``: why the terminal ones do not)."""
     from django.urls import reverse
 
     with CaptureQueriesContext(connection) as queries:
