@@ -18,7 +18,10 @@ for every live delivery from now on: the move below inserts a queue row for each
 claimed record with its live state, then turns the claimed records to pending (lease and slots
 cleared, as the record's CHECKs want; their generation, attempt, holder and history stay as they
 were: while live, the record's state columns are not maintained). Neither the workflows' fan-in
-nor the agents' delivery-lost trigger fires on that move (no terminal is reached).
+nor the agents' delivery-lost trigger fires on that move (no terminal is reached). The record's
+history guard holds from now on only once the record is terminal (``triggers.history_append_only``,
+``once_terminal``): a terminal statement writes the queue row's history plus its entry over the
+record's stale copy, which the guard would refuse; the queue row's history is guarded while live.
 
 The view ``buzz_delivery_delivery`` becomes ``record LEFT JOIN queue`` (``security_invoker``,
 the same columns in the same order: ``CREATE OR REPLACE VIEW`` keeps its grants): a live column is
@@ -36,9 +39,9 @@ history guard switched off for that one statement: the queue's history is longer
 record's), then the queue is dropped and the record's indexes built again.
 
 On Citus run ``distribute_tables`` after ``migrate``, as always: the queue is in the deletion
-catalog, so it is distributed by ``community_id`` and colocated with the record there. A cluster
-whose tables are already distributed is not supported by this migration (a local table cannot
-reference a distributed one): migrate a copy before distributing it."""
+catalog, so it is distributed by ``community_id`` and colocated with the record there. On a
+cluster whose record is already distributed, this migration distributes the queue itself before
+it references the record (a local table cannot reference a distributed one)."""
 
 from typing import Any
 
@@ -59,13 +62,39 @@ VIEW = "buzz_delivery_delivery"
 LOCK_RECORD = f"LOCK TABLE {RECORD} IN ACCESS EXCLUSIVE MODE"
 
 # One statement each (Citus propagates DDL with its text: citus_ddl).
-QUEUE_KEYS = [
+QUEUE_PRIMARY_KEY = [
     f"ALTER TABLE {QUEUE} DROP CONSTRAINT {QUEUE}_pkey",
     f"ALTER TABLE {QUEUE} ADD CONSTRAINT {QUEUE}_pkey PRIMARY KEY (id, community_id)",
+]
+QUEUE_RECORD_KEY = [
     f"ALTER TABLE {QUEUE} ADD CONSTRAINT delivery_queue_record_same_community"
     f" FOREIGN KEY (community_id, id) REFERENCES {RECORD} (community_id, id) ON DELETE CASCADE",
     f"ALTER TABLE {QUEUE} SET (fillfactor = 30)",
 ]
+# On a Citus coordinator whose record is already distributed (a cluster migrated again: tests go
+# back and forth), the queue is distributed and colocated at once, as ``distribute_tables`` would:
+# a local table cannot reference a distributed one. Its foreign key to the community (Django's,
+# added at the end of the migration) and to the record follow.
+
+
+def key_the_queue(apps: Any, schema_editor: Any) -> None:
+    for statement in QUEUE_PRIMARY_KEY:
+        schema_editor.execute(statement)
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
+        citus = cursor.fetchone()[0]
+        if citus:
+            cursor.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(%s))", [RECORD]
+            )
+            if cursor.fetchone()[0]:
+                cursor.execute("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
+                cursor.execute(
+                    "SELECT create_distributed_table(%s, 'community_id', colocate_with => 'buzz_delivery_community')",
+                    [QUEUE],
+                )
+    for statement in QUEUE_RECORD_KEY:
+        schema_editor.execute(statement)
 
 # The columns a queue row copies from its record at commit (never changed), then its live state.
 BINDING = ("id", "community_id", "target_pubkey", "workflow_id", "priority", "created_at", "max_attempts")
@@ -222,6 +251,10 @@ class Migration(migrations.Migration):
                 ('slot_target', models.SmallIntegerField(blank=True, editable=False, null=True)),
                 ('slot_workflow', models.SmallIntegerField(blank=True, editable=False, null=True)),
                 ('singleton_key', models.CharField(blank=True, editable=False, max_length=64, null=True)),
+                # In the table itself (not AddField): backwards the table is dropped whole, never
+                # its distribution column alone (Citus refuses that).
+                ('community', models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.PROTECT, to='buzz_delivery.community')),
+                ('workflow', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='buzz_delivery.workflow')),
             ],
             options={
                 'verbose_name': 'delivery queue row',
@@ -230,17 +263,7 @@ class Migration(migrations.Migration):
                 'default_permissions': (),
             },
         ),
-        migrations.AddField(
-            model_name='deliveryqueue',
-            name='community',
-            field=models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.PROTECT, to='buzz_delivery.community'),
-        ),
-        migrations.AddField(
-            model_name='deliveryqueue',
-            name='workflow',
-            field=models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='buzz_delivery.workflow'),
-        ),
-        migrations.RunSQL(sql=QUEUE_KEYS, reverse_sql=migrations.RunSQL.noop),
+        migrations.RunPython(key_the_queue, migrations.RunPython.noop, elidable=False),
         # The record's live indexes go before the move (its UPDATE of the claimed rows maintains
         # none of them) and come back after the move back.
         migrations.RemoveConstraint(
@@ -409,6 +432,19 @@ class Migration(migrations.Migration):
             )
         ),
 
+        # The record's history guard, from now on only once terminal (triggers.history_append_only).
+        OneStatementAtATime(
+            pgtrigger.migrations.RemoveTrigger(
+                model_name='deliveryrecord',
+                name='delivery_history_append_only',
+            )
+        ),
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name='deliveryrecord',
+                trigger=pgtrigger.compiler.Trigger(name='delivery_history_append_only', sql=pgtrigger.compiler.UpsertTriggerSql(condition="WHEN (OLD.status IN ('finished', 'failed', 'expired') AND NEW.history IS DISTINCT FROM OLD.history AND NOT ((NEW.history - (-1)) = OLD.history OR (jsonb_array_length(OLD.history) >= 50 AND (NEW.history - (-1)) = (OLD.history - 0))))", func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '\n                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);\n        ", hash='336f40c456ff77368675c21d29f59fd452acc16f', operation='UPDATE OF "history"', pgid='pgtrigger_delivery_history_append_only_27347', table='buzz_delivery_delivery_record', when='BEFORE')),
+            )
+        ),
         migrations.RunPython(secure_the_queue, migrations.RunPython.noop, elidable=False),
         migrations.RunSQL(sql=VIEW_WITH_QUEUE, reverse_sql=VIEW_OF_RECORD),
     ]
