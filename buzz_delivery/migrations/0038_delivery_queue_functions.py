@@ -209,24 +209,24 @@ community_free AS MATERIALIZED (
     SELECT g.slot, row_number() OVER (ORDER BY g.slot) AS rank
     FROM generate_series(0, p_cap_community - 1) AS g(slot)
     WHERE NOT EXISTS (
-        SELECT 1 FROM buzz_delivery_delivery_record AS h
-        WHERE h.community_id = p_community_id AND h.status = 'claimed' AND h.slot_community = g.slot
+        SELECT 1 FROM buzz_delivery_delivery_queue AS h
+        WHERE h.community_id = p_community_id AND h.slot_community = g.slot
     )
 ),
 target_free AS MATERIALIZED (
     SELECT k.target_pubkey, g.slot, row_number() OVER (PARTITION BY k.target_pubkey ORDER BY g.slot) AS rank
     FROM (SELECT DISTINCT target_pubkey FROM candidate) AS k, generate_series(0, p_cap_target - 1) AS g(slot)
     WHERE NOT EXISTS (
-        SELECT 1 FROM buzz_delivery_delivery_record AS h
-        WHERE h.community_id = p_community_id AND h.target_pubkey = k.target_pubkey AND h.status = 'claimed' AND h.slot_target = g.slot
+        SELECT 1 FROM buzz_delivery_delivery_queue AS h
+        WHERE h.community_id = p_community_id AND h.target_pubkey = k.target_pubkey AND h.slot_target = g.slot
     )
 ),
 workflow_free AS MATERIALIZED (
     SELECT k.workflow_id, g.slot, row_number() OVER (PARTITION BY k.workflow_id ORDER BY g.slot) AS rank
     FROM (SELECT DISTINCT workflow_id FROM candidate) AS k, generate_series(0, p_cap_workflow - 1) AS g(slot)
     WHERE NOT EXISTS (
-        SELECT 1 FROM buzz_delivery_delivery_record AS h
-        WHERE h.community_id = p_community_id AND h.workflow_id = k.workflow_id AND h.status = 'claimed' AND h.slot_workflow = g.slot
+        SELECT 1 FROM buzz_delivery_delivery_queue AS h
+        WHERE h.community_id = p_community_id AND h.workflow_id = k.workflow_id AND h.slot_workflow = g.slot
     )
 ),
 admitted AS MATERIALIZED (
@@ -252,6 +252,8 @@ SET status = 'claimed',
     singleton_key = NULL,
     history = buzz_delivery_history_push(d.history, jsonb_build_object('at', buzz_delivery_now()) || jsonb_object(ARRAY['event', ('claim')::text, 'status', ('claimed')::text, 'actor', (p_holder::text)::text]) || ('{"generation": ' || (d.lease_generation + 1)::text || ', "attempt": ' || (d.attempt + 1)::text || '}')::jsonb)
 FROM candidate, admitted, unnest(ARRAY(SELECT admitted.id FROM admitted)) AS listed(id)
+-- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
+-- after re-checking its latest version, so nothing else changed it since).
 WHERE d.community_id = p_community_id AND d.id = candidate.id AND d.id = admitted.id AND d.id = listed.id
 RETURNING d.status, d.lease_generation, d.lease_until, d.claimed_at, d.slot_community, d.slot_target, d.slot_workflow, d.attempt, d.next_attempt_at, d.expires_at, d.claimed_by, d.renewals, d.id
 )

@@ -46,9 +46,9 @@ WORKFLOW_RUN = WorkflowRun._meta.db_table
 # Reader seams (issue 31, stage 1): what the dashboard, /metrics and ``stats`` count, named here
 # so that a later stage re-points them at the table that owns the state (stage 2: the live
 # queue, stage 3: the outcome) without touching their readers. Since stage 2 the live rows are
-# the queue's (every column they read is one of its own); the terminal ones still the view's.
+# the queue's (every column they read is one of its own); the terminal ones the record's.
 LIVE_DELIVERIES = QUEUE  # pending and claimed rows
-TERMINAL_DELIVERIES = DELIVERY_VIEW  # finished, failed and expired rows
+TERMINAL_DELIVERIES = RECORD  # finished, failed and expired rows
 # Live rows of one status, counted up to %(cap)s.
 COUNT_LIVE_BY_STATUS = {
     status: f"SELECT count(*) FROM (SELECT 1 FROM {LIVE_DELIVERIES} WHERE status = '{status}' LIMIT %(cap)s) AS n"
