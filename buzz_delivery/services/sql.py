@@ -63,7 +63,10 @@ RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 # (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
 DB_NOW = "buzz_delivery_now()"
 # Claimed rows whose lease the database clock has passed (not yet reaped), fleet-wide.
-COUNT_LAPSED_LEASES = f"SELECT count(*) FROM {LIVE_DELIVERIES} WHERE status = 'claimed' AND lease_until < {DB_NOW}"
+# (The queue, stage 2: it holds every live row; no index serves the test, the walk reads them all.)
+COUNT_LAPSED_LEASES = (
+    f"SELECT count(*) FROM buzz_delivery_delivery_queue WHERE status = 'claimed' AND lease_until < {DB_NOW}"
+)
 
 
 # History fields that hold numbers (counters and generations); every other field but ``at`` is text.
@@ -486,24 +489,87 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 # began has surely lapsed), never reap a live lease or expire a delivery early.
 MAINTENANCE_NOW = "now()"
 
+# The live queue (issue 31, stage 2): one row per pending or claimed delivery, deleted at the
+# terminal. Maintenance and operator statements read and fence the live state there.
+QUEUE_TABLE = "buzz_delivery_delivery_queue"
+
 _LAPSED = "d.status = 'claimed' AND d.lease_until < %(now)s"
 _OVERDUE = "d.status = 'pending' AND d.expires_at <= %(now)s"
 _PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= %(now)s)"
 
+
+# A terminal move (stage 2) is two statements in one transaction, each routed by its community
+# (a two-table data-modifying statement is not plannable on Citus): the fenced DELETE of the
+# queue rows RETURNING :data:`ENDED_COLUMNS` (the final state: the terminal status, finish time,
+# failure, generation, and the queue row's attempt, holder, renewals and history with the move's
+# entry), then :data:`END_ON_RECORD`, which writes them on the records (services/ending.py).
+def ended_columns(status: str, finished_at: str, code: str, message: str, generation: str, history: str) -> str:
+    """The RETURNING list of a terminal DELETE of queue rows aliased ``d``, in the order
+    :data:`END_ON_RECORD` takes them."""
+    return (
+        f"d.id, ({status})::text, ({finished_at})::timestamptz, ({code})::text, ({message})::text, "
+        f"({generation})::bigint, d.attempt, d.claimed_by, d.renewals, ({history})::text"
+    )
+
+
+def pushed(entry_assignment: str) -> str:
+    """The pushed history of a :func:`history_entry` assignment (``history = <expr>``): ``<expr>``."""
+    prefix = "history = "
+    assert entry_assignment.startswith(prefix)
+    return entry_assignment[len(prefix) :]
+
+
+# The record's side of a terminal move: each record still ``pending`` (the record of a live
+# delivery) takes the state its queue row ended with; the live columns are cleared. Its AFTER
+# UPDATE OF status triggers (workflow fan-in, agents delivery-lost) fire here.
+END_ON_RECORD = f"""
+UPDATE {RECORD} AS r
+SET status = u.status,
+    finished_at = u.finished_at,
+    failure_code = u.failure_code,
+    failure_message = u.failure_message,
+    lease_generation = u.lease_generation,
+    attempt = u.attempt,
+    claimed_by = u.claimed_by,
+    renewals = u.renewals,
+    history = u.history::jsonb,
+    lease_until = NULL,
+    claimed_at = NULL,
+    next_attempt_at = NULL,
+    slot_community = NULL,
+    slot_target = NULL,
+    slot_workflow = NULL
+FROM unnest(%(ids)s::uuid[], %(statuses)s::text[], %(finished_ats)s::timestamptz[], %(failure_codes)s::text[],
+            %(failure_messages)s::text[], %(lease_generations)s::bigint[], %(attempts)s::integer[],
+            %(holders)s::text[], %(renewals)s::integer[], %(histories)s::text[])
+    AS u(id, status, finished_at, failure_code, failure_message, lease_generation, attempt, claimed_by, renewals,
+         history)
+WHERE r.community_id = %(community_id)s AND r.id = u.id AND r.status = 'pending'
+RETURNING r.id, r.status
+"""
+
 # The walk: active communities that have lapsed leases or overdue pending deliveries, in id
-# order after ``%(after)s``, a page at a time. One index probe per community (the partial
-# indexes lead with community_id); on Citus a pushed-down join of colocated tables.
+# order after ``%(after)s``, a page at a time. On the queue no index names ``lease_until`` (so a
+# claim is a HOT update): the lapsed test walks the community's live rows (the poll index leads
+# with community_id); the overdue one probes the pending expiry index. On Citus a pushed-down
+# join of colocated tables.
 COMMUNITIES_TO_REAP = f"""
 SELECT c.id FROM {COMMUNITY} AS c
 WHERE c.deletion_state = 'active' AND c.id > %(after)s
-  AND (EXISTS (SELECT 1 FROM {DELIVERY_VIEW} AS d WHERE d.community_id = c.id AND {_LAPSED})
-       OR EXISTS (SELECT 1 FROM {DELIVERY_VIEW} AS d WHERE d.community_id = c.id AND {_OVERDUE}))
+  AND (EXISTS (SELECT 1 FROM {QUEUE_TABLE} AS d WHERE d.community_id = c.id AND {_LAPSED})
+       OR EXISTS (SELECT 1 FROM {QUEUE_TABLE} AS d WHERE d.community_id = c.id AND d.expires_at IS NOT NULL
+                  AND {_OVERDUE}))
 ORDER BY c.id
 LIMIT %(page)s
 """
 
 # One community's batch; its write-fence trigger takes the community's fence lock, which the
 # caller bounds with a lock timeout so a lifecycle move of this community never stalls the walk.
+# A lapsed lease with attempts and time left goes back to pending (the queue row only, slots
+# cleared); one past its deadline or on its last allowed attempt ends: its queue row is deleted
+# and returned (ENDED_COLUMNS) for END_ON_RECORD. One statement on the queue (its two data-modifying
+# CTEs touch disjoint rows of the locked batch); rows ``('pending', NULL...)`` for the moved ones.
+_REAP_TERMINAL = f"({_PAST_TTL} OR {_EXHAUSTED})"
 _REAP_ENTRY = history_entry(
     "'reap'",
     "d.lease_generation + 1",
@@ -514,47 +580,72 @@ _REAP_ENTRY = history_entry(
 )
 REAP_LAPSED_LEASES = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {RECORD} AS d
+    SELECT d.id FROM {QUEUE_TABLE} AS d
     WHERE d.community_id = %(community_id)s AND {_LAPSED} AND {ACTIVE_COMMUNITY}
     ORDER BY d.lease_until
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
+), moved AS (
+    UPDATE {QUEUE_TABLE} AS d
+    SET status = 'pending',
+        lease_generation = d.lease_generation + 1,
+        lease_until = NULL,
+        claimed_at = NULL,
+        slot_community = NULL,
+        slot_target = NULL,
+        slot_workflow = NULL,
+        {_REAP_ENTRY}
+    FROM batch
+    WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED} AND NOT {_REAP_TERMINAL}
+    RETURNING d.id
+), ended AS (
+    DELETE FROM {QUEUE_TABLE} AS d
+    USING batch
+    WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED} AND {_REAP_TERMINAL}
+    RETURNING {
+    ended_columns(
+        f"CASE WHEN {_PAST_TTL} THEN 'expired' ELSE 'failed' END",
+        "%(now)s",
+        f"CASE WHEN {_PAST_TTL} THEN 'delivery_expired' ELSE 'attempts_exhausted' END",
+        f"CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed' "
+        "ELSE 'lease lapsed on the last allowed attempt' END",
+        "d.lease_generation + 1",
+        pushed(_REAP_ENTRY),
+    )
+}
 )
-UPDATE {RECORD} AS d
-SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
-    finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN %(now)s::timestamptz END,
-    failure_code = CASE WHEN {_PAST_TTL} THEN 'delivery_expired'
-                        WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
-    failure_message = CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed'
-                           WHEN {_EXHAUSTED} THEN 'lease lapsed on the last allowed attempt' END,
-    lease_generation = d.lease_generation + 1,
-    lease_until = NULL,
-    claimed_at = NULL,
-    {_REAP_ENTRY}
-FROM batch
-WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED}
-RETURNING d.status
+SELECT moved.id, 'pending', NULL::timestamptz, NULL::text, NULL::text, NULL::bigint, NULL::integer, NULL::text,
+       NULL::integer, NULL::text
+FROM moved
+UNION ALL
+SELECT * FROM ended
 """
 
 EXPIRE_OVERDUE_PENDING = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {RECORD} AS d
-    WHERE d.community_id = %(community_id)s AND {_OVERDUE} AND {ACTIVE_COMMUNITY}
+    SELECT d.id FROM {QUEUE_TABLE} AS d
+    WHERE d.community_id = %(community_id)s AND d.expires_at IS NOT NULL AND {_OVERDUE} AND {ACTIVE_COMMUNITY}
     ORDER BY d.expires_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {RECORD} AS d
-SET status = 'expired',
-    finished_at = %(now)s,
-    failure_code = 'delivery_expired',
-    failure_message = 'deadline passed before a claim',
-    lease_generation = d.lease_generation + 1,
-    next_attempt_at = NULL,
-    {history_entry("'expire'", "d.lease_generation + 1", "'reaper'", at="%(now)s::timestamptz", status="'expired'")}
-FROM batch
+DELETE FROM {QUEUE_TABLE} AS d
+USING batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OVERDUE}
-RETURNING d.status
+RETURNING {
+    ended_columns(
+        "'expired'",
+        "%(now)s",
+        "'delivery_expired'",
+        "'deadline passed before a claim'",
+        "d.lease_generation + 1",
+        pushed(
+            history_entry(
+                "'expire'", "d.lease_generation + 1", "'reaper'", at="%(now)s::timestamptz", status="'expired'"
+            )
+        ),
+    )
+}
 """
 
 _PAST_TTL_NOW = f"(d.expires_at IS NOT NULL AND d.expires_at <= {MAINTENANCE_NOW})"
@@ -567,9 +658,11 @@ SELECT
     count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL_NOW}) AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
 FROM (
-    SELECT * FROM {DELIVERY_VIEW} AS d WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
+    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE_TABLE} AS d
+    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT * FROM {DELIVERY_VIEW} AS d WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
+    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE_TABLE} AS d
+    WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 """
@@ -579,10 +672,10 @@ JOIN {COMMUNITY} AS c ON c.id = d.community_id
 REAP_PLAN = f"""
 SELECT d.community_id, count(*) FILTER (WHERE d.status = 'claimed'), count(*) FILTER (WHERE d.status = 'pending')
 FROM (
-    SELECT d.community_id, d.status FROM {DELIVERY_VIEW} AS d
+    SELECT d.community_id, d.status FROM {QUEUE_TABLE} AS d
     WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT d.community_id, d.status FROM {DELIVERY_VIEW} AS d
+    SELECT d.community_id, d.status FROM {QUEUE_TABLE} AS d
     WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
@@ -591,13 +684,17 @@ GROUP BY d.community_id
 """
 
 COUNT_FENCED_LAPSED = f"""
-SELECT count(*) FROM {DELIVERY_VIEW} AS d
+SELECT count(*) FROM {QUEUE_TABLE} AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_state <> 'active'
 """
 
 # --- operator actions (admin) --------------------------------------------------
 
+# The requeue (stage 2): the record goes back to pending as it always did (the fence: the record
+# is failed or expired, so it has no queue row), then its queue row is inserted from it, in the
+# same transaction (services/operator.py): status pending, the record's new generation, attempt
+# 0, history and deadline, no singleton key (a requeued delivery never holds its key again).
 REQUEUE_IF_TERMINAL_FAILURE = f"""
 UPDATE {RECORD} AS d
 SET status = 'pending',
@@ -615,20 +712,36 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 RETURNING d.id
 """
 
+# Copied from the record; the lease columns are NULL (a pending row) and so are the slots and the key.
+_QUEUE_COPIED = (
+    "id, community_id, target_pubkey, workflow_id, priority, created_at, max_attempts, status, lease_generation, "
+    "claimed_by, renewals, attempt, next_attempt_at, expires_at, history"
+)
+_QUEUE_CLEARED = ("lease_until", "claimed_at", "slot_community", "slot_target", "slot_workflow", "singleton_key")
+INSERT_QUEUE_OF_REQUEUED = f"""
+INSERT INTO {QUEUE_TABLE} AS q ({_QUEUE_COPIED}, {", ".join(_QUEUE_CLEARED)})
+SELECT {", ".join(f"d.{c}" for c in _QUEUE_COPIED.split(", "))}, {", ".join("NULL" for _ in _QUEUE_CLEARED)}
+FROM {RECORD} AS d
+WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s AND d.status = 'pending'
+RETURNING q.id
+"""
+
 _FORCE_FAIL_ENTRY = history_entry(
     "'force_fail'", "d.lease_generation + 1", "%(actor)s::text", status="'failed'", renewals="d.renewals"
 )
+# The queue row of a claimed delivery, deleted and returned (ENDED_COLUMNS) for END_ON_RECORD.
 FORCE_FAIL_IF_CLAIMED = f"""
-UPDATE {RECORD} AS d
-SET status = 'failed',
-    finished_at = {DB_NOW},
-    lease_until = NULL,
-    claimed_at = NULL,
-    failure_code = 'operator_force_failed',
-    failure_message = %(failure_message)s,
-    lease_generation = d.lease_generation + 1,
-    {_FORCE_FAIL_ENTRY}
+DELETE FROM {QUEUE_TABLE} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
-RETURNING d.id
+RETURNING {
+    ended_columns(
+        "'failed'",
+        DB_NOW,
+        "'operator_force_failed'",
+        "%(failure_message)s",
+        "d.lease_generation + 1",
+        pushed(_FORCE_FAIL_ENTRY),
+    )
+}
 """
