@@ -77,5 +77,6 @@ def force_fail_delivery(
     # Two statements, one transaction (stage 2): the claimed queue row deleted (the fence), then
     # its final state written on the record.
     with translated_errors(), transaction.atomic():
+        params["now"] = fetch_all(sql.READ_DB_NOW, {})[0][0]
         rows = end_on_record(params["community_id"], fetch_all(sql.FORCE_FAIL_IF_CLAIMED, params))
     return OperatorOutcome(True) if rows else OperatorOutcome(False, "not claimed, or community not active")

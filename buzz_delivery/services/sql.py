@@ -120,6 +120,10 @@ CURRENT_LEASE = f"""
     AND {ACTIVE_COMMUNITY}
 """
 
+# The database clock read on its own (a terminal move made of two statements reads it first and
+# passes it as ``%(now)s``).
+READ_DB_NOW = f"SELECT {DB_NOW}"
+
 # Maintenance tries a community's write fence before a batch and skips the community when a
 # lifecycle move holds it (never waits): the shared fence lock if it is free at once, else the
 # community row, which a move always holds while it runs (migration 0020). A session that merely
@@ -727,9 +731,16 @@ RETURNING q.id
 """
 
 _FORCE_FAIL_ENTRY = history_entry(
-    "'force_fail'", "d.lease_generation + 1", "%(actor)s::text", status="'failed'", renewals="d.renewals"
+    "'force_fail'",
+    "d.lease_generation + 1",
+    "%(actor)s::text",
+    at="%(now)s::timestamptz",
+    status="'failed'",
+    renewals="d.renewals",
 )
-# The queue row of a claimed delivery, deleted and returned (ENDED_COLUMNS) for END_ON_RECORD.
+# The queue row of a claimed delivery, deleted and returned (ENDED_COLUMNS) for END_ON_RECORD;
+# ``%(now)s`` is the database clock the caller read first in the same transaction (no clock in a
+# RETURNING list on Citus).
 FORCE_FAIL_IF_CLAIMED = f"""
 DELETE FROM {QUEUE_TABLE} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
@@ -737,7 +748,7 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 RETURNING {
     ended_columns(
         "'failed'",
-        DB_NOW,
+        "%(now)s",
         "'operator_force_failed'",
         "%(failure_message)s",
         "d.lease_generation + 1",
