@@ -44,6 +44,7 @@ FENCE_PASSED_SETTING = "buzz_delivery.fence_passed"
 # static list stays the core's; the test checks every catalog table is named by some guard.
 TENANT_TABLES = (
     "buzz_delivery_rate_limit",
+    "buzz_delivery_delivery_queue",
     "buzz_delivery_delivery_record",
     "buzz_delivery_workflow_run",
     "buzz_delivery_event",

@@ -29,23 +29,27 @@ appends nothing: it only counts (``renewals``), so a long lease never floods the
 
 from __future__ import annotations
 
-from buzz_delivery.models import DeliveryRecord, WorkflowAgentDelivery, WorkflowRun
+from buzz_delivery.models import DeliveryQueue, DeliveryRecord, WorkflowAgentDelivery, WorkflowRun
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 # The delivery table (issue 31, stage 1): every statement that writes or locks a delivery, and
 # the plan-cached functions' ``RETURNS SETOF``, name the record; reads name the view of the old
 # name (``tests/test_record_writes_rule.py`` refuses a write, a lock or a row type of the view).
 RECORD = DeliveryRecord._meta.db_table
+# The live state of a pending or claimed delivery (issue 31, stage 2, core migration 0037): one row
+# per live delivery, deleted at the terminal; claims, renewals and retries write it alone.
+QUEUE = DeliveryQueue._meta.db_table
 DELIVERY_VIEW = WorkflowAgentDelivery._meta.db_table
 COMMUNITY = "buzz_delivery_community"
 WORKFLOW_RUN = WorkflowRun._meta.db_table
 
 # Reader seams (issue 31, stage 1): what the dashboard, /metrics and ``stats`` count, named here
 # so that a later stage re-points them at the table that owns the state (stage 2: the live
-# queue, stage 3: the outcome) without touching their readers. Today every one is the view.
-LIVE_DELIVERIES = DELIVERY_VIEW  # pending and claimed rows
+# queue, stage 3: the outcome) without touching their readers. Since stage 2 the live rows are
+# the queue's (every column they read is one of its own); the terminal ones still the view's.
+LIVE_DELIVERIES = QUEUE  # pending and claimed rows
 TERMINAL_DELIVERIES = DELIVERY_VIEW  # finished, failed and expired rows
-# Live rows of one status, counted up to %(cap)s (the status partial indexes).
+# Live rows of one status, counted up to %(cap)s.
 COUNT_LIVE_BY_STATUS = {
     status: f"SELECT count(*) FROM (SELECT 1 FROM {LIVE_DELIVERIES} WHERE status = '{status}' LIMIT %(cap)s) AS n"
     for status in ("pending", "claimed")
