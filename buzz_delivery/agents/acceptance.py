@@ -43,7 +43,7 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.lockwaits import Skipped
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all, lock_wait_bound, lock_wait_timed_out, lock_waits_bounded, node_lost
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, QUEUE_TABLE
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, QUEUE
 from buzz_delivery.usercode import discard_connection, in_transaction
 
 logger = logging.getLogger("buzz_delivery.agents.acceptance")
@@ -64,7 +64,7 @@ ACCEPT_MOST = 5.0
 # accept for these agents. The live queue (stage 2) holds them; its poll index (community,
 # target, priority, created_at, id) serves it.
 COMMUNITIES_WITH_PENDING_DELIVERIES = f"""
-SELECT DISTINCT d.community_id FROM {QUEUE_TABLE} AS d
+SELECT DISTINCT d.community_id FROM {QUEUE} AS d
 WHERE d.status = 'pending' AND d.target_pubkey = ANY(%(agents)s)
   AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= {DB_NOW})
   AND {ACTIVE_COMMUNITY}

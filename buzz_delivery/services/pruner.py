@@ -21,7 +21,7 @@ from buzz_delivery.models import TERMINAL_STATUSES, DeliveryRecord
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.reaper import community_batch, walk_communities
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW, QUEUE
 from buzz_delivery.services.tenancy import fleet_scoped
 
 logger = logging.getLogger("buzz_delivery.pruner")
@@ -29,7 +29,6 @@ logger = logging.getLogger("buzz_delivery.pruner")
 # Terminal rows are the record's alone (stage 2: a live delivery has a queue row and a pending
 # record), so the pruner reads and deletes the record only, through its terminal-age index.
 RECORD = DeliveryRecord._meta.db_table
-QUEUE = "buzz_delivery_delivery_queue"
 # Longest retention accepted (the prune command's limit too): beyond it PostgreSQL's interval
 # and timestamp arithmetic wrap or overflow.
 MAX_RETENTION = dt.timedelta(days=36_500)

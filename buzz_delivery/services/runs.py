@@ -10,7 +10,7 @@ from django.db import transaction
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.ending import end_on_record
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, QUEUE_TABLE, READ_DB_NOW, RECORD, ended_columns
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, QUEUE, READ_DB_NOW, RECORD, ended_columns
 from buzz_delivery.services.tenancy import tenant_scoped
 
 RUN_CANCELED = "run_canceled"
@@ -24,7 +24,7 @@ RUN_CANCELED = "run_canceled"
 # entry and no new generation, as before the queue).
 EXPIRE_PENDING_OF_RUN = f"""
 WITH candidate AS MATERIALIZED (
-    SELECT d.id FROM {QUEUE_TABLE} AS d
+    SELECT d.id FROM {QUEUE} AS d
     JOIN {RECORD} AS r ON r.community_id = d.community_id AND r.id = d.id
     WHERE d.community_id = %(community_id)s AND r.community_id = %(community_id)s AND r.run_id = %(run_id)s
       AND d.status = 'pending' AND {ACTIVE_COMMUNITY}
@@ -32,7 +32,7 @@ WITH candidate AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 )
-DELETE FROM {QUEUE_TABLE} AS d
+DELETE FROM {QUEUE} AS d
 USING candidate
 WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
 RETURNING {

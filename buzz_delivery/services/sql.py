@@ -67,10 +67,8 @@ RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
 # (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
 DB_NOW = "buzz_delivery_now()"
 # Claimed rows whose lease the database clock has passed (not yet reaped), fleet-wide.
-# (The queue, stage 2: it holds every live row; no index serves the test, the walk reads them all.)
-COUNT_LAPSED_LEASES = (
-    f"SELECT count(*) FROM buzz_delivery_delivery_queue WHERE status = 'claimed' AND lease_until < {DB_NOW}"
-)
+# (The queue since stage 2: no index serves the test, the count reads every live row.)
+COUNT_LAPSED_LEASES = f"SELECT count(*) FROM {LIVE_DELIVERIES} WHERE status = 'claimed' AND lease_until < {DB_NOW}"
 
 
 # History fields that hold numbers (counters and generations); every other field but ``at`` is text.
@@ -497,10 +495,6 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 # began has surely lapsed), never reap a live lease or expire a delivery early.
 MAINTENANCE_NOW = "now()"
 
-# The live queue (issue 31, stage 2): one row per pending or claimed delivery, deleted at the
-# terminal. Maintenance and operator statements read and fence the live state there.
-QUEUE_TABLE = "buzz_delivery_delivery_queue"
-
 _LAPSED = "d.status = 'claimed' AND d.lease_until < %(now)s"
 _OVERDUE = "d.status = 'pending' AND d.expires_at <= %(now)s"
 _PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= %(now)s)"
@@ -564,8 +558,8 @@ RETURNING r.id, r.status
 COMMUNITIES_TO_REAP = f"""
 SELECT c.id FROM {COMMUNITY} AS c
 WHERE c.deletion_state = 'active' AND c.id > %(after)s
-  AND (EXISTS (SELECT 1 FROM {QUEUE_TABLE} AS d WHERE d.community_id = c.id AND {_LAPSED})
-       OR EXISTS (SELECT 1 FROM {QUEUE_TABLE} AS d WHERE d.community_id = c.id AND d.expires_at IS NOT NULL
+  AND (EXISTS (SELECT 1 FROM {QUEUE} AS d WHERE d.community_id = c.id AND {_LAPSED})
+       OR EXISTS (SELECT 1 FROM {QUEUE} AS d WHERE d.community_id = c.id AND d.expires_at IS NOT NULL
                   AND {_OVERDUE}))
 ORDER BY c.id
 LIMIT %(page)s
@@ -588,13 +582,13 @@ _REAP_ENTRY = history_entry(
 )
 REAP_LAPSED_LEASES = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {QUEUE_TABLE} AS d
+    SELECT d.id FROM {QUEUE} AS d
     WHERE d.community_id = %(community_id)s AND {_LAPSED} AND {ACTIVE_COMMUNITY}
     ORDER BY d.lease_until
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 ), moved AS (
-    UPDATE {QUEUE_TABLE} AS d
+    UPDATE {QUEUE} AS d
     SET status = 'pending',
         lease_generation = d.lease_generation + 1,
         lease_until = NULL,
@@ -607,7 +601,7 @@ WITH batch AS MATERIALIZED (
     WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED} AND NOT {_REAP_TERMINAL}
     RETURNING d.id
 ), ended AS (
-    DELETE FROM {QUEUE_TABLE} AS d
+    DELETE FROM {QUEUE} AS d
     USING batch
     WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED} AND {_REAP_TERMINAL}
     RETURNING {
@@ -631,13 +625,13 @@ SELECT * FROM ended
 
 EXPIRE_OVERDUE_PENDING = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {QUEUE_TABLE} AS d
+    SELECT d.id FROM {QUEUE} AS d
     WHERE d.community_id = %(community_id)s AND d.expires_at IS NOT NULL AND {_OVERDUE} AND {ACTIVE_COMMUNITY}
     ORDER BY d.expires_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
-DELETE FROM {QUEUE_TABLE} AS d
+DELETE FROM {QUEUE} AS d
 USING batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OVERDUE}
 RETURNING {
@@ -666,10 +660,10 @@ SELECT
     count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL_NOW}) AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
 FROM (
-    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE_TABLE} AS d
+    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE} AS d
     WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE_TABLE} AS d
+    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE} AS d
     WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
@@ -680,10 +674,10 @@ JOIN {COMMUNITY} AS c ON c.id = d.community_id
 REAP_PLAN = f"""
 SELECT d.community_id, count(*) FILTER (WHERE d.status = 'claimed'), count(*) FILTER (WHERE d.status = 'pending')
 FROM (
-    SELECT d.community_id, d.status FROM {QUEUE_TABLE} AS d
+    SELECT d.community_id, d.status FROM {QUEUE} AS d
     WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT d.community_id, d.status FROM {QUEUE_TABLE} AS d
+    SELECT d.community_id, d.status FROM {QUEUE} AS d
     WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
@@ -692,7 +686,7 @@ GROUP BY d.community_id
 """
 
 COUNT_FENCED_LAPSED = f"""
-SELECT count(*) FROM {QUEUE_TABLE} AS d
+SELECT count(*) FROM {QUEUE} AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_state <> 'active'
 """
@@ -727,7 +721,7 @@ _QUEUE_COPIED = (
 )
 _QUEUE_CLEARED = ("lease_until", "claimed_at", "slot_community", "slot_target", "slot_workflow", "singleton_key")
 INSERT_QUEUE_OF_REQUEUED = f"""
-INSERT INTO {QUEUE_TABLE} AS q ({_QUEUE_COPIED}, {", ".join(_QUEUE_CLEARED)})
+INSERT INTO {QUEUE} AS q ({_QUEUE_COPIED}, {", ".join(_QUEUE_CLEARED)})
 SELECT {", ".join(f"d.{c}" for c in _QUEUE_COPIED.split(", "))}, {", ".join("NULL" for _ in _QUEUE_CLEARED)}
 FROM {RECORD} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s AND d.status = 'pending'
@@ -746,7 +740,7 @@ _FORCE_FAIL_ENTRY = history_entry(
 # ``%(now)s`` is the database clock the caller read first in the same transaction (no clock in a
 # RETURNING list on Citus).
 FORCE_FAIL_IF_CLAIMED = f"""
-DELETE FROM {QUEUE_TABLE} AS d
+DELETE FROM {QUEUE} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
 RETURNING {

@@ -50,7 +50,7 @@ PRODUCER_PUBKEY = hashlib.sha256(b"buzz_delivery.tasks producer").digest()
 RESULT = TaskResult._meta.db_table
 DELIVERY = "buzz_delivery_delivery"  # the view: reads
 RECORD = "buzz_delivery_delivery_record"  # the table: read inside a write
-QUEUE = "buzz_delivery_delivery_queue"  # the live state (stage 2): the lease fence of a write
+QUEUE = "buzz_delivery_delivery_queue"  # the live state (stage 2): the lease fence
 
 
 def queue_target(queue_name: str) -> bytes:
