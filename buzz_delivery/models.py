@@ -460,7 +460,8 @@ class DeliveryRecord(DeliveryColumns):
             *triggers.write_fence(),
             triggers.delivery_binding_immutable(),
             triggers.delivery_generation_monotonic(),
-            triggers.history_append_only("delivery"),
+            # Once terminal (core 0037): while live, the queue row's history is the guarded one.
+            triggers.history_append_only("delivery", once_terminal=True),
         ]
 
 

@@ -245,10 +245,16 @@ def delivery_generation_monotonic() -> pgtrigger.Trigger:
 HISTORY_LIMIT = 50
 
 
-def history_append_only(table: str) -> pgtrigger.Trigger:
+def history_append_only(table: str, *, once_terminal: bool = False) -> pgtrigger.Trigger:
     """Refuse an UPDATE that rewrites a row's ``history`` (``BD003``): a statement may only
     append one entry, dropping the oldest once :data:`HISTORY_LIMIT` are kept
     (``buzz_delivery_history_push``, migration 0008). ``table`` names the trigger.
+
+    ``once_terminal``: only while the row is finished, failed or expired (the delivery record
+    since issue 31, stage 2, core migration 0037: while a delivery is live its history grows on
+    its queue row, which has this guard unconditionally, and the record's copy is the commit's;
+    the terminal statement writes the queue row's history plus its entry into the record, and
+    from then on the record's history only grows, a requeue's entry included).
 
     ``UPDATE OF history`` with a WHEN condition: PostgreSQL evaluates the condition in the
     executor and calls the function only to raise, so an honest append pays two jsonb
@@ -258,7 +264,8 @@ def history_append_only(table: str) -> pgtrigger.Trigger:
         when=pgtrigger.Before,
         operation=pgtrigger.UpdateOf("history"),
         condition=pgtrigger.Condition(
-            "NEW.history IS DISTINCT FROM OLD.history AND NOT ("
+            ("OLD.status IN ('finished', 'failed', 'expired') AND " if once_terminal else "")
+            + "NEW.history IS DISTINCT FROM OLD.history AND NOT ("
             "(NEW.history - (-1)) = OLD.history"
             f" OR (jsonb_array_length(OLD.history) >= {HISTORY_LIMIT} AND (NEW.history - (-1)) = (OLD.history - 0))"
             ")"
