@@ -62,6 +62,41 @@ DEFERRED_FIELDS = (*SNAPSHOT_FIELDS, "history", "requeues")
 CLAIM_FIELDS = [f for f in WorkflowAgentDelivery._meta.concrete_fields if f.name not in DEFERRED_FIELDS]
 CLAIM_ATTNAMES = [f.attname for f in CLAIM_FIELDS]
 RETURNING_CLAIM_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS)
+# The columns a queue row holds the truth of while the delivery is live (the view reads them from
+# the queue); every other claimed column is the record's.
+LIVE_COLUMNS = (
+    "status",
+    "lease_generation",
+    "lease_until",
+    "claimed_at",
+    "claimed_by",
+    "renewals",
+    "attempt",
+    "next_attempt_at",
+    "expires_at",
+    "history",
+    "slot_community",
+    "slot_target",
+    "slot_workflow",
+)
+# A claim's rows: the claimed queue rows (``q``) joined to their records (``r``) by key, in the
+# order of :data:`CLAIM_FIELDS`; and the row type the claim functions return (``RETURNS TABLE``).
+CLAIM_SELECT = ", ".join(f"{'q' if f.column in LIVE_COLUMNS else 'r'}.{f.column}" for f in CLAIM_FIELDS)
+CLAIMED_LIVE_COLUMNS = ", ".join(f"d.{f.column}" for f in CLAIM_FIELDS if f.column in LIVE_COLUMNS)
+_CLAIM_TYPES = {
+    "UUIDField": "uuid",
+    "ForeignKey": "uuid",
+    "BinaryField": "bytea",
+    "DateTimeField": "timestamptz",
+    "TextField": "text",
+    "CharField": "varchar",
+    "SmallIntegerField": "smallint",
+    "PositiveSmallIntegerField": "smallint",
+    "IntegerField": "integer",
+    "PositiveIntegerField": "integer",
+    "BigIntegerField": "bigint",
+}
+CLAIM_TABLE = "TABLE(" + ", ".join(f"{f.column} {_CLAIM_TYPES[f.get_internal_type()]}" for f in CLAIM_FIELDS) + ")"
 
 # The database clock of every lease statement: the start of the current statement
 # (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
@@ -248,29 +283,39 @@ def claimed_rows(by_id: bool) -> str:
 
 def claim_oldest_pending(*, by_id: bool, by_binding: bool) -> str:
     """Claim up to ``%(limit)s`` of the claimable deliveries of one community and target, higher
-    ``priority`` first, oldest first within it (the order of delivery_pending_poll_idx).
+    ``priority`` first, oldest first within it (the order of the queue's poll index).
 
     Claimable: ``pending``, past its retry gate, before its TTL, attempts left, community active.
     The winner: ``claimed``, generation + 1, attempt + 1, lease from the database clock, never
     past ``expires_at``.
+
+    Issue 31, stage 2: the claim updates the queue row only, a HOT update (no index of the queue
+    names a column it changes: the slots and the singleton key of a pending row are NULL already,
+    and setting NULL to NULL is no change); the claimed rows are then joined to their records by
+    key for the columns the claim returns (:data:`CLAIM_FIELDS`, live ones from the queue).
     """
     extra = []
     if by_id:
         extra.append("AND d.id = %(delivery_id)s")
     if by_binding:
         extra.append(
-            """AND d.workflow_id = %(workflow_id)s AND d.run_id = %(run_id)s AND d.step_id = %(step_id)s
-            AND d.definition_event_id = %(definition_event_id)s AND d.message_event_id = %(message_event_id)s
-            AND d.cause_kind = %(cause_kind)s
-            AND d.cause_event_id IS NOT DISTINCT FROM %(cause_event_id)s::bytea
-            AND d.cause_scheduled_for IS NOT DISTINCT FROM %(cause_scheduled_for)s::timestamptz
-            AND d.cause_webhook_invocation_id IS NOT DISTINCT FROM %(cause_webhook_invocation_id)s::uuid"""
+            f"""AND d.workflow_id = %(workflow_id)s
+      AND EXISTS (
+            SELECT 1 FROM {RECORD} AS b
+            WHERE b.community_id = %(community_id)s AND b.id = d.id
+            AND b.run_id = %(run_id)s AND b.step_id = %(step_id)s
+            AND b.definition_event_id = %(definition_event_id)s AND b.message_event_id = %(message_event_id)s
+            AND b.cause_kind = %(cause_kind)s
+            AND b.cause_event_id IS NOT DISTINCT FROM %(cause_event_id)s::bytea
+            AND b.cause_scheduled_for IS NOT DISTINCT FROM %(cause_scheduled_for)s::timestamptz
+            AND b.cause_webhook_invocation_id IS NOT DISTINCT FROM %(cause_webhook_invocation_id)s::uuid)"""
         )
     joined = "" if by_id else f"{CLAIM_FROM}\n"
     return f"""
+WITH claimed AS (
 WITH candidate AS MATERIALIZED (
     SELECT d.id
-    FROM {RECORD} AS d
+    FROM {QUEUE} AS d
     WHERE d.community_id = %(community_id)s
       AND d.target_pubkey = %(target_pubkey)s
       AND d.status = 'pending'
@@ -283,7 +328,7 @@ WITH candidate AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {RECORD} AS d
+UPDATE {QUEUE} AS d
 SET status = 'claimed',
     lease_generation = d.lease_generation + 1,
     attempt = d.attempt + 1,
@@ -295,17 +340,22 @@ SET status = 'claimed',
     slot_community = NULL,
     slot_target = NULL,
     slot_workflow = NULL,
+    singleton_key = NULL,
     {_CLAIM_ENTRY}
 {joined}-- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
 -- after re-checking its latest version, so nothing else changed it since), or with stale
 -- statistics the pending-only indexes win and every pending row is read (test_claim_plan_stale_stats).
 WHERE d.community_id = %(community_id)s AND {claimed_rows(by_id)}
-RETURNING {RETURNING_CLAIM_COLUMNS}
+RETURNING {CLAIMED_LIVE_COLUMNS}, d.id
+)
+SELECT {CLAIM_SELECT}
+FROM claimed AS q
+JOIN {RECORD} AS r ON r.community_id = %(community_id)s AND r.id = q.id
 """
 
 
 RENEW_IF_CURRENT_GENERATION = f"""
-UPDATE {RECORD} AS d
+UPDATE {QUEUE} AS d
 SET lease_until = {LEASE_END},
     renewals = d.renewals + 1
 WHERE {CURRENT_LEASE}
@@ -328,7 +378,7 @@ CLAIMED_BY_KEY = "d.status = 'claimed' COLLATE \"C\""
 # of one community, each row fenced as RENEW_IF_CURRENT_GENERATION fences its one; a lease whose
 # row is not returned is lost.
 RENEW_MANY_IF_CURRENT_GENERATION = f"""
-UPDATE {RECORD} AS d
+UPDATE {QUEUE} AS d
 SET lease_until = {LEASE_END},
     renewals = d.renewals + 1
 FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[])
@@ -346,37 +396,68 @@ RETURNING d.id, d.lease_until
 _SETTLE_ENTRY = history_entry(
     "'settle'", "d.lease_generation", "d.claimed_by", status="%(status)s::varchar", renewals="d.renewals"
 )
+
+# Issue 31, stage 2: a terminal deletes the queue row (fenced as the lease statements fence it)
+# and writes the record from what the row held, in one statement (on Citus: inside a delegated
+# function, one task). ``gone``: the deleted rows, aliased ``d`` in the record's UPDATE, so the
+# history entries read the lease's columns as they did when the record was the row.
+_GONE = "d.id, d.lease_generation, d.attempt, d.max_attempts, d.claimed_by, d.renewals, d.history"
+# What every terminal writes on the record from the queue row (``d``): the lease's last state,
+# no live lease, slot or retry gate left.
+_FROM_QUEUE = """lease_generation = d.lease_generation,
+    attempt = d.attempt,
+    claimed_by = d.claimed_by,
+    renewals = d.renewals,
+    lease_until = NULL,
+    claimed_at = NULL,
+    next_attempt_at = NULL,
+    slot_community = NULL,
+    slot_target = NULL,
+    slot_workflow = NULL,
+"""
+# The record's UPDATE of a terminal: its rows are the ``gone`` queue rows, by key.
+_RECORD_OF_GONE = """FROM gone AS d
+WHERE r.community_id = %(community_id)s AND r.id = d.id"""
+
 # What a settle writes; the single and the batch forms differ only in how they find the rows.
 _SETTLE = f"""SET status = %(status)s,
     finished_at = {DB_NOW},
-    lease_until = NULL,
-    claimed_at = NULL,
     failure_code = %(failure_code)s,
     failure_message = %(failure_message)s,
-    {_SETTLE_ENTRY}
+    {_FROM_QUEUE}    {_SETTLE_ENTRY}
 """
 
 FINISH_IF_CURRENT_GENERATION = f"""
-UPDATE {RECORD} AS d
-{_SETTLE}WHERE {CURRENT_LEASE}
-RETURNING d.status
+WITH gone AS (
+    DELETE FROM {QUEUE} AS d
+    WHERE {CURRENT_LEASE}
+    RETURNING {_GONE}
+)
+UPDATE {RECORD} AS r
+{_SETTLE}{_RECORD_OF_GONE}
+RETURNING r.status
 """
 
 
 # The batch form: one row of (id, generation, target) per lease, all of one community (the
 # targets may differ: a worker serving many targets settles them in one statement).
 FINISH_MANY_IF_CURRENT_GENERATION = f"""
-UPDATE {RECORD} AS d
-{_SETTLE}FROM unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[])
-    AS f(id, generation, target)
-WHERE d.community_id = %(community_id)s
-  AND d.id = f.id
-  AND d.target_pubkey = f.target
-  AND d.lease_generation = f.generation
-  AND {CLAIMED_BY_KEY}
-  AND d.lease_until >= {DB_NOW}
-  AND {ACTIVE_COMMUNITY}
-RETURNING d.id, d.status
+WITH gone AS (
+    DELETE FROM {QUEUE} AS d
+    USING unnest(%(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[])
+        AS f(id, generation, target)
+    WHERE d.community_id = %(community_id)s
+      AND d.id = f.id
+      AND d.target_pubkey = f.target
+      AND d.lease_generation = f.generation
+      AND {CLAIMED_BY_KEY}
+      AND d.lease_until >= {DB_NOW}
+      AND {ACTIVE_COMMUNITY}
+    RETURNING {_GONE}
+)
+UPDATE {RECORD} AS r
+{_SETTLE}{_RECORD_OF_GONE}
+RETURNING r.id, r.status
 """
 
 # Before a batch settles anything: the rows of its deliveries' runs, locked in run id order (a
@@ -413,25 +494,45 @@ _BACKOFF_SECONDS = (
 # Equal jitter (a factor in [0.5, 1] drawn by the caller, buzz_delivery.backoff) and the
 # failure's Retry-After (0 when none): the next attempt is not before the larger.
 _RETRY_DELAY = f"GREATEST({_BACKOFF_SECONDS} * %(jitter)s, %(retry_after)s)"
-_RETRY_ENTRY = history_entry(
-    "'retry'",
-    "d.lease_generation",
-    "d.claimed_by",
-    status=f"CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END",
-    renewals="d.renewals",
+_RETRY_ENTRY = history_entry("'retry'", "d.lease_generation", "d.claimed_by", status="'pending'", renewals="d.renewals")
+_EXHAUSTED_ENTRY = history_entry(
+    "'retry'", "d.lease_generation", "d.claimed_by", status="'failed'", renewals="d.renewals"
 )
+# Back to pending: the queue row only (HOT: the slots it clears are not NULL only under limits).
+# On the last allowed attempt: a terminal (the queue row deleted, the record failed). The two
+# CTEs' fences exclude each other (the attempt is the claim's), so one of them takes the row.
 RETRY_IF_CURRENT_GENERATION = f"""
-UPDATE {RECORD} AS d
-SET status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
-    finished_at = buzz_delivery_when({_EXHAUSTED}, {DB_NOW}),
-    failure_code = CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
-    failure_message = CASE WHEN {_EXHAUSTED} THEN %(failure_message)s END,
-    next_attempt_at = buzz_delivery_when(NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_RETRY_DELAY})),
-    lease_until = NULL,
-    claimed_at = NULL,
-    {_RETRY_ENTRY}
-WHERE {CURRENT_LEASE}
-RETURNING d.status
+WITH back AS (
+    UPDATE {QUEUE} AS d
+    SET status = 'pending',
+        next_attempt_at = buzz_delivery_plus_seconds({DB_NOW}, {_RETRY_DELAY}),
+        lease_until = NULL,
+        claimed_at = NULL,
+        slot_community = NULL,
+        slot_target = NULL,
+        slot_workflow = NULL,
+        {_RETRY_ENTRY}
+    WHERE {CURRENT_LEASE} AND NOT {_EXHAUSTED}
+    RETURNING d.status
+),
+gone AS (
+    DELETE FROM {QUEUE} AS d
+    WHERE {CURRENT_LEASE} AND {_EXHAUSTED}
+    RETURNING {_GONE}
+),
+failed AS (
+    UPDATE {RECORD} AS r
+    SET status = 'failed',
+        finished_at = {DB_NOW},
+        failure_code = 'attempts_exhausted',
+        failure_message = %(failure_message)s,
+        {_FROM_QUEUE}        {_EXHAUSTED_ENTRY}
+    {_RECORD_OF_GONE}
+    RETURNING r.status
+)
+SELECT back.status FROM back
+UNION ALL
+SELECT failed.status FROM failed
 """
 
 # The mixed batch form (a remote worker's flush, issue 29): one row of (id, generation, target,
@@ -444,41 +545,65 @@ RETURNING d.status
 # through buzz_delivery_when (SPEC 15). A settled row's next_attempt_at is NULL as FINISH leaves
 # it: every claim clears it, so a row held under a current lease has none to keep.
 _S_RETRY = "s.outcome = 'retry'"
-_S_STATUS = f"CASE WHEN {_S_RETRY} THEN CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END ELSE s.outcome END"
 _S_RETRY_DELAY = f"GREATEST({_BACKOFF_SECONDS} * s.jitter, s.retry_after)"
+_SETTLES = """unnest(
+        %(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[],
+        %(outcomes)s::varchar[], %(failure_codes)s::varchar[], %(failure_messages)s::text[],
+        %(jitters)s::float8[], %(retry_afters)s::float8[]
+    ) AS s(id, generation, target, outcome, failure_code, failure_message, jitter, retry_after)"""
+_SETTLE_FENCE = f"""d.community_id = %(community_id)s
+      AND d.id = s.id
+      AND d.target_pubkey = s.target
+      AND d.lease_generation = s.generation
+      AND {CLAIMED_BY_KEY}
+      AND d.lease_until >= {DB_NOW}
+      AND {ACTIVE_COMMUNITY}"""
+# In the record's UPDATE, ``d`` is a deleted queue row with its settle's outcome and texts.
+_G_RETRY = "d.outcome = 'retry'"
+_G_STATUS = f"CASE WHEN {_G_RETRY} THEN 'failed' ELSE d.outcome END"
 _SETTLE_MANY_ENTRY = history_entry(
-    f"CASE WHEN {_S_RETRY} THEN 'retry' ELSE 'settle' END",
+    f"CASE WHEN {_G_RETRY} THEN 'retry' ELSE 'settle' END",
     "d.lease_generation",
     "d.claimed_by",
-    status=_S_STATUS,
+    status=_G_STATUS,
     renewals="d.renewals",
 )
 SETTLE_MANY_IF_CURRENT_GENERATION = f"""
-UPDATE {RECORD} AS d
-SET status = {_S_STATUS},
-    finished_at = buzz_delivery_when(NOT {_S_RETRY} OR {_EXHAUSTED}, {DB_NOW}),
-    failure_code = CASE WHEN {_S_RETRY} THEN CASE WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END
-                        ELSE s.failure_code END,
-    failure_message = CASE WHEN {_S_RETRY} AND NOT {_EXHAUSTED} THEN NULL ELSE s.failure_message END,
-    next_attempt_at = buzz_delivery_when(
-        {_S_RETRY} AND NOT {_EXHAUSTED}, buzz_delivery_plus_seconds({DB_NOW}, {_S_RETRY_DELAY})
-    ),
-    lease_until = NULL,
-    claimed_at = NULL,
-    {_SETTLE_MANY_ENTRY}
-FROM unnest(
-    %(delivery_ids)s::uuid[], %(lease_generations)s::bigint[], %(target_pubkeys)s::bytea[],
-    %(outcomes)s::varchar[], %(failure_codes)s::varchar[], %(failure_messages)s::text[],
-    %(jitters)s::float8[], %(retry_afters)s::float8[]
-) AS s(id, generation, target, outcome, failure_code, failure_message, jitter, retry_after)
-WHERE d.community_id = %(community_id)s
-  AND d.id = s.id
-  AND d.target_pubkey = s.target
-  AND d.lease_generation = s.generation
-  AND {CLAIMED_BY_KEY}
-  AND d.lease_until >= {DB_NOW}
-  AND {ACTIVE_COMMUNITY}
-RETURNING d.id, d.status
+WITH back AS (
+    UPDATE {QUEUE} AS d
+    SET status = 'pending',
+        next_attempt_at = buzz_delivery_plus_seconds({DB_NOW}, {_S_RETRY_DELAY}),
+        lease_until = NULL,
+        claimed_at = NULL,
+        slot_community = NULL,
+        slot_target = NULL,
+        slot_workflow = NULL,
+        {_RETRY_ENTRY}
+    FROM {_SETTLES}
+    WHERE {_SETTLE_FENCE}
+      AND {_S_RETRY} AND NOT {_EXHAUSTED}
+    RETURNING d.id, d.status
+),
+gone AS (
+    DELETE FROM {QUEUE} AS d
+    USING {_SETTLES}
+    WHERE {_SETTLE_FENCE}
+      AND NOT ({_S_RETRY} AND NOT {_EXHAUSTED})
+    RETURNING {_GONE}, s.outcome, s.failure_code, s.failure_message
+),
+done AS (
+    UPDATE {RECORD} AS r
+    SET status = {_G_STATUS},
+        finished_at = {DB_NOW},
+        failure_code = CASE WHEN {_G_RETRY} THEN 'attempts_exhausted' ELSE d.failure_code END,
+        failure_message = d.failure_message,
+        {_FROM_QUEUE}        {_SETTLE_MANY_ENTRY}
+    {_RECORD_OF_GONE}
+    RETURNING r.id, r.status
+)
+SELECT back.id, back.status FROM back
+UNION ALL
+SELECT done.id, done.status FROM done
 """
 
 STATUS_AT_GENERATION = f"""
