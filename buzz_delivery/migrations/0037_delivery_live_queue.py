@@ -39,9 +39,9 @@ history guard switched off for that one statement: the queue's history is longer
 record's), then the queue is dropped and the record's indexes built again.
 
 On Citus run ``distribute_tables`` after ``migrate``, as always: the queue is in the deletion
-catalog, so it is distributed by ``community_id`` and colocated with the record there. A cluster
-whose tables are already distributed is not supported by this migration (a local table cannot
-reference a distributed one): migrate a copy before distributing it."""
+catalog, so it is distributed by ``community_id`` and colocated with the record there. On a
+cluster whose record is already distributed, this migration distributes the queue itself before
+it references the record (a local table cannot reference a distributed one)."""
 
 from typing import Any
 
@@ -62,13 +62,39 @@ VIEW = "buzz_delivery_delivery"
 LOCK_RECORD = f"LOCK TABLE {RECORD} IN ACCESS EXCLUSIVE MODE"
 
 # One statement each (Citus propagates DDL with its text: citus_ddl).
-QUEUE_KEYS = [
+QUEUE_PRIMARY_KEY = [
     f"ALTER TABLE {QUEUE} DROP CONSTRAINT {QUEUE}_pkey",
     f"ALTER TABLE {QUEUE} ADD CONSTRAINT {QUEUE}_pkey PRIMARY KEY (id, community_id)",
+]
+QUEUE_RECORD_KEY = [
     f"ALTER TABLE {QUEUE} ADD CONSTRAINT delivery_queue_record_same_community"
     f" FOREIGN KEY (community_id, id) REFERENCES {RECORD} (community_id, id) ON DELETE CASCADE",
     f"ALTER TABLE {QUEUE} SET (fillfactor = 30)",
 ]
+# On a Citus coordinator whose record is already distributed (a cluster migrated again: tests go
+# back and forth), the queue is distributed and colocated at once, as ``distribute_tables`` would:
+# a local table cannot reference a distributed one. Its foreign key to the community (Django's,
+# added at the end of the migration) and to the record follow.
+
+
+def key_the_queue(apps: Any, schema_editor: Any) -> None:
+    for statement in QUEUE_PRIMARY_KEY:
+        schema_editor.execute(statement)
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
+        citus = cursor.fetchone()[0]
+        if citus:
+            cursor.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(%s))", [RECORD]
+            )
+            if cursor.fetchone()[0]:
+                cursor.execute("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
+                cursor.execute(
+                    "SELECT create_distributed_table(%s, 'community_id', colocate_with => 'buzz_delivery_community')",
+                    [QUEUE],
+                )
+    for statement in QUEUE_RECORD_KEY:
+        schema_editor.execute(statement)
 
 # The columns a queue row copies from its record at commit (never changed), then its live state.
 BINDING = ("id", "community_id", "target_pubkey", "workflow_id", "priority", "created_at", "max_attempts")
@@ -243,7 +269,7 @@ class Migration(migrations.Migration):
             name='workflow',
             field=models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='buzz_delivery.workflow'),
         ),
-        migrations.RunSQL(sql=QUEUE_KEYS, reverse_sql=migrations.RunSQL.noop),
+        migrations.RunPython(key_the_queue, migrations.RunPython.noop, elidable=False),
         # The record's live indexes go before the move (its UPDATE of the claimed rows maintains
         # none of them) and come back after the move back.
         migrations.RemoveConstraint(
