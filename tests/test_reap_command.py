@@ -255,7 +255,8 @@ def test_a_run_that_lost_its_lease_cannot_renew_or_release_the_new_holders_lease
 def test_a_failing_reap_exits_non_zero_and_releases_its_lease():
     community = CommunityFactory()
     lapsed(community)
-    with connection.cursor() as cursor:  # a real database failure inside the reap statement (on the queue, which a reap back to pending writes)
+    # A real database failure inside the reap statement (on the queue, which a reap back to pending writes).
+    with connection.cursor() as cursor:
         cursor.execute(
             "CREATE FUNCTION test_reap_boom() RETURNS trigger LANGUAGE plpgsql AS "
             "$$ BEGIN RAISE EXCEPTION 'boom from the test'; END $$;"
