@@ -38,7 +38,7 @@ class RecordOutOfStep(RuntimeError):
     """A deleted queue row whose record was not ``pending`` (an invariant the schema keeps)."""
 
 
-def end_on_record(community_id: uuid.UUID, ended: Sequence[Sequence[Any]]) -> list[tuple[uuid.UUID, str]]:
+def end_on_record(community_id: object, ended: Sequence[Sequence[Any]]) -> list[tuple[uuid.UUID, str]]:
     """Write the final state of the queue rows ``ended`` (rows of ``ENDED_COLUMNS``, all of
     ``community_id``, just deleted in the caller's transaction) on their records; return the
     ``(id, status)`` of each record moved. Raises :class:`RecordOutOfStep` (the caller's
