@@ -78,5 +78,6 @@ def force_fail_delivery(
     # its final state written on the record.
     with translated_errors(), transaction.atomic():
         params["now"] = fetch_all(sql.READ_DB_NOW, {})[0][0]
-        rows = end_on_record(params["community_id"], fetch_all(sql.FORCE_FAIL_IF_CLAIMED, params))
+        ended = fetch_all(sql.FORCE_FAIL_IF_CLAIMED, params)
+        rows = end_on_record(sql.END_FORCE_FAILED, params["community_id"], params["now"], ended, actor=params["actor"])
     return OperatorOutcome(True) if rows else OperatorOutcome(False, "not claimed, or community not active")

@@ -49,13 +49,14 @@ def walk_communities(statement: str, params: dict[str, object]) -> Iterator[uuid
 def community_batch(
     statement: str,
     params: dict[str, object],
-    then: Callable[[list[tuple[object, ...]]], list[tuple[object, ...]]] | None = None,
+    then: Callable[[list[tuple[object, ...]], object], list[tuple[object, ...]]] | None = None,
 ) -> list[tuple[object, ...]] | None:
     """Run one community's maintenance batch in its own transaction (a savepoint inside a
     caller's) and return its rows; ``None`` when the community's fence lock was not free within
     :data:`FENCE_WAIT_MS` or the community stopped being writable meanwhile. ``then``, when
-    given, takes the statement's rows and returns the batch's, in the same transaction and under
-    the same lock bound (a terminal move's second statement, on the record: services/ending.py).
+    given, takes the statement's rows and the batch's ``now`` and returns the batch's rows, in
+    the same transaction and under the same lock bound (a terminal move's second statement, on
+    the record: services/ending.py).
 
     The transaction reads ``now()`` once and hands it to the statement as ``%(now)s``, and
     bounds lock waits with ``SET LOCAL lock_timeout`` (which Citus propagates to the node that
@@ -77,7 +78,7 @@ def community_batch(
             with translated_errors():
                 rows = fetch_all(statement, {**params, "now": now})
                 if then is not None:
-                    rows = then(rows)
+                    rows = then(rows, now)
             if nested:  # the caller's transaction goes on: give it its own bound back
                 fetch_all("SELECT set_config('lock_timeout', %(previous)s, true)", {"previous": previous})
             return rows
@@ -96,22 +97,22 @@ class _Tally:
     busy: set[uuid.UUID] = field(default_factory=set)
 
 
-def _end_batch(community: uuid.UUID, rows: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
-    """A reap batch's rows as ``(id, status)``: the ones moved back to pending as the queue
-    statement returned them, the ended ones as their records took them (:func:`end_on_record`)."""
+def _end_batch(community: uuid.UUID, end: str, rows: list[tuple[object, ...]], now: object) -> list[tuple[object, ...]]:
+    """A batch's rows as ``(id, status)``: the ones moved back to pending as the queue statement
+    returned them, the ended ones as their records took them (``end``: an ``sql.END_*``)."""
     moved = [(row[0], "pending") for row in rows if row[1] == "pending"]
     ended = [row for row in rows if row[1] != "pending"]
-    return [*moved, *end_on_record(community, ended)]
+    return [*moved, *end_on_record(end, community, now, ended)]
 
 
 def _reap_community(community: uuid.UUID, size: int, limit: int | None, tally: _Tally) -> bool:
     """Reap one community until it is done or the batch budget ends; False when the budget ended."""
-    for statement in (sql.REAP_LAPSED_LEASES, sql.EXPIRE_OVERDUE_PENDING):
+    for statement, end in ((sql.REAP_LAPSED_LEASES, sql.END_REAPED), (sql.EXPIRE_OVERDUE_PENDING, sql.END_EXPIRED)):
         while True:
             if limit is not None and tally.batches >= limit:
                 return False
             rows = community_batch(
-                statement, {"community_id": community, "batch_size": size}, partial(_end_batch, community)
+                statement, {"community_id": community, "batch_size": size}, partial(_end_batch, community, end)
             )
             tally.batches += 1
             if rows is None:

@@ -10,7 +10,7 @@ from django.db import transaction
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
 from buzz_delivery.services.ending import end_on_record
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, QUEUE, READ_DB_NOW, RECORD, ended_columns
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, END_RUN_EXPIRED, QUEUE, READ_DB_NOW, RECORD, ended_columns
 from buzz_delivery.services.tenancy import tenant_scoped
 
 RUN_CANCELED = "run_canceled"
@@ -35,9 +35,7 @@ WITH candidate AS MATERIALIZED (
 DELETE FROM {QUEUE} AS d
 USING candidate
 WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
-RETURNING {
-    ended_columns("'expired'", "%(now)s", "%(failure_code)s", "%(failure_message)s", "d.lease_generation", "d.history")
-}
+RETURNING {ended_columns("'expired'", "%(failure_code)s", "%(failure_message)s", "d.lease_generation")}
 """
 
 
@@ -77,7 +75,9 @@ def expire_run_deliveries(
         # Two statements, one transaction: the queue rows deleted (the fence), then the records.
         with translated_errors(), transaction.atomic():
             params["now"] = fetch_all(READ_DB_NOW, {})[0][0]
-            rows = end_on_record(params["community_id"], fetch_all(EXPIRE_PENDING_OF_RUN, params))
+            rows = end_on_record(
+                END_RUN_EXPIRED, params["community_id"], params["now"], fetch_all(EXPIRE_PENDING_OF_RUN, params)
+            )
         total += len(rows)
         if len(rows) < limit:
             return total

@@ -627,53 +627,74 @@ _PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= %(now)s)"
 
 # A terminal move (stage 2) is two statements in one transaction, each routed by its community
 # (a two-table data-modifying statement is not plannable on Citus): the fenced DELETE of the
-# queue rows RETURNING :data:`ENDED_COLUMNS` (the final state: the terminal status, finish time,
-# failure, generation, and the queue row's attempt, holder, renewals and history with the move's
-# entry), then :data:`END_ON_RECORD`, which writes them on the records (services/ending.py).
-def ended_columns(status: str, finished_at: str, code: str, message: str, generation: str, history: str) -> str:
-    """The RETURNING list of a terminal DELETE of queue rows aliased ``d``, in the order
-    :data:`END_ON_RECORD` takes them."""
+# queue rows RETURNING :func:`ended_columns` (the terminal status, failure and generation, and the
+# queue row's attempt, holder, renewals and history), then one of the ``END_*`` statements
+# (:func:`end_on_record`), which writes them on the records with the move's history entry and the
+# finish time ``%(now)s`` (services/ending.py). The entry is built there, not in the RETURNING
+# list: Citus allows only IMMUTABLE functions in a RETURNING list.
+def ended_columns(status: str, code: str, message: str, generation: str) -> str:
+    """The RETURNING list of a terminal DELETE of queue rows aliased ``d``, in the order the
+    ``END_*`` statements take them; every expression IMMUTABLE (Citus)."""
     return (
-        f"d.id, ({status})::text, ({finished_at})::timestamptz, ({code})::text, ({message})::text, "
-        f"({generation})::bigint, d.attempt, d.claimed_by, d.renewals, ({history})::text"
+        f"d.id, ({status})::text, ({code})::text, ({message})::text, ({generation})::bigint, "
+        "d.attempt, d.claimed_by, d.renewals, d.history::text"
     )
 
 
-def pushed(entry_assignment: str) -> str:
-    """The pushed history of a :func:`history_entry` assignment (``history = <expr>``): ``<expr>``."""
-    prefix = "history = "
-    assert entry_assignment.startswith(prefix)
-    return entry_assignment[len(prefix) :]
-
-
-# The record's side of a terminal move: each record still ``pending`` (the record of a live
-# delivery) takes the state its queue row ended with; the live columns are cleared. Its AFTER
-# UPDATE OF status triggers (workflow fan-in, agents delivery-lost) fire here.
-END_ON_RECORD = f"""
+def end_on_record(history: str | None) -> str:
+    """The record's side of a terminal move: each record still ``pending`` (the record of a live
+    delivery) takes the state its queue row ended with (``u``), finished at ``%(now)s``, its live
+    columns cleared, and ``history`` (a :func:`history_entry` over ``u``; None: the queue row's
+    history as it was). Its AFTER UPDATE OF status triggers (workflow fan-in, agents delivery-lost)
+    fire here."""
+    return f"""
 UPDATE {RECORD} AS r
 SET status = u.status,
-    finished_at = u.finished_at,
+    finished_at = %(now)s::timestamptz,
     failure_code = u.failure_code,
     failure_message = u.failure_message,
     lease_generation = u.lease_generation,
     attempt = u.attempt,
     claimed_by = u.claimed_by,
     renewals = u.renewals,
-    history = u.history::jsonb,
+    {history or "history = u.history"},
     lease_until = NULL,
     claimed_at = NULL,
     next_attempt_at = NULL,
     slot_community = NULL,
     slot_target = NULL,
     slot_workflow = NULL
-FROM unnest(%(ids)s::uuid[], %(statuses)s::text[], %(finished_ats)s::timestamptz[], %(failure_codes)s::text[],
-            %(failure_messages)s::text[], %(lease_generations)s::bigint[], %(attempts)s::integer[],
-            %(holders)s::text[], %(renewals)s::integer[], %(histories)s::text[])
-    AS u(id, status, finished_at, failure_code, failure_message, lease_generation, attempt, claimed_by, renewals,
-         history)
+FROM unnest(%(ids)s::uuid[], %(statuses)s::text[], %(failure_codes)s::text[], %(failure_messages)s::text[],
+            %(lease_generations)s::bigint[], %(attempts)s::integer[], %(holders)s::text[], %(renewals)s::integer[],
+            %(histories)s::text[]::jsonb[])
+    AS u(id, status, failure_code, failure_message, lease_generation, attempt, claimed_by, renewals, history)
 WHERE r.community_id = %(community_id)s AND r.id = u.id AND r.status = 'pending'
 RETURNING r.id, r.status
 """
+
+
+_AT_NOW = "%(now)s::timestamptz"
+END_REAPED = end_on_record(
+    history_entry(
+        "'reap'", "u.lease_generation", "'reaper'", at=_AT_NOW, status="u.status", alias="u", renewals="u.renewals"
+    )
+)
+END_EXPIRED = end_on_record(
+    history_entry("'expire'", "u.lease_generation", "'reaper'", at=_AT_NOW, status="u.status", alias="u")
+)
+END_FORCE_FAILED = end_on_record(
+    history_entry(
+        "'force_fail'",
+        "u.lease_generation",
+        "%(actor)s::text",
+        at=_AT_NOW,
+        status="u.status",
+        alias="u",
+        renewals="u.renewals",
+    )
+)
+# A cancelled run's pending deliveries: no history entry (as before the queue).
+END_RUN_EXPIRED = end_on_record(None)
 
 # The walk: active communities that have lapsed leases or overdue pending deliveries, in id
 # order after ``%(after)s``, a page at a time. On the queue no index names ``lease_until`` (so a
@@ -694,7 +715,7 @@ LIMIT %(page)s
 # caller bounds with a lock timeout so a lifecycle move of this community never stalls the walk.
 # A lapsed lease with attempts and time left goes back to pending (the queue row only, slots
 # cleared); one past its deadline or on its last allowed attempt ends: its queue row is deleted
-# and returned (ENDED_COLUMNS) for END_ON_RECORD. One statement on the queue (its two data-modifying
+# and returned (ended_columns) for END_REAPED. One statement on the queue (its two data-modifying
 # CTEs touch disjoint rows of the locked batch); rows ``('pending', NULL...)`` for the moved ones.
 _REAP_TERMINAL = f"({_PAST_TTL} OR {_EXHAUSTED})"
 _REAP_ENTRY = history_entry(
@@ -732,17 +753,14 @@ WITH batch AS MATERIALIZED (
     RETURNING {
     ended_columns(
         f"CASE WHEN {_PAST_TTL} THEN 'expired' ELSE 'failed' END",
-        "%(now)s",
         f"CASE WHEN {_PAST_TTL} THEN 'delivery_expired' ELSE 'attempts_exhausted' END",
         f"CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed' "
         "ELSE 'lease lapsed on the last allowed attempt' END",
         "d.lease_generation + 1",
-        pushed(_REAP_ENTRY),
     )
 }
 )
-SELECT moved.id, 'pending', NULL::timestamptz, NULL::text, NULL::text, NULL::bigint, NULL::integer, NULL::text,
-       NULL::integer, NULL::text
+SELECT moved.id, 'pending', NULL::text, NULL::text, NULL::bigint, NULL::integer, NULL::text, NULL::integer, NULL::text
 FROM moved
 UNION ALL
 SELECT * FROM ended
@@ -760,18 +778,7 @@ DELETE FROM {QUEUE} AS d
 USING batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OVERDUE}
 RETURNING {
-    ended_columns(
-        "'expired'",
-        "%(now)s",
-        "'delivery_expired'",
-        "'deadline passed before a claim'",
-        "d.lease_generation + 1",
-        pushed(
-            history_entry(
-                "'expire'", "d.lease_generation + 1", "'reaper'", at="%(now)s::timestamptz", status="'expired'"
-            )
-        ),
-    )
+    ended_columns("'expired'", "'delivery_expired'", "'deadline passed before a claim'", "d.lease_generation + 1")
 }
 """
 
@@ -853,29 +860,11 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s AND d.status 
 RETURNING q.id
 """
 
-_FORCE_FAIL_ENTRY = history_entry(
-    "'force_fail'",
-    "d.lease_generation + 1",
-    "%(actor)s::text",
-    at="%(now)s::timestamptz",
-    status="'failed'",
-    renewals="d.renewals",
-)
-# The queue row of a claimed delivery, deleted and returned (ENDED_COLUMNS) for END_ON_RECORD;
-# ``%(now)s`` is the database clock the caller read first in the same transaction (no clock in a
-# RETURNING list on Citus).
+# The queue row of a claimed delivery, deleted and returned (ended_columns) for END_FORCE_FAILED;
+# ``%(now)s``, the database clock, is read first in the same transaction (services/operator.py).
 FORCE_FAIL_IF_CLAIMED = f"""
 DELETE FROM {QUEUE} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
-RETURNING {
-    ended_columns(
-        "'failed'",
-        "%(now)s",
-        "'operator_force_failed'",
-        "%(failure_message)s",
-        "d.lease_generation + 1",
-        pushed(_FORCE_FAIL_ENTRY),
-    )
-}
+RETURNING {ended_columns("'failed'", "'operator_force_failed'", "%(failure_message)s", "d.lease_generation + 1")}
 """
