@@ -18,6 +18,8 @@ from buzz_delivery.testing import (
     DeliveryFactory,
     Expr,
     advance_to,
+    backdate,
+    delete_delivery_rows,
     insert_delivery_rows,
     set_delivery_state,
 )
@@ -225,3 +227,48 @@ def test_a_purge_removes_the_communitys_queue_rows(make_binding, community):
     assert result.deleted["buzz_delivery.DeliveryQueue"] == 2
     assert labels.index("buzz_delivery.DeliveryQueue") < labels.index("buzz_delivery.DeliveryRecord")
     assert result.tombstoned
+
+
+def _both(delivery_id) -> tuple[list[tuple], list[tuple]]:
+    record = _sql(
+        f"SELECT status, lease_generation, claimed_by, lease_until IS NULL FROM {RECORD} WHERE id = %s", [delivery_id]
+    )
+    queue = _sql(
+        f"SELECT status, lease_generation, claimed_by, lease_until IS NULL FROM {QUEUE} WHERE id = %s", [delivery_id]
+    )
+    return record, queue
+
+
+def test_the_helpers_write_the_queue_for_live_rows_and_the_record_otherwise(community, make_binding):
+    seed = DeliveryFactory(binding=make_binding())
+    insert_delivery_rows(
+        ["id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id",
+         "message_event_id", "cause_kind", "cause_webhook_invocation_id"],
+        f"SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'helper', target_pubkey,"
+        f" definition_event_id, message_event_id, 'webhook', gen_random_uuid()"
+        f" FROM {VIEW} WHERE community_id = %s AND id = %s",
+        [community.id, seed.id],
+    )  # fmt: skip
+    (row,) = _sql(f"SELECT id FROM {RECORD} WHERE community_id = %s AND step_id = 'helper'", [community.id])
+    key = (community.id, row[0])
+    assert _both(row[0]) == ([("pending", 0, None, True)], [("pending", 0, None, True)])
+    # A claim's columns on a live row: the queue row alone.
+    set_delivery_state(
+        key, status="claimed", lease_until=Expr("now() + interval '1 hour'"), claimed_at=Expr("now()"),
+        attempt=1, lease_generation=1, claimed_by="w",
+    )  # fmt: skip
+    assert _both(row[0]) == ([("pending", 0, None, True)], [("claimed", 1, "w", False)])
+    # A terminal: the queue row goes, the record takes its state, the lease cleared.
+    set_delivery_state(key, status="failed", finished_at=Expr("now()"), failure_code="x")
+    assert _both(row[0]) == ([("failed", 1, "w", True)], [])
+    # Live again: the record pending, a queue row from it.
+    set_delivery_state(key, status="pending", finished_at=None, failure_code=None, lease_generation=2)
+    assert _both(row[0]) == ([("pending", 1, "w", True)], [("pending", 2, "w", True)])
+    backdate(key, created_at=60)
+    (ages,) = _sql(
+        f"SELECT r.created_at = q.created_at FROM {RECORD} r JOIN {QUEUE} q USING (community_id, id) WHERE r.id = %s",
+        [row[0]],
+    )
+    assert ages == (True,)
+    assert delete_delivery_rows(key) == 1
+    assert _both(row[0]) == ([], [])

@@ -251,6 +251,10 @@ class Migration(migrations.Migration):
                 ('slot_target', models.SmallIntegerField(blank=True, editable=False, null=True)),
                 ('slot_workflow', models.SmallIntegerField(blank=True, editable=False, null=True)),
                 ('singleton_key', models.CharField(blank=True, editable=False, max_length=64, null=True)),
+                # In the table itself (not AddField): backwards the table is dropped whole, never
+                # its distribution column alone (Citus refuses that).
+                ('community', models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.PROTECT, to='buzz_delivery.community')),
+                ('workflow', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='buzz_delivery.workflow')),
             ],
             options={
                 'verbose_name': 'delivery queue row',
@@ -258,16 +262,6 @@ class Migration(migrations.Migration):
                 'db_table': 'buzz_delivery_delivery_queue',
                 'default_permissions': (),
             },
-        ),
-        migrations.AddField(
-            model_name='deliveryqueue',
-            name='community',
-            field=models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.PROTECT, to='buzz_delivery.community'),
-        ),
-        migrations.AddField(
-            model_name='deliveryqueue',
-            name='workflow',
-            field=models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='buzz_delivery.workflow'),
         ),
         migrations.RunPython(key_the_queue, migrations.RunPython.noop, elidable=False),
         # The record's live indexes go before the move (its UPDATE of the claimed rows maintains
