@@ -47,9 +47,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "this rule's own self-test (known-bad snippets)"
     ),
     ("test_constraints.py", "*"): f"{REFUSAL}: every CHECK and composite key of the table (moves with them, stage 3)",
-    ("test_flow_limits.py", "test_the_database_refuses_a_second_claimed_delivery_on_a_held_slot"): (
-        f"{REFUSAL}: the slot unique key"
-    ),
     ("test_flow_priority.py", "test_the_database_refuses_a_priority_outside_the_range"): (
         f"{REFUSAL}: the priority CHECK"
     ),

@@ -15,7 +15,7 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery import models, services
-from buzz_delivery.services import singleton
+from buzz_delivery.services import singleton, sql
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT, backdate_lease
@@ -188,8 +188,11 @@ def test_the_database_refuses_a_second_unclaimed_pending_delivery_of_one_key(com
     (first,) = services.commit_deliveries(
         community.id, message_event, [make_binding(target_pubkey=target)], singleton_key="k"
     ).created
+    # The key's index is the live queue's (issue 31, stage 2): a second record of the key is
+    # written, its queue row carrying the key is refused.
+    second = uuid.uuid4()
     with (
-        pytest.raises(DatabaseError, match="delivery_singleton_pending_key"),  # IntegrityError; relayed on Citus
+        pytest.raises(DatabaseError, match="delivery_queue_singleton_key"),  # IntegrityError; relayed on Citus
         transaction.atomic(),
         connection.cursor() as cursor,
     ):
@@ -198,12 +201,14 @@ def test_the_database_refuses_a_second_unclaimed_pending_delivery_of_one_key(com
             " definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for,"
             " cause_webhook_invocation_id, singleton_key, status,"
             " lease_generation, attempt, priority, renewals, history, created_at)"
-            " SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'another-step', target_pubkey,"
+            " SELECT %s, community_id, workflow_id, run_id, 'another-step', target_pubkey,"
             " definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for,"
             " cause_webhook_invocation_id, singleton_key, 'pending',"
             f" 0, 0, 0, 0, '[]', now() FROM {DELIVERY} WHERE community_id = %s AND id = %s",
-            [community.id, first],
+            [second, community.id, first],
         )
+        cursor.execute(sql.INSERT_QUEUE_ROWS_OF_CREATED.replace("ON CONFLICT DO NOTHING\n", ""),
+                       {"community_id": community.id, "created_ids": [second]})  # fmt: skip
     with (
         pytest.raises(DatabaseError, match="binding and snapshots never change"),
         transaction.atomic(),
@@ -396,10 +401,15 @@ def test_a_commit_that_meets_an_uncommitted_commit_of_the_key_waits_and_then_kee
 
 
 @pytest.mark.skipif(not CITUS_MODE, reason="Citus mode only: the plan of the commit statements on the cluster")
-@pytest.mark.parametrize("statement", [singleton.KEEP_STATEMENT, singleton.REPLACE_STATEMENT], ids=["keep", "replace"])
+@pytest.mark.parametrize(
+    "statement",
+    singleton.REPLACE_STATEMENTS,
+    ids=["supersede", "expire_superseded", "held_or_already", "insert_records", "insert_queue_rows", "delete_unqueued"],
+)
 def test_on_citus_every_step_of_the_commit_runs_on_the_community_node_alone(community, statement):
-    """Like the plain commit, the INSERT's rows come from the client (pull to the coordinator, then
-    routed by community); every read and write of the delivery table is one task."""
+    """Each statement of a round is one task on the community's node; the records' INSERT takes
+    its rows from the client as the plain commit does (pull to the coordinator, then routed by
+    community), the queue rows' INSERT ... SELECT is pushed down between colocated tables."""
     params = {
         name: None for name in ("message_event_id", "max_attempts", "expires_at", "execution_trace", "trigger_context")
     }
@@ -408,13 +418,16 @@ def test_on_citus_every_step_of_the_commit_runs_on_the_community_node_alone(comm
         ids=[uuid.uuid4()], workflow_ids=[uuid.uuid4()], run_ids=[uuid.uuid4()], step_ids=["s"],
         target_pubkeys=[random32()], definition_event_ids=[random32()], cause_kinds=["event"],
         cause_event_ids=[random32()], cause_scheduled_fors=[None], cause_webhook_invocation_ids=[None],
+        created_ids=[uuid.uuid4()], superseded_ids=[uuid.uuid4()], superseded_bys=[uuid.uuid4()],
+        lease_generations=[0], attempts=[0], claimed_bys=["w"], renewals=[0], histories=["[]"],
     )  # fmt: skip
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("EXPLAIN (COSTS OFF) " + statement, params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
     counts = re.findall(r"Task Count: (\d+)", plan)
     assert counts and set(counts) == {"1"}, plan
-    assert "buzz_delivery_delivery_" in plan  # the shard's table, read on its node
+    if statement is not singleton.INSERT_RECORDS:  # (the plain commit's shape: rows from the client)
+        assert "buzz_delivery_delivery_" in plan  # the shard's table, read on its node
 
 
 def _docs_block(heading: str) -> str:

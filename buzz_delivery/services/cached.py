@@ -188,7 +188,8 @@ SETTLE_MANY = CachedStatement(
 )
 
 # The claim under the operator's concurrency limits (services/flow.py): the community's claim lock,
-# then the claim that takes free slots; a NULL maximum is no limit of that kind.
+# then the claim that takes free slots; a NULL maximum is no limit of that kind. It updates the
+# queue and returns the claim's row joined to the record (issue 31, stage 2: ``sql.CLAIM_TABLE``).
 CLAIM_LIMITED = CachedStatement(
     function="buzz_delivery_claim_limited",
     statement=flow.claim_under_any_limits(),

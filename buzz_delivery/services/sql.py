@@ -176,9 +176,10 @@ LOCK_IDENTITY = "SELECT pg_advisory_xact_lock(%(namespace)s, hashtext(%(key)s))"
 
 TRANSACTION_ISOLATION = "SELECT current_setting('transaction_isolation')"
 
+# The record holds every delivery's identity (the queue only the live ones): read it there.
 IDENTITY_EXISTS = f"""
 SELECT EXISTS (
-    SELECT 1 FROM {DELIVERY_VIEW}
+    SELECT 1 FROM {RECORD}
     WHERE community_id = %(community_id)s AND run_id = %(run_id)s AND step_id = %(step_id)s
 )
 """
@@ -219,6 +220,29 @@ WITH created AS (
     RETURNING d.id, d.target_pubkey
 )
 {_NOTIFY_CREATED}"""
+
+# The second statement of every commit (issue 31, stage 2): the queue rows of the records the
+# first one created (its RETURNING ids, ``%(created_ids)s``), in the same transaction, copied from
+# them (status pending, their generation, attempt, retry gate, TTL, history and singleton key). On
+# Citus a statement that writes two tables is not plannable ("could not create distributed plan"),
+# so the commit is two statements, each naming its community: this one an INSERT ... SELECT
+# between colocated tables, pushed down to the community's node. ``ON CONFLICT DO NOTHING`` is
+# the singleton key's arbiter (the queue's unique ``(community_id, target_pubkey, singleton_key)``,
+# services/singleton.py): a row it skips is not returned, and the caller deletes that record
+# again. A commit without a key has no other conflict to meet (the ids are new).
+INSERT_QUEUE_ROWS_OF_CREATED = f"""
+INSERT INTO {QUEUE} AS q (
+    id, community_id, target_pubkey, workflow_id, priority, created_at, max_attempts, status,
+    lease_generation, attempt, next_attempt_at, expires_at, history, singleton_key
+)
+SELECT r.id, r.community_id, r.target_pubkey, r.workflow_id, r.priority, r.created_at, r.max_attempts, 'pending',
+       r.lease_generation, r.attempt, r.next_attempt_at, r.expires_at, r.history, r.singleton_key
+FROM {RECORD} AS r
+WHERE r.community_id = %(community_id)s AND r.id = ANY (%(created_ids)s::uuid[])
+ORDER BY r.target_pubkey, r.id
+ON CONFLICT DO NOTHING
+RETURNING q.id
+"""
 
 # The identity locks of many (run, step) of one community in one statement, keys taken in the
 # order given (the caller sorts them: two batches never take two keys in opposite orders), and
