@@ -335,6 +335,8 @@ BUILDERS = {
         for i in (False, True)
         for b in (False, True)
     ],
+    # The record's side of a terminal move (stage 2); its entries are sql.END_* (module constants).
+    ("buzz_delivery.services.sql", "end_on_record"): [{"history": None}],
 }
 
 

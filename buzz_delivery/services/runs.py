@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import uuid
 
+from django.db import transaction
+
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, RECORD
+from buzz_delivery.services.ending import end_on_record
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, END_RUN_EXPIRED, QUEUE, READ_DB_NOW, RECORD, ended_columns
 from buzz_delivery.services.tenancy import tenant_scoped
 
 RUN_CANCELED = "run_canceled"
@@ -16,24 +19,23 @@ RUN_CANCELED = "run_canceled"
 # is ignored by a run that has ended). SKIP LOCKED: a pending row locked right now is being
 # claimed or expired by the reaper, i.e. leaving pending anyway; never wait on it (a canceller
 # holds the run's rows, which the settling side locks after its delivery row).
+# Stage 2: the run is the record's (the queue has no run_id), the live state the queue's; the
+# pending queue rows of the run's records are deleted and returned for end_on_record (no history
+# entry and no new generation, as before the queue).
 EXPIRE_PENDING_OF_RUN = f"""
 WITH candidate AS MATERIALIZED (
-    SELECT d.id FROM {RECORD} AS d
-    WHERE d.community_id = %(community_id)s AND d.run_id = %(run_id)s AND d.status = 'pending'
-      AND {ACTIVE_COMMUNITY}
+    SELECT d.id FROM {QUEUE} AS d
+    JOIN {RECORD} AS r ON r.community_id = d.community_id AND r.id = d.id
+    WHERE d.community_id = %(community_id)s AND r.community_id = %(community_id)s AND r.run_id = %(run_id)s
+      AND d.status = 'pending' AND {ACTIVE_COMMUNITY}
     ORDER BY d.id
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {RECORD} AS d
-SET status = 'expired',
-    finished_at = {DB_NOW},
-    next_attempt_at = NULL,
-    failure_code = %(failure_code)s,
-    failure_message = %(failure_message)s
-FROM candidate
+DELETE FROM {QUEUE} AS d
+USING candidate
 WHERE d.community_id = %(community_id)s AND d.id = candidate.id AND d.status = 'pending'
-RETURNING d.id
+RETURNING {ended_columns("'expired'", "%(failure_code)s", "%(failure_message)s", "d.lease_generation")}
 """
 
 
@@ -70,8 +72,12 @@ def expire_run_deliveries(
         raise v.invalid("failure_code", "must not be empty")
     total = 0
     while True:
-        with translated_errors():
-            rows = fetch_all(EXPIRE_PENDING_OF_RUN, params)
+        # Two statements, one transaction: the queue rows deleted (the fence), then the records.
+        with translated_errors(), transaction.atomic():
+            params["now"] = fetch_all(READ_DB_NOW, {})[0][0]
+            rows = end_on_record(
+                END_RUN_EXPIRED, params["community_id"], params["now"], fetch_all(EXPIRE_PENDING_OF_RUN, params)
+            )
         total += len(rows)
         if len(rows) < limit:
             return total

@@ -102,6 +102,7 @@ CLAIM_TABLE = "TABLE(" + ", ".join(f"{f.column} {_CLAIM_TYPES[f.get_internal_typ
 # (``statement_timestamp()``, through an inlined SQL function tests can freeze; migration 0006).
 DB_NOW = "buzz_delivery_now()"
 # Claimed rows whose lease the database clock has passed (not yet reaped), fleet-wide.
+# (The queue since stage 2: no index serves the test, the count reads every live row.)
 COUNT_LAPSED_LEASES = f"SELECT count(*) FROM {LIVE_DELIVERIES} WHERE status = 'claimed' AND lease_until < {DB_NOW}"
 
 
@@ -155,6 +156,10 @@ CURRENT_LEASE = f"""
     AND d.lease_until >= {DB_NOW}
     AND {ACTIVE_COMMUNITY}
 """
+
+# The database clock read on its own (a terminal move made of two statements reads it first and
+# passes it as ``%(now)s``).
+READ_DB_NOW = f"SELECT {DB_NOW}"
 
 # Maintenance tries a community's write fence before a batch and skips the community when a
 # lifecycle move holds it (never waits): the shared fence lock if it is free at once, else the
@@ -643,20 +648,100 @@ _LAPSED = "d.status = 'claimed' AND d.lease_until < %(now)s"
 _OVERDUE = "d.status = 'pending' AND d.expires_at <= %(now)s"
 _PAST_TTL = "(d.expires_at IS NOT NULL AND d.expires_at <= %(now)s)"
 
+
+# A terminal move (stage 2) is two statements in one transaction, each routed by its community
+# (a two-table data-modifying statement is not plannable on Citus): the fenced DELETE of the
+# queue rows RETURNING :func:`ended_columns` (the terminal status, failure and generation, and the
+# queue row's attempt, holder, renewals and history), then one of the ``END_*`` statements
+# (:func:`end_on_record`), which writes them on the records with the move's history entry and the
+# finish time ``%(now)s`` (services/ending.py). The entry is built there, not in the RETURNING
+# list: Citus allows only IMMUTABLE functions in a RETURNING list.
+def ended_columns(status: str, code: str, message: str, generation: str) -> str:
+    """The RETURNING list of a terminal DELETE of queue rows aliased ``d``, in the order the
+    ``END_*`` statements take them; every expression IMMUTABLE (Citus)."""
+    return (
+        f"d.id, ({status})::text, ({code})::text, ({message})::text, ({generation})::bigint, "
+        "d.attempt, d.claimed_by, d.renewals, d.history::text"
+    )
+
+
+def end_on_record(history: str | None) -> str:
+    """The record's side of a terminal move: each record still ``pending`` (the record of a live
+    delivery) takes the state its queue row ended with (``u``), finished at ``%(now)s``, its live
+    columns cleared, and ``history`` (a :func:`history_entry` over ``u``; None: the queue row's
+    history as it was). Its AFTER UPDATE OF status triggers (workflow fan-in, agents delivery-lost)
+    fire here."""
+    return f"""
+UPDATE {RECORD} AS r
+SET status = u.status,
+    finished_at = %(now)s::timestamptz,
+    failure_code = u.failure_code,
+    failure_message = u.failure_message,
+    lease_generation = u.lease_generation,
+    attempt = u.attempt,
+    claimed_by = u.claimed_by,
+    renewals = u.renewals,
+    {history or "history = u.history"},
+    lease_until = NULL,
+    claimed_at = NULL,
+    next_attempt_at = NULL,
+    slot_community = NULL,
+    slot_target = NULL,
+    slot_workflow = NULL
+FROM unnest(%(ids)s::uuid[], %(statuses)s::text[], %(failure_codes)s::text[], %(failure_messages)s::text[],
+            %(lease_generations)s::bigint[], %(attempts)s::integer[], %(holders)s::text[], %(renewals)s::integer[],
+            %(histories)s::text[]::jsonb[])
+    AS u(id, status, failure_code, failure_message, lease_generation, attempt, claimed_by, renewals, history)
+WHERE r.community_id = %(community_id)s AND r.id = u.id AND r.status = 'pending'
+RETURNING r.id, r.status
+"""
+
+
+_AT_NOW = "%(now)s::timestamptz"
+END_REAPED = end_on_record(
+    history_entry(
+        "'reap'", "u.lease_generation", "'reaper'", at=_AT_NOW, status="u.status", alias="u", renewals="u.renewals"
+    )
+)
+END_EXPIRED = end_on_record(
+    history_entry("'expire'", "u.lease_generation", "'reaper'", at=_AT_NOW, status="u.status", alias="u")
+)
+END_FORCE_FAILED = end_on_record(
+    history_entry(
+        "'force_fail'",
+        "u.lease_generation",
+        "%(actor)s::text",
+        at=_AT_NOW,
+        status="u.status",
+        alias="u",
+        renewals="u.renewals",
+    )
+)
+# A cancelled run's pending deliveries: no history entry (as before the queue).
+END_RUN_EXPIRED = end_on_record(None)
+
 # The walk: active communities that have lapsed leases or overdue pending deliveries, in id
-# order after ``%(after)s``, a page at a time. One index probe per community (the partial
-# indexes lead with community_id); on Citus a pushed-down join of colocated tables.
+# order after ``%(after)s``, a page at a time. On the queue no index names ``lease_until`` (so a
+# claim is a HOT update): the lapsed test walks the community's live rows (the poll index leads
+# with community_id); the overdue one probes the pending expiry index. On Citus a pushed-down
+# join of colocated tables.
 COMMUNITIES_TO_REAP = f"""
 SELECT c.id FROM {COMMUNITY} AS c
 WHERE c.deletion_state = 'active' AND c.id > %(after)s
-  AND (EXISTS (SELECT 1 FROM {DELIVERY_VIEW} AS d WHERE d.community_id = c.id AND {_LAPSED})
-       OR EXISTS (SELECT 1 FROM {DELIVERY_VIEW} AS d WHERE d.community_id = c.id AND {_OVERDUE}))
+  AND (EXISTS (SELECT 1 FROM {QUEUE} AS d WHERE d.community_id = c.id AND {_LAPSED})
+       OR EXISTS (SELECT 1 FROM {QUEUE} AS d WHERE d.community_id = c.id AND d.expires_at IS NOT NULL
+                  AND {_OVERDUE}))
 ORDER BY c.id
 LIMIT %(page)s
 """
 
 # One community's batch; its write-fence trigger takes the community's fence lock, which the
 # caller bounds with a lock timeout so a lifecycle move of this community never stalls the walk.
+# A lapsed lease with attempts and time left goes back to pending (the queue row only, slots
+# cleared); one past its deadline or on its last allowed attempt ends: its queue row is deleted
+# and returned (ended_columns) for END_REAPED. One statement on the queue (its two data-modifying
+# CTEs touch disjoint rows of the locked batch); rows ``('pending', NULL...)`` for the moved ones.
+_REAP_TERMINAL = f"({_PAST_TTL} OR {_EXHAUSTED})"
 _REAP_ENTRY = history_entry(
     "'reap'",
     "d.lease_generation + 1",
@@ -667,47 +752,58 @@ _REAP_ENTRY = history_entry(
 )
 REAP_LAPSED_LEASES = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {RECORD} AS d
+    SELECT d.id FROM {QUEUE} AS d
     WHERE d.community_id = %(community_id)s AND {_LAPSED} AND {ACTIVE_COMMUNITY}
     ORDER BY d.lease_until
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
+), moved AS (
+    UPDATE {QUEUE} AS d
+    SET status = 'pending',
+        lease_generation = d.lease_generation + 1,
+        lease_until = NULL,
+        claimed_at = NULL,
+        slot_community = NULL,
+        slot_target = NULL,
+        slot_workflow = NULL,
+        {_REAP_ENTRY}
+    FROM batch
+    WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED} AND NOT {_REAP_TERMINAL}
+    RETURNING d.id
+), ended AS (
+    DELETE FROM {QUEUE} AS d
+    USING batch
+    WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED} AND {_REAP_TERMINAL}
+    RETURNING {
+    ended_columns(
+        f"CASE WHEN {_PAST_TTL} THEN 'expired' ELSE 'failed' END",
+        f"CASE WHEN {_PAST_TTL} THEN 'delivery_expired' ELSE 'attempts_exhausted' END",
+        f"CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed' "
+        "ELSE 'lease lapsed on the last allowed attempt' END",
+        "d.lease_generation + 1",
+    )
+}
 )
-UPDATE {RECORD} AS d
-SET status = CASE WHEN {_PAST_TTL} THEN 'expired' WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
-    finished_at = CASE WHEN {_PAST_TTL} OR {_EXHAUSTED} THEN %(now)s::timestamptz END,
-    failure_code = CASE WHEN {_PAST_TTL} THEN 'delivery_expired'
-                        WHEN {_EXHAUSTED} THEN 'attempts_exhausted' END,
-    failure_message = CASE WHEN {_PAST_TTL} THEN 'deadline passed while the lease was lapsed'
-                           WHEN {_EXHAUSTED} THEN 'lease lapsed on the last allowed attempt' END,
-    lease_generation = d.lease_generation + 1,
-    lease_until = NULL,
-    claimed_at = NULL,
-    {_REAP_ENTRY}
-FROM batch
-WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_LAPSED}
-RETURNING d.status
+SELECT moved.id, 'pending', NULL::text, NULL::text, NULL::bigint, NULL::integer, NULL::text, NULL::integer, NULL::text
+FROM moved
+UNION ALL
+SELECT * FROM ended
 """
 
 EXPIRE_OVERDUE_PENDING = f"""
 WITH batch AS MATERIALIZED (
-    SELECT d.id FROM {RECORD} AS d
-    WHERE d.community_id = %(community_id)s AND {_OVERDUE} AND {ACTIVE_COMMUNITY}
+    SELECT d.id FROM {QUEUE} AS d
+    WHERE d.community_id = %(community_id)s AND d.expires_at IS NOT NULL AND {_OVERDUE} AND {ACTIVE_COMMUNITY}
     ORDER BY d.expires_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE {RECORD} AS d
-SET status = 'expired',
-    finished_at = %(now)s,
-    failure_code = 'delivery_expired',
-    failure_message = 'deadline passed before a claim',
-    lease_generation = d.lease_generation + 1,
-    next_attempt_at = NULL,
-    {history_entry("'expire'", "d.lease_generation + 1", "'reaper'", at="%(now)s::timestamptz", status="'expired'")}
-FROM batch
+DELETE FROM {QUEUE} AS d
+USING batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OVERDUE}
-RETURNING d.status
+RETURNING {
+    ended_columns("'expired'", "'delivery_expired'", "'deadline passed before a claim'", "d.lease_generation + 1")
+}
 """
 
 _PAST_TTL_NOW = f"(d.expires_at IS NOT NULL AND d.expires_at <= {MAINTENANCE_NOW})"
@@ -720,9 +816,11 @@ SELECT
     count(*) FILTER (WHERE (d.status = 'pending' OR {_PAST_TTL_NOW}) AND c.deletion_state = 'active'),
     count(*) FILTER (WHERE d.status = 'claimed' AND c.deletion_state <> 'active')
 FROM (
-    SELECT * FROM {DELIVERY_VIEW} AS d WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
+    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE} AS d
+    WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT * FROM {DELIVERY_VIEW} AS d WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
+    SELECT d.status, d.community_id, d.expires_at, d.attempt, d.max_attempts FROM {QUEUE} AS d
+    WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 """
@@ -732,10 +830,10 @@ JOIN {COMMUNITY} AS c ON c.id = d.community_id
 REAP_PLAN = f"""
 SELECT d.community_id, count(*) FILTER (WHERE d.status = 'claimed'), count(*) FILTER (WHERE d.status = 'pending')
 FROM (
-    SELECT d.community_id, d.status FROM {DELIVERY_VIEW} AS d
+    SELECT d.community_id, d.status FROM {QUEUE} AS d
     WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW}
     UNION ALL
-    SELECT d.community_id, d.status FROM {DELIVERY_VIEW} AS d
+    SELECT d.community_id, d.status FROM {QUEUE} AS d
     WHERE d.status = 'pending' AND d.expires_at <= {MAINTENANCE_NOW}
 ) AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
@@ -744,13 +842,17 @@ GROUP BY d.community_id
 """
 
 COUNT_FENCED_LAPSED = f"""
-SELECT count(*) FROM {DELIVERY_VIEW} AS d
+SELECT count(*) FROM {QUEUE} AS d
 JOIN {COMMUNITY} AS c ON c.id = d.community_id
 WHERE d.status = 'claimed' AND d.lease_until < {MAINTENANCE_NOW} AND c.deletion_state <> 'active'
 """
 
 # --- operator actions (admin) --------------------------------------------------
 
+# The requeue (stage 2): the record goes back to pending as it always did (the fence: the record
+# is failed or expired, so it has no queue row), then its queue row is inserted from it, in the
+# same transaction (services/operator.py): status pending, the record's new generation, attempt
+# 0, history and deadline, no singleton key (a requeued delivery never holds its key again).
 REQUEUE_IF_TERMINAL_FAILURE = f"""
 UPDATE {RECORD} AS d
 SET status = 'pending',
@@ -768,20 +870,25 @@ WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 RETURNING d.id
 """
 
-_FORCE_FAIL_ENTRY = history_entry(
-    "'force_fail'", "d.lease_generation + 1", "%(actor)s::text", status="'failed'", renewals="d.renewals"
+# Copied from the record; the lease columns are NULL (a pending row) and so are the slots and the key.
+_QUEUE_COPIED = (
+    "id, community_id, target_pubkey, workflow_id, priority, created_at, max_attempts, status, lease_generation, "
+    "claimed_by, renewals, attempt, next_attempt_at, expires_at, history"
 )
+_QUEUE_CLEARED = ("lease_until", "claimed_at", "slot_community", "slot_target", "slot_workflow", "singleton_key")
+INSERT_QUEUE_OF_REQUEUED = f"""
+INSERT INTO {QUEUE} AS q ({_QUEUE_COPIED}, {", ".join(_QUEUE_CLEARED)})
+SELECT {", ".join(f"d.{c}" for c in _QUEUE_COPIED.split(", "))}, {", ".join("NULL" for _ in _QUEUE_CLEARED)}
+FROM {RECORD} AS d
+WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s AND d.status = 'pending'
+RETURNING q.id
+"""
+
+# The queue row of a claimed delivery, deleted and returned (ended_columns) for END_FORCE_FAILED;
+# ``%(now)s``, the database clock, is read first in the same transaction (services/operator.py).
 FORCE_FAIL_IF_CLAIMED = f"""
-UPDATE {RECORD} AS d
-SET status = 'failed',
-    finished_at = {DB_NOW},
-    lease_until = NULL,
-    claimed_at = NULL,
-    failure_code = 'operator_force_failed',
-    failure_message = %(failure_message)s,
-    lease_generation = d.lease_generation + 1,
-    {_FORCE_FAIL_ENTRY}
+DELETE FROM {QUEUE} AS d
 WHERE d.community_id = %(community_id)s AND d.id = %(delivery_id)s
   AND d.status = 'claimed' AND {ACTIVE_COMMUNITY}
-RETURNING d.id
+RETURNING {ended_columns("'failed'", "'operator_force_failed'", "%(failure_message)s", "d.lease_generation + 1")}
 """

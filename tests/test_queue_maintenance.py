@@ -1,0 +1,165 @@
+"""Maintenance and operator moves on the live queue (issue 31, stage 2): a move back to pending
+updates the queue row alone (slots cleared); every terminal deletes the queue row and writes its
+final state on the record; a requeue gives the record a queue row again; the pruner touches
+terminal records only."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from buzz_delivery import models, services
+from buzz_delivery.services import runs, sql
+from buzz_delivery.testing import BindingFactory, EventFactory, WorkflowRunFactory, random32, set_delivery_state
+from tests.conftest import backdate_lease
+
+pytestmark = pytest.mark.django_db
+
+
+def commit(community, n: int, max_attempts: int | None = None):
+    run = WorkflowRunFactory(community=community)
+    event = EventFactory(community=community)
+    target = random32()
+    bindings = [BindingFactory(run=run, message_event=event, target_pubkey=target) for _ in range(n)]
+    services.commit_deliveries(community.id, event, bindings)
+    if max_attempts is not None:
+        for delivery in models.DeliveryQueue.objects.filter(community=community).values_list("id", flat=True):
+            set_delivery_state(delivery, max_attempts=max_attempts)
+    return run, target
+
+
+def queue_row(delivery_id):
+    return models.DeliveryQueue.objects.filter(id=delivery_id).first()
+
+
+def record(delivery_id):
+    return models.DeliveryRecord.objects.get(id=delivery_id)
+
+
+def test_a_reap_back_to_pending_updates_the_queue_row_only_and_clears_its_slots(community):
+    _, target = commit(community, 1)
+    with override_settings(BUZZ_DELIVERY={"CONCURRENCY_LIMITS": {"target": 1}}):
+        claim = services.claim_delivery(community.id, target, holder="w-1")
+    assert queue_row(claim.lease.delivery_id).slot_target == 0
+    backdate_lease(claim.lease.delivery_id)
+    before = record(claim.lease.delivery_id)
+
+    assert services.reap().reclaimed == 1
+
+    row = queue_row(claim.lease.delivery_id)
+    assert (row.status, row.lease_generation, row.lease_until, row.claimed_at) == ("pending", 2, None, None)
+    assert (row.slot_community, row.slot_target, row.slot_workflow) == (None, None, None)
+    assert row.history[-1]["event"] == "reap"
+    after = record(claim.lease.delivery_id)
+    assert (after.status, after.lease_generation, after.history) == ("pending", before.lease_generation, before.history)
+
+
+@pytest.mark.parametrize("end", ["exhausted", "past_deadline"])
+def test_a_reap_to_a_terminal_deletes_the_queue_row_and_writes_its_state_on_the_record(community, end):
+    _, target = commit(community, 1, max_attempts=1)
+    claim = services.claim_delivery(community.id, target, holder="w-1")
+    delivery = claim.lease.delivery_id
+    services.renew_delivery(claim.lease, lease_seconds=30)
+    backdate_lease(delivery)
+    if end == "past_deadline":
+        set_delivery_state(delivery, expires_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    live = queue_row(delivery)
+
+    result = services.reap()
+
+    assert (result.exhausted, result.expired) == ((1, 0) if end == "exhausted" else (0, 1))
+    assert queue_row(delivery) is None
+    row = record(delivery)
+    status, code = ("failed", "attempts_exhausted") if end == "exhausted" else ("expired", "delivery_expired")
+    assert (row.status, row.failure_code, row.lease_generation) == (status, code, live.lease_generation + 1)
+    assert (row.attempt, row.claimed_by, row.renewals) == (live.attempt, "w-1", live.renewals) == (1, "w-1", 1)
+    assert row.finished_at is not None
+    assert (row.lease_until, row.claimed_at, row.next_attempt_at, row.slot_target) == (None, None, None, None)
+    assert row.history[:-1] == live.history
+    assert row.history[-1] | {"at": None} == {
+        "event": "reap",
+        "status": status,
+        "generation": live.lease_generation + 1,
+        "actor": "reaper",
+        "renewals": 1,
+        "at": None,
+    }
+
+
+def test_an_overdue_pending_delivery_expires_off_the_queue(community):
+    commit(community, 1)
+    (delivery,) = models.DeliveryQueue.objects.filter(community=community).values_list("id", flat=True)
+    set_delivery_state(delivery, expires_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+
+    assert services.reap().expired == 1
+
+    assert queue_row(delivery) is None
+    row = record(delivery)
+    assert (row.status, row.failure_code, row.lease_generation) == ("expired", "delivery_expired", 1)
+    assert row.history[-1]["event"] == "expire"
+
+
+def test_a_requeue_inserts_the_queue_row_and_a_force_fail_deletes_it(community):
+    _, target = commit(community, 1, max_attempts=1)
+    claim = services.claim_delivery(community.id, target, holder="w-1")
+    delivery = claim.lease.delivery_id
+    services.finish_delivery(claim.lease, "failed", failure_code="boom")
+    assert queue_row(delivery) is None
+
+    assert services.requeue_delivery(community.id, delivery, actor="operator:alice").done
+    assert not services.requeue_delivery(community.id, delivery).done  # live again: nothing to requeue
+
+    row, live = record(delivery), queue_row(delivery)
+    assert (row.status, live.status, live.lease_generation, live.attempt) == ("pending", "pending", 2, 0)
+    assert (live.history, live.expires_at, live.singleton_key) == (row.history, row.expires_at, None)
+    assert (live.lease_until, live.claimed_at, live.slot_target) == (None, None, None)
+    assert (row.requeues, row.history[-1]["event"]) == (1, "requeue")
+
+    again = services.claim_delivery(community.id, target, holder="w-2")
+    assert again.lease.lease_generation == 3
+    assert services.force_fail_delivery(community.id, delivery, failure_message="stuck", actor="operator:bob").done
+    assert not services.force_fail_delivery(community.id, delivery).done
+
+    assert queue_row(delivery) is None
+    row = record(delivery)
+    assert (row.status, row.failure_code, row.failure_message) == ("failed", "operator_force_failed", "stuck")
+    assert (row.lease_generation, row.attempt, row.claimed_by) == (4, 1, "w-2")
+    assert [e["event"] for e in row.history[-2:]] == ["claim", "force_fail"]
+
+
+def test_a_cancelled_runs_pending_deliveries_leave_the_queue_and_a_claimed_one_stays(community):
+    run, target = commit(community, 3)
+    claim = services.claim_delivery(community.id, target)
+
+    assert runs.expire_run_deliveries(community.id, run.id, batch_size=1) == 2
+
+    assert list(models.DeliveryQueue.objects.filter(community=community).values_list("id", flat=True)) == [
+        claim.lease.delivery_id
+    ]
+    ended = models.DeliveryRecord.objects.filter(community=community, status="expired")
+    assert sorted(ended.values_list("failure_code", "lease_generation")) == [("run_canceled", 0)] * 2
+
+
+def test_the_pruner_leaves_live_deliveries_alone_even_beside_an_old_terminal_record(community):
+    _, target = commit(community, 2)
+    claim = services.claim_delivery(community.id, target)
+    services.finish_delivery(claim.lease, "finished")
+    set_delivery_state(claim.lease.delivery_id, finished_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+
+    result = services.prune_deliveries({"finished": dt.timedelta(days=1)})
+
+    assert result.deleted["finished"] == 1
+    assert models.DeliveryQueue.objects.filter(community=community).count() == 1
+    assert models.DeliveryRecord.objects.filter(community=community).count() == 1
+
+
+def test_lapsed_leases_are_counted_on_the_queue(community):
+    _, target = commit(community, 2)
+    claim = services.claim_delivery(community.id, target)
+    backdate_lease(claim.lease.delivery_id)
+    with connection.cursor() as cursor:
+        cursor.execute(sql.COUNT_LAPSED_LEASES)
+        assert cursor.fetchone()[0] == 1
