@@ -27,8 +27,9 @@ The view ``buzz_delivery_delivery`` becomes ``record LEFT JOIN queue`` (``securi
 the same columns in the same order: ``CREATE OR REPLACE VIEW`` keeps its grants): a live column is
 the queue row's when there is one, else the record's.
 
-Locks: one transaction. The record is locked ACCESS EXCLUSIVE first (its indexes are dropped, its
-claimed rows updated): readers and writers wait for the migration, which reads and writes every
+Locks: one transaction. The view and the record are locked ACCESS EXCLUSIVE first, either way,
+in the order a reader of the view takes them (the record's indexes are dropped, its claimed rows
+updated, the view re-created): readers and writers wait for the migration, which reads and writes every
 live row once. Workers must be stopped for it anyway: the plan-cached functions are re-created by
 0038 (until then they still write the record). The write fence is switched off on the record for
 the move (its row triggers would refuse the rows of a community that is not ``active``, which the
@@ -59,7 +60,11 @@ RECORD = "buzz_delivery_delivery_record"
 QUEUE = "buzz_delivery_delivery_queue"
 VIEW = "buzz_delivery_delivery"
 
-LOCK_RECORD = f"LOCK TABLE {RECORD} IN ACCESS EXCLUSIVE MODE"
+# The view first, then the record, in the order a reader of the view takes them (the view's
+# rewrite locks the view, then its tables): a reader that arrived after the record was locked
+# holds the view while it waits for the record, and the migration, which re-creates the view
+# at its end, would wait for that reader (deadlock; tests/test_delivery_queue_migration_review.py).
+LOCK_RECORD = f"LOCK TABLE {VIEW}, {RECORD} IN ACCESS EXCLUSIVE MODE"
 
 # One statement each (Citus propagates DDL with its text: citus_ddl).
 QUEUE_PRIMARY_KEY = [
@@ -226,8 +231,6 @@ class Migration(migrations.Migration):
     dependencies = [("buzz_delivery", "0036_delivery_one_key_to_its_run")]
 
     operations = [
-        # Backwards only, so last: the record held for the whole move back.
-        migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=LOCK_RECORD),
         migrations.RunSQL(sql=LOCK_RECORD, reverse_sql=migrations.RunSQL.noop),
         migrations.CreateModel(
             name='DeliveryQueue',
@@ -447,4 +450,7 @@ class Migration(migrations.Migration):
         ),
         migrations.RunPython(secure_the_queue, migrations.RunPython.noop, elidable=False),
         migrations.RunSQL(sql=VIEW_WITH_QUEUE, reverse_sql=VIEW_OF_RECORD),
+        # Backwards only, so last here: the first statement of the move back (the view and the
+        # record held for all of it, in the readers' order).
+        migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=LOCK_RECORD),
     ]
