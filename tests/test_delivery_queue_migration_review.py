@@ -105,7 +105,7 @@ def _view() -> dict[str, dict[str, object]]:
         cursor.execute(f"SELECT * FROM {VIEW} ORDER BY community_id, step_id")
         names = [c.name for c in cursor.description]
         return {
-            f"{row[names.index('community_id')]}/{row[names.index('step_id')]}": dict(zip(names, row))
+            f"{row[names.index('community_id')]}/{row[names.index('step_id')]}": dict(zip(names, row, strict=True))
             for row in cursor.fetchall()
         }
 
