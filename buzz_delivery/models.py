@@ -460,8 +460,9 @@ class DeliveryRecord(DeliveryColumns):
             *triggers.write_fence(),
             triggers.delivery_binding_immutable(),
             triggers.delivery_generation_monotonic(),
-            # Once terminal (core 0037): while live, the queue row's history is the guarded one.
-            triggers.history_append_only("delivery", once_terminal=True),
+            # The terminal writes the queue row's history plus its entry over the record's copy,
+            # which it extends (core 0037); every other statement appends one entry.
+            triggers.history_append_only("delivery", terminal_extends=True),
         ]
 
 

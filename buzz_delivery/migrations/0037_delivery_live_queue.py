@@ -19,9 +19,10 @@ claimed record with its live state, then turns the claimed records to pending (l
 cleared, as the record's CHECKs want; their generation, attempt, holder and history stay as they
 were: while live, the record's state columns are not maintained). Neither the workflows' fan-in
 nor the agents' delivery-lost trigger fires on that move (no terminal is reached). The record's
-history guard holds from now on only once the record is terminal (``triggers.history_append_only``,
-``once_terminal``): a terminal statement writes the queue row's history plus its entry over the
-record's stale copy, which the guard would refuse; the queue row's history is guarded while live.
+history guard lets the statement that makes it terminal write the queue row's history plus its
+entry over the record's stale copy, which that history extends (``triggers.history_append_only``,
+``terminal_extends``); any other statement still appends one entry; the queue row's history is
+guarded while live.
 
 The view ``buzz_delivery_delivery`` becomes ``record LEFT JOIN queue`` (``security_invoker``,
 the same columns in the same order: ``CREATE OR REPLACE VIEW`` keeps its grants): a live column is
@@ -435,7 +436,8 @@ class Migration(migrations.Migration):
             )
         ),
 
-        # The record's history guard, from now on only once terminal (triggers.history_append_only).
+        # The record's history guard: the terminal may write the queue row's history plus its entry
+        # over the record's copy, which it extends (triggers.history_append_only, terminal_extends).
         OneStatementAtATime(
             pgtrigger.migrations.RemoveTrigger(
                 model_name='deliveryrecord',
@@ -445,7 +447,7 @@ class Migration(migrations.Migration):
         OneStatementAtATime(
             pgtrigger.migrations.AddTrigger(
                 model_name='deliveryrecord',
-                trigger=pgtrigger.compiler.Trigger(name='delivery_history_append_only', sql=pgtrigger.compiler.UpsertTriggerSql(condition="WHEN (OLD.status IN ('finished', 'failed', 'expired') AND NEW.history IS DISTINCT FROM OLD.history AND NOT ((NEW.history - (-1)) = OLD.history OR (jsonb_array_length(OLD.history) >= 50 AND (NEW.history - (-1)) = (OLD.history - 0))))", func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '\n                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);\n        ", hash='336f40c456ff77368675c21d29f59fd452acc16f', operation='UPDATE OF "history"', pgid='pgtrigger_delivery_history_append_only_27347', table='buzz_delivery_delivery_record', when='BEFORE')),
+                trigger=pgtrigger.compiler.Trigger(name='delivery_history_append_only', sql=pgtrigger.compiler.UpsertTriggerSql(condition="WHEN (NEW.history IS DISTINCT FROM OLD.history AND NOT ((NEW.history - (-1)) = OLD.history OR (jsonb_array_length(OLD.history) >= 50 AND (NEW.history - (-1)) = (OLD.history - 0)) OR (OLD.status NOT IN ('finished', 'failed', 'expired') AND NEW.status IN ('finished', 'failed', 'expired') AND (jsonb_array_length(NEW.history) >= 50 OR (jsonb_array_length(NEW.history) > jsonb_array_length(OLD.history) AND jsonb_path_query_array(NEW.history, '$[0 to $n]', jsonb_build_object('n', jsonb_array_length(OLD.history) - 1)) = OLD.history)))))", func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '\n                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);\n        ", hash='b42d83352b4fb877ae95c530d2019f25498dd210', operation='UPDATE OF "history"', pgid='pgtrigger_delivery_history_append_only_27347', table='buzz_delivery_delivery_record', when='BEFORE')),
             )
         ),
         migrations.RunPython(secure_the_queue, migrations.RunPython.noop, elidable=False),
