@@ -603,6 +603,8 @@ class DeliveryQueue(CommunityScoped):
         ]
         triggers = [
             *triggers.write_fence(),
+            # Its key and the target and workflow a claim selects by stay its record's.
+            triggers.delivery_binding_immutable("delivery_queue_binding_immutable", triggers.IMMUTABLE_QUEUE_COLUMNS),
             triggers.delivery_generation_monotonic(),
             triggers.history_append_only("delivery_queue"),
         ]

@@ -208,15 +208,23 @@ IMMUTABLE_DELIVERY_COLUMNS = (
 )
 
 
-def delivery_binding_immutable() -> pgtrigger.Trigger:
-    """Refuse any UPDATE that names a binding or snapshot column (``BD003``).
+# The queue row's key and the binding columns a claim selects by (issue 31, stage 2): copied from
+# the record at commit, never changed (the record's own trigger guards its copies).
+IMMUTABLE_QUEUE_COLUMNS = ("id", "community_id", "target_pubkey", "workflow_id")
+
+
+def delivery_binding_immutable(
+    name: str = "delivery_binding_immutable", columns: tuple[str, ...] = IMMUTABLE_DELIVERY_COLUMNS
+) -> pgtrigger.Trigger:
+    """Refuse any UPDATE that names a binding or snapshot column (``BD003``); ``name`` and
+    ``columns``: the delivery queue's (:data:`IMMUTABLE_QUEUE_COLUMNS`), else the record's.
 
     ``UPDATE OF`` fires only when the statement's SET list names one of them, so the services'
     updates (which never do) pay nothing, and large snapshots are never compared."""
     return pgtrigger.Trigger(
-        name="delivery_binding_immutable",
+        name=name,
         when=pgtrigger.Before,
-        operation=pgtrigger.UpdateOf(*IMMUTABLE_DELIVERY_COLUMNS),
+        operation=pgtrigger.UpdateOf(*columns),
         func=f"""
             RAISE EXCEPTION USING ERRCODE = '{HISTORY_SQLSTATE}',
                 MESSAGE = format('buzz_delivery: delivery %s: its binding and snapshots never '

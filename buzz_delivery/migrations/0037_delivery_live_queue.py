@@ -10,7 +10,8 @@ or purged record takes its queue row), and ``fillfactor = 30`` keeps room in eac
 version of a claimed, renewed or retried row. None of its indexes names a column those write (no
 status predicate: the slot keys are partial on the slot being set, the singleton key on the key),
 so they are HOT updates. Its triggers are the record's write fence, generation guard and history
-guard; its row-level security policies and grants are the record's.
+guard, and its own binding guard (its key, target and workflow never change: a claim selects by
+them, the view shows the record's); its row-level security policies and grants are the record's.
 
 The record keeps every column and loses its status-partial live indexes (poll, pending age,
 claimed lease, pending expiry, the slot keys, the singleton key). Its ``status`` is ``'pending'``
@@ -407,6 +408,12 @@ class Migration(migrations.Migration):
             pgtrigger.migrations.AddTrigger(
                 model_name='deliveryqueue',
                 trigger=pgtrigger.compiler.Trigger(name='community_write_fence_move', sql=pgtrigger.compiler.UpsertTriggerSql(condition='WHEN (OLD.community_id IS DISTINCT FROM NEW.community_id)', execute='buzz_delivery_write_fence_row()', func="\n            IF TG_OP = 'INSERT' THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n                RETURN NEW;\n            END IF;\n            PERFORM buzz_delivery_check_write_fence(OLD.community_id, TG_OP);\n            IF TG_OP = 'DELETE' THEN\n                RETURN OLD;\n            END IF;\n            IF NEW.community_id IS DISTINCT FROM OLD.community_id THEN\n                PERFORM buzz_delivery_check_write_fence(NEW.community_id, TG_OP);\n            END IF;\n            RETURN NEW;\n        ", hash='5a98d05ec1703fdefa0a783ff57f814e5067b353', operation='UPDATE OF "community_id"', pgid='pgtrigger_community_write_fence_move_9fece', table='buzz_delivery_delivery_queue', when='BEFORE')),
+            )
+        ),
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name='deliveryqueue',
+                trigger=pgtrigger.compiler.Trigger(name='delivery_queue_binding_immutable', sql=pgtrigger.compiler.UpsertTriggerSql(func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: delivery %s: its binding and snapshots never '\n                                 'change; state changes go through buzz_delivery.services', OLD.id);\n        ", hash='80c39f7819d38fa30f7e041d80e93bd088095d6e', operation='UPDATE OF "id", "community_id", "target_pubkey", "workflow_id"', pgid='pgtrigger_delivery_queue_binding_immutable_b92d3', table='buzz_delivery_delivery_queue', when='BEFORE')),
             )
         ),
         OneStatementAtATime(

@@ -1,7 +1,8 @@
 """The record's history guard once the live state is the queue's (core 0037, review of issue 31,
 stage 2). While a delivery is live its record's history is the commit's (or the last requeue's) and
 its queue row's only grows from it: the terminal statement writes the queue row's history plus its
-entry over the record's copy, which extends it. Any other rewrite is refused, as before stage 2."""
+entry over the record's copy, which extends it. Any other rewrite is refused, as before stage 2.
+And the queue row's own guards: the write fence of a fenced community, its key, target, workflow."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery.models import DeliveryQueue, DeliveryRecord
-from buzz_delivery.testing import DeliveryFactory, Expr, set_delivery_state
+from buzz_delivery.testing import DeliveryFactory, Expr, advance_to, set_delivery_state
 
 pytestmark = pytest.mark.django_db
 
@@ -42,6 +43,11 @@ def _live(make_binding, record_history: list[dict], queue_pushes: int):
             key, history=Expr("buzz_delivery_history_push(history, %s::jsonb)", [json.dumps({"event": "live", "n": i})])
         )
     return key
+
+
+def _sql_in_test(statement: str, params) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
 
 
 def _update_record(key, assignments: str, params: list | None = None) -> None:
@@ -113,3 +119,34 @@ def test_a_terminal_records_history_still_only_grows(make_binding):
         _update_record(key, "history = '[]'::jsonb")
     # The requeue's one entry is still let through.
     _update_record(key, "history = buzz_delivery_history_push(history, jsonb_build_object('event', 'requeue'))")
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        f"UPDATE {QUEUE} SET renewals = renewals + 1 WHERE community_id = %s AND id = %s",
+        f"DELETE FROM {QUEUE} WHERE community_id = %s AND id = %s",
+        f"UPDATE {RECORD} SET status = 'failed', finished_at = now(), failure_code = 'x'"
+        " WHERE community_id = %s AND id = %s",
+    ],
+)
+def test_a_fenced_communitys_queue_rows_are_not_written(make_binding, community, statement):
+    key = _live(make_binding, [], 0)
+    advance_to(community, "fenced")
+    with pytest.raises(DatabaseError, match=r"fenced|community"), transaction.atomic(), connection.cursor() as cur:
+        cur.execute(statement, key)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {QUEUE} WHERE community_id = %s AND id = %s", key)
+        assert cursor.fetchone() == (1,)
+
+
+@pytest.mark.parametrize(
+    "assignment",
+    ["target_pubkey = decode(repeat('ab', 32), 'hex')", "workflow_id = gen_random_uuid()", "id = gen_random_uuid()"],
+)
+def test_a_queue_rows_key_target_and_workflow_never_change(make_binding, assignment):
+    """A claim selects by the queue row's target and workflow; the view shows the record's."""
+    key = _live(make_binding, [], 0)
+    update = f"UPDATE {QUEUE} SET {assignment} WHERE community_id = %s AND id = %s"
+    with pytest.raises(DatabaseError, match="its binding and snapshots never"), transaction.atomic():
+        _sql_in_test(update, key)
