@@ -142,7 +142,11 @@ def test_a_fenced_communitys_queue_rows_are_not_written(make_binding, community,
 
 @pytest.mark.parametrize(
     "assignment",
-    ["target_pubkey = decode(repeat('ab', 32), 'hex')", "workflow_id = gen_random_uuid()", "id = gen_random_uuid()"],
+    [
+        "target_pubkey = decode(repeat('ab', 32), 'hex')",
+        "workflow_id = '00000000-0000-4000-8000-000000000001'::uuid",
+        "id = '00000000-0000-4000-8000-000000000002'::uuid",
+    ],
 )
 def test_a_queue_rows_key_target_and_workflow_never_change(make_binding, assignment):
     """A claim selects by the queue row's target and workflow; the view shows the record's."""

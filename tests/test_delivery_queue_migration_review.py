@@ -5,6 +5,7 @@ that is no longer claimed. The view must show every column as before, forward an
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 
@@ -15,7 +16,7 @@ from django.db import connection, connections
 
 from buzz_delivery import scaleout
 from buzz_delivery.models import DeliveryQueue, DeliveryRecord, WorkflowAgentDelivery
-from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory
+from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, Expr, set_delivery_state
 from tests.citus_support import CITUS_MODE
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -120,6 +121,15 @@ def _differences(before, after) -> list[str]:
     ]
 
 
+def _security(table: str) -> list[tuple]:
+    return _sql(
+        "SELECT relrowsecurity, relforcerowsecurity, relacl::text[], ARRAY(SELECT polname || ':' ||"
+        " pg_get_expr(polqual, polrelid) || ':' || polroles::regrole[]::text FROM pg_policy"
+        " WHERE polrelid = c.oid ORDER BY polname) FROM pg_class AS c WHERE c.oid = %s::regclass",
+        [table],
+    )
+
+
 def _forward() -> None:
     call_command("migrate", verbosity=0)
     if CITUS_MODE:
@@ -158,6 +168,7 @@ def test_every_kind_of_row_shows_the_same_through_the_view_forward_back_and_forw
         (2, 2)
     ]  # the holders that no claim touched, in both communities
     assert _sql(f"SELECT count(*) FROM {RECORD} WHERE status = 'claimed'") == [(0,)]
+    assert _security(QUEUE) == _security(RECORD)  # its grants, policies and enforcement: the record's
 
     call_command("migrate", "buzz_delivery", "0036", verbosity=0)
     try:
@@ -231,3 +242,60 @@ def test_a_reader_of_the_view_during_the_migration_waits_for_it_and_neither_dead
             _forward()
     assert not failures, failures
     assert _sql("SELECT to_regclass(%s)::text", [QUEUE]) == [(QUEUE,)]
+
+
+MIGRATION = importlib.import_module("buzz_delivery.migrations.0037_delivery_live_queue")
+OWNER = "buzz_review_table_owner"
+
+
+class _Editor:
+    """What the move functions use of a schema editor: its connection and ``execute``."""
+
+    connection = connection
+
+    @staticmethod
+    def execute(statement: str) -> None:
+        _sql(statement)
+
+
+def _as_forced_owner() -> None:
+    """The tables owned by a role that is no superuser, enforcement on and forced (``tenant_isolation
+    enable``), and the session that role: a migration run by the tables' owner, as the docs allow."""
+    _sql("SET CONSTRAINTS ALL IMMEDIATE")  # no deferred key check pending on the tables altered
+    _sql(f"CREATE ROLE {OWNER} NOSUPERUSER NOLOGIN")
+    _sql(f"GRANT USAGE, CREATE ON SCHEMA public TO {OWNER}")
+    for table in (RECORD, QUEUE):
+        _sql(f"ALTER TABLE {table} OWNER TO {OWNER}")
+        _sql(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY, FORCE ROW LEVEL SECURITY")
+    _sql(f"SET LOCAL ROLE {OWNER}")
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="row-level security is not on Citus in this version (SPEC section 13)")
+@pytest.mark.django_db(transaction=False)
+def test_the_move_carries_every_live_row_under_forced_row_security(make_binding):
+    delivery = DeliveryFactory(binding=make_binding())  # a record without its queue row, as 0036 left it
+    _sql(f"DELETE FROM {QUEUE} WHERE community_id = %s AND id = %s", [delivery.community_id, delivery.id])
+    _as_forced_owner()
+    MIGRATION.move_live_rows(None, _Editor)
+    _sql("RESET ROLE")
+    assert _sql(
+        f"SELECT status FROM {QUEUE} WHERE community_id = %s AND id = %s", [delivery.community_id, delivery.id]
+    ) == [("pending",)]
+
+
+@pytest.mark.skipif(CITUS_MODE, reason="row-level security is not on Citus in this version (SPEC section 13)")
+@pytest.mark.django_db(transaction=False)
+def test_the_move_back_carries_every_live_state_under_forced_row_security(make_binding):
+    delivery = DeliveryFactory(binding=make_binding())
+    key = (delivery.community_id, delivery.id)
+    set_delivery_state(key, status="pending")
+    set_delivery_state(
+        key, status="claimed", lease_until=Expr("now() + interval '1 hour'"), claimed_at=Expr("now()"),
+        attempt=1, lease_generation=1, claimed_by="w",
+    )  # fmt: skip
+    _as_forced_owner()
+    MIGRATION.move_live_rows_back(None, _Editor)
+    _sql("RESET ROLE")
+    assert _sql(f"SELECT status, claimed_by FROM {RECORD} WHERE community_id = %s AND id = %s", list(key)) == [
+        ("claimed", "w")
+    ]

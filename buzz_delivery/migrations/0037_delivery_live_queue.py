@@ -35,7 +35,9 @@ updated, the view re-created): readers and writers wait for the migration, which
 live row once. Workers must be stopped for it anyway: the plan-cached functions are re-created by
 0038 (until then they still write the record). The write fence is switched off on the record for
 the move (its row triggers would refuse the rows of a community that is not ``active``, which the
-move must carry too); the queue's triggers are installed after the move.
+move must carry too); the queue's triggers are installed after the move. Row-level security forced on the record
+(``tenant_isolation enable``) is lifted for the move, either way, and forced again: it holds the
+tables' owner too, and an owner that is no superuser would move no row, silently.
 
 Backwards: each queue row's live state is copied back into its record (the record's fence and
 history guard switched off for that one statement: the queue's history is longer than the
@@ -148,23 +150,44 @@ RECORD_FENCE = "pgtrigger_community_write_fence_cc965"
 RECORD_HISTORY_GUARD = "pgtrigger_delivery_history_append_only_27347"
 
 
-def _with_triggers_off(schema_editor: Any, names: tuple[str, ...], statements: list[str]) -> None:
+# Row-level security forced on a table (``tenant_isolation enable``) holds its owner too: a
+# migration run by the owner, not a superuser, would move no row at all (no policy names the
+# owner), silently. Lifted for the move on the tables it reads and writes, then forced again.
+FORCED = "SELECT relforcerowsecurity FROM pg_class WHERE oid = to_regclass(%s)"
+
+
+def _with_triggers_off(
+    schema_editor: Any, names: tuple[str, ...], statements: list[str], tables: tuple[str, ...]
+) -> None:
+    forced = []
+    with schema_editor.connection.cursor() as cursor:
+        for table in tables:
+            cursor.execute(FORCED, [table])
+            row = cursor.fetchone()
+            if row and row[0]:
+                forced.append(table)
+    for table in forced:
+        schema_editor.execute(f"ALTER TABLE {table} NO FORCE ROW LEVEL SECURITY")
     for name in names:
         schema_editor.execute(f"ALTER TABLE {RECORD} DISABLE TRIGGER {name}")
     for statement in statements:
         schema_editor.execute(statement)
     for name in names:
         schema_editor.execute(f"ALTER TABLE {RECORD} ENABLE TRIGGER {name}")
+    for table in forced:
+        schema_editor.execute(f"ALTER TABLE {table} FORCE ROW LEVEL SECURITY")
 
 
 def move_live_rows(apps: Any, schema_editor: Any) -> None:
     """A queue row for every pending or claimed record; the claimed records become pending."""
-    _with_triggers_off(schema_editor, (RECORD_FENCE,), [INSERT_LIVE_ROWS, CLAIMED_RECORDS_PENDING])
+    _with_triggers_off(schema_editor, (RECORD_FENCE,), [INSERT_LIVE_ROWS, CLAIMED_RECORDS_PENDING], (RECORD, QUEUE))
 
 
 def move_live_rows_back(apps: Any, schema_editor: Any) -> None:
     """Each queue row's live state back into its record (the queue is dropped after)."""
-    _with_triggers_off(schema_editor, (RECORD_FENCE, RECORD_HISTORY_GUARD), [COPY_LIVE_STATE_BACK])
+    _with_triggers_off(
+        schema_editor, (RECORD_FENCE, RECORD_HISTORY_GUARD), [COPY_LIVE_STATE_BACK], (RECORD, QUEUE)
+    )
 
 
 # Every privilege on the record that a role other than its owner holds (the two roles of
