@@ -169,6 +169,13 @@ def test_every_kind_of_row_shows_the_same_through_the_view_forward_back_and_forw
     ]  # the holders that no claim touched, in both communities
     assert _sql(f"SELECT count(*) FROM {RECORD} WHERE status = 'claimed'") == [(0,)]
     assert _security(QUEUE) == _security(RECORD)  # its grants, policies and enforcement: the record's
+    if CITUS_MODE:  # distributed by the community, colocated with its record (0037 on a cluster)
+        placed = _sql(
+            "SELECT column_to_column_name(logicalrelid, partkey), colocationid FROM pg_dist_partition"
+            " WHERE logicalrelid IN (%s::regclass, %s::regclass)",
+            [QUEUE, RECORD],
+        )
+        assert len(placed) == 2 and len(set(placed)) == 1 and placed[0][0] == "community_id", placed
 
     call_command("migrate", "buzz_delivery", "0036", verbosity=0)
     try:
