@@ -460,8 +460,9 @@ class DeliveryRecord(DeliveryColumns):
             *triggers.write_fence(),
             triggers.delivery_binding_immutable(),
             triggers.delivery_generation_monotonic(),
-            # Once terminal (core 0037): while live, the queue row's history is the guarded one.
-            triggers.history_append_only("delivery", once_terminal=True),
+            # The terminal writes the queue row's history plus its entry over the record's copy,
+            # which it extends (core 0037); every other statement appends one entry.
+            triggers.history_append_only("delivery", terminal_extends=True),
         ]
 
 
@@ -609,6 +610,8 @@ class DeliveryQueue(CommunityScoped):
         ]
         triggers = [
             *triggers.write_fence(),
+            # Its key and the target and workflow a claim selects by stay its record's.
+            triggers.delivery_binding_immutable("delivery_queue_binding_immutable", triggers.IMMUTABLE_QUEUE_COLUMNS),
             triggers.delivery_generation_monotonic(),
             triggers.history_append_only("delivery_queue"),
         ]

@@ -47,6 +47,12 @@ ALLOWED: dict[tuple[str, str], str] = {
         "this rule's own self-test (known-bad snippets)"
     ),
     ("test_constraints.py", "*"): f"{REFUSAL}: every CHECK and composite key of the table (moves with them, stage 3)",
+    ("test_delivery_queue_guards.py", "*"): (
+        f"{REFUSAL}: the record's history guard on the statements that make it terminal, and the queue's guards"
+    ),
+    ("test_delivery_queue_migration_review.py", "_clone"): (
+        "rows as stage 1 left them, written under core 0036 (before the queue the helpers write)"
+    ),
     ("test_flow_priority.py", "test_the_database_refuses_a_priority_outside_the_range"): (
         f"{REFUSAL}: the priority CHECK"
     ),

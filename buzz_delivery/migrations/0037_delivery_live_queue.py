@@ -10,7 +10,8 @@ or purged record takes its queue row), and ``fillfactor = 30`` keeps room in eac
 version of a claimed, renewed or retried row. None of its indexes names a column those write (no
 status predicate: the slot keys are partial on the slot being set, the singleton key on the key),
 so they are HOT updates. Its triggers are the record's write fence, generation guard and history
-guard; its row-level security policies and grants are the record's.
+guard, and its own binding guard (its key, target and workflow never change: a claim selects by
+them, the view shows the record's); its row-level security policies and grants are the record's.
 
 The record keeps every column and loses its status-partial live indexes (poll, pending age,
 claimed lease, pending expiry, the slot keys, the singleton key). Its ``status`` is ``'pending'``
@@ -19,20 +20,24 @@ claimed record with its live state, then turns the claimed records to pending (l
 cleared, as the record's CHECKs want; their generation, attempt, holder and history stay as they
 were: while live, the record's state columns are not maintained). Neither the workflows' fan-in
 nor the agents' delivery-lost trigger fires on that move (no terminal is reached). The record's
-history guard holds from now on only once the record is terminal (``triggers.history_append_only``,
-``once_terminal``): a terminal statement writes the queue row's history plus its entry over the
-record's stale copy, which the guard would refuse; the queue row's history is guarded while live.
+history guard lets the statement that makes it terminal write the queue row's history plus its
+entry over the record's stale copy, which that history extends (``triggers.history_append_only``,
+``terminal_extends``); any other statement still appends one entry; the queue row's history is
+guarded while live.
 
 The view ``buzz_delivery_delivery`` becomes ``record LEFT JOIN queue`` (``security_invoker``,
 the same columns in the same order: ``CREATE OR REPLACE VIEW`` keeps its grants): a live column is
 the queue row's when there is one, else the record's.
 
-Locks: one transaction. The record is locked ACCESS EXCLUSIVE first (its indexes are dropped, its
-claimed rows updated): readers and writers wait for the migration, which reads and writes every
+Locks: one transaction. The view and the record are locked ACCESS EXCLUSIVE first, either way,
+in the order a reader of the view takes them (the record's indexes are dropped, its claimed rows
+updated, the view re-created): readers and writers wait for the migration, which reads and writes every
 live row once. Workers must be stopped for it anyway: the plan-cached functions are re-created by
 0038 (until then they still write the record). The write fence is switched off on the record for
 the move (its row triggers would refuse the rows of a community that is not ``active``, which the
-move must carry too); the queue's triggers are installed after the move.
+move must carry too); the queue's triggers are installed after the move. Row-level security forced on the record
+(``tenant_isolation enable``) is lifted for the move, either way, and forced again: it holds the
+tables' owner too, and an owner that is no superuser would move no row, silently.
 
 Backwards: each queue row's live state is copied back into its record (the record's fence and
 history guard switched off for that one statement: the queue's history is longer than the
@@ -60,7 +65,11 @@ RECORD = "buzz_delivery_delivery_record"
 QUEUE = "buzz_delivery_delivery_queue"
 VIEW = "buzz_delivery_delivery"
 
-LOCK_RECORD = f"LOCK TABLE {RECORD} IN ACCESS EXCLUSIVE MODE"
+# The view first, then the record, in the order a reader of the view takes them (the view's
+# rewrite locks the view, then its tables): a reader that arrived after the record was locked
+# holds the view while it waits for the record, and the migration, which re-creates the view
+# at its end, would wait for that reader (deadlock; tests/test_delivery_queue_migration_review.py).
+LOCK_RECORD = f"LOCK TABLE {VIEW}, {RECORD} IN ACCESS EXCLUSIVE MODE"
 
 # One statement each (Citus propagates DDL with its text: citus_ddl).
 QUEUE_PRIMARY_KEY = [
@@ -142,23 +151,44 @@ RECORD_FENCE = "pgtrigger_community_write_fence_cc965"
 RECORD_HISTORY_GUARD = "pgtrigger_delivery_history_append_only_27347"
 
 
-def _with_triggers_off(schema_editor: Any, names: tuple[str, ...], statements: list[str]) -> None:
+# Row-level security forced on a table (``tenant_isolation enable``) holds its owner too: a
+# migration run by the owner, not a superuser, would move no row at all (no policy names the
+# owner), silently. Lifted for the move on the tables it reads and writes, then forced again.
+FORCED = "SELECT relforcerowsecurity FROM pg_class WHERE oid = to_regclass(%s)"
+
+
+def _with_triggers_off(
+    schema_editor: Any, names: tuple[str, ...], statements: list[str], tables: tuple[str, ...]
+) -> None:
+    forced = []
+    with schema_editor.connection.cursor() as cursor:
+        for table in tables:
+            cursor.execute(FORCED, [table])
+            row = cursor.fetchone()
+            if row and row[0]:
+                forced.append(table)
+    for table in forced:
+        schema_editor.execute(f"ALTER TABLE {table} NO FORCE ROW LEVEL SECURITY")
     for name in names:
         schema_editor.execute(f"ALTER TABLE {RECORD} DISABLE TRIGGER {name}")
     for statement in statements:
         schema_editor.execute(statement)
     for name in names:
         schema_editor.execute(f"ALTER TABLE {RECORD} ENABLE TRIGGER {name}")
+    for table in forced:
+        schema_editor.execute(f"ALTER TABLE {table} FORCE ROW LEVEL SECURITY")
 
 
 def move_live_rows(apps: Any, schema_editor: Any) -> None:
     """A queue row for every pending or claimed record; the claimed records become pending."""
-    _with_triggers_off(schema_editor, (RECORD_FENCE,), [INSERT_LIVE_ROWS, CLAIMED_RECORDS_PENDING])
+    _with_triggers_off(schema_editor, (RECORD_FENCE,), [INSERT_LIVE_ROWS, CLAIMED_RECORDS_PENDING], (RECORD, QUEUE))
 
 
 def move_live_rows_back(apps: Any, schema_editor: Any) -> None:
     """Each queue row's live state back into its record (the queue is dropped after)."""
-    _with_triggers_off(schema_editor, (RECORD_FENCE, RECORD_HISTORY_GUARD), [COPY_LIVE_STATE_BACK])
+    _with_triggers_off(
+        schema_editor, (RECORD_FENCE, RECORD_HISTORY_GUARD), [COPY_LIVE_STATE_BACK], (RECORD, QUEUE)
+    )
 
 
 # Every privilege on the record that a role other than its owner holds (the two roles of
@@ -227,8 +257,6 @@ class Migration(migrations.Migration):
     dependencies = [("buzz_delivery", "0036_delivery_one_key_to_its_run")]
 
     operations = [
-        # Backwards only, so last: the record held for the whole move back.
-        migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=LOCK_RECORD),
         migrations.RunSQL(sql=LOCK_RECORD, reverse_sql=migrations.RunSQL.noop),
         migrations.CreateModel(
             name='DeliveryQueue',
@@ -409,6 +437,12 @@ class Migration(migrations.Migration):
         OneStatementAtATime(
             pgtrigger.migrations.AddTrigger(
                 model_name='deliveryqueue',
+                trigger=pgtrigger.compiler.Trigger(name='delivery_queue_binding_immutable', sql=pgtrigger.compiler.UpsertTriggerSql(func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: delivery %s: its binding and snapshots never '\n                                 'change; state changes go through buzz_delivery.services', OLD.id);\n        ", hash='80c39f7819d38fa30f7e041d80e93bd088095d6e', operation='UPDATE OF "id", "community_id", "target_pubkey", "workflow_id"', pgid='pgtrigger_delivery_queue_binding_immutable_b92d3', table='buzz_delivery_delivery_queue', when='BEFORE')),
+            )
+        ),
+        OneStatementAtATime(
+            pgtrigger.migrations.AddTrigger(
+                model_name='deliveryqueue',
                 trigger=pgtrigger.compiler.Trigger(name='delivery_generation_monotonic', sql=pgtrigger.compiler.UpsertTriggerSql(condition='WHEN (NEW.lease_generation < OLD.lease_generation)', func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: delivery %s: lease_generation cannot go back from %s to %s',\n                                 OLD.id, OLD.lease_generation, NEW.lease_generation);\n        ", hash='04e02757f6630b00d8999ca170c941e94d1394a8', operation='UPDATE', pgid='pgtrigger_delivery_generation_monotonic_8a0d4', table='buzz_delivery_delivery_queue', when='BEFORE')),
             )
         ),
@@ -433,7 +467,8 @@ class Migration(migrations.Migration):
             )
         ),
 
-        # The record's history guard, from now on only once terminal (triggers.history_append_only).
+        # The record's history guard: the terminal may write the queue row's history plus its entry
+        # over the record's copy, which it extends (triggers.history_append_only, terminal_extends).
         OneStatementAtATime(
             pgtrigger.migrations.RemoveTrigger(
                 model_name='deliveryrecord',
@@ -443,9 +478,12 @@ class Migration(migrations.Migration):
         OneStatementAtATime(
             pgtrigger.migrations.AddTrigger(
                 model_name='deliveryrecord',
-                trigger=pgtrigger.compiler.Trigger(name='delivery_history_append_only', sql=pgtrigger.compiler.UpsertTriggerSql(condition="WHEN (OLD.status IN ('finished', 'failed', 'expired') AND NEW.history IS DISTINCT FROM OLD.history AND NOT ((NEW.history - (-1)) = OLD.history OR (jsonb_array_length(OLD.history) >= 50 AND (NEW.history - (-1)) = (OLD.history - 0))))", func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '\n                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);\n        ", hash='336f40c456ff77368675c21d29f59fd452acc16f', operation='UPDATE OF "history"', pgid='pgtrigger_delivery_history_append_only_27347', table='buzz_delivery_delivery_record', when='BEFORE')),
+                trigger=pgtrigger.compiler.Trigger(name='delivery_history_append_only', sql=pgtrigger.compiler.UpsertTriggerSql(condition="WHEN (NEW.history IS DISTINCT FROM OLD.history AND NOT ((NEW.history - (-1)) = OLD.history OR (jsonb_array_length(OLD.history) >= 50 AND (NEW.history - (-1)) = (OLD.history - 0)) OR (OLD.status NOT IN ('finished', 'failed', 'expired') AND NEW.status IN ('finished', 'failed', 'expired') AND (jsonb_array_length(NEW.history) >= 50 OR (jsonb_array_length(NEW.history) > jsonb_array_length(OLD.history) AND jsonb_path_query_array(NEW.history, '$[0 to $n]', jsonb_build_object('n', jsonb_array_length(OLD.history) - 1)) = OLD.history)))))", func="\n            RAISE EXCEPTION USING ERRCODE = 'BD003',\n                MESSAGE = format('buzz_delivery: %s %s: its history only grows by one entry per '\n                                 'statement; past entries are never rewritten', TG_TABLE_NAME, OLD.id);\n        ", hash='b42d83352b4fb877ae95c530d2019f25498dd210', operation='UPDATE OF "history"', pgid='pgtrigger_delivery_history_append_only_27347', table='buzz_delivery_delivery_record', when='BEFORE')),
             )
         ),
         migrations.RunPython(secure_the_queue, migrations.RunPython.noop, elidable=False),
         migrations.RunSQL(sql=VIEW_WITH_QUEUE, reverse_sql=VIEW_OF_RECORD),
+        # Backwards only, so last here: the first statement of the move back (the view and the
+        # record held for all of it, in the readers' order).
+        migrations.RunSQL(sql=migrations.RunSQL.noop, reverse_sql=LOCK_RECORD),
     ]
