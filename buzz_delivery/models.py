@@ -627,10 +627,11 @@ class DeliveryQueue(CommunityScoped):
 
 
 class WorkflowAgentDelivery(DeliveryColumns):
-    """A delivery as every reader sees it: ``buzz_delivery_delivery``, a view over
-    :class:`DeliveryRecord` (``security_invoker``: the reader's row-level security applies),
+    """A delivery as every reader sees it: ``buzz_delivery_delivery``, a view of
+    :class:`DeliveryRecord` LEFT JOIN :class:`DeliveryQueue` (the live columns from the queue row
+    while there is one; ``security_invoker``: the reader's row-level security applies to both),
     unmanaged. The admin, the gateway, the tasks backend and the tests read it; nothing writes
-    through it (later stages join the live queue and the outcome into it)."""
+    through it (stage 3 would join the outcome into it)."""
 
     class Meta:
         managed = False

@@ -1,5 +1,5 @@
 """The live state of a delivery moves to a narrow queue table whose claim is a HOT update (issue 31,
-stage 2; ``bench/results/queue-design-plan.md``, ``/STAGE2`` contract).
+stage 2; ``bench/results/queue-design-plan.md``, whose "Since (stop 55)" paragraph lists where the build differs from the plan).
 
 ``buzz_delivery_delivery_queue`` (model ``DeliveryQueue``) holds one row per live delivery (pending
 or claimed), deleted at the terminal: the binding columns the claim and the admin need (target,

@@ -1,5 +1,5 @@
 """The plan-cached lease functions (``buzz_delivery.services.cached``) on the live queue (issue 31,
-stage 2; ``bench/results/queue-design-plan.md`` section 4, ``STAGE2.md``).
+stage 2; ``bench/results/queue-design-plan.md`` section 4).
 
 Claims update the queue row only (a HOT update) and join the claimed rows to their records by
 key; renewals and retries back to pending update the queue only; every terminal (finish, the
