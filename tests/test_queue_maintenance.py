@@ -13,7 +13,14 @@ from django.test import override_settings
 
 from buzz_delivery import models, services
 from buzz_delivery.services import runs, sql
-from buzz_delivery.testing import BindingFactory, EventFactory, WorkflowRunFactory, random32, set_delivery_state
+from buzz_delivery.testing import (
+    BindingFactory,
+    CommunityFactory,
+    EventFactory,
+    WorkflowRunFactory,
+    random32,
+    set_delivery_state,
+)
 from tests.conftest import backdate_lease
 
 pytestmark = pytest.mark.django_db
@@ -163,3 +170,31 @@ def test_lapsed_leases_are_counted_on_the_queue(community):
     with connection.cursor() as cursor:
         cursor.execute(sql.COUNT_LAPSED_LEASES)
         assert cursor.fetchone()[0] == 1
+
+
+def test_a_record_out_of_step_in_one_community_never_stops_the_reap_of_the_others(community, caplog):
+    """A queue row whose record is not pending (nothing in the schema refuses it: the foreign key
+    only names the record; here a raw UPDATE) makes its terminal move raise RecordOutOfStep. The
+    reap walks every community: that community's batch rolls back and is logged and left (as a
+    busy one), and every other community is still reaped, in this run and the next."""
+    _, broken_target = commit(community, 1, max_attempts=1)
+    broken = services.claim_delivery(community.id, broken_target).lease.delivery_id
+    backdate_lease(broken)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {sql.RECORD} SET status = 'failed', finished_at = now(), failure_code = 'x'"
+            " WHERE community_id = %s AND id = %s",
+            [community.id, broken],
+        )
+    healthy = CommunityFactory()
+    _, target = commit(healthy, 1, max_attempts=1)
+    delivery = services.claim_delivery(healthy.id, target).lease.delivery_id
+    backdate_lease(delivery)
+
+    result = services.reap()
+
+    assert (result.exhausted, result.skipped_busy) == (1, 1)
+    assert record(delivery).status == "failed" and queue_row(delivery) is None
+    assert queue_row(broken).status == "claimed"  # its batch rolled back whole
+    assert "out of step" in caplog.text and str(community.id) in caplog.text
+    assert services.reap().skipped_busy == 1  # and the next run leaves it again, raising nothing
