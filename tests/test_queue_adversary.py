@@ -166,3 +166,100 @@ def test_every_move_at_once_keeps_one_queue_row_per_pending_record_and_ends_each
             elif entry.get("status") in TERMINAL:
                 assert not ended, ("ended twice", delivery, history)
                 ended = True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_singleton_producers_of_one_key_beside_claimers_and_the_reaper_keep_the_queue_whole():
+    from buzz_delivery.services import singleton
+
+    community = CommunityFactory()
+    run = WorkflowRunFactory(community=community)
+    event = EventFactory(community=community)
+    targets = [random32(), random32()]
+    connection.close()
+    stop = time.monotonic() + 6.0
+    errors: list[BaseException] = []
+    seen_broken: list[tuple] = []
+    outcomes: list = []
+
+    def loop(body) -> None:
+        rng = random.Random()
+        try:
+            while time.monotonic() < stop and not errors:
+                body(rng)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    def producer(rng: random.Random) -> None:
+        mine = rng.sample(targets, rng.randint(1, 2))
+        bindings = [BindingFactory.build(run=run, message_event=event, target_pubkey=t) for t in mine]
+        result = services.commit_deliveries(
+            community.id, event, bindings, singleton_key="k", on_conflict=rng.choice(["keep", "replace"])
+        )
+        outcomes.extend(result.outcomes)
+
+    def claimer(rng: random.Random) -> None:
+        for claim in services.claim_deliveries(community.id, rng.choice(targets), limit=2, holder="c"):
+            roll = rng.random()
+            if roll < 0.4:
+                services.finish_delivery(claim.lease, "finished")
+            elif roll < 0.7:
+                services.finish_delivery(claim.lease, "retry")
+            # else: left to lapse
+
+    def maintenance(rng: random.Random) -> None:
+        with fleet(), connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {sql.QUEUE} SET lease_until = now() - interval '1 hour', claimed_at = claimed_at - interval "
+                "'1 hour' WHERE community_id = %s AND status = 'claimed' AND random() < 0.5",
+                [community.id],
+            )
+            cursor.execute(
+                f"UPDATE {sql.QUEUE} SET next_attempt_at = NULL"
+                " WHERE community_id = %s AND next_attempt_at IS NOT NULL",
+                [community.id],
+            )
+        services.reap(batch_size=5)
+        if rng.random() < 0.3:
+            with fleet(), connection.cursor() as cursor:
+                cursor.execute(f"SELECT id FROM {sql.RECORD} WHERE community_id = %s ORDER BY random() LIMIT 1",
+                               [community.id])  # fmt: skip
+                row = cursor.fetchone()
+            if row:
+                services.requeue_delivery(community.id, row[0])
+        time.sleep(0.02)
+
+    def checker(rng: random.Random) -> None:
+        found = _broken(community.id)
+        if found:
+            seen_broken.extend(found)
+        time.sleep(0.01)
+
+    bodies = [producer] * 6 + [claimer, claimer, maintenance, checker]
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        list(pool.map(loop, bodies))
+
+    assert not errors, errors[:3]
+    assert not seen_broken, seen_broken[:5]
+    assert not _broken(community.id)
+    with fleet(), connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id, status, failure_code, (SELECT array_agg(e ->> 'event') FROM jsonb_array_elements(history) e)"
+            f" FROM {sql.RECORD} WHERE community_id = %s",
+            [community.id],
+        )
+        records = {row[0]: row[1:] for row in cursor.fetchall()}
+        cursor.execute(
+            f"SELECT target_pubkey, count(*) FROM {sql.QUEUE} WHERE community_id = %s AND singleton_key IS NOT NULL"
+            " GROUP BY 1",
+            [community.id],
+        )
+        assert all(n == 1 for _, n in cursor.fetchall())
+    kinds = {type(o).__name__ for o in outcomes}
+    assert {"Committed", "Replaced", "Kept"} <= kinds, kinds
+    for outcome in outcomes:
+        assert outcome.delivery_id in records, outcome  # never a record deleted again after it was reported
+        if isinstance(outcome, singleton.Replaced):  # (a requeue may have brought it back since)
+            assert "supersede" in records[outcome.superseded_id][2], outcome
