@@ -198,3 +198,24 @@ def test_a_record_out_of_step_in_one_community_never_stops_the_reap_of_the_other
     assert queue_row(broken).status == "claimed"  # its batch rolled back whole
     assert "out of step" in caplog.text and str(community.id) in caplog.text
     assert services.reap().skipped_busy == 1  # and the next run leaves it again, raising nothing
+
+
+def test_the_pruner_skips_an_old_terminal_record_that_still_has_a_queue_row(community):
+    """The pruner's ``NOT EXISTS`` on the queue (test_the_pruner_leaves_live_deliveries_alone...
+    passes without it: a live record is pending, which the pruner never reads). A terminal record
+    with a queue row is an invariant broken (a raw UPDATE here): deleting the record would cascade
+    to its live row, so the pruner leaves both."""
+    _, target = commit(community, 1)
+    claim = services.claim_delivery(community.id, target)
+    delivery = claim.lease.delivery_id
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {sql.RECORD} SET status = 'finished', finished_at = '2000-01-01'"
+            " WHERE community_id = %s AND id = %s",
+            [community.id, delivery],
+        )
+
+    assert services.prune_deliveries({"finished": dt.timedelta(days=1)}).total == 0
+
+    assert queue_row(delivery).status == "claimed"
+    assert record(delivery).status == "finished"
