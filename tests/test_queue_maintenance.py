@@ -219,3 +219,50 @@ def test_the_pruner_skips_an_old_terminal_record_that_still_has_a_queue_row(comm
 
     assert queue_row(delivery).status == "claimed"
     assert record(delivery).status == "finished"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancelled_runs_pending_deliveries_expire_even_while_a_claim_that_takes_none_holds_them():
+    """A claim under a concurrency limit locks its candidates (FOR UPDATE SKIP LOCKED) and, with no
+    free slot, claims none of them: they stay pending, locked until its transaction ends. The
+    run's expiry skipped them (locked rows were taken to be "leaving pending anyway") and
+    returned: the cancelled run's deliveries stayed pending for good, to be claimed later."""
+    import threading
+
+    from buzz_delivery.testing import CommunityFactory
+
+    community = CommunityFactory()
+    run, target = commit(community, 3)
+    limits = override_settings(BUZZ_DELIVERY={"CONCURRENCY_LIMITS": {"workflow": 1}})
+    locked, release = threading.Event(), threading.Event()
+    found: dict[str, object] = {}
+
+    def claimer() -> None:
+        from django.db import transaction
+
+        try:
+            with transaction.atomic():
+                found["claimed"] = services.claim_deliveries(community.id, target, limit=5)
+                locked.set()
+                assert release.wait(30)
+        finally:
+            connection.close()
+
+    with limits:
+        holder = services.claim_delivery(community.id, target)  # the workflow's one slot
+        assert holder is not None
+        thread = threading.Thread(target=claimer)
+        thread.start()
+        try:
+            assert locked.wait(30)
+            assert found["claimed"] == []  # no free slot: both candidates locked, left pending
+            threading.Timer(0.3, release.set).start()  # the claim's transaction ends meanwhile
+            expired = runs.expire_run_deliveries(community.id, run.id)
+        finally:
+            release.set()
+            thread.join(30)
+
+    assert expired == 2
+    assert list(models.DeliveryQueue.objects.filter(community=community).values_list("id", flat=True)) == [
+        holder.lease.delivery_id
+    ]
