@@ -13,7 +13,14 @@ from django.test import override_settings
 
 from buzz_delivery import models, services
 from buzz_delivery.services import runs, sql
-from buzz_delivery.testing import BindingFactory, EventFactory, WorkflowRunFactory, random32, set_delivery_state
+from buzz_delivery.testing import (
+    BindingFactory,
+    CommunityFactory,
+    EventFactory,
+    WorkflowRunFactory,
+    random32,
+    set_delivery_state,
+)
 from tests.conftest import backdate_lease
 
 pytestmark = pytest.mark.django_db
@@ -163,3 +170,99 @@ def test_lapsed_leases_are_counted_on_the_queue(community):
     with connection.cursor() as cursor:
         cursor.execute(sql.COUNT_LAPSED_LEASES)
         assert cursor.fetchone()[0] == 1
+
+
+def test_a_record_out_of_step_in_one_community_never_stops_the_reap_of_the_others(community, caplog):
+    """A queue row whose record is not pending (nothing in the schema refuses it: the foreign key
+    only names the record; here a raw UPDATE) makes its terminal move raise RecordOutOfStep. The
+    reap walks every community: that community's batch rolls back and is logged and left (as a
+    busy one), and every other community is still reaped, in this run and the next."""
+    _, broken_target = commit(community, 1, max_attempts=1)
+    broken = services.claim_delivery(community.id, broken_target).lease.delivery_id
+    backdate_lease(broken)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {sql.RECORD} SET status = 'failed', finished_at = now(), failure_code = 'x'"
+            " WHERE community_id = %s AND id = %s",
+            [community.id, broken],
+        )
+    healthy = CommunityFactory()
+    _, target = commit(healthy, 1, max_attempts=1)
+    delivery = services.claim_delivery(healthy.id, target).lease.delivery_id
+    backdate_lease(delivery)
+
+    result = services.reap()
+
+    assert (result.exhausted, result.skipped_busy) == (1, 1)
+    assert record(delivery).status == "failed" and queue_row(delivery) is None
+    assert queue_row(broken).status == "claimed"  # its batch rolled back whole
+    assert "out of step" in caplog.text and str(community.id) in caplog.text
+    assert services.reap().skipped_busy == 1  # and the next run leaves it again, raising nothing
+
+
+def test_the_pruner_skips_an_old_terminal_record_that_still_has_a_queue_row(community):
+    """The pruner's ``NOT EXISTS`` on the queue (test_the_pruner_leaves_live_deliveries_alone...
+    passes without it: a live record is pending, which the pruner never reads). A terminal record
+    with a queue row is an invariant broken (a raw UPDATE here): deleting the record would cascade
+    to its live row, so the pruner leaves both."""
+    _, target = commit(community, 1)
+    claim = services.claim_delivery(community.id, target)
+    delivery = claim.lease.delivery_id
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {sql.RECORD} SET status = 'finished', finished_at = '2000-01-01'"
+            " WHERE community_id = %s AND id = %s",
+            [community.id, delivery],
+        )
+
+    assert services.prune_deliveries({"finished": dt.timedelta(days=1)}).total == 0
+
+    assert queue_row(delivery).status == "claimed"
+    assert record(delivery).status == "finished"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancelled_runs_pending_deliveries_expire_even_while_a_claim_that_takes_none_holds_them():
+    """A claim under a concurrency limit locks its candidates (FOR UPDATE SKIP LOCKED) and, with no
+    free slot, claims none of them: they stay pending, locked until its transaction ends. The
+    run's expiry skipped them (locked rows were taken to be "leaving pending anyway") and
+    returned: the cancelled run's deliveries stayed pending for good, to be claimed later."""
+    import threading
+
+    from buzz_delivery.testing import CommunityFactory
+
+    community = CommunityFactory()
+    run, target = commit(community, 3)
+    limits = override_settings(BUZZ_DELIVERY={"CONCURRENCY_LIMITS": {"workflow": 1}})
+    locked, release = threading.Event(), threading.Event()
+    found: dict[str, object] = {}
+
+    def claimer() -> None:
+        from django.db import transaction
+
+        try:
+            with transaction.atomic():
+                found["claimed"] = services.claim_deliveries(community.id, target, limit=5)
+                locked.set()
+                assert release.wait(30)
+        finally:
+            connection.close()
+
+    with limits:
+        holder = services.claim_delivery(community.id, target)  # the workflow's one slot
+        assert holder is not None
+        thread = threading.Thread(target=claimer)
+        thread.start()
+        try:
+            assert locked.wait(30)
+            assert found["claimed"] == []  # no free slot: both candidates locked, left pending
+            threading.Timer(0.3, release.set).start()  # the claim's transaction ends meanwhile
+            expired = runs.expire_run_deliveries(community.id, run.id)
+        finally:
+            release.set()
+            thread.join(30)
+
+    assert expired == 2
+    assert list(models.DeliveryQueue.objects.filter(community=community).values_list("id", flat=True)) == [
+        holder.lease.delivery_id
+    ]

@@ -5,9 +5,11 @@ Each deletes the live queue row, fenced as its one-table UPDATE was, and returns
 (:func:`buzz_delivery.services.sql.ended_columns`); :func:`end_on_record` then writes that state on
 the delivery's record with one of the ``sql.END_*`` statements, in the same transaction. Two
 statements, each naming its community (Citus refuses a statement that modifies two distributed
-tables). The record of a live delivery is ``pending``; a record that is not (which the queue's
-foreign key and every writer rule out) is an invariant broken: the transaction is rolled back
-rather than leave a delivery with neither a live row nor a terminal record.
+tables). The record of a live delivery is ``pending``; a record that is not is an invariant
+broken (every writer rules it out, but no constraint does: the queue's foreign key names the
+record, not its status, so a raw UPDATE can make it): the transaction is rolled back rather than
+leave a delivery with neither a live row nor a terminal record, and the reaper logs and leaves
+that community's batch rather than stop reaping the others.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ _KEYS = (
 
 
 class RecordOutOfStep(RuntimeError):
-    """A deleted queue row whose record was not ``pending`` (an invariant the schema keeps)."""
+    """A deleted queue row whose record was not ``pending`` (an invariant every writer keeps; the
+    schema does not refuse it)."""
 
 
 def end_on_record(

@@ -18,7 +18,7 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import LOCK_NOT_AVAILABLE, fetch_all, translated_errors
-from buzz_delivery.services.ending import end_on_record
+from buzz_delivery.services.ending import RecordOutOfStep, end_on_record
 from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.services.types import ReapResult
 
@@ -111,9 +111,15 @@ def _reap_community(community: uuid.UUID, size: int, limit: int | None, tally: _
         while True:
             if limit is not None and tally.batches >= limit:
                 return False
-            rows = community_batch(
-                statement, {"community_id": community, "batch_size": size}, partial(_end_batch, community, end)
-            )
+            try:
+                rows = community_batch(
+                    statement, {"community_id": community, "batch_size": size}, partial(_end_batch, community, end)
+                )
+            except RecordOutOfStep as exc:
+                # An invariant broken in this community's rows (its batch rolled back whole): an
+                # operator's case, not a reason to stop reaping every community after it.
+                logger.error("reap of community %s left: record out of step with its queue row: %s", community, exc)
+                rows = None
             tally.batches += 1
             if rows is None:
                 tally.busy.add(community)

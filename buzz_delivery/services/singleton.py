@@ -21,11 +21,14 @@ were committed: the audit shows what was replaced, by what, and when). Then the 
 identities already committed (a producer's retry) are read, the records of the other targets
 inserted, and their queue rows: the queue insert's ``ON CONFLICT DO NOTHING`` is the arbiter.
 
-A record whose queue row met a key taken by a concurrent commit that this round's reads could not
-see (both ran at once; the insert waited for the other one to commit) is deleted again and its
-target run in another round, in the same transaction, with fresh snapshots (READ COMMITTED): a
-"keep" then reports that delivery, a "replace" supersedes it. Each round is decided by the
-unique index, so N concurrent commits of one key leave exactly one pending delivery.
+Before its first round a commit locks the key of each of its targets (:data:`LOCK_KEYS`, one
+advisory lock per community, target and key, in one order), so concurrent commits of the key
+queue per target instead of deadlocking on the keys they write twice (supersede, insert). A
+record whose queue row still met a key taken by a concurrent commit that this round's reads could
+not see is deleted again and its target run in another round, in the same transaction, with
+fresh snapshots (READ COMMITTED): a "keep" then reports that delivery, a "replace" supersedes it.
+Each round is decided by the unique index, so N concurrent commits of one key leave exactly one
+pending delivery.
 """
 
 from __future__ import annotations
@@ -240,6 +243,19 @@ WHERE d.community_id = %(community_id)s AND d.id = ANY (%(ids)s::uuid[]) AND d.s
 RETURNING d.id
 """
 
+# A commit's first statement: the key of each of its targets, one transaction-scoped advisory lock
+# per (community, target, key), taken in one statement in key order. A round writes a target's key
+# twice (the supersede deletes its holder, the insert adds the new one), and a commit's targets
+# span several statements and rounds, so without these two replacers (or a replacer and a keeper)
+# of the same targets could each hold a key the other one waits for ("deadlock detected", an
+# error, not an outcome). With them concurrent commits of one key queue per target in one order;
+# each runs its rounds alone on its targets and sees the commits before it (READ COMMITTED).
+# Names no table (the coordinator's lock on Citus, as the identity locks of services/fanout.py).
+LOCK_KEYS = """
+SELECT count(pg_advisory_xact_lock(%(namespace)s, hashtext(k.key))) FROM unnest(%(keys)s::text[]) AS k(key)
+"""
+SINGLETON_LOCK_NAMESPACE = 0x42440003
+
 # Every statement of a commit with a key, for the router-form checks (tests/test_citus.py).
 KEEP_STATEMENTS = (HELD_OR_ALREADY, INSERT_RECORDS, sql.INSERT_QUEUE_ROWS_OF_CREATED, DELETE_UNQUEUED)
 REPLACE_STATEMENTS = (SUPERSEDE, EXPIRE_SUPERSEDED, *KEEP_STATEMENTS)
@@ -283,9 +299,11 @@ def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommi
     count = len(params["ids"])
     outcomes: dict[int, TargetOutcome] = {}
     superseded: dict[bytes, uuid.UUID] = {}
-    # Target order, whatever the caller's: two replace commits of the same targets lock their
-    # holders in one order (the supersede walks the arrays), so they never deadlock.
+    # Target order, whatever the caller's; the keys of all the targets locked first, in one order
+    # (LOCK_KEYS): concurrent commits of the key over the same targets never deadlock.
     todo = sorted(range(count), key=lambda i: bytes(params["target_pubkeys"][i]))
+    keys = sorted(f"{community}/{bytes(params['target_pubkeys'][i]).hex()}/{key}" for i in todo)
+    fetch_all(LOCK_KEYS, {"namespace": SINGLETON_LOCK_NAMESPACE, "keys": keys})
     for round_ in range(1, MAX_ROUNDS + 1):
         round_params = {**params, "singleton_key": key}
         for name in _PER_BINDING:
