@@ -183,8 +183,11 @@ QUEUE_TABLE = models.DeliveryQueue._meta.db_table
 DELIVERY_VIEW = models.WorkflowAgentDelivery._meta.db_table
 _LIVE = frozenset({models.DeliveryStatus.PENDING.value, models.DeliveryStatus.CLAIMED.value})
 # The record's columns a queue row copies at commit (written to both tables), and the queue row's
-# live state (written to the queue alone while the delivery is live).
-_COPIED = ("target_pubkey", "workflow_id", "priority", "created_at", "max_attempts")
+# live state (written to the queue alone while the delivery is live). ``expires_at`` is written
+# to both: the services never change it on a live delivery (commit copies it, requeue writes the
+# record and copies it again), and a terminal leaves the record's; a helper that moved only the
+# queue's (a test's clock shift) made a delivery expire with a TTL the services never had.
+_COPIED = ("target_pubkey", "workflow_id", "priority", "created_at", "max_attempts", "expires_at")
 _QUEUE_COLUMNS: tuple[str, ...] = tuple(
     str(f.column) for f in models.DeliveryQueue._meta.concrete_fields if f.column not in ("id", "community_id")
 )
