@@ -46,6 +46,7 @@ DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/bench_admin"
 COMMUNITIES = 5
 RUNS_PER_COMMUNITY = 1000
 TABLES = (
+    "buzz_delivery_delivery_queue",
     "buzz_delivery_delivery_record",
     "buzz_delivery_event",
     "buzz_delivery_workflow_run",
@@ -88,14 +89,13 @@ DELIVERIES = [
               decode(repeat('00', 32), 'hex'),
               sha256(('e' || (i %% %(c)s) || '-' || ((i / %(c)s) %% %(r)s))::bytea),
               'webhook', md5('h' || i)::uuid,
-              s.status,
-              CASE WHEN s.status = 'pending' THEN 0 ELSE 1 END,
-              CASE WHEN s.status = 'claimed' THEN
-                  CASE WHEN i %% 200 = 99 THEN now() - interval '5 minutes' ELSE now() + interval '1 day' END END,
-              CASE WHEN s.status = 'claimed' THEN now() - interval '10 minutes' END,
+              CASE WHEN s.status = 'claimed' THEN 'pending' ELSE s.status END,
+              CASE WHEN s.status IN ('pending', 'claimed') THEN 0 ELSE 1 END,
+              NULL,
+              NULL,
               CASE WHEN s.status IN ('finished', 'failed', 'expired') THEN t.created + interval '30 seconds' END,
               t.created,
-              CASE WHEN s.status = 'pending' THEN 0 ELSE 1 END,
+              CASE WHEN s.status IN ('pending', 'claimed') THEN 0 ELSE 1 END,
               3,
               CASE s.status WHEN 'failed' THEN 'handler_error' WHEN 'expired' THEN 'delivery_expired' END,
               CASE s.status WHEN 'failed' THEN 'bench failure' WHEN 'expired' THEN 'bench expiry' END,
@@ -106,6 +106,23 @@ DELIVERIES = [
                                  WHEN i %% 100 < 95 THEN 'expired' WHEN i %% 100 < 99 THEN 'pending'
                                  ELSE 'claimed' END AS status) AS s,
             LATERAL (SELECT now() - (%(n)s - i) * interval '2 seconds' AS created) AS t""",
+    # The live rows' queue rows (issue 31, stage 2: a live record says 'pending', its queue row
+    # the live state): every 100th row from the 99th claimed, one in 200 with a lapsed lease.
+    """INSERT INTO buzz_delivery_delivery_queue (
+           id, community_id, target_pubkey, workflow_id, priority, created_at, max_attempts, history,
+           status, lease_generation, attempt, lease_until, claimed_at, claimed_by)
+       SELECT r.id, r.community_id, r.target_pubkey, r.workflow_id, r.priority, r.created_at, r.max_attempts,
+              r.history, s.status,
+              CASE WHEN s.status = 'claimed' THEN 1 ELSE 0 END,
+              CASE WHEN s.status = 'claimed' THEN 1 ELSE 0 END,
+              CASE WHEN s.status = 'claimed' THEN
+                  CASE WHEN i %% 200 = 99 THEN now() - interval '5 minutes' ELSE now() + interval '1 day' END END,
+              CASE WHEN s.status = 'claimed' THEN now() - interval '10 minutes' END,
+              CASE WHEN s.status = 'claimed' THEN 'bench:1:worker' END
+       FROM buzz_delivery_delivery_record AS r,
+            LATERAL (SELECT (r.trigger_context ->> 'i')::bigint AS i) AS n(i),
+            LATERAL (SELECT CASE WHEN i %% 100 = 99 THEN 'claimed' ELSE 'pending' END AS status) AS s
+       WHERE r.status = 'pending'""",
 ]
 
 _T = "now() - (%(n)s - i) * interval '2 seconds'"  # row i of n: one every 2 seconds up to now

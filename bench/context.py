@@ -33,17 +33,21 @@ class Bench:
 
 FENCE_TRIGGER = """
 SELECT tgname FROM pg_trigger
-WHERE tgrelid = 'buzz_delivery_delivery_record'::regclass AND tgname LIKE 'pgtrigger_community_write_fence_%'
+WHERE tgrelid = %s::regclass AND tgname LIKE 'pgtrigger_community_write_fence_%%'
 """
+# The tables a delivery's transitions write (issue 31, stage 2): the record, the live queue.
+FENCED_TABLES = ("buzz_delivery_delivery_record", "buzz_delivery_delivery_queue")
 
 
 @contextmanager
 def write_fence_disabled(conn: psycopg.Connection) -> Iterator[None]:
-    """COMPARISON ONLY: disable the write-fence trigger (only that one) on the delivery table of
+    """COMPARISON ONLY: disable the write-fence trigger (only that one) on the delivery tables of
     the benchmark database for the block, and always re-enable it."""
-    (name,) = conn.execute(FENCE_TRIGGER).fetchone()
-    conn.execute(f'ALTER TABLE buzz_delivery_delivery_record DISABLE TRIGGER "{name}"')
+    names = [(table, conn.execute(FENCE_TRIGGER, [table]).fetchone()[0]) for table in FENCED_TABLES]
+    for table, name in names:
+        conn.execute(f'ALTER TABLE {table} DISABLE TRIGGER "{name}"')
     try:
         yield
     finally:
-        conn.execute(f'ALTER TABLE buzz_delivery_delivery_record ENABLE TRIGGER "{name}"')
+        for table, name in names:
+            conn.execute(f'ALTER TABLE {table} ENABLE TRIGGER "{name}"')

@@ -17,6 +17,8 @@ import psycopg
 from bench.baseline import TABLE as RAW_TABLE
 
 OURS = "buzz_delivery_delivery_record"
+# The live state of our pending and claimed rows (issue 31, stage 2): one queue row each.
+QUEUE = "buzz_delivery_delivery_queue"
 BUZZ_TABLES = (
     "buzz_delivery_delivery_record",
     "buzz_delivery_event",
@@ -26,12 +28,43 @@ BUZZ_TABLES = (
 )
 DEFINITION_EVENT_ID = bytes(32)
 
-# Per status: (status, lease_generation, attempt, lease_until, claimed_at, finished_at).
+# Per status: (status, lease_generation, attempt, lease_until, claimed_at, finished_at). Our
+# record says 'pending' for a live row, claimed or not (its queue row holds the live state:
+# :data:`LIVE_COLUMNS`); the baseline table has no queue and says 'claimed' itself.
 STATUS_COLUMNS = {
     "pending": "'pending', 0, 0, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz",
     "finished": "'finished', 1, 1, NULL::timestamptz, NULL::timestamptz, now()",
     "lapsed": "'claimed', 1, 1, now() - interval '1 minute', now() - interval '2 minutes', NULL::timestamptz",
 }
+RECORD_STATUS = {**STATUS_COLUMNS, "lapsed": STATUS_COLUMNS["pending"]}
+# A live row's queue state: (status, lease_generation, attempt, lease_until, claimed_at).
+LIVE_COLUMNS = {
+    "pending": "'pending', 0, 0, NULL::timestamptz, NULL::timestamptz",
+    "lapsed": "'claimed', 1, 1, now() - interval '1 minute', now() - interval '2 minutes'",
+}
+
+# The queue rows of the live records ``LOAD`` inserted (its RETURNING, as CTE ``loaded``): what
+# a commit writes beside the record, the immutable columns copied.
+QUEUE_LOADED = f"""
+INSERT INTO {QUEUE} (
+    id, community_id, target_pubkey, workflow_id, priority, created_at, max_attempts, next_attempt_at,
+    expires_at, history, status, lease_generation, attempt, lease_until, claimed_at)
+SELECT r.id, r.community_id, r.target_pubkey, r.workflow_id, r.priority, r.created_at, r.max_attempts,
+    r.next_attempt_at, r.expires_at, r.history, {{live_columns}}
+FROM loaded AS r
+"""
+# Queue rows for every pending record of a community that has none (rows a loader inserted into
+# the record by other means): the commit's copy, never claimed.
+QUEUE_PENDING = f"""
+INSERT INTO {QUEUE} (
+    id, community_id, target_pubkey, workflow_id, priority, created_at, max_attempts, next_attempt_at,
+    expires_at, history, status, lease_generation, attempt)
+SELECT r.id, r.community_id, r.target_pubkey, r.workflow_id, r.priority, r.created_at, r.max_attempts,
+    r.next_attempt_at, r.expires_at, r.history, 'pending', r.lease_generation, r.attempt
+FROM {OURS} AS r
+WHERE r.community_id = %(community_id)s AND r.status = 'pending'
+  AND NOT EXISTS (SELECT 1 FROM {QUEUE} AS q WHERE q.community_id = r.community_id AND q.id = r.id)
+"""
 
 LOAD = """
 INSERT INTO {table} (
@@ -126,14 +159,27 @@ def load(
         raise ValueError("priorities: only our table has a priority column")
     statement = LOAD.format(
         table=table,
-        status_columns=STATUS_COLUMNS[status],
+        status_columns=(RECORD_STATUS if table == OURS else STATUS_COLUMNS)[status],
         priority_column=", priority" if priorities else "",
         # A scattered spread (7 is prime to 21): neighbours in age differ in priority.
         priority_value=",\n    mod(g.i * 7, 21) - 10" if priorities else "",
     )
+    if table == OURS and status in LIVE_COLUMNS:  # the record and its queue row, one statement
+        statement = f"WITH loaded AS ({statement} RETURNING *)\n" + QUEUE_LOADED.format(
+            live_columns=LIVE_COLUMNS[status]
+        )
     with conn.transaction():
         conn.execute("SET LOCAL session_replication_role = replica")
         conn.execute(statement, params)
+
+
+def queue_pending(conn: psycopg.Connection, community_id: uuid.UUID) -> int:
+    """Give every pending record of ``community_id`` that has no queue row its queue row (as a
+    commit writes it), for rows loaded into the record by other means than :func:`load`; the
+    number of rows queued."""
+    with conn.transaction():
+        conn.execute("SET LOCAL session_replication_role = replica")
+        return conn.execute(QUEUE_PENDING, {"community_id": community_id}).rowcount
 
 
 def load_both(conn: psycopg.Connection, tenant: Tenant, count: int, **kwargs: object) -> None:
@@ -143,11 +189,11 @@ def load_both(conn: psycopg.Connection, tenant: Tenant, count: int, **kwargs: ob
 
 
 def analyze(conn: psycopg.Connection, *, vacuum: bool = False) -> None:
-    """ANALYZE (or VACUUM ANALYZE) both delivery tables. The VACUUM forces index cleanup: by
-    default PostgreSQL skips it when few pages hold dead rows, which leaves the dead entries of
-    earlier claims at the head of the polling index."""
+    """ANALYZE (or VACUUM ANALYZE) the delivery tables (ours: the record and the queue). The
+    VACUUM forces index cleanup: by default PostgreSQL skips it when few pages hold dead rows,
+    which leaves the dead entries of earlier claims at the head of the polling index."""
     verb = "VACUUM (ANALYZE, INDEX_CLEANUP ON)" if vacuum else "ANALYZE"
-    for table in (OURS, RAW_TABLE, "buzz_delivery_community"):
+    for table in (OURS, QUEUE, RAW_TABLE, "buzz_delivery_community"):
         conn.execute(f"{verb} {table}")
 
 

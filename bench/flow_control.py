@@ -99,11 +99,11 @@ def drain(url: str, conn: Any, tenant: data.Tenant, args: argparse.Namespace, li
     data.load(conn, tenant, args.deliveries)
     with conn.transaction():
         conn.execute("SET LOCAL session_replication_role = replica")
-        conn.execute(
-            "UPDATE buzz_delivery_delivery_record SET priority = (abs(hashtext(id::text) %% 21) - 10)::int"
-            " WHERE community_id = %s",
-            [tenant.community_id],
-        )
+        for table in (data.OURS, data.QUEUE):  # the record and its copy the claim walks (issue 31)
+            conn.execute(
+                f"UPDATE {table} SET priority = (abs(hashtext(id::text) %% 21) - 10)::int WHERE community_id = %s",
+                [tenant.community_id],
+            )
     data.analyze(conn)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     env.setup_django(url)
     env.migrate()
     conn = env.connect(url)
-    conn.execute("ALTER TABLE buzz_delivery_delivery_record ENABLE TRIGGER USER")  # in case a run was killed
+    for table in ("buzz_delivery_delivery_record", "buzz_delivery_delivery_queue"):  # in case a run was killed
+        conn.execute(f"ALTER TABLE {table} ENABLE TRIGGER USER")
     baseline.create_table(conn)
     repeats = args.repeats or (1 if args.quick else 3)
     report = Report(

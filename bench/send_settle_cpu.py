@@ -96,7 +96,10 @@ def main() -> None:
 
     settle(prepare(2 * args.batch))  # warm up: caches, plans
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE buzz_workflows_step, buzz_workflows_run, buzz_delivery_delivery_record")
+        cursor.execute(
+            "ANALYZE buzz_workflows_step, buzz_workflows_run, buzz_delivery_delivery_record,"
+            " buzz_delivery_delivery_queue"
+        )
         cursor.execute("SELECT pg_backend_pid()")
         pid = cursor.fetchone()[0]
     leases = prepare(args.runs)

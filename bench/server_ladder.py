@@ -107,7 +107,7 @@ VARIANTS = {
         "- delivery_identity_key (exactly-once identity)",
         lambda c: [f"ALTER TABLE {D} DROP CONSTRAINT delivery_identity_key"],
     ),
-    "lease_idx": ("- delivery_claimed_lease_idx (reaper)", lambda c: ["DROP INDEX delivery_claimed_lease_idx"]),
+    # (lease_idx, delivery_claimed_lease_idx, is gone since core 0037: the queue has no lease index.)
     "terminal_idx": ("- delivery_terminal_age_idx (pruner)", lambda c: ["DROP INDEX delivery_terminal_age_idx"]),
 }
 
@@ -123,7 +123,7 @@ def _drain(url: str, tenant: data.Tenant, deliveries: int) -> tuple[float, float
     control = env.connect(url)
     control.execute(f"TRUNCATE {D} CASCADE")
     data.load(control, tenant, deliveries)
-    control.execute(f"VACUUM (ANALYZE) {D}")
+    control.execute(f"VACUUM (ANALYZE) {D}, {data.QUEUE}")
     control.close()
     target = data.target(0)
     claim = {"community_id": tenant.community_id, "target_pubkey": target, "limit": BATCH, "lease_seconds": 60.0,

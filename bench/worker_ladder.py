@@ -33,6 +33,7 @@ import psycopg
 from bench import baseline, data, env
 
 D = data.OURS
+TABLES = (D, data.QUEUE)  # the record and the live queue (issue 31, stage 2)
 SYSTEMS = ("raw_batch50", "worker", "pgqueuer_tuned")
 KS = (1, 4)
 LINE = re.compile(r"^peers: (\S+) K=(\d+) n=\d+: ([\d,]+)/s server ([\d,]+) µs client ([\d,]+) µs")
@@ -43,18 +44,23 @@ PRELUDE = re.compile(r"\n    IF \(SELECT count\(DISTINCT.*?END IF;", re.S)
 
 
 def _triggers(conn: psycopg.Connection, *likes: str) -> list[str]:
+    """Drop the triggers named like ``likes`` of the record and of its live queue (issue 31,
+    stage 2: claims and renewals write the queue, terminals both)."""
     rows = conn.execute(
-        "SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass AND NOT tgisinternal AND tgname LIKE ANY (%s)",
-        [D, list(likes)],
+        "SELECT tgrelid::regclass::text, tgname FROM pg_trigger"
+        " WHERE tgrelid = ANY (%s::regclass[]) AND NOT tgisinternal AND tgname LIKE ANY (%s)",
+        [list(TABLES), list(likes)],
     ).fetchall()
-    return [f'DROP TRIGGER "{name}" ON {D}' for (name,) in rows]
+    return [f'DROP TRIGGER "{name}" ON {table}' for table, name in rows]
 
 
 def _checks(conn: psycopg.Connection) -> list[str]:
     rows = conn.execute(
-        "SELECT conname FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'c'", [D]
+        "SELECT conrelid::regclass::text, conname FROM pg_constraint"
+        " WHERE conrelid = ANY (%s::regclass[]) AND contype = 'c'",
+        [list(TABLES)],
     ).fetchall()
-    return [f'ALTER TABLE {D} DROP CONSTRAINT "{name}"' for (name,) in rows]
+    return [f'ALTER TABLE {table} DROP CONSTRAINT "{name}"' for table, name in rows]
 
 
 def _rewritten(conn: psycopg.Connection, change) -> list[str]:  # type: ignore[no-untyped-def]
@@ -69,16 +75,16 @@ def _no_lifecycle_or_prelude(conn: psycopg.Connection) -> list[str]:
     return _rewritten(conn, lambda body: PRELUDE.sub("", body.replace(LIFECYCLE, "true")))
 
 
+# Core 0037 (issue 31, stage 2) moved the live partial indexes (claimed lease: gone; pending age:
+# the queue's created index; expiry, singleton and slot keys) from the record to the queue.
 PARTIAL_INDEXES = (
-    "delivery_claimed_lease_idx",
     "delivery_terminal_age_idx",
-    "delivery_pending_age_idx",
-    "delivery_pending_expiry_idx",
     "delivery_failure_code_idx",
-    "delivery_singleton_pending_key",
-    "delivery_slot_community_key",
-    "delivery_slot_target_key",
-    "delivery_slot_workflow_key",
+    "delivery_queue_expiry_idx",
+    "delivery_queue_singleton_key",
+    "delivery_queue_slot_community_key",
+    "delivery_queue_slot_target_key",
+    "delivery_queue_slot_workflow_key",
 )
 
 # name -> (what it takes away, DDL maker, a query that is true while the step holds). Each step
@@ -130,7 +136,7 @@ STEPS = {
         "- the reaper's, pruner's, expiry's, failure list's, singleton's and slots' partial indexes"
         " (read paths, flow limits)",
         lambda c: [f"DROP INDEX {name}" for name in PARTIAL_INDEXES],
-        "SELECT to_regclass('delivery_claimed_lease_idx') IS NULL",
+        "SELECT to_regclass('delivery_terminal_age_idx') IS NULL",
     ),
 }
 

@@ -236,6 +236,7 @@ def ours(k: int, runs: int, send: bool, root: Path = ROOT, one_delivery_worker: 
     with connection.cursor() as cursor:  # fresh tables have no statistics yet
         cursor.execute(
             "ANALYZE buzz_workflows_step, buzz_workflows_run, buzz_delivery_workflow_run, buzz_delivery_delivery_record"
+            ", buzz_delivery_delivery_queue"
         )
     connection.close()
     c0, s0, b0 = commits(OURS), self_cpu(), backend_cpu(OURS)

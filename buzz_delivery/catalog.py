@@ -18,10 +18,11 @@ from __future__ import annotations
 from django.apps import apps
 from django.db import models
 
-# App labels of the core's models, children first: deliveries point at runs, events and
-# workflows; runs point at workflows.
+# App labels of the core's models, children first: a queue row points at its record, deliveries
+# point at runs, events and workflows; runs point at workflows.
 DELETION_CATALOG: tuple[str, ...] = (
     "buzz_delivery.RateLimit",
+    "buzz_delivery.DeliveryQueue",  # a delivery's live state, before its record (issue 31, stage 2)
     "buzz_delivery.DeliveryRecord",
     "buzz_delivery.WorkflowRun",
     "buzz_delivery.Event",

@@ -10,15 +10,16 @@ reads the database at that moment, cheaply at millions of rows:
   :data:`EXACT_CAP` rows (by ``pg_class.reltuples``, or a count that stops past the cap when
   the table was never analysed); above that the planner's estimate of each status (an
   ``EXPLAIN``, nothing read), flagged by ``buzz_counts_estimated{table} 1``. The deliveries'
-  ``pending`` and ``claimed`` are always exact up to the cap, read from their partial indexes.
+  ``pending`` and ``claimed`` are always exact up to the cap, read from the live queue
+  (``buzz_delivery_delivery_queue``: issue 31, stage 2); the terminal ones are the record's.
 - ``buzz_delivery_oldest_pending_age_seconds``: the oldest pending delivery of an *active*
-  community (a walk of ``delivery_pending_age_idx`` from its oldest end that passes over the rows a
+  community (a walk of the queue's ``delivery_queue_created_idx`` from its oldest end that passes over the rows a
   fenced community left pending, :data:`OLDEST_ACTIVE_PENDING`), so an alert on it clears once the
   active communities' backlog does; ``buzz_delivery_fenced_pending``: the rows left pending in
   communities that are not active (no worker may claim them; the purge removes them), exact up to
   :data:`EXACT_CAP`.
 - ``buzz_delivery_lapsed_leases``: claimed deliveries whose lease ran out, not yet reaped
-  (bounded by the live leases, through the claimed-lease partial index).
+  (bounded by the live deliveries: the queue's rows).
 - ``buzz_deliveries_settled_last_minute{status}``: the settle rate, deliveries that reached
   each terminal status in the last 60 s (one probe of the terminal-age index per community).
 - ``buzz_maintenance_run_active{job}``: 1 while a maintenance run (``reap_deliveries``,
@@ -81,12 +82,14 @@ from prometheus_client.registry import Collector
 from buzz_delivery.conf import raw_settings
 from buzz_delivery.models import (
     CREATED_FLOOR_SQL,
+    LIVE_STATUSES,
+    TERMINAL_STATUSES,
     Community,
-    DeliveryStatus,
+    DeliveryQueue,
+    DeliveryRecord,
     MaintenanceLease,
     MaintenanceRun,
     WorkerRegistration,
-    WorkflowAgentDelivery,
 )
 from buzz_delivery.services import flow, stats, tenancy
 from buzz_delivery.services.ratelimits import declared_rate_limits
@@ -106,18 +109,20 @@ EXACT_CAP = stats.EXACT_CAP
 DELIVERY = DELIVERY_VIEW
 COMMUNITY = Community._meta.db_table
 
-# The UTC creation time of the oldest pending delivery of an active community: the age index
-# (delivery_pending_age_idx) walked from its oldest end, each row's community looked up by its
+# The UTC creation time of the oldest pending delivery of an active community: the live queue's
+# age index (``delivery_queue_created_idx``, on (created_at, id): issue 31, stage 2) walked from its
+# oldest end, the claimed rows passed over, each row's community looked up by its
 # primary key, the first active one taken. The rows a fenced community left pending (no worker
 # may claim them until the purge removes them) are passed over, at most %(walk)s of them; past
 # that the oldest walked row stands for the answer (an over-estimate: say so in an alert's
-# runbook). Shared by the metrics and the dashboard. The community is looked up by a join on
+# runbook). Shared by the metrics and the dashboard. The walk orders by ``created_at`` itself
+# (the index's order; its UTC wall time sorts the same). The community is looked up by a join on
 # its primary key (one row per walked row, as the EXISTS it replaces): Citus refuses a
 # correlated subquery whose FROM holds a subquery (issue 30), and plans this join.
 _WALK = f"""
     SELECT d.community_id, timezone('UTC', d.created_at) AS at FROM {LIVE_DELIVERIES} AS d
     WHERE d.status = 'pending' AND d.{CREATED_FLOOR_SQL}
-    ORDER BY timezone('UTC', d.created_at) LIMIT %(walk)s
+    ORDER BY d.created_at LIMIT %(walk)s
 """
 OLDEST_ACTIVE_PENDING = f"""
 SELECT coalesce(
@@ -129,7 +134,7 @@ SELECT coalesce(
 """
 FENCED_WALK = 100_000
 
-# Exact up to the cap through the partial indexes; the oldest pending row of an active
+# Exact up to the cap, from the live queue; the oldest pending row of an active
 # community; lapsed leases; rows pending in fenced communities (the polling index, per community).
 DELIVERY_LIVE = f"""
 SELECT
@@ -226,11 +231,17 @@ class BuzzCollector(Collector):
         with connection.cursor() as cursor:
             cursor.execute(DELIVERY_LIVE, {"cap": EXACT_CAP + 1, "walk": FENCED_WALK})
             pending, claimed, lapsed, oldest, fenced = cursor.fetchone()
-        counts, is_estimate = stats.counts_by(WorkflowAgentDelivery, "status", DeliveryStatus.values, cap=EXACT_CAP)
-        if pending <= EXACT_CAP:
-            counts["pending"] = pending
-        if claimed <= EXACT_CAP:
-            counts["claimed"] = claimed
+        # Live counts from the queue, terminal ones from the record (issue 31, stage 2: a live
+        # delivery's record says 'pending'); each table's own size and statistics.
+        terminal, is_estimate = stats.counts_by(
+            DeliveryRecord, "status", [s.value for s in TERMINAL_STATUSES], cap=EXACT_CAP
+        )
+        counts = {"pending": pending, "claimed": claimed}
+        if pending > EXACT_CAP or claimed > EXACT_CAP:
+            live, _ = stats.counts_by(DeliveryQueue, "status", [s.value for s in LIVE_STATUSES], cap=EXACT_CAP)
+            counts = {status: n if n <= EXACT_CAP else live[status] for status, n in counts.items()}
+            is_estimate = True
+        counts.update({s.value: terminal[s.value] for s in TERMINAL_STATUSES})
         family = GaugeMetricFamily("buzz_deliveries", "Deliveries by status", labels=["status"])
         for status, n in counts.items():
             family.add_metric([status], n)

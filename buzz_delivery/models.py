@@ -427,63 +427,13 @@ class DeliveryRecord(DeliveryColumns):
                 condition=Q(singleton_key__isnull=True) | Q(singleton_key__regex=SINGLETON_KEY_PATTERN),
                 name="delivery_singleton_key_format",
             ),
-            # One pending delivery per singleton key that no claim has touched yet (generation 0):
-            # only the commit's INSERT enters this index (a retry, the reaper or a requeue bring
-            # a delivery back to pending with a higher generation), so its ON CONFLICT is the one
-            # arbiter and no other transition can be refused by it (services/singleton.py).
-            models.UniqueConstraint(
-                fields=["community", "target_pubkey", "singleton_key"],
-                condition=Q(status="pending", lease_generation=0, singleton_key__isnull=False),
-                name="delivery_singleton_pending_key",
-            ),
-            # At most N claimed at once per key: N slots, none held twice (services/flow.py).
-            *(
-                models.UniqueConstraint(
-                    fields=["community", *key, column],
-                    condition=Q(status="claimed", **{f"{column}__isnull": False}),
-                    name=f"delivery_{column}_key",
-                )
-                for column, key in (
-                    ("slot_community", ()),
-                    ("slot_target", ("target_pubkey",)),
-                    ("slot_workflow", ("workflow",)),
-                )
-            ),
         ]
         indexes = [
-            # Polling: the claim query walks this in (priority DESC, created_at, id) order (SPEC
-            # section 3; issue 32): the first rows of the scan are the claim's, whatever the mix.
-            models.Index(
-                fields=["community", "target_pubkey", "-priority", "created_at", "id"],
-                condition=Q(status="pending"),
-                name="delivery_pending_poll_idx",
-            ),
-            # Metrics and the dashboard: the oldest pending delivery fleet-wide in one index probe.
-            # On an expression (UTC wall time; timezone() is IMMUTABLE), not on created_at itself,
-            # and its predicate also says :data:`CREATED_FLOOR`, which the claim query's WHERE
-            # does not imply: the claim can never scan it as "every pending row" and sort, which
-            # the planner did pick with few pending rows in its statistics. Its two readers add
-            # that condition to match it.
-            models.Index(
-                Func(Value("UTC"), F("created_at"), function="timezone", output_field=models.DateTimeField()),
-                condition=Q(status="pending", created_at__gt=CREATED_FLOOR),
-                name="delivery_pending_age_idx",
-            ),
             # The admin's failure-code filter, newest first; only failed and expired rows carry a code.
             models.Index(
                 fields=["failure_code", "created_at"],
                 condition=Q(failure_code__isnull=False),
                 name="delivery_failure_code_idx",
-            ),
-            # Reaper, one community at a time (SPEC 15): claimed rows by lease deadline.
-            models.Index(
-                fields=["community", "lease_until"], condition=Q(status="claimed"), name="delivery_claimed_lease_idx"
-            ),
-            # Reaper TTL pass: pending rows that carry a deadline.
-            models.Index(
-                fields=["community", "expires_at"],
-                condition=Q(status="pending", expires_at__isnull=False),
-                name="delivery_pending_expiry_idx",
             ),
             # Pruner: terminal rows by age.
             models.Index(
@@ -497,7 +447,8 @@ class DeliveryRecord(DeliveryColumns):
             # their own (each index is one more entry on every claim and settle, none of which is
             # a HOT update).
             models.Index(fields=["community", "message_event_id"], name="delivery_message_event_idx"),
-            # The admin lists by age. Its predicate is :data:`CREATED_FLOOR`, as above: as a plain
+            # The admin lists by age. Its predicate is :data:`CREATED_FLOOR` (every created_at is
+            # later), which the claim query's WHERE does not imply: as a plain
             # index on created_at the planner, with statistics taken while most rows were still
             # pending, walked it for the claim (past every settled row, 6 of a claim's 9 ms in a
             # worker's drain) instead of the polling index. The admin's queries add that condition
@@ -509,15 +460,178 @@ class DeliveryRecord(DeliveryColumns):
             *triggers.write_fence(),
             triggers.delivery_binding_immutable(),
             triggers.delivery_generation_monotonic(),
-            triggers.history_append_only("delivery"),
+            # The terminal writes the queue row's history plus its entry over the record's copy,
+            # which it extends (core 0037); every other statement appends one entry.
+            triggers.history_append_only("delivery", terminal_extends=True),
         ]
 
 
+DELIVERY_QUEUE_TABLE = "buzz_delivery_delivery_queue"
+# The statuses a queue row may hold: a live delivery (the terminal deletes the row).
+LIVE_STATUSES = (DeliveryStatus.PENDING, DeliveryStatus.CLAIMED)
+# Room left free in each page of the queue (``fillfactor``, core migration 0037): a claim, a
+# renew, a retry rewrite the row on its own page (HOT: no index names what they write).
+DELIVERY_QUEUE_FILLFACTOR = 30
+
+
+class DeliveryQueue(CommunityScoped):
+    """The live state of a delivery (issue 31, stage 2; ``bench/results/queue-design-plan.md``):
+    one row per pending or claimed delivery, ``buzz_delivery_delivery_queue``, deleted at the
+    terminal. Keyed as its record (``(id, community_id)`` in the database, a foreign key to the
+    record's primary key, ON DELETE CASCADE: core migration 0037). Its indexes never name a column
+    a claim, a renew or a retry writes (status, lease, attempt, history...), so those are HOT
+    updates; the slot keys and the singleton key are partial on their own column being set (every
+    move out of claimed clears the slots, the claim clears the singleton key). While a delivery is
+    live, its record's lease, policy and history columns are not maintained: this row holds the
+    truth, and the view (:class:`WorkflowAgentDelivery`) reads it."""
+
+    id = models.UUIDField(primary_key=True, editable=False)
+    target_pubkey = models.BinaryField(max_length=32)
+    workflow = models.ForeignKey(
+        Workflow, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="+"
+    )
+    priority = models.SmallIntegerField(default=0, db_default=0)
+    created_at = models.DateTimeField()
+    # Copied from the record at commit, never changed.
+    max_attempts = models.IntegerField(null=True, blank=True)
+
+    status = models.CharField(
+        max_length=16, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING, db_default="pending"
+    )
+    lease_generation = models.BigIntegerField(default=0, db_default=0)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    claimed_by = models.TextField(null=True, blank=True)  # noqa: DJ001  (NULL = never named)
+    renewals = models.IntegerField(default=0, db_default=0)
+    attempt = models.IntegerField(default=0, db_default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    history = models.JSONField(default=list, db_default=Value([], output_field=models.JSONField()), blank=True)
+    slot_community = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_target = models.SmallIntegerField(null=True, blank=True, editable=False)
+    slot_workflow = models.SmallIntegerField(null=True, blank=True, editable=False)
+    # The pending holder's singleton key: set at commit for a singleton delivery, set NULL by the
+    # claim (the record keeps the immutable key). At most one per (community, target, key).
+    singleton_key = models.CharField(  # noqa: DJ001  (NULL = no key; CHECKed)
+        max_length=SINGLETON_KEY_MAX_CHARS, null=True, blank=True, editable=False
+    )
+
+    class Meta:
+        db_table = DELIVERY_QUEUE_TABLE
+        verbose_name = "delivery queue row"
+        verbose_name_plural = "delivery queue"
+        default_permissions = ()
+        # The primary key is (id, community_id) in the database (core migration 0037, SPEC 15).
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(status__in=[s.value for s in LIVE_STATUSES]), name="delivery_queue_status_live"
+            ),
+            models.CheckConstraint(
+                condition=(
+                    Q(status="claimed", lease_until__isnull=False, claimed_at__isnull=False)
+                    | (~Q(status="claimed") & Q(lease_until__isnull=True, claimed_at__isnull=True))
+                ),
+                name="delivery_queue_claimed_iff_lease",
+            ),
+            models.CheckConstraint(condition=_len32("target_pubkey"), name="delivery_queue_target_pubkey_32_bytes"),
+            models.CheckConstraint(condition=Q(lease_generation__gte=0), name="delivery_queue_lease_generation_gte_0"),
+            models.CheckConstraint(condition=Q(attempt__gte=0), name="delivery_queue_attempt_gte_0"),
+            models.CheckConstraint(
+                condition=Q(max_attempts__isnull=True) | Q(max_attempts__gte=1, attempt__lte=F("max_attempts")),
+                name="delivery_queue_attempt_within_max",
+            ),
+            models.CheckConstraint(
+                condition=~Q(status="claimed") | Q(attempt__gte=1), name="delivery_queue_claimed_has_attempt"
+            ),
+            models.CheckConstraint(
+                condition=Q(claimed_by__isnull=True) | Q(LessThanOrEqual(Length("claimed_by"), HOLDER_MAX_CHARS)),
+                name="delivery_queue_claimed_by_length",
+            ),
+            models.CheckConstraint(condition=Q(renewals__gte=0), name="delivery_queue_renewals_gte_0"),
+            models.CheckConstraint(condition=history_bounded("history"), name="delivery_queue_history_bounded"),
+            models.CheckConstraint(
+                condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX),
+                name="delivery_queue_priority_range",
+            ),
+            *(
+                models.CheckConstraint(
+                    condition=Q(**{f"{column}__isnull": True}) | Q(**{f"{column}__gte": 0, f"{column}__lt": 1000}),
+                    name=f"delivery_queue_{column}_range",
+                )
+                for column in ("slot_community", "slot_target", "slot_workflow")
+            ),
+            models.CheckConstraint(
+                condition=Q(singleton_key__isnull=True) | Q(singleton_key__regex=SINGLETON_KEY_PATTERN),
+                name="delivery_queue_singleton_key_format",
+            ),
+            # One pending holder per singleton key (services/singleton.py): the commit's INSERT
+            # sets the key, the claim sets it NULL, so the commit's ON CONFLICT is its one arbiter.
+            models.UniqueConstraint(
+                fields=["community", "target_pubkey", "singleton_key"],
+                condition=Q(singleton_key__isnull=False),
+                name="delivery_queue_singleton_key",
+            ),
+            # At most N claimed at once per key: N slots, none held twice (services/flow.py). Not
+            # partial on the status: every move out of claimed clears the slots.
+            *(
+                models.UniqueConstraint(
+                    fields=["community", *key, column],
+                    condition=Q(**{f"{column}__isnull": False}),
+                    name=f"delivery_queue_{column}_key",
+                )
+                for column, key in (
+                    ("slot_community", ()),
+                    ("slot_target", ("target_pubkey",)),
+                    ("slot_workflow", ("workflow",)),
+                )
+            ),
+        ]
+        indexes = [
+            # Polling: the claim walks this in (priority DESC, created_at, id) order; no predicate
+            # (a status in it would make the claim a non-HOT update).
+            models.Index(
+                fields=["community", "target_pubkey", "-priority", "created_at", "id"], name="delivery_queue_poll_idx"
+            ),
+            # The admin's and the dashboard's lists of live rows by age. Partial on
+            # :data:`CREATED_FLOOR` (true of every row) so only a query that names the floor can
+            # use it: without a predicate, a generic plan with stale statistics probed it for a
+            # claim's ``id`` instead of the primary key (test_claim_plan_stale_stats).
+            models.Index(
+                fields=["created_at", "id"],
+                condition=Q(created_at__gt=CREATED_FLOOR),
+                name="delivery_queue_created_idx",
+            ),
+            # Reaper TTL pass: live rows that carry a deadline (the claim never changes expires_at).
+            models.Index(
+                fields=["community", "expires_at"],
+                condition=Q(expires_at__isnull=False),
+                name="delivery_queue_expiry_idx",
+            ),
+        ]
+        triggers = [
+            *triggers.write_fence(),
+            # Its key and the target and workflow a claim selects by stay its record's.
+            triggers.delivery_binding_immutable("delivery_queue_binding_immutable", triggers.IMMUTABLE_QUEUE_COLUMNS),
+            triggers.delivery_generation_monotonic(),
+            triggers.history_append_only("delivery_queue"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.status})"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Refused, as a delivery's: the queue is written only through :mod:`buzz_delivery.services`."""
+        raise DeliveryWriteRefused(
+            f"{type(self).__name__}.save() is refused: use buzz_delivery.services to change deliveries"
+        )
+
+
 class WorkflowAgentDelivery(DeliveryColumns):
-    """A delivery as every reader sees it: ``buzz_delivery_delivery``, a view over
-    :class:`DeliveryRecord` (``security_invoker``: the reader's row-level security applies),
+    """A delivery as every reader sees it: ``buzz_delivery_delivery``, a view of
+    :class:`DeliveryRecord` LEFT JOIN :class:`DeliveryQueue` (the live columns from the queue row
+    while there is one; ``security_invoker``: the reader's row-level security applies to both),
     unmanaged. The admin, the gateway, the tasks backend and the tests read it; nothing writes
-    through it (later stages join the live queue and the outcome into it)."""
+    through it (stage 3 would join the outcome into it)."""
 
     class Meta:
         managed = False

@@ -5,9 +5,12 @@
 community's rows and its row live in the same shard group, on one node. Citus refuses to
 distribute a table that foreign keys point into or out of, so the foreign keys among these
 tables are read from the catalog, dropped, and created again once every table is distributed.
-Everything runs in one transaction: it all happens or nothing does. Running it again is a
-no-op for the tables (tables already distributed are left alone, and their keys are never
-touched).
+The delivery queue (``buzz_delivery_delivery_queue``, core migration 0037) is in the core's catalog
+before its record, so it is distributed after the record, colocated with it, and its foreign key
+to the record's primary key is created again with the others (core 0037 distributes it itself on
+a cluster whose record already is). Everything runs in one transaction: it all happens or
+nothing does. Running it again is a no-op for the tables (tables already distributed are left
+alone, and their keys are never touched).
 
 The functions of :func:`delegated_functions` (the plan-cached claim and settles of
 :mod:`buzz_delivery.services.cached`, and what the apps list) are then *delegated*: Citus sends

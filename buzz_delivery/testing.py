@@ -177,6 +177,30 @@ def frozen_db_clock(at: dt.datetime | None = None) -> Iterator[None]:
 # --- direct writes of a delivery's row (tests only) ----------------------------------------
 
 DELIVERY_TABLE = models.DeliveryRecord._meta.db_table  # writes name the record (issue 31, stage 1)
+# The live state of a pending or claimed delivery (issue 31, stage 2): the helpers write a live
+# row's live columns there, and the record for everything else.
+QUEUE_TABLE = models.DeliveryQueue._meta.db_table
+DELIVERY_VIEW = models.WorkflowAgentDelivery._meta.db_table
+_LIVE = frozenset({models.DeliveryStatus.PENDING.value, models.DeliveryStatus.CLAIMED.value})
+# The record's columns a queue row copies at commit (written to both tables), and the queue row's
+# live state (written to the queue alone while the delivery is live). ``expires_at`` is written
+# to both: the services never change it on a live delivery (commit copies it, requeue writes the
+# record and copies it again), and a terminal leaves the record's; a helper that moved only the
+# queue's (a test's clock shift) made a delivery expire with a TTL the services never had.
+_COPIED = ("target_pubkey", "workflow_id", "priority", "created_at", "max_attempts", "expires_at")
+_QUEUE_COLUMNS: tuple[str, ...] = tuple(
+    str(f.column) for f in models.DeliveryQueue._meta.concrete_fields if f.column not in ("id", "community_id")
+)
+_LIVE_COLUMNS = tuple(c for c in _QUEUE_COLUMNS if c not in _COPIED)
+# A terminal: what the record's lease and slot columns become (the services' terminals clear them).
+_CLEARED_AT_TERMINAL = (
+    "lease_until",
+    "claimed_at",
+    "next_attempt_at",
+    "slot_community",
+    "slot_target",
+    "slot_workflow",
+)
 
 
 @dataclass(frozen=True)
@@ -243,28 +267,121 @@ def _value(value: Any) -> tuple[str, list[Any]]:
     return "%s", [value]
 
 
+def _selected(deliveries: Deliveries) -> list[tuple[Any, Any, bool]]:
+    """``(community_id, id, live)`` of the rows ``deliveries`` selects, read through the view (a
+    condition on a live column reads the live value); ``live``: the row has a queue row."""
+    where, params = _where(deliveries)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT community_id, id, EXISTS (SELECT 1 FROM {QUEUE_TABLE} AS q"
+            f" WHERE q.community_id = {DELIVERY_VIEW}.community_id AND q.id = {DELIVERY_VIEW}.id)"
+            f" FROM {DELIVERY_VIEW} WHERE {where}",
+            params,
+        )
+        return list(cursor.fetchall())
+
+
+def _keys(rows: Sequence[tuple[Any, ...]], alias: str = "") -> tuple[str, list[Any]]:
+    """A WHERE condition naming exactly ``rows`` (their ``(community_id, id)``): with the
+    community as ``community_id = %s`` when they share one (Citus's router form)."""
+    prefix = f"{alias}." if alias else ""
+    communities = {row[0] for row in rows}
+    ids = [row[1] for row in rows]
+    if len(communities) == 1:
+        return f"{prefix}community_id = %s AND {prefix}id = ANY(%s::uuid[])", [next(iter(communities)), ids]
+    return (
+        f"({prefix}community_id, {prefix}id) IN (SELECT * FROM unnest(%s::uuid[], %s::uuid[]))",
+        [[row[0] for row in rows], ids],
+    )
+
+
+def _update(table: str, values: Mapping[str, tuple[str, list[Any]]], rows: Sequence[tuple[Any, ...]]) -> int:
+    if not values or not rows:
+        return 0
+    where, where_params = _keys(rows)
+    params: list[Any] = []
+    assignments = []
+    for name, (text, text_params) in values.items():
+        assignments.append(f"{name} = {text}")
+        params += text_params
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {table} SET {', '.join(assignments)} WHERE {where}", params + where_params)
+        return cursor.rowcount
+
+
+def _status_given(columns: Mapping[str, Any]) -> str | None:
+    status = columns.get("status")
+    if status is None:
+        return None
+    if isinstance(status, Expr):
+        raise ValueError("set_delivery_state: status must be a plain value (it decides which table holds the row)")
+    return str(status)
+
+
 def set_delivery_state(deliveries: Deliveries, /, **columns: Any) -> int:
     """Write ``columns`` (column name -> value, or an :class:`Expr` computed by the database; a
-    dict or list is stored as jsonb) of the delivery rows ``deliveries`` selects, in one
-    statement on the caller's connection (its transaction, its tenant context), as a test's
-    raw UPDATE did; the database's triggers and CHECKs judge it as they would any write.
-    Returns the number of rows written.
+    dict or list is stored as jsonb) of the delivery rows ``deliveries`` selects, on the caller's
+    connection (its transaction, its tenant context), as a test's raw UPDATE did; the database's
+    triggers and CHECKs judge it as they would any write. Returns the number of rows written.
 
     ``deliveries``: a delivery, a ``(community, id)`` pair, an id (its community is looked up),
     a list of deliveries or ids (``id = ANY``), a community (all its rows), or an :class:`Expr`
-    WHERE condition. A name that is not a column of the table raises ``ValueError`` naming it.
-    Today: one UPDATE of the record, ``buzz_delivery_delivery_record`` (issue 31, stage 1); later the
-    columns of the row's queue or outcome."""
+    WHERE condition (on the columns as the view shows them). A name that is not a column of the
+    table raises ``ValueError`` naming it.
+
+    Where each column goes (issue 31, stage 2): a live row's (pending or claimed) live columns to
+    its queue row, its other columns to its record (``created_at``, ``priority``... to both); a
+    terminal status on a live row deletes its queue row and writes the record (its live state
+    carried over from the queue row, the lease and slots cleared, then ``columns``); a live status
+    on a terminal row writes the record (``status`` 'pending') and inserts its queue row (its
+    state from the record, then ``columns``). One statement per table and case, each naming the
+    rows' community when they share one."""
     names = _checked("set_delivery_state", columns)
-    assignments, params = [], []
-    for name in names:
-        text, values = _value(columns[name])
-        assignments.append(f"{name} = {text}")
-        params += values
-    where, where_params = _where(deliveries)
-    with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {DELIVERY_TABLE} SET {', '.join(assignments)} WHERE {where}", params + where_params)
-        return cursor.rowcount
+    values = {name: _value(columns[name]) for name in names}
+    new_status = _status_given(columns)
+    rows = _selected(deliveries)
+    live = [row for row in rows if row[2]]
+    terminal = [row for row in rows if not row[2]]
+    # Live rows that stay live: the queue's columns to the queue, the rest to the record.
+    if live and (new_status is None or new_status in _LIVE):
+        _update(QUEUE_TABLE, {n: v for n, v in values.items() if n in _QUEUE_COLUMNS}, live)
+        _update(DELIVERY_TABLE, {n: v for n, v in values.items() if n not in _LIVE_COLUMNS}, live)
+    # Live rows made terminal: the record takes the queue row's state, then the queue row goes.
+    if live and new_status is not None and new_status not in _LIVE:
+        carried: dict[str, tuple[str, list[Any]]] = {c: (f"q.{c}", []) for c in _LIVE_COLUMNS if c != "singleton_key"}
+        carried.update({c: ("NULL", []) for c in _CLEARED_AT_TERMINAL})
+        carried.update(values)
+        where, where_params = _keys(live, "r")
+        params = [p for _, (_, ps) in carried.items() for p in ps]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {DELIVERY_TABLE} AS r SET {', '.join(f'{n} = {t}' for n, (t, _) in carried.items())}"
+                f" FROM {QUEUE_TABLE} AS q WHERE q.community_id = r.community_id AND q.id = r.id AND {where}",
+                params + where_params,
+            )
+            where, where_params = _keys(live)
+            cursor.execute(f"DELETE FROM {QUEUE_TABLE} WHERE {where}", where_params)
+    # Terminal rows: the record; made live, the record pending and a queue row from it.
+    if terminal:
+        if new_status is not None and new_status in _LIVE:
+            record = {n: v for n, v in values.items() if n not in _LIVE_COLUMNS}
+            record["status"] = ("'pending'", [])
+            _update(DELIVERY_TABLE, record, terminal)
+            state: dict[str, tuple[str, list[Any]]] = {c: (c, []) for c in _QUEUE_COLUMNS}
+            state["singleton_key"] = ("NULL", [])
+            state.update({n: v for n, v in values.items() if n in _QUEUE_COLUMNS})
+            where, where_params = _keys(terminal)
+            params = [p for _, (_, ps) in state.items() for p in ps]
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"INSERT INTO {QUEUE_TABLE} (id, community_id, {', '.join(state)})"
+                    f" SELECT id, community_id, {', '.join(t for t, _ in state.values())}"
+                    f" FROM {DELIVERY_TABLE} WHERE {where}",
+                    params + where_params,
+                )
+        else:
+            _update(DELIVERY_TABLE, values, terminal)
+    return len(rows)
 
 
 def backdate(deliveries: Deliveries, /, **seconds_ago: float) -> int:
@@ -281,18 +398,50 @@ def backdate(deliveries: Deliveries, /, **seconds_ago: float) -> int:
 def insert_delivery_rows(columns: Sequence[str], query: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> int:
     """Insert raw delivery rows, bypassing ``commit_deliveries`` (for tests that need rows the
     producer would not write, or a table at scale): ``INSERT INTO buzz_delivery_delivery_record
-    (columns) <query>``, ``query`` a SELECT (or VALUES) giving those columns in that order. A name
-    that is not a column of the table raises ``ValueError`` naming it. Returns the row count."""
+    (columns) <query>``, ``query`` a SELECT (or VALUES) giving those columns in that order, then
+    a queue row for each pending or claimed one, with its state (issue 31, stage 2: a claimed row's
+    record then becomes pending, its lease and slots cleared). A name that is not a column of the
+    table raises ``ValueError`` naming it. Returns the row count."""
     names = _checked("insert_delivery_rows", columns)
     with connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO {DELIVERY_TABLE} ({', '.join(names)}) {query}", params)
-        return cursor.rowcount
+        cursor.execute(
+            f"INSERT INTO {DELIVERY_TABLE} ({', '.join(names)}) {query} RETURNING community_id, id, status", params
+        )
+        rows = [row for row in cursor.fetchall()]
+        live = [row for row in rows if row[2] in _LIVE]
+        if live:
+            where, where_params = _keys(live)
+            state = [c for c in _QUEUE_COLUMNS if not c.startswith("slot_") and c != "singleton_key"]
+            cursor.execute(
+                f"INSERT INTO {QUEUE_TABLE} (id, community_id, {', '.join(state)},"
+                " slot_community, slot_target, slot_workflow, singleton_key)"
+                f" SELECT id, community_id, {', '.join(state)},"
+                " CASE WHEN status = 'claimed' THEN slot_community END,"
+                " CASE WHEN status = 'claimed' THEN slot_target END,"
+                " CASE WHEN status = 'claimed' THEN slot_workflow END,"
+                " CASE WHEN status = 'pending' AND lease_generation = 0 THEN singleton_key END"
+                f" FROM {DELIVERY_TABLE} WHERE {where}",
+                where_params,
+            )
+            claimed = [row for row in live if row[2] == models.DeliveryStatus.CLAIMED]
+            if claimed:
+                where, where_params = _keys(claimed)
+                cursor.execute(
+                    f"UPDATE {DELIVERY_TABLE} SET status = 'pending', lease_until = NULL, claimed_at = NULL,"
+                    f" slot_community = NULL, slot_target = NULL, slot_workflow = NULL WHERE {where}",
+                    where_params,
+                )
+        return len(rows)
 
 
 def delete_delivery_rows(deliveries: Deliveries, /) -> int:
     """Delete the delivery rows ``deliveries`` selects (as :func:`set_delivery_state` reads it),
-    in one statement, bypassing the pruner and the purge. Returns the number of rows deleted."""
-    where, params = _where(deliveries)
+    in one statement on the record (a live row's queue row goes with it: ON DELETE CASCADE),
+    bypassing the pruner and the purge. Returns the number of rows deleted."""
+    rows = _selected(deliveries)
+    if not rows:
+        return 0
+    where, params = _keys(rows)
     with connection.cursor() as cursor:
         cursor.execute(f"DELETE FROM {DELIVERY_TABLE} WHERE {where}", params)
         return cursor.rowcount

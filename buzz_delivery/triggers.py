@@ -44,6 +44,7 @@ FENCE_PASSED_SETTING = "buzz_delivery.fence_passed"
 # static list stays the core's; the test checks every catalog table is named by some guard.
 TENANT_TABLES = (
     "buzz_delivery_rate_limit",
+    "buzz_delivery_delivery_queue",
     "buzz_delivery_delivery_record",
     "buzz_delivery_workflow_run",
     "buzz_delivery_event",
@@ -207,15 +208,23 @@ IMMUTABLE_DELIVERY_COLUMNS = (
 )
 
 
-def delivery_binding_immutable() -> pgtrigger.Trigger:
-    """Refuse any UPDATE that names a binding or snapshot column (``BD003``).
+# The queue row's key and the binding columns a claim selects by (issue 31, stage 2): copied from
+# the record at commit, never changed (the record's own trigger guards its copies).
+IMMUTABLE_QUEUE_COLUMNS = ("id", "community_id", "target_pubkey", "workflow_id")
+
+
+def delivery_binding_immutable(
+    name: str = "delivery_binding_immutable", columns: tuple[str, ...] = IMMUTABLE_DELIVERY_COLUMNS
+) -> pgtrigger.Trigger:
+    """Refuse any UPDATE that names a binding or snapshot column (``BD003``); ``name`` and
+    ``columns``: the delivery queue's (:data:`IMMUTABLE_QUEUE_COLUMNS`), else the record's.
 
     ``UPDATE OF`` fires only when the statement's SET list names one of them, so the services'
     updates (which never do) pay nothing, and large snapshots are never compared."""
     return pgtrigger.Trigger(
-        name="delivery_binding_immutable",
+        name=name,
         when=pgtrigger.Before,
-        operation=pgtrigger.UpdateOf(*IMMUTABLE_DELIVERY_COLUMNS),
+        operation=pgtrigger.UpdateOf(*columns),
         func=f"""
             RAISE EXCEPTION USING ERRCODE = '{HISTORY_SQLSTATE}',
                 MESSAGE = format('buzz_delivery: delivery %s: its binding and snapshots never '
@@ -244,10 +253,31 @@ def delivery_generation_monotonic() -> pgtrigger.Trigger:
 HISTORY_LIMIT = 50
 
 
-def history_append_only(table: str) -> pgtrigger.Trigger:
+_TERMINALS = "('finished', 'failed', 'expired')"
+# The statement that makes a live record terminal: its history extends the record's (see below).
+_TERMINAL_EXTENDS = (
+    f" OR (OLD.status NOT IN {_TERMINALS} AND NEW.status IN {_TERMINALS}"
+    f" AND (jsonb_array_length(NEW.history) >= {HISTORY_LIMIT}"
+    " OR (jsonb_array_length(NEW.history) > jsonb_array_length(OLD.history)"
+    " AND jsonb_path_query_array(NEW.history, '$[0 to $n]',"
+    " jsonb_build_object('n', jsonb_array_length(OLD.history) - 1)) = OLD.history)))"
+)
+
+
+def history_append_only(table: str, *, terminal_extends: bool = False) -> pgtrigger.Trigger:
     """Refuse an UPDATE that rewrites a row's ``history`` (``BD003``): a statement may only
     append one entry, dropping the oldest once :data:`HISTORY_LIMIT` are kept
     (``buzz_delivery_history_push``, migration 0008). ``table`` names the trigger.
+
+    ``terminal_extends``: the delivery record since issue 31, stage 2 (core migration 0037). While
+    a delivery is live its history grows on its queue row (which has this guard as it is), from
+    the record's copy (the commit's, or the last requeue's); the statement that makes the record
+    terminal writes the queue row's history plus its entry over that copy. That statement may
+    therefore write more than one entry, provided they *extend* the record's copy: the copy
+    first, entry for entry, then at least one more, or :data:`HISTORY_LIMIT` entries (the
+    queue row dropped its oldest: without reading the queue row, which the record's trigger
+    cannot do on Citus, a full history is taken as it comes). Every other statement (one that
+    keeps the record live, one on a terminal record, a requeue) appends one entry, as before.
 
     ``UPDATE OF history`` with a WHEN condition: PostgreSQL evaluates the condition in the
     executor and calls the function only to raise, so an honest append pays two jsonb
@@ -260,7 +290,8 @@ def history_append_only(table: str) -> pgtrigger.Trigger:
             "NEW.history IS DISTINCT FROM OLD.history AND NOT ("
             "(NEW.history - (-1)) = OLD.history"
             f" OR (jsonb_array_length(OLD.history) >= {HISTORY_LIMIT} AND (NEW.history - (-1)) = (OLD.history - 0))"
-            ")"
+            + (_TERMINAL_EXTENDS if terminal_extends else "")
+            + ")"
         ),
         func=f"""
             RAISE EXCEPTION USING ERRCODE = '{HISTORY_SQLSTATE}',

@@ -134,7 +134,7 @@ SKIPPED: dict[str, str] = {
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
     "tests/test_metrics.py::test_the_settle_rate_probes_the_terminal_age_index_per_community": _PLAN,
-    "tests/test_metrics.py::test_the_oldest_pending_age_is_one_probe_of_its_partial_index": _PLAN,
+    "tests/test_metrics.py::test_the_oldest_pending_age_walks_the_live_queues_age_index": _PLAN,
     "tests/test_metrics.py::test_above_the_cap_the_counts_are_the_planners_estimates": (
         "reads the planner's row estimate of the deliveries, which on the cluster sums the shards' "
         "statistics that earlier modules left (it passed alone and failed in the whole run); the "

@@ -10,6 +10,7 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from buzz_delivery import services
@@ -166,8 +167,8 @@ def settled_copies(template_id, n: int = 20_000) -> None:
            FROM buzz_delivery_delivery, generate_series(1, %s) AS g WHERE id = %s""",
         [n, template_id],
     )  # fmt: skip
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE buzz_delivery_delivery_record")
+    with connection.cursor() as cursor:  # the view joins both (issue 31, stage 2)
+        cursor.execute("ANALYZE buzz_delivery_delivery_record, buzz_delivery_delivery_queue")
 
 
 def test_the_failure_code_filter_reads_its_partial_index_among_many_rows(community):
@@ -207,9 +208,37 @@ def test_the_delivery_list_and_the_failure_code_filter_read_the_age_index_among_
     assert "delivery_created_idx" in filter_plan, filter_plan
 
 
+@pytest.mark.parametrize(
+    ("params", "owner"),
+    [
+        ({"status__exact": "claimed"}, "buzz_delivery_delivery_queue"),
+        ({"status__exact": "pending"}, "buzz_delivery_delivery_queue"),
+        ({"lease_expired": "yes"}, "buzz_delivery_delivery_queue"),
+        ({"lease_expired": "no"}, "buzz_delivery_delivery_queue"),
+    ],
+)
+def test_the_live_state_filters_read_the_queue_not_the_views_merged_status(admin_client, params, owner):
+    """Issue 31, stage 2 (``bench/results/queue-design-plan.md`` 2.4): through the view, whose
+    status merges the queue's and the record's (a CASE over the LEFT JOIN), a list by a live
+    status probes the queue for every row it walks until a page matches. The live filters
+    narrow by id, read from the queue (``filters.by_state``: why the terminal ones do not)."""
+    from django.urls import reverse
+
+    with CaptureQueriesContext(connection) as queries:
+        response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_changelist"), params)
+    assert response.status_code == 200
+    (listing,) = [q["sql"] for q in queries.captured_queries if "LIMIT 100" in q["sql"]]
+
+    assert f'"buzz_delivery_delivery"."id" IN (SELECT U0."id" AS "id" FROM "{owner}" U0' in listing, listing
+    where = listing.split(" WHERE ", 1)[1]
+    assert '"buzz_delivery_delivery"."status"' not in where, listing
+    assert '"buzz_delivery_delivery"."lease_until"' not in where, listing
+
+
 def test_the_date_links_read_the_ends_of_the_age_index_among_many_rows(admin_client, community):
-    # The date hierarchy's MIN/MAX(created_at) must state the index's predicate too, or they
-    # scan the table (found in review after migration 0015).
+    # The date hierarchy's two ends of created_at must state the index's predicate too, or they
+    # scan the table (found in review after migration 0015); and be ORDER BY ... LIMIT 1 reads,
+    # as MIN/MAX through the view joining the live queue scan every row (issue 31, stage 2).
     from django.test.utils import CaptureQueriesContext
     from django.urls import reverse
 
@@ -218,13 +247,18 @@ def test_the_date_links_read_the_ends_of_the_age_index_among_many_rows(admin_cli
     with CaptureQueriesContext(connection) as queries:
         response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_changelist"))
     assert response.status_code == 200
-    (probe,) = [q["sql"] for q in queries.captured_queries if "MIN(" in q["sql"].upper() and "MAX(" in q["sql"].upper()]
-    with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN " + probe)
-        plan = "\n".join(line for (line,) in cursor.fetchall())
+    probes = [
+        q["sql"] for q in queries.captured_queries
+        if q["sql"].endswith(("ORDER BY 1 ASC LIMIT 1", "ORDER BY 1 DESC LIMIT 1")) and "created_at" in q["sql"]
+    ]  # fmt: skip
+    assert len(probes) == 2, [q["sql"] for q in queries.captured_queries]
+    for probe in probes:
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + probe)
+            plan = "\n".join(line for (line,) in cursor.fetchall())
 
-    assert "delivery_created_idx" in plan, plan
-    assert "Seq Scan" not in plan, plan
+        assert "delivery_created_idx" in plan, plan
+        assert "Seq Scan" not in plan, plan
 
 
 def test_each_throughput_line_has_its_own_axis_so_a_few_runs_show_beside_many_deliveries():

@@ -106,6 +106,7 @@ def test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key(community,
     clone(seed_step, "f", 3_000, "finished", 1)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE buzz_delivery_delivery_record")
+        cursor.execute(f"ANALYZE {sql.QUEUE}")
     params = {
         "community_id": community.id,
         "target_pubkey": bytes(32),  # the backlog's target
@@ -118,7 +119,8 @@ def test_the_hinted_claims_cached_plan_reads_the_named_row_by_its_key(community,
     indexes = {
         name for name in re.findall(r"Index Scan (?:using|on) (\w+)", plan) if name.startswith("buzz_delivery_delivery")
     }
-    assert indexes == {"buzz_delivery_delivery_pkey"}, plan
+    # The queue row by its key (the claim), then its record by its key (the claimed columns).
+    assert indexes == {f"{sql.QUEUE}_pkey", "buzz_delivery_delivery_pkey"}, plan
     assert "Seq Scan on buzz_delivery_delivery" not in plan, plan
 
 
@@ -201,6 +203,7 @@ def test_the_batch_settles_cached_plan_reads_the_batch_by_its_key(
     clone(binding.step_id, "a", analyzed_with, "claimed", 20)  # claimed rows copy the seed's lease
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE buzz_delivery_delivery_record")
+        cursor.execute(f"ANALYZE {sql.QUEUE}")
     clone(binding.step_id, "c", 2_000 - analyzed_with, "claimed", 20)  # claimed since
     with connection.cursor() as cursor:
         cursor.execute(
@@ -231,6 +234,12 @@ def test_the_batch_settles_cached_plan_reads_the_batch_by_its_key(
     plan = "\n".join(row[0] for row in rows)
     assert "delivery_claimed_lease_idx" not in plan, plan
     assert "Seq Scan on buzz_delivery_delivery" not in plan, plan
-    indexes = set(re.findall(r"Index Scan using (\w+) on buzz_delivery_delivery_record d\b", plan))
-    assert indexes == {"buzz_delivery_delivery_pkey"}, plan
-    assert re.search(r"Update on buzz_delivery_delivery_record d .*\(actual .* rows=50 ", plan), plan  # all 50 settled
+    # Issue 31, stage 2: the lease rows are the queue's (a renewal updates them, a settle deletes
+    # them and updates their records, each by its key).
+    indexes = set(re.findall(rf"Index Scan using (\w+) on {sql.QUEUE} d(?:_\d+)?\b", plan))  # d_1: in a CTE
+    assert indexes == {f"{sql.QUEUE}_pkey"}, plan
+    assert re.search(rf"(Update|Delete) on {sql.QUEUE} d(?:_\d+)? .*\(actual .* rows=50 ", plan), plan  # all 50 settled
+    if statement is not RENEW_MANY:
+        indexes = set(re.findall(r"Index Scan using (\w+) on buzz_delivery_delivery_record r\b", plan))
+        assert indexes == {"buzz_delivery_delivery_pkey"}, plan
+        assert re.search(r"Update on buzz_delivery_delivery_record r .*\(actual .* rows=50 ", plan), plan

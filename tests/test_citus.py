@@ -191,11 +191,10 @@ TWO_STEPS_ON_CITUS = (
     "sql.CREATE_RUN",
     # The same statement as the plan-cached function's body (its NOTIFY's void cast to text).
     "cached.CREATE_RUN['statement']",
-    # The singleton commits (keep / replace) share the plain commit's shape: the INSERT's rows
-    # come from parameter arrays through the coordinator (tests/test_flow_singleton.py pins that
-    # every step is one task on the community's node).
-    "singleton.KEEP_STATEMENT",
-    "singleton.REPLACE_STATEMENT",
+    # The singleton commit's records (keep / replace) share the plain commit's shape: the
+    # INSERT's rows come from parameter arrays through the coordinator (tests/test_flow_singleton.py
+    # pins that every step is one task on the community's node).
+    "singleton.INSERT_RECORDS",
     # The batched send's inserts (issue 31) share that shape too: the deliveries and message
     # events of one community's sends, rows from parameter arrays through the coordinator.
     "sql.INSERT_DELIVERIES_MANY_SKIP_EXISTING",

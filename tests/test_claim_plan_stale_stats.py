@@ -50,15 +50,22 @@ def clone(seed_step: str, prefix: str, n: int, status: str, targets: int) -> Non
 
 
 def update_scan(plan: dict) -> dict:
-    """The node under the Update that scans the delivery table as ``d`` (not the CTE)."""
-    (update,) = [p for p in [plan["Plan"]] if p["Node Type"] == "ModifyTable"]
+    """The node under the claim's Update of the queue (issue 31, stage 2: inside the statement's
+    ``claimed`` CTE) that scans the queue (not the candidate CTE)."""
+    nodes, updates = [plan["Plan"]], []
+    while nodes:
+        node = nodes.pop()
+        if node["Node Type"] == "ModifyTable" and node.get("Relation Name") == sql.QUEUE:
+            updates.append(node)
+        nodes += node.get("Plans", [])
+    (update,) = updates
     stack = [p for p in update.get("Plans", []) if p.get("Parent Relationship") == "Outer"]
     while stack:
         node = stack.pop()
-        if node.get("Relation Name") == "buzz_delivery_delivery_record" and node.get("Alias") == "d":
+        if node.get("Relation Name") == sql.QUEUE:
             return node
         stack += [p for p in node.get("Plans", []) if p.get("Parent Relationship") != "InitPlan"]
-    raise AssertionError(f"no scan of d under the Update: {json.dumps(plan)[:2000]}")
+    raise AssertionError(f"no scan of the queue under the Update: {json.dumps(plan)[:2000]}")
 
 
 def assert_updates_by_primary_key(plan: dict, otherwise: str) -> None:
@@ -71,7 +78,7 @@ def assert_updates_by_primary_key(plan: dict, otherwise: str) -> None:
         if "Index Name" in node:
             indexes.append(node["Index Name"])
         nodes += node.get("Plans", [])
-    assert indexes and set(indexes) == {"buzz_delivery_delivery_pkey"}, (
+    assert indexes and set(indexes) == {f"{sql.QUEUE}_pkey"}, (
         f"the UPDATE scans {scan['Node Type']} on {indexes} "
         f"(cond {scan.get('Index Cond') or scan.get('Recheck Cond')}, filter {scan.get('Filter')}): {otherwise}"
     )
@@ -87,6 +94,7 @@ def test_the_batched_claim_updates_through_the_primary_key_with_stale_statistics
     clone(seed_step, "f", 30_000, "finished", 20)
     with connection.cursor() as cur:
         cur.execute("ANALYZE buzz_delivery_delivery_record")  # after the drain: nothing pending
+        cur.execute(f"ANALYZE {sql.QUEUE}")
     clone(seed_step, "p", 20_000, "pending", 20)  # the burst since
 
     statement = sql.claim_oldest_pending(by_id=False, by_binding=False)
@@ -126,12 +134,14 @@ def test_a_claim_in_a_large_community_among_many_small_ones_updates_through_the_
             cur.execute(
                 f"ALTER TABLE buzz_delivery_delivery_record ALTER COLUMN community_id SET (n_distinct = {communities})"
             )
+            cur.execute(f"ALTER TABLE {sql.QUEUE} ALTER COLUMN community_id SET (n_distinct = {communities})")
     binding = make_binding(target_pubkey=random32())
     ev = models.Event.objects.get(community_id=community.id, event_id=binding.message_event_id)
     (hinted,) = services.commit_deliveries(community.id, ev, [binding])
     clone(binding.step_id, "p", 20_000, "pending", targets)
     with connection.cursor() as cur:
         cur.execute("ANALYZE buzz_delivery_delivery_record")
+        cur.execute(f"ANALYZE {sql.QUEUE}")
     params = {
         "community_id": community.id,
         "target_pubkey": binding.target_pubkey,

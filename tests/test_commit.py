@@ -286,3 +286,33 @@ def test_a_commit_inside_the_callers_transaction_rolls_back_with_it(community, m
         raise Abort
 
     assert delivery_count() == 0
+
+
+def test_a_commit_writes_each_created_record_and_its_live_queue_row_from_it(community, message_event, make_binding):
+    """Issue 31, stage 2: the commit's second statement gives every record it created a queue row
+    (pending, the record's ordering, policy and history copied; the singleton key set only with a
+    key), in the same transaction; a producer's retry writes neither again."""
+    from buzz_delivery.services import fanout
+
+    not_before = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    expires = dt.datetime(2031, 1, 1, tzinfo=dt.UTC)
+    bindings = [make_binding(), make_binding()]
+    ids = services.commit_deliveries(
+        community.id, message_event, bindings, priority=3, not_before=not_before, expires_at=expires
+    )
+    (keyed,) = services.commit_deliveries(community.id, message_event, [make_binding()], singleton_key="k").created
+    with transaction.atomic():
+        (sent,) = fanout.commit_messages(community.id, [fanout.Message([make_binding()], priority=-2)])
+    assert services.commit_deliveries(community.id, message_event, bindings) == []
+    columns = ("priority", "created_at", "max_attempts", "next_attempt_at", "expires_at", "history", "workflow_id")
+    queue = {q.id: q for q in models.DeliveryQueue.objects.filter(community_id=community.id)}
+    assert set(queue) == {*ids, keyed, sent}
+    for record in models.DeliveryRecord.objects.filter(community_id=community.id):
+        row = queue[record.id]
+        assert (row.status, row.lease_generation, row.attempt, row.target_pubkey) == (
+            "pending", 0, 0, record.target_pubkey
+        )  # fmt: skip
+        assert [getattr(row, c) for c in columns] == [getattr(record, c) for c in columns]
+        assert row.singleton_key == ("k" if record.id == keyed else None) == record.singleton_key
+    assert [queue[i].priority for i in ids] == [3, 3] and queue[sent].priority == -2
+    assert queue[ids[0]].next_attempt_at == not_before and queue[ids[0]].expires_at == expires

@@ -95,7 +95,7 @@ def test_a_claimer_skips_a_row_locked_by_another_open_transaction_and_takes_the_
         with holder.cursor() as cursor:
             cursor.execute("BEGIN")
             cursor.execute(
-                "SELECT id FROM buzz_delivery_delivery_record WHERE community_id = %s AND id = %s FOR UPDATE",
+                "SELECT id FROM buzz_delivery_delivery_queue WHERE community_id = %s AND id = %s FOR UPDATE",
                 [community.id, oldest],
             )
             assert cursor.fetchone()[0] == oldest
@@ -128,14 +128,12 @@ def test_without_skip_locked_the_same_read_would_wait_so_the_lock_timeout_proof_
     try:
         with holder.cursor() as cursor:
             cursor.execute("BEGIN")
-            cursor.execute("SELECT id FROM buzz_delivery_delivery_record WHERE id = %s FOR UPDATE", [created[0]])
+            cursor.execute("SELECT id FROM buzz_delivery_delivery_queue WHERE id = %s FOR UPDATE", [created[0]])
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '100ms'")
             try:
                 with pytest.raises(OperationalError, match="lock timeout"):
-                    cursor.execute(
-                        "SELECT id FROM buzz_delivery_delivery_record WHERE id = %s FOR UPDATE", [created[0]]
-                    )
+                    cursor.execute("SELECT id FROM buzz_delivery_delivery_queue WHERE id = %s FOR UPDATE", [created[0]])
             finally:
                 cursor.execute("RESET lock_timeout")
         with holder.cursor() as cursor:

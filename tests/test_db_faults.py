@@ -180,7 +180,10 @@ def test_a_statement_timeout_raises_clearly_and_leaves_nothing_half_done(committ
     before = _rows()
     blocker = _other_connection()
     try:
-        blocker.execute("LOCK TABLE buzz_delivery_delivery_record IN ACCESS EXCLUSIVE MODE")
+        # The record and the live queue (stage 2: claims, renewals and the reap back to pending write it alone).
+        blocker.execute(
+            "LOCK TABLE buzz_delivery_delivery_record, buzz_delivery_delivery_queue IN ACCESS EXCLUSIVE MODE"
+        )
         with connection.cursor() as cursor:
             cursor.execute("SET statement_timeout = '300ms'")
         try:

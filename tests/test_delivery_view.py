@@ -15,7 +15,7 @@ from django.db import connection
 from django.test import override_settings
 
 from buzz_delivery import scaleout, services
-from buzz_delivery.models import DeliveryRecord, WorkflowAgentDelivery
+from buzz_delivery.models import DeliveryQueue, DeliveryRecord, WorkflowAgentDelivery
 from buzz_delivery.services import claim_delivery, tenancy
 from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory
 from tests.citus_support import CITUS_MODE
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.django_db
 
 VIEW = WorkflowAgentDelivery._meta.db_table
 RECORD = DeliveryRecord._meta.db_table
+QUEUE = DeliveryQueue._meta.db_table
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -153,6 +154,8 @@ def test_a_role_that_read_the_table_before_the_migration_reads_the_view_after_it
     try:
         assert _sql("SELECT has_table_privilege(%s, %s, 'SELECT')", [READER, RECORD]) == [(True,)]
         assert _sql("SELECT has_table_privilege(%s, %s, 'SELECT')", [READER, VIEW]) == [(True,)]
+        # The view joins the live queue (core 0037): the queue has the record's readers.
+        assert _sql("SELECT has_table_privilege(%s, %s, 'SELECT')", [READER, QUEUE]) == [(True,)]
         # Only what the table gave: the view is read-only to it, as to everyone.
         assert _sql("SELECT has_table_privilege(%s, %s, 'UPDATE')", [READER, VIEW]) == [(False,)]
         with connection.cursor() as cursor:
@@ -165,6 +168,7 @@ def test_a_role_that_read_the_table_before_the_migration_reads_the_view_after_it
                 cursor.execute("ROLLBACK")
     finally:
         _sql(f"REVOKE ALL ON {RECORD} FROM {READER}")
+        _sql(f"REVOKE ALL ON {QUEUE} FROM {READER}")
         _sql(f"REVOKE ALL ON {VIEW} FROM {READER}")
         _sql(f"DROP ROLE {READER}")
 

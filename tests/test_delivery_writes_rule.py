@@ -47,8 +47,11 @@ ALLOWED: dict[tuple[str, str], str] = {
         "this rule's own self-test (known-bad snippets)"
     ),
     ("test_constraints.py", "*"): f"{REFUSAL}: every CHECK and composite key of the table (moves with them, stage 3)",
-    ("test_flow_limits.py", "test_the_database_refuses_a_second_claimed_delivery_on_a_held_slot"): (
-        f"{REFUSAL}: the slot unique key"
+    ("test_delivery_queue_guards.py", "*"): (
+        f"{REFUSAL}: the record's history guard on the statements that make it terminal, and the queue's guards"
+    ),
+    ("test_delivery_queue_migration_review.py", "_clone"): (
+        "rows as stage 1 left them, written under core 0036 (before the queue the helpers write)"
     ),
     ("test_flow_priority.py", "test_the_database_refuses_a_priority_outside_the_range"): (
         f"{REFUSAL}: the priority CHECK"
@@ -77,6 +80,17 @@ ALLOWED: dict[tuple[str, str], str] = {
         "test_the_scan_finds_writes_locks_and_table_commands_on_the_view_and_passes_the_record",
     ): "the product's record-writes rule's own self-test (SQL text, never run)",
     ("test_scale_out_function_rules.py", "<module>"): "the Citus function rules' self-tests (SQL text, never run)",
+    ("test_queue_adversary.py", "pruner"): (
+        f"{OTHER_CONNECTION}: time passing for the pruner, from a thread racing requeues (one statement"
+        " conditioned on the terminal status; the helpers' read-then-write would race its CHECK)"
+    ),
+    (
+        "test_queue_maintenance.py",
+        "test_a_record_out_of_step_in_one_community_never_stops_the_reap_of_the_others",
+    ): "breaks on purpose the pending-iff-queue-row invariant no constraint refuses, to show the reaper survives it",
+    ("test_queue_maintenance.py", "test_the_pruner_skips_an_old_terminal_record_that_still_has_a_queue_row"): (
+        "breaks on purpose the pending-iff-queue-row invariant no constraint refuses: the pruner's guard against it"
+    ),
 }
 
 

@@ -18,6 +18,7 @@ from tests.conftest import backdate_lease
 pytestmark = pytest.mark.django_db
 
 DELIVERY = models.DeliveryRecord._meta.db_table
+QUEUE = models.DeliveryQueue._meta.db_table
 
 
 def limits(**caps: int):
@@ -119,12 +120,13 @@ def test_the_database_refuses_a_second_claimed_delivery_on_a_held_slot(community
     with limits(target=2):
         services.claim_deliveries(community.id, target, limit=2)
     with (
-        pytest.raises(IntegrityError, match="delivery_slot_target_key"),
+        pytest.raises(IntegrityError, match="delivery_queue_slot_target_key"),
         transaction.atomic(),
         connection.cursor() as cursor,
     ):
+        # The slots are the live queue's (issue 31, stage 2).
         cursor.execute(
-            f"UPDATE {DELIVERY} SET slot_target = 0 WHERE community_id = %s AND id = ANY(%s)", [community.id, [a, b]]
+            f"UPDATE {QUEUE} SET slot_target = 0 WHERE community_id = %s AND id = ANY(%s)", [community.id, [a, b]]
         )
 
 

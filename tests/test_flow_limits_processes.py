@@ -25,19 +25,22 @@ pytestmark = pytest.mark.django_db(transaction=True)
 LIMIT = {"target": 2}
 WORKERS = 8
 
+# On the live queue (issue 31, stage 2): a claim updates its row, a settle deletes it.
 AUDIT = """
 CREATE TABLE flow_audit (at timestamptz DEFAULT clock_timestamp(), claimed integer NOT NULL);
 CREATE FUNCTION flow_audit_claimed() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    row_ buzz_delivery_delivery_queue := CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
 BEGIN
     -- A fresh snapshot per statement (READ COMMITTED): every committed claim and this one's.
     INSERT INTO flow_audit (claimed)
-    SELECT count(*) FROM buzz_delivery_delivery
-    WHERE community_id = NEW.community_id AND target_pubkey = NEW.target_pubkey AND status = 'claimed';
+    SELECT count(*) FROM buzz_delivery_delivery_queue
+    WHERE community_id = row_.community_id AND target_pubkey = row_.target_pubkey AND status = 'claimed';
     RETURN NULL;
 END $$;
-CREATE CONSTRAINT TRIGGER flow_audit_claimed AFTER UPDATE ON buzz_delivery_delivery_record
+CREATE CONSTRAINT TRIGGER flow_audit_claimed AFTER UPDATE OR DELETE ON buzz_delivery_delivery_queue
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION flow_audit_claimed();
-CREATE TRIGGER flow_audit_claimed_now AFTER UPDATE ON buzz_delivery_delivery_record
+CREATE TRIGGER flow_audit_claimed_now AFTER UPDATE OR DELETE ON buzz_delivery_delivery_queue
     FOR EACH ROW EXECUTE FUNCTION flow_audit_claimed();
 -- The order of the claims: each claim's row, its transaction and priority, numbered as it is
 -- written (the claims of one community take turns on its advisory lock, so in claim order).
@@ -47,15 +50,15 @@ BEGIN
     INSERT INTO flow_claims (tx, priority) VALUES (txid_current(), NEW.priority);
     RETURN NULL;
 END $$;
-CREATE TRIGGER flow_claims_order AFTER UPDATE ON buzz_delivery_delivery_record
+CREATE TRIGGER flow_claims_order AFTER UPDATE ON buzz_delivery_delivery_queue
     FOR EACH ROW WHEN (NEW.status = 'claimed' AND OLD.status <> 'claimed') EXECUTE FUNCTION flow_claims_order();
 """
 DROP_AUDIT = """
-DROP TRIGGER IF EXISTS flow_audit_claimed ON buzz_delivery_delivery_record;
-DROP TRIGGER IF EXISTS flow_audit_claimed_now ON buzz_delivery_delivery_record;
+DROP TRIGGER IF EXISTS flow_audit_claimed ON buzz_delivery_delivery_queue;
+DROP TRIGGER IF EXISTS flow_audit_claimed_now ON buzz_delivery_delivery_queue;
 DROP FUNCTION IF EXISTS flow_audit_claimed();
 DROP TABLE IF EXISTS flow_audit;
-DROP TRIGGER IF EXISTS flow_claims_order ON buzz_delivery_delivery_record;
+DROP TRIGGER IF EXISTS flow_claims_order ON buzz_delivery_delivery_queue;
 DROP FUNCTION IF EXISTS flow_claims_order();
 DROP TABLE IF EXISTS flow_claims;
 """

@@ -18,6 +18,7 @@ from tests.plan_support import generic_explain
 pytestmark = pytest.mark.django_db
 
 DELIVERY = models.DeliveryRecord._meta.db_table
+QUEUE = models.DeliveryQueue._meta.db_table  # the claims' table (issue 31, stage 2)
 
 
 def commit(make_binding, message_event, target: bytes, priority: int | None, n: int = 1) -> list:
@@ -76,12 +77,12 @@ def test_the_database_refuses_a_priority_outside_the_range(community, make_bindi
 
 
 def _scanned_rows(plan: dict) -> int:
-    """Rows the claim's scans of the delivery table returned (its index scan, its lock)."""
+    """Rows the claim's scans of the live queue returned (its index scan, its lock)."""
     total = 0
     stack = [plan["Plan"]]
     while stack:
         node = stack.pop()
-        if node.get("Relation Name") == DELIVERY and node.get("Index Name") == "delivery_pending_poll_idx":
+        if node.get("Relation Name") == QUEUE and node.get("Index Name") == "delivery_queue_poll_idx":
             total += node["Actual Rows"] * node.get("Actual Loops", 1)
         stack += node.get("Plans", [])
     return total
@@ -103,6 +104,7 @@ def test_the_claim_reads_only_the_rows_it_takes_among_many_of_lower_priority(com
     )  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {DELIVERY}")
+        cursor.execute(f"ANALYZE {QUEUE}")
     params = {"community_id": community.id, "target_pubkey": target, "limit": 5, "lease_seconds": 60.0, "holder": None}
     ((plan,),) = generic_explain(cached.CLAIM, params, "ANALYZE, FORMAT JSON")
     plan = plan[0] if isinstance(plan, list) else json.loads(plan)[0]

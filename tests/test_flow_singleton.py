@@ -15,7 +15,7 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery import models, services
-from buzz_delivery.services import singleton
+from buzz_delivery.services import singleton, sql
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT, backdate_lease
@@ -188,8 +188,11 @@ def test_the_database_refuses_a_second_unclaimed_pending_delivery_of_one_key(com
     (first,) = services.commit_deliveries(
         community.id, message_event, [make_binding(target_pubkey=target)], singleton_key="k"
     ).created
+    # The key's index is the live queue's (issue 31, stage 2): a second record of the key is
+    # written, its queue row carrying the key is refused.
+    second = uuid.uuid4()
     with (
-        pytest.raises(DatabaseError, match="delivery_singleton_pending_key"),  # IntegrityError; relayed on Citus
+        pytest.raises(DatabaseError, match="delivery_queue_singleton_key"),  # IntegrityError; relayed on Citus
         transaction.atomic(),
         connection.cursor() as cursor,
     ):
@@ -198,12 +201,14 @@ def test_the_database_refuses_a_second_unclaimed_pending_delivery_of_one_key(com
             " definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for,"
             " cause_webhook_invocation_id, singleton_key, status,"
             " lease_generation, attempt, priority, renewals, history, created_at)"
-            " SELECT gen_random_uuid(), community_id, workflow_id, run_id, 'another-step', target_pubkey,"
+            " SELECT %s, community_id, workflow_id, run_id, 'another-step', target_pubkey,"
             " definition_event_id, message_event_id, cause_kind, cause_event_id, cause_scheduled_for,"
             " cause_webhook_invocation_id, singleton_key, 'pending',"
             f" 0, 0, 0, 0, '[]', now() FROM {DELIVERY} WHERE community_id = %s AND id = %s",
-            [community.id, first],
+            [second, community.id, first],
         )
+        cursor.execute(sql.INSERT_QUEUE_ROWS_OF_CREATED.replace("ON CONFLICT DO NOTHING\n", ""),
+                       {"community_id": community.id, "created_ids": [second]})  # fmt: skip
     with (
         pytest.raises(DatabaseError, match="binding and snapshots never change"),
         transaction.atomic(),
@@ -345,8 +350,9 @@ def test_sixteen_threads_committing_one_key_at_once_leave_exactly_one_pending_de
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["keep", "replace"])
 def test_a_commit_that_meets_an_uncommitted_commit_of_the_key_waits_and_then_keeps_or_replaces_it(mode):
-    """The race the snapshot cannot see: the second commit's INSERT waits on the first one's key,
-    finds it taken once the first commits, and runs again with a fresh snapshot (a second round)."""
+    """The race the snapshot cannot see: the second commit waits on the first one's key (its lock,
+    ``singleton.LOCK_KEYS``, taken before any read), and once the first commits decides with a
+    snapshot that sees it, in one round."""
     community = CommunityFactory()
     run = WorkflowRunFactory(community=community)
     event = EventFactory(community=community)
@@ -385,7 +391,7 @@ def test_a_commit_that_meets_an_uncommitted_commit_of_the_key_waits_and_then_kee
 
     (holder,) = found["first"].created
     result = found["second"]
-    assert result.rounds == 2
+    assert result.rounds == 1
     (outcome,) = result.outcomes
     if mode == "keep":
         assert outcome == singleton.Kept(holder, target)
@@ -396,10 +402,15 @@ def test_a_commit_that_meets_an_uncommitted_commit_of_the_key_waits_and_then_kee
 
 
 @pytest.mark.skipif(not CITUS_MODE, reason="Citus mode only: the plan of the commit statements on the cluster")
-@pytest.mark.parametrize("statement", [singleton.KEEP_STATEMENT, singleton.REPLACE_STATEMENT], ids=["keep", "replace"])
+@pytest.mark.parametrize(
+    "statement",
+    singleton.REPLACE_STATEMENTS,
+    ids=["supersede", "expire_superseded", "held_or_already", "insert_records", "insert_queue_rows", "delete_unqueued"],
+)
 def test_on_citus_every_step_of_the_commit_runs_on_the_community_node_alone(community, statement):
-    """Like the plain commit, the INSERT's rows come from the client (pull to the coordinator, then
-    routed by community); every read and write of the delivery table is one task."""
+    """Each statement of a round is one task on the community's node; the records' INSERT takes
+    its rows from the client as the plain commit does (pull to the coordinator, then routed by
+    community), the queue rows' INSERT ... SELECT is pushed down between colocated tables."""
     params = {
         name: None for name in ("message_event_id", "max_attempts", "expires_at", "execution_trace", "trigger_context")
     }
@@ -408,13 +419,16 @@ def test_on_citus_every_step_of_the_commit_runs_on_the_community_node_alone(comm
         ids=[uuid.uuid4()], workflow_ids=[uuid.uuid4()], run_ids=[uuid.uuid4()], step_ids=["s"],
         target_pubkeys=[random32()], definition_event_ids=[random32()], cause_kinds=["event"],
         cause_event_ids=[random32()], cause_scheduled_fors=[None], cause_webhook_invocation_ids=[None],
+        created_ids=[uuid.uuid4()], superseded_ids=[uuid.uuid4()], superseded_bys=[uuid.uuid4()],
+        lease_generations=[0], attempts=[0], claimed_bys=["w"], renewals=[0], histories=["[]"],
     )  # fmt: skip
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("EXPLAIN (COSTS OFF) " + statement, params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
     counts = re.findall(r"Task Count: (\d+)", plan)
     assert counts and set(counts) == {"1"}, plan
-    assert "buzz_delivery_delivery_" in plan  # the shard's table, read on its node
+    if statement is not singleton.INSERT_RECORDS:  # (the plain commit's shape: rows from the client)
+        assert "buzz_delivery_delivery_" in plan  # the shard's table, read on its node
 
 
 def _docs_block(heading: str) -> str:
@@ -428,3 +442,43 @@ def _docs_block(heading: str) -> str:
 
 def test_the_docs_example_runs():
     exec(compile(_docs_block("## Debounce / singleton"), "docs/flow-control.md", "exec"), {})
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("modes", [("replace",), ("keep", "replace")])
+def test_producers_of_one_key_over_several_targets_never_deadlock(modes):
+    """A round writes a target's key twice (the supersede deletes the holder, the insert adds the
+    new one) and a commit's targets span several statements and rounds: without a lock per
+    (community, target, key) taken first in one order, two commits over the same targets each
+    held a key the other waited for, and PostgreSQL aborted one ("deadlock detected", an error,
+    not an outcome). Six producers, each committing 25 times to a random subset of three targets."""
+    community = CommunityFactory()
+    run = WorkflowRunFactory(community=community)
+    event = EventFactory(community=community)
+    targets = [random32() for _ in range(3)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(6, timeout=BARRIER_TIMEOUT)
+
+    def producer(seed: int) -> None:
+        import random
+
+        rng = random.Random(seed)
+        try:
+            start.wait()
+            for _ in range(25):
+                mine = rng.sample(targets, rng.randint(1, 3))
+                bindings = [BindingFactory.build(run=run, message_event=event, target_pubkey=t) for t in mine]
+                services.commit_deliveries(
+                    community.id, event, bindings, singleton_key="k", on_conflict=rng.choice(modes)
+                )
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        list(pool.map(producer, range(6)))
+
+    assert not errors, [str(e).splitlines()[0] for e in errors]
+    queued = models.DeliveryQueue.objects.filter(community_id=community.id, singleton_key="k")
+    assert sorted(bytes(t) for t in queued.values_list("target_pubkey", flat=True)) == sorted(targets)

@@ -202,11 +202,11 @@ def slow_reap_updates():
     _sql(
         "CREATE FUNCTION test_slow_update() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
         "PERFORM pg_sleep(1.5); RETURN NULL; END $$;"
-        "CREATE TRIGGER test_slow_update AFTER UPDATE ON buzz_delivery_delivery_record "
+        "CREATE TRIGGER test_slow_update AFTER UPDATE ON buzz_delivery_delivery_queue "
         "FOR EACH STATEMENT EXECUTE FUNCTION test_slow_update()"
     )
     yield
-    _sql("DROP TRIGGER IF EXISTS test_slow_update ON buzz_delivery_delivery_record")
+    _sql("DROP TRIGGER IF EXISTS test_slow_update ON buzz_delivery_delivery_queue")
     _sql("DROP FUNCTION IF EXISTS test_slow_update()")
 
 
@@ -222,7 +222,7 @@ def gated_reap_updates():
         "CREATE FUNCTION test_gated_update() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
         "WHILE pg_backend_pid() <> %s AND EXISTS (SELECT FROM test_reap_gate) LOOP PERFORM pg_sleep(0.05); END LOOP; "
         "RETURN NULL; END $$;"
-        "CREATE TRIGGER test_gated_update AFTER UPDATE ON buzz_delivery_delivery_record "
+        "CREATE TRIGGER test_gated_update AFTER UPDATE ON buzz_delivery_delivery_queue "
         "FOR EACH STATEMENT EXECUTE FUNCTION test_gated_update()",
         [_sql("SELECT pg_backend_pid()")[0][0]],
     )
@@ -230,7 +230,7 @@ def gated_reap_updates():
         yield
     finally:
         _open_gate()
-        _sql("DROP TRIGGER IF EXISTS test_gated_update ON buzz_delivery_delivery_record")
+        _sql("DROP TRIGGER IF EXISTS test_gated_update ON buzz_delivery_delivery_queue")
         _sql("DROP FUNCTION IF EXISTS test_gated_update()")
         _sql("DROP TABLE IF EXISTS test_reap_gate")
 

@@ -123,13 +123,13 @@ def test_above_the_cap_the_counts_are_the_planners_estimates(monkeypatch, make_b
     }  # fmt: skip
 
 
-def test_the_oldest_pending_age_is_one_probe_of_its_partial_index():
+def test_the_oldest_pending_age_walks_the_live_queues_age_index():
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned otherwise
         cursor.execute("EXPLAIN " + metrics.DELIVERY_LIVE, {"cap": 10, "walk": 10})
         plan = "\n".join(row[0] for row in cursor.fetchall())
 
-    assert "delivery_pending_age_idx" in plan, plan
+    assert "delivery_queue_created_idx" in plan, plan  # issue 31, stage 2: the queue's (created_at, id)
 
 
 def test_the_settle_rate_counts_the_last_minute_only(community):

@@ -6,7 +6,7 @@ Every ``manage.py`` process here reaches the test database only through a privat
 process may run on different server connections: nothing session-scoped (an advisory lock, a
 ``SET``, a prepared statement) may carry a guarantee. Each process has its own
 ``application_name`` (pgbouncer forwards it to the server connection it lends), and a trigger the
-test installs records every UPDATE of a delivery with who ran it, the maintenance lease holder at
+test installs records every UPDATE of a live delivery (its queue row) with who ran it, the maintenance lease holder at
 that moment and ``clock_timestamp()``: the reaping intervals of different runs must not overlap.
 """
 
@@ -33,7 +33,7 @@ import pytest
 from django.db import connection
 
 from buzz_delivery import services
-from buzz_delivery.models import DeliveryRecord, WorkflowAgentDelivery
+from buzz_delivery.models import DeliveryQueue, WorkflowAgentDelivery
 from buzz_delivery.testing import (
     BindingFactory,
     CommunityFactory,
@@ -50,7 +50,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE_TABLE = "buzz_delivery_maintenance_lease"
-DELIVERY_TABLE = DeliveryRecord._meta.db_table  # a trigger goes on the table, not on the view
+# A trigger goes on a table, not on the view: the queue, which holds the live state and which a
+# reap back to pending now writes alone (the record is untouched until a terminal).
+DELIVERY_TABLE = DeliveryQueue._meta.db_table
 
 
 @dataclass

@@ -38,7 +38,8 @@ ZERO = dict.fromkeys(deletion_catalog(), 0)
 
 @pytest.fixture
 def fenced(community):
-    """A fenced community with 3 workflows, runs, events and 4 deliveries."""
+    """A fenced community with 3 workflows, runs, events and 4 deliveries (4 records, and 4 queue
+    rows since stage 2 of issue 31: the deliveries are pending, so each has its live queue row)."""
     fill_community(community, rows=3)
     return advance_to(community, "fenced")
 
@@ -127,7 +128,8 @@ def test_a_dry_run_counts_the_rows_and_writes_nothing(fenced, table_snapshot):
     before = table_snapshot()
     result = services.purge_community(fenced.id, dry_run=True)
     assert result.deleted == count_rows(fenced.id)
-    assert (result.total, result.dry_run, result.tombstoned, result.batches) == (16, True, False, 0)
+    # 20 = 16 + the 4 live deliveries' queue rows (a table of its own since issue 31, stage 2)
+    assert (result.total, result.dry_run, result.tombstoned, result.batches) == (20, True, False, 0)
     assert table_snapshot() == before
 
 
@@ -170,7 +172,7 @@ def test_a_purge_in_autocommit_commits_batch_by_batch_and_leaves_no_identity_beh
     fill_community(community, rows=3)
     advance_to(community, "fenced")
     result = services.purge_community(community.id, batch_size=2)
-    assert result.total == 16
+    assert result.total == 20  # 16 + the 4 live deliveries' queue rows (issue 31, stage 2)
     assert purge_settings() in {("", ""), (None, None)}
     assert Community.objects.get(id=community.id).deletion_state == "tombstone"
 
@@ -215,6 +217,7 @@ def table_lines(output: str) -> dict[str, int]:
 
 EXPECTED_TABLE = {
     "buzz_delivery_rate_limit": 3,
+    "buzz_delivery_delivery_queue": 4,  # the 4 pending deliveries' live rows, before their records
     "buzz_delivery_delivery_record": 4,
     "buzz_delivery_workflow_run": 3,
     "buzz_delivery_event": 3,
@@ -228,7 +231,7 @@ def test_command_dry_run_prints_the_counts_per_table_and_writes_nothing(fenced, 
     output = run(str(fenced.id), "--dry-run")
     assert table_lines(output) == EXPECTED_TABLE
     assert list(table_lines(output)) == list(EXPECTED_TABLE), "rows not listed in catalog order"
-    assert f"Dry run: 16 rows of community {fenced.id} would be deleted; nothing written." in output
+    assert f"Dry run: 20 rows of community {fenced.id} would be deleted; nothing written." in output
     assert table_snapshot() == before
 
 
@@ -238,8 +241,9 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
     output = run(str(fenced.id), "--yes", "--batch-size", "2")
     assert table_lines(output) == EXPECTED_TABLE
     assert output.strip().splitlines()[-1] == (
-        # 11 batches for the core's 5 tables, one (empty) batch for each sibling app table (the engine's).
-        f"Purged community {fenced.id}: 16 rows deleted in {11 + len(deletion_catalog()) - 5} batches of at most 2; "
+        # 14 batches for the core's 6 tables (the queue's 4 rows take 3), one (empty) batch for each
+        # sibling app table (the engine's).
+        f"Purged community {fenced.id}: 20 rows deleted in {14 + len(deletion_catalog()) - 6} batches of at most 2; "
         "it is now tombstone."
     )
     assert count_rows(fenced.id) == ZERO
@@ -252,7 +256,7 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
 def test_command_asks_for_confirmation_on_a_terminal_and_purges_on_yes(fenced):
     output = run(str(fenced.id), stdin=Terminal("yes\n"))
     assert "Type 'yes' to continue" in output
-    assert "16 rows deleted" in output
+    assert "20 rows deleted" in output
     assert count_rows(fenced.id) == ZERO
 
 
@@ -336,11 +340,11 @@ def test_command_as_a_process_exits_non_zero_without_hanging_when_stdin_is_not_a
     )
     assert refused.returncode == 5, refused.stderr
     assert "pass --yes" in refused.stderr
-    assert sum(count_rows(community.id).values()) == 6
+    assert sum(count_rows(community.id).values()) == 8  # 6 + the 2 live deliveries' queue rows
 
     done = subprocess.run(
         [*command, "--yes"], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert "6 rows deleted" in done.stdout
+    assert "8 rows deleted" in done.stdout
     assert Community.objects.get(id=community.id).deletion_state == "tombstone"

@@ -140,7 +140,7 @@ def test_a_run_whose_lease_was_taken_over_stops_with_exit_code_3(community):
             "CREATE FUNCTION test_steal_lease() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
             "UPDATE buzz_delivery_maintenance_lease SET holder = 'thief', lease_until = now() + interval '1 hour'; "
             "RETURN NULL; END $$;"
-            "CREATE TRIGGER test_steal_lease AFTER UPDATE ON buzz_delivery_delivery_record "
+            "CREATE TRIGGER test_steal_lease AFTER UPDATE ON buzz_delivery_delivery_queue "
             "FOR EACH STATEMENT EXECUTE FUNCTION test_steal_lease()"
         )
     out = StringIO()
@@ -255,11 +255,12 @@ def test_a_run_that_lost_its_lease_cannot_renew_or_release_the_new_holders_lease
 def test_a_failing_reap_exits_non_zero_and_releases_its_lease():
     community = CommunityFactory()
     lapsed(community)
-    with connection.cursor() as cursor:  # a real database failure inside the reap statement
+    # A real database failure inside the reap statement (on the queue, which a reap back to pending writes).
+    with connection.cursor() as cursor:
         cursor.execute(
             "CREATE FUNCTION test_reap_boom() RETURNS trigger LANGUAGE plpgsql AS "
             "$$ BEGIN RAISE EXCEPTION 'boom from the test'; END $$;"
-            "CREATE TRIGGER test_reap_boom BEFORE UPDATE ON buzz_delivery_delivery_record "
+            "CREATE TRIGGER test_reap_boom BEFORE UPDATE ON buzz_delivery_delivery_queue "
             "FOR EACH ROW EXECUTE FUNCTION test_reap_boom()"
         )
     try:
@@ -271,7 +272,7 @@ def test_a_failing_reap_exits_non_zero_and_releases_its_lease():
     finally:
         with connection.cursor() as cursor:
             cursor.execute(
-                "DROP TRIGGER test_reap_boom ON buzz_delivery_delivery_record; DROP FUNCTION test_reap_boom()"
+                "DROP TRIGGER test_reap_boom ON buzz_delivery_delivery_queue; DROP FUNCTION test_reap_boom()"
             )
 
 

@@ -335,6 +335,8 @@ BUILDERS = {
         for i in (False, True)
         for b in (False, True)
     ],
+    # The record's side of a terminal move (stage 2); its entries are sql.END_* (module constants).
+    ("buzz_delivery.services.sql", "end_on_record"): [{"history": None}],
 }
 
 
@@ -416,7 +418,7 @@ def test_collector_finds_the_statements():
     core = [s for s in names if s.startswith("buzz_delivery.services.") and "(" not in s]
     assert len(core) >= 10, f"the collector found only {sorted(core)}"
     for expected in (
-        "buzz_delivery.services.sql.RETRY_IF_CURRENT_GENERATION",
+        "buzz_delivery.services.sql.RENEW_IF_CURRENT_GENERATION",  # (the retry is found as its function, cached.RETRY)
         "buzz_delivery.services.pruner.DELETE_TERMINAL_OLDER_THAN",
         "buzz_delivery.services.lifecycle.PURGE_BATCH",
         "buzz_delivery.services.lifecycle.MOVE_IF_STATE",

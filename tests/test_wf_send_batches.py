@@ -100,7 +100,10 @@ def test_the_statements_of_a_batch_do_not_grow_with_its_size(workflow):
     small, few = sent_by(workflow, 2)
     large, many = sent_by(other, 12)
     assert small == [Settled("waiting")] * 2 and large == [Settled("waiting")] * 12
-    assert many == few <= 8, (few, many)
+    # 9: since issue 31 stage 2 the commit (services/fanout.commit_messages) inserts the queue rows
+    # of the records it created in one more statement (producer.queue_created: one INSERT over the
+    # created ids' array), once per batch whatever its size.
+    assert many == few <= 9, (few, many)
 
 
 @pytest.mark.django_db

@@ -128,10 +128,13 @@ def test_a_send_steps_deliveries_settled_by_the_settler_count_as_one_by_one(comm
 
 
 def settling_transactions(ids) -> int:
-    """How many transactions last wrote these rows (rows one statement wrote share its xmin)."""
+    """How many transactions last wrote these rows (rows one statement wrote share its xmin): a
+    live row's queue row (a retry back to pending writes it alone), else its record."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT count(DISTINCT xmin::text) FROM {sql.RECORD} WHERE community_id = %s AND id = ANY(%s)",
+            f"SELECT count(DISTINCT COALESCE(q.xmin::text, r.xmin::text)) FROM {sql.RECORD} AS r"
+            f" LEFT JOIN {sql.QUEUE} AS q ON q.community_id = r.community_id AND q.id = r.id"
+            " WHERE r.community_id = %s AND r.id = ANY(%s)",
             [WorkflowAgentDelivery.objects.get(id=ids[0]).community_id, list(ids)],
         )
         return cursor.fetchone()[0]

@@ -329,7 +329,7 @@ def test_one_locked_delivery_row_does_not_keep_the_other_leases_of_its_community
     holder = pg.connect(database_url(connection.settings_dict))
     try:
         holder.execute(
-            "SELECT 1 FROM buzz_delivery_delivery_record WHERE community_id = %s AND id = %s FOR UPDATE",
+            "SELECT 1 FROM buzz_delivery_delivery_queue WHERE community_id = %s AND id = %s FOR UPDATE",
             [community.id, a_locked],
         )
         before = renewals([a_free, b_id])

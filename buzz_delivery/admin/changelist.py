@@ -4,9 +4,9 @@
   (``execution_trace``, ``trigger_context``): list pages and actions never load them.
 - :meth:`SnapshotFreeChangeList.date_drilldown` builds the ``date_hierarchy`` links without
   Django's ``SELECT DISTINCT date_trunc(...)`` over the whole (filtered) table: the range comes
-  from ``min``/``max`` of the indexed date column of the unfiltered table (two index
-  endpoint reads; with the paginator's ``always_true``, the condition of a partial index on that
-  column) and every year / month / day inside it is offered, whether or not it holds
+  from the first and last value of the indexed date column of the unfiltered table (two index
+  endpoint reads, ``ORDER BY ... LIMIT 1``; with the paginator's ``always_true``, the condition
+  of a partial index on that column) and every year / month / day inside it is offered, whether or not it holds
   rows. The changelist template renders it with ``admin/date_hierarchy.html``.
 """
 
@@ -17,7 +17,7 @@ import datetime as dt
 from typing import Any
 
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import JSONField, Max, Min
+from django.db.models import JSONField
 from django.utils import formats, timezone
 from django.utils.text import capfirst
 
@@ -115,8 +115,12 @@ class SnapshotFreeChangeList(JSONFreeChangeList):
         always_true = getattr(self.model_admin.paginator, "always_true", None)
         if always_true is not None:
             rows = rows.filter(always_true)
-        bounds = rows.aggregate(first=Min(self.date_hierarchy), last=Max(self.date_hierarchy))
-        first, last = bounds["first"], bounds["last"]
+        # The two ends as ``ORDER BY ... LIMIT 1`` reads, not MIN/MAX: PostgreSQL reads an
+        # index's end for MIN/MAX only over a single table, and the deliveries' list is a view
+        # joining the record to the live queue (issue 31, stage 2), where MIN/MAX scan every row.
+        column = self.date_hierarchy
+        ends = rows.order_by().values_list(column, flat=True)
+        first, last = ends.order_by(column).first(), ends.order_by(f"-{column}").first()
         if first is not None and timezone.is_aware(first):
             first, last = timezone.localtime(first), timezone.localtime(last)
         return first, last

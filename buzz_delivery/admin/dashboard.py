@@ -2,11 +2,12 @@
 
 Every query is served by a partial index and reads only the rows that matter now:
 
-- ``pending`` / ``claimed`` counts: exact up to :data:`EXACT_CAP`, via the polling and
-  claimed-lease partial indexes; terminal counts are the planner's estimates (marked ``≈``)
-  once the table holds more than :data:`EXACT_CAP` rows, exact below that;
-- active work per community: pending (capped, polling index per community) and claimed /
-  expired-lease rows (claimed-lease index, bounded by the number of live leases);
+- ``pending`` / ``claimed`` counts: exact up to :data:`EXACT_CAP`, read from the live queue
+  (``buzz_delivery_delivery_queue``, one row per live delivery: issue 31, stage 2); terminal
+  counts are the record's, the planner's estimates (marked ``≈``) once the record holds more
+  than :data:`EXACT_CAP` rows, exact below that;
+- active work per community: pending (capped, the queue's polling index per community) and
+  claimed / expired-lease rows (the queue's live rows, bounded by the live deliveries);
 - the oldest pending delivery's age, among active communities (the rows a fenced community left
   pending are never claimed: :data:`buzz_delivery.metrics.OLDEST_ACTIVE_PENDING`); leases
   expired but not yet reaped;
@@ -36,7 +37,7 @@ from django.utils.safestring import SafeString
 from buzz_delivery.admin.chart import Series, line_chart
 from buzz_delivery.admin.paginators import capped_count, planner_row_estimate, table_row_estimate
 from buzz_delivery.metrics import FENCED_WALK, OLDEST_ACTIVE_PENDING
-from buzz_delivery.models import TERMINAL_STATUSES, Community, WorkflowAgentDelivery
+from buzz_delivery.models import TERMINAL_STATUSES, Community, DeliveryRecord
 from buzz_delivery.services.sql import (
     COUNT_LAPSED_LEASES,
     COUNT_LIVE_BY_STATUS,
@@ -55,7 +56,7 @@ SELECT
     ({COUNT_LIVE_BY_STATUS["pending"]}),
     ({COUNT_LIVE_BY_STATUS["claimed"]}),
     ({COUNT_LAPSED_LEASES}),
-    -- delivery_pending_age_idx, walked past the rows fenced communities left pending
+    -- the queue's age index, walked past the rows fenced communities left pending
     (SELECT timezone('UTC', {DB_NOW}) - o.at FROM ({OLDEST_ACTIVE_PENDING}) AS o),
     {DB_NOW}
 """
@@ -253,19 +254,21 @@ def load_dashboard() -> Dashboard:
         buckets: dict[dt.datetime, dict[str, int]] = {}
         for minute, status, count in cursor.fetchall():
             buckets.setdefault(minute, {})[status] = count
-    size = table_row_estimate(WorkflowAgentDelivery)
+    # Terminal counts are the record's (issue 31, stage 2: a live delivery's record says
+    # 'pending', its queue row the truth, counted above): its own size and statistics.
+    size = table_row_estimate(DeliveryRecord)
     if size is None:  # never analysed: count, but stop past the cap
-        size = capped_count(WorkflowAgentDelivery.objects.all(), EXACT_CAP)
+        size = capped_count(DeliveryRecord.objects.all(), EXACT_CAP)
     estimated = size > EXACT_CAP
     if estimated:
         terminal = {
-            status.value: planner_row_estimate(WorkflowAgentDelivery.objects.filter(status=status.value))
+            status.value: planner_row_estimate(DeliveryRecord.objects.filter(status=status.value))
             for status in TERMINAL_STATUSES
         }
     else:  # a small table: exact counts are cheap
         terminal = {status.value: 0 for status in TERMINAL_STATUSES}
         rows = (
-            WorkflowAgentDelivery.objects.filter(status__in=list(terminal))
+            DeliveryRecord.objects.filter(status__in=list(terminal))
             .order_by()
             .values_list("status")
             .annotate(n=Count("pk"))

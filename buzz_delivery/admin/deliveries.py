@@ -37,6 +37,7 @@ from buzz_delivery.admin.filters import (
     FailureCodeFilter,
     LeaseExpiredFilter,
     StatusFilter,
+    by_state,
     lease_expired_q,
 )
 from buzz_delivery.admin.paginators import EstimatedCountPaginator
@@ -329,7 +330,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
     @admin.action(permissions=["reap"], description="Reap expired leases now (all communities)")
     def reap_expired_now(self, request: HttpRequest, queryset: QuerySet) -> None:
         lapsed = dict(
-            queryset.filter(lease_expired_q()).order_by().values_list("id", "lease_generation")[:MAX_ACTION_ROWS]
+            by_state(queryset, lease="expired").order_by().values_list("id", "lease_generation")[:MAX_ACTION_ROWS]
         )
         result = self.reap_now(request)
         if result is None:

@@ -43,7 +43,7 @@ from buzz_delivery.agents import services as s
 from buzz_delivery.lockwaits import Skipped
 from buzz_delivery.services import tenancy
 from buzz_delivery.services.db import fetch_all, lock_wait_bound, lock_wait_timed_out, lock_waits_bounded, node_lost
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, DELIVERY_VIEW
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, DB_NOW, QUEUE
 from buzz_delivery.usercode import discard_connection, in_transaction
 
 logger = logging.getLogger("buzz_delivery.agents.acceptance")
@@ -61,10 +61,10 @@ ACCEPT_BACKOFF = 0.2
 ACCEPT_MOST = 5.0
 
 # Discovery (a fleet read, as the runs' discovery): the active communities with deliveries to
-# accept for these agents. The pending poll index (community, target, created_at, id) WHERE
-# status = 'pending' serves it.
+# accept for these agents. The live queue (stage 2) holds them; its poll index (community,
+# target, priority, created_at, id) serves it.
 COMMUNITIES_WITH_PENDING_DELIVERIES = f"""
-SELECT DISTINCT d.community_id FROM {DELIVERY_VIEW} AS d
+SELECT DISTINCT d.community_id FROM {QUEUE} AS d
 WHERE d.status = 'pending' AND d.target_pubkey = ANY(%(agents)s)
   AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= {DB_NOW})
   AND {ACTIVE_COMMUNITY}

@@ -85,9 +85,7 @@ _SETTLE_PARAMS = (("status", "varchar"), ("failure_code", "varchar"), ("failure_
 
 CLAIM = CachedStatement(
     function="buzz_delivery_claim_pending",
-    statement=sql.claim_oldest_pending(by_id=False, by_binding=False).replace(
-        f"RETURNING {sql.RETURNING_CLAIM_COLUMNS}", "RETURNING d.*"
-    ),
+    statement=sql.claim_oldest_pending(by_id=False, by_binding=False),
     params=(
         ("community_id", "uuid"),
         ("target_pubkey", "bytea"),
@@ -95,7 +93,7 @@ CLAIM = CachedStatement(
         ("lease_seconds", "float8"),
         ("holder", "text"),
     ),
-    returns=f"SETOF {sql.RECORD}",
+    returns=sql.CLAIM_TABLE,
     columns=sql.RETURNING_CLAIM_COLUMNS,
 )
 
@@ -103,9 +101,7 @@ CLAIM = CachedStatement(
 # id, so the worker's wake path is not parsed and planned anew on every hint (issue 31).
 CLAIM_HINTED = CachedStatement(
     function="buzz_delivery_claim_hinted",
-    statement=sql.claim_oldest_pending(by_id=True, by_binding=False).replace(
-        f"RETURNING {sql.RETURNING_CLAIM_COLUMNS}", "RETURNING d.*"
-    ),
+    statement=sql.claim_oldest_pending(by_id=True, by_binding=False),
     params=(
         ("community_id", "uuid"),
         ("target_pubkey", "bytea"),
@@ -114,7 +110,7 @@ CLAIM_HINTED = CachedStatement(
         ("lease_seconds", "float8"),
         ("holder", "text"),
     ),
-    returns=f"SETOF {sql.RECORD}",
+    returns=sql.CLAIM_TABLE,
     columns=sql.RETURNING_CLAIM_COLUMNS,
 )
 
@@ -147,6 +143,27 @@ FINISH_MANY = CachedStatement(
     prelude=sql.LOCK_RUNS_OF_DELIVERIES_IN_FUNCTION,
 )
 
+# The retry of one lease (back to pending, or failed on the last allowed attempt): plan-cached since
+# the exhausted retry writes two tables (issue 31, stage 2), which Citus plans only inside a
+# delegated function.
+RETRY = CachedStatement(
+    function="buzz_delivery_retry_lease",
+    statement=sql.RETRY_IF_CURRENT_GENERATION,
+    params=(
+        ("community_id", "uuid"),
+        ("delivery_id", "uuid"),
+        ("target_pubkey", "bytea"),
+        ("lease_generation", "bigint"),
+        ("failure_message", "text"),
+        ("backoff_base", "float8"),
+        ("backoff_cap", "float8"),
+        ("jitter", "float8"),
+        ("retry_after", "float8"),
+    ),
+    returns="TABLE(status varchar)",
+    columns="d.status",
+)
+
 # The mixed batch settle (issue 29: each row its own outcome, texts, jitter and Retry-After),
 # plan-cached and taking its runs' locks in run order first, as FINISH_MANY does (issue 31).
 SETTLE_MANY = CachedStatement(
@@ -171,10 +188,11 @@ SETTLE_MANY = CachedStatement(
 )
 
 # The claim under the operator's concurrency limits (services/flow.py): the community's claim lock,
-# then the claim that takes free slots; a NULL maximum is no limit of that kind.
+# then the claim that takes free slots; a NULL maximum is no limit of that kind. It updates the
+# queue and returns the claim's row joined to the record (issue 31, stage 2: ``sql.CLAIM_TABLE``).
 CLAIM_LIMITED = CachedStatement(
     function="buzz_delivery_claim_limited",
-    statement=flow.claim_under_any_limits().replace(f"RETURNING {sql.RETURNING_CLAIM_COLUMNS}", "RETURNING d.*"),
+    statement=flow.claim_under_any_limits(),
     params=(
         ("community_id", "uuid"),
         ("target_pubkey", "bytea"),
@@ -185,9 +203,9 @@ CLAIM_LIMITED = CachedStatement(
         ("cap_target", "integer"),
         ("cap_workflow", "integer"),
     ),
-    returns=f"SETOF {sql.RECORD}",
+    returns=sql.CLAIM_TABLE,
     columns=sql.RETURNING_CLAIM_COLUMNS,
     prelude=flow.LOCK_IN_FUNCTION,
 )
 
-ALL = (CLAIM, FINISH, FINISH_MANY, CLAIM_LIMITED, CLAIM_HINTED, SETTLE_MANY)
+ALL = (CLAIM, FINISH, FINISH_MANY, CLAIM_LIMITED, CLAIM_HINTED, SETTLE_MANY, RETRY)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection
+from django.db import connection, transaction
 
 from buzz_delivery import tracing
 from buzz_delivery.conf import get_settings
@@ -21,7 +21,13 @@ from buzz_delivery.models import PRIORITY_MAX, PRIORITY_MIN
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
-from buzz_delivery.services.producer import MAX_BINDINGS_PER_COMMIT, _announce, _snapshot, binding_columns
+from buzz_delivery.services.producer import (
+    MAX_BINDINGS_PER_COMMIT,
+    _announce,
+    _snapshot,
+    binding_columns,
+    queue_created,
+)
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import Binding
 from buzz_delivery.triggers import IDENTITY_LOCK_NAMESPACE
@@ -70,7 +76,8 @@ def lock_delivery_identities(community_id: uuid.UUID | str, identities: Sequence
 
 @tenant_scoped
 def commit_messages(community_id: uuid.UUID | str, messages: Sequence[Message]) -> list[uuid.UUID]:
-    """Commit the deliveries of many messages of one community in one statement, all or none:
+    """Commit the deliveries of many messages of one community in one statement (then their
+        queue rows in a second one, issue 31), all or none:
         :func:`~buzz_delivery.services.commit_deliveries` (no TTL, no execution trace, no
         ``not_before``, no singleton key) for each message, with its own trigger context and
         priority. Each message's bindings must name one message event (its ``message_event_id``;
@@ -120,10 +127,11 @@ def commit_messages(community_id: uuid.UUID | str, messages: Sequence[Message]) 
         "priorities": [rank for _, _, rank in rows],
     }
     # No savepoint: a refused statement aborts the caller's transaction (a batch of sends is
-    # then sent again one message at a time).
-    with translated_errors("messages."):
+    # then sent again one message at a time). The records, then their queue rows (issue 31,
+    # stage 2: one table a statement, as Citus plans them), in one transaction.
+    with translated_errors("messages."), transaction.atomic(savepoint=False):
         created = fetch_all(sql.INSERT_DELIVERIES_MANY_SKIP_EXISTING, params)
-    created_set = {row[0] for row in created}
+        created_set = queue_created(community, [row[0] for row in created])
     ids = params["ids"]
     _announce(community, bindings, ids, created_set)
     return [i for i in ids if i in created_set]

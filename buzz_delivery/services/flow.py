@@ -7,13 +7,14 @@ The operator declares the limits in the server settings, ``BUZZ_DELIVERY["CONCUR
 target agent of a community, one workflow of a community.
 
 The invariant lives in PostgreSQL. A claim under a limit gives each delivery it takes a *slot*
-of every declared kind, a number in ``0..N-1`` kept in the delivery's ``slot_<kind>`` column, and
-a partial UNIQUE index per kind (``delivery_slot_<kind>_key``, ``WHERE status = 'claimed'``)
-lets no two claimed deliveries of one key hold the same slot: N slots, at most N claimed. Any
-statement that moves a delivery out of ``claimed`` (a settle, a retry, the reaper taking back a
-lapsed lease, an operator's force-fail) takes it out of that index in the same statement, so
-its slot is free when that statement commits; nothing else has to release it. A lapsed lease
-holds its slot until the reaper moves it.
+of every declared kind, a number in ``0..N-1`` kept in the ``slot_<kind>`` column of its live
+queue row (issue 31, stage 2), and a partial UNIQUE index per kind
+(``delivery_queue_slot_<kind>_key``, ``WHERE slot_<kind> IS NOT NULL``) lets no two deliveries
+of one key hold the same slot: N slots, at most N claimed. Any statement that moves a delivery
+out of ``claimed`` (a settle deletes the queue row; a retry or the reaper taking back a lapsed
+lease clears the slots; an operator's force-fail) takes it out of that index in the same
+statement, so its slot is free when that statement commits; nothing else has to release it. A
+lapsed lease holds its slot until the reaper moves it.
 
 The claim picks free slots in the same statement as the claim (:func:`claim_with_limits`); the
 claims of one community take a transaction-scoped advisory lock first, so that each one reads
@@ -72,7 +73,9 @@ def parse_limits(value: Any, setting: str = SETTING, kinds: Iterable[str] = KIND
 
 
 def _free_slots(kind: str) -> str:
-    """The free slots of ``kind``'s key(s) among the candidates, numbered from 1 per key."""
+    """The free slots of ``kind``'s key(s) among the candidates, numbered from 1 per key. A slot
+    is held by the queue row that carries it (every move out of claimed clears the slots, so no
+    status is read: the same test as the slot's unique index, ``delivery_queue_<column>_key``)."""
     column, key = KINDS[kind]
     keys = ", ".join(f"k.{c}" for c in key)
     same = "".join(f" AND h.{c} = k.{c}" for c in key)
@@ -82,8 +85,8 @@ def _free_slots(kind: str) -> str:
     SELECT {keys + ", " if key else ""}g.slot, row_number() OVER ({partition}ORDER BY g.slot) AS rank
     FROM {source}generate_series(0, %(cap_{kind})s - 1) AS g(slot)
     WHERE NOT EXISTS (
-        SELECT 1 FROM {sql.RECORD} AS h
-        WHERE h.community_id = %(community_id)s{same} AND h.status = 'claimed' AND h.{column} = g.slot
+        SELECT 1 FROM {sql.QUEUE} AS h
+        WHERE h.community_id = %(community_id)s{same} AND h.{column} = g.slot
     )
 )"""
 
@@ -97,19 +100,41 @@ def _free_slots(kind: str) -> str:
 # admitted are among the candidates (one row each): the same rows and slots as the join alone.
 ADMITTED_FROM = "FROM candidate, admitted, unnest(ARRAY(SELECT admitted.id FROM admitted)) AS listed(id)"
 
+# An expected claim names the binding, which only the record holds: one probe of its key.
+_BINDING = f"""AND EXISTS (
+          SELECT 1 FROM {sql.RECORD} AS b
+          WHERE b.community_id = %(community_id)s AND b.id = d.id
+            AND b.workflow_id = %(workflow_id)s AND b.run_id = %(run_id)s AND b.step_id = %(step_id)s
+            AND b.definition_event_id = %(definition_event_id)s AND b.message_event_id = %(message_event_id)s
+            AND b.cause_kind = %(cause_kind)s
+            AND b.cause_event_id IS NOT DISTINCT FROM %(cause_event_id)s::bytea
+            AND b.cause_scheduled_for IS NOT DISTINCT FROM %(cause_scheduled_for)s::timestamptz
+            AND b.cause_webhook_invocation_id IS NOT DISTINCT FROM %(cause_webhook_invocation_id)s::uuid
+      )"""
+_CLAIM_ENTRY = sql.history_entry(
+    "'claim'", "d.lease_generation + 1", "%(holder)s::text", status="'claimed'", attempt="d.attempt + 1"
+)
+
 
 def claim_with_limits(kinds: tuple[str, ...], *, by_id: bool, by_binding: bool) -> str:
-    """The claim of :func:`sql.claim_oldest_pending` under the limits of ``kinds``: the same
-    candidates (same order, same locks), of which each takes, per kind, the free slot whose
-    rank among its key's free slots is its own rank among the candidates of that key; one
-    without a free slot in every kind stays pending. A candidate turned away by one kind still
-    used its rank in the others, so a claim may take fewer than there is room for when two
-    kinds bind at once (never more)."""
-    base = sql.claim_oldest_pending(by_id=by_id, by_binding=by_binding)
-    head, update = base.split("\nUPDATE ", 1)
-    head = head.replace(
-        "    SELECT d.id\n", "    SELECT d.id, d.priority, d.created_at, d.target_pubkey, d.workflow_id\n", 1
-    )
+    """The claim of :func:`sql.claim_oldest_pending` under the limits of ``kinds`` (issue 31,
+    stage 2: on the live queue): the same candidates (same order, same locks), of which each
+    takes, per kind, the free slot whose rank among its key's free slots is its own rank among
+    the candidates of that key; one without a free slot in every kind stays pending. A candidate
+    turned away by one kind still used its rank in the others, so a claim may take fewer than
+    there is room for when two kinds bind at once (never more). The UPDATE writes the queue row
+    only (its slots: not a HOT update), as :func:`sql.claim_oldest_pending`'s, and the claimed
+    rows are joined to their records by key (:data:`sql.CLAIM_SELECT`); it clears the singleton
+    key (a claimed delivery holds none)."""
+    extra = []
+    if by_id:
+        extra.append("AND d.id = %(delivery_id)s")
+    if by_binding:
+        extra.append(_BINDING)
+    limit = "%(limit)s"
+    constant = [f"%(cap_{kind})s" for kind in kinds if not KINDS[kind][1] or kind == "target"]
+    if constant:  # one community and one target per claim: more candidates could never be taken
+        limit = f"LEAST(%(limit)s, {', '.join(constant)})"
     order = "ORDER BY c.priority DESC, c.created_at, c.id"
     partitions = {kind: "".join(f"PARTITION BY c.{k} " for k in KINDS[kind][1]) for kind in kinds}
     ranks = ",\n           ".join(f"row_number() OVER ({partitions[kind]}{order}) AS {kind}_rank" for kind in kinds)
@@ -118,9 +143,32 @@ def claim_with_limits(kinds: tuple[str, ...], *, by_id: bool, by_binding: bool) 
         + "".join(f" AND {kind}_free.{c} = r.{c}" for c in KINDS[kind][1])
         for kind in kinds
     )
-    slots = ", ".join(f"{kind}_free.slot AS {KINDS[kind][0]}" for kind in kinds)
+    picked = ", ".join(f"{kind}_free.slot AS {KINDS[kind][0]}" for kind in kinds)
+    slots = ",\n    ".join(
+        f"{column} = admitted.{column}" if kind in kinds else f"{column} = NULL" for kind, (column, _) in KINDS.items()
+    )
     ctes = ",\n".join(_free_slots(kind) for kind in kinds)
-    admitted = f""",
+    if by_id:  # the hinted claim names its row: the primary key's equality
+        joined, admitted_rows = "FROM admitted", "d.id = %(delivery_id)s AND d.id = admitted.id"
+    else:  # by key whatever the estimates: see ADMITTED_FROM
+        joined, admitted_rows = ADMITTED_FROM, "d.id = candidate.id AND d.id = admitted.id AND d.id = listed.id"
+    return f"""
+WITH claimed AS (
+WITH candidate AS MATERIALIZED (
+    SELECT d.id, d.priority, d.created_at, d.target_pubkey, d.workflow_id
+    FROM {sql.QUEUE} AS d
+    WHERE d.community_id = %(community_id)s
+      AND d.target_pubkey = %(target_pubkey)s
+      AND d.status = 'pending'
+      AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= {sql.DB_NOW})
+      AND (d.expires_at IS NULL OR d.expires_at > {sql.DB_NOW})
+      AND (d.max_attempts IS NULL OR d.attempt < d.max_attempts)
+      {" ".join(extra)}
+      AND {sql.ACTIVE_COMMUNITY}
+    ORDER BY d.priority DESC, d.created_at, d.id
+    LIMIT {limit}
+    FOR UPDATE OF d SKIP LOCKED
+),
 ranked AS MATERIALIZED (
     SELECT c.id, c.target_pubkey, c.workflow_id,
            {ranks}
@@ -128,27 +176,32 @@ ranked AS MATERIALIZED (
 ),
 {ctes},
 admitted AS MATERIALIZED (
-    SELECT r.id, {slots}
+    SELECT r.id, {picked}
     FROM ranked AS r
     {joins}
-)"""
-    for kind in kinds:
-        column = KINDS[kind][0]
-        update = update.replace(f"{column} = NULL,", f"{column} = admitted.{column},", 1)
-    body, where = update.split("\n-- Through the primary key only", 1)
-    body = body.removesuffix(f"\n{sql.CLAIM_FROM}")  # the admitted candidates are joined instead
-    where = where[where.index("WHERE d.community_id") :]
-    if by_id:  # the hinted claim names its row: the primary key's equality
-        joined, admitted_rows = "FROM admitted", "d.id = %(delivery_id)s AND d.id = admitted.id"
-    else:  # by key whatever the estimates: see ADMITTED_FROM
-        joined, admitted_rows = ADMITTED_FROM, "d.id = candidate.id AND d.id = admitted.id AND d.id = listed.id"
-    if sql.claimed_rows(by_id) not in where:
-        raise RuntimeError("the claim's UPDATE no longer reaches its rows as claim_with_limits expects")
-    where = where.replace(sql.claimed_rows(by_id), admitted_rows, 1)
-    constant = [f"%(cap_{kind})s" for kind in kinds if not KINDS[kind][1] or kind == "target"]
-    if constant:  # one community and one target per claim: more candidates could never be taken
-        head = head.replace("LIMIT %(limit)s", f"LIMIT LEAST(%(limit)s, {', '.join(constant)})", 1)
-    return f"{head}{admitted}\nUPDATE {body}\n{joined}\n{where}"
+)
+UPDATE {sql.QUEUE} AS d
+SET status = 'claimed',
+    lease_generation = d.lease_generation + 1,
+    attempt = d.attempt + 1,
+    claimed_at = {sql.DB_NOW},
+    lease_until = {sql.LEASE_END},
+    next_attempt_at = NULL,
+    claimed_by = %(holder)s,
+    renewals = 0,
+    {slots},
+    singleton_key = NULL,
+    {_CLAIM_ENTRY}
+{joined}
+-- Through the primary key only: no status test here (the CTE locked each candidate FOR UPDATE
+-- after re-checking its latest version, so nothing else changed it since).
+WHERE d.community_id = %(community_id)s AND {admitted_rows}
+RETURNING {sql.CLAIMED_LIVE_COLUMNS}, d.id
+)
+SELECT {sql.CLAIM_SELECT}
+FROM claimed AS q
+JOIN {sql.RECORD} AS r ON r.community_id = %(community_id)s AND r.id = q.id
+"""
 
 
 def declared_limits() -> dict[str, int]:
@@ -299,7 +352,7 @@ def lost_a_slot(exc: BaseException) -> bool:
     from buzz_delivery.services.db import constraint_name  # (db imports the plan-cached statements)
 
     name = constraint_name(exc) or ""
-    return any(name.startswith(f"delivery_{column}_key") for column, _ in KINDS.values())
+    return any(name.startswith(f"delivery_queue_{column}_key") for column, _ in KINDS.values())
 
 
 def claim_under_any_limits() -> str:

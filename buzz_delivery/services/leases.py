@@ -370,7 +370,7 @@ def finish_delivery(
     code, message, after = checked_settle(outcome, failure_code, failure_message, retry_after)
     if outcome == "retry":
         conf = get_settings()
-        statement = sql.RETRY_IF_CURRENT_GENERATION
+        statement = cached.RETRY.call  # two tables when exhausted: a function (one task on Citus)
         params.update(
             failure_message=message,
             backoff_base=float(conf.retry_backoff_base_seconds),

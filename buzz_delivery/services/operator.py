@@ -9,10 +9,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from django.db import transaction
+
 from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.ending import RecordOutOfStep, end_on_record
 from buzz_delivery.services.tenancy import fleet_scoped
 
 
@@ -43,8 +46,12 @@ def requeue_delivery(
         "delivery_id": v.uuid_value(delivery_id, "delivery_id"),
         "actor": _actor(actor),
     }
-    with translated_errors():
+    # Two statements, one transaction (stage 2): the record back to pending (the fence), then its
+    # live queue row, inserted from it.
+    with translated_errors(), transaction.atomic():
         rows = fetch_all(sql.REQUEUE_IF_TERMINAL_FAILURE, params)
+        if rows and len(fetch_all(sql.INSERT_QUEUE_OF_REQUEUED, params)) != 1:
+            raise RecordOutOfStep(f"requeued delivery {params['delivery_id']} got no queue row")
     return OperatorOutcome(True) if rows else OperatorOutcome(False, "not failed/expired, or community not active")
 
 
@@ -67,6 +74,10 @@ def force_fail_delivery(
         "failure_message": v.optional_text(failure_message, "failure_message", 10_000),
         "actor": _actor(actor),
     }
-    with translated_errors():
-        rows = fetch_all(sql.FORCE_FAIL_IF_CLAIMED, params)
+    # Two statements, one transaction (stage 2): the claimed queue row deleted (the fence), then
+    # its final state written on the record.
+    with translated_errors(), transaction.atomic():
+        params["now"] = fetch_all(sql.READ_DB_NOW, {})[0][0]
+        ended = fetch_all(sql.FORCE_FAIL_IF_CLAIMED, params)
+        rows = end_on_record(sql.END_FORCE_FAILED, params["community_id"], params["now"], ended, actor=params["actor"])
     return OperatorOutcome(True) if rows else OperatorOutcome(False, "not claimed, or community not active")

@@ -140,7 +140,8 @@ def commit_deliveries(
     singleton_key: str | None = None,
     on_conflict: Literal["keep", "replace"] = "keep",
 ) -> list[uuid.UUID] | singleton.SingletonCommit:
-    """Commit one delivery per binding, all or none, in one statement (SPEC section 4.2).
+    """Commit one delivery per binding, all or none, in one transaction (SPEC section 4.2): the
+    records, then their rows in the live queue (issue 31, stage 2).
 
     ``message_event``: the saved :class:`~buzz_delivery.models.Event` the deliveries carry;
     it must belong to ``community_id`` and every binding's ``message_event_id`` must be its
@@ -226,17 +227,23 @@ def commit_deliveries(
             result = singleton.commit(params, key, mode)
         _announce(community, bindings, params["ids"], set(result.created))
         return result
-    # One statement is atomic on its own; inside the caller's transaction a savepoint keeps
-    # a refused commit from breaking it.
-    with translated_errors("bindings."):
-        if connection.in_atomic_block:
-            with transaction.atomic():
-                rows = fetch_all(sql.INSERT_DELIVERIES_SKIP_EXISTING, params)
-        else:
-            rows = fetch_all(sql.INSERT_DELIVERIES_SKIP_EXISTING, params)
-    created_set = {row[0] for row in rows}
+    # The records, then their queue rows (two statements: one table each, as Citus plans them),
+    # in one transaction; inside the caller's, a savepoint keeps a refused commit from breaking it.
+    with translated_errors("bindings."), transaction.atomic():
+        rows = fetch_all(sql.INSERT_DELIVERIES_SKIP_EXISTING, params)
+        created_set = queue_created(community, [row[0] for row in rows])
     _announce(community, bindings, params["ids"], created_set)
     return [i for i in params["ids"] if i in created_set]
+
+
+def queue_created(community: uuid.UUID, created: list[Any]) -> set[Any]:
+    """The commit's second statement (issue 31, stage 2): the queue rows of the records it just
+    created (:data:`sql.INSERT_QUEUE_ROWS_OF_CREATED`), in the caller's transaction; returns the
+    ids that got one (all of them without a singleton key)."""
+    if not created:
+        return set()
+    rows = fetch_all(sql.INSERT_QUEUE_ROWS_OF_CREATED, {"community_id": community, "created_ids": created})
+    return {row[0] for row in rows}
 
 
 def _announce(community: uuid.UUID, bindings: Sequence[Binding], ids: list[Any], created_set: set[Any]) -> None:

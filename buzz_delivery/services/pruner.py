@@ -17,17 +17,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.models import TERMINAL_STATUSES, DeliveryRecord, WorkflowAgentDelivery
+from buzz_delivery.models import TERMINAL_STATUSES, DeliveryRecord
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.reaper import community_batch, walk_communities
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW, QUEUE
 from buzz_delivery.services.tenancy import fleet_scoped
 
 logger = logging.getLogger("buzz_delivery.pruner")
 
-DELIVERY = WorkflowAgentDelivery._meta.db_table  # reads
-RECORD = DeliveryRecord._meta.db_table  # the batch and its DELETE
+# Terminal rows are the record's alone (stage 2: a live delivery has a queue row and a pending
+# record), so the pruner reads and deletes the record only, through its terminal-age index.
+RECORD = DeliveryRecord._meta.db_table
 # Longest retention accepted (the prune command's limit too): beyond it PostgreSQL's interval
 # and timestamp arithmetic wrap or overflow.
 MAX_RETENTION = dt.timedelta(days=36_500)
@@ -43,7 +44,7 @@ _OLD_ENOUGH = f"d.status = %(status)s AND d.finished_at < {MAINTENANCE_NOW} - ma
 COMMUNITIES_TO_PRUNE = f"""
 SELECT c.id FROM {COMMUNITY} AS c
 WHERE c.deletion_state = 'active' AND c.id > %(after)s
-  AND EXISTS (SELECT 1 FROM {DELIVERY} AS d WHERE d.community_id = c.id AND {_OLD_ENOUGH_AT})
+  AND EXISTS (SELECT 1 FROM {RECORD} AS d WHERE d.community_id = c.id AND {_OLD_ENOUGH_AT})
 ORDER BY c.id
 LIMIT %(page)s
 """
@@ -52,6 +53,7 @@ DELETE_TERMINAL_OLDER_THAN = f"""
 WITH batch AS MATERIALIZED (
     SELECT d.id FROM {RECORD} AS d
     WHERE d.community_id = %(community_id)s AND {_OLD_ENOUGH_AT} AND {ACTIVE_COMMUNITY}
+      AND NOT EXISTS (SELECT 1 FROM {QUEUE} AS q WHERE q.community_id = %(community_id)s AND q.id = d.id)
     ORDER BY d.finished_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
@@ -62,12 +64,12 @@ WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OLD_ENOUGH_AT}
 RETURNING d.id
 """
 
-COUNT_PRUNABLE = f"SELECT count(*) FROM {DELIVERY} AS d WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY}"
+COUNT_PRUNABLE = f"SELECT count(*) FROM {RECORD} AS d WHERE {_OLD_ENOUGH} AND {ACTIVE_COMMUNITY}"
 
 # Starts from the (few) communities that are not active, so it never walks the whole table.
 COUNT_FENCED_OLD_ENOUGH = f"""
 SELECT count(*) FROM {COMMUNITY} AS c
-JOIN {DELIVERY} AS d ON d.community_id = c.id
+JOIN {RECORD} AS d ON d.community_id = c.id
 WHERE c.deletion_state <> 'active' AND {_OLD_ENOUGH}
 """
 

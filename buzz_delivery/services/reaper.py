@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 from django.db import OperationalError, connection, transaction
 
@@ -17,6 +18,7 @@ from buzz_delivery.exceptions import CommunityNotWritable
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import LOCK_NOT_AVAILABLE, fetch_all, translated_errors
+from buzz_delivery.services.ending import RecordOutOfStep, end_on_record
 from buzz_delivery.services.tenancy import fleet_scoped
 from buzz_delivery.services.types import ReapResult
 
@@ -44,10 +46,17 @@ def walk_communities(statement: str, params: dict[str, object]) -> Iterator[uuid
         after = page[-1]
 
 
-def community_batch(statement: str, params: dict[str, object]) -> list[tuple[object, ...]] | None:
+def community_batch(
+    statement: str,
+    params: dict[str, object],
+    then: Callable[[list[tuple[object, ...]], object], list[tuple[object, ...]]] | None = None,
+) -> list[tuple[object, ...]] | None:
     """Run one community's maintenance batch in its own transaction (a savepoint inside a
     caller's) and return its rows; ``None`` when the community's fence lock was not free within
-    :data:`FENCE_WAIT_MS` or the community stopped being writable meanwhile.
+    :data:`FENCE_WAIT_MS` or the community stopped being writable meanwhile. ``then``, when
+    given, takes the statement's rows and the batch's ``now`` and returns the batch's rows, in
+    the same transaction and under the same lock bound (a terminal move's second statement, on
+    the record: services/ending.py).
 
     The transaction reads ``now()`` once and hands it to the statement as ``%(now)s``, and
     bounds lock waits with ``SET LOCAL lock_timeout`` (which Citus propagates to the node that
@@ -68,6 +77,8 @@ def community_batch(statement: str, params: dict[str, object]) -> list[tuple[obj
                 now = cursor.fetchone()[0]
             with translated_errors():
                 rows = fetch_all(statement, {**params, "now": now})
+                if then is not None:
+                    rows = then(rows, now)
             if nested:  # the caller's transaction goes on: give it its own bound back
                 fetch_all("SELECT set_config('lock_timeout', %(previous)s, true)", {"previous": previous})
             return rows
@@ -86,18 +97,34 @@ class _Tally:
     busy: set[uuid.UUID] = field(default_factory=set)
 
 
+def _end_batch(community: uuid.UUID, end: str, rows: list[tuple[object, ...]], now: object) -> list[tuple[object, ...]]:
+    """A batch's rows as ``(id, status)``: the ones moved back to pending as the queue statement
+    returned them, the ended ones as their records took them (``end``: an ``sql.END_*``)."""
+    moved = [(row[0], "pending") for row in rows if row[1] == "pending"]
+    ended = [row for row in rows if row[1] != "pending"]
+    return [*moved, *end_on_record(end, community, now, ended)]
+
+
 def _reap_community(community: uuid.UUID, size: int, limit: int | None, tally: _Tally) -> bool:
     """Reap one community until it is done or the batch budget ends; False when the budget ended."""
-    for statement in (sql.REAP_LAPSED_LEASES, sql.EXPIRE_OVERDUE_PENDING):
+    for statement, end in ((sql.REAP_LAPSED_LEASES, sql.END_REAPED), (sql.EXPIRE_OVERDUE_PENDING, sql.END_EXPIRED)):
         while True:
             if limit is not None and tally.batches >= limit:
                 return False
-            rows = community_batch(statement, {"community_id": community, "batch_size": size})
+            try:
+                rows = community_batch(
+                    statement, {"community_id": community, "batch_size": size}, partial(_end_batch, community, end)
+                )
+            except RecordOutOfStep as exc:
+                # An invariant broken in this community's rows (its batch rolled back whole): an
+                # operator's case, not a reason to stop reaping every community after it.
+                logger.error("reap of community %s left: record out of step with its queue row: %s", community, exc)
+                rows = None
             tally.batches += 1
             if rows is None:
                 tally.busy.add(community)
                 return True
-            for (status,) in rows:
+            for _, status in rows:
                 tally.counts[str(status)] += 1
             if len(rows) < size:
                 break

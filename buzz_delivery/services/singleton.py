@@ -2,32 +2,32 @@
 pending delivery per key" for each target of a commit, ``commit_deliveries(...,
 singleton_key="digest", on_conflict="keep" | "replace")``.
 
-**The invariant is in PostgreSQL.** The partial UNIQUE index ``delivery_singleton_pending_key``
-on ``(community_id, target_pubkey, singleton_key) WHERE status = 'pending' AND lease_generation
-= 0 AND singleton_key IS NOT NULL`` lets one community's target hold at most one *unclaimed*
-pending delivery per key. ``lease_generation = 0`` means no claim, reaper or operator ever moved
-the row (each of them bumps the generation, which never goes back): only the commit's INSERT
-enters the index, and its ``ON CONFLICT DO NOTHING`` is the arbiter, so no retry, reap or
-requeue that brings a delivery back to ``pending`` can ever be refused by it. The key is
-therefore a debounce key: a delivery that was claimed once (in flight, or pending again after a
-retry, a lapsed lease or a requeue) no longer holds it, and a new commit with the key makes a
-new pending delivery beside it.
+**The invariant is in PostgreSQL.** The live queue's partial UNIQUE index
+``delivery_queue_singleton_key`` on ``(community_id, target_pubkey, singleton_key) WHERE
+singleton_key IS NOT NULL`` lets one community's target hold at most one *unclaimed* pending
+delivery per key (issue 31, stage 2). Only the commit sets the queue row's key (the record keeps
+the immutable key); the claim sets it NULL, and a requeue inserts its queue row without one, so
+no retry, reap or requeue that brings a delivery back to ``pending`` can ever be refused by it.
+The key is therefore a debounce key: a delivery that was claimed once (in flight, or pending
+again after a retry, a lapsed lease or a requeue) no longer holds it, and a new commit with the
+key makes a new pending delivery beside it.
 
-**One statement per commit** (:func:`commit_statement`, Citus's router form: every read and
-write names the community): the INSERT of the new deliveries with ``ON CONFLICT DO NOTHING``
-(the identity key and the singleton key alike), and, in the same statement, the pending holder
-of the key per target and the deliveries that already carry the binding's identity (a
-producer's retry). With ``on_conflict="replace"`` the statement first *supersedes* the holder:
-it moves it to ``expired`` with ``failure_code = 'superseded'``, a failure message naming the
-delivery that replaced it and a ``supersede`` history entry, then inserts the new one (the index
-no longer holds the old row for this transaction). The superseded row is never rewritten: its
-binding, payload and history stay as they were committed (the binding columns are immutable,
-``delivery_binding_immutable``), so the audit shows what was replaced, by what, and when.
+**A round of statements per commit** (:func:`commit`, Citus's router form: each names the
+community and writes one table): with ``on_conflict="replace"`` first the *supersede*: the
+holders of the targets that get a new delivery leave the queue and their records end
+``expired`` with ``failure_code = 'superseded'``, a failure message naming the delivery that
+replaced them and a ``supersede`` history entry (the binding, payload and history stay as they
+were committed: the audit shows what was replaced, by what, and when). Then the holders and the
+identities already committed (a producer's retry) are read, the records of the other targets
+inserted, and their queue rows: the queue insert's ``ON CONFLICT DO NOTHING`` is the arbiter.
 
-A commit whose INSERT met a key taken by a concurrent commit that its snapshot could not see
-(both ran at once) is run again for those targets only, in the same transaction, with a fresh
-snapshot (READ COMMITTED): a "keep" then reports that delivery, a "replace" supersedes it. Each
-round is decided by the unique index, so N concurrent commits of one key leave exactly one
+Before its first round a commit locks the key of each of its targets (:data:`LOCK_KEYS`, one
+advisory lock per community, target and key, in one order), so concurrent commits of the key
+queue per target instead of deadlocking on the keys they write twice (supersede, insert). A
+record whose queue row still met a key taken by a concurrent commit that this round's reads could
+not see is deleted again and its target run in another round, in the same transaction, with
+fresh snapshots (READ COMMITTED): a "keep" then reports that delivery, a "replace" supersedes it.
+Each round is decided by the unique index, so N concurrent commits of one key leave exactly one
 pending delivery.
 """
 
@@ -140,66 +140,83 @@ _UNNEST = """unnest(
         cause_event_id, cause_scheduled_for, cause_webhook_invocation_id
     )"""
 
-# The key's holder: pending and never claimed (the index's predicate).
-_HOLDS_KEY = """d.community_id = %(community_id)s AND d.singleton_key = %(singleton_key)s
-      AND d.status = 'pending' AND d.lease_generation = 0"""
+# A replace commit's first statement: the holders (the queue rows that carry the key: pending and
+# never claimed, since the claim clears it) of the targets that get a new delivery in this
+# commit, unless that delivery's identity was committed before (a producer's retry supersedes
+# nothing), leave the queue; their state comes back for their record (:data:`EXPIRE_SUPERSEDED`).
+# Its rows are locked in target order (the caller sorts the targets), so two replacers of the same
+# targets never deadlock.
+SUPERSEDE = f"""
+DELETE FROM {sql.QUEUE} AS q
+USING unnest(%(ids)s::uuid[], %(run_ids)s::uuid[], %(step_ids)s::text[], %(target_pubkeys)s::bytea[])
+    AS s(id, run_id, step_id, target_pubkey)
+WHERE q.community_id = %(community_id)s AND q.target_pubkey = s.target_pubkey
+  AND q.singleton_key = %(singleton_key)s AND q.status = 'pending'
+  AND {sql.ACTIVE_COMMUNITY.replace("d.community_id", "q.community_id")}
+  AND NOT EXISTS (
+      SELECT 1 FROM {sql.RECORD} AS e
+      WHERE e.community_id = %(community_id)s AND e.run_id = s.run_id AND e.step_id = s.step_id
+        AND e.target_pubkey = s.target_pubkey
+  )
+RETURNING q.id, q.target_pubkey, s.id, q.lease_generation, q.attempt, q.claimed_by, q.renewals, q.history::text
+"""
 
 _SUPERSEDE_ENTRY = sql.history_entry(
-    "'supersede'", "d.lease_generation + 1", "'producer'", status="'expired'", superseded_by="s.id::text"
+    "'supersede'", "g.lease_generation + 1", "'producer'", status="'expired'", superseded_by="g.by::text", alias="g"
 )
 
-# A holder whose target gets a new delivery in this commit, unless that delivery's identity was
-# committed before (a producer's retry supersedes nothing).
-_SUPERSEDE = f"""
-superseded AS (
-    UPDATE {sql.RECORD} AS d
-    SET status = 'expired',
-        finished_at = {sql.DB_NOW},
-        failure_code = '{SUPERSEDED}',
-        failure_message = 'superseded by delivery ' || s.id::text || ' (singleton key ' || %(singleton_key)s || ')',
-        lease_generation = d.lease_generation + 1,
-        next_attempt_at = NULL,
-        {_SUPERSEDE_ENTRY}
-    FROM unnest(%(ids)s::uuid[], %(run_ids)s::uuid[], %(step_ids)s::text[], %(target_pubkeys)s::bytea[])
-        AS s(id, run_id, step_id, target_pubkey)
-    WHERE d.community_id = %(community_id)s AND d.target_pubkey = s.target_pubkey
-      AND d.singleton_key = %(singleton_key)s AND d.status = 'pending' AND d.lease_generation = 0
-      AND {sql.ACTIVE_COMMUNITY}
-      AND NOT EXISTS (
-          SELECT 1 FROM {sql.RECORD} AS e
-          WHERE e.community_id = %(community_id)s AND e.run_id = s.run_id AND e.step_id = s.step_id
-            AND e.target_pubkey = s.target_pubkey
-      )
-    RETURNING d.id, d.target_pubkey
-),"""
+# Its second: each superseded delivery's record ends ``expired`` / ``superseded``, with a failure
+# message naming the delivery that replaced it and a ``supersede`` entry after the queue row's
+# history; its generation, attempt, holder and renewals are the queue row's. The binding,
+# payload and history stay as they were committed (the binding is immutable,
+# ``delivery_binding_immutable``), so the audit shows what was replaced, by what, and when.
+EXPIRE_SUPERSEDED = f"""
+UPDATE {sql.RECORD} AS d
+SET status = 'expired',
+    finished_at = {sql.DB_NOW},
+    failure_code = '{SUPERSEDED}',
+    failure_message = 'superseded by delivery ' || g.by::text || ' (singleton key ' || %(singleton_key)s || ')',
+    lease_generation = g.lease_generation + 1,
+    attempt = g.attempt,
+    claimed_by = g.claimed_by,
+    renewals = g.renewals,
+    lease_until = NULL,
+    claimed_at = NULL,
+    next_attempt_at = NULL,
+    slot_community = NULL,
+    slot_target = NULL,
+    slot_workflow = NULL,
+    {_SUPERSEDE_ENTRY}
+FROM unnest(
+    %(superseded_ids)s::uuid[], %(superseded_bys)s::uuid[], %(lease_generations)s::bigint[],
+    %(attempts)s::integer[], %(claimed_bys)s::text[], %(renewals)s::integer[], %(histories)s::jsonb[]
+) AS g(id, by, lease_generation, attempt, claimed_by, renewals, history)
+WHERE d.community_id = %(community_id)s AND d.id = g.id AND d.status = 'pending'
+RETURNING d.id
+"""
 
+# What the round meets: the key's holder per target (in the queue, the index's rows) and the
+# deliveries that already carry the binding's identity (a producer's retry, in the record).
+HELD_OR_ALREADY = f"""
+SELECT 'held', q.id, q.target_pubkey FROM {sql.QUEUE} AS q
+WHERE q.community_id = %(community_id)s AND q.singleton_key = %(singleton_key)s
+  AND q.target_pubkey = ANY (%(target_pubkeys)s::bytea[])
+UNION ALL
+SELECT 'already', d.id, d.target_pubkey FROM {sql.RECORD} AS d
+WHERE d.community_id = %(community_id)s
+  AND (d.run_id, d.step_id, d.target_pubkey) IN (
+      SELECT i.run_id, i.step_id, i.target_pubkey
+      FROM unnest(%(run_ids)s::uuid[], %(step_ids)s::text[], %(target_pubkeys)s::bytea[])
+          AS i(run_id, step_id, target_pubkey)
+  )
+"""
 
-# The INSERT reads the superseding UPDATE's one-row count before its first row: the holders are
-# superseded (out of the index for this transaction) before any new delivery meets their key.
-# Without it the main SELECT's first arm runs the INSERT first, which then conflicts.
-GATE = ", (SELECT count(*) FROM superseded) AS gate"
-
-
-def commit_statement(*, replace: bool) -> str:
-    """The one statement of a commit with a singleton key: rows of ``(what, id, target)`` where
-    ``what`` is ``created`` (and a wake hint is sent), ``superseded`` (replace only), ``held``
-    (the key's pending holder in the statement's snapshot) or ``already`` (the identity exists)."""
-    return f"""
-WITH {_SUPERSEDE if replace else ""}
-held AS MATERIALIZED (
-    SELECT d.id, d.target_pubkey FROM {sql.RECORD} AS d
-    WHERE {_HOLDS_KEY} AND d.target_pubkey = ANY (%(target_pubkeys)s::bytea[])
-),
-already AS MATERIALIZED (
-    SELECT d.id, d.target_pubkey FROM {sql.RECORD} AS d
-    WHERE d.community_id = %(community_id)s
-      AND (d.run_id, d.step_id, d.target_pubkey) IN (
-          SELECT i.run_id, i.step_id, i.target_pubkey
-          FROM unnest(%(run_ids)s::uuid[], %(step_ids)s::text[], %(target_pubkeys)s::bytea[])
-              AS i(run_id, step_id, target_pubkey)
-      )
-),
-created AS (
+# The records of the targets the round commits (none held, none already), with the key; their
+# queue rows follow (``sql.INSERT_QUEUE_ROWS_OF_CREATED``, whose ``ON CONFLICT`` is the key's
+# arbiter). A wake hint per record created (sent at commit; a record whose queue row lost the key
+# to a concurrent commit is deleted again, and its hint finds nothing to claim).
+INSERT_RECORDS = f"""
+WITH created AS (
     INSERT INTO {sql.RECORD} AS d (
         id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
         message_event_id, cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id,
@@ -209,26 +226,39 @@ created AS (
            %(message_event_id)s, v.cause_kind, v.cause_event_id, v.cause_scheduled_for, v.cause_webhook_invocation_id,
            %(max_attempts)s, %(expires_at)s, %(execution_trace)s::jsonb, %(trigger_context)s::jsonb,
            %(not_before)s::timestamptz, %(priority)s::smallint, %(singleton_key)s
-    FROM {_UNNEST}{GATE if replace else ""}
+    FROM {_UNNEST}
     -- Identity order, as the plain commit: concurrent producers never deadlock on the keys.
     ORDER BY v.run_id, v.step_id, v.target_pubkey
-    ON CONFLICT DO NOTHING
+    ON CONFLICT ON CONSTRAINT delivery_identity_key DO NOTHING
     RETURNING d.id, d.target_pubkey
 )
-SELECT 'created', created.id, created.target_pubkey,
-       pg_notify(%(channel)s, json_build_object(
-           'community', %(community_id)s::text,
-           'delivery', created.id::text,
-           'target', encode(created.target_pubkey, 'hex'))::text)::text
-FROM created
-{"UNION ALL SELECT 'superseded', superseded.id, superseded.target_pubkey, NULL FROM superseded" if replace else ""}
-UNION ALL SELECT 'held', held.id, held.target_pubkey, NULL FROM held
-UNION ALL SELECT 'already', already.id, already.target_pubkey, NULL FROM already
+{sql._NOTIFY_CREATED}"""
+
+# A record this round created whose queue row the key's index turned away (a concurrent commit's
+# holder, committed after this round read the holders): it goes again, and the target is decided
+# in the next round.
+DELETE_UNQUEUED = f"""
+DELETE FROM {sql.RECORD} AS d
+WHERE d.community_id = %(community_id)s AND d.id = ANY (%(ids)s::uuid[]) AND d.status = 'pending'
+RETURNING d.id
 """
 
+# A commit's first statement: the key of each of its targets, one transaction-scoped advisory lock
+# per (community, target, key), taken in one statement in key order. A round writes a target's key
+# twice (the supersede deletes its holder, the insert adds the new one), and a commit's targets
+# span several statements and rounds, so without these two replacers (or a replacer and a keeper)
+# of the same targets could each hold a key the other one waits for ("deadlock detected", an
+# error, not an outcome). With them concurrent commits of one key queue per target in one order;
+# each runs its rounds alone on its targets and sees the commits before it (READ COMMITTED).
+# Names no table (the coordinator's lock on Citus, as the identity locks of services/fanout.py).
+LOCK_KEYS = """
+SELECT count(pg_advisory_xact_lock(%(namespace)s, hashtext(k.key))) FROM unnest(%(keys)s::text[]) AS k(key)
+"""
+SINGLETON_LOCK_NAMESPACE = 0x42440003
 
-KEEP_STATEMENT = commit_statement(replace=False)
-REPLACE_STATEMENT = commit_statement(replace=True)
+# Every statement of a commit with a key, for the router-form checks (tests/test_citus.py).
+KEEP_STATEMENTS = (HELD_OR_ALREADY, INSERT_RECORDS, sql.INSERT_QUEUE_ROWS_OF_CREATED, DELETE_UNQUEUED)
+REPLACE_STATEMENTS = (SUPERSEDE, EXPIRE_SUPERSEDED, *KEEP_STATEMENTS)
 
 _PER_BINDING = (
     "ids",
@@ -259,36 +289,86 @@ def check_one_binding_per_target(bindings: Sequence[Any]) -> None:
 def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommit:
     """Run the commit of ``params`` (the producer's, one binding per target) with ``key`` in
     rounds until every binding has its outcome; the caller holds the transaction (all rounds
-    commit or roll back together)."""
-    statement = REPLACE_STATEMENT if mode == "replace" else KEEP_STATEMENT
+    commit or roll back together). A round: (replace) supersede the holders, read the holders
+    and the identities already committed, insert the records of the targets left, then their
+    queue rows; a record whose queue row the key's index turned away is deleted and its target
+    tried again."""
+    from buzz_delivery.services.producer import queue_created  # (the producer imports this module)
+
+    community = params["community_id"]
     count = len(params["ids"])
     outcomes: dict[int, TargetOutcome] = {}
     superseded: dict[bytes, uuid.UUID] = {}
-    # Target order, whatever the caller's: two replace commits of the same targets lock their
-    # holders in one order (the supersede walks the arrays), so they never deadlock.
+    # Target order, whatever the caller's; the keys of all the targets locked first, in one order
+    # (LOCK_KEYS): concurrent commits of the key over the same targets never deadlock.
     todo = sorted(range(count), key=lambda i: bytes(params["target_pubkeys"][i]))
+    keys = sorted(f"{community}/{bytes(params['target_pubkeys'][i]).hex()}/{key}" for i in todo)
+    fetch_all(LOCK_KEYS, {"namespace": SINGLETON_LOCK_NAMESPACE, "keys": keys})
     for round_ in range(1, MAX_ROUNDS + 1):
         round_params = {**params, "singleton_key": key}
         for name in _PER_BINDING:
             round_params[name] = [params[name][i] for i in todo]
-        found: dict[str, dict[bytes, uuid.UUID]] = {"created": {}, "superseded": {}, "held": {}, "already": {}}
-        for what, delivery_id, target, _ in fetch_all(statement, round_params):
+        if mode == "replace":
+            _supersede(round_params, superseded)
+        found: dict[str, dict[bytes, uuid.UUID]] = {"held": {}, "already": {}}
+        for what, delivery_id, target in fetch_all(HELD_OR_ALREADY, round_params):
             found[what][bytes(target)] = delivery_id
-        superseded.update(found["superseded"])
+        create = [
+            i
+            for i in todo
+            if bytes(params["target_pubkeys"][i]) not in found["already"]
+            and bytes(params["target_pubkeys"][i]) not in found["held"]
+        ]
+        created: dict[bytes, uuid.UUID] = {}
+        if create:
+            insert_params = {**round_params}
+            for name in _PER_BINDING:
+                insert_params[name] = [params[name][i] for i in create]
+            rows = fetch_all(INSERT_RECORDS, insert_params)
+            target_of = {params["ids"][i]: bytes(params["target_pubkeys"][i]) for i in create}
+            targets = {row[0]: target_of[row[0]] for row in rows}
+            queued = queue_created(community, list(targets))
+            lost = [i for i in targets if i not in queued]
+            if lost:
+                fetch_all(DELETE_UNQUEUED, {"community_id": community, "ids": lost})
+            created = {targets[i]: i for i in queued}
         left = []
         for i in todo:
             target = bytes(params["target_pubkeys"][i])
-            if target in found["created"]:
-                new_id = found["created"][target]
+            if target in created:
+                new_id = created[target]
                 old = superseded.get(target)
                 outcomes[i] = Committed(new_id, target) if old is None else Replaced(new_id, target, old)
             elif target in found["already"]:
                 outcomes[i] = AlreadyCommitted(found["already"][target], target)
             elif mode == "keep" and target in found["held"]:
                 outcomes[i] = Kept(found["held"][target], target)
-            else:  # a concurrent commit took the key after this statement's snapshot: again
+            else:  # a concurrent commit took the key (or the identity) after this round's reads: again
                 left.append(i)
         todo = left
         if not todo:
             return SingletonCommit(key, mode, tuple(outcomes[i] for i in range(count)), round_)
     raise SingletonContended(f"singleton key {key!r}: lost to concurrent commits {MAX_ROUNDS} times")
+
+
+def _supersede(params: dict[str, Any], superseded: dict[bytes, uuid.UUID]) -> None:
+    """The replace round's supersede: the holders leave the queue (:data:`SUPERSEDE`), then their
+    records end expired / superseded (:data:`EXPIRE_SUPERSEDED`); ``superseded`` learns them."""
+    rows = fetch_all(SUPERSEDE, params)
+    if not rows:
+        return
+    fetch_all(
+        EXPIRE_SUPERSEDED,
+        {
+            "community_id": params["community_id"],
+            "singleton_key": params["singleton_key"],
+            "superseded_ids": [r[0] for r in rows],
+            "superseded_bys": [r[2] for r in rows],
+            "lease_generations": [r[3] for r in rows],
+            "attempts": [r[4] for r in rows],
+            "claimed_bys": [r[5] for r in rows],
+            "renewals": [r[6] for r in rows],
+            "histories": [r[7] for r in rows],
+        },
+    )
+    superseded.update({bytes(r[1]): r[0] for r in rows})

@@ -16,16 +16,16 @@ from django.db.models import Count, Model
 from buzz_delivery.models import DeliveryRecord, WorkflowAgentDelivery
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
-from buzz_delivery.services.sql import DB_NOW, LIVE_DELIVERIES
+from buzz_delivery.services.sql import DB_NOW, QUEUE
 from buzz_delivery.services.tenancy import fleet_scoped, tenant_scoped
 
 # Up to this many rows a table's states are counted exactly; above it they are estimated.
 EXACT_CAP = 100_000
 
-# The pending rows of one community and target (delivery_pending_poll_idx) whose retry backoff
-# has not passed yet.
+# The pending rows of one community and target whose retry backoff has not passed yet: the
+# live queue's (stage 2), through its poll index (community, target, ...).
 COUNT_PENDING_RETRY = f"""
-SELECT count(*) FROM {LIVE_DELIVERIES} AS d
+SELECT count(*) FROM {QUEUE} AS d
 WHERE d.community_id = %(community_id)s AND d.target_pubkey = %(target_pubkey)s
   AND d.status = 'pending' AND d.next_attempt_at > {DB_NOW}
 """

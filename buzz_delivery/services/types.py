@@ -245,7 +245,8 @@ class ReapResult:
     - ``expired``: lapsed or pending deliveries past ``expires_at``, now ``expired``;
     - ``skipped_fenced``: lapsed leases left alone because their community is not active;
     - ``skipped_busy``: communities whose lapsed leases were left for a later run because a
-      lifecycle move held or waited for their write-fence lock (never waited on; SPEC 4.6);
+      lifecycle move held or waited for their write-fence lock (never waited on; SPEC 4.6), or
+      because their batch met a record out of step with its queue row (logged as an error);
     - ``batches``: statements run (a dry run: the statements the run would take).
     """
 

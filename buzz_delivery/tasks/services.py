@@ -50,6 +50,7 @@ PRODUCER_PUBKEY = hashlib.sha256(b"buzz_delivery.tasks producer").digest()
 RESULT = TaskResult._meta.db_table
 DELIVERY = "buzz_delivery_delivery"  # the view: reads
 RECORD = "buzz_delivery_delivery_record"  # the table: read inside a write
+QUEUE = "buzz_delivery_delivery_queue"  # the live state (stage 2): the lease fence
 
 
 def queue_target(queue_name: str) -> bytes:
@@ -373,7 +374,8 @@ def read_task(community_id: uuid.UUID | str, result_id: uuid.UUID | str) -> Stor
 
 
 # Fenced by the delivery's lease as every settle is: the holder's generation, the row still
-# claimed and its lease not lapsed, by the database clock. An error is stored with the lease
+# claimed and its lease not lapsed, by the database clock, judged on the live queue row (stage 2:
+# the record of a live delivery holds no lease). An error is stored with the lease
 # generation that recorded it and the delivery's requeue count then (``requeues``), read from the
 # row here: read_task_of_delivery tells it from an error an operator's requeue has since
 # superseded. The error object is extended with IMMUTABLE operations only (jsonb and text
@@ -384,10 +386,11 @@ UPDATE {RESULT} AS r
 SET return_value = %(return_value)s::jsonb,
     errors = CASE WHEN %(error)s::jsonb IS NULL THEN r.errors
                   ELSE r.errors || (%(error)s::jsonb || ('{{"requeues": ' || d.requeues::text || '}}')::jsonb) END
-FROM {RECORD} AS d
+FROM {RECORD} AS d, {QUEUE} AS q
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
   AND d.community_id = %(community_id)s AND d.id = %(delivery_id)s
-  AND d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now()
+  AND q.community_id = %(community_id)s AND q.id = %(delivery_id)s
+  AND q.lease_generation = %(generation)s AND q.status = 'claimed' AND q.lease_until >= buzz_delivery_now()
 RETURNING r.id
 """
 
@@ -444,7 +447,8 @@ class HeldTask:
 
 # The task's row as _READ_BY_ID reads it, and, judged in the same snapshot, whether the caller's
 # lease still holds the delivery (generation, still claimed, not lapsed, by the database clock:
-# the fence of _RECORD_OUTCOME and of every settle) and what an earlier holder recorded. A return
+# the fence of _RECORD_OUTCOME and of every settle, on the live queue row) and what an earlier
+# holder recorded. A return
 # value is recorded when the column is not SQL NULL: a task that returned None stored the jsonb
 # 'null', and recording an error sets the column to SQL NULL. An error is the outcome unless an
 # operator requeued the delivery after it was recorded: its ``requeues`` (the delivery's count
@@ -462,7 +466,8 @@ _ERROR_GENERATION = (
 )
 _READ_HELD = f"""
 SELECT {_TASK_COLUMNS},
-       d.lease_generation = %(generation)s AND d.status = 'claimed' AND d.lease_until >= buzz_delivery_now(),
+       (q.lease_generation = %(generation)s AND q.status = 'claimed'
+        AND q.lease_until >= buzz_delivery_now()) IS TRUE,
        r.return_value IS NOT NULL,
        (r.errors -> -1)::text,
        CASE WHEN jsonb_typeof(r.errors -> -1 -> 'requeues') = 'number'
@@ -476,6 +481,7 @@ SELECT {_TASK_COLUMNS},
             )) END
 FROM {RESULT} r
 JOIN {DELIVERY} d ON d.community_id = r.community_id AND d.id = r.delivery_id
+LEFT JOIN {QUEUE} q ON q.community_id = r.community_id AND q.id = r.delivery_id
 WHERE r.community_id = %(community_id)s AND r.delivery_id = %(delivery_id)s
   AND d.community_id = %(community_id)s AND d.id = %(delivery_id)s
 """
