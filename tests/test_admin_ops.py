@@ -227,10 +227,13 @@ def test_the_live_state_filters_read_the_queue_not_the_views_merged_status(admin
     with CaptureQueriesContext(connection) as queries:
         response = admin_client.get(reverse("admin:buzz_delivery_workflowagentdelivery_changelist"), params)
     assert response.status_code == 200
-    (listing,) = [q["sql"] for q in queries.captured_queries if "LIMIT 100" in q["sql"]]
+    # The page's listing (ordered; Django 6.1 leaves out its LIMIT on an empty page, and quotes
+    # the subquery's alias where 5.2 does not).
+    (listing,) = [q["sql"] for q in queries.captured_queries if " ORDER BY " in q["sql"] and owner in q["sql"]]
 
-    assert f'"buzz_delivery_delivery"."id" IN (SELECT U0."id" AS "id" FROM "{owner}" U0' in listing, listing
-    where = listing.split(" WHERE ", 1)[1]
+    subquery = rf'"buzz_delivery_delivery"\."id" IN \(SELECT "?U0"?\."id" AS "id" FROM "{owner}" "?U0"?'
+    assert re.search(subquery, listing), listing
+    where = listing.rsplit(' FROM "buzz_delivery_delivery" ', 1)[1].split(" WHERE ", 1)[1]  # the list's own
     assert '"buzz_delivery_delivery"."status"' not in where, listing
     assert '"buzz_delivery_delivery"."lease_until"' not in where, listing
 
