@@ -9,8 +9,9 @@ counted ``lost`` ("left to its lease" though it held none). And once ``ctx._chec
 worker's loop (``worker_error``, the whole worker stopped by one run's thread). Now the end is
 judged by the park's record there too: ``parked``.
 
-The leftover thread parks while the runtime's completion (failure) statement is held back
-(the real statement, sent once the park is written), so the park lands first every time."""
+The leftover thread parks while the runtime's completion (failure) is held back (the real
+statement, sent once the park is written; the failure before it takes the journal lock), so the
+park lands first every time."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 import pytest
 from django.db import connections
 
+from buzz_delivery.agents import runtime
 from buzz_delivery.agents import services as s
 from buzz_delivery.agents.models import AgentRun
 from buzz_delivery.agents.runtime import run_claim
@@ -51,7 +53,9 @@ def held_end(monkeypatch):
         return end
 
     monkeypatch.setattr(s, "complete_run", held(s.complete_run))
-    monkeypatch.setattr(s, "fail_run", held(s.fail_run))
+    # The failure is written under the journal lock a park takes (a call journaled as it is
+    # written was undone before it happened): held before it takes that lock.
+    monkeypatch.setattr(runtime.Context, "_fail_when_quiet", held(runtime.Context._fail_when_quiet))
 
 
 def handler_leaving_a_thread(ends: str):

@@ -544,6 +544,18 @@ class Context:
         self._calls.wait_for_others(self._check, APPROVAL_RETRY_SECONDS)
         self._check()
 
+    def _fail_when_quiet(self, code: str, message: str) -> Any:
+        """``fail_run`` once none of the other threads' calls is in flight, written under the
+        journal lock: a call journaled after the wait for the calls in flight and before the
+        failure (a thread the handler left behind) was closed uncertain and its compensation run
+        while its tool still ran (the undo before the effect, which stayed). A call journaled
+        during the wait is waited for in turn; one that asks after the failure is refused."""
+        while True:
+            self._await_calls()
+            with self._journaling:
+                if not self._calls.others():
+                    return _settle(s.fail_run, self.lease, code, message)
+
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """Ask a human (the engine's approvals queue). The first time, parks the run and stops
         the handler; when the run resumes, returns ``{"decision": "approved"|"rejected",
@@ -746,7 +758,10 @@ def _run_claim(
                 return "completed" if isinstance(done, s.Finished) else _unless_parked(ctx)
     code, message = failure
     ctx.failure_code = code
-    failed = _settle(s.fail_run, ctx.lease, code, message)
+    try:
+        failed = ctx._fail_when_quiet(code, message)
+    except (RunAborted, _Parked):
+        return _unless_parked(ctx)
     if isinstance(failed, s.Unwinding):
         return unwind(ctx.lease, failed.seqs, lane)
     return "failed" if isinstance(failed, s.Finished) else _unless_parked(ctx)
