@@ -109,6 +109,17 @@ VARIANTS = {
     ),
     # (lease_idx, delivery_claimed_lease_idx, is gone since core 0037: the queue has no lease index.)
     "terminal_idx": ("- delivery_terminal_age_idx (pruner)", lambda c: ["DROP INDEX delivery_terminal_age_idx"]),
+    # A terminal writes the record's second version, about twice the first (its history, 300-odd
+    # bytes, and the end's columns): HOT when no index names what it writes and the page has room
+    # for it, so only at fillfactor 30 for every row (50: about half).
+    "hot_record_50": (
+        "- delivery_terminal_age_idx, the record at fillfactor 50 (its terminal update HOT when it fits)",
+        lambda c: ["DROP INDEX delivery_terminal_age_idx", f"ALTER TABLE {D} SET (fillfactor = 50)"],
+    ),
+    "hot_record_30": (
+        "- delivery_terminal_age_idx, the record at fillfactor 30 (its terminal update HOT)",
+        lambda c: ["DROP INDEX delivery_terminal_age_idx", f"ALTER TABLE {D} SET (fillfactor = 30)"],
+    ),
 }
 
 
@@ -124,6 +135,7 @@ def _drain(url: str, tenant: data.Tenant, deliveries: int) -> tuple[float, float
     control.execute(f"TRUNCATE {D} CASCADE")
     data.load(control, tenant, deliveries)
     control.execute(f"VACUUM (ANALYZE) {D}, {data.QUEUE}")
+    updates_before = _record_updates(control)
     control.close()
     target = data.target(0)
     claim = {"community_id": tenant.community_id, "target_pubkey": target, "limit": BATCH, "lease_seconds": 60.0,
@@ -148,9 +160,22 @@ def _drain(url: str, tenant: data.Tenant, deliveries: int) -> tuple[float, float
             ).fetchall()  # fmt: skip
             settled += _backend_cpu(pid) - middle  # type: ignore[operator]
             done += len(rows)
+        conn.execute("SELECT pg_stat_force_next_flush()")
     if done != deliveries:
         raise SystemExit(f"drained {done} of {deliveries}")
+    with env.connect(url) as control:
+        updates, hot = (after - before for after, before in zip(_record_updates(control), updates_before, strict=True))
+    print(f"  the record's updates: {updates}, HOT {hot}", flush=True)
     return claimed / done * 1e6, settled / done * 1e6
+
+
+def _record_updates(conn: psycopg.Connection) -> tuple[int, int]:
+    """The record's updates and HOT updates so far (the statistics as last flushed)."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = %s::regclass", [D]
+    ).fetchone()
+    return (row[0], row[1]) if row else (0, 0)
 
 
 def main(argv: list[str] | None = None) -> int:
