@@ -58,6 +58,85 @@ def _no_prelude(conn: psycopg.Connection) -> list[str]:
     return [body[:start] + body[end:]]
 
 
+OUTCOME = "buzz_delivery_delivery_outcome"
+_GONE_RETURNING = "RETURNING d.id, d.lease_generation, d.attempt, d.max_attempts, d.claimed_by, d.renewals, d.history"
+_RECORD_UPDATE = f"UPDATE {D} AS r\n"
+_HISTORY_SET = "    history = "
+
+
+def _outcome(conn: psycopg.Connection, *, lean: bool = False) -> list[str]:
+    """Stage 3's terminal (bench/results/queue-design-plan.md): an immutable outcome row inserted
+    instead of the record's terminal UPDATE, on this copy only. ``buzz_delivery_finish_leases`` is
+    re-created from its installed body with its terminal statement swapped: the prelude, the
+    queue DELETE and its fence are the installed text, the outcome's history is the record's
+    UPDATE expression (the queue's history and the settle's entry). The outcome keeps the record's
+    CHECKs that a terminal can break and its write-fence trigger (whose WHEN is already false: the
+    queue's DELETE passed the fence in this transaction); no FK to the record (the plan's), no
+    fan-in or delivery-lost trigger (the bench's deliveries are not an engine's: the record's fire
+    only their WHEN). ``lean``: a status row (no history copy, holder, renewals or created_at)
+    with only its key."""
+    body = conn.execute("SELECT pg_get_functiondef('buzz_delivery_finish_leases'::regproc)").fetchone()[0]
+    update = body.index(_RECORD_UPDATE)
+    history_at = body.index(_HISTORY_SET, update) + len(_HISTORY_SET)
+    history = body[history_at : body.index("\nFROM gone AS d", history_at)]
+    end = body.index("RETURNING r.id, r.status;", update) + len("RETURNING r.id, r.status;")
+    # (column, its value from the queue row ``d`` and the call's parameters)
+    kept = [
+        ("delivery_id uuid NOT NULL", "d.id"),
+        ("community_id uuid NOT NULL", "p_community_id"),
+        ("status varchar(16) NOT NULL", "p_status"),
+        ("finished_at timestamptz NOT NULL", "buzz_delivery_now()"),
+        ("attempt integer NOT NULL", "d.attempt"),
+        ("lease_generation bigint NOT NULL", "d.lease_generation"),
+        ("failure_code varchar(64)", "p_failure_code"),
+        ("failure_message text", "p_failure_message"),
+    ]
+    checks = [
+        "status IN ('finished', 'failed', 'expired')",
+        "failure_code IS NULL OR status IN ('failed', 'expired')",
+        "attempt >= 0",
+        "lease_generation >= 0",
+    ]
+    indexes = []
+    if not lean:
+        kept += [
+            ("claimed_by text", "d.claimed_by"),
+            ("renewals integer NOT NULL", "d.renewals"),
+            ("history jsonb NOT NULL", history),
+            ("created_at timestamptz NOT NULL", "d.created_at"),
+        ]
+        checks += [
+            "renewals >= 0",
+            "claimed_by IS NULL OR length(claimed_by) <= 200",
+            "jsonb_typeof(history) = 'array' AND jsonb_array_length(history) <= 50",
+        ]
+        indexes = [
+            f"CREATE INDEX outcome_finished_idx ON {OUTCOME} (community_id, finished_at)",
+            f"CREATE INDEX outcome_created_idx ON {OUTCOME} (created_at, delivery_id)",
+            f"CREATE INDEX outcome_failure_code_idx ON {OUTCOME} (failure_code, created_at) "
+            "WHERE failure_code IS NOT NULL",
+        ]
+    names = ", ".join(column.split()[0] for column, _ in kept)
+    values = ", ".join(value for _, value in kept)
+    insert = (
+        f"INSERT INTO {OUTCOME} AS o ({names})\nSELECT {values}\nFROM gone AS d\nRETURNING o.delivery_id, o.status;"
+    )
+    body = body[:update] + insert + body[end:]
+    if _GONE_RETURNING not in body:
+        raise ValueError("buzz_delivery_finish_leases: its queue DELETE's RETURNING changed")
+    body = body.replace(_GONE_RETURNING, _GONE_RETURNING + ", d.created_at", 1)
+    definition = [column for column, _ in kept] + ["PRIMARY KEY (delivery_id, community_id)"]
+    definition += [f"CHECK ({check})" for check in checks]
+    table = [
+        f"CREATE TABLE {OUTCOME} ({', '.join(definition)})",
+        f"CREATE TRIGGER outcome_write_fence BEFORE INSERT OR UPDATE ON {OUTCOME} FOR EACH ROW "
+        "WHEN (current_setting('buzz_delivery.fence_passed', true) IS DISTINCT FROM NEW.community_id::text) "
+        "EXECUTE FUNCTION buzz_delivery_write_fence_row()",
+        *indexes,
+    ]
+    return [*table, body]
+
+
 # name -> (what it is, DDL maker). "full" first: every other is compared with it.
 VARIANTS = {
     "full": ("the full schema", lambda c: []),
@@ -120,6 +199,16 @@ VARIANTS = {
         "- delivery_terminal_age_idx, the record at fillfactor 30 (its terminal update HOT)",
         lambda c: ["DROP INDEX delivery_terminal_age_idx", f"ALTER TABLE {D} SET (fillfactor = 30)"],
     ),
+    # Stage 3 (queue-design-plan.md): the terminal inserts an outcome row, the record is written
+    # once (it stays 'pending' here: the real stage drops its terminal columns).
+    "outcome": (
+        "terminal as an outcome row (INSERT; PK + 3 indexes, history copied), no record UPDATE",
+        _outcome,
+    ),
+    "outcome_lean": (
+        "terminal as a lean outcome row (status, time, attempt, generation, failure; PK only)",
+        lambda c: _outcome(c, lean=True),
+    ),
 }
 
 
@@ -132,9 +221,10 @@ def _drain(url: str, tenant: data.Tenant, deliveries: int) -> tuple[float, float
     from buzz_delivery.services import cached
 
     control = env.connect(url)
-    control.execute(f"TRUNCATE {D} CASCADE")
+    outcome = control.execute("SELECT to_regclass(%s) IS NOT NULL", [OUTCOME]).fetchone()[0]
+    control.execute(f"TRUNCATE {D}{f', {OUTCOME}' if outcome else ''} CASCADE")
     data.load(control, tenant, deliveries)
-    control.execute(f"VACUUM (ANALYZE) {D}, {data.QUEUE}")
+    control.execute(f"VACUUM (ANALYZE) {D}, {data.QUEUE}{f', {OUTCOME}' if outcome else ''}")
     updates_before = _record_updates(control)
     control.close()
     target = data.target(0)
@@ -165,8 +255,29 @@ def _drain(url: str, tenant: data.Tenant, deliveries: int) -> tuple[float, float
         raise SystemExit(f"drained {done} of {deliveries}")
     with env.connect(url) as control:
         updates, hot = (after - before for after, before in zip(_record_updates(control), updates_before, strict=True))
-    print(f"  the record's updates: {updates}, HOT {hot}", flush=True)
+        if outcome:  # the drain's end: every delivery one outcome row, no queue row
+            counts = control.execute(
+                f"SELECT (SELECT count(*) FROM {data.QUEUE}), (SELECT count(*) FROM {OUTCOME}), "
+                f"(SELECT count(*) FROM {D} r WHERE NOT EXISTS (SELECT 1 FROM {OUTCOME} o "
+                " WHERE o.community_id = r.community_id AND o.delivery_id = r.id AND o.status = 'finished'))"
+            ).fetchone()
+            if counts != (0, deliveries, 0):
+                raise SystemExit(f"outcome drain: queue rows, outcome rows, records without one: {counts}")
+        sizes = ", ".join(f"{table.removeprefix('buzz_delivery_delivery_')} {heap // 1024} + {index // 1024} kB"
+                          for table, heap, index in _sizes(control))  # fmt: skip
+    print(f"  the record's updates: {updates}, HOT {hot}; heap + indexes: {sizes}", flush=True)
     return claimed / done * 1e6, settled / done * 1e6
+
+
+def _sizes(conn: psycopg.Connection) -> list[tuple[str, int, int]]:
+    """The record's, the queue's and the outcome's heap and index bytes (no vacuum since the load)."""
+    sizes = []
+    for table in (D, data.QUEUE, OUTCOME):
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", [table]).fetchone()[0]:
+            row = conn.execute("SELECT pg_relation_size(%s::regclass), pg_indexes_size(%s::regclass)", [table, table])
+            heap, index = row.fetchone()
+            sizes.append((table, heap, index))
+    return sizes
 
 
 def _record_updates(conn: psycopg.Connection) -> tuple[int, int]:
