@@ -120,6 +120,9 @@ APPROVAL_RETRY_SECONDS = 0.05  # request_approval: how often it looks again for 
 # request_approval: how long the server may see a call in flight that no call of the handler runs
 # (its result being recorded as the park read, normally well under a second)
 APPROVAL_SETTLE_SECONDS = 10.0
+# A failing run waits for its calls in flight under the journal lock this long at first (then twice
+# as long each round, the lock let go in between for a call a tool in flight waits for).
+QUIET_HOLD_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,13 +551,22 @@ class Context:
         """``fail_run`` once none of the other threads' calls is in flight, written under the
         journal lock: a call journaled after the wait for the calls in flight and before the
         failure (a thread the handler left behind) was closed uncertain and its compensation run
-        while its tool still ran (the undo before the effect, which stayed). A call journaled
-        during the wait is waited for in turn; one that asks after the failure is refused."""
+        while its tool still ran (the undo before the effect, which stayed); one that asks after
+        the failure is refused. The calls are waited for under the lock, a while at a time
+        (``QUIET_HOLD_SECONDS``, doubled each round), as the event-loop runtime's ``quiet()``:
+        waited for outside it, a thread calling again and again took the lock in each gap and
+        the run never failed while it called; held until they end, a tool waiting for a call of
+        another thread would wait for ever (that call is let in between two rounds)."""
+        hold = QUIET_HOLD_SECONDS
         while True:
-            self._await_calls()
             with self._journaling:
-                if not self._calls.others():
+                if self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS):
+                    self._check()  # a leftover thread parked the run (or it was lost) meanwhile
                     return _settle(s.fail_run, self.lease, code, message)
+            hold *= 2
+            # threading.Lock is not fair: a call waiting for it is given the time to take it.
+            if self.lost.wait(APPROVAL_RETRY_SECONDS):
+                self._check()
 
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """Ask a human (the engine's approvals queue). The first time, parks the run and stops
