@@ -14,6 +14,7 @@ does not wait for them (they cannot end while their thread waits).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -63,3 +64,16 @@ class InFlightCalls:
             while self._count > self.own():
                 check()
                 self._settled.wait(every)
+
+    def others_end_within(self, check: Callable[[], None], seconds: float, every: float) -> bool:
+        """Whether no call of another thread is in flight within ``seconds`` (waited for as
+        :meth:`wait_for_others`, ``check`` called at least every ``every`` seconds)."""
+        deadline = time.monotonic() + seconds
+        with self._settled:
+            while self._count > self.own():
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._settled.wait(min(left, every))
+        return True

@@ -14,9 +14,11 @@ for their calls in flight before they ask. Found in review: each test failed bef
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import connections
+from django.test import override_settings
 
 from buzz_delivery.agents.exceptions import ApprovalBlockedByCalls
 from buzz_delivery.agents.models import AgentRun, JournalEntry
@@ -180,3 +182,65 @@ def test_a_call_starting_while_the_approval_waits_for_the_calls_in_flight_does_n
     assert late == [{"n": 2}]
     assert AgentRun.objects.get(id=run_id).state == "waiting_approval"
     assert _state(run_id)[3] == [(1, "tool", "succeeded"), (2, "tool", "succeeded"), (3, "approval", "pending")]
+
+
+CAP = 15.0  # the calling thread stops by itself after this (a test that hangs is no test)
+
+
+def test_a_thread_calling_again_and_again_does_not_keep_the_approval_from_parking(community):
+    """Another thread makes call after call (a poller) while the handler asks for an approval:
+    the approval waited for the calls in flight outside the journal lock, and each new call took
+    the lock in the gap between that wait and the park (the calling thread was running; the
+    asking one had to wake): the approval waited as long as the thread called (found in review,
+    as the event-loop runtime's was). They are now waited for under the lock, a while at a time:
+    the run parks, and the thread's next call is refused (the run parked)."""
+    with override_settings(BUZZ_AGENTS={"MAX_TOOL_CALLS": 100_000}):  # the budget never ends the loop
+        run_id = new_run(community.id)
+    (claimed,) = claim_agent_runs(community.id, [AGENT], worker_id="w", lease_seconds=30)
+    stop, calling = threading.Event(), threading.Event()
+    seen: list = []
+    made: list = []
+    threads: list = []
+
+    def poll(args, key):
+        made.append(args["n"])
+        calling.set()
+        time.sleep(0.002)  # a tool that does something
+        return args
+
+    def handler(ctx):
+        def caller():
+            try:
+                with ctx.scope("poller"):
+                    n = 0
+                    while not stop.is_set():
+                        n += 1
+                        ctx.call("poll", poll, {"n": n})
+                seen.append("stopped by the test")
+            except BaseException as exc:
+                seen.append(type(exc).__name__)
+            finally:
+                connections.close_all()
+
+        threads.append(threading.Thread(target=caller, daemon=True))
+        threads[0].start()
+        assert calling.wait(30)
+        return ctx.request_approval("ship?", 600)
+
+    cap = threading.Timer(CAP, stop.set)
+    cap.start()
+    started = time.monotonic()
+    try:
+        outcome = run_claim(claimed, handler)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        cap.cancel()
+        threads[0].join(30)
+    assert (outcome, seen) == ("parked", ["_Parked"]), (outcome, seen, f"{took:.1f} s, {len(made)} calls")
+    assert took < CAP / 2, took
+    state, _, _, entries = _state(run_id)
+    assert state == "waiting_approval"
+    assert entries == [(n, "tool", "succeeded") for n in range(1, len(made) + 1)] + [
+        (len(made) + 1, "approval", "pending")
+    ]

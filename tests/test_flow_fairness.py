@@ -7,8 +7,9 @@ Community A gets a backlog (100,000 pending deliveries; 20,000 ready workflow st
 of 10,000 items, a map's most; 100,000 pending agent runs), inserted in one statement each by
 copying a row made the proper way (``generate_series``; the steps by running the maps); the
 worker starts draining it; then community B commits one item. The test reads, on the database
-clock, how many of A's items were first claimed after B's item was created (for deliveries:
-after its commit returned) and before it was claimed: never more than one claim round
+clock, how many of A's items were first claimed after B's item could be seen (read after its
+commit returned: its ``created_at`` is its transaction's start, and A's claims before the commit,
+two-phase on a cluster, could not take it) and before it was claimed: never more than one claim round
 (``--batch-size`` steps, ``--in-flight`` runs; for deliveries the round under way, whose room is
 the free handler threads and at most one batch claimed ahead of them), while A's claims go on
 after B's. The poll interval is 30 s, so B's item cannot have been found by the periodic

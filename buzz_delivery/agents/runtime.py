@@ -120,6 +120,9 @@ APPROVAL_RETRY_SECONDS = 0.05  # request_approval: how often it looks again for 
 # request_approval: how long the server may see a call in flight that no call of the handler runs
 # (its result being recorded as the park read, normally well under a second)
 APPROVAL_SETTLE_SECONDS = 10.0
+# A failing run waits for its calls in flight under the journal lock this long at first (then twice
+# as long each round, the lock let go in between for a call a tool in flight waits for).
+QUIET_HOLD_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +303,9 @@ class Context:
     ) -> Any:
         scope = journal_scope.current_key()  # a deep path by its stable key
         with self._journaling:
+            # Parked (or lost) while it waited for the lock (the park is written under it): it
+            # raises as every later call does, nothing taken, no statement sent.
+            self._check()
             # The index is the call's from here, whatever the wait below: a resumed handler makes
             # the scope's calls in the same order and replays each from its own entry (an index
             # taken once the units were granted went to whichever call of the scope came next).
@@ -548,13 +554,27 @@ class Context:
         """``fail_run`` once none of the other threads' calls is in flight, written under the
         journal lock: a call journaled after the wait for the calls in flight and before the
         failure (a thread the handler left behind) was closed uncertain and its compensation run
-        while its tool still ran (the undo before the effect, which stayed). A call journaled
-        during the wait is waited for in turn; one that asks after the failure is refused."""
+        while its tool still ran (the undo before the effect, which stayed); one that asks after
+        the failure is refused. The calls are waited for under the lock, a while at a time
+        (``QUIET_HOLD_SECONDS``, doubled each round), as the event-loop runtime's ``quiet()``:
+        waited for outside it, a thread calling again and again took the lock in each gap and
+        the run never failed while it called; held until they end, a tool waiting for a call of
+        another thread would wait for ever (that call is let in between two rounds)."""
+        hold = QUIET_HOLD_SECONDS
         while True:
-            self._await_calls()
             with self._journaling:
-                if not self._calls.others():
+                if self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS):
+                    self._check()  # a leftover thread parked the run (or it was lost) meanwhile
                     return _settle(s.fail_run, self.lease, code, message)
+            hold *= 2
+            self._give_way()
+
+    def _give_way(self) -> None:
+        """Between two rounds of a wait for the calls in flight under the journal lock: a call
+        waiting for that lock (threading.Lock is not fair) is given the time to take it; a lease
+        lost meanwhile stops the wait (:class:`RunAborted`)."""
+        if self.lost.wait(APPROVAL_RETRY_SECONDS):
+            self._check()
 
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """Ask a human (the engine's approvals queue). The first time, parks the run and stops
@@ -565,23 +585,31 @@ class Context:
         from inside a ``ctx.call`` of this thread (nothing written), :class:`BudgetExhausted`,
         :class:`ReplayMismatch` or :class:`RunAborted`."""
         self._check()
-        # The calls in flight are waited for outside the journal lock, and new calls of the other
-        # threads may start meanwhile: a call nested in one in flight (on its thread, or on
-        # threads its tool starts and waits for) journals under that lock, so an approval holding
-        # it, or holding back new calls, while it waits kept the call it waits for from ending
-        # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
-        # call's journaling: the approval's position is the seq the server gives it.
+        # The calls in flight are waited for under the journal lock, a while at a time (as the
+        # failure's, _fail_when_quiet): waited for outside it, a thread calling again and again
+        # took the lock in each gap and the approval waited as long as it called; held until they
+        # end, a call nested in one in flight (on its thread, or on threads its tool starts and
+        # waits for) journals under that lock, and the approval kept the call it waits for from
+        # ending (the run hung, its heartbeat keeping the lease): the lock is let go between two
+        # rounds. The park itself is under the lock, as a call's journaling: the approval's
+        # position is the seq the server gives it.
         scope = journal_scope.current_key()  # a deep path by its stable key
+        hold = QUIET_HOLD_SECONDS
         while True:
             with self._journaling:
                 entry = self._journal.get((scope, self._positions.peek(scope)))
                 # From inside a call of this thread it asks at once: the server names the call.
-                if entry is not None or self._calls.own() or not self._calls.others():
+                if (
+                    entry is not None
+                    or self._calls.own()
+                    or self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS)
+                ):
                     index = self._positions.take(scope)
                     if entry is None:
                         outcome = self._park(prompt, deadline_seconds, scope, index)
                     break
-            self._await_calls()
+            hold *= 2
+            self._give_way()
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")
