@@ -19,7 +19,7 @@ from buzz_delivery.models import DeliveryQueue, DeliveryRecord, WorkflowAgentDel
 from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory, Expr, set_delivery_state
 from tests.citus_support import CITUS_MODE
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("migrated_after")]
 
 QUEUE = DeliveryQueue._meta.db_table
 RECORD = DeliveryRecord._meta.db_table
