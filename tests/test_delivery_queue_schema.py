@@ -26,7 +26,7 @@ from buzz_delivery.testing import (
 from tests.citus_support import CITUS_MODE
 from tests.test_tenant_isolation import TENANT_LOGIN, _as_login_role, logins  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("migrated_after")]
 
 QUEUE = DeliveryQueue._meta.db_table
 RECORD = DeliveryRecord._meta.db_table

@@ -16,12 +16,12 @@ from django.test import override_settings
 
 from buzz_delivery import scaleout, services
 from buzz_delivery.models import DeliveryQueue, DeliveryRecord, WorkflowAgentDelivery
-from buzz_delivery.services import claim_delivery, tenancy
+from buzz_delivery.services import Settled, claim_delivery, tenancy
 from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory
 from tests.citus_support import CITUS_MODE
 from tests.test_tenant_isolation import TENANT_LOGIN, _as_login_role, logins  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("migrated_after")]
 
 VIEW = WorkflowAgentDelivery._meta.db_table
 RECORD = DeliveryRecord._meta.db_table
@@ -74,7 +74,9 @@ def test_the_migration_goes_back_to_a_table_and_forward_to_the_view_with_every_r
     claimed = DeliveryFactory(binding=make_binding())
     finished = DeliveryFactory(binding=make_binding())
     pending = DeliveryFactory(binding=make_binding())
-    held = claim_delivery(community.id, claimed.target_pubkey, delivery_id=claimed.id)
+    # The longest lease: it must outlast two migrations (53 s of the default 60 on a loaded
+    # machine; a lapsed lease settled nothing and the row stayed claimed).
+    held = claim_delivery(community.id, claimed.target_pubkey, delivery_id=claimed.id, lease_seconds=300)
     done = claim_delivery(community.id, finished.target_pubkey, delivery_id=finished.id)
     assert held is not None and done is not None
     services.finish_delivery(done.lease, outcome="finished")
@@ -95,10 +97,10 @@ def test_the_migration_goes_back_to_a_table_and_forward_to_the_view_with_every_r
 
     assert _rows() == before
     # The services write through the record again: the held lease settles, the pending row claims.
-    services.finish_delivery(held.lease, outcome="finished")
+    assert services.finish_delivery(held.lease, outcome="finished") == Settled("finished")
     again = claim_delivery(community.id, pending.target_pubkey, delivery_id=pending.id)
     assert again is not None
-    services.finish_delivery(again.lease, outcome="finished")
+    assert services.finish_delivery(again.lease, outcome="finished") == Settled("finished")
     assert sorted(r.status for r in WorkflowAgentDelivery.objects.all()) == ["finished"] * 3
 
 
