@@ -5,8 +5,8 @@ tests/test_agents_approval_calls_in_flight.py for the thread runtime).
 On a handler error the remote runtime waited for the calls in flight outside the journal lock
 (``_await_calls``), then failed the run: a call a leftover thread journaled between that wait and
 the failure was closed uncertain and its compensation run while its tool still ran (the undo
-before the effect, which stayed); and a thread calling again and again took the lock in each gap,
-so neither the failure nor ``request_approval`` (which waited the same way) ended while it called
+before the effect, which stayed; a thread calling again and again met that gap at each of its
+calls); and ``request_approval``, waiting the same way, waited as long as such a thread called
 (found in review). Both now wait for the calls in flight under the journal lock, a while at a
 time (``QUIET_HOLD_SECONDS``, doubled each round, the lock let go in between), then write the
 failure or the park under it."""
@@ -134,15 +134,38 @@ def _capped(agent, claim, handler, stop, threads):
             thread.join(30)
 
 
-def test_a_thread_calling_again_and_again_does_not_keep_a_failing_remote_run_from_ending(gateway_server):
-    """A thread the handler left behind makes call after call (a poller): the run did not fail
-    while it called (found in review). It fails now, and the thread's next call is refused."""
+@pytest.mark.parametrize("in_the_gap", [False, True])
+def test_a_thread_calling_again_and_again_does_not_keep_a_failing_remote_run_from_ending(
+    gateway_server, in_the_gap, monkeypatch
+):
+    """A thread the handler left behind makes call after call (a poller). The failure waited for
+    the calls in flight outside the journal lock, then was sent: the poller's next call, journaled
+    in that gap, was closed uncertain (``failed``, uncertain: in 5 of 8 runs before the fix, the
+    failure and that journal request racing at the gateway; every run ``in_the_gap``, where the
+    journal's answer reaches the runtime 0.5 s late and the failure is sent 0.2 s after the wait,
+    as on a loaded machine). The failure is now written under the
+    journal lock once no call is in flight, bounded (waited for a while at a time): the run
+    fails, every call made is recorded, and the thread's next call is refused."""
     agent, run_id = _run(gateway_server)
     (claim,) = agent.claim_runs(worker_id="w")
     stop, calling = threading.Event(), threading.Event()
     made: list = []
     seen: list = []
     threads: list = []
+    if in_the_gap:
+        journal_call, await_calls = agent.journal_call, RemoteRunContext._await_calls
+
+        def late(*args, **kwargs):
+            outcome = journal_call(*args, **kwargs)
+            time.sleep(0.5)  # journaled at the gateway, not yet counted in flight by the runtime
+            return outcome
+
+        def slow_to_wake(self):
+            await_calls(self)
+            time.sleep(0.2)  # the poller's next call is journaled by now
+
+        agent.journal_call = late
+        monkeypatch.setattr(RemoteRunContext, "_await_calls", slow_to_wake)
 
     def handler(ctx):
         threads.append(_poller(ctx, stop, calling, made, seen))
@@ -180,3 +203,72 @@ def test_a_thread_calling_again_and_again_does_not_keep_the_remote_approval_from
     assert AgentRun.objects.get(id=run_id).state == "waiting_approval"
     calls = [(n, "tool", "succeeded", False, None) for n in range(1, len(made) + 1)]
     assert _entries(run_id) == [*calls, (len(made) + 1, "approval", "pending", False, None)]
+
+
+def test_a_call_a_tool_in_flight_waits_for_on_another_thread_is_let_in_before_the_failure(
+    gateway_server, tmp_path, monkeypatch
+):
+    """The failure waits for the calls in flight holding the journal lock; a call in flight whose
+    tool starts a thread that calls, and waits for it, would wait for ever for that lock (the run
+    hung, its lease renewed): the lock is let go between two rounds, the inner call is made, the
+    outer one recorded, then the run fails and both are undone, inner first."""
+    from buzz_delivery.inflight import InFlightCalls
+
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("GATEWAY_RUN_LEDGER", str(ledger))
+    agent, run_id = _run(gateway_server)
+    (claim,) = agent.claim_runs(worker_id="w")
+    started, holding = threading.Event(), threading.Event()  # holding: the failure waits, lock held
+    original = InFlightCalls.others_end_within
+
+    def others_end_within(self, *args):
+        holding.set()
+        return original(self, *args)
+
+    monkeypatch.setattr(InFlightCalls, "others_end_within", others_end_within)
+    # The wait before the failure (outside the lock) would wait for the outer call, which waits
+    # for the failure's: the failure's own wait is the one under test.
+    monkeypatch.setattr(RemoteRunContext, "_await_calls", lambda self: None)
+    seen: list = []
+
+    def handler(ctx):
+        def outer_tool(args, key):
+            started.set()
+            assert holding.wait(CAP)
+            inner: list = []
+
+            def inner_thread():
+                try:
+                    inner.append(ctx.call("inner", gh.effect, {"n": 2}, compensate=gh.undo))
+                except BaseException as exc:
+                    inner.append(type(exc).__name__)
+
+            thread = threading.Thread(target=inner_thread, daemon=True)
+            thread.start()
+            thread.join(CAP)
+            assert inner == [{"n": 2}], inner
+            return gh.effect(args, key)
+
+        def tool():
+            try:
+                seen.append(ctx.call("outer", outer_tool, {"n": 1}, compensate=gh.undo))
+            except BaseException as exc:
+                seen.append(type(exc).__name__)
+
+        threading.Thread(target=tool, daemon=True).start()
+        assert started.wait(30)
+        raise RuntimeError("the handler gives up")
+
+    began = time.monotonic()
+    outcome = run_remote_claim(agent, claim, handler, RemoteRunContext(agent, claim))
+    took = time.monotonic() - began
+    assert seen == [{"n": 1}], seen
+    assert took < CAP, took
+    assert _entries(run_id) == [
+        (1, "tool", "succeeded", False, "compensated"),
+        (2, "tool", "succeeded", False, "compensated"),
+    ]
+    assert [line.split()[0] for line in ledger.read_text().splitlines()] == ["call", "call", "undo", "undo"]
+    assert ledger.read_text().splitlines()[2] == f"undo {run_id}:2:compensate"  # inner first
+    run = AgentRun.objects.get(id=run_id)
+    assert (outcome, run.state, run.failure_code) == ("compensated", "failed", "handler_error")
