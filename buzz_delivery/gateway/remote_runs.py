@@ -332,10 +332,11 @@ class RemoteRunContext:
         before the effect, which stayed); one that asks after the failure is refused. The calls
         are waited for under the lock, a while at a time (``QUIET_HOLD_SECONDS``, doubled each
         round), as the thread runtime's ``Context._fail_when_quiet``: waited for outside it, a
-        thread calling again and again took the lock in each gap and the run never failed while
-        it called; held until they end, a tool waiting for a call of another thread would wait
-        for ever (that call is let in between two rounds). Raises :class:`RunAborted` or
-        ``_Parked`` (a leftover thread parked the run meanwhile)."""
+        thread calling again and again journaled in each gap (the failure closed that call
+        uncertain, the thread runtime's was held off while it called); held until they end, a
+        tool waiting for a call of another thread would wait for ever (that call is let in
+        between two rounds). Raises :class:`RunAborted` or ``_Parked`` (a leftover thread parked
+        the run meanwhile)."""
         hold = QUIET_HOLD_SECONDS
         while True:
             with self._journaling:
