@@ -150,6 +150,10 @@ APPROVAL_RETRY_SECONDS = 0.05  # request_approval: how often it looks again for 
 # request_approval: how long the gateway may see a call in flight that no call of the handler
 # runs (its result being recorded as the park read, normally well under a second)
 APPROVAL_SETTLE_SECONDS = 10.0
+# A failing run (and request_approval) waits for its calls in flight under the journal lock this
+# long at first (then twice as long each round, the lock let go in between for a call a tool in
+# flight waits for), as the thread runtime's.
+QUIET_HOLD_SECONDS = 0.5
 
 
 # Refusals of a runtime request that reach the handler as they are (RemoteRunContext._runtime):
@@ -320,6 +324,36 @@ class RemoteRunContext:
     def _await_calls(self) -> None:
         self._calls.wait_for_others(self._check, APPROVAL_RETRY_SECONDS)
 
+    def _fail_when_quiet(self, code: str, message: str) -> RunOutcome:
+        """Fail the run (the gateway's answer: ``finished``, ``unwinding``...) once none of the
+        other threads' calls is in flight, written under the journal lock: a call journaled
+        after the wait for the calls in flight and before the failure (a thread the handler left
+        behind) was closed uncertain and its compensation run while its tool still ran (the undo
+        before the effect, which stayed); one that asks after the failure is refused. The calls
+        are waited for under the lock, a while at a time (``QUIET_HOLD_SECONDS``, doubled each
+        round), as the thread runtime's ``Context._fail_when_quiet``: waited for outside it, a
+        thread calling again and again journaled in each gap (the failure closed that call
+        uncertain, the thread runtime's was held off while it called); held until they end, a
+        tool waiting for a call of another thread would wait for ever (that call is let in
+        between two rounds). Raises :class:`RunAborted` or ``_Parked`` (a leftover thread parked
+        the run meanwhile)."""
+        hold = QUIET_HOLD_SECONDS
+        while True:
+            with self._journaling:
+                if self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS):
+                    self._check()  # a leftover thread parked the run (or it was lost) meanwhile
+                    text = storable(message, FAILURE_MESSAGE_MAX_CHARS)
+                    return _send_fail(self.client, self.batcher, self.lease, code, text)
+            hold *= 2
+            self._give_way()
+
+    def _give_way(self) -> None:
+        """Between two rounds of a wait for the calls in flight under the journal lock: a call
+        waiting for that lock (threading.Lock is not fair) is given the time to take it; a lease
+        lost meanwhile stops the wait (:class:`RunAborted`)."""
+        if self.lost.wait(APPROVAL_RETRY_SECONDS):
+            self._check()
+
     def _call(
         self,
         tool_name: str,
@@ -332,6 +366,9 @@ class RemoteRunContext:
     ) -> Any:
         scope = journal_scope.current_key()  # a deep path by its stable key
         with self._journaling:
+            # Parked (or lost) while it waited for the lock (the park is written under it): it
+            # raises as every later call does, nothing taken, no request sent.
+            self._check()
             index = self._positions.take(scope)
             entry = self._journal.get((scope, index))
             outcome: Any = None
@@ -465,23 +502,31 @@ class RemoteRunContext:
         them to be recorded (while the lease holds), then parks; from inside a ``ctx.call`` of
         the same thread it raises :class:`ApprovalBlockedByCalls` (nothing written)."""
         self._check()
-        # The calls in flight are waited for outside the journal lock, and new calls of the other
-        # threads may start meanwhile: a call nested in one in flight (on its thread, or on
-        # threads its tool starts and waits for) journals under that lock, so an approval holding
-        # it, or holding back new calls, while it waits kept the call it waits for from ending
-        # (the run hung, its heartbeat keeping the lease). The park itself is under the lock, as a
-        # call's journaling: the approval's position is the seq the gateway gives it.
+        # The calls in flight are waited for under the journal lock, a while at a time (as the
+        # failure's, _fail_when_quiet): waited for outside it, a thread calling again and again
+        # took the lock in each gap and the approval waited as long as it called; held until they
+        # end, a call nested in one in flight (on threads its tool starts and waits for) journals
+        # under that lock, and the approval kept the call it waits for from ending (the run hung,
+        # its heartbeat keeping the lease): the lock is let go between two rounds. The park itself
+        # is under the lock, as a call's journaling: the approval's position is the seq the
+        # gateway gives it.
         scope = journal_scope.current_key()  # a deep path by its stable key
+        hold = QUIET_HOLD_SECONDS
         while True:
             with self._journaling:
                 entry = self._journal.get((scope, self._positions.peek(scope)))
                 # From inside a call of this thread it asks at once: the gateway names the call.
-                if entry is not None or self._calls.own() or not self._calls.others():
+                if (
+                    entry is not None
+                    or self._calls.own()
+                    or self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS)
+                ):
                     index = self._positions.take(scope)
                     if entry is None:
                         outcome = self._park(prompt, deadline_seconds, self._key(scope, index))
                     break
-            self._await_calls()
+            hold *= 2
+            self._give_way()
         if entry is not None:
             if entry["kind"] != "approval":
                 raise ReplayMismatch(f"entry {entry['seq']} is a {entry['tool_name']!r} call, not an approval")
@@ -885,7 +930,8 @@ def run_remote_claim(
         if ctx.lost.is_set():
             return "lost"
         # A call the handler started on another thread is recorded first: failed under it, the
-        # call was marked uncertain and compensated while the tool still ran.
+        # call was marked uncertain and compensated while the tool still ran. (The failure waits
+        # again under the journal lock, _fail: a leftover thread may journal a call meanwhile.)
         try:
             ctx._await_calls()
         except (RunAborted, _Parked):  # _Parked: a thread the handler left parked the run meanwhile
@@ -895,7 +941,7 @@ def run_remote_claim(
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
         ctx.failure_code = code
-        return _unless_parked(ctx, _fail(client, ctx.lease, code, f"{type(exc).__name__}: {describe(exc)}", batcher))
+        return _fail(client, ctx, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
     parked = getattr(ctx, "parked", None)
     if parked is not None:  # it returned after swallowing its park: the run waits all the same
         return _parked_turn(lease, parked, "returned")
@@ -911,7 +957,7 @@ def run_remote_claim(
     problem = _unstorable_output(output)
     if problem is not None:
         ctx.failure_code = "output_not_json"
-        return _fail(client, ctx.lease, "output_not_json", f"the handler's output {problem}", batcher)
+        return _fail(client, ctx, "output_not_json", f"the handler's output {problem}", batcher)
     # While the gateway still sees calls of this holder in flight (a thread the handler left
     # behind journaled one after it returned), wait for them and ask again, for a bounded time,
     # then fail the run (its calls closed uncertain): never a run lost silently.
@@ -927,7 +973,7 @@ def run_remote_claim(
             if exc.status != 400:
                 raise
             ctx.failure_code = "output_refused"
-            return _fail(client, ctx.lease, "output_refused", f"the gateway refused the output: {exc}", batcher)
+            return _fail(client, ctx, "output_refused", f"the gateway refused the output: {exc}", batcher)
         if done.outcome != "calls_in_flight":
             return "completed" if done.outcome == "finished" else _unless_parked(ctx, "lost")
         if time.monotonic() > settle:
@@ -941,16 +987,19 @@ def run_remote_claim(
     ctx.failure_code = "calls_in_flight"
     seqs = ", ".join(str(seq) for seq in done.data.get("seqs") or ())
     message = f"call(s) {seqs} of this run were never recorded; cannot complete"
-    return _fail(client, ctx.lease, "calls_in_flight", message, batcher)
+    return _fail(client, ctx, "calls_in_flight", message, batcher)
 
 
-def _fail(
-    client: GatewayClient, lease: RemoteRunLease, code: str, message: str, batcher: RunBatcher | None = None
-) -> str:
-    failed = _send_fail(client, batcher, lease, code, storable(message, FAILURE_MESSAGE_MAX_CHARS))
+def _fail(client: GatewayClient, ctx: Any, code: str, message: str, batcher: RunBatcher | None = None) -> str:
+    """Fail the run once none of the handler's calls is in flight, under the journal lock
+    (:meth:`RemoteRunContext._fail_when_quiet`), then unwind its compensations outside it."""
+    try:
+        failed = ctx._fail_when_quiet(code, message)
+    except (RunAborted, _Parked):  # _Parked: a thread the handler left parked the run meanwhile
+        return _unless_parked(ctx, "lost")
     if failed.outcome == "unwinding":
-        return unwind(client, lease, failed.data["seqs"], batcher)
-    return "failed" if failed.outcome == "finished" else "lost"
+        return unwind(client, ctx.lease, failed.data["seqs"], batcher)
+    return "failed" if failed.outcome == "finished" else _unless_parked(ctx, "lost")
 
 
 def _unstorable_output(output: Any) -> str | None:
