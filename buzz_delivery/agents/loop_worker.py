@@ -331,26 +331,32 @@ class AsyncAgentWorker:
         communities = round_robin(await runtime.pool.run(self._communities), self.claim_after)
         found = await self._accept(runtime, communities)
         # Fairness (buzz_delivery.fairness): every community with work gets its share of the
-        # room, from the one after where the last round ended, before any gets more.
-        each = share(self._room(tasks), len(communities))
+        # room, from the one after where the last round ended, before any gets more. A round
+        # claims at most the room it started with: runs that end while it claims free room for
+        # the next round, not for this one's second pass (on a cluster, where a claim takes
+        # longer and more runs end meanwhile, a full community's second pass took that room too,
+        # 75 of its runs claimed while another's one waited for the next round, not 50).
+        budget = self._room(tasks)
+        each = share(budget, len(communities))
         full: list[uuid.UUID] = []
         for community in communities:
-            room = self._room(tasks)
+            room = min(self._room(tasks), budget)
             if self.stopping.is_set() or room <= 0:
                 break
             if self.skipped.waits(community):
                 continue  # its last claim or batch waited for a lock: claimed again once that is over
             limit = min(each, room, MAX_CLAIM)
             claimed = await self._claim(runtime, community, limit, tasks)
+            budget -= claimed
             self.claim_after = community
             found = found or bool(claimed)
             if claimed == limit:
                 full.append(community)
         for community in full:
-            room = self._room(tasks)
+            room = min(self._room(tasks), budget)
             if self.stopping.is_set() or room <= 0:
                 break
-            await self._claim(runtime, community, min(room, MAX_CLAIM), tasks)
+            budget -= await self._claim(runtime, community, min(room, MAX_CLAIM), tasks)
         if not found and cfg.exit_when_idle:
             found = await self._accept(runtime, communities, force=True)  # nothing left to accept either
         return found
