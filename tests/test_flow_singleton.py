@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import psycopg
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
 
 from buzz_delivery import models, services
 from buzz_delivery.services import singleton, sql
+from buzz_delivery.services.tenancy import fleet
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT, backdate_lease
@@ -482,3 +485,104 @@ def test_producers_of_one_key_over_several_targets_never_deadlock(modes):
     assert not errors, [str(e).splitlines()[0] for e in errors]
     queued = models.DeliveryQueue.objects.filter(community_id=community.id, singleton_key="k")
     assert sorted(bytes(t) for t in queued.values_list("target_pubkey", flat=True)) == sorted(targets)
+
+
+def _waits_on_a_lock(timeout: float) -> bool:
+    """True once some backend of this database waits on a lock (within ``timeout`` seconds).
+    On Citus the waits happen on the workers, unseen here: a fixed pause stands in."""
+    if CITUS_MODE:
+        time.sleep(min(timeout, 0.5))
+        return False
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(**_libpq()) as probe:
+        while time.monotonic() < deadline:
+            found = probe.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()[0]
+            if found:
+                return True
+            time.sleep(0.02)
+    return False
+
+
+def _libpq() -> dict[str, object]:
+    s = connection.settings_dict
+    return {"dbname": s["NAME"], "user": s["USER"], "host": s["HOST"], "port": s["PORT"], "autocommit": True}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_for():
+    """The supersede met its holders as its snapshot saw them. A holder claimed since (the claim
+    committed after the statement began) was locked anyway (READ COMMITTED re-checks the newest
+    version under its lock, and keeps the lock when the row no longer qualifies), and the next
+    holder waited for: so a replace could hold one worker lease's row while waiting for another's,
+    and a worker renewing or settling both (a multi-row statement meets rows in its plan's order)
+    in the other order closed the cycle: "deadlock detected" for one of them, an error, not an
+    outcome (CI's adversary run, with the reaper's stand-in UPDATE as the worker). The supersede
+    now skips a locked holder (its target is decided again in the next round) and never waits."""
+    community = CommunityFactory()
+    run = WorkflowRunFactory(community=community)
+    event = EventFactory(community=community)
+    t1, t2 = sorted([random32(), random32()])
+    bindings = [BindingFactory.build(run=run, message_event=event, target_pubkey=t) for t in (t1, t2)]
+    h1, h2 = services.commit_deliveries(community.id, event, bindings, singleton_key="k").created
+    connection.close()
+    errors: list[BaseException] = []
+    a_claimed, a_commit, c_holds_h2, c_go = (threading.Event() for _ in range(4))
+    found: dict[str, object] = {}
+
+    def guarded(body):
+        def run_it() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        return run_it
+
+    @guarded
+    def worker_a() -> None:  # claims H1 in its own transaction, open until told to commit
+        with transaction.atomic():
+            found["a"] = services.claim_deliveries(community.id, t1, limit=1, holder="a")
+            a_claimed.set()
+            assert a_commit.wait(30)
+
+    @guarded
+    def producer() -> None:
+        more = [BindingFactory.build(run=run, message_event=event, target_pubkey=t) for t in (t1, t2)]
+        found["p"] = services.commit_deliveries(community.id, event, more, singleton_key="k", on_conflict="replace")
+
+    @guarded
+    def worker_c() -> None:  # holds H2's row, then wants H1's (its two leases, H2's first)
+        with transaction.atomic(), fleet(), connection.cursor() as cursor:
+            renew = f"UPDATE {sql.QUEUE} SET renewals = renewals + 1 WHERE community_id = %s AND id = %s"
+            cursor.execute(renew, [community.id, h2])
+            c_holds_h2.set()
+            assert c_go.wait(30)
+            cursor.execute(renew, [community.id, h1])
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        a = pool.submit(worker_a)
+        assert a_claimed.wait(30)
+        p = pool.submit(producer)
+        _waits_on_a_lock(1.0)  # (before: the supersede waits for A's claim of H1)
+        found["b"] = services.claim_deliveries(community.id, t2, limit=1, holder="b")  # H2 claimed, if it is free
+        connection.close()
+        c = pool.submit(worker_c)
+        c_holds_h2.wait(1.0)  # (after: C waits for the replace, which superseded H2)
+        a_commit.set()
+        a.result(30)
+        _waits_on_a_lock(1.0)  # (before: the supersede, now holding H1's row, waits for C's H2)
+        c_go.set()
+        c.result(30)
+        p.result(30)
+
+    assert not errors, [str(e).splitlines()[0] for e in errors]
+    assert [type(o) for o in found["p"].outcomes] in (
+        [singleton.Committed, singleton.Committed],  # B claimed H2 first
+        [singleton.Committed, singleton.Replaced],  # the replace superseded H2 first
+    )
+    queued = models.DeliveryQueue.objects.filter(community_id=community.id, singleton_key="k")
+    assert sorted(bytes(t) for t in queued.values_list("target_pubkey", flat=True)) == [t1, t2]
