@@ -369,8 +369,9 @@ def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommi
         todo = left
         if not todo:
             return SingletonCommit(key, mode, tuple(outcomes[i] for i in range(count)), round_)
-        first, last = ROUND_PAUSE
-        time.sleep(min(first * 2 ** (round_ - 1), last))
+        if round_ < MAX_ROUNDS:
+            first, last = ROUND_PAUSE
+            time.sleep(min(first * 2 ** (round_ - 1), last))
     raise SingletonContended(f"singleton key {key!r}: lost to concurrent commits {MAX_ROUNDS} times")
 
 
