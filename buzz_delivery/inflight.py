@@ -8,7 +8,8 @@ it holds its journal position (:meth:`InFlightCalls.enter`, called under the run
 lock: counted before it, a call waiting for the lock an approval held while it waited for the
 calls in flight would wait for ever) until it is recorded (:meth:`InFlightCalls.leave`). Calls
 nested in a call of the same thread are this thread's own: :meth:`InFlightCalls.wait_for_others`
-does not wait for them (they cannot end while their thread waits).
+does not wait for them (they cannot end while their thread waits). A failure and a park are
+written under the journal lock once the other threads' calls ended (:func:`when_quiet`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class InFlightCalls:
@@ -77,3 +82,37 @@ class InFlightCalls:
                     return False
                 self._settled.wait(min(left, every))
         return True
+
+
+def when_quiet(
+    lock: AbstractContextManager[Any],
+    calls: InFlightCalls,
+    check: Callable[[], None],
+    lost: threading.Event,
+    then: Callable[[], T],
+    at_once: Callable[[], bool] | None = None,
+    *,
+    hold: float,
+    every: float,
+) -> T:
+    """``then()``'s result, ``then`` called under ``lock`` (a runtime's journal lock) once no call
+    of another thread is in flight, or at once when ``at_once()`` (asked under the lock first each
+    round) says so. Both runtimes' failure (``_fail_when_quiet``) and ``request_approval``.
+
+    The calls are waited for under the lock, a while at a time: ``hold`` seconds at first, twice
+    as long each round (``check``, which raises to stop the wait, called at least every
+    ``every`` seconds: :meth:`InFlightCalls.others_end_within`). Waited for outside it, a call a
+    thread journaled between the wait and ``then`` was closed uncertain by a failure (its undo
+    before its effect), and a thread calling again and again took the lock in each gap (the
+    failure or the approval waited as long as it called); held until they end, a call that a
+    call in flight waits for (nested on its thread, or on a thread its tool starts) could never
+    take the lock. Between two rounds the lock is let go for ``every`` seconds, so a call waiting
+    for it (``threading.Lock`` is not fair) has the time to take it; ``lost`` set meanwhile stops
+    the wait (``check`` raises)."""
+    while True:
+        with lock:
+            if (at_once is not None and at_once()) or calls.others_end_within(check, hold, every):
+                return then()
+        hold *= 2
+        if lost.wait(every):
+            check()

@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from django.core.exceptions import ValidationError
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, OperationalError, connections
@@ -70,7 +70,7 @@ from buzz_delivery.agents.services import batch
 from buzz_delivery.agents.services.common import sha256_json
 from buzz_delivery.agents.services.output import chunk_value
 from buzz_delivery.exceptions import in_chain
-from buzz_delivery.inflight import InFlightCalls
+from buzz_delivery.inflight import InFlightCalls, when_quiet
 from buzz_delivery.lockwaits import tried_last
 from buzz_delivery.services import ratelimits
 from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded, node_lost
@@ -82,6 +82,7 @@ from buzz_delivery.worker.renewer import lock_wait_ms
 from buzz_delivery.workflows.services.common import BadJSON, json_text
 
 logger = logging.getLogger("buzz_delivery.agents")
+T = TypeVar("T")
 
 NOT_MADE = object()  # a reconcile hook's answer: the call never reached the tool
 
@@ -559,22 +560,20 @@ class Context:
         (``QUIET_HOLD_SECONDS``, doubled each round), as the event-loop runtime's ``quiet()``:
         waited for outside it, a thread calling again and again took the lock in each gap and
         the run never failed while it called; held until they end, a tool waiting for a call of
-        another thread would wait for ever (that call is let in between two rounds)."""
-        hold = QUIET_HOLD_SECONDS
-        while True:
-            with self._journaling:
-                if self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS):
-                    self._check()  # a leftover thread parked the run (or it was lost) meanwhile
-                    return _settle(s.fail_run, self.lease, code, message)
-            hold *= 2
-            self._give_way()
+        another thread would wait for ever (that call is let in between two rounds:
+        :func:`~buzz_delivery.inflight.when_quiet`)."""
 
-    def _give_way(self) -> None:
-        """Between two rounds of a wait for the calls in flight under the journal lock: a call
-        waiting for that lock (threading.Lock is not fair) is given the time to take it; a lease
-        lost meanwhile stops the wait (:class:`RunAborted`)."""
-        if self.lost.wait(APPROVAL_RETRY_SECONDS):
-            self._check()
+        def fail() -> Any:
+            self._check()  # a leftover thread parked the run (or it was lost) meanwhile
+            return _settle(s.fail_run, self.lease, code, message)
+
+        return self._when_quiet(fail)
+
+    def _when_quiet(self, then: Callable[[], T], at_once: Callable[[], bool] | None = None) -> T:
+        """``then()`` under the journal lock once the other threads' calls ended (or ``at_once()``),
+        :func:`~buzz_delivery.inflight.when_quiet`; a lease lost meanwhile raises :class:`RunAborted`."""
+        hold, every = QUIET_HOLD_SECONDS, APPROVAL_RETRY_SECONDS
+        return when_quiet(self._journaling, self._calls, self._check, self.lost, then, at_once, hold=hold, every=every)
 
     def request_approval(self, prompt: str = "", deadline_seconds: int = 86400) -> dict[str, Any]:
         """Ask a human (the engine's approvals queue). The first time, parks the run and stops
@@ -594,22 +593,17 @@ class Context:
         # rounds. The park itself is under the lock, as a call's journaling: the approval's
         # position is the seq the server gives it.
         scope = journal_scope.current_key()  # a deep path by its stable key
-        hold = QUIET_HOLD_SECONDS
-        while True:
-            with self._journaling:
-                entry = self._journal.get((scope, self._positions.peek(scope)))
-                # From inside a call of this thread it asks at once: the server names the call.
-                if (
-                    entry is not None
-                    or self._calls.own()
-                    or self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS)
-                ):
-                    index = self._positions.take(scope)
-                    if entry is None:
-                        outcome = self._park(prompt, deadline_seconds, scope, index)
-                    break
-            hold *= 2
-            self._give_way()
+
+        def at_once() -> bool:
+            # Replayed, or from inside a call of this thread (the server names the call): at once.
+            return self._journal.get((scope, self._positions.peek(scope))) is not None or bool(self._calls.own())
+
+        def park() -> tuple[JournalEntry | None, Any]:
+            index = self._positions.take(scope)
+            entry = self._journal.get((scope, index))
+            return entry, None if entry is not None else self._park(prompt, deadline_seconds, scope, index)
+
+        entry, outcome = self._when_quiet(park, at_once)
         if entry is not None:
             if entry.kind != "approval":
                 raise ReplayMismatch(f"entry {entry.seq} is a {entry.tool_name!r} call, not an approval")

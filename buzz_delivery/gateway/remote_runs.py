@@ -31,7 +31,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -61,9 +61,10 @@ from buzz_delivery.gateway.client import (
     storable,
     unreachable_for_long,
 )
-from buzz_delivery.inflight import InFlightCalls
+from buzz_delivery.inflight import InFlightCalls, when_quiet
 
 logger = logging.getLogger("buzz_delivery.gateway.remote_runs")
+T = TypeVar("T")
 
 NOT_MADE = object()  # a reconcile hook's answer: the call never reached the tool
 SUMMARY_KEYS = ("claimed", "completed", "failed", "compensated", "compensation_failed", "parked", "lost", "renewed",
@@ -337,22 +338,19 @@ class RemoteRunContext:
         tool waiting for a call of another thread would wait for ever (that call is let in
         between two rounds). Raises :class:`RunAborted` or ``_Parked`` (a leftover thread parked
         the run meanwhile)."""
-        hold = QUIET_HOLD_SECONDS
-        while True:
-            with self._journaling:
-                if self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS):
-                    self._check()  # a leftover thread parked the run (or it was lost) meanwhile
-                    text = storable(message, FAILURE_MESSAGE_MAX_CHARS)
-                    return _send_fail(self.client, self.batcher, self.lease, code, text)
-            hold *= 2
-            self._give_way()
 
-    def _give_way(self) -> None:
-        """Between two rounds of a wait for the calls in flight under the journal lock: a call
-        waiting for that lock (threading.Lock is not fair) is given the time to take it; a lease
-        lost meanwhile stops the wait (:class:`RunAborted`)."""
-        if self.lost.wait(APPROVAL_RETRY_SECONDS):
-            self._check()
+        def fail() -> RunOutcome:
+            self._check()  # a leftover thread parked the run (or it was lost) meanwhile
+            text = storable(message, FAILURE_MESSAGE_MAX_CHARS)
+            return _send_fail(self.client, self.batcher, self.lease, code, text)
+
+        return self._when_quiet(fail)
+
+    def _when_quiet(self, then: Callable[[], T], at_once: Callable[[], bool] | None = None) -> T:
+        """``then()`` under the journal lock once the other threads' calls ended (or ``at_once()``),
+        :func:`~buzz_delivery.inflight.when_quiet`; a lease lost meanwhile raises :class:`RunAborted`."""
+        hold, every = QUIET_HOLD_SECONDS, APPROVAL_RETRY_SECONDS
+        return when_quiet(self._journaling, self._calls, self._check, self.lost, then, at_once, hold=hold, every=every)
 
     def _call(
         self,
@@ -511,22 +509,17 @@ class RemoteRunContext:
         # is under the lock, as a call's journaling: the approval's position is the seq the
         # gateway gives it.
         scope = journal_scope.current_key()  # a deep path by its stable key
-        hold = QUIET_HOLD_SECONDS
-        while True:
-            with self._journaling:
-                entry = self._journal.get((scope, self._positions.peek(scope)))
-                # From inside a call of this thread it asks at once: the gateway names the call.
-                if (
-                    entry is not None
-                    or self._calls.own()
-                    or self._calls.others_end_within(self._check, hold, APPROVAL_RETRY_SECONDS)
-                ):
-                    index = self._positions.take(scope)
-                    if entry is None:
-                        outcome = self._park(prompt, deadline_seconds, self._key(scope, index))
-                    break
-            hold *= 2
-            self._give_way()
+
+        def at_once() -> bool:
+            # Replayed, or from inside a call of this thread (the gateway names the call): at once.
+            return self._journal.get((scope, self._positions.peek(scope))) is not None or bool(self._calls.own())
+
+        def park() -> tuple[dict[str, Any] | None, Any]:
+            index = self._positions.take(scope)
+            entry = self._journal.get((scope, index))
+            return entry, None if entry is not None else self._park(prompt, deadline_seconds, self._key(scope, index))
+
+        entry, outcome = self._when_quiet(park, at_once)
         if entry is not None:
             if entry["kind"] != "approval":
                 raise ReplayMismatch(f"entry {entry['seq']} is a {entry['tool_name']!r} call, not an approval")
@@ -941,7 +934,7 @@ def run_remote_claim(
         else:
             code = "handler_error" if isinstance(exc, Exception) else "handler_aborted"
         ctx.failure_code = code
-        return _fail(client, ctx, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
+        return _fail(ctx, code, f"{type(exc).__name__}: {describe(exc)}", batcher)
     parked = getattr(ctx, "parked", None)
     if parked is not None:  # it returned after swallowing its park: the run waits all the same
         return _parked_turn(lease, parked, "returned")
@@ -957,7 +950,7 @@ def run_remote_claim(
     problem = _unstorable_output(output)
     if problem is not None:
         ctx.failure_code = "output_not_json"
-        return _fail(client, ctx, "output_not_json", f"the handler's output {problem}", batcher)
+        return _fail(ctx, "output_not_json", f"the handler's output {problem}", batcher)
     # While the gateway still sees calls of this holder in flight (a thread the handler left
     # behind journaled one after it returned), wait for them and ask again, for a bounded time,
     # then fail the run (its calls closed uncertain): never a run lost silently.
@@ -973,7 +966,7 @@ def run_remote_claim(
             if exc.status != 400:
                 raise
             ctx.failure_code = "output_refused"
-            return _fail(client, ctx, "output_refused", f"the gateway refused the output: {exc}", batcher)
+            return _fail(ctx, "output_refused", f"the gateway refused the output: {exc}", batcher)
         if done.outcome != "calls_in_flight":
             return "completed" if done.outcome == "finished" else _unless_parked(ctx, "lost")
         if time.monotonic() > settle:
@@ -987,18 +980,19 @@ def run_remote_claim(
     ctx.failure_code = "calls_in_flight"
     seqs = ", ".join(str(seq) for seq in done.data.get("seqs") or ())
     message = f"call(s) {seqs} of this run were never recorded; cannot complete"
-    return _fail(client, ctx, "calls_in_flight", message, batcher)
+    return _fail(ctx, "calls_in_flight", message, batcher)
 
 
-def _fail(client: GatewayClient, ctx: Any, code: str, message: str, batcher: RunBatcher | None = None) -> str:
+def _fail(ctx: RemoteRunContext, code: str, message: str, batcher: RunBatcher | None = None) -> str:
     """Fail the run once none of the handler's calls is in flight, under the journal lock
-    (:meth:`RemoteRunContext._fail_when_quiet`), then unwind its compensations outside it."""
+    (:meth:`RemoteRunContext._fail_when_quiet`), then unwind its compensations outside it
+    (through ``ctx.client``, the client it was claimed with, and ``batcher``)."""
     try:
         failed = ctx._fail_when_quiet(code, message)
     except (RunAborted, _Parked):  # _Parked: a thread the handler left parked the run meanwhile
         return _unless_parked(ctx, "lost")
     if failed.outcome == "unwinding":
-        return unwind(client, ctx.lease, failed.data["seqs"], batcher)
+        return unwind(ctx.client, ctx.lease, failed.data["seqs"], batcher)
     return "failed" if failed.outcome == "finished" else _unless_parked(ctx, "lost")
 
 
