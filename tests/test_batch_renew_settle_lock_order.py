@@ -1,0 +1,115 @@
+"""A holder's renewal round and its settle batch of the same leases, at once (the gateway's remote
+worker renews a settled lease "until its batch is answered", so its renew and settle requests
+overlap by design): each is one multi-row statement on the queue that locks its rows in the
+order of its own list (a nested loop over the unnest), the renewal in the order the leases were
+claimed, the settle in the order the handlers finished. Met in opposite orders, each holds a row
+the other waits for: "deadlock detected" for one of them (a 503 for the remote worker's request).
+
+A reproduction, deterministic: an open transaction holding the first lease's row (a renewal of
+it that has not committed yet) lines the two up so that the settle takes that row first and the
+round the other one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+
+from buzz_delivery import services
+from buzz_delivery.services import LeaseLost, Renewed, Settled, sql
+from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
+from tests.citus_support import CITUS_MODE
+from tests.conftest import BARRIER_TIMEOUT
+
+
+def _libpq() -> dict[str, object]:
+    s = connection.settings_dict
+    return {"dbname": s["NAME"], "user": s["USER"], "host": s["HOST"], "port": s["PORT"], "autocommit": True}
+
+
+def _lock_waits_reach(count: int, timeout: float) -> bool:
+    """True once ``count`` backends of this database wait on a lock (within ``timeout`` seconds).
+    On Citus the waits happen on the workers, unseen here: a fixed pause stands in."""
+    if CITUS_MODE:
+        time.sleep(min(timeout, 0.5))
+        return False
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(**_libpq()) as probe:
+        while time.monotonic() < deadline:
+            found = probe.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()[0]
+            if found >= count:
+                return True
+            time.sleep(0.02)
+    return False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_renewal_round_and_a_settle_of_the_same_leases_in_other_orders_never_deadlock():
+    community = CommunityFactory()
+    run = WorkflowRunFactory(community=community)
+    event = EventFactory(community=community)
+    # A community with a backlog (another target's), analysed: each statement reaches its rows by
+    # probing the primary key once per lease of its list, as in production (on a handful of rows
+    # the planner scans the table instead, in the rows' physical order, the same for both).
+    other = random32()
+    for _ in range(4):
+        backlog = [BindingFactory.build(run=run, message_event=event, target_pubkey=other) for _ in range(500)]
+        services.commit_deliveries(community.id, event, backlog)
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {sql.QUEUE}")
+    target = random32()
+    bindings = [BindingFactory.build(run=run, message_event=event, target_pubkey=target) for _ in range(2)]
+    services.commit_deliveries(community.id, event, bindings)
+    first, second = (c.lease for c in services.claim_deliveries(community.id, target, limit=2, lease_seconds=60))
+    connection.close()
+    errors: list[BaseException] = []
+    found: dict[str, object] = {}
+    holding, release = threading.Event(), threading.Event()
+
+    def guarded(body):
+        def run_it() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        return run_it
+
+    @guarded
+    def slow_renewal() -> None:  # a renewal of the first lease, not committed yet: holds its row
+        with transaction.atomic():
+            assert isinstance(services.renew_delivery(first, 60), Renewed)
+            holding.set()
+            assert release.wait(BARRIER_TIMEOUT)
+
+    @guarded
+    def settle() -> None:  # the settle batch, in the order the handlers finished
+        found["settle"] = services.finish_deliveries([first, second])
+
+    @guarded
+    def round_() -> None:  # the renewal round, in the order the leases were claimed
+        found["round"] = services.renew_deliveries([second, first], 60)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        held = pool.submit(slow_renewal)
+        assert holding.wait(BARRIER_TIMEOUT)
+        settled = pool.submit(settle)
+        _lock_waits_reach(1, 5.0)  # the settle waits for the first row
+        renewed = pool.submit(round_)
+        _lock_waits_reach(2, 5.0)  # the round holds the second row and waits for the first
+        release.set()  # the settle takes the first row, then waits for the second: the round's
+        held.result(BARRIER_TIMEOUT)
+        settled.result(BARRIER_TIMEOUT)
+        renewed.result(BARRIER_TIMEOUT)
+
+    assert not errors, [str(e).splitlines()[0] for e in errors]
+    assert found["settle"] == [Settled(status="finished")] * 2
+    assert all(isinstance(o, Renewed | LeaseLost) for o in found["round"])
