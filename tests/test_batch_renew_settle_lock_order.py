@@ -21,6 +21,7 @@ from django.db import connection, transaction
 
 from buzz_delivery import services
 from buzz_delivery.services import LeaseLost, Renewed, Settled, sql
+from buzz_delivery.services.types import Settle
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
 from tests.conftest import BARRIER_TIMEOUT
@@ -50,7 +51,10 @@ def _lock_waits_reach(count: int, timeout: float) -> bool:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_renewal_round_and_a_settle_of_the_same_leases_in_other_orders_never_deadlock():
+@pytest.mark.parametrize("form", ["finish_deliveries", "settle_deliveries"])
+def test_a_renewal_round_and_a_settle_of_the_same_leases_in_other_orders_never_deadlock(form):
+    """``finish_deliveries`` (the plan-cached FINISH_MANY) and ``settle_deliveries`` with rows of
+    their own outcomes (SETTLE_MANY: the gateway's batch finish, the in-process settler)."""
     community = CommunityFactory()
     run = WorkflowRunFactory(community=community)
     event = EventFactory(community=community)
@@ -92,7 +96,10 @@ def test_a_renewal_round_and_a_settle_of_the_same_leases_in_other_orders_never_d
 
     @guarded
     def settle() -> None:  # the settle batch, in the order the handlers finished
-        found["settle"] = services.finish_deliveries([first, second])
+        if form == "finish_deliveries":
+            found["settle"] = services.finish_deliveries([first, second])
+        else:
+            found["settle"] = services.settle_deliveries([Settle(first, "finished"), Settle(second, "failed")])
 
     @guarded
     def round_() -> None:  # the renewal round, in the order the leases were claimed
@@ -111,5 +118,6 @@ def test_a_renewal_round_and_a_settle_of_the_same_leases_in_other_orders_never_d
         renewed.result(BARRIER_TIMEOUT)
 
     assert not errors, [str(e).splitlines()[0] for e in errors]
-    assert found["settle"] == [Settled(status="finished")] * 2
+    want = ["finished", "finished"] if form == "finish_deliveries" else ["finished", "failed"]
+    assert found["settle"] == [Settled(status=status) for status in want]
     assert all(isinstance(o, Renewed | LeaseLost) for o in found["round"])
