@@ -162,3 +162,30 @@ def table_snapshot() -> Iterator[callable]:
         return out
 
     yield snap
+
+
+def lock_waits_reach(count: int, timeout: float) -> bool:
+    """True once ``count`` backends of the test database wait on a lock (within ``timeout``
+    seconds), read on a connection of its own: a lock-order test lines its transactions up with
+    it. On Citus the waits happen on the workers, unseen on the coordinator: a fixed pause
+    stands in (and it returns False)."""
+    import time
+
+    import psycopg
+
+    from tests.citus_support import CITUS_MODE
+
+    if CITUS_MODE:
+        time.sleep(min(timeout, 0.5))
+        return False
+    s = connection.settings_dict
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dbname=s["NAME"], user=s["USER"], host=s["HOST"], port=s["PORT"], autocommit=True) as probe:
+        while time.monotonic() < deadline:
+            found = probe.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()[0]
+            if found >= count:
+                return True
+            time.sleep(0.02)
+    return False

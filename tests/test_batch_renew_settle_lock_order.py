@@ -12,10 +12,8 @@ round the other one."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 
@@ -23,31 +21,7 @@ from buzz_delivery import services
 from buzz_delivery.services import LeaseLost, Renewed, Settled, sql
 from buzz_delivery.services.types import Settle
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
-from tests.citus_support import CITUS_MODE
-from tests.conftest import BARRIER_TIMEOUT
-
-
-def _libpq() -> dict[str, object]:
-    s = connection.settings_dict
-    return {"dbname": s["NAME"], "user": s["USER"], "host": s["HOST"], "port": s["PORT"], "autocommit": True}
-
-
-def _lock_waits_reach(count: int, timeout: float) -> bool:
-    """True once ``count`` backends of this database wait on a lock (within ``timeout`` seconds).
-    On Citus the waits happen on the workers, unseen here: a fixed pause stands in."""
-    if CITUS_MODE:
-        time.sleep(min(timeout, 0.5))
-        return False
-    deadline = time.monotonic() + timeout
-    with psycopg.connect(**_libpq()) as probe:
-        while time.monotonic() < deadline:
-            found = probe.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            ).fetchone()[0]
-            if found >= count:
-                return True
-            time.sleep(0.02)
-    return False
+from tests.conftest import BARRIER_TIMEOUT, lock_waits_reach
 
 
 @pytest.mark.django_db(transaction=True)
@@ -109,9 +83,9 @@ def test_a_renewal_round_and_a_settle_of_the_same_leases_in_other_orders_never_d
         held = pool.submit(slow_renewal)
         assert holding.wait(BARRIER_TIMEOUT)
         settled = pool.submit(settle)
-        _lock_waits_reach(1, 5.0)  # the settle waits for the first row
+        lock_waits_reach(1, 5.0)  # the settle waits for the first row
         renewed = pool.submit(round_)
-        _lock_waits_reach(2, 5.0)  # the round holds the second row and waits for the first
+        lock_waits_reach(2, 5.0)  # the round holds the second row and waits for the first
         release.set()  # the settle takes the first row, then waits for the second: the round's
         held.result(BARRIER_TIMEOUT)
         settled.result(BARRIER_TIMEOUT)

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
@@ -21,7 +19,7 @@ from buzz_delivery.services import singleton, sql
 from buzz_delivery.services.tenancy import fleet
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
-from tests.conftest import BARRIER_TIMEOUT, backdate_lease
+from tests.conftest import BARRIER_TIMEOUT, backdate_lease, lock_waits_reach
 
 pytestmark = pytest.mark.django_db
 
@@ -487,29 +485,6 @@ def test_producers_of_one_key_over_several_targets_never_deadlock(modes):
     assert sorted(bytes(t) for t in queued.values_list("target_pubkey", flat=True)) == sorted(targets)
 
 
-def _waits_on_a_lock(timeout: float) -> bool:
-    """True once some backend of this database waits on a lock (within ``timeout`` seconds).
-    On Citus the waits happen on the workers, unseen here: a fixed pause stands in."""
-    if CITUS_MODE:
-        time.sleep(min(timeout, 0.5))
-        return False
-    deadline = time.monotonic() + timeout
-    with psycopg.connect(**_libpq()) as probe:
-        while time.monotonic() < deadline:
-            found = probe.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            ).fetchone()[0]
-            if found:
-                return True
-            time.sleep(0.02)
-    return False
-
-
-def _libpq() -> dict[str, object]:
-    s = connection.settings_dict
-    return {"dbname": s["NAME"], "user": s["USER"], "host": s["HOST"], "port": s["PORT"], "autocommit": True}
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_for():
     """The supersede met its holders as its snapshot saw them. A holder claimed since (the claim
@@ -567,14 +542,14 @@ def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_f
         a = pool.submit(worker_a)
         assert a_claimed.wait(30)
         p = pool.submit(producer)
-        _waits_on_a_lock(1.0)  # (before: the supersede waits for A's claim of H1)
+        lock_waits_reach(1, 1.0)  # (before: the supersede waits for A's claim of H1)
         found["b"] = services.claim_deliveries(community.id, t2, limit=1, holder="b")  # H2 claimed, if it is free
         connection.close()
         c = pool.submit(worker_c)
         c_holds_h2.wait(1.0)  # (after: C waits for the replace, which superseded H2)
         a_commit.set()
         a.result(30)
-        _waits_on_a_lock(1.0)  # (before: the supersede, now holding H1's row, waits for C's H2)
+        lock_waits_reach(1, 1.0)  # (before: the supersede, now holding H1's row, waits for C's H2)
         c_go.set()
         c.result(30)
         p.result(30)

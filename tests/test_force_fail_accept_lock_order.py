@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 
@@ -30,33 +28,9 @@ from buzz_delivery.services import Cause
 from buzz_delivery.testing import WorkflowFactory, random32
 from buzz_delivery.workflows.services import publish_definition, start_run
 from buzz_delivery.workflows.testing import run_until_idle, send_step
-from tests.citus_support import CITUS_MODE
-from tests.conftest import BARRIER_TIMEOUT
+from tests.conftest import BARRIER_TIMEOUT, lock_waits_reach
 
 LOCK_WORKFLOW_RUN = "SELECT 1 FROM buzz_workflows_run WHERE community_id = %s AND run_id = %s FOR NO KEY UPDATE"
-
-
-def _libpq() -> dict[str, object]:
-    s = connection.settings_dict
-    return {"dbname": s["NAME"], "user": s["USER"], "host": s["HOST"], "port": s["PORT"], "autocommit": True}
-
-
-def _lock_waits_reach(count: int, timeout: float) -> bool:
-    """True once ``count`` backends of this database wait on a lock (within ``timeout`` seconds).
-    On Citus the waits happen on the workers, unseen here: a fixed pause stands in."""
-    if CITUS_MODE:
-        time.sleep(min(timeout, 0.5))
-        return False
-    deadline = time.monotonic() + timeout
-    with psycopg.connect(**_libpq()) as probe:
-        while time.monotonic() < deadline:
-            found = probe.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            ).fetchone()[0]
-            if found >= count:
-                return True
-            time.sleep(0.02)
-    return False
 
 
 @pytest.mark.django_db(transaction=True)
@@ -104,9 +78,9 @@ def test_a_force_fail_and_an_accept_of_one_delivery_never_deadlock(community):
         held = pool.submit(engine)
         assert holding.wait(BARRIER_TIMEOUT)
         accepted = pool.submit(accept)
-        _lock_waits_reach(1, 5.0)  # the accept waits for the run
+        lock_waits_reach(1, 5.0)  # the accept waits for the run
         failed = pool.submit(force_fail)
-        _lock_waits_reach(2, 5.0)  # the force-fail deleted the queue row and waits for the run
+        lock_waits_reach(2, 5.0)  # the force-fail deleted the queue row and waits for the run
         release.set()  # the accept takes the run, then waits for the queue row: the force-fail's
         held.result(BARRIER_TIMEOUT)
         accepted.result(BARRIER_TIMEOUT)

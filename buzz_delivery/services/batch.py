@@ -50,7 +50,17 @@ def _checked_leases(leases: Sequence[Any], name: str = "leases", kind: type = Le
             raise v.invalid(f"{name}[{i}]{inner}.delivery_id", "appears twice in the batch")
 
 
+def _by_id(lease: Lease) -> int:
+    return lease.delivery_id.int
+
+
 def _fence_params(leases: Sequence[Lease]) -> dict[str, Any]:
+    """The fence's arrays of ``leases``, which the caller puts in delivery id order
+    (:func:`_by_id`): each statement reaches its rows by a primary key probe per array element
+    (``sql.CLAIMED_BY_KEY``), so it locks them in the arrays' order. A renewal round and a settle
+    of the same leases (a remote worker renews a lease until its settle is answered: the two
+    overlap by design) taking them in their own lists' orders each held a row the other waited
+    for ("deadlock detected": a 503). A uuid's ``int`` orders as PostgreSQL orders the uuid."""
     return {
         "community_id": leases[0].community_id,
         # As array text built here: psycopg's array dumper quotes every element (db.uuid_array).
@@ -77,7 +87,7 @@ def renew_deliveries(leases: Sequence[Lease], lease_seconds: float | None = None
     Raises ``ValidationError`` keyed by argument before any SQL.
     """
     _checked_leases(leases)
-    params = _fence_params(leases)
+    params = _fence_params(sorted(leases, key=_by_id))
     params["lease_seconds"] = v.lease_seconds(lease_seconds)
     renewed = dict(_fenced_as_nothing(sql.RENEW_MANY_IF_CURRENT_GENERATION, params))
     return [
@@ -126,7 +136,12 @@ def finish_deliveries(
     message = v.optional_text(failure_message, "failure_message", 10_000)
     if outcome == "finished" and (code is not None or message is not None):
         raise v.invalid("failure_code" if code is not None else "failure_message", "is not recorded with 'finished'")
-    params = {**_fence_params(leases), "status": outcome, "failure_code": code, "failure_message": message}
+    params = {
+        **_fence_params(sorted(leases, key=_by_id)),
+        "status": outcome,
+        "failure_code": code,
+        "failure_message": message,
+    }
     rows = _fenced_as_nothing(cached.FINISH_MANY.call, params)
     if len(rows) == len(leases) and {status for _, status in rows} == {outcome}:
         # Every lease settled (the statement returns each of the batch's distinct rows at most
@@ -171,8 +186,8 @@ def settle_deliveries(settles: Sequence[Settle]) -> list[FinishOutcome]:
         (x, *checked_settle(x.outcome, x.failure_code, x.failure_message, x.retry_after, f"settles[{i}]."))
         for i, x in enumerate(settles)
     ]
-    leases = [x.lease for x in settles]
-    params = _fence_params(leases)
+    ordered = sorted(rows, key=lambda row: row[0].lease.delivery_id.int)  # (see _fence_params)
+    params = _fence_params([x.lease for x, _, _, _ in ordered])
     kinds = {(x.outcome, code, message) for x, code, message, _ in rows}
     if len(kinds) == 1 and settles[0].outcome != "retry":
         outcome, code, message = kinds.pop()
@@ -181,11 +196,11 @@ def settle_deliveries(settles: Sequence[Settle]) -> list[FinishOutcome]:
     else:
         conf = get_settings()
         params.update(
-            outcomes=[x.outcome for x, _, _, _ in rows],
-            failure_codes=[code for _, code, _, _ in rows],
-            failure_messages=[message for _, _, message, _ in rows],
-            jitters=[backoff.jitter() if x.outcome == "retry" else 1.0 for x, _, _, _ in rows],
-            retry_afters=[after or 0.0 for _, _, _, after in rows],
+            outcomes=[x.outcome for x, _, _, _ in ordered],
+            failure_codes=[code for _, code, _, _ in ordered],
+            failure_messages=[message for _, _, message, _ in ordered],
+            jitters=[backoff.jitter() if x.outcome == "retry" else 1.0 for x, _, _, _ in ordered],
+            retry_afters=[after or 0.0 for _, _, _, after in ordered],
             backoff_base=float(conf.retry_backoff_base_seconds),
             backoff_cap=float(conf.retry_backoff_cap_seconds),
         )

@@ -14,7 +14,7 @@ from django.db import transaction
 from buzz_delivery.models import HOLDER_MAX_CHARS
 from buzz_delivery.services import sql
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import fetch_all, translated_errors
+from buzz_delivery.services.db import fetch_all, retry_deadlocks, translated_errors
 from buzz_delivery.services.ending import RecordOutOfStep, end_on_record
 from buzz_delivery.services.tenancy import fleet_scoped
 
@@ -55,6 +55,7 @@ def requeue_delivery(
     return OperatorOutcome(True) if rows else OperatorOutcome(False, "not failed/expired, or community not active")
 
 
+@retry_deadlocks
 @fleet_scoped
 def force_fail_delivery(
     community_id: uuid.UUID | str,
@@ -67,7 +68,12 @@ def force_fail_delivery(
 
     Bumps the generation: the current holder's renew and finish get ``LeaseLost``. Skipped
     (``done=False``) when the row is not claimed, gone, or its community is not active.
-    ``actor``: as for :func:`requeue_delivery`."""
+    ``actor``: as for :func:`requeue_delivery`.
+
+    Its lock order is the queue row's, then the workflow run's (the record's triggers count the
+    failure in the run); an agent accepting the same delivery takes them in the other order (the
+    run first, as the engine does): a deadlock's victim runs again (``retry_deadlocks``), fenced,
+    and finds the delivery settled or force-failed."""
     params = {
         "community_id": v.uuid_value(community_id, "community_id"),
         "delivery_id": v.uuid_value(delivery_id, "delivery_id"),
