@@ -189,3 +189,21 @@ def lock_waits_reach(count: int, timeout: float) -> bool:
                 return True
             time.sleep(0.02)
     return False
+
+
+def collecting(errors: list[BaseException]):
+    """A decorator for a thread's body in a concurrency test: what the body raises goes to
+    ``errors`` (the test asserts it empty), and the thread's connection is closed at its end."""
+
+    def wrap(body):
+        def run_it() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        return run_it
+
+    return wrap

@@ -21,7 +21,7 @@ from buzz_delivery import services
 from buzz_delivery.services import LeaseLost, Renewed, Settled, sql
 from buzz_delivery.services.types import Settle
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
-from tests.conftest import BARRIER_TIMEOUT, lock_waits_reach
+from tests.conftest import BARRIER_TIMEOUT, collecting, lock_waits_reach
 
 
 @pytest.mark.django_db(transaction=True)
@@ -50,16 +50,7 @@ def test_a_renewal_round_and_a_settle_of_the_same_leases_in_other_orders_never_d
     found: dict[str, object] = {}
     holding, release = threading.Event(), threading.Event()
 
-    def guarded(body):
-        def run_it() -> None:
-            try:
-                body()
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                connection.close()
-
-        return run_it
+    guarded = collecting(errors)
 
     @guarded
     def slow_renewal() -> None:  # a renewal of the first lease, not committed yet: holds its row

@@ -19,7 +19,7 @@ from buzz_delivery.services import singleton, sql
 from buzz_delivery.services.tenancy import fleet
 from buzz_delivery.testing import BindingFactory, CommunityFactory, EventFactory, WorkflowRunFactory, random32
 from tests.citus_support import CITUS_MODE
-from tests.conftest import BARRIER_TIMEOUT, backdate_lease, lock_waits_reach
+from tests.conftest import BARRIER_TIMEOUT, backdate_lease, collecting, lock_waits_reach
 
 pytestmark = pytest.mark.django_db
 
@@ -506,16 +506,7 @@ def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_f
     a_claimed, a_commit, c_holds_h2, c_go = (threading.Event() for _ in range(4))
     found: dict[str, object] = {}
 
-    def guarded(body):
-        def run_it() -> None:
-            try:
-                body()
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                connection.close()
-
-        return run_it
+    guarded = collecting(errors)
 
     @guarded
     def worker_a() -> None:  # claims H1 in its own transaction, open until told to commit

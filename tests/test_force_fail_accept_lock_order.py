@@ -28,7 +28,7 @@ from buzz_delivery.services import Cause
 from buzz_delivery.testing import WorkflowFactory, random32
 from buzz_delivery.workflows.services import publish_definition, start_run
 from buzz_delivery.workflows.testing import run_until_idle, send_step
-from tests.conftest import BARRIER_TIMEOUT, lock_waits_reach
+from tests.conftest import BARRIER_TIMEOUT, collecting, lock_waits_reach
 
 LOCK_WORKFLOW_RUN = "SELECT 1 FROM buzz_workflows_run WHERE community_id = %s AND run_id = %s FOR NO KEY UPDATE"
 
@@ -48,16 +48,7 @@ def test_a_force_fail_and_an_accept_of_one_delivery_never_deadlock(community):
     found: dict[str, object] = {}
     holding, release = threading.Event(), threading.Event()
 
-    def guarded(body):
-        def run_it() -> None:
-            try:
-                body()
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                connection.close()
-
-        return run_it
+    guarded = collecting(errors)
 
     @guarded
     def engine() -> None:  # the engine at work on the run: holds its row for a moment
