@@ -552,3 +552,74 @@ def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_f
     )
     queued = models.DeliveryQueue.objects.filter(community_id=community.id, singleton_key="k")
     assert sorted(bytes(t) for t in queued.values_list("target_pubkey", flat=True)) == [t1, t2]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replace_and_a_run_cancel_never_leave_deliveries_of_canceled_runs_pending():
+    """A run's end expires its pending deliveries in the caller's transaction, run after run of
+    its tree (``expire_deliveries_of_ended_runs``), and each ``expire_run_deliveries`` skips a
+    row locked right now and reads again for about two seconds before it gives up. A replace whose
+    supersede skips the holder the cancel already expired (the cancel's transaction still open)
+    and deletes the holders of the cancel's next runs spins in its rounds while holding them; the
+    cancel spins on each of those in turn. The replace's rounds (about four seconds) end first:
+    SingletonContended, its rollback puts the holders back, and the cancel, which gave up on them,
+    commits with deliveries of canceled runs left pending. Waiting on the first holder (the
+    blocking supersede) the replace let the cancel expire the others, or superseded them after."""
+    community = CommunityFactory()
+    event = EventFactory(community=community)
+    old_runs = [WorkflowRunFactory(community=community) for _ in range(4)]
+    targets = sorted(random32() for _ in old_runs)
+    holders = [
+        BindingFactory.build(run=run, message_event=event, target_pubkey=t)
+        for run, t in zip(old_runs, targets, strict=True)
+    ]
+    services.commit_deliveries(community.id, event, holders, singleton_key="k")
+    new_run = WorkflowRunFactory(community=community)
+    connection.close()
+    errors: list[BaseException] = []
+    first_expired, go_on = threading.Event(), threading.Event()
+    found: dict[str, object] = {}
+
+    def cancel() -> None:  # the tree's runs expired one after the other in one transaction
+        try:
+            with transaction.atomic():
+                services.expire_run_deliveries(community.id, old_runs[0].id)
+                first_expired.set()
+                assert go_on.wait(30)
+                for run in old_runs[1:]:
+                    services.expire_run_deliveries(community.id, run.id)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    def replace() -> None:
+        try:
+            more = [BindingFactory.build(run=new_run, message_event=event, target_pubkey=t) for t in targets]
+            found["p"] = services.commit_deliveries(community.id, event, more, singleton_key="k", on_conflict="replace")
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        c = pool.submit(cancel)
+        assert first_expired.wait(30), [str(e).splitlines()[0] for e in errors]
+        p = pool.submit(replace)
+        time.sleep(0.5)  # the replace's first round: the first holder skipped, the others superseded
+        go_on.set()
+        c.result(60)
+        p.result(60)
+
+    left = models.DeliveryRecord.objects.filter(
+        community_id=community.id, run_id__in=[r.id for r in old_runs], status="pending"
+    )
+    assert not left.exists(), (
+        f"{left.count()} deliveries of canceled runs left pending",
+        [str(e).splitlines()[0] for e in errors],
+    )
+    assert not errors, [str(e).splitlines()[0] for e in errors]
+    assert [type(o) for o in found["p"].outcomes] in (
+        [singleton.Committed] * 4,
+        [singleton.Committed] + [singleton.Replaced] * 3,
+    )
