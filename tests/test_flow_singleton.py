@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -486,21 +487,27 @@ def test_producers_of_one_key_over_several_targets_never_deadlock(modes):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_for():
-    """The supersede met its holders as its snapshot saw them. A holder claimed since (the claim
-    committed after the statement began) was locked anyway (READ COMMITTED re-checks the newest
-    version under its lock, and keeps the lock when the row no longer qualifies), and the next
-    holder waited for: so a replace could hold one worker lease's row while waiting for another's,
-    and a worker renewing or settling both (a multi-row statement meets rows in its plan's order)
-    in the other order closed the cycle: "deadlock detected" for one of them, an error, not an
-    outcome (CI's adversary run, with the reaper's stand-in UPDATE as the worker). The supersede
-    now skips a locked holder (its target is decided again in the next round) and never waits."""
+def test_a_replace_locks_its_holders_in_the_order_a_worker_locks_its_leases():
+    """The supersede met its holders as its snapshot saw them, in target order. A holder claimed
+    since (the claim committed after the statement began) was locked anyway (READ COMMITTED
+    re-checks the newest version under its lock, and keeps the lock when the row no longer
+    qualifies), and the next holder waited for: so a replace could hold one worker lease's row
+    while waiting for another's, and a worker renewing or settling both in delivery id order (the
+    batch statements' order) closed the cycle when the targets' order was the other one:
+    "deadlock detected" for one of them, an error, not an outcome (CI's adversary run). The
+    supersede now locks its holders in delivery id order too."""
     community = CommunityFactory()
     run = WorkflowRunFactory(community=community)
     event = EventFactory(community=community)
+    # H1 before H2 in target order, after it in id order (ids grow with time: H2 committed first).
     t1, t2 = sorted([random32(), random32()])
-    bindings = [BindingFactory.build(run=run, message_event=event, target_pubkey=t) for t in (t1, t2)]
-    h1, h2 = services.commit_deliveries(community.id, event, bindings, singleton_key="k").created
+    (h2,) = services.commit_deliveries(
+        community.id, event, [BindingFactory.build(run=run, message_event=event, target_pubkey=t2)], singleton_key="k"
+    ).created
+    (h1,) = services.commit_deliveries(
+        community.id, event, [BindingFactory.build(run=run, message_event=event, target_pubkey=t1)], singleton_key="k"
+    ).created
+    assert h2.int < h1.int
     connection.close()
     errors: list[BaseException] = []
     a_claimed, a_commit, c_holds_h2, c_go = (threading.Event() for _ in range(4))
@@ -521,7 +528,7 @@ def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_f
         found["p"] = services.commit_deliveries(community.id, event, more, singleton_key="k", on_conflict="replace")
 
     @guarded
-    def worker_c() -> None:  # holds H2's row, then wants H1's (its two leases, H2's first)
+    def worker_c() -> None:  # its two leases' rows in delivery id order: H2's, then H1's
         with transaction.atomic(), fleet(), connection.cursor() as cursor:
             renew = f"UPDATE {sql.QUEUE} SET renewals = renewals + 1 WHERE community_id = %s AND id = %s"
             cursor.execute(renew, [community.id, h2])
@@ -550,7 +557,9 @@ def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_f
         [singleton.Committed, singleton.Committed],  # B claimed H2 first
         [singleton.Committed, singleton.Replaced],  # the replace superseded H2 first
     )
-    queued = models.DeliveryQueue.objects.filter(community_id=community.id, singleton_key="k")
+    queued = models.DeliveryQueue.objects.filter(
+        community_id=community.id, singleton_key="k", target_pubkey__in=[t1, t2]
+    )
     assert sorted(bytes(t) for t in queued.values_list("target_pubkey", flat=True)) == [t1, t2]
 
 
@@ -558,13 +567,14 @@ def test_a_replace_never_waits_on_a_queue_row_while_holding_one_a_worker_waits_f
 def test_a_replace_and_a_run_cancel_never_leave_deliveries_of_canceled_runs_pending():
     """A run's end expires its pending deliveries in the caller's transaction, run after run of
     its tree (``expire_deliveries_of_ended_runs``), and each ``expire_run_deliveries`` skips a
-    row locked right now and reads again for about two seconds before it gives up. A replace whose
-    supersede skips the holder the cancel already expired (the cancel's transaction still open)
-    and deletes the holders of the cancel's next runs spins in its rounds while holding them; the
-    cancel spins on each of those in turn. The replace's rounds (about four seconds) end first:
-    SingletonContended, its rollback puts the holders back, and the cancel, which gave up on them,
-    commits with deliveries of canceled runs left pending. Waiting on the first holder (the
-    blocking supersede) the replace let the cancel expire the others, or superseded them after."""
+    row locked right now and reads again for about two seconds before it gives up. A supersede
+    that skipped locked holders too (tried once) skipped the holder the cancel already expired
+    (the cancel's transaction still open) and deleted the holders of the cancel's next runs,
+    then spun in its rounds while holding them; the cancel spun on each of those in turn. The
+    replace's rounds ended first: SingletonContended, its rollback put the holders back, and the
+    cancel, which gave up on them, committed with deliveries of canceled runs left pending. The
+    supersede waits for a locked holder: the cancel expires the others, or the replace
+    supersedes them after."""
     community = CommunityFactory()
     event = EventFactory(community=community)
     old_runs = [WorkflowRunFactory(community=community) for _ in range(4)]
@@ -606,7 +616,7 @@ def test_a_replace_and_a_run_cancel_never_leave_deliveries_of_canceled_runs_pend
         c = pool.submit(cancel)
         assert first_expired.wait(30), [str(e).splitlines()[0] for e in errors]
         p = pool.submit(replace)
-        time.sleep(0.5)  # the replace's first round: the first holder skipped, the others superseded
+        time.sleep(0.5)  # the replace's supersede waits for a holder the cancel holds
         go_on.set()
         c.result(60)
         p.result(60)

@@ -50,6 +50,27 @@ def _broken(community_id) -> list[tuple]:
     return found
 
 
+def _time_passes(community_id, lapse: float) -> None:
+    """Time passing: a share ``lapse`` of the claimed leases lapse, retry gates open. Two
+    multi-row writes that lock their rows in delivery id order, the order of the product's batch
+    writers: in another order they would deadlock with them, a cycle the product never makes
+    (its statements take the queue's rows in one order)."""
+    picked = f"id IN (SELECT id FROM {sql.QUEUE} WHERE community_id = %s AND {{}} ORDER BY id FOR UPDATE)"
+    with fleet(), connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {sql.QUEUE} SET lease_until = now() - interval '1 hour', claimed_at = claimed_at - interval "
+            "'1 hour' WHERE community_id = %s AND status = 'claimed' AND "
+            + picked.format("status = 'claimed' AND random() < %s"),
+            [community_id, community_id, lapse],
+        )
+        cursor.execute(
+            f"UPDATE {sql.QUEUE} SET next_attempt_at = NULL"
+            " WHERE community_id = %s AND next_attempt_at IS NOT NULL AND "
+            + picked.format("next_attempt_at IS NOT NULL"),
+            [community_id, community_id],
+        )
+
+
 @pytest.mark.django_db(transaction=True)
 def test_every_move_at_once_keeps_one_queue_row_per_pending_record_and_ends_each_delivery_once():
     community = CommunityFactory()
@@ -101,18 +122,7 @@ def test_every_move_at_once_keeps_one_queue_row_per_pending_record_and_ends_each
         # else: the leases are left to lapse
 
     def chaos(rng: random.Random) -> None:
-        with fleet(), connection.cursor() as cursor:
-            # Time passing: some leases lapse, retry gates open.
-            cursor.execute(
-                f"UPDATE {sql.QUEUE} SET lease_until = now() - interval '1 hour', claimed_at = claimed_at - interval "
-                "'1 hour' WHERE community_id = %s AND status = 'claimed' AND random() < 0.3",
-                [community.id],
-            )
-            cursor.execute(
-                f"UPDATE {sql.QUEUE} SET next_attempt_at = NULL"
-                " WHERE community_id = %s AND next_attempt_at IS NOT NULL",
-                [community.id],
-            )
+        _time_passes(community.id, 0.3)
         time.sleep(0.02)
 
     def operator(rng: random.Random) -> None:
@@ -210,17 +220,7 @@ def test_singleton_producers_of_one_key_beside_claimers_and_the_reaper_keep_the_
             # else: left to lapse
 
     def maintenance(rng: random.Random) -> None:
-        with fleet(), connection.cursor() as cursor:
-            cursor.execute(
-                f"UPDATE {sql.QUEUE} SET lease_until = now() - interval '1 hour', claimed_at = claimed_at - interval "
-                "'1 hour' WHERE community_id = %s AND status = 'claimed' AND random() < 0.5",
-                [community.id],
-            )
-            cursor.execute(
-                f"UPDATE {sql.QUEUE} SET next_attempt_at = NULL"
-                " WHERE community_id = %s AND next_attempt_at IS NOT NULL",
-                [community.id],
-            )
+        _time_passes(community.id, 0.5)
         services.reap(batch_size=5)
         if rng.random() < 0.3:
             with fleet(), connection.cursor() as cursor:

@@ -9,7 +9,7 @@ from buzz_delivery import backoff, tracing
 from buzz_delivery.conf import get_settings
 from buzz_delivery.services import cached, sql
 from buzz_delivery.services import validation as v
-from buzz_delivery.services.db import bytea_array, int_array, uuid_array
+from buzz_delivery.services.db import bytea_array, int_array, retry_deadlocks, uuid_array
 from buzz_delivery.services.leases import MAX_CLAIM_BATCH, _fenced_as_nothing, checked_settle, finish_delivery
 from buzz_delivery.services.tenancy import tenant_scoped
 from buzz_delivery.services.types import FinishOutcome, Lease, LeaseLost, Renewed, RenewOutcome, Settle, Settled
@@ -60,7 +60,10 @@ def _fence_params(leases: Sequence[Lease]) -> dict[str, Any]:
     (``sql.CLAIMED_BY_KEY``), so it locks them in the arrays' order. A renewal round and a settle
     of the same leases (a remote worker renews a lease until its settle is answered: the two
     overlap by design) taking them in their own lists' orders each held a row the other waited
-    for ("deadlock detected": a 503). A uuid's ``int`` orders as PostgreSQL orders the uuid."""
+    for ("deadlock detected": a 503). A uuid's ``int`` orders as PostgreSQL orders the uuid.
+    On a small table the planner may scan it instead (its rows in their physical order, which
+    a concurrent update changes): the three batch services run again as a deadlock's victim
+    (``retry_deadlocks``: each row is fenced, a rolled-back batch wrote nothing)."""
     return {
         "community_id": leases[0].community_id,
         # As array text built here: psycopg's array dumper quotes every element (db.uuid_array).
@@ -70,6 +73,7 @@ def _fence_params(leases: Sequence[Lease]) -> dict[str, Any]:
     }
 
 
+@retry_deadlocks
 @tenant_scoped
 def renew_deliveries(leases: Sequence[Lease], lease_seconds: float | None = None) -> list[RenewOutcome]:
     """Extend up to 1,000 current leases of one community to ``now() + lease_seconds`` in one
@@ -107,6 +111,7 @@ def renew_deliveries(leases: Sequence[Lease], lease_seconds: float | None = None
 
 
 @tracing.traced("buzz.settle")
+@retry_deadlocks
 @tenant_scoped
 def finish_deliveries(
     leases: Sequence[Lease],
@@ -158,6 +163,7 @@ def finish_deliveries(
 
 
 @tracing.traced("buzz.settle")
+@retry_deadlocks
 @tenant_scoped
 def settle_deliveries(settles: Sequence[Settle]) -> list[FinishOutcome]:
     """Settle up to 1,000 leases of one community, each with its own outcome, in one statement

@@ -17,10 +17,9 @@ community and writes one table): with ``on_conflict="replace"`` first the *super
 holders of the targets that get a new delivery leave the queue and their records end
 ``expired`` with ``failure_code = 'superseded'``, a failure message naming the delivery that
 replaced them and a ``supersede`` history entry (the binding, payload and history stay as they
-were committed: the audit shows what was replaced, by what, and when). The supersede never waits
-for a queue row: a holder locked by a claim under way is skipped and its target decided in a
-later round (after a short pause), so a replace cannot hold a worker's row while waiting for
-another one the worker holds. Then the holders and the
+were committed: the audit shows what was replaced, by what, and when). The supersede locks its
+holders in delivery id order, the order of every batch writer of the queue, so it cannot hold a
+worker's row while waiting for another one the worker holds. Then the holders and the
 identities already committed (a producer's retry) are read, the records of the other targets
 inserted, and their queue rows: the queue insert's ``ON CONFLICT DO NOTHING`` is the arbiter.
 
@@ -37,7 +36,6 @@ pending delivery.
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,18 +51,13 @@ OnConflict = Literal["keep", "replace"]
 ON_CONFLICT = ("keep", "replace")
 SUPERSEDED = "superseded"
 # Rounds of one commit before it gives up (each round lost means another commit of the same key
-# won one, or a replace met a holder locked by a claim under way: the supersede skips it).
+# won one: many concurrent replacers of one key, or a claimer taking each holder at once).
 MAX_ROUNDS = 50
-# The pause before a round after one lost, doubling from the first up to the last (seconds): a
-# claim holding a holder's row is usually done within milliseconds; a replace gives it about
-# four seconds in all before :class:`SingletonContended`.
-ROUND_PAUSE = (0.001, 0.1)
 
 
 class SingletonContended(BuzzDeliveryError):
     """A commit with a singleton key lost the key to concurrent commits in every round it tried
-    (:data:`MAX_ROUNDS`), or a replace met its holder locked by another transaction (a claim under
-    way) that long; it was rolled back, nothing written."""
+    (:data:`MAX_ROUNDS`); it was rolled back, nothing written."""
 
 
 def singleton_key(value: Any) -> str:
@@ -153,12 +146,15 @@ _UNNEST = """unnest(
 # never claimed, since the claim clears it) of the targets that get a new delivery in this
 # commit, unless that delivery's identity was committed before (a producer's retry supersedes
 # nothing), leave the queue; their state comes back for their record (:data:`EXPIRE_SUPERSEDED`).
-# It never waits for a queue row: a holder another transaction has locked (a claim under way) is
-# skipped, and its target decided again in the next round. Waiting, it could deadlock with a
-# worker: READ COMMITTED re-checks a row changed since the statement began under the row's lock
-# and keeps that lock when the row no longer qualifies, so a holder claimed meanwhile stayed
-# locked by the supersede while it waited for the next one, and a worker renewing or settling
-# both leases (a multi-row statement meets its rows in its plan's order) waited for it in turn.
+# Its holders are locked first, in delivery id order (a MATERIALIZED CTE, ``ORDER BY`` under
+# ``FOR UPDATE``), the order in which every batch writer of the queue takes its rows
+# (``batch._fence_params``). Taken in target order, it could deadlock with a worker: READ
+# COMMITTED re-checks a row changed since the statement began under the row's lock and keeps that
+# lock when the row no longer qualifies, so a holder claimed meanwhile stayed locked by the
+# supersede while it waited for the next one, which a worker renewing or settling both leases in
+# another order held. In one order, whoever holds the first waits for no one the other holds. It
+# waits rather than skipping a locked holder: a run's cancel expires its deliveries skipping
+# locked rows, and two skippers holding rows the other needs could each give up on them.
 SUPERSEDE = f"""
 WITH holders AS MATERIALIZED (
     SELECT q.id, s.id AS by
@@ -173,7 +169,8 @@ WITH holders AS MATERIALIZED (
           WHERE e.community_id = %(community_id)s AND e.run_id = s.run_id AND e.step_id = s.step_id
             AND e.target_pubkey = s.target_pubkey
       )
-    FOR UPDATE OF q SKIP LOCKED
+    ORDER BY q.id
+    FOR UPDATE OF q
 )
 -- Through the primary key only: the CTE locked each holder as it still qualified.
 DELETE FROM {sql.QUEUE} AS q
@@ -369,9 +366,6 @@ def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommi
         todo = left
         if not todo:
             return SingletonCommit(key, mode, tuple(outcomes[i] for i in range(count)), round_)
-        if round_ < MAX_ROUNDS:
-            first, last = ROUND_PAUSE
-            time.sleep(min(first * 2 ** (round_ - 1), last))
     raise SingletonContended(f"singleton key {key!r}: lost to concurrent commits {MAX_ROUNDS} times")
 
 
