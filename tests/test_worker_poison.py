@@ -51,7 +51,12 @@ def test_every_poison_kind_fails_only_its_delivery_and_the_worker_serves_the_res
     summary = worker.summary()
     failed = sum(1 for status, _ in POISON.values() if status == "failed")
     retried = sum(1 for status, _ in POISON.values() if status == "pending")
-    assert (summary["finished"], summary["failed"], summary["retried"]) == (len(ordinary) + 1, failed, retried)
+    # Each retry the worker counted is one ``retry`` entry in a history: a retried delivery whose
+    # backoff ran out before the worker's idle exit (a slow machine: CI's Citus run) was claimed
+    # and retried again, so at least one a kind, not exactly one.
+    entries = sum(1 for d in [*poison.values(), *ordinary] for e in rows[d].history if e.get("event") == "retry")
+    assert entries >= retried
+    assert (summary["finished"], summary["failed"], summary["retried"]) == (len(ordinary) + 1, failed, entries)
     assert (summary["settle_errors"], summary["reason"], summary["exit_code"]) == (0, "idle_exit", 0)
     assert "worker_error" not in worker.log()
 
