@@ -10,6 +10,12 @@ def noop(delivery: Any) -> None:
     return None
 
 
+async def anoop(delivery: Any) -> None:
+    """``noop`` as an ``async def`` handler: the worker awaits it on its event loop (as PgQueuer
+    awaits its ``async def`` entrypoints)."""
+    return None
+
+
 def _noop_call(args: Any, key: str) -> Any:
     return {"ok": True}
 

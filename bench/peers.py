@@ -38,6 +38,7 @@ from typing import Any
 
 START_DELAY = 0.3  # seconds between sending a drain and its common start instant
 WORKER_CONCURRENCY = 16
+WORKER_ASYNC_CONCURRENCY = 50  # worker_async: tasks in flight on the loop, as many as a claim holds
 WORKER_BATCH: int | None = None  # the worker's default (buzz_delivery.worker.runtime.DEFAULT_BATCH_SIZE)
 RAW_BATCH = 16
 RAW_BATCH50 = 50  # raw_batch50: the worker's default batch (issue 31)
@@ -120,17 +121,19 @@ def _ours(drain: Drain, batch: int) -> int:
         statements += 1
 
 
-def _worker(drain: Drain, batch: int | None = WORKER_BATCH, pairs: int = 1) -> tuple[int, dict[str, Any]]:
+def _worker(
+    drain: Drain, batch: int | None = WORKER_BATCH, pairs: int = 1, is_async: bool = False
+) -> tuple[int, dict[str, Any]]:
     from bench import data
-    from bench.handlers import noop
+    from bench.handlers import anoop, noop
     from buzz_delivery.worker import WorkerConfig, run_worker
 
     summary = run_worker(
         WorkerConfig(
             community_id=drain.community_id,
             target_pubkey=drain.target_pubkey,
-            handler=noop,
-            concurrency=WORKER_CONCURRENCY,
+            handler=anoop if is_async else noop,
+            concurrency=WORKER_ASYNC_CONCURRENCY if is_async else WORKER_CONCURRENCY,
             batch_size=batch,
             poll_interval=0.5,
             idle_exit=IDLE_EXIT,
@@ -226,6 +229,8 @@ def run_drain(drain: Drain, url: str) -> DrainResult:
             result.statements, result.extra = _worker(drain)
             if not result.statements:
                 result.statements = None  # an older worker does not count its statements
+        elif system == "worker_async":
+            result.statements, result.extra = _worker(drain, is_async=True)
         elif system == "worker_batch16":
             result.statements, result.extra = _worker(drain, 16)
         elif system == "worker_pairs50":
