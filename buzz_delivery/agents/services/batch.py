@@ -375,7 +375,8 @@ def complete_runs(community_id: uuid.UUID | str, completions: Sequence[PreparedC
         return []
     # One statement writes; the rest reads. A call journaled meanwhile sets its run 'waiting_tool'
     # with its entry, and the statement's lock of that row re-checks state = 'running' on the new
-    # version (as complete_run): no lock statement of its own first.
+    # version (as complete_run): no lock statement of its own first. Its runs' workflow runs'
+    # core rows come first in the statement, in run id order (sql.SOURCES: a multi-run settle's order).
     with _transaction(False), translated_errors():
         done = {row[0] for row in fetch_all(sql.COMPLETE_MANY_IF_CURRENT, params)}
         return [
@@ -410,7 +411,8 @@ def fail_runs(community_id: uuid.UUID | str, failures: Sequence[PreparedFailure]
     # its writes, and a batch that raises wrote nothing (its replay fails each run once).
     with atomic_within_bound(), translated_errors():
         # The runs' rows first, in id order, in a statement of their own (as fail_run does): the
-        # judging statement then reads a snapshot that holds every call journaled before it.
+        # judging statement then reads a snapshot that holds every call journaled before it. Their
+        # workflow runs' core rows before them, in run id order (sql.SOURCES: a multi-run settle's).
         fetch_all(sql.LOCK_RUNS, params)
         done = {row[0]: row[1] for row in fetch_all(sql.FAIL_MANY_IF_CURRENT, params)}
         unwinding = [run_id for run_id, state in done.items() if state == "unwinding"]

@@ -15,7 +15,7 @@ only counts (``renewals``). Tool calls are not repeated there: the journal recor
 from __future__ import annotations
 
 from buzz_delivery.services import flow
-from buzz_delivery.services.sql import DB_NOW, history_entry
+from buzz_delivery.services.sql import DB_NOW, WORKFLOW_RUN, history_entry
 
 RUN = "buzz_agents_run"
 JOURNAL = "buzz_agents_journal"
@@ -465,10 +465,37 @@ LOCK_RUN = (
     f"SELECT r.id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s FOR NO KEY UPDATE"
 )
 
-# LOCK_RUN of many runs of one community, in id order (fail_runs: as fail_run takes its one).
+# Lock order with the core's batch settles: a batch that ends agent runs started from deliveries
+# of more than one workflow run first locks those runs' core rows (``buzz_delivery_workflow_run``),
+# in run id order, as a multi-run batch settle does (``sql.LOCK_RUNS_OF_DELIVERIES``). Ending each
+# run counts it in its workflow step (``buzz_agents_run_ended``), under the engine's run row, in
+# the order the statement ends them (agent run id order), while the settle's fan-in locks the same
+# engine rows in delivery id order: two orders, a deadlock. Both now take the core rows of their
+# runs first, in one order, so the second waits at its first run in common holding none of the
+# first's engine rows. A batch of one workflow run's agent runs takes no such lock (it can hold at
+# most that run's engine row, as a one-run settle): K workers completing one run's fan-out are
+# not serialized on its core row. ``sources`` is read by the statement's first lock
+# (``AFTER_SOURCES``, an InitPlan evaluated before any row is locked). Agent runs of no workflow
+# run (an inbox event's) have no source run.
+SOURCES = f"""sources AS MATERIALIZED (
+    SELECT w.id FROM {WORKFLOW_RUN} AS w
+    WHERE w.community_id = %(community_id)s
+      AND w.id IN (SELECT s.source_run_id FROM {RUN} AS s
+                   WHERE s.community_id = %(community_id)s AND s.id = ANY(%(run_ids)s::uuid[]))
+      AND (SELECT count(DISTINCT s.source_run_id) FROM {RUN} AS s
+           WHERE s.community_id = %(community_id)s AND s.id = ANY(%(run_ids)s::uuid[])) > 1
+    ORDER BY w.id
+    FOR NO KEY UPDATE OF w
+)"""
+AFTER_SOURCES = "AND (SELECT count(*) FROM sources) >= 0"
+
+# LOCK_RUN of many runs of one community, in id order (fail_runs: as fail_run takes its one),
+# after their workflow runs' core rows (SOURCES).
 LOCK_RUNS = f"""
+WITH {SOURCES}
 SELECT r.id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = ANY(%(run_ids)s::uuid[])
-ORDER BY r.id FOR NO KEY UPDATE
+  {AFTER_SOURCES}
+ORDER BY r.id FOR NO KEY UPDATE OF r
 """
 
 # A wake hint for run_agent_worker (SPEC 7's pattern): transactional, so it is delivered only if
@@ -603,11 +630,11 @@ _COMPLETABLE = f"""AND r.state = 'running' AND NOT r.unwinding
                       AND j.kind = 'tool' AND j.status = 'pending' AND j.generation = u.generation)
       AND {SNAPSHOT_HOLDS_EVERY_CALL.format(journal=JOURNAL, run="r.id")}"""
 COMPLETE_MANY_IF_CURRENT = f"""
-WITH u AS MATERIALIZED (
+WITH {SOURCES}, u AS MATERIALIZED (
     SELECT * FROM unnest(%(run_ids)s::uuid[], %(generations)s::bigint[], %(outputs)s::jsonb[],
                          %(output_hashes)s::bytea[])
         AS u(run_id, generation, output, output_hash)
-), {locked_in_id_order(extra=_COMPLETABLE, columns=", u.output, u.output_hash")}
+), {locked_in_id_order(extra=f"{_COMPLETABLE} {AFTER_SOURCES}", columns=", u.output, u.output_hash")}
 UPDATE {RUN} AS r
 SET state = 'completed', output = locked.output, output_hash = locked.output_hash, lease_until = NULL,
     claimed_at = NULL, finished_at = {DB_NOW},
