@@ -7,7 +7,9 @@ pending for good."""
 
 from __future__ import annotations
 
+import re
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,12 +18,14 @@ from django.db import connection, transaction
 from buzz_delivery import services
 from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services import sql
+from buzz_delivery.services.runs import PENDING_OF_RUNS_LEFT
 from buzz_delivery.services.tenancy import fleet
-from buzz_delivery.testing import WorkflowFactory, random32
+from buzz_delivery.testing import CommunityFactory, WorkflowFactory, random32
 from buzz_delivery.workflows.models import Run
 from buzz_delivery.workflows.services import Canceled, cancel_run
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
 from buzz_delivery.workflows.testing import run_until_idle, send_step
+from tests.citus_support import CITUS_MODE
 from tests.wf_support import start
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -105,3 +109,15 @@ def test_a_maintenance_pass_that_gives_up_on_a_locked_delivery_keeps_the_mark_fo
     run, held, expired = ended_with_one_locked(fail_in_the_trigger, bad)
     assert expired == 1
     expired_later_by_the_maintenance(run, held)
+
+
+@pytest.mark.skipif(not CITUS_MODE, reason="Citus mode only: the plan of the read on the cluster")
+def test_on_citus_the_read_of_what_is_left_runs_on_the_community_node_alone():
+    community = CommunityFactory()
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            "EXPLAIN (COSTS OFF) " + PENDING_OF_RUNS_LEFT, {"community_id": community.id, "run_ids": [uuid.uuid4()]}
+        )
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    counts = re.findall(r"Task Count: (\d+)", plan)
+    assert counts and set(counts) == {"1"}, plan
