@@ -27,7 +27,7 @@ from buzz_delivery.services.runlock import (
     renew_run_lease,
     run_lease,
 )
-from buzz_delivery.services.runs import expire_run_deliveries
+from buzz_delivery.services.runs import expire_run_deliveries, run_deliveries_left
 from buzz_delivery.services.stats import count_pending_retry
 from buzz_delivery.services.types import (
     AlreadyTerminal,
@@ -94,6 +94,7 @@ __all__ = [
     "renew_delivery",
     "renew_run_lease",
     "requeue_delivery",
+    "run_deliveries_left",
     "run_lease",
     "settle_deliveries",
 ]

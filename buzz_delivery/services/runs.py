@@ -48,6 +48,13 @@ SELECT EXISTS (
       AND d.status = 'pending' AND {ACTIVE_COMMUNITY}
 )
 """
+# Those of the runs with a pending queue row left, read without a lock (run_deliveries_left).
+PENDING_OF_RUNS_LEFT = f"""
+SELECT DISTINCT r.run_id FROM {QUEUE} AS d
+JOIN {RECORD} AS r ON r.community_id = d.community_id AND r.id = d.id
+WHERE d.community_id = %(community_id)s AND r.community_id = %(community_id)s AND r.run_id = ANY (%(run_ids)s::uuid[])
+  AND d.status = 'pending' AND {ACTIVE_COMMUNITY}
+"""
 # Reads of PENDING_OF_RUN_LEFT after short batches, and the pause between (about 2 s in all).
 LOCKED_TRIES = 100
 LOCKED_PAUSE = 0.02
@@ -104,3 +111,19 @@ def expire_run_deliveries(
             if tries <= 0 or not fetch_all(PENDING_OF_RUN_LEFT, params)[0][0]:
                 return total
             time.sleep(LOCKED_PAUSE)
+
+
+@tenant_scoped
+def run_deliveries_left(community_id: uuid.UUID | str, run_ids: list[uuid.UUID]) -> set[uuid.UUID]:
+    """Those of ``run_ids`` that still have a ``pending`` delivery, read without a lock (one
+    statement, in the caller's transaction when it has one): after
+    :func:`expire_run_deliveries`, the runs whose rows stayed locked past its tries. A caller
+    that marks a run's deliveries as expired keeps the mark for these, to try again later.
+
+    Raises ``ValidationError`` keyed ``community_id`` or ``run_ids`` before any SQL."""
+    community = v.uuid_value(community_id, "community_id")
+    runs = [v.uuid_value(r, f"run_ids[{i}]") for i, r in enumerate(run_ids)]
+    if not runs:
+        return set()
+    with translated_errors():
+        return {row[0] for row in fetch_all(PENDING_OF_RUNS_LEFT, {"community_id": community, "run_ids": runs})}

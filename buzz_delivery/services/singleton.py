@@ -22,6 +22,10 @@ holders in delivery id order, the order of every batch writer of the queue, so i
 worker's row while waiting for another one the worker holds. Then the holders and the
 identities already committed (a producer's retry) are read, the records of the other targets
 inserted, and their queue rows: the queue insert's ``ON CONFLICT DO NOTHING`` is the arbiter.
+A replace round runs under a savepoint: when a target whose holder it superseded gets no new
+delivery (a plain commit of the same identity, which takes no key lock, committed first), the
+round is rolled back whole and run again, and the next one sees that identity and supersedes
+nothing (no holder ends "superseded by" a delivery that does not exist).
 
 Before its first round a commit locks the key of each of its targets (:data:`LOCK_KEYS`, one
 advisory lock per community, target and key, in one order), so concurrent commits of the key
@@ -40,6 +44,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from django.db import transaction
 
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.models import SINGLETON_KEY_PATTERN
@@ -310,7 +316,8 @@ def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommi
     commit or roll back together). A round: (replace) supersede the holders, read the holders
     and the identities already committed, insert the records of the targets left, then their
     queue rows; a record whose queue row the key's index turned away is deleted and its target
-    tried again."""
+    tried again. A replace round that superseded the holder of a target it then did not create
+    is rolled back to its savepoint and run again."""
     from buzz_delivery.services.producer import queue_created  # (the producer imports this module)
 
     community = params["community_id"]
@@ -326,8 +333,13 @@ def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommi
         round_params = {**params, "singleton_key": key}
         for name in _PER_BINDING:
             round_params[name] = [params[name][i] for i in todo]
+        # A replace's round is undone whole when a target it superseded gets no new delivery (a
+        # plain commit of the same identity, which takes no key lock, won it): else the holder
+        # would end "superseded by delivery N" with no N, its work lost with nothing in its place.
+        undo = transaction.savepoint() if mode == "replace" else None
+        superseded_now: dict[bytes, uuid.UUID] = {}
         if mode == "replace":
-            _supersede(round_params, superseded)
+            _supersede(round_params, superseded_now)
         found: dict[str, dict[bytes, uuid.UUID]] = {"held": {}, "already": {}}
         for what, delivery_id, target in fetch_all(HELD_OR_ALREADY, round_params):
             found[what][bytes(target)] = delivery_id
@@ -350,6 +362,10 @@ def commit(params: dict[str, Any], key: str, mode: OnConflict) -> SingletonCommi
             if lost:
                 fetch_all(DELETE_UNQUEUED, {"community_id": community, "ids": lost})
             created = {targets[i]: i for i in queued}
+        if undo is not None and any(target not in created for target in superseded_now):
+            transaction.savepoint_rollback(undo)  # the next round sees the identity: supersedes nothing
+            continue
+        superseded.update(superseded_now)
         left = []
         for i in todo:
             target = bytes(params["target_pubkeys"][i])

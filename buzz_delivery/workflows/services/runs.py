@@ -224,17 +224,32 @@ def _insert_run(
 def expire_deliveries_of_ended_runs(community: uuid.UUID, run_ids: list[Any]) -> int:
     """Expire (core service) the pending deliveries of those runs that ended ``failed`` or
     ``canceled`` and still carry ``deliveries_to_expire``, and of their child runs, in the
-    caller's transaction, and clear the mark. Returns how many deliveries were expired."""
+    caller's transaction, and clear the mark of those whose tree has none left pending (see
+    :func:`clear_deliveries_to_expire`). Returns how many deliveries were expired."""
     if not run_ids:
         return 0
     ended = [row[0] for row in fetch_all(sql.ENDED_RUNS, {"community_id": community, "run_ids": list(run_ids)})]
     total = 0
+    trees: dict[Any, list[Any]] = {}
     for rid in ended:
-        for (tree_id,) in fetch_all(sql.RUN_AND_DESCENDANTS, {"community_id": community, "run_id": rid}):
+        trees[rid] = [row[0] for row in fetch_all(sql.RUN_AND_DESCENDANTS, {"community_id": community, "run_id": rid})]
+        for tree_id in trees[rid]:
             total += core.expire_run_deliveries(community, tree_id)
-    if ended:
-        fetch_all(sql.DELIVERIES_EXPIRED, {"community_id": community, "run_ids": ended})
+    clear_deliveries_to_expire(community, trees)
     return total
+
+
+def clear_deliveries_to_expire(community: uuid.UUID, trees: dict[Any, list[Any]]) -> None:
+    """Clear ``deliveries_to_expire`` of each run of ``trees`` (run: the runs whose deliveries
+    it expired) whose runs have no ``pending`` delivery left. The expiry gives up on a row locked
+    for about two seconds (``core.expire_run_deliveries``): such a run keeps its mark, and the
+    maintenance's next pass expires what it left, instead of leaving it pending for good."""
+    if not trees:
+        return
+    left = core.run_deliveries_left(community, sorted({r for tree in trees.values() for r in tree}))
+    done = [rid for rid, tree in trees.items() if left.isdisjoint(tree)]
+    if done:
+        fetch_all(sql.DELIVERIES_EXPIRED, {"community_id": community, "run_ids": done})
 
 
 def valid_tags(tags: Any) -> list[str]:
@@ -384,7 +399,7 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
                 raise RunNotFound(f"no workflow run {rid} in community {community}")
             return AlreadyTerminal(state)
         expired = sum(core.expire_run_deliveries(community, r) for r in live)
-        fetch_all(sql.DELIVERIES_EXPIRED, {"community_id": community, "run_ids": live})
+        clear_deliveries_to_expire(community, {r: [r] for r in live})
     return Canceled(runs=len(live), deliveries=expired)
 
 
