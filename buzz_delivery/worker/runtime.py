@@ -657,7 +657,8 @@ class Worker:
     def _loop_thread(self) -> None:
         """With an ``async def`` handler: one thread runs an asyncio loop on which each claim's
         handler is a task (up to ``concurrency`` at once); claims reach it from the dispatcher
-        through :meth:`_submit`. It ends once told to stop and every task is done."""
+        a claim batch at a time (:meth:`_start`, :meth:`_spawn`), the stop marker through
+        :meth:`_submit`. It ends once told to stop and every task is done."""
         try:
             asyncio.run(self._event_loop())
             with self._lock:
@@ -677,8 +678,8 @@ class Worker:
         self._closing = asyncio.Event()
         # ``concurrency`` handlers at once: the claims ahead of them (``_ahead``) wait in
         # ``_waiting`` for a free slot, as they wait in the queue of the handler threads, and a
-        # claim's task is created when it starts (issue 31: a semaphore that every task waited
-        # on, and a task per claim ahead, cost the loop more than the no-op handler itself).
+        # claim's task is created when it starts (issue 31: no semaphore for every task to pass,
+        # no task made and parked for each claim ahead).
         self._waiting: collections.deque[tuple[Claim, float, tenancy.Target]] = collections.deque()
         # What this iteration of the loop finished, handed to the settler at its end (:meth:`_hand_over`).
         self._finished: list[SettleJob] = []
