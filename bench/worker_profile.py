@@ -25,6 +25,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--freeze", action="store_true")
     parser.add_argument(
+        "--async",
+        dest="is_async",
+        action="store_true",
+        help="the async def no-op handler (bench.handlers.anoop: tasks on the worker's loop), as worker_async",
+    )
+    parser.add_argument(
         "--idle-exit",
         type=float,
         default=0.3,
@@ -79,7 +85,7 @@ def main() -> None:
     (tenant,) = data.create_tenants(1)
     import gc
 
-    from bench.handlers import noop
+    from bench.handlers import anoop, noop
     from buzz_delivery.worker import WorkerConfig, run_worker
 
     gc_time = [0.0, 0, 0.0]
@@ -129,7 +135,7 @@ def main() -> None:
                 WorkerConfig(
                     community_id=tenant.community_id,
                     target_pubkey=data.target(0),
-                    handler=noop,
+                    handler=anoop if args.is_async else noop,
                     concurrency=args.concurrency,
                     batch_size=50,
                     poll_interval=0.5,

@@ -329,8 +329,10 @@ class AsyncUserCode:
 
     __slots__ = ("_token", "left_open", "target")
 
-    def __init__(self, community_id: uuid.UUID | str) -> None:
-        self.target = tenancy.handler_target(community_id)
+    def __init__(self, community_id: uuid.UUID | str, target: tenancy.Target | None = None) -> None:
+        """``target``: ``tenancy.handler_target(community_id)``, if the caller already has it
+        (the worker makes one per community and claim batch: it reads the settings)."""
+        self.target = tenancy.handler_target(community_id) if target is None else target
         self.left_open: str | None = None
 
     def __enter__(self) -> AsyncUserCode:

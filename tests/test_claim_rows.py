@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -237,3 +238,30 @@ def test_a_lease_from_the_database_is_converted_to_utc_or_refused_when_naive():
     assert lease.lease_until == paris and lease.lease_until.tzinfo is dt.UTC
     with pytest.raises(ValidationError, match=r"lease\.lease_until"):
         services.Lease.from_database(uuid.uuid4(), uuid.uuid4(), bytes(32), 1, dt.datetime(2026, 1, 2))
+
+
+def test_load_snapshots_sets_what_the_orm_reads_and_leaves_a_missing_delivery_deferred(community, make_binding):
+    """``load_snapshots`` (an async handler's claims) reads the snapshots with one statement of
+    its own (ids as one ``uuid[]`` literal) and decodes them as the JSON fields do: each value is
+    what the ORM loads for the row; a delivery that is not there keeps them deferred."""
+    target = random32()
+    bindings = [make_binding(target_pubkey=target) for _ in range(3)]
+    event = models.Event.objects.get(community_id=community.id, event_id=bindings[0].message_event_id)
+    trace = {"steps": [1, "two", None, {"nested": True}], "unicode": "é\u2603"}
+    services.commit_deliveries(community.id, event, bindings, execution_trace=trace, trigger_context=["a", 1.5])
+    claims = services.claim_deliveries(community.id, target, limit=3)
+    assert len(claims) == 3
+    deliveries = [claim.delivery for claim in claims]
+    ghost = models.WorkflowAgentDelivery.from_db(
+        connection.alias, sql.CLAIM_ATTNAMES, tuple(getattr(deliveries[0], name) for name in sql.CLAIM_ATTNAMES)
+    )
+    ghost.id = uuid.uuid4()
+    services.load_snapshots(community.id, [*deliveries, ghost])
+    for delivery in deliveries:
+        stored = models.WorkflowAgentDelivery.objects.get(pk=delivery.pk)
+        assert delivery.get_deferred_fields() == set(sql.DEFERRED_FIELDS) - set(sql.SNAPSHOT_FIELDS)
+        for name in sql.SNAPSHOT_FIELDS:
+            assert vars(delivery)[name] == getattr(stored, name), name
+        assert vars(delivery)["execution_trace"] == trace
+        assert vars(delivery)["trigger_context"] == ["a", 1.5]
+    assert set(sql.SNAPSHOT_FIELDS) <= ghost.get_deferred_fields()

@@ -18,7 +18,8 @@ empty (polled every 10 ms by the controller on its own connection):
 
 ``worker_before`` runs the worker of another source tree (``BENCH_BEFORE_ROOT``: a folder holding
 a ``buzz_delivery`` package, e.g. ``git archive`` of an older commit) in its own processes, so a
-change is judged before/after within one run.
+change is judged before/after within one run; ``worker_async_before`` runs that tree's worker
+with the ``async def`` handler (``worker_async``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ SIZES = {
     "ours_single_prepared": (3_000, 800),
 }
 DEFAULT_SIZE = (12_000, 2_500)
+# The systems run by the pool of another source tree (BENCH_BEFORE_ROOT), and what each runs there.
+BEFORE_SYSTEMS = {"worker_before": "worker", "worker_async_before": "worker_async"}
 PREPARED = "_prepared"  # a system name ending so runs on a URL with ?prepare_threshold=5
 # --quick without --peers: the headline systems only (about a minute on 2 cores).
 QUICK_SYSTEMS = (
@@ -80,6 +83,7 @@ ALL_SYSTEMS = (
     "worker",
     "worker_before",
     "worker_async",
+    "worker_async_before",
     "worker_prepared",
     "ours_batch_prepared",
     "ours_single_prepared",
@@ -98,6 +102,7 @@ LABELS = {
     "worker_before": "run_worker before (BENCH_BEFORE_ROOT)",
     "worker_prepared": "run_worker, prepare_threshold=5",
     "worker_async": "run_worker, `async def` no-op handler (50 tasks on its loop, batch 50)",
+    "worker_async_before": "run_worker before (BENCH_BEFORE_ROOT), `async def` no-op handler",
     "worker_batch16": "run_worker, batch 16",
     "worker_pairs50": "run_worker, 50 (community, target) pairs per process",
     "ours_batch_prepared": "claim_deliveries(50) -> finish_deliveries, prepare_threshold=5",
@@ -127,7 +132,7 @@ def _available(system: str) -> bool:
         "procrastinate": "procrastinate",
         "django_tasks_db": "django_tasks_db",
     }.get(system)
-    if system == "worker_before":
+    if system in BEFORE_SYSTEMS:
         return bool(os.environ.get("BENCH_BEFORE_ROOT"))
     return module is None or find_spec(module) is not None
 
@@ -404,14 +409,15 @@ def table(runs: dict[tuple[str, int], Runs], systems: list[str]) -> str:
 
 
 def _base(system: str) -> str:
-    """What the pool process runs: ``worker_before`` and ``*_prepared`` run the plain system."""
-    if system == "worker_before":
-        return "worker"
+    """What the pool process runs: ``worker_before`` and ``*_prepared`` run the plain system,
+    ``worker_async_before`` runs ``worker_async``."""
+    if system in BEFORE_SYSTEMS:
+        return BEFORE_SYSTEMS[system]
     return system.removesuffix(PREPARED)
 
 
 def _pool_of(system: str) -> str:
-    if system == "worker_before":
+    if system in BEFORE_SYSTEMS:
         return "before"
     return "prepared" if system.endswith(PREPARED) else "main"
 
@@ -430,7 +436,7 @@ def run(bench: Bench) -> None:
     runs: dict[tuple[str, int], Runs] = {(s, k): Runs() for s in systems for k in KS}
     with contextlib.ExitStack() as stack:
         pools: dict[str, PeerPool] = {"main": stack.enter_context(PeerPool(bench.url, max(KS)))}
-        if "worker_before" in systems:
+        if any(s in BEFORE_SYSTEMS for s in systems):
             pools["before"] = stack.enter_context(PeerPool(bench.url, max(KS), os.environ["BENCH_BEFORE_ROOT"]))
             print(f"peers: worker_before imports {pools['before'].package}", flush=True)
         if any(s.endswith(PREPARED) for s in systems):

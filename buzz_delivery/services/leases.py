@@ -415,9 +415,16 @@ def load_snapshots(community_id: uuid.UUID | str, deliveries: list[WorkflowAgent
     by_id = {d.id: d for d in deliveries}
     if not by_id:
         return
-    rows = WorkflowAgentDelivery.objects.filter(community_id=community, id__in=list(by_id)).values_list(
-        "id", *sql.SNAPSHOT_FIELDS
-    )
-    for delivery_id, *values in rows:
-        for name, value in zip(sql.SNAPSHOT_FIELDS, values, strict=True):
-            setattr(by_id[delivery_id], name, value)
+    # PostgreSQL reads a uuid's 32 hex digits without hyphens too: ``UUID.hex`` is the cheapest text.
+    ids = "{" + ",".join(delivery_id.hex for delivery_id in by_id) + "}"
+    fields = _snapshot_fields()
+    for delivery_id, *values in fetch_all(sql.SNAPSHOTS, {"community_id": community, "ids": ids}):
+        delivery = by_id[delivery_id]
+        for field, value in zip(fields, values, strict=True):
+            # As the ORM reads a JSON field (Django loads jsonb as text, the field decodes it).
+            setattr(delivery, field.attname, field.from_db_value(value, None, connection))
+
+
+def _snapshot_fields() -> tuple[Any, ...]:
+    """The model fields of :data:`sql.SNAPSHOT_FIELDS`, in that order."""
+    return tuple(WorkflowAgentDelivery._meta.get_field(name) for name in sql.SNAPSHOT_FIELDS)

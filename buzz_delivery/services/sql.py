@@ -378,6 +378,14 @@ JOIN {RECORD} AS r ON r.community_id = %(community_id)s AND r.id = q.id
 """
 
 
+# The JSON snapshots of claimed deliveries of one community (``load_snapshots``: an async
+# handler's claims), %(ids)s a ``uuid[]`` literal of their ids: one text parameter, not one
+# bound (and dumped) per id, nor the ORM's query built per claim batch (issue 31).
+SNAPSHOTS = f"""
+SELECT d.id, {", ".join(f"d.{name}" for name in SNAPSHOT_FIELDS)} FROM {DELIVERY_VIEW} AS d
+WHERE d.community_id = %(community_id)s AND d.id = ANY(%(ids)s::uuid[])
+"""
+
 RENEW_IF_CURRENT_GENERATION = f"""
 UPDATE {QUEUE} AS d
 SET lease_until = {LEASE_END},

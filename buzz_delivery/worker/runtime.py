@@ -21,6 +21,7 @@ n=...``); one DEBUG line per delivery (``claimed delivery=...``, ``settled deliv
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime as dt
 import gc
 import inspect
@@ -45,7 +46,7 @@ from buzz_delivery.conf import get_settings
 from buzz_delivery.exceptions import BuzzDeliveryError
 from buzz_delivery.holders import holder_identity
 from buzz_delivery.loopwatch import LoopWatch
-from buzz_delivery.services import Claim, Lease, LeaseLost, ratelimits
+from buzz_delivery.services import Claim, Lease, LeaseLost, ratelimits, tenancy
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import lock_wait_timed_out, lock_waits_bounded
 from buzz_delivery.usercode import TRANSACTION_LEFT_OPEN, AsyncUserCode, ScopedExecutor, UserCode, serve_loop
@@ -571,8 +572,9 @@ class Worker:
             args = _left_open_args(lease, call.left_open)
         return self._result(lease, args, held, ran)
 
-    async def _ahandle(self, claim: Claim, claimed_at: float) -> SettleJob | None:
-        """As :meth:`_handle`, for an ``async def`` handler, awaited on the worker's loop."""
+    async def _ahandle(self, claim: Claim, claimed_at: float, target: tenancy.Target) -> SettleJob | None:
+        """As :meth:`_handle`, for an ``async def`` handler, awaited on the worker's loop.
+        ``target``: the tenancy target of its community's handlers (``tenancy.handler_target``)."""
         lease = claim.lease
         started = self._begin(claim, claimed_at)
         if started is None:
@@ -582,7 +584,7 @@ class Worker:
         # what it sends to the loop's threads): its async ORM and sync_to_async statements run
         # in its tenancy scope, as a plain handler's do, however many communities' handlers
         # share those threads (buzz_delivery.usercode, "async def handlers").
-        call = AsyncUserCode(self._community_text(lease.community_id))
+        call = AsyncUserCode(target.community, target)
         try:
             with call, tracing.handler_span(claim.delivery):
                 await self.config.handler(claim.delivery)  # type: ignore[misc]
@@ -655,7 +657,8 @@ class Worker:
     def _loop_thread(self) -> None:
         """With an ``async def`` handler: one thread runs an asyncio loop on which each claim's
         handler is a task (up to ``concurrency`` at once); claims reach it from the dispatcher
-        through :meth:`_submit`. It ends once told to stop and every task is done."""
+        a claim batch at a time (:meth:`_start`, :meth:`_spawn`), the stop marker through
+        :meth:`_submit`. It ends once told to stop and every task is done."""
         try:
             asyncio.run(self._event_loop())
             with self._lock:
@@ -673,10 +676,15 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
-        # ``concurrency`` handlers at once: the claims ahead of them (``_ahead``) wait here for a
-        # slot, as they wait in the queue of the handler threads; handed to the loop, each task
-        # would otherwise start at once (up to concurrency + a batch at once).
-        self._slots = asyncio.Semaphore(self.config.concurrency)
+        # ``concurrency`` handlers at once: the claims ahead of them (``_ahead``) wait in
+        # ``_waiting`` for a free slot, as they wait in the queue of the handler threads, and a
+        # claim's task is created when it starts (issue 31: no semaphore for every task to pass,
+        # no task made and parked for each claim ahead).
+        self._waiting: collections.deque[tuple[Claim, float, tenancy.Target]] = collections.deque()
+        # What this iteration of the loop finished, handed to the settler at its end (:meth:`_hand_over`).
+        self._finished: list[SettleJob] = []
+        self._hand_over_due = False
+        self._free_slots = self.config.concurrency
         watch = LoopWatch(
             self.loop, name="buzz-worker-handlers", logger=logger, on_stall=lambda _: self.tally.add("loop_stalls")
         ).start_here()
@@ -684,37 +692,74 @@ class Worker:
             self.loop_ready.set()
             try:
                 await self._closing.wait()
-                while self._tasks:
+                while self._tasks:  # (claims still waiting start as these end)
                     await asyncio.wait(set(self._tasks))
             finally:
                 watch.stop()
 
-    def _spawn(self, item: tuple[Claim, float] | None) -> None:
-        if item is None:
+    def _spawn(self, items: list[tuple[Claim, float]] | None) -> None:
+        """On the loop: the claims of one claim batch (one hand-off from the dispatcher per
+        batch), or the stop marker (None). Each claim waits with its community's tenancy
+        target, made once per community and batch (it reads the settings: ``SWITCH_ROLES``)."""
+        if items is None:
             self._closing.set()
             return
-        task = asyncio.ensure_future(self._task(*item))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        targets: dict[int, tenancy.Target] = {}
+        for claim, claimed_at in items:
+            community_id = claim.lease.community_id
+            target = targets.get(community_id.int)
+            if target is None:
+                target = targets[community_id.int] = tenancy.handler_target(self._community_text(community_id))
+            self._waiting.append((claim, claimed_at, target))
+        self._start_waiting()
 
-    async def _task(self, claim: Claim, claimed_at: float) -> None:
+    def _start_waiting(self) -> None:
+        """Start the waiting claims' handlers, as many as there are free slots, oldest first."""
+        waiting = self._waiting
+        create_task = self.loop.create_task  # type: ignore[union-attr]
+        while waiting and self._free_slots > 0:
+            self._free_slots -= 1
+            task = create_task(self._task(*waiting.popleft()))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._free_slots += 1
+        if self._waiting:
+            self._start_waiting()
+
+    async def _task(self, claim: Claim, claimed_at: float, target: tenancy.Target) -> None:
         try:
-            async with self._slots:
-                job = await self._ahandle(claim, claimed_at)
+            job = await self._ahandle(claim, claimed_at, target)
         except BaseException:
             logger.exception("worker_error delivery=%s: settle step raised", claim.lease.delivery_id)
             self._fail("worker_error")
             self._dropped()
-            self._handed(None)
-        else:
-            self._handed(job)
+            job = None
+        # Handed over at the end of this iteration of the loop, with whatever else it finished:
+        # one hold of the settler's lock and one look of the dispatcher for them all (issue 31).
+        if job is not None:
+            self._finished.append(job)
+        if not self._hand_over_due:
+            self._hand_over_due = True
+            self.loop.call_soon(self._hand_over)  # type: ignore[union-attr]
+
+    def _hand_over(self) -> None:
+        """On the loop: :meth:`_handed` of what its last iteration finished, at once."""
+        self._hand_over_due = False
+        jobs, self._finished = self._finished, []
+        if jobs:
+            self.settler.put_many(jobs)
+        if not self.wake.is_set():  # (as in _handed)
+            self.wake.set()
 
     def _submit(self, item: tuple[Claim, float] | None) -> None:
         """Hand a claim (or a stop marker) to the handlers: a thread's queue, or the loop."""
         if self.loop is None:
             self.work.put(item)
         else:
-            self.loop.call_soon_threadsafe(self._spawn, item)
+            self.loop.call_soon_threadsafe(self._spawn, None if item is None else [item])
 
     # --- dispatcher (the caller's thread) ------------------------------------------------------
 
@@ -1048,9 +1093,8 @@ class Worker:
             put = self.work.put
             for claim in claims:
                 put((claim, claimed_at))
-        else:
-            for claim in claims:
-                self._submit((claim, claimed_at))
+        else:  # the loop: one wake-up (a write to its self-pipe) per batch, not one per claim
+            self.loop.call_soon_threadsafe(self._spawn, [(claim, claimed_at) for claim in claims])
         self.tally.add("claimed", len(claims))
         logger.info("claimed n=%d via=%s", len(claims), via)
 

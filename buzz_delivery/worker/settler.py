@@ -198,6 +198,17 @@ class Settler(threading.Thread):
             if not_empty._waiters:  # type: ignore[attr-defined]
                 not_empty.notify()
 
+    def put_many(self, jobs: list[SettleJob]) -> None:
+        """:meth:`put` of several results under one hold of the queue's lock (the async
+        handlers' loop hands over what one of its iterations finished)."""
+        source = self._queue
+        with source.mutex:
+            source.queue.extend(jobs)
+            source.unfinished_tasks += len(jobs)
+            not_empty = source.not_empty
+            if not_empty._waiters:  # type: ignore[attr-defined]
+                not_empty.notify()
+
     def close(self) -> None:
         """Settle what is queued, then stop (see :meth:`join`)."""
         self._queue.put(None)
