@@ -696,6 +696,8 @@ class Worker:
                     await asyncio.wait(set(self._tasks))
             finally:
                 watch.stop()
+                # Whatever the last iteration finished, should its hand-over not have run yet.
+                self._hand_over()
 
     def _spawn(self, items: list[tuple[Claim, float]] | None) -> None:
         """On the loop: the claims of one claim batch (one hand-off from the dispatcher per
