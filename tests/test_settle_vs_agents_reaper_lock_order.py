@@ -37,6 +37,7 @@ from tests.agents_support import backdate_run_lease
 from tests.conftest import BARRIER_TIMEOUT, collecting, lock_waits_reach
 
 LOCK_WORKFLOW_RUN = "SELECT 1 FROM buzz_workflows_run WHERE community_id = %s AND run_id = %s FOR NO KEY UPDATE"
+LOCK_CORE_RUN = "SELECT 1 FROM buzz_delivery_workflow_run WHERE community_id = %s AND id = %s FOR NO KEY UPDATE"
 
 
 def overdue(run_id) -> None:
@@ -139,3 +140,46 @@ def test_a_multi_run_settle_and_the_agents_reaper_ending_runs_of_the_same_runs_n
     for run, run_id, state in zip((second, first), agent_runs, ended, strict=True):
         assert AgentRun.objects.get(id=run_id).state == state
         assert Step.objects.get(run_id=run.pk, key="ask").state == "failed"  # its one agent run counted, failed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pass_ending_agent_runs_of_one_workflow_run_takes_no_lock_of_its_core_row(community):
+    """Its ends lock at most that run's engine row, as a one-run settle: no cycle to break, and
+    the pass does not queue behind the settles of that run (held here by another transaction:
+    waiting for it would cost the pass its lock_timeout and the community this pass)."""
+    agents = [random32(), random32()]
+    workflow = WorkflowFactory(community=community)
+    publish_definition(community.id, workflow.id, {"steps": [send_step("ask", agents, **{"await": "agent_run"})]})
+    run = start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32)))
+    run_until_idle(community.id)
+    agent_runs = []
+    for agent in agents:
+        d = WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="ask", target_pubkey=agent)
+        accepted = accept_delivery(core.claim_delivery(community.id, agent, delivery_id=d.id, lease_seconds=60).lease)
+        assert isinstance(accepted, Accepted)
+        agent_runs.append(accepted.run_id)
+        overdue(accepted.run_id)
+    connection.close()
+
+    errors: list[BaseException] = []
+    holding, release = threading.Event(), threading.Event()
+
+    @collecting(errors)
+    def settle_of_the_run() -> None:  # holds the run's core row, as a multi-run settle would
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(LOCK_CORE_RUN, [community.id, run.pk])
+            holding.set()
+            assert release.wait(BARRIER_TIMEOUT)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        held = pool.submit(settle_of_the_run)
+        assert holding.wait(BARRIER_TIMEOUT)
+        try:
+            result = reap_agent_runs()
+        finally:
+            release.set()
+        held.result(BARRIER_TIMEOUT)
+
+    assert not errors, errors
+    assert (result.timed_out, result.skipped_busy) == (2, 0)
+    assert {AgentRun.objects.get(id=r).state for r in agent_runs} == {"timeout"}
