@@ -10,9 +10,10 @@ attempts, so its compensations still run.
 
 Fleet-wide but walking communities (SPEC 15), like the engine's: one read picks candidate
 communities (active ones), then per community one short transaction: the community's fence lock
-is tried (never waited on), at most ``batch_size`` candidate runs are read, and one fenced UPDATE
-per kind re-checks the whole condition on the database clock with ``community_id`` in its own
-WHERE. Every path bumps the generation, so the old holder is fenced; the way back to a waiting
+is tried (never waited on), at most ``batch_size`` candidate runs are read (their workflow
+runs' core rows locked, in run id order, when of more than one: the settles' lock order), and one
+fenced UPDATE per kind re-checks the whole condition on the database clock with ``community_id``
+in its own WHERE. Every path bumps the generation, so the old holder is fenced; the way back to a waiting
 workflow step runs in the same transaction (migration 0002 triggers).
 """
 
@@ -26,6 +27,7 @@ from django.db import transaction
 from buzz_delivery.agents.conf import NOTIFY_CHANNEL, get_settings
 from buzz_delivery.agents.services.sql import (
     ACTIVE,
+    AFTER_SOURCES,
     APPROVAL,
     CLOSE_PENDING_CALLS_OF_ENDED_RUNS,
     COMMUNITY,
@@ -35,6 +37,7 @@ from buzz_delivery.agents.services.sql import (
     RUN,
     TERMINAL,
     run_entry,
+    sources_of,
 )
 from buzz_delivery.conf import get_settings as core_settings
 from buzz_delivery.services import validation as v
@@ -73,10 +76,22 @@ WHERE c.deletion_state = 'active' AND (
 ORDER BY c.id
 LIMIT %(limit)s
 """
+# The candidates' workflow runs' core rows are locked first, in run id order, when of more than
+# one workflow run (sql.SOURCES, as a multi-run batch settle and the agents' batches): the pass
+# ends runs (TIME_OUT_OVERDUE_RUNS, then EXHAUST_LAPSED_RUNS) and each end counts in its workflow
+# step under the engine's run row (``buzz_agents_run_ended``), in the order the statements end
+# them, while a settle's fan-in locks those engine rows in delivery id order: a deadlock. Taken
+# here, before any other row of the pass (the approvals the expiry closes, the runs it moves),
+# the second of the two waits at its first run in common holding none of the other's rows. The
+# wait is bounded by the pass's lock_timeout (a settle holds them for its statement).
 CANDIDATE_RUNS = f"""
-SELECT r.id FROM {RUN} AS r
-WHERE r.community_id = %(community_id)s AND (({LAPSED}) OR ({OVERDUE}))
-ORDER BY r.id LIMIT %(limit)s
+WITH candidate AS MATERIALIZED (
+    SELECT r.id FROM {RUN} AS r
+    WHERE r.community_id = %(community_id)s AND (({LAPSED}) OR ({OVERDUE}))
+    ORDER BY r.id LIMIT %(limit)s
+), {sources_of("ARRAY(SELECT c.id FROM candidate AS c)")}
+SELECT c.id FROM candidate AS c WHERE true {AFTER_SOURCES}
+ORDER BY c.id
 """
 # The candidates are locked before they are judged (after their approvals are expired: approval
 # then run, the order of decide_approval, so the two cannot deadlock): a holder's result

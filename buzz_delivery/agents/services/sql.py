@@ -465,6 +465,7 @@ LOCK_RUN = (
     f"SELECT r.id FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.id = %(run_id)s FOR NO KEY UPDATE"
 )
 
+
 # Lock order with the core's batch settles: a batch that ends agent runs started from deliveries
 # of more than one workflow run first locks those runs' core rows (``buzz_delivery_workflow_run``),
 # in run id order, as a multi-run batch settle does (``sql.LOCK_RUNS_OF_DELIVERIES``). Ending each
@@ -476,17 +477,24 @@ LOCK_RUN = (
 # most that run's engine row, as a one-run settle): K workers completing one run's fan-out are
 # not serialized on its core row. ``sources`` is read by the statement's first lock
 # (``AFTER_SOURCES``, an InitPlan evaluated before any row is locked). Agent runs of no workflow
-# run (an inbox event's) have no source run.
-SOURCES = f"""sources AS MATERIALIZED (
+# run (an inbox event's) have no source run. The maintenance pass takes them too, over its
+# candidate runs (``sources_of``: an array expression of agent run ids, of the community).
+def sources_of(run_ids: str) -> str:
+    """The CTE ``sources``: the core rows of the workflow runs of ``run_ids`` (an expression of
+    ``uuid[]``), locked in run id order when there is more than one of them."""
+    return f"""sources AS MATERIALIZED (
     SELECT w.id FROM {WORKFLOW_RUN} AS w
     WHERE w.community_id = %(community_id)s
       AND w.id IN (SELECT s.source_run_id FROM {RUN} AS s
-                   WHERE s.community_id = %(community_id)s AND s.id = ANY(%(run_ids)s::uuid[]))
+                   WHERE s.community_id = %(community_id)s AND s.id = ANY({run_ids}))
       AND (SELECT count(DISTINCT s.source_run_id) FROM {RUN} AS s
-           WHERE s.community_id = %(community_id)s AND s.id = ANY(%(run_ids)s::uuid[])) > 1
+           WHERE s.community_id = %(community_id)s AND s.id = ANY({run_ids})) > 1
     ORDER BY w.id
     FOR NO KEY UPDATE OF w
 )"""
+
+
+SOURCES = sources_of("%(run_ids)s::uuid[]")
 AFTER_SOURCES = "AND (SELECT count(*) FROM sources) >= 0"
 
 # LOCK_RUN of many runs of one community, in id order (fail_runs: as fail_run takes its one),
