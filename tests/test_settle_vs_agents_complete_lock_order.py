@@ -19,7 +19,6 @@ then waits for the second."""
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,18 +26,12 @@ import pytest
 from django.db import connection, transaction
 
 from buzz_delivery import services as core
-from buzz_delivery.agents.services import Accepted, accept_delivery, claim_agent_runs
 from buzz_delivery.agents.services import batch as b
-from buzz_delivery.models import WorkflowAgentDelivery
-from buzz_delivery.services import Cause, Settled
-from buzz_delivery.testing import WorkflowFactory, random32
+from buzz_delivery.agents.services import claim_agent_runs
+from buzz_delivery.services import Settled
 from buzz_delivery.workflows.models import Step
-from buzz_delivery.workflows.services import publish_definition, start_run
-from buzz_delivery.workflows.testing import run_until_idle, send_step
 from tests.conftest import BARRIER_TIMEOUT, collecting, lock_waits_reach
-
-LOCK_WORKFLOW_RUN = "SELECT 1 FROM buzz_workflows_run WHERE community_id = %s AND run_id = %s FOR NO KEY UPDATE"
-
+from tests.lock_order_support import LOCK_WORKFLOW_RUN, hold_row, two_runs_in_flight
 
 # The agents' batches that end runs: their item, the batch, the outcome of each run.
 FORMS = {
@@ -51,33 +44,10 @@ FORMS = {
 @pytest.mark.parametrize("form", list(FORMS))
 def test_a_multi_run_settle_and_an_agents_batch_end_of_the_same_runs_never_deadlock(community, form):
     item, send, ended = FORMS[form]
-    target, agent = random32(), random32()
-    workflow = WorkflowFactory(community=community)
-    steps = [send_step("send", [target]), send_step("ask", [agent], **{"await": "agent_run"})]
-    publish_definition(community.id, workflow.id, {"steps": steps})
-    first, second = (start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32))) for _ in range(2))
-    run_until_idle(community.id)
-    assert first.pk < second.pk
-
-    def delivery(run, step: str) -> WorkflowAgentDelivery:
-        return WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id=step)
-
-    # The settle's batch: the first run's delivery has the lower id (its record is written, and
-    # its engine run locked, first).
-    sends = [delivery(run, "send") for run in (first, second)]
-    assert sends[0].id < sends[1].id
-    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
-    # The agents' batch: the second run's agent run is accepted first (the lower agent run id).
-    agent_runs = []
-    for run in (second, first):
-        d = delivery(run, "ask")
-        claimed = core.claim_delivery(community.id, agent, delivery_id=d.id, lease_seconds=60)
-        accepted = accept_delivery(claimed.lease)
-        assert isinstance(accepted, Accepted)
-        agent_runs.append(accepted.run_id)
-    assert agent_runs[0] < agent_runs[1]
-    claims = claim_agent_runs(community.id, [agent], worker_id="w", limit=10, lease_seconds=60)
-    assert sorted(c.lease.run_id for c in claims) == sorted(agent_runs)
+    runs = two_runs_in_flight(community)
+    first, second, leases = runs.first, runs.second, runs.leases
+    claims = claim_agent_runs(community.id, [runs.agent], worker_id="w", limit=10, lease_seconds=60)
+    assert sorted(c.lease.run_id for c in claims) == sorted(runs.agent_runs)
     items = [item(c.lease) for c in claims]
     connection.close()
 
@@ -88,10 +58,7 @@ def test_a_multi_run_settle_and_an_agents_batch_end_of_the_same_runs_never_deadl
 
     @guarded
     def engine() -> None:  # the engine at work on the first run: holds its row for a moment
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(LOCK_WORKFLOW_RUN, [community.id, first.pk])
-            holding.set()
-            assert release.wait(BARRIER_TIMEOUT)
+        hold_row(LOCK_WORKFLOW_RUN, [community.id, first.pk], holding, release)
 
     # Each side in a transaction of its own: a deadlock's victim raises instead of running again
     # (the settle and fail_runs retry their deadlocks, which would hide it).

@@ -35,8 +35,8 @@ from buzz_delivery.workflows.services import publish_definition, start_run
 from buzz_delivery.workflows.testing import run_until_idle, send_step
 from tests.agents_support import backdate_run_lease
 from tests.conftest import BARRIER_TIMEOUT, collecting, lock_waits_reach
+from tests.lock_order_support import LOCK_WORKFLOW_RUN, hold_row, two_runs_in_flight
 
-LOCK_WORKFLOW_RUN = "SELECT 1 FROM buzz_workflows_run WHERE community_id = %s AND run_id = %s FOR NO KEY UPDATE"
 LOCK_CORE_RUN = "SELECT 1 FROM buzz_delivery_workflow_run WHERE community_id = %s AND id = %s FOR NO KEY UPDATE"
 
 
@@ -66,28 +66,9 @@ FORMS = {
 @pytest.mark.parametrize("form", list(FORMS))
 def test_a_multi_run_settle_and_the_agents_reaper_ending_runs_of_the_same_runs_never_deadlock(community, form):
     ages, counted, ended = FORMS[form]
-    target, agent = random32(), random32()
-    workflow = WorkflowFactory(community=community)
-    steps = [send_step("send", [target]), send_step("ask", [agent], **{"await": "agent_run"})]
-    publish_definition(community.id, workflow.id, {"steps": steps})
-    first, second = (start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32))) for _ in range(2))
-    run_until_idle(community.id)
-    assert first.pk < second.pk
-
-    def delivery(run, step: str) -> WorkflowAgentDelivery:
-        return WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id=step)
-
-    sends = [delivery(run, "send") for run in (first, second)]
-    assert sends[0].id < sends[1].id  # the settle counts the first run's delivery first
-    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
-    agent_runs = []  # the second run's agent run first (the lower agent run id)
-    for run in (second, first):
-        claimed = core.claim_delivery(community.id, agent, delivery_id=delivery(run, "ask").id, lease_seconds=60)
-        accepted = accept_delivery(claimed.lease)
-        assert isinstance(accepted, Accepted)
-        agent_runs.append(accepted.run_id)
-    assert agent_runs[0] < agent_runs[1]
-    assert len(claim_agent_runs(community.id, [agent], worker_id="w", limit=10, lease_seconds=60)) == 2
+    runs = two_runs_in_flight(community)
+    first, second, leases, agent_runs = runs.first, runs.second, runs.leases, runs.agent_runs
+    assert len(claim_agent_runs(community.id, [runs.agent], worker_id="w", limit=10, lease_seconds=60)) == 2
     for age, run_id in zip(ages, agent_runs, strict=True):
         age(run_id)
     connection.close()
@@ -99,10 +80,7 @@ def test_a_multi_run_settle_and_the_agents_reaper_ending_runs_of_the_same_runs_n
 
     @guarded
     def engine() -> None:  # the engine at work on the first run: holds its row for a moment
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(LOCK_WORKFLOW_RUN, [community.id, first.pk])
-            holding.set()
-            assert release.wait(BARRIER_TIMEOUT)
+        hold_row(LOCK_WORKFLOW_RUN, [community.id, first.pk], holding, release)
 
     # Each side in a transaction of its own: a deadlock's victim raises instead of running again.
     @guarded
@@ -166,10 +144,7 @@ def test_a_pass_ending_agent_runs_of_one_workflow_run_takes_no_lock_of_its_core_
 
     @collecting(errors)
     def settle_of_the_run() -> None:  # holds the run's core row, as a multi-run settle would
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(LOCK_CORE_RUN, [community.id, run.pk])
-            holding.set()
-            assert release.wait(BARRIER_TIMEOUT)
+        hold_row(LOCK_CORE_RUN, [community.id, run.pk], holding, release)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         held = pool.submit(settle_of_the_run)
