@@ -41,8 +41,9 @@ from tests.citus_support import waits_for_a_row_lock
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 120
 # The completion's blocked statement as citus_lock_waits shows it (on PostgreSQL the wait is read
-# by pid): its text is cut at track_activity_query_size, so the batch is known by its beginning.
-COMPLETION_LIKE = {"single": "%'completed'%", "batch": "%WITH u AS MATERIALIZED%unnest%"}
+# by pid): its text is cut at track_activity_query_size, so the batch is known by its beginning
+# (its workflow runs' lock, agents sql.SOURCES).
+COMPLETION_LIKE = {"single": "%'completed'%", "batch": "%WITH sources AS MATERIALIZED%"}
 
 
 def _state(run_id):

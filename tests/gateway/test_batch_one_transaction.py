@@ -45,8 +45,9 @@ def post(agent: GatewayClient, path: str, header: str, body: bytes) -> httpx.Res
 def a_completion_waits_for_a_row_lock() -> bool:
     if CITUS_MODE:
         # The blocked statement as Citus shows it: its first 1024 characters (track_activity_query_size)
-        # with the arrays inlined, which end before the table's name: matched by how it starts.
-        return waits_for_a_row_lock(0, "%WITH u AS MATERIALIZED%unnest%")
+        # with the arrays inlined, which end before the table's name: matched by how it starts (the
+        # agents' batches that end runs open with their workflow runs' lock, agents sql.SOURCES).
+        return waits_for_a_row_lock(0, "%WITH sources AS MATERIALIZED%")
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'buzz-gateway-test'"
