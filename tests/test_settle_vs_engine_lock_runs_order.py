@@ -1,0 +1,140 @@
+"""A worker's batch settle of deliveries of two workflow runs, and an engine transaction that
+locks those same two runs' engine rows (``sql.LOCK_RUNS``) at once: the engine's maintenance pass
+ending them past their deadline, or ``send_event`` resuming a ``wait_event`` step in each.
+
+The settle (``buzz_delivery_finish_leases``) locks the core's run rows in run id order (more than
+one run), then its fan-in (``buzz_workflows_count_delivery``) locks each delivery's engine run row
+(``buzz_workflows_run``) in delivery id order. ``LOCK_RUNS`` locked the engine rows in run id order
+and no core row: when the deliveries' order is the runs' the other way round, each held an engine
+run row the other waited for ("deadlock detected").
+
+Deterministic: the settle meets its two deliveries second run first. The second run sends first
+(a higher priority: its delivery has the lower id) and is claimed first (the settle's DELETE meets
+the queue rows in the order the claims wrote them); the community holds a few hundred deliveries,
+analyzed, so the settle reaches its records from those queue rows by key, as on tables at work (on
+nearly empty ones the planner walks the records by ``delivery_identity_key``, whose run column
+leads: run id order, the one order that hides the cycle). A transaction holding the second run's
+send step (the engine at work on it) stops the settle between its two engine rows (it holds the
+second run's and waits for that step); the engine side then locks the first run and waits for the
+second. Once the step is free the settle needs the first run's row. The settle finds the deadlock
+(a shorter ``deadlock_timeout``): ``send_event`` replays a deadlock's victim on its own, and the
+settle is the side a worker sees fail."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+
+from buzz_delivery import services as core
+from buzz_delivery.models import WorkflowAgentDelivery
+from buzz_delivery.services import Cause, Settled
+from buzz_delivery.testing import WorkflowFactory, random32
+from buzz_delivery.workflows.models import Run, Step
+from buzz_delivery.workflows.services import publish_definition, send_event, start_run
+from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
+from buzz_delivery.workflows.testing import run_until_idle, send_step
+from tests.conftest import BARRIER_TIMEOUT, collecting, lock_waits_reach
+from tests.lock_order_support import hold_row
+
+LOCK_STEP = "SELECT 1 FROM buzz_workflows_step WHERE community_id = %s AND run_id = %s AND key = %s FOR NO KEY UPDATE"
+FILL = 500
+WAIT = {"key": "paid", "kind": "wait_event", "event": "payment", "event_key": "order:1"}
+
+
+def past_deadline(community: Any, runs: list[Any]) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE buzz_workflows_run SET deadline_at = now() - interval '1 second'"
+            " WHERE community_id = %s AND run_id = ANY(%s)",
+            [community.id, [r.pk for r in runs]],
+        )
+
+
+def reap(community: Any) -> Any:
+    return reap_workflow_steps()
+
+
+def event(community: Any) -> Any:
+    return send_event(community.id, "payment", "order:1", {"paid": True})
+
+
+# The engine side: what sets it up, the call, how it ends each run.
+FORMS = {
+    "maintenance_run_deadline": (past_deadline, reap, "failed"),
+    "send_event": (lambda community, runs: None, event, "running"),
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_multi_run_settle_and_the_engine_locking_the_same_runs_never_deadlock(community, form):
+    prepare, engine_side, run_state = FORMS[form]
+    target, other = random32(), random32()
+    workflow = WorkflowFactory(community=community)
+    # A second step keeps each run running once its send has counted.
+    steps = [send_step("send", [target]), send_step("later", [other]), WAIT]
+    publish_definition(community.id, workflow.id, {"steps": steps})
+    first, second = (
+        start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32)), priority=p) for p in (0, 5)
+    )
+    many = WorkflowFactory(community=community)  # the deliveries of a community at work
+    publish_definition(community.id, many.id, {"steps": [send_step("send", [random32() for _ in range(FILL)])]})
+    start_run(community.id, many.id, {}, cause=Cause.event(os.urandom(32)), priority=-1)
+    run_until_idle(community.id)
+    with connection.cursor() as cursor:  # statistics: the settle reaches its rows by key
+        cursor.execute("ANALYZE buzz_delivery_delivery_queue, buzz_delivery_delivery_record")
+    assert first.pk < second.pk
+    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in (first, second)]
+    assert sends[1].id < sends[0].id  # the settle reaches the second run's engine row first
+    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends[::-1]]
+    prepare(community, [first, second])
+    connection.close()
+
+    errors: list[BaseException] = []
+    found: dict[str, Any] = {}
+    holding, release = threading.Event(), threading.Event()
+    guarded = collecting(errors)
+
+    @guarded
+    def engine_at_work() -> None:  # holds the second run's send step for a moment
+        hold_row(LOCK_STEP, [community.id, second.pk, "send"], holding, release)
+
+    # Each side in a transaction of its own: a deadlock's victim raises instead of running again.
+    @guarded
+    def settle() -> None:
+        with transaction.atomic():
+            with connection.cursor() as cursor:  # it, not the engine side, finds a deadlock
+                cursor.execute("SET LOCAL deadlock_timeout = '200ms'")
+            found["settle"] = core.finish_deliveries(leases)
+
+    @guarded
+    def engine() -> None:
+        with transaction.atomic():
+            found["engine"] = engine_side(community)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        held = pool.submit(engine_at_work)
+        assert holding.wait(BARRIER_TIMEOUT)
+        settled = pool.submit(settle)
+        lock_waits_reach(1, 5.0)  # the settle holds both core runs and the second engine run
+        engined = pool.submit(engine)
+        lock_waits_reach(2, 5.0)  # the engine side waits too (before the fix: holding the first)
+        release.set()  # the settle counts in the second run's step, then needs the first run
+        held.result(BARRIER_TIMEOUT)
+        settled.result(BARRIER_TIMEOUT)
+        engined.result(BARRIER_TIMEOUT)
+
+    assert not errors, [str(e).splitlines()[0] for e in errors]
+    assert found["settle"] == [Settled(status="finished")] * 2
+    if form == "send_event":
+        assert found["engine"].resumed == 2
+    else:
+        assert (found["engine"].runs_timed_out, found["engine"].skipped_busy) == (2, 0)
+    for run in (first, second):
+        assert Run.objects.get(pk=run.pk).state == run_state
+        assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"  # counted before any end
