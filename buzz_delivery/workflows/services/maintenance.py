@@ -11,8 +11,9 @@ deliveries of runs that ended in the batch are expired (core ``expire_run_delive
 Fleet-wide but walking communities (SPEC 15): one read picks candidate communities (active
 ones), then per community one short transaction: the community's write-fence lock is tried
 (never waited on: a community being fenced is skipped as busy), at most ``batch_size``
-candidate steps are read, their runs locked (the engine's lock order: run, then steps), and
-one fenced UPDATE per kind re-checks the whole condition on the database clock, with
+candidate steps are read, their runs locked (the engine's lock order: run, then steps; when of
+more than one run, their core rows first, as a multi-run settle: ``sql.LOCK_RUNS``), and one
+fenced UPDATE per kind re-checks the whole condition on the database clock, with
 ``community_id`` in its own WHERE. Each of those transactions waits on a row lock at most
 ``MAINTENANCE_LOCK_TIMEOUT_MS`` (``lock_timeout``): a run or step row that a stuck transaction
 holds (a worker's connection left in a transaction) skips that community for the pass,

@@ -14,7 +14,7 @@ a renew only counts (``renewals``).
 from __future__ import annotations
 
 from buzz_delivery.services import flow
-from buzz_delivery.services.sql import DB_NOW, history_entry
+from buzz_delivery.services.sql import DB_NOW, WORKFLOW_RUN, history_entry
 from buzz_delivery.workflows.models import Run, Step
 
 STEP = "buzz_workflows_step"
@@ -42,8 +42,26 @@ CURRENT_STEP_LEASE = f"""
 """
 
 LOCK_RUN = f"SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = %(run_id)s FOR NO KEY UPDATE"
-LOCK_RUNS = f"""SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
-ORDER BY run_id FOR NO KEY UPDATE"""
+# Many runs of one community, in run id order (the maintenance's batch, the left deliveries'
+# expiry, send_event), after their core rows (``buzz_delivery_workflow_run``, the same ids), in run
+# id order, when of more than one run: the lock order of a multi-run batch settle
+# (``buzz_delivery.services.sql.LOCK_RUNS_OF_DELIVERIES``), whose fan-in then locks these engine
+# rows in the order it meets its deliveries, and of the agents' batches (``agents.services.sql.
+# sources_of``). Engine rows alone, in run id order, met a settle going the other way round: each
+# held an engine row the other waited for ("deadlock detected"). Now the second of the two waits at
+# its first core row in common, holding no engine row. ``core`` is read by an InitPlan, evaluated
+# before any engine row is locked; one run takes no core row (a one-run settle takes none either).
+LOCK_RUNS = f"""
+WITH core AS MATERIALIZED (
+    SELECT w.id FROM {WORKFLOW_RUN} AS w
+    WHERE w.community_id = %(community_id)s AND w.id = ANY(%(run_ids)s::uuid[])
+      AND cardinality(%(run_ids)s::uuid[]) > 1
+    ORDER BY w.id
+    FOR NO KEY UPDATE OF w
+)
+SELECT 1 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s::uuid[])
+  AND (SELECT count(*) FROM core) >= 0
+ORDER BY r.run_id FOR NO KEY UPDATE OF r"""
 # A batch completion takes the runs that are free now, in id order, and never waits for one:
 # a run locked by a cancel, a fan-in or another batch is completed on its own afterwards.
 LOCK_FREE_RUNS = f"""SELECT run_id FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
