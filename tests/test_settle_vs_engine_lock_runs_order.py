@@ -35,9 +35,9 @@ from buzz_delivery.models import WorkflowAgentDelivery
 from buzz_delivery.services import Cause, Settled
 from buzz_delivery.testing import WorkflowFactory, random32
 from buzz_delivery.workflows.models import Run, Step
-from buzz_delivery.workflows.services import publish_definition, send_event, start_run
+from buzz_delivery.workflows.services import Canceled, cancel_run, publish_definition, send_event, start_run
 from buzz_delivery.workflows.services.maintenance import reap_workflow_steps
-from buzz_delivery.workflows.testing import run_until_idle, send_step
+from buzz_delivery.workflows.testing import function_step, run_until_idle, send_step
 from tests.conftest import BARRIER_TIMEOUT, collecting, lock_waits_reach
 from tests.lock_order_support import hold_row
 
@@ -70,39 +70,28 @@ FORMS = {
 }
 
 
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("form", list(FORMS))
-def test_a_multi_run_settle_and_the_engine_locking_the_same_runs_never_deadlock(community, form):
-    prepare, engine_side, run_state = FORMS[form]
-    target, other = random32(), random32()
-    workflow = WorkflowFactory(community=community)
-    # A second step keeps each run running once its send has counted.
-    steps = [send_step("send", [target]), send_step("later", [other]), WAIT]
-    publish_definition(community.id, workflow.id, {"steps": steps})
-    first, second = (
-        start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32)), priority=p) for p in (0, 5)
-    )
-    many = WorkflowFactory(community=community)  # the deliveries of a community at work
+def at_work(community: Any) -> None:
+    """The deliveries of a community at work, analyzed: the settle reaches its rows by key."""
+    many = WorkflowFactory(community=community)
     publish_definition(community.id, many.id, {"steps": [send_step("send", [random32() for _ in range(FILL)])]})
     start_run(community.id, many.id, {}, cause=Cause.event(os.urandom(32)), priority=-1)
     run_until_idle(community.id)
-    with connection.cursor() as cursor:  # statistics: the settle reaches its rows by key
+    with connection.cursor() as cursor:
         cursor.execute("ANALYZE buzz_delivery_delivery_queue, buzz_delivery_delivery_record")
-    assert first.pk < second.pk
-    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in (first, second)]
-    assert sends[1].id < sends[0].id  # the settle reaches the second run's engine row first
-    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends[::-1]]
-    prepare(community, [first, second])
-    connection.close()
 
+
+def settle_against(community: Any, leases: list[Any], held_run: Any, engine_side: Any) -> dict[str, Any]:
+    """The settle of ``leases`` (it meets ``held_run``'s delivery first) and ``engine_side``, at once,
+    lined up by a transaction holding ``held_run``'s send step; what each returned."""
+    connection.close()
     errors: list[BaseException] = []
     found: dict[str, Any] = {}
     holding, release = threading.Event(), threading.Event()
     guarded = collecting(errors)
 
     @guarded
-    def engine_at_work() -> None:  # holds the second run's send step for a moment
-        hold_row(LOCK_STEP, [community.id, second.pk, "send"], holding, release)
+    def engine_at_work() -> None:  # holds that run's send step for a moment
+        hold_row(LOCK_STEP, [community.id, held_run.pk, "send"], holding, release)
 
     # Each side in a transaction of its own: a deadlock's victim raises instead of running again.
     @guarded
@@ -115,22 +104,46 @@ def test_a_multi_run_settle_and_the_engine_locking_the_same_runs_never_deadlock(
     @guarded
     def engine() -> None:
         with transaction.atomic():
-            found["engine"] = engine_side(community)
+            found["engine"] = engine_side()
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         held = pool.submit(engine_at_work)
         assert holding.wait(BARRIER_TIMEOUT)
         settled = pool.submit(settle)
-        lock_waits_reach(1, 5.0)  # the settle holds both core runs and the second engine run
+        lock_waits_reach(1, 5.0)  # the settle holds both core runs and the held run's engine row
         engined = pool.submit(engine)
-        lock_waits_reach(2, 5.0)  # the engine side waits too (before the fix: holding the first)
-        release.set()  # the settle counts in the second run's step, then needs the first run
+        lock_waits_reach(2, 5.0)  # the engine side waits too (before the fix: holding the other)
+        release.set()  # the settle counts in the held run's step, then needs the other run
         held.result(BARRIER_TIMEOUT)
         settled.result(BARRIER_TIMEOUT)
         engined.result(BARRIER_TIMEOUT)
 
     assert not errors, [str(e).splitlines()[0] for e in errors]
     assert found["settle"] == [Settled(status="finished")] * 2
+    return found
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_multi_run_settle_and_the_engine_locking_the_same_runs_never_deadlock(community, form):
+    prepare, engine_side, run_state = FORMS[form]
+    target, other = random32(), random32()
+    workflow = WorkflowFactory(community=community)
+    # A second step keeps each run running once its send has counted.
+    steps = [send_step("send", [target]), send_step("later", [other]), WAIT]
+    publish_definition(community.id, workflow.id, {"steps": steps})
+    first, second = (
+        start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32)), priority=p) for p in (0, 5)
+    )
+    at_work(community)
+    assert first.pk < second.pk
+    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in (second, first)]
+    assert sends[0].id < sends[1].id  # the second run's delivery first, by id and by claim
+    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+    prepare(community, [first, second])
+
+    found = settle_against(community, leases, second, lambda: engine_side(community))
+
     if form == "send_event":
         assert found["engine"].resumed == 2
     else:
@@ -138,3 +151,38 @@ def test_a_multi_run_settle_and_the_engine_locking_the_same_runs_never_deadlock(
     for run in (first, second):
         assert Run.objects.get(pk=run.pk).state == run_state
         assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"  # counted before any end
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("canceled", ["parent", "child"])
+def test_a_multi_run_settle_and_a_cancel_of_the_same_run_tree_never_deadlock(community, canceled):
+    """A parent run and its child run each send to one target; a worker settles both deliveries in
+    one batch while the operator cancels the parent (the walk locks the parent's engine row, then
+    the child's: the settle meets the child's delivery first) or the child (its row, then its
+    parent's, for the parent's step: the settle meets the parent's first)."""
+    target, other = random32(), random32()
+    child_flow, parent_flow = WorkflowFactory(community=community), WorkflowFactory(community=community)
+    publish_definition(
+        community.id, child_flow.id, {"steps": [send_step("send", [target]), send_step("later", [other])]}
+    )
+    sub = {"key": "child", "kind": "sub_workflow", "workflow": str(child_flow.id)}
+    # The parent's send after a step of its own: the child's sends first.
+    late = {"depends_on": ["pre"]} if canceled == "parent" else {}
+    steps = [sub, function_step("pre"), send_step("send", [target], **late), send_step("later", [other])]
+    publish_definition(community.id, parent_flow.id, {"steps": steps})
+    parent = start_run(community.id, parent_flow.id, {}, cause=Cause.event(os.urandom(32)))
+    at_work(community)
+    child = Run.objects.get(parent_run_id=parent.pk)
+    assert parent.pk < child.pk
+    runs = (child, parent) if canceled == "parent" else (parent, child)  # in the settle's order
+    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in runs]
+    assert sends[0].id < sends[1].id  # by id and by claim
+    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+    run = parent if canceled == "parent" else child
+
+    found = settle_against(community, leases, runs[0], lambda: cancel_run(community.id, run.pk))
+
+    assert isinstance(found["engine"], Canceled)
+    assert Run.objects.get(pk=run.pk).state == "canceled"
+    for each in (parent, child):
+        assert Step.objects.get(run_id=each.pk, key="send").state == "succeeded"  # counted before the cancel
