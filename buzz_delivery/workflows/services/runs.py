@@ -372,7 +372,9 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
     step ``canceled`` with generation + 1 (holders get ``LeaseLost`` at their next renew or
     complete), pending approvals ``expired``, child runs canceled recursively, and the pending
     deliveries of the run and its children ``expired`` through the core's fenced
-    :func:`buzz_delivery.services.expire_run_deliveries`. Nothing is left "cancelling".
+    :func:`buzz_delivery.services.expire_run_deliveries`. Nothing is left "cancelling". The
+    core rows of the run tree and of its parent are locked first, in run id order, when more
+    than one: a multi-run batch settle's lock order (``sql.core_runs_of``).
 
     Returns :class:`Canceled` (runs ended, deliveries expired) or ``AlreadyTerminal(state)``.
     Raises ``ValidationError`` keyed ``community_id``/``run_id``, :class:`RunNotFound`, or
@@ -383,6 +385,7 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
     params = {"community_id": community, "run_id": rid}
     with transaction.atomic(), translated_errors():
         tree = [row[0] for row in fetch_all(sql.RUN_AND_DESCENDANTS, params)]
+        fetch_all(sql.LOCK_CORE_RUNS_OF_TREE, {**params, "run_ids": tree})  # a multi-run settle's order
         live = list(
             Run.objects.filter(community_id=community, run_id__in=tree)
             .exclude(state__in=RUN_TERMINAL)

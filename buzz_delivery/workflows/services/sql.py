@@ -42,26 +42,41 @@ CURRENT_STEP_LEASE = f"""
 """
 
 LOCK_RUN = f"SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_id = %(run_id)s FOR NO KEY UPDATE"
-# Many runs of one community, in run id order (the maintenance's batch, the left deliveries'
-# expiry, send_event), after their core rows (``buzz_delivery_workflow_run``, the same ids), in run
-# id order, when of more than one run: the lock order of a multi-run batch settle
-# (``buzz_delivery.services.sql.LOCK_RUNS_OF_DELIVERIES``), whose fan-in then locks these engine
-# rows in the order it meets its deliveries, and of the agents' batches (``agents.services.sql.
-# sources_of``). Engine rows alone, in run id order, met a settle going the other way round: each
-# held an engine row the other waited for ("deadlock detected"). Now the second of the two waits at
-# its first core row in common, holding no engine row. ``core`` is read by an InitPlan, evaluated
-# before any engine row is locked; one run takes no core row (a one-run settle takes none either).
-LOCK_RUNS = f"""
-WITH core AS MATERIALIZED (
-    SELECT w.id FROM {WORKFLOW_RUN} AS w
-    WHERE w.community_id = %(community_id)s AND w.id = ANY(%(run_ids)s::uuid[])
-      AND cardinality(%(run_ids)s::uuid[]) > 1
+
+
+# Lock order with the core's multi-run batch settle (``buzz_delivery.services.sql.
+# LOCK_RUNS_OF_DELIVERIES``): it locks its runs' core rows (``buzz_delivery_workflow_run``, the
+# engine run's id) in run id order, then its fan-in locks their engine rows in the order it meets
+# its deliveries. A transaction of the engine that locks more than one engine run (LOCK_RUNS, a
+# cancel's walk of a run tree) first locks their core rows in run id order too, as the agents'
+# batches do (``agents.services.sql.sources_of``): the second of the two waits at its first core
+# row in common, holding no engine row. Engine rows alone, in another order, met such a settle:
+# each held an engine run row the other waited for ("deadlock detected"). One run takes no core
+# row (a one-run settle takes none either).
+def core_runs_of(run_ids: str) -> str:
+    """The core rows of the runs of ``run_ids`` (an expression of ``uuid[]`` without duplicates),
+    locked in run id order when there is more than one of them."""
+    return f"""SELECT w.id FROM {WORKFLOW_RUN} AS w
+    WHERE w.community_id = %(community_id)s AND w.id = ANY({run_ids}) AND cardinality({run_ids}) > 1
     ORDER BY w.id
-    FOR NO KEY UPDATE OF w
-)
+    FOR NO KEY UPDATE OF w"""
+
+
+# Many runs of one community, in run id order (the maintenance's batch, the left deliveries'
+# expiry, send_event), after their core rows (``core``, read by an InitPlan: evaluated before any
+# engine row is locked).
+LOCK_RUNS = f"""
+WITH core AS MATERIALIZED ({core_runs_of("%(run_ids)s::uuid[]")})
 SELECT 1 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s::uuid[])
   AND (SELECT count(*) FROM core) >= 0
 ORDER BY r.run_id FOR NO KEY UPDATE OF r"""
+# cancel_run: the core rows of the run's tree (``run_ids``: it and its descendants) and of its
+# parent, before its walk locks their engine rows (the run, its children; its parent, for the
+# parent's step).
+LOCK_CORE_RUNS_OF_TREE = core_runs_of(
+    f"array_remove(%(run_ids)s::uuid[] || (SELECT p.parent_run_id FROM {RUN} AS p"
+    " WHERE p.community_id = %(community_id)s AND p.run_id = %(run_id)s), NULL)"
+)
 # A batch completion takes the runs that are free now, in id order, and never waits for one:
 # a run locked by a cancel, a fan-in or another batch is completed on its own afterwards.
 LOCK_FREE_RUNS = f"""SELECT run_id FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
