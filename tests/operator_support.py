@@ -63,7 +63,7 @@ def settled(
 # The settle tally's row of a delivery's settling statement: the trigger stamps it with that
 # statement's clock, the delivery's finished_at (core migration 0039).
 _BACKDATE_TALLY = f"""
-UPDATE {models.SETTLE_TALLY_TABLE} AS t SET at = t.at - make_interval(secs => %s)
+UPDATE {models.SETTLE_TALLY_TABLE} AS t SET at = buzz_delivery_plus_seconds(t.at, -%s)
 FROM {models.DELIVERY_RECORD_TABLE} AS d
 WHERE d.id = %s AND t.community_id = d.community_id AND t.status = d.status AND t.at = d.finished_at
 """

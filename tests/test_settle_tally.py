@@ -157,7 +157,8 @@ def test_the_pruner_deletes_tally_rows_past_the_readers_window_only(community):
     keep = models.SETTLE_TALLY_KEEP.total_seconds()
     with connection.cursor() as cursor:  # the failure was tallied just past the window
         cursor.execute(
-            f"UPDATE {TALLY} SET at = at - make_interval(secs => %s) WHERE community_id = %s AND status = 'failed'",
+            f"UPDATE {TALLY} SET at = buzz_delivery_plus_seconds(at, -%s)"
+            " WHERE community_id = %s AND status = 'failed'",
             [keep + 60, community.id],
         )
     result = services.prune_deliveries({"finished": dt.timedelta(days=1)})
