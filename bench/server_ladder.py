@@ -35,6 +35,16 @@ BATCH = 50
 D = data.OURS
 TALLY = "buzz_delivery_settle_tally"
 TALLY_TRIGGER = "buzz_delivery_settle_tally"
+_TALLY_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION buzz_delivery_tally_settles() RETURNS trigger LANGUAGE plpgsql AS $$"
+    " DECLARE settled record; BEGIN {body} RETURN NULL; END $$"
+)
+_TALLY_NO_JOIN = (
+    "FOR settled IN SELECT n.community_id, n.status, count(*)::integer AS moved FROM buzz_delivery_settled_new AS n"
+    " WHERE n.status IN ('finished', 'failed', 'expired') GROUP BY n.community_id, n.status LOOP"
+    f" INSERT INTO {TALLY} (community_id, at, status, n)"
+    " VALUES (settled.community_id, buzz_delivery_now(), settled.status, settled.moved); END LOOP;"
+)
 
 
 def _checks(conn: psycopg.Connection) -> list[str]:
@@ -205,6 +215,16 @@ VARIANTS = {
     "no_tally": (
         "- the settle tally's statement trigger (its cost)",
         lambda c: [f"DROP TRIGGER {TALLY_TRIGGER} ON {D}"],
+    ),
+    # The tally's pieces: the trigger's transition tables alone (a function that returns at once),
+    # and the count without the join of the two (the new rows' terminal statuses alone).
+    "tally_capture": (
+        "the settle tally's trigger capturing its transition tables, writing nothing",
+        lambda c: [_TALLY_FUNCTION.format(body="")],
+    ),
+    "tally_no_join": (
+        "the settle tally counting the new rows alone (no join with the old ones)",
+        lambda c: [_TALLY_FUNCTION.format(body=_TALLY_NO_JOIN)],
     ),
     # A terminal writes the record's second version, about twice the first (its history, 300-odd
     # bytes, and the end's columns): on its own page only at fillfactor 30 for every row (50: about half).
