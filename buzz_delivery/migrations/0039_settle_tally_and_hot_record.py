@@ -126,6 +126,18 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 ("n", models.IntegerField()),
+                # In the table itself (not AddField): backwards the table is dropped whole, never
+                # its distribution column alone (Citus refuses that; as core 0037's queue).
+                (
+                    "community",
+                    models.ForeignKey(
+                        db_constraint=False,
+                        db_index=False,
+                        on_delete=django.db.models.deletion.DO_NOTHING,
+                        related_name="+",
+                        to="buzz_delivery.community",
+                    ),
+                ),
             ],
             options={
                 "verbose_name": "settle tally",
@@ -133,17 +145,6 @@ class Migration(migrations.Migration):
                 "db_table": "buzz_delivery_settle_tally",
                 "default_permissions": (),
             },
-        ),
-        migrations.AddField(
-            model_name="settletally",
-            name="community",
-            field=models.ForeignKey(
-                db_constraint=False,
-                db_index=False,
-                on_delete=django.db.models.deletion.DO_NOTHING,
-                related_name="+",
-                to="buzz_delivery.community",
-            ),
         ),
         migrations.AddConstraint(
             model_name="settletally",
