@@ -222,6 +222,24 @@ VARIANTS = {
         "the settle tally's trigger capturing its transition tables, writing nothing",
         lambda c: [_TALLY_FUNCTION.format(body="")],
     ),
+    "tally_capture_new": (
+        "the trigger capturing its NEW TABLE only, writing nothing",
+        lambda c: [
+            _TALLY_FUNCTION.format(body=""),
+            f"DROP TRIGGER {TALLY_TRIGGER} ON {D}",
+            f"CREATE TRIGGER {TALLY_TRIGGER} AFTER UPDATE ON {D} REFERENCING NEW TABLE AS buzz_delivery_settled_new"
+            " FOR EACH STATEMENT EXECUTE FUNCTION buzz_delivery_tally_settles()",
+        ],
+    ),
+    "tally_plain": (
+        "the trigger without transition tables, writing nothing",
+        lambda c: [
+            _TALLY_FUNCTION.format(body=""),
+            f"DROP TRIGGER {TALLY_TRIGGER} ON {D}",
+            f"CREATE TRIGGER {TALLY_TRIGGER} AFTER UPDATE ON {D}"
+            " FOR EACH STATEMENT EXECUTE FUNCTION buzz_delivery_tally_settles()",
+        ],
+    ),
     "tally_no_join": (
         "the settle tally counting the new rows alone (no join with the old ones)",
         lambda c: [_TALLY_FUNCTION.format(body=_TALLY_NO_JOIN)],
