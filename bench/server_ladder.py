@@ -33,6 +33,18 @@ from bench.scenarios.overhead import _backend_cpu
 
 BATCH = 50
 D = data.OURS
+TALLY = "buzz_delivery_settle_tally"
+TALLY_TRIGGER = "buzz_delivery_settle_tally"
+_TALLY_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION buzz_delivery_tally_settles() RETURNS trigger LANGUAGE plpgsql AS $$"
+    " DECLARE settled record; BEGIN {body} RETURN NULL; END $$"
+)
+_TALLY_NO_JOIN = (
+    "FOR settled IN SELECT n.community_id, n.status, count(*)::integer AS moved FROM buzz_delivery_settled_new AS n"
+    " WHERE n.status IN ('finished', 'failed', 'expired') GROUP BY n.community_id, n.status LOOP"
+    f" INSERT INTO {TALLY} (community_id, at, status, n)"
+    " VALUES (settled.community_id, buzz_delivery_now(), settled.status, settled.moved); END LOOP;"
+)
 
 
 def _checks(conn: psycopg.Connection) -> list[str]:
@@ -187,17 +199,56 @@ VARIANTS = {
         lambda c: [f"ALTER TABLE {D} DROP CONSTRAINT delivery_identity_key"],
     ),
     # (lease_idx, delivery_claimed_lease_idx, is gone since core 0037: the queue has no lease index.)
-    "terminal_idx": ("- delivery_terminal_age_idx (pruner)", lambda c: ["DROP INDEX delivery_terminal_age_idx"]),
-    # A terminal writes the record's second version, about twice the first (its history, 300-odd
-    # bytes, and the end's columns): HOT when no index names what it writes and the page has room
-    # for it, so only at fillfactor 30 for every row (50: about half).
-    "hot_record_50": (
-        "- delivery_terminal_age_idx, the record at fillfactor 50 (its terminal update HOT when it fits)",
-        lambda c: ["DROP INDEX delivery_terminal_age_idx", f"ALTER TABLE {D} SET (fillfactor = 50)"],
+    # Core 0039 made the record's terminal UPDATE HOT (bench/results/hot-record.md): no index names
+    # what it writes, the record at fillfactor 30, the settle tally's statement trigger counting the
+    # settles the terminal-age index served. "before_hot" puts core 0038's record back: the index,
+    # fillfactor 100, no tally.
+    "before_hot": (
+        "+ delivery_terminal_age_idx, fillfactor 100, no settle tally (core 0038's non-HOT terminal)",
+        lambda c: [
+            f"CREATE INDEX delivery_terminal_age_idx ON {D} (community_id, finished_at) "
+            "WHERE status IN ('finished', 'failed', 'expired')",
+            f"ALTER TABLE {D} SET (fillfactor = 100)",
+            f"DROP TRIGGER {TALLY_TRIGGER} ON {D}",
+        ],
     ),
-    "hot_record_30": (
-        "- delivery_terminal_age_idx, the record at fillfactor 30 (its terminal update HOT)",
-        lambda c: ["DROP INDEX delivery_terminal_age_idx", f"ALTER TABLE {D} SET (fillfactor = 30)"],
+    "no_tally": (
+        "- the settle tally's statement trigger (its cost)",
+        lambda c: [f"DROP TRIGGER {TALLY_TRIGGER} ON {D}"],
+    ),
+    # The tally's pieces: the trigger's transition tables alone (a function that returns at once),
+    # and the count without the join of the two (the new rows' terminal statuses alone).
+    "tally_capture": (
+        "the settle tally's trigger capturing its transition tables, writing nothing",
+        lambda c: [_TALLY_FUNCTION.format(body="")],
+    ),
+    "tally_capture_new": (
+        "the trigger capturing its NEW TABLE only, writing nothing",
+        lambda c: [
+            _TALLY_FUNCTION.format(body=""),
+            f"DROP TRIGGER {TALLY_TRIGGER} ON {D}",
+            f"CREATE TRIGGER {TALLY_TRIGGER} AFTER UPDATE ON {D} REFERENCING NEW TABLE AS buzz_delivery_settled_new"
+            " FOR EACH STATEMENT EXECUTE FUNCTION buzz_delivery_tally_settles()",
+        ],
+    ),
+    "tally_plain": (
+        "the trigger without transition tables, writing nothing",
+        lambda c: [
+            _TALLY_FUNCTION.format(body=""),
+            f"DROP TRIGGER {TALLY_TRIGGER} ON {D}",
+            f"CREATE TRIGGER {TALLY_TRIGGER} AFTER UPDATE ON {D}"
+            " FOR EACH STATEMENT EXECUTE FUNCTION buzz_delivery_tally_settles()",
+        ],
+    ),
+    "tally_no_join": (
+        "the settle tally counting the new rows alone (no join with the old ones)",
+        lambda c: [_TALLY_FUNCTION.format(body=_TALLY_NO_JOIN)],
+    ),
+    # A terminal writes the record's second version, about twice the first (its history, 300-odd
+    # bytes, and the end's columns): on its own page only at fillfactor 30 for every row (50: about half).
+    "hot_record_50": (
+        "the record at fillfactor 50 (its terminal update HOT when it fits)",
+        lambda c: [f"ALTER TABLE {D} SET (fillfactor = 50)"],
     ),
     # Stage 3 (queue-design-plan.md): the terminal inserts an outcome row, the record is written
     # once (it stays 'pending' here: the real stage drops its terminal columns).
@@ -222,7 +273,7 @@ def _drain(url: str, tenant: data.Tenant, deliveries: int) -> tuple[float, float
 
     control = env.connect(url)
     outcome = control.execute("SELECT to_regclass(%s) IS NOT NULL", [OUTCOME]).fetchone()[0]
-    control.execute(f"TRUNCATE {D}{f', {OUTCOME}' if outcome else ''} CASCADE")
+    control.execute(f"TRUNCATE {D}, {TALLY}{f', {OUTCOME}' if outcome else ''} CASCADE")
     data.load(control, tenant, deliveries)
     control.execute(f"VACUUM (ANALYZE) {D}, {data.QUEUE}{f', {OUTCOME}' if outcome else ''}")
     updates_before = _record_updates(control)

@@ -21,6 +21,7 @@ from django.db import models
 # App labels of the core's models, children first: a queue row points at its record, deliveries
 # point at runs, events and workflows; runs point at workflows.
 DELETION_CATALOG: tuple[str, ...] = (
+    "buzz_delivery.SettleTally",  # counts of settles, no key to anything (core 0039)
     "buzz_delivery.RateLimit",
     "buzz_delivery.DeliveryQueue",  # a delivery's live state, before its record (issue 31, stage 2)
     "buzz_delivery.DeliveryRecord",

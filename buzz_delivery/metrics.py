@@ -21,7 +21,8 @@ reads the database at that moment, cheaply at millions of rows:
 - ``buzz_delivery_lapsed_leases``: claimed deliveries whose lease ran out, not yet reaped
   (bounded by the live deliveries: the queue's rows).
 - ``buzz_deliveries_settled_last_minute{status}``: the settle rate, deliveries that reached
-  each terminal status in the last 60 s (one probe of the terminal-age index per community).
+  each terminal status in the last 60 s (one probe of the settle tally's key per community: core
+  migration 0039, the record's terminal UPDATE counts itself there).
 - ``buzz_maintenance_run_active{job}``: 1 while a maintenance run (``reap_deliveries``,
   ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard;
   ``buzz_maintenance_runs_total{job}``, ``buzz_maintenance_last_run_timestamp_seconds{job}`` and
@@ -99,7 +100,7 @@ from buzz_delivery.services.sql import (
     DB_NOW,
     DELIVERY_VIEW,
     LIVE_DELIVERIES,
-    TERMINAL_DELIVERIES,
+    SETTLE_TALLY,
 )
 from buzz_delivery.services.workers import PRUNE_AFTER_SECONDS, STALE_AFTER_SECONDS
 
@@ -151,16 +152,16 @@ SELECT
         WHERE c.deletion_state <> 'active' LIMIT %(cap)s) AS f)
 """
 
-# Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the
-# terminal-age partial index (community, finished_at) per community, so it stays bounded by the
-# recent rows whatever the table holds.
+# Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the settle
+# tally's primary key (community, at) per community, so it stays bounded by the recent rows
+# whatever the tables hold (the tally has a row per settling statement and status, its n the
+# deliveries; the record has no index naming its terminal columns: core migration 0039).
 SETTLED_RECENTLY = f"""
-SELECT d.status, count(*)
+SELECT d.status, sum(d.n)::bigint
 FROM {Community._meta.db_table} AS c
 CROSS JOIN LATERAL (
-    SELECT t.status FROM {TERMINAL_DELIVERIES} AS t
-    WHERE t.community_id = c.id AND t.status IN ('finished', 'failed', 'expired')
-      AND t.finished_at >= {DB_NOW} - make_interval(secs => %(seconds)s)
+    SELECT t.status, t.n FROM {SETTLE_TALLY} AS t
+    WHERE t.community_id = c.id AND t.at >= {DB_NOW} - make_interval(secs => %(seconds)s)
 ) AS d
 GROUP BY d.status
 """

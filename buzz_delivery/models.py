@@ -435,12 +435,12 @@ class DeliveryRecord(DeliveryColumns):
                 condition=Q(failure_code__isnull=False),
                 name="delivery_failure_code_idx",
             ),
-            # Pruner: terminal rows by age.
-            models.Index(
-                fields=["community", "finished_at"],
-                condition=Q(status__in=["finished", "failed", "expired"]),
-                name="delivery_terminal_age_idx",
-            ),
+            # Pruner: a community's rows by age of creation, which bounds terminal rows by age (a
+            # terminal's finished_at never precedes its created_at). No index names a column the
+            # terminal UPDATE writes (status, finished_at, lease, attempt, holder, history...; the
+            # failure code's excepted: only failures pay), so that UPDATE is HOT (core migration
+            # 0039, :data:`DELIVERY_RECORD_FILLFACTOR`).
+            models.Index(fields=["community", "created_at"], name="delivery_community_created_idx"),
             # The cascade from a deleted message event. A deleted workflow or run reaches its
             # deliveries through their one key to the run (community, workflow, run: core
             # migration 0036), which the identity key's (community, run) prefix serves: no index of
@@ -465,6 +465,11 @@ class DeliveryRecord(DeliveryColumns):
             triggers.history_append_only("delivery", terminal_extends=True),
         ]
 
+
+# Room left free in each page of the record (``fillfactor``, core migration 0039): its terminal
+# UPDATE writes the new version on the same page (HOT: no index names what it writes), which
+# carries the history, about twice the committed row (bench/results/hot-record.md).
+DELIVERY_RECORD_FILLFACTOR = 30
 
 DELIVERY_QUEUE_TABLE = "buzz_delivery_delivery_queue"
 # The statuses a queue row may hold: a live delivery (the terminal deletes the row).
@@ -676,6 +681,49 @@ class RateLimit(CommunityScoped):
 
     def __str__(self) -> str:
         return f"{self.key} {self.used}"
+
+
+SETTLE_TALLY_TABLE = "buzz_delivery_settle_tally"
+
+
+class SettleTally(CommunityScoped):
+    """How many deliveries one statement settled to one terminal status in one community, and when
+    (database clock): ``buzz_delivery_settle_tally``, written by the record's AFTER UPDATE statement
+    trigger (core migration 0039), one row per statement and (community, status), never per
+    delivery. What the settle-rate metric and the dashboard's settled-per-minute chart read, since
+    no index of the record may name its terminal columns (its terminal UPDATE is HOT). Insert-only;
+    the pruner deletes rows past :data:`SETTLE_TALLY_KEEP`. Its primary key is ``(community_id, at,
+    id)`` in the database (the readers' probe, SPEC 15). The community is not a database foreign
+    key: every settle would take a KEY SHARE lock on the community's row."""
+
+    community = models.ForeignKey(
+        Community, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="+"
+    )
+    id = models.UUIDField(primary_key=True, db_default=RandomUUID(), editable=False)
+    at = models.DateTimeField()
+    status = models.CharField(max_length=16, choices=[(s.value, s.label) for s in TERMINAL_STATUSES])
+    n = models.IntegerField()
+
+    class Meta:
+        db_table = SETTLE_TALLY_TABLE
+        verbose_name = "settle tally"
+        verbose_name_plural = "settle tallies"
+        default_permissions = ()
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(status__in=[s.value for s in TERMINAL_STATUSES]), name="settle_tally_status_terminal"
+            ),
+            models.CheckConstraint(condition=Q(n__gt=0), name="settle_tally_n_positive"),
+        ]
+        triggers = [*triggers.write_fence()]
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.n} at {self.at}"
+
+
+# How long the pruner keeps tally rows: the longest window a reader counts (the dashboard's hour)
+# and a margin.
+SETTLE_TALLY_KEEP = dt.timedelta(hours=1, minutes=10)
 
 
 class MaintenanceLease(models.Model):

@@ -43,6 +43,7 @@ FENCE_PASSED_SETTING = "buzz_delivery.fence_passed"
 # trigger on buzz_delivery_community (e.g. buzz_delivery.workflows, migration 0001), so this
 # static list stays the core's; the test checks every catalog table is named by some guard.
 TENANT_TABLES = (
+    "buzz_delivery_settle_tally",
     "buzz_delivery_rate_limit",
     "buzz_delivery_delivery_queue",
     "buzz_delivery_delivery_record",

@@ -133,7 +133,12 @@ SKIPPED: dict[str, str] = {
     f"{_POLICY}walks_the_polling_index_with_statistics_from_when_every_row_was_pending": _PLAN,
     f"{_POLICY}query_walks_the_pending_poll_index_among_many_terminal_rows": _PLAN,
     "tests/test_wf_admin.py::test_engine_lists_are_served_newest_first_by_an_index_on_the_id": _PLAN,
-    "tests/test_metrics.py::test_the_settle_rate_probes_the_terminal_age_index_per_community": _PLAN,
+    "tests/test_metrics.py::test_the_settle_rate_probes_the_settle_tallys_key_per_community": _PLAN,
+    "tests/test_settle_tally.py::test_the_terminal_update_of_the_record_is_hot": (
+        "reads the statistics of the coordinator's table, which holds no row on Citus (its shards, on "
+        "the workers, do): each shard is a PostgreSQL table with the same indexes and fillfactor, HOT "
+        "the same way; the Citus run counts the tally of every terminal path in the same module"
+    ),
     "tests/test_metrics.py::test_the_oldest_pending_age_walks_the_live_queues_age_index": _PLAN,
     "tests/test_metrics.py::test_above_the_cap_the_counts_are_the_planners_estimates": (
         "reads the planner's row estimate of the deliveries, which on the cluster sums the shards' "

@@ -94,8 +94,9 @@ RAW_WRITES: dict[str, dict[str, str | Callable[[dict[str, Any]], object]]] = {
 
 
 def fill_community(community: models.Community, rows: int = 3, *, engine: bool = False) -> dict[str, int]:
-    """Give ``community`` ``rows`` workflows, runs and events and ``rows + 1`` deliveries (with
-    ``engine``, also one workflow engine definition, run, step and approval per workflow).
+    """Give ``community`` ``rows`` workflows, runs, events and settle tally rows and ``rows + 1``
+    deliveries (with ``engine``, also one workflow engine definition, run, step and approval per
+    workflow).
 
     Returns the row count per catalog model label (every catalog model, zeros included)."""
     workflows = WorkflowFactory.create_batch(rows, community=community)
@@ -103,6 +104,7 @@ def fill_community(community: models.Community, rows: int = 3, *, engine: bool =
     events = EventFactory.create_batch(rows, community=community)
     for i in range(rows + 1):
         DeliveryFactory(binding=BindingFactory(run=runs[i % rows], message_event=events[i % rows]))
+    _fill_tally(community, rows)
     _fill_rate_limits(community, rows)
     if engine:
         _fill_engine(community, workflows)
@@ -110,6 +112,17 @@ def fill_community(community: models.Community, rows: int = 3, *, engine: bool =
         _fill_gateway(community, rows)
         _fill_tasks(community, rows)
     return count_rows(community.id)
+
+
+def _fill_tally(community: models.Community, rows: int) -> None:
+    """``rows`` settle tally rows, as ``rows`` settling statements of a minute ago would have left."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {models.SETTLE_TALLY_TABLE} (community_id, at, status, n)"
+            " SELECT %s, buzz_delivery_now() - make_interval(secs => 60 + g), 'finished', g"
+            " FROM generate_series(1, %s) AS g",
+            [community.id, rows],
+        )
 
 
 def _fill_rate_limits(community: models.Community, rows: int) -> None:

@@ -60,8 +60,20 @@ def settled(
     return delivery
 
 
+# The settle tally's row of a delivery's settling statement: the trigger stamps it with that
+# statement's clock, the delivery's finished_at (core migration 0039).
+_BACKDATE_TALLY = f"""
+UPDATE {models.SETTLE_TALLY_TABLE} AS t SET at = buzz_delivery_plus_seconds(t.at, -%s)
+FROM {models.DELIVERY_RECORD_TABLE} AS d
+WHERE d.id = %s AND t.community_id = d.community_id AND t.status = d.status AND t.at = d.finished_at
+"""
+
+
 def backdate_finished(delivery_id: object, seconds: float) -> None:
-    """Stand-in for time passing: ``finished_at`` moves ``seconds`` into the past (``created_at`` with it)."""
+    """Stand-in for time passing: ``finished_at`` moves ``seconds`` into the past (``created_at`` with
+    it, and the settle tally's row its settle wrote)."""
+    with connection.cursor() as cursor:
+        cursor.execute(_BACKDATE_TALLY, [seconds, delivery_id])
     set_delivery_state(
         delivery_id,
         finished_at=Expr("now() - make_interval(secs => %s)", [seconds]),

@@ -15,7 +15,7 @@ from django.db import connection
 from django.test import override_settings
 
 from buzz_delivery import scaleout, services
-from buzz_delivery.models import DeliveryQueue, DeliveryRecord, WorkflowAgentDelivery
+from buzz_delivery.models import SETTLE_TALLY_TABLE, DeliveryQueue, DeliveryRecord, WorkflowAgentDelivery
 from buzz_delivery.services import Settled, claim_delivery, tenancy
 from buzz_delivery.testing import BindingFactory, CommunityFactory, DeliveryFactory
 from tests.citus_support import CITUS_MODE
@@ -171,6 +171,7 @@ def test_a_role_that_read_the_table_before_the_migration_reads_the_view_after_it
     finally:
         _sql(f"REVOKE ALL ON {RECORD} FROM {READER}")
         _sql(f"REVOKE ALL ON {QUEUE} FROM {READER}")
+        _sql(f"REVOKE ALL ON {SETTLE_TALLY_TABLE} FROM {READER}")  # the record's readers too (core 0039)
         _sql(f"REVOKE ALL ON {VIEW} FROM {READER}")
         _sql(f"DROP ROLE {READER}")
 

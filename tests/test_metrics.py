@@ -144,13 +144,13 @@ def test_the_settle_rate_counts_the_last_minute_only(community):
     assert {dict(labels)["status"]: v for labels, v in found.items()} == {"finished": 1, "failed": 1, "expired": 0}
 
 
-def test_the_settle_rate_probes_the_terminal_age_index_per_community(community):
+def test_the_settle_rate_probes_the_settle_tallys_key_per_community(community):
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned otherwise
         cursor.execute("EXPLAIN " + metrics.SETTLED_RECENTLY, {"seconds": 60})
         plan = "\n".join(row[0] for row in cursor.fetchall())
 
-    assert "delivery_terminal_age_idx" in plan, plan
+    assert "buzz_delivery_settle_tally_pkey" in plan, plan  # (community_id, at, id): core 0039
 
 
 def test_reaper_runs_are_counted_with_their_last_outcome_and_time():

@@ -128,8 +128,9 @@ def test_a_dry_run_counts_the_rows_and_writes_nothing(fenced, table_snapshot):
     before = table_snapshot()
     result = services.purge_community(fenced.id, dry_run=True)
     assert result.deleted == count_rows(fenced.id)
-    # 20 = 16 + the 4 live deliveries' queue rows (a table of its own since issue 31, stage 2)
-    assert (result.total, result.dry_run, result.tombstoned, result.batches) == (20, True, False, 0)
+    # 23 = 16 + the 4 live deliveries' queue rows (a table of its own since issue 31, stage 2)
+    # + 3 settle tally rows (core 0039)
+    assert (result.total, result.dry_run, result.tombstoned, result.batches) == (23, True, False, 0)
     assert table_snapshot() == before
 
 
@@ -172,7 +173,7 @@ def test_a_purge_in_autocommit_commits_batch_by_batch_and_leaves_no_identity_beh
     fill_community(community, rows=3)
     advance_to(community, "fenced")
     result = services.purge_community(community.id, batch_size=2)
-    assert result.total == 20  # 16 + the 4 live deliveries' queue rows (issue 31, stage 2)
+    assert result.total == 23  # 16 + the 4 live deliveries' queue rows (issue 31, stage 2) + 3 tally rows
     assert purge_settings() in {("", ""), (None, None)}
     assert Community.objects.get(id=community.id).deletion_state == "tombstone"
 
@@ -216,6 +217,7 @@ def table_lines(output: str) -> dict[str, int]:
 
 
 EXPECTED_TABLE = {
+    "buzz_delivery_settle_tally": 3,  # settles' counts (core 0039), no key to anything: first
     "buzz_delivery_rate_limit": 3,
     "buzz_delivery_delivery_queue": 4,  # the 4 pending deliveries' live rows, before their records
     "buzz_delivery_delivery_record": 4,
@@ -231,7 +233,7 @@ def test_command_dry_run_prints_the_counts_per_table_and_writes_nothing(fenced, 
     output = run(str(fenced.id), "--dry-run")
     assert table_lines(output) == EXPECTED_TABLE
     assert list(table_lines(output)) == list(EXPECTED_TABLE), "rows not listed in catalog order"
-    assert f"Dry run: 20 rows of community {fenced.id} would be deleted; nothing written." in output
+    assert f"Dry run: 23 rows of community {fenced.id} would be deleted; nothing written." in output
     assert table_snapshot() == before
 
 
@@ -241,9 +243,9 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
     output = run(str(fenced.id), "--yes", "--batch-size", "2")
     assert table_lines(output) == EXPECTED_TABLE
     assert output.strip().splitlines()[-1] == (
-        # 14 batches for the core's 6 tables (the queue's 4 rows take 3), one (empty) batch for each
-        # sibling app table (the engine's).
-        f"Purged community {fenced.id}: 20 rows deleted in {14 + len(deletion_catalog()) - 6} batches of at most 2; "
+        # 16 batches for the core's 7 tables (the queue's and the record's 4 rows take 3 each), one
+        # (empty) batch for each sibling app table (the engine's).
+        f"Purged community {fenced.id}: 23 rows deleted in {16 + len(deletion_catalog()) - 7} batches of at most 2; "
         "it is now tombstone."
     )
     assert count_rows(fenced.id) == ZERO
@@ -256,7 +258,7 @@ def test_command_with_yes_purges_in_batches_and_prints_a_summary(fenced, bystand
 def test_command_asks_for_confirmation_on_a_terminal_and_purges_on_yes(fenced):
     output = run(str(fenced.id), stdin=Terminal("yes\n"))
     assert "Type 'yes' to continue" in output
-    assert "20 rows deleted" in output
+    assert "23 rows deleted" in output
     assert count_rows(fenced.id) == ZERO
 
 
@@ -340,11 +342,11 @@ def test_command_as_a_process_exits_non_zero_without_hanging_when_stdin_is_not_a
     )
     assert refused.returncode == 5, refused.stderr
     assert "pass --yes" in refused.stderr
-    assert sum(count_rows(community.id).values()) == 8  # 6 + the 2 live deliveries' queue rows
+    assert sum(count_rows(community.id).values()) == 9  # 6 + the 2 live deliveries' queue rows + 1 tally row
 
     done = subprocess.run(
         [*command, "--yes"], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert "8 rows deleted" in done.stdout
+    assert "9 rows deleted" in done.stdout
     assert Community.objects.get(id=community.id).deletion_state == "tombstone"

@@ -140,7 +140,8 @@ def test_every_move_at_once_keeps_one_queue_row_per_pending_record_and_ends_each
     def pruner(rng: random.Random) -> None:
         with fleet(), connection.cursor() as cursor:
             cursor.execute(
-                f"UPDATE {sql.RECORD} SET finished_at = now() - interval '10 days' "
+                f"UPDATE {sql.RECORD} SET finished_at = now() - interval '10 days', "
+                "created_at = now() - interval '10 days' "
                 "WHERE community_id = %s AND status IN ('finished', 'failed', 'expired') AND random() < 0.02",
                 [community.id],
             )

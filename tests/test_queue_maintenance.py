@@ -154,7 +154,8 @@ def test_the_pruner_leaves_live_deliveries_alone_even_beside_an_old_terminal_rec
     _, target = commit(community, 2)
     claim = services.claim_delivery(community.id, target)
     services.finish_delivery(claim.lease, "finished")
-    set_delivery_state(claim.lease.delivery_id, finished_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    old = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)  # a terminal's created_at precedes its finished_at
+    set_delivery_state(claim.lease.delivery_id, created_at=old, finished_at=old)
 
     result = services.prune_deliveries({"finished": dt.timedelta(days=1)})
 
@@ -210,7 +211,7 @@ def test_the_pruner_skips_an_old_terminal_record_that_still_has_a_queue_row(comm
     delivery = claim.lease.delivery_id
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {sql.RECORD} SET status = 'finished', finished_at = '2000-01-01'"
+            f"UPDATE {sql.RECORD} SET status = 'finished', finished_at = '2000-01-01', created_at = '2000-01-01'"
             " WHERE community_id = %s AND id = %s",
             [community.id, delivery],
         )

@@ -434,7 +434,9 @@ def test_the_pruner_and_the_purge_work_fleet_wide_as_a_maintenance_login(logins)
         delivery = DeliveryFactory(binding=BindingFactory(run__community=c))
         finish_delivery(claim_delivery(c.id, delivery.target_pubkey).lease, "finished")
     set_delivery_state(
-        Expr("community_id = ANY(%s)", [[c.id for c in communities]]), finished_at=Expr("now() - interval '2 days'")
+        Expr("community_id = ANY(%s)", [[c.id for c in communities]]),
+        finished_at=Expr("now() - interval '2 days'"),
+        created_at=Expr("now() - interval '2 days'"),  # a terminal's created_at precedes its finished_at
     )
     doomed = CommunityFactory()
     fill_community(doomed)

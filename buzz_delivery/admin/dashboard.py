@@ -43,7 +43,7 @@ from buzz_delivery.services.sql import (
     COUNT_LIVE_BY_STATUS,
     DB_NOW,
     LIVE_DELIVERIES,
-    TERMINAL_DELIVERIES,
+    SETTLE_TALLY,
 )
 from buzz_delivery.services.stats import counts_by
 
@@ -76,10 +76,16 @@ ORDER BY c.name, c.id
 LIMIT %(rows)s
 """
 
+# Deliveries that reached each terminal status, per minute of the last hour (database clock): the
+# settle tally's rows (one per settling statement and status, n its deliveries; core migration
+# 0039), one probe of its key (community, at) per community.
 SETTLED_PER_MINUTE = f"""
-SELECT date_trunc('minute', finished_at) AS minute, status, count(*)
-FROM {TERMINAL_DELIVERIES}
-WHERE status IN ('finished', 'failed', 'expired') AND finished_at >= {DB_NOW} - interval '1 hour'
+SELECT date_trunc('minute', t.at) AS minute, t.status, sum(t.n)::bigint
+FROM {COMMUNITY} AS c
+CROSS JOIN LATERAL (
+    SELECT s.at, s.status, s.n FROM {SETTLE_TALLY} AS s
+    WHERE s.community_id = c.id AND s.at >= {DB_NOW} - interval '1 hour'
+) AS t
 GROUP BY 1, 2
 ORDER BY 1
 """

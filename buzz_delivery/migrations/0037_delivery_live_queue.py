@@ -208,23 +208,28 @@ RECORD_RLS = (
 )
 
 
-def secure_the_queue(apps: Any, schema_editor: Any) -> None:
-    """The queue's row-level security as the record's: the record's grants, the two policies of
+def secure_like_the_record(schema_editor: Any, table: str) -> None:
+    """``table``'s row-level security as the record's: the record's grants, the two policies of
     :mod:`buzz_delivery.isolation` (where its roles exist), and enforcement switched on and forced
-    when it is on the record. Backwards nothing: the queue is dropped."""
+    when it is on the record (core 0039 secures the settle tally with it too)."""
     with schema_editor.connection.cursor() as cursor:
         cursor.execute(RECORD_GRANTS)
         for grantee, privileges in cursor.fetchall():
-            cursor.execute(f"GRANT {privileges} ON {QUEUE} TO {grantee}")
+            cursor.execute(f"GRANT {privileges} ON {table} TO {grantee}")
         if not isolation._missing_roles(cursor, isolation.roles()):
-            for statement in isolation.policy_sql([(QUEUE, "community_id")], isolation.roles()):
+            for statement in isolation.policy_sql([(table, "community_id")], isolation.roles()):
                 cursor.execute(statement)
         cursor.execute(RECORD_RLS)
         enabled, forced = cursor.fetchone()
         if enabled:
-            cursor.execute(f"ALTER TABLE {QUEUE} ENABLE ROW LEVEL SECURITY")
+            cursor.execute(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY")
         if forced:
-            cursor.execute(f"ALTER TABLE {QUEUE} FORCE ROW LEVEL SECURITY")
+            cursor.execute(f"ALTER TABLE {table} FORCE ROW LEVEL SECURITY")
+
+
+def secure_the_queue(apps: Any, schema_editor: Any) -> None:
+    """The queue's row-level security as the record's. Backwards nothing: the queue is dropped."""
+    secure_like_the_record(schema_editor, QUEUE)
 
 
 # The view's columns, in 0034's order (CREATE OR REPLACE VIEW keeps them and the view's grants).

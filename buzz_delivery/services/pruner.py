@@ -2,7 +2,11 @@
 
 Only ``finished``, ``failed`` and ``expired`` rows are ever deleted, and only once their
 ``finished_at`` is older than the retention given for their status, judged by the database
-clock. Each batch is one ``DELETE`` statement (its own short transaction in autocommit)
+clock. The walk reads a community's rows by ``created_at`` (``delivery_community_created_idx``),
+which a terminal's ``finished_at`` never precedes: no index of the record names a column the
+terminal writes, so that UPDATE is HOT (core migration 0039). The pruner also deletes the settle
+tally's rows older than :data:`~buzz_delivery.models.SETTLE_TALLY_KEEP` (the longest window its
+readers count), a community at a time. Each batch is one ``DELETE`` statement (its own short transaction in autocommit)
 that re-checks its whole guard. Rows of a community that is not ``active`` are filtered out
 inside the statement (the write fence would refuse them) and reported as skipped; rows of a
 community whose write-fence lock a lifecycle move holds or waits for are left for the next
@@ -17,30 +21,36 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from buzz_delivery.conf import get_settings
-from buzz_delivery.models import TERMINAL_STATUSES, DeliveryRecord
+from buzz_delivery.models import SETTLE_TALLY_KEEP, TERMINAL_STATUSES, DeliveryRecord
 from buzz_delivery.services import validation as v
 from buzz_delivery.services.db import fetch_all
 from buzz_delivery.services.reaper import community_batch, walk_communities
-from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW, QUEUE
+from buzz_delivery.services.sql import ACTIVE_COMMUNITY, COMMUNITY, MAINTENANCE_NOW, QUEUE, SETTLE_TALLY
 from buzz_delivery.services.tenancy import fleet_scoped
 
 logger = logging.getLogger("buzz_delivery.pruner")
 
 # Terminal rows are the record's alone (stage 2: a live delivery has a queue row and a pending
-# record), so the pruner reads and deletes the record only, through its terminal-age index.
+# record), so the pruner reads and deletes the record only, through its (community, created_at) index.
 RECORD = DeliveryRecord._meta.db_table
 # Longest retention accepted (the prune command's limit too): beyond it PostgreSQL's interval
 # and timestamp arithmetic wrap or overflow.
 MAX_RETENTION = dt.timedelta(days=36_500)
 PRUNABLE_STATUSES: tuple[str, ...] = tuple(s.value for s in TERMINAL_STATUSES)
 
-_OLD_ENOUGH_AT = (
-    "d.status = %(status)s AND d.finished_at < %(now)s::timestamptz - make_interval(secs => %(age_seconds)s)"
-)
-_OLD_ENOUGH = f"d.status = %(status)s AND d.finished_at < {MAINTENANCE_NOW} - make_interval(secs => %(age_seconds)s)"
 
-# The walk: active communities holding old-enough rows of the status, in id order (one probe of
-# delivery_terminal_age_idx, which leads with community_id, per community).
+# created_at bounds the walk (the index's order; a terminal's finished_at never precedes it),
+# status and finished_at keep the guard exact.
+def _old_enough(now: str) -> str:
+    cutoff = f"{now} - make_interval(secs => %(age_seconds)s)"
+    return f"d.created_at < {cutoff} AND d.status = %(status)s AND d.finished_at < {cutoff}"
+
+
+_OLD_ENOUGH_AT = _old_enough("%(now)s::timestamptz")
+_OLD_ENOUGH = _old_enough(MAINTENANCE_NOW)
+
+# The walk: active communities holding old-enough rows of the status, in id order (one walk of
+# delivery_community_created_idx, which leads with community_id, per community).
 COMMUNITIES_TO_PRUNE = f"""
 SELECT c.id FROM {COMMUNITY} AS c
 WHERE c.deletion_state = 'active' AND c.id > %(after)s
@@ -48,19 +58,42 @@ WHERE c.deletion_state = 'active' AND c.id > %(after)s
 ORDER BY c.id
 LIMIT %(page)s
 """
-# One community's batch, oldest first.
+# One community's batch, oldest first (by creation: the index's order).
 DELETE_TERMINAL_OLDER_THAN = f"""
 WITH batch AS MATERIALIZED (
     SELECT d.id FROM {RECORD} AS d
     WHERE d.community_id = %(community_id)s AND {_OLD_ENOUGH_AT} AND {ACTIVE_COMMUNITY}
       AND NOT EXISTS (SELECT 1 FROM {QUEUE} AS q WHERE q.community_id = %(community_id)s AND q.id = d.id)
-    ORDER BY d.finished_at
+    ORDER BY d.created_at
     LIMIT %(batch_size)s
     FOR UPDATE OF d SKIP LOCKED
 )
 DELETE FROM {RECORD} AS d
 USING batch
 WHERE d.community_id = %(community_id)s AND d.id = batch.id AND {_OLD_ENOUGH_AT}
+RETURNING d.id
+"""
+
+# The settle tally's rows past what its readers count: the active communities holding some, then
+# one community's batch, oldest first (its primary key, community_id and at first).
+_TALLY_OLD = "d.at < %(now)s::timestamptz - make_interval(secs => %(keep_seconds)s)"
+COMMUNITIES_WITH_OLD_TALLY = f"""
+SELECT c.id FROM {COMMUNITY} AS c
+WHERE c.deletion_state = 'active' AND c.id > %(after)s
+  AND EXISTS (SELECT 1 FROM {SETTLE_TALLY} AS d WHERE d.community_id = c.id AND {_TALLY_OLD})
+ORDER BY c.id
+LIMIT %(page)s
+"""
+DELETE_OLD_TALLY = f"""
+WITH batch AS MATERIALIZED (
+    SELECT d.at, d.id FROM {SETTLE_TALLY} AS d
+    WHERE d.community_id = %(community_id)s AND {_TALLY_OLD} AND {ACTIVE_COMMUNITY}
+    ORDER BY d.at
+    LIMIT %(batch_size)s
+)
+DELETE FROM {SETTLE_TALLY} AS d
+USING batch
+WHERE d.community_id = %(community_id)s AND d.at = batch.at AND d.id = batch.id
 RETURNING d.id
 """
 
@@ -81,13 +114,15 @@ class PruneResult:
     - ``deleted``: per terminal status pruned, rows deleted (would be deleted);
     - ``skipped_fenced``: old-enough terminal rows left alone because their community is not
       ``active`` (the write fence; a fenced community is emptied by ``purge_community``);
-    - ``batches``: DELETE statements run (0 with ``dry_run``).
+    - ``batches``: DELETE statements of deliveries run (0 with ``dry_run``);
+    - ``tally``: settle tally rows deleted, past :data:`SETTLE_TALLY_KEEP` (0 with ``dry_run``).
     """
 
     deleted: dict[str, int] = field(default_factory=dict)
     skipped_fenced: int = 0
     batches: int = 0
     dry_run: bool = False
+    tally: int = 0
 
     @property
     def total(self) -> int:
@@ -152,7 +187,8 @@ def prune_deliveries(
                     break
             if limit is not None and batches >= limit:
                 break
-    result = PruneResult(deleted=deleted, skipped_fenced=skipped, batches=batches, dry_run=dry_run)
+    tally = 0 if dry_run else _prune_tally(size)
+    result = PruneResult(deleted=deleted, skipped_fenced=skipped, batches=batches, dry_run=dry_run, tally=tally)
     if not dry_run and (result.total or skipped):
         # DEBUG, as the reaper's line: prune_deliveries prints these counts in its summary line.
         logger.debug(
@@ -162,3 +198,20 @@ def prune_deliveries(
             skipped,
         )
     return result
+
+
+def _prune_tally(size: int) -> int:
+    """Delete the settle tally's rows older than :data:`SETTLE_TALLY_KEEP`, a community and a batch
+    at a time (a community whose fence lock is busy is left for the next run); returns how many."""
+    params: dict[str, object] = {"keep_seconds": SETTLE_TALLY_KEEP.total_seconds(), "batch_size": size}
+    now = fetch_all("SELECT now()", {})[0][0]
+    deleted = 0
+    for community in walk_communities(COMMUNITIES_WITH_OLD_TALLY, {**params, "now": now}):
+        while True:
+            rows = community_batch(DELETE_OLD_TALLY, {**params, "community_id": community})
+            if rows is None:
+                break
+            deleted += len(rows)
+            if len(rows) < size:
+                break
+    return deleted

@@ -29,7 +29,7 @@ appends nothing: it only counts (``renewals``), so a long lease never floods the
 
 from __future__ import annotations
 
-from buzz_delivery.models import DeliveryQueue, DeliveryRecord, WorkflowAgentDelivery, WorkflowRun
+from buzz_delivery.models import DeliveryQueue, DeliveryRecord, SettleTally, WorkflowAgentDelivery, WorkflowRun
 from buzz_delivery.triggers import FENCE_LOCK_NAMESPACE
 
 # The delivery table (issue 31, stage 1): every statement that writes or locks a delivery, and
@@ -49,6 +49,10 @@ WORKFLOW_RUN = WorkflowRun._meta.db_table
 # the queue's (every column they read is one of its own); the terminal ones the record's.
 LIVE_DELIVERIES = QUEUE  # pending and claimed rows
 TERMINAL_DELIVERIES = RECORD  # finished, failed and expired rows
+# How many deliveries reached each terminal status when (core migration 0039): one row per settling
+# statement, community and status, written by the record's statement trigger. The settle-rate
+# readers count its ``n``: no index of the record names the terminal's columns (a HOT terminal).
+SETTLE_TALLY = SettleTally._meta.db_table
 # Live rows of one status, counted up to %(cap)s.
 COUNT_LIVE_BY_STATUS = {
     status: f"SELECT count(*) FROM (SELECT 1 FROM {LIVE_DELIVERIES} WHERE status = '{status}' LIMIT %(cap)s) AS n"
