@@ -25,6 +25,7 @@ class Bench:
     duration: float
     workers: tuple[int, ...]
     peers: tuple[str, ...] | None = None  # systems of the peers scenario (None = all)
+    peer_jobs: int | None = None  # jobs per drain of the peers scenario's default-size systems
 
     def scaled(self, full: int, quick: int) -> int:
         """A size for this form of the run."""

@@ -60,6 +60,17 @@ SIZES = {
     "ours_single_prepared": (3_000, 800),
 }
 DEFAULT_SIZE = (12_000, 2_500)
+
+
+def jobs_per_drain(bench: Bench, system: str) -> int:
+    """The queue one drain of ``system`` empties: ``--peer-jobs`` for the systems of the default
+    size (a fast machine drains 12,000 in about a second, where process start jitter weighs), else
+    its size in this form of the run."""
+    if bench.peer_jobs and system not in SIZES:
+        return bench.peer_jobs
+    return SIZES.get(system, DEFAULT_SIZE)[1 if bench.quick else 0]
+
+
 # The systems run by the pool of another source tree (BENCH_BEFORE_ROOT), and what each runs there.
 BEFORE_SYSTEMS = {"worker_before": "worker", "worker_async_before": "worker_async"}
 PREPARED = "_prepared"  # a system name ending so runs on a URL with ?prepare_threshold=5
@@ -446,7 +457,7 @@ def run(bench: Bench) -> None:
             order = systems[shift:] + systems[:shift]
             for k in KS if repeat % 2 == 0 else tuple(reversed(KS)):
                 for system in order:
-                    n = SIZES.get(system, DEFAULT_SIZE)[1 if bench.quick else 0]
+                    n = jobs_per_drain(bench, system)
                     m = drain_once(bench, queues, pools[_pool_of(system)], _base(system), k, n)
                     r = runs[(system, k)]
                     for key, value in m.items():
@@ -458,7 +469,7 @@ def run(bench: Bench) -> None:
                         flush=True,
                     )
     text = table(runs, systems)
-    sizes = ", ".join(f"{s} {SIZES.get(s, DEFAULT_SIZE)[1 if bench.quick else 0]:,}" for s in systems)
+    sizes = ", ".join(f"{s} {jobs_per_drain(bench, s):,}" for s in systems)
     bench.report.section(
         "Peers: no-op drain, K processes, interleaved",
         text + f"\n\nMedian of {bench.repeats} drain(s) per cell; jobs per drain: {sizes}. "
