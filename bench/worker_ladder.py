@@ -76,9 +76,9 @@ def _no_lifecycle_or_prelude(conn: psycopg.Connection) -> list[str]:
 
 
 # Core 0037 (issue 31, stage 2) moved the live partial indexes (claimed lease: gone; pending age:
-# the queue's created index; expiry, singleton and slot keys) from the record to the queue.
+# the queue's created index; expiry, singleton and slot keys) from the record to the queue; core
+# 0039 dropped the pruner's terminal-age index (the record's terminal UPDATE is HOT).
 PARTIAL_INDEXES = (
-    "delivery_terminal_age_idx",
     "delivery_failure_code_idx",
     "delivery_queue_expiry_idx",
     "delivery_queue_singleton_key",
@@ -119,24 +119,27 @@ STEPS = {
         f"SELECT NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = '{D}'::regclass AND contype = 'c')",
     ),
     "after_triggers": (
-        "- the engine's fan-in and the agents' lost-delivery AFTER triggers (sibling apps' features)",
-        lambda c: _triggers(c, "buzz_workflows_delivery_fan_in", "buzz_agents_delivery_lost"),
+        "- the engine's fan-in, the agents' lost-delivery and the settle tally's AFTER triggers"
+        " (sibling apps' features, the settle-rate metric's source: core 0039)",
+        lambda c: _triggers(
+            c, "buzz_workflows_delivery_fan_in", "buzz_agents_delivery_lost", "buzz_delivery_settle_tally"
+        ),
         f"SELECT NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = '{D}'::regclass AND tgname LIKE 'buzz\\_%')",
     ),
     "fk_admin_indexes": (
         # (delivery_workflow_idx, the third index of this step, is gone since core migration 0036.)
-        "- the message-event FK index and the admin's age index (read paths)",
+        "- the message-event FK index, the admin's and the pruner's age indexes (read paths)",
         lambda c: [
             "DROP INDEX delivery_message_event_idx",
             "DROP INDEX delivery_created_idx",
+            "DROP INDEX delivery_community_created_idx",
         ],
         "SELECT to_regclass('delivery_created_idx') IS NULL",
     ),
     "partial_indexes": (
-        "- the reaper's, pruner's, expiry's, failure list's, singleton's and slots' partial indexes"
-        " (read paths, flow limits)",
+        "- the reaper's, expiry's, failure list's, singleton's and slots' partial indexes (read paths, flow limits)",
         lambda c: [f"DROP INDEX {name}" for name in PARTIAL_INDEXES],
-        "SELECT to_regclass('delivery_terminal_age_idx') IS NULL",
+        "SELECT to_regclass('delivery_failure_code_idx') IS NULL",
     ),
 }
 
