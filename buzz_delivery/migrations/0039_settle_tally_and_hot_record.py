@@ -15,15 +15,16 @@ database foreign key (a settle would take a KEY SHARE lock on the community's ro
 security and grants are the record's (``secure_like_the_record``, core 0037); it is in the deletion
 catalog (purged with its community; ``distribute_tables`` colocates it) and the tombstone guard.
 
-The record loses ``delivery_terminal_age_idx`` (``(community_id, finished_at) WHERE status IN
-terminal``), the last index naming a column the terminal writes but the failure code's; the pruner
-walks ``delivery_community_created_idx (community_id, created_at)`` instead (a terminal's
+Core 0040 swaps the record's index, ``CONCURRENTLY`` (outside a transaction): the record loses
+``delivery_terminal_age_idx`` (``(community_id, finished_at) WHERE status IN terminal``), the last
+index naming a column the terminal writes but the failure code's; the pruner walks
+``delivery_community_created_idx (community_id, created_at)`` instead (a terminal's
 ``finished_at`` never precedes its ``created_at``). The record's ``fillfactor`` becomes
 ``DELIVERY_RECORD_FILLFACTOR`` (30): the terminal version fits on the committed row's page (pages
 written from now on; a ``VACUUM FULL`` or ``pg_repack`` applies it to the old ones).
 
-Backwards: the trigger, its function and the tally go, the index is built again, the fillfactor
-reset. On Citus run ``distribute_tables`` after ``migrate`` as always; on a coordinator whose record
+Backwards: the trigger, its function and the tally go, the fillfactor reset (0040 puts the index
+back). On Citus run ``distribute_tables`` after ``migrate`` as always; on a coordinator whose record
 is already distributed, the tally is distributed here (as core 0037 does the queue)."""
 
 import importlib
@@ -215,14 +216,6 @@ class Migration(migrations.Migration):
         migrations.RunPython(secure_the_tally, migrations.RunPython.noop, elidable=False),
         migrations.RunSQL(sql=TALLY_FUNCTION, reverse_sql=DROP_TALLY_FUNCTION),
         migrations.RunSQL(sql=TALLY_TRIGGER, reverse_sql=DROP_TALLY_TRIGGER),
-        migrations.RemoveIndex(
-            model_name="deliveryrecord",
-            name="delivery_terminal_age_idx",
-        ),
-        migrations.AddIndex(
-            model_name="deliveryrecord",
-            index=models.Index(fields=["community", "created_at"], name="delivery_community_created_idx"),
-        ),
         migrations.RunSQL(
             sql=f"ALTER TABLE {RECORD} SET (fillfactor = {DELIVERY_RECORD_FILLFACTOR})",
             reverse_sql=f"ALTER TABLE {RECORD} RESET (fillfactor)",
