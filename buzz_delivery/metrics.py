@@ -21,7 +21,7 @@ reads the database at that moment, cheaply at millions of rows:
 - ``buzz_delivery_lapsed_leases``: claimed deliveries whose lease ran out, not yet reaped
   (bounded by the live deliveries: the queue's rows).
 - ``buzz_deliveries_settled_last_minute{status}``: the settle rate, deliveries that reached
-  each terminal status in the last 60 s (one probe of the settle tally's key per community: core
+  each terminal status in the last 60 s, counted per settle (one probe of the settle tally's key per community: core
   migration 0039, the record's terminal UPDATE counts itself there).
 - ``buzz_maintenance_run_active{job}``: 1 while a maintenance run (``reap_deliveries``,
   ``prune_deliveries``, the engine's and agents' reapers) holds its overlap guard;
@@ -155,13 +155,14 @@ SELECT
 # Deliveries settled in the last %(seconds)s seconds, per terminal status: one probe of the settle
 # tally's primary key (community, at) per community, so it stays bounded by the recent rows
 # whatever the tables hold (the tally has a row per settling statement and status, its n the
-# deliveries; the record has no index naming its terminal columns: core migration 0039).
+# deliveries; the record has no index naming its terminal columns: core migration 0039). Bounded
+# above too: a row dated ahead (a tenant role may write its community's rows) never stays counted.
 SETTLED_RECENTLY = f"""
 SELECT d.status, sum(d.n)::bigint
 FROM {Community._meta.db_table} AS c
 CROSS JOIN LATERAL (
     SELECT t.status, t.n FROM {SETTLE_TALLY} AS t
-    WHERE t.community_id = c.id AND t.at >= {DB_NOW} - make_interval(secs => %(seconds)s)
+    WHERE t.community_id = c.id AND t.at >= {DB_NOW} - make_interval(secs => %(seconds)s) AND t.at <= {DB_NOW}
 ) AS d
 GROUP BY d.status
 """

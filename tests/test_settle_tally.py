@@ -14,6 +14,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 
 from buzz_delivery import models, services
+from buzz_delivery.admin.dashboard import SETTLED_PER_MINUTE
 from buzz_delivery.services import runs, singleton
 from buzz_delivery.testing import DeliveryFactory, advance_to, random32, set_delivery_state
 from tests.conftest import backdate_lease
@@ -147,6 +148,23 @@ def test_the_terminal_update_of_the_record_is_hot(community, make_binding):
         after = cursor.fetchone()
     # Every one of the 20 terminal versions written on its page, no index entry (was 0 of 20).
     assert (after[0] - before[0], after[1] - before[1]) == (20, 20)
+
+
+def test_a_tally_row_dated_ahead_is_not_counted(community):
+    """The readers bound the window above: a row dated past the database clock (a tenant role may
+    write its community's rows) would otherwise be counted for good, the pruner never reaching it."""
+    _, lease = claimed(community)
+    services.finish_delivery(lease, "finished")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {TALLY} (id, community_id, at, status, n)"
+            " VALUES (gen_random_uuid(), %s, 'infinity', 'finished', 1000)",
+            [community.id],
+        )
+    assert settled_last_minute()["finished"] == 1
+    with connection.cursor() as cursor:  # the dashboard's chart of the last hour
+        cursor.execute(SETTLED_PER_MINUTE)
+        assert [(status, n) for _, status, n in cursor.fetchall()] == [("finished", 1)]
 
 
 def test_the_pruner_deletes_tally_rows_past_the_readers_window_only(community):

@@ -84,7 +84,7 @@ SELECT date_trunc('minute', t.at) AS minute, t.status, sum(t.n)::bigint
 FROM {COMMUNITY} AS c
 CROSS JOIN LATERAL (
     SELECT s.at, s.status, s.n FROM {SETTLE_TALLY} AS s
-    WHERE s.community_id = c.id AND s.at >= {DB_NOW} - interval '1 hour'
+    WHERE s.community_id = c.id AND s.at >= {DB_NOW} - interval '1 hour' AND s.at <= {DB_NOW}
 ) AS t
 GROUP BY 1, 2
 ORDER BY 1
