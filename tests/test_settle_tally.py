@@ -134,6 +134,13 @@ def test_a_singleton_supersede_counts_the_holder_expired(community, message_even
     counted_once(community, "expired")
 
 
+def test_the_record_is_at_the_models_fillfactor():
+    """Migration 0039 writes the fillfactor as a literal: the model's constant says the same."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", [RECORD])
+        assert cursor.fetchone() == ([f"fillfactor={models.DELIVERY_RECORD_FILLFACTOR}"],)
+
+
 def test_the_terminal_update_of_the_record_is_hot(community, make_binding):
     target = random32()
     for _ in range(20):

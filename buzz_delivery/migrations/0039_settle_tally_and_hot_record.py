@@ -37,7 +37,6 @@ import pgtrigger.migrations
 from django.db import migrations, models
 
 from buzz_delivery.citus_ddl import OneStatementAtATime
-from buzz_delivery.models import DELIVERY_RECORD_FILLFACTOR
 
 _0037 = importlib.import_module("buzz_delivery.migrations.0037_delivery_live_queue")
 
@@ -217,7 +216,7 @@ class Migration(migrations.Migration):
         migrations.RunSQL(sql=TALLY_FUNCTION, reverse_sql=DROP_TALLY_FUNCTION),
         migrations.RunSQL(sql=TALLY_TRIGGER, reverse_sql=DROP_TALLY_TRIGGER),
         migrations.RunSQL(
-            sql=f"ALTER TABLE {RECORD} SET (fillfactor = {DELIVERY_RECORD_FILLFACTOR})",
+            sql=f"ALTER TABLE {RECORD} SET (fillfactor = 30)",  # models.DELIVERY_RECORD_FILLFACTOR, as of 0039
             reverse_sql=f"ALTER TABLE {RECORD} RESET (fillfactor)",
         ),
         OneStatementAtATime(
