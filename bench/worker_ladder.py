@@ -2,7 +2,8 @@
 ``run_worker``, PgQueuer tuned, the raw batch-50 floor, each drain interleaved) run on copies of
 the bench database that each lack more of the delivery table's work than the one before:
 
-    python -m bench.worker_ladder [--repeats 3] [--steps full,after_triggers,...]
+    python -m bench.worker_ladder [--repeats 3] [--steps full,after_triggers,...] [--peer-jobs 48000]
+        [--synchronous-commit off]
 
 Each step is a ``CREATE DATABASE ... TEMPLATE`` copy of the migrated bench database with its own
 DDL and every earlier step's applied (a copy, never the bench database itself; dropped at the
@@ -180,7 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(STEPS),
         help="comma-separated steps, each keeping the removals of those before it (default: all, in order)",
     )
+    parser.add_argument("--peer-jobs", type=int, help="jobs per drain (bench.run --peer-jobs)")
+    parser.add_argument(
+        "--synchronous-commit", choices=("on", "off"), help="bench.run --synchronous-commit (off: CPU, not WAL flushes)"
+    )
     args = parser.parse_args(argv)
+    extra: tuple[str, ...] = ()
+    if args.peer_jobs:
+        extra += ("--peer-jobs", str(args.peer_jobs))
+    if args.synchronous_commit:
+        extra += ("--synchronous-commit", args.synchronous_commit)
     names = [n for n in args.steps.split(",") if n]
     unknown = set(names) - set(STEPS)
     if unknown:
@@ -210,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                         conn.execute(statement)
             load = Path("/proc/loadavg").read_text().split()[0]
             print(f"step {position + 1} {name}: {STEPS[name][0]} (load {load})", flush=True)
-            figures[name] = _run_peers(_url(url, copy), args.repeats)
+            figures[name] = _run_peers(_url(url, copy), args.repeats, extra=extra)
             loads[name] = f"{load}-{Path('/proc/loadavg').read_text().split()[0]}"
             with env.connect(_url(url, copy)) as conn:
                 for step in names[: position + 1]:
