@@ -164,7 +164,7 @@ WITH candidate AS MATERIALIZED (
       AND (d.expires_at IS NULL OR d.expires_at > {sql.DB_NOW})
       AND (d.max_attempts IS NULL OR d.attempt < d.max_attempts)
       {" ".join(extra)}
-      AND {sql.ACTIVE_COMMUNITY}
+      AND {sql.ACTIVE_THIS_COMMUNITY}
     ORDER BY d.priority DESC, d.created_at, d.id
     LIMIT {limit}
     FOR UPDATE OF d SKIP LOCKED
