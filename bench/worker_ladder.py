@@ -38,8 +38,10 @@ TABLES = (D, data.QUEUE)  # the record and the live queue (issue 31, stage 2)
 SYSTEMS = ("raw_batch50", "worker", "pgqueuer_tuned")
 KS = (1, 4)
 LINE = re.compile(r"^peers: (\S+) K=(\d+) n=\d+: ([\d,]+)/s server ([\d,]+) µs client ([\d,]+) µs")
-LIFECYCLE = (
-    "EXISTS (SELECT 1 FROM buzz_delivery_community c WHERE c.id = d.community_id AND c.deletion_state = 'active')"
+# The lifecycle test, per row (``d.community_id``) or once a statement (``p_community_id``, core 0041).
+LIFECYCLE = re.compile(
+    r"EXISTS \(SELECT 1 FROM buzz_delivery_community c WHERE c\.id = (?:d\.|p_)community_id"
+    r" AND c\.deletion_state = 'active'\)"
 )
 PRELUDE = re.compile(r"\n    IF \(SELECT count\(DISTINCT.*?END IF;", re.S)
 
@@ -73,7 +75,7 @@ def _rewritten(conn: psycopg.Connection, change) -> list[str]:  # type: ignore[n
 
 
 def _no_lifecycle_or_prelude(conn: psycopg.Connection) -> list[str]:
-    return _rewritten(conn, lambda body: PRELUDE.sub("", body.replace(LIFECYCLE, "true")))
+    return _rewritten(conn, lambda body: PRELUDE.sub("", LIFECYCLE.sub("true", body)))
 
 
 # Core 0037 (issue 31, stage 2) moved the live partial indexes (claimed lease: gone; pending age:
