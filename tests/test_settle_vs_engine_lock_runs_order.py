@@ -186,3 +186,37 @@ def test_a_multi_run_settle_and_a_cancel_of_the_same_run_tree_never_deadlock(com
     assert Run.objects.get(pk=run.pk).state == "canceled"
     for each in (parent, child):
         assert Step.objects.get(run_id=each.pk, key="send").state == "succeeded"  # counted before the cancel
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_multi_run_settle_and_a_send_event_over_pages_of_one_run_never_deadlock(community, monkeypatch):
+    """``send_event`` resumes the waits of an event a page at a time (``waits.EVENT_PAGE``), each
+    page's runs locked by ``LOCK_RUNS``, all in the send's one transaction. The pages come in run
+    id order, so the core rows of pages of more than one run are taken in one ascending order; but
+    ``LOCK_RUNS`` takes no core row for a page of one run, and a send over pages of one run each
+    then held the first run's engine row (no core row) and waited for the second's, which the
+    settle held with both core rows while it waited for the first's ("deadlock detected"). At the
+    production page (1,000) a page holds more than one run unless it is the last (a run has at
+    most ``MAX_STEPS`` = 500 steps): the page here is one step, each run's wait alone on its page."""
+    from buzz_delivery.workflows.services import waits
+
+    monkeypatch.setattr(waits, "EVENT_PAGE", 1)
+    target, other = random32(), random32()
+    workflow = WorkflowFactory(community=community)
+    steps = [send_step("send", [target]), send_step("later", [other]), WAIT]
+    publish_definition(community.id, workflow.id, {"steps": steps})
+    first, second = (
+        start_run(community.id, workflow.id, {}, cause=Cause.event(os.urandom(32)), priority=p) for p in (0, 5)
+    )
+    at_work(community)
+    assert first.pk < second.pk
+    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in (second, first)]
+    assert sends[0].id < sends[1].id  # the settle meets the second run's delivery first
+    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+
+    found = settle_against(community, leases, second, lambda: event(community))
+
+    assert found["engine"].resumed == 2  # over two pages (and an empty third)
+    for run in (first, second):
+        assert Step.objects.get(run_id=run.pk, key="paid").state == "succeeded"
+        assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"

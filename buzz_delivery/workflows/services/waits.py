@@ -208,6 +208,10 @@ RETURNING e.id
 """
 
 
+# The waiting steps ``send_event`` resumes a statement (its pages, all in its one transaction).
+EVENT_PAGE = 1000
+
+
 @dataclass(frozen=True, slots=True)
 class EventSent:
     """``send_event`` kept the event until ``kept_until`` (database clock) and resumed
@@ -318,7 +322,7 @@ def send_event(community_id: uuid.UUID | str, name: str, key: str, payload: Any 
         "payload": json_argument(payload, "payload", settings.max_output_bytes),
         "retention": settings.event_retention_seconds,
         "actor": "send_event",
-        "limit": 1000,
+        "limit": EVENT_PAGE,
     }
     for attempt in range(5):
         try:
