@@ -52,12 +52,14 @@ LOCK_RUN = f"SELECT 1 FROM {RUN} WHERE community_id = %(community_id)s AND run_i
 # batches do (``agents.services.sql.sources_of``): the second of the two waits at its first core
 # row in common, holding no engine row. Engine rows alone, in another order, met such a settle:
 # each held an engine run row the other waited for ("deadlock detected"). One run takes no core
-# row (a one-run settle takes none either).
-def core_runs_of(run_ids: str) -> str:
+# row (a one-run settle takes none either), unless its transaction locks other runs in other
+# statements (``send_event``'s pages: ``LOCK_RUNS_AND_CORE``).
+def core_runs_of(run_ids: str, *, when_many: bool = True) -> str:
     """The core rows of the runs of ``run_ids`` (an expression of ``uuid[]`` without duplicates),
-    locked in run id order when there is more than one of them."""
+    locked in run id order when there is more than one of them (``when_many``), else always."""
+    many = f" AND cardinality({run_ids}) > 1" if when_many else ""
     return f"""SELECT w.id FROM {WORKFLOW_RUN} AS w
-    WHERE w.community_id = %(community_id)s AND w.id = ANY({run_ids}) AND cardinality({run_ids}) > 1
+    WHERE w.community_id = %(community_id)s AND w.id = ANY({run_ids}){many}
     ORDER BY w.id
     FOR NO KEY UPDATE OF w"""
 
@@ -65,11 +67,18 @@ def core_runs_of(run_ids: str) -> str:
 # Many runs of one community, in run id order (the maintenance's batch, the left deliveries'
 # expiry, send_event), after their core rows (``core``, read by an InitPlan: evaluated before any
 # engine row is locked).
-LOCK_RUNS = f"""
-WITH core AS MATERIALIZED ({core_runs_of("%(run_ids)s::uuid[]")})
+_LOCK_RUNS = f"""
+WITH core AS MATERIALIZED ({{core}})
 SELECT 1 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s::uuid[])
   AND (SELECT count(*) FROM core) >= 0
 ORDER BY r.run_id FOR NO KEY UPDATE OF r"""
+LOCK_RUNS = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]"))
+# The same, the core row taken for one run too: a transaction that locks runs in more than one
+# LOCK_RUNS (``send_event``'s pages, in run id order) holds the core row of every engine row it
+# locks, whatever each statement's count. A page of one run locked its engine row alone: the send
+# held it, then waited for a later page's run held by a multi-run settle, which held both core
+# rows and waited for the first run's engine row (tests/test_settle_vs_engine_lock_runs_order.py).
+LOCK_RUNS_AND_CORE = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]", when_many=False))
 # cancel_run: the core rows of the run's tree (``run_ids``: it and its descendants) and of its
 # parent, before its walk locks their engine rows (the run, its children; its parent, for the
 # parent's step).

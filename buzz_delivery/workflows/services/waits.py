@@ -49,6 +49,7 @@ from buzz_delivery.workflows.services.sql import (
     CURRENT_STEP_LEASE,
     LOCK_FREE_RUNS,
     LOCK_RUNS,
+    LOCK_RUNS_AND_CORE,
     SENT_EVENT,
     STEP,
     step_entry,
@@ -336,13 +337,21 @@ def send_event(community_id: uuid.UUID | str, name: str, key: str, payload: Any 
 
 def _send(params: dict[str, Any]) -> EventSent:
     resumed = 0
+    # The pages come in run id order (each page's steps leave the waiting set, and no wait can
+    # join it while the send holds the (name, key) row), one LOCK_RUNS each. A send of more than
+    # one page takes the core row of each run before its engine row, even on a page of one run:
+    # its core rows follow one ascending run id order across the pages, a multi-run settle's
+    # (``sql.core_runs_of``), and it holds no engine row of a run whose core row a settle holds.
+    lock_runs = LOCK_RUNS
     with transaction.atomic(), translated_errors():
         fetch_all(SEND_EVENT, params)  # the (name, key) row: the lock a wait meets
         while True:
             waiting = fetch_all(WAITING_FOR_EVENT, params)
             if not waiting:
                 break
-            fetch_all(LOCK_RUNS, {**params, "run_ids": sorted({row[1] for row in waiting})})
+            if len(waiting) == params["limit"]:  # more pages may follow: core rows, even of one run
+                lock_runs = LOCK_RUNS_AND_CORE
+            fetch_all(lock_runs, {**params, "run_ids": sorted({row[1] for row in waiting})})
             done = fetch_all(RESUME_WAITING_FOR_EVENT, {**params, "ids": [row[0] for row in waiting]})
             resumed += len(done)
             if len(waiting) < params["limit"]:
