@@ -18,7 +18,10 @@ send step (the engine at work on it) stops the settle between its two engine row
 second run's and waits for that step); the engine side then locks the first run and waits for the
 second. Once the step is free the settle needs the first run's row. The settle finds the deadlock
 (a shorter ``deadlock_timeout``): ``send_event`` replays a deadlock's victim on its own, and the
-settle is the side a worker sees fail."""
+settle is the side a worker sees fail.
+
+The maintenance's cancel of the child runs of timed-out ``sub_workflow`` waits locked the children's
+engine rows after the parents', with no core row of a child: the third test."""
 
 from __future__ import annotations
 
@@ -220,3 +223,54 @@ def test_a_multi_run_settle_and_a_send_event_over_pages_of_one_run_never_deadloc
     for run in (first, second):
         assert Step.objects.get(run_id=run.pk, key="paid").state == "succeeded"
         assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("on_error", ["continue", "fail_run"])
+def test_a_multi_run_settle_and_the_maintenance_canceling_child_runs_of_timed_out_waits_never_deadlock(
+    community, on_error
+):
+    """Two parent runs each wait on a child run (a ``sub_workflow`` step); each child sends to one
+    target, and a worker settles both children's deliveries in one batch while the maintenance
+    finds both waits timed out and cancels both children: one after the other, with their
+    parents locked (``continue``: ``sql.END_RUN_IF_ACTIVE`` per child, ``fail_run``: the parent's
+    end in the Advance). Its batch locked the parents' core rows, never the children's: it held
+    the first child's engine row and waited for the second's, the settle (which meets the second
+    child's delivery first: the first child sends after a step of its own) held the second's and
+    needed the first's. Now the children's core rows are locked with the parents', in run id
+    order (``sql.LOCK_RUNS_AND_TREES``): the maintenance waits for the settle, holding no engine
+    row of a child."""
+    target, other = random32(), random32()
+    late_flow, early_flow = WorkflowFactory(community=community), WorkflowFactory(community=community)
+    later = send_step("later", [other])  # keeps each child running once its send has counted
+    late = [function_step("pre"), send_step("send", [target], depends_on=["pre"]), later]
+    publish_definition(community.id, late_flow.id, {"steps": late})
+    publish_definition(community.id, early_flow.id, {"steps": [send_step("send", [target]), later]})
+    parents = []
+    for child_flow in (late_flow, early_flow):
+        flow = WorkflowFactory(community=community)
+        sub = {"key": "child", "kind": "sub_workflow", "workflow": str(child_flow.id)}
+        sub.update(wait_timeout_seconds=3600, on_error=on_error)
+        publish_definition(community.id, flow.id, {"steps": [sub, WAIT]})  # WAIT keeps it running
+        parents.append(start_run(community.id, flow.id, {}, cause=Cause.event(os.urandom(32))))
+    at_work(community)
+    children = [Run.objects.get(parent_run_id=parent.pk) for parent in parents]
+    assert parents[0].pk < parents[1].pk < children[0].pk < children[1].pk
+    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in reversed(children)]
+    assert sends[0].id < sends[1].id  # the second child's delivery first, by id and by claim
+    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+    with connection.cursor() as cursor:  # the waits time out
+        cursor.execute(
+            "UPDATE buzz_workflows_step SET wait_deadline = now() - interval '1 second'"
+            " WHERE community_id = %s AND run_id = ANY(%s) AND key = 'child' AND state = 'waiting'",
+            [community.id, [p.pk for p in parents]],
+        )
+        assert cursor.rowcount == 2
+
+    found = settle_against(community, leases, children[1], lambda: reap(community))
+
+    assert (found["engine"].wait_timed_out, found["engine"].skipped_busy) == (2, 0)
+    for parent, child in zip(parents, children, strict=True):
+        assert Run.objects.get(pk=parent.pk).state == ("running" if on_error == "continue" else "failed")
+        assert Run.objects.get(pk=child.pk).state == "canceled"
+        assert Step.objects.get(run_id=child.pk, key="send").state == "succeeded"  # counted before the cancel
