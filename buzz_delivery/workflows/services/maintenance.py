@@ -12,7 +12,9 @@ Fleet-wide but walking communities (SPEC 15): one read picks candidate communiti
 ones), then per community one short transaction: the community's write-fence lock is tried
 (never waited on: a community being fenced is skipped as busy), at most ``batch_size``
 candidate steps are read, their runs locked (the engine's lock order: run, then steps; when of
-more than one run, their core rows first, as a multi-run settle: ``sql.LOCK_RUNS``), and one
+more than one run, their core rows first, as a multi-run settle, with the core rows of every
+other run the batch may end or lock: their running descendants, the child runs of timed-out
+``sub_workflow`` waits among them, and their parents: ``sql.LOCK_RUNS_AND_TREES``), and one
 fenced UPDATE per kind re-checks the whole condition on the database clock, with
 ``community_id`` in its own WHERE. Each of those transactions waits on a row lock at most
 ``MAINTENANCE_LOCK_TIMEOUT_MS`` (``lock_timeout``): a run or step row that a stuck transaction
@@ -49,6 +51,7 @@ from buzz_delivery.workflows.services.sql import (
     APPROVAL,
     COMMUNITY,
     LOCK_RUNS,
+    LOCK_RUNS_AND_TREES,
     RUN,
     SENT_EVENT,
     STEP,
@@ -157,8 +160,9 @@ LIMIT %(limit)s
 # A sub_workflow step that gave up waiting cancels its child run (and, recursively, the child's
 # children): nothing goes on sending or waiting for approvals under a run that no longer waits
 # for it, nor outlives a parent that then succeeds. The child's run row is locked inside end_run,
-# after its parent's (the engine's lock order); its parent step has failed, so the child's end
-# moves nothing there. (sql.END_RUN_IF_ACTIVE: a run no longer running is left as it is.)
+# after its parent's (the engine's lock order), its core row before both, with the batch's others
+# (sql.LOCK_RUNS_AND_TREES: a multi-run settle's order), and its parent step has failed, so the
+# child's end moves nothing there. (sql.END_RUN_IF_ACTIVE: a run no longer running is left as it is.)
 CANCELED = {"state": "canceled", "failure_code": None, "failure_message": None}
 
 
@@ -263,7 +267,9 @@ def _one_community_batch(community: object, limit: int, result: WorkflowReapResu
         run_ids = sorted({row[1] for row in steps} | {row[1] for row in approvals} | set(overdue))
         if not run_ids:
             return True
-        fetch_all(LOCK_RUNS, {**params, "run_ids": run_ids})
+        # The core rows of these runs, of their live descendants (the children of timed-out
+        # sub_workflow waits, the children a run's end cancels) and of their parents first.
+        fetch_all(LOCK_RUNS_AND_TREES, {**params, "run_ids": run_ids})
         if overdue:
             for (run_id,) in fetch_all(OVERDUE_LOCKED_RUNS, {**params, "run_ids": overdue}):
                 rows = fetch_all(sql.END_RUN_IF_ACTIVE, {**params, **RUN_DEADLINE, "run_id": run_id})

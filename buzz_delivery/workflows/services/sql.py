@@ -79,6 +79,33 @@ LOCK_RUNS = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]"))
 # held it, then waited for a later page's run held by a multi-run settle, which held both core
 # rows and waited for the first run's engine row (tests/test_settle_vs_engine_lock_runs_order.py).
 LOCK_RUNS_AND_CORE = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]", when_many=False))
+# The maintenance's batch (``services.maintenance``): LOCK_RUNS over the batch's runs, after the
+# core rows of every run its statements may end or lock besides them, in run id order: the live
+# descendants of each (a run that fails, or passes its deadline, cancels its running children in
+# ``buzz_workflows_end_run``'s walk, and a ``sub_workflow`` step whose wait timed out has its child
+# run canceled, ``END_RUN_IF_ACTIVE``, and the child's children with it) and the parent of each
+# (a run's end locks its parent's engine row, for the parent's step). With the batch's own runs'
+# core rows alone it then locked those engine rows one after another, no core row first, while a
+# multi-run settle of deliveries of the same runs held their core rows and locked their engine
+# rows in the order it met its deliveries: deadlock detected. ``tree`` walks down by the parent
+# index (router form: each reading names the community), ``core`` is read by an InitPlan.
+LOCK_RUNS_AND_TREES = f"""
+WITH RECURSIVE tree(run_id) AS (
+    SELECT unnest(%(run_ids)s::uuid[])
+    UNION
+    SELECT r.run_id FROM {RUN} AS r JOIN tree ON r.parent_run_id = tree.run_id
+    WHERE r.community_id = %(community_id)s AND r.state = 'running'
+), ids AS MATERIALIZED (
+    SELECT ARRAY(
+        SELECT tree.run_id FROM tree
+        UNION
+        SELECT p.parent_run_id FROM {RUN} AS p
+        WHERE p.community_id = %(community_id)s AND p.run_id = ANY(%(run_ids)s::uuid[]) AND p.parent_run_id IS NOT NULL
+    ) AS run_ids
+), core AS MATERIALIZED ({core_runs_of("(SELECT ids.run_ids FROM ids)::uuid[]")})
+SELECT 1 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s::uuid[])
+  AND (SELECT count(*) FROM core) >= 0
+ORDER BY r.run_id FOR NO KEY UPDATE OF r"""
 # cancel_run: the core rows of the run's tree (``run_ids``: it and its descendants) and of its
 # parent, before its walk locks their engine rows (the run, its children; its parent, for the
 # parent's step).
