@@ -5,9 +5,9 @@ Their lifecycle test (``EXISTS (SELECT 1 FROM buzz_delivery_community c WHERE ..
 c.deletion_state = 'active')``) named the row's ``community_id``: a correlated test, which
 PostgreSQL runs once for each row the claim picks or the settle ends. Every one of those
 statements names its community (``d.community_id = p_community_id``), so the test now names the
-parameter: an InitPlan read once a statement, with the same answer. Every backend of every worker
-probes that one community row; at 4 worker processes on 2 cores, 50 probes a statement of one
-shared row were a hot spot (``bench/results/worker-ladder.md``).
+parameter: an InitPlan read once a statement, with the same answer (the renewal and the settles
+probed that one row, which every backend of every worker reads, once a lease; the claims' plans
+already read it once). The peers drains measured no difference (``bench/results/community-once-ab.md``).
 
 Only the bodies change (same arguments and result types): ``CREATE OR REPLACE``, one statement a
 function (for Citus). On Citus run ``distribute_tables`` after it, as after every migrate.
