@@ -80,15 +80,17 @@ LOCK_RUNS = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]"))
 # rows and waited for the first run's engine row (tests/test_settle_vs_engine_lock_runs_order.py).
 LOCK_RUNS_AND_CORE = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]", when_many=False))
 # The maintenance's batch (``services.maintenance``): LOCK_RUNS over the batch's runs, after the
-# core rows of every run its statements may end or lock besides them, in run id order: the live
-# descendants of each (a run that fails, or passes its deadline, cancels its running children in
-# ``buzz_workflows_end_run``'s walk, and a ``sub_workflow`` step whose wait timed out has its child
-# run canceled, ``END_RUN_IF_ACTIVE``, and the child's children with it) and the parent of each
-# (a run's end locks its parent's engine row, for the parent's step). With the batch's own runs'
-# core rows alone it then locked those engine rows one after another, no core row first, while a
-# multi-run settle of deliveries of the same runs held their core rows and locked their engine
-# rows in the order it met its deliveries: deadlock detected. ``tree`` walks down by the parent
-# index (router form: each reading names the community), ``core`` is read by an InitPlan.
+# core rows, in run id order, of the batch's runs, of their running descendants (a run that fails,
+# or passes its deadline, cancels its running children in ``buzz_workflows_end_run``'s walk, and a
+# ``sub_workflow`` step whose wait timed out has its child run canceled, ``END_RUN_IF_ACTIVE``, and
+# the child's children with it) and of their parents (a run's end locks its parent's engine row,
+# for the parent's step). With the batch's own runs' core rows alone it then locked the children's
+# engine rows one after another, no core row first, while a multi-run settle of deliveries of the
+# same runs held their core rows and locked their engine rows in the order it met its deliveries:
+# deadlock detected. One level up only: a parent that then fails (``on_error: fail_run``) ends its
+# own parent and that run's other children, whose core rows are not taken here (a deeper cascade
+# can still meet a settle so; both sides retry deadlocks). ``tree`` walks down by the parent index
+# (router form: each reading names the community), ``core`` is read by an InitPlan.
 LOCK_RUNS_AND_TREES = f"""
 WITH RECURSIVE tree(run_id) AS (
     SELECT unnest(%(run_ids)s::uuid[])

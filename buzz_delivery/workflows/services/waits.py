@@ -341,7 +341,9 @@ def _send(params: dict[str, Any]) -> EventSent:
     # join it while the send holds the (name, key) row), one LOCK_RUNS each. A send of more than
     # one page takes the core row of each run before its engine row, even on a page of one run:
     # its core rows follow one ascending run id order across the pages, a multi-run settle's
-    # (``sql.core_runs_of``), and it holds no engine row of a run whose core row a settle holds.
+    # (``sql.core_runs_of``). Not covered: a run the send completes ends itself and locks its
+    # parent's engine row (``buzz_workflows_end_run``) with no core row of the parent, so a
+    # multi-run settle over deliveries of two such parents can still deadlock with it (both retry).
     lock_runs = LOCK_RUNS
     with transaction.atomic(), translated_errors():
         fetch_all(SEND_EVENT, params)  # the (name, key) row: the lock a wait meets
