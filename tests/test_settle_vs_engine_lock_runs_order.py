@@ -20,8 +20,10 @@ second. Once the step is free the settle needs the first run's row. The settle f
 (a shorter ``deadlock_timeout``): ``send_event`` replays a deadlock's victim on its own, and the
 settle is the side a worker sees fail.
 
-The maintenance's cancel of the child runs of timed-out ``sub_workflow`` waits locked the children's
-engine rows after the parents', with no core row of a child: the third test."""
+A ``send_event`` over pages of one run each took no core row of those runs (``LOCK_RUNS`` takes none
+for one run): the third test. The maintenance's cancel of the child runs of timed-out
+``sub_workflow`` waits locked the children's engine rows after the parents', with no core row of a
+child: the fourth."""
 
 from __future__ import annotations
 
