@@ -14,7 +14,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 import uuid
 from pathlib import Path
 
@@ -396,15 +396,33 @@ def test_the_agent_worker_waits_for_an_unreachable_database_and_stops_cleanly(mo
         [sys.executable, "manage.py", *argv, "--no-listen"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    # Signalled once it has logged two failed polls, not after a fixed time: under CI's load
+    # Django's start alone once took most of three seconds and the worker had polled only once.
+    lines: list[str] = []
+    two_failed = threading.Event()
+
+    def read_stderr() -> None:
+        assert worker.stderr is not None
+        for line in worker.stderr:
+            lines.append(line)
+            if sum("db_unavailable role=agent-worker" in seen for seen in lines) >= 2:
+                two_failed.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
-        time.sleep(3)
-        assert worker.poll() is None, worker.communicate()[1][-3000:]
+        assert two_failed.wait(60), "".join(lines)[-3000:]
+        assert worker.poll() is None, "".join(lines)[-3000:]
         worker.send_signal(signal.SIGTERM)
-        out, err = worker.communicate(timeout=30)
+        worker.wait(timeout=30)  # it writes only its one-line summary to stdout
+        reader.join(10)
+        assert worker.stdout is not None
+        out = worker.stdout.read()
     finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+    err = "".join(lines)
     assert worker.returncode == 0, err[-3000:]
     summary = json.loads(out.splitlines()[-1])
     assert summary["internal_errors"] == 0 and summary["db_errors"] >= 2, summary
