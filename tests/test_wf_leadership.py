@@ -37,6 +37,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 POLL = 0.5
 SLACK = 3.0  # scheduling on a loaded 2-core machine
 FOLLOW_SLACK = 3.0  # a follower tries the lock once a poll interval: this much more on a loaded machine
+START = 60.0  # bound of what waits for the processes' start (Django's import: seconds each on a loaded machine)
 
 
 def orchestrator(community, log, *, concurrency: int = 2, lease: float = 30, poll: float = POLL) -> subprocess.Popen:
@@ -133,7 +134,7 @@ def test_one_orchestrator_of_a_community_leads_and_chains_the_other_chains_nothi
     log = tmp_path / "started.jsonl"
     procs = [orchestrator(community, log) for _ in range(2)]
     try:
-        leader = wait_leader(community, {p.pid for p in procs}, timeout=10 + SLACK)
+        leader = wait_leader(community, {p.pid for p in procs}, timeout=START)
         ids = []
         for _ in range(3):
             batch = start_runs(workflow, 20)
@@ -161,11 +162,11 @@ def test_a_follower_leads_once_the_leader_is_killed_and_the_leaders_steps_come_b
     log = tmp_path / "started.jsonl"
     procs = {p.pid: p for p in (orchestrator(community, log, lease=2) for _ in range(2))}
     try:
-        leader = wait_leader(community, set(procs), timeout=10 + SLACK)
+        leader = wait_leader(community, set(procs), timeout=START)
         (other,) = set(procs) - {leader}
         first = start_runs(workflow, 4, {"sleep": 3})  # still running on the leader when it dies
         held = Step.objects.filter(community_id=community.id, run_id__in=first, state="running")
-        deadline = time.monotonic() + 10 + SLACK
+        deadline = time.monotonic() + START
         while not held.filter(claimed_by__contains=f":{leader}:").exists():
             assert time.monotonic() < deadline, "the leader never took a step"
             time.sleep(0.05)
@@ -205,9 +206,9 @@ def test_a_follower_of_a_live_leader_does_not_listen_and_listens_again_once_it_l
     log = tmp_path / "started.jsonl"
     procs = {p.pid: p for p in (orchestrator(community, log, poll=poll) for _ in range(2))}
     try:
-        leader = wait_leader(community, set(procs), timeout=10 + SLACK)
+        leader = wait_leader(community, set(procs), timeout=START)
         (other,) = set(procs) - {leader}
-        deadline = time.monotonic() + 10 + SLACK
+        deadline = time.monotonic() + START
         while not tried_the_lock(other):  # (a process still starting has no listener yet either)
             assert time.monotonic() < deadline, "the follower never tried the lock"
             time.sleep(0.05)
@@ -253,7 +254,7 @@ def test_steps_that_keep_the_leader_busy_spread_over_the_followers(community, tm
     log = tmp_path / "started.jsonl"
     procs = [orchestrator(community, log) for _ in range(2)]
     try:
-        leader = wait_leader(community, {p.pid for p in procs}, timeout=10 + SLACK)
+        leader = wait_leader(community, {p.pid for p in procs}, timeout=START)
         ids = start_runs(workflow, 24)
         wait_done(community, ids)
     finally:
