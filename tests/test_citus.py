@@ -156,6 +156,28 @@ def test_batched_step_statements_run_on_one_shard(community):
         assert counts and max(counts) == 1 and "Distributed Subplan" not in plan, f"{name} fans out:\n{plan}"
 
 
+def test_the_engine_locks_of_many_runs_run_on_one_shard(community):
+    """The engine's locks of many runs, locking reads the collectors of writes do not find: each
+    one task on the community's node, nothing planned on its own first. The maintenance's
+    (``LOCK_RUNS_AND_TREES``) walks a run tree up to its root and down from there, recursively."""
+    import uuid
+
+    from buzz_delivery.workflows.services import sql as wf_sql
+
+    runs = [str(uuid.uuid4()), str(uuid.uuid4())]
+    params = {"community_id": community.id, "run_ids": runs, "run_id": runs[0]}
+    statements = {
+        "runs": wf_sql.LOCK_RUNS,
+        "runs and core": wf_sql.LOCK_RUNS_AND_CORE,
+        "runs and trees": wf_sql.LOCK_RUNS_AND_TREES,
+        "core of a tree": wf_sql.LOCK_CORE_RUNS_OF_TREE,
+    }
+    for name, statement in statements.items():
+        plan = _plan(statement, params)
+        counts = [int(n) for n in re.findall(r"Task Count: (\d+)", plan)]
+        assert counts and max(counts) == 1 and "Distributed Subplan" not in plan, f"{name} fans out:\n{plan}"
+
+
 _INSERT_SELECT = re.compile(r"\s*(WITH\b.*)?INSERT\s+INTO\b[^;]*\bSELECT\b", re.I | re.S)
 
 

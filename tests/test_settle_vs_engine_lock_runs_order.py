@@ -23,7 +23,9 @@ settle is the side a worker sees fail.
 A ``send_event`` over pages of one run each took no core row of those runs (``LOCK_RUNS`` takes none
 for one run): the third test. The maintenance's cancel of the child runs of timed-out
 ``sub_workflow`` waits locked the children's engine rows after the parents', with no core row of a
-child: the fourth."""
+child: the fourth. Its fix took the core rows of one level up only: a parent failed by its child's
+end (``on_error: fail_run``) failed its own parent, which canceled its other children, their
+engine rows locked with no core row: the fifth."""
 
 from __future__ import annotations
 
@@ -276,3 +278,62 @@ def test_a_multi_run_settle_and_the_maintenance_canceling_child_runs_of_timed_ou
         assert Run.objects.get(pk=parent.pk).state == ("running" if on_error == "continue" else "failed")
         assert Run.objects.get(pk=child.pk).state == "canceled"
         assert Step.objects.get(run_id=child.pk, key="send").state == "succeeded"  # counted before the cancel
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_multi_run_settle_and_the_maintenance_failing_a_run_tree_two_levels_up_never_deadlock(community):
+    """A grandparent run waits on two child runs (``sub_workflow`` steps, ``on_error: fail_run``):
+    a parent, itself waiting on a child run, and a side run, which waits on a child of its own;
+    the side run and its child each send to one target, and a worker settles both deliveries in
+    one batch (it meets the side child's first: the side run sends after a step of its own) while
+    the maintenance finds the parent's wait timed out. The parent fails, cancels its child, then
+    fails the grandparent's step, so the grandparent fails and cancels the side run, then the
+    side run's child: their engine rows locked one after the other. The batch locked the core
+    rows of the parent's tree and of its parent only, never the side runs': it held the side
+    run's engine row and waited for its child's, the settle held the child's and needed the side
+    run's. Now the core rows of the whole tree, from its root, are locked first, in run id order
+    (``sql.LOCK_RUNS_AND_TREES``): the maintenance waits for the settle, holding no engine row."""
+    target, other = random32(), random32()
+    leaf_flow, side_child_flow = WorkflowFactory(community=community), WorkflowFactory(community=community)
+    later = send_step("later", [other])  # keeps each run that has it running once its send has counted
+    publish_definition(community.id, leaf_flow.id, {"steps": [later]})
+    publish_definition(community.id, side_child_flow.id, {"steps": [send_step("send", [target]), later]})
+    parent_flow, side_flow, root_flow = (WorkflowFactory(community=community) for _ in range(3))
+    sub = {"key": "child", "kind": "sub_workflow", "workflow": str(leaf_flow.id), "wait_timeout_seconds": 3600}
+    publish_definition(community.id, parent_flow.id, {"steps": [sub]})
+    side = {"key": "child", "kind": "sub_workflow", "workflow": str(side_child_flow.id)}
+    # The side run's send after a step of its own: its child's sends first.
+    steps = [side, function_step("pre"), send_step("send", [target], depends_on=["pre"]), later]
+    publish_definition(community.id, side_flow.id, {"steps": steps})
+    subs = [
+        {"key": key, "kind": "sub_workflow", "workflow": str(f.id)}
+        for key, f in (("mid", parent_flow), ("side", side_flow))
+    ]
+    publish_definition(community.id, root_flow.id, {"steps": subs})  # on_error: fail_run (the default)
+    root = start_run(community.id, root_flow.id, {}, cause=Cause.event(os.urandom(32)))
+    at_work(community)
+    parent = Run.objects.get(parent_run_id=root.pk, parent_step_key="mid")
+    leaf = Run.objects.get(parent_run_id=parent.pk)
+    side_run = Run.objects.get(parent_run_id=root.pk, parent_step_key="side")
+    side_child = Run.objects.get(parent_run_id=side_run.pk)
+    assert (root.depth, parent.depth, leaf.depth, side_run.depth, side_child.depth) == (0, 1, 2, 1, 2)
+    runs = (side_child, side_run)  # in the settle's order
+    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in runs]
+    assert sends[0].id < sends[1].id  # the side child's delivery first, by id and by claim
+    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+    with connection.cursor() as cursor:  # the parent's wait times out
+        cursor.execute(
+            "UPDATE buzz_workflows_step SET wait_deadline = now() - interval '1 second'"
+            " WHERE community_id = %s AND run_id = %s AND key = 'child' AND state = 'waiting'",
+            [community.id, parent.pk],
+        )
+        assert cursor.rowcount == 1
+
+    found = settle_against(community, leases, side_child, lambda: reap(community))
+
+    assert (found["engine"].wait_timed_out, found["engine"].skipped_busy) == (1, 0)
+    for run, state in ((root, "failed"), (parent, "failed"), (leaf, "canceled"), (side_run, "canceled")):
+        assert Run.objects.get(pk=run.pk).state == state
+    assert Run.objects.get(pk=side_child.pk).state == "canceled"
+    for run in runs:
+        assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"  # counted before the cancel

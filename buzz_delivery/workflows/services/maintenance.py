@@ -13,14 +13,16 @@ ones), then per community one short transaction: the community's write-fence loc
 (never waited on: a community being fenced is skipped as busy), at most ``batch_size``
 candidate steps are read, their runs locked (the engine's lock order: run, then steps; when of
 more than one run, their core rows first, as a multi-run settle, with the core rows of every
-other run the batch may end or lock: their running descendants, the child runs of timed-out
-``sub_workflow`` waits among them, and their parents: ``sql.LOCK_RUNS_AND_TREES``), and one
-fenced UPDATE per kind re-checks the whole condition on the database clock, with
-``community_id`` in its own WHERE. Each of those transactions waits on a row lock at most
-``MAINTENANCE_LOCK_TIMEOUT_MS`` (``lock_timeout``): a run or step row that a stuck transaction
-holds (a worker's connection left in a transaction) skips that community for the pass,
-counted in ``skipped_busy``, and never stops the maintenance of the others. Every path bumps
-the generation, so the old holder is fenced; Advance runs in the same transaction.
+other run the batch may end or lock: the run trees they are in, from their roots, so their
+ancestors, which a run's end fails one after another under ``on_error: fail_run``, and the
+running descendants of all of those, the child runs of timed-out ``sub_workflow`` waits among
+them: ``sql.LOCK_RUNS_AND_TREES``), and one fenced UPDATE per kind re-checks the whole
+condition on the database clock, with ``community_id`` in its own WHERE. Each of those
+transactions waits on a row lock at most ``MAINTENANCE_LOCK_TIMEOUT_MS`` (``lock_timeout``): a
+run or step row that a stuck transaction holds (a worker's connection left in a transaction)
+skips that community for the pass, counted in ``skipped_busy``, and never stops the maintenance
+of the others. Every path bumps the generation, so the old holder is fenced; Advance runs in
+the same transaction.
 """
 
 from __future__ import annotations
@@ -267,8 +269,10 @@ def _one_community_batch(community: object, limit: int, result: WorkflowReapResu
         run_ids = sorted({row[1] for row in steps} | {row[1] for row in approvals} | set(overdue))
         if not run_ids:
             return True
-        # The core rows of these runs, of their live descendants (the children of timed-out
-        # sub_workflow waits, the children a run's end cancels) and of their parents first.
+        # The core rows of the run trees of these runs first, from their roots: their ancestors
+        # (a run's end fails its parent's step, and a fail_run cascade goes on up) and the live
+        # descendants of all of those (the children of timed-out sub_workflow waits, the children
+        # a run's end cancels).
         fetch_all(LOCK_RUNS_AND_TREES, {**params, "run_ids": run_ids})
         if overdue:
             for (run_id,) in fetch_all(OVERDUE_LOCKED_RUNS, {**params, "run_ids": overdue}):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from buzz_delivery.services import flow
 from buzz_delivery.services.sql import DB_NOW, WORKFLOW_RUN, history_entry
-from buzz_delivery.workflows.models import Run, Step
+from buzz_delivery.workflows.models import MAX_DEPTH, Run, Step
 
 STEP = "buzz_workflows_step"
 RUN = "buzz_workflows_run"
@@ -80,30 +80,38 @@ LOCK_RUNS = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]"))
 # rows and waited for the first run's engine row (tests/test_settle_vs_engine_lock_runs_order.py).
 LOCK_RUNS_AND_CORE = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]", when_many=False))
 # The maintenance's batch (``services.maintenance``): LOCK_RUNS over the batch's runs, after the
-# core rows, in run id order, of the batch's runs, of their running descendants (a run that fails,
-# or passes its deadline, cancels its running children in ``buzz_workflows_end_run``'s walk, and a
-# ``sub_workflow`` step whose wait timed out has its child run canceled, ``END_RUN_IF_ACTIVE``, and
-# the child's children with it) and of their parents (a run's end locks its parent's engine row,
-# for the parent's step). With the batch's own runs' core rows alone it then locked the children's
+# core rows, in run id order, of every run the batch may end or lock: the trees its runs are in,
+# from their roots. A run that fails, or passes its deadline, cancels its running children in
+# ``buzz_workflows_end_run``'s walk (a ``sub_workflow`` step whose wait timed out has its child run
+# canceled, ``END_RUN_IF_ACTIVE``, and the child's children with it), and a run's end locks its
+# parent's engine row, for the parent's step, which fails with it: under ``on_error: fail_run`` the
+# parent ends too, so its own parent's engine row is locked and its other children are canceled,
+# and so on up to the root. With the batch's own runs' core rows alone it then locked the others'
 # engine rows one after another, no core row first, while a multi-run settle of deliveries of the
 # same runs held their core rows and locked their engine rows in the order it met its deliveries:
-# deadlock detected. One level up only: a parent that then fails (``on_error: fail_run``) ends its
-# own parent and that run's other children, whose core rows are not taken here (a deeper cascade
-# can still meet a settle so; both sides retry deadlocks). ``tree`` walks down by the parent index
-# (router form: each reading names the community), ``core`` is read by an InitPlan.
+# deadlock detected (tests/test_settle_vs_engine_lock_runs_order.py, one level and two levels up).
+# ``up`` walks from each batch run to its root by the primary key (a run's ancestors, whatever
+# their state: an ended one's engine row is still locked by its child's end; at most
+# ``models.MAX_DEPTH`` hops, the bound of ``depth``), ``tree`` down from all of those over their
+# running descendants by the parent index (a sub-workflow's run is in its parent's community,
+# ``runs.create_run``: router form, each reading names the community), ``core`` is read by an
+# InitPlan. A tree's running runs all take their core rows, though a batch ends only what its
+# steps' ``on_error`` reach: fewer locks would need the definitions, and a settle meets it at its
+# first core row in common, holding no engine row.
 LOCK_RUNS_AND_TREES = f"""
-WITH RECURSIVE tree(run_id) AS (
-    SELECT unnest(%(run_ids)s::uuid[])
+WITH RECURSIVE up(run_id, parent_run_id, hops) AS (
+    SELECT b.run_id, b.parent_run_id, 0 FROM {RUN} AS b
+    WHERE b.community_id = %(community_id)s AND b.run_id = ANY(%(run_ids)s::uuid[])
+    UNION ALL
+    SELECT p.run_id, p.parent_run_id, up.hops + 1 FROM {RUN} AS p JOIN up ON p.run_id = up.parent_run_id
+    WHERE p.community_id = %(community_id)s AND up.hops < {MAX_DEPTH}
+), tree(run_id) AS (
+    SELECT up.run_id FROM up
     UNION
     SELECT r.run_id FROM {RUN} AS r JOIN tree ON r.parent_run_id = tree.run_id
     WHERE r.community_id = %(community_id)s AND r.state = 'running'
 ), ids AS MATERIALIZED (
-    SELECT ARRAY(
-        SELECT tree.run_id FROM tree
-        UNION
-        SELECT p.parent_run_id FROM {RUN} AS p
-        WHERE p.community_id = %(community_id)s AND p.run_id = ANY(%(run_ids)s::uuid[]) AND p.parent_run_id IS NOT NULL
-    ) AS run_ids
+    SELECT ARRAY(SELECT tree.run_id FROM tree) AS run_ids
 ), core AS MATERIALIZED ({core_runs_of("(SELECT ids.run_ids FROM ids)::uuid[]")})
 SELECT 1 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s::uuid[])
   AND (SELECT count(*) FROM core) >= 0
