@@ -337,3 +337,55 @@ def test_a_multi_run_settle_and_the_maintenance_failing_a_run_tree_two_levels_up
     assert Run.objects.get(pk=side_child.pk).state == "canceled"
     for run in runs:
         assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"  # counted before the cancel
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_multi_run_settle_and_a_cancel_failing_a_run_tree_two_levels_up_never_deadlock(community):
+    """The fifth test's run tree, the operator canceling the parent's child run (the leaf): the
+    parent's ``sub_workflow`` step fails with it (``child_run_canceled``, ``on_error: fail_run``),
+    so the parent fails, then the grandparent's step, so the grandparent fails and cancels the side
+    run, then the side run's child: their engine rows locked one after the other, while a worker
+    settles the side runs' deliveries in one batch (it meets the side child's first). The cancel
+    locked the core rows of the leaf's tree and of its parent only, never the side runs': it held
+    the side run's engine row and waited for its child's, the settle held the child's and needed
+    the side run's. Now the core rows of the whole tree, from its root, are locked first, in run id
+    order (``sql.LOCK_CORE_RUNS_OF_TREE``, LOCK_RUNS_AND_TREES's walk): the cancel waits for the
+    settle, holding no engine row."""
+    target, other = random32(), random32()
+    leaf_flow, side_child_flow = WorkflowFactory(community=community), WorkflowFactory(community=community)
+    later = send_step("later", [other])  # keeps each run that has it running once its send has counted
+    publish_definition(community.id, leaf_flow.id, {"steps": [later]})
+    publish_definition(community.id, side_child_flow.id, {"steps": [send_step("send", [target]), later]})
+    parent_flow, side_flow, root_flow = (WorkflowFactory(community=community) for _ in range(3))
+    sub = {"key": "child", "kind": "sub_workflow", "workflow": str(leaf_flow.id)}  # on_error: fail_run
+    publish_definition(community.id, parent_flow.id, {"steps": [sub]})
+    side = {"key": "child", "kind": "sub_workflow", "workflow": str(side_child_flow.id)}
+    # The side run's send after a step of its own: its child's sends first.
+    steps = [side, function_step("pre"), send_step("send", [target], depends_on=["pre"]), later]
+    publish_definition(community.id, side_flow.id, {"steps": steps})
+    subs = [
+        {"key": key, "kind": "sub_workflow", "workflow": str(f.id)}
+        for key, f in (("mid", parent_flow), ("side", side_flow))
+    ]
+    publish_definition(community.id, root_flow.id, {"steps": subs})  # on_error: fail_run (the default)
+    root = start_run(community.id, root_flow.id, {}, cause=Cause.event(os.urandom(32)))
+    at_work(community)
+    parent = Run.objects.get(parent_run_id=root.pk, parent_step_key="mid")
+    leaf = Run.objects.get(parent_run_id=parent.pk)
+    side_run = Run.objects.get(parent_run_id=root.pk, parent_step_key="side")
+    side_child = Run.objects.get(parent_run_id=side_run.pk)
+    assert (root.depth, parent.depth, leaf.depth, side_run.depth, side_child.depth) == (0, 1, 2, 1, 2)
+    runs = (side_child, side_run)  # in the settle's order
+    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in runs]
+    assert sends[0].id < sends[1].id  # the side child's delivery first, by id and by claim
+    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+
+    found = settle_against(community, leases, side_child, lambda: cancel_run(community.id, leaf.pk))
+
+    assert isinstance(found["engine"], Canceled) and found["engine"].runs == 1
+    states = ((leaf, "canceled"), (parent, "failed"), (root, "failed"), (side_run, "canceled"), (side_child, "canceled"))
+    for run, state in states:
+        assert Run.objects.get(pk=run.pk).state == state
+    assert Step.objects.get(run_id=parent.pk, key="child").failure_code == "child_run_canceled"
+    for run in runs:
+        assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"  # counted before the cancel
