@@ -159,7 +159,8 @@ def test_batched_step_statements_run_on_one_shard(community):
 def test_the_engine_locks_of_many_runs_run_on_one_shard(community):
     """The engine's locks of many runs, locking reads the collectors of writes do not find: each
     one task on the community's node, nothing planned on its own first. The maintenance's
-    (``LOCK_RUNS_AND_TREES``) walks a run tree up to its root and down from there, recursively."""
+    (``LOCK_RUNS_AND_TREES``) and cancel_run's (``LOCK_CORE_RUNS_OF_TREE``) walk a run tree up to
+    its root and down from there, recursively (``sql.core_runs_of_trees``)."""
     import uuid
 
     from buzz_delivery.workflows.services import sql as wf_sql

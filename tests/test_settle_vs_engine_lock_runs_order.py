@@ -25,7 +25,9 @@ for one run): the third test. The maintenance's cancel of the child runs of time
 ``sub_workflow`` waits locked the children's engine rows after the parents', with no core row of a
 child: the fourth. Its fix took the core rows of one level up only: a parent failed by its child's
 end (``on_error: fail_run``) failed its own parent, which canceled its other children, their
-engine rows locked with no core row: the fifth."""
+engine rows locked with no core row: the fifth. ``cancel_run`` took the core rows of its run's
+tree and of its parent only: a canceled child fails its parent's step the same way, up to the
+root: the sixth."""
 
 from __future__ import annotations
 
@@ -383,8 +385,8 @@ def test_a_multi_run_settle_and_a_cancel_failing_a_run_tree_two_levels_up_never_
     found = settle_against(community, leases, side_child, lambda: cancel_run(community.id, leaf.pk))
 
     assert isinstance(found["engine"], Canceled) and found["engine"].runs == 1
-    states = ((leaf, "canceled"), (parent, "failed"), (root, "failed"), (side_run, "canceled"), (side_child, "canceled"))
-    for run, state in states:
+    ended = {leaf: "canceled", parent: "failed", root: "failed", side_run: "canceled", side_child: "canceled"}
+    for run, state in ended.items():
         assert Run.objects.get(pk=run.pk).state == state
     assert Step.objects.get(run_id=parent.pk, key="child").failure_code == "child_run_canceled"
     for run in runs:

@@ -373,8 +373,10 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
     complete), pending approvals ``expired``, child runs canceled recursively, and the pending
     deliveries of the run and its children ``expired`` through the core's fenced
     :func:`buzz_delivery.services.expire_run_deliveries`. Nothing is left "cancelling". The
-    core rows of the run tree and of its parent are locked first, in run id order, when more
-    than one: a multi-run batch settle's lock order (``sql.core_runs_of``).
+    core rows of the whole run tree it is in, from its root, are locked first, in run id order,
+    when more than one: a multi-run batch settle's lock order (``sql.core_runs_of_trees``). Its
+    parent's step fails with it, and under ``on_error: fail_run`` the parent ends too, its own
+    parent's step with it, each canceling its other children, up to the root.
 
     Returns :class:`Canceled` (runs ended, deliveries expired) or ``AlreadyTerminal(state)``.
     Raises ``ValidationError`` keyed ``community_id``/``run_id``, :class:`RunNotFound`, or
@@ -384,8 +386,8 @@ def cancel_run(community_id: uuid.UUID | str, run_id: uuid.UUID | str) -> Cancel
     rid = v.uuid_value(run_id, "run_id")
     params = {"community_id": community, "run_id": rid}
     with transaction.atomic(), translated_errors():
+        fetch_all(sql.LOCK_CORE_RUNS_OF_TREE, params)  # a multi-run settle's order, from the root
         tree = [row[0] for row in fetch_all(sql.RUN_AND_DESCENDANTS, params)]
-        fetch_all(sql.LOCK_CORE_RUNS_OF_TREE, {**params, "run_ids": tree})  # a multi-run settle's order
         live = list(
             Run.objects.filter(community_id=community, run_id__in=tree)
             .exclude(state__in=RUN_TERMINAL)

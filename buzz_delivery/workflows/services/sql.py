@@ -79,29 +79,34 @@ LOCK_RUNS = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]"))
 # held it, then waited for a later page's run held by a multi-run settle, which held both core
 # rows and waited for the first run's engine row (tests/test_settle_vs_engine_lock_runs_order.py).
 LOCK_RUNS_AND_CORE = _LOCK_RUNS.format(core=core_runs_of("%(run_ids)s::uuid[]", when_many=False))
-# The maintenance's batch (``services.maintenance``): LOCK_RUNS over the batch's runs, after the
-# core rows, in run id order, of every run the batch may end or lock: the trees its runs are in,
-# from their roots. A run that fails, or passes its deadline, cancels its running children in
-# ``buzz_workflows_end_run``'s walk (a ``sub_workflow`` step whose wait timed out has its child run
-# canceled, ``END_RUN_IF_ACTIVE``, and the child's children with it), and a run's end locks its
-# parent's engine row, for the parent's step, which fails with it: under ``on_error: fail_run`` the
-# parent ends too, so its own parent's engine row is locked and its other children are canceled,
-# and so on up to the root. With the batch's own runs' core rows alone it then locked the others'
-# engine rows one after another, no core row first, while a multi-run settle of deliveries of the
-# same runs held their core rows and locked their engine rows in the order it met its deliveries:
-# deadlock detected (tests/test_settle_vs_engine_lock_runs_order.py, one level and two levels up).
-# ``up`` walks from each batch run to its root by the primary key (a run's ancestors, whatever
-# their state: an ended one's engine row is still locked by its child's end; at most
-# ``models.MAX_DEPTH`` hops, the bound of ``depth``), ``tree`` down from all of those over their
-# running descendants by the parent index (a sub-workflow's run is in its parent's community,
-# ``runs.create_run``: router form, each reading names the community), ``core`` is read by an
-# InitPlan. A tree's running runs all take their core rows, though a batch ends only what its
+
+
+# The core rows, in run id order, of the run trees that the runs of ``start`` (a condition on alias
+# ``b``) are in, from their roots: the CTEs of a ``WITH RECURSIVE``, ``core`` last. The engine rows
+# an end of those runs locks: a run that fails, is canceled, or passes its deadline, cancels its
+# running children in ``buzz_workflows_end_run``'s walk (a ``sub_workflow`` step whose wait timed
+# out has its child run canceled, ``END_RUN_IF_ACTIVE``, and the child's children with it), and a
+# run's end locks its parent's engine row, for the parent's step, which fails with it (a canceled
+# child too: ``child_run_canceled``): under ``on_error: fail_run`` the parent ends too, so its own
+# parent's engine row is locked and its other children are canceled, and so on up to the root.
+# Those engine rows locked one after another, no core row first, met a multi-run settle of
+# deliveries of the same runs, which held their core rows and locked their engine rows in the order
+# it met its deliveries: deadlock detected (tests/test_settle_vs_engine_lock_runs_order.py, one
+# level and two levels up, the maintenance and cancel_run). ``up`` walks from each run to its root
+# by the primary key (a run's ancestors, whatever their state: an ended one's engine row is still
+# locked by its child's end; at most ``models.MAX_DEPTH`` hops, the bound of ``depth``), ``tree``
+# down from all of those over their running descendants by the parent index (a sub-workflow's run
+# is in its parent's community, ``runs.create_run``: router form, each reading names the
+# community). A tree's running runs all take their core rows, though an end reaches only what its
 # steps' ``on_error`` reach: fewer locks would need the definitions, and a settle meets it at its
-# first core row in common, holding no engine row.
-LOCK_RUNS_AND_TREES = f"""
-WITH RECURSIVE up(run_id, parent_run_id, hops) AS (
+# first core row in common, holding no engine row. One builder makes both statements below, so the
+# maintenance and cancel_run cannot drift apart.
+def core_runs_of_trees(start: str) -> str:
+    """The CTEs locking the core rows of the whole run trees of the runs ``start`` selects (a
+    condition on ``b``, a run of the community), in run id order when more than one."""
+    return f"""up(run_id, parent_run_id, hops) AS (
     SELECT b.run_id, b.parent_run_id, 0 FROM {RUN} AS b
-    WHERE b.community_id = %(community_id)s AND b.run_id = ANY(%(run_ids)s::uuid[])
+    WHERE b.community_id = %(community_id)s AND {start}
     UNION ALL
     SELECT p.run_id, p.parent_run_id, up.hops + 1 FROM {RUN} AS p JOIN up ON p.run_id = up.parent_run_id
     WHERE p.community_id = %(community_id)s AND up.hops < {MAX_DEPTH}
@@ -112,17 +117,26 @@ WITH RECURSIVE up(run_id, parent_run_id, hops) AS (
     WHERE r.community_id = %(community_id)s AND r.state = 'running'
 ), ids AS MATERIALIZED (
     SELECT ARRAY(SELECT tree.run_id FROM tree) AS run_ids
-), core AS MATERIALIZED ({core_runs_of("(SELECT ids.run_ids FROM ids)::uuid[]")})
+), core AS MATERIALIZED ({core_runs_of("(SELECT ids.run_ids FROM ids)::uuid[]")})"""
+
+
+# The maintenance's batch (``services.maintenance``): LOCK_RUNS over the batch's runs, after the
+# core rows of every run the batch may end or lock, the trees its runs are in (``core``, read by
+# an InitPlan: evaluated before any engine row is locked).
+LOCK_RUNS_AND_TREES = f"""
+WITH RECURSIVE {core_runs_of_trees("b.run_id = ANY(%(run_ids)s::uuid[])")}
 SELECT 1 FROM {RUN} AS r WHERE r.community_id = %(community_id)s AND r.run_id = ANY(%(run_ids)s::uuid[])
   AND (SELECT count(*) FROM core) >= 0
 ORDER BY r.run_id FOR NO KEY UPDATE OF r"""
-# cancel_run: the core rows of the run's tree (``run_ids``: it and its descendants) and of its
-# parent, before its walk locks their engine rows (the run, its children; its parent, for the
-# parent's step).
-LOCK_CORE_RUNS_OF_TREE = core_runs_of(
-    f"array_remove(%(run_ids)s::uuid[] || (SELECT p.parent_run_id FROM {RUN} AS p"
-    " WHERE p.community_id = %(community_id)s AND p.run_id = %(run_id)s), NULL)"
-)
+# cancel_run: the core rows of the canceled run's whole tree, from its root, before its walk locks
+# any engine row (the run, its running descendants; its parent, for the parent's step, and up from
+# there under ``on_error: fail_run``, with the other children of each run that fails). Its tree
+# and its parent's alone left the rest: a cancel of a child two levels down failed its parent and
+# grandparent and canceled the side runs, their engine rows locked with no core row first, while a
+# multi-run settle held their core rows (deadlock detected).
+LOCK_CORE_RUNS_OF_TREE = f"""
+WITH RECURSIVE {core_runs_of_trees("b.run_id = %(run_id)s")}
+SELECT count(*) FROM core"""
 # A batch completion takes the runs that are free now, in id order, and never waits for one:
 # a run locked by a cancel, a fan-in or another batch is completed on its own afterwards.
 LOCK_FREE_RUNS = f"""SELECT run_id FROM {RUN} WHERE community_id = %(community_id)s AND run_id = ANY(%(run_ids)s)
