@@ -31,6 +31,7 @@ root: the sixth."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -282,26 +283,25 @@ def test_a_multi_run_settle_and_the_maintenance_canceling_child_runs_of_timed_ou
         assert Step.objects.get(run_id=child.pk, key="send").state == "succeeded"  # counted before the cancel
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_multi_run_settle_and_the_maintenance_failing_a_run_tree_two_levels_up_never_deadlock(community):
-    """A grandparent run waits on two child runs (``sub_workflow`` steps, ``on_error: fail_run``):
-    a parent, itself waiting on a child run, and a side run, which waits on a child of its own;
-    the side run and its child each send to one target, and a worker settles both deliveries in
-    one batch (it meets the side child's first: the side run sends after a step of its own) while
-    the maintenance finds the parent's wait timed out. The parent fails, cancels its child, then
-    fails the grandparent's step, so the grandparent fails and cancels the side run, then the
-    side run's child: their engine rows locked one after the other. The batch locked the core
-    rows of the parent's tree and of its parent only, never the side runs': it held the side
-    run's engine row and waited for its child's, the settle held the child's and needed the side
-    run's. Now the core rows of the whole tree, from its root, are locked first, in run id order
-    (``sql.LOCK_RUNS_AND_TREES``): the maintenance waits for the settle, holding no engine row."""
+@dataclasses.dataclass
+class TwoLevelTree:
+    runs: tuple[Run, Run, Run, Run, Run]  # root, parent, leaf, side run, side child
+    leases: list[Any]  # the side child's delivery's, then the side run's, both claimed
+
+
+def two_level_tree(community, wait: dict[str, Any]) -> TwoLevelTree:
+    """The run tree of the two-level cases: a grandparent (root) runs two ``sub_workflow`` steps
+    (``on_error: fail_run``, the default), a parent whose own ``sub_workflow`` step (with
+    ``wait``) waits on a leaf, and a side run, which waits on a child of its own. The side child
+    and the side run each send to one target, the side run after a step of its own (its child's
+    delivery comes first, by id and by claim); both deliveries are claimed."""
     target, other = random32(), random32()
     leaf_flow, side_child_flow = WorkflowFactory(community=community), WorkflowFactory(community=community)
     later = send_step("later", [other])  # keeps each run that has it running once its send has counted
     publish_definition(community.id, leaf_flow.id, {"steps": [later]})
     publish_definition(community.id, side_child_flow.id, {"steps": [send_step("send", [target]), later]})
     parent_flow, side_flow, root_flow = (WorkflowFactory(community=community) for _ in range(3))
-    sub = {"key": "child", "kind": "sub_workflow", "workflow": str(leaf_flow.id), "wait_timeout_seconds": 3600}
+    sub = {"key": "child", "kind": "sub_workflow", "workflow": str(leaf_flow.id), **wait}
     publish_definition(community.id, parent_flow.id, {"steps": [sub]})
     side = {"key": "child", "kind": "sub_workflow", "workflow": str(side_child_flow.id)}
     # The side run's send after a step of its own: its child's sends first.
@@ -323,6 +323,24 @@ def test_a_multi_run_settle_and_the_maintenance_failing_a_run_tree_two_levels_up
     sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in runs]
     assert sends[0].id < sends[1].id  # the side child's delivery first, by id and by claim
     leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+    return TwoLevelTree((root, parent, leaf, side_run, side_child), leases)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_multi_run_settle_and_the_maintenance_failing_a_run_tree_two_levels_up_never_deadlock(community):
+    """A grandparent run waits on two child runs (``sub_workflow`` steps, ``on_error: fail_run``):
+    a parent, itself waiting on a child run, and a side run, which waits on a child of its own;
+    the side run and its child each send to one target, and a worker settles both deliveries in
+    one batch (it meets the side child's first: the side run sends after a step of its own) while
+    the maintenance finds the parent's wait timed out. The parent fails, cancels its child, then
+    fails the grandparent's step, so the grandparent fails and cancels the side run, then the
+    side run's child: their engine rows locked one after the other. The batch locked the core
+    rows of the parent's tree and of its parent only, never the side runs': it held the side
+    run's engine row and waited for its child's, the settle held the child's and needed the side
+    run's. Now the core rows of the whole tree, from its root, are locked first, in run id order
+    (``sql.LOCK_RUNS_AND_TREES``): the maintenance waits for the settle, holding no engine row."""
+    tree = two_level_tree(community, {"wait_timeout_seconds": 3600})
+    root, parent, leaf, side_run, side_child = tree.runs
     with connection.cursor() as cursor:  # the parent's wait times out
         cursor.execute(
             "UPDATE buzz_workflows_step SET wait_deadline = now() - interval '1 second'"
@@ -331,13 +349,13 @@ def test_a_multi_run_settle_and_the_maintenance_failing_a_run_tree_two_levels_up
         )
         assert cursor.rowcount == 1
 
-    found = settle_against(community, leases, side_child, lambda: reap(community))
+    found = settle_against(community, tree.leases, side_child, lambda: reap(community))
 
     assert (found["engine"].wait_timed_out, found["engine"].skipped_busy) == (1, 0)
     for run, state in ((root, "failed"), (parent, "failed"), (leaf, "canceled"), (side_run, "canceled")):
         assert Run.objects.get(pk=run.pk).state == state
     assert Run.objects.get(pk=side_child.pk).state == "canceled"
-    for run in runs:
+    for run in (side_child, side_run):
         assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"  # counted before the cancel
 
 
@@ -353,41 +371,15 @@ def test_a_multi_run_settle_and_a_cancel_failing_a_run_tree_two_levels_up_never_
     the side run's. Now the core rows of the whole tree, from its root, are locked first, in run id
     order (``sql.LOCK_CORE_RUNS_OF_TREE``, LOCK_RUNS_AND_TREES's walk): the cancel waits for the
     settle, holding no engine row."""
-    target, other = random32(), random32()
-    leaf_flow, side_child_flow = WorkflowFactory(community=community), WorkflowFactory(community=community)
-    later = send_step("later", [other])  # keeps each run that has it running once its send has counted
-    publish_definition(community.id, leaf_flow.id, {"steps": [later]})
-    publish_definition(community.id, side_child_flow.id, {"steps": [send_step("send", [target]), later]})
-    parent_flow, side_flow, root_flow = (WorkflowFactory(community=community) for _ in range(3))
-    sub = {"key": "child", "kind": "sub_workflow", "workflow": str(leaf_flow.id)}  # on_error: fail_run
-    publish_definition(community.id, parent_flow.id, {"steps": [sub]})
-    side = {"key": "child", "kind": "sub_workflow", "workflow": str(side_child_flow.id)}
-    # The side run's send after a step of its own: its child's sends first.
-    steps = [side, function_step("pre"), send_step("send", [target], depends_on=["pre"]), later]
-    publish_definition(community.id, side_flow.id, {"steps": steps})
-    subs = [
-        {"key": key, "kind": "sub_workflow", "workflow": str(f.id)}
-        for key, f in (("mid", parent_flow), ("side", side_flow))
-    ]
-    publish_definition(community.id, root_flow.id, {"steps": subs})  # on_error: fail_run (the default)
-    root = start_run(community.id, root_flow.id, {}, cause=Cause.event(os.urandom(32)))
-    at_work(community)
-    parent = Run.objects.get(parent_run_id=root.pk, parent_step_key="mid")
-    leaf = Run.objects.get(parent_run_id=parent.pk)
-    side_run = Run.objects.get(parent_run_id=root.pk, parent_step_key="side")
-    side_child = Run.objects.get(parent_run_id=side_run.pk)
-    assert (root.depth, parent.depth, leaf.depth, side_run.depth, side_child.depth) == (0, 1, 2, 1, 2)
-    runs = (side_child, side_run)  # in the settle's order
-    sends = [WorkflowAgentDelivery.objects.get(run_id=run.pk, step_id="send") for run in runs]
-    assert sends[0].id < sends[1].id  # the side child's delivery first, by id and by claim
-    leases = [core.claim_delivery(community.id, target, delivery_id=d.id, lease_seconds=60).lease for d in sends]
+    tree = two_level_tree(community, {})
+    root, parent, leaf, side_run, side_child = tree.runs
 
-    found = settle_against(community, leases, side_child, lambda: cancel_run(community.id, leaf.pk))
+    found = settle_against(community, tree.leases, side_child, lambda: cancel_run(community.id, leaf.pk))
 
     assert isinstance(found["engine"], Canceled) and found["engine"].runs == 1
     ended = {leaf: "canceled", parent: "failed", root: "failed", side_run: "canceled", side_child: "canceled"}
     for run, state in ended.items():
         assert Run.objects.get(pk=run.pk).state == state
     assert Step.objects.get(run_id=parent.pk, key="child").failure_code == "child_run_canceled"
-    for run in runs:
+    for run in (side_child, side_run):
         assert Step.objects.get(run_id=run.pk, key="send").state == "succeeded"  # counted before the cancel
